@@ -1,0 +1,82 @@
+"""The one exception tree of celery-lease.
+
+::
+
+    LeaseError                        root: catch this to catch anything we raise
+    ├── LockNotAcquiredError          the key stayed held past ``wait`` (or the wait was cancelled)
+    ├── LockLostError                 a held lease was lost (not renewed in time, taken, max_hold)
+    ├── StoreUnavailableError         the store could not be reached or answered with an error
+    └── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
+
+Every constructor takes exactly the positional arguments kept in ``.args`` and no keyword-only
+ones, so the exceptions survive ``pickle`` and Celery's json result serializer, which rebuilds
+an exception as ``cls(*args)``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "LeaseConfigError",
+    "LeaseError",
+    "LockLostError",
+    "LockNotAcquiredError",
+    "StoreUnavailableError",
+]
+
+
+class LeaseError(Exception):
+    """Root of every exception raised by celery-lease."""
+
+    code: str = "LEASE_ERROR"
+
+
+class LockNotAcquiredError(LeaseError):
+    """The lease on ``key`` could not be acquired.
+
+    ``reason`` is ``"held"`` (another holder kept it past ``wait``) or ``"cancelled"`` (the wait
+    was aborted through its ``cancel`` event).
+    """
+
+    code = "LOCK_NOT_ACQUIRED"
+    http_status = 409
+    is_rejection = True
+
+    def __init__(self, key: str, reason: str = "held") -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        if self.reason == "cancelled":
+            return f"waiting for the lease on {self.key!r} was cancelled"
+        return f"the lease on {self.key!r} is held by another owner"
+
+
+class LockLostError(LeaseError):
+    """The lease on ``key`` was lost while its holder ran.
+
+    ``reason`` is ``"expired"`` (not renewed within its ttl), ``"taken"`` (the store no longer
+    records this owner: it expired there, and someone else may hold it) or ``"max_hold"``.
+    """
+
+    code = "LOCK_LOST"
+
+    def __init__(self, key: str, reason: str = "lost") -> None:
+        super().__init__(key, reason)
+        self.key = key
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"the lease on {self.key!r} was lost ({self.reason})"
+
+
+class StoreUnavailableError(LeaseError):
+    """The lock store could not be reached or failed; the driver's error is chained."""
+
+    code = "STORE_UNAVAILABLE"
+
+
+class LeaseConfigError(LeaseError, ValueError):
+    """A bad argument or setting; the message names the parameter, the value and what is allowed."""
+
+    code = "LEASE_CONFIG"

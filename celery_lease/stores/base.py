@@ -1,0 +1,168 @@
+"""The store protocol: three operations, each atomic per key, time read from the store's clock.
+
+A store keeps, per key, at most one live lease ``{owner, expires}`` and a fencing-token counter
+that only grows. Everything else in celery-lease (waiting, renewal, loss, Celery) is built above
+these three calls. Optional capabilities, detected with ``isinstance`` against the
+``runtime_checkable`` protocols below, make a store faster or inspectable:
+
+- :class:`SupportsReleaseNotify`: ``wait_for_release`` wakes a waiter when the key is released;
+- :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip;
+- :class:`SupportsInspection`: ``list`` / ``get`` / ``last_token`` / ``force_release`` for the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+__all__ = [
+    "LeaseInfo",
+    "LockStore",
+    "SupportsBatchRenew",
+    "SupportsInspection",
+    "SupportsReleaseNotify",
+    "store_from_url",
+]
+
+
+@runtime_checkable
+class LockStore(Protocol):
+    """The contract every store implements; each method is atomic per key."""
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        """Take ``key`` for ``owner`` for ``ttl_ms`` milliseconds if no live lease exists.
+
+        Returns a fencing token greater than every token this store ever returned for ``key``
+        (also across expiry, release and reuse), or ``None`` when the key has a live lease (even
+        one held by ``owner`` itself). Raises ``StoreUnavailableError`` when the store fails.
+        """
+        ...
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """Set the expiry of ``owner``'s live lease to now + ``ttl_ms`` (set, never add).
+
+        Returns ``False`` when the key has no live lease of ``owner``.
+        """
+        ...
+
+    def release(self, key: str, owner: str) -> None:
+        """Delete the lease on ``key`` only if it belongs to ``owner``; otherwise do nothing."""
+        ...
+
+
+@runtime_checkable
+class SupportsReleaseNotify(Protocol):
+    """A store that can wake waiters when a key is released."""
+
+    def wait_for_release(self, key: str, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a release of ``key``; True if one was signalled.
+
+        A spurious True is allowed (the caller retries ``acquire``); so is a timeout while the key
+        expired without a release (the caller polls anyway).
+        """
+        ...
+
+
+@runtime_checkable
+class SupportsBatchRenew(Protocol):
+    """A store that renews many leases in one round trip."""
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Renew each ``(key, owner, ttl_ms)``; one result per item, in order.
+
+        A failure of the whole batch raises ``StoreUnavailableError``.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class LeaseInfo:
+    """A live lease as seen by an inspection call.
+
+    ``expires_in`` is in seconds, measured by the store's clock at the time of the call.
+    """
+
+    key: str
+    owner: str
+    token: int
+    expires_in: float
+
+
+@runtime_checkable
+class SupportsInspection(Protocol):
+    """A store whose leases can be listed and force-released (used by the ``celery lease`` CLI)."""
+
+    def list(self, prefix: str = "") -> list[LeaseInfo]:
+        """Live leases whose key starts with ``prefix``, sorted by key."""
+        ...
+
+    def get(self, key: str) -> LeaseInfo | None:
+        """The live lease on ``key``, or ``None`` when it is free."""
+        ...
+
+    def last_token(self, key: str) -> int | None:
+        """The last fencing token issued for ``key``, or ``None`` if the store has none recorded."""
+        ...
+
+    def force_release(self, key: str) -> LeaseInfo | None:
+        """Delete the live lease on ``key`` whoever holds it; returns what was removed.
+
+        The counter is kept, so the next acquirer still gets a higher token.
+        """
+        ...
+
+
+_SCHEMES = (
+    "memory://",
+    "sqlite:///path/to.db",
+    "redis://",
+    "rediss://",
+    "redis+sentinel://",
+    "postgresql://",
+)
+
+
+def store_from_url(url: str) -> LockStore:
+    """Build a store from a URL.
+
+    Supported forms:
+
+    - ``memory://``: a new :class:`~celery_lease.MemoryLockStore` (one process only);
+    - ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``;
+    - ``redis://[[user]:password@]host[:port][/db]`` and ``rediss://...`` (TLS), query options as
+      redis-py's ``from_url`` takes them;
+    - ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service_name[/db]``: a
+      Sentinel-managed master (``?sentinel_password=...`` for Sentinel's own auth);
+    - ``postgresql://...`` / ``postgres://...``: a libpq DSN.
+
+    Raises:
+        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
+    """
+    from celery_lease.errors import LeaseConfigError
+
+    if not isinstance(url, str) or "://" not in url:
+        raise LeaseConfigError(
+            f"store url={url!r} is not a URL; supported: {', '.join(_SCHEMES)}"
+        )
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "memory":
+        from celery_lease.stores.memory import MemoryLockStore
+
+        return MemoryLockStore()
+    if scheme == "sqlite":
+        from celery_lease.stores.sqlite import SQLiteLockStore
+
+        return SQLiteLockStore.from_url(url)
+    if scheme in ("redis", "rediss", "redis+sentinel", "unix"):
+        from celery_lease.stores.redis import RedisLockStore
+
+        return RedisLockStore(url)
+    if scheme in ("postgresql", "postgres"):
+        from celery_lease.stores.postgres import PostgresLockStore
+
+        return PostgresLockStore(url)
+    raise LeaseConfigError(
+        f"store url={url!r} has an unknown scheme {scheme!r}; supported: {', '.join(_SCHEMES)}"
+    )

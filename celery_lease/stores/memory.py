@@ -1,0 +1,142 @@
+"""In-process store: thread-safe, for one process and for tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.stores.base import LeaseInfo
+
+__all__ = ["MemoryLockStore"]
+
+
+@dataclass
+class _Entry:
+    owner: str | None
+    expires: float  # store clock, monotonic seconds
+    token: int
+
+
+class MemoryLockStore:
+    """A :class:`~celery_lease.LockStore` in this process's memory.
+
+    Excludes across the threads of one process only. Tokens are floored by the clock in
+    microseconds and by the largest token of any entry it dropped, so entries of free keys are
+    forgotten (memory does not grow with the number of keys ever locked) while tokens still only
+    grow.
+
+    Args:
+        clock: time source (default: the system clock); pass a ``FakeClock`` in tests.
+    """
+
+    def __init__(self, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock if clock is not None else SYSTEM_CLOCK
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._floor = 0  # largest token of any dropped entry
+        self._released: dict[str, threading.Event] = {}
+        self._ops = 0
+
+    def _now(self) -> float:
+        return self._clock.monotonic()
+
+    def _live(self, key: str, now: float) -> _Entry | None:
+        entry = self._entries.get(key)
+        if entry is None or entry.owner is None or entry.expires <= now:
+            return None
+        return entry
+
+    def _sweep(self, now: float) -> None:
+        """Forget entries of free keys, remembering the largest token dropped."""
+        dead = [k for k, e in self._entries.items() if e.owner is None or e.expires <= now]
+        for key in dead:
+            self._floor = max(self._floor, self._entries.pop(key).token)
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        with self._lock:
+            now = self._now()
+            if self._live(key, now) is not None:
+                return None
+            previous = self._entries.get(key)
+            last = previous.token if previous is not None else self._floor
+            token = max(last + 1, int(self._clock.time() * 1_000_000))
+            self._entries[key] = _Entry(owner, now + ttl_ms / 1000.0, token)
+            self._ops += 1
+            if self._ops % 1024 == 0:
+                self._sweep(now)
+            return token
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        with self._lock:
+            now = self._now()
+            entry = self._live(key, now)
+            if entry is None or entry.owner != owner:
+                return False
+            entry.expires = now + ttl_ms / 1000.0
+            return True
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return [self.renew(key, owner, ttl_ms) for key, owner, ttl_ms in items]
+
+    def release(self, key: str, owner: str) -> None:
+        with self._lock:
+            entry = self._live(key, self._now())
+            if entry is None or entry.owner != owner:
+                return
+            entry.owner = None
+            event = self._released.pop(key, None)
+        if event is not None:
+            event.set()
+
+    def wait_for_release(self, key: str, timeout: float) -> bool:
+        with self._lock:
+            event = self._released.setdefault(key, threading.Event())
+        return self._clock.wait(event, timeout)
+
+    # Inspection -------------------------------------------------------------------------------
+
+    def _info(self, key: str, entry: _Entry, now: float) -> LeaseInfo:
+        assert entry.owner is not None
+        return LeaseInfo(key, entry.owner, entry.token, max(0.0, entry.expires - now))
+
+    def list(self, prefix: str = "") -> list[LeaseInfo]:
+        with self._lock:
+            now = self._now()
+            return [
+                self._info(k, e, now)
+                for k, e in sorted(self._entries.items())
+                if k.startswith(prefix) and self._live(k, now) is not None
+            ]
+
+    def get(self, key: str) -> LeaseInfo | None:
+        with self._lock:
+            now = self._now()
+            entry = self._live(key, now)
+            return None if entry is None else self._info(key, entry, now)
+
+    def last_token(self, key: str) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return None if entry is None else entry.token
+
+    def force_release(self, key: str) -> LeaseInfo | None:
+        with self._lock:
+            now = self._now()
+            entry = self._live(key, now)
+            if entry is None:
+                return None
+            info = self._info(key, entry, now)
+            entry.owner = None
+            event = self._released.pop(key, None)
+        if event is not None:
+            event.set()
+        return info
+
+    def __len__(self) -> int:
+        """Number of key entries currently remembered (live or not yet swept)."""
+        return len(self._entries)
+
+    def __repr__(self) -> str:
+        return f"MemoryLockStore(clock={self._clock!r})"

@@ -1,0 +1,114 @@
+"""Helpers for tests, ours and our users': a fake clock and pytest fixtures.
+
+``FakeClock`` is accepted wherever a clock is (``MemoryLockStore``, ``lease()``, the renewer).
+Time moves only when a test calls :meth:`FakeClock.advance`, which wakes every thread waiting on
+the clock, so tests of expiry, waiting and renewal never sleep.
+
+Installed as a pytest plugin (entry point ``celery_lease``), it provides the fixtures
+``lease_clock`` (a ``FakeClock``) and ``lease_store`` (a ``MemoryLockStore`` on that clock).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+__all__ = ["FakeClock", "lease_clock", "lease_store"]
+
+if TYPE_CHECKING:
+    from celery_lease.stores.memory import MemoryLockStore
+
+# How often (real seconds) a thread waiting on a FakeClock re-checks its event.
+_POLL = 0.002
+
+
+class FakeClock:
+    """A clock that moves only when told to.
+
+    Args:
+        start: the initial reading of both ``monotonic()`` and ``time()``, in seconds.
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        self._now = float(start)
+        self._cond = threading.Condition()
+        self._sleepers = 0
+
+    def monotonic(self) -> float:
+        with self._cond:
+            return self._now
+
+    def time(self) -> float:
+        with self._cond:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds`` and wake every waiter whose deadline has come."""
+        if seconds < 0:
+            raise ValueError(f"seconds={seconds!r} must be >= 0: a clock does not go back")
+        with self._cond:
+            self._now += seconds
+            self._cond.notify_all()
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        with self._cond:
+            deadline = None if timeout is None else self._now + timeout
+            self._sleepers += 1
+            self._cond.notify_all()
+            try:
+                while not event.is_set():
+                    if deadline is not None and self._now >= deadline:
+                        return False
+                    self._cond.wait(_POLL)
+                return True
+            finally:
+                self._sleepers -= 1
+                self._cond.notify_all()
+
+    @property
+    def sleepers(self) -> int:
+        """How many threads are blocked in :meth:`wait` right now."""
+        with self._cond:
+            return self._sleepers
+
+    def wait_for_sleepers(self, count: int, timeout: float = 10.0) -> None:
+        """Block (real time) until at least ``count`` threads wait on this clock.
+
+        Lets a test know that a background thread reached its wait before moving time.
+
+        Raises:
+            TimeoutError: when that does not happen within ``timeout`` real seconds.
+        """
+        limit = time.monotonic() + timeout
+        with self._cond:
+            while self._sleepers < count:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{self._sleepers} thread(s) wait on the clock, expected {count}"
+                    )
+                self._cond.wait(min(left, 0.05))
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self._now!r})"
+
+
+try:
+    import pytest
+except ImportError:  # pragma: no cover - pytest is only needed for the fixtures
+    pass
+else:
+
+    @pytest.fixture
+    def lease_clock() -> FakeClock:
+        """A :class:`FakeClock` starting at 1000.0 seconds."""
+        return FakeClock(1000.0)
+
+    @pytest.fixture
+    def lease_store(lease_clock: FakeClock) -> Iterator[MemoryLockStore]:
+        """A fresh :class:`~celery_lease.MemoryLockStore` on the ``lease_clock`` fixture."""
+        from celery_lease.stores.memory import MemoryLockStore
+
+        yield MemoryLockStore(clock=lease_clock)

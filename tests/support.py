@@ -1,0 +1,31 @@
+"""Shared helpers for the test suite (not fixtures: plain functions)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import NoReturn
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def service_missing(what: str, how: str) -> NoReturn:
+    """Skip locally, fail in CI: a test that needs a service must never silently skip in CI.
+
+    Args:
+        what: the missing thing ("redis-server binary on PATH").
+        how: how to get it ("apt-get update && apt-get install -y redis-server").
+    """
+    message = f"{what} is missing: {how}"
+    if IN_CI:
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
