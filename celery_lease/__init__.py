@@ -1,0 +1,98 @@
+"""celery-lease: singleton Celery tasks on renewed leases with fencing tokens.
+
+The core (leases, renewal, stores protocol, errors) is imported eagerly and needs only the
+standard library. Names whose layer needs Celery or an optional driver are loaded on first use
+(PEP 562), so ``import celery_lease`` works without the ``redis`` or ``postgres`` extras and fails
+only when such a name is used, with a message that says which extra to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.clock import Clock, SystemClock
+from celery_lease.durations import Duration, to_seconds
+from celery_lease.errors import (
+    LeaseConfigError,
+    LeaseError,
+    LockLostError,
+    LockNotAcquiredError,
+    StoreUnavailableError,
+)
+from celery_lease.lease import Lease, current_lease, get_lock_token, lease
+from celery_lease.stores.base import (
+    LeaseInfo,
+    LockStore,
+    SupportsBatchRenew,
+    SupportsInspection,
+    SupportsReleaseNotify,
+    store_from_url,
+)
+from celery_lease.stores.memory import MemoryLockStore
+
+if TYPE_CHECKING:
+    from celery_lease.stores.postgres import PostgresLockStore
+    from celery_lease.stores.redis import RedisLockStore
+    from celery_lease.stores.sqlite import SQLiteLockStore
+    from celery_lease.task import LockedTask, locked
+
+__all__ = [
+    "Clock",
+    "Duration",
+    "Lease",
+    "LeaseConfigError",
+    "LeaseError",
+    "LeaseInfo",
+    "LockLostError",
+    "LockNotAcquiredError",
+    "LockStore",
+    "LockedTask",
+    "MemoryLockStore",
+    "PostgresLockStore",
+    "RedisLockStore",
+    "SQLiteLockStore",
+    "StoreUnavailableError",
+    "SupportsBatchRenew",
+    "SupportsInspection",
+    "SupportsReleaseNotify",
+    "SystemClock",
+    "current_lease",
+    "get_lock_token",
+    "lease",
+    "locked",
+    "store_from_url",
+    "to_seconds",
+]
+
+# name -> (module, extra that provides its driver, or None)
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "SQLiteLockStore": ("celery_lease.stores.sqlite", None),
+    "RedisLockStore": ("celery_lease.stores.redis", "redis"),
+    "PostgresLockStore": ("celery_lease.stores.postgres", "postgres"),
+    "LockedTask": ("celery_lease.task", None),
+    "locked": ("celery_lease.task", None),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, extra = _LAZY[name]
+    except KeyError:
+        raise AttributeError(f"module 'celery_lease' has no attribute {name!r}") from None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if extra is None:
+            raise
+        raise ImportError(
+            f"celery_lease.{name} needs the {extra!r} extra: pip install 'celery-lease[{extra}]'"
+            f" ({exc})"
+        ) from exc
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
