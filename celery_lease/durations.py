@@ -9,13 +9,11 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Union
-
 from celery_lease.errors import LeaseConfigError
 
 __all__ = ["Duration", "to_seconds"]
 
-Duration = Union[int, float, timedelta, str]
+Duration = int | float | timedelta | str
 """Seconds as a number, a ``timedelta``, or a string: ``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"``."""
 
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}

@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.durations import to_seconds
@@ -140,7 +140,9 @@ class Lease:
                 return
             self._lost_reason = reason
             self._lost.set()
-        logger.warning("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
+        logger.warning(
+            "celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason
+        )
         for callback in self._callbacks:
             try:
                 callback(self)
@@ -213,10 +215,10 @@ class _LeaseContext:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
+    ) -> Literal[False]:
         held = self._lease
         assert held is not None and self._cv_token is not None
-        _current.reset(self._cv_token)
+        _pop(held)
         if self._reentered:
             return False
         entry = held._entry
@@ -348,7 +350,9 @@ def lease(
     if ttl_s < 0.001:
         raise LeaseConfigError(f"ttl={ttl!r} must be at least 1 ms")
     wait_s = to_seconds(wait, name="wait")
-    max_hold_s = None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
+    max_hold_s = (
+        None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
+    )
     cooldown_s = to_seconds(cooldown, name="cooldown")
     if on_lost is not None and not callable(on_lost):
         raise LeaseConfigError(f"on_lost={on_lost!r} must be a callable taking the Lease, or None")
@@ -367,6 +371,18 @@ def lease(
         cancel,
         clock if clock is not None else SYSTEM_CLOCK,
     )
+
+
+def _pop(held: Lease) -> None:
+    """Remove the innermost occurrence of ``held`` from this context's stack of leases.
+
+    Unlike ``ContextVar.reset``, this stays right when contexts are exited out of order.
+    """
+    stack = _current.get()
+    for index in range(len(stack) - 1, -1, -1):
+        if stack[index] is held:
+            _current.set(stack[:index] + stack[index + 1 :])
+            return
 
 
 def current_lease() -> Lease | None:

@@ -36,7 +36,7 @@ DRIFT_MARGIN = 0.002
 
 
 def validity(sent_at: float, ttl: float) -> float:
-    """The last moment (clock seconds) a lease whose request was sent at ``sent_at`` is surely held."""
+    """The last moment (clock seconds) a lease whose request left at ``sent_at`` is surely held."""
     return sent_at + ttl - (ttl * DRIFT_FACTOR + DRIFT_MARGIN)
 
 
@@ -203,7 +203,7 @@ class Renewer:
                     results.append(exc)
         lost: list[tuple[Entry, str]] = []
         with self._lock:
-            for entry, result in zip(group, results):
+            for entry, result in zip(group, results, strict=True):
                 if entry.closed:
                     continue
                 if result is True:

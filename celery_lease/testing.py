@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 # How often (real seconds) a thread waiting on a FakeClock re-checks its event.
 _POLL = 0.002
+# Deadlines computed as now + (due - now) can land one float ulp past `due`.
+_EPSILON = 1e-9
 
 
 class FakeClock:
@@ -35,6 +37,9 @@ class FakeClock:
         self._now = float(start)
         self._cond = threading.Condition()
         self._sleepers = 0
+        self._deadlines: list[float] = []
+        self.waits = 0
+        """How many calls to :meth:`wait` have begun (lets a test see a thread go back to sleep)."""
 
     def monotonic(self) -> float:
         with self._cond:
@@ -56,16 +61,47 @@ class FakeClock:
         with self._cond:
             deadline = None if timeout is None else self._now + timeout
             self._sleepers += 1
+            self.waits += 1
+            if deadline is not None:
+                self._deadlines.append(deadline)
             self._cond.notify_all()
             try:
                 while not event.is_set():
-                    if deadline is not None and self._now >= deadline:
+                    if deadline is not None and self._now >= deadline - _EPSILON:
                         return False
                     self._cond.wait(_POLL)
                 return True
             finally:
                 self._sleepers -= 1
+                if deadline is not None:
+                    self._deadlines.remove(deadline)
                 self._cond.notify_all()
+
+    def advance_to_next_deadline(self) -> float:
+        """Advance exactly to the earliest deadline of a thread waiting now; returns the step.
+
+        Returns 0.0 (and does not move) when no waiter has a deadline.
+        """
+        with self._cond:
+            future = [d for d in self._deadlines if d > self._now]
+            step = (min(future) - self._now) if future else 0.0
+            self._now += step
+            self._cond.notify_all()
+            return step
+
+    def wait_for_waits(self, count: int, timeout: float = 10.0) -> None:
+        """Block (real time) until :attr:`waits` reaches ``count``.
+
+        Raises:
+            TimeoutError: when that does not happen within ``timeout`` real seconds.
+        """
+        limit = time.monotonic() + timeout
+        with self._cond:
+            while self.waits < count:
+                left = limit - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.waits} wait(s) begun, expected {count}")
+                self._cond.wait(min(left, 0.05))
 
     @property
     def sleepers(self) -> int:

@@ -1,0 +1,336 @@
+"""lease(): acquire, wait, hold, lose, release; on a FakeClock, never sleeping."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from celery_lease import (
+    Lease,
+    LeaseConfigError,
+    LockLostError,
+    LockNotAcquiredError,
+    MemoryLockStore,
+    current_lease,
+    get_lock_token,
+    lease,
+)
+from celery_lease.testing import FakeClock
+from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+
+
+def run_in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` in a thread; its result or exception lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+class TestAcquireAndRelease:
+    def test_holds_then_releases(self, store: SpyStore, clock: FakeClock) -> None:
+        """Inside the block the key is held under the lease's owner; after it, the key is free."""
+        with lease("k", store=store, clock=clock) as held:
+            assert isinstance(held, Lease)
+            info = store.get("k")
+            assert info is not None and info.owner == held.owner and info.token == held.token
+            assert not held.lost and not held.waited
+        assert store.get("k") is None
+
+    def test_second_holder_is_rejected_at_once(self, store: SpyStore, clock: FakeClock) -> None:
+        """With wait=0 a held key raises LockNotAcquiredError naming the key."""
+        store.acquire("k", "someone-else", 30_000)
+        with pytest.raises(LockNotAcquiredError) as info, lease("k", store=store, clock=clock):
+            pass
+        assert info.value.key == "k" and info.value.reason == "held"
+
+    def test_tokens_increase_across_acquisitions(self, store: SpyStore, clock: FakeClock) -> None:
+        """Each acquisition of a key gets a larger token than the previous one."""
+        tokens = []
+        for _ in range(5):
+            with lease("k", store=store, clock=clock) as held:
+                tokens.append(held.token)
+        assert tokens == sorted(tokens) and len(set(tokens)) == 5
+
+    def test_owner_ids_are_fresh(self, store: SpyStore, clock: FakeClock) -> None:
+        """Every acquisition uses a new random owner id."""
+        owners = set()
+        for _ in range(3):
+            with lease("k", store=store, clock=clock) as held:
+                owners.add(held.owner)
+        assert len(owners) == 3
+
+    def test_body_error_propagates_and_releases(self, store: SpyStore, clock: FakeClock) -> None:
+        """A body that raises still releases the key, and its error leaves the block unchanged."""
+        with pytest.raises(KeyError), lease("k", store=store, clock=clock):
+            raise KeyError("boom")
+        assert store.get("k") is None
+
+    def test_failed_release_is_ignored(self, store: SpyStore, clock: FakeClock) -> None:
+        """A release that fails is logged, not raised: the lease expires anyway."""
+
+        def broken(key: str, owner: str) -> None:
+            raise RuntimeError("store down")
+
+        store.release = broken  # type: ignore[method-assign]
+        with lease("k", store=store, clock=clock):
+            pass
+
+    def test_decorator_form(self, store: SpyStore, clock: FakeClock) -> None:
+        """lease() decorates a function: each call holds the key and sees its own token."""
+        seen: list[int | None] = []
+
+        @lease("k", store=store, clock=clock)
+        def work(x: int) -> int:
+            seen.append(get_lock_token())
+            return x * 2
+
+        assert work(2) == 4 and work(3) == 6
+        assert seen[0] is not None and seen[1] is not None and seen[1] > seen[0]
+        assert store.get("k") is None
+
+
+class TestAmbientToken:
+    def test_get_lock_token_inside_and_outside(self, store: SpyStore, clock: FakeClock) -> None:
+        """get_lock_token() is the innermost lease's token inside, None outside."""
+        assert get_lock_token() is None and current_lease() is None
+        with lease("a", store=store, clock=clock) as a:
+            assert get_lock_token() == a.token
+            with lease("b", store=store, clock=clock) as b:
+                assert get_lock_token() == b.token and current_lease() is b
+            assert get_lock_token() == a.token
+        assert get_lock_token() is None
+
+    def test_token_is_per_thread(self, store: SpyStore, clock: FakeClock) -> None:
+        """Another thread does not see this thread's lease."""
+        with lease("a", store=store, clock=clock):
+            thread, out = run_in_thread(get_lock_token)
+            thread.join(REAL_TIMEOUT)
+        assert out == {"result": None}
+
+    def test_reentrant_on_same_key_and_store(self, store: SpyStore, clock: FakeClock) -> None:
+        """A nested lease on the same key and store reuses the held lease and keeps it held."""
+        with lease("k", store=store, clock=clock) as outer:
+            with lease("k", store=store, clock=clock) as inner:
+                assert inner is outer
+            assert store.get("k") is not None, "the inner exit must not release the outer lease"
+        assert store.get("k") is None
+
+    def test_same_key_other_store_is_not_reentrant(self, clock: FakeClock) -> None:
+        """Re-entrancy needs the same store: a different store is a different lock."""
+        one, two = MemoryLockStore(clock=clock), MemoryLockStore(clock=clock)
+        with lease("k", store=one, clock=clock) as a, lease("k", store=two, clock=clock) as b:
+            assert a is not b
+
+
+class TestWaiting:
+    def test_waiter_wakes_on_release(self, store: SpyStore, clock: FakeClock) -> None:
+        """A waiter acquires as soon as the holder releases, and knows it waited."""
+        store.acquire("k", "holder", 30_000)
+
+        def waiter() -> tuple[int, bool]:
+            with lease("k", store=store, wait=60, clock=clock) as held:
+                return held.token, held.waited
+
+        thread, out = run_in_thread(waiter)
+        clock.wait_for_sleepers(1)
+        store.release("k", "holder")
+        thread.join(REAL_TIMEOUT)
+        assert "result" in out, out
+        assert out["result"][1] is True
+
+    def test_waiter_notices_expiry_without_release(self, store: SpyStore, clock: FakeClock) -> None:
+        """A holder that dies (never releases) is replaced once its lease expires."""
+        first = store.acquire("k", "dead-holder", 2_000)
+        assert first is not None
+
+        def waiter() -> int:
+            with lease("k", store=store, wait=60, clock=clock) as held:
+                return held.token
+
+        thread, out = run_in_thread(waiter)
+        clock.wait_for_sleepers(1)
+        clock.advance(2.5)
+        thread.join(REAL_TIMEOUT)
+        assert out.get("result", 0) > first
+
+    def test_wait_runs_out(self, store: SpyStore, clock: FakeClock) -> None:
+        """When the key stays held past wait, LockNotAcquiredError is raised."""
+        store.acquire("k", "holder", 600_000)
+        thread, out = run_in_thread(lambda: lease("k", store=store, wait=5, clock=clock).__enter__())
+        for _ in range(40):
+            if not thread.is_alive():
+                break
+            clock.wait_for_sleepers(1)
+            clock.advance(0.5)
+        thread.join(REAL_TIMEOUT)
+        assert isinstance(out.get("error"), LockNotAcquiredError)
+        assert out["error"].reason == "held"
+
+    def test_polls_back_off_to_one_second(self, clock: FakeClock) -> None:
+        """Without release notification, polls start at 50 ms and double up to 1 s."""
+
+        class Polled:
+            def __init__(self) -> None:
+                self.inner = MemoryLockStore(clock=clock)
+                self.tries: list[float] = []
+
+            def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+                self.tries.append(clock.monotonic())
+                return self.inner.acquire(key, owner, ttl_ms)
+
+            def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+                return self.inner.renew(key, owner, ttl_ms)
+
+            def release(self, key: str, owner: str) -> None:
+                self.inner.release(key, owner)
+
+        polled = Polled()
+        polled.inner.acquire("k", "holder", 600_000)
+        thread, out = run_in_thread(
+            lambda: lease("k", store=polled, wait=4, clock=clock).__enter__()
+        )
+        waits = 0
+        while thread.is_alive():
+            try:
+                clock.wait_for_waits(waits + 1, timeout=0.2)
+            except TimeoutError:
+                continue
+            waits = clock.waits
+            clock.advance_to_next_deadline()
+        thread.join(REAL_TIMEOUT)
+        gaps = [round(b - a, 3) for a, b in zip(polled.tries, polled.tries[1:], strict=False)]
+        assert gaps[:6] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
+        assert isinstance(out.get("error"), LockNotAcquiredError)
+
+    def test_cancel_aborts_the_wait(self, store: SpyStore, clock: FakeClock) -> None:
+        """Setting cancel stops a waiter with an error that says it was cancelled."""
+        store.acquire("k", "holder", 600_000)
+        cancel = threading.Event()
+        thread, out = run_in_thread(
+            lambda: lease("k", store=store, wait=600, cancel=cancel, clock=clock).__enter__()
+        )
+        clock.wait_for_sleepers(1)
+        cancel.set()
+        clock.advance(1.0)
+        thread.join(REAL_TIMEOUT)
+        err = out.get("error")
+        assert isinstance(err, LockNotAcquiredError) and err.reason == "cancelled"
+        assert "cancelled" in str(err)
+
+
+class TestLoss:
+    def test_loss_on_renew_refused(self, store: SpyStore, clock: FakeClock) -> None:
+        """When renew() returns False the lease is lost as 'taken' and on_lost runs once."""
+        calls: list[Lease] = []
+        with lease("k", store=store, ttl=3, clock=clock, on_lost=calls.append) as held:
+            store.force_release("k")
+            clock.advance(1.0)
+            assert held.wait_lost(timeout=REAL_TIMEOUT) or held.lost
+            assert held.lost_reason == "taken"
+            with pytest.raises(LockLostError):
+                held.check()
+            clock.advance(1.0)
+        assert calls == [held]
+
+    def test_body_error_after_loss_is_lock_lost(self, store: SpyStore, clock: FakeClock) -> None:
+        """If the body raises after the loss, LockLostError leaves the block, chained."""
+        with pytest.raises(LockLostError) as info:  # noqa: PT012
+            with lease("k", store=store, ttl=3, clock=clock) as held:
+                store.force_release("k")
+                clock.advance(1.0)
+                held._lost.wait(REAL_TIMEOUT)
+                raise ValueError("write failed")
+        assert isinstance(info.value.__cause__, ValueError)
+        assert info.value.key == "k"
+
+    def test_success_after_loss_stands(self, store: SpyStore, clock: FakeClock) -> None:
+        """A body that ignores the loss and succeeds returns normally."""
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            store.force_release("k")
+            clock.advance(1.0)
+            held._lost.wait(REAL_TIMEOUT)
+        assert held.lost
+
+    def test_never_releases_someone_elses_lease(self, store: SpyStore, clock: FakeClock) -> None:
+        """After a loss and a takeover, leaving the block does not free the new holder's key."""
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            store.force_release("k")
+            newcomer = store.acquire("k", "newcomer", 30_000)
+            clock.advance(1.0)
+            held._lost.wait(REAL_TIMEOUT)
+        info = store.get("k")
+        assert info is not None and info.owner == "newcomer" and info.token == newcomer
+
+    def test_lost_by_local_expiry_without_renewer(self, store: SpyStore, clock: FakeClock) -> None:
+        """Past its local validity a lease reads as lost even before the renewer reports it."""
+        store.fail_forever = True
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            clock.advance(3.0)
+            assert held.lost
+            with pytest.raises(LockLostError, match="expired"):
+                held.check()
+
+
+class TestCooldown:
+    def test_key_stays_taken_after_success(self, store: SpyStore, clock: FakeClock) -> None:
+        """With a cooldown, a successful body leaves the key taken for that long."""
+        with lease("nightly", store=store, ttl=3, cooldown="1h", clock=clock):
+            pass
+        assert store.get("nightly") is not None
+        with pytest.raises(LockNotAcquiredError), lease("nightly", store=store, clock=clock):
+            pass
+        clock.advance(3601)
+        with lease("nightly", store=store, clock=clock):
+            pass
+
+    def test_failure_releases_despite_cooldown(self, store: SpyStore, clock: FakeClock) -> None:
+        """A body that fails releases at once, so the work can be retried."""
+        with pytest.raises(RuntimeError), lease("n", store=store, cooldown=3600, clock=clock):
+            raise RuntimeError
+        assert store.get("n") is None
+
+
+class TestValidation:
+    @pytest.mark.parametrize(
+        ("kwargs", "pattern"),
+        [
+            ({"ttl": 0}, r"ttl=0 must be > 0"),
+            ({"ttl": "soon"}, r"ttl='soon' is not a duration"),
+            ({"ttl": 0.0001}, r"ttl=0.0001 must be at least 1 ms"),
+            ({"wait": -1}, r"wait=-1 must be >= 0"),
+            ({"max_hold": 0}, r"max_hold=0 must be > 0"),
+            ({"cooldown": "-5s"}, r"cooldown='-5s' is not a duration"),
+            ({"on_lost": 3}, r"on_lost=3 must be a callable"),
+            ({"cancel": "yes"}, r"cancel='yes' must be a threading.Event"),
+            ({"clock": object()}, r"clock=.* must provide monotonic"),
+        ],
+    )
+    def test_bad_arguments_fail_at_call_time(
+        self, store: SpyStore, kwargs: dict[str, Any], pattern: str
+    ) -> None:
+        """lease(...) validates every argument before acquiring anything."""
+        with pytest.raises(LeaseConfigError, match=pattern):
+            lease("k", store=store, **kwargs)
+        assert store.get("k") is None
+
+    @pytest.mark.parametrize("key", ["", None, 42])
+    def test_bad_key(self, store: SpyStore, key: Any) -> None:
+        """The key must be a non-empty string."""
+        with pytest.raises(LeaseConfigError, match="key="):
+            lease(key, store=store)
+
+    def test_store_url_string_is_refused_with_a_hint(self) -> None:
+        """A URL where a store is expected says to build the store once."""
+        with pytest.raises(LeaseConfigError, match="store_from_url"):
+            lease("k", store="redis://localhost")  # type: ignore[arg-type]

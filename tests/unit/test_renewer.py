@@ -1,0 +1,179 @@
+"""The renewer: every ttl/3, retries while valid, reports loss once, one thread, fork-safe."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from celery_lease import Lease, lease
+from celery_lease.renewer import get_renewer, validity
+from celery_lease.testing import FakeClock
+from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+
+
+class TestSchedule:
+    def test_first_renewal_is_due_at_a_third_of_the_ttl(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A lease acquired at t is due for renewal at t + ttl/3."""
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            assert held._entry is not None
+            assert held._entry.due == pytest.approx(held.acquired_at + 1.0)
+            assert held._entry.valid_until == pytest.approx(validity(held.acquired_at, 3))
+
+    def test_renews_every_third_of_the_ttl(self, store: SpyStore, clock: FakeClock) -> None:
+        """Advancing the clock by ttl/3 three times yields three renewals, at those times."""
+        start = clock.monotonic()
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            for n in range(1, 4):
+                clock.advance(1.0)
+                store.wait_renewals(n)
+            assert [t - start for _, t in store.renewals] == pytest.approx([1.0, 2.0, 3.0])
+            assert not held.lost
+
+    def test_long_job_keeps_its_lease(self, store: SpyStore, clock: FakeClock) -> None:
+        """Ten ttls of work, renewed on time, never lose the lease."""
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            for n in range(1, 31):
+                clock.advance(1.0)
+                store.wait_renewals(n)
+            assert not held.lost
+            assert store.get("k") is not None
+
+
+class TestFailures:
+    def test_store_error_is_retried_while_valid(self, store: SpyStore, clock: FakeClock) -> None:
+        """A renewal that fails with a store error is retried, and the lease survives."""
+        store.fail_renewals = 2
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            clock.advance(0.2)
+            store.wait_renewals(2)
+            clock.advance(0.2)
+            store.wait_renewals(3)
+            assert not held.lost
+            assert held._entry is not None
+            assert held._entry.due == pytest.approx(clock.monotonic() + 1.0)
+
+    def test_running_out_of_validity_loses_the_lease(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """Renewals that keep failing end in loss ('expired') before the ttl is over."""
+        store.fail_forever = True
+        lost = threading.Event()
+        with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()) as held:
+            while not lost.is_set():
+                clock.wait_for_sleepers(1)
+                clock.advance_to_next_deadline()
+                lost.wait(0.01)
+            assert held.lost_reason == "expired"
+            assert clock.monotonic() - held.acquired_at < 3.0
+
+    def test_on_lost_runs_exactly_once(self, store: SpyStore, clock: FakeClock) -> None:
+        """However long it stays lost, on_lost is called once."""
+        calls: list[Lease] = []
+        with lease("k", store=store, ttl=3, clock=clock, on_lost=calls.append) as held:
+            store.force_release("k")
+            clock.advance(1.0)
+            assert held.wait_lost(REAL_TIMEOUT)
+            for _ in range(5):
+                clock.advance(1.0)
+        assert calls == [held]
+
+    def test_on_lost_that_raises_does_not_break_renewal(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A failing on_lost callback is logged; other leases keep being renewed."""
+
+        def explode(_: Lease) -> None:
+            raise RuntimeError("callback bug")
+
+        with lease("a", store=store, ttl=3, clock=clock, on_lost=explode) as a, lease(
+            "b", store=store, ttl=3, clock=clock
+        ) as b:
+            store.force_release("a")
+            clock.advance(1.0)
+            assert a.wait_lost(REAL_TIMEOUT)
+            clock.advance(1.0)
+            store.wait_renewals(3)
+            assert not b.lost
+
+    def test_max_hold_stops_renewal(self, store: SpyStore, clock: FakeClock) -> None:
+        """After max_hold the lease is reported lost ('max_hold') and no longer renewed."""
+        with lease("k", store=store, ttl=3, max_hold=2, clock=clock) as held:
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            clock.advance(1.0)
+            assert held.wait_lost(REAL_TIMEOUT)
+            assert held.lost_reason == "max_hold"
+            assert held._entry is not None and held._entry.closed
+            assert len(get_renewer(clock)) == 0, "the renewer no longer holds it"
+        assert store.get("k") is None, "a lease over max_hold is still ours to release"
+
+
+class TestScale:
+    def test_one_thread_renews_many_leases_in_batches(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """200 leases are renewed by one thread, in one renew_many call per sweep."""
+        before = set(threading.enumerate())
+        contexts = [lease(f"k{i}", store=store, ttl=3, clock=clock) for i in range(200)]
+        held = [c.__enter__() for c in contexts]
+        try:
+            started = set(threading.enumerate()) - before
+            assert started == {get_renewer(clock).thread}
+            assert len(get_renewer(clock)) == 200
+            clock.advance(1.0)
+            store.wait_renewals(200)
+            assert store.batches == [200]
+            assert not any(h.lost for h in held)
+        finally:
+            for c in contexts:
+                c.__exit__(None, None, None)
+        assert len(get_renewer(clock)) == 0
+
+    def test_thread_exits_when_idle(self, store: SpyStore, clock: FakeClock) -> None:
+        """With no lease left, the renewer thread ends."""
+        with lease("k", store=store, ttl=3, clock=clock):
+            thread = get_renewer(clock).thread
+            assert thread is not None and thread.is_alive()
+        clock.advance(1.0)
+        thread.join(REAL_TIMEOUT)
+        assert not thread.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+class TestFork:
+    def test_child_never_renews_the_parents_leases(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """After fork, the child's renewer starts empty and renews only its own leases."""
+        read, write = os.pipe()
+        with lease("parent-key", store=store, ttl=3, clock=clock):
+            assert len(get_renewer(clock)) == 1
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                status = 1
+                try:
+                    inherited = len(get_renewer(clock))
+                    with lease("child-key", store=store, ttl=3, clock=clock) as mine:
+                        renewer = get_renewer(clock)
+                        own = len(renewer)
+                        alive = renewer.thread is not None and renewer.thread.is_alive()
+                        clock.advance(1.0)
+                        store.wait_renewals(1)
+                        keys = {k for k, _ in store.renewals}
+                        ok = not mine.lost
+                    os.write(write, f"{inherited} {own} {alive} {sorted(keys)} {ok}".encode())
+                    status = 0
+                finally:
+                    os._exit(status)
+            os.close(write)
+            _, status = os.waitpid(pid, 0)
+            report = os.read(read, 1000).decode()
+            os.close(read)
+        assert os.waitstatus_to_exitcode(status) == 0, report
+        assert report == "0 1 True ['child-key'] True"
