@@ -252,7 +252,7 @@ class TestApp:
 
 class TestDemo:
     def test_demo_runs_the_example_projects_entry(self, monkeypatch: pytest.MonkeyPatch):
-        """``demo`` calls ``example_project.demo.main`` with its arguments and exits with its code."""
+        """``demo`` calls ``example_project.demo.main`` with its arguments and exits likewise."""
         seen: list[list[str]] = []
 
         def fake_main(argv: list[str]) -> int:
