@@ -60,25 +60,11 @@ def _open_url(url: str) -> LockStore:
     return store
 
 
-def _store_for_app(app: Any) -> Any:
-    """The store a Celery app's tasks use: its ``lease_store`` setting, else its Redis broker."""
-    try:
-        config = importlib.import_module("celery_lease.config")
-    except ModuleNotFoundError as exc:
-        if exc.name != "celery_lease.config":
-            raise
-        config = None
-    resolve = getattr(config, "resolve_store", None)
-    if resolve is not None:
-        store = resolve(app)
-    else:
-        configured = app.conf.get("lease_store")
-        broker = str(app.conf.broker_url or "")
-        if configured is None and urlsplit(broker).scheme in ("redis", "rediss"):
-            configured = broker
-        if configured is None:
-            raise CliError("the app sets no lease_store; pass --store URL")
-        store = _open_url(configured) if isinstance(configured, str) else configured
+def _store_for_app(app: Any) -> LockStore:
+    """The store the app's tasks use, resolved as :func:`celery_lease.config.get_store` does."""
+    from celery_lease.config import get_store
+
+    store = get_store(app)
     if isinstance(store, MemoryLockStore):
         raise CliError(
             "the app's lease store is in-process memory: nothing to inspect from outside it"

@@ -249,6 +249,14 @@ class TestApp:
         assert result.exit_code == 0, result.output
         assert "from-option" in result.stdout
 
+    def test_redis_broker_is_the_default_store(self, redis_url: str):
+        """An app with no ``lease_store`` and a Redis broker is inspected in the broker's Redis."""
+        token = store_from_url(redis_url).acquire("on-broker", "o", TTL_MS)
+        app = Celery("cli-broker", broker=redis_url, set_as_current=False)
+        result = run("show", "on-broker", obj=types.SimpleNamespace(app=app))
+        assert result.exit_code == 0, result.output
+        assert f"token {token}" in result.stdout
+
 
 class TestDemo:
     def test_demo_runs_the_example_projects_entry(self, monkeypatch: pytest.MonkeyPatch):
