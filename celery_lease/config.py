@@ -1,0 +1,287 @@
+"""Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
+
+============================  =====================================  ========================
+setting (``app.conf``)        meaning                                built-in default
+============================  =====================================  ========================
+``lease_store``               a store URL or a ``LockStore``         see :func:`get_store`
+``lease_default_ttl``         ttl of tasks that set none (duration)  30 s
+``lease_default_wait``        wait of tasks that set none (duration)  0
+``lease_key_prefix``          prepended to every task's key (str)    ``""``
+============================  =====================================  ========================
+
+Settings are read and validated the first time a locked task of the app needs them, so a typo
+fails loudly at the first execution (and at worker start-up, where :mod:`celery_lease.worker`
+reads them). Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
+Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
+
+The store is resolved once per app in each process and rebuilt after ``fork``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import tempfile
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from celery_lease.durations import to_seconds
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.base import LockStore, store_from_url
+
+__all__ = [
+    "BUILTIN_KEY_PREFIX",
+    "BUILTIN_TTL",
+    "BUILTIN_WAIT",
+    "LeaseSettings",
+    "broker_store_url",
+    "default_sqlite_path",
+    "get_settings",
+    "get_store",
+    "pick",
+    "reset",
+]
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_TTL = 30.0
+"""Seconds: the ttl of a task that sets none when ``lease_default_ttl`` is unset."""
+
+BUILTIN_WAIT = 0.0
+"""Seconds: the wait of a task that sets none when ``lease_default_wait`` is unset."""
+
+BUILTIN_KEY_PREFIX = ""
+"""Prepended to task keys when ``lease_key_prefix`` is unset."""
+
+SQLITE_FILE = "leases.sqlite3"
+"""File name of the host-local fallback store inside :func:`default_sqlite_dir`."""
+
+T = TypeVar("T")
+
+
+def pick(option: T | None, setting: T | None, builtin: T) -> T:
+    """The precedence rule, in one place: the task option, else the app setting, else default."""
+    if option is not None:
+        return option
+    if setting is not None:
+        return setting
+    return builtin
+
+
+@dataclass(frozen=True)
+class LeaseSettings:
+    """The validated ``lease_*`` settings of one app.
+
+    Attributes:
+        store: ``lease_store`` as given (a URL, a ``LockStore``), or ``None`` when unset.
+        default_ttl: seconds (``lease_default_ttl``, else 30).
+        default_wait: seconds (``lease_default_wait``, else 0).
+        key_prefix: ``lease_key_prefix``, else ``""``.
+    """
+
+    store: str | LockStore | None
+    default_ttl: float
+    default_wait: float
+    key_prefix: str
+
+
+_lock = threading.RLock()
+_settings: weakref.WeakKeyDictionary[Any, LeaseSettings] = weakref.WeakKeyDictionary()
+_stores: weakref.WeakKeyDictionary[Any, LockStore] = weakref.WeakKeyDictionary()
+_warned_local = False
+
+
+def _read(app: Any) -> LeaseSettings:
+    conf = app.conf
+    store = conf.get("lease_store")
+    if store is not None and not isinstance(store, (str, LockStore)):
+        raise LeaseConfigError(
+            f"lease_store={store!r} is not allowed: use a store URL (redis://, sqlite:///...,"
+            " postgresql://, memory://) or a LockStore instance"
+        )
+    if isinstance(store, str):
+        if not store.strip():
+            store = None
+        elif "://" not in store:
+            raise LeaseConfigError(
+                f"lease_store={store!r} is not a URL: use redis://..., sqlite:////abs/path.db,"
+                " postgresql://... or memory://"
+            )
+    ttl = conf.get("lease_default_ttl")
+    wait = conf.get("lease_default_wait")
+    prefix = conf.get("lease_key_prefix")
+    if prefix is not None and not isinstance(prefix, str):
+        raise LeaseConfigError(f"lease_key_prefix={prefix!r} must be a str (default '')")
+    return LeaseSettings(
+        store=store,
+        default_ttl=pick(
+            None if ttl is None else to_seconds(ttl, name="lease_default_ttl", inclusive=False),
+            None,
+            BUILTIN_TTL,
+        ),
+        default_wait=pick(
+            None if wait is None else to_seconds(wait, name="lease_default_wait"),
+            None,
+            BUILTIN_WAIT,
+        ),
+        key_prefix=pick(prefix, None, BUILTIN_KEY_PREFIX),
+    )
+
+
+def get_settings(app: Any) -> LeaseSettings:
+    """The validated lease settings of ``app``, read once (cached per app).
+
+    Raises:
+        LeaseConfigError: a setting has a bad value; the message names it.
+    """
+    settings = _settings.get(app)
+    if settings is None:
+        with _lock:
+            settings = _settings.get(app)
+            if settings is None:
+                settings = _settings[app] = _read(app)
+    return settings
+
+
+def broker_store_url(app: Any) -> str | None:
+    """The lock-store URL of the app's broker when it is Redis, else ``None``.
+
+    ``redis://`` and ``rediss://`` are used as they are; Celery's ``sentinel://h1;sentinel://h2``
+    form becomes ``redis+sentinel://h1,h2/<master_name>/<db>`` with ``master_name`` from
+    ``broker_transport_options``.
+    """
+    url = app.conf.broker_url
+    if isinstance(url, (list, tuple)):
+        url = url[0] if url else None
+    if not isinstance(url, str) or not url:
+        return None
+    first = url.split(";", 1)[0].strip()
+    scheme = urlsplit(first).scheme.lower()
+    if scheme in ("redis", "rediss"):
+        return first
+    if scheme == "sentinel":
+        options = app.conf.broker_transport_options or {}
+        master = options.get("master_name")
+        if not master:
+            return None
+        hosts: list[str] = []
+        userinfo = ""
+        db = ""
+        for part in url.split(";"):
+            parts = urlsplit(part.strip())
+            if parts.hostname is None:
+                continue
+            if parts.password and not userinfo:
+                userinfo = f"{parts.username or ''}:{parts.password}@"
+            if parts.path.strip("/") and not db:
+                db = parts.path.strip("/")
+            hosts.append(f"{parts.hostname}:{parts.port or 26379}")
+        if not hosts:
+            return None
+        suffix = f"/{db}" if db else ""
+        return f"redis+sentinel://{userinfo}{','.join(hosts)}/{master}{suffix}"
+    return None
+
+
+def default_sqlite_dir() -> str:
+    """The per-user directory of the host-local fallback store (created 0o700 by us).
+
+    ``<tempdir>/celery-lease-<uid>``; every worker of this user on this host shares it.
+    """
+    uid = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    return os.path.join(tempfile.gettempdir(), f"celery-lease-{uid}")
+
+
+def default_sqlite_path() -> str:
+    """Create (if needed) and check the per-user directory; return the fallback store's path.
+
+    The directory is 0o700 and owned by this user, the file 0o600, so another local user can
+    neither take nor free our keys.
+
+    Raises:
+        LeaseConfigError: the directory exists but belongs to another user or is not a
+            directory.
+    """
+    directory = default_sqlite_dir()
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        raise LeaseConfigError(
+            f"{directory!r} is not a directory owned by this user; set lease_store to a store"
+            " URL (redis://..., sqlite:////abs/path.db) instead of the host-local default"
+        )
+    if stat.S_IMODE(info.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+    path = os.path.join(directory, SQLITE_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _build_store(app: Any) -> LockStore:
+    global _warned_local
+    configured = get_settings(app).store
+    if isinstance(configured, LockStore):
+        return configured
+    if isinstance(configured, str):
+        return store_from_url(configured)
+    broker = broker_store_url(app)
+    if broker is not None:
+        return store_from_url(broker)
+    from celery_lease.stores.sqlite import SQLiteLockStore
+
+    path = default_sqlite_path()
+    if not _warned_local:
+        _warned_local = True
+        logger.warning(
+            "celery-lease: lease_store is unset and the broker is not Redis: using %s, which"
+            " excludes only workers on this host; set lease_store to share locks across hosts",
+            path,
+        )
+    return SQLiteLockStore(path)
+
+
+def get_store(app: Any) -> LockStore:
+    """The lock store of ``app`` in this process, resolved on first use.
+
+    Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
+    is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
+    this user on this host (logged once as host-local only). Rebuilt after ``fork``.
+    """
+    store = _stores.get(app)
+    if store is None:
+        with _lock:
+            store = _stores.get(app)
+            if store is None:
+                store = _stores[app] = _build_store(app)
+    return store
+
+
+def reset(app: Any | None = None) -> None:
+    """Forget cached settings and stores (of ``app``, or all): the next use reads them again."""
+    with _lock:
+        if app is None:
+            _settings.clear()
+            _stores.clear()
+        else:
+            _settings.pop(app, None)
+            _stores.pop(app, None)
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.RLock()
+    _stores.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

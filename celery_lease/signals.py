@@ -1,0 +1,50 @@
+"""Celery signals sent by locked tasks, from the process (and thread) that runs the task.
+
+Each is a :class:`celery.utils.dispatch.Signal` sent with the task object as ``sender``, as
+Celery's own task signals are. Connect receivers at import time of a module the worker imports,
+so that prefork children inherit them::
+
+    from celery_lease.signals import lock_lost
+
+    @lock_lost.connect
+    def page_someone(sender, key, token, reason, **kwargs):
+        ...
+
+- ``lock_acquired(key, token, waited, wait_seconds)``: the lease was taken; ``waited`` is True when
+  another holder had it first, ``wait_seconds`` is how long acquiring took (seconds).
+- ``lock_rejected(key)``: the key stayed held past ``wait``; the body did not run.
+- ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
+  ``"expired"``, ``"taken"`` or ``"max_hold"``. Sent from the renewer thread.
+- ``lock_released(key, token, held_seconds)``: the lease was released (or kept for ``cooldown``)
+  after the body; ``held_seconds`` is how long it was held.
+
+A receiver that raises is logged and never breaks the task.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery.utils.dispatch import Signal
+
+__all__ = ["lock_acquired", "lock_lost", "lock_rejected", "lock_released", "send"]
+
+logger = logging.getLogger(__name__)
+
+lock_acquired = Signal(
+    name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds"}
+)
+lock_rejected = Signal(name="lock_rejected", providing_args={"key"})
+lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason"})
+lock_released = Signal(name="lock_released", providing_args={"key", "token", "held_seconds"})
+
+
+def send(signal: Signal, sender: object, **named: Any) -> None:
+    """Send ``signal`` if anyone listens; a receiver's error is logged, never raised."""
+    if not signal.receivers:
+        return
+    try:
+        signal.send(sender=sender, **named)
+    except Exception:  # Signal.send is robust in Celery 5; stay safe if that ever changes
+        logger.exception("celery-lease: a receiver of %s raised", signal.name)
