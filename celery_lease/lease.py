@@ -94,11 +94,13 @@ class Lease:
     @property
     def lost(self) -> bool:
         """True once the lease is lost: renewal refused, validity ran out, or ``max_hold``."""
-        if self._lost.is_set():
+        if self._lost_reason is not None:
             return True
         entry = self._entry
-        return entry is not None and not entry.closed and self._clock.monotonic() >= (
-            entry.valid_until
+        return (
+            entry is not None
+            and not entry.closed
+            and self._clock.monotonic() >= (entry.valid_until)
         )
 
     @property
@@ -136,18 +138,20 @@ class Lease:
     def _mark_lost(self, reason: str) -> None:
         """Record the loss and run the callbacks, exactly once."""
         with self._lost_lock:
-            if self._lost.is_set():
+            if self._lost_reason is not None:
                 return
             self._lost_reason = reason
-            self._lost.set()
         logger.warning(
             "celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason
         )
-        for callback in self._callbacks:
-            try:
-                callback(self)
-            except Exception:
-                logger.exception("celery-lease: on_lost callback for %r raised", self.key)
+        try:
+            for callback in self._callbacks:
+                try:
+                    callback(self)
+                except Exception:
+                    logger.exception("celery-lease: on_lost callback for %r raised", self.key)
+        finally:
+            self._lost.set()  # after the callbacks, so wait_lost() returns once they ran
 
     def __repr__(self) -> str:
         state = f"lost:{self.lost_reason}" if self.lost else "held"
@@ -223,7 +227,7 @@ class _LeaseContext:
             return False
         entry = held._entry
         if entry is not None:
-            lapsed = held.lost and not held._lost.is_set()
+            lapsed = held.lost and held._lost_reason is None
             get_renewer(self.clock).remove(entry)
             if lapsed:
                 held._mark_lost("expired")  # validity ran out before the renewer noticed

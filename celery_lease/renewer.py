@@ -9,7 +9,12 @@ leases.
 
 The renewer never raises into its callers: a store error is retried while the lease is still
 valid by the local estimate, then the lease is reported lost through its ``on_lost`` callback,
-which is called exactly once, from the renewer thread, outside every lock.
+which is called exactly once, outside every lock.
+
+A store call can hang (a blackholed connection without a socket timeout). So that loss is still
+reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
+a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
+and reports the ones that pass it. Renewal itself stays on the one renewer thread.
 """
 
 from __future__ import annotations
@@ -102,7 +107,11 @@ class Renewer:
         self._seq = itertools.count()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._live = 0
+        self._entries: set[Entry] = set()
+        self._watchdog: threading.Thread | None = None
+        self._in_io = False
+        self._io_begun = threading.Event()
+        self._io_ended = threading.Event()
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
 
@@ -110,7 +119,7 @@ class Renewer:
         """Start renewing ``entry``; starts the thread if it is not running."""
         with self._lock:
             heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-            self._live += 1
+            self._entries.add(entry)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-renewer", daemon=True
@@ -123,16 +132,21 @@ class Renewer:
         with self._lock:
             if not entry.closed:
                 entry.closed = True
-                self._live -= 1
+                self._entries.discard(entry)
 
     @property
     def thread(self) -> threading.Thread | None:
         """The running renewer thread, if any."""
         return self._thread
 
+    @property
+    def watchdog(self) -> threading.Thread | None:
+        """The running watchdog thread, if any."""
+        return self._watchdog
+
     def __len__(self) -> int:
         """Number of leases being renewed."""
-        return self._live
+        return len(self._entries)
 
     def _run(self) -> None:
         while True:
@@ -141,6 +155,7 @@ class Renewer:
                     heapq.heappop(self._heap)
                 if not self._heap:
                     self._thread = None
+                    self._io_begun.set()  # lets the watchdog see that the renewer is gone
                     _forget_idle(self)
                     return
                 timeout = self._heap[0][0] - self.clock.monotonic()
@@ -186,25 +201,22 @@ class Renewer:
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
         store = group[0].store
-        sent_at = self.clock.monotonic()
-        results: list[bool | BaseException]
-        renew_many = getattr(store, "renew_many", None)
-        if renew_many is not None and len(group) > 1:
-            try:
-                results = list(renew_many([(e.key, e.owner, e.ttl_ms) for e in group]))
-            except Exception as exc:
-                results = [exc] * len(group)
-        else:
-            results = []
-            for entry in group:
-                try:
-                    results.append(bool(store.renew(entry.key, entry.owner, entry.ttl_ms)))
-                except Exception as exc:
-                    results.append(exc)
+        self._begin_io()
+        try:
+            sent_at = self.clock.monotonic()
+            results = self._call_store(store, group)
+        finally:
+            self._end_io()
         lost: list[tuple[Entry, str]] = []
+        answered_at = self.clock.monotonic()
         with self._lock:
             for entry, result in zip(group, results, strict=True):
                 if entry.closed:
+                    continue
+                if answered_at >= entry.valid_until:
+                    # The answer came too late: the lease already read as lost meanwhile, and a
+                    # lost lease never comes back.
+                    lost.append((entry, "expired"))
                     continue
                 if result is True:
                     entry.valid_until = validity(sent_at, entry.ttl)
@@ -223,16 +235,83 @@ class Renewer:
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
         return lost
 
+    @staticmethod
+    def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
+        """Renew ``group`` (one store), one result or exception per entry; never raises."""
+        results: list[bool | BaseException]
+        renew_many = getattr(store, "renew_many", None)
+        if renew_many is not None and len(group) > 1:
+            try:
+                results = list(renew_many([(e.key, e.owner, e.ttl_ms) for e in group]))
+            except Exception as exc:
+                results = [exc] * len(group)
+        else:
+            results = []
+            for entry in group:
+                try:
+                    results.append(bool(store.renew(entry.key, entry.owner, entry.ttl_ms)))
+                except Exception as exc:
+                    results.append(exc)
+        return results
+
+    # Watchdog ---------------------------------------------------------------------------------
+
+    def _begin_io(self) -> None:
+        with self._lock:
+            self._in_io = True
+            self._io_ended.clear()
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(
+                    target=self._watch, name="celery-lease-watchdog", daemon=True
+                )
+                self._watchdog.start()
+        self._io_begun.set()
+
+    def _end_io(self) -> None:
+        with self._lock:
+            self._in_io = False
+        self._io_ended.set()
+
+    def _watch(self) -> None:
+        """Report leases whose deadline passes while the renewer is stuck in a store call."""
+        while True:
+            with self._lock:
+                if self._thread is None:
+                    self._watchdog = None
+                    return
+                in_io = self._in_io
+                deadline = min((_deadline(e) for e in self._entries), default=None)
+            if not in_io:
+                self.clock.wait(self._io_begun, None)
+                self._io_begun.clear()
+                continue
+            now = self.clock.monotonic()
+            if deadline is None or deadline > now:
+                self.clock.wait(self._io_ended, None if deadline is None else deadline - now)
+                continue
+            with self._lock:
+                overdue = [e for e in self._entries if _deadline(e) <= now]
+            for entry in overdue:
+                hold = entry.max_hold_at is not None and entry.max_hold_at <= now
+                self._report_lost(entry, "max_hold" if hold else "expired")
+
     def _report_lost(self, entry: Entry, reason: str) -> None:
         with self._lock:
             if entry.closed:
                 return
             entry.closed = True
-            self._live -= 1
+            self._entries.discard(entry)
         try:
             entry.on_lost(reason)
         except Exception:
             logger.exception("celery-lease: on_lost callback for %r raised", entry.key)
+
+
+def _deadline(entry: Entry) -> float:
+    """When ``entry`` must be reported lost if nothing renews it: validity or max_hold."""
+    if entry.max_hold_at is None:
+        return entry.valid_until
+    return min(entry.valid_until, entry.max_hold_at)
 
 
 _registry_lock = threading.Lock()

@@ -143,9 +143,7 @@ def store_from_url(url: str) -> LockStore:
     from celery_lease.errors import LeaseConfigError
 
     if not isinstance(url, str) or "://" not in url:
-        raise LeaseConfigError(
-            f"store url={url!r} is not a URL; supported: {', '.join(_SCHEMES)}"
-        )
+        raise LeaseConfigError(f"store url={url!r} is not a URL; supported: {', '.join(_SCHEMES)}")
     scheme = urlsplit(url).scheme.lower()
     if scheme == "memory":
         from celery_lease.stores.memory import MemoryLockStore

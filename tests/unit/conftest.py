@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from celery_lease import MemoryLockStore, StoreUnavailableError
+from celery_lease.renewer import get_renewer
 from celery_lease.testing import FakeClock
 
 REAL_TIMEOUT = 10.0
@@ -49,9 +50,11 @@ class SpyStore(MemoryLockStore):
         with self.renewed:
             if not self.renewed.wait_for(lambda: len(self.renewals) >= count, REAL_TIMEOUT):
                 raise AssertionError(f"{len(self.renewals)} renewals seen, expected {count}")
-        # The renewer is the only thread waiting on the clock in these tests: once it waits
-        # again, it has finished handling the results (and scheduled what comes next).
-        self.clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
+        # Only the renewer and its watchdog wait on the clock in these tests: once both wait
+        # again, the renewer has handled the results (and scheduled what comes next).
+        renewer = get_renewer(self.clock)
+        threads = 1 + (renewer.watchdog is not None)
+        self.clock.wait_for_sleepers(threads, timeout=REAL_TIMEOUT)
 
 
 @pytest.fixture

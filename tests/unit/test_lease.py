@@ -167,7 +167,9 @@ class TestWaiting:
     def test_wait_runs_out(self, store: SpyStore, clock: FakeClock) -> None:
         """When the key stays held past wait, LockNotAcquiredError is raised."""
         store.acquire("k", "holder", 600_000)
-        thread, out = run_in_thread(lambda: lease("k", store=store, wait=5, clock=clock).__enter__())
+        thread, out = run_in_thread(
+            lambda: lease("k", store=store, wait=5, clock=clock).__enter__()
+        )
         for _ in range(40):
             if not thread.is_alive():
                 break

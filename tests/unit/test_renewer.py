@@ -91,9 +91,10 @@ class TestFailures:
         def explode(_: Lease) -> None:
             raise RuntimeError("callback bug")
 
-        with lease("a", store=store, ttl=3, clock=clock, on_lost=explode) as a, lease(
-            "b", store=store, ttl=3, clock=clock
-        ) as b:
+        with (
+            lease("a", store=store, ttl=3, clock=clock, on_lost=explode) as a,
+            lease("b", store=store, ttl=3, clock=clock) as b,
+        ):
             store.force_release("a")
             clock.advance(1.0)
             assert a.wait_lost(REAL_TIMEOUT)
@@ -114,20 +115,48 @@ class TestFailures:
         assert store.get("k") is None, "a lease over max_hold is still ours to release"
 
 
+class TestHangingStore:
+    def test_loss_is_reported_while_a_renewal_hangs(self, clock: FakeClock) -> None:
+        """A renewal stuck in the store does not delay the loss report past validity."""
+        release_the_call = threading.Event()
+        entered = threading.Event()
+
+        class Hanging(SpyStore):
+            def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+                entered.set()
+                release_the_call.wait(REAL_TIMEOUT)
+                return False
+
+        store = Hanging(clock)
+        lost = threading.Event()
+        try:
+            with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()) as held:
+                clock.advance(1.0)
+                assert entered.wait(REAL_TIMEOUT)
+                clock.wait_for_sleepers(1)  # the watchdog waits for the validity deadline
+                clock.advance(1.99)  # validity is 3 s less 1 % and 2 ms: 2.968 s
+                assert lost.wait(REAL_TIMEOUT), "loss must be reported while renew() hangs"
+                assert held.lost_reason == "expired"
+                assert clock.monotonic() - held.acquired_at < 3.0
+        finally:
+            release_the_call.set()
+
+
 class TestScale:
     def test_one_thread_renews_many_leases_in_batches(
         self, store: SpyStore, clock: FakeClock
     ) -> None:
-        """200 leases are renewed by one thread, in one renew_many call per sweep."""
+        """200 leases are renewed by one thread (plus the I/O-free watchdog), one batch a sweep."""
         before = set(threading.enumerate())
         contexts = [lease(f"k{i}", store=store, ttl=3, clock=clock) for i in range(200)]
         held = [c.__enter__() for c in contexts]
         try:
-            started = set(threading.enumerate()) - before
-            assert started == {get_renewer(clock).thread}
-            assert len(get_renewer(clock)) == 200
             clock.advance(1.0)
             store.wait_renewals(200)
+            renewer = get_renewer(clock)
+            started = set(threading.enumerate()) - before
+            assert started == {renewer.thread, renewer.watchdog}
+            assert len(get_renewer(clock)) == 200
             assert store.batches == [200]
             assert not any(h.lost for h in held)
         finally:
@@ -147,9 +176,7 @@ class TestScale:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 class TestFork:
-    def test_child_never_renews_the_parents_leases(
-        self, store: SpyStore, clock: FakeClock
-    ) -> None:
+    def test_child_never_renews_the_parents_leases(self, store: SpyStore, clock: FakeClock) -> None:
         """After fork, the child's renewer starts empty and renews only its own leases."""
         read, write = os.pipe()
         with lease("parent-key", store=store, ttl=3, clock=clock):
