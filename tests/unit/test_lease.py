@@ -247,12 +247,14 @@ class TestLoss:
 
     def test_body_error_after_loss_is_lock_lost(self, store: SpyStore, clock: FakeClock) -> None:
         """If the body raises after the loss, LockLostError leaves the block, chained."""
-        with pytest.raises(LockLostError) as info:  # noqa: PT012
-            with lease("k", store=store, ttl=3, clock=clock) as held:
-                store.force_release("k")
-                clock.advance(1.0)
-                held._lost.wait(REAL_TIMEOUT)
-                raise ValueError("write failed")
+        with (
+            pytest.raises(LockLostError) as info,
+            lease("k", store=store, ttl=3, clock=clock) as held,
+        ):
+            store.force_release("k")
+            clock.advance(1.0)
+            held._lost.wait(REAL_TIMEOUT)
+            raise ValueError("write failed")
         assert isinstance(info.value.__cause__, ValueError)
         assert info.value.key == "k"
 
