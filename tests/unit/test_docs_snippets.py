@@ -1,4 +1,4 @@
-"""Every ```python block in docs/*.md runs, so the documentation cannot drift from the code.
+"""Every ```python block in docs/*.md and README.md runs, so the docs cannot drift from the code.
 
 The blocks of one page run in order in one namespace, as a reader would paste them. A block can
 be skipped with ``<!-- snippet: skip <reason> -->`` on the line before its fence; the reason is
@@ -22,7 +22,7 @@ from celery_lease import MemoryLockStore
 from celery_lease.testing import FakeClock
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = [*sorted(DOCS.glob("*.md")), DOCS.parent / "README.md"]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[^\n]*$")
 _SKIP = re.compile(r"^\s*<!--\s*snippet:\s*skip\b(?P<reason>.*?)-->\s*$")
