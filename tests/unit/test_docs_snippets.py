@@ -76,6 +76,19 @@ RUNNABLE = [p for p in PAGES if any(s.skip_reason is None for s in python_snippe
 
 
 @pytest.fixture
+def isolated_celery() -> Iterator[None]:
+    """Shared tasks and the current app a page defines do not leak into later tests."""
+    from celery import _state
+
+    finalizers = set(_state._on_app_finalizers)
+    current = getattr(_state._tls, "current_app", None)
+    yield
+    _state._on_app_finalizers.clear()
+    _state._on_app_finalizers.update(finalizers)
+    _state._tls.current_app = current
+
+
+@pytest.fixture
 def isolated_signals() -> Iterator[None]:
     """Receivers a page connects to celery-lease's signals are disconnected afterwards."""
     from celery_lease import signals
@@ -119,7 +132,7 @@ class TestDocsSnippets:
         assert len(skipped) * 4 <= len(blocks), [f"{s.page.name}:{s.line}" for s in skipped]
 
     @pytest.mark.parametrize("page", RUNNABLE, ids=[page.name for page in RUNNABLE])
-    @pytest.mark.usefixtures("isolated_signals")
+    @pytest.mark.usefixtures("isolated_signals", "isolated_celery")
     def test_page_snippets_run(
         self, page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:
