@@ -1,0 +1,615 @@
+"""Redis store: one Lua script per operation, one round trip each, Redis Cluster ready.
+
+Keys, for the user key ``account:42`` and the default prefix::
+
+    celery-lease:{account:42}:lease    hash {owner, token}, PEXPIRE = ttl (Redis expires it)
+    celery-lease:{account:42}:token    the last token issued, a decimal string
+    celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
+
+The hash tag ``{account:42}`` puts the three keys of a lease in one Redis Cluster slot, so every
+script touches a single slot. The prefix (no braces allowed) keeps them apart from the keys of
+Celery and kombu (``celery-task-meta-*``, ``_kombu.*``, queue names).
+
+Fencing tokens: the next token is ``max(counter + 1, server TIME in microseconds)``, computed in
+the script. The counter alone would restart from 1 when the server restarts without persistence
+or fails over to a replica that missed the last increments; the server clock keeps the tokens
+increasing in those cases, **assuming the Redis servers' clocks do not jump back** (keep them on
+NTP; a replica promoted by Sentinel must not be behind the old master by more than the time
+between two acquires of one key). Values stay far below 2**53, where Lua numbers are exact.
+
+Nothing read from Redis is ever unpickled: values are plain strings and integers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis
+import redis.cluster
+import redis.sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import AskError, NoScriptError, RedisError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from celery_lease.clock import SYSTEM_CLOCK
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LeaseInfo
+
+__all__ = [
+    "ACQUIRE_SCRIPT",
+    "FORCE_RELEASE_SCRIPT",
+    "INSPECT_SCRIPT",
+    "RELEASE_SCRIPT",
+    "RENEW_SCRIPT",
+    "RedisLockStore",
+    "SentinelURL",
+    "parse_sentinel_url",
+]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DEFAULT_PREFIX = "celery-lease:"
+"""Prefix of every key the store writes."""
+
+SOCKET_TIMEOUT = 5.0
+"""Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""
+
+SIGNAL_TTL_MS = 60_000
+"""Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
+
+TOKEN_TTL_MS = 7 * 24 * 3600 * 1000
+"""Milliseconds a token counter lives after the last acquire of its key (7 days).
+
+Counters of keys no longer used are dropped so Redis does not grow with every key ever locked;
+the next token is then floored by the server clock alone, far above any token of a week ago.
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the token counter.
+# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
+# Returns the new fencing token as a decimal string (max(counter + 1, server TIME in
+# microseconds)), or false (nil) when the key has a live lease.
+ACQUIRE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then
+    return false
+end
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+if floor > token then
+    token = floor
+end
+token = string.format('%d', token)
+redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"""
+
+# KEYS[1] the lease hash.
+# ARGV[1] the owner, ARGV[2] the ttl in ms.
+# Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0.
+RENEW_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return 1
+end
+return 0
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
+# Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
+# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease.
+RELEASE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+    redis.call('DEL', KEYS[1], KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+    return 1
+end
+return 0
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the signal's lifetime in ms.
+# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
+# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
+FORCE_RELEASE_SCRIPT = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if not lease[1] then
+    return false
+end
+local left = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return {lease[1], lease[2], left}
+"""
+
+# KEYS[1] the lease hash.
+# Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
+INSPECT_SCRIPT = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if not lease[1] then
+    return false
+end
+return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
+"""
+
+
+@dataclass(frozen=True)
+class _Script:
+    source: str
+    sha: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
+
+
+_ACQUIRE = _Script(ACQUIRE_SCRIPT)
+_RENEW = _Script(RENEW_SCRIPT)
+_RELEASE = _Script(RELEASE_SCRIPT)
+_FORCE_RELEASE = _Script(FORCE_RELEASE_SCRIPT)
+_INSPECT = _Script(INSPECT_SCRIPT)
+
+_RETRIED = (RedisConnectionError, RedisTimeoutError)
+
+
+class RedisLockStore:
+    """A :class:`~celery_lease.LockStore` on Redis (standalone, Sentinel-managed or Cluster).
+
+    Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify` (waiters block on a
+    list, one waiter wakes per release), :class:`~celery_lease.SupportsBatchRenew` (one
+    pipelined round trip) and :class:`~celery_lease.SupportsInspection`.
+
+    Every operation is one EVALSHA round trip; when the server does not know the script
+    (``NOSCRIPT``, e.g. after a restart or ``SCRIPT FLUSH``) it is loaded and the call redone.
+    A connection error or timeout is retried once (a connection dropped by a server restart);
+    then, like any other Redis error, it raises ``StoreUnavailableError`` with the driver's error
+    chained. redis-py's connection pools reconnect after ``fork()``, so one store can be created
+    before Celery forks its pool workers.
+
+    Args:
+        client_or_url: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (used as is; its
+            ``socket_timeout`` should exceed a few seconds), or a URL: ``redis://``,
+            ``rediss://`` (TLS), ``unix://``, or
+            ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``
+            (see :func:`parse_sentinel_url`). Clients built from a URL get
+            ``socket_timeout`` and ``socket_connect_timeout`` of 5 s unless the URL sets them,
+            ``decode_responses=False`` and no redis-py retries (the store retries once itself).
+        prefix: prepended to every key (default ``"celery-lease:"``); must not contain ``{`` or
+            ``}``, which would break the Cluster hash tag.
+
+    Raises:
+        LeaseConfigError: for a bad URL, client or prefix.
+    """
+
+    def __init__(
+        self,
+        client_or_url: str | redis.Redis | redis.cluster.RedisCluster,
+        *,
+        prefix: str = DEFAULT_PREFIX,
+    ) -> None:
+        if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
+            raise LeaseConfigError(
+                f"prefix={prefix!r} must be a non-empty string without '{{' or '}}' (the key is "
+                "wrapped in a Redis Cluster hash tag)"
+            )
+        self._prefix = prefix
+        self._sentinel: redis.sentinel.Sentinel | None = None
+        self._client: redis.Redis | redis.cluster.RedisCluster
+        if isinstance(client_or_url, str):
+            self._client, self._sentinel = _client_from_url(client_or_url)
+            self._owns_client = True
+        elif isinstance(client_or_url, (redis.Redis, redis.cluster.RedisCluster)):
+            self._client = client_or_url
+            self._owns_client = False
+        else:
+            raise LeaseConfigError(
+                f"client_or_url={client_or_url!r} must be a redis.Redis, a "
+                "redis.cluster.RedisCluster or a redis://, rediss://, unix:// or "
+                "redis+sentinel:// URL"
+            )
+        self._socket_timeout = _socket_timeout(self._client)
+
+    @property
+    def client(self) -> redis.Redis | redis.cluster.RedisCluster:
+        """The redis-py client the store talks through."""
+        return self._client
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every key the store writes."""
+        return self._prefix
+
+    # Keys ---------------------------------------------------------------------------------------
+
+    def _base(self, key: str) -> str:
+        if not isinstance(key, str) or not key or key.startswith("}"):
+            # '{}' or '{}...' is no hash tag: the three keys would land in different slots.
+            raise LeaseConfigError(f"key={key!r} must be a non-empty string not starting with '}}'")
+        return f"{self._prefix}{{{key}}}"
+
+    def lease_key(self, key: str) -> str:
+        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease``."""
+        return self._base(key) + ":lease"
+
+    def token_key(self, key: str) -> str:
+        """The Redis key of the token counter of ``key``: ``<prefix>{<key>}:token``."""
+        return self._base(key) + ":token"
+
+    def signal_key(self, key: str) -> str:
+        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``."""
+        return self._base(key) + ":signal"
+
+    # Calls --------------------------------------------------------------------------------------
+
+    def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """One EVALSHA; on NOSCRIPT load the script and evaluate it again."""
+        try:
+            return self._client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            self._client.script_load(script.source)
+            return self._client.evalsha(script.sha, len(keys), *keys, *args)
+
+    def _eval_many(
+        self, script: _Script, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
+    ) -> list[Any]:
+        """Many EVALSHA in one pipelined round trip (one per node on a cluster), in order.
+
+        redis-py refuses EVALSHA in cluster pipelines, so on a cluster the calls are grouped by
+        the node owning their slot and pipelined on that node's own client; a call that meets a
+        MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client,
+        which follows the redirection.
+        """
+        if not calls:
+            return []
+        client = self._client
+        if not isinstance(client, redis.cluster.RedisCluster):
+            return _pipelined(client, script, calls)
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        for index, (keys, _) in enumerate(calls):
+            node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
+            group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
+            group[1].append(index)
+        results: list[Any] = [None] * len(calls)
+        for node_client, indices in groups.values():
+            for index, result in zip(
+                indices, _pipelined(node_client, script, [calls[i] for i in indices]), strict=True
+            ):
+                if isinstance(result, (AskError, TryAgainError)):  # MovedError is an AskError
+                    result = self._eval(script, *calls[index])
+                results[index] = result
+        return results
+
+    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``, once more after a connection error; Redis errors raise StoreUnavailable."""
+        try:
+            try:
+                return fn()
+            except _RETRIED as exc:
+                logger.info("Redis store: retrying %s once after %r", what, exc)
+                return fn()
+        except RedisError as exc:
+            raise StoreUnavailableError(f"Redis store failed to {what}: {exc!r}") from exc
+
+    # Protocol -----------------------------------------------------------------------------------
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        keys = (self.lease_key(key), self.token_key(key))
+        args = (owner, int(ttl_ms), TOKEN_TTL_MS)
+        try:
+            try:
+                return _int_or_none(self._eval(_ACQUIRE, keys, args))
+            except _RETRIED as exc:
+                logger.info("Redis store: retrying acquire of %r once after %r", key, exc)
+                token = _int_or_none(self._eval(_ACQUIRE, keys, args))
+        except RedisError as exc:
+            raise StoreUnavailableError(f"Redis store failed to acquire: {exc!r}") from exc
+        if token is None:
+            # The first attempt may have taken the lease before its reply was lost; the owner is
+            # unique to this attempt, so releasing it can never free another owner's lease.
+            try:
+                self.release(key, owner)
+            except StoreUnavailableError:
+                logger.warning("Redis store: could not clean up a possible lease on %r", key)
+        return token
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        keys = (self.lease_key(key),)
+        return bool(self._call("renew", lambda: self._eval(_RENEW, keys, (owner, int(ttl_ms)))))
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order."""
+        calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
+        results = self._call("renew leases", lambda: self._eval_many(_RENEW, calls))
+        return [bool(r) for r in results]
+
+    def release(self, key: str, owner: str) -> None:
+        keys = (self.lease_key(key), self.signal_key(key))
+        self._call("release", lambda: self._eval(_RELEASE, keys, (owner, SIGNAL_TTL_MS)))
+
+    def wait_for_release(self, key: str, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP).
+
+        Each release leaves one element, so one waiter wakes per release and the others keep
+        waiting. A release seen by nobody leaves its signal for up to 60 s, which may wake a
+        later waiter spuriously (allowed: the caller retries ``acquire``). The wait is cut into
+        slices shorter than the client's ``socket_timeout`` so the socket never times out first.
+        """
+        signal = self.signal_key(key)
+        if timeout <= 0:
+            return self._call("poll a release", lambda: self._client.lpop(signal)) is not None
+        deadline = SYSTEM_CLOCK.monotonic() + timeout
+        step = _blpop_slice(self._socket_timeout)
+        while True:
+            left = deadline - SYSTEM_CLOCK.monotonic()
+            if left <= 0:
+                return False
+            # BLPOP takes seconds with millisecond precision; 0 would block forever.
+            wait = max(0.001, round(min(left, step), 3))
+            got = self._call("wait for a release", partial(self._client.blpop, [signal], wait))
+            if got is not None:
+                return True
+
+    # Inspection ---------------------------------------------------------------------------------
+
+    def _user_key(self, lease_key: str) -> str:
+        return lease_key[len(self._prefix) + 1 : -len("}:lease")]
+
+    def list(self, prefix: str = "") -> list[LeaseInfo]:
+        """Live leases whose key starts with ``prefix``, sorted by key (SCAN, all cluster nodes)."""
+        pattern = _glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
+
+        def scan() -> list[str]:
+            found = {_text(k) for k in self._client.scan_iter(match=pattern, count=1000)}
+            return sorted(self._user_key(k) for k in found)
+
+        keys = [k for k in self._call("list leases", scan) if k.startswith(prefix) and k]
+        results = self._call(
+            "list leases",
+            lambda: self._eval_many(_INSPECT, [((self.lease_key(k),), ()) for k in keys]),
+        )
+        infos = (_info(k, r) for k, r in zip(keys, results, strict=True))
+        return [info for info in infos if info is not None]
+
+    def get(self, key: str) -> LeaseInfo | None:
+        """The live lease on ``key``, or ``None`` when it is free."""
+        keys = (self.lease_key(key),)
+        return _info(key, self._call("read a lease", lambda: self._eval(_INSPECT, keys, ())))
+
+    def last_token(self, key: str) -> int | None:
+        """The last fencing token issued for ``key``, or ``None`` (counter never set, or dropped
+        after 7 days without an acquire, or lost with a server restart)."""
+        token_key = self.token_key(key)
+        return _int_or_none(self._call("read a token", lambda: self._client.get(token_key)))
+
+    def force_release(self, key: str) -> LeaseInfo | None:
+        """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""
+        keys = (self.lease_key(key), self.signal_key(key))
+        result = self._call(
+            "force-release", lambda: self._eval(_FORCE_RELEASE, keys, (SIGNAL_TTL_MS,))
+        )
+        return _info(key, result)
+
+    def close(self) -> None:
+        """Close the client's connections if the store built the client from a URL.
+
+        A client passed in belongs to the caller, who closes it.
+        """
+        if not self._owns_client:
+            return
+        self._client.close()
+        if self._sentinel is not None:
+            for sentinel in self._sentinel.sentinels:
+                sentinel.close()
+
+    def __repr__(self) -> str:
+        return f"RedisLockStore({self._client!r}, prefix={self._prefix!r})"
+
+
+# Helpers ----------------------------------------------------------------------------------------
+
+
+def _pipelined(
+    client: redis.Redis,
+    script: _Script,
+    calls: Sequence[tuple[Sequence[str], Sequence[str | int]]],
+) -> list[Any]:
+    """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
+
+    Replies that are redirections (cluster slots migrating) are returned for the caller to redo;
+    any other error reply is raised.
+    """
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        results: list[Any] = pipe.execute(raise_on_error=False)
+        if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+            client.script_load(script.source)
+            continue
+        for result in results:
+            if isinstance(result, Exception) and not isinstance(result, (AskError, TryAgainError)):
+                raise result
+        return results
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def _info(key: str, result: Any) -> LeaseInfo | None:
+    """A LeaseInfo from the ``{owner, token, remaining ms}`` reply of a script, or None."""
+    if not result:
+        return None
+    owner, token, left_ms = result
+    return LeaseInfo(key, _text(owner), int(token), max(0, int(left_ms)) / 1000.0)
+
+
+def _glob_escape(text: str) -> str:
+    """Escape the characters special to Redis' glob-style MATCH patterns."""
+    return "".join("\\" + c if c in "\\*?[]^" else c for c in text)
+
+
+def _blpop_slice(socket_timeout: float | None) -> float:
+    """The longest BLPOP (seconds) that still returns before the client's socket times out."""
+    if socket_timeout is None:
+        return 3600.0
+    return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
+
+
+def _socket_timeout(client: redis.Redis | redis.cluster.RedisCluster) -> float | None:
+    kwargs = client.get_connection_kwargs()
+    value = kwargs.get("socket_timeout")
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    socket_timeout: float = SOCKET_TIMEOUT
+    socket_connect_timeout: float = SOCKET_TIMEOUT
+
+
+_SENTINEL_OPTIONS = ("sentinel_password", "socket_timeout", "socket_connect_timeout")
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
+
+    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
+    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``) and
+    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5). IPv6 hosts go in
+    brackets: ``[::1]:26379``.
+
+    Raises:
+        LeaseConfigError: naming what is wrong.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "redis+sentinel":
+        raise LeaseConfigError(f"url={url!r} is not a redis+sentinel:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels = tuple(_parse_host(url, item) for item in hostlist.split(","))
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if path and path[-1] == "":
+        path.pop()
+    if not path or not path[0] or len(path) > 2:
+        raise LeaseConfigError(
+            f"url={url!r} must name the Sentinel service as its path: "
+            "redis+sentinel://host:26379/service_name[/db]"
+        )
+    db = 0
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
+        db = int(path[1])
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "sentinel_password":
+            options[name] = value
+        elif name in ("socket_timeout", "socket_connect_timeout"):
+            try:
+                options[name] = float(value)
+            except ValueError:
+                raise LeaseConfigError(
+                    f"url={url!r}: {name}={value!r} must be a number of seconds"
+                ) from None
+        else:
+            raise LeaseConfigError(
+                f"url={url!r} has an unknown option {name!r}; supported: "
+                + ", ".join(_SENTINEL_OPTIONS)
+            )
+    return SentinelURL(sentinels, path[0], db, username, password, **options)
+
+
+def _parse_host(url: str, item: str) -> tuple[str, int]:
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise LeaseConfigError(f"url={url!r} has an empty Sentinel host in {item!r}")
+    if not port_text:
+        return host, 26379
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
+    return host, int(port_text)
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+def _client_from_url(url: str) -> tuple[redis.Redis, redis.sentinel.Sentinel | None]:
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "redis+sentinel":
+        spec = parse_sentinel_url(url)
+        sentinel_kwargs: dict[str, Any] = {
+            "socket_timeout": spec.socket_timeout,
+            "socket_connect_timeout": spec.socket_connect_timeout,
+            "retry": _no_retry(),
+        }
+        if spec.sentinel_password is not None:
+            sentinel_kwargs["password"] = spec.sentinel_password
+        # redis.sentinel ships without annotations.
+        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+            list(spec.sentinels),
+            sentinel_kwargs=sentinel_kwargs,
+            socket_timeout=spec.socket_timeout,
+            socket_connect_timeout=spec.socket_connect_timeout,
+            retry=_no_retry(),
+        )
+        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+            spec.service_name,
+            db=spec.db,
+            username=spec.username,
+            password=spec.password,
+            decode_responses=False,
+        )
+        return client, sentinel
+    if scheme not in ("redis", "rediss", "unix"):
+        raise LeaseConfigError(
+            f"url={url!r} is not a Redis URL; supported: redis://, rediss://, unix://, "
+            "redis+sentinel://"
+        )
+    try:
+        # Options in the URL's query win over these keyword arguments.
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=SOCKET_TIMEOUT,
+            socket_connect_timeout=SOCKET_TIMEOUT,
+            decode_responses=False,
+            retry=_no_retry(),
+        )
+    except ValueError as exc:
+        raise LeaseConfigError(f"url={url!r} is not a valid Redis URL: {exc}") from exc
+    return client, None

@@ -1,0 +1,594 @@
+"""The one behavioural suite every store runs: subclass :class:`StoreContract` per store.
+
+A subclass provides:
+
+- ``make_store(self)``: a fresh, empty store. When ``fake_clock`` is True (the store takes an
+  injectable clock) it must build the store on ``self.clock``, a ``FakeClock`` the suite sets
+  before each call; otherwise expiry is exercised with short real ttls.
+- ``store_backend``: a fixture, overridden when the backend needs preparing (a server, a
+  temporary directory); it runs before ``make_store``.
+- ``store_factory(self)``: a picklable zero-argument callable that builds a store on the same
+  backend in a child process (real clock), when ``supports_processes`` is True.
+- ``release_wakes_one``: True when ``wait_for_release`` wakes exactly one waiter per release
+  (otherwise it may wake them all, and only the acquire that follows picks one).
+- ``wait_until_waiting(store, count)``: returns once ``count`` threads block in
+  ``wait_for_release``. The default counts sleepers on the fake clock; a store without one
+  overrides it or must keep a release signal until a waiter arrives.
+
+Child processes are started with ``fork``: that is how Celery's prefork pool makes its workers,
+and on this 2-core machine it avoids re-importing pytest and Celery in every child. The factory
+still builds a new store in the child, so no connection crosses the fork.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from celery_lease.stores.base import (
+    LockStore,
+    SupportsBatchRenew,
+    SupportsInspection,
+    SupportsReleaseNotify,
+)
+from celery_lease.testing import FakeClock
+
+LONG_MS = 60_000  # a ttl no test outlives
+DEADLINE = 10.0  # real seconds any synchronisation in this suite may take before failing
+
+
+def _close(store: object) -> None:
+    close = getattr(store, "close", None)
+    if callable(close):
+        close()
+
+
+def _race_in_child(
+    factory: Callable[[], LockStore],
+    barrier: Any,
+    results: Any,
+    rounds: int,
+    name: str,
+) -> None:
+    """Child process: in each round, wait for the others, then try to take the round's key."""
+    store = factory()
+    try:
+        for round_ in range(rounds):
+            barrier.wait(DEADLINE)
+            results.put((round_, name, store.acquire(f"proc-race-{round_}", name, LONG_MS)))
+    finally:
+        _close(store)
+
+
+class StoreContract:
+    """Behaviour every :class:`~celery_lease.LockStore` must show (not collected by itself)."""
+
+    supports_processes: ClassVar[bool] = True
+    fake_clock: ClassVar[bool] = True
+    release_wakes_one: ClassVar[bool] = False
+    stateful_examples: ClassVar[int] = 25
+
+    clock: FakeClock | None = None
+
+    # Hooks --------------------------------------------------------------------------------------
+
+    def make_store(self) -> LockStore:
+        """A fresh, empty store (on ``self.clock`` when ``fake_clock``)."""
+        raise NotImplementedError
+
+    def store_factory(self) -> Callable[[], LockStore]:
+        """A picklable zero-arg callable building a store on the same backend, in a child."""
+        raise NotImplementedError
+
+    def wait_until_waiting(self, store: LockStore, count: int) -> None:
+        """Return once ``count`` threads block in ``store.wait_for_release``."""
+        if self.clock is not None:
+            self.clock.wait_for_sleepers(count, timeout=DEADLINE)
+
+    @pytest.fixture
+    def store_backend(self) -> None:
+        """Prepares the backend before ``make_store``; subclasses override it."""
+
+    # Helpers ------------------------------------------------------------------------------------
+
+    def fresh_store(self) -> LockStore:
+        """A new empty store, on a new fake clock when the store takes one."""
+        self.clock = FakeClock(1000.0) if self.fake_clock else None
+        return self.make_store()
+
+    @pytest.fixture
+    def store(self, store_backend: None) -> Iterator[LockStore]:
+        store = self.fresh_store()
+        try:
+            yield store
+        finally:
+            _close(store)
+
+    def short_ttl_ms(self) -> int:
+        """A ttl that expiry tests wait out: fake seconds are free, real ones are not."""
+        return 1000 if self.fake_clock else 50
+
+    def let_expire(self, store: LockStore, key: str, ttl_ms: int) -> None:
+        """Move past ``ttl_ms`` from now: advance the fake clock, or poll the store."""
+        if self.clock is not None:
+            self.clock.advance(ttl_ms / 1000.0)
+            return
+        assert isinstance(store, SupportsInspection), "a real-clock store must be inspectable"
+        deadline = time.monotonic() + ttl_ms / 1000.0 + DEADLINE
+        while store.get(key) is not None:
+            assert time.monotonic() < deadline, f"the lease on {key!r} never expired"
+            time.sleep(0.005)
+
+    def require(self, store: LockStore, capability: type) -> None:
+        if not isinstance(store, capability):
+            pytest.skip(f"{type(store).__name__} does not implement {capability.__name__}")
+
+    # Exclusivity --------------------------------------------------------------------------------
+
+    def test_acquire_returns_an_int_token_and_excludes_everyone(self, store: LockStore) -> None:
+        """A live lease refuses every other acquire, including one by its own owner."""
+        token = store.acquire("k", "a", LONG_MS)
+        assert type(token) is int and token > 0
+        assert store.acquire("k", "b", LONG_MS) is None
+        assert store.acquire("k", "a", LONG_MS) is None
+
+    def test_keys_are_independent(self, store: LockStore) -> None:
+        """A lease on one key does not block another key."""
+        assert store.acquire("k1", "a", LONG_MS) is not None
+        assert store.acquire("k2", "b", LONG_MS) is not None
+        assert store.acquire("k1", "b", LONG_MS) is None
+
+    # Expiry -------------------------------------------------------------------------------------
+
+    def test_lease_expires_after_its_ttl(self, store: LockStore) -> None:
+        """Once the ttl has passed, another owner acquires the key with a higher token."""
+        ttl = self.short_ttl_ms()
+        first = store.acquire("k", "a", ttl)
+        assert first is not None
+        if self.clock is not None:
+            self.clock.advance(ttl / 2000.0)
+            assert store.acquire("k", "b", ttl) is None
+            self.clock.advance(ttl / 2000.0)
+        else:
+            self.let_expire(store, "k", ttl)
+        second = store.acquire("k", "b", LONG_MS)
+        assert second is not None and second > first
+
+    # Renew --------------------------------------------------------------------------------------
+
+    def test_only_the_owner_renews(self, store: LockStore) -> None:
+        """Renew succeeds for the holder and fails for anyone else or a free key."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        assert store.renew("k", "b", LONG_MS) is False
+        assert store.renew("free", "a", LONG_MS) is False
+        assert store.renew("k", "a", LONG_MS) is True
+
+    def test_renew_sets_the_expiry_instead_of_adding(self, store: LockStore) -> None:
+        """After renew(ttl) the lease ends ttl from now, not ttl after its previous expiry."""
+        ttl = self.short_ttl_ms()
+        assert store.acquire("k", "a", LONG_MS) is not None
+        assert store.renew("k", "a", ttl) is True
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and info.expires_in <= ttl / 1000.0
+        self.let_expire(store, "k", ttl)
+        assert store.acquire("k", "b", LONG_MS) is not None
+
+    def test_renew_extends_a_lease(self, store: LockStore) -> None:
+        """A lease renewed before its expiry outlives its original ttl (fake clock only)."""
+        if self.clock is None:
+            pytest.skip("needs an injectable clock to stay fast")
+        assert store.acquire("k", "a", 1000) is not None
+        self.clock.advance(0.5)
+        assert store.renew("k", "a", 1000) is True
+        self.clock.advance(0.75)  # 1.25 s after the acquire: past the first ttl
+        assert store.acquire("k", "b", LONG_MS) is None
+        self.clock.advance(0.25)
+        assert store.acquire("k", "b", LONG_MS) is not None
+
+    def test_renew_fails_after_expiry(self, store: LockStore) -> None:
+        """An expired lease cannot be renewed, before or after someone else takes the key."""
+        ttl = self.short_ttl_ms()
+        assert store.acquire("k", "a", ttl) is not None
+        self.let_expire(store, "k", ttl)
+        assert store.renew("k", "a", LONG_MS) is False
+        assert store.acquire("k", "b", LONG_MS) is not None
+        assert store.renew("k", "a", LONG_MS) is False
+        assert store.renew("k", "b", LONG_MS) is True
+
+    # Release ------------------------------------------------------------------------------------
+
+    def test_only_the_owner_releases(self, store: LockStore) -> None:
+        """Release by a non-owner changes nothing; release by the owner frees the key."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        store.release("k", "b")
+        assert store.acquire("k", "c", LONG_MS) is None
+        assert store.renew("k", "a", LONG_MS) is True
+        store.release("k", "a")
+        assert store.renew("k", "a", LONG_MS) is False
+        assert store.acquire("k", "c", LONG_MS) is not None
+
+    def test_release_of_a_free_key_does_nothing(self, store: LockStore) -> None:
+        """Releasing a key nobody holds neither fails nor blocks a later acquire."""
+        store.release("never", "a")
+        assert store.acquire("never", "a", LONG_MS) is not None
+
+    # Tokens -------------------------------------------------------------------------------------
+
+    def test_tokens_increase_across_release_expiry_and_reuse(self, store: LockStore) -> None:
+        """Every acquire of a key returns a token greater than all earlier ones for that key."""
+        ttl = self.short_ttl_ms()
+        tokens = []
+        for i in range(3):
+            token = store.acquire("k", f"r{i}", LONG_MS)
+            assert token is not None
+            tokens.append(token)
+            store.release("k", f"r{i}")
+        token = store.acquire("k", "e", ttl)
+        assert token is not None
+        tokens.append(token)
+        self.let_expire(store, "k", ttl)
+        token = store.acquire("k", "r0", LONG_MS)  # an earlier owner name, reused
+        assert token is not None
+        tokens.append(token)
+        assert tokens == sorted(set(tokens)), tokens
+
+    # Races --------------------------------------------------------------------------------------
+
+    def test_racing_threads_get_one_lease(self, store: LockStore) -> None:
+        """Threads released together on a free key: exactly one acquires it, in every round."""
+        threads, rounds = 6, 5
+        barrier = threading.Barrier(threads)
+        results: list[tuple[int, int | None]] = []
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def run(name: str) -> None:
+            try:
+                for round_ in range(rounds):
+                    barrier.wait(DEADLINE)
+                    token = store.acquire(f"race-{round_}", name, LONG_MS)
+                    with lock:
+                        results.append((round_, token))
+            except BaseException as exc:  # reported by the assertion below
+                errors.append(exc)
+                barrier.abort()
+
+        workers = [threading.Thread(target=run, args=(f"t{i}",)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(DEADLINE * 2)
+        assert not errors, errors
+        assert len(results) == threads * rounds
+        for round_ in range(rounds):
+            won = [t for r, t in results if r == round_ and t is not None]
+            assert len(won) == 1, (round_, results)
+
+    def test_racing_processes_get_one_lease(self, store: LockStore) -> None:
+        """Processes released together on a free key: exactly one acquires it, in every round."""
+        if not self.supports_processes:
+            pytest.skip(f"{type(store).__name__} excludes within one process only")
+        factory = self.store_factory()
+        ctx = multiprocessing.get_context("fork")
+        processes, rounds = 3, 3
+        barrier = ctx.Barrier(processes)
+        results = ctx.Queue()
+        children = [
+            ctx.Process(target=_race_in_child, args=(factory, barrier, results, rounds, f"p{i}"))
+            for i in range(processes)
+        ]
+        for child in children:
+            child.start()
+        got: list[tuple[int, str, int | None]] = []
+        try:
+            for _ in range(processes * rounds):
+                got.append(results.get(timeout=DEADLINE * 2))
+        except queue.Empty:
+            pytest.fail(f"children reported only {got}")
+        finally:
+            for child in children:
+                child.join(DEADLINE)
+                if child.is_alive():
+                    child.kill()
+        assert [child.exitcode for child in children] == [0] * processes
+        for round_ in range(rounds):
+            won = [name for r, name, t in got if r == round_ and t is not None]
+            assert len(won) == 1, (round_, got)
+
+    # Inspection ---------------------------------------------------------------------------------
+
+    def test_get_and_list_show_live_leases(self, store: LockStore) -> None:
+        """get/list report owner, token and remaining seconds of live leases, sorted by key."""
+        self.require(store, SupportsInspection)
+        assert isinstance(store, SupportsInspection)
+        t2 = store.acquire("job:2", "b", 30_000)
+        t1 = store.acquire("job:1", "a", LONG_MS)
+        t3 = store.acquire("other", "c", LONG_MS)
+        assert None not in (t1, t2, t3)
+        info = store.get("job:1")
+        assert info is not None
+        assert (info.key, info.owner, info.token) == ("job:1", "a", t1)
+        assert 0 < info.expires_in <= LONG_MS / 1000.0
+        assert store.get("free") is None
+        listed = store.list("job:")
+        assert [(i.key, i.owner, i.token) for i in listed] == [
+            ("job:1", "a", t1),
+            ("job:2", "b", t2),
+        ]
+        assert listed[1].expires_in <= 30.0
+        assert [i.key for i in store.list()] == ["job:1", "job:2", "other"]
+        assert store.list("nothing") == []
+
+    def test_list_skips_released_and_expired_leases(self, store: LockStore) -> None:
+        """Released and expired leases are neither listed nor returned by get."""
+        self.require(store, SupportsInspection)
+        assert isinstance(store, SupportsInspection)
+        ttl = self.short_ttl_ms()
+        assert store.acquire("gone", "a", LONG_MS) is not None
+        store.release("gone", "a")
+        assert store.acquire("expiring", "a", ttl) is not None
+        self.let_expire(store, "expiring", ttl)
+        assert store.acquire("kept", "a", LONG_MS) is not None
+        assert [i.key for i in store.list()] == ["kept"]
+        assert store.get("gone") is None
+        assert store.get("expiring") is None
+
+    def test_last_token_survives_release(self, store: LockStore) -> None:
+        """last_token is None for an unknown key and the last issued token after release."""
+        self.require(store, SupportsInspection)
+        assert isinstance(store, SupportsInspection)
+        assert store.last_token("k") is None
+        token = store.acquire("k", "a", LONG_MS)
+        assert store.last_token("k") == token
+        store.release("k", "a")
+        assert store.last_token("k") == token
+
+    def test_force_release_frees_the_key_and_keeps_the_counter(self, store: LockStore) -> None:
+        """force_release returns the removed lease, frees the key, and tokens keep growing."""
+        self.require(store, SupportsInspection)
+        assert isinstance(store, SupportsInspection)
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        removed = store.force_release("k")
+        assert removed is not None
+        assert (removed.key, removed.owner, removed.token) == ("k", "a", token)
+        assert store.force_release("k") is None
+        assert store.renew("k", "a", LONG_MS) is False
+        assert store.last_token("k") == token
+        again = store.acquire("k", "b", LONG_MS)
+        assert again is not None and again > token
+
+    # Batch renew --------------------------------------------------------------------------------
+
+    def test_renew_many_returns_results_in_order(self, store: LockStore) -> None:
+        """renew_many answers per item, in order, and really renews the ones it reports."""
+        self.require(store, SupportsBatchRenew)
+        assert isinstance(store, SupportsBatchRenew)
+        ttl = self.short_ttl_ms()
+        for i in range(5):
+            assert store.acquire(f"k{i}", f"o{i}", ttl) is not None
+        items = [
+            ("k0", "o0", LONG_MS),
+            ("k1", "intruder", LONG_MS),
+            ("free", "o0", LONG_MS),
+            ("k3", "o3", LONG_MS),
+            ("k4", "o4", LONG_MS),
+        ]
+        assert store.renew_many(items) == [True, False, False, True, True]
+        assert store.renew_many([]) == []
+        self.let_expire(store, "k1", ttl)
+        assert store.acquire("k0", "x", LONG_MS) is None  # renewed
+        assert store.acquire("k1", "x", LONG_MS) is not None  # not renewed: expired
+
+    # Release notification -----------------------------------------------------------------------
+
+    def test_wait_for_release_wakes_a_waiter(self, store: LockStore) -> None:
+        """A waiter blocked on a held key returns True soon after the holder releases it."""
+        self.require(store, SupportsReleaseNotify)
+        assert isinstance(store, SupportsReleaseNotify)
+        assert store.acquire("k", "holder", LONG_MS) is not None
+        outcome: list[bool] = []
+        waiter = threading.Thread(target=lambda: outcome.append(store.wait_for_release("k", 30)))
+        waiter.start()
+        self.wait_until_waiting(store, 1)
+        started = time.monotonic()
+        store.release("k", "holder")
+        waiter.join(DEADLINE)
+        assert outcome == [True]
+        assert time.monotonic() - started < 5.0
+
+    def test_wait_for_release_times_out(self, store: LockStore) -> None:
+        """Without a release, wait_for_release returns False after its timeout."""
+        self.require(store, SupportsReleaseNotify)
+        assert isinstance(store, SupportsReleaseNotify)
+        assert store.acquire("k", "holder", LONG_MS) is not None
+        timeout = 5.0 if self.clock is not None else 0.2
+        outcome: list[bool] = []
+        waiter = threading.Thread(
+            target=lambda: outcome.append(store.wait_for_release("k", timeout))
+        )
+        waiter.start()
+        self.wait_until_waiting(store, 1)
+        if self.clock is not None:
+            self.clock.advance(timeout)
+        waiter.join(DEADLINE)
+        assert outcome == [False]
+
+    def test_one_of_two_waiters_wins_a_release(self, store: LockStore) -> None:
+        """Of two waiters, exactly one acquires after a release (and, where promised, wakes)."""
+        self.require(store, SupportsReleaseNotify)
+        assert isinstance(store, SupportsReleaseNotify)
+        assert store.acquire("k", "holder", LONG_MS) is not None
+        wait = 30.0 if self.clock is not None else 1.0
+        outcomes: dict[str, tuple[bool, int | None]] = {}
+        done = threading.Condition()
+
+        def waiter(name: str) -> None:
+            woke = store.wait_for_release("k", wait)
+            token = store.acquire("k", name, LONG_MS) if woke else None
+            with done:
+                outcomes[name] = (woke, token)
+                done.notify_all()
+
+        threads = [threading.Thread(target=waiter, args=(n,)) for n in ("w1", "w2")]
+        for thread in threads:
+            thread.start()
+        self.wait_until_waiting(store, 2)
+        store.release("k", "holder")
+        with done:
+            assert done.wait_for(
+                lambda: any(t is not None for _, t in outcomes.values()), DEADLINE
+            ), outcomes
+        if self.clock is not None:
+            self.clock.advance(wait)  # time out the loser, if it still waits
+        for thread in threads:
+            thread.join(DEADLINE)
+        assert len(outcomes) == 2
+        assert sum(token is not None for _, token in outcomes.values()) == 1, outcomes
+        if self.release_wakes_one:
+            assert sum(woke for woke, _ in outcomes.values()) == 1, outcomes
+
+    # Against a reference model ------------------------------------------------------------------
+
+    def test_matches_the_reference_model(self, store_backend: None) -> None:
+        """Random sequences of operations behave like a small reference model of the protocol."""
+        run_state_machine_as_test(
+            _model_machine(self),
+            settings=settings(
+                max_examples=self.stateful_examples,
+                stateful_step_count=20,
+                deadline=None,
+                database=None,
+                suppress_health_check=[HealthCheck.too_slow],
+            ),
+        )
+
+
+def _model_machine(contract: StoreContract) -> type[RuleBasedStateMachine]:
+    """A state machine comparing a fresh store from ``contract`` with a reference model.
+
+    Model time is integer milliseconds; with a fake clock, steps of 500 ms and ttls of whole
+    seconds are exact in binary floating point, so the model and the store agree at expiry
+    boundaries. Without a fake clock, time is not advanced and ttls are long.
+    """
+    keys = st.sampled_from(["a", "b:1", "b:2"])
+    owners = st.sampled_from(["o1", "o2", "o3"])
+    ttls = st.sampled_from([1000, 2000, 3000] if contract.fake_clock else [LONG_MS])
+
+    class StoreModel(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.store = contract.fresh_store()
+            self.clock = contract.clock
+            self.now = 0
+            self.leases: dict[str, tuple[str, int, int]] = {}  # key -> (owner, expires, token)
+            self.last: dict[str, int] = {}
+            self.inspect = isinstance(self.store, SupportsInspection)
+
+        def live(self, key: str) -> tuple[str, int, int] | None:
+            lease = self.leases.get(key)
+            return lease if lease is not None and lease[1] > self.now else None
+
+        def renewed(self, key: str, owner: str, ttl: int) -> bool:
+            lease = self.live(key)
+            if lease is None or lease[0] != owner:
+                return False
+            self.leases[key] = (owner, self.now + ttl, lease[2])
+            return True
+
+        @rule(key=keys, owner=owners, ttl=ttls)
+        def acquire(self, key: str, owner: str, ttl: int) -> None:
+            token = self.store.acquire(key, owner, ttl)
+            if self.live(key) is not None:
+                assert token is None
+                return
+            assert token is not None and token > self.last.get(key, 0)
+            self.leases[key] = (owner, self.now + ttl, token)
+            self.last[key] = token
+
+        @rule(key=keys, owner=owners, ttl=ttls)
+        def renew(self, key: str, owner: str, ttl: int) -> None:
+            assert self.store.renew(key, owner, ttl) is self.renewed(key, owner, ttl)
+
+        @precondition(lambda self: isinstance(self.store, SupportsBatchRenew))
+        @rule(items=st.lists(st.tuples(keys, owners, ttls), max_size=4))
+        def renew_many(self, items: list[tuple[str, str, int]]) -> None:
+            assert isinstance(self.store, SupportsBatchRenew)
+            got = self.store.renew_many(items)
+            assert got == [self.renewed(k, o, t) for k, o, t in items]
+
+        @rule(key=keys, owner=owners)
+        def release(self, key: str, owner: str) -> None:
+            self.store.release(key, owner)
+            lease = self.live(key)
+            if lease is not None and lease[0] == owner:
+                del self.leases[key]
+
+        @precondition(lambda self: self.clock is not None)
+        @rule(ms=st.sampled_from([500, 1000, 2500]))
+        def advance(self, ms: int) -> None:
+            assert self.clock is not None
+            self.clock.advance(ms / 1000.0)
+            self.now += ms
+
+        def check_info(self, key: str, info: Any) -> None:
+            lease = self.live(key)
+            if lease is None:
+                assert info is None
+                return
+            assert info is not None
+            assert (info.key, info.owner, info.token) == (key, lease[0], lease[2])
+            expected = (lease[1] - self.now) / 1000.0
+            if self.clock is not None:
+                assert info.expires_in == pytest.approx(expected, abs=1e-6)
+            else:
+                assert 0 < info.expires_in <= expected
+
+        @precondition(lambda self: self.inspect)
+        @rule(key=keys)
+        def get(self, key: str) -> None:
+            assert isinstance(self.store, SupportsInspection)
+            self.check_info(key, self.store.get(key))
+
+        @precondition(lambda self: self.inspect)
+        @rule(key=keys)
+        def last_token(self, key: str) -> None:
+            assert isinstance(self.store, SupportsInspection)
+            assert self.store.last_token(key) == self.last.get(key)
+
+        @precondition(lambda self: self.inspect)
+        @rule(key=keys)
+        def force_release(self, key: str) -> None:
+            assert isinstance(self.store, SupportsInspection)
+            self.check_info(key, self.store.force_release(key))
+            self.leases.pop(key, None)
+
+        @precondition(lambda self: self.inspect)
+        @rule(prefix=st.sampled_from(["", "b:", "a"]))
+        def list_leases(self, prefix: str) -> None:
+            assert isinstance(self.store, SupportsInspection)
+            listed = self.store.list(prefix)
+            expected = sorted(k for k in self.leases if k.startswith(prefix) and self.live(k))
+            assert [i.key for i in listed] == expected
+            for info in listed:
+                self.check_info(info.key, info)
+
+        def teardown(self) -> None:
+            _close(self.store)
+
+    return StoreModel

@@ -1,0 +1,519 @@
+"""The Redis store runs the store contract on a throwaway redis-server, plus Redis specifics."""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.cluster import RedisCluster
+from redis.connection import SSLConnection, UnixDomainSocketConnection
+from redis.crc import key_slot
+
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LockStore, store_from_url
+from celery_lease.stores.redis import RedisLockStore, SentinelURL, parse_sentinel_url
+from tests.fixtures_redis import RedisServer
+from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+
+pytestmark = pytest.mark.redis
+
+
+class TestRedisStore(StoreContract):
+    """RedisLockStore built from a URL; each store gets its own prefix, so it starts empty."""
+
+    fake_clock = False
+    release_wakes_one = True
+    stateful_examples = 15
+
+    @pytest.fixture
+    def store_backend(self, redis_server: RedisServer, redis_url: str) -> None:
+        self.server = redis_server
+        self.url = redis_url
+
+    def make_store(self) -> LockStore:
+        self.prefix = f"contract-{uuid.uuid4().hex[:8]}:"
+        return RedisLockStore(self.url, prefix=self.prefix)
+
+    def store_factory(self) -> Callable[[], LockStore]:
+        return functools.partial(RedisLockStore, self.url, prefix=self.prefix)
+
+    def wait_until_waiting(self, store: LockStore, count: int) -> None:
+        """Poll the server until ``count`` clients block (in BLPOP)."""
+        client = self.server.client()
+        try:
+            deadline = time.monotonic() + DEADLINE
+            while int(client.info("clients")["blocked_clients"]) < count:
+                assert time.monotonic() < deadline, f"{count} waiters never blocked"
+                time.sleep(0.005)
+        finally:
+            client.close()
+
+
+class _CountingConnection(redis.Connection):
+    """A connection that counts the packets it sends: one per round trip."""
+
+    sends: list[bytes] = []
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        type(self).sends.append(b"".join(command) if isinstance(command, list) else command)
+        super().send_packed_command(command, check_health)
+
+
+@pytest.fixture
+def store(redis_url: str) -> Iterator[RedisLockStore]:
+    """A RedisLockStore on the flushed throwaway server, default prefix."""
+    store = RedisLockStore(redis_url)
+    yield store
+    store.close()
+
+
+def _commandstats(server: RedisServer) -> dict[str, int]:
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return {name: int(value["calls"]) for name, value in stats.items()}
+
+
+class TestRoundTrips:
+    """Each operation is one round trip."""
+
+    def test_acquire_release_take_two_round_trips_and_renew_many_one(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """Uncontended acquire + release send 2 packets; renew_many of 100 leases sends 1."""
+        pool = redis.ConnectionPool(
+            connection_class=_CountingConnection, host="127.0.0.1", port=redis_server.port
+        )
+        client = redis.Redis(connection_pool=pool)
+        store = RedisLockStore(client)
+        owners = [f"o{i}" for i in range(100)]
+        # Warm up: open the connection and load the scripts (NOSCRIPT fallback).
+        assert store.acquire("warm", "w", LONG_MS) is not None
+        store.release("warm", "w")
+        assert store.renew_many([("warm", "w", LONG_MS)]) == [False]
+        for i, owner in enumerate(owners):
+            assert store.acquire(f"k{i}", owner, LONG_MS) is not None
+
+        _CountingConnection.sends.clear()
+        redis_server.client().config_resetstat()
+        assert store.acquire("k", "a", LONG_MS) is not None
+        store.release("k", "a")
+        assert len(_CountingConnection.sends) == 2
+        stats = _commandstats(redis_server)
+        assert stats.get("cmdstat_evalsha") == 2
+        assert "cmdstat_script|exists" not in stats and "cmdstat_script|load" not in stats
+
+        _CountingConnection.sends.clear()
+        results = store.renew_many([(f"k{i}", o, LONG_MS) for i, o in enumerate(owners)])
+        assert results == [True] * 100
+        assert len(_CountingConnection.sends) == 1
+        client.close()
+
+    def test_noscript_falls_back_to_loading_the_script(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """After SCRIPT FLUSH every operation still works: NOSCRIPT loads the script again."""
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        redis_client.script_flush()
+        assert store.renew("k", "a", LONG_MS) is True
+        redis_client.script_flush()
+        assert store.renew_many([("k", "a", LONG_MS), ("k", "b", LONG_MS)]) == [True, False]
+        redis_client.script_flush()
+        store.release("k", "a")
+        redis_client.script_flush()
+        again = store.acquire("k", "b", LONG_MS)
+        assert again is not None and again > token
+        redis_client.script_flush()
+        assert [i.key for i in store.list()] == ["k"]
+
+
+class TestKeysAndValues:
+    """What the store writes into Redis."""
+
+    def test_keys_carry_the_prefix_and_a_hash_tag_on_the_user_key(
+        self, redis_url: str, redis_client: redis.Redis
+    ) -> None:
+        """Lease, counter and signal are <prefix>{<key>}:..., all in one cluster slot."""
+        store = RedisLockStore(redis_url, prefix="app:")
+        token = store.acquire("account:42", "worker-1", 5000)
+        assert sorted(redis_client.keys("*")) == [
+            b"app:{account:42}:lease",
+            b"app:{account:42}:token",
+        ]
+        assert redis_client.hgetall("app:{account:42}:lease") == {
+            b"owner": b"worker-1",
+            b"token": str(token).encode(),
+        }
+        assert 0 < redis_client.pttl("app:{account:42}:lease") <= 5000
+        assert redis_client.get("app:{account:42}:token") == str(token).encode()
+        store.release("account:42", "worker-1")
+        assert sorted(redis_client.keys("*")) == [
+            b"app:{account:42}:signal",
+            b"app:{account:42}:token",
+        ]
+        assert 0 < redis_client.pttl("app:{account:42}:signal") <= 60_000
+        keys = [
+            store.lease_key("account:42"),
+            store.token_key("account:42"),
+            store.signal_key("account:42"),
+        ]
+        assert {key_slot(k.encode()) for k in keys} == {key_slot(b"account:42")}
+        store.close()
+
+    def test_tokens_are_floored_by_the_server_clock_in_microseconds(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """A first token is the server's TIME in microseconds, well above a plain counter."""
+        seconds, micros = redis_client.time()
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None and token >= seconds * 1_000_000 + micros
+        assert token < 2**53
+
+    def test_counter_ahead_of_the_clock_still_increments(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """A counter above the clock floor grows by one, exactly, formatted as an integer."""
+        big = 2**52 + 12345
+        redis_client.set(store.token_key("k"), str(big))
+        assert store.acquire("k", "a", LONG_MS) == big + 1
+        assert redis_client.get(store.token_key("k")) == str(big + 1).encode()
+
+    def test_list_treats_glob_characters_literally(self, store: RedisLockStore) -> None:
+        """Keys with *, ? and [ ] are listed by exact prefix, not as a pattern."""
+        for key in ("x*1", "x?2", "x[3]", "xy", "x\\z"):
+            assert store.acquire(key, "a", LONG_MS) is not None
+        assert [i.key for i in store.list("x*")] == ["x*1"]
+        assert [i.key for i in store.list("x[")] == ["x[3]"]
+        assert [i.key for i in store.list("x\\")] == ["x\\z"]
+        assert len(store.list("x")) == 5
+
+    def test_keys_with_braces_keep_one_slot(self, store: RedisLockStore) -> None:
+        """A user key containing braces still maps its three Redis keys to one slot."""
+        for key in ("a}b", "{a}", "a{b}c"):
+            names = [store.lease_key(key), store.token_key(key), store.signal_key(key)]
+            assert len({key_slot(n.encode()) for n in names}) == 1
+            assert store.acquire(key, "a", LONG_MS) is not None
+            assert store.get(key) is not None and store.get(key).key == key  # type: ignore[union-attr]
+
+    @pytest.mark.parametrize("key", ["", "}x"])
+    def test_keys_that_cannot_carry_a_hash_tag_are_refused(
+        self, store: RedisLockStore, key: str
+    ) -> None:
+        """An empty key or one starting with '}' raises LeaseConfigError naming the key."""
+        with pytest.raises(LeaseConfigError, match="key="):
+            store.acquire(key, "a", LONG_MS)
+
+    def test_client_with_decoded_responses_works(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """A caller's client with decode_responses=True is fine: replies may be str or bytes."""
+        client = redis_server.client(decode_responses=True)
+        store = RedisLockStore(client)
+        token = store.acquire("k", "a", LONG_MS)
+        info = store.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert store.last_token("k") == token
+        assert [i.key for i in store.list()] == ["k"]
+        client.close()
+
+
+class TestFailures:
+    """Server restarts, outages and lost replies."""
+
+    def test_tokens_increase_after_a_restart_without_persistence(
+        self, redis_server: RedisServer, store: RedisLockStore
+    ) -> None:
+        """A restart loses the lease and the counter, yet the next token is still higher."""
+        first = store.acquire("k", "a", LONG_MS)
+        assert first is not None
+        redis_server.restart()
+        assert store.renew("k", "a", LONG_MS) is False  # dropped connection retried once
+        assert store.last_token("k") is None  # the counter is gone too
+        second = store.acquire("k", "b", LONG_MS)
+        assert second is not None and second > first
+
+    def test_server_down_raises_store_unavailable_with_the_cause(
+        self, redis_server: RedisServer, store: RedisLockStore
+    ) -> None:
+        """With the server stopped every operation raises StoreUnavailableError, cause chained."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        redis_server.stop()
+        try:
+            started = time.monotonic()
+            calls: list[Callable[[], object]] = [
+                lambda: store.acquire("j", "a", LONG_MS),
+                lambda: store.renew("k", "a", LONG_MS),
+                lambda: store.renew_many([("k", "a", LONG_MS)]),
+                lambda: store.release("k", "a"),
+                lambda: store.wait_for_release("k", 0.1),
+                lambda: store.list(),
+                lambda: store.last_token("k"),
+            ]
+            for call in calls:
+                with pytest.raises(StoreUnavailableError) as caught:
+                    call()
+                assert isinstance(caught.value.__cause__, redis.exceptions.ConnectionError)
+            assert time.monotonic() - started < 5.0  # no long retry loops
+        finally:
+            redis_server.start()
+        assert store.acquire("j", "a", LONG_MS) is not None
+
+    def test_other_redis_errors_raise_store_unavailable(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """A wrong-type key (a server-side error) raises StoreUnavailableError, not RedisError."""
+        redis_client.set(store.lease_key("k"), "not a hash")
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.renew("k", "a", LONG_MS)
+        assert isinstance(caught.value.__cause__, redis.exceptions.ResponseError)
+        with pytest.raises(StoreUnavailableError):
+            store.renew_many([("k", "a", LONG_MS)])
+
+    def test_dropped_connections_are_retried_once(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """After the server kills every client connection, the next call succeeds on a retry."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        redis_client.client_kill_filter(_type="normal", skipme=True)
+        assert store.renew("k", "a", LONG_MS) is True
+
+    def test_acquire_whose_reply_was_lost_cleans_up(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """If the first attempt took the lease but its reply was lost, the retry frees it."""
+
+        class LosesFirstReply(redis.Redis):
+            lost = 0
+
+            def evalsha(self, *args: Any) -> Any:
+                result = super().evalsha(*args)
+                if LosesFirstReply.lost == 0:
+                    LosesFirstReply.lost += 1
+                    raise redis.exceptions.ConnectionError("reply lost")
+                return result
+
+        client = LosesFirstReply(host="127.0.0.1", port=redis_server.port)
+        store = RedisLockStore(client)
+        assert store.acquire("k", "a", LONG_MS) is None
+        assert LosesFirstReply.lost == 1
+        assert store.get("k") is None  # the lease taken by the lost attempt was released
+        assert store.acquire("k", "b", LONG_MS) is not None
+        client.close()
+
+
+class TestWaiting:
+    """wait_for_release specifics."""
+
+    def test_long_waits_outlast_a_short_socket_timeout(self, redis_url: str) -> None:
+        """A wait longer than socket_timeout is cut into BLPOP slices instead of timing out."""
+        store = RedisLockStore(f"{redis_url}?socket_timeout=0.3")
+        started = time.monotonic()
+        assert store.wait_for_release("k", 0.8) is False
+        assert 0.75 <= time.monotonic() - started < 3.0
+        assert store.acquire("k", "a", LONG_MS) is not None
+        timer = threading.Timer(0.5, store.release, ("k", "a"))
+        timer.start()
+        try:
+            assert store.wait_for_release("k", 5.0) is True
+        finally:
+            timer.join()
+        store.close()
+
+    def test_a_zero_timeout_polls(self, store: RedisLockStore) -> None:
+        """timeout <= 0 returns at once: True only if a release signal is pending."""
+        assert store.wait_for_release("k", 0) is False
+        assert store.acquire("k", "a", LONG_MS) is not None
+        store.release("k", "a")
+        assert store.wait_for_release("k", 0) is True
+        assert store.wait_for_release("k", 0) is False  # one signal per release
+
+    def test_force_release_signals_a_waiter(self, store: RedisLockStore) -> None:
+        """force_release wakes a waiter like a release does."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        assert store.force_release("k") is not None
+        assert store.wait_for_release("k", 1.0) is True
+
+
+def _use_store_in_child(store: RedisLockStore, results: Any) -> None:
+    results.put(store.acquire("child", "c", LONG_MS))
+
+
+class TestConnections:
+    """URLs, clients and fork."""
+
+    def test_store_used_before_fork_works_in_the_child(self, store: RedisLockStore) -> None:
+        """redis-py's pool notices the fork: the child opens its own connection."""
+        assert store.acquire("parent", "p", LONG_MS) is not None
+        ctx = multiprocessing.get_context("fork")
+        results = ctx.Queue()
+        child = ctx.Process(target=_use_store_in_child, args=(store, results))
+        child.start()
+        token = results.get(timeout=DEADLINE)
+        child.join(DEADLINE)
+        assert child.exitcode == 0 and isinstance(token, int)
+        assert store.renew("parent", "p", LONG_MS) is True  # the parent's connection is intact
+
+    def test_unix_socket_url(self, redis_server: RedisServer, redis_url: str) -> None:
+        """unix:// URLs reach the server over its socket."""
+        store = store_from_url(redis_server.unix_url)
+        assert isinstance(store, RedisLockStore)
+        assert store.client.connection_pool.connection_class is UnixDomainSocketConnection
+        assert store.acquire("k", "a", LONG_MS) is not None
+        store.close()
+
+    def test_url_clients_get_5s_timeouts_unless_the_url_sets_them(self) -> None:
+        """socket_timeout / socket_connect_timeout default to 5 s, the URL's values win."""
+        kwargs = RedisLockStore("redis://localhost:1/0").client.connection_pool.connection_kwargs
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (5.0, 5.0)
+        assert kwargs["decode_responses"] is False
+        url = "redis://localhost:1/0?socket_timeout=1.5&socket_connect_timeout=0.5"
+        kwargs = RedisLockStore(url).client.connection_pool.connection_kwargs
+        assert (kwargs["socket_timeout"], kwargs["socket_connect_timeout"]) == (1.5, 0.5)
+
+    def test_rediss_url_builds_a_tls_client_with_acl_credentials(self) -> None:
+        """rediss:// selects SSLConnection and keeps the ACL user, password and db."""
+        store = RedisLockStore("rediss://app:s%40cret@redis.example.invalid:6380/2")
+        pool = store.client.connection_pool
+        assert pool.connection_class is SSLConnection
+        kwargs = pool.connection_kwargs
+        assert (kwargs["username"], kwargs["password"]) == ("app", "s@cret")
+        assert (kwargs["host"], kwargs["port"], kwargs["db"]) == ("redis.example.invalid", 6380, 2)
+        assert kwargs["socket_timeout"] == 5.0
+
+    def test_sentinel_url_builds_a_master_client(self) -> None:
+        """redis+sentinel:// builds Sentinel(...).master_for(service) without connecting."""
+        store = RedisLockStore(
+            "redis+sentinel://:pw@s1:26379,s2:26380/mymaster/3?sentinel_password=sp"
+        )
+        pool = store.client.connection_pool
+        assert isinstance(pool, redis.sentinel.SentinelConnectionPool)
+        assert pool.service_name == "mymaster"
+        assert (pool.connection_kwargs["db"], pool.connection_kwargs["password"]) == (3, "pw")
+        sentinel = store._sentinel
+        assert sentinel is not None
+        hosts = [s.connection_pool.connection_kwargs for s in sentinel.sentinels]
+        assert [(h["host"], h["port"], h["password"]) for h in hosts] == [
+            ("s1", 26379, "sp"),
+            ("s2", 26380, "sp"),
+        ]
+
+    @pytest.mark.parametrize(
+        ("url", "expected"),
+        [
+            (
+                "redis+sentinel://s1:26379,s2:26380/mymaster",
+                SentinelURL((("s1", 26379), ("s2", 26380)), "mymaster"),
+            ),
+            (
+                "redis+sentinel://user:p%3Aw@s1,[::1]:26381/svc/4?sentinel_password=x&socket_timeout=2",
+                SentinelURL(
+                    (("s1", 26379), ("::1", 26381)),
+                    "svc",
+                    db=4,
+                    username="user",
+                    password="p:w",
+                    sentinel_password="x",
+                    socket_timeout=2.0,
+                ),
+            ),
+            (
+                "redis+sentinel://:only-password@s1:26379/svc/",
+                SentinelURL((("s1", 26379),), "svc", password="only-password"),
+            ),
+        ],
+    )
+    def test_sentinel_url_parsing(self, url: str, expected: SentinelURL) -> None:
+        """Hosts, ports (default 26379), credentials, service, db and options are parsed."""
+        assert parse_sentinel_url(url) == expected
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "redis+sentinel://s1:26379",
+            "redis+sentinel://s1:26379/",
+            "redis+sentinel://s1:26379/svc/notadb",
+            "redis+sentinel://s1:26379/svc/1/extra",
+            "redis+sentinel://s1:port/svc",
+            "redis+sentinel://s1,,s2/svc",
+            "redis+sentinel://s1/svc?sentinel_pasword=typo",
+            "redis+sentinel://s1/svc?socket_timeout=soon",
+            "redis://s1/svc",
+        ],
+    )
+    def test_bad_sentinel_urls_are_refused(self, url: str) -> None:
+        """Malformed Sentinel URLs raise LeaseConfigError naming the URL."""
+        with pytest.raises(LeaseConfigError, match="url="):
+            parse_sentinel_url(url)
+
+    @pytest.mark.parametrize("prefix", ["", "{app}:", "a}b", 3])
+    def test_bad_prefixes_are_refused(self, prefix: object) -> None:
+        """A prefix must be a non-empty string without braces."""
+        with pytest.raises(LeaseConfigError, match="prefix="):
+            RedisLockStore("redis://localhost:1/0", prefix=prefix)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("value", ["http://localhost/", "redis://localhost:notaport/0", 42])
+    def test_bad_clients_and_urls_are_refused(self, value: object) -> None:
+        """Anything but a redis-py client or a Redis URL raises LeaseConfigError."""
+        with pytest.raises(LeaseConfigError):
+            RedisLockStore(value)  # type: ignore[arg-type]
+
+    def test_close_leaves_a_callers_client_open(self, redis_client: redis.Redis) -> None:
+        """close() does not close a client the caller passed in."""
+        store = RedisLockStore(redis_client)
+        assert store.acquire("k", "a", LONG_MS) is not None
+        store.close()
+        assert redis_client.ping() is True
+
+
+class TestRedisClusterStore(StoreContract):
+    """RedisLockStore on a redis.cluster.RedisCluster client (one-node cluster)."""
+
+    fake_clock = False
+    release_wakes_one = True
+    stateful_examples = 10
+
+    @pytest.fixture
+    def store_backend(self, redis_cluster_server: RedisServer, redis_cluster_url: str) -> None:
+        self.server = redis_cluster_server
+
+    def make_store(self) -> LockStore:
+        self.prefix = f"cluster-{uuid.uuid4().hex[:8]}:"
+        client = RedisCluster(host="127.0.0.1", port=self.server.port)
+        return _ClosingStore(client, prefix=self.prefix)
+
+    def store_factory(self) -> Callable[[], LockStore]:
+        return functools.partial(_cluster_store, self.server.port, self.prefix)
+
+    wait_until_waiting = TestRedisStore.wait_until_waiting
+
+    def test_renew_many_and_list_in_one_round_trip_per_node(self, store_backend: None) -> None:
+        """Batch renew and list work through cluster pipelines and the all-node SCAN."""
+        store = self.make_store()
+        assert isinstance(store, RedisLockStore)
+        for i in range(20):
+            assert store.acquire(f"k{i:02d}", "o", LONG_MS) is not None
+        assert store.renew_many([(f"k{i:02d}", "o", LONG_MS) for i in range(20)]) == [True] * 20
+        assert [i.key for i in store.list("k")] == [f"k{i:02d}" for i in range(20)]
+        store.close()
+
+
+class _ClosingStore(RedisLockStore):
+    """A store that also closes the cluster client the test built for it."""
+
+    def close(self) -> None:
+        super().close()
+        self.client.close()
+
+
+def _cluster_store(port: int, prefix: str) -> LockStore:
+    return _ClosingStore(RedisCluster(host="127.0.0.1", port=port), prefix=prefix)
