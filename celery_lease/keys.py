@@ -162,7 +162,7 @@ def canonical_json(arguments: Mapping[str, object]) -> str:
         data = {name: _normalise(value, name) for name, value in arguments.items()}
     except _Uncanonical as exc:
         raise LeaseConfigError(
-            f"cannot build a lock key from argument {exc.path!r}: a"
+            f"cannot build a lock key from argument {exc.path!r}: a value of type"
             f" {type(exc.value).__name__} has no canonical JSON form; pass `key` (a template"
             f' such as "name:{{{exc.path.split("[", 1)[0].split(" ", 1)[0]}}}" or a callable'
             " returning a str) to the task's lock options"

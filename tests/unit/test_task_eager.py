@@ -1,0 +1,417 @@
+"""LockedTask and @locked run eagerly (``.apply()``): options, policies, request, signals."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lease import (
+    LeaseConfigError,
+    LockedTask,
+    LockLostError,
+    LockNotAcquiredError,
+    MemoryLockStore,
+    get_lock_token,
+    locked,
+)
+from celery_lease import signals as lease_signals
+
+REAL_TIMEOUT = 10.0
+
+
+@pytest.fixture
+def store() -> MemoryLockStore:
+    return MemoryLockStore()
+
+
+@pytest.fixture
+def app(store: MemoryLockStore) -> Iterator[Celery]:
+    app = Celery("t", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.lease_store = store
+    app.conf.task_eager_propagates = False
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Every celery-lease signal sent during the test, as ``(name, kwargs)``."""
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    def make(name: str) -> Any:
+        def receiver(sender: Any = None, signal: Any = None, **kwargs: Any) -> None:
+            seen.append((name, {"sender": sender, **kwargs}))
+
+        return receiver
+
+    receivers = {}
+    for name in ("lock_acquired", "lock_rejected", "lock_lost", "lock_released"):
+        receivers[name] = make(name)
+        getattr(lease_signals, name).connect(receivers[name], weak=False)
+    yield seen
+    for name, receiver in receivers.items():
+        getattr(lease_signals, name).disconnect(receiver)
+
+
+def hold(store: MemoryLockStore, key: str, ttl_ms: int = 60_000) -> None:
+    """Take ``key`` for another owner."""
+    assert store.acquire(key, "someone-else", ttl_ms) is not None
+
+
+class TestOptionsAtDefinition:
+    def test_unknown_lock_attribute_names_the_options(self, app: Celery) -> None:
+        """A typo such as ``lock_tll`` fails at class creation, listing the known options."""
+        with pytest.raises(LeaseConfigError, match=r"lock_tll=.*lock_key, lock_ttl, lock_wait"):
+
+            @app.task(base=LockedTask, lock_tll="30s", shared=False)
+            def typo() -> None: ...
+
+            app.finalize()
+            typo.name  # noqa: B018 - forces the lazy task
+
+    def test_bad_policy_names_option_value_and_allowed(self, app: Celery) -> None:
+        """An unknown on_held policy is refused with what is allowed."""
+        with pytest.raises(LeaseConfigError, match=r"lock_on_held.*'ignore'.*raise, skip, retry"):
+
+            class Bad(LockedTask):
+                lock_on_held = "ignore"
+
+    def test_bad_duration_names_option(self) -> None:
+        """A malformed ttl names ``lock_ttl`` and the value."""
+        with pytest.raises(LeaseConfigError, match=r"lock_ttl of .*'30 parsecs'"):
+
+            class Bad(LockedTask):
+                lock_ttl = "30 parsecs"
+
+    def test_template_with_unknown_parameter_fails_at_definition(self, app: Celery) -> None:
+        """A template naming a missing parameter fails when the task is created."""
+        app.finalize()
+        with pytest.raises(LeaseConfigError, match=r"\{acount\}.*parameters are: account_id"):
+
+            @app.task(base=LockedTask, lock_key="a:{acount}", shared=False)
+            def task(account_id: int) -> None: ...
+
+    def test_decorator_template_checked_at_decoration(self) -> None:
+        """@locked checks its template against the function at decoration time."""
+        with pytest.raises(LeaseConfigError, match=r"\{nope\}"):
+
+            @locked(key="x:{nope}")
+            def f(self: Any, a: int) -> None: ...
+
+    def test_decorator_keeps_celery_argument_check(self, app: Celery) -> None:
+        """The decorated task still rejects a wrong call at ``delay`` time."""
+        app.conf.task_always_eager = True
+
+        @app.task(bind=True, shared=False)
+        @locked(key="k:{a}")
+        def f(self: Any, a: int) -> int:
+            return a
+
+        with pytest.raises(TypeError):
+            f.delay(1, 2, 3)
+        assert f.delay(4).get() == 4
+
+    def test_function_key_is_not_bound(self, app: Celery, store: MemoryLockStore) -> None:
+        """A plain function given as ``lock_key`` is called with the task's arguments only."""
+
+        def key_fn(account_id: int, amount: int = 0) -> str:
+            return f"fn:{account_id}"
+
+        @app.task(base=LockedTask, lock_key=key_fn, shared=False)
+        def task(account_id: int, amount: int = 0) -> str:
+            return str(task.request.lock_key)
+
+        assert task.apply((3,), {"amount": 1}).get() == "fn:3"
+
+
+class TestEagerExecution:
+    def test_request_and_ambient_token(self, app: Celery, received: list[Any]) -> None:
+        """The request carries key, token, waited and lease; get_lock_token() agrees."""
+
+        @app.task(base=LockedTask, lock_key="acct:{account_id}", shared=False)
+        def task(account_id: int) -> tuple[Any, ...]:
+            req = task.request
+            return (req.lock_key, req.lock_token, req.lock_waited, req.lease.key, get_lock_token())
+
+        key, token, waited, lease_key, ambient = task.apply((9,)).get()
+        assert (key, waited, lease_key) == ("acct:9", False, "acct:9")
+        assert token == ambient and isinstance(token, int)
+        names = [name for name, _ in received]
+        assert names == ["lock_acquired", "lock_released"]
+        assert received[0][1]["sender"].name == task.name and received[0][1]["token"] == token
+
+    def test_header_cannot_forge_token(self, app: Celery) -> None:
+        """A ``lock_token`` message header is overwritten by the real token."""
+
+        @app.task(base=LockedTask, lock_key="forge", shared=False)
+        def task() -> Any:
+            return task.request.lock_token
+
+        token = task.apply(headers={"lock_token": 10**30, "lock_key": "other"}).get()
+        assert token != 10**30
+
+    def test_key_prefix_and_default_ttl_from_app_conf(self, app: Celery) -> None:
+        """``lease_key_prefix`` is prepended and ``lease_default_ttl`` applies."""
+        app.conf.lease_key_prefix = "billing/"
+        app.conf.lease_default_ttl = "7s"
+
+        @app.task(base=LockedTask, lock_key="acct:{a}", shared=False)
+        def task(a: int) -> Any:
+            return task.request.lock_key, task.request.lease._entry.ttl
+
+        assert task.apply((1,)).get() == ["billing/acct:1", 7.0] or task.apply((1,)).get() == (
+            "billing/acct:1",
+            7.0,
+        )
+
+    def test_bad_setting_fails_when_read(self, app: Celery) -> None:
+        """A malformed ``lease_default_wait`` fails naming the setting."""
+        app.conf.lease_default_wait = "soon"
+        app.conf.task_eager_propagates = True
+
+        @app.task(base=LockedTask, lock_key="k", shared=False)
+        def task() -> None: ...
+
+        with pytest.raises(LeaseConfigError, match="lease_default_wait='soon'"):
+            task.apply()
+
+    def test_held_raise(self, app: Celery, store: MemoryLockStore, received: list[Any]) -> None:
+        """on_held="raise": FAILURE with LockNotAcquiredError carrying the key; body not run."""
+        ran = []
+
+        @app.task(base=LockedTask, lock_key="busy", shared=False)
+        def task() -> None:
+            ran.append(1)
+
+        hold(store, "busy")
+        result = task.apply()
+        assert result.state == "FAILURE"
+        assert isinstance(result.result, LockNotAcquiredError) and result.result.key == "busy"
+        assert ran == [] and [n for n, _ in received] == ["lock_rejected"]
+
+    def test_held_skip(
+        self,
+        app: Celery,
+        store: MemoryLockStore,
+        caplog: pytest.LogCaptureFixture,
+        received: list[Any],
+    ) -> None:
+        """on_held="skip": SUCCESS with None, logged at INFO, lock_rejected sent."""
+        rejected = []
+
+        class Task(LockedTask):
+            lock_on_held = "skip"
+
+            def on_lock_rejected(self, key: str) -> None:
+                rejected.append(key)
+
+        @app.task(base=Task, lock_key="busy", shared=False)
+        def task() -> str:
+            return "ran"
+
+        hold(store, "busy")
+        with caplog.at_level(logging.INFO, logger="celery_lease.task"):
+            result = task.apply()
+        assert (result.state, result.result) == ("SUCCESS", None)
+        assert rejected == ["busy"]
+        assert any(r.levelno == logging.INFO and "skipped" in r.message for r in caplog.records)
+        assert received[0][0] == "lock_rejected" and received[0][1]["key"] == "busy"
+
+    def test_held_retry_then_raise(self, app: Celery, store: MemoryLockStore) -> None:
+        """on_held="retry" retries within max_retries, then fails with LockNotAcquiredError."""
+        rejected = []
+
+        class Task(LockedTask):
+            lock_on_held = "retry"
+            lock_retry_countdown = 0
+            max_retries = 2
+
+            def on_lock_rejected(self, key: str) -> None:
+                rejected.append(key)
+
+        @app.task(base=Task, lock_key="busy", shared=False)
+        def task() -> None: ...
+
+        hold(store, "busy")
+        result = task.apply()
+        assert result.state == "FAILURE" and isinstance(result.result, LockNotAcquiredError)
+        assert rejected == ["busy"] * 3
+
+    def test_retry_releases_and_keeps_key(self, app: Celery, store: MemoryLockStore) -> None:
+        """A body that retries gets the same key on every attempt and never meets its own lease."""
+        attempts: list[tuple[str, int]] = []
+
+        @app.task(bind=True, base=LockedTask, lock_key="r:{n}", max_retries=3, shared=False)
+        def task(self: Any, n: int) -> int:
+            attempts.append((self.request.lock_key, self.request.lock_token))
+            if len(attempts) < 3:
+                raise self.retry(countdown=0)
+            return n
+
+        result = task.apply((5,))
+        assert (result.state, result.result) == ("SUCCESS", 5)
+        assert [k for k, _ in attempts] == ["r:5"] * 3
+        assert len({t for _, t in attempts}) == 3
+        assert store.get("r:5") is None
+
+    def test_reentrant_direct_call_reuses_lease(self, app: Celery) -> None:
+        """A locked task calling another locked function on the same key reuses its lease."""
+
+        @app.task(bind=True, shared=False)
+        @locked(key="same:{a}")
+        def inner(self: Any, a: int) -> Any:
+            return get_lock_token()
+
+        @app.task(base=LockedTask, lock_key="same:{a}", shared=False)
+        def outer(a: int) -> Any:
+            return outer.request.lock_token, inner(a)
+
+        result = outer.apply((1,))
+        assert result.state == "SUCCESS", result.traceback
+        outer_token, inner_token = result.result
+        assert outer_token == inner_token
+
+    def test_cooldown_keeps_key_after_success(self, app: Celery, store: MemoryLockStore) -> None:
+        """With cooldown, a late duplicate after a successful run is turned away."""
+
+        @app.task(base=LockedTask, lock_key="nightly", lock_cooldown="1h", shared=False)
+        def task() -> str:
+            return "done"
+
+        assert task.apply().result == "done"
+        second = task.apply()
+        assert isinstance(second.result, LockNotAcquiredError)
+
+    def test_receiver_that_raises_does_not_break_task(self, app: Celery) -> None:
+        """A lock_acquired receiver raising is logged; the task still succeeds."""
+
+        def boom(**kwargs: Any) -> None:
+            raise RuntimeError("receiver bug")
+
+        lease_signals.lock_acquired.connect(boom, weak=False)
+        try:
+
+            @app.task(base=LockedTask, lock_key="k", shared=False)
+            def task() -> int:
+                return 1
+
+            assert task.apply().result == 1
+        finally:
+            lease_signals.lock_acquired.disconnect(boom)
+
+    def test_unkeyable_argument_fails_clearly(self, app: Celery) -> None:
+        """The default key refuses an argument it cannot canonicalise, naming it."""
+
+        @app.task(base=LockedTask, shared=False)
+        def task(thing: Any) -> None: ...
+
+        result = task.apply((threading.Lock(),))
+        assert isinstance(result.result, LeaseConfigError)
+        assert "'thing'" in str(result.result) and "`key`" in str(result.result)
+
+
+class TestLoss:
+    def _lose_soon(self, store: MemoryLockStore, key: str) -> None:
+        """Take the key away from its holder once it is held (the next renewal fails)."""
+
+        def run() -> None:
+            deadline = time.monotonic() + REAL_TIMEOUT
+            while store.get(key) is None and time.monotonic() < deadline:
+                time.sleep(0.005)
+            store.force_release(key)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def test_mark_success_is_returned_with_warning(
+        self,
+        app: Celery,
+        store: MemoryLockStore,
+        received: list[Any],
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """on_lost="mark": lock_lost flag and signal; a body that succeeds anyway is returned."""
+
+        @app.task(base=LockedTask, lock_key="m", lock_ttl="0.3s", shared=False)
+        def task() -> Any:
+            assert task.request.lease.wait_lost(REAL_TIMEOUT)
+            return task.request.lock_lost, task.request.lease.lost_reason
+
+        self._lose_soon(store, "m")
+        with caplog.at_level(logging.WARNING):
+            result = task.apply()
+        assert result.state == "SUCCESS" and tuple(result.result) == (True, "taken")
+        lost = [kw for name, kw in received if name == "lock_lost"]
+        assert len(lost) == 1 and lost[0]["reason"] == "taken" and lost[0]["key"] == "m"
+        assert any("succeeded although" in r.message for r in caplog.records)
+
+    def test_mark_failure_is_reported_as_lock_lost(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """on_lost="mark": a body that fails after the loss is reported as LockLostError."""
+
+        @app.task(base=LockedTask, lock_key="m2", lock_ttl="0.3s", shared=False)
+        def task() -> None:
+            assert task.request.lease.wait_lost(REAL_TIMEOUT)
+            task.request.lease.check()
+
+        self._lose_soon(store, "m2")
+        result = task.apply()
+        assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
+
+    def test_revoke_interrupts_main_thread_body(self, app: Celery, store: MemoryLockStore) -> None:
+        """on_lost="revoke" in the main thread (prefork/solo path) interrupts a sleeping body."""
+
+        @app.task(base=LockedTask, lock_key="v", lock_ttl="0.3s", lock_on_lost="revoke")
+        def task() -> str:
+            time.sleep(REAL_TIMEOUT)
+            return "finished"
+
+        assert threading.current_thread() is threading.main_thread()
+        self._lose_soon(store, "v")
+        started = time.monotonic()
+        result = task.apply()
+        assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
+        assert time.monotonic() - started < REAL_TIMEOUT / 2
+
+    def test_revoke_interrupts_thread_body(self, app: Celery, store: MemoryLockStore) -> None:
+        """on_lost="revoke" in a worker thread (threads pool path) raises in the body."""
+
+        @app.task(base=LockedTask, lock_key="v2", lock_ttl="0.3s", lock_on_lost="revoke")
+        def task() -> str:
+            deadline = time.monotonic() + REAL_TIMEOUT
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            return "finished"
+
+        results: list[Any] = []
+        self._lose_soon(store, "v2")
+        thread = threading.Thread(target=lambda: results.append(task.apply()))
+        started = time.monotonic()
+        thread.start()
+        thread.join(REAL_TIMEOUT * 2)
+        assert results and results[0].state == "FAILURE"
+        assert isinstance(results[0].result, LockLostError)
+        assert time.monotonic() - started < REAL_TIMEOUT / 2
+
+
+class TestErrorsAcrossBackends:
+    @pytest.mark.parametrize("serializer", ["json", "pickle"])
+    def test_errors_round_trip(self, app: Celery, serializer: str) -> None:
+        """Both lock errors keep type and ``.key`` through the backend's exception encoding."""
+        app.conf.result_serializer = serializer
+        app.conf.accept_content = ["json", "pickle"]
+        app.conf.result_accept_content = ["json", "pickle"]
+        backend = app.backend
+        for exc in (LockNotAcquiredError("acct:1"), LockLostError("acct:1", "taken")):
+            stored = backend.prepare_exception(exc, serializer)
+            data = backend.decode(backend.encode({"result": stored}))["result"]
+            back = backend.exception_to_python(data)
+            assert type(back) is type(exc) and back.key == "acct:1"
+            assert pickle.loads(pickle.dumps(back)).args == exc.args
