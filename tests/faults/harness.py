@@ -1,0 +1,745 @@
+"""Mutual-exclusion harness and the processes the fault tests drive.
+
+Three parts, all reusable outside pytest (``benchmarks/exclusion_checker.py`` runs the checker):
+
+- :class:`FencedResource`: a table that accepts a write only with a fencing token larger than
+  every token it accepted before (``UPDATE ... SET fence = t WHERE fence < t``), in an SQLite file
+  or a PostgreSQL database, logging every attempt (accepted or not) in commit order.
+- The checker: K holders (processes, or threads for the memory store) x M acquisitions of a few
+  hot keys, random hold times, random pauses (a real ``SIGSTOP`` of the whole process, longer than
+  the ttl, placed between "the lease is still held" and the fenced write: the documented case
+  that only fencing catches). Each holding records ``(key, token, acquired_at, confirmed_at)``,
+  ``confirmed_at`` being the last moment its holder saw ``lease.lost`` false. :func:`check` then
+  verifies that no two holdings of a key overlapped while both believed they held it, that tokens
+  per key strictly increase in acquisition order, and that the resource accepted writes in token
+  order only. Timestamps are ``CLOCK_MONOTONIC``: comparable across processes of one host.
+- :class:`Agent`: a holder process driven line by line over its stdin (``acquire``, ``check``,
+  ``write``, ``release``), answering JSON lines (and reporting ``lost`` when its lease is lost),
+  so a test can SIGKILL or SIGSTOP it at an exact point.
+
+Run as ``python -m tests.faults.harness worker|agent ...`` (from the repository root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery_lease import lease, store_from_url
+from celery_lease.errors import LockLostError, LockNotAcquiredError, StoreUnavailableError
+from celery_lease.lease import Lease
+from celery_lease.stores.base import LockStore
+
+__all__ = [
+    "Agent",
+    "FencedResource",
+    "PausableStore",
+    "Plan",
+    "Report",
+    "check",
+    "is_stopped",
+    "now",
+    "run_processes",
+    "run_threads",
+    "wait_stopped",
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def now() -> float:
+    """``CLOCK_MONOTONIC`` seconds: comparable between processes of the same host."""
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+# Fenced resource ------------------------------------------------------------------------------
+
+
+class FencedResource:
+    """A resource that accepts a write only with a token above every token it accepted.
+
+    Args:
+        spec: ``sqlite:////absolute/path.db`` (or a plain path) or a ``postgresql://`` DSN,
+            optionally followed by ``#name``: the prefix of its two tables (default ``fenced``),
+            so that several resources can share one database.
+    """
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        spec, _, name = spec.partition("#")
+        self._target = spec
+        self.name = name or "fenced"
+        if not self.name.isidentifier():
+            raise ValueError(f"spec={self.spec!r}: the table prefix must be an identifier")
+        self._lock = threading.Lock()
+        self._postgres = spec.startswith(("postgresql://", "postgres://"))
+        self._conn: Any = None
+        self._pid = 0
+
+    def _connect(self) -> Any:
+        if self._conn is not None and self._pid == os.getpid():
+            return self._conn
+        self._pid = os.getpid()
+        if self._postgres:
+            import psycopg
+
+            conn = psycopg.connect(self._target, autocommit=True)
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_resource"
+                " (key TEXT PRIMARY KEY, fence BIGINT NOT NULL, writer TEXT)",
+            )
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_writes (seq BIGSERIAL PRIMARY KEY,"
+                " key TEXT NOT NULL, token BIGINT NOT NULL, accepted BOOLEAN NOT NULL,"
+                " writer TEXT)",
+            )
+        else:
+            path = self._target.removeprefix("sqlite:///")
+            conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
+            self._x(conn, "PRAGMA journal_mode=WAL")
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_resource"
+                " (key TEXT PRIMARY KEY, fence INTEGER NOT NULL, writer TEXT)",
+            )
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_writes (seq INTEGER PRIMARY KEY AUTOINCREMENT,"
+                " key TEXT NOT NULL, token INTEGER NOT NULL, accepted INTEGER NOT NULL,"
+                " writer TEXT)",
+            )
+        self._conn = conn
+        return conn
+
+    def _x(self, conn: Any, text: str, params: Sequence[Any] = ()) -> Any:
+        return conn.execute(text.replace("{n}", self.name), params)
+
+    def write(self, key: str, token: int, writer: str) -> bool:
+        """Write as ``writer`` with fencing ``token``; True when the resource accepted it."""
+        with self._lock:
+            conn = self._connect()
+            if self._postgres:
+                with conn.transaction():
+                    self._x(
+                        conn,
+                        "INSERT INTO {n}_resource (key, fence) VALUES (%s, 0)"
+                        " ON CONFLICT (key) DO NOTHING",
+                        (key,),
+                    )
+                    accepted = (
+                        self._x(
+                            conn,
+                            "UPDATE {n}_resource SET fence = %s, writer = %s"
+                            " WHERE key = %s AND fence < %s",
+                            (token, writer, key, token),
+                        ).rowcount
+                        == 1
+                    )
+                    self._x(
+                        conn,
+                        "INSERT INTO {n}_writes (key, token, accepted, writer)"
+                        " VALUES (%s, %s, %s, %s)",
+                        (key, token, accepted, writer),
+                    )
+                return accepted
+            self._x(conn, "BEGIN IMMEDIATE")
+            try:
+                self._x(
+                    conn, "INSERT OR IGNORE INTO {n}_resource (key, fence) VALUES (?, 0)", (key,)
+                )
+                accepted = (
+                    self._x(
+                        conn,
+                        "UPDATE {n}_resource SET fence = ?, writer = ? WHERE key = ? AND fence < ?",
+                        (token, writer, key, token),
+                    ).rowcount
+                    == 1
+                )
+                self._x(
+                    conn,
+                    "INSERT INTO {n}_writes (key, token, accepted, writer) VALUES (?, ?, ?, ?)",
+                    (key, token, int(accepted), writer),
+                )
+            except BaseException:
+                self._x(conn, "ROLLBACK")
+                raise
+            self._x(conn, "COMMIT")
+            return accepted
+
+    def log(self) -> list[tuple[str, int, bool, str]]:
+        """Every write attempt in commit order: ``(key, token, accepted, writer)``."""
+        with self._lock:
+            rows = self._x(
+                self._connect(), "SELECT key, token, accepted, writer FROM {n}_writes ORDER BY seq"
+            ).fetchall()
+        return [(k, int(t), bool(a), w) for k, t, a, w in rows]
+
+    def close(self) -> None:
+        """Close this process's connection."""
+        with self._lock:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+
+# Holders --------------------------------------------------------------------------------------
+
+
+class PausableStore:
+    """Wraps a store so that one owner's renewals fail, as if its process were paused.
+
+    For holders that are threads (the memory store): a real pause stops the renewer too, so the
+    lease runs out in the store while the paused holder still believes it holds it.
+    """
+
+    def __init__(self, inner: LockStore) -> None:
+        self.inner = inner
+        self._paused: set[str] = set()
+
+    def pause(self, owner: str) -> None:
+        """Renewals of ``owner`` fail from now on."""
+        self._paused.add(owner)
+
+    def resume(self, owner: str) -> None:
+        """Renewals of ``owner`` reach the store again."""
+        self._paused.discard(owner)
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        return self.inner.acquire(key, owner, ttl_ms)
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        if owner in self._paused:
+            raise StoreUnavailableError(f"owner {owner} is paused")
+        return self.inner.renew(key, owner, ttl_ms)
+
+    def release(self, key: str, owner: str) -> None:
+        self.inner.release(key, owner)
+
+
+@dataclass
+class Plan:
+    """What one holder does: ``rounds`` acquisitions of random ``keys``."""
+
+    keys: Sequence[str]
+    rounds: int
+    seed: int
+    ttl: float = 1.0
+    wait: float = 20.0
+    hold_max: float = 0.03
+    pause_prob: float = 0.0
+    pause_for: float = 0.0
+
+
+def hold_loop(
+    store: LockStore,
+    fence: FencedResource,
+    name: str,
+    plan: Plan,
+    pause: Callable[[Lease], None],
+    emit: Callable[[dict[str, Any]], None],
+) -> None:
+    """Run ``plan`` as holder ``name``, emitting one record per acquisition."""
+    rng = random.Random(plan.seed)
+    for index in range(plan.rounds):
+        key = rng.choice(plan.keys)
+        rec: dict[str, Any] = {"holder": name, "round": index, "key": key}
+        try:
+            with lease(key, store=store, ttl=plan.ttl, wait=plan.wait) as held:
+                rec["acquired_at"] = rec["confirmed_at"] = now()
+                rec["token"] = held.token
+                time.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:  # check, then act: a pause in between is what fencing is for
+                    rec["confirmed_at"] = checked
+                    if rng.random() < plan.pause_prob:
+                        rec["paused"] = True
+                        pause(held)
+                    rec["accepted"] = fence.write(key, held.token, name)
+                time.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:
+                    rec["confirmed_at"] = checked
+                    rec["confirmed_after_write"] = "accepted" in rec
+                rec["lost"] = held.lost
+        except LockNotAcquiredError:
+            rec["timed_out"] = True
+        except LockLostError:
+            rec["lost"] = True
+        emit(rec)
+
+
+def _stop_self(seconds: float) -> Callable[[Lease], None]:
+    def pause(held: Lease) -> None:
+        # The parent reads this line, waits until this process is stopped, then sends SIGCONT.
+        sys.stdout.write(f"PAUSE {seconds}\n")
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    return pause
+
+
+def _worker_main(args: argparse.Namespace) -> None:
+    store = store_from_url(args.store)
+    fence = FencedResource(args.fence)
+    plan = Plan(
+        keys=args.keys.split(","),
+        rounds=args.rounds,
+        seed=args.seed,
+        ttl=args.ttl,
+        wait=args.wait,
+        hold_max=args.hold_max,
+        pause_prob=args.pause_prob,
+        pause_for=args.pause_for,
+    )
+
+    def emit(rec: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(rec) + "\n")
+        sys.stdout.flush()
+
+    hold_loop(store, fence, args.name, plan, _stop_self(args.pause_for), emit)
+    sys.stdout.write("DONE\n")
+    sys.stdout.flush()
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP), from ``/proc/<pid>/stat``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except OSError:
+        return False
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Return once process ``pid`` is stopped; raise AssertionError after ``timeout`` seconds."""
+    deadline = now() + timeout
+    while not is_stopped(pid):
+        if now() > deadline:
+            raise AssertionError(f"process {pid} did not stop within {timeout} s")
+        time.sleep(0.002)  # deadline polling of /proc, not a synchronisation by sleeping
+
+
+def _resume_later(pid: int, seconds: float) -> None:
+    try:
+        wait_stopped(pid)
+    except AssertionError:
+        return
+    time.sleep(seconds)  # the pause itself
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+def run_processes(
+    store_url: str,
+    fence_spec: str,
+    *,
+    holders: int,
+    plan: Plan,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Run ``holders`` holder processes following ``plan`` (each with its own seed).
+
+    Pauses are real: the holder stops itself with SIGSTOP, this process sends SIGCONT after
+    ``plan.pause_for`` seconds. Returns every record; raises if a holder fails or times out.
+    """
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[threading.Thread] = []
+    errors = [tempfile.TemporaryFile("w+") for _ in range(holders)]  # noqa: SIM115 - closed below
+    done: list[bool] = [False] * holders
+
+    def read(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("PAUSE "):
+                threading.Thread(
+                    target=_resume_later, args=(proc.pid, float(line.split()[1])), daemon=True
+                ).start()
+            elif line.startswith("DONE"):
+                done[i] = True
+            elif line.strip():
+                with lock:
+                    records.append(json.loads(line))
+
+    try:
+        for i in range(holders):
+            command = [
+                sys.executable, "-m", "tests.faults.harness", "worker",
+                "--store", store_url, "--fence", fence_spec, "--name", f"p{i}",
+                "--keys", ",".join(plan.keys), "--rounds", str(plan.rounds),
+                "--seed", str(plan.seed * 1000 + i), "--ttl", str(plan.ttl),
+                "--wait", str(plan.wait), "--hold-max", str(plan.hold_max),
+                "--pause-prob", str(plan.pause_prob), "--pause-for", str(plan.pause_for),
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=errors[i], text=True, cwd=ROOT, env=env
+            )
+            procs.append(proc)
+            reader = threading.Thread(target=read, args=(i, proc), daemon=True)
+            reader.start()
+            readers.append(reader)
+        deadline = now() + timeout
+        for i, proc in enumerate(procs):
+            try:
+                proc.wait(max(0.1, deadline - now()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"holder p{i} did not finish within {timeout} s") from None
+        for reader in readers:
+            reader.join(5)
+        for i, proc in enumerate(procs):
+            if proc.returncode != 0 or not done[i]:
+                errors[i].seek(0)
+                raise RuntimeError(
+                    f"holder p{i} exited with {proc.returncode}:\n{errors[i].read()[-4000:]}"
+                )
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+        for f in errors:
+            f.close()
+    return records
+
+
+def run_threads(
+    store: LockStore, fence: FencedResource, *, holders: int, plan: Plan
+) -> list[dict[str, Any]]:
+    """Run ``holders`` holder threads in this process; pauses are simulated with
+    :class:`PausableStore` (the holder's renewals fail while its thread sleeps)."""
+    pausable = PausableStore(store)
+    records: list[dict[str, Any]] = []
+    lock = threading.Lock()
+    failures: list[BaseException] = []
+
+    def pause(held: Lease) -> None:
+        pausable.pause(held.owner)
+        try:
+            time.sleep(plan.pause_for)
+        finally:
+            pausable.resume(held.owner)
+
+    def emit(rec: dict[str, Any]) -> None:
+        with lock:
+            records.append(rec)
+
+    def run(i: int) -> None:
+        own = Plan(**{**plan.__dict__, "seed": plan.seed * 1000 + i})
+        try:
+            hold_loop(pausable, fence, f"t{i}", own, pause, emit)  # type: ignore[arg-type]
+        except BaseException as exc:  # reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(holders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return records
+
+
+# Checker --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """What :func:`check` found; :attr:`violations` is empty when exclusion held."""
+
+    store: str
+    acquisitions: int = 0
+    overlaps: int = 0
+    stale_accepted: int = 0
+    stale_rejected: int = 0
+    late_accepted: int = 0
+    pauses: int = 0
+    lost: int = 0
+    timed_out: int = 0
+    writes: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """One line: ``<store>: N acquisitions, 0 overlaps, 0 stale writes accepted (...)``."""
+        return (
+            f"{self.store}: {self.acquisitions} acquisitions, {self.overlaps} overlaps, "
+            f"{self.stale_accepted} stale writes accepted ({self.writes} fenced writes, "
+            f"{self.stale_rejected} stale writes rejected by fencing, {self.late_accepted} late "
+            f"writes accepted in token order, {self.pauses} pauses, {self.lost} leases lost, "
+            f"{self.timed_out} waits timed out)"
+        )
+
+
+def check(
+    store: str, records: Iterable[dict[str, Any]], writes: Iterable[tuple[str, int, bool, str]]
+) -> Report:
+    """Verify mutual exclusion and fencing over the holders' ``records`` and the resource log."""
+    report = Report(store)
+    by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for rec in records:
+        if rec.get("timed_out"):
+            report.timed_out += 1
+            continue
+        report.acquisitions += 1
+        report.pauses += bool(rec.get("paused"))
+        report.lost += bool(rec.get("lost"))
+        by_key[rec["key"]].append(rec)
+
+    for key, recs in by_key.items():
+        recs.sort(key=lambda r: r["acquired_at"])
+        tokens = [r["token"] for r in recs]
+        if len(set(tokens)) != len(tokens):
+            report.violations.append(f"{key}: a token was issued twice: {sorted(tokens)}")
+        for earlier, later in itertools.pairwise(recs):
+            if later["token"] <= earlier["token"]:
+                report.violations.append(
+                    f"{key}: token {later['token']} acquired after {earlier['token']}"
+                )
+        # Belief intervals [acquired_at, confirmed_at]: no two may intersect.
+        for i, a in enumerate(recs):
+            for b in recs[i + 1 :]:
+                if b["acquired_at"] >= a["confirmed_at"]:
+                    continue
+                report.overlaps += 1
+                report.violations.append(
+                    f"{key}: {b['holder']} acquired (token {b['token']}) at {b['acquired_at']:.4f}"
+                    f" while {a['holder']} (token {a['token']}) still believed it held the key"
+                    f" until {a['confirmed_at']:.4f}"
+                )
+
+    highest: dict[str, int] = {}
+    tokens_of = {(r["key"], r["token"]): r for recs in by_key.values() for r in recs}
+    for key, token, accepted, writer in writes:
+        report.writes += 1
+        top = highest.get(key, 0)
+        rec = tokens_of.get((key, token))
+        if rec is None:
+            report.violations.append(f"{key}: write with token {token} by {writer}: no holder")
+        if token <= top:
+            if accepted:
+                report.stale_accepted += 1
+                report.violations.append(
+                    f"{key}: stale write accepted: token {token} after token {top}"
+                )
+            else:
+                report.stale_rejected += 1
+                if rec is not None and rec.get("confirmed_after_write"):
+                    report.violations.append(
+                        f"{key}: write of token {token} rejected while its holder believed it"
+                        " held the key throughout"
+                    )
+        elif not accepted:
+            report.violations.append(f"{key}: the resource rejected the newest token {token}")
+        if accepted:
+            highest[key] = max(top, token)
+            if rec is not None and rec.get("paused"):
+                report.late_accepted += 1
+    return report
+
+
+# Agent: a holder process driven over stdin ------------------------------------------------------
+
+
+def _agent_main(args: argparse.Namespace) -> None:
+    store = store_from_url(args.store)
+    fence = FencedResource(args.fence) if args.fence else None
+    held: dict[str, tuple[Any, Lease]] = {}
+    out = threading.Lock()
+
+    def emit(**event: Any) -> None:
+        event.setdefault("at", now())
+        with out:
+            sys.stdout.write(json.dumps(event) + "\n")
+            sys.stdout.flush()
+
+    def on_lost(lost: Lease) -> None:
+        emit(ev="lost", key=lost.key, token=lost.token, reason=lost.lost_reason)
+
+    emit(ev="ready", pid=os.getpid())
+    for line in sys.stdin:
+        words = line.split()
+        if not words:
+            continue
+        command, rest = words[0], words[1:]
+        started = now()
+        try:
+            if command == "quit":
+                break
+            if command == "acquire":
+                key, ttl, wait = rest[0], float(rest[1]), float(rest[2])
+                context = lease(key, store=store, ttl=ttl, wait=wait, on_lost=on_lost)
+                got = context.__enter__()
+                held[key] = (context, got)
+                emit(ev="acquired", key=key, token=got.token, started=started)
+            elif command == "check":
+                got = held[rest[0]][1]
+                emit(ev="check", key=got.key, lost=got.lost, reason=got.lost_reason)
+            elif command == "write":
+                got = held[rest[0]][1]
+                assert fence is not None, "the agent was started without --fence"
+                accepted = fence.write(got.key, got.token, f"agent-{os.getpid()}")
+                emit(ev="write", key=got.key, token=got.token, accepted=accepted)
+            elif command == "release":
+                context, got = held.pop(rest[0])
+                context.__exit__(None, None, None)
+                emit(ev="released", key=got.key, lost=got.lost)
+            else:
+                emit(ev="error", command=command, type="UnknownCommand", message=line.strip())
+        except Exception as exc:  # reported to the test
+            emit(ev="error", command=command, type=type(exc).__name__, message=str(exc))
+
+
+class Agent:
+    """A holder process, driven by the test (see the module docstring).
+
+    Args:
+        store_url: the store URL the agent opens (``store_from_url``).
+        fence: the :class:`FencedResource` spec for ``write``, if any.
+        log: a file for the agent's stderr (its warnings), shown when it misbehaves.
+    """
+
+    def __init__(self, store_url: str, *, fence: str | None = None, log: Path | None = None):
+        command = [sys.executable, "-m", "tests.faults.harness", "agent", "--store", store_url]
+        if fence:
+            command += ["--fence", fence]
+        self._log_path = log
+        self._log = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            cwd=ROOT,
+        )
+        self.pid = self.proc.pid
+        self.events: list[dict[str, Any]] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.wait_for(lambda e: e["ev"] == "ready", timeout=30)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            event = json.loads(line)
+            with self._cond:
+                self.events.append(event)
+                self._cond.notify_all()
+        with self._cond:
+            self.events.append({"ev": "exit", "at": now()})
+            self._cond.notify_all()
+
+    def wait_for(
+        self, match: Callable[[dict[str, Any]], bool], *, timeout: float, since: int = 0
+    ) -> dict[str, Any]:
+        """The first event from index ``since`` on that ``match`` accepts, waiting up to
+        ``timeout`` seconds; raises AssertionError (with the agent's log) when none comes."""
+        deadline = now() + timeout
+        with self._cond:
+            while True:
+                for event in self.events[since:]:
+                    if match(event):
+                        return event
+                left = deadline - now()
+                if left <= 0:
+                    raise AssertionError(
+                        f"agent {self.pid}: no matching event within {timeout} s; events: "
+                        f"{self.events}\nlog:\n{self.log()}"
+                    )
+                self._cond.wait(left)
+
+    def send(self, *words: object) -> int:
+        """Send one command without waiting; returns the index its answer will be found from."""
+        with self._cond:
+            since = len(self.events)
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(" ".join(str(w) for w in words) + "\n")
+        self.proc.stdin.flush()
+        return since
+
+    def answer(self, since: int, *, timeout: float = 15.0) -> dict[str, Any]:
+        """The answer to the command sent at ``since`` (the next event that is not ``lost``)."""
+        return self.wait_for(lambda e: e["ev"] != "lost", timeout=timeout, since=since)
+
+    def request(self, *words: object, timeout: float = 15.0) -> dict[str, Any]:
+        """Send one command; return its answer."""
+        return self.answer(self.send(*words), timeout=timeout)
+
+    def signal(self, signum: int) -> None:
+        """Send ``signum`` to the agent process."""
+        os.kill(self.pid, signum)
+
+    def log(self) -> str:
+        """The agent's stderr so far."""
+        return self._log_path.read_text() if self._log_path else ""
+
+    def close(self) -> None:
+        """Kill the agent (resumed first, in case it is stopped) and reap it."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()  # type: ignore[union-attr]
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.faults.harness worker|agent``: the processes the tests start."""
+    parser = argparse.ArgumentParser(prog="python -m tests.faults.harness")
+    sub = parser.add_subparsers(dest="role", required=True)
+    worker = sub.add_parser("worker", help="run a holder plan, printing one JSON record a line")
+    worker.add_argument("--store", required=True)
+    worker.add_argument("--fence", required=True)
+    worker.add_argument("--name", required=True)
+    worker.add_argument("--keys", required=True)
+    worker.add_argument("--rounds", type=int, required=True)
+    worker.add_argument("--seed", type=int, required=True)
+    worker.add_argument("--ttl", type=float, default=1.0)
+    worker.add_argument("--wait", type=float, default=20.0)
+    worker.add_argument("--hold-max", type=float, default=0.03)
+    worker.add_argument("--pause-prob", type=float, default=0.0)
+    worker.add_argument("--pause-for", type=float, default=0.0)
+    agent = sub.add_parser("agent", help="a holder driven over stdin")
+    agent.add_argument("--store", required=True)
+    agent.add_argument("--fence")
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        _worker_main(args)
+    else:
+        _agent_main(args)
+
+
+if __name__ == "__main__":
+    main()
