@@ -1,0 +1,770 @@
+"""PostgreSQL store: one table, one statement per operation, time from the database's clock.
+
+Every operation is a single SQL statement on an autocommit connection, so it is one round trip
+and atomic per key. Expiry and tokens are computed from ``clock_timestamp()`` on the server,
+never from a client's clock, so workers with skewed clocks still agree.
+
+The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` (or
+lets ``expires`` pass) but keeps the row, so the fencing-token counter only grows. A new token is
+``GREATEST(previous + 1, clock_timestamp() in microseconds)``, so it also exceeds every earlier
+token after the row is lost (a restored backup, a dropped table) as long as the server's clock
+does not go back.
+
+Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement; waiters in
+:meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store and
+process (see there). The schema, for teams that manage DDL themselves (default table name)::
+
+    CREATE TABLE IF NOT EXISTS "celery_lease" (
+        key text COLLATE "C" PRIMARY KEY,  -- the lock key; "C": byte order, prefix scans
+        owner text NULL,                   -- the holder, NULL once released
+        expires timestamptz NOT NULL,      -- end of the lease, by the server's clock
+        token bigint NOT NULL              -- last fencing token issued for the key
+    )
+
+``PostgresLockStore.schema_sql(table)`` returns it for another table name; :data:`SCHEMA_SQL`
+holds it for the default one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
+
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LeaseInfo
+
+__all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DEFAULT_TABLE = "celery_lease"
+
+# One or two dot-separated parts ("table" or "schema.table"), each a plain identifier.
+_TABLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(?:\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
+_MAX_CHANNEL = 63  # PostgreSQL's NAMEDATALEN - 1: pg_notify refuses longer channel names
+
+_SCHEMA_TEMPLATE = """\
+CREATE TABLE IF NOT EXISTS {table} (
+    key text COLLATE "C" PRIMARY KEY,
+    owner text NULL,
+    expires timestamptz NOT NULL,
+    token bigint NOT NULL
+)"""
+
+# The server's clock in whole microseconds since the epoch: the floor of every new token.
+_NOW_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+
+# Params: key, owner, ttl_ms. Returns one row (token) when taken, no row when the key is live.
+_ACQUIRE = f"""\
+INSERT INTO {{table}} AS t (key, owner, expires, token)
+VALUES (%(key)s, %(owner)s, clock_timestamp() + %(ttl_ms)s * interval '1 millisecond', {_NOW_US})
+ON CONFLICT (key) DO UPDATE
+    SET owner = EXCLUDED.owner,
+        expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond',
+        token = GREATEST(t.token + 1, {_NOW_US})
+    WHERE t.owner IS NULL OR t.expires <= clock_timestamp()
+RETURNING t.token"""
+
+# Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
+_RENEW = """\
+UPDATE {table}
+SET expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond'
+WHERE key = %(key)s AND owner = %(owner)s AND expires > clock_timestamp()"""
+
+# Params: keys, owners, ttls (three parallel arrays). Returns the (key, owner) pairs renewed.
+_RENEW_MANY = """\
+UPDATE {table} AS t
+SET expires = clock_timestamp() + b.ttl_ms * interval '1 millisecond'
+FROM unnest(%(keys)s::text[], %(owners)s::text[], %(ttls)s::bigint[]) AS b(key, owner, ttl_ms)
+WHERE t.key = b.key AND t.owner = b.owner AND t.expires > clock_timestamp()
+RETURNING t.key, t.owner"""
+
+# Params: key, owner, channel. Clears owner (the row and its counter stay) and notifies the
+# channel with the key as payload, in one statement; returns one row when something was released.
+_RELEASE = """\
+WITH released AS (
+    UPDATE {table} SET owner = NULL
+    WHERE key = %(key)s AND owner = %(owner)s
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, key) FROM released"""
+
+# Params: key, channel. Returns (key, owner, token, expires_in seconds) of the lease removed.
+_FORCE_RELEASE = """\
+WITH live AS (
+    SELECT key, owner, token, expires FROM {table}
+    WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()
+    FOR UPDATE
+), released AS (
+    UPDATE {table} AS t SET owner = NULL FROM live WHERE t.key = live.key
+    RETURNING live.key, live.owner, live.token, live.expires
+)
+SELECT key, owner, token,
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8,
+       pg_notify(%(channel)s, key)
+FROM released"""
+
+# Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
+_GET = """\
+SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {table}
+WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()"""
+
+# Params: pattern (a LIKE prefix pattern, escaped). Live leases, in key ("C", byte) order.
+_LIST = """\
+SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {table}
+WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
+ORDER BY key"""
+
+# Params: key. Returns the last token issued for the key, live or not.
+_LAST_TOKEN = "SELECT token FROM {table} WHERE key = %(key)s"
+
+
+def _validate_table(table: object) -> str:
+    if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
+        raise LeaseConfigError(
+            f"table={table!r} must be an identifier (letters, digits, _; not starting with a "
+            "digit; at most 63 characters), optionally schema-qualified as schema.table"
+        )
+    return table
+
+
+def _table_identifier(table: str) -> sql.Identifier:
+    return sql.Identifier(*table.split("."))
+
+
+def _render(template: str, table: str) -> bytes:
+    """A statement with the table name quoted in, rendered once (no connection needed)."""
+    ident = _table_identifier(table)
+    return sql.SQL(template).format(table=ident).as_bytes(None)
+
+
+def _channel(table: str) -> str:
+    """The NOTIFY channel of a table: readable when short enough, hashed otherwise."""
+    channel = f"celery_lease:{table}"
+    if len(channel) > _MAX_CHANNEL:
+        channel = "celery_lease:" + hashlib.sha256(table.encode()).hexdigest()[:32]
+    return channel
+
+
+SCHEMA_SQL: str = sql.SQL(_SCHEMA_TEMPLATE).format(table=sql.Identifier(DEFAULT_TABLE)).as_string()
+"""The ``CREATE TABLE IF NOT EXISTS`` statement for the default table ``celery_lease``."""
+
+
+# Stores still open, so that a forked child can abandon what it inherited.
+_STORES: weakref.WeakSet[PostgresLockStore] = weakref.WeakSet()
+
+# Pools and connections inherited through fork(): never used and never closed in the child
+# (closing would send a Terminate message on the parent's socket and end its session), only kept
+# referenced so that garbage collection does not close them either.
+_INHERITED: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._forget_inherited()
+
+
+if hasattr(os, "register_at_fork"):  # pragma: no branch - absent on Windows only
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@dataclass(eq=False)
+class _Slot:
+    """Waiters of one key: all of them wake when a release of the key is notified."""
+
+    event: threading.Event = field(default_factory=threading.Event)
+    refs: int = 0
+
+
+class _Listener:
+    """One thread holding a dedicated ``LISTEN`` connection, waking per-key slots.
+
+    ``ready`` is set while the connection listens. After a reconnect every registered slot is
+    woken (a release may have been notified while nobody listened): spurious wake-ups are allowed
+    by the protocol, lost ones would cost a waiter a full poll interval.
+    """
+
+    _TICK = 1.0  # seconds between checks of the stop flag while no notification arrives
+
+    def __init__(self, connect: Callable[[], psycopg.Connection[Any]], channel: str) -> None:
+        self._connect = connect
+        self._channel = channel
+        # A private channel: a NOTIFY on it wakes the thread at once when the store closes.
+        self.stop_channel = f"celery_lease_stop_{uuid.uuid4().hex}"
+        self._lock = threading.Lock()
+        self._slots: dict[str, _Slot] = {}
+        self._blocked = 0  # threads blocked in wait() with the listener ready
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._thread = threading.Thread(
+            target=self._run, name=f"celery-lease-listen[{channel}]", daemon=True
+        )
+        self._thread.start()
+
+    # Slots ------------------------------------------------------------------------------------
+
+    def register(self, key: str) -> _Slot:
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is None:
+                slot = self._slots[key] = _Slot()
+            slot.refs += 1
+            return slot
+
+    def unregister(self, key: str, slot: _Slot) -> None:
+        with self._lock:
+            slot.refs -= 1
+            if slot.refs <= 0 and self._slots.get(key) is slot:
+                del self._slots[key]
+
+    def wait(self, key: str, slot: _Slot, deadline_in: float) -> bool:
+        """Block on ``slot`` for up to ``deadline_in`` seconds; True when it was woken."""
+        started = time.monotonic()
+        if not self.ready.wait(deadline_in):
+            return slot.event.is_set()
+        remaining = deadline_in - (time.monotonic() - started)
+        with self._lock:
+            self._blocked += 1
+        try:
+            return slot.event.wait(max(0.0, remaining))
+        finally:
+            with self._lock:
+                self._blocked -= 1
+
+    def blocked(self) -> int:
+        with self._lock:
+            return self._blocked
+
+    def _wake(self, key: str) -> None:
+        with self._lock:
+            slot = self._slots.pop(key, None)
+        if slot is not None:
+            slot.event.set()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            slots = list(self._slots.values())
+            self._slots.clear()
+        for slot in slots:
+            slot.event.set()
+
+    # Thread -----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff, connected_before = 0.05, False
+        listen = sql.SQL("LISTEN {}; LISTEN {}").format(
+            sql.Identifier(self._channel), sql.Identifier(self.stop_channel)
+        )
+        while not self._stop.is_set():
+            try:
+                conn = self._connect()
+            except psycopg.Error as exc:
+                logger.warning("celery-lease: listener failed to connect (%s)", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self._conn = conn
+            try:
+                conn.execute(listen)
+                if connected_before:
+                    self._wake_all()
+                connected_before, backoff = True, 0.05
+                self.ready.set()
+                while not self._stop.is_set():
+                    for notify in conn.notifies(timeout=self._TICK):
+                        if notify.channel != self._channel:
+                            break  # the stop channel: the loop condition decides
+                        self._wake(notify.payload)
+            except psycopg.Error as exc:
+                if not self._stop.is_set():
+                    logger.warning("celery-lease: listener connection lost (%s)", exc)
+            finally:
+                self.ready.clear()
+                self._conn = None
+                with contextlib.suppress(psycopg.Error):
+                    conn.close()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+        self._wake_all()
+
+    def forget(self) -> None:
+        """In a forked child: the thread is gone; keep its connection unclosed and unused."""
+        self._stop.set()
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+
+
+class PostgresLockStore:
+    """A :class:`~celery_lease.LockStore` in a PostgreSQL table; excludes across hosts.
+
+    Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
+    :class:`~celery_lease.SupportsBatchRenew` and :class:`~celery_lease.SupportsInspection`.
+
+    Connections: given a DSN, the store opens a small ``psycopg_pool.ConnectionPool`` of
+    autocommit connections on first use (1 to ``max_connections``); given a pool, it uses that
+    pool as is and never closes it. After ``fork()`` the child builds its own pool (and listener)
+    and never touches the sockets it inherited; a pool passed in by the caller cannot be rebuilt,
+    so the caller must not share one across a fork.
+
+    Waiting: :meth:`wait_for_release` is served by one listener thread per store and process,
+    holding one extra connection that ``LISTEN``\\ s on the table's channel and wakes the waiters
+    of the released key. Any number of threads can wait at the cost of one connection (a
+    connection per waiting thread would make the server fork a backend per waiter).
+
+    Errors: a ``psycopg.OperationalError`` while running a statement (typically a connection
+    dropped by a server restart) is retried once on another connection; a second failure, a
+    timeout getting a connection, or any other driver error raises ``StoreUnavailableError``
+    with the driver's error chained.
+
+    The table is created on first use with ``CREATE TABLE IF NOT EXISTS`` (see the module
+    docstring or :meth:`schema_sql` to create it yourself; the statement is then a no-op).
+
+    Args:
+        dsn_or_pool: a libpq connection string or URL (``postgresql://`` or ``postgres://``), or
+            a ``psycopg_pool.ConnectionPool`` (autocommit connections recommended: otherwise each
+            operation also pays a ``COMMIT``).
+        table: the table name, optionally ``schema.table`` (default ``"celery_lease"``).
+        connect_timeout: seconds to wait for a connection (new or from the pool) before raising
+            ``StoreUnavailableError`` (default 5.0).
+        max_connections: the size limit of the internal pool (default 8); ignored with a pool.
+
+    Raises:
+        LeaseConfigError: for a bad ``table``, ``dsn_or_pool``, ``connect_timeout`` or
+            ``max_connections``.
+    """
+
+    def __init__(
+        self,
+        dsn_or_pool: str | ConnectionPool[Any],
+        *,
+        table: str = DEFAULT_TABLE,
+        connect_timeout: float = 5.0,
+        max_connections: int = 8,
+    ) -> None:
+        self._table = _validate_table(table)
+        if (
+            isinstance(connect_timeout, bool)
+            or not isinstance(connect_timeout, (int, float))
+            or not connect_timeout > 0
+        ):
+            raise LeaseConfigError(
+                f"connect_timeout={connect_timeout!r} must be a number of seconds > 0"
+            )
+        if (
+            isinstance(max_connections, bool)
+            or not isinstance(max_connections, int)
+            or max_connections < 1
+        ):
+            raise LeaseConfigError(f"max_connections={max_connections!r} must be an int >= 1")
+        self._connect_timeout = float(connect_timeout)
+        self._max_connections = max_connections
+        if isinstance(dsn_or_pool, ConnectionPool):
+            self._dsn: str | None = None
+            self._given_pool: ConnectionPool[Any] | None = dsn_or_pool
+            self._application_name = False
+        elif isinstance(dsn_or_pool, str):
+            try:
+                params = conninfo_to_dict(dsn_or_pool)
+            except psycopg.ProgrammingError as exc:
+                raise LeaseConfigError(
+                    f"dsn_or_pool is not a valid PostgreSQL DSN or URL: {exc}"
+                ) from None
+            self._dsn = dsn_or_pool
+            self._given_pool = None
+            self._dsn_host = f"{params.get('host', '')}:{params.get('port', '')}"
+            self._dsn_db = str(params.get("dbname", ""))
+            self._application_name = "application_name" not in params
+        else:
+            raise LeaseConfigError(
+                f"dsn_or_pool={type(dsn_or_pool).__name__} must be a DSN string or a "
+                "psycopg_pool.ConnectionPool"
+            )
+        self._channel = _channel(self._table)
+        self._sql = {
+            name: _render(template, self._table)
+            for name, template in (
+                ("acquire", _ACQUIRE),
+                ("renew", _RENEW),
+                ("renew_many", _RENEW_MANY),
+                ("release", _RELEASE),
+                ("force_release", _FORCE_RELEASE),
+                ("get", _GET),
+                ("list", _LIST),
+                ("last_token", _LAST_TOKEN),
+                ("schema", _SCHEMA_TEMPLATE),
+            )
+        }
+        self._init_process_state()
+        _STORES.add(self)
+
+    def _init_process_state(self) -> None:
+        """State that belongs to one process: rebuilt in a forked child."""
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._pool: ConnectionPool[Any] | None = self._given_pool
+        self._owns_pool = self._given_pool is None
+        self._schema_ready = False
+        self._schema_lock = threading.Lock()
+        self._listener: _Listener | None = None
+        self._pool_for_close: ConnectionPool[Any] | None = None
+        self._local = threading.local()
+        self._closed = False
+
+    @classmethod
+    def schema_sql(cls, table: str = DEFAULT_TABLE) -> str:
+        """The ``CREATE TABLE IF NOT EXISTS`` statement for ``table`` (validated and quoted).
+
+        Raises:
+            LeaseConfigError: for a bad ``table``.
+        """
+        ident = _table_identifier(_validate_table(table))
+        return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
+
+    @property
+    def table(self) -> str:
+        """The table name, as given."""
+        return self._table
+
+    @property
+    def channel(self) -> str:
+        """The ``NOTIFY`` channel released keys are announced on (payload: the key)."""
+        return self._channel
+
+    # Connections --------------------------------------------------------------------------------
+
+    def _connect_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {
+            "autocommit": True,
+            "connect_timeout": max(1, round(self._connect_timeout)),
+        }
+        if self._application_name:
+            kwargs["application_name"] = "celery-lease"
+        return kwargs
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: abandon (without closing) the parent's pool and listener."""
+        if self._owns_pool and self._pool is not None:
+            _INHERITED.append(self._pool)
+        if self._listener is not None:
+            self._listener.forget()
+        closed = self._closed
+        self._init_process_state()
+        self._closed = closed
+
+    def _get_pool(self) -> ConnectionPool[Any]:
+        if self._pid != os.getpid():  # forked without os.register_at_fork (e.g. by C code)
+            self._forget_inherited()
+        pool = self._pool
+        if pool is not None:
+            return pool
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self!r} is closed")
+            if self._pool is None:
+                assert self._dsn is not None
+                pool = ConnectionPool(
+                    self._dsn,
+                    kwargs=self._connect_kwargs(),
+                    min_size=1,
+                    max_size=self._max_connections,
+                    open=False,
+                    timeout=self._connect_timeout,
+                    # Give up background reconnection (1 s, then doubling) after as long as a
+                    # caller waits: the next call then connects at once, instead of waiting for
+                    # a backoff grown during a long outage.
+                    reconnect_timeout=self._connect_timeout,
+                    name="celery-lease",
+                )
+                pool.open(wait=False)
+                self._pool = pool
+            return self._pool
+
+    def _listener_connect(self) -> psycopg.Connection[Any]:
+        if self._dsn is not None:
+            return psycopg.Connection.connect(self._dsn, **self._connect_kwargs())
+        pool = self._given_pool
+        assert pool is not None
+        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
+        kwargs = dict(pool.kwargs() if callable(pool.kwargs) else (pool.kwargs or {}))
+        kwargs["autocommit"] = True
+        kwargs.setdefault("connect_timeout", max(1, round(self._connect_timeout)))
+        return psycopg.Connection.connect(conninfo, **kwargs)
+
+    def _get_listener(self) -> _Listener:
+        if self._pid != os.getpid():
+            self._forget_inherited()
+        listener = self._listener
+        if listener is not None:
+            return listener
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self!r} is closed")
+            if self._listener is None:
+                self._listener = _Listener(self._listener_connect, self._channel)
+            return self._listener
+
+    def _run(self, what: str, fn: Callable[[psycopg.Connection[Any]], _T]) -> _T:
+        """Run ``fn`` (one statement) on a pooled connection, retrying once on a dropped one."""
+        pool = self._get_pool()
+        for attempt in (1, 2):
+            got_connection = False
+            try:
+                with pool.connection(timeout=self._connect_timeout) as conn:
+                    got_connection = True
+                    if not self._schema_ready:
+                        self._create_table(conn)
+                    return fn(conn)
+            except PoolTimeout as exc:
+                raise StoreUnavailableError(
+                    f"{self!r} failed to {what}: no connection within "
+                    f"{self._connect_timeout:g} s ({exc})"
+                ) from exc
+            except psycopg.OperationalError as exc:
+                if attempt == 1 and got_connection:
+                    logger.info("celery-lease: retrying %s after %s", what, exc)
+                    self._discard_broken(pool)
+                    continue
+                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+            except psycopg.Error as exc:
+                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+            except PoolClosed as exc:
+                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    @staticmethod
+    def _discard_broken(pool: ConnectionPool[Any]) -> None:
+        """After a dropped connection, test the idle ones so the retry gets a live connection."""
+        try:
+            pool.check()
+        except Exception as exc:  # pragma: no cover - check() handles broken connections itself
+            logger.debug("celery-lease: pool check failed (%s)", exc)
+
+    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
+        """Run the DDL once per store and process (threads of the process queue for it)."""
+        with self._schema_lock:
+            if self._schema_ready:
+                return
+            try:
+                conn.execute(self._sql["schema"])
+            except (
+                psycopg.errors.UniqueViolation,
+                psycopg.errors.DuplicateTable,
+                psycopg.errors.DuplicateObject,
+            ):
+                # Another session created it concurrently: IF NOT EXISTS is not atomic, and the
+                # loser fails on the table's row type or name instead.
+                if not conn.autocommit:
+                    conn.rollback()
+            self._schema_ready = True
+
+    # The protocol ---------------------------------------------------------------------------------
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        slot = self._slot_before_acquire(key)
+        params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
+
+        def run(conn: psycopg.Connection[Any]) -> int | None:
+            row = conn.execute(self._sql["acquire"], params).fetchone()
+            return None if row is None else int(row[0])
+
+        try:
+            token = self._run("acquire", run)
+        except BaseException:
+            self._drop_slot(key, slot)
+            raise
+        if token is None and slot is not None:
+            self._park_slot(key, slot)
+        else:
+            self._drop_slot(key, slot)
+        return token
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
+        return self._run(
+            "renew", lambda conn: conn.execute(self._sql["renew"], params).rowcount == 1
+        )
+
+    def release(self, key: str, owner: str) -> None:
+        params = {"key": key, "owner": owner, "channel": self._channel}
+        self._run("release", lambda conn: conn.execute(self._sql["release"], params))
+
+    # Batch renew ----------------------------------------------------------------------------------
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        """Renew every ``(key, owner, ttl_ms)`` in one statement; results in input order."""
+        if not items:
+            return []
+        params = {
+            "keys": [key for key, _, _ in items],
+            "owners": [owner for _, owner, _ in items],
+            "ttls": [ttl_ms for _, _, ttl_ms in items],
+        }
+
+        def run(conn: psycopg.Connection[Any]) -> set[tuple[str, str]]:
+            rows = conn.execute(self._sql["renew_many"], params).fetchall()
+            return {(str(key), str(owner)) for key, owner in rows}
+
+        renewed = self._run("renew_many", run)
+        return [(key, owner) in renewed for key, owner, _ in items]
+
+    # Release notification -------------------------------------------------------------------------
+
+    def wait_for_release(self, key: str, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a release of ``key`` in any process.
+
+        Returns True when a release (or ``force_release``) of ``key`` was notified, or, rarely,
+        spuriously after the listener reconnected; False on timeout. The first call starts this
+        store's listener thread and connection. A release that happened after this thread's last
+        failed :meth:`acquire` of ``key`` (once the listener runs) is not missed: the acquire
+        already registered for it.
+        """
+        listener = self._get_listener()
+        parked = self._take_parked(key)
+        slot = parked if parked is not None else listener.register(key)
+        try:
+            if slot.event.is_set():
+                return True
+            return listener.wait(key, slot, max(0.0, timeout))
+        finally:
+            listener.unregister(key, slot)
+
+    def waiting(self) -> int:
+        """Threads of this process now blocked in :meth:`wait_for_release` with a ready listener.
+
+        A release after this count includes a thread is sure to wake it (used by tests).
+        """
+        listener = self._listener
+        return 0 if listener is None else listener.blocked()
+
+    def _slot_before_acquire(self, key: str) -> _Slot | None:
+        """With a ready listener, register interest in ``key`` before trying to acquire it."""
+        listener = self._listener
+        if listener is None or not listener.ready.is_set() or self._pid != os.getpid():
+            return None
+        return listener.register(key)
+
+    def _drop_slot(self, key: str, slot: _Slot | None) -> None:
+        listener = self._listener
+        if slot is not None and listener is not None:
+            listener.unregister(key, slot)
+
+    def _park_slot(self, key: str, slot: _Slot) -> None:
+        """Keep the slot of a failed acquire for this thread's next wait (one per thread)."""
+        previous: tuple[str, _Slot] | None = getattr(self._local, "parked", None)
+        self._local.parked = (key, slot)
+        if previous is not None:
+            self._drop_slot(*previous)
+
+    def _take_parked(self, key: str) -> _Slot | None:
+        parked: tuple[str, _Slot] | None = getattr(self._local, "parked", None)
+        if parked is None:
+            return None
+        self._local.parked = None
+        if parked[0] == key:
+            return parked[1]
+        self._drop_slot(*parked)
+        return None
+
+    # Inspection -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _info(row: tuple[Any, ...]) -> LeaseInfo:
+        return LeaseInfo(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
+
+    def list(self, prefix: str = "") -> list[LeaseInfo]:
+        """Live leases whose key starts with ``prefix``, sorted by key (code point order)."""
+        escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        params = {"pattern": escaped + "%"}
+        rows = self._run("list", lambda conn: conn.execute(self._sql["list"], params).fetchall())
+        return [self._info(row) for row in rows]
+
+    def get(self, key: str) -> LeaseInfo | None:
+        """The live lease on ``key`` (``expires_in`` by the server's clock), or None."""
+        params = {"key": key}
+        row = self._run("get", lambda conn: conn.execute(self._sql["get"], params).fetchone())
+        return None if row is None else self._info(row)
+
+    def last_token(self, key: str) -> int | None:
+        """The last token issued for ``key`` (kept after release and expiry), or None."""
+        params = {"key": key}
+        row = self._run(
+            "last_token", lambda conn: conn.execute(self._sql["last_token"], params).fetchone()
+        )
+        return None if row is None else int(row[0])
+
+    def force_release(self, key: str) -> LeaseInfo | None:
+        """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
+        params = {"key": key, "channel": self._channel}
+        row = self._run(
+            "force_release",
+            lambda conn: conn.execute(self._sql["force_release"], params).fetchone(),
+        )
+        return None if row is None else self._info(row)
+
+    # Lifecycle ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the listener and close the internal pool (a pool passed in is left open)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            listener, self._listener = self._listener, None
+            pool = self._pool if self._owns_pool else None
+            self._pool_for_close = pool
+            self._pool = None
+        if self._pid != os.getpid():
+            return  # forked: everything here belongs to the parent
+        if listener is not None:
+            listener.request_stop()
+            self._notify_stop(listener)
+            listener.join(timeout=_Listener._TICK + 1.0)
+        if pool is not None:
+            pool.close()
+
+    def _notify_stop(self, listener: _Listener) -> None:
+        """Best effort: wake the listener thread now rather than at its next tick."""
+        if not listener.ready.is_set():
+            return
+        pool = self._given_pool if self._given_pool is not None else self._pool_for_close
+        query = "SELECT pg_notify(%s, '')"
+        try:
+            if pool is not None:
+                with pool.connection(timeout=1.0) as conn:
+                    conn.execute(query, [listener.stop_channel])
+            else:
+                with self._listener_connect() as conn:
+                    conn.execute(query, [listener.stop_channel])
+        except (psycopg.Error, PoolClosed) as exc:
+            logger.debug("celery-lease: could not wake the listener to stop (%s)", exc)
+
+    def __repr__(self) -> str:
+        if self._dsn is not None:
+            where = f"host={self._dsn_host!r}, dbname={self._dsn_db!r}"
+        else:
+            where = f"pool={getattr(self._given_pool, 'name', None)!r}"
+        return f"PostgresLockStore({where}, table={self._table!r})"
