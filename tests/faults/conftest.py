@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.harness import Agent
+from tests.faults.harness import Agent, Report
 from tests.fixtures_redis import RedisServer
 from tests.support import free_port, service_missing
 
@@ -81,3 +81,20 @@ def spawn(agents: list[Agent], tmp_path: Path):  # type: ignore[no-untyped-def]
         return agent
 
     return start
+
+
+_REPORTS: list[Report] = []
+
+
+@pytest.fixture
+def exclusion_reports() -> list[Report]:
+    """Where a test puts its checker :class:`Report`; the summaries are printed after the run."""
+    return _REPORTS
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Print one line per checker run: ``<store>: N acquisitions, 0 overlaps, ...``."""
+    if _REPORTS:
+        terminalreporter.section("mutual-exclusion checker")
+        for report in _REPORTS:
+            terminalreporter.write_line(report.summary())
