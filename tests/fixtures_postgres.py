@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import glob
 import os
-import pwd
 import secrets
 import shlex
 import shutil
@@ -194,8 +193,10 @@ def _pg_cluster_session() -> Iterator[PgCluster]:
     if not (bindir / "pg_ctl").exists():
         bindir = Path(pg_ctl).resolve().parent
     run_as: str | None = None
-    owner: pwd.struct_passwd | None = None
+    owner: Any = None  # a pwd.struct_passwd
     if os.geteuid() == 0:  # initdb refuses to run as root
+        import pwd  # POSIX only: imported here so that the suite still imports elsewhere
+
         run_as = os.environ.get("CELERY_LEASE_PG_USER", "postgres")
         try:
             owner = pwd.getpwnam(run_as)

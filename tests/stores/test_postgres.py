@@ -507,6 +507,41 @@ class TestServerFailures:
         finally:
             store.close()
 
+    def test_the_listener_reconnects_after_a_restart(self, pg_cluster: PgCluster) -> None:
+        """After a server restart, waiters are woken again by releases."""
+        store = PostgresLockStore(pg_cluster.dsn, table="restart_listen")
+        try:
+            assert store.acquire("k", "a", LONG_MS) is not None
+            assert store.wait_for_release("k", 0.01) is False  # starts the listener
+            listener = store._listener
+            assert listener is not None
+            _wait_for(listener.ready.is_set, "the listener")
+            pg_cluster.restart("fast")
+            # Like a real caller, the waiter waits again after each (possibly spurious) wake-up:
+            # a reconnect wakes everyone, since releases may have gone unheard meanwhile.
+            woke: list[tuple[float, bool]] = []
+            stop = threading.Event()
+
+            def wait() -> None:
+                while not stop.is_set():
+                    ok = store.wait_for_release("k", 0.5)
+                    woke.append((time.monotonic(), ok))
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            try:
+                _wait_for(lambda: store.waiting() == 1, "the waiter, on a reconnected listener")
+                released_at = time.monotonic()
+                store.release("k", "a")
+                _wait_for(lambda: any(at > released_at and ok for at, ok in woke), "a wake-up")
+            finally:
+                stop.set()
+                waiter.join(DEADLINE)
+            first = min(at for at, ok in woke if at > released_at and ok)
+            assert first - released_at < 2.0
+        finally:
+            store.close()
+
     def test_no_server_at_all_fails_fast(self) -> None:
         """A store pointed at a closed port raises StoreUnavailableError, not a hang."""
         from tests.support import free_port
