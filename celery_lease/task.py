@@ -112,9 +112,23 @@ REVOKE_GRACE = 2.0
 Context.lock_key = None
 Context.lock_token = None
 Context.lock_waited = False
-Context.lock_lost = False
 Context.lease = None
 Context._lease_run = None
+Context._lock_lost_mark = False
+
+
+def _get_lock_lost(request: Any) -> bool:
+    held = request.__dict__.get("lease")
+    return bool(request.__dict__.get("_lock_lost_mark")) or (held is not None and held.lost)
+
+
+def _set_lock_lost(request: Any, value: bool) -> None:
+    request.__dict__["_lock_lost_mark"] = bool(value)
+
+
+# A data descriptor: live from the lease (no lag behind the renewer), and a message header of
+# the same name cannot shadow it.
+Context.lock_lost = property(_get_lock_lost, _set_lock_lost)
 
 
 @dataclass(frozen=True)

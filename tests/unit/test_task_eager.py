@@ -368,7 +368,9 @@ class TestLoss:
     def test_revoke_interrupts_main_thread_body(self, app: Celery, store: MemoryLockStore) -> None:
         """on_lost="revoke" in the main thread (prefork/solo path) interrupts a sleeping body."""
 
-        @app.task(base=LockedTask, lock_key="v", lock_ttl="0.3s", lock_on_lost="revoke")
+        @app.task(
+            base=LockedTask, lock_key="v", lock_ttl="0.3s", lock_on_lost="revoke", shared=False
+        )
         def task() -> str:
             time.sleep(REAL_TIMEOUT)
             return "finished"
@@ -383,7 +385,9 @@ class TestLoss:
     def test_revoke_interrupts_thread_body(self, app: Celery, store: MemoryLockStore) -> None:
         """on_lost="revoke" in a worker thread (threads pool path) raises in the body."""
 
-        @app.task(base=LockedTask, lock_key="v2", lock_ttl="0.3s", lock_on_lost="revoke")
+        @app.task(
+            base=LockedTask, lock_key="v2", lock_ttl="0.3s", lock_on_lost="revoke", shared=False
+        )
         def task() -> str:
             deadline = time.monotonic() + REAL_TIMEOUT
             while time.monotonic() < deadline:

@@ -1,0 +1,178 @@
+"""The Celery app the integration tests run in real ``celery worker`` processes.
+
+Configured from the environment (``IT_BROKER``, ``IT_BACKEND``, ``IT_STORE``, ``IT_DIR``,
+``IT_RESULT_SERIALIZER``) so the test process can build the same app as a client with
+:func:`make_app`. Bodies record what they did as files in ``IT_DIR``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+
+from celery_lease import LockedTask, get_lock_token, locked
+from celery_lease.signals import lock_acquired, lock_lost
+
+POLL = 0.02  # seconds between checks of a marker file
+WAIT = 20.0  # seconds a body waits for the test at most
+
+
+def _wait_file(path: Path) -> None:
+    deadline = time.monotonic() + WAIT
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(POLL)
+
+
+def _append(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode() + b"\n")
+    finally:
+        os.close(fd)
+
+
+def make_app(
+    broker: str, backend: str, store: str, directory: str, result_serializer: str = "json"
+) -> Celery:
+    """Build the test app; the worker and the test process build it alike."""
+    app = Celery("it", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        lease_store=store,
+        result_serializer=result_serializer,
+        accept_content=["json", "pickle"],
+        result_accept_content=["json", "pickle"],
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        result_extended=False,
+    )
+    if broker.startswith("filesystem"):
+        folder = os.path.join(directory, "broker")
+        os.makedirs(folder, exist_ok=True)
+        app.conf.broker_transport_options = {
+            "data_folder_in": folder,
+            "data_folder_out": folder,
+            "polling_interval": 0.05,
+        }
+    out = Path(directory)
+
+    def dup_body(run: str, hold: float) -> str:
+        start = time.time()
+        time.sleep(hold)
+        _append(out / f"intervals-{run}", f"{start} {time.time()}")
+        return "ran"
+
+    @app.task(name="it.dup_raise", base=LockedTask, lock_key="dup:{run}", shared=False)
+    def dup_raise(run: str, hold: float) -> str:
+        return dup_body(run, hold)
+
+    @app.task(
+        name="it.dup_skip", base=LockedTask, lock_key="dup:{run}", lock_on_held="skip",
+        shared=False,
+    )  # fmt: skip
+    def dup_skip(run: str, hold: float) -> str:
+        return dup_body(run, hold)
+
+    @app.task(
+        name="it.dup_retry", base=LockedTask, lock_key="dup:{run}", lock_on_held="retry",
+        lock_retry_countdown=0.02, max_retries=500, shared=False,
+    )  # fmt: skip
+    def dup_retry(run: str, hold: float) -> str:
+        return dup_body(run, hold)
+
+    @app.task(
+        name="it.fenced", base=LockedTask, lock_key="fence:{run}", lock_ttl="1s",
+        lock_wait="15s", shared=False,
+    )  # fmt: skip
+    def fenced(run: str, resource: str, pause: bool) -> list[Any]:
+        token = fenced.request.lock_token
+        if pause:
+            _append(out / f"started-{run}", str(os.getpid()))
+            _wait_file(out / f"go-{run}")
+        db = sqlite3.connect(resource, timeout=10)
+        try:
+            with db:
+                rows = db.execute(
+                    "UPDATE resource SET fence = ?, writer = ? WHERE id = 1 AND fence < ?",
+                    (token, os.getpid(), token),
+                ).rowcount
+        finally:
+            db.close()
+        if pause:
+            fenced.request.lease.wait_lost(WAIT)
+        return [rows, token, bool(fenced.request.lock_lost)]
+
+    @app.task(name="it.lost", base=LockedTask, lock_key="lost:{run}", lock_ttl="0.6s", shared=False)
+    def lost(run: str) -> None:
+        _append(out / f"held-{run}", str(os.getpid()))
+        lost.request.lease.wait_lost(WAIT)
+        lost.request.lease.check()
+
+    @app.task(
+        name="it.revoke", base=LockedTask, lock_key="revoke:{run}", lock_ttl="0.6s",
+        lock_on_lost="revoke", shared=False,
+    )  # fmt: skip
+    def revoke(run: str) -> str:
+        _append(out / f"held-{run}", str(os.getpid()))
+        deadline = time.monotonic() + WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "finished"
+
+    @app.task(name="it.retry_once", bind=True, base=LockedTask, lock_key="r:{run}", shared=False)
+    def retry_once(self: Any, run: str) -> list[Any]:
+        _append(out / f"tokens-{run}", str(self.request.lock_token))
+        if self.request.retries == 0:
+            raise self.retry(countdown=0)
+        return [self.request.retries, self.request.lock_key]
+
+    @locked(key="re:{run}")
+    def inner(run: str) -> int | None:
+        return get_lock_token()
+
+    @app.task(name="it.outer", base=LockedTask, lock_key="re:{run}", shared=False)
+    def outer(run: str) -> list[Any]:
+        return [outer.request.lock_token, inner(run)]
+
+    @app.task(name="it.boom", base=LockedTask, lock_key="boom:{run}", shared=False)
+    def boom(run: str) -> str:
+        return "ok"
+
+    @app.task(name="it.unkeyable", base=LockedTask, shared=False)
+    def unkeyable(thing: Any) -> str:
+        return "ran"
+
+    @app.task(name="it.ping", shared=False)
+    def ping() -> str:
+        return "pong"
+
+    return app
+
+
+def _raising_receiver(key: str = "", **_: Any) -> None:
+    if key.startswith("boom:"):
+        raise RuntimeError("a receiver that raises")
+
+
+def _record_loss(key: str = "", reason: str = "", **_: Any) -> None:
+    directory = os.environ.get("IT_DIR")
+    if directory:
+        _append(Path(directory) / f"lost-{key.replace(':', '-')}", reason)
+
+
+lock_acquired.connect(_raising_receiver, weak=False)
+lock_lost.connect(_record_loss, weak=False)
+
+if os.environ.get("IT_BROKER"):
+    app = make_app(
+        os.environ["IT_BROKER"],
+        os.environ["IT_BACKEND"],
+        os.environ["IT_STORE"],
+        os.environ["IT_DIR"],
+        os.environ.get("IT_RESULT_SERIALIZER", "json"),
+    )
