@@ -54,6 +54,7 @@ __all__ = [
     "Report",
     "check",
     "is_stopped",
+    "make_celery_app",
     "now",
     "run_processes",
     "run_threads",
@@ -713,6 +714,88 @@ class Agent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# A Celery app for the worker fault test ---------------------------------------------------------
+
+CELERY_TTL = 5.0
+"""Seconds: ``lock_ttl`` of ``faults.exclusive``."""
+
+CELERY_VISIBILITY = 3
+"""Seconds before the Redis transport redelivers an unacknowledged message: longer than a
+redelivered task waits for the lease plus its body (else it would be redelivered again), shorter
+than the ttl (so that the redelivery usually arrives while the dead worker's lease still holds)."""
+
+
+def _append_line(path: Path, line: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode() + b"\n")
+    finally:
+        os.close(fd)
+
+
+def make_celery_app(broker: str, backend: str, store: str, directory: str) -> Any:
+    """The app of ``celery -A tests.faults.harness:celery_app worker`` (from ``FAULTS_*``
+    variables) and of the test process, which sends ``faults.exclusive``.
+
+    ``faults.exclusive(run, hold)`` appends ``start`` and ``end`` records (JSON, with
+    ``CLOCK_MONOTONIC`` times, pid, parent pid and token) to ``<directory>/<run>.bodies``. Its first
+    execution of a run blocks (until the test kills its worker); later ones hold ``hold`` seconds.
+    """
+    from celery import Celery
+
+    from celery_lease import LockedTask
+
+    app = Celery("faults", broker=broker, backend=backend, set_as_current=False)
+    app.conf.update(
+        lease_store=store,
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": CELERY_VISIBILITY,
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+    )
+    out = Path(directory)
+
+    @app.task(
+        name="faults.exclusive", base=LockedTask, bind=True, shared=False,
+        lock_key="exclusive:{run}", lock_ttl=CELERY_TTL, lock_wait=4 * CELERY_TTL,
+    )  # fmt: skip
+    def exclusive(self: Any, run: str, hold: float) -> str:
+        record = {
+            "pid": os.getpid(),
+            "ppid": os.getppid(),
+            "token": self.request.lock_token,
+            "waited": self.request.lock_waited,
+        }
+        bodies = out / f"{run}.bodies"
+        _append_line(bodies, json.dumps({**record, "event": "start", "at": now()}))
+        try:
+            fd = os.open(out / f"{run}.first", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            time.sleep(hold)
+        else:
+            os.close(fd)
+            deadline = now() + 60
+            while now() < deadline:  # the test SIGKILLs this worker meanwhile
+                time.sleep(0.05)
+        _append_line(bodies, json.dumps({**record, "event": "end", "at": now()}))
+        return "done"
+
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    if name == "celery_app":  # built lazily: only ``celery -A`` in a worker needs it
+        env = os.environ
+        return make_celery_app(
+            env["FAULTS_BROKER"], env["FAULTS_BACKEND"], env["FAULTS_STORE"], env["FAULTS_DIR"]
+        )
+    raise AttributeError(name)
 
 
 def main(argv: list[str] | None = None) -> None:
