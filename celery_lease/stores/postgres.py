@@ -638,9 +638,10 @@ class PostgresLockStore:
 
         Returns True when a release (or ``force_release``) of ``key`` was notified, or, rarely,
         spuriously after the listener reconnected; False on timeout. The first call starts this
-        store's listener thread and connection. A release that happened after this thread's last
-        failed :meth:`acquire` of ``key`` (once the listener runs) is not missed: the acquire
-        already registered for it.
+        store's listener thread and connection and waits (within ``timeout``) for it to
+        ``LISTEN``; a release before that is not seen, and the caller's poll covers it. Once the
+        listener runs, a release after this thread's last failed :meth:`acquire` of ``key`` is
+        not missed either: that acquire registered interest before asking the server.
         """
         listener = self._get_listener()
         parked = self._take_parked(key)
