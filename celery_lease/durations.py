@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
+
 from celery_lease.errors import LeaseConfigError
 
 __all__ = ["Duration", "to_seconds"]
