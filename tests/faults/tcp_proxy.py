@@ -141,7 +141,13 @@ class TcpProxy:
             return
         self._writers.add(upstream_w)
         try:
-            await asyncio.gather(self._pump(client_r, upstream_w), self._pump(upstream_r, client_w))
+            await asyncio.gather(
+                self._pump(client_r, upstream_w),
+                self._pump(upstream_r, client_w),
+                return_exceptions=True,
+            )
+        except asyncio.CancelledError:
+            pass  # closing the proxy: a cancelled handler would be logged by asyncio as an error
         finally:
             for writer in (client_w, upstream_w):
                 writer.close()
