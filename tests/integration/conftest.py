@@ -2,7 +2,7 @@
 
 ``worker_env`` is parametrised over a throwaway ``redis-server`` broker (lock store: the broker's
 Redis, as resolved by default) and kombu's filesystem transport (lock store: a SQLite file), each
-with a prefork and a threads worker, started once per session.
+with a prefork and a threads worker, started once per test module.
 """
 
 from __future__ import annotations
@@ -142,11 +142,11 @@ def _variant(
 VARIANTS = ["redis-prefork", "redis-threads", "fs-prefork", "fs-threads"]
 
 
-@pytest.fixture(scope="session", params=VARIANTS)
+@pytest.fixture(scope="module", params=VARIANTS)
 def worker_env(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerEnv]:
-    """One real worker per (broker, pool), shared by the session's tests."""
+    """One real worker per (broker, pool), shared by a module's tests (stopped after it)."""
     variant: str = request.param
     broker_kind, pool = variant.split("-")
     directory = tmp_path_factory.mktemp(variant)
@@ -183,7 +183,7 @@ def prefork_env(worker_env: WorkerEnv) -> WorkerEnv:
     return worker_env
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def gevent_env(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerEnv]:

@@ -171,17 +171,3 @@ def test_template_with_unknown_parameter_stops_worker_start(tmp_path: Path) -> N
     assert probe.returncode != 0, probe.stdout
     assert "LeaseConfigError" in probe.stderr and "{acount_id}" in probe.stderr
     assert "parameters are: account_id" in probe.stderr
-
-
-def test_gevent_pool_smoke(gevent_env: WorkerEnv) -> None:
-    """Under gevent: duplicates exclude each other and a lost lease stops the greenlet."""
-    run = gevent_env.run_id()
-    results = send_duplicates(gevent_env, "it.dup_skip", run)
-    assert_no_overlap(intervals(gevent_env, run))
-    assert results.count("ran") >= 1 and set(results) <= {"ran", None}
-    revoke_run = gevent_env.run_id()
-    result = gevent_env.app.send_task("it.revoke", (revoke_run,))
-    gevent_env.wait_file(f"held-{revoke_run}")
-    gevent_env.store.force_release(f"revoke:{revoke_run}")  # type: ignore[attr-defined]
-    with pytest.raises(LockLostError):
-        gevent_env.get(result)
