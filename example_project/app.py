@@ -80,7 +80,7 @@ def _redis_store(url: str, prefix: str) -> Any:
     return RedisLockStore(url, prefix=prefix)
 
 
-class _AtomicPutChannel(filesystem.Channel):  # type: ignore[misc]
+class _AtomicPutChannel(filesystem.Channel):
     """kombu's filesystem channel, but a message file appears in the folder only when complete.
 
     kombu 5.7's ``Channel._put`` creates the message file and then writes it; a consumer in
@@ -89,16 +89,18 @@ class _AtomicPutChannel(filesystem.Channel):  # type: ignore[misc]
     and renamed into place (atomic within one file system).
     """
 
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    def _put(  # type: ignore[override]  # same signature as filesystem.Channel._put
+        self, queue: Any, payload: Any, **kwargs: Any
+    ) -> None:
         name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
         partial = os.path.join(self.data_folder_out, f".{name}.partial")
         with open(partial, "wb") as handle:
-            handle.write(kombu_dumps(payload).encode())
+            handle.write(str(kombu_dumps(payload)).encode())  # type: ignore[no-untyped-call]
         os.replace(partial, final)
 
 
-class FilesystemTransport(filesystem.Transport):  # type: ignore[misc]
+class FilesystemTransport(filesystem.Transport):
     """kombu's filesystem transport with :class:`_AtomicPutChannel` (``filesystem://`` URLs)."""
 
     Channel = _AtomicPutChannel

@@ -29,6 +29,7 @@ import os
 import secrets
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,7 @@ TTL = 2.0
 REPORT_EVERY = 2.0
 """Seconds between two sends of the "nightly" report by each beat instance."""
 
-WORK_SECONDS = 6.0
+WORK_SECONDS = 5.0
 """Seconds of slow work in alpha's update between its read and its write (it is paused in it)."""
 
 BUILD_SECONDS = 2.5
@@ -370,13 +371,41 @@ class Demo:
 
     # Processes --------------------------------------------------------------------------------
 
-    def signal_child(self, pid: int, signum: signal.Signals) -> None:
-        """Send ``signum`` to a worker's pool child (started by a worker this demo started)."""
-        os.kill(pid, signum)
-        if signum == signal.SIGSTOP:
+    def pause(self, pid: int) -> None:
+        """SIGSTOP a worker's pool child, at a moment it holds no write lock on the SQLite store.
+
+        A child stopped inside its renewer's write transaction would block every other writer of
+        the lease store until it resumes (a file lock cannot expire): resume it and try again.
+        """
+        for _ in range(20):
+            os.kill(pid, signal.SIGSTOP)
             self.paused.add(pid)
-        elif signum == signal.SIGCONT:
-            self.paused.discard(pid)
+            _wait_stopped(pid)
+            if self._store_writable():
+                return
+            self.resume(pid)
+            time.sleep(0.05)
+        raise DemoFailed(f"could not pause pid {pid} outside a write to the lease store")
+
+    def resume(self, pid: int) -> None:
+        """SIGCONT a paused pool child."""
+        os.kill(pid, signal.SIGCONT)
+        self.paused.discard(pid)
+
+    def _store_writable(self) -> bool:
+        """Whether a write transaction on the SQLite lease store can start now (always on Redis)."""
+        url = self.env.get("EXAMPLE_LEASE_STORE", "")
+        if not url.startswith("sqlite:///"):
+            return True
+        conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=0.5, isolation_level=None)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute("ROLLBACK")
+        except sqlite3.OperationalError:
+            return False
+        finally:
+            conn.close()
+        return True
 
     def stop(self, names: Sequence[str]) -> None:
         """Stop these processes: SIGCONT + SIGTERM to the group, then SIGKILL after a while."""
@@ -484,7 +513,7 @@ class Demo:
         )
         if self.find("finished", task_id=alpha_id):
             raise DemoFailed("alpha finished its update before it could be paused (too slow?)")
-        self.signal_child(held.pid, signal.SIGSTOP)
+        self.pause(held.pid)
         paused_at = time.time()
         self.say(
             "demo",
@@ -515,8 +544,12 @@ class Demo:
             raise DemoFailed(f"bravo's token {takeover.token} is not above alpha's {held.token}")
         self.check(f"bravo's token {takeover.token} > alpha's {held.token}")
 
-        self.signal_child(held.pid, signal.SIGCONT)
-        self.say("demo", f"SIGCONT alpha's pool child (pid {held.pid}): it resumes its update")
+        self.resume(held.pid)
+        self.say(
+            "demo",
+            f"SIGCONT alpha's pool child (pid {held.pid}): it finishes its {WORK_SECONDS:g}s of"
+            " slow work, then writes",
+        )
         self.wait_event(
             "lost", "alpha to notice its lease was lost", key=ACCOUNT_KEY, token=held.token
         )
@@ -614,6 +647,20 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
+    """Wait until Linux reports ``pid`` stopped (signal delivery is asynchronous)."""
+    stat = Path(f"/proc/{pid}/stat")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return  # no /proc (not Linux), or the process is gone: nothing to wait for
+        if state in ("T", "t"):
+            return
+        time.sleep(0.005)
 
 
 def _lease_store(app: Any) -> Any:
