@@ -21,7 +21,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable
-from contextvars import ContextVar, Token
+from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
@@ -43,8 +43,35 @@ POLL_FIRST = 0.05
 POLL_MAX = 1.0
 """The longest interval, in seconds, between two tries of a held key."""
 
-_current: ContextVar[tuple[Lease, ...]] = ContextVar("celery_lease_current", default=())
+
+class _Frame:
+    """One held lease in this context's stack of leases: a linked list, O(1) to push and pop."""
+
+    __slots__ = ("lease", "parent")
+
+    def __init__(self, lease: Lease, parent: _Frame | None) -> None:
+        self.lease = lease
+        self.parent = parent
+
+
+_current: ContextVar[_Frame | None] = ContextVar("celery_lease_current", default=None)
 _HOST = socket.gethostname()
+_CONFORMS: dict[tuple[type, type], bool] = {}
+
+
+def _conforms(obj: object, protocol: type) -> bool:
+    """``isinstance(obj, protocol)`` for a runtime-checkable protocol, cached per class.
+
+    The protocol check inspects every member on each call (tens of microseconds); a class that
+    conforms once conforms always, so only instances of classes that do not are checked again.
+    """
+    cache_key = (type(obj), protocol)
+    if _CONFORMS.get(cache_key):
+        return True
+    result = isinstance(obj, protocol)
+    if result:
+        _CONFORMS[cache_key] = True
+    return result
 
 
 def new_owner_id() -> str:
@@ -185,7 +212,7 @@ class _LeaseContext:
         self.clock = clock
         self._lease: Lease | None = None
         self._reentered = False
-        self._cv_token: Token[tuple[Lease, ...]] | None = None
+        self._entered = False
 
     # Decorator --------------------------------------------------------------------------------
 
@@ -200,18 +227,22 @@ class _LeaseContext:
     # Context manager --------------------------------------------------------------------------
 
     def __enter__(self) -> Lease:
-        if self._cv_token is not None:
+        if self._entered:
             raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
-        stack = _current.get()
-        for outer in reversed(stack):
+        self._entered = True
+        top = _current.get()
+        frame = top
+        while frame is not None:
+            outer = frame.lease
             if outer.key == self.key and outer.store is self.store and not outer.lost:
                 self._reentered = True
                 self._lease = outer
-                self._cv_token = _current.set((*stack, outer))
+                _current.set(_Frame(outer, top))
                 return outer
+            frame = frame.parent
         held = self._acquire()
         self._lease = held
-        self._cv_token = _current.set((*stack, held))
+        _current.set(_Frame(held, top))
         return held
 
     def __exit__(
@@ -221,7 +252,7 @@ class _LeaseContext:
         tb: TracebackType | None,
     ) -> Literal[False]:
         held = self._lease
-        assert held is not None and self._cv_token is not None
+        assert held is not None
         _pop(held)
         if self._reentered:
             return False
@@ -255,7 +286,7 @@ class _LeaseContext:
         started = clock.monotonic()
         deadline = started + self.wait
         interval = POLL_FIRST
-        notify = isinstance(store, SupportsReleaseNotify)
+        notify = _conforms(store, SupportsReleaseNotify)
         idle = self.cancel if self.cancel is not None else threading.Event()
         tries = 0
         while True:
@@ -345,7 +376,7 @@ def lease(
     """
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
-    if not isinstance(store, LockStore):
+    if not _conforms(store, LockStore):
         hint = " (build one with store_from_url(url) once)" if isinstance(store, str) else ""
         raise LeaseConfigError(
             f"store={store!r} is not a LockStore: it needs acquire(), renew() and release(){hint}"
@@ -362,7 +393,7 @@ def lease(
         raise LeaseConfigError(f"on_lost={on_lost!r} must be a callable taking the Lease, or None")
     if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
-    if clock is not None and not isinstance(clock, Clock):
+    if clock is not None and not _conforms(clock, Clock):
         raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
     return _LeaseContext(
         key,
@@ -378,21 +409,31 @@ def lease(
 
 
 def _pop(held: Lease) -> None:
-    """Remove the innermost occurrence of ``held`` from this context's stack of leases.
+    """Remove the innermost frame of ``held`` from this context's stack of leases.
 
-    Unlike ``ContextVar.reset``, this stays right when contexts are exited out of order.
+    O(1) when contexts are exited in order (the usual case); right, if slower, when they are not.
     """
-    stack = _current.get()
-    for index in range(len(stack) - 1, -1, -1):
-        if stack[index] is held:
-            _current.set(stack[:index] + stack[index + 1 :])
-            return
+    top = _current.get()
+    if top is not None and top.lease is held:
+        _current.set(top.parent)
+        return
+    frames: list[_Frame] = []
+    frame = top
+    while frame is not None and frame.lease is not held:
+        frames.append(frame)
+        frame = frame.parent
+    if frame is None:
+        return
+    rebuilt = frame.parent
+    for above in reversed(frames):
+        rebuilt = _Frame(above.lease, rebuilt)
+    _current.set(rebuilt)
 
 
 def current_lease() -> Lease | None:
     """The innermost lease held in the current context, or ``None`` outside any lease."""
-    stack = _current.get()
-    return stack[-1] if stack else None
+    top = _current.get()
+    return None if top is None else top.lease
 
 
 def get_lock_token() -> int | None:

@@ -29,7 +29,15 @@ from typing import Any
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 
-__all__ = ["DRIFT_FACTOR", "DRIFT_MARGIN", "Entry", "Renewer", "get_renewer", "validity"]
+__all__ = [
+    "DRIFT_FACTOR",
+    "DRIFT_MARGIN",
+    "IDLE_EXIT",
+    "Entry",
+    "Renewer",
+    "get_renewer",
+    "validity",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +46,12 @@ DRIFT_FACTOR = 0.01
 
 DRIFT_MARGIN = 0.002
 """Seconds subtracted from a lease's local validity on top of the drift fraction."""
+
+IDLE_EXIT = 30.0
+"""Seconds (of the renewer's clock) the thread waits with no lease before it exits.
+
+Short leases taken one after another reuse the running thread instead of starting one each.
+"""
 
 
 def validity(sent_at: float, ttl: float) -> float:
@@ -104,8 +118,11 @@ class Renewer:
         self.clock = clock
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, Entry]] = []
+        self._deadlines: list[tuple[float, int, Entry]] = []
         self._seq = itertools.count()
         self._wake = threading.Event()
+        self._next_wake = float("inf")
+        self._idle_since: float | None = None  # when the last lease left
         self._thread: threading.Thread | None = None
         self._entries: set[Entry] = set()
         self._watchdog: threading.Thread | None = None
@@ -119,20 +136,31 @@ class Renewer:
         """Start renewing ``entry``; starts the thread if it is not running."""
         with self._lock:
             heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
+            heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
             self._entries.add(entry)
             if self._thread is None:
+                self._next_wake = float("inf")
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-renewer", daemon=True
                 )
                 self._thread.start()
-        self._wake.set()
+                return
+            wake = entry.due < self._next_wake
+        if wake:  # only when the new lease is due before the thread means to wake anyway
+            self._wake.set()
 
     def remove(self, entry: Entry) -> None:
         """Stop renewing ``entry`` (its heap item is dropped lazily)."""
         with self._lock:
             if not entry.closed:
-                entry.closed = True
-                self._entries.discard(entry)
+                self._close(entry)
+
+    def _close(self, entry: Entry) -> None:
+        """Mark ``entry`` closed and note when the renewer became idle; under the lock."""
+        entry.closed = True
+        self._entries.discard(entry)
+        if not self._entries:
+            self._idle_since = self.clock.monotonic()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -153,12 +181,18 @@ class Renewer:
             with self._lock:
                 while self._heap and self._heap[0][2].closed:
                     heapq.heappop(self._heap)
-                if not self._heap:
-                    self._thread = None
-                    self._io_begun.set()  # lets the watchdog see that the renewer is gone
-                    _forget_idle(self)
-                    return
-                timeout = self._heap[0][0] - self.clock.monotonic()
+                now = self.clock.monotonic()
+                if self._heap:
+                    self._next_wake = self._heap[0][0]
+                else:
+                    idle_since = now if self._idle_since is None else self._idle_since
+                    self._next_wake = idle_since + IDLE_EXIT
+                    if now >= self._next_wake:
+                        self._thread = None
+                        self._io_begun.set()  # lets the watchdog see that the renewer is gone
+                        _forget_idle(self)
+                        return
+                timeout = self._next_wake - now
             if timeout > 0:
                 self.clock.wait(self._wake, timeout)
             self._wake.clear()
@@ -221,6 +255,7 @@ class Renewer:
                 if result is True:
                     entry.valid_until = validity(sent_at, entry.ttl)
                     entry.due = entry._cap(sent_at + entry.ttl / 3)
+                    heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
                 elif result is False:
                     lost.append((entry, "taken"))
                     continue
@@ -256,6 +291,13 @@ class Renewer:
 
     # Watchdog ---------------------------------------------------------------------------------
 
+    def _earliest_deadline(self) -> float | None:
+        """The earliest deadline of a held lease (stale heap items dropped); under the lock."""
+        heap = self._deadlines
+        while heap and (heap[0][2].closed or heap[0][0] != _deadline(heap[0][2])):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
     def _begin_io(self) -> None:
         with self._lock:
             self._in_io = True
@@ -280,7 +322,7 @@ class Renewer:
                     self._watchdog = None
                     return
                 in_io = self._in_io
-                deadline = min((_deadline(e) for e in self._entries), default=None)
+                deadline = self._earliest_deadline()
             if not in_io:
                 self.clock.wait(self._io_begun, None)
                 self._io_begun.clear()
@@ -289,8 +331,10 @@ class Renewer:
             if deadline is None or deadline > now:
                 self.clock.wait(self._io_ended, None if deadline is None else deadline - now)
                 continue
+            overdue: list[Entry] = []
             with self._lock:
-                overdue = [e for e in self._entries if _deadline(e) <= now]
+                while (deadline := self._earliest_deadline()) is not None and deadline <= now:
+                    overdue.append(heapq.heappop(self._deadlines)[2])
             for entry in overdue:
                 hold = entry.max_hold_at is not None and entry.max_hold_at <= now
                 self._report_lost(entry, "max_hold" if hold else "expired")
@@ -299,8 +343,7 @@ class Renewer:
         with self._lock:
             if entry.closed:
                 return
-            entry.closed = True
-            self._entries.discard(entry)
+            self._close(entry)
         try:
             entry.on_lost(reason)
         except Exception:

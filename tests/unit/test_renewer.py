@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from celery_lease import Lease, lease
-from celery_lease.renewer import get_renewer, validity
+from celery_lease.renewer import IDLE_EXIT, get_renewer, validity
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 
@@ -164,14 +164,20 @@ class TestScale:
                 c.__exit__(None, None, None)
         assert len(get_renewer(clock)) == 0
 
-    def test_thread_exits_when_idle(self, store: SpyStore, clock: FakeClock) -> None:
-        """With no lease left, the renewer thread ends."""
+    def test_thread_is_reused_then_exits_when_idle(self, store: SpyStore, clock: FakeClock) -> None:
+        """Leases taken one after another share one thread; it ends after IDLE_EXIT idle."""
         with lease("k", store=store, ttl=3, clock=clock):
             thread = get_renewer(clock).thread
             assert thread is not None and thread.is_alive()
+        for _ in range(3):
+            with lease("k", store=store, ttl=3, clock=clock):
+                assert get_renewer(clock).thread is thread
+        clock.advance(IDLE_EXIT - 1)
+        assert thread.is_alive()
         clock.advance(1.0)
         thread.join(REAL_TIMEOUT)
         assert not thread.is_alive()
+        assert get_renewer(clock).thread is None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
