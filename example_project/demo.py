@@ -707,7 +707,9 @@ def _describe_result(task: str | None, result: Any) -> str:
             f"fence {result['fence']}"
         )
     if task == REPORT:
-        return f"report    {result['day']}: {result['accounts']} accounts, total {result['total']}"
+        count = result["accounts"]
+        plural = "" if count == 1 else "s"
+        return f"report    {result['day']}: {count} account{plural}, total {result['total']}"
     if task == CACHE:
         if result.get("rebuilt"):
             return f"rebuilt   cache {result['name']} (token {result['built_by_token']})"
