@@ -33,6 +33,7 @@ __all__ = [
     "DRIFT_FACTOR",
     "DRIFT_MARGIN",
     "IDLE_EXIT",
+    "IDLE_POLL",
     "Entry",
     "Renewer",
     "get_renewer",
@@ -52,6 +53,9 @@ IDLE_EXIT = 30.0
 
 Short leases taken one after another reuse the running thread instead of starting one each.
 """
+
+IDLE_POLL = 1.0
+"""Seconds between two looks at the heap while idle (a lease due sooner wakes the thread)."""
 
 
 def validity(sent_at: float, ttl: float) -> float:
@@ -186,8 +190,11 @@ class Renewer:
                     self._next_wake = self._heap[0][0]
                 else:
                     idle_since = now if self._idle_since is None else self._idle_since
-                    self._next_wake = idle_since + IDLE_EXIT
-                    if now >= self._next_wake:
+                    exit_at = idle_since + IDLE_EXIT
+                    # Look again every IDLE_POLL seconds, so that a new lease due later than
+                    # that needs no wake-up call (add() wakes the thread only for earlier ones).
+                    self._next_wake = min(exit_at, now + IDLE_POLL)
+                    if now >= exit_at:
                         self._thread = None
                         self._io_begun.set()  # lets the watchdog see that the renewer is gone
                         _forget_idle(self)
