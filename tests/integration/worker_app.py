@@ -57,6 +57,7 @@ def make_app(
         app.conf.broker_transport_options = {
             "data_folder_in": folder,
             "data_folder_out": folder,
+            "control_folder": os.path.join(folder, "control"),  # default: ./control in the cwd
             "polling_interval": 0.05,
         }
     out = Path(directory)
