@@ -48,6 +48,8 @@ __all__ = [
     "FORCE_RELEASE_SCRIPT",
     "INSPECT_SCRIPT",
     "RELEASE_SCRIPT",
+    "RENEW_CHUNK",
+    "RENEW_MANY_SCRIPT",
     "RENEW_SCRIPT",
     "RedisLockStore",
     "SentinelURL",
@@ -106,6 +108,27 @@ end
 return 0
 """
 
+# KEYS[1..n] lease hashes (any number; on a Cluster they must share a slot).
+# ARGV[2i-1] the owner of KEYS[i], ARGV[2i] its ttl in ms.
+# Returns a list of n integers: 1 where that owner's live lease now expires ttl ms from now (set,
+# never added), 0 where the owner held no live lease. One command renews a whole batch, so
+# renewing 10,000 leases costs the client one command to pack per chunk instead of 10,000.
+RENEW_MANY_SCRIPT = """
+local renewed = {}
+for i = 1, #KEYS do
+    if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
+        redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+        renewed[i] = 1
+    else
+        renewed[i] = 0
+    end
+end
+return renewed
+"""
+
+RENEW_CHUNK = 1000
+"""Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
+
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
 # ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
 # Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
@@ -158,6 +181,7 @@ class _Script:
 
 _ACQUIRE = _Script(ACQUIRE_SCRIPT)
 _RENEW = _Script(RENEW_SCRIPT)
+_RENEW_MANY = _Script(RENEW_MANY_SCRIPT)
 _RELEASE = _Script(RELEASE_SCRIPT)
 _FORCE_RELEASE = _Script(FORCE_RELEASE_SCRIPT)
 _INSPECT = _Script(INSPECT_SCRIPT)
@@ -214,6 +238,7 @@ class RedisLockStore:
         elif isinstance(client_or_url, (redis.Redis, redis.cluster.RedisCluster)):
             self._client = client_or_url
             self._owns_client = False
+            _warn_about_client_retries(client_or_url)
         else:
             raise LeaseConfigError(
                 f"client_or_url={client_or_url!r} must be a redis.Redis, a "
@@ -330,10 +355,26 @@ class RedisLockStore:
         return bool(self._call("renew", lambda: self._eval(_RENEW, keys, (owner, int(ttl_ms)))))
 
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order."""
-        calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
-        results = self._call("renew leases", lambda: self._eval_many(_RENEW, calls))
-        return [bool(r) for r in results]
+        """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order.
+
+        On a single server the batch goes as one script call per :data:`RENEW_CHUNK` leases; on
+        a Cluster, whose keys live in many slots, as one call per lease, pipelined per node.
+        """
+        if isinstance(self._client, redis.cluster.RedisCluster):
+            calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
+            results = self._call("renew leases", lambda: self._eval_many(_RENEW, calls))
+            return [bool(r) for r in results]
+        chunks: list[tuple[Sequence[str], Sequence[str | int]]] = []
+        for start in range(0, len(items), RENEW_CHUNK):
+            chunk = items[start : start + RENEW_CHUNK]
+            keys = [self.lease_key(k) for k, _, _ in chunk]
+            args: list[str | int] = []
+            for _, owner, ttl_ms in chunk:
+                args += (owner, int(ttl_ms))
+            chunks.append((keys, args))
+        client = self._client
+        replies = self._call("renew leases", lambda: _pipelined(client, _RENEW_MANY, chunks))
+        return [bool(r) for reply in replies for r in reply]
 
     def release(self, key: str, owner: str) -> None:
         keys = (self.lease_key(key), self.signal_key(key))
@@ -563,6 +604,24 @@ def _parse_host(url: str, item: str) -> tuple[str, int]:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
     return host, int(port_text)
+
+
+def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster) -> None:
+    """Warn once per client when its own retries can stretch a failing call past a lease's ttl.
+
+    redis-py 8 clients retry a failed command 10 times with backoff by default: against a
+    silent server one acquire then takes about 18 s instead of failing within its timeout.
+    """
+    get_retry = getattr(client, "get_retry", None)
+    retry = get_retry() if callable(get_retry) else None
+    retries = getattr(retry, "_retries", 0) if retry is not None else 0
+    if isinstance(retries, int) and retries > 1:
+        logger.warning(
+            "RedisLockStore: the client retries failed commands %d times; against a silent "
+            "server a lease call then blocks for many seconds. Build the store from a URL, or "
+            "pass a client made with retry=Retry(NoBackoff(), 0) and a socket_timeout.",
+            retries,
+        )
 
 
 def _no_retry() -> Retry:

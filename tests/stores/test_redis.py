@@ -18,7 +18,12 @@ from redis.crc import key_slot
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LockStore, store_from_url
-from celery_lease.stores.redis import RedisLockStore, SentinelURL, parse_sentinel_url
+from celery_lease.stores.redis import (
+    RENEW_CHUNK,
+    RedisLockStore,
+    SentinelURL,
+    parse_sentinel_url,
+)
 from tests.fixtures_redis import RedisServer
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
 
@@ -116,6 +121,39 @@ class TestRoundTrips:
         results = store.renew_many([(f"k{i}", o, LONG_MS) for i, o in enumerate(owners)])
         assert results == [True] * 100
         assert len(_CountingConnection.sends) == 1
+        client.close()
+
+    def test_renew_many_of_thousands_is_one_round_trip_in_order(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """2,500 renewals (3 script chunks) go in one packet, each result at its item's place."""
+        pool = redis.ConnectionPool(
+            connection_class=_CountingConnection, host="127.0.0.1", port=redis_server.port
+        )
+        client = redis.Redis(connection_pool=pool)
+        store = RedisLockStore(client)
+        items = []
+        for i in range(2500):
+            assert store.acquire(f"k{i}", f"o{i}", LONG_MS) is not None
+            # every seventh item names a wrong owner: it must come back False, in its place
+            items.append((f"k{i}", f"o{i}" if i % 7 else "intruder", LONG_MS))
+        assert len(items) > RENEW_CHUNK
+        store.renew_many([("warm", "w", LONG_MS)])  # loads the script
+        _CountingConnection.sends.clear()
+        results = store.renew_many(items)
+        assert len(_CountingConnection.sends) == 1
+        assert results == [bool(i % 7) for i in range(2500)]
+        assert store.get("k7") is not None, "a failed renewal by a stranger leaves the lease alone"
+        client.close()
+
+    def test_client_that_retries_many_times_gets_a_warning(
+        self, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A client with redis-py's default 10 retries is flagged at construction."""
+        client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+        with caplog.at_level("WARNING", logger="celery_lease.stores.redis"):
+            RedisLockStore(client)
+        assert "retries failed commands 10 times" in caplog.text
         client.close()
 
     def test_noscript_falls_back_to_loading_the_script(
