@@ -16,7 +16,12 @@ so that prefork children inherit them::
 - ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
   ``"expired"``, ``"taken"`` or ``"max_hold"``. Sent from the renewer thread.
 - ``lock_released(key, token, held_seconds)``: the lease was released (or kept for ``cooldown``)
-  after the body; ``held_seconds`` is how long it was held.
+  after the body; ``held_seconds`` is how long it was held. Not sent for a lease that was lost
+  (``lock_lost`` was sent instead: there was nothing of ours left to release).
+
+Every signal also carries ``task_id``, the id of the execution (``None`` for a direct call), so
+a receiver can tell executions apart: ``lock_lost`` comes from the renewer thread, where
+``sender.request`` is not that execution's request.
 
 A receiver that raises is logged and never breaks the task.
 """
@@ -33,11 +38,13 @@ __all__ = ["lock_acquired", "lock_lost", "lock_rejected", "lock_released", "send
 logger = logging.getLogger(__name__)
 
 lock_acquired = Signal(
-    name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds"}
+    name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds", "task_id"}
 )
-lock_rejected = Signal(name="lock_rejected", providing_args={"key"})
-lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason"})
-lock_released = Signal(name="lock_released", providing_args={"key", "token", "held_seconds"})
+lock_rejected = Signal(name="lock_rejected", providing_args={"key", "task_id"})
+lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id"})
+lock_released = Signal(
+    name="lock_released", providing_args={"key", "token", "held_seconds", "task_id"}
+)
 
 
 def send(signal: Signal, sender: object, **named: Any) -> None:

@@ -375,7 +375,14 @@ class _Run:
         global _our_signals
         self.request.lock_lost = True
         reason = held.lost_reason or "lost"
-        signals.send(signals.lock_lost, self.task, key=held.key, token=held.token, reason=reason)
+        signals.send(
+            signals.lock_lost,
+            self.task,
+            key=held.key,
+            token=held.token,
+            reason=reason,
+            task_id=getattr(self.request, "id", None),
+        )
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
@@ -451,13 +458,15 @@ class _Run:
             else:
                 self.context.__exit__(type(exc), exc, exc.__traceback__)
         finally:
-            if not self.context._reentered:
+            # A lost lease was not ours to release any more: lock_lost already said so.
+            if not self.context._reentered and not held.lost:
                 signals.send(
                     signals.lock_released,
                     self.task,
                     key=held.key,
                     token=held.token,
                     held_seconds=held_seconds,
+                    task_id=getattr(self.request, "id", None),
                 )
 
 
@@ -566,6 +575,7 @@ def run_locked(
             token=held.token,
             waited=held.waited,
             wait_seconds=held.wait_seconds,
+            task_id=getattr(request, "id", None),
         )
     runs_token = _active.set((*_active.get(), run))
     try:
@@ -608,7 +618,7 @@ def run_locked(
 def _on_held(
     task: Any, request: Any, key: str, options: LockOptions, exc: LockNotAcquiredError
 ) -> Any:
-    signals.send(signals.lock_rejected, task, key=key)
+    signals.send(signals.lock_rejected, task, key=key, task_id=getattr(request, "id", None))
     hook = getattr(task, "on_lock_rejected", None)
     if hook is not None:
         hook(key)

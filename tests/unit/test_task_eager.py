@@ -146,6 +146,7 @@ class TestEagerExecution:
         names = [name for name, _ in received]
         assert names == ["lock_acquired", "lock_released"]
         assert received[0][1]["sender"].name == task.name and received[0][1]["token"] == token
+        assert received[0][1]["task_id"] == received[1][1]["task_id"] is not None
 
     def test_header_cannot_forge_token(self, app: Celery) -> None:
         """A ``lock_token`` message header is overwritten by the real token."""
@@ -349,6 +350,9 @@ class TestLoss:
         assert result.state == "SUCCESS" and tuple(result.result) == (True, "taken")
         lost = [kw for name, kw in received if name == "lock_lost"]
         assert len(lost) == 1 and lost[0]["reason"] == "taken" and lost[0]["key"] == "m"
+        assert lost[0]["task_id"] == result.id, "lock_lost names the execution it came from"
+        names = [name for name, _ in received]
+        assert names == ["lock_acquired", "lock_lost"], "a lost lease is not reported released"
         assert any("succeeded although" in r.message for r in caplog.records)
 
     def test_mark_failure_is_reported_as_lock_lost(
