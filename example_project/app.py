@@ -38,7 +38,6 @@ import logging
 import os
 import tempfile
 import time
-import uuid
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -55,10 +54,9 @@ from celery.signals import (
     worker_process_init,
     worker_ready,
 )
-from kombu.transport import filesystem
-from kombu.utils.json import dumps as kombu_dumps
 
 from celery_lease.signals import lock_acquired, lock_lost, lock_rejected, lock_released
+from example_project.transport import FilesystemTransport
 
 __all__ = ["FilesystemTransport", "app", "create_app", "data_dir", "record_event"]
 
@@ -78,32 +76,6 @@ def _redis_store(url: str, prefix: str) -> Any:
     from celery_lease.stores.redis import RedisLockStore
 
     return RedisLockStore(url, prefix=prefix)
-
-
-class _AtomicPutChannel(filesystem.Channel):
-    """kombu's filesystem channel, but a message file appears in the folder only when complete.
-
-    kombu 5.7's ``Channel._put`` creates the message file and then writes it; a consumer in
-    another process can move and read it in between, get an empty payload and crash its worker
-    with ``JSONDecodeError``. Here the payload is written to a hidden file that consumers ignore
-    and renamed into place (atomic within one file system).
-    """
-
-    def _put(  # type: ignore[override]  # same signature as filesystem.Channel._put
-        self, queue: Any, payload: Any, **kwargs: Any
-    ) -> None:
-        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
-        final = os.path.join(self.data_folder_out, name)
-        partial = os.path.join(self.data_folder_out, f".{name}.partial")
-        with open(partial, "wb") as handle:
-            handle.write(str(kombu_dumps(payload)).encode())  # type: ignore[no-untyped-call]
-        os.replace(partial, final)
-
-
-class FilesystemTransport(filesystem.Transport):
-    """kombu's filesystem transport with :class:`_AtomicPutChannel` (``filesystem://`` URLs)."""
-
-    Channel = _AtomicPutChannel
 
 
 def create_app(
@@ -150,7 +122,7 @@ def create_app(
         }
         for folder in folders.values():
             os.makedirs(folder, exist_ok=True)
-        app.conf.broker_transport = f"{__name__}:FilesystemTransport"
+        app.conf.broker_transport = "example_project.transport:FilesystemTransport"
         app.conf.broker_transport_options = {
             **folders,
             "store_processed": True,  # keep read messages in our folder, not in the global /tmp

@@ -216,6 +216,27 @@ class TestApp:
             app.close()
             _set_current_app(previous)
 
+    def test_filesystem_transport_reads_an_empty_exchange_table_as_unbound(
+        self, tmp_path: Path
+    ) -> None:
+        """An exchange table another process created but has not written yet reads as empty."""
+        from example_project.app import create_app
+
+        app = create_app({"EXAMPLE_DATA_DIR": str(tmp_path)}, main="probe")
+        try:
+            with app.connection_for_write() as conn:
+                channel = conn.default_channel
+                table = channel._exchange_file("race")
+                table.parent.mkdir(exist_ok=True)
+                table.write_bytes(b"")  # what kombu's own _queue_bind leaves before it writes
+                assert channel.get_table("race") == []
+                channel._queue_bind("race", "rk", "", "q1")
+                channel._queue_bind("race", "rk", "", "q2")
+                channel._queue_bind("race", "rk", "", "q1")
+                assert sorted(q.queue for q in channel.get_table("race")) == ["q1", "q2"]
+        finally:
+            app.close()
+
     def test_filesystem_transport_renames_complete_messages_into_place(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     ) -> None:

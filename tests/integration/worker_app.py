@@ -54,6 +54,8 @@ def make_app(
     if broker.startswith("filesystem"):
         folder = os.path.join(directory, "broker")
         os.makedirs(folder, exist_ok=True)
+        # kombu's own filesystem transport races between processes (see the module).
+        app.conf.broker_transport = "example_project.transport:FilesystemTransport"
         app.conf.broker_transport_options = {
             "data_folder_in": folder,
             "data_folder_out": folder,
