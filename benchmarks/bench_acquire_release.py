@@ -16,19 +16,22 @@ per-round ratios (less sensitive to load that drifts over the run), and the roun
 cycle (requests redis-py sent, counted in a separate, untimed pass).
 
 Run: ``python -m benchmarks.bench_acquire_release`` (``--profile`` adds a cProfile of the
-store and lease() contenders).
+store and lease() contenders; ``--json PATH`` also writes the results for ``benchmarks/plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import platform
 import pstats
 import secrets
 import statistics
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
 
 import redis
 import redis_lock
@@ -134,6 +137,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--cycles", type=int, default=CYCLES)
     parser.add_argument("--profile", action="store_true", help="cProfile store and lease()")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     with redis_server() as server:
         client = server.client()
@@ -156,6 +160,7 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for name, values in rates.items():
         median = statistics.median(values)
         paired = statistics.median(v / b for v, b in zip(values, base_rates, strict=True))
@@ -163,9 +168,36 @@ def main() -> None:
             f"{name:<32} {median:>9.0f} {min(values):>8.0f} {max(values):>8.0f} "
             f"{median / base:>7.3f} {paired:>7.3f} {trips[name]:>5.2f}"
         )
+        rows.append(
+            {
+                "name": name,
+                "median_per_s": median,
+                "min_per_s": min(values),
+                "max_per_s": max(values),
+                "x_base": median / base,
+                "paired": paired,
+                "round_trips": trips[name],
+                "per_round_per_s": values,
+            }
+        )
     print("x base: median cycles/s / the baseline's median; paired: median over rounds of the")
     print("        contender's rate / the baseline's rate in the same round")
     print("RTs: round trips per cycle (requests sent by redis-py, counted in an untimed pass)")
+    if args.json:
+        results = {
+            "benchmark": "acquire_release",
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {
+                "python": platform.python_version(),
+                "redis-py": redis.__version__,
+                "python-redis-lock": redis_lock.__version__,
+            },
+            "params": {"rounds": args.rounds, "cycles": args.cycles},
+            "baseline": "baseline SET NX PX + Lua CAD",
+            "contenders": rows,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,14 @@ holds the key (t1) and releases. Latency = t1 - t0. Holder and waiter are thread
 (so t0 and t1 come from one clock). Rounds of ``PER_ROUND`` hand-offs per contender, the order
 rotated each round.
 
-Run: ``python -m benchmarks.bench_handoff``
+Run: ``python -m benchmarks.bench_handoff`` (``--json PATH`` also writes the results for
+``benchmarks/plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import platform
 import random
@@ -34,6 +36,8 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -166,6 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--per-round", type=int, default=PER_ROUND)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     total = args.rounds * args.per_round
     delays = [random.Random(SEED + i).uniform(*DELAY_MS) / 1000 for i in range(total)]
@@ -197,10 +202,23 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for contender in contenders:
         values = sorted(contender.latencies)
         ms = [1000 * percentile(values, f) for f in (0.5, 0.9, 0.99)]
         release_ms = 1000 * statistics.median(contender.release_calls)
+        rows.append(
+            {
+                "name": contender.name,
+                "n": len(values),
+                "p50_ms": ms[0],
+                "p90_ms": ms[1],
+                "p99_ms": ms[2],
+                "max_ms": 1000 * values[-1],
+                "mean_ms": 1000 * statistics.fmean(values),
+                "release_ms": release_ms,
+            }
+        )
         print(
             f"{contender.name:<30} {len(values):>4} {ms[0]:>8.3f} {ms[1]:>8.3f} {ms[2]:>8.3f} "
             f"{1000 * values[-1]:>8.3f} {1000 * statistics.fmean(values):>8.3f} "
@@ -209,6 +227,21 @@ def main() -> None:
     print("p50/p90/p99: nearest rank; release ms: median duration of the holder's release call")
     waited = contenders[0].notes
     print(f"lease(): Lease.waited was True in {sum(waited)} of {len(waited)} hand-offs")
+    if args.json:
+        results = {
+            "benchmark": "handoff",
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {
+                "python": platform.python_version(),
+                "redis-py": redis.__version__,
+                "python-redis-lock": redis_lock.__version__,
+            },
+            "params": {"rounds": args.rounds, "per_round": args.per_round},
+            "contenders": rows,
+            "lease_waited": {"true": sum(waited), "of": len(waited)},
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -13,18 +13,24 @@ Runs in a scratch database ``celery_lease_bench_<pid>_<hex>`` on the server give
 (default: the local server), dropped at the end. Usage::
 
     python benchmarks/bench_postgres_handoff.py [--handoffs 300] [--dsn postgresql://...]
+
+``--json PATH`` also writes the results for ``benchmarks/plot.py``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import os
+import platform
 import random
 import secrets
 import statistics
 import threading
 import time
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -139,6 +145,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--handoffs", type=int, default=300, help="hand-offs per set-up (300)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     name = f"celery_lease_bench_{os.getpid()}_{secrets.token_hex(4)}"
     ident = sql.Identifier(name)
@@ -166,6 +173,19 @@ def main() -> None:
     print(f"{'set-up':<10} {'n':>5} {'p50':>8} {'p99':>8} {'max':>8} {'mean':>8}")
     for label, n, p50, p99, top, mean in rows:
         print(f"{label:<10} {n:>5} {p50:>8.2f} {p99:>8.2f} {top:>8.2f} {mean:>8.2f}")
+    if args.json:
+        results = {
+            "benchmark": "postgres_handoff",
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"python": platform.python_version(), "psycopg": psycopg.__version__},
+            "params": {"handoffs": args.handoffs},
+            "setups": [
+                dict(zip(("name", "n", "p50_ms", "p99_ms", "max_ms", "mean_ms"), row, strict=True))
+                for row in rows
+            ],
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ auto_renewal=True)`` acquired at once on one ``redis.Redis`` client with its def
 pool, held ``HOLD_TTLS`` ttls; reported: threads, renewal threads that died with an error, locks
 whose key no longer holds their id at the end, connections the pool opened.
 
-Run: ``python -m benchmarks.bench_renewal_scale``
+Run: ``python -m benchmarks.bench_renewal_scale`` (``--json PATH`` also writes the results for
+``benchmarks/plot.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextvars
 import gc
+import json
 import logging
 import platform
 import statistics
@@ -41,6 +43,8 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -120,7 +124,10 @@ def memory_per_lease(store: RedisLockStore, n: int, nested: bool) -> float:
     return (after - before) / n
 
 
-def bench_celery_lease(url: str, n: int, nested: bool) -> list[tuple[str, str]]:
+def bench_celery_lease(
+    url: str, n: int, nested: bool
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The printed rows, and the same measurements as numbers (for ``--json``)."""
     store = RedisLockStore(url)
     gc.collect()
     threads_before = threading.active_count()  # before either pass starts the renewer
@@ -208,6 +215,35 @@ def bench_celery_lease(url: str, n: int, nested: bool) -> list[tuple[str, str]]:
     early = [s for s in sweeps if s.phase == "acquiring"]
     evalsha = stats_after.get("evalsha", 0) - stats_before.get("evalsha", 0)
     renewed = sum(s.items for s in hold)
+    numbers = {
+        "leases": n,
+        "nested": nested,
+        "ttl_s": TTL_S,
+        "hold_s": HOLD_TTLS * TTL_S,
+        "acquire_all_s": acquire_seconds,
+        "release_all_s": release_seconds,
+        "threads_delta": threads_held - threads_before,
+        "hold_sweeps": hold_sweeps,
+        "hold_phase_sweeps": [
+            {
+                "leases": s.items,
+                "renew_many_ms": s.renew_seconds * 1000,
+                "sweep_ms": s.seconds * 1000,
+                "round_trips": s.round_trips,
+            }
+            for s in hold
+        ],
+        "sweeps_while_acquiring": len(early),
+        "renewals_sent": renewed,
+        "evalsha_at_server": evalsha,
+        "synthetic_renew_many_ms": batch_seconds * 1000,
+        "synthetic_renewed": batch_ok,
+        "memory_per_lease_bytes": memory,
+        "lost_on_lost": len(lost),
+        "lost_flagged": flagged_lost,
+        "still_owned": still_owned,
+        "pool_connections": pool_connections,
+    }
     return [
         (
             "leases held at once",
@@ -239,12 +275,13 @@ def bench_celery_lease(url: str, n: int, nested: bool) -> list[tuple[str, str]]:
         ("leases lost (on_lost / .lost)", f"{len(lost)} / {flagged_lost}"),
         ("lease keys still owned at the end", f"{still_owned} of {n}"),
         ("Redis connections in the pool", f"{pool_connections}"),
-    ]
+    ], numbers
 
 
 def bench_python_redis_lock(
     server_client: Callable[[], redis.Redis], n: int
-) -> list[tuple[str, str]]:
+) -> tuple[list[tuple[str, str]], dict[str, Any]]:
+    """The printed rows, and the same measurements as numbers (for ``--json``)."""
     client = server_client()
     died: list[str] = []
     previous_hook = threading.excepthook
@@ -288,6 +325,19 @@ def bench_python_redis_lock(
         threading.excepthook = previous_hook
         client.close()
     kinds = ", ".join(f"{k} x{died.count(k)}" for k in sorted(set(died))) or "none"
+    numbers = {
+        "locks": n,
+        "expire_s": TTL_S,
+        "hold_s": HOLD_TTLS * TTL_S,
+        "acquire_all_s": acquire_seconds,
+        "threads_delta": threads_held - threads_before,
+        "threads_alive_at_end": threads_end - threads_before,
+        "renewal_threads_died": len(died),
+        "died_with": {k: died.count(k) for k in sorted(set(died))},
+        "lost": n - still_owned,
+        "release_not_acquired": release_errors,
+        "pool_connections": connections,
+    }
     return [
         ("locks held at once", f"{n}"),
         ("expire / renewal every", f"{TTL_S} s / {TTL_S * 2 / 3:g} s (auto_renewal)"),
@@ -298,7 +348,7 @@ def bench_python_redis_lock(
         ("locks lost (key no longer holds id)", f"{n - still_owned} of {n}"),
         ("release() raising NotAcquired", f"{release_errors}"),
         ("Redis connections in the pool", f"{connections}"),
-    ]
+    ], numbers
 
 
 def print_table(title: str, rows: list[tuple[str, str]]) -> None:
@@ -314,12 +364,15 @@ def main() -> None:
     parser.add_argument("--leases", type=int, default=N_LEASES)
     parser.add_argument("--prl-locks", type=int, default=N_PRL)
     parser.add_argument("--nested", action="store_true", help="all leases in one context")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args()
     # Each loss is counted through on_lost; the renewer's per-lease warning would flood stderr.
     logging.getLogger("celery_lease").setLevel(logging.ERROR)
     with redis_server() as server:
-        ours = bench_celery_lease(server.url, args.leases, args.nested)
-        theirs = bench_python_redis_lock(server.client, args.prl_locks) if args.prl_locks else []
+        ours, our_numbers = bench_celery_lease(server.url, args.leases, args.nested)
+        theirs, their_numbers = (
+            bench_python_redis_lock(server.client, args.prl_locks) if args.prl_locks else ([], {})
+        )
     versions = (
         f"Python {platform.python_version()}, redis-py {redis.__version__}, "
         f"python-redis-lock {redis_lock.__version__}"
@@ -327,6 +380,21 @@ def main() -> None:
     print_table(f"celery-lease: lease() on RedisLockStore ({versions})", ours)
     if theirs:
         print_table("python-redis-lock, auto_renewal=True, default connection pool", theirs)
+    if args.json:
+        results = {
+            "benchmark": "renewal_scale",
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {
+                "python": platform.python_version(),
+                "redis-py": redis.__version__,
+                "python-redis-lock": redis_lock.__version__,
+            },
+            "params": {"leases": args.leases, "prl_locks": args.prl_locks, "nested": args.nested},
+            "celery_lease": {**our_numbers, "table": dict(ours)},
+            "python_redis_lock": {**their_numbers, "table": dict(theirs)} if theirs else None,
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -12,20 +12,24 @@ tasks/s, its ratio to the plain task's median, and the median of the per-round r
 - ``QueueOnce``: celery-once, locks at enqueue, unlocks in ``after_return``;
 - ``Singleton``: celery-singleton, locks at enqueue, unlocks when the task ends.
 
-Run: ``python -m benchmarks.bench_task_throughput [--tasks 300 --rounds 5]``.
+Run: ``python -m benchmarks.bench_task_throughput [--tasks 300 --rounds 5]`` (``--json PATH``
+also writes the results for ``benchmarks/plot.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+import celery
 from celery import Celery
 from celery_once import QueueOnce
 from celery_singleton import Singleton
@@ -96,6 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=300, help="tasks per contender per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     options = parser.parse_args()
 
     from benchmarks._redis_server import redis_server
@@ -149,12 +154,33 @@ def main() -> None:
     )
     print("| contender | median tasks/s | ratio of medians | median per-round ratio |")
     print("|---|---:|---:|---:|")
+    rows = []
     for name in names:
         ratios = [r / p for r, p in zip(rates[name], rates["plain"], strict=True)]
         median = statistics.median(rates[name])
         print(
             f"| {name} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x |"
         )
+        rows.append(
+            {
+                "name": name,
+                "median_per_s": median,
+                "ratio": median / plain,
+                "paired_ratio": statistics.median(ratios),
+                "per_round_per_s": rates[name],
+            }
+        )
+    if options.json:
+        results = {
+            "benchmark": "task_throughput",
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {"python": platform.python_version(), "celery": celery.__version__},
+            "params": {"tasks": options.tasks, "rounds": options.rounds},
+            "baseline": "plain",
+            "contenders": rows,
+        }
+        Path(options.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(options.json).write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
