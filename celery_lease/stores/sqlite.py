@@ -14,8 +14,10 @@ Every new token is also floored by the clock in microseconds, like the memory st
 from __future__ import annotations
 
 import os
+import random
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -156,24 +158,41 @@ class SQLiteLockStore:
         self._pid = os.getpid()
 
     def _open(self) -> sqlite3.Connection:
+        """Connect, switch to WAL and create the table; retried while another process does.
+
+        Several processes opening a new file at once race on the journal-mode switch and the
+        schema: SQLite answers some of those collisions with an immediate "database is locked"
+        (deadlock avoidance skips the busy handler), so the set-up is retried, with a short
+        random pause, until ``busy_timeout`` runs out.
+        """
         _create_file(self._path)
-        conn = sqlite3.connect(
-            self._path,
-            timeout=self._busy_timeout,
-            isolation_level=None,  # autocommit: transactions are explicit
-            check_same_thread=False,  # shared by the threads of this process, under self._lock
-        )
-        try:
-            if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                conn.execute("PRAGMA journal_mode=WAL")
-            # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; a token
-            # lost that way is still exceeded by the clock floor after the reboot.
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(_SCHEMA)
-        except BaseException:
-            conn.close()
-            raise
-        return conn
+        deadline = time.monotonic() + self._busy_timeout
+        while True:
+            conn = sqlite3.connect(
+                self._path,
+                timeout=self._busy_timeout,
+                isolation_level=None,  # autocommit: transactions are explicit
+                check_same_thread=False,  # shared by the threads of this process, under _lock
+            )
+            try:
+                if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    conn.execute("PRAGMA journal_mode=WAL")
+                # NORMAL in WAL mode: a power loss may lose the last commits, never corrupt; a
+                # token lost that way is still exceeded by the clock floor after the reboot.
+                conn.execute("PRAGMA synchronous=NORMAL")
+                # IMMEDIATE takes the write lock up front (with the busy handler) instead of
+                # upgrading a read lock, which SQLite refuses at once when another writer waits.
+                with self._write(conn):
+                    conn.execute(_SCHEMA)
+                return conn
+            except sqlite3.OperationalError as exc:
+                conn.close()
+                if not _is_busy(exc) or time.monotonic() >= deadline:
+                    raise
+                time.sleep(random.uniform(0.005, 0.05))
+            except BaseException:
+                conn.close()
+                raise
 
     def _run(self, what: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on this process's connection; driver errors raise StoreUnavailableError."""
@@ -358,6 +377,12 @@ def _validate_path(path: object) -> str:
     if os.path.isdir(path):
         raise LeaseConfigError(f"path={path!r} is a directory, expected a database file")
     return path
+
+
+def _is_busy(exc: sqlite3.OperationalError) -> bool:
+    """Whether ``exc`` is SQLite's "database is locked" / "busy" (another process has the lock)."""
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
 
 
 def _create_file(path: str) -> None:

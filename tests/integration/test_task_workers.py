@@ -44,6 +44,8 @@ class TestDuplicates:
         assert_no_overlap(spans)
         ran = [r for r in results if r == "ran"]
         rejected = [r for r in results if isinstance(r, LockNotAcquiredError)]
+        other = [r for r in results if r != "ran" and not isinstance(r, LockNotAcquiredError)]
+        assert not other, f"neither ran nor rejected: {other!r}"
         assert len(ran) == len(spans) >= 1 and len(ran) + len(rejected) == DUPLICATES
         assert all(r.key == f"dup:{run}" for r in rejected)
 
