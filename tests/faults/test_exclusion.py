@@ -61,7 +61,6 @@ def test_redis_store_processes(own_redis, fence_sqlite: str, exclusion_reports) 
 
 def test_postgres_store_processes(pg_database_dsn: str, exclusion_reports: list[Report]) -> None:
     """Four processes on one PostgreSQL table, real SIGSTOP pauses: no overlap, no stale write."""
-    pytest.importorskip("celery_lease.stores.postgres")
     fence = f"{pg_database_dsn}#fence_{secrets.token_hex(4)}"
     plan = Plan(
         **{**PROCESS_PLAN.__dict__, "keys": [f"hot-{secrets.token_hex(3)}-{k}" for k in "ab"]}

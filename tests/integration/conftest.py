@@ -175,12 +175,25 @@ def worker_env(
         )
 
 
-@pytest.fixture
-def prefork_env(worker_env: WorkerEnv) -> WorkerEnv:
-    """``worker_env`` limited to prefork workers."""
-    if worker_env.pool != "prefork":
-        pytest.skip("needs a prefork worker")
-    return worker_env
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect (not skip) the ``worker_env`` variants a ``@pytest.mark.pools(...)`` test excludes.
+
+    A test that pauses a pool child with SIGSTOP has nothing to pause on a threads worker: that
+    combination is not collected at all, so no skip can hide a test that should have run.
+    """
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        marker = item.get_closest_marker("pools")
+        callspec = getattr(item, "callspec", None)
+        variant = callspec.params.get("worker_env") if callspec is not None else None
+        if marker is not None and variant is not None and variant.split("-")[1] not in marker.args:
+            dropped.append(item)
+        else:
+            keep.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
 
 @pytest.fixture(scope="module")

@@ -123,9 +123,11 @@ class TestBehaviour:
             worker_env.get(result)
 
 
-def test_fencing_end_to_end(prefork_env: WorkerEnv, tmp_path: Path) -> None:
+@pytest.mark.pools("prefork")
+def test_fencing_end_to_end(worker_env: WorkerEnv, tmp_path: Path) -> None:
     """A paused holder loses its key to a higher token; its late write is rejected."""
-    env = prefork_env
+    env = worker_env
+    assert env.pool == "prefork"
     resource = tmp_path / "resource.db"
     db = sqlite3.connect(resource)
     with db:
