@@ -42,8 +42,15 @@ class _SafeChannel(filesystem.Channel):
             handle.write(str(kombu_dumps(payload)).encode())  # type: ignore[no-untyped-call]
         os.replace(partial, final)
 
+    def _table_file(self, exchange: Any) -> Any:
+        """The exchange table's path (kombu >= 5.7 validates the name; older kombu does not)."""
+        validated = getattr(super(), "_exchange_file", None)
+        if validated is not None:
+            return validated(exchange)
+        return self.control_folder / f"{exchange}.exchange"
+
     def get_table(self, exchange: Any) -> list[Any]:
-        file = self._exchange_file(exchange)
+        file = self._table_file(exchange)
         try:
             with file.open("rb") as handle:
                 filesystem.lock(handle, filesystem.LOCK_SH)
@@ -58,7 +65,7 @@ class _SafeChannel(filesystem.Channel):
         return [filesystem.exchange_queue_t(*q) for q in kombu_loads(bytes_to_str(raw))]
 
     def _queue_bind(self, exchange: Any, routing_key: Any, pattern: Any, queue: Any) -> None:
-        file = self._exchange_file(exchange)
+        file = self._table_file(exchange)
         self.control_folder.mkdir(exist_ok=True)
         wanted = filesystem.exchange_queue_t(routing_key or "", pattern or "", queue or "")
         # "a+b" creates the file if missing without truncating what another process wrote.

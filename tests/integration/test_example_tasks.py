@@ -226,7 +226,7 @@ class TestApp:
         try:
             with app.connection_for_write() as conn:
                 channel = conn.default_channel
-                table = channel._exchange_file("race")
+                table = channel._table_file("race")
                 table.parent.mkdir(exist_ok=True)
                 table.write_bytes(b"")  # what kombu's own _queue_bind leaves before it writes
                 assert channel.get_table("race") == []
