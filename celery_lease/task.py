@@ -40,7 +40,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import random
 import signal
 import sys
 import threading
@@ -58,10 +57,17 @@ from celery.signals import before_task_publish
 
 from celery_lease import config, signals
 from celery_lease import worker as _worker
-from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.keys import KeyFunction, make_key_function, validate_template
 from celery_lease.lease import Lease, _LeaseContext, lease
+from celery_lease.options import (
+    ON_HELD,
+    ON_LOST,
+    OPTIONS,
+    LockOptions,
+    retry_countdown,
+    validate_options,
+)
 from celery_lease.stores.base import LockStore, store_from_url
 
 __all__ = [
@@ -78,31 +84,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-OPTIONS = (
-    "key",
-    "ttl",
-    "wait",
-    "max_hold",
-    "cooldown",
-    "store",
-    "on_held",
-    "retry_countdown",
-    "on_lost",
-)
-"""Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`."""
-
-ON_HELD = ("raise", "skip", "retry")
-"""Allowed ``on_held`` policies (the key stayed held past ``wait``); default ``"raise"``."""
-
-ON_LOST = ("mark", "revoke")
-"""Allowed ``on_lost`` policies (the lease was lost while the body ran); default ``"mark"``."""
-
-RETRY_FIRST = 1.0
-"""Seconds: the first ``on_held="retry"`` countdown when ``retry_countdown`` is unset."""
-
-RETRY_CAP = 60.0
-"""Seconds: the longest default ``on_held="retry"`` countdown."""
 
 REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
@@ -129,98 +110,6 @@ def _set_lock_lost(request: Any, value: bool) -> None:
 # A data descriptor: live from the lease (no lag behind the renewer), and a message header of
 # the same name cannot shadow it.
 Context.lock_lost = property(_get_lock_lost, _set_lock_lost)
-
-
-@dataclass(frozen=True)
-class LockOptions:
-    """Validated lock options of one task (``None``: take the app setting or the default).
-
-    Attributes:
-        key: template, callable or ``None`` (digest of the bound arguments).
-        ttl: seconds, or ``None`` for ``lease_default_ttl`` (else 30).
-        wait: seconds, or ``None`` for ``lease_default_wait`` (else 0).
-        max_hold: seconds, or ``None`` for no limit.
-        cooldown: seconds the key stays taken after a successful run (default 0).
-        store: a ``LockStore``, a store URL, or ``None`` for the app's store.
-        on_held: ``"raise"``, ``"skip"`` or ``"retry"``.
-        retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
-            exponential from 1 s, jittered, capped at 60 s.
-        on_lost: ``"mark"`` or ``"revoke"``.
-    """
-
-    key: str | Callable[..., str] | None = None
-    ttl: float | None = None
-    wait: float | None = None
-    max_hold: float | None = None
-    cooldown: float = 0.0
-    store: str | LockStore | None = None
-    on_held: str = "raise"
-    retry_countdown: float | None = None
-    on_lost: str = "mark"
-
-
-def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") -> LockOptions:
-    """Check raw option values and normalise durations to seconds.
-
-    Args:
-        raw: option name (without prefix) -> value as given; missing or ``None`` is "unset".
-        where: the task or function, for error messages.
-        prefix: ``"lock_"`` for task attributes, ``""`` for decorator keywords.
-
-    Raises:
-        LeaseConfigError: naming the option, its value and what is allowed.
-    """
-
-    def name(option: str) -> str:
-        return f"{prefix}{option} of {where}"
-
-    def duration(option: str, *, positive: bool = False) -> float | None:
-        value = raw.get(option)
-        if value is None:
-            return None
-        return to_seconds(value, name=name(option), inclusive=not positive)
-
-    key = raw.get("key")
-    if key is not None and not isinstance(key, str) and not callable(key):
-        raise LeaseConfigError(
-            f"{name('key')}={key!r} is not allowed: use a template str such as"
-            ' "account:{account_id}", a callable returning a str, or None'
-        )
-    if isinstance(key, str) and not key:
-        raise LeaseConfigError(f"{name('key')}='' must be a non-empty template")
-    store = raw.get("store")
-    if store is not None and not isinstance(store, (str, LockStore)):
-        raise LeaseConfigError(
-            f"{name('store')}={store!r} is not allowed: use a LockStore, a store URL, or None"
-        )
-    if isinstance(store, str) and "://" not in store:
-        raise LeaseConfigError(
-            f"{name('store')}={store!r} is not a store URL (redis://, sqlite:///..., memory://)"
-        )
-    on_held = raw.get("on_held") or "raise"
-    if on_held not in ON_HELD:
-        raise LeaseConfigError(
-            f"{name('on_held')}={on_held!r} is not allowed: use one of {', '.join(ON_HELD)}"
-        )
-    on_lost = raw.get("on_lost") or "mark"
-    if on_lost not in ON_LOST:
-        raise LeaseConfigError(
-            f"{name('on_lost')}={on_lost!r} is not allowed: use one of {', '.join(ON_LOST)}"
-        )
-    ttl = duration("ttl", positive=True)
-    if ttl is not None and ttl < 0.001:
-        raise LeaseConfigError(f"{name('ttl')}={raw.get('ttl')!r} must be at least 1 ms")
-    return LockOptions(
-        key=key,
-        ttl=ttl,
-        wait=duration("wait"),
-        max_hold=duration("max_hold", positive=True),
-        cooldown=duration("cooldown") or 0.0,
-        store=store,
-        on_held=on_held,
-        retry_countdown=duration("retry_countdown"),
-        on_lost=on_lost,
-    )
 
 
 # Stores --------------------------------------------------------------------------------------
@@ -513,13 +402,6 @@ class _Spec:
     key_function: KeyFunction
 
 
-def _retry_countdown(options: LockOptions, retries: int) -> float:
-    if options.retry_countdown is not None:
-        return options.retry_countdown
-    base = min(RETRY_CAP, RETRY_FIRST * (2 ** min(retries, 16)))
-    return random.uniform(base / 2, base)
-
-
 def run_locked(
     task: Any,
     request: Any,
@@ -633,7 +515,7 @@ def _on_held(
         return None
     if policy == "retry" and task is not None and request is not None:
         retries = int(getattr(request, "retries", 0) or 0)
-        raise task.retry(countdown=_retry_countdown(options, retries), exc=exc)
+        raise task.retry(countdown=retry_countdown(options, retries), exc=exc)
     raise exc
 
 

@@ -1,0 +1,154 @@
+"""Lock options of a task: names, allowed policies, defaults and validation (no Celery here).
+
+Shared by :class:`~celery_lease.LockedTask` (``lock_<name>`` class attributes) and
+:func:`~celery_lease.locked` (``<name>=`` keywords); validated once, when the task or decorator
+is defined, so a typo fails at start-up and never deep inside a worker.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from celery_lease.durations import to_seconds
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.base import LockStore
+
+__all__ = [
+    "ON_HELD",
+    "ON_LOST",
+    "OPTIONS",
+    "RETRY_CAP",
+    "RETRY_FIRST",
+    "LockOptions",
+    "retry_countdown",
+    "validate_options",
+]
+
+OPTIONS = (
+    "key",
+    "ttl",
+    "wait",
+    "max_hold",
+    "cooldown",
+    "store",
+    "on_held",
+    "retry_countdown",
+    "on_lost",
+)
+"""Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`."""
+
+ON_HELD = ("raise", "skip", "retry")
+"""Allowed ``on_held`` policies (the key stayed held past ``wait``); default ``"raise"``."""
+
+ON_LOST = ("mark", "revoke")
+"""Allowed ``on_lost`` policies (the lease was lost while the body ran); default ``"mark"``."""
+
+RETRY_FIRST = 1.0
+"""Seconds: the first ``on_held="retry"`` countdown when ``retry_countdown`` is unset."""
+
+RETRY_CAP = 60.0
+"""Seconds: the longest default ``on_held="retry"`` countdown."""
+
+
+@dataclass(frozen=True)
+class LockOptions:
+    """Validated lock options of one task (``None``: take the app setting or the default).
+
+    Attributes:
+        key: template, callable or ``None`` (digest of the bound arguments).
+        ttl: seconds, or ``None`` for ``lease_default_ttl`` (else 30).
+        wait: seconds, or ``None`` for ``lease_default_wait`` (else 0).
+        max_hold: seconds, or ``None`` for no limit.
+        cooldown: seconds the key stays taken after a successful run (default 0).
+        store: a ``LockStore``, a store URL, or ``None`` for the app's store.
+        on_held: ``"raise"``, ``"skip"`` or ``"retry"``.
+        retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
+            exponential from 1 s, jittered, capped at 60 s.
+        on_lost: ``"mark"`` or ``"revoke"``.
+    """
+
+    key: str | Callable[..., str] | None = None
+    ttl: float | None = None
+    wait: float | None = None
+    max_hold: float | None = None
+    cooldown: float = 0.0
+    store: str | LockStore | None = None
+    on_held: str = "raise"
+    retry_countdown: float | None = None
+    on_lost: str = "mark"
+
+
+def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") -> LockOptions:
+    """Check raw option values and normalise durations to seconds.
+
+    Args:
+        raw: option name (without prefix) -> value as given; missing or ``None`` is "unset".
+        where: the task or function, for error messages.
+        prefix: ``"lock_"`` for task attributes, ``""`` for decorator keywords.
+
+    Raises:
+        LeaseConfigError: naming the option, its value and what is allowed.
+    """
+
+    def name(option: str) -> str:
+        return f"{prefix}{option} of {where}"
+
+    def duration(option: str, *, positive: bool = False) -> float | None:
+        value = raw.get(option)
+        if value is None:
+            return None
+        return to_seconds(value, name=name(option), inclusive=not positive)
+
+    key = raw.get("key")
+    if key is not None and not isinstance(key, str) and not callable(key):
+        raise LeaseConfigError(
+            f"{name('key')}={key!r} is not allowed: use a template str such as"
+            ' "account:{account_id}", a callable returning a str, or None'
+        )
+    if isinstance(key, str) and not key:
+        raise LeaseConfigError(f"{name('key')}='' must be a non-empty template")
+    store = raw.get("store")
+    if store is not None and not isinstance(store, (str, LockStore)):
+        raise LeaseConfigError(
+            f"{name('store')}={store!r} is not allowed: use a LockStore, a store URL, or None"
+        )
+    if isinstance(store, str) and "://" not in store:
+        raise LeaseConfigError(
+            f"{name('store')}={store!r} is not a store URL (redis://, sqlite:///..., memory://)"
+        )
+    on_held = raw.get("on_held") or "raise"
+    if on_held not in ON_HELD:
+        raise LeaseConfigError(
+            f"{name('on_held')}={on_held!r} is not allowed: use one of {', '.join(ON_HELD)}"
+        )
+    on_lost = raw.get("on_lost") or "mark"
+    if on_lost not in ON_LOST:
+        raise LeaseConfigError(
+            f"{name('on_lost')}={on_lost!r} is not allowed: use one of {', '.join(ON_LOST)}"
+        )
+    ttl = duration("ttl", positive=True)
+    if ttl is not None and ttl < 0.001:
+        raise LeaseConfigError(f"{name('ttl')}={raw.get('ttl')!r} must be at least 1 ms")
+    return LockOptions(
+        key=key,
+        ttl=ttl,
+        wait=duration("wait"),
+        max_hold=duration("max_hold", positive=True),
+        cooldown=duration("cooldown") or 0.0,
+        store=store,
+        on_held=on_held,
+        retry_countdown=duration("retry_countdown"),
+        on_lost=on_lost,
+    )
+
+
+def retry_countdown(options: LockOptions, retries: int) -> float:
+    """Seconds before an ``on_held="retry"`` attempt: the option, else exponential from
+    :data:`RETRY_FIRST`, jittered to [half, whole], capped at :data:`RETRY_CAP`."""
+    if options.retry_countdown is not None:
+        return options.retry_countdown
+    base = min(RETRY_CAP, RETRY_FIRST * (2 ** min(retries, 16)))
+    return random.uniform(base / 2, base)
