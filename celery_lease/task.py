@@ -629,20 +629,12 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Run the body under the lease (worker, eager and direct calls alike)."""
-        request = self.request_stack.top
-        if request is not None and not request.called_directly and request._lease_run is None:
-            request._lease_run = True
-            return run_locked(
-                self,
-                request,
-                self._lock_get_spec(),
-                args,
-                kwargs,
-                lambda: self.run(*args, **kwargs),
-            )
+        top = self.request_stack.top
         # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
-        _task_stack.push(self)
-        self.push_request(args=args, kwargs=kwargs)
+        own_request = top is None or top.called_directly or top._lease_run is not None
+        if own_request:
+            _task_stack.push(self)
+            self.push_request(args=args, kwargs=kwargs)
         try:
             request = self.request
             request._lease_run = True
@@ -655,8 +647,9 @@ class LockedTask(Task):  # type: ignore[misc]
                 lambda: self.run(*args, **kwargs),
             )
         finally:
-            self.pop_request()
-            _task_stack.pop()
+            if own_request:
+                self.pop_request()
+                _task_stack.pop()
 
     def on_lock_lost(self, lease: Lease) -> None:
         """Called once, from the renewer thread, when the running body's lease is lost."""
