@@ -26,6 +26,7 @@ import stat
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -40,6 +41,7 @@ __all__ = [
     "BUILTIN_WAIT",
     "LeaseSettings",
     "broker_store_url",
+    "cached",
     "default_sqlite_path",
     "get_settings",
     "get_store",
@@ -62,6 +64,8 @@ SQLITE_FILE = "leases.sqlite3"
 """File name of the host-local fallback store inside :func:`default_sqlite_dir`."""
 
 T = TypeVar("T")
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 def pick(option: T | None, setting: T | None, builtin: T) -> T:
@@ -133,19 +137,28 @@ def _read(app: Any) -> LeaseSettings:
     )
 
 
+def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _V:
+    """``cache[key]``, built by ``build()`` once per process when missing.
+
+    Double-checked under this module's lock (renewed after ``fork``), so concurrent first uses
+    build one value; later reads take no lock.
+    """
+    value = cache.get(key)
+    if value is None:
+        with _lock:
+            value = cache.get(key)
+            if value is None:
+                value = cache[key] = build()
+    return value
+
+
 def get_settings(app: Any) -> LeaseSettings:
     """The validated lease settings of ``app``, read once (cached per app).
 
     Raises:
         LeaseConfigError: a setting has a bad value; the message names it.
     """
-    settings = _settings.get(app)
-    if settings is None:
-        with _lock:
-            settings = _settings.get(app)
-            if settings is None:
-                settings = _settings[app] = _read(app)
-    return settings
+    return cached(_settings, app, lambda: _read(app))
 
 
 def broker_store_url(app: Any) -> str | None:
@@ -258,13 +271,7 @@ def get_store(app: Any) -> LockStore:
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
     this user on this host (logged once as host-local only). Rebuilt after ``fork``.
     """
-    store = _stores.get(app)
-    if store is None:
-        with _lock:
-            store = _stores.get(app)
-            if store is None:
-                store = _stores[app] = _build_store(app)
-    return store
+    return cached(_stores, app, lambda: _build_store(app))
 
 
 def reset(app: Any | None = None) -> None:

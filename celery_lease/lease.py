@@ -200,7 +200,6 @@ class _LeaseContext:
         cancel: threading.Event | None,
         clock: Clock,
     ) -> None:
-        self._args = (key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock)
         self.key = key
         self.store = store
         self.ttl = ttl
@@ -219,10 +218,24 @@ class _LeaseContext:
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with _LeaseContext(*self._args):
+            with self._fresh():
                 return func(*args, **kwargs)
 
         return cast(F, wrapper)
+
+    def _fresh(self) -> _LeaseContext:
+        """A new, unentered context with the same arguments: one per decorated call."""
+        return _LeaseContext(
+            self.key,
+            self.store,
+            self.ttl,
+            self.wait,
+            self.max_hold,
+            self.cooldown,
+            self.on_lost,
+            self.cancel,
+            self.clock,
+        )
 
     # Context manager --------------------------------------------------------------------------
 

@@ -115,7 +115,6 @@ Context.lock_lost = property(_get_lock_lost, _set_lock_lost)
 # Stores --------------------------------------------------------------------------------------
 
 _url_stores: dict[str, LockStore] = {}
-_url_lock = threading.Lock()
 
 
 def _store_for(option: str | LockStore | None, app: Any) -> LockStore:
@@ -123,19 +122,11 @@ def _store_for(option: str | LockStore | None, app: Any) -> LockStore:
     if option is None:
         return config.get_store(app)
     if isinstance(option, str):
-        store = _url_stores.get(option)
-        if store is None:
-            with _url_lock:
-                store = _url_stores.get(option)
-                if store is None:
-                    store = _url_stores[option] = store_from_url(option)
-        return store
+        return config.cached(_url_stores, option, lambda: store_from_url(option))
     return option
 
 
 def _forget_url_stores() -> None:
-    global _url_lock
-    _url_lock = threading.Lock()
     _url_stores.clear()
 
 
