@@ -101,17 +101,22 @@ class FencedResource:
             import psycopg
 
             conn = psycopg.connect(self._target, autocommit=True)
-            self._x(
-                conn,
-                "CREATE TABLE IF NOT EXISTS {n}_resource"
-                " (key TEXT PRIMARY KEY, fence BIGINT NOT NULL, writer TEXT)",
-            )
-            self._x(
-                conn,
-                "CREATE TABLE IF NOT EXISTS {n}_writes (seq BIGSERIAL PRIMARY KEY,"
-                " key TEXT NOT NULL, token BIGINT NOT NULL, accepted BOOLEAN NOT NULL,"
-                " writer TEXT)",
-            )
+            # CREATE TABLE IF NOT EXISTS is not atomic: two sessions racing on a fresh database
+            # can both pass the check, and the loser fails on the row type's unique index. Take
+            # a transaction-scoped advisory lock so the holders create the tables one at a time.
+            with conn.transaction():
+                self._x(conn, "SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name,))
+                self._x(
+                    conn,
+                    "CREATE TABLE IF NOT EXISTS {n}_resource"
+                    " (key TEXT PRIMARY KEY, fence BIGINT NOT NULL, writer TEXT)",
+                )
+                self._x(
+                    conn,
+                    "CREATE TABLE IF NOT EXISTS {n}_writes (seq BIGSERIAL PRIMARY KEY,"
+                    " key TEXT NOT NULL, token BIGINT NOT NULL, accepted BOOLEAN NOT NULL,"
+                    " writer TEXT)",
+                )
         else:
             path = self._target.removeprefix("sqlite:///")
             conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
