@@ -5,7 +5,8 @@ every contender's lock store. One ``celery worker -P solo`` runs all four tasks;
 sends ``TASKS`` tasks of each contender, every task on its own key (distinct arguments), in an
 order rotated by one each round, and times from the first ``apply_async`` until a plain end
 marker queued after them has run (solo runs them in order). Reported: the median over rounds of
-tasks/s, its ratio to the plain task's median, and the median of the per-round ratios.
+tasks/s, its ratio to the plain task's median, the median of the per-round ratios, and the
+microseconds each contender adds per task (1/median - 1/plain's median).
 
 - ``plain``: ``@app.task`` (no lock);
 - ``LockedTask``: ``base=LockedTask, lock_key="bench:{i}"``, store = the broker's Redis;
@@ -152,14 +153,18 @@ def main() -> None:
         f"Task throughput, 1 solo worker, Redis broker ({platform.python_version()},"
         f" {options.tasks} tasks x {options.rounds} rounds per contender, distinct keys)\n"
     )
-    print("| contender | median tasks/s | ratio of medians | median per-round ratio |")
-    print("|---|---:|---:|---:|")
+    print(
+        "| contender | median tasks/s | ratio of medians | median per-round ratio | added us/task |"
+    )
+    print("|---|---:|---:|---:|---:|")
     rows = []
     for name in names:
         ratios = [r / p for r, p in zip(rates[name], rates["plain"], strict=True)]
         median = statistics.median(rates[name])
+        added = 1e6 / median - 1e6 / plain
         print(
-            f"| {name} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x |"
+            f"| {name} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x"
+            f" | {added:,.0f} |"
         )
         rows.append(
             {
@@ -167,6 +172,7 @@ def main() -> None:
                 "median_per_s": median,
                 "ratio": median / plain,
                 "paired_ratio": statistics.median(ratios),
+                "added_us_per_task": added,
                 "per_round_per_s": rates[name],
             }
         )
