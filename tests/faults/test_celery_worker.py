@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kombu
 import pytest
 
 from celery_lease.stores.redis import RedisLockStore
@@ -23,7 +24,11 @@ from tests.fixtures_redis import RedisServer
 pytestmark = [pytest.mark.slow, pytest.mark.worker]
 
 READY_TIMEOUT = 60.0  # seconds for a worker to log "ready." on a loaded machine
-TIMEOUT = 40.0  # seconds for the redelivered task to finish
+# kombu's Redis transport restores unacked messages (visibility timeout passed) on a 10 s timer;
+# before kombu 5.7 its restore_visible() acted on only every 10th call, so a dead worker's
+# message came back after up to ~100 s (tox's Celery 5.4-5.6 environments), on 5.7 within ~10 s.
+PROMPT_RESTORE = kombu.VERSION >= (5, 7)
+TIMEOUT = 40.0 if PROMPT_RESTORE else 150.0  # seconds for the redelivered task to finish
 
 
 def _wait(predicate: Any, timeout: float, what: str, logs: list[Path]) -> None:
@@ -125,7 +130,11 @@ def test_redelivered_task_runs_after_the_dead_workers_lease_expires(
     assert second["at"] >= expires_at - 0.005, (
         f"redelivered body started {expires_at - second['at']:.3f} s before the lease expired"
     )
-    assert second["at"] - expires_at <= CELERY_TTL, "the redelivered body waited too long"
+    if PROMPT_RESTORE or second["waited"]:
+        # The message came back while the dead holder's lease was live: the body waited for it
+        # and must start within a ttl of its expiry. (A message restored late, only possible on
+        # older kombu, arrives after the expiry and acquires at once: nothing to bound.)
+        assert second["at"] - expires_at <= CELERY_TTL, "the redelivered body waited too long"
     print(
         f"killed at +{killed_at - first['at']:.3f} s,"
         f" lease expired at +{expires_at - first['at']:.3f} s,"
