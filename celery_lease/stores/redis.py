@@ -613,7 +613,10 @@ def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster)
     silent server one acquire then takes about 18 s instead of failing within its timeout.
     """
     get_retry = getattr(client, "get_retry", None)
-    retry = get_retry() if callable(get_retry) else None
+    try:
+        retry = get_retry() if callable(get_retry) else None
+    except AttributeError:  # redis-py 5's RedisCluster has get_retry() but no retry attribute
+        retry = None
     retries = getattr(retry, "_retries", 0) if retry is not None else 0
     if isinstance(retries, int) and retries > 1:
         logger.warning(

@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import ExponentialBackoff
 from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LockStore, store_from_url
@@ -149,8 +151,10 @@ class TestRoundTrips:
     def test_client_that_retries_many_times_gets_a_warning(
         self, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
     ) -> None:
-        """A client with redis-py's default 10 retries is flagged at construction."""
-        client = redis.Redis(host="127.0.0.1", port=redis_server.port)
+        """A client that retries 10 times (redis-py 8's default) is flagged at construction."""
+        client = redis.Redis(
+            host="127.0.0.1", port=redis_server.port, retry=Retry(ExponentialBackoff(), 10)
+        )
         with caplog.at_level("WARNING", logger="celery_lease.stores.redis"):
             RedisLockStore(client)
         assert "retries failed commands 10 times" in caplog.text
