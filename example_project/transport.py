@@ -8,7 +8,8 @@ with ``JSONDecodeError`` out of ``drain_events``:
 - ``Channel._queue_bind`` creates an exchange table with ``open("wb")`` *before* locking it, so
   another process binding or publishing at the same moment can lock and read an empty table.
 
-Here a message is written to a hidden file that consumers ignore and renamed into place (atomic
+Here a message is written to a hidden file that consumers ignore (its name does not contain the
+``.<queue>.msg`` that kombu's ``_get`` looks for) and renamed into place (atomic
 within one file system), and exchange tables are created without truncation and read under the
 lock, an empty table reading as "no bindings yet". Select it with
 ``broker_transport = "example_project.transport:FilesystemTransport"``.
@@ -37,7 +38,9 @@ class _SafeChannel(filesystem.Channel):
     ) -> None:
         name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
         final = os.path.join(self.data_folder_out, name)
-        partial = os.path.join(self.data_folder_out, f".{name}.partial")
+        # The temporary name must not contain ".<queue>.msg": kombu < 5.7 picks up any file
+        # whose name contains it (a substring match), which would read this one half-written.
+        partial = os.path.join(self.data_folder_out, f".{uuid.uuid4()}.partial")
         with open(partial, "wb") as handle:
             handle.write(str(kombu_dumps(payload)).encode())  # type: ignore[no-untyped-call]
         os.replace(partial, final)
