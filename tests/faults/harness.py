@@ -120,7 +120,11 @@ class FencedResource:
         else:
             path = self._target.removeprefix("sqlite:///")
             conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-            self._x(conn, "PRAGMA journal_mode=WAL")
+            # Switching to WAL needs an exclusive lock that the busy timeout does not wait for:
+            # holders racing on a fresh file fail with "database is locked". prepare() switches
+            # it once before the holders start; WAL is then a property of the file.
+            if self._x(conn, "PRAGMA journal_mode").fetchone()[0] != "wal":
+                self._x(conn, "PRAGMA journal_mode=WAL")
             self._x(
                 conn,
                 "CREATE TABLE IF NOT EXISTS {n}_resource"
@@ -197,6 +201,12 @@ class FencedResource:
                 self._connect(), "SELECT key, token, accepted, writer FROM {n}_writes ORDER BY seq"
             ).fetchall()
         return [(k, int(t), bool(a), w) for k, t, a, w in rows]
+
+    def prepare(self) -> None:
+        """Create the tables (and switch SQLite to WAL) from one process, before the holders."""
+        with self._lock:
+            self._connect()
+        self.close()
 
     def close(self) -> None:
         """Close this process's connection."""
@@ -387,6 +397,7 @@ def run_processes(
                 with lock:
                     records.append(json.loads(line))
 
+    FencedResource(fence_spec).prepare()  # no set-up races between the holders
     try:
         for i in range(holders):
             command = [
