@@ -36,11 +36,13 @@ class _SafeChannel(filesystem.Channel):
     def _put(  # type: ignore[override]  # same signature as filesystem.Channel._put
         self, queue: Any, payload: Any, **kwargs: Any
     ) -> None:
-        name = f"{round(time.monotonic() * 1000)}_{uuid.uuid4()}.{queue}.msg"
-        final = os.path.join(self.data_folder_out, name)
+        unique = uuid.uuid4()
+        final = os.path.join(
+            self.data_folder_out, f"{round(time.monotonic() * 1000)}_{unique}.{queue}.msg"
+        )
         # The temporary name must not contain ".<queue>.msg": kombu < 5.7 picks up any file
         # whose name contains it (a substring match), which would read this one half-written.
-        partial = os.path.join(self.data_folder_out, f".{uuid.uuid4()}.partial")
+        partial = os.path.join(self.data_folder_out, f".{unique}.partial")
         with open(partial, "wb") as handle:
             handle.write(str(kombu_dumps(payload)).encode())  # type: ignore[no-untyped-call]
         os.replace(partial, final)

@@ -612,10 +612,10 @@ def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster)
     redis-py 8 clients retry a failed command 10 times with backoff by default: against a
     silent server one acquire then takes about 18 s instead of failing within its timeout.
     """
-    get_retry = getattr(client, "get_retry", None)
+    get_retry = getattr(client, "get_retry", None)  # redis-py 8's RedisCluster has none
     try:
         retry = get_retry() if callable(get_retry) else None
-    except AttributeError:  # redis-py 5's RedisCluster has get_retry() but no retry attribute
+    except AttributeError:  # redis-py 5's RedisCluster has one, reading a missing attribute
         retry = None
     retries = getattr(retry, "_retries", 0) if retry is not None else 0
     if isinstance(retries, int) and retries > 1:

@@ -101,28 +101,22 @@ class FencedResource:
             import psycopg
 
             conn = psycopg.connect(self._target, autocommit=True)
-            # CREATE TABLE IF NOT EXISTS is not atomic: two sessions racing on a fresh database
-            # can both pass the check, and the loser fails on the row type's unique index. Take
-            # a transaction-scoped advisory lock so the holders create the tables one at a time.
-            with conn.transaction():
-                self._x(conn, "SELECT pg_advisory_xact_lock(hashtext(%s))", (self.name,))
-                self._x(
-                    conn,
-                    "CREATE TABLE IF NOT EXISTS {n}_resource"
-                    " (key TEXT PRIMARY KEY, fence BIGINT NOT NULL, writer TEXT)",
-                )
-                self._x(
-                    conn,
-                    "CREATE TABLE IF NOT EXISTS {n}_writes (seq BIGSERIAL PRIMARY KEY,"
-                    " key TEXT NOT NULL, token BIGINT NOT NULL, accepted BOOLEAN NOT NULL,"
-                    " writer TEXT)",
-                )
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_resource"
+                " (key TEXT PRIMARY KEY, fence BIGINT NOT NULL, writer TEXT)",
+            )
+            self._x(
+                conn,
+                "CREATE TABLE IF NOT EXISTS {n}_writes (seq BIGSERIAL PRIMARY KEY,"
+                " key TEXT NOT NULL, token BIGINT NOT NULL, accepted BOOLEAN NOT NULL,"
+                " writer TEXT)",
+            )
         else:
             path = self._target.removeprefix("sqlite:///")
             conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)
-            # Switching to WAL needs an exclusive lock that the busy timeout does not wait for:
-            # holders racing on a fresh file fail with "database is locked". prepare() switches
-            # it once before the holders start; WAL is then a property of the file.
+            # WAL is a property of the file, set once by prepare(); switching needs a lock the
+            # busy timeout does not wait for, so holders must not all try it.
             if self._x(conn, "PRAGMA journal_mode").fetchone()[0] != "wal":
                 self._x(conn, "PRAGMA journal_mode=WAL")
             self._x(
@@ -203,7 +197,12 @@ class FencedResource:
         return [(k, int(t), bool(a), w) for k, t, a, w in rows]
 
     def prepare(self) -> None:
-        """Create the tables (and switch SQLite to WAL) from one process, before the holders."""
+        """Create the tables (and switch SQLite to WAL) from one process, before the holders.
+
+        Set-up is not safe to race: PostgreSQL's ``CREATE TABLE IF NOT EXISTS`` lets two sessions
+        pass the check (the loser fails on the row type's unique index), and SQLite's switch to
+        WAL fails with "database is locked" instead of waiting.
+        """
         with self._lock:
             self._connect()
         self.close()
