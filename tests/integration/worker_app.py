@@ -15,7 +15,7 @@ from typing import Any
 
 import celery
 from celery import Celery
-from celery.signals import worker_ready
+from celery.signals import task_retry, worker_ready
 
 from celery_lease import LockedTask, get_lock_token, locked
 from celery_lease.signals import lock_acquired, lock_lost
@@ -66,6 +66,18 @@ def make_app(
         }
     out = Path(directory)
 
+    def after_retry_stored(request: Any) -> None:
+        """A retried copy waits until every attempt before it has stored its RETRY state.
+
+        Celery publishes the retry (``Task.retry``) before the tracer stores RETRY for the same
+        task id; on a concurrent worker a fast copy can store SUCCESS first and the late RETRY
+        then replaces it, so ``result.get()`` never returns (celery/celery#6115; the
+        filesystem backend's truncate-then-write makes the window wide). That is Celery's
+        ordering, not the lock's: the bodies wait for :func:`_record_retry`'s marker.
+        """
+        for earlier in range(request.retries):
+            _wait_file(out / f"retried-{request.id}-{earlier}")
+
     def dup_body(run: str, hold: float) -> str:
         start = time.time()
         time.sleep(hold)
@@ -88,6 +100,7 @@ def make_app(
         lock_retry_countdown=0.02, max_retries=500, shared=False,
     )  # fmt: skip
     def dup_retry(run: str, hold: float) -> str:
+        after_retry_stored(dup_retry.request)
         return dup_body(run, hold)
 
     @app.task(
@@ -131,6 +144,7 @@ def make_app(
 
     @app.task(name="it.retry_once", bind=True, base=LockedTask, lock_key="r:{run}", shared=False)
     def retry_once(self: Any, run: str) -> list[Any]:
+        after_retry_stored(self.request)
         _append(out / f"tokens-{run}", str(self.request.lock_token))
         if self.request.retries == 0:
             raise self.retry(countdown=0)
@@ -170,7 +184,15 @@ def _record_loss(key: str = "", reason: str = "", **_: Any) -> None:
         _append(Path(directory) / f"lost-{key.replace(':', '-')}", reason)
 
 
+def _record_retry(request: Any = None, **_: Any) -> None:
+    """``task_retry`` is sent after the tracer stored RETRY: mark that for the retried copy."""
+    directory = os.environ.get("IT_DIR")
+    if directory and request is not None:
+        _append(Path(directory) / f"retried-{request.id}-{request.retries}", "")
+
+
 lock_acquired.connect(_raising_receiver, weak=False)
+task_retry.connect(_record_retry, weak=False)
 lock_lost.connect(_record_loss, weak=False)
 
 
