@@ -15,7 +15,7 @@ from typing import Any
 
 import celery
 from celery import Celery
-from celery.signals import task_retry, worker_ready
+from celery.signals import task_prerun, task_retry, worker_ready
 
 from celery_lease import LockedTask, get_lock_token, locked
 from celery_lease.signals import lock_acquired, lock_lost
@@ -66,18 +66,6 @@ def make_app(
         }
     out = Path(directory)
 
-    def after_retry_stored(request: Any) -> None:
-        """A retried copy waits until every attempt before it has stored its RETRY state.
-
-        Celery publishes the retry (``Task.retry``) before the tracer stores RETRY for the same
-        task id; on a concurrent worker a fast copy can store SUCCESS first and the late RETRY
-        then replaces it, so ``result.get()`` never returns (celery/celery#6115; the
-        filesystem backend's truncate-then-write makes the window wide). That is Celery's
-        ordering, not the lock's: the bodies wait for :func:`_record_retry`'s marker.
-        """
-        for earlier in range(request.retries):
-            _wait_file(out / f"retried-{request.id}-{earlier}")
-
     def dup_body(run: str, hold: float) -> str:
         start = time.time()
         time.sleep(hold)
@@ -100,7 +88,6 @@ def make_app(
         lock_retry_countdown=0.02, max_retries=500, shared=False,
     )  # fmt: skip
     def dup_retry(run: str, hold: float) -> str:
-        after_retry_stored(dup_retry.request)
         return dup_body(run, hold)
 
     @app.task(
@@ -144,7 +131,6 @@ def make_app(
 
     @app.task(name="it.retry_once", bind=True, base=LockedTask, lock_key="r:{run}", shared=False)
     def retry_once(self: Any, run: str) -> list[Any]:
-        after_retry_stored(self.request)
         _append(out / f"tokens-{run}", str(self.request.lock_token))
         if self.request.retries == 0:
             raise self.retry(countdown=0)
@@ -178,21 +164,43 @@ def _raising_receiver(key: str = "", **_: Any) -> None:
         raise RuntimeError("a receiver that raises")
 
 
-def _record_loss(key: str = "", reason: str = "", **_: Any) -> None:
+def _marker_dir() -> Path | None:
+    """Where receivers in a test worker leave marker files (``None`` outside one)."""
     directory = os.environ.get("IT_DIR")
-    if directory:
-        _append(Path(directory) / f"lost-{key.replace(':', '-')}", reason)
+    return Path(directory) if directory else None
+
+
+def _record_loss(key: str = "", reason: str = "", **_: Any) -> None:
+    directory = _marker_dir()
+    if directory is not None:
+        _append(directory / f"lost-{key.replace(':', '-')}", reason)
 
 
 def _record_retry(request: Any = None, **_: Any) -> None:
     """``task_retry`` is sent after the tracer stored RETRY: mark that for the retried copy."""
-    directory = os.environ.get("IT_DIR")
-    if directory and request is not None:
-        _append(Path(directory) / f"retried-{request.id}-{request.retries}", "")
+    directory = _marker_dir()
+    if directory is not None and request is not None:
+        _append(directory / f"retried-{request.id}-{request.retries}", "")
+
+
+def _wait_for_earlier_retries(task: Any = None, task_id: str = "", **_: Any) -> None:
+    """A retried copy starts only after every attempt before it has stored its RETRY state.
+
+    Celery publishes the retry (``Task.retry``) before the tracer stores RETRY for the same task
+    id; on a concurrent worker a quick copy can store SUCCESS first and the late RETRY then
+    replaces it, so ``result.get()`` never returns (celery/celery#6115; the filesystem backend's
+    truncate-then-write makes the window wide). That is Celery's ordering, not the lock's:
+    ``task_prerun`` (before ``LockedTask`` acquires) waits for :func:`_record_retry`'s markers.
+    """
+    directory = _marker_dir()
+    if directory is not None and task is not None:
+        for earlier in range(task.request.retries):
+            _wait_file(directory / f"retried-{task_id}-{earlier}")
 
 
 lock_acquired.connect(_raising_receiver, weak=False)
 task_retry.connect(_record_retry, weak=False)
+task_prerun.connect(_wait_for_earlier_retries, weak=False)
 lock_lost.connect(_record_loss, weak=False)
 
 
