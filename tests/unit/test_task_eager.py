@@ -218,7 +218,7 @@ class TestEagerExecution:
             return "ran"
 
         hold(store, "busy")
-        with caplog.at_level(logging.INFO, logger="celery_lease.task"):
+        with caplog.at_level(logging.INFO, logger="celery_lease.engine"):
             result = task.apply()
         assert (result.state, result.result) == ("SUCCESS", None)
         assert rejected == ["busy"]
