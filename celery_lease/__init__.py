@@ -21,6 +21,7 @@ from celery_lease.errors import (
     StoreUnavailableError,
 )
 from celery_lease.lease import Lease, current_lease, get_lock_token, lease
+from celery_lease.renewer import shutdown
 from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
@@ -61,6 +62,7 @@ __all__ = [
     "get_lock_token",
     "lease",
     "locked",
+    "shutdown",
     "store_from_url",
     "to_seconds",
 ]

@@ -18,11 +18,20 @@ class Clock(Protocol):
     """What the core needs from time."""
 
     def monotonic(self) -> float:
-        """Seconds from an arbitrary origin; never goes back. Used for deadlines."""
+        """Seconds from an arbitrary origin; never goes back. Used for deadlines.
+
+        The lease's validity estimate is counted on it, and :class:`~celery_lease.SQLiteLockStore`
+        decides expiry with it, so for that store it must be a clock every process of the host
+        shares and that never steps (``SystemClock``: ``CLOCK_MONOTONIC`` on Linux).
+        """
         ...
 
     def time(self) -> float:
-        """Wall-clock seconds since the epoch. Used only to floor fencing tokens."""
+        """Wall-clock seconds since the epoch.
+
+        Used to floor fencing tokens, and by the SQLite store for the wall-clock expiry column that
+        processes of earlier versions (and another boot) read; never for a live lease's expiry.
+        """
         ...
 
     def wait(self, event: threading.Event, timeout: float | None) -> bool:

@@ -56,7 +56,9 @@ class LockLostError(LeaseError):
     """The lease on ``key`` was lost while its holder ran.
 
     ``reason`` is ``"expired"`` (not renewed within its ttl), ``"taken"`` (the store no longer
-    records this owner: it expired there, and someone else may hold it) or ``"max_hold"``.
+    records this owner: it expired there, and someone else may hold it), ``"max_hold"``,
+    ``"released"`` (its holder released it early, e.g. a task re-sending its own id) or
+    ``"forked"`` (checked in a forked child: the lease is its parent's).
     """
 
     code = "LOCK_LOST"

@@ -9,7 +9,12 @@
 The lease of the innermost ``with`` in the current context is what :func:`get_lock_token` and
 :func:`current_lease` return, deep in the call stack and per thread (``contextvars``). A nested
 ``lease()`` on the same key and store in the same context reuses the held lease (re-entrancy);
-the store contract itself stays strict.
+the store contract itself stays strict. After ``fork`` the child ignores the leases of its
+parent: they are not its current lease, not re-entered, and never renewed or released from the
+child.
+
+Loss is one record kept by the renewer (:mod:`celery_lease.renewer`); user callbacks run on the
+dispatcher (:mod:`celery_lease.dispatch`), never on the renewer or the watchdog.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.renewer import Entry, get_renewer
+from celery_lease.renewer import Entry, Renewer, get_renewer
 from celery_lease.stores.base import LockStore, SupportsReleaseNotify
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
@@ -45,18 +51,39 @@ POLL_MAX = 1.0
 
 
 class _Frame:
-    """One held lease in this context's stack of leases: a linked list, O(1) to push and pop."""
+    """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
 
-    __slots__ = ("lease", "parent")
+    ``gen`` is the fork generation of the process that pushed it: a forked child inherits the
+    context variables of its parent, and ignores the frames whose generation is not its own.
+    """
+
+    __slots__ = ("gen", "lease", "parent")
 
     def __init__(self, lease: Lease, parent: _Frame | None) -> None:
         self.lease = lease
         self.parent = parent
+        self.gen = _generation
 
 
 _current: ContextVar[_Frame | None] = ContextVar("celery_lease_current", default=None)
 _HOST = socket.gethostname()
 _CONFORMS: dict[tuple[type, type], bool] = {}
+
+_generation = 0
+"""Bumped in every forked child (``os.register_at_fork``): cheaper than ``os.getpid()`` per call.
+
+Frames and leases created by an ancestor carry a smaller generation than the child's, so the
+child never takes them for its own. Generations of siblings may be equal, but siblings share no
+memory.
+"""
+
+
+def _after_fork_in_child() -> None:
+    global _generation
+    _generation += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _conforms(obj: object, protocol: type) -> bool:
@@ -79,6 +106,13 @@ def new_owner_id() -> str:
     return f"{_HOST}/{os.getpid()}/{secrets.token_hex(8)}"
 
 
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+LossListener = Callable[["Lease"], object]
+
+
 class Lease:
     """A held lease, as yielded by :func:`lease`.
 
@@ -90,6 +124,9 @@ class Lease:
             holder may just have done the same work).
         wait_seconds: how long acquiring took, in seconds of the lease's clock.
         store: the store it is held in.
+
+    A lease belongs to the process that acquired it: in a forked child it reads as lost
+    (``lost_reason`` ``"forked"``) and is never renewed or released from there.
     """
 
     def __init__(
@@ -114,28 +151,49 @@ class Lease:
         self._clock = clock
         self._entry: Entry | None = None
         self._lost = threading.Event()
-        self._lost_reason: str | None = None
-        self._lost_lock = threading.Lock()
-        self._callbacks: list[Callable[[Lease], object]] = []
+        self._listeners: list[tuple[LossListener, bool]] | None = None
+        self._gen = _generation
 
     @property
     def lost(self) -> bool:
-        """True once the lease is lost: renewal refused, validity ran out, or ``max_hold``."""
-        if self._lost_reason is not None:
-            return True
+        """True once the lease is lost: renewal refused, validity ran out, ``max_hold`` reached,
+        or released early by its holder.
+
+        It reads the one record the renewer keeps of how the lease ended; a lease found past
+        its local validity (or ``max_hold``) is recorded lost by the first reader to see it, so
+        once True it stays True. After a normal exit it reads False.
+        """
+        if self._gen != _generation:
+            return True  # the parent's lease, seen from a forked child
         entry = self._entry
-        return (
-            entry is not None
-            and not entry.closed
-            and self._clock.monotonic() >= (entry.valid_until)
-        )
+        if entry is None:
+            return False
+        closed = entry.closed  # read before lost_reason: see Entry
+        if entry.lost_reason is not None:
+            return True
+        if closed:
+            return False
+        now = self._clock.monotonic()
+        if now < entry.valid_until and (entry.max_hold_at is None or now < entry.max_hold_at):
+            return False
+        renewer = entry.renewer
+        return renewer is not None and renewer.expire_if_due(entry) is not None
 
     @property
     def lost_reason(self) -> str | None:
-        """``"expired"``, ``"taken"`` or ``"max_hold"`` once lost, else ``None``."""
-        if self._lost_reason is None and self.lost:
-            return "expired"
-        return self._lost_reason
+        """Why the lease was lost, or ``None`` while it is held (or after a normal exit).
+
+        ``"taken"`` (the store no longer records this owner), ``"expired"`` (not renewed within
+        its validity), ``"max_hold"``, ``"released"`` (released early by its holder, see
+        :meth:`_LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
+        is its parent's).
+        """
+        if self._gen != _generation:
+            return "forked"
+        entry = self._entry
+        if entry is None or not self.lost:
+            return None
+        return entry.lost_reason
 
     @property
     def held_seconds(self) -> float:
@@ -150,35 +208,85 @@ class Lease:
     def wait_lost(self, timeout: float | None = None) -> bool:
         """Block up to ``timeout`` seconds (``None``: forever) until the lease is lost.
 
-        Returns whether it is lost.
+        Returns whether it is lost. It returns once the loss is recorded; listeners on the
+        dispatcher may still be running.
         """
         deadline = None if timeout is None else self._clock.monotonic() + timeout
         while not self.lost:
             now = self._clock.monotonic()
             entry = self._entry
-            limits = [t for t in (deadline, entry.valid_until if entry else None) if t is not None]
             if deadline is not None and now >= deadline:
                 return False
+            limits = [deadline] if deadline is not None else []
+            if entry is not None and not entry.closed:
+                limits.append(entry.valid_until)
+                if entry.max_hold_at is not None:
+                    limits.append(entry.max_hold_at)
             self._clock.wait(self._lost, (min(limits) - now) if limits else None)
         return True
 
-    def _mark_lost(self, reason: str) -> None:
-        """Record the loss and run the callbacks, exactly once."""
-        with self._lost_lock:
-            if self._lost_reason is not None:
+    def add_loss_listener(self, fn: LossListener, *, immediate: bool = False) -> None:
+        """Call ``fn(lease)`` once, when the lease is lost (at once if it already is).
+
+        Args:
+            fn: the listener; what it returns is ignored, what it raises is logged.
+            immediate: False (default): ``fn`` runs on the dispatcher, a thread of its own, so
+                it may block without delaying anything else. True: ``fn`` runs on the thread
+                that recorded the loss (the renewer, the watchdog, or a thread that read
+                ``lost`` or called ``release_early``), right after the record and after the
+                dispatched listeners were handed over; it must be quick and never block (set
+                a flag, send a signal, schedule a callback).
+
+        Raises:
+            LeaseConfigError: when ``fn`` is not callable.
+        """
+        if not callable(fn):
+            raise LeaseConfigError(f"fn={fn!r} must be a callable taking the Lease")
+        entry = self._entry
+        renewer = None if entry is None else entry.renewer
+        if not self.lost:
+            if entry is None or renewer is None:
+                self._append_listener(fn, immediate)
                 return
-            self._lost_reason = reason
-        logger.warning(
-            "celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason
-        )
+            with renewer._lock:  # the loss is recorded under this lock: no listener is missed
+                if entry.lost_reason is None:
+                    self._append_listener(fn, immediate)
+                    return
+        if immediate:
+            self._call_immediate(fn)
+        else:
+            get_dispatcher().submit(fn, self, f"loss listener {fn!r} of {self.key!r}")
+
+    def _append_listener(self, fn: LossListener, immediate: bool) -> None:
+        if self._listeners is None:
+            self._listeners = []
+        self._listeners.append((fn, immediate))
+
+    def _notify_lost(self, reason: str) -> None:
+        """The loss is recorded (once): wake waiters, dispatch listeners, run immediate ones.
+
+        The immediate listeners run last, so one that interrupts this very thread cannot keep
+        the others from being handed over.
+        """
+        log = logger.info if reason == "released" else logger.warning
+        log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
+        self._lost.set()
+        listeners = self._listeners
+        if not listeners:
+            return
+        dispatcher = get_dispatcher()
+        for fn, immediate in listeners:
+            if not immediate:
+                dispatcher.submit(fn, self, f"loss listener {fn!r} of {self.key!r}")
+        for fn, immediate in listeners:
+            if immediate:
+                self._call_immediate(fn)
+
+    def _call_immediate(self, fn: LossListener) -> None:
         try:
-            for callback in self._callbacks:
-                try:
-                    callback(self)
-                except Exception:
-                    logger.exception("celery-lease: on_lost callback for %r raised", self.key)
-        finally:
-            self._lost.set()  # after the callbacks, so wait_lost() returns once they ran
+            fn(self)
+        except Exception:
+            logger.exception("celery-lease: immediate loss listener of %r raised", self.key)
 
     def __repr__(self) -> str:
         state = f"lost:{self.lost_reason}" if self.lost else "held"
@@ -245,7 +353,8 @@ class _LeaseContext:
         self._entered = True
         top = _current.get()
         frame = top
-        while frame is not None:
+        # Frames below the first foreign one are foreign too (pushed before the fork).
+        while frame is not None and frame.gen == _generation:
             outer = frame.lease
             if outer.key == self.key and outer.store is self.store and not outer.lost:
                 self._reentered = True
@@ -267,35 +376,121 @@ class _LeaseContext:
         held = self._lease
         assert held is not None
         _pop(held)
-        if self._reentered:
-            return False
+        if self._reentered or held._gen != _generation:
+            return False  # the outer context (or, after a fork, the parent) owns the lease
         entry = held._entry
-        if entry is not None:
-            lapsed = held.lost and held._lost_reason is None
-            get_renewer(self.clock).remove(entry)
-            if lapsed:
-                held._mark_lost("expired")  # validity ran out before the renewer noticed
-        self._finish(held, succeeded=exc is None)
-        if exc is not None and held.lost and not isinstance(exc, LockLostError):
-            raise LockLostError(held.key, held.lost_reason or "lost") from exc
+        assert entry is not None and entry.renewer is not None
+        renewer = entry.renewer
+        settled, final, lapsed = renewer.remove(entry)
+        reason = entry.lost_reason
+        if final:
+            self._finish(held, entry, succeeded=exc is None, settled=settled)
+        if lapsed is not None:  # validity ran out before the renewer noticed; told after release
+            Renewer._notify(entry, lapsed)
+        if (
+            exc is not None
+            and reason is not None
+            and reason != "released"
+            and not isinstance(exc, LockLostError)
+        ):
+            raise LockLostError(held.key, reason) from exc
         return False
 
-    def _finish(self, held: Lease, *, succeeded: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raise."""
+    def release_early(self, reason: str = "released") -> bool:
+        """End the held lease now, while the body may still run; the exit then only pops it.
+
+        For the Celery layer when a running task re-sends its own id (``retry``): the new
+        message must not find the key held by this execution. In order: records the loss with
+        ``reason`` (so ``lost`` reads True and ``check()`` raises before the key is free),
+        waits for a renewal of this lease already in flight (see
+        :meth:`~celery_lease.renewer.Renewer.settle`), releases the key owner-checked, and runs
+        the loss listeners. A later ``__exit__`` releases nothing and raises nothing for it.
+
+        A release the store fails is logged, not raised: the key then frees itself within its
+        ttl (nobody renews it any more).
+
+        Args:
+            reason: the ``lost_reason`` to record (default ``"released"``).
+
+        Returns:
+            True when this call ended the lease; False when its end was already recorded (lost
+            before, released early before, or exited), or in a forked child (the lease is the
+            parent's). A lease already lost is still released owner-checked, once.
+
+        Raises:
+            RuntimeError: when the context was never entered.
+            LeaseConfigError: when ``reason`` is not a non-empty string.
+        """
+        if not isinstance(reason, str) or not reason:
+            raise LeaseConfigError(f"reason={reason!r} must be a non-empty string")
+        held = self._lease
+        if not self._entered or held is None:
+            raise RuntimeError("release_early() needs an entered lease() context")
+        if held._gen != _generation:
+            return False
+        entry = held._entry
+        assert entry is not None and entry.renewer is not None
+        renewer = entry.renewer
+        recorded = renewer.record(entry, reason)
+        if recorded:
+            renewer.settle(entry)
+        if renewer.claim_final(entry):
+            self._release(held)
+        if recorded:
+            Renewer._notify(entry, reason)
+        return recorded
+
+    def _release(self, held: Lease) -> None:
+        """Release the key owner-checked; a store error is logged (the key expires by itself)."""
         try:
-            if succeeded and self.cooldown > 0 and not held.lost:
-                self.store.renew(held.key, held.owner, max(1, round(self.cooldown * 1000)))
-            else:
-                self.store.release(held.key, held.owner)
+            self.store.release(held.key, held.owner)
         except Exception as exc:
             logger.warning(
                 "celery-lease: releasing %r failed (%s); it expires within its ttl", held.key, exc
             )
 
+    def _finish(self, held: Lease, entry: Entry, *, succeeded: bool, settled: bool) -> None:
+        """Release the key, or keep it for ``cooldown`` after a success; never raise.
+
+        When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
+        right after that renewal returns, since it may have landed after the cooldown.
+        """
+        if not (succeeded and self.cooldown > 0 and entry.lost_reason is None):
+            self._release(held)
+            return
+        until = self.clock.monotonic() + self.cooldown
+        self._cool_down(held, until)
+        if not settled:
+            redo = functools.partial(self._cool_down, held, until)
+            assert entry.renewer is not None
+            if not entry.renewer.fence(entry, redo):
+                redo()
+
+    def _cool_down(self, held: Lease, until: float) -> None:
+        """Keep the key taken until ``until`` (clock seconds); never raise."""
+        left = until - self.clock.monotonic()
+        try:
+            if left <= 0:
+                self.store.release(held.key, held.owner)
+            elif not self.store.renew(held.key, held.owner, _ms(left)):
+                logger.warning(
+                    "celery-lease: the cooldown of %r was not applied: the store no longer"
+                    " records this holder (%s), so the key may already be free or taken",
+                    held.key,
+                    held.owner,
+                )
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: setting the cooldown of %r failed (%s); the key frees itself"
+                " within its ttl",
+                held.key,
+                exc,
+            )
+
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
         owner = new_owner_id()
-        ttl_ms = max(1, round(self.ttl * 1000))
+        ttl_ms = _ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
         interval = POLL_FIRST
@@ -306,7 +501,13 @@ class _LeaseContext:
             if self.cancel is not None and self.cancel.is_set():
                 raise LockNotAcquiredError(self.key, "cancelled")
             sent_at = clock.monotonic()
-            token = store.acquire(self.key, owner, ttl_ms)
+            try:
+                token = store.acquire(self.key, owner, ttl_ms)
+            except BaseException:
+                # The attempt may have taken effect and lost its reply: free it (the owner id
+                # is this attempt's own, so this can never free someone else's lease).
+                self._abandon(owner)
+                raise
             if token is not None:
                 break
             tries += 1
@@ -319,30 +520,50 @@ class _LeaseContext:
             else:
                 clock.wait(idle, pause)
             interval = min(interval * 2, POLL_MAX)
+        try:
+            return self._hold(owner, token, tries, started, sent_at)
+        except BaseException:
+            self._abandon(owner)
+            raise
+
+    def _hold(self, owner: str, token: int, tries: int, started: float, sent_at: float) -> Lease:
+        """Build the Lease of an acquisition and start renewing it."""
         held = Lease(
             key=self.key,
             owner=owner,
             token=token,
             waited=tries > 0,
             wait_seconds=sent_at - started,
-            store=store,
-            clock=clock,
+            store=self.store,
+            clock=self.clock,
             acquired_at=sent_at,
         )
         if self.on_lost is not None:
-            held._callbacks.append(self.on_lost)
+            held._listeners = [(self.on_lost, False)]
         max_hold_at = None if self.max_hold is None else sent_at + self.max_hold
         held._entry = Entry(
-            store=store,
+            store=self.store,
             key=self.key,
             owner=owner,
             ttl=self.ttl,
             sent_at=sent_at,
             max_hold_at=max_hold_at,
-            on_lost=held._mark_lost,
+            on_lost=held._notify_lost,
         )
-        get_renewer(clock).add(held._entry)
+        get_renewer(self.clock).add(held._entry)
         return held
+
+    def _abandon(self, owner: str) -> None:
+        """Best-effort release of an attempt that failed (or whose reply was lost)."""
+        try:
+            self.store.release(self.key, owner)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: acquiring %r failed, and releasing that attempt failed too (%s);"
+                " if it took effect, it expires within its ttl",
+                self.key,
+                exc,
+            )
 
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
@@ -370,8 +591,9 @@ def lease(
         wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
             store's release notification where it has one, else polls from 50 ms doubling to 1 s.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called exactly once, from the renewer thread, when the lease
-            is lost.
+        on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
+            dispatcher (a thread of its own: it may block without delaying other leases). See
+            :meth:`Lease.add_loss_listener` for more listeners and quick immediate ones.
         cancel: a ``threading.Event``; setting it aborts the wait (within one poll interval)
             with ``LockNotAcquiredError(key, "cancelled")``.
         clock: time source (default: the system clock); a ``FakeClock`` in tests.
@@ -384,8 +606,11 @@ def lease(
     Raises:
         LeaseConfigError: (a ``ValueError``) for a bad argument, naming it.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised after the lease was lost (chained).
-        StoreUnavailableError: when the store cannot be reached to acquire.
+        LockLostError: on exit, when the body raised after the lease was lost (chained); not
+            for a lease the holder released early itself.
+        StoreUnavailableError: when the store cannot be reached to acquire. The attempt may
+            have taken effect with its reply lost, so it is released (owner-checked, best
+            effort) before the error is raised.
     """
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
@@ -440,13 +665,17 @@ def _pop(held: Lease) -> None:
     rebuilt = frame.parent
     for above in reversed(frames):
         rebuilt = _Frame(above.lease, rebuilt)
+        rebuilt.gen = above.gen
     _current.set(rebuilt)
 
 
 def current_lease() -> Lease | None:
-    """The innermost lease held in the current context, or ``None`` outside any lease."""
+    """The innermost lease held in the current context, or ``None`` outside any lease.
+
+    In a forked child the parent's leases are not the child's: they are not returned.
+    """
     top = _current.get()
-    return None if top is None else top.lease
+    return None if top is None or top.gen != _generation else top.lease
 
 
 def get_lock_token() -> int | None:

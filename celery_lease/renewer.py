@@ -4,17 +4,33 @@ Every held lease is an :class:`Entry` in a heap ordered by the time of its next 
 (every ttl/3), retry a failed renewal, or declare it lost (its local validity ran out, or
 ``max_hold`` was reached). Renewals due together are sent together; a store with ``renew_many``
 gets one round trip per sweep. The thread starts when the first lease is added and exits when
-none is left. After ``fork`` a child starts from an empty registry: it never renews its parent's
-leases.
+none is left for :data:`IDLE_EXIT` seconds, or at :func:`shutdown`. After ``fork`` a child starts
+from an empty registry: it never renews its parent's leases.
 
-The renewer never raises into its callers: a store error is retried while the lease is still
-valid by the local estimate, then the lease is reported lost through its ``on_lost`` callback,
-which is called exactly once, outside every lock.
+**One record per lease end.** How an entry ended is written once, under the renewer's lock:
+``closed`` with ``lost_reason`` ``None`` (its holder finished) or a reason (``"taken"``,
+``"expired"``, ``"max_hold"``, ``"released"``). Whoever records first wins: the renewer, the
+watchdog, the holder's exit, a reader that finds the lease past its deadline
+(:meth:`Renewer.expire_if_due`) or an early release (:meth:`Renewer.record`). ``Lease.lost``
+reads that record, so no reader ever sees a closed entry as "not lost" before it is marked; a
+renewal answer that arrives after the record changes nothing.
+
+**No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
+lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
+(:mod:`celery_lease.dispatch`), so a callback that blocks never stalls other leases.
+
+**Renewals in flight.** A renewal is "in flight" from the moment its entry is taken for a store
+call until its answer is handled. :meth:`Renewer.remove` (the holder's exit) waits for the
+renewal of that entry in flight, at most :data:`FLIGHT_WAIT` seconds and never past the lease's
+local validity, and never on the renewer or watchdog thread (where waiting would deadlock or
+stall the loss reports). If it is still in flight after that, the holder's final action (the
+cooldown) is registered with :meth:`Renewer.fence` and done again by the renewer right after the
+late renewal returned, so a renewal landing late never cuts a cooldown short.
 
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
 a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
-and reports the ones that pass it. Renewal itself stays on the one renewer thread.
+and records the ones that pass it. Renewal itself stays on the one renewer thread.
 """
 
 from __future__ import annotations
@@ -24,19 +40,23 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.dispatch import get_dispatcher
 
 __all__ = [
     "DRIFT_FACTOR",
     "DRIFT_MARGIN",
+    "FLIGHT_WAIT",
     "IDLE_EXIT",
     "IDLE_POLL",
     "Entry",
     "Renewer",
     "get_renewer",
+    "shutdown",
     "validity",
 ]
 
@@ -57,6 +77,13 @@ Short leases taken one after another reuse the running thread instead of startin
 IDLE_POLL = 1.0
 """Seconds between two looks at the heap while idle (a lease due sooner wakes the thread)."""
 
+FLIGHT_WAIT = 1.0
+"""Seconds (of the lease's clock) :meth:`Renewer.remove` waits at most for a renewal in flight.
+
+Also never longer than the lease's remaining local validity. A renewal normally answers in
+milliseconds; one that takes longer is fenced off instead (:meth:`Renewer.fence`).
+"""
+
 
 def validity(sent_at: float, ttl: float) -> float:
     """The last moment (clock seconds) a lease whose request left at ``sent_at`` is surely held."""
@@ -68,16 +95,26 @@ class Entry:
 
     ``valid_until`` (clock seconds) is the local estimate of validity: the lease is surely held
     until then, counted from the moment the last successful acquire/renew request was sent.
+
+    ``closed`` and ``lost_reason`` are the one record of how the lease ended (see the module
+    docstring); both are written only under the renewer's lock, ``lost_reason`` first, so a
+    reader that sees ``closed`` and then reads ``lost_reason`` sees the final record.
+    ``on_lost(reason)`` is called once, outside every lock, after a loss is recorded.
     """
 
     __slots__ = (
         "closed",
         "due",
+        "finalized",
+        "inflight",
         "key",
+        "landed",
         "lost_reason",
         "max_hold_at",
         "on_lost",
         "owner",
+        "redo",
+        "renewer",
         "store",
         "ttl",
         "ttl_ms",
@@ -106,6 +143,19 @@ class Entry:
         self.lost_reason: str | None = None
         self.closed = False
         self.due = self._cap(sent_at + ttl / 3)
+        self.renewer: Renewer | None = None  # set by Renewer.add
+        self.inflight = False  # a renewal of it is between being taken and being answered
+        self.landed: threading.Event | None = None  # made only when someone waits for it
+        self.redo: Callable[[], None] | None = None  # run by the renewer after the flight
+        self.finalized = False  # the holder's release (or cooldown) was sent
+
+    def overdue(self, now: float) -> str | None:
+        """``"max_hold"`` or ``"expired"`` when the lease is past that deadline at ``now``."""
+        if self.max_hold_at is not None and now >= self.max_hold_at:
+            return "max_hold"
+        if now >= self.valid_until:
+            return "expired"
+        return None
 
     def _cap(self, due: float) -> float:
         return due if self.max_hold_at is None else min(due, self.max_hold_at)
@@ -133,31 +183,135 @@ class Renewer:
         self._in_io = False
         self._io_begun = threading.Event()
         self._io_ended = threading.Event()
+        self._stopping = False
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
 
     def add(self, entry: Entry) -> None:
         """Start renewing ``entry``; starts the thread if it is not running."""
+        entry.renewer = self
         with self._lock:
             heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
             heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
             self._entries.add(entry)
+            self._stopping = False
             if self._thread is None:
                 self._next_wake = float("inf")
                 self._thread = threading.Thread(
                     target=self._run, name="celery-lease-renewer", daemon=True
                 )
+                _note_running(self, True)
                 self._thread.start()
                 return
             wake = entry.due < self._next_wake
         if wake:  # only when the new lease is due before the thread means to wake anyway
             self._wake.set()
 
-    def remove(self, entry: Entry) -> None:
-        """Stop renewing ``entry`` (its heap item is dropped lazily)."""
+    # Ending an entry: one record, under the lock ---------------------------------------------
+
+    def remove(self, entry: Entry) -> tuple[bool, bool, str | None]:
+        """Stop renewing ``entry``: its holder is done with it.
+
+        Records the end under the lock: "finished", or ``"expired"``/``"max_hold"`` when the
+        lease is already past that deadline. If a renewal of the entry is in flight, waits for it
+        as :meth:`settle` does.
+
+        Returns ``(settled, final, lapsed)``: ``settled`` is True when no renewal of ``entry``
+        can still land in the store (False: one is still in flight, and the caller may
+        :meth:`fence` its final action); ``final`` is True when the caller is the one to send the
+        holder's release or cooldown (see :meth:`claim_final`); ``lapsed`` is the loss reason
+        this call recorded, if any: the caller then calls ``entry.on_lost(lapsed)`` itself, once
+        its release is sent. One lock round on the usual path.
+        """
         with self._lock:
-            if not entry.closed:
-                self._close(entry)
+            final = not entry.finalized
+            entry.finalized = True
+            if entry.closed:
+                return True, final, None  # already lost: nothing of its holder's is cooled down
+            reason = entry.overdue(self.clock.monotonic())
+            if reason is not None:
+                self._record(entry, reason)
+                return True, final, reason
+            self._close(entry)
+            if not entry.inflight:
+                return True, final, None
+        return self.settle(entry), final, None
+
+    def record(self, entry: Entry, reason: str) -> bool:
+        """Record that ``entry`` was lost for ``reason`` unless its end is already recorded.
+
+        Returns whether this call recorded it. Does not call ``entry.on_lost``: the caller does,
+        when it is ready (an early release first frees the key, then notifies).
+        """
+        with self._lock:
+            if entry.closed:
+                return False
+            self._record(entry, reason)
+            return True
+
+    def expire_if_due(self, entry: Entry) -> str | None:
+        """The loss reason of ``entry``, recording ``"expired"``/``"max_hold"`` if it is due now.
+
+        For readers of ``Lease.lost`` that find the lease past its deadline before the renewer
+        or the watchdog did: the first one to look records the loss (and notifies), so a lease
+        read lost once stays lost. ``None`` while it is held, or when its holder finished it.
+        """
+        with self._lock:
+            if entry.closed:
+                return entry.lost_reason
+            reason = entry.overdue(self.clock.monotonic())
+            if reason is None:
+                return None
+            self._record(entry, reason)
+        self._notify(entry, reason)
+        return reason
+
+    def settle(self, entry: Entry) -> bool:
+        """Wait for a renewal of ``entry`` in flight to be answered; True when none is left.
+
+        Waits at most :data:`FLIGHT_WAIT` seconds of the clock and never past the entry's local
+        validity; on the renewer or watchdog thread it does not wait at all (the renewal it would
+        wait for may be this very thread's, and the watchdog must stay free to report losses).
+        """
+        with self._lock:
+            if not entry.inflight:
+                return True
+            if threading.current_thread() in (self._thread, self._watchdog):
+                return False
+            if entry.landed is None:
+                entry.landed = threading.Event()
+            landed = entry.landed
+            bound = min(FLIGHT_WAIT, entry.valid_until - self.clock.monotonic())
+        if bound > 0:
+            self.clock.wait(landed, bound)
+        with self._lock:
+            return not entry.inflight
+
+    def fence(self, entry: Entry, action: Callable[[], None]) -> bool:
+        """Have the renewer run ``action`` right after the renewal of ``entry`` in flight returns.
+
+        Returns False when no renewal is in flight any more: it may have landed after the
+        caller's own store call, so the caller runs ``action`` itself, now. ``action`` is the
+        core's own store call (a cooldown set again), never user code.
+        """
+        with self._lock:
+            if not entry.inflight:
+                return False
+            entry.redo = action
+            return True
+
+    def claim_final(self, entry: Entry) -> bool:
+        """True exactly once per entry: for whoever sends the holder's release (or cooldown)."""
+        with self._lock:
+            if entry.finalized:
+                return False
+            entry.finalized = True
+            return True
+
+    def _record(self, entry: Entry, reason: str) -> None:
+        """Record a loss and close ``entry``; under the lock. ``lost_reason`` first, see Entry."""
+        entry.lost_reason = reason
+        self._close(entry)
 
     def _close(self, entry: Entry) -> None:
         """Mark ``entry`` closed and note when the renewer became idle; under the lock."""
@@ -165,6 +319,23 @@ class Renewer:
         self._entries.discard(entry)
         if not self._entries:
             self._idle_since = self.clock.monotonic()
+
+    def _report_lost(self, entry: Entry, reason: str) -> None:
+        """Record the loss unless the end of ``entry`` is already recorded, then notify."""
+        with self._lock:
+            if entry.closed:
+                return
+            self._record(entry, reason)
+        self._notify(entry, reason)
+
+    @staticmethod
+    def _notify(entry: Entry, reason: str) -> None:
+        try:
+            entry.on_lost(reason)
+        except Exception:
+            logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
+
+    # Introspection ----------------------------------------------------------------------------
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -180,6 +351,13 @@ class Renewer:
         """Number of leases being renewed."""
         return len(self._entries)
 
+    def held_keys(self) -> list[str]:
+        """The keys of the leases being renewed, sorted."""
+        with self._lock:
+            return sorted(entry.key for entry in self._entries)
+
+    # The renewer thread -----------------------------------------------------------------------
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -194,9 +372,10 @@ class Renewer:
                     # Look again every IDLE_POLL seconds, so that a new lease due later than
                     # that needs no wake-up call (add() wakes the thread only for earlier ones).
                     self._next_wake = min(exit_at, now + IDLE_POLL)
-                    if now >= exit_at:
+                    if now >= exit_at or self._stopping:
                         self._thread = None
                         self._io_begun.set()  # lets the watchdog see that the renewer is gone
+                        _note_running(self, False)
                         _forget_idle(self)
                         return
                 timeout = self._next_wake - now
@@ -227,20 +406,31 @@ class Renewer:
         lost: list[tuple[Entry, str]] = []
         to_renew: dict[int, list[Entry]] = {}
         for entry in self._take_due(now):
-            if entry.max_hold_at is not None and now >= entry.max_hold_at:
-                lost.append((entry, "max_hold"))
-            elif now >= entry.valid_until:
-                lost.append((entry, "expired"))
+            reason = entry.overdue(now)
+            if reason is not None:
+                lost.append((entry, reason))
             else:
                 to_renew.setdefault(id(entry.store), []).append(entry)
-        if to_renew:
-            self.sweeps += 1
-        for group in to_renew.values():
-            lost.extend(self._renew_group(group))
         for entry, reason in lost:
             self._report_lost(entry, reason)
+        if to_renew:
+            self.sweeps += 1
+        recorded: list[tuple[Entry, str]] = []
+        for group in to_renew.values():
+            recorded.extend(self._renew_group(group))
+        for entry, reason in recorded:
+            self._notify(entry, reason)
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
+        """Renew one store's due entries; returns the losses it recorded (to notify)."""
+        with self._lock:
+            # An entry removed since it was taken is not renewed; the others are in flight
+            # from here on, so that remove() knows to wait for them.
+            group = [entry for entry in group if not entry.closed]
+            for entry in group:
+                entry.inflight = True
+        if not group:
+            return []
         store = group[0].store
         self._begin_io()
         try:
@@ -248,23 +438,33 @@ class Renewer:
             results = self._call_store(store, group)
         finally:
             self._end_io()
-        lost: list[tuple[Entry, str]] = []
-        answered_at = self.clock.monotonic()
+        recorded: list[tuple[Entry, str]] = []
+        redo: list[Callable[[], None]] = []
         with self._lock:
+            answered_at = self.clock.monotonic()
             for entry, result in zip(group, results, strict=True):
+                entry.inflight = False
+                if entry.landed is not None:
+                    entry.landed.set()  # the waiter holds it; the next flight needs a new one
+                    entry.landed = None
+                if entry.redo is not None:
+                    redo.append(entry.redo)
+                    entry.redo = None
                 if entry.closed:
-                    continue
+                    continue  # its end is recorded: a late answer changes nothing
                 if answered_at >= entry.valid_until:
-                    # The answer came too late: the lease already read as lost meanwhile, and a
+                    # The answer came too late: the lease may already have read as lost, and a
                     # lost lease never comes back.
-                    lost.append((entry, "expired"))
+                    self._record(entry, "expired")
+                    recorded.append((entry, "expired"))
                     continue
                 if result is True:
                     entry.valid_until = validity(sent_at, entry.ttl)
                     entry.due = entry._cap(sent_at + entry.ttl / 3)
                     heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
                 elif result is False:
-                    lost.append((entry, "taken"))
+                    self._record(entry, "taken")
+                    recorded.append((entry, "taken"))
                     continue
                 else:
                     logger.warning(
@@ -275,7 +475,15 @@ class Renewer:
                     now = self.clock.monotonic()
                     entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-        return lost
+        for action in redo:
+            self._begin_io()
+            try:
+                action()
+            except Exception:  # pragma: no cover - the actions log their own store errors
+                logger.exception("celery-lease: a fenced action after a renewal failed")
+            finally:
+                self._end_io()
+        return recorded
 
     @staticmethod
     def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
@@ -322,7 +530,7 @@ class Renewer:
         self._io_ended.set()
 
     def _watch(self) -> None:
-        """Report leases whose deadline passes while the renewer is stuck in a store call."""
+        """Record leases whose deadline passes while the renewer is stuck in a store call."""
         while True:
             with self._lock:
                 if self._thread is None:
@@ -338,23 +546,27 @@ class Renewer:
             if deadline is None or deadline > now:
                 self.clock.wait(self._io_ended, None if deadline is None else deadline - now)
                 continue
-            overdue: list[Entry] = []
+            overdue: list[tuple[Entry, str]] = []
             with self._lock:
+                now = self.clock.monotonic()
                 while (deadline := self._earliest_deadline()) is not None and deadline <= now:
-                    overdue.append(heapq.heappop(self._deadlines)[2])
-            for entry in overdue:
-                hold = entry.max_hold_at is not None and entry.max_hold_at <= now
-                self._report_lost(entry, "max_hold" if hold else "expired")
+                    entry = heapq.heappop(self._deadlines)[2]
+                    reason = entry.overdue(now) or "expired"
+                    self._record(entry, reason)
+                    overdue.append((entry, reason))
+            for entry, reason in overdue:
+                self._notify(entry, reason)
 
-    def _report_lost(self, entry: Entry, reason: str) -> None:
+    # Stopping ---------------------------------------------------------------------------------
+
+    def _stop(self) -> list[threading.Thread]:
+        """Tell the idle threads to exit now; returns them (to join)."""
         with self._lock:
-            if entry.closed:
-                return
-            self._close(entry)
-        try:
-            entry.on_lost(reason)
-        except Exception:
-            logger.exception("celery-lease: on_lost callback for %r raised", entry.key)
+            self._stopping = True
+            threads = [t for t in (self._thread, self._watchdog) if t is not None]
+        self._wake.set()
+        self._io_begun.set()
+        return threads
 
 
 def _deadline(entry: Entry) -> float:
@@ -366,6 +578,7 @@ def _deadline(entry: Entry) -> float:
 
 _registry_lock = threading.Lock()
 _registry: dict[int, Renewer] = {}
+_running: set[Renewer] = set()  # renewers whose thread runs, registered or not
 
 
 def get_renewer(clock: Clock | None = None) -> Renewer:
@@ -378,6 +591,15 @@ def get_renewer(clock: Clock | None = None) -> Renewer:
         return renewer
 
 
+def _note_running(renewer: Renewer, running: bool) -> None:
+    """Track renewers with a live thread, for :func:`shutdown`; under the renewer's lock."""
+    with _registry_lock:
+        if running:
+            _running.add(renewer)
+        else:
+            _running.discard(renewer)
+
+
 def _forget_idle(renewer: Renewer) -> None:
     """Drop an idle renewer of a test clock, so fake clocks do not pile up in the registry."""
     if renewer.clock is SYSTEM_CLOCK:
@@ -387,10 +609,54 @@ def _forget_idle(renewer: Renewer) -> None:
             del _registry[id(renewer.clock)]
 
 
+def shutdown(timeout: float = 5.0) -> None:
+    """Stop and join celery-lease's threads in this process: renewers, watchdogs, dispatcher.
+
+    For test suites that check for leaked threads (Celery's ``threads_not_lingering``), and
+    for a clean interpreter exit; the ``celery_lease.testing`` fixtures call it at teardown.
+    Loss callbacks already handed to the dispatcher run to their end first. Nothing is lost by
+    calling it: the next ``lease()`` starts the threads again.
+
+    Args:
+        timeout: real seconds to wait for the threads in all (default 5.0).
+
+    Raises:
+        ValueError: for a negative or non-numeric ``timeout``.
+        RuntimeError: when leases are still held in this process (it names their keys); then
+            nothing is stopped. Leave their ``lease()`` blocks first.
+        TimeoutError: when a thread did not end within ``timeout`` (it names what still runs,
+            e.g. a loss listener that blocks).
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0")
+    deadline = time.monotonic() + timeout
+    with _registry_lock:
+        renewers = set(_registry.values()) | _running
+    held = sorted({key for renewer in renewers for key in renewer.held_keys()})
+    if held:
+        raise RuntimeError(
+            "celery_lease.shutdown(): leases are still held on "
+            + ", ".join(repr(key) for key in held)
+            + "; leave their lease() blocks first"
+        )
+    threads: list[threading.Thread] = []
+    for renewer in renewers:
+        threads.extend(renewer._stop())
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    stuck.extend(get_dispatcher().stop(deadline))
+    if stuck:
+        raise TimeoutError(
+            f"celery_lease.shutdown(): still running after {timeout:g} s: {', '.join(stuck)}"
+        )
+
+
 def _after_fork_in_child() -> None:
     global _registry_lock
     _registry_lock = threading.Lock()
     _registry.clear()
+    _running.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -6,6 +6,10 @@ the clock, so tests of expiry, waiting and renewal never sleep.
 
 Installed as a pytest plugin (entry point ``celery_lease``), it provides the fixtures
 ``lease_clock`` (a ``FakeClock``) and ``lease_store`` (a ``MemoryLockStore`` on that clock).
+Both stop celery-lease's background threads at teardown (:func:`celery_lease.shutdown`).
+
+Loss callbacks (``on_lost``) run on a dispatcher thread: a test that asserts on what one did
+waits for them with :func:`celery_lease.dispatch.drain`.
 """
 
 from __future__ import annotations
@@ -138,9 +142,18 @@ except ImportError:  # pragma: no cover - pytest is only needed for the fixtures
 else:
 
     @pytest.fixture
-    def lease_clock() -> FakeClock:
-        """A :class:`FakeClock` starting at 1000.0 seconds."""
-        return FakeClock(1000.0)
+    def lease_clock() -> Iterator[FakeClock]:
+        """A :class:`FakeClock` starting at 1000.0 seconds.
+
+        At teardown it calls :func:`celery_lease.shutdown`, so no celery-lease thread outlives
+        the test (suites with a thread-leak check, such as Celery's ``threads_not_lingering``,
+        stay green). A test that leaves a ``lease()`` block un-exited errors at teardown with
+        the key named.
+        """
+        from celery_lease.renewer import shutdown
+
+        yield FakeClock(1000.0)
+        shutdown()
 
     @pytest.fixture
     def lease_store(lease_clock: FakeClock) -> Iterator[MemoryLockStore]:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,10 +18,12 @@ from celery_lease import (
     LockLostError,
     LockNotAcquiredError,
     MemoryLockStore,
+    SQLiteLockStore,
     current_lease,
     get_lock_token,
     lease,
 )
+from celery_lease.dispatch import drain
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 
@@ -243,6 +249,7 @@ class TestLoss:
             with pytest.raises(LockLostError):
                 held.check()
             clock.advance(1.0)
+        assert drain(), "on_lost runs on the dispatcher: wait for it"
         assert calls == [held]
 
     def test_body_error_after_loss_is_lock_lost(self, store: SpyStore, clock: FakeClock) -> None:
@@ -338,3 +345,179 @@ class TestValidation:
         """A URL where a store is expected says to build the store once."""
         with pytest.raises(LeaseConfigError, match="store_from_url"):
             lease("k", store="redis://localhost")  # type: ignore[arg-type]
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = REAL_TIMEOUT) -> None:
+    """Poll ``predicate`` (real time) until it is true; AssertionError after ``timeout``."""
+    limit = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > limit:
+            raise AssertionError(f"timed out waiting for {predicate}")
+        time.sleep(0.001)
+
+
+class TestLossListeners:
+    def test_listener_sees_the_loss_recorded(self, store: SpyStore, clock: FakeClock) -> None:
+        """A listener runs once, with the lease already reading lost and its reason."""
+        seen: list[tuple[bool, str | None]] = []
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            held.add_loss_listener(lambda h: seen.append((h.lost, h.lost_reason)))
+            store.force_release("k")
+            clock.advance(1.0)
+            wait_until(lambda: seen)
+        assert seen == [(True, "taken")]
+
+    def test_immediate_listener_runs_on_the_thread_that_decided(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """An immediate listener runs on the renewer thread when the renewer records the loss."""
+        names: list[str] = []
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            held.add_loss_listener(
+                lambda h: names.append(threading.current_thread().name), immediate=True
+            )
+            store.force_release("k")
+            clock.advance(1.0)
+            wait_until(lambda: names)
+            assert held.lost
+        assert names == ["celery-lease-renewer"]
+
+    def test_listener_added_after_the_loss_runs_at_once(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """On a lost lease, an immediate listener is called now, another one dispatched now."""
+        now: list[str] = []
+        later: list[str] = []
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            store.force_release("k")
+            clock.advance(1.0)
+            assert held.wait_lost(REAL_TIMEOUT)
+            held.add_loss_listener(
+                lambda h: now.append(threading.current_thread().name), immediate=True
+            )
+            assert now == [threading.current_thread().name]
+            held.add_loss_listener(lambda h: later.append(threading.current_thread().name))
+            wait_until(lambda: later)
+        assert later[0] != threading.current_thread().name
+
+    def test_a_listener_that_raises_is_logged(
+        self, store: SpyStore, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """A failing listener is logged; the other listeners still run."""
+        ran: list[bool] = []
+
+        def explode(_: Lease) -> None:
+            raise RuntimeError("listener bug")
+
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            held.add_loss_listener(explode, immediate=True)
+            held.add_loss_listener(explode)
+            held.add_loss_listener(lambda h: ran.append(True))
+            store.force_release("k")
+            clock.advance(1.0)
+            wait_until(lambda: ran)
+            wait_until(lambda: sum("raised" in r.getMessage() for r in caplog.records) >= 2)
+
+    def test_a_listener_must_be_callable(self, store: SpyStore, clock: FakeClock) -> None:
+        """A non-callable listener is refused, naming the value."""
+        with (
+            lease("k", store=store, clock=clock) as held,
+            pytest.raises(LeaseConfigError, match="fn=3 must be a callable"),
+        ):
+            held.add_loss_listener(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+class TestFork:
+    """A forked child never uses, renews or releases the leases of its parent (issue 8, item 4)."""
+
+    @staticmethod
+    def _child(report: Callable[[], dict[str, Any]], ready: int, out: int) -> None:
+        """In the child: wait for the parent's go, write ``report()`` as JSON, never return."""
+        status = 1
+        try:
+            os.read(ready, 1)
+            os.write(out, json.dumps(report()).encode())
+            status = 0
+        except BaseException as exc:  # pragma: no cover - reported to the parent
+            os.write(out, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(status)
+
+    @staticmethod
+    def _collect(pid: int, out: int) -> dict[str, Any]:
+        _, status = os.waitpid(pid, 0)
+        chunks = []
+        while chunk := os.read(out, 65536):
+            chunks.append(chunk)
+        os.close(out)
+        report: dict[str, Any] = json.loads(b"".join(chunks) or b"{}")
+        assert os.waitstatus_to_exitcode(status) == 0, report
+        return report
+
+    def test_child_ignores_the_parents_frames(self, tmp_path: Path) -> None:
+        """After fork the parent releases, O takes k: the child does not re-enter the old lease."""
+        store = SQLiteLockStore(tmp_path / "leases.db")
+        ready_r, ready_w = os.pipe()
+        out_r, out_w = os.pipe()
+        context = lease("k", store=store, ttl=30)
+        parent = context.__enter__()
+
+        def report() -> dict[str, Any]:
+            seen: dict[str, Any] = {
+                "current": current_lease() is None,
+                "token": get_lock_token(),
+                "parent_lost": parent.lost,
+            }
+            try:
+                with lease("k", store=store, ttl=30, wait=0) as mine:
+                    seen["enter"] = f"re-entered (same: {mine is parent}, lost: {mine.lost})"
+            except LockNotAcquiredError:
+                seen["enter"] = "held by another owner"
+            with lease("child-key", store=store, ttl=30) as own:
+                seen["own"] = current_lease() is own and get_lock_token() == own.token
+            return seen
+
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            self._child(report, ready_r, out_w)
+        os.close(out_w)
+        context.__exit__(None, None, None)
+        assert store.acquire("k", "another-owner", 60_000) is not None
+        os.write(ready_w, b"x")
+        seen = self._collect(pid, out_r)
+        assert seen == {
+            "current": True,
+            "token": None,
+            "parent_lost": True,
+            "enter": "held by another owner",
+            "own": True,
+        }
+
+    def test_child_exiting_the_parents_block_releases_nothing(self, tmp_path: Path) -> None:
+        """A child that unwinds the parent's ``with`` leaves the parent's lease held and renewed."""
+        store = SQLiteLockStore(tmp_path / "leases.db")
+        ready_r, ready_w = os.pipe()
+        out_r, out_w = os.pipe()
+        context = lease("k", store=store, ttl=30)
+        parent = context.__enter__()
+        try:
+
+            def report() -> dict[str, Any]:
+                context.__exit__(None, None, None)
+                info = store.get("k")
+                return {"held_by_parent": info is not None and info.owner == parent.owner}
+
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the child
+                self._child(report, ready_r, out_w)
+            os.close(out_w)
+            os.write(ready_w, b"x")
+            seen = self._collect(pid, out_r)
+            assert seen == {"held_by_parent": True}
+            info = store.get("k")
+            assert info is not None and info.owner == parent.owner, "the child released it"
+            assert current_lease() is parent and not parent.lost
+        finally:
+            context.__exit__(None, None, None)
+        assert store.get("k") is None

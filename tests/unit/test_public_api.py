@@ -26,6 +26,8 @@ CONTRACT = {
     # issue 3: Celery
     "LockedTask",
     "locked",
+    # issue 8: stopping the background threads
+    "shutdown",
 }
 
 

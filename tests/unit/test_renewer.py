@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+import celery_lease
 from celery_lease import Lease, lease
+from celery_lease.dispatch import drain
 from celery_lease.renewer import IDLE_EXIT, get_renewer, validity
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -81,6 +89,7 @@ class TestFailures:
             assert held.wait_lost(REAL_TIMEOUT)
             for _ in range(5):
                 clock.advance(1.0)
+        assert drain(), "on_lost runs on the dispatcher: wait for it"
         assert calls == [held]
 
     def test_on_lost_that_raises_does_not_break_renewal(
@@ -210,3 +219,182 @@ class TestFork:
             os.close(read)
         assert os.waitstatus_to_exitcode(status) == 0, report
         assert report == "0 1 True ['child-key'] True"
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = REAL_TIMEOUT) -> bool:
+    """Poll ``predicate`` (real time) until it is true; returns whether it became true."""
+    limit = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > limit:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def lease_threads() -> list[threading.Thread]:
+    """The core's threads alive now (renewers, watchdogs, dispatcher)."""
+    prefixes = ("celery-lease-renewer", "celery-lease-watchdog", "celery-lease-dispatch")
+    return [t for t in threading.enumerate() if t.name.startswith(prefixes) and t.is_alive()]
+
+
+class TestDispatch:
+    """User callbacks never run on the renewer or the watchdog (issue 8, item 1)."""
+
+    def test_a_slow_on_lost_does_not_stall_other_leases(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A's on_lost blocks; B (ttl 0.9 s) is still renewed every 0.3 s; no intruder gets it."""
+        unblock = threading.Event()
+        a_lost = threading.Event()
+
+        def slow(_: Lease) -> None:
+            a_lost.set()
+            unblock.wait(REAL_TIMEOUT)  # as if it blocked for seconds
+
+        try:
+            with (
+                lease("a", store=store, ttl=0.9, clock=clock, on_lost=slow),
+                lease("b", store=store, ttl=0.9, clock=clock) as b,
+            ):
+                store.force_release("a")
+                clock.advance(0.3)
+                assert a_lost.wait(REAL_TIMEOUT)
+                for n in range(1, 5):  # 1.2 s: past B's ttl unless it is renewed
+                    renewed = sum(key == "b" for key, _ in store.renewals)
+                    clock.advance(0.3)
+                    assert wait_until(
+                        lambda renewed=renewed: sum(k == "b" for k, _ in store.renewals) > renewed,
+                        timeout=2.0,
+                    ), f"B was not renewed at step {n}: the renewer is stuck in A's on_lost"
+                assert store.acquire("b", "intruder", 900) is None
+                assert not b.lost
+        finally:
+            unblock.set()
+
+    def test_on_lost_runs_on_a_dispatcher_thread(self, store: SpyStore, clock: FakeClock) -> None:
+        """on_lost runs neither on the renewer nor on the watchdog nor on the caller."""
+        names: list[str] = []
+        with lease(
+            "k",
+            store=store,
+            ttl=3,
+            clock=clock,
+            on_lost=lambda _: names.append(threading.current_thread().name),
+        ):
+            store.force_release("k")
+            clock.advance(1.0)
+            assert wait_until(lambda: names)
+        assert names[0].startswith("celery-lease-dispatch"), names
+
+    def test_one_blocked_receiver_delays_only_itself(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """Two leases lost together: the second one's on_lost runs while the first one's blocks."""
+        unblock = threading.Event()
+        second = threading.Event()
+        try:
+            with (
+                lease("a", store=store, ttl=3, clock=clock, on_lost=lambda _: unblock.wait(10)),
+                lease("b", store=store, ttl=3, clock=clock, on_lost=lambda _: second.set()),
+            ):
+                store.force_release("a")
+                store.force_release("b")
+                clock.advance(1.0)
+                assert second.wait(REAL_TIMEOUT)
+        finally:
+            unblock.set()
+
+
+class TestShutdown:
+    """``celery_lease.shutdown()`` stops this process's threads (issue 8, item 17)."""
+
+    def test_no_thread_outlives_shutdown(self, store: SpyStore, clock: FakeClock) -> None:
+        """Once the last lease is released and shutdown() returned, no celery-lease thread lives."""
+        lost = threading.Event()
+        with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()):
+            store.force_release("k")
+            clock.advance(1.0)  # starts the watchdog and a dispatcher thread too
+            assert lost.wait(REAL_TIMEOUT)
+        with lease("k", store=store, ttl=3, clock=clock):
+            pass
+        assert lease_threads()
+        celery_lease.shutdown()
+        assert lease_threads() == []
+
+    def test_refuses_while_a_lease_is_held(self, store: SpyStore, clock: FakeClock) -> None:
+        """shutdown() with a lease held raises RuntimeError naming the key, and stops nothing."""
+        with lease("still-held", store=store, ttl=3, clock=clock) as held:
+            with pytest.raises(RuntimeError, match="'still-held'"):
+                celery_lease.shutdown()
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            assert not held.lost
+        celery_lease.shutdown()
+
+    def test_a_new_lease_after_shutdown_is_renewed(self, store: SpyStore, clock: FakeClock) -> None:
+        """The threads start again for the next lease."""
+        with lease("k", store=store, ttl=3, clock=clock):
+            pass
+        celery_lease.shutdown()
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            assert not held.lost
+        celery_lease.shutdown()
+        assert lease_threads() == []
+
+    def test_a_blocked_listener_makes_it_time_out(self, store: SpyStore, clock: FakeClock) -> None:
+        """A listener still running at the timeout is named in a TimeoutError; later it succeeds."""
+        unblock = threading.Event()
+        running = threading.Event()
+
+        def stuck(_: Lease) -> None:
+            running.set()
+            unblock.wait(REAL_TIMEOUT)
+
+        with lease("k", store=store, ttl=3, clock=clock, on_lost=stuck):
+            store.force_release("k")
+            clock.advance(1.0)
+            assert running.wait(REAL_TIMEOUT)
+        try:
+            with pytest.raises(TimeoutError, match=r"loss listener .*stuck.* of 'k'"):
+                celery_lease.shutdown(timeout=0.05)
+        finally:
+            unblock.set()
+        celery_lease.shutdown()
+        assert lease_threads() == []
+
+    def test_bad_timeout(self) -> None:
+        """The timeout must be a number of seconds >= 0."""
+        with pytest.raises(ValueError, match="timeout=-1"):
+            celery_lease.shutdown(timeout=-1)
+
+    def test_plugin_fixtures_leave_no_thread(self, tmp_path: Path) -> None:
+        """A suite using lease_clock/lease_store has no celery-lease thread after the test."""
+        (tmp_path / "test_user.py").write_text(
+            textwrap.dedent(
+                """
+                import threading
+
+                from celery_lease import lease
+
+
+                def test_uses_a_lease(lease_clock, lease_store):
+                    with lease("k", store=lease_store, clock=lease_clock):
+                        lease_clock.advance(10)
+
+
+                def test_then_no_thread_lingers():
+                    names = [t.name for t in threading.enumerate()]
+                    assert not [n for n in names if n.startswith("celery-lease")], names
+                """
+            )
+        )
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:celery", "-p", "no:cacheprovider"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
