@@ -2,20 +2,84 @@
 
 Three ways to say which executions exclude each other, all evaluated where the task runs:
 
-- a template, ``"account:{account_id}"``: formatted with the task's arguments bound to its
-  parameters by name (defaults applied, ``**kwargs`` entries usable by name);
+- a template, ``"account:{account_id}"``: each field is the task's argument of that name (bound
+  to its parameters, defaults applied, ``**kwargs`` entries usable by name), encoded as below;
 - a callable, ``fn(*args, **kwargs) -> str``: called exactly as the task is;
-- nothing: ``"<task name>:<digest>"``, the digest of the canonical JSON of every bound argument,
-  the same across processes, argument order and positional/keyword spelling.
+- nothing: ``"<task name>:<digest>"``, the BLAKE2b digest of the canonical JSON of every bound
+  argument, the same across processes, argument order and positional/keyword spelling.
+
+One value, one key
+------------------
+Both forms first map every argument to one *canonical value*, so that distinct values never
+share a key and a value keeps its key through Celery's serializers (kombu's json, pickle):
+
+- ``None``, ``bool``, ``int``, ``float``, ``str`` are themselves. Subclasses count as their base
+  type (an ``IntEnum`` member is its int, a ``StrEnum`` member its str), because that is what
+  json delivers; a surrogate pair in a str counts as the character it encodes (json's decoder
+  joins ``"\\ud83d\\ude00"`` into one). ``True`` and ``1``, and ``1`` and ``1.0``, are
+  different keys (both serializers keep them apart); ``-0.0`` is ``0.0``; every NaN is one
+  value. Ints over 2000 bits are keyed by their hex digits (no ``str()`` length limit applies).
+- ``list`` and ``tuple`` are one kind (json turns a tuple into a list).
+- A mapping's keys must be ``str`` or ``int``; an int key counts as its decimal digits, as json
+  delivers it (``{1: x}`` and ``{"1": x}`` are one key, a mapping holding both is an error);
+  key order does not matter. Other key types are an error: json cannot carry them.
+- Type tags: ``UUID``, ``datetime`` (an aware one as its UTC instant; one whose UTC time falls
+  outside years 1-9999 is an error), ``date``, ``time`` (ISO text, offset included; an offset
+  with microseconds, which does not survive json (CPython 3.11), is an error),
+  ``timedelta``, ``Decimal`` (by value: ``1.50`` is ``1.5``, ``-0`` is ``0``, never rounded),
+  ``bytes``/``bytearray``, ``set``/``frozenset`` (order-free), other ``Enum`` members (by
+  module, class and member name) and dataclass instances (by module and class name, and the
+  fields that take part in ``==``).
+- A pydantic model is its ``model_dump(mode="json")``, untagged: that dict is what Celery's
+  ``pydantic=True`` sends over json, so a model default, an explicit model and the dict it
+  arrives as share one key (a dict equal to the dump shares it too). Models are recognised by
+  duck typing (``model_dump`` and ``__pydantic_fields__`` on the class); this module never
+  imports pydantic. An object with a ``__json__`` method is what that returns, as in kombu.
+- Anything else (and a value that contains itself) is a :class:`LeaseConfigError` at call time
+  naming the argument and its type: pass ``key`` (a template naming a part that can be keyed,
+  or a callable) instead.
+
+Digest form
+-----------
+The canonical value is written as JSON with sorted keys and no spaces; a tag is an object with
+one key ``"$<name>"`` (``{"$uuid": "..."}``), and a user mapping key starting with ``$`` gets
+one more ``$`` (``"$uuid"`` is written ``"$$uuid"``), so no argument can spell a tag. Arguments
+without tags or ``$`` keys hash as in the previous version.
+
+Template form
+-------------
+Each field is encoded into letters, digits and ``-._~%`` only:
+
+- an int is its digits (``account:{account_id}`` with 42 is ``account:42``);
+- a str is itself when made of ASCII letters, digits and ``-._``, else percent-encoded from
+  UTF-8 (``"x:y"`` is ``x%3Ay``; ``~`` is ``%7E``); a str that is empty or all digits (with
+  an optional leading ``-``) is tagged so it differs from an int: ``"42"`` is ``~str.42``;
+- everything else is tagged, ``~<tag>[.<payload>]``: ``~none``, ``~true``, ``~false``,
+  ``~float.1.5``, ``~dec.1.5``, ``~uuid.<hex with dashes>``, ``~dt.20240102T120405Z`` (UTC;
+  no ``Z``: naive), ``~date.20240102``, ``~time.120405``, ``~td.<days>.<s>.<us>``,
+  ``~bytes.<percent-encoded>``, ``~enum.<...>``, ``~dc.<class>.<fields>``, and containers
+  ``~list.<item>.<item>``, ``~set...``, ``~dict.<key>.<value>...`` (sorted), whose items have
+  ``%`` and ``.`` escaped (``%25``, ``%2E``).
+
+Because a field can never produce any other character, two adjacent fields must be separated by
+literal text holding at least one other character (``:``, ``/``, ``|``, ``,``, ``@``...): that
+makes the whole key decodable, hence injective. ``"{a}{b}"`` or ``"{a}-{b}"`` is refused at
+definition time, as are conversions and format specs (``{a!r}``, ``{a:>5}``): the encoding is the
+format. ``{a.b}`` and ``{a[0]}`` read the value first, then encode it; ``.b`` on a mapping reads
+its item ``"b"`` and a pydantic model is read through its json dump, so ``{order.id}`` gives
+the same key for a model and for the dict it arrives as.
 
 This module is part of the core: it imports only the standard library.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import json
+import math
+import re
 import string
 from collections.abc import Callable, Mapping
 from datetime import date, datetime, time, timedelta, timezone
@@ -43,42 +107,433 @@ DIGEST_BYTES = 16
 
 _FORMATTER = string.Formatter()
 
+_BIG_INT_BITS = 2000
+"""Ints wider than this are keyed by hex digits: ``str()`` of them may hit the digit limit."""
+
+FIELD_ALPHABET = frozenset(string.ascii_letters + string.digits + "-._~%")
+"""Every character an encoded template field can contain; a separator needs one outside it."""
+
+_PLAIN = re.compile(r"[A-Za-z0-9._-]*")
+_NUMERIC = re.compile(r"-?[0-9]+")
+_SAFE_BYTES = frozenset((string.ascii_letters + string.digits + "-._").encode("ascii"))
+_KEYABLE = (
+    "None, bool, int, float, str, bytes, list, tuple, dict with str or int keys, set, frozenset,"
+    " UUID, datetime, date, time, timedelta, Decimal, Enum, dataclasses, pydantic models and"
+    " objects with __json__"
+)
+
 
 class _Uncanonical(Exception):
-    """An argument value that has no canonical JSON form (internal)."""
+    """A value that has no canonical form (internal): where it is and why."""
 
-    def __init__(self, path: str, value: object) -> None:
-        super().__init__(path, value)
+    def __init__(self, path: str, value: object, why: str | None = None) -> None:
+        super().__init__(path, value, why)
         self.path = path
         self.value = value
+        kind = type(value).__qualname__
+        self.why = why or f"a value of type {kind} has no canonical form (keyable: {_KEYABLE})"
+
+
+# Canonical values ------------------------------------------------------------------------------
+
+
+def _json_view(value: object, path: str) -> tuple[bool, object]:
+    """``(True, what Celery's json path delivers for value)``, or ``(False, None)``.
+
+    A pydantic model is dumped as Celery's ``pydantic=True`` does before sending; an object with
+    ``__json__`` is what kombu's json encoder puts on the wire.
+    """
+    cls = type(value)
+    if isinstance(value, type):
+        return False, None
+    if callable(getattr(cls, "model_dump", None)) and hasattr(cls, "__pydantic_fields__"):
+        try:
+            return True, value.model_dump(mode="json")  # type: ignore[attr-defined]
+        except Exception as exc:
+            raise _Uncanonical(
+                path, value, f"model_dump(mode='json') of this {cls.__qualname__} failed: {exc!r}"
+            ) from None
+    reducer = getattr(value, "__json__", None)
+    if callable(reducer):
+        return True, reducer()
+    return False, None
+
+
+def _decimal_text(value: Decimal) -> str:
+    """``value`` without trailing zeros, exactly (``Decimal.normalize`` rounds to 28 digits)."""
+    if not value.is_finite():
+        return str(value)
+    sign, digits, exponent = value.as_tuple()
+    assert isinstance(exponent, int)
+    kept = list(digits)
+    while len(kept) > 1 and kept[-1] == 0:
+        kept.pop()
+        exponent += 1
+    if kept == [0]:
+        return "0"
+    return str(Decimal((sign, tuple(kept), exponent)))
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _text(value: str) -> str:
+    """``value`` as a plain str, a surrogate pair joined into its character (as json does)."""
+    text = str.__str__(value)
+    if _SURROGATE.search(text) is None:
+        return text
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "surrogatepass")
+
+
+def _escape_key(name: str) -> str:
+    return "$" + name if name.startswith("$") else name
+
+
+def _canon_mapping(value: Mapping[Any, Any], path: str, active: set[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    originals: dict[str, object] = {}
+    for key, item in value.items():
+        if isinstance(key, str):
+            name = _text(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            number = int.__index__(key)
+            if number.bit_length() > _BIG_INT_BITS:
+                raise _Uncanonical(
+                    path, value, f"this mapping has an int key of {number.bit_length()} bits"
+                )
+            name = str(number)
+        else:
+            raise _Uncanonical(
+                path,
+                value,
+                f"this mapping has a key {key!r} of type {type(key).__qualname__}; json carries"
+                " mapping keys as str (an int key as its digits), so only str and int keys can be"
+                " keyed",
+            )
+        escaped = _escape_key(name)
+        if escaped in out:
+            raise _Uncanonical(
+                path,
+                value,
+                f"this mapping has both {originals[escaped]!r} and {key!r} as keys, which json"
+                " delivers as one",
+            )
+        originals[escaped] = key
+        out[escaped] = _canon(item, f"{path}[{key!r}]", active)
+    return out
+
+
+def _canon(value: object, path: str, active: set[int]) -> Any:
+    """``value`` as its canonical JSON data (see the module docstring); raises ``_Uncanonical``."""
+    if value is None or value is True or value is False:
+        return value
+    if isinstance(value, str):
+        return _text(value)
+    if isinstance(value, int):
+        number = int.__index__(value)
+        return number if number.bit_length() <= _BIG_INT_BITS else {"$int": format(number, "x")}
+    if isinstance(value, float):
+        real = float.__float__(value)
+        if math.isnan(real):
+            return {"$float": "nan"}
+        if math.isinf(real):
+            return {"$float": "inf" if real > 0 else "-inf"}
+        return real + 0.0  # -0.0 becomes 0.0
+    if id(value) in active:
+        raise _Uncanonical(path, value, f"this {type(value).__qualname__} contains itself")
+    active.add(id(value))
+    try:
+        return _canon_compound(value, path, active)
+    finally:
+        active.discard(id(value))
+
+
+def _canon_compound(value: object, path: str, active: set[int]) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [_canon(item, f"{path}[{i}]", active) for i, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        return _canon_mapping(value, path, active)
+    converted, view = _json_view(value, path)
+    if converted:
+        return _canon(view, path, active)
+    if isinstance(value, (set, frozenset)):
+        items = [_canon(item, f"{path} item {item!r}", active) for item in value]
+        return {"$set": sorted(items, key=_dumps)}
+    if isinstance(value, UUID):
+        return {"$uuid": str(value)}
+    if isinstance(value, datetime):
+        if value.utcoffset() is not None:
+            try:
+                value = value.astimezone(timezone.utc)
+            except OverflowError:
+                raise _Uncanonical(
+                    path, value, f"{value!r} has no UTC time within years 1 to 9999"
+                ) from None
+        return {"$datetime": datetime.isoformat(value)}
+    if isinstance(value, date):
+        return {"$date": date.isoformat(value)}
+    if isinstance(value, time):
+        offset = value.utcoffset()
+        if offset is not None and offset.microseconds:
+            raise _Uncanonical(
+                path,
+                value,
+                f"{value!r} has a UTC offset with microseconds, which time.fromisoformat (and so"
+                " kombu's json) drops (CPython 3.11)",
+            )
+        return {"$time": time.isoformat(value)}
+    if isinstance(value, timedelta):
+        return {"$timedelta": [value.days, value.seconds, value.microseconds]}
+    if isinstance(value, Decimal):
+        return {"$decimal": _decimal_text(value)}
+    if isinstance(value, (bytes, bytearray)):
+        return {"$bytes": bytes(value).hex()}
+    if isinstance(value, Enum) and value.name is not None:
+        return {"$enum": f"{_qualified(type(value))}:{value.name}"}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.compare}
+        return {"$dataclass": [_qualified(type(value)), _canon_mapping(fields, path, active)]}
+    raise _Uncanonical(path, value)
+
+
+def _dumps(data: object) -> str:
+    return json.dumps(
+        data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    )
+
+
+def _config_error(exc: _Uncanonical, task: str | None) -> LeaseConfigError:
+    base = re.split(r"[\[ .]", exc.path, maxsplit=1)[0]
+    of_task = f" of task {task!r}" if task else ""
+    return LeaseConfigError(
+        f"cannot build the lock key{of_task} from argument {exc.path!r}: {exc.why}; pass `key`"
+        f' in the lock options: a template naming a part that can be keyed (such as "name:'
+        f'{{{base}.id}}") or a callable returning a str'
+    )
+
+
+def _canonical_argument(value: object, path: str, task: str | None) -> Any:
+    try:
+        return _canon(value, path, set())
+    except _Uncanonical as exc:
+        raise _config_error(exc, task) from None
+    except RecursionError:
+        raise _config_error(_Uncanonical(path, value, "it is nested too deeply"), task) from None
+
+
+def _canonical_arguments(arguments: Mapping[str, object], task: str | None) -> str:
+    data = {
+        _escape_key(name): _canonical_argument(value, name, task)
+        for name, value in arguments.items()
+    }
+    return _dumps(data)
+
+
+def canonical_json(arguments: Mapping[str, object]) -> str:
+    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types.
+
+    See the module docstring for what counts as one value; e.g. ``Decimal("1.50")`` and
+    ``Decimal("1.5")`` agree, tuples are lists, ``{"$uuid": ...}`` is written
+    ``{"$$uuid": ...}`` so that it differs from a ``UUID``.
+
+    Raises:
+        LeaseConfigError: naming the argument whose value has no canonical form, and its type.
+    """
+    return _canonical_arguments(arguments, None)
+
+
+def _digest(task_name: str, arguments: Mapping[str, object], task: str | None) -> str:
+    text = _canonical_arguments(arguments, task)
+    digest = hashlib.blake2b(
+        text.encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES
+    ).hexdigest()
+    return f"{task_name}:{digest}"
+
+
+def digest_key(task_name: str, arguments: Mapping[str, object]) -> str:
+    """``"<task name>:<32 hex digits>"``: BLAKE2b of :func:`canonical_json` of ``arguments``.
+
+    Raises:
+        LeaseConfigError: an argument has no canonical form.
+    """
+    return _digest(task_name, arguments, task_name)
+
+
+# Template encoding -----------------------------------------------------------------------------
+
+
+def _pct_bytes(data: bytes) -> str:
+    return "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in data)
+
+
+def _pct(text: str) -> str:
+    """``text`` percent-encoded from UTF-8, keeping ASCII letters, digits and ``-._``."""
+    if _PLAIN.fullmatch(text):
+        return text
+    return _pct_bytes(text.encode("utf-8", "surrogatepass"))
+
+
+def _esc(text: str) -> str:
+    """An encoded item made safe to join with ``.`` (``%`` and ``.`` escaped)."""
+    return text.replace("%", "%25").replace(".", "%2E")
+
+
+def _items(nodes: list[Any]) -> str:
+    return "".join("." + _esc(_render(node)) for node in nodes)
+
+
+def _render_tag(name: str, payload: Any) -> str:
+    text = payload if isinstance(payload, str) else ""
+    if name in ("float", "int", "uuid"):
+        return f"~{name}.{text}"
+    if name == "datetime":  # ISO basic format, fixed widths: removing - and : keeps it injective
+        text, zulu = (text[:-6], "Z") if text.endswith("+00:00") else (text, "")
+        return "~dt." + text.replace("-", "").replace(":", "") + zulu
+    if name == "date":
+        return "~date." + text.replace("-", "")
+    if name == "time":
+        return "~time." + _pct(text.replace(":", ""))
+    if name == "timedelta":
+        return "~td." + ".".join(str(part) for part in payload)
+    if name == "decimal":
+        return "~dec." + _pct(text)
+    if name == "bytes":
+        return "~bytes." + _pct_bytes(bytes.fromhex(text))
+    if name == "set":
+        return "~set" + _items(payload)
+    if name == "enum":
+        return "~enum." + _pct(text)
+    if name == "dataclass":
+        qualified, fields = payload
+        return f"~dc.{_esc(_pct(qualified))}.{_esc(_render(fields))}"
+    raise AssertionError(f"unknown tag {name!r}")  # pragma: no cover - _canon makes no other
+
+
+def _render(node: Any) -> str:
+    """The template encoding of a canonical value: only characters of ``FIELD_ALPHABET``."""
+    if node is None:
+        return "~none"
+    if node is True:
+        return "~true"
+    if node is False:
+        return "~false"
+    if isinstance(node, int):
+        return str(node)
+    if isinstance(node, float):
+        return "~float." + _pct(repr(node))
+    if isinstance(node, str):
+        return f"~str.{node}" if not node or _NUMERIC.fullmatch(node) else _pct(node)
+    if isinstance(node, list):
+        return "~list" + _items(node)
+    if len(node) == 1:
+        ((name, payload),) = node.items()
+        if name.startswith("$") and not name.startswith("$$"):
+            return _render_tag(name[1:], payload)
+    pairs = (
+        "."
+        + _esc(_render(key[1:] if key.startswith("$") else key))
+        + "."
+        + _esc(_render(node[key]))
+        for key in sorted(node)
+    )
+    return "~dict" + "".join(pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Field:
+    """One ``{...}`` of a template: the text inside the braces, its parameter, its lookups."""
+
+    text: str
+    name: str
+    lookups: tuple[tuple[bool, int | str], ...]  # (is_attribute, name or index)
+
+
+_ATTRIBUTE = re.compile(r"\.([^.\[]+)")
+
+
+def _split_field(field: str, template: str) -> tuple[str, tuple[tuple[bool, int | str], ...]]:
+    """``"a.b[0]"`` -> ``("a", ((True, "b"), (False, 0)))``, as ``str.format`` reads it."""
+    head = re.match(r"[^.\[]*", field)
+    assert head is not None
+    base, rest = head.group(), field[head.end() :]
+    lookups: list[tuple[bool, int | str]] = []
+    while rest:
+        attribute = _ATTRIBUTE.match(rest)
+        if attribute is not None:
+            lookups.append((True, attribute[1]))
+            rest = rest[attribute.end() :]
+            continue
+        end = rest.find("]")
+        if not rest.startswith("[") or end < 2 or rest[end + 1 : end + 2] not in ("", ".", "["):
+            raise LeaseConfigError(
+                f"key={template!r} has a malformed field {{{field}}}: write {{name}},"
+                " {name.attribute} or {name[item]}"
+            )
+        item = rest[1:end]
+        lookups.append((False, int(item) if item.isascii() and item.isdigit() else item))
+        rest = rest[end + 1 :]
+    return base, tuple(lookups)
+
+
+def _parse(template: str, task: str | None = None) -> list[str | _Field]:
+    """The template as literal texts and fields, checked (see the module docstring)."""
+    where = f"key={template!r}" + (f" of task {task!r}" if task else "")
+    try:
+        parsed = list(_FORMATTER.parse(template))
+    except ValueError as exc:
+        raise LeaseConfigError(f"{where} is not a valid format template: {exc}") from exc
+    parts: list[str | _Field] = []
+    previous: _Field | None = None
+    for literal, field, spec, conversion in parsed:
+        if literal:
+            parts.append(literal)
+        if field is None:
+            continue
+        if conversion is not None or spec:
+            written = (
+                field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            )
+            raise LeaseConfigError(
+                f"{where} writes {{{written}}}: a key field takes no conversion or format spec,"
+                f" because every value is encoded canonically (see celery_lease.keys); write"
+                f" {{{field}}}"
+            )
+        base, lookups = _split_field(field, template)
+        if not base or base.isdigit():
+            raise LeaseConfigError(
+                f"{where} has a positional field {{{field}}}: name the task's parameter,"
+                ' as in "account:{account_id}"'
+            )
+        current = _Field(field, base, lookups)
+        if previous is not None and not (set(literal) - FIELD_ALPHABET):
+            raise LeaseConfigError(
+                f"{where}: fields {{{previous.text}}} and {{{current.text}}} are separated by"
+                f" {literal!r}, and a field's value can contain every character of that, so two"
+                " different pairs of values could make one key; separate them with a character"
+                " other than letters, digits and -._~% (such as ':' or '/')"
+            )
+        parts.append(current)
+        previous = current
+    return parts
 
 
 def template_fields(template: str) -> list[str]:
     """The parameter names a key template refers to, in order (``"{a.b}"`` gives ``"a"``).
 
     Raises:
-        LeaseConfigError: the template is malformed or uses positional fields (``{}``, ``{0}``).
+        LeaseConfigError: the template is malformed, uses positional fields (``{}``, ``{0}``),
+            a conversion or format spec (``{a!r}``, ``{a:>5}``), or two fields without a
+            separator a value cannot produce between them (``{a}{b}``, ``{a}-{b}``).
     """
-    try:
-        parsed = list(_FORMATTER.parse(template))
-    except ValueError as exc:
-        raise LeaseConfigError(f"key={template!r} is not a valid format template: {exc}") from exc
-    names: list[str] = []
-    for _, field, _, _ in parsed:
-        if field is None:
-            continue
-        base = field.split(".", 1)[0].split("[", 1)[0]
-        if not base or base.isdigit():
-            raise LeaseConfigError(
-                f"key={template!r} has a positional field {{{field}}}: name the task's parameter,"
-                ' as in "account:{account_id}"'
-            )
-        names.append(base)
-    return names
+    return [part.name for part in _parse(template) if isinstance(part, _Field)]
 
 
 def validate_template(template: str, signature: inspect.Signature, *, task: str) -> None:
-    """Check that every field of ``template`` names a parameter of ``signature``.
+    """Check ``template`` (as :func:`template_fields` does) and that its fields are parameters.
 
     Args:
         template: the key template, e.g. ``"account:{account_id}"``.
@@ -86,11 +541,15 @@ def validate_template(template: str, signature: inspect.Signature, *, task: str)
         task: the task's name, for the error message.
 
     Raises:
-        LeaseConfigError: naming the unknown field and the parameters the task has.
+        LeaseConfigError: naming the template, the bad field and, for an unknown one, the
+            parameters the task has.
     """
     params = signature.parameters
     has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    for name in template_fields(template):
+    for part in _parse(template, task):
+        if not isinstance(part, _Field):
+            continue
+        name = part.name
         if name in params and params[name].kind is not params[name].VAR_KEYWORD:
             continue
         if has_var_keyword:
@@ -102,86 +561,73 @@ def validate_template(template: str, signature: inspect.Signature, *, task: str)
         )
 
 
-def _normalise(value: object, path: str) -> Any:
-    """``value`` as plain JSON data with a stable form; raises ``_Uncanonical``."""
-    if value is None or isinstance(value, (bool, int, str)):
-        if isinstance(value, Enum):  # IntEnum, StrEnum: by class and name, not by value
-            return {"$enum": f"{type(value).__qualname__}.{value.name}"}
-        return value
-    if isinstance(value, float):
-        return value if value == value else {"$float": "nan"}
-    if isinstance(value, Enum):
-        return {"$enum": f"{type(value).__qualname__}.{value.name}"}
-    if isinstance(value, (list, tuple)):
-        return [_normalise(item, f"{path}[{i}]") for i, item in enumerate(value)]
+_NATIVE = (str, int, float, list, tuple, Mapping)
+
+
+def _look_up(value: object, is_attribute: bool, name: int | str, path: str) -> object:
+    if value is not None and not isinstance(value, _NATIVE):
+        converted, view = _json_view(value, path)
+        if converted:
+            value = view  # a model is read as the dict it arrives as over json
     if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value):
-            return {k: _normalise(v, f"{path}[{k!r}]") for k, v in value.items()}
-        pairs = [
-            [_normalise(k, f"{path} key {k!r}"), _normalise(v, f"{path}[{k!r}]")]
-            for k, v in value.items()
-        ]
-        return {"$map": sorted(pairs, key=_dumps)}
-    if isinstance(value, (set, frozenset)):
-        items = [_normalise(item, f"{path} item {item!r}") for item in value]
-        return {"$set": sorted(items, key=_dumps)}
-    if isinstance(value, UUID):
-        return {"$uuid": str(value)}
-    if isinstance(value, datetime):
-        if value.tzinfo is not None and value.utcoffset() is not None:
-            value = value.astimezone(timezone.utc)
-        return {"$datetime": value.isoformat()}
-    if isinstance(value, date):
-        return {"$date": value.isoformat()}
-    if isinstance(value, time):
-        return {"$time": value.isoformat()}
-    if isinstance(value, timedelta):
-        return {"$timedelta": [value.days, value.seconds, value.microseconds]}
-    if isinstance(value, Decimal):
-        return {"$decimal": str(value.normalize()) if value.is_finite() else str(value)}
-    if isinstance(value, (bytes, bytearray)):
-        return {"$bytes": bytes(value).hex()}
-    raise _Uncanonical(path, value)
-
-
-def _dumps(data: object) -> str:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def canonical_json(arguments: Mapping[str, object]) -> str:
-    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types.
-
-    ``UUID``, ``datetime`` (aware ones in UTC), ``date``, ``time``, ``timedelta``, ``Decimal``
-    (normalised: ``Decimal("1.50")`` and ``Decimal("1.5")`` agree), ``bytes``, sets, enums and
-    mappings with non-string keys get a stable tagged form; tuples are lists.
-
-    Raises:
-        LeaseConfigError: naming the argument whose value has no canonical form.
-    """
-    try:
-        data = {name: _normalise(value, name) for name, value in arguments.items()}
-    except _Uncanonical as exc:
-        raise LeaseConfigError(
-            f"cannot build a lock key from argument {exc.path!r}: a value of type"
-            f" {type(exc.value).__name__} has no canonical JSON form; pass `key` (a template"
-            f' such as "name:{{{exc.path.split("[", 1)[0].split(" ", 1)[0]}}}" or a callable'
-            " returning a str) to the task's lock options"
-        ) from None
-    return _dumps(data)
-
-
-def digest_key(task_name: str, arguments: Mapping[str, object]) -> str:
-    """``"<task name>:<32 hex digits>"``: BLAKE2b of :func:`canonical_json` of ``arguments``."""
-    digest = hashlib.blake2b(
-        canonical_json(arguments).encode("utf-8"), digest_size=DIGEST_BYTES
-    ).hexdigest()
-    return f"{task_name}:{digest}"
+        if is_attribute or isinstance(name, str):
+            return value[name]
+        found = [value[k] for k in (name, str(name)) if k in value]
+        if not found:
+            raise KeyError(name)
+        if len(found) == 2 and _canon(found[0], path, set()) != _canon(found[1], path, set()):
+            raise KeyError(f"both {name!r} and {str(name)!r}")
+        return found[0]
+    if is_attribute:
+        assert isinstance(name, str)
+        return getattr(value, name)
+    return value[name]  # type: ignore[index]
 
 
 def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     bound = signature.bind(*args, **kwargs)
     bound.apply_defaults()
     return bound
+
+
+def _template_function(
+    template: str, parts: list[str | _Field], signature: inspect.Signature, task: str
+) -> KeyFunction:
+    var_keyword = next(
+        (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
+    )
+
+    def field_value(part: _Field, values: Mapping[str, Any]) -> str:
+        try:
+            value = values[part.name]
+        except KeyError:
+            raise LeaseConfigError(
+                f"key={template!r} of task {task!r} refers to {{{part.name}}}, which this"
+                f" call does not pass; arguments given: {', '.join(values) or 'none'}"
+            ) from None
+        path = part.name
+        try:
+            for is_attribute, name in part.lookups:
+                path += f".{name}" if is_attribute else f"[{name!r}]"
+                value = _look_up(value, is_attribute, name, path)
+        except _Uncanonical as exc:
+            raise _config_error(exc, task) from None
+        except (LookupError, AttributeError, TypeError) as exc:
+            raise LeaseConfigError(
+                f"key={template!r} of task {task!r}: cannot read {{{part.text}}} from argument"
+                f" {part.name!r} ({type(values[part.name]).__qualname__}): {exc!r}"
+            ) from None
+        return _render(_canonical_argument(value, path, task))
+
+    def by_template(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        values = dict(_bind(signature, args, kwargs).arguments)
+        if var_keyword is not None:
+            values.update(values.pop(var_keyword, {}))
+        return "".join(
+            part if isinstance(part, str) else field_value(part, values) for part in parts
+        )
+
+    return by_template
 
 
 def make_key_function(
@@ -200,17 +646,18 @@ def make_key_function(
 
     Templates are validated against ``signature`` here, at definition time. The returned
     function raises ``TypeError`` when the arguments do not fit the signature (as the call
-    itself would) and :class:`LeaseConfigError` for an argument the default key cannot
-    canonicalise or a callable that does not return a non-empty str.
+    itself would) and :class:`LeaseConfigError` for an argument that cannot be keyed
+    canonically (naming it and its type), a template lookup that fails, or a callable that
+    does not return a non-empty str.
 
     Raises:
-        LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template
-            refers to an unknown parameter.
+        LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template is
+            malformed or refers to an unknown parameter.
     """
     if key is None:
 
         def by_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            return digest_key(task, _bind(signature, args, kwargs).arguments)
+            return _digest(task, _bind(signature, args, kwargs).arguments, task)
 
         return by_digest
 
@@ -218,30 +665,15 @@ def make_key_function(
         if not key:
             raise LeaseConfigError(f"key={key!r} of task {task!r} must be a non-empty string")
         validate_template(key, signature, task=task)
-        if not template_fields(key):
-            constant = key
+        parts = _parse(key, task)
+        if not any(isinstance(part, _Field) for part in parts):
+            constant = "".join(part for part in parts if isinstance(part, str))
 
             def fixed(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
                 return constant
 
             return fixed
-        var_keyword = next(
-            (p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None
-        )
-
-        def by_template(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            values = dict(_bind(signature, args, kwargs).arguments)
-            if var_keyword is not None:
-                values.update(values.pop(var_keyword, {}))
-            try:
-                return _FORMATTER.vformat(key, (), values)
-            except KeyError as exc:
-                raise LeaseConfigError(
-                    f"key={key!r} of task {task!r} refers to {{{exc.args[0]}}}, which this"
-                    f" call does not pass; arguments given: {', '.join(values) or 'none'}"
-                ) from None
-
-        return by_template
+        return _template_function(key, parts, signature, task)
 
     if callable(key):
         func = key

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import inspect
 import subprocess
 import sys
 import uuid
-from datetime import date, datetime, timedelta, timezone
+from datetime import date, datetime, time, timedelta, timezone
 from decimal import Decimal
 
+import pydantic
 import pytest
 
 from celery_lease.errors import LeaseConfigError
@@ -128,3 +131,235 @@ class TestDigest:
             key((1, object()), {})
         with pytest.raises(LeaseConfigError, match=r"argument 'account_id\[0\]'"):
             key(([object()],), {})
+
+
+# Issue 8, item 9: keys must neither collide nor split ---------------------------------------
+
+
+def template_key(template: str, **values: object) -> str:
+    """The key ``template`` gives for a task taking exactly the fields in ``values``."""
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in values]
+    return make_key_function(template, inspect.Signature(params), task="t")((), values)
+
+
+def digest(**values: object) -> str:
+    """The default key of a task taking exactly the parameters in ``values``."""
+    params = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in values]
+    return make_key_function(None, inspect.Signature(params), task="t")((), values)
+
+
+class Color(enum.IntEnum):
+    RED = 1
+
+
+class Mode(enum.Enum):
+    FAST = "fast"
+
+
+class Opaque:
+    """An object whose ``str()`` is its address: a new key on every call before the fix."""
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: int
+
+
+@dataclasses.dataclass
+class Size:
+    x: int
+    y: int
+
+
+class TestTemplateEncoding:
+    def test_readable_common_case(self) -> None:
+        """An int and a plain identifier string render as themselves."""
+        assert template_key("account:{a}", a=42) == "account:42"
+        assert template_key("account:{a}", a="eu-west_1.b") == "account:eu-west_1.b"
+
+    def test_separator_inside_a_value_cannot_imitate_the_template(self) -> None:
+        """``("x:y", "z")`` and ``("x", "y:z")`` get two keys."""
+        assert template_key("acct:{a}:{b}", a="x:y", b="z") != template_key(
+            "acct:{a}:{b}", a="x", b="y:z"
+        )
+        assert template_key("acct:{a}", a="x:y") == "acct:x%3Ay"
+
+    def test_str_and_int_do_not_collide(self) -> None:
+        """The str ``"42"`` is tagged so it differs from the int 42; ``"-7"`` and ``""`` too."""
+        assert template_key("k:{a}", a="42") == "k:~str.42"
+        assert template_key("k:{a}", a="-7") != template_key("k:{a}", a=-7)
+        assert template_key("k:{a}", a="") == "k:~str."
+
+    def test_tag_character_in_a_str_is_escaped(self) -> None:
+        """A str cannot spell another type's tagged form."""
+        assert template_key("k:{a}", a="~none") != template_key("k:{a}", a=None)
+        assert template_key("k:{a}", a="~none") == "k:%7Enone"
+
+    def test_equal_dicts_in_another_order_share_a_key(self) -> None:
+        """Key order of a mapping does not matter."""
+        assert template_key("k:{a}", a={"x": 1, "y": 2}) == template_key(
+            "k:{a}", a={"y": 2, "x": 1}
+        )
+
+    def test_tuple_and_list_share_a_key(self) -> None:
+        """A tuple from a direct call and the list json delivers give one key."""
+        assert template_key("k:{a}", a=(1, "x")) == template_key("k:{a}", a=[1, "x"])
+
+    def test_object_without_canonical_form_is_an_error_naming_it(self) -> None:
+        """An object with no canonical form fails at call time, naming argument and type."""
+        with pytest.raises(LeaseConfigError, match=r"argument 'a'.*Opaque.*`key`"):
+            template_key("k:{a}", a=Opaque())
+
+    def test_types_are_tagged(self) -> None:
+        """None, bools, floats, UUIDs, datetimes, Decimals and bytes each get a tag."""
+        u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+        assert template_key("k:{a}", a=None) == "k:~none"
+        assert template_key("k:{a}", a=True) == "k:~true"
+        assert template_key("k:{a}", a=1.5) == "k:~float.1.5"
+        assert template_key("k:{a}", a=u) == "k:~uuid.12345678-1234-5678-1234-567812345678"
+        aware = datetime(2024, 1, 2, 13, 4, 5, tzinfo=timezone(timedelta(hours=1)))
+        assert template_key("k:{a}", a=aware) == "k:~dt.20240102T120405Z"
+        assert template_key("k:{a}", a=datetime(2024, 1, 2, 3, 4, 5)) == "k:~dt.20240102T030405"
+        assert template_key("k:{a}", a=date(2024, 1, 2)) == "k:~date.20240102"
+        assert template_key("k:{a}", a=Decimal("1.50")) == "k:~dec.1.5"
+        assert template_key("k:{a}", a=b"ab") == "k:~bytes.ab"
+        assert template_key("k:{a}", a=[1, "x"]) == "k:~list.1.x"
+
+    def test_adjacent_fields_need_a_separator_values_cannot_produce(self) -> None:
+        """``{a}{b}`` and ``{a}-{b}`` are refused at definition time, naming the template."""
+        for template in ("{a}{b}", "{a}-{b}", "x{a}._{b}y"):
+            with pytest.raises(LeaseConfigError, match=r"key='.*' .*\{a\} and \{b\}"):
+                make_key_function(template, inspect.signature(lambda a, b: None), task="t")
+        make_key_function("{a}:-{b}", inspect.signature(lambda a, b: None), task="t")
+
+    def test_conversions_and_format_specs_are_refused(self) -> None:
+        """``{a!r}`` and ``{a:>5}`` have no canonical meaning and fail at definition time."""
+        for template in ("k:{a!r}", "k:{a:>5}", "k:{a!s:x}"):
+            with pytest.raises(LeaseConfigError, match="conversion or format spec"):
+                make_key_function(template, inspect.signature(lambda a: None), task="t")
+
+    def test_lookups_resolve_then_encode(self) -> None:
+        """``{a[0]}`` and ``{a.b}`` read the value, then encode it; ``.name`` reads a mapping."""
+        assert template_key("k:{a[0]}", a=["x:y"]) == "k:x%3Ay"
+        assert template_key("k:{a.id}", a={"id": 7}) == "k:7"
+        assert template_key("k:{a[1]}", a={"1": "json"}) == template_key("k:{a[1]}", a={1: "json"})
+        with pytest.raises(LeaseConfigError, match=r"\{a.nope\}.*task 't'"):
+            template_key("k:{a.nope}", a={"id": 7})
+
+
+class TestCanonicalEquivalence:
+    """What counts as one value (one key) and what as two, in both key forms."""
+
+    @pytest.mark.parametrize("form", ["template", "digest"])
+    def test_decisions(self, form: str) -> None:
+        """The documented decisions: which values are one key and which are two."""
+
+        def key(value: object) -> str:
+            return template_key("k:{a}", a=value) if form == "template" else digest(a=value)
+
+        assert key(-0.0) == key(0.0)
+        assert key(float("nan")) == key(float("nan"))
+        assert key(Decimal("-0")) == key(Decimal("0.00"))
+        assert key({3, 1, 2}) == key(frozenset({2, 3, 1}))
+        assert key(1) != key(1.0)
+        assert key(True) != key(1)
+        assert key(b"a") != key("a")
+        assert key([1]) != key({1})
+        assert key(Color.RED) == key(1)  # json delivers an IntEnum as its int
+        assert key(Mode.FAST) != key("fast")
+        a = Decimal("1.00000000000000000000000000001")
+        b = Decimal("1.000000000000000000000000000012")
+        assert key(a) != key(b)  # beyond the default context's 28 digits
+        assert key(Point(1, 2)) == key(Point(1, 2))
+        assert key(Point(1, 2)) != key(Size(1, 2))
+        assert key({1: "a"}) == key({"1": "a"})  # json turns int keys into str keys
+        assert key("\ud83d\ude00") == key("\U0001f600")  # json's decoder joins the pair
+
+    @pytest.mark.parametrize("form", ["template", "digest"])
+    def test_uncanonical_values_are_errors(self, form: str) -> None:
+        """Cycles, keys json cannot carry, clashing keys and unrepresentable instants fail."""
+
+        def key(value: object) -> str:
+            return template_key("k:{a}", a=value) if form == "template" else digest(a=value)
+
+        cyclic: list[object] = []
+        cyclic.append(cyclic)
+        with pytest.raises(LeaseConfigError, match="contains itself"):
+            key(cyclic)
+        with pytest.raises(LeaseConfigError, match=r"argument 'a'.*key.*tuple"):
+            key({(1, 2): "x"})
+        with pytest.raises(LeaseConfigError, match="both"):
+            key({1: "x", "1": "y"})
+        with pytest.raises(LeaseConfigError, match="UTC"):
+            key(datetime(1, 1, 1, tzinfo=timezone(timedelta(hours=5))))
+        with pytest.raises(LeaseConfigError, match="offset with microseconds"):
+            key(time(0, tzinfo=timezone(timedelta(microseconds=1))))  # json would drop it
+
+    @pytest.mark.parametrize("form", ["template", "digest"])
+    def test_awkward_values_that_key(self, form: str) -> None:
+        """Lone surrogates and ints too long for str() are keyed, not crashed on."""
+
+        def key(value: object) -> str:
+            return template_key("k:{a}", a=value) if form == "template" else digest(a=value)
+
+        assert key("\ud800") != key("\ud801")
+        assert key(10**5000) != key(10**5000 + 1)
+
+
+class TestDigestEscaping:
+    def test_user_dict_cannot_forge_a_type_tag(self) -> None:
+        """A UUID and a dict ``{"$uuid": "..."}`` hash differently."""
+        u = uuid.UUID("12345678-1234-5678-1234-567812345678")
+        assert digest(a=u) != digest(a={"$uuid": str(u)})
+        assert canonical_json({"a": {"$uuid": "x", "$$": 1}}) == '{"a":{"$$$":1,"$$uuid":"x"}}'
+
+    def test_plain_arguments_keep_their_previous_digest(self) -> None:
+        """Arguments without tags or ``$`` keys hash as in the previous version."""
+        assert make_key_function(None, SIG, task="app.t")((1,), {}) == (
+            "app.t:6cc62b368cd6e2b51d86d6e0269a584d"
+        )
+        assert canonical_json(
+            {"a": 1, "b": "x", "c": [1.5, None, True, {"k": "v"}], "d": "café"}
+        ) == ('{"a":1,"b":"x","c":[1.5,null,true,{"k":"v"}],"d":"café"}')
+
+
+# Issue 8, item 16: pydantic models ---------------------------------------------------------
+
+
+class Order(pydantic.BaseModel):
+    id: int
+    placed: datetime = datetime(2024, 1, 1, tzinfo=timezone.utc)
+
+
+class TestPydanticModels:
+    def test_model_keys_as_its_json_dump(self) -> None:
+        """A model is keyed as ``model_dump(mode="json")``: the form Celery's json delivers."""
+        model = Order(id=1)
+        dumped = model.model_dump(mode="json")
+        assert digest(a=model) == digest(a=dumped)
+        assert template_key("k:{a}", a=model) == template_key("k:{a}", a=dumped)
+        assert template_key("k:{a.placed}", a=model) == template_key("k:{a.placed}", a=dumped)
+        assert digest(a=Order(id=1)) != digest(a=Order(id=2))
+
+    def test_model_default_of_a_pydantic_task_keys(self) -> None:
+        """``pydantic=True`` with a model default: the default and the equal dict share a key."""
+        from celery import Celery
+
+        from celery_lease import LockedTask, MemoryLockStore
+
+        app = Celery("t", broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.lease_store = MemoryLockStore()
+        app.conf.task_eager_propagates = True
+
+        @app.task(base=LockedTask, pydantic=True, shared=False)
+        def ship(order: Order = Order(id=1)) -> str:  # noqa: B008 - the case under test
+            return str(ship.request.lock_key)
+
+        try:
+            by_default = ship.apply().get()
+            explicit = ship.apply(kwargs={"order": Order(id=1).model_dump(mode="json")}).get()
+            assert by_default == explicit
+            assert ship.apply(kwargs={"order": {"id": 2}}).get() != by_default
+        finally:
+            app.close()
