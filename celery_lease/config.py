@@ -9,9 +9,14 @@ setting (``app.conf``)        meaning                                built-in de
 ``lease_key_prefix``          prepended to every task's key (str)    ``""``
 ============================  =====================================  ========================
 
-Settings are read and validated the first time a locked task of the app needs them, so a typo
-fails loudly at the first execution (and at worker start-up, where :mod:`celery_lease.worker`
-reads them). Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
+:data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
+a locked task of the app needs them, and at worker start-up (:mod:`celery_lease.worker` refuses
+to start the worker), so a bad value *or a misspelled name* fails loudly instead of quietly
+selecting another store. Celery keeps any key it does not know and never complains, so
+:func:`misspelled_settings` looks at every configured key: a key that looks like one of ours
+(``lease_stor``, ``CELERY_LEASE_STOR``) or a known name in a spelling Celery never reads
+(``LEASE_STORE`` without a namespace) is an error naming the key, the setting meant and the
+settings. Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
 
 The store is resolved once per app in each process and rebuilt after ``fork``.
@@ -20,13 +25,14 @@ The store is resolved once per app in each process and rebuilt after ``fork``.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 import stat
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -39,13 +45,17 @@ __all__ = [
     "BUILTIN_KEY_PREFIX",
     "BUILTIN_TTL",
     "BUILTIN_WAIT",
+    "SETTINGS",
     "LeaseSettings",
     "broker_store_url",
     "cached",
     "default_sqlite_path",
     "get_settings",
     "get_store",
+    "is_process_local",
+    "misspelled_settings",
     "pick",
+    "refuse",
     "reset",
 ]
 
@@ -59,6 +69,18 @@ BUILTIN_WAIT = 0.0
 
 BUILTIN_KEY_PREFIX = ""
 """Prepended to task keys when ``lease_key_prefix`` is unset."""
+
+SETTINGS: tuple[str, ...] = (
+    "lease_store",
+    "lease_default_ttl",
+    "lease_default_wait",
+    "lease_key_prefix",
+)
+"""Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
+
+A new setting is one line here, plus its :class:`LeaseSettings` field (named without the
+``lease_`` prefix) and its parsing in ``_read``; the typo check and its messages follow this list.
+"""
 
 SQLITE_FILE = "leases.sqlite3"
 """File name of the host-local fallback store inside :func:`default_sqlite_dir`."""
@@ -97,11 +119,119 @@ class LeaseSettings:
 _lock = threading.RLock()
 _settings: weakref.WeakKeyDictionary[Any, LeaseSettings] = weakref.WeakKeyDictionary()
 _stores: weakref.WeakKeyDictionary[Any, LockStore] = weakref.WeakKeyDictionary()
+_refusals: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _warned_local = False
+
+_HINT_CUTOFF = 0.6
+"""difflib ratio from which a known setting is offered as "did you mean"."""
+
+_LOOKALIKE_CUTOFF = 0.8
+"""difflib ratio from which a key Celery would not read as ours still counts as a typo of ours."""
+
+
+def _cased(name: str, prefix: str) -> str:
+    """``prefix + name`` in the case of the prefix, as Celery's ``Settings`` looks it up."""
+    spelled = prefix + name
+    return spelled.upper() if prefix.isupper() else spelled.lower()
+
+
+def _spellings(name: str, prefix: str) -> tuple[str, ...]:
+    """The keys under which ``app.conf`` finds setting ``name`` (a name Celery does not know).
+
+    Without a namespace only ``name`` itself; under a namespace (``prefix`` ``"CELERY_"``) also
+    the prefixed name in the prefix's case (``CELERY_LEASE_STORE``). This mirrors
+    ``celery.utils.collections.ConfigurationView._to_keys``.
+    """
+    return (_cased(name, prefix), name) if prefix else (name,)
+
+
+def _closest(name: str) -> str | None:
+    """The setting ``name`` most likely abbreviates or misspells, if any is close."""
+    tail = name.removeprefix("lease_")
+    for setting in SETTINGS:
+        if tail and tail != name and setting.endswith("_" + tail):
+            return setting  # lease_ttl -> lease_default_ttl, lease_prefix -> lease_key_prefix
+    matches = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=_HINT_CUTOFF)
+    return matches[0] if matches else None
+
+
+def _configured_keys(conf: Any) -> Iterable[Any]:
+    """Every key the user configured: ``app.conf`` without Celery's defaults, or a mapping."""
+    without_defaults = getattr(conf, "without_defaults", None)
+    view = without_defaults() if callable(without_defaults) else conf
+    return list(view.keys())
+
+
+def misspelled_settings(conf: Any) -> list[str]:
+    """One message per configured key that was meant as a lease setting but is never read.
+
+    ``conf`` is an ``app.conf`` (Celery ``Settings``: its namespace prefix is honoured and
+    Celery's built-in defaults are skipped) or any mapping of setting names. A key is reported
+    when Celery would not return it for any name in :data:`SETTINGS` and either
+
+    - its name, without the namespace prefix (or an old-style ``CELERY_`` prefix), is a known
+      setting (``LEASE_STORE`` without a namespace, ``LEASE_STORE`` under ``"CELERY"``);
+    - or it is spelled as Celery reads settings (lower case, or inside the namespace) and starts
+      with ``lease`` or is close to a known name (``lease_stor``, ``CELERY_LEASE_STOR``);
+    - or, spelled otherwise (another library's or Django's own upper-case settings), it is very
+      close to a known name (``CELERY_LEASE_STOR`` without a namespace).
+    """
+    finalize = getattr(conf, "finalize", None)
+    if callable(finalize):
+        finalize()  # a pending app.conf: load config_from_object (and its namespace) first
+    prefix = getattr(conf, "prefix", None) or ""
+    readable = {key for name in SETTINGS for key in _spellings(name, prefix)}
+    problems: list[str] = []
+    for key in _configured_keys(conf):
+        if not isinstance(key, str) or key in readable:
+            continue
+        name = key.lower()
+        for strip in (prefix.lower(), "celery_"):
+            if strip and name.startswith(strip):
+                name = name[len(strip) :]
+                break
+        in_namespace = bool(prefix) and key.startswith(_cased("", prefix))
+        spelled_for_celery = key.islower() or in_namespace
+        prefixed = bool(prefix) and not key.islower()
+        if name in SETTINGS:
+            reads = " or ".join(repr(s) for s in _spellings(name, prefix))
+            note = ""
+            if not prefix and not key.islower():
+                note = (
+                    " (names are case-sensitive; upper-case CELERY_LEASE_* names need"
+                    " config_from_object(..., namespace='CELERY'))"
+                )
+            problems.append(f"{key!r} is never read by Celery: this app reads {reads}{note}")
+            continue
+        lookalike = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=_LOOKALIKE_CUTOFF)
+        if not (lookalike or (spelled_for_celery and name.startswith("lease"))):
+            continue
+        meant = _closest(name)
+        hint = ""
+        if meant is not None:
+            spelled = _cased(meant, prefix) if prefixed else meant
+            hint = f" (did you mean {spelled!r}?)"
+        problems.append(f"{key!r} is not a celery-lease setting{hint}")
+    return problems
+
+
+def _check_names(conf: Any) -> None:
+    problems = misspelled_settings(conf)
+    if problems:
+        prefix = getattr(conf, "prefix", None) or ""
+        known = ", ".join(_cased(s, prefix) if prefix else s for s in SETTINGS)
+        where = f" (namespace {prefix.rstrip('_')!r})" if prefix else ""
+        raise LeaseConfigError(
+            f"celery-lease: {'; '.join(problems)}. Celery ignores keys it does not know, so"
+            " each would be ignored silently (a misspelled lease_store makes tasks use another"
+            " lock store, the broker's Redis or a host-local SQLite file, that does not exclude"
+            f" what the intended one would). The settings{where} are: {known}"
+        )
 
 
 def _read(app: Any) -> LeaseSettings:
     conf = app.conf
+    _check_names(conf)
     store = conf.get("lease_store")
     if store is not None and not isinstance(store, (str, LockStore)):
         raise LeaseConfigError(
@@ -156,9 +286,45 @@ def get_settings(app: Any) -> LeaseSettings:
     """The validated lease settings of ``app``, read once (cached per app).
 
     Raises:
-        LeaseConfigError: a setting has a bad value; the message names it.
+        LeaseConfigError: a setting has a bad value or a misspelled name (the message names the
+            key, the setting meant and the settings), or the worker refused this app's
+            configuration at start-up (:func:`refuse`).
     """
+    if _refusals:
+        _raise_refusal(app)
     return cached(_settings, app, lambda: _read(app))
+
+
+def refuse(app: Any, message: str) -> None:
+    """Make every later :func:`get_settings` / :func:`get_store` of ``app`` raise.
+
+    Called by the worker when it refuses a configuration at start-up, so that even if the worker
+    went on, every locked execution of ``app`` in this process, and in the pool processes forked
+    from it, fails with ``LeaseConfigError(message)`` instead of running unexcluded. Undone by
+    :func:`reset` (not by the per-process reset of a new pool process).
+    """
+    with _lock:
+        _refusals[app] = message
+
+
+def _raise_refusal(app: Any) -> None:
+    message = _refusals.get(app)
+    if message is not None:
+        raise LeaseConfigError(message)
+
+
+def is_process_local(store: str | LockStore | None) -> bool:
+    """Whether ``store`` keeps leases in one process's memory (excludes nothing across processes).
+
+    True for a :class:`~celery_lease.MemoryLockStore` (or subclass) and for a ``memory://`` URL,
+    which builds a new one in every process. ``None`` (the app's store) is not process-local: it
+    resolves to a shared or host-local store unless ``lease_store`` itself is process-local.
+    """
+    if isinstance(store, str):
+        return urlsplit(store.strip()).scheme.lower() == "memory"
+    from celery_lease.stores.memory import MemoryLockStore
+
+    return isinstance(store, MemoryLockStore)
 
 
 def broker_store_url(app: Any) -> str | None:
@@ -270,19 +436,34 @@ def get_store(app: Any) -> LockStore:
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
     this user on this host (logged once as host-local only). Rebuilt after ``fork``.
+
+    Raises:
+        LeaseConfigError: as :func:`get_settings`.
     """
+    if _refusals:
+        _raise_refusal(app)
     return cached(_stores, app, lambda: _build_store(app))
 
 
-def reset(app: Any | None = None) -> None:
-    """Forget cached settings and stores (of ``app``, or all): the next use reads them again."""
+def reset(app: Any | None = None, *, refusals: bool = True) -> None:
+    """Forget cached settings and stores (of ``app``, or all): the next use reads them again.
+
+    Args:
+        app: the app to forget, or ``None`` for every app.
+        refusals: also forget refusals recorded by :func:`refuse` (default); a new pool
+            process passes ``False`` so that it keeps its parent's refusal.
+    """
     with _lock:
         if app is None:
             _settings.clear()
             _stores.clear()
+            if refusals:
+                _refusals.clear()
         else:
             _settings.pop(app, None)
             _stores.pop(app, None)
+            if refusals:
+                _refusals.pop(app, None)
 
 
 def _after_fork_in_child() -> None:

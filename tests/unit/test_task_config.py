@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseConfigError, MemoryLockStore, config
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, config, locked, worker
 
 
 @pytest.fixture
@@ -122,4 +122,147 @@ class TestStoreResolution:
         os.close(write)
         os.waitpid(pid, 0)
         assert os.read(read, 10) == b"new"
+        os.close(read)
+
+
+class _GeventLikePool:
+    """Stands in for celery.concurrency.gevent.TaskPool without importing gevent."""
+
+
+_GeventLikePool.__module__ = "celery.concurrency.gevent"
+
+
+def _pool(name: str) -> type:
+    from celery.concurrency import get_implementation
+
+    return get_implementation(name)  # type: ignore[no-any-return]
+
+
+class TestWorkerCheck:
+    """What a worker refuses at start-up (celery_lease.worker.check_worker and its bootstep)."""
+
+    @pytest.mark.parametrize("store", [MemoryLockStore(), "memory://"])
+    def test_process_local_store_under_prefork_refused(self, app: Celery, store: object) -> None:
+        """lease_store in memory on prefork -c 2: the two processes would not exclude."""
+        app.conf.lease_store = store
+        error = worker.check_worker(app, _pool("prefork"), 2)
+        assert isinstance(error, LeaseConfigError)
+        message = str(error)
+        assert "lease_store" in message and "2 processes" in message and "prefork" in message
+
+    def test_task_lock_store_in_memory_refused(self, app: Celery, tmp_path: Path) -> None:
+        """A task's own lock_store="memory://" is refused too, naming the task."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+
+        @app.task(
+            name="cfg.local", base=LockedTask, lock_key="k", lock_store="memory://", shared=False
+        )
+        def local() -> None: ...
+
+        error = worker.check_worker(app, _pool("prefork"), 2)
+        assert error is not None and "'cfg.local'" in str(error) and "lock_store" in str(error)
+
+    def test_locked_decorator_store_in_memory_refused(self, app: Celery, tmp_path: Path) -> None:
+        """@locked(store="memory://") under @app.task is refused like LockedTask's lock_store."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+
+        @app.task(name="cfg.decorated", shared=False)
+        @locked(key="k", store="memory://")
+        def decorated() -> None: ...
+
+        error = worker.check_worker(app, _pool("prefork"), 2)
+        assert error is not None and "'cfg.decorated'" in str(error)
+
+    def test_autoscale_counts_the_most_processes(self, app: Celery) -> None:
+        """--autoscale=4,1 on prefork can run 4 processes: refused even with -c 1."""
+        app.conf.lease_store = "memory://"
+        assert worker.check_worker(app, _pool("prefork"), 1, autoscale="4,1") is not None
+        assert worker.check_worker(app, _pool("prefork"), 1, autoscale=(4, 1)) is not None
+
+    @pytest.mark.parametrize(
+        ("pool", "concurrency"),
+        [("prefork", 1), ("solo", 1), ("threads", 8), ("gevent-like", 100)],
+    )
+    def test_one_process_accepts_memory(
+        self, app: Celery, caplog: pytest.LogCaptureFixture, pool: str, concurrency: int
+    ) -> None:
+        """One process running tasks (prefork -c 1, solo, threads, gevent) may use memory."""
+        app.conf.lease_store = MemoryLockStore()
+        pool_cls = _GeventLikePool if pool == "gevent-like" else _pool(pool)
+        with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
+            assert worker.check_worker(app, pool_cls, concurrency) is None
+        assert any("process-local" in r.getMessage() for r in caplog.records)
+
+    def test_unknown_pool_with_concurrency_is_taken_as_processes(self, app: Celery) -> None:
+        """A pool we cannot classify counts as one process per concurrency slot (safe side)."""
+        app.conf.lease_store = "memory://"
+        unknown = type("CustomPool", (), {"__module__": "myproject.pools"})
+        assert worker.check_worker(app, unknown, 2) is not None
+
+    def test_shared_store_accepted_under_prefork(self, app: Celery, tmp_path: Path) -> None:
+        """A store shared by processes (SQLite file here) is fine on prefork -c 2."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+        assert worker.check_worker(app, _pool("prefork"), 2) is None
+
+    def test_misspelled_setting_refused(self, app: Celery) -> None:
+        """A typo in a setting name is a refusal on any pool."""
+        app.conf.lease_stor = "redis://r/1"
+        error = worker.check_worker(app, _pool("solo"), 1)
+        assert error is not None and "did you mean 'lease_store'" in str(error)
+
+
+class TestWorkerBootstep:
+    """worker_init adds the check as a bootstep of Celery's own worker blueprint."""
+
+    @pytest.fixture
+    def main_pid(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        """Process globals that building a WorkController sets, restored afterwards."""
+        from celery import _state
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        blocks = _state.task_join_will_block()
+        yield
+        _state._set_task_join_will_block(blocks)  # the Pool step sets it for its pool
+
+    def test_refusal_raised_while_building_and_recorded(self, app: Celery, main_pid: None) -> None:
+        """Building a prefork -c 2 worker raises the refusal (nothing started) and records it."""
+        app.conf.lease_store = "memory://"
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            config.get_settings(app)  # every locked execution of the app fails from now on
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            config.get_store(app)
+        config.reset(app, refusals=False)  # what a new pool process does: still refused
+        with pytest.raises(LeaseConfigError):
+            config.get_settings(app)
+        config.reset(app)
+        assert config.get_settings(app).store == "memory://"
+
+    def test_threads_worker_not_refused(self, app: Celery, main_pid: None) -> None:
+        """A threads worker with a memory store builds and its step starts quietly."""
+        app.conf.lease_store = MemoryLockStore()
+        controller = app.WorkController(pool_cls="threads", concurrency=4, without_mingle=True)
+        (step,) = [s for s in controller.steps if isinstance(s, worker.LeaseCheck)]
+        step.start(controller)  # the check ran at build time; starting it does nothing more
+        assert isinstance(config.get_store(app), MemoryLockStore)
+
+    def test_refusal_survives_fork(self, app: Celery) -> None:
+        """A pool child forked after the refusal fails its locked executions too."""
+        config.refuse(app, "refused for the test")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: what a prefork pool process does first, then a locked execution
+            try:
+                worker.reset_process_state()
+                try:
+                    config.get_settings(app)
+                    os.write(write, b"ran")
+                except LeaseConfigError as exc:
+                    os.write(write, str(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        assert os.read(read, 100) == b"refused for the test"
         os.close(read)
