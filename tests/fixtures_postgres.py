@@ -4,6 +4,8 @@
   the shared server (``CELERY_LEASE_PG_DSN``, default ``postgresql://postgres@127.0.0.1:5432/
   postgres``) and dropped, with ``FORCE``, at the end of the session.
 - ``pg_table`` (function): a table name no other test uses, in that database.
+- ``pg_app_role`` (function): a LOGIN role with no privilege beyond PostgreSQL 15's defaults
+  (no ``CREATE`` on ``public``), and a DSN for it on the scratch database; dropped after the test.
 - ``pg_cluster`` (function): a running THROWAWAY cluster (``initdb`` + ``pg_ctl`` in a temporary
   directory, on a free port) for tests that stop or restart the server. It is created once per
   session and started again before each test that asks for it. ``initdb`` refuses to run as
@@ -25,6 +27,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -97,6 +100,54 @@ def pg_database_dsn() -> Iterator[str]:
 def pg_table() -> str:
     """A table name that no other test uses."""
     return f"lease_{secrets.token_hex(6)}"
+
+
+@dataclass(frozen=True)
+class PgRole:
+    """A least-privilege login role: ``name``, and ``dsn``, a URL for it on the scratch database."""
+
+    name: str
+    dsn: str
+
+
+def _as_user(dsn: str, user: str) -> str:
+    """``dsn`` (a URL) connecting as ``user`` with no password (the server trusts loopback)."""
+    parts = urlsplit(dsn)
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{user}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+@pytest.fixture
+def pg_app_role(pg_database_dsn: str) -> Iterator[PgRole]:
+    """A role that may connect and nothing more: no CREATE on ``public`` (PostgreSQL 15 default).
+
+    Tests grant it what they need (``GRANT ... TO`` ``name``). ``CREATE`` on ``public`` is also
+    revoked from ``PUBLIC`` in the scratch database, so the role lacks it on older servers too.
+    """
+    psycopg = _psycopg()
+    if "://" not in pg_database_dsn:
+        pytest.skip("pg_app_role needs CELERY_LEASE_PG_DSN as a URL")
+    name = f"lease_app_{secrets.token_hex(4)}"
+    ident = psycopg.sql.Identifier(name)
+    with psycopg.connect(pg_database_dsn, autocommit=True, connect_timeout=3) as admin:
+        admin.execute(psycopg.sql.SQL("CREATE ROLE {} LOGIN").format(ident))
+        admin.execute("REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+        (can_create,) = admin.execute(
+            "SELECT has_schema_privilege(%s, 'public', 'CREATE')", [name]
+        ).fetchone()
+        assert can_create is False
+    try:
+        yield PgRole(name, _as_user(pg_database_dsn, name))
+    finally:
+        with psycopg.connect(pg_database_dsn, autocommit=True, connect_timeout=3) as admin:
+            # End the role's sessions first (a pool may still be closing its connections).
+            admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = %s",
+                [name],
+            )
+            admin.execute(psycopg.sql.SQL("DROP OWNED BY {}").format(ident))
+            admin.execute(psycopg.sql.SQL("DROP ROLE {}").format(ident))
 
 
 # A throwaway cluster -----------------------------------------------------------------------------

@@ -35,8 +35,14 @@ class LockStore(Protocol):
         """Take ``key`` for ``owner`` for ``ttl_ms`` milliseconds if no live lease exists.
 
         Returns a fencing token greater than every token this store ever returned for ``key``
-        (also across expiry, release and reuse), or ``None`` when the key has a live lease (even
-        one held by ``owner`` itself). Raises ``StoreUnavailableError`` when the store fails.
+        (also across expiry, release and reuse), or ``None`` when another owner holds a live
+        lease on the key. A repeated acquire by ``owner`` while its own lease is live is
+        idempotent: it returns that lease's existing token (no new token, the counter is not
+        bumped) and sets its expiry to now + ``ttl_ms`` (set, never add, as ``renew`` does).
+        Owner ids are unique per acquisition attempt, so this makes a retry after a lost reply
+        safe: the retry gets its own lease back instead of leaving an orphan that blocks the key
+        for a ttl. Once the lease expired or was released, the same owner gets a new, larger
+        token. Raises ``StoreUnavailableError`` when the store fails.
         """
         ...
 

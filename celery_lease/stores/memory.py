@@ -22,7 +22,11 @@ class _Entry:
 class MemoryLockStore:
     """A :class:`~celery_lease.LockStore` in this process's memory.
 
-    Excludes across the threads of one process only. Tokens are floored by the clock in
+    Excludes across the threads of one process only. Expiry follows the clock's
+    ``monotonic()`` (for the system clock, ``time.monotonic``: it never steps, so a step of the
+    wall clock neither frees nor extends a lease); ``time()`` only floors tokens. A repeated
+    acquire by the holder of a live lease returns its token and sets its expiry to now + ttl.
+    Tokens are floored by the clock in
     microseconds and by the largest token of any entry it dropped, so entries of free keys are
     forgotten (memory does not grow with the number of keys ever locked) while tokens still only
     grow.
@@ -57,8 +61,12 @@ class MemoryLockStore:
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         with self._lock:
             now = self._now()
-            if self._live(key, now) is not None:
-                return None
+            live = self._live(key, now)
+            if live is not None:
+                if live.owner != owner:
+                    return None
+                live.expires = now + ttl_ms / 1000.0  # the holder again: same token, new expiry
+                return live.token
             previous = self._entries.get(key)
             last = previous.token if previous is not None else self._floor
             token = max(last + 1, int(self._clock.time() * 1_000_000))

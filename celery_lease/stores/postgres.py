@@ -10,9 +10,27 @@ lets ``expires`` pass) but keeps the row, so the fencing-token counter only grow
 token after the row is lost (a restored backup, a dropped table) as long as the server's clock
 does not go back.
 
-Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement; waiters in
-:meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store and
-process (see there). The schema, for teams that manage DDL themselves (default table name)::
+A repeated ``acquire`` by the owner of the live lease returns that lease's token and sets its
+expiry to now + ttl (the store contract): so an acquire whose reply was lost after the commit,
+retried by the same owner, gets its own lease back instead of leaving an orphan for a ttl.
+
+The clock: ``expires`` is an absolute ``timestamptz`` of the server's wall clock, compared with
+``clock_timestamp()`` at every statement. A step of that clock (NTP, a VM restore, a failover to a
+server whose clock differs) moves every lease by the step: forward by *d*, each live lease with
+less than *d* left expires at once, while its holder (which counts its validity on its own
+monotonic clock from when it sent the acquire or renew) still believes it holds it until its
+next renewal fails; another owner can acquire in between, and only fencing tokens (the new
+token is larger) protect writes then. Backward by *d*, leases last up to *d* longer (a crashed
+holder's key stays blocked up to ttl + *d*) and tokens of a key keep growing by the counter, but
+a key whose row was lost can be issued a token below one issued before the step. Time spent
+waiting on the network is on the holder's side (it counts from before sending).
+
+Schema: with ``create_table=True`` (the default) the table is created the first time a statement
+finds it missing (SQLSTATE 42P01), then the statement is run again; an existing table costs
+nothing (no DDL on the hot path). With ``create_table=False`` (or ``?create_table=false`` in the
+URL) the store never runs DDL, and a missing table is a ``StoreUnavailableError`` naming it and
+:meth:`PostgresLockStore.schema_sql`. The schema, for teams that manage DDL themselves (default
+table name)::
 
     CREATE TABLE IF NOT EXISTS "celery_lease" (
         key text COLLATE "C" PRIMARY KEY,  -- the lock key; "C": byte order, prefix scans
@@ -22,7 +40,15 @@ process (see there). The schema, for teams that manage DDL themselves (default t
     )
 
 ``PostgresLockStore.schema_sql(table)`` returns it for another table name; :data:`SCHEMA_SQL`
-holds it for the default one.
+holds it for the default one. The store's role then needs only ``USAGE`` on the schema and
+``SELECT, INSERT, UPDATE`` on the table (rows are never deleted)::
+
+    GRANT USAGE ON SCHEMA ops TO app;
+    GRANT SELECT, INSERT, UPDATE ON ops.celery_lease TO app;
+
+Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement; waiters in
+:meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store and
+process (see there).
 """
 
 from __future__ import annotations
@@ -32,6 +58,7 @@ import hashlib
 import logging
 import os
 import re
+import select
 import threading
 import time
 import uuid
@@ -39,10 +66,12 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
+from urllib.parse import unquote_plus
 
 import psycopg
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
@@ -71,15 +100,19 @@ CREATE TABLE IF NOT EXISTS {table} (
 # The server's clock in whole microseconds since the epoch: the floor of every new token.
 _NOW_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
 
-# Params: key, owner, ttl_ms. Returns one row (token) when taken, no row when the key is live.
+# Params: key, owner, ttl_ms. Returns one row (token) when taken, or already held by this owner
+# (then its token is kept and its expiry set to now + ttl); no row when another owner's lease is
+# live. (In SET, t.* are the old values.)
 _ACQUIRE = f"""\
 INSERT INTO {{table}} AS t (key, owner, expires, token)
 VALUES (%(key)s, %(owner)s, clock_timestamp() + %(ttl_ms)s * interval '1 millisecond', {_NOW_US})
 ON CONFLICT (key) DO UPDATE
     SET owner = EXCLUDED.owner,
         expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond',
-        token = GREATEST(t.token + 1, {_NOW_US})
-    WHERE t.owner IS NULL OR t.expires <= clock_timestamp()
+        token = CASE WHEN t.owner = EXCLUDED.owner AND t.expires > clock_timestamp()
+                     THEN t.token
+                     ELSE GREATEST(t.token + 1, {_NOW_US}) END
+    WHERE t.owner IS NULL OR t.owner = EXCLUDED.owner OR t.expires <= clock_timestamp()
 RETURNING t.token"""
 
 # Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
@@ -163,6 +196,151 @@ def _channel(table: str) -> str:
     if len(channel) > _MAX_CHANNEL:
         channel = "celery_lease:" + hashlib.sha256(table.encode()).hexdigest()[:32]
     return channel
+
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_URL_OPTION = "create_table"  # the one query parameter of a store URL that is ours, not libpq's
+
+
+def _take_url_option(dsn: str) -> tuple[str, bool | None]:
+    """``dsn`` without ``?create_table=...``, and its value (None when absent).
+
+    Only URLs carry it (``key=value`` DSNs go to libpq as they are). The other query parameters
+    are kept byte for byte.
+
+    Raises:
+        LeaseConfigError: for a value other than true/false, 1/0, yes/no, on/off, or a repeat.
+    """
+    if "://" not in dsn or "?" not in dsn:
+        return dsn, None
+    base, _, rest = dsn.partition("?")
+    query, hash_, fragment = rest.partition("#")
+    kept, values = [], []
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if unquote_plus(name) == _URL_OPTION:
+            values.append(unquote_plus(value))
+        else:
+            kept.append(part)
+    if not values:
+        return dsn, None
+    if len(values) > 1:
+        raise LeaseConfigError(
+            f"the store URL gives {_URL_OPTION}= {len(values)} times: give it once"
+        )
+    value = values[0].strip().lower()
+    if value not in _TRUE | _FALSE:
+        raise LeaseConfigError(
+            f"{_URL_OPTION}={values[0]!r} in the store URL must be true or false "
+            "(or 1/0, yes/no, on/off)"
+        )
+    query = "&".join(kept)
+    return base + ("?" + query if query else "") + hash_ + fragment, value in _TRUE
+
+
+def _describe(exc: BaseException) -> str:
+    """The server's (or libpq's) own message, on one line, with its SQLSTATE when it has one."""
+    text = ""
+    sqlstate = None
+    if isinstance(exc, psycopg.Error):
+        sqlstate = exc.sqlstate
+        if sqlstate:
+            text = exc.diag.message_primary or ""
+    text = " ".join((text or str(exc)).split()) or type(exc).__name__
+    return f"{text} (SQLSTATE {sqlstate})" if sqlstate else text
+
+
+class _ConnectFailures:
+    """The last failure of the store's own pool to connect (None after a success)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+
+def _recording_connection_class(failures: _ConnectFailures) -> type[psycopg.Connection[Any]]:
+    """A connection class for the store's own pool that records why connecting failed.
+
+    psycopg_pool connects in background threads and only logs their errors; a caller that
+    times out waiting would otherwise learn nothing about the cause.
+    """
+
+    class _StoreConnection(psycopg.Connection[Any]):
+        @classmethod
+        def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
+            try:
+                conn = super().connect(conninfo, **kwargs)
+            except psycopg.Error as exc:
+                failures.last = _describe(exc)
+                raise
+            failures.last = None
+            return conn
+
+    return _StoreConnection
+
+
+_SETTLE_TIMEOUT = 5.0  # seconds an interrupted statement gets to end after its cancellation
+
+
+def _settle_interrupted(conn: psycopg.Connection[Any]) -> None:
+    """After an exception raised asynchronously inside a statement: end it, then close ``conn``.
+
+    The exception (a signal handler's, ``PyThreadState_SetAsyncExc``'s) leaves the statement
+    running on the server, where it can still commit later (an acquire queued on a row lock
+    takes the key once the lock goes). psycopg cancels only for ``KeyboardInterrupt`` and
+    ``SystemExit``; here every interrupt is treated so: cancel the statement, read its end (so
+    it is over, committed or not, when this returns), and close the connection rather than
+    return it to the pool with unknown client state.
+    """
+    pgconn = conn.pgconn
+    try:
+        if pgconn.transaction_status == TransactionStatus.ACTIVE:
+            cancel_safe = getattr(conn, "cancel_safe", None)  # psycopg >= 3.2
+            if cancel_safe is not None:
+                cancel_safe(timeout=_SETTLE_TIMEOUT)
+            else:  # pragma: no cover - psycopg 3.1
+                conn.cancel()
+            deadline = time.monotonic() + _SETTLE_TIMEOUT
+            while True:
+                pgconn.consume_input()
+                while not pgconn.is_busy():
+                    if pgconn.get_result() is None:
+                        return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("celery-lease: an interrupted statement did not end in time")
+                    return
+                select.select([pgconn.socket], [], [], remaining)
+    except Exception as exc:
+        logger.warning("celery-lease: ending an interrupted statement failed (%s)", exc)
+    finally:
+        conn.close()
+
+
+def _target(params: dict[str, Any]) -> str:
+    """``host=..., port=..., dbname=...`` of libpq parameters (the password is never shown)."""
+    port = params.get("port")
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    return f"host={params.get('host')!r}, port={port!r}, dbname={params.get('dbname')!r}"
+
+
+def _pool_target(pool: ConnectionPool[Any]) -> str:
+    """Where a caller's pool connects (from its conninfo and kwargs), plus its name."""
+    name = f"pool={getattr(pool, 'name', None)!r}"
+    conninfo, kwargs = pool.conninfo, pool.kwargs
+    if callable(conninfo) or callable(kwargs):
+        return name  # resolved per connection: do not call user code from repr()
+    try:
+        params = conninfo_to_dict(conninfo or "")
+    except psycopg.Error:
+        return name
+    for option in ("host", "port", "dbname"):
+        if isinstance(kwargs, dict) and kwargs.get(option) is not None:
+            params[option] = kwargs[option]
+    return f"{_target(params)}, {name}"
 
 
 SCHEMA_SQL: str = sql.SQL(_SCHEMA_TEMPLATE).format(table=sql.Identifier(DEFAULT_TABLE)).as_string()
@@ -335,13 +513,28 @@ class PostgresLockStore:
     of the released key. Any number of threads can wait at the cost of one connection (a
     connection per waiting thread would make the server fork a backend per waiter).
 
-    Errors: a ``psycopg.OperationalError`` while running a statement (typically a connection
-    dropped by a server restart) is retried once on another connection; a second failure, a
-    timeout getting a connection, or any other driver error raises ``StoreUnavailableError``
-    with the driver's error chained.
+    Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
+    server restart, or cut after the server committed but before its reply arrived) is retried
+    once on another connection when the operation is safe to redo: acquire (the retry by the
+    same owner returns the lease the first attempt took), renew, renew_many and release (owner
+    checked: a redo never frees someone else's lease), and the reads. ``force_release`` is not
+    redone (the key may have been taken since): its error says the outcome is unknown. A second
+    failure, a timeout getting a connection, or any other driver error raises
+    ``StoreUnavailableError`` naming the store (host, port, database, table; never the
+    password), the operation and the server's own message with its SQLSTATE (for a connection
+    that could not be made: libpq's reason, e.g. ``database "x" does not exist``), with the
+    driver's error chained.
 
-    The table is created on first use with ``CREATE TABLE IF NOT EXISTS`` (see the module
-    docstring or :meth:`schema_sql` to create it yourself; the statement is then a no-op).
+    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``'s
+    signal handler or ``PyThreadState_SetAsyncExc``, ``KeyboardInterrupt``) cancels that
+    statement on the server, waits (up to 5 s) for it to end and closes the connection; an
+    interrupted acquire then releases whatever it may have taken (owner checked), so no lease is
+    left that its caller never learned of. The exception then propagates.
+
+    Schema: with ``create_table=True`` the table is created (``CREATE TABLE IF NOT EXISTS``)
+    the first time a statement finds it missing, and that statement is run again; an existing
+    table costs no DDL at all, so a role without ``CREATE`` works on a table made by a DBA (see
+    the module docstring for the grants). With ``create_table=False`` the store never runs DDL.
 
     Args:
         dsn_or_pool: a libpq connection string or URL (``postgresql://`` or ``postgres://``), or
@@ -351,10 +544,15 @@ class PostgresLockStore:
         connect_timeout: seconds to wait for a connection (new or from the pool) before raising
             ``StoreUnavailableError`` (default 5.0).
         max_connections: the size limit of the internal pool (default 8); ignored with a pool.
+        create_table: whether the store may create a missing table (default: the URL's
+            ``?create_table=true|false`` when given, else True). When False, or when the role
+            may not create it, a missing table raises ``StoreUnavailableError`` naming the table
+            and :meth:`schema_sql`.
 
     Raises:
-        LeaseConfigError: for a bad ``table``, ``dsn_or_pool``, ``connect_timeout`` or
-            ``max_connections``.
+        LeaseConfigError: for a bad ``table``, ``dsn_or_pool``, ``connect_timeout``,
+            ``max_connections`` or ``create_table`` (also a URL value that is not a boolean, or
+            one that contradicts the keyword).
     """
 
     def __init__(
@@ -364,8 +562,14 @@ class PostgresLockStore:
         table: str = DEFAULT_TABLE,
         connect_timeout: float = 5.0,
         max_connections: int = 8,
+        create_table: bool | None = None,
     ) -> None:
         self._table = _validate_table(table)
+        if create_table is not None and not isinstance(create_table, bool):
+            raise LeaseConfigError(
+                f"create_table={create_table!r} must be True or False (or None: the URL's "
+                "?create_table=, else True)"
+            )
         if (
             isinstance(connect_timeout, bool)
             or not isinstance(connect_timeout, (int, float))
@@ -382,27 +586,41 @@ class PostgresLockStore:
             raise LeaseConfigError(f"max_connections={max_connections!r} must be an int >= 1")
         self._connect_timeout = float(connect_timeout)
         self._max_connections = max_connections
+        self._where = ""
         if isinstance(dsn_or_pool, ConnectionPool):
             self._dsn: str | None = None
             self._given_pool: ConnectionPool[Any] | None = dsn_or_pool
             self._application_name = False
         elif isinstance(dsn_or_pool, str):
-            try:
-                params = conninfo_to_dict(dsn_or_pool)
-            except psycopg.ProgrammingError as exc:
+            dsn, from_url = _take_url_option(dsn_or_pool)
+            if from_url is not None and create_table is not None and from_url != create_table:
                 raise LeaseConfigError(
-                    f"dsn_or_pool is not a valid PostgreSQL DSN or URL: {exc}"
+                    f"create_table={create_table!r} contradicts ?create_table= in the store "
+                    "URL: give one of them"
+                )
+            if create_table is None:
+                create_table = from_url
+            try:
+                params = conninfo_to_dict(dsn)
+            except psycopg.ProgrammingError as exc:
+                hint = ""
+                if _URL_OPTION in str(exc):
+                    hint = " (create_table goes in a URL's query or the create_table= keyword)"
+                raise LeaseConfigError(
+                    f"dsn_or_pool is not a valid PostgreSQL DSN or URL: {exc}{hint}"
                 ) from None
-            self._dsn = dsn_or_pool
+            self._dsn = dsn
             self._given_pool = None
-            self._dsn_host = f"{params.get('host', '')}:{params.get('port', '')}"
-            self._dsn_db = str(params.get("dbname", ""))
+            self._where = _target(params)
             self._application_name = "application_name" not in params
         else:
             raise LeaseConfigError(
                 f"dsn_or_pool={type(dsn_or_pool).__name__} must be a DSN string or a "
                 "psycopg_pool.ConnectionPool"
             )
+        self._create_table = True if create_table is None else create_table
+        self._connect_failures = _ConnectFailures()
+        self._connection_class = _recording_connection_class(self._connect_failures)
         self._channel = _channel(self._table)
         self._sql = {
             name: _render(template, self._table)
@@ -427,7 +645,6 @@ class PostgresLockStore:
         self._lock = threading.Lock()
         self._pool: ConnectionPool[Any] | None = self._given_pool
         self._owns_pool = self._given_pool is None
-        self._schema_ready = False
         self._schema_lock = threading.Lock()
         self._listener: _Listener | None = None
         self._pool_for_close: ConnectionPool[Any] | None = None
@@ -448,6 +665,11 @@ class PostgresLockStore:
     def table(self) -> str:
         """The table name, as given."""
         return self._table
+
+    @property
+    def create_table(self) -> bool:
+        """Whether the store creates its table when a statement finds it missing."""
+        return self._create_table
 
     @property
     def channel(self) -> str:
@@ -488,6 +710,7 @@ class PostgresLockStore:
                 assert self._dsn is not None
                 pool = ConnectionPool(
                     self._dsn,
+                    connection_class=self._connection_class,
                     kwargs=self._connect_kwargs(),
                     min_size=1,
                     max_size=self._max_connections,
@@ -527,33 +750,73 @@ class PostgresLockStore:
                 self._listener = _Listener(self._listener_connect, self._channel)
             return self._listener
 
-    def _run(self, what: str, fn: Callable[[psycopg.Connection[Any]], _T]) -> _T:
-        """Run ``fn`` (one statement) on a pooled connection, retrying once on a dropped one."""
+    def _run(
+        self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
+    ) -> _T:
+        """Run ``fn`` (one statement) on a pooled connection.
+
+        A dropped connection (``OperationalError`` once a connection was had) is retried once on
+        another connection when ``redo`` (the operation is safe to repeat even if the first
+        attempt took effect); otherwise, or on a second failure, it raises.
+        """
         pool = self._get_pool()
         for attempt in (1, 2):
             got_connection = False
             try:
                 with pool.connection(timeout=self._connect_timeout) as conn:
                     got_connection = True
-                    if not self._schema_ready:
-                        self._create_table(conn)
-                    return fn(conn)
+                    return self._execute(what, conn, fn)
             except PoolTimeout as exc:
-                raise StoreUnavailableError(
-                    f"{self!r} failed to {what}: no connection within "
-                    f"{self._connect_timeout:g} s ({exc})"
-                ) from exc
+                raise self._error(what, self._no_connection(exc)) from exc
             except psycopg.OperationalError as exc:
-                if attempt == 1 and got_connection:
-                    logger.info("celery-lease: retrying %s after %s", what, exc)
+                if attempt == 1 and got_connection and redo:
+                    logger.info("celery-lease: retrying %s after %s", what, _describe(exc))
                     self._discard_broken(pool)
                     continue
-                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+                detail = _describe(exc)
+                if got_connection and not redo:
+                    detail += "; not retried: it may have taken effect (look with get())"
+                raise self._error(what, detail) from exc
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise self._error(
+                    what,
+                    f"{_describe(exc)}; the store's role needs USAGE on the table's schema and "
+                    f"SELECT, INSERT, UPDATE on table {self._table!r}",
+                ) from exc
             except psycopg.Error as exc:
-                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+                raise self._error(what, _describe(exc)) from exc
             except PoolClosed as exc:
-                raise StoreUnavailableError(f"{self!r} failed to {what}: {exc}") from exc
+                raise self._error(what, _describe(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _execute(
+        self, what: str, conn: psycopg.Connection[Any], fn: Callable[[psycopg.Connection[Any]], _T]
+    ) -> _T:
+        """``fn(conn)``; a missing table is created (if allowed) and ``fn`` run again."""
+        try:
+            try:
+                return fn(conn)
+            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+                if not conn.autocommit:
+                    conn.rollback()
+                self._make_table(what, conn, exc)
+                return fn(conn)
+        except (psycopg.Error, StoreUnavailableError):
+            raise
+        except BaseException:
+            # An interrupt raised inside the statement: end it before anyone goes on.
+            _settle_interrupted(conn)
+            raise
+
+    def _error(self, what: str, detail: str) -> StoreUnavailableError:
+        return StoreUnavailableError(f"{self!r} failed to {what}: {detail}")
+
+    def _no_connection(self, exc: PoolTimeout) -> str:
+        detail = f"no connection within {self._connect_timeout:g} s"
+        last = self._connect_failures.last if self._owns_pool else None
+        if last is not None:
+            return f"{detail}; the last attempt to connect failed: {last}"
+        return f"{detail} ({exc})"
 
     @staticmethod
     def _discard_broken(pool: ConnectionPool[Any]) -> None:
@@ -563,11 +826,22 @@ class PostgresLockStore:
         except Exception as exc:  # pragma: no cover - check() handles broken connections itself
             logger.debug("celery-lease: pool check failed (%s)", exc)
 
-    def _create_table(self, conn: psycopg.Connection[Any]) -> None:
-        """Run the DDL once per store and process (threads of the process queue for it)."""
-        with self._schema_lock:
-            if self._schema_ready:
-                return
+    def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
+        """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""
+        ddl = f"create it with PostgresLockStore.schema_sql({self._table!r})"
+        if isinstance(missing, psycopg.errors.InvalidSchemaName):
+            raise self._error(
+                what,
+                f"the schema of table {self._table!r} does not exist: {_describe(missing)}; "
+                f"create the schema, then {ddl}",
+            ) from missing
+        if not self._create_table:
+            raise self._error(
+                what,
+                f"table {self._table!r} does not exist and create_table=False: {ddl} "
+                f"({_describe(missing)})",
+            ) from missing
+        with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
                 conn.execute(self._sql["schema"])
             except (
@@ -579,7 +853,18 @@ class PostgresLockStore:
                 # loser fails on the table's row type or name instead.
                 if not conn.autocommit:
                     conn.rollback()
-            self._schema_ready = True
+            except psycopg.errors.InsufficientPrivilege as exc:
+                if not conn.autocommit:
+                    conn.rollback()
+                raise self._error(
+                    what,
+                    f"table {self._table!r} does not exist and this role may not create it: "
+                    f"{_describe(exc)}; {ddl} as its owner, or grant CREATE on the schema",
+                ) from exc
+            else:
+                if not conn.autocommit:
+                    conn.commit()
+                logger.info("celery-lease: created table %r", self._table)
 
     # The protocol ---------------------------------------------------------------------------------
 
@@ -593,14 +878,31 @@ class PostgresLockStore:
 
         try:
             token = self._run("acquire", run)
+        except StoreUnavailableError:
+            self._drop_slot(key, slot)
+            raise
         except BaseException:
             self._drop_slot(key, slot)
+            self._undo_interrupted_acquire(key, owner)
             raise
         if token is None and slot is not None:
             self._park_slot(key, slot)
         else:
             self._drop_slot(key, slot)
         return token
+
+    def _undo_interrupted_acquire(self, key: str, owner: str) -> None:
+        """Release what an interrupted acquire may have taken (only ``owner``'s, unique per
+        attempt, so never someone else's); its statement has ended (see _settle_interrupted)."""
+        try:
+            self.release(key, owner)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: acquire of %r was interrupted and releasing what it may have "
+                "taken failed (%s); it expires within its ttl",
+                key,
+                exc,
+            )
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
@@ -720,9 +1022,12 @@ class PostgresLockStore:
     def force_release(self, key: str) -> LeaseInfo | None:
         """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
         params = {"key": key, "channel": self._channel}
+        # Not redone after a dropped connection: if the first attempt took effect, the key may
+        # have been acquired since, and a second force_release would remove that new lease.
         row = self._run(
             "force_release",
             lambda conn: conn.execute(self._sql["force_release"], params).fetchone(),
+            redo=False,
         )
         return None if row is None else self._info(row)
 
@@ -764,8 +1069,7 @@ class PostgresLockStore:
             logger.debug("celery-lease: could not wake the listener to stop (%s)", exc)
 
     def __repr__(self) -> str:
-        if self._dsn is not None:
-            where = f"host={self._dsn_host!r}, dbname={self._dsn_db!r}"
-        else:
-            where = f"pool={getattr(self._given_pool, 'name', None)!r}"
+        where = self._where
+        if not where and self._given_pool is not None:
+            where = _pool_target(self._given_pool)
         return f"PostgresLockStore({where}, table={self._table!r})"

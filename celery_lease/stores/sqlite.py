@@ -2,13 +2,42 @@
 
 Each operation is one short write transaction (``BEGIN IMMEDIATE``) on a database in WAL mode, so
 readers never block and writers queue on SQLite's file lock for up to ``busy_timeout`` seconds.
-Expiry uses the wall clock (``clock.time()``, in milliseconds) because the file outlives the
-processes and reboots that wrote it; the host's clock is assumed not to jump back by more than a
-lease's ttl.
+
+**Which clock decides expiry.** The host's ``CLOCK_MONOTONIC`` (``clock.monotonic()``, which for
+the system clock is ``time.monotonic``), tagged with the kernel's boot id
+(``/proc/sys/kernel/random/boot_id``). Every process of the host reads the same monotonic clock
+and it never steps, so an NTP step of the wall clock, either way, neither frees nor extends a
+lease. It is the clock a holder measures its own validity by (the lease starts before the
+acquire is sent, on ``time.monotonic``), so the store never expires a lease before its holder
+stops trusting it. ``CLOCK_BOOTTIME`` was not chosen: it keeps counting while the host is
+suspended, and ``time.monotonic`` does not, so after a suspend the store would expire leases
+whose holders still count them valid; with ``CLOCK_MONOTONIC`` both pause together (a key held at
+suspend time stays held for the rest of its ttl after resume: every process using the file was
+suspended too). A row whose boot id is not this boot's was written before a reboot: its
+monotonic expiry means nothing now and the lease is expired (its holder died with that boot).
+Inside a time namespace (``unshare --time``) the namespace's monotonic offset, read from
+``/proc/self/timens_offsets``, is subtracted, so its processes agree with the host's.
+
+Without a boot id (not Linux, or no ``/proc``) the store falls back to the wall clock
+(``clock.time()``): leases then end early by the size of a forward step of the wall clock and
+late by a backward one (as every row was judged before boot ids were added).
+
+The wall clock is otherwise used only to floor new tokens and to keep writing the wall-clock
+``expires_ms`` column, which processes of the previous version judge leases by; they can share a
+file with this version during a rolling upgrade and still exclude each other (those processes
+keep the previous version's exposure to steps of the wall clock).
 
 The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` but
-keeps the row, so the token counter persists in the file and tokens keep growing across restarts.
-Every new token is also floored by the clock in microseconds, like the memory store.
+keeps the row, so the token counter persists in the file and tokens keep growing across restarts
+and reboots. Every new token is also floored by the wall clock in microseconds, like the memory
+store.
+
+Columns: ``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``, and,
+added to files of the previous version with ``ALTER TABLE ADD COLUMN``, ``boot_id``,
+``boot_expires_ms`` (the host's monotonic clock in that boot, ms) and ``boot_token``: the token of
+the lease the two boot columns describe. A process of the previous version overwrites a row
+without touching the boot columns; as its token differs from ``boot_token``, they are then known
+to be stale, and the row is judged by ``expires_ms``.
 """
 
 from __future__ import annotations
@@ -20,7 +49,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -38,9 +67,61 @@ CREATE TABLE IF NOT EXISTS celery_lease (
     key TEXT PRIMARY KEY,
     owner TEXT NULL,
     expires_ms INTEGER NOT NULL,
-    token INTEGER NOT NULL
+    token INTEGER NOT NULL,
+    boot_id TEXT NULL,
+    boot_expires_ms INTEGER NULL,
+    boot_token INTEGER NULL
 )
 """
+
+# Added to a table of the previous version (which has only the first four columns).
+_BOOT_COLUMNS = (
+    ("boot_id", "TEXT NULL"),
+    ("boot_expires_ms", "INTEGER NULL"),
+    ("boot_token", "INTEGER NULL"),
+)
+
+# Named parameters of every statement below: :boot (this process's boot id, NULL without one),
+# :mono (the host's monotonic clock, ms), :wall (the wall clock, ms since the epoch).
+#
+# The boot columns describe the row's current lease when boot_token is its token; a row last
+# written by the previous version (or without a boot id) is judged by its wall-clock expires_ms.
+_BOOT_VALID = "(:boot IS NOT NULL AND boot_token IS token)"
+
+# Whether a row holds a live lease: by the monotonic clock when written in this boot, expired
+# when written in another boot, by the wall clock when the boot columns do not describe it.
+_LIVE = f"""owner IS NOT NULL AND CASE WHEN {_BOOT_VALID}
+    THEN boot_id IS :boot AND boot_expires_ms > :mono
+    ELSE expires_ms > :wall END"""
+
+# Milliseconds left of a live row's lease, by the clock that judges it.
+_LEFT_MS = f"CASE WHEN {_BOOT_VALID} THEN boot_expires_ms - :mono ELSE expires_ms - :wall END"
+
+# Set a live lease's expiry to now + ttl on both clocks (:expires = :wall + ttl, :boot_expires =
+# :mono + ttl or NULL without a boot id). Shared by renew and a re-acquire by the holder.
+_EXTEND = f"""UPDATE celery_lease SET expires_ms = :expires, boot_id = :boot,
+    boot_expires_ms = :boot_expires, boot_token = CASE WHEN :boot IS NULL THEN NULL ELSE token END
+WHERE key = :key AND owner = :owner AND {_LIVE}"""
+
+_TAKE = """INSERT INTO celery_lease
+    (key, owner, expires_ms, token, boot_id, boot_expires_ms, boot_token)
+VALUES (:key, :owner, :expires, :token, :boot, :boot_expires, :boot_token)
+ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.expires_ms,
+    token = excluded.token, boot_id = excluded.boot_id,
+    boot_expires_ms = excluded.boot_expires_ms, boot_token = excluded.boot_token"""
+
+_BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
+_TIMENS_FILE = "/proc/self/timens_offsets"
+
+
+class _Detect:
+    """Default of ``_boot_id``: read the boot id (and time-namespace offset) from ``/proc``."""
+
+    def __repr__(self) -> str:
+        return "<detect>"
+
+
+_DETECT = _Detect()
 
 # Connections inherited through fork(): never used and never closed in the child (closing a
 # connection another process still uses can drop that process's POSIX locks on the file), only
@@ -65,6 +146,12 @@ class SQLiteLockStore:
 
     Implements the protocol, :class:`~celery_lease.SupportsBatchRenew` and
     :class:`~celery_lease.SupportsInspection`; it has no ``wait_for_release`` (waiters poll).
+    A repeated acquire by the holder of a live lease returns its token and sets its expiry to
+    now + ttl (so a retry after a lost reply gets its own lease back).
+
+    Expiry follows the host's monotonic clock of the current boot (see the module docstring:
+    a step of the wall clock moves no expiry; a reboot expires every lease); without a boot id
+    (not Linux) it falls back to the wall clock.
 
     Each process opens its own connection on first use (after ``fork()`` the child opens a new
     one; the inherited connection is never touched), shared by the threads of that process under
@@ -77,7 +164,10 @@ class SQLiteLockStore:
     Args:
         path: the database file (``str`` or path-like); ``":memory:"`` is refused, since it would
             not be shared between connections.
-        clock: time source (default: the system clock); its ``time()`` (wall clock) is used.
+        clock: time source (default: the system clock). Its ``monotonic()`` decides expiry and
+            must read the host's ``CLOCK_MONOTONIC``, the clock every process of the host
+            shares (the system clock's does); its ``time()`` floors tokens and fills the
+            wall-clock column. Pass a ``FakeClock`` in tests.
         busy_timeout: seconds an operation waits for another writer's lock before it raises
             ``StoreUnavailableError`` (default 5.0).
 
@@ -91,7 +181,10 @@ class SQLiteLockStore:
         *,
         clock: Clock | None = None,
         busy_timeout: float = 5.0,
+        _boot_id: str | _Detect | None = _DETECT,
     ) -> None:
+        # _boot_id (private, for tests): the boot id to tag rows with, None for the wall-clock
+        # fallback; by default it is read from /proc in each process that opens the file.
         self._path = _validate_path(path)
         if (
             isinstance(busy_timeout, bool)
@@ -104,6 +197,11 @@ class SQLiteLockStore:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self._pid = os.getpid()
+        if not isinstance(_boot_id, (str, _Detect)) and _boot_id is not None:
+            raise LeaseConfigError(f"_boot_id={_boot_id!r} must be a str or None")
+        self._boot_setting = _boot_id
+        self._boot: str | None = None  # set by _open, per process
+        self._mono_offset = 0.0  # seconds to subtract from clock.monotonic(); set by _open
         _STORES.add(self)
 
     @classmethod
@@ -166,6 +264,10 @@ class SQLiteLockStore:
         random pause, until ``busy_timeout`` runs out.
         """
         _create_file(self._path)
+        if isinstance(self._boot_setting, _Detect):
+            self._boot, self._mono_offset = _host_boot()
+        else:
+            self._boot, self._mono_offset = self._boot_setting, 0.0
         deadline = time.monotonic() + self._busy_timeout
         while True:
             conn = sqlite3.connect(
@@ -184,6 +286,7 @@ class SQLiteLockStore:
                 # upgrading a read lock, which SQLite refuses at once when another writer waits.
                 with self._write(conn):
                     conn.execute(_SCHEMA)
+                    _add_boot_columns(conn)
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
@@ -203,10 +306,31 @@ class SQLiteLockStore:
                 if self._conn is None:
                     self._conn = self._open()
                 return fn(self._conn)
-            except (sqlite3.Error, OSError) as exc:
-                raise StoreUnavailableError(
-                    f"SQLite store {self._path!r} failed to {what}: {exc}"
-                ) from exc
+            except BaseException as exc:
+                self._drop_open_transaction()
+                if isinstance(exc, (sqlite3.Error, OSError)):
+                    raise StoreUnavailableError(
+                        f"SQLite store {self._path!r} failed to {what}: {exc}"
+                    ) from exc
+                raise
+
+    def _drop_open_transaction(self) -> None:
+        """After a failed call: never keep a connection that is still inside a transaction.
+
+        An exception raised asynchronously in this thread (a signal handler, or the threads
+        pool's revoke through ``PyThreadState_SetAsyncExc``) runs as soon as the sqlite3 call
+        it waited behind returns: e.g. right after ``BEGIN IMMEDIATE`` got the write lock, before
+        the code that would roll it back. A failed ``COMMIT`` also leaves the transaction open.
+        Kept, that connection would hold the file's write lock for every other process of the
+        host, and its next ``BEGIN`` would fail. It is closed instead (closing rolls back and
+        releases the file's locks; the next call opens a new connection). Called under _lock.
+        """
+        conn = self._conn
+        if conn is None or not conn.in_transaction:
+            return
+        self._conn = None  # first: even if closing is interrupted, nothing reuses it
+        with suppress(sqlite3.Error):  # close() finalises statements itself
+            conn.close()
 
     @staticmethod
     @contextmanager
@@ -221,47 +345,57 @@ class SQLiteLockStore:
             raise
         conn.execute("COMMIT")
 
-    def _now_ms(self) -> int:
-        return round(self._clock.time() * 1000)
+    def _now(self) -> dict[str, object]:
+        """The named parameters :boot, :mono and :wall, read now (after _open)."""
+        return {
+            "boot": self._boot,
+            "mono": round((self._clock.monotonic() - self._mono_offset) * 1000),
+            "wall": round(self._clock.time() * 1000),
+        }
+
+    def _until(self, now: dict[str, object], ttl_ms: int) -> dict[str, object]:
+        """``now`` plus :expires and :boot_expires, both ``ttl_ms`` after it."""
+        mono, wall = now["mono"], now["wall"]
+        assert isinstance(mono, int) and isinstance(wall, int)
+        boot_expires = None if self._boot is None else mono + ttl_ms
+        return {**now, "expires": wall + ttl_ms, "boot_expires": boot_expires}
 
     # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        """Take ``key``; the holder acquiring again gets its own token back, with a new expiry."""
+
         def op(conn: sqlite3.Connection) -> int | None:
             with self._write(conn):
-                now = self._clock.time()
-                now_ms = round(now * 1000)
+                now = self._now()
+                params = {**self._until(now, ttl_ms), "key": key, "owner": owner}
                 row = conn.execute(
-                    "SELECT owner, expires_ms, token FROM celery_lease WHERE key = ?", (key,)
+                    f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key", params
                 ).fetchone()
-                if row is not None and row[0] is not None and row[1] > now_ms:
-                    return None
-                last = row[2] if row is not None else 0
-                token = max(last + 1, int(now * 1_000_000))
-                conn.execute(
-                    "INSERT INTO celery_lease (key, owner, expires_ms, token) VALUES (?, ?, ?, ?)"
-                    " ON CONFLICT (key) DO UPDATE SET owner = excluded.owner,"
-                    " expires_ms = excluded.expires_ms, token = excluded.token",
-                    (key, owner, now_ms + ttl_ms, token),
-                )
+                if row is not None and row[2]:
+                    if row[0] != owner:
+                        return None
+                    conn.execute(_EXTEND, params)
+                    return int(row[1])
+                last = row[1] if row is not None else 0
+                token = max(last + 1, int(self._clock.time() * 1_000_000))
+                params["token"] = token
+                params["boot_token"] = None if self._boot is None else token
+                conn.execute(_TAKE, params)
                 return token
 
         return self._run("acquire", op)
 
-    @staticmethod
     def _renew_one(
-        conn: sqlite3.Connection, key: str, owner: str, ttl_ms: int, now_ms: int
+        self, conn: sqlite3.Connection, key: str, owner: str, ttl_ms: int, now: dict[str, object]
     ) -> bool:
-        cursor = conn.execute(
-            "UPDATE celery_lease SET expires_ms = ? WHERE key = ? AND owner = ? AND expires_ms > ?",
-            (now_ms + ttl_ms, key, owner, now_ms),
-        )
+        cursor = conn.execute(_EXTEND, {**self._until(now, ttl_ms), "key": key, "owner": owner})
         return cursor.rowcount == 1
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         def op(conn: sqlite3.Connection) -> bool:
             with self._write(conn):
-                return self._renew_one(conn, key, owner, ttl_ms, self._now_ms())
+                return self._renew_one(conn, key, owner, ttl_ms, self._now())
 
         return self._run("renew", op)
 
@@ -272,8 +406,8 @@ class SQLiteLockStore:
 
         def op(conn: sqlite3.Connection) -> list[bool]:
             with self._write(conn):
-                now_ms = self._now_ms()
-                return [self._renew_one(conn, k, o, t, now_ms) for k, o, t in items]
+                now = self._now()
+                return [self._renew_one(conn, k, o, t, now) for k, o, t in items]
 
         return self._run("renew leases", op)
 
@@ -289,22 +423,22 @@ class SQLiteLockStore:
 
     # Inspection ---------------------------------------------------------------------------------
 
-    def _info(self, row: tuple[str, str, int, int], now_ms: int) -> LeaseInfo:
-        key, owner, token, expires_ms = row
-        return LeaseInfo(key, owner, token, max(0, expires_ms - now_ms) / 1000.0)
+    @staticmethod
+    def _info(row: tuple[str, str, int, int]) -> LeaseInfo:
+        key, owner, token, left_ms = row
+        return LeaseInfo(key, owner, token, max(0, left_ms) / 1000.0)
+
+    _SELECT_LIVE = f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}"
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key."""
 
         def op(conn: sqlite3.Connection) -> list[LeaseInfo]:
-            now_ms = self._now_ms()
             rows = conn.execute(
-                "SELECT key, owner, token, expires_ms FROM celery_lease"
-                " WHERE owner IS NOT NULL AND expires_ms > ? AND substr(key, 1, ?) = ?"
-                " ORDER BY key",
-                (now_ms, len(prefix), prefix),
+                f"{self._SELECT_LIVE} AND substr(key, 1, :length) = :prefix ORDER BY key",
+                {**self._now(), "length": len(prefix), "prefix": prefix},
             ).fetchall()
-            return [self._info(row, now_ms) for row in rows]
+            return [self._info(row) for row in rows]
 
         return self._run("list leases", op)
 
@@ -312,13 +446,10 @@ class SQLiteLockStore:
         """The live lease on ``key``, or ``None`` when it is free."""
 
         def op(conn: sqlite3.Connection) -> LeaseInfo | None:
-            now_ms = self._now_ms()
             row = conn.execute(
-                "SELECT key, owner, token, expires_ms FROM celery_lease"
-                " WHERE key = ? AND owner IS NOT NULL AND expires_ms > ?",
-                (key, now_ms),
+                f"{self._SELECT_LIVE} AND key = :key", {**self._now(), "key": key}
             ).fetchone()
-            return None if row is None else self._info(row, now_ms)
+            return None if row is None else self._info(row)
 
         return self._run("read a lease", op)
 
@@ -336,16 +467,13 @@ class SQLiteLockStore:
 
         def op(conn: sqlite3.Connection) -> LeaseInfo | None:
             with self._write(conn):
-                now_ms = self._now_ms()
                 row = conn.execute(
-                    "SELECT key, owner, token, expires_ms FROM celery_lease"
-                    " WHERE key = ? AND owner IS NOT NULL AND expires_ms > ?",
-                    (key, now_ms),
+                    f"{self._SELECT_LIVE} AND key = :key", {**self._now(), "key": key}
                 ).fetchone()
                 if row is None:
                     return None
                 conn.execute("UPDATE celery_lease SET owner = NULL WHERE key = ?", (key,))
-                return self._info(row, now_ms)
+                return self._info(row)
 
         return self._run("force-release", op)
 
@@ -377,6 +505,39 @@ def _validate_path(path: object) -> str:
     if os.path.isdir(path):
         raise LeaseConfigError(f"path={path!r} is a directory, expected a database file")
     return path
+
+
+def _host_boot() -> tuple[str | None, float]:
+    """This boot's id and the monotonic offset of this process's time namespace (seconds).
+
+    ``(None, 0.0)`` without ``/proc/sys/kernel/random/boot_id`` (not Linux): the store then falls
+    back to the wall clock. The offset is 0.0 outside a time namespace or on kernels without them.
+    """
+    try:
+        with open(_BOOT_ID_FILE, encoding="ascii") as file:
+            boot = file.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None, 0.0
+    if not boot:
+        return None, 0.0
+    offset = 0.0
+    try:
+        with open(_TIMENS_FILE, encoding="ascii") as file:
+            for line in file:
+                fields = line.split()  # "monotonic <seconds> <nanoseconds>" (or clock id 1)
+                if len(fields) == 3 and fields[0] in ("monotonic", "1"):
+                    offset = int(fields[1]) + int(fields[2]) / 1e9
+    except (OSError, UnicodeDecodeError, ValueError):
+        pass
+    return boot, offset
+
+
+def _add_boot_columns(conn: sqlite3.Connection) -> None:
+    """Add the boot columns to a table of the previous version (inside the schema transaction)."""
+    present = {row[1] for row in conn.execute("PRAGMA table_info(celery_lease)")}
+    for name, declaration in _BOOT_COLUMNS:
+        if name not in present:
+            conn.execute(f"ALTER TABLE celery_lease ADD COLUMN {name} {declaration}")
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:

@@ -3,8 +3,9 @@
 A subclass provides:
 
 - ``make_store(self)``: a fresh, empty store. When ``fake_clock`` is True (the store takes an
-  injectable clock) it must build the store on ``self.clock``, a ``FakeClock`` the suite sets
-  before each call; otherwise expiry is exercised with short real ttls.
+  injectable clock) it must build the store on ``self.clock``, a :class:`WallSteppingClock` the
+  suite sets before each call (its ``time()`` can step like an NTP correction while
+  ``monotonic()`` does not); otherwise expiry is exercised with short real ttls.
 - ``store_backend``: a fixture, overridden when the backend needs preparing (a server, a
   temporary directory); it runs before ``make_store``.
 - ``store_factory(self)``: a picklable zero-argument callable that builds a store on the same
@@ -39,6 +40,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from celery_lease.errors import StoreUnavailableError
 from celery_lease.stores.base import (
     LockStore,
     SupportsBatchRenew,
@@ -49,6 +51,42 @@ from celery_lease.testing import FakeClock
 
 LONG_MS = 60_000  # a ttl no test outlives
 DEADLINE = 10.0  # real seconds any synchronisation in this suite may take before failing
+
+
+class WallSteppingClock(FakeClock):
+    """A :class:`FakeClock` whose wall clock can step on its own, as an NTP correction does.
+
+    ``monotonic()`` moves only with :meth:`advance`; ``time()`` is ``monotonic()`` plus the sum of
+    every :meth:`step_wall` so far (seconds, either sign).
+    """
+
+    def __init__(self, start: float = 0.0) -> None:
+        super().__init__(start)
+        self._wall_offset = 0.0
+
+    def step_wall(self, seconds: float) -> None:
+        """Step the wall clock by ``seconds`` (negative: backwards); monotonic time is unchanged."""
+        self._wall_offset += seconds
+
+    def time(self) -> float:
+        return super().time() + self._wall_offset
+
+
+class ReplyLost:
+    """Runs one call on ``store``, lets it take effect, then loses its reply.
+
+    ``ReplyLost(store).acquire(...)`` performs the acquire on the store and raises
+    ``StoreUnavailableError`` instead of returning its result, as a connection dropped after the
+    server committed would. The contract checks that the caller's retry recovers.
+    """
+
+    def __init__(self, store: LockStore) -> None:
+        self.store = store
+        self.lost: list[object] = []
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        self.lost.append(self.store.acquire(key, owner, ttl_ms))
+        raise StoreUnavailableError(f"the reply to acquire({key!r}, {owner!r}) was lost")
 
 
 def _close(store: object) -> None:
@@ -82,7 +120,7 @@ class StoreContract:
     release_wakes_one: ClassVar[bool] = False
     stateful_examples: ClassVar[int] = 25
 
-    clock: FakeClock | None = None
+    clock: WallSteppingClock | None = None
 
     # Hooks --------------------------------------------------------------------------------------
 
@@ -107,7 +145,7 @@ class StoreContract:
 
     def fresh_store(self) -> LockStore:
         """A new empty store, on a new fake clock when the store takes one."""
-        self.clock = FakeClock(1000.0) if self.fake_clock else None
+        self.clock = WallSteppingClock(1000.0) if self.fake_clock else None
         return self.make_store()
 
     @pytest.fixture
@@ -139,12 +177,155 @@ class StoreContract:
 
     # Exclusivity --------------------------------------------------------------------------------
 
-    def test_acquire_returns_an_int_token_and_excludes_everyone(self, store: LockStore) -> None:
-        """A live lease refuses every other acquire, including one by its own owner."""
+    def test_acquire_returns_an_int_token_and_excludes_every_other_owner(
+        self, store: LockStore
+    ) -> None:
+        """A live lease refuses an acquire by any other owner."""
         token = store.acquire("k", "a", LONG_MS)
         assert type(token) is int and token > 0
         assert store.acquire("k", "b", LONG_MS) is None
-        assert store.acquire("k", "a", LONG_MS) is None
+        assert store.acquire("k", "c", LONG_MS) is None
+
+    # Same-owner re-acquire: idempotent ----------------------------------------------------------
+
+    def test_acquire_by_the_holder_returns_its_own_token(self, store: LockStore) -> None:
+        """A repeated acquire by the live lease's owner returns that lease's token, no new one.
+
+        The counter is not bumped: the lease is unchanged but for its expiry, and the next owner's
+        token is still greater than it. Another owner still gets ``None``.
+        """
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        assert store.acquire("k", "a", LONG_MS) == token
+        assert store.acquire("k", "a", LONG_MS) == token
+        assert store.acquire("k", "b", LONG_MS) is None
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and (info.owner, info.token) == ("a", token)
+            assert store.last_token("k") == token
+        assert store.renew("k", "a", LONG_MS) is True
+        store.release("k", "a")
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    def test_acquire_by_the_holder_extends_its_lease(self, store: LockStore) -> None:
+        """A re-acquire by the holder sets the expiry to now + ttl, like a renew.
+
+        Fake clock: step past the first ttl. Real clock: the expiry read back lies beyond it.
+        """
+        if self.clock is None:
+            assert isinstance(store, SupportsInspection), "a real-clock store must be inspectable"
+            token = store.acquire("k", "a", 1000)
+            assert token is not None
+            assert store.acquire("k", "a", LONG_MS) == token
+            info = store.get("k")
+            assert info is not None and 1.0 < info.expires_in <= LONG_MS / 1000.0
+            assert store.acquire("k", "b", LONG_MS) is None
+            return
+        token = store.acquire("k", "a", 1000)
+        assert token is not None
+        self.clock.advance(0.5)
+        assert store.acquire("k", "a", 1000) == token
+        self.clock.advance(0.75)  # 1.25 s after the first acquire: past its ttl
+        assert store.acquire("k", "b", LONG_MS) is None
+        self.clock.advance(0.25)
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    def test_acquire_by_the_holder_sets_the_expiry_instead_of_adding(
+        self, store: LockStore
+    ) -> None:
+        """A re-acquire with a shorter ttl shortens the lease: the expiry is set, never added."""
+        ttl = self.short_ttl_ms()
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        assert store.acquire("k", "a", ttl) == token
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and info.expires_in <= ttl / 1000.0
+        self.let_expire(store, "k", ttl)
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    def test_acquire_by_the_old_owner_after_expiry_or_release_gets_a_new_token(
+        self, store: LockStore
+    ) -> None:
+        """Once its lease expired or was released, the same owner id gets a new, larger token."""
+        ttl = self.short_ttl_ms()
+        first = store.acquire("k", "a", ttl)
+        assert first is not None
+        self.let_expire(store, "k", ttl)
+        second = store.acquire("k", "a", LONG_MS)
+        assert second is not None and second > first
+        assert store.renew("k", "a", LONG_MS) is True
+        store.release("k", "a")
+        third = store.acquire("k", "a", LONG_MS)
+        assert third is not None and third > second
+
+    def test_an_acquire_retried_after_its_reply_was_lost_gets_the_lease_back(
+        self, store: LockStore
+    ) -> None:
+        """An acquire that took effect but whose reply was lost, retried by the same owner,
+        returns the lease it created: held by that owner, with that token. Released, the key is
+        free for another owner at once, not after a ttl (no orphan)."""
+        lossy = ReplyLost(store)
+        with pytest.raises(StoreUnavailableError):
+            lossy.acquire("k", "a", LONG_MS)
+        assert lossy.lost[0] is not None  # it did take effect
+        token = store.acquire("k", "a", LONG_MS)  # the caller's retry, same owner id
+        assert token == lossy.lost[0]
+        assert store.acquire("k", "b", LONG_MS) is None
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and (info.owner, info.token) == ("a", token)
+        assert store.renew("k", "a", LONG_MS) is True
+        store.release("k", "a")
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    # Clock steps (stores on an injected clock) --------------------------------------------------
+
+    def test_a_forward_step_of_the_wall_clock_does_not_free_a_live_lease(
+        self, store: LockStore
+    ) -> None:
+        """An NTP step of the wall clock by +2 min leaves a live lease held; real expiry frees it.
+
+        Expiry follows the clock's ``monotonic()``, the clock a holder measures its validity by;
+        ``time()`` only floors tokens.
+        """
+        if self.clock is None:
+            pytest.skip("the store's clock is not injectable")
+        token = store.acquire("k", "a", 10_000)
+        assert token is not None
+        self.clock.step_wall(120.0)
+        assert store.acquire("k", "b", LONG_MS) is None
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and info.expires_in == pytest.approx(10.0)
+            assert [i.key for i in store.list()] == ["k"]
+        assert store.renew("k", "a", 10_000) is True
+        self.clock.advance(9.5)
+        assert store.acquire("k", "b", LONG_MS) is None
+        self.clock.advance(0.5)  # 10 s of monotonic time after the renew
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    def test_a_backward_step_of_the_wall_clock_neither_extends_a_lease_nor_lowers_tokens(
+        self, store: LockStore
+    ) -> None:
+        """After a step of -2 min the lease still ends after its ttl, and tokens keep growing."""
+        if self.clock is None:
+            pytest.skip("the store's clock is not injectable")
+        first = store.acquire("k", "a", 1000)
+        assert first is not None
+        self.clock.step_wall(-120.0)
+        assert store.acquire("k", "b", LONG_MS) is None
+        self.clock.advance(1.0)
+        second = store.acquire("k", "b", LONG_MS)
+        assert second is not None and second > first
+        store.release("k", "b")
+        third = store.acquire("k", "c", LONG_MS)
+        assert third is not None and third > second
 
     def test_keys_are_independent(self, store: LockStore) -> None:
         """A lease on one key does not block another key."""
@@ -494,7 +675,10 @@ def _model_machine(contract: StoreContract) -> type[RuleBasedStateMachine]:
 
     Model time is integer milliseconds; with a fake clock, steps of 500 ms and ttls of whole
     seconds are exact in binary floating point, so the model and the store agree at expiry
-    boundaries. Without a fake clock, time is not advanced and ttls are long.
+    boundaries. Without a fake clock, time is not advanced and ttls are long. With a fake clock
+    the wall clock also steps on its own (NTP), which must move no expiry. Owners are drawn from a
+    small set, so a holder acquiring its own live lease again (idempotent: same token, expiry set
+    to now + ttl) happens often; a rule also forces it.
     """
     keys = st.sampled_from(["a", "b:1", "b:2"])
     owners = st.sampled_from(["o1", "o2", "o3"])
@@ -524,12 +708,26 @@ def _model_machine(contract: StoreContract) -> type[RuleBasedStateMachine]:
         @rule(key=keys, owner=owners, ttl=ttls)
         def acquire(self, key: str, owner: str, ttl: int) -> None:
             token = self.store.acquire(key, owner, ttl)
-            if self.live(key) is not None:
+            lease = self.live(key)
+            if lease is not None and lease[0] == owner:  # idempotent: same token, new expiry
+                assert token == lease[2]
+                self.leases[key] = (owner, self.now + ttl, lease[2])
+                return
+            if lease is not None:
                 assert token is None
                 return
             assert token is not None and token > self.last.get(key, 0)
             self.leases[key] = (owner, self.now + ttl, token)
             self.last[key] = token
+
+        @precondition(lambda self: any(self.live(k) is not None for k in self.leases))
+        @rule(data=st.data(), ttl=ttls)
+        def acquire_again_by_the_holder(self, data: st.DataObject, ttl: int) -> None:
+            """The holder of a live lease acquires it again (a retry after a lost reply)."""
+            key = data.draw(st.sampled_from(sorted(k for k in self.leases if self.live(k))))
+            owner, _, token = self.leases[key]
+            assert self.store.acquire(key, owner, ttl) == token
+            self.leases[key] = (owner, self.now + ttl, token)
 
         @rule(key=keys, owner=owners, ttl=ttls)
         def renew(self, key: str, owner: str, ttl: int) -> None:
@@ -555,6 +753,13 @@ def _model_machine(contract: StoreContract) -> type[RuleBasedStateMachine]:
             assert self.clock is not None
             self.clock.advance(ms / 1000.0)
             self.now += ms
+
+        @precondition(lambda self: self.clock is not None)
+        @rule(seconds=st.sampled_from([-120.0, -1.5, 2.5, 120.0]))
+        def step_wall_clock(self, seconds: float) -> None:
+            """An NTP step of the wall clock: no lease's expiry moves, tokens still grow."""
+            assert self.clock is not None
+            self.clock.step_wall(seconds)
 
         def check_info(self, key: str, info: Any) -> None:
             lease = self.live(key)

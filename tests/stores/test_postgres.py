@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import logging
 import multiprocessing
+import secrets
+import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
@@ -23,7 +29,7 @@ from celery_lease.stores.base import (
     store_from_url,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
-from tests.fixtures_postgres import PgCluster
+from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
 
 pytestmark = pytest.mark.postgres
@@ -556,3 +562,643 @@ class TestServerFailures:
             assert time.monotonic() - started < 2.0
         finally:
             store.close()
+
+
+# Least privilege and schema creation ---------------------------------------------------------
+
+
+def _as_dba_create_table(dsn: str, table: str, role: str) -> None:
+    """What docs/stores.md tells a DBA to run: the DDL, then the grants the store needs."""
+    schema = table.rpartition(".")[0]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        if schema:
+            conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema)))
+            conn.execute(
+                sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(
+                    sql.Identifier(schema), sql.Identifier(role)
+                )
+            )
+        conn.execute(PostgresLockStore.schema_sql(table).encode())
+        conn.execute(
+            sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
+                sql.Identifier(*table.split(".")), sql.Identifier(role)
+            )
+        )
+
+
+def _table_exists(dsn: str, table: str) -> bool:
+    ((exists,),) = _query(dsn, "SELECT to_regclass(%s) IS NOT NULL", [table])
+    return bool(exists)
+
+
+class _CountingConnection(psycopg.Connection[Any]):
+    """Records every statement sent through ``execute`` (class-wide, cleared by the test)."""
+
+    statements: ClassVar[list[bytes]] = []
+
+    def execute(self, query: Any, *args: Any, **kwargs: Any) -> Any:
+        statement = query if isinstance(query, bytes) else str(query).encode()
+        type(self).statements.append(statement)
+        return super().execute(query, *args, **kwargs)
+
+
+def _exercise_every_operation(store: PostgresLockStore) -> None:
+    """acquire, repeated acquire, renew, renew_many, get, list, last_token, release (notified),
+    wait_for_release and force_release, each checked."""
+    token = store.acquire("k", "a", LONG_MS)
+    assert token is not None
+    assert store.acquire("k", "a", LONG_MS) == token  # the owner's retry: the same lease
+    assert store.acquire("k", "b", LONG_MS) is None
+    assert store.renew("k", "a", LONG_MS) is True
+    assert store.renew_many([("k", "a", LONG_MS), ("k", "b", LONG_MS)]) == [True, False]
+    info = store.get("k")
+    assert info is not None and (info.owner, info.token) == ("a", token)
+    assert [i.key for i in store.list()] == ["k"]
+    assert store.last_token("k") == token
+    woke: list[bool] = []
+    waiter = threading.Thread(target=lambda: woke.append(store.wait_for_release("k", 10)))
+    waiter.start()
+    _wait_for(lambda: store.waiting() == 1, "the waiter")
+    store.release("k", "a")
+    waiter.join(DEADLINE)
+    assert woke == [True] and store.get("k") is None
+    assert store.acquire("k", "b", LONG_MS) is not None
+    removed = store.force_release("k")
+    assert removed is not None and removed.owner == "b"
+    assert store.get("k") is None
+
+
+class TestLeastPrivilege:
+    """A role with only SELECT/INSERT/UPDATE on a DBA-made table; DDL off the hot path."""
+
+    @pytest.mark.parametrize("create_table", [True, False], ids=["create_table", "no_ddl"])
+    def test_a_role_without_create_uses_a_dba_created_table(
+        self, pg_database_dsn: str, pg_app_role: PgRole, create_table: bool
+    ) -> None:
+        """Every operation works for a role with only the documented grants, whatever the option.
+
+        The role has no CREATE on any schema (PostgreSQL 15's default on ``public``).
+        """
+        table = f"ops_{secrets.token_hex(3)}.celery_lease"
+        _as_dba_create_table(pg_database_dsn, table, pg_app_role.name)
+        store = PostgresLockStore(pg_app_role.dsn, table=table, create_table=create_table)
+        try:
+            _exercise_every_operation(store)
+        finally:
+            store.close()
+
+    def test_the_url_option_turns_ddl_off(
+        self, pg_database_dsn: str, pg_app_role: PgRole, pg_table: str
+    ) -> None:
+        """``?create_table=false`` in a store URL is taken by the store, not sent to libpq.
+
+        The URL's store uses the default table name, found first in the schema named after the
+        role (``search_path`` starts with ``"$user"``), which the DBA made for it.
+        """
+        _as_dba_create_table(pg_database_dsn, f"{pg_app_role.name}.celery_lease", pg_app_role.name)
+        store = store_from_url(f"{pg_app_role.dsn}?create_table=false&connect_timeout=3")
+        try:
+            assert isinstance(store, PostgresLockStore)
+            assert store.create_table is False
+            _exercise_every_operation(store)
+        finally:
+            store.close()
+        store = PostgresLockStore(f"{pg_app_role.dsn}?create_table=false", table=pg_table)
+        try:
+            with pytest.raises(StoreUnavailableError, match="create_table=False"):
+                store.acquire("k", "a", LONG_MS)
+        finally:
+            store.close()
+
+    def test_a_missing_table_with_ddl_off_is_a_clear_error(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        """With create_table=False a missing table is reported (table, option, DDL), never made."""
+        store = PostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+        try:
+            for call in (
+                lambda: store.acquire("k", "a", LONG_MS),
+                lambda: store.renew("k", "a", LONG_MS),
+                lambda: store.release("k", "a"),
+                lambda: store.list(),
+            ):
+                with pytest.raises(StoreUnavailableError) as info:
+                    call()
+                message = str(info.value)
+                assert f"table {pg_table!r} does not exist" in message, message
+                assert "create_table=False" in message, message
+                assert f"PostgresLockStore.schema_sql({pg_table!r})" in message, message
+                assert "42P01" in message, message
+                assert isinstance(info.value.__cause__, psycopg.errors.UndefinedTable)
+            assert not _table_exists(pg_database_dsn, pg_table)
+        finally:
+            store.close()
+
+    def test_a_table_without_grants_names_the_grants(
+        self, pg_database_dsn: str, pg_app_role: PgRole, pg_table: str
+    ) -> None:
+        """A table the role may not write: the server's message, and the grants it needs."""
+        _query(pg_database_dsn, PostgresLockStore.schema_sql(pg_table))
+        store = PostgresLockStore(pg_app_role.dsn, table=pg_table)
+        try:
+            with pytest.raises(StoreUnavailableError) as info:
+                store.acquire("k", "a", LONG_MS)
+        finally:
+            store.close()
+        message = str(info.value)
+        assert f"permission denied for table {pg_table}" in message, message
+        assert "SELECT, INSERT, UPDATE" in message and "42501" in message, message
+
+    def test_a_missing_table_the_role_may_not_create_is_a_clear_error(
+        self, pg_app_role: PgRole, pg_table: str
+    ) -> None:
+        """create_table=True without CREATE privilege: the error says so and points at the DDL."""
+        store = PostgresLockStore(pg_app_role.dsn, table=pg_table)
+        try:
+            with pytest.raises(StoreUnavailableError) as info:
+                store.acquire("k", "a", LONG_MS)
+            message = str(info.value)
+            assert f"table {pg_table!r} does not exist" in message, message
+            assert "permission denied for schema public" in message, message
+            assert "42501" in message, message
+            assert f"PostgresLockStore.schema_sql({pg_table!r})" in message, message
+            assert "failed to acquire" in message, message
+        finally:
+            store.close()
+
+    def test_the_hot_path_sends_one_statement_and_no_ddl(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        """On an existing table even the first operation of a store is its one statement."""
+        with psycopg.connect(pg_database_dsn, autocommit=True) as conn:
+            conn.execute(PostgresLockStore.schema_sql(pg_table).encode())
+        with ConnectionPool(
+            pg_database_dsn,
+            connection_class=_CountingConnection,
+            min_size=1,
+            max_size=1,
+            open=True,
+            kwargs={"autocommit": True},
+        ) as pool:
+            store = PostgresLockStore(pool, table=pg_table)
+            _CountingConnection.statements.clear()
+            assert store.acquire("k", "a", LONG_MS) is not None
+            assert store.renew("k", "a", LONG_MS) is True
+            store.release("k", "a")
+            sent = list(_CountingConnection.statements)
+            store.close()
+        assert len(sent) == 3, sent
+        assert not [s for s in sent if b"CREATE" in s.upper()], sent
+
+    def test_a_table_dropped_after_first_use_is_created_again(
+        self, store: PostgresLockStore
+    ) -> None:
+        """With create_table=True a missing table is made whenever it is found missing."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        dsn = store._dsn
+        assert dsn is not None
+        _query(dsn, f'DROP TABLE "{store.table}"')
+        assert store.acquire("k", "b", LONG_MS) is not None
+        assert _table_exists(dsn, store.table)
+
+    @pytest.mark.parametrize("value", ["yes", 1, 0.0, "false"])
+    def test_a_bad_create_table_keyword_is_refused(self, value: Any) -> None:
+        """create_table= must be a bool; the error names the parameter and the value."""
+        with pytest.raises(LeaseConfigError, match=r"create_table=.*must be True or False"):
+            PostgresLockStore("postgresql://localhost/x", create_table=value)
+
+    @pytest.mark.parametrize(
+        "query", ["create_table=maybe", "create_table=", "create_table=1&create_table=0"]
+    )
+    def test_a_bad_create_table_url_value_is_refused(self, query: str) -> None:
+        """The URL value must be true/false (or 1/0, yes/no, on/off), given once."""
+        with pytest.raises(LeaseConfigError, match="create_table"):
+            PostgresLockStore(f"postgresql://localhost/x?{query}")
+
+    def test_url_and_keyword_must_agree(self) -> None:
+        """A URL saying one thing and the keyword the other is refused, not silently resolved."""
+        with pytest.raises(LeaseConfigError, match="create_table"):
+            PostgresLockStore("postgresql://localhost/x?create_table=false", create_table=True)
+        store = PostgresLockStore("postgresql://u:pw@localhost/x?sslmode=disable&create_table=off")
+        assert store.create_table is False
+        assert "create_table" not in (store._dsn or "") and "sslmode=disable" in (store._dsn or "")
+
+
+# Replies lost after the server committed -------------------------------------------------------
+
+_READY_FOR_QUERY = b"Z\x00\x00\x00\x05"  # a ReadyForQuery message; its status byte follows
+
+
+class _ReplyCutter:
+    """A loopback TCP proxy to PostgreSQL that loses one reply after the server sent it.
+
+    Bytes pass unchanged until :meth:`arm` ``(tag)``. Then the first server->client data holding
+    the CommandComplete ``tag`` (``b"INSERT 0 1"``, ``b"UPDATE 1"``...) is swallowed, and so is
+    everything after it up to and including the ReadyForQuery that ends the reply: the server has
+    finished the statement (in autocommit: committed it) and says so. ``on_cut`` runs, then both
+    sides of that connection are closed: the client sees its connection drop with the reply
+    unread. :attr:`swallowed` holds what the client never got; :attr:`cut` is set afterwards.
+    """
+
+    def __init__(self, target_port: int) -> None:
+        self._target_port = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._tag: bytes | None = None
+        self._on_cut: Callable[[], object] | None = None
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self.swallowed = b""
+        self.cut = threading.Event()
+        self._spawn(self._accept)
+
+    def arm(self, tag: bytes, on_cut: Callable[[], object] | None = None) -> None:
+        """Lose the next reply carrying CommandComplete ``tag``; run ``on_cut`` before cutting."""
+        with self._lock:
+            self._tag, self._on_cut = tag + b"\x00", on_cut
+            self.swallowed = b""
+            self.cut.clear()
+
+    def close(self) -> None:
+        self._shut(self._listener)  # shutdown() wakes the thread blocked in accept()
+        with self._lock:
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+        for thread in self._threads:
+            thread.join(DEADLINE)
+
+    def __enter__(self) -> _ReplyCutter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spawn(self, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self._target_port))
+            with self._lock:
+                self._sockets += [client, upstream]
+            self._spawn(self._forward, client, upstream)
+            self._spawn(self._reply, upstream, client)
+
+    def _forward(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        self._shut(sink)
+
+    def _reply(self, server: socket.socket, client: socket.socket) -> None:
+        held = b""  # the reply being swallowed, once the tag was seen on this connection
+        mine = b""  # the tag this connection took
+        try:
+            while data := server.recv(65536):
+                with self._lock:
+                    tag = self._tag
+                    if not held and tag is not None and tag in data:
+                        self._tag, mine, held = None, tag, data  # this connection takes it
+                    elif held:
+                        held += data
+                if not held:
+                    client.sendall(data)
+                    continue
+                end = held.find(_READY_FOR_QUERY, held.index(mine))
+                if end < 0 or len(held) < end + 6:
+                    continue  # the reply goes on: keep swallowing up to its ReadyForQuery
+                self.swallowed = held
+                if self._on_cut is not None:
+                    self._on_cut()
+                break
+        except OSError:
+            pass
+        self._shut(client)
+        self._shut(server)
+        if held:
+            self.cut.set()
+
+
+def _server_port(dsn: str) -> int:
+    port = psycopg.conninfo.conninfo_to_dict(dsn).get("port", 5432)
+    return int(port)
+
+
+def _via(dsn: str, port: int) -> str:
+    return psycopg.conninfo.make_conninfo(dsn, host="127.0.0.1", port=str(port))
+
+
+@pytest.fixture
+def cutter(pg_database_dsn: str) -> Iterator[_ReplyCutter]:
+    with _ReplyCutter(_server_port(pg_database_dsn)) as proxy:
+        yield proxy
+
+
+class TestLostReplies:
+    """A statement the server committed whose reply never reaches the store (a real cut socket).
+
+    Retried once on a new connection: acquire, renew and release are safe to redo (the retried
+    acquire by the same owner returns that owner's lease); force_release is not, and says so.
+    """
+
+    @pytest.fixture
+    def pair(
+        self, pg_database_dsn: str, pg_table: str, cutter: _ReplyCutter
+    ) -> Iterator[tuple[PostgresLockStore, PostgresLockStore]]:
+        """(a store talking through the cutter, a store talking to the server directly)."""
+        proxied = PostgresLockStore(
+            _via(pg_database_dsn, cutter.port), table=pg_table, max_connections=2
+        )
+        direct = PostgresLockStore(pg_database_dsn, table=pg_table)
+        try:
+            assert direct.get("warm-up") is None  # creates the table
+            yield proxied, direct
+        finally:
+            proxied.close()
+            direct.close()
+
+    def assert_committed_then_cut(self, cutter: _ReplyCutter, tag: bytes) -> None:
+        assert cutter.cut.wait(DEADLINE), "no reply was cut"
+        assert tag + b"\x00" in cutter.swallowed
+        # ReadyForQuery status "I": the server left the (implicit) transaction: it committed.
+        assert _READY_FOR_QUERY + b"I" in cutter.swallowed, cutter.swallowed
+
+    def test_a_lost_acquire_reply_returns_the_owners_lease(
+        self,
+        pair: tuple[PostgresLockStore, PostgresLockStore],
+        cutter: _ReplyCutter,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """The retry gets the token of the lease it took, the lease is its own, and it frees."""
+        proxied, direct = pair
+        cutter.arm(b"INSERT 0 1")
+        with caplog.at_level(logging.INFO, logger="celery_lease.stores.postgres"):
+            token = proxied.acquire("k", "a", LONG_MS)
+        self.assert_committed_then_cut(cutter, b"INSERT 0 1")
+        assert any("retrying acquire" in r.getMessage() for r in caplog.records)
+        assert token is not None
+        info = direct.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert direct.last_token("k") == token  # no second token was issued
+        proxied.release("k", "a")
+        assert direct.get("k") is None
+        assert direct.acquire("k", "b", LONG_MS) is not None  # nothing blocks the key
+
+    def test_a_lost_renew_reply_still_reports_renewed(
+        self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
+    ) -> None:
+        """The renew took effect; the retry renews again and answers True."""
+        proxied, direct = pair
+        token = proxied.acquire("k", "a", 2_000)
+        assert token is not None
+        cutter.arm(b"UPDATE 1")
+        assert proxied.renew("k", "a", LONG_MS) is True
+        self.assert_committed_then_cut(cutter, b"UPDATE 1")
+        info = direct.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert info.expires_in > 50.0
+
+    def test_a_lost_release_reply_does_not_free_the_next_holder(
+        self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
+    ) -> None:
+        """Another owner takes the key between the commit and the retry; the retry leaves it."""
+        proxied, direct = pair
+        assert proxied.acquire("k", "a", LONG_MS) is not None
+        taken: list[int | None] = []
+        cutter.arm(b"SELECT 1", on_cut=lambda: taken.append(direct.acquire("k", "b", LONG_MS)))
+        proxied.release("k", "a")  # must not raise
+        self.assert_committed_then_cut(cutter, b"SELECT 1")
+        assert taken and taken[0] is not None
+        info = direct.get("k")
+        assert info is not None and (info.owner, info.token) == ("b", taken[0])
+
+    def test_a_lost_force_release_reply_is_not_redone(
+        self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
+    ) -> None:
+        """Redoing it would remove whoever took the key meanwhile: it fails, saying so."""
+        proxied, direct = pair
+        assert proxied.acquire("k", "a", LONG_MS) is not None
+        taken: list[int | None] = []
+        cutter.arm(b"SELECT 1", on_cut=lambda: taken.append(direct.acquire("k", "b", LONG_MS)))
+        with pytest.raises(StoreUnavailableError, match="may have taken effect"):
+            proxied.force_release("k")
+        self.assert_committed_then_cut(cutter, b"SELECT 1")
+        info = direct.get("k")
+        assert taken and info is not None and (info.owner, info.token) == ("b", taken[0])
+
+
+# Errors name the store, the operation and the server's own words -------------------------------
+
+
+class TestErrorMessages:
+    """Every StoreUnavailableError says where (never the password), what, and why."""
+
+    def test_a_database_that_does_not_exist(self, pg_database_dsn: str) -> None:
+        """The server's "database ... does not exist" reaches the error, not only the log."""
+        parts = psycopg.conninfo.conninfo_to_dict(pg_database_dsn)
+        host, port = parts.get("host", "127.0.0.1"), int(parts.get("port", 5432))
+        name = f"no_such_db_{secrets.token_hex(3)}"
+        store = PostgresLockStore(
+            f"postgresql://postgres:s3cret@{host}:{port}/{name}", table="t1", connect_timeout=1
+        )
+        try:
+            with pytest.raises(StoreUnavailableError) as info:
+                store.acquire("k", "a", LONG_MS)
+        finally:
+            store.close()
+        message = str(info.value)
+        for part in (f"host={host!r}", f"port={port}", f"dbname={name!r}", "table='t1'"):
+            assert part in message, message
+        assert "failed to acquire" in message, message
+        assert f'database "{name}" does not exist' in message, message
+        assert "s3cret" not in message and "s3cret" not in repr(info.value.args)
+
+    def test_a_port_with_nothing_listening(self) -> None:
+        """Connection refused, with the host and port, within connect_timeout."""
+        from tests.support import free_port
+
+        port = free_port()
+        store = PostgresLockStore(
+            f"postgresql://postgres:s3cret@127.0.0.1:{port}/leases", connect_timeout=0.5
+        )
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError) as info:
+                store.renew("k", "a", LONG_MS)
+            assert time.monotonic() - started < 2.0
+        finally:
+            store.close()
+        message = str(info.value)
+        for part in ("host='127.0.0.1'", f"port={port}", "dbname='leases'", "celery_lease"):
+            assert part in message, message
+        assert "failed to renew" in message, message
+        assert "Connection refused" in message, message
+        assert "s3cret" not in message
+
+    def test_a_server_error_carries_its_sqlstate(self, pg_database_dsn: str, pg_table: str) -> None:
+        """A statement the server rejects: its message and SQLSTATE, and the operation."""
+        store = PostgresLockStore(pg_database_dsn, table=pg_table)
+        try:
+            assert store.get("k") is None  # creates the table
+            _query(pg_database_dsn, f'ALTER TABLE "{pg_table}" ADD CHECK (length(key) < 3)')
+            with pytest.raises(StoreUnavailableError) as info:
+                store.acquire("long-key", "a", LONG_MS)
+        finally:
+            store.close()
+        message = str(info.value)
+        assert "failed to acquire" in message and f"table={pg_table!r}" in message, message
+        assert "violates check constraint" in message and "SQLSTATE 23514" in message, message
+        assert isinstance(info.value.__cause__, psycopg.errors.CheckViolation)
+
+    def test_a_callers_pool_is_described_by_its_conninfo(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        """With a pool passed in, the error names the pool's host, port and database."""
+        parts = psycopg.conninfo.conninfo_to_dict(pg_database_dsn)
+        dsn = psycopg.conninfo.make_conninfo(pg_database_dsn, password="s3cret")
+        with ConnectionPool(dsn, min_size=1, open=True, kwargs={"autocommit": True}) as pool:
+            store = PostgresLockStore(pool, table=pg_table, create_table=False)
+            with pytest.raises(StoreUnavailableError) as info:
+                store.get("k")
+            store.close()
+        message = str(info.value)
+        assert f"dbname={parts['dbname']!r}" in message and "failed to get" in message, message
+        assert "s3cret" not in message
+
+
+# Interrupts inside a store call --------------------------------------------------------------
+
+
+class _Interrupt(Exception):
+    """What the Celery layer raises asynchronously in a body (like LockLostError)."""
+
+
+def _backends_waiting_on_a_lock(dsn: str) -> list[int]:
+    rows = _query(
+        dsn,
+        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        " AND wait_event_type = 'Lock'",
+    )
+    return [int(pid) for (pid,) in rows]
+
+
+def _statements_still_running(dsn: str, table: str) -> int:
+    ((count,),) = _query(
+        dsn,
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND state = 'active' AND pid <> pg_backend_pid() AND query LIKE %s",
+        [f'%"{table}"%'],
+    )
+    return int(count)
+
+
+class TestInterrupts:
+    """An exception raised asynchronously while a statement waits on the server.
+
+    Forced: another session holds the key's row lock, so the store's statement blocks; the
+    exception is raised once the server reports the statement waiting on that lock.
+    """
+
+    @pytest.fixture
+    def blocked(self, store: PostgresLockStore) -> Iterator[psycopg.Connection[Any]]:
+        """A session holding the row lock of key "k" (the row exists, free) until it ends."""
+        assert store.acquire("k", "x", LONG_MS) is not None
+        store.release("k", "x")
+        dsn = store._dsn
+        assert dsn is not None
+        conn = psycopg.connect(dsn)
+        conn.execute(f'SELECT * FROM "{store.table}" WHERE key = %s FOR UPDATE', ["k"])
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def check_after(self, store: PostgresLockStore, blocker: psycopg.Connection[Any]) -> None:
+        """The interrupted acquire left no lease; the store and its pool work on."""
+        dsn = store._dsn
+        assert dsn is not None
+        blocker.rollback()  # the row lock goes: a statement still queued on it would now run
+        deadline = time.monotonic() + DEADLINE
+        while _statements_still_running(dsn, store.table):
+            assert time.monotonic() < deadline, "the interrupted statement never ended"
+            time.sleep(0.005)
+        assert store.get("k") is None, "the interrupted acquire left a lease nobody knows of"
+        token = store.acquire("k", "b", LONG_MS)
+        assert token is not None and store.renew("k", "b", LONG_MS) is True
+        store.release("k", "b")
+        pool = store._pool
+        assert pool is not None
+        with pool.connection() as conn:
+            assert conn.pgconn.transaction_status == psycopg.pq.TransactionStatus.IDLE
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+
+    def test_a_signal_handler_raising_during_acquire(
+        self, store: PostgresLockStore, blocked: psycopg.Connection[Any]
+    ) -> None:
+        """A handler raising in the main thread (as on_lost="revoke" does) mid-statement."""
+        dsn = store._dsn
+        assert dsn is not None
+
+        def raise_interrupt(signum: int, frame: object) -> None:
+            raise _Interrupt("lease lost")
+
+        main = threading.main_thread().ident
+        assert main is not None and threading.get_ident() == main
+
+        def kick() -> None:
+            _wait_for(lambda: bool(_backends_waiting_on_a_lock(dsn)), "a blocked statement")
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+        previous = signal.signal(signal.SIGUSR1, raise_interrupt)
+        kicker = threading.Thread(target=kick)
+        try:
+            kicker.start()
+            with pytest.raises(_Interrupt):
+                store.acquire("k", "a", LONG_MS)
+            kicker.join(DEADLINE)
+        finally:
+            signal.signal(signal.SIGUSR1, previous)
+        self.check_after(store, blocked)
+
+    def test_an_async_exception_in_a_thread_during_acquire(
+        self, store: PostgresLockStore, blocked: psycopg.Connection[Any]
+    ) -> None:
+        """PyThreadState_SetAsyncExc (the threads pool's interrupt) lands once the reply comes."""
+        dsn = store._dsn
+        assert dsn is not None
+        outcome: list[object] = []
+
+        def body() -> None:
+            try:
+                outcome.append(store.acquire("k", "a", LONG_MS))
+            except _Interrupt as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=body)
+        worker.start()
+        _wait_for(lambda: bool(_backends_waiting_on_a_lock(dsn)), "a blocked statement")
+        assert worker.ident is not None
+        hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+            ctypes.c_ulong(worker.ident), ctypes.py_object(_Interrupt)
+        )
+        assert hit == 1
+        blocked.rollback()  # the statement now completes on the server, then the exception lands
+        worker.join(DEADLINE)
+        assert len(outcome) == 1 and isinstance(outcome[0], _Interrupt), outcome
+        self.check_after(store, blocked)

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import multiprocessing
 import os
+import signal
 import sqlite3
 import stat
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,7 +29,7 @@ from celery_lease.stores.base import (
 )
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock
-from tests.stores.contract import LONG_MS, StoreContract
+from tests.stores.contract import DEADLINE, LONG_MS, StoreContract, WallSteppingClock
 
 
 class TestSQLiteStore(StoreContract):
@@ -282,3 +288,449 @@ class TestSQLiteConfig:
         """Other URL forms raise LeaseConfigError naming the URL."""
         with pytest.raises(LeaseConfigError, match=r"url=|path="):
             SQLiteLockStore.from_url(url)
+
+
+# Clocks, boot ids and the previous file format (issue 8, item 8) --------------------------------
+
+_OLD_SCHEMA = """
+CREATE TABLE IF NOT EXISTS celery_lease (
+    key TEXT PRIMARY KEY,
+    owner TEXT NULL,
+    expires_ms INTEGER NOT NULL,
+    token INTEGER NOT NULL
+)
+"""
+
+
+class OldVersionStore:
+    """The previous release's SQLite store, reduced to its statements (copied verbatim).
+
+    It judges expiry by the wall clock ``expires_ms`` alone and knows nothing of the boot
+    columns: during a rolling upgrade such processes share the file with new ones.
+    """
+
+    def __init__(self, path: Path, clock: WallSteppingClock) -> None:
+        self.clock = clock
+        self.conn = sqlite3.connect(path, isolation_level=None, timeout=5)
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute(_OLD_SCHEMA)
+        self.conn.execute("COMMIT")
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            now = self.clock.time()
+            now_ms = round(now * 1000)
+            row = conn.execute(
+                "SELECT owner, expires_ms, token FROM celery_lease WHERE key = ?", (key,)
+            ).fetchone()
+            if row is not None and row[0] is not None and row[1] > now_ms:
+                return None
+            last = row[2] if row is not None else 0
+            token = max(last + 1, int(now * 1_000_000))
+            conn.execute(
+                "INSERT INTO celery_lease (key, owner, expires_ms, token) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (key) DO UPDATE SET owner = excluded.owner,"
+                " expires_ms = excluded.expires_ms, token = excluded.token",
+                (key, owner, now_ms + ttl_ms, token),
+            )
+            return int(token)
+        finally:
+            conn.execute("COMMIT")
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        now_ms = round(self.clock.time() * 1000)
+        cursor = self.conn.execute(
+            "UPDATE celery_lease SET expires_ms = ? WHERE key = ? AND owner = ? AND expires_ms > ?",
+            (now_ms + ttl_ms, key, owner, now_ms),
+        )
+        return cursor.rowcount == 1
+
+    def release(self, key: str, owner: str) -> None:
+        self.conn.execute(
+            "UPDATE celery_lease SET owner = NULL WHERE key = ? AND owner = ?", (key, owner)
+        )
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+_UNSHARE_TIME = ("unshare", "--time", "--fork", "--monotonic", "100000")
+
+
+def _columns(path: Path) -> list[str]:
+    with sqlite3.connect(path) as conn:
+        return [row[1] for row in conn.execute("PRAGMA table_info(celery_lease)")]
+
+
+class TestSQLiteClocks:
+    """Expiry follows the host's monotonic clock of this boot, never the wall clock."""
+
+    def test_the_default_boot_id_is_the_kernels(self, tmp_path: Path) -> None:
+        """On Linux the store tags its rows with /proc/sys/kernel/random/boot_id."""
+        boot_file = Path("/proc/sys/kernel/random/boot_id")
+        if not boot_file.exists():
+            pytest.skip("no boot id on this system (the store falls back to the wall clock)")
+        path = tmp_path / "leases.db"
+        store = SQLiteLockStore(path)
+        assert store.acquire("k", "a", LONG_MS) is not None
+        with sqlite3.connect(path) as conn:
+            (boot,) = conn.execute("SELECT boot_id FROM celery_lease WHERE key = 'k'").fetchone()
+        assert boot == boot_file.read_text().strip()
+        store.close()
+
+    def test_a_lease_written_in_another_boot_is_expired(self, tmp_path: Path) -> None:
+        """After a reboot (new boot id, monotonic clock restarted) every old lease is free.
+
+        Its wall-clock expiry is still in the future and the new boot's monotonic clock reads
+        less than the old expiry: only the boot id tells. Tokens keep growing (the counter).
+        """
+        path = tmp_path / "leases.db"
+        before = SQLiteLockStore(path, clock=WallSteppingClock(50_000.0), _boot_id="boot-1")
+        token = before.acquire("k", "a", LONG_MS)
+        assert token is not None
+        before.close()
+        clock = WallSteppingClock(12.0)  # 12 s after the new boot
+        clock.step_wall(50_000.0 - 12.0 + 5.0)  # the wall clock 5 s later than before
+        after = SQLiteLockStore(path, clock=clock, _boot_id="boot-2")
+        assert after.get("k") is None
+        assert after.renew("k", "a", LONG_MS) is False
+        again = after.acquire("k", "b", LONG_MS)
+        assert again is not None and again > token
+        after.close()
+
+    def test_tokens_grow_across_a_reboot_with_the_wall_clock_behind(self, tmp_path: Path) -> None:
+        """A new boot whose wall clock reads earlier (bad RTC) still issues larger tokens."""
+        path = tmp_path / "leases.db"
+        before = SQLiteLockStore(path, clock=WallSteppingClock(90_000.0), _boot_id="boot-1")
+        token = before.acquire("k", "a", 1000)
+        assert token is not None
+        before.close()
+        after = SQLiteLockStore(path, clock=WallSteppingClock(3.0), _boot_id="boot-2")
+        again = after.acquire("k", "b", LONG_MS)
+        assert again == token + 1
+        after.close()
+
+    def test_without_a_boot_id_expiry_falls_back_to_the_wall_clock(self, tmp_path: Path) -> None:
+        """No boot id (not Linux): the wall clock decides, so a step of it does move expiry."""
+        clock = WallSteppingClock(1000.0)
+        store = SQLiteLockStore(tmp_path / "leases.db", clock=clock, _boot_id=None)
+        token = store.acquire("k", "a", 10_000)
+        assert token is not None
+        assert store.acquire("k", "b", LONG_MS) is None
+        clock.step_wall(120.0)  # the documented limit of the fallback
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+        store.close()
+
+    def test_stores_with_and_without_a_boot_id_exclude_each_other(self, tmp_path: Path) -> None:
+        """A process that cannot read the boot id and one that can still exclude each other."""
+        clock = WallSteppingClock(1000.0)
+        path = tmp_path / "leases.db"
+        linux = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
+        blind = SQLiteLockStore(path, clock=clock, _boot_id=None)
+        assert linux.acquire("a", "l", 1000) is not None
+        assert blind.acquire("b", "f", 1000) is not None
+        assert blind.acquire("a", "f2", LONG_MS) is None
+        assert linux.acquire("b", "l2", LONG_MS) is None
+        assert blind.renew("b", "f", 2000) is True
+        assert linux.renew("a", "l", 2000) is True
+        clock.advance(1.5)
+        assert blind.acquire("a", "f2", LONG_MS) is None
+        assert linux.acquire("b", "l2", LONG_MS) is None
+        clock.advance(0.5)
+        assert blind.acquire("a", "f2", LONG_MS) is not None
+        assert linux.acquire("b", "l2", LONG_MS) is not None
+        linux.close()
+        blind.close()
+
+    def test_a_time_namespace_offset_does_not_change_expiry(self, tmp_path: Path) -> None:
+        """A process in a time namespace (its CLOCK_MONOTONIC shifted) judges leases like us.
+
+        The child runs under ``unshare --time --monotonic 100000``: read raw, its monotonic clock
+        is 100000 s ahead, so our lease would look long expired to it, and its own lease would
+        look live to us for a day.
+        """
+        if not Path("/proc/self/timens_offsets").exists():
+            pytest.skip("this kernel has no time namespaces")
+        probe = subprocess.run([*_UNSHARE_TIME, "true"], capture_output=True)
+        if probe.returncode != 0:
+            pytest.skip(f"cannot create a time namespace here: {probe.stderr!r}")
+        path = tmp_path / "leases.db"
+        store = SQLiteLockStore(path)
+        assert store.acquire("ours", "parent", LONG_MS) is not None
+        script = (
+            "import sys; from celery_lease.stores.sqlite import SQLiteLockStore;"
+            "s = SQLiteLockStore(sys.argv[1]);"
+            "print(s.acquire('ours', 'child', 60000), s.acquire('theirs', 'child', 300))"
+        )
+        child = subprocess.run(
+            [*_UNSHARE_TIME, sys.executable, "-c", script, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parents[2],
+        )
+        assert child.returncode == 0, child.stderr
+        refused, theirs = child.stdout.split()
+        assert refused == "None"  # our lease is live for the child too
+        assert theirs.isdigit()
+        info = store.get("theirs")
+        assert info is not None and info.expires_in <= 0.3  # not a day
+        deadline = time.monotonic() + 10
+        while store.acquire("theirs", "parent", LONG_MS) is None:
+            assert time.monotonic() < deadline, "the child's lease never expired for us"
+            time.sleep(0.02)
+        store.close()
+
+
+class TestSQLiteMigration:
+    """Files of the previous version (no boot columns) and its processes, during an upgrade."""
+
+    def test_an_old_format_file_gets_the_new_columns_and_keeps_its_leases(
+        self, tmp_path: Path
+    ) -> None:
+        """Opening an old file adds the columns; a live old-format lease is still respected."""
+        path = tmp_path / "leases.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(_OLD_SCHEMA)
+            conn.execute("INSERT INTO celery_lease VALUES ('held', 'old', 1005000, 41)")
+            conn.execute("INSERT INTO celery_lease VALUES ('free', NULL, 0, 77)")
+        clock = WallSteppingClock(1000.0)
+        store = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
+        assert store.acquire("held", "new", LONG_MS) is None
+        assert _columns(path)[:4] == ["key", "owner", "expires_ms", "token"]
+        assert set(_columns(path)) > {"key", "owner", "expires_ms", "token"}
+        info = store.get("held")
+        assert info is not None and (info.owner, info.token) == ("old", 41)
+        assert info.expires_in == pytest.approx(5.0)
+        free = store.acquire("free", "new", LONG_MS)
+        assert free is not None and free > 77
+        clock.advance(5.0)  # the old lease's wall-clock expiry
+        taken = store.acquire("held", "new", LONG_MS)
+        assert taken is not None and taken > 41
+        store.close()
+
+    def test_processes_opening_an_old_file_at_once_all_migrate_it(self, tmp_path: Path) -> None:
+        """New processes racing to upgrade one old-format file all succeed, columns added once."""
+        path = tmp_path / "leases.db"
+        with sqlite3.connect(path) as conn:
+            conn.execute(_OLD_SCHEMA)
+        ctx = multiprocessing.get_context("fork")
+        barrier = ctx.Barrier(6)
+        results: multiprocessing.Queue[object] = ctx.Queue()
+        children = [
+            ctx.Process(target=_first_acquire_in_child, args=(str(path), f"k{i}", barrier, results))
+            for i in range(6)
+        ]
+        for child in children:
+            child.start()
+        outcomes = [results.get(timeout=30) for _ in children]
+        for child in children:
+            child.join(30)
+        assert all(isinstance(o, int) for o in outcomes), outcomes
+        assert len(_columns(path)) == len(set(_columns(path)))
+
+    def test_old_and_new_processes_exclude_each_other(self, tmp_path: Path) -> None:
+        """Either version's lease blocks the other version, and either renews its own."""
+        path = tmp_path / "leases.db"
+        clock = WallSteppingClock(1000.0)
+        new = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
+        assert new.acquire("warm", "n", 1000) is not None  # migrates the file first
+        old = OldVersionStore(path, clock)
+        t_new = new.acquire("a", "n", 1000)
+        t_old = old.acquire("b", "o", 1000)
+        assert t_new is not None and t_old is not None
+        assert old.acquire("a", "o2", LONG_MS) is None  # new processes keep expires_ms
+        assert new.acquire("b", "n2", LONG_MS) is None
+        assert old.renew("b", "o", 2000) is True
+        assert new.renew("a", "n", 2000) is True
+        clock.advance(1.5)
+        assert old.acquire("a", "o2", LONG_MS) is None
+        assert new.acquire("b", "n2", LONG_MS) is None
+        clock.advance(0.5)
+        t_old2 = old.acquire("a", "o2", LONG_MS)
+        t_new2 = new.acquire("b", "n2", LONG_MS)
+        assert t_old2 is not None and t_old2 > t_new
+        assert t_new2 is not None and t_new2 > t_old
+        old.close()
+        new.close()
+
+    def test_boot_columns_left_by_an_earlier_lease_are_ignored(self, tmp_path: Path) -> None:
+        """An old process overwrites a row without touching the boot columns: they are stale.
+
+        New processes then judge that row by its wall-clock expiry: stale boot columns that say
+        "expired" do not free the old process's live lease, and stale ones that say "live" do
+        not keep its expired lease.
+        """
+        path = tmp_path / "leases.db"
+        clock = WallSteppingClock(1000.0)
+        new = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
+        old = OldVersionStore(path, clock)
+        assert new.acquire("short", "n", 1000) is not None
+        new.release("short", "n")
+        assert new.acquire("long", "n", LONG_MS) is not None
+        new.release("long", "n")
+        assert old.acquire("short", "o", LONG_MS) is not None  # boot columns: 1 s
+        assert old.acquire("long", "o", 1000) is not None  # boot columns: 60 s
+        clock.advance(2.0)
+        assert new.acquire("short", "n2", LONG_MS) is None  # old lease live for 58 s more
+        assert new.renew("short", "o", LONG_MS) is True  # and its owner is still seen
+        taken = new.acquire("long", "n2", LONG_MS)  # old lease expired 1 s ago
+        assert taken is not None
+        assert old.acquire("long", "o2", LONG_MS) is None
+        old.close()
+        new.close()
+
+
+# Interrupts inside a store call (suspected in issue 8: proved) -----------------------------------
+
+
+class _Interrupt(BaseException):
+    """What the Celery layer raises asynchronously in a revoked body (LockLostError's stand-in)."""
+
+
+def _write_lock_is_free(path: Path) -> bool:
+    conn = sqlite3.connect(path, isolation_level=None, timeout=0.2)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError:
+        return False
+    finally:
+        conn.close()  # rolls back
+    return True
+
+
+class TestSQLiteInterrupts:
+    """An exception raised asynchronously inside a store call leaves no transaction behind.
+
+    The store waits in ``BEGIN IMMEDIATE`` for another connection's write lock; while it waits
+    an exception is scheduled (a signal handler in the main thread, or
+    ``PyThreadState_SetAsyncExc`` as the threads pool's revoke does), then the other
+    connection lets go. Python runs the handler as soon as the sqlite3 call returns: between
+    ``BEGIN IMMEDIATE`` and the ``try`` that would roll it back.
+    """
+
+    def _blocked_begin(self, store: SQLiteLockStore, path: Path) -> tuple[Any, threading.Event]:
+        """Take the write lock elsewhere; return it and an event set when the store's BEGIN runs."""
+        assert store.acquire("warm", "w", LONG_MS) is not None  # opens the connection
+        blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        blocker.execute("BEGIN IMMEDIATE")
+        begun = threading.Event()
+
+        def trace(statement: str) -> None:
+            if statement.startswith("BEGIN"):
+                begun.set()
+
+        assert store._conn is not None
+        store._conn.set_trace_callback(trace)
+        return blocker, begun
+
+    def _check_recovered(self, store: SQLiteLockStore, path: Path) -> None:
+        assert store._conn is None or not store._conn.in_transaction
+        assert _write_lock_is_free(path), "the interrupted connection still holds the write lock"
+        assert not store._lock.locked()
+        token = store.acquire("after", "x", LONG_MS)
+        assert token is not None
+        store.release("after", "x")
+
+    def _signal_during_busy_wait(self, path: Path, key: str) -> bool:
+        """One try: SIGUSR2 (handler raising) while the store waits; whether it landed in it."""
+        store = SQLiteLockStore(path, busy_timeout=10)
+        blocker, begun = self._blocked_begin(store, path)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+
+        def handler(signum: int, frame: object) -> None:
+            raise _Interrupt
+
+        def interrupt() -> None:
+            begun.wait(DEADLINE)
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR2)
+            os.read(read_fd, 1)  # the C-level handler ran: the Python one is pending
+            blocker.execute("ROLLBACK")
+
+        previous = signal.signal(signal.SIGUSR2, handler)
+        old_fd = signal.set_wakeup_fd(write_fd)
+        helper = threading.Thread(target=interrupt)
+        helper.start()
+        try:
+            store.acquire(key, "a", LONG_MS)
+        except _Interrupt:
+            helper.join(DEADLINE)
+            self._check_recovered(store, path)
+            return True
+        finally:
+            helper.join(DEADLINE)
+            signal.set_wakeup_fd(old_fd)
+            signal.signal(signal.SIGUSR2, previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            blocker.close()
+            store.close()
+        return False  # the handler ran inside the trace callback, whose errors sqlite3 drops
+
+    def test_a_signal_during_the_busy_wait_leaves_the_file_unlocked(self, tmp_path: Path) -> None:
+        """A signal handler raising in the main thread while the store waits on the busy lock."""
+        assert threading.current_thread() is threading.main_thread()
+        path = tmp_path / "leases.db"
+        landed = any(self._signal_during_busy_wait(path, f"k{i}") for i in range(5))
+        assert landed, "the interrupt never landed in the store call"
+
+    def test_an_async_exception_during_the_busy_wait_leaves_the_file_unlocked(
+        self, tmp_path: Path
+    ) -> None:
+        """PyThreadState_SetAsyncExc (the threads pool's revoke) while the store waits."""
+        path = tmp_path / "leases.db"
+        store = SQLiteLockStore(path, busy_timeout=10)
+        blocker, begun = self._blocked_begin(store, path)
+        outcome: list[BaseException | int | None] = []
+
+        def body() -> None:
+            try:
+                outcome.append(store.acquire("k", "a", LONG_MS))
+            except _Interrupt as exc:
+                outcome.append(exc)
+
+        worker = threading.Thread(target=body)
+        worker.start()
+        assert begun.wait(DEADLINE)
+        set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+        assert set_async_exc(ctypes.c_ulong(worker.ident or 0), ctypes.py_object(_Interrupt)) == 1
+        blocker.execute("ROLLBACK")
+        worker.join(DEADLINE)
+        blocker.close()
+        assert len(outcome) == 1 and isinstance(outcome[0], _Interrupt), outcome
+        self._check_recovered(store, path)
+        store.close()
+
+    def test_a_failed_commit_leaves_no_transaction_open(self, tmp_path: Path) -> None:
+        """A COMMIT that raises (disk full, I/O error) is rolled back, not left holding the lock."""
+        path = tmp_path / "leases.db"
+        store = SQLiteLockStore(path)
+        assert store.acquire("warm", "w", LONG_MS) is not None
+        assert store._conn is not None
+        real = store._conn
+
+        class FailingCommit:
+            """Delegates to the real connection but fails every COMMIT."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(real, name)
+
+            def execute(self, sql: str, *args: object) -> object:
+                if sql == "COMMIT":
+                    raise sqlite3.OperationalError("disk I/O error")
+                return real.execute(sql, *args)
+
+        store._conn = FailingCommit()  # type: ignore[assignment]
+        with pytest.raises(StoreUnavailableError, match="disk I/O error"):
+            store.acquire("k", "a", LONG_MS)
+        assert store._conn is None  # the connection in a transaction was discarded (closed)
+        with pytest.raises(sqlite3.ProgrammingError):
+            real.execute("SELECT 1")
+        assert _write_lock_is_free(path)
+        assert store.get("k") is None  # the failed acquire did not take effect
+        assert store.acquire("k", "a", LONG_MS) is not None  # on a new connection
+        store.close()
