@@ -3,9 +3,20 @@
 :func:`run_locked` is what :class:`~celery_lease.LockedTask` and :func:`~celery_lease.locked`
 both call: it builds the key, takes the lease (waiting as configured), sets the request
 attributes, runs the body, applies the ``on_held`` / ``on_lost`` policies and releases the lease
-(or keeps it for ``cooldown``) before the result is stored. A running task that publishes a
-message with its own id (``retry()``, ``replace()``) releases its lease first, in a
-``before_task_publish`` receiver, so the new copy never finds its own lease held.
+(or keeps it for ``cooldown``) before the result is stored.
+
+Loss: ``lock_lost`` and ``on_lock_lost`` are user code and run on the core's dispatcher thread
+(a plain loss listener); the ``on_lost="revoke"`` interrupt is an immediate listener, run on the
+thread that recorded the loss. Neither runs on the renewer or the watchdog.
+
+Early release: a running task that publishes a message with its own id (``retry()``,
+``replace()``, ``apply_async(task_id=self.request.id)``) releases its lease first, in a
+``before_task_publish`` receiver, so the new copy never finds its own lease held. The lease is
+then lost with reason ``"released"``: the body, if it runs on, reads ``request.lock_lost`` True
+and ``check()`` raises; ``lock_released`` is sent (once), ``lock_lost`` and ``on_lock_lost`` are
+not (the holder let go itself), and no interrupt is fired from the publish (the usual
+``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
+``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
 """
 
 from __future__ import annotations
@@ -18,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery._state import get_current_app
-from celery.app.task import Context
 from celery.exceptions import Retry
 from celery.signals import before_task_publish
 
@@ -32,7 +42,7 @@ from celery_lease.lease import Lease, _LeaseContext, lease
 from celery_lease.options import LockOptions, retry_countdown
 from celery_lease.stores.base import LockStore, store_from_url
 
-__all__ = ["Spec", "run_locked"]
+__all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,101 +72,217 @@ _worker.on_process_reset(_forget_url_stores)
 
 
 class _Run:
-    """The state of one locked execution: its lease, its interrupter, whether it was released."""
+    """The state of one locked execution: its lease, requests, interrupter, how it ended.
+
+    ``requests`` are the requests this execution's body may see: the one the worker's tracer
+    pushed (or the one a direct call pushed), plus any that ``Task.__call__`` pushes further
+    down the class order (:func:`adopt_request`). The lock attributes are set on all of them.
+    ``task_id`` is the id of the execution (``None`` for a direct call): a message published
+    with it re-sends this execution.
+    """
 
     def __init__(self, task: Any, request: Any, key: str, options: LockOptions) -> None:
         self.task = task
-        self.request = request
+        self.task_id: str | None = getattr(request, "id", None) if request is not None else None
+        self.requests: list[Any] = []
         self.key = key
         self.options = options
         self.lease: Lease | None = None
         self.context: _LeaseContext | None = None
         self.released = False
-        describe = f"{getattr(task, 'name', task)}[{getattr(request, 'id', None)}]"
-        self.interrupter = Interrupter(key, describe)
+        self.released_early = False
+        self.awaiting_request = False
+        self.interrupter = Interrupter(key, f"{getattr(task, 'name', task)}[{self.task_id}]")
+        if request is not None:
+            self.adopt(request)
+
+    def adopt(self, request: Any) -> None:
+        """Set this execution's lock attributes on ``request`` (always overwritten)."""
+        if not any(r is request for r in self.requests):
+            self.requests.append(request)
+        held = self.lease
+        request.lock_key = self.key
+        request.lock_token = None if held is None else held.token
+        request.lock_waited = False if held is None else held.waited
+        request.lease = held
+        request._lease_run = True
+
+    def acquired(self, context: _LeaseContext, held: Lease) -> None:
+        """The lease is held: note it on every request, listen for its loss on the dispatcher.
+
+        A re-entered lease (an enclosing execution holds the same key) is the enclosing
+        holder's: its loss is reported, and its ``on_lost`` policy applied, by that holder.
+        """
+        self.context, self.lease = context, held
+        for request in self.requests:
+            self.adopt(request)
+        if not context._reentered:
+            held.add_loss_listener(self.on_lost)
 
     def start_body(self) -> None:
-        """Prepare the interrupt (``on_lost="revoke"``) and mark the body running."""
-        if self.options.on_lost == "revoke":
+        """Prepare the interrupt (``on_lost="revoke"``) and mark the body running.
+
+        The listener is added first: a lease lost already fires at once, before ``start()``,
+        and ``start()`` then raises ``AsyncLockLost`` (the body must not run).
+        """
+        if self.options.on_lost == "revoke" and self.context is not None:
+            if not self.context._reentered:
+                assert self.lease is not None
+                self.lease.add_loss_listener(self.interrupt, immediate=True)
             self.interrupter.start()
 
     def end_body(self) -> None:
-        """The body returned or raised: no interrupt may land from now on."""
+        """The body returned or raised: no interrupt may land from now on.
+
+        ``end()`` may raise ``AsyncLockLost`` (the interrupt landed after the body's last
+        bytecode: handled as the interrupt); if anything else lands inside it (a soft time
+        limit), it is called again before that propagates.
+        """
         if self.options.on_lost == "revoke":
-            self.interrupter.end()
+            try:
+                self.interrupter.end()
+            except AsyncLockLost:
+                raise
+            except BaseException:
+                self.interrupter.end()
+                raise
 
     @property
     def interrupted(self) -> bool:
         """Whether this run fired an interrupt."""
         return self.interrupter.fired
 
-    # Called in the renewer thread --------------------------------------------------------------
+    # Loss listeners -----------------------------------------------------------------------------
+
+    def interrupt(self, held: Lease) -> None:
+        """Immediate listener (on the thread that recorded the loss): stop the body. Quick.
+
+        Not for an early release: that is the body's own ``retry()`` / publish, and an interrupt
+        landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
+        """
+        reason = held.lost_reason or "lost"
+        if reason != "released":
+            self.interrupter.fire(reason)
 
     def on_lost(self, held: Lease) -> None:
-        """The lease is lost: mark the request, send ``lock_lost``, run the hook, maybe revoke."""
-        self.request.lock_lost = True
+        """Dispatched listener (the core's dispatcher thread): ``lock_lost`` and ``on_lock_lost``.
+
+        Not for an early release (``"released"``): the holder released the key itself, and
+        ``lock_released`` says so.
+        """
         reason = held.lost_reason or "lost"
+        if reason == "released":
+            return
         signals.send(
             signals.lock_lost,
             self.task,
             key=held.key,
             token=held.token,
             reason=reason,
-            task_id=getattr(self.request, "id", None),
+            task_id=self.task_id,
         )
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
                 hook(held)
             except Exception:
-                logger.exception("celery-lease: on_lock_lost of %s raised", self.task.name)
-        if self.options.on_lost == "revoke":
-            self.interrupter.fire(reason)
+                logger.exception(
+                    "celery-lease: on_lock_lost of %s raised", getattr(self.task, "name", "?")
+                )
 
     # Release ------------------------------------------------------------------------------------
 
+    def _send_released(self, held: Lease, held_seconds: float) -> None:
+        signals.send(
+            signals.lock_released,
+            self.task,
+            key=held.key,
+            token=held.token,
+            held_seconds=held_seconds,
+            task_id=self.task_id,
+        )
+
+    def release_early(self) -> None:
+        """The execution re-sends itself while its body runs: free the key now, once.
+
+        The lease is recorded lost with reason ``"released"`` before the key is free (the body
+        reads ``lock_lost`` True, ``check()`` raises); ``lock_released`` is sent for it. A
+        re-entered lease belongs to the enclosing holder and is left alone.
+        """
+        context, held = self.context, self.lease
+        if self.released or self.released_early or context is None or held is None:
+            return
+        if context._reentered:
+            return
+        held_seconds = held.held_seconds
+        self.released_early = True
+        if context.release_early("released"):
+            self._send_released(held, held_seconds)
+
     def release(self, exc: BaseException | None) -> None:
-        """Release the lease (or keep it for cooldown after success), once; send lock_released."""
-        if self.released or self.context is None or self.lease is None:
+        """Release the lease (or keep it for cooldown after success), once; send lock_released.
+
+        After an early release only the lease's frame is popped: nothing is released twice, and
+        the body's own exception (``Retry`` among them) is kept as it is.
+        """
+        context, held = self.context, self.lease
+        if self.released or context is None or held is None:
             return
         self.released = True
-        held = self.lease
+        if self.released_early:
+            context.__exit__(None, None, None)
+            return
         held_seconds = held.held_seconds
         try:
             if exc is None:
-                self.context.__exit__(None, None, None)
+                context.__exit__(None, None, None)
             else:
-                self.context.__exit__(type(exc), exc, exc.__traceback__)
+                context.__exit__(type(exc), exc, exc.__traceback__)
         finally:
             # A lost lease was not ours to release any more: lock_lost already said so.
-            if not self.context._reentered and not held.lost:
-                signals.send(
-                    signals.lock_released,
-                    self.task,
-                    key=held.key,
-                    token=held.token,
-                    held_seconds=held_seconds,
-                    task_id=getattr(self.request, "id", None),
-                )
+            if not context._reentered and not held.lost:
+                self._send_released(held, held_seconds)
 
 
 _active: ContextVar[tuple[_Run, ...]] = ContextVar("celery_lease_runs", default=())
 
 
-def _release_before_retry(headers: Mapping[str, Any] | None = None, **_: Any) -> None:
-    """A running locked task publishes a message with its own id (``retry()``, ``replace()``):
-    release its lease first, so the new message can never find its own lease still held."""
+def current_run(task_id: str | None) -> _Run | None:
+    """The innermost running execution (in this context) with ``task_id``, if any."""
+    if task_id is None:
+        return None
+    for run in reversed(_active.get()):
+        if run.task_id == task_id:
+            return run
+    return None
+
+
+def adopt_request(task: Any, request: Any) -> None:
+    """``task`` pushed ``request`` (``Task.__call__`` further down the class order): if the
+    innermost execution of ``task`` waits for the request its body will see, set the lock
+    attributes on it. Called by ``LockedTask.push_request``."""
     runs = _active.get()
-    if not runs or not headers:
+    if runs:
+        run = runs[-1]
+        if run.awaiting_request and run.task is task:
+            run.awaiting_request = False
+            run.adopt(request)
+
+
+def _release_before_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> None:
+    """A running locked task publishes a message with its own id (``retry()``, ``replace()``,
+    ``apply_async(task_id=...)``): release its lease first (early), so the new message can
+    never find its own lease still held."""
+    if not headers or not _active.get():
         return
     task_id = headers.get("id")
-    for run in reversed(runs):
-        if task_id is not None and getattr(run.request, "id", None) == task_id:
-            _release_quietly(run)
+    for run in reversed(_active.get()):
+        if task_id is not None and run.task_id == task_id:
+            run.release_early()
 
 
 before_task_publish.connect(
-    _release_before_retry, weak=False, dispatch_uid="celery_lease.release_before_retry"
+    _release_before_publish, weak=False, dispatch_uid="celery_lease.release_before_retry"
 )
 
 
@@ -190,46 +316,45 @@ def run_locked(
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     body: Callable[[], Any],
+    *,
+    adopt: bool = False,
 ) -> Any:
     """Run ``body`` under the lease of this execution and apply the policies.
 
     Args:
         task: the Task object (signal sender; ``retry()``, hooks), or ``None`` outside Celery.
-        request: the execution's request (a ``Context``), or ``None``.
+        request: the execution's request (a ``Context``), or ``None`` (a direct call whose
+            request ``body`` pushes, or no Celery at all).
         spec: the task's validated options and key function.
         args, kwargs: the arguments the key is built from (as the task is called).
         body: runs the task's body.
+        adopt: the body pushes the request its task body sees (``Task.__call__`` further down
+            the class order): the first request ``task`` pushes while ``body`` runs gets the
+            lock attributes too (see :func:`adopt_request`).
     """
     options = spec.options
     app = task.app if task is not None else get_current_app()
     settings = config.get_settings(app)
-    key = settings.key_prefix + spec.key_function(args, kwargs)
-    store = _store_for(options.store, app)
-    if request is not None:
-        request.lock_key = key
+    if request is not None:  # overwrite what a message header may have put there
+        request.lock_key = None
         request.lock_token = None
         request.lock_waited = False
-        request.lock_lost = False
         request.lease = None
-    run = _Run(task, request if request is not None else Context(), key, options)
+    key = settings.key_prefix + spec.key_function(args, kwargs)
+    run = _Run(task, request, key, options)
     context = lease(
         key,
-        store=store,
+        store=_store_for(options.store, app),
         ttl=config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL),
         wait=config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT),
         max_hold=options.max_hold,
         cooldown=options.cooldown,
-        on_lost=run.on_lost,
     )
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
         return _on_held(task, request, key, options, exc)
-    run.context, run.lease = context, held
-    if request is not None:
-        request.lock_token = held.token
-        request.lock_waited = held.waited
-        request.lease = held
+    run.acquired(context, held)
     if not context._reentered:
         signals.send(
             signals.lock_acquired,
@@ -238,15 +363,17 @@ def run_locked(
             token=held.token,
             waited=held.waited,
             wait_seconds=held.wait_seconds,
-            task_id=getattr(request, "id", None),
+            task_id=run.task_id,
         )
     runs_token = _active.set((*_active.get(), run))
     try:
         try:
             run.start_body()
+            run.awaiting_request = adopt
             try:
                 result = body()
             finally:
+                run.awaiting_request = False
                 run.end_body()
         except AsyncLockLost:
             if not run.interrupted:
@@ -262,16 +389,20 @@ def run_locked(
             raise
     finally:
         _active.reset(runs_token)
-        if request is not None:
-            request.lock_lost = held.lost
     run.release(None)
-    if held.lost and request is not None:
-        request.lock_lost = True
-    if held.lost:
+    if held.lost and held.lost_reason == "released":
+        logger.info(
+            "celery-lease: %s[%s] went on after releasing its lease on %r early (it re-sent"
+            " its own id)",
+            getattr(task, "name", "?"),
+            run.task_id,
+            key,
+        )
+    elif held.lost:
         logger.warning(
             "celery-lease: %s[%s] succeeded although its lease on %r was lost (%s)",
             getattr(task, "name", "?"),
-            getattr(request, "id", None),
+            run.task_id,
             key,
             held.lost_reason,
         )

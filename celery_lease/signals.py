@@ -14,13 +14,17 @@ so that prefork children inherit them::
   another holder had it first, ``wait_seconds`` is how long acquiring took (seconds).
 - ``lock_rejected(key)``: the key stayed held past ``wait``; the body did not run.
 - ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
-  ``"expired"``, ``"taken"`` or ``"max_hold"``. Sent from the renewer thread.
+  ``"expired"``, ``"taken"`` or ``"max_hold"``. Sent from the lease dispatcher's thread, never
+  the renewer's: a receiver that blocks delays no renewal and no ``on_lost="revoke"`` interrupt
+  (only other loss listeners queued behind it). It can arrive after the body ended.
 - ``lock_released(key, token, held_seconds)``: the lease was released (or kept for ``cooldown``)
-  after the body; ``held_seconds`` is how long it was held. Not sent for a lease that was lost
-  (``lock_lost`` was sent instead: there was nothing of ours left to release).
+  after the body, or released early because the running task published a message with its own
+  id (``retry()``; sent once, at that moment, from the publishing thread); ``held_seconds`` is
+  how long it was held. Not sent for a lease that was lost (``lock_lost`` was sent instead:
+  there was nothing of ours left to release). An early release sends no ``lock_lost``.
 
 Every signal also carries ``task_id``, the id of the execution (``None`` for a direct call), so
-a receiver can tell executions apart: ``lock_lost`` comes from the renewer thread, where
+a receiver can tell executions apart: ``lock_lost`` comes from another thread, where
 ``sender.request`` is not that execution's request.
 
 A receiver that raises is logged and never breaks the task.

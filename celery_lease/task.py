@@ -18,6 +18,10 @@ While the body runs, ``self.request`` carries ``lock_key``, ``lock_token``, ``lo
 returns the token anywhere in the call stack. What each pool does when the lease is lost with
 ``on_lost="revoke"`` is described in :mod:`celery_lease.interrupt`.
 
+``LockedTask`` is a drop-in base: a mixin's ``__call__`` (``class Base(LockedTask, DBTask)`` or
+``class Base(DBTask, LockedTask)``) runs once, through ``super().__call__()``, and the body sees
+the request Celery would give it in each mode, carrying the lock attributes.
+
 This module is the thin Celery-facing layer: options, validation at class creation and
 decoration time, and the ``__call__`` that hands each execution to the engine.
 """
@@ -27,14 +31,16 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from celery import Task
 from celery._state import _task_stack, get_current_task
+from celery.app import base as _celery_app_base
 
 from celery_lease.engine import Spec as _Spec
-from celery_lease.engine import run_locked
+from celery_lease.engine import adopt_request, current_run, run_locked
 from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.interrupt import REVOKE_GRACE
 from celery_lease.keys import make_key_function, validate_template
@@ -75,6 +81,114 @@ def _body_signature(run: Any, *, bound: bool) -> inspect.Signature | None:
     return sig
 
 
+def _closure_of(func: Any) -> dict[str, Any]:
+    """The free variables of ``func`` by name (empty cells left out)."""
+    values: dict[str, Any] = {}
+    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+def _is_pydantic_wrapper(func: Any) -> bool:
+    """Whether ``func`` is the ``wrapper`` of Celery's ``pydantic_wrapper`` (``pydantic=True``).
+
+    ``functools.wraps`` gives it the task function's names, so its code object tells.
+    """
+    code = getattr(func, "__code__", None)
+    return (
+        inspect.isfunction(func)
+        and code is not None
+        and code.co_name == "wrapper"
+        and "task_fun" in code.co_freevars
+        and code.co_filename == _celery_app_base.__file__
+    )
+
+
+def _model_annotation(annotation: Any, value: Any) -> Any:
+    """The pydantic model class Celery validates ``value`` with for ``annotation``, or None."""
+    from pydantic import BaseModel
+
+    if value is not None and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        others = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(others) == 1:
+            annotation = others[0]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _pydantic_validator(
+    cls: type, task: Any
+) -> Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+    """For a ``pydantic=True`` task: turn call arguments into what its body receives.
+
+    Celery validates the arguments of such a task into models inside ``run`` (its
+    ``pydantic_wrapper``): a model passed directly, its JSON form after the serializer and the
+    model default all reach the body as equal models, so the key is built from those. Uses the
+    wrapper's own validation helpers where Celery has them (5.7), else validates the same
+    annotations with pydantic. An argument that fails validation is keyed as it came (the body's
+    own validation then raises, as in Celery). ``None`` for a task without ``pydantic=True``.
+    """
+    run = inspect.getattr_static(cls, "run", None)
+    bound = not isinstance(run, staticmethod)
+    func = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
+    if not _is_pydantic_wrapper(func):
+        return None
+    free = _closure_of(func)
+    signature: inspect.Signature = free.get("task_signature") or inspect.signature(func)
+    get_model = free.get("get_argument_model")
+    validate_argument = free.get("validate_argument")
+    hints = free.get("type_hints")
+    if hints is None:
+        try:
+            hints = typing.get_type_hints(inspect.unwrap(func))
+        except Exception:  # unresolvable string annotations: fall back to the raw ones
+            hints = {}
+    strict = bool(free.get("strict", False))
+    context = {
+        **(free.get("context") or {}),
+        "celery_app": task.app,
+        "celery_task_name": task.name,
+    }
+
+    def model_for(name: str, value: Any) -> Any:
+        if get_model is not None:
+            return get_model(name, value)
+        annotation = hints.get(name, signature.parameters[name].annotation)
+        return _model_annotation(annotation, value)
+
+    def validate_one(model: Any, value: Any) -> Any:
+        if validate_argument is not None:
+            return validate_argument(model, value)
+        return model.model_validate(value, strict=strict, context=context)
+
+    def validate(
+        args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        try:
+            bound_args = (
+                signature.bind(task, *args, **kwargs) if bound else signature.bind(*args, **kwargs)
+            )
+        except TypeError:
+            return args, dict(kwargs)  # the key function raises the call's own TypeError
+        for name, value in list(bound_args.arguments.items()):
+            if bound and name == next(iter(signature.parameters)):
+                continue  # self
+            try:
+                model = model_for(name, value)
+                if model is not None:
+                    bound_args.arguments[name] = validate_one(model, value)
+            except Exception:  # keyed as it came; the body's validation raises the error
+                continue
+        positional = tuple(bound_args.args)
+        return (positional[1:] if bound else positional), dict(bound_args.kwargs)
+
+    return validate
+
+
 # LockedTask ----------------------------------------------------------------------------------
 
 
@@ -109,6 +223,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
     _lock_options: LockOptions = LockOptions()
     _lock_spec: _Spec | None = None
+    _lock_calls_through = False
+    """Whether another class in the class order defines ``__call__`` (run it under the lease)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -121,6 +237,11 @@ class LockedTask(Task):  # type: ignore[misc]
         key = cls.__dict__.get("lock_key")
         if isinstance(key, types.FunctionType):
             cls.lock_key = staticmethod(key)  # called with the task's arguments, not bound
+        cls._lock_calls_through = any(
+            "__call__" in vars(klass)
+            for klass in cls.__mro__
+            if klass not in (LockedTask, Task, object)
+        )
         cls._lock_configure()
 
     @classmethod
@@ -163,39 +284,109 @@ class LockedTask(Task):  # type: ignore[misc]
         spec = cls.__dict__.get("_lock_spec")
         if spec is None:
             sig = inspect.signature(self.run)
-            spec = _Spec(
-                cls._lock_options,
-                make_key_function(cls._lock_options.key, sig, task=self.name),
-            )
+            key_function = make_key_function(cls._lock_options.key, sig, task=self.name)
+            validate = _pydantic_validator(cls, self)
+            if validate is not None:
+                by_arguments = key_function
+
+                def key_function(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+                    return by_arguments(*validate(args, kwargs))
+
+            spec = _Spec(cls._lock_options, key_function)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the body under the lease (worker, eager and direct calls alike)."""
+        """Run the body under the lease (worker, eager and direct calls alike).
+
+        The lease is held around the rest of the class order: with a mixin whose ``__call__``
+        comes after ``LockedTask`` (``class Base(LockedTask, DBTask)``) that ``__call__`` runs
+        once, inside the lease, through ``super().__call__()``; without one, the body runs as
+        Celery runs a plain task's (the tracer's request, or one pushed for a direct call). The
+        key is built from the arguments this ``__call__`` receives (after Celery's pydantic
+        validation for ``pydantic=True`` tasks), and the lock attributes are set on every
+        request the body may see.
+        """
         top = self.request_stack.top
-        # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
-        own_request = top is None or top.called_directly or top._lease_run is not None
-        if own_request:
-            _task_stack.push(self)
-            self.push_request(args=args, kwargs=kwargs)
-        try:
-            request = self.request
-            request._lease_run = True
+        # The request the worker's tracer (or apply()) pushed for this execution, unclaimed.
+        claimed = top is not None and not top.called_directly and top._lease_run is None
+        spec = self._lock_get_spec()
+        if type(self)._lock_calls_through:
+            call_next = super().__call__
             return run_locked(
                 self,
-                request,
-                self._lock_get_spec(),
+                top if claimed else None,
+                spec,
                 args,
                 kwargs,
-                lambda: self.run(*args, **kwargs),
+                lambda: call_next(*args, **kwargs),
+                adopt=True,
+            )
+        if claimed:
+            return run_locked(self, top, spec, args, kwargs, lambda: self.run(*args, **kwargs))
+        # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
+        _task_stack.push(self)
+        self.push_request(args=args, kwargs=kwargs)
+        try:
+            return run_locked(
+                self, self.request, spec, args, kwargs, lambda: self.run(*args, **kwargs)
             )
         finally:
-            if own_request:
-                self.pop_request()
-                _task_stack.pop()
+            self.pop_request()
+            _task_stack.pop()
+
+    def push_request(self, *args: Any, **kwargs: Any) -> None:
+        """Push a request as Celery does; one pushed for a running execution's body (by
+        ``Task.__call__`` further down the class order) gets that execution's lock attributes."""
+        super().push_request(*args, **kwargs)
+        adopt_request(self, self.request)
+
+    def retry(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: Any = None,
+        countdown: Any = None,
+        max_retries: int | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``retry()``; the retry message is published after this execution's lease
+        was released (early: the lease reads lost with reason ``"released"``).
+
+        With ``throw=False`` and ``lock_on_lost="revoke"``, the ``Retry`` is raised anyway once
+        the retry was sent: the body may not run on without its lease, and the attempt ends in
+        RETRY. With ``lock_on_lost="mark"`` it returns as in Celery, and the body reads
+        ``request.lock_lost`` True. In eager mode nothing is published and the lease is kept.
+        """
+        retry = super().retry(
+            args=args,
+            kwargs=kwargs,
+            exc=exc,
+            throw=throw,
+            eta=eta,
+            countdown=countdown,
+            max_retries=max_retries,
+            **options,
+        )
+        run = current_run(getattr(self.request, "id", None))
+        if (
+            run is not None
+            and run.task is self
+            and run.released_early
+            and run.options.on_lost == "revoke"
+        ):
+            raise retry
+        return retry
 
     def on_lock_lost(self, lease: Lease) -> None:
-        """Called once, from the renewer thread, when the running body's lease is lost."""
+        """Called once when the running body's lease is lost (not after an early release).
+
+        It runs on the lease dispatcher's thread, never the renewer's, and may block without
+        delaying renewals or the interrupt; ``self.request`` there is not that execution's
+        request: use ``lease`` (``key``, ``token``, ``lost_reason``).
+        """
 
     def on_lock_rejected(self, key: str) -> None:
         """Called in the task's thread when ``key`` stayed held past ``wait`` (body not run)."""
@@ -272,6 +463,7 @@ def locked(
             )
 
         wrapper.__signature__ = full  # type: ignore[attr-defined]  # Celery ignores __wrapped__
+        wrapper._lock_options = options  # type: ignore[attr-defined]  # read by worker.check_worker
         return cast(F, wrapper)
 
     return decorate

@@ -49,7 +49,8 @@ class WorkerEnv:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def run_id(self) -> str:
-        return uuid.uuid4().hex[:12]
+        # A letter first: an all-digit string is keyed with a type tag (``~str.``) in templates.
+        return "r" + uuid.uuid4().hex[:11]
 
     def wait_file(self, name: str, timeout: float = TIMEOUT) -> Path:
         """Wait (polling) for a marker file written by a task body or receiver."""

@@ -18,6 +18,7 @@ from celery_lease import (
     LockLostError,
     LockNotAcquiredError,
     MemoryLockStore,
+    current_lease,
     get_lock_token,
     locked,
 )
@@ -58,6 +59,14 @@ def received() -> Iterator[list[tuple[str, dict[str, Any]]]]:
     yield seen
     for name, receiver in receivers.items():
         getattr(lease_signals, name).disconnect(receiver)
+
+
+def wait_for_signal(received: list[tuple[str, dict[str, Any]]], name: str) -> None:
+    """Wait (polling, real time) until the signal ``name`` was received."""
+    deadline = time.monotonic() + REAL_TIMEOUT
+    while not any(n == name for n, _ in received):
+        assert time.monotonic() < deadline, f"{name} was not sent within {REAL_TIMEOUT}s"
+        time.sleep(0.005)
 
 
 def hold(store: MemoryLockStore, key: str, ttl_ms: int = 60_000) -> None:
@@ -348,6 +357,7 @@ class TestLoss:
         with caplog.at_level(logging.WARNING):
             result = task.apply()
         assert result.state == "SUCCESS" and tuple(result.result) == (True, "taken")
+        wait_for_signal(received, "lock_lost")  # sent from the dispatcher, maybe after the body
         lost = [kw for name, kw in received if name == "lock_lost"]
         assert len(lost) == 1 and lost[0]["reason"] == "taken" and lost[0]["key"] == "m"
         assert lost[0]["task_id"] == result.id, "lock_lost names the execution it came from"
@@ -423,3 +433,174 @@ class TestErrorsAcrossBackends:
             back = backend.exception_to_python(data)
             assert type(back) is type(exc) and back.key == "acct:1"
             assert pickle.loads(pickle.dumps(back)).args == exc.args
+
+
+class TestEarlyRelease:
+    """A body that publishes its own task id (``retry()``, ``apply_async(task_id=...)``) frees
+    its key while it runs on: the lease reads lost with reason ``"released"``."""
+
+    def test_own_id_publish_marks_the_lease_released(
+        self, app: Celery, store: MemoryLockStore, received: list[Any]
+    ) -> None:
+        """After ``apply_async(task_id=self.request.id)``, lock_lost is True, check() raises
+        LockLostError("released"), another owner can take the key and keeps it."""
+
+        @app.task(bind=True, base=LockedTask, lock_key="early:{n}", shared=False)
+        def task(self: Any, n: int) -> dict[str, Any]:
+            self.apply_async((n,), task_id=self.request.id)  # to the memory broker, unconsumed
+            seen: dict[str, Any] = {
+                "held": store.get("early:1"),
+                "lost": self.request.lock_lost,
+                "reason": self.request.lease.lost_reason,
+            }
+            try:
+                self.request.lease.check()
+            except LockLostError as exc:
+                seen["check"] = exc.reason
+            seen["other"] = store.acquire("early:1", "someone-else", 60_000)
+            return seen
+
+        result = task.apply((1,))
+        assert result.state == "SUCCESS", result.traceback
+        seen = result.result
+        assert seen["held"] is None, "the key was free while the body ran on"
+        assert (seen["lost"], seen["reason"], seen.get("check")) == (True, "released", "released")
+        assert seen["other"] is not None
+        after = store.get("early:1")
+        assert after is not None and after.owner == "someone-else", "the new holder kept it"
+        names = [name for name, _ in received]
+        assert names == ["lock_acquired", "lock_released"], "released once, and no lock_lost"
+
+    def test_eager_retry_without_throw_publishes_nothing_and_keeps_the_lease(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """Eager ``retry(throw=False)`` sends no message: the lease stays held and not lost."""
+
+        @app.task(bind=True, base=LockedTask, lock_key="keep", shared=False)
+        def task(self: Any) -> list[Any]:
+            self.retry(countdown=0, throw=False)
+            held = store.get("keep")
+            return [held is not None and held.owner == self.request.lease.owner,
+                    self.request.lock_lost]  # fmt: skip
+
+        result = task.apply()
+        assert result.state == "SUCCESS", result.traceback
+        assert list(result.result) == [True, False]
+        assert store.get("keep") is None
+
+    def test_raise_retry_with_revoke_ends_in_success(self, app: Celery) -> None:
+        """``raise self.retry()`` with on_lost="revoke" retries (not FAILURE), then succeeds."""
+        attempts: list[int] = []
+
+        @app.task(
+            bind=True, base=LockedTask, lock_key="rv", lock_on_lost="revoke", max_retries=1,
+            shared=False,
+        )  # fmt: skip
+        def task(self: Any) -> int:
+            attempts.append(self.request.retries)
+            if self.request.retries == 0:
+                raise self.retry(countdown=0)
+            return 7
+
+        result = task.apply()
+        assert (result.state, result.result, attempts) == ("SUCCESS", 7, [0, 1])
+
+
+class TestLossListeners:
+    """lock_lost receivers and on_lock_lost are user code: never on the renewer's thread, and
+    one that blocks delays neither the interrupt nor anything else."""
+
+    def test_receiver_and_hook_run_off_the_renewer_and_watchdog(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """The lock_lost receiver and on_lock_lost run on another thread than the renewer's."""
+        threads: dict[str, str] = {}
+        done = threading.Event()
+
+        def receiver(sender: Any = None, **kwargs: Any) -> None:
+            threads["signal"] = threading.current_thread().name
+            if "hook" in threads:
+                done.set()
+
+        class Task(LockedTask):
+            def on_lock_lost(self, lease: Any) -> None:
+                threads["hook"] = threading.current_thread().name
+                if "signal" in threads:
+                    done.set()
+
+        @app.task(base=Task, lock_key="off", lock_ttl="0.3s", shared=False)
+        def task() -> bool:
+            return done.wait(REAL_TIMEOUT)
+
+        lease_signals.lock_lost.connect(receiver, weak=False)
+        try:
+            TestLoss()._lose_soon(store, "off")
+            result = task.apply()
+        finally:
+            lease_signals.lock_lost.disconnect(receiver)
+        assert result.result is True, threads
+        infrastructure = {"celery-lease-renewer", "celery-lease-watchdog"}
+        assert not {threads["signal"], threads["hook"]} & infrastructure, threads
+
+    def test_blocking_receiver_does_not_delay_the_interrupt(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """With on_lost="revoke", a lock_lost receiver blocked for seconds does not hold up the
+        interrupt of the body."""
+        unblock = threading.Event()
+        entered = threading.Event()
+
+        def blocking(sender: Any = None, **kwargs: Any) -> None:
+            entered.set()
+            unblock.wait(REAL_TIMEOUT / 2)
+
+        @app.task(
+            base=LockedTask, lock_key="blk", lock_ttl="0.3s", lock_on_lost="revoke", shared=False
+        )
+        def task() -> str:
+            deadline = time.monotonic() + REAL_TIMEOUT
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            return "finished"
+
+        lease_signals.lock_lost.connect(blocking, weak=False)
+        try:
+            TestLoss()._lose_soon(store, "blk")
+            started = time.monotonic()
+            result = task.apply()
+            elapsed = time.monotonic() - started
+            still_blocked = not unblock.is_set()
+        finally:
+            unblock.set()
+            lease_signals.lock_lost.disconnect(blocking)
+        assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
+        assert still_blocked and entered.wait(REAL_TIMEOUT)
+        assert elapsed < REAL_TIMEOUT / 4, f"the interrupt waited for the receiver ({elapsed:.1f}s)"
+
+    def test_revoke_lease_lost_before_the_body_starts_never_runs_it(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """on_lost="revoke": a lease lost between acquiring and the body (forced in a
+        lock_acquired receiver) fails with LockLostError and the body never runs."""
+        ran: list[int] = []
+
+        def lose_now(key: str = "", **kwargs: Any) -> None:
+            if key == "before":
+                store.force_release(key)
+                held = current_lease()
+                assert held is not None and held.wait_lost(REAL_TIMEOUT)
+
+        @app.task(
+            base=LockedTask, lock_key="before", lock_ttl="0.3s", lock_on_lost="revoke",
+            shared=False,
+        )  # fmt: skip
+        def task() -> None:
+            ran.append(1)
+
+        lease_signals.lock_acquired.connect(lose_now, weak=False)
+        try:
+            result = task.apply()
+        finally:
+            lease_signals.lock_acquired.disconnect(lose_now)
+        assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
+        assert ran == []

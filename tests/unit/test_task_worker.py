@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from celery.signals import before_task_publish
+from celery.signals import before_task_publish, task_failure
 
 from celery_lease import LockedTask, LockLostError, LockNotAcquiredError, MemoryLockStore
+from celery_lease import signals as lease_signals
 
 TIMEOUT = 10.0
 POLL = 0.01  # seconds between result polls
@@ -46,6 +47,48 @@ def env() -> Iterator[SimpleNamespace]:
             time.sleep(0.01)
         return "finished"
 
+    # Early release (retry(throw=False) lets the body run on): what each attempt saw.
+    copy_started, first_done = threading.Event(), threading.Event()
+    seen: dict[str, Any] = {}
+
+    def await_retry_stored(task: Any) -> None:
+        """A retried copy waits until the attempt before it stored RETRY (celery/celery#6115)."""
+        deadline = time.monotonic() + TIMEOUT
+        while task.AsyncResult(task.request.id).state != "RETRY" and time.monotonic() < deadline:
+            time.sleep(POLL)
+
+    @app.task(bind=True, base=LockedTask, lock_key="early", max_retries=1, shared=False)
+    def early(self: Any) -> str:
+        if self.request.retries:
+            seen["copy_token"] = self.request.lock_token
+            copy_started.set()
+            first_done.wait(TIMEOUT)
+            return "copy"
+        seen["first_token"] = self.request.lock_token
+        self.retry(countdown=0, throw=False)
+        seen["copy_ran"] = copy_started.wait(TIMEOUT)  # the retried copy holds the key now
+        seen["lost"] = self.request.lock_lost
+        try:
+            self.request.lease.check()
+        except LockLostError as exc:
+            seen["check"] = exc.reason
+        first_done.set()
+        return "first"
+
+    ran_on: list[str] = []
+
+    @app.task(
+        bind=True, base=LockedTask, lock_key="early-rv", lock_on_lost="revoke", max_retries=1,
+        shared=False,
+    )  # fmt: skip
+    def early_revoke(self: Any, throw: bool) -> str:
+        if self.request.retries:
+            await_retry_stored(self)
+            return "second"
+        self.retry(countdown=0, throw=throw)
+        ran_on.append(self.request.id)
+        return "first"
+
     with start_worker(
         app, pool="threads", concurrency=3, perform_ping_check=False, shutdown_timeout=TIMEOUT
     ):
@@ -56,6 +99,12 @@ def env() -> Iterator[SimpleNamespace]:
             retrying=retrying,
             skipping=skipping,
             revoked=revoked,
+            early=early,
+            early_revoke=early_revoke,
+            seen=seen,
+            copy_started=copy_started,
+            first_done=first_done,
+            ran_on=ran_on,
         )
     app.close()
 
@@ -95,3 +144,57 @@ def test_threads_pool_excludes_and_revokes(env: SimpleNamespace) -> None:
     with pytest.raises(LockLostError):
         first.get(timeout=TIMEOUT, interval=POLL)
     assert first.state == "FAILURE"
+
+
+class TestEarlyRelease:
+    """``retry(throw=False)`` publishes the retry and lets the body run on without its key."""
+
+    def test_body_running_on_after_retry_sees_its_lease_released(
+        self, env: SimpleNamespace
+    ) -> None:
+        """While the retried copy holds the key, the first body reads lock_lost True and
+        check() raises LockLostError("released"); lock_released is sent once per token and
+        lock_lost never."""
+        sent: list[tuple[str, Any]] = []
+
+        def on_signal(signal: Any = None, token: Any = None, **kwargs: Any) -> None:
+            sent.append((signal.name, token))
+
+        for name in ("lock_lost", "lock_released"):
+            getattr(lease_signals, name).connect(on_signal, weak=False)
+        try:
+            env.early.delay()
+            assert env.first_done.wait(TIMEOUT)
+            deadline = time.monotonic() + TIMEOUT
+            while len(sent) < 2 and time.monotonic() < deadline:
+                time.sleep(POLL)
+        finally:
+            for name in ("lock_lost", "lock_released"):
+                getattr(lease_signals, name).disconnect(on_signal)
+        seen = env.seen
+        assert seen["copy_ran"], "the retried copy acquired the key while the first body ran"
+        assert seen["copy_token"] > seen["first_token"]
+        assert (seen["lost"], seen.get("check")) == (True, "released")
+        assert sorted(sent) == sorted(
+            [("lock_released", seen["first_token"]), ("lock_released", seen["copy_token"])]
+        )
+
+    @pytest.mark.parametrize("throw", [True, False])
+    def test_revoke_stops_at_the_retry_and_ends_in_retry(
+        self, env: SimpleNamespace, throw: bool
+    ) -> None:
+        """on_lost="revoke": after ``retry()`` (even with throw=False) the body does not run
+        on; the attempt ends in RETRY, never FAILURE, and the retry succeeds."""
+        failures: list[Any] = []
+
+        def on_failure(task_id: Any = None, **kwargs: Any) -> None:
+            failures.append(task_id)
+
+        task_failure.connect(on_failure, weak=False)
+        try:
+            result = env.early_revoke.delay(throw)
+            assert result.get(timeout=TIMEOUT, interval=POLL) == "second"
+        finally:
+            task_failure.disconnect(on_failure)
+        assert result.id not in env.ran_on, "the body ran on without its lease"
+        assert failures == []
