@@ -505,8 +505,10 @@ class _LeaseContext:
                 token = store.acquire(self.key, owner, ttl_ms)
             except BaseException:
                 # The attempt may have taken effect and lost its reply: free it (the owner id
-                # is this attempt's own, so this can never free someone else's lease).
-                self._abandon(owner)
+                # is this attempt's own, so this can never free someone else's lease). On the
+                # dispatcher, so a store that just timed out does not make the caller wait for
+                # a second timeout before it sees the error.
+                get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {self.key!r}")
                 raise
             if token is not None:
                 break

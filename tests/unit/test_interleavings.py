@@ -74,6 +74,7 @@ from typing import Any
 import pytest
 
 from celery_lease import Lease, LockLostError, MemoryLockStore, StoreUnavailableError, lease
+from celery_lease.dispatch import drain
 from celery_lease.renewer import FLIGHT_WAIT, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
@@ -521,6 +522,7 @@ class TestAcquireReplyLost:
         store.trap("acquire", lose_reply=True)
         with pytest.raises(StoreUnavailableError), lease("k", store=store, clock=clock):
             pass
+        assert drain(), "the clean-up runs on the dispatcher"
         assert inner.get("k") is None, "an orphan would block the key for a whole ttl"
         (acquired,) = store.calls("acquire")
         assert [args[1] for args in store.calls("release")] == [acquired[1]]
@@ -537,6 +539,7 @@ class TestAcquireReplyLost:
         store.trap("acquire", lose_reply=True)
         with pytest.raises(StoreUnavailableError), lease("k", store=store, clock=clock):
             pass
+        assert drain()
         info = inner.get("k")
         assert info is not None and info.owner == "other"
 
