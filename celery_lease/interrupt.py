@@ -2,21 +2,52 @@
 
 One :class:`Interrupter` per locked execution. The task's thread calls :meth:`~Interrupter.start`
 before the body and :meth:`~Interrupter.end` right after it; the thread that learns of the loss
-calls :meth:`~Interrupter.fire`. What each pool does:
+(the renewer or the watchdog) calls :meth:`~Interrupter.fire`, which is quick and never blocks or
+raises. What each pool does:
 
-- prefork (a child's main thread) and solo (the main thread): ``SIGUSR1`` is sent to the main
-  thread with ``signal.pthread_kill``; our handler raises ``LockLostError`` in the body at once
-  (a blocking ``sleep`` or socket read is interrupted). In a prefork child, a body still running
-  :data:`REVOKE_GRACE` seconds later (stuck in C code) gets its child terminated with
-  ``SIGTERM``, as ``revoke(terminate=True)`` does.
-- threads: ``PyThreadState_SetAsyncExc`` raises ``LockLostError`` in the task's thread when it
-  next runs Python bytecode (not inside a blocking C call).
-- gevent: the task's greenlet is thrown ``LockLostError`` at its next switch.
+- prefork (a child's main thread) and solo (the main thread): :data:`INTERRUPT_SIGNAL`, a
+  real-time signal that neither billiard nor Celery uses, is sent to the main thread with
+  ``signal.pthread_kill``; our handler raises :class:`AsyncLockLost` in the body at once (a
+  blocking ``sleep`` or socket read is interrupted). ``SIGUSR1`` stays billiard's (soft time
+  limits) and Celery's (stack dumps): the two never share, count or swallow each other's signal.
+  In a prefork child, a body still running :data:`REVOKE_GRACE` seconds later (stuck in C code)
+  gets its child terminated with ``SIGTERM``, as ``revoke(terminate=True)`` does.
+- threads: ``PyThreadState_SetAsyncExc`` raises it in the task's thread when it next runs Python
+  bytecode (not inside a blocking C call).
+- gevent, eventlet: the task's greenlet is thrown it at its next switch, from a hub callback.
+
+The discipline that makes "nothing lands after ``end()``" hold:
+
+- ``fire()`` decides and delivers under the interrupter's lock, only while the body runs;
+  ``end()`` first marks the body ended (one assignment), then takes the same lock and cancels an
+  asynchronous exception not yet delivered. So a ``fire()`` either finished before ``end()``
+  took the lock (its exception is cancelled, or it already landed: in the body, or in ``end()``
+  itself) or sees the body ended and does nothing.
+- The signal handler and the green callbacks take no lock: they run between two bytecodes of
+  the very thread that may hold the lock (inside ``start()`` or ``end()``), so they only read
+  flags and write single attributes.
+
+Contract for the caller (the engine):
+
+- ``start()`` raises :class:`AsyncLockLost` when ``fire()`` came first (the lease was lost
+  before the body started): do not run the body.
+- ``end()`` may raise :class:`AsyncLockLost` (the interrupt landed between the body's last
+  bytecode and the cancel); that is the interrupt, handle it as one. Once ``end()`` has returned
+  or raised, no interrupt of this interrupter is pending or will ever land. ``end()`` is
+  idempotent: when anything else landed in the ``finally`` that calls it (a soft time limit),
+  call it again.
+- ``fire()`` called on the body's own thread or greenlet (a loss decided by the body itself,
+  e.g. an early release when it re-sends its own task id) interrupts nothing: the body is inside
+  our code at that moment, and an exception there could tear a publish in half.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import importlib
 import logging
+import os
 import signal
 import sys
 import threading
@@ -26,12 +57,29 @@ from typing import Any
 from celery_lease import worker as _worker
 from celery_lease.errors import LockLostError
 
-__all__ = ["REVOKE_GRACE", "AsyncLockLost", "Interrupter"]
+__all__ = ["INTERRUPT_SIGNAL", "REVOKE_GRACE", "AsyncLockLost", "Interrupter"]
 
 logger = logging.getLogger(__name__)
 
 REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
+
+_RESEND_INTERVAL = 0.05
+"""Seconds between copies of the interrupt signal while it is not delivered."""
+
+INTERRUPT_SIGNAL: int | None = (
+    int(signal.SIGRTMIN) + 6
+    if hasattr(signal, "SIGRTMIN") and hasattr(signal, "pthread_kill")
+    else None
+)
+"""The signal that interrupts a body in the main thread (``SIGRTMIN + 6``, 40 on Linux).
+
+A real-time signal: billiard (``SIGUSR1`` for soft time limits) and Celery (``SIGUSR1`` stack
+dumps, ``SIGUSR2`` rdb) use none, billiard's and Celery's child set-up does not reset it, and
+real-time signals queue instead of coalescing. ``None`` where the platform has no real-time
+signals (macOS): there the main thread is interrupted like a pool thread, when it next runs
+Python bytecode, and the prefork grace period still terminates a stuck child.
+"""
 
 
 class AsyncLockLost(LockLostError):
@@ -41,53 +89,95 @@ class AsyncLockLost(LockLostError):
         super().__init__(key, reason)
 
 
+class _SpentInterrupt(AsyncLockLost):
+    """Replaces an undelivered AsyncLockLost in ``end()`` and is caught there at once."""
+
+
+# The C call that raises in another thread. Arguments are built once, ahead of time: ``end()``
+# calls it with no Python bytecode before it, so nothing can land there first.
+_SET_ASYNC_EXC: Any = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
+_ASYNC_LOCK_LOST = ctypes.py_object(AsyncLockLost)
+_SPENT = ctypes.py_object(_SpentInterrupt)
+
+
+def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
+    """Make ``exc`` pending in thread ``thread_id`` (``None``: cancel); threads hit (0 or 1)."""
+    if _SET_ASYNC_EXC is None:
+        return 0
+    arg = _ASYNC_LOCK_LOST if exc is AsyncLockLost else ctypes.py_object(exc) if exc else None
+    return int(_SET_ASYNC_EXC(ctypes.c_ulong(thread_id), arg))
+
+
+# Main thread: the runs the signal handler may interrupt. Changed by the main thread only
+# (start, end, the handler itself), one C-level list operation at a time.
 _main_thread_runs: list[Interrupter] = []
-_signal_lock = threading.Lock()
-_previous_sigusr1: Any = None
-_our_signals = 0
 
 
-def _on_sigusr1(signum: int, frame: types.FrameType | None) -> None:
-    """SIGUSR1 in the main thread: raise in a lost body, or hand over to the previous handler."""
-    global _our_signals
-    with _signal_lock:
-        ours = _our_signals > 0
-        if ours:
-            _our_signals -= 1
-        target = next((r for r in reversed(_main_thread_runs) if r.due_interrupt()), None)
-    if target is not None:
-        raise AsyncLockLost(target.key, "revoked")
-    if not ours and callable(_previous_sigusr1):
-        _previous_sigusr1(signum, frame)
+def _forget_main_thread_runs() -> None:
+    """A forked child does not run its parent's bodies' interrupts."""
+    _main_thread_runs.clear()
 
 
-def _install_sigusr1() -> bool:
-    """Install our SIGUSR1 handler (main thread only); False where that is impossible."""
-    global _previous_sigusr1
-    if not hasattr(signal, "pthread_kill") or not hasattr(signal, "SIGUSR1"):
+os.register_at_fork(after_in_child=_forget_main_thread_runs)
+
+
+def _on_interrupt_signal(signum: int, frame: types.FrameType | None) -> None:
+    """:data:`INTERRUPT_SIGNAL` in the main thread: raise in the innermost lost running body.
+
+    Runs between two bytecodes of whatever the main thread was doing, which may be ``start()``
+    or ``end()`` holding an interrupter's lock: it takes no lock, reads the flags ``fire()`` set
+    (under its lock, before sending the signal) and ``start()``/``end()`` set (on this thread),
+    and writes single attributes. A signal with nothing due (a late one) does nothing.
+    """
+    for run in reversed(tuple(_main_thread_runs)):
+        if run._running and run._fired and not run._delivered:
+            run._delivered = True
+            with contextlib.suppress(ValueError):
+                _main_thread_runs.remove(run)
+            raise AsyncLockLost(run.key, "revoked")
+
+
+def _install_handler() -> bool:
+    """Install our handler for :data:`INTERRUPT_SIGNAL` (main thread only); False if impossible."""
+    if INTERRUPT_SIGNAL is None:
         return False
-    current = signal.getsignal(signal.SIGUSR1)
-    if current is not _on_sigusr1:
-        _previous_sigusr1 = current
-        signal.signal(signal.SIGUSR1, _on_sigusr1)
+    current = signal.getsignal(INTERRUPT_SIGNAL)
+    if current is not _on_interrupt_signal:
+        if current not in (signal.SIG_DFL, signal.SIG_IGN, None):
+            logger.warning(
+                "celery-lease: replacing the handler %r of signal %d, which on_lost='revoke' "
+                "uses to interrupt a body in the main thread",
+                current,
+                INTERRUPT_SIGNAL,
+            )
+        signal.signal(INTERRUPT_SIGNAL, _on_interrupt_signal)
     return True
 
 
-def _gevent_patched() -> bool:
-    monkey = sys.modules.get("gevent.monkey")
-    return bool(monkey is not None and monkey.is_module_patched("threading"))
-
-
-def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> None:
-    import ctypes
-
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(
-        ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc is not None else None
+def _handler_installed() -> bool:
+    return INTERRUPT_SIGNAL is not None and (
+        signal.getsignal(INTERRUPT_SIGNAL) is _on_interrupt_signal
     )
 
 
+def _greenlet() -> Any:
+    """The ``greenlet`` module (gevent and eventlet both run on it; it ships no type stubs)."""
+    return importlib.import_module("greenlet")
+
+
+def _green_pool() -> str:
+    """``"gevent"`` or ``"eventlet"`` when that library monkey-patched threading, else ``""``."""
+    monkey = sys.modules.get("gevent.monkey")
+    if monkey is not None and monkey.is_module_patched("threading"):
+        return "gevent"
+    patcher = sys.modules.get("eventlet.patcher")
+    if patcher is not None and patcher.is_monkey_patched("thread"):
+        return "eventlet"
+    return ""
+
+
 class Interrupter:
-    """Interrupts one body (its thread, main thread or greenlet) once, while it runs.
+    """Interrupts one body (its thread, the main thread or its greenlet) once, while it runs.
 
     Args:
         key: the lock key (for the exception raised in the body).
@@ -98,104 +188,176 @@ class Interrupter:
         self.key = key
         self.describe = describe
         self._lock = threading.Lock()
-        self._running = False
-        self._fired = False
-        self._delivered = False
+        self._ended = threading.Event()
+        self._state = "new"  # "new" -> "running" -> "ended", under _lock
+        self._running = False  # the same for lock-free readers; written by the task's thread
+        self._fired = False  # written under _lock
+        self._delivered = False  # the handler or green callback raised it
+        self._armed = False  # an async exception was set and may be pending (under _lock)
         self._mode = ""
-        self._target: Any = None
+        self._thread_id = 0
+        self._c_thread_id = ctypes.c_ulong(0)
+        self._greenlet: Any = None
+        self._hub: Any = None
 
     # Called in the task's thread ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Prepare the interrupt of this thread or greenlet; mark the body running."""
-        if _gevent_patched():
-            import gevent
+        """Prepare the interrupt of this thread or greenlet; mark the body running.
 
-            self._mode, self._target = "gevent", gevent.getcurrent()
-        elif threading.current_thread() is threading.main_thread() and _install_sigusr1():
-            self._mode, self._target = "signal", threading.main_thread().ident
-            _main_thread_runs.append(self)
+        Raises:
+            AsyncLockLost: :meth:`fire` came first (the lease is already lost): the body must
+                not run.
+        """
+        green = _green_pool()
+        self._thread_id = threading.get_ident()
+        self._c_thread_id = ctypes.c_ulong(self._thread_id)
+        if green:
+            self._mode, self._greenlet = green, _greenlet().getcurrent()
+            if green == "gevent":
+                import gevent
+
+                self._hub = gevent.get_hub()
+        elif threading.current_thread() is threading.main_thread() and _install_handler():
+            self._mode = "signal"
+            _main_thread_runs.append(self)  # before _running: a fire() from now on is seen
         else:
-            self._mode, self._target = "thread", threading.get_ident()
+            self._mode = "thread"
         with self._lock:
+            if self._fired:
+                self._state, self._delivered = "ended", True
+                if self._mode == "signal":
+                    _main_thread_runs.remove(self)
+                raise AsyncLockLost(self.key, "revoked")
+            self._state = "running"
             self._running = True
 
     def end(self) -> None:
-        """The body returned or raised: no interrupt may land from now on."""
-        with self._lock:
-            self._running = False
-            if self._mode == "thread" and self._fired and not self._delivered:
-                self._delivered = True
-                _set_async_exc(self._target, None)  # cancel it if not delivered yet
-        if self._mode == "signal":
-            with _signal_lock:
-                if self in _main_thread_runs:
-                    _main_thread_runs.remove(self)
+        """The body returned or raised: cancel an interrupt not yet delivered; idempotent.
 
-    def due_interrupt(self) -> bool:
-        """True once, when a fired interrupt should now raise in the body (signal handler)."""
-        with self._lock:
-            if self._running and self._fired and not self._delivered:
-                self._delivered = True
-                return True
-            return False
+        Raises:
+            AsyncLockLost: the interrupt landed here, after the body's last bytecode. After
+                ``end()`` returned or raised, nothing of this interrupter lands any more.
+        """
+        self._running = False  # first: from here the handler and green callbacks do nothing
+        if self._mode == "signal":
+            with contextlib.suppress(ValueError):
+                _main_thread_runs.remove(self)
+        with self._lock:  # a fire() in progress finishes first; later ones see the end
+            self._state = "ended"
+            if self._armed:
+                self._armed = False
+                try:
+                    # Replace a pending AsyncLockLost by a marker that lands right here. (A
+                    # cancel with NULL would leave CPython's eval-breaker flag set for good, up
+                    # to 3.11: every traced call then spins for ever - debuggers, coverage.)
+                    _SET_ASYNC_EXC(self._c_thread_id, _SPENT)
+                    for _ in range(1000):
+                        pass
+                    _SET_ASYNC_EXC(self._c_thread_id, None)  # not reached on CPython
+                except _SpentInterrupt:
+                    pass
+        self._ended.set()
 
     @property
     def fired(self) -> bool:
-        """Whether this interrupter fired."""
+        """Whether an interrupt was decided for this body (raised, or cancelled by ``end()``)."""
         return self._fired
 
     # Called in the thread that learnt of the loss ----------------------------------------------
 
     def fire(self, reason: str) -> None:
-        """Interrupt the body if it still runs (once); quick, never blocks."""
-        global _our_signals
-        with self._lock:
-            if not self._running or self._fired:
-                return
-            self._fired = True
-            mode, target = self._mode, self._target
-        logger.warning(
-            "celery-lease: stopping %s: its lease on %r was lost (%s)",
-            self.describe,
-            self.key,
-            reason,
-        )
-        if mode == "thread":
-            _set_async_exc(target, AsyncLockLost)
-        elif mode == "signal":
-            with _signal_lock:
-                _our_signals += 1
-            signal.pthread_kill(target, signal.SIGUSR1)
-            if _worker.in_pool_child():
-                threading.Thread(
-                    target=self._terminate_if_stuck, name="celery-lease-revoke", daemon=True
-                ).start()
-        elif mode == "gevent":
-            import gevent
+        """Interrupt the body if it still runs (once); quick, never blocks or raises.
 
-            gevent.get_hub().loop.run_callback(self._throw_into_greenlet)
+        Before :meth:`start` it makes ``start()`` raise; after :meth:`end`, and on the body's
+        own thread or greenlet, it does nothing.
+        """
+        try:
+            if self._fire(reason):
+                logger.warning(
+                    "celery-lease: stopping %s: its lease on %r was lost (%s)",
+                    self.describe,
+                    self.key,
+                    reason,
+                )
+        except Exception:  # never into the renewer or watchdog thread
+            logger.exception("celery-lease: could not interrupt %s", self.describe)
+
+    def _fire(self, reason: str) -> bool:
+        with self._lock:
+            if self._fired or self._state == "ended":
+                return False
+            if self._state == "new":
+                self._fired = True  # before start(): start() raises
+                return True
+            if not self._running:
+                return False  # end() has begun
+            if self._own_thread():
+                return False
+            if self._mode == "thread" or (self._mode == "signal" and not _handler_installed()):
+                if _SET_ASYNC_EXC is None:
+                    logger.error("celery-lease: cannot interrupt %s here", self.describe)
+                    return False
+                self._fired = self._armed = True
+                _set_async_exc(self._thread_id, AsyncLockLost)
+            elif self._mode == "signal":
+                assert INTERRUPT_SIGNAL is not None
+                self._fired = True
+                signal.pthread_kill(self._thread_id, INTERRUPT_SIGNAL)
+            elif self._mode == "gevent":
+                self._fired = True
+                self._hub.loop.run_callback_threadsafe(self._throw_into_greenlet)
+            elif self._mode == "eventlet":
+                self._fired = True
+                importlib.import_module("eventlet.hubs").get_hub().schedule_call_global(
+                    0, self._throw_into_greenlet
+                )
+        if self._mode == "signal" or (self._main_thread() and _worker.in_pool_child()):
+            threading.Thread(target=self._watch, name="celery-lease-revoke", daemon=True).start()
+        return True
+
+    def _own_thread(self) -> bool:
+        if self._mode in ("gevent", "eventlet"):
+            return bool(_greenlet().getcurrent() is self._greenlet)
+        return threading.get_ident() == self._thread_id
+
+    def _main_thread(self) -> bool:
+        return self._thread_id == threading.main_thread().ident
 
     def _throw_into_greenlet(self) -> None:
-        with self._lock:
-            if not self._running or self._delivered:
-                return
-            self._delivered = True
-        self._target.throw(AsyncLockLost(self.key, "revoked"))
+        """Hub callback (the body's greenlet is switched out): throw, unless it ended meanwhile.
 
-    def _terminate_if_stuck(self) -> None:
-        import os
+        No lock: the hub runs this between the body's switches, never inside start()/end().
+        """
+        if not self._running or self._delivered:
+            return
+        self._delivered = True
+        self._greenlet.throw(AsyncLockLost(self.key, "revoked"))
+
+    def _watch(self) -> None:
+        """After fire(), until the body ends: re-send the signal while it is undelivered; in a
+        prefork child, terminate the process once the body outlived :data:`REVOKE_GRACE`.
+
+        Re-sending matters: when our signal and another one (billiard's soft time limit,
+        ``SIGINT``) are handled in one go and the other handler raises, CPython (3.11) can leave
+        ours pending until the next signal arrives. A late copy is harmless (nothing is due).
+        """
         import time
 
         deadline = time.monotonic() + REVOKE_GRACE
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._running:
+        pool_child = self._main_thread() and _worker.in_pool_child()
+        while not self._ended.wait(_RESEND_INTERVAL):
+            if pool_child and time.monotonic() >= deadline:
+                logger.error(
+                    "celery-lease: %s ignored LockLostError for %.1fs; terminating its process",
+                    self.describe,
+                    REVOKE_GRACE,
+                )
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            if self._delivered:
+                if not pool_child:
                     return
-            time.sleep(0.05)
-        logger.error(
-            "celery-lease: %s ignored LockLostError for %.1fs; terminating its process",
-            self.describe,
-            REVOKE_GRACE,
-        )
-        os.kill(os.getpid(), signal.SIGTERM)
+            elif self._mode == "signal" and _handler_installed():
+                assert INTERRUPT_SIGNAL is not None
+                signal.pthread_kill(self._thread_id, INTERRUPT_SIGNAL)

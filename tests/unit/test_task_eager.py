@@ -569,12 +569,14 @@ class TestLossListeners:
             started = time.monotonic()
             result = task.apply()
             elapsed = time.monotonic() - started
+            # The receiver runs on the dispatcher: wait for it before disconnecting it.
+            reached = entered.wait(REAL_TIMEOUT)
             still_blocked = not unblock.is_set()
         finally:
             unblock.set()
             lease_signals.lock_lost.disconnect(blocking)
         assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
-        assert still_blocked and entered.wait(REAL_TIMEOUT)
+        assert reached and still_blocked, "the lock_lost receiver never ran"
         assert elapsed < REAL_TIMEOUT / 4, f"the interrupt waited for the receiver ({elapsed:.1f}s)"
 
     def test_revoke_lease_lost_before_the_body_starts_never_runs_it(
