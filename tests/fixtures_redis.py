@@ -4,8 +4,18 @@
 directory, on a free TCP port and a unix socket; ``redis_url`` and ``redis_client`` (function)
 hand out that server with its database flushed. ``redis_cluster_url`` (function) does the same
 for a one-node Redis Cluster (all 16384 slots on one server, started on first use), enough to
-catch cross-slot scripts and cluster-client differences. The shared Redis on 6379 is never
-touched.
+catch cross-slot scripts and cluster-client differences.
+
+For tests that reconfigure, fill, stop or fail over their servers:
+
+- ``redis_server_factory`` (function): ``start(*extra_args, password=None)`` starts a server of
+  the test's own (e.g. ``"--maxmemory-policy", "volatile-lru"``), stopped at teardown;
+- ``redis_sentinel`` (function): a :class:`SentinelGroup` of one master, one replica and one
+  Sentinel (quorum 1) on free ports, for failover tests;
+- ``redis_three_masters`` (module): a :class:`ClusterNodes` Redis Cluster of three masters (no
+  replicas) built with ``redis-cli --cluster create``.
+
+The shared Redis on 6379 is never touched.
 """
 
 from __future__ import annotations
@@ -14,7 +24,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -23,11 +33,16 @@ import redis
 from tests.support import free_port, service_missing
 
 __all__ = [
+    "ClusterNodes",
     "RedisServer",
+    "SentinelGroup",
     "redis_client",
     "redis_cluster_server",
     "redis_cluster_url",
+    "redis_sentinel",
     "redis_server",
+    "redis_server_factory",
+    "redis_three_masters",
     "redis_url",
 ]
 
@@ -42,14 +57,29 @@ class RedisServer:
         binary: path of the redis-server executable.
         directory: where its working files, socket and log go.
         port: the TCP port on 127.0.0.1 it listens on (kept across :meth:`restart`).
-        cluster: start a one-node Redis Cluster owning every slot.
+        cluster: start a one-node Redis Cluster owning every slot (its cluster bus gets a free
+            port of its own: the default, port + 10000, may not exist).
+        extra_args: more ``redis-server`` arguments (``"--maxmemory", "2mb"``), after ours.
+        password: the ``requirepass`` the server is started with (``None``: no auth); the
+            test clients of :meth:`client` use it.
     """
 
-    def __init__(self, binary: str, directory: Path, port: int, cluster: bool = False) -> None:
+    def __init__(
+        self,
+        binary: str,
+        directory: Path,
+        port: int,
+        cluster: bool = False,
+        extra_args: Sequence[str] = (),
+        password: str | None = None,
+    ) -> None:
         self.binary = binary
         self.directory = directory
         self.port = port
         self.cluster = cluster
+        self.extra_args = tuple(extra_args)
+        self.password = password
+        self.cluster_port = free_port() if cluster else None
         self.unix_socket = str(directory / "redis.sock")
         self._process: subprocess.Popen[bytes] | None = None
 
@@ -70,7 +100,11 @@ class RedisServer:
 
     def client(self, **kwargs: object) -> redis.Redis:
         """A new client for this server (short timeouts, for the tests' own checks)."""
-        options: dict[str, object] = {"socket_timeout": 5.0, "socket_connect_timeout": 1.0}
+        options: dict[str, object] = {
+            "socket_timeout": 5.0,
+            "socket_connect_timeout": 1.0,
+            "password": self.password,
+        }
         options.update(kwargs)
         return redis.Redis(host="127.0.0.1", port=self.port, **options)  # type: ignore[arg-type]
 
@@ -102,10 +136,19 @@ class RedisServer:
                     "--protected-mode",
                     "no",
                     *(
-                        ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+                        [
+                            "--cluster-enabled",
+                            "yes",
+                            "--cluster-config-file",
+                            "nodes.conf",
+                            "--cluster-port",
+                            str(self.cluster_port),
+                        ]
                         if self.cluster
                         else []
                     ),
+                    *(["--requirepass", self.password] if self.password is not None else []),
+                    *self.extra_args,
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -177,27 +220,47 @@ class RedisServer:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _start_server(
-    tmp_path_factory: pytest.TempPathFactory, name: str, cluster: bool
-) -> RedisServer:
+def _redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:
         service_missing(
             "redis-server binary on PATH", "apt-get update && apt-get install -y redis-server"
         )
-    directory = tmp_path_factory.mktemp(name)
+    return binary
+
+
+def _start_in(
+    directory: Path,
+    cluster: bool = False,
+    extra_args: Sequence[str] = (),
+    password: str | None = None,
+) -> RedisServer:
+    """Start a server in ``directory`` on a free port (three tries: the port may be taken)."""
+    binary = _redis_binary()
     error: Exception | None = None
     for _ in range(3):  # another process may grab the free port before redis-server binds it
-        server = RedisServer(binary, directory, free_port(), cluster=cluster)
+        server = RedisServer(
+            binary,
+            directory,
+            free_port(),
+            cluster=cluster,
+            extra_args=extra_args,
+            password=password,
+        )
         try:
             server.start()
         except RuntimeError as exc:
             error = exc
             continue
-        break
-    else:
-        raise RuntimeError(f"could not start redis-server: {error}")
-    return server
+        return server
+    raise RuntimeError(f"could not start redis-server: {error}")
+
+
+def _start_server(
+    tmp_path_factory: pytest.TempPathFactory, name: str, cluster: bool
+) -> RedisServer:
+    _redis_binary()
+    return _start_in(tmp_path_factory.mktemp(name), cluster=cluster)
 
 
 def _stop_server(server: RedisServer) -> None:
@@ -258,3 +321,330 @@ def redis_client(redis_server: RedisServer, redis_url: str) -> Iterator[redis.Re
         yield client
     finally:
         client.close()
+
+
+@pytest.fixture
+def redis_server_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., RedisServer]]:
+    """``start(*extra_args, password=None)``: a redis-server of this test alone, on a free port.
+
+    Each server gets its own temporary directory and is stopped at the end of the test; the
+    test may reconfigure, fill or stop it.
+    """
+    started: list[RedisServer] = []
+
+    def start(*extra_args: str, password: str | None = None) -> RedisServer:
+        _redis_binary()
+        server = _start_in(
+            tmp_path_factory.mktemp("own-redis"), extra_args=extra_args, password=password
+        )
+        started.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            _stop_server(server)
+
+
+def _wait(what: str, condition: Callable[[], bool], timeout: float) -> None:
+    """Poll ``condition`` every 10 ms until it is true; RuntimeError naming ``what`` after
+    ``timeout`` seconds. Redis errors while polling count as "not yet"."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if condition():
+                return
+        except redis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.01)
+
+
+class SentinelGroup:
+    """One master, one replica and one Sentinel on free ports of 127.0.0.1, for failover tests.
+
+    The Sentinel monitors :attr:`SERVICE` with quorum 1, ``down-after-milliseconds`` 1000 and
+    ``failover-timeout`` 3000; both servers sync without the diskless delay, so the group is
+    ready in well under a second. :meth:`failover` runs ``SENTINEL FAILOVER``: the replica is
+    promoted within about 0.2 s and Sentinel names it about 0.5 s later, while the old master
+    stays a writable master until Sentinel demotes it about 10 s after that (measured with
+    Redis 7.0).
+
+    Args:
+        directory: where the three processes keep their files (one subdirectory each).
+    """
+
+    SERVICE = "celery-lease-test"
+    """The Sentinel service name of the group."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.master: RedisServer | None = None
+        self.replica: RedisServer | None = None
+        self.sentinel_port = 0
+        self._sentinel: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        """``redis+sentinel://127.0.0.1:<sentinel port>/<service>`` (db 0)."""
+        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{self.SERVICE}"
+
+    @property
+    def servers(self) -> tuple[RedisServer, RedisServer]:
+        """The first master and the first replica (their roles swap on a failover)."""
+        assert self.master is not None and self.replica is not None, "start() first"
+        return self.master, self.replica
+
+    def start(self) -> None:
+        """Start master, replica and Sentinel; return once Sentinel sees the synced replica."""
+        sync = ("--repl-diskless-sync-delay", "0")
+        (self.directory / "master").mkdir()
+        (self.directory / "replica").mkdir()
+        (self.directory / "sentinel").mkdir()
+        self.master = _start_in(self.directory / "master", extra_args=sync)
+        self.replica = _start_in(
+            self.directory / "replica",
+            extra_args=(*sync, "--replicaof", "127.0.0.1", str(self.master.port)),
+        )
+        self._start_sentinel()
+        replica = self.servers[1]
+        check = replica.client(socket_timeout=0.5)
+        try:
+            _wait(
+                "the replica's first sync",
+                lambda: check.info("replication")["master_link_status"] == "up",
+                _START_TIMEOUT,
+            )
+        finally:
+            check.close()
+        _wait("Sentinel discovering the replica", self._sentinel_sees_replica, _START_TIMEOUT)
+
+    def _start_sentinel(self) -> None:
+        master, _ = self.servers
+        directory = self.directory / "sentinel"
+        for _ in range(3):  # the free port may be taken before the Sentinel binds it
+            self.sentinel_port = free_port()
+            config = directory / "sentinel.conf"  # Sentinel rewrites it: it must be writable
+            config.write_text(
+                f"port {self.sentinel_port}\n"
+                "bind 127.0.0.1\n"
+                "protected-mode no\n"
+                f"dir {directory}\n"
+                f"sentinel monitor {self.SERVICE} 127.0.0.1 {master.port} 1\n"
+                f"sentinel down-after-milliseconds {self.SERVICE} 1000\n"
+                f"sentinel failover-timeout {self.SERVICE} 3000\n"
+            )
+            log = open(directory / "sentinel.log", "ab")  # noqa: SIM115 - owned by the process
+            try:
+                self._sentinel = subprocess.Popen(
+                    [_redis_binary(), str(config), "--sentinel"],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=directory,
+                )
+            finally:
+                log.close()
+            client = self.sentinel_client()
+            try:
+                _wait("the Sentinel answering PING", client.ping, 2.0)
+                return
+            except RuntimeError:
+                self._stop_sentinel()
+            finally:
+                client.close()
+        raise RuntimeError(f"could not start redis-sentinel:\n{self.sentinel_log()}")
+
+    def _sentinel_sees_replica(self) -> bool:
+        client = self.sentinel_client()
+        try:
+            replicas = client.sentinel_slaves(self.SERVICE)
+        finally:
+            client.close()
+        return any(
+            r.get("is_slave") and not r.get("is_sdown") and r.get("master-link-status") == "ok"
+            for r in replicas
+        )
+
+    def sentinel_client(self) -> redis.Redis:
+        """A new client of the Sentinel (short timeouts)."""
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.sentinel_port,
+            socket_timeout=2.0,
+            socket_connect_timeout=1.0,
+        )
+
+    def master_port(self) -> int:
+        """The port of the master the Sentinel names now."""
+        client = self.sentinel_client()
+        try:
+            address = client.sentinel_get_master_addr_by_name(self.SERVICE)
+        finally:
+            client.close()
+        return int(address[1])
+
+    def server(self, port: int) -> RedisServer:
+        """The server of the group listening on ``port``."""
+        return next(s for s in self.servers if s.port == port)
+
+    def failover(self, timeout: float = _START_TIMEOUT) -> tuple[RedisServer, RedisServer]:
+        """``SENTINEL FAILOVER``, then wait until the Sentinel names the replica.
+
+        Returns ``(old master, new master)``. The old master is still a writable master then.
+        """
+        old = self.server(self.master_port())
+        new = next(s for s in self.servers if s is not old)
+        client = self.sentinel_client()
+        try:
+            client.execute_command("SENTINEL", "FAILOVER", self.SERVICE)
+        finally:
+            client.close()
+        _wait(
+            "the Sentinel naming the promoted replica",
+            lambda: self.master_port() == new.port,
+            timeout,
+        )
+        return old, new
+
+    def sentinel_log(self) -> str:
+        """The Sentinel's log so far (``+switch-master`` and friends)."""
+        path = self.directory / "sentinel" / "sentinel.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def stop_sentinel(self) -> None:
+        """Stop the Sentinel (the servers keep running; nothing fails over any more)."""
+        self._stop_sentinel()
+
+    def _stop_sentinel(self) -> None:
+        process, self._sentinel = self._sentinel, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def stop(self) -> None:
+        """Stop the Sentinel first (no failover during teardown), then both servers."""
+        self._stop_sentinel()
+        for server in (self.master, self.replica):
+            if server is not None:
+                _stop_server(server)
+
+
+@pytest.fixture
+def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    """A started :class:`SentinelGroup` of this test alone, stopped at the end."""
+    _redis_binary()
+    group = SentinelGroup(tmp_path_factory.mktemp("sentinel-group"))
+    try:
+        group.start()
+        yield group
+    finally:
+        group.stop()
+
+
+class ClusterNodes:
+    """A Redis Cluster of three masters (no replicas) on free ports of 127.0.0.1.
+
+    Built with ``redis-server --cluster-enabled yes`` three times and ``redis-cli --cluster
+    create ... --cluster-yes`` (about 2 s). Each node's cluster bus gets a free port of its own.
+
+    Args:
+        directory: where the nodes keep their files (one subdirectory each).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.nodes: list[RedisServer] = []
+
+    @property
+    def seeds(self) -> list[tuple[str, int]]:
+        """``(host, port)`` of every node."""
+        return [("127.0.0.1", node.port) for node in self.nodes]
+
+    def start(self) -> None:
+        """Start the nodes, join them, and wait until every node reports ``cluster_state:ok``."""
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            service_missing("redis-cli binary on PATH", "apt-get install -y redis-tools")
+        for index in range(3):
+            directory = self.directory / f"node{index}"
+            directory.mkdir()
+            self.nodes.append(
+                _start_in(
+                    directory,
+                    extra_args=(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-port",
+                        str(free_port()),
+                    ),
+                )
+            )
+        result = subprocess.run(
+            [cli, "--cluster", "create", *(f"{h}:{p}" for h, p in self.seeds), "--cluster-yes"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise RuntimeError(
+                f"redis-cli --cluster create failed:\n{result.stdout}{result.stderr}"
+            )
+        for node in self.nodes:
+            client = node.client(socket_timeout=0.5)
+            try:
+                _wait(
+                    f"cluster_state:ok on node {node.port}",
+                    lambda c=client: (
+                        _cluster_info(c).get("cluster_state") == "ok"
+                        and _cluster_info(c).get("cluster_known_nodes") == "3"
+                    ),
+                    _START_TIMEOUT,
+                )
+            finally:
+                client.close()
+
+    def flush(self) -> None:
+        """FLUSHALL on every node."""
+        for node in self.nodes:
+            client = node.client()
+            try:
+                client.flushall()
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        """Stop every node."""
+        for node in self.nodes:
+            _stop_server(node)
+
+
+def _cluster_info(client: redis.Redis) -> dict[str, str]:
+    info = client.cluster("INFO")
+    if isinstance(info, (bytes, str)):
+        text = info.decode() if isinstance(info, bytes) else info
+        return dict(line.split(":", 1) for line in text.split() if ":" in line)
+    return {str(k): str(v) for k, v in info.items()}
+
+
+@pytest.fixture(scope="module")
+def redis_three_masters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterNodes]:
+    """A started three-master :class:`ClusterNodes` for the test module, stopped at the end."""
+    _redis_binary()
+    cluster = ClusterNodes(tmp_path_factory.mktemp("cluster3"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -11,11 +11,22 @@ script touches a single slot. The prefix (no braces allowed) keeps them apart fr
 Celery and kombu (``celery-task-meta-*``, ``_kombu.*``, queue names).
 
 Fencing tokens: the next token is ``max(counter + 1, server TIME in microseconds)``, computed in
-the script. The counter alone would restart from 1 when the server restarts without persistence
-or fails over to a replica that missed the last increments; the server clock keeps the tokens
-increasing in those cases, **assuming the Redis servers' clocks do not jump back** (keep them on
-NTP; a replica promoted by Sentinel must not be behind the old master by more than the time
-between two acquires of one key). Values stay far below 2**53, where Lua numbers are exact.
+the script. The counter alone would restart from 1 when the server restarts without persistence,
+fails over to a replica that missed the last increments, or evicts the counter; the server clock
+keeps the tokens increasing in those cases, **assuming the Redis servers' clocks do not jump
+back** (keep them on NTP; a promoted replica's clock must not be behind the old master's by more
+than the time between two acquires of one key). Values stay far below 2**53, where Lua numbers
+are exact.
+
+Sentinel: before every acquire and every renewal call the store asks a Sentinel which server is
+the master now (``SENTINEL GET-MASTER-ADDR-BY-NAME``, one round trip to a Sentinel) and, when it
+changed, drops the pooled connections to the old one, so renewals move to the new master at the
+first sweep after Sentinel switched (the old master stays writable until Sentinel demotes it,
+about 10 s later). With ``min_replicas`` (1 by default for Sentinel-managed stores) every acquire
+and renewal is followed by ``WAIT`` in the same pipeline (still one round trip) and counts only
+when that many replicas acknowledged it: a renewal a failover would lose is never trusted, so a
+holder is either renewed on the master that takes over or told its lease is lost within its ttl.
+docs/stores.md (Redis) says exactly what is and is not guaranteed.
 
 Nothing read from Redis is ever unpickled: values are plain strings and integers.
 """
@@ -28,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 import redis
 import redis.cluster
@@ -40,6 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from celery_lease.clock import SYSTEM_CLOCK
+from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
 
@@ -66,6 +78,9 @@ DEFAULT_PREFIX = "celery-lease:"
 SOCKET_TIMEOUT = 5.0
 """Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""
 
+REPLICA_TIMEOUT = 0.2
+"""Seconds an acquire or renewal waits (``WAIT``) for ``min_replicas`` acknowledgements."""
+
 SIGNAL_TTL_MS = 60_000
 """Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
 
@@ -78,10 +93,18 @@ the next token is then floored by the server clock alone, far above any token of
 
 # KEYS[1] the lease hash, KEYS[2] the token counter.
 # ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
-# Returns the new fencing token as a decimal string (max(counter + 1, server TIME in
-# microseconds)), or false (nil) when the key has a live lease.
+# Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
+# lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
+# acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
+# counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
+# after a lost reply gets its lease back.
 ACQUIRE_SCRIPT = """
-if redis.call('EXISTS', KEYS[1]) == 1 then
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if lease[1] then
+    if lease[1] == ARGV[1] then
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return lease[2]
+    end
     return false
 end
 local now = redis.call('TIME')
@@ -188,6 +211,8 @@ _INSPECT = _Script(INSPECT_SCRIPT)
 
 _RETRIED = (RedisConnectionError, RedisTimeoutError)
 
+_Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
+
 
 class RedisLockStore:
     """A :class:`~celery_lease.LockStore` on Redis (standalone, Sentinel-managed or Cluster).
@@ -198,24 +223,44 @@ class RedisLockStore:
 
     Every operation is one EVALSHA round trip; when the server does not know the script
     (``NOSCRIPT``, e.g. after a restart or ``SCRIPT FLUSH``) it is loaded and the call redone.
-    A connection error or timeout is retried once (a connection dropped by a server restart);
-    then, like any other Redis error, it raises ``StoreUnavailableError`` with the driver's error
-    chained. redis-py's connection pools reconnect after ``fork()``, so one store can be created
-    before Celery forks its pool workers.
+    A connection error or timeout is retried once (a connection dropped by a server restart, or
+    a reply lost after the server ran the command: every script is safe to run twice, acquire
+    included, which gives the retry its own lease back); then, like any other Redis error, it
+    raises ``StoreUnavailableError`` naming the store (host, port and db; Sentinel hosts,
+    service and master; or cluster nodes; never a password), the operation, the key and the
+    server's own message, with the driver's error chained. redis-py's connection pools reconnect
+    after ``fork()``, so one store can be created before Celery forks its pool workers.
+
+    On a Sentinel-managed client, acquire and renewals first ask a Sentinel for the current
+    master (one more round trip, to the Sentinel) and leave the old master as soon as Sentinel
+    names another. With ``min_replicas`` > 0, acquire and renewals are pipelined with ``WAIT``
+    (no extra round trip; the reply waits for the replicas' acknowledgement, about one
+    master-replica round trip): an acquire not acknowledged in time is released again and
+    raises ``StoreUnavailableError``; a renewal not acknowledged raises it too, so the holder
+    keeps counting from its last confirmed renewal and the lease is reported lost if none gets
+    through within its ttl.
 
     Args:
-        client_or_url: a ``redis.Redis`` or ``redis.cluster.RedisCluster`` (used as is; its
-            ``socket_timeout`` should exceed a few seconds), or a URL: ``redis://``,
-            ``rediss://`` (TLS), ``unix://``, or
+        client_or_url: a ``redis.Redis`` (also one from ``Sentinel.master_for``) or a
+            ``redis.cluster.RedisCluster`` (used as is; its ``socket_timeout`` should exceed a
+            few seconds), or a URL: ``redis://``, ``rediss://`` (TLS), ``unix://``, or
             ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``
             (see :func:`parse_sentinel_url`). Clients built from a URL get
             ``socket_timeout`` and ``socket_connect_timeout`` of 5 s unless the URL sets them,
             ``decode_responses=False`` and no redis-py retries (the store retries once itself).
+            Every URL may also carry ``min_replicas`` and ``replica_timeout`` in its query.
         prefix: prepended to every key (default ``"celery-lease:"``); must not contain ``{`` or
             ``}``, which would break the Cluster hash tag.
+        min_replicas: replicas that must acknowledge (``WAIT``) an acquire or a renewal before
+            it counts. Default (``None``): the URL's ``min_replicas``, else 1 for a
+            Sentinel-managed master and 0 (no ``WAIT``) otherwise. Not supported on a Cluster.
+        replica_timeout: how long (a duration: seconds, ``"250ms"``) one ``WAIT`` may block.
+            Default: the URL's ``replica_timeout``, else 0.2 s; must be shorter than the
+            client's ``socket_timeout``.
 
     Raises:
-        LeaseConfigError: for a bad URL, client or prefix.
+        LeaseConfigError: for a bad URL, client, prefix, ``min_replicas`` or
+            ``replica_timeout``.
     """
 
     def __init__(
@@ -223,6 +268,8 @@ class RedisLockStore:
         client_or_url: str | redis.Redis | redis.cluster.RedisCluster,
         *,
         prefix: str = DEFAULT_PREFIX,
+        min_replicas: int | None = None,
+        replica_timeout: Duration | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise LeaseConfigError(
@@ -232,8 +279,9 @@ class RedisLockStore:
         self._prefix = prefix
         self._sentinel: redis.sentinel.Sentinel | None = None
         self._client: redis.Redis | redis.cluster.RedisCluster
+        options: dict[str, object] = {}
         if isinstance(client_or_url, str):
-            self._client, self._sentinel = _client_from_url(client_or_url)
+            self._client, self._sentinel, options = _client_from_url(client_or_url)
             self._owns_client = True
         elif isinstance(client_or_url, (redis.Redis, redis.cluster.RedisCluster)):
             self._client = client_or_url
@@ -246,6 +294,49 @@ class RedisLockStore:
                 "redis+sentinel:// URL"
             )
         self._socket_timeout = _socket_timeout(self._client)
+        pool = getattr(self._client, "connection_pool", None)
+        self._sentinel_pool: redis.sentinel.SentinelConnectionPool | None = (
+            pool
+            if isinstance(pool, redis.sentinel.SentinelConnectionPool) and pool.is_master
+            else None
+        )
+        self._min_replicas = self._resolve_min_replicas(min_replicas, options)
+        self._replica_timeout = self._resolve_replica_timeout(replica_timeout, options)
+        self._secrets = _secrets_of(self._client)
+
+    def _resolve_min_replicas(self, value: object, options: dict[str, object]) -> int:
+        if value is None and "min_replicas" in options:
+            value = options["min_replicas"]
+            if isinstance(value, str):
+                if not value.isdigit():
+                    raise LeaseConfigError(
+                        f"min_replicas={value!r} (URL option) must be a non-negative integer"
+                    )
+                value = int(value)
+        if value is None:
+            value = 1 if self._sentinel_pool is not None else 0
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise LeaseConfigError(f"min_replicas={value!r} must be a non-negative integer")
+        if value and isinstance(self._client, redis.cluster.RedisCluster):
+            raise LeaseConfigError(
+                f"min_replicas={value!r} is not supported on a Redis Cluster (WAIT cannot ride "
+                "along its per-node script pipelines); use min_replicas=0"
+            )
+        return value
+
+    def _resolve_replica_timeout(self, value: object, options: dict[str, object]) -> float:
+        if value is None and "replica_timeout" in options:
+            value = options["replica_timeout"]
+        if value is None:
+            value = REPLICA_TIMEOUT
+        seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
+        timeout = self._socket_timeout
+        if self._min_replicas and timeout is not None and seconds >= timeout:
+            raise LeaseConfigError(
+                f"replica_timeout={value!r} must be shorter than the client's "
+                f"socket_timeout ({timeout:g} s), or the socket times out first"
+            )
+        return seconds
 
     @property
     def client(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -256,6 +347,16 @@ class RedisLockStore:
     def prefix(self) -> str:
         """The prefix of every key the store writes."""
         return self._prefix
+
+    @property
+    def min_replicas(self) -> int:
+        """Replicas that must acknowledge an acquire or a renewal (0: no ``WAIT``)."""
+        return self._min_replicas
+
+    @property
+    def replica_timeout(self) -> float:
+        """Seconds one ``WAIT`` may block for :attr:`min_replicas` acknowledgements."""
+        return self._replica_timeout
 
     # Keys ---------------------------------------------------------------------------------------
 
@@ -287,9 +388,13 @@ class RedisLockStore:
             self._client.script_load(script.source)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
 
-    def _eval_many(
-        self, script: _Script, calls: Sequence[tuple[Sequence[str], Sequence[str | int]]]
-    ) -> list[Any]:
+    def _wait_args(self) -> tuple[int, int] | None:
+        """``(numreplicas, timeout ms)`` of the WAIT that follows a write, or None (no WAIT)."""
+        if not self._min_replicas:
+            return None
+        return self._min_replicas, max(1, round(self._replica_timeout * 1000))
+
+    def _eval_many(self, script: _Script, calls: _Calls) -> list[Any]:
         """Many EVALSHA in one pipelined round trip (one per node on a cluster), in order.
 
         redis-py refuses EVALSHA in cluster pipelines, so on a cluster the calls are grouped by
@@ -301,7 +406,7 @@ class RedisLockStore:
             return []
         client = self._client
         if not isinstance(client, redis.cluster.RedisCluster):
-            return _pipelined(client, script, calls)
+            return _pipelined(client, script, calls)[0]
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         for index, (keys, _) in enumerate(calls):
             node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
@@ -309,60 +414,171 @@ class RedisLockStore:
             group[1].append(index)
         results: list[Any] = [None] * len(calls)
         for node_client, indices in groups.values():
-            for index, result in zip(
-                indices, _pipelined(node_client, script, [calls[i] for i in indices]), strict=True
-            ):
+            replies, _ = _pipelined(node_client, script, [calls[i] for i in indices])
+            for index, result in zip(indices, replies, strict=True):
                 if isinstance(result, (AskError, TryAgainError)):  # MovedError is an AskError
                     result = self._eval(script, *calls[index])
                 results[index] = result
         return results
 
-    def _call(self, what: str, fn: Callable[[], _T]) -> _T:
+    def _write(self, script: _Script, calls: _Calls) -> tuple[list[Any], int | None]:
+        """Run write scripts on the current master: their replies and the replicas' acks.
+
+        Follows a Sentinel failover first. One call without ``min_replicas`` is a plain
+        EVALSHA; otherwise the calls and a WAIT go in one pipeline. Acks are None without WAIT.
+        """
+        self._follow_master()
+        wait = self._wait_args()
+        client = self._client
+        if wait is None:
+            if len(calls) == 1:
+                return [self._eval(script, *calls[0])], None
+            return self._eval_many(script, calls), None
+        assert isinstance(client, redis.Redis)  # min_replicas is refused on a cluster
+        return _pipelined(client, script, calls, wait)
+
+    def _follow_master(self) -> None:
+        """On a Sentinel-managed client, make sure the pool talks to the master named now.
+
+        One ``SENTINEL GET-MASTER-ADDR-BY-NAME``; when the answer differs from the pool's
+        master, the pool re-discovers it and disconnects its idle connections, so this call and
+        the next ones reach the new master. Connections busy in other threads are dropped when
+        they come back to the pool.
+
+        When no Sentinel answers: with ``min_replicas`` the call goes on to the master the pool
+        knows (WAIT still refuses a write a failover would lose); without, it fails, since
+        nothing else tells a stale master from the current one.
+        """
+        pool = self._sentinel_pool
+        if pool is None:
+            return
+        known = pool.master_address
+        try:
+            address = _ask_sentinels(pool.sentinel_manager, pool.service_name)
+        except redis.sentinel.MasterNotFoundError as exc:
+            if not self._min_replicas or known is None:
+                raise
+            logger.warning(
+                "Redis store %s: no Sentinel answered (%s); going on with the known master, "
+                "every write confirmed by %d replicas",
+                self._where(),
+                self._redact(str(exc)),
+                self._min_replicas,
+            )
+            return
+        if address != known:
+            # Stores built from a URL discover with the same command (_Sentinel), so the pool
+            # moves now; a stock Sentinel (SENTINEL MASTERS) follows ~50-100 ms later.
+            pool.get_master_address()  # type: ignore[no-untyped-call]
+            if known is not None and pool.master_address != known:
+                logger.warning(
+                    "Redis store: Sentinel names %s as master of %r instead of %s:%s; "
+                    "leaving the old master",
+                    _host_port({"host": address[0], "port": address[1]}),
+                    pool.service_name,
+                    known[0],
+                    known[1],
+                )
+
+    def _call(self, operation: str, fn: Callable[[], _T], key: str | None = None) -> _T:
         """Run ``fn``, once more after a connection error; Redis errors raise StoreUnavailable."""
         try:
             try:
                 return fn()
             except _RETRIED as exc:
-                logger.info("Redis store: retrying %s once after %r", what, exc)
+                logger.info(
+                    "Redis store %s: retrying %s once after %s: %s",
+                    self._where(),
+                    _what(operation, key),
+                    type(exc).__name__,
+                    self._redact(str(exc)),
+                )
                 return fn()
         except RedisError as exc:
-            raise StoreUnavailableError(f"Redis store failed to {what}: {exc!r}") from exc
+            raise self._error(operation, key, f"failed: {type(exc).__name__}: {exc}") from exc
+
+    def _error(self, operation: str, key: str | None, text: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            self._redact(f"Redis store {self._where()}: {_what(operation, key)} {text}")
+        )
+
+    def _unconfirmed(self, operation: str, key: str | None, acks: int, after: str) -> Exception:
+        return self._error(
+            operation,
+            key,
+            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
+            f"{self._replica_timeout * 1000:g} ms (min_replicas={self._min_replicas}; 0 accepts "
+            f"writes a failover may lose); {after}",
+        )
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _where(self) -> str:
+        """The store's address for messages: ``redis://host:port/db``, the Sentinel hosts,
+        service, db and current master, or the cluster's nodes. Never a password."""
+        client = self._client
+        if isinstance(client, redis.cluster.RedisCluster):
+            nodes = sorted(client.nodes_manager.startup_nodes)
+            return f"Redis Cluster (nodes {', '.join(nodes)})"
+        pool = client.connection_pool
+        kwargs = pool.connection_kwargs
+        db = kwargs.get("db", 0)
+        if self._sentinel_pool is not None:
+            sentinels = ",".join(
+                _host_port(s.connection_pool.connection_kwargs)
+                for s in self._sentinel_pool.sentinel_manager.sentinels
+            )
+            master = self._sentinel_pool.master_address
+            known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
+            return f"redis+sentinel://{sentinels}/{self._sentinel_pool.service_name}/{db} ({known})"
+        if "path" in kwargs:
+            return f"unix://{kwargs['path']}?db={db}"
+        scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
+        return f"{scheme}://{_host_port(kwargs)}/{db}"
 
     # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
-        keys = (self.lease_key(key), self.token_key(key))
-        args = (owner, int(ttl_ms), TOKEN_TTL_MS)
-        try:
-            try:
-                return _int_or_none(self._eval(_ACQUIRE, keys, args))
-            except _RETRIED as exc:
-                logger.info("Redis store: retrying acquire of %r once after %r", key, exc)
-                token = _int_or_none(self._eval(_ACQUIRE, keys, args))
-        except RedisError as exc:
-            raise StoreUnavailableError(f"Redis store failed to acquire: {exc!r}") from exc
-        if token is None:
-            # The first attempt may have taken the lease before its reply was lost; the owner is
-            # unique to this attempt, so releasing it can never free another owner's lease.
+        calls = [((self.lease_key(key), self.token_key(key)), (owner, int(ttl_ms), TOKEN_TTL_MS))]
+        replies, acks = self._call("acquire", lambda: self._write(_ACQUIRE, calls), key)
+        token = _int_or_none(replies[0])
+        if token is not None and acks is not None and acks < self._min_replicas:
+            # A failover now could lose this lease and hand the key to a second owner: give it
+            # up (it is this attempt's own owner id, never anyone else's) and say why.
             try:
                 self.release(key, owner)
-            except StoreUnavailableError:
-                logger.warning("Redis store: could not clean up a possible lease on %r", key)
+                after = "the lease was released"
+            except StoreUnavailableError as exc:
+                logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
+                after = "releasing it failed too: it expires within its ttl"
+            raise self._unconfirmed("acquire", key, acks, after)
         return token
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
-        keys = (self.lease_key(key),)
-        return bool(self._call("renew", lambda: self._eval(_RENEW, keys, (owner, int(ttl_ms)))))
+        calls = [((self.lease_key(key),), (owner, int(ttl_ms)))]
+        replies, acks = self._call("renew", lambda: self._write(_RENEW, calls), key)
+        renewed = bool(replies[0])
+        if renewed and acks is not None and acks < self._min_replicas:
+            raise self._unconfirmed(
+                "renew", key, acks, "its holder keeps its last confirmed expiry"
+            )
+        return renewed
 
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order.
 
-        On a single server the batch goes as one script call per :data:`RENEW_CHUNK` leases; on
-        a Cluster, whose keys live in many slots, as one call per lease, pipelined per node.
+        On a single server the batch goes as one script call per :data:`RENEW_CHUNK` leases
+        (and one WAIT with ``min_replicas``: a batch not acknowledged raises
+        ``StoreUnavailableError`` as a whole); on a Cluster, whose keys live in many slots, as
+        one call per lease, pipelined per node.
         """
+        operation = f"renew {len(items)} leases"
         if isinstance(self._client, redis.cluster.RedisCluster):
             calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
-            results = self._call("renew leases", lambda: self._eval_many(_RENEW, calls))
+            results = self._call(operation, lambda: self._eval_many(_RENEW, calls))
             return [bool(r) for r in results]
         chunks: list[tuple[Sequence[str], Sequence[str | int]]] = []
         for start in range(0, len(items), RENEW_CHUNK):
@@ -372,13 +588,19 @@ class RedisLockStore:
             for _, owner, ttl_ms in chunk:
                 args += (owner, int(ttl_ms))
             chunks.append((keys, args))
-        client = self._client
-        replies = self._call("renew leases", lambda: _pipelined(client, _RENEW_MANY, chunks))
-        return [bool(r) for reply in replies for r in reply]
+        if not chunks:
+            return []
+        replies, acks = self._call(operation, lambda: self._write(_RENEW_MANY, chunks))
+        results = [bool(r) for reply in replies for r in reply]
+        if any(results) and acks is not None and acks < self._min_replicas:
+            raise self._unconfirmed(
+                operation, None, acks, "their holders keep their last confirmed expiry"
+            )
+        return results
 
     def release(self, key: str, owner: str) -> None:
         keys = (self.lease_key(key), self.signal_key(key))
-        self._call("release", lambda: self._eval(_RELEASE, keys, (owner, SIGNAL_TTL_MS)))
+        self._call("release", lambda: self._eval(_RELEASE, keys, (owner, SIGNAL_TTL_MS)), key)
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
         """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP).
@@ -390,7 +612,8 @@ class RedisLockStore:
         """
         signal = self.signal_key(key)
         if timeout <= 0:
-            return self._call("poll a release", lambda: self._client.lpop(signal)) is not None
+            popped = self._call("poll a release of", lambda: self._client.lpop(signal), key)
+            return popped is not None
         deadline = SYSTEM_CLOCK.monotonic() + timeout
         step = _blpop_slice(self._socket_timeout)
         while True:
@@ -399,7 +622,9 @@ class RedisLockStore:
                 return False
             # BLPOP takes seconds with millisecond precision; 0 would block forever.
             wait = max(0.001, round(min(left, step), 3))
-            got = self._call("wait for a release", partial(self._client.blpop, [signal], wait))
+            got = self._call(
+                "wait for a release of", partial(self._client.blpop, [signal], wait), key
+            )
             if got is not None:
                 return True
 
@@ -427,19 +652,21 @@ class RedisLockStore:
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key``, or ``None`` when it is free."""
         keys = (self.lease_key(key),)
-        return _info(key, self._call("read a lease", lambda: self._eval(_INSPECT, keys, ())))
+        return _info(key, self._call("read the lease", lambda: self._eval(_INSPECT, keys, ()), key))
 
     def last_token(self, key: str) -> int | None:
         """The last fencing token issued for ``key``, or ``None`` (counter never set, or dropped
-        after 7 days without an acquire, or lost with a server restart)."""
+        after 7 days without an acquire, or lost with a server restart or an eviction)."""
         token_key = self.token_key(key)
-        return _int_or_none(self._call("read a token", lambda: self._client.get(token_key)))
+        return _int_or_none(
+            self._call("read the last token of", lambda: self._client.get(token_key), key)
+        )
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""
         keys = (self.lease_key(key), self.signal_key(key))
         result = self._call(
-            "force-release", lambda: self._eval(_FORCE_RELEASE, keys, (SIGNAL_TTL_MS,))
+            "force-release", lambda: self._eval(_FORCE_RELEASE, keys, (SIGNAL_TTL_MS,)), key
         )
         return _info(key, result)
 
@@ -465,26 +692,85 @@ class RedisLockStore:
 def _pipelined(
     client: redis.Redis,
     script: _Script,
-    calls: Sequence[tuple[Sequence[str], Sequence[str | int]]],
-) -> list[Any]:
+    calls: _Calls,
+    wait: tuple[int, int] | None = None,
+) -> tuple[list[Any], int | None]:
     """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
 
-    Replies that are redirections (cluster slots migrating) are returned for the caller to redo;
-    any other error reply is raised.
+    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and its reply,
+    the number of replicas that acknowledged every write before it, is returned second (None
+    without). Replies that are redirections (cluster slots migrating) are returned for the caller
+    to redo; any other error reply is raised.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
         for keys, args in calls:
             pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         results: list[Any] = pipe.execute(raise_on_error=False)
+        acks: Any = results.pop() if wait is not None else None
         if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
             client.script_load(script.source)
             continue
         for result in results:
             if isinstance(result, Exception) and not isinstance(result, (AskError, TryAgainError)):
                 raise result
-        return results
+        if isinstance(acks, Exception):
+            raise acks
+        return results, None if acks is None else int(acks)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _what(operation: str, key: str | None) -> str:
+    """``acquire 'k'`` for a per-key operation, the operation alone otherwise."""
+    return operation if key is None else f"{operation} {key!r}"
+
+
+def _host_port(kwargs: dict[str, Any]) -> str:
+    host = str(kwargs.get("host", "localhost"))
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{kwargs.get('port', 6379)}"
+
+
+def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:
+    """Every password the client may send (master, Sentinels), to keep out of messages."""
+    found: list[object] = []
+    if isinstance(client, redis.cluster.RedisCluster):
+        found.append(client.nodes_manager.connection_kwargs.get("password"))
+    else:
+        pool = client.connection_pool
+        found.append(pool.connection_kwargs.get("password"))
+        if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+            for sentinel in pool.sentinel_manager.sentinels:
+                found.append(sentinel.connection_pool.connection_kwargs.get("password"))
+    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
+
+
+def _ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, int]:
+    """The ``(host, port)`` the first answering Sentinel names as master of ``service``.
+
+    Raises:
+        MasterNotFoundError: (a ``ConnectionError``) when no Sentinel names one, with each
+            Sentinel's reason.
+    """
+    problems: list[str] = []
+    for sentinel in list(manager.sentinels):
+        where = _host_port(sentinel.connection_pool.connection_kwargs)
+        try:
+            reply = sentinel.execute_command(  # type: ignore[no-untyped-call]
+                "SENTINEL GET-MASTER-ADDR-BY-NAME", service
+            )
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            problems.append(f"{where}: {exc}")
+            continue
+        if reply:
+            return _text(reply[0]), int(reply[1])
+        problems.append(f"{where}: no such service")
+    raise redis.sentinel.MasterNotFoundError(
+        f"No master found for {service!r}: " + "; ".join(problems)
+    )
 
 
 def _text(value: bytes | str) -> str:
@@ -533,18 +819,30 @@ class SentinelURL:
     sentinel_password: str | None = None
     socket_timeout: float = SOCKET_TIMEOUT
     socket_connect_timeout: float = SOCKET_TIMEOUT
+    min_replicas: int | None = None
+    replica_timeout: float | None = None
 
 
-_SENTINEL_OPTIONS = ("sentinel_password", "socket_timeout", "socket_connect_timeout")
+_SENTINEL_OPTIONS = (
+    "sentinel_password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "min_replicas",
+    "replica_timeout",
+)
+
+_STORE_OPTIONS = ("min_replicas", "replica_timeout")
+"""Query options every store URL may carry; the store reads them, redis-py never sees them."""
 
 
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
 
     The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
-    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``) and
-    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5). IPv6 hosts go in
-    brackets: ``[::1]:26379``.
+    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
+    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
+    ``min_replicas`` (an integer) and ``replica_timeout`` (a duration such as ``0.2`` or
+    ``250ms``). IPv6 hosts go in brackets: ``[::1]:26379``.
 
     Raises:
         LeaseConfigError: naming what is wrong.
@@ -576,6 +874,14 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     for name, value in parse_qsl(parts.query, keep_blank_values=True):
         if name == "sentinel_password":
             options[name] = value
+        elif name == "min_replicas":
+            if not value.isdigit():
+                raise LeaseConfigError(
+                    f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
+                )
+            options[name] = int(value)
+        elif name == "replica_timeout":
+            options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
         elif name in ("socket_timeout", "socket_connect_timeout"):
             try:
                 options[name] = float(value)
@@ -631,7 +937,35 @@ def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
 
 
-def _client_from_url(url: str) -> tuple[redis.Redis, redis.sentinel.Sentinel | None]:
+class _Sentinel(redis.sentinel.Sentinel):
+    """A Sentinel manager that discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``.
+
+    redis-py's own discovery reads ``SENTINEL MASTERS``, which keeps naming the old master until
+    the failover's last step (``+switch-master``); ``GET-MASTER-ADDR-BY-NAME`` names the promoted
+    replica as soon as Sentinel starts reconfiguring the other servers (50-100 ms earlier in our
+    runs). Using one command for both the store's check and the pool's discovery makes them
+    agree, so the pool moves at the first check that sees the new master.
+    """
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        return _ask_sentinels(self, service_name)
+
+
+def _split_store_options(url: str) -> tuple[str, dict[str, object]]:
+    """``url`` without the store's own query options, and those options (raw strings)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options: dict[str, object] = {k: v for k, v in query if k in _STORE_OPTIONS}
+    if not options:
+        return url, options
+    rest = urlencode([(k, v) for k, v in query if k not in _STORE_OPTIONS])
+    return urlunsplit(parts._replace(query=rest)), options
+
+
+def _client_from_url(
+    url: str,
+) -> tuple[redis.Redis, redis.sentinel.Sentinel | None, dict[str, object]]:
+    """The client a URL names, its Sentinel manager (or None), and the store's URL options."""
     scheme = urlsplit(url).scheme.lower()
     if scheme == "redis+sentinel":
         spec = parse_sentinel_url(url)
@@ -643,7 +977,7 @@ def _client_from_url(url: str) -> tuple[redis.Redis, redis.sentinel.Sentinel | N
         if spec.sentinel_password is not None:
             sentinel_kwargs["password"] = spec.sentinel_password
         # redis.sentinel ships without annotations.
-        sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        sentinel = _Sentinel(  # type: ignore[no-untyped-call]
             list(spec.sentinels),
             sentinel_kwargs=sentinel_kwargs,
             socket_timeout=spec.socket_timeout,
@@ -657,16 +991,22 @@ def _client_from_url(url: str) -> tuple[redis.Redis, redis.sentinel.Sentinel | N
             password=spec.password,
             decode_responses=False,
         )
-        return client, sentinel
+        options: dict[str, object] = {}
+        if spec.min_replicas is not None:
+            options["min_replicas"] = spec.min_replicas
+        if spec.replica_timeout is not None:
+            options["replica_timeout"] = spec.replica_timeout
+        return client, sentinel, options
     if scheme not in ("redis", "rediss", "unix"):
         raise LeaseConfigError(
             f"url={url!r} is not a Redis URL; supported: redis://, rediss://, unix://, "
             "redis+sentinel://"
         )
+    plain, options = _split_store_options(url)
     try:
         # Options in the URL's query win over these keyword arguments.
         client = redis.Redis.from_url(
-            url,
+            plain,
             socket_timeout=SOCKET_TIMEOUT,
             socket_connect_timeout=SOCKET_TIMEOUT,
             decode_responses=False,
@@ -674,4 +1014,4 @@ def _client_from_url(url: str) -> tuple[redis.Redis, redis.sentinel.Sentinel | N
         )
     except ValueError as exc:
         raise LeaseConfigError(f"url={url!r} is not a valid Redis URL: {exc}") from exc
-    return client, None
+    return client, None, options

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import multiprocessing
 import threading
 import time
@@ -12,22 +13,28 @@ from typing import Any
 
 import pytest
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
 from redis.retry import Retry
 
+from celery_lease import lease
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LockStore, store_from_url
 from celery_lease.stores.redis import (
+    ACQUIRE_SCRIPT,
+    RELEASE_SCRIPT,
     RENEW_CHUNK,
+    RENEW_MANY_SCRIPT,
+    RENEW_SCRIPT,
     RedisLockStore,
     SentinelURL,
     parse_sentinel_url,
 )
-from tests.fixtures_redis import RedisServer
+from tests.fixtures_redis import RedisServer, SentinelGroup
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+from tests.support import free_port
 
 pytestmark = pytest.mark.redis
 
@@ -329,27 +336,412 @@ class TestFailures:
         redis_client.client_kill_filter(_type="normal", skipme=True)
         assert store.renew("k", "a", LONG_MS) is True
 
-    def test_acquire_whose_reply_was_lost_cleans_up(
+
+def _sha(source: str) -> bytes:
+    return hashlib.sha1(source.encode()).hexdigest().encode()
+
+
+def _reply_dropping_client(port: int, **kwargs: Any) -> tuple[redis.Redis, Callable[..., None]]:
+    """A client whose connections can lose the reply of a chosen command after the server ran it.
+
+    ``drop(marker, times=1)`` arms it: the next ``times`` commands whose packed bytes contain
+    ``marker`` (a script's sha1) are sent and executed as usual, then their reply is thrown
+    away and the connection closed, so the caller gets ``ConnectionError`` as if the socket died
+    between the server's write and the client's read.
+    """
+    armed: dict[str, Any] = {"marker": None, "times": 0}
+
+    class DropsReplies(redis.Connection):
+        dropping = False
+
+        def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+            data = b"".join(command) if isinstance(command, list) else command
+            if armed["times"] > 0 and armed["marker"] in data:
+                armed["times"] -= 1
+                self.dropping = True
+            super().send_packed_command(command, check_health)
+
+        def read_response(self, *args: Any, **kw: Any) -> Any:
+            response = super().read_response(*args, **kw)
+            if self.dropping:
+                self.dropping = False
+                self.disconnect()
+                raise redis.exceptions.ConnectionError("test: reply lost after the server ran it")
+            return response
+
+    def drop(marker: bytes, times: int = 1) -> None:
+        armed["marker"], armed["times"] = marker, times
+
+    pool = redis.ConnectionPool(
+        connection_class=DropsReplies,
+        host="127.0.0.1",
+        port=port,
+        retry=Retry(NoBackoff(), 0),
+        socket_timeout=5.0,
+        **kwargs,
+    )
+    return redis.Redis(connection_pool=pool), drop
+
+
+def _warm(store: RedisLockStore) -> RedisLockStore:
+    """Load every script (a first EVALSHA may meet NOSCRIPT and never run: nothing to lose)."""
+    assert store.acquire("warm", "w", LONG_MS) is not None
+    assert store.renew("warm", "w", LONG_MS) is True
+    assert store.renew_many([("warm", "w", LONG_MS), ("warm", "w", LONG_MS)]) == [True, True]
+    store.release("warm", "w")
+    assert store.wait_for_release("warm", 0) is True
+    return store
+
+
+class TestLostReplies:
+    """A reply lost after the server ran the command: the store's one retry must recover."""
+
+    def test_an_acquire_whose_reply_was_lost_returns_the_lease_to_its_owner(
+        self, redis_server: RedisServer, redis_url: str, redis_client: redis.Redis
+    ) -> None:
+        """The retry gets its own lease back (same token, held by that owner); nothing is
+        released on the way and the key does not read "held" while it is free."""
+        client, drop = _reply_dropping_client(redis_server.port)
+        store = _warm(RedisLockStore(client))
+        drop(_sha(ACQUIRE_SCRIPT))
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None, "the retried acquire answered 'held' for its own lease"
+        info = store.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert store.last_token("k") == token  # one token issued, not two
+        assert store.acquire("k", "b", LONG_MS) is None
+        assert redis_client.exists(store.signal_key("k")) == 0  # no release happened
+        client.close()
+
+    def test_an_acquire_that_loses_both_replies_leaves_a_lease_its_owner_gets_back(
         self, redis_server: RedisServer, redis_url: str
     ) -> None:
-        """If the first attempt took the lease but its reply was lost, the retry frees it."""
+        """Two lost replies raise StoreUnavailableError; a later acquire by the same owner id
+        returns the lease (the contract's idempotent acquire), so no orphan blocks the key."""
+        client, drop = _reply_dropping_client(redis_server.port)
+        store = _warm(RedisLockStore(client))
+        drop(_sha(ACQUIRE_SCRIPT), times=2)
+        with pytest.raises(StoreUnavailableError, match="acquire 'k' failed"):
+            store.acquire("k", "a", LONG_MS)
+        token = store.acquire("k", "a", LONG_MS)
+        info = store.get("k")
+        assert token is not None and info is not None and info.token == token
+        client.close()
 
-        class LosesFirstReply(redis.Redis):
-            lost = 0
+    def test_a_renewal_whose_reply_was_lost_reports_renewed(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """renew and renew_many retried after a lost reply answer True (the renewal held)."""
+        client, drop = _reply_dropping_client(redis_server.port)
+        store = _warm(RedisLockStore(client))
+        assert store.acquire("k", "a", 1000) is not None
+        assert store.acquire("j", "a", 1000) is not None
+        drop(_sha(RENEW_SCRIPT))
+        assert store.renew("k", "a", LONG_MS) is True
+        drop(_sha(RENEW_MANY_SCRIPT))
+        assert store.renew_many([("k", "a", LONG_MS), ("j", "a", LONG_MS)]) == [True, True]
+        for key in ("k", "j"):
+            info = store.get(key)
+            assert info is not None and info.expires_in > 1.0
+        client.close()
 
-            def evalsha(self, *args: Any) -> Any:
-                result = super().evalsha(*args)
-                if LosesFirstReply.lost == 0:
-                    LosesFirstReply.lost += 1
-                    raise redis.exceptions.ConnectionError("reply lost")
-                return result
+    def test_a_release_whose_reply_was_lost_frees_the_key_and_signals_once(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """The retried release finds nothing to release and raises nothing; the key is free and
+        exactly one release signal waits for a waiter."""
+        client, drop = _reply_dropping_client(redis_server.port)
+        store = _warm(RedisLockStore(client))
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        drop(_sha(RELEASE_SCRIPT))
+        store.release("k", "a")
+        assert store.get("k") is None
+        assert store.wait_for_release("k", 0) is True
+        assert store.wait_for_release("k", 0) is False
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+        client.close()
 
-        client = LosesFirstReply(host="127.0.0.1", port=redis_server.port)
+
+class TestErrorMessages:
+    """Every StoreUnavailableError names the store, the operation, the key and the server's
+    own message, and never a password."""
+
+    def test_nothing_listening_names_host_port_db_operation_and_key(self) -> None:
+        """Each operation against a closed port says where, what and why."""
+        port = free_port()
+        store = RedisLockStore(f"redis://:hunter2-secret@127.0.0.1:{port}/3")
+        where = f"redis://127.0.0.1:{port}/3"
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("acquire 'k'", lambda: store.acquire("k", "a", LONG_MS)),
+            ("renew 'k'", lambda: store.renew("k", "a", LONG_MS)),
+            ("renew 2 leases", lambda: store.renew_many([("k", "a", 1), ("j", "a", 1)])),
+            ("release 'k'", lambda: store.release("k", "a")),
+            ("wait for a release of 'k'", lambda: store.wait_for_release("k", 0.1)),
+            ("poll a release of 'k'", lambda: store.wait_for_release("k", 0)),
+            ("list leases", lambda: store.list()),
+            ("read the lease 'k'", lambda: store.get("k")),
+            ("read the last token of 'k'", lambda: store.last_token("k")),
+            ("force-release 'k'", lambda: store.force_release("k")),
+        ]
+        for operation, call in calls:
+            with pytest.raises(StoreUnavailableError) as caught:
+                call()
+            text = str(caught.value)
+            assert text.startswith(f"Redis store {where}: {operation} failed: ConnectionError: ")
+            assert "Connection refused" in text, text
+            assert "hunter2" not in text
+            assert isinstance(caught.value.__cause__, redis.exceptions.ConnectionError)
+        store.close()
+
+    def test_a_db_index_out_of_range_says_so(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """db 99 on a server with 16 databases: the server's 'DB index is out of range'."""
+        server = redis_server_factory("--databases", "16")
+        store = RedisLockStore(f"redis://127.0.0.1:{server.port}/99")
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.acquire("k", "a", LONG_MS)
+        text = str(caught.value)
+        assert f"redis://127.0.0.1:{server.port}/99: acquire 'k' failed" in text
+        assert "DB index is out of range" in text
+        store.close()
+
+    def test_a_wrong_password_says_so_without_the_password(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """The server's WRONGPASS message, the host and port, and neither password."""
+        server = redis_server_factory(password="right-secret")
+        store = RedisLockStore(f"redis://app:wrong-secret@127.0.0.1:{server.port}/0")
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.renew("k", "a", LONG_MS)
+        text = str(caught.value)
+        assert f"redis://127.0.0.1:{server.port}/0: renew 'k' failed: AuthenticationError" in text
+        assert "invalid username-password pair" in text
+        assert "secret" not in text
+        store.close()
+
+    def test_a_server_error_names_the_command_context(
+        self, store: RedisLockStore, redis_client: redis.Redis, redis_server: RedisServer
+    ) -> None:
+        """A wrong-type key: the server's WRONGTYPE message, not 'server:ResponseError'."""
+        redis_client.set(store.lease_key("k"), "not a hash")
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.acquire("k", "a", LONG_MS)
+        text = str(caught.value)
+        assert f"redis://127.0.0.1:{redis_server.port}/0: acquire 'k' failed: ResponseError" in text
+        assert "WRONGTYPE" in text
+
+    def test_unreachable_sentinels_are_named_with_the_service(self) -> None:
+        """No Sentinel answering: both Sentinel addresses, the service, the db and the reason."""
+        first, second = free_port(), free_port()
+        store = RedisLockStore(
+            f"redis+sentinel://:pw-secret@127.0.0.1:{first},127.0.0.1:{second}/svc/2"
+            "?socket_connect_timeout=0.5&min_replicas=0"
+        )
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.acquire("k", "a", LONG_MS)
+        text = str(caught.value)
+        assert f"redis+sentinel://127.0.0.1:{first},127.0.0.1:{second}/svc/2" in text
+        assert "acquire 'k' failed" in text and "No master found for 'svc'" in text
+        assert "Connection refused" in text and "secret" not in text
+        store.close()
+
+    def test_cluster_errors_name_the_seed_nodes(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """On a cluster the message names the seed nodes."""
+        client = RedisCluster(host="127.0.0.1", port=redis_cluster_server.port)
         store = RedisLockStore(client)
-        assert store.acquire("k", "a", LONG_MS) is None
-        assert LosesFirstReply.lost == 1
-        assert store.get("k") is None  # the lease taken by the lost attempt was released
-        assert store.acquire("k", "b", LONG_MS) is not None
+        client.set(store.lease_key("k"), "not a hash")
+        with pytest.raises(StoreUnavailableError) as caught:
+            store.renew("k", "a", LONG_MS)
+        text = str(caught.value)
+        assert f"Redis Cluster (nodes 127.0.0.1:{redis_cluster_server.port})" in text
+        assert "renew 'k' failed: ResponseError" in text and "WRONGTYPE" in text
+        client.close()
+
+
+def _fill(client: redis.Redis, until: Callable[[], bool], *, volatile: bool) -> int:
+    """Write 1 kB filler keys (with a TTL when ``volatile``) until ``until()``; keys written."""
+    written = 0
+    value = b"x" * 1024
+    while not until():
+        assert written < 200_000, "the filler never triggered what the test waits for"
+        pipe = client.pipeline(transaction=False)
+        for i in range(written, written + 500):
+            if volatile:
+                pipe.set(f"filler:{i}", value, px=3_600_000)
+            else:
+                pipe.set(f"filler:{i}", value)
+        pipe.execute(raise_on_error=False)
+        written += 500
+    return written
+
+
+class TestEviction:
+    """What maxmemory eviction does to live leases (the guarantees in docs/stores.md)."""
+
+    @pytest.mark.parametrize("policy", ["volatile-lru", "volatile-ttl", "allkeys-lru"])
+    def test_eviction_drops_a_live_lease_and_its_holder_hears_taken(
+        self, redis_server_factory: Callable[..., RedisServer], policy: str
+    ) -> None:
+        """Under volatile-* and allkeys-* the lease hash (it has a TTL) is evicted while held: a
+        second owner can take the key at once, and the holder learns "taken" at its next
+        renewal. The next token is still higher: the counter is floored by the server's TIME."""
+        server = redis_server_factory("--maxmemory-policy", policy)
+        client = server.client()
+        store = RedisLockStore(server.url)
+        with lease("k", store=store, ttl=3.0) as held:
+            used = int(client.info("memory")["used_memory"])
+            client.config_set("maxmemory", used + 1024 * 1024)
+            _fill(client, lambda: client.exists(store.lease_key("k")) == 0, volatile=True)
+            assert int(client.info("stats")["evicted_keys"]) > 0
+            client.config_set("maxmemory", 0)  # room again, so the intruder's write succeeds
+            intruder = store.acquire("k", "intruder", LONG_MS)
+            assert intruder is not None and intruder > held.token
+            deadline = time.monotonic() + DEADLINE
+            while not held.lost:
+                assert time.monotonic() < deadline, "the holder was never told"
+                time.sleep(0.01)
+            assert held.lost_reason == "taken"
+        store.close()
+        client.close()
+
+    def test_noeviction_keeps_live_leases_and_refuses_new_ones_loudly(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """With noeviction a full server keeps every lease and renews it; a new acquire raises
+        StoreUnavailableError with the server's OOM error instead of dropping anything."""
+        server = redis_server_factory("--maxmemory-policy", "noeviction")
+        client = server.client()
+        store = RedisLockStore(server.url)
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory", used + 1024 * 1024)
+        full = {"oom": False}
+
+        def oom() -> bool:
+            try:
+                client.set("probe", b"x" * 1024)
+            except redis.exceptions.OutOfMemoryError:
+                full["oom"] = True
+            return full["oom"]
+
+        _fill(client, oom, volatile=False)
+        assert store.renew("k", "a", LONG_MS) is True
+        with pytest.raises(StoreUnavailableError, match="acquire 'j' failed: OutOfMemoryError"):
+            store.acquire("j", "b", LONG_MS)
+        info = store.get("k")
+        assert info is not None and info.token == token
+        client.config_set("maxmemory", 0)
+        store.close()
+        client.close()
+
+
+class TestReplicaAcks:
+    """min_replicas: every acquire and renewal is confirmed by WAIT before it counts."""
+
+    def _store(self, group: SentinelGroup, **kwargs: Any) -> RedisLockStore:
+        master = group.server(group.master_port())
+        pool = redis.ConnectionPool(
+            connection_class=_CountingConnection,
+            host="127.0.0.1",
+            port=master.port,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return RedisLockStore(redis.Redis(connection_pool=pool), **kwargs)
+
+    def test_acknowledged_operations_take_one_round_trip_each(
+        self, redis_sentinel: SentinelGroup
+    ) -> None:
+        """With a replica in sync, acquire, renew and renew_many succeed, one packet each
+        (EVALSHA and WAIT pipelined)."""
+        store = self._store(redis_sentinel, min_replicas=1)
+        assert store.acquire("warm", "w", LONG_MS) is not None  # loads the script
+        assert store.renew("warm", "w", LONG_MS) is True
+        assert store.renew_many([("warm", "w", LONG_MS)]) == [True]
+        _CountingConnection.sends.clear()
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        assert store.renew("k", "a", LONG_MS) is True
+        assert store.renew_many([("k", "a", LONG_MS), ("warm", "w", LONG_MS)]) == [True, True]
+        assert len(_CountingConnection.sends) == 3
+        assert all(b"WAIT" in packet for packet in _CountingConnection.sends)
+        store.client.close()
+
+    def test_without_a_replica_nothing_is_confirmed_and_no_lease_is_left_behind(
+        self, redis_sentinel: SentinelGroup
+    ) -> None:
+        """Once the replica is gone, acquire raises (and releases what it took), renew and
+        renew_many raise; a renewal of a lease not held still answers False."""
+        store = self._store(redis_sentinel, min_replicas=1, replica_timeout="50ms")
+        assert store.acquire("k", "a", LONG_MS) is not None
+        master = redis_sentinel.server(redis_sentinel.master_port())
+        replica = next(s for s in redis_sentinel.servers if s is not master)
+        detach, check = replica.client(), master.client()
+        try:
+            detach.replicaof("NO", "ONE")
+            deadline = time.monotonic() + DEADLINE
+            while int(check.info("replication")["connected_slaves"]) > 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            with pytest.raises(StoreUnavailableError, match="0 of 1 replicas") as caught:
+                store.acquire("j", "b", LONG_MS)
+            assert "acquire 'j' not confirmed" in str(caught.value)
+            assert check.exists(store.lease_key("j")) == 0, "the unconfirmed lease was left"
+            with pytest.raises(StoreUnavailableError, match="renew 'k' not confirmed"):
+                store.renew("k", "a", LONG_MS)
+            with pytest.raises(StoreUnavailableError, match="renew 1 leases not confirmed"):
+                store.renew_many([("k", "a", LONG_MS)])
+            assert store.renew("k", "intruder", LONG_MS) is False
+        finally:
+            detach.close()
+            check.close()
+            store.client.close()
+
+
+class TestStoreOptions:
+    """min_replicas and replica_timeout: defaults, URL options, validation."""
+
+    def test_defaults_ask_sentinel_stores_for_one_replica_ack_and_others_for_none(self) -> None:
+        """Sentinel-managed stores confirm with 1 replica by default; plain ones do not."""
+        assert RedisLockStore("redis+sentinel://s1/svc").min_replicas == 1
+        assert RedisLockStore("redis://localhost:1/0").min_replicas == 0
+        store = RedisLockStore("redis://localhost:1/0?min_replicas=2&replica_timeout=250ms")
+        assert (store.min_replicas, store.replica_timeout) == (2, 0.25)
+        assert "min_replicas" not in store.client.connection_pool.connection_kwargs
+        store = RedisLockStore("redis+sentinel://s1/svc?min_replicas=0", min_replicas=3)
+        assert store.min_replicas == 3  # the keyword wins over the URL
+
+    @pytest.mark.parametrize(
+        ("url", "kwargs", "match"),
+        [
+            ("redis://localhost:1/0?min_replicas=x", {}, "min_replicas='x'"),
+            ("redis://localhost:1/0", {"min_replicas": -1}, "min_replicas=-1"),
+            ("redis://localhost:1/0", {"min_replicas": True}, "min_replicas=True"),
+            ("redis://localhost:1/0?replica_timeout=0", {}, "replica_timeout='0'"),
+            (
+                "redis://localhost:1/0?socket_timeout=1",
+                {"replica_timeout": 2, "min_replicas": 1},
+                "socket_timeout",
+            ),
+        ],
+    )
+    def test_bad_values_are_refused(self, url: str, kwargs: dict[str, Any], match: str) -> None:
+        """Bad min_replicas / replica_timeout raise LeaseConfigError naming the value."""
+        with pytest.raises(LeaseConfigError, match=match):
+            RedisLockStore(url, **kwargs)
+
+    def test_a_cluster_with_min_replicas_is_refused(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """WAIT cannot ride along a cluster's per-node scripts: refused at construction."""
+        client = RedisCluster(host="127.0.0.1", port=redis_cluster_server.port)
+        with pytest.raises(LeaseConfigError, match="min_replicas=1"):
+            RedisLockStore(client, min_replicas=1)
         client.close()
 
 
