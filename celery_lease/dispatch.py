@@ -11,7 +11,8 @@ blocked callbacks queue the others behind them, which is the failure this module
 prevent; a thread exists only while a callback needs it or for :data:`IDLE_EXIT` seconds after.
 
 Each callback is one unit: two listeners of the same lease run independently too. A callback
-that raises is logged (``logging.getLogger("celery_lease.dispatch")``) and forgotten.
+that raises (``SystemExit`` included) is logged (``logging.getLogger("celery_lease.dispatch")``)
+and forgotten.
 
 After ``fork`` the child starts with an empty dispatcher (the parent's threads do not exist
 there). :func:`celery_lease.shutdown` stops and joins the threads; the next callback starts one
@@ -89,7 +90,7 @@ class Dispatcher:
                         self._cond.release()
                         try:
                             fn(arg)
-                        except Exception:
+                        except BaseException:  # SystemExit too: logged, the thread goes on
                             logger.exception("celery-lease: %s raised", what)
                         finally:
                             self._cond.acquire()

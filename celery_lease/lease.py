@@ -34,7 +34,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.renewer import Entry, Renewer, get_renewer
+from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.stores.base import LockStore, SupportsReleaseNotify
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
@@ -49,20 +49,25 @@ POLL_FIRST = 0.05
 POLL_MAX = 1.0
 """The longest interval, in seconds, between two tries of a held key."""
 
+MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
+"""Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
+
 
 class _Frame:
     """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
 
     ``gen`` is the fork generation of the process that pushed it: a forked child inherits the
     context variables of its parent, and ignores the frames whose generation is not its own.
+    ``origin`` is the frame the pushing context holds (itself, or the frame a copy stands for).
     """
 
-    __slots__ = ("gen", "lease", "parent")
+    __slots__ = ("gen", "lease", "origin", "parent")
 
     def __init__(self, lease: Lease, parent: _Frame | None) -> None:
         self.lease = lease
         self.parent = parent
         self.gen = _generation
+        self.origin = self  # a copy made by an out-of-order pop keeps the original's identity
 
 
 _current: ContextVar[_Frame | None] = ContextVar("celery_lease_current", default=None)
@@ -278,9 +283,15 @@ class Lease:
         for fn, immediate in listeners:
             if not immediate:
                 dispatcher.submit(fn, self, f"loss listener {fn!r} of {self.key!r}")
+        stop: BaseException | None = None
         for fn, immediate in listeners:
             if immediate:
-                self._call_immediate(fn)
+                try:
+                    self._call_immediate(fn)
+                except BaseException as exc:  # SystemExit, an interrupt: after the others ran
+                    stop = stop or exc
+        if stop is not None:
+            raise stop
 
     def _call_immediate(self, fn: LossListener) -> None:
         try:
@@ -318,8 +329,11 @@ class _LeaseContext:
         self.cancel = cancel
         self.clock = clock
         self._lease: Lease | None = None
+        self._frame: _Frame | None = None  # the frame this context pushed
         self._reentered = False
         self._entered = False
+        self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
+        self._released_early = False  # release_early() recorded the end: the exit raises nothing
 
     # Decorator --------------------------------------------------------------------------------
 
@@ -353,18 +367,37 @@ class _LeaseContext:
         self._entered = True
         top = _current.get()
         frame = top
-        # Frames below the first foreign one are foreign too (pushed before the fork).
+        # Frames below the first foreign one are foreign too (pushed before the fork). A frame
+        # whose lease has ended (left behind by an exit that an interrupt cut short) is never
+        # re-entered: its key may be another holder's by now.
         while frame is not None and frame.gen == _generation:
             outer = frame.lease
-            if outer.key == self.key and outer.store is self.store and not outer.lost:
+            if (
+                outer.key == self.key
+                and outer.store is self.store
+                and not outer.lost
+                and not (outer._entry is not None and outer._entry.closed)
+            ):
                 self._reentered = True
                 self._lease = outer
-                _current.set(_Frame(outer, top))
+                try:
+                    self._frame = _Frame(outer, top)
+                    _current.set(self._frame)
+                except BaseException:
+                    _pop(self._frame)
+                    raise
                 return outer
             frame = frame.parent
         held = self._acquire()
-        self._lease = held
-        _current.set(_Frame(held, top))
+        try:
+            self._lease = held
+            self._frame = _Frame(held, top)
+            _current.set(self._frame)
+        except BaseException:
+            # An asynchronous exception (the interrupt of an enclosing lease, a soft time
+            # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
+            self._end_interrupted(held)
+            raise
         return held
 
     def __exit__(
@@ -375,26 +408,56 @@ class _LeaseContext:
     ) -> Literal[False]:
         held = self._lease
         assert held is not None
-        _pop(held)
         if self._reentered or held._gen != _generation:
+            _pop(self._frame)
             return False  # the outer context (or, after a fork, the parent) owns the lease
         entry = held._entry
         assert entry is not None and entry.renewer is not None
         renewer = entry.renewer
-        settled, final, lapsed = renewer.remove(entry)
-        reason = entry.lost_reason
-        if final:
-            self._finish(held, entry, succeeded=exc is None, settled=settled)
+        try:
+            _pop(self._frame)
+            settled, final, lapsed = renewer.remove(entry)
+            reason = entry.lost_reason
+            if final:
+                self._finish(held, entry, succeeded=exc is None, settled=settled)
+        except BaseException:
+            # An asynchronous exception landed in this bookkeeping: the lease must end all
+            # the same (not renewed for ever, not left on the stack), then it propagates.
+            self._end_interrupted(held)
+            raise
         if lapsed is not None:  # validity ran out before the renewer noticed; told after release
             Renewer._notify(entry, lapsed)
         if (
-            exc is not None
+            isinstance(exc, Exception)  # Ctrl-C, SystemExit, GeneratorExit stay what they are
             and reason is not None
-            and reason != "released"
+            and not self._released_early
             and not isinstance(exc, LockLostError)
         ):
             raise LockLostError(held.key, reason) from exc
         return False
+
+    def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
+        """End ``held`` after an asynchronous exception cut its enter, exit or early release short.
+
+        Pops this context's frame (``pop``: not for an early release, whose body still runs in
+        the ``with`` block), stops the renewal whatever state the entry was left in,
+        and releases the key owner-checked (again, if the release was under way: a release is
+        idempotent) unless a cooldown was begun. Never raises: the exception that brought us
+        here is the one to propagate.
+        """
+        try:
+            if pop:
+                _pop(self._frame)
+            entry = held._entry
+            reason = None
+            if entry is not None and entry.renewer is not None:
+                reason = entry.renewer.abandon(entry)
+            if not self._cooling:
+                self._release(held)
+            if reason is not None and entry is not None:
+                Renewer._notify(entry, reason)
+        except BaseException:  # pragma: no cover - a second interrupt: the first one goes on
+            logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def release_early(self, reason: str = "released") -> bool:
         """End the held lease now, while the body may still run; the exit then only pops it.
@@ -432,25 +495,36 @@ class _LeaseContext:
         assert entry is not None and entry.renewer is not None
         renewer = entry.renewer
         recorded = renewer.record(entry, reason)
-        if recorded:
-            renewer.settle(entry)
-        if renewer.claim_final(entry):
-            self._release(held)
+        self._released_early = self._released_early or recorded
+        try:
+            if recorded:
+                renewer.settle(entry)
+            if renewer.claim_final(entry):
+                self._release(held)
+        except BaseException:
+            self._end_interrupted(held, pop=False)  # an interrupt cut the release short: again
+            raise
         if recorded:
             Renewer._notify(entry, reason)
         return recorded
 
     def _release(self, held: Lease) -> None:
-        """Release the key owner-checked; a store error is logged (the key expires by itself)."""
+        """Release the key owner-checked; a store error is logged (the key expires by itself).
+
+        A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
+        lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
+        """
         try:
             self.store.release(held.key, held.owner)
+        except LockLostError:
+            raise
         except Exception as exc:
             logger.warning(
                 "celery-lease: releasing %r failed (%s); it expires within its ttl", held.key, exc
             )
 
     def _finish(self, held: Lease, entry: Entry, *, succeeded: bool, settled: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raise.
+        """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
 
         When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
         right after that renewal returns, since it may have landed after the cooldown.
@@ -458,6 +532,7 @@ class _LeaseContext:
         if not (succeeded and self.cooldown > 0 and entry.lost_reason is None):
             self._release(held)
             return
+        self._cooling = True
         until = self.clock.monotonic() + self.cooldown
         self._cool_down(held, until)
         if not settled:
@@ -479,6 +554,8 @@ class _LeaseContext:
                     held.key,
                     held.owner,
                 )
+        except LockLostError:
+            raise  # an interrupt delivered inside the call, not a store error: see _release
         except Exception as exc:
             logger.warning(
                 "celery-lease: setting the cooldown of %r failed (%s); the key frees itself"
@@ -522,14 +599,21 @@ class _LeaseContext:
             else:
                 clock.wait(idle, pause)
             interval = min(interval * 2, POLL_MAX)
+        held: Lease | None = None
         try:
-            return self._hold(owner, token, tries, started, sent_at)
+            held = self._hold(owner, token, tries, started, sent_at)
+            assert held._entry is not None
+            get_renewer(self.clock).add(held._entry)
         except BaseException:
+            entry = None if held is None else held._entry
+            if entry is not None and entry.renewer is not None:
+                entry.renewer.abandon(entry)  # add() was cut short: never renew it
             self._abandon(owner)
             raise
+        return held
 
     def _hold(self, owner: str, token: int, tries: int, started: float, sent_at: float) -> Lease:
-        """Build the Lease of an acquisition and start renewing it."""
+        """Build the Lease of an acquisition (the caller starts renewing it)."""
         held = Lease(
             key=self.key,
             owner=owner,
@@ -552,13 +636,14 @@ class _LeaseContext:
             max_hold_at=max_hold_at,
             on_lost=held._notify_lost,
         )
-        get_renewer(self.clock).add(held._entry)
         return held
 
     def _abandon(self, owner: str) -> None:
         """Best-effort release of an attempt that failed (or whose reply was lost)."""
         try:
             self.store.release(self.key, owner)
+        except LockLostError:
+            raise  # an interrupt delivered inside the call, not a store error: see _release
         except Exception as exc:
             logger.warning(
                 "celery-lease: acquiring %r failed, and releasing that attempt failed too (%s);"
@@ -569,6 +654,22 @@ class _LeaseContext:
 
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
+
+
+def check_ttl(seconds: float, given: object, *, name: str) -> None:
+    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
+
+    A lease counts :data:`~celery_lease.renewer.DRIFT_MARGIN` and
+    :data:`~celery_lease.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
+    :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
+    the user wrote it and ``name`` the parameter, both for the message.
+    """
+    if seconds <= MIN_TTL:
+        raise LeaseConfigError(
+            f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"
+            f" {DRIFT_MARGIN * 1000:g} ms and {DRIFT_FACTOR:.0%} of its ttl off its validity for"
+            " clock drift, so a shorter one would be lost the moment it is acquired"
+        )
 
 
 def lease(
@@ -608,11 +709,13 @@ def lease(
     Raises:
         LeaseConfigError: (a ``ValueError``) for a bad argument, naming it.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised after the lease was lost (chained); not
-            for a lease the holder released early itself.
+        LockLostError: on exit, when the body raised an ``Exception`` after the lease was
+            lost (chained); not for a lease the holder released early itself, and not for a
+            ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``), which propagates as is.
         StoreUnavailableError: when the store cannot be reached to acquire. The attempt may
             have taken effect with its reply lost, so it is released (owner-checked, best
-            effort) before the error is raised.
+            effort) on the dispatcher, right after the error is raised (so a store that just
+            timed out does not delay the error by a second timeout).
     """
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
@@ -622,8 +725,7 @@ def lease(
             f"store={store!r} is not a LockStore: it needs acquire(), renew() and release(){hint}"
         )
     ttl_s = to_seconds(ttl, name="ttl", inclusive=False)
-    if ttl_s < 0.001:
-        raise LeaseConfigError(f"ttl={ttl!r} must be at least 1 ms")
+    check_ttl(ttl_s, ttl, name="ttl")
     wait_s = to_seconds(wait, name="wait")
     max_hold_s = (
         None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
@@ -648,18 +750,22 @@ def lease(
     )
 
 
-def _pop(held: Lease) -> None:
-    """Remove the innermost frame of ``held`` from this context's stack of leases.
+def _pop(pushed: _Frame | None) -> None:
+    """Remove the frame ``pushed`` (or the copy that replaced it) from this context's stack.
 
-    O(1) when contexts are exited in order (the usual case); right, if slower, when they are not.
+    Idempotent (a frame already removed, or ``None``, is left alone), so an exit cut short by an
+    asynchronous exception can safely pop again. O(1) when contexts are exited in order (the
+    usual case); right, if slower, when they are not.
     """
+    if pushed is None:
+        return
     top = _current.get()
-    if top is not None and top.lease is held:
+    if top is not None and top.origin is pushed:
         _current.set(top.parent)
         return
     frames: list[_Frame] = []
     frame = top
-    while frame is not None and frame.lease is not held:
+    while frame is not None and frame.origin is not pushed:
         frames.append(frame)
         frame = frame.parent
     if frame is None:
@@ -668,6 +774,7 @@ def _pop(held: Lease) -> None:
     for above in reversed(frames):
         rebuilt = _Frame(above.lease, rebuilt)
         rebuilt.gen = above.gen
+        rebuilt.origin = above.origin
     _current.set(rebuilt)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
+from celery_lease.lease import check_ttl
 from celery_lease.stores.base import LockStore
 
 __all__ = [
@@ -130,8 +131,8 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
             f"{name('on_lost')}={on_lost!r} is not allowed: use one of {', '.join(ON_LOST)}"
         )
     ttl = duration("ttl", positive=True)
-    if ttl is not None and ttl < 0.001:
-        raise LeaseConfigError(f"{name('ttl')}={raw.get('ttl')!r} must be at least 1 ms")
+    if ttl is not None:
+        check_ttl(ttl, raw.get("ttl"), name=name("ttl"))
     return LockOptions(
         key=key,
         ttl=ttl,

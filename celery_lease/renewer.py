@@ -13,7 +13,10 @@ from an empty registry: it never renews its parent's leases.
 watchdog, the holder's exit, a reader that finds the lease past its deadline
 (:meth:`Renewer.expire_if_due`) or an early release (:meth:`Renewer.record`). ``Lease.lost``
 reads that record, so no reader ever sees a closed entry as "not lost" before it is marked; a
-renewal answer that arrives after the record changes nothing.
+renewal answer that arrives after the record changes nothing. One exception, in the safe
+direction: a refusal answered while the holder's exit waits for that renewal turns the exit's
+"finished" into ``"taken"`` (:meth:`Renewer.remove`): the store lost the lease while the body
+still counted on it, and that must not be hidden.
 
 **No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
 lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
@@ -98,7 +101,8 @@ class Entry:
 
     ``closed`` and ``lost_reason`` are the one record of how the lease ended (see the module
     docstring); both are written only under the renewer's lock, ``lost_reason`` first, so a
-    reader that sees ``closed`` and then reads ``lost_reason`` sees the final record.
+    reader that sees ``closed`` and then reads ``lost_reason`` sees the final record (save the
+    one upgrade of "finished" to ``"taken"`` by the exit, see :meth:`Renewer.remove`).
     ``on_lost(reason)`` is called once, outside every lock, after a loss is recorded.
     """
 
@@ -114,6 +118,7 @@ class Entry:
         "on_lost",
         "owner",
         "redo",
+        "refused",
         "renewer",
         "store",
         "ttl",
@@ -148,6 +153,7 @@ class Entry:
         self.landed: threading.Event | None = None  # made only when someone waits for it
         self.redo: Callable[[], None] | None = None  # run by the renewer after the flight
         self.finalized = False  # the holder's release (or cooldown) was sent
+        self.refused = False  # the store refused a renewal answered while the exit waited for it
 
     def overdue(self, now: float) -> str | None:
         """``"max_hold"`` or ``"expired"`` when the lease is past that deadline at ``now``."""
@@ -181,8 +187,11 @@ class Renewer:
         self._entries: set[Entry] = set()
         self._watchdog: threading.Thread | None = None
         self._in_io = False
-        self._io_begun = threading.Event()
-        self._io_ended = threading.Event()
+        # Wakes the watchdog when the renewer enters or leaves a store call, when a lease is
+        # added during one, and at the end. Only the watchdog clears it, and before it reads the
+        # state, so no wake-up is lost, whatever the clock's wait() does with an event that is
+        # set and cleared while it looks away (a polling test clock would miss that).
+        self._watch_wake = threading.Event()
         self._stopping = False
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
@@ -195,6 +204,7 @@ class Renewer:
             heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
             self._entries.add(entry)
             self._stopping = False
+            watch = self._in_io  # the watchdog must count this lease's deadline too
             if self._thread is None:
                 self._next_wake = float("inf")
                 self._thread = threading.Thread(
@@ -204,6 +214,8 @@ class Renewer:
                 self._thread.start()
                 return
             wake = entry.due < self._next_wake
+        if watch:
+            self._watch_wake.set()
         if wake:  # only when the new lease is due before the thread means to wake anyway
             self._wake.set()
 
@@ -214,7 +226,10 @@ class Renewer:
 
         Records the end under the lock: "finished", or ``"expired"``/``"max_hold"`` when the
         lease is already past that deadline. If a renewal of the entry is in flight, waits for it
-        as :meth:`settle` does.
+        as :meth:`settle` does; if the store answers it with a refusal meanwhile (before the
+        lease's validity ran out), the end becomes a loss, ``"taken"``: the store lost the lease
+        while the body still counted on it. Anything else that happens after the body ended
+        (the validity running out during the wait, a late success) changes nothing.
 
         Returns ``(settled, final, lapsed)``: ``settled`` is True when no renewal of ``entry``
         can still land in the store (False: one is still in flight, and the caller may
@@ -222,20 +237,30 @@ class Renewer:
         holder's release or cooldown (see :meth:`claim_final`); ``lapsed`` is the loss reason
         this call recorded, if any: the caller then calls ``entry.on_lost(lapsed)`` itself, once
         its release is sent. One lock round on the usual path.
+
+        The calls come before the first change of the entry, and the changes follow one another
+        with no call between them, so an asynchronous exception (an interrupt of the body) that
+        lands here leaves the entry either untouched or recorded; :meth:`abandon` ends it then.
         """
         with self._lock:
+            reason = None if entry.closed else entry.overdue(self.clock.monotonic())
             final = not entry.finalized
             entry.finalized = True
             if entry.closed:
+                self._forget(entry)  # idempotent: in case an interrupt cut the recorder short
                 return True, final, None  # already lost: nothing of its holder's is cooled down
-            reason = entry.overdue(self.clock.monotonic())
-            if reason is not None:
-                self._record(entry, reason)
+            inflight = entry.inflight
+            entry.lost_reason = reason
+            entry.closed = True
+            self._forget(entry)
+            if reason is not None or not inflight:
                 return True, final, reason
-            self._close(entry)
-            if not entry.inflight:
-                return True, final, None
-        return self.settle(entry), final, None
+        settled = self.settle(entry)
+        with self._lock:
+            if not entry.refused or entry.lost_reason is not None:
+                return settled, final, None
+            entry.lost_reason = "taken"  # refused while the exit waited: the exit reports it
+            return settled, final, "taken"
 
     def record(self, entry: Entry, reason: str) -> bool:
         """Record that ``entry`` was lost for ``reason`` unless its end is already recorded.
@@ -300,6 +325,25 @@ class Renewer:
             entry.redo = action
             return True
 
+    def abandon(self, entry: Entry) -> str | None:
+        """End ``entry`` whatever state an interrupted :meth:`remove` (or add) left it in.
+
+        For the holder's clean-up when an asynchronous exception landed in its bookkeeping:
+        the entry is closed (never renewed again) and counted as finalized; the caller sends
+        the release itself. Returns the loss reason this call recorded (``"expired"`` or
+        ``"max_hold"`` when the lease is past that deadline), which the caller notifies, else
+        ``None``. Idempotent.
+        """
+        with self._lock:
+            entry.finalized = True
+            reason = None
+            if not entry.closed:
+                reason = entry.overdue(self.clock.monotonic())
+                entry.lost_reason = reason
+                entry.closed = True
+            self._forget(entry)  # also when an interrupted remove() closed it but stopped here
+            return reason
+
     def claim_final(self, entry: Entry) -> bool:
         """True exactly once per entry: for whoever sends the holder's release (or cooldown)."""
         with self._lock:
@@ -308,25 +352,42 @@ class Renewer:
             entry.finalized = True
             return True
 
-    def _record(self, entry: Entry, reason: str) -> None:
-        """Record a loss and close ``entry``; under the lock. ``lost_reason`` first, see Entry."""
-        entry.lost_reason = reason
-        self._close(entry)
+    def _record(self, entry: Entry, reason: str | None) -> None:
+        """Record the end of ``entry`` (a loss, or "finished" for ``None``); under the lock.
 
-    def _close(self, entry: Entry) -> None:
-        """Mark ``entry`` closed and note when the renewer became idle; under the lock."""
+        ``lost_reason`` first, see Entry; the two stores follow each other with no call between
+        them, so no asynchronous exception can land between the reason and ``closed``.
+        """
+        entry.lost_reason = reason
         entry.closed = True
+        self._forget(entry)
+
+    def _forget(self, entry: Entry) -> None:
+        """Drop a closed ``entry`` from the held ones, noting when the renewer became idle."""
         self._entries.discard(entry)
         if not self._entries:
             self._idle_since = self.clock.monotonic()
 
-    def _report_lost(self, entry: Entry, reason: str) -> None:
-        """Record the loss unless the end of ``entry`` is already recorded, then notify."""
+    def _report_lost(self, entry: Entry, reason: str) -> bool:
+        """Record the loss unless the end of ``entry`` is already recorded; True if recorded."""
         with self._lock:
             if entry.closed:
-                return
+                return False
             self._record(entry, reason)
-        self._notify(entry, reason)
+            return True
+
+    @staticmethod
+    def _notify_all(losses: list[tuple[Entry, str]]) -> None:
+        """Notify losses from the renewer or the watchdog thread: nothing raised may end it.
+
+        A listener that calls ``sys.exit`` (or a store driver's ``BaseException``) must not
+        stop the renewal, or the loss reports, of every other lease of the process.
+        """
+        for entry, reason in losses:
+            try:
+                entry.on_lost(reason)
+            except BaseException:
+                logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
 
     @staticmethod
     def _notify(entry: Entry, reason: str) -> None:
@@ -374,7 +435,7 @@ class Renewer:
                     self._next_wake = min(exit_at, now + IDLE_POLL)
                     if now >= exit_at or self._stopping:
                         self._thread = None
-                        self._io_begun.set()  # lets the watchdog see that the renewer is gone
+                        self._watch_wake.set()  # lets the watchdog see that the renewer is gone
                         _note_running(self, False)
                         _forget_idle(self)
                         return
@@ -384,7 +445,7 @@ class Renewer:
             self._wake.clear()
             try:
                 self._sweep()
-            except Exception:  # pragma: no cover - a bug here must not kill renewal for good
+            except BaseException:  # pragma: no cover - a bug here must not kill renewal for good
                 logger.exception("celery-lease renewer sweep failed")
 
     def _take_due(self, now: float) -> list[Entry]:
@@ -411,15 +472,13 @@ class Renewer:
                 lost.append((entry, reason))
             else:
                 to_renew.setdefault(id(entry.store), []).append(entry)
-        for entry, reason in lost:
-            self._report_lost(entry, reason)
+        self._notify_all([(e, reason) for e, reason in lost if self._report_lost(e, reason)])
         if to_renew:
             self.sweeps += 1
         recorded: list[tuple[Entry, str]] = []
         for group in to_renew.values():
             recorded.extend(self._renew_group(group))
-        for entry, reason in recorded:
-            self._notify(entry, reason)
+        self._notify_all(recorded)
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
         """Renew one store's due entries; returns the losses it recorded (to notify)."""
@@ -451,7 +510,11 @@ class Renewer:
                     redo.append(entry.redo)
                     entry.redo = None
                 if entry.closed:
-                    continue  # its end is recorded: a late answer changes nothing
+                    # Its end is recorded: a late answer changes nothing, except a refusal
+                    # answered in time while the holder's exit waits for it (see remove()).
+                    if result is False and answered_at < entry.valid_until:
+                        entry.refused = True
+                    continue
                 if answered_at >= entry.valid_until:
                     # The answer came too late: the lease may already have read as lost, and a
                     # lost lease never comes back.
@@ -487,20 +550,32 @@ class Renewer:
 
     @staticmethod
     def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
-        """Renew ``group`` (one store), one result or exception per entry; never raises."""
+        """Renew ``group`` (one store), one result or exception per entry; never raises.
+
+        Whatever a store raises, ``BaseException`` included (``asyncio.CancelledError``,
+        ``gevent.Timeout``), is that entry's failed renewal: the renewer thread must outlive it.
+        A ``renew_many`` answer with a result count other than the number of leases sent is a
+        failure of the whole batch (nothing is decided on a malformed answer).
+        """
         results: list[bool | BaseException]
         renew_many = getattr(store, "renew_many", None)
         if renew_many is not None and len(group) > 1:
             try:
-                results = list(renew_many([(e.key, e.owner, e.ttl_ms) for e in group]))
-            except Exception as exc:
-                results = [exc] * len(group)
+                answer = list(renew_many([(e.key, e.owner, e.ttl_ms) for e in group]))
+            except BaseException as exc:
+                return [exc] * len(group)
+            if len(answer) != len(group):
+                error = RuntimeError(
+                    f"{store!r}.renew_many() answered {len(answer)} results for {len(group)} leases"
+                )
+                return [error] * len(group)
+            results = [r if isinstance(r, BaseException) else bool(r) for r in answer]
         else:
             results = []
             for entry in group:
                 try:
                     results.append(bool(store.renew(entry.key, entry.owner, entry.ttl_ms)))
-                except Exception as exc:
+                except BaseException as exc:
                     results.append(exc)
         return results
 
@@ -516,22 +591,22 @@ class Renewer:
     def _begin_io(self) -> None:
         with self._lock:
             self._in_io = True
-            self._io_ended.clear()
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="celery-lease-watchdog", daemon=True
                 )
                 self._watchdog.start()
-        self._io_begun.set()
+        self._watch_wake.set()
 
     def _end_io(self) -> None:
         with self._lock:
             self._in_io = False
-        self._io_ended.set()
+        self._watch_wake.set()
 
     def _watch(self) -> None:
         """Record leases whose deadline passes while the renewer is stuck in a store call."""
         while True:
+            self._watch_wake.clear()  # before reading the state: a change after it sets it again
             with self._lock:
                 if self._thread is None:
                     self._watchdog = None
@@ -539,12 +614,11 @@ class Renewer:
                 in_io = self._in_io
                 deadline = self._earliest_deadline()
             if not in_io:
-                self.clock.wait(self._io_begun, None)
-                self._io_begun.clear()
+                self.clock.wait(self._watch_wake, None)
                 continue
             now = self.clock.monotonic()
             if deadline is None or deadline > now:
-                self.clock.wait(self._io_ended, None if deadline is None else deadline - now)
+                self.clock.wait(self._watch_wake, None if deadline is None else deadline - now)
                 continue
             overdue: list[tuple[Entry, str]] = []
             with self._lock:
@@ -554,8 +628,7 @@ class Renewer:
                     reason = entry.overdue(now) or "expired"
                     self._record(entry, reason)
                     overdue.append((entry, reason))
-            for entry, reason in overdue:
-                self._notify(entry, reason)
+            self._notify_all(overdue)
 
     # Stopping ---------------------------------------------------------------------------------
 
@@ -565,7 +638,7 @@ class Renewer:
             self._stopping = True
             threads = [t for t in (self._thread, self._watchdog) if t is not None]
         self._wake.set()
-        self._io_begun.set()
+        self._watch_wake.set()
         return threads
 
 

@@ -14,6 +14,7 @@ waits for them with :func:`celery_lease.dispatch.drain`.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -54,9 +55,15 @@ class FakeClock:
             return self._now
 
     def advance(self, seconds: float) -> None:
-        """Move time forward by ``seconds`` and wake every waiter whose deadline has come."""
-        if seconds < 0:
-            raise ValueError(f"seconds={seconds!r} must be >= 0: a clock does not go back")
+        """Move time forward by ``seconds`` and wake every waiter whose deadline has come.
+
+        Raises:
+            ValueError: for a negative step (a clock does not go back), NaN or infinity.
+        """
+        if not 0 <= seconds < math.inf:
+            raise ValueError(
+                f"seconds={seconds!r} must be a finite number >= 0: a clock does not go back"
+            )
         with self._cond:
             self._now += seconds
             self._cond.notify_all()

@@ -318,7 +318,7 @@ class TestValidation:
         [
             ({"ttl": 0}, r"ttl=0 must be > 0"),
             ({"ttl": "soon"}, r"ttl='soon' is not a duration"),
-            ({"ttl": 0.0001}, r"ttl=0.0001 must be at least 1 ms"),
+            ({"ttl": 0.0001}, r"ttl=0.0001 must be more than 2.02 ms"),
             ({"wait": -1}, r"wait=-1 must be >= 0"),
             ({"max_hold": 0}, r"max_hold=0 must be > 0"),
             ({"cooldown": "-5s"}, r"cooldown='-5s' is not a duration"),
