@@ -12,6 +12,7 @@ these three calls. Optional capabilities, detected with ``isinstance`` against t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -23,6 +24,7 @@ __all__ = [
     "SupportsBatchRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
+    "redact_url",
     "store_from_url",
 ]
 
@@ -130,6 +132,34 @@ _SCHEMES = (
 )
 
 
+_SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/+")
+# A parameter whose name ends in "password" (libpq's password=, ?sentinel_password=...): its
+# value, quoted (perhaps unterminated) or up to the next " name=", "&", ";" or the end.
+_PARAM_PASSWORD = re.compile(
+    r"""(password\s*=\s*)('(?:[^'\\]|\\.)*'?|.*?)(?=\s+[A-Za-z_][A-Za-z0-9_]*\s*=|[&;]|$)""",
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+def redact_url(url: str) -> str:
+    """``url`` (or a libpq ``key=value`` DSN) with every password replaced by ``***``.
+
+    For error messages and logs. Masks the userinfo's password (``scheme://user:password@host``,
+    up to the last ``@``, also with a misspelled scheme or no ``//``) and the
+    value of every parameter whose name ends in ``password`` (``?sentinel_password=...``,
+    libpq's ``password=...``, quoted or not). It masks too much rather than too little.
+    """
+    text = url
+    at = text.rfind("@")  # the last one: a password may hold "@", "/" or "?" unencoded
+    if at >= 0:
+        scheme = _SCHEME_PREFIX.match(text)
+        begin = scheme.end() if scheme is not None else 0
+        colon = text.find(":", begin, at)
+        if colon >= 0:
+            text = text[: colon + 1] + "***" + text[at:]
+    return _PARAM_PASSWORD.sub(r"\1***", text)
+
+
 def store_from_url(url: str) -> LockStore:
     """Build a store from a URL.
 
@@ -149,7 +179,10 @@ def store_from_url(url: str) -> LockStore:
     from celery_lease.errors import LeaseConfigError
 
     if not isinstance(url, str) or "://" not in url:
-        raise LeaseConfigError(f"store url={url!r} is not a URL; supported: {', '.join(_SCHEMES)}")
+        shown = redact_url(url) if isinstance(url, str) else url
+        raise LeaseConfigError(
+            f"store url={shown!r} is not a URL; supported: {', '.join(_SCHEMES)}"
+        )
     scheme = urlsplit(url).scheme.lower()
     if scheme == "memory":
         from celery_lease.stores.memory import MemoryLockStore
@@ -168,5 +201,6 @@ def store_from_url(url: str) -> LockStore:
 
         return PostgresLockStore(url)
     raise LeaseConfigError(
-        f"store url={url!r} has an unknown scheme {scheme!r}; supported: {', '.join(_SCHEMES)}"
+        f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
+        f"{', '.join(_SCHEMES)}"
     )

@@ -66,7 +66,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import unquote_plus
+from urllib.parse import unquote, unquote_plus
 
 import psycopg
 from psycopg import sql
@@ -75,7 +75,7 @@ from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.base import LeaseInfo, redact_url
 
 __all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore"]
 
@@ -237,6 +237,71 @@ def _take_url_option(dsn: str) -> tuple[str, bool | None]:
         )
     query = "&".join(kept)
     return base + ("?" + query if query else "") + hash_ + fragment, value in _TRUE
+
+
+def _refuse_split_userinfo(dsn: str) -> None:
+    """Refuse a URL whose password holds an unencoded ``@`` or ``/``.
+
+    libpq ends the userinfo at the first ``@`` and the host at the first ``/``: with
+    ``user:p@ss@host`` the host becomes ``ss@host``, with ``user:p/ss@host`` the host becomes
+    ``user`` and the database ``ss@host/...``; pieces of the password then appear in the store's
+    repr and in every error message (and the connection goes elsewhere).
+
+    Raises:
+        LeaseConfigError: naming the problem, with the password masked.
+    """
+    if "://" not in dsn:
+        return
+    rest = dsn.split("://", 1)[1].split("?", 1)[0]
+    slash = rest.find("/")
+    authority, path = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+    if authority.count("@") > 1 or ("@" in path and ":" in authority and "@" not in authority):
+        raise LeaseConfigError(
+            f"the store URL {redact_url(dsn)!r} has an '@' or '/' in its user or password part: "
+            "percent-encode them ('@' as %40, '/' as %2F, ':' as %3A)"
+        )
+
+
+def _secrets(dsn: str, password: str | None) -> tuple[str, ...]:
+    """Every form of the DSN's password that could appear in a message (raw, decoded)."""
+    found = {password} if password else set()
+    if "://" in dsn:
+        rest = dsn.split("://", 1)[1]
+        userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
+        if ":" in userinfo:
+            raw = userinfo.split(":", 1)[1]
+            found |= {raw, unquote(raw)}
+    return tuple(sorted((f for f in found if f), key=len, reverse=True))
+
+
+def _mask(text: str, secrets: Sequence[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _mask_parse_error(message: str, dsn: str) -> str:
+    """libpq's message about a DSN it could not parse, with no piece of the password in it.
+
+    libpq quotes the token it stopped at, or the whole URL: a quoted piece is kept when it is
+    part of the DSN with its password masked (an option name, say), masked itself when it is a
+    URL, and replaced by ``***`` otherwise (it may be a piece of the password).
+    """
+    masked_dsn = redact_url(dsn)
+    if masked_dsn == dsn:
+        return message  # no password in it
+
+    def piece(match: re.Match[str]) -> str:
+        quoted = match.group(1)
+        if quoted and quoted in masked_dsn:
+            return match.group(0)
+        redacted = redact_url(quoted)
+        return f'"{redacted}"' if redacted != quoted else '"***"'
+
+    return _QUOTED.sub(piece, message)
 
 
 def _describe(exc: BaseException) -> str:
@@ -587,6 +652,7 @@ class PostgresLockStore:
         self._connect_timeout = float(connect_timeout)
         self._max_connections = max_connections
         self._where = ""
+        self._secrets: tuple[str, ...] = ()  # passwords of the DSN, masked in every message
         if isinstance(dsn_or_pool, ConnectionPool):
             self._dsn: str | None = None
             self._given_pool: ConnectionPool[Any] | None = dsn_or_pool
@@ -600,6 +666,7 @@ class PostgresLockStore:
                 )
             if create_table is None:
                 create_table = from_url
+            _refuse_split_userinfo(dsn)
             try:
                 params = conninfo_to_dict(dsn)
             except psycopg.ProgrammingError as exc:
@@ -607,8 +674,10 @@ class PostgresLockStore:
                 if _URL_OPTION in str(exc):
                     hint = " (create_table goes in a URL's query or the create_table= keyword)"
                 raise LeaseConfigError(
-                    f"dsn_or_pool is not a valid PostgreSQL DSN or URL: {exc}{hint}"
+                    "dsn_or_pool is not a valid PostgreSQL DSN or URL: "
+                    f"{_mask_parse_error(str(exc), dsn)}{hint}"
                 ) from None
+            self._secrets = _secrets(dsn, str(params.get("password") or ""))
             self._dsn = dsn
             self._given_pool = None
             self._where = _target(params)
@@ -809,7 +878,7 @@ class PostgresLockStore:
             raise
 
     def _error(self, what: str, detail: str) -> StoreUnavailableError:
-        return StoreUnavailableError(f"{self!r} failed to {what}: {detail}")
+        return StoreUnavailableError(_mask(f"{self!r} failed to {what}: {detail}", self._secrets))
 
     def _no_connection(self, exc: PoolTimeout) -> str:
         detail = f"no connection within {self._connect_timeout:g} s"

@@ -16,7 +16,9 @@ suspend time stays held for the rest of its ttl after resume: every process usin
 suspended too). A row whose boot id is not this boot's was written before a reboot: its
 monotonic expiry means nothing now and the lease is expired (its holder died with that boot).
 Inside a time namespace (``unshare --time``) the namespace's monotonic offset, read from
-``/proc/self/timens_offsets``, is subtracted, so its processes agree with the host's.
+``/proc/self/timens_offsets``, is subtracted, so its processes agree with the host's. (That file
+shows the namespace of the process's children: a process that unshared one for its children but
+is not in it itself judges expiry by the wall clock instead.)
 
 Without a boot id (not Linux, or no ``/proc``) the store falls back to the wall clock
 (``clock.time()``): leases then end early by the size of a forward step of the wall clock and
@@ -42,6 +44,7 @@ to be stale, and the row is judged by ``expires_ms``.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import sqlite3
@@ -59,6 +62,8 @@ from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
 
 __all__ = ["SQLiteLockStore"]
+
+logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
@@ -111,7 +116,10 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
     boot_expires_ms = excluded.boot_expires_ms, boot_token = excluded.boot_token"""
 
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
-_TIMENS_FILE = "/proc/self/timens_offsets"
+_TIMENS_FILE = "/proc/self/timens_offsets"  # the offsets of the *children's* time namespace
+_TIMENS_OWN = "/proc/self/ns/time"
+_TIMENS_CHILDREN = "/proc/self/ns/time_for_children"
+_TIMENS_INITIAL = "time:[4026531834]"  # PROC_TIME_INIT_INO: the host's namespace, no offset
 
 
 class _Detect:
@@ -123,22 +131,52 @@ class _Detect:
 
 _DETECT = _Detect()
 
-# Connections inherited through fork(): never used and never closed in the child (closing a
-# connection another process still uses can drop that process's POSIX locks on the file), only
-# kept alive so that garbage collection does not close them either.
+# Connections inherited through fork() that could not be closed before it (see _before_fork):
+# never used and never closed in the child (the parent may be inside a call on them, holding
+# SQLite's mutexes), only kept alive so that garbage collection does not close them either.
 _INHERITED: list[sqlite3.Connection] = []
 
-# Every open store, so that a forked child can drop the connections and locks it inherited.
+# Every open store, so that fork() can close their connections first.
 _STORES: weakref.WeakSet[SQLiteLockStore] = weakref.WeakSet()
+
+# The store locks _before_fork took, released in the parent once the child exists.
+_HELD_ACROSS_FORK: list[threading.Lock] = []
+
+
+def _before_fork() -> None:
+    """Close every store's connection before fork(), holding its lock until fork() returns.
+
+    A child must not inherit an open SQLite connection to a file it goes on using. SQLite keeps
+    per-process records of the locks it holds on each file (shared by every connection of the
+    process to that file); fork() copies them, but POSIX locks belong to the process and are not
+    inherited. The child's new connection then reuses the copied records and believes the locks
+    taken: it holds no lock on the file at all. Once the parent closes, the next process to close
+    its connection thinks itself the last one, checkpoints and deletes the WAL and shm files, and
+    the child goes on committing into the deleted WAL, unseen by every other process: two
+    holders of one key. Closed before the fork, the parent's records are gone, and the child
+    opens (and locks) the file as any new process does; the parent reopens on its next call.
+    """
+    for store in list(_STORES):
+        store._close_for_fork()
+
+
+def _after_fork_in_parent() -> None:
+    while _HELD_ACROSS_FORK:
+        _HELD_ACROSS_FORK.pop().release()
 
 
 def _after_fork_in_child() -> None:
+    _HELD_ACROSS_FORK.clear()  # the child gets new locks (_forget_inherited)
     for store in list(_STORES):
         store._forget_inherited()
 
 
 if hasattr(os, "register_at_fork"):  # pragma: no branch - absent on Windows only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    os.register_at_fork(
+        before=_before_fork,
+        after_in_parent=_after_fork_in_parent,
+        after_in_child=_after_fork_in_child,
+    )
 
 
 class SQLiteLockStore:
@@ -153,10 +191,12 @@ class SQLiteLockStore:
     a step of the wall clock moves no expiry; a reboot expires every lease); without a boot id
     (not Linux) it falls back to the wall clock.
 
-    Each process opens its own connection on first use (after ``fork()`` the child opens a new
-    one; the inherited connection is never touched), shared by the threads of that process under
-    a lock: SQLite serialises writers on the file anyway, so a connection per thread would buy
-    nothing but file descriptors.
+    Each process opens its own connection on first use, shared by the threads of that process
+    under a lock: SQLite serialises writers on the file anyway, so a connection per thread would
+    buy nothing but file descriptors. ``os.fork()`` first waits for a call in flight and closes
+    the connection (a child that inherits an open SQLite connection holds no lock on the file
+    and can end up committing to a deleted WAL); the child opens its own, the parent reopens on
+    its next call.
 
     The database file is created with mode ``0o600`` (owner only), and its parent directory
     when missing. A file on a network file system is not supported (WAL needs shared memory).
@@ -247,8 +287,41 @@ class SQLiteLockStore:
 
     # Connection ---------------------------------------------------------------------------------
 
+    def _close_for_fork(self) -> None:
+        """Just before fork(): close this process's connection, keeping its lock held.
+
+        The lock goes to ``_HELD_ACROSS_FORK`` as soon as it is taken (released in the parent
+        after the fork, even if closing raised), so no call starts on a connection mid-fork.
+
+        Waits for a call in flight on another thread (each is bounded by ``busy_timeout``; the
+        set-up in :meth:`_open` by twice that). If the lock cannot be had in that time (say,
+        fork() from a signal handler that interrupted a call of this very thread), the
+        connection stays open and the child inherits it: a warning says so.
+        """
+        if self._pid != os.getpid():
+            return  # inherited (fork without the hooks): the child forgets it on use
+        lock = self._lock
+        if not lock.acquire(timeout=min(2 * self._busy_timeout + 1.0, threading.TIMEOUT_MAX)):
+            logger.warning(
+                "celery-lease: fork() while the SQLite store %r was busy: its connection could "
+                "not be closed first, and the child may not exclude other processes reliably",
+                self._path,
+            )
+            return
+        _HELD_ACROSS_FORK.append(lock)
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error as exc:  # pragma: no cover - close() of an idle connection
+                logger.warning("celery-lease: closing %r before fork failed (%s)", self._path, exc)
+
     def _forget_inherited(self) -> None:
-        """In a forked child: drop (without closing) the parent's connection and lock."""
+        """In a forked child: drop (without closing) the parent's connection and lock.
+
+        The connection is normally closed already (:func:`_before_fork`); it is still open only
+        when the fork did not run Python's fork hooks or could not wait for a call in flight.
+        """
         self._lock = threading.Lock()
         if self._conn is not None:
             _INHERITED.append(self._conn)
@@ -512,6 +585,10 @@ def _host_boot() -> tuple[str | None, float]:
 
     ``(None, 0.0)`` without ``/proc/sys/kernel/random/boot_id`` (not Linux): the store then falls
     back to the wall clock. The offset is 0.0 outside a time namespace or on kernels without them.
+    ``/proc/self/timens_offsets`` shows the namespace this process's *children* get: when that is
+    not its own (it called ``unshare(CLONE_NEWTIME)`` and has not exec'd since), its own offset
+    is unknown and the result is ``(None, 0.0)`` too (the wall clock, which still excludes
+    against every other process).
     """
     try:
         with open(_BOOT_ID_FILE, encoding="ascii") as file:
@@ -519,6 +596,22 @@ def _host_boot() -> tuple[str | None, float]:
     except (OSError, UnicodeDecodeError):
         return None, 0.0
     if not boot:
+        return None, 0.0
+    try:
+        own, for_children = os.readlink(_TIMENS_OWN), os.readlink(_TIMENS_CHILDREN)
+    except OSError:  # a kernel without time namespaces: no offset
+        return boot, 0.0
+    if own == _TIMENS_INITIAL:
+        return boot, 0.0  # the host's namespace, whatever the children's
+    if own != for_children:
+        # timens_offsets shows the namespace of the children (after unshare(CLONE_NEWTIME) and
+        # before the next exec): this process's own offset cannot be read.
+        logger.warning(
+            "celery-lease: this process is in a time namespace whose offset it cannot read "
+            "(%s; its children: %s): the SQLite store judges expiry by the wall clock",
+            own,
+            for_children,
+        )
         return None, 0.0
     offset = 0.0
     try:

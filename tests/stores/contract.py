@@ -283,6 +283,36 @@ class StoreContract:
         following = store.acquire("k", "b", LONG_MS)
         assert following is not None and following > token
 
+    def test_a_renew_retried_after_its_reply_was_lost_reports_renewed(
+        self, store: LockStore
+    ) -> None:
+        """A renew that took effect but lost its reply, redone by the same owner, is True."""
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        assert store.renew("k", "a", LONG_MS) is True  # the lost one took effect
+        assert store.renew("k", "a", LONG_MS) is True  # the retry
+        assert store.acquire("k", "b", LONG_MS) is None
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and (info.owner, info.token) == ("a", token)
+
+    def test_a_release_retried_after_another_owner_took_the_key_leaves_its_lease(
+        self, store: LockStore
+    ) -> None:
+        """A release that took effect but lost its reply, redone after another owner acquired
+        the key, must not free that owner's lease (release is owner-checked, so a retry is safe)."""
+        first = store.acquire("k", "a", LONG_MS)
+        assert first is not None
+        store.release("k", "a")  # took effect; its reply was lost
+        second = store.acquire("k", "b", LONG_MS)
+        assert second is not None and second > first
+        store.release("k", "a")  # the retry
+        assert store.acquire("k", "c", LONG_MS) is None
+        assert store.renew("k", "b", LONG_MS) is True
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and (info.owner, info.token) == ("b", second)
+
     # Clock steps (stores on an injected clock) --------------------------------------------------
 
     def test_a_forward_step_of_the_wall_clock_does_not_free_a_live_lease(
