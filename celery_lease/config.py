@@ -28,6 +28,7 @@ import contextlib
 import difflib
 import logging
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -39,13 +40,14 @@ from urllib.parse import urlsplit
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore, store_from_url
+from celery_lease.stores.base import LockStore, redact_url, store_from_url
 
 __all__ = [
     "BUILTIN_KEY_PREFIX",
     "BUILTIN_TTL",
     "BUILTIN_WAIT",
     "SETTINGS",
+    "STORE_SCHEMES",
     "LeaseSettings",
     "broker_store_url",
     "cached",
@@ -55,6 +57,7 @@ __all__ = [
     "is_process_local",
     "misspelled_settings",
     "pick",
+    "recheck",
     "refuse",
     "reset",
 ]
@@ -81,6 +84,19 @@ SETTINGS: tuple[str, ...] = (
 A new setting is one line here, plus its :class:`LeaseSettings` field (named without the
 ``lease_`` prefix) and its parsing in ``_read``; the typo check and its messages follow this list.
 """
+
+STORE_SCHEMES: tuple[str, ...] = (
+    "memory",
+    "sqlite",
+    "redis",
+    "rediss",
+    "redis+sentinel",
+    "unix",
+    "postgresql",
+    "postgres",
+)
+"""URL schemes :func:`~celery_lease.stores.store_from_url` builds a store for (checked when the
+settings are read, so that a misspelled scheme fails at worker start, not at the first task)."""
 
 SQLITE_FILE = "leases.sqlite3"
 """File name of the host-local fallback store inside :func:`default_sqlite_dir`."""
@@ -155,6 +171,44 @@ def _closest(name: str) -> str | None:
     return matches[0] if matches else None
 
 
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``a`` becomes ``b`` by at most one insertion, deletion, substitution or swap of
+    two neighbours (``leas``, ``lase``, ``laese`` and ``lease`` itself for ``lease``)."""
+    if a == b:
+        return True
+    if abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            return True
+        i = diff[0]
+        return len(diff) == 2 and diff[1] == i + 1 and a[i] == b[i + 1] and a[i + 1] == b[i]
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
+_WORD = re.compile(r"[a-z]+")
+_SQUASHED_SETTINGS = tuple(name.replace("_", "") for name in SETTINGS)
+
+
+def _says_lease(name: str) -> bool:
+    """Whether ``name`` (lower case, namespace removed) is written as one of our settings.
+
+    Its first word is ``lease`` or one slip away from it (``leas_store``, ``laese_store``), or
+    it runs the words of a setting together (``leasestore``). Other libraries' names that
+    merely share words with ours (``cache_key_prefix``, ``redis_default_ttl``,
+    ``release_store``) are not: they are someone else's settings, not typos of ours.
+    """
+    first = _WORD.match(name)
+    if first is not None and _one_edit_apart(first.group(), "lease"):
+        return True
+    squashed = re.sub(r"[^a-z]", "", name)
+    return squashed.startswith("lease") and bool(
+        difflib.get_close_matches(squashed, _SQUASHED_SETTINGS, n=1, cutoff=_LOOKALIKE_CUTOFF)
+    )
+
+
 def _configured_keys(conf: Any) -> Iterable[Any]:
     """Every key the user configured: ``app.conf`` without Celery's defaults, or a mapping."""
     without_defaults = getattr(conf, "without_defaults", None)
@@ -171,10 +225,16 @@ def misspelled_settings(conf: Any) -> list[str]:
 
     - its name, without the namespace prefix (or an old-style ``CELERY_`` prefix), is a known
       setting (``LEASE_STORE`` without a namespace, ``LEASE_STORE`` under ``"CELERY"``);
-    - or it is spelled as Celery reads settings (lower case, or inside the namespace) and starts
-      with ``lease`` or is close to a known name (``lease_stor``, ``CELERY_LEASE_STOR``);
-    - or, spelled otherwise (another library's or Django's own upper-case settings), it is very
-      close to a known name (``CELERY_LEASE_STOR`` without a namespace).
+    - or its name says ``lease`` (its first word is ``lease`` or one slip away from it, or it
+      runs a setting's words together: ``leas_store``, ``leasestore``) and it is spelled as
+      Celery reads settings (lower case, or inside the namespace: ``lease_stor``,
+      ``CELERY_LEASE_STOR``);
+    - or its name says ``lease``, it is spelled otherwise (Django's upper-case settings outside
+      the namespace) and it is very close to a known name (``CELERY_LEASE_STOR`` without a
+      namespace).
+
+    Names of other libraries that only share words with ours (``CACHE_KEY_PREFIX``,
+    ``redis_default_ttl``, ``release_store``, ``redbeat_key_prefix``) are never reported.
     """
     finalize = getattr(conf, "finalize", None)
     if callable(finalize):
@@ -203,8 +263,10 @@ def misspelled_settings(conf: Any) -> list[str]:
                 )
             problems.append(f"{key!r} is never read by Celery: this app reads {reads}{note}")
             continue
+        if not _says_lease(name):
+            continue
         lookalike = difflib.get_close_matches(name, SETTINGS, n=1, cutoff=_LOOKALIKE_CUTOFF)
-        if not (lookalike or (spelled_for_celery and name.startswith("lease"))):
+        if not (lookalike or spelled_for_celery):
             continue
         meant = _closest(name)
         hint = ""
@@ -243,8 +305,14 @@ def _read(app: Any) -> LeaseSettings:
             store = None
         elif "://" not in store:
             raise LeaseConfigError(
-                f"lease_store={store!r} is not a URL: use redis://..., sqlite:////abs/path.db,"
+                f"lease_store={redact_url(store)!r} is not a URL: use redis://...,"
+                " sqlite:////abs/path.db,"
                 " postgresql://... or memory://"
+            )
+        elif (scheme := urlsplit(store.strip()).scheme.lower()) not in STORE_SCHEMES:
+            raise LeaseConfigError(
+                f"lease_store={redact_url(store)!r} has an unknown scheme {scheme!r}; supported:"
+                f" {', '.join(s + '://' for s in STORE_SCHEMES)}"
             )
     ttl = conf.get("lease_default_ttl")
     wait = conf.get("lease_default_wait")
@@ -305,6 +373,17 @@ def refuse(app: Any, message: str) -> None:
     """
     with _lock:
         _refusals[app] = message
+
+
+def recheck(app: Any) -> None:
+    """Forget ``app``'s cached settings and refusal (not its store): the next read checks anew.
+
+    A worker build calls it first, so that a refusal recorded by an earlier build in this
+    process (a worker that never started) does not refuse a configuration that is fine now.
+    """
+    with _lock:
+        _settings.pop(app, None)
+        _refusals.pop(app, None)
 
 
 def _raise_refusal(app: Any) -> None:

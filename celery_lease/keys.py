@@ -24,8 +24,9 @@ share a key and a value keeps its key through Celery's serializers (kombu's json
   delivers it (``{1: x}`` and ``{"1": x}`` are one key, a mapping holding both is an error);
   key order does not matter. Other key types are an error: json cannot carry them.
 - Type tags: ``UUID``, ``datetime`` (an aware one as its UTC instant; one whose UTC time falls
-  outside years 1-9999 is an error), ``date``, ``time`` (ISO text, offset included; an offset
-  with microseconds, which does not survive json (CPython 3.11), is an error),
+  outside years 1-9999 is an error), ``date``, ``time`` (ISO text, offset included; for both
+  ``datetime`` and ``time`` an offset with microseconds, which json does not keep (CPython
+  3.11 reads ``+00:00:00.000001`` as ``+00:00``), is an error),
   ``timedelta``, ``Decimal`` (by value: ``1.50`` is ``1.5``, ``-0`` is ``0``, never rounded),
   ``bytes``/``bytearray``, ``set``/``frozenset`` (order-free), other ``Enum`` members (by
   module, class and member name) and dataclass instances (by module and class name, and the
@@ -61,13 +62,19 @@ Each field is encoded into letters, digits and ``-._~%`` only:
   ``~list.<item>.<item>``, ``~set...``, ``~dict.<key>.<value>...`` (sorted), whose items have
   ``%`` and ``.`` escaped (``%25``, ``%2E``).
 
+A field whose encoding is longer than ``MAX_FIELD_CHARS`` (200) characters is written
+``~hash.<32 hex digits>`` instead, the BLAKE2b digest of that encoding (as the digest form):
+keys stay storable (PostgreSQL refuses primary keys over about 2.7 kB) whatever the arguments.
+
 Because a field can never produce any other character, two adjacent fields must be separated by
 literal text holding at least one other character (``:``, ``/``, ``|``, ``,``, ``@``...): that
-makes the whole key decodable, hence injective. ``"{a}{b}"`` or ``"{a}-{b}"`` is refused at
-definition time, as are conversions and format specs (``{a!r}``, ``{a:>5}``): the encoding is the
-format. ``{a.b}`` and ``{a[0]}`` read the value first, then encode it; ``.b`` on a mapping reads
-its item ``"b"`` and a pydantic model is read through its json dump, so ``{order.id}`` gives
-the same key for a model and for the dict it arrives as.
+makes the whole key decodable (a hashed field down to its digest), hence injective.
+``"{a}{b}"`` or ``"{a}-{b}"`` is refused at definition time, as are conversions and format
+specs (``{a!r}``, ``{a:>5}``): the encoding is the format. ``{a.b}`` and ``{a[0]}`` read the
+value first, then encode it; ``.b`` on a mapping reads its item ``"b"`` (``.1`` and ``[1]``
+read an int key ``1`` or a str key ``"1"``, one value as json delivers them) and a pydantic
+model is read through its json dump, so ``{order.id}`` gives the same key for a model and for
+the dict it arrives as.
 
 This module is part of the core: it imports only the standard library.
 """
@@ -105,6 +112,14 @@ KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 DIGEST_BYTES = 16
 """Bytes of BLAKE2b digest in a default key (rendered as 32 hex characters)."""
 
+MAX_FIELD_CHARS = 200
+"""Longest template field written out; a longer one is ``~hash.<32 hex digits>`` of its text.
+
+Keeps a key storable whatever its arguments: PostgreSQL refuses primary-key values over about
+2.7 kB (its btree index row limit), and a 3 kB string in ``"doc:{text}"`` would fail every
+acquire there while working on Redis and SQLite.
+"""
+
 _FORMATTER = string.Formatter()
 
 _BIG_INT_BITS = 2000
@@ -115,6 +130,8 @@ FIELD_ALPHABET = frozenset(string.ascii_letters + string.digits + "-._~%")
 
 _PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 _NUMERIC = re.compile(r"-?[0-9]+")
+_DECIMAL = re.compile(r"-?[1-9][0-9]*|0")
+"""``str(n)`` of an int ``n``: the str a mapping's int key becomes in json."""
 _SAFE_BYTES = frozenset((string.ascii_letters + string.digits + "-._").encode("ascii"))
 _KEYABLE = (
     "None, bool, int, float, str, bytes, list, tuple, dict with str or int keys, set, frozenset,"
@@ -155,7 +172,12 @@ def _json_view(value: object, path: str) -> tuple[bool, object]:
             ) from None
     reducer = getattr(value, "__json__", None)
     if callable(reducer):
-        return True, reducer()
+        try:
+            return True, reducer()
+        except Exception as exc:
+            raise _Uncanonical(
+                path, value, f"__json__() of this {cls.__qualname__} failed: {exc!r}"
+            ) from None
     return False, None
 
 
@@ -252,6 +274,24 @@ def _canon(value: object, path: str, active: set[int]) -> Any:
         active.discard(id(value))
 
 
+def _offset(value: datetime | time, path: str) -> timedelta | None:
+    """``value.utcoffset()``; one with microseconds has no canonical form.
+
+    ``fromisoformat`` (and so kombu's json) drops an offset under one second (CPython 3.11:
+    ``+00:00:00.000001`` arrives as ``+00:00``), so such a value would change its key in
+    transit; offsets in whole seconds survive.
+    """
+    offset = value.utcoffset()
+    if offset is not None and offset.microseconds:
+        raise _Uncanonical(
+            path,
+            value,
+            f"{value!r} has a UTC offset with microseconds, which fromisoformat (and so kombu's"
+            " json) does not keep (CPython 3.11)",
+        )
+    return offset
+
+
 def _canon_compound(value: object, path: str, active: set[int]) -> Any:
     if isinstance(value, (list, tuple)):
         return [_canon(item, f"{path}[{i}]", active) for i, item in enumerate(value)]
@@ -266,7 +306,7 @@ def _canon_compound(value: object, path: str, active: set[int]) -> Any:
     if isinstance(value, UUID):
         return {"$uuid": str(value)}
     if isinstance(value, datetime):
-        if value.utcoffset() is not None:
+        if _offset(value, path) is not None:
             try:
                 value = value.astimezone(timezone.utc)
             except OverflowError:
@@ -277,14 +317,7 @@ def _canon_compound(value: object, path: str, active: set[int]) -> Any:
     if isinstance(value, date):
         return {"$date": date.isoformat(value)}
     if isinstance(value, time):
-        offset = value.utcoffset()
-        if offset is not None and offset.microseconds:
-            raise _Uncanonical(
-                path,
-                value,
-                f"{value!r} has a UTC offset with microseconds, which time.fromisoformat (and so"
-                " kombu's json) drops (CPython 3.11)",
-            )
+        _offset(value, path)
         return {"$time": time.isoformat(value)}
     if isinstance(value, timedelta):
         return {"$timedelta": [value.days, value.seconds, value.microseconds]}
@@ -443,6 +476,15 @@ def _render(node: Any) -> str:
     return "~dict" + "".join(pairs)
 
 
+def _field(node: Any) -> str:
+    """One template field: :func:`_render` of ``node``, hashed when longer than the limit."""
+    text = _render(node)
+    if len(text) <= MAX_FIELD_CHARS:
+        return text
+    digest = hashlib.blake2b(text.encode("ascii"), digest_size=DIGEST_BYTES).hexdigest()
+    return "~hash." + digest
+
+
 @dataclasses.dataclass(frozen=True)
 class _Field:
     """One ``{...}`` of a template: the text inside the braces, its parameter, its lookups."""
@@ -570,13 +612,15 @@ def _look_up(value: object, is_attribute: bool, name: int | str, path: str) -> o
         if converted:
             value = view  # a model is read as the dict it arrives as over json
     if isinstance(value, Mapping):
-        if is_attribute or isinstance(name, str):
-            return value[name]
-        found = [value[k] for k in (name, str(name)) if k in value]
+        twin: int | str | None = str(name) if isinstance(name, int) else None
+        if isinstance(name, str) and _DECIMAL.fullmatch(name):
+            twin = int(name)  # {a.1} and {a[1]} read {1: x} as json delivers it, {"1": x}
+        names = (name,) if twin is None else (name, twin)
+        found = [value[k] for k in names if k in value]
         if not found:
             raise KeyError(name)
         if len(found) == 2 and _canon(found[0], path, set()) != _canon(found[1], path, set()):
-            raise KeyError(f"both {name!r} and {str(name)!r}")
+            raise KeyError(f"both {name!r} and {twin!r}")
         return found[0]
     if is_attribute:
         assert isinstance(name, str)
@@ -617,12 +661,18 @@ def _template_function(
                 f"key={template!r} of task {task!r}: cannot read {{{part.text}}} from argument"
                 f" {part.name!r} ({type(values[part.name]).__qualname__}): {exc!r}"
             ) from None
-        return _render(_canonical_argument(value, path, task))
+        canonical = _canonical_argument(value, path, task)
+        try:
+            return _field(canonical)
+        except RecursionError:
+            why = "it is nested too deeply"
+            raise _config_error(_Uncanonical(path, value, why), task) from None
 
     def by_template(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
         values = dict(_bind(signature, args, kwargs).arguments)
         if var_keyword is not None:
-            values.update(values.pop(var_keyword, {}))
+            for name, value in values.pop(var_keyword, {}).items():
+                values.setdefault(name, value)  # a positional-only parameter keeps its value
         return "".join(
             part if isinstance(part, str) else field_value(part, values) for part in parts
         )

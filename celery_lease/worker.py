@@ -30,7 +30,16 @@ same :class:`~celery_lease.LeaseConfigError`. It refuses:
   or ``--autoscale`` maximum, above 1; a pool we do not know counts as one process per slot).
   solo, threads, gevent and eventlet run every task in the main process: a memory store then
   excludes within this worker, and a warning says that other worker processes (a second worker
-  on this host, or on another) are not excluded: those the worker cannot see.
+  on this host, or on another) are not excluded: those the worker cannot see;
+- a misspelled store URL scheme (``reddis://``).
+
+Every build of a worker checks afresh (a refusal left by an earlier build in this process is
+forgotten first). A multi-process worker's pool processes check again when they start
+(:func:`recheck_in_pool_process`): a task registered after the start-up check with a
+process-local ``lock_store`` fails in every pool process forked after it (by
+``--max-tasks-per-child`` or ``--autoscale``) instead of running unexcluded. Under ``celery
+multi`` each node is a worker of its own and checks itself; a refused node logs the refusal and
+exits, although ``celery multi start`` (which detaches) has already printed ``OK``.
 
 A child that dies holding a lease (hard time limit, ``SIGKILL``, ``revoke(terminate=True)``) is
 not released by the main process: its key frees itself when its ttl runs out, at the latest one
@@ -42,6 +51,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -57,6 +67,7 @@ __all__ = [
     "in_pool_child",
     "on_process_reset",
     "pool_processes",
+    "recheck_in_pool_process",
     "reset_process_state",
 ]
 
@@ -65,6 +76,11 @@ logger = logging.getLogger(__name__)
 _main_pid: int | None = None
 _pool_child = False
 _resets: list[Callable[[], None]] = []
+_app: weakref.ref[Any] | None = None
+"""The app of the worker whose check passed in this process (inherited by pool processes)."""
+_processes = 0
+"""How many processes that worker runs tasks in (:func:`pool_processes`), 0 before a check."""
+_pool_label = ""
 
 IN_PROCESS_POOLS = (
     "celery.concurrency.solo",
@@ -162,6 +178,10 @@ def check_worker(
     memory. Logs a warning when a process-local store is accepted (one process): it cannot
     exclude other worker processes, which this worker cannot see.
     """
+    return _check(app, pool_processes(pool_cls, concurrency, autoscale), _pool_name(pool_cls))
+
+
+def _check(app: Any, processes: int, pool: str, *, warn: bool = True) -> LeaseConfigError | None:
     from celery_lease import config
 
     try:
@@ -176,21 +196,21 @@ def check_worker(
     if not local:
         return None
     uses = ", ".join(f"{where}={_describe(store)}" for where, store in local)
-    processes = pool_processes(pool_cls, concurrency, autoscale)
     if processes > 1:
         return LeaseConfigError(
             f"celery-lease: {uses} keeps leases in one process's memory, but this worker runs"
-            f" tasks in {processes} processes ({_pool_name(pool_cls)} pool): they would not"
+            f" tasks in {processes} processes ({pool} pool): they would not"
             " exclude each other and two bodies of one key would run at the same time. Use a"
             " store shared by every worker (lease_store='redis://...' or 'postgresql://...',"
             " or 'sqlite:////abs/path.db' on one host), or run tasks in one process"
             " (-P solo, -P threads, or -c 1)"
         )
-    logger.warning(
-        "celery-lease: %s is process-local: it excludes only tasks of this worker process;"
-        " another worker process (on this host or another) using it is not excluded",
-        uses,
-    )
+    if warn:
+        logger.warning(
+            "celery-lease: %s is process-local: it excludes only tasks of this worker process;"
+            " another worker process (on this host or another) using it is not excluded",
+            uses,
+        )
     return None
 
 
@@ -199,21 +219,30 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
 
     Raises :func:`check_worker`'s error from ``__init__`` (Celery builds every step of the
     blueprint before starting any), after logging it and recording it as a refusal of the app.
+    Each build checks afresh: a refusal recorded by an earlier build of a worker in this process
+    (one that never started) is forgotten first. An accepted check is remembered, so that every
+    pool process started later checks again the tasks registered since (see
+    :func:`recheck_in_pool_process`).
     """
 
     label = "celery-lease check"
 
     def __init__(self, parent: Any, autoscale: Any = None, **kwargs: Any) -> None:
+        global _app, _processes, _pool_label
         super().__init__(parent, **kwargs)
-        error = check_worker(parent.app, parent.pool_cls, parent.concurrency, autoscale)
-        if error is not None:
-            from celery_lease import config
+        from celery_lease import config
 
-            config.refuse(parent.app, str(error))
+        app = parent.app
+        config.recheck(app)
+        processes = pool_processes(parent.pool_cls, parent.concurrency, autoscale)
+        error = _check(app, processes, _pool_name(parent.pool_cls))
+        if error is not None:
+            config.refuse(app, str(error))
             logger.critical(
                 "Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error
             )
             raise error
+        _app, _processes, _pool_label = weakref.ref(app), processes, _pool_name(parent.pool_cls)
 
     def start(self, parent: Any) -> None:
         """Nothing to start: the check ran when the worker was built."""
@@ -233,10 +262,34 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         app.steps["worker"].add(LeaseCheck)  # read by the blueprint right after this signal
 
 
+def recheck_in_pool_process() -> None:
+    """In a new pool process of a multi-process worker: check the stores again, refuse if bad.
+
+    A task registered after the worker's start-up check (a module imported late, in a process
+    that pool children are forked from again by ``--max-tasks-per-child`` or ``--autoscale``)
+    was never checked: when it (or ``lease_store``, changed since) keeps leases in process
+    memory, every locked execution of the app in this process fails with the refusal instead of
+    running unexcluded.
+    """
+    app = _app() if _app is not None else None
+    if app is None or _processes <= 1:
+        return
+    error = _check(app, _processes, _pool_label, warn=False)
+    if error is not None:
+        from celery_lease import config
+
+        config.refuse(app, str(error))
+        logger.critical(
+            "celery-lease: pool process %d refuses locked tasks: %s", os.getpid(), error
+        )
+
+
 def _on_worker_process_init(**_: Any) -> None:
     global _pool_child
     _pool_child = _main_pid is not None and os.getpid() != _main_pid
     reset_process_state()
+    if _pool_child:
+        recheck_in_pool_process()
 
 
 worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_lease.worker_init")

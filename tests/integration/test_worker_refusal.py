@@ -36,7 +36,9 @@ RESULT_TIMEOUT = 30.0
 POLL = 0.05
 
 
-def make_app(directory: str, store: str, typo: bool = False, task_store: str = "") -> Celery:
+def make_app(
+    directory: str, store: str, typo: bool = False, task_store: str = "", extra: str = ""
+) -> Celery:
     """The app the worker runs and the test sends from (built alike by both).
 
     Args:
@@ -44,6 +46,7 @@ def make_app(directory: str, store: str, typo: bool = False, task_store: str = "
         store: ``"instance"`` (a ``MemoryLockStore()``) or a store URL for ``lease_store``.
         typo: configure ``lease_stor`` (misspelled) instead of ``lease_store``.
         task_store: ``lock_store`` of the task ``lr.own_store`` (``""``: none).
+        extra: comma-separated names of other settings to set (other libraries' settings).
     """
     app = Celery(
         "lr", broker="filesystem://", backend=f"file://{directory}/results", set_as_current=False
@@ -64,6 +67,8 @@ def make_app(directory: str, store: str, typo: bool = False, task_store: str = "
     )
     value: object = MemoryLockStore() if store == "instance" else store
     app.conf["lease_stor" if typo else "lease_store"] = value
+    for name in filter(None, extra.split(",")):
+        app.conf[name] = "x"
     out = Path(directory)
 
     def body(run: str, hold: float) -> str:
@@ -95,6 +100,7 @@ if os.environ.get("LR_DIR"):
         os.environ["LR_STORE"],
         os.environ.get("LR_TYPO") == "1",
         os.environ.get("LR_TASK_STORE", ""),
+        os.environ.get("LR_EXTRA", ""),
     )
 
 
@@ -102,10 +108,17 @@ class Worker:
     """A ``celery worker`` subprocess of :func:`make_app` and a client app configured alike."""
 
     def __init__(
-        self, directory: Path, pool: str, concurrency: int, store: str, typo: bool, task_store: str
+        self,
+        directory: Path,
+        pool: str,
+        concurrency: int,
+        store: str,
+        typo: bool,
+        task_store: str,
+        extra: str = "",
     ) -> None:
         self.directory = directory
-        self.client = make_app(str(directory), store, typo, task_store)
+        self.client = make_app(str(directory), store, typo, task_store, extra)
         self.log = directory / "worker.log"
         env = {
             **os.environ,
@@ -113,6 +126,7 @@ class Worker:
             "LR_STORE": store,
             "LR_TYPO": "1" if typo else "0",
             "LR_TASK_STORE": task_store,
+            "LR_EXTRA": extra,
             "PYTHONPATH": str(ROOT),
             "C_FORCE_ROOT": "1",
         }
@@ -157,20 +171,25 @@ class Worker:
 
 
 StartWorker = Callable[..., Worker]
-"""``start(pool, concurrency, store, typo=False, task_store="")`` -> a started :class:`Worker`."""
+"""``start(pool, concurrency, store, typo=False, task_store="", extra="")`` -> a started Worker."""
 
 
 @pytest.fixture
 def start(tmp_path: Path) -> Iterator[StartWorker]:
-    """``start(pool, concurrency, store, typo=False, task_store="")`` -> a started Worker."""
+    """``start(pool, concurrency, store, typo=False, task_store="", extra="")`` -> a Worker."""
     started: list[Worker] = []
 
     def _start(
-        pool: str, concurrency: int, store: str, typo: bool = False, task_store: str = ""
+        pool: str,
+        concurrency: int,
+        store: str,
+        typo: bool = False,
+        task_store: str = "",
+        extra: str = "",
     ) -> Worker:
         directory = tmp_path / f"w{len(started)}"
         directory.mkdir()
-        worker = Worker(directory, pool, concurrency, store, typo, task_store)
+        worker = Worker(directory, pool, concurrency, store, typo, task_store, extra)
         started.append(worker)
         return worker
 
@@ -219,3 +238,17 @@ class TestAcceptedInOneProcess:
         assert worker.wait_ready_or_exit(), worker.text()
         assert_no_overlap(worker.run_two("lr.hold"))
         assert "process-local" in worker.text()  # the warning about other worker processes
+
+
+class TestOtherLibrariesSettings:
+    def test_worker_with_other_libraries_settings_starts(
+        self, start: StartWorker, tmp_path: Path
+    ) -> None:
+        """Settings of other libraries that share words with ours do not stop the worker.
+
+        Before the fix each of these was "a misspelled lease setting": the worker exited 1.
+        """
+        extra = "CACHE_KEY_PREFIX,redis_key_prefix,REDIS_DEFAULT_TTL,default_wait,release_store"
+        worker = start("solo", 1, f"sqlite:///{tmp_path / 'shared.db'}", extra=extra)
+        assert worker.wait_ready_or_exit(), worker.text()
+        assert_no_overlap(worker.run_two("lr.hold"))

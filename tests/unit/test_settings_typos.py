@@ -215,3 +215,98 @@ class TestOneListOfSettings:
         table = text.split("### App settings", 1)[1].split("###", 1)[0]
         listed = re.findall(r"^\| `(lease_\w+)` \|", table, flags=re.MULTILINE)
         assert listed == list(config.SETTINGS)
+
+
+# Review (issue 8, item 10): real-world settings are not ours; typos of "lease" still are --------
+
+# Settings of real projects and libraries that share words with ours. Before the fix, each of the
+# marked ones was "a misspelled lease setting" (difflib ratio >= 0.8 to lease_key_prefix,
+# lease_default_ttl, lease_default_wait or lease_store), so a Django project with Flask-Caching's
+# CACHE_KEY_PREFIX or django-redis' REDIS_KEY_PREFIX could not start a worker at all, and every
+# locked task of the app failed with LeaseConfigError; there is no way to silence the check.
+OTHER_LIBRARIES_UPPER = [
+    "CACHE_KEY_PREFIX",  # refused before the fix
+    "REDIS_KEY_PREFIX",  # refused before the fix
+    "API_KEY_PREFIX",  # refused before the fix
+    "CACHE_DEFAULT_TTL",  # refused before the fix
+    "REDIS_DEFAULT_TTL",  # refused before the fix
+    "DEFAULT_WAIT",  # refused before the fix
+    "RELEASE_STORE",  # refused before the fix
+    "CACHE_MIDDLEWARE_KEY_PREFIX",
+    "CACHE_DEFAULT_TIMEOUT",
+    "DEFAULT_TABLESPACE",
+    "DEFAULT_FILE_STORAGE",
+    "SESSION_KEY_PREFIX",
+    "RELEASE_STAGE",
+    "SENTRY_RELEASE",
+    "LEASE_DEFAULT_TERM_MONTHS",  # a car-leasing business' own setting
+]
+OTHER_LIBRARIES_LOWER = [
+    "redis_key_prefix",  # refused before the fix
+    "cache_key_prefix",  # refused before the fix
+    "cache_default_ttl",  # refused before the fix
+    "default_wait",  # refused before the fix
+    "api_key_prefix",  # refused before the fix
+    "release_store",  # refused before the fix
+    "leasing_store",  # refused before the fix
+    "redbeat_key_prefix",
+    "redbeat_lock_key",
+    "redbeat_lock_timeout",
+    "redbeat_redis_url",
+    "beat_scheduler",
+    "beat_max_loop_interval",
+    "singleton_key_prefix",
+    "once",
+]
+
+
+class TestReviewNoFalseAlarms:
+    @pytest.mark.parametrize("key", OTHER_LIBRARIES_UPPER)
+    def test_django_settings_of_other_libraries(self, apps: list[Celery], key: str) -> None:
+        """A Django settings module (namespace="CELERY") with another library's setting passes."""
+        app = _app(apps)
+        app.config_from_object(
+            _source(**{key: "x", "CELERY_LEASE_STORE": "memory://"}), namespace="CELERY"
+        )
+        assert config.get_settings(app).store == "memory://"
+
+    @pytest.mark.parametrize("key", OTHER_LIBRARIES_UPPER + OTHER_LIBRARIES_LOWER)
+    def test_celeryconfig_of_other_libraries(self, apps: list[Celery], key: str) -> None:
+        """A celeryconfig module (no namespace) with another library's setting passes."""
+        app = _app(apps)
+        app.config_from_object(_source(**{key: "x", "lease_store": "memory://"}))
+        assert config.get_settings(app).store == "memory://"
+
+    @pytest.mark.parametrize("key", [k.upper() for k in OTHER_LIBRARIES_LOWER])
+    def test_namespaced_settings_of_other_libraries(self, apps: list[Celery], key: str) -> None:
+        """Inside the namespace too: CELERY_REDBEAT_KEY_PREFIX is redbeat's, not a typo of ours."""
+        app = _app(apps)
+        app.config_from_object(_source(**{f"CELERY_{key}": "x"}), namespace="CELERY")
+        config.get_settings(app)
+
+
+class TestReviewTyposStillCaught:
+    @pytest.mark.parametrize(
+        ("key", "namespace", "hint"),
+        [
+            ("leas_store", None, "lease_store"),
+            ("laese_store", None, "lease_store"),
+            ("lease_stroe", None, "lease_store"),
+            ("leasestore", None, "lease_store"),
+            ("lease_keyprefix", None, "lease_key_prefix"),
+            ("lease_default_tll", None, "lease_default_ttl"),
+            ("LEASE_STROE", None, "lease_store"),
+            ("CELERY_LEASE_STOR", None, "lease_store"),
+            ("CELERY_LEASESTORE", "CELERY", "CELERY_LEASE_STORE"),
+            ("CELERY_LAESE_STORE", "CELERY", "CELERY_LEASE_STORE"),
+            ("CELERY_LEASE_TTL", "CELERY", "CELERY_LEASE_DEFAULT_TTL"),
+        ],
+    )
+    def test_misspelled_lease_settings(
+        self, apps: list[Celery], key: str, namespace: str | None, hint: str
+    ) -> None:
+        """A one-letter slip in "lease" or in the rest is still an error naming the setting."""
+        app = _app(apps)
+        app.config_from_object(_source(**{key: "redis://r/1"}), namespace=namespace)
+        with pytest.raises(LeaseConfigError, match=f"did you mean '{hint}'"):
+            config.get_settings(app)

@@ -266,3 +266,135 @@ class TestWorkerBootstep:
         os.waitpid(pid, 0)
         assert os.read(read, 100) == b"refused for the test"
         os.close(read)
+
+
+class TestReviewWorkerCheck:
+    """Review of the worker check (issue 8, item 11): what it must refuse, and must not."""
+
+    @pytest.fixture
+    def main_pid(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        """Process globals that building a WorkController sets, restored afterwards."""
+        from celery import _state
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        monkeypatch.setattr(worker, "_processes", 0, raising=False)
+        monkeypatch.setattr(worker, "_app", None, raising=False)
+        blocks = _state.task_join_will_block()
+        yield
+        _state._set_task_join_will_block(blocks)
+
+    def test_pool_and_concurrency_from_app_conf(self, app: Celery, main_pid: None) -> None:
+        """worker_pool / worker_concurrency in app.conf count as -P / -c do."""
+        app.conf.lease_store = "memory://"
+        app.conf.update(worker_pool="threads", worker_concurrency=4)
+        app.WorkController(without_mingle=True)  # one process: accepted
+        config.reset(app)
+        app.conf.update(worker_pool="prefork", worker_concurrency=2)
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(without_mingle=True)
+
+    def test_an_earlier_refused_build_does_not_refuse_the_next(
+        self, app: Celery, main_pid: None
+    ) -> None:
+        """A worker built after a refused one is checked afresh (one process: accepted).
+
+        Before the fix the first refusal stuck to the app: building a threads worker next
+        (a test suite trying both pools on one app) raised "2 processes (prefork pool)".
+        """
+        app.conf.lease_store = "memory://"
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)
+        app.WorkController(pool_cls="threads", concurrency=2, without_mingle=True)
+        assert isinstance(config.get_store(app), MemoryLockStore)
+
+    def test_task_registered_after_the_check_is_refused_in_new_pool_processes(
+        self, app: Celery, tmp_path: Path, main_pid: None
+    ) -> None:
+        """A task with lock_store="memory://" registered after the worker's check (a module
+        imported late, children re-forked by --max-tasks-per-child or --autoscale) fails in
+        every pool process started after it instead of running unexcluded.
+
+        Before the fix the child ran it: each child had its own memory store.
+        """
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+        app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)  # accepted
+
+        @app.task(name="cfg.late", base=LockedTask, lock_key="k", lock_store="memory://")
+        def late() -> None: ...
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a pool process forked after the registration: what prefork runs first
+            try:
+                worker._on_worker_process_init()
+                try:
+                    config.get_settings(app)  # what every locked execution reads first
+                    os.write(write, b"ran")
+                except LeaseConfigError as exc:
+                    os.write(write, str(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        answer = os.read(read, 2000).decode()
+        os.close(read)
+        assert "'cfg.late'" in answer and "2 processes" in answer, answer
+
+    def test_embedded_test_worker_accepts_a_memory_store(self, app: Celery) -> None:
+        """start_worker's defaults (solo, one slot), the fixture of users' own test suites,
+        runs locked tasks on a MemoryLockStore."""
+        from celery.contrib.testing.worker import start_worker
+
+        app.conf.update(result_backend="cache+memory://", lease_store=MemoryLockStore())
+        app.conf.broker_transport_options = {"polling_interval": 0.01}
+
+        @app.task(base=LockedTask, lock_key="emb:{n}", shared=False)
+        def embedded(n: int) -> int | None:
+            return embedded.request.lock_token
+
+        with start_worker(app, perform_ping_check=False, shutdown_timeout=10):
+            assert embedded.delay(1).get(timeout=10, interval=0.01) > 0
+
+    @pytest.mark.parametrize("url", ["reddis://r:6379/1", "postgressql://db/x", "sqllite:///l.db"])
+    def test_unknown_store_scheme_refused_at_start(self, app: Celery, url: str) -> None:
+        """A misspelled store scheme is refused by the worker check, not at the first task.
+
+        Before the fix the worker started and every locked execution then failed.
+        """
+        app.conf.lease_store = url
+        error = worker.check_worker(app, _pool("solo"), 1)
+        assert error is not None and "unknown scheme" in str(error) and repr(url) in str(error)
+
+    def test_the_schemes_checked_are_the_ones_stores_are_built_for(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """config.STORE_SCHEMES is exactly what store_from_url builds a store for."""
+        from celery_lease.stores import base, memory, postgres, redis, sqlite
+
+        built: list[str] = []
+
+        def fake(url: str = "") -> object:
+            built.append(url)
+            return object()
+
+        monkeypatch.setattr(memory, "MemoryLockStore", fake)
+        monkeypatch.setattr(redis, "RedisLockStore", fake)
+        monkeypatch.setattr(postgres, "PostgresLockStore", fake)
+        monkeypatch.setattr(sqlite.SQLiteLockStore, "from_url", staticmethod(fake))
+        for scheme in config.STORE_SCHEMES:
+            base.store_from_url(f"{scheme}://h/x")
+        assert len(built) == len(config.STORE_SCHEMES)
+        with pytest.raises(LeaseConfigError, match="unknown scheme"):
+            base.store_from_url("nope://h/x")
+
+    def test_a_refusal_is_of_one_app(self, app: Celery) -> None:
+        """Refusing one app leaves another (even one of the same name) alone."""
+        twin = Celery(app.main, broker="memory://", set_as_current=False)
+        try:
+            config.refuse(app, "refused for the test")
+            assert config.get_settings(twin).store is None
+            with pytest.raises(LeaseConfigError, match="refused for the test"):
+                config.get_settings(app)
+        finally:
+            config.reset(twin)
+            twin.close()
