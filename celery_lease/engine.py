@@ -33,7 +33,7 @@ from celery.exceptions import Retry
 from celery.signals import before_task_publish
 
 from celery_lease import config, signals
-from celery_lease import request as _request  # noqa: F401  (defines the request attributes)
+from celery_lease import request as _request  # defines the request attributes
 from celery_lease import worker as _worker
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.interrupt import AsyncLockLost, Interrupter
@@ -92,7 +92,12 @@ class _Run:
         self.released = False
         self.released_early = False
         self.awaiting_request = False
-        self.interrupter = Interrupter(key, f"{getattr(task, 'name', task)}[{self.task_id}]")
+        # Only a revoking execution can be interrupted: the others skip building one per run.
+        self.interrupter: Interrupter | None = (
+            Interrupter(key, f"{getattr(task, 'name', task)}[{self.task_id}]")
+            if options.on_lost == "revoke"
+            else None
+        )
         if request is not None:
             self.adopt(request)
 
@@ -105,7 +110,7 @@ class _Run:
         request.lock_token = None if held is None else held.token
         request.lock_waited = False if held is None else held.waited
         request.lease = held
-        request._lease_run = True
+        request._lease_run = _request.CLAIMED
 
     def acquired(self, context: _LeaseContext, held: Lease) -> None:
         """The lease is held: note it on every request, listen for its loss on the dispatcher.
@@ -125,11 +130,12 @@ class _Run:
         The listener is added first: a lease lost already fires at once, before ``start()``,
         and ``start()`` then raises ``AsyncLockLost`` (the body must not run).
         """
-        if self.options.on_lost == "revoke" and self.context is not None:
+        interrupter = self.interrupter
+        if interrupter is not None and self.context is not None:
             if not self.context._reentered:
                 assert self.lease is not None
                 self.lease.add_loss_listener(self.interrupt, immediate=True)
-            self.interrupter.start()
+            interrupter.start()
 
     def end_body(self) -> None:
         """The body returned or raised: no interrupt may land from now on.
@@ -138,19 +144,20 @@ class _Run:
         bytecode: handled as the interrupt); if anything else lands inside it (a soft time
         limit), it is called again before that propagates.
         """
-        if self.options.on_lost == "revoke":
+        interrupter = self.interrupter
+        if interrupter is not None:
             try:
-                self.interrupter.end()
+                interrupter.end()
             except AsyncLockLost:
                 raise
             except BaseException:
-                self.interrupter.end()
+                interrupter.end()
                 raise
 
     @property
     def interrupted(self) -> bool:
         """Whether this run fired an interrupt."""
-        return self.interrupter.fired
+        return self.interrupter is not None and self.interrupter.fired
 
     # Loss listeners -----------------------------------------------------------------------------
 
@@ -161,7 +168,7 @@ class _Run:
         landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
         """
         reason = held.lost_reason or "lost"
-        if reason != "released":
+        if reason != "released" and self.interrupter is not None:
             self.interrupter.fire(reason)
 
     def on_lost(self, held: Lease) -> None:
@@ -269,15 +276,25 @@ def adopt_request(task: Any, request: Any) -> None:
             run.adopt(request)
 
 
-def _release_before_publish(headers: Mapping[str, Any] | None = None, **_: Any) -> None:
+def _release_before_publish(
+    headers: Mapping[str, Any] | None = None, body: Any = None, **_: Any
+) -> None:
     """A running locked task publishes a message with its own id (``retry()``, ``replace()``,
     ``apply_async(task_id=...)``): release its lease first (early), so the new message can
-    never find its own lease still held."""
-    if not headers or not _active.get():
+    never find its own lease still held.
+
+    The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
+    """
+    runs = _active.get()
+    if not runs:
         return
-    task_id = headers.get("id")
-    for run in reversed(_active.get()):
-        if task_id is not None and run.task_id == task_id:
+    task_id = headers.get("id") if headers else None
+    if task_id is None and isinstance(body, Mapping):
+        task_id = body.get("id")
+    if task_id is None:
+        return
+    for run in reversed(runs):
+        if run.task_id == task_id:
             run.release_early()
 
 
@@ -332,6 +349,26 @@ def run_locked(
             the class order): the first request ``task`` pushes while ``body`` runs gets the
             lock attributes too (see :func:`adopt_request`).
     """
+    if request is not None and _request.is_claimed(request):
+        # The request of an execution running around this one (a ``@locked`` helper called
+        # from its body runs on it): that execution's attributes come back when this one ends.
+        saved = _request.save(request)
+        try:
+            return _run_locked(task, request, spec, args, kwargs, body, adopt)
+        finally:
+            _request.restore(request, saved)
+    return _run_locked(task, request, spec, args, kwargs, body, adopt)
+
+
+def _run_locked(
+    task: Any,
+    request: Any,
+    spec: Spec,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    body: Callable[[], Any],
+    adopt: bool,
+) -> Any:
     options = spec.options
     app = task.app if task is not None else get_current_app()
     settings = config.get_settings(app)
@@ -354,20 +391,24 @@ def run_locked(
         held = context.__enter__()
     except LockNotAcquiredError as exc:
         return _on_held(task, request, key, options, exc)
-    run.acquired(context, held)
-    if not context._reentered:
-        signals.send(
-            signals.lock_acquired,
-            task,
-            key=key,
-            token=held.token,
-            waited=held.waited,
-            wait_seconds=held.wait_seconds,
-            task_id=run.task_id,
-        )
-    runs_token = _active.set((*_active.get(), run))
+    runs_token = None
     try:
         try:
+            # Held from here: whatever raises before the body (a lock_acquired receiver raising
+            # a BaseException, which Celery's robust send lets through; an asynchronous
+            # exception) releases it below.
+            run.acquired(context, held)
+            if not context._reentered:
+                signals.send(
+                    signals.lock_acquired,
+                    task,
+                    key=key,
+                    token=held.token,
+                    waited=held.waited,
+                    wait_seconds=held.wait_seconds,
+                    task_id=run.task_id,
+                )
+            runs_token = _active.set((*_active.get(), run))
             run.start_body()
             run.awaiting_request = adopt
             try:
@@ -375,9 +416,12 @@ def run_locked(
             finally:
                 run.awaiting_request = False
                 run.end_body()
-        except AsyncLockLost:
+        except AsyncLockLost as exc:
             if not run.interrupted:
-                raise  # an outer run's interrupt
+                # An enclosing run's interrupt, landed in this (nested) body: this body is over
+                # too. Leave this run's lease (and its frame) before passing it on.
+                run.release(exc)
+                raise
             lost = LockLostError(key, held.lost_reason or "lost")
             run.release(lost)
             raise lost from None
@@ -388,7 +432,8 @@ def run_locked(
             run.release(exc)  # raises LockLostError from exc when the lease was lost
             raise
     finally:
-        _active.reset(runs_token)
+        if runs_token is not None:
+            _active.reset(runs_token)
     run.release(None)
     if held.lost and held.lost_reason == "released":
         logger.info(

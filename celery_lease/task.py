@@ -52,6 +52,7 @@ from celery_lease.options import (
     LockOptions,
     validate_options,
 )
+from celery_lease.request import is_claimed as _is_claimed
 from celery_lease.stores.base import LockStore
 
 __all__ = [
@@ -308,8 +309,9 @@ class LockedTask(Task):  # type: ignore[misc]
         request the body may see.
         """
         top = self.request_stack.top
-        # The request the worker's tracer (or apply()) pushed for this execution, unclaimed.
-        claimed = top is not None and not top.called_directly and top._lease_run is None
+        # The request the worker's tracer (or apply()) pushed for this execution, unclaimed
+        # (the mark is an object no message header can carry).
+        claimed = top is not None and not top.called_directly and not _is_claimed(top)
         spec = self._lock_get_spec()
         if type(self)._lock_calls_through:
             call_next = super().__call__

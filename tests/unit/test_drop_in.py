@@ -570,6 +570,29 @@ def test_request_fields_are_those_of_a_plain_task(run: Callable[..., Any], mode:
     }
 
 
+FORGED_HEADERS = {"_lease_run": True, "lock_token": 10**30, "lock_key": "forged", "lock_lost": True}
+
+
+@pytest.mark.parametrize("mode", ["embedded", WORKER])
+@pytest.mark.parametrize("name", ["di.locked", "di.mixin_first", "di.mixin_last"])
+def test_message_headers_cannot_forge_the_lock_attributes(
+    request: pytest.FixtureRequest, mode: str, name: str
+) -> None:
+    """Headers named like the lock attributes (and the private ``_lease_run`` mark) become
+    request attributes on a worker: the body still sees its own key and token, on the request
+    Celery gives it (a real worker runs a mixin's ``super().__call__()`` on the worker's own
+    request, so nothing is pushed over a forged one)."""
+    if mode == "worker":
+        app = request.getfixturevalue("real").app
+    else:
+        app = request.getfixturevalue("embedded").app
+    plain = app.send_task(name, (7,)).get(timeout=TIMEOUT, interval=POLL)
+    forged = app.send_task(name, (7,), headers=FORGED_HEADERS).get(timeout=TIMEOUT, interval=POLL)
+    assert forged["key"] == plain["key"] == ("lk:7" if name == "di.locked" else "mx:7")
+    assert forged["token"] == forged["lease_token"] == forged["ambient"] != 10**30
+    assert forged["depth"] == plain["depth"] and forged["has_id"]
+
+
 @pytest.mark.parametrize("outcome", ["ok", "fail", "retry"])
 def test_hooks_run_in_celery_order(local: SimpleNamespace, outcome: str) -> None:
     """before_start, the body, on_success / on_failure / on_retry and after_return run as for a

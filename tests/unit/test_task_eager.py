@@ -158,14 +158,29 @@ class TestEagerExecution:
         assert received[0][1]["task_id"] == received[1][1]["task_id"] is not None
 
     def test_header_cannot_forge_token(self, app: Celery) -> None:
-        """A ``lock_token`` message header is overwritten by the real token."""
+        """Message headers named like the lock attributes are overwritten by the real ones.
+
+        Run as a worker's tracer runs a message (its headers become request attributes);
+        ``apply(headers=...)`` would not do: it keeps them in ``request.headers`` only.
+        """
+        import uuid
+
+        from celery.app.trace import build_tracer
 
         @app.task(base=LockedTask, lock_key="forge", shared=False)
         def task() -> Any:
-            return task.request.lock_token
+            req = task.request
+            return req.lock_token, req.lock_key, req.lock_waited, req.lease.token, req.lock_lost
 
-        token = task.apply(headers={"lock_token": 10**30, "lock_key": "other"}).get()
-        assert token != 10**30
+        app.finalize()
+        forged = {"lock_token": 10**30, "lock_key": "other", "lock_waited": True,
+                  "lease": "other", "lock_lost": True, "_lease_run": True}  # fmt: skip
+        task_id = str(uuid.uuid4())
+        request = {"id": task_id, "task": task.name, "delivery_info": {}, **forged}
+        tracer = build_tracer(task.name, task, app=app, eager=False, propagate=True)
+        token, key, waited, lease_token, lost = tracer(task_id, (), {}, request).retval
+        assert token == lease_token != 10**30
+        assert (key, waited, lost) == ("forge", False, False)
 
     def test_key_prefix_and_default_ttl_from_app_conf(self, app: Celery) -> None:
         """``lease_key_prefix`` is prepended and ``lease_default_ttl`` applies."""
