@@ -147,24 +147,37 @@ def command_calls(client: redis.Redis) -> dict[str, int]:
 
 @contextlib.contextmanager
 def count_round_trips() -> Iterator[collections.Counter[str]]:
-    """Count the requests redis-py sends, per thread name, while the block runs.
+    """Count the requests sent, per thread name, while the block runs.
 
-    Patches ``AbstractConnection.send_packed_command``, which every request goes through once
-    (a pipeline sends all its commands in one call), so each count is one round trip. Only for
-    untimed passes: the patch adds its own overhead.
+    Patches ``AbstractConnection.send_packed_command``, which every redis-py request goes
+    through once (a pipeline sends all its commands in one call), and the Redis store's own
+    ``FastConnection.call`` (one request each), so each count is one round trip. Only for
+    untimed passes: the patches add their own overhead.
     """
+    from celery_lease.stores._redis_fast import BUSY, FastConnection
+
     counts: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     cls = redis.connection.AbstractConnection
     original = cls.send_packed_command
+    original_call = FastConnection.call
 
     def counted(self: Any, command: Any, check_health: bool = True) -> None:
         with lock:
             counts[threading.current_thread().name] += 1
         original(self, command, check_health)
 
+    def counted_call(self: Any, request: bytes) -> Any:
+        reply = original_call(self, request)
+        if reply is not BUSY:
+            with lock:
+                counts[threading.current_thread().name] += 1
+        return reply
+
     cls.send_packed_command = counted  # type: ignore[method-assign]
+    FastConnection.call = counted_call  # type: ignore[method-assign]
     try:
         yield counts
     finally:
         cls.send_packed_command = original  # type: ignore[method-assign]
+        FastConnection.call = original_call  # type: ignore[method-assign]

@@ -3,6 +3,9 @@
 Contenders, all on the same ``redis.Redis`` client (redis-py defaults), each on its own key:
 
 - ``baseline``: ``SET key owner NX PX ttl`` + a Lua compare-and-delete (EVALSHA): 2 round trips;
+- ``baseline, raw connection``: the same two commands, pre-packed, over the store's own
+  dedicated connection (``celery_lease.stores._redis_fast.FastConnection``) instead of redis-py:
+  what the wire and the server cost without any client library, for comparison with the store;
 - ``RedisLockStore``: ``store.acquire()`` + ``store.release()``;
 - ``lease()``: ``with lease(key, store=store, ttl=30)``, which adds renewer registration;
 - ``redis-py Lock``: ``with client.lock(key, timeout=30)``;
@@ -38,6 +41,7 @@ import redis_lock
 
 from benchmarks._redis_server import count_round_trips, redis_server
 from celery_lease import lease
+from celery_lease.stores._redis_fast import FastConnection, pack_head
 from celery_lease.stores.redis import RedisLockStore
 
 ROUNDS = 15
@@ -68,6 +72,20 @@ def make_contenders(client: redis.Redis) -> dict[str, Cycle]:
                 raise RuntimeError("baseline: key unexpectedly held")
             client.evalsha(cad_sha, 1, key, owner)
 
+    raw = FastConnection(client.connection_pool)
+    cad_head = pack_head(cad_sha, 1, 1)
+    raw_key = b"bench:raw-baseline"
+    set_head = b"*6\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$16\r\n" % (len(raw_key), raw_key)
+    set_tail = b"\r\n$2\r\nNX\r\n$2\r\nPX\r\n$%d\r\n%d\r\n" % (len(str(TTL_MS)), TTL_MS)
+    cad_key = b"$%d\r\n%s\r\n$16\r\n" % (len(raw_key), raw_key)
+
+    def raw_baseline(n: int) -> None:
+        for _ in range(n):
+            owner = secrets.token_hex(8).encode()
+            if raw.call(set_head + owner + set_tail) is None:
+                raise RuntimeError("raw baseline: key unexpectedly held")
+            raw.call(cad_head + cad_key + owner + b"\r\n")
+
     def via_store(n: int) -> None:
         key = "bench:store"
         for _ in range(n):
@@ -96,6 +114,7 @@ def make_contenders(client: redis.Redis) -> dict[str, Cycle]:
 
     return {
         "baseline SET NX PX + Lua CAD": baseline,
+        "baseline, raw connection": raw_baseline,
         "RedisLockStore acquire+release": via_store,
         "lease() on RedisLockStore": via_lease,
         "redis-py Lock": redis_py_lock,
@@ -108,6 +127,30 @@ def round_trips_per_cycle(run: Cycle, n: int = 200) -> float:
     with count_round_trips() as counts:
         run(n)
     return sum(counts.values()) / n
+
+
+def server_us_per_call(client: redis.Redis, n: int = 5000) -> dict[str, float]:
+    """Server-side ``usec_per_call`` (``INFO commandstats``) of each command alone, untimed."""
+    store = RedisLockStore(client)
+    cad_sha = client.script_load(COMPARE_AND_DELETE)
+    owners = [secrets.token_hex(8) for _ in range(n)]
+    keys = [f"bench:server:{i}" for i in range(n)]
+    steps: list[tuple[str, str, Callable[[str, str], object]]] = [
+        ("SET NX PX", "set", lambda k, o: client.set(k + ":b", o, nx=True, px=TTL_MS)),
+        ("CAD (EVALSHA)", "evalsha", lambda k, o: client.evalsha(cad_sha, 1, k + ":b", o)),
+        ("store ACQUIRE (EVALSHA)", "evalsha", lambda k, o: store.acquire(k, o, TTL_MS)),
+        ("store RENEW (EVALSHA)", "evalsha", lambda k, o: store.renew(k, o, TTL_MS)),
+        ("store RELEASE (EVALSHA)", "evalsha", lambda k, o: store.release(k, o)),
+    ]
+    results: dict[str, float] = {}
+    for name, command, call in steps:
+        call("bench:server:warm", "w")
+        client.config_resetstat()
+        for key, owner in zip(keys, owners, strict=True):
+            call(key, owner)
+        stats = client.info("commandstats")[f"cmdstat_{command}"]
+        results[name] = float(stats["usec"]) / int(stats["calls"])
+    return results
 
 
 def measure(contenders: dict[str, Cycle], rounds: int, cycles: int) -> dict[str, list[float]]:
@@ -143,6 +186,7 @@ def main() -> None:
         client = server.client()
         contenders = make_contenders(client)
         trips = {name: round_trips_per_cycle(run) for name, run in contenders.items()}
+        server_us = server_us_per_call(client)
         rates = measure(contenders, args.rounds, args.cycles)
         if args.profile:
             profile(contenders, args.cycles)
@@ -182,7 +226,10 @@ def main() -> None:
         )
     print("x base: median cycles/s / the baseline's median; paired: median over rounds of the")
     print("        contender's rate / the baseline's rate in the same round")
-    print("RTs: round trips per cycle (requests sent by redis-py, counted in an untimed pass)")
+    print("RTs: round trips per cycle (requests sent, counted in an untimed pass)")
+    print("server-side us per call (INFO commandstats, each command alone, untimed pass):")
+    for name, value in server_us.items():
+        print(f"  {name:<26} {value:6.2f}")
     if args.json:
         results = {
             "benchmark": "acquire_release",
@@ -195,6 +242,7 @@ def main() -> None:
             "params": {"rounds": args.rounds, "cycles": args.cycles},
             "baseline": "baseline SET NX PX + Lua CAD",
             "contenders": rows,
+            "server_us_per_call": server_us,
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -1,56 +1,114 @@
 """Task throughput on one real worker: plain task vs LockedTask vs celery-once vs celery-singleton.
 
-One throwaway ``redis-server`` is the broker, the result backend (for the end marker only) and
-every contender's lock store. One ``celery worker -P solo`` runs all four tasks; each round
-sends ``TASKS`` tasks of each contender, every task on its own key (distinct arguments), in an
-order rotated by one each round, and times from the first ``apply_async`` until a plain end
-marker queued after them has run (solo runs them in order). Reported: the median over rounds of
-tasks/s, its ratio to the plain task's median, the median of the per-round ratios, and the
-microseconds each contender adds per task (1/median - 1/plain's median).
+Scenarios (``--brokers`` x ``--pools``):
 
-- ``plain``: ``@app.task`` (no lock);
-- ``LockedTask``: ``base=LockedTask, lock_key="bench:{i}"``, store = the broker's Redis;
-- ``QueueOnce``: celery-once, locks at enqueue, unlocks in ``after_return``;
-- ``Singleton``: celery-singleton, locks at enqueue, unlocks when the task ends.
+- ``redis``: a throwaway ``redis-server`` is the broker and result backend; a second throwaway
+  ``redis-server`` holds every contender's locks, so its ``INFO commandstats`` counts lock
+  commands alone and the first one's counts the broker's;
+- ``embedded``: the default a user gets without a server, as ``example_project`` runs it: kombu's
+  filesystem broker (the multi-process-safe transport of ``example_project.transport``), the
+  ``file://`` result backend and LockedTask on the SQLite store; celery-once and celery-singleton
+  need Redis, so they lock on the throwaway lock ``redis-server`` (marked "Redis locks").
 
-Run: ``python -m benchmarks.bench_task_throughput [--tasks 300 --rounds 5]`` (``--json PATH``
-also writes the results for ``benchmarks/plot.py``).
+Timing on the embedded broker (``--embedded-timing``): ``staged`` (default) writes each round's
+messages into a staging folder first, untimed, and starts the clock when they are renamed into
+the broker's folder, so the round times the worker draining a backlog of ``--tasks`` messages.
+``live`` times from the first ``apply_async`` as on Redis; there the client is the bottleneck:
+kombu's filesystem ``_put`` costs 2-3 ms a message here, more than a plain task takes to run,
+and the worker idles in its 10 ms poll sleeps. In ``staged`` mode celery-once and
+celery-singleton take their lock in the untimed staging pass (they lock at enqueue time), so
+on the embedded broker only their unlock is timed: compare LockedTask with plain there.
+
+Pools: ``solo`` (``-P solo``) and ``prefork`` (``-P prefork -c 2``). One worker per scenario runs
+all the tasks; each round sends ``--tasks`` tasks of each contender, every task on its own key
+(distinct arguments), in an order rotated by one each round, and times from the first
+``apply_async`` until a plain end marker queued after them has run (under prefork the marker can
+finish while the other child still runs the round's last task: at most one task of error).
+Round 0 warms up and is dropped.
+
+Printed per contender: the median over rounds of tasks/s, its ratio to the plain task's median,
+the median of the per-round ratios, the microseconds it adds per task (1/median - 1/plain's
+median), and the server commands per task (``INFO commandstats`` delta per contender round,
+divided by its tasks, the ``INFO`` calls themselves left out) on the lock server and the broker.
+
+Run: ``python -m benchmarks.bench_task_throughput [--tasks 2000 --rounds 7]
+[--brokers redis,embedded] [--pools solo,prefork] [--contenders plain,LockedTask,...] [--json PATH]
+[--profile DIR]`` (``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
+worker's main process under cProfile and writes ``DIR/<broker>-<pool>.prof``: with ``--pools solo``
+that is where the tasks run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-import celery
+if os.environ.get("BENCH_NO_HIREDIS"):  # --no-hiredis: redis-py's pure-Python reply parser
+    sys.modules["hiredis"] = None  # type: ignore[assignment]  # makes `import hiredis` fail
+
+import celery  # after the hiredis switch, which must precede redis-py's import
+import redis
 from celery import Celery
 from celery_once import QueueOnce
 from celery_singleton import Singleton
 
-from celery_lease import LockedTask
+from celery_lease import LockedTask, MemoryLockStore
 
 ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT = 30.0  # seconds for the worker to log "ready."
+READY_TIMEOUT = 60.0  # seconds for the worker to run the first end marker
+ROUND_TIMEOUT = 600.0  # seconds for one contender round's end marker
+TRANSPORT = "example_project.transport:FilesystemTransport"
 
 
-def make_app(url: str) -> Celery:
-    """The benchmark app; the worker builds it from ``BENCH_REDIS_URL``."""
-    app = Celery("bench", broker=url, backend=url, set_as_current=False)
+def make_app(env: dict[str, str]) -> Celery:
+    """The benchmark app, from the ``BENCH_*`` variables (the worker builds it from its env).
+
+    ``BENCH_BROKER``: a Redis URL, or ``filesystem:<folder>``; ``BENCH_BACKEND``: the result
+    backend URL; ``BENCH_LOCKS``: the Redis URL the anchors lock on; ``BENCH_LEASE_STORE``: the
+    LockedTask store URL.
+    """
+    broker = env["BENCH_BROKER"]
+    locks = env["BENCH_LOCKS"]
+    app = Celery("bench", backend=env["BENCH_BACKEND"], set_as_current=False)
     app.conf.update(
         task_ignore_result=True,
         worker_prefetch_multiplier=16,
         broker_connection_retry_on_startup=True,
-        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": url}},
-        singleton_backend_url=url,
+        ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": locks}},
+        singleton_backend_url=locks,
+        lease_store=env["BENCH_LEASE_STORE"],
     )
+    if broker.startswith("filesystem:"):
+        folder = broker.removeprefix("filesystem:")
+        app.conf.update(
+            broker_url="filesystem://",
+            broker_transport=TRANSPORT,
+            broker_transport_options={
+                "data_folder_in": folder,
+                # BENCH_STAGE: the client writes its messages there (see one_round).
+                "data_folder_out": env.get("BENCH_STAGE") or folder,
+                "processed_folder": folder + "-processed",
+                "control_folder": folder + "-control",
+                "store_processed": False,
+                "polling_interval": 0.01,
+            },
+        )
+    else:
+        app.conf.broker_url = broker
 
     @app.task(name="bench.plain", shared=False)
     def plain(i: int) -> None:
@@ -59,6 +117,20 @@ def make_app(url: str) -> Celery:
     @app.task(name="bench.locked", base=LockedTask, lock_key="bench:{i}", shared=False)
     def locked_task(i: int) -> None:
         return None
+
+    if env.get("BENCH_MEMORY"):
+        # Only with --contenders LockedTask-memory (solo: a prefork worker refuses a
+        # process-local store): the engine's Python alone, on a MemoryLockStore of the worker
+        # process, to tell our Python from the store's cost.
+        @app.task(
+            name="bench.locked_memory",
+            base=LockedTask,
+            lock_key="bench:{i}",
+            lock_store=MemoryLockStore(),
+            shared=False,
+        )
+        def locked_memory(i: int) -> None:
+            return None
 
     @app.task(name="bench.once", base=QueueOnce, shared=False)
     def once(i: int) -> None:
@@ -72,110 +144,376 @@ def make_app(url: str) -> Celery:
     def done() -> str:
         return "done"
 
+    if env.get("BENCH_PROFILE"):
+        _profile_worker(env["BENCH_PROFILE"])
     return app
 
 
-if os.environ.get("BENCH_REDIS_URL"):
-    app = make_app(os.environ["BENCH_REDIS_URL"])
+def _profile_worker(path: str) -> None:
+    """Run the worker's main process under cProfile (``--profile``; the solo pool runs the
+    tasks there) and write the stats to ``path`` when the worker shuts down."""
+    import cProfile
+
+    from celery.signals import worker_ready, worker_shutdown
+
+    profile = cProfile.Profile()
+
+    @worker_ready.connect(weak=False)
+    def start(**_: Any) -> None:
+        profile.enable()
+
+    @worker_shutdown.connect(weak=False)
+    def stop(**_: Any) -> None:
+        profile.disable()
+        profile.dump_stats(path)
+
+
+if os.environ.get("BENCH_BROKER"):
+    app = make_app(dict(os.environ))
 
 CONTENDERS = {
     "plain": "bench.plain",
     "LockedTask": "bench.locked",
     "QueueOnce": "bench.once",
     "Singleton": "bench.singleton",
+    "LockedTask-memory": "bench.locked_memory",
 }
+DEFAULT_CONTENDERS = ("plain", "LockedTask", "QueueOnce", "Singleton")
+
+POOLS = {"solo": ["-P", "solo"], "prefork": ["-P", "prefork", "-c", "2"]}
 
 
-def one_round(client: Celery, task_name: str, first: int, count: int) -> float:
-    """Tasks/s for ``count`` tasks of ``task_name`` on keys ``first..first+count-1``."""
-    task = client.tasks[task_name]
+@dataclass
+class Scenario:
+    """One broker and pool: where the worker runs and what counts commands."""
+
+    broker: str
+    pool: str
+    env: dict[str, str]
+    lock_server: redis.Redis
+    broker_server: redis.Redis | None
+    directory: Path
+    rates: dict[str, list[float]] = field(default_factory=dict)
+    lock_cmds: dict[str, list[float]] = field(default_factory=dict)
+    broker_cmds: dict[str, list[float]] = field(default_factory=dict)
+    lock_mix: dict[str, dict[str, float]] = field(default_factory=dict)  # last round's, per task
+    broker_mix: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        where = "Redis broker" if self.broker == "redis" else "embedded default"
+        pool = "1 solo worker" if self.pool == "solo" else "1 prefork worker -c 2"
+        return f"{pool}, {where}"
+
+    def label(self, name: str) -> str:
+        if self.broker == "embedded" and name == "LockedTask":
+            return "LockedTask (SQLite store)"
+        if self.broker == "embedded" and name in ("QueueOnce", "Singleton"):
+            return f"{name} (Redis locks)"
+        return name
+
+
+def _command_calls(client: redis.Redis | None) -> dict[str, int]:
+    """``{command: calls}`` the server ran so far (commands inside scripts included), ``INFO``
+    calls left out."""
+    if client is None:
+        return {}
+    stats = client.info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+    calls.pop("info", None)
+    return calls
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+
+
+def one_round(
+    client: Celery, scenario: Scenario, name: str, first: int, count: int, stager: Celery | None
+) -> float:
+    """Run ``count`` tasks of contender ``name`` on keys ``first..``; record its figures.
+
+    With ``stager`` (the embedded broker, ``--embedded-timing staged``) the tasks are written
+    into a staging folder first, untimed, and the clock starts when they are moved into the
+    broker's folder (one rename each): the round then times the worker draining a backlog of
+    ``count`` messages, not the client writing them (2-3 ms per message on this broker, slower
+    than a plain task runs, so the live timing measures the client).
+    """
     done = client.tasks["bench.done"]
-    started = time.perf_counter()
-    for i in range(first, first + count):
-        task.apply_async((i,))
-    done.apply_async().get(timeout=120, interval=0.005)
-    return count / (time.perf_counter() - started)
+    locks_before = _command_calls(scenario.lock_server)
+    broker_before = _command_calls(scenario.broker_server)
+    if stager is not None:
+        task = stager.tasks[CONTENDERS[name]]
+        for i in range(first, first + count):
+            task.apply_async((i,))
+        stage = Path(scenario.env["BENCH_STAGE"])
+        inbox = Path(scenario.env["BENCH_BROKER"].removeprefix("filesystem:"))
+        started = time.perf_counter()
+        for message in sorted(os.listdir(stage)):  # names start with the send time: in order
+            if message.endswith(".msg"):
+                os.rename(stage / message, inbox / message)
+    else:
+        task = client.tasks[CONTENDERS[name]]
+        started = time.perf_counter()
+        for i in range(first, first + count):
+            task.apply_async((i,))
+    done.apply_async().get(timeout=ROUND_TIMEOUT, interval=0.005)
+    rate = count / (time.perf_counter() - started)
+    # The end marker's own commands are in the delta: the same for every contender.
+    locks = _delta(locks_before, _command_calls(scenario.lock_server))
+    scenario.lock_cmds.setdefault(name, []).append(sum(locks.values()) / count)
+    scenario.lock_mix[name] = {k: n / count for k, n in sorted(locks.items())}
+    if scenario.broker_server is not None:
+        calls = _delta(broker_before, _command_calls(scenario.broker_server))
+        scenario.broker_cmds.setdefault(name, []).append(sum(calls.values()) / count)
+        scenario.broker_mix[name] = {k: n / count for k, n in sorted(calls.items())}
+    return rate
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=300, help="tasks per contender per round")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
-    options = parser.parse_args()
-
-    from benchmarks._redis_server import redis_server
-
-    with redis_server() as server:
-        url = server.url
-        log = server.directory / "worker.log"
-        with open(log, "wb") as out:
-            worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "benchmarks.bench_task_throughput:app",
-                    "worker",
-                    "-P",
-                    "solo",
-                    "--loglevel",
-                    "WARNING",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--without-heartbeat",
-                ],
-                cwd=ROOT,
-                env={**os.environ, "BENCH_REDIS_URL": url, "PYTHONPATH": str(ROOT)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+@contextlib.contextmanager
+def worker(scenario: Scenario) -> Iterator[None]:
+    """A ``celery worker`` for the scenario, stopped (TERM, then KILL) when the block exits."""
+    log = scenario.directory / f"worker-{scenario.broker}-{scenario.pool}.log"
+    argv = [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "benchmarks.bench_task_throughput:app",
+        "worker",
+        *POOLS[scenario.pool],
+        "--loglevel",
+        "WARNING",
+        "--without-gossip",
+        "--without-mingle",
+        "--without-heartbeat",
+    ]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env={
+                **os.environ,
+                **{k: v for k, v in scenario.env.items() if k != "BENCH_STAGE"},
+                "PYTHONPATH": str(ROOT),
+            },
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        yield
+    except BaseException:
+        print(log.read_text(errors="replace")[-4000:], file=sys.stderr)
+        raise
+    finally:
+        process.terminate()
         try:
-            client = make_app(url)
-            client.tasks["bench.done"].apply_async().get(timeout=READY_TIMEOUT, interval=0.05)
-            names = list(CONTENDERS)
-            rates: dict[str, list[float]] = {n: [] for n in names}
-            key = 0
-            for round_no in range(options.rounds + 1):  # round 0 warms up and is dropped
-                order = names[round_no % len(names) :] + names[: round_no % len(names)]
-                for name in order:
-                    rate = one_round(client, CONTENDERS[name], key, options.tasks)
-                    key += options.tasks
-                    if round_no:
-                        rates[name].append(rate)
-        finally:
-            worker.terminate()
-            worker.wait(30)
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
-    plain = statistics.median(rates["plain"])
+
+def run_scenario(
+    scenario: Scenario, names: list[str], tasks: int, rounds: int, staged: bool = False
+) -> None:
+    """Start the worker and run the rounds (rotated order) of the scenario's contenders."""
+    with worker(scenario):
+        client = make_app({k: v for k, v in scenario.env.items() if k != "BENCH_STAGE"})
+        stager = make_app(scenario.env) if staged else None
+        client.tasks["bench.done"].apply_async().get(timeout=READY_TIMEOUT, interval=0.05)
+        scenario.rates = {n: [] for n in names}
+        key = 0
+        for round_no in range(rounds + 1):  # round 0 warms up and is dropped
+            order = names[round_no % len(names) :] + names[: round_no % len(names)]
+            for name in order:
+                rate = one_round(client, scenario, name, key, tasks, stager)
+                key += tasks
+                if round_no:
+                    scenario.rates[name].append(rate)
+                else:  # warm-up: drop its command counts too
+                    scenario.lock_cmds[name].pop()
+                    if scenario.broker_server is not None:
+                        scenario.broker_cmds[name].pop()
+        client.close()
+        if stager is not None:
+            stager.close()
+
+
+def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> list[dict[str, Any]]:
+    """Print the scenario's table; return its JSON rows."""
+    plain = statistics.median(scenario.rates["plain"])
     print(
-        f"Task throughput, 1 solo worker, Redis broker ({platform.python_version()},"
-        f" {options.tasks} tasks x {options.rounds} rounds per contender, distinct keys)\n"
+        f"\nTask throughput, {scenario.title} ({platform.python_version()}, {tasks} tasks x"
+        f" {rounds} rounds per contender, distinct keys)\n"
     )
     print(
-        "| contender | median tasks/s | ratio of medians | median per-round ratio | added us/task |"
+        "| contender | median tasks/s | ratio of medians | median per-round ratio"
+        " | added us/task | lock-server cmds/task | broker cmds/task |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in names:
-        ratios = [r / p for r, p in zip(rates[name], rates["plain"], strict=True)]
-        median = statistics.median(rates[name])
+        rates = scenario.rates[name]
+        ratios = [r / p for r, p in zip(rates, scenario.rates["plain"], strict=True)]
+        median = statistics.median(rates)
         added = 1e6 / median - 1e6 / plain
+        lock_cmds = statistics.median(scenario.lock_cmds[name])
+        broker = scenario.broker_cmds.get(name)
+        broker_cmds = statistics.median(broker) if broker else None
+        label = scenario.label(name)
+        if scenario.broker == "embedded" and name == "LockedTask":
+            lock_text = "SQLite"
+        else:
+            lock_text = f"{lock_cmds:.1f}"
         print(
-            f"| {name} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x"
-            f" | {added:,.0f} |"
+            f"| {label} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x"
+            f" | {added:,.0f} | {lock_text} |"
+            f" {'-' if broker_cmds is None else f'{broker_cmds:.1f}'} |"
         )
         rows.append(
             {
-                "name": name,
+                "name": label,
                 "median_per_s": median,
                 "ratio": median / plain,
                 "paired_ratio": statistics.median(ratios),
                 "added_us_per_task": added,
-                "per_round_per_s": rates[name],
+                "lock_server_cmds_per_task": lock_cmds,
+                "broker_cmds_per_task": broker_cmds,
+                "per_round_per_s": rates,
+                "lock_server_commands": scenario.lock_mix.get(name, {}),
+                "broker_commands": scenario.broker_mix.get(name, {}),
             }
         )
+    print("\nCommands per task in the last round (lock server; broker), inner script calls too:")
+    for name in names:
+        mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.lock_mix.get(name, {}).items())
+        broker_mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.broker_mix.get(name, {}).items())
+        print(f"- {scenario.label(name)}: {mix or '-'}; {broker_mix or '-'}")
+    return rows
+
+
+@contextlib.contextmanager
+def servers(brokers: list[str]) -> Iterator[tuple[Any, Any]]:
+    """The lock server, and the broker server when the Redis broker is measured."""
+    from benchmarks._redis_server import redis_server
+
+    with redis_server() as locks, contextlib.ExitStack() as stack:
+        broker = stack.enter_context(redis_server()) if "redis" in brokers else None
+        yield locks, broker
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks per contender per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--brokers", default="redis,embedded", help="redis, embedded or both")
+    parser.add_argument("--pools", default="solo,prefork", help="solo, prefork or both")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help=f"comma-separated, of {', '.join(CONTENDERS)}; plain always runs",
+    )
+    parser.add_argument(
+        "--no-hiredis",
+        action="store_true",
+        help="client and workers use redis-py's Python parser (hiredis is installed)",
+    )
+    parser.add_argument(
+        "--embedded-timing",
+        choices=("staged", "live"),
+        default="staged",
+        help="embedded broker: time the worker draining a staged backlog (default), or from"
+        " the first apply_async as on Redis",
+    )
+    parser.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="cProfile each worker's main process (use --pools solo); stats in DIR/<broker>.prof",
+    )
+    options = parser.parse_args()
+    if options.no_hiredis and not os.environ.get("BENCH_NO_HIREDIS"):
+        # The switch must be in place before redis-py is imported: run again with it set.
+        env = {**os.environ, "BENCH_NO_HIREDIS": "1"}
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "benchmarks.bench_task_throughput", *sys.argv[1:]],
+            env,
+        )
+    brokers = [b for b in options.brokers.split(",") if b]
+    pools = [p for p in options.pools.split(",") if p]
+    for value, allowed, what in (
+        (brokers, ("redis", "embedded"), "--brokers"),
+        (pools, POOLS, "--pools"),
+    ):
+        bad = [v for v in value if v not in allowed]
+        if bad or not value:
+            parser.error(f"{what}={','.join(value)!r}: use {', '.join(allowed)} (comma-separated)")
+    names = ["plain", *(n for n in options.contenders.split(",") if n and n != "plain")]
+    bad_names = [n for n in names if n not in CONTENDERS]
+    if bad_names:
+        parser.error(f"--contenders: {', '.join(bad_names)}: use {', '.join(CONTENDERS)}")
+    if "LockedTask-memory" in names and pools != ["solo"]:
+        parser.error("--contenders LockedTask-memory needs --pools solo (a process-local store)")
+    load = os.getloadavg()
+    scenarios_out: list[dict[str, Any]] = []
+    tmp = Path(tempfile.mkdtemp(prefix="celery-lease-throughput-"))
+    try:
+        with servers(brokers) as (locks, broker_server):
+            for broker in brokers:
+                for pool in pools:
+                    directory = tmp / f"{broker}-{pool}"
+                    directory.mkdir()
+                    locks.client().flushall()  # our own throwaway server: a clean slate per run
+                    if broker == "redis":
+                        assert broker_server is not None
+                        broker_server.client().flushall()
+                        env = {
+                            "BENCH_BROKER": broker_server.url,
+                            "BENCH_BACKEND": broker_server.url,
+                            "BENCH_LOCKS": locks.url,
+                            "BENCH_LEASE_STORE": locks.url,
+                        }
+                        broker_client = broker_server.client()
+                    else:
+                        (directory / "broker").mkdir()
+                        (directory / "stage").mkdir()
+                        (directory / "results").mkdir()
+                        env = {
+                            "BENCH_BROKER": f"filesystem:{directory / 'broker'}",
+                            "BENCH_BACKEND": f"file://{directory / 'results'}",
+                            "BENCH_LOCKS": locks.url,
+                            "BENCH_LEASE_STORE": f"sqlite:///{directory / 'leases.sqlite3'}",
+                        }
+                        if options.embedded_timing == "staged":
+                            env["BENCH_STAGE"] = str(directory / "stage")
+                        broker_client = None
+                    if "LockedTask-memory" in names:
+                        env["BENCH_MEMORY"] = "1"
+                    if options.profile:
+                        Path(options.profile).mkdir(parents=True, exist_ok=True)
+                        env["BENCH_PROFILE"] = str(Path(options.profile) / f"{broker}-{pool}.prof")
+                    scenario = Scenario(broker, pool, env, locks.client(), broker_client, directory)
+                    run_scenario(
+                        scenario, names, options.tasks, options.rounds, "BENCH_STAGE" in env
+                    )
+                    rows = report(scenario, names, options.tasks, options.rounds)
+                    scenarios_out.append(
+                        {
+                            "name": scenario.title,
+                            "broker": broker,
+                            "pool": pool,
+                            "contenders": rows,
+                        }
+                    )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    after = os.getloadavg()
+    print(
+        f"\nload average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f},"
+        f" after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f} ({os.cpu_count()} CPUs)"
+    )
     if options.json:
         results = {
             "benchmark": "task_throughput",
@@ -183,7 +521,10 @@ def main() -> None:
             "versions": {"python": platform.python_version(), "celery": celery.__version__},
             "params": {"tasks": options.tasks, "rounds": options.rounds},
             "baseline": "plain",
-            "contenders": rows,
+            # The first scenario's rows, as earlier versions wrote them (plot.py reads both).
+            "contenders": scenarios_out[0]["contenders"],
+            "scenarios": scenarios_out,
+            "load_average": {"before": list(load), "after": list(after)},
         }
         Path(options.json).parent.mkdir(parents=True, exist_ok=True)
         Path(options.json).write_text(json.dumps(results, indent=2) + "\n")

@@ -431,11 +431,20 @@ def chart_renewal_scale(data: Mapping[str, Any]) -> Chart:
 
 
 def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
-    """Median tasks/s per task base; the text carries the ratios to the plain task."""
+    """Median tasks/s per task base (per scenario); the text carries the ratios to plain.
+
+    Results with ``scenarios`` (pool x broker, written since issue 10) get one row per
+    scenario and contender, labelled ``"<contender> (<pool>, <broker>)"``; older results (one
+    solo worker on the Redis broker) have only ``contenders``.
+    """
     params = data["params"]
+    scenarios = data.get("scenarios") or [
+        {"pool": "solo", "broker": "redis", "contenders": data["contenders"]}
+    ]
+    several = len(scenarios) > 1
     rows = tuple(
         Row(
-            c["name"],
+            f"{c['name']} ({s['pool']}, {s['broker']})" if several else c["name"],
             (
                 Bar(
                     "median tasks/s",
@@ -446,10 +455,12 @@ def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
             ),
             ours=_is_ours(c["name"]),
         )
-        for c in data["contenders"]
+        for s in scenarios
+        for c in s["contenders"]
     )
+    where = "one worker per pool and broker" if several else "one solo worker, Redis broker"
     return Chart(
-        title="Task throughput on one solo worker, Redis broker (higher is better)",
+        title=f"Task throughput, {where} (higher is better)",
         subtitle=f"{params['tasks']} tasks x {params['rounds']} rounds per contender, "
         "distinct keys",
         versions=_versions(data),

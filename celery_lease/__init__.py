@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery_lease.clock import Clock, SystemClock
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import (
+    AlreadyQueuedError,
     LeaseConfigError,
     LeaseError,
     LockLostError,
@@ -23,22 +24,31 @@ from celery_lease.errors import (
 from celery_lease.lease import Lease, current_lease, get_lock_token, lease
 from celery_lease.renewer import shutdown
 from celery_lease.stores.base import (
+    AsyncLockStore,
     LeaseInfo,
     LockStore,
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
+    async_store_from_url,
     store_from_url,
 )
 from celery_lease.stores.memory import MemoryLockStore
 
 if TYPE_CHECKING:
+    from celery_lease._aio_store import ThreadedAsyncStore
     from celery_lease.stores.postgres import PostgresLockStore
+    from celery_lease.stores.postgres_async import AsyncPostgresLockStore
     from celery_lease.stores.redis import RedisLockStore
+    from celery_lease.stores.redis_async import AsyncRedisLockStore
     from celery_lease.stores.sqlite import SQLiteLockStore
     from celery_lease.task import LockedTask, locked
 
 __all__ = [
+    "AlreadyQueuedError",
+    "AsyncLockStore",
+    "AsyncPostgresLockStore",
+    "AsyncRedisLockStore",
     "Clock",
     "Duration",
     "Lease",
@@ -58,6 +68,8 @@ __all__ = [
     "SupportsInspection",
     "SupportsReleaseNotify",
     "SystemClock",
+    "ThreadedAsyncStore",
+    "async_store_from_url",
     "current_lease",
     "get_lock_token",
     "lease",
@@ -72,6 +84,9 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "SQLiteLockStore": ("celery_lease.stores.sqlite", None),
     "RedisLockStore": ("celery_lease.stores.redis", "redis"),
     "PostgresLockStore": ("celery_lease.stores.postgres", "postgres"),
+    "ThreadedAsyncStore": ("celery_lease._aio_store", None),
+    "AsyncRedisLockStore": ("celery_lease.stores.redis_async", "redis"),
+    "AsyncPostgresLockStore": ("celery_lease.stores.postgres_async", "postgres"),
     "LockedTask": ("celery_lease.task", None),
     "locked": ("celery_lease.task", None),
 }

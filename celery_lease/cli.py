@@ -5,6 +5,7 @@ One click group serves both: the console script ``celery-lease`` (:func:`main`) 
 store from the app's configuration. ``--store URL`` on any command overrides that. ::
 
     celery-lease list --store redis://localhost:6379/0 --prefix report:
+    celery -A proj lease list --task report.build --json
     celery -A proj lease show account:42
     celery -A proj lease release account:42 --yes
 
@@ -16,13 +17,16 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
 
 from celery_lease.errors import LeaseError
+from celery_lease.holder import parse_owner
 from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, store_from_url
 from celery_lease.stores.memory import MemoryLockStore
 
@@ -121,16 +125,148 @@ def _time_left(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def _describe(info: LeaseInfo) -> str:
+QUEUED = "queued"
+RUNNING = "running"
+COOLDOWN = "cooldown"
+HELD = "held"
+_QUEUED_HEAD = "queued;"  # celery_lease.unique.OWNER_HEAD: the owner of a queued unique copy
+
+
+def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
+    """Result-backend state of each task id it knows (``SUCCESS``, ``STARTED``...); never raises.
+
+    Nothing without an app, or with a backend that stores no results (``DisabledBackend``,
+    ``rpc://``, whose results live on the caller's queue).
+    """
+    backend = getattr(app, "backend", None) if app is not None else None
+    get = getattr(backend, "_get_task_meta_for", None)
+    if get is None or type(backend).__name__ == "DisabledBackend":
+        return {}
+    states: dict[str, str] = {}
+    try:
+        if str(backend.as_uri()).startswith("rpc://"):  # type: ignore[union-attr]
+            return {}
+        for task_id in task_ids:
+            states[task_id] = str(get(task_id).get("status"))
+    except Exception:  # an unreachable backend tells nothing: the state stays "held"
+        return states
+    return states
+
+
+def _state(record: dict[str, Any], states: dict[str, str]) -> str:
+    """``queued`` (a unique copy waiting in the queue), ``cooldown`` (its task succeeded: the key
+    is kept for ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it
+    cannot be told: no task id in the owner, or no result backend to ask)."""
+    if str(record["owner"]).startswith(_QUEUED_HEAD):
+        return QUEUED
+    state = states.get(record["task_id"] or "")
+    if state is None:
+        return HELD
+    return COOLDOWN if state == "SUCCESS" else RUNNING
+
+
+def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str, Any]]:
+    """:func:`_record` of each lease, with its ``state`` (the app's result backend asked once per
+    task id of a lease that is not queued)."""
+    records = [_record(info, now) for info in infos]
+    ids = {
+        r["task_id"]
+        for r in records
+        if r["task_id"] is not None and not str(r["owner"]).startswith(_QUEUED_HEAD)
+    }
+    states = _task_states(app, ids) if ids else {}
+    for r in records:
+        r["state"] = _state(r, states)
+    return records
+
+
+def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
+    """One lease as the JSON output gives it: the store's view plus the parsed owner.
+
+    ``held_seconds`` is ``now`` (this host's wall clock) minus ``taken_at`` (the holder's wall
+    clock at the acquisition attempt), never below 0; ``None`` for an owner without ``at``.
+    ``state`` is added by :func:`_records`.
+    """
+    holder = parse_owner(info.owner)
+    held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
+    return {
+        "key": info.key,
+        "owner": info.owner,
+        "token": info.token,
+        "expires_in": info.expires_in,
+        "node": holder.node,
+        "host": holder.host,
+        "pid": holder.pid,
+        "task": holder.task,
+        "task_id": holder.task_id,
+        "label": holder.label,
+        "taken_at": holder.taken_at,
+        "held_seconds": held,
+    }
+
+
+def _taken(record: dict[str, Any]) -> str:
+    if record["taken_at"] is None:
+        return "-"
+    stamp = datetime.fromtimestamp(record["taken_at"], tz=timezone.utc)
+    return stamp.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _holder_line(record: dict[str, Any]) -> str:
+    """``task report.build[<id>] on w1@host (pid 12)``, as much of it as the owner tells."""
+    parts = []
+    if record["task"] is not None or record["task_id"] is not None:
+        parts.append(f"task {record['task'] or '?'}[{record['task_id'] or '?'}]")
+    if record["label"] is not None:
+        parts.append(repr(record["label"]))
+    if record["node"] is not None:
+        parts.append(f"on {record['node']}")
+    if record["host"] is not None:
+        parts.append(f"(host {record['host']}, pid {record['pid']})")
+    return " ".join(parts) if parts else record["owner"]
+
+
+def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
+    record = record if record is not None else _record(info, time.time())
+    held = (
+        "" if record["held_seconds"] is None else f", held for {_time_left(record['held_seconds'])}"
+    )
+    state = record.get("state")
+    state = "" if state in (None, HELD) else f" ({state})"
     return (
-        f"{info.key}: held by {info.owner}, token {info.token}, "
-        f"expires in {_time_left(info.expires_in)}"
+        f"{info.key}: held{state} by {_holder_line(record)}, token {info.token}, "
+        f"expires in {_time_left(info.expires_in)}{held}"
     )
 
 
-def _table(rows: Sequence[LeaseInfo]) -> str:
-    header = ("KEY", "OWNER", "TOKEN", "TIME LEFT")
-    cells = [(r.key, r.owner, str(r.token), _time_left(r.expires_in)) for r in rows]
+def _cell(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _table(records: Sequence[dict[str, Any]]) -> str:
+    labels = any(r["label"] is not None for r in records)
+    header = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+    if labels:
+        header.insert(6, "LABEL")
+    cells = []
+    for r in records:
+        # An owner that tells nothing (an old or foreign id) is shown whole in NODE.
+        tells = any(r[name] is not None for name in ("task", "task_id", "label", "taken_at"))
+        node = r["node"] or r["host"] or ("-" if tells else r["owner"])
+        row = [
+            r["key"],
+            r["state"],
+            node,
+            _cell(r["pid"]),
+            _cell(r["task"]),
+            _cell(r["task_id"]),
+            "-" if r["held_seconds"] is None else _time_left(r["held_seconds"]),
+            str(r["token"]),
+            _time_left(r["expires_in"]),
+        ]
+        if labels:
+            row.insert(6, _cell(r["label"]))
+        cells.append(row)
     widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -145,42 +281,103 @@ def lease_group() -> None:
 
 @lease_group.command(name="list")
 @click.option("--prefix", default="", metavar="P", help="Only keys starting with P.")
+@click.option("--task", "task_name", metavar="NAME", help="Only leases held by task NAME.")
+@click.option("--node", metavar="NAME", help="Only leases held on worker node NAME (w1@host).")
+@click.option(
+    "--state",
+    type=click.Choice([QUEUED, RUNNING, COOLDOWN, HELD]),
+    help="Only leases in this state.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of a table.")
 @store_option
 @click.pass_context
-def list_command(ctx: click.Context, prefix: str, as_json: bool, store_url: str | None) -> None:
-    """List live leases: key, owner, token, time left."""
+def list_command(
+    ctx: click.Context,
+    prefix: str,
+    task_name: str | None,
+    node: str | None,
+    state: str | None,
+    as_json: bool,
+    store_url: str | None,
+) -> None:
+    """List live leases: key, state, holder (node, pid, task, task id), held for, token, time left.
+
+    STATE is queued (a unique task's copy waiting in the queue), running (its task has not
+    finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
+    the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
+    the app's result backend is asked). Held for is this host's clock minus the holder's clock
+    when it took the lease. Leases whose owner id carries no holder fields (taken by an older
+    celery-lease) are listed with "-".
+    """
 
     def body() -> None:
-        rows = _inspectable(ctx, store_url).list(prefix)
-        if as_json:
-            data = [
-                {"key": r.key, "owner": r.owner, "token": r.token, "expires_in": r.expires_in}
-                for r in rows
+        now = time.time()
+        infos = _inspectable(ctx, store_url).list(prefix)
+        if task_name is not None or node is not None:
+            pairs = [(info, parse_owner(info.owner)) for info in infos]
+            infos = [
+                info
+                for info, holder in pairs
+                if (task_name is None or holder.task == task_name)
+                and (node is None or holder.node == node)
             ]
-            click.echo(json.dumps(data, indent=2))
-        elif not rows:
-            click.echo(f"no live leases{f' with prefix {prefix!r}' if prefix else ''}")
+        records = _records(infos, now, getattr(ctx.obj, "app", None))
+        if state is not None:
+            records = [r for r in records if r["state"] == state]
+        if as_json:
+            click.echo(json.dumps(records, indent=2))
+        elif not records:
+            filters = [
+                f"{name} {value!r}"
+                for name, value in (
+                    ("prefix", prefix),
+                    ("task", task_name),
+                    ("node", node),
+                    ("state", state),
+                )
+                if value
+            ]
+            click.echo(f"no live leases{' with ' + ', '.join(filters) if filters else ''}")
         else:
-            click.echo(_table(rows))
+            click.echo(_table(records))
 
     _run(body)
 
 
 @lease_group.command(name="show")
 @click.argument("key")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
 @store_option
 @click.pass_context
-def show_command(ctx: click.Context, key: str, store_url: str | None) -> None:
-    """Show the lease on KEY, or that it is free with the last token issued."""
+def show_command(ctx: click.Context, key: str, as_json: bool, store_url: str | None) -> None:
+    """Show the lease on KEY and its holder, or that it is free with the last token issued."""
 
     def body() -> None:
         store = _inspectable(ctx, store_url)
         info = store.get(key)
         if info is not None:
-            click.echo(_describe(info))
+            (record,) = _records([info], time.time(), getattr(ctx.obj, "app", None))
+            if as_json:
+                click.echo(json.dumps({"held": True, **record}, indent=2))
+                return
+            click.echo(_describe(info, record))
+            for label, value in (
+                ("state", record["state"]),
+                ("node", record["node"]),
+                ("task", record["task"]),
+                ("task id", record["task_id"]),
+                ("label", record["label"]),
+                ("host", record["host"]),
+                ("pid", record["pid"]),
+                ("taken at", _taken(record)),
+                ("owner", record["owner"]),
+            ):
+                click.echo(f"  {label + ':':<10}{_cell(value)}")
             return
         last = store.last_token(key)
+        if as_json:
+            click.echo(json.dumps({"key": key, "held": False, "last_token": last}, indent=2))
+            return
         issued = "no token issued yet" if last is None else f"last token issued {last}"
         click.echo(f"{key}: free ({issued})")
 
@@ -215,6 +412,10 @@ def release_command(ctx: click.Context, key: str, yes: bool, store_url: str | No
         click.echo(
             f"released {removed.key}: owner {removed.owner}, token {removed.token}; "
             "the next holder gets a higher token"
+        )
+        click.echo(
+            "the holder, if it still runs, reports the lease lost at its next renewal: "
+            "reason 'released' (or 'taken' if another holder took the key first)"
         )
 
     _run(body)

@@ -7,6 +7,9 @@ setting (``app.conf``)        meaning                                built-in de
 ``lease_default_ttl``         ttl of tasks that set none (duration)  30 s
 ``lease_default_wait``        wait of tasks that set none (duration)  0
 ``lease_key_prefix``          prepended to every task's key (str)    ``""``
+``lease_metrics``             ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
+``lease_metrics_port``        port of the Prometheus ``/metrics``    9809
+``lease_default_queue_ttl``   an unstarted unique copy's key (dur.)  1 h
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -44,8 +47,10 @@ from celery_lease.stores.base import LockStore, redact_url, store_from_url
 
 __all__ = [
     "BUILTIN_KEY_PREFIX",
+    "BUILTIN_METRICS_PORT",
     "BUILTIN_TTL",
     "BUILTIN_WAIT",
+    "METRICS_EXPORTERS",
     "SETTINGS",
     "STORE_SCHEMES",
     "LeaseSettings",
@@ -78,6 +83,9 @@ SETTINGS: tuple[str, ...] = (
     "lease_default_ttl",
     "lease_default_wait",
     "lease_key_prefix",
+    "lease_metrics",
+    "lease_metrics_port",
+    "lease_default_queue_ttl",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -97,6 +105,14 @@ STORE_SCHEMES: tuple[str, ...] = (
 )
 """URL schemes :func:`~celery_lease.stores.store_from_url` builds a store for (checked when the
 settings are read, so that a misspelled scheme fails at worker start, not at the first task)."""
+
+METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
+"""Allowed ``lease_metrics`` values (besides ``None``: no metrics); see
+:mod:`celery_lease.metrics`."""
+
+BUILTIN_METRICS_PORT = 9809
+"""The port of the Prometheus endpoint when ``lease_metrics_port`` is unset (celery-exporter's
+9808, plus one)."""
 
 SQLITE_FILE = "leases.sqlite3"
 """File name of the host-local fallback store inside :func:`default_sqlite_dir`."""
@@ -124,12 +140,18 @@ class LeaseSettings:
         default_ttl: seconds (``lease_default_ttl``, else 30).
         default_wait: seconds (``lease_default_wait``, else 0).
         key_prefix: ``lease_key_prefix``, else ``""``.
+        metrics: ``lease_metrics``: ``"prometheus"``, ``"otel"``, or ``None`` (no metrics).
+        metrics_port: ``lease_metrics_port``, else 9809 (0: any free port).
+        default_queue_ttl: seconds (``lease_default_queue_ttl``), or ``None`` (unset: 1 h).
     """
 
     store: str | LockStore | None
     default_ttl: float
     default_wait: float
     key_prefix: str
+    metrics: str | None = None
+    metrics_port: int = BUILTIN_METRICS_PORT
+    default_queue_ttl: float | None = None
 
 
 _lock = threading.RLock()
@@ -319,6 +341,7 @@ def _read(app: Any) -> LeaseSettings:
     prefix = conf.get("lease_key_prefix")
     if prefix is not None and not isinstance(prefix, str):
         raise LeaseConfigError(f"lease_key_prefix={prefix!r} must be a str (default '')")
+    metrics, metrics_port = _read_metrics(conf.get("lease_metrics"), conf.get("lease_metrics_port"))
     return LeaseSettings(
         store=store,
         default_ttl=pick(
@@ -332,7 +355,35 @@ def _read(app: Any) -> LeaseSettings:
             BUILTIN_WAIT,
         ),
         key_prefix=pick(prefix, None, BUILTIN_KEY_PREFIX),
+        metrics=metrics,
+        metrics_port=metrics_port,
+        default_queue_ttl=None
+        if conf.get("lease_default_queue_ttl") is None
+        else to_seconds(
+            conf.get("lease_default_queue_ttl"), name="lease_default_queue_ttl", inclusive=False
+        ),
     )
+
+
+def _read_metrics(exporter: Any, port: Any) -> tuple[str | None, int]:
+    """``lease_metrics`` and ``lease_metrics_port``, checked (an empty string is unset)."""
+    if isinstance(exporter, str) and not exporter.strip():
+        exporter = None
+    if exporter is not None and exporter not in METRICS_EXPORTERS:
+        raise LeaseConfigError(
+            f"lease_metrics={exporter!r} is not allowed: use one of"
+            f" {', '.join(repr(e) for e in METRICS_EXPORTERS)}, or None for no metrics"
+        )
+    if port is None or (isinstance(port, str) and not port.strip()):
+        return exporter, BUILTIN_METRICS_PORT
+    if isinstance(port, str) and port.strip().isdigit():
+        port = int(port.strip())  # from an environment variable
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise LeaseConfigError(
+            f"lease_metrics_port={port!r} is not allowed: use a port from 0 to 65535"
+            f" (0: any free port; default {BUILTIN_METRICS_PORT})"
+        )
+    return exporter, port
 
 
 def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _V:

@@ -25,20 +25,27 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery._state import get_current_app
-from celery.exceptions import Retry
+from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish
+
+try:
+    from celery.app.task import get_actual_ignore_result as _ignore_result
+except ImportError:  # Celery < 5.6: no per-request ignore_result helper
+    _ignore_result = None
 
 from celery_lease import config, signals
 from celery_lease import request as _request  # defines the request attributes
 from celery_lease import worker as _worker
+from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
+from celery_lease.holder import MAX_FIELD_CHARS
 from celery_lease.interrupt import AsyncLockLost, Interrupter
 from celery_lease.keys import KeyFunction
-from celery_lease.lease import Lease, _LeaseContext, lease
+from celery_lease.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
 from celery_lease.options import LockOptions, retry_countdown
 from celery_lease.stores.base import LockStore, store_from_url
 
@@ -119,10 +126,13 @@ class _Run:
         holder's: its loss is reported, and its ``on_lost`` policy applied, by that holder.
         """
         self.context, self.lease = context, held
-        for request in self.requests:
-            self.adopt(request)
-        if not context._reentered:
-            held.add_loss_listener(self.on_lost)
+        token, waited = held.token, held.waited
+        for request in self.requests:  # adopted already: only what the acquire decided
+            request.lock_token = token
+            request.lock_waited = waited
+            request.lease = held
+        if not context._reentered and context.on_lost is None:
+            held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
         """Prepare the interrupt (``on_lost="revoke"``) and mark the body running.
@@ -168,8 +178,9 @@ class _Run:
         landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
         """
         reason = held.lost_reason or "lost"
-        if reason != "released" and self.interrupter is not None:
-            self.interrupter.fire(reason)
+        if held._released_by_holder or self.interrupter is None:
+            return  # the loss is this execution's own early release (its record won)
+        self.interrupter.fire(reason)
 
     def on_lost(self, held: Lease) -> None:
         """Dispatched listener (the core's dispatcher thread): ``lock_lost`` and ``on_lock_lost``.
@@ -178,7 +189,10 @@ class _Run:
         ``lock_released`` says so.
         """
         reason = held.lost_reason or "lost"
-        if reason == "released":
+        if held._released_by_holder:
+            # This execution let go itself ("released" by its own retry/publish). Not
+            # ``self.released_early``: that is set before the early release is recorded, and a
+            # real loss recorded just before it must still be reported.
             return
         signals.send(
             signals.lock_lost,
@@ -200,6 +214,8 @@ class _Run:
     # Release ------------------------------------------------------------------------------------
 
     def _send_released(self, held: Lease, held_seconds: float) -> None:
+        if not signals.lock_released.receivers:
+            return
         signals.send(
             signals.lock_released,
             self.task,
@@ -239,7 +255,7 @@ class _Run:
         if self.released_early:
             context.__exit__(None, None, None)
             return
-        held_seconds = held.held_seconds
+        held_seconds = held.held_seconds if signals.lock_released.receivers else 0.0
         try:
             if exc is None:
                 context.__exit__(None, None, None)
@@ -324,6 +340,23 @@ class Spec:
 
     options: LockOptions
     key_function: KeyFunction
+    _durations: list[tuple[Any, float, float]] = field(
+        default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
+    )
+
+    def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
+        """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
+        built-in defaults; worked out and checked once per settings object (a new one is read
+        after :func:`celery_lease.config.reset`)."""
+        read, ttl, wait = self._durations[0]
+        if read is settings:
+            return ttl, wait
+        options = self.options
+        ttl = config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL)
+        wait = config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT)
+        check_ttl(ttl, ttl, name="ttl")  # as lease() checks it: lease_default_ttl may be too short
+        self._durations[0] = (settings, ttl, wait)
+        return ttl, wait
 
 
 def run_locked(
@@ -360,6 +393,15 @@ def run_locked(
     return _run_locked(task, request, spec, args, kwargs, body, adopt)
 
 
+def _described(value: object) -> str | None:
+    """A holder field of the owner id from what Celery gives (any id it accepts: a UUID object,
+    a very long string): it only describes the holder, so it never fails the acquisition."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_FIELD_CHARS]
+
+
 def _run_locked(
     task: Any,
     request: Any,
@@ -379,26 +421,56 @@ def _run_locked(
         request.lease = None
     key = settings.key_prefix + spec.key_function(args, kwargs)
     run = _Run(task, request, key, options)
-    context = lease(
+    ttl, wait = spec.durations(settings)
+    store = _store_for(options.store, app)
+    if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
+        from celery_lease import aio
+
+        store = aio.split_async_store(store)[1]
+    if not _conforms(store, LockStore):
+        lease(key, store=store)  # raises the error lease() gives for it
+    # lease() without its checks: the key is a non-empty str (key functions guarantee it), the
+    # durations and the store were validated when the task (and the settings) were read.
+    # run.on_lost goes in as the context's on_lost: attached to a lease it acquires before the
+    # renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
+    # The owner id names the node, the task and the execution (celery_lease.holder).
+    context = _LeaseContext(
         key,
-        store=_store_for(options.store, app),
-        ttl=config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL),
-        wait=config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT),
-        max_hold=options.max_hold,
-        cooldown=options.cooldown,
+        store,
+        ttl,
+        wait,
+        options.max_hold,
+        options.cooldown,
+        run.on_lost,
+        None,
+        SYSTEM_CLOCK,
+        node=_described(getattr(request, "hostname", None) if request is not None else None),
+        task=_described(getattr(task, "name", None)),
+        task_id=_described(run.task_id),
     )
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
+        if options.unique is not None and options.on_held != "retry":
+            from celery_lease import unique as _unique  # only unique tasks: loaded by task.py
+
+            _unique.on_rejected(request, store, key, settings)  # its queued key, if any
         return _on_held(task, request, key, options, exc)
     runs_token = None
+    queued = None  # an until_done copy's queued lease, kept while the body runs
     try:
         try:
             # Held from here: whatever raises before the body (a lock_acquired receiver raising
             # a BaseException, which Celery's robust send lets through; an asynchronous
             # exception) releases it below.
             run.acquired(context, held)
-            if not context._reentered:
+            if options.unique is not None and request is not None:
+                from celery_lease import unique as _unique  # only unique tasks: loaded by task.py
+
+                queued = _unique.on_start(
+                    task, request, store, key, settings, options.unique, ttl, options.cooldown
+                )
+            if signals.lock_acquired.receivers and not context._reentered:
                 signals.send(
                     signals.lock_acquired,
                     task,
@@ -431,11 +503,23 @@ def _run_locked(
         except BaseException as exc:
             run.release(exc)  # raises LockLostError from exc when the lease was lost
             raise
+    except BaseException:
+        if queued is not None:  # after the run lease: a new copy never meets it still held
+            queued.end(False)
+        raise
     finally:
         if runs_token is not None:
             _active.reset(runs_token)
-    run.release(None)
-    if held.lost and held.lost_reason == "released":
+    if queued is None:
+        run.release(None)
+    else:
+        try:
+            run.release(None)
+        finally:
+            queued.end(not held.lost)
+    if not held.lost:
+        return result
+    if run.released_early:
         logger.info(
             "celery-lease: %s[%s] went on after releasing its lease on %r early (it re-sent"
             " its own id)",
@@ -443,7 +527,7 @@ def _run_locked(
             run.task_id,
             key,
         )
-    elif held.lost:
+    else:
         logger.warning(
             "celery-lease: %s[%s] succeeded although its lease on %r was lost (%s)",
             getattr(task, "name", "?"),
@@ -469,8 +553,71 @@ def _on_held(
             getattr(request, "id", None),
             key,
         )
+        if _marks_skipped(task, request):
+            _mark_skipped(task, request, key)  # raises Ignore: the REVOKED state stays
         return None
     if policy == "retry" and task is not None and request is not None:
         retries = int(getattr(request, "retries", 0) or 0)
         raise task.retry(countdown=retry_countdown(options, retries), exc=exc)
     raise exc
+
+
+# A skipped run, visible as skipped ---------------------------------------------------------
+
+skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
+"""True while a ``@locked`` helper that is not its task's body runs (set by
+:func:`celery_lease.locked`): a skip there returns ``None`` to the calling body, which goes on,
+instead of marking the whole execution skipped."""
+
+
+def _marks_skipped(task: Any, request: Any) -> bool:
+    """Whether a skip ends a worker execution (marked REVOKED) rather than returning ``None``.
+
+    Only the execution's own body: not a direct call, an eager run (``apply()``, ``always
+    eager``), a ``@locked`` helper called from a body, nor a run nested in another locked run of
+    the same execution.
+    """
+    if task is None or request is None or getattr(request, "id", None) is None:
+        return False
+    if getattr(request, "called_directly", True) or getattr(request, "is_eager", False):
+        return False
+    return not skip_quietly.get() and current_run(request.id) is None
+
+
+def _mark_skipped(task: Any, request: Any, key: str) -> None:
+    """End a skipped worker execution as REVOKED, with a reason that says skipped.
+
+    Stored in the result backend as Celery stores a revoked task (``AsyncResult.get()`` raises
+    ``TaskRevokedError(reason)`` at once), announced with a ``task-revoked`` event (Flower shows
+    the task REVOKED), then ``Ignore`` so that the tracer stores nothing over it and the message
+    is acknowledged. A backend error propagates (the run then fails, never a silent success); a
+    failed event is logged. The event goes out from the process that ran the task, as
+    ``Task.send_event`` sends it (Celery's own ``task-revoked`` comes from the main process,
+    which never learns of this one), also when the worker runs without ``-E`` (Flower turns
+    events on remotely, and the pool process cannot tell); ``send_events = False`` on the task
+    turns it off.
+    """
+    reason = f"skipped: {key!r} held by another execution (on_held='skip')"
+    if _ignore_result is not None:
+        ignore_result = bool(_ignore_result(task, request))
+    else:  # an older Celery without the helper
+        ignore_result = bool(getattr(request, "ignore_result", False) or task.ignore_result)
+    task.backend.mark_as_revoked(
+        request.id,
+        reason,
+        request=request,
+        store_result=not ignore_result or bool(task.store_errors_even_if_ignored),
+    )
+    if task.send_events:
+        try:
+            task.send_event(
+                "task-revoked", terminated=False, signum=None, expired=False, reason=reason
+            )
+        except Exception:
+            logger.warning(
+                "celery-lease: could not send task-revoked for skipped %s[%s]",
+                getattr(task, "name", "?"),
+                request.id,
+                exc_info=True,
+            )
+    raise Ignore(reason)

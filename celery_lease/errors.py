@@ -4,6 +4,7 @@
 
     LeaseError                        root: catch this to catch anything we raise
     ├── LockNotAcquiredError          the key stayed held past ``wait`` (or the wait was cancelled)
+    │   └── AlreadyQueuedError        a unique task's copy holds the key (``on_duplicate="raise"``)
     ├── LockLostError                 a held lease was lost (not renewed in time, taken, max_hold)
     ├── StoreUnavailableError         the store could not be reached or answered with an error
     └── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
@@ -16,6 +17,7 @@ an exception as ``cls(*args)``.
 from __future__ import annotations
 
 __all__ = [
+    "AlreadyQueuedError",
     "LeaseConfigError",
     "LeaseError",
     "LockLostError",
@@ -50,6 +52,22 @@ class LockNotAcquiredError(LeaseError):
         if self.reason == "cancelled":
             return f"waiting for the lease on {self.key!r} was cancelled"
         return f"the lease on {self.key!r} is held by another owner"
+
+
+class AlreadyQueuedError(LockNotAcquiredError):
+    """A unique task (``unique=...``, ``on_duplicate="raise"``) was called while the copy
+    ``task_id`` holds ``key``: nothing was published. ``reason`` is ``"queued"``."""
+
+    code = "ALREADY_QUEUED"
+
+    def __init__(self, key: str, task_id: str | None = None) -> None:
+        LeaseError.__init__(self, key, task_id)
+        self.key = key
+        self.task_id = task_id
+        self.reason = "queued"
+
+    def __str__(self) -> str:
+        return f"the unique key {self.key!r} is held by the copy {self.task_id!r}"
 
 
 class LockLostError(LeaseError):

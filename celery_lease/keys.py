@@ -476,6 +476,33 @@ def _render(node: Any) -> str:
     return "~dict" + "".join(pairs)
 
 
+_SIMPLE_INT = 10**18
+
+
+def _simple_field(value: object) -> str | None:
+    """The template field of an exact ``int`` or a plain ``str`` (most keys), or ``None``.
+
+    What ``_field(_canon(value))`` gives for them, without the walk: a small int is its
+    decimal digits; a non-numeric str of ``[A-Za-z0-9._-]`` up to ``MAX_FIELD_CHARS`` is itself.
+    Anything else (bool, int subclasses, other text) goes the long way.
+    """
+    kind = type(value)
+    if kind is int:
+        if -_SIMPLE_INT < value < _SIMPLE_INT:  # type: ignore[operator]
+            return str(value)
+        return None
+    if kind is str:
+        text: str = value  # type: ignore[assignment]
+        if (
+            text
+            and len(text) <= MAX_FIELD_CHARS
+            and _PLAIN.fullmatch(text)
+            and not _NUMERIC.fullmatch(text)
+        ):
+            return text
+    return None
+
+
 def _field(node: Any) -> str:
     """One template field: :func:`_render` of ``node``, hashed when longer than the limit."""
     text = _render(node)
@@ -634,6 +661,66 @@ def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[s
     return bound
 
 
+_Arguments = Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, Any]]
+
+
+def _binder(signature: inspect.Signature) -> _Arguments:
+    """``arguments(args, kwargs)``: the bound arguments, defaults applied, in parameter order.
+
+    The same dict as ``signature.bind(*args, **kwargs)`` then ``apply_defaults()`` gives, for a
+    fraction of its cost when every parameter is an ordinary one (positional-or-keyword, or
+    keyword-only): a call that does not simply fit (too many positional arguments, an unknown,
+    repeated or missing name) goes to ``Signature.bind``, which raises the call's own
+    ``TypeError``. Other signatures always use ``Signature.bind``.
+    """
+
+    def slow(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(_bind(signature, args, kwargs).arguments)
+
+    params = list(signature.parameters.values())
+    ordinary = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind not in ordinary for p in params):
+        return slow
+    positional = sum(1 for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    names = tuple(p.name for p in params)
+    defaults = tuple(p.default for p in params)
+    empty = inspect.Parameter.empty
+    if positional == len(params) and all(d is empty for d in defaults):
+
+        def exact(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+            if not kwargs and len(args) == positional:
+                return dict(zip(names, args, strict=True))  # the usual call: all by position
+            return general(args, kwargs)
+
+        first = exact
+    else:
+        first = None
+
+    def general(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        given = len(args)
+        if given > positional:
+            return slow(args, kwargs)
+        values: dict[str, Any] = {}
+        used = 0
+        for index, name in enumerate(names):
+            if index < given:
+                if name in kwargs:
+                    return slow(args, kwargs)  # given twice: bind() raises
+                values[name] = args[index]
+            elif name in kwargs:
+                values[name] = kwargs[name]
+                used += 1
+            elif defaults[index] is not empty:
+                values[name] = defaults[index]
+            else:
+                return slow(args, kwargs)  # missing: bind() raises
+        if used != len(kwargs):
+            return slow(args, kwargs)  # an unknown name: bind() raises
+        return values
+
+    return first if first is not None else general
+
+
 def _template_function(
     template: str, parts: list[str | _Field], signature: inspect.Signature, task: str
 ) -> KeyFunction:
@@ -649,6 +736,10 @@ def _template_function(
                 f"key={template!r} of task {task!r} refers to {{{part.name}}}, which this"
                 f" call does not pass; arguments given: {', '.join(values) or 'none'}"
             ) from None
+        if not part.lookups:
+            simple = _simple_field(value)
+            if simple is not None:
+                return simple
         path = part.name
         try:
             for is_attribute, name in part.lookups:
@@ -668,8 +759,10 @@ def _template_function(
             why = "it is nested too deeply"
             raise _config_error(_Uncanonical(path, value, why), task) from None
 
+    arguments = _binder(signature)
+
     def by_template(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-        values = dict(_bind(signature, args, kwargs).arguments)
+        values = arguments(args, kwargs)
         if var_keyword is not None:
             for name, value in values.pop(var_keyword, {}).items():
                 values.setdefault(name, value)  # a positional-only parameter keeps its value
@@ -705,9 +798,10 @@ def make_key_function(
             malformed or refers to an unknown parameter.
     """
     if key is None:
+        arguments = _binder(signature)
 
         def by_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            return _digest(task, _bind(signature, args, kwargs).arguments, task)
+            return _digest(task, arguments(args, kwargs), task)
 
         return by_digest
 

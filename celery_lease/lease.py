@@ -22,9 +22,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import secrets
-import socket
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
@@ -32,10 +32,11 @@ from typing import Any, Literal, TypeVar, cast
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
-from celery_lease.durations import to_seconds
+from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
+from celery_lease.holder import MAX_FIELD_CHARS, make_owner
 from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
-from celery_lease.stores.base import LockStore, SupportsReleaseNotify
+from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsReleaseNotify
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
 
@@ -71,8 +72,8 @@ class _Frame:
 
 
 _current: ContextVar[_Frame | None] = ContextVar("celery_lease_current", default=None)
-_HOST = socket.gethostname()
 _CONFORMS: dict[tuple[type, type], bool] = {}
+_events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
 _generation = 0
 """Bumped in every forked child (``os.register_at_fork``): cheaper than ``os.getpid()`` per call.
@@ -84,8 +85,9 @@ memory.
 
 
 def _after_fork_in_child() -> None:
-    global _generation
+    global _generation, _events_lock
     _generation += 1
+    _events_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -106,9 +108,20 @@ def _conforms(obj: object, protocol: type) -> bool:
     return result
 
 
-def new_owner_id() -> str:
-    """A fresh, random owner id: ``host/pid/random``, readable in ``celery lease list``."""
-    return f"{_HOST}/{os.getpid()}/{secrets.token_hex(8)}"
+def new_owner_id(
+    *,
+    node: str | None = None,
+    task: str | None = None,
+    task_id: str | None = None,
+    label: str | None = None,
+) -> str:
+    """A fresh owner id: ``host/pid/<16 hex>`` plus holder fields (see ``make_owner``).
+
+    Unique per call (per acquisition attempt): a store's idempotent re-acquire by the same owner
+    relies on it. ``node``, ``task``, ``task_id`` and ``label`` are recorded in the id, readable
+    with :func:`~celery_lease.holder.parse_owner` (``celery lease list`` shows them).
+    """
+    return make_owner(node=node, task=task, task_id=task_id, label=label)
 
 
 def _ms(seconds: float) -> int:
@@ -155,9 +168,14 @@ class Lease:
         self.acquired_at = acquired_at
         self._clock = clock
         self._entry: Entry | None = None
-        self._lost = threading.Event()
+        # Made by the first wait_lost() only (most leases are never waited on); _notified says
+        # the loss was announced, so an event made after the announcement starts set.
+        self._lost_event: threading.Event | None = None
+        self._notified = False
+        self._released_by_holder = False  # release_early() ended it ("released" by itself)
         self._listeners: list[tuple[LossListener, bool]] | None = None
         self._gen = _generation
+        self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
 
     @property
     def lost(self) -> bool:
@@ -200,6 +218,18 @@ class Lease:
             return None
         return entry.lost_reason
 
+    def _reenterable_by(self, task: object) -> bool:
+        """Whether code running in ``task`` (None: outside any asyncio task) may re-enter it.
+
+        A lease entered outside a task: any code of its context. Entered in a task: that task
+        only; the tasks created in its block copy its context but run concurrently with it.
+        """
+        ref = self._task
+        if ref is None:
+            return True
+        holder = ref()
+        return holder is not None and holder is task
+
     @property
     def held_seconds(self) -> float:
         """Seconds (of the lease's clock) since the lease was acquired."""
@@ -227,8 +257,25 @@ class Lease:
                 limits.append(entry.valid_until)
                 if entry.max_hold_at is not None:
                     limits.append(entry.max_hold_at)
-            self._clock.wait(self._lost, (min(limits) - now) if limits else None)
+            self._clock.wait(self._loss_event(), (min(limits) - now) if limits else None)
         return True
+
+    @property
+    def _lost(self) -> threading.Event:
+        """The event set when the loss is announced (for waiters and tests)."""
+        return self._loss_event()
+
+    def _loss_event(self) -> threading.Event:
+        """The event set when the loss is announced, made on first use (set if it already was)."""
+        event = self._lost_event
+        if event is None:
+            with _events_lock:
+                event = self._lost_event
+                if event is None:
+                    event = self._lost_event = threading.Event()
+                    if self._notified:
+                        event.set()
+        return event
 
     def add_loss_listener(self, fn: LossListener, *, immediate: bool = False) -> None:
         """Call ``fn(lease)`` once, when the lease is lost (at once if it already is).
@@ -273,9 +320,13 @@ class Lease:
         The immediate listeners run last, so one that interrupts this very thread cannot keep
         the others from being handed over.
         """
-        log = logger.info if reason == "released" else logger.warning
+        log = logger.info if self._released_by_holder else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
-        self._lost.set()
+        with _events_lock:
+            self._notified = True
+            event = self._lost_event
+        if event is not None:
+            event.set()
         listeners = self._listeners
         if not listeners:
             return
@@ -318,6 +369,11 @@ class _LeaseContext:
         on_lost: Callable[[Lease], object] | None,
         cancel: threading.Event | None,
         clock: Clock,
+        *,
+        holder: str | None = None,
+        node: str | None = None,
+        task: str | None = None,
+        task_id: str | None = None,
     ) -> None:
         self.key = key
         self.store = store
@@ -328,6 +384,11 @@ class _LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
+        # Recorded in the owner id of each acquisition (celery_lease.holder.make_owner).
+        self.holder = holder
+        self.node = node
+        self.task = task
+        self.task_id = task_id
         self._lease: Lease | None = None
         self._frame: _Frame | None = None  # the frame this context pushed
         self._reentered = False
@@ -338,6 +399,11 @@ class _LeaseContext:
     # Decorator --------------------------------------------------------------------------------
 
     def __call__(self, func: F) -> F:
+        from celery_lease import aio  # an async def: each call holds it with ``async with``
+
+        if aio.decorates_async(self, func):
+            return aio.decorate(self, func)
+
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with self._fresh():
@@ -357,14 +423,24 @@ class _LeaseContext:
             self.on_lost,
             self.cancel,
             self.clock,
+            holder=self.holder,
+            node=self.node,
+            task=self.task,
+            task_id=self.task_id,
         )
 
     # Context manager --------------------------------------------------------------------------
 
     def __enter__(self) -> Lease:
+        if self.on_lost is not None and getattr(self.on_lost, "_async_only", False):
+            raise LeaseConfigError(
+                f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
+                " def): a plain 'with' has no asyncio task to cancel; pass a callable instead"
+            )
         if self._entered:
             raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
         self._entered = True
+        task = _running_task()
         top = _current.get()
         frame = top
         # Frames below the first foreign one are foreign too (pushed before the fork). A frame
@@ -375,6 +451,7 @@ class _LeaseContext:
             if (
                 outer.key == self.key
                 and outer.store is self.store
+                and outer._reenterable_by(task)
                 and not outer.lost
                 and not (outer._entry is not None and outer._entry.closed)
             ):
@@ -390,6 +467,8 @@ class _LeaseContext:
             frame = frame.parent
         held = self._acquire()
         try:
+            if task is not None:
+                held._task = weakref.ref(task)
             self._lease = held
             self._frame = _Frame(held, top)
             _current.set(self._frame)
@@ -495,6 +574,8 @@ class _LeaseContext:
         assert entry is not None and entry.renewer is not None
         renewer = entry.renewer
         recorded = renewer.record(entry, reason)
+        if recorded:  # this call notifies, below: its log line says the holder let go
+            held._released_by_holder = True
         self._released_early = self._released_early or recorded
         try:
             if recorded:
@@ -566,13 +647,14 @@ class _LeaseContext:
 
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
-        owner = new_owner_id()
+        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.holder)
         ttl_ms = _ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
         interval = POLL_FIRST
-        notify = _conforms(store, SupportsReleaseNotify)
-        idle = self.cancel if self.cancel is not None else threading.Event()
+        # Looked up at the first held answer only: a free key (the usual case) needs neither.
+        notify: bool | None = None
+        idle = self.cancel
         tries = 0
         while True:
             if self.cancel is not None and self.cancel.is_set():
@@ -594,9 +676,13 @@ class _LeaseContext:
             if remaining <= 0:
                 raise LockNotAcquiredError(self.key)
             pause = min(interval, remaining)
+            if notify is None:
+                notify = _conforms(store, SupportsReleaseNotify)
             if notify:
                 cast(SupportsReleaseNotify, store).wait_for_release(self.key, pause)
             else:
+                if idle is None:
+                    idle = threading.Event()
                 clock.wait(idle, pause)
             interval = min(interval * 2, POLL_MAX)
         held: Lease | None = None
@@ -635,6 +721,7 @@ class _LeaseContext:
             sent_at=sent_at,
             max_hold_at=max_hold_at,
             on_lost=held._notify_lost,
+            token=token,
         )
         return held
 
@@ -654,6 +741,26 @@ class _LeaseContext:
 
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
+
+    # asyncio: ``async with`` (the machinery is in celery_lease.aio) ---------------------------
+
+    _astore: AsyncLockStore | None = None  # the store awaited; None: an adapter of ``store``
+    _canceller: object = None  # the aio canceller of an on_lost="cancel" block, once entered
+
+    async def __aenter__(self) -> Lease:
+        from celery_lease import aio
+
+        return await aio.aenter(self)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        from celery_lease import aio
+
+        return await aio.aexit(self, exc_type, exc, tb)
 
 
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
@@ -675,20 +782,25 @@ def check_ttl(seconds: float, given: object, *, name: str) -> None:
 def lease(
     key: str,
     *,
-    store: LockStore,
-    ttl: object = 30,
-    wait: object = 0,
-    max_hold: object = None,
-    on_lost: Callable[[Lease], object] | None = None,
+    store: LockStore | AsyncLockStore,
+    ttl: Duration = 30,
+    wait: Duration = 0,
+    max_hold: Duration | None = None,
+    on_lost: Callable[[Lease], object] | Literal["cancel"] | None = None,
     cancel: threading.Event | None = None,
     clock: Clock | None = None,
-    cooldown: object = 0,
+    cooldown: Duration = 0,
+    holder: str | None = None,
 ) -> _LeaseContext:
     """Hold ``key`` in ``store`` while a block (or decorated function) runs.
 
     Args:
         key: the key to hold (a non-empty string).
-        store: the :class:`~celery_lease.LockStore` to hold it in.
+        store: the :class:`~celery_lease.LockStore` to hold it in, or an
+            :class:`~celery_lease.stores.base.AsyncLockStore` (for ``async with``; a sync
+            ``with`` then uses its ``sync`` twin, which renews it in either case). A sync store
+            works with ``async with`` too: its calls then run on a thread (see
+            :mod:`celery_lease.aio`).
         ttl: lease duration (default 30 s); renewed every ttl/3 while the body runs, so a
             crashed holder frees the key within one ttl.
         wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
@@ -697,11 +809,17 @@ def lease(
         on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
             dispatcher (a thread of its own: it may block without delaying other leases). See
             :meth:`Lease.add_loss_listener` for more listeners and quick immediate ones.
+            ``"cancel"`` (``async with`` and ``async def`` only): cancel the task running the
+            body; the block then ends with :class:`LockLostError`.
         cancel: a ``threading.Event``; setting it aborts the wait (within one poll interval)
             with ``LockNotAcquiredError(key, "cancelled")``.
         clock: time source (default: the system clock); a ``FakeClock`` in tests.
         cooldown: after a body that succeeded, keep the key taken this long (counted from the
             end) instead of releasing it (default 0).
+        holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
+            id next to host and pid (and, inside a worker, node and task), shown by
+            ``celery lease list``; default none. At most
+            :data:`~celery_lease.holder.MAX_FIELD_CHARS` characters.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
     Everything is validated here, before anything is acquired.
@@ -719,8 +837,17 @@ def lease(
     """
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
+    astore: AsyncLockStore | None = None
+    if hasattr(type(store), "aclose"):  # an AsyncLockStore: held through it, renewed via .sync
+        from celery_lease import aio
+
+        astore, store = aio.split_async_store(store)
     if not _conforms(store, LockStore):
-        hint = " (build one with store_from_url(url) once)" if isinstance(store, str) else ""
+        hint = (
+            " (build one with store_from_url(url) or async_store_from_url(url) once)"
+            if isinstance(store, str)
+            else ""
+        )
         raise LeaseConfigError(
             f"store={store!r} is not a LockStore: it needs acquire(), renew() and release(){hint}"
         )
@@ -731,15 +858,27 @@ def lease(
         None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
     )
     cooldown_s = to_seconds(cooldown, name="cooldown")
-    if on_lost is not None and not callable(on_lost):
-        raise LeaseConfigError(f"on_lost={on_lost!r} must be a callable taking the Lease, or None")
+    if isinstance(on_lost, str) and on_lost == "cancel":
+        from celery_lease.aio import CANCEL
+
+        on_lost = CANCEL
+    elif on_lost is not None and not callable(on_lost):
+        raise LeaseConfigError(
+            f"on_lost={on_lost!r} must be a callable taking the Lease, 'cancel' (async with"
+            " only), or None"
+        )
     if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
     if clock is not None and not _conforms(clock, Clock):
         raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
-    return _LeaseContext(
+    if holder is not None and not (isinstance(holder, str) and 0 < len(holder) <= MAX_FIELD_CHARS):
+        raise LeaseConfigError(
+            f"holder={holder!r} must be a non-empty str of at most {MAX_FIELD_CHARS} characters,"
+            " or None"
+        )
+    context = _LeaseContext(
         key,
-        store,
+        cast(LockStore, store),  # checked above (an async store's sync twin)
         ttl_s,
         wait_s,
         max_hold_s,
@@ -747,7 +886,20 @@ def lease(
         on_lost,
         cancel,
         clock if clock is not None else SYSTEM_CLOCK,
+        holder=holder,
     )
+    if astore is not None:
+        context._astore = astore
+    return context
+
+
+def _running_task() -> object | None:
+    """The asyncio task running in this thread, or None (no event loop runs here)."""
+    aio = sys.modules.get("asyncio")  # not imported by sync-only code
+    if aio is None or aio._get_running_loop() is None:
+        return None
+    task: object = aio.current_task()
+    return task
 
 
 def _pop(pushed: _Frame | None) -> None:

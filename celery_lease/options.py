@@ -10,12 +10,14 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.lease import check_ttl
 from celery_lease.stores.base import LockStore
+from celery_lease.types import OnHeld, OnLost
+from celery_lease.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 
 __all__ = [
     "ON_HELD",
@@ -38,13 +40,14 @@ OPTIONS = (
     "on_held",
     "retry_countdown",
     "on_lost",
+    *UNIQUE_OPTIONS,
 )
 """Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`."""
 
-ON_HELD = ("raise", "skip", "retry")
+ON_HELD: tuple[OnHeld, ...] = get_args(OnHeld)
 """Allowed ``on_held`` policies (the key stayed held past ``wait``); default ``"raise"``."""
 
-ON_LOST = ("mark", "revoke")
+ON_LOST: tuple[OnLost, ...] = get_args(OnLost)
 """Allowed ``on_lost`` policies (the lease was lost while the body ran); default ``"mark"``."""
 
 RETRY_FIRST = 1.0
@@ -69,6 +72,8 @@ class LockOptions:
         retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
+        unique: the enqueue-time options (``unique``, ``on_duplicate``, ``queue_ttl``,
+            ``debounce``, ``debounce_max``; see :mod:`celery_lease.unique`), or ``None``.
     """
 
     key: str | Callable[..., str] | None = None
@@ -77,9 +82,10 @@ class LockOptions:
     max_hold: float | None = None
     cooldown: float = 0.0
     store: str | LockStore | None = None
-    on_held: str = "raise"
+    on_held: OnHeld = "raise"
     retry_countdown: float | None = None
-    on_lost: str = "mark"
+    on_lost: OnLost = "mark"
+    unique: UniqueOptions | None = None
 
 
 def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") -> LockOptions:
@@ -143,6 +149,7 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
         on_held=on_held,
         retry_countdown=duration("retry_countdown"),
         on_lost=on_lost,
+        unique=validate_unique(raw, name=name, has_key=key is not None),
     )
 
 

@@ -30,6 +30,11 @@ stall the loss reports). If it is still in flight after that, the holder's final
 cooldown) is registered with :meth:`Renewer.fence` and done again by the renewer right after the
 late renewal returned, so a renewal landing late never cuts a cooldown short.
 
+**Observers.** :meth:`Renewer.observe_renewals` (one renewer) and :func:`observe_renewals` (every
+renewer of the process) register a callable told ``(key, token, seconds, ok)`` for each renewal
+result, on the renewer thread after the answer is recorded (metrics: renewal latency). Without
+one, a sweep pays a single falsy check.
+
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
 a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
@@ -51,6 +56,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 
 __all__ = [
+    "COMPACT_AFTER",
     "DRIFT_FACTOR",
     "DRIFT_MARGIN",
     "FLIGHT_WAIT",
@@ -59,7 +65,9 @@ __all__ = [
     "Entry",
     "Renewer",
     "get_renewer",
+    "observe_renewals",
     "shutdown",
+    "snapshot",
     "validity",
 ]
 
@@ -79,6 +87,9 @@ Short leases taken one after another reuse the running thread instead of startin
 
 IDLE_POLL = 1.0
 """Seconds between two looks at the heap while idle (a lease due sooner wakes the thread)."""
+
+COMPACT_AFTER = 256
+"""Closed entries after which (and once as many as are held) the heaps drop their items."""
 
 FLIGHT_WAIT = 1.0
 """Seconds (of the lease's clock) :meth:`Renewer.remove` waits at most for a renewal in flight.
@@ -107,20 +118,24 @@ class Entry:
     """
 
     __slots__ = (
+        "acquired_at",
         "closed",
         "due",
         "finalized",
         "inflight",
         "key",
         "landed",
+        "last_error",
         "lost_reason",
         "max_hold_at",
         "on_lost",
         "owner",
         "redo",
         "refused",
+        "renewals",
         "renewer",
         "store",
+        "token",
         "ttl",
         "ttl_ms",
         "valid_until",
@@ -136,10 +151,15 @@ class Entry:
         sent_at: float,
         max_hold_at: float | None,
         on_lost: Callable[[str], None],
+        token: int | None = None,
     ) -> None:
         self.store = store
         self.key = key
         self.owner = owner
+        self.token = token  # for snapshot() only
+        self.acquired_at = sent_at
+        self.renewals = 0  # successful renewals (snapshot())
+        self.last_error: str | None = None  # of the last renewal attempt, if it failed
         self.ttl = ttl
         self.ttl_ms = max(1, round(ttl * 1000))
         self.valid_until = validity(sent_at, ttl)
@@ -185,6 +205,7 @@ class Renewer:
         self._idle_since: float | None = None  # when the last lease left
         self._thread: threading.Thread | None = None
         self._entries: set[Entry] = set()
+        self._closed = 0  # entries closed since the heaps were last compacted
         self._watchdog: threading.Thread | None = None
         self._in_io = False
         # Wakes the watchdog when the renewer enters or leaves a store call, when a lease is
@@ -193,8 +214,32 @@ class Renewer:
         # set and cleared while it looks away (a polling test clock would miss that).
         self._watch_wake = threading.Event()
         self._stopping = False
+        self._observers: tuple[_Observer, ...] = ()
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
+
+    def observe_renewals(self, callback: RenewalObserver) -> Callable[[], None]:
+        """Call ``callback(key, token, seconds, ok)`` for every renewal result of this renewer.
+
+        ``seconds`` is the round trip of the store call that carried the renewal (of the
+        renewer's clock; one call for a whole ``renew_many`` batch), ``ok`` is ``True``
+        (renewed), ``False`` (refused: the lease is gone) or ``None`` (the call failed; it is
+        retried while the lease is valid). Called on the renewer thread after the answer is
+        recorded, outside its lock: keep it quick (a metric, a log line); one that blocks
+        delays every renewal of this renewer (the watchdog still reports the leases whose
+        validity runs out meanwhile). What it raises is swallowed and logged once per observer.
+        Returns a function that unregisters it. Without any observer a renewal costs nothing
+        extra.
+        """
+        observer = _Observer(callback)
+        with self._lock:
+            self._observers = (*self._observers, observer)
+
+        def forget() -> None:
+            with self._lock:
+                self._observers = tuple(o for o in self._observers if o is not observer)
+
+        return forget
 
     def add(self, entry: Entry) -> None:
         """Start renewing ``entry``; starts the thread if it is not running."""
@@ -363,10 +408,28 @@ class Renewer:
         self._forget(entry)
 
     def _forget(self, entry: Entry) -> None:
-        """Drop a closed ``entry`` from the held ones, noting when the renewer became idle."""
-        self._entries.discard(entry)
+        """Drop a closed ``entry`` from the held ones, noting when the renewer became idle.
+
+        Its items stay in the heaps until they come to the top, or until as many entries were
+        closed as are held (and at least :data:`COMPACT_AFTER`): then the heaps are rebuilt
+        without them, so that short leases taken one after another (a task each) do not keep
+        thousands of finished leases alive for a ttl. Under the lock.
+        """
+        if entry in self._entries:
+            self._entries.discard(entry)
+            self._closed += 1
+            if self._closed >= COMPACT_AFTER and self._closed >= len(self._entries):
+                self._compact()
         if not self._entries:
             self._idle_since = self.clock.monotonic()
+
+    def _compact(self) -> None:
+        """Rebuild both heaps with only their live items (of held entries); under the lock."""
+        self._heap = [item for item in self._heap if _due_item(item)]
+        heapq.heapify(self._heap)
+        self._deadlines = [item for item in self._deadlines if _deadline_item(item)]
+        heapq.heapify(self._deadlines)
+        self._closed = 0
 
     def _report_lost(self, entry: Entry, reason: str) -> bool:
         """Record the loss unless the end of ``entry`` is already recorded; True if recorded."""
@@ -416,6 +479,29 @@ class Renewer:
         """The keys of the leases being renewed, sorted."""
         with self._lock:
             return sorted(entry.key for entry in self._entries)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The leases this renewer holds now, as :func:`snapshot` describes them, by key.
+
+        Reads the entries under the renewer's lock, which no store call ever holds: it never
+        waits for a store, from any thread.
+        """
+        with self._lock:
+            now = self.clock.monotonic()
+            rows = [
+                {
+                    "key": entry.key,
+                    "token": entry.token,
+                    "owner": entry.owner,
+                    "held_seconds": now - entry.acquired_at,
+                    "valid_for_seconds": max(0.0, _deadline(entry) - now),
+                    "renewals": entry.renewals,
+                    "last_renewal_error": entry.last_error,
+                }
+                for entry in self._entries
+                if not entry.closed
+            ]
+        return sorted(rows, key=lambda row: (row["key"], row["owner"]))
 
     # The renewer thread -----------------------------------------------------------------------
 
@@ -495,13 +581,21 @@ class Renewer:
         try:
             sent_at = self.clock.monotonic()
             results = self._call_store(store, group)
+            answered_at = self.clock.monotonic()
         finally:
             self._end_io()
         recorded: list[tuple[Entry, str]] = []
         redo: list[Callable[[], None]] = []
+        refused: list[Entry] = []
         with self._lock:
-            answered_at = self.clock.monotonic()
             for entry, result in zip(group, results, strict=True):
+                if result is False and not entry.closed and answered_at < entry.valid_until:
+                    # Refused in time: why is asked of the store below, outside the lock and
+                    # after the other answers of the batch are applied (a slow inspection must
+                    # not keep a renewed neighbour on its old deadline). It stays in flight
+                    # until then, so that the holder's exit waits for the verdict.
+                    refused.append(entry)
+                    continue
                 entry.inflight = False
                 if entry.landed is not None:
                     entry.landed.set()  # the waiter holds it; the next flight needs a new one
@@ -522,14 +616,17 @@ class Renewer:
                     recorded.append((entry, "expired"))
                     continue
                 if result is True:
+                    entry.renewals += 1
+                    entry.last_error = None
                     entry.valid_until = validity(sent_at, entry.ttl)
                     entry.due = entry._cap(sent_at + entry.ttl / 3)
                     heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
-                elif result is False:
+                elif result is False:  # pragma: no cover - refusals in time go to `refused`
                     self._record(entry, "taken")
                     recorded.append((entry, "taken"))
                     continue
                 else:
+                    entry.last_error = f"{type(result).__name__}: {result}"
                     logger.warning(
                         "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
                         entry.key,
@@ -538,6 +635,16 @@ class Renewer:
                     now = self.clock.monotonic()
                     entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
+        if refused:
+            recorded.extend(self._settle_refusals(store, refused, redo))
+        if self._observers or _observers:
+            # Watched like a store call: an observer that blocks delays the renewals, but the
+            # watchdog still reports on time the leases whose validity runs out meanwhile.
+            self._begin_io()
+            try:
+                _tell((*self._observers, *_observers), group, results, answered_at - sent_at)
+            finally:
+                self._end_io()
         for action in redo:
             self._begin_io()
             try:
@@ -547,6 +654,74 @@ class Renewer:
             finally:
                 self._end_io()
         return recorded
+
+    def _settle_refusals(
+        self, store: Any, refused: list[Entry], redo: list[Callable[[], None]]
+    ) -> list[tuple[Entry, str]]:
+        """Record the losses of renewals ``refused`` in time, with the reason the store gives.
+
+        The inspection is watched like a store call (the watchdog reports meanwhile the leases
+        whose validity runs out, these among them); an entry whose end was recorded meanwhile
+        (its holder's exit, the watchdog) keeps that record and only notes the refusal for a
+        waiting exit, as an in-time refusal of a closed entry always does.
+        """
+        self._begin_io()
+        try:
+            reasons = [self._why_gone(store, entry) for entry in refused]
+        finally:
+            self._end_io()
+        recorded: list[tuple[Entry, str]] = []
+        with self._lock:
+            for entry, reason in zip(refused, reasons, strict=True):
+                entry.inflight = False
+                if entry.landed is not None:
+                    entry.landed.set()
+                    entry.landed = None
+                if entry.redo is not None:
+                    redo.append(entry.redo)
+                    entry.redo = None
+                if entry.closed:
+                    entry.refused = True
+                    continue
+                self._record(entry, reason)
+                recorded.append((entry, reason))
+        return recorded
+
+    @staticmethod
+    def _why_gone(store: Any, entry: Entry) -> str:
+        """Why a renewal found ``entry`` gone, by two inspection calls (on the loss path only).
+
+        The fencing counter is read first and the holder last, so that an acquisition landing
+        between the two calls reads ``"taken"`` (it is held by another owner when reported):
+
+        - another owner holds the key: ``"taken"``;
+        - the key is free and the counter is still this lease's token (nobody acquired it
+          since; the counter outlives a release): somebody ended this lease without taking it,
+          an operator's force-release: ``"released"``;
+        - the key is free and the counter is higher: another owner took it and has let it go
+          since: ``"taken"``;
+        - the key is free and the counter is missing or lower (the store lost its data: a
+          restart without persistence, a failover to a replica that never saw it):
+          ``"expired"``;
+        - the store cannot tell (no ``get``/``last_token``, or an inspection call fails):
+          ``"taken"``, the cautious answer (someone else may hold it).
+
+        One case reads ``"released"`` although nobody released it: the store expired the key
+        before this process counted its validity as over (the store's clock ran fast).
+        """
+        get = getattr(store, "get", None)
+        last_token = getattr(store, "last_token", None)
+        if entry.token is None or not callable(get) or not callable(last_token):
+            return "taken"
+        try:
+            counter = last_token(entry.key)
+            if get(entry.key) is not None:
+                return "taken"
+        except BaseException:  # the renewer outlives it; without an answer, the old reason
+            return "taken"
+        if not isinstance(counter, int) or counter < entry.token:
+            return "expired"
+        return "released" if counter == entry.token else "taken"
 
     @staticmethod
     def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
@@ -642,6 +817,83 @@ class Renewer:
         return threads
 
 
+RenewalObserver = Callable[[str, int | None, float, bool | None], object]
+"""``(key, token, seconds, ok)``: see :meth:`Renewer.observe_renewals`."""
+
+
+class _Observer:
+    """One registered renewal observer; ``failed`` once it raised (logged that once)."""
+
+    __slots__ = ("callback", "failed")
+
+    def __init__(self, callback: RenewalObserver) -> None:
+        if not callable(callback):
+            raise TypeError(
+                f"observe_renewals(callback={callback!r}): must be a callable taking"
+                " (key, token, seconds, ok)"
+            )
+        self.callback = callback
+        self.failed = False
+
+
+_observers_lock = threading.Lock()
+_observers: tuple[_Observer, ...] = ()
+"""Observers of every renewer of the process (:func:`observe_renewals`); kept across fork."""
+
+
+def observe_renewals(callback: RenewalObserver) -> Callable[[], None]:
+    """Like :meth:`Renewer.observe_renewals`, for every renewer of the process.
+
+    Renewers made later (another clock, a forked child's) are observed too. Returns a function
+    that unregisters ``callback``.
+    """
+    global _observers
+    observer = _Observer(callback)
+    with _observers_lock:
+        _observers = (*_observers, observer)
+
+    def forget() -> None:
+        global _observers
+        with _observers_lock:
+            _observers = tuple(o for o in _observers if o is not observer)
+
+    return forget
+
+
+def _tell(
+    observers: tuple[_Observer, ...],
+    group: list[Entry],
+    results: list[bool | BaseException],
+    seconds: float,
+) -> None:
+    """Report each renewal result of ``group`` to ``observers``; never raises."""
+    for entry, result in zip(group, results, strict=True):
+        ok = result if isinstance(result, bool) else None
+        for observer in observers:
+            try:
+                observer.callback(entry.key, entry.token, seconds, ok)
+            except Exception:
+                if not observer.failed:
+                    observer.failed = True
+                    logger.exception(
+                        "celery-lease: renewal observer %r raised (logged once; it is still"
+                        " called)",
+                        observer.callback,
+                    )
+
+
+def _due_item(item: tuple[float, int, Entry]) -> bool:
+    """Whether a renewal heap item is live: its entry is open and it is the entry's due time."""
+    entry = item[2]
+    return not entry.closed and item[0] == entry.due
+
+
+def _deadline_item(item: tuple[float, int, Entry]) -> bool:
+    """Whether a deadline heap item is live: its entry is open and it is its deadline now."""
+    entry = item[2]
+    return not entry.closed and item[0] == _deadline(entry)
+
+
 def _deadline(entry: Entry) -> float:
     """When ``entry`` must be reported lost if nothing renews it: validity or max_hold."""
     if entry.max_hold_at is None:
@@ -654,13 +906,24 @@ _registry: dict[int, Renewer] = {}
 _running: set[Renewer] = set()  # renewers whose thread runs, registered or not
 
 
+_system_renewer: Renewer | None = None
+"""The system clock's renewer of this process, once made (read without the lock)."""
+
+
 def get_renewer(clock: Clock | None = None) -> Renewer:
     """The renewer of this process for ``clock`` (default: the system clock)."""
-    clock = clock if clock is not None else SYSTEM_CLOCK
+    global _system_renewer
+    if clock is None or clock is SYSTEM_CLOCK:
+        renewer = _system_renewer
+        if renewer is not None:
+            return renewer
+        clock = SYSTEM_CLOCK
     with _registry_lock:
         renewer = _registry.get(id(clock))
         if renewer is None or renewer.clock is not clock:
             renewer = _registry[id(clock)] = Renewer(clock)
+        if clock is SYSTEM_CLOCK:
+            _system_renewer = renewer  # never dropped (_forget_idle keeps it) until a fork
         return renewer
 
 
@@ -680,6 +943,23 @@ def _forget_idle(renewer: Renewer) -> None:
     with _registry_lock:
         if _registry.get(id(renewer.clock)) is renewer:
             del _registry[id(renewer.clock)]
+
+
+def snapshot() -> list[dict[str, Any]]:
+    """The leases this process holds now, for ``celery inspect leases``; read-only.
+
+    One dict per held lease, sorted by key: ``key``, ``token`` (the fencing token, ``None`` for
+    an entry made without one), ``owner``, ``held_seconds`` (since the acquire request left),
+    ``valid_for_seconds`` (local validity left, or until ``max_hold`` if sooner; 0 when past),
+    ``renewals`` (successful renewals so far) and ``last_renewal_error`` (``"Type: message"`` of
+    the last renewal attempt when it failed, ``None`` once one succeeds). Seconds are of each
+    renewer's clock. Safe from any thread and never blocks on a store call (it takes only the
+    renewers' locks, which no store call holds). A forked child sees only its own leases.
+    """
+    with _registry_lock:
+        renewers = set(_registry.values()) | _running
+    rows = [row for renewer in renewers for row in renewer.snapshot()]
+    return sorted(rows, key=lambda row: (row["key"], row["owner"]))
 
 
 def shutdown(timeout: float = 5.0) -> None:
@@ -726,8 +1006,10 @@ def shutdown(timeout: float = 5.0) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _registry_lock
+    global _observers_lock, _registry_lock, _system_renewer
+    _observers_lock = threading.Lock()  # observers registered before the fork stay
     _registry_lock = threading.Lock()
+    _system_renewer = None
     _registry.clear()
     _running.clear()
 

@@ -14,7 +14,8 @@ so that prefork children inherit them::
   another holder had it first, ``wait_seconds`` is how long acquiring took (seconds).
 - ``lock_rejected(key)``: the key stayed held past ``wait``; the body did not run.
 - ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
-  ``"expired"``, ``"taken"`` or ``"max_hold"``. Sent from the lease dispatcher's thread, never
+  ``"expired"``, ``"taken"``, ``"released"`` (an operator's force-release) or ``"max_hold"``.
+  Sent from the lease dispatcher's thread, never
   the renewer's: a receiver that blocks delays no renewal and no ``on_lost="revoke"`` interrupt
   (only other loss listeners queued behind it). It can arrive after the body ended.
 - ``lock_released(key, token, held_seconds)``: the lease was released (or kept for ``cooldown``)
@@ -22,6 +23,13 @@ so that prefork children inherit them::
   id (``retry()``; sent once, at that moment, from the publishing thread); ``held_seconds`` is
   how long it was held. Not sent for a lease that was lost (``lock_lost`` was sent instead:
   there was nothing of ours left to release). An early release sends no ``lock_lost``.
+  The worker's main process also sends it, with ``reason="holder_died"``, ``pid`` and
+  ``exitcode`` (``sender`` the task, ``held_seconds`` counted from the owner's taken-at),
+  when it released the leases of a pool child that died while holding them (SIGKILL, OOM,
+  hard time limit).
+- ``lock_duplicate(key, task_id, existing_task_id)``: a unique task (``unique=...``) was called
+  while the copy ``existing_task_id`` held ``key``; nothing was published for ``task_id`` (the id
+  the call would have had). Sent in the caller's process, from the calling thread.
 
 Every signal also carries ``task_id``, the id of the execution (``None`` for a direct call), so
 a receiver can tell executions apart: ``lock_lost`` comes from another thread, where
@@ -37,7 +45,14 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
-__all__ = ["lock_acquired", "lock_lost", "lock_rejected", "lock_released", "send"]
+__all__ = [
+    "lock_acquired",
+    "lock_duplicate",
+    "lock_lost",
+    "lock_rejected",
+    "lock_released",
+    "send",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +62,12 @@ lock_acquired = Signal(
 lock_rejected = Signal(name="lock_rejected", providing_args={"key", "task_id"})
 lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id"})
 lock_released = Signal(
-    name="lock_released", providing_args={"key", "token", "held_seconds", "task_id"}
+    name="lock_released",
+    providing_args={"key", "token", "held_seconds", "task_id", "reason", "pid", "exitcode"},
+)
+
+lock_duplicate = Signal(
+    name="lock_duplicate", providing_args={"key", "task_id", "existing_task_id"}
 )
 
 

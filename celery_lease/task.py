@@ -39,8 +39,9 @@ from celery import Task
 from celery._state import _task_stack, get_current_task
 from celery.app import base as _celery_app_base
 
+from celery_lease import unique as _unique
 from celery_lease.engine import Spec as _Spec
-from celery_lease.engine import adopt_request, current_run, run_locked
+from celery_lease.engine import adopt_request, current_run, run_locked, skip_quietly
 from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.interrupt import REVOKE_GRACE
 from celery_lease.keys import make_key_function, validate_template
@@ -54,6 +55,8 @@ from celery_lease.options import (
 )
 from celery_lease.request import is_claimed as _is_claimed
 from celery_lease.stores.base import LockStore
+from celery_lease.types import Duration, OnHeld, OnLost
+from celery_lease.unique_options import OnDuplicate, Unique
 
 __all__ = [
     "ON_HELD",
@@ -207,20 +210,30 @@ class LockedTask(Task):  # type: ignore[misc]
     - ``lock_on_held``: ``"raise"`` (default), ``"skip"`` or ``"retry"``;
       ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
     - ``lock_on_lost``: ``"mark"`` (default) or ``"revoke"``.
+    - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``: at most one
+      queued copy per key, returned to every caller (:mod:`celery_lease.unique`), with
+      ``lock_on_duplicate`` (``"existing"`` or ``"raise"``), ``lock_queue_ttl`` (default
+      ``lease_default_queue_ttl``, else 1 h), ``lock_debounce`` and ``lock_debounce_max``.
 
     Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the class
     is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
     """
 
-    lock_key: Any = None
-    lock_ttl: Any = None
-    lock_wait: Any = None
-    lock_max_hold: Any = None
-    lock_cooldown: Any = None
-    lock_store: Any = None
-    lock_on_held: Any = None
-    lock_retry_countdown: Any = None
-    lock_on_lost: Any = None
+    # Typed for subclasses (``lock_on_held = "skp"`` is a mypy error there); ``None``: unset.
+    lock_key: str | Callable[..., str] | None = None
+    lock_ttl: Duration | None = None
+    lock_wait: Duration | None = None
+    lock_max_hold: Duration | None = None
+    lock_cooldown: Duration | None = None
+    lock_store: str | LockStore | None = None
+    lock_on_held: OnHeld | None = None
+    lock_retry_countdown: Duration | None = None
+    lock_on_lost: OnLost | None = None
+    lock_unique: Unique | None = None
+    lock_on_duplicate: OnDuplicate | None = None
+    lock_queue_ttl: Duration | None = None
+    lock_debounce: Duration | None = None
+    lock_debounce_max: Duration | None = None
 
     _lock_options: LockOptions = LockOptions()
     _lock_spec: _Spec | None = None
@@ -337,6 +350,39 @@ class LockedTask(Task):  # type: ignore[misc]
             self.pop_request()
             _task_stack.pop()
 
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        link: Any = None,
+        link_error: Any = None,
+        shadow: str | None = None,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; with ``lock_unique`` set, at most one queued copy per key
+        (see :mod:`celery_lease.unique`). Without it, exactly Celery's path."""
+        if type(self)._lock_options.unique is None:
+            return super().apply_async(
+                args, kwargs, task_id, producer, link, link_error, shadow, **options
+            )
+        return _unique.apply_unique(
+            self,
+            self._lock_get_spec(),
+            super().apply_async,
+            args,
+            kwargs,
+            task_id,
+            {
+                "producer": producer,
+                "link": link,
+                "link_error": link_error,
+                "shadow": shadow,
+                **options,
+            },
+        )
+
     def push_request(self, *args: Any, **kwargs: Any) -> None:
         """Push a request as Celery does; one pushed for a running execution's body (by
         ``Task.__call__`` further down the class order) gets that execution's lock attributes."""
@@ -397,24 +443,47 @@ class LockedTask(Task):  # type: ignore[misc]
 # @locked -------------------------------------------------------------------------------------
 
 
+def _is_body_of(task: Any, wrapper: Callable[..., Any]) -> bool:
+    """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
+    wrapper), not a helper called from the body."""
+    run: Any = task.run
+    for _ in range(4):  # run -> pydantic wrapper -> ours: a short chain
+        run = getattr(run, "__func__", run)
+        if run is wrapper:
+            return True
+        run = getattr(run, "__wrapped__", None)
+        if run is None:
+            return False
+    return False
+
+
 def locked(
     *,
     key: str | Callable[..., str] | None = None,
-    ttl: object = None,
-    wait: object = None,
-    max_hold: object = None,
-    cooldown: object = None,
+    ttl: Duration | None = None,
+    wait: Duration | None = None,
+    max_hold: Duration | None = None,
+    cooldown: Duration | None = None,
     store: str | LockStore | None = None,
-    on_held: str = "raise",
-    retry_countdown: object = None,
-    on_lost: str = "mark",
+    on_held: OnHeld = "raise",
+    retry_countdown: Duration | None = None,
+    on_lost: OnLost = "mark",
+    unique: Unique | None = None,
+    on_duplicate: OnDuplicate | None = None,
+    queue_ttl: Duration | None = None,
+    debounce: Duration | None = None,
+    debounce_max: Duration | None = None,
 ) -> Callable[[F], F]:
     """Decorate a task function (below ``@app.task``) so that its body runs under a lease.
 
     Takes the options of :class:`LockedTask` as keywords (``key``, ``ttl``, ``wait``,
     ``max_hold``, ``cooldown``, ``store``, ``on_held``, ``retry_countdown``, ``on_lost``), with
-    the same defaults. Works with ``bind=True`` (the key is built from the arguments after
-    ``self``) and without. Options and templates are checked here, at decoration time.
+    the same defaults. ``unique`` (and ``on_duplicate``, ``queue_ttl``, ``debounce``,
+    ``debounce_max``) are validated, then refused with a :class:`LeaseConfigError`: enqueue-time
+    uniqueness lives in ``apply_async``, which a function decorator cannot reach; use
+    ``@app.task(base=LockedTask, lock_unique=...)``. Works with ``bind=True`` (the key is built
+    from the arguments after ``self``) and without. Options and templates are checked here, at
+    decoration time.
 
     Raises:
         LeaseConfigError: naming the option, the value and what is allowed.
@@ -429,15 +498,27 @@ def locked(
         "on_held": on_held,
         "retry_countdown": retry_countdown,
         "on_lost": on_lost,
+        "unique": unique,
+        "on_duplicate": on_duplicate,
+        "queue_ttl": queue_ttl,
+        "debounce": debounce,
+        "debounce_max": debounce_max,
     }
 
     def decorate(func: F) -> F:
         where = getattr(func, "__qualname__", repr(func))
         options = validate_options(raw, where=f"@locked {where}")
+        if options.unique is not None:
+            raise LeaseConfigError(
+                f"unique={options.unique.unique!r} of @locked {where} is not supported: a"
+                " function decorator cannot de-duplicate at enqueue (that happens in the task"
+                " class's apply_async); use @app.task(base=LockedTask, lock_unique=...)"
+            )
         full = inspect.signature(func)
         if isinstance(options.key, str):
             validate_template(options.key, full, task=where)
         specs: dict[tuple[str, bool], _Spec] = {}
+        skips = options.on_held == "skip"
 
         def spec_for(name: str, bound: bool) -> _Spec:
             spec = specs.get((name, bound))
@@ -455,6 +536,20 @@ def locked(
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
+            if skips and task is not None and not _is_body_of(task, wrapper):
+                # A helper called from a running body: a skip returns None to that body.
+                quiet = skip_quietly.set(True)
+                try:
+                    return run_locked(
+                        task,
+                        request,
+                        spec_for(name, bound),
+                        key_args,
+                        kwargs,
+                        lambda: func(*args, **kwargs),
+                    )
+                finally:
+                    skip_quietly.reset(quiet)
             return run_locked(
                 task,
                 request,

@@ -41,27 +41,87 @@ process-local ``lock_store`` fails in every pool process forked after it (by
 multi`` each node is a worker of its own and checks itself; a refused node logs the refusal and
 exits, although ``celery multi start`` (which detaches) has already printed ``OK``.
 
-A child that dies holding a lease (hard time limit, ``SIGKILL``, ``revoke(terminate=True)``) is
-not released by the main process: its key frees itself when its ttl runs out, at the latest one
-ttl after the last renewal. Releasing on the child's behalf would need the child's owner id in
-the main process; nothing here ever releases a lease for another owner.
+Who holds what. ``worker_init`` makes the worker's node name (``w1@host``) the default node of
+every owner id made in the worker's processes (:func:`celery_lease.holder.set_node`), and
+``task_prerun`` / ``task_postrun`` make the running task's name and id the default task of owner
+ids made during it (:func:`celery_lease.holder.push_task`), so a ``lease()`` inside a task body
+names its task too. :mod:`celery_lease.control` (imported here) registers ``celery inspect
+leases``; every pool child serves its snapshot for it (see there).
+
+Dead holders freed at once (:class:`DeadHolders`, a bootstep of prefork workers). When a pool
+child dies while it runs a task (``SIGKILL``, the OOM killer, a segfault: Celery's
+``WorkerLostError``; a hard time limit; ``revoke(terminate=True)``), the main process releases
+the leases that child took for the tasks it was running, instead of leaving them for a ttl:
+
+1. only after billiard has joined (reaped) the child: the step wraps the pool's
+   ``_join_exited_workers`` (and ``mark_as_worker_lost``), and acts on a child only once it has
+   left the pool with an exit code, i.e. ``waitpid`` returned for it: it no longer runs, not even
+   as a zombie;
+2. only leases whose owner id (:func:`celery_lease.holder.parse_owner`) names this host, the dead
+   child's pid, this worker's node (when the owner names one) and a task id that was running on
+   that child when it died (accepted by it, or written to it, and not finished by it, as the
+   worker's requests or the pool's own jobs say: a ``revoke(terminate=True)`` request leaves the
+   former first; or ended by its hard time limit, counted for the next child killed only), made
+   before the child was reaped (a new child with the recycled pid, running the redelivered task,
+   keeps its lease). A lease the child kept for ``cooldown`` after a task that succeeded
+   is therefore kept; so is one taken outside any task, and one of a task whose SUCCESS the
+   result backend already holds (killed between storing its result and handing it to the
+   pool: its key is then its cooldown);
+3. found with the store's ``list()`` and released with ``release(key, owner)``, owner-checked,
+   with that exact owner: if the lease already expired and someone else holds the key, nothing
+   is removed;
+4. on a thread of its own (the event loop never waits for a store), except that the requeue of
+   an ``acks_late`` task lost with its worker (``task_reject_on_worker_lost``) waits up to
+   :data:`DEAD_HOLDER_WAIT` seconds for the release, so that the redelivered task does not find
+   its own key still taken (once per hung store: while the release thread is past that wait,
+   later requeues do not wait). Errors of this bookkeeping are logged, never raised into
+   billiard's maintenance or the event loop.
+
+The event loop learns of a death from the child's sentinel pipe, which closes a moment before
+the child can be reaped; billiard then waits for its 5 s maintenance timer. The step watches such
+a child with a pidfd and reaps it the moment it can (see :meth:`_Reaper.watch_exit`), which is
+also what makes Celery's own ``WorkerLostError`` and the requeue come at once.
+
+Each release is logged at WARNING and sent as ``lock_released`` with ``reason="holder_died"``
+(plus ``pid`` and ``exitcode``), from the lease dispatcher's thread. A store that cannot list
+leases (a custom store without :class:`~celery_lease.SupportsInspection`), or a store error, leaves
+the key to its ttl (logged). Pools that run tasks in the main process (solo, threads, gevent,
+eventlet) have no child to lose: when that process dies, the keys free themselves at their ttl.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
+import queue
+import socket
+import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from billiard.exceptions import TimeLimitExceeded
+from billiard.pool import EX_RECYCLE as _EX_RECYCLE
 from celery import bootsteps
-from celery.signals import worker_init, worker_process_init
+from celery.signals import (
+    task_failure,
+    task_postrun,
+    task_prerun,
+    worker_init,
+    worker_process_init,
+    worker_shutdown,
+)
 
+from celery_lease import control, holder
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore
+from celery_lease.stores.base import LockStore, SupportsInspection
 
 __all__ = [
+    "DEAD_HOLDER_WAIT",
+    "DeadHolders",
     "LeaseCheck",
     "check_worker",
     "in_pool_child",
@@ -156,8 +216,8 @@ def _stores_in_use(
     for name, task in sorted(app.tasks.items()):
         # LockedTask keeps its validated options on the class; a @locked body may carry them
         # on the function (see the module of the task layer).
-        for holder in (type(task), getattr(task, "run", None)):
-            options = getattr(holder, "_lock_options", None)
+        for carrier in (type(task), getattr(task, "run", None)):
+            options = getattr(carrier, "_lock_options", None)
             store: str | LockStore | None = getattr(options, "store", None)
             if store is not None:
                 yield f"task {name!r} lock_store", store
@@ -257,9 +317,16 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     global _main_pid
     _main_pid = os.getpid()
+    node = getattr(sender, "hostname", None)
+    holder.set_node(node if isinstance(node, str) else None)
+    control.prepare_main()
     app = getattr(sender, "app", None)
     if app is not None:
         app.steps["worker"].add(LeaseCheck)  # read by the blueprint right after this signal
+        app.steps["worker"].add(DeadHolders)
+        from celery_lease.metrics import MetricsStep  # a no-op unless lease_metrics / install()
+
+        app.steps["worker"].add(MetricsStep)
 
 
 def recheck_in_pool_process() -> None:
@@ -290,9 +357,448 @@ def _on_worker_process_init(**_: Any) -> None:
     reset_process_state()
     if _pool_child:
         recheck_in_pool_process()
+        control.serve_in_child()
+
+
+def _on_worker_shutdown(**_: Any) -> None:
+    if os.getpid() == _main_pid:
+        control.cleanup_main()
+
+
+# The running task, as the default of owner ids made during it (holder.push_task) --------------
+
+_task_tokens: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
+    "celery_lease_task_tokens", default=None
+)
+
+
+def _on_task_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+    stack = _task_tokens.get()
+    if stack is None:
+        stack = []
+        _task_tokens.set(stack)
+    name = getattr(task, "name", None)
+    stack.append((str(task_id), holder.push_task(name if isinstance(name, str) else None, task_id)))
+
+
+def _on_task_postrun(task_id: str | None = None, **_: Any) -> None:
+    stack = _task_tokens.get()
+    if not stack or stack[-1][0] != str(task_id):
+        return
+    token = stack.pop()[1]
+    with contextlib.suppress(ValueError):  # made in another context (should not happen)
+        holder.pop_task(token)
+
+
+# Dead holders freed at once --------------------------------------------------------------------
+
+DEAD_HOLDER_WAIT = 1.0
+"""Seconds the requeue of a task lost with its pool child waits for that child's leases to be
+released (they are released on a thread of their own; the event loop waits only for this)."""
+
+_REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pidfd
+_REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
+_TIMED_OUT_KEEP = 600.0  # seconds a hard-time-limited task id is remembered for its child's death
+
+_timed_out: dict[str, tuple[str | None, float]] = {}
+"""Task ids ended by their hard time limit in this main process -> (task name, when)."""
+
+
+def _on_task_failure(
+    sender: Any = None, task_id: str | None = None, exception: object = None, **_: Any
+) -> None:
+    """In the main process: note tasks ended by a hard time limit (their child is killed next)."""
+    if not isinstance(exception, TimeLimitExceeded) or os.getpid() != _main_pid or not task_id:
+        return
+    now = time.monotonic()
+    for old in [k for k, (_, at) in _timed_out.items() if now - at > _TIMED_OUT_KEEP]:
+        del _timed_out[old]
+    name = getattr(sender, "name", None)
+    _timed_out[task_id] = (name if isinstance(name, str) else None, now)
+
+
+def _job_pids(job: Any) -> set[int]:
+    """The pool children a billiard job was accepted by, written to or scheduled for."""
+    pids = {pid for pid in job.worker_pids() if pid}
+    for attr in ("_write_to", "_scheduled_for"):
+        pid = getattr(getattr(job, attr, None), "pid", None)
+        if pid:
+            pids.add(pid)
+    return pids
+
+
+def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
+    """pid -> {task id: task name} of the requests a pool child accepted or was written.
+
+    Also the unfinished jobs of ``pool`` (their ``correlation_id`` is the task id): a request
+    revoked with ``terminate=True`` has left the worker's active requests before its child is
+    reaped, but its job stays in the pool until then.
+    """
+    from celery.worker import state as worker_state
+
+    running: dict[int, dict[str, str | None]] = {}
+    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        pids = set()
+        if request.worker_pid:
+            pids.add(request.worker_pid)
+        ref = getattr(request, "_apply_result", None)
+        job = ref() if ref is not None else None
+        if job is not None:
+            pids.update(_job_pids(job))
+        for pid in pids:
+            running.setdefault(pid, {})[request.id] = request.name
+    cache = getattr(pool, "_cache", None)
+    for job in list(cache.values()) if isinstance(cache, dict) else []:
+        task_id = getattr(job, "correlation_id", None)
+        if isinstance(task_id, str) and task_id and not job.ready():
+            for pid in _job_pids(job):
+                running.setdefault(pid, {}).setdefault(task_id, None)
+    return running
+
+
+class _Death:
+    """A reaped pool child and the tasks it was running; ``done`` is set once handled."""
+
+    __slots__ = ("at", "done", "exitcode", "pid", "tasks")
+
+    def __init__(self, pid: int, exitcode: int, tasks: dict[str, str | None]) -> None:
+        self.pid = pid
+        self.exitcode = exitcode
+        self.tasks = tasks
+        self.done = threading.Event()
+        self.at = time.time()  # made once reaped: no owner id of the dead child is newer
+
+
+_REAPER_FAILED = (
+    "celery-lease: handling a dead pool process failed; its leases free themselves at their ttl"
+)
+
+
+class _Reaper:
+    """Releases the leases of reaped pool children of one prefork pool (see the module)."""
+
+    def __init__(self, app: Any, node: str | None, pool: Any) -> None:
+        self.app = app
+        self.node = node
+        self.pool = pool
+        self.host = socket.gethostname()
+        self.deaths: queue.SimpleQueue[_Death] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.before: dict[int, Any] = {}  # pid -> process, during a join
+        self.running: dict[int, dict[str, str | None]] = {}
+        self.handled: set[int] = set()
+        self.stuck = False  # the release thread overran a requeue's wait and is still busy
+
+    def install(self) -> None:
+        join = self.pool._join_exited_workers
+        mark = self.pool.mark_as_worker_lost
+
+        def join_exited_workers(*args: Any, **kwargs: Any) -> Any:
+            self.handled = set()
+            try:
+                self.before = {p.pid: p for p in list(self.pool._pool) if p.pid}
+                self.running = _running_by_pid(self.pool)
+            except Exception:
+                logger.exception("celery-lease: cannot note the pool's running tasks")
+                self.running = {}
+            try:
+                return join(*args, **kwargs)
+            finally:
+                try:
+                    present = {id(p) for p in self.pool._pool}
+                    for pid, process in self.before.items():
+                        if id(process) not in present and pid not in self.handled:
+                            self.reaped(pid, process, wait=False)
+                except Exception:
+                    logger.exception(_REAPER_FAILED)
+                self.before = {}
+
+        def mark_as_worker_lost(job: Any, exitcode: Any) -> Any:
+            try:
+                for pid in job.worker_pids():
+                    process = self.before.get(pid)
+                    if process is not None and pid not in self.handled:
+                        self.reaped(pid, process, wait=True)
+            except Exception:
+                logger.exception(_REAPER_FAILED)
+            return mark(job, exitcode)
+
+        self.pool._join_exited_workers = join_exited_workers
+        self.pool.mark_as_worker_lost = mark_as_worker_lost
+        exited = getattr(self.pool, "_event_process_exit", None)
+        if exited is not None:  # billiard's AsynPool (the event loop); the hub looks it up later
+
+            def event_process_exit(hub: Any, process: Any) -> Any:
+                try:
+                    return exited(hub, process)
+                finally:
+                    try:
+                        if process in self.pool._pool:  # closed its files, not yet reapable
+                            self.watch_exit(hub, process)
+                    except Exception:
+                        logger.exception(
+                            "celery-lease: cannot watch pool process %s exit; billiard's timer"
+                            " reaps it within 5 s",
+                            getattr(process, "pid", "?"),
+                        )
+
+            self.pool._event_process_exit = event_process_exit
+
+    def watch_exit(self, hub: Any, process: Any) -> None:
+        """Run the pool's maintenance again as soon as ``process`` can be reaped.
+
+        The event loop learns of a child's death when the child's end of its sentinel pipe
+        closes; the kernel closes a dying process's files before it makes it a zombie
+        (``waitpid`` finds nothing yet), and a child with several threads (the renewer's) stays
+        in between long enough for the loop's ``waitpid(WNOHANG)`` to miss it often (most
+        tries of a probe with three threads). billiard then stops watching that sentinel and
+        only its 5 s maintenance timer reaps the child. Here a pidfd (Linux >= 5.3), readable
+        once the child is a zombie whose threads are all gone, wakes the loop for it; elsewhere
+        the maintenance is retried after 5, 10, 20 ... ms (at most :data:`_REAP_RETRY_FOR` s).
+        """
+        try:
+            fd = os.pidfd_open(process.pid)
+        except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer
+            self._retry_reap(hub, process, _REAP_RETRY_FIRST, 0.0)
+            return
+
+        def readable() -> None:
+            hub.remove_reader(fd)
+            os.close(fd)
+            self.pool.maintain_pool()
+
+        try:
+            hub.add_reader(fd, readable)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _retry_reap(self, hub: Any, process: Any, delay: float, waited: float) -> None:
+        def retry() -> None:
+            self.pool.maintain_pool()
+            if process in self.pool._pool and waited + delay < _REAP_RETRY_FOR:
+                self._retry_reap(hub, process, delay * 2, waited + delay)
+
+        hub.call_later(delay, retry)
+
+    def reaped(self, pid: int, process: Any, *, wait: bool) -> None:
+        """Child ``pid`` left the pool: release its running tasks' leases if it was reaped."""
+        self.handled.add(pid)
+        if process in self.pool._pool:
+            return
+        exitcode = process.exitcode  # not None only once waitpid() returned for it: reaped
+        if exitcode is None:
+            logger.debug("celery-lease: pool process %d left the pool unreaped", pid)
+            return
+        control.forget_child(pid)
+        tasks = dict(self.running.get(pid, {}))
+        if exitcode not in (0, _EX_RECYCLE):  # killed: the next death after a hard time limit
+            for task_id in list(_timed_out):  # used once, so a later exit cannot reuse it
+                tasks[task_id] = _timed_out.pop(task_id)[0]
+        if not tasks:
+            return
+        death = _Death(pid, exitcode, tasks)
+        self.deaths.put(death)
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(
+                target=self._run, name="celery-lease dead holders", daemon=True
+            )
+            self.thread.start()
+        if wait and not self.stuck and not death.done.wait(DEAD_HOLDER_WAIT):
+            self.stuck = not death.done.is_set()  # until it ends a death, requeues do not wait
+            logger.warning(
+                "celery-lease: the leases of dead pool process %d are not released after %gs;"
+                " its tasks are requeued now (a redelivery may find its key still held)",
+                pid,
+                DEAD_HOLDER_WAIT,
+            )
+
+    def _run(self) -> None:
+        while True:
+            death = self.deaths.get()
+            try:
+                self.release(death)
+            except Exception:
+                logger.exception(
+                    "celery-lease: releasing the leases of dead pool process %d failed; "
+                    "its keys free themselves at their ttl",
+                    death.pid,
+                )
+            finally:
+                death.done.set()
+                self.stuck = False
+
+    def _stores(self) -> list[LockStore]:
+        from celery_lease import config, engine
+
+        try:
+            settings = config.get_settings(self.app)
+        except LeaseConfigError:
+            return []
+        stores: dict[int, LockStore] = {}
+        for where, option in _stores_in_use(self.app, settings.store):
+            try:
+                store = engine._store_for(option, self.app)
+            except Exception as exc:
+                logger.warning("celery-lease: cannot open the store of %s: %s", where, exc)
+                continue
+            stores.setdefault(id(store), store)
+        return list(stores.values())
+
+    def succeeded(self, task_id: str | None) -> bool:
+        """Whether the result backend holds SUCCESS for ``task_id`` (kept then: see the module).
+
+        A child killed after its task stored SUCCESS but before the pool read the result back
+        looks lost (Celery says "succeeded before the worker was lost"), and the key it holds
+        then is the task's ``cooldown`` (applied before the result is stored). Without a
+        backend that stores results, or when it cannot be read, the answer is False: the lease
+        is released (a cooldown cut short by that race) rather than left for its ttl.
+        """
+        if not task_id:
+            return False
+        backend = getattr(self.app, "backend", None)
+        get = getattr(backend, "_get_task_meta_for", None)
+        as_uri = getattr(backend, "as_uri", None)
+        if get is None or type(backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            if callable(as_uri) and str(as_uri()).startswith("rpc://"):
+                return False  # results live on the caller's queue
+            return bool(get(task_id).get("status") == "SUCCESS")
+        except Exception as exc:
+            logger.debug("celery-lease: cannot read the state of task %s: %s", task_id, exc)
+            return False
+
+    def release(self, death: _Death) -> None:
+        """List every store of the app and release the dead child's leases of its tasks."""
+        from celery_lease.dispatch import get_dispatcher
+
+        for store in self._stores():
+            if not isinstance(store, SupportsInspection):
+                logger.warning(
+                    "celery-lease: %s cannot list leases: the leases of dead pool process %d"
+                    " (if any) free themselves at their ttl",
+                    type(store).__name__,
+                    death.pid,
+                )
+                continue
+            try:
+                infos = store.list()
+            except Exception as exc:
+                logger.warning(
+                    "celery-lease: cannot list the leases of dead pool process %d (%s); they"
+                    " free themselves at their ttl",
+                    death.pid,
+                    exc,
+                )
+                continue
+            for info in infos:
+                owner = holder.parse_owner(info.owner)
+                if (
+                    owner.host != self.host
+                    or owner.pid != death.pid
+                    or owner.task_id not in death.tasks
+                    or (owner.node is not None and owner.node != self.node)
+                    # made after the reap: a new child with the recycled pid took it
+                    or (owner.taken_at is not None and owner.taken_at > death.at)
+                ):
+                    continue
+                if self.succeeded(owner.task_id):
+                    logger.info(
+                        "celery-lease: pool process %d died after task %s[%s] succeeded: its"
+                        " lease on %r (a cooldown) is kept",
+                        death.pid,
+                        owner.task,
+                        owner.task_id,
+                        info.key,
+                    )
+                    continue
+                try:
+                    store.release(info.key, info.owner)
+                except Exception as exc:
+                    logger.warning(
+                        "celery-lease: releasing %r of dead pool process %d failed (%s); it"
+                        " frees itself within %.1fs",
+                        info.key,
+                        death.pid,
+                        exc,
+                        info.expires_in,
+                    )
+                    continue
+                _timed_out.pop(owner.task_id or "", None)
+                held = None if owner.taken_at is None else max(0.0, time.time() - owner.taken_at)
+                logger.warning(
+                    "celery-lease: pool process %d died (exit code %s) holding %r for task"
+                    " %s[%s]; released it (owner %s, token %d)",
+                    death.pid,
+                    death.exitcode,
+                    info.key,
+                    owner.task,
+                    owner.task_id,
+                    info.owner,
+                    info.token,
+                )
+                task = self.app.tasks.get(owner.task) if owner.task else None
+                named = {
+                    "key": info.key,
+                    "token": info.token,
+                    "held_seconds": held,
+                    "task_id": owner.task_id,
+                    "reason": "holder_died",
+                    "pid": death.pid,
+                    "exitcode": death.exitcode,
+                }
+                get_dispatcher().submit(
+                    _send_released, (task, named), f"lock_released of {info.key!r} (holder died)"
+                )
+
+
+def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
+    from celery_lease import signals
+
+    task, named = args
+    signals.send(signals.lock_released, task, **named)
+
+
+class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: release the leases of pool children that die running a task.
+
+    Starts after the pool; does nothing for a pool without children (solo, threads, gevent,
+    eventlet) or one whose internals are not billiard's (see the module docstring).
+    """
+
+    label = "celery-lease dead holders"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.reaper: _Reaper | None = None
+
+    def start(self, parent: Any) -> None:
+        """Wrap the prefork pool's join of exited children (nothing for other pools)."""
+        inner = getattr(getattr(parent, "pool", None), "_pool", None)
+        if not all(
+            hasattr(inner, name)
+            for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
+        ):
+            return
+        self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
+        self.reaper.install()
+
+    def stop(self, parent: Any) -> None:
+        """Nothing to stop: the release thread is a daemon and ends with the process."""
+
+    def terminate(self, parent: Any) -> None:
+        """Nothing to terminate."""
 
 
 worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_lease.worker_init")
 worker_process_init.connect(
     _on_worker_process_init, weak=False, dispatch_uid="celery_lease.worker_process_init"
 )
+worker_shutdown.connect(
+    _on_worker_shutdown, weak=False, dispatch_uid="celery_lease.worker_shutdown"
+)
+task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_lease.task_prerun")
+task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_lease.task_postrun")
+task_failure.connect(_on_task_failure, weak=False, dispatch_uid="celery_lease.task_failure")

@@ -3,27 +3,45 @@
 The same SQL runs on SQLite (the default: a file) and on PostgreSQL (when
 ``EXAMPLE_DATABASE_URL`` is a ``postgresql://`` DSN; ``pip install 'celery-lease[postgres]'``).
 
-The point of the ``fence`` column: a writer passes the fencing token of the lease it holds, and
-the row only accepts a token higher than the last one written::
+The point of the ``fence`` column: a writer carries the fencing token of the lease it holds, and
+the row only accepts a token at least as high as the last one written. The fenced writes
+(:func:`write_balance`, :func:`write_cache`) do not spell that check out by hand: they use
+:mod:`celery_lease.fencing.sqlalchemy` (SQLAlchemy Core, on the same tables), which sends::
 
-    UPDATE accounts SET balance = ?, fence = ? WHERE id = ? AND fence < ?
+    UPDATE accounts SET balance = ?, fence = ? WHERE id = ? AND (fence IS NULL OR fence <= ?)
 
-A holder that stalled past its ttl (a GC pause, a frozen VM, SIGSTOP) still believes it holds the
-lease when it wakes up; by then a newer holder has written with a higher token, so the stale
-write matches no row and :func:`write_balance` raises :class:`StaleWriteError`. Checking
-``lease.lost`` before writing is not enough: the lease can expire between the check and the
-write. The fence in the ``WHERE`` clause is checked atomically by the database itself.
+and checks the row count. A holder that stalled past its ttl (a GC pause, a frozen VM, SIGSTOP)
+still believes it holds the lease when it wakes up; by then a newer holder has written with a
+higher token, so the stale write matches no row and :func:`write_balance` raises
+:class:`StaleWriteError`. Checking ``lease.lost`` before writing is not enough: the lease can
+expire between the check and the write. The fence in the ``WHERE`` clause is checked atomically
+by the database itself.
+
+An equal token is accepted (the helpers' rule, ``<=``): only one acquisition ever gets a given
+token, so an equal fence is the same holder writing again, e.g. retrying a write whose reply was
+lost. (Until the helpers existed this module used a strict ``fence < ?``, which refused such a
+retry.)
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sqlite3
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from celery_lease.fencing import MissingRowError, StaleTokenError
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine, Table
+
+# SQLAlchemy (for the fencing helpers) is imported on the first fenced write, not with this
+# module: the workers, both beat instances and the demo import it, and on a small machine four
+# imports of SQLAlchemy at start-up cost the demo more than one per pool child later.
 
 __all__ = [
     "Account",
@@ -54,11 +72,12 @@ SCHEMA = (
 """Tables, in SQL that SQLite and PostgreSQL both accept. Amounts are integer cents."""
 
 
-class StaleWriteError(Exception):
-    """A write carried a fencing token not higher than the row's: a newer holder wrote first.
+class StaleWriteError(StaleTokenError):
+    """A write carried a fencing token lower than the row's: a newer holder wrote first.
 
-    The constructor's parameters equal ``self.args``, so the error survives Celery's json and
-    pickle result serialisation.
+    A :class:`~celery_lease.fencing.StaleTokenError` (``key`` ``"account:<id>"``, ``token``,
+    ``current``) with the account's own names. The constructor's parameters equal
+    ``self.args``, so the error survives Celery's json and pickle result serialisation.
 
     Attributes:
         account_id: the account written.
@@ -66,10 +85,10 @@ class StaleWriteError(Exception):
         fence: the row's fence (the token of the last accepted write).
     """
 
-    def __init__(self, account_id: int, token: int, fence: int) -> None:
-        super().__init__(account_id, token, fence)
+    def __init__(self, account_id: int, token: int, fence: int | None) -> None:
+        super().__init__(f"account:{account_id}", token, fence, f"accounts id={account_id}")
+        self.args = (account_id, token, fence)
         self.account_id = account_id
-        self.token = token
         self.fence = fence
 
     def __str__(self) -> str:
@@ -219,24 +238,82 @@ def list_accounts(url: str | None = None) -> list[Account]:
     return [Account(int(r[0]), int(r[1]), int(r[2])) for r in rows]
 
 
-def write_balance(account_id: int, balance: int, token: int, url: str | None = None) -> Account:
-    """Set the balance, fenced: accepted only if ``token`` is higher than the row's fence.
+def _engine(url: str | None = None) -> Engine:
+    """A SQLAlchemy engine on the database, one per process and URL (made on first use)."""
+    url = url or database_url()
+    key = (os.getpid(), url)  # a forked pool child makes its own: pools do not survive a fork
+    engine = _ENGINES.get(key)
+    if engine is None:
+        from sqlalchemy import create_engine
+
+        if _is_postgres(url):
+            rest = url.split("://", 1)[1]
+            engine = create_engine(f"postgresql+psycopg://{rest}")
+        else:
+            path = os.path.abspath(_sqlite_path(url))
+            engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": 15.0})
+        _ENGINES[key] = engine
+    return engine
+
+
+_ENGINES: dict[tuple[int, str], Engine] = {}
+
+
+@functools.cache
+def _tables() -> dict[str, Table]:
+    """The fenced tables as SQLAlchemy Core ``Table`` objects (the same columns as SCHEMA)."""
+    from sqlalchemy import BigInteger, Column, MetaData, Table, Text
+
+    metadata = MetaData()
+    return {
+        "accounts": Table(
+            "accounts",
+            metadata,
+            Column("id", BigInteger, primary_key=True, autoincrement=False),
+            Column("balance", BigInteger, nullable=False),
+            Column("fence", BigInteger, nullable=False, server_default="0"),
+        ),
+        "cache": Table(
+            "cache",
+            metadata,
+            Column("name", Text, primary_key=True),
+            Column("value", Text, nullable=False),
+            Column("fence", BigInteger, nullable=False),
+        ),
+    }
+
+
+def write_balance(
+    account_id: int, balance: int, token: int | None = None, url: str | None = None
+) -> Account:
+    """Set the balance, fenced: applied only if no higher token wrote the row before.
+
+    Args:
+        account_id: the account.
+        balance: the new balance (an absolute value: a retry with the same token is harmless).
+        token: the fencing token (default: the token of the lease held around the call, e.g.
+            inside a task body with a lock).
+        url: the database (default: :func:`database_url`).
 
     Raises:
-        StaleWriteError: a write with a token at least as high was accepted before.
+        StaleWriteError: a write with a higher token was accepted before.
         AccountNotFoundError: no such account.
     """
-    with connect(url) as conn:
-        updated = conn.execute(
-            "UPDATE accounts SET balance = ?, fence = ? WHERE id = ? AND fence < ?",
-            (balance, token, account_id, token),
-        ).rowcount
-        if updated == 1:
-            return Account(account_id, balance, token)
-        row = conn.execute("SELECT fence FROM accounts WHERE id = ?", (account_id,)).fetchone()
-    if row is None:
-        raise AccountNotFoundError(account_id)
-    raise StaleWriteError(account_id, token, int(row[0]))
+    from celery_lease.fencing.sqlalchemy import fenced_update
+
+    try:
+        written = fenced_update(
+            _engine(url),
+            _tables()["accounts"],
+            where={"id": account_id},
+            values={"balance": balance},
+            token=token,
+        )
+    except StaleTokenError as exc:
+        raise StaleWriteError(account_id, exc.token, exc.current) from exc
+    except MissingRowError:
+        raise AccountNotFoundError(account_id) from None
+    return Account(account_id, balance, written)
 
 
 def read_cache(name: str, url: str | None = None) -> tuple[str, int] | None:
@@ -246,16 +323,22 @@ def read_cache(name: str, url: str | None = None) -> tuple[str, int] | None:
     return None if row is None else (str(row[0]), int(row[1]))
 
 
-def write_cache(name: str, value: str, token: int, url: str | None = None) -> bool:
-    """Store a rebuilt cache value, fenced like the balance; returns whether it was accepted."""
-    with connect(url) as conn:
-        cursor = conn.execute(
-            "INSERT INTO cache (name, value, fence) VALUES (?, ?, ?)"
-            " ON CONFLICT (name) DO UPDATE SET value = excluded.value, fence = excluded.fence"
-            " WHERE cache.fence < excluded.fence",
-            (name, value, token),
+def write_cache(name: str, value: str, token: int | None = None, url: str | None = None) -> bool:
+    """Store a rebuilt cache value, fenced like the balance (the row is created on first
+    write); returns whether it was accepted (``False``: a higher token wrote it before)."""
+    from celery_lease.fencing.sqlalchemy import fenced_upsert
+
+    try:
+        fenced_upsert(
+            _engine(url),
+            _tables()["cache"],
+            where={"name": name},
+            values={"value": value},
+            token=token,
         )
-        return bool(cursor.rowcount == 1)
+    except StaleTokenError:
+        return False
+    return True
 
 
 def write_report(day: str, token: int, url: str | None = None) -> tuple[int, int]:

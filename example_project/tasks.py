@@ -57,13 +57,13 @@ def update_balance(
         StaleWriteError: the lease was lost and a newer holder wrote first (reported by Celery as
             ``LockLostError``, caused by this error).
     """
-    token = self.request.lock_token
     balance = db.get_account(account_id).balance
     if work_seconds:
         time.sleep(work_seconds)
     # No check of self.request.lock_lost here would be enough: the lease can run out between the
-    # check and the write. The fence in the UPDATE is checked by the database, atomically.
-    account = db.write_balance(account_id, balance + amount, token)
+    # check and the write. The fence in the UPDATE is checked by the database, atomically; the
+    # fenced write carries this task's token (self.request.lock_token) without being passed it.
+    account = db.write_balance(account_id, balance + amount)
     return {"account_id": account.id, "balance": account.balance, "fence": account.fence}
 
 

@@ -422,6 +422,18 @@ class SentinelGroup:
         finally:
             check.close()
         _wait("Sentinel discovering the replica", self._sentinel_sees_replica, _START_TIMEOUT)
+        # The link is up a moment before the replica acknowledges writes (it may still be
+        # loading the first sync): tests expect a store's first WAIT 1 to be answered.
+        writer = self.servers[0].client(socket_timeout=2)
+        try:
+            _wait(
+                "the replica acknowledging a write",
+                lambda: writer.set("celery-lease-test:ack", "1") and writer.wait(1, 1000) >= 1,
+                _START_TIMEOUT,
+            )
+            writer.delete("celery-lease-test:ack")
+        finally:
+            writer.close()
 
     def _start_sentinel(self) -> None:
         master, _ = self.servers

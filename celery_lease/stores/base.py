@@ -8,22 +8,29 @@ these three calls. Optional capabilities, detected with ``isinstance`` against t
 - :class:`SupportsReleaseNotify`: ``wait_for_release`` wakes a waiter when the key is released;
 - :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip;
 - :class:`SupportsInspection`: ``list`` / ``get`` / ``last_token`` / ``force_release`` for the CLI.
+
+:class:`AsyncLockStore` is the asyncio twin of :class:`LockStore` (``async with lease(...)``, see
+:mod:`celery_lease.aio`): the same three operations as coroutines, on the same data as a
+synchronous store it hands out as ``sync`` (the renewer thread renews through that one).
 """
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 __all__ = [
+    "AsyncLockStore",
     "LeaseInfo",
     "LockStore",
     "SupportsBatchRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
+    "async_store_from_url",
     "redact_url",
     "store_from_url",
 ]
@@ -82,6 +89,53 @@ class SupportsBatchRenew(Protocol):
 
         A failure of the whole batch raises ``StoreUnavailableError``.
         """
+        ...
+
+
+@runtime_checkable
+class AsyncLockStore(Protocol):
+    """The async twin of :class:`LockStore`: the same semantics per method, as coroutines.
+
+    Atomic per key, tokens only grow, a same-owner acquire is idempotent, renew and release are
+    owner-checked, and a failure raises ``StoreUnavailableError``, never a silent success. It
+    works on the SAME data as its synchronous twin :attr:`sync`, so sync and async processes
+    (and the renewer thread, which renews through :attr:`sync`) exclude each other.
+
+    Implementations: :class:`celery_lease.aio.ThreadedAsyncStore` (any sync store, its short
+    calls run on a thread), ``celery_lease.stores.redis_async.AsyncRedisLockStore``
+    (``redis.asyncio``) and ``celery_lease.stores.postgres_async.AsyncPostgresLockStore``
+    (psycopg's async connection). :func:`async_store_from_url` picks one from a URL.
+    """
+
+    @property
+    def sync(self) -> LockStore:
+        """A synchronous store on the same data; the renewer thread renews through it (off the
+        event loop, so a busy loop does not lose a lease)."""
+        ...
+
+    async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        """As :meth:`LockStore.acquire`: a token greater than every earlier one, or ``None``."""
+        ...
+
+    async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """As :meth:`LockStore.renew`: ``False`` when the key has no live lease of ``owner``."""
+        ...
+
+    async def release(self, key: str, owner: str) -> None:
+        """As :meth:`LockStore.release`: delete the lease only if it belongs to ``owner``."""
+        ...
+
+    async def wait_for_release(self, key: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a release signal on ``key``; True if one came.
+
+        A hint only: the caller tries ``acquire`` again either way (a spurious True and a
+        timeout while the key merely expired are both allowed). Cancelling the awaiting task
+        stops the wait.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Close the store's connections (the :attr:`sync` twin's too, when the store built it)."""
         ...
 
 
@@ -200,6 +254,58 @@ def store_from_url(url: str) -> LockStore:
         from celery_lease.stores.postgres import PostgresLockStore
 
         return PostgresLockStore(url)
+    raise LeaseConfigError(
+        f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
+        f"{', '.join(_SCHEMES)}"
+    )
+
+
+_REDIS_ASYNC = ("celery_lease.stores.redis_async", "AsyncRedisLockStore")
+_POSTGRES_ASYNC = ("celery_lease.stores.postgres_async", "AsyncPostgresLockStore")
+_ASYNC_NATIVE = {
+    "redis": _REDIS_ASYNC,
+    "rediss": _REDIS_ASYNC,
+    "redis+sentinel": _REDIS_ASYNC,
+    "unix": _REDIS_ASYNC,
+    "postgresql": _POSTGRES_ASYNC,
+    "postgres": _POSTGRES_ASYNC,
+}
+
+
+def async_store_from_url(url: str) -> AsyncLockStore:
+    """Build an :class:`AsyncLockStore` from a URL (the forms :func:`store_from_url` takes).
+
+    - ``redis://``, ``rediss://``, ``redis+sentinel://``, ``unix://``:
+      ``AsyncRedisLockStore.from_url(url)`` (``redis.asyncio``);
+    - ``postgresql://`` / ``postgres://``: ``AsyncPostgresLockStore.from_url(url)`` (psycopg 3);
+    - ``sqlite:///...`` and ``memory://``: a :class:`celery_lease.aio.ThreadedAsyncStore` over the
+      synchronous store (their calls are short and local: they run on a thread of the event
+      loop's default executor). The adapter owns that store: ``aclose()`` closes it.
+
+    Build it once per event loop and ``await store.aclose()`` when done (native async clients
+    belong to the loop they were first used in).
+
+    Raises:
+        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
+    """
+    from celery_lease.errors import LeaseConfigError
+
+    if not isinstance(url, str) or "://" not in url:
+        shown = redact_url(url) if isinstance(url, str) else url
+        raise LeaseConfigError(
+            f"store url={shown!r} is not a URL; supported: {', '.join(_SCHEMES)}"
+        )
+    scheme = urlsplit(url).scheme.lower()
+    native = _ASYNC_NATIVE.get(scheme)
+    if native is not None:
+        # Imported by name: each native store is an optional module with its own driver.
+        module_name, class_name = native
+        cls = getattr(importlib.import_module(module_name), class_name)
+        return cast(AsyncLockStore, cls.from_url(url))
+    if scheme in ("memory", "sqlite"):
+        from celery_lease._aio_store import ThreadedAsyncStore
+
+        return ThreadedAsyncStore(store_from_url(url), close_store=True)
     raise LeaseConfigError(
         f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
         f"{', '.join(_SCHEMES)}"

@@ -77,7 +77,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 
-__all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore"]
+__all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore", "statements"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +188,30 @@ def _render(template: str, table: str) -> bytes:
     """A statement with the table name quoted in, rendered once (no connection needed)."""
     ident = _table_identifier(table)
     return sql.SQL(template).format(table=ident).as_bytes(None)
+
+
+_TEMPLATES = (
+    ("acquire", _ACQUIRE),
+    ("renew", _RENEW),
+    ("renew_many", _RENEW_MANY),
+    ("release", _RELEASE),
+    ("force_release", _FORCE_RELEASE),
+    ("get", _GET),
+    ("list", _LIST),
+    ("last_token", _LAST_TOKEN),
+    ("schema", _SCHEMA_TEMPLATE),
+)
+
+
+def statements(table: str) -> dict[str, bytes]:
+    """Every statement of the store, rendered for ``table`` (already validated), by name.
+
+    Names: ``acquire``, ``renew``, ``renew_many``, ``release``, ``force_release``, ``get``,
+    ``list``, ``last_token``, ``schema``. The one source of the store's SQL: the sync store and
+    its asyncio twin (:mod:`celery_lease.stores.postgres_async`) both run these, so they share
+    one table and exclude each other.
+    """
+    return {name: _render(template, table) for name, template in _TEMPLATES}
 
 
 def _channel(table: str) -> str:
@@ -691,20 +715,7 @@ class PostgresLockStore:
         self._connect_failures = _ConnectFailures()
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._channel = _channel(self._table)
-        self._sql = {
-            name: _render(template, self._table)
-            for name, template in (
-                ("acquire", _ACQUIRE),
-                ("renew", _RENEW),
-                ("renew_many", _RENEW_MANY),
-                ("release", _RELEASE),
-                ("force_release", _FORCE_RELEASE),
-                ("get", _GET),
-                ("list", _LIST),
-                ("last_token", _LAST_TOKEN),
-                ("schema", _SCHEMA_TEMPLATE),
-            )
-        }
+        self._sql = statements(self._table)
         self._init_process_state()
         _STORES.add(self)
 

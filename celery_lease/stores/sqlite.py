@@ -44,9 +44,11 @@ to be stale, and the row is judged by ``expires_ms``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
+import re
 import sqlite3
 import threading
 import time
@@ -86,9 +88,19 @@ _BOOT_COLUMNS = (
     ("boot_token", "INTEGER NULL"),
 )
 
-# Named parameters of every statement below: :boot (this process's boot id, NULL without one),
-# :mono (the host's monotonic clock, ms), :wall (the wall clock, ms since the epoch).
-#
+# Parameters of every statement below, written by name here and bound by position (a tuple, no
+# dict to build and no name to look up per call): :key (?1), :owner (?2), :boot (?3, this
+# process's boot id, NULL without one), :mono (?4, the host's monotonic clock, ms), :wall (?5, the
+# wall clock, ms since the epoch), :expires (?6, :wall + ttl), :boot_expires (?7, :mono + ttl, NULL
+# without a boot id), :token (?8, the token floor: the wall clock in microseconds, at least 1).
+_PARAMS = ("key", "owner", "boot", "mono", "wall", "expires", "boot_expires", "token")
+
+
+def _numbered(sql: str) -> str:
+    """``sql`` with each ``:name`` of :data:`_PARAMS` replaced by its ``?N`` (done at import)."""
+    return re.sub(r":([a-z_]+)\b", lambda match: f"?{_PARAMS.index(match.group(1)) + 1}", sql)
+
+
 # The boot columns describe the row's current lease when boot_token is its token; a row last
 # written by the previous version (or without a boot id) is judged by its wall-clock expires_ms.
 _BOOT_VALID = "(:boot IS NOT NULL AND boot_token IS token)"
@@ -102,18 +114,58 @@ _LIVE = f"""owner IS NOT NULL AND CASE WHEN {_BOOT_VALID}
 # Milliseconds left of a live row's lease, by the clock that judges it.
 _LEFT_MS = f"CASE WHEN {_BOOT_VALID} THEN boot_expires_ms - :mono ELSE expires_ms - :wall END"
 
-# Set a live lease's expiry to now + ttl on both clocks (:expires = :wall + ttl, :boot_expires =
-# :mono + ttl or NULL without a boot id). Shared by renew and a re-acquire by the holder.
-_EXTEND = f"""UPDATE celery_lease SET expires_ms = :expires, boot_id = :boot,
+# Set a live lease's expiry to now + ttl on both clocks. renew, and a re-acquire by the holder on
+# SQLite without RETURNING. One statement: in autocommit mode it is its own write transaction,
+# which takes the write lock (with the busy handler) before it reads, as BEGIN IMMEDIATE does.
+_EXTEND = _numbered(
+    f"""UPDATE celery_lease SET expires_ms = :expires, boot_id = :boot,
     boot_expires_ms = :boot_expires, boot_token = CASE WHEN :boot IS NULL THEN NULL ELSE token END
 WHERE key = :key AND owner = :owner AND {_LIVE}"""
+)
 
-_TAKE = """INSERT INTO celery_lease
+# The token the row gets: its own while live (the holder again), else the next one.
+_NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token) END"
+
+# acquire in ONE statement (SQLite >= 3.35 for RETURNING): takes a free, expired or never-seen
+# key (a new token: max(last + 1, :token)), or extends the caller's own live lease (its token
+# kept), and returns the row's token; another owner's live lease is left alone and nothing is
+# returned. The SET expressions and the WHERE read the row as it was before the statement.
+_ACQUIRE = _numbered(
+    f"""INSERT INTO celery_lease
     (key, owner, expires_ms, token, boot_id, boot_expires_ms, boot_token)
-VALUES (:key, :owner, :expires, :token, :boot, :boot_expires, :boot_token)
+VALUES (:key, :owner, :expires, :token, :boot, :boot_expires,
+    CASE WHEN :boot IS NULL THEN NULL ELSE :token END)
+ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.expires_ms,
+    token = {_NEXT_TOKEN}, boot_id = excluded.boot_id,
+    boot_expires_ms = excluded.boot_expires_ms,
+    boot_token = CASE WHEN :boot IS NULL THEN NULL ELSE {_NEXT_TOKEN} END
+WHERE NOT coalesce({_LIVE}, 0) OR owner = :owner
+RETURNING token"""
+)
+
+# The same in three statements inside BEGIN IMMEDIATE, for SQLite without RETURNING.
+_SELECT_FOR_ACQUIRE = _numbered(f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key")
+_TAKE = _numbered(
+    """INSERT INTO celery_lease
+    (key, owner, expires_ms, token, boot_id, boot_expires_ms, boot_token)
+VALUES (:key, :owner, :expires, :token, :boot, :boot_expires,
+    CASE WHEN :boot IS NULL THEN NULL ELSE :token END)
 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.expires_ms,
     token = excluded.token, boot_id = excluded.boot_id,
     boot_expires_ms = excluded.boot_expires_ms, boot_token = excluded.boot_token"""
+)
+
+# Owner-checked release, one statement (its own write transaction). The row stays: its token
+# is the key's counter.
+_RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner = ?2"
+
+# Inspection (the CLI): ?1 and ?2 are unused placeholders unless named.
+_SELECT_LIVE = _numbered(f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}")
+_LIST = f"{_SELECT_LIVE} AND substr(key, 1, length(?1)) = ?1 ORDER BY key"
+_GET = f"{_SELECT_LIVE} AND key = ?1"
+
+# RETURNING on UPSERT is fixed from 3.35.5 (3.35.0-3.35.4 had RETURNING bugs).
+_HAS_RETURNING = sqlite3.sqlite_version_info >= (3, 35, 5)
 
 _BOOT_ID_FILE = "/proc/sys/kernel/random/boot_id"
 _TIMENS_FILE = "/proc/self/timens_offsets"  # the offsets of the *children's* time namespace
@@ -134,7 +186,7 @@ _DETECT = _Detect()
 # Connections inherited through fork() that could not be closed before it (see _before_fork):
 # never used and never closed in the child (the parent may be inside a call on them, holding
 # SQLite's mutexes), only kept alive so that garbage collection does not close them either.
-_INHERITED: list[sqlite3.Connection] = []
+_INHERITED: list[sqlite3.Connection | sqlite3.Cursor] = []
 
 # Every open store, so that fork() can close their connections first.
 _STORES: weakref.WeakSet[SQLiteLockStore] = weakref.WeakSet()
@@ -236,6 +288,8 @@ class SQLiteLockStore:
         self._clock: Clock = clock if clock is not None else SYSTEM_CLOCK
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
+        self._cursor: sqlite3.Cursor | None = None  # of _conn: every call runs on it
+        self._returning = _HAS_RETURNING  # one-statement acquire (tests may turn it off)
         self._pid = os.getpid()
         if not isinstance(_boot_id, (str, _Detect)) and _boot_id is not None:
             raise LeaseConfigError(f"_boot_id={_boot_id!r} must be a str or None")
@@ -309,9 +363,12 @@ class SQLiteLockStore:
             )
             return
         _HELD_ACROSS_FORK.append(lock)
-        conn, self._conn = self._conn, None
+        cursor, conn = self._cursor, self._conn
+        self._cursor, self._conn = None, None
         if conn is not None:
             try:
+                if cursor is not None:
+                    cursor.close()
                 conn.close()
             except sqlite3.Error as exc:  # pragma: no cover - close() of an idle connection
                 logger.warning("celery-lease: closing %r before fork failed (%s)", self._path, exc)
@@ -325,7 +382,9 @@ class SQLiteLockStore:
         self._lock = threading.Lock()
         if self._conn is not None:
             _INHERITED.append(self._conn)
-            self._conn = None
+            if self._cursor is not None:
+                _INHERITED.append(self._cursor)
+        self._cursor, self._conn = None, None
         self._pid = os.getpid()
 
     def _open(self) -> sqlite3.Connection:
@@ -370,105 +429,128 @@ class SQLiteLockStore:
                 conn.close()
                 raise
 
-    def _run(self, what: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn`` on this process's connection; driver errors raise StoreUnavailableError."""
+    def _run(self, what: str, fn: Callable[[sqlite3.Cursor], _T]) -> _T:
+        """Run ``fn`` on this process's cursor; driver errors raise StoreUnavailableError."""
         if self._pid != os.getpid():  # forked without os.register_at_fork (e.g. by C code)
             self._forget_inherited()
         with self._lock:
             try:
-                if self._conn is None:
-                    self._conn = self._open()
-                return fn(self._conn)
+                cursor = self._cursor
+                if cursor is None:
+                    cursor = self._connect()
+                return fn(cursor)
             except BaseException as exc:
-                self._drop_open_transaction()
+                self._after_failure(exc)
                 if isinstance(exc, (sqlite3.Error, OSError)):
                     raise StoreUnavailableError(
                         f"SQLite store {self._path!r} failed to {what}: {exc}"
                     ) from exc
                 raise
 
-    def _drop_open_transaction(self) -> None:
-        """After a failed call: never keep a connection that is still inside a transaction.
+    def _connect(self) -> sqlite3.Cursor:
+        """Open this process's connection and the one cursor every call runs on (under _lock)."""
+        conn = self._open()
+        self._conn, self._cursor = conn, conn.cursor()
+        return self._cursor
+
+    def _after_failure(self, exc: BaseException) -> None:
+        """After a failed call: never keep a statement or a transaction that may still be open.
 
         An exception raised asynchronously in this thread (a signal handler, or the threads
         pool's revoke through ``PyThreadState_SetAsyncExc``) runs as soon as the sqlite3 call
-        it waited behind returns: e.g. right after ``BEGIN IMMEDIATE`` got the write lock, before
-        the code that would roll it back. A failed ``COMMIT`` also leaves the transaction open.
-        Kept, that connection would hold the file's write lock for every other process of the
-        host, and its next ``BEGIN`` would fail. It is closed instead (closing rolls back and
-        releases the file's locks; the next call opens a new connection). Called under _lock.
+        it waited behind returns: right after ``BEGIN IMMEDIATE`` got the write lock, before the
+        code that would roll it back, or right after the acquire's ``INSERT ... RETURNING``
+        returned its row, before the fetch that ends the statement: a statement in autocommit
+        mode that has not run to its end still holds the file's write lock (and
+        ``in_transaction`` says False). A failed ``COMMIT`` also leaves the transaction open.
+        Kept, that connection would hold the write lock for every other process of the host.
+
+        So the cursor is closed first, which resets its statement (ending its implicit
+        transaction) even while a traceback still references it (closing only the connection
+        would leave it open, as a "zombie", until that statement is garbage collected), then a
+        connection still inside a transaction is closed (which rolls it back). After anything
+        but a plain driver error (an interrupt) the connection is closed in any case. The next
+        call opens a new connection. Called under _lock.
         """
-        conn = self._conn
-        if conn is None or not conn.in_transaction:
+        cursor, conn = self._cursor, self._conn
+        if cursor is None or conn is None:
             return
-        self._conn = None  # first: even if closing is interrupted, nothing reuses it
+        self._cursor = None  # first: even if closing is interrupted, nothing reuses it
+        with suppress(sqlite3.Error):
+            cursor.close()
+        if not conn.in_transaction and isinstance(exc, sqlite3.Error):
+            self._cursor = conn.cursor()  # a plain error: the connection is fine
+            return
+        self._conn = None
         with suppress(sqlite3.Error):  # close() finalises statements itself
             conn.close()
 
     @staticmethod
     @contextmanager
-    def _write(conn: sqlite3.Connection) -> Iterator[None]:
+    def _write(conn: sqlite3.Connection | sqlite3.Cursor) -> Iterator[None]:
         """One write transaction: ``BEGIN IMMEDIATE`` waits (busy timeout) for the write lock."""
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield
         except BaseException:
-            if conn.in_transaction:
+            connection = conn if isinstance(conn, sqlite3.Connection) else conn.connection
+            if connection.in_transaction:
                 conn.execute("ROLLBACK")
             raise
         conn.execute("COMMIT")
 
-    def _now(self) -> dict[str, object]:
-        """The named parameters :boot, :mono and :wall, read now (after _open)."""
-        return {
-            "boot": self._boot,
-            "mono": round((self._clock.monotonic() - self._mono_offset) * 1000),
-            "wall": round(self._clock.time() * 1000),
-        }
-
-    def _until(self, now: dict[str, object], ttl_ms: int) -> dict[str, object]:
-        """``now`` plus :expires and :boot_expires, both ``ttl_ms`` after it."""
-        mono, wall = now["mono"], now["wall"]
-        assert isinstance(mono, int) and isinstance(wall, int)
-        boot_expires = None if self._boot is None else mono + ttl_ms
-        return {**now, "expires": wall + ttl_ms, "boot_expires": boot_expires}
+    def _params(
+        self, key: str | None, owner: str | None, ttl_ms: int
+    ) -> tuple[str | None, str | None, str | None, int, int, int, int | None, int]:
+        """The statements' parameters (see :data:`_PARAMS`), the clocks read now (after _open)."""
+        boot = self._boot
+        mono = round((self._clock.monotonic() - self._mono_offset) * 1000)
+        wall_s = self._clock.time()
+        wall = round(wall_s * 1000)
+        return (
+            key,
+            owner,
+            boot,
+            mono,
+            wall,
+            wall + ttl_ms,
+            None if boot is None else mono + ttl_ms,
+            max(1, int(wall_s * 1_000_000)),
+        )
 
     # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
-        """Take ``key``; the holder acquiring again gets its own token back, with a new expiry."""
+        """Take ``key``; the holder acquiring again gets its own token back, with a new expiry.
 
-        def op(conn: sqlite3.Connection) -> int | None:
-            with self._write(conn):
-                now = self._now()
-                params = {**self._until(now, ttl_ms), "key": key, "owner": owner}
-                row = conn.execute(
-                    f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key", params
-                ).fetchone()
-                if row is not None and row[2]:
-                    if row[0] != owner:
-                        return None
-                    conn.execute(_EXTEND, params)
-                    return int(row[1])
-                last = row[1] if row is not None else 0
-                token = max(last + 1, int(self._clock.time() * 1_000_000))
-                params["token"] = token
-                params["boot_token"] = None if self._boot is None else token
-                conn.execute(_TAKE, params)
-                return token
+        One ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` statement (its own write
+        transaction) where SQLite has RETURNING (3.35.5 and later), else a ``SELECT`` and a
+        write inside ``BEGIN IMMEDIATE``.
+        """
+        return self._run("acquire", functools.partial(self._acquire, key, owner, ttl_ms))
 
-        return self._run("acquire", op)
-
-    def _renew_one(
-        self, conn: sqlite3.Connection, key: str, owner: str, ttl_ms: int, now: dict[str, object]
-    ) -> bool:
-        cursor = conn.execute(_EXTEND, {**self._until(now, ttl_ms), "key": key, "owner": owner})
-        return cursor.rowcount == 1
+    def _acquire(self, key: str, owner: str, ttl_ms: int, cursor: sqlite3.Cursor) -> int | None:
+        params = self._params(key, owner, ttl_ms)
+        if self._returning:
+            # fetchall() steps the statement to its end: that ends (commits) its transaction.
+            rows = cursor.execute(_ACQUIRE, params).fetchall()
+            return int(rows[0][0]) if rows else None
+        with self._write(cursor):
+            row = cursor.execute(_SELECT_FOR_ACQUIRE, params[:5]).fetchone()
+            if row is not None and row[2]:
+                if row[0] != owner:
+                    return None
+                cursor.execute(_EXTEND, params[:7])
+                return int(row[1])
+            token = max(row[1] + 1 if row is not None else 1, params[7])
+            cursor.execute(_TAKE, (*params[:7], token))
+            return token
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
-        def op(conn: sqlite3.Connection) -> bool:
-            with self._write(conn):
-                return self._renew_one(conn, key, owner, ttl_ms, self._now())
+        """Set the expiry of ``owner``'s live lease to now + ``ttl_ms``; one UPDATE statement."""
+
+        def op(cursor: sqlite3.Cursor) -> bool:
+            return cursor.execute(_EXTEND, self._params(key, owner, ttl_ms)[:7]).rowcount == 1
 
         return self._run("renew", op)
 
@@ -477,22 +559,24 @@ class SQLiteLockStore:
         if not items:
             return []
 
-        def op(conn: sqlite3.Connection) -> list[bool]:
-            with self._write(conn):
-                now = self._now()
-                return [self._renew_one(conn, k, o, t, now) for k, o, t in items]
+        def op(cursor: sqlite3.Cursor) -> list[bool]:
+            with self._write(cursor):
+                now = self._params(None, None, 0)
+                mono, wall = now[3], now[4]
+                return [
+                    cursor.execute(
+                        _EXTEND,
+                        (k, o, now[2], mono, wall, wall + t, None if now[2] is None else mono + t),
+                    ).rowcount
+                    == 1
+                    for k, o, t in items
+                ]
 
         return self._run("renew leases", op)
 
     def release(self, key: str, owner: str) -> None:
-        def op(conn: sqlite3.Connection) -> None:
-            with self._write(conn):
-                conn.execute(
-                    "UPDATE celery_lease SET owner = NULL WHERE key = ? AND owner = ?",
-                    (key, owner),
-                )
-
-        self._run("release", op)
+        """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
+        self._run("release", functools.partial(_execute, _RELEASE, (key, owner)))
 
     # Inspection ---------------------------------------------------------------------------------
 
@@ -501,16 +585,11 @@ class SQLiteLockStore:
         key, owner, token, left_ms = row
         return LeaseInfo(key, owner, token, max(0, left_ms) / 1000.0)
 
-    _SELECT_LIVE = f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}"
-
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key."""
 
-        def op(conn: sqlite3.Connection) -> list[LeaseInfo]:
-            rows = conn.execute(
-                f"{self._SELECT_LIVE} AND substr(key, 1, :length) = :prefix ORDER BY key",
-                {**self._now(), "length": len(prefix), "prefix": prefix},
-            ).fetchall()
+        def op(cursor: sqlite3.Cursor) -> list[LeaseInfo]:
+            rows = cursor.execute(_LIST, (prefix, *self._params(None, None, 0)[1:5])).fetchall()
             return [self._info(row) for row in rows]
 
         return self._run("list leases", op)
@@ -518,10 +597,8 @@ class SQLiteLockStore:
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key``, or ``None`` when it is free."""
 
-        def op(conn: sqlite3.Connection) -> LeaseInfo | None:
-            row = conn.execute(
-                f"{self._SELECT_LIVE} AND key = :key", {**self._now(), "key": key}
-            ).fetchone()
+        def op(cursor: sqlite3.Cursor) -> LeaseInfo | None:
+            row = cursor.execute(_GET, self._params(key, None, 0)[:5]).fetchone()
             return None if row is None else self._info(row)
 
         return self._run("read a lease", op)
@@ -529,8 +606,8 @@ class SQLiteLockStore:
     def last_token(self, key: str) -> int | None:
         """The last fencing token issued for ``key`` (kept after release), or ``None``."""
 
-        def op(conn: sqlite3.Connection) -> int | None:
-            row = conn.execute("SELECT token FROM celery_lease WHERE key = ?", (key,)).fetchone()
+        def op(cursor: sqlite3.Cursor) -> int | None:
+            row = cursor.execute("SELECT token FROM celery_lease WHERE key = ?", (key,)).fetchone()
             return None if row is None else int(row[0])
 
         return self._run("read a token", op)
@@ -538,14 +615,12 @@ class SQLiteLockStore:
     def force_release(self, key: str) -> LeaseInfo | None:
         """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""
 
-        def op(conn: sqlite3.Connection) -> LeaseInfo | None:
-            with self._write(conn):
-                row = conn.execute(
-                    f"{self._SELECT_LIVE} AND key = :key", {**self._now(), "key": key}
-                ).fetchone()
+        def op(cursor: sqlite3.Cursor) -> LeaseInfo | None:
+            with self._write(cursor):
+                row = cursor.execute(_GET, self._params(key, None, 0)[:5]).fetchone()
                 if row is None:
                     return None
-                conn.execute("UPDATE celery_lease SET owner = NULL WHERE key = ?", (key,))
+                cursor.execute("UPDATE celery_lease SET owner = NULL WHERE key = ?", (key,))
                 return self._info(row)
 
         return self._run("force-release", op)
@@ -555,12 +630,20 @@ class SQLiteLockStore:
         if self._pid != os.getpid():
             self._forget_inherited()
         with self._lock:
-            conn, self._conn = self._conn, None
+            cursor, conn = self._cursor, self._conn
+            self._cursor, self._conn = None, None
+        if cursor is not None:
+            cursor.close()
         if conn is not None:
             conn.close()
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
+
+
+def _execute(sql: str, params: tuple[object, ...], cursor: sqlite3.Cursor) -> None:
+    """Run one statement to its end (a write in autocommit mode commits)."""
+    cursor.execute(sql, params)
 
 
 def _validate_path(path: object) -> str:

@@ -75,13 +75,26 @@ class TestFencedTable:
         assert (caught.value.token, caught.value.fence) == (4, 5)
         assert db.get_account(1) == db.Account(1, 15_000, 5)
 
-    def test_an_equal_token_is_rejected(self, database: str) -> None:
-        """The fence is strict: the same token cannot write twice."""
+    def test_an_equal_token_is_accepted(self, database: str) -> None:
+        """The fencing helpers' rule (<=): the same holder's token writes again (a retry)."""
         from example_project import db
 
         db.write_balance(1, 12_000, token=7)
-        with pytest.raises(db.StaleWriteError):
-            db.write_balance(1, 13_000, token=7)
+        assert db.write_balance(1, 13_000, token=7) == db.Account(1, 13_000, 7)
+        assert db.write_cache("c", "v1", 7) and db.write_cache("c", "v2", 7)
+        assert not db.write_cache("c", "v0", 6)
+        assert db.read_cache("c") == ("v2", 7)
+
+    def test_stale_write_is_a_stale_token_error(self, database: str) -> None:
+        """The demo's StaleWriteError is the helpers' StaleTokenError, with the account's key."""
+        from celery_lease.fencing import StaleTokenError
+        from example_project import db
+
+        db.write_balance(1, 12_000, token=9)
+        with pytest.raises(StaleTokenError) as caught:
+            db.write_balance(1, 13_000, token=8)
+        assert isinstance(caught.value, db.StaleWriteError)
+        assert (caught.value.key, caught.value.token, caught.value.current) == ("account:1", 8, 9)
 
     def test_missing_account_is_not_reported_as_stale(self, database: str) -> None:
         """Writing an account that does not exist raises AccountNotFoundError."""

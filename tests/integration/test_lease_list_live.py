@@ -173,7 +173,11 @@ def test_lease_list_and_show_report_the_lease_of_a_running_task(live_worker: Liv
     rows = {row["key"]: row for row in json.loads(listed.stdout)}
     assert key in rows, listed.stdout
     row = rows[key]
-    assert set(row) == {"key", "owner", "token", "expires_in"}
+    assert set(row) == {
+        "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
+        "label", "taken_at", "held_seconds", "state",
+    }  # fmt: skip
+    assert (row["task"], row["pid"]) == (CACHE, live_worker.process.pid)
     assert isinstance(row["token"], int)
     assert row["token"] == held.token > 0
     assert row["owner"] == held.owner
@@ -183,6 +187,8 @@ def test_lease_list_and_show_report_the_lease_of_a_running_task(live_worker: Liv
 
     shown = live_worker.celery("lease", "show", key)
     assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith(f"{key}: held by {held.owner}, token {held.token}, expires in")
+    assert shown.stdout.startswith(f"{key}: held (running) by task {CACHE}[")
+    assert f", token {held.token}, expires in" in shown.stdout
+    assert f"  owner:    {held.owner}" in shown.stdout
 
     assert live_worker.process.poll() is None, live_worker.tail()

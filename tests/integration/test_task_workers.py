@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from celery import group
+from celery.exceptions import TaskRevokedError
 
 from celery_lease import LeaseConfigError, LockLostError, LockNotAcquiredError
 from tests.integration.conftest import (
@@ -50,13 +51,16 @@ class TestDuplicates:
         assert all(r.key == f"dup:{run}" for r in rejected)
 
     def test_skip(self, worker_env: WorkerEnv) -> None:
-        """on_held="skip": every task ends in SUCCESS, skipped ones with None; no overlap."""
+        """on_held="skip": the runs that held the key succeed, the others end REVOKED with a
+        'skipped' reason (not SUCCESS with None); no overlap."""
         run = worker_env.run_id()
         results = send_duplicates(worker_env, "it.dup_skip", run)
         spans = intervals(worker_env, run)
         assert_no_overlap(spans)
-        assert set(results) <= {"ran", None}
+        skipped = [r for r in results if isinstance(r, TaskRevokedError)]
+        assert all(f"skipped: 'dup:{run}' held" in str(r) for r in skipped), skipped
         assert results.count("ran") == len(spans) >= 1
+        assert len(skipped) + len(spans) == DUPLICATES, results
 
     def test_retry(self, worker_env: WorkerEnv) -> None:
         """on_held="retry": every duplicate eventually runs, one at a time."""
@@ -87,7 +91,9 @@ class TestBehaviour:
         assert worker_env.get(worker_env.app.send_task("it.boom", ("x",))) == "ok"
 
     def test_lost_lease_fails_with_lock_lost_error(self, worker_env: WorkerEnv) -> None:
-        """A body that checks after its lease was taken fails with LockLostError(key)."""
+        """A body that checks after an operator force-released its lease fails with
+        LockLostError(key); the loss reason says ``"released"`` (not ``"taken"``: nobody else
+        holds it)."""
         run = worker_env.run_id()
         result = worker_env.app.send_task("it.lost", (run,))
         worker_env.wait_file(f"held-{run}")
@@ -95,7 +101,7 @@ class TestBehaviour:
         with pytest.raises(LockLostError) as info:
             worker_env.get(result)
         assert info.value.key == f"lost:{run}"
-        assert worker_env.wait_file(f"lost-lost-{run}").read_text().strip() == "taken"
+        assert worker_env.wait_file(f"lost-lost-{run}").read_text().strip() == "released"
 
     def test_revoke_stops_the_body(self, worker_env: WorkerEnv) -> None:
         """on_lost="revoke": the running body is stopped with LockLostError (FAILURE)."""

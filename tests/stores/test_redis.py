@@ -5,6 +5,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import multiprocessing
+import os
+import signal
 import threading
 import time
 import uuid
@@ -21,6 +23,7 @@ from redis.retry import Retry
 
 from celery_lease import lease
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LockStore, store_from_url
 from celery_lease.stores.redis import (
     ACQUIRE_SCRIPT,
@@ -782,6 +785,25 @@ def _use_store_in_child(store: RedisLockStore, results: Any) -> None:
     results.put(store.acquire("child", "c", LONG_MS))
 
 
+def _use_fast_path_in_child(store: RedisLockStore, results: Any) -> None:
+    fast = store._fast
+    assert fast is not None
+    free = fast._lock.acquire(blocking=False)
+    if free:
+        fast._lock.release()
+    answered: list[bool] = []  # one entry per fast-path call the connection itself answered
+    real_call = fast.call
+
+    def call(request: bytes) -> Any:
+        reply = real_call(request)
+        answered.append(reply is not BUSY)
+        return reply
+
+    fast.call = call  # type: ignore[method-assign]
+    token = store.acquire("child", "c", LONG_MS)
+    results.put((free, answered == [True], token))
+
+
 class TestConnections:
     """URLs, clients and fork."""
 
@@ -951,3 +973,232 @@ class _ClosingStore(RedisLockStore):
 
 def _cluster_store(port: int, prefix: str) -> LockStore:
     return _ClosingStore(RedisCluster(host="127.0.0.1", port=port), prefix=prefix)
+
+
+class TestFastPath:
+    """acquire / renew / release of a plain standalone client go over the store's own
+    connection (``celery_lease.stores._redis_fast``), never leaving an unread reply behind."""
+
+    @staticmethod
+    def _fast(store: RedisLockStore) -> FastConnection:
+        fast = store._fast
+        assert fast is not None, "a plain redis:// store must take the fast path"
+        return fast
+
+    def test_acquire_and_release_send_nothing_through_redis_py(
+        self, redis_server: RedisServer, store: RedisLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """After warm-up, a cycle is two EVALSHA on the server and no redis-py request."""
+        _warm(store)
+        sent: list[bytes] = []
+        original = redis.connection.AbstractConnection.send_packed_command
+
+        def counted(self: Any, command: Any, check_health: bool = True) -> None:
+            sent.append(b"".join(command) if isinstance(command, list) else command)
+            original(self, command, check_health)
+
+        redis_server.client().config_resetstat()
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+        assert store.acquire("k", "a", LONG_MS) is not None
+        assert store.renew("k", "a", LONG_MS) is True
+        store.release("k", "a")
+        monkeypatch.undo()
+        assert sent == []
+        assert _commandstats(redis_server).get("cmdstat_evalsha") == 3
+
+    def test_a_cold_server_costs_one_more_round_trip_on_the_same_connection(
+        self, redis_server: RedisServer, store: RedisLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """After SCRIPT FLUSH (a cold or restarted server) the acquire is EVALSHA (NOSCRIPT)
+        then one EVAL on the fast connection: no redis-py connection opened, no SCRIPT LOAD
+        round trip (a cold start through a slow link must fit in a ttl)."""
+        _warm(store)
+        redis_server.client().script_flush()
+        sent: list[bytes] = []
+        original = redis.connection.AbstractConnection.send_packed_command
+
+        def counted(self: Any, command: Any, check_health: bool = True) -> None:
+            sent.append(b"".join(command) if isinstance(command, list) else command)
+            original(self, command, check_health)
+
+        redis_server.client().config_resetstat()
+        monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counted)
+        assert store.acquire("cold", "a", LONG_MS) is not None
+        store.release("cold", "a")  # its own script: NOSCRIPT, EVAL too
+        assert store.acquire("cold", "a", LONG_MS) is not None  # cached by the EVAL: EVALSHA
+        store.release("cold", "a")
+        monkeypatch.undo()
+        assert sent == []
+        stats = _commandstats(redis_server)
+        assert (stats.get("cmdstat_eval"), stats.get("cmdstat_evalsha")) == (2, 4), stats
+        assert stats.get("cmdstat_script|load") is None, stats
+        assert store.get("cold") is None
+
+    def test_a_lost_acquire_reply_is_retried_and_returns_the_owners_lease(
+        self, redis_server: RedisServer, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """The server ran the acquire, its reply is lost with the socket: the retry on a new
+        connection gets the same token back, one token issued, nothing released."""
+        _warm(store)
+        fast = self._fast(store)
+        real_read = fast._read
+        lost: list[Any] = []
+
+        def read_then_die(sock: Any) -> Any:
+            if not lost:
+                lost.append(real_read(sock))
+                sock.close()
+                raise redis.exceptions.ConnectionError("test: reply lost after the server ran it")
+            return real_read(sock)
+
+        fast._read = read_then_die  # type: ignore[method-assign]
+        token = store.acquire("k", "a", LONG_MS)
+        assert lost and token is not None and int(lost[0]) == token
+        info = store.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert store.last_token("k") == token
+        assert store.acquire("k", "b", LONG_MS) is None
+        assert redis_client.exists(store.signal_key("k")) == 0
+
+    def test_a_lost_release_reply_still_frees_the_key_and_signals_once(
+        self, store: RedisLockStore
+    ) -> None:
+        """The retried release finds nothing left and raises nothing; the key is free."""
+        _warm(store)
+        token = store.acquire("k", "a", LONG_MS)
+        assert token is not None
+        fast = self._fast(store)
+        real_read = fast._read
+        lost: list[Any] = []
+
+        def read_then_die(sock: Any) -> Any:
+            if not lost:
+                lost.append(real_read(sock))
+                sock.close()
+                raise redis.exceptions.ConnectionError("test: reply lost after the server ran it")
+            return real_read(sock)
+
+        fast._read = read_then_die  # type: ignore[method-assign]
+        store.release("k", "a")
+        assert lost == [1]
+        assert store.get("k") is None
+        assert store.wait_for_release("k", 0) is True
+        assert store.wait_for_release("k", 0) is False
+        following = store.acquire("k", "b", LONG_MS)
+        assert following is not None and following > token
+
+    def test_an_interrupt_between_write_and_read_never_shifts_a_reply_onto_the_next_call(
+        self, store: RedisLockStore
+    ) -> None:
+        """An asynchronous exception after the acquire was sent leaves its reply unread; the
+        next call must not take that token for its own answer (it reconnects instead)."""
+        _warm(store)
+        fast = self._fast(store)
+        real_read = fast._read
+
+        def interrupted(sock: Any) -> Any:
+            fast._read = real_read  # type: ignore[method-assign]
+            raise KeyboardInterrupt  # as SoftTimeLimitExceeded lands in a task body
+
+        fast._read = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            store.acquire("k", "a", LONG_MS)
+        # The server ran it: "k" is held by "a", and its token reply is still on the socket.
+        # A renewal of a key nobody holds must answer False, not read that token as "renewed".
+        assert store.renew("nobody", "x", LONG_MS) is False
+        assert store.acquire("k", "b", LONG_MS) is None
+        info = store.get("k")
+        assert info is not None and info.owner == "a"
+
+    def test_a_thread_that_finds_the_connection_busy_goes_through_the_pool(
+        self, store: RedisLockStore
+    ) -> None:
+        """While one thread waits for its reply on the fast connection, another thread's
+        acquire and release complete (through redis-py's pool), and both get their answers."""
+        _warm(store)
+        fast = self._fast(store)
+        real_read = fast._read
+        in_read = threading.Event()
+        go_on = threading.Event()
+
+        def slow_read(sock: Any) -> Any:
+            if threading.current_thread().name == "first":
+                in_read.set()
+                assert go_on.wait(DEADLINE)
+            return real_read(sock)
+
+        fast._read = slow_read  # type: ignore[method-assign]
+        first: list[int | None] = []
+        thread = threading.Thread(
+            target=lambda: first.append(store.acquire("one", "a", LONG_MS)), name="first"
+        )
+        thread.start()
+        try:
+            assert in_read.wait(DEADLINE)
+            second = store.acquire("two", "b", LONG_MS)
+            assert second is not None
+            store.release("two", "b")
+            assert store.get("two") is None
+            assert thread.is_alive() and not first  # the first call is still waiting
+        finally:
+            go_on.set()
+            thread.join(DEADLINE)
+        assert first and first[0] is not None
+        info = store.get("one")
+        assert info is not None and (info.owner, info.token) == ("a", first[0])
+
+    def test_a_hung_server_times_out_on_the_fast_connection(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """A server that stops answering gives StoreUnavailableError within the socket timeout
+        (and the one retry), never a hang; the store works again when the server resumes."""
+        server = redis_server_factory()
+        store = RedisLockStore(f"{server.url}?socket_timeout=0.3")
+        try:
+            _warm(store)
+            os.kill(server.pid, signal.SIGSTOP)  # type: ignore[arg-type]
+            try:
+                with pytest.raises(StoreUnavailableError, match="acquire 'k' failed: Timeout"):
+                    store.acquire("k", "a", LONG_MS)
+            finally:
+                os.kill(server.pid, signal.SIGCONT)  # type: ignore[arg-type]
+            assert store.acquire("k", "a", LONG_MS) is not None
+            assert store.get("k") is not None
+        finally:
+            store.close()
+
+    def test_a_child_forked_while_another_thread_used_the_connection_gets_its_own(
+        self, store: RedisLockStore
+    ) -> None:
+        """fork() while the fast connection's lock is held: the child's lock is free, the child
+        talks over a connection of its own, and the parent's connection keeps working."""
+        _warm(store)
+        fast = self._fast(store)
+        ctx = multiprocessing.get_context("fork")
+        results = ctx.Queue()
+        assert fast._lock.acquire(blocking=False)  # as if another thread were mid-call
+        try:
+            child = ctx.Process(target=_use_fast_path_in_child, args=(store, results))
+            child.start()
+        finally:
+            fast._lock.release()
+        free, used_fast, token = results.get(timeout=DEADLINE)
+        child.join(DEADLINE)
+        assert child.exitcode == 0
+        assert free is True and used_fast is True and isinstance(token, int)
+        assert store.renew("warm", "w", LONG_MS) is False  # the parent's socket still answers
+        assert store.acquire("parent", "p", LONG_MS) is not None
+
+    def test_only_plain_standalone_clients_take_the_fast_path(
+        self, redis_server: RedisServer
+    ) -> None:
+        """Sentinel, min_replicas (WAIT), subclassed connection classes and client-side
+        caching keep redis-py's path for every call."""
+        port = redis_server.port
+        assert RedisLockStore(f"redis://127.0.0.1:{port}/0")._fast is not None
+        assert RedisLockStore(f"redis://127.0.0.1:{port}/0?protocol=2")._fast is not None
+        assert RedisLockStore(f"redis://127.0.0.1:{port}/0?min_replicas=1")._fast is None
+        assert RedisLockStore("redis+sentinel://127.0.0.1:1/svc")._fast is None
+        pool = redis.ConnectionPool(connection_class=_CountingConnection, port=port)
+        assert RedisLockStore(redis.Redis(connection_pool=pool))._fast is None
+        assert fast_path_for(object()) is None

@@ -51,6 +51,19 @@ class TestSQLiteStore(StoreContract):
         return functools.partial(SQLiteLockStore, str(self.path))
 
 
+class TestSQLiteStoreWithoutReturning(TestSQLiteStore):
+    """The contract again on the acquire for SQLite older than 3.35.5 (SELECT + write in one
+    ``BEGIN IMMEDIATE`` transaction instead of one ``INSERT ... RETURNING``)."""
+
+    stateful_examples = 10
+
+    def make_store(self) -> LockStore:
+        store = super().make_store()
+        assert isinstance(store, SQLiteLockStore)
+        store._returning = False
+        return store
+
+
 def _acquire_in_child(path: str, key: str, results: multiprocessing.Queue[object]) -> None:
     store = SQLiteLockStore(path)
     try:
@@ -602,26 +615,39 @@ def _write_lock_is_free(path: Path) -> bool:
     return True
 
 
+@pytest.fixture(params=[True, False], ids=["one-statement", "transaction"])
+def acquire_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Run a test with the one-statement acquire (RETURNING) and with the transaction one."""
+    import celery_lease.stores.sqlite as module
+
+    if request.param and not module._HAS_RETURNING:
+        pytest.skip(f"SQLite {sqlite3.sqlite_version} has no RETURNING")
+    monkeypatch.setattr(module, "_HAS_RETURNING", request.param)
+    return bool(request.param)
+
+
+@pytest.mark.usefixtures("acquire_path")
 class TestSQLiteInterrupts:
     """An exception raised asynchronously inside a store call leaves no transaction behind.
 
-    The store waits in ``BEGIN IMMEDIATE`` for another connection's write lock; while it waits
-    an exception is scheduled (a signal handler in the main thread, or
-    ``PyThreadState_SetAsyncExc`` as the threads pool's revoke does), then the other
-    connection lets go. Python runs the handler as soon as the sqlite3 call returns: between
-    ``BEGIN IMMEDIATE`` and the ``try`` that would roll it back.
+    The store waits for another connection's write lock (in ``BEGIN IMMEDIATE``, or in the
+    acquire's one ``INSERT ... RETURNING`` statement); while it waits an exception is scheduled
+    (a signal handler in the main thread, or ``PyThreadState_SetAsyncExc`` as the threads
+    pool's revoke does), then the other connection lets go. Python runs the handler as soon as
+    the sqlite3 call returns: between ``BEGIN IMMEDIATE`` and the ``try`` that would roll it
+    back, or between the ``INSERT ... RETURNING`` that returned its row and the fetch that
+    would end the statement (which until then holds the write lock, ``in_transaction`` False).
     """
 
     def _blocked_begin(self, store: SQLiteLockStore, path: Path) -> tuple[Any, threading.Event]:
-        """Take the write lock elsewhere; return it and an event set when the store's BEGIN runs."""
+        """Take the write lock elsewhere; return it and an event set when the store call starts."""
         assert store.acquire("warm", "w", LONG_MS) is not None  # opens the connection
         blocker = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         blocker.execute("BEGIN IMMEDIATE")
         begun = threading.Event()
 
         def trace(statement: str) -> None:
-            if statement.startswith("BEGIN"):
-                begun.set()
+            begun.set()  # the call's first statement (BEGIN or INSERT) starts: it waits
 
         assert store._conn is not None
         store._conn.set_trace_callback(trace)
@@ -705,26 +731,31 @@ class TestSQLiteInterrupts:
         self._check_recovered(store, path)
         store.close()
 
-    def test_a_failed_commit_leaves_no_transaction_open(self, tmp_path: Path) -> None:
+    def test_a_failed_commit_leaves_no_transaction_open(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
         """A COMMIT that raises (disk full, I/O error) is rolled back, not left holding the lock."""
+        import celery_lease.stores.sqlite as module
+
+        monkeypatch.setattr(module, "_HAS_RETURNING", False)  # the path with a COMMIT
         path = tmp_path / "leases.db"
         store = SQLiteLockStore(path)
         assert store.acquire("warm", "w", LONG_MS) is not None
-        assert store._conn is not None
-        real = store._conn
+        assert store._conn is not None and store._cursor is not None
+        real, real_cursor = store._conn, store._cursor
 
         class FailingCommit:
-            """Delegates to the real connection but fails every COMMIT."""
+            """Delegates to the real cursor but fails every COMMIT."""
 
             def __getattr__(self, name: str) -> object:
-                return getattr(real, name)
+                return getattr(real_cursor, name)
 
             def execute(self, sql: str, *args: object) -> object:
                 if sql == "COMMIT":
                     raise sqlite3.OperationalError("disk I/O error")
-                return real.execute(sql, *args)
+                return real_cursor.execute(sql, *args)
 
-        store._conn = FailingCommit()  # type: ignore[assignment]
+        store._cursor = FailingCommit()  # type: ignore[assignment]
         with pytest.raises(StoreUnavailableError, match="disk I/O error"):
             store.acquire("k", "a", LONG_MS)
         assert store._conn is None  # the connection in a transaction was discarded (closed)
@@ -733,4 +764,22 @@ class TestSQLiteInterrupts:
         assert _write_lock_is_free(path)
         assert store.get("k") is None  # the failed acquire did not take effect
         assert store.acquire("k", "a", LONG_MS) is not None  # on a new connection
+        store.close()
+
+    def test_a_driver_error_keeps_a_healthy_connection(self, tmp_path: Path) -> None:
+        """A plain error outside a transaction (the busy timeout) keeps the connection open."""
+        path = tmp_path / "leases.db"
+        store = SQLiteLockStore(path, busy_timeout=0.05)
+        assert store.acquire("warm", "w", LONG_MS) is not None
+        conn = store._conn
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(StoreUnavailableError, match="failed to acquire"):
+                store.acquire("k", "a", LONG_MS)
+        finally:
+            blocker.execute("ROLLBACK")
+            blocker.close()
+        assert store._conn is conn and store._cursor is not None
+        assert store.acquire("k", "a", LONG_MS) is not None
         store.close()

@@ -244,3 +244,33 @@ class TestResults:
             plot.render_all(tmp_path / "results", tmp_path / "out")
         assert plot.main(["--results", str(path.parent), "--out", str(tmp_path / "out")]) == 1
         assert str(path) in capsys.readouterr().err
+
+
+class TestTaskThroughputScenarios:
+    def test_every_scenario_and_contender_gets_a_labelled_row(self, tmp_path: Path) -> None:
+        """A result with ``scenarios`` (pool x broker) plots each contender of each scenario."""
+        data = task_throughput()
+        data["scenarios"] = [
+            {
+                "name": "solo, Redis",
+                "pool": "solo",
+                "broker": "redis",
+                "contenders": data["contenders"],
+            },
+            {
+                "name": "prefork, embedded",
+                "pool": "prefork",
+                "broker": "embedded",
+                "contenders": [
+                    dict(c, median_per_s=c["median_per_s"] / 2) for c in data["contenders"]
+                ],
+            },
+        ]
+        results = tmp_path / "results"
+        write(results, "task_throughput.json", data)
+        assert plot.main(["--results", str(results), "--out", str(tmp_path / "out")]) == 0
+        words = texts(tmp_path / "out" / "benchmarks-task-throughput.svg")
+        for row in data["contenders"]:
+            assert f"{row['name']} (solo, redis)" in words
+            assert f"{row['name']} (prefork, embedded)" in words
+            assert any(w.startswith(f"{row['median_per_s'] / 2:,.0f}/s") for w in words), words

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import types
+import uuid
 from collections.abc import Iterator
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -18,16 +23,26 @@ from click.testing import CliRunner, Result
 
 from celery_lease import LockStore, store_from_url
 from celery_lease.cli import lease_group, main
+from celery_lease.holder import make_owner
 from tests.support import free_port
 
 TTL_MS = 60_000
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The URL of an empty, shared store: an SQLite file, or a throwaway redis-server."""
+    """The URL of an empty, shared store: an SQLite file, a throwaway redis-server, or the
+    default table of the session's scratch PostgreSQL database (emptied for each test)."""
     if request.param == "redis":
         return str(request.getfixturevalue("redis_url"))
+    if request.param == "postgres":
+        import psycopg
+
+        dsn = str(request.getfixturevalue("pg_database_dsn"))
+        store_from_url(dsn).release("init", "nobody")  # creates the table
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM celery_lease")
+        return dsn
     url = f"sqlite:///{tmp_path / 'leases.db'}"
     store_from_url(url).release("init", "nobody")  # creates the file
     return url
@@ -48,17 +63,54 @@ def run(*args: str, input: str | None = None, obj: Any = None) -> Result:
     return CliRunner().invoke(lease_group, list(args), input=input, obj=obj)
 
 
+def table(result: Result) -> list[list[str]]:
+    """The rows of a table printed by ``list``, split on runs of two or more spaces."""
+    return [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
+
+
+HEADER = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+
+
 class TestList:
-    def test_table_shows_key_owner_token_and_time_left(self, store: LockStore, store_url: str):
-        """Each live lease is one row with its key, owner, token and remaining time."""
-        token = store.acquire("report:nightly", "host/1/abc", TTL_MS)
+    def test_table_shows_node_task_task_id_held_for_token_and_time_left(
+        self, store: LockStore, store_url: str
+    ):
+        """Each live lease is one row: key, state, node, pid, task, task id, held for, token,
+        time left (the state is "held": without an app there is no result backend to ask)."""
+        owner = make_owner(node="w1@host", task="report.build", task_id="id-1")
+        token = store.acquire("report:nightly", owner, TTL_MS)
         result = run("list", "--store", store_url)
         assert result.exit_code == 0, result.output
-        header, row = result.stdout.splitlines()
-        assert header.split() == ["KEY", "OWNER", "TOKEN", "TIME", "LEFT"]
-        key, owner, shown_token, left = row.split()
-        assert (key, owner, int(shown_token)) == ("report:nightly", "host/1/abc", token)
+        header, row = table(result)
+        assert header == HEADER
+        key, state, node, pid, task, task_id, held, shown_token, left = row
+        assert (key, state, node, pid, task, task_id) == (
+            "report:nightly", "held", "w1@host", str(os.getpid()), "report.build", "id-1",
+        )  # fmt: skip
+        assert int(shown_token) == token
+        assert 0 <= float(held.rstrip("s")) < 30
         assert 50 <= float(left.rstrip("s")) <= 60
+
+    def test_old_owner_without_fields_still_lists(self, store: LockStore, store_url: str):
+        """An owner id of an older version (``host/pid/hex``) lists with host, pid and dashes."""
+        token = store.acquire("report:old", "oldhost/41/abc", TTL_MS)
+        store.acquire("report:foreign", "something-else", TTL_MS)
+        result = run("list", "--store", store_url)
+        assert result.exit_code == 0, result.output
+        header, foreign, old = table(result)
+        assert header == HEADER
+        assert old[:7] == ["report:old", "held", "oldhost", "41", "-", "-", "-"]
+        assert int(old[7]) == token
+        assert foreign[:7] == ["report:foreign", "held", "something-else", "-", "-", "-", "-"]
+
+    def test_label_column_appears_when_a_lease_has_one(self, store: LockStore, store_url: str):
+        """A ``holder=`` label gets a LABEL column (only when some lease has a label)."""
+        store.acquire("import:1", make_owner(label="nightly import"), TTL_MS)
+        result = run("list", "--store", store_url)
+        assert result.exit_code == 0, result.output
+        header, row = table(result)
+        assert header[6] == "LABEL"
+        assert row[6] == "nightly import"
 
     def test_prefix_filters_keys(self, store: LockStore, store_url: str):
         """``--prefix`` keeps only keys that start with it."""
@@ -69,20 +121,50 @@ class TestList:
         assert "report:a" in result.stdout
         assert "account:1" not in result.stdout
 
-    def test_json_is_an_array_of_objects(self, store: LockStore, store_url: str):
-        """``--json`` prints key, owner, token and expires_in (seconds) per lease, sorted by key."""
-        t2 = store.acquire("b", "o2", TTL_MS)
+    def test_task_and_node_filter(self, store: LockStore, store_url: str):
+        """``--task`` and ``--node`` keep the leases of that task name / worker node (both: and)."""
+        store.acquire("a", make_owner(node="w1@h", task="t.build", task_id="1"), TTL_MS)
+        store.acquire("b", make_owner(node="w2@h", task="t.build", task_id="2"), TTL_MS)
+        store.acquire("c", make_owner(node="w1@h", task="t.other", task_id="3"), TTL_MS)
+        store.acquire("d", "oldhost/1/abc", TTL_MS)
+
+        def keys(*args: str) -> list[str]:
+            result = run("list", "--json", *args, "--store", store_url)
+            assert result.exit_code == 0, result.output
+            return [row["key"] for row in json.loads(result.stdout)]
+
+        assert keys("--task", "t.build") == ["a", "b"]
+        assert keys("--node", "w1@h") == ["a", "c"]
+        assert keys("--task", "t.build", "--node", "w1@h") == ["a"]
+        assert keys("--task", "nope") == []
+        empty = run("list", "--task", "nope", "--node", "w1@h", "--store", store_url)
+        assert empty.stdout.strip() == "no live leases with task 'nope', node 'w1@h'"
+
+    def test_json_is_an_array_of_objects_with_the_holder(self, store: LockStore, store_url: str):
+        """``--json`` prints the store's view and the parsed owner per lease, sorted by key."""
+        owner = make_owner(node="w1@h", task="t.build", task_id="tid", label="lbl")
+        t2 = store.acquire("b", owner, TTL_MS)
         t1 = store.acquire("a", "o1", 5_000)
         result = run("list", "--json", "--store", store_url)
         assert result.exit_code == 0, result.output
         data = json.loads(result.stdout)
         assert [(d["key"], d["owner"], d["token"]) for d in data] == [
             ("a", "o1", t1),
-            ("b", "o2", t2),
+            ("b", owner, t2),
         ]
-        assert set(data[0]) == {"key", "owner", "token", "expires_in"}
+        assert set(data[0]) == {
+            "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
+            "label", "taken_at", "held_seconds", "state",
+        }  # fmt: skip
         assert 0 < data[0]["expires_in"] <= 5
+        assert data[0]["node"] is data[0]["taken_at"] is data[0]["held_seconds"] is None
         assert 50 < data[1]["expires_in"] <= 60
+        assert (data[1]["node"], data[1]["task"], data[1]["task_id"], data[1]["label"]) == (
+            "w1@h", "t.build", "tid", "lbl",
+        )  # fmt: skip
+        assert (data[1]["host"], data[1]["pid"]) == (socket.gethostname(), os.getpid())
+        assert abs(data[1]["taken_at"] - time.time()) < 60
+        assert 0 <= data[1]["held_seconds"] < 60
 
     def test_released_leases_are_not_listed(self, store: LockStore, store_url: str):
         """A released lease disappears from the list, and an empty list says so."""
@@ -94,14 +176,105 @@ class TestList:
         assert json.loads(run("list", "--json", "--store", store_url).stdout) == []
 
 
+class TestStates:
+    def test_queued_running_and_cooldown_are_told_apart(
+        self, store: LockStore, store_url: str, redis_url: str
+    ):
+        """Under an app with a result backend: a unique copy's queued lease is "queued", a lease
+        of a task that succeeded is "cooldown", one of an unfinished task "running"; a lease that
+        names no task is "held". ``--state`` keeps one state."""
+        from celery_lease.unique import queued_owner
+
+        obj = celery_obj(lease_store=store_url, result_backend=redis_url)
+        done, busy = f"done-{uuid.uuid4().hex}", f"busy-{uuid.uuid4().hex}"
+        obj.app.backend.store_result(done, 7, "SUCCESS")
+        obj.app.backend.store_result(busy, None, "STARTED")
+        store.acquire("k:cool", make_owner(node="w1@h", task="t.x", task_id=done), TTL_MS)
+        store.acquire("k:run", make_owner(node="w1@h", task="t.x", task_id=busy), TTL_MS)
+        store.acquire("k:never", make_owner(node="w1@h", task="t.x", task_id="unknown"), TTL_MS)
+        store.acquire("k:queued", queued_owner("t.x", "q-1", 1_700_000_000_000), TTL_MS)
+        store.acquire("k:plain", make_owner(label="script"), TTL_MS)
+        result = run("list", "--prefix", "k:", obj=obj)
+        assert result.exit_code == 0, result.output
+        states = {row[0]: row[1] for row in table(result)[1:]}
+        assert states == {
+            "k:cool": "cooldown",
+            "k:run": "running",
+            "k:never": "running",  # PENDING: not started, or started without a stored state
+            "k:queued": "queued",
+            "k:plain": "held",
+        }
+        cooling = run("list", "--json", "--state", "cooldown", obj=obj)
+        assert [r["key"] for r in json.loads(cooling.stdout)] == ["k:cool"]
+        shown = run("show", "k:cool", obj=obj)
+        assert shown.stdout.startswith("k:cool: held (cooldown) by task t.x[")
+        queued = json.loads(run("show", "k:queued", "--json", obj=obj).stdout)
+        assert (queued["state"], queued["task_id"]) == ("queued", "q-1")
+
+    def test_the_queued_owner_prefix_is_the_unique_modules(self):
+        """The CLI recognises queued owners by the head ``celery_lease.unique`` writes."""
+        from celery_lease import cli, unique
+
+        assert cli._QUEUED_HEAD == unique.OWNER_HEAD + ";"
+        assert unique.queued_owner("t", "i", 1).startswith(cli._QUEUED_HEAD)
+
+    def test_an_unreachable_backend_leaves_the_state_held(self, store: LockStore, store_url: str):
+        """A result backend that does not answer makes the state "held", not an error."""
+        obj = celery_obj(
+            lease_store=store_url,
+            result_backend=f"redis://127.0.0.1:{free_port()}/0",
+            redis_backend_health_check_interval=None,
+            result_backend_always_retry=False,
+        )
+        store.acquire("k:x", make_owner(task="t.x", task_id="i-1"), TTL_MS)
+        result = run("list", "--json", obj=obj)
+        assert result.exit_code == 0, result.output
+        assert [r["state"] for r in json.loads(result.stdout)] == ["held"]
+
+
 class TestShow:
-    def test_held_lease_is_described(self, store: LockStore, store_url: str):
-        """``show`` prints the holder and the token of a held key."""
+    def test_held_lease_is_described_with_its_holder(self, store: LockStore, store_url: str):
+        """``show`` prints the holder (task, id, node, host, pid), token, and one line per field."""
+        owner = make_owner(node="w1@h", task="t.build", task_id="tid-9")
+        token = store.acquire("account:42", owner, TTL_MS)
+        result = run("show", "account:42", "--store", store_url)
+        assert result.exit_code == 0, result.output
+        first, *fields = result.stdout.splitlines()
+        assert first.startswith(
+            f"account:42: held by task t.build[tid-9] on w1@h (host {socket.gethostname()}, "
+            f"pid {os.getpid()}), token {token}, expires in "
+        )
+        assert ", held for " in first
+        lines = dict(re.split(r":\s+", line.strip(), maxsplit=1) for line in fields)
+        assert lines["node"] == "w1@h"
+        assert lines["task"] == "t.build"
+        assert lines["task id"] == "tid-9"
+        assert lines["label"] == "-"
+        assert lines["state"] == "held"
+        assert lines["owner"] == owner
+        assert lines["taken at"].endswith("Z")
+
+    def test_old_owner_is_shown_as_it_is(self, store: LockStore, store_url: str):
+        """An owner with no holder fields is shown by host and pid, and in full."""
         token = store.acquire("account:42", "host/9/xyz", TTL_MS)
         result = run("show", "account:42", "--store", store_url)
         assert result.exit_code == 0, result.output
-        assert "held by host/9/xyz" in result.stdout
+        assert "held by (host host, pid 9)" in result.stdout
         assert f"token {token}" in result.stdout
+        assert "owner:    host/9/xyz" in result.stdout
+
+    def test_json_of_a_held_and_of_a_free_key(self, store: LockStore, store_url: str):
+        """``show --json``: the object ``list --json`` gives plus ``held``, or the free key."""
+        owner = make_owner(task="t.x", task_id="i")
+        token = store.acquire("k", owner, TTL_MS)
+        shown = json.loads(run("show", "k", "--json", "--store", store_url).stdout)
+        listed = json.loads(run("list", "--json", "--store", store_url).stdout)
+        assert shown["held"] is True
+        assert (shown["owner"], shown["token"], shown["task"]) == (owner, token, "t.x")
+        assert set(shown) == {"held", *listed[0]}
+        store.release("k", owner)
+        free = json.loads(run("show", "k", "--json", "--store", store_url).stdout)
+        assert free == {"key": "k", "held": False, "last_token": token}
 
     def test_free_key_shows_the_last_token(self, store: LockStore, store_url: str):
         """A released key is reported free with the last token the store issued for it."""
@@ -124,7 +297,7 @@ class TestRelease:
         store.acquire("k", "owner-1", TTL_MS)
         result = run("release", "k", "--store", store_url, input="n\n")
         assert result.exit_code == 1
-        assert "Force-release k: held by owner-1" in result.stdout
+        assert "Force-release k: held by owner-1, token" in result.stdout
         assert store.acquire("k", "other", TTL_MS) is None
 
     def test_confirmed_release_frees_the_key_and_says_what_it_removed(
@@ -135,6 +308,7 @@ class TestRelease:
         result = run("release", "k", "--store", store_url, input="y\n")
         assert result.exit_code == 0, result.output
         assert f"released k: owner owner-1, token {token}" in result.stdout
+        assert "reason 'released'" in result.stdout
         assert store.acquire("k", "other", TTL_MS) is not None
 
     def test_yes_skips_the_prompt_and_the_next_token_is_higher(
@@ -297,7 +471,7 @@ class TestEntryPoints:
         with pytest.raises(SystemExit) as exited:
             main(["show", "via-main", "--store", store_url])
         assert exited.value.code == 0
-        assert "held by o" in capsys.readouterr().out
+        assert "held by o, token" in capsys.readouterr().out
 
     def test_celery_lease_list_in_a_subprocess(
         self, store: LockStore, store_url: str, tmp_path: Path
@@ -328,5 +502,14 @@ class TestEntryPoints:
                 "owner": "worker/1/abc",
                 "token": token,
                 "expires_in": pytest.approx(60, abs=30),
+                "node": None,
+                "host": "worker",
+                "pid": 1,
+                "task": None,
+                "task_id": None,
+                "label": None,
+                "taken_at": None,
+                "held_seconds": None,
+                "state": "held",
             }
         ]

@@ -129,6 +129,7 @@ class TestBatchAnswer:
             lease("b", store=store, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)) as b,
         ):
             store.force_release("a")  # the batch's answer for a would be False
+            store.acquire("a", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             wait_until(lambda: store.batches >= 1, what="the first batch")
             entries = [held._entry for held in (a, b)]
@@ -465,6 +466,7 @@ class TestReleaseEarlyReason:
         context = lease("k", store=store, ttl=3, clock=clock)
         with pytest.raises(LockLostError, match="taken"), context as held:
             store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             assert held.wait_lost(REAL)
             assert context.release_early("handed-over") is False

@@ -273,6 +273,7 @@ class TestLossRecordVsLostRead:
 
             entry.on_lost = paused
             store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             assert inside.wait(REAL), "the loss was never reported"
             try:
@@ -348,6 +349,7 @@ class TestReleaseEarly:
         context = lease("k", store=store, ttl=3, clock=clock)
         with context as held:
             store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             assert held.wait_lost(REAL)
             assert context.release_early() is False

@@ -243,6 +243,7 @@ class TestLoss:
         calls: list[Lease] = []
         with lease("k", store=store, ttl=3, clock=clock, on_lost=calls.append) as held:
             store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             assert held.wait_lost(timeout=REAL_TIMEOUT) or held.lost
             assert held.lost_reason == "taken"
@@ -363,6 +364,7 @@ class TestLossListeners:
         with lease("k", store=store, ttl=3, clock=clock) as held:
             held.add_loss_listener(lambda h: seen.append((h.lost, h.lost_reason)))
             store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
             clock.advance(1.0)
             wait_until(lambda: seen)
         assert seen == [(True, "taken")]

@@ -28,6 +28,12 @@ CONTRACT = {
     "locked",
     # issue 8: stopping the background threads
     "shutdown",
+    # issue 12: asyncio
+    "AsyncLockStore",
+    "async_store_from_url",
+    "ThreadedAsyncStore",
+    "AsyncRedisLockStore",
+    "AsyncPostgresLockStore",
 }
 
 
@@ -100,3 +106,26 @@ class TestLayering:
         )
         assert result.returncode == 0, result.stderr
         assert "pip install 'celery-lease[redis]'" in result.stdout
+
+    def test_missing_extra_of_an_async_store_names_the_extra(self) -> None:
+        """Without redis / psycopg, the native async stores fail only on use, naming the extra;
+        the thread adapter and async_store_from_url need neither."""
+        result = run_python(
+            """
+            import sys
+            sys.modules["redis"] = None  # as if the extras were not installed
+            sys.modules["psycopg"] = None
+            import celery_lease
+            from celery_lease import ThreadedAsyncStore, async_store_from_url
+            for name in ("AsyncRedisLockStore", "AsyncPostgresLockStore"):
+                try:
+                    getattr(celery_lease, name)
+                except ImportError as exc:
+                    print(exc)
+            print(type(async_store_from_url("memory://")).__name__)
+            """
+        )
+        assert result.returncode == 0, result.stderr
+        assert "pip install 'celery-lease[redis]'" in result.stdout
+        assert "pip install 'celery-lease[postgres]'" in result.stdout
+        assert "ThreadedAsyncStore" in result.stdout

@@ -351,6 +351,7 @@ class TestLoss:
             while store.get(key) is None and time.monotonic() < deadline:
                 time.sleep(0.005)
             store.force_release(key)
+            store.acquire(key, "another-owner", 60_000)  # taken, not just freed
 
         threading.Thread(target=run, daemon=True).start()
 

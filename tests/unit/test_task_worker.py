@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
+from celery.exceptions import TaskRevokedError
 from celery.signals import before_task_publish, task_failure
 
-from celery_lease import LockedTask, LockLostError, LockNotAcquiredError, MemoryLockStore
+from celery_lease import (
+    LockedTask,
+    LockLostError,
+    LockNotAcquiredError,
+    MemoryLockStore,
+    locked,
+)
 from celery_lease import signals as lease_signals
 
 TIMEOUT = 10.0
@@ -38,6 +45,23 @@ def env() -> Iterator[SimpleNamespace]:
     @app.task(base=LockedTask, lock_key="busy", lock_on_held="skip", shared=False)
     def skipping() -> str:
         return "ran"
+
+    @app.task(shared=False)
+    @locked(key="busy", on_held="skip")
+    def skipping_body() -> str:
+        return "ran"
+
+    @locked(key="busy", on_held="skip")
+    def skipping_helper() -> str:
+        return "ran"
+
+    @app.task(shared=False)
+    def calls_skipping_helper() -> list[str | None]:
+        return [skipping_helper()]
+
+    @app.task(base=LockedTask, lock_key="outer", shared=False)
+    def locked_calls_skipping_helper() -> list[str | None]:
+        return [skipping_helper()]
 
     @app.task(base=LockedTask, lock_key="t", lock_ttl="0.3s", lock_on_lost="revoke", shared=False)
     def revoked() -> str:
@@ -98,6 +122,9 @@ def env() -> Iterator[SimpleNamespace]:
             inside=inside,
             retrying=retrying,
             skipping=skipping,
+            skipping_body=skipping_body,
+            calls_skipping_helper=calls_skipping_helper,
+            locked_calls_skipping_helper=locked_calls_skipping_helper,
             revoked=revoked,
             early=early,
             early_revoke=early_revoke,
@@ -125,12 +152,63 @@ def test_retry_releases_before_the_retry_is_published(env: SimpleNamespace) -> N
     assert at_publish == [None]
 
 
-def test_skip_ends_in_success_none(env: SimpleNamespace) -> None:
-    """on_held="skip" on a worker: AsyncResult.get() returns None at once, state SUCCESS."""
+def test_skip_ends_revoked_and_get_raises_at_once(env: SimpleNamespace) -> None:
+    """on_held="skip" on a worker: the run is REVOKED 'skipped: ...' (not SUCCESS with None),
+    AsyncResult.get() raises TaskRevokedError without blocking, lock_rejected is sent, and the
+    key is left to its holder."""
+    rejected: list[Any] = []
+
+    def on_rejected(sender: Any = None, key: Any = None, task_id: Any = None, **_: Any) -> None:
+        rejected.append((key, task_id))
+
+    lease_signals.lock_rejected.connect(on_rejected, weak=False)
     assert env.store.acquire("busy", "other", 60_000) is not None
-    result = env.skipping.delay()
-    assert result.get(timeout=TIMEOUT, interval=POLL) is None
+    try:
+        result = env.skipping.delay()
+        with pytest.raises(TaskRevokedError, match="skipped: 'busy' held"):
+            result.get(timeout=TIMEOUT, interval=POLL)
+    finally:
+        lease_signals.lock_rejected.disconnect(on_rejected)
+        env.store.release("busy", "other")
+    assert result.state == "REVOKED"
+    assert rejected == [("busy", result.id)]
+
+
+def test_skipped_locked_body_is_revoked_too(env: SimpleNamespace) -> None:
+    """@locked(on_held="skip") as a task's body: REVOKED like a LockedTask's skipped run."""
+    assert env.store.acquire("busy", "other", 60_000) is not None
+    try:
+        result = env.skipping_body.delay()
+        with pytest.raises(TaskRevokedError, match="skipped: 'busy' held"):
+            result.get(timeout=TIMEOUT, interval=POLL)
+    finally:
+        env.store.release("busy", "other")
+
+
+@pytest.mark.parametrize("task", ["calls_skipping_helper", "locked_calls_skipping_helper"])
+def test_skipped_helper_inside_a_body_returns_none_and_the_task_succeeds(
+    env: SimpleNamespace, task: str
+) -> None:
+    """A @locked(on_held="skip") helper called from a running task's body (plain or locked)
+    returns None there: the task is not marked skipped, it goes on and succeeds."""
+    assert env.store.acquire("busy", "other", 60_000) is not None
+    try:
+        result = getattr(env, task).delay()
+        assert result.get(timeout=TIMEOUT, interval=POLL) == [None]
+    finally:
+        env.store.release("busy", "other")
     assert result.state == "SUCCESS"
+
+
+def test_skip_called_directly_or_eagerly_returns_none(env: SimpleNamespace) -> None:
+    """Outside a worker (a direct call, apply()) a skipped run still returns None."""
+    assert env.store.acquire("busy", "other", 60_000) is not None
+    try:
+        assert env.skipping() is None
+        eager = env.skipping.apply()
+        assert eager.state == "SUCCESS" and eager.get() is None
+    finally:
+        env.store.release("busy", "other")
 
 
 def test_threads_pool_excludes_and_revokes(env: SimpleNamespace) -> None:

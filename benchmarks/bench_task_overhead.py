@@ -1,0 +1,170 @@
+"""Our Python per task: a LockedTask traced as the worker traces it, against the plain task.
+
+No broker and no worker process: each task is run by Celery's own tracer (``build_tracer``, as
+``fast_trace_task`` calls it in a worker, with the worker's stack protection installed), so the
+difference between the two is what celery-lease adds in the worker's thread, per task. The lock
+store is chosen with ``--store``:
+
+- ``null`` (default): a store whose calls do nothing (a counter for the token): our Python only;
+- ``memory``: :class:`~celery_lease.MemoryLockStore`;
+- ``redis``: :class:`~celery_lease.stores.redis.RedisLockStore` on a throwaway redis-server
+  (the round trips included);
+- ``sqlite``: :class:`~celery_lease.stores.sqlite.SQLiteLockStore` on a file in a temporary
+  folder (the embedded default's store).
+
+Rounds alternate plain / LockedTask (order flipped every round); printed: the median us per task
+of each, the median of the per-round differences (us added per task) and the ratio.
+``--profile`` runs ``--tasks`` LockedTask executions under cProfile instead and prints the top
+functions by own time and by cumulative time.
+
+Run: ``python -m benchmarks.bench_task_overhead [--store null|memory|redis|sqlite] [--tasks 20000]
+[--rounds 7] [--profile]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import itertools
+import pstats
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from celery import Celery
+from celery.app.trace import build_tracer, setup_worker_optimizations
+
+from celery_lease import LockedTask, LockStore, MemoryLockStore
+
+
+class NullStore:
+    """A store that takes no time: every acquire succeeds with the next token."""
+
+    def __init__(self) -> None:
+        self._tokens = itertools.count(1)
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        return next(self._tokens)
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        return True
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        return [True] * len(items)
+
+    def release(self, key: str, owner: str) -> None:
+        return None
+
+
+@contextlib.contextmanager
+def make_store(kind: str) -> Iterator[LockStore]:
+    if kind == "null":
+        yield NullStore()
+    elif kind == "memory":
+        yield MemoryLockStore()
+    elif kind == "redis":
+        from benchmarks._redis_server import redis_server
+        from celery_lease.stores.redis import RedisLockStore
+
+        with redis_server() as server:
+            yield RedisLockStore(server.url)
+    elif kind == "sqlite":
+        import tempfile
+
+        from celery_lease.stores.sqlite import SQLiteLockStore
+
+        with tempfile.TemporaryDirectory() as folder:
+            yield SQLiteLockStore(f"{folder}/leases.sqlite3")
+    else:
+        raise SystemExit(f"--store={kind!r}: use null, memory, redis or sqlite")
+
+
+def make_tracers(store: LockStore) -> dict[str, Callable[[int], Any]]:
+    """``{name: run_one(i)}``: one traced execution of the plain / locked task per call."""
+    app = Celery("overhead", broker="memory://", set_as_current=False)
+    app.conf.update(task_ignore_result=True, lease_store=store)
+
+    @app.task(name="o.plain", shared=False)
+    def plain(i: int) -> None:
+        return None
+
+    @app.task(name="o.locked", base=LockedTask, lock_key="o:{i}", shared=False)
+    def locked_task(i: int) -> None:
+        return None
+
+    setup_worker_optimizations(app, hostname="bench@host")
+    tracers: dict[str, Callable[[int], Any]] = {}
+    for name, task in (("plain", plain), ("LockedTask", locked_task)):
+        trace = build_tracer(task.name, task, app.loader, "bench@host", app=app)
+
+        def run_one(i: int, trace: Any = trace, task_name: str = task.name) -> Any:
+            task_id = str(uuid.uuid4())
+            request = {
+                "id": task_id,
+                "task": task_name,
+                "args": (i,),
+                "kwargs": {},
+                "delivery_info": {"exchange": "", "routing_key": "celery"},
+                "hostname": "bench@host",
+                "is_eager": False,
+            }
+            return trace(task_id, (i,), {}, request)
+
+        tracers[name] = run_one
+    return tracers
+
+
+def measure(run_one: Callable[[int], Any], first: int, count: int) -> float:
+    """Microseconds per task for ``count`` executions on keys ``first..``."""
+    started = time.perf_counter()
+    for i in range(first, first + count):
+        run_one(i)
+    return (time.perf_counter() - started) / count * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--store", default="null", choices=("null", "memory", "redis", "sqlite"))
+    parser.add_argument("--tasks", type=int, default=20000, help="executions per round")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--profile", action="store_true", help="cProfile LockedTask instead")
+    parser.add_argument("--top", type=int, default=30, help="rows of the profile to print")
+    options = parser.parse_args(argv)
+    with make_store(options.store) as store:
+        tracers = make_tracers(store)
+        for name in tracers:  # warm up (caches, key functions, the renewer thread)
+            measure(tracers[name], 0, 200)
+        if options.profile:
+            profile = cProfile.Profile()
+            profile.enable()
+            measure(tracers["LockedTask"], 10_000_000, options.tasks)
+            profile.disable()
+            stats = pstats.Stats(profile, stream=sys.stdout)
+            stats.sort_stats("tottime").print_stats(options.top)
+            stats.sort_stats("cumulative").print_stats(options.top)
+            return
+        us: dict[str, list[float]] = {name: [] for name in tracers}
+        key = 1_000_000
+        for round_no in range(options.rounds):
+            order = list(tracers) if round_no % 2 == 0 else list(reversed(tracers))
+            for name in order:
+                us[name].append(measure(tracers[name], key, options.tasks))
+                key += options.tasks
+    plain, locked = us["plain"], us["LockedTask"]
+    added = [lk - p for lk, p in zip(locked, plain, strict=True)]
+    print(
+        f"Traced in-process, store={options.store}, {options.tasks} tasks x {options.rounds}"
+        " rounds (median)"
+    )
+    print(f"  plain       {statistics.median(plain):8.1f} us/task")
+    print(f"  LockedTask  {statistics.median(locked):8.1f} us/task")
+    print(f"  added       {statistics.median(added):8.1f} us/task (median of per-round deltas)")
+    print(f"  ratio       {statistics.median(plain) / statistics.median(locked):8.2f}x plain")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
+
+Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) when this
+module is imported, which :mod:`celery_lease.worker` does (so does anything that imports
+``LockedTask``): the worker answers the command, and the ``celery inspect`` client, which checks
+the command name against the same registry, accepts it once it imported the app. ::
+
+    $ celery -A proj inspect leases
+    ->  w1@host: OK
+        {
+            "leases": [
+                {"key": "report:7", "token": 17..., "task": "report.build", "task_id": "5b1d...",
+                 "pid": 4242, "held_seconds": 12.5, "valid_for_seconds": 19.8, "renewals": 1,
+                 "last_renewal_error": null, "node": "w1@host", "owner": "host/4242/..."}
+            ],
+            "pool": "prefork",
+            "unanswered": []
+        }
+
+Where the leases are. Under ``solo``, ``threads``, ``gevent`` and ``eventlet`` every task runs in
+the worker's main process, which answers from :func:`celery_lease.renewer.snapshot` directly.
+Under ``prefork`` the leases are held (and renewed) in the pool children, so each child serves its
+own snapshot on a unix socket, ``<dir>/<pid>.sock``, from a daemon thread that only waits in
+``accept()`` (no cost while nobody asks). ``<dir>`` is a private directory (mode 0700) made by the
+main process before it forks the pool and removed at worker shutdown; a child's socket is
+removed when the child is gone. The main process asks every child it has now, all at once, with
+one deadline (:data:`CHILD_TIMEOUT`); a child that does not answer in time (stopped, or a body
+holding the GIL in C code) is listed in ``unanswered`` with the reason, so a missing answer is
+never shown as "holds nothing".
+
+``held_seconds`` and ``valid_for_seconds`` are measured in the holding process by its renewer's
+clock (``valid_for_seconds`` is the local validity left: the time the lease is surely still held,
+0 once past it). ``task``/``task_id``/``node`` come from the owner id
+(:func:`celery_lease.holder.parse_owner`), ``None`` when it does not carry them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import selectors
+import shutil
+import socket
+import tempfile
+import threading
+import time
+from typing import Any, cast
+
+from celery.worker.control import inspect_command
+
+from celery_lease import renewer
+from celery_lease.holder import parse_owner
+
+__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
+
+logger = logging.getLogger(__name__)
+
+CHILD_TIMEOUT = 0.5
+"""Seconds the main process waits in all for its pool children's snapshots (``inspect``'s own
+default timeout is 1 s)."""
+
+_MAX_REPLY = 16 * 1024 * 1024  # bytes: a child's snapshot larger than this is refused
+
+_dir: str | None = None
+"""The socket directory of this worker (made in the main process, inherited by children)."""
+_dir_pid: int | None = None
+"""The pid of the main process that made :data:`_dir` (only it removes the directory)."""
+_server: socket.socket | None = None
+
+
+def prepare_main() -> None:
+    """In the worker's main process, before the pool forks: make the private socket directory."""
+    global _dir, _dir_pid
+    if _dir is not None and _dir_pid == os.getpid():
+        return
+    try:
+        _dir = tempfile.mkdtemp(prefix=f"celery-lease-{os.getpid()}-")  # mode 0700
+    except OSError as exc:  # raising here would skip the rest of worker_init (Celery swallows it)
+        logger.warning(
+            "celery-lease: cannot make the socket directory of `inspect leases` (%s): pool"
+            " processes are listed as unanswered",
+            exc,
+        )
+        _dir = None
+        return
+    _dir_pid = os.getpid()
+
+
+def cleanup_main() -> None:
+    """At worker shutdown, in the main process: remove the socket directory."""
+    global _dir, _dir_pid
+    if _dir is not None and _dir_pid == os.getpid():
+        shutil.rmtree(_dir, ignore_errors=True)
+        _dir = _dir_pid = None
+
+
+def socket_path(pid: int) -> str | None:
+    """Where pool child ``pid`` serves its snapshot, or None outside a prepared worker."""
+    return None if _dir is None else os.path.join(_dir, f"{pid}.sock")
+
+
+def forget_child(pid: int) -> None:
+    """Remove the socket file of child ``pid`` (gone: a SIGKILLed child leaves its file)."""
+    path = socket_path(pid)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def local_rows() -> list[dict[str, Any]]:
+    """This process's leases (:func:`celery_lease.renewer.snapshot`) with pid and parsed owner."""
+    rows = []
+    pid = os.getpid()
+    for row in renewer.snapshot():
+        holder = parse_owner(str(row.get("owner", "")))
+        rows.append(
+            {
+                "key": row.get("key"),
+                "token": row.get("token"),
+                "task": holder.task,
+                "task_id": holder.task_id,
+                "label": holder.label,
+                "node": holder.node,
+                "pid": pid,
+                "held_seconds": row.get("held_seconds"),
+                "valid_for_seconds": row.get("valid_for_seconds"),
+                "renewals": row.get("renewals"),
+                "last_renewal_error": row.get("last_renewal_error"),
+                "owner": row.get("owner"),
+            }
+        )
+    return rows
+
+
+def serve_in_child() -> None:
+    """In a new pool child: serve :func:`local_rows` on this child's socket, from a daemon thread.
+
+    Does nothing outside a worker whose main process prepared the directory.
+    """
+    global _server
+    path = socket_path(os.getpid())
+    if path is None:
+        return
+    if _server is not None:  # inherited from a parent that served (a fork of a fork)
+        with contextlib.suppress(OSError):
+            _server.close()
+        _server = None
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a stale file of a dead process that had this pid
+        server.bind(path)
+        server.listen(8)
+    except OSError as exc:
+        server.close()
+        logger.warning("celery-lease: `inspect leases` cannot reach this process (%s)", exc)
+        return
+    _server = server
+    threading.Thread(
+        target=_serve, args=(server,), name="celery-lease inspect", daemon=True
+    ).start()
+
+
+def _serve(server: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return  # closed
+        try:
+            with conn:
+                conn.settimeout(CHILD_TIMEOUT)
+                conn.sendall(json.dumps(local_rows(), default=str).encode())
+        except Exception as exc:  # a reader that went away; never kill the thread
+            logger.debug("celery-lease: inspect reply failed: %s", exc)
+
+
+def child_snapshots(
+    pids: list[int], timeout: float = CHILD_TIMEOUT
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Ask pool children ``pids`` for their leases, all at once, waiting ``timeout`` s in all.
+
+    Returns ``(rows, unanswered)``: the rows of every child that answered, and
+    ``{"pid": pid, "error": why}`` for each child that did not.
+    """
+    rows: list[dict[str, Any]] = []
+    unanswered: list[dict[str, Any]] = []
+    deadline = time.monotonic() + timeout
+    pending: dict[socket.socket, tuple[int, bytearray]] = {}
+    with selectors.DefaultSelector() as selector:
+        for pid in pids:
+            path = socket_path(pid)
+            if path is None:
+                unanswered.append({"pid": pid, "error": "no socket directory in this worker"})
+                continue
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.connect(path)  # a unix socket connects at once or fails at once
+            except OSError as exc:
+                sock.close()
+                unanswered.append({"pid": pid, "error": f"cannot connect: {exc}"})
+                continue
+            pending[sock] = (pid, bytearray())
+            selector.register(sock, selectors.EVENT_READ)
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in selector.select(left):
+                sock = cast(socket.socket, key.fileobj)
+                pid, buffer = pending[sock]
+                try:
+                    chunk = sock.recv(65536)
+                except BlockingIOError:
+                    continue
+                except OSError as exc:
+                    error: str | None = f"read failed: {exc}"
+                else:
+                    if chunk and len(buffer) + len(chunk) <= _MAX_REPLY:
+                        buffer.extend(chunk)
+                        continue
+                    error = f"reply larger than {_MAX_REPLY} bytes" if chunk else None
+                selector.unregister(sock)
+                sock.close()
+                del pending[sock]
+                if error is None:
+                    try:
+                        rows.extend(json.loads(bytes(buffer)))
+                        continue
+                    except ValueError as exc:
+                        error = f"bad reply: {exc}"
+                unanswered.append({"pid": pid, "error": error})
+        for sock, (pid, _) in pending.items():
+            sock.close()
+            unanswered.append({"pid": pid, "error": f"no answer within {timeout:g} s"})
+    return rows, unanswered
+
+
+def _pool_children(pool: Any) -> list[int] | None:
+    """The pids of a prefork pool's children, or None for a pool that runs tasks in-process."""
+    inner = getattr(pool, "_pool", None)
+    processes = getattr(inner, "_pool", None)
+    if not isinstance(processes, list):
+        return None
+    return [p.pid for p in processes if getattr(p, "pid", None)]
+
+
+@inspect_command(default_timeout=1.0)  # type: ignore[untyped-decorator]  # celery is untyped
+def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
+    """List the leases held by this worker's processes now (key, token, task id, held for...)."""
+    pool = getattr(getattr(state, "consumer", None), "pool", None)
+    module = type(pool).__module__ if pool is not None else ""
+    rows = local_rows()
+    unanswered: list[dict[str, Any]] = []
+    children = _pool_children(pool)
+    if children:
+        child_rows, unanswered = child_snapshots(children)
+        rows.extend(child_rows)
+    rows.sort(key=lambda row: (str(row.get("key")), int(row.get("pid") or 0)))
+    return {
+        "leases": rows,
+        "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
+        "unanswered": unanswered,
+    }

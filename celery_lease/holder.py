@@ -1,0 +1,247 @@
+"""Who holds a lease: owner ids that say which node, task and task id took it, and when.
+
+An owner id is the string a store records as a key's holder. It starts with today's prefix,
+``host/pid/<16 hex digits>`` (unique per acquisition attempt of a process), followed by fields
+``;name=value`` (values percent-encoded for ``;``, ``=``, ``%`` and ``/``)::
+
+    host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;at=1733260000123
+
+========  ===============================================================
+field     meaning
+========  ===============================================================
+``n``     the Celery node name (``w1@host``) of the worker that took it
+``t``     the task name
+``i``     the task id
+``l``     a free label (``lease(..., holder="nightly import")``)
+``at``    when the id was made (the acquisition attempt), unix milliseconds
+========  ===============================================================
+
+:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners written by
+older versions (``host/pid/hex``) or by other programs parse with ``None`` for what they lack.
+
+Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease.worker`
+sets the node name of the process (:func:`set_node`) and, around every task execution, the
+task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
+the threads pool), so a ``lease()`` taken inside a task body names its task too.
+
+This module is part of the core: it imports the standard library only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import socket
+import time
+from contextvars import ContextVar, Token
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+__all__ = [
+    "MAX_FIELD_CHARS",
+    "Holder",
+    "make_owner",
+    "parse_owner",
+    "pop_task",
+    "push_task",
+    "set_node",
+]
+
+MAX_FIELD_CHARS = 1000
+"""Longest value (in characters, before encoding) :func:`make_owner` accepts for one field.
+
+Stores keep owners in a Redis string / a SQLite or PostgreSQL ``text`` column, which take any
+length; the bound only keeps a runaway label from making every renewal send kilobytes.
+"""
+
+_HOST = socket.gethostname()
+_SPECIAL = frozenset(";=%/")
+_ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
+
+
+class _Ids:
+    """``host/pid/`` plus 16 hex digits, never the same twice in a process (reset after fork).
+
+    The hex part is a random 64-bit start plus a count of the ids made, modulo 2**64: unique for
+    every acquisition attempt of the process and as unguessable across processes as a random id
+    each, without a system call per id.
+    """
+
+    __slots__ = ("base", "count", "prefix")
+
+    def __init__(self) -> None:
+        self.prefix = f"{_HOST.translate(_ENCODE)}/{os.getpid()}/"
+        self.base = secrets.randbits(64)
+        self.count = itertools.count(1)
+
+    def new(self) -> str:
+        return f"{self.prefix}{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+_ids = _Ids()
+
+
+def _after_fork_in_child() -> None:
+    global _ids
+    _ids = _Ids()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_node: str | None = None
+"""The Celery node name of this worker process (inherited by prefork children), or None."""
+
+_task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
+    "celery_lease_holder_task", default=None
+)
+
+
+def set_node(node: str | None) -> None:
+    """Make ``node`` (a Celery node name, ``w1@host``) the default node of this process's owners."""
+    global _node
+    _node = node
+
+
+def push_task(task: str | None, task_id: str | None) -> Token[tuple[str | None, str | None] | None]:
+    """Make ``(task, task_id)`` the default task of owners made in this context until popped."""
+    return _task.set((task, task_id))
+
+
+def pop_task(token: Token[tuple[str | None, str | None] | None]) -> None:
+    """Undo the :func:`push_task` that returned ``token``."""
+    _task.reset(token)
+
+
+def _field(name: str, value: str | None) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise TypeError(
+            f"make_owner: {name} must be a str or None, got {type(value).__name__} {value!r}"
+        )
+    if len(value) > MAX_FIELD_CHARS:
+        raise ValueError(
+            f"make_owner: {name} is {len(value)} characters long ({value[:40]!r}...); "
+            f"at most {MAX_FIELD_CHARS} are allowed"
+        )
+    if _SPECIAL.isdisjoint(value):
+        return value
+    return value.translate(_ENCODE)
+
+
+def make_owner(
+    *,
+    node: str | None = None,
+    task: str | None = None,
+    task_id: str | None = None,
+    label: str | None = None,
+) -> str:
+    """A fresh owner id: ``host/pid/<16 hex>`` then the given fields and the time it was made.
+
+    Args:
+        node: the Celery node name (``w1@host``), or None outside a worker.
+        task: the task name, or None.
+        task_id: the task id, or None.
+        label: a free text naming the holder (``lease(..., holder=...)``), or None.
+
+    ``node`` defaults to the process's node (:func:`set_node`); ``task`` and ``task_id``, when
+    both are left out, default to the task running in this context (:func:`push_task`).
+    Each value may hold any characters (``;``, ``=``, ``%`` and ``/`` are percent-encoded) and is
+    at most :data:`MAX_FIELD_CHARS` characters long. The ``at`` field (unix milliseconds) is
+    always added.
+
+    Returns:
+        The owner id, unique per call within the process (a store's idempotent re-acquire by
+        the same owner relies on it), e.g.
+        ``"host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;at=1733260000123"``.
+
+    Raises:
+        TypeError: a value is not a str.
+        ValueError: a value is longer than :data:`MAX_FIELD_CHARS`.
+    """
+    owner = _ids.new()
+    if node is None:
+        node = _node
+    if task is None and task_id is None:
+        current = _task.get()
+        if current is not None:
+            task, task_id = current
+    if node is not None:
+        owner += ";n=" + _field("node", node)
+    if task is not None:
+        owner += ";t=" + _field("task", task)
+    if task_id is not None:
+        owner += ";i=" + _field("task_id", task_id)
+    if label is not None:
+        owner += ";l=" + _field("label", label)
+    return f"{owner};at={time.time_ns() // 1_000_000}"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """An owner id read back by :func:`parse_owner`; ``None`` for each part it does not carry."""
+
+    raw: str
+    """The owner id exactly as the store recorded it (pass it to ``release``)."""
+    host: str | None
+    """The host name of the process that took the lease."""
+    pid: int | None
+    """The process id (on ``host``) of the process that took the lease."""
+    node: str | None
+    """The Celery node name (``w1@host``) of the worker, if taken in one."""
+    task: str | None
+    """The task name, if taken for a task."""
+    task_id: str | None
+    """The task id, if taken for a task."""
+    label: str | None
+    """The ``holder=`` label given to ``lease()``, if any."""
+    taken_at: float | None
+    """When the owner id was made (just before the acquisition), unix seconds."""
+
+
+_FIELDS = {"n": "node", "t": "task", "i": "task_id", "l": "label"}
+
+
+def _decode(value: str) -> str:
+    return unquote(value) if "%" in value else value
+
+
+def parse_owner(owner: str) -> Holder:
+    """Read an owner id made by :func:`make_owner` (or an older/foreign one) into a :class:`Holder`.
+
+    Never raises: whatever does not follow the format is left ``None`` (an owner without
+    ``/`` has no host or pid; an unknown field is ignored; a bad ``at`` is ``None``).
+    """
+    found: dict[str, str | None] = {"node": None, "task": None, "task_id": None, "label": None}
+    host: str | None = None
+    pid: int | None = None
+    taken_at: float | None = None
+    try:
+        head, *fields = owner.split(";")
+        bits = head.split("/")
+        if len(bits) == 3 and bits[0] and bits[1].isdigit():
+            host = _decode(bits[0])
+            pid = int(bits[1])
+        for item in fields:
+            name, sep, value = item.partition("=")
+            if not sep:
+                continue
+            if name == "at":
+                if value.isdigit():
+                    taken_at = int(value) / 1000.0
+            elif name in _FIELDS:
+                found[_FIELDS[name]] = _decode(value)
+    except Exception:  # documented: never raises, whatever the store returned
+        return Holder(str(owner), None, None, None, None, None, None, None)
+    return Holder(
+        raw=owner,
+        host=host,
+        pid=pid,
+        node=found["node"],
+        task=found["task"],
+        task_id=found["task_id"],
+        label=found["label"],
+        taken_at=taken_at,
+    )

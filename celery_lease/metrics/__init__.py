@@ -1,0 +1,312 @@
+"""Metrics of locked tasks: one line, ``celery_lease.metrics.install(app)``.
+
+``pip install 'celery-lease[prometheus]'`` (or ``[otel]``), then in the module that defines the
+app::
+
+    import celery_lease.metrics
+
+    celery_lease.metrics.install(app)                       # Prometheus on :9809/metrics
+    celery_lease.metrics.install(app, port=0)               # any free port (logged at start)
+    celery_lease.metrics.install(app, exporter="otel")      # the OpenTelemetry API instead
+
+or, without code, the settings ``app.conf.lease_metrics = "prometheus"`` (or ``"otel"``) and
+``app.conf.lease_metrics_port = 9809`` (checked with the other ``lease_*`` settings at worker
+start: a bad value or a misspelled name refuses the worker). A call of :func:`install` wins over
+the settings.
+
+Nothing happens at the call but checks (a bad argument or a missing client library is an error
+here, at import of the app). The worker does the rest while it is built, in its main process,
+before the pool forks (the :class:`MetricsStep` bootstep): it creates the metrics, connects the
+receivers of :mod:`celery_lease.signals` and, for Prometheus, serves them over HTTP from the
+main process. A process that is no worker (a producer, a test with eager tasks) gets no
+receivers, so the task hot path sends no signal there: with no receiver connected, the engine
+does not even build the signal's arguments.
+
+What is measured (names as Prometheus shows them; ``task`` is the task name):
+
+=========================================  =========  ============================================
+``celery_lease_acquired_total{task}``      counter    leases taken (``lock_acquired``)
+``celery_lease_rejected_total{task}``      counter    runs turned away: key held past ``wait``
+``celery_lease_lost_total{task,reason}``   counter    leases lost while the body ran (``reason``)
+``celery_lease_released_total{task}``      counter    leases released (or kept for ``cooldown``)
+``celery_lease_wait_seconds{task}``        histogram  time taken to acquire (acquired runs)
+``celery_lease_hold_seconds{task}``        histogram  time held, acquire to release
+``celery_lease_held{task}``                gauge      leases held now by running tasks
+``celery_lease_renewal_seconds{task}``     histogram  round trip of one renewal (see below)
+=========================================  =========  ============================================
+
+Renewal latency needs the renewer to report each renewal (``renewer.observe_renewals``); where
+this version of the renewer has no such hook, the histogram is exported empty.
+
+Prefork: see :mod:`celery_lease.metrics.prometheus` for how the children's values reach the
+main process (prometheus_client's multiprocess mode).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+import weakref
+from typing import Any, Protocol
+
+from celery import bootsteps
+
+from celery_lease import config, signals
+from celery_lease.config import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
+from celery_lease.errors import LeaseConfigError
+
+__all__ = [
+    "DEFAULT_PORT",
+    "EXPORTERS",
+    "MetricsStep",
+    "Sink",
+    "connect",
+    "disconnect",
+    "install",
+]
+
+logger = logging.getLogger(__name__)
+
+EXPORTERS = METRICS_EXPORTERS
+"""Allowed ``exporter`` values of :func:`install` (and of the ``lease_metrics`` setting)."""
+
+DEFAULT_PORT = BUILTIN_METRICS_PORT
+"""TCP port of the Prometheus endpoint by default (celery-exporter's 9808, plus one)."""
+
+_EXTRAS = {"prometheus": ("prometheus_client", "prometheus"), "otel": ("opentelemetry", "otel")}
+
+UNKNOWN_TASK = "unknown"
+"""``task`` label of a lease taken outside any task (a ``@locked`` function called directly)."""
+
+
+class Sink(Protocol):
+    """Where the receivers put what the signals say (one per exporter)."""
+
+    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None: ...
+    def rejected(self, task: str) -> None: ...
+    def lost(self, task: str, key: str, task_id: str | None, reason: str) -> None: ...
+    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None: ...
+    def renewal(self, task: str, seconds: float) -> None: ...
+
+
+_sink: Sink | None = None
+_tasks_by_key: dict[str, str] = {}
+"""Key -> task name of the leases held by running tasks in this process (for renewals)."""
+_lock = threading.Lock()
+
+
+def _name(sender: Any) -> str:
+    name = getattr(sender, "name", None)
+    return name if isinstance(name, str) and name else UNKNOWN_TASK
+
+
+def _on_acquired(
+    sender: Any = None, key: str = "", wait_seconds: float = 0.0, task_id: Any = None, **_: Any
+) -> None:
+    sink = _sink
+    if sink is not None:
+        task = _name(sender)
+        _tasks_by_key[key] = task
+        sink.acquired(task, key, task_id, float(wait_seconds or 0.0))
+
+
+def _on_rejected(sender: Any = None, **_: Any) -> None:
+    sink = _sink
+    if sink is not None:
+        sink.rejected(_name(sender))
+
+
+def _on_lost(
+    sender: Any = None, key: str = "", reason: str = "lost", task_id: Any = None, **_: Any
+) -> None:
+    sink = _sink
+    if sink is not None:
+        _tasks_by_key.pop(key, None)
+        sink.lost(_name(sender), key, task_id, str(reason))
+
+
+def _on_released(
+    sender: Any = None, key: str = "", held_seconds: float = 0.0, task_id: Any = None, **_: Any
+) -> None:
+    sink = _sink
+    if sink is not None:
+        _tasks_by_key.pop(key, None)
+        sink.released(_name(sender), key, task_id, float(held_seconds or 0.0))
+
+
+def _on_renewal(key: str, token: int | None, seconds: float, ok: bool | None) -> None:
+    """The renewer's observer (its thread; quick, never raises out)."""
+    sink = _sink
+    if sink is not None:
+        sink.renewal(_tasks_by_key.get(key, UNKNOWN_TASK), float(seconds))
+
+
+_RECEIVERS = (
+    (signals.lock_acquired, _on_acquired),
+    (signals.lock_rejected, _on_rejected),
+    (signals.lock_lost, _on_lost),
+    (signals.lock_released, _on_released),
+)
+
+
+def connect(sink: Sink) -> None:
+    """Send what the lock signals say to ``sink`` in this process (replaces any earlier one).
+
+    Connected before the pool forks, the receivers are inherited by the children.
+    """
+    global _sink
+    with _lock:
+        _sink = sink
+        for signal, receiver in _RECEIVERS:
+            signal.connect(receiver, weak=False, dispatch_uid=f"celery_lease.metrics.{signal.name}")
+        from celery_lease import renewer
+
+        observe = getattr(renewer, "observe_renewals", None)
+        if observe is not None and not getattr(connect, "_observing", False):
+            observe(_on_renewal)
+            connect._observing = True  # type: ignore[attr-defined]
+
+
+def disconnect() -> None:
+    """Stop measuring in this process: the receivers are disconnected (the hot path is quiet)."""
+    global _sink
+    with _lock:
+        _sink = None
+        _tasks_by_key.clear()
+        for signal, receiver in _RECEIVERS:
+            signal.disconnect(receiver, dispatch_uid=f"celery_lease.metrics.{signal.name}")
+
+
+class _Options:
+    __slots__ = ("addr", "exporter", "port")
+
+    def __init__(self, exporter: str, port: int, addr: str) -> None:
+        self.exporter, self.port, self.addr = exporter, port, addr
+
+
+_installed: weakref.WeakKeyDictionary[Any, _Options] = weakref.WeakKeyDictionary()
+
+
+def install(
+    app: Any, exporter: str = "prometheus", *, port: int = DEFAULT_PORT, addr: str = "0.0.0.0"
+) -> None:
+    """Export the lock metrics of ``app``'s workers.
+
+    Args:
+        app: the Celery app (its workers add the :class:`MetricsStep` bootstep).
+        exporter: ``"prometheus"`` (default: served over HTTP by the worker's main process) or
+            ``"otel"`` (instruments of the OpenTelemetry API, exported by the meter and tracer
+            providers you configure; ``port`` and ``addr`` are not used).
+        port: TCP port of ``/metrics`` (default :data:`DEFAULT_PORT`; 0: any free port, which
+            the worker logs). Two workers on one host need two ports.
+        addr: address to listen on (default all interfaces).
+
+    Raises:
+        LeaseConfigError: a bad argument, or the exporter's client library is not installed
+            (the message names the extra to install).
+    """
+    if exporter not in EXPORTERS:
+        raise LeaseConfigError(
+            f"exporter={exporter!r} is not allowed: use one of {', '.join(EXPORTERS)}"
+        )
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise LeaseConfigError(f"port={port!r} is not allowed: use an int from 0 to 65535")
+    if not isinstance(addr, str) or not addr:
+        raise LeaseConfigError(f"addr={addr!r} is not allowed: use a host address such as '::'")
+    _check_library(exporter, "exporter")
+    steps = getattr(app, "steps", None)
+    if steps is None:
+        raise LeaseConfigError(f"app={app!r} is not a Celery app (it has no .steps)")
+    _installed[app] = _Options(exporter, port, addr)
+    steps["worker"].add(MetricsStep)
+
+
+def _check_library(exporter: str, name: str) -> None:
+    module, extra = _EXTRAS[exporter]
+    if importlib.util.find_spec(module) is None:
+        raise LeaseConfigError(
+            f"{name}={exporter!r} needs the {module} package: pip install 'celery-lease[{extra}]'"
+        )
+
+
+def _options_of(app: Any) -> _Options | None:
+    """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings.
+
+    A bad ``lease_*`` setting is left to the worker's configuration check (which refuses the
+    worker with the message about it); a missing client library for ``lease_metrics`` is an
+    error here.
+    """
+    options = _installed.get(app)
+    if options is not None:
+        return options
+    try:
+        settings = config.get_settings(app)
+    except LeaseConfigError:
+        return None  # celery_lease.worker.LeaseCheck refuses the worker with this error
+    if settings.metrics is None:
+        return None
+    _check_library(settings.metrics, "lease_metrics")
+    return _Options(settings.metrics, settings.metrics_port, "0.0.0.0")
+
+
+def _in_main_process(pool_cls: Any) -> bool:
+    from celery_lease.worker import IN_PROCESS_POOLS
+
+    modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
+    return bool(modules.intersection(IN_PROCESS_POOLS))
+
+
+class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep added by :func:`install` (and by every worker's ``worker_init`` hook, for
+    the ``lease_metrics`` setting; without either it does nothing): metrics set up before the
+    pool forks.
+
+    ``__init__`` (while Celery builds the worker, before any step starts) prepares the
+    exporter (for Prometheus under a multi-process pool: the multiprocess directory, see
+    :mod:`celery_lease.metrics.prometheus`) and connects the receivers; ``start`` (after the
+    pool started) serves ``/metrics``; ``stop`` / ``terminate`` stop serving and disconnect.
+    """
+
+    label = "celery-lease metrics"
+    requires = ("celery.worker.components:Pool", "celery_lease.worker:LeaseCheck")
+    """After the pool (its class decides multiprocess mode) and the configuration check (which
+    refuses a bad ``lease_metrics`` setting first, with the message about it)."""
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.exporter: Any = None
+        options = _options_of(parent.app)
+        if options is None:
+            return
+        if options.exporter == "prometheus":
+            from celery_lease.metrics.prometheus import PrometheusExporter
+
+            self.exporter = PrometheusExporter(
+                options.port,
+                options.addr,
+                multiprocess=not _in_main_process(parent.pool_cls),
+                node=getattr(parent, "hostname", None),
+            )
+        else:
+            from celery_lease.metrics.otel import OtelSink
+
+            self.exporter = None
+            connect(OtelSink())
+            return
+        connect(self.exporter.sink)
+
+    def start(self, parent: Any) -> None:
+        """Serve ``/metrics`` (Prometheus), from the main process only."""
+        if self.exporter is not None:
+            self.exporter.start()
+
+    def stop(self, parent: Any) -> None:
+        """Stop serving; disconnect the receivers."""
+        if self.exporter is not None:
+            self.exporter.stop()
+        disconnect()
+
+    def terminate(self, parent: Any) -> None:
+        """As :meth:`stop`."""
+        self.stop(parent)

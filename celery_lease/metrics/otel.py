@@ -1,0 +1,98 @@
+"""OpenTelemetry instruments of locked tasks (``pip install 'celery-lease[otel]'``).
+
+The same measurements as :mod:`celery_lease.metrics.prometheus`, through the OpenTelemetry
+metrics API (meter ``celery_lease``; attribute ``celery.task.name``, and ``reason`` on losses),
+plus two spans per run: ``celery_lease.wait`` (the acquire, ended when the lease is held) and
+``celery_lease.hold`` (held until released or lost). Export is yours: configure the meter and
+tracer providers in each process that runs tasks (under prefork: in ``worker_process_init``, as
+the OpenTelemetry docs say for forking servers); until then the API's no-op providers make
+every call here cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+__all__ = ["OtelSink"]
+
+TASK = "celery.task.name"
+
+
+class OtelSink:
+    """Instruments from ``meter_provider`` / ``tracer_provider`` (default: the global ones)."""
+
+    def __init__(self, meter_provider: Any = None, tracer_provider: Any = None) -> None:
+        from opentelemetry import metrics, trace
+
+        meter = metrics.get_meter("celery_lease", meter_provider=meter_provider)
+        self.tracer = trace.get_tracer("celery_lease", tracer_provider=tracer_provider)
+        self.acquired_total = meter.create_counter(
+            "celery_lease.acquired", unit="{lease}", description="Leases acquired."
+        )
+        self.rejected_total = meter.create_counter(
+            "celery_lease.rejected", unit="{run}", description="Runs turned away (key held)."
+        )
+        self.lost_total = meter.create_counter(
+            "celery_lease.lost", unit="{lease}", description="Leases lost while the body ran."
+        )
+        self.released_total = meter.create_counter(
+            "celery_lease.released", unit="{lease}", description="Leases released."
+        )
+        self.wait_seconds = meter.create_histogram(
+            "celery_lease.wait", unit="s", description="Time taken to acquire."
+        )
+        self.hold_seconds = meter.create_histogram(
+            "celery_lease.hold", unit="s", description="Time a lease was held."
+        )
+        self.held = meter.create_up_down_counter(
+            "celery_lease.held", unit="{lease}", description="Leases held now."
+        )
+        self.renewal_seconds = meter.create_histogram(
+            "celery_lease.renewal", unit="s", description="Round trip of one renewal."
+        )
+        self._spans: dict[tuple[str, str | None], Any] = {}
+        self._lock = threading.Lock()
+
+    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None:
+        attributes = {TASK: task}
+        self.acquired_total.add(1, attributes)
+        self.wait_seconds.record(wait_seconds, attributes)
+        self.held.add(1, attributes)
+        now = time.time_ns()
+        attrs = {TASK: task, "celery_lease.key": key}
+        wait = self.tracer.start_span(
+            "celery_lease.wait",
+            start_time=now - int(wait_seconds * 1e9),
+            attributes=attrs,
+        )
+        wait.end(end_time=now)
+        hold = self.tracer.start_span("celery_lease.hold", start_time=now, attributes=attrs)
+        with self._lock:
+            self._spans[(key, task_id)] = hold
+
+    def _end(self, key: str, task_id: str | None, outcome: str) -> None:
+        with self._lock:
+            span = self._spans.pop((key, task_id), None)
+        if span is not None:
+            span.set_attribute("celery_lease.outcome", outcome)
+            span.end()
+
+    def rejected(self, task: str) -> None:
+        self.rejected_total.add(1, {TASK: task})
+
+    def lost(self, task: str, key: str, task_id: str | None, reason: str) -> None:
+        self.lost_total.add(1, {TASK: task, "reason": reason})
+        self.held.add(-1, {TASK: task})
+        self._end(key, task_id, f"lost:{reason}")
+
+    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None:
+        attributes = {TASK: task}
+        self.released_total.add(1, attributes)
+        self.hold_seconds.record(held_seconds, attributes)
+        self.held.add(-1, attributes)
+        self._end(key, task_id, "released")
+
+    def renewal(self, task: str, seconds: float) -> None:
+        self.renewal_seconds.record(seconds, {TASK: task})

@@ -1,0 +1,289 @@
+"""Prometheus metrics of locked tasks (``pip install 'celery-lease[prometheus]'``).
+
+**How a prefork worker is served.** Task bodies run in pool children; the HTTP endpoint is in
+the worker's main process, which never runs a task. The children's values reach it through
+prometheus_client's *multiprocess mode*: each process writes its metrics to memory-mapped files
+``<kind>_<pid>.db`` in ``PROMETHEUS_MULTIPROC_DIR``, and the main process's
+``MultiProcessCollector`` adds them up at each scrape. We chose it over an HTTP server in the
+main process that asks the children for their registries because it is prometheus_client's own
+way for forking servers (gunicorn does the same), needs no channel to the children, and keeps a
+dead or replaced child's counts (``--max-tasks-per-child``, a SIGKILLed child): counters and
+histograms never go back, as Prometheus requires.
+
+- ``PROMETHEUS_MULTIPROC_DIR`` set in the worker's environment: used as it is (empty it before
+  each start of the worker, one directory per worker). Then your own prometheus_client metrics
+  in task bodies are served at the same endpoint too.
+- Unset: the worker's main process creates a private directory before the pool forks, points
+  ``PROMETHEUS_MULTIPROC_DIR`` at it (the children inherit it) and removes it at shutdown.
+  That works only if nothing imported ``prometheus_client`` in the main process before (its
+  value class is chosen at import): otherwise the worker refuses to start and says so.
+- ``celery_lease_held`` is a ``livesum`` gauge: a child that exits cleanly removes its live
+  files (``worker_process_shutdown``); those of a child that was killed are removed at the next
+  scrape (its pid is gone).
+
+Under solo, threads, gevent and eventlet (tasks in the main process) the default registry is
+served as it is, with the process metrics prometheus_client adds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+from celery_lease.errors import LeaseConfigError
+
+__all__ = [
+    "HOLD_BUCKETS",
+    "RENEWAL_BUCKETS",
+    "WAIT_BUCKETS",
+    "PrometheusExporter",
+    "PrometheusSink",
+]
+
+logger = logging.getLogger(__name__)
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+"""Seconds: buckets of ``celery_lease_wait_seconds``."""
+
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0)
+"""Seconds: buckets of ``celery_lease_hold_seconds``."""
+
+RENEWAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+"""Seconds: buckets of ``celery_lease_renewal_seconds``."""
+
+
+class PrometheusSink:
+    """The metrics, created once per process on ``registry`` (``None``: not registered, as
+    multiprocess mode wants; the collector reads the files instead)."""
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        kw: dict[str, Any] = {"registry": registry}
+        self.acquired_total = Counter(
+            "celery_lease_acquired", "Leases acquired by locked tasks.", ["task"], **kw
+        )
+        self.rejected_total = Counter(
+            "celery_lease_rejected",
+            "Runs turned away: the key stayed held past wait.",
+            ["task"],
+            **kw,
+        )
+        self.lost_total = Counter(
+            "celery_lease_lost",
+            "Leases lost while the body ran, by reason (expired, taken, max_hold, released...).",
+            ["task", "reason"],
+            **kw,
+        )
+        self.released_total = Counter(
+            "celery_lease_released",
+            "Leases released (or kept for cooldown) after the body.",
+            ["task"],
+            **kw,
+        )
+        self.wait_seconds = Histogram(
+            "celery_lease_wait_seconds",
+            "Seconds from the start of acquiring to holding the lease.",
+            ["task"],
+            buckets=WAIT_BUCKETS,
+            **kw,
+        )
+        self.hold_seconds = Histogram(
+            "celery_lease_hold_seconds",
+            "Seconds a lease was held, acquire to release.",
+            ["task"],
+            buckets=HOLD_BUCKETS,
+            **kw,
+        )
+        self.held = Gauge(
+            "celery_lease_held",
+            "Leases held now by running tasks.",
+            ["task"],
+            multiprocess_mode="livesum",
+            **kw,
+        )
+        self.renewal_seconds = Histogram(
+            "celery_lease_renewal_seconds",
+            "Seconds of one renewal round trip to the store.",
+            ["task"],
+            buckets=RENEWAL_BUCKETS,
+            **kw,
+        )
+
+    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None:
+        self.acquired_total.labels(task).inc()
+        self.wait_seconds.labels(task).observe(wait_seconds)
+        self.held.labels(task).inc()
+
+    def rejected(self, task: str) -> None:
+        self.rejected_total.labels(task).inc()
+
+    def lost(self, task: str, key: str, task_id: str | None, reason: str) -> None:
+        self.lost_total.labels(task, reason).inc()
+        self.held.labels(task).dec()
+
+    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None:
+        self.released_total.labels(task).inc()
+        self.hold_seconds.labels(task).observe(held_seconds)
+        self.held.labels(task).dec()
+
+    def renewal(self, task: str, seconds: float) -> None:
+        self.renewal_seconds.labels(task).observe(seconds)
+
+
+_PID = re.compile(r"_(\d+)\.db$")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` may still write its metrics: it exists and is no zombie (a killed child
+    stays a zombie until the pool reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass  # no procfs: ask the kernel
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _MultiProcess:
+    """``MultiProcessCollector`` that first drops the live gauges of processes gone."""
+
+    def __init__(self, path: str) -> None:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        self.path = path
+        self.inner = MultiProcessCollector(None, path=path)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Iterable[Any]:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        for name in glob.glob(os.path.join(self.path, "gauge_live*_*.db")):
+            match = _PID.search(name)
+            if match is not None and not _alive(int(match.group(1))):
+                mark_process_dead(int(match.group(1)), self.path)  # type: ignore[no-untyped-call]
+        return self.inner.collect()  # type: ignore[no-untyped-call,no-any-return]
+
+
+_sinks: dict[bool, PrometheusSink] = {}
+
+
+def _mark_dead_on_exit(**_: Any) -> None:
+    path = os.environ.get(ENV)
+    if path:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        with contextlib.suppress(OSError):
+            mark_process_dead(os.getpid(), path)  # type: ignore[no-untyped-call]
+
+
+class PrometheusExporter:
+    """Set up in the worker's main process before the fork; serves ``/metrics`` from it.
+
+    Args:
+        port, addr: where to listen (port 0: any free port; the one taken is logged).
+        multiprocess: tasks run in pool children (prefork): use multiprocess mode.
+        node: the worker's name, for the log line.
+
+    Raises:
+        LeaseConfigError: multiprocess mode is needed but ``prometheus_client`` was imported
+            before ``PROMETHEUS_MULTIPROC_DIR`` was set.
+    """
+
+    def __init__(self, port: int, addr: str, *, multiprocess: bool, node: str | None) -> None:
+        self.port, self.addr, self.node = port, addr, node
+        self.multiprocess = multiprocess
+        self.created_dir: str | None = None
+        self.server: Any = None
+        self.thread: Any = None
+        if multiprocess:
+            self._prepare_dir()
+        import prometheus_client
+        from prometheus_client import values
+
+        if multiprocess and not getattr(values.ValueClass, "_multiprocess", False):
+            self._forget_dir()
+            raise LeaseConfigError(
+                "celery-lease metrics: this worker runs tasks in pool processes, whose metrics"
+                " reach /metrics only in prometheus_client's multiprocess mode, but"
+                " prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set. Set"
+                " PROMETHEUS_MULTIPROC_DIR=/an/empty/dir in the worker's environment, or do"
+                " not import prometheus_client before the worker starts"
+            )
+        sink = _sinks.get(multiprocess)
+        if sink is None:
+            sink = _sinks[multiprocess] = PrometheusSink(
+                None if multiprocess else prometheus_client.REGISTRY
+            )
+        self.sink = sink
+        if multiprocess:
+            from celery.signals import worker_process_shutdown
+
+            worker_process_shutdown.connect(
+                _mark_dead_on_exit, weak=False, dispatch_uid="celery_lease.metrics.dead"
+            )
+            self.registry: Any = prometheus_client.CollectorRegistry()
+            self.registry.register(_MultiProcess(os.environ[ENV]))
+        else:
+            self.registry = prometheus_client.REGISTRY
+
+    def _prepare_dir(self) -> None:
+        if os.environ.get(ENV):
+            os.makedirs(os.environ[ENV], exist_ok=True)
+            return
+        if "prometheus_client" in sys.modules:
+            return  # too late: refused in __init__
+        self.created_dir = tempfile.mkdtemp(prefix="celery-lease-metrics-")
+        os.environ[ENV] = self.created_dir
+
+    def _forget_dir(self) -> None:
+        if self.created_dir is not None:
+            shutil.rmtree(self.created_dir, ignore_errors=True)
+            if os.environ.get(ENV) == self.created_dir:
+                del os.environ[ENV]
+            self.created_dir = None
+
+    def start(self) -> None:
+        """Serve ``/metrics`` on a daemon thread of this (the main) process."""
+        from prometheus_client import start_http_server
+
+        self.server, self.thread = start_http_server(self.port, self.addr, registry=self.registry)
+        port = self.server.server_port
+        mode = f"multiprocess, {os.environ.get(ENV)}" if self.multiprocess else "one process"
+        logger.info(
+            "celery-lease: metrics of %s on http://%s:%d/metrics (%s)",
+            self.node or "this worker",
+            self.addr,
+            port,
+            mode,
+        )
+
+    @property
+    def bound_port(self) -> int | None:
+        """The port being served (the one chosen for port 0), or ``None`` before start."""
+        return None if self.server is None else int(self.server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving; remove the private multiprocess directory, if we made it."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+        self._forget_dir()

@@ -1,0 +1,307 @@
+"""The Redis store's fast path: one dedicated connection per process for acquire, renew, release.
+
+redis-py spends 60-90 us of Python on every command (pool checkout and return, argument
+encoding, retry wrapper, response callbacks) against about 25 us for the round trip itself on
+loopback. The three calls on a task's hot path therefore go, on a standalone server, over a
+connection of their own: the request bytes are packed here (the ``EVALSHA <sha> <numkeys>``
+head once per script), written with one ``sendall`` and the reply read with a small RESP2/RESP3
+parser that knows the only reply shapes the scripts return (bulk string, nil, integer, error)
+and skips RESP3 push frames (maintenance notifications), as redis-py's parsers do.
+
+Everything else stays on redis-py: the connection is *opened* by redis-py's own connection
+class with the pool's settings (so AUTH/ACL, ``SELECT db``, TLS, unix sockets, client name and
+socket timeouts are exactly the client's), and Sentinel, Cluster, ``min_replicas`` (WAIT),
+client-side caching and custom connection classes never take this path (see
+:func:`fast_path_for`); RESP2 and RESP3 clients both do.
+
+Safety of the wire:
+
+- **One request in flight, its reply read before anyone else sends.** A lock guards the
+  connection; a thread that finds it busy does not queue behind it but returns :data:`BUSY`
+  and the caller uses redis-py's pool instead (so threads never serialise on this socket).
+- **A connection that may hold an unread reply is never reused.** ``_pending`` is set before
+  the write and cleared only after the whole reply was parsed; any error, timeout or
+  asynchronous exception (``SoftTimeLimitExceeded`` raised into the body, Ctrl-C) between the
+  two leaves it set, and the next call closes that socket and opens a new one. A reply that
+  arrives late can therefore never be taken for the answer to a later request.
+- **A connection found dead before it answered costs no retry.** A reused connection the
+  server closed while it sat idle (``timeout``, ``CLIENT KILL``, a restart) fails with no byte
+  of a reply read; the request is then sent once more on a new connection, as redis-py's pool
+  reconnects such a connection at checkout, so the caller's one retry stays for a reply lost
+  later (every script sent this way may run twice).
+- **Errors are redis-py's own classes**: a socket timeout is ``redis.exceptions.TimeoutError``,
+  a dropped or refused connection ``ConnectionError``, an error reply the class redis-py's
+  parser picks (``NoScriptError`` for NOSCRIPT, ``ReadOnlyError``, ``ResponseError``...), so the
+  store's retry-once and error reporting treat both paths alike.
+- **fork()**: the connection remembers the pid that opened it; a child never writes to its
+  parent's socket (it drops the object without shutting the socket down and opens its own).
+- The release reply is read before ``release()`` returns: the key is free on the server before
+  the caller goes on to publish a task's result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import weakref
+from typing import Any, Final
+
+import redis
+import redis.connection
+from redis._parsers.base import BaseParser
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import InvalidResponse
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
+
+BUSY: Final = object()
+"""Returned by :meth:`FastConnection.call` when another thread is using the connection."""
+
+_STOCK_CLASSES = (
+    redis.connection.Connection,
+    redis.connection.SSLConnection,
+    redis.connection.UnixDomainSocketConnection,
+)
+_STOCK_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
+_CRLF: Final = b"\r\n"
+_RECV: Final = 65536
+
+
+def pack_head(sha: str, numkeys: int, nargs: int) -> bytes:
+    """``*<n>\\r\\n$7\\r\\nEVALSHA\\r\\n$40\\r\\n<sha>\\r\\n$<..>\\r\\n<numkeys>\\r\\n``: the
+    constant start of an EVALSHA request with ``numkeys`` keys and ``nargs`` arguments."""
+    count = str(numkeys).encode()
+    return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (
+        3 + numkeys + nargs,
+        sha.encode(),
+        len(count),
+        count,
+    )
+
+
+def pack_eval_head(source: str, numkeys: int, nargs: int) -> bytes:
+    """The start of an ``EVAL <source> <numkeys>`` request (the NOSCRIPT fallback)."""
+    body = source.encode()
+    count = str(numkeys).encode()
+    return b"*%d\r\n$4\r\nEVAL\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (
+        3 + numkeys + nargs,
+        len(body),
+        body,
+        len(count),
+        count,
+    )
+
+
+def fast_path_for(client: object) -> FastConnection | None:
+    """A :class:`FastConnection` for ``client`` when it is a plain standalone client, else None.
+
+    Only for a ``redis.Redis`` whose pool is a stock ``ConnectionPool`` or
+    ``BlockingConnectionPool`` (not Sentinel's) with a stock connection class (TCP, TLS or unix
+    socket) and no client-side cache. RESP2 and RESP3 (redis-py 8's default) both work: the
+    scripts' replies differ only in how nil and booleans are written. A subclassed connection
+    class may change what goes over the wire, so it keeps redis-py's path for every call.
+    """
+    if type(client) is not redis.Redis:
+        return None
+    pool = client.connection_pool
+    if type(pool) not in _STOCK_POOLS or pool.connection_class not in _STOCK_CLASSES:
+        return None
+    if getattr(pool, "cache", None) is not None:  # client-side caching: push messages
+        return None
+    return FastConnection(pool)
+
+
+class FastConnection:
+    """One connection per process, opened by redis-py's connection class, driven directly.
+
+    Args:
+        pool: the client's pool; only its ``connection_class`` and ``connection_kwargs`` are
+            used (the connection is not taken from the pool and does not count against its
+            ``max_connections``).
+    """
+
+    def __init__(self, pool: redis.ConnectionPool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._conn: Any = None
+        self._sock: socket.socket | None = None
+        self._pid = 0
+        self._pending = False
+        self._buf = bytearray()
+        _ALL.add(self)
+
+    def call(self, request: bytes) -> Any:
+        """Send ``request`` (one packed command) and return its parsed reply, or :data:`BUSY`.
+
+        Raises:
+            redis.exceptions.ConnectionError / TimeoutError: the connection failed or the
+                socket timed out (the connection is dropped; the caller may retry once).
+            redis.exceptions.ResponseError: (or a subclass) the server answered with an error.
+        """
+        if not self._lock.acquire(blocking=False):
+            return BUSY
+        try:
+            sock = self._sock
+            fresh = sock is None or self._pending or self._pid != os.getpid()
+            if sock is None or fresh:
+                sock = self._reconnect()
+            try:
+                reply = self._exchange(sock, request)
+            except RedisConnectionError:
+                if fresh or self._buf:
+                    raise
+                # The reused connection was dead before a byte of the reply came (closed by
+                # the server as idle, CLIENT KILL, a restart). redis-py's pool finds that out
+                # at checkout and reconnects without a retry; so does this, or the caller's
+                # one retry would be spent on it. Sending again is safe: every script the
+                # store runs this way may run twice.
+                reply = self._exchange(self._reconnect(), request)
+        finally:
+            self._lock.release()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    def close(self) -> None:
+        """Close the connection (only this process's own; a parent's socket is left alone)."""
+        with self._lock:
+            self._drop()
+
+    # Internals ---------------------------------------------------------------------------------
+
+    def _exchange(self, sock: socket.socket, request: bytes) -> Any:
+        """Write ``request`` and read its reply; ``_pending`` is set until the reply is read."""
+        self._pending = True
+        try:
+            sock.sendall(request)
+        except TimeoutError:
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while writing to socket: {exc}") from exc
+        reply = self._read(sock)
+        self._pending = False
+        return reply
+
+    def _reconnect(self) -> socket.socket:
+        self._drop()
+        conn = self._pool.connection_class(**self._pool.connection_kwargs)
+        conn.connect()  # AUTH, HELLO/SELECT, CLIENT SETNAME/SETINFO: redis-py's handshake
+        sock: socket.socket | None = conn._sock
+        if sock is None:  # pragma: no cover - connect() either sets it or raises
+            raise RedisConnectionError("the connection has no socket after connect()")
+        self._conn, self._sock, self._pid = conn, sock, os.getpid()
+        self._pending = False
+        self._buf.clear()
+        return sock
+
+    def _drop(self) -> None:
+        conn, self._conn, self._sock = self._conn, None, None
+        self._buf.clear()
+        self._pending = False
+        if conn is None:
+            return
+        if self._pid == os.getpid():
+            # Closing a broken socket may fail; it is dropped either way.
+            with contextlib.suppress(Exception):
+                conn.disconnect()
+        # In a forked child the parent's socket object is just dropped: no shutdown() on it.
+
+    def _fill(self, sock: socket.socket) -> None:
+        try:
+            chunk = sock.recv(_RECV)
+        except TimeoutError:
+            raise RedisTimeoutError("Timeout reading from socket") from None
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
+        if not chunk:
+            raise RedisConnectionError("Connection closed by server.")
+        self._buf += chunk
+
+    def _read(self, sock: socket.socket) -> Any:
+        """One reply: bytes, None, an int, or the exception an error reply stands for."""
+        buf = self._buf
+        while True:
+            end = buf.find(_CRLF)
+            while end < 0:
+                self._fill(sock)
+                end = buf.find(_CRLF)
+            if buf[0] != 0x3E:  # not '>'
+                break
+            # A RESP3 push frame (a server in maintenance pushes MIGRATING / MOVING to clients
+            # that asked for it, which redis-py's handshake does) comes before or between
+            # replies and is no reply: skip it, as redis-py's parsers do.
+            self._skip(sock)
+        kind = buf[0]
+        if kind == 0x24:  # '$' bulk string
+            try:
+                size = int(buf[1:end])
+            except ValueError:
+                raise InvalidResponse(
+                    f"Protocol error, bad bulk length {bytes(buf[:end])!r}"
+                ) from None
+            if size < 0:
+                del buf[: end + 2]
+                return None
+            stop = end + 2 + size
+            while len(buf) < stop + 2:
+                self._fill(sock)
+            data = bytes(buf[end + 2 : stop])
+            del buf[: stop + 2]
+            return data
+        line = bytes(buf[1:end])
+        del buf[: end + 2]
+        if kind == 0x3A:  # ':' integer
+            return int(line)
+        if kind == 0x5F:  # '_' RESP3 null (a script's false or nil)
+            return None
+        if kind == 0x23:  # '#' RESP3 boolean
+            return 1 if line == b"t" else 0
+        if kind == 0x2D:  # '-' error
+            # redis-py's own mapping: NOSCRIPT -> NoScriptError, READONLY -> ReadOnlyError...
+            return BaseParser.parse_error(line.decode(errors="replace"))  # type: ignore[no-untyped-call]
+        if kind == 0x2B:  # '+' simple string
+            return line
+        # Nothing the scripts return looks like this: the stream cannot be trusted any more.
+        raise InvalidResponse(f"Protocol error, got {chr(kind)!r} as reply type byte")
+
+    def _skip(self, sock: socket.socket) -> None:
+        """Read one RESP2/RESP3 element of any type (a push frame and its parts) and drop it."""
+        buf = self._buf
+        end = buf.find(_CRLF)
+        while end < 0:
+            self._fill(sock)
+            end = buf.find(_CRLF)
+        kind = buf[0]
+        head = bytes(buf[1:end])
+        del buf[: end + 2]
+        if kind not in b"$=!*>~%|":  # a one-line element: '+', '-', ':', '_', '#', ',', '('
+            return
+        try:
+            size = int(head)
+        except ValueError:
+            raise InvalidResponse(f"Protocol error, bad length {head!r} in a push") from None
+        if kind in b"$=!":  # blob string, verbatim string, blob error
+            if size >= 0:
+                while len(buf) < size + 2:
+                    self._fill(sock)
+                del buf[: size + 2]
+            return
+        for _ in range(size * 2 if kind in b"%|" else size):  # maps and attributes: pairs
+            self._skip(sock)
+
+
+_ALL: weakref.WeakSet[FastConnection] = weakref.WeakSet()
+
+
+def _reset_after_fork() -> None:
+    """In a forked child: a fresh lock for every fast connection (a child forked while another
+    thread held one would find it held forever); the parent's socket is dropped at the next
+    call, since its pid differs."""
+    for fast in list(_ALL):
+        fast._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)

@@ -1,0 +1,602 @@
+"""PostgreSQL store for asyncio: :class:`AsyncPostgresLockStore`, the psycopg ``AsyncConnection``
+twin of :class:`~celery_lease.stores.postgres.PostgresLockStore`.
+
+It runs the SAME statements on the SAME table as the synchronous store (rendered by
+:func:`celery_lease.stores.postgres.statements`, the one source of the store's SQL), so sync and
+async holders of a key exclude each other and its fencing tokens only grow. :attr:`sync` is a
+:class:`~celery_lease.stores.postgres.PostgresLockStore` built from the same DSN and options: the
+renewer thread renews through it, off the event loop.
+
+Timeouts: getting a connection waits at most ``connect_timeout`` and every statement at most
+``statement_timeout`` (both 5 s by default) on the client's side, so a hung server (paused,
+partitioned) is a ``StoreUnavailableError`` after that, not a hang. psycopg then cancels the
+statement on the server (and closes the connection if the cancellation is not answered within
+5 s). An acquire that timed out or whose caller was cancelled may still have taken effect: the
+store releases that attempt's lease (owner checked; the owner id is unique per attempt) before
+raising, so nothing is left held that its caller never learned of.
+
+Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
+restart, or a reply lost after the commit) is retried once on another connection (every
+operation here is safe to redo: the same owner's acquire gets its own lease back, renew and
+release are owner checked); then, like any other failure, it raises ``StoreUnavailableError``
+naming the store (host, port, database, table; never the password), the operation, the key and
+the server's message with its SQLSTATE.
+
+Waiting: :meth:`AsyncPostgresLockStore.wait_for_release` is served by one listener task per
+store holding one extra connection that ``LISTEN``\\ s on the table's channel; any number of
+coroutines wait at the cost of that one connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import psycopg
+from psycopg import sql
+from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
+
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LockStore
+from celery_lease.stores.postgres import (
+    DEFAULT_TABLE,
+    PostgresLockStore,
+    _describe,
+    _mask,
+)
+
+__all__ = ["AsyncPostgresLockStore"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_AsyncConn = psycopg.AsyncConnection[Any]
+_UNDO_TIMEOUT = 5.0  # seconds a release undoing an interrupted acquire may take at most
+
+
+async def _within(coro: Awaitable[_T], seconds: float) -> _T:
+    """``await coro`` for at most ``seconds`` (then ``TimeoutError``), never losing a cancel.
+
+    ``asyncio.wait_for`` before Python 3.12 returns the result when it lands in the same loop
+    iteration as a cancel of its caller, and the cancel is lost: an acquire whose reply raced
+    the caller's cancel would hand back a lease to a caller that gave up.
+    """
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await coro
+    task = asyncio.ensure_future(coro)  # pragma: no cover - Python 3.10
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except asyncio.CancelledError:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise
+    if not done:
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise asyncio.TimeoutError()
+    return task.result()
+
+
+async def _shielded(future: asyncio.Future[bool]) -> bool:
+    """Await ``future`` without cancelling it when the awaiting coroutine is cancelled."""
+    return await asyncio.shield(future)
+
+
+class _ConnectFailures:
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+
+def _recording_connection_class(failures: _ConnectFailures) -> type[_AsyncConn]:
+    """An AsyncConnection class that records why the pool's background connects failed."""
+
+    class _StoreConnection(psycopg.AsyncConnection[Any]):
+        @classmethod
+        async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
+            try:
+                conn = await super().connect(conninfo, **kwargs)
+            except psycopg.Error as exc:
+                failures.last = _describe(exc)
+                raise
+            failures.last = None
+            return conn
+
+    return _StoreConnection
+
+
+class _Listener:
+    """One task holding a ``LISTEN`` connection; wakes the futures of each released key.
+
+    After a reconnect every waiter is woken (a release may have been notified while nobody
+    listened): spurious wake-ups are allowed by the protocol, lost ones would cost a poll.
+    """
+
+    def __init__(self, connect: Callable[[], Awaitable[_AsyncConn]], channel: str) -> None:
+        self._connect = connect
+        self._channel = channel
+        self._waiters: dict[str, set[asyncio.Future[bool]]] = {}
+        self.ready = asyncio.Event()
+        self.blocked = 0  # coroutines awaiting a release with the listener ready
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def add(self, key: str, future: asyncio.Future[bool]) -> None:
+        self._waiters.setdefault(key, set()).add(future)
+
+    def remove(self, key: str, future: asyncio.Future[bool]) -> None:
+        waiting = self._waiters.get(key)
+        if waiting is not None:
+            waiting.discard(future)
+            if not waiting:
+                del self._waiters[key]
+
+    def _wake(self, key: str) -> None:
+        for future in self._waiters.pop(key, ()):
+            if not future.done():
+                future.set_result(True)
+
+    def _wake_all(self) -> None:
+        for key in list(self._waiters):
+            self._wake(key)
+
+    async def _run(self) -> None:
+        backoff, connected_before = 0.05, False
+        listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
+        while True:
+            try:
+                conn = await self._connect()
+            except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
+                logger.warning("celery-lease: async listener failed to connect (%s)", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            try:
+                await conn.execute(listen)
+                if connected_before:
+                    self._wake_all()
+                connected_before, backoff = True, 0.05
+                self.ready.set()
+                async for notify in conn.notifies():
+                    self._wake(notify.payload)
+            except psycopg.Error as exc:
+                logger.warning("celery-lease: async listener connection lost (%s)", exc)
+            finally:
+                self.ready.clear()
+                with contextlib.suppress(psycopg.Error, OSError):
+                    await conn.close()
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await self._task
+        self._wake_all()
+
+
+class AsyncPostgresLockStore:
+    """An :class:`~celery_lease.stores.base.AsyncLockStore` in a PostgreSQL table.
+
+    The same table, statements and semantics as
+    :class:`~celery_lease.stores.postgres.PostgresLockStore` (see there and
+    :mod:`celery_lease.stores.postgres_async`), on a ``psycopg_pool.AsyncConnectionPool`` of
+    autocommit connections (1 to ``max_connections``) opened on first use in the running event
+    loop. Use it from one event loop and ``await store.aclose()`` at the end.
+
+    Args:
+        dsn: a libpq connection string or URL (``postgresql://`` / ``postgres://``, with
+            ``?create_table=`` as the sync store takes it).
+        table: the table name, optionally ``schema.table`` (default ``"celery_lease"``).
+        connect_timeout: seconds to wait for a connection before raising
+            ``StoreUnavailableError`` (default 5.0).
+        statement_timeout: seconds one statement may take, measured by the client, before it
+            is cancelled and ``StoreUnavailableError`` raised (default 5.0).
+        max_connections: the size limit of the pool (default 8), and of the sync twin's.
+        create_table: whether a missing table may be created (default: the URL's
+            ``?create_table=``, else True).
+        sync: the synchronous twin on the same database and table. Default: a
+            :class:`PostgresLockStore` built from the same DSN and options (closed by
+            :meth:`aclose`); a twin passed in is the caller's to close.
+
+    Raises:
+        LeaseConfigError: for a bad DSN, table, timeout, ``max_connections``, ``create_table``
+            or twin (as the sync store reports them).
+    """
+
+    def __init__(
+        self,
+        dsn: str,
+        *,
+        table: str = DEFAULT_TABLE,
+        connect_timeout: float = 5.0,
+        statement_timeout: float = 5.0,
+        max_connections: int = 8,
+        create_table: bool | None = None,
+        sync: PostgresLockStore | None = None,
+    ) -> None:
+        if not isinstance(dsn, str):
+            raise LeaseConfigError(
+                f"dsn={type(dsn).__name__} must be a libpq connection string or URL"
+            )
+        if (
+            isinstance(statement_timeout, bool)
+            or not isinstance(statement_timeout, (int, float))
+            or not statement_timeout > 0
+        ):
+            raise LeaseConfigError(
+                f"statement_timeout={statement_timeout!r} must be a number of seconds > 0"
+            )
+        if sync is not None and not isinstance(sync, PostgresLockStore):
+            raise LeaseConfigError(f"sync={sync!r} must be a PostgresLockStore (or None)")
+        # Validates every option exactly as the sync store does, and renders the shared SQL.
+        spec = PostgresLockStore(
+            dsn,
+            table=table,
+            connect_timeout=connect_timeout,
+            max_connections=max_connections,
+            create_table=create_table,
+        )
+        if sync is not None and sync.table != spec.table:
+            raise LeaseConfigError(
+                f"table={table!r} differs from the table of sync ({sync.table!r}): the two "
+                "would not exclude each other"
+            )
+        self._owns_sync = sync is None
+        self._sync = spec if sync is None else sync
+        assert spec._dsn is not None
+        self._dsn = spec._dsn
+        self._table = spec.table
+        self._channel = spec.channel
+        self._create_table = spec.create_table
+        self._sql = spec._sql
+        self._secrets = spec._secrets
+        self._where = spec._where
+        self._connect_kwargs = spec._connect_kwargs()
+        self._connect_timeout = float(connect_timeout)
+        self._statement_timeout = float(statement_timeout)
+        self._max_connections = max_connections
+        self._connect_failures = _ConnectFailures()
+        self._connection_class = _recording_connection_class(self._connect_failures)
+        self._pool: AsyncConnectionPool[Any] | None = None
+        self._listener: _Listener | None = None
+        self._closed = False
+        # The loop of the first call: the pool's and the listener's tasks, locks and events
+        # belong to it; another loop's call would fail obscurely or never be woken.
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncPostgresLockStore:
+        """``AsyncPostgresLockStore(url, **options)`` (what ``async_store_from_url`` calls)."""
+        return cls(url, **options)
+
+    # Properties -----------------------------------------------------------------------------
+
+    @property
+    def sync(self) -> LockStore:
+        """The synchronous :class:`PostgresLockStore` on the same table."""
+        return self._sync
+
+    @property
+    def table(self) -> str:
+        """The table name, as given."""
+        return self._table
+
+    @property
+    def channel(self) -> str:
+        """The ``NOTIFY`` channel released keys are announced on (the sync store's)."""
+        return self._channel
+
+    @property
+    def statement_timeout(self) -> float:
+        """Seconds one statement may take before it is cancelled."""
+        return self._statement_timeout
+
+    def waiting(self) -> int:
+        """Coroutines now awaiting a release with a ready listener (used by tests)."""
+        listener = self._listener
+        return 0 if listener is None else listener.blocked
+
+    # Connections ----------------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        """Bind the store to the running loop on its first call; refuse a call from another.
+
+        Raises:
+            RuntimeError: when the store was first used in another event loop (one that may
+                be closed by now).
+        """
+        loop = asyncio.get_running_loop()
+        bound = self._loop
+        if bound is None:
+            self._loop = weakref.ref(loop)
+        elif bound() is not loop:
+            raise RuntimeError(
+                f"{self!r} was first used in another event loop: its connection pool and "
+                "listener belong to that loop. Build one store per event loop (at its start-up) "
+                "and 'await store.aclose()' in it at shutdown"
+            )
+
+    async def _get_pool(self) -> AsyncConnectionPool[Any]:
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed")
+        self._check_loop()
+        pool = self._pool
+        if pool is None:
+            pool = AsyncConnectionPool(
+                self._dsn,
+                connection_class=self._connection_class,
+                kwargs=self._connect_kwargs,
+                min_size=1,
+                max_size=self._max_connections,
+                open=False,
+                timeout=self._connect_timeout,
+                reconnect_timeout=self._connect_timeout,
+                name="celery-lease-async",
+            )
+            self._pool = pool
+            await pool.open(wait=False)
+        return pool
+
+    async def _listener_connect(self) -> _AsyncConn:
+        return await _within(
+            psycopg.AsyncConnection.connect(self._dsn, **self._connect_kwargs),
+            self._connect_timeout,
+        )
+
+    def _get_listener(self) -> _Listener:
+        if self._closed:
+            raise StoreUnavailableError(f"{self!r} is closed")
+        self._check_loop()
+        if self._listener is None:
+            self._listener = _Listener(self._listener_connect, self._channel)
+        return self._listener
+
+    # Running statements ---------------------------------------------------------------------
+
+    async def _run(
+        self, what: str, key: str | None, fn: Callable[[_AsyncConn], Awaitable[_T]]
+    ) -> _T:
+        """Await ``fn`` (one statement) on a pooled connection, within the statement timeout.
+
+        A dropped connection (``OperationalError`` once a connection was had) is retried once
+        on another connection; a second failure, a timeout or any other error raises
+        ``StoreUnavailableError``.
+        """
+        pool = await self._get_pool()
+        for attempt in (1, 2):
+            got_connection = False
+            try:
+                async with pool.connection(timeout=self._connect_timeout) as conn:
+                    got_connection = True
+                    return await self._execute(what, key, conn, fn)
+            except PoolTimeout as exc:
+                raise self._error(what, key, self._no_connection(exc)) from exc
+            except PoolClosed as exc:
+                raise self._error(what, key, _describe(exc)) from exc
+            except asyncio.TimeoutError as exc:
+                raise self._error(
+                    what,
+                    key,
+                    f"no reply within {self._statement_timeout:g} s (statement_timeout); the "
+                    "statement was cancelled",
+                ) from exc
+            except psycopg.OperationalError as exc:
+                if attempt == 1 and got_connection:
+                    logger.info("celery-lease: retrying %s after %s", what, _describe(exc))
+                    with contextlib.suppress(Exception):
+                        await pool.check()
+                    continue
+                raise self._error(what, key, _describe(exc)) from exc
+            except psycopg.errors.InsufficientPrivilege as exc:
+                raise self._error(
+                    what,
+                    key,
+                    f"{_describe(exc)}; the store's role needs USAGE on the table's schema and "
+                    f"SELECT, INSERT, UPDATE on table {self._table!r}",
+                ) from exc
+            except psycopg.Error as exc:
+                raise self._error(what, key, _describe(exc)) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _execute(
+        self,
+        what: str,
+        key: str | None,
+        conn: _AsyncConn,
+        fn: Callable[[_AsyncConn], Awaitable[_T]],
+    ) -> _T:
+        """``fn(conn)`` within the statement timeout; a missing table is created (if allowed)
+        and ``fn`` run again."""
+        timeout = self._statement_timeout
+        try:
+            return await _within(fn(conn), timeout)
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+            await self._make_table(what, key, conn, exc)
+            return await _within(fn(conn), timeout)
+
+    async def _make_table(
+        self, what: str, key: str | None, conn: _AsyncConn, missing: psycopg.Error
+    ) -> None:
+        ddl = f"create it with PostgresLockStore.schema_sql({self._table!r})"
+        if isinstance(missing, psycopg.errors.InvalidSchemaName):
+            raise self._error(
+                what,
+                key,
+                f"the schema of table {self._table!r} does not exist: {_describe(missing)}; "
+                f"create the schema, then {ddl}",
+            ) from missing
+        if not self._create_table:
+            raise self._error(
+                what,
+                key,
+                f"table {self._table!r} does not exist and create_table=False: {ddl} "
+                f"({_describe(missing)})",
+            ) from missing
+        try:
+            await _within(conn.execute(self._sql["schema"]), self._statement_timeout)
+        except (
+            psycopg.errors.UniqueViolation,
+            psycopg.errors.DuplicateTable,
+            psycopg.errors.DuplicateObject,
+        ):
+            pass  # another session created it concurrently
+        except psycopg.errors.InsufficientPrivilege as exc:
+            raise self._error(
+                what,
+                key,
+                f"table {self._table!r} does not exist and this role may not create it: "
+                f"{_describe(exc)}; {ddl} as its owner, or grant CREATE on the schema",
+            ) from exc
+        else:
+            logger.info("celery-lease: created table %r", self._table)
+
+    def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
+        operation = what if key is None else f"{what} {key!r}"
+        return StoreUnavailableError(
+            _mask(f"{self!r} failed to {operation}: {detail}", self._secrets)
+        )
+
+    def _no_connection(self, exc: PoolTimeout) -> str:
+        detail = f"no connection within {self._connect_timeout:g} s"
+        last = self._connect_failures.last
+        if last is not None:
+            return f"{detail}; the last attempt to connect failed: {last}"
+        return f"{detail} ({exc})"
+
+    # The protocol ---------------------------------------------------------------------------
+
+    async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        """As :meth:`PostgresLockStore.acquire`; an acquire that timed out or was cancelled
+        releases what it may have taken before raising."""
+        params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
+
+        async def run(conn: _AsyncConn) -> int | None:
+            cursor = await conn.execute(self._sql["acquire"], params)
+            row = await cursor.fetchone()
+            return None if row is None else int(row[0])
+
+        try:
+            return await self._run("acquire", key, run)
+        except asyncio.CancelledError:
+            await self._undo_acquire(key, owner, "cancelled")
+            raise
+        except StoreUnavailableError as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError):
+                await self._undo_acquire(key, owner, "timed out")
+            raise
+
+    async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
+        """Release ``owner``'s lease (unique per attempt: never anyone else's), shielded from
+        cancellation and bounded in time; a failure is logged (it expires within its ttl)."""
+        task = asyncio.ensure_future(_within(self.release(key, owner), _UNDO_TIMEOUT))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: acquire of %r %s and releasing what it may have taken failed "
+                "(%s); it expires within its ttl",
+                key,
+                why,
+                exc,
+            )
+
+    async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """As :meth:`PostgresLockStore.renew`."""
+        params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
+
+        async def run(conn: _AsyncConn) -> bool:
+            cursor = await conn.execute(self._sql["renew"], params)
+            return cursor.rowcount == 1
+
+        return await self._run("renew", key, run)
+
+    async def release(self, key: str, owner: str) -> None:
+        """As :meth:`PostgresLockStore.release` (owner checked; notifies waiters)."""
+        params = {"key": key, "owner": owner, "channel": self._channel}
+
+        async def run(conn: _AsyncConn) -> None:
+            await conn.execute(self._sql["release"], params)
+
+        if self._closed:  # a holder's exit after aclose() (a shutdown): never left to the ttl
+            await self._run_alone("release", key, run)
+            return
+        await self._run("release", key, run)
+
+    async def _run_alone(
+        self, what: str, key: str, fn: Callable[[_AsyncConn], Awaitable[None]]
+    ) -> None:
+        """``fn`` on a connection of its own, closed right after: for a release that comes
+        after :meth:`aclose` (the pool is gone, the key must still be freed)."""
+        try:
+            conn = await self._listener_connect()
+        except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
+            raise self._error(what, key, f"(store closed) {_describe(exc)}") from exc
+        try:
+            await self._execute(what, key, conn, fn)
+        except asyncio.TimeoutError as exc:
+            raise self._error(
+                what, key, f"no reply within {self._statement_timeout:g} s (statement_timeout)"
+            ) from exc
+        except psycopg.Error as exc:
+            raise self._error(what, key, _describe(exc)) from exc
+        finally:
+            with contextlib.suppress(psycopg.Error, OSError):
+                await conn.close()
+
+    async def wait_for_release(self, key: str, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a release of ``key`` notified by any process.
+
+        The first call starts the store's listener (one connection) and waits, within
+        ``timeout``, for it to ``LISTEN``; a release before that is not seen (the caller's
+        retry covers it). Cancelling the awaiting task stops the wait.
+        """
+        listener = self._get_listener()
+        if timeout <= 0:
+            return False
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        listener.add(key, future)
+        deadline = time.monotonic() + timeout
+        try:
+            try:
+                await _within(listener.ready.wait(), timeout)
+            except asyncio.TimeoutError:
+                return future.done()
+            listener.blocked += 1
+            try:
+                left = max(0.0, deadline - time.monotonic())
+                return await _within(_shielded(future), left)
+            except asyncio.TimeoutError:
+                return future.done()
+            finally:
+                listener.blocked -= 1
+        finally:
+            listener.remove(key, future)
+
+    async def aclose(self) -> None:
+        """Stop the listener, close the pool, and close the sync twin when this store built it."""
+        if self._closed:
+            return
+        self._closed = True
+        listener, self._listener = self._listener, None
+        pool, self._pool = self._pool, None
+        if listener is not None:
+            await listener.stop()
+        if pool is not None:
+            await pool.close()
+        if self._owns_sync:
+            # Its listener thread may take a moment to stop: off the event loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._sync.close)
+
+    def __repr__(self) -> str:
+        return f"AsyncPostgresLockStore({self._where}, table={self._table!r})"

@@ -1,0 +1,601 @@
+"""Redis store for asyncio: :class:`AsyncRedisLockStore`, the ``redis.asyncio`` twin of
+:class:`~celery_lease.stores.redis.RedisLockStore`.
+
+It runs the SAME Lua scripts on the SAME keys as the synchronous store (both imported from
+:mod:`celery_lease.stores.redis`, never copied), so an ``async with lease(...)`` in a web
+process and a ``with lease(...)`` or a locked Celery task elsewhere exclude each other on one
+key, and the fencing tokens of a key only grow whichever side took it. :attr:`sync` is a
+:class:`~celery_lease.stores.redis.RedisLockStore` on the same server and prefix, built from the
+same URL and options: the renewer thread renews through it, off the event loop.
+
+Every call is one round trip (EVALSHA; on ``NOSCRIPT`` the script is loaded and the call redone),
+retried once after a connection error or a timeout (each script is safe to run twice, acquire
+included: the retry by the same owner gets its own lease back), then raised as
+``StoreUnavailableError`` naming the store, the operation, the key and the server's message
+(never a password). A hung server is an error after ``socket_timeout`` (5 s for a client built
+from a URL), not a hang.
+
+Cancelling a coroutine in :meth:`~AsyncRedisLockStore.acquire` after its command was sent may
+leave the command applied on the server: the command is not cut off (redis-py would drop the
+connection, and a release sent on another connection could reach the server before it); the
+store waits for its reply (at most 5 s, further cancels included), releases the lease it took
+(owner checked: the owner id is unique per attempt), and only then lets the cancellation
+propagate, so nothing is left held that its caller never learned of.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.asyncio
+import redis.asyncio.sentinel
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from celery_lease.durations import to_seconds
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LockStore, redact_url
+from celery_lease.stores.redis import (
+    ACQUIRE_SCRIPT,
+    RELEASE_SCRIPT,
+    RENEW_SCRIPT,
+    SIGNAL_TTL_MS,
+    SOCKET_TIMEOUT,
+    TOKEN_TTL_MS,
+    RedisLockStore,
+    parse_sentinel_url,
+)
+
+__all__ = ["AsyncRedisLockStore"]
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+_RETRIED = (RedisConnectionError, RedisTimeoutError)
+_STORE_OPTIONS = ("min_replicas", "replica_timeout")  # read by the sync twin, not by redis-py
+_UNDO_TIMEOUT = 5.0  # seconds a release undoing a cancelled acquire may take
+
+
+class _Script:
+    """A Lua script of the sync store and its SHA1 (for EVALSHA)."""
+
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+_ACQUIRE = _Script(ACQUIRE_SCRIPT)
+_RENEW = _Script(RENEW_SCRIPT)
+_RELEASE = _Script(RELEASE_SCRIPT)
+
+AsyncClient = redis.asyncio.Redis
+
+
+def _no_retry() -> Retry:
+    return Retry(NoBackoff(), 0)
+
+
+def _without_store_options(url: str) -> str:
+    """``url`` without the query options that belong to the store (redis-py refuses them)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    kept = [(k, v) for k, v in query if k not in _STORE_OPTIONS]
+    if len(kept) == len(query):
+        return url
+    return urlunsplit(parts._replace(query=urlencode(kept)))
+
+
+class _Sentinel(redis.asyncio.sentinel.Sentinel):
+    """Discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``, as the sync store does
+    (it names a promoted replica earlier than ``SENTINEL MASTERS``)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        problems: list[str] = []
+        for sentinel in list(self.sentinels):
+            kwargs = sentinel.connection_pool.connection_kwargs
+            where = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 26379)}"
+            try:
+                reply = await sentinel.execute_command(  # type: ignore[no-untyped-call]
+                    "SENTINEL GET-MASTER-ADDR-BY-NAME", service_name
+                )
+            except _RETRIED as exc:
+                problems.append(f"{where}: {exc}")
+                continue
+            if reply:
+                host = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+                return host, int(reply[1])
+            problems.append(f"{where}: no such service")
+        raise redis.asyncio.sentinel.MasterNotFoundError(
+            f"No master found for {service_name!r}: " + "; ".join(problems)
+        )
+
+
+def _async_client_from_url(
+    url: str,
+) -> tuple[AsyncClient, redis.asyncio.sentinel.Sentinel | None]:
+    """The ``redis.asyncio`` client a URL names (same defaults as the sync store's), and its
+    Sentinel manager (or None)."""
+    scheme = urlsplit(url).scheme.lower()
+    if scheme == "redis+sentinel":
+        spec = parse_sentinel_url(url)
+        sentinel_kwargs: dict[str, Any] = {
+            "socket_timeout": spec.socket_timeout,
+            "socket_connect_timeout": spec.socket_connect_timeout,
+            "retry": _no_retry(),
+        }
+        if spec.sentinel_password is not None:
+            sentinel_kwargs["password"] = spec.sentinel_password
+        # redis.asyncio.sentinel ships without annotations.
+        sentinel = _Sentinel(  # type: ignore[no-untyped-call]
+            list(spec.sentinels),
+            sentinel_kwargs=sentinel_kwargs,
+            socket_timeout=spec.socket_timeout,
+            socket_connect_timeout=spec.socket_connect_timeout,
+            retry=_no_retry(),
+        )
+        client: AsyncClient = sentinel.master_for(
+            spec.service_name,
+            db=spec.db,
+            username=spec.username,
+            password=spec.password,
+            decode_responses=False,
+        )
+        return client, sentinel
+    try:
+        # Options in the URL's query win over these keyword arguments, as in the sync store.
+        client = redis.asyncio.Redis.from_url(
+            _without_store_options(url),
+            socket_timeout=SOCKET_TIMEOUT,
+            socket_connect_timeout=SOCKET_TIMEOUT,
+            decode_responses=False,
+            retry=_no_retry(),
+        )
+    except ValueError as exc:
+        raise LeaseConfigError(f"url={redact_url(url)!r} is not a valid Redis URL: {exc}") from exc
+    return client, None
+
+
+def _blpop_slice(socket_timeout: float | None) -> float:
+    """The longest BLPOP (seconds) that still returns before the socket times out."""
+    if socket_timeout is None:
+        return 3600.0
+    return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
+
+
+class AsyncRedisLockStore:
+    """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel).
+
+    The same scripts, keys and semantics as :class:`~celery_lease.stores.redis.RedisLockStore`
+    (see there and :mod:`celery_lease.stores.redis_async`), through ``redis.asyncio``; sync and
+    async holders of one key exclude each other.
+
+    Build it in (or for) one event loop and ``await store.aclose()`` at the end: a
+    ``redis.asyncio`` connection belongs to the loop it was opened in.
+
+    Args:
+        client_or_url: a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
+            (the forms and query options :class:`RedisLockStore` takes; ``socket_timeout`` and
+            ``socket_connect_timeout`` default to 5 s), or a ``redis.asyncio.Redis`` (used as
+            is, closed by its owner; then ``sync`` is required).
+        prefix: prepended to every key (default: ``sync``'s prefix, else ``"celery-lease:"``).
+        sync: the synchronous twin on the same server and prefix. Default: a
+            :class:`RedisLockStore` built from the same URL and options (closed by
+            :meth:`aclose`). A twin passed in is the caller's to close.
+        min_replicas: replicas that must acknowledge an acquire or a renewal (``WAIT``), as in
+            :class:`RedisLockStore` (default: the URL's, else 1 under Sentinel, else 0).
+        replica_timeout: how long one ``WAIT`` may block (a duration), as in
+            :class:`RedisLockStore`.
+
+    Raises:
+        LeaseConfigError: for a bad URL, client, prefix, twin or replica option (as the sync
+            store reports them).
+    """
+
+    def __init__(
+        self,
+        client_or_url: str | AsyncClient,
+        *,
+        prefix: str | None = None,
+        sync: RedisLockStore | None = None,
+        min_replicas: int | None = None,
+        replica_timeout: Any = None,
+    ) -> None:
+        if sync is not None and not isinstance(sync, RedisLockStore):
+            raise LeaseConfigError(f"sync={sync!r} must be a RedisLockStore (or None)")
+        if prefix is None:
+            prefix = sync.prefix if sync is not None else "celery-lease:"
+        if sync is not None and sync.prefix != prefix:
+            raise LeaseConfigError(
+                f"prefix={prefix!r} differs from the prefix of sync ({sync.prefix!r}): the two "
+                "would use different keys and not exclude each other"
+            )
+        self._sentinel: redis.asyncio.sentinel.Sentinel | None = None
+        if isinstance(client_or_url, str):
+            if sync is None:
+                # Validates the URL, prefix and replica options exactly as the sync store does.
+                sync = RedisLockStore(
+                    client_or_url,
+                    prefix=prefix,
+                    min_replicas=min_replicas,
+                    replica_timeout=replica_timeout,
+                )
+                self._owns_sync = True
+            else:
+                self._owns_sync = False
+            self._client, self._sentinel = _async_client_from_url(client_or_url)
+            self._owns_client = True
+        elif isinstance(client_or_url, redis.asyncio.Redis):
+            if sync is None:
+                raise LeaseConfigError(
+                    "sync=None: with a redis.asyncio.Redis client pass sync=RedisLockStore(...) "
+                    "on the same server (the renewer thread renews through it)"
+                )
+            self._client = client_or_url
+            self._owns_client = False
+            self._owns_sync = False
+        else:
+            raise LeaseConfigError(
+                f"client_or_url={client_or_url!r} must be a redis.asyncio.Redis or a redis://, "
+                "rediss://, unix:// or redis+sentinel:// URL"
+            )
+        self._sync = sync
+        self._prefix = prefix
+        self._min_replicas = sync.min_replicas if min_replicas is None else min_replicas
+        if self._min_replicas != sync.min_replicas:
+            raise LeaseConfigError(
+                f"min_replicas={min_replicas!r} differs from sync's ({sync.min_replicas})"
+            )
+        if replica_timeout is not None and not self._owns_sync:
+            # The twin's WAIT timeout is the one used: a different one here would be dropped.
+            seconds = to_seconds(replica_timeout, name="replica_timeout", minimum=0.001)
+            if abs(seconds - sync.replica_timeout) > 1e-9:
+                raise LeaseConfigError(
+                    f"replica_timeout={replica_timeout!r} differs from sync's "
+                    f"({sync.replica_timeout:g} s): set it on the twin, which both use"
+                )
+        self._replica_timeout = sync.replica_timeout
+        kwargs = self._client.connection_pool.connection_kwargs
+        timeout = kwargs.get("socket_timeout")
+        self._socket_timeout = None if timeout is None else float(timeout)
+        self._secrets = self._collect_secrets()
+        # The loop of the first call: redis.asyncio connections (and the pool's lock) belong to
+        # it, and another loop's call would hang, fail obscurely or break this loop's calls.
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncRedisLockStore:
+        """``AsyncRedisLockStore(url, **options)`` (what ``async_store_from_url`` calls)."""
+        return cls(url, **options)
+
+    # Properties -----------------------------------------------------------------------------
+
+    @property
+    def sync(self) -> LockStore:
+        """The synchronous :class:`RedisLockStore` on the same server and prefix."""
+        return self._sync
+
+    @property
+    def client(self) -> AsyncClient:
+        """The ``redis.asyncio`` client the store talks through."""
+        return self._client
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every key the store writes (the sync twin's)."""
+        return self._prefix
+
+    # Calls ----------------------------------------------------------------------------------
+
+    def _check_loop(self) -> None:
+        """Bind the store to the running loop on its first call; refuse a call from another.
+
+        Raises:
+            RuntimeError: when the store was first used in another event loop (one that may
+                be closed by now).
+        """
+        loop = asyncio.get_running_loop()
+        bound = self._loop
+        if bound is None:
+            self._loop = weakref.ref(loop)
+        elif bound() is not loop:
+            raise RuntimeError(
+                f"{self!r} was first used in another event loop: its redis.asyncio connections "
+                "belong to that loop. Build one store per event loop (at its start-up) and "
+                "'await store.aclose()' in it at shutdown"
+            )
+
+    async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """One EVALSHA, with a WAIT pipelined after it when ``min_replicas``; on NOSCRIPT load
+        the script and evaluate again. Returns ``(reply, acks or None)``."""
+        client = self._client
+        if not self._min_replicas:
+            try:
+                return await client.evalsha(script.sha, len(keys), *keys, *args), None
+            except NoScriptError:
+                await client.script_load(script.source)
+                return await client.evalsha(script.sha, len(keys), *keys, *args), None
+        wait = (self._min_replicas, max(1, round(self._replica_timeout * 1000)))
+        for attempt in (1, 2):
+            pipe = client.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", *wait)
+            reply, acks = await pipe.execute(raise_on_error=False)
+            if attempt == 1 and isinstance(reply, NoScriptError):
+                await client.script_load(script.source)
+                continue
+            for result in (reply, acks):
+                if isinstance(result, Exception):
+                    raise result
+            return reply, int(acks)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _follow_master(self) -> None:
+        """Under Sentinel: make sure the pool talks to the master a Sentinel names now."""
+        pool = self._client.connection_pool
+        if not isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
+            return
+        known = pool.master_address
+        try:
+            address = await pool.sentinel_manager.discover_master(pool.service_name)
+        except redis.asyncio.sentinel.MasterNotFoundError:
+            if not self._min_replicas or known is None:
+                raise
+            return  # WAIT still refuses a write a failover would lose
+        if address != known:
+            await pool.get_master_address()  # type: ignore[no-untyped-call]  # moves the pool and drops connections to the old
+            if known is not None:
+                logger.warning(
+                    "Redis store: Sentinel names %s:%s as master of %r instead of %s:%s; "
+                    "leaving the old master",
+                    address[0],
+                    address[1],
+                    pool.service_name,
+                    known[0],
+                    known[1],
+                )
+
+    async def _call(
+        self, operation: str, fn: Callable[[], Awaitable[_T]], key: str | None = None
+    ) -> _T:
+        """Await ``fn()``, once more after a connection error or timeout; Redis errors raise
+        StoreUnavailableError."""
+        try:
+            try:
+                return await fn()
+            except _RETRIED as exc:
+                logger.info(
+                    "Redis store %s: retrying %s once after %s: %s",
+                    self._where(),
+                    _what(operation, key),
+                    type(exc).__name__,
+                    self._redact(str(exc)),
+                )
+                return await fn()
+        except RedisError as exc:
+            raise self._error(operation, key, f"failed: {type(exc).__name__}: {exc}") from exc
+
+    def _error(self, operation: str, key: str | None, text: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            self._redact(f"Redis store {self._where()}: {_what(operation, key)} {text}")
+        )
+
+    def _unconfirmed(self, operation: str, key: str, acks: int, after: str) -> Exception:
+        return self._error(
+            operation,
+            key,
+            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
+            f"{self._replica_timeout * 1000:g} ms (min_replicas={self._min_replicas}); {after}",
+        )
+
+    def _collect_secrets(self) -> tuple[str, ...]:
+        found: list[object] = [self._client.connection_pool.connection_kwargs.get("password")]
+        if self._sentinel is not None:
+            for sentinel in self._sentinel.sentinels:
+                found.append(sentinel.connection_pool.connection_kwargs.get("password"))
+        return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return redact_url(text) if "://" in text else text
+
+    def _where(self) -> str:
+        """``redis://host:port/db`` (or the Sentinel hosts and service, or the socket path)."""
+        pool = self._client.connection_pool
+        kwargs = pool.connection_kwargs
+        db = kwargs.get("db", 0)
+        if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
+            sentinels = ",".join(
+                f"{s.connection_pool.connection_kwargs.get('host')}:"
+                f"{s.connection_pool.connection_kwargs.get('port')}"
+                for s in pool.sentinel_manager.sentinels
+            )
+            master = pool.master_address
+            known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
+            return f"redis+sentinel://{sentinels}/{pool.service_name}/{db} ({known})"
+        if "path" in kwargs:
+            return f"unix://{kwargs['path']}?db={db}"
+        ssl = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
+        host = str(kwargs.get("host", "localhost"))
+        if ":" in host:
+            host = f"[{host}]"
+        return f"{'rediss' if ssl else 'redis'}://{host}:{kwargs.get('port', 6379)}/{db}"
+
+    # Protocol -------------------------------------------------------------------------------
+
+    async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and
+        releases what it took before the cancellation propagates."""
+        self._check_loop()
+        keys = (self._sync.lease_key(key), self._sync.token_key(key))
+        args = (owner, int(ttl_ms), TOKEN_TTL_MS)
+
+        async def run() -> tuple[Any, int | None]:
+            await self._follow_master()
+            reply: tuple[Any, int | None] = await self._eval(_ACQUIRE, keys, args)
+            return reply
+
+        # Shielded: a cancel must not cut the command off in flight (redis-py would drop the
+        # connection, and a release sent on another one could reach the server first).
+        attempt = asyncio.ensure_future(self._call("acquire", run, key))
+        try:
+            reply, acks = await asyncio.shield(attempt)
+        except asyncio.CancelledError:
+            await self._settle_cancelled_acquire(attempt, key, owner)
+            raise
+        token = None if reply is None else int(reply)
+        if token is not None and acks is not None and acks < self._min_replicas:
+            try:
+                await self.release(key, owner)
+                after = "the lease was released"
+            except StoreUnavailableError as exc:
+                logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
+                after = "releasing it failed too: it expires within its ttl"
+            raise self._unconfirmed("acquire", key, acks, after)
+        return token
+
+    async def _settle_cancelled_acquire(
+        self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
+    ) -> None:
+        """The caller of an acquire was cancelled: wait (at most ``_UNDO_TIMEOUT``, further
+        cancels included) for the attempt's reply, then release what it took.
+
+        The release is sent only after the reply came, so it cannot overtake the acquire on
+        the way to the server. An attempt with no reply in time is cut off and released
+        anyway (owner checked, so at worst a no-op)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _UNDO_TIMEOUT
+        while not attempt.done():
+            left = deadline - loop.time()
+            if left <= 0:
+                attempt.cancel()
+                break
+            with contextlib.suppress(asyncio.CancelledError):  # re-raised by our caller
+                await asyncio.wait({attempt}, timeout=left)
+        if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+            if attempt.result()[0] is None:
+                return  # it took nothing
+            why = "cancelled after it took the lease"
+        else:
+            why = "cancelled before its reply came"
+        await self._undo_acquire(key, owner, why)
+
+    async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
+        """Release what an interrupted acquire of ``owner`` (unique per attempt) may have taken.
+
+        Runs shielded from further cancellation and bounded in time; a failure is logged (the
+        lease then expires within its ttl)."""
+        keys = (self._sync.lease_key(key), self._sync.signal_key(key))
+
+        async def undo() -> None:
+            await self._call(
+                "release", lambda: self._eval(_RELEASE, keys, (owner, SIGNAL_TTL_MS)), key
+            )
+
+        task = asyncio.ensure_future(asyncio.wait_for(undo(), _UNDO_TIMEOUT))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "Redis store %s: acquire of %r was %s, and releasing what it may have taken "
+                "failed (%s); it expires within its ttl",
+                self._where(),
+                key,
+                why,
+                self._redact(str(exc)),
+            )
+
+    async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """As :meth:`RedisLockStore.renew`."""
+        self._check_loop()
+        keys = (self._sync.lease_key(key),)
+        args = (owner, int(ttl_ms))
+
+        async def run() -> tuple[Any, int | None]:
+            await self._follow_master()
+            reply: tuple[Any, int | None] = await self._eval(_RENEW, keys, args)
+            return reply
+
+        reply, acks = await self._call("renew", run, key)
+        renewed = bool(reply)
+        if renewed and acks is not None and acks < self._min_replicas:
+            raise self._unconfirmed(
+                "renew", key, acks, "its holder keeps its last confirmed expiry"
+            )
+        return renewed
+
+    async def release(self, key: str, owner: str) -> None:
+        """As :meth:`RedisLockStore.release` (owner checked, signals one waiter)."""
+        self._check_loop()
+        keys = (self._sync.lease_key(key), self._sync.signal_key(key))
+        client = self._client
+
+        async def run() -> Any:
+            # No WAIT: a release a failover loses lets the lease expire within its ttl.
+            try:
+                return await client.evalsha(_RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
+            except NoScriptError:
+                await client.script_load(_RELEASE.source)
+                return await client.evalsha(_RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
+
+        await self._call("release", run, key)
+
+    async def wait_for_release(self, key: str, timeout: float) -> bool:
+        """As :meth:`RedisLockStore.wait_for_release` (BLPOP on the key's signal list, one waiter
+        woken per release), in slices shorter than the socket timeout. Cancelling the awaiting
+        task stops the wait (redis-py drops the connection that was blocked)."""
+        self._check_loop()
+        signal = self._sync.signal_key(key)
+        client = self._client
+        if timeout <= 0:
+            popped = await self._call("poll a release of", lambda: client.lpop(signal), key)
+            return popped is not None
+        deadline = time.monotonic() + timeout
+        step = _blpop_slice(self._socket_timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            wait = max(0.001, round(min(left, step), 3))
+            got = await self._call(
+                "wait for a release of",
+                lambda wait=wait: client.blpop([signal], wait),  # type: ignore[misc]
+                key,
+            )
+            if got is not None:
+                return True
+
+    async def aclose(self) -> None:
+        """Close the async client and the sync twin when this store built them."""
+        if self._owns_client:
+            await self._client.aclose()
+            if self._sentinel is not None:
+                for sentinel in self._sentinel.sentinels:
+                    await sentinel.aclose()
+        if self._owns_sync:
+            self._sync.close()
+        self._loop = None  # no connection is left: another loop may use the client now
+
+    def __repr__(self) -> str:
+        return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
+
+
+def _what(operation: str, key: str | None) -> str:
+    return operation if key is None else f"{operation} {key!r}"

@@ -1,0 +1,691 @@
+"""Unique at enqueue (``lock_unique``): at most one queued copy per key, returned to every caller.
+
+::
+
+    @app.task(base=LockedTask, lock_key="report:{account_id}", lock_unique="until_done")
+    def build_report(account_id): ...
+
+    r1 = build_report.delay(7)
+    r2 = build_report.delay(7)      # nothing published: r2.id == r1.id
+
+How it is built, on the three store operations plus ``get`` (:class:`SupportsInspection`):
+
+- **The queued lease** lives on its own key, the task's key with ``queued:`` after the
+  ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
+  (:func:`queued_owner`): the owner names the copy's task id. The caller takes it *before*
+  publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key and the
+  owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task id
+  (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
+  :class:`~celery_lease.AlreadyQueuedError` (``"raise"``); ``lock_duplicate`` is sent either way.
+- **The hand-over.** When the copy starts, the worker first takes the run lease on the task's
+  key, as for any locked task (it excludes bodies; its tokens are the fencing tokens, which keep
+  increasing as today). Then ``"while_queued"`` releases the queued lease (owner-checked: only
+  its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
+  between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
+  task's thread) until the body ended and the run lease was released; then it is released, or
+  kept for ``lock_cooldown`` after a success (a throttle: calls in the cooldown are duplicates
+  of the finished copy), by the dispatcher, off the task's thread. A worker that dies mid-body
+  stops renewing it: it frees itself within the run ttl.
+- **Failed publish** releases the queued lease at once, stores the error as the copy's FAILURE
+  (callers handed its ``AsyncResult`` meanwhile see it in ``get()``) and re-raises; also when
+  the broker may have taken the message after all (then the run lease still excludes a second
+  body, and a late result overwrites the FAILURE). **Revoke** releases it
+  when the worker sees the revoke (``task_revoked``, also for ``expires``); a purged queue, a lost
+  message or a worker killed before the copy started leave it to expire after ``queue_ttl``.
+- **Retries** (a running copy publishing its own task id: ``retry()``, ``on_held="retry"``) take
+  the queued lease again for their own id before publishing, for ``queue_ttl`` from the retry's
+  eta (an ``until_done`` copy holds it already: the key is never free in between), and are never
+  duplicates of themselves; acks_late redelivery of a started copy finds its own lease (or a
+  free key, taken again).
+- **Debounce.** The call is published with ``countdown=debounce``. A call that finds a waiting
+  copy supersedes it: it writes a tombstone lease ``superseded:<old id>`` (owner names the new
+  id), releases the old copy's queued lease (owner-checked), takes it for itself and publishes
+  with an eta ``debounce`` later, capped at ``debounce_max`` after the first call of the chain
+  (kept in the owner's ``at``). A debounced copy releases its queued lease when it starts, also
+  under ``"until_done"`` (whose callers then look at the run key too: a running copy is the
+  existing one), so a call never supersedes a running body. Two callers racing: one takes the key,
+  the others return its ``AsyncResult``. The superseded copy, when it reaches a worker, finds its
+  tombstone and ends without its body, REVOKED in the result backend with the reason ``"superseded
+  by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once). A failed publish of
+  the newest call (or a store error while superseding) removes its tombstone: the waiting copy
+then runs. A call that loses the key to a third one after releasing the waiting copy's lease
+keeps the tombstone: that copy has no lease left, so only the winner runs. A redelivered copy
+turned away by its own run lease (acks_late) leaves the queued key to the running body.
+
+Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
+name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
+body). A duplicate call that carries callbacks (``link``, ``link_error``, a chain's next steps)
+raises :class:`~celery_lease.AlreadyQueuedError` whatever ``on_duplicate`` says: they are never
+dropped silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from typing import Any, cast
+
+from celery.exceptions import Ignore
+from celery.signals import task_revoked
+from celery.utils import uuid
+
+from celery_lease import config, signals
+from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.dispatch import get_dispatcher
+from celery_lease.engine import Spec, _store_for
+from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
+from celery_lease.holder import _field, parse_owner
+from celery_lease.lease import _conforms
+from celery_lease.renewer import Entry, get_renewer
+from celery_lease.stores.base import LockStore, SupportsInspection
+from celery_lease.unique_options import (
+    BUILTIN_QUEUE_TTL,
+    QUEUED_OWNER_HEAD,
+    SUPERSEDED_NAMESPACE,
+    UniqueOptions,
+)
+
+__all__ = [
+    "HEADER",
+    "NAMESPACE",
+    "SUPERSEDED",
+    "apply_unique",
+    "on_rejected",
+    "on_start",
+    "queued_key",
+    "queued_owner",
+    "superseded_key",
+]
+
+logger = logging.getLogger(__name__)
+
+HEADER = "lease_queued"
+"""Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
+
+NAMESPACE = "queued:"
+"""Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
+
+SUPERSEDED = SUPERSEDED_NAMESPACE
+"""Inserted after ``lease_key_prefix`` (with the task id) to name a debounce tombstone."""
+
+OWNER_HEAD = QUEUED_OWNER_HEAD[:-1]
+"""First field of a queued lease's owner id (``celery lease list`` shows it as queued)."""
+
+clock: Clock = SYSTEM_CLOCK
+"""Where the caller reads the wall clock (eta, the debounce window); tests swap in a FakeClock."""
+
+_TRIES = 8
+"""Attempts when the key flips between free and held under our feet."""
+
+_CALLBACKS = ("link", "link_error", "chain")
+
+
+def queued_key(key: str, prefix: str) -> str:
+    """The queued lease's key for the task key ``key`` (which starts with ``prefix``)."""
+    return prefix + NAMESPACE + key[len(prefix) :]
+
+
+def superseded_key(task_id: str, prefix: str) -> str:
+    """The tombstone key of a superseded (debounced) copy."""
+    return f"{prefix}{SUPERSEDED}{task_id}"
+
+
+def queued_owner(task: str, task_id: str, at_ms: int) -> str:
+    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
+
+    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
+    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
+    acquire by the same owner is the holder again).
+    """
+    return (
+        f"{OWNER_HEAD};t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
+        f";n={uuid()[:8]}"
+    )
+
+
+def is_queued_owner(owner: str) -> bool:
+    """Whether ``owner`` is the owner id of a queued lease."""
+    return owner.startswith(OWNER_HEAD + ";")
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def _inspectable(store: LockStore, task: Any) -> SupportsInspection:
+    if not _conforms(store, SupportsInspection):  # cached per store type
+        raise LeaseConfigError(
+            f"lock_unique of task {getattr(task, 'name', task)!r} needs a store that can read a"
+            f" key's holder (SupportsInspection.get); {type(store).__name__} cannot"
+        )
+    return cast(SupportsInspection, store)
+
+
+def _delay(options: Mapping[str, Any], now: float) -> float:
+    """Seconds from now until the copy's eta (``countdown`` or ``eta``), at least 0."""
+    countdown = options.get("countdown")
+    if countdown:
+        return max(0.0, float(countdown))
+    eta = options.get("eta")
+    if eta is None:
+        return 0.0
+    if isinstance(eta, str):
+        eta = datetime.fromisoformat(eta)
+    if eta.tzinfo is None:
+        eta = eta.replace(tzinfo=timezone.utc)
+    return max(0.0, eta.timestamp() - now)
+
+
+def _queue_ttl(unique: UniqueOptions, settings: config.LeaseSettings) -> float:
+    return config.pick(unique.queue_ttl, settings.default_queue_ttl, BUILTIN_QUEUE_TTL)
+
+
+# The caller's side ---------------------------------------------------------------------------
+
+
+def apply_unique(
+    task: Any,
+    spec: Spec,
+    apply: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str | None,
+    options: dict[str, Any],
+) -> Any:
+    """``apply_async`` of a task with ``lock_unique``: publish via ``apply`` at most one copy.
+
+    Returns the published copy's ``AsyncResult``, or the holder's for a duplicate
+    (``on_duplicate="existing"``).
+
+    Raises:
+        AlreadyQueuedError: a duplicate with ``on_duplicate="raise"``, or carrying callbacks.
+        StoreUnavailableError: the store failed (nothing was published).
+    """
+    unique = spec.options.unique
+    assert unique is not None
+    app = task.app
+    if app.conf.task_always_eager:
+        return apply(args, kwargs, task_id, **options)
+    settings = config.get_settings(app)
+    store = _store_for(spec.options.store, app)
+    inspect = _inspectable(store, task)
+    prefix = settings.key_prefix
+    key = prefix + spec.key_function(tuple(args or ()), dict(kwargs or {}))
+    qkey = queued_key(key, prefix)
+    task_id = task_id or uuid()
+    queue_ttl = _queue_ttl(unique, settings)
+    now = clock.time()
+    stack = task.request_stack  # not task.request: that one builds a default request
+    request = stack.top if stack is not None else None
+    if getattr(request, "id", None) == task_id and not getattr(request, "called_directly", True):
+        return _resend(
+            task, unique, apply, args, kwargs, task_id, options, store, qkey, queue_ttl, now
+        )
+    if unique.debounce is not None:
+        return _debounced(
+            task,
+            unique,
+            apply,
+            args,
+            kwargs,
+            task_id,
+            options,
+            inspect,
+            key,
+            qkey,
+            prefix,
+            now,
+            queue_ttl,
+        )
+    owner = queued_owner(task.name, task_id, int(now * 1000))
+    ttl_ms = _ms(queue_ttl + _delay(options, now))
+    for _ in range(_TRIES):
+        if store.acquire(qkey, owner, ttl_ms) is None:
+            info = inspect.get(qkey)
+            if info is None:
+                continue  # freed in between: try again
+            return _duplicate(task, unique, key, task_id, parse_owner(info.owner).task_id, options)
+        return _publish(
+            apply, args, kwargs, task_id, options, store, qkey, owner, backend=task.backend
+        )
+    return _duplicate(task, unique, key, task_id, None, options)
+
+
+def _running_copy(inspect: SupportsInspection, key: str, task_id: str) -> str | None:
+    """The task id of another copy holding the run key (running, or in its cooldown)."""
+    info = inspect.get(key)
+    if info is None:
+        return None
+    holder = parse_owner(info.owner).task_id
+    return holder if holder not in (None, task_id) else None
+
+
+def _duplicate(
+    task: Any,
+    unique: UniqueOptions,
+    key: str,
+    task_id: str,
+    existing: str | None,
+    options: Mapping[str, Any],
+) -> Any:
+    signals.send(signals.lock_duplicate, task, key=key, task_id=task_id, existing_task_id=existing)
+    logger.debug(
+        "celery-lease: %s[%s] not published: %r held by %s", task.name, task_id, key, existing
+    )
+    if (
+        unique.on_duplicate == "raise"
+        or existing is None
+        or any(options.get(c) for c in _CALLBACKS)
+    ):
+        raise AlreadyQueuedError(key, existing)
+    return task.AsyncResult(existing)
+
+
+def _publish(
+    apply: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    options: dict[str, Any],
+    store: LockStore,
+    qkey: str,
+    owner: str,
+    *,
+    undo: Callable[[], None] | None = None,
+    free: bool = True,
+    backend: Any = None,
+) -> Any:
+    """Publish with the queued lease in the header; a failed publish frees the lease at once
+    (unless ``free`` is False: a running copy's retry, whose end frees it).
+
+    With ``backend`` (a new copy), a failed publish is also stored as the copy's FAILURE: the
+    duplicates that were given its ``AsyncResult`` meanwhile see the error in ``get()``
+    instead of waiting forever for a message that was never sent.
+    """
+    headers = dict(options.get("headers") or {})
+    headers[HEADER] = [qkey, owner]
+    try:
+        return apply(args, kwargs, task_id, **{**options, "headers": headers})
+    except BaseException as exc:
+        if free:
+            _release_quietly(store, qkey, owner, "the publish failed")
+        if undo is not None:
+            undo()
+        if backend is not None and isinstance(exc, Exception):
+            _fail_quietly(backend, task_id, exc)
+        raise
+
+
+def _fail_quietly(backend: Any, task_id: str, exc: Exception) -> None:
+    try:
+        backend.mark_as_failure(task_id, exc, call_errbacks=False)
+    except Exception as error:  # no result backend, or it is down too: the caller has exc
+        logger.debug("celery-lease: could not store the failed publish of %s: %s", task_id, error)
+
+
+def _release_quietly(store: LockStore, key: str, owner: str, why: str) -> None:
+    try:
+        store.release(key, owner)
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: releasing %r (%s) failed (%s); it frees itself within its ttl",
+            key,
+            why,
+            exc,
+        )
+
+
+def _resend(
+    task: Any,
+    unique: UniqueOptions,
+    apply: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    options: dict[str, Any],
+    store: LockStore,
+    qkey: str,
+    queue_ttl: float,
+    now: float,
+) -> Any:
+    """A running copy publishes its own id (a retry): wait again under its own queued lease.
+
+    Never a duplicate of itself. Under ``"until_done"`` the running copy holds the queued key
+    already (renewed): it is set to the retry's ``queue_ttl`` here and again when the run ends
+    (a renewal may land in between). When another copy holds the queued key (``"while_queued"``:
+    one was enqueued while this one ran), the retry is published anyway, without a queued lease.
+    """
+    owner = _header_owner(task.request, task_id, qkey) or _own_holder(store, qkey, task_id)
+    if owner is None:
+        owner = queued_owner(task.name, task_id, int(now * 1000))
+    ttl_ms = _ms(queue_ttl + _delay(options, now))
+    if store.acquire(qkey, owner, ttl_ms) is None:
+        logger.info(
+            "celery-lease: retry of %s[%s] published beside the waiting copy holding %r",
+            task.name,
+            task_id,
+            qkey,
+        )
+        return apply(args, kwargs, task_id, **options)
+    holding = _holding.get(task_id)
+    result = _publish(
+        apply, args, kwargs, task_id, options, store, qkey, owner, free=holding is None
+    )
+    if holding is not None:
+        holding.retry_ttl_ms = ttl_ms
+    return result
+
+
+def _own_holder(store: LockStore, qkey: str, task_id: str) -> str | None:
+    """The queued lease's owner when it names this very task id (a retry whose request lost
+    its header): the copy's own, since owners are unique per call and name the task id."""
+    if not _conforms(store, SupportsInspection):
+        return None
+    info = cast(SupportsInspection, store).get(qkey)
+    if info is None or not is_queued_owner(info.owner):
+        return None
+    return info.owner if parse_owner(info.owner).task_id == task_id else None
+
+
+def _debounced(
+    task: Any,
+    unique: UniqueOptions,
+    apply: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    task_id: str,
+    options: dict[str, Any],
+    inspect: SupportsInspection,
+    key: str,
+    qkey: str,
+    prefix: str,
+    now: float,
+    queue_ttl: float,
+) -> Any:
+    """Publish ``debounce`` from now, superseding the waiting copy (see the module docstring)."""
+    debounce, cap = unique.debounce, unique.debounce_max
+    assert debounce is not None and cap is not None
+    store: LockStore = inspect  # type: ignore[assignment]  # checked to conform to both
+    options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
+    for _ in range(_TRIES):
+        owner = queued_owner(task.name, task_id, int(now * 1000))
+        if store.acquire(qkey, owner, _ms(queue_ttl + debounce)) is not None:
+            if unique.unique == "until_done":
+                running = _running_copy(inspect, key, task_id)
+                if running is not None:
+                    store.release(qkey, owner)
+                    return _duplicate(task, unique, key, task_id, running, options)
+            return _publish(
+                apply,
+                args,
+                kwargs,
+                task_id,
+                {**options, "countdown": debounce},
+                store,
+                qkey,
+                owner,
+                backend=task.backend,
+            )
+        info = inspect.get(qkey)
+        if info is None:
+            continue
+        old = parse_owner(info.owner)
+        if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == task_id:
+            return _duplicate(task, unique, key, task_id, old.task_id, options)
+        first = old.taken_at if old.taken_at is not None else now
+        delay = max(0.0, min(now + debounce, first + cap) - now)
+        owner = queued_owner(task.name, task_id, int(first * 1000))
+        tomb = superseded_key(old.task_id, prefix)
+        tomb_owner = queued_owner(task.name, task_id, int(now * 1000))
+        store.acquire(tomb, tomb_owner, _ms(queue_ttl + cap))
+        try:
+            store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
+            taken = store.acquire(qkey, owner, _ms(queue_ttl + delay))
+        except BaseException:
+            # Nothing replaces the waiting copy: it must not stay superseded (run, like after a
+            # failed publish below), and the caller gets the store's error.
+            _release_quietly(store, tomb, tomb_owner, "the store failed while superseding")
+            raise
+        if taken is None:
+            # Another call took the key between our release and our acquire: the waiting
+            # copy's lease is gone, so it stays superseded (its tombstone is kept) and only
+            # the winner runs, never the old copy beside it.
+            winner = inspect.get(qkey)
+            if winner is None:
+                continue
+            return _duplicate(
+                task, unique, key, task_id, parse_owner(winner.owner).task_id, options
+            )
+        return _publish(
+            apply,
+            args,
+            kwargs,
+            task_id,
+            {**options, "countdown": delay},
+            store,
+            qkey,
+            owner,
+            undo=functools.partial(_release_quietly, store, tomb, tomb_owner, "publish failed"),
+            backend=task.backend,
+        )
+    return _duplicate(task, unique, key, task_id, None, options)
+
+
+# The worker's side ---------------------------------------------------------------------------
+
+
+def _header_owner(request: Any, task_id: str | None, qkey: str | None) -> str | None:
+    """The queued lease's owner from the request's header, if it is this copy's own.
+
+    A header is never trusted: the owner must be a queued owner naming this very task id (and
+    the key, when given, the expected one), so nothing but this copy's lease can be released.
+    """
+    header = getattr(request, HEADER, None)
+    return _checked(header, task_id, qkey)
+
+
+def _checked(header: Any, task_id: str | None, qkey: str | None) -> str | None:
+    if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
+        return None
+    hkey, owner = header
+    if not isinstance(hkey, str) or not isinstance(owner, str) or not is_queued_owner(owner):
+        return None
+    if qkey is not None and hkey != qkey:
+        return None
+    if parse_owner(owner).task_id != task_id:
+        return None
+    return owner
+
+
+class QueuedHold:
+    """The queued lease an ``"until_done"`` copy keeps (renewed) while its body runs."""
+
+    __slots__ = ("cooldown", "entry", "owner", "qkey", "retry_ttl_ms", "store", "task_id")
+
+    def __init__(
+        self, store: LockStore, qkey: str, owner: str, task_id: str, entry: Entry, cooldown: float
+    ) -> None:
+        self.store, self.qkey, self.owner, self.task_id = store, qkey, owner, task_id
+        self.entry, self.cooldown = entry, cooldown
+        self.retry_ttl_ms: int | None = None  # set when the body published its retry
+
+    def end(self, succeeded: bool) -> None:
+        """The body ended and the run lease is released: stop renewing, then free the key, or
+        keep it for the retry's wait or for ``cooldown``. Never raises a store error."""
+        _holding.pop(self.task_id, None)
+        entry = self.entry
+        renewer = entry.renewer
+        assert renewer is not None
+        try:
+            settled, _final, _lapsed = renewer.remove(entry)
+        except BaseException:
+            renewer.abandon(entry)
+            raise
+        keep = self.retry_ttl_ms
+        if keep is None and succeeded and self.cooldown > 0:
+            keep = _ms(self.cooldown)
+        # Off the task's thread (the run lease is released already, so the order holds): the
+        # dispatcher sends it. A renewal landing after a release finds no lease of ours and
+        # creates nothing; one landing after a keep is fenced: the keep is set again after it.
+        if keep is None:
+            get_dispatcher().submit(self._release, None, f"release of {self.qkey!r}")
+            return
+        action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
+        if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after
+            get_dispatcher().submit(_run, action, f"keep of {self.qkey!r}")
+
+    def _release(self, _: object) -> None:
+        _release_quietly(self.store, self.qkey, self.owner, "the copy ended")
+
+
+def _run(action: Callable[[], None]) -> None:
+    action()
+
+
+def _set_quietly(store: LockStore, key: str, owner: str, ttl_ms: int) -> None:
+    try:
+        if not store.renew(key, owner, ttl_ms):
+            logger.warning("celery-lease: %r is no longer held by %s; not kept", key, owner)
+    except Exception as exc:
+        logger.warning("celery-lease: keeping %r failed (%s); it frees itself", key, exc)
+
+
+def _queued_lost(key: str, reason: str) -> None:
+    """Renewer callback (quick, no user code): the running copy's queued lease was lost."""
+    logger.warning(
+        "celery-lease: the queued key %r of a running copy was lost (%s): another copy may be"
+        " enqueued meanwhile (the run lease still excludes its body)",
+        key,
+        reason,
+    )
+
+
+_holding: dict[str, QueuedHold] = {}
+"""Task id -> the queued lease its running ``"until_done"`` body keeps (this process)."""
+
+
+def on_start(
+    task: Any,
+    request: Any,
+    store: LockStore,
+    key: str,
+    settings: config.LeaseSettings,
+    unique: UniqueOptions,
+    ttl: float,
+    cooldown: float,
+) -> QueuedHold | None:
+    """The copy holds its run lease and its body is about to start: hand the queued key over.
+
+    ``"until_done"`` (without debounce): the copy's own queued lease is taken over under its
+    owner (the key is never free in between): handed to the renewer, which renews it with the
+    run lease's ``ttl`` (off this thread, batched with the other renewals) at once, then every
+    ``ttl``/3, until the body ends
+    (:meth:`QueuedHold.end`). If a renewal finds the key no longer this copy's (it expired while
+    queued and another copy took it), the loss is logged and the body runs all the same: the run
+    lease still excludes bodies.
+    Otherwise it is released (owner-checked). A debounced copy that was superseded ends here,
+    REVOKED (``Ignore`` is raised).
+    """
+    if getattr(request, "is_eager", False):
+        return None
+    task_id = getattr(request, "id", None)
+    prefix = settings.key_prefix
+    qkey = queued_key(key, prefix)
+    owner = _header_owner(request, task_id, qkey)
+    if owner is None or task_id is None:
+        return None  # not published through apply_unique (send_task, older message)
+    if unique.debounce is not None:
+        # Release first, then look: a call superseding this copy writes the tombstone before it
+        # releases the copy's lease, so either it finds the key free (and supersedes nothing)
+        # or the tombstone is there to be seen here.
+        store.release(qkey, owner)
+        if _conforms(store, SupportsInspection):
+            tomb = cast(SupportsInspection, store).get(superseded_key(task_id, prefix))
+            if tomb is not None:
+                _mark_superseded(task, request, parse_owner(tomb.owner).task_id)
+        return None
+    if unique.unique != "until_done":
+        store.release(qkey, owner)
+        return None
+    now = SYSTEM_CLOCK.monotonic()
+    entry = Entry(
+        store=store,
+        key=qkey,
+        owner=owner,
+        ttl=ttl,
+        sent_at=now,
+        max_hold_at=None,
+        on_lost=functools.partial(_queued_lost, qkey),
+    )
+    # Renewed at once, on the renewer's thread: from now on a worker that dies mid-body leaves
+    # the key to expire within ``ttl``, not within what was left of ``queue_ttl``.
+    entry.due = now
+    hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
+    get_renewer(SYSTEM_CLOCK).add(entry)
+    _holding[task_id] = hold
+    return hold
+
+
+def on_rejected(request: Any, store: LockStore, key: str, settings: config.LeaseSettings) -> None:
+    """The run lease stayed held and the copy ends without its body: free its queued key.
+
+    Not for ``on_held="retry"``: the retry takes it again for itself before it is published.
+    """
+    if request is None or getattr(request, "is_eager", False):
+        return
+    task_id = getattr(request, "id", None)
+    qkey = queued_key(key, settings.key_prefix)
+    owner = _header_owner(request, task_id, qkey)
+    if owner is None:
+        return
+    if _conforms(store, SupportsInspection):
+        try:
+            run = cast(SupportsInspection, store).get(key)
+        except Exception as exc:
+            logger.warning("celery-lease: reading %r failed (%s); %r is kept", key, exc, qkey)
+            return  # frees itself within its ttl: never freed while its own body may run
+        if run is not None and parse_owner(run.owner).task_id == task_id:
+            # Its own run lease (acks_late redelivery of the running copy): the running body
+            # keeps the queued key (until_done); it is not this delivery's to free.
+            return
+    _release_quietly(store, qkey, owner, "the copy was rejected")
+
+
+def _mark_superseded(task: Any, request: Any, newer: str | None) -> None:
+    reason = f"superseded by {newer}"
+    task.backend.mark_as_revoked(request.id, reason, request=request)
+    if task.send_events:
+        try:
+            task.send_event(
+                "task-revoked", terminated=False, signum=None, expired=False, reason=reason
+            )
+        except Exception:
+            logger.warning("celery-lease: could not send task-revoked for %s", request.id)
+    logger.info("celery-lease: %s[%s] %s: body not run", task.name, request.id, reason)
+    raise Ignore(reason)
+
+
+def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+    """``task_revoked`` in the worker: a revoked (or expired) unique copy frees its queued key."""
+    task: Any = sender  # the Task; ``request`` is the copy's Context (headers as attributes)
+    options = getattr(type(task), "_lock_options", None)
+    if request is None or options is None or options.unique is None:
+        return
+    header: Any = getattr(request, HEADER, None)
+    owner = _checked(header, getattr(request, "id", None), None)
+    if owner is None:
+        return
+    try:
+        prefix = config.get_settings(task.app).key_prefix
+        if not header[0].startswith(prefix + NAMESPACE):  # a forged header naming another key
+            return
+        store = _store_for(options.store, task.app)
+    except Exception:
+        logger.exception("celery-lease: no store to free the queued key of %s", request.id)
+        return
+    _release_quietly(store, header[0], owner, "the copy was revoked")
+
+
+task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked")

@@ -1,0 +1,313 @@
+"""celery_lease.metrics against the real client libraries (prometheus_client, opentelemetry-sdk).
+
+Eager tasks on a MemoryLockStore send the real lock signals; the sinks count them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+import celery_lease.metrics as metrics
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore
+from celery_lease import signals as lease_signals
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+
+@pytest.fixture
+def store() -> MemoryLockStore:
+    return MemoryLockStore()
+
+
+@pytest.fixture
+def app(store: MemoryLockStore) -> Iterator[Celery]:
+    app = Celery("m", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.lease_store = store
+    app.conf.task_eager_propagates = False
+
+    @app.task(name="m.work", base=LockedTask, lock_key="work:{n}", shared=False)
+    def work(n: int) -> int:
+        return n
+
+    @app.task(
+        name="m.skip", base=LockedTask, lock_key="work:{n}", lock_on_held="skip", shared=False
+    )
+    def skip(n: int) -> int:
+        return n
+
+    yield app
+    app.close()
+
+
+@pytest.fixture
+def registry() -> Iterator[Any]:
+    from celery_lease.metrics.prometheus import PrometheusSink
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics.connect(PrometheusSink(registry))
+    yield registry
+    metrics.disconnect()
+
+
+def value(registry: Any, name: str, **labels: str) -> float:
+    got = registry.get_sample_value(name, labels)
+    return 0.0 if got is None else float(got)
+
+
+class TestPrometheusSink:
+    def test_acquired_released_and_hold_counted_by_task(self, app: Celery, registry: Any) -> None:
+        """Two runs: two acquisitions and releases, two hold observations, nothing held after."""
+        assert app.tasks["m.work"].apply((1,)).get() == 1
+        assert app.tasks["m.work"].apply((2,)).get() == 2
+        assert value(registry, "celery_lease_acquired_total", task="m.work") == 2
+        assert value(registry, "celery_lease_released_total", task="m.work") == 2
+        assert value(registry, "celery_lease_hold_seconds_count", task="m.work") == 2
+        assert value(registry, "celery_lease_wait_seconds_count", task="m.work") == 2
+        assert value(registry, "celery_lease_held", task="m.work") == 0
+
+    def test_rejected_run_counted_and_gauge_follows_holding(
+        self, app: Celery, registry: Any, store: MemoryLockStore
+    ) -> None:
+        """A run turned away (key held by another owner) counts as rejected, not acquired."""
+        store.acquire("work:7", "someone-else", 60_000)
+        app.tasks["m.skip"].apply((7,)).get()
+        assert value(registry, "celery_lease_rejected_total", task="m.skip") == 1
+        assert value(registry, "celery_lease_acquired_total", task="m.skip") == 0
+
+    def test_lost_counted_by_reason_and_leaves_gauge(self, registry: Any) -> None:
+        """lock_lost as the engine sends it: counted under its reason; the gauge goes down."""
+        task = type("T", (), {"name": "m.x"})()
+        lease_signals.send(
+            lease_signals.lock_acquired, task, key="k", token=1, waited=False, wait_seconds=0.5,
+            task_id="i",
+        )  # fmt: skip
+        assert value(registry, "celery_lease_held", task="m.x") == 1
+        lease_signals.send(
+            lease_signals.lock_lost, task, key="k", token=1, reason="expired", task_id="i"
+        )
+        assert value(registry, "celery_lease_lost_total", task="m.x", reason="expired") == 1
+        assert value(registry, "celery_lease_held", task="m.x") == 0
+        assert value(registry, "celery_lease_wait_seconds_sum", task="m.x") == 0.5
+
+    def test_renewal_observer_labels_by_task_of_key(self, registry: Any) -> None:
+        """A renewal of a key held by a task is observed under that task's name."""
+        task = type("T", (), {"name": "m.r"})()
+        lease_signals.send(
+            lease_signals.lock_acquired, task, key="rk", token=1, waited=False, wait_seconds=0.0,
+            task_id="i",
+        )  # fmt: skip
+        metrics._on_renewal("rk", 1, 0.004, True)
+        assert value(registry, "celery_lease_renewal_seconds_count", task="m.r") == 1
+        assert value(registry, "celery_lease_renewal_seconds_sum", task="m.r") == 0.004
+
+
+class TestHotPath:
+    def test_no_receivers_unless_connected(self, app: Celery) -> None:
+        """Without metrics the lock signals have no receiver of ours (the engine skips them)."""
+        ours = [
+            r
+            for signal in (lease_signals.lock_acquired, lease_signals.lock_released)
+            for r in signal.receivers
+            if "celery_lease.metrics" in str(r[0])
+        ]
+        assert ours == []
+
+
+class TestInstall:
+    def test_install_adds_the_worker_step_only(self, app: Celery) -> None:
+        """install() validates and adds the bootstep; it connects nothing in this process."""
+        metrics.install(app, port=0)
+        assert metrics.MetricsStep in app.steps["worker"]
+        assert metrics._sink is None
+
+    @pytest.mark.parametrize(
+        ("kwargs", "needle"),
+        [
+            ({"exporter": "statsd"}, "exporter='statsd'"),
+            ({"port": 70000}, "port=70000"),
+            ({"port": "9809"}, "port='9809'"),
+            ({"addr": ""}, "addr=''"),
+        ],
+    )
+    def test_bad_arguments_name_the_parameter(
+        self, app: Celery, kwargs: dict[str, Any], needle: str
+    ) -> None:
+        """A bad argument fails at the call, naming it and the value."""
+        with pytest.raises(LeaseConfigError, match=needle):
+            metrics.install(app, **kwargs)
+
+    def test_refuses_when_prometheus_client_imported_without_multiproc_dir(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Prefork needs multiprocess mode, which prometheus_client picks at import."""
+        from celery_lease.metrics.prometheus import PrometheusExporter
+
+        monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+        with pytest.raises(LeaseConfigError, match="PROMETHEUS_MULTIPROC_DIR"):
+            PrometheusExporter(0, "127.0.0.1", multiprocess=True, node="w@h")
+
+    def test_single_process_exporter_serves_over_http(self, app: Celery) -> None:
+        """solo/threads: the default registry, served from this process on a free port."""
+        import urllib.request
+
+        from celery_lease.metrics.prometheus import PrometheusExporter
+
+        exporter = PrometheusExporter(0, "127.0.0.1", multiprocess=False, node="w@h")
+        metrics.connect(exporter.sink)
+        exporter.start()
+        try:
+            app.tasks["m.work"].apply((3,)).get()
+            url = f"http://127.0.0.1:{exporter.bound_port}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as response:
+                text = response.read().decode()
+        finally:
+            exporter.stop()
+            metrics.disconnect()
+        assert 'celery_lease_acquired_total{task="m.work"}' in text
+        assert "# TYPE celery_lease_hold_seconds histogram" in text
+
+
+class TestSetting:
+    """``app.conf.lease_metrics`` / ``lease_metrics_port``: metrics without code."""
+
+    def test_setting_selects_the_exporter_and_port(self, app: Celery) -> None:
+        """lease_metrics and lease_metrics_port (a str from the environment too) are read."""
+        app.conf.lease_metrics = "prometheus"
+        app.conf.lease_metrics_port = "9911"
+        options = metrics._options_of(app)
+        assert options is not None
+        assert (options.exporter, options.port) == ("prometheus", 9911)
+
+    def test_unset_or_none_exports_nothing(self, app: Celery) -> None:
+        """No setting and no install(): the worker step does nothing."""
+        assert metrics._options_of(app) is None
+        app.conf.lease_metrics = None
+        assert metrics._options_of(app) is None
+
+    def test_install_wins_over_the_setting(self, app: Celery) -> None:
+        """An install() call is used as it is, whatever the setting says."""
+        app.conf.lease_metrics = "otel"
+        metrics.install(app, port=0)
+        options = metrics._options_of(app)
+        assert options is not None and (options.exporter, options.port) == ("prometheus", 0)
+
+    @pytest.mark.parametrize(
+        ("conf", "needle"),
+        [
+            ({"lease_metrics": "statsd"}, "lease_metrics='statsd' is not allowed"),
+            ({"lease_metrics": True}, "lease_metrics=True is not allowed"),
+            ({"lease_metrics_port": 70000}, "lease_metrics_port=70000 is not allowed"),
+            ({"lease_metrics_port": "80a"}, "lease_metrics_port='80a' is not allowed"),
+            ({"lease_metrics_port": True}, "lease_metrics_port=True is not allowed"),
+            ({"lease_metric": "prometheus"}, "did you mean 'lease_metrics'"),
+            ({"lease_metrics_prot": 1}, "did you mean 'lease_metrics_port'"),
+        ],
+    )
+    def test_bad_setting_names_the_setting_and_the_value(
+        self, app: Celery, conf: dict[str, Any], needle: str
+    ) -> None:
+        """A bad value or a misspelled name fails when the settings are read (worker start)."""
+        from celery_lease import config
+
+        app.conf.update(conf)
+        with pytest.raises(LeaseConfigError, match=re.escape(needle)):
+            config.get_settings(app)
+
+    def test_missing_library_names_the_setting_and_the_extra(
+        self, app: Celery, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """lease_metrics="otel" without opentelemetry: the worker step says what to install."""
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a: None if name == "opentelemetry" else real(name, *a),
+        )
+        app.conf.lease_metrics = "otel"
+        with pytest.raises(LeaseConfigError, match=r"lease_metrics='otel'.*celery-lease\[otel\]"):
+            metrics._options_of(app)
+
+
+class TestOtel:
+    def test_same_metrics_and_spans_through_the_sdk(self, app: Celery) -> None:
+        """The OTel sink records the counters, histograms and a wait and a hold span."""
+        pytest.importorskip("opentelemetry.sdk")
+        from opentelemetry.sdk.metrics import MeterProvider
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        from celery_lease.metrics.otel import OtelSink
+
+        reader = InMemoryMetricReader()
+        spans = InMemorySpanExporter()
+        tracer_provider = TracerProvider()
+        tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
+        metrics.connect(OtelSink(MeterProvider(metric_readers=[reader]), tracer_provider))
+        try:
+            app.tasks["m.work"].apply((4,)).get()
+        finally:
+            metrics.disconnect()
+        data = reader.get_metrics_data()
+        points = {
+            m.name: m.data.data_points
+            for rm in data.resource_metrics
+            for sm in rm.scope_metrics
+            for m in sm.metrics
+        }
+        assert points["celery_lease.acquired"][0].value == 1
+        assert points["celery_lease.acquired"][0].attributes == {"celery.task.name": "m.work"}
+        assert points["celery_lease.hold"][0].count == 1
+        assert points["celery_lease.held"][0].value == 0
+        names = sorted(span.name for span in spans.get_finished_spans())
+        assert names == ["celery_lease.hold", "celery_lease.wait"]
+
+
+class TestRenewalLatency:
+    def test_renewals_of_a_running_task_observed_under_its_name(
+        self, store: MemoryLockStore
+    ) -> None:
+        """A task holding a 0.3 s lease is renewed (every 0.1 s) while its body waits for the
+        second observed renewal: both land in the renewal histogram under the task's name."""
+        import threading
+
+        from celery_lease import renewer
+        from celery_lease.metrics.prometheus import PrometheusSink
+
+        app = Celery("r", broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.lease_store = store
+        registry = prometheus_client.CollectorRegistry()
+        renewed = threading.Event()
+        seen: list[str] = []
+
+        def note(key: str, token: int | None, seconds: float, ok: bool | None) -> None:
+            seen.append(key)
+            if seen.count("slow:1") >= 2:
+                renewed.set()
+
+        observe = getattr(renewer, "observe_renewals", None)
+        assert observe is not None, "renewer.observe_renewals is missing"
+        forget = observe(note)
+
+        @app.task(
+            name="r.slow", base=LockedTask, lock_key="slow:{n}", lock_ttl="0.3s", shared=False
+        )
+        def slow(n: int) -> bool:
+            return renewed.wait(10.0)
+
+        metrics.connect(PrometheusSink(registry))
+        try:
+            assert slow.apply((1,)).get() is True
+        finally:
+            metrics.disconnect()
+            forget()
+            app.close()
+        assert value(registry, "celery_lease_renewal_seconds_count", task="r.slow") >= 2

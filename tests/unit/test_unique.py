@@ -1,0 +1,455 @@
+"""Unique at enqueue (issue 9), the caller's side: in-process broker, MemoryLockStore, FakeClock."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.signals import after_task_publish
+
+from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
+from celery_lease import unique as unique_module
+from celery_lease.errors import LockNotAcquiredError
+from celery_lease.holder import make_owner, parse_owner
+from celery_lease.signals import lock_duplicate
+from celery_lease.testing import FakeClock
+from tests.unit.conftest import SpyStore
+
+
+class Published:
+    """Counts the messages published per task name (after_task_publish)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.headers: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, sender: Any = None, headers: Any = None, **_: Any) -> None:
+        with self._lock:
+            self.ids.append(headers["id"])
+            self.headers.append(headers)
+
+
+@pytest.fixture
+def published() -> Iterator[Published]:
+    spy = Published()
+    after_task_publish.connect(spy, weak=False)
+    yield spy
+    after_task_publish.disconnect(spy)
+
+
+@pytest.fixture
+def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    monkeypatch.setattr(unique_module, "clock", clock)
+    app = Celery("unique-unit", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
+    yield app
+    app.close()
+
+
+def define(app: Celery, name: str, **options: Any) -> Any:
+    @app.task(name=name, base=LockedTask, lock_key="k:{n}", shared=False, **options)
+    def body(n: int, extra: int = 0) -> int:
+        return n + extra
+
+    return body
+
+
+UNIQUES = ["while_queued", "until_done"]
+
+
+class TestOneCopy:
+    @pytest.mark.parametrize("unique", UNIQUES)
+    def test_a_second_call_publishes_nothing_and_gets_the_first_id(
+        self, app: Celery, published: Published, unique: str
+    ) -> None:
+        """Two delay() with one key: one message, the same task id for both callers."""
+        task = define(app, f"t.two.{unique}", lock_unique=unique)
+        first = task.delay(7)
+        second = task.delay(7)
+        assert second.id == first.id
+        assert published.ids == [first.id]
+
+    @pytest.mark.parametrize("unique", UNIQUES)
+    def test_fifty_threads_publish_one_message(
+        self, app: Celery, published: Published, unique: str
+    ) -> None:
+        """50 concurrent delay() calls from threads: exactly one message, one id for all."""
+        task = define(app, f"t.fifty.{unique}", lock_unique=unique)
+        assert task.name  # evaluate the task proxy here, as importing a tasks module does
+        start = threading.Barrier(50)
+        ids: list[str] = []
+        guard = threading.Lock()
+
+        def call() -> None:
+            start.wait()
+            result = task.delay(3)
+            with guard:
+                ids.append(result.id)
+
+        threads = [threading.Thread(target=call) for _ in range(50)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(ids) == 50
+        assert set(ids) == set(published.ids)
+        assert len(published.ids) == 1
+
+    def test_other_keys_are_independent(self, app: Celery, published: Published) -> None:
+        """Different keys each get their own copy."""
+        task = define(app, "t.keys", lock_unique="until_done")
+        assert task.delay(1).id != task.delay(2).id
+        assert len(published.ids) == 2
+
+    def test_the_message_carries_the_queued_lease(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """The header names the queued key and an owner that identifies the task id."""
+        task = define(app, "t.header", lock_unique="while_queued")
+        result = task.delay(5)
+        qkey, owner = published.headers[0][unique_module.HEADER]
+        assert qkey == "queued:k:5"
+        assert parse_owner(owner).task_id == result.id
+        info = store.get(qkey)
+        assert info is not None and info.owner == owner
+
+    def test_a_task_without_unique_touches_no_store(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """Without lock_unique, apply_async is Celery's: no store call at enqueue."""
+        task = define(app, "t.plain")
+        task.delay(1)
+        task.delay(1)
+        assert len(published.ids) == 2
+        assert store.list() == []
+
+    def test_eager_mode_deduplicates_nothing(self, app: Celery, store: SpyStore) -> None:
+        """task_always_eager runs each call inline; the run lease is all there is."""
+        app.conf.task_always_eager = True
+        task = define(app, "t.eager", lock_unique="until_done")
+        assert task.delay(1).get() == 1
+        assert task.delay(1).get() == 1
+        assert store.list() == []
+
+
+class TestDuplicates:
+    def test_raise_gives_the_holder(self, app: Celery, published: Published) -> None:
+        """on_duplicate="raise": AlreadyQueuedError with the key and the holder's task id."""
+        task = define(app, "t.raise", lock_unique="while_queued", lock_on_duplicate="raise")
+        first = task.delay(4)
+        with pytest.raises(AlreadyQueuedError) as caught:
+            task.delay(4)
+        assert caught.value.key == "k:4"
+        assert caught.value.task_id == first.id
+        assert isinstance(caught.value, LockNotAcquiredError)
+        assert len(published.ids) == 1
+
+    def test_the_error_survives_pickle_and_json(self) -> None:
+        """Rebuilt as cls(*args) (json backend) and by pickle, with key and task_id."""
+        error = AlreadyQueuedError("k:1", "abc")
+        again = pickle.loads(pickle.dumps(error))
+        rebuilt = AlreadyQueuedError(*json.loads(json.dumps(error.args)))
+        for copy in (again, rebuilt):
+            assert (copy.key, copy.task_id, copy.reason) == ("k:1", "abc", "queued")
+            assert str(copy) == str(error)
+
+    def test_lock_duplicate_is_sent_in_the_caller(self, app: Celery) -> None:
+        """lock_duplicate(key, task_id, existing_task_id), from the calling thread."""
+        task = define(app, "t.signal", lock_unique="until_done")
+        seen: list[dict[str, Any]] = []
+
+        def receiver(sender: Any, **named: Any) -> None:
+            seen.append({**named, "thread": threading.get_ident()})
+
+        lock_duplicate.connect(receiver)
+        try:
+            first = task.delay(9)
+            task.apply_async((9,), task_id="second-id")
+        finally:
+            lock_duplicate.disconnect(receiver)
+        assert len(seen) == 1
+        assert seen[0]["key"] == "k:9"
+        assert seen[0]["task_id"] == "second-id"
+        assert seen[0]["existing_task_id"] == first.id
+        assert seen[0]["thread"] == threading.get_ident()
+
+    @pytest.mark.parametrize("callback", ["link", "link_error"])
+    def test_a_duplicate_with_callbacks_raises(
+        self, app: Celery, published: Published, callback: str
+    ) -> None:
+        """Callbacks are never dropped silently: a duplicate carrying them raises."""
+        task = define(app, f"t.canvas.{callback}", lock_unique="while_queued")
+        other = define(app, f"t.canvas.other.{callback}")
+        first = task.apply_async((2,), **{callback: other.s()})
+        assert published.ids == [first.id]
+        with pytest.raises(AlreadyQueuedError) as caught:
+            task.apply_async((2,), **{callback: other.s()})
+        assert caught.value.task_id == first.id
+
+    def test_a_chain_behind_a_duplicate_raises(self, app: Celery, published: Published) -> None:
+        """A chain whose first step is a duplicate raises instead of losing its next steps."""
+        task = define(app, "t.chain", lock_unique="until_done")
+        other = define(app, "t.chain.next")
+        task.delay(6)
+        with pytest.raises(AlreadyQueuedError):
+            (task.s(6) | other.s()).apply_async()
+        assert len(published.ids) == 1
+
+
+class TestUntilDone:
+    def test_a_running_debounced_copy_is_the_existing_one(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """until_done with debounce: the run key held by a copy makes a call a duplicate (a
+        debounced copy frees its queued key when it starts, so the run key tells)."""
+        task = define(app, "t.running", lock_unique="until_done", lock_debounce=1)
+        store.acquire("k:8", make_owner(task="t.running", task_id="running-id"), 60_000)
+        assert task.delay(8).id == "running-id"
+        assert published.ids == []
+        assert store.get("queued:k:8") is None  # the queued lease taken to look was given back
+
+    def test_while_queued_lets_one_wait_beside_the_running_one(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """while_queued: a running copy does not stop one copy from waiting."""
+        task = define(app, "t.beside", lock_unique="while_queued")
+        store.acquire("k:8", make_owner(task="t.beside", task_id="running-id"), 60_000)
+        result = task.delay(8)
+        assert published.ids == [result.id] and result.id != "running-id"
+
+    def test_a_run_key_held_outside_a_task_is_not_a_copy(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """A lease without a task id (lease() in a script) is no copy to return: publish."""
+        task = define(app, "t.script", lock_unique="until_done", lock_debounce=1)
+        store.acquire("k:8", make_owner(label="script"), 60_000)  # run key, no task id
+        result = task.delay(8)
+        assert published.ids == [result.id]
+
+
+class TestFreedKey:
+    def test_a_failed_publish_frees_the_key(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The broker refuses the message: the error propagates and the key is free at once."""
+        task = define(app, "t.broker-down", lock_unique="until_done")
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(app, "send_task", refuse)
+            with pytest.raises(ConnectionError):
+                task.delay(1)
+        assert store.get("queued:k:1") is None
+        result = task.delay(1)
+        assert published.ids == [result.id]
+
+    def test_queue_ttl_frees_an_unstarted_copy(
+        self, app: Celery, published: Published, clock: FakeClock
+    ) -> None:
+        """A copy that never starts holds its key for queue_ttl, then the next call publishes."""
+        task = define(app, "t.ttl", lock_unique="until_done", lock_queue_ttl=10)
+        first = task.delay(1)
+        clock.advance(9.9)
+        assert task.delay(1).id == first.id
+        clock.advance(0.2)
+        second = task.delay(1)
+        assert second.id != first.id
+        assert published.ids == [first.id, second.id]
+
+    def test_queue_ttl_counts_from_the_eta(
+        self, app: Celery, published: Published, clock: FakeClock
+    ) -> None:
+        """With a countdown, the key is held for countdown + queue_ttl."""
+        task = define(app, "t.eta", lock_unique="while_queued", lock_queue_ttl=10)
+        first = task.apply_async((1,), countdown=100)
+        clock.advance(109.9)
+        assert task.delay(1).id == first.id
+        clock.advance(0.2)
+        assert task.delay(1).id != first.id
+
+    def test_the_app_setting_is_the_default_queue_ttl(
+        self, app: Celery, published: Published, clock: FakeClock
+    ) -> None:
+        """lease_default_queue_ttl applies to tasks that set no queue_ttl."""
+        app.conf.lease_default_queue_ttl = "5s"
+        task = define(app, "t.default-ttl", lock_unique="while_queued")
+        first = task.delay(1)
+        clock.advance(5.1)
+        assert task.delay(1).id != first.id
+
+
+class TestRetries:
+    def test_a_running_copy_resending_its_id_is_not_a_duplicate(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """retry(): the running copy publishes its own id under its own queued lease."""
+        task = define(app, "t.retry", lock_unique="until_done")
+        first = task.delay(1)
+        task.push_request(id=first.id, called_directly=False)
+        try:
+            again = task.apply_async((1,), task_id=first.id, countdown=1)
+        finally:
+            task.pop_request()
+        assert again.id == first.id
+        assert published.ids == [first.id, first.id]
+        assert (
+            published.headers[1][unique_module.HEADER]
+            == (published.headers[0][unique_module.HEADER])
+        )
+        assert parse_owner(store.get("queued:k:1").owner).task_id == first.id  # type: ignore[union-attr]
+
+
+class TestDebounce:
+    def test_the_newest_call_supersedes_the_waiting_copy(
+        self, app: Celery, published: Published, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """Each call publishes with the countdown; the waiting one gets a tombstone."""
+        task = define(app, "t.debounce", lock_unique="while_queued", lock_debounce=1)
+        results = []
+        for extra in range(5):
+            results.append(task.delay(1, extra))
+            clock.advance(0.1)
+        assert published.ids == [r.id for r in results]
+        holder = store.get("queued:k:1")
+        assert holder is not None and parse_owner(holder.owner).task_id == results[-1].id
+        for old in results[:-1]:
+            tomb = store.get(unique_module.superseded_key(old.id, ""))
+            assert tomb is not None
+        assert store.get(unique_module.superseded_key(results[-1].id, "")) is None
+
+    def test_debounce_max_caps_the_delay(
+        self, app: Celery, published: Published, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The eta is never pushed past debounce_max after the first call of the chain."""
+        countdowns: list[float] = []
+        task = define(
+            app, "t.cap", lock_unique="while_queued", lock_debounce=1, lock_debounce_max=3
+        )
+        real = unique_module._publish
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            countdowns.append(args[4]["countdown"])
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(unique_module, "_publish", spy)
+        for _ in range(6):
+            task.delay(1)
+            clock.advance(0.5)
+        assert countdowns[:4] == [1, 1, 1, 1]
+        assert countdowns[4] == pytest.approx(1.0)  # at 2.0 s: eta 3.0 s, the cap
+        assert countdowns[5] == pytest.approx(0.5)  # at 2.5 s: capped to 3.0 s
+
+    def test_a_failed_superseding_publish_leaves_the_waiting_copy_to_run(
+        self, app: Celery, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The newest call fails to publish: its tombstone of the waiting copy is removed."""
+        task = define(app, "t.debounce-fail", lock_unique="while_queued", lock_debounce=1)
+        first = task.delay(1)
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", refuse)
+        with pytest.raises(ConnectionError):
+            task.delay(1)
+        assert store.get(unique_module.superseded_key(first.id, "")) is None
+        assert store.get("queued:k:1") is None  # freed: the waiting copy runs when it starts
+
+
+class TestBadInput:
+    @pytest.mark.parametrize(
+        ("options", "message"),
+        [
+            ({"lock_unique": "always"}, r"lock_unique of task .*'always'.*'while_queued'"),
+            (
+                {"lock_unique": "until_done", "lock_on_duplicate": "ignore"},
+                r"lock_on_duplicate of task .*'ignore'.*'existing', 'raise'",
+            ),
+            ({"lock_unique": "until_done", "lock_queue_ttl": 0}, r"lock_queue_ttl.*> 0"),
+            ({"lock_unique": "until_done", "lock_queue_ttl": -1}, r"lock_queue_ttl.*> 0"),
+            ({"lock_debounce": 1}, r"lock_debounce of task .*needs lock_unique"),
+            ({"lock_queue_ttl": 5}, r"lock_queue_ttl of task .*needs lock_unique"),
+            (
+                {
+                    "lock_key": "k:{n}",
+                    "lock_unique": "while_queued",
+                    "lock_debounce": 2,
+                    "lock_debounce_max": 1,
+                },
+                r"lock_debounce_max.*shorter than",
+            ),
+        ],
+    )
+    def test_bad_options_fail_at_definition(
+        self, app: Celery, options: dict[str, Any], message: str
+    ) -> None:
+        """A bad value fails when the task is defined, naming the option and what is allowed."""
+        app.finalize()  # tasks are created when defined (not at the first use of their proxy)
+        with pytest.raises(LeaseConfigError, match=message):
+
+            @app.task(name="t.bad", base=LockedTask, shared=False, **options)
+            def body(n: int) -> None: ...
+
+    def test_debounce_needs_a_key(self, app: Celery) -> None:
+        """debounce without lock_key: no way to say what supersedes what."""
+        app.finalize()
+        with pytest.raises(LeaseConfigError, match=r"lock_debounce.*needs a unique key"):
+
+            @app.task(
+                name="t.nokey", base=LockedTask, shared=False, lock_unique="until_done",
+                lock_debounce=1,
+            )  # fmt: skip
+            def body(n: int) -> None: ...
+
+    def test_locked_refuses_unique(self) -> None:
+        """@locked cannot reach apply_async: it says so instead of not de-duplicating."""
+        with pytest.raises(LeaseConfigError, match=r"unique='until_done'.*base=LockedTask"):
+
+            @locked(key="x", unique="until_done")
+            def body() -> None: ...
+
+    def test_locked_validates_the_new_keywords(self) -> None:
+        """@locked names the keyword in its error like every other option."""
+        with pytest.raises(LeaseConfigError, match=r"on_duplicate of @locked .*'never'"):
+
+            @locked(key="x", unique="until_done", on_duplicate="never")  # type: ignore[arg-type]
+            def body() -> None: ...
+
+
+class TestBeat:
+    def test_two_schedulers_send_one_message_per_tick(
+        self, app: Celery, published: Published
+    ) -> None:
+        """Two beat schedulers firing the same entry at once: one message, one task id."""
+        from datetime import timedelta
+
+        from celery.beat import ScheduleEntry, Scheduler
+
+        task = define(app, "t.beat", lock_unique="until_done")
+        assert task.name
+        entry = ScheduleEntry(
+            name="nightly", task="t.beat", schedule=timedelta(days=1), args=(1,), app=app
+        )
+        schedulers = [Scheduler(app, lazy=True) for _ in range(2)]
+        start = threading.Barrier(2)
+        ids: list[str] = []
+
+        def tick(scheduler: Scheduler) -> None:
+            start.wait()
+            ids.append(scheduler.apply_async(entry).id)
+
+        threads = [threading.Thread(target=tick, args=(s,)) for s in schedulers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert len(ids) == 2 and len(set(ids)) == 1
+        assert published.ids == ids[:1]
