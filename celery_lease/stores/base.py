@@ -16,8 +16,10 @@ synchronous store it hands out as ``sync`` (the renewer thread renews through th
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast, runtime_checkable
@@ -27,6 +29,7 @@ __all__ = [
     "AsyncLockStore",
     "LeaseInfo",
     "LockStore",
+    "LoopBinding",
     "SupportsBatchRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
@@ -90,6 +93,43 @@ class SupportsBatchRenew(Protocol):
         A failure of the whole batch raises ``StoreUnavailableError``.
         """
         ...
+
+
+class LoopBinding:
+    """The event loop a native async store belongs to: the loop of its first call.
+
+    Native async clients (redis.asyncio connections, psycopg's async pool and listener) belong
+    to the loop they were made in; a call from another loop would hang, fail obscurely or break
+    the first loop's calls. ``what`` says what belongs to the loop, for the error.
+    """
+
+    __slots__ = ("_loop", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+
+    def check(self, store: object) -> None:
+        """Bind to the running loop on the first call; refuse a call from another.
+
+        Raises:
+            RuntimeError: when ``store`` was first used in another event loop (one that may
+                be closed by now).
+        """
+        loop = asyncio.get_running_loop()
+        bound = self._loop
+        if bound is None:
+            self._loop = weakref.ref(loop)
+        elif bound() is not loop:
+            raise RuntimeError(
+                f"{store!r} was first used in another event loop: {self._what} belong to that"
+                " loop. Build one store per event loop (at its start-up) and"
+                " 'await store.aclose()' in it at shutdown"
+            )
+
+    def release(self) -> None:
+        """Forget the loop (nothing of it is left): another loop may use the store now."""
+        self._loop = None
 
 
 @runtime_checkable

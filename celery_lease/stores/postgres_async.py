@@ -34,7 +34,6 @@ import contextlib
 import logging
 import sys
 import time
-import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -43,7 +42,7 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LockStore
+from celery_lease.stores.base import LockStore, LoopBinding
 from celery_lease.stores.postgres import (
     DEFAULT_TABLE,
     PostgresLockStore,
@@ -269,9 +268,7 @@ class AsyncPostgresLockStore:
         self._pool: AsyncConnectionPool[Any] | None = None
         self._listener: _Listener | None = None
         self._closed = False
-        # The loop of the first call: the pool's and the listener's tasks, locks and events
-        # belong to it; another loop's call would fail obscurely or never be woken.
-        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        self._loop = LoopBinding("its connection pool and listener")  # the loop of its first call
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncPostgresLockStore:
@@ -307,28 +304,10 @@ class AsyncPostgresLockStore:
 
     # Connections ----------------------------------------------------------------------------
 
-    def _check_loop(self) -> None:
-        """Bind the store to the running loop on its first call; refuse a call from another.
-
-        Raises:
-            RuntimeError: when the store was first used in another event loop (one that may
-                be closed by now).
-        """
-        loop = asyncio.get_running_loop()
-        bound = self._loop
-        if bound is None:
-            self._loop = weakref.ref(loop)
-        elif bound() is not loop:
-            raise RuntimeError(
-                f"{self!r} was first used in another event loop: its connection pool and "
-                "listener belong to that loop. Build one store per event loop (at its start-up) "
-                "and 'await store.aclose()' in it at shutdown"
-            )
-
     async def _get_pool(self) -> AsyncConnectionPool[Any]:
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed")
-        self._check_loop()
+        self._loop.check(self)
         pool = self._pool
         if pool is None:
             pool = AsyncConnectionPool(
@@ -355,7 +334,7 @@ class AsyncPostgresLockStore:
     def _get_listener(self) -> _Listener:
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed")
-        self._check_loop()
+        self._loop.check(self)
         if self._listener is None:
             self._listener = _Listener(self._listener_connect, self._channel)
         return self._listener

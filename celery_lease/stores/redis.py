@@ -1036,6 +1036,19 @@ def _split_store_options(url: str) -> tuple[str, dict[str, object]]:
     return urlunsplit(parts._replace(query=rest)), options
 
 
+def sentinel_connection_kwargs(spec: Any, retry: Any) -> dict[str, Any]:
+    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
+    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": spec.socket_timeout,
+        "socket_connect_timeout": spec.socket_connect_timeout,
+        "retry": retry,
+    }
+    if spec.sentinel_password is not None:
+        kwargs["password"] = spec.sentinel_password
+    return kwargs
+
+
 def _client_from_url(
     url: str,
 ) -> tuple[redis.Redis, redis.sentinel.Sentinel | None, dict[str, object]]:
@@ -1043,17 +1056,10 @@ def _client_from_url(
     scheme = urlsplit(url).scheme.lower()
     if scheme == "redis+sentinel":
         spec = parse_sentinel_url(url)
-        sentinel_kwargs: dict[str, Any] = {
-            "socket_timeout": spec.socket_timeout,
-            "socket_connect_timeout": spec.socket_connect_timeout,
-            "retry": _no_retry(),
-        }
-        if spec.sentinel_password is not None:
-            sentinel_kwargs["password"] = spec.sentinel_password
         # redis.sentinel ships without annotations.
         sentinel = _Sentinel(  # type: ignore[no-untyped-call]
             list(spec.sentinels),
-            sentinel_kwargs=sentinel_kwargs,
+            sentinel_kwargs=sentinel_connection_kwargs(spec, _no_retry()),
             socket_timeout=spec.socket_timeout,
             socket_connect_timeout=spec.socket_connect_timeout,
             retry=_no_retry(),

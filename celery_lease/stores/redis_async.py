@@ -30,7 +30,6 @@ import contextlib
 import hashlib
 import logging
 import time
-import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -46,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LockStore, redact_url
+from celery_lease.stores.base import LockStore, LoopBinding, redact_url
 from celery_lease.stores.redis import (
     ACQUIRE_SCRIPT,
     RELEASE_SCRIPT,
@@ -56,6 +55,7 @@ from celery_lease.stores.redis import (
     TOKEN_TTL_MS,
     RedisLockStore,
     parse_sentinel_url,
+    sentinel_connection_kwargs,
 )
 
 __all__ = ["AsyncRedisLockStore"]
@@ -133,17 +133,10 @@ def _async_client_from_url(
     scheme = urlsplit(url).scheme.lower()
     if scheme == "redis+sentinel":
         spec = parse_sentinel_url(url)
-        sentinel_kwargs: dict[str, Any] = {
-            "socket_timeout": spec.socket_timeout,
-            "socket_connect_timeout": spec.socket_connect_timeout,
-            "retry": _no_retry(),
-        }
-        if spec.sentinel_password is not None:
-            sentinel_kwargs["password"] = spec.sentinel_password
         # redis.asyncio.sentinel ships without annotations.
         sentinel = _Sentinel(  # type: ignore[no-untyped-call]
             list(spec.sentinels),
-            sentinel_kwargs=sentinel_kwargs,
+            sentinel_kwargs=sentinel_connection_kwargs(spec, _no_retry()),
             socket_timeout=spec.socket_timeout,
             socket_connect_timeout=spec.socket_connect_timeout,
             retry=_no_retry(),
@@ -273,9 +266,7 @@ class AsyncRedisLockStore:
         timeout = kwargs.get("socket_timeout")
         self._socket_timeout = None if timeout is None else float(timeout)
         self._secrets = self._collect_secrets()
-        # The loop of the first call: redis.asyncio connections (and the pool's lock) belong to
-        # it, and another loop's call would hang, fail obscurely or break this loop's calls.
-        self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
+        self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisLockStore:
@@ -300,24 +291,6 @@ class AsyncRedisLockStore:
         return self._prefix
 
     # Calls ----------------------------------------------------------------------------------
-
-    def _check_loop(self) -> None:
-        """Bind the store to the running loop on its first call; refuse a call from another.
-
-        Raises:
-            RuntimeError: when the store was first used in another event loop (one that may
-                be closed by now).
-        """
-        loop = asyncio.get_running_loop()
-        bound = self._loop
-        if bound is None:
-            self._loop = weakref.ref(loop)
-        elif bound() is not loop:
-            raise RuntimeError(
-                f"{self!r} was first used in another event loop: its redis.asyncio connections "
-                "belong to that loop. Build one store per event loop (at its start-up) and "
-                "'await store.aclose()' in it at shutdown"
-            )
 
     async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA, with a WAIT pipelined after it when ``min_replicas``; on NOSCRIPT load
@@ -441,7 +414,7 @@ class AsyncRedisLockStore:
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and
         releases what it took before the cancellation propagates."""
-        self._check_loop()
+        self._loop.check(self)
         keys = (self._sync.lease_key(key), self._sync.token_key(key))
         args = (owner, int(ttl_ms), TOKEN_TTL_MS)
 
@@ -524,7 +497,7 @@ class AsyncRedisLockStore:
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`RedisLockStore.renew`."""
-        self._check_loop()
+        self._loop.check(self)
         keys = (self._sync.lease_key(key),)
         args = (owner, int(ttl_ms))
 
@@ -543,7 +516,7 @@ class AsyncRedisLockStore:
 
     async def release(self, key: str, owner: str) -> None:
         """As :meth:`RedisLockStore.release` (owner checked, signals one waiter)."""
-        self._check_loop()
+        self._loop.check(self)
         keys = (self._sync.lease_key(key), self._sync.signal_key(key))
         client = self._client
 
@@ -561,7 +534,7 @@ class AsyncRedisLockStore:
         """As :meth:`RedisLockStore.wait_for_release` (BLPOP on the key's signal list, one waiter
         woken per release), in slices shorter than the socket timeout. Cancelling the awaiting
         task stops the wait (redis-py drops the connection that was blocked)."""
-        self._check_loop()
+        self._loop.check(self)
         signal = self._sync.signal_key(key)
         client = self._client
         if timeout <= 0:
@@ -591,7 +564,7 @@ class AsyncRedisLockStore:
                     await sentinel.aclose()
         if self._owns_sync:
             self._sync.close()
-        self._loop = None  # no connection is left: another loop may use the client now
+        self._loop.release()  # no connection is left: another loop may use the client now
 
     def __repr__(self) -> str:
         return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
