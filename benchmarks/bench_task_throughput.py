@@ -30,10 +30,16 @@ Printed per contender: the median over rounds of tasks/s, its ratio to the plain
 the median of the per-round ratios, the microseconds it adds per task (1/median - 1/plain's
 median), and the server commands per task (``INFO commandstats`` delta per contender round,
 divided by its tasks, the ``INFO`` calls themselves left out) on the lock server and the broker.
+A second table breaks a task's time down by process: the CPU microseconds (user + system, from
+``/proc``, 10 ms ticks over the round) that the worker (with its pool children), the client (this
+process), the broker and the lock server spent per task, and the worker's wall time per task
+(1/median rate) less its CPU: the time it waited (for the lock server, the broker, a core).
 
 Run: ``python -m benchmarks.bench_task_throughput [--tasks 2000 --rounds 7]
 [--brokers redis,embedded] [--pools solo,prefork] [--contenders plain,LockedTask,...] [--json PATH]
-[--profile DIR]`` (``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
+[--profile DIR] [--spin-us N]`` (``--spin-us`` sets the Redis fast path's poll before a
+blocking read in the workers, ``celery_lease.stores._redis_fast.SPIN_SECONDS``, 0 turns it off;
+``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
 worker's main process under cProfile and writes ``DIR/<broker>-<pool>.prof``: with ``--pools solo``
 that is where the tasks run).
 """
@@ -144,6 +150,10 @@ def make_app(env: dict[str, str]) -> Celery:
     def done() -> str:
         return "done"
 
+    if env.get("BENCH_SPIN_US"):  # --spin-us: the Redis fast path's poll before a blocking read
+        from celery_lease.stores import _redis_fast
+
+        _redis_fast.SPIN_SECONDS = float(env["BENCH_SPIN_US"]) / 1e6
     if env.get("BENCH_PROFILE"):
         _profile_worker(env["BENCH_PROFILE"])
     return app
@@ -197,6 +207,9 @@ class Scenario:
     lock_cmds: dict[str, list[float]] = field(default_factory=dict)
     broker_cmds: dict[str, list[float]] = field(default_factory=dict)
     lock_mix: dict[str, dict[str, float]] = field(default_factory=dict)  # last round's, per task
+    # CPU seconds per task, per round, of each process that takes part (see _cpu_seconds).
+    cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)  # role -> pid ("worker" set at start)
     broker_mix: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -224,6 +237,36 @@ def _command_calls(client: redis.Redis | None) -> dict[str, int]:
     return calls
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) that ``pid`` and its live children used so far (Linux
+    ``/proc``; 0.0 where there is none): for prefork, the pool children do the tasks' work."""
+    total = 0.0
+    pids = [pid]
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                pids.extend(int(c) for c in f.read().split())
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return total
+
+
+def _cpu_seconds(scenario: Scenario) -> dict[str, float]:
+    """CPU seconds so far of each role: worker (with its pool children), client (this
+    process), broker and lock server (the throwaway ``redis-server`` processes)."""
+    out = {role: _process_cpu(pid) for role, pid in scenario.pids.items()}
+    out["client"] = time.process_time()
+    return out
+
+
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
 
@@ -242,6 +285,7 @@ def one_round(
     done = client.tasks["bench.done"]
     locks_before = _command_calls(scenario.lock_server)
     broker_before = _command_calls(scenario.broker_server)
+    cpu_before = _cpu_seconds(scenario)
     if stager is not None:
         task = stager.tasks[CONTENDERS[name]]
         for i in range(first, first + count):
@@ -259,6 +303,10 @@ def one_round(
             task.apply_async((i,))
     done.apply_async().get(timeout=ROUND_TIMEOUT, interval=0.005)
     rate = count / (time.perf_counter() - started)
+    cpu_after = _cpu_seconds(scenario)
+    cpu = scenario.cpu.setdefault(name, {})
+    for role, seconds in cpu_after.items():
+        cpu.setdefault(role, []).append((seconds - cpu_before[role]) / count)
     # The end marker's own commands are in the delta: the same for every contender.
     locks = _delta(locks_before, _command_calls(scenario.lock_server))
     scenario.lock_cmds.setdefault(name, []).append(sum(locks.values()) / count)
@@ -300,6 +348,7 @@ def worker(scenario: Scenario) -> Iterator[None]:
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+    scenario.pids["worker"] = process.pid
     try:
         yield
     except BaseException:
@@ -331,8 +380,10 @@ def run_scenario(
                 key += tasks
                 if round_no:
                     scenario.rates[name].append(rate)
-                else:  # warm-up: drop its command counts too
+                else:  # warm-up: drop its command counts and CPU figures too
                     scenario.lock_cmds[name].pop()
+                    for per_role in scenario.cpu[name].values():
+                        per_role.pop()
                     if scenario.broker_server is not None:
                         scenario.broker_cmds[name].pop()
         client.close()
@@ -385,6 +436,26 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
                 "broker_commands": scenario.broker_mix.get(name, {}),
             }
         )
+    roles = [
+        r
+        for r in ("worker", "client", "broker", "lock server")
+        if r in scenario.pids or r == "client"
+    ]
+    print(
+        "\nCPU us per task (median over rounds; user + system) of each process, and the worker's"
+        " wall time per task (1/median rate) that its CPU leaves unexplained (waiting):\n"
+    )
+    print("| contender | " + " | ".join(roles) + " | all | worker wall | worker waiting |")
+    print("|---|" + "---:|" * (len(roles) + 3))
+    for name in names:
+        per_role = {r: statistics.median(scenario.cpu[name][r]) * 1e6 for r in roles}
+        wall = 1e6 / statistics.median(scenario.rates[name])
+        cells = " | ".join(f"{per_role[r]:,.0f}" for r in roles)
+        print(
+            f"| {scenario.label(name)} | {cells} | {sum(per_role.values()):,.0f} | {wall:,.0f}"
+            f" | {wall - per_role['worker']:,.0f} |"
+        )
+        rows[names.index(name)]["cpu_us_per_task"] = per_role
     print("\nCommands per task in the last round (lock server; broker), inner script calls too:")
     for name in names:
         mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.lock_mix.get(name, {}).items())
@@ -432,7 +503,15 @@ def main() -> None:
         metavar="DIR",
         help="cProfile each worker's main process (use --pools solo); stats in DIR/<broker>.prof",
     )
+    parser.add_argument(
+        "--spin-us",
+        type=float,
+        help="the workers' Redis fast-path poll before a blocking read, in us (0: off;"
+        " default: the library's SPIN_SECONDS)",
+    )
     options = parser.parse_args()
+    if options.spin_us is not None:
+        os.environ["BENCH_SPIN_US"] = str(options.spin_us)  # the workers inherit it
     if options.no_hiredis and not os.environ.get("BENCH_NO_HIREDIS"):
         # The switch must be in place before redis-py is imported: run again with it set.
         env = {**os.environ, "BENCH_NO_HIREDIS": "1"}
@@ -495,6 +574,9 @@ def main() -> None:
                         Path(options.profile).mkdir(parents=True, exist_ok=True)
                         env["BENCH_PROFILE"] = str(Path(options.profile) / f"{broker}-{pool}.prof")
                     scenario = Scenario(broker, pool, env, locks.client(), broker_client, directory)
+                    scenario.pids["lock server"] = locks.process.pid
+                    if broker_server is not None and broker == "redis":
+                        scenario.pids["broker"] = broker_server.process.pid
                     run_scenario(
                         scenario, names, options.tasks, options.rounds, "BENCH_STAGE" in env
                     )

@@ -10,6 +10,8 @@ setting (``app.conf``)        meaning                                built-in de
 ``lease_metrics``             ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
 ``lease_metrics_port``        port of the Prometheus ``/metrics``    9809
 ``lease_default_queue_ttl``   an unstarted unique copy's key (dur.)  1 h
+``lease_defer_release``       may a worker skip waiting for the      ``True``
+                              release's reply (bool; see engine)
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -86,6 +88,7 @@ SETTINGS: tuple[str, ...] = (
     "lease_metrics",
     "lease_metrics_port",
     "lease_default_queue_ttl",
+    "lease_defer_release",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -143,6 +146,9 @@ class LeaseSettings:
         metrics: ``lease_metrics``: ``"prometheus"``, ``"otel"``, or ``None`` (no metrics).
         metrics_port: ``lease_metrics_port``, else 9809 (0: any free port).
         default_queue_ttl: seconds (``lease_default_queue_ttl``), or ``None`` (unset: 1 h).
+        defer_release: ``lease_defer_release``, else ``True``: a worker may send a task's
+            release without waiting for its reply when nothing is published after the body
+            (see :mod:`celery_lease.engine`); ``False`` waits for every release's reply.
     """
 
     store: str | LockStore | None
@@ -152,6 +158,7 @@ class LeaseSettings:
     metrics: str | None = None
     metrics_port: int = BUILTIN_METRICS_PORT
     default_queue_ttl: float | None = None
+    defer_release: bool = True
 
 
 _lock = threading.RLock()
@@ -362,7 +369,19 @@ def _read(app: Any) -> LeaseSettings:
         else to_seconds(
             conf.get("lease_default_queue_ttl"), name="lease_default_queue_ttl", inclusive=False
         ),
+        defer_release=_read_bool(conf.get("lease_defer_release"), "lease_defer_release", True),
     )
+
+
+def _read_bool(value: Any, name: str, default: bool) -> bool:
+    """A boolean setting: ``True`` / ``False``, or ``None`` (unset) for ``default``."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise LeaseConfigError(
+            f"{name}={value!r} is not allowed: use True or False (default {default})"
+        )
+    return value
 
 
 def _read_metrics(exporter: Any, port: Any) -> tuple[str | None, int]:

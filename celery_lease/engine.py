@@ -17,20 +17,40 @@ and ``check()`` raises; ``lock_released`` is sent (once), ``lock_lost`` and ``on
 not (the holder let go itself), and no interrupt is fired from the publish (the usual
 ``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
 ``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
+
+Deferred release reply: a worker's execution whose success publishes nothing (its result is
+ignored, it is not part of a chord, its class adds no ``on_success`` / ``after_return`` and no
+``task_success`` / ``task_postrun`` receiver but ours is connected) sends its release without
+waiting for the reply, on a store that can (:class:`~celery_lease.stores.base.
+SupportsDeferredRelease`: the Redis store on a standalone server). The reply is read before the
+next reply on that connection (the next task's acquire: one wait instead of two), before any
+message this process publishes (``before_task_publish``: callbacks, chains, ``delay()`` from a
+hook), and at process exit. So nothing this process publishes can be seen before the key is free
+on the server. What it does not order: the broker ack and the ``task-succeeded`` event that the
+worker sends after the task returns may leave before the lock server has read the release it
+was already sent. ``app.conf.lease_defer_release = False`` waits for every release's reply.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from celery._state import get_current_app
 from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish
+from celery.signals import (
+    before_task_publish,
+    task_postrun,
+    task_success,
+    worker_process_shutdown,
+    worker_shutdown,
+)
 
 try:
     from celery.app.task import get_actual_ignore_result as _ignore_result
@@ -47,7 +67,7 @@ from celery_lease.interrupt import AsyncLockLost, Interrupter
 from celery_lease.keys import KeyFunction
 from celery_lease.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
 from celery_lease.options import LockOptions, retry_countdown
-from celery_lease.stores.base import LockStore, store_from_url
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_from_url
 
 __all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
 
@@ -300,7 +320,10 @@ def _release_before_publish(
     never find its own lease still held.
 
     The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
+    Any deferred release of this process is answered first (see the module docstring).
     """
+    if _deferring:
+        flush_deferred_releases()
     runs = _active.get()
     if not runs:
         return
@@ -322,6 +345,99 @@ before_task_publish.connect(
 def _release_quietly(run: _Run) -> None:
     with contextlib.suppress(LockLostError):  # lost before the retry: nothing left to release
         run.release(_RELEASE_FOR_RETRY)
+
+
+# Deferred release replies (see the module docstring) ----------------------------------------
+
+_deferring: dict[int, SupportsDeferredRelease] = {}
+"""Stores this process sent deferred releases to, by id: their replies are read before a publish."""
+
+_HOOKS = ("on_success", "after_return")
+_hookless: dict[type, bool] = {}
+
+
+def _defer_on(context: _LeaseContext) -> None:
+    store = context.store
+    if _conforms(store, SupportsDeferredRelease):
+        _deferring[id(store)] = cast(SupportsDeferredRelease, store)
+        context.defer_release = True
+
+
+def flush_deferred_releases() -> None:
+    """Read the replies of this process's deferred releases now; never raises a store error."""
+    for store in list(_deferring.values()):
+        try:
+            store.flush_deferred()
+        except Exception:  # the store logs each release's outcome; this is a bug guard
+            logger.exception("celery-lease: reading deferred release replies failed")
+
+
+def _publishes_nothing(task: Any, request: Any) -> bool:
+    """Whether nothing is published or run after this successful worker execution that could
+    depend on its key being free, before the next store call or publish reads the reply."""
+    if request is None or task is None or _active.get():  # a nested run: its caller goes on
+        return False
+    if not _worker.runs_one_task_at_a_time():
+        # threads, gevent, eventlet: another execution of this process may acquire the same
+        # key on another connection (redis-py's pool, while the fast one is busy) before the
+        # server read the release: it would be turned away.
+        return False
+    if request.id is None or getattr(request, "is_eager", False):
+        return False
+    if not getattr(request, "delivery_info", None) or getattr(request, "chord", None):
+        return False
+    if not _result_ignored(task, request):
+        return False
+    hookless = _hookless.get(type(task))
+    if hookless is None:
+        hookless = _hookless[type(task)] = not any(_custom(type(task), h) for h in _HOOKS)
+    return (
+        hookless
+        and _only_ours(task_success)
+        and _only_ours(task_postrun)
+        and _only_ours(signals.lock_released)  # "released": user code that may act on it
+    )
+
+
+def _result_ignored(task: Any, request: Any) -> bool:
+    if _ignore_result is not None:
+        return bool(_ignore_result(task, request))
+    # Celery < 5.6: the task's setting, unless the request asks for the result explicitly.
+    return bool(task.ignore_result) and getattr(request, "ignore_result", None) is not False
+
+
+def _custom(cls: type, name: str) -> bool:
+    """Whether a class below Celery's ``Task`` (ours excluded) defines hook ``name``."""
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("celery.", "celery_lease.")) or klass is object:
+            continue
+        if name in vars(klass):
+            return True
+    return False
+
+
+def _only_ours(signal: Any) -> bool:
+    """Whether every live receiver of ``signal`` is celery-lease's own (a few per signal at
+    most: looked at each time, never cached, so a receiver connected later is always seen)."""
+    for _, receiver in signal.receivers:
+        if isinstance(receiver, weakref.ReferenceType):
+            receiver = receiver()
+            if receiver is None:
+                continue
+        if not (getattr(receiver, "__module__", None) or "").startswith("celery_lease."):
+            return False
+    return True
+
+
+def _flush_at_exit(**_: Any) -> None:
+    flush_deferred_releases()
+
+
+worker_process_shutdown.connect(
+    _flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred_process"
+)
+worker_shutdown.connect(_flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred")
+atexit.register(flush_deferred_releases)
 
 
 class _ReleasedForRetry(Exception):
@@ -451,10 +567,14 @@ def _run_locked(
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
-        if options.unique is not None and options.on_held != "retry":
+        if options.unique is not None:
             from celery_lease import unique as _unique  # only unique tasks: loaded by task.py
 
-            _unique.on_rejected(request, store, key, settings)  # its queued key, if any
+            # Its queued key, if any; a second delivery of its own running copy is re-sent
+            # for later and ends here (Ignore), whatever on_held says.
+            _unique.on_rejected(
+                request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
+            )
         return _on_held(task, request, key, options, exc)
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
@@ -511,6 +631,8 @@ def _run_locked(
         if runs_token is not None:
             _active.reset(runs_token)
     if queued is None:
+        if settings.defer_release and _publishes_nothing(task, request):
+            _defer_on(context)
         run.release(None)
     else:
         try:

@@ -36,7 +36,12 @@ from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.holder import MAX_FIELD_CHARS, make_owner
 from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
-from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsReleaseNotify
+from celery_lease.stores.base import (
+    AsyncLockStore,
+    LockStore,
+    SupportsDeferredRelease,
+    SupportsReleaseNotify,
+)
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
 
@@ -395,6 +400,10 @@ class _LeaseContext:
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False  # release_early() recorded the end: the exit raises nothing
+        # The caller publishes nothing that depends on the key being free until the store's
+        # deferred replies are read (celery_lease.engine decides): the release may then go out
+        # without waiting for its reply (SupportsDeferredRelease).
+        self.defer_release = False
 
     # Decorator --------------------------------------------------------------------------------
 
@@ -596,7 +605,14 @@ class _LeaseContext:
         lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
         """
         try:
-            self.store.release(held.key, held.owner)
+            store = self.store
+            if (
+                self.defer_release
+                and _conforms(store, SupportsDeferredRelease)
+                and cast(SupportsDeferredRelease, store).release_deferred(held.key, held.owner)
+            ):
+                return
+            store.release(held.key, held.owner)
         except LockLostError:
             raise
         except Exception as exc:

@@ -49,8 +49,19 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once). A failed publish of
   the newest call (or a store error while superseding) removes its tombstone: the waiting copy
 then runs. A call that loses the key to a third one after releasing the waiting copy's lease
-keeps the tombstone: that copy has no lease left, so only the winner runs. A redelivered copy
-turned away by its own run lease (acks_late) leaves the queued key to the running body.
+keeps the tombstone: that copy has no lease left, so only the winner runs.
+
+**A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
+id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
+the only message left if that copy's worker dies: it stores nothing under the id (no FAILURE
+over the running copy), leaves the queued key to the running body, and is re-sent with the same
+id, arguments and headers plus ``lease_deferred``, ``countdown`` = the run lease's ttl (the
+longest a dead holder's run lease outlives it; one message per ttl, no busy loop), then acked
+(``Ignore``). When it comes back: the run lease still its own copy's, again; the copy's result
+ready in the result backend (it finished), it ends without its body (``Ignore``, nothing
+stored); else (the copy's worker died) it takes the queued key again and runs the body. Without
+a stored result (``ignore_result``, no backend) a finished copy cannot be told from a dead one:
+the body runs again, as acks_late promises (at least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -67,7 +78,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, cast
 
-from celery.exceptions import Ignore
+from celery import states
+from celery.exceptions import Ignore, Reject
 from celery.signals import task_revoked
 from celery.utils import uuid
 
@@ -88,6 +100,7 @@ from celery_lease.unique_options import (
 )
 
 __all__ = [
+    "DEFERRED",
     "HEADER",
     "NAMESPACE",
     "SUPERSEDED",
@@ -103,6 +116,9 @@ logger = logging.getLogger(__name__)
 
 HEADER = "lease_queued"
 """Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
+
+DEFERRED = "lease_deferred"
+"""Message header (``True``) of a second delivery re-sent to wait for its own running copy."""
 
 NAMESPACE = "queued:"
 """Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
@@ -591,6 +607,9 @@ def on_start(
     if getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)
+    deferred = getattr(request, DEFERRED, None) is True
+    if deferred and task_id is not None and _finished(task, task_id):
+        _drop_finished(task, task_id)  # raises Ignore: the body ran already
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
@@ -609,6 +628,10 @@ def on_start(
     if unique.unique != "until_done":
         store.release(qkey, owner)
         return None
+    if deferred and store.acquire(qkey, owner, _ms(ttl)) is None:
+        # The dead copy's queued lease expired and another copy took the key meanwhile: the
+        # renewal below reports it lost; the run lease still excludes that copy's body.
+        logger.info("celery-lease: %r is held by another copy; %s runs all the same", qkey, task_id)
     now = SYSTEM_CLOCK.monotonic()
     entry = Entry(
         store=store,
@@ -628,17 +651,34 @@ def on_start(
     return hold
 
 
-def on_rejected(request: Any, store: LockStore, key: str, settings: config.LeaseSettings) -> None:
+def on_rejected(
+    request: Any,
+    store: LockStore,
+    key: str,
+    settings: config.LeaseSettings,
+    *,
+    task: Any = None,
+    ttl: float | None = None,
+    policy: str = "raise",
+) -> None:
     """The run lease stayed held and the copy ends without its body: free its queued key.
 
-    Not for ``on_held="retry"``: the retry takes it again for itself before it is published.
+    Not for ``on_held="retry"`` (``policy``): the retry takes it again for itself before it is
+    published. When the run lease is held by this very task id (a second delivery of the
+    running copy), the queued key is the running body's; with ``task`` and ``ttl`` given (the
+    engine's call) the delivery is re-sent to wait for that copy and ``Ignore`` is raised: the
+    policy is not applied, nothing is stored under the id (see the module docstring).
+
+    Raises:
+        Ignore: a second delivery of the running copy, re-sent (or its copy finished).
+        Reject: re-sending it failed (``requeue=True``: the broker keeps the message).
     """
     if request is None or getattr(request, "is_eager", False):
         return
     task_id = getattr(request, "id", None)
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
-    if owner is None:
+    if owner is None and task is None:
         return
     if _conforms(store, SupportsInspection):
         try:
@@ -646,11 +686,66 @@ def on_rejected(request: Any, store: LockStore, key: str, settings: config.Lease
         except Exception as exc:
             logger.warning("celery-lease: reading %r failed (%s); %r is kept", key, exc, qkey)
             return  # frees itself within its ttl: never freed while its own body may run
-        if run is not None and parse_owner(run.owner).task_id == task_id:
+        if task_id is not None and run is not None and parse_owner(run.owner).task_id == task_id:
             # Its own run lease (acks_late redelivery of the running copy): the running body
             # keeps the queued key (until_done); it is not this delivery's to free.
+            if task is not None and ttl is not None:
+                _defer(task, request, key, ttl)
             return
-    _release_quietly(store, qkey, owner, "the copy was rejected")
+    if owner is not None and policy != "retry":
+        _release_quietly(store, qkey, owner, "the copy was rejected")
+
+
+def _finished(task: Any, task_id: str) -> bool:
+    """Whether the result backend holds a ready state (SUCCESS, FAILURE, REVOKED) for
+    ``task_id``; ``False`` when it cannot tell (no backend, ``ignore_result``, an error)."""
+    try:
+        state = task.backend.get_state(task_id)
+    except Exception as exc:  # DisabledBackend raises NotImplementedError; a backend error
+        logger.debug("celery-lease: no state for %s (%s)", task_id, exc)
+        return False
+    return state in states.READY_STATES
+
+
+def _drop_finished(task: Any, task_id: str) -> None:
+    reason = "delivered again after it finished"
+    logger.info("celery-lease: %s[%s] %s: body not run, nothing stored", task.name, task_id, reason)
+    raise Ignore(reason)
+
+
+def _defer(task: Any, request: Any, key: str, ttl: float) -> None:
+    """Re-send a second delivery of the running copy ``countdown=ttl`` later; raise Ignore."""
+    from celery_lease.task import LockedTask  # not at import: task.py imports this module
+
+    task_id = request.id
+    if _finished(task, task_id):  # in its cooldown (run lease kept) or releasing it
+        _drop_finished(task, task_id)
+    headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
+    headers[DEFERRED] = True
+    # As retry() re-sends a request (routing, ids, links, time limits, ``retries`` unchanged),
+    # but without ``expires`` (the copy started in time) and around apply_unique: this is the
+    # copy itself, whose queued key its running body holds.
+    signature = task.signature_from_request(request, countdown=ttl, expires=None, headers=headers)
+    try:
+        super(LockedTask, task).apply_async(signature.args, signature.kwargs, **signature.options)
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); the broker"
+            " keeps it",
+            task.name,
+            task_id,
+            exc,
+        )
+        raise Reject(exc, requeue=True) from exc
+    logger.info(
+        "celery-lease: %s[%s] delivered again while its own copy holds %r: re-sent to come back"
+        " in %gs (runs if that copy's worker died), nothing stored",
+        task.name,
+        task_id,
+        key,
+        ttl,
+    )
+    raise Ignore("delivered again while its own copy runs")
 
 
 def _mark_superseded(task: Any, request: Any, newer: str | None) -> None:

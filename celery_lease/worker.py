@@ -169,6 +169,15 @@ def reset_process_state() -> None:
         callback()
 
 
+def runs_one_task_at_a_time() -> bool:
+    """True in a worker process that runs one task at a time: a solo worker, a prefork child.
+
+    False outside a worker, in the main process of a prefork worker, and under the threads,
+    gevent and eventlet pools (and pools of other packages), where executions run side by side.
+    """
+    return _pool_label == "solo" or (_pool_label == "prefork" and _pool_child)
+
+
 def in_pool_child() -> bool:
     """True in a prefork pool child process (where terminating the process is like revoke)."""
     return _pool_child

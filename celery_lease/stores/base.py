@@ -31,6 +31,7 @@ __all__ = [
     "LockStore",
     "LoopBinding",
     "SupportsBatchRenew",
+    "SupportsDeferredRelease",
     "SupportsInspection",
     "SupportsReleaseNotify",
     "async_store_from_url",
@@ -80,6 +81,25 @@ class SupportsReleaseNotify(Protocol):
         A spurious True is allowed (the caller retries ``acquire``); so is a timeout while the key
         expired without a release (the caller polls anyway).
         """
+        ...
+
+
+@runtime_checkable
+class SupportsDeferredRelease(Protocol):
+    """A store that can send a release without waiting for its reply (see the Redis store).
+
+    The caller promises that nothing it publishes depends on the key being free until it has
+    called :meth:`flush_deferred` (or the store's next call, which reads the reply first).
+    """
+
+    def release_deferred(self, key: str, owner: str) -> bool:
+        """Send the owner-checked release of ``key``; True when sent, False when the caller
+        must :meth:`~LockStore.release` as usual. Its outcome is logged when the reply is read:
+        a failure leaves the key to expire within its ttl, as a failed release does."""
+        ...
+
+    def flush_deferred(self) -> None:
+        """Read the replies of releases sent by :meth:`release_deferred` (blocks until read)."""
         ...
 
 

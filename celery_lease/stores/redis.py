@@ -435,16 +435,25 @@ class RedisLockStore:
 
         Returns the reply, or BUSY when another thread is using the connection.
         """
+        try:
+            return fast.call(self._fast_request(script, keys, args))
+        except NoScriptError:
+            return fast.call(self._fast_request(script, keys, args, cold=True))
+
+    def _fast_request(
+        self,
+        script: _Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        cold: bool = False,
+    ) -> bytes:
+        """The packed EVALSHA request (``cold``: EVAL with the source) of ``script``."""
         encoding, errors = self._encoding, self._encoding_errors
-        parts = [script.head]
+        parts = [pack_eval_head(script.source, len(keys), len(args)) if cold else script.head]
         for item in (*keys, *args):
             data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
             parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        try:
-            return fast.call(b"".join(parts))
-        except NoScriptError:
-            parts[0] = pack_eval_head(script.source, len(keys), len(args))
-            return fast.call(b"".join(parts))
+        return b"".join(parts)
 
     def _wait_args(self) -> tuple[int, int] | None:
         """``(numreplicas, timeout ms)`` of the WAIT that follows a write, or None (no WAIT)."""
@@ -673,6 +682,51 @@ class RedisLockStore:
         # The reply is read before this returns: the key is free on the server before the
         # caller goes on (e.g. to publish a task's result).
         self._call("release", partial(self._eval, _RELEASE, keys, (owner, SIGNAL_TTL_MS)), key)
+
+    def release_deferred(self, key: str, owner: str) -> bool:
+        """Send the release of ``key`` without waiting for its reply; False when not sent.
+
+        Only on the fast path (a standalone server). The reply is read before the next reply on
+        that connection (the server answers in order), or by :meth:`flush_deferred`; its
+        outcome is logged then: an error reply, or a connection that failed before the reply,
+        leaves the key to expire within its ttl, as a failed :meth:`release` does. It is sent
+        as ``EVAL`` with the script's source, never ``EVALSHA``: a NOSCRIPT reply (a cold or
+        flushed script cache) would come after the next request had already run, with the key
+        still taken. The caller must let nothing depend on the key being free (publish a task's
+        result) before :meth:`flush_deferred` or its next call on this store.
+        """
+        fast = self._fast
+        if fast is None:
+            return False
+        base = self._base(key)
+        keys = (base + ":lease", base + ":signal")
+        request = self._fast_request(_RELEASE, keys, (owner, SIGNAL_TTL_MS), cold=True)
+        return fast.send_deferred(request, partial(self._released, key, owner))
+
+    def flush_deferred(self) -> None:
+        """Read the replies of deferred releases now (see :meth:`release_deferred`)."""
+        if self._fast is not None:
+            self._fast.flush()
+
+    def _released(self, key: str, owner: str, reply: Any) -> None:
+        """Take the reply of a deferred release (see :meth:`release_deferred`)."""
+        if isinstance(reply, RedisConnectionError):
+            # It may or may not have run (a connection the server closed while the body ran
+            # takes the write and then fails): release again the usual way, as release()
+            # retries once. Owner-checked, so running twice frees nobody else's lease; on this
+            # thread's own busy fast connection it goes through redis-py's pool.
+            try:
+                self.release(key, owner)
+            except Exception as exc:
+                logger.warning(
+                    "%s; the key expires within its ttl",
+                    self._error("release", key, f"got no reply ({reply}), then failed: {exc}"),
+                )
+        elif isinstance(reply, BaseException):
+            error = self._error("release", key, f"failed: {type(reply).__name__}: {reply}")
+            logger.warning("%s; the key expires within its ttl", error)
+        # 1: released; 0: the owner held no live lease (lost or expired), ignored as release()
+        # ignores it: the loss was reported when it happened.
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
         """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP).
@@ -1056,15 +1110,15 @@ def _client_from_url(
     scheme = urlsplit(url).scheme.lower()
     if scheme == "redis+sentinel":
         spec = parse_sentinel_url(url)
-        # redis.sentinel ships without annotations.
-        sentinel = _Sentinel(  # type: ignore[no-untyped-call]
+        # redis.sentinel ships without annotations before redis-py 8.2.
+        sentinel = _Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
             list(spec.sentinels),
             sentinel_kwargs=sentinel_connection_kwargs(spec, _no_retry()),
             socket_timeout=spec.socket_timeout,
             socket_connect_timeout=spec.socket_connect_timeout,
             retry=_no_retry(),
         )
-        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
+        client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call,unused-ignore]
             spec.service_name,
             db=spec.db,
             username=spec.username,

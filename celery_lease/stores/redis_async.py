@@ -133,8 +133,8 @@ def _async_client_from_url(
     scheme = urlsplit(url).scheme.lower()
     if scheme == "redis+sentinel":
         spec = parse_sentinel_url(url)
-        # redis.asyncio.sentinel ships without annotations.
-        sentinel = _Sentinel(  # type: ignore[no-untyped-call]
+        # redis.asyncio.sentinel ships without annotations before redis-py 8.2.
+        sentinel = _Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
             list(spec.sentinels),
             sentinel_kwargs=sentinel_connection_kwargs(spec, _no_retry()),
             socket_timeout=spec.socket_timeout,

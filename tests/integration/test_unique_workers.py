@@ -6,6 +6,7 @@ Tests that need no worker publish to a queue of their own that nobody consumes.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -112,18 +113,24 @@ def start_worker(
     return process, log
 
 
-@pytest.fixture(scope="module")
-def client(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    """The client app on the throwaway Redis (broker db 10, results db 11), no worker."""
+@contextlib.contextmanager
+def client_env(redis_server: RedisServer, directory: Path, broker_db: int) -> Iterator[Env]:
+    """The client app on the throwaway Redis: broker db ``broker_db``, results the next one."""
     base = f"redis://127.0.0.1:{redis_server.port}"
-    directory = tmp_path_factory.mktemp("unique")
-    broker, backend = f"{base}/10", f"{base}/11"
+    broker, backend = f"{base}/{broker_db}", f"{base}/{broker_db + 1}"
     app = make_app(broker, backend, str(directory))
     env = Env(app, store_from_url(broker), redis.Redis.from_url(broker), broker, backend, directory)
     try:
         yield env
     finally:
         app.close()
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """The client app on the throwaway Redis (broker db 10, results db 11), no worker."""
+    with client_env(redis_server, tmp_path_factory.mktemp("unique"), 10) as env:
+        yield env
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +378,40 @@ class TestKilledWorker:
         assert client.lines(f"calls-{run}") == []
         again = task(client, "short").apply_async((run,), queue=f"idle-{run_id()}")
         assert again.id != copy.id
+
+    def test_a_worker_killed_mid_body_frees_both_keys_and_a_new_call_runs(
+        self, client: Env
+    ) -> None:
+        """until_done: the whole worker is SIGKILLed while the body runs (no reaper survives):
+        the run lease and the queued lease free by themselves within the run ttl (2 s; the
+        queued one at most queue_ttl, 3 s, if its first renewal had not landed), and a new
+        delay() for the key then publishes a new copy, which runs."""
+        process, _log = start_worker(client, "uqmid", queue="uqmid")
+        run = run_id()
+        body = task(client, "brief")
+        try:
+            copy = body.apply_async((run, 1, True), queue="uqmid")
+            client.wait_file(f"started-{run}")
+            assert client.store.get(f"br:{run}") is not None  # type: ignore[attr-defined]
+            assert client.store.get(f"queued:br:{run}") is not None  # type: ignore[attr-defined]
+        finally:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        killed = time.monotonic()
+        assert body.apply_async((run, 9), queue=f"idle-{run}").id == copy.id  # still held
+        client.wait_free(f"br:{run}")
+        client.wait_free(f"queued:br:{run}")
+        assert time.monotonic() - killed < 3.0 + 1.0  # max(ttl, queue_ttl) + polling slack
+        queue = f"after-{run}"
+        again = body.apply_async((run, 2), queue=queue)
+        assert again.id != copy.id
+        assert client.redis.llen(queue) == 1
+        process, _log = start_worker(client, "uqafter", queue=queue)
+        try:
+            assert again.get(timeout=TIMEOUT, interval=POLL) == 2
+        finally:
+            stop_worker(process)
+        assert client.lines(f"calls-{run}") == ["1", "2"]
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from celery import Celery
+from celery.schedules import schedule
 
 from celery_lease import LockedTask
 
@@ -96,6 +98,21 @@ def make_app(broker: str, backend: str, directory: str, store: str = "") -> Cele
         return "short"
 
     @app.task(
+        name="uq.brief", base=LockedTask, lock_key="br:{run}", lock_unique="until_done",
+        lock_ttl="2s", lock_queue_ttl="3s", shared=False,
+    )  # fmt: skip
+    def brief(run: str, n: Any = 0, gate: bool = False) -> Any:
+        return record(run, n, gate)
+
+    @app.task(
+        name="uq.tick", base=LockedTask, lock_key="tk:{run}", lock_unique="until_done",
+        lock_queue_ttl="0.6s", shared=False,
+    )  # fmt: skip
+    def tick(run: str) -> str:
+        _append(out / f"calls-{run}", "tick")
+        return "tick"
+
+    @app.task(
         name="uq.cool", base=LockedTask, lock_key="cl:{run}", lock_unique="until_done",
         lock_cooldown="30s", shared=False,
     )  # fmt: skip
@@ -130,3 +147,14 @@ app = make_app(
     os.environ.get("UQ_DIR", "."),
     os.environ.get("UQ_STORE", ""),
 )
+
+if os.environ.get("UQ_BEAT_RUN"):  # ``celery beat`` of test_unique_beat.py: uq.tick every 1 s
+    app.conf.beat_schedule = {
+        "uq-tick": {
+            "task": "uq.tick",
+            # relative: due on whole seconds, so two beats started apart tick together
+            "schedule": schedule(timedelta(seconds=1), relative=True),
+            "args": (os.environ["UQ_BEAT_RUN"],),
+            "options": {"queue": os.environ["UQ_BEAT_QUEUE"]},
+        }
+    }

@@ -261,6 +261,43 @@ class TestRedelivery:
         assert task.delay(1).id == first.id
         assert published.ids == [first.id]
 
+    def test_a_second_delivery_of_the_running_copy_is_resent_and_stores_nothing(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """With the engine's arguments, a delivery meeting its own running copy's run lease is
+        re-sent with the same id, ``lease_deferred`` and a countdown of the run ttl, then ends
+        with Ignore: nothing stored under the id, the queued key kept."""
+        task = define(app, "r.deferred", lock_unique="until_done")
+        first = task.delay(1)
+        store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
+        request = request_of(published.headers[0])
+        request.args, request.kwargs = [1], {}
+        settings = config.get_settings(app)
+        with pytest.raises(Ignore):
+            unique_module.on_rejected(request, store, "k:1", settings, task=task, ttl=5.0)
+        assert published.ids == [first.id, first.id]
+        again = published.headers[1]
+        assert again[unique_module.DEFERRED] is True
+        assert again[unique_module.HEADER] == published.headers[0][unique_module.HEADER]
+        assert again["eta"] is not None and again["expires"] is None
+        assert task.AsyncResult(first.id).state == "PENDING"
+        assert store.get("queued:k:1") is not None
+
+    def test_a_deferred_delivery_of_a_finished_copy_ends_before_its_body(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """A deferred delivery that finds its copy's result ready raises Ignore at start."""
+        task = define(app, "r.deferred-done", lock_unique="until_done")
+        first = task.delay(1)
+        task.backend.mark_as_done(first.id, 1)
+        request = request_of(published.headers[0])
+        setattr(request, unique_module.DEFERRED, True)
+        settings = config.get_settings(app)
+        unique = type(task)._lock_options.unique
+        with pytest.raises(Ignore, match="finished"):
+            unique_module.on_start(task, request, store, "k:1", settings, unique, 30, 0)
+        assert task.AsyncResult(first.id).get() == 1
+
     def test_a_copy_turned_away_by_another_copy_frees_its_queued_key(
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:

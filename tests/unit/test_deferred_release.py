@@ -1,0 +1,363 @@
+"""Which worker executions send their release without waiting for its reply, and the order.
+
+A LockedTask whose success publishes nothing (result ignored, no chord, no ``on_success`` /
+``after_return`` of the user's, no foreign ``task_success`` / ``task_postrun`` receiver) hands
+its release to a store that supports deferral; every other execution releases and waits as
+before. Whatever this process publishes afterwards (a callback, a chain step, ``delay()``) is
+published only after the deferred replies were read. Each execution here is traced by Celery's
+own tracer with a worker's request, as ``fast_trace_task`` runs it in a worker.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.app.trace import build_tracer
+from celery.signals import after_task_publish, task_postrun, task_success
+
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, engine, locked
+from celery_lease import config as lease_config
+from celery_lease import signals as lease_signals
+from celery_lease import worker as worker_module
+from celery_lease.stores.base import SupportsDeferredRelease
+
+
+class DeferringStore(MemoryLockStore):
+    """A memory store that also offers deferred releases and records every call in ``log``."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__()
+        self.log = log
+        self.unread: list[tuple[str, str]] = []
+        self.accept = True
+
+    def release(self, key: str, owner: str) -> None:
+        self.log.append(f"release {key}")
+        super().release(key, owner)
+
+    def release_deferred(self, key: str, owner: str) -> bool:
+        if not self.accept:
+            return False
+        self.log.append(f"deferred {key}")
+        self.unread.append((key, owner))
+        return True
+
+    def flush_deferred(self) -> None:
+        if self.unread:
+            self.log.append("flush")
+        while self.unread:
+            super().release(*self.unread.pop(0))
+
+
+@pytest.fixture
+def log() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def store(log: list[str]) -> Iterator[DeferringStore]:
+    made = DeferringStore(log)
+    yield made
+    engine._deferring.pop(id(made), None)
+
+
+@pytest.fixture(autouse=True)
+def solo_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a solo worker's process (one task at a time): see TestPools for the others."""
+    monkeypatch.setattr(worker_module, "_pool_label", "solo")
+
+
+@pytest.fixture
+def app(store: DeferringStore) -> Iterator[Celery]:
+    made = Celery("deferred", broker="memory://", set_as_current=False)
+    made.conf.update(task_ignore_result=True, lease_store=store)
+    yield made
+    lease_config.reset(made)
+
+
+def traced(app: Celery, task: Any) -> Callable[..., Any]:
+    """Run ``task`` as a worker does: Celery's tracer, a request from a delivered message."""
+    trace = build_tracer(task.name, task, app.loader, "test@host", app=app)
+
+    def run(*args: Any, **request: Any) -> Any:
+        task_id = str(uuid.uuid4())
+        message = {
+            "id": task_id,
+            "task": task.name,
+            "args": args,
+            "kwargs": {},
+            "delivery_info": {"exchange": "", "routing_key": "celery"},
+            "hostname": "test@host",
+            "is_eager": False,
+            **request,
+        }
+        return trace(task_id, args, {}, message)
+
+    return run
+
+
+def released(log: list[str]) -> list[str]:
+    return [line for line in log if line.startswith(("release", "deferred"))]
+
+
+class TestWhichExecutionsDefer:
+    def test_a_task_that_publishes_nothing_defers(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        """Result ignored, no hooks, no callbacks: the release goes out deferred; the store's
+        next flush frees the key."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        traced(app, quiet)(1)
+        assert released(log) == ["deferred k:1"]
+        assert store.get("k:1") is not None  # not read yet: this fake applies it at the flush
+        engine.flush_deferred_releases()
+        assert store.get("k:1") is None
+
+    def test_a_stored_result_waits_for_the_reply(self, app: Celery, log: list[str]) -> None:
+        """A task whose result is stored releases and waits: the result must not be visible
+        while the key is still held."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> None:
+            return None
+
+        traced(app, stored)(2)
+        assert released(log) == ["release k:2"]
+
+    def test_a_request_asking_for_its_result_waits(self, app: Celery, log: list[str]) -> None:
+        """``apply_async(ignore_result=False)`` on an ignoring task: the request wins."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def asked(n: int) -> None:
+            return None
+
+        traced(app, asked)(3, ignore_result=False)
+        assert released(log) == ["release k:3"]
+
+    def test_a_chord_member_waits(self, app: Celery, log: list[str]) -> None:
+        """A chord header task counts its part in the backend after the body: no deferral."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def part(n: int) -> None:
+            return None
+
+        # The memory backend has no chord support: Celery logs that failure after the release.
+        traced(app, part)(4, chord={"task": "x", "options": {}, "subtask_type": None})
+        assert released(log) == ["release k:4"]
+
+    def test_a_user_on_success_waits(self, app: Celery, log: list[str]) -> None:
+        """A task class of the user's with ``on_success`` runs user code after the body."""
+
+        class Notifying(LockedTask):
+            abstract = True
+
+            def on_success(self, retval: Any, task_id: str, args: Any, kwargs: Any) -> None:
+                log.append("on_success")
+
+        @app.task(base=Notifying, lock_key="k:{n}", shared=False)
+        def hooked(n: int) -> None:
+            return None
+
+        traced(app, hooked)(5)
+        assert released(log) == ["release k:5"]
+        assert log[-1] == "on_success"
+
+    @pytest.mark.parametrize("signal", [task_postrun, task_success], ids=["postrun", "success"])
+    def test_a_foreign_receiver_makes_it_wait(
+        self, app: Celery, log: list[str], signal: Any
+    ) -> None:
+        """A task_postrun / task_success receiver that is not celery-lease's runs user code
+        after the body: no deferral while it is connected, deferral again once it is gone."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def watched(n: int) -> None:
+            return None
+
+        def receiver(**_: Any) -> None:
+            log.append("receiver")
+
+        run = traced(app, watched)
+        signal.connect(receiver, weak=False)
+        try:
+            run(6)
+        finally:
+            signal.disconnect(receiver)
+        run(7)
+        assert released(log) == ["release k:6", "deferred k:7"]
+
+    def test_eager_runs_wait(self, app: Celery, log: list[str]) -> None:
+        """``apply()`` (eager) returns to the caller, who may go on at once: no deferral."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def eager(n: int) -> None:
+            return None
+
+        eager.apply((8,))
+        assert released(log) == ["release k:8"]
+
+    def test_a_failure_waits(self, app: Celery, log: list[str]) -> None:
+        """Only a success is deferred: a failure may be stored (store_errors_even_if_ignored)."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def failing(n: int) -> None:
+            raise ValueError(n)
+
+        traced(app, failing)(9)
+        assert released(log) == ["release k:9"]
+
+    def test_a_nested_helper_waits(self, app: Celery, log: list[str]) -> None:
+        """A ``@locked`` helper called inside a body releases before the body goes on."""
+
+        @locked(key="inner:{n}")
+        def helper(n: int) -> None:
+            return None
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def outer(n: int) -> None:
+            helper(n)
+            log.append("body goes on")
+
+        traced(app, outer)(10)
+        assert log.index("release inner:10") < log.index("body goes on")
+        assert released(log)[-1] == "deferred k:10"
+
+    def test_the_setting_turns_it_off(self, app: Celery, log: list[str]) -> None:
+        """``lease_defer_release = False``: every release waits for its reply."""
+        app.conf.lease_defer_release = False
+        lease_config.reset(app)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def plain(n: int) -> None:
+            return None
+
+        traced(app, plain)(11)
+        assert released(log) == ["release k:11"]
+
+    def test_a_bad_setting_is_refused_by_name(self, app: Celery) -> None:
+        app.conf.lease_defer_release = "yes"
+        lease_config.reset(app)
+        with pytest.raises(LeaseConfigError, match=r"lease_defer_release='yes'.*True or False"):
+            lease_config.get_settings(app)
+
+    def test_a_store_that_declines_releases_the_usual_way(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        """release_deferred False (the connection is busy): the usual release, waited for."""
+        store.accept = False
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def declined(n: int) -> None:
+            return None
+
+        traced(app, declined)(12)
+        assert released(log) == ["release k:12"]
+        assert store.get("k:12") is None
+
+
+class TestPools:
+    @pytest.mark.parametrize(
+        ("pool", "child", "defers"),
+        [
+            ("solo", False, True),
+            ("prefork", True, True),
+            ("prefork", False, False),  # the main process runs no task; never here anyway
+            ("thread", False, False),
+            ("gevent", False, False),
+            ("eventlet", False, False),
+            ("", False, False),  # outside a worker
+        ],
+    )
+    def test_only_processes_that_run_one_task_at_a_time_defer(
+        self,
+        app: Celery,
+        log: list[str],
+        monkeypatch: pytest.MonkeyPatch,
+        pool: str,
+        child: bool,
+        defers: bool,
+    ) -> None:
+        """Where executions run side by side, the next one may acquire the same key through
+        another connection before the server read the release: no deferral there."""
+        monkeypatch.setattr(worker_module, "_pool_label", pool)
+        monkeypatch.setattr(worker_module, "_pool_child", child)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def pooled(n: int) -> None:
+            return None
+
+        traced(app, pooled)(30)
+        assert released(log) == ["deferred k:30" if defers else "release k:30"]
+
+    def test_a_lock_released_receiver_of_the_users_makes_it_wait(
+        self, app: Celery, log: list[str]
+    ) -> None:
+        """lock_released means "the key is free": a user receiver must find it so."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def told(n: int) -> None:
+            return None
+
+        def receiver(**_: Any) -> None:
+            log.append("told")
+
+        lease_signals.lock_released.connect(receiver, weak=False)
+        try:
+            traced(app, told)(31)
+        finally:
+            lease_signals.lock_released.disconnect(receiver)
+        assert released(log) == ["release k:31"]
+
+
+class TestNothingIsPublishedBeforeTheReply:
+    @pytest.fixture
+    def published(self, log: list[str]) -> Iterator[None]:
+        def note(sender: Any = None, **_: Any) -> None:
+            log.append(f"published {sender}")
+
+        after_task_publish.connect(note, weak=False)
+        yield
+        after_task_publish.disconnect(note)
+
+    def test_a_link_callback_leaves_after_the_flush(
+        self, app: Celery, log: list[str], published: None
+    ) -> None:
+        """The body's callback is published by Celery after the body: the deferred reply is
+        read first, so whoever runs the callback finds the key free."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def first(n: int) -> None:
+            return None
+
+        @app.task(name="t.callback", shared=False)
+        def callback(_: Any) -> None:
+            return None
+
+        traced(app, first)(20, callbacks=[callback.s().set(immutable=False)])
+        assert log.index("deferred k:20") < log.index("flush") < log.index("published t.callback")
+
+    def test_a_later_delay_leaves_after_the_flush(
+        self, app: Celery, log: list[str], published: None
+    ) -> None:
+        """Anything this process publishes later (a delay() from other code) comes after the
+        reply was read."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def again(n: int) -> None:
+            return None
+
+        traced(app, again)(21)
+        again.delay(21)
+        assert log == ["deferred k:21", "flush", "published " + again.name]
+
+
+def test_the_protocol_is_runtime_checkable(log: list[str]) -> None:
+    assert isinstance(DeferringStore(log), SupportsDeferredRelease)
+    assert not isinstance(MemoryLockStore(), SupportsDeferredRelease)
