@@ -358,7 +358,9 @@ _hookless: dict[type, bool] = {}
 
 def _defer_on(context: _LeaseContext) -> None:
     store = context.store
-    if _conforms(store, SupportsDeferredRelease):
+    # The class attribute first: the protocol check of a store that does not conform (SQLite,
+    # memory) is not cached and costs a full isinstance() per task.
+    if hasattr(type(store), "release_deferred") and _conforms(store, SupportsDeferredRelease):
         _deferring[id(store)] = cast(SupportsDeferredRelease, store)
         context.defer_release = True
 

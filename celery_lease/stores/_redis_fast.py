@@ -77,16 +77,19 @@ _STOCK_POOLS = (redis.ConnectionPool, redis.BlockingConnectionPool)
 _CRLF: Final = b"\r\n"
 _RECV: Final = 65536
 
-SPIN_SECONDS = 0.0002
-"""How long a read polls the socket before it blocks in ``recv`` (200 us; 0 turns it off).
+SPIN_SECONDS = 0.0
+"""How long a read polls the socket before it blocks in ``recv`` (seconds; 0, the default: off).
 
 A blocked thread costs a wake-up when the reply lands: 40-50 us on the 2-core VM the benchmarks
-run on, as much as the loopback round trip itself. A reply to our scripts usually comes within
-20-60 us, so the read first polls the socket (non-blocking ``read`` calls, the GIL released in
-each) for at most this long, and only then blocks. Only on plain kernel sockets (not TLS, not
-gevent's or eventlet's cooperative sockets, which must yield to their hub) with a timeout, and
-only where the process may run on more than one CPU (on one CPU the server cannot answer
-while we poll).
+run on, as much as a loopback round trip. With a poll of 200 us (non-blocking reads, the GIL
+released in each) an uncontended acquire + release cycle on loopback took 115 us instead of
+244 us there; but in a worker on a busy 2-core host the poll took the core the lock server
+needed (``bench_task_throughput --spin-us 0`` against ``200``: 280 against 350 us added per
+task), and against a server on another host (round trips of 100 us and more) it mostly burns
+CPU. So it is off; set it in the worker process (e.g. in ``worker_process_init``) where Redis
+is on the same host with cores to spare, and measure. Only plain kernel sockets poll (not TLS,
+nor gevent's or eventlet's cooperative sockets, which must yield to their hub), only with a
+socket timeout or a blocking socket, and only where the process may run on more than one CPU.
 """
 
 
