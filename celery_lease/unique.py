@@ -55,13 +55,16 @@ keeps the tombstone: that copy has no lease left, so only the winner runs.
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
 the only message left if that copy's worker dies: it stores nothing under the id (no FAILURE
 over the running copy), leaves the queued key to the running body, and is re-sent with the same
-id, arguments and headers plus ``lease_deferred``, ``countdown`` = the run lease's ttl (the
-longest a dead holder's run lease outlives it; one message per ttl, no busy loop), then acked
-(``Ignore``). When it comes back: the run lease still its own copy's, again; the copy's result
-ready in the result backend (it finished), it ends without its body (``Ignore``, nothing
-stored); else (the copy's worker died) it takes the queued key again and runs the body. Without
-a stored result (``ignore_result``, no backend) a finished copy cannot be told from a dead one:
-the body runs again, as acks_late promises (at least once).
+id, arguments and headers plus ``lease_deferred`` (how often it was re-sent so), ``countdown`` =
+the run lease's ttl (the longest a dead holder's run lease outlives it; one message per ttl, no
+busy loop), then acked (``Ignore``). A delivery that carries ``lease_deferred`` never applies
+``on_held``: it ends without its body when its copy is done (a ready state in the result
+backend, or RETRY: the retry message carries the work), and is re-sent again while the run key
+is held (by its copy or a newer one) or the backend cannot answer. It runs the body only when
+it found the run key free and its copy not done on two arrivals a ttl apart (its copy's worker
+died); one such arrival may fall between the copy's release and its stored result. Without a
+stored result (``ignore_result``, no backend) a finished copy cannot be told from a dead one: the
+body runs again, as acks_late promises (at least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -607,9 +610,17 @@ def on_start(
     if getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)
-    deferred = getattr(request, DEFERRED, None) is True
-    if deferred and task_id is not None and _finished(task, task_id):
-        _drop_finished(task, task_id)  # raises Ignore: the body ran already
+    deferred = _deferrals(request)
+    if deferred and task_id is not None:
+        # A second delivery of a copy, back with the run key free. It runs the body only when
+        # the copy is not done and was seen so twice, one ttl apart: the first time may be the
+        # instant between the copy's release and its stored result (or a backend that could
+        # not answer); a copy whose worker died is still not done a ttl later.
+        done = _finished(task, task_id)
+        if done:
+            _drop_finished(task, task_id)  # raises Ignore: the body ran already
+        if done is None or deferred < 2:
+            _defer(task, request, key, ttl, deferred + (done is False))  # raises Ignore
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
@@ -676,6 +687,14 @@ def on_rejected(
     if request is None or getattr(request, "is_eager", False):
         return
     task_id = getattr(request, "id", None)
+    deferred = _deferrals(request)
+    if deferred and task_id is not None and task is not None and ttl is not None:
+        # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
+        # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
+        # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
+        if _finished(task, task_id):
+            _drop_finished(task, task_id)
+        _defer(task, request, key, ttl, deferred)
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
@@ -690,21 +709,39 @@ def on_rejected(
             # Its own run lease (acks_late redelivery of the running copy): the running body
             # keeps the queued key (until_done); it is not this delivery's to free.
             if task is not None and ttl is not None:
-                _defer(task, request, key, ttl)
+                _defer(task, request, key, ttl, 1)
             return
     if owner is not None and policy != "retry":
         _release_quietly(store, qkey, owner, "the copy was rejected")
 
 
-def _finished(task: Any, task_id: str) -> bool:
-    """Whether the result backend holds a ready state (SUCCESS, FAILURE, REVOKED) for
-    ``task_id``; ``False`` when it cannot tell (no backend, ``ignore_result``, an error)."""
+def _deferrals(request: Any) -> int:
+    """How often this delivery was re-sent to wait for its own copy (0: never): the
+    ``lease_deferred`` header, a count (``True`` from older messages counts as 1)."""
+    value = getattr(request, DEFERRED, None)
+    if value is True:
+        return 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def _finished(task: Any, task_id: str) -> bool | None:
+    """Whether the copy ``task_id`` is done: its result backend holds a ready state (SUCCESS,
+    FAILURE, REVOKED) or RETRY (a newer attempt, already published, carries the work).
+
+    ``False`` for any other state, and where there is no result to read (no backend,
+    ``ignore_result``: a done copy then looks like a dead one, so the body runs again, at
+    least once); ``None`` when the backend failed to answer (the caller waits and asks again).
+    """
     try:
         state = task.backend.get_state(task_id)
-    except Exception as exc:  # DisabledBackend raises NotImplementedError; a backend error
-        logger.debug("celery-lease: no state for %s (%s)", task_id, exc)
+    except NotImplementedError:  # DisabledBackend: no results, ever
         return False
-    return state in states.READY_STATES
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: reading the state of %s failed (%s); asking later", task_id, exc
+        )
+        return None
+    return state in states.READY_STATES or state == states.RETRY
 
 
 def _drop_finished(task: Any, task_id: str) -> None:
@@ -713,15 +750,20 @@ def _drop_finished(task: Any, task_id: str) -> None:
     raise Ignore(reason)
 
 
-def _defer(task: Any, request: Any, key: str, ttl: float) -> None:
-    """Re-send a second delivery of the running copy ``countdown=ttl`` later; raise Ignore."""
+def _defer(task: Any, request: Any, key: str, ttl: float, count: int) -> None:
+    """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
+
+    If the re-send fails: an ``acks_late`` task's message is rejected back to the broker
+    (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
+    it: the failure is logged (its copy, which still runs, carries the work) and it ends.
+    """
     from celery_lease.task import LockedTask  # not at import: task.py imports this module
 
     task_id = request.id
     if _finished(task, task_id):  # in its cooldown (run lease kept) or releasing it
         _drop_finished(task, task_id)
     headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
-    headers[DEFERRED] = True
+    headers[DEFERRED] = count
     # As retry() re-sends a request (routing, ids, links, time limits, ``retries`` unchanged),
     # but without ``expires`` (the copy started in time) and around apply_unique: this is the
     # copy itself, whose queued key its running body holds.
@@ -729,17 +771,26 @@ def _defer(task: Any, request: Any, key: str, ttl: float) -> None:
     try:
         super(LockedTask, task).apply_async(signature.args, signature.kwargs, **signature.options)
     except Exception as exc:
-        logger.warning(
-            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); the broker"
-            " keeps it",
+        if getattr(request, "acks_late", None) or getattr(task, "acks_late", False):
+            logger.warning(
+                "celery-lease: re-sending the second delivery of %s[%s] failed (%s); rejected"
+                " back to the broker",
+                task.name,
+                task_id,
+                exc,
+            )
+            raise Reject(exc, requeue=True) from exc
+        logger.error(
+            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
+            " (acked on arrival: the copy that still runs carries its work)",
             task.name,
             task_id,
             exc,
         )
-        raise Reject(exc, requeue=True) from exc
+        raise Ignore("second delivery not re-sent") from exc
     logger.info(
-        "celery-lease: %s[%s] delivered again while its own copy holds %r: re-sent to come back"
-        " in %gs (runs if that copy's worker died), nothing stored",
+        "celery-lease: %s[%s] delivered again while its own copy is not done (key %r): re-sent"
+        " to come back in %gs, nothing stored",
         task.name,
         task_id,
         key,

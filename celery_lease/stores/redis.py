@@ -208,11 +208,15 @@ class _Script:
     sha: str = field(init=False)
     head: bytes = field(init=False)
     """The packed ``EVALSHA <sha> <numkeys>`` start of a fast-path request (empty otherwise)."""
+    cold_head: bytes = field(init=False)
+    """The packed ``EVAL <source> <numkeys>`` start of a fast-path request (empty otherwise)."""
 
     def __post_init__(self) -> None:
         sha = hashlib.sha1(self.source.encode()).hexdigest()
         object.__setattr__(self, "sha", sha)
         object.__setattr__(self, "head", pack_head(sha, *self.fast) if self.fast else b"")
+        cold = pack_eval_head(self.source, *self.fast) if self.fast else b""
+        object.__setattr__(self, "cold_head", cold)
 
 
 _ACQUIRE = _Script(ACQUIRE_SCRIPT, fast=(2, 3))
@@ -449,7 +453,7 @@ class RedisLockStore:
     ) -> bytes:
         """The packed EVALSHA request (``cold``: EVAL with the source) of ``script``."""
         encoding, errors = self._encoding, self._encoding_errors
-        parts = [pack_eval_head(script.source, len(keys), len(args)) if cold else script.head]
+        parts = [script.cold_head if cold else script.head]
         for item in (*keys, *args):
             data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
             parts.append(b"$%d\r\n%s\r\n" % (len(data), data))

@@ -1,0 +1,284 @@
+"""Hostile review of 18a0b02: a second delivery of a running unique copy is re-sent
+(``lease_deferred``) instead of failing it. The review's tests each failed before their fix.
+Each test drives the engine as a worker would (a request pushed with
+``called_directly=False``, then ``task(...)``) against a memory store, a ``memory://`` broker
+and a ``cache+memory://`` backend; no sleeps (threads joined, events).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.exceptions import Ignore, Reject
+
+from celery_lease import LockedTask, signals
+from celery_lease import unique as unique_module
+from celery_lease.holder import make_owner
+from celery_lease.testing import FakeClock
+from tests.unit.conftest import SpyStore
+from tests.unit.test_unique import Published
+
+
+@pytest.fixture
+def published() -> Iterator[Published]:
+    from celery.signals import after_task_publish
+
+    spy = Published()
+    after_task_publish.connect(spy, weak=False)
+    yield spy
+    after_task_publish.disconnect(spy)
+
+
+@pytest.fixture
+def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    monkeypatch.setattr(unique_module, "clock", clock)
+    app = Celery(
+        "deferral-review", broker="memory://", backend="cache+memory://", set_as_current=False
+    )
+    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
+    yield app
+    app.close()
+
+
+class Bodies:
+    def __init__(self) -> None:
+        self.runs: list[tuple[str | None, int]] = []
+        self.lock = threading.Lock()
+
+
+def define(app: Celery, name: str, bodies: Bodies, **options: Any) -> Any:
+    @app.task(
+        name=name,
+        base=LockedTask,
+        lock_key="k:{n}",
+        lock_wait=0,
+        shared=False,
+        bind=True,
+        **options,
+    )
+    def body(self: Any, n: int) -> int:
+        with bodies.lock:
+            bodies.runs.append((self.request.id, int(self.request.retries or 0)))
+        return n
+
+    return body._get_current_object()
+
+
+def deliver(
+    task: Any, headers: dict[str, Any], *, deferred: bool | int, retries: int = 0, **request: Any
+) -> Any:
+    """Run one delivery of the published message ``headers`` as the worker's tracer does: a
+    request pushed for it (its custom headers as attributes), then the task called."""
+    extra: dict[str, Any] = {unique_module.HEADER: headers[unique_module.HEADER]}
+    if deferred:
+        extra[unique_module.DEFERRED] = deferred
+    task.push_request(
+        id=headers["id"],
+        args=[1],
+        kwargs={},
+        retries=retries,
+        is_eager=False,
+        called_directly=False,
+        delivery_info={"exchange": "", "routing_key": "celery", "priority": 0},
+        **extra,
+        **request,
+    )
+    try:
+        return task(1)
+    finally:
+        task.pop_request()
+
+
+class TestDeferredMeetsAnotherCopy:
+    @pytest.mark.parametrize("on_held", ["raise", "retry"])
+    def test_a_deferred_delivery_of_a_finished_copy_is_dropped_whoever_runs_the_key(
+        self, app: Celery, published: Published, store: SpyStore, on_held: str
+    ) -> None:
+        bodies = Bodies()
+        task = define(
+            app, f"d.other.{on_held}", bodies, lock_unique="until_done", lock_on_held=on_held
+        )
+        first = task.delay(1)
+        first_headers = published.headers[0]
+        # The first copy was delivered twice (acks_late redelivery) while it ran: the second
+        # delivery was re-sent with lease_deferred. Then the first copy finished: SUCCESS, both
+        # keys freed.
+        task.backend.mark_as_done(first.id, 1)
+        store.release("queued:k:1", first_headers[unique_module.HEADER][1])
+        # A new call: a new copy B, now running (holds the run key) when the deferred message
+        # of the first copy comes back.
+        second = task.delay(1)
+        assert second.id != first.id
+        store.acquire("k:1", make_owner(task=task.name, task_id=second.id), 60_000)
+        before = len(published.ids)
+        with pytest.raises(Ignore):
+            deliver(task, first_headers, deferred=True)
+        assert len(published.ids) == before  # no retry of a finished copy published
+        assert task.AsyncResult(first.id).state == "SUCCESS"
+
+
+class TestDeferredDuringRetry:
+    def test_a_deferred_delivery_during_the_retry_wait_does_not_run_the_body(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        bodies = Bodies()
+        task = define(app, "d.retry-wait", bodies, lock_unique="until_done")
+        first = task.delay(1)
+        headers = published.headers[0]
+        # Attempt 0 ran, met a second delivery of itself (re-sent, deferred), then called
+        # retry(countdown=600): RETRY stored, its run lease released early, the retry message
+        # (retries=1) waits in the broker; the queued key is kept for the retry.
+        task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+        assert store.get("queued:k:1") is not None
+        assert store.get("k:1") is None
+        with contextlib.suppress(Ignore):
+            deliver(task, headers, deferred=True)
+        assert bodies.runs == []  # the retry message (retries=1) is the one to run the body
+
+
+class TestReleaseBeforeStore:
+    def test_a_deferred_delivery_between_release_and_result_does_not_rerun(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        bodies = Bodies()
+        task = define(app, "d.window", bodies, lock_unique="until_done")
+        first = task.delay(1)
+        headers = published.headers[0]
+        errors: list[BaseException] = []
+        fired: list[bool] = []
+
+        def deferred_arrives(sender: Any = None, key: str = "", **_: Any) -> None:
+            # The first copy's run lease was just released (lock_released is sent after it);
+            # the tracer has not stored its SUCCESS yet. The deferred message comes back now,
+            # on another worker thread.
+            if key != "k:1" or fired:
+                return
+            fired.append(True)
+
+            def other_worker() -> None:
+                try:
+                    deliver(task, headers, deferred=True)
+                except Ignore:
+                    pass
+                except BaseException as exc:  # pragma: no cover - reported below
+                    errors.append(exc)
+
+            t = threading.Thread(target=other_worker)
+            t.start()
+            t.join(10)
+
+        signals.lock_released.connect(deferred_arrives, weak=False)
+        try:
+            assert deliver(task, headers, deferred=False) == 1
+        finally:
+            signals.lock_released.disconnect(deferred_arrives)
+        task.backend.mark_as_done(first.id, 1)  # what the tracer does next
+        assert errors == []
+        assert [r for r, _ in bodies.runs] == [first.id]  # the body ran once
+
+
+class TestBackendErrorAtDeferredStart:
+    def test_a_backend_error_does_not_rerun_a_finished_body(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        bodies = Bodies()
+        task = define(app, "d.backend-down", bodies, lock_unique="until_done")
+        first = task.delay(1)
+        headers = published.headers[0]
+        task.backend.mark_as_done(first.id, 1)  # the first copy finished
+        store.release("queued:k:1", headers[unique_module.HEADER][1])
+
+        def down(task_id: str) -> str:
+            raise ConnectionError("result backend down")
+
+        monkeypatch.setattr(task.backend, "get_state", down)
+        # Dropped, or failed loudly: both fine; running the body again is not.
+        with contextlib.suppress(Ignore, ConnectionError):
+            deliver(task, headers, deferred=True)
+        assert bodies.runs == []
+
+
+def test_the_harness_runs_a_plain_delivery_once(app: Celery, published: Published) -> None:
+    """The harness itself: a first delivery with no rival runs the body once, and a deferred
+    delivery of a copy whose SUCCESS is stored (run key free) ends before its body."""
+    bodies = Bodies()
+    task = define(app, "d.sanity", bodies, lock_unique="until_done")
+    first = task.delay(1)
+    assert deliver(task, published.headers[0], deferred=False) == 1
+    task.backend.mark_as_done(first.id, 1)
+    with pytest.raises(Ignore):
+        deliver(task, published.headers[0], deferred=True)
+    assert [r for r, _ in bodies.runs] == [first.id]
+
+
+class TestDeadCopy:
+    def test_a_copy_whose_worker_died_runs_on_the_second_free_arrival(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """The deferred delivery of a copy that never finished (its worker died: PENDING, run
+        key free) is re-sent once more (count 2), then runs the body: once, a ttl later."""
+        bodies = Bodies()
+        task = define(app, "d.dead", bodies, lock_unique="until_done")
+        task.delay(1)
+        headers = published.headers[0]
+        with pytest.raises(Ignore):
+            deliver(task, headers, deferred=1)
+        assert bodies.runs == []
+        again = published.headers[-1]
+        assert again["id"] == headers["id"] and again[unique_module.DEFERRED] == 2
+        assert store.get("k:1") is None  # the run lease it took is released again
+        assert deliver(task, again, deferred=2) == 1
+        assert [r for r, _ in bodies.runs] == [headers["id"]]
+
+    def test_a_backend_error_waits_without_counting(
+        self, app: Celery, published: Published, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """No answer from the backend: re-sent with the same count (asked again later)."""
+        bodies = Bodies()
+        task = define(app, "d.ask-later", bodies, lock_unique="until_done")
+        task.delay(1)
+        headers = published.headers[0]
+
+        def down(task_id: str) -> str:
+            raise ConnectionError("result backend down")
+
+        monkeypatch.setattr(task.backend, "get_state", down)
+        with pytest.raises(Ignore):
+            deliver(task, headers, deferred=2)
+        assert bodies.runs == []
+        assert published.headers[-1][unique_module.DEFERRED] == 2
+
+
+class TestResendFails:
+    @pytest.mark.parametrize(("acks_late", "raised"), [(True, Reject), (False, Ignore)])
+    def test_only_an_acks_late_message_goes_back_to_the_broker(
+        self,
+        app: Celery,
+        published: Published,
+        store: SpyStore,
+        monkeypatch: pytest.MonkeyPatch,
+        acks_late: bool,
+        raised: type[BaseException],
+    ) -> None:
+        """A failed re-send rejects an acks_late message back to the broker; any other message
+        was acked on arrival (a requeue would do nothing): it ends, logged, never stored."""
+        bodies = Bodies()
+        task = define(app, f"d.resend.{acks_late}", bodies, lock_unique="until_done")
+        first = task.delay(1)
+        headers = published.headers[0]
+        store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError("broker down")
+
+        monkeypatch.setattr(Celery, "send_task", broken)
+        monkeypatch.setattr(task, "acks_late", acks_late)
+        with pytest.raises(raised):
+            deliver(task, headers, deferred=False)
+        assert bodies.runs == []
+        assert task.AsyncResult(first.id).state == "PENDING"
