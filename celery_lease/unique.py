@@ -22,9 +22,11 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   increasing as today). Then ``"while_queued"`` releases the queued lease (owner-checked: only
   its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
   between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
-  task's thread) until the body ended and the run lease was released; then it is released, or
-  kept for ``lock_cooldown`` after a success (a throttle: calls in the cooldown are duplicates
-  of the finished copy), by the dispatcher, off the task's thread. A worker that dies mid-body
+  task's thread) until the body ended and the run lease was released; then it is released on
+  the task's thread before the execution returns (a call made after the result is seen
+  enqueues a new copy), or kept for ``lock_cooldown`` after a success (a throttle: calls in the
+  cooldown are duplicates of the finished copy; the keep is sent by the dispatcher, off the
+  task's thread, the key staying taken meanwhile). A worker that dies mid-body
   stops renewing it: it frees itself within the run ttl.
 - **Failed publish** releases the queued lease at once, stores the error as the copy's FAILURE
   (callers handed its ``AsyncResult`` meanwhile see it in ``get()``) and re-raises; also when
@@ -545,11 +547,13 @@ class QueuedHold:
         keep = self.retry_ttl_ms
         if keep is None and succeeded and self.cooldown > 0:
             keep = _ms(self.cooldown)
-        # Off the task's thread (the run lease is released already, so the order holds): the
-        # dispatcher sends it. A renewal landing after a release finds no lease of ours and
-        # creates nothing; one landing after a keep is fenced: the keep is set again after it.
+        # The release is sent and answered here, on the task's thread, before the execution
+        # returns: a caller that sees the result and calls again must find the key free (a
+        # release left to another thread let such a call get the finished copy's id, and its
+        # work was never enqueued). A renewal landing after the release finds no lease of ours
+        # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
-            get_dispatcher().submit(self._release, None, f"release of {self.qkey!r}")
+            self._release(None)
             return
         action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
         if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after

@@ -11,6 +11,7 @@ own tracer with a worker's request, as ``fast_trace_task`` runs it in a worker.
 from __future__ import annotations
 
 import uuid
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -63,6 +64,29 @@ def store(log: list[str]) -> Iterator[DeferringStore]:
     made = DeferringStore(log)
     yield made
     engine._deferring.pop(id(made), None)
+
+
+def _ours(entry: tuple[Any, Any]) -> bool:
+    receiver = entry[1]
+    if isinstance(receiver, weakref.ReferenceType):
+        receiver = receiver()
+    return (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
+
+
+@pytest.fixture(autouse=True)
+def only_our_receivers() -> Iterator[None]:
+    """Receivers other test modules connect for good (a lock_released recorder connected at
+    import) would each, rightly, make the engine wait: these tests start with celery-lease's
+    own receivers only, and connect the foreign ones they mean; all come back afterwards."""
+    signals = (task_postrun, task_success, lease_signals.lock_released)
+    saved = [list(signal.receivers) for signal in signals]
+    for signal in signals:
+        signal.receivers[:] = [entry for entry in signal.receivers if _ours(entry)]
+        signal.sender_receivers_cache.clear()
+    yield
+    for signal, receivers in zip(signals, saved, strict=True):
+        signal.receivers[:] = receivers
+        signal.sender_receivers_cache.clear()
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ from tests.unit.test_deferred_release import (  # noqa: F401 (fixtures)
     DeferringStore,
     app,
     log,
+    only_our_receivers,
     solo_worker,
     store,
     traced,

@@ -282,3 +282,39 @@ class TestResendFails:
             deliver(task, headers, deferred=False)
         assert bodies.runs == []
         assert task.AsyncResult(first.id).state == "PENDING"
+
+
+class TestQueuedKeyFreeBeforeTheResult:
+    def test_the_queued_key_is_free_when_the_task_returns(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """until_done: the queued key is free by the time the execution returns (before the
+        tracer stores its result), so a delay() made after the result is seen enqueues a new
+        copy instead of getting the finished one's id. The dispatcher (where the release was
+        sent before) is held up here to show the release does not depend on it."""
+        from celery_lease import dispatch
+
+        gate = threading.Event()
+        submitted: list[str] = []
+        real_submit = dispatch.Dispatcher.submit
+
+        def held_up(self: Any, fn: Any, *args: Any) -> Any:
+            submitted.append(str(args[-1]) if args else "")
+
+            def later(*a: Any) -> None:
+                gate.wait(10)
+                fn(*a)
+
+            return real_submit(self, later, *args)
+
+        monkeypatch.setattr(dispatch.Dispatcher, "submit", held_up)
+        bodies = Bodies()
+        task = define(app, "d.free-at-return", bodies, lock_unique="until_done")
+        task.delay(1)
+        headers = published.headers[0]
+        try:
+            assert deliver(task, headers, deferred=False) == 1
+            assert store.get("queued:k:1") is None
+            assert store.get("k:1") is None
+        finally:
+            gate.set()
