@@ -22,12 +22,14 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   increasing as today). Then ``"while_queued"`` releases the queued lease (owner-checked: only
   its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
   between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
-  task's thread) until the body ended and the run lease was released; then it is released on
-  the task's thread before the execution returns (a call made after the result is seen
-  enqueues a new copy), or kept for ``lock_cooldown`` after a success (a throttle: calls in the
-  cooldown are duplicates of the finished copy; the keep is sent by the dispatcher, off the
-  task's thread, the key staying taken meanwhile). A worker that dies mid-body
-  stops renewing it: it frees itself within the run ttl.
+  task's thread; the first renewal, at start, is sent without waiting where the store can)
+  until the body ended and the run lease was released; then it is released on the task's
+  thread, answered before the execution returns (a call made after the result is seen
+  enqueues a new copy; sent without waiting when the execution publishes nothing: see
+  :mod:`celery_lease.engine`), or kept for ``lock_cooldown`` after a success (a throttle:
+  calls in the cooldown are duplicates of the finished copy; the keep is sent by the
+  dispatcher, off the task's thread, the key staying taken meanwhile). A worker that dies
+  mid-body stops renewing it: it frees itself within the run ttl.
 - **Failed publish** releases the queued lease at once, stores the error as the copy's FAILURE
   (callers handed its ``AsyncResult`` meanwhile see it in ``get()``) and re-raises; also when
   the broker may have taken the message after all (then the run lease still excludes a second
@@ -96,7 +98,12 @@ from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
 from celery_lease.holder import _field, parse_owner
 from celery_lease.lease import _conforms
 from celery_lease.renewer import Entry, get_renewer
-from celery_lease.stores.base import LockStore, SupportsInspection
+from celery_lease.stores.base import (
+    LockStore,
+    SupportsDeferredRelease,
+    SupportsDeferredRenew,
+    SupportsInspection,
+)
 from celery_lease.unique_options import (
     BUILTIN_QUEUE_TTL,
     QUEUED_OWNER_HEAD,
@@ -532,9 +539,14 @@ class QueuedHold:
         self.entry, self.cooldown = entry, cooldown
         self.retry_ttl_ms: int | None = None  # set when the body published its retry
 
-    def end(self, succeeded: bool) -> None:
+    def end(self, succeeded: bool, defer: bool = False) -> None:
         """The body ended and the run lease is released: stop renewing, then free the key, or
-        keep it for the retry's wait or for ``cooldown``. Never raises a store error."""
+        keep it for the retry's wait or for ``cooldown``. Never raises a store error.
+
+        ``defer``: the execution publishes nothing afterwards (see
+        :mod:`celery_lease.engine`): the release may go out without waiting for its reply, on
+        a store that can (:class:`~celery_lease.stores.base.SupportsDeferredRelease`).
+        """
         _holding.pop(self.task_id, None)
         entry = self.entry
         renewer = entry.renewer
@@ -553,7 +565,13 @@ class QueuedHold:
         # work was never enqueued). A renewal landing after the release finds no lease of ours
         # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
-            self._release(None)
+            store = self.store
+            if not (
+                defer
+                and _conforms(store, SupportsDeferredRelease)
+                and cast(SupportsDeferredRelease, store).release_deferred(self.qkey, self.owner)
+            ):
+                self._release(None)
             return
         action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
         if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after
@@ -657,9 +675,17 @@ def on_start(
         max_hold_at=None,
         on_lost=functools.partial(_queued_lost, qkey),
     )
-    # Renewed at once, on the renewer's thread: from now on a worker that dies mid-body leaves
-    # the key to expire within ``ttl``, not within what was left of ``queue_ttl``.
-    entry.due = now
+    # Its expiry set to ``ttl`` now, so that from here a worker that dies mid-body leaves the
+    # key to expire within ``ttl``, not within what was left of ``queue_ttl``: sent without
+    # waiting where the store can (its reply is read with this copy's next store call; the
+    # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
+    # renewer's thread.
+    if not (
+        hasattr(type(store), "renew_deferred")
+        and _conforms(store, SupportsDeferredRenew)
+        and cast(SupportsDeferredRenew, store).renew_deferred(qkey, owner, _ms(ttl))
+    ):
+        entry.due = now
     hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
     get_renewer(SYSTEM_CLOCK).add(entry)
     _holding[task_id] = hold

@@ -32,6 +32,7 @@ __all__ = [
     "LoopBinding",
     "SupportsBatchRenew",
     "SupportsDeferredRelease",
+    "SupportsDeferredRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
     "async_store_from_url",
@@ -100,6 +101,17 @@ class SupportsDeferredRelease(Protocol):
 
     def flush_deferred(self) -> None:
         """Read the replies of releases sent by :meth:`release_deferred` (blocks until read)."""
+        ...
+
+
+@runtime_checkable
+class SupportsDeferredRenew(Protocol):
+    """A store that can send a renewal without waiting for its reply (see the Redis store)."""
+
+    def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """Send ``renew(key, owner, ttl_ms)``; True when sent (its reply is read before the next
+        reply of the store's connection, and a refusal or failure is logged then), False when
+        the caller must renew the usual way."""
         ...
 
 

@@ -707,6 +707,29 @@ class RedisLockStore:
         request = self._fast_request(_RELEASE, keys, (owner, SIGNAL_TTL_MS), cold=True)
         return fast.send_deferred(request, partial(self._released, key, owner))
 
+    def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
+        """Send the renewal of ``key`` without waiting for its reply; False when not sent.
+
+        As :meth:`release_deferred` (the fast path only, ``EVAL``, read in order before the next
+        reply). A refusal (the owner holds no live lease) or a failure is logged when the reply
+        is read; the caller's renewer renews the lease at its next round as usual.
+        """
+        fast = self._fast
+        if fast is None:
+            return False
+        request = self._fast_request(
+            _RENEW, (self.lease_key(key),), (owner, int(ttl_ms)), cold=True
+        )
+        return fast.send_deferred(request, partial(self._renewed, key))
+
+    def _renewed(self, key: str, reply: Any) -> None:
+        """Take the reply of a deferred renewal (see :meth:`renew_deferred`)."""
+        if isinstance(reply, BaseException):
+            error = self._error("renew", key, f"got no answer: {type(reply).__name__}: {reply}")
+            logger.warning("%s; renewed again at the next round", error)
+        elif not reply:
+            logger.warning("Redis store %s: renew %r refused: no longer held", self._where(), key)
+
     def flush_deferred(self) -> None:
         """Read the replies of deferred releases now (see :meth:`release_deferred`)."""
         if self._fast is not None:

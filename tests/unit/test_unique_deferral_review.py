@@ -16,7 +16,7 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import LockedTask, signals
+from celery_lease import LockedTask, MemoryLockStore, signals
 from celery_lease import unique as unique_module
 from celery_lease.holder import make_owner
 from celery_lease.testing import FakeClock
@@ -318,3 +318,112 @@ class TestQueuedKeyFreeBeforeTheResult:
             assert store.get("k:1") is None
         finally:
             gate.set()
+
+
+class DeferringSpy(SpyStore):
+    """A SpyStore that also sends renewals and releases "without waiting": it records them in
+    ``log`` and applies them only when their replies are read (flush_deferred, or before the
+    next call of any kind), as the Redis store's one connection does."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.log: list[str] = []
+        self.unread: list[tuple[str, Any]] = []
+
+    def _read_unread(self) -> None:
+        unread, self.unread = self.unread, []
+        for what, apply in unread:
+            apply()
+            self.log.append(f"read {what}")
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        self._read_unread()
+        return super().acquire(key, owner, ttl_ms)
+
+    def release(self, key: str, owner: str) -> None:
+        self._read_unread()
+        self.log.append(f"release {key}")
+        super().release(key, owner)
+
+    def release_deferred(self, key: str, owner: str) -> bool:
+        self.log.append(f"send release {key}")
+        self.unread.append((f"release {key}", lambda: MemoryLockStore.release(self, key, owner)))
+        return True
+
+    def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
+        self.log.append(f"send renew {key}")
+        self.unread.append(
+            (f"renew {key}", lambda: MemoryLockStore.renew(self, key, owner, ttl_ms))
+        )
+        return True
+
+    def flush_deferred(self) -> None:
+        self._read_unread()
+
+
+class TestUntilDoneWithoutWaiting:
+    """until_done on a store that can send without waiting: the queued key's renewal at start
+    and the run lease's release at the end go out unanswered; everything is answered before
+    the execution returns unless it publishes nothing (then before the next call or publish)."""
+
+    @pytest.fixture
+    def store(self, clock: FakeClock) -> DeferringSpy:
+        return DeferringSpy(clock)
+
+    @pytest.fixture(autouse=True)
+    def solo(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from celery_lease import worker as worker_module
+
+        monkeypatch.setattr(worker_module, "_pool_label", "solo")
+
+    def test_with_a_stored_result_both_keys_are_free_when_it_returns(
+        self, app: Celery, published: Published, store: DeferringSpy
+    ) -> None:
+        bodies = Bodies()
+        task = define(app, "d.nowait.stored", bodies, lock_unique="until_done")
+        task.delay(1)
+        assert deliver(task, published.headers[0], deferred=False) == 1
+        assert store.get("k:1") is None and store.get("queued:k:1") is None
+        assert not store.unread
+        log = store.log
+        assert log.index("send renew queued:k:1") < log.index("send release k:1")
+        # The run lease's release is read before the queued key's release is sent.
+        assert log.index("read release k:1") < log.index("release queued:k:1")
+
+    def test_publishing_nothing_leaves_both_to_the_next_call(
+        self, app: Celery, published: Published, store: DeferringSpy
+    ) -> None:
+        app.conf.task_ignore_result = True
+        bodies = Bodies()
+        task = define(app, "d.nowait.quiet", bodies, lock_unique="until_done")
+        task.delay(1)
+        assert deliver(task, published.headers[0], deferred=False) == 1
+        assert [what for what, _ in store.unread] == [
+            "renew queued:k:1",  # sent at the start, nothing read since
+            "release k:1",
+            "release queued:k:1",
+        ]
+        # The next publish of this process reads them first: nothing it sends can be seen
+        # while the keys are still held.
+        again = task.delay(1)
+        assert store.get("k:1") is None
+        assert again.id != published.headers[0]["id"]  # a new copy: the queued key was free
+
+    def test_a_queued_release_on_another_connection_still_frees_the_run_key_first(
+        self, app: Celery, published: Published, store: DeferringSpy
+    ) -> None:
+        """The queued key's release goes another way (the Redis store's fast connection was
+        busy: redis-py's pool, which reads nothing of the fast one): the run lease's release,
+        sent without waiting, is still read before the execution returns."""
+        bodies = Bodies()
+        task = define(app, "d.nowait.pool", bodies, lock_unique="until_done")
+        task.delay(1)
+
+        def via_pool(key: str, owner: str) -> None:
+            store.log.append(f"release {key} (pool)")
+            MemoryLockStore.release(store, key, owner)
+
+        store.release = via_pool  # type: ignore[method-assign]
+        assert deliver(task, published.headers[0], deferred=False) == 1
+        assert not store.unread
+        assert store.get("k:1") is None and store.get("queued:k:1") is None
