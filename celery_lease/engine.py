@@ -637,23 +637,22 @@ def _run_locked(
             _defer_on(context)
         run.release(None)
     else:
-        # The queued key's release follows on this thread. Where the store can, the run
-        # lease's release goes out without waiting, and: when this execution publishes nothing,
-        # the queued key's too (both read as a lone run lease's is); otherwise both are answered
-        # by the one wait of the queued key's release (same connection, in order) or by the
-        # flush below, before this execution returns. Not while a user's lock_released receiver
-        # would run in between.
+        # The queued key's release follows on this thread. Where the store can, both go out
+        # without waiting, in order on one connection (QueuedHold.end never lets the queued
+        # key's overtake the run lease's); then, unless this execution publishes nothing (both
+        # read as a lone run lease's is), one wait answers both before it returns. Not while a
+        # user's lock_released receiver would run in between.
         deferred = settings.defer_release and _only_ours(signals.lock_released)
-        quiet = deferred and _publishes_nothing(task, request)
         if deferred:
             _defer_on(context)
         try:
             run.release(None)
         finally:
+            sent = deferred and context.defer_release
             try:
-                queued.end(not held.lost, defer=quiet and context.defer_release)
+                queued.end(not held.lost, defer=sent)
             finally:
-                if deferred and context.defer_release and not quiet:
+                if sent and not _publishes_nothing(task, request):
                     cast(SupportsDeferredRelease, context.store).flush_deferred()
     if not held.lost:
         return result

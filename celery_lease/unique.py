@@ -63,12 +63,12 @@ id, arguments and headers plus ``lease_deferred`` (how often it was re-sent so),
 the run lease's ttl (the longest a dead holder's run lease outlives it; one message per ttl, no
 busy loop), then acked (``Ignore``). A delivery that carries ``lease_deferred`` never applies
 ``on_held``: it ends without its body when its copy is done (a ready state in the result
-backend, or RETRY: the retry message carries the work), and is re-sent again while the run key
-is held (by its copy or a newer one) or the backend cannot answer. It runs the body only when
-it found the run key free and its copy not done on two arrivals a ttl apart (its copy's worker
-died); one such arrival may fall between the copy's release and its stored result. Without a
-stored result (``ignore_result``, no backend) a finished copy cannot be told from a dead one: the
-body runs again, as acks_late promises (at least once).
+backend; not RETRY, which also shows while a retry attempt runs), and is re-sent again while
+the run key is held (by its copy or a newer one) or the backend cannot answer. It runs the
+body only when it found the run key free and its copy not done on two arrivals a ttl apart (its
+copy's worker died); one such arrival may fall between the copy's release and its stored
+result. Without a stored result (``ignore_result``, no backend) a finished copy cannot be told
+from a dead one: the body runs again, as acks_late promises (at least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -543,9 +543,12 @@ class QueuedHold:
         """The body ended and the run lease is released: stop renewing, then free the key, or
         keep it for the retry's wait or for ``cooldown``. Never raises a store error.
 
-        ``defer``: the execution publishes nothing afterwards (see
-        :mod:`celery_lease.engine`): the release may go out without waiting for its reply, on
-        a store that can (:class:`~celery_lease.stores.base.SupportsDeferredRelease`).
+        ``defer`` (:mod:`celery_lease.engine` decides; a store that can,
+        :class:`~celery_lease.stores.base.SupportsDeferredRelease`): the release goes out
+        without waiting, on the one connection the run lease's release went out on just
+        before, so the server runs them in that order; the caller reads the replies. If it
+        cannot go that way, the replies still unread are read first, then it is released the
+        usual way: never ahead of the run lease's release.
         """
         _holding.pop(self.task_id, None)
         entry = self.entry
@@ -566,12 +569,12 @@ class QueuedHold:
         # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
             store = self.store
-            if not (
-                defer
-                and _conforms(store, SupportsDeferredRelease)
-                and cast(SupportsDeferredRelease, store).release_deferred(self.qkey, self.owner)
-            ):
-                self._release(None)
+            if defer and _conforms(store, SupportsDeferredRelease):
+                deferring = cast(SupportsDeferredRelease, store)
+                if deferring.release_deferred(self.qkey, self.owner):
+                    return
+                deferring.flush_deferred()  # the run lease's release answered first
+            self._release(None)
             return
         action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
         if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after
@@ -756,9 +759,11 @@ def _deferrals(request: Any) -> int:
 
 def _finished(task: Any, task_id: str) -> bool | None:
     """Whether the copy ``task_id`` is done: its result backend holds a ready state (SUCCESS,
-    FAILURE, REVOKED) or RETRY (a newer attempt, already published, carries the work).
+    FAILURE, REVOKED).
 
-    ``False`` for any other state, and where there is no result to read (no backend,
+    ``False`` for any other state, RETRY included (it stays while the retry attempt itself
+    runs, so it cannot tell a retried attempt from a dead retry attempt: dropping on it lost
+    the work of the latter), and where there is no result to read (no backend,
     ``ignore_result``: a done copy then looks like a dead one, so the body runs again, at
     least once); ``None`` when the backend failed to answer (the caller waits and asks again).
     """
@@ -771,7 +776,7 @@ def _finished(task: Any, task_id: str) -> bool | None:
             "celery-lease: reading the state of %s failed (%s); asking later", task_id, exc
         )
         return None
-    return state in states.READY_STATES or state == states.RETRY
+    return state in states.READY_STATES
 
 
 def _drop_finished(task: Any, task_id: str) -> None:

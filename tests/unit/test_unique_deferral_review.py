@@ -21,6 +21,7 @@ from celery_lease import unique as unique_module
 from celery_lease.holder import make_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import SpyStore
+from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)
 from tests.unit.test_unique import Published
 
 
@@ -372,6 +373,9 @@ class TestUntilDoneWithoutWaiting:
 
     @pytest.fixture(autouse=True)
     def solo(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A solo worker's process, with celery-lease's own receivers only (see
+        tests/unit/test_deferred_release.py: another module's lock_released recorder, connected
+        at import, would rightly make the engine wait)."""
         from celery_lease import worker as worker_module
 
         monkeypatch.setattr(worker_module, "_pool_label", "solo")
@@ -387,8 +391,9 @@ class TestUntilDoneWithoutWaiting:
         assert not store.unread
         log = store.log
         assert log.index("send renew queued:k:1") < log.index("send release k:1")
-        # The run lease's release is read before the queued key's release is sent.
-        assert log.index("read release k:1") < log.index("release queued:k:1")
+        # Both sent in order on one connection, then read before the return.
+        assert log.index("send release k:1") < log.index("send release queued:k:1")
+        assert log.index("read release k:1") < log.index("read release queued:k:1")
 
     def test_publishing_nothing_leaves_both_to_the_next_call(
         self, app: Celery, published: Published, store: DeferringSpy
@@ -419,11 +424,20 @@ class TestUntilDoneWithoutWaiting:
         task = define(app, "d.nowait.pool", bodies, lock_unique="until_done")
         task.delay(1)
 
+        real_send = store.release_deferred
+
+        def busy_for_the_queued_key(key: str, owner: str) -> bool:
+            return False if key.startswith("queued:") else real_send(key, owner)
+
         def via_pool(key: str, owner: str) -> None:
             store.log.append(f"release {key} (pool)")
             MemoryLockStore.release(store, key, owner)
 
+        store.release_deferred = busy_for_the_queued_key  # type: ignore[method-assign]
         store.release = via_pool  # type: ignore[method-assign]
         assert deliver(task, published.headers[0], deferred=False) == 1
         assert not store.unread
         assert store.get("k:1") is None and store.get("queued:k:1") is None
+        # The run lease's release was answered before the queued key's went another way.
+        log = store.log
+        assert log.index("read release k:1") < log.index("release queued:k:1 (pool)")
