@@ -531,29 +531,51 @@ def default_sqlite_path() -> str:
     The directory is 0o700 and owned by this user, the file 0o600, so another local user can
     neither take nor free our keys.
 
+    An existing file is never opened here, only examined (``lstat``) and, when its mode is
+    wrong, ``chmod``-ed: this process may already hold an SQLite connection to it (a second
+    app, a store rebuilt after :func:`reset`), and closing *any* descriptor of a file drops
+    every POSIX lock the process holds on it, SQLite's included. Without its shared lock, the
+    next process to close its connection would believe itself the last one, checkpoint and
+    delete the WAL, and this process would go on committing into the deleted WAL, unseen by
+    every other process: two holders of one key (see :mod:`celery_lease.stores.sqlite`). Only a
+    file this call creates (``O_EXCL``: no connection can have it open yet) is opened.
+
     Raises:
         LeaseConfigError: the directory exists but belongs to another user or is not a
-            directory.
+            directory, or the file is not a regular file of this user (a symlink is refused,
+            not followed).
     """
     directory = default_sqlite_dir()
     with contextlib.suppress(FileExistsError):
         os.mkdir(directory, 0o700)
-    info = os.lstat(directory)
-    if not stat.S_ISDIR(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
-        raise LeaseConfigError(
-            f"{directory!r} is not a directory owned by this user; set lease_store to a store"
-            " URL (redis://..., sqlite:////abs/path.db) instead of the host-local default"
-        )
-    if stat.S_IMODE(info.st_mode) != 0o700:
-        os.chmod(directory, 0o700)
+    _check_owned(directory, stat.S_ISDIR, "directory", 0o700)
     path = os.path.join(directory, SQLITE_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
-        if stat.S_IMODE(os.fstat(fd).st_mode) != 0o600:
-            os.fchmod(fd, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # O_EXCL: no symlink
+    except FileExistsError:
+        # Never opened: lstat (a symlink is refused) and chmod only. chmod follows a symlink,
+        # but only this user (or root) can put one in its place after the check: the
+        # directory is ours and 0o700.
+        _check_owned(path, stat.S_ISREG, "regular file", 0o600)
+        return path
+    try:
+        os.fchmod(fd, 0o600)  # whatever the umask
     finally:
         os.close(fd)
     return path
+
+
+def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int) -> None:
+    """Refuse ``path`` unless ``lstat`` shows a ``what`` (``is_kind`` of its mode) of this user;
+    then give it ``mode``."""
+    info = os.lstat(path)
+    if not is_kind(info.st_mode) or (hasattr(os, "getuid") and info.st_uid != os.getuid()):
+        raise LeaseConfigError(
+            f"{path!r} is not a {what} owned by this user; set lease_store to a store"
+            " URL (redis://..., sqlite:////abs/path.db) instead of the host-local default"
+        )
+    if stat.S_IMODE(info.st_mode) != mode:
+        os.chmod(path, mode)
 
 
 def _build_store(app: Any) -> LockStore:

@@ -12,6 +12,7 @@ asserts on what it measured.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from celery import Celery
 
 from celery_lease import LeaseInfo, LockedTask, SupportsInspection, lease, store_from_url
 from celery_lease.holder import parse_owner
+from celery_lease.keys import make_key_function
 from celery_lease.signals import lock_released
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -322,9 +324,26 @@ def worker(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Worker]:
     yield from run_worker(request, tmp_path, request.param)
 
 
+def new_run() -> str:
+    """A fresh run id: the ``{run}`` of the tasks' key ``dh:{run}`` and of the marker files.
+
+    It starts with a letter: a str of decimal digits alone is keyed ``~str.<digits>`` by a key
+    template (see :mod:`celery_lease.keys`), so a bare ``uuid4().hex[:10]`` that happened to be
+    all decimal (about 1 in 110) made the task lock ``dh:~str.<run>`` while the test read
+    ``dh:<run>``, free.
+    """
+    return "r" + uuid.uuid4().hex[:10]
+
+
 def held(worker: Worker, key: str) -> LeaseInfo:
+    """The live lease on ``key``; else fail, naming the leases the store does hold."""
     info = worker.store.get(key)
-    assert info is not None, f"{key} not held; log:\n{worker.tail()}"
+    if info is None:
+        try:
+            leases: object = worker.store.list()
+        except Exception as exc:  # the message must come out whatever the store does
+            leases = exc
+        raise AssertionError(f"{key} not held; the store holds {leases!r}; log:\n{worker.tail()}")
     return info
 
 
@@ -346,12 +365,35 @@ def released_after_reaping(worker: Worker, run: str, child: int) -> dict[str, An
     return call  # type: ignore[no-any-return]
 
 
+class TestHarness:
+    def test_the_key_a_task_locks_for_a_run_is_the_key_the_tests_read(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Every locked task of the app locks ``dh:{run}`` exactly, for any run id the harness
+        makes. A str of decimal digits alone is keyed ``~str.<digits>`` (so that it differs from
+        the int; see :mod:`celery_lease.keys`): a run id of ten hex digits that were all decimal
+        (about 1 in 110) made the task lock ``dh:~str.<run>`` while the test read ``dh:<run>``,
+        found it free, and failed with "dh:<run> not held". The uuid is forced to that case."""
+        monkeypatch.setattr(
+            uuid, "uuid4", lambda: uuid.UUID("65097822-4700-4000-8000-000000000000")
+        )
+        app = make_app("memory://", "memory://", str(tmp_path), "q")
+        run = new_run()
+        locked = [task for task in app.tasks.values() if isinstance(task, LockedTask)]
+        assert {task.name for task in locked} == {"dh.hold", "dh.limited", "dh.cool"}
+        for task in locked:
+            key = make_key_function(
+                type(task)._lock_options.key, inspect.signature(task.run), task=task.name
+            )
+            assert key((), {"run": run}) == f"dh:{run}", task.name
+
+
 class TestSigkill:
     def test_key_is_free_within_a_second_and_the_requeued_task_runs_at_once(self, worker: Worker):
         """SIGKILL of the child holding a 30 s lease: the key is free at once (<= 1 s is the
         requirement; the figure is printed), released owner-checked after the child was reaped,
         and the acks_late redelivery takes it at once (a higher token)."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         result = worker.app.send_task("dh.hold", kwargs={"run": run})
         ((child, token, _),) = worker.wait_for(f"attempts-{run}")
@@ -385,7 +427,7 @@ class TestSigkill:
 
     def test_a_lease_taken_inside_a_plain_task_body_is_freed_too(self, worker: Worker):
         """``lease()`` in a task body names its task (ambient holder), so it is freed as well."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         result = worker.app.send_task("dh.manual", kwargs={"run": run})
         ((child, _, _),) = worker.wait_for(f"attempts-{run}")
@@ -401,7 +443,7 @@ class TestSigkill:
 class TestHardTimeLimit:
     def test_key_is_freed_after_the_child_is_killed_by_its_hard_time_limit(self, worker: Worker):
         """A hard time limit kills the child; its 30 s lease is released once it is reaped."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         worker.app.send_task("dh.limited", kwargs={"run": run})
         ((child, _, started),) = worker.wait_for(f"attempts-{run}")
@@ -421,7 +463,7 @@ class TestOwnerChecked:
     def test_a_key_taken_by_another_owner_after_the_listing_is_not_released(self, worker: Worker):
         """Another process takes the key between the worker's ``list()`` and its ``release()``
         (forced by the store wrapper): the owner-checked release leaves that lease alone."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         (worker.directory / f"intrude-dh-{run}").write_text("")
         worker.app.send_task("dh.hold", kwargs={"run": run})
@@ -435,7 +477,7 @@ class TestOwnerChecked:
 
     def test_another_processes_lease_is_untouched(self, worker: Worker):
         """Only the dead child's own leases go: one held by this test process stays."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         mine = f"dh:{run}-mine"
         token = worker.store.acquire(mine, f"{os.uname().nodename}/{os.getpid()}/x;i=y", 30_000)
         result = worker.app.send_task("dh.hold", kwargs={"run": run})
@@ -450,7 +492,7 @@ class TestOwnerChecked:
 class TestKept:
     def test_a_cooldown_of_a_finished_task_survives_its_childs_death(self, worker: Worker):
         """A key kept for ``cooldown`` after a success is not released when the idle child dies."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         child = worker.app.send_task("dh.cool", kwargs={"run": run}).get(timeout=TIMEOUT)
         before = held(worker, key)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import time
-import uuid
 
 import pytest
 
@@ -20,6 +19,7 @@ from tests.integration.test_dead_holders import (
     Worker,
     assert_reaped,
     held,
+    new_run,
     released_after_reaping,
     worker,
 )
@@ -33,7 +33,7 @@ class TestRevokeTerminate:
     def test_a_child_terminated_by_revoke_frees_its_key_at_once(self, worker: Worker) -> None:
         """``revoke(terminate=True, signal="SIGKILL")`` of a running locked task: the child dies
         without running any cleanup; its 30 s lease is released once the child is reaped."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         result = worker.app.send_task("dh.hold", kwargs={"run": run})
         ((child, token, _),) = worker.wait_for(f"attempts-{run}")
@@ -53,7 +53,7 @@ class TestRevokeTerminate:
     def test_the_default_terminate_signal_frees_the_key_at_once_too(self, worker: Worker) -> None:
         """``revoke(terminate=True)`` with Celery's default SIGTERM: the key is free at once,
         whether the child released it itself or died and the main process released it."""
-        run = uuid.uuid4().hex[:10]
+        run = new_run()
         key = f"dh:{run}"
         result = worker.app.send_task("dh.hold", kwargs={"run": run})
         ((_, token, _),) = worker.wait_for(f"attempts-{run}")

@@ -192,7 +192,7 @@ def _start(pool: str, broker: str, directory: Path) -> tuple[subprocess.Popen[by
 
 def lose_and_expect_lock_lost(env: WorkerEnv, task: str) -> str:
     """Send ``task``, force-release its lease once the body holds it: LockLostError, quickly."""
-    run = uuid.uuid4().hex[:12]
+    run = "r" + uuid.uuid4().hex[:12]  # a digits-only str is keyed ~str.<digits>
     result = env.app.send_task(task, (run,))
     env.wait_file(f"held-{run}")
     released = time.monotonic()

@@ -157,7 +157,7 @@ class Worker:
 
     def run_two(self, task: str) -> list[tuple[float, float]]:
         """Send two 1 s bodies of one key at once; their recorded (start, end) intervals."""
-        run = uuid.uuid4().hex[:8]
+        run = "r" + uuid.uuid4().hex[:8]
         results = [self.client.send_task(task, (run, 1.0)) for _ in range(2)]
         for result in results:
             assert result.get(timeout=RESULT_TIMEOUT, interval=POLL) == "ran"

@@ -523,7 +523,7 @@ class TestEarlyReleaseOnARealWorker:
         """The retried copy takes the key (higher token) while the first body runs on; that
         body reads lock_lost True and check() raises LockLostError("released"); each token is
         reported released exactly once."""
-        run = uuid.uuid4().hex[:12]
+        run = "r" + uuid.uuid4().hex[:12]  # a digits-only str is keyed ~str.<digits>
         real.app.send_task("di.early", (run,))
         wait_file(real.directory / f"first-{run}")
         first = json.loads((real.directory / f"first-{run}").read_text())
@@ -548,7 +548,7 @@ class TestEarlyReleaseOnARealWorker:
     ) -> None:
         """on_lost="revoke": ``retry()`` (even throw=False) ends the attempt in RETRY; the body
         never runs on without its key, and the retry succeeds."""
-        run = uuid.uuid4().hex[:12]
+        run = "r" + uuid.uuid4().hex[:12]
         result = real.app.send_task("di.early_revoke", (run, throw))
         assert result.get(timeout=TIMEOUT, interval=POLL) == "second"
         assert not (real.directory / f"ran-on-{run}").exists()
