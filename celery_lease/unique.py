@@ -100,6 +100,7 @@ from celery_lease.lease import _conforms
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
     LockStore,
+    SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsDeferredRenew,
     SupportsInspection,
@@ -148,6 +149,9 @@ _TRIES = 8
 """Attempts when the key flips between free and held under our feet."""
 
 _CALLBACKS = ("link", "link_error", "chain")
+
+_NAMES_HOLDER: dict[type, bool] = {}
+"""Store class -> whether its acquire_or_holder may stand for its acquire (``_names_holder``)."""
 
 
 def queued_key(key: str, prefix: str) -> str:
@@ -269,6 +273,14 @@ def apply_unique(
         )
     owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
+    if _names_holder(store):  # one round trip for a duplicate, the holder read atomically
+        token, holder = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
+        if token is None:
+            existing = parse_owner(holder).task_id if holder is not None else None
+            return _duplicate(task, unique, key, task_id, existing, options)
+        return _publish(
+            apply, args, kwargs, task_id, options, store, qkey, owner, backend=task.backend
+        )
     for _ in range(_TRIES):
         if store.acquire(qkey, owner, ttl_ms) is None:
             info = inspect.get(qkey)
@@ -279,6 +291,32 @@ def apply_unique(
             apply, args, kwargs, task_id, options, store, qkey, owner, backend=task.backend
         )
     return _duplicate(task, unique, key, task_id, None, options)
+
+
+def _names_holder(store: LockStore) -> bool:
+    """Whether ``store`` names the holder of a refused key (SupportsAcquireOrHolder) through
+    the same code as its ``acquire``.
+
+    ``acquire_or_holder`` is used only where it is the own method of the class that defines
+    ``acquire`` (or of a subclass of it), and not where ``acquire`` was replaced on the
+    instance: a subclass or a wrapper that overrides ``acquire`` (to inject faults, count,
+    apply a policy) is not bypassed by an inherited or forwarded ``acquire_or_holder``. Such a
+    store gets the two calls. Cached per class (the instance check is one dict lookup).
+    """
+    if "acquire" in getattr(store, "__dict__", ()):
+        return False
+    kind = type(store)
+    known = _NAMES_HOLDER.get(kind)
+    if known is None:
+        known = _NAMES_HOLDER[kind] = _defines_both(kind)
+    return known
+
+
+def _defines_both(kind: type) -> bool:
+    """``kind``'s ``acquire_or_holder`` comes from the class of its ``acquire`` or below it."""
+    taking = next((c for c in kind.__mro__ if "acquire_or_holder" in vars(c)), None)
+    plain = next((c for c in kind.__mro__ if "acquire" in vars(c)), None)
+    return taking is not None and plain is not None and issubclass(taking, plain)
 
 
 def _running_copy(inspect: SupportsInspection, key: str, task_id: str) -> str | None:

@@ -30,6 +30,7 @@ __all__ = [
     "LeaseInfo",
     "LockStore",
     "LoopBinding",
+    "SupportsAcquireOrHolder",
     "SupportsBatchRenew",
     "SupportsDeferredRelease",
     "SupportsDeferredRenew",
@@ -81,6 +82,25 @@ class SupportsReleaseNotify(Protocol):
 
         A spurious True is allowed (the caller retries ``acquire``); so is a timeout while the key
         expired without a release (the caller polls anyway).
+        """
+        ...
+
+
+@runtime_checkable
+class SupportsAcquireOrHolder(Protocol):
+    """A store whose refused acquire also names the holder, read in the same atomic step.
+
+    A duplicate call of a unique task needs the holder's task id: with this, one round trip
+    instead of an :meth:`~LockStore.acquire` and then an inspection ``get`` (which can also find
+    the key freed in between, and must then try again).
+    """
+
+    def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
+        """:meth:`~LockStore.acquire`, and on refusal the owner of the live lease that refused it.
+
+        Returns ``(token, None)`` when ``owner`` took (or, holding it, re-took) the key, exactly as
+        ``acquire`` would, and ``(None, holder)`` when ``holder`` holds a live lease on it (which
+        is left as it was). Store errors raise ``StoreUnavailableError``, as ``acquire``'s do.
         """
         ...
 

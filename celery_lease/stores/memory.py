@@ -59,14 +59,18 @@ class MemoryLockStore:
             self._floor = max(self._floor, self._entries.pop(key).token)
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        return self.acquire_or_holder(key, owner, ttl_ms)[0]
+
+    def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
+        """:meth:`acquire`; when refused, ``(None, owner of the live lease)``."""
         with self._lock:
             now = self._now()
             live = self._live(key, now)
             if live is not None:
                 if live.owner != owner:
-                    return None
+                    return None, live.owner
                 live.expires = now + ttl_ms / 1000.0  # the holder again: same token, new expiry
-                return live.token
+                return live.token, None
             previous = self._entries.get(key)
             last = previous.token if previous is not None else self._floor
             token = max(last + 1, int(self._clock.time() * 1_000_000))
@@ -74,7 +78,7 @@ class MemoryLockStore:
             self._ops += 1
             if self._ops % 1024 == 0:
                 self._sweep(now)
-            return token
+            return token, None
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         with self._lock:

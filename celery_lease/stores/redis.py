@@ -127,6 +127,18 @@ redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
 """
 
+HELD_MARK = "!"
+"""First character of an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply that names the holder (a token
+is all digits)."""
+
+# ACQUIRE_SCRIPT, but a refusal returns HELD_MARK followed by the holder's owner id instead of
+# false: a duplicate call of a unique task learns whose copy holds the key in the same round
+# trip (and atomically with the refusal). Still one scalar reply, as the fast path reads.
+ACQUIRE_OR_HOLDER_SCRIPT = ACQUIRE_SCRIPT.replace(
+    "    return false\n", f"    return '{HELD_MARK}' .. lease[1]\n", 1
+)
+assert ACQUIRE_OR_HOLDER_SCRIPT != ACQUIRE_SCRIPT
+
 # KEYS[1] the lease hash.
 # ARGV[1] the owner, ARGV[2] the ttl in ms.
 # Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0.
@@ -220,6 +232,7 @@ class _Script:
 
 
 _ACQUIRE = _Script(ACQUIRE_SCRIPT, fast=(2, 3))
+_ACQUIRE_OR_HOLDER = _Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
 _RENEW = _Script(RENEW_SCRIPT, fast=(1, 2))
 _RENEW_MANY = _Script(RENEW_MANY_SCRIPT)
 _RELEASE = _Script(RELEASE_SCRIPT, fast=(2, 2))
@@ -613,17 +626,35 @@ class RedisLockStore:
     # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        return _int_or_none(self._take(_ACQUIRE, key, owner, ttl_ms))
+
+    def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
+        """:meth:`acquire`; when refused, ``(None, owner of the live lease)``, read by the same
+        script (one round trip: a unique task's duplicate call needs no second one)."""
+        reply = self._take(_ACQUIRE_OR_HOLDER, key, owner, ttl_ms)
+        if _refused(reply):
+            return None, self._decode(reply)[len(HELD_MARK) :]
+        return int(reply), None
+
+    def _decode(self, value: bytes | str) -> str:
+        """A reply's text, decoded as the client encodes (its ``encoding``, ``encoding_errors``);
+        a client with ``decode_responses`` (or RESP3's verbatim text) hands over ``str``."""
+        if isinstance(value, bytes):
+            return value.decode(self._encoding, self._encoding_errors)
+        return value
+
+    def _take(self, script: _Script, key: str, owner: str, ttl_ms: int) -> Any:
+        """Run an acquire ``script``; its raw reply (a token, or the script's refusal)."""
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             base = self._base(key)
             keys = (base + ":lease", base + ":token")
             args = (owner, int(ttl_ms), TOKEN_TTL_MS)
-            return _int_or_none(
-                self._call("acquire", partial(self._eval, _ACQUIRE, keys, args), key)
-            )
+            return self._call("acquire", partial(self._eval, script, keys, args), key)
         calls = [((self.lease_key(key), self.token_key(key)), (owner, int(ttl_ms), TOKEN_TTL_MS))]
-        replies, acks = self._call("acquire", lambda: self._write(_ACQUIRE, calls), key)
-        token = _int_or_none(replies[0])
-        if token is not None and acks is not None and acks < self._min_replicas:
+        replies, acks = self._call("acquire", lambda: self._write(script, calls), key)
+        reply = replies[0]
+        taken = reply is not None and not _refused(reply)
+        if taken and acks is not None and acks < self._min_replicas:
             # A failover now could lose this lease and hand the key to a second owner: give it
             # up (it is this attempt's own owner id, never anyone else's) and say why.
             try:
@@ -633,7 +664,7 @@ class RedisLockStore:
                 logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
                 after = "releasing it failed too: it expires within its ttl"
             raise self._unconfirmed("acquire", key, acks, after)
-        return token
+        return reply
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         if self._fast is not None:
@@ -799,13 +830,14 @@ class RedisLockStore:
             "list leases",
             lambda: self._eval_many(_INSPECT, [((self.lease_key(k),), ()) for k in keys]),
         )
-        infos = (_info(k, r) for k, r in zip(keys, results, strict=True))
+        infos = (_info(k, r, self._decode) for k, r in zip(keys, results, strict=True))
         return [info for info in infos if info is not None]
 
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key``, or ``None`` when it is free."""
         keys = (self.lease_key(key),)
-        return _info(key, self._call("read the lease", lambda: self._eval(_INSPECT, keys, ()), key))
+        reply = self._call("read the lease", lambda: self._eval(_INSPECT, keys, ()), key)
+        return _info(key, reply, self._decode)
 
     def last_token(self, key: str) -> int | None:
         """The last fencing token issued for ``key``, or ``None`` (counter never set, or dropped
@@ -821,7 +853,7 @@ class RedisLockStore:
         result = self._call(
             "force-release", lambda: self._eval(_FORCE_RELEASE, keys, (SIGNAL_TTL_MS,)), key
         )
-        return _info(key, result)
+        return _info(key, result, self._decode)
 
     def close(self) -> None:
         """Close the client's connections if the store built the client from a URL.
@@ -932,16 +964,24 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+_HELD_MARKS = (HELD_MARK.encode(), HELD_MARK)
+
+
+def _refused(reply: bytes | str) -> bool:
+    """Whether an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply names the holder (else: a token)."""
+    return reply[:1] in _HELD_MARKS
+
+
 def _int_or_none(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def _info(key: str, result: Any) -> LeaseInfo | None:
+def _info(key: str, result: Any, decode: Callable[[bytes | str], str]) -> LeaseInfo | None:
     """A LeaseInfo from the ``{owner, token, remaining ms}`` reply of a script, or None."""
     if not result:
         return None
     owner, token, left_ms = result
-    return LeaseInfo(key, _text(owner), int(token), max(0, int(left_ms)) / 1000.0)
+    return LeaseInfo(key, decode(owner), int(token), max(0, int(left_ms)) / 1000.0)
 
 
 def _glob_escape(text: str) -> str:

@@ -44,6 +44,7 @@ from hypothesis.stateful import (
 from celery_lease.errors import StoreUnavailableError
 from celery_lease.stores.base import (
     LockStore,
+    SupportsAcquireOrHolder,
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
@@ -208,6 +209,50 @@ class StoreContract:
         store.release("k", "a")
         following = store.acquire("k", "b", LONG_MS)
         assert following is not None and following > token
+
+    # acquire_or_holder: a refusal names the holder -------------------------------------------
+
+    def test_acquire_or_holder_takes_a_free_key_like_acquire(self, store: LockStore) -> None:
+        """Free key: ``(token, None)``; the lease excludes others and its token is the key's."""
+        self.require(store, SupportsAcquireOrHolder)
+        taking = store.acquire_or_holder  # type: ignore[attr-defined]
+        token, holder = taking("k", "a", LONG_MS)
+        assert type(token) is int and token > 0 and holder is None
+        assert store.acquire("k", "b", LONG_MS) is None
+        assert store.acquire("k", "a", LONG_MS) == token
+        assert taking("k", "a", LONG_MS) == (token, None)  # the holder again: its own token
+
+    @pytest.mark.parametrize("owner", ["a", "12345", "!x", "wörker:ünïcode:7", "o" * 300])
+    def test_acquire_or_holder_names_the_holder_and_changes_nothing(
+        self, store: LockStore, owner: str
+    ) -> None:
+        """Held by another: ``(None, holder)``, the owner exactly as it was given (digits, a
+        leading ``!``, non-ASCII, long), and the holder's lease is untouched."""
+        self.require(store, SupportsAcquireOrHolder)
+        taking = store.acquire_or_holder  # type: ignore[attr-defined]
+        token = store.acquire("k", owner, LONG_MS)
+        assert token is not None
+        assert taking("k", "b", LONG_MS) == (None, owner)
+        assert taking("k", "b", 1) == (None, owner)
+        assert store.acquire("k", owner, LONG_MS) == token
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and (info.owner, info.token) == (owner, token)
+
+    def test_acquire_or_holder_after_release_and_expiry_gets_a_larger_token(
+        self, store: LockStore
+    ) -> None:
+        """Released, then expired: each new taker gets a token above every earlier one."""
+        self.require(store, SupportsAcquireOrHolder)
+        taking = store.acquire_or_holder  # type: ignore[attr-defined]
+        first, _ = taking("k", "a", LONG_MS)
+        store.release("k", "a")
+        second, holder = taking("k", "b", self.short_ttl_ms())
+        assert holder is None and second is not None and second > first
+        self.let_expire(store, "k", self.short_ttl_ms())
+        third, holder = taking("k", "c", LONG_MS)
+        assert holder is None and third is not None and third > second
+        assert taking("k", "b", LONG_MS) == (None, "c")
 
     def test_acquire_by_the_holder_extends_its_lease(self, store: LockStore) -> None:
         """A re-acquire by the holder sets the expiry to now + ttl, like a renew.

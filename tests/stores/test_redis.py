@@ -135,6 +135,26 @@ class TestRoundTrips:
         assert len(_CountingConnection.sends) == 1
         client.close()
 
+    def test_a_refused_acquire_or_holder_is_one_script_call(
+        self, redis_server: RedisServer, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """Refused, ``acquire_or_holder`` reads the holder in the same script: one EVALSHA and
+        no other command (an acquire and a get would be two), also after SCRIPT FLUSH."""
+        assert store.acquire("k", "holder", LONG_MS) is not None
+        assert store.acquire_or_holder("k", "b", LONG_MS) == (None, "holder")  # loads it
+        redis_client.config_resetstat()
+        assert store.acquire_or_holder("k", "b", LONG_MS) == (None, "holder")
+        stats = _commandstats(redis_server)
+        stats.pop("cmdstat_config|resetstat", None)
+        stats.pop("cmdstat_hello", None)  # the stats reader's own connection
+        assert stats == {"cmdstat_evalsha": 1, "cmdstat_hmget": 1}  # the script's one read
+        redis_client.script_flush()
+        assert store.acquire_or_holder("k", "b", LONG_MS) == (None, "holder")
+        store.release("k", "holder")
+        redis_client.script_flush()
+        token, holder = store.acquire_or_holder("k", "b", LONG_MS)
+        assert holder is None and token is not None and store.get("k").owner == "b"  # type: ignore[union-attr]
+
     def test_renew_many_of_thousands_is_one_round_trip_in_order(
         self, redis_server: RedisServer, redis_url: str
     ) -> None:

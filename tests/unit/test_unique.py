@@ -101,6 +101,28 @@ class TestOneCopy:
         assert set(ids) == set(published.ids)
         assert len(published.ids) == 1
 
+    @pytest.mark.parametrize("unique", UNIQUES)
+    def test_a_duplicate_costs_one_store_call_when_the_store_names_the_holder(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        unique: str,
+    ) -> None:  # fmt: skip
+        """A store that names the holder of a refused key (acquire_or_holder) answers a
+        duplicate in one call, not an acquire and then a get (two round trips on Redis)."""
+        task = define(app, f"t.one-call.{unique}", lock_unique=unique)
+        first = task.delay(4)
+        calls: list[str] = []
+        for name in ("acquire", "acquire_or_holder", "get", "renew", "release"):
+            real = getattr(SpyStore, name)
+
+            def spy(self: SpyStore, *args: Any, _real: Any = real, _name: str = name) -> Any:
+                calls.append(_name)
+                return _real(self, *args)
+
+            monkeypatch.setattr(SpyStore, name, spy)  # on the class: see _names_holder
+        assert task.delay(4).id == first.id
+        assert calls == ["acquire_or_holder"]
+        assert published.ids == [first.id]
+
     def test_other_keys_are_independent(self, app: Celery, published: Published) -> None:
         """Different keys each get their own copy."""
         task = define(app, "t.keys", lock_unique="until_done")

@@ -341,6 +341,10 @@ class DeferringSpy(SpyStore):
         self._read_unread()
         return super().acquire(key, owner, ttl_ms)
 
+    def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
+        self._read_unread()  # like the Redis store's: the same connection, replies in order
+        return super().acquire_or_holder(key, owner, ttl_ms)
+
     def release(self, key: str, owner: str) -> None:
         self._read_unread()
         self.log.append(f"release {key}")
