@@ -76,10 +76,20 @@ class _Ids:
         self.count = itertools.count(1)
 
     def new(self) -> str:
-        return f"{self.prefix}{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
+        return self.prefix + self.hex()
+
+    def hex(self) -> str:
+        """The next 16 hex digits alone (they too are never the same twice in a process)."""
+        return f"{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
 _ids = _Ids()
+
+
+def new_nonce() -> str:
+    """16 hex digits this process never returns twice, random across processes (no system
+    call: the owner ids' counter, see ``_Ids``)."""
+    return _ids.hex()
 
 
 def _after_fork_in_child() -> None:

@@ -95,7 +95,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.holder import _field, parse_owner
+from celery_lease.holder import _field, new_nonce, parse_owner
 from celery_lease.lease import _conforms
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
@@ -173,7 +173,7 @@ def queued_owner(task: str, task_id: str, at_ms: int) -> str:
     """
     return (
         f"{OWNER_HEAD};t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
-        f";n={uuid()[:8]}"
+        f";n={new_nonce()}"
     )
 
 
@@ -278,18 +278,14 @@ def apply_unique(
         if token is None:
             existing = parse_owner(holder).task_id if holder is not None else None
             return _duplicate(task, unique, key, task_id, existing, options)
-        return _publish(
-            apply, args, kwargs, task_id, options, store, qkey, owner, backend=task.backend
-        )
+        return _publish(apply, args, kwargs, task_id, options, store, qkey, owner, failed_for=task)
     for _ in range(_TRIES):
         if store.acquire(qkey, owner, ttl_ms) is None:
             info = inspect.get(qkey)
             if info is None:
                 continue  # freed in between: try again
             return _duplicate(task, unique, key, task_id, parse_owner(info.owner).task_id, options)
-        return _publish(
-            apply, args, kwargs, task_id, options, store, qkey, owner, backend=task.backend
-        )
+        return _publish(apply, args, kwargs, task_id, options, store, qkey, owner, failed_for=task)
     return _duplicate(task, unique, key, task_id, None, options)
 
 
@@ -361,14 +357,15 @@ def _publish(
     *,
     undo: Callable[[], None] | None = None,
     free: bool = True,
-    backend: Any = None,
+    failed_for: Any = None,
 ) -> Any:
     """Publish with the queued lease in the header; a failed publish frees the lease at once
     (unless ``free`` is False: a running copy's retry, whose end frees it).
 
-    With ``backend`` (a new copy), a failed publish is also stored as the copy's FAILURE: the
-    duplicates that were given its ``AsyncResult`` meanwhile see the error in ``get()``
-    instead of waiting forever for a message that was never sent.
+    With ``failed_for`` (the task of a new copy), a failed publish is also stored as the
+    copy's FAILURE in that task's result backend (looked up only then): the duplicates that
+    were given its ``AsyncResult`` meanwhile see the error in ``get()`` instead of waiting
+    forever for a message that was never sent.
     """
     headers = dict(options.get("headers") or {})
     headers[HEADER] = [qkey, owner]
@@ -379,14 +376,14 @@ def _publish(
             _release_quietly(store, qkey, owner, "the publish failed")
         if undo is not None:
             undo()
-        if backend is not None and isinstance(exc, Exception):
-            _fail_quietly(backend, task_id, exc)
+        if failed_for is not None and isinstance(exc, Exception):
+            _fail_quietly(failed_for, task_id, exc)
         raise
 
 
-def _fail_quietly(backend: Any, task_id: str, exc: Exception) -> None:
+def _fail_quietly(task: Any, task_id: str, exc: Exception) -> None:
     try:
-        backend.mark_as_failure(task_id, exc, call_errbacks=False)
+        task.backend.mark_as_failure(task_id, exc, call_errbacks=False)
     except Exception as error:  # no result backend, or it is down too: the caller has exc
         logger.debug("celery-lease: could not store the failed publish of %s: %s", task_id, error)
 
@@ -492,7 +489,7 @@ def _debounced(
                 store,
                 qkey,
                 owner,
-                backend=task.backend,
+                failed_for=task,
             )
         info = inspect.get(qkey)
         if info is None:
@@ -534,7 +531,7 @@ def _debounced(
             qkey,
             owner,
             undo=functools.partial(_release_quietly, store, tomb, tomb_owner, "publish failed"),
-            backend=task.backend,
+            failed_for=task,
         )
     return _duplicate(task, unique, key, task_id, None, options)
 

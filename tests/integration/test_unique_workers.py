@@ -266,6 +266,31 @@ class TestWithWorker:
         assert later.get(timeout=TIMEOUT) == 3
         assert worker.lines(f"calls-{run}") == ["1", "3"]
 
+    def test_task_protocol_1_hands_the_queued_key_over_and_frees_it(self, worker: Env) -> None:
+        """A client on ``task_protocol = 1`` (the task id and our header in the message body's
+        protocol-1 form): the worker still recognises the copy's queued lease, keeps it while
+        the body runs and frees both keys at the end, so the next call is a new copy."""
+        client = make_app(worker.broker, worker.backend, str(worker.directory))
+        client.conf.task_protocol = 1
+        try:
+            run = run_id()
+            body = client.tasks["uq.until_done"]
+            first = body.delay(run, 1, True)
+            worker.wait_file(f"started-{run}")
+            assert body.delay(run, 2).id == first.id
+            held = worker.store.get(f"queued:ud:{run}")  # type: ignore[attr-defined]
+            assert held is not None and parse_owner(held.owner).task_id == first.id
+            (worker.directory / f"go-{run}").touch()
+            assert first.get(timeout=TIMEOUT) == 1
+            worker.wait_free(f"ud:{run}")
+            worker.wait_free(f"queued:ud:{run}")
+            later = body.delay(run, 3)
+            assert later.id != first.id
+            assert later.get(timeout=TIMEOUT) == 3
+            assert worker.lines(f"calls-{run}") == ["1", "3"]
+        finally:
+            client.close()
+
     def test_the_running_copy_keeps_its_queued_key_past_queue_ttl(self, worker: Env) -> None:
         """until_done: at start the queued key is taken over for the run lease's ttl (30 s,
         renewed), no longer the 2 s queue_ttl, under the same owner."""
