@@ -19,7 +19,8 @@ The machine is shared and its load moves, so the contenders take turns in chunks
 ``--chunk`` calls (250 tasks end to end), in an order rotated every chunk, and a round's rate is
 its calls over the sum of its chunks' times. Printed: the median over ``--rounds`` rounds (round 0
 warms up and is dropped) and the median of the per-round ratios to ``QueueOnce`` and
-``Singleton`` (``x once``, ``x single``), which load affects least.
+``Singleton`` (``x once``, ``x single``; new-key calls, duplicate calls, end to end), which load
+affects least.
 
 Run: ``python -m benchmarks.bench_unique [--calls 2000 --tasks 1000 --rounds 5] [--json PATH]``
 """
@@ -253,8 +254,8 @@ def main() -> None:
     )
     print(
         f"{'contender':<12}{'new calls/s':>13}{'dup calls/s':>13}{'e2e tasks/s':>13}"
-        f"{'reqs/call':>11}{'new x once':>12}{'new x single':>14}{'e2e x once':>12}"
-        f"{'e2e x single':>14}"
+        f"{'reqs/call':>11}{'new x once':>12}{'new x single':>14}{'dup x once':>12}"
+        f"{'dup x single':>14}{'e2e x once':>12}{'e2e x single':>14}"
     )
     for name in names:
         row = {
@@ -265,6 +266,8 @@ def main() -> None:
             "requests_per_call": trips[name],
             "new_vs_QueueOnce": paired("new", name, "QueueOnce"),
             "new_vs_Singleton": paired("new", name, "Singleton"),
+            "duplicate_vs_QueueOnce": paired("duplicate", name, "QueueOnce"),
+            "duplicate_vs_Singleton": paired("duplicate", name, "Singleton"),
             "e2e_vs_QueueOnce": paired("e2e", name, "QueueOnce"),
             "e2e_vs_Singleton": paired("e2e", name, "Singleton"),
         }
@@ -273,7 +276,8 @@ def main() -> None:
             f"{name:<12}{row['enqueue_new_calls_per_s']:>13.0f}"
             f"{row['enqueue_duplicate_calls_per_s']:>13.0f}{row['e2e_tasks_per_s']:>13.0f}"
             f"{row['requests_per_call']:>11.1f}{row['new_vs_QueueOnce']:>12.2f}"
-            f"{row['new_vs_Singleton']:>14.2f}{row['e2e_vs_QueueOnce']:>12.2f}"
+            f"{row['new_vs_Singleton']:>14.2f}{row['duplicate_vs_QueueOnce']:>12.2f}"
+            f"{row['duplicate_vs_Singleton']:>14.2f}{row['e2e_vs_QueueOnce']:>12.2f}"
             f"{row['e2e_vs_Singleton']:>14.2f}"
         )
     print(f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
