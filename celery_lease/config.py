@@ -148,7 +148,7 @@ class LeaseSettings:
         default_queue_ttl: seconds (``lease_default_queue_ttl``), or ``None`` (unset: 1 h).
         defer_release: ``lease_defer_release``, else ``True``: a worker may send a task's
             release without waiting for its reply when nothing is published after the body
-            (see :mod:`celery_lease.engine`); ``False`` waits for every release's reply.
+            (see :mod:`celery_lease.deferral`); ``False`` waits for every release's reply.
     """
 
     store: str | LockStore | None

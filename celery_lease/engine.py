@@ -18,25 +18,13 @@ not (the holder let go itself), and no interrupt is fired from the publish (the 
 ``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
 ``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
 
-Deferred release reply: a worker's execution whose success publishes nothing (its result is
-ignored, it is not part of a chord, its class adds no ``on_success`` / ``after_return`` and no
-``task_success`` / ``task_postrun`` receiver but ours is connected) sends its release without
-waiting for the reply, on a store that can (:class:`~celery_lease.stores.base.
-SupportsDeferredRelease`: the Redis store on a standalone server). The reply is read before the
-next reply on that connection (the next task's acquire: one wait instead of two), before any
-message this process publishes (``before_task_publish``: callbacks, chains, ``delay()`` from a
-hook), and at process exit. So nothing this process publishes can be seen before the key is free
-on the server. What it does not order: the broker ack and the ``task-succeeded`` event that the
-worker sends after the task returns may leave before the lock server has read the release it
-was already sent. ``app.conf.lease_defer_release = False`` waits for every release's reply.
+Deferred release replies: see :mod:`celery_lease.deferral`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -44,20 +32,14 @@ from typing import Any, cast
 
 from celery._state import get_current_app
 from celery.exceptions import Ignore, Retry
-from celery.signals import (
-    before_task_publish,
-    task_postrun,
-    task_success,
-    worker_process_shutdown,
-    worker_shutdown,
-)
+from celery.signals import before_task_publish
 
 try:
     from celery.app.task import get_actual_ignore_result as _ignore_result
 except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
-from celery_lease import config, signals
+from celery_lease import config, deferral, signals
 from celery_lease import request as _request  # defines the request attributes
 from celery_lease import worker as _worker
 from celery_lease.clock import SYSTEM_CLOCK
@@ -322,8 +304,8 @@ def _release_before_publish(
     The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
     Any deferred release of this process is answered first (see the module docstring).
     """
-    if _deferring:
-        flush_deferred_releases()
+    if deferral.deferring:
+        deferral.flush_deferred_releases()
     runs = _active.get()
     if not runs:
         return
@@ -347,99 +329,10 @@ def _release_quietly(run: _Run) -> None:
         run.release(_RELEASE_FOR_RETRY)
 
 
-# Deferred release replies (see the module docstring) ----------------------------------------
-
-_deferring: dict[int, SupportsDeferredRelease] = {}
-"""Stores this process sent deferred releases to, by id: their replies are read before a publish."""
-
-_HOOKS = ("on_success", "after_return")
-_hookless: dict[type, bool] = {}
-
-
-def _defer_on(context: _LeaseContext) -> None:
-    store = context.store
-    # The class attribute first: the protocol check of a store that does not conform (SQLite,
-    # memory) is not cached and costs a full isinstance() per task.
-    if hasattr(type(store), "release_deferred") and _conforms(store, SupportsDeferredRelease):
-        _deferring[id(store)] = cast(SupportsDeferredRelease, store)
-        context.defer_release = True
-
-
-def flush_deferred_releases() -> None:
-    """Read the replies of this process's deferred releases now; never raises a store error."""
-    for store in list(_deferring.values()):
-        try:
-            store.flush_deferred()
-        except Exception:  # the store logs each release's outcome; this is a bug guard
-            logger.exception("celery-lease: reading deferred release replies failed")
-
-
 def _publishes_nothing(task: Any, request: Any) -> bool:
-    """Whether nothing is published or run after this successful worker execution that could
-    depend on its key being free, before the next store call or publish reads the reply."""
-    if request is None or task is None or _active.get():  # a nested run: its caller goes on
-        return False
-    if not _worker.runs_one_task_at_a_time():
-        # threads, gevent, eventlet: another execution of this process may acquire the same
-        # key on another connection (redis-py's pool, while the fast one is busy) before the
-        # server read the release: it would be turned away.
-        return False
-    if request.id is None or getattr(request, "is_eager", False):
-        return False
-    if not getattr(request, "delivery_info", None) or getattr(request, "chord", None):
-        return False
-    if not _result_ignored(task, request):
-        return False
-    hookless = _hookless.get(type(task))
-    if hookless is None:
-        hookless = _hookless[type(task)] = not any(_custom(type(task), h) for h in _HOOKS)
-    return (
-        hookless
-        and _only_ours(task_success)
-        and _only_ours(task_postrun)
-        and _only_ours(signals.lock_released)  # "released": user code that may act on it
-    )
-
-
-def _result_ignored(task: Any, request: Any) -> bool:
-    if _ignore_result is not None:
-        return bool(_ignore_result(task, request))
-    # Celery < 5.6: the task's setting, unless the request asks for the result explicitly.
-    return bool(task.ignore_result) and getattr(request, "ignore_result", None) is not False
-
-
-def _custom(cls: type, name: str) -> bool:
-    """Whether a class below Celery's ``Task`` (ours excluded) defines hook ``name``."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("celery.", "celery_lease.")) or klass is object:
-            continue
-        if name in vars(klass):
-            return True
-    return False
-
-
-def _only_ours(signal: Any) -> bool:
-    """Whether every live receiver of ``signal`` is celery-lease's own (a few per signal at
-    most: looked at each time, never cached, so a receiver connected later is always seen)."""
-    for _, receiver in signal.receivers:
-        if isinstance(receiver, weakref.ReferenceType):
-            receiver = receiver()
-            if receiver is None:
-                continue
-        if not (getattr(receiver, "__module__", None) or "").startswith("celery_lease."):
-            return False
-    return True
-
-
-def _flush_at_exit(**_: Any) -> None:
-    flush_deferred_releases()
-
-
-worker_process_shutdown.connect(
-    _flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred_process"
-)
-worker_shutdown.connect(_flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred")
-atexit.register(flush_deferred_releases)
+    """:func:`~celery_lease.deferral.publishes_nothing`, and not a nested run (its caller goes
+    on after it)."""
+    return not _active.get() and deferral.publishes_nothing(task, request)
 
 
 class _ReleasedForRetry(Exception):
@@ -634,7 +527,7 @@ def _run_locked(
             _active.reset(runs_token)
     if queued is None:
         if settings.defer_release and _publishes_nothing(task, request):
-            _defer_on(context)
+            deferral.defer_on(context)
         run.release(None)
     else:
         # The queued key's release follows on this thread. Where the store can, both go out
@@ -642,9 +535,9 @@ def _run_locked(
         # key's overtake the run lease's); then, unless this execution publishes nothing (both
         # read as a lone run lease's is), one wait answers both before it returns. Not while a
         # user's lock_released receiver would run in between.
-        deferred = settings.defer_release and _only_ours(signals.lock_released)
+        deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
         if deferred:
-            _defer_on(context)
+            deferral.defer_on(context)
         try:
             run.release(None)
         finally:

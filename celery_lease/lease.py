@@ -113,6 +113,13 @@ def _conforms(obj: object, protocol: type) -> bool:
     return result
 
 
+def _offers(obj: object, protocol: type, method: str) -> bool:
+    """Whether ``obj`` conforms to ``protocol``, whose ``method`` its class must define: the
+    class test first, since the protocol check of a class that does not conform is not cached
+    and costs a full ``isinstance()`` per call (on a task's hot path)."""
+    return hasattr(type(obj), method) and _conforms(obj, protocol)
+
+
 def new_owner_id(
     *,
     node: str | None = None,
@@ -401,7 +408,7 @@ class _LeaseContext:
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False  # release_early() recorded the end: the exit raises nothing
         # The caller publishes nothing that depends on the key being free until the store's
-        # deferred replies are read (celery_lease.engine decides): the release may then go out
+        # deferred replies are read (celery_lease.deferral decides): the release may then go out
         # without waiting for its reply (SupportsDeferredRelease).
         self.defer_release = False
 

@@ -96,7 +96,7 @@ from celery_lease.dispatch import get_dispatcher
 from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
 from celery_lease.holder import _field, new_nonce, parse_owner
-from celery_lease.lease import _conforms
+from celery_lease.lease import _conforms, _offers
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
     LockStore,
@@ -604,7 +604,7 @@ class QueuedHold:
         # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
             store = self.store
-            if defer and _conforms(store, SupportsDeferredRelease):
+            if defer and _offers(store, SupportsDeferredRelease, "release_deferred"):
                 deferring = cast(SupportsDeferredRelease, store)
                 if deferring.release_deferred(self.qkey, self.owner):
                     return
@@ -680,7 +680,7 @@ def on_start(
         if done:
             _drop_finished(task, task_id)  # raises Ignore: the body ran already
         if done is None or deferred < 2:
-            _defer(task, request, key, ttl, deferred + (done is False))  # raises Ignore
+            _defer(task, request, key, ttl, deferred + (done is False), unfinished=done is False)
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
@@ -719,8 +719,7 @@ def on_start(
     # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
     # renewer's thread.
     if not (
-        hasattr(type(store), "renew_deferred")
-        and _conforms(store, SupportsDeferredRenew)
+        _offers(store, SupportsDeferredRenew, "renew_deferred")
         and cast(SupportsDeferredRenew, store).renew_deferred(qkey, owner, _ms(ttl))
     ):
         entry.due = now
@@ -760,9 +759,7 @@ def on_rejected(
         # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
         # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
         # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
-        if _finished(task, task_id):
-            _drop_finished(task, task_id)
-        _defer(task, request, key, ttl, deferred)
+        _defer(task, request, key, ttl, deferred)  # dropped there when its copy is done
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
@@ -820,8 +817,12 @@ def _drop_finished(task: Any, task_id: str) -> None:
     raise Ignore(reason)
 
 
-def _defer(task: Any, request: Any, key: str, ttl: float, count: int) -> None:
+def _defer(
+    task: Any, request: Any, key: str, ttl: float, count: int, *, unfinished: bool = False
+) -> None:
     """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
+    Dropped instead when its copy is done (not asked again when the caller just read it
+    ``unfinished``).
 
     If the re-send fails: an ``acks_late`` task's message is rejected back to the broker
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
@@ -830,7 +831,7 @@ def _defer(task: Any, request: Any, key: str, ttl: float, count: int) -> None:
     from celery_lease.task import LockedTask  # not at import: task.py imports this module
 
     task_id = request.id
-    if _finished(task, task_id):  # in its cooldown (run lease kept) or releasing it
+    if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
         _drop_finished(task, task_id)
     headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
     headers[DEFERRED] = count

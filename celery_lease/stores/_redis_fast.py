@@ -198,7 +198,7 @@ class FastConnection:
             return BUSY
         try:
             sock = self._sock
-            fresh = sock is None or self._pending or self._pid != os.getpid()
+            fresh = self._stale(sock)
             if sock is None or fresh:
                 sock = self._reconnect()
             try:
@@ -233,7 +233,7 @@ class FastConnection:
             return False
         try:
             sock = self._sock
-            if sock is None or self._pending or self._pid != os.getpid():
+            if sock is None or self._stale(sock):
                 try:
                     sock = self._reconnect()
                 except RedisError:
@@ -261,7 +261,7 @@ class FastConnection:
             sock = self._sock
             if not self._unread or sock is None:
                 return
-            if self._pending or self._pid != os.getpid():
+            if self._stale(sock):
                 # An exchange was cut short after its write (its reply, of unknown shape, may
                 # come before or among these): nothing on this socket can be trusted. Dropping
                 # it reports the deferred requests as unanswered.
@@ -282,6 +282,11 @@ class FastConnection:
             self._drop()
 
     # Internals ---------------------------------------------------------------------------------
+
+    def _stale(self, sock: socket.socket | None) -> bool:
+        """Whether the next request needs a new connection: none yet, an exchange cut short
+        after its write (its reply, of unknown shape, may still come), or a forked child."""
+        return sock is None or self._pending or self._pid != os.getpid()
 
     def _exchange(self, sock: socket.socket, request: bytes) -> Any:
         """Write ``request`` and read its reply; ``_pending`` is set until the reply is read."""

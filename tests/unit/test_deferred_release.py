@@ -20,7 +20,7 @@ from celery import Celery
 from celery.app.trace import build_tracer
 from celery.signals import after_task_publish, task_postrun, task_success
 
-from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, engine, locked
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, deferral, locked
 from celery_lease import config as lease_config
 from celery_lease import signals as lease_signals
 from celery_lease import worker as worker_module
@@ -63,7 +63,7 @@ def log() -> list[str]:
 def store(log: list[str]) -> Iterator[DeferringStore]:
     made = DeferringStore(log)
     yield made
-    engine._deferring.pop(id(made), None)
+    deferral.deferring.pop(id(made), None)
 
 
 def _ours(entry: tuple[Any, Any]) -> bool:
@@ -142,7 +142,7 @@ class TestWhichExecutionsDefer:
         traced(app, quiet)(1)
         assert released(log) == ["deferred k:1"]
         assert store.get("k:1") is not None  # not read yet: this fake applies it at the flush
-        engine.flush_deferred_releases()
+        deferral.flush_deferred_releases()
         assert store.get("k:1") is None
 
     def test_a_stored_result_waits_for_the_reply(self, app: Celery, log: list[str]) -> None:

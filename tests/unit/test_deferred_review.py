@@ -8,7 +8,7 @@ from typing import Any
 from celery import Celery
 from celery.utils.dispatch import Signal
 
-from celery_lease import LockedTask, engine, signals
+from celery_lease import LockedTask, deferral, signals
 
 # The engine's own path is traced as a worker runs it, with test_deferred_release's harness.
 from tests.unit.test_deferred_release import (  # noqa: F401 (fixtures)
@@ -40,14 +40,14 @@ class TestOnlyOurs:
         signal.connect(first, dispatch_uid="myapp.notify_done")  # weak, the default
         del first
         gc.collect()  # dead, not yet swept from signal.receivers (swept at the next connect)
-        assert engine._only_ours(signal)  # right: the dead one runs no more
+        assert deferral.only_ours(signal)  # right: the dead one runs no more
 
         def second(**_: Any) -> None:  # e.g. a reloaded module's handler, same uid
             pass
 
         signal.connect(second, dispatch_uid="myapp.notify_done")
         assert [r for r in signal._live_receivers(None)] == [_ours, second]
-        assert not engine._only_ours(signal)  # a foreign receiver now runs after the task
+        assert not deferral.only_ours(signal)  # a foreign receiver now runs after the task
 
     def test_control_a_live_foreign_receiver_is_seen(self) -> None:
         signal = Signal(name="review_success_2")
@@ -57,7 +57,7 @@ class TestOnlyOurs:
             pass
 
         signal.connect(foreign, dispatch_uid="myapp.other")
-        assert not engine._only_ours(signal)
+        assert not deferral.only_ours(signal)
         del foreign
 
 
