@@ -65,6 +65,20 @@ def deliver_again(env: Env, name: str, first: Any, run: str, prefix: str, queue:
     )
 
 
+def start_and_deliver_again(
+    env: Env, name: str, prefix: str, queue: str, again_queue: str, again_log: Any
+) -> tuple[str, Any]:
+    """Start a copy of ``name`` (key ``prefix:run``) on ``queue``, its body held by its go file;
+    once it runs, deliver its message again to ``again_queue`` and wait until that worker (log
+    ``again_log``) turned it away. Returns the run id and the copy's AsyncResult."""
+    run = run_id()
+    first = env.app.tasks[name].apply_async((run, 1, True), queue=queue)
+    env.wait_file(f"started-{run}")
+    deliver_again(env, name, first, run, prefix, again_queue)
+    wait_turned_away(env, again_log)
+    return run, first
+
+
 class TestRedelivery:
     def test_a_second_delivery_of_the_running_copy_keeps_its_queued_key(self, env: Env) -> None:
         """until_done: the running copy's message delivered again to another worker is turned
@@ -72,13 +86,9 @@ class TestRedelivery:
         a_proc, _a_log = start_worker(env, "rva", queue="rva")
         b_proc, b_log = start_worker(env, "rvb", queue="rvb")
         try:
-            run = run_id()
+            run, first = start_and_deliver_again(env, "uq.until_done", "ud", "rva", "rvb", b_log)
             body = env.app.tasks["uq.until_done"]
-            first = body.apply_async((run, 1, True), queue="rva")
-            env.wait_file(f"started-{run}")
             qkey = f"queued:ud:{run}"
-            deliver_again(env, "uq.until_done", first, run, "ud", "rvb")
-            wait_turned_away(env, b_log)
             assert env.store.get(qkey) is not None  # type: ignore[attr-defined]
             again = body.apply_async((run, 2), queue="idle-" + run)
             assert again.id == first.id
@@ -98,12 +108,7 @@ class TestRedelivery:
         a_proc, _a_log = start_worker(env, "rfa", queue="rfa")
         b_proc, b_log = start_worker(env, "rfb", queue="rfb")
         try:
-            run = run_id()
-            body = env.app.tasks["uq.until_done"]
-            first = body.apply_async((run, 1, True), queue="rfa")
-            env.wait_file(f"started-{run}")
-            deliver_again(env, "uq.until_done", first, run, "ud", "rfb")
-            wait_turned_away(env, b_log)
+            run, first = start_and_deliver_again(env, "uq.until_done", "ud", "rfa", "rfb", b_log)
             state = first.state  # the body still waits for its go file
             (env.directory / f"go-{run}").touch()
             assert state != "FAILURE", first.result
@@ -118,11 +123,7 @@ class TestRedelivery:
         a_proc, _a_log = start_worker(env, "rda", queue="rda")
         b_proc, b_log = start_worker(env, "rdb", queue="rdb")
         try:
-            run = run_id()
-            first = env.app.tasks["uq.brief"].apply_async((run, 1, True), queue="rda")
-            env.wait_file(f"started-{run}")
-            deliver_again(env, "uq.brief", first, run, "br", "rdb")
-            wait_turned_away(env, b_log)
+            run, first = start_and_deliver_again(env, "uq.brief", "br", "rda", "rdb", b_log)
             os.killpg(a_proc.pid, signal.SIGKILL)
             a_proc.wait()
             deadline = time.monotonic() + TIMEOUT
@@ -142,11 +143,7 @@ class TestRedelivery:
         a_proc, _a_log = start_worker(env, "rsa", queue="rsa")
         b_proc, b_log = start_worker(env, "rsb", queue="rsb")
         try:
-            run = run_id()
-            first = env.app.tasks["uq.brief"].apply_async((run, 1, True), queue="rsa")
-            env.wait_file(f"started-{run}")
-            deliver_again(env, "uq.brief", first, run, "br", "rsb")
-            wait_turned_away(env, b_log)
+            run, first = start_and_deliver_again(env, "uq.brief", "br", "rsa", "rsb", b_log)
             (env.directory / f"go-{run}").touch()
             assert first.get(timeout=TIMEOUT, interval=POLL) == 1
             wait_log(env, b_log, "delivered again after it finished")

@@ -270,34 +270,28 @@ class TestPoll:
             store.close()
 
 
+def _assert_polls(timeout: float | None, reply: bytes) -> None:
+    """A plain socket with ``timeout`` gets a poll: nothing to read yet, then ``reply``."""
+    a, b = socket.socketpair()
+    try:
+        a.settimeout(timeout)
+        poll = _poller(a)
+        assert poll is not None
+        with pytest.raises(BlockingIOError):
+            poll()
+        b.sendall(reply)
+        assert poll() == reply
+    finally:
+        a.close()
+        b.close()
+
+
 class TestPoller:
     def test_plain_sockets_with_a_timeout_poll_their_fd(self) -> None:
-        a, b = socket.socketpair()
-        try:
-            a.settimeout(5)
-            poll = _poller(a)
-            assert poll is not None
-            with pytest.raises(BlockingIOError):
-                poll()
-            b.sendall(b"+OK\r\n")
-            assert poll() == b"+OK\r\n"
-        finally:
-            a.close()
-            b.close()
+        _assert_polls(5, b"+OK\r\n")
 
     def test_blocking_sockets_poll_without_waiting(self) -> None:
-        a, b = socket.socketpair()
-        try:
-            a.settimeout(None)
-            poll = _poller(a)
-            assert poll is not None
-            with pytest.raises(BlockingIOError):
-                poll()
-            b.sendall(b":1\r\n")
-            assert poll() == b":1\r\n"
-        finally:
-            a.close()
-            b.close()
+        _assert_polls(None, b":1\r\n")
 
     def test_tls_sockets_never_poll_the_fd(self) -> None:
         """Bytes on a TLS socket's fd are records, not replies: no poll."""

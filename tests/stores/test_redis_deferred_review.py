@@ -14,12 +14,9 @@ import pytest
 import redis
 
 from celery_lease.stores.redis import RedisLockStore
-from tests.stores.test_redis_deferred import _fast, _holder
+from tests.stores.test_redis_deferred import _CLIENT_ID, TTL_MS, _fast, _holder
 
 pytestmark = pytest.mark.redis
-
-TTL_MS = 30_000
-_CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
 
 
 @pytest.fixture

@@ -1,13 +1,18 @@
-"""Helpers for unit tests of our own logic: a spy store over MemoryLockStore, on a FakeClock."""
+"""Helpers for unit tests of our own logic: a spy store over MemoryLockStore, on a FakeClock, and
+a Celery app on it (in-memory broker and backend) with a spy on the messages it publishes."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
+from celery import Celery
+from celery.signals import after_task_publish
 
 from celery_lease import MemoryLockStore, StoreUnavailableError
+from celery_lease import unique as unique_module
 from celery_lease.renewer import get_renewer
 from celery_lease.testing import FakeClock
 
@@ -65,3 +70,35 @@ def clock() -> FakeClock:
 @pytest.fixture
 def store(clock: FakeClock) -> SpyStore:
     return SpyStore(clock)
+
+
+class Published:
+    """Counts the messages published per task name (after_task_publish)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.headers: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, sender: Any = None, headers: Any = None, **_: Any) -> None:
+        with self._lock:
+            self.ids.append(headers["id"])
+            self.headers.append(headers)
+
+
+@pytest.fixture
+def published() -> Iterator[Published]:
+    spy = Published()
+    after_task_publish.connect(spy, weak=False)
+    yield spy
+    after_task_publish.disconnect(spy)
+
+
+@pytest.fixture
+def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+    """A Celery app on ``store`` (memory broker and result backend); unique's clock is ``clock``."""
+    monkeypatch.setattr(unique_module, "clock", clock)
+    app = Celery("unique-unit", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
+    yield app
+    app.close()

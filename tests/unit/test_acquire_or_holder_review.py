@@ -19,7 +19,7 @@ from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.fixtures_redis import RedisServer
-from tests.unit.test_unique import Published, published  # noqa: F401 (fixture)
+from tests.unit.conftest import Published
 
 
 def _app(store: Any) -> Celery:
@@ -56,17 +56,13 @@ def _assert_delay_fails_unpublished(store: Any, name: str, seen: Published) -> N
 
 
 class TestOverridesOfAcquire:
-    def test_a_subclass_overriding_acquire_is_not_bypassed(
-        self,
-        published: Published,  # noqa: F811
-    ) -> None:
+    def test_a_subclass_overriding_acquire_is_not_bypassed(self, published: Published) -> None:
         """A MemoryLockStore subclass whose acquire fails: delay() must raise, not publish
         behind the override's back (acquire_or_holder, inherited, skips it)."""
         _assert_delay_fails_unpublished(_DownOnAcquire(), "aoh.subclass-down", published)
 
     def test_a_delegating_wrapper_overriding_acquire_is_not_bypassed(
-        self,
-        published: Published,  # noqa: F811
+        self, published: Published
     ) -> None:
         """The tests' own wrapper pattern (``__getattr__`` to the inner store, ``acquire``
         overridden): the wrapper's acquire must be the one that decides."""
@@ -92,9 +88,7 @@ class TestOverridesOfAcquire:
         _assert_delay_fails_unpublished(Wrapper(MemoryLockStore()), "aoh.wrapper-down", published)
 
     def test_the_class_cache_does_not_outlive_the_inner_store(
-        self,
-        published: Published,  # noqa: F811
-        tmp_path: Any,
+        self, published: Published, tmp_path: Any
     ) -> None:
         """One wrapper class around different stores: a wrapper of a store without
         acquire_or_holder must not be sent down that path because an earlier instance of the
@@ -135,10 +129,7 @@ def _latin1_store(server: RedisServer) -> RedisLockStore:
 @pytest.mark.redis
 class TestRedisUnique:
     def test_duplicate_gets_the_holders_id_with_a_latin1_decoding_client(
-        self,
-        redis_server: RedisServer,
-        redis_url: str,
-        published: Published,  # noqa: F811
+        self, redis_server: RedisServer, redis_url: str, published: Published
     ) -> None:
         """decode_responses=True, encoding='latin-1' (supported: 'a caller's client with
         decode_responses=True is fine'): a duplicate of a copy whose id has non-ASCII
@@ -156,9 +147,7 @@ class TestRedisUnique:
             store.client.close()
 
     def test_fifty_threads_publish_once_and_all_get_its_id(
-        self,
-        redis_url: str,
-        published: Published,  # noqa: F811
+        self, redis_url: str, published: Published
     ) -> None:
         store = RedisLockStore(redis_url)
         app = _app(store)
@@ -193,9 +182,7 @@ class TestRedisUnique:
             store.close()
 
     def test_holder_that_is_not_a_queued_owner_raises(
-        self,
-        redis_url: str,
-        published: Published,  # noqa: F811
+        self, redis_url: str, published: Published
     ) -> None:
         """The queued key held by a foreign owner ('!12', no task id): AlreadyQueuedError, no
         publish, the foreign lease untouched."""

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import pickle
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.signals import after_task_publish
 
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease import unique as unique_module
@@ -18,38 +16,7 @@ from celery_lease.errors import LockNotAcquiredError
 from celery_lease.holder import make_owner, parse_owner
 from celery_lease.signals import lock_duplicate
 from celery_lease.testing import FakeClock
-from tests.unit.conftest import SpyStore
-
-
-class Published:
-    """Counts the messages published per task name (after_task_publish)."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.headers: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, sender: Any = None, headers: Any = None, **_: Any) -> None:
-        with self._lock:
-            self.ids.append(headers["id"])
-            self.headers.append(headers)
-
-
-@pytest.fixture
-def published() -> Iterator[Published]:
-    spy = Published()
-    after_task_publish.connect(spy, weak=False)
-    yield spy
-    after_task_publish.disconnect(spy)
-
-
-@pytest.fixture
-def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
-    monkeypatch.setattr(unique_module, "clock", clock)
-    app = Celery("unique-unit", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
-    yield app
-    app.close()
+from tests.unit.conftest import Published, SpyStore
 
 
 def define(app: Celery, name: str, **options: Any) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,30 +19,8 @@ from celery_lease import LockedTask, MemoryLockStore, signals
 from celery_lease import unique as unique_module
 from celery_lease.holder import make_owner
 from celery_lease.testing import FakeClock
-from tests.unit.conftest import SpyStore
+from tests.unit.conftest import Published, SpyStore
 from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)
-from tests.unit.test_unique import Published
-
-
-@pytest.fixture
-def published() -> Iterator[Published]:
-    from celery.signals import after_task_publish
-
-    spy = Published()
-    after_task_publish.connect(spy, weak=False)
-    yield spy
-    after_task_publish.disconnect(spy)
-
-
-@pytest.fixture
-def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
-    monkeypatch.setattr(unique_module, "clock", clock)
-    app = Celery(
-        "deferral-review", broker="memory://", backend="cache+memory://", set_as_current=False
-    )
-    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
-    yield app
-    app.close()
 
 
 class Bodies:
@@ -68,6 +45,17 @@ def define(app: Celery, name: str, bodies: Bodies, **options: Any) -> Any:
         return n
 
     return body._get_current_object()
+
+
+def until_done_copy(
+    app: Celery, published: Published, name: str, **options: Any
+) -> tuple[Bodies, Any, Any, dict[str, Any]]:
+    """An until_done task ``name`` (``define``) with one copy published, ``task.delay(1)``: the
+    task's bodies, the task, the copy's AsyncResult and the headers of its message."""
+    bodies = Bodies()
+    task = define(app, name, bodies, lock_unique="until_done", **options)
+    first = task.delay(1)
+    return bodies, task, first, published.headers[0]
 
 
 def deliver(
@@ -127,10 +115,7 @@ class TestDeferredDuringRetry:
     def test_a_deferred_delivery_during_the_retry_wait_does_not_run_the_body(
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        bodies = Bodies()
-        task = define(app, "d.retry-wait", bodies, lock_unique="until_done")
-        first = task.delay(1)
-        headers = published.headers[0]
+        bodies, task, first, headers = until_done_copy(app, published, "d.retry-wait")
         # Attempt 0 ran, met a second delivery of itself (re-sent, deferred), then called
         # retry(countdown=600): RETRY stored, its run lease released early, the retry message
         # (retries=1) waits in the broker; the queued key is kept for the retry.
@@ -146,10 +131,7 @@ class TestReleaseBeforeStore:
     def test_a_deferred_delivery_between_release_and_result_does_not_rerun(
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        bodies = Bodies()
-        task = define(app, "d.window", bodies, lock_unique="until_done")
-        first = task.delay(1)
-        headers = published.headers[0]
+        bodies, task, first, headers = until_done_copy(app, published, "d.window")
         errors: list[BaseException] = []
         fired: list[bool] = []
 
@@ -187,10 +169,7 @@ class TestBackendErrorAtDeferredStart:
     def test_a_backend_error_does_not_rerun_a_finished_body(
         self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        bodies = Bodies()
-        task = define(app, "d.backend-down", bodies, lock_unique="until_done")
-        first = task.delay(1)
-        headers = published.headers[0]
+        bodies, task, first, headers = until_done_copy(app, published, "d.backend-down")
         task.backend.mark_as_done(first.id, 1)  # the first copy finished
         store.release("queued:k:1", headers[unique_module.HEADER][1])
 
@@ -223,10 +202,7 @@ class TestDeadCopy:
     ) -> None:
         """The deferred delivery of a copy that never finished (its worker died: PENDING, run
         key free) is re-sent once more (count 2), then runs the body: once, a ttl later."""
-        bodies = Bodies()
-        task = define(app, "d.dead", bodies, lock_unique="until_done")
-        task.delay(1)
-        headers = published.headers[0]
+        bodies, task, _, headers = until_done_copy(app, published, "d.dead")
         with pytest.raises(Ignore):
             deliver(task, headers, deferred=1)
         assert bodies.runs == []
@@ -240,10 +216,7 @@ class TestDeadCopy:
         self, app: Celery, published: Published, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """No answer from the backend: re-sent with the same count (asked again later)."""
-        bodies = Bodies()
-        task = define(app, "d.ask-later", bodies, lock_unique="until_done")
-        task.delay(1)
-        headers = published.headers[0]
+        bodies, task, _, headers = until_done_copy(app, published, "d.ask-later")
 
         def down(task_id: str) -> str:
             raise ConnectionError("result backend down")
@@ -268,10 +241,7 @@ class TestResendFails:
     ) -> None:
         """A failed re-send rejects an acks_late message back to the broker; any other message
         was acked on arrival (a requeue would do nothing): it ends, logged, never stored."""
-        bodies = Bodies()
-        task = define(app, f"d.resend.{acks_late}", bodies, lock_unique="until_done")
-        first = task.delay(1)
-        headers = published.headers[0]
+        bodies, task, first, headers = until_done_copy(app, published, f"d.resend.{acks_late}")
         store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
 
         def broken(*args: Any, **kwargs: Any) -> None:
@@ -309,10 +279,7 @@ class TestQueuedKeyFreeBeforeTheResult:
             return real_submit(self, later, *args)
 
         monkeypatch.setattr(dispatch.Dispatcher, "submit", held_up)
-        bodies = Bodies()
-        task = define(app, "d.free-at-return", bodies, lock_unique="until_done")
-        task.delay(1)
-        headers = published.headers[0]
+        _, task, _, headers = until_done_copy(app, published, "d.free-at-return")
         try:
             assert deliver(task, headers, deferred=False) == 1
             assert store.get("queued:k:1") is None

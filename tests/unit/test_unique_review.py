@@ -6,7 +6,7 @@ store operation (no sleeps, FakeClock), and checks a property of issue 9.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -14,36 +14,15 @@ import pytest
 from celery import Celery
 from celery.app.task import Context
 from celery.exceptions import Ignore
-from celery.signals import after_task_publish
 
 from celery_lease import LockedTask, config
 from celery_lease import unique as unique_module
 from celery_lease.errors import StoreUnavailableError
 from celery_lease.holder import make_owner, parse_owner
 from celery_lease.testing import FakeClock
-from tests.unit.conftest import SpyStore
-from tests.unit.test_unique import Published
+from tests.unit.conftest import Published, SpyStore
 
 Hook = Callable[[], None]
-
-
-@pytest.fixture
-def published() -> Iterator[Published]:
-    spy = Published()
-    after_task_publish.connect(spy, weak=False)
-    yield spy
-    after_task_publish.disconnect(spy)
-
-
-@pytest.fixture
-def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
-    monkeypatch.setattr(unique_module, "clock", clock)
-    app = Celery(
-        "unique-review", broker="memory://", backend="cache+memory://", set_as_current=False
-    )
-    app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
-    yield app
-    app.close()
 
 
 def define(app: Celery, name: str, **options: Any) -> Any:

@@ -16,15 +16,18 @@ from celery.exceptions import Ignore
 
 from celery_lease import unique as unique_module
 from celery_lease.holder import make_owner
-from tests.unit.conftest import SpyStore
-from tests.unit.test_unique import Published
-from tests.unit.test_unique_deferral_review import (  # noqa: F401 (fixtures)
-    Bodies,
-    app,
-    define,
-    deliver,
-    published,
-)
+from tests.unit.conftest import Published, SpyStore
+from tests.unit.test_unique_deferral_review import Bodies, deliver, until_done_copy
+
+
+def retried_copy(
+    app: Celery, published: Published, name: str
+) -> tuple[Bodies, Any, Any, dict[str, Any]]:
+    """An until_done, acks_late copy (``until_done_copy``) whose attempt 0 retried: RETRY
+    stored, the retry message (same id, retries=1) published."""
+    bodies, task, first, headers = until_done_copy(app, published, name, acks_late=True)
+    task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+    return bodies, task, first, headers
 
 
 class TestRedeliveredRetryAttempt:
@@ -37,17 +40,9 @@ class TestRedeliveredRetryAttempt:
     work is lost, silently (acked with Ignore, nothing stored)."""
 
     def test_a_redelivered_retry_attempt_is_re_sent_not_dropped(
-        self,
-        app: Celery,  # noqa: F811 (the imported fixture)
-        published: Published,  # noqa: F811
-        store: SpyStore,
+        self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        bodies = Bodies()
-        task = define(app, "nw.retry-redelivered", bodies, lock_unique="until_done", acks_late=True)
-        first = task.delay(1)
-        headers = published.headers[0]
-        # Attempt 0 retried: RETRY stored, the retry message (same id, retries=1) published.
-        task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+        _, task, first, headers = retried_copy(app, published, "nw.retry-redelivered")
         # Attempt 1 started on worker W1 (run lease taken under the copy's id), then W1 was
         # killed: its run lease lives on for its ttl, the unacked message is redelivered now.
         store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)
@@ -59,16 +54,9 @@ class TestRedeliveredRetryAttempt:
         assert published.headers[-1][unique_module.DEFERRED] == 1
 
     def test_a_dead_retry_attempt_runs_on_its_second_free_arrival(
-        self,
-        app: Celery,  # noqa: F811 (the imported fixture)
-        published: Published,  # noqa: F811
-        store: SpyStore,
+        self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        bodies = Bodies()
-        task = define(app, "nw.retry-dead", bodies, lock_unique="until_done", acks_late=True)
-        first = task.delay(1)
-        headers = published.headers[0]
-        task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+        bodies, task, first, headers = retried_copy(app, published, "nw.retry-dead")
         # The retry attempt's redelivery was re-sent once (count 1) and again with the key free
         # (count 2): its worker is dead, the copy never finished. It must run now.
         result: Any = None
