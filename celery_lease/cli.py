@@ -2,18 +2,24 @@
 
 One click group serves both: the console script ``celery-lease`` (:func:`main`) and Celery's
 ``celery.commands`` entry point (:data:`lease_group`), where ``celery -A proj lease ...`` takes the
-store from the app's configuration. ``--store URL`` on any command overrides that. ::
+store from the app's configuration. ``--store URL``, before the command or after it, overrides
+that. ::
 
-    celery-lease list --store redis://localhost:6379/0 --prefix report:
+    celery-lease --store redis://localhost:6379/0 list --prefix report:
     celery -A proj lease list --task report.build --json
     celery -A proj lease show account:42
     celery -A proj lease release account:42 --yes
+
+Under ``celery -A proj lease``, ``show`` and ``release`` look up KEY as the app's tasks write it:
+with the app's ``lease_key_prefix`` in front (a KEY that already starts with it, or ``--raw``: as
+given), and say on stderr which key they looked up. ``celery-lease`` has no app, so no prefix.
 
 Every failure to reach or build the store is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -24,11 +30,19 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import click
+from click.core import ParameterSource
 
 from celery_lease.errors import LeaseError
-from celery_lease.holder import parse_owner
-from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, store_from_url
+from celery_lease.holder import Holder, parse_owner
+from celery_lease.stores.base import (
+    LeaseInfo,
+    LockStore,
+    SupportsInspection,
+    redact_url,
+    store_from_url,
+)
 from celery_lease.stores.memory import MemoryLockStore
+from celery_lease.unique_options import QUEUED_OWNER_HEAD, SUPERSEDED_NAMESPACE
 
 __all__ = ["lease_group", "main"]
 
@@ -76,8 +90,44 @@ def _store_for_app(app: Any) -> LockStore:
     return store
 
 
+def _group_context(ctx: click.Context) -> click.Context | None:
+    """The context of :data:`lease_group` above ``ctx`` (its parent under ``celery lease`` too)."""
+    here: click.Context | None = ctx
+    while here is not None and here.command is not lease_group:
+        here = here.parent
+    return here
+
+
+def _store_url(ctx: click.Context, url: str | None) -> str | None:
+    """The ``--store`` URL of a command: given after the command, or before it (on the group).
+
+    A URL on the command line wins over ``CELERY_LEASE_STORE``; two different URLs on the command
+    line, one before and one after the command, are an error naming both.
+    """
+    group = _group_context(ctx)
+    before = None if group is None else group.params.get("store_url")
+    if before is None:
+        return url
+    typed_before = group is not None and group.get_parameter_source("store_url") is (
+        ParameterSource.COMMANDLINE
+    )
+    typed_after = url is not None and ctx.get_parameter_source("store_url") is (
+        ParameterSource.COMMANDLINE
+    )
+    if typed_before and typed_after and url != before:
+        raise CliError(
+            f"--store given twice: {redact_url(before)!r} before the command and "
+            f"{redact_url(str(url))!r} after it; give one"
+        )
+    if typed_after or (url is not None and not typed_before):
+        return url
+    return str(before)
+
+
 def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
-    """Resolve the store for a command and check that it supports inspection."""
+    """Resolve the store for a command (``url``: its own ``--store``; the group's, given before
+    the command, also counts) and check that it supports inspection."""
+    url = _store_url(ctx, url)
     if url is not None:
         store = _open_url(url)
     else:
@@ -105,15 +155,81 @@ def _run(fn: Callable[[], None]) -> None:
         raise CliError(str(exc)) from None
 
 
+STORE_HELP = (
+    "Store URL (sqlite:///path.db, redis://..., postgresql://...), before the command or after "
+    "it. Default: the app's store under `celery -A proj lease`."
+)
+
+
 def store_option(func: F) -> F:
-    """The ``--store URL`` option shared by every inspection command."""
+    """The ``--store URL`` option shared by every inspection command (the group has it too)."""
     return click.option(
         "--store",
         "store_url",
         metavar="URL",
         envvar="CELERY_LEASE_STORE",
-        help="Store URL (sqlite:///path.db, redis://..., postgresql://...). "
-        "Default: the app's store under `celery -A proj lease`.",
+        help=STORE_HELP,
+    )(func)
+
+
+def _app(ctx: click.Context) -> Any:
+    """The app of ``celery -A proj lease`` (``None`` for ``celery-lease``)."""
+    return getattr(ctx.obj, "app", None)
+
+
+def _key_prefix(app: Any) -> str:
+    """The app's ``lease_key_prefix``, which its tasks put in front of their keys (``""``
+    without an app): read as the task layer reads it, :func:`celery_lease.config.get_settings`."""
+    if app is None:
+        return ""
+    from celery_lease.config import get_settings
+
+    return get_settings(app).key_prefix
+
+
+def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
+    """The store key that ``show`` / ``release`` look up for KEY, saying on stderr how it was
+    made when that is not plain: the app's prefix added, KEY already prefixed, ``--raw``, or
+    no app (so no prefix)."""
+    app = _app(ctx)
+    if app is None:
+        click.echo(
+            f"looked up {key!r} as given: no app, so no lease_key_prefix applied "
+            "(`celery -A proj lease` applies the app's)",
+            err=True,
+        )
+        return key
+    prefix = _key_prefix(app)
+    if not prefix:
+        return key
+    if raw:
+        click.echo(
+            f"looked up {key!r} as given (--raw: the app's lease_key_prefix {prefix!r} "
+            "not applied)",
+            err=True,
+        )
+        return key
+    if key.startswith(prefix):
+        click.echo(
+            f"looked up {key!r} as given: it already starts with the app's lease_key_prefix "
+            f"{prefix!r} (for {prefix + key!r}, pass that with --raw)",
+            err=True,
+        )
+        return key
+    click.echo(
+        f"looked up {prefix + key!r}: {key!r} with the app's lease_key_prefix {prefix!r}",
+        err=True,
+    )
+    return prefix + key
+
+
+def raw_option(func: F) -> F:
+    """The ``--raw`` flag of ``show`` and ``release``."""
+    return click.option(
+        "--raw",
+        is_flag=True,
+        help="Look KEY up exactly as given: without the app's lease_key_prefix (a lease() "
+        "taken outside Celery has none).",
     )(func)
 
 
@@ -126,10 +242,34 @@ def _time_left(seconds: float) -> str:
 
 
 QUEUED = "queued"
+SUPERSEDED = "superseded"
 RUNNING = "running"
 COOLDOWN = "cooldown"
 HELD = "held"
-_QUEUED_HEAD = "queued;"  # celery_lease.unique.OWNER_HEAD: the owner of a queued unique copy
+
+
+def _is_queued(owner: str) -> bool:
+    """Whether ``owner`` is a queued owner id (:func:`celery_lease.unique.queued_owner`): of a
+    unique copy's queued lease or of a debounce tombstone."""
+    return owner.startswith(QUEUED_OWNER_HEAD)
+
+
+def _holder(owner: str) -> Holder:
+    """:func:`~celery_lease.holder.parse_owner`, reading a queued owner id as it is made:
+    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.unique.queued_owner`),
+    whose ``n`` is a nonce that keeps the id unique, not a node: a queued owner names no node,
+    so its node is ``None``."""
+    holder = parse_owner(owner)
+    if _is_queued(owner) and holder.node is not None:
+        holder = dataclasses.replace(holder, node=None)
+    return holder
+
+
+def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
+    """Whether the lease is a debounce tombstone: ``<lease_key_prefix>superseded:<task id>``,
+    held by a queued owner naming the copy that superseded that one
+    (:func:`celery_lease.unique.superseded_key`)."""
+    return _is_queued(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
 
 
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
@@ -153,11 +293,14 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
     return states
 
 
-def _state(record: dict[str, Any], states: dict[str, str]) -> str:
-    """``queued`` (a unique copy waiting in the queue), ``cooldown`` (its task succeeded: the key
-    is kept for ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it
-    cannot be told: no task id in the owner, or no result backend to ask)."""
-    if str(record["owner"]).startswith(_QUEUED_HEAD):
+def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
+    """``superseded`` (a debounce tombstone: the copy named in its key was superseded by the one
+    its owner names), ``queued`` (a unique copy waiting in the queue), ``cooldown`` (its task
+    succeeded: the key is kept for ``lock_cooldown``), ``running`` (its task has not finished),
+    or ``held`` (it cannot be told: no task id in the owner, or no result backend to ask)."""
+    if _is_tombstone(record["key"], record["owner"], prefix):
+        return SUPERSEDED
+    if _is_queued(record["owner"]):
         return QUEUED
     state = states.get(record["task_id"] or "")
     if state is None:
@@ -169,14 +312,11 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
     """:func:`_record` of each lease, with its ``state`` (the app's result backend asked once per
     task id of a lease that is not queued)."""
     records = [_record(info, now) for info in infos]
-    ids = {
-        r["task_id"]
-        for r in records
-        if r["task_id"] is not None and not str(r["owner"]).startswith(_QUEUED_HEAD)
-    }
+    ids = {r["task_id"] for r in records if r["task_id"] is not None and not _is_queued(r["owner"])}
     states = _task_states(app, ids) if ids else {}
+    prefix = _key_prefix(app)
     for r in records:
-        r["state"] = _state(r, states)
+        r["state"] = _state(r, states, prefix)
     return records
 
 
@@ -187,7 +327,7 @@ def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
     clock at the acquisition attempt), never below 0; ``None`` for an owner without ``at``.
     ``state`` is added by :func:`_records`.
     """
-    holder = parse_owner(info.owner)
+    holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
     return {
         "key": info.key,
@@ -275,8 +415,10 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
 
 
 @click.group(name="lease")
-def lease_group() -> None:
+@click.option("--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP)
+def lease_group(store_url: str | None) -> None:
     """Inspect and free the leases held in a celery-lease store."""
+    # --store given here is read by each command (_store_url), which may be given one too.
 
 
 @lease_group.command(name="list")
@@ -285,8 +427,14 @@ def lease_group() -> None:
 @click.option("--node", metavar="NAME", help="Only leases held on worker node NAME (w1@host).")
 @click.option(
     "--state",
-    type=click.Choice([QUEUED, RUNNING, COOLDOWN, HELD]),
-    help="Only leases in this state.",
+    type=click.Choice([QUEUED, RUNNING, COOLDOWN, HELD, SUPERSEDED]),
+    help="Only leases in this state (superseded: only debounce tombstones).",
+)
+@click.option(
+    "--superseded",
+    "with_superseded",
+    is_flag=True,
+    help="Also list debounce tombstones (superseded:<task id> keys), left out by default.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON array instead of a table.")
 @store_option
@@ -297,6 +445,7 @@ def list_command(
     task_name: str | None,
     node: str | None,
     state: str | None,
+    with_superseded: bool,
     as_json: bool,
     store_url: str | None,
 ) -> None:
@@ -308,22 +457,38 @@ def list_command(
     the app's result backend is asked). Held for is this host's clock minus the holder's clock
     when it took the lease. Leases whose owner id carries no holder fields (taken by an older
     celery-lease) are listed with "-".
+
+    Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
+    ends without its body) hold no work: they are left out, and counted on stderr, unless
+    --superseded or --state superseded is given; then their STATE is superseded.
     """
 
     def body() -> None:
         now = time.time()
         infos = _inspectable(ctx, store_url).list(prefix)
         if task_name is not None or node is not None:
-            pairs = [(info, parse_owner(info.owner)) for info in infos]
+            pairs = [(info, _holder(info.owner)) for info in infos]
             infos = [
                 info
                 for info, holder in pairs
                 if (task_name is None or holder.task == task_name)
                 and (node is None or holder.node == node)
             ]
-        records = _records(infos, now, getattr(ctx.obj, "app", None))
+        records = _records(infos, now, _app(ctx))
+        hidden = 0
+        if not with_superseded and state != SUPERSEDED:
+            kept = [r for r in records if r["state"] != SUPERSEDED]
+            hidden = len(records) - len(kept)
+            records = kept
         if state is not None:
             records = [r for r in records if r["state"] == state]
+        if hidden:
+            tombstones = "tombstone" if hidden == 1 else "tombstones"
+            click.echo(
+                f"{hidden} debounce {tombstones} ({_key_prefix(_app(ctx))}{SUPERSEDED_NAMESPACE}"
+                "<task id>) not listed: --superseded lists them",
+                err=True,
+            )
         if as_json:
             click.echo(json.dumps(records, indent=2))
         elif not records:
@@ -347,16 +512,25 @@ def list_command(
 @lease_group.command(name="show")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
+@raw_option
 @store_option
 @click.pass_context
-def show_command(ctx: click.Context, key: str, as_json: bool, store_url: str | None) -> None:
-    """Show the lease on KEY and its holder, or that it is free with the last token issued."""
+def show_command(
+    ctx: click.Context, key: str, as_json: bool, raw: bool, store_url: str | None
+) -> None:
+    """Show the lease on KEY and its holder, or that it is free with the last token issued.
+
+    Under `celery -A proj lease`, KEY is the task's key: the app's lease_key_prefix is put in
+    front of it unless KEY already starts with it or --raw is given. The key looked up is the
+    first word of the answer (and "key" in --json); how it was made is said on stderr.
+    """
 
     def body() -> None:
         store = _inspectable(ctx, store_url)
-        info = store.get(key)
+        store_key = _store_key(ctx, key, raw)
+        info = store.get(store_key)
         if info is not None:
-            (record,) = _records([info], time.time(), getattr(ctx.obj, "app", None))
+            (record,) = _records([info], time.time(), _app(ctx))
             if as_json:
                 click.echo(json.dumps({"held": True, **record}, indent=2))
                 return
@@ -374,12 +548,12 @@ def show_command(ctx: click.Context, key: str, as_json: bool, store_url: str | N
             ):
                 click.echo(f"  {label + ':':<10}{_cell(value)}")
             return
-        last = store.last_token(key)
+        last = store.last_token(store_key)
         if as_json:
-            click.echo(json.dumps({"key": key, "held": False, "last_token": last}, indent=2))
+            click.echo(json.dumps({"key": store_key, "held": False, "last_token": last}, indent=2))
             return
         issued = "no token issued yet" if last is None else f"last token issued {last}"
-        click.echo(f"{key}: free ({issued})")
+        click.echo(f"{store_key}: free ({issued})")
 
     _run(body)
 
@@ -387,27 +561,33 @@ def show_command(ctx: click.Context, key: str, as_json: bool, store_url: str | N
 @lease_group.command(name="release")
 @click.argument("key")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@raw_option
 @store_option
 @click.pass_context
-def release_command(ctx: click.Context, key: str, yes: bool, store_url: str | None) -> None:
+def release_command(
+    ctx: click.Context, key: str, yes: bool, raw: bool, store_url: str | None
+) -> None:
     """Force-release the lease on KEY, whoever holds it.
 
     The holder is not stopped: if it still runs, its lease is reported lost at its next renewal,
     and the next acquirer gets a higher fencing token, so writes guarded by the token reject the
-    old holder.
+    old holder. KEY is looked up as by `show` (the app's lease_key_prefix in front, unless KEY
+    already starts with it or --raw is given).
     """
 
     def body() -> None:
         store = _inspectable(ctx, store_url)
-        info = store.get(key)
+        store_key = _store_key(ctx, key, raw)
+        info = store.get(store_key)
         if info is None:
-            click.echo(f"{key}: free, nothing to release")
+            click.echo(f"{store_key}: free, nothing to release")
             return
         if not yes:
-            click.confirm(f"Force-release {_describe(info)}?", abort=True)
-        removed = store.force_release(key)
+            (record,) = _records([info], time.time(), _app(ctx))
+            click.confirm(f"Force-release {_describe(info, record)}?", abort=True)
+        removed = store.force_release(store_key)
         if removed is None:
-            click.echo(f"{key}: already free, nothing released")
+            click.echo(f"{store_key}: already free, nothing released")
             return
         click.echo(
             f"released {removed.key}: owner {removed.owner}, token {removed.token}; "
@@ -419,6 +599,47 @@ def release_command(ctx: click.Context, key: str, yes: bool, store_url: str | No
         )
 
     _run(body)
+
+
+@lease_group.command(name="check")
+@store_option
+@click.pass_context
+def check_command(ctx: click.Context, store_url: str | None) -> None:
+    """Check the app's lease settings and that every store its locked tasks use answers.
+
+    For deploy scripts: one line per check (ok / FAIL), exit status 2 when one failed. Under
+    `celery -A proj lease check` the app's task modules are imported (as a worker does), its
+    lease_* settings validated, and its lease_store (or what it defaults to) and every task's
+    lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
+    alone is pinged. URLs are shown with their password masked.
+    """
+    from celery_lease import worker
+
+    url = _store_url(ctx, store_url)
+    app = getattr(ctx.obj, "app", None)
+    if url is not None:
+        checks = [worker.ping_store("--store", url, worker.PING_KEY)]
+    elif app is None:
+        raise CliError(
+            "nothing to check: run it as `celery -A proj lease check`, or pass --store URL"
+        )
+    else:
+        try:
+            app.loader.import_default_modules()  # the task modules, as a worker imports them
+        except Exception as exc:
+            checks = [worker.Check("task modules", error=f"{type(exc).__name__}: {exc}")]
+        else:
+            checks = worker.check_app(app)
+    for check in checks:
+        click.echo(check.line())
+    if not all(check.ok for check in checks):
+        ctx.exit(2)
+
+
+# `celery -A proj inspect leases` is checked against the remote-control registry of the process
+# that runs it, which imports the -A module only (often not the one that imports celery-lease):
+# this module is loaded in every run of the `celery` program (the celery.commands entry point).
+importlib.import_module("celery_lease.control")
 
 
 @lease_group.command(

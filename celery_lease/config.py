@@ -12,6 +12,9 @@ setting (``app.conf``)        meaning                                built-in de
 ``lease_default_queue_ttl``   an unstarted unique copy's key (dur.)  1 h
 ``lease_defer_release``       may a worker skip waiting for the      ``True``
                               release's reply (bool; see engine)
+``lease_store_check``         a store that does not answer at        ``"refuse"``
+                              worker start: ``"refuse"``, ``"warn"``
+                              or ``"off"`` (see the worker module)
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -54,6 +57,7 @@ __all__ = [
     "BUILTIN_WAIT",
     "METRICS_EXPORTERS",
     "SETTINGS",
+    "STORE_CHECKS",
     "STORE_SCHEMES",
     "LeaseSettings",
     "broker_store_url",
@@ -67,6 +71,7 @@ __all__ = [
     "recheck",
     "refuse",
     "reset",
+    "store_option",
 ]
 
 logger = logging.getLogger(__name__)
@@ -89,6 +94,7 @@ SETTINGS: tuple[str, ...] = (
     "lease_metrics_port",
     "lease_default_queue_ttl",
     "lease_defer_release",
+    "lease_store_check",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -112,6 +118,11 @@ settings are read, so that a misspelled scheme fails at worker start, not at the
 METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
 """Allowed ``lease_metrics`` values (besides ``None``: no metrics); see
 :mod:`celery_lease.metrics`."""
+
+STORE_CHECKS: tuple[str, ...] = ("refuse", "warn", "off")
+"""Allowed ``lease_store_check`` values: what a worker does when a store its locked tasks use does
+not answer at start (``"refuse"``, the default: it does not start; ``"warn"``: it logs an error and
+starts; ``"off"``: no round trip at start). See :mod:`celery_lease.worker`."""
 
 BUILTIN_METRICS_PORT = 9809
 """The port of the Prometheus endpoint when ``lease_metrics_port`` is unset (celery-exporter's
@@ -149,6 +160,7 @@ class LeaseSettings:
         defer_release: ``lease_defer_release``, else ``True``: a worker may send a task's
             release without waiting for its reply when nothing is published after the body
             (see :mod:`celery_lease.deferral`); ``False`` waits for every release's reply.
+        store_check: ``lease_store_check``, else ``"refuse"`` (one of :data:`STORE_CHECKS`).
     """
 
     store: str | LockStore | None
@@ -159,6 +171,7 @@ class LeaseSettings:
     metrics_port: int = BUILTIN_METRICS_PORT
     default_queue_ttl: float | None = None
     defer_release: bool = True
+    store_check: str = "refuse"
 
 
 _lock = threading.RLock()
@@ -370,7 +383,20 @@ def _read(app: Any) -> LeaseSettings:
             conf.get("lease_default_queue_ttl"), name="lease_default_queue_ttl", inclusive=False
         ),
         defer_release=_read_bool(conf.get("lease_defer_release"), "lease_defer_release", True),
+        store_check=_read_store_check(conf.get("lease_store_check")),
     )
+
+
+def _read_store_check(value: Any) -> str:
+    """``lease_store_check``: one of :data:`STORE_CHECKS`, ``None`` (unset) for ``"refuse"``."""
+    if value is None:
+        return STORE_CHECKS[0]
+    if value not in STORE_CHECKS:
+        raise LeaseConfigError(
+            f"lease_store_check={value!r} is not allowed: use one of"
+            f" {', '.join(repr(c) for c in STORE_CHECKS)} (default {STORE_CHECKS[0]!r})"
+        )
+    return str(value)
 
 
 def _read_bool(value: Any, name: str, default: bool) -> bool:
@@ -576,6 +602,26 @@ def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int
         )
     if stat.S_IMODE(info.st_mode) != mode:
         os.chmod(path, mode)
+
+
+def store_option(app: Any) -> str | LockStore:
+    """What the app's store is built from, resolved as :func:`get_store` resolves it, unbuilt.
+
+    ``lease_store`` (a URL or a ``LockStore``), else the broker's Redis URL, else the
+    ``sqlite:///`` URL of the host-local fallback file (its directory is made, as
+    :func:`get_store` would). For a check that must not touch the store this process's tasks
+    use (:func:`celery_lease.worker.ping_store` opens a store of its own from a URL).
+
+    Raises:
+        LeaseConfigError: as :func:`get_settings`, or as :func:`default_sqlite_path`.
+    """
+    configured = get_settings(app).store
+    if configured is not None:
+        return configured
+    broker = broker_store_url(app)
+    if broker is not None:
+        return broker
+    return f"sqlite:///{default_sqlite_path()}"
 
 
 def _build_store(app: Any) -> LockStore:

@@ -2,8 +2,11 @@
 
 Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) when this
 module is imported, which :mod:`celery_lease.worker` does (so does anything that imports
-``LockedTask``): the worker answers the command, and the ``celery inspect`` client, which checks
-the command name against the same registry, accepts it once it imported the app. ::
+``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery`` program loads in every
+invocation (the ``celery.commands`` entry point): the ``celery inspect`` client checks the
+command name against its own registry, and it imports only the ``-A`` module, not the app's task
+modules, which are often the only ones that import celery-lease. The worker answers the
+command. ::
 
     $ celery -A proj inspect leases
     ->  w1@host: OK
@@ -16,6 +19,9 @@ the command name against the same registry, accepts it once it imported the app.
             "pool": "prefork",
             "unanswered": []
         }
+
+A worker whose app does not use celery-lease (:func:`celery_lease.worker.uses_celery_lease`)
+made no socket directory: it answers from its main process only, with ``"active": false``.
 
 Where the leases are. Under ``solo``, ``threads``, ``gevent`` and ``eventlet`` every task runs in
 the worker's main process, which answers from :func:`celery_lease.renewer.snapshot` directly.
@@ -36,6 +42,7 @@ clock (``valid_for_seconds`` is the local validity left: the time the lease is s
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -68,11 +75,18 @@ _dir: str | None = None
 _dir_pid: int | None = None
 """The pid of the main process that made :data:`_dir` (only it removes the directory)."""
 _server: socket.socket | None = None
+_active_pid: int | None = None
+"""The main process whose worker uses celery-lease (:func:`prepare_main` ran in it)."""
 
 
 def prepare_main() -> None:
-    """In the worker's main process, before the pool forks: make the private socket directory."""
-    global _dir, _dir_pid
+    """In the worker's main process, before the pool forks: make the private socket directory.
+
+    Removed by :func:`cleanup_main` at worker shutdown, or when the process exits (``atexit``:
+    a worker that fails to start sends no ``worker_shutdown``).
+    """
+    global _dir, _dir_pid, _active_pid
+    _active_pid = os.getpid()
     if _dir is not None and _dir_pid == os.getpid():
         return
     try:
@@ -86,11 +100,16 @@ def prepare_main() -> None:
         _dir = None
         return
     _dir_pid = os.getpid()
+    if not getattr(prepare_main, "_at_exit", False):
+        atexit.register(cleanup_main)
+        prepare_main._at_exit = True  # type: ignore[attr-defined]
 
 
 def cleanup_main() -> None:
     """At worker shutdown, in the main process: remove the socket directory."""
-    global _dir, _dir_pid
+    global _dir, _dir_pid, _active_pid
+    if _active_pid == os.getpid():
+        _active_pid = None
     if _dir is not None and _dir_pid == os.getpid():
         shutil.rmtree(_dir, ignore_errors=True)
         _dir = _dir_pid = None
@@ -255,7 +274,8 @@ def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
     module = type(pool).__module__ if pool is not None else ""
     rows = local_rows()
     unanswered: list[dict[str, Any]] = []
-    children = _pool_children(pool)
+    active = _active_pid is not None and _active_pid == os.getpid()
+    children = _pool_children(pool) if active else None  # else they serve nothing
     if children:
         child_rows, unanswered = child_snapshots(children)
         rows.extend(child_rows)
@@ -264,4 +284,5 @@ def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
         "leases": rows,
         "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
         "unanswered": unanswered,
+        "active": active,
     }

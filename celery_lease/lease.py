@@ -120,6 +120,19 @@ def _offers(obj: object, protocol: type, method: str) -> bool:
     return hasattr(type(obj), method) and _conforms(obj, protocol)
 
 
+def _wait_clock(store: object, clock: Clock) -> Clock:
+    """The clock a wait for a held key of ``store`` is measured and slept on.
+
+    The store's own clock when it has one (the memory and SQLite stores take ``clock=``), else
+    the lease's ``clock``. A memory store's ``wait_for_release`` sleeps on its clock, and the
+    holder's lease expires by it: a deadline read from another clock is never reached when the
+    store's is a ``FakeClock`` nobody advances (a task's ``lock_wait`` on the pytest plugin's
+    ``lease_store``), so the waiter never gave up. Such stores name it ``clock``.
+    """
+    own = getattr(store, "clock", None)
+    return own if own is not None and _conforms(own, Clock) else clock
+
+
 def new_owner_id(
     *,
     node: str | None = None,
@@ -677,6 +690,7 @@ class _LeaseContext:
         interval = POLL_FIRST
         # Looked up at the first held answer only: a free key (the usual case) needs neither.
         notify: bool | None = None
+        waits_on: Clock | None = None
         idle = self.cancel
         tries = 0
         while True:
@@ -695,7 +709,11 @@ class _LeaseContext:
             if token is not None:
                 break
             tries += 1
-            remaining = deadline - clock.monotonic()
+            if waits_on is None:
+                waits_on = _wait_clock(store, clock)
+                if waits_on is not clock:
+                    deadline = waits_on.monotonic() + self.wait
+            remaining = deadline - waits_on.monotonic()
             if remaining <= 0:
                 raise LockNotAcquiredError(self.key)
             pause = min(interval, remaining)
@@ -706,7 +724,7 @@ class _LeaseContext:
             else:
                 if idle is None:
                     idle = threading.Event()
-                clock.wait(idle, pause)
+                waits_on.wait(idle, pause)
             interval = min(interval * 2, POLL_MAX)
         held: Lease | None = None
         try:
@@ -828,6 +846,8 @@ def lease(
             crashed holder frees the key within one ttl.
         wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
             store's release notification where it has one, else polls from 50 ms doubling to 1 s.
+            It is counted on the store's own clock when the store was built with one (a
+            ``MemoryLockStore`` on a ``FakeClock``: the test advances it), else on ``clock``.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
         on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
             dispatcher (a thread of its own: it may block without delaying other leases). See

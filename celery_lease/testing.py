@@ -4,9 +4,12 @@
 Time moves only when a test calls :meth:`FakeClock.advance`, which wakes every thread waiting on
 the clock, so tests of expiry, waiting and renewal never sleep.
 
+:func:`override_lease_store` points an existing Celery app at another store inside a block.
+
 Installed as a pytest plugin (entry point ``celery_lease``), it provides the fixtures
-``lease_clock`` (a ``FakeClock``) and ``lease_store`` (a ``MemoryLockStore`` on that clock).
-Both stop celery-lease's background threads at teardown (:func:`celery_lease.shutdown`).
+``lease_clock`` (a ``FakeClock``), ``lease_store`` (a ``MemoryLockStore`` on that clock) and
+``use_lease_store`` (``use_lease_store(app)`` points an app at ``lease_store`` for one test).
+They stop celery-lease's background threads at teardown (:func:`celery_lease.shutdown`).
 
 Loss callbacks (``on_lost``) run on a dispatcher thread: a test that asserts on what one did
 waits for them with :func:`celery_lease.dispatch.drain`.
@@ -14,15 +17,19 @@ waits for them with :func:`celery_lease.dispatch.drain`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ["FakeClock", "lease_clock", "lease_store"]
+__all__ = ["FakeClock", "lease_clock", "lease_store", "override_lease_store", "use_lease_store"]
 
 if TYPE_CHECKING:
+    from celery import Celery
+
+    from celery_lease.stores.base import LockStore
     from celery_lease.stores.memory import MemoryLockStore
 
 # How often (real seconds) a thread waiting on a FakeClock re-checks its event.
@@ -142,6 +149,49 @@ class FakeClock:
         return f"FakeClock(now={self._now!r})"
 
 
+_S = TypeVar("_S", bound="str | LockStore")
+
+
+@contextlib.contextmanager
+def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
+    """Point ``app`` at ``store`` (a ``LockStore`` or a store URL) inside the block.
+
+    celery-lease resolves an app's store once and keeps it, so setting ``app.conf.lease_store``
+    in a test reaches only the first test that runs a task of the app. This sets the setting and
+    makes celery-lease read the app's settings again, on entry and on exit; on exit the app's
+    previous setting is back as it was (a value set in ``app.conf``, one from
+    ``config_from_object``, or none), Django's namespaced ``CELERY_LEASE_STORE`` included.
+    Tasks with a ``lock_store=`` option of their own keep that store. The pytest fixture
+    ``use_lease_store`` is this for one test; in a ``unittest.TestCase``, use
+    ``self.enterContext(override_lease_store(app, store))``.
+
+    Yields:
+        ``store``.
+    """
+    from celery_lease import config
+
+    conf = app.conf
+    conf.finalize()  # load config_from_object now: its namespace decides the key
+    prefix = conf.prefix or ""
+    key = prefix + "lease_store"
+    key = key.upper() if prefix.isupper() else key.lower()
+    # Celery looks in its changes first, and there for the namespaced spelling first: this key
+    # wins over every other spelling and source of the setting.
+    changes = conf.changes
+    missing = object()
+    previous = changes.get(key, missing)
+    changes[key] = store
+    config.reset(app)
+    try:
+        yield store
+    finally:
+        if previous is missing:
+            changes.pop(key, None)
+        else:
+            changes[key] = previous
+        config.reset(app)
+
+
 try:
     import pytest
 except ImportError:  # pragma: no cover - pytest is only needed for the fixtures
@@ -168,3 +218,21 @@ else:
         from celery_lease.stores.memory import MemoryLockStore
 
         yield MemoryLockStore(clock=lease_clock)
+
+    @pytest.fixture
+    def use_lease_store(
+        lease_store: MemoryLockStore,
+    ) -> Iterator[Callable[[Celery], MemoryLockStore]]:
+        """A function that points a Celery app at ``lease_store`` for this test; returns the store.
+
+        ``use_lease_store(app)`` is :func:`override_lease_store` for the rest of the test: the
+        app's tasks take their leases in the test's fresh store, and at teardown the app's own
+        setting is back. Call it for each app (a module-level one, ``celery_app``), in the test
+        or in an autouse fixture.
+        """
+        with contextlib.ExitStack() as stack:
+
+            def use(app: Celery) -> MemoryLockStore:
+                return stack.enter_context(override_lease_store(app, lease_store))
+
+            yield use

@@ -3,12 +3,47 @@
 Connected when :mod:`celery_lease.task` is imported (before the pool forks, so prefork children
 inherit the receivers):
 
-- ``worker_init`` (main process): remember the main process id and add :class:`LeaseCheck` to
-  the worker's bootsteps (``app.steps["worker"]``, read by Celery right after this signal);
+- ``worker_init`` (main process): remember the main process id and add :class:`LeaseCheck`,
+  :class:`DeadHolders` and :class:`celery_lease.metrics.MetricsStep` to the worker's bootsteps
+  (``app.steps["worker"]``, read by Celery right after this signal);
 - ``worker_process_init`` (each prefork child; the main process under solo): forget stores and
   caches inherited from the parent (``os.register_at_fork`` already does this for every fork;
   the signal also covers pools that start processes otherwise) and note whether this process
   is a pool child.
+
+When that happens, whatever the layout of the project. ``celery worker`` imports the app's task
+modules (``include``, ``imports``, and ``autodiscover_tasks()``, Django's included, through the
+``import_modules`` signal) in ``loader.init_worker()``, the first thing ``WorkController``
+does, before it sends ``worker_init``; it reads ``app.steps["worker"]`` after ``worker_init``,
+and builds every step (their ``__init__``) before any step starts: before the pool forks. So a
+task module that defines a locked task has imported this module (through
+:mod:`celery_lease.task`) before ``worker_init``, whichever module ``-A`` names. The
+``celery`` program itself loads :mod:`celery_lease.cli` (the ``celery.commands`` entry point)
+in every invocation, ``celery inspect`` included, which registers the remote-control command
+``leases`` there (:mod:`celery_lease.control`): the inspect client checks the name against its
+own registry, and imports only the ``-A`` module, never the task modules.
+
+Which workers get the hooks: those of an app that **uses celery-lease**
+(:func:`uses_celery_lease`), decided by the steps when the worker is built (the app is final
+then, every task module imported): the app has a locked task (a ``LockedTask`` or a ``@locked``
+body), or configures a ``lease_*`` setting, or called :func:`celery_lease.metrics.install`. A
+worker of any other app in a process that imported celery-lease is left as it is: no check, no
+store touched, no socket directory, no reaper (it still answers ``inspect leases``, with
+nothing held).
+
+Checked at start (:class:`LeaseCheck`, in this order; each refusal stops the worker as below):
+
+1. the configuration (see "Refusing a bad configuration");
+2. that every store the app's locked tasks use answers one round trip (``get`` of a key of
+   its own, or an owner-checked ``release`` of it for a store that cannot read), within
+   :data:`STORE_CHECK_TIMEOUT` seconds: a wrong URL (port, database, socket path) would
+   otherwise let the worker say "ready" and fail every locked task with
+   ``StoreUnavailableError``. The error names the setting (``lease_store``, or the task's
+   ``lock_store``) and the URL with its password masked (``redact_url``). ``lease_store_check``
+   says what to do: ``"refuse"`` (the default) refuses the worker; ``"warn"`` logs the error and
+   starts it (a store that may be down while workers are deployed, for workers that also run
+   tasks needing no lease); ``"off"`` sends nothing. ``celery -A proj lease check`` runs the
+   same checks from a deploy script (:func:`check_app`).
 
 Refusing a bad configuration. Celery's ``Signal.send`` logs and swallows what a receiver raises
 (``except Exception``), so an error raised in ``worker_init`` does not stop the worker. A worker
@@ -99,9 +134,12 @@ import queue
 import socket
 import threading
 import time
+import uuid
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from billiard.exceptions import TimeLimitExceeded
 from billiard.pool import EX_RECYCLE as _EX_RECYCLE
@@ -117,18 +155,24 @@ from celery.signals import (
 
 from celery_lease import control, holder
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore, SupportsInspection
+from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
 __all__ = [
     "DEAD_HOLDER_WAIT",
+    "PING_KEY",
+    "STORE_CHECK_TIMEOUT",
+    "Check",
     "DeadHolders",
     "LeaseCheck",
+    "check_app",
     "check_worker",
     "in_pool_child",
     "on_process_reset",
+    "ping_store",
     "pool_processes",
     "recheck_in_pool_process",
     "reset_process_state",
+    "uses_celery_lease",
 ]
 
 logger = logging.getLogger(__name__)
@@ -217,20 +261,47 @@ def pool_processes(pool_cls: Any, concurrency: int, autoscale: Any = None) -> in
     return most
 
 
+def _locked_tasks(app: Any) -> Iterator[tuple[str, str | LockStore | None]]:
+    """``(task name, its lock_store or None)`` for every locked task of ``app``, by name.
+
+    LockedTask keeps its validated options on the class; a ``@locked`` body carries them on
+    the function (see the module of the task layer). Reading ``app.tasks`` finalizes the app.
+    """
+    for name, task in sorted(app.tasks.items()):
+        for carrier in (type(task), getattr(task, "run", None)):
+            options = getattr(carrier, "_lock_options", None)
+            if options is not None:
+                store: str | LockStore | None = getattr(options, "store", None)
+                yield name, store
+                break
+
+
 def _stores_in_use(
     app: Any, configured: str | LockStore | None
 ) -> Iterator[tuple[str, str | LockStore | None]]:
     """``(where, store option)`` for the app's ``lease_store`` and every task's ``lock_store``."""
     yield "lease_store", configured
-    for name, task in sorted(app.tasks.items()):
-        # LockedTask keeps its validated options on the class; a @locked body may carry them
-        # on the function (see the module of the task layer).
-        for carrier in (type(task), getattr(task, "run", None)):
-            options = getattr(carrier, "_lock_options", None)
-            store: str | LockStore | None = getattr(options, "store", None)
-            if store is not None:
-                yield f"task {name!r} lock_store", store
-                break
+    for name, store in _locked_tasks(app):
+        if store is not None:
+            yield f"task {name!r} lock_store", store
+
+
+def uses_celery_lease(app: Any) -> bool:
+    """Whether a worker of ``app`` gets celery-lease's hooks (checks, reaper, ``inspect``).
+
+    True when the app has a locked task (a ``LockedTask`` or a ``@locked`` body), configures
+    one of the ``lease_*`` settings (:data:`celery_lease.config.SETTINGS`: an app that uses
+    ``lease()`` in plain task bodies opts in so), or called
+    :func:`celery_lease.metrics.install`. Read once the app is final (a worker's steps are
+    built after it imported every task module); reading it finalizes the app.
+    """
+    from celery_lease import config
+    from celery_lease.metrics import installed
+
+    if any(True for _ in _locked_tasks(app)):
+        return True
+    conf = app.conf
+    return any(conf.get(name) is not None for name in config.SETTINGS) or installed(app)
 
 
 def _describe(store: str | LockStore | None) -> str:
@@ -283,15 +354,211 @@ def _check(app: Any, processes: int, pool: str, *, warn: bool = True) -> LeaseCo
     return None
 
 
-class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep: refuse to build the worker when the lease configuration cannot exclude.
+# The stores at start ----------------------------------------------------------------------------
 
-    Raises :func:`check_worker`'s error from ``__init__`` (Celery builds every step of the
-    blueprint before starting any), after logging it and recording it as a refusal of the app.
-    Each build checks afresh: a refusal recorded by an earlier build of a worker in this process
-    (one that never started) is forgotten first. An accepted check is remembered, so that every
-    pool process started later checks again the tasks registered since (see
-    :func:`recheck_in_pool_process`).
+STORE_CHECK_TIMEOUT = 6.0
+"""Seconds a worker (and ``celery lease check``) waits for one store's answer at start before it
+counts the store as not answering (a little over the stores' own 5 s connect timeouts, so that
+their error is the one shown)."""
+
+PING_KEY = "celery-lease:start-check"
+"""The key (after ``lease_key_prefix``) a start check reads: never taken by anything."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of a start check: what was checked, and why it failed (``None``: it passed).
+
+    Attributes:
+        what: ``"settings"``, ``"lease_store"``, ``"task 'x' lock_store"``...
+        shown: the store's URL with its password masked, or the class of a store instance, or
+            ``""`` (settings).
+        error: why it failed, or ``None``.
+        seconds: how long the store took to answer (0 for the settings).
+        note: said instead of the time of an answer (a store with nothing to reach).
+    """
+
+    what: str
+    shown: str = ""
+    error: str | None = None
+    seconds: float = 0.0
+    note: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def line(self) -> str:
+        """``ok    lease_store redis://:***@h:6379/1: answered in 0.8 ms`` or ``FAIL  ...``."""
+        subject = f"{self.what} {self.shown}" if self.shown else self.what
+        if self.error is not None:
+            return f"FAIL  {subject}: {self.error}"
+        if self.note is not None:
+            return f"ok    {subject}: {self.note}"
+        if self.shown:
+            return f"ok    {subject}: answered in {self.seconds * 1000:.1f} ms"
+        return f"ok    {subject}"
+
+
+def _shown(option: str | LockStore) -> str:
+    return redact_url(option) if isinstance(option, str) else f"{type(option).__name__}()"
+
+
+def _masked(text: str, option: str | LockStore) -> str:
+    """``text`` (a store's error) without the password of ``option``'s URL, if it holds one."""
+    if not isinstance(option, str):
+        return text
+    text = text.replace(option, redact_url(option))
+    try:
+        password = urlsplit(option).password
+    except ValueError:
+        password = None
+    return text.replace(password, "***") if password else text
+
+
+def ping_store(
+    what: str, option: str | LockStore, key: str, timeout: float = STORE_CHECK_TIMEOUT
+) -> Check:
+    """One round trip to the store ``option`` (a URL, or a ``LockStore``), at most ``timeout`` s.
+
+    A URL gets a store of its own, closed afterwards (the stores this process's tasks use are
+    left alone, and nothing stays open across the pool's fork). The round trip is ``get(key)``
+    where the store can read (:class:`~celery_lease.SupportsInspection`), else an owner-checked
+    ``release(key, <an owner nobody has>)``: it changes nothing. A process-local store
+    (``memory://``) has nothing to reach. The call runs on a daemon thread, so a store without a
+    socket timeout delays the start by ``timeout`` at most.
+    """
+    from celery_lease import config
+
+    shown = _shown(option)
+    if config.is_process_local(option):
+        return Check(what, shown, note="in one process's memory: nothing to reach")
+    outcome: list[float | BaseException] = []
+    answered = threading.Event()
+
+    def call() -> None:
+        store: Any = None
+        began = time.monotonic()
+        try:
+            store = store_from_url(option) if isinstance(option, str) else option
+            if isinstance(store, SupportsInspection):
+                store.get(key)
+            else:
+                store.release(key, f"start-check/{os.getpid()}/{uuid.uuid4().hex}")
+            outcome.append(time.monotonic() - began)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            answered.set()
+            close = getattr(store, "close", None)
+            if isinstance(option, str) and callable(close):
+                with contextlib.suppress(Exception):
+                    close()
+
+    threading.Thread(target=call, name="celery-lease store check", daemon=True).start()
+    if not answered.wait(timeout):
+        return Check(what, shown, f"no answer within {timeout:g} s", timeout)
+    result = outcome[0]
+    if isinstance(result, BaseException):
+        error = " ".join(f"{type(result).__name__}: {result}".split())  # one line
+        return Check(what, shown, _masked(error, option))
+    return Check(what, shown, None, result)
+
+
+def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
+    """``(what, store option)`` of each store to check, each store once.
+
+    The app's store (``lease_store``, else what it defaults to) when ``every`` is true, when
+    ``lease_store`` is set, or when a locked task has no ``lock_store`` of its own; and every
+    task's ``lock_store``.
+    """
+    from celery_lease import config
+
+    configured = config.get_settings(app).store
+    tasks = list(_locked_tasks(app))
+    pairs: list[tuple[str, str | LockStore]] = []
+    if every or configured is not None or any(store is None for _, store in tasks):
+        option = config.store_option(app)
+        if configured is not None:
+            what = "lease_store"
+        elif isinstance(option, str) and option.startswith("sqlite:"):
+            what = "lease_store (unset: the host-local SQLite file)"
+        else:
+            what = "lease_store (unset: the broker's Redis)"
+        pairs.append((what, option))
+    pairs.extend((f"task {name!r} lock_store", store) for name, store in tasks if store is not None)
+    seen: set[object] = set()
+    unique: list[tuple[str, str | LockStore]] = []
+    for what, option in pairs:
+        identity: object = option if isinstance(option, str) else id(option)
+        if identity not in seen:
+            seen.add(identity)
+            unique.append((what, option))
+    return unique
+
+
+def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
+    """The checks of ``celery lease check``: the settings, then every store of the app.
+
+    Stores are those of :func:`_stores_to_ping` with the app's own store always included
+    (the deploy script asks about it even before any task module names a locked task).
+    Nothing is pinged when the settings are bad.
+    """
+    from celery_lease import config
+
+    try:
+        settings = config.get_settings(app)
+    except LeaseConfigError as exc:
+        return [Check("settings", error=str(exc))]
+    checks = [Check("settings")]
+    try:
+        stores = _stores_to_ping(app, every=True)
+    except LeaseConfigError as exc:
+        return [*checks, Check("lease_store", error=str(exc))]
+    key = settings.key_prefix + PING_KEY
+    checks.extend(ping_store(what, option, key, timeout) for what, option in stores)
+    return checks
+
+
+def _check_stores(app: Any, settings: Any) -> LeaseConfigError | None:
+    """At worker start: ping every store in use (``lease_store_check``); the refusal, if any."""
+    if settings.store_check == "off":
+        return None
+    try:
+        stores = _stores_to_ping(app, every=False)
+    except LeaseConfigError as exc:
+        return exc
+    key = settings.key_prefix + PING_KEY
+    failed = [c for c in (ping_store(w, o, key) for w, o in stores) if not c.ok]
+    if not failed:
+        return None
+    what = "; ".join(f"{c.what}={c.shown} did not answer ({c.error})" for c in failed)
+    if settings.store_check == "warn":
+        logger.error(
+            "celery-lease: %s. Starting anyway (lease_store_check='warn'): every locked task"
+            " fails with StoreUnavailableError until the store answers",
+            what,
+        )
+        return None
+    return LeaseConfigError(
+        f"celery-lease: {what}. Every locked task would fail with StoreUnavailableError: check"
+        " the URL (host, port, database, socket path) and that the store runs; set"
+        " lease_store_check='warn' to start workers while the store is down"
+    )
+
+
+class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: refuse to build the worker when the lease configuration cannot exclude,
+    or when a store its locked tasks use does not answer (``lease_store_check``).
+
+    Does nothing for an app that does not use celery-lease (:func:`uses_celery_lease`).
+    Raises :func:`check_worker`'s error, or the stores' (:func:`ping_store`), from ``__init__``
+    (Celery builds every step of the blueprint before starting any), after logging it and
+    recording it as a refusal of the app. Each build checks afresh: a refusal recorded by an
+    earlier build of a worker in this process (one that never started) is forgotten first. An
+    accepted check is remembered, so that every pool process started later checks again the
+    tasks registered since (see :func:`recheck_in_pool_process`); then the socket directory of
+    ``inspect leases`` is made (before the pool forks: the children serve there).
     """
 
     label = "celery-lease check"
@@ -302,9 +569,15 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         from celery_lease import config
 
         app = parent.app
+        self.active = uses_celery_lease(app)
+        if not self.active:
+            logger.debug("celery-lease: app %r has no locked task and no lease_* setting", app)
+            return
         config.recheck(app)
         processes = pool_processes(parent.pool_cls, parent.concurrency, autoscale)
         error = _check(app, processes, _pool_name(parent.pool_cls))
+        if error is None:
+            error = _check_stores(app, config.get_settings(app))
         if error is not None:
             config.refuse(app, str(error))
             logger.critical(
@@ -312,6 +585,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             raise error
         _app, _processes, _pool_label = weakref.ref(app), processes, _pool_name(parent.pool_cls)
+        control.prepare_main()
 
     def start(self, parent: Any) -> None:
         """Nothing to start: the check ran when the worker was built."""
@@ -328,7 +602,6 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     _main_pid = os.getpid()
     node = getattr(sender, "hostname", None)
     holder.set_node(node if isinstance(node, str) else None)
-    control.prepare_main()
     app = getattr(sender, "app", None)
     if app is not None:
         app.steps["worker"].add(LeaseCheck)  # read by the blueprint right after this signal
@@ -436,6 +709,38 @@ def _job_pids(job: Any) -> set[int]:
     return pids
 
 
+def _runs_again(task: Any, retries: int = 0, *, timed_out: bool = False) -> bool:
+    """Whether Celery runs a task again when its pool child dies (as ``Request.on_failure``
+    and ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late``
+    with ``reject_on_worker_lost`` (requeued); after a hard time limit, ``acks_late`` without
+    ``acks_on_timeout``. Otherwise the copy ends FAILURE. Unknown task: False."""
+    if task is None:
+        return False
+    acks_late = bool(getattr(task, "acks_late", False))
+    if timed_out:
+        acks = getattr(task, "acks_on_timeout", None)
+        if acks is None:
+            acks = getattr(task, "acks_on_failure_or_timeout", None)
+        return acks_late and acks is not None and not acks
+    if getattr(task, "retry_on_worker_lost", False):
+        most = getattr(task, "max_retries", None)
+        if most is None or retries < int(most):
+            return True
+    return acks_late and bool(getattr(task, "reject_on_worker_lost", False))
+
+
+def _run_again_ids() -> set[str]:
+    """The ids of the worker's requests that Celery runs again if their child dies."""
+    from celery.worker import state as worker_state
+
+    again: set[str] = set()
+    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        retries = (getattr(request, "request_dict", None) or {}).get("retries") or 0
+        if _runs_again(getattr(request, "task", None), int(retries)):
+            again.add(request.id)
+    return again
+
+
 def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
     """pid -> {task id: task name} of the requests a pool child accepted or was written.
 
@@ -466,14 +771,25 @@ def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
 
 
 class _Death:
-    """A reaped pool child and the tasks it was running; ``done`` is set once handled."""
+    """A reaped pool child and the tasks it was running; ``done`` is set once handled.
 
-    __slots__ = ("at", "done", "exitcode", "pid", "tasks")
+    ``again``: the ids of those tasks that Celery runs again after this death (requeued or
+    retried, see :func:`_runs_again`): their unique copy keeps its queued key.
+    """
 
-    def __init__(self, pid: int, exitcode: int, tasks: dict[str, str | None]) -> None:
+    __slots__ = ("again", "at", "done", "exitcode", "pid", "tasks")
+
+    def __init__(
+        self,
+        pid: int,
+        exitcode: int,
+        tasks: dict[str, str | None],
+        again: Collection[str] = (),
+    ) -> None:
         self.pid = pid
         self.exitcode = exitcode
         self.tasks = tasks
+        self.again = frozenset(again)
         self.done = threading.Event()
         self.at = time.time()  # made once reaped: no owner id of the dead child is newer
 
@@ -495,6 +811,7 @@ class _Reaper:
         self.thread: threading.Thread | None = None
         self.before: dict[int, Any] = {}  # pid -> process, during a join
         self.running: dict[int, dict[str, str | None]] = {}
+        self.again: set[str] = set()  # of the running tasks: the ids Celery runs again
         self.handled: set[int] = set()
         self.stuck = False  # the release thread overran a requeue's wait and is still busy
 
@@ -507,9 +824,11 @@ class _Reaper:
             try:
                 self.before = {p.pid: p for p in list(self.pool._pool) if p.pid}
                 self.running = _running_by_pid(self.pool)
+                self.again = _run_again_ids()
             except Exception:
                 logger.exception("celery-lease: cannot note the pool's running tasks")
                 self.running = {}
+                self.again = set()
             try:
                 return join(*args, **kwargs)
             finally:
@@ -601,12 +920,15 @@ class _Reaper:
             return
         control.forget_child(pid)
         tasks = dict(self.running.get(pid, {}))
+        again = {task_id for task_id in tasks if task_id in self.again}
         if exitcode not in (0, _EX_RECYCLE):  # killed: the next death after a hard time limit
             for task_id in list(_timed_out):  # used once, so a later exit cannot reuse it
-                tasks[task_id] = _timed_out.pop(task_id)[0]
+                name = tasks[task_id] = _timed_out.pop(task_id)[0]
+                if name and _runs_again(self.app.tasks.get(name), timed_out=True):
+                    again.add(task_id)
         if not tasks:
             return
-        death = _Death(pid, exitcode, tasks)
+        death = _Death(pid, exitcode, tasks, again)
         self.deaths.put(death)
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(
@@ -679,7 +1001,13 @@ class _Reaper:
             return False
 
     def release(self, death: _Death) -> None:
-        """List every store of the app and release the dead child's leases of its tasks."""
+        """List every store of the app and release the dead child's leases of its tasks.
+
+        Also, for each run lease released here, the queued key of its unique copy
+        (``lock_unique``: ``queued:<key>``, owned by that very task id) when Celery does not
+        run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
+        refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
+        """
         from celery_lease.dispatch import get_dispatcher
 
         for store in self._stores():
@@ -701,6 +1029,7 @@ class _Reaper:
                     exc,
                 )
                 continue
+            by_key = {info.key: info for info in infos}
             for info in infos:
                 owner = holder.parse_owner(info.owner)
                 if (
@@ -760,6 +1089,54 @@ class _Reaper:
                 get_dispatcher().submit(
                     _send_released, (task, named), f"lock_released of {info.key!r} (holder died)"
                 )
+                if owner.task_id not in death.again:
+                    self._release_queued(store, by_key, info.key, owner.task_id, death)
+
+    def _release_queued(
+        self, store: LockStore, by_key: dict[str, Any], key: str, task_id: str | None, death: _Death
+    ) -> None:
+        """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
+        release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
+        from celery_lease.unique import is_queued_owner, queued_key
+
+        qkey = queued_key(key, self._prefix())
+        info = by_key.get(qkey)
+        if (
+            info is None
+            or not is_queued_owner(info.owner)
+            or holder.parse_owner(info.owner).task_id != task_id
+        ):
+            return
+        try:
+            store.release(qkey, info.owner)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: releasing the queued key %r of dead pool process %d failed (%s);"
+                " it frees itself within %.1fs",
+                qkey,
+                death.pid,
+                exc,
+                info.expires_in,
+            )
+            return
+        logger.warning(
+            "celery-lease: pool process %d died running unique copy %s[%s], which is not run"
+            " again; released its queued key %r (owner %s)",
+            death.pid,
+            death.tasks.get(task_id or ""),
+            task_id,
+            qkey,
+            info.owner,
+        )
+
+    def _prefix(self) -> str:
+        """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
+        from celery_lease import config
+
+        try:
+            return config.get_settings(self.app).key_prefix
+        except Exception:
+            return ""
 
 
 def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
@@ -790,6 +1167,8 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
             hasattr(inner, name)
             for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
         ):
+            return
+        if not uses_celery_lease(parent.app):
             return
         self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
         self.reaper.install()

@@ -37,6 +37,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+try:
+    import django  # noqa: F401  (imported first only to name the extra when it is missing)
+except ModuleNotFoundError as exc:
+    if exc.name != "django":
+        raise  # Django is installed, but a module it imports is not
+    raise ModuleNotFoundError(
+        "celery_lease.fencing.django needs Django, which is not installed:"
+        " pip install 'celery-lease[django]'",
+        name="django",
+    ) from exc
+
 from django.db import IntegrityError, models, router, transaction
 
 from celery_lease.errors import LeaseConfigError

@@ -41,6 +41,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+try:
+    import sqlalchemy  # noqa: F401  (imported first only to name the extra when it is missing)
+except ModuleNotFoundError as exc:
+    if exc.name != "sqlalchemy":
+        raise  # SQLAlchemy is installed, but a module it imports is not
+    raise ModuleNotFoundError(
+        "celery_lease.fencing.sqlalchemy needs SQLAlchemy 2, which is not installed:"
+        " pip install 'celery-lease[sqlalchemy]'",
+        name="sqlalchemy",
+    ) from exc
+
 from sqlalchemy import (
     Column,
     Connection,

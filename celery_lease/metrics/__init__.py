@@ -14,6 +14,10 @@ or, without code, the settings ``app.conf.lease_metrics = "prometheus"`` (or ``"
 start: a bad value or a misspelled name refuses the worker). A call of :func:`install` wins over
 the settings.
 
+A port already taken on the host (a second worker given the same port) refuses the worker while
+it is built, with one line naming ``lease_metrics_port`` (or ``install(port=...)``) and the port:
+Prometheus scrapes a fixed port per worker, so no other port is picked silently.
+
 Nothing happens at the call but checks (a bad argument or a missing client library is an error
 here, at import of the app). The worker does the rest while it is built, in its main process,
 before the pool forks (the :class:`MetricsStep` bootstep): it creates the metrics, connects the
@@ -36,7 +40,18 @@ What is measured (names as Prometheus shows them; ``task`` is the task name):
 =========================================  =========  ============================================
 
 Renewal latency needs the renewer to report each renewal (``renewer.observe_renewals``); where
-this version of the renewer has no such hook, the histogram is exported empty.
+this version of the renewer has no such hook, the histogram is exported empty. A renewal counts
+under the task whose lease it renews: the run lease of a locked task running in this process, or
+the queued key (``queued:<key>``) its ``lock_unique="until_done"`` copy keeps while it runs.
+Renewals of other leases (``lease()`` in a plain task body) are not counted.
+
+``celery_lease_held`` is the number of leases held: each process counts the leases it took
+and, on their release or loss, only those (a lease is known by its key and fencing token). So a
+release sent in a process that never counted the lease as held does not decrease it: the main
+process of a prefork worker releasing the lease of a pool child that died (``lock_released``
+with ``reason="holder_died"``: counted in ``celery_lease_released_total``; the dead child's own
+share of the gauge goes with it), or a debounced copy superseded after it took its run lease,
+which ends without its body and never sent ``lock_acquired``.
 
 Prefork: see :mod:`celery_lease.metrics.prometheus` for how the children's values reach the
 main process (prometheus_client's multiprocess mode).
@@ -46,8 +61,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from celery import bootsteps
@@ -64,6 +82,7 @@ __all__ = [
     "connect",
     "disconnect",
     "install",
+    "installed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -86,14 +105,37 @@ class Sink(Protocol):
     def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None: ...
     def rejected(self, task: str) -> None: ...
     def lost(self, task: str, key: str, task_id: str | None, reason: str) -> None: ...
-    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None: ...
+    def released(
+        self, task: str, key: str, task_id: str | None, held_seconds: float, counted: bool = True
+    ) -> None:
+        """A lease was released; ``counted``: it was counted as held in this process."""
+
     def renewal(self, task: str, seconds: float) -> None: ...
 
 
 _sink: Sink | None = None
+_held: dict[tuple[str, int | None], tuple[str, str | None]] = {}
+"""(key, token) -> (task name, queued key) of the leases counted as held in this process."""
+_early: OrderedDict[tuple[str, int | None], Callable[[Sink], None]] = OrderedDict()
+"""(key, token) -> what to tell the sink, of releases and losses that came before their
+acquisition was counted (another thread sends them): told once it is. The oldest are dropped
+past :data:`_EARLY_KEEP` (releases whose acquisition is never sent: superseded copies)."""
+_EARLY_KEEP = 1024
 _tasks_by_key: dict[str, str] = {}
-"""Key -> task name of the leases held by running tasks in this process (for renewals)."""
+"""Key -> task name of the leases held by running tasks in this process, and of the queued
+keys their unique copies renew (for renewals)."""
 _lock = threading.Lock()
+_counting = threading.Lock()
+"""Guards :data:`_held` and :data:`_early` (the receivers run on the task's thread and on the
+dispatcher's); made anew in a forked child."""
+
+
+def _new_counting_lock() -> None:
+    global _counting
+    _counting = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_counting_lock)
 
 
 def _name(sender: Any) -> str:
@@ -101,14 +143,60 @@ def _name(sender: Any) -> str:
     return name if isinstance(name, str) and name else UNKNOWN_TASK
 
 
+def _queued_key(sender: Any, key: str) -> str | None:
+    """The queued key a running ``lock_unique="until_done"`` copy of ``sender`` renews."""
+    options = getattr(type(sender), "_lock_options", None)
+    unique = getattr(options, "unique", None)
+    if unique is None or unique.unique != "until_done" or unique.debounce is not None:
+        return None
+    try:
+        prefix = config.get_settings(sender.app).key_prefix
+    except Exception:  # no app, bad settings: its renewals are not counted
+        return None
+    from celery_lease.unique import queued_key
+
+    return queued_key(key, prefix)
+
+
 def _on_acquired(
-    sender: Any = None, key: str = "", wait_seconds: float = 0.0, task_id: Any = None, **_: Any
+    sender: Any = None,
+    key: str = "",
+    token: int | None = None,
+    wait_seconds: float = 0.0,
+    task_id: Any = None,
+    **_: Any,
 ) -> None:
     sink = _sink
-    if sink is not None:
-        task = _name(sender)
-        _tasks_by_key[key] = task
-        sink.acquired(task, key, task_id, float(wait_seconds or 0.0))
+    if sink is None:
+        return
+    task = _name(sender)
+    queued = _queued_key(sender, key)
+    with _counting:
+        ended = _early.pop((key, token), None)
+        if ended is None:
+            _held[(key, token)] = (task, queued)
+            _tasks_by_key[key] = task
+            if queued is not None:
+                _tasks_by_key[queued] = task
+    sink.acquired(task, key, task_id, float(wait_seconds or 0.0))
+    if ended is not None:
+        ended(sink)
+
+
+def _ended(key: str, token: int | None, tell: Callable[[Sink], None]) -> bool:
+    """The lease ``(key, token)`` ended: stop counting it as held here; True when it was
+    (tell the sink now). Otherwise ``tell`` waits for its acquisition (see :data:`_early`)."""
+    with _counting:
+        counted = _held.pop((key, token), None)
+        if counted is None:
+            _early[(key, token)] = tell
+            while len(_early) > _EARLY_KEEP:
+                _early.popitem(last=False)
+            return False
+        _tasks_by_key.pop(key, None)
+        if counted[1] is not None:
+            _tasks_by_key.pop(counted[1], None)
+        return True
 
 
 def _on_rejected(sender: Any = None, **_: Any) -> None:
@@ -118,28 +206,57 @@ def _on_rejected(sender: Any = None, **_: Any) -> None:
 
 
 def _on_lost(
-    sender: Any = None, key: str = "", reason: str = "lost", task_id: Any = None, **_: Any
+    sender: Any = None,
+    key: str = "",
+    token: int | None = None,
+    reason: str = "lost",
+    task_id: Any = None,
+    **_: Any,
 ) -> None:
     sink = _sink
-    if sink is not None:
-        _tasks_by_key.pop(key, None)
-        sink.lost(_name(sender), key, task_id, str(reason))
+    if sink is None:
+        return
+    task, why = _name(sender), str(reason)
+
+    def tell(to: Sink) -> None:
+        to.lost(task, key, task_id, why)
+
+    if _ended(key, token, tell):
+        tell(sink)
 
 
 def _on_released(
-    sender: Any = None, key: str = "", held_seconds: float = 0.0, task_id: Any = None, **_: Any
+    sender: Any = None,
+    key: str = "",
+    token: int | None = None,
+    held_seconds: float | None = 0.0,
+    task_id: Any = None,
+    reason: str | None = None,
+    **_: Any,
 ) -> None:
     sink = _sink
-    if sink is not None:
-        _tasks_by_key.pop(key, None)
-        sink.released(_name(sender), key, task_id, float(held_seconds or 0.0))
+    if sink is None:
+        return
+    task, held = _name(sender), float(held_seconds or 0.0)
+    if reason == "holder_died":
+        # Sent by the main process for a pool child that died holding it: counted as held by
+        # that child only, whose share of the gauge went with it.
+        sink.released(task, key, task_id, held, counted=False)
+        return
+
+    def tell(to: Sink) -> None:
+        to.released(task, key, task_id, held)
+
+    if _ended(key, token, tell):
+        tell(sink)
 
 
 def _on_renewal(key: str, token: int | None, seconds: float, ok: bool | None) -> None:
     """The renewer's observer (its thread; quick, never raises out)."""
     sink = _sink
-    if sink is not None:
-        sink.renewal(_tasks_by_key.get(key, UNKNOWN_TASK), float(seconds))
+    task = _tasks_by_key.get(key)
+    if sink is not None and task is not None:
+        sink.renewal(task, float(seconds))
 
 
 _RECEIVERS = (
@@ -173,19 +290,27 @@ def disconnect() -> None:
     global _sink
     with _lock:
         _sink = None
+        with _counting:
+            _held.clear()
+            _early.clear()
         _tasks_by_key.clear()
         for signal, receiver in _RECEIVERS:
             signal.disconnect(receiver, dispatch_uid=f"celery_lease.metrics.{signal.name}")
 
 
 class _Options:
-    __slots__ = ("addr", "exporter", "port")
+    __slots__ = ("addr", "exporter", "port", "setting")
 
-    def __init__(self, exporter: str, port: int, addr: str) -> None:
-        self.exporter, self.port, self.addr = exporter, port, addr
+    def __init__(self, exporter: str, port: int, addr: str, setting: str) -> None:
+        self.exporter, self.port, self.addr, self.setting = exporter, port, addr, setting
 
 
 _installed: weakref.WeakKeyDictionary[Any, _Options] = weakref.WeakKeyDictionary()
+
+
+def installed(app: Any) -> bool:
+    """Whether :func:`install` was called for ``app`` (in this process)."""
+    return app in _installed
 
 
 def install(
@@ -199,7 +324,8 @@ def install(
             ``"otel"`` (instruments of the OpenTelemetry API, exported by the meter and tracer
             providers you configure; ``port`` and ``addr`` are not used).
         port: TCP port of ``/metrics`` (default :data:`DEFAULT_PORT`; 0: any free port, which
-            the worker logs). Two workers on one host need two ports.
+            the worker logs). Two workers on one host need two ports: a worker whose port
+            is taken refuses to start, naming it.
         addr: address to listen on (default all interfaces).
 
     Raises:
@@ -218,7 +344,7 @@ def install(
     steps = getattr(app, "steps", None)
     if steps is None:
         raise LeaseConfigError(f"app={app!r} is not a Celery app (it has no .steps)")
-    _installed[app] = _Options(exporter, port, addr)
+    _installed[app] = _Options(exporter, port, addr, "install(port)")
     steps["worker"].add(MetricsStep)
 
 
@@ -247,7 +373,7 @@ def _options_of(app: Any) -> _Options | None:
     if settings.metrics is None:
         return None
     _check_library(settings.metrics, "lease_metrics")
-    return _Options(settings.metrics, settings.metrics_port, "0.0.0.0")
+    return _Options(settings.metrics, settings.metrics_port, "0.0.0.0", "lease_metrics_port")
 
 
 def _in_main_process(pool_cls: Any) -> bool:
@@ -255,6 +381,14 @@ def _in_main_process(pool_cls: Any) -> bool:
 
     modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
     return bool(modules.intersection(IN_PROCESS_POOLS))
+
+
+def _refuse(parent: Any, error: LeaseConfigError) -> None:
+    """Log why the worker cannot serve its metrics, and remove what celery-lease made for it."""
+    from celery_lease import control
+
+    logger.critical("Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error)
+    control.cleanup_main()
 
 
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
@@ -266,6 +400,9 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     exporter (for Prometheus under a multi-process pool: the multiprocess directory, see
     :mod:`celery_lease.metrics.prometheus`) and connects the receivers; ``start`` (after the
     pool started) serves ``/metrics``; ``stop`` / ``terminate`` stop serving and disconnect.
+    A Prometheus port already in use refuses the worker in ``__init__`` (or, if it was taken
+    in between, in ``start``) with a :class:`~celery_lease.LeaseConfigError` naming the setting
+    and the port, logged at CRITICAL, after removing the directories celery-lease made.
     """
 
     label = "celery-lease metrics"
@@ -282,12 +419,17 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if options.exporter == "prometheus":
             from celery_lease.metrics.prometheus import PrometheusExporter
 
-            self.exporter = PrometheusExporter(
-                options.port,
-                options.addr,
-                multiprocess=not _in_main_process(parent.pool_cls),
-                node=getattr(parent, "hostname", None),
-            )
+            try:
+                self.exporter = PrometheusExporter(
+                    options.port,
+                    options.addr,
+                    multiprocess=not _in_main_process(parent.pool_cls),
+                    node=getattr(parent, "hostname", None),
+                    setting=options.setting,
+                )
+            except LeaseConfigError as exc:
+                _refuse(parent, exc)
+                raise
         else:
             from celery_lease.metrics.otel import OtelSink
 
@@ -299,7 +441,11 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, parent: Any) -> None:
         """Serve ``/metrics`` (Prometheus), from the main process only."""
         if self.exporter is not None:
-            self.exporter.start()
+            try:
+                self.exporter.start()
+            except LeaseConfigError as exc:
+                _refuse(parent, exc)
+                raise
 
     def stop(self, parent: Any) -> None:
         """Stop serving; disconnect the receivers."""

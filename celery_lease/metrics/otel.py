@@ -87,11 +87,14 @@ class OtelSink:
         self.held.add(-1, {TASK: task})
         self._end(key, task_id, f"lost:{reason}")
 
-    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None:
+    def released(
+        self, task: str, key: str, task_id: str | None, held_seconds: float, counted: bool = True
+    ) -> None:
         attributes = {TASK: task}
         self.released_total.add(1, attributes)
         self.hold_seconds.record(held_seconds, attributes)
-        self.held.add(-1, attributes)
+        if counted:  # else another process counted it as held (a dead pool child)
+            self.held.add(-1, attributes)
         self._end(key, task_id, "released")
 
     def renewal(self, task: str, seconds: float) -> None:

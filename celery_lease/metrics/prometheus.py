@@ -23,16 +23,25 @@ histograms never go back, as Prometheus requires.
 
 Under solo, threads, gevent and eventlet (tasks in the main process) the default registry is
 served as it is, with the process metrics prometheus_client adds.
+
+**A port taken.** Prometheus scrapes a fixed port per worker, so a port already in use (a second
+worker on the host given the same ``lease_metrics_port``) refuses the worker while it is built,
+before the pool forks, with one line naming the setting and the port
+(:func:`port_in_use`, then the bind itself at start, which says the same if another process
+took the port in between). Nothing is left behind: the private multiprocess directory is
+removed when the worker stops, is refused, or exits (``atexit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import glob
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -46,6 +55,7 @@ __all__ = [
     "WAIT_BUCKETS",
     "PrometheusExporter",
     "PrometheusSink",
+    "port_in_use",
 ]
 
 logger = logging.getLogger(__name__)
@@ -132,10 +142,13 @@ class PrometheusSink:
         self.lost_total.labels(task, reason).inc()
         self.held.labels(task).dec()
 
-    def released(self, task: str, key: str, task_id: str | None, held_seconds: float) -> None:
+    def released(
+        self, task: str, key: str, task_id: str | None, held_seconds: float, counted: bool = True
+    ) -> None:
         self.released_total.labels(task).inc()
         self.hold_seconds.labels(task).observe(held_seconds)
-        self.held.labels(task).dec()
+        if counted:  # else another process counted it as held (a dead pool child)
+            self.held.labels(task).dec()
 
     def renewal(self, task: str, seconds: float) -> None:
         self.renewal_seconds.labels(task).observe(seconds)
@@ -194,6 +207,53 @@ def _mark_dead_on_exit(**_: Any) -> None:
             mark_process_dead(os.getpid(), path)  # type: ignore[no-untyped-call]
 
 
+def port_in_use(addr: str, port: int) -> OSError | None:
+    """Why ``/metrics`` cannot listen on ``addr:port`` now (``EADDRINUSE``...), or ``None``.
+
+    Binds a socket as prometheus_client's server does (the address family of ``addr``,
+    ``SO_REUSEADDR``) and closes it at once. Port 0 (any free port) is never in use.
+    """
+    if port == 0:
+        return None
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(where)
+    except OSError as exc:
+        return exc
+    return None
+
+
+SETTING = "lease_metrics_port"
+"""How :class:`PrometheusExporter` names a port that came from the settings."""
+
+
+def port_refusal(setting: str, port: int, addr: str, exc: OSError) -> LeaseConfigError:
+    """The one-line error of a metrics port that cannot be listened on.
+
+    ``setting`` is :data:`SETTING` or ``"install(port)"`` (the port given to
+    :func:`celery_lease.metrics.install`).
+    """
+    why = exc.strerror or str(exc)
+    if setting == SETTING:
+        named = f"{SETTING}={port}"
+        fix = (
+            f"set {SETTING} per worker (app.conf, from an environment variable set per worker;"
+            f" or on the worker's command line: celery -A proj worker ... {SETTING}='(int)N')"
+        )
+    else:
+        named = f"celery_lease.metrics.install(port={port})"
+        fix = "pass each worker its own port (from an environment variable set per worker)"
+    return LeaseConfigError(
+        f"celery-lease metrics: {named} cannot be served on {addr}: {why} (another process"
+        f" listens there: a second worker on this host?). Give each worker on a host its own"
+        f" port: {fix}; or 0 for any free port (logged at start)"
+    )
+
+
 class PrometheusExporter:
     """Set up in the worker's main process before the fork; serves ``/metrics`` from it.
 
@@ -201,16 +261,31 @@ class PrometheusExporter:
         port, addr: where to listen (port 0: any free port; the one taken is logged).
         multiprocess: tasks run in pool children (prefork): use multiprocess mode.
         node: the worker's name, for the log line.
+        setting: how the port was configured, for the error of a port in use
+            (``lease_metrics_port``, or ``install(port=...)``).
 
     Raises:
-        LeaseConfigError: multiprocess mode is needed but ``prometheus_client`` was imported
-            before ``PROMETHEUS_MULTIPROC_DIR`` was set.
+        LeaseConfigError: the port is in use (checked first: nothing is made then), or
+            multiprocess mode is needed but ``prometheus_client`` was imported before
+            ``PROMETHEUS_MULTIPROC_DIR`` was set.
     """
 
-    def __init__(self, port: int, addr: str, *, multiprocess: bool, node: str | None) -> None:
-        self.port, self.addr, self.node = port, addr, node
+    def __init__(
+        self,
+        port: int,
+        addr: str,
+        *,
+        multiprocess: bool,
+        node: str | None,
+        setting: str = SETTING,
+    ) -> None:
+        self.port, self.addr, self.node, self.setting = port, addr, node, setting
+        taken = port_in_use(addr, port)
+        if taken is not None:
+            raise port_refusal(setting, port, addr, taken)
         self.multiprocess = multiprocess
         self.created_dir: str | None = None
+        self._made_here = os.getpid()  # only this process removes what it made
         self.server: Any = None
         self.thread: Any = None
         if multiprocess:
@@ -252,9 +327,10 @@ class PrometheusExporter:
             return  # too late: refused in __init__
         self.created_dir = tempfile.mkdtemp(prefix="celery-lease-metrics-")
         os.environ[ENV] = self.created_dir
+        atexit.register(self._forget_dir)  # a worker that ends without stopping its steps
 
     def _forget_dir(self) -> None:
-        if self.created_dir is not None:
+        if self.created_dir is not None and self._made_here == os.getpid():
             shutil.rmtree(self.created_dir, ignore_errors=True)
             if os.environ.get(ENV) == self.created_dir:
                 del os.environ[ENV]
@@ -264,7 +340,13 @@ class PrometheusExporter:
         """Serve ``/metrics`` on a daemon thread of this (the main) process."""
         from prometheus_client import start_http_server
 
-        self.server, self.thread = start_http_server(self.port, self.addr, registry=self.registry)
+        try:
+            self.server, self.thread = start_http_server(
+                self.port, self.addr, registry=self.registry
+            )
+        except OSError as exc:  # taken since __init__ checked it
+            self._forget_dir()
+            raise port_refusal(self.setting, self.port, self.addr, exc) from None
         port = self.server.server_port
         mode = f"multiprocess, {os.environ.get(ENV)}" if self.multiprocess else "one process"
         logger.info(

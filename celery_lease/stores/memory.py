@@ -43,6 +43,11 @@ class MemoryLockStore:
         self._released: dict[str, threading.Event] = {}
         self._ops = 0
 
+    @property
+    def clock(self) -> Clock:
+        """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
+        return self._clock
+
     def _now(self) -> float:
         return self._clock.monotonic()
 

@@ -335,6 +335,11 @@ class SQLiteLockStore:
         return cls(path, busy_timeout=busy_timeout)
 
     @property
+    def clock(self) -> Clock:
+        """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
+        return self._clock
+
+    @property
     def path(self) -> str:
         """The database file, as given."""
         return self._path

@@ -215,8 +215,8 @@ class TestStates:
         """The CLI recognises queued owners by the head ``celery_lease.unique`` writes."""
         from celery_lease import cli, unique
 
-        assert cli._QUEUED_HEAD == unique.OWNER_HEAD + ";"
-        assert unique.queued_owner("t", "i", 1).startswith(cli._QUEUED_HEAD)
+        assert cli._is_queued(unique.queued_owner("t", "i", 1))
+        assert not cli._is_queued(make_owner(task="t", task_id="i"))
 
     def test_an_unreachable_backend_leaves_the_state_held(self, store: LockStore, store_url: str):
         """A result backend that does not answer makes the state "held", not an error."""

@@ -3,11 +3,14 @@
 The blocks of one page run in order in one namespace, as a reader would paste them. A block can
 be skipped with ``<!-- snippet: skip <reason> -->`` on the line before its fence; the reason is
 required. Functions named ``test_*`` that a page defines are then called, with the fixtures of
-the ``celery_lease.testing`` pytest plugin (``lease_clock``, ``lease_store``) passed by name.
+the ``celery_lease.testing`` pytest plugin (``lease_clock``, ``lease_store``,
+``use_lease_store``) passed by name.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import re
 import textwrap
@@ -19,7 +22,7 @@ from typing import Any
 import pytest
 
 from celery_lease import MemoryLockStore
-from celery_lease.testing import FakeClock
+from celery_lease.testing import FakeClock, override_lease_store
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 PAGES = [*sorted(DOCS.glob("*.md")), DOCS.parent / "README.md"]
@@ -102,6 +105,11 @@ def isolated_signals() -> Iterator[None]:
         signal.sender_receivers_cache.clear()
 
 
+def _use_store(overrides: contextlib.ExitStack, store: MemoryLockStore, app: Any) -> Any:
+    """The ``use_lease_store`` fixture for a page's test: undone when ``overrides`` closes."""
+    return overrides.enter_context(override_lease_store(app, store))
+
+
 def _call_tests(namespace: dict[str, Any], page: Path) -> int:
     """Call the page's ``test_*`` functions with the plugin's fixtures; returns how many ran."""
     ran = 0
@@ -109,11 +117,17 @@ def _call_tests(namespace: dict[str, Any], page: Path) -> int:
         if not (name.startswith("test_") and inspect.isfunction(func)):
             continue
         clock = FakeClock(1000.0)
-        fixtures = {"lease_clock": clock, "lease_store": MemoryLockStore(clock=clock)}
-        wanted = inspect.signature(func).parameters
-        unknown = set(wanted) - set(fixtures)
-        assert not unknown, f"{page.name}: {name} asks for unknown fixtures {sorted(unknown)}"
-        func(**{p: fixtures[p] for p in wanted})
+        store = MemoryLockStore(clock=clock)
+        with contextlib.ExitStack() as overrides:
+            fixtures = {
+                "lease_clock": clock,
+                "lease_store": store,
+                "use_lease_store": functools.partial(_use_store, overrides, store),
+            }
+            wanted = inspect.signature(func).parameters
+            unknown = set(wanted) - set(fixtures)
+            assert not unknown, f"{page.name}: {name} asks for unknown fixtures {sorted(unknown)}"
+            func(**{p: fixtures[p] for p in wanted})
         ran += 1
     return ran
 
@@ -144,6 +158,25 @@ class TestDocsSnippets:
             code = compile(snippet.code, f"{page.relative_to(DOCS.parent)}:{snippet.line}", "exec")
             exec(code, namespace)
         _call_tests(namespace, page)
+
+
+_STRICT_FENCE = re.compile(r"\bfence\s*<(?!=)")
+_INCREMENT = re.compile(r"\b(\w+)\s*=\s*\1\s*[-+]")
+
+
+class TestFenceRule:
+    def test_no_page_shows_a_fenced_write_against_the_rule(self) -> None:
+        """Every page shows the rule of docs/fencing.md: a write is applied when the fence is
+        ``<=`` its token (never a strict ``fence < token``, which refuses the holder's own
+        retry), so no fenced write increments a value the database computes."""
+        wrong = []
+        for page in PAGES:
+            for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+                strict = _STRICT_FENCE.search(line)
+                increment = "fence" in line and _INCREMENT.search(line)
+                if strict or increment:
+                    wrong.append(f"{page.name}:{number}: {line.strip()}")
+        assert not wrong, "\n".join(wrong)
 
 
 class TestSnippetParser:

@@ -1,0 +1,213 @@
+"""The pytest plugin of ``celery_lease.testing``, as a user's test suite meets it.
+
+``use_lease_store`` is exercised the way a project uses it: a test module with one module-level
+app, run by pytest itself (``pytester``, in a subprocess so that the inner run's imports and
+celery-lease's process-wide caches stay its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, config, lease
+from celery_lease.testing import FakeClock, override_lease_store
+from tests.unit.conftest import REAL_TIMEOUT
+
+pytest_plugins = ["pytester"]
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``call`` on a daemon thread; its result or exception lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["result"] = call()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+class TestOverrideLeaseStore:
+    def test_nested_overrides_each_put_back_the_store_they_replaced(self) -> None:
+        """Inside the blocks the app's tasks get the innermost store; each exit brings back the
+        one before, and the last the app's own setting."""
+        app = Celery("proj", broker="memory://", set_as_current=False)
+        app.conf.lease_store = "memory://"
+        outer, inner = MemoryLockStore(), MemoryLockStore()
+        with override_lease_store(app, outer):
+            assert config.get_store(app) is outer
+            with override_lease_store(app, inner):
+                assert config.get_store(app) is inner
+            assert config.get_store(app) is outer
+        assert app.conf.lease_store == "memory://"
+        assert config.get_store(app) not in (outer, inner)
+
+
+class TestUseLeaseStore:
+    def test_each_test_of_a_module_level_app_gets_a_fresh_store(
+        self, pytester: pytest.Pytester
+    ) -> None:
+        """Two tests in a row point one module-level app at their own store, and the app's own
+        ``lease_store`` is back (and read again) after them."""
+        pytester.makepyfile(
+            """
+            import pytest
+            from celery import Celery
+
+            from celery_lease import LockedTask, LockNotAcquiredError, config
+
+            app = Celery("proj", broker="memory://", set_as_current=False)
+            app.conf.task_always_eager = True
+            app.conf.lease_store = "memory://"
+
+            @app.task(base=LockedTask, lock_key="report")
+            def report():
+                return report.request.lock_token
+
+            stores = []
+
+            def test_first_holds_the_key_in_its_store(use_lease_store):
+                store = use_lease_store(app)
+                stores.append(store)
+                store.acquire("report", "another-worker", 60_000)
+                with pytest.raises(LockNotAcquiredError):
+                    report.delay().get()
+
+            def test_second_sees_its_own_fresh_store(use_lease_store, lease_store):
+                store = use_lease_store(app)
+                assert store is lease_store and store is not stores[0]
+                token = report.delay().get()  # the first test's holder is not in this store
+                assert store.last_token("report") == token
+                stores.append(store)
+
+            def test_the_apps_setting_is_back_afterwards():
+                assert app.conf.lease_store == "memory://"
+                assert config.get_store(app) not in stores
+            """
+        )
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=3)
+
+    def test_a_namespaced_setting_is_overridden_and_restored(
+        self, pytester: pytest.Pytester
+    ) -> None:
+        """A Django-style ``CELERY_LEASE_STORE`` (namespace ``"CELERY"``), set in the settings
+        object and in ``app.conf``, yields to the test's store and is restored as it was."""
+        pytester.makepyfile(
+            """
+            from celery import Celery
+
+            from celery_lease import LockedTask, config
+
+            class Settings:
+                CELERY_BROKER_URL = "memory://"
+                CELERY_TASK_ALWAYS_EAGER = True
+                CELERY_LEASE_STORE = "memory://"
+
+            app = Celery("proj", set_as_current=False)
+            app.config_from_object(Settings, namespace="CELERY")
+            other = Celery("other", broker="memory://", set_as_current=False)
+            other.conf.update(lease_store="memory://")
+
+            @app.task(base=LockedTask, lock_key="report")
+            def report():
+                return report.request.lock_token
+
+            def test_tasks_use_the_test_store(use_lease_store):
+                store = use_lease_store(app)
+                assert use_lease_store(other) is store
+                token = report.delay().get()
+                assert store.last_token("report") == token
+                assert config.get_store(other) is store
+
+            def test_both_settings_are_back_as_they_were():
+                assert "CELERY_LEASE_STORE" not in app.conf.changes
+                assert app.conf.get("lease_store") == "memory://"
+                assert dict(other.conf.changes)["lease_store"] == "memory://"
+                assert config.misspelled_settings(app.conf) == []
+            """
+        )
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+        result.assert_outcomes(passed=2)
+
+
+class TestWaitingOnThePluginStore:
+    """A wait on the plugin's store is measured on the clock the store sleeps on: ``lease_clock``.
+
+    Before, the deadline was read from the system clock while the store's ``wait_for_release``
+    slept on the fake clock, which nobody moves: the waiter never gave up.
+    """
+
+    def test_a_waiting_lease_gives_up_once_the_store_clock_passes_its_wait(
+        self, lease_store: MemoryLockStore, lease_clock: FakeClock
+    ) -> None:
+        """``lease(key, wait="5s")`` on a held key raises LockNotAcquiredError when the test
+        advances ``lease_clock`` by 5 s, without any real waiting."""
+        lease_store.acquire("report", "another-worker", 60_000)
+
+        def enter() -> None:
+            with lease("report", store=lease_store, wait="5s"):
+                pass
+
+        thread, out = _in_thread(enter)
+        try:
+            lease_clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
+            lease_clock.advance(5)
+            thread.join(REAL_TIMEOUT)
+            assert not thread.is_alive(), "the waiter still waits after its wait ran out"
+            assert isinstance(out.get("error"), LockNotAcquiredError), out
+        finally:
+            lease_store.force_release("report")  # frees a waiter that is stuck (the regression)
+
+    def test_a_task_with_lock_wait_gives_up_once_the_store_clock_passes_it(
+        self, lease_store: MemoryLockStore, lease_clock: FakeClock
+    ) -> None:
+        """An eager task with ``lock_wait="5s"`` on the plugin's store fails with
+        LockNotAcquiredError once ``lease_clock`` passes its wait."""
+        app = Celery("waits", broker="memory://", set_as_current=False)
+        app.conf.task_always_eager = True
+        app.conf.lease_store = lease_store
+
+        @app.task(base=LockedTask, lock_key="report", lock_wait="5s")
+        def report() -> int:
+            token = report.request.lock_token
+            assert isinstance(token, int)
+            return token
+
+        lease_store.acquire("report", "another-worker", 60_000)
+        thread, out = _in_thread(lambda: report.delay().get())
+        try:
+            lease_clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
+            lease_clock.advance(5)
+            thread.join(REAL_TIMEOUT)
+            assert not thread.is_alive(), "the task still waits after its lock_wait ran out"
+            assert isinstance(out.get("error"), LockNotAcquiredError), out
+        finally:
+            lease_store.force_release("report")
+
+    def test_an_async_wait_on_the_plugin_store_is_timed_by_the_event_loop(
+        self, lease_store: MemoryLockStore
+    ) -> None:
+        """``async with lease(...)`` sleeps on its event loop, so its wait runs out in real time
+        (here 10 ms) on the plugin's store too, and never hangs."""
+        lease_store.acquire("report", "another-worker", 60_000)
+
+        async def enter() -> None:
+            async with lease("report", store=lease_store, wait="10ms"):
+                pass
+
+        async def bounded() -> None:
+            await asyncio.wait_for(enter(), REAL_TIMEOUT)
+
+        with pytest.raises(LockNotAcquiredError):
+            asyncio.run(bounded())
