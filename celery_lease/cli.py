@@ -189,8 +189,9 @@ def _key_prefix(app: Any) -> str:
 
 def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
     """The store key that ``show`` / ``release`` look up for KEY, saying on stderr how it was
-    made when that is not plain: the app's prefix added, KEY already prefixed, ``--raw``, or
-    no app (so no prefix)."""
+    made: under an app, always the app's prefix + KEY (a task's key may itself start with the
+    prefix text, so a KEY that does is never taken as already prefixed: that could name another
+    holder's key); ``--raw`` for KEY exactly as given; no app, no prefix."""
     app = _app(ctx)
     if app is None:
         click.echo(
@@ -209,15 +210,13 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
             err=True,
         )
         return key
-    if key.startswith(prefix):
-        click.echo(
-            f"looked up {key!r} as given: it already starts with the app's lease_key_prefix "
-            f"{prefix!r} (for {prefix + key!r}, pass that with --raw)",
-            err=True,
-        )
-        return key
+    note = (
+        f" (KEY already starts with it: for the store key {key!r}, pass --raw)"
+        if key.startswith(prefix)
+        else ""
+    )
     click.echo(
-        f"looked up {prefix + key!r}: {key!r} with the app's lease_key_prefix {prefix!r}",
+        f"looked up {prefix + key!r}: {key!r} with the app's lease_key_prefix {prefix!r}{note}",
         err=True,
     )
     return prefix + key

@@ -20,9 +20,6 @@ command. ::
             "unanswered": []
         }
 
-A worker whose app does not use celery-lease (:func:`celery_lease.worker.uses_celery_lease`)
-made no socket directory: it answers from its main process only, with ``"active": false``.
-
 Where the leases are. Under ``solo``, ``threads``, ``gevent`` and ``eventlet`` every task runs in
 the worker's main process, which answers from :func:`celery_lease.renewer.snapshot` directly.
 Under ``prefork`` the leases are held (and renewed) in the pool children, so each child serves its
@@ -75,8 +72,6 @@ _dir: str | None = None
 _dir_pid: int | None = None
 """The pid of the main process that made :data:`_dir` (only it removes the directory)."""
 _server: socket.socket | None = None
-_active_pid: int | None = None
-"""The main process whose worker uses celery-lease (:func:`prepare_main` ran in it)."""
 
 
 def prepare_main() -> None:
@@ -85,8 +80,7 @@ def prepare_main() -> None:
     Removed by :func:`cleanup_main` at worker shutdown, or when the process exits (``atexit``:
     a worker that fails to start sends no ``worker_shutdown``).
     """
-    global _dir, _dir_pid, _active_pid
-    _active_pid = os.getpid()
+    global _dir, _dir_pid
     if _dir is not None and _dir_pid == os.getpid():
         return
     try:
@@ -107,9 +101,7 @@ def prepare_main() -> None:
 
 def cleanup_main() -> None:
     """At worker shutdown, in the main process: remove the socket directory."""
-    global _dir, _dir_pid, _active_pid
-    if _active_pid == os.getpid():
-        _active_pid = None
+    global _dir, _dir_pid
     if _dir is not None and _dir_pid == os.getpid():
         shutil.rmtree(_dir, ignore_errors=True)
         _dir = _dir_pid = None
@@ -274,8 +266,7 @@ def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
     module = type(pool).__module__ if pool is not None else ""
     rows = local_rows()
     unanswered: list[dict[str, Any]] = []
-    active = _active_pid is not None and _active_pid == os.getpid()
-    children = _pool_children(pool) if active else None  # else they serve nothing
+    children = _pool_children(pool)
     if children:
         child_rows, unanswered = child_snapshots(children)
         rows.extend(child_rows)
@@ -284,5 +275,4 @@ def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
         "leases": rows,
         "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
         "unanswered": unanswered,
-        "active": active,
     }

@@ -399,6 +399,7 @@ class _LeaseContext:
         node: str | None = None,
         task: str | None = None,
         task_id: str | None = None,
+        wait_clock: Clock | None = None,
     ) -> None:
         self.key = key
         self.store = store
@@ -409,6 +410,9 @@ class _LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
+        # The clock a wait for a held key is measured and slept on: None for the store's own
+        # clock where it has one, else ``clock`` (see _wait_clock).
+        self.wait_clock = wait_clock
         # Recorded in the owner id of each acquisition (celery_lease.holder.make_owner).
         self.holder = holder
         self.node = node
@@ -456,6 +460,7 @@ class _LeaseContext:
             node=self.node,
             task=self.task,
             task_id=self.task_id,
+            wait_clock=self.wait_clock,
         )
 
     # Context manager --------------------------------------------------------------------------
@@ -710,15 +715,17 @@ class _LeaseContext:
                 break
             tries += 1
             if waits_on is None:
-                waits_on = _wait_clock(store, clock)
-                if waits_on is not clock:
-                    deadline = waits_on.monotonic() + self.wait
+                waits_on = self.wait_clock or _wait_clock(store, clock)
+                if waits_on is not clock:  # what the first attempts took counts against wait
+                    deadline = waits_on.monotonic() + self.wait - (clock.monotonic() - started)
             remaining = deadline - waits_on.monotonic()
             if remaining <= 0:
                 raise LockNotAcquiredError(self.key)
             pause = min(interval, remaining)
-            if notify is None:
-                notify = _conforms(store, SupportsReleaseNotify)
+            if notify is None:  # the store's notification sleeps on the store's clock
+                notify = _conforms(store, SupportsReleaseNotify) and (
+                    getattr(store, "clock", waits_on) is waits_on
+                )
             if notify:
                 cast(SupportsReleaseNotify, store).wait_for_release(self.key, pause)
             else:
@@ -846,8 +853,9 @@ def lease(
             crashed holder frees the key within one ttl.
         wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
             store's release notification where it has one, else polls from 50 ms doubling to 1 s.
-            It is counted on the store's own clock when the store was built with one (a
-            ``MemoryLockStore`` on a ``FakeClock``: the test advances it), else on ``clock``.
+            It is counted on ``clock`` when given, else on the store's own clock when the store
+            was built with one (a ``MemoryLockStore`` on a ``FakeClock``: the test advances it),
+            else on the system clock.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
         on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
             dispatcher (a thread of its own: it may block without delaying other leases). See
@@ -930,6 +938,7 @@ def lease(
         cancel,
         clock if clock is not None else SYSTEM_CLOCK,
         holder=holder,
+        wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     if astore is not None:
         context._astore = astore

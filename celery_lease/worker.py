@@ -23,13 +23,13 @@ in every invocation, ``celery inspect`` included, which registers the remote-con
 ``leases`` there (:mod:`celery_lease.control`): the inspect client checks the name against its
 own registry, and imports only the ``-A`` module, never the task modules.
 
-Which workers get the hooks: those of an app that **uses celery-lease**
-(:func:`uses_celery_lease`), decided by the steps when the worker is built (the app is final
-then, every task module imported): the app has a locked task (a ``LockedTask`` or a ``@locked``
-body), or configures a ``lease_*`` setting, or called :func:`celery_lease.metrics.install`. A
-worker of any other app in a process that imported celery-lease is left as it is: no check, no
-store touched, no socket directory, no reaper (it still answers ``inspect leases``, with
-nothing held).
+Every worker of a process that imported celery-lease gets the hooks (the configuration check,
+the socket directory of ``inspect leases``, the dead-holder reaper): they touch no store. The
+store ping at start (``lease_store_check``) runs only for an app that **uses celery-lease**
+(:func:`uses_celery_lease`), decided when the worker is built (the app is final then, every
+task module imported): the app has a locked task (a ``LockedTask`` or a ``@locked`` body),
+configures a ``lease_*`` setting, or called :func:`celery_lease.metrics.install`. A worker of
+any other app pings no store.
 
 Checked at start (:class:`LeaseCheck`, in this order; each refusal stops the worker as below):
 
@@ -169,6 +169,7 @@ __all__ = [
     "in_pool_child",
     "on_process_reset",
     "ping_store",
+    "ping_stores",
     "pool_processes",
     "recheck_in_pool_process",
     "reset_process_state",
@@ -428,41 +429,75 @@ def ping_store(
     (``memory://``) has nothing to reach. The call runs on a daemon thread, so a store without a
     socket timeout delays the start by ``timeout`` at most.
     """
+    return ping_stores([(what, option)], key, timeout)[0]
+
+
+def ping_stores(
+    stores: Sequence[tuple[str, str | LockStore]], key: str, timeout: float = STORE_CHECK_TIMEOUT
+) -> list[Check]:
+    """:func:`ping_store` for each ``(what, option)``, all at once: ``timeout`` s in all."""
     from celery_lease import config
 
-    shown = _shown(option)
-    if config.is_process_local(option):
-        return Check(what, shown, note="in one process's memory: nothing to reach")
-    outcome: list[float | BaseException] = []
-    answered = threading.Event()
+    started: list[tuple[str, str | LockStore, threading.Event, list[float | BaseException]]] = []
+    checks: dict[int, Check] = {}
+    for index, (what, option) in enumerate(stores):
+        if config.is_process_local(option):
+            checks[index] = Check(
+                what, _shown(option), note="in one process's memory: nothing to reach"
+            )
+            continue
+        answered = threading.Event()
+        outcome: list[float | BaseException] = []
+        threading.Thread(
+            target=_ping,
+            args=(option, key, answered, outcome),
+            name="celery-lease store check",
+            daemon=True,
+        ).start()
+        started.append((what, option, answered, outcome))
+    deadline = time.monotonic() + timeout
+    pending = iter(started)
+    for index, (what, option) in enumerate(stores):
+        if index in checks:
+            continue
+        _, _, answered, outcome = next(pending)
+        shown = _shown(option)
+        if not answered.wait(max(0.0, deadline - time.monotonic())):
+            checks[index] = Check(what, shown, f"no answer within {timeout:g} s", timeout)
+            continue
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            error = " ".join(f"{type(result).__name__}: {result}".split())  # one line
+            checks[index] = Check(what, shown, _masked(error, option))
+        else:
+            checks[index] = Check(what, shown, None, result)
+    return [checks[index] for index in range(len(stores))]
 
-    def call() -> None:
-        store: Any = None
-        began = time.monotonic()
-        try:
-            store = store_from_url(option) if isinstance(option, str) else option
-            if isinstance(store, SupportsInspection):
-                store.get(key)
-            else:
-                store.release(key, f"start-check/{os.getpid()}/{uuid.uuid4().hex}")
-            outcome.append(time.monotonic() - began)
-        except BaseException as exc:
-            outcome.append(exc)
-        finally:
-            answered.set()
-            close = getattr(store, "close", None)
-            if isinstance(option, str) and callable(close):
-                with contextlib.suppress(Exception):
-                    close()
 
-    threading.Thread(target=call, name="celery-lease store check", daemon=True).start()
-    if not answered.wait(timeout):
-        return Check(what, shown, f"no answer within {timeout:g} s", timeout)
-    result = outcome[0]
-    if isinstance(result, BaseException):
-        error = " ".join(f"{type(result).__name__}: {result}".split())  # one line
-        return Check(what, shown, _masked(error, option))
-    return Check(what, shown, None, result)
+def _ping(
+    option: str | LockStore,
+    key: str,
+    answered: threading.Event,
+    outcome: list[float | BaseException],
+) -> None:
+    """The round trip of :func:`ping_store`, on its thread: the seconds it took, or the error."""
+    store: Any = None
+    began = time.monotonic()
+    try:
+        store = store_from_url(option) if isinstance(option, str) else option
+        if isinstance(store, SupportsInspection):
+            store.get(key)
+        else:
+            store.release(key, f"start-check/{os.getpid()}/{uuid.uuid4().hex}")
+        outcome.append(time.monotonic() - began)
+    except BaseException as exc:
+        outcome.append(exc)
+    finally:
+        answered.set()
+        close = getattr(store, "close", None)
+        if isinstance(option, str) and callable(close):
+            with contextlib.suppress(Exception):
+                close()
 
 
 def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
@@ -516,7 +551,7 @@ def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     except LeaseConfigError as exc:
         return [*checks, Check("lease_store", error=str(exc))]
     key = settings.key_prefix + PING_KEY
-    checks.extend(ping_store(what, option, key, timeout) for what, option in stores)
+    checks.extend(ping_stores(stores, key, timeout))
     return checks
 
 
@@ -529,7 +564,7 @@ def _check_stores(app: Any, settings: Any) -> LeaseConfigError | None:
     except LeaseConfigError as exc:
         return exc
     key = settings.key_prefix + PING_KEY
-    failed = [c for c in (ping_store(w, o, key) for w, o in stores) if not c.ok]
+    failed = [check for check in ping_stores(stores, key) if not check.ok]
     if not failed:
         return None
     what = "; ".join(f"{c.what}={c.shown} did not answer ({c.error})" for c in failed)
@@ -551,7 +586,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: refuse to build the worker when the lease configuration cannot exclude,
     or when a store its locked tasks use does not answer (``lease_store_check``).
 
-    Does nothing for an app that does not use celery-lease (:func:`uses_celery_lease`).
+    The stores are pinged only for an app that uses celery-lease (:func:`uses_celery_lease`).
     Raises :func:`check_worker`'s error, or the stores' (:func:`ping_store`), from ``__init__``
     (Celery builds every step of the blueprint before starting any), after logging it and
     recording it as a refusal of the app. Each build checks afresh: a refusal recorded by an
@@ -569,14 +604,10 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         from celery_lease import config
 
         app = parent.app
-        self.active = uses_celery_lease(app)
-        if not self.active:
-            logger.debug("celery-lease: app %r has no locked task and no lease_* setting", app)
-            return
         config.recheck(app)
         processes = pool_processes(parent.pool_cls, parent.concurrency, autoscale)
         error = _check(app, processes, _pool_name(parent.pool_cls))
-        if error is None:
+        if error is None and uses_celery_lease(app):
             error = _check_stores(app, config.get_settings(app))
         if error is not None:
             config.refuse(app, str(error))
@@ -729,16 +760,24 @@ def _runs_again(task: Any, retries: int = 0, *, timed_out: bool = False) -> bool
     return acks_late and bool(getattr(task, "reject_on_worker_lost", False))
 
 
-def _run_again_ids() -> set[str]:
-    """The ids of the worker's requests that Celery runs again if their child dies."""
+def _ends_failed_ids() -> set[str]:
+    """The ids of the worker's requests that end FAILURE, not run again, if their child dies.
+
+    Positive evidence only: a request the worker still tracks (active or reserved, not
+    cancelled) whose task Celery does not requeue or retry (:func:`_runs_again`). A task known
+    only from the pool's jobs (a request cancelled at shutdown or on a lost connection has left
+    the active requests and its message stays unacknowledged: it is redelivered) is not here.
+    """
     from celery.worker import state as worker_state
 
-    again: set[str] = set()
+    fails: set[str] = set()
     for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        if getattr(request, "_already_cancelled", False):
+            continue
         retries = (getattr(request, "request_dict", None) or {}).get("retries") or 0
-        if _runs_again(getattr(request, "task", None), int(retries)):
-            again.add(request.id)
-    return again
+        if not _runs_again(getattr(request, "task", None), int(retries)):
+            fails.add(request.id)
+    return fails
 
 
 def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
@@ -773,23 +812,23 @@ def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
 class _Death:
     """A reaped pool child and the tasks it was running; ``done`` is set once handled.
 
-    ``again``: the ids of those tasks that Celery runs again after this death (requeued or
-    retried, see :func:`_runs_again`): their unique copy keeps its queued key.
+    ``fails``: the ids of those tasks known to end FAILURE with this death (neither requeued
+    nor retried, see :func:`_ends_failed_ids`): only their unique copy's queued key is freed.
     """
 
-    __slots__ = ("again", "at", "done", "exitcode", "pid", "tasks")
+    __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
 
     def __init__(
         self,
         pid: int,
         exitcode: int,
         tasks: dict[str, str | None],
-        again: Collection[str] = (),
+        fails: Collection[str] = (),
     ) -> None:
         self.pid = pid
         self.exitcode = exitcode
         self.tasks = tasks
-        self.again = frozenset(again)
+        self.fails = frozenset(fails)
         self.done = threading.Event()
         self.at = time.time()  # made once reaped: no owner id of the dead child is newer
 
@@ -811,7 +850,7 @@ class _Reaper:
         self.thread: threading.Thread | None = None
         self.before: dict[int, Any] = {}  # pid -> process, during a join
         self.running: dict[int, dict[str, str | None]] = {}
-        self.again: set[str] = set()  # of the running tasks: the ids Celery runs again
+        self.fails: set[str] = set()  # of the running tasks: the ids that end FAILURE
         self.handled: set[int] = set()
         self.stuck = False  # the release thread overran a requeue's wait and is still busy
 
@@ -824,11 +863,11 @@ class _Reaper:
             try:
                 self.before = {p.pid: p for p in list(self.pool._pool) if p.pid}
                 self.running = _running_by_pid(self.pool)
-                self.again = _run_again_ids()
+                self.fails = _ends_failed_ids()
             except Exception:
                 logger.exception("celery-lease: cannot note the pool's running tasks")
                 self.running = {}
-                self.again = set()
+                self.fails = set()
             try:
                 return join(*args, **kwargs)
             finally:
@@ -920,15 +959,18 @@ class _Reaper:
             return
         control.forget_child(pid)
         tasks = dict(self.running.get(pid, {}))
-        again = {task_id for task_id in tasks if task_id in self.again}
+        fails = {task_id for task_id in tasks if task_id in self.fails}
         if exitcode not in (0, _EX_RECYCLE):  # killed: the next death after a hard time limit
             for task_id in list(_timed_out):  # used once, so a later exit cannot reuse it
                 name = tasks[task_id] = _timed_out.pop(task_id)[0]
-                if name and _runs_again(self.app.tasks.get(name), timed_out=True):
-                    again.add(task_id)
+                task = self.app.tasks.get(name) if name else None
+                if task is not None and not _runs_again(task, timed_out=True):
+                    fails.add(task_id)
+                else:
+                    fails.discard(task_id)
         if not tasks:
             return
-        death = _Death(pid, exitcode, tasks, again)
+        death = _Death(pid, exitcode, tasks, fails)
         self.deaths.put(death)
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(
@@ -1089,7 +1131,7 @@ class _Reaper:
                 get_dispatcher().submit(
                     _send_released, (task, named), f"lock_released of {info.key!r} (holder died)"
                 )
-                if owner.task_id not in death.again:
+                if owner.task_id in death.fails:
                     self._release_queued(store, by_key, info.key, owner.task_id, death)
 
     def _release_queued(
@@ -1167,8 +1209,6 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
             hasattr(inner, name)
             for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
         ):
-            return
-        if not uses_celery_lease(parent.app):
             return
         self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
         self.reaper.install()

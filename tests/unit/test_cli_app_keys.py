@@ -114,17 +114,23 @@ class TestKeyPrefix:
         free = json.loads(run("show", "account:2", "--json", obj=obj(app)).stdout)
         assert free == {"key": "shop:account:2", "held": False, "last_token": None}
 
-    def test_a_key_given_with_the_prefix_is_looked_up_as_given(
+    def test_a_key_that_starts_with_the_prefix_is_still_prefixed(
         self, app: Celery, store: SupportsInspection
     ) -> None:
-        """``show shop:account:1`` (pasted from ``list``) is not prefixed twice, and says so."""
-        token = store.acquire("shop:account:1", make_owner(task="t", task_id="i"), TTL_MS)
-        result = run("show", "shop:account:1", obj=obj(app))
+        """A task's own key may start with the prefix text (``lock_key="shop:x"`` is stored as
+        ``shop:shop:x``): ``release shop:x --yes`` releases that, never another holder's
+        ``shop:x``; stderr says how to name ``shop:x`` itself (``--raw``)."""
+        other = store.acquire("shop:x", "another-service", TTL_MS)
+        assert other is not None
+        ours = store.acquire("shop:shop:x", make_owner(task="t", task_id="i"), TTL_MS)
+        assert ours is not None
+        result = run("release", "shop:x", "--yes", obj=obj(app))
         assert result.exit_code == 0, result.output
-        assert result.stdout.startswith("shop:account:1: held by task t[i]")
-        assert f"token {token}" in result.stdout
-        assert "as given" in result.stderr
-        assert "already starts with the app's lease_key_prefix 'shop:'" in result.stderr
+        assert store.get("shop:shop:x") is None
+        kept = store.get("shop:x")
+        assert kept is not None and kept.owner == "another-service"
+        assert "'shop:shop:x'" in result.stderr
+        assert "pass --raw" in result.stderr
 
     def test_raw_looks_a_key_up_without_the_prefix(
         self, app: Celery, store: SupportsInspection, url: str

@@ -2,8 +2,10 @@
 
 ``celery_lease.worker._Reaper.release`` without a worker, on a memory store: when it releases the
 run lease of a dead child's task, it releases that copy's ``queued:<key>`` too (owner-checked,
-that very copy's owner), unless Celery runs the copy again. ``_runs_again`` mirrors Celery's
-decision. The real prefork worker is in ``tests/integration/test_killed_pool_child.py``.
+that very copy's owner), only when the copy is known to end FAILURE (``_ends_failed_ids``:
+a request the worker tracks whose task Celery neither requeues nor retries; ``_runs_again``
+mirrors Celery's decision). The real prefork worker is in
+``tests/integration/test_killed_pool_child.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from celery_lease import MemoryLockStore
 from celery_lease.dispatch import drain
 from celery_lease.holder import make_owner
 from celery_lease.unique import queued_owner
-from celery_lease.worker import _Death, _Reaper, _runs_again
+from celery_lease.worker import _Death, _ends_failed_ids, _Reaper, _runs_again
 
 TTL_MS = 30_000
 NODE = "w1@host"
@@ -68,7 +70,7 @@ class TestQueuedKey:
         """The copy ends FAILURE with its child: both of its keys are free."""
         store = MemoryLockStore()
         copy(store, "k", "t1")
-        release(store, _Death(DEAD, -9, {"t1": "t.unique"}))
+        release(store, _Death(DEAD, -9, {"t1": "t.unique"}, fails={"t1"}))
         assert store.get("k") is None
         assert store.get("queued:k") is None
 
@@ -76,14 +78,15 @@ class TestQueuedKey:
         """``lease_key_prefix`` comes first in the queued key too (``p:queued:k``)."""
         store = MemoryLockStore()
         copy(store, "p:k", "t1", prefix="p:")
-        release(store, _Death(DEAD, -9, {"t1": "t.unique"}), FakeApp(prefix="p:"))
+        release(store, _Death(DEAD, -9, {"t1": "t.unique"}, fails={"t1"}), FakeApp(prefix="p:"))
         assert store.get("p:queued:k") is None
 
-    def test_a_requeued_copy_keeps_it(self) -> None:
-        """Celery runs the copy again (``again``): its run lease goes, its queued key stays."""
+    def test_a_copy_not_known_to_fail_keeps_it(self) -> None:
+        """Celery may run the copy again (requeued, retried, or cancelled and redelivered: not
+        in ``fails``): its run lease goes, its queued key stays."""
         store = MemoryLockStore()
         queued = copy(store, "k", "t1")
-        release(store, _Death(DEAD, -9, {"t1": "t.unique"}, again={"t1"}))
+        release(store, _Death(DEAD, -9, {"t1": "t.unique"}))
         assert store.get("k") is None
         info = store.get("queued:k")
         assert info is not None and info.owner == queued
@@ -94,7 +97,7 @@ class TestQueuedKey:
         assert store.acquire("k", run_owner("t1"), TTL_MS) is not None
         newer = queued_owner("t.unique", "t2", 1)
         assert store.acquire("queued:k", newer, TTL_MS) is not None
-        release(store, _Death(DEAD, -9, {"t1": "t.unique"}))
+        release(store, _Death(DEAD, -9, {"t1": "t.unique"}, fails={"t1"}))
         assert store.get("k") is None
         info = store.get("queued:k")
         assert info is not None and info.owner == newer
@@ -103,7 +106,8 @@ class TestQueuedKey:
         """Killed after storing SUCCESS: the keys are its cooldown, both kept."""
         store = MemoryLockStore()
         copy(store, "k", "t1")
-        release(store, _Death(DEAD, -9, {"t1": "t.unique"}), FakeApp(states={"t1": "SUCCESS"}))
+        death = _Death(DEAD, -9, {"t1": "t.unique"}, fails={"t1"})
+        release(store, death, FakeApp(states={"t1": "SUCCESS"}))
         assert store.get("k") is not None
         assert store.get("queued:k") is not None
 
@@ -124,3 +128,30 @@ class TestRunsAgain:
         assert _runs_again(Task(acks_late=True, acks_on_timeout=False), timed_out=True)
         assert not _runs_again(Task(acks_late=True, acks_on_timeout=True), timed_out=True)
         assert not _runs_again(None)
+
+
+class Request:
+    def __init__(self, task_id: str, task: Task, *, cancelled: bool = False) -> None:
+        self.id = task_id
+        self.task = task
+        self.request_dict = {"retries": 0}
+        self._already_cancelled = cancelled
+
+
+class TestEndsFailed:
+    def test_only_tracked_requests_that_are_not_run_again(self, monkeypatch: Any) -> None:
+        """A request cancelled at shutdown or on a lost connection is redelivered (its message
+        stays unacknowledged), so it is no evidence of a failed copy; neither is a requeue."""
+        from celery.worker import state as worker_state
+
+        monkeypatch.setattr(
+            worker_state,
+            "active_requests",
+            {
+                Request("fails", Task(acks_late=False)),
+                Request("requeued", Task(acks_late=True, reject_on_worker_lost=True)),
+                Request("cancelled", Task(acks_late=True), cancelled=True),
+            },
+        )
+        monkeypatch.setattr(worker_state, "reserved_requests", set())
+        assert _ends_failed_ids() == {"fails"}

@@ -16,6 +16,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, config, lease
+from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock, override_lease_store
 from tests.unit.conftest import REAL_TIMEOUT
 
@@ -142,11 +143,29 @@ class TestUseLeaseStore:
 
 
 class TestWaitingOnThePluginStore:
-    """A wait on the plugin's store is measured on the clock the store sleeps on: ``lease_clock``.
-
-    Before, the deadline was read from the system clock while the store's ``wait_for_release``
-    slept on the fake clock, which nobody moves: the waiter never gave up.
+    """A wait on the plugin's store is measured on the clock the store sleeps on: ``lease_clock``
+    (a deadline read from the system clock while ``wait_for_release`` sleeps on the fake clock,
+    which nobody moves, is never reached); a ``clock=`` given to ``lease()`` wins.
     """
+
+    def test_a_clock_given_to_lease_is_the_one_waited_on(
+        self, lease_store: MemoryLockStore
+    ) -> None:
+        """``lease(..., clock=SYSTEM_CLOCK, wait=0.2)`` on the fake-clock store gives up after
+        0.2 real seconds: it neither reads nor sleeps on the store's clock."""
+        lease_store.acquire("report", "another-worker", 60_000)
+
+        def enter() -> None:
+            with lease("report", store=lease_store, wait=0.2, clock=SYSTEM_CLOCK):
+                pass
+
+        thread, out = _in_thread(enter)
+        try:
+            thread.join(REAL_TIMEOUT)
+            assert not thread.is_alive(), "the waiter still waits after its wait ran out"
+            assert isinstance(out.get("error"), LockNotAcquiredError), out
+        finally:
+            lease_store.force_release("report")
 
     def test_a_waiting_lease_gives_up_once_the_store_clock_passes_its_wait(
         self, lease_store: MemoryLockStore, lease_clock: FakeClock
