@@ -23,6 +23,7 @@ from celery_lease.errors import (
 )
 from celery_lease.lease import Lease, current_lease, get_lock_token, lease
 from celery_lease.renewer import shutdown
+from celery_lease.stores import _registry
 from celery_lease.stores.base import (
     AsyncLockStore,
     LeaseInfo,
@@ -81,14 +82,9 @@ __all__ = [
     "to_seconds",
 ]
 
-# name -> (module, extra that provides its driver, or None)
+# name -> (module, extra that provides its driver, or None); the stores' from the store table
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "SQLiteLockStore": ("celery_lease.stores.sqlite", None),
-    "RedisLockStore": ("celery_lease.stores.redis", "redis"),
-    "PostgresLockStore": ("celery_lease.stores.postgres", "postgres"),
-    "ThreadedAsyncStore": ("celery_lease._aio_store", None),
-    "AsyncRedisLockStore": ("celery_lease.stores.redis_async", "redis"),
-    "AsyncPostgresLockStore": ("celery_lease.stores.postgres_async", "postgres"),
+    **_registry.lazy_names(),
     "LockedTask": ("celery_lease.task", None),
     "locked": ("celery_lease.task", None),
 }

@@ -48,6 +48,7 @@ from urllib.parse import urlsplit
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
+from celery_lease.stores import _registry
 from celery_lease.stores.base import LockStore, redact_url, store_from_url
 
 __all__ = [
@@ -102,18 +103,10 @@ A new setting is one line here, plus its :class:`LeaseSettings` field (named wit
 ``lease_`` prefix) and its parsing in ``_read``; the typo check and its messages follow this list.
 """
 
-STORE_SCHEMES: tuple[str, ...] = (
-    "memory",
-    "sqlite",
-    "redis",
-    "rediss",
-    "redis+sentinel",
-    "unix",
-    "postgresql",
-    "postgres",
-)
-"""URL schemes :func:`~celery_lease.stores.store_from_url` builds a store for (checked when the
-settings are read, so that a misspelled scheme fails at worker start, not at the first task)."""
+STORE_SCHEMES: tuple[str, ...] = _registry.known_schemes()
+"""URL schemes :func:`~celery_lease.stores.store_from_url` builds a store for: those of the one
+table of stores (:mod:`celery_lease.stores._registry`). The settings check reads that table when
+the settings are read, so that a misspelled scheme fails at worker start, not at the first task."""
 
 METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
 """Allowed ``lease_metrics`` values (besides ``None``: no metrics); see
@@ -351,10 +344,10 @@ def _read(app: Any) -> LeaseSettings:
                 " sqlite:////abs/path.db,"
                 " postgresql://... or memory://"
             )
-        elif (scheme := urlsplit(store.strip()).scheme.lower()) not in STORE_SCHEMES:
+        elif (scheme := urlsplit(store.strip()).scheme.lower()) not in _registry.SCHEMES:
             raise LeaseConfigError(
                 f"lease_store={redact_url(store)!r} has an unknown scheme {scheme!r}; supported:"
-                f" {', '.join(s + '://' for s in STORE_SCHEMES)}"
+                f" {', '.join(s + '://' for s in _registry.known_schemes())}"
             )
     ttl = conf.get("lease_default_ttl")
     wait = conf.get("lease_default_wait")

@@ -17,13 +17,15 @@ synchronous store it hands out as ``sync`` (the renewer thread renews through th
 from __future__ import annotations
 
 import asyncio
-import importlib
 import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
+
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores import _registry
 
 __all__ = [
     "AsyncLockStore",
@@ -268,16 +270,6 @@ class SupportsInspection(Protocol):
         ...
 
 
-_SCHEMES = (
-    "memory://",
-    "sqlite:///path/to.db",
-    "redis://",
-    "rediss://",
-    "redis+sentinel://",
-    "postgresql://",
-)
-
-
 _SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/+")
 # A parameter whose name ends in "password" (libpq's password=, ?sentinel_password=...): its
 # value, quoted (perhaps unterminated) or up to the next " name=", "&", ";" or the end.
@@ -319,49 +311,16 @@ def store_from_url(url: str) -> LockStore:
       Sentinel-managed master (``?sentinel_password=...`` for Sentinel's own auth);
     - ``postgresql://...`` / ``postgres://...``: a libpq DSN.
 
+    The scheme picks the class in the one table of stores (:mod:`celery_lease.stores._registry`),
+    which imports it on first use.
+
     Raises:
         LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
     """
-    from celery_lease.errors import LeaseConfigError
-
-    if not isinstance(url, str) or "://" not in url:
-        shown = redact_url(url) if isinstance(url, str) else url
-        raise LeaseConfigError(
-            f"store url={shown!r} is not a URL; supported: {', '.join(_SCHEMES)}"
-        )
-    scheme = urlsplit(url).scheme.lower()
-    if scheme == "memory":
-        from celery_lease.stores.memory import MemoryLockStore
-
-        return MemoryLockStore()
-    if scheme == "sqlite":
-        from celery_lease.stores.sqlite import SQLiteLockStore
-
-        return SQLiteLockStore.from_url(url)
-    if scheme in ("redis", "rediss", "redis+sentinel", "unix"):
-        from celery_lease.stores.redis import RedisLockStore
-
-        return RedisLockStore(url)
-    if scheme in ("postgresql", "postgres"):
-        from celery_lease.stores.postgres import PostgresLockStore
-
-        return PostgresLockStore(url)
-    raise LeaseConfigError(
-        f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
-        f"{', '.join(_SCHEMES)}"
-    )
-
-
-_REDIS_ASYNC = ("celery_lease.stores.redis_async", "AsyncRedisLockStore")
-_POSTGRES_ASYNC = ("celery_lease.stores.postgres_async", "AsyncPostgresLockStore")
-_ASYNC_NATIVE = {
-    "redis": _REDIS_ASYNC,
-    "rediss": _REDIS_ASYNC,
-    "redis+sentinel": _REDIS_ASYNC,
-    "unix": _REDIS_ASYNC,
-    "postgresql": _POSTGRES_ASYNC,
-    "postgres": _POSTGRES_ASYNC,
-}
+    scheme = _scheme_of(url)
+    cls = _registry.sync_class(scheme)
+    build = getattr(cls, "from_url", cls)  # RedisLockStore and PostgresLockStore take the URL
+    return cast(LockStore, build(url))
 
 
 def async_store_from_url(url: str) -> AsyncLockStore:
@@ -380,25 +339,30 @@ def async_store_from_url(url: str) -> AsyncLockStore:
     Raises:
         LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
     """
-    from celery_lease.errors import LeaseConfigError
+    scheme = _scheme_of(url)
+    native = _registry.async_class(scheme)
+    if native is not None:
+        return cast(AsyncLockStore, native.from_url(url))
+    adapter = _registry.threaded_adapter()
+    return cast(AsyncLockStore, adapter(store_from_url(url), close_store=True))
 
+
+def _scheme_of(url: str) -> str:
+    """The lower-case scheme of a store ``url``, one of the store table's.
+
+    Raises:
+        LeaseConfigError: ``url`` is not a URL, or its scheme is not in the table (the message
+            lists the supported forms).
+    """
     if not isinstance(url, str) or "://" not in url:
         shown = redact_url(url) if isinstance(url, str) else url
         raise LeaseConfigError(
-            f"store url={shown!r} is not a URL; supported: {', '.join(_SCHEMES)}"
+            f"store url={shown!r} is not a URL; supported: {', '.join(_registry.examples())}"
         )
     scheme = urlsplit(url).scheme.lower()
-    native = _ASYNC_NATIVE.get(scheme)
-    if native is not None:
-        # Imported by name: each native store is an optional module with its own driver.
-        module_name, class_name = native
-        cls = getattr(importlib.import_module(module_name), class_name)
-        return cast(AsyncLockStore, cls.from_url(url))
-    if scheme in ("memory", "sqlite"):
-        from celery_lease._aio_store import ThreadedAsyncStore
-
-        return ThreadedAsyncStore(store_from_url(url), close_store=True)
-    raise LeaseConfigError(
-        f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
-        f"{', '.join(_SCHEMES)}"
-    )
+    if scheme not in _registry.SCHEMES:
+        raise LeaseConfigError(
+            f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
+            f"{', '.join(_registry.examples())}"
+        )
+    return scheme

@@ -43,6 +43,12 @@ class MemoryLockStore:
         self._released: dict[str, threading.Event] = {}
         self._ops = 0
 
+    @classmethod
+    def from_url(cls, url: str) -> MemoryLockStore:
+        """A new, empty store for ``memory://`` (the URL carries nothing more): each call, and
+        so each process, gets its own."""
+        return cls()
+
     @property
     def clock(self) -> Clock:
         """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
