@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from celery_lease import forking
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore
 
@@ -42,8 +42,7 @@ def _after_fork_in_child() -> None:
     _waiters.clear()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch - absent on Windows only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="aio store: waiters lock, waiters")
 
 
 def _resolve(future: asyncio.Future[bool], value: bool) -> None:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from celery_lease import forking
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores import _registry
@@ -682,4 +683,11 @@ def _after_fork_in_child() -> None:
     _stores.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="config: lock, resolved stores")
+
+
+def _forget_for_new_process() -> None:
+    reset(refusals=False)  # a refusal recorded at the worker's start stays
+
+
+forking.on_new_process(_forget_for_new_process, name="config: settings and stores of every app")

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from celery_lease import forking
 
 __all__ = ["IDLE_EXIT", "Dispatcher", "drain", "get_dispatcher"]
 
@@ -170,4 +171,4 @@ def _after_fork_in_child() -> None:
     _dispatcher = Dispatcher()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="dispatch: a new, empty dispatcher")

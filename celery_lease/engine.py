@@ -39,9 +39,8 @@ try:
 except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
-from celery_lease import config, deferral, signals
+from celery_lease import config, deferral, forking, signals
 from celery_lease import request as _request  # defines the request attributes
-from celery_lease import worker as _worker
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.holder import MAX_FIELD_CHARS
@@ -74,7 +73,8 @@ def _forget_url_stores() -> None:
     _url_stores.clear()
 
 
-_worker.on_process_reset(_forget_url_stores)
+forking.on_fork_child(_forget_url_stores, name="engine: stores of lock_store URLs")
+forking.on_new_process(_forget_url_stores, name="engine: stores of lock_store URLs")
 
 
 # One execution -------------------------------------------------------------------------------

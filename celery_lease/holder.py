@@ -38,6 +38,8 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from urllib.parse import unquote
 
+from celery_lease import forking
+
 __all__ = [
     "MAX_FIELD_CHARS",
     "Holder",
@@ -97,7 +99,7 @@ def _after_fork_in_child() -> None:
     _ids = _Ids()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="holder: a new owner-id generator")
 
 
 _node: str | None = None

@@ -54,6 +54,7 @@ import threading
 import types
 from typing import Any
 
+from celery_lease import forking
 from celery_lease import worker as _worker
 from celery_lease.errors import LockLostError
 
@@ -118,7 +119,7 @@ def _forget_main_thread_runs() -> None:
     _main_thread_runs.clear()
 
 
-os.register_at_fork(after_in_child=_forget_main_thread_runs)
+forking.on_fork_child(_forget_main_thread_runs, name="interrupt: main-thread runs")
 
 
 def _on_interrupt_signal(signum: int, frame: types.FrameType | None) -> None:

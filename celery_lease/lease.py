@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -30,6 +29,7 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
+from celery_lease import forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import Duration, to_seconds
@@ -81,7 +81,7 @@ _CONFORMS: dict[tuple[type, type], bool] = {}
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
 _generation = 0
-"""Bumped in every forked child (``os.register_at_fork``): cheaper than ``os.getpid()`` per call.
+"""Bumped in each forked child (:mod:`celery_lease.forking`): cheaper than ``os.getpid()`` per call.
 
 Frames and leases created by an ancestor carry a smaller generation than the child's, so the
 child never takes them for its own. Generations of siblings may be equal, but siblings share no
@@ -95,7 +95,7 @@ def _after_fork_in_child() -> None:
     _events_lock = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="lease: fork generation, events lock")
 
 
 def _conforms(obj: object, protocol: type) -> bool:

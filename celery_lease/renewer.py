@@ -46,12 +46,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from celery_lease import forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 
@@ -1014,4 +1014,4 @@ def _after_fork_in_child() -> None:
     _running.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="renewer: registry, locks, system renewer")

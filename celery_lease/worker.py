@@ -7,9 +7,10 @@ inherit the receivers):
   :class:`DeadHolders` and :class:`celery_lease.metrics.MetricsStep` to the worker's bootsteps
   (``app.steps["worker"]``, read by Celery right after this signal);
 - ``worker_process_init`` (each prefork child; the main process under solo): forget stores and
-  caches inherited from the parent (``os.register_at_fork`` already does this for every fork;
-  the signal also covers pools that start processes otherwise) and note whether this process
-  is a pool child.
+  caches inherited from the parent (:func:`celery_lease.forking.reset_child_state`; the at-fork
+  hooks of :mod:`celery_lease.forking` already forget the stores after every fork; the signal
+  also covers pools that start processes otherwise) and note whether this process is a pool
+  child.
 
 When that happens, whatever the layout of the project. ``celery worker`` imports the app's task
 modules (``include``, ``imports``, and ``autodiscover_tasks()``, Django's included, through the
@@ -136,7 +137,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -153,7 +154,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from celery_lease import control, holder
+from celery_lease import control, forking, holder
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
@@ -167,7 +168,6 @@ __all__ = [
     "check_app",
     "check_worker",
     "in_pool_child",
-    "on_process_reset",
     "ping_store",
     "ping_stores",
     "pool_processes",
@@ -180,7 +180,6 @@ logger = logging.getLogger(__name__)
 
 _main_pid: int | None = None
 _pool_child = False
-_resets: list[Callable[[], None]] = []
 _app: weakref.ref[Any] | None = None
 """The app of the worker whose check passed in this process (inherited by pool processes)."""
 _processes = 0
@@ -196,22 +195,13 @@ IN_PROCESS_POOLS = (
 """Modules of Celery's pools that run every task inside the worker's main process."""
 
 
-def on_process_reset(callback: Callable[[], None]) -> None:
-    """Run ``callback()`` in every new pool process (and in every forked child)."""
-    _resets.append(callback)
-    os.register_at_fork(after_in_child=callback)
-
-
 def reset_process_state() -> None:
-    """Forget every per-process cache (stores resolved from settings and URLs).
+    """Forget every per-process cache (settings, stores resolved from settings and URLs).
 
-    A refusal recorded at worker start (:func:`celery_lease.config.refuse`) is kept.
+    Runs the resets registered with :func:`celery_lease.forking.on_new_process`. A refusal
+    recorded at worker start (:func:`celery_lease.config.refuse`) is kept.
     """
-    from celery_lease import config
-
-    config.reset(refusals=False)
-    for callback in _resets:
-        callback()
+    forking.reset_child_state()
 
 
 def runs_one_task_at_a_time() -> bool:

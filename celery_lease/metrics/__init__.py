@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -70,7 +69,7 @@ from typing import Any, Protocol
 
 from celery import bootsteps
 
-from celery_lease import config, signals
+from celery_lease import config, forking, signals
 from celery_lease.config import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
 from celery_lease.errors import LeaseConfigError
 
@@ -135,7 +134,7 @@ def _new_counting_lock() -> None:
     _counting = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_new_counting_lock)
+forking.on_fork_child(_new_counting_lock, name="metrics: counting lock")
 
 
 def _name(sender: Any) -> str:

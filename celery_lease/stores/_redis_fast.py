@@ -61,6 +61,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_lease import forking
+
 __all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
 
 logger = logging.getLogger(__name__)
@@ -473,4 +475,4 @@ def _reset_after_fork() -> None:
         fast._unread = []  # the parent's deferred requests: the parent reads their replies
 
 
-os.register_at_fork(after_in_child=_reset_after_fork)
+forking.on_fork_child(_reset_after_fork, name="redis fast connections: locks, unread replies")

@@ -74,6 +74,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
+from celery_lease import forking
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 
@@ -450,8 +451,7 @@ def _after_fork_in_child() -> None:
         store._forget_inherited()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch - absent on Windows only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+forking.on_fork_child(_after_fork_in_child, name="postgres stores: inherited pools parked")
 
 
 @dataclass(eq=False)

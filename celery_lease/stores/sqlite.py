@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from celery_lease import forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
@@ -223,12 +224,12 @@ def _after_fork_in_child() -> None:
         store._forget_inherited()
 
 
-if hasattr(os, "register_at_fork"):  # pragma: no branch - absent on Windows only
-    os.register_at_fork(
-        before=_before_fork,
-        after_in_parent=_after_fork_in_parent,
-        after_in_child=_after_fork_in_child,
-    )
+forking.on_fork_parent(
+    name="sqlite stores: connections closed across the fork",
+    before=_before_fork,
+    after=_after_fork_in_parent,
+)
+forking.on_fork_child(_after_fork_in_child, name="sqlite stores: new locks, inherited parked")
 
 
 class SQLiteLockStore:
