@@ -1,4 +1,4 @@
-"""Sentinel failover (item 13): a held lease is renewed on the current master or reported lost.
+"""Sentinel failover: a held lease is renewed on the current master or reported lost.
 
 Each test builds its own group (one master, one replica, one Sentinel with quorum 1 on free
 ports of 127.0.0.1, see :class:`tests.fixtures_redis.SentinelGroup`) and runs ``SENTINEL

@@ -249,8 +249,8 @@ class TestThreads:
 
 class TestEventlet:
     def test_green_thread_body_is_interrupted(self, workers: Callable[[str], WorkerEnv]) -> None:
-        """Eventlet: the body's green thread is thrown LockLostError at its next switch (before
-        the fix, nothing happened: the body ran to its end)."""
+        """Eventlet: the body's green thread is thrown LockLostError at its next switch (it does
+        not run on to its end)."""
         env = workers("eventlet")
         lose_and_expect_lock_lost(env, "rp.revoke_polling")
         assert env.get(env.app.send_task("rp.ping")) == "pong"

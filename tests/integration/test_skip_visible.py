@@ -1,4 +1,4 @@
-"""A run skipped by ``on_held="skip"`` is visible as skipped (issue 11, item 6), on a real worker.
+"""A run skipped by ``on_held="skip"`` is visible as skipped, on a real worker.
 
 Before, a skipped run ended SUCCESS with ``None``, like a run that returned ``None``. Celery
 offers: a custom state (``update_state("SKIPPED")``: not in ``READY_STATES``, ``get()`` blocks);

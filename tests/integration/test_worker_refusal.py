@@ -246,7 +246,8 @@ class TestOtherLibrariesSettings:
     ) -> None:
         """Settings of other libraries that share words with ours do not stop the worker.
 
-        Before the fix each of these was "a misspelled lease setting": the worker exited 1.
+        Each of these is close to a lease setting by spelling alone; taken for "a misspelled
+        lease setting", it would make the worker exit 1.
         """
         extra = "CACHE_KEY_PREFIX,redis_key_prefix,REDIS_DEFAULT_TTL,default_wait,release_store"
         worker = start("solo", 1, f"sqlite:///{tmp_path / 'shared.db'}", extra=extra)

@@ -10,6 +10,7 @@ own tracer with a worker's request, as ``fast_trace_task`` runs it in a worker.
 
 from __future__ import annotations
 
+import gc
 import uuid
 import weakref
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
 from celery.signals import after_task_publish, task_postrun, task_success
+from celery.utils.dispatch import Signal
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, deferral, locked
 from celery_lease import config as lease_config
@@ -385,3 +387,68 @@ class TestNothingIsPublishedBeforeTheReply:
 def test_the_protocol_is_runtime_checkable(log: list[str]) -> None:
     assert isinstance(DeferringStore(log), SupportsDeferredRelease)
     assert not isinstance(MemoryLockStore(), SupportsDeferredRelease)
+
+
+# Which receivers count as celery-lease's own ----------------------------------------------------
+
+
+def _stand_in_receiver(**_: Any) -> None:
+    pass
+
+
+_stand_in_receiver.__module__ = "celery_lease.stand_in"  # stands for celery_lease.worker's receiver
+
+
+class TestOnlyOurs:
+    def test_a_receiver_reconnected_under_a_dead_ones_uid_is_seen(self) -> None:
+        signal = Signal(name="success_stand_in")
+        signal.connect(_stand_in_receiver, weak=False, dispatch_uid="celery_lease.stand_in")
+
+        def first(**_: Any) -> None:
+            pass
+
+        signal.connect(first, dispatch_uid="myapp.notify_done")  # weak, the default
+        del first
+        gc.collect()  # dead, not yet swept from signal.receivers (swept at the next connect)
+        assert deferral.only_ours(signal)  # right: the dead one runs no more
+
+        def second(**_: Any) -> None:  # e.g. a reloaded module's handler, same uid
+            pass
+
+        signal.connect(second, dispatch_uid="myapp.notify_done")
+        assert [r for r in signal._live_receivers(None)] == [_stand_in_receiver, second]
+        assert not deferral.only_ours(signal)  # a foreign receiver now runs after the task
+
+    def test_control_a_live_foreign_receiver_is_seen(self) -> None:
+        signal = Signal(name="success_stand_in_2")
+        signal.connect(_stand_in_receiver, weak=False, dispatch_uid="celery_lease.stand_in")
+
+        def foreign(**_: Any) -> None:
+            pass
+
+        signal.connect(foreign, dispatch_uid="myapp.other")
+        assert not deferral.only_ours(signal)
+        del foreign
+
+
+class TestLockReleasedReceivers:
+    def test_a_lock_released_receiver_finds_the_key_free(
+        self,
+        app: Celery,
+        store: DeferringStore,
+    ) -> None:
+        @app.task(base=LockedTask, lock_key="lr:{n}", shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        seen: list[object] = []
+
+        def on_released(key: str, **_: Any) -> None:
+            seen.append(store.get(key))  # e.g. tell a scheduler the slot is free
+
+        lease_signals.lock_released.connect(on_released, weak=False)
+        try:
+            traced(app, quiet)(1)
+        finally:
+            lease_signals.lock_released.disconnect(on_released)
+        assert seen == [None]

@@ -401,7 +401,7 @@ def run(request: pytest.FixtureRequest) -> Callable[..., Any]:
 SAME_AS_PLAIN = ("args", "kwargs", "has_id", "retries", "depth", "current_task", "received")
 
 
-# Item 14: the rest of the class order runs, with the lease held ------------------------------
+# The rest of the class order runs, with the lease held --------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -456,7 +456,7 @@ def test_stacks_are_restored_after_a_direct_call(local: SimpleNamespace, name: s
     assert local.store.get(task.request.lock_key or "mx:1") is None
 
 
-# Item 15: a subclass __call__ that changes the arguments --------------------------------------
+# A subclass __call__ that changes the arguments ----------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -486,7 +486,7 @@ def test_retry_resends_the_arguments_plain_celery_resends(
     assert locked["key"] == f"dbl:{locked['received'][0]}"
 
 
-# Item 16: pydantic=True ---------------------------------------------------------------------
+# pydantic=True -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -512,7 +512,7 @@ def test_pydantic_model_arguments_key_alike_however_they_arrive(
     assert other["n"] == 2 and other["key"] != default["key"]
 
 
-# Item 3 on a real worker: retry(throw=False) frees the key while the body runs on ------------
+# On a real worker: retry(throw=False) frees the key while the body runs on -------------------
 
 
 @pytest.mark.worker

@@ -1,9 +1,9 @@
 """The per-task hot path: what it must not do, and that its shortcuts give the same answers.
 
-Issue 10: a LockedTask's own Python per task was cut from ~130 us to ~55 us (traced in-process,
+A LockedTask's own Python per task is kept small (traced in-process by
 ``benchmarks/bench_task_overhead.py``). Each shortcut here is checked against the slow path it
-replaces, and the costs removed are checked as behaviour (no protocol check for a free key, no
-finished lease kept alive by the renewer), never as timings.
+stands for, and the costs it avoids are checked as behaviour (no protocol check for a free key,
+no finished lease kept alive by the renewer), never as timings.
 """
 
 from __future__ import annotations

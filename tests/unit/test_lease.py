@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,10 @@ from celery_lease import (
     lease,
 )
 from celery_lease.dispatch import drain
+from celery_lease.renewer import Entry, get_renewer
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+from tests.unit.core_faults import REAL, Interrupt
 
 
 def run_in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
@@ -431,7 +434,7 @@ class TestLossListeners:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 class TestFork:
-    """A forked child never uses, renews or releases the leases of its parent (issue 8, item 4)."""
+    """A forked child never uses, renews or releases the leases of its parent."""
 
     @staticmethod
     def _child(report: Callable[[], dict[str, Any]], ready: int, out: int) -> None:
@@ -523,3 +526,255 @@ class TestFork:
         finally:
             context.__exit__(None, None, None)
         assert store.get("k") is None
+
+
+# An asynchronous exception inside lease()'s own bookkeeping ---------------------------------
+
+
+_lease_module = sys.modules["celery_lease.lease"]  # the package exports a function of that name
+
+
+class AsyncLockLostStandIn(LockLostError):
+    """Stands for the Celery layer's ``AsyncLockLost``: a ``LockLostError``, so an ``Exception``."""
+
+    def __init__(self) -> None:
+        super().__init__("outer", "revoked")
+
+
+class OnceRaisingRelease(MemoryLockStore):
+    """A MemoryLockStore whose next ``release`` raises ``error`` before its effect."""
+
+    def __init__(self, clock: FakeClock, error: type[BaseException]) -> None:
+        super().__init__(clock=clock)
+        self.error = error
+        self.armed = False
+        self.releases = 0
+
+    def release(self, key: str, owner: str) -> None:
+        self.releases += 1
+        if self.armed:
+            self.armed = False
+            raise self.error()
+        super().release(key, owner)
+
+
+def renewed_keys(clock: FakeClock) -> list[str]:
+    """The keys the renewer of ``clock`` still renews."""
+    return get_renewer(clock).held_keys()
+
+
+class TestInterruptInsideTheCore:
+    """An asynchronous exception lands in ``lease()``'s own bookkeeping on the body's thread."""
+
+    def test_after_the_acquire_nothing_stays_held_or_renewed(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised between the acquire and the frame push: the lease is ended, not leaked."""
+        store = MemoryLockStore(clock=clock)
+        frame = _lease_module._Frame
+
+        def interrupted(held: Lease, parent: Any) -> Any:
+            monkeypatch.setattr(_lease_module, "_Frame", frame)
+            raise Interrupt("delivered in __enter__")
+
+        monkeypatch.setattr(_lease_module, "_Frame", interrupted)
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            pytest.fail("the body must not run")  # pragma: no cover
+        assert renewed_keys(clock) == [], "the lease is renewed for ever"
+        assert store.get("k") is None, "the key stays taken"
+        assert _lease_module.current_lease() is None
+
+    def test_inside_the_end_record_the_lease_still_ends(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised inside Renewer.remove (under its lock): not renewed, released, not re-entered."""
+        store = MemoryLockStore(clock=clock)
+        overdue = Entry.overdue
+        armed = threading.Event()
+
+        def interrupted(entry: Entry, now: float) -> str | None:
+            if armed.is_set() and threading.current_thread() is threading.main_thread():
+                armed.clear()
+                raise Interrupt("delivered in Renewer.remove")
+            return overdue(entry, now)
+
+        monkeypatch.setattr(Entry, "overdue", interrupted)
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            armed.set()
+        assert renewed_keys(clock) == [], "the lease is renewed for ever"
+        assert store.get("k") is None, "the key stays taken"
+        assert _lease_module.current_lease() is None
+
+    @pytest.mark.parametrize("error", [Interrupt, AsyncLockLostStandIn])
+    def test_inside_the_release_call_it_propagates_and_the_key_is_freed(
+        self, clock: FakeClock, error: type[BaseException]
+    ) -> None:
+        """Raised inside the store's release: it is not logged away as a store error (the body
+        must stop), and the exit sends the release again (owner-checked)."""
+        store = OnceRaisingRelease(clock, error)
+        with pytest.raises(error), lease("k", store=store, ttl=3, clock=clock):
+            store.armed = True
+        assert renewed_keys(clock) == []
+        assert store.get("k") is None, "the key stays taken for a ttl"
+        assert store.releases == 2
+
+    def test_inside_an_early_release_it_propagates_and_the_key_is_freed(
+        self, clock: FakeClock
+    ) -> None:
+        """The same inside release_early: raised, and the key freed anyway."""
+        store = OnceRaisingRelease(clock, AsyncLockLostStandIn)
+        context = lease("k", store=store, ttl=3, clock=clock)
+        with context:
+            store.armed = True
+            with pytest.raises(AsyncLockLostStandIn):
+                context.release_early()
+            assert store.get("k") is None, "the key stays taken for a ttl"
+        assert renewed_keys(clock) == []
+
+    def test_a_finished_lease_left_on_the_stack_is_never_re_entered(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised before the frame is popped: a later lease() on the key acquires afresh."""
+        store = MemoryLockStore(clock=clock)
+        pop = _lease_module._pop
+
+        def interrupted(held: Lease) -> None:
+            monkeypatch.setattr(_lease_module, "_pop", pop)
+            raise Interrupt("delivered before the pop")
+
+        monkeypatch.setattr(_lease_module, "_pop", interrupted)
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock) as first:
+            pass
+        assert store.acquire("k", "intruder", 60_000) is not None, "the first lease was ended"
+        with (
+            pytest.raises(LockNotAcquiredError),
+            lease("k", store=store, ttl=3, clock=clock, wait=0) as second,
+        ):
+            pytest.fail(f"re-entered {second!r} (same: {second is first}) while O holds k")
+        assert _lease_module.current_lease() is None
+
+    def test_a_finished_frame_is_not_re_entered_even_if_still_on_the_stack(
+        self, clock: FakeClock
+    ) -> None:
+        """Defence in depth: a closed lease found on the stack is skipped by re-entry."""
+        store = MemoryLockStore(clock=clock)
+        context = lease("k", store=store, ttl=3, clock=clock)
+        token = _lease_module._current.set(None)
+        try:
+            stale = context.__enter__()
+            context.__exit__(None, None, None)
+            _lease_module._current.set(_lease_module._Frame(stale, None))  # left behind
+            assert store.acquire("k", "intruder", 60_000) is not None
+            with pytest.raises(LockNotAcquiredError), lease("k", store=store, clock=clock):
+                pytest.fail("re-entered a finished lease")  # pragma: no cover
+        finally:
+            _lease_module._current.reset(token)
+
+
+class TestBaseExceptionThroughTheExit:
+    @pytest.mark.parametrize("error", [KeyboardInterrupt, SystemExit, GeneratorExit, Interrupt])
+    def test_a_base_exception_after_a_loss_is_not_turned_into_lock_lost(
+        self, clock: FakeClock, error: type[BaseException]
+    ) -> None:
+        """Ctrl-C (or SystemExit, GeneratorExit) in a body whose lease was lost stays what it
+        is: a LockLostError (an Exception) would let ``except Exception`` swallow it."""
+        store = MemoryLockStore(clock=clock)
+        with pytest.raises(error), lease("k", store=store, ttl=3, clock=clock) as held:
+            store.force_release("k")
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            raise error()
+
+
+class TestTtlAboveTheDriftMargin:
+    """A ttl must leave the lease some local validity once the drift margin is taken off."""
+
+    @pytest.mark.parametrize("ttl", [0.001, "2ms", 0.002])
+    def test_a_ttl_that_leaves_no_validity_is_refused(self, ttl: object) -> None:
+        """A ttl within the drift margin would be lost the moment it is acquired: refused."""
+        with pytest.raises(LeaseConfigError, match=r"ttl=.* must be more than 2\.\d+ ms"):
+            lease("k", store=MemoryLockStore(), ttl=ttl)
+
+    def test_the_shortest_ttl_accepted_is_held_when_acquired(self, clock: FakeClock) -> None:
+        """Just above the margin, a lease is held (not lost) right after the acquire."""
+        store = MemoryLockStore(clock=clock)
+        with lease("k", store=store, ttl="3ms", clock=clock) as held:
+            assert not held.lost
+
+
+class TestReleaseEarlyReason:
+    def test_a_custom_reason_does_not_turn_the_body_error_into_lock_lost(
+        self, clock: FakeClock
+    ) -> None:
+        """After release_early("handed-over") the exit raises nothing of its own, as documented."""
+        store = MemoryLockStore(clock=clock)
+        context = lease("k", store=store, ttl=3, clock=clock)
+        with pytest.raises(KeyError), context as held:
+            assert context.release_early("handed-over") is True
+            assert held.lost_reason == "handed-over"
+            raise KeyError("the body fails on its own")
+
+    def test_a_loss_before_the_early_release_still_chains_the_body_error(
+        self, clock: FakeClock
+    ) -> None:
+        """Lost ("taken") first: release_early records nothing; a body error is LockLostError."""
+        store = MemoryLockStore(clock=clock)
+        context = lease("k", store=store, ttl=3, clock=clock)
+        with pytest.raises(LockLostError, match="taken"), context as held:
+            store.force_release("k")
+            store.acquire("k", "another-owner", 60_000)  # taken, not just freed
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            assert context.release_early("handed-over") is False
+            raise KeyError("the body fails on its own")
+
+
+class TestImmediateListenerOnTheBodyThread:
+    def test_a_listener_run_by_a_lost_read_may_use_the_lease_again(self, clock: FakeClock) -> None:
+        """The body's own read records the loss; its immediate listener (same thread) reads
+        lost, check()s, adds a listener and releases early: no deadlock, one notification."""
+        store = MemoryLockStore(clock=clock)
+        seen: list[object] = []
+        context = lease("k", store=store, ttl=3, clock=clock)
+
+        def listener(held: Lease) -> None:
+            seen.append(threading.current_thread() is threading.main_thread())
+            seen.append((held.lost, held.lost_reason))
+            with pytest.raises(LockLostError):
+                held.check()
+            held.add_loss_listener(lambda h: seen.append("nested"), immediate=True)
+            seen.append(context.release_early())
+
+        with context as held:
+            held.add_loss_listener(listener, immediate=True)
+            assert held._entry is not None
+            # Validity runs out with R asleep until its due time and W idle (no store call):
+            # this read is the first to see it, and records the loss on the body's thread.
+            held._entry.valid_until = clock.monotonic()
+            assert held.lost
+            assert len(seen) == 4, "the listener ran inside the read"
+        assert seen == [True, (True, "expired"), "nested", False]
+        assert store.get("k") is None
+
+
+class TestReentry:
+    def test_a_reentered_lease_is_the_outer_one_and_its_exit_releases_nothing(self) -> None:
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        with lease("k", store=store, ttl=3, clock=clock) as outer:
+            with lease("k", store=store, ttl=3, clock=clock) as inner:
+                assert inner is outer
+            info = store.get("k")
+            assert info is not None and info.owner == outer.owner
+        assert store.get("k") is None
+
+    def test_reentry_after_the_outer_lease_was_lost_acquires_anew(self) -> None:
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        with lease("k", store=store, ttl=3, clock=clock) as outer:
+            store.force_release("k")
+            clock.advance(1.0)
+            assert outer.wait_lost(REAL_TIMEOUT)
+            with lease("k", store=store, ttl=3, clock=clock) as inner:
+                assert inner is not outer and inner.owner != outer.owner
+                assert inner.token > outer.token

@@ -1,4 +1,4 @@
-"""Loss reasons that say what happened (issue 11): an operator's force-release reads
+"""Loss reasons that say what happened: an operator's force-release reads
 ``"released"``, another owner's lease ``"taken"``; asked of the store on the loss path only."""
 
 from __future__ import annotations
@@ -155,3 +155,105 @@ class TestTaskSeesTheOperator:
             lease_signals.lock_lost.disconnect(receiver)
             app.close()
             store.close()
+
+
+# The reason of a lease whose data the store lost --------------------------------------------
+
+
+class _RacingInspection(MemoryLockStore):
+    """After the first inspection call (``get`` or ``last_token``) of a refused renewal
+    returns, another owner acquires ``key``: the store moves between the two calls."""
+
+    def __init__(self, clock: FakeClock, key: str) -> None:
+        super().__init__(clock=clock)
+        self.key = key
+        self.armed = False
+
+    def _between(self) -> None:
+        if self.armed:
+            self.armed = False
+            assert MemoryLockStore.acquire(self, self.key, "another-owner", 60_000) is not None
+
+    def get(self, key: str) -> Any:
+        info = super().get(key)
+        self._between()
+        return info
+
+    def last_token(self, key: str) -> int | None:
+        token = super().last_token(key)
+        self._between()
+        return token
+
+
+class _SlowInspection(MemoryLockStore):
+    """``get`` (the loss path's inspection) waits for ``go`` once ``gate`` is set."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock=clock)
+        self.gate = False
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def get(self, key: str) -> Any:
+        if self.gate:
+            self.gate = False
+            self.entered.set()
+            if not self.go.wait(REAL):
+                raise AssertionError("the test never let the inspection go on")
+        return super().get(key)
+
+
+class TestWhyGone:
+    def test_an_acquisition_between_the_two_inspection_calls_reads_taken(self) -> None:
+        """The store lost the lease's data (a restart without persistence), and another owner
+        acquires the key between the two inspection calls of the loss path: when the loss is
+        reported, another owner holds the key, so the reason must be ``"taken"``."""
+        clock = FakeClock(1000.0)
+        store = _RacingInspection(clock, "k")
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            with store._lock:
+                del store._entries["k"]  # lost with the store's data: key and counter
+            store.armed = True
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            reason = held.lost_reason
+        info = store.get("k")
+        assert info is not None and info.owner == "another-owner"
+        assert reason == "taken"
+
+    def test_a_slow_inspection_of_one_loss_does_not_lose_the_lease_renewed_beside_it(
+        self,
+    ) -> None:
+        """Two leases renewed in one batch: the store refuses one (an operator freed it) and
+        renews the other. While the inspection of the refused one is slow, the renewed one
+        must count from its renewal, not from the deadline it had before."""
+        clock = FakeClock(1000.0)
+        store = _SlowInspection(clock)
+        try:
+            with (
+                lease("freed", store=store, ttl=3, clock=clock) as freed,
+                lease("kept", store=store, ttl=3, clock=clock) as kept,
+            ):
+                assert store.force_release("freed") is not None
+                store.gate = True
+                clock.advance(1.0)  # one renew_many: [refused, renewed]; then the inspection
+                assert store.entered.wait(REAL)
+                info = store._entries["kept"]
+                assert info.expires == 1004.0  # the store renewed "kept" at 1001 for 3 s
+                clock.advance(2.5)  # 1003.5: past the old deadline of both, not kept's new one
+                assert freed.wait_lost(REAL)  # the watchdog's pass has run
+                store.go.set()
+                assert not kept.lost, kept.lost_reason
+        finally:
+            store.go.set()
+
+    def test_without_the_race_a_lost_store_reads_expired(self) -> None:
+        """The same loss with nobody acquiring in between: ``"expired"`` (control case)."""
+        clock = FakeClock(1000.0)
+        store = _RacingInspection(clock, "k")
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            with store._lock:
+                del store._entries["k"]
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            assert held.lost_reason == "expired"

@@ -1,14 +1,17 @@
-"""Owner ids name their holder (issue 11): ``lease(holder=...)``, the task node, name and id."""
+"""Owner ids name their holder: ``lease(holder=...)``, the task node, name and id."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, lease
-from celery_lease.holder import MAX_FIELD_CHARS, parse_owner
+from celery_lease import LeaseConfigError, LockedTask, LockNotAcquiredError, MemoryLockStore, lease
+from celery_lease.holder import MAX_FIELD_CHARS, make_owner, parse_owner
+from celery_lease.testing import FakeClock
+from tests.unit.conftest import REAL_TIMEOUT
 
 
 class TestLeaseHolder:
@@ -61,3 +64,48 @@ class TestTaskOwner:
             assert holder.task == task.name and holder.task_id == task_id
         finally:
             app.close()
+
+
+class TestOwnerIds:
+    def test_owner_ids_are_unique_across_threads(self) -> None:
+        made: list[list[str]] = [[] for _ in range(8)]
+        start = threading.Barrier(8)
+
+        def make(out: list[str]) -> None:
+            start.wait(REAL_TIMEOUT)
+            out.extend(make_owner(task="t", task_id="same") for _ in range(5000))
+
+        threads = [threading.Thread(target=make, args=(out,)) for out in made]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(REAL_TIMEOUT)
+        heads = [owner.split(";")[0] for out in made for owner in out]
+        assert len(set(heads)) == len(heads) == 40_000
+
+    def test_two_contexts_of_one_task_execution_never_share_an_owner(self) -> None:
+        """Same node, task and task id (a redelivered message): the second acquisition must
+        not be handed the first one's lease by the store's idempotent same-owner acquire."""
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        first = lease("k", store=store, ttl=3, clock=clock)
+        first.task, first.task_id, first.node = "t", "same-id", "w1@h"
+        with first as held:
+            second: list[BaseException] = []
+
+            def other_thread() -> None:  # another execution of the same task id elsewhere
+                context = lease("k", store=store, ttl=3, clock=clock)
+                context.task, context.task_id, context.node = "t", "same-id", "w1@h"
+                try:
+                    with context:
+                        pass
+                except LockNotAcquiredError as exc:
+                    second.append(exc)
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join(REAL_TIMEOUT)
+            assert len(second) == 1
+            assert parse_owner(held.owner).task_id == "same-id"
+            info = store.get("k")
+            assert info is not None and info.owner == held.owner

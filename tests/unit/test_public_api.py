@@ -9,7 +9,7 @@ import textwrap
 import celery_lease
 
 CONTRACT = {
-    # issue 2: the core
+    # the core
     "LockStore",
     "MemoryLockStore",
     "SQLiteLockStore",
@@ -23,12 +23,12 @@ CONTRACT = {
     "LockNotAcquiredError",
     "LockLostError",
     "StoreUnavailableError",
-    # issue 3: Celery
+    # Celery
     "LockedTask",
     "locked",
-    # issue 8: stopping the background threads
+    # stopping the background threads
     "shutdown",
-    # issue 12: asyncio
+    # asyncio
     "AsyncLockStore",
     "async_store_from_url",
     "ThreadedAsyncStore",

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import celery_lease
-from celery_lease import Lease, lease
-from celery_lease.dispatch import drain
-from celery_lease.renewer import IDLE_EXIT, get_renewer, validity
+from celery_lease import Lease, MemoryLockStore, lease
+from celery_lease import renewer as renewer_module
+from celery_lease.dispatch import drain, get_dispatcher
+from celery_lease.renewer import IDLE_EXIT, Renewer, get_renewer, validity
 from celery_lease.testing import FakeClock
+from tests.adversary import AdversaryStore
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+from tests.unit.core_faults import REAL, GatedRenewalStore, Interrupt, churn, poll_until
 
 
 class TestSchedule:
@@ -238,7 +245,7 @@ def lease_threads() -> list[threading.Thread]:
 
 
 class TestDispatch:
-    """User callbacks never run on the renewer or the watchdog (issue 8, item 1)."""
+    """User callbacks never run on the renewer or the watchdog."""
 
     def test_a_slow_on_lost_does_not_stall_other_leases(
         self, store: SpyStore, clock: FakeClock
@@ -306,7 +313,7 @@ class TestDispatch:
 
 
 class TestShutdown:
-    """``celery_lease.shutdown()`` stops this process's threads (issue 8, item 17)."""
+    """``celery_lease.shutdown()`` stops this process's threads."""
 
     def test_no_thread_outlives_shutdown(self, store: SpyStore, clock: FakeClock) -> None:
         """Once the last lease is released and shutdown() returned, no celery-lease thread lives."""
@@ -398,3 +405,434 @@ class TestShutdown:
             timeout=120,
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+# A malformed batch answer, and BaseExceptions on the renewer's and the watchdog's threads -----
+
+
+class FaultyBatchStore(MemoryLockStore):
+    """A MemoryLockStore whose ``renew_many`` answers one result short, ``bad_batches`` times."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock=clock)
+        self.bad_batches = 1
+        self.batches = 0
+
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+        self.batches += 1
+        results = super().renew_many(items)
+        if self.bad_batches > 0:
+            self.bad_batches -= 1
+            return results[:-1]
+        return results
+
+
+def valid_until(held: Lease) -> float:
+    """The local validity deadline of a held lease (clock seconds)."""
+    assert held._entry is not None
+    return held._entry.valid_until
+
+
+def closed(held: Lease) -> bool:
+    """Whether the end of ``held`` is recorded (finished or lost)."""
+    assert held._entry is not None
+    return held._entry.closed
+
+
+class TestBatchAnswer:
+    def test_a_short_renew_many_answer_is_an_error_of_the_whole_batch(
+        self, clock: FakeClock, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """One result short: no lease stays "in flight", none is decided on it, renewal goes on."""
+        store = FaultyBatchStore(clock)
+        lost: list[str] = []
+        with (
+            caplog.at_level(logging.WARNING, logger="celery_lease"),
+            lease("a", store=store, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)) as a,
+            lease("b", store=store, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)) as b,
+        ):
+            store.force_release("a")  # the batch's answer for a would be False
+            store.acquire("a", "another-owner", 60_000)  # taken, not just freed
+            clock.advance(1.0)
+            poll_until(lambda: store.batches >= 1, what="the first batch")
+            entries = [held._entry for held in (a, b)]
+            poll_until(lambda: not any(e.inflight for e in entries if e), what="answered")
+            assert any("2 leases" in r.getMessage() for r in caplog.records), caplog.text
+            clock.advance(0.2)  # the retry: a well-formed answer this time
+            poll_until(lambda: a.lost, what="a reported taken")
+            assert a.lost_reason == "taken"
+            assert drain() and lost == ["a"], "the loss of a must reach its listeners"
+            assert not b.lost
+            renewed_at = valid_until(b)
+            clock.advance(1.0)
+            poll_until(lambda: valid_until(b) > renewed_at, what="b renewed again")
+            assert not b.lost
+
+
+class ExitingStore(MemoryLockStore):
+    """A MemoryLockStore whose next ``renew`` raises ``error`` (a ``BaseException``)."""
+
+    def __init__(self, clock: FakeClock, error: BaseException) -> None:
+        super().__init__(clock=clock)
+        self.error: BaseException | None = error
+        self.renewals = 0
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        self.renewals += 1
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+        return super().renew(key, owner, ttl_ms)
+
+
+class TestBaseExceptionsOnOurThreads:
+    def test_an_immediate_listener_calling_sys_exit_does_not_stop_renewal(
+        self, clock: FakeClock
+    ) -> None:
+        """SystemExit from a listener on the renewer: the other lease is still renewed."""
+        store = MemoryLockStore(clock=clock)
+        with lease("b", store=store, ttl=3, clock=clock) as b:
+            with lease("a", store=store, ttl=3, clock=clock) as a:
+                a.add_loss_listener(lambda _: sys.exit("listener gives up"), immediate=True)
+                store.force_release("a")
+                clock.advance(1.0)
+                poll_until(lambda: closed(a), what="a recorded lost")
+            renewer = get_renewer(clock)
+            poll_until(lambda: clock.sleepers >= 1, what="the renewer waits again")
+            assert renewer.thread is not None and renewer.thread.is_alive(), "renewer died"
+            for _ in range(3):
+                before = valid_until(b)
+                clock.advance(1.0)
+                poll_until(lambda: valid_until(b) > before, what="b renewed")  # noqa: B023
+            assert not b.lost and store.get("b") is not None
+
+    def test_a_store_raising_a_base_exception_is_a_failed_renewal(self, clock: FakeClock) -> None:
+        """A renew raising a BaseException (CancelledError, gevent.Timeout) is retried."""
+        store = ExitingStore(clock, Interrupt("cancelled inside the driver"))
+        with lease("k", store=store, ttl=3, clock=clock) as held:
+            clock.advance(1.0)
+            poll_until(lambda: store.renewals >= 1, what="the first renewal")
+            renewer = get_renewer(clock)
+            poll_until(lambda: clock.sleepers >= 1, what="the renewer waits again")
+            assert renewer.thread is not None and renewer.thread.is_alive(), "renewer died"
+            assert held._entry is not None and not held._entry.inflight
+            clock.advance(0.2)  # the retry delay of a 3 s lease
+            poll_until(lambda: store.renewals >= 2, what="the retry")
+            assert not held.lost
+
+    def test_an_immediate_listener_calling_sys_exit_on_the_watchdog(self, clock: FakeClock) -> None:
+        """SystemExit from a listener run by the watchdog: the next hang is still watched."""
+        inner = MemoryLockStore(clock=clock)
+        store = AdversaryStore(inner)
+        first = store.trap("renew", delay="before")
+        with lease("a", store=store, ttl=3, clock=clock) as a:
+            a.add_loss_listener(lambda _: sys.exit("listener gives up"), immediate=True)
+            clock.advance(1.0)
+            first.wait_entered()
+            clock.wait_for_sleepers(1)  # the watchdog waits for a's validity
+            clock.advance(2.0)
+            poll_until(lambda: closed(a), what="the watchdog recorded a")
+            first.open()
+            first.wait_done()
+        second = store.trap("renew", delay="before")
+        with lease("b", store=store, ttl=3, clock=clock) as b:
+            clock.advance(1.0)
+            second.wait_entered()
+            try:
+                # A watchdog waits for b's validity deadline (not merely for the next store call).
+                poll_until(lambda: clock._deadlines, what="a watchdog waiting for b's deadline")
+                clock.advance(2.0)
+                poll_until(lambda: closed(b), timeout=2.0, what="b recorded lost")
+                assert b.lost_reason == "expired"
+            finally:
+                second.open()
+
+
+class TestWatchdogDuringAHang:
+    def test_a_lease_added_while_the_renewer_hangs_is_watched(self, clock: FakeClock) -> None:
+        """The renewer hangs renewing a (ttl 30 s, one blackholed connection); b (ttl 3 s, another
+        store) is acquired meanwhile: the watchdog reports b lost when b's validity passes, not
+        at a's."""
+        slow = AdversaryStore(MemoryLockStore(clock=clock))
+        fast = MemoryLockStore(clock=clock)
+        trap = slow.trap("renew", delay="before")
+        lost: list[str] = []
+        with lease("a", store=slow, ttl=30, clock=clock):
+            clock.advance(10.0)
+            trap.wait_entered()
+            poll_until(lambda: clock._deadlines, what="W waiting for a's deadline")
+            try:
+                with lease(
+                    "b", store=fast, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)
+                ):
+                    poll_until(lambda: any(d < 1020 for d in clock._deadlines), what="W counts b")
+                    clock.advance(3.0)  # past b's validity, long before a's
+                    poll_until(lambda: lost, timeout=2.0, what="b reported lost by W")
+            finally:
+                trap.open()
+        assert lost == ["b"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
+class TestForkWhileLocked:
+    def test_a_child_forked_while_the_renewer_lock_is_held_never_blocks(self) -> None:
+        """Fork while another thread holds the renewer's lock and the dispatcher's: the child
+        uses the parent's Lease objects and leases of its own without touching either lock."""
+        store = MemoryLockStore()
+        context = lease("k", store=store, ttl=30)
+        parent = context.__enter__()
+        assert parent._entry is not None and parent._entry.renewer is not None
+        locks = (parent._entry.renewer._lock, get_dispatcher()._cond)
+        holding, release = threading.Event(), threading.Event()
+
+        def hold_locks() -> None:
+            with locks[0], locks[1]:
+                holding.set()
+                release.wait(REAL)
+
+        holder = threading.Thread(target=hold_locks)
+        holder.start()
+        assert holding.wait(REAL)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            status = 1
+            try:
+                seen: list[object] = [parent.lost, parent.lost_reason]
+                called: list[str] = []
+                parent.add_loss_listener(lambda h: called.append("now"), immediate=True)
+                seen += [called, parent.wait_lost(0), context.release_early()]
+                context.__exit__(None, None, None)
+                with lease("k", store=MemoryLockStore(), ttl=30) as mine:
+                    seen.append(mine is not parent and not mine.lost)
+                celery_lease.shutdown(timeout=2.0)
+                os.write(write, json.dumps(seen).encode())
+                status = 0
+            finally:
+                os._exit(status)
+        os.close(write)
+        try:
+            limit = time.monotonic() + REAL
+            while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+                if time.monotonic() > limit:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    pytest.fail("the child blocked on a lock held at the fork")
+                time.sleep(0.005)
+            assert os.waitstatus_to_exitcode(done[1]) == 0
+            report = json.loads(os.read(read, 65536))
+        finally:
+            os.close(read)
+            release.set()
+            holder.join(REAL)
+            context.__exit__(None, None, None)
+        assert report == [True, "forked", ["now"], True, False, True]
+        assert store.get("k") is None
+
+
+class TestShutdownRace:
+    def test_a_lease_taken_while_shutdown_stops_the_threads_is_still_renewed(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A lease acquired between shutdown()'s check and its stop: renewed all the same."""
+        store = MemoryLockStore(clock=clock)
+        with lease("warm-up", store=store, ttl=3, clock=clock):
+            pass  # the renewer of this clock runs (idle)
+        entered, leave = threading.Event(), threading.Event()
+        holder: list[Lease] = []
+
+        def body() -> None:
+            with lease("k", store=store, ttl=3, clock=clock) as held:
+                holder.append(held)
+                entered.set()
+                leave.wait(REAL)
+
+        original = Renewer._stop
+        thread = threading.Thread(target=body)
+
+        def stop_after_a_new_lease(self: Renewer) -> list[threading.Thread]:
+            if not thread.is_alive():
+                thread.start()
+                assert entered.wait(REAL)
+            return original(self)
+
+        monkeypatch.setattr(Renewer, "_stop", stop_after_a_new_lease)
+        try:
+            with pytest.raises(TimeoutError, match="celery-lease-renewer"):
+                celery_lease.shutdown(timeout=0.2)
+            (held,) = holder
+            for _ in range(3):
+                before = valid_until(held)
+                clock.advance(1.0)
+                poll_until(lambda: valid_until(held) > before, what="k renewed")  # noqa: B023
+            assert not held.lost
+        finally:
+            leave.set()
+            thread.join(REAL)
+
+
+# Heap compaction -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def compactions(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Make the renewer compact its heaps after 2 closed entries; counts the compactions."""
+    monkeypatch.setattr(renewer_module, "COMPACT_AFTER", 2)
+    calls: list[int] = []
+    original = Renewer._compact
+
+    def counting(self: Renewer) -> None:
+        calls.append(1)
+        original(self)
+
+    monkeypatch.setattr(Renewer, "_compact", counting)
+    yield calls
+
+
+class TestCompaction:
+    def test_a_lease_whose_renewal_is_in_flight_survives_a_compaction(
+        self, compactions: list[int]
+    ) -> None:
+        """Compaction while the only item of a live entry is out of the heap (its renewal is in
+        flight): the entry is pushed back after the answer and renewed every ttl/3 after."""
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        with lease("live", store=store, ttl=3, clock=clock) as live:
+            store.gate_key = "live"
+            clock.advance(1.0)
+            assert store.entered.wait(REAL_TIMEOUT)
+            churn(store, clock, "short", 6)
+            assert compactions, "the churn did not compact the heaps"
+            store.go.set()
+            pair = ("live", live.owner)
+            store.wait_renewed([pair], 1)
+            for cycle in range(2, 8):
+                clock.advance(1.0)
+                store.wait_renewed([pair], cycle)
+            assert not live.lost
+
+    def test_an_entry_closed_during_its_flight_is_never_renewed_after_a_compaction(
+        self, compactions: list[int]
+    ) -> None:
+        """The holder exits while its renewal is in flight (remove() waits for it), the heaps
+        are compacted meanwhile: the late answer neither revives the entry nor keeps the key."""
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        store.gate_key = "gone"
+        held: list[Any] = []
+        inside, leave = threading.Event(), threading.Event()
+
+        def holder() -> None:
+            with lease("gone", store=store, ttl=3, clock=clock) as gone:
+                held.append(gone)
+                inside.set()
+                assert leave.wait(REAL_TIMEOUT)
+
+        thread = threading.Thread(target=holder)
+        thread.start()
+        try:
+            assert inside.wait(REAL_TIMEOUT)
+            clock.advance(1.0)
+            assert store.entered.wait(REAL_TIMEOUT)  # the renewal of "gone" is in flight
+            leave.set()
+            clock.wait_for_sleepers(2, timeout=REAL_TIMEOUT)  # the watchdog and the exit, waiting
+            churn(store, clock, "short", 6)
+            assert compactions
+        finally:
+            store.go.set()
+            thread.join(REAL_TIMEOUT)
+        assert not thread.is_alive()
+        assert store.get("gone") is None
+        with lease("witness", store=store, ttl=3, clock=clock) as witness:
+            for cycle in range(1, 5):
+                clock.advance(1.0)
+                store.wait_renewed([("witness", witness.owner)], cycle)
+        assert store.renewed[("gone", held[0].owner)] == 1  # only the one in flight
+        assert not held[0].lost
+
+    def test_the_watchdog_reports_a_hung_lease_after_a_compaction(
+        self, compactions: list[int]
+    ) -> None:
+        """The renewal of a lease hangs in the store; the deadline heap is compacted meanwhile;
+        the watchdog still reports that lease at its validity deadline."""
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        try:
+            with lease("hung", store=store, ttl=3, clock=clock) as hung:
+                store.gate_key = "hung"
+                clock.advance(1.0)
+                assert store.entered.wait(REAL_TIMEOUT)
+                churn(store, clock, "short", 6)
+                assert compactions
+                clock.advance(2.5)  # past the validity of "hung" (3 s less the drift margin)
+                assert hung.wait_lost(REAL_TIMEOUT)
+                assert hung.lost_reason == "expired"
+        finally:
+            store.go.set()
+
+    def test_held_leases_stay_renewed_while_other_threads_churn(
+        self, compactions: list[int]
+    ) -> None:
+        """Two threads take and leave leases (compacting again and again) while the renewer
+        renews three long-held ones through six ttl/3 periods: none is dropped or lost."""
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        errors: list[BaseException] = []
+
+        def churner(prefix: str) -> None:
+            try:
+                churn(store, clock, prefix, 300)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        contexts = [lease(f"long{i}", store=store, ttl=3, clock=clock) for i in range(3)]
+        helds = [context.__enter__() for context in contexts]
+        pairs = [(held.key, held.owner) for held in helds]
+        threads = [threading.Thread(target=churner, args=(p,)) for p in ("a", "b")]
+        try:
+            for thread in threads:
+                thread.start()
+            for cycle in range(1, 7):
+                clock.advance(1.0)
+                store.wait_renewed(pairs, cycle)
+            for thread in threads:
+                thread.join(REAL_TIMEOUT)
+            assert not errors
+            assert compactions
+            assert [held.lost for held in helds] == [False, False, False]
+        finally:
+            for context in reversed(contexts):
+                context.__exit__(None, None, None)
+
+    def test_an_entry_ended_between_its_take_and_its_renewal_is_not_renewed(self) -> None:
+        """One sweep takes two due leases; the first is past max_hold, and its immediate loss
+        listener (on the renewer thread, between the take and the renewal) ends the second
+        one early: the second is not renewed, and its key stays free."""
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        first = lease("first", store=store, ttl=3, max_hold=1.0, clock=clock)
+        second = lease("second", store=store, ttl=3, clock=clock)
+        with first as held_first, second as held_second:
+            ended = threading.Event()
+
+            def end_second(_: object) -> None:
+                second.release_early()
+                ended.set()
+
+            held_first.add_loss_listener(end_second, immediate=True)
+            clock.advance(1.0)
+            assert ended.wait(REAL_TIMEOUT)
+            assert held_first.lost_reason == "max_hold"
+            with lease("witness", store=store, ttl=3, clock=clock) as witness:
+                clock.advance(1.0)
+                store.wait_renewed([("witness", witness.owner)], 1)
+            assert store.renewed[("second", held_second.owner)] == 0
+            assert held_second.lost_reason == "released"
+            assert store.get("second") is None
+
+
+def test_the_renewer_of_a_fake_clock_is_per_clock() -> None:
+    """Each FakeClock has a renewer of its own, apart from the system clock's."""
+    clock = FakeClock(0.0)
+    assert get_renewer(clock) is get_renewer(clock)
+    assert get_renewer(clock) is not get_renewer()

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 
-from celery_lease import lease
+from celery_lease import MemoryLockStore, lease
 from celery_lease.renewer import snapshot
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+from tests.unit.core_faults import GatedRenewalStore, churn
 
 
 def _row(key: str) -> dict[str, object]:
@@ -78,3 +80,63 @@ class TestSnapshot:
                 release.set()
         finally:
             release.set()
+
+
+class TestSnapshotUnderConcurrency:
+    def test_snapshot_under_churn_lists_only_held_leases_and_never_raises(self) -> None:
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        stop = threading.Event()
+        problems: list[object] = []
+
+        def reader() -> None:
+            while not stop.is_set():
+                try:
+                    for row in snapshot():
+                        if not str(row["key"]).startswith(("c", "steady")):
+                            continue  # another test's clock: not ours to judge
+                        if not isinstance(row["token"], int) or row["valid_for_seconds"] < 0:
+                            problems.append(row)
+                except BaseException as exc:
+                    problems.append(exc)
+                    return
+
+        with lease("steady", store=store, ttl=3, clock=clock) as steady:
+            thread = threading.Thread(target=reader)
+            thread.start()
+            try:
+                churn(store, clock, "c", 500)
+            finally:
+                stop.set()
+                thread.join(REAL_TIMEOUT)
+            rows = [row for row in snapshot() if row["key"] in ("steady", "c0", "c499")]
+            assert rows == [
+                {
+                    "key": "steady",
+                    "token": steady.token,
+                    "owner": steady.owner,
+                    "held_seconds": 0.0,
+                    "valid_for_seconds": pytest.approx(3 - 0.03 - 0.002),
+                    "renewals": 0,
+                    "last_renewal_error": None,
+                }
+            ]
+        assert problems == []
+
+    def test_snapshot_answers_while_a_renewal_hangs(self) -> None:
+        clock = FakeClock(1000.0)
+        store = GatedRenewalStore(clock)
+        try:
+            with lease("stuck", store=store, ttl=3, clock=clock) as stuck:
+                store.gate_key = "stuck"
+                clock.advance(1.0)
+                assert store.entered.wait(REAL_TIMEOUT)
+                rows: list[list[dict[str, Any]]] = []
+                thread = threading.Thread(target=lambda: rows.append(snapshot()))
+                thread.start()
+                thread.join(REAL_TIMEOUT)
+                assert not thread.is_alive(), "snapshot() waited for the store"
+                assert [r["owner"] for r in rows[0] if r["key"] == "stuck"] == [stuck.owner]
+                store.go.set()  # before the exit, which waits for the renewal in flight
+        finally:
+            store.go.set()

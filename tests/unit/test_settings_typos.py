@@ -217,21 +217,22 @@ class TestOneListOfSettings:
         assert listed == list(config.SETTINGS)
 
 
-# Review (issue 8, item 10): real-world settings are not ours; typos of "lease" still are --------
+# Real-world settings are not ours; typos of "lease" still are ---------------------------------
 
-# Settings of real projects and libraries that share words with ours. Before the fix, each of the
-# marked ones was "a misspelled lease setting" (difflib ratio >= 0.8 to lease_key_prefix,
-# lease_default_ttl, lease_default_wait or lease_store), so a Django project with Flask-Caching's
-# CACHE_KEY_PREFIX or django-redis' REDIS_KEY_PREFIX could not start a worker at all, and every
-# locked task of the app failed with LeaseConfigError; there is no way to silence the check.
+# Settings of real projects and libraries that share words with ours. The marked ones are close to
+# a lease setting by spelling alone (difflib ratio >= 0.8 to lease_key_prefix, lease_default_ttl,
+# lease_default_wait or lease_store): taken for "a misspelled lease setting", a Django project
+# with Flask-Caching's CACHE_KEY_PREFIX or django-redis' REDIS_KEY_PREFIX could not start a worker
+# at all, and every locked task of the app would fail with LeaseConfigError (the check cannot be
+# silenced), so none of them may be refused.
 OTHER_LIBRARIES_UPPER = [
-    "CACHE_KEY_PREFIX",  # refused before the fix
-    "REDIS_KEY_PREFIX",  # refused before the fix
-    "API_KEY_PREFIX",  # refused before the fix
-    "CACHE_DEFAULT_TTL",  # refused before the fix
-    "REDIS_DEFAULT_TTL",  # refused before the fix
-    "DEFAULT_WAIT",  # refused before the fix
-    "RELEASE_STORE",  # refused before the fix
+    "CACHE_KEY_PREFIX",  # close to a lease setting
+    "REDIS_KEY_PREFIX",  # close to a lease setting
+    "API_KEY_PREFIX",  # close to a lease setting
+    "CACHE_DEFAULT_TTL",  # close to a lease setting
+    "REDIS_DEFAULT_TTL",  # close to a lease setting
+    "DEFAULT_WAIT",  # close to a lease setting
+    "RELEASE_STORE",  # close to a lease setting
     "CACHE_MIDDLEWARE_KEY_PREFIX",
     "CACHE_DEFAULT_TIMEOUT",
     "DEFAULT_TABLESPACE",
@@ -242,13 +243,13 @@ OTHER_LIBRARIES_UPPER = [
     "LEASE_DEFAULT_TERM_MONTHS",  # a car-leasing business' own setting
 ]
 OTHER_LIBRARIES_LOWER = [
-    "redis_key_prefix",  # refused before the fix
-    "cache_key_prefix",  # refused before the fix
-    "cache_default_ttl",  # refused before the fix
-    "default_wait",  # refused before the fix
-    "api_key_prefix",  # refused before the fix
-    "release_store",  # refused before the fix
-    "leasing_store",  # refused before the fix
+    "redis_key_prefix",  # close to a lease setting
+    "cache_key_prefix",  # close to a lease setting
+    "cache_default_ttl",  # close to a lease setting
+    "default_wait",  # close to a lease setting
+    "api_key_prefix",  # close to a lease setting
+    "release_store",  # close to a lease setting
+    "leasing_store",  # close to a lease setting
     "redbeat_key_prefix",
     "redbeat_lock_key",
     "redbeat_lock_timeout",
@@ -260,7 +261,7 @@ OTHER_LIBRARIES_LOWER = [
 ]
 
 
-class TestReviewNoFalseAlarms:
+class TestNoFalseAlarmsFromOtherLibraries:
     @pytest.mark.parametrize("key", OTHER_LIBRARIES_UPPER)
     def test_django_settings_of_other_libraries(self, apps: list[Celery], key: str) -> None:
         """A Django settings module (namespace="CELERY") with another library's setting passes."""
@@ -285,7 +286,7 @@ class TestReviewNoFalseAlarms:
         config.get_settings(app)
 
 
-class TestReviewTyposStillCaught:
+class TestTyposStillCaught:
     @pytest.mark.parametrize(
         ("key", "namespace", "hint"),
         [

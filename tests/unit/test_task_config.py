@@ -268,8 +268,8 @@ class TestWorkerBootstep:
         os.close(read)
 
 
-class TestReviewWorkerCheck:
-    """Review of the worker check (issue 8, item 11): what it must refuse, and must not."""
+class TestWorkerCheckRefusals:
+    """The worker check: what it must refuse, and what it must not."""
 
     @pytest.fixture
     def main_pid(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
@@ -298,8 +298,8 @@ class TestReviewWorkerCheck:
     ) -> None:
         """A worker built after a refused one is checked afresh (one process: accepted).
 
-        Before the fix the first refusal stuck to the app: building a threads worker next
-        (a test suite trying both pools on one app) raised "2 processes (prefork pool)".
+        A refusal must not stick to the app: a test suite trying both pools on one app builds a
+        threads worker after a refused prefork one, and that one is accepted.
         """
         app.conf.lease_store = "memory://"
         with pytest.raises(LeaseConfigError, match="2 processes"):
@@ -312,9 +312,8 @@ class TestReviewWorkerCheck:
     ) -> None:
         """A task with lock_store="memory://" registered after the worker's check (a module
         imported late, children re-forked by --max-tasks-per-child or --autoscale) fails in
-        every pool process started after it instead of running unexcluded.
-
-        Before the fix the child ran it: each child had its own memory store.
+        every pool process started after it instead of running unexcluded (each child would
+        have a memory store of its own).
         """
         app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
         app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)  # accepted
@@ -357,10 +356,8 @@ class TestReviewWorkerCheck:
 
     @pytest.mark.parametrize("url", ["reddis://r:6379/1", "postgressql://db/x", "sqllite:///l.db"])
     def test_unknown_store_scheme_refused_at_start(self, app: Celery, url: str) -> None:
-        """A misspelled store scheme is refused by the worker check, not at the first task.
-
-        Before the fix the worker started and every locked execution then failed.
-        """
+        """A misspelled store scheme is refused by the worker check, not at the first task
+        (a worker that started would fail every locked execution)."""
         app.conf.lease_store = url
         error = worker.check_worker(app, _pool("solo"), 1)
         assert error is not None and "unknown scheme" in str(error) and repr(url) in str(error)

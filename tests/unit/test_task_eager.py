@@ -622,3 +622,200 @@ class TestLossListeners:
             lease_signals.lock_acquired.disconnect(lose_now)
         assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
         assert ran == []
+
+
+# Nested runs and the moments around the body ----------------------------------------------------
+
+
+def busy(seconds: float = REAL_TIMEOUT) -> None:
+    """Work (bytecode between short sleeps) that an interrupt can land in."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+class TestOuterInterruptThroughInnerRun:
+    """on_lost="revoke" of an outer execution lands in the body of an inner locked task the
+    outer body called directly: the inner run must release its own lease on the way out."""
+
+    @pytest.mark.parametrize("where", ["main", "thread"])
+    @pytest.mark.parametrize("inner_key", ["inner", "outer"])
+    def test_inner_lease_and_frames_are_gone_after_the_interrupt(
+        self, app: Celery, store: MemoryLockStore, where: str, inner_key: str
+    ) -> None:
+        @app.task(base=LockedTask, lock_key=inner_key, shared=False)
+        def inner() -> None:
+            store.force_release("outer")  # the outer lease's next renewal finds it taken
+            busy()
+
+        @app.task(
+            base=LockedTask, lock_key="outer", lock_ttl="0.3s", lock_on_lost="revoke",
+            shared=False,
+        )  # fmt: skip
+        def outer() -> None:
+            inner()
+
+        seen: dict[str, Any] = {}
+
+        def run() -> None:
+            seen["result"] = outer.apply()
+            seen["current"] = current_lease()
+            seen["token"] = get_lock_token()
+
+        if where == "main":
+            run()
+        else:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join(REAL_TIMEOUT * 2)
+        result = seen["result"]
+        assert result.state == "FAILURE" and isinstance(result.result, LockLostError)
+        assert store.get("inner") is None, "the inner run's lease was left held (and renewed)"
+        assert seen["current"] is None and seen["token"] is None, "a lease frame leaked"
+
+
+class _Abort(BaseException):
+    """What an asynchronous exception (gevent.Timeout, a KeyboardInterrupt) looks like."""
+
+
+class TestAcquiredButNotYetRunning:
+    """Between acquiring and the body, something may raise (a lock_acquired receiver raising
+    a BaseException - Celery's robust send catches only Exception - or an asynchronous
+    exception): the lease must not be left held and renewed for ever."""
+
+    def test_base_exception_from_a_lock_acquired_receiver_releases(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        from celery_lease import signals as lease_signals
+
+        def abort(key: str = "", **kwargs: Any) -> None:
+            if key == "window":
+                raise _Abort()
+
+        @app.task(base=LockedTask, lock_key="window", shared=False)
+        def task() -> None: ...
+
+        lease_signals.lock_acquired.connect(abort, weak=False)
+        try:
+            with pytest.raises(_Abort):
+                task.apply()
+        finally:
+            lease_signals.lock_acquired.disconnect(abort)
+        assert store.get("window") is None, "acquired, never released, renewed for ever"
+        assert current_lease() is None
+
+
+class TestNestedLockedHelper:
+    """A ``@locked`` plain function called from a locked task's body runs on the task's
+    request (``get_current_task()``): the task's own lock attributes must come back after it."""
+
+    def test_request_reads_the_outer_lease_again_after_the_helper(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        from celery_lease import LockNotAcquiredError, locked
+
+        @locked(key="helper")
+        def helper() -> int | None:
+            return get_lock_token()
+
+        @app.task(bind=True, base=LockedTask, lock_key="outer-h", lock_ttl="0.3s", shared=False)
+        def task(self: Any) -> dict[str, Any]:
+            own = self.request.lease
+            seen: dict[str, Any] = {"outer": (self.request.lock_key, self.request.lock_token)}
+            seen["helper_token"] = helper()
+            seen["after"] = (self.request.lock_key, self.request.lock_token)
+            assert store.acquire("helper", "someone-else", 60_000) is not None
+            with pytest.raises(LockNotAcquiredError):
+                helper()
+            seen["after_rejected"] = (self.request.lock_key, self.request.lock_token)
+            store.force_release("outer-h")  # now lose the task's own lease
+            assert own.wait_lost(REAL_TIMEOUT)
+            seen["lost"] = self.request.lock_lost
+            return seen
+
+        result = task.apply()
+        assert result.state == "SUCCESS", result.traceback
+        seen = result.result
+        outer = tuple(seen["outer"])
+        assert seen["helper_token"] != outer[1]
+        assert tuple(seen["after"]) == outer, "the helper's lease was left on the request"
+        assert tuple(seen["after_rejected"]) == outer
+        assert seen["lost"] is True, "request.lock_lost read the helper's lease: loss hidden"
+
+
+class TestEagerPropagates:
+    """``task_eager_propagates``: Celery's on_failure/after_return do not run; the lease is
+    released anyway and the error reaches the caller unchanged (or as LockLostError)."""
+
+    def test_errors_propagate_and_the_lease_is_released(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        from celery_lease import LockNotAcquiredError
+
+        app.conf.task_eager_propagates = True
+
+        @app.task(bind=True, base=LockedTask, lock_key="prop", lock_ttl="0.3s", shared=False)
+        def task(self: Any, mode: str) -> None:
+            if mode == "lose":
+                store.force_release("prop")
+                assert self.request.lease.wait_lost(REAL_TIMEOUT)
+            raise ValueError(mode)
+
+        with pytest.raises(ValueError, match="plain"):
+            task.apply(("plain",))
+        assert store.get("prop") is None
+        with pytest.raises(LockLostError) as lost:
+            task.apply(("lose",))
+        assert isinstance(lost.value.__cause__, ValueError)
+        assert store.get("prop") is None
+        assert store.acquire("prop", "someone-else", 60_000) is not None
+        with pytest.raises(LockNotAcquiredError):
+            task.apply(("plain",))
+        assert store.get("prop").owner == "someone-else"  # type: ignore[union-attr]
+
+
+class _ReleaseAfterOuterLoss(MemoryLockStore):
+    """``release("inner")`` runs Python code until well after the outer lease is lost, so the
+    outer execution's interrupt lands inside the inner run's release."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outer: Any = None
+
+    def release(self, key: str, owner: str) -> bool:
+        if key == "inner-r":
+            assert self.outer is not None and self.outer.wait_lost(REAL_TIMEOUT)
+            busy(0.5)
+        return bool(super().release(key, owner))
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_outer_interrupt_landing_in_a_nested_release_is_not_swallowed(where: str) -> None:
+    store = _ReleaseAfterOuterLoss()
+    app = Celery("nested", broker="memory://", backend="cache+memory://", set_as_current=False)
+    app.conf.lease_store = store
+    app.conf.task_eager_propagates = False
+
+    @app.task(base=LockedTask, lock_key="inner-r", shared=False)
+    def inner() -> None:
+        store.force_release("outer-r")
+
+    @app.task(
+        bind=True, base=LockedTask, lock_key="outer-r", lock_ttl="0.3s", lock_on_lost="revoke",
+        shared=False,
+    )  # fmt: skip
+    def outer(self: Any) -> str:
+        store.outer = self.request.lease
+        inner()
+        return "ran on after the loss"
+
+    results: list[Any] = []
+    if where == "main":
+        results.append(outer.apply())
+    else:
+        thread = threading.Thread(target=lambda: results.append(outer.apply()))
+        thread.start()
+        thread.join(REAL_TIMEOUT * 2)
+    app.close()
+    assert results[0].state == "FAILURE" and isinstance(results[0].result, LockLostError)
+    assert store.get("inner-r") is None

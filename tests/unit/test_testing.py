@@ -8,6 +8,7 @@ celery-lease's process-wide caches stay its own).
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -186,7 +187,7 @@ class TestWaitingOnThePluginStore:
             assert not thread.is_alive(), "the waiter still waits after its wait ran out"
             assert isinstance(out.get("error"), LockNotAcquiredError), out
         finally:
-            lease_store.force_release("report")  # frees a waiter that is stuck (the regression)
+            lease_store.force_release("report")  # frees the waiter, should it be stuck
 
     def test_a_task_with_lock_wait_gives_up_once_the_store_clock_passes_it(
         self, lease_store: MemoryLockStore, lease_clock: FakeClock
@@ -230,3 +231,15 @@ class TestWaitingOnThePluginStore:
 
         with pytest.raises(LockNotAcquiredError):
             asyncio.run(bounded())
+
+
+class TestFakeClock:
+    """``FakeClock.advance`` moves forward by a finite step only."""
+
+    @pytest.mark.parametrize("step", [math.nan, math.inf, -1.0])
+    def test_fake_clock_refuses_a_step_that_is_not_a_finite_forward_one(self, step: float) -> None:
+        """NaN would make every deadline comparison false; inf breaks tokens; back is refused."""
+        clock = FakeClock(5.0)
+        with pytest.raises(ValueError, match="seconds="):
+            clock.advance(step)
+        assert clock.monotonic() == 5.0

@@ -1,8 +1,10 @@
-"""Hostile review of 18a0b02: a second delivery of a running unique copy is re-sent
-(``lease_deferred``) instead of failing it. The review's tests each failed before their fix.
-Each test drives the engine as a worker would (a request pushed with
-``called_directly=False``, then ``task(...)``) against a memory store, a ``memory://`` broker
-and a ``cache+memory://`` backend; no sleeps (threads joined, events).
+"""until_done copies as a worker runs them: a second delivery of a running copy is re-sent
+(``lease_deferred``) until its copy finished or died, never run beside it or after it; both keys
+are free by the time the execution returns.
+
+Each test drives the engine as a worker would (a request pushed with ``called_directly=False``,
+then ``task(...)``) against a memory store, a ``memory://`` broker and a ``cache+memory://``
+backend; no sleeps (threads joined, events).
 """
 
 from __future__ import annotations
@@ -15,72 +17,13 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import LockedTask, MemoryLockStore, signals
+from celery_lease import MemoryLockStore, signals
 from celery_lease import unique as unique_module
 from celery_lease.holder import make_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)
-
-
-class Bodies:
-    def __init__(self) -> None:
-        self.runs: list[tuple[str | None, int]] = []
-        self.lock = threading.Lock()
-
-
-def define(app: Celery, name: str, bodies: Bodies, **options: Any) -> Any:
-    @app.task(
-        name=name,
-        base=LockedTask,
-        lock_key="k:{n}",
-        lock_wait=0,
-        shared=False,
-        bind=True,
-        **options,
-    )
-    def body(self: Any, n: int) -> int:
-        with bodies.lock:
-            bodies.runs.append((self.request.id, int(self.request.retries or 0)))
-        return n
-
-    return body._get_current_object()
-
-
-def until_done_copy(
-    app: Celery, published: Published, name: str, **options: Any
-) -> tuple[Bodies, Any, Any, dict[str, Any]]:
-    """An until_done task ``name`` (``define``) with one copy published, ``task.delay(1)``: the
-    task's bodies, the task, the copy's AsyncResult and the headers of its message."""
-    bodies = Bodies()
-    task = define(app, name, bodies, lock_unique="until_done", **options)
-    first = task.delay(1)
-    return bodies, task, first, published.headers[0]
-
-
-def deliver(
-    task: Any, headers: dict[str, Any], *, deferred: bool | int, retries: int = 0, **request: Any
-) -> Any:
-    """Run one delivery of the published message ``headers`` as the worker's tracer does: a
-    request pushed for it (its custom headers as attributes), then the task called."""
-    extra: dict[str, Any] = {unique_module.HEADER: headers[unique_module.HEADER]}
-    if deferred:
-        extra[unique_module.DEFERRED] = deferred
-    task.push_request(
-        id=headers["id"],
-        args=[1],
-        kwargs={},
-        retries=retries,
-        is_eager=False,
-        called_directly=False,
-        delivery_info={"exchange": "", "routing_key": "celery", "priority": 0},
-        **extra,
-        **request,
-    )
-    try:
-        return task(1)
-    finally:
-        task.pop_request()
+from tests.unit.unique_copies import Bodies, define_recorded, deliver, until_done_copy
 
 
 class TestDeferredMeetsAnotherCopy:
@@ -89,7 +32,7 @@ class TestDeferredMeetsAnotherCopy:
         self, app: Celery, published: Published, store: SpyStore, on_held: str
     ) -> None:
         bodies = Bodies()
-        task = define(
+        task = define_recorded(
             app, f"d.other.{on_held}", bodies, lock_unique="until_done", lock_on_held=on_held
         )
         first = task.delay(1)
@@ -187,7 +130,7 @@ def test_the_harness_runs_a_plain_delivery_once(app: Celery, published: Publishe
     """The harness itself: a first delivery with no rival runs the body once, and a deferred
     delivery of a copy whose SUCCESS is stored (run key free) ends before its body."""
     bodies = Bodies()
-    task = define(app, "d.sanity", bodies, lock_unique="until_done")
+    task = define_recorded(app, "d.sanity", bodies, lock_unique="until_done")
     first = task.delay(1)
     assert deliver(task, published.headers[0], deferred=False) == 1
     task.backend.mark_as_done(first.id, 1)
@@ -261,8 +204,8 @@ class TestQueuedKeyFreeBeforeTheResult:
     ) -> None:
         """until_done: the queued key is free by the time the execution returns (before the
         tracer stores its result), so a delay() made after the result is seen enqueues a new
-        copy instead of getting the finished one's id. The dispatcher (where the release was
-        sent before) is held up here to show the release does not depend on it."""
+        copy instead of getting the finished one's id. The dispatcher is held up here to show
+        the release does not depend on it."""
         from celery_lease import dispatch
 
         gate = threading.Event()
@@ -355,7 +298,7 @@ class TestUntilDoneWithoutWaiting:
         self, app: Celery, published: Published, store: DeferringSpy
     ) -> None:
         bodies = Bodies()
-        task = define(app, "d.nowait.stored", bodies, lock_unique="until_done")
+        task = define_recorded(app, "d.nowait.stored", bodies, lock_unique="until_done")
         task.delay(1)
         assert deliver(task, published.headers[0], deferred=False) == 1
         assert store.get("k:1") is None and store.get("queued:k:1") is None
@@ -371,7 +314,7 @@ class TestUntilDoneWithoutWaiting:
     ) -> None:
         app.conf.task_ignore_result = True
         bodies = Bodies()
-        task = define(app, "d.nowait.quiet", bodies, lock_unique="until_done")
+        task = define_recorded(app, "d.nowait.quiet", bodies, lock_unique="until_done")
         task.delay(1)
         assert deliver(task, published.headers[0], deferred=False) == 1
         assert [what for what, _ in store.unread] == [
@@ -392,7 +335,7 @@ class TestUntilDoneWithoutWaiting:
         busy: redis-py's pool, which reads nothing of the fast one): the run lease's release,
         sent without waiting, is still read before the execution returns."""
         bodies = Bodies()
-        task = define(app, "d.nowait.pool", bodies, lock_unique="until_done")
+        task = define_recorded(app, "d.nowait.pool", bodies, lock_unique="until_done")
         task.delay(1)
 
         real_send = store.release_deferred

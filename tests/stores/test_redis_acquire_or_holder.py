@@ -1,4 +1,8 @@
-"""Hostile review of RedisLockStore.acquire_or_holder (encodings, clients, paths, WAIT)."""
+"""``RedisLockStore.acquire_or_holder``: a refusal names the holder exactly, on both paths.
+
+Owners in any encoding a client uses, odd owners, the fast connection and redis-py's pool, races,
+server errors, ``WAIT`` answering 0 (min_replicas), NOSCRIPT and deferred replies read first.
+"""
 
 from __future__ import annotations
 

@@ -1,88 +1,33 @@
-"""Review of unique at enqueue (issue 9): attacks on the caller's side and on the hand-over.
+"""Unique copies as a worker meets their messages: the start of a copy, a newer call handing over,
+a copy that starts after its queue ttl, and a copy's message delivered again.
 
-Each test forces one interleaving with a store wrapper that runs a competing call at a chosen
-store operation (no sleeps, FakeClock), and checks a property of issue 9.
+Each delivery runs the worker's hooks (``on_start`` / ``on_rejected``) or the engine as a worker
+would, on a memory store and a FakeClock; a competing call is made at a chosen store operation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from celery import Celery
-from celery.app.task import Context
 from celery.exceptions import Ignore
 
-from celery_lease import LockedTask, config
+from celery_lease import config
 from celery_lease import unique as unique_module
-from celery_lease.errors import StoreUnavailableError
 from celery_lease.holder import make_owner, parse_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
-
-Hook = Callable[[], None]
-
-
-def define(app: Celery, name: str, **options: Any) -> Any:
-    @app.task(name=name, base=LockedTask, lock_key="k:{n}", shared=False, **options)
-    def body(n: int, extra: int = 0) -> int:
-        return n + extra
-
-    return body._get_current_object()  # the Task itself: the worker's hooks get no proxy
-
-
-def hook_once(
-    monkeypatch: pytest.MonkeyPatch,
-    store: SpyStore,
-    op: str,
-    when: Callable[..., bool],
-    hook: Hook,
-    *,
-    after: bool = False,
-) -> list[bool]:
-    """Run ``hook`` once, before (or after) the first ``store.<op>(...)`` that ``when`` accepts."""
-    real = getattr(store, op)
-    fired: list[bool] = []
-
-    def wrapper(*args: Any) -> Any:
-        go = not fired and when(*args)
-        if go:
-            fired.append(True)
-            if not after:
-                hook()
-        result = real(*args)
-        if go and after:
-            hook()
-        return result
-
-    monkeypatch.setattr(store, op, wrapper)
-    return fired
-
-
-def request_of(message_headers: dict[str, Any]) -> Context:
-    """The worker's request of a published copy (its headers as attributes, as Celery does)."""
-    return Context(
-        id=message_headers["id"],
-        is_eager=False,
-        called_directly=False,
-        **{unique_module.HEADER: message_headers[unique_module.HEADER]},
-    )
-
-
-class TestReusedTaskId:
-    @pytest.mark.parametrize("unique", ["while_queued", "until_done"])
-    def test_two_calls_with_one_explicit_task_id_publish_one_message(
-        self, app: Celery, published: Published, unique: str
-    ) -> None:
-        """apply_async(task_id=X) twice in the same millisecond: the second is a duplicate,
-        not the holder again (the queued owner must be unique per call)."""
-        task = define(app, f"r.same-id.{unique}", lock_unique=unique)
-        first = task.apply_async((1,), task_id="fixed-id")
-        second = task.apply_async((1,), task_id="fixed-id")
-        assert first.id == second.id == "fixed-id"
-        assert len(published.ids) == 1
+from tests.unit.unique_copies import (
+    Bodies,
+    define_task,
+    deliver,
+    hook_once,
+    request_of,
+    until_done_copy,
+)
 
 
 class TestForgedHeader:
@@ -91,7 +36,7 @@ class TestForgedHeader:
     ) -> None:
         """task_revoked with a header naming a key outside the queued namespace frees nothing,
         even when that key's owner happens to carry the same text."""
-        task = define(app, "r.forged", lock_unique="while_queued")
+        task = define_task(app, "r.forged", lock_unique="while_queued")
         owner = unique_module.queued_owner(task.name, "victim-id", 1)
         store.acquire("k:other", owner, 60_000)  # some lease that is not a queued lease
         request = SimpleNamespace(id="victim-id", **{unique_module.HEADER: ["k:other", owner]})
@@ -102,7 +47,7 @@ class TestForgedHeader:
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:
         """A message carrying another copy's [queued key, owner] frees nothing when it starts."""
-        task = define(app, "r.forged-start", lock_unique="while_queued")
+        task = define_task(app, "r.forged-start", lock_unique="while_queued")
         victim = task.delay(1)
         settings = config.get_settings(app)
         forged = SimpleNamespace(
@@ -133,7 +78,9 @@ class TestDebounceHandOver:
     ) -> None:
         """A newer call landing at any point of the waiting copy's start: either the copy ends
         (Ignore) or it was not superseded (no tombstone names it)."""
-        task = define(app, f"r.handover.{op}.{after}", lock_unique="while_queued", lock_debounce=1)
+        task = define_task(
+            app, f"r.handover.{op}.{after}", lock_unique="while_queued", lock_debounce=1
+        )
         first = task.delay(1, 0)
         request = request_of(published.headers[0])
         newer: list[Any] = []
@@ -158,60 +105,12 @@ class TestDebounceHandOver:
         assert not (ran and superseded), "the superseded copy went on to run its body"
 
 
-class TestSupersedeRace:
-    def test_losing_the_race_to_supersede_leaves_one_copy_to_run(
-        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """B supersedes A; C takes the key between B's release of A and B's acquire. A's lease
-        is gone, so A must stay superseded: only C may run (never A beside C)."""
-        task = define(app, "r.race", lock_unique="while_queued", lock_debounce=1)
-        a = task.delay(1, 1)
-        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
-        c: list[Any] = []
-        hook_once(
-            monkeypatch,
-            store,
-            "release",
-            lambda key, owner: key == "queued:k:1" and owner == a_owner,
-            lambda: c.append(task.delay(1, 3)),
-            after=True,
-        )
-        b = task.delay(1, 2)
-        assert c and b.id == c[0].id  # B is a duplicate of the winner
-        assert published.ids == [a.id, c[0].id]
-        a_runs = store.get(unique_module.superseded_key(a.id, "")) is None
-        assert not a_runs, "A has no lease and no tombstone: it runs beside C"
-
-    def test_a_store_error_while_superseding_keeps_the_waiting_copy(
-        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """The store fails when B takes the key after releasing A's: B's caller gets the error,
-        and A is not left superseded with nothing replacing it (it runs, as after a failed
-        publish)."""
-        task = define(app, "r.store-error", lock_unique="while_queued", lock_debounce=1)
-        a = task.delay(1, 1)
-        real = store.acquire
-        calls: list[str] = []
-
-        def acquire(key: str, owner: str, ttl_ms: int) -> int | None:
-            calls.append(key)
-            if key == "queued:k:1" and calls.count(key) == 2:  # B's take-over, after the release
-                raise StoreUnavailableError("injected")
-            return real(key, owner, ttl_ms)
-
-        monkeypatch.setattr(store, "acquire", acquire)
-        with pytest.raises(StoreUnavailableError):
-            task.delay(1, 2)
-        assert published.ids == [a.id]
-        assert store.get(unique_module.superseded_key(a.id, "")) is None
-
-
 class TestFakeClockAroundQueueTtl:
     def test_a_copy_starting_after_its_queue_ttl_frees_nothing_of_the_next(
         self, app: Celery, published: Published, store: SpyStore, clock: FakeClock
     ) -> None:
         """A's queued lease expired, B took the key; A starting late releases only its own."""
-        task = define(app, "r.late", lock_unique="while_queued", lock_queue_ttl=10)
+        task = define_task(app, "r.late", lock_unique="while_queued", lock_queue_ttl=10)
         a = task.delay(1)
         clock.advance(10.1)
         b = task.delay(1)
@@ -232,7 +131,7 @@ class TestRedelivery:
     ) -> None:
         """acks_late redelivery of a running until_done copy: the run lease is its own, so it
         is turned away without freeing the queued key the running body keeps."""
-        task = define(app, "r.redelivered", lock_unique="until_done")
+        task = define_task(app, "r.redelivered", lock_unique="until_done")
         first = task.delay(1)
         store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
         settings = config.get_settings(app)
@@ -246,7 +145,7 @@ class TestRedelivery:
         """With the engine's arguments, a delivery meeting its own running copy's run lease is
         re-sent with the same id, ``lease_deferred`` and a countdown of the run ttl, then ends
         with Ignore: nothing stored under the id, the queued key kept."""
-        task = define(app, "r.deferred", lock_unique="until_done")
+        task = define_task(app, "r.deferred", lock_unique="until_done")
         first = task.delay(1)
         store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
         request = request_of(published.headers[0])
@@ -266,7 +165,7 @@ class TestRedelivery:
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:
         """A deferred delivery that finds its copy's result ready raises Ignore at start."""
-        task = define(app, "r.deferred-done", lock_unique="until_done")
+        task = define_task(app, "r.deferred-done", lock_unique="until_done")
         first = task.delay(1)
         task.backend.mark_as_done(first.id, 1)
         request = request_of(published.headers[0])
@@ -281,7 +180,7 @@ class TestRedelivery:
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:
         """The run lease is another copy's: the rejected copy frees its own queued key."""
-        task = define(app, "r.rejected", lock_unique="while_queued")
+        task = define_task(app, "r.rejected", lock_unique="while_queued")
         first = task.delay(1)
         store.acquire("k:1", make_owner(task=task.name, task_id="other-id"), 60_000)
         settings = config.get_settings(app)
@@ -290,42 +189,49 @@ class TestRedelivery:
         assert task.delay(1).id != first.id
 
 
-class TestStoreDown:
-    def test_a_store_error_at_enqueue_raises_and_publishes_nothing(
-        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+def retried_copy(
+    app: Celery, published: Published, name: str
+) -> tuple[Bodies, Any, Any, dict[str, Any]]:
+    """An until_done, acks_late copy (``until_done_copy``) whose attempt 0 retried: RETRY
+    stored, the retry message (same id, retries=1) published."""
+    bodies, task, first, headers = until_done_copy(app, published, name, acks_late=True)
+    task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+    return bodies, task, first, headers
+
+
+class TestRedeliveredRetryAttempt:
+    """A second delivery of a retry attempt (retries=1) is re-sent, never dropped.
+
+    ``_finished`` counts RETRY as done ("the retry message carries the work"), and the RETRY
+    state stays in the backend while the retry attempt itself runs (Celery writes STARTED only
+    with ``track_started``). A second delivery of the retry attempt must not be taken for one of
+    the attempt that retried (retries=0): when the retry attempt's worker died (acks_late: its
+    message redelivered to another worker while the dead holder's run lease is still live), that
+    redelivery is the only message left, and dropping it (acked with Ignore, nothing stored)
+    would lose the work silently."""
+
+    def test_a_redelivered_retry_attempt_is_re_sent_not_dropped(
+        self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        """The store is down when the queued lease is taken: the caller gets the error (never
-        a silent publish without the lease, never a silent success)."""
-        task = define(app, "r.store-down", lock_unique="until_done")
+        _, task, first, headers = retried_copy(app, published, "nw.retry-redelivered")
+        # Attempt 1 started on worker W1 (run lease taken under the copy's id), then W1 was
+        # killed: its run lease lives on for its ttl, the unacked message is redelivered now.
+        store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)
+        before = len(published.ids)
+        with pytest.raises(Ignore):
+            deliver(task, headers, deferred=False, retries=1, acks_late=True)
+        # Re-sent, to come back once the dead holder's lease expired (never dropped).
+        assert len(published.ids) == before + 1
+        assert published.headers[-1][unique_module.DEFERRED] == 1
 
-        def down(*args: Any) -> Any:
-            raise StoreUnavailableError("injected")
-
-        monkeypatch.setattr(store, "acquire", down)
-        monkeypatch.setattr(store, "acquire_or_holder", down)  # the call a duplicate check makes
-        with pytest.raises(StoreUnavailableError):
-            task.delay(1)
-        assert published.ids == []
-
-
-class TestFailedPublishSeenByDuplicates:
-    def test_a_duplicate_of_a_copy_whose_publish_failed_does_not_wait_forever(
-        self, app: Celery, published: Published, monkeypatch: pytest.MonkeyPatch
+    def test_a_dead_retry_attempt_runs_on_its_second_free_arrival(
+        self, app: Celery, published: Published, store: SpyStore
     ) -> None:
-        """B calls while A is publishing and gets A's id; A's publish then fails: B's result
-        ends FAILURE (its get() raises) instead of staying PENDING for ever."""
-        task = define(app, "r.dup-of-failed", lock_unique="until_done")
-        seen: list[Any] = []
-
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            seen.append(task.delay(1))  # B, during A's publish
-            raise ConnectionError("broker down")
-
-        with monkeypatch.context() as patch:
-            patch.setattr(app, "send_task", refuse)
-            with pytest.raises(ConnectionError):
-                task.delay(1)
-        assert seen and published.ids == []
-        assert seen[0].state == "FAILURE"
-        with pytest.raises(ConnectionError):
-            seen[0].get(timeout=5, propagate=True)
+        bodies, task, first, headers = retried_copy(app, published, "nw.retry-dead")
+        # The retry attempt's redelivery was re-sent once (count 1) and again with the key free
+        # (count 2): its worker is dead, the copy never finished. It must run now.
+        result: Any = None
+        with contextlib.suppress(Ignore):
+            result = deliver(task, headers, deferred=2, retries=1, acks_late=True)
+        assert bodies.runs == [(first.id, 1)]
+        assert result == 1

@@ -1,4 +1,4 @@
-"""Review RC, across processes: owner ids after ``fork`` (a prefork child) on a shared store.
+"""A forked child (a prefork child, a fork inside a task body) on a store it shares with its parent.
 
 The owner id is what a store compares before it renews or releases: a child that made the same
 ids as its parent (a counter or random state inherited by ``fork``) could renew, re-acquire
@@ -95,7 +95,7 @@ def test_a_child_forked_inside_a_locked_task_is_refused_the_same_key(tmp_path: P
     from celery_lease import LockedTask, config
 
     path = tmp_path / "leases.sqlite3"
-    app = Celery("rc-fork", set_as_current=False)
+    app = Celery("fork", set_as_current=False)
     app.conf.lease_store = f"sqlite:///{path}"
     outcome: dict[str, object] = {}
 

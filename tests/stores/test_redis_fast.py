@@ -1,11 +1,11 @@
-"""Review attacks on the Redis store's fast path (``celery_lease.stores._redis_fast``).
+"""The Redis store's fast path (``celery_lease.stores._redis_fast``) keeps the store's guarantees.
 
-Each test tries to make the dedicated connection break one of the store's guarantees: two
-holders at once, a reply read as the answer to a later command (desync), a success reported
-for something that did not happen (or a failure for something that did), an error class that
-differs from redis-py's pool path, a child using its parent's socket. Servers are throwaway
-(``tests/fixtures_redis.py``) or, where a real Redis 7.0 cannot produce the bytes (push
-frames, ``-LOADING``), a small fake RESP3 server in this file.
+Each test tries to make the dedicated connection break one of them: two holders at once, a reply
+read as the answer to a later command (desync), a success reported for something that did not
+happen (or a failure for something that did), an error class that differs from redis-py's pool
+path, a child using its parent's socket. Servers are throwaway (``tests/fixtures_redis.py``) or,
+where a real Redis 7.0 cannot produce the bytes (push frames, ``-LOADING``), a small fake RESP3
+server in this file.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def own_store(redis_url: str, protocol: int) -> Iterator[RedisLockStore]:
     store.close()
 
 
-# A socket wrapper and a fake server for the byte-level attacks --------------------------------
+# A socket wrapper and a fake server for the byte-level tests ----------------------------------
 
 
 class _Dribble:

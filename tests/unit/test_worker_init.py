@@ -1,0 +1,53 @@
+"""``worker_init``: celery-lease's worker steps are installed whatever else fails there."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+
+from celery_lease import worker
+
+NODE = "w1@host"
+
+
+class TestSocketDirectory:
+    def test_an_unwritable_temp_dir_still_installs_the_worker_steps(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``worker_init`` adds the configuration check (and the reaper) although the socket
+        directory of ``inspect leases`` cannot be made: Celery swallows a receiver's error, so
+        raising there would silently skip the refusal of a bad configuration."""
+        from celery_lease import control
+
+        def no_dir(*args: Any, **kwargs: Any) -> str:
+            raise PermissionError(13, "Permission denied", "/tmp")
+
+        monkeypatch.setattr(tempfile, "mkdtemp", no_dir)
+        monkeypatch.setattr(control, "_dir", None)
+        monkeypatch.setattr(control, "_dir_pid", None)
+        monkeypatch.setattr(worker, "_main_pid", worker._main_pid)
+
+        class Steps:
+            def __init__(self) -> None:
+                self.added: list[Any] = []
+
+            def add(self, step: Any) -> None:
+                self.added.append(step)
+
+        class App:
+            def __init__(self) -> None:
+                self.steps = {"worker": Steps()}
+
+        class Sender:
+            hostname = NODE
+            app = App()
+
+        from celery_lease import holder
+
+        monkeypatch.setattr(holder, "_node", holder._node)
+        worker._on_worker_init(sender=Sender())
+        assert worker.LeaseCheck in Sender.app.steps["worker"].added
+        assert worker.DeadHolders in Sender.app.steps["worker"].added
+        assert control.socket_path(1) is None  # no directory: `inspect` says so per child
