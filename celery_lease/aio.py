@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL", "ThreadedAsyncStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.aio")
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])

@@ -62,7 +62,7 @@ from celery_lease.holder import parse_owner
 
 __all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.control")
 
 CHILD_TIMEOUT = 0.5
 """Seconds the main process waits in all for its pool children's snapshots (``inspect``'s own

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 __all__ = ["IDLE_EXIT", "Dispatcher", "drain", "get_dispatcher"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.dispatch")
 
 IDLE_EXIT = 10.0
 """Real seconds an idle dispatcher thread waits for another callback before it exits."""

@@ -53,7 +53,7 @@ from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_f
 
 __all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.engine")
 
 
 # Stores --------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from celery_lease.stores.base import (
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.lease")
 
 F = TypeVar("F", bound=Callable[..., Any])
 

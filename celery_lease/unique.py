@@ -125,7 +125,7 @@ __all__ = [
     "superseded_key",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.unique")
 
 HEADER = "lease_queued"
 """Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""

@@ -175,7 +175,7 @@ __all__ = [
     "uses_celery_lease",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.worker")
 
 _main_pid: int | None = None
 _pool_child = False

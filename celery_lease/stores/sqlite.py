@@ -65,7 +65,7 @@ from celery_lease.stores.base import LeaseInfo
 
 __all__ = ["SQLiteLockStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.sqlite")
 
 _T = TypeVar("_T")
 
