@@ -25,7 +25,6 @@ class SpyStore(MemoryLockStore):
 
     def __init__(self, clock: FakeClock) -> None:
         super().__init__(clock=clock)
-        self.clock = clock
         self.renewals: list[tuple[str, float]] = []
         self.batches: list[int] = []
         self.fail_renewals = 0  # how many renewals to fail with StoreUnavailableError
