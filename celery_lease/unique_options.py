@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
+from celery_lease.types import OnDuplicate, Unique
 
 __all__ = [
     "BUILTIN_QUEUE_TTL",
@@ -23,14 +24,9 @@ __all__ = [
     "SUPERSEDED_NAMESPACE",
     "UNIQUE",
     "UNIQUE_OPTIONS",
-    "OnDuplicate",
-    "Unique",
     "UniqueOptions",
     "validate_unique",
 ]
-
-Unique = Literal["while_queued", "until_done"]
-OnDuplicate = Literal["existing", "raise"]
 
 UNIQUE: tuple[Unique, ...] = get_args(Unique)
 """Allowed ``unique`` values (besides ``None``: no enqueue-time uniqueness)."""
