@@ -19,6 +19,11 @@ field     meaning
 :func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners written by
 older versions (``host/pid/hex``) or by other programs parse with ``None`` for what they lack.
 
+The queued lease of a unique copy (:mod:`celery_lease.unique`) has an owner id of its own form,
+:data:`QUEUED_OWNER_HEAD` then fields: ``queued;t=<task>;i=<task id>;at=<ms>;n=<nonce>``
+(:func:`queued_owner`; ``n`` is a nonce there, not a node). :func:`is_queued_owner` tells the two
+forms apart.
+
 Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease.worker`
 sets the node name of the process (:func:`set_node`) and, around every task execution, the
 task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
@@ -40,11 +45,15 @@ from urllib.parse import unquote
 
 __all__ = [
     "MAX_FIELD_CHARS",
+    "QUEUED_OWNER_HEAD",
     "Holder",
+    "is_queued_owner",
     "make_owner",
+    "new_nonce",
     "parse_owner",
     "pop_task",
     "push_task",
+    "queued_owner",
     "set_node",
 ]
 
@@ -54,6 +63,10 @@ MAX_FIELD_CHARS = 1000
 Stores keep owners in a Redis string / a SQLite or PostgreSQL ``text`` column, which take any
 length; the bound only keeps a runaway label from making every renewal send kilobytes.
 """
+
+QUEUED_OWNER_HEAD = "queued;"
+"""How the owner id of a queued lease (and of a debounce tombstone) begins; an ordinary owner id
+begins with ``host/pid/`` (a ``;`` in the host name is percent-encoded), so never with this."""
 
 _HOST = socket.gethostname()
 _SPECIAL = frozenset(";=%/")
@@ -187,6 +200,24 @@ def make_owner(
     if label is not None:
         owner += ";l=" + _field("label", label)
     return f"{owner};at={time.time_ns() // 1_000_000}"
+
+
+def queued_owner(task: str, task_id: str, at_ms: int) -> str:
+    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
+
+    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
+    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
+    acquire by the same owner is the holder again).
+    """
+    return (
+        f"{QUEUED_OWNER_HEAD}t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
+        f";n={new_nonce()}"
+    )
+
+
+def is_queued_owner(owner: str) -> bool:
+    """Whether ``owner`` is the owner id of a queued lease (:func:`queued_owner`)."""
+    return owner.startswith(QUEUED_OWNER_HEAD)
 
 
 @dataclass(frozen=True)

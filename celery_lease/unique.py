@@ -12,10 +12,10 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 
 - **The queued lease** lives on its own key, the task's key with ``queued:`` after the
   ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
-  (:func:`queued_owner`): the owner names the copy's task id. The caller takes it *before*
-  publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key and the
-  owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task id
-  (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
+  (:func:`~celery_lease.holder.queued_owner`): the owner names the copy's task id. The caller takes
+  it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key
+  and the owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task
+  id (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
   :class:`~celery_lease.AlreadyQueuedError` (``"raise"``); ``lock_duplicate`` is sent either way.
 - **The hand-over.** When the copy starts, the worker first takes the run lease on the task's
   key, as for any locked task (it excludes bodies; its tokens are the fencing tokens, which keep
@@ -95,7 +95,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.holder import _field, new_nonce, parse_owner
+from celery_lease.holder import is_queued_owner, parse_owner, queued_owner
 from celery_lease.lease import _conforms, _offers
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
@@ -107,7 +107,6 @@ from celery_lease.stores.base import (
 )
 from celery_lease.unique_options import (
     BUILTIN_QUEUE_TTL,
-    QUEUED_OWNER_HEAD,
     SUPERSEDED_NAMESPACE,
     UniqueOptions,
 )
@@ -116,12 +115,10 @@ __all__ = [
     "DEFERRED",
     "HEADER",
     "NAMESPACE",
-    "SUPERSEDED",
     "apply_unique",
     "on_rejected",
     "on_start",
     "queued_key",
-    "queued_owner",
     "superseded_key",
 ]
 
@@ -135,12 +132,6 @@ DEFERRED = "lease_deferred"
 
 NAMESPACE = "queued:"
 """Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
-
-SUPERSEDED = SUPERSEDED_NAMESPACE
-"""Inserted after ``lease_key_prefix`` (with the task id) to name a debounce tombstone."""
-
-OWNER_HEAD = QUEUED_OWNER_HEAD[:-1]
-"""First field of a queued lease's owner id (``celery lease list`` shows it as queued)."""
 
 clock: Clock = SYSTEM_CLOCK
 """Where the caller reads the wall clock (eta, the debounce window); tests swap in a FakeClock."""
@@ -161,25 +152,7 @@ def queued_key(key: str, prefix: str) -> str:
 
 def superseded_key(task_id: str, prefix: str) -> str:
     """The tombstone key of a superseded (debounced) copy."""
-    return f"{prefix}{SUPERSEDED}{task_id}"
-
-
-def queued_owner(task: str, task_id: str, at_ms: int) -> str:
-    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
-
-    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
-    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
-    acquire by the same owner is the holder again).
-    """
-    return (
-        f"{OWNER_HEAD};t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
-        f";n={new_nonce()}"
-    )
-
-
-def is_queued_owner(owner: str) -> bool:
-    """Whether ``owner`` is the owner id of a queued lease."""
-    return owner.startswith(OWNER_HEAD + ";")
+    return f"{prefix}{SUPERSEDED_NAMESPACE}{task_id}"
 
 
 def _ms(seconds: float) -> int:

@@ -20,7 +20,6 @@ __all__ = [
     "BUILTIN_QUEUE_TTL",
     "DEBOUNCE_MAX_FACTOR",
     "ON_DUPLICATE",
-    "QUEUED_OWNER_HEAD",
     "SUPERSEDED_NAMESPACE",
     "UNIQUE",
     "UNIQUE_OPTIONS",
@@ -136,9 +135,6 @@ def validate_unique(
         )
     return UniqueOptions(unique, on_duplicate, queue_ttl_s, debounce, debounce_max)
 
-
-QUEUED_OWNER_HEAD = "queued;"
-"""How the owner id of a queued lease (and of a debounce tombstone) begins."""
 
 SUPERSEDED_NAMESPACE = "superseded:"
 """The namespace of debounce tombstones (after ``lease_key_prefix``, before the task id)."""

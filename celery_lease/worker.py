@@ -1097,13 +1097,13 @@ class _Reaper:
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
-        from celery_lease.unique import is_queued_owner, queued_key
+        from celery_lease.unique import queued_key
 
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (
             info is None
-            or not is_queued_owner(info.owner)
+            or not holder.is_queued_owner(info.owner)
             or holder.parse_owner(info.owner).task_id != task_id
         ):
             return
