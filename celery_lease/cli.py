@@ -33,7 +33,7 @@ import click
 from click.core import ParameterSource
 
 from celery_lease.errors import LeaseError
-from celery_lease.holder import Holder, is_queued_owner, parse_owner
+from celery_lease.owners import Holder, is_queued_owner, parse_owner
 from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
@@ -249,8 +249,8 @@ HELD = "held"
 
 
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease.holder.parse_owner`, reading a queued owner id as it is made:
-    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.holder.queued_owner`),
+    """:func:`~celery_lease.owners.parse_owner`, reading a queued owner id as it is made:
+    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.owners.queued_owner`),
     whose ``n`` is a nonce that keeps the id unique, not a node: a queued owner names no node,
     so its node is ``None``."""
     holder = parse_owner(owner)

@@ -34,7 +34,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.holder import MAX_FIELD_CHARS, make_owner
+from celery_lease.owners import MAX_FIELD_CHARS, make_owner
 from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.stores.base import (
     AsyncLockStore,
@@ -144,7 +144,7 @@ def new_owner_id(
 
     Unique per call (per acquisition attempt): a store's idempotent re-acquire by the same owner
     relies on it. ``node``, ``task``, ``task_id`` and ``label`` are recorded in the id, readable
-    with :func:`~celery_lease.holder.parse_owner` (``celery lease list`` shows them).
+    with :func:`~celery_lease.owners.parse_owner` (``celery lease list`` shows them).
     """
     return make_owner(node=node, task=task, task_id=task_id, label=label)
 
@@ -409,7 +409,7 @@ class _LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
-        # Recorded in the owner id of each acquisition (celery_lease.holder.make_owner).
+        # Recorded in the owner id of each acquisition (celery_lease.owners.make_owner).
         self.holder = holder
         self.node = node
         self.task = task
@@ -862,7 +862,7 @@ def lease(
         holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
             id next to host and pid (and, inside a worker, node and task), shown by
             ``celery lease list``; default none. At most
-            :data:`~celery_lease.holder.MAX_FIELD_CHARS` characters.
+            :data:`~celery_lease.owners.MAX_FIELD_CHARS` characters.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
     Everything is validated here, before anything is acquired.

@@ -12,7 +12,7 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 
 - **The queued lease** lives on its own key, the task's key with ``queued:`` after the
   ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
-  (:func:`~celery_lease.holder.queued_owner`): the owner names the copy's task id. The caller takes
+  (:func:`~celery_lease.owners.queued_owner`): the owner names the copy's task id. The caller takes
   it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key
   and the owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task
   id (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
@@ -95,8 +95,8 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.holder import is_queued_owner, parse_owner, queued_owner
 from celery_lease.lease import _conforms, _offers
+from celery_lease.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
     LockStore,

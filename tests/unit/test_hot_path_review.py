@@ -24,7 +24,7 @@ from celery_lease import renewer as renewer_module
 from celery_lease import signals as lease_signals
 from celery_lease._aio_store import ThreadedAsyncStore
 from celery_lease.dispatch import drain
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.owners import make_owner, parse_owner
 from celery_lease.renewer import Renewer, get_renewer, observe_renewals, snapshot
 from celery_lease.testing import FakeClock
 

@@ -8,7 +8,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, lease
-from celery_lease.holder import MAX_FIELD_CHARS, parse_owner
+from celery_lease.owners import MAX_FIELD_CHARS, parse_owner
 
 
 class TestLeaseHolder:

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery_lease import MemoryLockStore
 from celery_lease.dispatch import drain
-from celery_lease.holder import make_owner, queued_owner
+from celery_lease.owners import make_owner, queued_owner
 from celery_lease.worker import _Death, _Reaper, _runs_again
 
 TTL_MS = 30_000

@@ -19,7 +19,7 @@ import pytest
 
 from celery_lease import LeaseInfo, MemoryLockStore, worker
 from celery_lease.dispatch import drain
-from celery_lease.holder import make_owner
+from celery_lease.owners import make_owner
 from celery_lease.worker import _Death, _Reaper
 
 TTL_MS = 30_000
@@ -283,9 +283,9 @@ class TestSocketDirectory:
             hostname = NODE
             app = App()
 
-        from celery_lease import holder
+        from celery_lease import owners
 
-        monkeypatch.setattr(holder, "_node", holder._node)
+        monkeypatch.setattr(owners, "_node", owners._node)
         worker._on_worker_init(sender=Sender())
         assert worker.LeaseCheck in Sender.app.steps["worker"].added
         assert worker.DeadHolders in Sender.app.steps["worker"].added

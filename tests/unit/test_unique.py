@@ -13,7 +13,7 @@ from celery import Celery
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease import unique as unique_module
 from celery_lease.errors import LockNotAcquiredError
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.owners import make_owner, parse_owner
 from celery_lease.signals import lock_duplicate
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore

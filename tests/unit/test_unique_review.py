@@ -18,7 +18,7 @@ from celery.exceptions import Ignore
 from celery_lease import LockedTask, config
 from celery_lease import unique as unique_module
 from celery_lease.errors import StoreUnavailableError
-from celery_lease.holder import make_owner, parse_owner, queued_owner
+from celery_lease.owners import make_owner, parse_owner, queued_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.exceptions import Ignore
 
 from celery_lease import unique as unique_module
-from celery_lease.holder import make_owner
+from celery_lease.owners import make_owner
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.test_unique_deferral_review import Bodies, deliver, until_done_copy
 

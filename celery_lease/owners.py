@@ -117,7 +117,7 @@ _node: str | None = None
 """The Celery node name of this worker process (inherited by prefork children), or None."""
 
 _task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
-    "celery_lease_holder_task", default=None
+    "celery_lease_owner_task", default=None
 )
 
 
