@@ -180,7 +180,7 @@ class _Run:
         landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
         """
         reason = held.lost_reason or "lost"
-        if held._released_by_holder or self.interrupter is None:
+        if held._released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
         self.interrupter.fire(reason)
 
@@ -191,7 +191,7 @@ class _Run:
         ``lock_released`` says so.
         """
         reason = held.lost_reason or "lost"
-        if held._released_by_holder:
+        if held._released_early:
             # This execution let go itself ("released" by its own retry/publish). Not
             # ``self.released_early``: that is set before the early release is recorded, and a
             # real loss recorded just before it must still be reported.

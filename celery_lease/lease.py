@@ -197,7 +197,7 @@ class Lease:
         # the loss was announced, so an event made after the announcement starts set.
         self._lost_event: threading.Event | None = None
         self._notified = False
-        self._released_by_holder = False  # release_early() ended it ("released" by itself)
+        self._released_early = False  # release_early() ended it ("released" by its own holder)
         self._listeners: list[tuple[LossListener, bool]] | None = None
         self._gen = _generation
         self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
@@ -252,8 +252,8 @@ class Lease:
         ref = self._task
         if ref is None:
             return True
-        holder = ref()
-        return holder is not None and holder is task
+        entered_in = ref()
+        return entered_in is not None and entered_in is task
 
     @property
     def held_seconds(self) -> float:
@@ -345,7 +345,7 @@ class Lease:
         The immediate listeners run last, so one that interrupts this very thread cannot keep
         the others from being handed over.
         """
-        log = logger.info if self._released_by_holder else logger.warning
+        log = logger.info if self._released_early else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
         with _events_lock:
             self._notified = True
@@ -395,7 +395,7 @@ class _LeaseContext:
         cancel: threading.Event | None,
         clock: Clock,
         *,
-        holder: str | None = None,
+        label: str | None = None,
         node: str | None = None,
         task: str | None = None,
         task_id: str | None = None,
@@ -409,8 +409,9 @@ class _LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
-        # Recorded in the owner id of each acquisition (celery_lease.owners.make_owner).
-        self.holder = holder
+        # Recorded in the owner id of each acquisition (celery_lease.owners.make_owner): the
+        # label is lease()'s holder= text.
+        self.label = label
         self.node = node
         self.task = task
         self.task_id = task_id
@@ -452,7 +453,7 @@ class _LeaseContext:
             self.on_lost,
             self.cancel,
             self.clock,
-            holder=self.holder,
+            label=self.label,
             node=self.node,
             task=self.task,
             task_id=self.task_id,
@@ -604,7 +605,7 @@ class _LeaseContext:
         renewer = entry.renewer
         recorded = renewer.record(entry, reason)
         if recorded:  # this call notifies, below: its log line says the holder let go
-            held._released_by_holder = True
+            held._released_early = True
         self._released_early = self._released_early or recorded
         try:
             if recorded:
@@ -683,7 +684,7 @@ class _LeaseContext:
 
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
-        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.holder)
+        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
         ttl_ms = _ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
@@ -929,7 +930,7 @@ def lease(
         on_lost,
         cancel,
         clock if clock is not None else SYSTEM_CLOCK,
-        holder=holder,
+        label=holder,
     )
     if astore is not None:
         context._astore = astore

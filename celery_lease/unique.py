@@ -141,8 +141,9 @@ _TRIES = 8
 
 _CALLBACKS = ("link", "link_error", "chain")
 
-_NAMES_HOLDER: dict[type, bool] = {}
-"""Store class -> whether its acquire_or_holder may stand for its acquire (``_names_holder``)."""
+_USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
+"""Store class -> whether its acquire_or_holder may stand for its acquire
+(:func:`_uses_acquire_or_holder`)."""
 
 
 def queued_key(key: str, prefix: str) -> str:
@@ -246,10 +247,10 @@ def apply_unique(
         )
     owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
-    if _names_holder(store):  # one round trip for a duplicate, the holder read atomically
-        token, holder = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
+    if _uses_acquire_or_holder(store):  # one round trip for a duplicate, the holder read atomically
+        token, held_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
         if token is None:
-            existing = parse_owner(holder).task_id if holder is not None else None
+            existing = parse_owner(held_by).task_id if held_by is not None else None
             return _duplicate(task, unique, key, task_id, existing, options)
         return _publish(apply, args, kwargs, task_id, options, store, qkey, owner, failed_for=task)
     for _ in range(_TRIES):
@@ -262,7 +263,7 @@ def apply_unique(
     return _duplicate(task, unique, key, task_id, None, options)
 
 
-def _names_holder(store: LockStore) -> bool:
+def _uses_acquire_or_holder(store: LockStore) -> bool:
     """Whether ``store`` names the holder of a refused key (SupportsAcquireOrHolder) through
     the same code as its ``acquire``.
 
@@ -275,9 +276,9 @@ def _names_holder(store: LockStore) -> bool:
     if "acquire" in getattr(store, "__dict__", ()):
         return False
     kind = type(store)
-    known = _NAMES_HOLDER.get(kind)
+    known = _USES_ACQUIRE_OR_HOLDER.get(kind)
     if known is None:
-        known = _NAMES_HOLDER[kind] = _defines_both(kind)
+        known = _USES_ACQUIRE_OR_HOLDER[kind] = _defines_both(kind)
     return known
 
 
@@ -293,8 +294,8 @@ def _running_copy(inspect: SupportsInspection, key: str, task_id: str) -> str | 
     info = inspect.get(key)
     if info is None:
         return None
-    holder = parse_owner(info.owner).task_id
-    return holder if holder not in (None, task_id) else None
+    holding_task_id = parse_owner(info.owner).task_id
+    return holding_task_id if holding_task_id not in (None, task_id) else None
 
 
 def _duplicate(
@@ -393,7 +394,7 @@ def _resend(
     (a renewal may land in between). When another copy holds the queued key (``"while_queued"``:
     one was enqueued while this one ran), the retry is published anyway, without a queued lease.
     """
-    owner = _header_owner(task.request, task_id, qkey) or _own_holder(store, qkey, task_id)
+    owner = _header_owner(task.request, task_id, qkey) or _own_queued_owner(store, qkey, task_id)
     if owner is None:
         owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
@@ -414,7 +415,7 @@ def _resend(
     return result
 
 
-def _own_holder(store: LockStore, qkey: str, task_id: str) -> str | None:
+def _own_queued_owner(store: LockStore, qkey: str, task_id: str) -> str | None:
     """The queued lease's owner when it names this very task id (a retry whose request lost
     its header): the copy's own, since owners are unique per call and name the task id."""
     if not _conforms(store, SupportsInspection):

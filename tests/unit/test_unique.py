@@ -85,7 +85,7 @@ class TestOneCopy:
                 calls.append(_name)
                 return _real(self, *args)
 
-            monkeypatch.setattr(SpyStore, name, spy)  # on the class: see _names_holder
+            monkeypatch.setattr(SpyStore, name, spy)  # on the class: see _uses_acquire_or_holder
         assert task.delay(4).id == first.id
         assert calls == ["acquire_or_holder"]
         assert published.ids == [first.id]
