@@ -29,6 +29,13 @@ sets the node name of the process (:func:`set_node`) and, around every task exec
 task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
 the threads pool), so a ``lease()`` taken inside a task body names its task too.
 
+Words, as the code uses them: the **holder** of a lease is the party holding it (an execution,
+a process: "its holder finished", ``reason="holder_died"``); its **owner id** (``owner``, as in
+``LeaseInfo.owner``) is the string a store records for it, made and read here; a
+:class:`Holder` is an owner id read back into fields; the **label** is the free text
+``lease(..., holder=...)`` puts in the ``l`` field. ``SupportsAcquireOrHolder.acquire_or_holder``
+(public, kept) returns the holder's owner id.
+
 This module is part of the core: it imports the standard library only.
 """
 
