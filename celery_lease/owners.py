@@ -1,6 +1,6 @@
 """Who holds a lease: owner ids that say which node, task and task id took it, and when.
 
-An owner id is the string a store records as a key's holder. It starts with today's prefix,
+An owner id is the string a store records as a key's holder. It starts with a head,
 ``host/pid/<16 hex digits>`` (unique per acquisition attempt of a process), followed by fields
 ``;name=value`` (values percent-encoded for ``;``, ``=``, ``%`` and ``/``)::
 
@@ -16,8 +16,8 @@ field     meaning
 ``at``    when the id was made (the acquisition attempt), unix milliseconds
 ========  ===============================================================
 
-:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners written by
-older versions (``host/pid/hex``) or by other programs parse with ``None`` for what they lack.
+:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners without
+fields (``host/pid/hex``) or written by other programs parse with ``None`` for what they lack.
 
 The queued lease of a unique copy (:mod:`celery_lease.unique`) has an owner id of its own form,
 :data:`QUEUED_OWNER_HEAD` then fields: ``queued;t=<task>;i=<task id>;at=<ms>;n=<nonce>``
@@ -257,7 +257,7 @@ def _decode(value: str) -> str:
 
 
 def parse_owner(owner: str) -> Holder:
-    """Read an owner id made by :func:`make_owner` (or an older/foreign one) into a :class:`Holder`.
+    """Read an owner id made by :func:`make_owner` (or a foreign one) into a :class:`Holder`.
 
     Never raises: whatever does not follow the format is left ``None`` (an owner without
     ``/`` has no host or pid; an unknown field is ignored; a bad ``at`` is ``None``).

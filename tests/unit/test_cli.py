@@ -92,7 +92,7 @@ class TestList:
         assert 50 <= float(left.rstrip("s")) <= 60
 
     def test_old_owner_without_fields_still_lists(self, store: LockStore, store_url: str):
-        """An owner id of an older version (``host/pid/hex``) lists with host, pid and dashes."""
+        """An owner id without fields (``host/pid/hex``) lists with host, pid and dashes."""
         token = store.acquire("report:old", "oldhost/41/abc", TTL_MS)
         store.acquire("report:foreign", "something-else", TTL_MS)
         result = run("list", "--store", store_url)
