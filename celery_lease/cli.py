@@ -388,7 +388,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
         header.insert(6, "LABEL")
     cells = []
     for r in records:
-        # An owner that tells nothing (an old or foreign id) is shown whole in NODE.
+        # An owner that tells nothing (no fields, or a foreign id) is shown whole in NODE.
         tells = any(r[name] is not None for name in ("task", "task_id", "label", "taken_at"))
         node = r["node"] or r["host"] or ("-" if tells else r["owner"])
         row = [
@@ -453,8 +453,8 @@ def list_command(
     finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
     the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
     the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Leases whose owner id carries no holder fields (taken by an older
-    celery-lease) are listed with "-".
+    when it took the lease. Leases whose owner id carries no holder fields (a bare host/pid/hex,
+    or another program's) are listed with "-".
 
     Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
     ends without its body) hold no work: they are left out, and counted on stderr, unless

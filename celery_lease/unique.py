@@ -659,7 +659,7 @@ def on_start(
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None or task_id is None:
-        return None  # not published through apply_unique (send_task, older message)
+        return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
         # Release first, then look: a call superseding this copy writes the tombstone before it
         # releases the copy's lease, so either it finds the key free (and supersedes nothing)
@@ -756,10 +756,8 @@ def on_rejected(
 
 def _deferrals(request: Any) -> int:
     """How often this delivery was re-sent to wait for its own copy (0: never): the
-    ``lease_deferred`` header, a count (``True`` from older messages counts as 1)."""
+    ``lease_deferred`` header, a count."""
     value = getattr(request, DEFERRED, None)
-    if value is True:
-        return 1
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 

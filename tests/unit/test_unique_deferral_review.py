@@ -62,10 +62,11 @@ def deliver(
     task: Any, headers: dict[str, Any], *, deferred: bool | int, retries: int = 0, **request: Any
 ) -> Any:
     """Run one delivery of the published message ``headers`` as the worker's tracer does: a
-    request pushed for it (its custom headers as attributes), then the task called."""
+    request pushed for it (its custom headers as attributes), then the task called.
+    ``deferred=True`` is a delivery re-sent once (the header is the count the worker writes)."""
     extra: dict[str, Any] = {unique_module.HEADER: headers[unique_module.HEADER]}
     if deferred:
-        extra[unique_module.DEFERRED] = deferred
+        extra[unique_module.DEFERRED] = int(deferred)
     task.push_request(
         id=headers["id"],
         args=[1],
