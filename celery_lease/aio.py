@@ -59,7 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL", "ThreadedAsyncStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.aio")
 
 _T = TypeVar("_T")
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -243,7 +243,7 @@ async def _acquire(
 ) -> Lease:
     """The async twin of ``_LeaseContext._acquire``: same tries, backoff and clean-up."""
     clock = ctx.clock
-    owner = new_owner_id(node=ctx.node, task=ctx.task, task_id=ctx.task_id, label=ctx.holder)
+    owner = new_owner_id(node=ctx.node, task=ctx.task, task_id=ctx.task_id, label=ctx.label)
     ttl_ms = _ms(ctx.ttl)
     started = clock.monotonic()
     deadline = started + ctx.wait

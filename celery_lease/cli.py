@@ -33,7 +33,7 @@ import click
 from click.core import ParameterSource
 
 from celery_lease.errors import LeaseError
-from celery_lease.holder import Holder, parse_owner
+from celery_lease.owners import Holder, is_queued_owner, parse_owner
 from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
@@ -42,7 +42,7 @@ from celery_lease.stores.base import (
     store_from_url,
 )
 from celery_lease.stores.memory import MemoryLockStore
-from celery_lease.unique_options import QUEUED_OWNER_HEAD, SUPERSEDED_NAMESPACE
+from celery_lease.unique_options import SUPERSEDED_NAMESPACE
 
 __all__ = ["lease_group", "main"]
 
@@ -247,19 +247,13 @@ COOLDOWN = "cooldown"
 HELD = "held"
 
 
-def _is_queued(owner: str) -> bool:
-    """Whether ``owner`` is a queued owner id (:func:`celery_lease.unique.queued_owner`): of a
-    unique copy's queued lease or of a debounce tombstone."""
-    return owner.startswith(QUEUED_OWNER_HEAD)
-
-
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease.holder.parse_owner`, reading a queued owner id as it is made:
-    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.unique.queued_owner`),
+    """:func:`~celery_lease.owners.parse_owner`, reading a queued owner id as it is made:
+    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.owners.queued_owner`),
     whose ``n`` is a nonce that keeps the id unique, not a node: a queued owner names no node,
     so its node is ``None``."""
     holder = parse_owner(owner)
-    if _is_queued(owner) and holder.node is not None:
+    if is_queued_owner(owner) and holder.node is not None:
         holder = dataclasses.replace(holder, node=None)
     return holder
 
@@ -268,7 +262,7 @@ def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
     """Whether the lease is a debounce tombstone: ``<lease_key_prefix>superseded:<task id>``,
     held by a queued owner naming the copy that superseded that one
     (:func:`celery_lease.unique.superseded_key`)."""
-    return _is_queued(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
+    return is_queued_owner(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
 
 
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
@@ -299,7 +293,7 @@ def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
     or ``held`` (it cannot be told: no task id in the owner, or no result backend to ask)."""
     if _is_tombstone(record["key"], record["owner"], prefix):
         return SUPERSEDED
-    if _is_queued(record["owner"]):
+    if is_queued_owner(record["owner"]):
         return QUEUED
     state = states.get(record["task_id"] or "")
     if state is None:
@@ -311,7 +305,11 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
     """:func:`_record` of each lease, with its ``state`` (the app's result backend asked once per
     task id of a lease that is not queued)."""
     records = [_record(info, now) for info in infos]
-    ids = {r["task_id"] for r in records if r["task_id"] is not None and not _is_queued(r["owner"])}
+    ids = {
+        r["task_id"]
+        for r in records
+        if r["task_id"] is not None and not is_queued_owner(r["owner"])
+    }
     states = _task_states(app, ids) if ids else {}
     prefix = _key_prefix(app)
     for r in records:
@@ -389,7 +387,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
         header.insert(6, "LABEL")
     cells = []
     for r in records:
-        # An owner that tells nothing (an old or foreign id) is shown whole in NODE.
+        # An owner that tells nothing (no fields, or a foreign id) is shown whole in NODE.
         tells = any(r[name] is not None for name in ("task", "task_id", "label", "taken_at"))
         node = r["node"] or r["host"] or ("-" if tells else r["owner"])
         row = [
@@ -454,8 +452,8 @@ def list_command(
     finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
     the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
     the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Leases whose owner id carries no holder fields (taken by an older
-    celery-lease) are listed with "-".
+    when it took the lease. Leases whose owner id carries no holder fields (a bare host/pid/hex,
+    or another program's) are listed with "-".
 
     Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
     ends without its body) hold no work: they are left out, and counted on stderr, unless

@@ -29,8 +29,8 @@ class Clock(Protocol):
     def time(self) -> float:
         """Wall-clock seconds since the epoch.
 
-        Used to floor fencing tokens, and by the SQLite store for the wall-clock expiry column that
-        processes of earlier versions (and another boot) read; never for a live lease's expiry.
+        Used to floor fencing tokens, and by the SQLite store for its wall-clock expiry column,
+        which decides expiry only for processes that cannot read the host's boot id.
         """
         ...
 

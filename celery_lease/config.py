@@ -76,7 +76,7 @@ __all__ = [
     "store_option",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.config")
 
 BUILTIN_TTL = 30.0
 """Seconds: the ttl of a task that sets none when ``lease_default_ttl`` is unset."""

@@ -34,7 +34,7 @@ never shown as "holds nothing".
 ``held_seconds`` and ``valid_for_seconds`` are measured in the holding process by its renewer's
 clock (``valid_for_seconds`` is the local validity left: the time the lease is surely still held,
 0 once past it). ``task``/``task_id``/``node`` come from the owner id
-(:func:`celery_lease.holder.parse_owner`), ``None`` when it does not carry them.
+(:func:`celery_lease.owners.parse_owner`), ``None`` when it does not carry them.
 """
 
 from __future__ import annotations
@@ -55,11 +55,11 @@ from typing import Any, cast
 from celery.worker.control import inspect_command
 
 from celery_lease import renewer
-from celery_lease.holder import parse_owner
+from celery_lease.owners import parse_owner
 
 __all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.control")
 
 CHILD_TIMEOUT = 0.5
 """Seconds the main process waits in all for its pool children's snapshots (``inspect``'s own

@@ -37,7 +37,7 @@ from celery_lease.stores.base import SupportsDeferredRelease
 
 __all__ = ["defer_on", "deferring", "flush_deferred_releases", "only_ours", "publishes_nothing"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.deferral")
 
 deferring: dict[int, SupportsDeferredRelease] = {}
 """Stores this process sent deferred releases to, by id: their replies are read before a publish."""

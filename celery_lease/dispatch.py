@@ -33,7 +33,7 @@ from celery_lease import forking
 
 __all__ = ["IDLE_EXIT", "Dispatcher", "drain", "get_dispatcher"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.dispatch")
 
 IDLE_EXIT = 10.0
 """Real seconds an idle dispatcher thread waits for another callback before it exits."""

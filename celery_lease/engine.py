@@ -43,16 +43,16 @@ from celery_lease import config, deferral, forking, signals
 from celery_lease import request as _request  # defines the request attributes
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.holder import MAX_FIELD_CHARS
 from celery_lease.interrupt import AsyncLockLost, Interrupter
 from celery_lease.keys import KeyFunction
 from celery_lease.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
 from celery_lease.options import LockOptions, retry_countdown
+from celery_lease.owners import MAX_FIELD_CHARS
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_from_url
 
 __all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.engine")
 
 
 # Stores --------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ class _Run:
         landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
         """
         reason = held.lost_reason or "lost"
-        if held._released_by_holder or self.interrupter is None:
+        if held._released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
         self.interrupter.fire(reason)
 
@@ -191,7 +191,7 @@ class _Run:
         ``lock_released`` says so.
         """
         reason = held.lost_reason or "lost"
-        if held._released_by_holder:
+        if held._released_early:
             # This execution let go itself ("released" by its own retry/publish). Not
             # ``self.released_early``: that is set before the early release is recorded, and a
             # real loss recorded just before it must still be reported.
@@ -444,7 +444,7 @@ def _run_locked(
     # durations and the store were validated when the task (and the settings) were read.
     # run.on_lost goes in as the context's on_lost: attached to a lease it acquires before the
     # renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
-    # The owner id names the node, the task and the execution (celery_lease.holder).
+    # The owner id names the node, the task and the execution (celery_lease.owners).
     context = _LeaseContext(
         key,
         store,

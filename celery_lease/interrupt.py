@@ -60,7 +60,7 @@ from celery_lease.errors import LockLostError
 
 __all__ = ["INTERRUPT_SIGNAL", "REVOKE_GRACE", "AsyncLockLost", "Interrupter"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.interrupt")
 
 REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""

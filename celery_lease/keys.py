@@ -44,8 +44,7 @@ Digest form
 -----------
 The canonical value is written as JSON with sorted keys and no spaces; a tag is an object with
 one key ``"$<name>"`` (``{"$uuid": "..."}``), and a user mapping key starting with ``$`` gets
-one more ``$`` (``"$uuid"`` is written ``"$$uuid"``), so no argument can spell a tag. Arguments
-without tags or ``$`` keys hash as in the previous version.
+one more ``$`` (``"$uuid"`` is written ``"$$uuid"``), so no argument can spell a tag.
 
 Template form
 -------------

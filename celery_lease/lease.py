@@ -34,7 +34,7 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.holder import MAX_FIELD_CHARS, make_owner
+from celery_lease.owners import MAX_FIELD_CHARS, make_owner
 from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.stores.base import (
     AsyncLockStore,
@@ -45,7 +45,7 @@ from celery_lease.stores.base import (
 
 __all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.lease")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -144,7 +144,7 @@ def new_owner_id(
 
     Unique per call (per acquisition attempt): a store's idempotent re-acquire by the same owner
     relies on it. ``node``, ``task``, ``task_id`` and ``label`` are recorded in the id, readable
-    with :func:`~celery_lease.holder.parse_owner` (``celery lease list`` shows them).
+    with :func:`~celery_lease.owners.parse_owner` (``celery lease list`` shows them).
     """
     return make_owner(node=node, task=task, task_id=task_id, label=label)
 
@@ -197,7 +197,7 @@ class Lease:
         # the loss was announced, so an event made after the announcement starts set.
         self._lost_event: threading.Event | None = None
         self._notified = False
-        self._released_by_holder = False  # release_early() ended it ("released" by itself)
+        self._released_early = False  # release_early() ended it ("released" by its own holder)
         self._listeners: list[tuple[LossListener, bool]] | None = None
         self._gen = _generation
         self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
@@ -252,8 +252,8 @@ class Lease:
         ref = self._task
         if ref is None:
             return True
-        holder = ref()
-        return holder is not None and holder is task
+        entered_in = ref()
+        return entered_in is not None and entered_in is task
 
     @property
     def held_seconds(self) -> float:
@@ -345,7 +345,7 @@ class Lease:
         The immediate listeners run last, so one that interrupts this very thread cannot keep
         the others from being handed over.
         """
-        log = logger.info if self._released_by_holder else logger.warning
+        log = logger.info if self._released_early else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
         with _events_lock:
             self._notified = True
@@ -395,7 +395,7 @@ class _LeaseContext:
         cancel: threading.Event | None,
         clock: Clock,
         *,
-        holder: str | None = None,
+        label: str | None = None,
         node: str | None = None,
         task: str | None = None,
         task_id: str | None = None,
@@ -413,8 +413,9 @@ class _LeaseContext:
         # The clock a wait for a held key is measured and slept on: None for the store's own
         # clock where it has one, else ``clock`` (see _wait_clock).
         self.wait_clock = wait_clock
-        # Recorded in the owner id of each acquisition (celery_lease.holder.make_owner).
-        self.holder = holder
+        # Recorded in the owner id of each acquisition (celery_lease.owners.make_owner): the
+        # label is lease()'s holder= text.
+        self.label = label
         self.node = node
         self.task = task
         self.task_id = task_id
@@ -456,7 +457,7 @@ class _LeaseContext:
             self.on_lost,
             self.cancel,
             self.clock,
-            holder=self.holder,
+            label=self.label,
             node=self.node,
             task=self.task,
             task_id=self.task_id,
@@ -609,7 +610,7 @@ class _LeaseContext:
         renewer = entry.renewer
         recorded = renewer.record(entry, reason)
         if recorded:  # this call notifies, below: its log line says the holder let go
-            held._released_by_holder = True
+            held._released_early = True
         self._released_early = self._released_early or recorded
         try:
             if recorded:
@@ -688,7 +689,7 @@ class _LeaseContext:
 
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
-        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.holder)
+        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
         ttl_ms = _ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
@@ -870,7 +871,7 @@ def lease(
         holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
             id next to host and pid (and, inside a worker, node and task), shown by
             ``celery lease list``; default none. At most
-            :data:`~celery_lease.holder.MAX_FIELD_CHARS` characters.
+            :data:`~celery_lease.owners.MAX_FIELD_CHARS` characters.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
     Everything is validated here, before anything is acquired.
@@ -937,7 +938,7 @@ def lease(
         on_lost,
         cancel,
         clock if clock is not None else SYSTEM_CLOCK,
-        holder=holder,
+        label=holder,
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     if astore is not None:

@@ -71,7 +71,7 @@ __all__ = [
     "validity",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.renewer")
 
 DRIFT_FACTOR = 0.01
 """Fraction of the ttl subtracted from a lease's local validity for clock drift (Redlock's)."""

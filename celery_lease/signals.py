@@ -54,7 +54,7 @@ __all__ = [
     "send",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.signals")
 
 lock_acquired = Signal(
     name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds", "task_id"}

@@ -55,8 +55,7 @@ from celery_lease.options import (
 )
 from celery_lease.request import is_claimed as _is_claimed
 from celery_lease.stores.base import LockStore
-from celery_lease.types import Duration, OnHeld, OnLost
-from celery_lease.unique_options import OnDuplicate, Unique
+from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
 
 __all__ = [
     "ON_HELD",

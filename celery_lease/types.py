@@ -15,7 +15,7 @@ from typing import Literal
 
 from celery_lease.durations import Duration
 
-__all__ = ["Duration", "OnHeld", "OnLost", "Unique"]
+__all__ = ["Duration", "OnDuplicate", "OnHeld", "OnLost", "Unique"]
 
 OnHeld = Literal["raise", "skip", "retry"]
 """What a run does when the key stays held past ``wait``: raise ``LockNotAcquiredError``
@@ -25,5 +25,11 @@ OnLost = Literal["mark", "revoke"]
 """What happens when the lease is lost while the body runs: mark it (``request.lock_lost``,
 default) or stop the body (revoke)."""
 
-Unique = Literal["running", "queued"]
-"""Reserved for issue 9 (uniqueness while running, or from enqueue until the run ends)."""
+Unique = Literal["while_queued", "until_done"]
+"""Unique at enqueue (``lock_unique``, ``locked(unique=)``): a call is a duplicate, and nothing is
+published for it, while a copy waits in the queue (``"while_queued"``), or while a copy waits,
+runs, or is in its cooldown (``"until_done"``). ``None`` (the default): every call is published."""
+
+OnDuplicate = Literal["existing", "raise"]
+"""What a duplicate call of a unique task gets: the ``AsyncResult`` of the copy holding the key
+(``"existing"``, default) or ``AlreadyQueuedError`` (``"raise"``)."""

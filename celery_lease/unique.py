@@ -12,10 +12,10 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 
 - **The queued lease** lives on its own key, the task's key with ``queued:`` after the
   ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
-  (:func:`queued_owner`): the owner names the copy's task id. The caller takes it *before*
-  publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key and the
-  owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task id
-  (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
+  (:func:`~celery_lease.owners.queued_owner`): the owner names the copy's task id. The caller takes
+  it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key
+  and the owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task
+  id (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
   :class:`~celery_lease.AlreadyQueuedError` (``"raise"``); ``lock_duplicate`` is sent either way.
 - **The hand-over.** When the copy starts, the worker first takes the run lease on the task's
   key, as for any locked task (it excludes bodies; its tokens are the fencing tokens, which keep
@@ -95,8 +95,8 @@ from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.dispatch import get_dispatcher
 from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.holder import _field, new_nonce, parse_owner
 from celery_lease.lease import _conforms, _offers
+from celery_lease.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
     LockStore,
@@ -107,7 +107,6 @@ from celery_lease.stores.base import (
 )
 from celery_lease.unique_options import (
     BUILTIN_QUEUE_TTL,
-    QUEUED_OWNER_HEAD,
     SUPERSEDED_NAMESPACE,
     UniqueOptions,
 )
@@ -116,16 +115,14 @@ __all__ = [
     "DEFERRED",
     "HEADER",
     "NAMESPACE",
-    "SUPERSEDED",
     "apply_unique",
     "on_rejected",
     "on_start",
     "queued_key",
-    "queued_owner",
     "superseded_key",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.unique")
 
 HEADER = "lease_queued"
 """Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
@@ -136,12 +133,6 @@ DEFERRED = "lease_deferred"
 NAMESPACE = "queued:"
 """Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
 
-SUPERSEDED = SUPERSEDED_NAMESPACE
-"""Inserted after ``lease_key_prefix`` (with the task id) to name a debounce tombstone."""
-
-OWNER_HEAD = QUEUED_OWNER_HEAD[:-1]
-"""First field of a queued lease's owner id (``celery lease list`` shows it as queued)."""
-
 clock: Clock = SYSTEM_CLOCK
 """Where the caller reads the wall clock (eta, the debounce window); tests swap in a FakeClock."""
 
@@ -150,8 +141,9 @@ _TRIES = 8
 
 _CALLBACKS = ("link", "link_error", "chain")
 
-_NAMES_HOLDER: dict[type, bool] = {}
-"""Store class -> whether its acquire_or_holder may stand for its acquire (``_names_holder``)."""
+_USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
+"""Store class -> whether its acquire_or_holder may stand for its acquire
+(:func:`_uses_acquire_or_holder`)."""
 
 
 def queued_key(key: str, prefix: str) -> str:
@@ -161,25 +153,7 @@ def queued_key(key: str, prefix: str) -> str:
 
 def superseded_key(task_id: str, prefix: str) -> str:
     """The tombstone key of a superseded (debounced) copy."""
-    return f"{prefix}{SUPERSEDED}{task_id}"
-
-
-def queued_owner(task: str, task_id: str, at_ms: int) -> str:
-    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
-
-    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
-    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
-    acquire by the same owner is the holder again).
-    """
-    return (
-        f"{OWNER_HEAD};t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
-        f";n={new_nonce()}"
-    )
-
-
-def is_queued_owner(owner: str) -> bool:
-    """Whether ``owner`` is the owner id of a queued lease."""
-    return owner.startswith(OWNER_HEAD + ";")
+    return f"{prefix}{SUPERSEDED_NAMESPACE}{task_id}"
 
 
 def _ms(seconds: float) -> int:
@@ -273,10 +247,10 @@ def apply_unique(
         )
     owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
-    if _names_holder(store):  # one round trip for a duplicate, the holder read atomically
-        token, holder = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
+    if _uses_acquire_or_holder(store):  # one round trip for a duplicate, the holder read atomically
+        token, held_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
         if token is None:
-            existing = parse_owner(holder).task_id if holder is not None else None
+            existing = parse_owner(held_by).task_id if held_by is not None else None
             return _duplicate(task, unique, key, task_id, existing, options)
         return _publish(apply, args, kwargs, task_id, options, store, qkey, owner, failed_for=task)
     for _ in range(_TRIES):
@@ -289,7 +263,7 @@ def apply_unique(
     return _duplicate(task, unique, key, task_id, None, options)
 
 
-def _names_holder(store: LockStore) -> bool:
+def _uses_acquire_or_holder(store: LockStore) -> bool:
     """Whether ``store`` names the holder of a refused key (SupportsAcquireOrHolder) through
     the same code as its ``acquire``.
 
@@ -302,9 +276,9 @@ def _names_holder(store: LockStore) -> bool:
     if "acquire" in getattr(store, "__dict__", ()):
         return False
     kind = type(store)
-    known = _NAMES_HOLDER.get(kind)
+    known = _USES_ACQUIRE_OR_HOLDER.get(kind)
     if known is None:
-        known = _NAMES_HOLDER[kind] = _defines_both(kind)
+        known = _USES_ACQUIRE_OR_HOLDER[kind] = _defines_both(kind)
     return known
 
 
@@ -320,8 +294,8 @@ def _running_copy(inspect: SupportsInspection, key: str, task_id: str) -> str | 
     info = inspect.get(key)
     if info is None:
         return None
-    holder = parse_owner(info.owner).task_id
-    return holder if holder not in (None, task_id) else None
+    holding_task_id = parse_owner(info.owner).task_id
+    return holding_task_id if holding_task_id not in (None, task_id) else None
 
 
 def _duplicate(
@@ -420,7 +394,7 @@ def _resend(
     (a renewal may land in between). When another copy holds the queued key (``"while_queued"``:
     one was enqueued while this one ran), the retry is published anyway, without a queued lease.
     """
-    owner = _header_owner(task.request, task_id, qkey) or _own_holder(store, qkey, task_id)
+    owner = _header_owner(task.request, task_id, qkey) or _own_queued_owner(store, qkey, task_id)
     if owner is None:
         owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
@@ -441,7 +415,7 @@ def _resend(
     return result
 
 
-def _own_holder(store: LockStore, qkey: str, task_id: str) -> str | None:
+def _own_queued_owner(store: LockStore, qkey: str, task_id: str) -> str | None:
     """The queued lease's owner when it names this very task id (a retry whose request lost
     its header): the copy's own, since owners are unique per call and name the task id."""
     if not _conforms(store, SupportsInspection):
@@ -685,7 +659,7 @@ def on_start(
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None or task_id is None:
-        return None  # not published through apply_unique (send_task, older message)
+        return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
         # Release first, then look: a call superseding this copy writes the tombstone before it
         # releases the copy's lease, so either it finds the key free (and supersedes nothing)
@@ -782,10 +756,8 @@ def on_rejected(
 
 def _deferrals(request: Any) -> int:
     """How often this delivery was re-sent to wait for its own copy (0: never): the
-    ``lease_deferred`` header, a count (``True`` from older messages counts as 1)."""
+    ``lease_deferred`` header, a count."""
     value = getattr(request, DEFERRED, None)
-    if value is True:
-        return 1
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 

@@ -10,27 +10,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
+from celery_lease.types import OnDuplicate, Unique
 
 __all__ = [
     "BUILTIN_QUEUE_TTL",
     "DEBOUNCE_MAX_FACTOR",
     "ON_DUPLICATE",
-    "QUEUED_OWNER_HEAD",
     "SUPERSEDED_NAMESPACE",
     "UNIQUE",
     "UNIQUE_OPTIONS",
-    "OnDuplicate",
-    "Unique",
     "UniqueOptions",
     "validate_unique",
 ]
-
-Unique = Literal["while_queued", "until_done"]
-OnDuplicate = Literal["existing", "raise"]
 
 UNIQUE: tuple[Unique, ...] = get_args(Unique)
 """Allowed ``unique`` values (besides ``None``: no enqueue-time uniqueness)."""
@@ -140,9 +135,6 @@ def validate_unique(
         )
     return UniqueOptions(unique, on_duplicate, queue_ttl_s, debounce, debounce_max)
 
-
-QUEUED_OWNER_HEAD = "queued;"
-"""How the owner id of a queued lease (and of a debounce tombstone) begins."""
 
 SUPERSEDED_NAMESPACE = "superseded:"
 """The namespace of debounce tombstones (after ``lease_key_prefix``, before the task id)."""

@@ -78,9 +78,9 @@ multi`` each node is a worker of its own and checks itself; a refused node logs 
 exits, although ``celery multi start`` (which detaches) has already printed ``OK``.
 
 Who holds what. ``worker_init`` makes the worker's node name (``w1@host``) the default node of
-every owner id made in the worker's processes (:func:`celery_lease.holder.set_node`), and
+every owner id made in the worker's processes (:func:`celery_lease.owners.set_node`), and
 ``task_prerun`` / ``task_postrun`` make the running task's name and id the default task of owner
-ids made during it (:func:`celery_lease.holder.push_task`), so a ``lease()`` inside a task body
+ids made during it (:func:`celery_lease.owners.push_task`), so a ``lease()`` inside a task body
 names its task too. :mod:`celery_lease.control` (imported here) registers ``celery inspect
 leases``; every pool child serves its snapshot for it (see there).
 
@@ -93,7 +93,7 @@ the leases that child took for the tasks it was running, instead of leaving them
    ``_join_exited_workers`` (and ``mark_as_worker_lost``), and acts on a child only once it has
    left the pool with an exit code, i.e. ``waitpid`` returned for it: it no longer runs, not even
    as a zombie;
-2. only leases whose owner id (:func:`celery_lease.holder.parse_owner`) names this host, the dead
+2. only leases whose owner id (:func:`celery_lease.owners.parse_owner`) names this host, the dead
    child's pid, this worker's node (when the owner names one) and a task id that was running on
    that child when it died (accepted by it, or written to it, and not finished by it, as the
    worker's requests or the pool's own jobs say: a ``revoke(terminate=True)`` request leaves the
@@ -154,7 +154,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from celery_lease import control, forking, holder
+from celery_lease import control, forking, owners
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
@@ -176,7 +176,7 @@ __all__ = [
     "uses_celery_lease",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.worker")
 
 _main_pid: int | None = None
 _pool_child = False
@@ -622,7 +622,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     global _main_pid
     _main_pid = os.getpid()
     node = getattr(sender, "hostname", None)
-    holder.set_node(node if isinstance(node, str) else None)
+    owners.set_node(node if isinstance(node, str) else None)
     app = getattr(sender, "app", None)
     if app is not None:
         app.steps["worker"].add(LeaseCheck)  # read by the blueprint right after this signal
@@ -668,7 +668,7 @@ def _on_worker_shutdown(**_: Any) -> None:
         control.cleanup_main()
 
 
-# The running task, as the default of owner ids made during it (holder.push_task) --------------
+# The running task, as the default of owner ids made during it (owners.push_task) --------------
 
 _task_tokens: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
     "celery_lease_task_tokens", default=None
@@ -681,7 +681,7 @@ def _on_task_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> N
         stack = []
         _task_tokens.set(stack)
     name = getattr(task, "name", None)
-    stack.append((str(task_id), holder.push_task(name if isinstance(name, str) else None, task_id)))
+    stack.append((str(task_id), owners.push_task(name if isinstance(name, str) else None, task_id)))
 
 
 def _on_task_postrun(task_id: str | None = None, **_: Any) -> None:
@@ -690,7 +690,7 @@ def _on_task_postrun(task_id: str | None = None, **_: Any) -> None:
         return
     token = stack.pop()[1]
     with contextlib.suppress(ValueError):  # made in another context (should not happen)
-        holder.pop_task(token)
+        owners.pop_task(token)
 
 
 # Dead holders freed at once --------------------------------------------------------------------
@@ -1063,7 +1063,7 @@ class _Reaper:
                 continue
             by_key = {info.key: info for info in infos}
             for info in infos:
-                owner = holder.parse_owner(info.owner)
+                owner = owners.parse_owner(info.owner)
                 if (
                     owner.host != self.host
                     or owner.pid != death.pid
@@ -1129,14 +1129,14 @@ class _Reaper:
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
-        from celery_lease.unique import is_queued_owner, queued_key
+        from celery_lease.unique import queued_key
 
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (
             info is None
-            or not is_queued_owner(info.owner)
-            or holder.parse_owner(info.owner).task_id != task_id
+            or not owners.is_queued_owner(info.owner)
+            or owners.parse_owner(info.owner).task_id != task_id
         ):
             return
         try:

@@ -84,7 +84,7 @@ __all__ = [
     "installed",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.metrics")
 
 EXPORTERS = METRICS_EXPORTERS
 """Allowed ``exporter`` values of :func:`install` (and of the ``lease_metrics`` setting)."""

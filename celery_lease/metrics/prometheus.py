@@ -58,7 +58,7 @@ __all__ = [
     "port_in_use",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.metrics.prometheus")
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 

@@ -65,7 +65,7 @@ from celery_lease import forking
 
 __all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores._redis_fast")
 
 BUSY: Final = object()
 """Returned by :meth:`FastConnection.call` when another thread is using the connection."""

@@ -80,7 +80,7 @@ from celery_lease.stores.base import LeaseInfo, redact_url
 
 __all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore", "statements"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.postgres")
 
 _T = TypeVar("_T")
 

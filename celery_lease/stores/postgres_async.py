@@ -52,7 +52,7 @@ from celery_lease.stores.postgres import (
 
 __all__ = ["AsyncPostgresLockStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.postgres_async")
 
 _T = TypeVar("_T")
 

@@ -75,7 +75,7 @@ __all__ = [
     "parse_sentinel_url",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.redis")
 
 _T = TypeVar("_T")
 

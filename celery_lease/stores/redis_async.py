@@ -60,7 +60,7 @@ from celery_lease.stores.redis import (
 
 __all__ = ["AsyncRedisLockStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.redis_async")
 
 _T = TypeVar("_T")
 

@@ -22,24 +22,21 @@ is not in it itself judges expiry by the wall clock instead.)
 
 Without a boot id (not Linux, or no ``/proc``) the store falls back to the wall clock
 (``clock.time()``): leases then end early by the size of a forward step of the wall clock and
-late by a backward one (as every row was judged before boot ids were added).
+late by a backward one.
 
-The wall clock is otherwise used only to floor new tokens and to keep writing the wall-clock
-``expires_ms`` column, which processes of the previous version judge leases by; they can share a
-file with this version during a rolling upgrade and still exclude each other (those processes
-keep the previous version's exposure to steps of the wall clock).
+The wall clock is otherwise used only to floor new tokens and to write the wall-clock
+``expires_ms`` column of every row, which the processes without a boot id judge leases by: they
+can share a file with processes that have one and still exclude each other.
 
 The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` but
 keeps the row, so the token counter persists in the file and tokens keep growing across restarts
 and reboots. Every new token is also floored by the wall clock in microseconds, like the memory
 store.
 
-Columns: ``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``, and,
-added to files of the previous version with ``ALTER TABLE ADD COLUMN``, ``boot_id``,
-``boot_expires_ms`` (the host's monotonic clock in that boot, ms) and ``boot_token``: the token of
-the lease the two boot columns describe. A process of the previous version overwrites a row
-without touching the boot columns; as its token differs from ``boot_token``, they are then known
-to be stale, and the row is judged by ``expires_ms``.
+Columns: ``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``,
+``boot_id`` and ``boot_expires_ms`` (the host's monotonic clock in that boot, ms), both ``NULL``
+when the row was written by a process without a boot id. A file whose ``celery_lease`` table
+lacks one of these columns was not made by this store and is refused.
 """
 
 from __future__ import annotations
@@ -66,7 +63,7 @@ from celery_lease.stores.base import LeaseInfo
 
 __all__ = ["SQLiteLockStore"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.stores.sqlite")
 
 _T = TypeVar("_T")
 
@@ -77,17 +74,12 @@ CREATE TABLE IF NOT EXISTS celery_lease (
     expires_ms INTEGER NOT NULL,
     token INTEGER NOT NULL,
     boot_id TEXT NULL,
-    boot_expires_ms INTEGER NULL,
-    boot_token INTEGER NULL
+    boot_expires_ms INTEGER NULL
 )
 """
 
-# Added to a table of the previous version (which has only the first four columns).
-_BOOT_COLUMNS = (
-    ("boot_id", "TEXT NULL"),
-    ("boot_expires_ms", "INTEGER NULL"),
-    ("boot_token", "INTEGER NULL"),
-)
+# The columns every statement below needs (a table lacking one is not this store's).
+_COLUMNS = ("key", "owner", "expires_ms", "token", "boot_id", "boot_expires_ms")
 
 # Parameters of every statement below, written by name here and bound by position (a tuple, no
 # dict to build and no name to look up per call): :key (?1), :owner (?2), :boot (?3, this
@@ -102,9 +94,9 @@ def _numbered(sql: str) -> str:
     return re.sub(r":([a-z_]+)\b", lambda match: f"?{_PARAMS.index(match.group(1)) + 1}", sql)
 
 
-# The boot columns describe the row's current lease when boot_token is its token; a row last
-# written by the previous version (or without a boot id) is judged by its wall-clock expires_ms.
-_BOOT_VALID = "(:boot IS NOT NULL AND boot_token IS token)"
+# The boot columns describe the row's lease when its writer had a boot id; a row written
+# without one, or read by a process without one, is judged by its wall-clock expires_ms.
+_BOOT_VALID = "(:boot IS NOT NULL AND boot_id IS NOT NULL)"
 
 # Whether a row holds a live lease: by the monotonic clock when written in this boot, expired
 # when written in another boot, by the wall clock when the boot columns do not describe it.
@@ -120,7 +112,7 @@ _LEFT_MS = f"CASE WHEN {_BOOT_VALID} THEN boot_expires_ms - :mono ELSE expires_m
 # which takes the write lock (with the busy handler) before it reads, as BEGIN IMMEDIATE does.
 _EXTEND = _numbered(
     f"""UPDATE celery_lease SET expires_ms = :expires, boot_id = :boot,
-    boot_expires_ms = :boot_expires, boot_token = CASE WHEN :boot IS NULL THEN NULL ELSE token END
+    boot_expires_ms = :boot_expires
 WHERE key = :key AND owner = :owner AND {_LIVE}"""
 )
 
@@ -132,14 +124,11 @@ _NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :t
 # kept), and returns the row's token; another owner's live lease is left alone and nothing is
 # returned. The SET expressions and the WHERE read the row as it was before the statement.
 _ACQUIRE = _numbered(
-    f"""INSERT INTO celery_lease
-    (key, owner, expires_ms, token, boot_id, boot_expires_ms, boot_token)
-VALUES (:key, :owner, :expires, :token, :boot, :boot_expires,
-    CASE WHEN :boot IS NULL THEN NULL ELSE :token END)
+    f"""INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
+VALUES (:key, :owner, :expires, :token, :boot, :boot_expires)
 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.expires_ms,
     token = {_NEXT_TOKEN}, boot_id = excluded.boot_id,
-    boot_expires_ms = excluded.boot_expires_ms,
-    boot_token = CASE WHEN :boot IS NULL THEN NULL ELSE {_NEXT_TOKEN} END
+    boot_expires_ms = excluded.boot_expires_ms
 WHERE NOT coalesce({_LIVE}, 0) OR owner = :owner
 RETURNING token"""
 )
@@ -147,13 +136,11 @@ RETURNING token"""
 # The same in three statements inside BEGIN IMMEDIATE, for SQLite without RETURNING.
 _SELECT_FOR_ACQUIRE = _numbered(f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key")
 _TAKE = _numbered(
-    """INSERT INTO celery_lease
-    (key, owner, expires_ms, token, boot_id, boot_expires_ms, boot_token)
-VALUES (:key, :owner, :expires, :token, :boot, :boot_expires,
-    CASE WHEN :boot IS NULL THEN NULL ELSE :token END)
+    """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
+VALUES (:key, :owner, :expires, :token, :boot, :boot_expires)
 ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.expires_ms,
     token = excluded.token, boot_id = excluded.boot_id,
-    boot_expires_ms = excluded.boot_expires_ms, boot_token = excluded.boot_token"""
+    boot_expires_ms = excluded.boot_expires_ms"""
 )
 
 # Owner-checked release, one statement (its own write transaction). The row stays: its token
@@ -424,7 +411,7 @@ class SQLiteLockStore:
                 # upgrading a read lock, which SQLite refuses at once when another writer waits.
                 with self._write(conn):
                     conn.execute(_SCHEMA)
-                    _add_boot_columns(conn)
+                    _check_columns(conn, self._path)
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
@@ -714,12 +701,16 @@ def _host_boot() -> tuple[str | None, float]:
     return boot, offset
 
 
-def _add_boot_columns(conn: sqlite3.Connection) -> None:
-    """Add the boot columns to a table of the previous version (inside the schema transaction)."""
+def _check_columns(conn: sqlite3.Connection, path: str) -> None:
+    """Refuse a file whose ``celery_lease`` table lacks a column this store writes (a table of
+    that name made by another program, or by a development build before the boot columns)."""
     present = {row[1] for row in conn.execute("PRAGMA table_info(celery_lease)")}
-    for name, declaration in _BOOT_COLUMNS:
-        if name not in present:
-            conn.execute(f"ALTER TABLE celery_lease ADD COLUMN {name} {declaration}")
+    missing = [name for name in _COLUMNS if name not in present]
+    if missing:
+        raise LeaseConfigError(
+            f"path={path!r} holds a celery_lease table without the column(s)"
+            f" {', '.join(missing)}: it was not made by SQLiteLockStore; use another file"
+        )
 
 
 def _is_busy(exc: sqlite3.OperationalError) -> bool:

@@ -29,8 +29,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseInfo, LockedTask, SupportsInspection, lease, store_from_url
-from celery_lease.holder import parse_owner
 from celery_lease.keys import make_key_function
+from celery_lease.owners import parse_owner
 from celery_lease.signals import lock_released
 
 ROOT = Path(__file__).resolve().parents[2]

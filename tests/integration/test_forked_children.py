@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from celery_lease import LockNotAcquiredError, lease
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.owners import make_owner, parse_owner
 from celery_lease.stores.sqlite import SQLiteLockStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")

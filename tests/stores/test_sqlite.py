@@ -305,78 +305,9 @@ class TestSQLiteConfig:
             SQLiteLockStore.from_url(url)
 
 
-# Clocks, boot ids and the previous file format ----------------------------------------------------
-
-_OLD_SCHEMA = """
-CREATE TABLE IF NOT EXISTS celery_lease (
-    key TEXT PRIMARY KEY,
-    owner TEXT NULL,
-    expires_ms INTEGER NOT NULL,
-    token INTEGER NOT NULL
-)
-"""
-
-
-class OldVersionStore:
-    """The previous release's SQLite store, reduced to its statements (copied verbatim).
-
-    It judges expiry by the wall clock ``expires_ms`` alone and knows nothing of the boot
-    columns: during a rolling upgrade such processes share the file with new ones.
-    """
-
-    def __init__(self, path: Path, clock: WallSteppingClock) -> None:
-        self.clock = clock
-        self.conn = sqlite3.connect(path, isolation_level=None, timeout=5)
-        self.conn.execute("BEGIN IMMEDIATE")
-        self.conn.execute(_OLD_SCHEMA)
-        self.conn.execute("COMMIT")
-
-    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
-        conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            now = self.clock.time()
-            now_ms = round(now * 1000)
-            row = conn.execute(
-                "SELECT owner, expires_ms, token FROM celery_lease WHERE key = ?", (key,)
-            ).fetchone()
-            if row is not None and row[0] is not None and row[1] > now_ms:
-                return None
-            last = row[2] if row is not None else 0
-            token = max(last + 1, int(now * 1_000_000))
-            conn.execute(
-                "INSERT INTO celery_lease (key, owner, expires_ms, token) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (key) DO UPDATE SET owner = excluded.owner,"
-                " expires_ms = excluded.expires_ms, token = excluded.token",
-                (key, owner, now_ms + ttl_ms, token),
-            )
-            return int(token)
-        finally:
-            conn.execute("COMMIT")
-
-    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
-        now_ms = round(self.clock.time() * 1000)
-        cursor = self.conn.execute(
-            "UPDATE celery_lease SET expires_ms = ? WHERE key = ? AND owner = ? AND expires_ms > ?",
-            (now_ms + ttl_ms, key, owner, now_ms),
-        )
-        return cursor.rowcount == 1
-
-    def release(self, key: str, owner: str) -> None:
-        self.conn.execute(
-            "UPDATE celery_lease SET owner = NULL WHERE key = ? AND owner = ?", (key, owner)
-        )
-
-    def close(self) -> None:
-        self.conn.close()
-
+# Clocks and boot ids -----------------------------------------------------------------------------
 
 _UNSHARE_TIME = ("unshare", "--time", "--fork", "--monotonic", "100000")
-
-
-def _columns(path: Path) -> list[str]:
-    with sqlite3.connect(path) as conn:
-        return [row[1] for row in conn.execute("PRAGMA table_info(celery_lease)")]
 
 
 class TestSQLiteClocks:
@@ -500,103 +431,19 @@ class TestSQLiteClocks:
         store.close()
 
 
-class TestSQLiteMigration:
-    """Files of the previous version (no boot columns) and its processes, during an upgrade."""
-
-    def test_an_old_format_file_gets_the_new_columns_and_keeps_its_leases(
-        self, tmp_path: Path
-    ) -> None:
-        """Opening an old file adds the columns; a live old-format lease is still respected."""
+class TestSQLiteFileFormat:
+    def test_a_table_without_the_stores_columns_is_refused(self, tmp_path: Path) -> None:
+        """A celery_lease table this store did not make is refused, naming what it lacks."""
         path = tmp_path / "leases.db"
         with sqlite3.connect(path) as conn:
-            conn.execute(_OLD_SCHEMA)
-            conn.execute("INSERT INTO celery_lease VALUES ('held', 'old', 1005000, 41)")
-            conn.execute("INSERT INTO celery_lease VALUES ('free', NULL, 0, 77)")
-        clock = WallSteppingClock(1000.0)
-        store = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
-        assert store.acquire("held", "new", LONG_MS) is None
-        assert _columns(path)[:4] == ["key", "owner", "expires_ms", "token"]
-        assert set(_columns(path)) > {"key", "owner", "expires_ms", "token"}
-        info = store.get("held")
-        assert info is not None and (info.owner, info.token) == ("old", 41)
-        assert info.expires_in == pytest.approx(5.0)
-        free = store.acquire("free", "new", LONG_MS)
-        assert free is not None and free > 77
-        clock.advance(5.0)  # the old lease's wall-clock expiry
-        taken = store.acquire("held", "new", LONG_MS)
-        assert taken is not None and taken > 41
+            conn.execute(
+                "CREATE TABLE celery_lease (key TEXT PRIMARY KEY, owner TEXT NULL,"
+                " expires_ms INTEGER NOT NULL, token INTEGER NOT NULL)"
+            )
+        store = SQLiteLockStore(path, _boot_id="boot-1")
+        with pytest.raises(LeaseConfigError, match="boot_id, boot_expires_ms"):
+            store.acquire("k", "a", LONG_MS)
         store.close()
-
-    def test_processes_opening_an_old_file_at_once_all_migrate_it(self, tmp_path: Path) -> None:
-        """New processes racing to upgrade one old-format file all succeed, columns added once."""
-        path = tmp_path / "leases.db"
-        with sqlite3.connect(path) as conn:
-            conn.execute(_OLD_SCHEMA)
-        ctx = multiprocessing.get_context("fork")
-        barrier = ctx.Barrier(6)
-        results: multiprocessing.Queue[object] = ctx.Queue()
-        children = [
-            ctx.Process(target=_first_acquire_in_child, args=(str(path), f"k{i}", barrier, results))
-            for i in range(6)
-        ]
-        for child in children:
-            child.start()
-        outcomes = [results.get(timeout=30) for _ in children]
-        for child in children:
-            child.join(30)
-        assert all(isinstance(o, int) for o in outcomes), outcomes
-        assert len(_columns(path)) == len(set(_columns(path)))
-
-    def test_old_and_new_processes_exclude_each_other(self, tmp_path: Path) -> None:
-        """Either version's lease blocks the other version, and either renews its own."""
-        path = tmp_path / "leases.db"
-        clock = WallSteppingClock(1000.0)
-        new = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
-        assert new.acquire("warm", "n", 1000) is not None  # migrates the file first
-        old = OldVersionStore(path, clock)
-        t_new = new.acquire("a", "n", 1000)
-        t_old = old.acquire("b", "o", 1000)
-        assert t_new is not None and t_old is not None
-        assert old.acquire("a", "o2", LONG_MS) is None  # new processes keep expires_ms
-        assert new.acquire("b", "n2", LONG_MS) is None
-        assert old.renew("b", "o", 2000) is True
-        assert new.renew("a", "n", 2000) is True
-        clock.advance(1.5)
-        assert old.acquire("a", "o2", LONG_MS) is None
-        assert new.acquire("b", "n2", LONG_MS) is None
-        clock.advance(0.5)
-        t_old2 = old.acquire("a", "o2", LONG_MS)
-        t_new2 = new.acquire("b", "n2", LONG_MS)
-        assert t_old2 is not None and t_old2 > t_new
-        assert t_new2 is not None and t_new2 > t_old
-        old.close()
-        new.close()
-
-    def test_boot_columns_left_by_an_earlier_lease_are_ignored(self, tmp_path: Path) -> None:
-        """An old process overwrites a row without touching the boot columns: they are stale.
-
-        New processes then judge that row by its wall-clock expiry: stale boot columns that say
-        "expired" do not free the old process's live lease, and stale ones that say "live" do
-        not keep its expired lease.
-        """
-        path = tmp_path / "leases.db"
-        clock = WallSteppingClock(1000.0)
-        new = SQLiteLockStore(path, clock=clock, _boot_id="boot-1")
-        old = OldVersionStore(path, clock)
-        assert new.acquire("short", "n", 1000) is not None
-        new.release("short", "n")
-        assert new.acquire("long", "n", LONG_MS) is not None
-        new.release("long", "n")
-        assert old.acquire("short", "o", LONG_MS) is not None  # boot columns: 1 s
-        assert old.acquire("long", "o", 1000) is not None  # boot columns: 60 s
-        clock.advance(2.0)
-        assert new.acquire("short", "n2", LONG_MS) is None  # old lease live for 58 s more
-        assert new.renew("short", "o", LONG_MS) is True  # and its owner is still seen
-        taken = new.acquire("long", "n2", LONG_MS)  # old lease expired 1 s ago
-        assert taken is not None
-        assert old.acquire("long", "o2", LONG_MS) is None
-        old.close()
-        new.close()
 
 
 # Interrupts inside a store call ------------------------------------------------------------------

@@ -23,7 +23,7 @@ from click.testing import CliRunner, Result
 
 from celery_lease import LockStore, store_from_url
 from celery_lease.cli import lease_group, main
-from celery_lease.holder import make_owner
+from celery_lease.owners import make_owner
 from tests.support import free_port
 
 TTL_MS = 60_000
@@ -92,7 +92,7 @@ class TestList:
         assert 50 <= float(left.rstrip("s")) <= 60
 
     def test_old_owner_without_fields_still_lists(self, store: LockStore, store_url: str):
-        """An owner id of an older version (``host/pid/hex``) lists with host, pid and dashes."""
+        """An owner id without fields (``host/pid/hex``) lists with host, pid and dashes."""
         token = store.acquire("report:old", "oldhost/41/abc", TTL_MS)
         store.acquire("report:foreign", "something-else", TTL_MS)
         result = run("list", "--store", store_url)
@@ -183,7 +183,7 @@ class TestStates:
         """Under an app with a result backend: a unique copy's queued lease is "queued", a lease
         of a task that succeeded is "cooldown", one of an unfinished task "running"; a lease that
         names no task is "held". ``--state`` keeps one state."""
-        from celery_lease.unique import queued_owner
+        from celery_lease.owners import queued_owner
 
         obj = celery_obj(lease_store=store_url, result_backend=redis_url)
         done, busy = f"done-{uuid.uuid4().hex}", f"busy-{uuid.uuid4().hex}"
@@ -212,11 +212,11 @@ class TestStates:
         assert (queued["state"], queued["task_id"]) == ("queued", "q-1")
 
     def test_the_queued_owner_prefix_is_the_unique_modules(self):
-        """The CLI recognises queued owners by the head ``celery_lease.unique`` writes."""
-        from celery_lease import cli, unique
+        """The CLI recognises queued owners by the head the unique copies' owners are made with."""
+        from celery_lease import cli, owners
 
-        assert cli._is_queued(unique.queued_owner("t", "i", 1))
-        assert not cli._is_queued(make_owner(task="t", task_id="i"))
+        assert cli.is_queued_owner(owners.queued_owner("t", "i", 1))
+        assert not cli.is_queued_owner(make_owner(task="t", task_id="i"))
 
     def test_an_unreachable_backend_leaves_the_state_held(self, store: LockStore, store_url: str):
         """A result backend that does not answer makes the state "held", not an error."""

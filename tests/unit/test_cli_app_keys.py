@@ -24,9 +24,8 @@ from click.testing import CliRunner, Result
 
 from celery_lease import LockedTask, lease, store_from_url
 from celery_lease.cli import lease_group, main
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.owners import make_owner, parse_owner, queued_owner
 from celery_lease.stores.base import SupportsInspection
-from celery_lease.unique import queued_owner
 
 TTL_MS = 60_000
 PREFIX = "shop:"

@@ -22,7 +22,7 @@ import pytest
 
 from celery_lease import LeaseInfo, MemoryLockStore, worker
 from celery_lease.dispatch import drain
-from celery_lease.holder import make_owner
+from celery_lease.owners import make_owner
 from celery_lease.signals import lock_released
 from celery_lease.worker import _Death, _Reaper
 

@@ -20,7 +20,7 @@ from celery_lease import LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
 from celery_lease._aio_store import ThreadedAsyncStore
 from celery_lease.dispatch import drain
-from celery_lease.holder import parse_owner
+from celery_lease.owners import parse_owner
 from celery_lease.renewer import observe_renewals
 from tests.unit.conftest import REAL_TIMEOUT
 

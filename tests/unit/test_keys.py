@@ -325,8 +325,9 @@ class TestDigestEscaping:
         assert digest(a=u) != digest(a={"$uuid": str(u)})
         assert canonical_json({"a": {"$uuid": "x", "$$": 1}}) == '{"a":{"$$$":1,"$$uuid":"x"}}'
 
-    def test_plain_arguments_keep_their_previous_digest(self) -> None:
-        """Arguments without tags or ``$`` keys keep the digest the earlier releases gave them."""
+    def test_plain_arguments_keep_their_pinned_digest(self) -> None:
+        """Arguments without tags or ``$`` keys are their plain JSON; the digest is pinned (a
+        change would move every default key in the stores)."""
         assert make_key_function(None, SIG, task="app.t")((1,), {}) == (
             "app.t:6cc62b368cd6e2b51d86d6e0269a584d"
         )

@@ -15,8 +15,7 @@ from typing import Any
 
 from celery_lease import MemoryLockStore
 from celery_lease.dispatch import drain
-from celery_lease.holder import make_owner
-from celery_lease.unique import queued_owner
+from celery_lease.owners import make_owner, queued_owner
 from celery_lease.worker import _Death, _ends_failed_ids, _Reaper, _runs_again
 
 TTL_MS = 30_000

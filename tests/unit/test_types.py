@@ -3,12 +3,13 @@ use them, and mypy --strict rejects a misspelled policy or a bad duration in a u
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 
 import pytest
 
-from celery_lease import options, types
+from celery_lease import options, types, unique_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,6 +73,31 @@ class TestAliases:
     def test_on_lost_lists_exactly_the_allowed_policies(self) -> None:
         """OnLost and options.ON_LOST are the same values."""
         assert typing.get_args(types.OnLost) == options.ON_LOST
+
+    def test_unique_lists_exactly_the_allowed_values(self) -> None:
+        """Unique and unique_options.UNIQUE (what lock_unique accepts) are the same values."""
+        assert (
+            typing.get_args(types.Unique) == unique_options.UNIQUE == ("while_queued", "until_done")
+        )
+
+    def test_on_duplicate_lists_exactly_the_allowed_policies(self) -> None:
+        """OnDuplicate and unique_options.ON_DUPLICATE are the same values."""
+        assert typing.get_args(types.OnDuplicate) == unique_options.ON_DUPLICATE
+
+    def test_each_literal_type_is_defined_once(self) -> None:
+        """Only celery_lease/types.py assigns a Literal alias; every other module imports it
+        (typing caches Literal objects, so an identity check could not see a second copy)."""
+        package = ROOT / "celery_lease"
+        aliases = re.compile(r"^(\w+)(?:: [\w.]+)? = (?:typing\.)?Literal\[", re.MULTILINE)
+        defined = {
+            (str(path.relative_to(ROOT)), name)
+            for path in package.rglob("*.py")
+            for name in aliases.findall(path.read_text(encoding="utf-8"))
+        }
+        assert defined == {
+            ("celery_lease/types.py", name)
+            for name in ("OnDuplicate", "OnHeld", "OnLost", "Unique")
+        }
 
     def test_duration_is_the_parser_alias(self) -> None:
         """Duration is the one alias of celery_lease.durations (not a second copy)."""

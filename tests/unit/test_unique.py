@@ -16,7 +16,7 @@ from celery import Celery
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease import unique as unique_module
 from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.owners import make_owner, parse_owner
 from celery_lease.signals import lock_duplicate
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.redis import RedisLockStore
@@ -93,7 +93,7 @@ class TestOneCopy:
                 calls.append(_name)
                 return _real(self, *args)
 
-            monkeypatch.setattr(SpyStore, name, spy)  # on the class: see _names_holder
+            monkeypatch.setattr(SpyStore, name, spy)  # on the class: see _uses_acquire_or_holder
         assert task.delay(4).id == first.id
         assert calls == ["acquire_or_holder"]
         assert published.ids == [first.id]

@@ -17,7 +17,8 @@ from celery.exceptions import Ignore
 
 from celery_lease import config
 from celery_lease import unique as unique_module
-from celery_lease.holder import make_owner, parse_owner
+from celery_lease.errors import StoreUnavailableError
+from celery_lease.owners import make_owner, parse_owner, queued_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.unique_copies import (
@@ -37,7 +38,7 @@ class TestForgedHeader:
         """task_revoked with a header naming a key outside the queued namespace frees nothing,
         even when that key's owner happens to carry the same text."""
         task = define_task(app, "r.forged", lock_unique="while_queued")
-        owner = unique_module.queued_owner(task.name, "victim-id", 1)
+        owner = queued_owner(task.name, "victim-id", 1)
         store.acquire("k:other", owner, 60_000)  # some lease that is not a queued lease
         request = SimpleNamespace(id="victim-id", **{unique_module.HEADER: ["k:other", owner]})
         unique_module._on_revoked(sender=task, request=request)
@@ -169,7 +170,7 @@ class TestRedelivery:
         first = task.delay(1)
         task.backend.mark_as_done(first.id, 1)
         request = request_of(published.headers[0])
-        setattr(request, unique_module.DEFERRED, True)
+        setattr(request, unique_module.DEFERRED, 1)  # re-sent once
         settings = config.get_settings(app)
         unique = type(task)._lock_options.unique
         with pytest.raises(Ignore, match="finished"):

@@ -19,7 +19,7 @@ from celery.exceptions import Ignore, Reject
 
 from celery_lease import MemoryLockStore, signals
 from celery_lease import unique as unique_module
-from celery_lease.holder import make_owner
+from celery_lease.owners import make_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)

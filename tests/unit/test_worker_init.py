@@ -44,9 +44,9 @@ class TestSocketDirectory:
             hostname = NODE
             app = App()
 
-        from celery_lease import holder
+        from celery_lease import owners
 
-        monkeypatch.setattr(holder, "_node", holder._node)
+        monkeypatch.setattr(owners, "_node", owners._node)
         worker._on_worker_init(sender=Sender())
         assert worker.LeaseCheck in Sender.app.steps["worker"].added
         assert worker.DeadHolders in Sender.app.steps["worker"].added

@@ -117,7 +117,7 @@ def deliver(
     request pushed for it (its custom headers as attributes), then the task called."""
     extra: dict[str, Any] = {unique_module.HEADER: headers[unique_module.HEADER]}
     if deferred:
-        extra[unique_module.DEFERRED] = deferred
+        extra[unique_module.DEFERRED] = int(deferred)  # the header is the count the worker writes
     task.push_request(
         id=headers["id"],
         args=[1],

@@ -1,6 +1,6 @@
 """Who holds a lease: owner ids that say which node, task and task id took it, and when.
 
-An owner id is the string a store records as a key's holder. It starts with today's prefix,
+An owner id is the string a store records as a key's holder. It starts with a head,
 ``host/pid/<16 hex digits>`` (unique per acquisition attempt of a process), followed by fields
 ``;name=value`` (values percent-encoded for ``;``, ``=``, ``%`` and ``/``)::
 
@@ -16,13 +16,25 @@ field     meaning
 ``at``    when the id was made (the acquisition attempt), unix milliseconds
 ========  ===============================================================
 
-:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners written by
-older versions (``host/pid/hex``) or by other programs parse with ``None`` for what they lack.
+:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners without
+fields (``host/pid/hex``) or written by other programs parse with ``None`` for what they lack.
+
+The queued lease of a unique copy (:mod:`celery_lease.unique`) has an owner id of its own form,
+:data:`QUEUED_OWNER_HEAD` then fields: ``queued;t=<task>;i=<task id>;at=<ms>;n=<nonce>``
+(:func:`queued_owner`; ``n`` is a nonce there, not a node). :func:`is_queued_owner` tells the two
+forms apart.
 
 Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease.worker`
 sets the node name of the process (:func:`set_node`) and, around every task execution, the
 task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
 the threads pool), so a ``lease()`` taken inside a task body names its task too.
+
+Words, as the code uses them: the **holder** of a lease is the party holding it (an execution,
+a process: "its holder finished", ``reason="holder_died"``); its **owner id** (``owner``, as in
+``LeaseInfo.owner``) is the string a store records for it, made and read here; a
+:class:`Holder` is an owner id read back into fields; the **label** is the free text
+``lease(..., holder=...)`` puts in the ``l`` field. ``SupportsAcquireOrHolder.acquire_or_holder``
+(public, kept) returns the holder's owner id.
 
 This module is part of the core: it imports the standard library only.
 """
@@ -42,11 +54,15 @@ from celery_lease import forking
 
 __all__ = [
     "MAX_FIELD_CHARS",
+    "QUEUED_OWNER_HEAD",
     "Holder",
+    "is_queued_owner",
     "make_owner",
+    "new_nonce",
     "parse_owner",
     "pop_task",
     "push_task",
+    "queued_owner",
     "set_node",
 ]
 
@@ -56,6 +72,10 @@ MAX_FIELD_CHARS = 1000
 Stores keep owners in a Redis string / a SQLite or PostgreSQL ``text`` column, which take any
 length; the bound only keeps a runaway label from making every renewal send kilobytes.
 """
+
+QUEUED_OWNER_HEAD = "queued;"
+"""How the owner id of a queued lease (and of a debounce tombstone) begins; an ordinary owner id
+begins with ``host/pid/`` (a ``;`` in the host name is percent-encoded), so never with this."""
 
 _HOST = socket.gethostname()
 _SPECIAL = frozenset(";=%/")
@@ -106,7 +126,7 @@ _node: str | None = None
 """The Celery node name of this worker process (inherited by prefork children), or None."""
 
 _task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
-    "celery_lease_holder_task", default=None
+    "celery_lease_owner_task", default=None
 )
 
 
@@ -191,6 +211,24 @@ def make_owner(
     return f"{owner};at={time.time_ns() // 1_000_000}"
 
 
+def queued_owner(task: str, task_id: str, at_ms: int) -> str:
+    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
+
+    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
+    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
+    acquire by the same owner is the holder again).
+    """
+    return (
+        f"{QUEUED_OWNER_HEAD}t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
+        f";n={new_nonce()}"
+    )
+
+
+def is_queued_owner(owner: str) -> bool:
+    """Whether ``owner`` is the owner id of a queued lease (:func:`queued_owner`)."""
+    return owner.startswith(QUEUED_OWNER_HEAD)
+
+
 @dataclass(frozen=True)
 class Holder:
     """An owner id read back by :func:`parse_owner`; ``None`` for each part it does not carry."""
@@ -221,7 +259,7 @@ def _decode(value: str) -> str:
 
 
 def parse_owner(owner: str) -> Holder:
-    """Read an owner id made by :func:`make_owner` (or an older/foreign one) into a :class:`Holder`.
+    """Read an owner id made by :func:`make_owner` (or a foreign one) into a :class:`Holder`.
 
     Never raises: whatever does not follow the format is left ``None`` (an owner without
     ``/`` has no host or pid; an unknown field is ignored; a bad ``at`` is ``None``).
