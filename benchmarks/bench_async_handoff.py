@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from celery_lease import LockStore, MemoryLockStore, SQLiteLockStore, lease, shutdown
-from celery_lease.aio import ThreadedAsyncStore
+from celery_lease._core.aio import ThreadedAsyncStore
 from celery_lease.stores.base import AsyncLockStore
 
 DELAY_MS = (5.0, 20.0)

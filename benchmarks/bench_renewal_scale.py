@@ -52,7 +52,7 @@ import redis_lock
 
 from benchmarks._redis_server import command_calls, count_round_trips, redis_server
 from celery_lease import Lease, lease
-from celery_lease.renewer import get_renewer
+from celery_lease._core.renewer import get_renewer
 from celery_lease.stores.redis import RedisLockStore
 
 N_LEASES = 10_000

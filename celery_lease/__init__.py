@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from celery_lease._core.lease import Lease, current_lease, get_lock_token, lease
+from celery_lease._core.renewer import shutdown
 from celery_lease.clock import Clock, SystemClock
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import (
@@ -21,8 +23,6 @@ from celery_lease.errors import (
     LockNotAcquiredError,
     StoreUnavailableError,
 )
-from celery_lease.lease import Lease, current_lease, get_lock_token, lease
-from celery_lease.renewer import shutdown
 from celery_lease.stores import _registry
 from celery_lease.stores.base import (
     AsyncLockStore,
@@ -38,13 +38,13 @@ from celery_lease.stores.base import (
 from celery_lease.stores.memory import MemoryLockStore
 
 if TYPE_CHECKING:
-    from celery_lease._aio_store import ThreadedAsyncStore
+    from celery_lease._celery.task import LockedTask, locked
+    from celery_lease._core.threaded_store import ThreadedAsyncStore
     from celery_lease.stores.postgres import PostgresLockStore
     from celery_lease.stores.postgres_async import AsyncPostgresLockStore
     from celery_lease.stores.redis import RedisLockStore
     from celery_lease.stores.redis_async import AsyncRedisLockStore
     from celery_lease.stores.sqlite import SQLiteLockStore
-    from celery_lease.task import LockedTask, locked
 
 __all__ = [
     "AlreadyQueuedError",
@@ -85,8 +85,8 @@ __all__ = [
 # name -> (module, extra that provides its driver, or None); the stores' from the store table
 _LAZY: dict[str, tuple[str, str | None]] = {
     **_registry.lazy_names(),
-    "LockedTask": ("celery_lease.task", None),
-    "locked": ("celery_lease.task", None),
+    "LockedTask": ("celery_lease._celery.task", None),
+    "locked": ("celery_lease._celery.task", None),
 }
 
 

@@ -32,8 +32,9 @@ from urllib.parse import urlsplit
 import click
 from click.core import ParameterSource
 
+from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
+from celery_lease._core.unique_options import SUPERSEDED_NAMESPACE
 from celery_lease.errors import LeaseError
-from celery_lease.owners import Holder, is_queued_owner, parse_owner
 from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
@@ -42,7 +43,6 @@ from celery_lease.stores.base import (
     store_from_url,
 )
 from celery_lease.stores.memory import MemoryLockStore
-from celery_lease.unique_options import SUPERSEDED_NAMESPACE
 
 __all__ = ["lease_group", "main"]
 
@@ -79,8 +79,9 @@ def _open_url(url: str) -> LockStore:
 
 
 def _store_for_app(app: Any) -> LockStore:
-    """The store the app's tasks use, resolved as :func:`celery_lease.config.get_store` does."""
-    from celery_lease.config import get_store
+    """The store the app's tasks use, resolved as :func:`celery_lease._celery.settings.get_store`
+    does."""
+    from celery_lease._celery.settings import get_store
 
     store = get_store(app)
     if isinstance(store, MemoryLockStore):
@@ -179,10 +180,11 @@ def _app(ctx: click.Context) -> Any:
 
 def _key_prefix(app: Any) -> str:
     """The app's ``lease_key_prefix``, which its tasks put in front of their keys (``""``
-    without an app): read as the task layer reads it, :func:`celery_lease.config.get_settings`."""
+    without an app): read as the task layer reads it,
+    :func:`celery_lease._celery.settings.get_settings`."""
     if app is None:
         return ""
-    from celery_lease.config import get_settings
+    from celery_lease._celery.settings import get_settings
 
     return get_settings(app).key_prefix
 
@@ -248,8 +250,8 @@ HELD = "held"
 
 
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease.owners.parse_owner`, reading a queued owner id as it is made:
-    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease.owners.queued_owner`),
+    """:func:`~celery_lease._core.owners.parse_owner`, reading a queued owner id as it is made:
+    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease._core.owners.queued_owner`),
     whose ``n`` is a nonce that keeps the id unique, not a node: a queued owner names no node,
     so its node is ``None``."""
     holder = parse_owner(owner)
@@ -261,7 +263,7 @@ def _holder(owner: str) -> Holder:
 def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
     """Whether the lease is a debounce tombstone: ``<lease_key_prefix>superseded:<task id>``,
     held by a queued owner naming the copy that superseded that one
-    (:func:`celery_lease.unique.superseded_key`)."""
+    (:func:`celery_lease._celery.unique.superseded_key`)."""
     return is_queued_owner(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
 
 
@@ -610,7 +612,7 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
     lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
     alone is pinged. URLs are shown with their password masked.
     """
-    from celery_lease import worker
+    from celery_lease._celery import worker
 
     url = _store_url(ctx, store_url)
     app = getattr(ctx.obj, "app", None)
@@ -636,7 +638,7 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
 # `celery -A proj inspect leases` is checked against the remote-control registry of the process
 # that runs it, which imports the -A module only (often not the one that imports celery-lease):
 # this module is loaded in every run of the `celery` program (the celery.commands entry point).
-importlib.import_module("celery_lease.control")
+importlib.import_module("celery_lease._celery.control")
 
 
 @lease_group.command(

@@ -12,7 +12,7 @@ Installed as a pytest plugin (entry point ``celery_lease``), it provides the fix
 They stop celery-lease's background threads at teardown (:func:`celery_lease.shutdown`).
 
 Loss callbacks (``on_lost``) run on a dispatcher thread: a test that asserts on what one did
-waits for them with :func:`celery_lease.dispatch.drain`.
+waits for them with :func:`celery_lease._core.dispatch.drain`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
-__all__ = ["FakeClock", "lease_clock", "lease_store", "override_lease_store", "use_lease_store"]
+from celery_lease._core.dispatch import drain
+
+__all__ = [
+    "FakeClock",
+    "drain",
+    "lease_clock",
+    "lease_store",
+    "override_lease_store",
+    "use_lease_store",
+]
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -168,7 +177,7 @@ def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     Yields:
         ``store``.
     """
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     conf = app.conf
     conf.finalize()  # load config_from_object now: its namespace decides the key
@@ -207,7 +216,7 @@ else:
         stay green). A test that leaves a ``lease()`` block un-exited errors at teardown with
         the key named.
         """
-        from celery_lease.renewer import shutdown
+        from celery_lease._core.renewer import shutdown
 
         yield FakeClock(1000.0)
         shutdown()

@@ -664,7 +664,7 @@ def _wait_stopped(pid: int, timeout: float = 2.0) -> None:
 
 
 def _lease_store(app: Any) -> Any:
-    from celery_lease.config import get_store
+    from celery_lease._celery.settings import get_store
 
     return get_store(app)
 

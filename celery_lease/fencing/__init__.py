@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from celery_lease._core.lease import current_lease
 from celery_lease.errors import LeaseConfigError, LeaseError
-from celery_lease.lease import current_lease
 
 __all__ = ["FencingToken", "MissingRowError", "StaleTokenError", "resolve_token"]
 

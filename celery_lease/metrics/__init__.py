@@ -69,8 +69,10 @@ from typing import Any, Protocol
 
 from celery import bootsteps
 
-from celery_lease import config, forking, signals
-from celery_lease.config import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
+from celery_lease import _forking as forking
+from celery_lease import signals
+from celery_lease._celery import settings as config
+from celery_lease._celery.settings import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
 from celery_lease.errors import LeaseConfigError
 
 __all__ = [
@@ -152,7 +154,7 @@ def _queued_key(sender: Any, key: str) -> str | None:
         prefix = config.get_settings(sender.app).key_prefix
     except Exception:  # no app, bad settings: its renewals are not counted
         return None
-    from celery_lease.unique import queued_key
+    from celery_lease._celery.unique import queued_key
 
     return queued_key(key, prefix)
 
@@ -276,7 +278,7 @@ def connect(sink: Sink) -> None:
         _sink = sink
         for signal, receiver in _RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=f"celery_lease.metrics.{signal.name}")
-        from celery_lease import renewer
+        from celery_lease._core import renewer
 
         observe = getattr(renewer, "observe_renewals", None)
         if observe is not None and not getattr(connect, "_observing", False):
@@ -368,7 +370,7 @@ def _options_of(app: Any) -> _Options | None:
     try:
         settings = config.get_settings(app)
     except LeaseConfigError:
-        return None  # celery_lease.worker.LeaseCheck refuses the worker with this error
+        return None  # celery_lease._celery.worker.LeaseCheck refuses the worker with this error
     if settings.metrics is None:
         return None
     _check_library(settings.metrics, "lease_metrics")
@@ -376,7 +378,7 @@ def _options_of(app: Any) -> _Options | None:
 
 
 def _in_main_process(pool_cls: Any) -> bool:
-    from celery_lease.worker import IN_PROCESS_POOLS
+    from celery_lease._celery.worker import IN_PROCESS_POOLS
 
     modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
     return bool(modules.intersection(IN_PROCESS_POOLS))
@@ -384,7 +386,7 @@ def _in_main_process(pool_cls: Any) -> bool:
 
 def _refuse(parent: Any, error: LeaseConfigError) -> None:
     """Log why the worker cannot serve its metrics, and remove what celery-lease made for it."""
-    from celery_lease import control
+    from celery_lease._celery import control
 
     logger.critical("Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error)
     control.cleanup_main()
@@ -405,7 +407,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """
 
     label = "celery-lease metrics"
-    requires = ("celery.worker.components:Pool", "celery_lease.worker:LeaseCheck")
+    requires = ("celery.worker.components:Pool", "celery_lease._celery.worker:LeaseCheck")
     """After the pool (its class decides multiprocess mode) and the configuration check (which
     refuses a bad ``lease_metrics`` setting first, with the message about it)."""
 

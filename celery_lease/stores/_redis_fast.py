@@ -61,7 +61,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 
 __all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
 

@@ -3,7 +3,8 @@
 Every reader of a store URL goes through this table:
 :func:`~celery_lease.stores.base.store_from_url`,
 :func:`~celery_lease.stores.base.async_store_from_url`, the settings check that refuses a
-misspelled ``lease_store`` scheme at worker start (:mod:`celery_lease.config`), the ``celery
+misspelled ``lease_store`` scheme at worker start (:mod:`celery_lease._celery.settings`), the
+``celery
 lease`` CLI (through ``store_from_url``) and the store classes :mod:`celery_lease` loads on first
 use (naming the extra to install when a driver is missing). A scheme added here is known to all
 of them.
@@ -76,7 +77,7 @@ SCHEMES: Mapping[str, Entry] = MappingProxyType(
 )
 """Lower-case URL scheme -> :class:`Entry`, in the order the schemes are listed to users."""
 
-THREADED_ADAPTER = "celery_lease._aio_store:ThreadedAsyncStore"
+THREADED_ADAPTER = "celery_lease._core.threaded_store:ThreadedAsyncStore"
 """``"module:Class"`` of the async adapter over any synchronous store (built with the store and
 ``close_store=True``)."""
 

@@ -10,7 +10,7 @@ these three calls. Optional capabilities, detected with ``isinstance`` against t
 - :class:`SupportsInspection`: ``list`` / ``get`` / ``last_token`` / ``force_release`` for the CLI.
 
 :class:`AsyncLockStore` is the asyncio twin of :class:`LockStore` (``async with lease(...)``, see
-:mod:`celery_lease.aio`): the same three operations as coroutines, on the same data as a
+:mod:`celery_lease._core.aio`): the same three operations as coroutines, on the same data as a
 synchronous store it hands out as ``sync`` (the renewer thread renews through that one).
 """
 
@@ -195,7 +195,7 @@ class AsyncLockStore(Protocol):
     works on the SAME data as its synchronous twin :attr:`sync`, so sync and async processes
     (and the renewer thread, which renews through :attr:`sync`) exclude each other.
 
-    Implementations: :class:`celery_lease.aio.ThreadedAsyncStore` (any sync store, its short
+    Implementations: :class:`celery_lease._core.aio.ThreadedAsyncStore` (any sync store, its short
     calls run on a thread), ``celery_lease.stores.redis_async.AsyncRedisLockStore``
     (``redis.asyncio``) and ``celery_lease.stores.postgres_async.AsyncPostgresLockStore``
     (psycopg's async connection). :func:`async_store_from_url` picks one from a URL.
@@ -329,7 +329,8 @@ def async_store_from_url(url: str) -> AsyncLockStore:
     - ``redis://``, ``rediss://``, ``redis+sentinel://``, ``unix://``:
       ``AsyncRedisLockStore.from_url(url)`` (``redis.asyncio``);
     - ``postgresql://`` / ``postgres://``: ``AsyncPostgresLockStore.from_url(url)`` (psycopg 3);
-    - ``sqlite:///...`` and ``memory://``: a :class:`celery_lease.aio.ThreadedAsyncStore` over the
+    - ``sqlite:///...`` and ``memory://``: a :class:`celery_lease._core.aio.ThreadedAsyncStore`
+    over the
       synchronous store (their calls are short and local: they run on a thread of the event
       loop's default executor). The adapter owns that store: ``aclose()`` closes it.
 

@@ -74,7 +74,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import TransactionStatus
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TypeVar
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from celery_lease import lease, store_from_url
+from celery_lease._core.lease import Lease
 from celery_lease.errors import LockLostError, LockNotAcquiredError, StoreUnavailableError
-from celery_lease.lease import Lease
 from celery_lease.stores.base import LockStore
 
 __all__ = [

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from celery_lease.lease import POLL_MAX
+from celery_lease._core.lease import POLL_MAX
 from tests.faults.harness import now
 
 pytestmark = pytest.mark.slow

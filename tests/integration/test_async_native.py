@@ -24,7 +24,7 @@ import pytest
 
 import celery_lease
 from celery_lease import LockLostError, get_lock_token, lease
-from celery_lease.dispatch import drain
+from celery_lease._core.dispatch import drain
 from celery_lease.stores.base import AsyncLockStore, async_store_from_url
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.redis import RedisLockStore

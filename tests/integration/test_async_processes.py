@@ -35,7 +35,7 @@ def _native(module: str, name: str) -> Any:
 
 def _build(kind: str, target: str) -> Any:
     """The AsyncLockStore a child uses (built in the child, after spawn)."""
-    from celery_lease.aio import ThreadedAsyncStore
+    from celery_lease._core.aio import ThreadedAsyncStore
 
     if kind == "sqlite":
         from celery_lease import SQLiteLockStore

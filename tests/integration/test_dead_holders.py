@@ -29,8 +29,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseInfo, LockedTask, SupportsInspection, lease, store_from_url
-from celery_lease.keys import make_key_function
-from celery_lease.owners import parse_owner
+from celery_lease._core.keys import make_key_function
+from celery_lease._core.owners import parse_owner
 from celery_lease.signals import lock_released
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -328,8 +328,8 @@ def new_run() -> str:
     """A fresh run id: the ``{run}`` of the tasks' key ``dh:{run}`` and of the marker files.
 
     It starts with a letter: a str of decimal digits alone is keyed ``~str.<digits>`` by a key
-    template (see :mod:`celery_lease.keys`), so a bare ``uuid4().hex[:10]`` that happened to be
-    all decimal (about 1 in 110) made the task lock ``dh:~str.<run>`` while the test read
+    template (see :mod:`celery_lease._core.keys`), so a bare ``uuid4().hex[:10]`` that happened
+    to be all decimal (about 1 in 110) made the task lock ``dh:~str.<run>`` while the test read
     ``dh:<run>``, free.
     """
     return "r" + uuid.uuid4().hex[:10]
@@ -371,7 +371,8 @@ class TestHarness:
     ) -> None:
         """Every locked task of the app locks ``dh:{run}`` exactly, for any run id the harness
         makes. A str of decimal digits alone is keyed ``~str.<digits>`` (so that it differs from
-        the int; see :mod:`celery_lease.keys`): a run id of ten hex digits that were all decimal
+        the int; see :mod:`celery_lease._core.keys`): a run id of ten hex digits that were all
+        decimal
         (about 1 in 110) made the task lock ``dh:~str.<run>`` while the test read ``dh:<run>``,
         found it free, and failed with "dh:<run> not held". The uuid is forced to that case."""
         monkeypatch.setattr(

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from celery._state import _set_current_app, get_current_app
 
-from celery_lease import MemoryLockStore, config
+from celery_lease import MemoryLockStore
+from celery_lease._celery import settings as config
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from celery_lease import LockNotAcquiredError, lease
-from celery_lease.owners import make_owner, parse_owner
+from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.stores.sqlite import SQLiteLockStore
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
@@ -92,7 +92,8 @@ def test_a_child_forked_inside_a_locked_task_is_refused_the_same_key(tmp_path: P
     must neither re-enter nor free them: it is refused, and the parent still holds the key."""
     from celery import Celery
 
-    from celery_lease import LockedTask, config
+    from celery_lease import LockedTask
+    from celery_lease._celery import settings as config
 
     path = tmp_path / "leases.sqlite3"
     app = Celery("fork", set_as_current=False)

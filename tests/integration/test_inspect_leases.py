@@ -8,7 +8,7 @@ the test writes ``done-<run>``; the test then asks the worker, as an operator wo
 Celery's remote control (``app.control.inspect``) and with the ``celery inspect leases`` command.
 
 Under prefork the leases live in the pool children, which the worker's main process asks over a
-unix socket each (see :mod:`celery_lease.control`); under threads and solo they are the main
+unix socket each (see :mod:`celery_lease._celery.control`); under threads and solo they are the main
 process's own. A solo worker runs the body on the thread that answers remote control, so it can
 answer only while no body runs: its leases held outside a body (here: by a thread a task
 started) are the ones it reports.

@@ -24,7 +24,7 @@ from billiard.exceptions import SoftTimeLimitExceeded
 from celery import Celery
 
 from celery_lease import LockedTask, LockLostError, store_from_url
-from celery_lease import interrupt as _interrupt
+from celery_lease._celery import interrupt as _interrupt
 from tests.integration.conftest import READY_TIMEOUT, ROOT, STOP_TIMEOUT, WorkerEnv, stop_worker
 from tests.support import service_missing
 

@@ -27,8 +27,8 @@ from celery import Celery
 from celery.exceptions import TaskRevokedError
 
 from celery_lease import LockStore, store_from_url
-from celery_lease import unique as unique_module
-from celery_lease.owners import parse_owner
+from celery_lease._celery import unique as unique_module
+from celery_lease._core.owners import parse_owner
 from tests.fixtures_redis import RedisServer
 from tests.integration.conftest import ROOT, stop_worker
 from tests.integration.unique_app import make_app

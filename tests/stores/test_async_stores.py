@@ -27,8 +27,8 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from celery_lease import _aio_store
-from celery_lease._aio_store import ThreadedAsyncStore
+from celery_lease._core import threaded_store as _aio_store
+from celery_lease._core.threaded_store import ThreadedAsyncStore
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsInspection
 from celery_lease.stores.memory import MemoryLockStore

@@ -32,7 +32,7 @@ class TestNoPasswordInMessages:
     def test_a_lease_store_setting_that_is_not_a_url(self) -> None:
         from celery import Celery
 
-        from celery_lease.config import get_settings
+        from celery_lease._celery.settings import get_settings
 
         app = Celery("redaction", set_as_current=False)
         app.conf.lease_store = f"app:{SECRET}@db.internal/prod"  # the scheme forgotten

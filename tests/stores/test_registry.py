@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseConfigError, config
+from celery_lease import LeaseConfigError
+from celery_lease._celery import settings as config
 from celery_lease.stores import _registry
 from celery_lease.stores.base import async_store_from_url, store_from_url
 
@@ -130,7 +131,9 @@ class TestTheTable:
             if path.stem not in ("__init__", "base", "_registry")
         }
         named = {path.partition(":")[0] for path in _paths()}
-        assert named - {"celery_lease.stores.base"} <= stores | {"celery_lease._aio_store"}
+        assert named - {"celery_lease.stores.base"} <= stores | {
+            "celery_lease._core.threaded_store"
+        }
         assert not ours & (stores | named)
         assert ours <= {
             "celery_lease.errors",

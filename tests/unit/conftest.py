@@ -12,8 +12,8 @@ from celery import Celery
 from celery.signals import after_task_publish
 
 from celery_lease import MemoryLockStore, StoreUnavailableError
-from celery_lease import unique as unique_module
-from celery_lease.renewer import get_renewer
+from celery_lease._celery import unique as unique_module
+from celery_lease._core.renewer import get_renewer
 from celery_lease.testing import FakeClock
 
 REAL_TIMEOUT = 10.0

@@ -27,15 +27,15 @@ from celery_lease import (
     MemoryLockStore,
     SQLiteLockStore,
     StoreUnavailableError,
-    _aio_store,
-    aio,
     current_lease,
     get_lock_token,
     lease,
 )
-from celery_lease.aio import ThreadedAsyncStore
-from celery_lease.dispatch import drain
-from celery_lease.renewer import get_renewer
+from celery_lease._core import aio
+from celery_lease._core import threaded_store as _aio_store
+from celery_lease._core.aio import ThreadedAsyncStore
+from celery_lease._core.dispatch import drain
+from celery_lease._core.renewer import get_renewer
 from celery_lease.stores.base import AsyncLockStore, async_store_from_url
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore

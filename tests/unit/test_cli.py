@@ -22,8 +22,8 @@ from celery import Celery
 from click.testing import CliRunner, Result
 
 from celery_lease import LockStore, store_from_url
+from celery_lease._core.owners import make_owner
 from celery_lease.cli import lease_group, main
-from celery_lease.owners import make_owner
 from tests.support import free_port
 
 TTL_MS = 60_000
@@ -183,7 +183,7 @@ class TestStates:
         """Under an app with a result backend: a unique copy's queued lease is "queued", a lease
         of a task that succeeded is "cooldown", one of an unfinished task "running"; a lease that
         names no task is "held". ``--state`` keeps one state."""
-        from celery_lease.owners import queued_owner
+        from celery_lease._core.owners import queued_owner
 
         obj = celery_obj(lease_store=store_url, result_backend=redis_url)
         done, busy = f"done-{uuid.uuid4().hex}", f"busy-{uuid.uuid4().hex}"
@@ -213,7 +213,8 @@ class TestStates:
 
     def test_the_queued_owner_prefix_is_the_unique_modules(self):
         """The CLI recognises queued owners by the head the unique copies' owners are made with."""
-        from celery_lease import cli, owners
+        from celery_lease import cli
+        from celery_lease._core import owners
 
         assert cli.is_queued_owner(owners.queued_owner("t", "i", 1))
         assert not cli.is_queued_owner(make_owner(task="t", task_id="i"))

@@ -23,8 +23,8 @@ from celery import Celery
 from click.testing import CliRunner, Result
 
 from celery_lease import LockedTask, lease, store_from_url
+from celery_lease._core.owners import make_owner, parse_owner, queued_owner
 from celery_lease.cli import lease_group, main
-from celery_lease.owners import make_owner, parse_owner, queued_owner
 from celery_lease.stores.base import SupportsInspection
 
 TTL_MS = 60_000

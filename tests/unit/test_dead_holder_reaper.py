@@ -1,4 +1,4 @@
-"""The prefork worker's reaper (``celery_lease.worker._Reaper``) without a worker.
+"""The prefork worker's reaper (``celery_lease._celery.worker._Reaper``) without a worker.
 
 Which leases of a dead pool child it releases (owner-checked, only that child's running tasks',
 never a succeeded task's cooldown) and how it makes the event loop reap a child at once (a pidfd,
@@ -20,11 +20,12 @@ from typing import Any
 
 import pytest
 
-from celery_lease import LeaseInfo, MemoryLockStore, worker
-from celery_lease.dispatch import drain
-from celery_lease.owners import make_owner
+from celery_lease import LeaseInfo, MemoryLockStore
+from celery_lease._celery import worker
+from celery_lease._celery.worker import _Death, _Reaper
+from celery_lease._core.dispatch import drain
+from celery_lease._core.owners import make_owner
 from celery_lease.signals import lock_released
-from celery_lease.worker import _Death, _Reaper
 
 TTL_MS = 30_000
 NODE = "w1@host"

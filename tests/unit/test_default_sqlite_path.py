@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease import LeaseConfigError, config
+from celery_lease import LeaseConfigError
+from celery_lease._celery import settings as config
 from celery_lease.stores.sqlite import SQLiteLockStore
 
 PROC_LOCKS = Path("/proc/locks")

@@ -22,10 +22,11 @@ from celery.app.trace import build_tracer
 from celery.signals import after_task_publish, task_postrun, task_success
 from celery.utils.dispatch import Signal
 
-from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, deferral, locked
-from celery_lease import config as lease_config
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease import worker as worker_module
+from celery_lease._celery import deferral
+from celery_lease._celery import settings as lease_config
+from celery_lease._celery import worker as worker_module
 from celery_lease.stores.base import SupportsDeferredRelease
 
 
@@ -396,7 +397,9 @@ def _stand_in_receiver(**_: Any) -> None:
     pass
 
 
-_stand_in_receiver.__module__ = "celery_lease.stand_in"  # stands for celery_lease.worker's receiver
+_stand_in_receiver.__module__ = (
+    "celery_lease.stand_in"  # stands for celery_lease._celery.worker's receiver
+)
 
 
 class TestOnlyOurs:

@@ -1,4 +1,5 @@
-"""The dispatcher (:mod:`celery_lease.dispatch`): user callbacks run off the core's threads."""
+"""The dispatcher (:mod:`celery_lease._core.dispatch`): user callbacks run off the core's
+threads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 
 import pytest
 
-from celery_lease.dispatch import drain, get_dispatcher
+from celery_lease._core.dispatch import drain, get_dispatcher
 from tests.unit.core_faults import REAL
 
 

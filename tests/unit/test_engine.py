@@ -1,4 +1,4 @@
-"""The engine of LockedTask (:mod:`celery_lease.engine`), run eagerly with ``apply()``.
+"""The engine of LockedTask (:mod:`celery_lease._celery.execution`), run eagerly with ``apply()``.
 
 Owner ids per execution, the key freed before the result is returned, an async store configured
 for a task, and a loss recorded just before the body re-sends itself.
@@ -18,10 +18,10 @@ from celery import Celery
 
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
-from celery_lease._aio_store import ThreadedAsyncStore
-from celery_lease.dispatch import drain
-from celery_lease.owners import parse_owner
-from celery_lease.renewer import observe_renewals
+from celery_lease._core.dispatch import drain
+from celery_lease._core.owners import parse_owner
+from celery_lease._core.renewer import observe_renewals
+from celery_lease._core.threaded_store import ThreadedAsyncStore
 from tests.unit.conftest import REAL_TIMEOUT
 
 
@@ -29,7 +29,7 @@ from tests.unit.conftest import REAL_TIMEOUT
 def app() -> Iterator[Celery]:
     app = Celery("engine", broker="memory://", backend="cache+memory://", set_as_current=False)
     yield app
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     config.reset(app)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import celery_lease
-from celery_lease import forking
+from celery_lease import _forking as forking
 
 PACKAGE = Path(celery_lease.__file__).parent
 DEADLINE = 10.0
@@ -86,9 +86,9 @@ class ListHandler(logging.Handler):
 
 @pytest.fixture
 def forking_log() -> Iterator[ListHandler]:
-    """What celery_lease.forking logs (a forked child inherits the handler: it sends them)."""
+    """What celery_lease._forking logs (a forked child inherits the handler: it sends them)."""
     handler = ListHandler()
-    logger = logging.getLogger(forking.__name__)
+    logger = logging.getLogger("celery_lease.forking")
     logger.addHandler(handler)
     try:
         yield handler
@@ -169,7 +169,7 @@ class TestResetChildState:
         forking.on_new_process(fail(RuntimeError("boom")), name="test: raiser")
         forking.on_new_process(record("after"), name="test: after")
 
-        with caplog.at_level(logging.ERROR, logger=forking.__name__):
+        with caplog.at_level(logging.ERROR, logger="celery_lease.forking"):
             forking.reset_child_state()
 
         assert calls == ["raised", "after"]
@@ -228,19 +228,19 @@ def _register_at_fork_calls(path: Path) -> list[int]:
 
 class TestOneRegistry:
     def test_only_the_forking_module_calls_register_at_fork(self) -> None:
-        """Every at-fork hook of the package goes through celery_lease.forking."""
+        """Every at-fork hook of the package goes through celery_lease._forking."""
         found = {
             str(path.relative_to(PACKAGE)): lines
             for path in sorted(PACKAGE.rglob("*.py"))
             if (lines := _register_at_fork_calls(path))
         }
 
-        assert list(found) == ["forking.py"]
-        assert len(found["forking.py"]) == 1
+        assert list(found) == ["_forking.py"]
+        assert len(found["_forking.py"]) == 1
 
     def test_the_forking_module_imports_the_standard_library_only(self) -> None:
-        """forking.py depends on nothing else: not Celery, not another celery_lease module."""
-        tree = ast.parse((PACKAGE / "forking.py").read_text())
+        """_forking.py depends on nothing else: not Celery, not another celery_lease module."""
+        tree = ast.parse((PACKAGE / "_forking.py").read_text())
         imported = {
             (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
             for node in ast.walk(tree)

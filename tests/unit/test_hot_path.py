@@ -18,9 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_lease import MemoryLockStore, lease
-from celery_lease.keys import _bind, _binder, _canonical_argument, _field, _simple_field
-from celery_lease.lease import new_owner_id
-from celery_lease.renewer import COMPACT_AFTER, get_renewer
+from celery_lease._core.keys import _bind, _binder, _canonical_argument, _field, _simple_field
+from celery_lease._core.lease import new_owner_id
+from celery_lease._core.renewer import COMPACT_AFTER, get_renewer
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 

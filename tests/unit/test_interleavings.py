@@ -85,8 +85,8 @@ from typing import Any
 import pytest
 
 from celery_lease import Lease, LockLostError, MemoryLockStore, StoreUnavailableError, lease
-from celery_lease.dispatch import drain
-from celery_lease.renewer import FLIGHT_WAIT, Entry, Renewer, validity
+from celery_lease._core.dispatch import drain
+from celery_lease._core.renewer import FLIGHT_WAIT, Entry, Renewer, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
 from tests.unit.core_faults import Interrupt

@@ -1,4 +1,5 @@
-"""The per-pool interrupt of ``on_lost="revoke"`` (:mod:`celery_lease.interrupt`), order by order.
+"""The per-pool interrupt of ``on_lost="revoke"`` (:mod:`celery_lease._celery.interrupt`), order by
+order.
 
 The task's thread calls ``start()`` before the body and ``end()`` after it; ``fire()`` comes from
 the renewer or watchdog thread at any moment. These tests force the dangerous orders on purpose:
@@ -27,8 +28,8 @@ import pytest
 from billiard.exceptions import SoftTimeLimitExceeded
 from billiard.pool import soft_timeout_sighandler
 
-from celery_lease import interrupt
-from celery_lease.interrupt import AsyncLockLost, Interrupter
+from celery_lease._celery import interrupt
+from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from tests.support import service_missing
 
 TIMEOUT = 10.0  # real seconds a test waits for another thread at most
@@ -101,7 +102,8 @@ def checked_interrupter(key: str = "k") -> Interrupter:
 
 
 def handler_at_line(count: int, signum: int, call: Callable[[], None]) -> tuple[bool, Any]:
-    """Run ``call()``; at the ``count``-th line run in :mod:`celery_lease.interrupt`, run the
+    """Run ``call()``; at the ``count``-th line run in :mod:`celery_lease._celery.interrupt`, run
+    the
     handler installed for ``signum``, as if the signal arrived while the frame sits on that line
     (holding whatever locks it holds there).
 
@@ -424,7 +426,7 @@ if POOL == "gevent":
 else:
     import eventlet; eventlet.monkey_patch()
     spawn, sleep = eventlet.spawn, eventlet.sleep
-from celery_lease.interrupt import AsyncLockLost, Interrupter
+from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 
 def body(it, out, switches):
     try:

@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from kombu import serialization
 from kombu.utils.json import dumps, loads
 
-from celery_lease import keys
+from celery_lease._core import keys
+from celery_lease._core.keys import canonical_json, make_key_function, template_fields
 from celery_lease.errors import LeaseConfigError
-from celery_lease.keys import canonical_json, make_key_function, template_fields
 
 
 def body(account_id, amount=10, *, currency="EUR"):  # type: ignore[no-untyped-def]
@@ -109,7 +109,7 @@ class TestDigest:
         """Another interpreter (another hash seed) computes the same key."""
         code = (
             "import inspect\n"
-            "from celery_lease.keys import make_key_function\n"
+            "from celery_lease._core.keys import make_key_function\n"
             "def body(account_id, amount=10, *, currency='EUR'): pass\n"
             "print(make_key_function(None, inspect.signature(body), task='app.t')"
             "((1,), {'currency': 'EUR', 'amount': 10}))\n"

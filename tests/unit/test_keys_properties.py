@@ -2,7 +2,7 @@
 
 Each generated value is compared through an *oracle*, a small independent model of which values
 count as one (``oracle``): a type tag plus Python's own equality, with the documented decisions of
-``celery_lease.keys`` (a tuple is its list, ``-0.0`` is ``0.0``, every NaN is one value, an
+``celery_lease._core.keys`` (a tuple is its list, ``-0.0`` is ``0.0``, every NaN is one value, an
 ``IntEnum`` is its int, a mapping's int keys are their decimal strings, a pydantic model is its
 json dump, an aware datetime is its UTC instant, an aware time is its ISO text, a
 surrogate pair in a str is the character it encodes). Two argument
@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kombu.utils.json import dumps, loads
 
-from celery_lease.keys import make_key_function
+from celery_lease._core.keys import make_key_function
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

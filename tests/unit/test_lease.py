@@ -24,8 +24,8 @@ from celery_lease import (
     get_lock_token,
     lease,
 )
-from celery_lease.dispatch import drain
-from celery_lease.renewer import Entry, get_renewer
+from celery_lease._core.dispatch import drain
+from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 from tests.unit.core_faults import REAL, Interrupt
@@ -531,7 +531,7 @@ class TestFork:
 # An asynchronous exception inside lease()'s own bookkeeping ---------------------------------
 
 
-_lease_module = sys.modules["celery_lease.lease"]  # the package exports a function of that name
+_lease_module = sys.modules["celery_lease._core.lease"]
 
 
 class AsyncLockLostStandIn(LockLostError):

@@ -19,7 +19,8 @@ from typing import Any
 from celery import Celery
 from click.testing import CliRunner, Result
 
-from celery_lease import LockedTask, worker
+from celery_lease import LockedTask
+from celery_lease._celery import worker
 from celery_lease.cli import lease_group
 from tests.support import free_port
 

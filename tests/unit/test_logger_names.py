@@ -13,18 +13,21 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_lease"
 
 LOGGER_NAMES = {
-    "celery_lease._aio_store": "celery_lease.aio",
-    "celery_lease.aio": "celery_lease.aio",
-    "celery_lease.config": "celery_lease.config",
-    "celery_lease.control": "celery_lease.control",
-    "celery_lease.deferral": "celery_lease.deferral",
-    "celery_lease.dispatch": "celery_lease.dispatch",
-    "celery_lease.engine": "celery_lease.engine",
-    "celery_lease.interrupt": "celery_lease.interrupt",
-    "celery_lease.lease": "celery_lease.lease",
+    "celery_lease._celery.control": "celery_lease.control",
+    "celery_lease._celery.deferral": "celery_lease.deferral",
+    "celery_lease._celery.execution": "celery_lease.engine",
+    "celery_lease._celery.interrupt": "celery_lease.interrupt",
+    "celery_lease._celery.settings": "celery_lease.config",
+    "celery_lease._celery.unique": "celery_lease.unique",
+    "celery_lease._celery.worker": "celery_lease.worker",
+    "celery_lease._core.aio": "celery_lease.aio",
+    "celery_lease._core.dispatch": "celery_lease.dispatch",
+    "celery_lease._core.lease": "celery_lease.lease",
+    "celery_lease._core.renewer": "celery_lease.renewer",
+    "celery_lease._core.threaded_store": "celery_lease.aio",
+    "celery_lease._forking": "celery_lease.forking",
     "celery_lease.metrics": "celery_lease.metrics",
     "celery_lease.metrics.prometheus": "celery_lease.metrics.prometheus",
-    "celery_lease.renewer": "celery_lease.renewer",
     "celery_lease.signals": "celery_lease.signals",
     "celery_lease.stores._redis_fast": "celery_lease.stores._redis_fast",
     "celery_lease.stores.postgres": "celery_lease.stores.postgres",
@@ -32,8 +35,6 @@ LOGGER_NAMES = {
     "celery_lease.stores.redis": "celery_lease.stores.redis",
     "celery_lease.stores.redis_async": "celery_lease.stores.redis_async",
     "celery_lease.stores.sqlite": "celery_lease.stores.sqlite",
-    "celery_lease.unique": "celery_lease.unique",
-    "celery_lease.worker": "celery_lease.worker",
 }
 """Module -> the name of the logger it logs with."""
 

@@ -212,7 +212,7 @@ class TestSetting:
         self, app: Celery, conf: dict[str, Any], needle: str
     ) -> None:
         """A bad value or a misspelled name fails when the settings are read (worker start)."""
-        from celery_lease import config
+        from celery_lease._celery import settings as config
 
         app.conf.update(conf)
         with pytest.raises(LeaseConfigError, match=re.escape(needle)):
@@ -279,7 +279,7 @@ class TestRenewalLatency:
         second observed renewal: both land in the renewal histogram under the task's name."""
         import threading
 
-        from celery_lease import renewer
+        from celery_lease._core import renewer
         from celery_lease.metrics.prometheus import PrometheusSink
 
         app = Celery("r", broker="memory://", backend="cache+memory://", set_as_current=False)

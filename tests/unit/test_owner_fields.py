@@ -9,7 +9,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, LockNotAcquiredError, MemoryLockStore, lease
-from celery_lease.owners import MAX_FIELD_CHARS, make_owner, parse_owner
+from celery_lease._core.owners import MAX_FIELD_CHARS, make_owner, parse_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT
 

@@ -19,9 +19,9 @@ import pytest
 
 import celery_lease
 from celery_lease import Lease, MemoryLockStore, lease
-from celery_lease import renewer as renewer_module
-from celery_lease.dispatch import drain, get_dispatcher
-from celery_lease.renewer import IDLE_EXIT, Renewer, get_renewer, validity
+from celery_lease._core import renewer as renewer_module
+from celery_lease._core.dispatch import drain, get_dispatcher
+from celery_lease._core.renewer import IDLE_EXIT, Renewer, get_renewer, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from celery_lease import lease
-from celery_lease.renewer import get_renewer, observe_renewals
+from celery_lease._core.renewer import get_renewer, observe_renewals
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 

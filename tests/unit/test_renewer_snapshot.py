@@ -1,4 +1,5 @@
-"""``celery_lease.renewer.snapshot()``: the leases this process holds, for ``inspect leases``."""
+"""``celery_lease._core.renewer.snapshot()``: the leases this process holds, for ``inspect
+leases``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 
 from celery_lease import MemoryLockStore, lease
-from celery_lease.renewer import snapshot
+from celery_lease._core.renewer import snapshot
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 from tests.unit.core_faults import GatedRenewalStore, churn

@@ -18,7 +18,8 @@ import pytest
 from celery import Celery
 from celery.app.defaults import _OLD_SETTING_KEYS, SETTING_KEYS
 
-from celery_lease import LeaseConfigError, MemoryLockStore, config
+from celery_lease import LeaseConfigError, MemoryLockStore
+from celery_lease._celery import settings as config
 
 ROOT = Path(__file__).resolve().parents[2]
 

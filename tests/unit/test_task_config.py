@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, config, locked, worker
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
+from celery_lease._celery import settings as config
+from celery_lease._celery import worker
 
 
 @pytest.fixture
@@ -139,7 +141,8 @@ def _pool(name: str) -> type:
 
 
 class TestWorkerCheck:
-    """What a worker refuses at start-up (celery_lease.worker.check_worker and its bootstep)."""
+    """What a worker refuses at start-up (celery_lease._celery.worker.check_worker and its
+    bootstep)."""
 
     @pytest.mark.parametrize("store", [MemoryLockStore(), "memory://"])
     def test_process_local_store_under_prefork_refused(self, app: Celery, store: object) -> None:

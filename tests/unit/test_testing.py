@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, config, lease
+from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, lease
+from celery_lease._celery import settings as config
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock, override_lease_store
 from tests.unit.conftest import REAL_TIMEOUT
@@ -66,7 +67,8 @@ class TestUseLeaseStore:
             import pytest
             from celery import Celery
 
-            from celery_lease import LockedTask, LockNotAcquiredError, config
+            from celery_lease import LockedTask, LockNotAcquiredError
+            from celery_lease._celery import settings as config
 
             app = Celery("proj", broker="memory://", set_as_current=False)
             app.conf.task_always_eager = True
@@ -109,7 +111,8 @@ class TestUseLeaseStore:
             """
             from celery import Celery
 
-            from celery_lease import LockedTask, config
+            from celery_lease import LockedTask
+            from celery_lease._celery import settings as config
 
             class Settings:
                 CELERY_BROKER_URL = "memory://"

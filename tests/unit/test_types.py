@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease import options, types, unique_options
+from celery_lease import types
+from celery_lease._core import options, unique_options
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,7 +18,7 @@ USER_FILE = """
 from datetime import timedelta
 
 from celery_lease import LockedTask, MemoryLockStore, lease, locked
-from celery_lease.options import LockOptions
+from celery_lease._core.options import LockOptions
 from celery_lease.types import Duration, OnHeld, OnLost
 
 

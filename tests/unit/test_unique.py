@@ -14,9 +14,9 @@ import redis.retry
 from celery import Celery
 
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
-from celery_lease import unique as unique_module
+from celery_lease._celery import unique as unique_module
+from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
-from celery_lease.owners import make_owner, parse_owner
 from celery_lease.signals import lock_duplicate
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.redis import RedisLockStore

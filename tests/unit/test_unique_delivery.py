@@ -15,10 +15,9 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore
 
-from celery_lease import config
-from celery_lease import unique as unique_module
-from celery_lease.errors import StoreUnavailableError
-from celery_lease.owners import make_owner, parse_owner, queued_owner
+from celery_lease._celery import settings as config
+from celery_lease._celery import unique as unique_module
+from celery_lease._core.owners import make_owner, parse_owner, queued_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.unique_copies import (

@@ -18,8 +18,8 @@ from celery import Celery
 from celery.exceptions import Ignore, Reject
 
 from celery_lease import MemoryLockStore, signals
-from celery_lease import unique as unique_module
-from celery_lease.owners import make_owner
+from celery_lease._celery import unique as unique_module
+from celery_lease._core.owners import make_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)
@@ -206,7 +206,7 @@ class TestQueuedKeyFreeBeforeTheResult:
         tracer stores its result), so a delay() made after the result is seen enqueues a new
         copy instead of getting the finished one's id. The dispatcher is held up here to show
         the release does not depend on it."""
-        from celery_lease import dispatch
+        from celery_lease._core import dispatch
 
         gate = threading.Event()
         submitted: list[str] = []
@@ -290,7 +290,7 @@ class TestUntilDoneWithoutWaiting:
         """A solo worker's process, with celery-lease's own receivers only (see
         tests/unit/test_deferred_release.py: another module's lock_released recorder, connected
         at import, would rightly make the engine wait)."""
-        from celery_lease import worker as worker_module
+        from celery_lease._celery import worker as worker_module
 
         monkeypatch.setattr(worker_module, "_pool_label", "solo")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from celery_lease import worker
+from celery_lease._celery import worker
 
 NODE = "w1@host"
 
@@ -19,7 +19,7 @@ class TestSocketDirectory:
         """``worker_init`` adds the configuration check (and the reaper) although the socket
         directory of ``inspect leases`` cannot be made: Celery swallows a receiver's error, so
         raising there would silently skip the refusal of a bad configuration."""
-        from celery_lease import control
+        from celery_lease._celery import control
 
         def no_dir(*args: Any, **kwargs: Any) -> str:
             raise PermissionError(13, "Permission denied", "/tmp")
@@ -44,7 +44,7 @@ class TestSocketDirectory:
             hostname = NODE
             app = App()
 
-        from celery_lease import owners
+        from celery_lease._core import owners
 
         monkeypatch.setattr(owners, "_node", owners._node)
         worker._on_worker_init(sender=Sender())

@@ -15,7 +15,7 @@ from celery import Celery
 from celery.app.task import Context
 
 from celery_lease import LockedTask
-from celery_lease import unique as unique_module
+from celery_lease._celery import unique as unique_module
 from tests.unit.conftest import Published, SpyStore
 
 Hook = Callable[[], None]

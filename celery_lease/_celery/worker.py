@@ -1,14 +1,16 @@
 """Worker hooks: per-process state rebuilt in each pool process, the configuration checked at start.
 
-Connected when :mod:`celery_lease.task` is imported (before the pool forks, so prefork children
+Connected when :mod:`celery_lease._celery.task` is imported (before the pool forks, so prefork
+children
 inherit the receivers):
 
 - ``worker_init`` (main process): remember the main process id and add :class:`LeaseCheck`,
   :class:`DeadHolders` and :class:`celery_lease.metrics.MetricsStep` to the worker's bootsteps
   (``app.steps["worker"]``, read by Celery right after this signal);
 - ``worker_process_init`` (each prefork child; the main process under solo): forget stores and
-  caches inherited from the parent (:func:`celery_lease.forking.reset_child_state`; the at-fork
-  hooks of :mod:`celery_lease.forking` already forget the stores after every fork; the signal
+  caches inherited from the parent (:func:`celery_lease._forking.reset_child_state`; the
+  at-fork
+  hooks of :mod:`celery_lease._forking` already forget the stores after every fork; the signal
   also covers pools that start processes otherwise) and note whether this process is a pool
   child.
 
@@ -18,10 +20,11 @@ modules (``include``, ``imports``, and ``autodiscover_tasks()``, Django's includ
 does, before it sends ``worker_init``; it reads ``app.steps["worker"]`` after ``worker_init``,
 and builds every step (their ``__init__``) before any step starts: before the pool forks. So a
 task module that defines a locked task has imported this module (through
-:mod:`celery_lease.task`) before ``worker_init``, whichever module ``-A`` names. The
+:mod:`celery_lease._celery.task`) before ``worker_init``, whichever module ``-A`` names. The
 ``celery`` program itself loads :mod:`celery_lease.cli` (the ``celery.commands`` entry point)
 in every invocation, ``celery inspect`` included, which registers the remote-control command
-``leases`` there (:mod:`celery_lease.control`): the inspect client checks the name against its
+``leases`` there (:mod:`celery_lease._celery.control`): the inspect client checks the name against
+its
 own registry, and imports only the ``-A`` module, never the task modules.
 
 Every worker of a process that imported celery-lease gets the hooks (the configuration check,
@@ -56,11 +59,12 @@ exits with status 1 (the message is logged at CRITICAL, the traceback goes to st
 ``celery.contrib.testing.worker.start_worker`` raises it at once. (Raising from the step's
 ``start`` instead goes through Celery's "Unrecoverable error" path, also exit 1, but only after
 the pool started, and ``start_worker`` then waits forever for a worker that never becomes
-ready.) The refusal is also recorded with :func:`celery_lease.config.refuse`, so a worker that
+ready.) The refusal is also recorded with :func:`celery_lease._celery.settings.refuse`, so a worker
+that
 went on anyway would fail every locked execution of the app, in every pool process, with the
 same :class:`~celery_lease.LeaseConfigError`. It refuses:
 
-- a misspelled or bad ``lease_*`` setting (:func:`celery_lease.config.get_settings`);
+- a misspelled or bad ``lease_*`` setting (:func:`celery_lease._celery.settings.get_settings`);
 - a process-local store (``MemoryLockStore``, ``memory://``) as ``lease_store`` or as a task's
   ``lock_store`` when the worker runs tasks in more than one process (prefork with concurrency,
   or ``--autoscale`` maximum, above 1; a pool we do not know counts as one process per slot).
@@ -78,10 +82,11 @@ multi`` each node is a worker of its own and checks itself; a refused node logs 
 exits, although ``celery multi start`` (which detaches) has already printed ``OK``.
 
 Who holds what. ``worker_init`` makes the worker's node name (``w1@host``) the default node of
-every owner id made in the worker's processes (:func:`celery_lease.owners.set_node`), and
+every owner id made in the worker's processes (:func:`celery_lease._core.owners.set_node`), and
 ``task_prerun`` / ``task_postrun`` make the running task's name and id the default task of owner
-ids made during it (:func:`celery_lease.owners.push_task`), so a ``lease()`` inside a task body
-names its task too. :mod:`celery_lease.control` (imported here) registers ``celery inspect
+ids made during it (:func:`celery_lease._core.owners.push_task`), so a ``lease()`` inside a task
+body
+names its task too. :mod:`celery_lease._celery.control` (imported here) registers ``celery inspect
 leases``; every pool child serves its snapshot for it (see there).
 
 Dead holders freed at once (:class:`DeadHolders`, a bootstep of prefork workers). When a pool
@@ -93,7 +98,8 @@ the leases that child took for the tasks it was running, instead of leaving them
    ``_join_exited_workers`` (and ``mark_as_worker_lost``), and acts on a child only once it has
    left the pool with an exit code, i.e. ``waitpid`` returned for it: it no longer runs, not even
    as a zombie;
-2. only leases whose owner id (:func:`celery_lease.owners.parse_owner`) names this host, the dead
+2. only leases whose owner id (:func:`celery_lease._core.owners.parse_owner`) names this host, the
+dead
    child's pid, this worker's node (when the owner names one) and a task id that was running on
    that child when it died (accepted by it, or written to it, and not finished by it, as the
    worker's requests or the pool's own jobs say: a ``revoke(terminate=True)`` request leaves the
@@ -154,7 +160,9 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from celery_lease import control, forking, owners
+from celery_lease import _forking as forking
+from celery_lease._celery import control
+from celery_lease._core import owners
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
@@ -198,8 +206,8 @@ IN_PROCESS_POOLS = (
 def reset_process_state() -> None:
     """Forget every per-process cache (settings, stores resolved from settings and URLs).
 
-    Runs the resets registered with :func:`celery_lease.forking.on_new_process`. A refusal
-    recorded at worker start (:func:`celery_lease.config.refuse`) is kept.
+    Runs the resets registered with :func:`celery_lease._forking.on_new_process`. A refusal
+    recorded at worker start (:func:`celery_lease._celery.settings.refuse`) is kept.
     """
     forking.reset_child_state()
 
@@ -281,12 +289,13 @@ def uses_celery_lease(app: Any) -> bool:
     """Whether a worker of ``app`` gets celery-lease's hooks (checks, reaper, ``inspect``).
 
     True when the app has a locked task (a ``LockedTask`` or a ``@locked`` body), configures
-    one of the ``lease_*`` settings (:data:`celery_lease.config.SETTINGS`: an app that uses
+    one of the ``lease_*`` settings (:data:`celery_lease._celery.settings.SETTINGS`: an app that
+    uses
     ``lease()`` in plain task bodies opts in so), or called
     :func:`celery_lease.metrics.install`. Read once the app is final (a worker's steps are
     built after it imported every task module); reading it finalizes the app.
     """
-    from celery_lease import config
+    from celery_lease._celery import settings as config
     from celery_lease.metrics import installed
 
     if any(True for _ in _locked_tasks(app)):
@@ -313,7 +322,7 @@ def check_worker(
 
 
 def _check(app: Any, processes: int, pool: str, *, warn: bool = True) -> LeaseConfigError | None:
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     try:
         settings = config.get_settings(app)
@@ -426,7 +435,7 @@ def ping_stores(
     stores: Sequence[tuple[str, str | LockStore]], key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> list[Check]:
     """:func:`ping_store` for each ``(what, option)``, all at once: ``timeout`` s in all."""
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     started: list[tuple[str, str | LockStore, threading.Event, list[float | BaseException]]] = []
     checks: dict[int, Check] = {}
@@ -497,7 +506,7 @@ def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
     ``lease_store`` is set, or when a locked task has no ``lock_store`` of its own; and every
     task's ``lock_store``.
     """
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     configured = config.get_settings(app).store
     tasks = list(_locked_tasks(app))
@@ -529,7 +538,7 @@ def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     (the deploy script asks about it even before any task module names a locked task).
     Nothing is pinged when the settings are bad.
     """
-    from celery_lease import config
+    from celery_lease._celery import settings as config
 
     try:
         settings = config.get_settings(app)
@@ -591,7 +600,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, autoscale: Any = None, **kwargs: Any) -> None:
         global _app, _processes, _pool_label
         super().__init__(parent, **kwargs)
-        from celery_lease import config
+        from celery_lease._celery import settings as config
 
         app = parent.app
         config.recheck(app)
@@ -646,7 +655,7 @@ def recheck_in_pool_process() -> None:
         return
     error = _check(app, _processes, _pool_label, warn=False)
     if error is not None:
-        from celery_lease import config
+        from celery_lease._celery import settings as config
 
         config.refuse(app, str(error))
         logger.critical(
@@ -992,7 +1001,8 @@ class _Reaper:
                 self.stuck = False
 
     def _stores(self) -> list[LockStore]:
-        from celery_lease import config, engine
+        from celery_lease._celery import execution as engine
+        from celery_lease._celery import settings as config
 
         try:
             settings = config.get_settings(self.app)
@@ -1040,7 +1050,7 @@ class _Reaper:
         run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
         refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
         """
-        from celery_lease.dispatch import get_dispatcher
+        from celery_lease._core.dispatch import get_dispatcher
 
         for store in self._stores():
             if not isinstance(store, SupportsInspection):
@@ -1129,7 +1139,7 @@ class _Reaper:
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
-        from celery_lease.unique import queued_key
+        from celery_lease._celery.unique import queued_key
 
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
@@ -1163,7 +1173,7 @@ class _Reaper:
 
     def _prefix(self) -> str:
         """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
-        from celery_lease import config
+        from celery_lease._celery import settings as config
 
         try:
             return config.get_settings(self.app).key_prefix

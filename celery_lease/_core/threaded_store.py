@@ -1,7 +1,8 @@
 """The thread adapter: :class:`ThreadedAsyncStore`, an AsyncLockStore over a synchronous store.
 
-Re-exported as :class:`celery_lease.aio.ThreadedAsyncStore`. Kept apart from
-:mod:`celery_lease.aio` so that :func:`celery_lease.stores.base.async_store_from_url` can build
+Re-exported as :class:`celery_lease._core.aio.ThreadedAsyncStore`. Kept apart from
+:mod:`celery_lease._core.aio` so that :func:`celery_lease.stores.base.async_store_from_url` can
+build
 one without the stores depending on the lease machinery (import-linter contracts).
 """
 
@@ -15,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore
 

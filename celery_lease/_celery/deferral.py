@@ -12,7 +12,8 @@ on the server. What it does not order: the broker ack and the ``task-succeeded``
 worker sends after the task returns may leave before the lock server has read the release it
 was already sent. ``app.conf.lease_defer_release = False`` waits for every release's reply.
 
-A nested run is decided by its caller (:mod:`celery_lease.engine`: the outermost execution
+A nested run is decided by its caller (:mod:`celery_lease._celery.execution`: the outermost
+execution
 only). The stores that can are the ones with
 :class:`~celery_lease.stores.base.SupportsDeferredRelease`.
 """
@@ -31,8 +32,9 @@ try:
 except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
-from celery_lease import signals, worker
-from celery_lease.lease import _LeaseContext, _offers
+from celery_lease import signals
+from celery_lease._celery import worker
+from celery_lease._core.lease import _LeaseContext, _offers
 from celery_lease.stores.base import SupportsDeferredRelease
 
 __all__ = ["defer_on", "deferring", "flush_deferred_releases", "only_ours", "publishes_nothing"]

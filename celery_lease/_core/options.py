@@ -12,12 +12,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, get_args
 
+from celery_lease._core.lease import check_ttl
+from celery_lease._core.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.lease import check_ttl
 from celery_lease.stores.base import LockStore
 from celery_lease.types import OnHeld, OnLost
-from celery_lease.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 
 __all__ = [
     "ON_HELD",
@@ -73,7 +73,7 @@ class LockOptions:
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
         unique: the enqueue-time options (``unique``, ``on_duplicate``, ``queue_ttl``,
-            ``debounce``, ``debounce_max``; see :mod:`celery_lease.unique`), or ``None``.
+            ``debounce``, ``debounce_max``; see :mod:`celery_lease._celery.unique`), or ``None``.
     """
 
     key: str | Callable[..., str] | None = None

@@ -18,7 +18,8 @@ setting (``app.conf``)        meaning                                built-in de
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
-a locked task of the app needs them, and at worker start-up (:mod:`celery_lease.worker` refuses
+a locked task of the app needs them, and at worker start-up (:mod:`celery_lease._celery.worker`
+refuses
 to start the worker), so a bad value *or a misspelled name* fails loudly instead of quietly
 selecting another store. Celery keeps any key it does not know and never complains, so
 :func:`misspelled_settings` looks at every configured key: a key that looks like one of ours
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores import _registry
@@ -116,7 +117,7 @@ METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
 STORE_CHECKS: tuple[str, ...] = ("refuse", "warn", "off")
 """Allowed ``lease_store_check`` values: what a worker does when a store its locked tasks use does
 not answer at start (``"refuse"``, the default: it does not start; ``"warn"``: it logs an error and
-starts; ``"off"``: no round trip at start). See :mod:`celery_lease.worker`."""
+starts; ``"off"``: no round trip at start). See :mod:`celery_lease._celery.worker`."""
 
 BUILTIN_METRICS_PORT = 9809
 """The port of the Prometheus endpoint when ``lease_metrics_port`` is unset (celery-exporter's
@@ -153,7 +154,7 @@ class LeaseSettings:
         default_queue_ttl: seconds (``lease_default_queue_ttl``), or ``None`` (unset: 1 h).
         defer_release: ``lease_defer_release``, else ``True``: a worker may send a task's
             release without waiting for its reply when nothing is published after the body
-            (see :mod:`celery_lease.deferral`); ``False`` waits for every release's reply.
+            (see :mod:`celery_lease._celery.deferral`); ``False`` waits for every release's reply.
         store_check: ``lease_store_check``, else ``"refuse"`` (one of :data:`STORE_CHECKS`).
     """
 
@@ -604,7 +605,7 @@ def store_option(app: Any) -> str | LockStore:
     ``lease_store`` (a URL or a ``LockStore``), else the broker's Redis URL, else the
     ``sqlite:///`` URL of the host-local fallback file (its directory is made, as
     :func:`get_store` would). For a check that must not touch the store this process's tasks
-    use (:func:`celery_lease.worker.ping_store` opens a store of its own from a URL).
+    use (:func:`celery_lease._celery.worker.ping_store` opens a store of its own from a URL).
 
     Raises:
         LeaseConfigError: as :func:`get_settings`, or as :func:`default_sqlite_path`.

@@ -1,6 +1,7 @@
 """``LockedTask`` and ``@locked``: a Celery task body runs only while it holds a renewed lease.
 
-Both forms share one engine (:func:`celery_lease.engine.run_locked`) and the same options::
+Both forms share one engine (:func:`celery_lease._celery.execution.run_locked`) and the same
+options::
 
     @app.task(base=LockedTask, lock_key="account:{account_id}", lock_ttl="30s", lock_wait=0)
     def update_balance(account_id, amount): ...
@@ -14,9 +15,10 @@ all go through it), renewed by the process's renewer thread while the body runs,
 when the body ends (before the result is stored), or kept for ``cooldown`` after a success.
 
 While the body runs, ``self.request`` carries ``lock_key``, ``lock_token``, ``lock_waited``,
-``lock_lost`` and ``lease`` (see :mod:`celery_lease.request`); :func:`celery_lease.get_lock_token`
+``lock_lost`` and ``lease`` (see :mod:`celery_lease._celery.request`);
+:func:`celery_lease.get_lock_token`
 returns the token anywhere in the call stack. What each pool does when the lease is lost with
-``on_lost="revoke"`` is described in :mod:`celery_lease.interrupt`.
+``on_lost="revoke"`` is described in :mod:`celery_lease._celery.interrupt`.
 
 ``LockedTask`` is a drop-in base: a mixin's ``__call__`` (``class Base(LockedTask, DBTask)`` or
 ``class Base(DBTask, LockedTask)``) runs once, through ``super().__call__()``, and the body sees
@@ -39,21 +41,21 @@ from celery import Task
 from celery._state import _task_stack, get_current_task
 from celery.app import base as _celery_app_base
 
-from celery_lease import unique as _unique
-from celery_lease.engine import Spec as _Spec
-from celery_lease.engine import adopt_request, current_run, run_locked, skip_quietly
-from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
-from celery_lease.interrupt import REVOKE_GRACE
-from celery_lease.keys import make_key_function, validate_template
-from celery_lease.lease import Lease
-from celery_lease.options import (
+from celery_lease._celery import unique as _unique
+from celery_lease._celery.execution import Spec as _Spec
+from celery_lease._celery.execution import adopt_request, current_run, run_locked, skip_quietly
+from celery_lease._celery.interrupt import REVOKE_GRACE
+from celery_lease._celery.request import is_claimed as _is_claimed
+from celery_lease._core.keys import make_key_function, validate_template
+from celery_lease._core.lease import Lease
+from celery_lease._core.options import (
     ON_HELD,
     ON_LOST,
     OPTIONS,
     LockOptions,
     validate_options,
 )
-from celery_lease.request import is_claimed as _is_claimed
+from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
 
@@ -210,7 +212,7 @@ class LockedTask(Task):  # type: ignore[misc]
       ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
     - ``lock_on_lost``: ``"mark"`` (default) or ``"revoke"``.
     - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``: at most one
-      queued copy per key, returned to every caller (:mod:`celery_lease.unique`), with
+      queued copy per key, returned to every caller (:mod:`celery_lease._celery.unique`), with
       ``lock_on_duplicate`` (``"existing"`` or ``"raise"``), ``lock_queue_ttl`` (default
       ``lease_default_queue_ttl``, else 1 h), ``lock_debounce`` and ``lock_debounce_max``.
 
@@ -361,7 +363,7 @@ class LockedTask(Task):  # type: ignore[misc]
         **options: Any,
     ) -> Any:
         """Celery's ``apply_async``; with ``lock_unique`` set, at most one queued copy per key
-        (see :mod:`celery_lease.unique`). Without it, exactly Celery's path."""
+        (see :mod:`celery_lease._celery.unique`). Without it, exactly Celery's path."""
         if type(self)._lock_options.unique is None:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options

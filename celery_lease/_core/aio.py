@@ -5,7 +5,7 @@
     async with lease("cache:prices", store=store, ttl="30s", wait="5s") as held:
         await rebuild(fence=held.token)
 
-The options and guarantees are those of the synchronous :func:`~celery_lease.lease`; what
+The options and guarantees are those of the synchronous :func:`~celery_lease._core.lease`; what
 differs is where things run:
 
 - **Acquiring and waiting** are awaited on the event loop and never block it: an
@@ -47,15 +47,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery_lease._aio_store import ThreadedAsyncStore
-from celery_lease.dispatch import get_dispatcher
+from celery_lease._core.dispatch import get_dispatcher
+from celery_lease._core.lease import POLL_FIRST, POLL_MAX, _current, _Frame, _ms, _pop, new_owner_id
+from celery_lease._core.renewer import Entry, Renewer, get_renewer
+from celery_lease._core.threaded_store import ThreadedAsyncStore
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.lease import POLL_FIRST, POLL_MAX, _current, _Frame, _ms, _pop, new_owner_id
-from celery_lease.renewer import Entry, Renewer, get_renewer
 from celery_lease.stores.base import AsyncLockStore, LockStore
 
 if TYPE_CHECKING:
-    from celery_lease.lease import Lease, _LeaseContext
+    from celery_lease._core.lease import Lease, _LeaseContext
 
 __all__ = ["CANCEL", "ThreadedAsyncStore"]
 
@@ -91,8 +91,8 @@ _CANCEL_MSG = "celery-lease: the lease was lost (on_lost='cancel')"
 
 
 def _generation() -> int:
-    """The fork generation of this process, read live from ``celery_lease.lease``."""
-    return int(sys.modules["celery_lease.lease"]._generation)
+    """The fork generation of this process, read live from ``celery_lease._core.lease``."""
+    return int(sys.modules["celery_lease._core.lease"]._generation)
 
 
 # Resolving the store of a lease() ---------------------------------------------------------------

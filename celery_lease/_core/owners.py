@@ -19,12 +19,13 @@ field     meaning
 :func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners without
 fields (``host/pid/hex``) or written by other programs parse with ``None`` for what they lack.
 
-The queued lease of a unique copy (:mod:`celery_lease.unique`) has an owner id of its own form,
+The queued lease of a unique copy (:mod:`celery_lease._celery.unique`) has an owner id of its own
+form,
 :data:`QUEUED_OWNER_HEAD` then fields: ``queued;t=<task>;i=<task id>;at=<ms>;n=<nonce>``
 (:func:`queued_owner`; ``n`` is a nonce there, not a node). :func:`is_queued_owner` tells the two
 forms apart.
 
-Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease.worker`
+Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease._celery.worker`
 sets the node name of the process (:func:`set_node`) and, around every task execution, the
 task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
 the threads pool), so a ``lease()`` taken inside a task body names its task too.
@@ -50,7 +51,7 @@ from contextvars import ContextVar, Token
 from dataclasses import dataclass
 from urllib.parse import unquote
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 
 __all__ = [
     "MAX_FIELD_CHARS",

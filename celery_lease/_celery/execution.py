@@ -18,7 +18,7 @@ not (the holder let go itself), and no interrupt is fired from the publish (the 
 ``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
 ``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
 
-Deferred release replies: see :mod:`celery_lease.deferral`.
+Deferred release replies: see :mod:`celery_lease._celery.deferral`.
 """
 
 from __future__ import annotations
@@ -39,15 +39,18 @@ try:
 except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
-from celery_lease import config, deferral, forking, signals
-from celery_lease import request as _request  # defines the request attributes
+from celery_lease import _forking as forking
+from celery_lease import signals
+from celery_lease._celery import deferral
+from celery_lease._celery import request as _request  # defines the request attributes
+from celery_lease._celery import settings as config
+from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
+from celery_lease._core.keys import KeyFunction
+from celery_lease._core.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
+from celery_lease._core.options import LockOptions, retry_countdown
+from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.interrupt import AsyncLockLost, Interrupter
-from celery_lease.keys import KeyFunction
-from celery_lease.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
-from celery_lease.options import LockOptions, retry_countdown
-from celery_lease.owners import MAX_FIELD_CHARS
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_from_url
 
 __all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
@@ -330,7 +333,8 @@ def _release_quietly(run: _Run) -> None:
 
 
 def _publishes_nothing(task: Any, request: Any) -> bool:
-    """:func:`~celery_lease.deferral.publishes_nothing`, and not a nested run (its caller goes
+    """:func:`~celery_lease._celery.deferral.publishes_nothing`, and not a nested run (its caller
+    goes
     on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
 
@@ -358,7 +362,7 @@ class Spec:
     def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
         """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
         built-in defaults; worked out and checked once per settings object (a new one is read
-        after :func:`celery_lease.config.reset`)."""
+        after :func:`celery_lease._celery.settings.reset`)."""
         read, ttl, wait = self._durations[0]
         if read is settings:
             return ttl, wait
@@ -435,7 +439,7 @@ def _run_locked(
     ttl, wait = spec.durations(settings)
     store = _store_for(options.store, app)
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
-        from celery_lease import aio
+        from celery_lease._core import aio
 
         store = aio.split_async_store(store)[1]
     if not _conforms(store, LockStore):
@@ -444,7 +448,7 @@ def _run_locked(
     # durations and the store were validated when the task (and the settings) were read.
     # run.on_lost goes in as the context's on_lost: attached to a lease it acquires before the
     # renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
-    # The owner id names the node, the task and the execution (celery_lease.owners).
+    # The owner id names the node, the task and the execution (celery_lease._core.owners).
     context = _LeaseContext(
         key,
         store,
@@ -463,7 +467,9 @@ def _run_locked(
         held = context.__enter__()
     except LockNotAcquiredError as exc:
         if options.unique is not None:
-            from celery_lease import unique as _unique  # only unique tasks: loaded by task.py
+            from celery_lease._celery import (
+                unique as _unique,  # only unique tasks: loaded by task.py
+            )
 
             # Its queued key, if any; a second delivery of its own running copy is re-sent
             # for later and ends here (Ignore), whatever on_held says.
@@ -480,7 +486,9 @@ def _run_locked(
             # exception) releases it below.
             run.acquired(context, held)
             if options.unique is not None and request is not None:
-                from celery_lease import unique as _unique  # only unique tasks: loaded by task.py
+                from celery_lease._celery import (
+                    unique as _unique,  # only unique tasks: loaded by task.py
+                )
 
                 queued = _unique.on_start(
                     task, request, store, key, settings, options.unique, ttl, options.cooldown

@@ -567,7 +567,7 @@ def _parse(template: str, task: str | None = None) -> list[str | _Field]:
             )
             raise LeaseConfigError(
                 f"{where} writes {{{written}}}: a key field takes no conversion or format spec,"
-                f" because every value is encoded canonically (see celery_lease.keys); write"
+                f" because every value is encoded canonically (see celery_lease._core.keys); write"
                 f" {{{field}}}"
             )
         base, lookups = _split_field(field, template)

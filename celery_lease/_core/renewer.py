@@ -20,7 +20,7 @@ still counted on it, and that must not be hidden.
 
 **No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
 lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
-(:mod:`celery_lease.dispatch`), so a callback that blocks never stalls other leases.
+(:mod:`celery_lease._core.dispatch`), so a callback that blocks never stalls other leases.
 
 **Renewals in flight.** A renewal is "in flight" from the moment its entry is taken for a store
 call until its answer is handled. :meth:`Renewer.remove` (the holder's exit) waits for the
@@ -51,9 +51,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from celery_lease import forking
+from celery_lease import _forking as forking
+from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.clock import SYSTEM_CLOCK, Clock
-from celery_lease.dispatch import get_dispatcher
 
 __all__ = [
     "COMPACT_AFTER",

@@ -19,7 +19,8 @@ Four moments, each with its own list, each run in registration order unless said
   caches, under their own locks; it never replaces a lock or bumps a fork generation.
 
 Modules register at import, so the order of the resets is the order in which celery-lease's modules
-are imported (:mod:`celery_lease.dispatch` before :mod:`celery_lease.renewer`, for instance).
+are imported (:mod:`celery_lease._core.dispatch` before :mod:`celery_lease._core.renewer`, for
+instance).
 
 A reset that raises is logged with this module's logger and the next one runs. In the fork hooks
 any exception is caught (``os.register_at_fork`` itself swallows them, there is no caller to tell);
@@ -46,7 +47,7 @@ __all__ = [
     "reset_child_state",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("celery_lease.forking")
 
 Reset = Callable[[], object]
 

@@ -2,8 +2,8 @@
 
 ``unique``, ``on_duplicate``, ``queue_ttl``, ``debounce`` and ``debounce_max`` are lock options
 like the others (``lock_<name>`` on a :class:`~celery_lease.LockedTask`, ``<name>=`` for
-:func:`~celery_lease.locked`), validated by :func:`celery_lease.options.validate_options`
-through :func:`validate_unique`. The behaviour lives in :mod:`celery_lease.unique`.
+:func:`~celery_lease.locked`), validated by :func:`celery_lease._core.options.validate_options`
+through :func:`validate_unique`. The behaviour lives in :mod:`celery_lease._celery.unique`.
 """
 
 from __future__ import annotations

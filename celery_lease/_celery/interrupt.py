@@ -54,8 +54,8 @@ import threading
 import types
 from typing import Any
 
-from celery_lease import forking
-from celery_lease import worker as _worker
+from celery_lease import _forking as forking
+from celery_lease._celery import worker as _worker
 from celery_lease.errors import LockLostError
 
 __all__ = ["INTERRUPT_SIGNAL", "REVOKE_GRACE", "AsyncLockLost", "Interrupter"]

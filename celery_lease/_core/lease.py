@@ -13,8 +13,9 @@ the store contract itself stays strict. After ``fork`` the child ignores the lea
 parent: they are not its current lease, not re-entered, and never renewed or released from the
 child.
 
-Loss is one record kept by the renewer (:mod:`celery_lease.renewer`); user callbacks run on the
-dispatcher (:mod:`celery_lease.dispatch`), never on the renewer or the watchdog.
+Loss is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on
+the
+dispatcher (:mod:`celery_lease._core.dispatch`), never on the renewer or the watchdog.
 """
 
 from __future__ import annotations
@@ -29,13 +30,13 @@ from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
 
-from celery_lease import forking
+from celery_lease import _forking as forking
+from celery_lease._core.dispatch import get_dispatcher
+from celery_lease._core.owners import MAX_FIELD_CHARS, make_owner
+from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.clock import SYSTEM_CLOCK, Clock
-from celery_lease.dispatch import get_dispatcher
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
-from celery_lease.owners import MAX_FIELD_CHARS, make_owner
-from celery_lease.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.stores.base import (
     AsyncLockStore,
     LockStore,
@@ -81,7 +82,8 @@ _CONFORMS: dict[tuple[type, type], bool] = {}
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
 _generation = 0
-"""Bumped in each forked child (:mod:`celery_lease.forking`): cheaper than ``os.getpid()`` per call.
+"""Bumped in each forked child (:mod:`celery_lease._forking`): cheaper than ``os.getpid()``
+per call.
 
 Frames and leases created by an ancestor carry a smaller generation than the child's, so the
 child never takes them for its own. Generations of siblings may be equal, but siblings share no
@@ -144,7 +146,7 @@ def new_owner_id(
 
     Unique per call (per acquisition attempt): a store's idempotent re-acquire by the same owner
     relies on it. ``node``, ``task``, ``task_id`` and ``label`` are recorded in the id, readable
-    with :func:`~celery_lease.owners.parse_owner` (``celery lease list`` shows them).
+    with :func:`~celery_lease._core.owners.parse_owner` (``celery lease list`` shows them).
     """
     return make_owner(node=node, task=task, task_id=task_id, label=label)
 
@@ -413,7 +415,7 @@ class _LeaseContext:
         # The clock a wait for a held key is measured and slept on: None for the store's own
         # clock where it has one, else ``clock`` (see _wait_clock).
         self.wait_clock = wait_clock
-        # Recorded in the owner id of each acquisition (celery_lease.owners.make_owner): the
+        # Recorded in the owner id of each acquisition (celery_lease._core.owners.make_owner): the
         # label is lease()'s holder= text.
         self.label = label
         self.node = node
@@ -426,14 +428,15 @@ class _LeaseContext:
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False  # release_early() recorded the end: the exit raises nothing
         # The caller publishes nothing that depends on the key being free until the store's
-        # deferred replies are read (celery_lease.deferral decides): the release may then go out
+        # deferred replies are read (celery_lease._celery.deferral decides): the release may then
+        # go out
         # without waiting for its reply (SupportsDeferredRelease).
         self.defer_release = False
 
     # Decorator --------------------------------------------------------------------------------
 
     def __call__(self, func: F) -> F:
-        from celery_lease import aio  # an async def: each call holds it with ``async with``
+        from celery_lease._core import aio  # an async def: each call holds it with ``async with``
 
         if aio.decorates_async(self, func):
             return aio.decorate(self, func)
@@ -580,7 +583,8 @@ class _LeaseContext:
         message must not find the key held by this execution. In order: records the loss with
         ``reason`` (so ``lost`` reads True and ``check()`` raises before the key is free),
         waits for a renewal of this lease already in flight (see
-        :meth:`~celery_lease.renewer.Renewer.settle`), releases the key owner-checked, and runs
+        :meth:`~celery_lease._core.renewer.Renewer.settle`), releases the key owner-checked, and
+        runs
         the loss listeners. A later ``__exit__`` releases nothing and raises nothing for it.
 
         A release the store fails is logged, not raised: the key then frees itself within its
@@ -791,13 +795,14 @@ class _LeaseContext:
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
 
-    # asyncio: ``async with`` (the machinery is in celery_lease.aio) ---------------------------
+    # asyncio: ``async with`` (the machinery is in celery_lease._core.aio)
+    # ---------------------------
 
     _astore: AsyncLockStore | None = None  # the store awaited; None: an adapter of ``store``
     _canceller: object = None  # the aio canceller of an on_lost="cancel" block, once entered
 
     async def __aenter__(self) -> Lease:
-        from celery_lease import aio
+        from celery_lease._core import aio
 
         return await aio.aenter(self)
 
@@ -807,7 +812,7 @@ class _LeaseContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        from celery_lease import aio
+        from celery_lease._core import aio
 
         return await aio.aexit(self, exc_type, exc, tb)
 
@@ -815,8 +820,8 @@ class _LeaseContext:
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
     """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
 
-    A lease counts :data:`~celery_lease.renewer.DRIFT_MARGIN` and
-    :data:`~celery_lease.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
+    A lease counts :data:`~celery_lease._core.renewer.DRIFT_MARGIN` and
+    :data:`~celery_lease._core.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
     :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
     the user wrote it and ``name`` the parameter, both for the message.
     """
@@ -849,7 +854,7 @@ def lease(
             :class:`~celery_lease.stores.base.AsyncLockStore` (for ``async with``; a sync
             ``with`` then uses its ``sync`` twin, which renews it in either case). A sync store
             works with ``async with`` too: its calls then run on a thread (see
-            :mod:`celery_lease.aio`).
+            :mod:`celery_lease._core.aio`).
         ttl: lease duration (default 30 s); renewed every ttl/3 while the body runs, so a
             crashed holder frees the key within one ttl.
         wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
@@ -871,7 +876,7 @@ def lease(
         holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
             id next to host and pid (and, inside a worker, node and task), shown by
             ``celery lease list``; default none. At most
-            :data:`~celery_lease.owners.MAX_FIELD_CHARS` characters.
+            :data:`~celery_lease._core.owners.MAX_FIELD_CHARS` characters.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
     Everything is validated here, before anything is acquired.
@@ -891,7 +896,7 @@ def lease(
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
     astore: AsyncLockStore | None = None
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: held through it, renewed via .sync
-        from celery_lease import aio
+        from celery_lease._core import aio
 
         astore, store = aio.split_async_store(store)
     if not _conforms(store, LockStore):
@@ -911,7 +916,7 @@ def lease(
     )
     cooldown_s = to_seconds(cooldown, name="cooldown")
     if isinstance(on_lost, str) and on_lost == "cancel":
-        from celery_lease.aio import CANCEL
+        from celery_lease._core.aio import CANCEL
 
         on_lost = CANCEL
     elif on_lost is not None and not callable(on_lost):

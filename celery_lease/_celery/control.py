@@ -1,7 +1,7 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
 
 Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) when this
-module is imported, which :mod:`celery_lease.worker` does (so does anything that imports
+module is imported, which :mod:`celery_lease._celery.worker` does (so does anything that imports
 ``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery`` program loads in every
 invocation (the ``celery.commands`` entry point): the ``celery inspect`` client checks the
 command name against its own registry, and it imports only the ``-A`` module, not the app's task
@@ -21,7 +21,7 @@ command. ::
         }
 
 Where the leases are. Under ``solo``, ``threads``, ``gevent`` and ``eventlet`` every task runs in
-the worker's main process, which answers from :func:`celery_lease.renewer.snapshot` directly.
+the worker's main process, which answers from :func:`celery_lease._core.renewer.snapshot` directly.
 Under ``prefork`` the leases are held (and renewed) in the pool children, so each child serves its
 own snapshot on a unix socket, ``<dir>/<pid>.sock``, from a daemon thread that only waits in
 ``accept()`` (no cost while nobody asks). ``<dir>`` is a private directory (mode 0700) made by the
@@ -34,7 +34,7 @@ never shown as "holds nothing".
 ``held_seconds`` and ``valid_for_seconds`` are measured in the holding process by its renewer's
 clock (``valid_for_seconds`` is the local validity left: the time the lease is surely still held,
 0 once past it). ``task``/``task_id``/``node`` come from the owner id
-(:func:`celery_lease.owners.parse_owner`), ``None`` when it does not carry them.
+(:func:`celery_lease._core.owners.parse_owner`), ``None`` when it does not carry them.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ from typing import Any, cast
 
 from celery.worker.control import inspect_command
 
-from celery_lease import renewer
-from celery_lease.owners import parse_owner
+from celery_lease._core import renewer
+from celery_lease._core.owners import parse_owner
 
 __all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
 
@@ -121,7 +121,8 @@ def forget_child(pid: int) -> None:
 
 
 def local_rows() -> list[dict[str, Any]]:
-    """This process's leases (:func:`celery_lease.renewer.snapshot`) with pid and parsed owner."""
+    """This process's leases (:func:`celery_lease._core.renewer.snapshot`) with pid and parsed
+    owner."""
     rows = []
     pid = os.getpid()
     for row in renewer.snapshot():

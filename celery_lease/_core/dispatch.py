@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from celery_lease import forking
+from celery_lease import _forking as forking
 
 __all__ = ["IDLE_EXIT", "Dispatcher", "drain", "get_dispatcher"]
 

@@ -12,7 +12,8 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 
 - **The queued lease** lives on its own key, the task's key with ``queued:`` after the
   ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
-  (:func:`~celery_lease.owners.queued_owner`): the owner names the copy's task id. The caller takes
+  (:func:`~celery_lease._core.owners.queued_owner`): the owner names the copy's task id. The caller
+  takes
   it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key
   and the owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task
   id (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
@@ -26,7 +27,7 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   until the body ended and the run lease was released; then it is released on the task's
   thread, answered before the execution returns (a call made after the result is seen
   enqueues a new copy; sent without waiting when the execution publishes nothing: see
-  :mod:`celery_lease.engine`), or kept for ``lock_cooldown`` after a success (a throttle:
+  :mod:`celery_lease._celery.execution`), or kept for ``lock_cooldown`` after a success (a throttle:
   calls in the cooldown are duplicates of the finished copy; the keep is sent by the
   dispatcher, off the task's thread, the key staying taken meanwhile). A worker that dies
   mid-body stops renewing it: it frees itself within the run ttl.
@@ -90,25 +91,26 @@ from celery.exceptions import Ignore, Reject
 from celery.signals import task_revoked
 from celery.utils import uuid
 
-from celery_lease import config, signals
+from celery_lease import signals
+from celery_lease._celery import settings as config
+from celery_lease._celery.execution import Spec, _store_for
+from celery_lease._core.dispatch import get_dispatcher
+from celery_lease._core.lease import _conforms, _offers
+from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
+from celery_lease._core.renewer import Entry, get_renewer
+from celery_lease._core.unique_options import (
+    BUILTIN_QUEUE_TTL,
+    SUPERSEDED_NAMESPACE,
+    UniqueOptions,
+)
 from celery_lease.clock import SYSTEM_CLOCK, Clock
-from celery_lease.dispatch import get_dispatcher
-from celery_lease.engine import Spec, _store_for
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.lease import _conforms, _offers
-from celery_lease.owners import is_queued_owner, parse_owner, queued_owner
-from celery_lease.renewer import Entry, get_renewer
 from celery_lease.stores.base import (
     LockStore,
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsDeferredRenew,
     SupportsInspection,
-)
-from celery_lease.unique_options import (
-    BUILTIN_QUEUE_TTL,
-    SUPERSEDED_NAMESPACE,
-    UniqueOptions,
 )
 
 __all__ = [
@@ -552,7 +554,7 @@ class QueuedHold:
         """The body ended and the run lease is released: stop renewing, then free the key, or
         keep it for the retry's wait or for ``cooldown``. Never raises a store error.
 
-        ``defer`` (:mod:`celery_lease.engine` decides; a store that can,
+        ``defer`` (:mod:`celery_lease._celery.execution` decides; a store that can,
         :class:`~celery_lease.stores.base.SupportsDeferredRelease`): the release goes out
         without waiting, on the one connection the run lease's release went out on just
         before, so the server runs them in that order; the caller reads the replies. If it
@@ -800,7 +802,7 @@ def _defer(
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
     it: the failure is logged (its copy, which still runs, carries the work) and it ends.
     """
-    from celery_lease.task import LockedTask  # not at import: task.py imports this module
+    from celery_lease._celery.task import LockedTask  # not at import: task.py imports this module
 
     task_id = request.id
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
@@ -877,4 +879,4 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     _release_quietly(store, header[0], owner, "the copy was revoked")
 
 
-task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked")
+task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease._celery.unique.revoked")
