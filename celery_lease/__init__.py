@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from celery_lease._core.lease import Lease, current_lease, get_lock_token, lease
+from celery_lease._core.lease import Lease, LeaseContext, current_lease, get_lock_token, lease
 from celery_lease._core.renewer import shutdown
 from celery_lease.clock import Clock, SystemClock
 from celery_lease.durations import Duration, to_seconds
@@ -55,6 +55,7 @@ __all__ = [
     "Duration",
     "Lease",
     "LeaseConfigError",
+    "LeaseContext",
     "LeaseError",
     "LeaseInfo",
     "LockLostError",

@@ -34,7 +34,7 @@ except ImportError:  # Celery < 5.6: no per-request ignore_result helper
 
 from celery_lease import signals
 from celery_lease._celery import worker
-from celery_lease._core.lease import _LeaseContext, _offers
+from celery_lease._core.lease import LeaseContext, offers
 from celery_lease.stores.base import SupportsDeferredRelease
 
 __all__ = ["defer_on", "deferring", "flush_deferred_releases", "only_ours", "publishes_nothing"]
@@ -48,11 +48,11 @@ _HOOKS = ("on_success", "after_return")
 _hookless: dict[type, bool] = {}
 
 
-def defer_on(context: _LeaseContext) -> None:
+def defer_on(context: LeaseContext) -> None:
     """Let ``context`` release without waiting, where its store can (noting the store, whose
     replies :func:`flush_deferred_releases` reads)."""
     store = context.store
-    if _offers(store, SupportsDeferredRelease, "release_deferred"):
+    if offers(store, SupportsDeferredRelease, "release_deferred"):
         deferring[id(store)] = cast(SupportsDeferredRelease, store)
         context.defer_release = True
 

@@ -46,7 +46,7 @@ from celery_lease._celery import request as _request  # defines the request attr
 from celery_lease._celery import settings as config
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._core.keys import KeyFunction
-from celery_lease._core.lease import Lease, _conforms, _LeaseContext, check_ttl, lease
+from celery_lease._core.lease import Lease, LeaseContext, check_ttl, conforms, lease
 from celery_lease._core.options import LockOptions, retry_countdown
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.clock import SYSTEM_CLOCK
@@ -63,7 +63,7 @@ logger = logging.getLogger("celery_lease.engine")
 _url_stores: dict[str, LockStore] = {}
 
 
-def _store_for(option: str | LockStore | None, app: Any) -> LockStore:
+def store_for(option: str | LockStore | None, app: Any) -> LockStore:
     """The store of an execution: the task's option (URL resolved once per process) or the app's."""
     if option is None:
         return config.get_store(app)
@@ -100,7 +100,7 @@ class _Run:
         self.key = key
         self.options = options
         self.lease: Lease | None = None
-        self.context: _LeaseContext | None = None
+        self.context: LeaseContext | None = None
         self.released = False
         self.released_early = False
         self.awaiting_request = False
@@ -124,7 +124,7 @@ class _Run:
         request.lease = held
         request._lease_run = _request.CLAIMED
 
-    def acquired(self, context: _LeaseContext, held: Lease) -> None:
+    def acquired(self, context: LeaseContext, held: Lease) -> None:
         """The lease is held: note it on every request, listen for its loss on the dispatcher.
 
         A re-entered lease (an enclosing execution holds the same key) is the enclosing
@@ -437,19 +437,19 @@ def _run_locked(
     key = settings.key_prefix + spec.key_function(args, kwargs)
     run = _Run(task, request, key, options)
     ttl, wait = spec.durations(settings)
-    store = _store_for(options.store, app)
+    store = store_for(options.store, app)
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
         from celery_lease._core import aio
 
         store = aio.split_async_store(store)[1]
-    if not _conforms(store, LockStore):
+    if not conforms(store, LockStore):
         lease(key, store=store)  # raises the error lease() gives for it
     # lease() without its checks: the key is a non-empty str (key functions guarantee it), the
     # durations and the store were validated when the task (and the settings) were read.
     # run.on_lost goes in as the context's on_lost: attached to a lease it acquires before the
     # renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
     # The owner id names the node, the task and the execution (celery_lease._core.owners).
-    context = _LeaseContext(
+    context = LeaseContext(
         key,
         store,
         ttl,

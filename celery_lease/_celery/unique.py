@@ -93,9 +93,9 @@ from celery.utils import uuid
 
 from celery_lease import signals
 from celery_lease._celery import settings as config
-from celery_lease._celery.execution import Spec, _store_for
+from celery_lease._celery.execution import Spec, store_for
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.lease import _conforms, _offers
+from celery_lease._core.lease import conforms, offers
 from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease._core.unique_options import (
@@ -163,7 +163,7 @@ def _ms(seconds: float) -> int:
 
 
 def _inspectable(store: LockStore, task: Any) -> SupportsInspection:
-    if not _conforms(store, SupportsInspection):  # cached per store type
+    if not conforms(store, SupportsInspection):  # cached per store type
         raise LeaseConfigError(
             f"lock_unique of task {getattr(task, 'name', task)!r} needs a store that can read a"
             f" key's holder (SupportsInspection.get); {type(store).__name__} cannot"
@@ -217,7 +217,7 @@ def apply_unique(
     if app.conf.task_always_eager:
         return apply(args, kwargs, task_id, **options)
     settings = config.get_settings(app)
-    store = _store_for(spec.options.store, app)
+    store = store_for(spec.options.store, app)
     inspect = _inspectable(store, task)
     prefix = settings.key_prefix
     key = prefix + spec.key_function(tuple(args or ()), dict(kwargs or {}))
@@ -420,7 +420,7 @@ def _resend(
 def _own_queued_owner(store: LockStore, qkey: str, task_id: str) -> str | None:
     """The queued lease's owner when it names this very task id (a retry whose request lost
     its header): the copy's own, since owners are unique per call and name the task id."""
-    if not _conforms(store, SupportsInspection):
+    if not conforms(store, SupportsInspection):
         return None
     info = cast(SupportsInspection, store).get(qkey)
     if info is None or not is_queued_owner(info.owner):
@@ -580,7 +580,7 @@ class QueuedHold:
         # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
             store = self.store
-            if defer and _offers(store, SupportsDeferredRelease, "release_deferred"):
+            if defer and offers(store, SupportsDeferredRelease, "release_deferred"):
                 deferring = cast(SupportsDeferredRelease, store)
                 if deferring.release_deferred(self.qkey, self.owner):
                     return
@@ -667,7 +667,7 @@ def on_start(
         # releases the copy's lease, so either it finds the key free (and supersedes nothing)
         # or the tombstone is there to be seen here.
         store.release(qkey, owner)
-        if _conforms(store, SupportsInspection):
+        if conforms(store, SupportsInspection):
             tomb = cast(SupportsInspection, store).get(superseded_key(task_id, prefix))
             if tomb is not None:
                 _mark_superseded(task, request, parse_owner(tomb.owner).task_id)
@@ -695,7 +695,7 @@ def on_start(
     # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
     # renewer's thread.
     if not (
-        _offers(store, SupportsDeferredRenew, "renew_deferred")
+        offers(store, SupportsDeferredRenew, "renew_deferred")
         and cast(SupportsDeferredRenew, store).renew_deferred(qkey, owner, _ms(ttl))
     ):
         entry.due = now
@@ -740,7 +740,7 @@ def on_rejected(
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
         return
-    if _conforms(store, SupportsInspection):
+    if conforms(store, SupportsInspection):
         try:
             run = cast(SupportsInspection, store).get(key)
         except Exception as exc:
@@ -872,7 +872,7 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
         prefix = config.get_settings(task.app).key_prefix
         if not header[0].startswith(prefix + NAMESPACE):  # a forged header naming another key
             return
-        store = _store_for(options.store, task.app)
+        store = store_for(options.store, task.app)
     except Exception:
         logger.exception("celery-lease: no store to free the queued key of %s", request.id)
         return

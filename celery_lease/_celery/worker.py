@@ -1011,7 +1011,7 @@ class _Reaper:
         stores: dict[int, LockStore] = {}
         for where, option in _stores_in_use(self.app, settings.store):
             try:
-                store = engine._store_for(option, self.app)
+                store = engine.store_for(option, self.app)
             except Exception as exc:
                 logger.warning("celery-lease: cannot open the store of %s: %s", where, exc)
                 continue

@@ -48,14 +48,22 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.lease import POLL_FIRST, POLL_MAX, _current, _Frame, _ms, _pop, new_owner_id
+from celery_lease._core.lease import (
+    POLL_FIRST,
+    POLL_MAX,
+    Frame,
+    current_frame,
+    new_owner_id,
+    pop_frame,
+    to_ms,
+)
 from celery_lease._core.renewer import Entry, Renewer, get_renewer
 from celery_lease._core.threaded_store import ThreadedAsyncStore
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import AsyncLockStore, LockStore
 
 if TYPE_CHECKING:
-    from celery_lease._core.lease import Lease, _LeaseContext
+    from celery_lease._core.lease import Lease, LeaseContext
 
 __all__ = ["CANCEL", "ThreadedAsyncStore"]
 
@@ -74,7 +82,7 @@ class _CancelBody:
     """
 
     __slots__ = ()
-    _async_only = True  # a sync ``with`` refuses it on entering (``_LeaseContext.__enter__``)
+    _async_only = True  # a sync ``with`` refuses it on entering (``LeaseContext.__enter__``)
 
     def __call__(self, lease: Lease) -> None:
         return None
@@ -127,7 +135,7 @@ def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
     return store, twin
 
 
-def decorates_async(ctx: _LeaseContext, func: object) -> bool:
+def decorates_async(ctx: LeaseContext, func: object) -> bool:
     """True when ``@lease`` must wrap ``func`` with ``async with`` (an ``async def``).
 
     Raises:
@@ -150,7 +158,7 @@ def decorates_async(ctx: _LeaseContext, func: object) -> bool:
     return False
 
 
-def async_store_of(ctx: _LeaseContext) -> AsyncLockStore:
+def async_store_of(ctx: LeaseContext) -> AsyncLockStore:
     """The store a context awaits: the one given to ``lease()``, or an adapter of its sync one."""
     astore = ctx._astore
     if astore is None:
@@ -197,14 +205,14 @@ class _Canceller:
         return isinstance(exc, asyncio.CancelledError) and exc.args[:1] != (_CANCEL_MSG,)
 
 
-async def aenter(ctx: _LeaseContext) -> Lease:
-    """``_LeaseContext.__aenter__``: re-enter or acquire (awaiting), then push the lease."""
+async def aenter(ctx: LeaseContext) -> Lease:
+    """``LeaseContext.__aenter__``: re-enter or acquire (awaiting), then push the lease."""
     if ctx._entered:
         raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
     ctx._entered = True
     generation = _generation()
     task = asyncio.current_task()
-    top = _current.get()
+    top = current_frame.get()
     frame = top
     while frame is not None and frame.gen == generation:  # as in __enter__: see there
         outer = frame.lease
@@ -217,8 +225,8 @@ async def aenter(ctx: _LeaseContext) -> Lease:
         ):
             ctx._reentered = True
             ctx._lease = outer
-            ctx._frame = _Frame(outer, top)
-            _current.set(ctx._frame)
+            ctx._frame = Frame(outer, top)
+            current_frame.set(ctx._frame)
             return outer
         frame = frame.parent
     canceller: _Canceller | None = None
@@ -230,8 +238,8 @@ async def aenter(ctx: _LeaseContext) -> Lease:
     if task is not None:
         held._task = weakref.ref(task)
     ctx._lease = held
-    ctx._frame = _Frame(held, top)
-    _current.set(ctx._frame)
+    ctx._frame = Frame(held, top)
+    current_frame.set(ctx._frame)
     ctx._canceller = canceller
     if canceller is not None:
         canceller.active = True
@@ -239,12 +247,12 @@ async def aenter(ctx: _LeaseContext) -> Lease:
 
 
 async def _acquire(
-    ctx: _LeaseContext, astore: AsyncLockStore, canceller: _Canceller | None
+    ctx: LeaseContext, astore: AsyncLockStore, canceller: _Canceller | None
 ) -> Lease:
-    """The async twin of ``_LeaseContext._acquire``: same tries, backoff and clean-up."""
+    """The async twin of ``LeaseContext._acquire``: same tries, backoff and clean-up."""
     clock = ctx.clock
     owner = new_owner_id(node=ctx.node, task=ctx.task, task_id=ctx.task_id, label=ctx.label)
-    ttl_ms = _ms(ctx.ttl)
+    ttl_ms = to_ms(ctx.ttl)
     started = clock.monotonic()
     deadline = started + ctx.wait
     interval = POLL_FIRST
@@ -285,18 +293,18 @@ async def _acquire(
 
 
 async def aexit(
-    ctx: _LeaseContext,
+    ctx: LeaseContext,
     exc_type: type[BaseException] | None,
     exc: BaseException | None,
     tb: TracebackType | None,
 ) -> bool:
-    """``_LeaseContext.__aexit__``: stop renewing, release (awaiting), report the loss."""
+    """``LeaseContext.__aexit__``: stop renewing, release (awaiting), report the loss."""
     canceller = ctx._canceller if isinstance(ctx._canceller, _Canceller) else None
     if canceller is not None:
         canceller.active = False  # from here on a loss cancels nothing
     held = ctx._lease
     assert held is not None
-    _pop(ctx._frame)
+    pop_frame(ctx._frame)
     if ctx._reentered or held._gen != _generation():
         return False  # the outer context (or, after a fork, the parent) owns the lease
     entry = held._entry
@@ -341,7 +349,7 @@ async def aexit(
     return False
 
 
-def _end_on_thread(ctx: _LeaseContext, held: Lease, entry: Entry, succeeded: bool) -> None:
+def _end_on_thread(ctx: LeaseContext, held: Lease, entry: Entry, succeeded: bool) -> None:
     """The sync exit's steps after the pop: remove, release or cool down, tell a lapse."""
     assert entry.renewer is not None
     settled, final, lapsed = entry.renewer.remove(entry)
@@ -351,7 +359,7 @@ def _end_on_thread(ctx: _LeaseContext, held: Lease, entry: Entry, succeeded: boo
         Renewer._notify(entry, lapsed)
 
 
-async def _release(ctx: _LeaseContext, astore: AsyncLockStore, held: Lease) -> None:
+async def _release(ctx: LeaseContext, astore: AsyncLockStore, held: Lease) -> None:
     """Release owner-checked, awaiting; if cancelled or failed, again on the dispatcher."""
     try:
         await astore.release(held.key, held.owner)
@@ -370,7 +378,7 @@ async def _release(ctx: _LeaseContext, astore: AsyncLockStore, held: Lease) -> N
 # The decorator ----------------------------------------------------------------------------------
 
 
-def decorate(ctx: _LeaseContext, func: _F) -> _F:
+def decorate(ctx: LeaseContext, func: _F) -> _F:
     """``@lease(...)`` on an ``async def``: each call awaits its body under a fresh lease."""
 
     @functools.wraps(func)

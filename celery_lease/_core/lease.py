@@ -60,7 +60,7 @@ MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 """Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
 
 
-class _Frame:
+class Frame:
     """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
 
     ``gen`` is the fork generation of the process that pushed it: a forked child inherits the
@@ -70,14 +70,14 @@ class _Frame:
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
-    def __init__(self, lease: Lease, parent: _Frame | None) -> None:
+    def __init__(self, lease: Lease, parent: Frame | None) -> None:
         self.lease = lease
         self.parent = parent
         self.gen = _generation
         self.origin = self  # a copy made by an out-of-order pop keeps the original's identity
 
 
-_current: ContextVar[_Frame | None] = ContextVar("celery_lease_current", default=None)
+current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
 _CONFORMS: dict[tuple[type, type], bool] = {}
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
@@ -100,7 +100,7 @@ def _after_fork_in_child() -> None:
 forking.on_fork_child(_after_fork_in_child, name="lease: fork generation, events lock")
 
 
-def _conforms(obj: object, protocol: type) -> bool:
+def conforms(obj: object, protocol: type) -> bool:
     """``isinstance(obj, protocol)`` for a runtime-checkable protocol, cached per class.
 
     The protocol check inspects every member on each call (tens of microseconds); a class that
@@ -115,11 +115,11 @@ def _conforms(obj: object, protocol: type) -> bool:
     return result
 
 
-def _offers(obj: object, protocol: type, method: str) -> bool:
+def offers(obj: object, protocol: type, method: str) -> bool:
     """Whether ``obj`` conforms to ``protocol``, whose ``method`` its class must define: the
     class test first, since the protocol check of a class that does not conform is not cached
     and costs a full ``isinstance()`` per call (on a task's hot path)."""
-    return hasattr(type(obj), method) and _conforms(obj, protocol)
+    return hasattr(type(obj), method) and conforms(obj, protocol)
 
 
 def _wait_clock(store: object, clock: Clock) -> Clock:
@@ -132,7 +132,7 @@ def _wait_clock(store: object, clock: Clock) -> Clock:
     ``lease_store``), so the waiter never gave up. Such stores name it ``clock``.
     """
     own = getattr(store, "clock", None)
-    return own if own is not None and _conforms(own, Clock) else clock
+    return own if own is not None and conforms(own, Clock) else clock
 
 
 def new_owner_id(
@@ -151,7 +151,7 @@ def new_owner_id(
     return make_owner(node=node, task=task, task_id=task_id, label=label)
 
 
-def _ms(seconds: float) -> int:
+def to_ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
@@ -235,7 +235,7 @@ class Lease:
 
         ``"taken"`` (the store no longer records this owner), ``"expired"`` (not renewed within
         its validity), ``"max_hold"``, ``"released"`` (released early by its holder, see
-        :meth:`_LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
+        :meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
         is its parent's).
         """
         if self._gen != _generation:
@@ -382,7 +382,7 @@ class Lease:
         return f"<Lease key={self.key!r} token={self.token} owner={self.owner!r} {state}>"
 
 
-class _LeaseContext:
+class LeaseContext:
     """The object :func:`lease` returns: a context manager, and a decorator."""
 
     def __init__(
@@ -422,7 +422,7 @@ class _LeaseContext:
         self.task = task
         self.task_id = task_id
         self._lease: Lease | None = None
-        self._frame: _Frame | None = None  # the frame this context pushed
+        self._frame: Frame | None = None  # the frame this context pushed
         self._reentered = False
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
@@ -448,9 +448,9 @@ class _LeaseContext:
 
         return cast(F, wrapper)
 
-    def _fresh(self) -> _LeaseContext:
+    def _fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
-        return _LeaseContext(
+        return LeaseContext(
             self.key,
             self.store,
             self.ttl,
@@ -479,7 +479,7 @@ class _LeaseContext:
             raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
         self._entered = True
         task = _running_task()
-        top = _current.get()
+        top = current_frame.get()
         frame = top
         # Frames below the first foreign one are foreign too (pushed before the fork). A frame
         # whose lease has ended (left behind by an exit that an interrupt cut short) is never
@@ -496,10 +496,10 @@ class _LeaseContext:
                 self._reentered = True
                 self._lease = outer
                 try:
-                    self._frame = _Frame(outer, top)
-                    _current.set(self._frame)
+                    self._frame = Frame(outer, top)
+                    current_frame.set(self._frame)
                 except BaseException:
-                    _pop(self._frame)
+                    pop_frame(self._frame)
                     raise
                 return outer
             frame = frame.parent
@@ -508,8 +508,8 @@ class _LeaseContext:
             if task is not None:
                 held._task = weakref.ref(task)
             self._lease = held
-            self._frame = _Frame(held, top)
-            _current.set(self._frame)
+            self._frame = Frame(held, top)
+            current_frame.set(self._frame)
         except BaseException:
             # An asynchronous exception (the interrupt of an enclosing lease, a soft time
             # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
@@ -526,13 +526,13 @@ class _LeaseContext:
         held = self._lease
         assert held is not None
         if self._reentered or held._gen != _generation:
-            _pop(self._frame)
+            pop_frame(self._frame)
             return False  # the outer context (or, after a fork, the parent) owns the lease
         entry = held._entry
         assert entry is not None and entry.renewer is not None
         renewer = entry.renewer
         try:
-            _pop(self._frame)
+            pop_frame(self._frame)
             settled, final, lapsed = renewer.remove(entry)
             reason = entry.lost_reason
             if final:
@@ -564,7 +564,7 @@ class _LeaseContext:
         """
         try:
             if pop:
-                _pop(self._frame)
+                pop_frame(self._frame)
             entry = held._entry
             reason = None
             if entry is not None and entry.renewer is not None:
@@ -638,7 +638,7 @@ class _LeaseContext:
             store = self.store
             if (
                 self.defer_release
-                and _conforms(store, SupportsDeferredRelease)
+                and conforms(store, SupportsDeferredRelease)
                 and cast(SupportsDeferredRelease, store).release_deferred(held.key, held.owner)
             ):
                 return
@@ -674,7 +674,7 @@ class _LeaseContext:
         try:
             if left <= 0:
                 self.store.release(held.key, held.owner)
-            elif not self.store.renew(held.key, held.owner, _ms(left)):
+            elif not self.store.renew(held.key, held.owner, to_ms(left)):
                 logger.warning(
                     "celery-lease: the cooldown of %r was not applied: the store no longer"
                     " records this holder (%s), so the key may already be free or taken",
@@ -694,7 +694,7 @@ class _LeaseContext:
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
         owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
-        ttl_ms = _ms(self.ttl)
+        ttl_ms = to_ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
         interval = POLL_FIRST
@@ -728,7 +728,7 @@ class _LeaseContext:
                 raise LockNotAcquiredError(self.key)
             pause = min(interval, remaining)
             if notify is None:  # the store's notification sleeps on the store's clock
-                notify = _conforms(store, SupportsReleaseNotify) and (
+                notify = conforms(store, SupportsReleaseNotify) and (
                     getattr(store, "clock", waits_on) is waits_on
                 )
             if notify:
@@ -845,7 +845,7 @@ def lease(
     clock: Clock | None = None,
     cooldown: Duration = 0,
     holder: str | None = None,
-) -> _LeaseContext:
+) -> LeaseContext:
     """Hold ``key`` in ``store`` while a block (or decorated function) runs.
 
     Args:
@@ -899,7 +899,7 @@ def lease(
         from celery_lease._core import aio
 
         astore, store = aio.split_async_store(store)
-    if not _conforms(store, LockStore):
+    if not conforms(store, LockStore):
         hint = (
             " (build one with store_from_url(url) or async_store_from_url(url) once)"
             if isinstance(store, str)
@@ -926,14 +926,14 @@ def lease(
         )
     if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
-    if clock is not None and not _conforms(clock, Clock):
+    if clock is not None and not conforms(clock, Clock):
         raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
     if holder is not None and not (isinstance(holder, str) and 0 < len(holder) <= MAX_FIELD_CHARS):
         raise LeaseConfigError(
             f"holder={holder!r} must be a non-empty str of at most {MAX_FIELD_CHARS} characters,"
             " or None"
         )
-    context = _LeaseContext(
+    context = LeaseContext(
         key,
         cast(LockStore, store),  # checked above (an async store's sync twin)
         ttl_s,
@@ -960,7 +960,7 @@ def _running_task() -> object | None:
     return task
 
 
-def _pop(pushed: _Frame | None) -> None:
+def pop_frame(pushed: Frame | None) -> None:
     """Remove the frame ``pushed`` (or the copy that replaced it) from this context's stack.
 
     Idempotent (a frame already removed, or ``None``, is left alone), so an exit cut short by an
@@ -969,11 +969,11 @@ def _pop(pushed: _Frame | None) -> None:
     """
     if pushed is None:
         return
-    top = _current.get()
+    top = current_frame.get()
     if top is not None and top.origin is pushed:
-        _current.set(top.parent)
+        current_frame.set(top.parent)
         return
-    frames: list[_Frame] = []
+    frames: list[Frame] = []
     frame = top
     while frame is not None and frame.origin is not pushed:
         frames.append(frame)
@@ -982,10 +982,10 @@ def _pop(pushed: _Frame | None) -> None:
         return
     rebuilt = frame.parent
     for above in reversed(frames):
-        rebuilt = _Frame(above.lease, rebuilt)
+        rebuilt = Frame(above.lease, rebuilt)
         rebuilt.gen = above.gen
         rebuilt.origin = above.origin
-    _current.set(rebuilt)
+    current_frame.set(rebuilt)
 
 
 def current_lease() -> Lease | None:
@@ -993,7 +993,7 @@ def current_lease() -> Lease | None:
 
     In a forked child the parent's leases are not the child's: they are not returned.
     """
-    top = _current.get()
+    top = current_frame.get()
     return None if top is None or top.gen != _generation else top.lease
 
 

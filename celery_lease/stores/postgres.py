@@ -299,7 +299,7 @@ def _secrets(dsn: str, password: str | None) -> tuple[str, ...]:
     return tuple(sorted((f for f in found if f), key=len, reverse=True))
 
 
-def _mask(text: str, secrets: Sequence[str]) -> str:
+def mask_secrets(text: str, secrets: Sequence[str]) -> str:
     for secret in secrets:
         text = text.replace(secret, "***")
     return text
@@ -329,7 +329,7 @@ def _mask_parse_error(message: str, dsn: str) -> str:
     return _QUOTED.sub(piece, message)
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     """The server's (or libpq's) own message, on one line, with its SQLSTATE when it has one."""
     text = ""
     sqlstate = None
@@ -363,7 +363,7 @@ def _recording_connection_class(failures: _ConnectFailures) -> type[psycopg.Conn
             try:
                 conn = super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = _describe(exc)
+                failures.last = describe_error(exc)
                 raise
             failures.last = None
             return conn
@@ -850,23 +850,24 @@ class PostgresLockStore:
                 raise self._error(what, self._no_connection(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection and redo:
-                    logger.info("celery-lease: retrying %s after %s", what, _describe(exc))
+                    logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
                     self._discard_broken(pool)
                     continue
-                detail = _describe(exc)
+                detail = describe_error(exc)
                 if got_connection and not redo:
                     detail += "; not retried: it may have taken effect (look with get())"
                 raise self._error(what, detail) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise self._error(
                     what,
-                    f"{_describe(exc)}; the store's role needs USAGE on the table's schema and "
+                    f"{describe_error(exc)}; the store's role needs USAGE on the table's schema"
+                    " and "
                     f"SELECT, INSERT, UPDATE on table {self._table!r}",
                 ) from exc
             except psycopg.Error as exc:
-                raise self._error(what, _describe(exc)) from exc
+                raise self._error(what, describe_error(exc)) from exc
             except PoolClosed as exc:
-                raise self._error(what, _describe(exc)) from exc
+                raise self._error(what, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute(
@@ -889,7 +890,9 @@ class PostgresLockStore:
             raise
 
     def _error(self, what: str, detail: str) -> StoreUnavailableError:
-        return StoreUnavailableError(_mask(f"{self!r} failed to {what}: {detail}", self._secrets))
+        return StoreUnavailableError(
+            mask_secrets(f"{self!r} failed to {what}: {detail}", self._secrets)
+        )
 
     def _no_connection(self, exc: PoolTimeout) -> str:
         detail = f"no connection within {self._connect_timeout:g} s"
@@ -912,14 +915,14 @@ class PostgresLockStore:
         if isinstance(missing, psycopg.errors.InvalidSchemaName):
             raise self._error(
                 what,
-                f"the schema of table {self._table!r} does not exist: {_describe(missing)}; "
+                f"the schema of table {self._table!r} does not exist: {describe_error(missing)}; "
                 f"create the schema, then {ddl}",
             ) from missing
         if not self._create_table:
             raise self._error(
                 what,
                 f"table {self._table!r} does not exist and create_table=False: {ddl} "
-                f"({_describe(missing)})",
+                f"({describe_error(missing)})",
             ) from missing
         with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
@@ -939,7 +942,7 @@ class PostgresLockStore:
                 raise self._error(
                     what,
                     f"table {self._table!r} does not exist and this role may not create it: "
-                    f"{_describe(exc)}; {ddl} as its owner, or grant CREATE on the schema",
+                    f"{describe_error(exc)}; {ddl} as its owner, or grant CREATE on the schema",
                 ) from exc
             else:
                 if not conn.autocommit:

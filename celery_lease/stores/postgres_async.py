@@ -46,8 +46,8 @@ from celery_lease.stores.base import LockStore, LoopBinding
 from celery_lease.stores.postgres import (
     DEFAULT_TABLE,
     PostgresLockStore,
-    _describe,
-    _mask,
+    describe_error,
+    mask_secrets,
 )
 
 __all__ = ["AsyncPostgresLockStore"]
@@ -107,7 +107,7 @@ def _recording_connection_class(failures: _ConnectFailures) -> type[_AsyncConn]:
             try:
                 conn = await super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = _describe(exc)
+                failures.last = describe_error(exc)
                 raise
             failures.last = None
             return conn
@@ -360,7 +360,7 @@ class AsyncPostgresLockStore:
             except PoolTimeout as exc:
                 raise self._error(what, key, self._no_connection(exc)) from exc
             except PoolClosed as exc:
-                raise self._error(what, key, _describe(exc)) from exc
+                raise self._error(what, key, describe_error(exc)) from exc
             except asyncio.TimeoutError as exc:
                 raise self._error(
                     what,
@@ -370,20 +370,21 @@ class AsyncPostgresLockStore:
                 ) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection:
-                    logger.info("celery-lease: retrying %s after %s", what, _describe(exc))
+                    logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
                     with contextlib.suppress(Exception):
                         await pool.check()
                     continue
-                raise self._error(what, key, _describe(exc)) from exc
+                raise self._error(what, key, describe_error(exc)) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise self._error(
                     what,
                     key,
-                    f"{_describe(exc)}; the store's role needs USAGE on the table's schema and "
+                    f"{describe_error(exc)}; the store's role needs USAGE on the table's schema"
+                    " and "
                     f"SELECT, INSERT, UPDATE on table {self._table!r}",
                 ) from exc
             except psycopg.Error as exc:
-                raise self._error(what, key, _describe(exc)) from exc
+                raise self._error(what, key, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _execute(
@@ -410,7 +411,7 @@ class AsyncPostgresLockStore:
             raise self._error(
                 what,
                 key,
-                f"the schema of table {self._table!r} does not exist: {_describe(missing)}; "
+                f"the schema of table {self._table!r} does not exist: {describe_error(missing)}; "
                 f"create the schema, then {ddl}",
             ) from missing
         if not self._create_table:
@@ -418,7 +419,7 @@ class AsyncPostgresLockStore:
                 what,
                 key,
                 f"table {self._table!r} does not exist and create_table=False: {ddl} "
-                f"({_describe(missing)})",
+                f"({describe_error(missing)})",
             ) from missing
         try:
             await _within(conn.execute(self._sql["schema"]), self._statement_timeout)
@@ -433,7 +434,7 @@ class AsyncPostgresLockStore:
                 what,
                 key,
                 f"table {self._table!r} does not exist and this role may not create it: "
-                f"{_describe(exc)}; {ddl} as its owner, or grant CREATE on the schema",
+                f"{describe_error(exc)}; {ddl} as its owner, or grant CREATE on the schema",
             ) from exc
         else:
             logger.info("celery-lease: created table %r", self._table)
@@ -441,7 +442,7 @@ class AsyncPostgresLockStore:
     def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
         operation = what if key is None else f"{what} {key!r}"
         return StoreUnavailableError(
-            _mask(f"{self!r} failed to {operation}: {detail}", self._secrets)
+            mask_secrets(f"{self!r} failed to {operation}: {detail}", self._secrets)
         )
 
     def _no_connection(self, exc: PoolTimeout) -> str:
@@ -520,7 +521,7 @@ class AsyncPostgresLockStore:
         try:
             conn = await self._listener_connect()
         except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
-            raise self._error(what, key, f"(store closed) {_describe(exc)}") from exc
+            raise self._error(what, key, f"(store closed) {describe_error(exc)}") from exc
         try:
             await self._execute(what, key, conn, fn)
         except asyncio.TimeoutError as exc:
@@ -528,7 +529,7 @@ class AsyncPostgresLockStore:
                 what, key, f"no reply within {self._statement_timeout:g} s (statement_timeout)"
             ) from exc
         except psycopg.Error as exc:
-            raise self._error(what, key, _describe(exc)) from exc
+            raise self._error(what, key, describe_error(exc)) from exc
         finally:
             with contextlib.suppress(psycopg.Error, OSError):
                 await conn.close()

@@ -571,13 +571,13 @@ class TestInterruptInsideTheCore:
     ) -> None:
         """Raised between the acquire and the frame push: the lease is ended, not leaked."""
         store = MemoryLockStore(clock=clock)
-        frame = _lease_module._Frame
+        frame = _lease_module.Frame
 
         def interrupted(held: Lease, parent: Any) -> Any:
-            monkeypatch.setattr(_lease_module, "_Frame", frame)
+            monkeypatch.setattr(_lease_module, "Frame", frame)
             raise Interrupt("delivered in __enter__")
 
-        monkeypatch.setattr(_lease_module, "_Frame", interrupted)
+        monkeypatch.setattr(_lease_module, "Frame", interrupted)
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
             pytest.fail("the body must not run")  # pragma: no cover
         assert renewed_keys(clock) == [], "the lease is renewed for ever"
@@ -636,13 +636,13 @@ class TestInterruptInsideTheCore:
     ) -> None:
         """Raised before the frame is popped: a later lease() on the key acquires afresh."""
         store = MemoryLockStore(clock=clock)
-        pop = _lease_module._pop
+        pop = _lease_module.pop_frame
 
         def interrupted(held: Lease) -> None:
-            monkeypatch.setattr(_lease_module, "_pop", pop)
+            monkeypatch.setattr(_lease_module, "pop_frame", pop)
             raise Interrupt("delivered before the pop")
 
-        monkeypatch.setattr(_lease_module, "_pop", interrupted)
+        monkeypatch.setattr(_lease_module, "pop_frame", interrupted)
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock) as first:
             pass
         assert store.acquire("k", "intruder", 60_000) is not None, "the first lease was ended"
@@ -659,16 +659,16 @@ class TestInterruptInsideTheCore:
         """Defence in depth: a closed lease found on the stack is skipped by re-entry."""
         store = MemoryLockStore(clock=clock)
         context = lease("k", store=store, ttl=3, clock=clock)
-        token = _lease_module._current.set(None)
+        token = _lease_module.current_frame.set(None)
         try:
             stale = context.__enter__()
             context.__exit__(None, None, None)
-            _lease_module._current.set(_lease_module._Frame(stale, None))  # left behind
+            _lease_module.current_frame.set(_lease_module.Frame(stale, None))  # left behind
             assert store.acquire("k", "intruder", 60_000) is not None
             with pytest.raises(LockNotAcquiredError), lease("k", store=store, clock=clock):
                 pytest.fail("re-entered a finished lease")  # pragma: no cover
         finally:
-            _lease_module._current.reset(token)
+            _lease_module.current_frame.reset(token)
 
 
 class TestBaseExceptionThroughTheExit:
