@@ -29,6 +29,8 @@ any exception is caught (``os.register_at_fork`` itself swallows them, there is 
 A bound method is held through a weak reference: registering ``store._reset`` does not keep
 ``store`` alive, and its entry goes away with it. Any other callable (a function, a closure, a
 ``functools.partial``) is held strongly, with whatever it refers to.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ never shown as "holds nothing".
 clock (``valid_for_seconds`` is the local validity left: the time the lease is surely still held,
 0 once past it). ``task``/``task_id``/``node`` come from the owner id
 (:func:`celery_lease._core.owners.parse_owner`), ``None`` when it does not carry them.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

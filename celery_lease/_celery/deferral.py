@@ -16,6 +16,8 @@ A nested run is decided by its caller (:mod:`celery_lease._celery.execution`: th
 execution
 only). The stores that can are the ones with
 :class:`~celery_lease.stores.base.SupportsDeferredRelease`.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ not (the holder let go itself), and no interrupt is fired from the publish (the 
 ``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
 
 Deferred release replies: see :mod:`celery_lease._celery.deferral`.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -39,6 +39,8 @@ Contract for the caller (the engine):
 - ``fire()`` called on the body's own thread or greenlet (a loss decided by the body itself,
   e.g. an early release when it re-sends its own task id) interrupts nothing: the body is inside
   our code at that moment, and an exception there could tear a publish in half.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

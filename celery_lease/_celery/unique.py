@@ -76,6 +76,8 @@ name bypasses the task class: no de-duplication at enqueue (the run lease still 
 body). A duplicate call that carries callbacks (``link``, ``link_error``, a chain's next steps)
 raises :class:`~celery_lease.AlreadyQueuedError` whatever ``on_duplicate`` says: they are never
 dropped silently.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

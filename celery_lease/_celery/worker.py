@@ -129,6 +129,8 @@ Each release is logged at WARNING and sent as ``lock_released`` with ``reason="h
 leases (a custom store without :class:`~celery_lease.SupportsInspection`), or a store error, leaves
 the key to its ttl (logged). Pools that run tasks in the main process (solo, threads, gevent,
 eventlet) have no child to lose: when that process dies, the keys free themselves at their ttl.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

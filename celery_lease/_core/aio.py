@@ -32,6 +32,8 @@ copy its context). Only the task that entered the block re-enters its lease (a n
 ``async with`` on the same key and store); a task created in the block that enters ``lease()``
 on that key is another holder and waits for it, since it runs concurrently with the body (awaiting
 such a task inside the block waits until its ``wait`` runs out).
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

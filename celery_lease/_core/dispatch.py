@@ -17,6 +17,8 @@ and forgotten.
 After ``fork`` the child starts with an empty dispatcher (the parent's threads do not exist
 there). :func:`celery_lease.shutdown` stops and joins the threads; the next callback starts one
 again.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

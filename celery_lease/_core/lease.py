@@ -16,6 +16,8 @@ child.
 Loss is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on
 the
 dispatcher (:mod:`celery_lease._core.dispatch`), never on the renewer or the watchdog.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ a process: "its holder finished", ``reason="holder_died"``); its **owner id** (`
 (public, kept) returns the holder's owner id.
 
 This module is part of the core: it imports the standard library only.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

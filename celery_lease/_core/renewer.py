@@ -39,6 +39,8 @@ A store call can hang (a blackholed connection without a socket timeout). So tha
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
 a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
 and records the ones that pass it. Renewal itself stays on the one renewer thread.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

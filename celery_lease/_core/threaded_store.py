@@ -4,6 +4,8 @@ Re-exported as :class:`celery_lease._core.aio.ThreadedAsyncStore`. Kept apart fr
 :mod:`celery_lease._core.aio` so that :func:`celery_lease.stores.base.async_store_from_url` can
 build
 one without the stores depending on the lease machinery (import-linter contracts).
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ Safety of the wire:
   parent's socket (it drops the object without shutting the socket down and opens its own).
 - The release reply is read before ``release()`` returns: the key is free on the server before
   the caller goes on to publish a task's result.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -49,6 +49,8 @@ holds it for the default one. The store's role then needs only ``USAGE`` on the 
 Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement; waiters in
 :meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store and
 process (see there).
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ Columns: ``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``
 ``boot_id`` and ``boot_expires_ms`` (the host's monotonic clock in that boot, ms), both ``NULL``
 when the row was written by a process without a boot id. A file whose ``celery_lease`` table
 lacks one of these columns was not made by this store and is refused.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from celery_lease import MemoryLockStore, signals
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner
 from celery_lease.testing import FakeClock
+from tests.unit._celery.test_deferral import only_our_receivers  # noqa: F401 (autouse fixture)
 from tests.unit.conftest import Published, SpyStore
-from tests.unit.test_deferred_release import only_our_receivers  # noqa: F401 (autouse fixture)
 from tests.unit.unique_copies import Bodies, define_recorded, deliver, until_done_copy
 
 
@@ -288,7 +288,7 @@ class TestUntilDoneWithoutWaiting:
     @pytest.fixture(autouse=True)
     def solo(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A solo worker's process, with celery-lease's own receivers only (see
-        tests/unit/test_deferred_release.py: another module's lock_released recorder, connected
+        tests/unit/_celery/test_deferral.py: another module's lock_released recorder, connected
         at import, would rightly make the engine wait)."""
         from celery_lease._celery import worker as worker_module
 

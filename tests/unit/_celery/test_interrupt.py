@@ -33,7 +33,7 @@ from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from tests.support import service_missing
 
 TIMEOUT = 10.0  # real seconds a test waits for another thread at most
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 OUR_SIGNAL = interrupt.INTERRUPT_SIGNAL
 """The signal our interrupt uses in the main thread."""
 

@@ -21,7 +21,7 @@ from celery.app.defaults import _OLD_SETTING_KEYS, SETTING_KEYS
 from celery_lease import LeaseConfigError, MemoryLockStore
 from celery_lease._celery import settings as config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ from pydantic import BaseModel
 from celery_lease import LockedTask, LockLostError, current_lease, get_lock_token
 from celery_lease.signals import lock_released
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 20.0  # seconds a test waits for a result
 POLL = 0.01  # seconds between result polls
 READY_TIMEOUT = 40.0  # seconds for the real worker to log "ready."
@@ -336,7 +336,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
     client = make_app(env["DI_BROKER"], env["DI_BACKEND"], env["DI_STORE"], str(directory))
     log = directory / "worker.log"
     cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.unit.test_drop_in:app", "worker",
+        sys.executable, "-m", "celery", "-A", "tests.unit._celery.test_task_drop_in:app", "worker",
         "-P", "prefork", "-c", "2", "-n", "drop-in@%h", "--loglevel", "INFO",
         "--without-gossip", "--without-mingle", "--without-heartbeat",
     ]  # fmt: skip

@@ -122,7 +122,7 @@ def oracle(value: object) -> object:
 _TRICKY = ":~%$._-/|{}[]\\ 0123456789\ud800\udfff\ud83d\ude00\x00é"
 texts = st.text(st.sampled_from(_TRICKY) | st.characters(exclude_categories=()), max_size=8)
 # Whole seconds: an offset with microseconds is refused (json drops one under a second; see
-# tests/unit/test_keys.py), so it is not a value these properties can key.
+# tests/unit/_core/test_keys.py), so it is not a value these properties can key.
 offsets = st.builds(
     timezone, st.integers(-23 * 3600, 23 * 3600).map(lambda s: timedelta(seconds=s))
 )
