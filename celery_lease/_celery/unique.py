@@ -881,4 +881,4 @@ def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
     _release_quietly(store, header[0], owner, "the copy was revoked")
 
 
-task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease._celery.unique.revoked")
+task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked")

@@ -597,6 +597,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     ``inspect leases`` is made (before the pool forks: the children serve there).
     """
 
+    name = "celery_lease.worker.LeaseCheck"  # a fixed step name, wherever the class lives
     label = "celery-lease check"
 
     def __init__(self, parent: Any, autoscale: Any = None, **kwargs: Any) -> None:
@@ -1197,6 +1198,7 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
     eventlet) or one whose internals are not billiard's (see the module docstring).
     """
 
+    name = "celery_lease.worker.DeadHolders"  # a fixed step name, wherever the class lives
     label = "celery-lease dead holders"
     requires = ("celery.worker.components:Pool",)
 

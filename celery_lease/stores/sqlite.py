@@ -711,7 +711,9 @@ def _check_columns(conn: sqlite3.Connection, path: str) -> None:
     if missing:
         raise LeaseConfigError(
             f"path={path!r} holds a celery_lease table without the column(s)"
-            f" {', '.join(missing)}: it was not made by SQLiteLockStore; use another file"
+            f" {', '.join(missing)}: another program's table, or one an unreleased build of"
+            " celery-lease made; point lease_store at another file, or delete this one once no"
+            " process uses it (it only holds leases, each gone within its ttl)"
         )
 
 

@@ -51,3 +51,15 @@ class TestSocketDirectory:
         assert worker.LeaseCheck in Sender.app.steps["worker"].added
         assert worker.DeadHolders in Sender.app.steps["worker"].added
         assert control.socket_path(1) is None  # no directory: `inspect` says so per child
+
+
+class TestStepNames:
+    def test_the_worker_steps_have_fixed_names(self) -> None:
+        """A user's own step may ``require`` ours by name: the names do not follow the module
+        the classes live in."""
+        from celery_lease._celery.worker import DeadHolders, LeaseCheck
+
+        assert (LeaseCheck.name, DeadHolders.name) == (
+            "celery_lease.worker.LeaseCheck",
+            "celery_lease.worker.DeadHolders",
+        )
