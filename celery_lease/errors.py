@@ -7,7 +7,12 @@
     │   └── AlreadyQueuedError        a unique task's copy holds the key (``on_duplicate="raise"``)
     ├── LockLostError                 a held lease was lost (not renewed in time, taken, max_hold)
     ├── StoreUnavailableError         the store could not be reached or answered with an error
-    └── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
+    ├── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
+    ├── StaleTokenError               a fenced write refused: a newer holder already wrote
+    └── MissingRowError (LookupError) a fenced update found no row to update
+
+The last two are raised by :mod:`celery_lease.fencing` (which re-exports them); they live here
+so that every exception's module path, which result backends store, is ``celery_lease.errors``.
 
 Every constructor takes exactly the positional arguments kept in ``.args`` and no keyword-only
 ones, so the exceptions survive ``pickle`` and Celery's json result serializer, which rebuilds
@@ -22,6 +27,8 @@ __all__ = [
     "LeaseError",
     "LockLostError",
     "LockNotAcquiredError",
+    "MissingRowError",
+    "StaleTokenError",
     "StoreUnavailableError",
 ]
 
@@ -100,3 +107,64 @@ class LeaseConfigError(LeaseError, ValueError):
     """A bad argument or setting; the message names the parameter, the value and what is allowed."""
 
     code = "LEASE_CONFIG"
+
+
+class StaleTokenError(LeaseError):
+    """A write carrying ``token`` was refused: a newer holder already wrote with ``current``.
+
+    Raised by the fenced writes of :mod:`celery_lease.fencing`. Nothing was written. Like every
+    error of celery-lease it survives ``pickle`` and Celery's json result serializer (the
+    constructor's arguments are ``.args``).
+
+    Attributes:
+        key: the lock key whose token was refused, or ``None`` when the write was given a token
+            without a key outside any lease.
+        token: the refused token.
+        current: the fence that refused it (the token of the newer write; always ``> token``),
+            or ``None`` when the row was deleted between the refusal and the read of its fence.
+        resource: what was written, for the message (``"accounts id=1"``, ``"redis key
+            'price'"``), or ``None``.
+    """
+
+    code = "STALE_TOKEN"
+
+    def __init__(
+        self,
+        key: str | None,
+        token: int,
+        current: int | None,
+        resource: str | None = None,
+    ) -> None:
+        super().__init__(key, token, current, resource)
+        self.key = key
+        self.token = token
+        self.current = current
+        self.resource = resource
+
+    def __str__(self) -> str:
+        what = f" to {self.resource}" if self.resource else ""
+        lease = f" of the lease on {self.key!r}" if self.key is not None else ""
+        newer = (
+            "a newer holder" if self.current is None else f"a newer holder (token {self.current})"
+        )
+        return (
+            f"the write{what} with token {self.token}{lease} was refused: {newer} already"
+            " wrote, so this holder's lease was lost"
+        )
+
+
+class MissingRowError(LeaseError, LookupError):
+    """A fenced update found no row to update (use the upsert helper to create it).
+
+    Attributes:
+        resource: the row looked for (``"accounts id=42"``).
+    """
+
+    code = "MISSING_ROW"
+
+    def __init__(self, resource: str) -> None:
+        super().__init__(resource)
+        self.resource = resource
+
+    def __str__(self) -> str:
+        return f"a fenced update found no row {self.resource}: nothing was written"

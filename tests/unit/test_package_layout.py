@@ -62,6 +62,8 @@ EXPORTS: dict[str, set[str]] = {
         "LeaseError",
         "LockLostError",
         "LockNotAcquiredError",
+        "MissingRowError",
+        "StaleTokenError",
         "StoreUnavailableError",
     },
     "celery_lease.types": {"Duration", "OnDuplicate", "OnHeld", "OnLost", "Unique"},
