@@ -612,12 +612,12 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
     lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
     alone is pinged. URLs are shown with their password masked.
     """
-    from celery_lease._celery import worker
+    from celery_lease._celery import startup
 
     url = _store_url(ctx, store_url)
     app = getattr(ctx.obj, "app", None)
     if url is not None:
-        checks = [worker.ping_store("--store", url, worker.PING_KEY)]
+        checks = [startup.ping_store("--store", url, startup.PING_KEY)]
     elif app is None:
         raise CliError(
             "nothing to check: run it as `celery -A proj lease check`, or pass --store URL"
@@ -626,9 +626,9 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
         try:
             app.loader.import_default_modules()  # the task modules, as a worker imports them
         except Exception as exc:
-            checks = [worker.Check("task modules", error=f"{type(exc).__name__}: {exc}")]
+            checks = [startup.Check("task modules", error=f"{type(exc).__name__}: {exc}")]
         else:
-            checks = worker.check_app(app)
+            checks = startup.check_app(app)
     for check in checks:
         click.echo(check.line())
     if not all(check.ok for check in checks):

@@ -14,13 +14,12 @@ setting (``app.conf``)        meaning                                built-in de
                               release's reply (bool; see engine)
 ``lease_store_check``         a store that does not answer at        ``"refuse"``
                               worker start: ``"refuse"``, ``"warn"``
-                              or ``"off"`` (see the worker module)
+                              or ``"off"`` (see the startup module)
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
-a locked task of the app needs them, and at worker start-up (:mod:`celery_lease._celery.worker`
-refuses
-to start the worker), so a bad value *or a misspelled name* fails loudly instead of quietly
+a locked task of the app needs them, and at worker start-up (:mod:`celery_lease._celery.startup`
+refuses to start the worker), so a bad value *or a misspelled name* fails loudly instead of quietly
 selecting another store. Celery keeps any key it does not know and never complains, so
 :func:`misspelled_settings` looks at every configured key: a key that looks like one of ours
 (``lease_stor``, ``CELERY_LEASE_STOR``) or a known name in a spelling Celery never reads
@@ -117,7 +116,7 @@ METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
 STORE_CHECKS: tuple[str, ...] = ("refuse", "warn", "off")
 """Allowed ``lease_store_check`` values: what a worker does when a store its locked tasks use does
 not answer at start (``"refuse"``, the default: it does not start; ``"warn"``: it logs an error and
-starts; ``"off"``: no round trip at start). See :mod:`celery_lease._celery.worker`."""
+starts; ``"off"``: no round trip at start). See :mod:`celery_lease._celery.startup`."""
 
 BUILTIN_METRICS_PORT = 9809
 """The port of the Prometheus endpoint when ``lease_metrics_port`` is unset (celery-exporter's
@@ -605,7 +604,7 @@ def store_option(app: Any) -> str | LockStore:
     ``lease_store`` (a URL or a ``LockStore``), else the broker's Redis URL, else the
     ``sqlite:///`` URL of the host-local fallback file (its directory is made, as
     :func:`get_store` would). For a check that must not touch the store this process's tasks
-    use (:func:`celery_lease._celery.worker.ping_store` opens a store of its own from a URL).
+    use (:func:`celery_lease._celery.startup.ping_store` opens a store of its own from a URL).
 
     Raises:
         LeaseConfigError: as :func:`get_settings`, or as :func:`default_sqlite_path`.

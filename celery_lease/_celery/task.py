@@ -561,7 +561,7 @@ def locked(
             )
 
         wrapper.__signature__ = full  # type: ignore[attr-defined]  # Celery ignores __wrapped__
-        wrapper._lock_options = options  # type: ignore[attr-defined]  # read by worker.check_worker
+        wrapper._lock_options = options  # type: ignore[attr-defined]  # read by startup.check_worker
         return cast(F, wrapper)
 
     return decorate

@@ -370,7 +370,7 @@ def _options_of(app: Any) -> _Options | None:
     try:
         settings = config.get_settings(app)
     except LeaseConfigError:
-        return None  # celery_lease._celery.worker.LeaseCheck refuses the worker with this error
+        return None  # celery_lease._celery.startup.LeaseCheck refuses the worker with this error
     if settings.metrics is None:
         return None
     _check_library(settings.metrics, "lease_metrics")
@@ -407,7 +407,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """
 
     label = "celery-lease metrics"
-    requires = ("celery.worker.components:Pool", "celery_lease._celery.worker:LeaseCheck")
+    requires = ("celery.worker.components:Pool", "celery_lease._celery.startup:LeaseCheck")
     """After the pool (its class decides multiprocess mode) and the configuration check (which
     refuses a bad ``lease_metrics`` setting first, with the message about it)."""
 

@@ -20,7 +20,7 @@ from celery import Celery
 from click.testing import CliRunner, Result
 
 from celery_lease import LockedTask
-from celery_lease._celery import worker
+from celery_lease._celery import startup
 from celery_lease.cli import lease_group
 from tests.support import free_port
 
@@ -196,6 +196,6 @@ class TestStoresArePingedAtOnce:
             second_began.set()
 
         threading.Thread(target=watch, daemon=True).start()
-        checks = worker.ping_stores([("a", first), ("b", second)], "ping", timeout=20)
+        checks = startup.ping_stores([("a", first), ("b", second)], "ping", timeout=20)
         assert [c.ok for c in checks] == [True, True], checks
         assert first.answered_after_the_other_began

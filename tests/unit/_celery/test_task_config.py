@@ -14,7 +14,7 @@ from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease._celery import settings as config
-from celery_lease._celery import worker
+from celery_lease._celery import startup, worker
 
 
 @pytest.fixture
@@ -141,14 +141,14 @@ def _pool(name: str) -> type:
 
 
 class TestWorkerCheck:
-    """What a worker refuses at start-up (celery_lease._celery.worker.check_worker and its
+    """What a worker refuses at start-up (celery_lease._celery.startup.check_worker and its
     bootstep)."""
 
     @pytest.mark.parametrize("store", [MemoryLockStore(), "memory://"])
     def test_process_local_store_under_prefork_refused(self, app: Celery, store: object) -> None:
         """lease_store in memory on prefork -c 2: the two processes would not exclude."""
         app.conf.lease_store = store
-        error = worker.check_worker(app, _pool("prefork"), 2)
+        error = startup.check_worker(app, _pool("prefork"), 2)
         assert isinstance(error, LeaseConfigError)
         message = str(error)
         assert "lease_store" in message and "2 processes" in message and "prefork" in message
@@ -162,7 +162,7 @@ class TestWorkerCheck:
         )
         def local() -> None: ...
 
-        error = worker.check_worker(app, _pool("prefork"), 2)
+        error = startup.check_worker(app, _pool("prefork"), 2)
         assert error is not None and "'cfg.local'" in str(error) and "lock_store" in str(error)
 
     def test_locked_decorator_store_in_memory_refused(self, app: Celery, tmp_path: Path) -> None:
@@ -173,14 +173,14 @@ class TestWorkerCheck:
         @locked(key="k", store="memory://")
         def decorated() -> None: ...
 
-        error = worker.check_worker(app, _pool("prefork"), 2)
+        error = startup.check_worker(app, _pool("prefork"), 2)
         assert error is not None and "'cfg.decorated'" in str(error)
 
     def test_autoscale_counts_the_most_processes(self, app: Celery) -> None:
         """--autoscale=4,1 on prefork can run 4 processes: refused even with -c 1."""
         app.conf.lease_store = "memory://"
-        assert worker.check_worker(app, _pool("prefork"), 1, autoscale="4,1") is not None
-        assert worker.check_worker(app, _pool("prefork"), 1, autoscale=(4, 1)) is not None
+        assert startup.check_worker(app, _pool("prefork"), 1, autoscale="4,1") is not None
+        assert startup.check_worker(app, _pool("prefork"), 1, autoscale=(4, 1)) is not None
 
     @pytest.mark.parametrize(
         ("pool", "concurrency"),
@@ -193,24 +193,24 @@ class TestWorkerCheck:
         app.conf.lease_store = MemoryLockStore()
         pool_cls = _GeventLikePool if pool == "gevent-like" else _pool(pool)
         with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
-            assert worker.check_worker(app, pool_cls, concurrency) is None
+            assert startup.check_worker(app, pool_cls, concurrency) is None
         assert any("process-local" in r.getMessage() for r in caplog.records)
 
     def test_unknown_pool_with_concurrency_is_taken_as_processes(self, app: Celery) -> None:
         """A pool we cannot classify counts as one process per concurrency slot (safe side)."""
         app.conf.lease_store = "memory://"
         unknown = type("CustomPool", (), {"__module__": "myproject.pools"})
-        assert worker.check_worker(app, unknown, 2) is not None
+        assert startup.check_worker(app, unknown, 2) is not None
 
     def test_shared_store_accepted_under_prefork(self, app: Celery, tmp_path: Path) -> None:
         """A store shared by processes (SQLite file here) is fine on prefork -c 2."""
         app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
-        assert worker.check_worker(app, _pool("prefork"), 2) is None
+        assert startup.check_worker(app, _pool("prefork"), 2) is None
 
     def test_misspelled_setting_refused(self, app: Celery) -> None:
         """A typo in a setting name is a refusal on any pool."""
         app.conf.lease_stor = "redis://r/1"
-        error = worker.check_worker(app, _pool("solo"), 1)
+        error = startup.check_worker(app, _pool("solo"), 1)
         assert error is not None and "did you mean 'lease_store'" in str(error)
 
 
@@ -246,7 +246,7 @@ class TestWorkerBootstep:
         """A threads worker with a memory store builds and its step starts quietly."""
         app.conf.lease_store = MemoryLockStore()
         controller = app.WorkController(pool_cls="threads", concurrency=4, without_mingle=True)
-        (step,) = [s for s in controller.steps if isinstance(s, worker.LeaseCheck)]
+        (step,) = [s for s in controller.steps if isinstance(s, startup.LeaseCheck)]
         step.start(controller)  # the check ran at build time; starting it does nothing more
         assert isinstance(config.get_store(app), MemoryLockStore)
 
@@ -280,8 +280,8 @@ class TestWorkerCheckRefusals:
         from celery import _state
 
         monkeypatch.setattr(worker, "_main_pid", None)
-        monkeypatch.setattr(worker, "_processes", 0, raising=False)
-        monkeypatch.setattr(worker, "_app", None, raising=False)
+        monkeypatch.setattr(startup, "_processes", 0)
+        monkeypatch.setattr(startup, "_app", None)
         blocks = _state.task_join_will_block()
         yield
         _state._set_task_join_will_block(blocks)
@@ -362,7 +362,7 @@ class TestWorkerCheckRefusals:
         """A misspelled store scheme is refused by the worker check, not at the first task
         (a worker that started would fail every locked execution)."""
         app.conf.lease_store = url
-        error = worker.check_worker(app, _pool("solo"), 1)
+        error = startup.check_worker(app, _pool("solo"), 1)
         assert error is not None and "unknown scheme" in str(error) and repr(url) in str(error)
 
     def test_the_schemes_checked_are_the_ones_stores_are_built_for(

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from celery_lease._celery import worker
+from celery_lease._celery import reaper, startup, worker
 
 NODE = "w1@host"
 
@@ -48,8 +48,8 @@ class TestSocketDirectory:
 
         monkeypatch.setattr(owners, "_node", owners._node)
         worker._on_worker_init(sender=Sender())
-        assert worker.LeaseCheck in Sender.app.steps["worker"].added
-        assert worker.DeadHolders in Sender.app.steps["worker"].added
+        assert startup.LeaseCheck in Sender.app.steps["worker"].added
+        assert reaper.DeadHolders in Sender.app.steps["worker"].added
         assert control.socket_path(1) is None  # no directory: `inspect` says so per child
 
 
@@ -57,9 +57,32 @@ class TestStepNames:
     def test_the_worker_steps_have_fixed_names(self) -> None:
         """A user's own step may ``require`` ours by name: the names do not follow the module
         the classes live in."""
-        from celery_lease._celery.worker import DeadHolders, LeaseCheck
-
-        assert (LeaseCheck.name, DeadHolders.name) == (
+        assert (startup.LeaseCheck.name, reaper.DeadHolders.name) == (
             "celery_lease.worker.LeaseCheck",
             "celery_lease.worker.DeadHolders",
         )
+
+
+class TestConnectReceivers:
+    UIDS = {
+        "worker_init": "celery_lease.worker_init",
+        "worker_process_init": "celery_lease.worker_process_init",
+        "worker_shutdown": "celery_lease.worker_shutdown",
+        "task_prerun": "celery_lease.task_prerun",
+        "task_postrun": "celery_lease.task_postrun",
+        "task_failure": "celery_lease.task_failure",
+    }
+
+    def _ours(self) -> dict[str, int]:
+        from celery import signals
+
+        return {
+            name: sum(key[0] == uid for key, _ in getattr(signals, name).receivers)
+            for name, uid in self.UIDS.items()
+        }
+
+    def test_every_receiver_is_connected_once_under_its_fixed_uid(self) -> None:
+        """Importing the worker module connected each receiver; connecting again adds none."""
+        assert self._ours() == dict.fromkeys(self.UIDS, 1)
+        worker.connect_receivers()
+        assert self._ours() == dict.fromkeys(self.UIDS, 1)

@@ -1,6 +1,6 @@
 """The reaper frees the queued key of a unique copy that dies with its pool child.
 
-``celery_lease._celery.worker._Reaper.release`` without a worker, on a memory store: when it
+``celery_lease._celery.reaper._Reaper.release`` without a worker, on a memory store: when it
 releases the
 run lease of a dead child's task, it releases that copy's ``queued:<key>`` too (owner-checked,
 that very copy's owner), only when the copy is known to end FAILURE (``_ends_failed_ids``:
@@ -15,7 +15,7 @@ import socket
 from typing import Any
 
 from celery_lease import MemoryLockStore
-from celery_lease._celery.worker import _Death, _ends_failed_ids, _Reaper, _runs_again
+from celery_lease._celery.reaper import _Death, _ends_failed_ids, _Reaper, _runs_again
 from celery_lease._core.dispatch import drain
 from celery_lease._core.owners import make_owner, queued_owner
 

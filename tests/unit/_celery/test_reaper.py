@@ -1,4 +1,4 @@
-"""The prefork worker's reaper (``celery_lease._celery.worker._Reaper``) without a worker.
+"""The prefork worker's reaper (``celery_lease._celery.reaper._Reaper``) without a worker.
 
 Which leases of a dead pool child it releases (owner-checked, only that child's running tasks',
 never a succeeded task's cooldown) and how it makes the event loop reap a child at once (a pidfd,
@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from celery_lease import LeaseInfo, MemoryLockStore
-from celery_lease._celery import worker
-from celery_lease._celery.worker import _Death, _Reaper
+from celery_lease._celery import reaper as reaper_module
+from celery_lease._celery.reaper import _Death, _Reaper
 from celery_lease._core.dispatch import drain
 from celery_lease._core.owners import make_owner
 from celery_lease.signals import lock_released
@@ -286,13 +286,13 @@ def reaper_without_backend(store: Any, pool: Any = None) -> _Reaper:
 
 @pytest.fixture
 def clean_timed_out() -> Iterator[dict[str, tuple[str | None, float]]]:
-    saved = dict(worker._timed_out)
-    worker._timed_out.clear()
+    saved = dict(reaper_module._timed_out)
+    reaper_module._timed_out.clear()
     try:
-        yield worker._timed_out
+        yield reaper_module._timed_out
     finally:
-        worker._timed_out.clear()
-        worker._timed_out.update(saved)
+        reaper_module._timed_out.clear()
+        reaper_module._timed_out.update(saved)
 
 
 class TestPidReuse:
@@ -382,8 +382,8 @@ class TestHungStore:
                 super().__init__(*args)
                 self.done = Done()
 
-        monkeypatch.setattr(worker, "_Death", Death)
-        monkeypatch.setattr(worker, "DEAD_HOLDER_WAIT", 0.01)
+        monkeypatch.setattr(reaper_module, "_Death", Death)
+        monkeypatch.setattr(reaper_module, "DEAD_HOLDER_WAIT", 0.01)
         store = HangingStore()
         first, second = Process(DEAD, -9), Process(DEAD + 1, -9)
         pool = Pool()
@@ -412,7 +412,7 @@ class TestErrorsNeverReachBilliard:
         def broken(pool: Any = None) -> dict[int, dict[str, str | None]]:
             raise RuntimeError("boom")
 
-        monkeypatch.setattr(worker, "_running_by_pid", broken)
+        monkeypatch.setattr(reaper_module, "_running_by_pid", broken)
         assert pool._join_exited_workers() == [-9]
         assert pool.joined == 1 and pool._pool == []
 
@@ -425,7 +425,9 @@ class TestErrorsNeverReachBilliard:
         pool = Pool(dead)
         reaper = _Reaper(NoBackendApp(), NODE, pool)
         reaper.install()
-        monkeypatch.setattr(worker, "_running_by_pid", lambda pool=None: {DEAD: {"t1": "t.run"}})
+        monkeypatch.setattr(
+            reaper_module, "_running_by_pid", lambda pool=None: {DEAD: {"t1": "t.run"}}
+        )
 
         class NoThreads:
             def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -470,7 +472,7 @@ class TestPoolsWithoutChildren:
             hostname = NODE
 
         Parent.pool = pool  # type: ignore[attr-defined]
-        step = worker.DeadHolders.__new__(worker.DeadHolders)
+        step = reaper_module.DeadHolders.__new__(reaper_module.DeadHolders)
         step.reaper = None
         step.start(Parent())
         assert step.reaper is None
@@ -502,4 +504,4 @@ class TestRunningTasks:
         class PoolWithJobs:
             _cache = {1: Job(), 2: Finished()}
 
-        assert worker._running_by_pid(PoolWithJobs()) == {DEAD: {"t1": None}}
+        assert reaper_module._running_by_pid(PoolWithJobs()) == {DEAD: {"t1": None}}

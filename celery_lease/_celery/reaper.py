@@ -1,0 +1,586 @@
+"""The dead-holder reaper: the leases of a pool child that dies running a task, freed at once.
+
+Wired into the worker by :mod:`celery_lease._celery.worker` (which adds :class:`DeadHolders` to
+the worker's bootsteps and passes ``task_failure`` on to :func:`note_task_failure`).
+
+Dead holders freed at once (:class:`DeadHolders`, a bootstep of prefork workers). When a pool
+child dies while it runs a task (``SIGKILL``, the OOM killer, a segfault: Celery's
+``WorkerLostError``; a hard time limit; ``revoke(terminate=True)``), the main process releases
+the leases that child took for the tasks it was running, instead of leaving them for a ttl:
+
+1. only after billiard has joined (reaped) the child: the step wraps the pool's
+   ``_join_exited_workers`` (and ``mark_as_worker_lost``), and acts on a child only once it has
+   left the pool with an exit code, i.e. ``waitpid`` returned for it: it no longer runs, not even
+   as a zombie;
+2. only leases whose owner id (:func:`celery_lease._core.owners.parse_owner`) names this host, the
+dead
+   child's pid, this worker's node (when the owner names one) and a task id that was running on
+   that child when it died (accepted by it, or written to it, and not finished by it, as the
+   worker's requests or the pool's own jobs say: a ``revoke(terminate=True)`` request leaves the
+   former first; or ended by its hard time limit, counted for the next child killed only), made
+   before the child was reaped (a new child with the recycled pid, running the redelivered task,
+   keeps its lease). A lease the child kept for ``cooldown`` after a task that succeeded
+   is therefore kept; so is one taken outside any task, and one of a task whose SUCCESS the
+   result backend already holds (killed between storing its result and handing it to the
+   pool: its key is then its cooldown);
+3. found with the store's ``list()`` and released with ``release(key, owner)``, owner-checked,
+   with that exact owner: if the lease already expired and someone else holds the key, nothing
+   is removed;
+4. on a thread of its own (the event loop never waits for a store), except that the requeue of
+   an ``acks_late`` task lost with its worker (``task_reject_on_worker_lost``) waits up to
+   :data:`DEAD_HOLDER_WAIT` seconds for the release, so that the redelivered task does not find
+   its own key still taken (once per hung store: while the release thread is past that wait,
+   later requeues do not wait). Errors of this bookkeeping are logged, never raised into
+   billiard's maintenance or the event loop.
+
+The event loop learns of a death from the child's sentinel pipe, which closes a moment before
+the child can be reaped; billiard then waits for its 5 s maintenance timer. The step watches such
+a child with a pidfd and reaps it the moment it can (see :meth:`_Reaper.watch_exit`), which is
+also what makes Celery's own ``WorkerLostError`` and the requeue come at once.
+
+Each release is logged at WARNING and sent as ``lock_released`` with ``reason="holder_died"``
+(plus ``pid`` and ``exitcode``), from the lease dispatcher's thread. A store that cannot list
+leases (a custom store without :class:`~celery_lease.SupportsInspection`), or a store error, leaves
+the key to its ttl (logged). Pools that run tasks in the main process (solo, threads, gevent,
+eventlet) have no child to lose: when that process dies, the keys free themselves at their ttl.
+
+The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Collection
+from typing import Any
+
+from billiard.exceptions import TimeLimitExceeded
+from billiard.pool import EX_RECYCLE as _EX_RECYCLE
+from celery import bootsteps
+
+from celery_lease._celery import control, startup
+from celery_lease._core import owners
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.base import LockStore, SupportsInspection
+
+__all__ = ["DEAD_HOLDER_WAIT", "DeadHolders", "note_task_failure"]
+
+logger = logging.getLogger("celery_lease.worker")
+
+DEAD_HOLDER_WAIT = 1.0
+"""Seconds the requeue of a task lost with its pool child waits for that child's leases to be
+released (they are released on a thread of their own; the event loop waits only for this)."""
+
+_REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pidfd
+_REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
+_TIMED_OUT_KEEP = 600.0  # seconds a hard-time-limited task id is remembered for its child's death
+
+_timed_out: dict[str, tuple[str | None, float]] = {}
+"""Task ids ended by their hard time limit in this main process -> (task name, when)."""
+
+
+def note_task_failure(sender: Any, task_id: str | None, exception: object) -> None:
+    """In the main process: note a task ended by a hard time limit (its child is killed next)."""
+    if not isinstance(exception, TimeLimitExceeded) or not task_id:
+        return
+    now = time.monotonic()
+    for old in [k for k, (_, at) in _timed_out.items() if now - at > _TIMED_OUT_KEEP]:
+        del _timed_out[old]
+    name = getattr(sender, "name", None)
+    _timed_out[task_id] = (name if isinstance(name, str) else None, now)
+
+
+def _job_pids(job: Any) -> set[int]:
+    """The pool children a billiard job was accepted by, written to or scheduled for."""
+    pids = {pid for pid in job.worker_pids() if pid}
+    for attr in ("_write_to", "_scheduled_for"):
+        pid = getattr(getattr(job, attr, None), "pid", None)
+        if pid:
+            pids.add(pid)
+    return pids
+
+
+def _runs_again(task: Any, retries: int = 0, *, timed_out: bool = False) -> bool:
+    """Whether Celery runs a task again when its pool child dies (as ``Request.on_failure``
+    and ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late``
+    with ``reject_on_worker_lost`` (requeued); after a hard time limit, ``acks_late`` without
+    ``acks_on_timeout``. Otherwise the copy ends FAILURE. Unknown task: False."""
+    if task is None:
+        return False
+    acks_late = bool(getattr(task, "acks_late", False))
+    if timed_out:
+        acks = getattr(task, "acks_on_timeout", None)
+        if acks is None:
+            acks = getattr(task, "acks_on_failure_or_timeout", None)
+        return acks_late and acks is not None and not acks
+    if getattr(task, "retry_on_worker_lost", False):
+        most = getattr(task, "max_retries", None)
+        if most is None or retries < int(most):
+            return True
+    return acks_late and bool(getattr(task, "reject_on_worker_lost", False))
+
+
+def _ends_failed_ids() -> set[str]:
+    """The ids of the worker's requests that end FAILURE, not run again, if their child dies.
+
+    Positive evidence only: a request the worker still tracks (active or reserved, not
+    cancelled) whose task Celery does not requeue or retry (:func:`_runs_again`). A task known
+    only from the pool's jobs (a request cancelled at shutdown or on a lost connection has left
+    the active requests and its message stays unacknowledged: it is redelivered) is not here.
+    """
+    from celery.worker import state as worker_state
+
+    fails: set[str] = set()
+    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        if getattr(request, "_already_cancelled", False):
+            continue
+        retries = (getattr(request, "request_dict", None) or {}).get("retries") or 0
+        if not _runs_again(getattr(request, "task", None), int(retries)):
+            fails.add(request.id)
+    return fails
+
+
+def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
+    """pid -> {task id: task name} of the requests a pool child accepted or was written.
+
+    Also the unfinished jobs of ``pool`` (their ``correlation_id`` is the task id): a request
+    revoked with ``terminate=True`` has left the worker's active requests before its child is
+    reaped, but its job stays in the pool until then.
+    """
+    from celery.worker import state as worker_state
+
+    running: dict[int, dict[str, str | None]] = {}
+    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+        pids = set()
+        if request.worker_pid:
+            pids.add(request.worker_pid)
+        ref = getattr(request, "_apply_result", None)
+        job = ref() if ref is not None else None
+        if job is not None:
+            pids.update(_job_pids(job))
+        for pid in pids:
+            running.setdefault(pid, {})[request.id] = request.name
+    cache = getattr(pool, "_cache", None)
+    for job in list(cache.values()) if isinstance(cache, dict) else []:
+        task_id = getattr(job, "correlation_id", None)
+        if isinstance(task_id, str) and task_id and not job.ready():
+            for pid in _job_pids(job):
+                running.setdefault(pid, {}).setdefault(task_id, None)
+    return running
+
+
+class _Death:
+    """A reaped pool child and the tasks it was running; ``done`` is set once handled.
+
+    ``fails``: the ids of those tasks known to end FAILURE with this death (neither requeued
+    nor retried, see :func:`_ends_failed_ids`): only their unique copy's queued key is freed.
+    """
+
+    __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
+
+    def __init__(
+        self,
+        pid: int,
+        exitcode: int,
+        tasks: dict[str, str | None],
+        fails: Collection[str] = (),
+    ) -> None:
+        self.pid = pid
+        self.exitcode = exitcode
+        self.tasks = tasks
+        self.fails = frozenset(fails)
+        self.done = threading.Event()
+        self.at = time.time()  # made once reaped: no owner id of the dead child is newer
+
+
+_REAPER_FAILED = (
+    "celery-lease: handling a dead pool process failed; its leases free themselves at their ttl"
+)
+
+
+class _Reaper:
+    """Releases the leases of reaped pool children of one prefork pool (see the module)."""
+
+    def __init__(self, app: Any, node: str | None, pool: Any) -> None:
+        self.app = app
+        self.node = node
+        self.pool = pool
+        self.host = socket.gethostname()
+        self.deaths: queue.SimpleQueue[_Death] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+        self.before: dict[int, Any] = {}  # pid -> process, during a join
+        self.running: dict[int, dict[str, str | None]] = {}
+        self.fails: set[str] = set()  # of the running tasks: the ids that end FAILURE
+        self.handled: set[int] = set()
+        self.stuck = False  # the release thread overran a requeue's wait and is still busy
+
+    def install(self) -> None:
+        join = self.pool._join_exited_workers
+        mark = self.pool.mark_as_worker_lost
+
+        def join_exited_workers(*args: Any, **kwargs: Any) -> Any:
+            self.handled = set()
+            try:
+                self.before = {p.pid: p for p in list(self.pool._pool) if p.pid}
+                self.running = _running_by_pid(self.pool)
+                self.fails = _ends_failed_ids()
+            except Exception:
+                logger.exception("celery-lease: cannot note the pool's running tasks")
+                self.running = {}
+                self.fails = set()
+            try:
+                return join(*args, **kwargs)
+            finally:
+                try:
+                    present = {id(p) for p in self.pool._pool}
+                    for pid, process in self.before.items():
+                        if id(process) not in present and pid not in self.handled:
+                            self.reaped(pid, process, wait=False)
+                except Exception:
+                    logger.exception(_REAPER_FAILED)
+                self.before = {}
+
+        def mark_as_worker_lost(job: Any, exitcode: Any) -> Any:
+            try:
+                for pid in job.worker_pids():
+                    process = self.before.get(pid)
+                    if process is not None and pid not in self.handled:
+                        self.reaped(pid, process, wait=True)
+            except Exception:
+                logger.exception(_REAPER_FAILED)
+            return mark(job, exitcode)
+
+        self.pool._join_exited_workers = join_exited_workers
+        self.pool.mark_as_worker_lost = mark_as_worker_lost
+        exited = getattr(self.pool, "_event_process_exit", None)
+        if exited is not None:  # billiard's AsynPool (the event loop); the hub looks it up later
+
+            def event_process_exit(hub: Any, process: Any) -> Any:
+                try:
+                    return exited(hub, process)
+                finally:
+                    try:
+                        if process in self.pool._pool:  # closed its files, not yet reapable
+                            self.watch_exit(hub, process)
+                    except Exception:
+                        logger.exception(
+                            "celery-lease: cannot watch pool process %s exit; billiard's timer"
+                            " reaps it within 5 s",
+                            getattr(process, "pid", "?"),
+                        )
+
+            self.pool._event_process_exit = event_process_exit
+
+    def watch_exit(self, hub: Any, process: Any) -> None:
+        """Run the pool's maintenance again as soon as ``process`` can be reaped.
+
+        The event loop learns of a child's death when the child's end of its sentinel pipe
+        closes; the kernel closes a dying process's files before it makes it a zombie
+        (``waitpid`` finds nothing yet), and a child with several threads (the renewer's) stays
+        in between long enough for the loop's ``waitpid(WNOHANG)`` to miss it often (most
+        tries of a probe with three threads). billiard then stops watching that sentinel and
+        only its 5 s maintenance timer reaps the child. Here a pidfd (Linux >= 5.3), readable
+        once the child is a zombie whose threads are all gone, wakes the loop for it; elsewhere
+        the maintenance is retried after 5, 10, 20 ... ms (at most :data:`_REAP_RETRY_FOR` s).
+        """
+        try:
+            fd = os.pidfd_open(process.pid)
+        except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer
+            self._retry_reap(hub, process, _REAP_RETRY_FIRST, 0.0)
+            return
+
+        def readable() -> None:
+            hub.remove_reader(fd)
+            os.close(fd)
+            self.pool.maintain_pool()
+
+        try:
+            hub.add_reader(fd, readable)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _retry_reap(self, hub: Any, process: Any, delay: float, waited: float) -> None:
+        def retry() -> None:
+            self.pool.maintain_pool()
+            if process in self.pool._pool and waited + delay < _REAP_RETRY_FOR:
+                self._retry_reap(hub, process, delay * 2, waited + delay)
+
+        hub.call_later(delay, retry)
+
+    def reaped(self, pid: int, process: Any, *, wait: bool) -> None:
+        """Child ``pid`` left the pool: release its running tasks' leases if it was reaped."""
+        self.handled.add(pid)
+        if process in self.pool._pool:
+            return
+        exitcode = process.exitcode  # not None only once waitpid() returned for it: reaped
+        if exitcode is None:
+            logger.debug("celery-lease: pool process %d left the pool unreaped", pid)
+            return
+        control.forget_child(pid)
+        tasks = dict(self.running.get(pid, {}))
+        fails = {task_id for task_id in tasks if task_id in self.fails}
+        if exitcode not in (0, _EX_RECYCLE):  # killed: the next death after a hard time limit
+            for task_id in list(_timed_out):  # used once, so a later exit cannot reuse it
+                name = tasks[task_id] = _timed_out.pop(task_id)[0]
+                task = self.app.tasks.get(name) if name else None
+                if task is not None and not _runs_again(task, timed_out=True):
+                    fails.add(task_id)
+                else:
+                    fails.discard(task_id)
+        if not tasks:
+            return
+        death = _Death(pid, exitcode, tasks, fails)
+        self.deaths.put(death)
+        if self.thread is None or not self.thread.is_alive():
+            self.thread = threading.Thread(
+                target=self._run, name="celery-lease dead holders", daemon=True
+            )
+            self.thread.start()
+        if wait and not self.stuck and not death.done.wait(DEAD_HOLDER_WAIT):
+            self.stuck = not death.done.is_set()  # until it ends a death, requeues do not wait
+            logger.warning(
+                "celery-lease: the leases of dead pool process %d are not released after %gs;"
+                " its tasks are requeued now (a redelivery may find its key still held)",
+                pid,
+                DEAD_HOLDER_WAIT,
+            )
+
+    def _run(self) -> None:
+        while True:
+            death = self.deaths.get()
+            try:
+                self.release(death)
+            except Exception:
+                logger.exception(
+                    "celery-lease: releasing the leases of dead pool process %d failed; "
+                    "its keys free themselves at their ttl",
+                    death.pid,
+                )
+            finally:
+                death.done.set()
+                self.stuck = False
+
+    def _stores(self) -> list[LockStore]:
+        from celery_lease._celery import execution as engine
+        from celery_lease._celery import settings as config
+
+        try:
+            settings = config.get_settings(self.app)
+        except LeaseConfigError:
+            return []
+        stores: dict[int, LockStore] = {}
+        for where, option in startup.stores_in_use(self.app, settings.store):
+            try:
+                store = engine.store_for(option, self.app)
+            except Exception as exc:
+                logger.warning("celery-lease: cannot open the store of %s: %s", where, exc)
+                continue
+            stores.setdefault(id(store), store)
+        return list(stores.values())
+
+    def succeeded(self, task_id: str | None) -> bool:
+        """Whether the result backend holds SUCCESS for ``task_id`` (kept then: see the module).
+
+        A child killed after its task stored SUCCESS but before the pool read the result back
+        looks lost (Celery says "succeeded before the worker was lost"), and the key it holds
+        then is the task's ``cooldown`` (applied before the result is stored). Without a
+        backend that stores results, or when it cannot be read, the answer is False: the lease
+        is released (a cooldown cut short by that race) rather than left for its ttl.
+        """
+        if not task_id:
+            return False
+        backend = getattr(self.app, "backend", None)
+        get = getattr(backend, "_get_task_meta_for", None)
+        as_uri = getattr(backend, "as_uri", None)
+        if get is None or type(backend).__name__ == "DisabledBackend":
+            return False
+        try:
+            if callable(as_uri) and str(as_uri()).startswith("rpc://"):
+                return False  # results live on the caller's queue
+            return bool(get(task_id).get("status") == "SUCCESS")
+        except Exception as exc:
+            logger.debug("celery-lease: cannot read the state of task %s: %s", task_id, exc)
+            return False
+
+    def release(self, death: _Death) -> None:
+        """List every store of the app and release the dead child's leases of its tasks.
+
+        Also, for each run lease released here, the queued key of its unique copy
+        (``lock_unique``: ``queued:<key>``, owned by that very task id) when Celery does not
+        run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
+        refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
+        """
+        from celery_lease._core.dispatch import get_dispatcher
+
+        for store in self._stores():
+            if not isinstance(store, SupportsInspection):
+                logger.warning(
+                    "celery-lease: %s cannot list leases: the leases of dead pool process %d"
+                    " (if any) free themselves at their ttl",
+                    type(store).__name__,
+                    death.pid,
+                )
+                continue
+            try:
+                infos = store.list()
+            except Exception as exc:
+                logger.warning(
+                    "celery-lease: cannot list the leases of dead pool process %d (%s); they"
+                    " free themselves at their ttl",
+                    death.pid,
+                    exc,
+                )
+                continue
+            by_key = {info.key: info for info in infos}
+            for info in infos:
+                owner = owners.parse_owner(info.owner)
+                if (
+                    owner.host != self.host
+                    or owner.pid != death.pid
+                    or owner.task_id not in death.tasks
+                    or (owner.node is not None and owner.node != self.node)
+                    # made after the reap: a new child with the recycled pid took it
+                    or (owner.taken_at is not None and owner.taken_at > death.at)
+                ):
+                    continue
+                if self.succeeded(owner.task_id):
+                    logger.info(
+                        "celery-lease: pool process %d died after task %s[%s] succeeded: its"
+                        " lease on %r (a cooldown) is kept",
+                        death.pid,
+                        owner.task,
+                        owner.task_id,
+                        info.key,
+                    )
+                    continue
+                try:
+                    store.release(info.key, info.owner)
+                except Exception as exc:
+                    logger.warning(
+                        "celery-lease: releasing %r of dead pool process %d failed (%s); it"
+                        " frees itself within %.1fs",
+                        info.key,
+                        death.pid,
+                        exc,
+                        info.expires_in,
+                    )
+                    continue
+                _timed_out.pop(owner.task_id or "", None)
+                held = None if owner.taken_at is None else max(0.0, time.time() - owner.taken_at)
+                logger.warning(
+                    "celery-lease: pool process %d died (exit code %s) holding %r for task"
+                    " %s[%s]; released it (owner %s, token %d)",
+                    death.pid,
+                    death.exitcode,
+                    info.key,
+                    owner.task,
+                    owner.task_id,
+                    info.owner,
+                    info.token,
+                )
+                task = self.app.tasks.get(owner.task) if owner.task else None
+                named = {
+                    "key": info.key,
+                    "token": info.token,
+                    "held_seconds": held,
+                    "task_id": owner.task_id,
+                    "reason": "holder_died",
+                    "pid": death.pid,
+                    "exitcode": death.exitcode,
+                }
+                get_dispatcher().submit(
+                    _send_released, (task, named), f"lock_released of {info.key!r} (holder died)"
+                )
+                if owner.task_id in death.fails:
+                    self._release_queued(store, by_key, info.key, owner.task_id, death)
+
+    def _release_queued(
+        self, store: LockStore, by_key: dict[str, Any], key: str, task_id: str | None, death: _Death
+    ) -> None:
+        """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
+        release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
+        from celery_lease._celery.unique import queued_key
+
+        qkey = queued_key(key, self._prefix())
+        info = by_key.get(qkey)
+        if (
+            info is None
+            or not owners.is_queued_owner(info.owner)
+            or owners.parse_owner(info.owner).task_id != task_id
+        ):
+            return
+        try:
+            store.release(qkey, info.owner)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: releasing the queued key %r of dead pool process %d failed (%s);"
+                " it frees itself within %.1fs",
+                qkey,
+                death.pid,
+                exc,
+                info.expires_in,
+            )
+            return
+        logger.warning(
+            "celery-lease: pool process %d died running unique copy %s[%s], which is not run"
+            " again; released its queued key %r (owner %s)",
+            death.pid,
+            death.tasks.get(task_id or ""),
+            task_id,
+            qkey,
+            info.owner,
+        )
+
+    def _prefix(self) -> str:
+        """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
+        from celery_lease._celery import settings as config
+
+        try:
+            return config.get_settings(self.app).key_prefix
+        except Exception:
+            return ""
+
+
+def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
+    from celery_lease import signals
+
+    task, named = args
+    signals.send(signals.lock_released, task, **named)
+
+
+class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
+    """Worker bootstep: release the leases of pool children that die running a task.
+
+    Starts after the pool; does nothing for a pool without children (solo, threads, gevent,
+    eventlet) or one whose internals are not billiard's (see the module docstring).
+    """
+
+    name = "celery_lease.worker.DeadHolders"  # a fixed step name, wherever the class lives
+    label = "celery-lease dead holders"
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.reaper: _Reaper | None = None
+
+    def start(self, parent: Any) -> None:
+        """Wrap the prefork pool's join of exited children (nothing for other pools)."""
+        inner = getattr(getattr(parent, "pool", None), "_pool", None)
+        if not all(
+            hasattr(inner, name)
+            for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
+        ):
+            return
+        self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
+        self.reaper.install()
+
+    def stop(self, parent: Any) -> None:
+        """Nothing to stop: the release thread is a daemon and ends with the process."""
+
+    def terminate(self, parent: Any) -> None:
+        """Nothing to terminate."""
