@@ -138,7 +138,7 @@ class _Run:
             request.lock_token = token
             request.lock_waited = waited
             request.lease = held
-        if not context._reentered and context.on_lost is None:
+        if not context.reentered and context.on_lost is None:
             held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
@@ -149,7 +149,7 @@ class _Run:
         """
         interrupter = self.interrupter
         if interrupter is not None and self.context is not None:
-            if not self.context._reentered:
+            if not self.context.reentered:
                 assert self.lease is not None
                 self.lease.add_loss_listener(self.interrupt, immediate=True)
             interrupter.start()
@@ -185,7 +185,7 @@ class _Run:
         landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
         """
         reason = held.lost_reason or "lost"
-        if held._released_early or self.interrupter is None:
+        if held.released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
         self.interrupter.fire(reason)
 
@@ -196,7 +196,7 @@ class _Run:
         ``lock_released`` says so.
         """
         reason = held.lost_reason or "lost"
-        if held._released_early:
+        if held.released_early:
             # This execution let go itself ("released" by its own retry/publish). Not
             # ``self.released_early``: that is set before the early release is recorded, and a
             # real loss recorded just before it must still be reported.
@@ -242,7 +242,7 @@ class _Run:
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
-        if context._reentered:
+        if context.reentered:
             return
         held_seconds = held.held_seconds
         self.released_early = True
@@ -270,7 +270,7 @@ class _Run:
                 context.__exit__(type(exc), exc, exc.__traceback__)
         finally:
             # A lost lease was not ours to release any more: lock_lost already said so.
-            if not context._reentered and not held.lost:
+            if not context.reentered and not held.lost:
                 self._send_released(held, held_seconds)
 
 
@@ -495,7 +495,7 @@ def _run_locked(
                 queued = _unique.on_start(
                     task, request, store, key, settings, options.unique, ttl, options.cooldown
                 )
-            if signals.lock_acquired.receivers and not context._reentered:
+            if signals.lock_acquired.receivers and not context.reentered:
                 signals.send(
                     signals.lock_acquired,
                     task,

@@ -23,14 +23,15 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
-import sys
 import threading
 import weakref
-from collections.abc import Callable
+from asyncio import _get_running_loop, current_task  # asyncio exports both (asyncio.__all__)
+from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Literal, TypeVar, cast
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 from celery_lease import _forking as forking
 from celery_lease._core.dispatch import get_dispatcher
@@ -157,6 +158,85 @@ def to_ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
+class _CancelBody:
+    """The value ``lease()`` keeps for ``on_lost="cancel"``: a marker, and a no-op listener.
+
+    The cancel itself is an immediate loss listener installed by ``async with`` for the task
+    that entered (:mod:`celery_lease._core.aio`); this object only stands in the context's
+    ``on_lost`` slot (where a plain callable is expected), so calling it does nothing.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, lease: Lease) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "'cancel'"
+
+
+CANCEL = _CancelBody()
+"""What ``lease(on_lost="cancel")`` stores as its ``on_lost`` (a sync ``with`` refuses it)."""
+
+
+def is_async_store(store: object) -> bool:
+    """True for an :class:`~celery_lease.stores.base.AsyncLockStore` (cached per class)."""
+    cls = type(store)
+    known = _ASYNC_CLASSES.get(cls)
+    if known is None:
+        known = _ASYNC_CLASSES[cls] = isinstance(store, AsyncLockStore)
+    return known
+
+
+_ASYNC_CLASSES: dict[type, bool] = {}
+
+
+def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
+    """``(store, store.sync)`` for an AsyncLockStore given to ``lease()``, else ``(None, store)``.
+
+    Raises:
+        LeaseConfigError: when the async store's ``sync`` is not a synchronous LockStore.
+    """
+    if not is_async_store(store):
+        return None, store
+    twin = store.sync
+    if not isinstance(twin, LockStore) or is_async_store(twin):
+        raise LeaseConfigError(
+            f"store={store!r} is an AsyncLockStore whose .sync ({twin!r}) is not a synchronous"
+            " LockStore: the renewer thread renews through it"
+        )
+    return store, twin
+
+
+class AsyncPath(NamedTuple):
+    """The awaiting half of ``async with`` on a :class:`LeaseContext`.
+
+    :mod:`celery_lease._core.aio` provides it and ``celery_lease._core`` installs it when the
+    package is imported (:func:`install_async_path`): the async code builds on this module's
+    steps, so this module cannot import it.
+    """
+
+    aenter: Callable[[LeaseContext], Awaitable[tuple[Lease, object]]]
+    """Enter ``ctx``: returns the lease and what ``aexit`` is given back for this block."""
+    aexit: Callable[[LeaseContext, object, BaseException | None], Awaitable[bool]]
+    """Exit ``ctx``, given what ``aenter`` returned for the block and the block's exception."""
+
+
+_async_path: AsyncPath | None = None
+
+
+def install_async_path(path: AsyncPath) -> None:
+    """Make ``path`` what ``async with`` on every :class:`LeaseContext` awaits."""
+    global _async_path
+    _async_path = path
+
+
+def _installed_async_path() -> AsyncPath:
+    if _async_path is None:  # pragma: no cover - celery_lease._core installs it on import
+        raise RuntimeError("'async with lease(...)' needs celery_lease._core.aio, not installed")
+    return _async_path
+
+
 LossListener = Callable[["Lease"], object]
 
 
@@ -247,6 +327,13 @@ class Lease:
             return None
         return entry.lost_reason
 
+    @property
+    def released_early(self) -> bool:
+        """True once its holder ended it with :meth:`LeaseContext.release_early` (the end that
+        call recorded as its loss, ``lost_reason`` ``"released"`` by default), not the store or
+        the renewer."""
+        return self._released_early
+
     def _reenterable_by(self, task: object) -> bool:
         """Whether code running in ``task`` (None: outside any asyncio task) may re-enter it.
 
@@ -329,10 +416,10 @@ class Lease:
             if entry is None or renewer is None:
                 self._append_listener(fn, immediate)
                 return
-            with renewer._lock:  # the loss is recorded under this lock: no listener is missed
-                if entry.lost_reason is None:
-                    self._append_listener(fn, immediate)
-                    return
+            # The loss is recorded under the renewer's lock, where this runs: none is missed.
+            append = functools.partial(self._append_listener, fn, immediate)
+            if renewer.run_unless_lost(entry, append):
+                return
         if immediate:
             self._call_immediate(fn)
         else:
@@ -385,7 +472,20 @@ class Lease:
 
 
 class LeaseContext:
-    """The object :func:`lease` returns: a context manager, and a decorator."""
+    """The object :func:`lease` returns: a context manager (``with`` and ``async with``), and a
+    decorator.
+
+    ``with`` and ``async with`` take the same steps and differ only in how they wait for the
+    store: the steps that decide (which lease a nested block re-enters, building and renewing
+    an acquired lease, how the exit ends it and what it raises) are the public methods below
+    the context-manager ones, which the awaiting half (:mod:`celery_lease._core.aio`) calls
+    between its awaits. Application code has no need of them.
+
+    Attributes:
+        async_store: the :class:`~celery_lease.stores.base.AsyncLockStore` ``async with``
+            awaits: the one given to :func:`lease`, else an adapter of ``store`` made on first
+            use (``None`` until then).
+    """
 
     def __init__(
         self,
@@ -429,6 +529,8 @@ class LeaseContext:
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False  # release_early() recorded the end: the exit raises nothing
+        self.async_store: AsyncLockStore | None = None
+        self._async_state: object = None  # what the async path's aenter gave for its aexit
         # The caller publishes nothing that depends on the key being free until the store's
         # deferred replies are read (celery_lease._celery.deferral decides): the release may then
         # go out
@@ -438,21 +540,47 @@ class LeaseContext:
     # Decorator --------------------------------------------------------------------------------
 
     def __call__(self, func: F) -> F:
-        from celery_lease._core import aio  # an async def: each call holds it with ``async with``
+        if self._decorates_async(func):
 
-        if aio.decorates_async(self, func):
-            return aio.decorate(self, func)
+            @functools.wraps(func)
+            async def async_wrapper(*args: Any, **kwargs: Any) -> Any:
+                async with self.fresh():
+                    return await func(*args, **kwargs)
+
+            return cast(F, async_wrapper)
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            with self._fresh():
+            with self.fresh():
                 return func(*args, **kwargs)
 
         return cast(F, wrapper)
 
-    def _fresh(self) -> LeaseContext:
+    def _decorates_async(self, func: object) -> bool:
+        """True when ``func`` must be wrapped with ``async with`` (an ``async def``).
+
+        Raises:
+            LeaseConfigError: for an async generator function (a lease held only while the
+                generator object is made would hold nothing), or ``on_lost="cancel"`` on a
+                function that is not ``async def`` (there is no task to cancel).
+        """
+        if inspect.isasyncgenfunction(func):
+            raise LeaseConfigError(
+                f"@lease cannot decorate the async generator function {func!r}: use"
+                " 'async with lease(...)' inside it"
+            )
+        if inspect.iscoroutinefunction(func):
+            return True
+        if self.on_lost is CANCEL:
+            raise LeaseConfigError(
+                f"on_lost='cancel' needs an async def function (it cancels an asyncio task);"
+                f" {func!r} is not one"
+            )
+        return False
+
+    def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
-        return LeaseContext(
+        context = LeaseContext(
             self.key,
             self.store,
             self.ttl,
@@ -468,50 +596,37 @@ class LeaseContext:
             task_id=self.task_id,
             wait_clock=self.wait_clock,
         )
+        context.async_store = self.async_store
+        return context
+
+    @property
+    def reentered(self) -> bool:
+        """True when this context, once entered, re-entered the lease of an enclosing one (same
+        key and store): the lease is the enclosing context's, and this exit leaves it held."""
+        return self._reentered
+
+    @property
+    def released_early(self) -> bool:
+        """True once :meth:`release_early` ended the lease (recorded its end): the exit then
+        releases nothing and raises nothing for the loss."""
+        return self._released_early
 
     # Context manager --------------------------------------------------------------------------
 
     def __enter__(self) -> Lease:
-        if self.on_lost is not None and getattr(self.on_lost, "_async_only", False):
+        if self.on_lost is CANCEL:
             raise LeaseConfigError(
                 f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
                 " def): a plain 'with' has no asyncio task to cancel; pass a callable instead"
             )
-        if self._entered:
-            raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
-        self._entered = True
+        self.mark_entered()
         task = _running_task()
-        top = current_frame.get()
-        frame = top
-        # Frames below the first foreign one are foreign too (pushed before the fork). A frame
-        # whose lease has ended (left behind by an exit that an interrupt cut short) is never
-        # re-entered: its key may be another holder's by now.
-        while frame is not None and frame.gen == _generation:
-            outer = frame.lease
-            if (
-                outer.key == self.key
-                and outer.store is self.store
-                and outer._reenterable_by(task)
-                and not outer.lost
-                and not (outer._entry is not None and outer._entry.closed)
-            ):
-                self._reentered = True
-                self._lease = outer
-                try:
-                    self._frame = Frame(outer, top)
-                    current_frame.set(self._frame)
-                except BaseException:
-                    pop_frame(self._frame)
-                    raise
-                return outer
-            frame = frame.parent
+        outer = self.reenter(task)
+        if outer is not None:
+            return outer
         held = self._acquire()
         try:
-            if task is not None:
-                held._task = weakref.ref(task)
-            self._lease = held
-            self._frame = Frame(held, top)
-            current_frame.set(self._frame)
+            self.push(held, task)
         except BaseException:
             # An asynchronous exception (the interrupt of an enclosing lease, a soft time
             # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
@@ -545,14 +660,10 @@ class LeaseContext:
             self._end_interrupted(held)
             raise
         if lapsed is not None:  # validity ran out before the renewer noticed; told after release
-            Renewer._notify(entry, lapsed)
-        if (
-            isinstance(exc, Exception)  # Ctrl-C, SystemExit, GeneratorExit stay what they are
-            and reason is not None
-            and not self._released_early
-            and not isinstance(exc, LockLostError)
-        ):
-            raise LockLostError(held.key, reason) from exc
+            Renewer.notify(entry, lapsed)
+        error = self.loss_error(exc, reason)
+        if error is not None:
+            raise error from exc
         return False
 
     def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
@@ -572,9 +683,9 @@ class LeaseContext:
             if entry is not None and entry.renewer is not None:
                 reason = entry.renewer.abandon(entry)
             if not self._cooling:
-                self._release(held)
+                self.send_release(held)
             if reason is not None and entry is not None:
-                Renewer._notify(entry, reason)
+                Renewer.notify(entry, reason)
         except BaseException:  # pragma: no cover - a second interrupt: the first one goes on
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
@@ -622,15 +733,15 @@ class LeaseContext:
             if recorded:
                 renewer.settle(entry)
             if renewer.claim_final(entry):
-                self._release(held)
+                self.send_release(held)
         except BaseException:
             self._end_interrupted(held, pop=False)  # an interrupt cut the release short: again
             raise
         if recorded:
-            Renewer._notify(entry, reason)
+            Renewer.notify(entry, reason)
         return recorded
 
-    def _release(self, held: Lease) -> None:
+    def send_release(self, held: Lease) -> None:
         """Release the key owner-checked; a store error is logged (the key expires by itself).
 
         A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
@@ -659,7 +770,7 @@ class LeaseContext:
         right after that renewal returns, since it may have landed after the cooldown.
         """
         if not (succeeded and self.cooldown > 0 and entry.lost_reason is None):
-            self._release(held)
+            self.send_release(held)
             return
         self._cooling = True
         until = self.clock.monotonic() + self.cooldown
@@ -695,7 +806,7 @@ class LeaseContext:
 
     def _acquire(self) -> Lease:
         clock, store = self.clock, self.store
-        owner = make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
+        owner = self.new_owner()
         ttl_ms = to_ms(self.ttl)
         started = clock.monotonic()
         deadline = started + self.wait
@@ -716,7 +827,9 @@ class LeaseContext:
                 # is this attempt's own, so this can never free someone else's lease). On the
                 # dispatcher, so a store that just timed out does not make the caller wait for
                 # a second timeout before it sees the error.
-                get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {self.key!r}")
+                get_dispatcher().submit(
+                    self.abandon_attempt, owner, f"clean-up of acquire {self.key!r}"
+                )
                 raise
             if token is not None:
                 break
@@ -740,18 +853,11 @@ class LeaseContext:
                     idle = threading.Event()
                 waits_on.wait(idle, pause)
             interval = min(interval * 2, POLL_MAX)
-        held: Lease | None = None
         try:
-            held = self._hold(owner, token, tries, started, sent_at)
-            assert held._entry is not None
-            get_renewer(self.clock).add(held._entry)
+            return self.hold(owner, token, tries=tries, started=started, sent_at=sent_at)
         except BaseException:
-            entry = None if held is None else held._entry
-            if entry is not None and entry.renewer is not None:
-                entry.renewer.abandon(entry)  # add() was cut short: never renew it
-            self._abandon(owner)
+            self.abandon_attempt(owner)
             raise
-        return held
 
     def _hold(self, owner: str, token: int, tries: int, started: float, sent_at: float) -> Lease:
         """Build the Lease of an acquisition (the caller starts renewing it)."""
@@ -780,7 +886,7 @@ class LeaseContext:
         )
         return held
 
-    def _abandon(self, owner: str) -> None:
+    def abandon_attempt(self, owner: str) -> None:
         """Best-effort release of an attempt that failed (or whose reply was lost)."""
         try:
             self.store.release(self.key, owner)
@@ -797,16 +903,12 @@ class LeaseContext:
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
 
-    # asyncio: ``async with`` (the machinery is in celery_lease._core.aio)
-    # ---------------------------
-
-    _astore: AsyncLockStore | None = None  # the store awaited; None: an adapter of ``store``
-    _canceller: object = None  # the aio canceller of an on_lost="cancel" block, once entered
+    # asyncio: ``async with`` (the awaiting half is celery_lease._core.aio's: see AsyncPath)
+    # ----
 
     async def __aenter__(self) -> Lease:
-        from celery_lease._core import aio
-
-        return await aio.aenter(self)
+        held, self._async_state = await _installed_async_path().aenter(self)
+        return held
 
     async def __aexit__(
         self,
@@ -814,9 +916,186 @@ class LeaseContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        from celery_lease._core import aio
+        return await _installed_async_path().aexit(self, self._async_state, exc)
 
-        return await aio.aexit(self, exc_type, exc, tb)
+    # The steps ``with`` and ``async with`` share: entering --------------------------------------
+
+    def mark_entered(self) -> None:
+        """Note that the context is entered.
+
+        Raises:
+            RuntimeError: when it was entered before (a context is entered once).
+        """
+        if self._entered:
+            raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
+        self._entered = True
+
+    def reenter(self, task: object) -> Lease | None:
+        """Re-enter the lease of an enclosing block on the same key and store, if there is one.
+
+        The innermost one of this process's that code running in ``task`` (the asyncio task, or
+        ``None`` outside any) may re-enter, and that is neither lost nor ended: it is pushed as
+        this context's and returned, and the exit leaves it held. ``None`` when there is none
+        (the caller acquires).
+        """
+        top = current_frame.get()
+        frame = top
+        # Frames below the first foreign one are foreign too (pushed before the fork). A frame
+        # whose lease has ended (left behind by an exit that an interrupt cut short) is never
+        # re-entered: its key may be another holder's by now.
+        while frame is not None and frame.gen == _generation:
+            outer = frame.lease
+            if (
+                outer.key == self.key
+                and outer.store is self.store
+                and outer._reenterable_by(task)
+                and not outer.lost
+                and not (outer._entry is not None and outer._entry.closed)
+            ):
+                self._reentered = True
+                self._lease = outer
+                try:
+                    self._frame = Frame(outer, top)
+                    current_frame.set(self._frame)
+                except BaseException:
+                    pop_frame(self._frame)
+                    raise
+                return outer
+            frame = frame.parent
+        return None
+
+    def new_owner(self) -> str:
+        """A fresh owner id for one acquisition attempt, naming this context's holder fields."""
+        return make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
+
+    def hold(
+        self,
+        owner: str,
+        token: int,
+        *,
+        tries: int,
+        started: float,
+        sent_at: float,
+        immediate_listener: LossListener | None = None,
+    ) -> Lease:
+        """Build the Lease of an acquisition that got ``token`` and start renewing it.
+
+        Args:
+            owner: the owner id the acquisition sent.
+            token: the token the store answered.
+            tries: how many tries found the key held first.
+            started: when acquiring started (clock seconds).
+            sent_at: when the attempt that got it was sent (clock seconds).
+            immediate_listener: an immediate loss listener that takes the place of the
+                context's ``on_lost`` (the cancel of an ``on_lost="cancel"`` block); attached
+                before the renewer knows the lease.
+
+        If this fails (an interrupt), the renewal is stopped and the error raised; the caller
+        then releases the attempt (:meth:`abandon_attempt`).
+        """
+        held: Lease | None = None
+        try:
+            held = self._hold(owner, token, tries, started, sent_at)
+            if immediate_listener is not None:
+                held._listeners = [(immediate_listener, True)]
+            assert held._entry is not None
+            get_renewer(self.clock).add(held._entry)
+        except BaseException:
+            entry = None if held is None else held._entry
+            if entry is not None and entry.renewer is not None:
+                entry.renewer.abandon(entry)  # add() was cut short: never renew it
+            raise
+        return held
+
+    def push(self, held: Lease, task: object) -> None:
+        """Make ``held``, just acquired in ``task`` (``None``: outside any asyncio task), this
+        context's lease and the current one; only ``task`` may re-enter it."""
+        if task is not None:
+            held._task = weakref.ref(task)
+        self._lease = held
+        self._frame = Frame(held, current_frame.get())
+        current_frame.set(self._frame)
+
+    # Exiting --------------------------------------------------------------------------------
+
+    def pop(self) -> Lease | None:
+        """Take this context's lease off the current ones; return it when this exit ends it.
+
+        ``None`` when the exit leaves it alone: it was re-entered (the enclosing context ends
+        it), or it is read in a forked child (it is the parent's).
+        """
+        held = self._lease
+        assert held is not None
+        pop_frame(self._frame)
+        if self._reentered or held._gen != _generation:
+            return None
+        return held
+
+    def exit_waits(self, *, succeeded: bool) -> bool:
+        """Whether ending the lease may block: a renewal of it is in flight (the exit waits for
+        its answer), or a cooldown follows a body that succeeded (it may be fenced against
+        such a renewal). :meth:`end` then ends it on a thread that may block; otherwise
+        :meth:`stop_renewing` returns at once and the caller releases the key."""
+        entry = self._held_entry()
+        return entry.inflight or (succeeded and self.cooldown > 0 and entry.lost_reason is None)
+
+    def stop_renewing(self) -> tuple[bool, bool, str | None]:
+        """Record the end of the lease with the renewer: ``(settled, final, lapsed)``.
+
+        As :meth:`~celery_lease._core.renewer.Renewer.remove`: ``final`` says this exit sends
+        the release (or cooldown), ``lapsed`` is a loss recorded now, told with
+        :meth:`report_loss` after the release.
+        """
+        entry = self._held_entry()
+        assert entry.renewer is not None
+        return entry.renewer.remove(entry)
+
+    def end(self, *, succeeded: bool) -> None:
+        """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
+        for ``cooldown`` after a success, fenced against a renewal in flight), tell a lapse."""
+        held = self._lease
+        assert held is not None
+        entry = self._held_entry()
+        settled, final, lapsed = self.stop_renewing()
+        if final:
+            self._finish(held, entry, succeeded=succeeded, settled=settled)
+        if lapsed is not None:
+            Renewer.notify(entry, lapsed)
+
+    @property
+    def end_reason(self) -> str | None:
+        """The loss the renewer recorded for this context's lease, ``None`` while it is held
+        or when it ended normally (read after :meth:`stop_renewing` or :meth:`end`)."""
+        return self._held_entry().lost_reason
+
+    def report_loss(self, reason: str) -> None:
+        """Tell the lease's listeners of a loss the exit recorded (``lapsed`` of
+        :meth:`stop_renewing`)."""
+        Renewer.notify(self._held_entry(), reason)
+
+    def loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
+        """The :class:`LockLostError` the exit raises from ``exc`` (what the body raised), or
+        ``None``.
+
+        Raised for an ``Exception`` from a body whose lease was lost (``reason``), unless the
+        holder released it early or the body raised a ``LockLostError`` itself. A
+        ``BaseException`` (Ctrl-C, ``SystemExit``, ``GeneratorExit``) stays what it is.
+        """
+        if (
+            isinstance(exc, Exception)
+            and reason is not None
+            and not self._released_early
+            and not isinstance(exc, LockLostError)
+        ):
+            held = self._lease
+            assert held is not None
+            return LockLostError(held.key, reason)
+        return None
+
+    def _held_entry(self) -> Entry:
+        held = self._lease
+        assert held is not None and held._entry is not None
+        return held._entry
 
 
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
@@ -898,9 +1177,7 @@ def lease(
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
     astore: AsyncLockStore | None = None
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: held through it, renewed via .sync
-        from celery_lease._core import aio
-
-        astore, store = aio.split_async_store(store)
+        astore, store = split_async_store(store)
     if not conforms(store, LockStore):
         hint = (
             " (build one with store_from_url(url) or async_store_from_url(url) once)"
@@ -918,8 +1195,6 @@ def lease(
     )
     cooldown_s = to_seconds(cooldown, name="cooldown")
     if isinstance(on_lost, str) and on_lost == "cancel":
-        from celery_lease._core.aio import CANCEL
-
         on_lost = CANCEL
     elif on_lost is not None and not callable(on_lost):
         raise LeaseConfigError(
@@ -949,16 +1224,15 @@ def lease(
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     if astore is not None:
-        context._astore = astore
+        context.async_store = astore
     return context
 
 
 def _running_task() -> object | None:
     """The asyncio task running in this thread, or None (no event loop runs here)."""
-    aio = sys.modules.get("asyncio")  # not imported by sync-only code
-    if aio is None or aio._get_running_loop() is None:
+    if _get_running_loop() is None:  # unlike current_task(), does not raise without a loop
         return None
-    task: object = aio.current_task()
+    task: object = current_task()
     return task
 
 

@@ -335,7 +335,7 @@ class Renewer:
             if reason is None:
                 return None
             self._record(entry, reason)
-        self._notify(entry, reason)
+        self.notify(entry, reason)
         return reason
 
     def settle(self, entry: Entry) -> bool:
@@ -390,6 +390,19 @@ class Renewer:
                 entry.closed = True
             self._forget(entry)  # also when an interrupted remove() closed it but stopped here
             return reason
+
+    def run_unless_lost(self, entry: Entry, action: Callable[[], None]) -> bool:
+        """Run ``action`` under the lock unless a loss of ``entry`` is recorded; True if it ran.
+
+        A loss is recorded under the same lock, so an ``action`` that ran is seen by whoever
+        records it (a loss listener added this way is never missed). ``action`` is the core's own
+        quick bookkeeping (a list append), never user code.
+        """
+        with self._lock:
+            if entry.lost_reason is not None:
+                return False
+            action()
+            return True
 
     def claim_final(self, entry: Entry) -> bool:
         """True exactly once per entry: for whoever sends the holder's release (or cooldown)."""
@@ -455,7 +468,13 @@ class Renewer:
                 logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
 
     @staticmethod
-    def _notify(entry: Entry, reason: str) -> None:
+    def notify(entry: Entry, reason: str) -> None:
+        """Tell the holder of ``entry`` its loss for ``reason`` (``entry.on_lost``), once recorded.
+
+        For the recorder that is not the renewer: a holder's exit or early release, a reader of
+        ``Lease.lost``. Called outside every lock; an ``Exception`` it raises is logged, anything
+        else (an interrupt of the calling thread) propagates.
+        """
         try:
             entry.on_lost(reason)
         except Exception:

@@ -408,7 +408,7 @@ class TestLostRetry:
         # The body runs long; renewals go through renew_many (redis-py's pool), so the fast
         # connection sits idle and the server closes it (``timeout``), as CLIENT KILL does.
         redis_client.client_kill_filter(_id=fast_id)
-        if not store.release_deferred("x:1", "me"):  # what LeaseContext._release does
+        if not store.release_deferred("x:1", "me"):  # what LeaseContext.send_release does
             store.release("x:1", "me")
         store.flush_deferred()
         # store.release() here frees the key (the fast path reconnects and sends again).

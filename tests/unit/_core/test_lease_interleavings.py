@@ -739,7 +739,7 @@ def test_an_interrupt_between_a_readers_record_and_its_notification(
     """The body's read records "expired"; an interrupt lands before it notifies: on_lost?"""
     store = MemoryLockStore(clock=clock)
     lost: list[str | None] = []
-    notify = Renewer._notify
+    notify = Renewer.notify
     armed = threading.Event()
 
     def interrupted(entry: Entry, reason: str) -> None:
@@ -748,7 +748,7 @@ def test_an_interrupt_between_a_readers_record_and_its_notification(
             raise Interrupt("delivered before the notification")
         notify(entry, reason)
 
-    monkeypatch.setattr(Renewer, "_notify", staticmethod(interrupted))
+    monkeypatch.setattr(Renewer, "notify", staticmethod(interrupted))
     with (
         pytest.raises(Interrupt),
         lease(
