@@ -33,6 +33,11 @@ copy its context). Only the task that entered the block re-enters its lease (a n
 on that key is another holder and waits for it, since it runs concurrently with the body (awaiting
 such a task inside the block waits until its ``wait`` runs out).
 
+This module decides nothing of its own: it takes the steps of
+:class:`~celery_lease._core.lease.LeaseContext` (re-entry, building and renewing the lease, how
+the exit ends it and what it raises) and awaits the store calls between them. ``celery_lease._core``
+installs :data:`ASYNC_PATH` as the context's ``async with``.
+
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
