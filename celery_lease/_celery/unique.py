@@ -857,7 +857,7 @@ def _defer(
 
 def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> None:
     reason = f"superseded by {newer}"
-    task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)  # on_start's
+    task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)  # on_start checked
     if task.send_events:
         try:
             task.send_event(
@@ -871,7 +871,7 @@ def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) 
 
 def _on_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:
     """``task_revoked`` in the worker: a revoked (or expired) unique copy frees its queued key."""
-    task = cast("CeleryTask", sender)  # ``request`` is the copy's Context (headers as attributes)
+    task = cast("CeleryTask", sender)  # the Task; ``request``: its Context (headers as attributes)
     options = getattr(type(task), "_lock_options", None)
     if request is None or options is None or options.unique is None:
         return
