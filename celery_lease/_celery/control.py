@@ -52,7 +52,7 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Any, cast
+from typing import TypedDict, cast
 
 from celery.worker.control import inspect_command
 
@@ -74,6 +74,39 @@ _dir: str | None = None
 _dir_pid: int | None = None
 """The pid of the main process that made :data:`_dir` (only it removes the directory)."""
 _server: socket.socket | None = None
+
+
+class LeaseRow(TypedDict):
+    """One held lease in the reply (JSON), as :func:`local_rows` makes it from a row of
+    :func:`celery_lease._core.renewer.snapshot` (read with ``get``: None where it lacks one)."""
+
+    key: str | None
+    token: int | None
+    task: str | None
+    task_id: str | None
+    label: str | None
+    node: str | None
+    pid: int
+    held_seconds: float | None
+    valid_for_seconds: float | None
+    renewals: int | None
+    last_renewal_error: str | None
+    owner: str | None
+
+
+class Unanswered(TypedDict):
+    """A pool child that did not answer, and why."""
+
+    pid: int
+    error: str
+
+
+class LeasesReply(TypedDict):
+    """A worker's answer to ``celery inspect leases``."""
+
+    leases: list[LeaseRow]
+    pool: str
+    unanswered: list[Unanswered]
 
 
 def prepare_main() -> None:
@@ -122,10 +155,10 @@ def forget_child(pid: int) -> None:
             os.unlink(path)
 
 
-def local_rows() -> list[dict[str, Any]]:
+def local_rows() -> list[LeaseRow]:
     """This process's leases (:func:`celery_lease._core.renewer.snapshot`) with pid and parsed
     owner."""
-    rows = []
+    rows: list[LeaseRow] = []
     pid = os.getpid()
     for row in renewer.snapshot():
         holder = parse_owner(str(row.get("owner", "")))
@@ -193,14 +226,14 @@ def _serve(server: socket.socket) -> None:
 
 def child_snapshots(
     pids: list[int], timeout: float = CHILD_TIMEOUT
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+) -> tuple[list[LeaseRow], list[Unanswered]]:
     """Ask pool children ``pids`` for their leases, all at once, waiting ``timeout`` s in all.
 
     Returns ``(rows, unanswered)``: the rows of every child that answered, and
     ``{"pid": pid, "error": why}`` for each child that did not.
     """
-    rows: list[dict[str, Any]] = []
-    unanswered: list[dict[str, Any]] = []
+    rows: list[LeaseRow] = []
+    unanswered: list[Unanswered] = []
     deadline = time.monotonic() + timeout
     pending: dict[socket.socket, tuple[int, bytearray]] = {}
     with selectors.DefaultSelector() as selector:
@@ -253,7 +286,7 @@ def child_snapshots(
     return rows, unanswered
 
 
-def _pool_children(pool: Any) -> list[int] | None:
+def _pool_children(pool: object) -> list[int] | None:
     """The pids of a prefork pool's children, or None for a pool that runs tasks in-process."""
     inner = getattr(pool, "_pool", None)
     processes = getattr(inner, "_pool", None)
@@ -263,12 +296,12 @@ def _pool_children(pool: Any) -> list[int] | None:
 
 
 @inspect_command(default_timeout=1.0)  # type: ignore[untyped-decorator]  # celery is untyped
-def leases(state: Any, **kwargs: Any) -> dict[str, Any]:
+def leases(state: object, **kwargs: object) -> LeasesReply:
     """List the leases held by this worker's processes now (key, token, task id, held for...)."""
     pool = getattr(getattr(state, "consumer", None), "pool", None)
     module = type(pool).__module__ if pool is not None else ""
     rows = local_rows()
-    unanswered: list[dict[str, Any]] = []
+    unanswered: list[Unanswered] = []
     children = _pool_children(pool)
     if children:
         child_rows, unanswered = child_snapshots(children)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import weakref
-from typing import Any, cast
+from typing import TYPE_CHECKING
 
 from celery.signals import task_postrun, task_success, worker_process_shutdown, worker_shutdown
 
@@ -36,8 +36,12 @@ except ImportError:  # Celery < 5.6: no per-request ignore_result helper
 
 from celery_lease import signals
 from celery_lease._celery import worker
-from celery_lease._core.lease import LeaseContext, offers
+from celery_lease._celery.protocols import can_release_deferred
+from celery_lease._core.lease import LeaseContext
 from celery_lease.stores.base import SupportsDeferredRelease
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryTask, SignalLike, TaskRequest
 
 __all__ = ["defer_on", "deferring", "flush_deferred_releases", "only_ours", "publishes_nothing"]
 
@@ -54,8 +58,8 @@ def defer_on(context: LeaseContext) -> None:
     """Let ``context`` release without waiting, where its store can (noting the store, whose
     replies :func:`flush_deferred_releases` reads)."""
     store = context.store
-    if offers(store, SupportsDeferredRelease, "release_deferred"):
-        deferring[id(store)] = cast(SupportsDeferredRelease, store)
+    if can_release_deferred(store):
+        deferring[id(store)] = store
         context.defer_release = True
 
 
@@ -68,7 +72,7 @@ def flush_deferred_releases() -> None:
             logger.exception("celery-lease: reading deferred release replies failed")
 
 
-def publishes_nothing(task: Any, request: Any) -> bool:
+def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
     """Whether nothing is published or run after this successful worker execution that could
     depend on its key being free, before the next store call or publish reads the reply."""
     if request is None or task is None:
@@ -95,7 +99,7 @@ def publishes_nothing(task: Any, request: Any) -> bool:
     )
 
 
-def _result_ignored(task: Any, request: Any) -> bool:
+def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
     if _ignore_result is not None:
         return bool(_ignore_result(task, request))
     # Celery < 5.6: the task's setting, unless the request asks for the result explicitly.
@@ -112,7 +116,7 @@ def _custom(cls: type, name: str) -> bool:
     return False
 
 
-def only_ours(signal: Any) -> bool:
+def only_ours(signal: SignalLike) -> bool:
     """Whether every live receiver of ``signal`` is celery-lease's own (a few per signal at
     most: looked at each time, never cached, so a receiver connected later is always seen)."""
     for _, receiver in signal.receivers:
@@ -125,7 +129,7 @@ def only_ours(signal: Any) -> bool:
     return True
 
 
-def _flush_at_exit(**_: Any) -> None:
+def _flush_at_exit(**_: object) -> None:
     flush_deferred_releases()
 
 

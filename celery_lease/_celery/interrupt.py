@@ -54,11 +54,15 @@ import signal
 import sys
 import threading
 import types
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, cast
 
 from celery_lease import _forking as forking
 from celery_lease._celery import worker as _worker
 from celery_lease.errors import LockLostError
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import GeventHub, Greenlet
 
 __all__ = ["INTERRUPT_SIGNAL", "REVOKE_GRACE", "AsyncLockLost", "Interrupter"]
 
@@ -98,9 +102,11 @@ class _SpentInterrupt(AsyncLockLost):
 
 # The C call that raises in another thread. Arguments are built once, ahead of time: ``end()``
 # calls it with no Python bytecode before it, so nothing can land there first.
-_SET_ASYNC_EXC: Any = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
-_ASYNC_LOCK_LOST = ctypes.py_object(AsyncLockLost)
-_SPENT = ctypes.py_object(_SpentInterrupt)
+_SET_ASYNC_EXC: (
+    Callable[[ctypes.c_ulong, ctypes.py_object[type[BaseException]] | None], int] | None
+) = getattr(getattr(ctypes, "pythonapi", None), "PyThreadState_SetAsyncExc", None)
+_ASYNC_LOCK_LOST: ctypes.py_object[type[BaseException]] = ctypes.py_object(AsyncLockLost)
+_SPENT: ctypes.py_object[type[BaseException]] = ctypes.py_object(_SpentInterrupt)
 
 
 def _set_async_exc(thread_id: int, exc: type[BaseException] | None) -> int:
@@ -163,7 +169,7 @@ def _handler_installed() -> bool:
     )
 
 
-def _greenlet() -> Any:
+def _greenlet() -> types.ModuleType:
     """The ``greenlet`` module (gevent and eventlet both run on it; it ships no type stubs)."""
     return importlib.import_module("greenlet")
 
@@ -200,8 +206,8 @@ class Interrupter:
         self._mode = ""
         self._thread_id = 0
         self._c_thread_id = ctypes.c_ulong(0)
-        self._greenlet: Any = None
-        self._hub: Any = None
+        self._greenlet: Greenlet | None = None  # set by start() under gevent and eventlet
+        self._hub: GeventHub | None = None  # set by start() under gevent
 
     # Called in the task's thread ---------------------------------------------------------------
 
@@ -254,10 +260,12 @@ class Interrupter:
                     # Replace a pending AsyncLockLost by a marker that lands right here. (A
                     # cancel with NULL would leave CPython's eval-breaker flag set for good, up
                     # to 3.11: every traced call then spins for ever - debuggers, coverage.)
-                    _SET_ASYNC_EXC(self._c_thread_id, _SPENT)
+                    # Never None here: _armed is set only where it is not (and no check may
+                    # run before this call).
+                    _SET_ASYNC_EXC(self._c_thread_id, _SPENT)  # type: ignore[misc]
                     for _ in range(1000):
                         pass
-                    _SET_ASYNC_EXC(self._c_thread_id, None)  # not reached on CPython
+                    _SET_ASYNC_EXC(self._c_thread_id, None)  # type: ignore[misc]  # not reached on CPython
                 except _SpentInterrupt:
                     pass
         self._ended.set()
@@ -309,7 +317,8 @@ class Interrupter:
                 signal.pthread_kill(self._thread_id, INTERRUPT_SIGNAL)
             elif self._mode == "gevent":
                 self._fired = True
-                self._hub.loop.run_callback_threadsafe(self._throw_into_greenlet)
+                hub = cast("GeventHub", self._hub)  # start() set it in this mode
+                hub.loop.run_callback_threadsafe(self._throw_into_greenlet)
             elif self._mode == "eventlet":
                 self._fired = True
                 importlib.import_module("eventlet.hubs").get_hub().schedule_call_global(
@@ -335,7 +344,7 @@ class Interrupter:
         if not self._running or self._delivered:
             return
         self._delivered = True
-        self._greenlet.throw(AsyncLockLost(self.key, "revoked"))
+        cast("Greenlet", self._greenlet).throw(AsyncLockLost(self.key, "revoked"))
 
     def _watch(self) -> None:
         """After fire(), until the body ends: re-send the signal while it is undelivered; in a

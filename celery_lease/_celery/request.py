@@ -18,9 +18,12 @@ worker's request look claimed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery.app.task import Context
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import TaskRequest
 
 __all__: list[str] = []
 
@@ -52,7 +55,7 @@ Context.lease = None
 Context._lease_run = None  # CLAIMED on a request a locked execution has claimed
 
 
-def is_claimed(request: Any) -> bool:
+def is_claimed(request: TaskRequest) -> bool:
     """Whether a locked execution claimed ``request`` (or the request it was copied from).
 
     ``Task.push_request`` copies the current request's attributes into the one it pushes, so
@@ -61,13 +64,13 @@ def is_claimed(request: Any) -> bool:
     return request.__dict__.get("_lease_run") is CLAIMED
 
 
-def save(request: Any) -> tuple[Any, ...]:
+def save(request: TaskRequest) -> tuple[object, ...]:
     """The lock attributes of ``request`` as they are, for :func:`restore`."""
     values = request.__dict__
     return tuple(values.get(name, _MISSING) for name in FIELDS)
 
 
-def restore(request: Any, saved: tuple[Any, ...]) -> None:
+def restore(request: TaskRequest, saved: tuple[object, ...]) -> None:
     """Put back the lock attributes :func:`save` returned."""
     values = request.__dict__
     for name, value in zip(FIELDS, saved, strict=True):
@@ -77,7 +80,7 @@ def restore(request: Any, saved: tuple[Any, ...]) -> None:
             values[name] = value
 
 
-def _get_lock_lost(request: Any) -> bool:
+def _get_lock_lost(request: TaskRequest) -> bool:
     """Whether the lease of this request's execution is lost (False before it is acquired)."""
     held = request.__dict__.get("lease")
     return held is not None and bool(held.lost)

@@ -84,9 +84,9 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime, timezone
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 from celery import states
 from celery.exceptions import Ignore, Reject
@@ -96,8 +96,12 @@ from celery.utils import uuid
 from celery_lease import signals
 from celery_lease._celery import settings as config
 from celery_lease._celery.execution import Spec, store_for
+from celery_lease._celery.protocols import (
+    can_release_deferred,
+    can_renew_deferred,
+    is_inspectable,
+)
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.lease import conforms, offers
 from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease._core.unique_options import (
@@ -107,13 +111,14 @@ from celery_lease._core.unique_options import (
 )
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import AlreadyQueuedError, LeaseConfigError
-from celery_lease.stores.base import (
-    LockStore,
-    SupportsAcquireOrHolder,
-    SupportsDeferredRelease,
-    SupportsDeferredRenew,
-    SupportsInspection,
-)
+from celery_lease.stores.base import LockStore, SupportsAcquireOrHolder, SupportsInspection
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import AsyncResultLike, CeleryTask, TaskRequest
+
+    class _NamesHolder(LockStore, SupportsAcquireOrHolder, Protocol):
+        """A store whose refused acquire names the holder."""
+
 
 __all__ = [
     "DEFERRED",
@@ -164,13 +169,13 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def _inspectable(store: LockStore, task: Any) -> SupportsInspection:
-    if not conforms(store, SupportsInspection):  # cached per store type
+def _inspectable(store: LockStore, task: CeleryTask) -> SupportsInspection:
+    if not is_inspectable(store):  # cached per store type
         raise LeaseConfigError(
             f"lock_unique of task {getattr(task, 'name', task)!r} needs a store that can read a"
             f" key's holder (SupportsInspection.get); {type(store).__name__} cannot"
         )
-    return cast(SupportsInspection, store)
+    return store
 
 
 def _delay(options: Mapping[str, Any], now: float) -> float:
@@ -196,14 +201,14 @@ def _queue_ttl(unique: UniqueOptions, settings: config.LeaseSettings) -> float:
 
 
 def apply_unique(
-    task: Any,
+    task: CeleryTask,
     spec: Spec,
-    apply: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
+    apply: Callable[..., AsyncResultLike],
+    args: Iterable[object] | None,
+    kwargs: Mapping[str, object] | None,
     task_id: str | None,
-    options: dict[str, Any],
-) -> Any:
+    options: dict[str, Any],  # apply_async options: values of any kind
+) -> AsyncResultLike:
     """``apply_async`` of a task with ``lock_unique``: publish via ``apply`` at most one copy.
 
     Returns the published copy's ``AsyncResult``, or the holder's for a duplicate
@@ -252,7 +257,7 @@ def apply_unique(
     owner = queued_owner(task.name, task_id, int(now * 1000))
     ttl_ms = _ms(queue_ttl + _delay(options, now))
     if _uses_acquire_or_holder(store):  # one round trip for a duplicate, the holder read atomically
-        token, held_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(qkey, owner, ttl_ms)
+        token, held_by = store.acquire_or_holder(qkey, owner, ttl_ms)
         if token is None:
             existing = parse_owner(held_by).task_id if held_by is not None else None
             return _duplicate(task, unique, key, task_id, existing, options)
@@ -267,7 +272,7 @@ def apply_unique(
     return _duplicate(task, unique, key, task_id, None, options)
 
 
-def _uses_acquire_or_holder(store: LockStore) -> bool:
+def _uses_acquire_or_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
     """Whether ``store`` names the holder of a refused key (SupportsAcquireOrHolder) through
     the same code as its ``acquire``.
 
@@ -303,13 +308,13 @@ def _running_copy(inspect: SupportsInspection, key: str, task_id: str) -> str | 
 
 
 def _duplicate(
-    task: Any,
+    task: CeleryTask,
     unique: UniqueOptions,
     key: str,
     task_id: str,
     existing: str | None,
-    options: Mapping[str, Any],
-) -> Any:
+    options: Mapping[str, object],
+) -> AsyncResultLike:
     signals.send(signals.lock_duplicate, task, key=key, task_id=task_id, existing_task_id=existing)
     logger.debug(
         "celery-lease: %s[%s] not published: %r held by %s", task.name, task_id, key, existing
@@ -324,9 +329,9 @@ def _duplicate(
 
 
 def _publish(
-    apply: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
+    apply: Callable[..., AsyncResultLike],
+    args: Iterable[object] | None,
+    kwargs: Mapping[str, object] | None,
     task_id: str,
     options: dict[str, Any],
     store: LockStore,
@@ -335,8 +340,8 @@ def _publish(
     *,
     undo: Callable[[], None] | None = None,
     free: bool = True,
-    failed_for: Any = None,
-) -> Any:
+    failed_for: CeleryTask | None = None,
+) -> AsyncResultLike:
     """Publish with the queued lease in the header; a failed publish frees the lease at once
     (unless ``free`` is False: a running copy's retry, whose end frees it).
 
@@ -359,7 +364,7 @@ def _publish(
         raise
 
 
-def _fail_quietly(task: Any, task_id: str, exc: Exception) -> None:
+def _fail_quietly(task: CeleryTask, task_id: str, exc: Exception) -> None:
     try:
         task.backend.mark_as_failure(task_id, exc, call_errbacks=False)
     except Exception as error:  # no result backend, or it is down too: the caller has exc
@@ -379,18 +384,18 @@ def _release_quietly(store: LockStore, key: str, owner: str, why: str) -> None:
 
 
 def _resend(
-    task: Any,
+    task: CeleryTask,
     unique: UniqueOptions,
-    apply: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
+    apply: Callable[..., AsyncResultLike],
+    args: Iterable[object] | None,
+    kwargs: Mapping[str, object] | None,
     task_id: str,
     options: dict[str, Any],
     store: LockStore,
     qkey: str,
     queue_ttl: float,
     now: float,
-) -> Any:
+) -> AsyncResultLike:
     """A running copy publishes its own id (a retry): wait again under its own queued lease.
 
     Never a duplicate of itself. Under ``"until_done"`` the running copy holds the queued key
@@ -422,20 +427,20 @@ def _resend(
 def _own_queued_owner(store: LockStore, qkey: str, task_id: str) -> str | None:
     """The queued lease's owner when it names this very task id (a retry whose request lost
     its header): the copy's own, since owners are unique per call and name the task id."""
-    if not conforms(store, SupportsInspection):
+    if not is_inspectable(store):
         return None
-    info = cast(SupportsInspection, store).get(qkey)
+    info = store.get(qkey)
     if info is None or not is_queued_owner(info.owner):
         return None
     return info.owner if parse_owner(info.owner).task_id == task_id else None
 
 
 def _debounced(
-    task: Any,
+    task: CeleryTask,
     unique: UniqueOptions,
-    apply: Callable[..., Any],
-    args: Any,
-    kwargs: Any,
+    apply: Callable[..., AsyncResultLike],
+    args: Iterable[object] | None,
+    kwargs: Mapping[str, object] | None,
     task_id: str,
     options: dict[str, Any],
     inspect: SupportsInspection,
@@ -444,7 +449,7 @@ def _debounced(
     prefix: str,
     now: float,
     queue_ttl: float,
-) -> Any:
+) -> AsyncResultLike:
     """Publish ``debounce`` from now, superseding the waiting copy (see the module docstring)."""
     debounce, cap = unique.debounce, unique.debounce_max
     assert debounce is not None and cap is not None
@@ -517,7 +522,7 @@ def _debounced(
 # The worker's side ---------------------------------------------------------------------------
 
 
-def _header_owner(request: Any, task_id: str | None, qkey: str | None) -> str | None:
+def _header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | None) -> str | None:
     """The queued lease's owner from the request's header, if it is this copy's own.
 
     A header is never trusted: the owner must be a queued owner naming this very task id (and
@@ -527,7 +532,7 @@ def _header_owner(request: Any, task_id: str | None, qkey: str | None) -> str | 
     return _checked(header, task_id, qkey)
 
 
-def _checked(header: Any, task_id: str | None, qkey: str | None) -> str | None:
+def _checked(header: object, task_id: str | None, qkey: str | None) -> str | None:
     if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
         return None
     hkey, owner = header
@@ -582,11 +587,10 @@ class QueuedHold:
         # and creates nothing; one landing after a keep is fenced: the keep is set after it.
         if keep is None:
             store = self.store
-            if defer and offers(store, SupportsDeferredRelease, "release_deferred"):
-                deferring = cast(SupportsDeferredRelease, store)
-                if deferring.release_deferred(self.qkey, self.owner):
+            if defer and can_release_deferred(store):
+                if store.release_deferred(self.qkey, self.owner):
                     return
-                deferring.flush_deferred()  # the run lease's release answered first
+                store.flush_deferred()  # the run lease's release answered first
             self._release(None)
             return
         action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
@@ -624,8 +628,8 @@ _holding: dict[str, QueuedHold] = {}
 
 
 def on_start(
-    task: Any,
-    request: Any,
+    task: CeleryTask,
+    request: TaskRequest,
     store: LockStore,
     key: str,
     settings: config.LeaseSettings,
@@ -669,8 +673,8 @@ def on_start(
         # releases the copy's lease, so either it finds the key free (and supersedes nothing)
         # or the tombstone is there to be seen here.
         store.release(qkey, owner)
-        if conforms(store, SupportsInspection):
-            tomb = cast(SupportsInspection, store).get(superseded_key(task_id, prefix))
+        if is_inspectable(store):
+            tomb = store.get(superseded_key(task_id, prefix))
             if tomb is not None:
                 _mark_superseded(task, request, parse_owner(tomb.owner).task_id)
         return None
@@ -696,10 +700,7 @@ def on_start(
     # waiting where the store can (its reply is read with this copy's next store call; the
     # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
     # renewer's thread.
-    if not (
-        offers(store, SupportsDeferredRenew, "renew_deferred")
-        and cast(SupportsDeferredRenew, store).renew_deferred(qkey, owner, _ms(ttl))
-    ):
+    if not (can_renew_deferred(store) and store.renew_deferred(qkey, owner, _ms(ttl))):
         entry.due = now
     hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
     get_renewer(SYSTEM_CLOCK).add(entry)
@@ -708,12 +709,12 @@ def on_start(
 
 
 def on_rejected(
-    request: Any,
+    request: TaskRequest | None,
     store: LockStore,
     key: str,
     settings: config.LeaseSettings,
     *,
-    task: Any = None,
+    task: CeleryTask | None = None,
     ttl: float | None = None,
     policy: str = "raise",
 ) -> None:
@@ -742,9 +743,9 @@ def on_rejected(
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
         return
-    if conforms(store, SupportsInspection):
+    if is_inspectable(store):
         try:
-            run = cast(SupportsInspection, store).get(key)
+            run = store.get(key)
         except Exception as exc:
             logger.warning("celery-lease: reading %r failed (%s); %r is kept", key, exc, qkey)
             return  # frees itself within its ttl: never freed while its own body may run
@@ -758,14 +759,14 @@ def on_rejected(
         _release_quietly(store, qkey, owner, "the copy was rejected")
 
 
-def _deferrals(request: Any) -> int:
+def _deferrals(request: TaskRequest) -> int:
     """How often this delivery was re-sent to wait for its own copy (0: never): the
     ``lease_deferred`` header, a count."""
     value = getattr(request, DEFERRED, None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def _finished(task: Any, task_id: str) -> bool | None:
+def _finished(task: CeleryTask, task_id: str) -> bool | None:
     """Whether the copy ``task_id`` is done: its result backend holds a ready state (SUCCESS,
     FAILURE, REVOKED).
 
@@ -787,14 +788,20 @@ def _finished(task: Any, task_id: str) -> bool | None:
     return state in states.READY_STATES
 
 
-def _drop_finished(task: Any, task_id: str) -> None:
+def _drop_finished(task: CeleryTask, task_id: str) -> None:
     reason = "delivered again after it finished"
     logger.info("celery-lease: %s[%s] %s: body not run, nothing stored", task.name, task_id, reason)
     raise Ignore(reason)
 
 
 def _defer(
-    task: Any, request: Any, key: str, ttl: float, count: int, *, unfinished: bool = False
+    task: CeleryTask,
+    request: TaskRequest,
+    key: str,
+    ttl: float,
+    count: int,
+    *,
+    unfinished: bool = False,
 ) -> None:
     """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
     Dropped instead when its copy is done (not asked again when the caller just read it
@@ -806,7 +813,7 @@ def _defer(
     """
     from celery_lease._celery.task import LockedTask  # not at import: task.py imports this module
 
-    task_id = request.id
+    task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
         _drop_finished(task, task_id)
     headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
@@ -816,7 +823,9 @@ def _defer(
     # copy itself, whose queued key its running body holds.
     signature = task.signature_from_request(request, countdown=ttl, expires=None, headers=headers)
     try:
-        super(LockedTask, task).apply_async(signature.args, signature.kwargs, **signature.options)
+        super(LockedTask, cast(LockedTask, task)).apply_async(
+            signature.args, signature.kwargs, **signature.options
+        )
     except Exception as exc:
         if getattr(request, "acks_late", None) or getattr(task, "acks_late", False):
             logger.warning(
@@ -846,9 +855,9 @@ def _defer(
     raise Ignore("delivered again while its own copy runs")
 
 
-def _mark_superseded(task: Any, request: Any, newer: str | None) -> None:
+def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> None:
     reason = f"superseded by {newer}"
-    task.backend.mark_as_revoked(request.id, reason, request=request)
+    task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)  # on_start checked
     if task.send_events:
         try:
             task.send_event(
@@ -860,25 +869,26 @@ def _mark_superseded(task: Any, request: Any, newer: str | None) -> None:
     raise Ignore(reason)
 
 
-def _on_revoked(sender: Any = None, request: Any = None, **_: Any) -> None:
+def _on_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:
     """``task_revoked`` in the worker: a revoked (or expired) unique copy frees its queued key."""
-    task: Any = sender  # the Task; ``request`` is the copy's Context (headers as attributes)
+    task = cast("CeleryTask", sender)  # the Task; ``request``: its Context (headers as attributes)
     options = getattr(type(task), "_lock_options", None)
     if request is None or options is None or options.unique is None:
         return
-    header: Any = getattr(request, HEADER, None)
+    header: object = getattr(request, HEADER, None)
     owner = _checked(header, getattr(request, "id", None), None)
     if owner is None:
         return
+    qkey = cast(Sequence[str], header)[0]  # _checked: a [key, owner] pair of str
     try:
         prefix = config.get_settings(task.app).key_prefix
-        if not header[0].startswith(prefix + NAMESPACE):  # a forged header naming another key
+        if not qkey.startswith(prefix + NAMESPACE):  # a forged header naming another key
             return
         store = store_for(options.store, task.app)
     except Exception:
         logger.exception("celery-lease: no store to free the queued key of %s", request.id)
         return
-    _release_quietly(store, header[0], owner, "the copy was revoked")
+    _release_quietly(store, qkey, owner, "the copy was revoked")
 
 
 task_revoked.connect(_on_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked")

@@ -65,7 +65,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from celery import bootsteps
 
@@ -74,6 +74,10 @@ from celery_lease import signals
 from celery_lease._celery import settings as config
 from celery_lease._celery.settings import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
 from celery_lease.errors import LeaseConfigError
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryApp, CeleryTask, WorkerLike
+    from celery_lease.metrics.prometheus import PrometheusExporter
 
 __all__ = [
     "DEFAULT_PORT",
@@ -139,19 +143,19 @@ def _new_counting_lock() -> None:
 forking.on_fork_child(_new_counting_lock, name="metrics: counting lock")
 
 
-def _name(sender: Any) -> str:
+def _name(sender: object) -> str:
     name = getattr(sender, "name", None)
     return name if isinstance(name, str) and name else UNKNOWN_TASK
 
 
-def _queued_key(sender: Any, key: str) -> str | None:
+def _queued_key(sender: object, key: str) -> str | None:
     """The queued key a running ``lock_unique="until_done"`` copy of ``sender`` renews."""
     options = getattr(type(sender), "_lock_options", None)
     unique = getattr(options, "unique", None)
     if unique is None or unique.unique != "until_done" or unique.debounce is not None:
         return None
     try:
-        prefix = config.get_settings(sender.app).key_prefix
+        prefix = config.get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
     except Exception:  # no app, bad settings: its renewals are not counted
         return None
     from celery_lease._celery.unique import queued_key
@@ -160,12 +164,12 @@ def _queued_key(sender: Any, key: str) -> str | None:
 
 
 def _on_acquired(
-    sender: Any = None,
+    sender: object = None,
     key: str = "",
     token: int | None = None,
     wait_seconds: float = 0.0,
-    task_id: Any = None,
-    **_: Any,
+    task_id: str | None = None,
+    **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
@@ -200,19 +204,19 @@ def _ended(key: str, token: int | None, tell: Callable[[Sink], None]) -> bool:
         return True
 
 
-def _on_rejected(sender: Any = None, **_: Any) -> None:
+def _on_rejected(sender: object = None, **_: object) -> None:
     sink = _sink
     if sink is not None:
         sink.rejected(_name(sender))
 
 
 def _on_lost(
-    sender: Any = None,
+    sender: object = None,
     key: str = "",
     token: int | None = None,
     reason: str = "lost",
-    task_id: Any = None,
-    **_: Any,
+    task_id: str | None = None,
+    **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
@@ -227,13 +231,13 @@ def _on_lost(
 
 
 def _on_released(
-    sender: Any = None,
+    sender: object = None,
     key: str = "",
     token: int | None = None,
     held_seconds: float | None = 0.0,
-    task_id: Any = None,
+    task_id: str | None = None,
     reason: str | None = None,
-    **_: Any,
+    **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
@@ -306,16 +310,20 @@ class _Options:
         self.exporter, self.port, self.addr, self.setting = exporter, port, addr, setting
 
 
-_installed: weakref.WeakKeyDictionary[Any, _Options] = weakref.WeakKeyDictionary()
+_installed: weakref.WeakKeyDictionary[CeleryApp, _Options] = weakref.WeakKeyDictionary()
 
 
-def installed(app: Any) -> bool:
+def installed(app: object) -> bool:
     """Whether :func:`install` was called for ``app`` (in this process)."""
     return app in _installed
 
 
 def install(
-    app: Any, exporter: str = "prometheus", *, port: int = DEFAULT_PORT, addr: str = "0.0.0.0"
+    app: CeleryApp,
+    exporter: str = "prometheus",
+    *,
+    port: int = DEFAULT_PORT,
+    addr: str = "0.0.0.0",
 ) -> None:
     """Export the lock metrics of ``app``'s workers.
 
@@ -357,7 +365,7 @@ def _check_library(exporter: str, name: str) -> None:
         )
 
 
-def _options_of(app: Any) -> _Options | None:
+def _options_of(app: CeleryApp) -> _Options | None:
     """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings.
 
     A bad ``lease_*`` setting is left to the worker's configuration check (which refuses the
@@ -377,14 +385,14 @@ def _options_of(app: Any) -> _Options | None:
     return _Options(settings.metrics, settings.metrics_port, "0.0.0.0", "lease_metrics_port")
 
 
-def _in_main_process(pool_cls: Any) -> bool:
+def _in_main_process(pool_cls: object) -> bool:
     from celery_lease._celery.worker import IN_PROCESS_POOLS
 
     modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
     return bool(modules.intersection(IN_PROCESS_POOLS))
 
 
-def _refuse(parent: Any, error: LeaseConfigError) -> None:
+def _refuse(parent: WorkerLike, error: LeaseConfigError) -> None:
     """Log why the worker cannot serve its metrics, and remove what celery-lease made for it."""
     from celery_lease._celery import control
 
@@ -411,9 +419,9 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """After the pool (its class decides multiprocess mode) and the configuration check (which
     refuses a bad ``lease_metrics`` setting first, with the message about it)."""
 
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
+    def __init__(self, parent: WorkerLike, **kwargs: object) -> None:
         super().__init__(parent, **kwargs)
-        self.exporter: Any = None
+        self.exporter: PrometheusExporter | None = None
         options = _options_of(parent.app)
         if options is None:
             return
@@ -439,7 +447,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return
         connect(self.exporter.sink)
 
-    def start(self, parent: Any) -> None:
+    def start(self, parent: WorkerLike) -> None:
         """Serve ``/metrics`` (Prometheus), from the main process only."""
         if self.exporter is not None:
             try:
@@ -448,12 +456,12 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 _refuse(parent, exc)
                 raise
 
-    def stop(self, parent: Any) -> None:
+    def stop(self, parent: WorkerLike) -> None:
         """Stop serving; disconnect the receivers."""
         if self.exporter is not None:
             self.exporter.stop()
         disconnect()
 
-    def terminate(self, parent: Any) -> None:
+    def terminate(self, parent: WorkerLike) -> None:
         """As :meth:`stop`."""
         self.stop(parent)

@@ -1,0 +1,234 @@
+"""The parts of Celery (and of its pools) that the Celery layer uses, as structural types.
+
+Celery ships no type information: no ``py.typed`` marker and no stubs (5.7 checked), and its
+few annotations (``celery.states``, ``celery.canvas``, ``celery.utils.time``, the delayed
+delivery consumer step) leave out ``Task``, ``Context``, ``Celery``, the result backends,
+``Signal`` and the bootsteps. mypy sees all of them as ``Any``, so code that takes a Celery
+``Task`` typed as one checks nothing. Each protocol here names only the members we read or call,
+as Celery defines them:
+
+- :class:`CeleryTask`: a task (``celery.app.task.Task``, here a ``LockedTask``): its name, app,
+  options, result backend, current request, and the calls that publish or re-send it.
+- :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
+  execution's id and delivery; headers also show as attributes (``lease_queued``).
+- :class:`RequestStack`: ``task.request_stack``, read without building a default request.
+- :class:`CeleryApp` and :class:`AppConf`: the app (``celery.Celery``) and ``app.conf``.
+- :class:`ResultBackend`: ``task.backend``: a copy's state read, a FAILURE or REVOKED stored.
+- :class:`AsyncResultLike`: what ``apply_async`` returns (``celery.result.AsyncResult``).
+- :class:`TaskSignature`: ``task.signature_from_request()``'s signature, re-sent as it is.
+- :class:`SignalLike`: a ``celery.utils.dispatch.Signal`` whose receivers are looked at.
+- :class:`WorkerLike`: a worker bootstep's parent (``celery.apps.worker.WorkController``).
+- :class:`Greenlet` and :class:`GeventHub`: the running greenlet and gevent's hub, which an
+  interrupt is thrown through under the gevent and eventlet pools (greenlet and gevent ship no
+  type information either).
+
+Why structural types rather than Celery's classes: Celery's classes are ``Any`` to mypy, so
+naming them checks nothing; third-party stubs would tie our types to one stub package's view of
+one Celery version; and a protocol says exactly which part of Celery we depend on, so a test's
+small fake (a ``SimpleNamespace`` request) is typed the same way as the real thing. Nothing here
+is ``runtime_checkable``: no code asks ``isinstance`` of a Celery object, and the protocols are
+only read by mypy. ``tests/unit/_celery/test_protocols.py`` checks that Celery's real objects
+still have every member named here.
+
+The ``TypeGuard`` functions below are the capability checks of a store: each asks the cached
+protocol check of :mod:`celery_lease._core.lease` (:func:`~celery_lease._core.lease.conforms`,
+:func:`~celery_lease._core.lease.offers`), and tells mypy what a True answer means.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableSet, Sequence
+from typing import Protocol, TypeGuard
+
+from celery_lease._core.lease import conforms, offers
+from celery_lease.stores.base import (
+    SupportsDeferredRelease,
+    SupportsDeferredRenew,
+    SupportsInspection,
+)
+
+__all__ = [
+    "AppConf",
+    "AsyncResultLike",
+    "CeleryApp",
+    "CeleryTask",
+    "GeventHub",
+    "Greenlet",
+    "RequestStack",
+    "ResultBackend",
+    "SignalLike",
+    "TaskRequest",
+    "TaskSignature",
+    "WorkerLike",
+    "can_release_deferred",
+    "can_renew_deferred",
+    "is_inspectable",
+]
+
+
+class AppConf(Protocol):
+    """``app.conf`` (``celery.app.utils.Settings``): the settings read by attribute."""
+
+    task_always_eager: bool
+
+
+class CeleryApp(Protocol):
+    """A Celery app (``celery.Celery``)."""
+
+    conf: AppConf
+    steps: Mapping[str, MutableSet[type]]
+    """Bootstep classes to add, by blueprint (``"worker"``, ``"consumer"``)."""
+
+
+class TaskRequest(Protocol):
+    """A task's request (``celery.app.task.Context``): one execution, or the default request of
+    a task called directly (``id`` None, ``called_directly`` True).
+
+    Message headers that Celery does not know are set as attributes too, so a header such as
+    ``lease_queued`` is read with ``getattr``.
+    """
+
+    id: str | None
+    is_eager: bool
+    called_directly: bool
+    headers: Mapping[str, object] | None
+    delivery_info: Mapping[str, object] | None
+    chord: object
+    ignore_result: bool
+
+
+class RequestStack(Protocol):
+    """``task.request_stack`` (``celery.utils.threads.LocalStack``)."""
+
+    @property
+    def top(self) -> TaskRequest | None:
+        """The current request, None outside an execution."""
+
+
+class AsyncResultLike(Protocol):
+    """What publishing a task returns (``celery.result.AsyncResult``)."""
+
+    id: str
+
+
+class TaskSignature(Protocol):
+    """A signature re-sent as it is (``celery.canvas.Signature``)."""
+
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    options: dict[str, object]
+
+
+class ResultBackend(Protocol):
+    """A task's result backend (``celery.backends.base.Backend``)."""
+
+    def get_state(self, task_id: str) -> str:
+        """The stored state of ``task_id`` (``PENDING`` when nothing is stored).
+
+        Raises ``NotImplementedError`` on the ``DisabledBackend`` (no result backend).
+        """
+
+    def mark_as_failure(
+        self, task_id: str, exc: BaseException, *, call_errbacks: bool = True
+    ) -> object:
+        """Store FAILURE with ``exc`` for ``task_id``."""
+
+    def mark_as_revoked(
+        self, task_id: str, reason: str = "", request: TaskRequest | None = None
+    ) -> object:
+        """Store REVOKED with ``reason`` for ``task_id``."""
+
+
+class CeleryTask(Protocol):
+    """A task (``celery.app.task.Task``): one instance per process, reused by every execution."""
+
+    name: str
+    app: CeleryApp
+    backend: ResultBackend
+    send_events: bool
+    acks_late: bool
+    ignore_result: bool
+
+    @property
+    def request(self) -> TaskRequest:
+        """The current request (a default one, built on first read, outside an execution)."""
+
+    @property
+    def request_stack(self) -> RequestStack | None:
+        """The stack of requests (None before the task is bound)."""
+
+    def AsyncResult(self, task_id: str) -> AsyncResultLike:  # Celery's name
+        """The result of ``task_id`` in this task's backend."""
+
+    def apply_async(
+        self,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+        task_id: str | None = None,
+        **options: object,
+    ) -> AsyncResultLike:
+        """Publish a copy."""
+
+    def signature_from_request(
+        self,
+        request: TaskRequest,
+        *,
+        countdown: float,
+        expires: None,
+        headers: Mapping[str, object],
+    ) -> TaskSignature:
+        """A signature that re-sends ``request`` as ``retry()`` does."""
+
+    def send_event(self, type_: str, **fields: object) -> None:
+        """Send a task event (``task-revoked``) when ``send_events`` is on."""
+
+
+class SignalLike(Protocol):
+    """A Celery signal (``celery.utils.dispatch.Signal``) whose receivers are looked at."""
+
+    @property
+    def receivers(self) -> Sequence[tuple[object, object]]:
+        """``(lookup key, receiver)`` pairs; a weak receiver is a ``weakref.ref`` to it."""
+
+
+class WorkerLike(Protocol):
+    """A worker bootstep's parent (``celery.apps.worker.WorkController``)."""
+
+    app: CeleryApp
+    hostname: str
+    pool_cls: object
+    """The pool class (its name, or a class, as the worker was given it)."""
+
+
+class Greenlet(Protocol):
+    """A greenlet (``greenlet.greenlet``): the one a body runs on under gevent or eventlet."""
+
+    def throw(self, exc: BaseException) -> object:
+        """Raise ``exc`` in the greenlet at its next switch."""
+
+
+class _HubLoop(Protocol):
+    def run_callback_threadsafe(self, callback: Callable[[], None]) -> object: ...
+
+
+class GeventHub(Protocol):
+    """gevent's hub of the body's thread (``gevent.get_hub()``)."""
+
+    loop: _HubLoop
+
+
+def is_inspectable(store: object) -> TypeGuard[SupportsInspection]:
+    """Whether ``store`` can read a key's holder (:class:`SupportsInspection`; cached per class)."""
+    return conforms(store, SupportsInspection)
+
+
+def can_release_deferred(store: object) -> TypeGuard[SupportsDeferredRelease]:
+    """Whether ``store`` can release without waiting for the reply
+    (:class:`SupportsDeferredRelease`)."""
+    return offers(store, SupportsDeferredRelease, "release_deferred")
+
+
+def can_renew_deferred(store: object) -> TypeGuard[SupportsDeferredRenew]:
+    """Whether ``store`` can renew without waiting for the reply
+    (:class:`SupportsDeferredRenew`)."""
+    return offers(store, SupportsDeferredRenew, "renew_deferred")
