@@ -35,6 +35,7 @@ __all__ = [
     "ParsedDSN",
     "channel_for",
     "check_options",
+    "check_seconds",
     "connect_kwargs",
     "create_denied_detail",
     "describe_error",
@@ -358,14 +359,7 @@ def check_options(
             f"create_table={create_table!r} must be True or False (or None: the URL's "
             "?create_table=, else True)"
         )
-    if (
-        isinstance(connect_timeout, bool)
-        or not isinstance(connect_timeout, (int, float))
-        or not connect_timeout > 0
-    ):
-        raise LeaseConfigError(
-            f"connect_timeout={connect_timeout!r} must be a number of seconds > 0"
-        )
+    check_seconds("connect_timeout", connect_timeout)
     if (
         isinstance(max_connections, bool)
         or not isinstance(max_connections, int)
@@ -373,6 +367,16 @@ def check_options(
     ):
         raise LeaseConfigError(f"max_connections={max_connections!r} must be an int >= 1")
     return valid_table
+
+
+def check_seconds(name: str, value: object) -> None:
+    """Refuse a timeout that is not a number of seconds > 0 (a bool is not a number here).
+
+    Raises:
+        LeaseConfigError: naming the option.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LeaseConfigError(f"{name}={value!r} must be a number of seconds > 0")
 
 
 @dataclass(frozen=True)

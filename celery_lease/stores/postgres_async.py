@@ -49,6 +49,7 @@ from celery_lease.stores._postgres_common import (
     ConnectFailures,
     channel_for,
     check_options,
+    check_seconds,
     connect_kwargs,
     create_denied_detail,
     describe_error,
@@ -232,14 +233,7 @@ class AsyncPostgresLockStore:
             raise LeaseConfigError(
                 f"dsn={type(dsn).__name__} must be a libpq connection string or URL"
             )
-        if (
-            isinstance(statement_timeout, bool)
-            or not isinstance(statement_timeout, (int, float))
-            or not statement_timeout > 0
-        ):
-            raise LeaseConfigError(
-                f"statement_timeout={statement_timeout!r} must be a number of seconds > 0"
-            )
+        check_seconds("statement_timeout", statement_timeout)
         if sync is not None and not isinstance(sync, PostgresLockStore):
             raise LeaseConfigError(f"sync={sync!r} must be a PostgresLockStore (or None)")
         # Every option is validated as the sync store validates it (the same functions).
