@@ -358,7 +358,7 @@ def split_store_options(url: str) -> tuple[str, dict[str, object]]:
     return urlunsplit(parts._replace(query=rest)), options
 
 
-def sentinel_connection_kwargs(spec: Any, retry: Any) -> dict[str, Any]:
+def sentinel_connection_kwargs(spec: SentinelURL, retry: Any) -> dict[str, Any]:
     """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
     Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
     kwargs: dict[str, Any] = {
