@@ -56,10 +56,8 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
-import re
 import select
 import threading
 import time
@@ -68,7 +66,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
-from urllib.parse import unquote, unquote_plus
 
 import psycopg
 from psycopg import sql
@@ -78,7 +75,29 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LeaseInfo, redact_url
+from celery_lease.stores._postgres_common import (
+    CREATED_CONCURRENTLY,
+    DEFAULT_TABLE,
+    MISSING_TABLE,
+    SCHEMA_SQL,
+    ConnectFailures,
+    channel_for,
+    check_options,
+    connect_kwargs,
+    create_denied_detail,
+    describe_error,
+    lease_info,
+    missing_table_detail,
+    no_connection_detail,
+    parse_dsn,
+    privilege_detail,
+    schema_sql,
+    statements,
+    store_error,
+    target,
+    token_of,
+)
+from celery_lease.stores.base import LeaseInfo
 
 __all__ = ["DEFAULT_TABLE", "SCHEMA_SQL", "PostgresLockStore", "statements"]
 
@@ -86,273 +105,8 @@ logger = logging.getLogger("celery_lease.stores.postgres")
 
 _T = TypeVar("_T")
 
-DEFAULT_TABLE = "celery_lease"
 
-# One or two dot-separated parts ("table" or "schema.table"), each a plain identifier.
-_TABLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(?:\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
-_MAX_CHANNEL = 63  # PostgreSQL's NAMEDATALEN - 1: pg_notify refuses longer channel names
-
-_SCHEMA_TEMPLATE = """\
-CREATE TABLE IF NOT EXISTS {table} (
-    key text COLLATE "C" PRIMARY KEY,
-    owner text NULL,
-    expires timestamptz NOT NULL,
-    token bigint NOT NULL
-)"""
-
-# The server's clock in whole microseconds since the epoch: the floor of every new token.
-_NOW_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
-
-# Params: key, owner, ttl_ms. Returns one row (token) when taken, or already held by this owner
-# (then its token is kept and its expiry set to now + ttl); no row when another owner's lease is
-# live. (In SET, t.* are the old values.)
-_ACQUIRE = f"""\
-INSERT INTO {{table}} AS t (key, owner, expires, token)
-VALUES (%(key)s, %(owner)s, clock_timestamp() + %(ttl_ms)s * interval '1 millisecond', {_NOW_US})
-ON CONFLICT (key) DO UPDATE
-    SET owner = EXCLUDED.owner,
-        expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond',
-        token = CASE WHEN t.owner = EXCLUDED.owner AND t.expires > clock_timestamp()
-                     THEN t.token
-                     ELSE GREATEST(t.token + 1, {_NOW_US}) END
-    WHERE t.owner IS NULL OR t.owner = EXCLUDED.owner OR t.expires <= clock_timestamp()
-RETURNING t.token"""
-
-# Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
-_RENEW = """\
-UPDATE {table}
-SET expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond'
-WHERE key = %(key)s AND owner = %(owner)s AND expires > clock_timestamp()"""
-
-# Params: keys, owners, ttls (three parallel arrays). Returns the (key, owner) pairs renewed.
-_RENEW_MANY = """\
-UPDATE {table} AS t
-SET expires = clock_timestamp() + b.ttl_ms * interval '1 millisecond'
-FROM unnest(%(keys)s::text[], %(owners)s::text[], %(ttls)s::bigint[]) AS b(key, owner, ttl_ms)
-WHERE t.key = b.key AND t.owner = b.owner AND t.expires > clock_timestamp()
-RETURNING t.key, t.owner"""
-
-# Params: key, owner, channel. Clears owner (the row and its counter stay) and notifies the
-# channel with the key as payload, in one statement; returns one row when something was released.
-_RELEASE = """\
-WITH released AS (
-    UPDATE {table} SET owner = NULL
-    WHERE key = %(key)s AND owner = %(owner)s
-    RETURNING key
-)
-SELECT pg_notify(%(channel)s, key) FROM released"""
-
-# Params: key, channel. Returns (key, owner, token, expires_in seconds) of the lease removed.
-_FORCE_RELEASE = """\
-WITH live AS (
-    SELECT key, owner, token, expires FROM {table}
-    WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()
-    FOR UPDATE
-), released AS (
-    UPDATE {table} AS t SET owner = NULL FROM live WHERE t.key = live.key
-    RETURNING live.key, live.owner, live.token, live.expires
-)
-SELECT key, owner, token,
-       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8,
-       pg_notify(%(channel)s, key)
-FROM released"""
-
-# Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
-_GET = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
-WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()"""
-
-# Params: pattern (a LIKE prefix pattern, escaped). Live leases, in key ("C", byte) order.
-_LIST = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
-WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
-ORDER BY key"""
-
-# Params: key. Returns the last token issued for the key, live or not.
-_LAST_TOKEN = "SELECT token FROM {table} WHERE key = %(key)s"
-
-
-def _validate_table(table: object) -> str:
-    if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
-        raise LeaseConfigError(
-            f"table={table!r} must be an identifier (letters, digits, _; not starting with a "
-            "digit; at most 63 characters), optionally schema-qualified as schema.table"
-        )
-    return table
-
-
-def _table_identifier(table: str) -> sql.Identifier:
-    return sql.Identifier(*table.split("."))
-
-
-def _render(template: str, table: str) -> bytes:
-    """A statement with the table name quoted in, rendered once (no connection needed)."""
-    ident = _table_identifier(table)
-    return sql.SQL(template).format(table=ident).as_bytes(None)
-
-
-_TEMPLATES = (
-    ("acquire", _ACQUIRE),
-    ("renew", _RENEW),
-    ("renew_many", _RENEW_MANY),
-    ("release", _RELEASE),
-    ("force_release", _FORCE_RELEASE),
-    ("get", _GET),
-    ("list", _LIST),
-    ("last_token", _LAST_TOKEN),
-    ("schema", _SCHEMA_TEMPLATE),
-)
-
-
-def statements(table: str) -> dict[str, bytes]:
-    """Every statement of the store, rendered for ``table`` (already validated), by name.
-
-    Names: ``acquire``, ``renew``, ``renew_many``, ``release``, ``force_release``, ``get``,
-    ``list``, ``last_token``, ``schema``. The one source of the store's SQL: the sync store and
-    its asyncio twin (:mod:`celery_lease.stores.postgres_async`) both run these, so they share
-    one table and exclude each other.
-    """
-    return {name: _render(template, table) for name, template in _TEMPLATES}
-
-
-def _channel(table: str) -> str:
-    """The NOTIFY channel of a table: readable when short enough, hashed otherwise."""
-    channel = f"celery_lease:{table}"
-    if len(channel) > _MAX_CHANNEL:
-        channel = "celery_lease:" + hashlib.sha256(table.encode()).hexdigest()[:32]
-    return channel
-
-
-_TRUE = frozenset({"true", "1", "yes", "on"})
-_FALSE = frozenset({"false", "0", "no", "off"})
-_URL_OPTION = "create_table"  # the one query parameter of a store URL that is ours, not libpq's
-
-
-def _take_url_option(dsn: str) -> tuple[str, bool | None]:
-    """``dsn`` without ``?create_table=...``, and its value (None when absent).
-
-    Only URLs carry it (``key=value`` DSNs go to libpq as they are). The other query parameters
-    are kept byte for byte.
-
-    Raises:
-        LeaseConfigError: for a value other than true/false, 1/0, yes/no, on/off, or a repeat.
-    """
-    if "://" not in dsn or "?" not in dsn:
-        return dsn, None
-    base, _, rest = dsn.partition("?")
-    query, hash_, fragment = rest.partition("#")
-    kept, values = [], []
-    for part in query.split("&"):
-        name, _, value = part.partition("=")
-        if unquote_plus(name) == _URL_OPTION:
-            values.append(unquote_plus(value))
-        else:
-            kept.append(part)
-    if not values:
-        return dsn, None
-    if len(values) > 1:
-        raise LeaseConfigError(
-            f"the store URL gives {_URL_OPTION}= {len(values)} times: give it once"
-        )
-    value = values[0].strip().lower()
-    if value not in _TRUE | _FALSE:
-        raise LeaseConfigError(
-            f"{_URL_OPTION}={values[0]!r} in the store URL must be true or false "
-            "(or 1/0, yes/no, on/off)"
-        )
-    query = "&".join(kept)
-    return base + ("?" + query if query else "") + hash_ + fragment, value in _TRUE
-
-
-def _refuse_split_userinfo(dsn: str) -> None:
-    """Refuse a URL whose password holds an unencoded ``@`` or ``/``.
-
-    libpq ends the userinfo at the first ``@`` and the host at the first ``/``: with
-    ``user:p@ss@host`` the host becomes ``ss@host``, with ``user:p/ss@host`` the host becomes
-    ``user`` and the database ``ss@host/...``; pieces of the password then appear in the store's
-    repr and in every error message (and the connection goes elsewhere).
-
-    Raises:
-        LeaseConfigError: naming the problem, with the password masked.
-    """
-    if "://" not in dsn:
-        return
-    rest = dsn.split("://", 1)[1].split("?", 1)[0]
-    slash = rest.find("/")
-    authority, path = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
-    if authority.count("@") > 1 or ("@" in path and ":" in authority and "@" not in authority):
-        raise LeaseConfigError(
-            f"the store URL {redact_url(dsn)!r} has an '@' or '/' in its user or password part: "
-            "percent-encode them ('@' as %40, '/' as %2F, ':' as %3A)"
-        )
-
-
-def _secrets(dsn: str, password: str | None) -> tuple[str, ...]:
-    """Every form of the DSN's password that could appear in a message (raw, decoded)."""
-    found = {password} if password else set()
-    if "://" in dsn:
-        rest = dsn.split("://", 1)[1]
-        userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
-        if ":" in userinfo:
-            raw = userinfo.split(":", 1)[1]
-            found |= {raw, unquote(raw)}
-    return tuple(sorted((f for f in found if f), key=len, reverse=True))
-
-
-def mask_secrets(text: str, secrets: Sequence[str]) -> str:
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
-_QUOTED = re.compile(r'"([^"]*)"')
-
-
-def _mask_parse_error(message: str, dsn: str) -> str:
-    """libpq's message about a DSN it could not parse, with no piece of the password in it.
-
-    libpq quotes the token it stopped at, or the whole URL: a quoted piece is kept when it is
-    part of the DSN with its password masked (an option name, say), masked itself when it is a
-    URL, and replaced by ``***`` otherwise (it may be a piece of the password).
-    """
-    masked_dsn = redact_url(dsn)
-    if masked_dsn == dsn:
-        return message  # no password in it
-
-    def piece(match: re.Match[str]) -> str:
-        quoted = match.group(1)
-        if quoted and quoted in masked_dsn:
-            return match.group(0)
-        redacted = redact_url(quoted)
-        return f'"{redacted}"' if redacted != quoted else '"***"'
-
-    return _QUOTED.sub(piece, message)
-
-
-def describe_error(exc: BaseException) -> str:
-    """The server's (or libpq's) own message, on one line, with its SQLSTATE when it has one."""
-    text = ""
-    sqlstate = None
-    if isinstance(exc, psycopg.Error):
-        sqlstate = exc.sqlstate
-        if sqlstate:
-            text = exc.diag.message_primary or ""
-    text = " ".join((text or str(exc)).split()) or type(exc).__name__
-    return f"{text} (SQLSTATE {sqlstate})" if sqlstate else text
-
-
-class _ConnectFailures:
-    """The last failure of the store's own pool to connect (None after a success)."""
-
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: str | None = None
-
-
-def _recording_connection_class(failures: _ConnectFailures) -> type[psycopg.Connection[Any]]:
+def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Connection[Any]]:
     """A connection class for the store's own pool that records why connecting failed.
 
     psycopg_pool connects in background threads and only logs their errors; a caller that
@@ -411,14 +165,6 @@ def _settle_interrupted(conn: psycopg.Connection[Any]) -> None:
         conn.close()
 
 
-def _target(params: dict[str, Any]) -> str:
-    """``host=..., port=..., dbname=...`` of libpq parameters (the password is never shown)."""
-    port = params.get("port")
-    if isinstance(port, str) and port.isdigit():
-        port = int(port)
-    return f"host={params.get('host')!r}, port={port!r}, dbname={params.get('dbname')!r}"
-
-
 def _pool_target(pool: ConnectionPool[Any]) -> str:
     """Where a caller's pool connects (from its conninfo and kwargs), plus its name."""
     name = f"pool={getattr(pool, 'name', None)!r}"
@@ -432,11 +178,7 @@ def _pool_target(pool: ConnectionPool[Any]) -> str:
     for option in ("host", "port", "dbname"):
         if isinstance(kwargs, dict) and kwargs.get(option) is not None:
             params[option] = kwargs[option]
-    return f"{_target(params)}, {name}"
-
-
-SCHEMA_SQL: str = sql.SQL(_SCHEMA_TEMPLATE).format(table=sql.Identifier(DEFAULT_TABLE)).as_string()
-"""The ``CREATE TABLE IF NOT EXISTS`` statement for the default table ``celery_lease``."""
+    return f"{target(params)}, {name}"
 
 
 # Stores still open, so that a forked child can abandon what it inherited.
@@ -655,26 +397,7 @@ class PostgresLockStore:
         max_connections: int = 8,
         create_table: bool | None = None,
     ) -> None:
-        self._table = _validate_table(table)
-        if create_table is not None and not isinstance(create_table, bool):
-            raise LeaseConfigError(
-                f"create_table={create_table!r} must be True or False (or None: the URL's "
-                "?create_table=, else True)"
-            )
-        if (
-            isinstance(connect_timeout, bool)
-            or not isinstance(connect_timeout, (int, float))
-            or not connect_timeout > 0
-        ):
-            raise LeaseConfigError(
-                f"connect_timeout={connect_timeout!r} must be a number of seconds > 0"
-            )
-        if (
-            isinstance(max_connections, bool)
-            or not isinstance(max_connections, int)
-            or max_connections < 1
-        ):
-            raise LeaseConfigError(f"max_connections={max_connections!r} must be an int >= 1")
+        self._table = check_options(table, connect_timeout, max_connections, create_table)
         self._connect_timeout = float(connect_timeout)
         self._max_connections = max_connections
         self._where = ""
@@ -684,39 +407,22 @@ class PostgresLockStore:
             self._given_pool: ConnectionPool[Any] | None = dsn_or_pool
             self._application_name = False
         elif isinstance(dsn_or_pool, str):
-            dsn, from_url = _take_url_option(dsn_or_pool)
-            if from_url is not None and create_table is not None and from_url != create_table:
-                raise LeaseConfigError(
-                    f"create_table={create_table!r} contradicts ?create_table= in the store "
-                    "URL: give one of them"
-                )
-            if create_table is None:
-                create_table = from_url
-            _refuse_split_userinfo(dsn)
-            try:
-                params = conninfo_to_dict(dsn)
-            except psycopg.ProgrammingError as exc:
-                hint = ""
-                if _URL_OPTION in str(exc):
-                    hint = " (create_table goes in a URL's query or the create_table= keyword)"
-                raise LeaseConfigError(
-                    "dsn_or_pool is not a valid PostgreSQL DSN or URL: "
-                    f"{_mask_parse_error(str(exc), dsn)}{hint}"
-                ) from None
-            self._secrets = _secrets(dsn, str(params.get("password") or ""))
-            self._dsn = dsn
+            parsed = parse_dsn(dsn_or_pool, create_table)
+            create_table = parsed.create_table
+            self._secrets = parsed.secrets
+            self._dsn = parsed.dsn
             self._given_pool = None
-            self._where = _target(params)
-            self._application_name = "application_name" not in params
+            self._where = parsed.where
+            self._application_name = parsed.application_name
         else:
             raise LeaseConfigError(
                 f"dsn_or_pool={type(dsn_or_pool).__name__} must be a DSN string or a "
                 "psycopg_pool.ConnectionPool"
             )
         self._create_table = True if create_table is None else create_table
-        self._connect_failures = _ConnectFailures()
+        self._connect_failures = ConnectFailures()
         self._connection_class = _recording_connection_class(self._connect_failures)
-        self._channel = _channel(self._table)
+        self._channel = channel_for(self._table)
         self._sql = statements(self._table)
         self._init_process_state()
         _STORES.add(self)
@@ -740,8 +446,7 @@ class PostgresLockStore:
         Raises:
             LeaseConfigError: for a bad ``table``.
         """
-        ident = _table_identifier(_validate_table(table))
-        return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
+        return schema_sql(table)
 
     @property
     def table(self) -> str:
@@ -761,13 +466,7 @@ class PostgresLockStore:
     # Connections --------------------------------------------------------------------------------
 
     def _connect_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {
-            "autocommit": True,
-            "connect_timeout": max(1, round(self._connect_timeout)),
-        }
-        if self._application_name:
-            kwargs["application_name"] = "celery-lease"
-        return kwargs
+        return connect_kwargs(self._connect_timeout, self._application_name)
 
     def _forget_inherited(self) -> None:
         """In a forked child: abandon (without closing) the parent's pool and listener."""
@@ -860,12 +559,7 @@ class PostgresLockStore:
                     detail += "; not retried: it may have taken effect (look with get())"
                 raise self._error(what, detail) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(
-                    what,
-                    f"{describe_error(exc)}; the store's role needs USAGE on the table's schema"
-                    " and "
-                    f"SELECT, INSERT, UPDATE on table {self._table!r}",
-                ) from exc
+                raise self._error(what, privilege_detail(exc, self._table)) from exc
             except psycopg.Error as exc:
                 raise self._error(what, describe_error(exc)) from exc
             except PoolClosed as exc:
@@ -879,7 +573,7 @@ class PostgresLockStore:
         try:
             try:
                 return fn(conn)
-            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+            except MISSING_TABLE as exc:
                 if not conn.autocommit:
                     conn.rollback()
                 self._make_table(what, conn, exc)
@@ -892,16 +586,11 @@ class PostgresLockStore:
             raise
 
     def _error(self, what: str, detail: str) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            mask_secrets(f"{self!r} failed to {what}: {detail}", self._secrets)
-        )
+        return store_error(repr(self), what, detail, self._secrets)
 
     def _no_connection(self, exc: PoolTimeout) -> str:
-        detail = f"no connection within {self._connect_timeout:g} s"
         last = self._connect_failures.last if self._owns_pool else None
-        if last is not None:
-            return f"{detail}; the last attempt to connect failed: {last}"
-        return f"{detail} ({exc})"
+        return no_connection_detail(self._connect_timeout, last, exc)
 
     @staticmethod
     def _discard_broken(pool: ConnectionPool[Any]) -> None:
@@ -913,39 +602,19 @@ class PostgresLockStore:
 
     def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
         """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""
-        ddl = f"create it with PostgresLockStore.schema_sql({self._table!r})"
-        if isinstance(missing, psycopg.errors.InvalidSchemaName):
-            raise self._error(
-                what,
-                f"the schema of table {self._table!r} does not exist: {describe_error(missing)}; "
-                f"create the schema, then {ddl}",
-            ) from missing
-        if not self._create_table:
-            raise self._error(
-                what,
-                f"table {self._table!r} does not exist and create_table=False: {ddl} "
-                f"({describe_error(missing)})",
-            ) from missing
+        refusal = missing_table_detail(missing, self._table, self._create_table)
+        if refusal is not None:
+            raise self._error(what, refusal) from missing
         with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
                 conn.execute(self._sql["schema"])
-            except (
-                psycopg.errors.UniqueViolation,
-                psycopg.errors.DuplicateTable,
-                psycopg.errors.DuplicateObject,
-            ):
-                # Another session created it concurrently: IF NOT EXISTS is not atomic, and the
-                # loser fails on the table's row type or name instead.
+            except CREATED_CONCURRENTLY:  # another session created it concurrently
                 if not conn.autocommit:
                     conn.rollback()
             except psycopg.errors.InsufficientPrivilege as exc:
                 if not conn.autocommit:
                     conn.rollback()
-                raise self._error(
-                    what,
-                    f"table {self._table!r} does not exist and this role may not create it: "
-                    f"{describe_error(exc)}; {ddl} as its owner, or grant CREATE on the schema",
-                ) from exc
+                raise self._error(what, create_denied_detail(exc, self._table)) from exc
             else:
                 if not conn.autocommit:
                     conn.commit()
@@ -958,8 +627,7 @@ class PostgresLockStore:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
 
         def run(conn: psycopg.Connection[Any]) -> int | None:
-            row = conn.execute(self._sql["acquire"], params).fetchone()
-            return None if row is None else int(row[0])
+            return token_of(conn.execute(self._sql["acquire"], params).fetchone())
 
         try:
             token = self._run("acquire", run)
@@ -1079,22 +747,18 @@ class PostgresLockStore:
 
     # Inspection -----------------------------------------------------------------------------------
 
-    @staticmethod
-    def _info(row: tuple[Any, ...]) -> LeaseInfo:
-        return LeaseInfo(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
-
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (code point order)."""
         escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         params = {"pattern": escaped + "%"}
         rows = self._run("list", lambda conn: conn.execute(self._sql["list"], params).fetchall())
-        return [self._info(row) for row in rows]
+        return [lease_info(row) for row in rows]
 
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key`` (``expires_in`` by the server's clock), or None."""
         params = {"key": key}
         row = self._run("get", lambda conn: conn.execute(self._sql["get"], params).fetchone())
-        return None if row is None else self._info(row)
+        return None if row is None else lease_info(row)
 
     def last_token(self, key: str) -> int | None:
         """The last token issued for ``key`` (kept after release and expiry), or None."""
@@ -1114,7 +778,7 @@ class PostgresLockStore:
             lambda conn: conn.execute(self._sql["force_release"], params).fetchone(),
             redo=False,
         )
-        return None if row is None else self._info(row)
+        return None if row is None else lease_info(row)
 
     # Lifecycle ------------------------------------------------------------------------------------
 

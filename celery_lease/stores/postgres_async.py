@@ -1,11 +1,11 @@
 """PostgreSQL store for asyncio: :class:`AsyncPostgresLockStore`, the psycopg ``AsyncConnection``
 twin of :class:`~celery_lease.stores.postgres.PostgresLockStore`.
 
-It runs the SAME statements on the SAME table as the synchronous store (rendered by
-:func:`celery_lease.stores.postgres.statements`, the one source of the store's SQL), so sync and
-async holders of a key exclude each other and its fencing tokens only grow. :attr:`sync` is a
-:class:`~celery_lease.stores.postgres.PostgresLockStore` built from the same DSN and options: the
-renewer thread renews through it, off the event loop.
+It runs the SAME statements on the SAME table as the synchronous store (both render them with
+:func:`celery_lease.stores._postgres_common.statements`, the one source of the store's SQL), so
+sync and async holders of a key exclude each other and its fencing tokens only grow.
+:attr:`sync` is a :class:`~celery_lease.stores.postgres.PostgresLockStore` built from the same DSN
+and options: the renewer thread renews through it, off the event loop.
 
 Timeouts: getting a connection waits at most ``connect_timeout`` and every statement at most
 ``statement_timeout`` (both 5 s by default) on the client's side, so a hung server (paused,
@@ -42,13 +42,27 @@ from psycopg import sql
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LockStore, LoopBinding
-from celery_lease.stores.postgres import (
+from celery_lease.stores._postgres_common import (
+    CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
-    PostgresLockStore,
+    MISSING_TABLE,
+    ConnectFailures,
+    channel_for,
+    check_options,
+    check_seconds,
+    connect_kwargs,
+    create_denied_detail,
     describe_error,
-    mask_secrets,
+    missing_table_detail,
+    no_connection_detail,
+    parse_dsn,
+    privilege_detail,
+    statements,
+    store_error,
+    token_of,
 )
+from celery_lease.stores.base import LockStore, LoopBinding
+from celery_lease.stores.postgres import PostgresLockStore
 
 __all__ = ["AsyncPostgresLockStore"]
 
@@ -91,14 +105,7 @@ async def _shielded(future: asyncio.Future[bool]) -> bool:
     return await asyncio.shield(future)
 
 
-class _ConnectFailures:
-    __slots__ = ("last",)
-
-    def __init__(self) -> None:
-        self.last: str | None = None
-
-
-def _recording_connection_class(failures: _ConnectFailures) -> type[_AsyncConn]:
+def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
     """An AsyncConnection class that records why the pool's background connects failed."""
 
     class _StoreConnection(psycopg.AsyncConnection[Any]):
@@ -226,44 +233,38 @@ class AsyncPostgresLockStore:
             raise LeaseConfigError(
                 f"dsn={type(dsn).__name__} must be a libpq connection string or URL"
             )
-        if (
-            isinstance(statement_timeout, bool)
-            or not isinstance(statement_timeout, (int, float))
-            or not statement_timeout > 0
-        ):
-            raise LeaseConfigError(
-                f"statement_timeout={statement_timeout!r} must be a number of seconds > 0"
-            )
+        check_seconds("statement_timeout", statement_timeout)
         if sync is not None and not isinstance(sync, PostgresLockStore):
             raise LeaseConfigError(f"sync={sync!r} must be a PostgresLockStore (or None)")
-        # Validates every option exactly as the sync store does, and renders the shared SQL.
-        spec = PostgresLockStore(
-            dsn,
-            table=table,
-            connect_timeout=connect_timeout,
-            max_connections=max_connections,
-            create_table=create_table,
-        )
-        if sync is not None and sync.table != spec.table:
+        # Every option is validated as the sync store validates it (the same functions).
+        self._table = check_options(table, connect_timeout, max_connections, create_table)
+        parsed = parse_dsn(dsn, create_table)
+        if sync is not None and sync.table != self._table:
             raise LeaseConfigError(
                 f"table={table!r} differs from the table of sync ({sync.table!r}): the two "
                 "would not exclude each other"
             )
         self._owns_sync = sync is None
-        self._sync = spec if sync is None else sync
-        assert spec._dsn is not None
-        self._dsn = spec._dsn
-        self._table = spec.table
-        self._channel = spec.channel
-        self._create_table = spec.create_table
-        self._sql = spec._sql
-        self._secrets = spec._secrets
-        self._where = spec._where
-        self._connect_kwargs = spec._connect_kwargs()
+        if sync is None:
+            sync = PostgresLockStore(
+                dsn,
+                table=table,
+                connect_timeout=connect_timeout,
+                max_connections=max_connections,
+                create_table=create_table,
+            )
+        self._sync = sync
+        self._dsn = parsed.dsn
+        self._channel = channel_for(self._table)
+        self._create_table = True if parsed.create_table is None else parsed.create_table
+        self._sql = statements(self._table)
+        self._secrets = parsed.secrets
+        self._where = parsed.where
+        self._connect_kwargs = connect_kwargs(float(connect_timeout), parsed.application_name)
         self._connect_timeout = float(connect_timeout)
         self._statement_timeout = float(statement_timeout)
         self._max_connections = max_connections
-        self._connect_failures = _ConnectFailures()
+        self._connect_failures = ConnectFailures()
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._pool: AsyncConnectionPool[Any] | None = None
         self._listener: _Listener | None = None
@@ -376,13 +377,7 @@ class AsyncPostgresLockStore:
                     continue
                 raise self._error(what, key, describe_error(exc)) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(
-                    what,
-                    key,
-                    f"{describe_error(exc)}; the store's role needs USAGE on the table's schema"
-                    " and "
-                    f"SELECT, INSERT, UPDATE on table {self._table!r}",
-                ) from exc
+                raise self._error(what, key, privilege_detail(exc, self._table)) from exc
             except psycopg.Error as exc:
                 raise self._error(what, key, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -399,58 +394,31 @@ class AsyncPostgresLockStore:
         timeout = self._statement_timeout
         try:
             return await _within(fn(conn), timeout)
-        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+        except MISSING_TABLE as exc:
             await self._make_table(what, key, conn, exc)
             return await _within(fn(conn), timeout)
 
     async def _make_table(
         self, what: str, key: str | None, conn: _AsyncConn, missing: psycopg.Error
     ) -> None:
-        ddl = f"create it with PostgresLockStore.schema_sql({self._table!r})"
-        if isinstance(missing, psycopg.errors.InvalidSchemaName):
-            raise self._error(
-                what,
-                key,
-                f"the schema of table {self._table!r} does not exist: {describe_error(missing)}; "
-                f"create the schema, then {ddl}",
-            ) from missing
-        if not self._create_table:
-            raise self._error(
-                what,
-                key,
-                f"table {self._table!r} does not exist and create_table=False: {ddl} "
-                f"({describe_error(missing)})",
-            ) from missing
+        refusal = missing_table_detail(missing, self._table, self._create_table)
+        if refusal is not None:
+            raise self._error(what, key, refusal) from missing
         try:
             await _within(conn.execute(self._sql["schema"]), self._statement_timeout)
-        except (
-            psycopg.errors.UniqueViolation,
-            psycopg.errors.DuplicateTable,
-            psycopg.errors.DuplicateObject,
-        ):
+        except CREATED_CONCURRENTLY:
             pass  # another session created it concurrently
         except psycopg.errors.InsufficientPrivilege as exc:
-            raise self._error(
-                what,
-                key,
-                f"table {self._table!r} does not exist and this role may not create it: "
-                f"{describe_error(exc)}; {ddl} as its owner, or grant CREATE on the schema",
-            ) from exc
+            raise self._error(what, key, create_denied_detail(exc, self._table)) from exc
         else:
             logger.info("celery-lease: created table %r", self._table)
 
     def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
         operation = what if key is None else f"{what} {key!r}"
-        return StoreUnavailableError(
-            mask_secrets(f"{self!r} failed to {operation}: {detail}", self._secrets)
-        )
+        return store_error(repr(self), operation, detail, self._secrets)
 
     def _no_connection(self, exc: PoolTimeout) -> str:
-        detail = f"no connection within {self._connect_timeout:g} s"
-        last = self._connect_failures.last
-        if last is not None:
-            return f"{detail}; the last attempt to connect failed: {last}"
-        return f"{detail} ({exc})"
+        return no_connection_detail(self._connect_timeout, self._connect_failures.last, exc)
 
     # The protocol ---------------------------------------------------------------------------
 
@@ -461,8 +429,7 @@ class AsyncPostgresLockStore:
 
         async def run(conn: _AsyncConn) -> int | None:
             cursor = await conn.execute(self._sql["acquire"], params)
-            row = await cursor.fetchone()
-            return None if row is None else int(row[0])
+            return token_of(await cursor.fetchone())
 
         try:
             return await self._run("acquire", key, run)

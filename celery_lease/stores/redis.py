@@ -33,13 +33,11 @@ Nothing read from Redis is ever unpickled: values are plain strings and integers
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 import redis.cluster
@@ -53,13 +51,53 @@ from redis.retry import Retry
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores._redis_fast import (
-    BUSY,
-    FastConnection,
-    fast_path_for,
-    pack_eval_head,
-    pack_head,
+from celery_lease.stores._redis_common import (
+    ACQUIRE,
+    ACQUIRE_OR_HOLDER,
+    ACQUIRE_SCRIPT,
+    DEFAULT_PREFIX,
+    FORCE_RELEASE,
+    FORCE_RELEASE_SCRIPT,
+    HELD_MARK,
+    INSPECT,
+    INSPECT_SCRIPT,
+    RELEASE,
+    RELEASE_SCRIPT,
+    RENEW,
+    RENEW_CHUNK,
+    RENEW_MANY,
+    RENEW_MANY_SCRIPT,
+    RENEW_SCRIPT,
+    REPLICA_TIMEOUT,
+    RETRIED,
+    SIGNAL_TTL_MS,
+    SOCKET_TIMEOUT,
+    TOKEN_TTL_MS,
+    Script,
+    SentinelURL,
+    blpop_slice,
+    describe_sentinel_master,
+    describe_server,
+    error_text,
+    failed,
+    glob_escape,
+    host_port,
+    int_or_none,
+    lease_info,
+    master_address,
+    no_master_message,
+    not_confirmed,
+    parse_sentinel_url,
+    redact_secrets,
+    refused,
+    secrets_among,
+    sentinel_connection_kwargs,
+    socket_timeout_of,
+    split_store_options,
+    text,
+    what,
 )
+from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LeaseInfo
 
 __all__ = [
@@ -79,167 +117,6 @@ logger = logging.getLogger("celery_lease.stores.redis")
 
 _T = TypeVar("_T")
 
-DEFAULT_PREFIX = "celery-lease:"
-"""Prefix of every key the store writes."""
-
-SOCKET_TIMEOUT = 5.0
-"""Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""
-
-REPLICA_TIMEOUT = 0.2
-"""Seconds an acquire or renewal waits (``WAIT``) for ``min_replicas`` acknowledgements."""
-
-SIGNAL_TTL_MS = 60_000
-"""Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
-
-TOKEN_TTL_MS = 7 * 24 * 3600 * 1000
-"""Milliseconds a token counter lives after the last acquire of its key (7 days).
-
-Counters of keys no longer used are dropped so Redis does not grow with every key ever locked;
-the next token is then floored by the server clock alone, far above any token of a week ago.
-"""
-
-# KEYS[1] the lease hash, KEYS[2] the token counter.
-# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
-# Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
-# lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
-# acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
-# counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
-# after a lost reply gets its lease back.
-ACQUIRE_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
-if lease[1] then
-    if lease[1] == ARGV[1] then
-        redis.call('PEXPIRE', KEYS[1], ARGV[2])
-        return lease[2]
-    end
-    return false
-end
-local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
-if floor > token then
-    token = floor
-end
-token = string.format('%d', token)
-redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return token
-"""
-
-HELD_MARK = "!"
-"""First character of an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply that names the holder (a token
-is all digits)."""
-
-# ACQUIRE_SCRIPT, but a refusal returns HELD_MARK followed by the holder's owner id instead of
-# false: a duplicate call of a unique task learns whose copy holds the key in the same round
-# trip (and atomically with the refusal). Still one scalar reply, as the fast path reads.
-ACQUIRE_OR_HOLDER_SCRIPT = ACQUIRE_SCRIPT.replace(
-    "    return false\n", f"    return '{HELD_MARK}' .. lease[1]\n", 1
-)
-assert ACQUIRE_OR_HOLDER_SCRIPT != ACQUIRE_SCRIPT
-
-# KEYS[1] the lease hash.
-# ARGV[1] the owner, ARGV[2] the ttl in ms.
-# Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0.
-RENEW_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return 1
-end
-return 0
-"""
-
-# KEYS[1..n] lease hashes (any number; on a Cluster they must share a slot).
-# ARGV[2i-1] the owner of KEYS[i], ARGV[2i] its ttl in ms.
-# Returns a list of n integers: 1 where that owner's live lease now expires ttl ms from now (set,
-# never added), 0 where the owner held no live lease. One command renews a whole batch, so
-# renewing 10,000 leases costs the client one command to pack per chunk instead of 10,000.
-RENEW_MANY_SCRIPT = """
-local renewed = {}
-for i = 1, #KEYS do
-    if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
-        redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
-        renewed[i] = 1
-    else
-        renewed[i] = 0
-    end
-end
-return renewed
-"""
-
-RENEW_CHUNK = 1000
-"""Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
-
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
-# Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
-# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease.
-RELEASE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
-    redis.call('DEL', KEYS[1], KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    return 1
-end
-return 0
-"""
-
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the signal's lifetime in ms.
-# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
-# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
-FORCE_RELEASE_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
-if not lease[1] then
-    return false
-end
-local left = redis.call('PTTL', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return {lease[1], lease[2], left}
-"""
-
-# KEYS[1] the lease hash.
-# Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
-INSPECT_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
-if not lease[1] then
-    return false
-end
-return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
-"""
-
-
-@dataclass(frozen=True)
-class _Script:
-    source: str
-    fast: tuple[int, int] | None = None
-    """``(numkeys, nargs)`` of a script the fast path runs (its reply is a scalar), else None."""
-    sha: str = field(init=False)
-    head: bytes = field(init=False)
-    """The packed ``EVALSHA <sha> <numkeys>`` start of a fast-path request (empty otherwise)."""
-    cold_head: bytes = field(init=False)
-    """The packed ``EVAL <source> <numkeys>`` start of a fast-path request (empty otherwise)."""
-
-    def __post_init__(self) -> None:
-        sha = hashlib.sha1(self.source.encode()).hexdigest()
-        object.__setattr__(self, "sha", sha)
-        object.__setattr__(self, "head", pack_head(sha, *self.fast) if self.fast else b"")
-        cold = pack_eval_head(self.source, *self.fast) if self.fast else b""
-        object.__setattr__(self, "cold_head", cold)
-
-
-_ACQUIRE = _Script(ACQUIRE_SCRIPT, fast=(2, 3))
-_ACQUIRE_OR_HOLDER = _Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
-_RENEW = _Script(RENEW_SCRIPT, fast=(1, 2))
-_RENEW_MANY = _Script(RENEW_MANY_SCRIPT)
-_RELEASE = _Script(RELEASE_SCRIPT, fast=(2, 2))
-_FORCE_RELEASE = _Script(FORCE_RELEASE_SCRIPT)
-_INSPECT = _Script(INSPECT_SCRIPT)
-
-_RETRIED = (RedisConnectionError, RedisTimeoutError)
 
 _Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
 
@@ -331,7 +208,7 @@ class RedisLockStore:
                 "redis.cluster.RedisCluster or a redis://, rediss://, unix:// or "
                 "redis+sentinel:// URL"
             )
-        self._socket_timeout = _socket_timeout(self._client)
+        self._socket_timeout = socket_timeout_of(self._client.get_connection_kwargs())
         pool = getattr(self._client, "connection_pool", None)
         self._sentinel_pool: redis.sentinel.SentinelConnectionPool | None = (
             pool
@@ -427,7 +304,7 @@ class RedisLockStore:
 
     # Calls --------------------------------------------------------------------------------------
 
-    def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA; on NOSCRIPT load the script and evaluate it again."""
         if script.head and self._fast is not None:
             reply = self._fast_eval(self._fast, script, keys, args)
@@ -442,7 +319,7 @@ class RedisLockStore:
     def _fast_eval(
         self,
         fast: FastConnection,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int],
     ) -> Any:
@@ -459,7 +336,7 @@ class RedisLockStore:
 
     def _fast_request(
         self,
-        script: _Script,
+        script: Script,
         keys: Sequence[str],
         args: Sequence[str | int],
         cold: bool = False,
@@ -478,7 +355,7 @@ class RedisLockStore:
             return None
         return self._min_replicas, max(1, round(self._replica_timeout * 1000))
 
-    def _eval_many(self, script: _Script, calls: _Calls) -> list[Any]:
+    def _eval_many(self, script: Script, calls: _Calls) -> list[Any]:
         """Many EVALSHA in one pipelined round trip (one per node on a cluster), in order.
 
         redis-py refuses EVALSHA in cluster pipelines, so on a cluster the calls are grouped by
@@ -505,7 +382,7 @@ class RedisLockStore:
                 results[index] = result
         return results
 
-    def _write(self, script: _Script, calls: _Calls) -> tuple[list[Any], int | None]:
+    def _write(self, script: Script, calls: _Calls) -> tuple[list[Any], int | None]:
         """Run write scripts on the current master: their replies and the replicas' acks.
 
         Follows a Sentinel failover first. One call without ``min_replicas`` is a plain
@@ -558,7 +435,7 @@ class RedisLockStore:
                 logger.warning(
                     "Redis store: Sentinel names %s as master of %r instead of %s:%s; "
                     "leaving the old master",
-                    _host_port({"host": address[0], "port": address[1]}),
+                    host_port({"host": address[0], "port": address[1]}),
                     pool.service_name,
                     known[0],
                     known[1],
@@ -569,36 +446,33 @@ class RedisLockStore:
         try:
             try:
                 return fn()
-            except _RETRIED as exc:
+            except RETRIED as exc:
                 logger.info(
                     "Redis store %s: retrying %s once after %s: %s",
                     self._where(),
-                    _what(operation, key),
+                    what(operation, key),
                     type(exc).__name__,
                     self._redact(str(exc)),
                 )
                 return fn()
         except RedisError as exc:
-            raise self._error(operation, key, f"failed: {type(exc).__name__}: {exc}") from exc
+            raise self._error(operation, key, failed(exc)) from exc
 
-    def _error(self, operation: str, key: str | None, text: str) -> StoreUnavailableError:
+    def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
         return StoreUnavailableError(
-            self._redact(f"Redis store {self._where()}: {_what(operation, key)} {text}")
+            self._redact(error_text(self._where(), operation, key, detail))
         )
 
     def _unconfirmed(self, operation: str, key: str | None, acks: int, after: str) -> Exception:
         return self._error(
             operation,
             key,
-            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
-            f"{self._replica_timeout * 1000:g} ms (min_replicas={self._min_replicas}; 0 accepts "
-            f"writes a failover may lose); {after}",
+            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout)} "
+            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}",
         )
 
-    def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+    def _redact(self, message: str) -> str:
+        return redact_secrets(message, self._secrets)
 
     def _where(self) -> str:
         """The store's address for messages: ``redis://host:port/db``, the Sentinel hosts,
@@ -609,30 +483,29 @@ class RedisLockStore:
             return f"Redis Cluster (nodes {', '.join(nodes)})"
         pool = client.connection_pool
         kwargs = pool.connection_kwargs
-        db = kwargs.get("db", 0)
-        if self._sentinel_pool is not None:
-            sentinels = ",".join(
-                _host_port(s.connection_pool.connection_kwargs)
-                for s in self._sentinel_pool.sentinel_manager.sentinels
+        sentinel_pool = self._sentinel_pool
+        if sentinel_pool is not None:
+            return describe_sentinel_master(
+                (
+                    s.connection_pool.connection_kwargs
+                    for s in sentinel_pool.sentinel_manager.sentinels
+                ),
+                sentinel_pool.service_name,
+                kwargs.get("db", 0),
+                sentinel_pool.master_address,
             )
-            master = self._sentinel_pool.master_address
-            known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
-            return f"redis+sentinel://{sentinels}/{self._sentinel_pool.service_name}/{db} ({known})"
-        if "path" in kwargs:
-            return f"unix://{kwargs['path']}?db={db}"
-        scheme = "rediss" if issubclass(pool.connection_class, redis.SSLConnection) else "redis"
-        return f"{scheme}://{_host_port(kwargs)}/{db}"
+        return describe_server(kwargs, ssl=issubclass(pool.connection_class, redis.SSLConnection))
 
     # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
-        return _int_or_none(self._take(_ACQUIRE, key, owner, ttl_ms))
+        return int_or_none(self._take(ACQUIRE, key, owner, ttl_ms))
 
     def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
         """:meth:`acquire`; when refused, ``(None, owner of the live lease)``, read by the same
         script (one round trip: a unique task's duplicate call needs no second one)."""
-        reply = self._take(_ACQUIRE_OR_HOLDER, key, owner, ttl_ms)
-        if _refused(reply):
+        reply = self._take(ACQUIRE_OR_HOLDER, key, owner, ttl_ms)
+        if refused(reply):
             return None, self._decode(reply)[len(HELD_MARK) :]
         return int(reply), None
 
@@ -643,7 +516,7 @@ class RedisLockStore:
             return value.decode(self._encoding, self._encoding_errors)
         return value
 
-    def _take(self, script: _Script, key: str, owner: str, ttl_ms: int) -> Any:
+    def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
         """Run an acquire ``script``; its raw reply (a token, or the script's refusal)."""
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             base = self._base(key)
@@ -653,7 +526,7 @@ class RedisLockStore:
         calls = [((self.lease_key(key), self.token_key(key)), (owner, int(ttl_ms), TOKEN_TTL_MS))]
         replies, acks = self._call("acquire", lambda: self._write(script, calls), key)
         reply = replies[0]
-        taken = reply is not None and not _refused(reply)
+        taken = reply is not None and not refused(reply)
         if taken and acks is not None and acks < self._min_replicas:
             # A failover now could lose this lease and hand the key to a second owner: give it
             # up (it is this attempt's own owner id, never anyone else's) and say why.
@@ -669,10 +542,10 @@ class RedisLockStore:
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         if self._fast is not None:
             args = (owner, int(ttl_ms))
-            call = partial(self._eval, _RENEW, (self.lease_key(key),), args)
+            call = partial(self._eval, RENEW, (self.lease_key(key),), args)
             return bool(self._call("renew", call, key))
         calls = [((self.lease_key(key),), (owner, int(ttl_ms)))]
-        replies, acks = self._call("renew", lambda: self._write(_RENEW, calls), key)
+        replies, acks = self._call("renew", lambda: self._write(RENEW, calls), key)
         renewed = bool(replies[0])
         if renewed and acks is not None and acks < self._min_replicas:
             raise self._unconfirmed(
@@ -691,7 +564,7 @@ class RedisLockStore:
         operation = f"renew {len(items)} leases"
         if isinstance(self._client, redis.cluster.RedisCluster):
             calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
-            results = self._call(operation, lambda: self._eval_many(_RENEW, calls))
+            results = self._call(operation, lambda: self._eval_many(RENEW, calls))
             return [bool(r) for r in results]
         chunks: list[tuple[Sequence[str], Sequence[str | int]]] = []
         for start in range(0, len(items), RENEW_CHUNK):
@@ -703,7 +576,7 @@ class RedisLockStore:
             chunks.append((keys, args))
         if not chunks:
             return []
-        replies, acks = self._call(operation, lambda: self._write(_RENEW_MANY, chunks))
+        replies, acks = self._call(operation, lambda: self._write(RENEW_MANY, chunks))
         results = [bool(r) for reply in replies for r in reply]
         if any(results) and acks is not None and acks < self._min_replicas:
             raise self._unconfirmed(
@@ -716,7 +589,7 @@ class RedisLockStore:
         keys = (base + ":lease", base + ":signal")
         # The reply is read before this returns: the key is free on the server before the
         # caller goes on (e.g. to publish a task's result).
-        self._call("release", partial(self._eval, _RELEASE, keys, (owner, SIGNAL_TTL_MS)), key)
+        self._call("release", partial(self._eval, RELEASE, keys, (owner, SIGNAL_TTL_MS)), key)
 
     def release_deferred(self, key: str, owner: str) -> bool:
         """Send the release of ``key`` without waiting for its reply; False when not sent.
@@ -735,7 +608,7 @@ class RedisLockStore:
             return False
         base = self._base(key)
         keys = (base + ":lease", base + ":signal")
-        request = self._fast_request(_RELEASE, keys, (owner, SIGNAL_TTL_MS), cold=True)
+        request = self._fast_request(RELEASE, keys, (owner, SIGNAL_TTL_MS), cold=True)
         return fast.send_deferred(request, partial(self._released, key, owner))
 
     def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
@@ -748,9 +621,7 @@ class RedisLockStore:
         fast = self._fast
         if fast is None:
             return False
-        request = self._fast_request(
-            _RENEW, (self.lease_key(key),), (owner, int(ttl_ms)), cold=True
-        )
+        request = self._fast_request(RENEW, (self.lease_key(key),), (owner, int(ttl_ms)), cold=True)
         return fast.send_deferred(request, partial(self._renewed, key))
 
     def _renewed(self, key: str, reply: Any) -> None:
@@ -799,7 +670,7 @@ class RedisLockStore:
             popped = self._call("poll a release of", lambda: self._client.lpop(signal), key)
             return popped is not None
         deadline = SYSTEM_CLOCK.monotonic() + timeout
-        step = _blpop_slice(self._socket_timeout)
+        step = blpop_slice(self._socket_timeout)
         while True:
             left = deadline - SYSTEM_CLOCK.monotonic()
             if left <= 0:
@@ -819,31 +690,31 @@ class RedisLockStore:
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN, all cluster nodes)."""
-        pattern = _glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
+        pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
 
         def scan() -> list[str]:
-            found = {_text(k) for k in self._client.scan_iter(match=pattern, count=1000)}
+            found = {text(k) for k in self._client.scan_iter(match=pattern, count=1000)}
             return sorted(self._user_key(k) for k in found)
 
         keys = [k for k in self._call("list leases", scan) if k.startswith(prefix) and k]
         results = self._call(
             "list leases",
-            lambda: self._eval_many(_INSPECT, [((self.lease_key(k),), ()) for k in keys]),
+            lambda: self._eval_many(INSPECT, [((self.lease_key(k),), ()) for k in keys]),
         )
-        infos = (_info(k, r, self._decode) for k, r in zip(keys, results, strict=True))
+        infos = (lease_info(k, r, self._decode) for k, r in zip(keys, results, strict=True))
         return [info for info in infos if info is not None]
 
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key``, or ``None`` when it is free."""
         keys = (self.lease_key(key),)
-        reply = self._call("read the lease", lambda: self._eval(_INSPECT, keys, ()), key)
-        return _info(key, reply, self._decode)
+        reply = self._call("read the lease", lambda: self._eval(INSPECT, keys, ()), key)
+        return lease_info(key, reply, self._decode)
 
     def last_token(self, key: str) -> int | None:
         """The last fencing token issued for ``key``, or ``None`` (counter never set, or dropped
         after 7 days without an acquire, or lost with a server restart or an eviction)."""
         token_key = self.token_key(key)
-        return _int_or_none(
+        return int_or_none(
             self._call("read the last token of", lambda: self._client.get(token_key), key)
         )
 
@@ -851,9 +722,9 @@ class RedisLockStore:
         """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""
         keys = (self.lease_key(key), self.signal_key(key))
         result = self._call(
-            "force-release", lambda: self._eval(_FORCE_RELEASE, keys, (SIGNAL_TTL_MS,)), key
+            "force-release", lambda: self._eval(FORCE_RELEASE, keys, (SIGNAL_TTL_MS,)), key
         )
-        return _info(key, result, self._decode)
+        return lease_info(key, result, self._decode)
 
     def close(self) -> None:
         """Close the client's connections if the store built the client from a URL.
@@ -878,7 +749,7 @@ class RedisLockStore:
 
 def _pipelined(
     client: redis.Redis,
-    script: _Script,
+    script: Script,
     calls: _Calls,
     wait: tuple[int, int] | None = None,
 ) -> tuple[list[Any], int | None]:
@@ -909,18 +780,6 @@ def _pipelined(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _what(operation: str, key: str | None) -> str:
-    """``acquire 'k'`` for a per-key operation, the operation alone otherwise."""
-    return operation if key is None else f"{operation} {key!r}"
-
-
-def _host_port(kwargs: dict[str, Any]) -> str:
-    host = str(kwargs.get("host", "localhost"))
-    if ":" in host:
-        host = f"[{host}]"
-    return f"{host}:{kwargs.get('port', 6379)}"
-
-
 def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:
     """Every password the client may send (master, Sentinels), to keep out of messages."""
     found: list[object] = []
@@ -932,7 +791,7 @@ def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, 
         if isinstance(pool, redis.sentinel.SentinelConnectionPool):
             for sentinel in pool.sentinel_manager.sentinels:
                 found.append(sentinel.connection_pool.connection_kwargs.get("password"))
-    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
+    return secrets_among(found)
 
 
 def _ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, int]:
@@ -944,7 +803,7 @@ def _ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str,
     """
     problems: list[str] = []
     for sentinel in list(manager.sentinels):
-        where = _host_port(sentinel.connection_pool.connection_kwargs)
+        where = host_port(sentinel.connection_pool.connection_kwargs)
         try:
             reply = sentinel.execute_command(  # type: ignore[no-untyped-call]
                 "SENTINEL GET-MASTER-ADDR-BY-NAME", service
@@ -952,159 +811,11 @@ def _ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str,
         except (RedisConnectionError, RedisTimeoutError) as exc:
             problems.append(f"{where}: {exc}")
             continue
-        if reply:
-            return _text(reply[0]), int(reply[1])
+        address = master_address(reply)
+        if address is not None:
+            return address
         problems.append(f"{where}: no such service")
-    raise redis.sentinel.MasterNotFoundError(
-        f"No master found for {service!r}: " + "; ".join(problems)
-    )
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-_HELD_MARKS = (HELD_MARK.encode(), HELD_MARK)
-
-
-def _refused(reply: bytes | str) -> bool:
-    """Whether an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply names the holder (else: a token)."""
-    return reply[:1] in _HELD_MARKS
-
-
-def _int_or_none(value: Any) -> int | None:
-    return None if value is None else int(value)
-
-
-def _info(key: str, result: Any, decode: Callable[[bytes | str], str]) -> LeaseInfo | None:
-    """A LeaseInfo from the ``{owner, token, remaining ms}`` reply of a script, or None."""
-    if not result:
-        return None
-    owner, token, left_ms = result
-    return LeaseInfo(key, decode(owner), int(token), max(0, int(left_ms)) / 1000.0)
-
-
-def _glob_escape(text: str) -> str:
-    """Escape the characters special to Redis' glob-style MATCH patterns."""
-    return "".join("\\" + c if c in "\\*?[]^" else c for c in text)
-
-
-def _blpop_slice(socket_timeout: float | None) -> float:
-    """The longest BLPOP (seconds) that still returns before the client's socket times out."""
-    if socket_timeout is None:
-        return 3600.0
-    return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
-
-
-def _socket_timeout(client: redis.Redis | redis.cluster.RedisCluster) -> float | None:
-    kwargs = client.get_connection_kwargs()
-    value = kwargs.get("socket_timeout")
-    return None if value is None else float(value)
-
-
-@dataclass(frozen=True)
-class SentinelURL:
-    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service_name: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
-    socket_timeout: float = SOCKET_TIMEOUT
-    socket_connect_timeout: float = SOCKET_TIMEOUT
-    min_replicas: int | None = None
-    replica_timeout: float | None = None
-
-
-_SENTINEL_OPTIONS = (
-    "sentinel_password",
-    "socket_timeout",
-    "socket_connect_timeout",
-    "min_replicas",
-    "replica_timeout",
-)
-
-_STORE_OPTIONS = ("min_replicas", "replica_timeout")
-"""Query options every store URL may carry; the store reads them, redis-py never sees them."""
-
-
-def parse_sentinel_url(url: str) -> SentinelURL:
-    """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
-
-    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
-    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
-    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
-    ``min_replicas`` (an integer) and ``replica_timeout`` (a duration such as ``0.2`` or
-    ``250ms``). IPv6 hosts go in brackets: ``[::1]:26379``.
-
-    Raises:
-        LeaseConfigError: naming what is wrong.
-    """
-    parts = urlsplit(url)
-    if parts.scheme.lower() != "redis+sentinel":
-        raise LeaseConfigError(f"url={url!r} is not a redis+sentinel:// URL")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
-    sentinels = tuple(_parse_host(url, item) for item in hostlist.split(","))
-    path = [unquote(p) for p in parts.path.split("/")[1:]]
-    if path and path[-1] == "":
-        path.pop()
-    if not path or not path[0] or len(path) > 2:
-        raise LeaseConfigError(
-            f"url={url!r} must name the Sentinel service as its path: "
-            "redis+sentinel://host:26379/service_name[/db]"
-        )
-    db = 0
-    if len(path) == 2:
-        if not path[1].isdigit():
-            raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
-        db = int(path[1])
-    options: dict[str, Any] = {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name == "sentinel_password":
-            options[name] = value
-        elif name == "min_replicas":
-            if not value.isdigit():
-                raise LeaseConfigError(
-                    f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
-                )
-            options[name] = int(value)
-        elif name == "replica_timeout":
-            options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
-        elif name in ("socket_timeout", "socket_connect_timeout"):
-            try:
-                options[name] = float(value)
-            except ValueError:
-                raise LeaseConfigError(
-                    f"url={url!r}: {name}={value!r} must be a number of seconds"
-                ) from None
-        else:
-            raise LeaseConfigError(
-                f"url={url!r} has an unknown option {name!r}; supported: "
-                + ", ".join(_SENTINEL_OPTIONS)
-            )
-    return SentinelURL(sentinels, path[0], db, username, password, **options)
-
-
-def _parse_host(url: str, item: str) -> tuple[str, int]:
-    if item.startswith("["):
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else rest
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise LeaseConfigError(f"url={url!r} has an empty Sentinel host in {item!r}")
-    if not port_text:
-        return host, 26379
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
-    return host, int(port_text)
+    raise redis.sentinel.MasterNotFoundError(no_master_message(service, problems))
 
 
 def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster) -> None:
@@ -1146,30 +857,6 @@ class _Sentinel(redis.sentinel.Sentinel):
         return _ask_sentinels(self, service_name)
 
 
-def _split_store_options(url: str) -> tuple[str, dict[str, object]]:
-    """``url`` without the store's own query options, and those options (raw strings)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    options: dict[str, object] = {k: v for k, v in query if k in _STORE_OPTIONS}
-    if not options:
-        return url, options
-    rest = urlencode([(k, v) for k, v in query if k not in _STORE_OPTIONS])
-    return urlunsplit(parts._replace(query=rest)), options
-
-
-def sentinel_connection_kwargs(spec: Any, retry: Any) -> dict[str, Any]:
-    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
-    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
-    kwargs: dict[str, Any] = {
-        "socket_timeout": spec.socket_timeout,
-        "socket_connect_timeout": spec.socket_connect_timeout,
-        "retry": retry,
-    }
-    if spec.sentinel_password is not None:
-        kwargs["password"] = spec.sentinel_password
-    return kwargs
-
-
 def _client_from_url(
     url: str,
 ) -> tuple[redis.Redis, redis.sentinel.Sentinel | None, dict[str, object]]:
@@ -1203,7 +890,7 @@ def _client_from_url(
             f"url={url!r} is not a Redis URL; supported: redis://, rediss://, unix://, "
             "redis+sentinel://"
         )
-    plain, options = _split_store_options(url)
+    plain, options = split_store_options(url)
     try:
         # Options in the URL's query win over these keyword arguments.
         client = redis.Redis.from_url(

@@ -1,8 +1,8 @@
 """Redis store for asyncio: :class:`AsyncRedisLockStore`, the ``redis.asyncio`` twin of
 :class:`~celery_lease.stores.redis.RedisLockStore`.
 
-It runs the SAME Lua scripts on the SAME keys as the synchronous store (both imported from
-:mod:`celery_lease.stores.redis`, never copied), so an ``async with lease(...)`` in a web
+It runs the SAME Lua scripts on the SAME keys as the synchronous store (both take them from
+:mod:`celery_lease.stores._redis_common`, never copied), so an ``async with lease(...)`` in a web
 process and a ``with lease(...)`` or a locked Celery task elsewhere exclude each other on one
 key, and the fencing tokens of a key only grow whichever side took it. :attr:`sync` is a
 :class:`~celery_lease.stores.redis.RedisLockStore` on the same server and prefix, built from the
@@ -27,36 +27,49 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-import redis
 import redis.asyncio
 import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LockStore, LoopBinding, redact_url
-from celery_lease.stores.redis import (
-    ACQUIRE_SCRIPT,
-    RELEASE_SCRIPT,
-    RENEW_SCRIPT,
+from celery_lease.stores._redis_common import (
+    ACQUIRE,
+    DEFAULT_PREFIX,
+    RELEASE,
+    RENEW,
+    RETRIED,
     SIGNAL_TTL_MS,
     SOCKET_TIMEOUT,
     TOKEN_TTL_MS,
-    RedisLockStore,
+    Script,
+    blpop_slice,
+    describe_sentinel_master,
+    describe_server,
+    error_text,
+    failed,
+    host_port,
+    master_address,
+    no_master_message,
+    not_confirmed,
     parse_sentinel_url,
+    redact_secrets,
+    secrets_among,
     sentinel_connection_kwargs,
+    socket_timeout_of,
+    split_store_options,
+    what,
 )
+from celery_lease.stores.base import LockStore, LoopBinding, redact_url
+from celery_lease.stores.redis import RedisLockStore
 
 __all__ = ["AsyncRedisLockStore"]
 
@@ -64,40 +77,14 @@ logger = logging.getLogger("celery_lease.stores.redis_async")
 
 _T = TypeVar("_T")
 
-_RETRIED = (RedisConnectionError, RedisTimeoutError)
-_STORE_OPTIONS = ("min_replicas", "replica_timeout")  # read by the sync twin, not by redis-py
 _UNDO_TIMEOUT = 5.0  # seconds a release undoing a cancelled acquire may take
 
-
-class _Script:
-    """A Lua script of the sync store and its SHA1 (for EVALSHA)."""
-
-    __slots__ = ("sha", "source")
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self.sha = hashlib.sha1(source.encode()).hexdigest()
-
-
-_ACQUIRE = _Script(ACQUIRE_SCRIPT)
-_RENEW = _Script(RENEW_SCRIPT)
-_RELEASE = _Script(RELEASE_SCRIPT)
 
 AsyncClient = redis.asyncio.Redis
 
 
 def _no_retry() -> Retry:
     return Retry(NoBackoff(), 0)
-
-
-def _without_store_options(url: str) -> str:
-    """``url`` without the query options that belong to the store (redis-py refuses them)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    kept = [(k, v) for k, v in query if k not in _STORE_OPTIONS]
-    if len(kept) == len(query):
-        return url
-    return urlunsplit(parts._replace(query=urlencode(kept)))
 
 
 class _Sentinel(redis.asyncio.sentinel.Sentinel):
@@ -107,22 +94,19 @@ class _Sentinel(redis.asyncio.sentinel.Sentinel):
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         problems: list[str] = []
         for sentinel in list(self.sentinels):
-            kwargs = sentinel.connection_pool.connection_kwargs
-            where = f"{kwargs.get('host', 'localhost')}:{kwargs.get('port', 26379)}"
+            where = host_port(sentinel.connection_pool.connection_kwargs)
             try:
                 reply = await sentinel.execute_command(  # type: ignore[no-untyped-call]
                     "SENTINEL GET-MASTER-ADDR-BY-NAME", service_name
                 )
-            except _RETRIED as exc:
+            except RETRIED as exc:
                 problems.append(f"{where}: {exc}")
                 continue
-            if reply:
-                host = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
-                return host, int(reply[1])
+            address = master_address(reply)
+            if address is not None:
+                return address
             problems.append(f"{where}: no such service")
-        raise redis.asyncio.sentinel.MasterNotFoundError(
-            f"No master found for {service_name!r}: " + "; ".join(problems)
-        )
+        raise redis.asyncio.sentinel.MasterNotFoundError(no_master_message(service_name, problems))
 
 
 def _async_client_from_url(
@@ -152,7 +136,7 @@ def _async_client_from_url(
     try:
         # Options in the URL's query win over these keyword arguments, as in the sync store.
         client = redis.asyncio.Redis.from_url(
-            _without_store_options(url),
+            split_store_options(url)[0],
             socket_timeout=SOCKET_TIMEOUT,
             socket_connect_timeout=SOCKET_TIMEOUT,
             decode_responses=False,
@@ -161,13 +145,6 @@ def _async_client_from_url(
     except ValueError as exc:
         raise LeaseConfigError(f"url={redact_url(url)!r} is not a valid Redis URL: {exc}") from exc
     return client, None
-
-
-def _blpop_slice(socket_timeout: float | None) -> float:
-    """The longest BLPOP (seconds) that still returns before the socket times out."""
-    if socket_timeout is None:
-        return 3600.0
-    return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
 
 
 class AsyncRedisLockStore:
@@ -211,7 +188,7 @@ class AsyncRedisLockStore:
         if sync is not None and not isinstance(sync, RedisLockStore):
             raise LeaseConfigError(f"sync={sync!r} must be a RedisLockStore (or None)")
         if prefix is None:
-            prefix = sync.prefix if sync is not None else "celery-lease:"
+            prefix = sync.prefix if sync is not None else DEFAULT_PREFIX
         if sync is not None and sync.prefix != prefix:
             raise LeaseConfigError(
                 f"prefix={prefix!r} differs from the prefix of sync ({sync.prefix!r}): the two "
@@ -262,9 +239,7 @@ class AsyncRedisLockStore:
                     f"({sync.replica_timeout:g} s): set it on the twin, which both use"
                 )
         self._replica_timeout = sync.replica_timeout
-        kwargs = self._client.connection_pool.connection_kwargs
-        timeout = kwargs.get("socket_timeout")
-        self._socket_timeout = None if timeout is None else float(timeout)
+        self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
 
@@ -292,7 +267,7 @@ class AsyncRedisLockStore:
 
     # Calls ----------------------------------------------------------------------------------
 
-    async def _eval(self, script: _Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+    async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA, with a WAIT pipelined after it when ``min_replicas``; on NOSCRIPT load
         the script and evaluate again. Returns ``(reply, acks or None)``."""
         client = self._client
@@ -350,29 +325,29 @@ class AsyncRedisLockStore:
         try:
             try:
                 return await fn()
-            except _RETRIED as exc:
+            except RETRIED as exc:
                 logger.info(
                     "Redis store %s: retrying %s once after %s: %s",
                     self._where(),
-                    _what(operation, key),
+                    what(operation, key),
                     type(exc).__name__,
                     self._redact(str(exc)),
                 )
                 return await fn()
         except RedisError as exc:
-            raise self._error(operation, key, f"failed: {type(exc).__name__}: {exc}") from exc
+            raise self._error(operation, key, failed(exc)) from exc
 
-    def _error(self, operation: str, key: str | None, text: str) -> StoreUnavailableError:
+    def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
         return StoreUnavailableError(
-            self._redact(f"Redis store {self._where()}: {_what(operation, key)} {text}")
+            self._redact(error_text(self._where(), operation, key, detail))
         )
 
     def _unconfirmed(self, operation: str, key: str, acks: int, after: str) -> Exception:
         return self._error(
             operation,
             key,
-            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
-            f"{self._replica_timeout * 1000:g} ms (min_replicas={self._min_replicas}); {after}",
+            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout)} "
+            f"(min_replicas={self._min_replicas}); {after}",
         )
 
     def _collect_secrets(self) -> tuple[str, ...]:
@@ -380,34 +355,25 @@ class AsyncRedisLockStore:
         if self._sentinel is not None:
             for sentinel in self._sentinel.sentinels:
                 found.append(sentinel.connection_pool.connection_kwargs.get("password"))
-        return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
+        return secrets_among(found)
 
-    def _redact(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return redact_url(text) if "://" in text else text
+    def _redact(self, message: str) -> str:
+        message = redact_secrets(message, self._secrets)
+        return redact_url(message) if "://" in message else message
 
     def _where(self) -> str:
         """``redis://host:port/db`` (or the Sentinel hosts and service, or the socket path)."""
         pool = self._client.connection_pool
         kwargs = pool.connection_kwargs
-        db = kwargs.get("db", 0)
         if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
-            sentinels = ",".join(
-                f"{s.connection_pool.connection_kwargs.get('host')}:"
-                f"{s.connection_pool.connection_kwargs.get('port')}"
-                for s in pool.sentinel_manager.sentinels
+            return describe_sentinel_master(
+                (s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels),
+                pool.service_name,
+                kwargs.get("db", 0),
+                pool.master_address,
             )
-            master = pool.master_address
-            known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
-            return f"redis+sentinel://{sentinels}/{pool.service_name}/{db} ({known})"
-        if "path" in kwargs:
-            return f"unix://{kwargs['path']}?db={db}"
         ssl = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
-        host = str(kwargs.get("host", "localhost"))
-        if ":" in host:
-            host = f"[{host}]"
-        return f"{'rediss' if ssl else 'redis'}://{host}:{kwargs.get('port', 6379)}/{db}"
+        return describe_server(kwargs, ssl=ssl)
 
     # Protocol -------------------------------------------------------------------------------
 
@@ -420,7 +386,7 @@ class AsyncRedisLockStore:
 
         async def run() -> tuple[Any, int | None]:
             await self._follow_master()
-            reply: tuple[Any, int | None] = await self._eval(_ACQUIRE, keys, args)
+            reply: tuple[Any, int | None] = await self._eval(ACQUIRE, keys, args)
             return reply
 
         # Shielded: a cancel must not cut the command off in flight (redis-py would drop the
@@ -477,7 +443,7 @@ class AsyncRedisLockStore:
 
         async def undo() -> None:
             await self._call(
-                "release", lambda: self._eval(_RELEASE, keys, (owner, SIGNAL_TTL_MS)), key
+                "release", lambda: self._eval(RELEASE, keys, (owner, SIGNAL_TTL_MS)), key
             )
 
         task = asyncio.ensure_future(asyncio.wait_for(undo(), _UNDO_TIMEOUT))
@@ -503,7 +469,7 @@ class AsyncRedisLockStore:
 
         async def run() -> tuple[Any, int | None]:
             await self._follow_master()
-            reply: tuple[Any, int | None] = await self._eval(_RENEW, keys, args)
+            reply: tuple[Any, int | None] = await self._eval(RENEW, keys, args)
             return reply
 
         reply, acks = await self._call("renew", run, key)
@@ -523,10 +489,10 @@ class AsyncRedisLockStore:
         async def run() -> Any:
             # No WAIT: a release a failover loses lets the lease expire within its ttl.
             try:
-                return await client.evalsha(_RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
+                return await client.evalsha(RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
             except NoScriptError:
-                await client.script_load(_RELEASE.source)
-                return await client.evalsha(_RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
+                await client.script_load(RELEASE.source)
+                return await client.evalsha(RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
 
         await self._call("release", run, key)
 
@@ -541,7 +507,7 @@ class AsyncRedisLockStore:
             popped = await self._call("poll a release of", lambda: client.lpop(signal), key)
             return popped is not None
         deadline = time.monotonic() + timeout
-        step = _blpop_slice(self._socket_timeout)
+        step = blpop_slice(self._socket_timeout)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -568,7 +534,3 @@ class AsyncRedisLockStore:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
-
-
-def _what(operation: str, key: str | None) -> str:
-    return operation if key is None else f"{operation} {key!r}"

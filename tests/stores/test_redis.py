@@ -32,8 +32,6 @@ from celery_lease.stores.redis import (
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     RedisLockStore,
-    SentinelURL,
-    parse_sentinel_url,
 )
 from tests.fixtures_redis import RedisServer, SentinelGroup
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
@@ -882,54 +880,6 @@ class TestConnections:
             ("s1", 26379, "sp"),
             ("s2", 26380, "sp"),
         ]
-
-    @pytest.mark.parametrize(
-        ("url", "expected"),
-        [
-            (
-                "redis+sentinel://s1:26379,s2:26380/mymaster",
-                SentinelURL((("s1", 26379), ("s2", 26380)), "mymaster"),
-            ),
-            (
-                "redis+sentinel://user:p%3Aw@s1,[::1]:26381/svc/4?sentinel_password=x&socket_timeout=2",
-                SentinelURL(
-                    (("s1", 26379), ("::1", 26381)),
-                    "svc",
-                    db=4,
-                    username="user",
-                    password="p:w",
-                    sentinel_password="x",
-                    socket_timeout=2.0,
-                ),
-            ),
-            (
-                "redis+sentinel://:only-password@s1:26379/svc/",
-                SentinelURL((("s1", 26379),), "svc", password="only-password"),
-            ),
-        ],
-    )
-    def test_sentinel_url_parsing(self, url: str, expected: SentinelURL) -> None:
-        """Hosts, ports (default 26379), credentials, service, db and options are parsed."""
-        assert parse_sentinel_url(url) == expected
-
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "redis+sentinel://s1:26379",
-            "redis+sentinel://s1:26379/",
-            "redis+sentinel://s1:26379/svc/notadb",
-            "redis+sentinel://s1:26379/svc/1/extra",
-            "redis+sentinel://s1:port/svc",
-            "redis+sentinel://s1,,s2/svc",
-            "redis+sentinel://s1/svc?sentinel_pasword=typo",
-            "redis+sentinel://s1/svc?socket_timeout=soon",
-            "redis://s1/svc",
-        ],
-    )
-    def test_bad_sentinel_urls_are_refused(self, url: str) -> None:
-        """Malformed Sentinel URLs raise LeaseConfigError naming the URL."""
-        with pytest.raises(LeaseConfigError, match="url="):
-            parse_sentinel_url(url)
 
     @pytest.mark.parametrize("prefix", ["", "{app}:", "a}b", 3])
     def test_bad_prefixes_are_refused(self, prefix: object) -> None:

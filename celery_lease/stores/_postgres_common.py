@@ -1,0 +1,523 @@
+"""What the PostgreSQL store and its asyncio twin share: the table, the SQL, the DSN, the errors.
+
+:class:`~celery_lease.stores.postgres.PostgresLockStore` (psycopg ``Connection``) and
+:class:`~celery_lease.stores.postgres_async.AsyncPostgresLockStore` (``AsyncConnection``) run the
+same statements on the same table, so sync and async holders of a key exclude each other and its
+fencing tokens only grow. Everything they must agree on lives here, once: the schema and every
+statement (:func:`statements`, rendered for a validated table name), the ``NOTIFY`` channel of a
+table, how a DSN or store URL is read (``?create_table=``, passwords kept out of every message),
+the options both validate, how a row becomes a lease, and how a driver error is described. The
+two stores only differ in how they wait for the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, unquote_plus
+
+import psycopg
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores.base import LeaseInfo, redact_url
+
+__all__ = [
+    "CREATED_CONCURRENTLY",
+    "DEFAULT_TABLE",
+    "MISSING_TABLE",
+    "SCHEMA_SQL",
+    "ConnectFailures",
+    "ParsedDSN",
+    "channel_for",
+    "check_options",
+    "check_seconds",
+    "connect_kwargs",
+    "create_denied_detail",
+    "describe_error",
+    "lease_info",
+    "mask_secrets",
+    "missing_table_detail",
+    "no_connection_detail",
+    "parse_dsn",
+    "privilege_detail",
+    "schema_sql",
+    "statements",
+    "store_error",
+    "target",
+    "token_of",
+]
+
+DEFAULT_TABLE = "celery_lease"
+
+# One or two dot-separated parts ("table" or "schema.table"), each a plain identifier.
+_TABLE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,62}(?:\.[A-Za-z_][A-Za-z0-9_]{0,62})?")
+_MAX_CHANNEL = 63  # PostgreSQL's NAMEDATALEN - 1: pg_notify refuses longer channel names
+
+_SCHEMA_TEMPLATE = """\
+CREATE TABLE IF NOT EXISTS {table} (
+    key text COLLATE "C" PRIMARY KEY,
+    owner text NULL,
+    expires timestamptz NOT NULL,
+    token bigint NOT NULL
+)"""
+
+# The server's clock in whole microseconds since the epoch: the floor of every new token.
+_NOW_US = "(extract(epoch FROM clock_timestamp()) * 1000000)::bigint"
+
+# Params: key, owner, ttl_ms. Returns one row (token) when taken, or already held by this owner
+# (then its token is kept and its expiry set to now + ttl); no row when another owner's lease is
+# live. (In SET, t.* are the old values.)
+_ACQUIRE = f"""\
+INSERT INTO {{table}} AS t (key, owner, expires, token)
+VALUES (%(key)s, %(owner)s, clock_timestamp() + %(ttl_ms)s * interval '1 millisecond', {_NOW_US})
+ON CONFLICT (key) DO UPDATE
+    SET owner = EXCLUDED.owner,
+        expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond',
+        token = CASE WHEN t.owner = EXCLUDED.owner AND t.expires > clock_timestamp()
+                     THEN t.token
+                     ELSE GREATEST(t.token + 1, {_NOW_US}) END
+    WHERE t.owner IS NULL OR t.owner = EXCLUDED.owner OR t.expires <= clock_timestamp()
+RETURNING t.token"""
+
+# Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
+_RENEW = """\
+UPDATE {table}
+SET expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond'
+WHERE key = %(key)s AND owner = %(owner)s AND expires > clock_timestamp()"""
+
+# Params: keys, owners, ttls (three parallel arrays). Returns the (key, owner) pairs renewed.
+_RENEW_MANY = """\
+UPDATE {table} AS t
+SET expires = clock_timestamp() + b.ttl_ms * interval '1 millisecond'
+FROM unnest(%(keys)s::text[], %(owners)s::text[], %(ttls)s::bigint[]) AS b(key, owner, ttl_ms)
+WHERE t.key = b.key AND t.owner = b.owner AND t.expires > clock_timestamp()
+RETURNING t.key, t.owner"""
+
+# Params: key, owner, channel. Clears owner (the row and its counter stay) and notifies the
+# channel with the key as payload, in one statement; returns one row when something was released.
+_RELEASE = """\
+WITH released AS (
+    UPDATE {table} SET owner = NULL
+    WHERE key = %(key)s AND owner = %(owner)s
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, key) FROM released"""
+
+# Params: key, channel. Returns (key, owner, token, expires_in seconds) of the lease removed.
+_FORCE_RELEASE = """\
+WITH live AS (
+    SELECT key, owner, token, expires FROM {table}
+    WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()
+    FOR UPDATE
+), released AS (
+    UPDATE {table} AS t SET owner = NULL FROM live WHERE t.key = live.key
+    RETURNING live.key, live.owner, live.token, live.expires
+)
+SELECT key, owner, token,
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8,
+       pg_notify(%(channel)s, key)
+FROM released"""
+
+# Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
+_GET = """\
+SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {table}
+WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()"""
+
+# Params: pattern (a LIKE prefix pattern, escaped). Live leases, in key ("C", byte) order.
+_LIST = """\
+SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {table}
+WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
+ORDER BY key"""
+
+# Params: key. Returns the last token issued for the key, live or not.
+_LAST_TOKEN = "SELECT token FROM {table} WHERE key = %(key)s"
+
+
+def validate_table(table: object) -> str:
+    if not isinstance(table, str) or not _TABLE_RE.fullmatch(table):
+        raise LeaseConfigError(
+            f"table={table!r} must be an identifier (letters, digits, _; not starting with a "
+            "digit; at most 63 characters), optionally schema-qualified as schema.table"
+        )
+    return table
+
+
+def _table_identifier(table: str) -> sql.Identifier:
+    return sql.Identifier(*table.split("."))
+
+
+def _render(template: str, table: str) -> bytes:
+    """A statement with the table name quoted in, rendered once (no connection needed)."""
+    ident = _table_identifier(table)
+    return sql.SQL(template).format(table=ident).as_bytes(None)
+
+
+_TEMPLATES = (
+    ("acquire", _ACQUIRE),
+    ("renew", _RENEW),
+    ("renew_many", _RENEW_MANY),
+    ("release", _RELEASE),
+    ("force_release", _FORCE_RELEASE),
+    ("get", _GET),
+    ("list", _LIST),
+    ("last_token", _LAST_TOKEN),
+    ("schema", _SCHEMA_TEMPLATE),
+)
+
+
+def statements(table: str) -> dict[str, bytes]:
+    """Every statement of the store, rendered for ``table`` (already validated), by name.
+
+    Names: ``acquire``, ``renew``, ``renew_many``, ``release``, ``force_release``, ``get``,
+    ``list``, ``last_token``, ``schema``. The one source of the store's SQL: the sync store and
+    its asyncio twin (:mod:`celery_lease.stores.postgres_async`) both run these, so they share
+    one table and exclude each other.
+    """
+    return {name: _render(template, table) for name, template in _TEMPLATES}
+
+
+def channel_for(table: str) -> str:
+    """The NOTIFY channel of a table: readable when short enough, hashed otherwise."""
+    channel = f"celery_lease:{table}"
+    if len(channel) > _MAX_CHANNEL:
+        channel = "celery_lease:" + hashlib.sha256(table.encode()).hexdigest()[:32]
+    return channel
+
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+_URL_OPTION = "create_table"  # the one query parameter of a store URL that is ours, not libpq's
+
+
+def _take_url_option(dsn: str) -> tuple[str, bool | None]:
+    """``dsn`` without ``?create_table=...``, and its value (None when absent).
+
+    Only URLs carry it (``key=value`` DSNs go to libpq as they are). The other query parameters
+    are kept byte for byte.
+
+    Raises:
+        LeaseConfigError: for a value other than true/false, 1/0, yes/no, on/off, or a repeat.
+    """
+    if "://" not in dsn or "?" not in dsn:
+        return dsn, None
+    base, _, rest = dsn.partition("?")
+    query, hash_, fragment = rest.partition("#")
+    kept, values = [], []
+    for part in query.split("&"):
+        name, _, value = part.partition("=")
+        if unquote_plus(name) == _URL_OPTION:
+            values.append(unquote_plus(value))
+        else:
+            kept.append(part)
+    if not values:
+        return dsn, None
+    if len(values) > 1:
+        raise LeaseConfigError(
+            f"the store URL gives {_URL_OPTION}= {len(values)} times: give it once"
+        )
+    value = values[0].strip().lower()
+    if value not in _TRUE | _FALSE:
+        raise LeaseConfigError(
+            f"{_URL_OPTION}={values[0]!r} in the store URL must be true or false "
+            "(or 1/0, yes/no, on/off)"
+        )
+    query = "&".join(kept)
+    return base + ("?" + query if query else "") + hash_ + fragment, value in _TRUE
+
+
+def _refuse_split_userinfo(dsn: str) -> None:
+    """Refuse a URL whose password holds an unencoded ``@`` or ``/``.
+
+    libpq ends the userinfo at the first ``@`` and the host at the first ``/``: with
+    ``user:p@ss@host`` the host becomes ``ss@host``, with ``user:p/ss@host`` the host becomes
+    ``user`` and the database ``ss@host/...``; pieces of the password then appear in the store's
+    repr and in every error message (and the connection goes elsewhere).
+
+    Raises:
+        LeaseConfigError: naming the problem, with the password masked.
+    """
+    if "://" not in dsn:
+        return
+    rest = dsn.split("://", 1)[1].split("?", 1)[0]
+    slash = rest.find("/")
+    authority, path = (rest, "") if slash < 0 else (rest[:slash], rest[slash:])
+    if authority.count("@") > 1 or ("@" in path and ":" in authority and "@" not in authority):
+        raise LeaseConfigError(
+            f"the store URL {redact_url(dsn)!r} has an '@' or '/' in its user or password part: "
+            "percent-encode them ('@' as %40, '/' as %2F, ':' as %3A)"
+        )
+
+
+def _secrets_of(dsn: str, password: str | None) -> tuple[str, ...]:
+    """Every form of the DSN's password that could appear in a message (raw, decoded)."""
+    found = {password} if password else set()
+    if "://" in dsn:
+        rest = dsn.split("://", 1)[1]
+        userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
+        if ":" in userinfo:
+            raw = userinfo.split(":", 1)[1]
+            found |= {raw, unquote(raw)}
+    return tuple(sorted((f for f in found if f), key=len, reverse=True))
+
+
+def mask_secrets(text: str, secrets: Sequence[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _mask_parse_error(message: str, dsn: str) -> str:
+    """libpq's message about a DSN it could not parse, with no piece of the password in it.
+
+    libpq quotes the token it stopped at, or the whole URL: a quoted piece is kept when it is
+    part of the DSN with its password masked (an option name, say), masked itself when it is a
+    URL, and replaced by ``***`` otherwise (it may be a piece of the password).
+    """
+    masked_dsn = redact_url(dsn)
+    if masked_dsn == dsn:
+        return message  # no password in it
+
+    def piece(match: re.Match[str]) -> str:
+        quoted = match.group(1)
+        if quoted and quoted in masked_dsn:
+            return match.group(0)
+        redacted = redact_url(quoted)
+        return f'"{redacted}"' if redacted != quoted else '"***"'
+
+    return _QUOTED.sub(piece, message)
+
+
+def describe_error(exc: BaseException) -> str:
+    """The server's (or libpq's) own message, on one line, with its SQLSTATE when it has one."""
+    text = ""
+    sqlstate = None
+    if isinstance(exc, psycopg.Error):
+        sqlstate = exc.sqlstate
+        if sqlstate:
+            text = exc.diag.message_primary or ""
+    text = " ".join((text or str(exc)).split()) or type(exc).__name__
+    return f"{text} (SQLSTATE {sqlstate})" if sqlstate else text
+
+
+class ConnectFailures:
+    """The last failure of the store's own pool to connect (None after a success)."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+
+
+def target(params: dict[str, Any]) -> str:
+    """``host=..., port=..., dbname=...`` of libpq parameters (the password is never shown)."""
+    port = params.get("port")
+    if isinstance(port, str) and port.isdigit():
+        port = int(port)
+    return f"host={params.get('host')!r}, port={port!r}, dbname={params.get('dbname')!r}"
+
+
+SCHEMA_SQL: str = sql.SQL(_SCHEMA_TEMPLATE).format(table=sql.Identifier(DEFAULT_TABLE)).as_string()
+"""The ``CREATE TABLE IF NOT EXISTS`` statement for the default table ``celery_lease``."""
+
+
+def schema_sql(table: str = DEFAULT_TABLE) -> str:
+    """The ``CREATE TABLE IF NOT EXISTS`` statement for ``table`` (validated and quoted).
+
+    Raises:
+        LeaseConfigError: for a bad ``table``.
+    """
+    ident = _table_identifier(validate_table(table))
+    return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
+
+
+# Options and DSNs -------------------------------------------------------------------------------
+
+
+def check_options(
+    table: object, connect_timeout: object, max_connections: object, create_table: object
+) -> str:
+    """Validate the options both stores take; returns the table name.
+
+    Raises:
+        LeaseConfigError: naming the first bad option (table, create_table, connect_timeout,
+            max_connections, in that order).
+    """
+    valid_table = validate_table(table)
+    if create_table is not None and not isinstance(create_table, bool):
+        raise LeaseConfigError(
+            f"create_table={create_table!r} must be True or False (or None: the URL's "
+            "?create_table=, else True)"
+        )
+    check_seconds("connect_timeout", connect_timeout)
+    if (
+        isinstance(max_connections, bool)
+        or not isinstance(max_connections, int)
+        or max_connections < 1
+    ):
+        raise LeaseConfigError(f"max_connections={max_connections!r} must be an int >= 1")
+    return valid_table
+
+
+def check_seconds(name: str, value: object) -> None:
+    """Refuse a timeout that is not a number of seconds > 0 (a bool is not a number here).
+
+    Raises:
+        LeaseConfigError: naming the option.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LeaseConfigError(f"{name}={value!r} must be a number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class ParsedDSN:
+    """A store's DSN or URL, read once (see :func:`parse_dsn`)."""
+
+    dsn: str
+    """What libpq is given: the DSN without the store's ``?create_table=``."""
+    create_table: bool | None
+    """The ``create_table`` keyword, else the URL's ``?create_table=``; None when neither."""
+    secrets: tuple[str, ...]
+    """Every form of the password that could appear in a message, to be masked."""
+    where: str
+    """``host=..., port=..., dbname=...`` for messages (never the password)."""
+    application_name: bool
+    """Whether the store names its connections (the DSN does not set ``application_name``)."""
+
+
+def parse_dsn(dsn: str, create_table: bool | None) -> ParsedDSN:
+    """Read a libpq DSN or URL as both stores do, with the ``create_table`` keyword.
+
+    Raises:
+        LeaseConfigError: for a DSN libpq cannot parse (its message with the password masked),
+            a password with an unencoded ``@`` or ``/``, or a ``?create_table=`` that is not a
+            boolean, repeated or contradicts the keyword.
+    """
+    plain, from_url = _take_url_option(dsn)
+    if from_url is not None and create_table is not None and from_url != create_table:
+        raise LeaseConfigError(
+            f"create_table={create_table!r} contradicts ?create_table= in the store "
+            "URL: give one of them"
+        )
+    _refuse_split_userinfo(plain)
+    try:
+        params = conninfo_to_dict(plain)
+    except psycopg.ProgrammingError as exc:
+        hint = ""
+        if _URL_OPTION in str(exc):
+            hint = " (create_table goes in a URL's query or the create_table= keyword)"
+        raise LeaseConfigError(
+            "dsn_or_pool is not a valid PostgreSQL DSN or URL: "
+            f"{_mask_parse_error(str(exc), plain)}{hint}"
+        ) from None
+    return ParsedDSN(
+        dsn=plain,
+        create_table=from_url if create_table is None else create_table,
+        secrets=_secrets_of(plain, str(params.get("password") or "")),
+        where=target(params),
+        application_name="application_name" not in params,
+    )
+
+
+def connect_kwargs(connect_timeout: float, application_name: bool) -> dict[str, Any]:
+    """The keywords of a store's own connections: autocommit, libpq's ``connect_timeout``
+    (whole seconds, at least 1) and, unless the DSN names them, ``application_name``."""
+    kwargs: dict[str, Any] = {
+        "autocommit": True,
+        "connect_timeout": max(1, round(connect_timeout)),
+    }
+    if application_name:
+        kwargs["application_name"] = "celery-lease"
+    return kwargs
+
+
+# Rows -------------------------------------------------------------------------------------------
+
+
+def lease_info(row: Sequence[Any]) -> LeaseInfo:
+    """A LeaseInfo from a ``(key, owner, token, expires_in seconds)`` row."""
+    return LeaseInfo(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
+
+
+def token_of(row: Sequence[Any] | None) -> int | None:
+    """The token of an acquire's ``RETURNING`` row; None when no row came (refused)."""
+    return None if row is None else int(row[0])
+
+
+# Errors -----------------------------------------------------------------------------------------
+
+MISSING_TABLE = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+"""Errors of a statement that found no table (or no schema): create it, or say how to."""
+
+CREATED_CONCURRENTLY = (
+    psycopg.errors.UniqueViolation,
+    psycopg.errors.DuplicateTable,
+    psycopg.errors.DuplicateObject,
+)
+"""Errors of a ``CREATE TABLE IF NOT EXISTS`` that lost the race to another session: IF NOT
+EXISTS is not atomic, and the loser fails on the table's row type or name instead."""
+
+
+def store_error(
+    store: str, operation: str, detail: str, secrets: Sequence[str]
+) -> StoreUnavailableError:
+    """``<store> failed to <operation>: <detail>``, with every password masked."""
+    return StoreUnavailableError(mask_secrets(f"{store} failed to {operation}: {detail}", secrets))
+
+
+def no_connection_detail(
+    connect_timeout: float, last_failure: str | None, exc: BaseException
+) -> str:
+    """What a store says when no connection came within ``connect_timeout``: why the last
+    attempt to connect failed, when it knows."""
+    detail = f"no connection within {connect_timeout:g} s"
+    if last_failure is not None:
+        return f"{detail}; the last attempt to connect failed: {last_failure}"
+    return f"{detail} ({exc})"
+
+
+def privilege_detail(exc: BaseException, table: str) -> str:
+    """A statement refused for lack of privileges, with the grants the store's role needs."""
+    return (
+        f"{describe_error(exc)}; the store's role needs USAGE on the table's schema and "
+        f"SELECT, INSERT, UPDATE on table {table!r}"
+    )
+
+
+def _ddl_hint(table: str) -> str:
+    return f"create it with PostgresLockStore.schema_sql({table!r})"
+
+
+def missing_table_detail(missing: psycopg.Error, table: str, create_table: bool) -> str | None:
+    """Why a missing table cannot be created by the store (its schema is missing too, or
+    ``create_table=False``) and how to create it; None when the store may create it."""
+    ddl = _ddl_hint(table)
+    if isinstance(missing, psycopg.errors.InvalidSchemaName):
+        return (
+            f"the schema of table {table!r} does not exist: {describe_error(missing)}; "
+            f"create the schema, then {ddl}"
+        )
+    if not create_table:
+        return (
+            f"table {table!r} does not exist and create_table=False: {ddl} "
+            f"({describe_error(missing)})"
+        )
+    return None
+
+
+def create_denied_detail(exc: BaseException, table: str) -> str:
+    """The store's role may not create its missing table: what to do instead."""
+    return (
+        f"table {table!r} does not exist and this role may not create it: "
+        f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on the schema"
+    )

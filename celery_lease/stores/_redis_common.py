@@ -1,0 +1,502 @@
+"""What the Redis store and its asyncio twin share: Lua scripts, URL forms, replies, messages.
+
+:class:`~celery_lease.stores.redis.RedisLockStore` (redis-py) and
+:class:`~celery_lease.stores.redis_async.AsyncRedisLockStore` (``redis.asyncio``) run the same
+scripts on the same keys, so sync and async holders of a key exclude each other and its fencing
+tokens only grow whichever side took it. Everything they must agree on lives here, once: the
+scripts (each headed by what its KEYS, ARGV and reply mean) and their SHA1s, the key lifetimes,
+the ``redis+sentinel://`` URL form and the store's own query options, how a script's reply is
+decoded, and how a failure is described (never with a password in it). The two stores only
+differ in how they wait for the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from celery_lease.durations import to_seconds
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores._redis_fast import pack_eval_head, pack_head
+from celery_lease.stores.base import LeaseInfo
+
+__all__ = [
+    "ACQUIRE",
+    "ACQUIRE_OR_HOLDER",
+    "ACQUIRE_OR_HOLDER_SCRIPT",
+    "ACQUIRE_SCRIPT",
+    "DEFAULT_PREFIX",
+    "FORCE_RELEASE",
+    "FORCE_RELEASE_SCRIPT",
+    "HELD_MARK",
+    "INSPECT",
+    "INSPECT_SCRIPT",
+    "RELEASE",
+    "RELEASE_SCRIPT",
+    "RENEW",
+    "RENEW_CHUNK",
+    "RENEW_MANY",
+    "RENEW_MANY_SCRIPT",
+    "RENEW_SCRIPT",
+    "REPLICA_TIMEOUT",
+    "RETRIED",
+    "SIGNAL_TTL_MS",
+    "SOCKET_TIMEOUT",
+    "STORE_OPTIONS",
+    "TOKEN_TTL_MS",
+    "Script",
+    "SentinelURL",
+    "blpop_slice",
+    "describe_sentinel_master",
+    "describe_server",
+    "error_text",
+    "failed",
+    "glob_escape",
+    "host_port",
+    "int_or_none",
+    "lease_info",
+    "master_address",
+    "no_master_message",
+    "not_confirmed",
+    "parse_sentinel_url",
+    "redact_secrets",
+    "refused",
+    "secrets_among",
+    "sentinel_connection_kwargs",
+    "socket_timeout_of",
+    "split_store_options",
+    "text",
+    "what",
+]
+
+DEFAULT_PREFIX = "celery-lease:"
+"""Prefix of every key the store writes."""
+
+SOCKET_TIMEOUT = 5.0
+"""Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""
+
+REPLICA_TIMEOUT = 0.2
+"""Seconds an acquire or renewal waits (``WAIT``) for ``min_replicas`` acknowledgements."""
+
+SIGNAL_TTL_MS = 60_000
+"""Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
+
+TOKEN_TTL_MS = 7 * 24 * 3600 * 1000
+"""Milliseconds a token counter lives after the last acquire of its key (7 days).
+
+Counters of keys no longer used are dropped so Redis does not grow with every key ever locked;
+the next token is then floored by the server clock alone, far above any token of a week ago.
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the token counter.
+# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
+# Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
+# lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
+# acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
+# counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
+# after a lost reply gets its lease back.
+ACQUIRE_SCRIPT = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if lease[1] then
+    if lease[1] == ARGV[1] then
+        redis.call('PEXPIRE', KEYS[1], ARGV[2])
+        return lease[2]
+    end
+    return false
+end
+local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+if floor > token then
+    token = floor
+end
+token = string.format('%d', token)
+redis.call('SET', KEYS[2], token, 'PX', ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return token
+"""
+
+HELD_MARK = "!"
+"""First character of an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply that names the holder (a token
+is all digits)."""
+
+# ACQUIRE_SCRIPT, but a refusal returns HELD_MARK followed by the holder's owner id instead of
+# false: a duplicate call of a unique task learns whose copy holds the key in the same round
+# trip (and atomically with the refusal). Still one scalar reply, as the fast path reads.
+ACQUIRE_OR_HOLDER_SCRIPT = ACQUIRE_SCRIPT.replace(
+    "    return false\n", f"    return '{HELD_MARK}' .. lease[1]\n", 1
+)
+assert ACQUIRE_OR_HOLDER_SCRIPT != ACQUIRE_SCRIPT
+
+# KEYS[1] the lease hash.
+# ARGV[1] the owner, ARGV[2] the ttl in ms.
+# Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0.
+RENEW_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return 1
+end
+return 0
+"""
+
+# KEYS[1..n] lease hashes (any number; on a Cluster they must share a slot).
+# ARGV[2i-1] the owner of KEYS[i], ARGV[2i] its ttl in ms.
+# Returns a list of n integers: 1 where that owner's live lease now expires ttl ms from now (set,
+# never added), 0 where the owner held no live lease. One command renews a whole batch, so
+# renewing 10,000 leases costs the client one command to pack per chunk instead of 10,000.
+RENEW_MANY_SCRIPT = """
+local renewed = {}
+for i = 1, #KEYS do
+    if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
+        redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
+        renewed[i] = 1
+    else
+        renewed[i] = 0
+    end
+end
+return renewed
+"""
+
+RENEW_CHUNK = 1000
+"""Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
+# Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
+# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease.
+RELEASE_SCRIPT = """
+if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+    redis.call('DEL', KEYS[1], KEYS[2])
+    redis.call('RPUSH', KEYS[2], '1')
+    redis.call('PEXPIRE', KEYS[2], ARGV[2])
+    return 1
+end
+return 0
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the signal's lifetime in ms.
+# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
+# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
+FORCE_RELEASE_SCRIPT = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if not lease[1] then
+    return false
+end
+local left = redis.call('PTTL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('RPUSH', KEYS[2], '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+return {lease[1], lease[2], left}
+"""
+
+# KEYS[1] the lease hash.
+# Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
+INSPECT_SCRIPT = """
+local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if not lease[1] then
+    return false
+end
+return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
+"""
+
+
+@dataclass(frozen=True)
+class Script:
+    """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
+
+    source: str
+    fast: tuple[int, int] | None = None
+    """``(numkeys, nargs)`` of a script the fast path runs (its reply is a scalar), else None."""
+    sha: str = field(init=False)
+    head: bytes = field(init=False)
+    """The packed ``EVALSHA <sha> <numkeys>`` start of a fast-path request (empty otherwise)."""
+    cold_head: bytes = field(init=False)
+    """The packed ``EVAL <source> <numkeys>`` start of a fast-path request (empty otherwise)."""
+
+    def __post_init__(self) -> None:
+        sha = hashlib.sha1(self.source.encode()).hexdigest()
+        object.__setattr__(self, "sha", sha)
+        object.__setattr__(self, "head", pack_head(sha, *self.fast) if self.fast else b"")
+        cold = pack_eval_head(self.source, *self.fast) if self.fast else b""
+        object.__setattr__(self, "cold_head", cold)
+
+
+ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
+ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
+RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
+RENEW_MANY = Script(RENEW_MANY_SCRIPT)
+RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
+FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
+INSPECT = Script(INSPECT_SCRIPT)
+
+RETRIED = (RedisConnectionError, RedisTimeoutError)
+"""The driver errors a store call is retried once after (a dropped connection, a lost reply):
+every script is safe to run twice."""
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    socket_timeout: float = SOCKET_TIMEOUT
+    socket_connect_timeout: float = SOCKET_TIMEOUT
+    min_replicas: int | None = None
+    replica_timeout: float | None = None
+
+
+_SENTINEL_OPTIONS = (
+    "sentinel_password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "min_replicas",
+    "replica_timeout",
+)
+
+STORE_OPTIONS = ("min_replicas", "replica_timeout")
+"""Query options every store URL may carry; the store reads them, redis-py never sees them."""
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
+
+    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
+    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
+    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
+    ``min_replicas`` (an integer) and ``replica_timeout`` (a duration such as ``0.2`` or
+    ``250ms``). IPv6 hosts go in brackets: ``[::1]:26379``.
+
+    Raises:
+        LeaseConfigError: naming what is wrong.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "redis+sentinel":
+        raise LeaseConfigError(f"url={url!r} is not a redis+sentinel:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels = tuple(_parse_host(url, item) for item in hostlist.split(","))
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if path and path[-1] == "":
+        path.pop()
+    if not path or not path[0] or len(path) > 2:
+        raise LeaseConfigError(
+            f"url={url!r} must name the Sentinel service as its path: "
+            "redis+sentinel://host:26379/service_name[/db]"
+        )
+    db = 0
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
+        db = int(path[1])
+    options: dict[str, Any] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if name == "sentinel_password":
+            options[name] = value
+        elif name == "min_replicas":
+            if not value.isdigit():
+                raise LeaseConfigError(
+                    f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
+                )
+            options[name] = int(value)
+        elif name == "replica_timeout":
+            options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
+        elif name in ("socket_timeout", "socket_connect_timeout"):
+            try:
+                options[name] = float(value)
+            except ValueError:
+                raise LeaseConfigError(
+                    f"url={url!r}: {name}={value!r} must be a number of seconds"
+                ) from None
+        else:
+            raise LeaseConfigError(
+                f"url={url!r} has an unknown option {name!r}; supported: "
+                + ", ".join(_SENTINEL_OPTIONS)
+            )
+    return SentinelURL(sentinels, path[0], db, username, password, **options)
+
+
+def _parse_host(url: str, item: str) -> tuple[str, int]:
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise LeaseConfigError(f"url={url!r} has an empty Sentinel host in {item!r}")
+    if not port_text:
+        return host, 26379
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
+    return host, int(port_text)
+
+
+def split_store_options(url: str) -> tuple[str, dict[str, object]]:
+    """``url`` without the store's own query options, and those options (raw strings)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    options: dict[str, object] = {k: v for k, v in query if k in STORE_OPTIONS}
+    if not options:
+        return url, options
+    rest = urlencode([(k, v) for k, v in query if k not in STORE_OPTIONS])
+    return urlunsplit(parts._replace(query=rest)), options
+
+
+def sentinel_connection_kwargs(spec: SentinelURL, retry: Any) -> dict[str, Any]:
+    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
+    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": spec.socket_timeout,
+        "socket_connect_timeout": spec.socket_connect_timeout,
+        "retry": retry,
+    }
+    if spec.sentinel_password is not None:
+        kwargs["password"] = spec.sentinel_password
+    return kwargs
+
+
+# Replies ----------------------------------------------------------------------------------------
+
+
+def text(value: bytes | str) -> str:
+    """A reply's bytes as text (UTF-8), or the text a decoding client already handed over."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+_HELD_MARKS = (HELD_MARK.encode(), HELD_MARK)
+
+
+def refused(reply: bytes | str) -> bool:
+    """Whether an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply names the holder (else: a token)."""
+    return reply[:1] in _HELD_MARKS
+
+
+def int_or_none(value: Any) -> int | None:
+    """A reply holding a decimal integer as an int; nil as None."""
+    return None if value is None else int(value)
+
+
+def lease_info(key: str, result: Any, decode: Callable[[bytes | str], str]) -> LeaseInfo | None:
+    """A LeaseInfo from the ``{owner, token, remaining ms}`` reply of a script, or None."""
+    if not result:
+        return None
+    owner, token, left_ms = result
+    return LeaseInfo(key, decode(owner), int(token), max(0, int(left_ms)) / 1000.0)
+
+
+def glob_escape(value: str) -> str:
+    """Escape the characters special to Redis' glob-style MATCH patterns."""
+    return "".join("\\" + c if c in "\\*?[]^" else c for c in value)
+
+
+def blpop_slice(socket_timeout: float | None) -> float:
+    """The longest BLPOP (seconds) that still returns before the client's socket times out."""
+    if socket_timeout is None:
+        return 3600.0
+    return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
+
+
+# Messages ---------------------------------------------------------------------------------------
+
+
+def what(operation: str, key: str | None) -> str:
+    """``acquire 'k'`` for a per-key operation, the operation alone otherwise."""
+    return operation if key is None else f"{operation} {key!r}"
+
+
+def host_port(kwargs: Mapping[str, Any]) -> str:
+    """``host:port`` of a connection's keywords, an IPv6 host in brackets."""
+    host = str(kwargs.get("host", "localhost"))
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{host}:{kwargs.get('port', 6379)}"
+
+
+def error_text(where: str, operation: str, key: str | None, detail: str) -> str:
+    """The text of a store error: the store's address, the operation, its key, what happened
+    (still to be redacted by the store, which knows its passwords)."""
+    return f"Redis store {where}: {what(operation, key)} {detail}"
+
+
+def failed(exc: BaseException) -> str:
+    """``failed: <driver error class>: <server's message>``, for :func:`error_text`."""
+    return f"failed: {type(exc).__name__}: {exc}"
+
+
+def not_confirmed(acks: int, min_replicas: int, replica_timeout: float) -> str:
+    """The start of the detail of a write that too few replicas acknowledged (``WAIT``)."""
+    return (
+        f"not confirmed: {acks} of {min_replicas} replicas acknowledged it within "
+        f"{replica_timeout * 1000:g} ms"
+    )
+
+
+def secrets_among(found: Iterable[object]) -> tuple[str, ...]:
+    """The passwords among ``found`` (None and empty values dropped), longest first, so that
+    one password containing another is masked whole."""
+    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
+
+
+def redact_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
+    """A standalone server's address for messages: ``redis://host:port/db``, ``rediss://...``
+    (``ssl``) or ``unix://path?db=n``, from its connection keywords. Never a password."""
+    db = kwargs.get("db", 0)
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}?db={db}"
+    return f"{'rediss' if ssl else 'redis'}://{host_port(kwargs)}/{db}"
+
+
+def describe_sentinel_master(
+    sentinels: Iterable[Mapping[str, Any]],
+    service: str,
+    db: object,
+    master: tuple[str, int] | None,
+) -> str:
+    """A Sentinel-managed master's address for messages, from its Sentinels' connection
+    keywords: ``redis+sentinel://s1:26379,s2:26379/service/db (master host:port)``."""
+    hosts = ",".join(host_port(kwargs) for kwargs in sentinels)
+    known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
+    return f"redis+sentinel://{hosts}/{service}/{db} ({known})"
+
+
+def master_address(reply: Any) -> tuple[str, int] | None:
+    """The ``(host, port)`` of a ``SENTINEL GET-MASTER-ADDR-BY-NAME`` reply, None when the
+    Sentinel knows no such service."""
+    if not reply:
+        return None
+    return text(reply[0]), int(reply[1])
+
+
+def no_master_message(service: str, problems: Iterable[str]) -> str:
+    """The message of the ``MasterNotFoundError`` raised when no Sentinel names a master,
+    with each Sentinel's reason (``host:port: why``)."""
+    return f"No master found for {service!r}: " + "; ".join(problems)
+
+
+def socket_timeout_of(kwargs: Mapping[str, Any]) -> float | None:
+    """The ``socket_timeout`` (seconds) of a client's connection keywords, None for none."""
+    value = kwargs.get("socket_timeout")
+    return None if value is None else float(value)

@@ -1,0 +1,139 @@
+"""What the PostgreSQL store and its asyncio twin share (``stores._postgres_common``): the
+statements, the table's channel, reading a DSN, the options, rows and the texts of errors."""
+
+from __future__ import annotations
+
+import psycopg
+import pytest
+
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores._postgres_common import (
+    DEFAULT_TABLE,
+    SCHEMA_SQL,
+    channel_for,
+    check_options,
+    connect_kwargs,
+    lease_info,
+    missing_table_detail,
+    parse_dsn,
+    schema_sql,
+    statements,
+    store_error,
+    token_of,
+)
+from celery_lease.stores.base import LeaseInfo
+
+
+class TestStatements:
+    """One source of the store's SQL, rendered for a validated table."""
+
+    def test_every_statement_names_the_quoted_table(self) -> None:
+        """Each statement is rendered with the (schema-qualified) table quoted in."""
+        rendered = statements("ops.leases")
+        assert set(rendered) == {
+            "acquire",
+            "renew",
+            "renew_many",
+            "release",
+            "force_release",
+            "get",
+            "list",
+            "last_token",
+            "schema",
+        }
+        assert all(b'"ops"."leases"' in statement for statement in rendered.values())
+
+    def test_schema_of_the_default_table(self) -> None:
+        """SCHEMA_SQL is schema_sql() of the default table."""
+        assert schema_sql() == SCHEMA_SQL
+        assert f'"{DEFAULT_TABLE}"' in SCHEMA_SQL
+
+    def test_channels_are_readable_when_short_and_hashed_when_long(self) -> None:
+        """pg_notify refuses channel names over 63 bytes: long table names are hashed."""
+        assert channel_for("leases") == "celery_lease:leases"
+        long = channel_for("s" * 40 + "." + "t" * 40)
+        assert long.startswith("celery_lease:") and len(long) <= 63
+
+
+class TestOptions:
+    """Both stores refuse the same bad options, in the same order."""
+
+    @pytest.mark.parametrize(
+        ("options", "named"),
+        [
+            (("bad-name", 0, 0, "x"), "table="),
+            ((DEFAULT_TABLE, 0, 0, "x"), "create_table="),
+            ((DEFAULT_TABLE, 0, 0, None), "connect_timeout="),
+            ((DEFAULT_TABLE, True, 8, None), "connect_timeout="),
+            ((DEFAULT_TABLE, 5.0, 0, None), "max_connections="),
+        ],
+    )
+    def test_the_first_bad_option_is_named(self, options: tuple[object, ...], named: str) -> None:
+        """table, create_table, connect_timeout, max_connections: the first bad one is named."""
+        with pytest.raises(LeaseConfigError, match=named):
+            check_options(*options)
+
+    def test_good_options_give_the_table(self) -> None:
+        """The validated table name comes back."""
+        assert check_options("ops.leases", 5.0, 8, None) == "ops.leases"
+
+
+class TestDSNs:
+    """A DSN or store URL is read once, the same way for both stores."""
+
+    def test_create_table_leaves_the_url_and_the_rest_is_kept(self) -> None:
+        """?create_table= is the store's; libpq gets the other options byte for byte."""
+        parsed = parse_dsn("postgresql://u@h:5433/db?sslmode=disable&create_table=no", None)
+        assert parsed.dsn == "postgresql://u@h:5433/db?sslmode=disable"
+        assert parsed.create_table is False
+        assert parsed.where == "host='h', port=5433, dbname='db'"
+        assert parsed.application_name is True
+
+    def test_the_keyword_wins_when_the_url_is_silent(self) -> None:
+        """create_table= alone decides when the URL has no ?create_table=."""
+        assert parse_dsn("postgresql://h/db", True).create_table is True
+        assert parse_dsn("postgresql://h/db", None).create_table is None
+
+    def test_a_contradiction_is_refused(self) -> None:
+        """The keyword and the URL must not disagree."""
+        with pytest.raises(LeaseConfigError, match="contradicts"):
+            parse_dsn("postgresql://h/db?create_table=true", False)
+
+    def test_every_form_of_the_password_is_kept_for_masking(self) -> None:
+        """The raw (percent-encoded) and the decoded password, longest first."""
+        parsed = parse_dsn("postgresql://u:p%2Fw@h/db", None)
+        assert parsed.secrets == ("p%2Fw", "p/w")
+
+    def test_a_dsn_naming_its_application_keeps_it(self) -> None:
+        """The store names its connections only when the DSN does not."""
+        parsed = parse_dsn("host=h dbname=db application_name=mine", None)
+        assert parsed.application_name is False
+        assert "application_name" not in connect_kwargs(5.0, parsed.application_name)
+        assert connect_kwargs(0.2, True) == {
+            "autocommit": True,
+            "connect_timeout": 1,
+            "application_name": "celery-lease",
+        }
+
+
+class TestRowsAndErrors:
+    """Rows become leases and tokens; errors say what to do, never a password."""
+
+    def test_rows(self) -> None:
+        """(key, owner, token, expires_in) is a LeaseInfo; a RETURNING row is a token."""
+        assert lease_info(("k", "o", "7", 1.5)) == LeaseInfo("k", "o", 7, 1.5)
+        assert token_of((42,)) == 42
+        assert token_of(None) is None
+
+    def test_store_errors_mask_passwords(self) -> None:
+        """Every secret is replaced in the message."""
+        error = store_error("Store(pw)", "acquire 'k'", "failed: pw rejected", ("pw",))
+        assert isinstance(error, StoreUnavailableError)
+        assert str(error) == "Store(***) failed to acquire 'k': failed: *** rejected"
+
+    def test_a_missing_table_says_how_to_create_it(self) -> None:
+        """With create_table=False the message names schema_sql(); allowed: no refusal."""
+        missing = psycopg.errors.UndefinedTable("relation does not exist")
+        detail = missing_table_detail(missing, "leases", create_table=False)
+        assert detail is not None and "PostgresLockStore.schema_sql('leases')" in detail
+        assert missing_table_detail(missing, "leases", create_table=True) is None
