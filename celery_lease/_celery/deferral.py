@@ -35,7 +35,7 @@ except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
 from celery_lease import signals
-from celery_lease._celery import worker
+from celery_lease._celery import pool
 from celery_lease._core.lease import LeaseContext, offers
 from celery_lease.stores.base import SupportsDeferredRelease
 
@@ -73,7 +73,7 @@ def publishes_nothing(task: Any, request: Any) -> bool:
     depend on its key being free, before the next store call or publish reads the reply."""
     if request is None or task is None:
         return False
-    if not worker.runs_one_task_at_a_time():
+    if not pool.runs_one_task_at_a_time():
         # threads, gevent, eventlet: another execution of this process may acquire the same
         # key on another connection (redis-py's pool, while the fast one is busy) before the
         # server read the release: it would be turned away.

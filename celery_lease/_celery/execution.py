@@ -29,7 +29,6 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 from celery._state import get_current_app
@@ -41,45 +40,24 @@ try:
 except ImportError:  # Celery < 5.6: no per-request ignore_result helper
     _ignore_result = None
 
-from celery_lease import _forking as forking
 from celery_lease import signals
 from celery_lease._celery import deferral
 from celery_lease._celery import request as _request  # defines the request attributes
 from celery_lease._celery import settings as config
+from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
-from celery_lease._core.keys import KeyFunction
-from celery_lease._core.lease import Lease, LeaseContext, check_ttl, conforms, lease
+from celery_lease._celery.spec import Spec
+from celery_lease._celery.store_resolution import store_for
+from celery_lease._core.lease import Lease, LeaseContext, conforms, lease
 from celery_lease._core.options import LockOptions, retry_countdown
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_from_url
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
-__all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
+__all__ = ["adopt_request", "current_run", "run_locked"]
 
 logger = logging.getLogger("celery_lease.engine")
-
-
-# Stores --------------------------------------------------------------------------------------
-
-_url_stores: dict[str, LockStore] = {}
-
-
-def store_for(option: str | LockStore | None, app: Any) -> LockStore:
-    """The store of an execution: the task's option (URL resolved once per process) or the app's."""
-    if option is None:
-        return config.get_store(app)
-    if isinstance(option, str):
-        return config.cached(_url_stores, option, lambda: store_from_url(option))
-    return option
-
-
-def _forget_url_stores() -> None:
-    _url_stores.clear()
-
-
-forking.on_fork_child(_forget_url_stores, name="engine: stores of lock_store URLs")
-forking.on_new_process(_forget_url_stores, name="engine: stores of lock_store URLs")
 
 
 # One execution -------------------------------------------------------------------------------
@@ -351,31 +329,6 @@ _RELEASE_FOR_RETRY = _ReleasedForRetry()
 # The engine ----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Spec:
-    """What an execution needs from its task definition: options and the key function."""
-
-    options: LockOptions
-    key_function: KeyFunction
-    _durations: list[tuple[Any, float, float]] = field(
-        default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
-    )
-
-    def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
-        """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
-        built-in defaults; worked out and checked once per settings object (a new one is read
-        after :func:`celery_lease._celery.settings.reset`)."""
-        read, ttl, wait = self._durations[0]
-        if read is settings:
-            return ttl, wait
-        options = self.options
-        ttl = config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL)
-        wait = config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT)
-        check_ttl(ttl, ttl, name="ttl")  # as lease() checks it: lease_default_ttl may be too short
-        self._durations[0] = (settings, ttl, wait)
-        return ttl, wait
-
-
 def run_locked(
     task: Any,
     request: Any,
@@ -469,10 +422,6 @@ def _run_locked(
         held = context.__enter__()
     except LockNotAcquiredError as exc:
         if options.unique is not None:
-            from celery_lease._celery import (
-                unique as _unique,  # only unique tasks: loaded by task.py
-            )
-
             # Its queued key, if any; a second delivery of its own running copy is re-sent
             # for later and ends here (Ignore), whatever on_held says.
             _unique.on_rejected(
@@ -488,10 +437,6 @@ def _run_locked(
             # exception) releases it below.
             run.acquired(context, held)
             if options.unique is not None and request is not None:
-                from celery_lease._celery import (
-                    unique as _unique,  # only unique tasks: loaded by task.py
-                )
-
                 queued = _unique.on_start(
                     task, request, store, key, settings, options.unique, ttl, options.cooldown
                 )

@@ -62,8 +62,13 @@ from billiard.exceptions import TimeLimitExceeded
 from billiard.pool import EX_RECYCLE as _EX_RECYCLE
 from celery import bootsteps
 
+from celery_lease import signals
 from celery_lease._celery import control, startup
+from celery_lease._celery import settings as config
+from celery_lease._celery.store_resolution import store_for
+from celery_lease._celery.unique import queued_key
 from celery_lease._core import owners
+from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection
 
@@ -366,9 +371,6 @@ class _Reaper:
                 self.stuck = False
 
     def _stores(self) -> list[LockStore]:
-        from celery_lease._celery import execution as engine
-        from celery_lease._celery import settings as config
-
         try:
             settings = config.get_settings(self.app)
         except LeaseConfigError:
@@ -376,7 +378,7 @@ class _Reaper:
         stores: dict[int, LockStore] = {}
         for where, option in startup.stores_in_use(self.app, settings.store):
             try:
-                store = engine.store_for(option, self.app)
+                store = store_for(option, self.app)
             except Exception as exc:
                 logger.warning("celery-lease: cannot open the store of %s: %s", where, exc)
                 continue
@@ -415,8 +417,6 @@ class _Reaper:
         run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
         refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
         """
-        from celery_lease._core.dispatch import get_dispatcher
-
         for store in self._stores():
             if not isinstance(store, SupportsInspection):
                 logger.warning(
@@ -504,8 +504,6 @@ class _Reaper:
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
-        from celery_lease._celery.unique import queued_key
-
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (
@@ -538,8 +536,6 @@ class _Reaper:
 
     def _prefix(self) -> str:
         """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
-        from celery_lease._celery import settings as config
-
         try:
             return config.get_settings(self.app).key_prefix
         except Exception:
@@ -547,8 +543,6 @@ class _Reaper:
 
 
 def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
-    from celery_lease import signals
-
     task, named = args
     signals.send(signals.lock_released, task, **named)
 

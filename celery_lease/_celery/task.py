@@ -42,10 +42,11 @@ from celery._state import _task_stack, get_current_task
 from celery.app import base as _celery_app_base
 
 from celery_lease._celery import unique as _unique
-from celery_lease._celery.execution import Spec as _Spec
+from celery_lease._celery import worker  # noqa: F401  # connects the worker hooks at import
 from celery_lease._celery.execution import adopt_request, current_run, run_locked, skip_quietly
 from celery_lease._celery.interrupt import REVOKE_GRACE
 from celery_lease._celery.request import is_claimed as _is_claimed
+from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import (
@@ -442,6 +443,9 @@ class LockedTask(Task):  # type: ignore[misc]
 
 
 # @locked -------------------------------------------------------------------------------------
+
+
+_unique.checks_apply_async(LockedTask)
 
 
 def _is_body_of(task: Any, wrapper: Callable[..., Any]) -> bool:

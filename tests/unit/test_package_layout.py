@@ -168,22 +168,6 @@ EXPORTS: dict[str, set[str]] = {
 # shrinks: a new cycle, or a new module joining one of these, fails the test.
 KNOWN_CYCLES: set[frozenset[str]] = {
     frozenset({"celery_lease._core.aio", "celery_lease._core.lease"}),
-    frozenset(
-        {
-            "celery_lease._celery.deferral",
-            "celery_lease._celery.execution",
-            "celery_lease._celery.interrupt",
-            # reaper and startup were parts of worker, already in this cycle when it was split:
-            # worker wires them in, startup reads worker's pool state, the reaper opens stores
-            # through execution
-            "celery_lease._celery.reaper",
-            "celery_lease._celery.startup",
-            "celery_lease._celery.task",
-            "celery_lease._celery.unique",
-            "celery_lease._celery.worker",
-            "celery_lease.metrics",
-        }
-    ),
 }
 
 
