@@ -31,17 +31,11 @@ from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from typing import Any, cast
 
-from celery._state import get_current_app
 from celery.exceptions import Ignore, Retry
 from celery.signals import before_task_publish
 
-try:
-    from celery.app.task import get_actual_ignore_result as _ignore_result
-except ImportError:  # Celery < 5.6: no per-request ignore_result helper
-    _ignore_result = None
-
 from celery_lease import signals
-from celery_lease._celery import deferral
+from celery_lease._celery import compat, deferral
 from celery_lease._celery import request as _request  # defines the request attributes
 from celery_lease._celery import settings as config
 from celery_lease._celery import unique as _unique
@@ -382,7 +376,7 @@ def _run_locked(
     adopt: bool,
 ) -> Any:
     options = spec.options
-    app = task.app if task is not None else get_current_app()
+    app = task.app if task is not None else compat.get_current_app()
     settings = config.get_settings(app)
     if request is not None:  # overwrite what a message header may have put there
         request.lock_key = None
@@ -583,8 +577,8 @@ def _mark_skipped(task: Any, request: Any, key: str) -> None:
     turns it off.
     """
     reason = f"skipped: {key!r} held by another execution (on_held='skip')"
-    if _ignore_result is not None:
-        ignore_result = bool(_ignore_result(task, request))
+    if compat.get_actual_ignore_result is not None:
+        ignore_result = bool(compat.get_actual_ignore_result(task, request))
     else:  # an older Celery without the helper
         ignore_result = bool(getattr(request, "ignore_result", False) or task.ignore_result)
     task.backend.mark_as_revoked(
