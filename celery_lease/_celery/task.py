@@ -39,13 +39,13 @@ from typing import Any, TypeVar, cast
 
 from celery import Task
 
-from celery_lease._celery import (
-    compat,
-    worker,  # noqa: F401  # connects the worker hooks at import
-)
+from celery_lease._celery import compat
+from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
 from celery_lease._celery import unique as _unique
-from celery_lease._celery.execution import adopt_request, current_run, run_locked, skip_quietly
+from celery_lease._celery import worker as _worker  # noqa: F401  # connects the worker hooks
+from celery_lease._celery.execution import adopt_request, current_run, run_locked
 from celery_lease._celery.interrupt import REVOKE_GRACE
+from celery_lease._celery.on_held import skip_quietly
 from celery_lease._celery.request import is_claimed as _is_claimed
 from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
