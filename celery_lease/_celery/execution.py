@@ -1,9 +1,11 @@
-"""The run engine: one locked execution of a task body, and the publish hook for retries.
+"""The run engine: the lifecycle of one locked execution of a task body.
 
 :func:`run_locked` is what :class:`~celery_lease.LockedTask` and :func:`~celery_lease.locked`
 both call: it builds the key, takes the lease (waiting as configured), sets the request
 attributes, runs the body, applies the ``on_held`` / ``on_lost`` policies and releases the lease
-(or keeps it for ``cooldown``) before the result is stored.
+(or keeps it for ``cooldown``) before the result is stored. ``_run_locked`` is the skeleton
+(acquire, run the body, release in the ``finally`` path or hand the lease over); each step is a
+function of its own below it.
 
 Loss: ``lock_lost`` and ``on_lock_lost`` are user code and run on the core's dispatcher thread
 (a plain loss listener); the ``on_lost="revoke"`` interrupt is an immediate listener, run on the
