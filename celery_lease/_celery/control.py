@@ -56,6 +56,7 @@ from typing import TypedDict, cast
 
 from celery.worker.control import inspect_command
 
+from celery_lease._celery import compat
 from celery_lease._core import renewer
 from celery_lease._core.owners import parse_owner
 
@@ -288,9 +289,8 @@ def child_snapshots(
 
 def _pool_children(pool: object) -> list[int] | None:
     """The pids of a prefork pool's children, or None for a pool that runs tasks in-process."""
-    inner = getattr(pool, "_pool", None)
-    processes = getattr(inner, "_pool", None)
-    if not isinstance(processes, list):
+    processes = compat.child_processes(compat.billiard_pool(pool))
+    if processes is None:
         return None
     return [p.pid for p in processes if getattr(p, "pid", None)]
 

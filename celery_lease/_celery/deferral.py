@@ -24,18 +24,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import weakref
 from typing import TYPE_CHECKING
 
 from celery.signals import task_postrun, task_success, worker_process_shutdown, worker_shutdown
 
-try:
-    from celery.app.task import get_actual_ignore_result as _ignore_result
-except ImportError:  # Celery < 5.6: no per-request ignore_result helper
-    _ignore_result = None
-
 from celery_lease import signals
-from celery_lease._celery import worker
+from celery_lease._celery import compat, pool
 from celery_lease._celery.protocols import can_release_deferred
 from celery_lease._core.lease import LeaseContext
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -77,7 +71,7 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
     depend on its key being free, before the next store call or publish reads the reply."""
     if request is None or task is None:
         return False
-    if not worker.runs_one_task_at_a_time():
+    if not pool.runs_one_task_at_a_time():
         # threads, gevent, eventlet: another execution of this process may acquire the same
         # key on another connection (redis-py's pool, while the fast one is busy) before the
         # server read the release: it would be turned away.
@@ -100,8 +94,8 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
 
 
 def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
-    if _ignore_result is not None:
-        return bool(_ignore_result(task, request))
+    if compat.get_actual_ignore_result is not None:
+        return bool(compat.get_actual_ignore_result(task, request))
     # Celery < 5.6: the task's setting, unless the request asks for the result explicitly.
     return bool(task.ignore_result) and getattr(request, "ignore_result", None) is not False
 
@@ -119,14 +113,10 @@ def _custom(cls: type, name: str) -> bool:
 def only_ours(signal: SignalLike) -> bool:
     """Whether every live receiver of ``signal`` is celery-lease's own (a few per signal at
     most: looked at each time, never cached, so a receiver connected later is always seen)."""
-    for _, receiver in signal.receivers:
-        if isinstance(receiver, weakref.ReferenceType):
-            receiver = receiver()
-            if receiver is None:
-                continue
-        if not (getattr(receiver, "__module__", None) or "").startswith("celery_lease."):
-            return False
-    return True
+    return all(
+        (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
+        for receiver in compat.live_receivers(signal)
+    )
 
 
 def _flush_at_exit(**_: object) -> None:

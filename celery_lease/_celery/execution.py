@@ -1,22 +1,21 @@
-"""The run engine: one locked execution of a task body, and the publish hook for retries.
+"""The run engine: the lifecycle of one locked execution of a task body.
 
 :func:`run_locked` is what :class:`~celery_lease.LockedTask` and :func:`~celery_lease.locked`
 both call: it builds the key, takes the lease (waiting as configured), sets the request
 attributes, runs the body, applies the ``on_held`` / ``on_lost`` policies and releases the lease
-(or keeps it for ``cooldown``) before the result is stored.
+(or keeps it for ``cooldown``) before the result is stored. ``_run_locked`` is the skeleton
+(acquire, run the body, release in the ``finally`` path or hand the lease over); each step is a
+function of its own below it.
 
 Loss: ``lock_lost`` and ``on_lock_lost`` are user code and run on the core's dispatcher thread
 (a plain loss listener); the ``on_lost="revoke"`` interrupt is an immediate listener, run on the
 thread that recorded the loss. Neither runs on the renewer or the watchdog.
 
 Early release: a running task that publishes a message with its own id (``retry()``,
-``replace()``, ``apply_async(task_id=self.request.id)``) releases its lease first, in a
-``before_task_publish`` receiver, so the new copy never finds its own lease held. The lease is
-then lost with reason ``"released"``: the body, if it runs on, reads ``request.lock_lost`` True
-and ``check()`` raises; ``lock_released`` is sent (once), ``lock_lost`` and ``on_lock_lost`` are
-not (the holder let go itself), and no interrupt is fired from the publish (the usual
-``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
-``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
+``replace()``, ``apply_async(task_id=self.request.id)``) releases its lease first
+(:meth:`_Run.release_early`, called by :mod:`celery_lease._celery.early_release`).
+
+``on_held``: :mod:`celery_lease._celery.on_held`.
 
 Deferred release replies: see :mod:`celery_lease._celery.deferral`.
 
@@ -29,57 +28,28 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from celery._state import get_current_app
-from celery.exceptions import Ignore, Retry
-from celery.signals import before_task_publish
+from celery.exceptions import Retry
 
-try:
-    from celery.app.task import get_actual_ignore_result as _ignore_result
-except ImportError:  # Celery < 5.6: no per-request ignore_result helper
-    _ignore_result = None
-
-from celery_lease import _forking as forking
 from celery_lease import signals
-from celery_lease._celery import deferral
+from celery_lease._celery import compat, deferral, on_held
 from celery_lease._celery import request as _request  # defines the request attributes
 from celery_lease._celery import settings as config
+from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
-from celery_lease._core.keys import KeyFunction
-from celery_lease._core.lease import Lease, LeaseContext, check_ttl, conforms, lease
-from celery_lease._core.options import LockOptions, retry_countdown
+from celery_lease._celery.spec import Spec
+from celery_lease._celery.store_resolution import store_for
+from celery_lease._core.lease import Lease, LeaseContext, conforms, lease
+from celery_lease._core.options import LockOptions
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.stores.base import LockStore, SupportsDeferredRelease, store_from_url
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
-__all__ = ["Spec", "adopt_request", "current_run", "run_locked"]
+__all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
 
 logger = logging.getLogger("celery_lease.engine")
-
-
-# Stores --------------------------------------------------------------------------------------
-
-_url_stores: dict[str, LockStore] = {}
-
-
-def store_for(option: str | LockStore | None, app: Any) -> LockStore:
-    """The store of an execution: the task's option (URL resolved once per process) or the app's."""
-    if option is None:
-        return config.get_store(app)
-    if isinstance(option, str):
-        return config.cached(_url_stores, option, lambda: store_from_url(option))
-    return option
-
-
-def _forget_url_stores() -> None:
-    _url_stores.clear()
-
-
-forking.on_fork_child(_forget_url_stores, name="engine: stores of lock_store URLs")
-forking.on_new_process(_forget_url_stores, name="engine: stores of lock_store URLs")
 
 
 # One execution -------------------------------------------------------------------------------
@@ -287,6 +257,11 @@ def current_run(task_id: str | None) -> _Run | None:
     return None
 
 
+def active_runs() -> tuple[_Run, ...]:
+    """The locked executions running in this context, outermost first."""
+    return _active.get()
+
+
 def adopt_request(task: Any, request: Any) -> None:
     """``task`` pushed ``request`` (``Task.__call__`` further down the class order): if the
     innermost execution of ``task`` waits for the request its body will see, set the lock
@@ -299,36 +274,6 @@ def adopt_request(task: Any, request: Any) -> None:
             run.adopt(request)
 
 
-def _release_before_publish(
-    headers: Mapping[str, Any] | None = None, body: Any = None, **_: Any
-) -> None:
-    """A running locked task publishes a message with its own id (``retry()``, ``replace()``,
-    ``apply_async(task_id=...)``): release its lease first (early), so the new message can
-    never find its own lease still held.
-
-    The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
-    Any deferred release of this process is answered first (see the module docstring).
-    """
-    if deferral.deferring:
-        deferral.flush_deferred_releases()
-    runs = _active.get()
-    if not runs:
-        return
-    task_id = headers.get("id") if headers else None
-    if task_id is None and isinstance(body, Mapping):
-        task_id = body.get("id")
-    if task_id is None:
-        return
-    for run in reversed(runs):
-        if run.task_id == task_id:
-            run.release_early()
-
-
-before_task_publish.connect(
-    _release_before_publish, weak=False, dispatch_uid="celery_lease.release_before_retry"
-)
-
-
 def _release_quietly(run: _Run) -> None:
     with contextlib.suppress(LockLostError):  # lost before the retry: nothing left to release
         run.release(_RELEASE_FOR_RETRY)
@@ -336,8 +281,7 @@ def _release_quietly(run: _Run) -> None:
 
 def _publishes_nothing(task: Any, request: Any) -> bool:
     """:func:`~celery_lease._celery.deferral.publishes_nothing`, and not a nested run (its caller
-    goes
-    on after it)."""
+    goes on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
 
 
@@ -349,31 +293,6 @@ _RELEASE_FOR_RETRY = _ReleasedForRetry()
 
 
 # The engine ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What an execution needs from its task definition: options and the key function."""
-
-    options: LockOptions
-    key_function: KeyFunction
-    _durations: list[tuple[Any, float, float]] = field(
-        default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
-    )
-
-    def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
-        """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
-        built-in defaults; worked out and checked once per settings object (a new one is read
-        after :func:`celery_lease._celery.settings.reset`)."""
-        read, ttl, wait = self._durations[0]
-        if read is settings:
-            return ttl, wait
-        options = self.options
-        ttl = config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL)
-        wait = config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT)
-        check_ttl(ttl, ttl, name="ttl")  # as lease() checks it: lease_default_ttl may be too short
-        self._durations[0] = (settings, ttl, wait)
-        return ttl, wait
 
 
 def run_locked(
@@ -428,57 +347,22 @@ def _run_locked(
     body: Callable[[], Any],
     adopt: bool,
 ) -> Any:
+    """One execution: acquire, run the body, then release (or hand the lease over); the steps
+    are the functions below, in the order they run."""
     options = spec.options
-    app = task.app if task is not None else get_current_app()
+    app = task.app if task is not None else compat.get_current_app()
     settings = config.get_settings(app)
-    if request is not None:  # overwrite what a message header may have put there
-        request.lock_key = None
-        request.lock_token = None
-        request.lock_waited = False
-        request.lease = None
+    if request is not None:
+        _clear_lock_attributes(request)  # overwrite what a message header may have put there
     key = settings.key_prefix + spec.key_function(args, kwargs)
     run = _Run(task, request, key, options)
     ttl, wait = spec.durations(settings)
-    store = store_for(options.store, app)
-    if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
-        from celery_lease._core import aio
-
-        store = aio.split_async_store(store)[1]
-    if not conforms(store, LockStore):
-        lease(key, store=store)  # raises the error lease() gives for it
-    # lease() without its checks: the key is a non-empty str (key functions guarantee it), the
-    # durations and the store were validated when the task (and the settings) were read.
-    # run.on_lost goes in as the context's on_lost: attached to a lease it acquires before the
-    # renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
-    # The owner id names the node, the task and the execution (celery_lease._core.owners).
-    context = LeaseContext(
-        key,
-        store,
-        ttl,
-        wait,
-        options.max_hold,
-        options.cooldown,
-        run.on_lost,
-        None,
-        SYSTEM_CLOCK,
-        node=_described(getattr(request, "hostname", None) if request is not None else None),
-        task=_described(getattr(task, "name", None)),
-        task_id=_described(run.task_id),
-    )
+    store = _store_of(options, app, key)
+    context = _lease_context(run, request, store, ttl, wait)
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
-        if options.unique is not None:
-            from celery_lease._celery import (
-                unique as _unique,  # only unique tasks: loaded by task.py
-            )
-
-            # Its queued key, if any; a second delivery of its own running copy is re-sent
-            # for later and ends here (Ignore), whatever on_held says.
-            _unique.on_rejected(
-                request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
-            )
-        return _on_held(task, request, key, options, exc)
+        return _rejected(run, request, store, settings, ttl, exc)
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
     try:
@@ -487,32 +371,10 @@ def _run_locked(
             # a BaseException, which Celery's robust send lets through; an asynchronous
             # exception) releases it below.
             run.acquired(context, held)
-            if options.unique is not None and request is not None:
-                from celery_lease._celery import (
-                    unique as _unique,  # only unique tasks: loaded by task.py
-                )
-
-                queued = _unique.on_start(
-                    task, request, store, key, settings, options.unique, ttl, options.cooldown
-                )
-            if signals.lock_acquired.receivers and not context.reentered:
-                signals.send(
-                    signals.lock_acquired,
-                    task,
-                    key=key,
-                    token=held.token,
-                    waited=held.waited,
-                    wait_seconds=held.wait_seconds,
-                    task_id=run.task_id,
-                )
+            queued = _queued_hold(run, request, store, settings, ttl)
+            _send_acquired(run, context, held)
             runs_token = _active.set((*_active.get(), run))
-            run.start_body()
-            run.awaiting_request = adopt
-            try:
-                result = body()
-            finally:
-                run.awaiting_request = False
-                run.end_body()
+            result = _run_body(run, body, adopt)
         except AsyncLockLost as exc:
             if not run.interrupted:
                 # An enclosing run's interrupt, landed in this (nested) body: this body is over
@@ -536,128 +398,179 @@ def _run_locked(
         if runs_token is not None:
             _active.reset(runs_token)
     if queued is None:
-        if settings.defer_release and _publishes_nothing(task, request):
-            deferral.defer_on(context)
-        run.release(None)
+        _release(run, request, context, settings)
     else:
-        # The queued key's release follows on this thread. Where the store can, both go out
-        # without waiting, in order on one connection (QueuedHold.end never lets the queued
-        # key's overtake the run lease's); then, unless this execution publishes nothing (both
-        # read as a lone run lease's is), one wait answers both before it returns. Not while a
-        # user's lock_released receiver would run in between.
-        deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
-        if deferred:
-            deferral.defer_on(context)
+        _release_with_queued(run, request, context, held, queued, settings)
+    if held.lost:
+        _log_lost_after_success(run, held)
+    return result
+
+
+def _clear_lock_attributes(request: Any) -> None:
+    request.lock_key = None
+    request.lock_token = None
+    request.lock_waited = False
+    request.lease = None
+
+
+def _store_of(options: LockOptions, app: Any, key: str) -> LockStore:
+    """The execution's store (an async store's ``.sync`` twin); a store that is no
+    ``LockStore`` raises the error ``lease()`` gives for it."""
+    store = store_for(options.store, app)
+    if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
+        from celery_lease._core import aio
+
+        store = aio.split_async_store(store)[1]
+    if not conforms(store, LockStore):
+        lease(key, store=store)  # raises the error lease() gives for it
+    return store
+
+
+def _lease_context(
+    run: _Run, request: Any, store: LockStore, ttl: float, wait: float
+) -> LeaseContext:
+    """``lease()`` without its checks: the key is a non-empty str (key functions guarantee it),
+    the durations and the store were validated when the task (and the settings) were read.
+
+    ``run.on_lost`` goes in as the context's ``on_lost``: attached to a lease it acquires before
+    the renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
+    The owner id names the node, the task and the execution (:mod:`celery_lease._core.owners`).
+    """
+    options = run.options
+    return LeaseContext(
+        run.key,
+        store,
+        ttl,
+        wait,
+        options.max_hold,
+        options.cooldown,
+        run.on_lost,
+        None,
+        SYSTEM_CLOCK,
+        node=_described(getattr(request, "hostname", None) if request is not None else None),
+        task=_described(getattr(run.task, "name", None)),
+        task_id=_described(run.task_id),
+    )
+
+
+def _rejected(
+    run: _Run,
+    request: Any,
+    store: LockStore,
+    settings: config.LeaseSettings,
+    ttl: float,
+    exc: LockNotAcquiredError,
+) -> Any:
+    """The key stayed held past ``wait``: a unique copy frees its queued key, then the
+    ``on_held`` policy decides (:func:`celery_lease._celery.on_held.apply_policy`)."""
+    task, key, options = run.task, run.key, run.options
+    if options.unique is not None:
+        # Its queued key, if any; a second delivery of its own running copy is re-sent
+        # for later and ends here (Ignore), whatever on_held says.
+        _unique.on_rejected(
+            request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
+        )
+    nested = current_run(getattr(request, "id", None)) is not None
+    return on_held.apply_policy(task, request, key, options, exc, nested=nested)
+
+
+def _queued_hold(
+    run: _Run, request: Any, store: LockStore, settings: config.LeaseSettings, ttl: float
+) -> _unique.QueuedHold | None:
+    """A unique copy about to run its body hands its queued key over
+    (:func:`celery_lease._celery.unique.on_start`): the queued lease an ``until_done`` copy
+    keeps while it runs, else ``None``."""
+    options = run.options
+    if options.unique is None or request is None:
+        return None
+    return _unique.on_start(
+        run.task, request, store, run.key, settings, options.unique, ttl, options.cooldown
+    )
+
+
+def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
+    """``lock_acquired``, when someone listens (not for a re-entered lease: the enclosing
+    holder's)."""
+    if signals.lock_acquired.receivers and not context.reentered:
+        signals.send(
+            signals.lock_acquired,
+            run.task,
+            key=run.key,
+            token=held.token,
+            waited=held.waited,
+            wait_seconds=held.wait_seconds,
+            task_id=run.task_id,
+        )
+
+
+def _run_body(run: _Run, body: Callable[[], Any], adopt: bool) -> Any:
+    """Run the body with the interrupt armed (``on_lost="revoke"``) and, with ``adopt``, the
+    next request its task pushes taking the lock attributes."""
+    run.start_body()
+    run.awaiting_request = adopt
+    try:
+        return body()
+    finally:
+        run.awaiting_request = False
+        run.end_body()
+
+
+def _release(
+    run: _Run, request: Any, context: LeaseContext, settings: config.LeaseSettings
+) -> None:
+    """After the body returned: release the lease (or keep it for ``cooldown``), without
+    waiting for the reply where the store can and nothing may depend on it."""
+    if settings.defer_release and _publishes_nothing(run.task, request):
+        deferral.defer_on(context)
+    run.release(None)
+
+
+def _release_with_queued(
+    run: _Run,
+    request: Any,
+    context: LeaseContext,
+    held: Lease,
+    queued: _unique.QueuedHold,
+    settings: config.LeaseSettings,
+) -> None:
+    """After the body of an ``until_done`` copy returned: release the run lease, then its
+    queued key.
+
+    Where the store can, both go out without waiting, in order on one connection
+    (``QueuedHold.end`` never lets the queued key's overtake the run lease's); then, unless
+    this execution publishes nothing (both read as a lone run lease's is), one wait answers
+    both before it returns. Not while a user's ``lock_released`` receiver would run in between.
+    """
+    deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
+    if deferred:
+        deferral.defer_on(context)
+    try:
+        run.release(None)
+    finally:
+        sent = deferred and context.defer_release
         try:
-            run.release(None)
+            queued.end(not held.lost, defer=sent)
         finally:
-            sent = deferred and context.defer_release
-            try:
-                queued.end(not held.lost, defer=sent)
-            finally:
-                if sent and not _publishes_nothing(task, request):
-                    cast(SupportsDeferredRelease, context.store).flush_deferred()
-    if not held.lost:
-        return result
+            if sent and not _publishes_nothing(run.task, request):
+                cast(SupportsDeferredRelease, context.store).flush_deferred()
+
+
+def _log_lost_after_success(run: _Run, held: Lease) -> None:
+    """The body returned although the lease was lost (or released early by its own publish)."""
+    name = getattr(run.task, "name", "?")
     if run.released_early:
         logger.info(
             "celery-lease: %s[%s] went on after releasing its lease on %r early (it re-sent"
             " its own id)",
-            getattr(task, "name", "?"),
+            name,
             run.task_id,
-            key,
+            run.key,
         )
     else:
         logger.warning(
             "celery-lease: %s[%s] succeeded although its lease on %r was lost (%s)",
-            getattr(task, "name", "?"),
+            name,
             run.task_id,
-            key,
+            run.key,
             held.lost_reason,
         )
-    return result
-
-
-def _on_held(
-    task: Any, request: Any, key: str, options: LockOptions, exc: LockNotAcquiredError
-) -> Any:
-    signals.send(signals.lock_rejected, task, key=key, task_id=getattr(request, "id", None))
-    hook = getattr(task, "on_lock_rejected", None)
-    if hook is not None:
-        hook(key)
-    policy = options.on_held
-    if policy == "skip":
-        logger.info(
-            "celery-lease: %s[%s] skipped: %r is held by another execution",
-            getattr(task, "name", "?"),
-            getattr(request, "id", None),
-            key,
-        )
-        if _marks_skipped(task, request):
-            _mark_skipped(task, request, key)  # raises Ignore: the REVOKED state stays
-        return None
-    if policy == "retry" and task is not None and request is not None:
-        retries = int(getattr(request, "retries", 0) or 0)
-        raise task.retry(countdown=retry_countdown(options, retries), exc=exc)
-    raise exc
-
-
-# A skipped run, visible as skipped ---------------------------------------------------------
-
-skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
-"""True while a ``@locked`` helper that is not its task's body runs (set by
-:func:`celery_lease.locked`): a skip there returns ``None`` to the calling body, which goes on,
-instead of marking the whole execution skipped."""
-
-
-def _marks_skipped(task: Any, request: Any) -> bool:
-    """Whether a skip ends a worker execution (marked REVOKED) rather than returning ``None``.
-
-    Only the execution's own body: not a direct call, an eager run (``apply()``, ``always
-    eager``), a ``@locked`` helper called from a body, nor a run nested in another locked run of
-    the same execution.
-    """
-    if task is None or request is None or getattr(request, "id", None) is None:
-        return False
-    if getattr(request, "called_directly", True) or getattr(request, "is_eager", False):
-        return False
-    return not skip_quietly.get() and current_run(request.id) is None
-
-
-def _mark_skipped(task: Any, request: Any, key: str) -> None:
-    """End a skipped worker execution as REVOKED, with a reason that says skipped.
-
-    Stored in the result backend as Celery stores a revoked task (``AsyncResult.get()`` raises
-    ``TaskRevokedError(reason)`` at once), announced with a ``task-revoked`` event (Flower shows
-    the task REVOKED), then ``Ignore`` so that the tracer stores nothing over it and the message
-    is acknowledged. A backend error propagates (the run then fails, never a silent success); a
-    failed event is logged. The event goes out from the process that ran the task, as
-    ``Task.send_event`` sends it (Celery's own ``task-revoked`` comes from the main process,
-    which never learns of this one), also when the worker runs without ``-E`` (Flower turns
-    events on remotely, and the pool process cannot tell); ``send_events = False`` on the task
-    turns it off.
-    """
-    reason = f"skipped: {key!r} held by another execution (on_held='skip')"
-    if _ignore_result is not None:
-        ignore_result = bool(_ignore_result(task, request))
-    else:  # an older Celery without the helper
-        ignore_result = bool(getattr(request, "ignore_result", False) or task.ignore_result)
-    task.backend.mark_as_revoked(
-        request.id,
-        reason,
-        request=request,
-        store_result=not ignore_result or bool(task.store_errors_even_if_ignored),
-    )
-    if task.send_events:
-        try:
-            task.send_event(
-                "task-revoked", terminated=False, signum=None, expired=False, reason=reason
-            )
-        except Exception:
-            logger.warning(
-                "celery-lease: could not send task-revoked for skipped %s[%s]",
-                getattr(task, "name", "?"),
-                request.id,
-                exc_info=True,
-            )
-    raise Ignore(reason)

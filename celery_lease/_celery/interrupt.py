@@ -58,7 +58,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from celery_lease import _forking as forking
-from celery_lease._celery import worker as _worker
+from celery_lease._celery import pool
 from celery_lease.errors import LockLostError
 
 if TYPE_CHECKING:
@@ -324,7 +324,7 @@ class Interrupter:
                 importlib.import_module("eventlet.hubs").get_hub().schedule_call_global(
                     0, self._throw_into_greenlet
                 )
-        if self._mode == "signal" or (self._main_thread() and _worker.in_pool_child()):
+        if self._mode == "signal" or (self._main_thread() and pool.in_pool_child()):
             threading.Thread(target=self._watch, name="celery-lease-revoke", daemon=True).start()
         return True
 
@@ -357,7 +357,7 @@ class Interrupter:
         import time
 
         deadline = time.monotonic() + REVOKE_GRACE
-        pool_child = self._main_thread() and _worker.in_pool_child()
+        pool_child = self._main_thread() and pool.in_pool_child()
         while not self._ended.wait(_RESEND_INTERVAL):
             if pool_child and time.monotonic() >= deadline:
                 logger.error(

@@ -58,12 +58,16 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from billiard.exceptions import TimeLimitExceeded
-from billiard.pool import EX_RECYCLE as _EX_RECYCLE
 from celery import bootsteps
+from celery.exceptions import TimeLimitExceeded
 
-from celery_lease._celery import control, startup
+from celery_lease import signals
+from celery_lease._celery import compat, control, startup
+from celery_lease._celery import settings as config
+from celery_lease._celery.store_resolution import store_for
+from celery_lease._celery.unique import queued_key
 from celery_lease._core import owners
+from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection
 
@@ -94,16 +98,6 @@ def note_task_failure(sender: Any, task_id: str | None, exception: object) -> No
     _timed_out[task_id] = (name if isinstance(name, str) else None, now)
 
 
-def _job_pids(job: Any) -> set[int]:
-    """The pool children a billiard job was accepted by, written to or scheduled for."""
-    pids = {pid for pid in job.worker_pids() if pid}
-    for attr in ("_write_to", "_scheduled_for"):
-        pid = getattr(getattr(job, attr, None), "pid", None)
-        if pid:
-            pids.add(pid)
-    return pids
-
-
 def _runs_again(task: Any, retries: int = 0, *, timed_out: bool = False) -> bool:
     """Whether Celery runs a task again when its pool child dies (as ``Request.on_failure``
     and ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late``
@@ -132,11 +126,9 @@ def _ends_failed_ids() -> set[str]:
     only from the pool's jobs (a request cancelled at shutdown or on a lost connection has left
     the active requests and its message stays unacknowledged: it is redelivered) is not here.
     """
-    from celery.worker import state as worker_state
-
     fails: set[str] = set()
-    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
-        if getattr(request, "_already_cancelled", False):
+    for request in compat.worker_requests():
+        if compat.request_cancelled(request):
             continue
         retries = (getattr(request, "request_dict", None) or {}).get("retries") or 0
         if not _runs_again(getattr(request, "task", None), int(retries)):
@@ -151,24 +143,20 @@ def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
     revoked with ``terminate=True`` has left the worker's active requests before its child is
     reaped, but its job stays in the pool until then.
     """
-    from celery.worker import state as worker_state
-
     running: dict[int, dict[str, str | None]] = {}
-    for request in [*worker_state.active_requests, *worker_state.reserved_requests]:
+    for request in compat.worker_requests():
         pids = set()
         if request.worker_pid:
             pids.add(request.worker_pid)
-        ref = getattr(request, "_apply_result", None)
-        job = ref() if ref is not None else None
+        job = compat.request_job(request)
         if job is not None:
-            pids.update(_job_pids(job))
+            pids.update(compat.job_pids(job))
         for pid in pids:
             running.setdefault(pid, {})[request.id] = request.name
-    cache = getattr(pool, "_cache", None)
-    for job in list(cache.values()) if isinstance(cache, dict) else []:
+    for job in compat.pool_jobs(pool):
         task_id = getattr(job, "correlation_id", None)
         if isinstance(task_id, str) and task_id and not job.ready():
-            for pid in _job_pids(job):
+            for pid in compat.job_pids(job):
                 running.setdefault(pid, {}).setdefault(task_id, None)
     return running
 
@@ -219,13 +207,13 @@ class _Reaper:
         self.stuck = False  # the release thread overran a requeue's wait and is still busy
 
     def install(self) -> None:
-        join = self.pool._join_exited_workers
+        join = compat.join_exited_workers(self.pool)
         mark = self.pool.mark_as_worker_lost
 
         def join_exited_workers(*args: Any, **kwargs: Any) -> Any:
             self.handled = set()
             try:
-                self.before = {p.pid: p for p in list(self.pool._pool) if p.pid}
+                self.before = {p.pid: p for p in list(self._children()) if p.pid}
                 self.running = _running_by_pid(self.pool)
                 self.fails = _ends_failed_ids()
             except Exception:
@@ -236,7 +224,7 @@ class _Reaper:
                 return join(*args, **kwargs)
             finally:
                 try:
-                    present = {id(p) for p in self.pool._pool}
+                    present = {id(p) for p in self._children()}
                     for pid, process in self.before.items():
                         if id(process) not in present and pid not in self.handled:
                             self.reaped(pid, process, wait=False)
@@ -254,9 +242,9 @@ class _Reaper:
                 logger.exception(_REAPER_FAILED)
             return mark(job, exitcode)
 
-        self.pool._join_exited_workers = join_exited_workers
+        compat.set_join_exited_workers(self.pool, join_exited_workers)
         self.pool.mark_as_worker_lost = mark_as_worker_lost
-        exited = getattr(self.pool, "_event_process_exit", None)
+        exited = compat.event_process_exit(self.pool)
         if exited is not None:  # billiard's AsynPool (the event loop); the hub looks it up later
 
             def event_process_exit(hub: Any, process: Any) -> Any:
@@ -264,7 +252,7 @@ class _Reaper:
                     return exited(hub, process)
                 finally:
                     try:
-                        if process in self.pool._pool:  # closed its files, not yet reapable
+                        if process in self._children():  # closed its files, not yet reapable
                             self.watch_exit(hub, process)
                     except Exception:
                         logger.exception(
@@ -273,7 +261,11 @@ class _Reaper:
                             getattr(process, "pid", "?"),
                         )
 
-            self.pool._event_process_exit = event_process_exit
+            compat.set_event_process_exit(self.pool, event_process_exit)
+
+    def _children(self) -> list[Any]:
+        """The pool's child processes now (a reaped child has left the list)."""
+        return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: Any, process: Any) -> None:
         """Run the pool's maintenance again as soon as ``process`` can be reaped.
@@ -307,7 +299,7 @@ class _Reaper:
     def _retry_reap(self, hub: Any, process: Any, delay: float, waited: float) -> None:
         def retry() -> None:
             self.pool.maintain_pool()
-            if process in self.pool._pool and waited + delay < _REAP_RETRY_FOR:
+            if process in self._children() and waited + delay < _REAP_RETRY_FOR:
                 self._retry_reap(hub, process, delay * 2, waited + delay)
 
         hub.call_later(delay, retry)
@@ -315,7 +307,7 @@ class _Reaper:
     def reaped(self, pid: int, process: Any, *, wait: bool) -> None:
         """Child ``pid`` left the pool: release its running tasks' leases if it was reaped."""
         self.handled.add(pid)
-        if process in self.pool._pool:
+        if process in self._children():
             return
         exitcode = process.exitcode  # not None only once waitpid() returned for it: reaped
         if exitcode is None:
@@ -324,7 +316,7 @@ class _Reaper:
         control.forget_child(pid)
         tasks = dict(self.running.get(pid, {}))
         fails = {task_id for task_id in tasks if task_id in self.fails}
-        if exitcode not in (0, _EX_RECYCLE):  # killed: the next death after a hard time limit
+        if exitcode not in (0, compat.EX_RECYCLE):  # killed: the next death after a hard time limit
             for task_id in list(_timed_out):  # used once, so a later exit cannot reuse it
                 name = tasks[task_id] = _timed_out.pop(task_id)[0]
                 task = self.app.tasks.get(name) if name else None
@@ -366,9 +358,6 @@ class _Reaper:
                 self.stuck = False
 
     def _stores(self) -> list[LockStore]:
-        from celery_lease._celery import execution as engine
-        from celery_lease._celery import settings as config
-
         try:
             settings = config.get_settings(self.app)
         except LeaseConfigError:
@@ -376,7 +365,7 @@ class _Reaper:
         stores: dict[int, LockStore] = {}
         for where, option in startup.stores_in_use(self.app, settings.store):
             try:
-                store = engine.store_for(option, self.app)
+                store = store_for(option, self.app)
             except Exception as exc:
                 logger.warning("celery-lease: cannot open the store of %s: %s", where, exc)
                 continue
@@ -395,7 +384,7 @@ class _Reaper:
         if not task_id:
             return False
         backend = getattr(self.app, "backend", None)
-        get = getattr(backend, "_get_task_meta_for", None)
+        get = compat.task_meta_reader(backend)
         as_uri = getattr(backend, "as_uri", None)
         if get is None or type(backend).__name__ == "DisabledBackend":
             return False
@@ -415,8 +404,6 @@ class _Reaper:
         run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
         refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
         """
-        from celery_lease._core.dispatch import get_dispatcher
-
         for store in self._stores():
             if not isinstance(store, SupportsInspection):
                 logger.warning(
@@ -504,8 +491,6 @@ class _Reaper:
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
-        from celery_lease._celery.unique import queued_key
-
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (
@@ -538,8 +523,6 @@ class _Reaper:
 
     def _prefix(self) -> str:
         """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
-        from celery_lease._celery import settings as config
-
         try:
             return config.get_settings(self.app).key_prefix
         except Exception:
@@ -547,8 +530,6 @@ class _Reaper:
 
 
 def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
-    from celery_lease import signals
-
     task, named = args
     signals.send(signals.lock_released, task, **named)
 
@@ -570,11 +551,8 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def start(self, parent: Any) -> None:
         """Wrap the prefork pool's join of exited children (nothing for other pools)."""
-        inner = getattr(getattr(parent, "pool", None), "_pool", None)
-        if not all(
-            hasattr(inner, name)
-            for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
-        ):
+        inner = compat.billiard_pool(getattr(parent, "pool", None))
+        if not compat.reapable(inner):
             return
         self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
         self.reaper.install()

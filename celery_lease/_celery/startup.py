@@ -76,7 +76,8 @@ from urllib.parse import urlsplit
 
 from celery import bootsteps
 
-from celery_lease._celery import control, worker
+from celery_lease._celery import control, pool
+from celery_lease._celery import settings as config
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
@@ -88,6 +89,7 @@ __all__ = [
     "check_app",
     "check_worker",
     "locked_tasks",
+    "opt_in",
     "ping_store",
     "ping_stores",
     "recheck_in_pool_process",
@@ -101,7 +103,7 @@ _app: weakref.ref[Any] | None = None
 """The app of the worker whose check passed in this process (inherited by pool processes)."""
 _processes = 0
 """How many processes that worker runs tasks in
-(:func:`celery_lease._celery.worker.pool_processes`), 0 before a check."""
+(:func:`celery_lease._celery.pool.pool_processes`), 0 before a check."""
 
 
 def locked_tasks(app: Any) -> Iterator[tuple[str, str | LockStore | None]]:
@@ -139,13 +141,21 @@ def uses_celery_lease(app: Any) -> bool:
     :func:`celery_lease.metrics.install`. Read once the app is final (a worker's steps are
     built after it imported every task module); reading it finalizes the app.
     """
-    from celery_lease._celery import settings as config
-    from celery_lease.metrics import installed
-
     if any(True for _ in locked_tasks(app)):
         return True
     conf = app.conf
-    return any(conf.get(name) is not None for name in config.SETTINGS) or installed(app)
+    return any(conf.get(name) is not None for name in config.SETTINGS) or app in _opted_in
+
+
+_opted_in: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Apps that use celery-lease without a locked task or a setting (:func:`opt_in`)."""
+
+
+def opt_in(app: Any) -> None:
+    """Count ``app`` as using celery-lease (:func:`uses_celery_lease`) though it has no locked
+    task and no ``lease_*`` setting: called by :func:`celery_lease.metrics.install`, an add-on
+    above this layer that this module does not import."""
+    _opted_in.add(app)
 
 
 def _describe(store: str | LockStore | None) -> str:
@@ -158,18 +168,16 @@ def check_worker(
     """The reason ``app``'s lease configuration cannot run on this worker, or ``None``.
 
     Checks the ``lease_*`` settings (values and names) and, when tasks run in more than one
-    process (:func:`celery_lease._celery.worker.pool_processes`), that no store in use keeps its
+    process (:func:`celery_lease._celery.pool.pool_processes`), that no store in use keeps its
     leases in one process's memory. Logs a warning when a process-local store is accepted (one
     process): it cannot exclude other worker processes, which this worker cannot see.
     """
     return _check(
-        app, worker.pool_processes(pool_cls, concurrency, autoscale), worker.pool_name(pool_cls)
+        app, pool.pool_processes(pool_cls, concurrency, autoscale), pool.pool_name(pool_cls)
     )
 
 
 def _check(app: Any, processes: int, pool: str, *, warn: bool = True) -> LeaseConfigError | None:
-    from celery_lease._celery import settings as config
-
     try:
         settings = config.get_settings(app)
     except LeaseConfigError as exc:
@@ -281,8 +289,6 @@ def ping_stores(
     stores: Sequence[tuple[str, str | LockStore]], key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> list[Check]:
     """:func:`ping_store` for each ``(what, option)``, all at once: ``timeout`` s in all."""
-    from celery_lease._celery import settings as config
-
     started: list[tuple[str, str | LockStore, threading.Event, list[float | BaseException]]] = []
     checks: dict[int, Check] = {}
     for index, (what, option) in enumerate(stores):
@@ -352,8 +358,6 @@ def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
     ``lease_store`` is set, or when a locked task has no ``lock_store`` of its own; and every
     task's ``lock_store``.
     """
-    from celery_lease._celery import settings as config
-
     configured = config.get_settings(app).store
     tasks = list(locked_tasks(app))
     pairs: list[tuple[str, str | LockStore]] = []
@@ -384,8 +388,6 @@ def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     (the deploy script asks about it even before any task module names a locked task).
     Nothing is pinged when the settings are bad.
     """
-    from celery_lease._celery import settings as config
-
     try:
         settings = config.get_settings(app)
     except LeaseConfigError as exc:
@@ -447,12 +449,10 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, autoscale: Any = None, **kwargs: Any) -> None:
         global _app, _processes
         super().__init__(parent, **kwargs)
-        from celery_lease._celery import settings as config
-
         app = parent.app
         config.recheck(app)
-        processes = worker.pool_processes(parent.pool_cls, parent.concurrency, autoscale)
-        error = _check(app, processes, worker.pool_name(parent.pool_cls))
+        processes = pool.pool_processes(parent.pool_cls, parent.concurrency, autoscale)
+        error = _check(app, processes, pool.pool_name(parent.pool_cls))
         if error is None and uses_celery_lease(app):
             error = _check_stores(app, config.get_settings(app))
         if error is not None:
@@ -462,7 +462,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
             )
             raise error
         _app, _processes = weakref.ref(app), processes
-        worker.set_pool_label(worker.pool_name(parent.pool_cls))
+        pool.set_pool_label(pool.pool_name(parent.pool_cls))
         control.prepare_main()
 
     def start(self, parent: Any) -> None:
@@ -487,10 +487,8 @@ def recheck_in_pool_process() -> None:
     app = _app() if _app is not None else None
     if app is None or _processes <= 1:
         return
-    error = _check(app, _processes, worker.pool_label(), warn=False)
+    error = _check(app, _processes, pool.pool_label(), warn=False)
     if error is not None:
-        from celery_lease._celery import settings as config
-
         config.refuse(app, str(error))
         logger.critical(
             "celery-lease: pool process %d refuses locked tasks: %s", os.getpid(), error

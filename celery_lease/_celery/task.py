@@ -38,14 +38,16 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
 from celery import Task
-from celery._state import _task_stack, get_current_task
-from celery.app import base as _celery_app_base
 
+from celery_lease._celery import compat
+from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
 from celery_lease._celery import unique as _unique
-from celery_lease._celery.execution import Spec as _Spec
-from celery_lease._celery.execution import adopt_request, current_run, run_locked, skip_quietly
+from celery_lease._celery import worker as _worker  # noqa: F401  # connects the worker hooks
+from celery_lease._celery.execution import adopt_request, current_run, run_locked
 from celery_lease._celery.interrupt import REVOKE_GRACE
+from celery_lease._celery.on_held import skip_quietly
 from celery_lease._celery.request import is_claimed as _is_claimed
+from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import (
@@ -86,32 +88,6 @@ def _body_signature(run: Any, *, bound: bool) -> inspect.Signature | None:
     return sig
 
 
-def _closure_of(func: Any) -> dict[str, Any]:
-    """The free variables of ``func`` by name (empty cells left out)."""
-    values: dict[str, Any] = {}
-    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
-        try:
-            values[name] = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-    return values
-
-
-def _is_pydantic_wrapper(func: Any) -> bool:
-    """Whether ``func`` is the ``wrapper`` of Celery's ``pydantic_wrapper`` (``pydantic=True``).
-
-    ``functools.wraps`` gives it the task function's names, so its code object tells.
-    """
-    code = getattr(func, "__code__", None)
-    return (
-        inspect.isfunction(func)
-        and code is not None
-        and code.co_name == "wrapper"
-        and "task_fun" in code.co_freevars
-        and code.co_filename == _celery_app_base.__file__
-    )
-
-
 def _model_annotation(annotation: Any, value: Any) -> Any:
     """The pydantic model class Celery validates ``value`` with for ``annotation``, or None."""
     from pydantic import BaseModel
@@ -140,9 +116,9 @@ def _pydantic_validator(
     run = inspect.getattr_static(cls, "run", None)
     bound = not isinstance(run, staticmethod)
     func = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
-    if not _is_pydantic_wrapper(func):
+    free = compat.pydantic_wrapper_closure(func)
+    if free is None:
         return None
-    free = _closure_of(func)
     signature: inspect.Signature = free.get("task_signature") or inspect.signature(func)
     get_model = free.get("get_argument_model")
     validate_argument = free.get("validate_argument")
@@ -341,7 +317,7 @@ class LockedTask(Task):  # type: ignore[misc]
         if claimed:
             return run_locked(self, top, spec, args, kwargs, lambda: self.run(*args, **kwargs))
         # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
-        _task_stack.push(self)
+        compat.task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
         try:
             return run_locked(
@@ -349,7 +325,7 @@ class LockedTask(Task):  # type: ignore[misc]
             )
         finally:
             self.pop_request()
-            _task_stack.pop()
+            compat.task_stack.pop()
 
     def apply_async(
         self,
@@ -444,6 +420,9 @@ class LockedTask(Task):  # type: ignore[misc]
 # @locked -------------------------------------------------------------------------------------
 
 
+_unique.checks_apply_async(LockedTask)
+
+
 def _is_body_of(task: Any, wrapper: Callable[..., Any]) -> bool:
     """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
     wrapper), not a helper called from the body."""
@@ -532,7 +511,7 @@ def locked(
 
         @functools.wraps(func)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            task = get_current_task()
+            task = compat.get_current_task()
             bound = task is not None and bool(args) and args[0] is task
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None

@@ -95,12 +95,13 @@ from celery.utils import uuid
 
 from celery_lease import signals
 from celery_lease._celery import settings as config
-from celery_lease._celery.execution import Spec, store_for
 from celery_lease._celery.protocols import (
     can_release_deferred,
     can_renew_deferred,
     is_inspectable,
 )
+from celery_lease._celery.spec import Spec
+from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease._core.renewer import Entry, get_renewer
@@ -125,6 +126,7 @@ __all__ = [
     "HEADER",
     "NAMESPACE",
     "apply_unique",
+    "checks_apply_async",
     "on_rejected",
     "on_start",
     "queued_key",
@@ -811,8 +813,6 @@ def _defer(
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
     it: the failure is logged (its copy, which still runs, carries the work) and it ends.
     """
-    from celery_lease._celery.task import LockedTask  # not at import: task.py imports this module
-
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
         _drop_finished(task, task_id)
@@ -823,7 +823,7 @@ def _defer(
     # copy itself, whose queued key its running body holds.
     signature = task.signature_from_request(request, countdown=ttl, expires=None, headers=headers)
     try:
-        super(LockedTask, cast(LockedTask, task)).apply_async(
+        super(_checking_class(), task).apply_async(
             signature.args, signature.kwargs, **signature.options
         )
     except Exception as exc:
@@ -853,6 +853,20 @@ def _defer(
         ttl,
     )
     raise Ignore("delivered again while its own copy runs")
+
+
+_checking: list[type] = []
+
+
+def checks_apply_async(cls: type) -> None:
+    """Name the task class whose ``apply_async`` calls :func:`apply_unique` (``LockedTask``,
+    when :mod:`celery_lease._celery.task` is imported): a delivery re-sent to wait for its own
+    copy is published by the ``apply_async`` after it in the class order, past the checks."""
+    _checking[:] = [cls]
+
+
+def _checking_class() -> Any:  # Any: mypy takes super()'s first argument for a class only
+    return _checking[0]  # set: a unique copy's task class was made by that module
 
 
 def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> None:

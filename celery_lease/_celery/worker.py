@@ -7,13 +7,15 @@ children inherit the receivers):
 - ``worker_init`` (main process): remember the main process id and add
   :class:`~celery_lease._celery.startup.LeaseCheck`,
   :class:`~celery_lease._celery.reaper.DeadHolders` and
-  :class:`celery_lease.metrics.MetricsStep` to the worker's bootsteps (``app.steps["worker"]``,
-  read by Celery right after this signal);
+  :class:`celery_lease.metrics.MetricsStep` (by name, :data:`METRICS_STEP`: the metrics add-on
+  sits above this layer, which does not import it) to the worker's bootsteps
+  (``app.steps["worker"]``, read by Celery right after this signal);
 - ``worker_process_init`` (each prefork child; the main process under solo): forget stores and
   caches inherited from the parent (:func:`celery_lease._forking.reset_child_state`; the at-fork
   hooks of :mod:`celery_lease._forking` already forget the stores after every fork; the signal
   also covers pools that start processes otherwise), note whether this process is a pool
-  child, and check again there (:func:`celery_lease._celery.startup.recheck_in_pool_process`);
+  child (:func:`celery_lease._celery.pool.set_pool_child`), and check again there
+  (:func:`celery_lease._celery.startup.recheck_in_pool_process`);
 - ``task_failure`` (main process): a task ended by its hard time limit is noted for the reaper
   (:func:`celery_lease._celery.reaper.note_task_failure`).
 
@@ -50,7 +52,6 @@ import contextlib
 import contextvars
 import logging
 import os
-from collections.abc import Sequence
 from typing import Any
 
 from celery.signals import (
@@ -63,35 +64,17 @@ from celery.signals import (
 )
 
 from celery_lease import _forking as forking
-from celery_lease._celery import control, reaper, startup
+from celery_lease._celery import control, pool, reaper, startup
 from celery_lease._core import owners
 
-__all__ = [
-    "IN_PROCESS_POOLS",
-    "connect_receivers",
-    "in_pool_child",
-    "pool_label",
-    "pool_name",
-    "pool_processes",
-    "reset_process_state",
-    "runs_one_task_at_a_time",
-    "set_pool_label",
-]
+__all__ = ["METRICS_STEP", "connect_receivers", "reset_process_state"]
 
 logger = logging.getLogger("celery_lease.worker")
 
-_main_pid: int | None = None
-_pool_child = False
-_pool_label = ""
-"""The pool of the worker whose start-up check passed in this process (:func:`set_pool_label`)."""
+METRICS_STEP = "celery_lease.metrics:MetricsStep"
+"""The metrics bootstep, by the name Celery's blueprint resolves (``module:attribute``)."""
 
-IN_PROCESS_POOLS = (
-    "celery.concurrency.solo",
-    "celery.concurrency.thread",
-    "celery.concurrency.gevent",
-    "celery.concurrency.eventlet",
-)
-"""Modules of Celery's pools that run every task inside the worker's main process."""
+_main_pid: int | None = None
 
 
 def reset_process_state() -> None:
@@ -103,65 +86,6 @@ def reset_process_state() -> None:
     forking.reset_child_state()
 
 
-def runs_one_task_at_a_time() -> bool:
-    """True in a worker process that runs one task at a time: a solo worker, a prefork child.
-
-    False outside a worker, in the main process of a prefork worker, and under the threads,
-    gevent and eventlet pools (and pools of other packages), where executions run side by side.
-    """
-    return _pool_label == "solo" or (_pool_label == "prefork" and _pool_child)
-
-
-def in_pool_child() -> bool:
-    """True in a prefork pool child process (where terminating the process is like revoke)."""
-    return _pool_child
-
-
-def pool_label() -> str:
-    """The pool of this process's worker (``"prefork"``, ``"solo"``...), ``""`` before its check."""
-    return _pool_label
-
-
-def set_pool_label(label: str) -> None:
-    """Remember the pool of the worker whose start-up check passed (by :class:`LeaseCheck`)."""
-    global _pool_label
-    _pool_label = label
-
-
-def pool_name(pool_cls: Any) -> str:
-    """``prefork``, ``thread``... for Celery's pools, else the class's repr."""
-    module = str(getattr(pool_cls, "__module__", ""))
-    if module.startswith("celery.concurrency."):
-        return module.rsplit(".", 1)[-1]
-    return repr(pool_cls)
-
-
-def pool_processes(pool_cls: Any, concurrency: int, autoscale: Any = None) -> int:
-    """How many processes may run this worker's tasks at once.
-
-    Args:
-        pool_cls: the worker's pool class (``WorkController.pool_cls`` once resolved).
-        concurrency: ``-c`` (an int; 0 or ``None`` count as 1).
-        autoscale: ``--autoscale`` as Celery passes it (``"10,3"`` or ``(10, 3)``), or ``None``.
-
-    Returns:
-        1 for a pool that runs tasks in the main process (solo, threads, gevent, eventlet, or a
-        subclass of one), else the larger of ``concurrency`` and the autoscale maximum (prefork,
-        and any pool this function does not know: counted on the safe side).
-    """
-    modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
-    if modules.intersection(IN_PROCESS_POOLS):
-        return 1
-    most = int(concurrency or 1)
-    if isinstance(autoscale, str):
-        autoscale = autoscale.partition(",")[0]
-    if isinstance(autoscale, Sequence) and not isinstance(autoscale, str):
-        autoscale = autoscale[0] if autoscale else None
-    if autoscale:
-        most = max(most, int(autoscale))
-    return most
-
-
 def _on_worker_init(sender: Any = None, **_: Any) -> None:
     global _main_pid
     _main_pid = os.getpid()
@@ -171,16 +95,16 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
     if app is not None:
         app.steps["worker"].add(startup.LeaseCheck)  # read by the blueprint right after this signal
         app.steps["worker"].add(reaper.DeadHolders)
-        from celery_lease.metrics import MetricsStep  # a no-op unless lease_metrics / install()
-
-        app.steps["worker"].add(MetricsStep)
+        # By name: Celery imports the metrics add-on when it builds the worker (it sits above
+        # this layer, which never imports it). A no-op unless lease_metrics / install().
+        app.steps["worker"].add(METRICS_STEP)
 
 
 def _on_worker_process_init(**_: Any) -> None:
-    global _pool_child
-    _pool_child = _main_pid is not None and os.getpid() != _main_pid
+    child = _main_pid is not None and os.getpid() != _main_pid
+    pool.set_pool_child(child)
     reset_process_state()
-    if _pool_child:
+    if child:
         startup.recheck_in_pool_process()
         control.serve_in_child()
 

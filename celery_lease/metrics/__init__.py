@@ -71,6 +71,7 @@ from celery import bootsteps
 
 from celery_lease import _forking as forking
 from celery_lease import signals
+from celery_lease._celery import pool
 from celery_lease._celery import settings as config
 from celery_lease._celery.settings import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
 from celery_lease.errors import LeaseConfigError
@@ -158,7 +159,7 @@ def _queued_key(sender: object, key: str) -> str | None:
         prefix = config.get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
     except Exception:  # no app, bad settings: its renewals are not counted
         return None
-    from celery_lease._celery.unique import queued_key
+    from celery_lease._celery.unique import queued_key  # not at import: it connects receivers
 
     return queued_key(key, prefix)
 
@@ -354,6 +355,9 @@ def install(
     if steps is None:
         raise LeaseConfigError(f"app={app!r} is not a Celery app (it has no .steps)")
     _installed[app] = _Options(exporter, port, addr, "install(port)")
+    from celery_lease._celery import startup  # not at import: it registers `inspect leases`
+
+    startup.opt_in(app)  # its workers get celery-lease's hooks without a locked task
     steps["worker"].add(MetricsStep)
 
 
@@ -385,16 +389,9 @@ def _options_of(app: CeleryApp) -> _Options | None:
     return _Options(settings.metrics, settings.metrics_port, "0.0.0.0", "lease_metrics_port")
 
 
-def _in_main_process(pool_cls: object) -> bool:
-    from celery_lease._celery.worker import IN_PROCESS_POOLS
-
-    modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
-    return bool(modules.intersection(IN_PROCESS_POOLS))
-
-
 def _refuse(parent: WorkerLike, error: LeaseConfigError) -> None:
     """Log why the worker cannot serve its metrics, and remove what celery-lease made for it."""
-    from celery_lease._celery import control
+    from celery_lease._celery import control  # not at import: it registers `inspect leases`
 
     logger.critical("Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error)
     control.cleanup_main()
@@ -432,7 +429,7 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 self.exporter = PrometheusExporter(
                     options.port,
                     options.addr,
-                    multiprocess=not _in_main_process(parent.pool_cls),
+                    multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
                     node=getattr(parent, "hostname", None),
                     setting=options.setting,
                 )

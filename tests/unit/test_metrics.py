@@ -125,6 +125,21 @@ class TestInstall:
         assert metrics.MetricsStep in app.steps["worker"]
         assert metrics._sink is None
 
+    def test_install_counts_the_app_as_using_celery_lease(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An app with no locked task and no ``lease_*`` setting gets the worker's hooks (and
+        its store check) once it installed the metrics."""
+        from celery_lease._celery import startup
+
+        plain = Celery("plain", broker="memory://", set_as_current=False)
+        # Shared locked tasks of other tests would count: this app has none of its own.
+        monkeypatch.setattr(startup, "locked_tasks", lambda app: iter(()))
+        assert not startup.uses_celery_lease(plain)
+        metrics.install(plain, port=0)
+        assert metrics.installed(plain)
+        assert startup.uses_celery_lease(plain)
+
     @pytest.mark.parametrize(
         ("kwargs", "needle"),
         [

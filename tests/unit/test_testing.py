@@ -113,6 +113,7 @@ class TestUseLeaseStore:
 
             from celery_lease import LockedTask
             from celery_lease._celery import settings as config
+            from celery_lease._celery.setting_typos import misspelled_settings
 
             class Settings:
                 CELERY_BROKER_URL = "memory://"
@@ -139,7 +140,7 @@ class TestUseLeaseStore:
                 assert "CELERY_LEASE_STORE" not in app.conf.changes
                 assert app.conf.get("lease_store") == "memory://"
                 assert dict(other.conf.changes)["lease_store"] == "memory://"
-                assert config.misspelled_settings(app.conf) == []
+                assert misspelled_settings(app.conf, config.SETTINGS) == []
             """
         )
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider")

@@ -25,8 +25,8 @@ from celery.utils.dispatch import Signal
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
 from celery_lease._celery import deferral
+from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
-from celery_lease._celery import worker as worker_module
 from celery_lease.stores.base import SupportsDeferredRelease
 
 
@@ -95,7 +95,7 @@ def only_our_receivers() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def solo_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """As in a solo worker's process (one task at a time): see TestPools for the others."""
-    monkeypatch.setattr(worker_module, "_pool_label", "solo")
+    monkeypatch.setattr(pool_module, "_pool_label", "solo")
 
 
 @pytest.fixture
@@ -313,8 +313,8 @@ class TestPools:
     ) -> None:
         """Where executions run side by side, the next one may acquire the same key through
         another connection before the server read the release: no deferral there."""
-        monkeypatch.setattr(worker_module, "_pool_label", pool)
-        monkeypatch.setattr(worker_module, "_pool_child", child)
+        monkeypatch.setattr(pool_module, "_pool_label", pool)
+        monkeypatch.setattr(pool_module, "_pool_child", child)
 
         @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
         def pooled(n: int) -> None:

@@ -290,9 +290,9 @@ class TestUntilDoneWithoutWaiting:
         """A solo worker's process, with celery-lease's own receivers only (see
         tests/unit/_celery/test_deferral.py: another module's lock_released recorder, connected
         at import, would rightly make the engine wait)."""
-        from celery_lease._celery import worker as worker_module
+        from celery_lease._celery import pool as pool_module
 
-        monkeypatch.setattr(worker_module, "_pool_label", "solo")
+        monkeypatch.setattr(pool_module, "_pool_label", "solo")
 
     def test_with_a_stored_result_both_keys_are_free_when_it_returns(
         self, app: Celery, published: Published, store: DeferringSpy

@@ -86,3 +86,23 @@ class TestConnectReceivers:
         assert self._ours() == dict.fromkeys(self.UIDS, 1)
         worker.connect_receivers()
         assert self._ours() == dict.fromkeys(self.UIDS, 1)
+
+
+class TestMetricsStep:
+    def test_the_metrics_step_is_added_by_a_name_that_resolves_to_it(self) -> None:
+        """``worker_init`` names the metrics bootstep ``module:attribute``; Celery's blueprint
+        imports the add-on from that name when it builds the worker."""
+        from celery.utils.imports import symbol_by_name
+
+        from celery_lease.metrics import MetricsStep
+
+        assert symbol_by_name(worker.METRICS_STEP) is MetricsStep
+
+    def test_the_step_added_by_name_and_by_install_is_one_step(self) -> None:
+        """``install()`` adds the class, ``worker_init`` the name: the worker builds it once."""
+        from celery import bootsteps
+
+        from celery_lease.metrics import MetricsStep
+
+        steps = bootsteps.Blueprint(steps={MetricsStep, worker.METRICS_STEP}).claim_steps()
+        assert [step for step in steps.values() if step is MetricsStep] == [MetricsStep]

@@ -20,6 +20,7 @@ from celery.app.defaults import _OLD_SETTING_KEYS, SETTING_KEYS
 
 from celery_lease import LeaseConfigError, MemoryLockStore
 from celery_lease._celery import settings as config
+from celery_lease._celery.setting_typos import misspelled_settings
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -196,7 +197,7 @@ class TestNoFalseAlarms:
     def test_celery_setting_names_are_never_ours(self) -> None:
         """No Celery setting (new or old name) is taken for a misspelled lease setting."""
         for key in sorted(SETTING_KEYS | _OLD_SETTING_KEYS):
-            assert config.misspelled_settings({key: 1}) == [], key
+            assert misspelled_settings({key: 1}, config.SETTINGS) == [], key
 
     def test_a_store_instance_value(self, apps: list[Celery]) -> None:
         """The check looks at names only: any value under a known name passes it."""

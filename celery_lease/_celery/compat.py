@@ -1,0 +1,223 @@
+"""Every reach into Celery's and billiard's internals, in one place.
+
+celery-lease plugs into Celery through its public hooks (signals, bootsteps, ``Task`` methods)
+wherever one exists. Where none does, the private name it needs is imported or read here and
+only here, each entry headed by the Celery or billiard behaviour it relies on (read in celery
+5.7.0 and billiard 4.3.2; see also the facts the project keeps about Celery). An upgrade that
+moves one of them breaks this module and its tests, not the modules that use it.
+
+Users: the task layer (:mod:`celery_lease._celery.task`: the task stack, Celery's pydantic
+wrapper), the run engine and deferred releases (the current app, ``ignore_result`` per
+request), deferred releases (a signal's receivers), ``celery inspect leases``
+(:mod:`celery_lease._celery.control`: the pool's children) and the dead-holder reaper
+(:mod:`celery_lease._celery.reaper`: billiard's pool, the worker's requests, the result backend).
+
+The dead-holder reaper is in the safety path: ``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from billiard.pool import EX_RECYCLE
+from celery import _state
+from celery.app import base as _app_base
+from celery.worker import state as _worker_state
+
+try:
+    # celery 5.7 (read): the per-request ignore_result rule; older releases lack it (< 5.6).
+    from celery.app.task import get_actual_ignore_result
+except ImportError:  # pragma: no cover  # Celery < 5.6: no per-request ignore_result helper
+    get_actual_ignore_result = None
+
+__all__ = [
+    "EX_RECYCLE",
+    "billiard_pool",
+    "child_processes",
+    "event_process_exit",
+    "get_actual_ignore_result",
+    "get_current_app",
+    "get_current_task",
+    "job_pids",
+    "join_exited_workers",
+    "live_receivers",
+    "pool_jobs",
+    "pydantic_wrapper_closure",
+    "reapable",
+    "request_cancelled",
+    "request_job",
+    "set_event_process_exit",
+    "set_join_exited_workers",
+    "task_meta_reader",
+    "task_stack",
+    "worker_requests",
+]
+
+# The task stack and the current app and task (celery.current_app / current_task are proxies).
+
+# celery 5.x: the stack of running tasks that current_task reads; Task.__call__ pushes onto it.
+task_stack: Any = _state._task_stack
+
+# celery 5.x: the app of this thread (the default app when none was set).
+get_current_app: Callable[[], Any] = _state.get_current_app
+
+# celery 5.x: the task running in this thread, or None.
+get_current_task: Callable[[], Any] = _state.get_current_task
+
+# EX_RECYCLE is imported above: billiard 4.x, the exit code of a child that left on purpose
+# (--max-tasks-per-child, --max-memory-per-child); any other nonzero code is a killed child.
+
+
+# Celery's pydantic wrapper (``@app.task(pydantic=True)``) ------------------------------------
+
+
+def pydantic_wrapper_closure(func: Any) -> dict[str, Any] | None:
+    """The free variables of ``func`` by name when it is the ``wrapper`` of Celery's
+    ``pydantic_wrapper``, else ``None``.
+
+    celery >= 5.5 (``celery/app/base.py``): ``functools.wraps`` gives the wrapper the task
+    function's names, so its code object tells it apart (named ``wrapper``, closing over
+    ``task_fun``, compiled from that file). Its free variables include ``task_signature``,
+    ``type_hints``, ``strict`` and ``context``; celery 5.7 adds ``get_argument_model`` and
+    ``validate_argument``. Empty cells are left out.
+    """
+    code = getattr(func, "__code__", None)
+    if not (
+        inspect.isfunction(func)
+        and code is not None
+        and code.co_name == "wrapper"
+        and "task_fun" in code.co_freevars
+        and code.co_filename == _app_base.__file__
+    ):
+        return None
+    values: dict[str, Any] = {}
+    for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
+        try:
+            values[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+    return values
+
+
+# Signals -------------------------------------------------------------------------------------
+
+
+def live_receivers(signal: Any) -> list[Any]:
+    """The receivers of a Celery ``Signal`` that are still alive (weak ones dereferenced).
+
+    celery 5.x ``celery.utils.dispatch.Signal.receivers``: a list of ``(lookup key, receiver)``,
+    the receiver a weak reference unless connected with ``weak=False``.
+    """
+    alive = []
+    for _, receiver in signal.receivers:
+        if isinstance(receiver, weakref.ReferenceType):
+            receiver = receiver()
+            if receiver is None:
+                continue
+        alive.append(receiver)
+    return alive
+
+
+# The prefork pool (billiard) -----------------------------------------------------------------
+
+
+def billiard_pool(task_pool: Any) -> Any:
+    """billiard's ``Pool`` inside the worker's pool, or ``None`` (solo, threads, green pools).
+
+    celery 5.x ``celery.concurrency.prefork.TaskPool.on_start`` keeps it in ``_pool``.
+    """
+    return getattr(task_pool, "_pool", None)
+
+
+def reapable(pool: Any) -> bool:
+    """Whether ``pool`` has the billiard 4.x internals the dead-holder reaper wraps."""
+    return all(
+        hasattr(pool, name) for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
+    )
+
+
+def child_processes(pool: Any) -> list[Any] | None:
+    """The child processes of billiard's ``pool`` now, or ``None`` when it has no such list.
+
+    billiard 4.x ``Pool._pool``: the list of live ``Process`` objects; a reaped child leaves it.
+    """
+    processes = getattr(pool, "_pool", None)
+    return processes if isinstance(processes, list) else None
+
+
+def join_exited_workers(pool: Any) -> Callable[..., Any]:
+    """billiard 4.x ``Pool._join_exited_workers``: reaps dead children (``waitpid``) and removes
+    them from ``_pool``; ``maintain_pool`` calls it, and it calls ``mark_as_worker_lost`` for a
+    job whose child died."""
+    method: Callable[..., Any] = pool._join_exited_workers
+    return method
+
+
+def set_join_exited_workers(pool: Any, method: Callable[..., Any]) -> None:
+    """Replace ``pool``'s ``_join_exited_workers`` (on the instance) with ``method``."""
+    pool._join_exited_workers = method
+
+
+def event_process_exit(pool: Any) -> Callable[..., Any] | None:
+    """celery 5.x ``AsynPool._event_process_exit(hub, proc)``: what the event loop runs when a
+    child's sentinel pipe closes (looked up on the pool each time); ``None`` on other pools."""
+    return getattr(pool, "_event_process_exit", None)
+
+
+def set_event_process_exit(pool: Any, method: Callable[..., Any]) -> None:
+    """Replace ``pool``'s ``_event_process_exit`` (on the instance) with ``method``."""
+    pool._event_process_exit = method
+
+
+def pool_jobs(pool: Any) -> list[Any]:
+    """The jobs of billiard's ``pool`` not collected yet (billiard 4.x ``Pool._cache``: job
+    id -> ``ApplyResult``; its ``correlation_id`` is the task id)."""
+    cache = getattr(pool, "_cache", None)
+    return list(cache.values()) if isinstance(cache, dict) else []
+
+
+def job_pids(job: Any) -> set[int]:
+    """The pool children a billiard job was accepted by, written to or scheduled for.
+
+    billiard 4.x ``ApplyResult.worker_pids()``; celery 5.x ``AsynPool`` notes the child it
+    wrote the job to (``_write_to``) and the one it is scheduled for (``_scheduled_for``).
+    """
+    pids = {pid for pid in job.worker_pids() if pid}
+    for attr in ("_write_to", "_scheduled_for"):
+        pid = getattr(getattr(job, attr, None), "pid", None)
+        if pid:
+            pids.add(pid)
+    return pids
+
+
+# The worker's requests and the result backend ------------------------------------------------
+
+
+def worker_requests() -> list[Any]:
+    """The requests the worker tracks now: active, then reserved (celery 5.x
+    ``celery.worker.state.active_requests`` and ``reserved_requests``)."""
+    return [*_worker_state.active_requests, *_worker_state.reserved_requests]
+
+
+def request_cancelled(request: Any) -> bool:
+    """celery 5.x ``Request._already_cancelled``: the request was cancelled (its message stays
+    unacknowledged and is redelivered)."""
+    return bool(getattr(request, "_already_cancelled", False))
+
+
+def request_job(request: Any) -> Any:
+    """The pool job of a worker request, or ``None`` (celery 5.x ``Request._apply_result``: a
+    weak reference to billiard's ``ApplyResult``, set once the job is sent to the pool)."""
+    ref = getattr(request, "_apply_result", None)
+    return ref() if ref is not None else None
+
+
+def task_meta_reader(backend: Any) -> Callable[[str], dict[str, Any]] | None:
+    """``backend._get_task_meta_for(task_id)``: the stored meta of a task, read from the
+    backend each time (``get_task_meta`` may answer from its cache); ``None`` for a backend
+    without it. celery 5.x: the backends that store meta define it (key-value stores, the
+    database, MongoDB, Cassandra...), the base and the disabled backend do not."""
+    return getattr(backend, "_get_task_meta_for", None)

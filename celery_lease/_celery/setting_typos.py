@@ -1,0 +1,177 @@
+"""Misspelled settings: configured keys that were meant as celery-lease settings but that
+Celery never reads.
+
+Celery keeps any key it does not know and never complains, so a typo such as ``lease_stor``
+(or ``CELERY_LEASE_STOR`` under ``namespace="CELERY"``) would silently select another store.
+:func:`misspelled_settings` looks at every configured key of an ``app.conf``: a key that looks
+like one of the given settings, or a known name in a spelling Celery never reads
+(``LEASE_STORE`` without a namespace), is reported with the setting meant;
+:func:`check_names` turns the reports into one :class:`~celery_lease.LeaseConfigError`. The
+names are given by the caller (:data:`celery_lease._celery.settings.SETTINGS`, read and checked
+in :func:`celery_lease._celery.settings.get_settings`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from celery_lease.errors import LeaseConfigError
+
+__all__ = ["check_names", "misspelled_settings"]
+
+_HINT_CUTOFF = 0.6
+"""difflib ratio from which a known setting is offered as "did you mean"."""
+
+_LOOKALIKE_CUTOFF = 0.8
+"""difflib ratio from which a key Celery would not read as ours still counts as a typo of ours."""
+
+
+def _cased(name: str, prefix: str) -> str:
+    """``prefix + name`` in the case of the prefix, as Celery's ``Settings`` looks it up."""
+    spelled = prefix + name
+    return spelled.upper() if prefix.isupper() else spelled.lower()
+
+
+def _spellings(name: str, prefix: str) -> tuple[str, ...]:
+    """The keys under which ``app.conf`` finds setting ``name`` (a name Celery does not know).
+
+    Without a namespace only ``name`` itself; under a namespace (``prefix`` ``"CELERY_"``) also
+    the prefixed name in the prefix's case (``CELERY_LEASE_STORE``). This mirrors
+    ``celery.utils.collections.ConfigurationView._to_keys``.
+    """
+    return (_cased(name, prefix), name) if prefix else (name,)
+
+
+def _closest(name: str, settings: Sequence[str]) -> str | None:
+    """The setting ``name`` most likely abbreviates or misspells, if any is close."""
+    tail = name.removeprefix("lease_")
+    for setting in settings:
+        if tail and tail != name and setting.endswith("_" + tail):
+            return setting  # lease_ttl -> lease_default_ttl, lease_prefix -> lease_key_prefix
+    matches = difflib.get_close_matches(name, settings, n=1, cutoff=_HINT_CUTOFF)
+    return matches[0] if matches else None
+
+
+def _one_edit_apart(a: str, b: str) -> bool:
+    """Whether ``a`` becomes ``b`` by at most one insertion, deletion, substitution or swap of
+    two neighbours (``leas``, ``lase``, ``laese`` and ``lease`` itself for ``lease``)."""
+    if a == b:
+        return True
+    if abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        if len(diff) == 1:
+            return True
+        i = diff[0]
+        return len(diff) == 2 and diff[1] == i + 1 and a[i] == b[i + 1] and a[i + 1] == b[i]
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    return any(long[:i] + long[i + 1 :] == short for i in range(len(long)))
+
+
+_WORD = re.compile(r"[a-z]+")
+
+
+def _says_lease(name: str, settings: Sequence[str]) -> bool:
+    """Whether ``name`` (lower case, namespace removed) is written as one of our settings.
+
+    Its first word is ``lease`` or one slip away from it (``leas_store``, ``laese_store``), or
+    it runs the words of a setting together (``leasestore``). Other libraries' names that
+    merely share words with ours (``cache_key_prefix``, ``redis_default_ttl``,
+    ``release_store``) are not: they are someone else's settings, not typos of ours.
+    """
+    first = _WORD.match(name)
+    if first is not None and _one_edit_apart(first.group(), "lease"):
+        return True
+    squashed = re.sub(r"[^a-z]", "", name)
+    squashed_settings = [setting.replace("_", "") for setting in settings]
+    return squashed.startswith("lease") and bool(
+        difflib.get_close_matches(squashed, squashed_settings, n=1, cutoff=_LOOKALIKE_CUTOFF)
+    )
+
+
+def _configured_keys(conf: Any) -> Iterable[Any]:
+    """Every key the user configured: ``app.conf`` without Celery's defaults, or a mapping."""
+    without_defaults = getattr(conf, "without_defaults", None)
+    view = without_defaults() if callable(without_defaults) else conf
+    return list(view.keys())
+
+
+def misspelled_settings(conf: Any, settings: Sequence[str]) -> list[str]:
+    """One message per configured key that was meant as a lease setting but is never read.
+
+    ``conf`` is an ``app.conf`` (Celery ``Settings``: its namespace prefix is honoured and
+    Celery's built-in defaults are skipped) or any mapping of setting names. A key is reported
+    when Celery would not return it for any name in ``settings`` and either
+
+    - its name, without the namespace prefix (or an old-style ``CELERY_`` prefix), is a known
+      setting (``LEASE_STORE`` without a namespace, ``LEASE_STORE`` under ``"CELERY"``);
+    - or its name says ``lease`` (its first word is ``lease`` or one slip away from it, or it
+      runs a setting's words together: ``leas_store``, ``leasestore``) and it is spelled as
+      Celery reads settings (lower case, or inside the namespace: ``lease_stor``,
+      ``CELERY_LEASE_STOR``);
+    - or its name says ``lease``, it is spelled otherwise (Django's upper-case settings outside
+      the namespace) and it is very close to a known name (``CELERY_LEASE_STOR`` without a
+      namespace).
+
+    Names of other libraries that only share words with ours (``CACHE_KEY_PREFIX``,
+    ``redis_default_ttl``, ``release_store``, ``redbeat_key_prefix``) are never reported.
+    """
+    finalize = getattr(conf, "finalize", None)
+    if callable(finalize):
+        finalize()  # a pending app.conf: load config_from_object (and its namespace) first
+    prefix = getattr(conf, "prefix", None) or ""
+    readable = {key for name in settings for key in _spellings(name, prefix)}
+    problems: list[str] = []
+    for key in _configured_keys(conf):
+        if not isinstance(key, str) or key in readable:
+            continue
+        name = key.lower()
+        for strip in (prefix.lower(), "celery_"):
+            if strip and name.startswith(strip):
+                name = name[len(strip) :]
+                break
+        in_namespace = bool(prefix) and key.startswith(_cased("", prefix))
+        spelled_for_celery = key.islower() or in_namespace
+        prefixed = bool(prefix) and not key.islower()
+        if name in settings:
+            reads = " or ".join(repr(s) for s in _spellings(name, prefix))
+            note = ""
+            if not prefix and not key.islower():
+                note = (
+                    " (names are case-sensitive; upper-case CELERY_LEASE_* names need"
+                    " config_from_object(..., namespace='CELERY'))"
+                )
+            problems.append(f"{key!r} is never read by Celery: this app reads {reads}{note}")
+            continue
+        if not _says_lease(name, settings):
+            continue
+        lookalike = difflib.get_close_matches(name, settings, n=1, cutoff=_LOOKALIKE_CUTOFF)
+        if not (lookalike or spelled_for_celery):
+            continue
+        meant = _closest(name, settings)
+        hint = ""
+        if meant is not None:
+            spelled = _cased(meant, prefix) if prefixed else meant
+            hint = f" (did you mean {spelled!r}?)"
+        problems.append(f"{key!r} is not a celery-lease setting{hint}")
+    return problems
+
+
+def check_names(conf: Any, settings: Sequence[str]) -> None:
+    """Raise :class:`~celery_lease.LeaseConfigError` naming every key of ``conf`` that
+    :func:`misspelled_settings` reports, the setting meant and all of ``settings``."""
+    problems = misspelled_settings(conf, settings)
+    if problems:
+        prefix = getattr(conf, "prefix", None) or ""
+        known = ", ".join(_cased(s, prefix) if prefix else s for s in settings)
+        where = f" (namespace {prefix.rstrip('_')!r})" if prefix else ""
+        raise LeaseConfigError(
+            f"celery-lease: {'; '.join(problems)}. Celery ignores keys it does not know, so"
+            " each would be ignored silently (a misspelled lease_store makes tasks use another"
+            " lock store, the broker's Redis or a host-local SQLite file, that does not exclude"
+            f" what the intended one would). The settings{where} are: {known}"
+        )

@@ -1,0 +1,45 @@
+"""A locked task's definition as its executions read it: the validated options, the key
+function, and the ``ttl`` / ``wait`` they resolve to under the app's settings.
+
+Built once per task class (:class:`~celery_lease.LockedTask`) or per decorated body
+(:func:`~celery_lease.locked`), and handed to the run engine
+(:func:`celery_lease._celery.execution.run_locked`) and to the unique copies' publish
+(:func:`celery_lease._celery.unique.apply_unique`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_lease._celery import settings as config
+from celery_lease._core.keys import KeyFunction
+from celery_lease._core.lease import check_ttl
+from celery_lease._core.options import LockOptions
+
+__all__ = ["Spec"]
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What an execution needs from its task definition: options and the key function."""
+
+    options: LockOptions
+    key_function: KeyFunction
+    _durations: list[tuple[Any, float, float]] = field(
+        default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
+    )
+
+    def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
+        """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
+        built-in defaults; worked out and checked once per settings object (a new one is read
+        after :func:`celery_lease._celery.settings.reset`)."""
+        read, ttl, wait = self._durations[0]
+        if read is settings:
+            return ttl, wait
+        options = self.options
+        ttl = config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL)
+        wait = config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT)
+        check_ttl(ttl, ttl, name="ttl")  # as lease() checks it: lease_default_ttl may be too short
+        self._durations[0] = (settings, ttl, wait)
+        return ttl, wait

@@ -1,0 +1,55 @@
+"""A task's definition as its executions read it: ``ttl`` and ``wait`` from the task's
+options, else the app's settings, else the built-in defaults."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery import Celery
+
+from celery_lease import LeaseConfigError
+from celery_lease._celery import settings as config
+from celery_lease._celery.spec import Spec
+from celery_lease._core.options import LockOptions
+
+
+def _key(args: tuple[Any, ...], kwargs: Any) -> str:
+    return "k"
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("spec", broker="memory://", set_as_current=False)
+    yield app
+    config.reset(app)
+
+
+class TestDurations:
+    def test_built_in_defaults_without_option_or_setting(self, app: Celery) -> None:
+        """Neither the task nor the app says: 30 s ttl, no wait."""
+        spec = Spec(LockOptions(), _key)
+        assert spec.durations(config.get_settings(app)) == (config.BUILTIN_TTL, config.BUILTIN_WAIT)
+
+    def test_the_setting_applies_where_the_task_sets_nothing(self, app: Celery) -> None:
+        """``lease_default_ttl`` and ``lease_default_wait`` fill in; the task's own option wins."""
+        app.conf.lease_default_ttl = 60
+        app.conf.lease_default_wait = 5
+        settings = config.get_settings(app)
+        assert Spec(LockOptions(), _key).durations(settings) == (60.0, 5.0)
+        assert Spec(LockOptions(ttl=10.0), _key).durations(settings) == (10.0, 5.0)
+
+    def test_new_settings_are_read_again(self, app: Celery) -> None:
+        """Worked out once per settings object: settings read anew after a reset apply."""
+        spec = Spec(LockOptions(), _key)
+        assert spec.durations(config.get_settings(app))[0] == config.BUILTIN_TTL
+        app.conf.lease_default_ttl = 90
+        config.reset(app)
+        assert spec.durations(config.get_settings(app))[0] == 90.0
+
+    def test_a_default_ttl_too_short_for_renewal_is_refused(self, app: Celery) -> None:
+        """As ``lease()`` checks its ttl: a ``lease_default_ttl`` under the minimum fails."""
+        app.conf.lease_default_ttl = 0.001
+        with pytest.raises(LeaseConfigError):
+            Spec(LockOptions(), _key).durations(config.get_settings(app))

@@ -1,0 +1,45 @@
+"""Which store a locked task uses: its ``lock_store`` option, else the app's ``lease_store``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from celery import Celery
+
+from celery_lease import MemoryLockStore
+from celery_lease import _forking as forking
+from celery_lease._celery import settings as config
+from celery_lease._celery.store_resolution import store_for
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("stores", broker="memory://", set_as_current=False)
+    app.conf.lease_store = MemoryLockStore()
+    yield app
+    config.reset(app)
+
+
+class TestStoreFor:
+    def test_no_option_is_the_apps_store(self, app: Celery) -> None:
+        """A task without ``lock_store`` uses ``lease_store``."""
+        assert store_for(None, app) is app.conf.lease_store
+
+    def test_a_store_object_is_used_as_it_is(self, app: Celery) -> None:
+        """A ``LockStore`` given as the option is the task's store."""
+        own = MemoryLockStore()
+        assert store_for(own, app) is own
+
+    def test_a_url_is_opened_once_per_process(self, app: Celery) -> None:
+        """Every execution of tasks naming one URL shares the store opened for it first."""
+        first = store_for("memory://", app)
+        assert isinstance(first, MemoryLockStore)
+        assert store_for("memory://", app) is first
+        assert first is not app.conf.lease_store
+
+    def test_a_new_pool_process_opens_the_url_again(self, app: Celery) -> None:
+        """The resets of a new process forget the stores opened from URLs."""
+        first = store_for("memory://", app)
+        forking.reset_child_state()
+        assert store_for("memory://", app) is not first
