@@ -58,12 +58,12 @@ from typing import Any, Final
 
 import redis
 import redis.connection
-from redis._parsers.base import BaseParser
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import InvalidResponse, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease import _forking as forking
+from celery_lease.stores._redis_compat import connection_socket, parse_error
 
 __all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
 
@@ -327,7 +327,7 @@ class FastConnection:
         self._drop()
         conn = self._pool.connection_class(**self._pool.connection_kwargs)
         conn.connect()  # AUTH, HELLO/SELECT, CLIENT SETNAME/SETINFO: redis-py's handshake
-        sock: socket.socket | None = conn._sock
+        sock = connection_socket(conn)
         if sock is None:  # pragma: no cover - connect() either sets it or raises
             raise RedisConnectionError("the connection has no socket after connect()")
         self._conn, self._sock, self._pid = conn, sock, os.getpid()
@@ -424,7 +424,7 @@ class FastConnection:
             return 1 if line == b"t" else 0
         if kind == 0x2D:  # '-' error
             # redis-py's own mapping: NOSCRIPT -> NoScriptError, READONLY -> ReadOnlyError...
-            return BaseParser.parse_error(line.decode(errors="replace"))  # type: ignore[no-untyped-call]
+            return parse_error(line.decode(errors="replace"))
         if kind == 0x2B:  # '+' simple string
             return line
         # Nothing the scripts return looks like this: the stream cannot be trusted any more.

@@ -97,6 +97,7 @@ from celery_lease.stores._redis_common import (
     text,
     what,
 )
+from celery_lease.stores._redis_compat import client_retries
 from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LeaseInfo
 
@@ -829,8 +830,8 @@ def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster)
         retry = get_retry() if callable(get_retry) else None
     except AttributeError:  # redis-py 5's RedisCluster has one, reading a missing attribute
         retry = None
-    retries = getattr(retry, "_retries", 0) if retry is not None else 0
-    if isinstance(retries, int) and retries > 1:
+    retries = client_retries(retry) if retry is not None else 0
+    if retries > 1:
         logger.warning(
             "RedisLockStore: the client retries failed commands %d times; against a silent "
             "server a lease call then blocks for many seconds. Build the store from a URL, or "

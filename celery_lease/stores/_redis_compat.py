@@ -1,0 +1,50 @@
+"""Every reach into redis-py's internals, in one place.
+
+The Redis stores use redis-py's public API wherever it has one. Where it has none, the private
+name they need is imported or read here and only here, each entry headed by the redis-py
+behaviour it relies on (read in redis-py 8.2.0). An upgrade that moves one of them breaks this
+module and its tests, not the stores.
+
+This is the stores' counterpart of :mod:`celery_lease._celery.compat` (Celery's and billiard's
+internals): the stores may not import the Celery layer, so the two cannot be one module.
+"""
+
+from __future__ import annotations
+
+import socket
+
+from redis._parsers.base import BaseParser
+
+__all__ = ["client_retries", "connection_socket", "parse_error"]
+
+
+def parse_error(text: str) -> Exception:
+    """The exception redis-py raises for the error reply ``text`` (``NOSCRIPT`` ->
+    ``NoScriptError``, ``READONLY`` -> ``ReadOnlyError``, ...).
+
+    redis-py 8.2: ``redis._parsers.base.BaseParser.parse_error``, a classmethod over its
+    ``EXCEPTION_CLASSES`` table; no public function maps an error reply to its exception.
+    """
+    error: Exception = BaseParser.parse_error(text)  # type: ignore[no-untyped-call]
+    return error
+
+
+def connection_socket(connection: object) -> socket.socket | None:
+    """The socket of a connected ``redis.connection.Connection`` (None before ``connect()``).
+
+    redis-py 8.2: ``AbstractConnection._sock``, set by ``connect()``; there is no public
+    accessor. The fast path reads and writes it directly, after redis-py's own handshake.
+    """
+    sock = getattr(connection, "_sock", None)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def client_retries(retry: object) -> int:
+    """How many times a ``redis.retry.Retry`` retries a failed command (0 if it cannot tell).
+
+    redis-py 8.2: ``Retry.get_retries()`` (public); older releases (redis-py 5) keep the count in
+    the private ``_retries`` only.
+    """
+    get_retries = getattr(retry, "get_retries", None)
+    retries = get_retries() if callable(get_retries) else getattr(retry, "_retries", 0)
+    return retries if isinstance(retries, int) else 0
