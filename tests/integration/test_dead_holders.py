@@ -262,7 +262,7 @@ def start_worker(
     module: str, name: str, pool: str, concurrency: int, env: dict[str, str], directory: Path
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``celery -A module worker`` and wait until it logs ``ready.``."""
-    from tests.integration.conftest import stop_worker
+    from tests.integration.workers import stop_worker
 
     log = directory / f"worker-{name}.log"
     cmd = [
@@ -298,7 +298,7 @@ def run_worker(
 ) -> Iterator[Worker]:
     """A worker of this module's app on the session's throwaway redis-server."""
     from tests.fixtures_redis import RedisServer
-    from tests.integration.conftest import stop_worker
+    from tests.integration.workers import stop_worker
 
     server: RedisServer = request.getfixturevalue("redis_server")
     broker = f"redis://127.0.0.1:{server.port}/{db}"

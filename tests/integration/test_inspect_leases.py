@@ -193,8 +193,8 @@ def _worker(
     request: pytest.FixtureRequest, tmp_path: Path, pool: str, concurrency: int
 ) -> Iterator[Worker]:
     from tests.fixtures_redis import RedisServer
-    from tests.integration.conftest import stop_worker
     from tests.integration.test_dead_holders import start_worker
+    from tests.integration.workers import stop_worker
 
     server: RedisServer = request.getfixturevalue("redis_server")
     broker = f"redis://127.0.0.1:{server.port}/4"

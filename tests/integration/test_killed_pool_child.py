@@ -39,7 +39,7 @@ from celery.exceptions import TaskRevokedError, WorkerLostError
 from celery_lease import LockedTask, store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration.workers import ROOT, stop_worker
 from tests.support import service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]

@@ -25,7 +25,8 @@ from celery import Celery
 
 from celery_lease import LockedTask, LockLostError, store_from_url
 from celery_lease._celery import interrupt as _interrupt
-from tests.integration.conftest import READY_TIMEOUT, ROOT, STOP_TIMEOUT, WorkerEnv, stop_worker
+from tests.integration.conftest import READY_TIMEOUT, WorkerEnv
+from tests.integration.workers import ROOT, STOP_TIMEOUT, stop_worker
 from tests.support import service_missing
 
 POLL = 0.01  # seconds between checks in bodies

@@ -30,8 +30,8 @@ from celery_lease import LockStore, store_from_url
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import parse_owner
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import ROOT, stop_worker
 from tests.integration.unique_app import make_app
+from tests.integration.workers import ROOT, stop_worker
 from tests.support import free_port
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]

@@ -39,7 +39,7 @@ from celery import Celery
 from celery_lease import store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import stop_worker
+from tests.integration.workers import stop_worker
 from tests.support import service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
