@@ -22,7 +22,7 @@ from celery import Celery
 from celery_lease import LockStore, store_from_url
 from tests.fixtures_redis import RedisServer
 from tests.integration.worker_app import make_app
-from tests.integration.workers import CeleryWorker, stop_worker
+from tests.integration.workers import start_worker, stop_worker
 
 READY_TIMEOUT = 40.0  # seconds for a worker to log "ready."
 TIMEOUT = 30.0  # seconds a test waits for a result or a marker file
@@ -68,22 +68,6 @@ class WorkerEnv:
         return result.get(timeout=timeout, interval=POLL, propagate=propagate)
 
 
-def start_worker(
-    name: str, pool: str, concurrency: int, env: dict[str, str], directory: Path
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start ``celery worker`` on the test app and wait until it logs ``ready.``."""
-    worker = CeleryWorker(
-        "tests.integration.worker_app:app",
-        directory / f"worker-{name}.log",
-        pool=pool,
-        concurrency=concurrency,
-        name=name,
-        env=env,
-    )
-    worker.wait_ready(READY_TIMEOUT)
-    return worker.process, worker.log
-
-
 def _variant(
     name: str,
     pool: str,
@@ -103,7 +87,9 @@ def _variant(
         "IT_RESULT_SERIALIZER": serializer,
     }
     app = make_app(broker, backend, store, str(directory), serializer)
-    process, log = start_worker(name, pool, concurrency, env, directory)
+    process, log = start_worker(
+        "tests.integration.worker_app:app", name, pool, concurrency, env, directory, READY_TIMEOUT
+    )
     lock_store = store_from_url(store or broker)
     try:
         yield WorkerEnv(name, pool, app, lock_store, directory, process, log)

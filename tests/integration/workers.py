@@ -117,6 +117,31 @@ class CeleryWorker:
         stop_worker(self.process)
 
 
+def start_worker(
+    app: str,
+    name: str,
+    pool: str,
+    concurrency: int,
+    env: Mapping[str, str],
+    directory: Path,
+    timeout: float,
+    args: Sequence[str] = (),
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``celery -A app worker`` as ``name@%h``, logging to ``directory/worker-<name>.log``,
+    and wait (``timeout`` s) until it logs ``ready.``; its process and its log."""
+    worker = CeleryWorker(
+        app,
+        directory / f"worker-{name}.log",
+        pool=pool,
+        concurrency=concurrency,
+        name=name,
+        env=env,
+        args=args,
+    )
+    worker.wait_ready(timeout)
+    return worker.process, worker.log
+
+
 def stop_worker(process: subprocess.Popen[bytes]) -> None:
     """Warm shutdown (SIGTERM to the main process), then SIGKILL to its process group."""
     if process.poll() is None:
