@@ -53,10 +53,12 @@ class CeleryWorker:
         app: what ``-A`` gets (``"tests.integration.x:app"``).
         log: the file the worker's stdout and stderr go to.
         pool, concurrency, name: ``-P``, ``-c`` and ``-n <name>@%h``.
-        env: added to this process's environment (besides ``PYTHONPATH`` set to the repository
-            and ``C_FORCE_ROOT``: CI containers run as root and the workers accept pickle).
+        env: added to this process's environment (besides ``PYTHONPATH`` set to ``cwd`` and
+            ``C_FORCE_ROOT``: CI containers run as root and the workers accept pickle).
         unset: names removed from the environment.
         args: more worker options (``-E``).
+        cwd: where the worker runs, and its ``PYTHONPATH``: the repository, or a project the
+            test wrote.
     """
 
     def __init__(
@@ -70,9 +72,10 @@ class CeleryWorker:
         env: Mapping[str, str],
         unset: Sequence[str] = (),
         args: Sequence[str] = (),
+        cwd: Path = ROOT,
     ) -> None:
         self.log = log
-        environ = {**os.environ, **env, "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1"}
+        environ = {**os.environ, **env, "PYTHONPATH": str(cwd), "C_FORCE_ROOT": "1"}
         for variable in unset:
             environ.pop(variable, None)
         cmd = [
@@ -82,7 +85,7 @@ class CeleryWorker:
         ]  # fmt: skip
         with open(log, "wb") as out:
             self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
+                cmd, cwd=cwd, env=environ, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
 
