@@ -1,6 +1,6 @@
 """A run skipped by ``on_held="skip"`` is visible as skipped, on a real worker.
 
-Before, a skipped run ended SUCCESS with ``None``, like a run that returned ``None``. Celery
+A skipped run must not end SUCCESS with ``None``, like a run that returned ``None``. Celery
 offers: a custom state (``update_state("SKIPPED")``: not in ``READY_STATES``, ``get()`` blocks);
 ``Ignore`` alone (stores nothing: PENDING forever, ``get()`` blocks, no task event); FAILURE
 (``task_failure``, ``on_failure`` and error trackers fire for what is no error); REVOKED
