@@ -220,6 +220,15 @@ class RedisServer:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
+def blocked_clients(server: RedisServer) -> int:
+    """How many clients of ``server`` are blocked in a command (waiters on a released key)."""
+    client = server.client()
+    try:
+        return int(client.info("clients")["blocked_clients"])
+    finally:
+        client.close()
+
+
 def _redis_binary() -> str:
     binary = shutil.which("redis-server")
     if binary is None:

@@ -8,10 +8,7 @@ with a prefork and a threads worker, started once per test module.
 from __future__ import annotations
 
 import itertools
-import os
-import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,10 +22,9 @@ from celery import Celery
 from celery_lease import LockStore, store_from_url
 from tests.fixtures_redis import RedisServer
 from tests.integration.worker_app import make_app
+from tests.integration.workers import start_worker, stop_worker
 
-ROOT = Path(__file__).resolve().parents[2]
 READY_TIMEOUT = 40.0  # seconds for a worker to log "ready."
-STOP_TIMEOUT = 15.0  # seconds for a warm shutdown before SIGKILL
 TIMEOUT = 30.0  # seconds a test waits for a result or a marker file
 POLL = 0.02
 
@@ -72,46 +68,6 @@ class WorkerEnv:
         return result.get(timeout=timeout, interval=POLL, propagate=propagate)
 
 
-def start_worker(
-    name: str, pool: str, concurrency: int, env: dict[str, str], directory: Path
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start ``celery worker`` on the test app and wait until it logs ``ready.``."""
-    log = directory / f"worker-{name}.log"
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.integration.worker_app:app", "worker",
-        "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            # C_FORCE_ROOT: CI containers run as root and the workers accept pickle.
-            env={**os.environ, **env, "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + READY_TIMEOUT
-    while "ready." not in log.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_worker(process)
-            raise RuntimeError(f"worker {name} did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return process, log
-
-
-def stop_worker(process: subprocess.Popen[bytes]) -> None:
-    """Warm shutdown (SIGTERM to the main process), then SIGKILL to its process group."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-
-
 def _variant(
     name: str,
     pool: str,
@@ -131,7 +87,9 @@ def _variant(
         "IT_RESULT_SERIALIZER": serializer,
     }
     app = make_app(broker, backend, store, str(directory), serializer)
-    process, log = start_worker(name, pool, concurrency, env, directory)
+    process, log = start_worker(
+        "tests.integration.worker_app:app", name, pool, concurrency, env, directory, READY_TIMEOUT
+    )
     lock_store = store_from_url(store or broker)
     try:
         yield WorkerEnv(name, pool, app, lock_store, directory, process, log)

@@ -29,7 +29,7 @@ from celery_lease.stores.base import AsyncLockStore, async_store_from_url
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore
-from tests.fixtures_redis import RedisServer
+from tests.fixtures_redis import RedisServer, blocked_clients
 from tests.support import service_missing
 
 T = TypeVar("T")
@@ -238,14 +238,6 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
     while not await asyncio.to_thread(predicate):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         await asyncio.sleep(0.002)
-
-
-def blocked_clients(server: RedisServer) -> int:
-    client = server.client()
-    try:
-        return int(client.info("clients")["blocked_clients"])
-    finally:
-        client.close()
 
 
 async def use_once(store: Any, key: str) -> int:

@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -33,7 +32,6 @@ from celery_lease._core.keys import make_key_function
 from celery_lease._core.owners import parse_owner
 from celery_lease.signals import lock_released
 
-ROOT = Path(__file__).resolve().parents[2]
 TTL = "30s"
 READY_TIMEOUT = 60.0  # seconds for a worker to log "ready." on a loaded machine
 TIMEOUT = 30.0  # seconds a test waits for a marker file or a result
@@ -258,36 +256,6 @@ class Worker:
         return time.monotonic() - start
 
 
-def start_worker(
-    module: str, name: str, pool: str, concurrency: int, env: dict[str, str], directory: Path
-) -> tuple[subprocess.Popen[bytes], Path]:
-    """Start ``celery -A module worker`` and wait until it logs ``ready.``."""
-    from tests.integration.conftest import stop_worker
-
-    log = directory / f"worker-{name}.log"
-    cmd = [
-        sys.executable, "-m", "celery", "-A", module, "worker", "-P", pool,
-        "-c", str(concurrency), "-n", f"{name}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**os.environ, **env, "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1"},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + READY_TIMEOUT
-    while "ready." not in log.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_worker(process)
-            raise RuntimeError(f"worker {name} did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return process, log
-
-
 def run_worker(
     request: pytest.FixtureRequest,
     directory: Path,
@@ -298,7 +266,7 @@ def run_worker(
 ) -> Iterator[Worker]:
     """A worker of this module's app on the session's throwaway redis-server."""
     from tests.fixtures_redis import RedisServer
-    from tests.integration.conftest import stop_worker
+    from tests.integration.workers import start_worker, stop_worker
 
     server: RedisServer = request.getfixturevalue("redis_server")
     broker = f"redis://127.0.0.1:{server.port}/{db}"
@@ -307,7 +275,13 @@ def run_worker(
     env = {"DH_BROKER": broker, "DH_STORE": store, "DH_DIR": str(directory), "DH_QUEUE": name}
     client = make_app(broker, store, str(directory), name)
     process, log = start_worker(
-        "tests.integration.test_dead_holders:app", name, pool, concurrency, env, directory
+        "tests.integration.test_dead_holders:app",
+        name,
+        pool,
+        concurrency,
+        env,
+        directory,
+        READY_TIMEOUT,
     )
     lock_store = store_from_url(store)
     assert isinstance(lock_store, SupportsInspection)

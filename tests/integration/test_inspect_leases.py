@@ -33,8 +33,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import LockedTask, StoreUnavailableError, lease, store_from_url
+from tests.integration.workers import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 30.0  # seconds a test waits for a marker file or a condition
 WAIT = 60.0  # seconds a body holds its key at most
 FAILING = "failing"  # renewals of keys containing this fail (the store wrapper below)
@@ -193,8 +193,8 @@ def _worker(
     request: pytest.FixtureRequest, tmp_path: Path, pool: str, concurrency: int
 ) -> Iterator[Worker]:
     from tests.fixtures_redis import RedisServer
-    from tests.integration.conftest import stop_worker
-    from tests.integration.test_dead_holders import start_worker
+    from tests.integration.test_dead_holders import READY_TIMEOUT
+    from tests.integration.workers import start_worker, stop_worker
 
     server: RedisServer = request.getfixturevalue("redis_server")
     broker = f"redis://127.0.0.1:{server.port}/4"
@@ -202,7 +202,13 @@ def _worker(
     env = {"IL_BROKER": broker, "IL_DIR": str(tmp_path), "IL_QUEUE": name}
     client = make_app(broker, str(tmp_path), name)
     process, log = start_worker(
-        "tests.integration.test_inspect_leases:app", name, pool, concurrency, env, tmp_path
+        "tests.integration.test_inspect_leases:app",
+        name,
+        pool,
+        concurrency,
+        env,
+        tmp_path,
+        READY_TIMEOUT,
     )
     try:
         yield Worker(client, pool, f"{name}@{os.uname().nodename}", env, tmp_path, process, log)

@@ -23,7 +23,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -39,7 +38,7 @@ from celery.exceptions import TaskRevokedError, WorkerLostError
 from celery_lease import LockedTask, store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration.workers import CeleryWorker
 from tests.support import service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -198,36 +197,26 @@ def worker(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
     directory = tmp_path_factory.mktemp("killed-child")
     broker = f"redis://127.0.0.1:{redis_server.port}/14"
     queue = f"kc-{uuid.uuid4().hex[:6]}"
-    log = directory / "worker.log"
-    env = {
-        **os.environ, "KC_BROKER": broker, "KC_DIR": str(directory), "KC_QUEUE": queue,
-        "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1",
-    }  # fmt: skip
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    cmd = [
-        sys.executable, "-m", "celery", "-A", f"{__name__}:app", "worker", "-P", "prefork",
-        "-c", "2", "-n", f"kc-{uuid.uuid4().hex[:6]}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    started = CeleryWorker(
+        f"{__name__}:app",
+        directory / "worker.log",
+        pool="prefork",
+        concurrency=2,
+        name=f"kc-{uuid.uuid4().hex[:6]}",
+        env={"KC_BROKER": broker, "KC_DIR": str(directory), "KC_QUEUE": queue},
+        unset=["PROMETHEUS_MULTIPROC_DIR"],
+    )
     client = make_app(broker, str(directory), queue)
     store = store_from_url(broker)
     assert isinstance(store, SupportsInspection)
-    running = Worker(client, store, directory, process, log)
+    running = Worker(client, store, directory, started.process, started.log)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while "ready." not in log.read_text(errors="replace"):
-            assert process.poll() is None, f"worker exited:\n{running.tail()}"
-            assert time.monotonic() < deadline, f"worker not ready:\n{running.tail()}"
-            time.sleep(0.05)
+        started.wait_ready(READY_TIMEOUT)
         yield running
     finally:
         for marker in directory.glob("held-*"):
             (directory / marker.name.replace("held-", "go-", 1)).write_text("")
-        stop_worker(process)
+        started.stop()
         client.close()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import time
 import urllib.request
 import uuid
@@ -25,7 +24,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_lease import LockedTask
 from celery_lease.stores.sqlite import SQLiteLockStore
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration.workers import CeleryWorker, filesystem_app
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -36,21 +35,8 @@ POLL = 0.05
 
 def make_app(directory: str) -> Celery:
     """The app the worker runs and the test sends from."""
-    app = Celery(
-        "mw", broker="filesystem://", backend=f"file://{directory}/results", set_as_current=False
-    )
-    folder = os.path.join(directory, "broker")
-    os.makedirs(folder, exist_ok=True)
-    os.makedirs(os.path.join(directory, "results"), exist_ok=True)
+    app = filesystem_app("mw", directory, POLL)
     app.conf.update(
-        broker_transport="example_project.transport:FilesystemTransport",
-        broker_transport_options={
-            "data_folder_in": folder,
-            "data_folder_out": folder,
-            "control_folder": os.path.join(folder, "control"),
-            "polling_interval": POLL,
-        },
-        broker_connection_retry_on_startup=True,
         worker_prefetch_multiplier=1,
         lease_store=f"sqlite:///{directory}/leases.db",
     )
@@ -104,31 +90,21 @@ def start_worker(
     # Not at module level: the worker imports this module, and importing prometheus_client
     # there before the worker sets PROMETHEUS_MULTIPROC_DIR makes it refuse (as it should).
     pytest.importorskip("prometheus_client")
-    log = tmp_path / "worker.log"
-    env = {
-        **os.environ, "MW_DIR": str(tmp_path), "MW_MODE": mode, "PYTHONPATH": str(ROOT),
-        "C_FORCE_ROOT": "1",
-    }  # fmt: skip
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.integration.test_metrics_worker:app",
-        "worker", "-P", "prefork", "-c", "2", "-n", f"mw-{uuid.uuid4().hex[:6]}@%h",
-        "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    worker = CeleryWorker(
+        "tests.integration.test_metrics_worker:app",
+        tmp_path / "worker.log",
+        pool="prefork",
+        concurrency=2,
+        name=f"mw-{uuid.uuid4().hex[:6]}",
+        env={"MW_DIR": str(tmp_path), "MW_MODE": mode},
+        unset=["PROMETHEUS_MULTIPROC_DIR"],
+    )
     client = make_app(str(tmp_path))
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while "ready." not in log.read_text(errors="replace"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"worker did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(POLL)
-        yield client, log, process
+        worker.wait_ready(START_TIMEOUT, POLL)
+        yield client, worker.log, worker.process
     finally:
-        stop_worker(process)
+        worker.stop()
         client.close()
 
 

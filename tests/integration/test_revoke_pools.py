@@ -13,7 +13,6 @@ import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,7 +24,8 @@ from celery import Celery
 
 from celery_lease import LockedTask, LockLostError, store_from_url
 from celery_lease._celery import interrupt as _interrupt
-from tests.integration.conftest import READY_TIMEOUT, ROOT, STOP_TIMEOUT, WorkerEnv, stop_worker
+from tests.integration.conftest import READY_TIMEOUT, WorkerEnv
+from tests.integration.workers import STOP_TIMEOUT, CeleryWorker, stop_worker
 from tests.support import service_missing
 
 POLL = 0.01  # seconds between checks in bodies
@@ -164,30 +164,16 @@ def workers(
 
 
 def _start(pool: str, broker: str, directory: Path) -> tuple[subprocess.Popen[bytes], Path]:
-    log = directory / "worker.log"
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.integration.test_revoke_pools:app", "worker",
-        "-P", pool, "-c", "1", "-n", f"rp-{pool}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    env = {
-        **os.environ,
-        "RP_BROKER": broker,
-        "RP_DIR": str(directory),
-        "PYTHONPATH": str(ROOT),
-        "C_FORCE_ROOT": "1",  # CI containers run as root
-    }
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    deadline = time.monotonic() + READY_TIMEOUT
-    while "ready." not in log.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_worker(process)
-            raise RuntimeError(f"{pool} worker did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return process, log
+    worker = CeleryWorker(
+        "tests.integration.test_revoke_pools:app",
+        directory / "worker.log",
+        pool=pool,
+        concurrency=1,
+        name=f"rp-{pool}",
+        env={"RP_BROKER": broker, "RP_DIR": str(directory)},
+    )
+    worker.wait_ready(READY_TIMEOUT)
+    return worker.process, worker.log
 
 
 def lose_and_expect_lock_lost(env: WorkerEnv, task: str) -> str:

@@ -1,6 +1,6 @@
 """A run skipped by ``on_held="skip"`` is visible as skipped, on a real worker.
 
-Before, a skipped run ended SUCCESS with ``None``, like a run that returned ``None``. Celery
+A skipped run must not end SUCCESS with ``None``, like a run that returned ``None``. Celery
 offers: a custom state (``update_state("SKIPPED")``: not in ``READY_STATES``, ``get()`` blocks);
 ``Ignore`` alone (stores nothing: PENDING forever, ``get()`` blocks, no task event); FAILURE
 (``task_failure``, ``on_failure`` and error trackers fire for what is no error); REVOKED
@@ -16,8 +16,6 @@ started with ``-E`` (task events on), and the test process listens to its events
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -31,7 +29,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_lease import LockedTask
 from celery_lease.stores.sqlite import SQLiteLockStore
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration.workers import CeleryWorker, filesystem_app
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -41,21 +39,8 @@ POLL = 0.05
 
 
 def make_app(directory: str) -> Celery:
-    app = Celery(
-        "sv", broker="filesystem://", backend=f"file://{directory}/results", set_as_current=False
-    )
-    folder = os.path.join(directory, "broker")
-    os.makedirs(folder, exist_ok=True)
-    os.makedirs(os.path.join(directory, "results"), exist_ok=True)
+    app = filesystem_app("sv", directory, POLL)
     app.conf.update(
-        broker_transport="example_project.transport:FilesystemTransport",
-        broker_transport_options={
-            "data_folder_in": folder,
-            "data_folder_out": folder,
-            "control_folder": os.path.join(folder, "control"),
-            "polling_interval": POLL,
-        },
-        broker_connection_retry_on_startup=True,
         worker_prefetch_multiplier=1,
         lease_store=f"sqlite:///{directory}/leases.db",
     )
@@ -76,27 +61,21 @@ if os.environ.get("SV_DIR"):
 
 @pytest.fixture
 def worker(tmp_path: Path) -> Iterator[tuple[Celery, Path]]:
-    log = tmp_path / "worker.log"
-    env = {**os.environ, "SV_DIR": str(tmp_path), "PYTHONPATH": str(ROOT), "C_FORCE_ROOT": "1"}
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.integration.test_skip_visible:app",
-        "worker", "-P", "prefork", "-c", "2", "-E", "-n", f"sv-{uuid.uuid4().hex[:6]}@%h",
-        "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    worker = CeleryWorker(
+        "tests.integration.test_skip_visible:app",
+        tmp_path / "worker.log",
+        pool="prefork",
+        concurrency=2,
+        name=f"sv-{uuid.uuid4().hex[:6]}",
+        env={"SV_DIR": str(tmp_path)},
+        args=["-E"],
+    )
     client = make_app(str(tmp_path))
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while "ready." not in log.read_text(errors="replace"):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"worker did not start:\n{log.read_text()[-4000:]}")
-            time.sleep(POLL)
+        worker.wait_ready(START_TIMEOUT, POLL)
         yield client, tmp_path
     finally:
-        stop_worker(process)
+        worker.stop()
         client.close()
 
 

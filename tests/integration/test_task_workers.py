@@ -17,12 +17,12 @@ from celery.exceptions import TaskRevokedError
 
 from celery_lease import LeaseConfigError, LockLostError, LockNotAcquiredError
 from tests.integration.conftest import (
-    ROOT,
     TIMEOUT,
     WorkerEnv,
     assert_no_overlap,
     intervals,
 )
+from tests.integration.workers import ROOT
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import ROOT, stop_worker
 from tests.integration.test_unique_workers import TIMEOUT, Env, client_env, run_id
+from tests.integration.workers import ROOT, stop_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 

@@ -30,8 +30,9 @@ from celery_lease import LockStore, store_from_url
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import parse_owner
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration import workers
 from tests.integration.unique_app import make_app
+from tests.integration.workers import ROOT, stop_worker
 from tests.support import free_port
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
@@ -85,33 +86,22 @@ def run_id() -> str:
 def start_worker(
     env: Env, name: str, queue: str = "uq", store: str = ""
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    log = env.directory / f"worker-{name}.log"
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "tests.integration.unique_app:app", "worker",
-        "-P", "prefork", "-c", "1", "-Q", queue, "-n", f"{name}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    environ = {
-        **os.environ,
-        "UQ_BROKER": env.broker,
-        "UQ_BACKEND": env.backend,
-        "UQ_DIR": str(env.directory),
-        "UQ_STORE": store,
-        "PYTHONPATH": str(ROOT),
-        "C_FORCE_ROOT": "1",
-    }
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + READY_TIMEOUT
-    while "ready." not in log.read_text(errors="replace"):
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_worker(process)
-            raise RuntimeError(f"worker {name} did not start:\n{log.read_text()[-4000:]}")
-        time.sleep(0.05)
-    return process, log
+    """A prefork -c 1 worker of ``unique_app`` consuming ``queue``, once it logged ``ready.``."""
+    return workers.start_worker(
+        "tests.integration.unique_app:app",
+        name,
+        "prefork",
+        1,
+        {
+            "UQ_BROKER": env.broker,
+            "UQ_BACKEND": env.backend,
+            "UQ_DIR": str(env.directory),
+            "UQ_STORE": store,
+        },
+        env.directory,
+        READY_TIMEOUT,
+        args=["-Q", queue],
+    )
 
 
 @contextlib.contextmanager

@@ -16,8 +16,6 @@ multi-process-safe filesystem transport of ``example_project.transport``.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -27,7 +25,8 @@ import pytest
 from celery import Celery
 
 from celery_lease import LockedTask, MemoryLockStore
-from tests.integration.conftest import ROOT, assert_no_overlap, stop_worker
+from tests.integration.conftest import assert_no_overlap
+from tests.integration.workers import CeleryWorker, filesystem_app
 
 pytestmark = [pytest.mark.worker]
 
@@ -48,23 +47,8 @@ def make_app(
         task_store: ``lock_store`` of the task ``lr.own_store`` (``""``: none).
         extra: comma-separated names of other settings to set (other libraries' settings).
     """
-    app = Celery(
-        "lr", broker="filesystem://", backend=f"file://{directory}/results", set_as_current=False
-    )
-    folder = os.path.join(directory, "broker")
-    os.makedirs(folder, exist_ok=True)
-    os.makedirs(os.path.join(directory, "results"), exist_ok=True)
-    app.conf.update(
-        broker_transport="example_project.transport:FilesystemTransport",
-        broker_transport_options={
-            "data_folder_in": folder,
-            "data_folder_out": folder,
-            "control_folder": os.path.join(folder, "control"),
-            "polling_interval": POLL,
-        },
-        broker_connection_retry_on_startup=True,
-        worker_prefetch_multiplier=1,
-    )
+    app = filesystem_app("lr", directory, POLL)
+    app.conf.update(worker_prefetch_multiplier=1)
     value: object = MemoryLockStore() if store == "instance" else store
     app.conf["lease_stor" if typo else "lease_store"] = value
     for name in filter(None, extra.split(",")):
@@ -120,40 +104,28 @@ class Worker:
         self.directory = directory
         self.client = make_app(str(directory), store, typo, task_store, extra)
         self.log = directory / "worker.log"
-        env = {
-            **os.environ,
-            "LR_DIR": str(directory),
-            "LR_STORE": store,
-            "LR_TYPO": "1" if typo else "0",
-            "LR_TASK_STORE": task_store,
-            "LR_EXTRA": extra,
-            "PYTHONPATH": str(ROOT),
-            "C_FORCE_ROOT": "1",
-        }
-        cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.integration.test_worker_refusal:app",
-            "worker", "-P", pool, "-c", str(concurrency), "-n", f"lr-{uuid.uuid4().hex[:6]}@%h",
-            "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        self.worker = CeleryWorker(
+            "tests.integration.test_worker_refusal:app",
+            self.log,
+            pool=pool,
+            concurrency=concurrency,
+            name=f"lr-{uuid.uuid4().hex[:6]}",
+            env={
+                "LR_DIR": str(directory),
+                "LR_STORE": store,
+                "LR_TYPO": "1" if typo else "0",
+                "LR_TASK_STORE": task_store,
+                "LR_EXTRA": extra,
+            },
+        )
+        self.process = self.worker.process
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        return self.worker.text()
 
     def wait_ready_or_exit(self) -> bool:
         """True once the worker logged ``ready.``; False once it exited (polling, deadline)."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            if "ready." in self.text():
-                return True
-            time.sleep(POLL)
-        raise AssertionError(f"worker neither ready nor exited in {START_TIMEOUT}s:\n{self.text()}")
+        return self.worker.ready_or_exited(START_TIMEOUT, POLL)
 
     def run_two(self, task: str) -> list[tuple[float, float]]:
         """Send two 1 s bodies of one key at once; their recorded (start, end) intervals."""
@@ -166,7 +138,7 @@ class Worker:
         return sorted((a, b) for a, b in pairs)
 
     def stop(self) -> None:
-        stop_worker(self.process)
+        self.worker.stop()
         self.client.close()
 
 

@@ -19,10 +19,7 @@ import importlib.util
 import os
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +28,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LockedTask
-from tests.integration.conftest import ROOT, stop_worker
+from tests.integration.workers import CeleryWorker, filesystem_app
 from tests.support import free_port, service_missing
 
 pytestmark = [pytest.mark.worker]
@@ -43,24 +40,8 @@ PASSWORD = "s3cret-pw"
 
 def make_app(directory: str, store: str, extra: dict[str, object]) -> Celery:
     """The app the worker runs: filesystem broker and results, ``lease_store=store``."""
-    app = Celery(
-        "sc", broker="filesystem://", backend=f"file://{directory}/results", set_as_current=False
-    )
-    folder = os.path.join(directory, "broker")
-    os.makedirs(folder, exist_ok=True)
-    os.makedirs(os.path.join(directory, "results"), exist_ok=True)
-    app.conf.update(
-        broker_transport="example_project.transport:FilesystemTransport",
-        broker_transport_options={
-            "data_folder_in": folder,
-            "data_folder_out": folder,
-            "control_folder": os.path.join(folder, "control"),
-            "polling_interval": POLL,
-        },
-        broker_connection_retry_on_startup=True,
-        lease_store=store,
-        **extra,
-    )
+    app = filesystem_app("sc", directory, POLL)
+    app.conf.update(lease_store=store, **extra)
 
     @app.task(name="sc.locked", base=LockedTask, lock_key="sc:{run}", shared=False)
     def locked(run: str) -> str:
@@ -91,47 +72,30 @@ class Worker:
         # Short: a unix socket path under it must stay within 107 bytes.
         self.tmp = Path(tempfile.mkdtemp(prefix="sc-"))
         self.log = directory / "worker.log"
-        environ = {
-            **os.environ,
-            "SC_DIR": str(directory),
-            "SC_STORE": store,
-            **env,
-            "TMPDIR": str(self.tmp),
-            "PYTHONPATH": str(ROOT),
-            "C_FORCE_ROOT": "1",
-        }
-        environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        cmd = [
-            sys.executable, "-m", "celery", "-A", f"{__name__}:app",
-            "worker", "-P", "prefork", "-c", "1", "-n", f"sc-{uuid.uuid4().hex[:6]}@%h",
-            "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
-        ]  # fmt: skip
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen(
-                cmd, cwd=ROOT, env=environ, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
+        self.worker = CeleryWorker(
+            f"{__name__}:app",
+            self.log,
+            pool="prefork",
+            concurrency=1,
+            name=f"sc-{uuid.uuid4().hex[:6]}",
+            env={"SC_DIR": str(directory), "SC_STORE": store, **env, "TMPDIR": str(self.tmp)},
+            unset=["PROMETHEUS_MULTIPROC_DIR"],
+        )
+        self.process = self.worker.process
 
     def text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
+        return self.worker.text()
 
     def ready_or_exited(self) -> bool:
         """True once the worker logged ``ready.``; False once it exited (polling, deadline)."""
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                return False
-            if "ready." in self.text():
-                return True
-            time.sleep(POLL)
-        raise AssertionError(f"worker neither ready nor exited in {START_TIMEOUT}s:\n{self.text()}")
+        return self.worker.ready_or_exited(START_TIMEOUT, POLL)
 
     def left_behind(self) -> list[str]:
         """What celery-lease left in the worker's TMPDIR (billiard's pymp-* is not ours)."""
         return sorted(p.name for p in self.tmp.iterdir() if p.name.startswith("celery-lease"))
 
     def stop(self) -> None:
-        stop_worker(self.process)
+        self.worker.stop()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 

@@ -39,7 +39,7 @@ from celery import Celery
 from celery_lease import store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
-from tests.integration.conftest import stop_worker
+from tests.integration.workers import CeleryWorker
 from tests.support import service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -212,6 +212,10 @@ class Project:
         )
 
 
+UNSET = ("DJANGO_SETTINGS_MODULE", "PROMETHEUS_MULTIPROC_DIR", "CELERY_LEASE_STORE")
+"""Variables of this environment the project's worker and ``celery`` commands must not see."""
+
+
 def start_project(redis_server: RedisServer, base: Path, layout: str, db: int) -> Iterator[Project]:
     root, out = base / "project", base / "out"
     root.mkdir()
@@ -230,34 +234,30 @@ def start_project(redis_server: RedisServer, base: Path, layout: str, db: int) -
         "TMPDIR": str(tmp),
         "C_FORCE_ROOT": "1",
     }
-    for name in ("DJANGO_SETTINGS_MODULE", "PROMETHEUS_MULTIPROC_DIR", "CELERY_LEASE_STORE"):
+    for name in UNSET:
         env.pop(name, None)
     name = f"ww{uuid.uuid4().hex[:6]}"
-    log = base / "worker.log"
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "proj", "worker", "-P", "prefork", "-c", "1",
-        "-n", f"{name}@%h", "--loglevel", "INFO",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as handle:
-        process = subprocess.Popen(
-            cmd, cwd=root, env=env, stdout=handle, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )  # fmt: skip
+    worker = CeleryWorker(
+        "proj",
+        base / "worker.log",
+        pool="prefork",
+        concurrency=1,
+        name=name,
+        env=env,
+        unset=UNSET,
+        cwd=root,
+    )
+    process, log = worker.process, worker.log
     client = Celery("ww-client", broker=broker, backend=broker, set_as_current=False)
     client.conf.task_default_queue = queue
     project = Project(root, out, tmp, env, f"{name}@{os.uname().nodename}", client, process, log)
     try:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while "ready." not in log.read_text(errors="replace"):
-            assert process.poll() is None, f"worker exited:\n{project.tail()}"
-            assert time.monotonic() < deadline, f"worker not ready:\n{project.tail()}"
-            time.sleep(0.05)
+        worker.wait_ready(READY_TIMEOUT)
         yield project
     finally:
         for marker in out.glob("held-*"):
             (out / marker.name.replace("held-", "done-", 1)).write_text("")
-        stop_worker(process)
+        worker.stop()
         client.close()
         shutil.rmtree(tmp, ignore_errors=True)
 

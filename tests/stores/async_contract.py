@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -28,6 +29,14 @@ from tests.stores.contract import DEADLINE, StoreContract
 _T = TypeVar("_T")
 
 CALL_TIMEOUT = 60.0  # real seconds one adapted call may take before the test fails
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` real seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
 
 
 class SyncOverAsync:

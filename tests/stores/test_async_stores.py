@@ -1,9 +1,8 @@
-"""The async stores: the whole store contract, plus async-only rules.
+"""The async stores (Redis and PostgreSQL): the rules only a coroutine caller meets.
 
-The contract runs through :class:`tests.stores.async_contract.SyncOverAsync` against a real
-throwaway redis-server and the shared PostgreSQL (a scratch database, one table per store), and
-for the thread adapter over the memory and SQLite stores. The
-async-only tests run on real servers too: a cancelled wait, a cancelled acquire whose command
+Each store's run of the whole contract is in its own file (``test_redis_async.py``,
+``test_postgres_async.py``; the thread adapter's in ``tests/unit/_core/test_threaded_store.py``).
+The async-only tests run on real servers: a cancelled wait, a cancelled acquire whose command
 the server already ran, many coroutines of one loop handing a key over, the sync twin and the
 async store excluding each other, a hung server, and a reply lost after the server applied it.
 """
@@ -12,12 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -27,146 +24,18 @@ import redis.asyncio
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from celery_lease._core import threaded_store as _aio_store
-from celery_lease._core.threaded_store import ThreadedAsyncStore
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsInspection
-from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.postgres import PostgresLockStore
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.redis import ACQUIRE_SCRIPT, RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore
-from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.faults.tcp_proxy import TcpProxy
-from tests.fixtures_redis import RedisServer
-from tests.stores.async_contract import AsyncStoreContract, SyncOverAsync
+from tests.fixtures_redis import RedisServer, blocked_clients
 from tests.stores.contract import DEADLINE, LONG_MS
 from tests.stores.test_postgres import _ReplyCutter, _server_port
 
 _PASSWORD = "s3cret-pw-H6"
-
-
-def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.002)
-
-
-def _blocked_clients(server: RedisServer) -> int:
-    client = server.client()
-    try:
-        return int(client.info("clients")["blocked_clients"])
-    finally:
-        client.close()
-
-
-# The whole contract ------------------------------------------------------------------------------
-
-
-@pytest.mark.redis
-class TestAsyncRedisContract(AsyncStoreContract):
-    """AsyncRedisLockStore built from a URL; each store gets its own prefix, so it starts empty."""
-
-    fake_clock = False
-    release_wakes_one = True
-    stateful_examples = 10
-
-    @pytest.fixture
-    def store_backend(self, redis_server: RedisServer, redis_url: str) -> None:
-        self.server = redis_server
-        self.url = redis_url
-
-    def make_async_store(self) -> AsyncLockStore:
-        self.prefix = f"async-contract-{uuid.uuid4().hex[:8]}:"
-        return AsyncRedisLockStore(self.url, prefix=self.prefix)
-
-    def async_store_factory(self) -> Callable[[], AsyncLockStore]:
-        return functools.partial(AsyncRedisLockStore, self.url, prefix=self.prefix)
-
-    def wait_until_waiting(self, store: LockStore, count: int) -> None:
-        _wait_for(lambda: _blocked_clients(self.server) >= count, f"{count} waiters")
-
-
-@pytest.mark.postgres
-class TestAsyncPostgresContract(AsyncStoreContract):
-    """AsyncPostgresLockStore on the shared server, one new table per store (real clock)."""
-
-    fake_clock = False
-    stateful_examples = 10
-
-    @pytest.fixture
-    def store_backend(self, pg_database_dsn: str, pg_table: str) -> None:
-        self.dsn = pg_database_dsn
-        self.base_table = pg_table
-        self.count = 0
-
-    def make_async_store(self) -> AsyncLockStore:
-        self.count += 1
-        self.table = f"{self.base_table}_{self.count}"
-        return AsyncPostgresLockStore(self.dsn, table=self.table)
-
-    def async_store_factory(self) -> Callable[[], AsyncLockStore]:
-        return functools.partial(AsyncPostgresLockStore, self.dsn, table=self.table)
-
-    def short_ttl_ms(self) -> int:
-        return 250  # as the sync store's suite: 50 ms can pass between two round trips here
-
-    def wait_until_waiting(self, store: LockStore, count: int) -> None:
-        assert isinstance(store, SyncOverAsync)
-        inner = store.async_store
-        assert isinstance(inner, AsyncPostgresLockStore)
-        _wait_for(lambda: inner.waiting() >= count, f"{count} waiters")
-
-
-def _threaded_sqlite(path: str) -> AsyncLockStore:
-    """A ThreadedAsyncStore owning a SQLiteLockStore on ``path`` (picklable through partial)."""
-    return ThreadedAsyncStore(SQLiteLockStore(path), close_store=True)
-
-
-class _ThreadedContract(AsyncStoreContract):
-    """The thread adapter over a sync store, on the real clock: its ``wait_for_release`` times
-    out on the event loop's clock, so a fake clock would not move it."""
-
-    fake_clock = False
-
-    def wait_until_waiting(self, store: LockStore, count: int) -> None:
-        assert isinstance(store, SyncOverAsync)
-        slot = id(store.sync)
-
-        def waiting() -> int:
-            with _aio_store._waiters_lock:
-                return sum(len(v) for (s, _), v in _aio_store._waiters.items() if s == slot)
-
-        _wait_for(lambda: waiting() >= count, f"{count} waiters")
-
-
-class TestThreadedMemoryContract(_ThreadedContract):
-    """ThreadedAsyncStore over a MemoryLockStore (one process)."""
-
-    supports_processes = False
-
-    def make_async_store(self) -> AsyncLockStore:
-        return ThreadedAsyncStore(MemoryLockStore(), close_store=True)
-
-
-class TestThreadedSQLiteContract(_ThreadedContract):
-    """ThreadedAsyncStore over a SQLiteLockStore, one new file per store."""
-
-    stateful_examples = 10
-
-    @pytest.fixture
-    def store_backend(self, tmp_path: Path) -> None:
-        self.directory = tmp_path
-        self.count = 0
-
-    def make_async_store(self) -> AsyncLockStore:
-        self.count += 1
-        self.path = self.directory / f"leases-{self.count}.db"
-        return _threaded_sqlite(str(self.path))
-
-    def async_store_factory(self) -> Callable[[], AsyncLockStore]:
-        return functools.partial(_threaded_sqlite, str(self.path))
 
 
 # Both backends, for the async-only tests ------------------------------------------------------
@@ -197,7 +66,7 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
             "redis",
             lambda: AsyncRedisLockStore(url, prefix=prefix),
             lambda: RedisLockStore(url, prefix=prefix),
-            lambda store: _blocked_clients(server),
+            lambda store: blocked_clients(server),
             server.port,
             url,
             prefix,

@@ -6,6 +6,9 @@ visible change of this file. Everything under ``celery_lease._core`` and ``celer
 is private. Import rules between the layers are import-linter contracts (``pyproject.toml``);
 the AST checks below cover what import-linter does not: imports made inside functions, and
 imports of another module's private names.
+
+The tests mirror the package: every module has a test file of its own name in the mirrored
+directory (see :func:`mirrored_tests`), found at run time, so a new module needs its tests.
 """
 
 from __future__ import annotations
@@ -18,6 +21,18 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "celery_lease"
+TESTS = PACKAGE.parent / "tests"
+
+# Subpackages whose tests live outside tests/unit: their suites run against real servers.
+SERVER_SUITES = {"stores": TESTS / "stores", "fencing": TESTS / "fencing"}
+
+# Modules with no test file of their own, each with the reason. Keep this short.
+NO_MIRROR: dict[str, str] = {
+    "celery_lease/__init__.py": "re-exports only: its names are EXPORTS above and test_public_api",
+    "celery_lease/_core/__init__.py": "a docstring only",
+    "celery_lease/_celery/__init__.py": "a docstring only",
+    "celery_lease/stores/__init__.py": "re-exports only: its names are EXPORTS above",
+}
 
 EXPORTS: dict[str, set[str]] = {
     "celery_lease": {
@@ -175,6 +190,28 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def mirrored_tests(module: Path) -> tuple[Path, str]:
+    """Where the tests of ``module`` (a file under :data:`PACKAGE`) live: ``(directory, prefix)``;
+    at least one ``<prefix>*.py`` must exist in the directory.
+
+    ``celery_lease/<sub>/<name>.py`` -> ``tests/unit/<sub>/test_<name>*.py`` (``<sub>`` may be
+    several levels, or none: ``celery_lease/clock.py`` -> ``tests/unit/test_clock*.py``), except
+    :data:`SERVER_SUITES`: ``celery_lease/stores/<name>.py`` -> ``tests/stores/test_<name>*.py``.
+    A leading underscore is dropped (``_forking.py`` -> ``test_forking*.py``), and a package's
+    ``__init__.py`` is tested as the package (``metrics/__init__.py`` ->
+    ``tests/unit/metrics/test_metrics*.py``).
+    """
+    parts = module.relative_to(PACKAGE).parts
+    folders, name = parts[:-1], Path(parts[-1]).stem
+    if name == "__init__":
+        name = folders[-1] if folders else PACKAGE.name
+    if folders and folders[0] in SERVER_SUITES:
+        directory = SERVER_SUITES[folders[0]].joinpath(*folders[1:])
+    else:
+        directory = TESTS.joinpath("unit", *folders)
+    return directory, f"test_{name.lstrip('_')}"
+
+
 def _imports(module: str, path: Path, modules: dict[str, Path]) -> Iterator[tuple[str, str]]:
     """``(imported module, name)`` for every import statement of ``module``, wherever it is;
     ``name`` is ``""`` when a whole module is imported."""
@@ -277,3 +314,41 @@ class TestImports:
         """The check above can fail: a two-module cycle and a three-module one are found."""
         graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c"}, "f": {"a"}}
         assert _cycles(graph) == {frozenset("ab"), frozenset("cde")}
+
+
+class TestTestsMirrorThePackage:
+    def test_every_module_has_tests_of_its_own_name(self) -> None:
+        """For each module of the package, found now (a new one counts at once), a test file
+        named after it exists in the mirrored directory, unless it is in NO_MIRROR."""
+        missing = []
+        for module in sorted(PACKAGE.rglob("*.py")):
+            if str(module.relative_to(PACKAGE.parent)) in NO_MIRROR:
+                continue
+            directory, prefix = mirrored_tests(module)
+            if not list(directory.glob(f"{prefix}*.py")):
+                missing.append(f"{module.relative_to(PACKAGE.parent)}: no {directory}/{prefix}*.py")
+        assert missing == []
+
+    def test_every_exemption_is_a_module_of_the_package(self) -> None:
+        """An exemption of a module that moved or went away is removed, not kept."""
+        stale = [path for path in NO_MIRROR if not (PACKAGE.parent / path).is_file()]
+        assert stale == []
+
+    @pytest.mark.parametrize(
+        ("module", "expected"),
+        [
+            ("_core/renewer.py", ("unit/_core", "test_renewer")),
+            ("_celery/__init__.py", ("unit/_celery", "test_celery")),
+            ("clock.py", ("unit", "test_clock")),
+            ("_forking.py", ("unit", "test_forking")),
+            ("metrics/__init__.py", ("unit/metrics", "test_metrics")),
+            ("metrics/otel.py", ("unit/metrics", "test_otel")),
+            ("stores/_registry.py", ("stores", "test_registry")),
+            ("fencing/__init__.py", ("fencing", "test_fencing")),
+            ("__init__.py", ("unit", "test_celery_lease")),
+        ],
+    )
+    def test_the_mirrored_place(self, module: str, expected: tuple[str, str]) -> None:
+        """The mapping the check above uses, on modules of each kind."""
+        directory, prefix = mirrored_tests(PACKAGE / module)
+        assert (directory, prefix) == (TESTS / expected[0], expected[1])

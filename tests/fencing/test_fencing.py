@@ -1,5 +1,5 @@
-"""StaleTokenError and MissingRowError survive pickle and Celery's result backends, and
-resolve_token picks the token of the current lease."""
+"""celery_lease.fencing: StaleTokenError and MissingRowError (re-exported here) survive pickle
+and Celery's result backends, and resolve_token picks the token of the current lease."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""celery_lease.metrics against the real client libraries (prometheus_client, opentelemetry-sdk).
-
-Eager tasks on a MemoryLockStore send the real lock signals; the sinks count them.
-"""
+"""celery_lease.metrics: connecting sinks, install() and the worker step's settings, and renewal
+latency observed under the task's name (against prometheus_client)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,95 +12,9 @@ from celery import Celery
 import celery_lease.metrics as metrics
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
+from tests.unit.metrics.samples import value
 
 prometheus_client = pytest.importorskip("prometheus_client")
-
-
-@pytest.fixture
-def store() -> MemoryLockStore:
-    return MemoryLockStore()
-
-
-@pytest.fixture
-def app(store: MemoryLockStore) -> Iterator[Celery]:
-    app = Celery("m", broker="memory://", backend="cache+memory://", set_as_current=False)
-    app.conf.lease_store = store
-    app.conf.task_eager_propagates = False
-
-    @app.task(name="m.work", base=LockedTask, lock_key="work:{n}", shared=False)
-    def work(n: int) -> int:
-        return n
-
-    @app.task(
-        name="m.skip", base=LockedTask, lock_key="work:{n}", lock_on_held="skip", shared=False
-    )
-    def skip(n: int) -> int:
-        return n
-
-    yield app
-    app.close()
-
-
-@pytest.fixture
-def registry() -> Iterator[Any]:
-    from celery_lease.metrics.prometheus import PrometheusSink
-
-    registry = prometheus_client.CollectorRegistry()
-    metrics.connect(PrometheusSink(registry))
-    yield registry
-    metrics.disconnect()
-
-
-def value(registry: Any, name: str, **labels: str) -> float:
-    got = registry.get_sample_value(name, labels)
-    return 0.0 if got is None else float(got)
-
-
-class TestPrometheusSink:
-    def test_acquired_released_and_hold_counted_by_task(self, app: Celery, registry: Any) -> None:
-        """Two runs: two acquisitions and releases, two hold observations, nothing held after."""
-        assert app.tasks["m.work"].apply((1,)).get() == 1
-        assert app.tasks["m.work"].apply((2,)).get() == 2
-        assert value(registry, "celery_lease_acquired_total", task="m.work") == 2
-        assert value(registry, "celery_lease_released_total", task="m.work") == 2
-        assert value(registry, "celery_lease_hold_seconds_count", task="m.work") == 2
-        assert value(registry, "celery_lease_wait_seconds_count", task="m.work") == 2
-        assert value(registry, "celery_lease_held", task="m.work") == 0
-
-    def test_rejected_run_counted_and_gauge_follows_holding(
-        self, app: Celery, registry: Any, store: MemoryLockStore
-    ) -> None:
-        """A run turned away (key held by another owner) counts as rejected, not acquired."""
-        store.acquire("work:7", "someone-else", 60_000)
-        app.tasks["m.skip"].apply((7,)).get()
-        assert value(registry, "celery_lease_rejected_total", task="m.skip") == 1
-        assert value(registry, "celery_lease_acquired_total", task="m.skip") == 0
-
-    def test_lost_counted_by_reason_and_leaves_gauge(self, registry: Any) -> None:
-        """lock_lost as the engine sends it: counted under its reason; the gauge goes down."""
-        task = type("T", (), {"name": "m.x"})()
-        lease_signals.send(
-            lease_signals.lock_acquired, task, key="k", token=1, waited=False, wait_seconds=0.5,
-            task_id="i",
-        )  # fmt: skip
-        assert value(registry, "celery_lease_held", task="m.x") == 1
-        lease_signals.send(
-            lease_signals.lock_lost, task, key="k", token=1, reason="expired", task_id="i"
-        )
-        assert value(registry, "celery_lease_lost_total", task="m.x", reason="expired") == 1
-        assert value(registry, "celery_lease_held", task="m.x") == 0
-        assert value(registry, "celery_lease_wait_seconds_sum", task="m.x") == 0.5
-
-    def test_renewal_observer_labels_by_task_of_key(self, registry: Any) -> None:
-        """A renewal of a key held by a task is observed under that task's name."""
-        task = type("T", (), {"name": "m.r"})()
-        lease_signals.send(
-            lease_signals.lock_acquired, task, key="rk", token=1, waited=False, wait_seconds=0.0,
-            task_id="i",
-        )  # fmt: skip
-        metrics._on_renewal("rk", 1, 0.004, True)
-        assert value(registry, "celery_lease_renewal_seconds_count", task="m.r") == 1
-        assert value(registry, "celery_lease_renewal_seconds_sum", task="m.r") == 0.004
 
 
 class TestHotPath:
@@ -248,42 +159,6 @@ class TestSetting:
         app.conf.lease_metrics = "otel"
         with pytest.raises(LeaseConfigError, match=r"lease_metrics='otel'.*celery-lease\[otel\]"):
             metrics._options_of(app)
-
-
-class TestOtel:
-    def test_same_metrics_and_spans_through_the_sdk(self, app: Celery) -> None:
-        """The OTel sink records the counters, histograms and a wait and a hold span."""
-        pytest.importorskip("opentelemetry.sdk")
-        from opentelemetry.sdk.metrics import MeterProvider
-        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-        from celery_lease.metrics.otel import OtelSink
-
-        reader = InMemoryMetricReader()
-        spans = InMemorySpanExporter()
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-        metrics.connect(OtelSink(MeterProvider(metric_readers=[reader]), tracer_provider))
-        try:
-            app.tasks["m.work"].apply((4,)).get()
-        finally:
-            metrics.disconnect()
-        data = reader.get_metrics_data()
-        points = {
-            m.name: m.data.data_points
-            for rm in data.resource_metrics
-            for sm in rm.scope_metrics
-            for m in sm.metrics
-        }
-        assert points["celery_lease.acquired"][0].value == 1
-        assert points["celery_lease.acquired"][0].attributes == {"celery.task.name": "m.work"}
-        assert points["celery_lease.hold"][0].count == 1
-        assert points["celery_lease.held"][0].value == 0
-        names = sorted(span.name for span in spans.get_finished_spans())
-        assert names == ["celery_lease.hold", "celery_lease.wait"]
 
 
 class TestRenewalLatency:

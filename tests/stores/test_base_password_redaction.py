@@ -1,4 +1,5 @@
-"""A store URL or DSN with a password never shows it: not in an error, not in a repr."""
+"""celery_lease.stores.base: a store URL or DSN with a password never shows it: not in an error,
+not in a repr (stores built by store_from_url, every scheme)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,97 @@
+"""``celery_lease._celery.control``: the ``inspect leases`` command. Each process lists the leases
+it holds; pool children serve theirs on a socket in a private directory, and a child that cannot
+answer is listed as unanswered, never as holding nothing."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from celery_lease import MemoryLockStore, lease
+from celery_lease._celery import control
+
+
+@pytest.fixture
+def worker_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The socket directory as a worker's main process makes it; removed afterwards, and the
+    module's globals put back."""
+    monkeypatch.setattr(control, "_dir", None)
+    monkeypatch.setattr(control, "_dir_pid", None)
+    monkeypatch.setattr(control, "_server", None)
+    control.prepare_main()
+    assert control._dir is not None
+    yield control._dir
+    if control._server is not None:
+        control._server.close()
+    control.cleanup_main()
+
+
+class TestSocketDirectory:
+    def test_no_socket_outside_a_prepared_worker(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Before the main process prepared a directory there is no socket path, and a child
+        serves nothing."""
+        monkeypatch.setattr(control, "_dir", None)
+        monkeypatch.setattr(control, "_server", None)
+        assert control.socket_path(1234) is None
+        control.serve_in_child()
+        assert control._server is None
+
+    def test_the_directory_is_private_and_removed_at_cleanup(self, worker_dir: str) -> None:
+        """Mode 0700, one ``<pid>.sock`` per child in it, gone after cleanup_main()."""
+        assert stat.S_IMODE(os.stat(worker_dir).st_mode) == 0o700
+        assert control.socket_path(42) == os.path.join(worker_dir, "42.sock")
+        control.cleanup_main()
+        assert not os.path.exists(worker_dir) and control.socket_path(42) is None
+
+
+class TestChildSnapshots:
+    def test_a_serving_process_answers_with_its_leases(self, worker_dir: str) -> None:
+        """A process serving on its socket answers with the rows of local_rows(): key, token
+        and its pid."""
+        control.serve_in_child()
+        with lease("inspected", store=MemoryLockStore(), ttl=30) as held:
+            rows, unanswered = control.child_snapshots([os.getpid()], timeout=10.0)
+        assert unanswered == []
+        (row,) = [r for r in rows if r["key"] == "inspected"]
+        assert (row["token"], row["pid"], row["owner"]) == (held.token, os.getpid(), held.owner)
+
+    def test_a_child_without_a_socket_is_unanswered(self, worker_dir: str) -> None:
+        """A pid with no socket (a child that never served) is listed with the reason."""
+        rows, unanswered = control.child_snapshots([999_999], timeout=1.0)
+        assert rows == []
+        assert [u["pid"] for u in unanswered] == [999_999]
+        assert "cannot connect" in unanswered[0]["error"]
+
+    def test_no_directory_is_unanswered_per_child(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Without a socket directory every child is unanswered, saying why."""
+        monkeypatch.setattr(control, "_dir", None)
+        rows, unanswered = control.child_snapshots([1, 2], timeout=1.0)
+        assert rows == []
+        assert unanswered == [
+            {"pid": 1, "error": "no socket directory in this worker"},
+            {"pid": 2, "error": "no socket directory in this worker"},
+        ]
+
+    def test_forget_child_removes_a_stale_socket_file(self, worker_dir: str) -> None:
+        """A SIGKILLed child leaves its socket file; forgetting the child removes it."""
+        path = control.socket_path(31337)
+        assert path is not None
+        open(path, "w").close()
+        control.forget_child(31337)
+        assert not os.path.exists(path)
+
+
+class TestInspectCommand:
+    def test_a_worker_running_tasks_in_process_answers_from_its_own_leases(self) -> None:
+        """No prefork pool: the rows are this process's, sorted by key, none unanswered."""
+        state = SimpleNamespace(consumer=SimpleNamespace(pool=None))
+        store = MemoryLockStore()
+        with lease("b-key", store=store, ttl=30), lease("a-key", store=store, ttl=30):
+            answer = control.leases(state)
+        keys = [row["key"] for row in answer["leases"]]
+        assert keys.index("a-key") < keys.index("b-key")
+        assert answer["unanswered"] == [] and answer["pool"] == ""

@@ -1,0 +1,297 @@
+"""celery_lease._celery.startup: what a worker refuses at start-up (check_worker and the
+LeaseCheck bootstep Celery's worker blueprint runs), and that a refusal reaches pool processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
+from celery_lease._celery import settings as config
+from celery_lease._celery import startup, worker
+
+
+@pytest.fixture
+def app() -> Iterator[Celery]:
+    app = Celery("cfg", broker="memory://", set_as_current=False)
+    yield app
+    config.reset(app)
+    app.close()
+
+
+class _GeventLikePool:
+    """Stands in for celery.concurrency.gevent.TaskPool without importing gevent."""
+
+
+_GeventLikePool.__module__ = "celery.concurrency.gevent"
+
+
+def _pool(name: str) -> type:
+    from celery.concurrency import get_implementation
+
+    return get_implementation(name)  # type: ignore[no-any-return]
+
+
+class TestWorkerCheck:
+    """What a worker refuses at start-up (celery_lease._celery.startup.check_worker and its
+    bootstep)."""
+
+    @pytest.mark.parametrize("store", [MemoryLockStore(), "memory://"])
+    def test_process_local_store_under_prefork_refused(self, app: Celery, store: object) -> None:
+        """lease_store in memory on prefork -c 2: the two processes would not exclude."""
+        app.conf.lease_store = store
+        error = startup.check_worker(app, _pool("prefork"), 2)
+        assert isinstance(error, LeaseConfigError)
+        message = str(error)
+        assert "lease_store" in message and "2 processes" in message and "prefork" in message
+
+    def test_task_lock_store_in_memory_refused(self, app: Celery, tmp_path: Path) -> None:
+        """A task's own lock_store="memory://" is refused too, naming the task."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+
+        @app.task(
+            name="cfg.local", base=LockedTask, lock_key="k", lock_store="memory://", shared=False
+        )
+        def local() -> None: ...
+
+        error = startup.check_worker(app, _pool("prefork"), 2)
+        assert error is not None and "'cfg.local'" in str(error) and "lock_store" in str(error)
+
+    def test_locked_decorator_store_in_memory_refused(self, app: Celery, tmp_path: Path) -> None:
+        """@locked(store="memory://") under @app.task is refused like LockedTask's lock_store."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+
+        @app.task(name="cfg.decorated", shared=False)
+        @locked(key="k", store="memory://")
+        def decorated() -> None: ...
+
+        error = startup.check_worker(app, _pool("prefork"), 2)
+        assert error is not None and "'cfg.decorated'" in str(error)
+
+    def test_autoscale_counts_the_most_processes(self, app: Celery) -> None:
+        """--autoscale=4,1 on prefork can run 4 processes: refused even with -c 1."""
+        app.conf.lease_store = "memory://"
+        assert startup.check_worker(app, _pool("prefork"), 1, autoscale="4,1") is not None
+        assert startup.check_worker(app, _pool("prefork"), 1, autoscale=(4, 1)) is not None
+
+    @pytest.mark.parametrize(
+        ("pool", "concurrency"),
+        [("prefork", 1), ("solo", 1), ("threads", 8), ("gevent-like", 100)],
+    )
+    def test_one_process_accepts_memory(
+        self, app: Celery, caplog: pytest.LogCaptureFixture, pool: str, concurrency: int
+    ) -> None:
+        """One process running tasks (prefork -c 1, solo, threads, gevent) may use memory."""
+        app.conf.lease_store = MemoryLockStore()
+        pool_cls = _GeventLikePool if pool == "gevent-like" else _pool(pool)
+        with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
+            assert startup.check_worker(app, pool_cls, concurrency) is None
+        assert any("process-local" in r.getMessage() for r in caplog.records)
+
+    def test_unknown_pool_with_concurrency_is_taken_as_processes(self, app: Celery) -> None:
+        """A pool we cannot classify counts as one process per concurrency slot (safe side)."""
+        app.conf.lease_store = "memory://"
+        unknown = type("CustomPool", (), {"__module__": "myproject.pools"})
+        assert startup.check_worker(app, unknown, 2) is not None
+
+    def test_shared_store_accepted_under_prefork(self, app: Celery, tmp_path: Path) -> None:
+        """A store shared by processes (SQLite file here) is fine on prefork -c 2."""
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+        assert startup.check_worker(app, _pool("prefork"), 2) is None
+
+    def test_misspelled_setting_refused(self, app: Celery) -> None:
+        """A typo in a setting name is a refusal on any pool."""
+        app.conf.lease_stor = "redis://r/1"
+        error = startup.check_worker(app, _pool("solo"), 1)
+        assert error is not None and "did you mean 'lease_store'" in str(error)
+
+
+class TestWorkerBootstep:
+    """worker_init adds the check as a bootstep of Celery's own worker blueprint."""
+
+    @pytest.fixture
+    def main_pid(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        """Process globals that building a WorkController sets, restored afterwards."""
+        from celery import _state
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        blocks = _state.task_join_will_block()
+        yield
+        _state._set_task_join_will_block(blocks)  # the Pool step sets it for its pool
+
+    def test_refusal_raised_while_building_and_recorded(self, app: Celery, main_pid: None) -> None:
+        """Building a prefork -c 2 worker raises the refusal (nothing started) and records it."""
+        app.conf.lease_store = "memory://"
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            config.get_settings(app)  # every locked execution of the app fails from now on
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            config.get_store(app)
+        config.reset(app, refusals=False)  # what a new pool process does: still refused
+        with pytest.raises(LeaseConfigError):
+            config.get_settings(app)
+        config.reset(app)
+        assert config.get_settings(app).store == "memory://"
+
+    def test_threads_worker_not_refused(self, app: Celery, main_pid: None) -> None:
+        """A threads worker with a memory store builds and its step starts quietly."""
+        app.conf.lease_store = MemoryLockStore()
+        controller = app.WorkController(pool_cls="threads", concurrency=4, without_mingle=True)
+        (step,) = [s for s in controller.steps if isinstance(s, startup.LeaseCheck)]
+        step.start(controller)  # the check ran at build time; starting it does nothing more
+        assert isinstance(config.get_store(app), MemoryLockStore)
+
+    def test_refusal_survives_fork(self, app: Celery) -> None:
+        """A pool child forked after the refusal fails its locked executions too."""
+        config.refuse(app, "refused for the test")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: what a prefork pool process does first, then a locked execution
+            try:
+                worker.reset_process_state()
+                try:
+                    config.get_settings(app)
+                    os.write(write, b"ran")
+                except LeaseConfigError as exc:
+                    os.write(write, str(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        assert os.read(read, 100) == b"refused for the test"
+        os.close(read)
+
+
+class TestWorkerCheckRefusals:
+    """The worker check: what it must refuse, and what it must not."""
+
+    @pytest.fixture
+    def main_pid(self, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+        """Process globals that building a WorkController sets, restored afterwards."""
+        from celery import _state
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        monkeypatch.setattr(startup, "_processes", 0)
+        monkeypatch.setattr(startup, "_app", None)
+        blocks = _state.task_join_will_block()
+        yield
+        _state._set_task_join_will_block(blocks)
+
+    def test_pool_and_concurrency_from_app_conf(self, app: Celery, main_pid: None) -> None:
+        """worker_pool / worker_concurrency in app.conf count as -P / -c do."""
+        app.conf.lease_store = "memory://"
+        app.conf.update(worker_pool="threads", worker_concurrency=4)
+        app.WorkController(without_mingle=True)  # one process: accepted
+        config.reset(app)
+        app.conf.update(worker_pool="prefork", worker_concurrency=2)
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(without_mingle=True)
+
+    def test_an_earlier_refused_build_does_not_refuse_the_next(
+        self, app: Celery, main_pid: None
+    ) -> None:
+        """A worker built after a refused one is checked afresh (one process: accepted).
+
+        A refusal must not stick to the app: a test suite trying both pools on one app builds a
+        threads worker after a refused prefork one, and that one is accepted.
+        """
+        app.conf.lease_store = "memory://"
+        with pytest.raises(LeaseConfigError, match="2 processes"):
+            app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)
+        app.WorkController(pool_cls="threads", concurrency=2, without_mingle=True)
+        assert isinstance(config.get_store(app), MemoryLockStore)
+
+    def test_task_registered_after_the_check_is_refused_in_new_pool_processes(
+        self, app: Celery, tmp_path: Path, main_pid: None
+    ) -> None:
+        """A task with lock_store="memory://" registered after the worker's check (a module
+        imported late, children re-forked by --max-tasks-per-child or --autoscale) fails in
+        every pool process started after it instead of running unexcluded (each child would
+        have a memory store of its own).
+        """
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'l.db'}"
+        app.WorkController(pool_cls="prefork", concurrency=2, without_mingle=True)  # accepted
+
+        @app.task(name="cfg.late", base=LockedTask, lock_key="k", lock_store="memory://")
+        def late() -> None: ...
+
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a pool process forked after the registration: what prefork runs first
+            try:
+                worker._on_worker_process_init()
+                try:
+                    config.get_settings(app)  # what every locked execution reads first
+                    os.write(write, b"ran")
+                except LeaseConfigError as exc:
+                    os.write(write, str(exc).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        answer = os.read(read, 2000).decode()
+        os.close(read)
+        assert "'cfg.late'" in answer and "2 processes" in answer, answer
+
+    def test_embedded_test_worker_accepts_a_memory_store(self, app: Celery) -> None:
+        """start_worker's defaults (solo, one slot), the fixture of users' own test suites,
+        runs locked tasks on a MemoryLockStore."""
+        from celery.contrib.testing.worker import start_worker
+
+        app.conf.update(result_backend="cache+memory://", lease_store=MemoryLockStore())
+        app.conf.broker_transport_options = {"polling_interval": 0.01}
+
+        @app.task(base=LockedTask, lock_key="emb:{n}", shared=False)
+        def embedded(n: int) -> int | None:
+            return embedded.request.lock_token
+
+        with start_worker(app, perform_ping_check=False, shutdown_timeout=10):
+            assert embedded.delay(1).get(timeout=10, interval=0.01) > 0
+
+    @pytest.mark.parametrize("url", ["reddis://r:6379/1", "postgressql://db/x", "sqllite:///l.db"])
+    def test_unknown_store_scheme_refused_at_start(self, app: Celery, url: str) -> None:
+        """A misspelled store scheme is refused by the worker check, not at the first task
+        (a worker that started would fail every locked execution)."""
+        app.conf.lease_store = url
+        error = startup.check_worker(app, _pool("solo"), 1)
+        assert error is not None and "unknown scheme" in str(error) and repr(url) in str(error)
+
+    def test_the_schemes_checked_are_the_ones_stores_are_built_for(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """config.STORE_SCHEMES is exactly what store_from_url builds a store for."""
+        from celery_lease.stores import base, memory, postgres, redis, sqlite
+
+        built: list[str] = []
+
+        def fake(url: str = "") -> object:
+            built.append(url)
+            return object()
+
+        monkeypatch.setattr(memory, "MemoryLockStore", fake)
+        monkeypatch.setattr(redis, "RedisLockStore", fake)
+        monkeypatch.setattr(postgres, "PostgresLockStore", fake)
+        monkeypatch.setattr(sqlite.SQLiteLockStore, "from_url", staticmethod(fake))
+        for scheme in config.STORE_SCHEMES:
+            base.store_from_url(f"{scheme}://h/x")
+        assert len(built) == len(config.STORE_SCHEMES)
+        with pytest.raises(LeaseConfigError, match="unknown scheme"):
+            base.store_from_url("nope://h/x")
+
+    def test_a_refusal_is_of_one_app(self, app: Celery) -> None:
+        """Refusing one app leaves another (even one of the same name) alone."""
+        twin = Celery(app.main, broker="memory://", set_as_current=False)
+        try:
+            config.refuse(app, "refused for the test")
+            assert config.get_settings(twin).store is None
+            with pytest.raises(LeaseConfigError, match="refused for the test"):
+                config.get_settings(app)
+        finally:
+            config.reset(twin)
+            twin.close()
