@@ -1,4 +1,4 @@
-"""Options of unique-at-enqueue tasks (issue 9): names, allowed values, validation (no Celery).
+"""Options of unique-at-enqueue tasks: names, allowed values, validation (no Celery).
 
 ``unique``, ``on_duplicate``, ``queue_ttl``, ``debounce`` and ``debounce_max`` are lock options
 like the others (``lock_<name>`` on a :class:`~celery_lease.LockedTask`, ``<name>=`` for
