@@ -281,6 +281,61 @@ def _cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     return groups
 
 
+# Private attributes read on objects of other libraries by their documented convention: Django's
+# model ``_meta`` and ``_default_manager``, and namedtuple's ``_replace``.
+CONVENTIONAL_PRIVATE_ATTRIBUTES = {"_meta", "_default_manager", "_replace"}
+
+# The modules whose one job is to reach into other libraries' internals (each entry there names
+# the version it was read in); they alone may read other modules' private attributes.
+COMPAT_MODULES = {"celery_lease._celery.compat", "celery_lease.stores._redis_compat"}
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """Every name a module defines or binds: functions, classes, attributes it assigns (on any
+    object), variables, arguments, imports, and ``__slots__`` strings."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.isidentifier()
+        ):
+            names.add(node.value)
+    return names
+
+
+def private_attribute_reads(source: str) -> list[str]:
+    """``obj._name`` reads in ``source`` of a private attribute the module does not define itself
+    (``self``/``cls``/``super()`` excluded): reaches into another module's private state."""
+    tree = ast.parse(source)
+    own = _own_names(tree)
+    reads = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in own:
+            continue
+        if node.attr in CONVENTIONAL_PRIVATE_ATTRIBUTES:
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue
+        if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "super":
+            continue
+        reads.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return reads
+
+
 class TestExportedMembers:
     @pytest.mark.parametrize("module", sorted(EXPORTS))
     def test_all_is_exactly_the_public_names(self, module: str) -> None:
@@ -309,6 +364,29 @@ class TestImports:
     def test_no_import_cycle(self) -> None:
         """Counting every import statement (inside functions too), no module reaches itself."""
         assert sorted(sorted(group) for group in _cycles(_graph())) == []
+
+    def test_no_module_reads_another_modules_private_attributes(self) -> None:
+        """``other._state`` for a ``_state`` the reading module never defines is a reach into
+        another module's internals: none is left outside the compat modules."""
+        reaches = [
+            f"{module} {read}"
+            for module, path in sorted(_modules().items())
+            if module not in COMPAT_MODULES
+            for read in private_attribute_reads(path.read_text())
+        ]
+        assert reaches == []
+
+    def test_the_private_attribute_scan_finds_a_reach(self) -> None:
+        """The check above can fail: a read of a foreign private attribute is found, a module's
+        own one, ``self``'s and a conventional one are not."""
+        source = (
+            "class A:\n"
+            "    def __init__(self):\n"
+            "        self._mine = 1\n"
+            "    def f(self, other, lease, row):\n"
+            "        return other._mine, self._x, lease._entry, row._replace(a=1)\n"
+        )
+        assert private_attribute_reads(source) == ["line 5: lease._entry"]
 
     def test_the_cycle_finder_finds_a_cycle(self) -> None:
         """The check above can fail: a two-module cycle and a three-module one are found."""
