@@ -12,6 +12,7 @@ as Celery defines them:
 - :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
   execution's id and delivery; headers also show as attributes (``lease_queued``).
 - :class:`RequestStack`: ``task.request_stack``, read without building a default request.
+- :class:`TaskStack`: the stack of running tasks that ``current_task`` reads.
 - :class:`CeleryApp` and :class:`AppConf`: the app (``celery.Celery``) and ``app.conf``.
 - :class:`ResultBackend`: ``task.backend``: a copy's state read, a FAILURE or REVOKED stored.
 - :class:`AsyncResultLike`: what ``apply_async`` returns (``celery.result.AsyncResult``).
@@ -68,6 +69,7 @@ __all__ = [
     "SignalLike",
     "TaskRequest",
     "TaskSignature",
+    "TaskStack",
     "WorkerLike",
     "WorkerRequest",
     "can_release_deferred",
@@ -127,6 +129,16 @@ class TaskRequest(Protocol):
     lease: Lease | None
     _lease_run: object
     """:data:`celery_lease._celery.request.CLAIMED` once a locked execution claimed it."""
+
+
+class TaskStack(Protocol):
+    """The stack of running tasks that ``current_task`` reads (``celery._state._task_stack``)."""
+
+    def push(self, obj: object) -> None:
+        """Make ``obj`` the current task."""
+
+    def pop(self) -> object:
+        """Remove the current task."""
 
 
 class RequestStack(Protocol):
@@ -289,8 +301,10 @@ class BilliardPool(Protocol):
     """billiard's pool inside the prefork task pool (``billiard.pool.Pool``, or celery's
     ``AsynPool``): the members the dead-holder reaper wraps or calls."""
 
-    def mark_as_worker_lost(self, job: PoolJob, exitcode: int) -> object:
-        """Fail (or requeue) ``job``, whose child died with ``exitcode``."""
+    mark_as_worker_lost: Callable[[PoolJob, int], object]
+    """Fail (or requeue) a job whose child died with an exit code (replaced on the instance)."""
+    _join_exited_workers: Callable[..., object]
+    """Reap dead children (read and replaced by :mod:`celery_lease._celery.compat` only)."""
 
     def maintain_pool(self) -> object:
         """Reap dead children and start new ones."""
