@@ -42,7 +42,7 @@ protocol check of :mod:`celery_lease._core.lease` (:func:`~celery_lease._core.le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableSet, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableSet, Sequence
 from datetime import datetime
 from typing import Protocol, TypeGuard
 
@@ -88,6 +88,9 @@ class AppConf(Protocol):
 
     def get(self, key: str, default: object = None) -> object:
         """The value of setting ``key`` as the user configured it (any type), else ``default``."""
+
+    def keys(self) -> Iterable[str]:
+        """Every setting's name, Celery's defaults included."""
 
 
 class CeleryApp(Protocol):
