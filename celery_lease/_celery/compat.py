@@ -19,13 +19,28 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, cast
 
 from billiard.pool import EX_RECYCLE
 from celery import _state
 from celery.app import base as _app_base
 from celery.worker import state as _worker_state
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from celery_lease._celery.protocols import (
+        BilliardPool,
+        CeleryApp,
+        CeleryTask,
+        EventLoopHub,
+        PoolJob,
+        PoolProcess,
+        SignalLike,
+        TaskStack,
+        WorkerRequest,
+    )
 
 try:
     # celery 5.7 (read): the per-request ignore_result rule; older releases lack it (< 5.6).
@@ -35,6 +50,7 @@ except ImportError:  # pragma: no cover  # Celery < 5.6: no per-request ignore_r
 
 __all__ = [
     "EX_RECYCLE",
+    "PydanticWrapperCells",
     "billiard_pool",
     "child_processes",
     "event_process_exit",
@@ -59,13 +75,13 @@ __all__ = [
 # The task stack and the current app and task (celery.current_app / current_task are proxies).
 
 # celery 5.x: the stack of running tasks that current_task reads; Task.__call__ pushes onto it.
-task_stack: Any = _state._task_stack
+task_stack: TaskStack = _state._task_stack
 
 # celery 5.x: the app of this thread (the default app when none was set).
-get_current_app: Callable[[], Any] = _state.get_current_app
+get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 
 # celery 5.x: the task running in this thread, or None.
-get_current_task: Callable[[], Any] = _state.get_current_task
+get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
 
 # EX_RECYCLE is imported above: billiard 4.x, the exit code of a child that left on purpose
 # (--max-tasks-per-child, --max-memory-per-child); any other nonzero code is a killed child.
@@ -74,7 +90,21 @@ get_current_task: Callable[[], Any] = _state.get_current_task
 # Celery's pydantic wrapper (``@app.task(pydantic=True)``) ------------------------------------
 
 
-def pydantic_wrapper_closure(func: Any) -> dict[str, Any] | None:
+class PydanticWrapperCells(TypedDict, total=False):
+    """The free variables of Celery's ``pydantic_wrapper`` that the task layer reads (each may
+    be missing: the set changed between releases)."""
+
+    task_signature: inspect.Signature
+    type_hints: dict[str, object]
+    strict: bool
+    context: dict[str, object] | None
+    get_argument_model: Callable[[str, object], type[BaseModel] | None]
+    """celery 5.7: the model class an argument's value is validated with, or None."""
+    validate_argument: Callable[[type[BaseModel], object], object]
+    """celery 5.7: the value validated with that model."""
+
+
+def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
     """The free variables of ``func`` by name when it is the ``wrapper`` of Celery's
     ``pydantic_wrapper``, else ``None``.
 
@@ -93,25 +123,25 @@ def pydantic_wrapper_closure(func: Any) -> dict[str, Any] | None:
         and code.co_filename == _app_base.__file__
     ):
         return None
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
         try:
             values[name] = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-    return values
+    return cast(PydanticWrapperCells, values)  # the wrapper's cells, as celery 5.5 to 5.7 make them
 
 
 # Signals -------------------------------------------------------------------------------------
 
 
-def live_receivers(signal: Any) -> list[Any]:
+def live_receivers(signal: SignalLike) -> list[object]:
     """The receivers of a Celery ``Signal`` that are still alive (weak ones dereferenced).
 
     celery 5.x ``celery.utils.dispatch.Signal.receivers``: a list of ``(lookup key, receiver)``,
     the receiver a weak reference unless connected with ``weak=False``.
     """
-    alive = []
+    alive: list[object] = []
     for _, receiver in signal.receivers:
         if isinstance(receiver, weakref.ReferenceType):
             receiver = receiver()
@@ -123,8 +153,10 @@ def live_receivers(signal: Any) -> list[Any]:
 
 # The prefork pool (billiard) -----------------------------------------------------------------
 
+_ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]
 
-def billiard_pool(task_pool: Any) -> Any:
+
+def billiard_pool(task_pool: object) -> object:
     """billiard's ``Pool`` inside the worker's pool, or ``None`` (solo, threads, green pools).
 
     celery 5.x ``celery.concurrency.prefork.TaskPool.on_start`` keeps it in ``_pool``.
@@ -132,14 +164,14 @@ def billiard_pool(task_pool: Any) -> Any:
     return getattr(task_pool, "_pool", None)
 
 
-def reapable(pool: Any) -> bool:
+def reapable(pool: object) -> TypeGuard[BilliardPool]:
     """Whether ``pool`` has the billiard 4.x internals the dead-holder reaper wraps."""
     return all(
         hasattr(pool, name) for name in ("_join_exited_workers", "mark_as_worker_lost", "_pool")
     )
 
 
-def child_processes(pool: Any) -> list[Any] | None:
+def child_processes(pool: object) -> list[PoolProcess] | None:
     """The child processes of billiard's ``pool`` now, or ``None`` when it has no such list.
 
     billiard 4.x ``Pool._pool``: the list of live ``Process`` objects; a reaped child leaves it.
@@ -148,38 +180,37 @@ def child_processes(pool: Any) -> list[Any] | None:
     return processes if isinstance(processes, list) else None
 
 
-def join_exited_workers(pool: Any) -> Callable[..., Any]:
+def join_exited_workers(pool: BilliardPool) -> Callable[..., object]:
     """billiard 4.x ``Pool._join_exited_workers``: reaps dead children (``waitpid``) and removes
     them from ``_pool``; ``maintain_pool`` calls it, and it calls ``mark_as_worker_lost`` for a
     job whose child died."""
-    method: Callable[..., Any] = pool._join_exited_workers
-    return method
+    return pool._join_exited_workers
 
 
-def set_join_exited_workers(pool: Any, method: Callable[..., Any]) -> None:
+def set_join_exited_workers(pool: BilliardPool, method: Callable[..., object]) -> None:
     """Replace ``pool``'s ``_join_exited_workers`` (on the instance) with ``method``."""
     pool._join_exited_workers = method
 
 
-def event_process_exit(pool: Any) -> Callable[..., Any] | None:
+def event_process_exit(pool: BilliardPool) -> _ProcessExit | None:
     """celery 5.x ``AsynPool._event_process_exit(hub, proc)``: what the event loop runs when a
     child's sentinel pipe closes (looked up on the pool each time); ``None`` on other pools."""
     return getattr(pool, "_event_process_exit", None)
 
 
-def set_event_process_exit(pool: Any, method: Callable[..., Any]) -> None:
+def set_event_process_exit(pool: Any, method: _ProcessExit) -> None:  # Any: AsynPool's own
     """Replace ``pool``'s ``_event_process_exit`` (on the instance) with ``method``."""
     pool._event_process_exit = method
 
 
-def pool_jobs(pool: Any) -> list[Any]:
+def pool_jobs(pool: object) -> list[PoolJob]:
     """The jobs of billiard's ``pool`` not collected yet (billiard 4.x ``Pool._cache``: job
     id -> ``ApplyResult``; its ``correlation_id`` is the task id)."""
     cache = getattr(pool, "_cache", None)
     return list(cache.values()) if isinstance(cache, dict) else []
 
 
-def job_pids(job: Any) -> set[int]:
+def job_pids(job: PoolJob) -> set[int]:
     """The pool children a billiard job was accepted by, written to or scheduled for.
 
     billiard 4.x ``ApplyResult.worker_pids()``; celery 5.x ``AsynPool`` notes the child it
@@ -196,26 +227,26 @@ def job_pids(job: Any) -> set[int]:
 # The worker's requests and the result backend ------------------------------------------------
 
 
-def worker_requests() -> list[Any]:
+def worker_requests() -> list[WorkerRequest]:
     """The requests the worker tracks now: active, then reserved (celery 5.x
     ``celery.worker.state.active_requests`` and ``reserved_requests``)."""
     return [*_worker_state.active_requests, *_worker_state.reserved_requests]
 
 
-def request_cancelled(request: Any) -> bool:
+def request_cancelled(request: WorkerRequest) -> bool:
     """celery 5.x ``Request._already_cancelled``: the request was cancelled (its message stays
     unacknowledged and is redelivered)."""
     return bool(getattr(request, "_already_cancelled", False))
 
 
-def request_job(request: Any) -> Any:
+def request_job(request: WorkerRequest) -> PoolJob | None:
     """The pool job of a worker request, or ``None`` (celery 5.x ``Request._apply_result``: a
     weak reference to billiard's ``ApplyResult``, set once the job is sent to the pool)."""
     ref = getattr(request, "_apply_result", None)
     return ref() if ref is not None else None
 
 
-def task_meta_reader(backend: Any) -> Callable[[str], dict[str, Any]] | None:
+def task_meta_reader(backend: object) -> Callable[[str], Mapping[str, object]] | None:
     """``backend._get_task_meta_for(task_id)``: the stored meta of a task, read from the
     backend each time (``get_task_meta`` may answer from its cache); ``None`` for a backend
     without it. celery 5.x: the backends that store meta define it (key-value stores, the

@@ -292,7 +292,7 @@ def _pool_children(pool: object) -> list[int] | None:
     processes = compat.child_processes(compat.billiard_pool(pool))
     if processes is None:
         return None
-    return [p.pid for p in processes if getattr(p, "pid", None)]
+    return [pid for p in processes if (pid := getattr(p, "pid", None))]
 
 
 @inspect_command(default_timeout=1.0)  # type: ignore[untyped-decorator]  # celery is untyped

@@ -17,7 +17,6 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from celery.signals import before_task_publish
 
@@ -27,7 +26,7 @@ __all__: list[str] = []
 
 
 def _release_before_publish(
-    headers: Mapping[str, Any] | None = None, body: Any = None, **_: Any
+    headers: Mapping[str, object] | None = None, body: object = None, **_: object
 ) -> None:
     """A running locked task publishes a message with its own id (``retry()``, ``replace()``,
     ``apply_async(task_id=...)``): release its lease first (early), so the new message can

@@ -28,7 +28,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from typing import Any, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from celery.exceptions import Retry
 
@@ -47,9 +47,14 @@ from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest
+
 __all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
 
 logger = logging.getLogger("celery_lease.engine")
+
+_R = TypeVar("_R")
 
 
 # One execution -------------------------------------------------------------------------------
@@ -65,10 +70,12 @@ class _Run:
     with it re-sends this execution.
     """
 
-    def __init__(self, task: Any, request: Any, key: str, options: LockOptions) -> None:
+    def __init__(
+        self, task: CeleryTask | None, request: TaskRequest | None, key: str, options: LockOptions
+    ) -> None:
         self.task = task
         self.task_id: str | None = getattr(request, "id", None) if request is not None else None
-        self.requests: list[Any] = []
+        self.requests: list[TaskRequest] = []
         self.key = key
         self.options = options
         self.lease: Lease | None = None
@@ -85,7 +92,7 @@ class _Run:
         if request is not None:
             self.adopt(request)
 
-    def adopt(self, request: Any) -> None:
+    def adopt(self, request: TaskRequest) -> None:
         """Set this execution's lock attributes on ``request`` (always overwritten)."""
         if not any(r is request for r in self.requests):
             self.requests.append(request)
@@ -262,7 +269,7 @@ def active_runs() -> tuple[_Run, ...]:
     return _active.get()
 
 
-def adopt_request(task: Any, request: Any) -> None:
+def adopt_request(task: object, request: TaskRequest) -> None:
     """``task`` pushed ``request`` (``Task.__call__`` further down the class order): if the
     innermost execution of ``task`` waits for the request its body will see, set the lock
     attributes on it. Called by ``LockedTask.push_request``."""
@@ -279,7 +286,7 @@ def _release_quietly(run: _Run) -> None:
         run.release(_RELEASE_FOR_RETRY)
 
 
-def _publishes_nothing(task: Any, request: Any) -> bool:
+def _publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
     """:func:`~celery_lease._celery.deferral.publishes_nothing`, and not a nested run (its caller
     goes on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
@@ -296,15 +303,15 @@ _RELEASE_FOR_RETRY = _ReleasedForRetry()
 
 
 def run_locked(
-    task: Any,
-    request: Any,
+    task: CeleryTask | None,
+    request: TaskRequest | None,
     spec: Spec,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    body: Callable[[], Any],
+    args: tuple[object, ...],
+    kwargs: Mapping[str, object],
+    body: Callable[[], _R],
     *,
     adopt: bool = False,
-) -> Any:
+) -> _R | None:
     """Run ``body`` under the lease of this execution and apply the policies.
 
     Args:
@@ -339,14 +346,14 @@ def _described(value: object) -> str | None:
 
 
 def _run_locked(
-    task: Any,
-    request: Any,
+    task: CeleryTask | None,
+    request: TaskRequest | None,
     spec: Spec,
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any],
-    body: Callable[[], Any],
+    args: tuple[object, ...],
+    kwargs: Mapping[str, object],
+    body: Callable[[], _R],
     adopt: bool,
-) -> Any:
+) -> _R | None:
     """One execution: acquire, run the body, then release (or hand the lease over); the steps
     are the functions below, in the order they run."""
     options = spec.options
@@ -362,7 +369,8 @@ def _run_locked(
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
-        return _rejected(run, request, store, settings, ttl, exc)
+        _rejected(run, request, store, settings, ttl, exc)  # raises, or skips: None
+        return None
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
     try:
@@ -406,14 +414,14 @@ def _run_locked(
     return result
 
 
-def _clear_lock_attributes(request: Any) -> None:
+def _clear_lock_attributes(request: TaskRequest) -> None:
     request.lock_key = None
     request.lock_token = None
     request.lock_waited = False
     request.lease = None
 
 
-def _store_of(options: LockOptions, app: Any, key: str) -> LockStore:
+def _store_of(options: LockOptions, app: CeleryApp, key: str) -> LockStore:
     """The execution's store (an async store's ``.sync`` twin); a store that is no
     ``LockStore`` raises the error ``lease()`` gives for it."""
     store = store_for(options.store, app)
@@ -427,7 +435,7 @@ def _store_of(options: LockOptions, app: Any, key: str) -> LockStore:
 
 
 def _lease_context(
-    run: _Run, request: Any, store: LockStore, ttl: float, wait: float
+    run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
 ) -> LeaseContext:
     """``lease()`` without its checks: the key is a non-empty str (key functions guarantee it),
     the durations and the store were validated when the task (and the settings) were read.
@@ -455,12 +463,12 @@ def _lease_context(
 
 def _rejected(
     run: _Run,
-    request: Any,
+    request: TaskRequest | None,
     store: LockStore,
     settings: config.LeaseSettings,
     ttl: float,
     exc: LockNotAcquiredError,
-) -> Any:
+) -> None:
     """The key stayed held past ``wait``: a unique copy frees its queued key, then the
     ``on_held`` policy decides (:func:`celery_lease._celery.on_held.apply_policy`)."""
     task, key, options = run.task, run.key, run.options
@@ -471,11 +479,15 @@ def _rejected(
             request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
         )
     nested = current_run(getattr(request, "id", None)) is not None
-    return on_held.apply_policy(task, request, key, options, exc, nested=nested)
+    on_held.apply_policy(task, request, key, options, exc, nested=nested)
 
 
 def _queued_hold(
-    run: _Run, request: Any, store: LockStore, settings: config.LeaseSettings, ttl: float
+    run: _Run,
+    request: TaskRequest | None,
+    store: LockStore,
+    settings: config.LeaseSettings,
+    ttl: float,
 ) -> _unique.QueuedHold | None:
     """A unique copy about to run its body hands its queued key over
     (:func:`celery_lease._celery.unique.on_start`): the queued lease an ``until_done`` copy
@@ -483,8 +495,9 @@ def _queued_hold(
     options = run.options
     if options.unique is None or request is None:
         return None
+    task = cast("CeleryTask", run.task)  # lock_unique is an option of LockedTask: a task runs
     return _unique.on_start(
-        run.task, request, store, run.key, settings, options.unique, ttl, options.cooldown
+        task, request, store, run.key, settings, options.unique, ttl, options.cooldown
     )
 
 
@@ -503,7 +516,7 @@ def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
         )
 
 
-def _run_body(run: _Run, body: Callable[[], Any], adopt: bool) -> Any:
+def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
     """Run the body with the interrupt armed (``on_lost="revoke"``) and, with ``adopt``, the
     next request its task pushes taking the lock attributes."""
     run.start_body()
@@ -516,7 +529,7 @@ def _run_body(run: _Run, body: Callable[[], Any], adopt: bool) -> Any:
 
 
 def _release(
-    run: _Run, request: Any, context: LeaseContext, settings: config.LeaseSettings
+    run: _Run, request: TaskRequest | None, context: LeaseContext, settings: config.LeaseSettings
 ) -> None:
     """After the body returned: release the lease (or keep it for ``cooldown``), without
     waiting for the reply where the store can and nothing may depend on it."""
@@ -527,7 +540,7 @@ def _release(
 
 def _release_with_queued(
     run: _Run,
-    request: Any,
+    request: TaskRequest | None,
     context: LeaseContext,
     held: Lease,
     queued: _unique.QueuedHold,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from celery.exceptions import Ignore
 
@@ -21,20 +21,23 @@ from celery_lease._celery import compat
 from celery_lease._core.options import LockOptions, retry_countdown
 from celery_lease.errors import LockNotAcquiredError
 
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryTask, TaskRequest
+
 __all__ = ["apply_policy", "skip_quietly"]
 
 logger = logging.getLogger("celery_lease.engine")
 
 
 def apply_policy(
-    task: Any,
-    request: Any,
+    task: CeleryTask | None,
+    request: TaskRequest | None,
     key: str,
     options: LockOptions,
     exc: LockNotAcquiredError,
     *,
     nested: bool,
-) -> Any:
+) -> None:
     """The key stayed held past ``wait``: send ``lock_rejected``, call ``on_lock_rejected``,
     then apply ``options.on_held`` (``"skip"``: return ``None``, or end a worker execution as
     REVOKED; ``"retry"``: raise the task's retry; ``"raise"``: raise ``exc``).
@@ -54,7 +57,7 @@ def apply_policy(
             getattr(request, "id", None),
             key,
         )
-        if _marks_skipped(task, request, nested):
+        if task is not None and request is not None and _marks_skipped(task, request, nested):
             _mark_skipped(task, request, key)  # raises Ignore: the REVOKED state stays
         return None
     if policy == "retry" and task is not None and request is not None:
@@ -71,7 +74,7 @@ skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default
 instead of marking the whole execution skipped."""
 
 
-def _marks_skipped(task: Any, request: Any, nested: bool) -> bool:
+def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested: bool) -> bool:
     """Whether a skip ends a worker execution (marked REVOKED) rather than returning ``None``.
 
     Only the execution's own body: not a direct call, an eager run (``apply()``, ``always
@@ -85,7 +88,7 @@ def _marks_skipped(task: Any, request: Any, nested: bool) -> bool:
     return not skip_quietly.get() and not nested
 
 
-def _mark_skipped(task: Any, request: Any, key: str) -> None:
+def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str) -> None:
     """End a skipped worker execution as REVOKED, with a reason that says skipped.
 
     Stored in the result backend as Celery stores a revoked task (``AsyncResult.get()`` raises
@@ -104,7 +107,7 @@ def _mark_skipped(task: Any, request: Any, key: str) -> None:
     else:  # an older Celery without the helper
         ignore_result = bool(getattr(request, "ignore_result", False) or task.ignore_result)
     task.backend.mark_as_revoked(
-        request.id,
+        cast(str, request.id),  # _marks_skipped checked it
         reason,
         request=request,
         store_result=not ignore_result or bool(task.store_errors_even_if_ignored),

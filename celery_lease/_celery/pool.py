@@ -12,10 +12,10 @@ Which process does what under each pool: ``docs/internals.md``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 __all__ = [
     "IN_PROCESS_POOLS",
+    "Autoscale",
     "in_pool_child",
     "pool_label",
     "pool_name",
@@ -25,6 +25,9 @@ __all__ = [
     "set_pool_child",
     "set_pool_label",
 ]
+
+Autoscale = str | int | Sequence[str | int] | None
+"""``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``."""
 
 _pool_child = False
 _pool_label = ""
@@ -71,7 +74,7 @@ def set_pool_label(label: str) -> None:
     _pool_label = label
 
 
-def pool_name(pool_cls: Any) -> str:
+def pool_name(pool_cls: object) -> str:
     """``prefork``, ``thread``... for Celery's pools, else the class's repr."""
     module = str(getattr(pool_cls, "__module__", ""))
     if module.startswith("celery.concurrency."):
@@ -79,13 +82,13 @@ def pool_name(pool_cls: Any) -> str:
     return repr(pool_cls)
 
 
-def runs_tasks_in_main_process(pool_cls: Any) -> bool:
+def runs_tasks_in_main_process(pool_cls: object) -> bool:
     """Whether ``pool_cls`` (or a pool class it derives from) is one of :data:`IN_PROCESS_POOLS`."""
     modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
     return bool(modules.intersection(IN_PROCESS_POOLS))
 
 
-def pool_processes(pool_cls: Any, concurrency: int, autoscale: Any = None) -> int:
+def pool_processes(pool_cls: object, concurrency: int, autoscale: Autoscale = None) -> int:
     """How many processes may run this worker's tasks at once.
 
     Args:

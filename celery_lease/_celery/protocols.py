@@ -12,12 +12,17 @@ as Celery defines them:
 - :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
   execution's id and delivery; headers also show as attributes (``lease_queued``).
 - :class:`RequestStack`: ``task.request_stack``, read without building a default request.
+- :class:`TaskStack`: the stack of running tasks that ``current_task`` reads.
 - :class:`CeleryApp` and :class:`AppConf`: the app (``celery.Celery``) and ``app.conf``.
 - :class:`ResultBackend`: ``task.backend``: a copy's state read, a FAILURE or REVOKED stored.
 - :class:`AsyncResultLike`: what ``apply_async`` returns (``celery.result.AsyncResult``).
 - :class:`TaskSignature`: ``task.signature_from_request()``'s signature, re-sent as it is.
 - :class:`SignalLike`: a ``celery.utils.dispatch.Signal`` whose receivers are looked at.
 - :class:`WorkerLike`: a worker bootstep's parent (``celery.apps.worker.WorkController``).
+- :class:`WorkerRequest`: a request the worker tracks (``celery.worker.request.Request``).
+- :class:`BilliardPool`, :class:`PoolProcess` and :class:`PoolJob`: billiard's pool, its
+  children and its jobs, as the dead-holder reaper reads them (billiard ships no types either).
+- :class:`EventLoopHub`: the worker's event loop (``kombu.asynchronous.hub.Hub``).
 - :class:`Greenlet` and :class:`GeventHub`: the running greenlet and gevent's hub, which an
   interrupt is thrown through under the gevent and eventlet pools (greenlet and gevent ship no
   type information either).
@@ -37,10 +42,11 @@ protocol check of :mod:`celery_lease._core.lease` (:func:`~celery_lease._core.le
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, MutableSet, Sequence
+from collections.abc import Callable, Iterable, Mapping, MutableSet, Sequence
+from datetime import datetime
 from typing import Protocol, TypeGuard
 
-from celery_lease._core.lease import conforms, offers
+from celery_lease._core.lease import Lease, conforms, offers
 from celery_lease.stores.base import (
     SupportsDeferredRelease,
     SupportsDeferredRenew,
@@ -50,16 +56,22 @@ from celery_lease.stores.base import (
 __all__ = [
     "AppConf",
     "AsyncResultLike",
+    "BilliardPool",
     "CeleryApp",
     "CeleryTask",
+    "EventLoopHub",
     "GeventHub",
     "Greenlet",
+    "PoolJob",
+    "PoolProcess",
     "RequestStack",
     "ResultBackend",
     "SignalLike",
     "TaskRequest",
     "TaskSignature",
+    "TaskStack",
     "WorkerLike",
+    "WorkerRequest",
     "can_release_deferred",
     "can_renew_deferred",
     "is_inspectable",
@@ -67,9 +79,18 @@ __all__ = [
 
 
 class AppConf(Protocol):
-    """``app.conf`` (``celery.app.utils.Settings``): the settings read by attribute."""
+    """``app.conf`` (``celery.app.utils.Settings``): settings read by attribute or by ``get``."""
 
     task_always_eager: bool
+    broker_url: object
+    """The broker's URL: a str, a list of them (failover), or None."""
+    broker_transport_options: Mapping[str, object] | None
+
+    def get(self, key: str, default: object = None) -> object:
+        """The value of setting ``key`` as the user configured it (any type), else ``default``."""
+
+    def keys(self) -> Iterable[str]:
+        """Every setting's name, Celery's defaults included."""
 
 
 class CeleryApp(Protocol):
@@ -78,6 +99,11 @@ class CeleryApp(Protocol):
     conf: AppConf
     steps: Mapping[str, MutableSet[type]]
     """Bootstep classes to add, by blueprint (``"worker"``, ``"consumer"``)."""
+
+    @property
+    def tasks(self) -> Mapping[str, CeleryTask]:
+        """The task registry (``celery.app.registry.TaskRegistry``): tasks by name; reading it
+        finalizes the app."""
 
 
 class TaskRequest(Protocol):
@@ -95,6 +121,27 @@ class TaskRequest(Protocol):
     delivery_info: Mapping[str, object] | None
     chord: object
     ignore_result: bool
+    retries: int
+    hostname: str | None
+    """The worker's node name (None for a direct call)."""
+
+    # The lock attributes, defined on ``Context`` by :mod:`celery_lease._celery.request`:
+    lock_key: str | None
+    lock_token: int | None
+    lock_waited: bool
+    lease: Lease | None
+    _lease_run: object
+    """:data:`celery_lease._celery.request.CLAIMED` once a locked execution claimed it."""
+
+
+class TaskStack(Protocol):
+    """The stack of running tasks that ``current_task`` reads (``celery._state._task_stack``)."""
+
+    def push(self, obj: object) -> None:
+        """Make ``obj`` the current task."""
+
+    def pop(self) -> object:
+        """Remove the current task."""
 
 
 class RequestStack(Protocol):
@@ -134,9 +181,14 @@ class ResultBackend(Protocol):
         """Store FAILURE with ``exc`` for ``task_id``."""
 
     def mark_as_revoked(
-        self, task_id: str, reason: str = "", request: TaskRequest | None = None
+        self,
+        task_id: str,
+        reason: str = "",
+        request: TaskRequest | None = None,
+        store_result: bool = True,
     ) -> object:
-        """Store REVOKED with ``reason`` for ``task_id``."""
+        """Store REVOKED with ``reason`` for ``task_id`` (only announce it without
+        ``store_result``)."""
 
 
 class CeleryTask(Protocol):
@@ -148,6 +200,9 @@ class CeleryTask(Protocol):
     send_events: bool
     acks_late: bool
     ignore_result: bool
+    store_errors_even_if_ignored: bool
+    run: Callable[..., object]
+    """The body (a bound method; the function for a ``@app.task`` body)."""
 
     @property
     def request(self) -> TaskRequest:
@@ -182,6 +237,19 @@ class CeleryTask(Protocol):
     def send_event(self, type_: str, **fields: object) -> None:
         """Send a task event (``task-revoked``) when ``send_events`` is on."""
 
+    def retry(
+        self,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+        exc: BaseException | None = None,
+        throw: bool = True,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        max_retries: int | None = None,
+        **options: object,
+    ) -> BaseException:
+        """Re-send this execution; raises (or, with ``throw=False``, returns) ``Retry``."""
+
 
 class SignalLike(Protocol):
     """A Celery signal (``celery.utils.dispatch.Signal``) whose receivers are looked at."""
@@ -198,6 +266,64 @@ class WorkerLike(Protocol):
     hostname: str
     pool_cls: object
     """The pool class (its name, or a class, as the worker was given it)."""
+    concurrency: int
+    pool: object
+    """The task pool (``celery.concurrency.base.BasePool``), once the Pool step built it."""
+
+
+class WorkerRequest(Protocol):
+    """A request the worker tracks (``celery.worker.request.Request``): a message received, not
+    the ``Context`` its body sees."""
+
+    id: str
+    name: str
+    worker_pid: int | None
+    """The pid of the pool child that accepted it (None until one did)."""
+    task: CeleryTask | None
+
+
+class PoolProcess(Protocol):
+    """A child of billiard's pool (``billiard.process.BaseProcess``)."""
+
+    pid: int | None
+    exitcode: int | None
+    """None until ``waitpid()`` returned for it (reaped)."""
+
+
+class PoolJob(Protocol):
+    """A job of billiard's pool (``billiard.pool.ApplyResult``): one task sent to a child."""
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the children that accepted the job."""
+
+    def ready(self) -> bool:
+        """Whether the job finished."""
+
+
+class BilliardPool(Protocol):
+    """billiard's pool inside the prefork task pool (``billiard.pool.Pool``, or celery's
+    ``AsynPool``): the members the dead-holder reaper wraps or calls."""
+
+    mark_as_worker_lost: Callable[[PoolJob, int], object]
+    """Fail (or requeue) a job whose child died with an exit code (replaced on the instance)."""
+    _join_exited_workers: Callable[..., object]
+    """Reap dead children (read and replaced by :mod:`celery_lease._celery.compat` only)."""
+
+    def maintain_pool(self) -> object:
+        """Reap dead children and start new ones."""
+
+
+class EventLoopHub(Protocol):
+    """The worker's event loop (``kombu.asynchronous.hub.Hub``)."""
+
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> object:
+        """Call ``callback`` when ``fd`` is readable."""
+
+    def remove_reader(self, fd: int) -> object:
+        """Stop watching ``fd``."""
+
+    def call_later(self, delay: float, callback: Callable[[], None]) -> object:
+        """Call ``callback`` after ``delay`` seconds."""
 
 
 class Greenlet(Protocol):

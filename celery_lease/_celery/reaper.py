@@ -56,7 +56,7 @@ import socket
 import threading
 import time
 from collections.abc import Collection
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from celery import bootsteps
 from celery.exceptions import TimeLimitExceeded
@@ -69,7 +69,18 @@ from celery_lease._celery.unique import queued_key
 from celery_lease._core import owners
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore, SupportsInspection
+from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import (
+        BilliardPool,
+        CeleryApp,
+        CeleryTask,
+        EventLoopHub,
+        PoolJob,
+        PoolProcess,
+        WorkerLike,
+    )
 
 __all__ = ["DEAD_HOLDER_WAIT", "DeadHolders", "note_task_failure"]
 
@@ -87,7 +98,7 @@ _timed_out: dict[str, tuple[str | None, float]] = {}
 """Task ids ended by their hard time limit in this main process -> (task name, when)."""
 
 
-def note_task_failure(sender: Any, task_id: str | None, exception: object) -> None:
+def note_task_failure(sender: object, task_id: str | None, exception: object) -> None:
     """In the main process: note a task ended by a hard time limit (its child is killed next)."""
     if not isinstance(exception, TimeLimitExceeded) or not task_id:
         return
@@ -98,7 +109,7 @@ def note_task_failure(sender: Any, task_id: str | None, exception: object) -> No
     _timed_out[task_id] = (name if isinstance(name, str) else None, now)
 
 
-def _runs_again(task: Any, retries: int = 0, *, timed_out: bool = False) -> bool:
+def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> bool:
     """Whether Celery runs a task again when its pool child dies (as ``Request.on_failure``
     and ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late``
     with ``reject_on_worker_lost`` (requeued); after a hard time limit, ``acks_late`` without
@@ -136,7 +147,7 @@ def _ends_failed_ids() -> set[str]:
     return fails
 
 
-def _running_by_pid(pool: Any = None) -> dict[int, dict[str, str | None]]:
+def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
     """pid -> {task id: task name} of the requests a pool child accepted or was written.
 
     Also the unfinished jobs of ``pool`` (their ``correlation_id`` is the task id): a request
@@ -193,14 +204,14 @@ _REAPER_FAILED = (
 class _Reaper:
     """Releases the leases of reaped pool children of one prefork pool (see the module)."""
 
-    def __init__(self, app: Any, node: str | None, pool: Any) -> None:
+    def __init__(self, app: CeleryApp, node: str | None, pool: BilliardPool) -> None:
         self.app = app
         self.node = node
         self.pool = pool
         self.host = socket.gethostname()
         self.deaths: queue.SimpleQueue[_Death] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
-        self.before: dict[int, Any] = {}  # pid -> process, during a join
+        self.before: dict[int, PoolProcess] = {}  # pid -> process, during a join
         self.running: dict[int, dict[str, str | None]] = {}
         self.fails: set[str] = set()  # of the running tasks: the ids that end FAILURE
         self.handled: set[int] = set()
@@ -210,7 +221,7 @@ class _Reaper:
         join = compat.join_exited_workers(self.pool)
         mark = self.pool.mark_as_worker_lost
 
-        def join_exited_workers(*args: Any, **kwargs: Any) -> Any:
+        def join_exited_workers(*args: object, **kwargs: object) -> object:
             self.handled = set()
             try:
                 self.before = {p.pid: p for p in list(self._children()) if p.pid}
@@ -232,7 +243,7 @@ class _Reaper:
                     logger.exception(_REAPER_FAILED)
                 self.before = {}
 
-        def mark_as_worker_lost(job: Any, exitcode: Any) -> Any:
+        def mark_as_worker_lost(job: PoolJob, exitcode: int) -> object:
             try:
                 for pid in job.worker_pids():
                     process = self.before.get(pid)
@@ -247,7 +258,7 @@ class _Reaper:
         exited = compat.event_process_exit(self.pool)
         if exited is not None:  # billiard's AsynPool (the event loop); the hub looks it up later
 
-            def event_process_exit(hub: Any, process: Any) -> Any:
+            def event_process_exit(hub: EventLoopHub, process: PoolProcess) -> object:
                 try:
                     return exited(hub, process)
                 finally:
@@ -263,11 +274,11 @@ class _Reaper:
 
             compat.set_event_process_exit(self.pool, event_process_exit)
 
-    def _children(self) -> list[Any]:
+    def _children(self) -> list[PoolProcess]:
         """The pool's child processes now (a reaped child has left the list)."""
         return compat.child_processes(self.pool) or []
 
-    def watch_exit(self, hub: Any, process: Any) -> None:
+    def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
         """Run the pool's maintenance again as soon as ``process`` can be reaped.
 
         The event loop learns of a child's death when the child's end of its sentinel pipe
@@ -280,7 +291,7 @@ class _Reaper:
         the maintenance is retried after 5, 10, 20 ... ms (at most :data:`_REAP_RETRY_FOR` s).
         """
         try:
-            fd = os.pidfd_open(process.pid)
+            fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started
         except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer
             self._retry_reap(hub, process, _REAP_RETRY_FIRST, 0.0)
             return
@@ -296,7 +307,9 @@ class _Reaper:
             os.close(fd)
             raise
 
-    def _retry_reap(self, hub: Any, process: Any, delay: float, waited: float) -> None:
+    def _retry_reap(
+        self, hub: EventLoopHub, process: PoolProcess, delay: float, waited: float
+    ) -> None:
         def retry() -> None:
             self.pool.maintain_pool()
             if process in self._children() and waited + delay < _REAP_RETRY_FOR:
@@ -304,7 +317,7 @@ class _Reaper:
 
         hub.call_later(delay, retry)
 
-    def reaped(self, pid: int, process: Any, *, wait: bool) -> None:
+    def reaped(self, pid: int, process: PoolProcess, *, wait: bool) -> None:
         """Child ``pid`` left the pool: release its running tasks' leases if it was reaped."""
         self.handled.add(pid)
         if process in self._children():
@@ -487,7 +500,12 @@ class _Reaper:
                     self._release_queued(store, by_key, info.key, owner.task_id, death)
 
     def _release_queued(
-        self, store: LockStore, by_key: dict[str, Any], key: str, task_id: str | None, death: _Death
+        self,
+        store: LockStore,
+        by_key: dict[str, LeaseInfo],
+        key: str,
+        task_id: str | None,
+        death: _Death,
     ) -> None:
         """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
         release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
@@ -529,7 +547,7 @@ class _Reaper:
             return ""
 
 
-def _send_released(args: tuple[Any, dict[str, Any]]) -> None:
+def _send_released(args: tuple[CeleryTask | None, dict[str, object]]) -> None:
     task, named = args
     signals.send(signals.lock_released, task, **named)
 
@@ -545,11 +563,11 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
     label = "celery-lease dead holders"
     requires = ("celery.worker.components:Pool",)
 
-    def __init__(self, parent: Any, **kwargs: Any) -> None:
+    def __init__(self, parent: WorkerLike, **kwargs: object) -> None:
         super().__init__(parent, **kwargs)
         self.reaper: _Reaper | None = None
 
-    def start(self, parent: Any) -> None:
+    def start(self, parent: WorkerLike) -> None:
         """Wrap the prefork pool's join of exited children (nothing for other pools)."""
         inner = compat.billiard_pool(getattr(parent, "pool", None))
         if not compat.reapable(inner):
@@ -557,8 +575,8 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
         self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
         self.reaper.install()
 
-    def stop(self, parent: Any) -> None:
+    def stop(self, parent: WorkerLike) -> None:
         """Nothing to stop: the release thread is a daemon and ends with the process."""
 
-    def terminate(self, parent: Any) -> None:
+    def terminate(self, parent: WorkerLike) -> None:
         """Nothing to terminate."""

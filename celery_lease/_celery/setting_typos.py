@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from celery_lease.errors import LeaseConfigError
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import AppConf
 
 __all__ = ["check_names", "misspelled_settings"]
 
@@ -93,14 +96,14 @@ def _says_lease(name: str, settings: Sequence[str]) -> bool:
     )
 
 
-def _configured_keys(conf: Any) -> Iterable[Any]:
+def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
     """Every key the user configured: ``app.conf`` without Celery's defaults, or a mapping."""
     without_defaults = getattr(conf, "without_defaults", None)
     view = without_defaults() if callable(without_defaults) else conf
     return list(view.keys())
 
 
-def misspelled_settings(conf: Any, settings: Sequence[str]) -> list[str]:
+def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
     """One message per configured key that was meant as a lease setting but is never read.
 
     ``conf`` is an ``app.conf`` (Celery ``Settings``: its namespace prefix is honoured and
@@ -161,7 +164,7 @@ def misspelled_settings(conf: Any, settings: Sequence[str]) -> list[str]:
     return problems
 
 
-def check_names(conf: Any, settings: Sequence[str]) -> None:
+def check_names(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> None:
     """Raise :class:`~celery_lease.LeaseConfigError` naming every key of ``conf`` that
     :func:`misspelled_settings` reports, the setting meant and all of ``settings``."""
     problems = misspelled_settings(conf, settings)

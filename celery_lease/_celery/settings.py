@@ -41,7 +41,7 @@ import threading
 import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import urlsplit
 
 from celery_lease import _forking as forking
@@ -50,6 +50,9 @@ from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores import _registry
 from celery_lease.stores.base import LockStore, redact_url, store_from_url
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryApp
 
 __all__ = [
     "BUILTIN_KEY_PREFIX",
@@ -167,13 +170,13 @@ class LeaseSettings:
 
 
 _lock = threading.RLock()
-_settings: weakref.WeakKeyDictionary[Any, LeaseSettings] = weakref.WeakKeyDictionary()
-_stores: weakref.WeakKeyDictionary[Any, LockStore] = weakref.WeakKeyDictionary()
-_refusals: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_settings: weakref.WeakKeyDictionary[CeleryApp, LeaseSettings] = weakref.WeakKeyDictionary()
+_stores: weakref.WeakKeyDictionary[CeleryApp, LockStore] = weakref.WeakKeyDictionary()
+_refusals: weakref.WeakKeyDictionary[CeleryApp, str] = weakref.WeakKeyDictionary()
 _warned_local = False
 
 
-def _read(app: Any) -> LeaseSettings:
+def _read(app: CeleryApp) -> LeaseSettings:
     conf = app.conf
     check_names(conf, SETTINGS)
     store = conf.get("lease_store")
@@ -227,7 +230,7 @@ def _read(app: Any) -> LeaseSettings:
     )
 
 
-def _read_store_check(value: Any) -> str:
+def _read_store_check(value: object) -> str:
     """``lease_store_check``: one of :data:`STORE_CHECKS`, ``None`` (unset) for ``"refuse"``."""
     if value is None:
         return STORE_CHECKS[0]
@@ -239,7 +242,7 @@ def _read_store_check(value: Any) -> str:
     return str(value)
 
 
-def _read_bool(value: Any, name: str, default: bool) -> bool:
+def _read_bool(value: object, name: str, default: bool) -> bool:
     """A boolean setting: ``True`` / ``False``, or ``None`` (unset) for ``default``."""
     if value is None:
         return default
@@ -250,7 +253,7 @@ def _read_bool(value: Any, name: str, default: bool) -> bool:
     return value
 
 
-def _read_metrics(exporter: Any, port: Any) -> tuple[str | None, int]:
+def _read_metrics(exporter: object, port: object) -> tuple[str | None, int]:
     """``lease_metrics`` and ``lease_metrics_port``, checked (an empty string is unset)."""
     if isinstance(exporter, str) and not exporter.strip():
         exporter = None
@@ -286,7 +289,7 @@ def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _
     return value
 
 
-def get_settings(app: Any) -> LeaseSettings:
+def get_settings(app: CeleryApp) -> LeaseSettings:
     """The validated lease settings of ``app``, read once (cached per app).
 
     Raises:
@@ -299,7 +302,7 @@ def get_settings(app: Any) -> LeaseSettings:
     return cached(_settings, app, lambda: _read(app))
 
 
-def refuse(app: Any, message: str) -> None:
+def refuse(app: CeleryApp, message: str) -> None:
     """Make every later :func:`get_settings` / :func:`get_store` of ``app`` raise.
 
     Called by the worker when it refuses a configuration at start-up, so that even if the worker
@@ -311,7 +314,7 @@ def refuse(app: Any, message: str) -> None:
         _refusals[app] = message
 
 
-def recheck(app: Any) -> None:
+def recheck(app: CeleryApp) -> None:
     """Forget ``app``'s cached settings and refusal (not its store): the next read checks anew.
 
     A worker build calls it first, so that a refusal recorded by an earlier build in this
@@ -322,7 +325,7 @@ def recheck(app: Any) -> None:
         _refusals.pop(app, None)
 
 
-def _raise_refusal(app: Any) -> None:
+def _raise_refusal(app: CeleryApp) -> None:
     message = _refusals.get(app)
     if message is not None:
         raise LeaseConfigError(message)
@@ -342,7 +345,7 @@ def is_process_local(store: str | LockStore | None) -> bool:
     return isinstance(store, MemoryLockStore)
 
 
-def broker_store_url(app: Any) -> str | None:
+def broker_store_url(app: CeleryApp) -> str | None:
     """The lock-store URL of the app's broker when it is Redis, else ``None``.
 
     ``redis://`` and ``rediss://`` are used as they are; Celery's ``sentinel://h1;sentinel://h2``
@@ -444,7 +447,7 @@ def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int
         os.chmod(path, mode)
 
 
-def store_option(app: Any) -> str | LockStore:
+def store_option(app: CeleryApp) -> str | LockStore:
     """What the app's store is built from, resolved as :func:`get_store` resolves it, unbuilt.
 
     ``lease_store`` (a URL or a ``LockStore``), else the broker's Redis URL, else the
@@ -464,7 +467,7 @@ def store_option(app: Any) -> str | LockStore:
     return f"sqlite:///{default_sqlite_path()}"
 
 
-def _build_store(app: Any) -> LockStore:
+def _build_store(app: CeleryApp) -> LockStore:
     global _warned_local
     configured = get_settings(app).store
     if isinstance(configured, LockStore):
@@ -487,7 +490,7 @@ def _build_store(app: Any) -> LockStore:
     return SQLiteLockStore(path)
 
 
-def get_store(app: Any) -> LockStore:
+def get_store(app: CeleryApp) -> LockStore:
     """The lock store of ``app`` in this process, resolved on first use.
 
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
@@ -502,7 +505,7 @@ def get_store(app: Any) -> LockStore:
     return cached(_stores, app, lambda: _build_store(app))
 
 
-def reset(app: Any | None = None, *, refusals: bool = True) -> None:
+def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
     """Forget cached settings and stores (of ``app``, or all): the next use reads them again.
 
     Args:

@@ -10,7 +10,6 @@ Built once per task class (:class:`~celery_lease.LockedTask`) or per decorated b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from celery_lease._celery import settings as config
 from celery_lease._core.keys import KeyFunction
@@ -26,7 +25,7 @@ class Spec:
 
     options: LockOptions
     key_function: KeyFunction
-    _durations: list[tuple[Any, float, float]] = field(
+    _durations: list[tuple[object, float, float]] = field(
         default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
     )
 

@@ -71,7 +71,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from celery import bootsteps
@@ -80,6 +80,10 @@ from celery_lease._celery import control, pool
 from celery_lease._celery import settings as config
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
+
+if TYPE_CHECKING:
+    from celery_lease._celery.pool import Autoscale
+    from celery_lease._celery.protocols import CeleryApp, WorkerLike
 
 __all__ = [
     "PING_KEY",
@@ -99,14 +103,14 @@ __all__ = [
 
 logger = logging.getLogger("celery_lease.worker")
 
-_app: weakref.ref[Any] | None = None
+_app: weakref.ref[CeleryApp] | None = None
 """The app of the worker whose check passed in this process (inherited by pool processes)."""
 _processes = 0
 """How many processes that worker runs tasks in
 (:func:`celery_lease._celery.pool.pool_processes`), 0 before a check."""
 
 
-def locked_tasks(app: Any) -> Iterator[tuple[str, str | LockStore | None]]:
+def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]:
     """``(task name, its lock_store or None)`` for every locked task of ``app``, by name.
 
     LockedTask keeps its validated options on the class; a ``@locked`` body carries them on
@@ -122,7 +126,7 @@ def locked_tasks(app: Any) -> Iterator[tuple[str, str | LockStore | None]]:
 
 
 def stores_in_use(
-    app: Any, configured: str | LockStore | None
+    app: CeleryApp, configured: str | LockStore | None
 ) -> Iterator[tuple[str, str | LockStore | None]]:
     """``(where, store option)`` for the app's ``lease_store`` and every task's ``lock_store``."""
     yield "lease_store", configured
@@ -131,7 +135,7 @@ def stores_in_use(
             yield f"task {name!r} lock_store", store
 
 
-def uses_celery_lease(app: Any) -> bool:
+def uses_celery_lease(app: CeleryApp) -> bool:
     """Whether a worker of ``app`` gets celery-lease's hooks (checks, reaper, ``inspect``).
 
     True when the app has a locked task (a ``LockedTask`` or a ``@locked`` body), configures
@@ -147,11 +151,11 @@ def uses_celery_lease(app: Any) -> bool:
     return any(conf.get(name) is not None for name in config.SETTINGS) or app in _opted_in
 
 
-_opted_in: weakref.WeakSet[Any] = weakref.WeakSet()
+_opted_in: weakref.WeakSet[CeleryApp] = weakref.WeakSet()
 """Apps that use celery-lease without a locked task or a setting (:func:`opt_in`)."""
 
 
-def opt_in(app: Any) -> None:
+def opt_in(app: CeleryApp) -> None:
     """Count ``app`` as using celery-lease (:func:`uses_celery_lease`) though it has no locked
     task and no ``lease_*`` setting: called by :func:`celery_lease.metrics.install`, an add-on
     above this layer that this module does not import."""
@@ -163,7 +167,7 @@ def _describe(store: str | LockStore | None) -> str:
 
 
 def check_worker(
-    app: Any, pool_cls: Any, concurrency: int, autoscale: Any = None
+    app: CeleryApp, pool_cls: object, concurrency: int, autoscale: Autoscale = None
 ) -> LeaseConfigError | None:
     """The reason ``app``'s lease configuration cannot run on this worker, or ``None``.
 
@@ -177,7 +181,9 @@ def check_worker(
     )
 
 
-def _check(app: Any, processes: int, pool: str, *, warn: bool = True) -> LeaseConfigError | None:
+def _check(
+    app: CeleryApp, processes: int, pool: str, *, warn: bool = True
+) -> LeaseConfigError | None:
     try:
         settings = config.get_settings(app)
     except LeaseConfigError as exc:
@@ -332,7 +338,7 @@ def _ping(
     outcome: list[float | BaseException],
 ) -> None:
     """The round trip of :func:`ping_store`, on its thread: the seconds it took, or the error."""
-    store: Any = None
+    store: LockStore | None = None
     began = time.monotonic()
     try:
         store = store_from_url(option) if isinstance(option, str) else option
@@ -351,7 +357,7 @@ def _ping(
                 close()
 
 
-def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
+def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockStore]]:
     """``(what, store option)`` of each store to check, each store once.
 
     The app's store (``lease_store``, else what it defaults to) when ``every`` is true, when
@@ -381,7 +387,7 @@ def _stores_to_ping(app: Any, every: bool) -> list[tuple[str, str | LockStore]]:
     return unique
 
 
-def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
+def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     """The checks of ``celery lease check``: the settings, then every store of the app.
 
     Stores are those of :func:`_stores_to_ping` with the app's own store always included
@@ -402,7 +408,7 @@ def check_app(app: Any, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     return checks
 
 
-def _check_stores(app: Any, settings: Any) -> LeaseConfigError | None:
+def _check_stores(app: CeleryApp, settings: config.LeaseSettings) -> LeaseConfigError | None:
     """At worker start: ping every store in use (``lease_store_check``); the refusal, if any."""
     if settings.store_check == "off":
         return None
@@ -446,7 +452,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     name = "celery_lease.worker.LeaseCheck"  # a fixed step name, wherever the class lives
     label = "celery-lease check"
 
-    def __init__(self, parent: Any, autoscale: Any = None, **kwargs: Any) -> None:
+    def __init__(self, parent: WorkerLike, autoscale: Autoscale = None, **kwargs: object) -> None:
         global _app, _processes
         super().__init__(parent, **kwargs)
         app = parent.app
@@ -465,13 +471,13 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         pool.set_pool_label(pool.pool_name(parent.pool_cls))
         control.prepare_main()
 
-    def start(self, parent: Any) -> None:
+    def start(self, parent: WorkerLike) -> None:
         """Nothing to start: the check ran when the worker was built."""
 
-    def stop(self, parent: Any) -> None:
+    def stop(self, parent: WorkerLike) -> None:
         """Nothing to stop."""
 
-    def terminate(self, parent: Any) -> None:
+    def terminate(self, parent: WorkerLike) -> None:
         """Nothing to terminate."""
 
 

@@ -11,18 +11,21 @@ The fork resets this module takes part in: ``docs/internals.md``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery_lease import _forking as forking
 from celery_lease._celery import settings as config
 from celery_lease.stores.base import LockStore, store_from_url
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryApp
 
 __all__ = ["store_for"]
 
 _url_stores: dict[str, LockStore] = {}
 
 
-def store_for(option: str | LockStore | None, app: Any) -> LockStore:
+def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
     """The store of an execution: the task's option (URL resolved once per process) or the app's."""
     if option is None:
         return config.get_store(app)

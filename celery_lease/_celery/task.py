@@ -34,10 +34,13 @@ import functools
 import inspect
 import types
 import typing
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from celery import Task
+from celery.exceptions import Retry
+from celery.result import AsyncResult
 
 from celery_lease._celery import compat
 from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
@@ -61,6 +64,11 @@ from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
 
+if TYPE_CHECKING:
+    from pydantic import BaseModel
+
+    from celery_lease._celery.protocols import CeleryApp, CeleryTask
+
 __all__ = [
     "ON_HELD",
     "ON_LOST",
@@ -72,14 +80,19 @@ __all__ = [
     "run_locked",
 ]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+
+_Validate = Callable[
+    [tuple[object, ...], Mapping[str, object]], tuple[tuple[object, ...], dict[str, object]]
+]
+"""Call arguments to the arguments the body receives (``args``, ``kwargs``)."""
 
 
-def _body_signature(run: Any, *, bound: bool) -> inspect.Signature | None:
+def _body_signature(run: object, *, bound: bool) -> inspect.Signature | None:
     """The signature of a body as called (without ``self`` for a bound body), if it has one."""
     func = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
     try:
-        sig = inspect.signature(func)
+        sig = inspect.signature(cast("Callable[..., object]", func))  # else TypeError: None
     except (TypeError, ValueError):
         return None
     if bound and not isinstance(run, staticmethod):
@@ -88,7 +101,7 @@ def _body_signature(run: Any, *, bound: bool) -> inspect.Signature | None:
     return sig
 
 
-def _model_annotation(annotation: Any, value: Any) -> Any:
+def _model_annotation(annotation: object, value: object) -> type[BaseModel] | None:
     """The pydantic model class Celery validates ``value`` with for ``annotation``, or None."""
     from pydantic import BaseModel
 
@@ -101,9 +114,7 @@ def _model_annotation(annotation: Any, value: Any) -> Any:
     return None
 
 
-def _pydantic_validator(
-    cls: type, task: Any
-) -> Callable[[tuple[Any, ...], Mapping[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]] | None:
+def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     """For a ``pydantic=True`` task: turn call arguments into what its body receives.
 
     Celery validates the arguments of such a task into models inside ``run`` (its
@@ -119,7 +130,7 @@ def _pydantic_validator(
     free = compat.pydantic_wrapper_closure(func)
     if free is None:
         return None
-    signature: inspect.Signature = free.get("task_signature") or inspect.signature(func)
+    signature = free.get("task_signature") or inspect.signature(func)
     get_model = free.get("get_argument_model")
     validate_argument = free.get("validate_argument")
     hints = free.get("type_hints")
@@ -135,20 +146,20 @@ def _pydantic_validator(
         "celery_task_name": task.name,
     }
 
-    def model_for(name: str, value: Any) -> Any:
+    def model_for(name: str, value: object) -> type[BaseModel] | None:
         if get_model is not None:
             return get_model(name, value)
         annotation = hints.get(name, signature.parameters[name].annotation)
         return _model_annotation(annotation, value)
 
-    def validate_one(model: Any, value: Any) -> Any:
+    def validate_one(model: type[BaseModel], value: object) -> object:
         if validate_argument is not None:
             return validate_argument(model, value)
         return model.model_validate(value, strict=strict, context=context)
 
     def validate(
-        args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args: tuple[object, ...], kwargs: Mapping[str, object]
+    ) -> tuple[tuple[object, ...], dict[str, object]]:
         try:
             bound_args = (
                 signature.bind(task, *args, **kwargs) if bound else signature.bind(*args, **kwargs)
@@ -217,7 +228,7 @@ class LockedTask(Task):  # type: ignore[misc]
     _lock_calls_through = False
     """Whether another class in the class order defines ``__call__`` (run it under the lease)."""
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
+    def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
         for attr in list(cls.__dict__):
             if attr.startswith("lock_") and attr[5:] not in OPTIONS:
@@ -261,7 +272,7 @@ class LockedTask(Task):  # type: ignore[misc]
         return _body_signature(run, bound=True)
 
     @classmethod
-    def on_bound(cls, app: Any) -> None:
+    def on_bound(cls, app: CeleryApp) -> None:
         """Re-validate options after Celery applied task annotations; expected errors at INFO."""
         super().on_bound(app)
         cls._lock_configure()
@@ -280,14 +291,14 @@ class LockedTask(Task):  # type: ignore[misc]
             if validate is not None:
                 by_arguments = key_function
 
-                def key_function(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+                def key_function(args: tuple[object, ...], kwargs: Mapping[str, object]) -> str:
                     return by_arguments(*validate(args, kwargs))
 
             spec = _Spec(cls._lock_options, key_function)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> Any:  # Any: what the body returns
         """Run the body under the lease (worker, eager and direct calls alike).
 
         The lease is held around the rest of the class order: with a mixin whose ``__call__``
@@ -329,15 +340,15 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def apply_async(
         self,
-        args: Any = None,
-        kwargs: Any = None,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
         task_id: str | None = None,
-        producer: Any = None,
-        link: Any = None,
-        link_error: Any = None,
+        producer: object = None,
+        link: object = None,
+        link_error: object = None,
         shadow: str | None = None,
-        **options: Any,
-    ) -> Any:
+        **options: Any,  # Celery's publish options: values of any kind
+    ) -> AsyncResult:
         """Celery's ``apply_async``; with ``lock_unique`` set, at most one queued copy per key
         (see :mod:`celery_lease._celery.unique`). Without it, exactly Celery's path."""
         if type(self)._lock_options.unique is None:
@@ -360,7 +371,7 @@ class LockedTask(Task):  # type: ignore[misc]
             },
         )
 
-    def push_request(self, *args: Any, **kwargs: Any) -> None:
+    def push_request(self, *args: object, **kwargs: object) -> None:
         """Push a request as Celery does; one pushed for a running execution's body (by
         ``Task.__call__`` further down the class order) gets that execution's lock attributes."""
         super().push_request(*args, **kwargs)
@@ -368,15 +379,15 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def retry(
         self,
-        args: Any = None,
-        kwargs: Any = None,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
         exc: BaseException | None = None,
         throw: bool = True,
-        eta: Any = None,
-        countdown: Any = None,
+        eta: datetime | None = None,
+        countdown: float | None = None,
         max_retries: int | None = None,
-        **options: Any,
-    ) -> Any:
+        **options: Any,  # Celery's publish options: values of any kind
+    ) -> Retry:
         """Celery's ``retry()``; the retry message is published after this execution's lease
         was released (early: the lease reads lost with reason ``"released"``).
 
@@ -423,10 +434,10 @@ class LockedTask(Task):  # type: ignore[misc]
 _unique.checks_apply_async(LockedTask)
 
 
-def _is_body_of(task: Any, wrapper: Callable[..., Any]) -> bool:
+def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
     """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
     wrapper), not a helper called from the body."""
-    run: Any = task.run
+    run: object = task.run
     for _ in range(4):  # run -> pydantic wrapper -> ours: a short chain
         run = getattr(run, "__func__", run)
         if run is wrapper:
@@ -510,7 +521,7 @@ def locked(
             return spec
 
         @functools.wraps(func)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
+        def wrapper(*args: object, **kwargs: object) -> object:
             task = compat.get_current_task()
             bound = task is not None and bool(args) and args[0] is task
             key_args = args[1:] if bound else args

@@ -52,7 +52,6 @@ import contextlib
 import contextvars
 import logging
 import os
-from typing import Any
 
 from celery.signals import (
     task_failure,
@@ -86,7 +85,7 @@ def reset_process_state() -> None:
     forking.reset_child_state()
 
 
-def _on_worker_init(sender: Any = None, **_: Any) -> None:
+def _on_worker_init(sender: object = None, **_: object) -> None:
     global _main_pid
     _main_pid = os.getpid()
     node = getattr(sender, "hostname", None)
@@ -100,7 +99,7 @@ def _on_worker_init(sender: Any = None, **_: Any) -> None:
         app.steps["worker"].add(METRICS_STEP)
 
 
-def _on_worker_process_init(**_: Any) -> None:
+def _on_worker_process_init(**_: object) -> None:
     child = _main_pid is not None and os.getpid() != _main_pid
     pool.set_pool_child(child)
     reset_process_state()
@@ -109,19 +108,22 @@ def _on_worker_process_init(**_: Any) -> None:
         control.serve_in_child()
 
 
-def _on_worker_shutdown(**_: Any) -> None:
+def _on_worker_shutdown(**_: object) -> None:
     if os.getpid() == _main_pid:
         control.cleanup_main()
 
 
 # The running task, as the default of owner ids made during it (owners.push_task) --------------
 
-_task_tokens: contextvars.ContextVar[list[tuple[str, Any]] | None] = contextvars.ContextVar(
+_OwnerToken = contextvars.Token[tuple[str | None, str | None] | None]
+"""What :func:`celery_lease._core.owners.push_task` returns."""
+
+_task_tokens: contextvars.ContextVar[list[tuple[str, _OwnerToken]] | None] = contextvars.ContextVar(
     "celery_lease_task_tokens", default=None
 )
 
 
-def _on_task_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> None:
+def _on_task_prerun(task_id: str | None = None, task: object = None, **_: object) -> None:
     stack = _task_tokens.get()
     if stack is None:
         stack = []
@@ -130,7 +132,7 @@ def _on_task_prerun(task_id: str | None = None, task: Any = None, **_: Any) -> N
     stack.append((str(task_id), owners.push_task(name if isinstance(name, str) else None, task_id)))
 
 
-def _on_task_postrun(task_id: str | None = None, **_: Any) -> None:
+def _on_task_postrun(task_id: str | None = None, **_: object) -> None:
     stack = _task_tokens.get()
     if not stack or stack[-1][0] != str(task_id):
         return
@@ -140,7 +142,7 @@ def _on_task_postrun(task_id: str | None = None, **_: Any) -> None:
 
 
 def _on_task_failure(
-    sender: Any = None, task_id: str | None = None, exception: object = None, **_: Any
+    sender: object = None, task_id: str | None = None, exception: object = None, **_: object
 ) -> None:
     """In the main process: tell the reaper of tasks ended by a hard time limit."""
     if os.getpid() == _main_pid:

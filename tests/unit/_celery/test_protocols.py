@@ -3,6 +3,7 @@ store capability checks answer for real stores and for objects that lack the cap
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,7 @@ from celery.signals import task_success
 
 from celery_lease import MemoryLockStore
 from celery_lease._celery import protocols
+from celery_lease._celery import request as _request  # noqa: F401  # lock attributes on Context
 
 
 def _members(protocol: type) -> set[str]:
@@ -42,6 +44,8 @@ class TestCeleryHasWhatTheProtocolsName:
             return x
 
         assert _missing(add, protocols.CeleryTask) == set()
+        retry = inspect.signature(add.retry).parameters
+        assert {"args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries"} <= set(retry)
 
     def test_a_request_has_every_member_of_task_request(self) -> None:
         """Celery's Context defines every attribute TaskRequest names (as class defaults)."""
@@ -65,6 +69,8 @@ class TestCeleryHasWhatTheProtocolsName:
     def test_a_result_backend_and_a_result_have_every_member_named(self, app: Celery) -> None:
         """The backend reads and stores states; a result has its id."""
         assert _missing(app.backend, protocols.ResultBackend) == set()
+        revoked = inspect.signature(app.backend.mark_as_revoked).parameters
+        assert {"reason", "request", "store_result"} <= set(revoked)
         assert _missing(app.AsyncResult("some-id"), protocols.AsyncResultLike) == set()
 
     def test_a_signature_from_a_request_has_args_kwargs_and_options(self, app: Celery) -> None:
@@ -82,9 +88,82 @@ class TestCeleryHasWhatTheProtocolsName:
         """A Celery signal lists its receivers."""
         assert _missing(task_success, protocols.SignalLike) == set()
 
+    def test_the_app_has_a_task_registry(self, app: Celery) -> None:
+        """``app.tasks`` maps each task's name to the task."""
+
+        @app.task(shared=False)
+        def add(x: int) -> int:
+            return x
+
+        assert app.tasks[add.name].name == add.name
+
+    def test_a_request_carries_the_lock_attributes(self) -> None:
+        """Once the task layer is imported, Celery's Context defines the lock attributes with
+        their unset values, and the retries and hostname TaskRequest reads."""
+        context = Context()
+        assert (context.lock_key, context.lock_token, context.lock_waited, context.lease) == (
+            None,
+            None,
+            False,
+            None,
+        )
+        assert context._lease_run is None
+        assert (context.retries, context.hostname) == (0, None)
+
+    def test_the_task_stack_pushes_and_pops(self) -> None:
+        """The stack ``current_task`` reads has ``push`` and ``pop``."""
+        from celery import _state
+
+        assert _missing(_state._task_stack, protocols.TaskStack) == set()
+
+    def test_a_worker_has_every_member_of_worker_like(
+        self, app: Celery, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A built (not started) worker has its app, node name, pool class, concurrency and
+        pool."""
+        from celery import _state
+
+        from celery_lease._celery import worker
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        blocks = _state.task_join_will_block()
+        try:
+            controller = app.WorkController(pool_cls="threads", concurrency=2, without_mingle=True)
+        finally:
+            _state._set_task_join_will_block(blocks)  # the Pool step sets it for its pool
+        assert _missing(controller, protocols.WorkerLike) == set()
+        assert controller.concurrency == 2
+
+    def test_a_worker_request_has_every_member_named(self) -> None:
+        """Celery's worker Request defines the id, name, child pid and task WorkerRequest
+        names (as properties)."""
+        from celery.worker.request import Request
+
+        assert _missing(Request, protocols.WorkerRequest) == set()
+
+    def test_billiard_has_every_member_of_its_protocols(self) -> None:
+        """billiard's pool (and Celery's AsynPool), a child process and a job have what the
+        dead-holder reaper reads."""
+        import billiard
+        from billiard.pool import ApplyResult, Pool
+        from celery.concurrency.asynpool import AsynPool
+
+        assert _missing(Pool, protocols.BilliardPool) == set()
+        assert _missing(AsynPool, protocols.BilliardPool) == set()
+        assert _missing(ApplyResult, protocols.PoolJob) == set()
+        process = billiard.Process()  # not started: no pid, no exit code yet
+        assert _missing(process, protocols.PoolProcess) == set()
+        assert (process.pid, process.exitcode) == (None, None)
+
+    def test_the_event_loop_has_every_member_named(self) -> None:
+        """kombu's Hub watches file descriptors and runs timers."""
+        from kombu.asynchronous.hub import Hub
+
+        assert _missing(Hub, protocols.EventLoopHub) == set()
+
     def test_the_member_check_can_fail(self) -> None:
         """An object without the members is reported missing them."""
-        assert _missing(object(), protocols.CeleryApp) == {"conf", "steps"}
+        assert _missing(object(), protocols.CeleryApp) == {"conf", "steps", "tasks"}
 
 
 class _Anything:
