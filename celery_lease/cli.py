@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 import click
 from click.core import ParameterSource
 
+from celery_lease._celery import compat
 from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
 from celery_lease._core.unique_options import SUPERSEDED_NAMESPACE
 from celery_lease.errors import LeaseError
@@ -274,7 +275,7 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
     ``rpc://``, whose results live on the caller's queue).
     """
     backend = getattr(app, "backend", None) if app is not None else None
-    get = getattr(backend, "_get_task_meta_for", None)
+    get = compat.task_meta_reader(backend)
     if get is None or type(backend).__name__ == "DisabledBackend":
         return {}
     states: dict[str, str] = {}

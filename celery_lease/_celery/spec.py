@@ -16,7 +16,19 @@ from celery_lease._core.keys import KeyFunction
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.options import LockOptions
 
-__all__ = ["Spec"]
+__all__ = ["OPTIONS_ATTRIBUTE", "Spec", "options_of"]
+
+OPTIONS_ATTRIBUTE = "_lock_options"
+"""The attribute under which a :class:`~celery_lease.LockedTask` class, or a body decorated with
+:func:`~celery_lease.locked`, carries its validated :class:`LockOptions` (set by
+:mod:`celery_lease._celery.task` when the class or the decorator is made)."""
+
+
+def options_of(carrier: object) -> LockOptions | None:
+    """The validated lock options ``carrier`` (a task class or a ``@locked`` body) carries, or
+    None for anything that is not locked. The one place other modules read them from."""
+    options = getattr(carrier, OPTIONS_ATTRIBUTE, None)
+    return options if isinstance(options, LockOptions) else None
 
 
 @dataclass(frozen=True)

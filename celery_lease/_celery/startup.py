@@ -78,6 +78,7 @@ from celery import bootsteps
 
 from celery_lease._celery import control, pool
 from celery_lease._celery import settings as config
+from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
 
@@ -118,7 +119,7 @@ def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]
     """
     for name, task in sorted(app.tasks.items()):
         for carrier in (type(task), getattr(task, "run", None)):
-            options = getattr(carrier, "_lock_options", None)
+            options = options_of(carrier)
             if options is not None:
                 store: str | LockStore | None = getattr(options, "store", None)
                 yield name, store

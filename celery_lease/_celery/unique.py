@@ -100,7 +100,7 @@ from celery_lease._celery.protocols import (
     can_renew_deferred,
     is_inspectable,
 )
-from celery_lease._celery.spec import Spec
+from celery_lease._celery.spec import Spec, options_of
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
@@ -886,7 +886,7 @@ def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) 
 def _on_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:
     """``task_revoked`` in the worker: a revoked (or expired) unique copy frees its queued key."""
     task = cast("CeleryTask", sender)  # the Task; ``request``: its Context (headers as attributes)
-    options = getattr(type(task), "_lock_options", None)
+    options = options_of(type(task))
     if request is None or options is None or options.unique is None:
         return
     header: object = getattr(request, HEADER, None)

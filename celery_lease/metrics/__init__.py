@@ -74,6 +74,7 @@ from celery_lease import signals
 from celery_lease._celery import pool
 from celery_lease._celery import settings as config
 from celery_lease._celery.settings import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
+from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ def _name(sender: object) -> str:
 
 def _queued_key(sender: object, key: str) -> str | None:
     """The queued key a running ``lock_unique="until_done"`` copy of ``sender`` renews."""
-    options = getattr(type(sender), "_lock_options", None)
+    options = options_of(type(sender))
     unique = getattr(options, "unique", None)
     if unique is None or unique.unique != "until_done" or unique.debounce is not None:
         return None

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from celery import Celery
 
-from celery_lease import LeaseConfigError
+from celery_lease import LeaseConfigError, LockedTask, locked
 from celery_lease._celery import settings as config
-from celery_lease._celery.spec import Spec
+from celery_lease._celery.spec import Spec, options_of
 from celery_lease._core.options import LockOptions
 
 
@@ -53,3 +53,26 @@ class TestDurations:
         app.conf.lease_default_ttl = 0.001
         with pytest.raises(LeaseConfigError):
             Spec(LockOptions(), _key).durations(config.get_settings(app))
+
+
+class TestOptionsOf:
+    def test_a_locked_task_class_and_a_locked_body_carry_their_options(self) -> None:
+        class Report(LockedTask):  # type: ignore[misc]
+            name = "spec.report"
+            lock_key = "report"
+            lock_ttl = 42
+
+            def run(self) -> None:
+                pass
+
+        @locked(key="body", ttl=7)
+        def body() -> None:
+            pass
+
+        class_options, body_options = options_of(Report), options_of(body)
+        assert class_options is not None and class_options.ttl == 42
+        assert body_options is not None and body_options.ttl == 7
+
+    @pytest.mark.parametrize("carrier", [object(), object, None, "x"])
+    def test_anything_else_carries_none(self, carrier: object) -> None:
+        assert options_of(carrier) is None
