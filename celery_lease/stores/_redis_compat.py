@@ -12,6 +12,7 @@ internals): the stores may not import the Celery layer, so the two cannot be one
 from __future__ import annotations
 
 import socket
+from typing import cast
 
 from redis._parsers.base import BaseParser
 
@@ -34,9 +35,10 @@ def connection_socket(connection: object) -> socket.socket | None:
 
     redis-py 8.2: ``AbstractConnection._sock``, set by ``connect()``; there is no public
     accessor. The fast path reads and writes it directly, after redis-py's own handshake.
+    Returned as redis-py set it, unchecked: under eventlet a TLS socket is a ``GreenSSLSocket``,
+    which is not an instance of the (patched) ``socket.socket``.
     """
-    sock = getattr(connection, "_sock", None)
-    return sock if isinstance(sock, socket.socket) else None
+    return cast("socket.socket | None", getattr(connection, "_sock", None))
 
 
 def client_retries(retry: object) -> int:

@@ -44,6 +44,18 @@ class TestConnectionSocket:
     def test_an_object_without_a_socket(self) -> None:
         assert connection_socket(object()) is None
 
+    def test_a_cooperative_pools_socket_is_returned_as_it_is(self) -> None:
+        """Under eventlet a TLS socket is not an instance of the patched ``socket.socket``: it
+        is handed over all the same."""
+
+        class GreenSSLSocket:  # stands for eventlet.green.ssl.GreenSSLSocket
+            pass
+
+        connection = redis.connection.Connection()
+        wrapped = GreenSSLSocket()
+        connection._sock = wrapped  # type: ignore[assignment]
+        assert connection_socket(connection) is wrapped
+
 
 class TestClientRetries:
     @pytest.mark.parametrize("count", [0, 1, 10])
