@@ -28,6 +28,8 @@ and the settings. Celery's namespaces apply: with ``config_from_object(..., name
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
 
 The store is resolved once per app in each process and rebuilt after ``fork``.
+
+The lock and the fork resets this module takes part in: ``docs/internals.md``.
 """
 
 from __future__ import annotations
