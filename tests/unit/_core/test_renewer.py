@@ -21,7 +21,7 @@ import celery_lease
 from celery_lease import Lease, MemoryLockStore, lease
 from celery_lease._core import renewer as renewer_module
 from celery_lease._core.dispatch import drain, get_dispatcher
-from celery_lease._core.renewer import IDLE_EXIT, Renewer, get_renewer, validity
+from celery_lease._core.renewer import IDLE_EXIT, Entry, Renewer, get_renewer, renewers, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -194,6 +194,37 @@ class TestScale:
         thread.join(REAL_TIMEOUT)
         assert not thread.is_alive()
         assert get_renewer(clock, store).thread is None
+
+    def test_a_renewer_idled_out_and_added_to_again_is_registered_again(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A caller that looked the renewer up just before its idle exit adds to it after: the
+        renewer starts again, is the store's renewer again, and renews the lease."""
+        renewer = get_renewer(clock, store)
+        with lease("k", store=store, ttl=3, clock=clock):
+            thread = renewer.thread
+        assert thread is not None
+        clock.advance(IDLE_EXIT)
+        thread.join(REAL_TIMEOUT)
+        assert renewer not in renewers(clock), "an idle renewer leaves the registry"
+        entry = Entry(
+            store=store,
+            key="late",
+            owner="me",
+            ttl=3,
+            sent_at=clock.monotonic(),
+            max_hold_at=None,
+            on_lost=lambda reason: None,
+        )
+        store.acquire("late", "me", 3000)
+        renewer.add(entry)
+        try:
+            assert get_renewer(clock, store) is renewer
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            assert store.renewals[-1][0] == "late"
+        finally:
+            renewer.remove(entry)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
@@ -839,3 +870,23 @@ def test_there_is_one_renewer_per_clock_and_store() -> None:
     assert get_renewer(clock, store) is not get_renewer(clock, other)
     assert get_renewer(clock, store) is not get_renewer(None, store)
     assert get_renewer(clock, store).store is store
+
+
+def test_a_renewer_refuses_an_entry_of_another_store() -> None:
+    """Renewer.add of an entry held in another store raises ValueError naming the key: that
+    lease would be renewed behind this store's calls."""
+    clock = FakeClock(0.0)
+    store, other = MemoryLockStore(clock=clock), MemoryLockStore(clock=clock)
+    entry = Entry(
+        store=other,
+        key="elsewhere",
+        owner="me",
+        ttl=3,
+        sent_at=0.0,
+        max_hold_at=None,
+        on_lost=lambda reason: None,
+    )
+    with pytest.raises(ValueError, match=r"'elsewhere'.*get_renewer"):
+        get_renewer(clock, store).add(entry)
+    assert entry.renewer is None
+    assert len(get_renewer(clock, store)) == 0

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import pytest
 
 from celery_lease import lease
+from celery_lease._core.renewer import renewers, shutdown, snapshot
 from celery_lease.errors import StoreUnavailableError
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -164,3 +165,21 @@ class TestOneKeyFails:
             assert attempts("healthy") == 6, "renewed at +1, +2, +3, +4, +5 and +6"
             assert not healthy.lost, f"healthy lost ({healthy.lost_reason}) for another key"
             assert store.get("healthy") is not None
+
+
+class TestProcessWide:
+    def test_snapshot_and_shutdown_see_the_leases_of_every_store(self, clock: FakeClock) -> None:
+        """snapshot() lists the leases of both stores' renewers; shutdown() refuses naming the
+        keys held in either, and stops every renewer once none is held."""
+        one, two = SpyStore(clock), SpyStore(clock)
+        with (
+            lease("in-one", store=one, ttl=3, clock=clock),
+            lease("in-two", store=two, ttl=3, clock=clock),
+        ):
+            assert [row["key"] for row in snapshot()] == ["in-one", "in-two"]
+            with pytest.raises(RuntimeError, match="'in-one', 'in-two'"):
+                shutdown()
+        threads = [r.thread for r in renewers(clock) if r.thread is not None]
+        assert len(threads) == 2, "one renewer thread per store"
+        shutdown()
+        assert not any(thread.is_alive() for thread in threads)
