@@ -38,10 +38,10 @@ stall the loss reports). If it is still in flight after that, the holder's final
 cooldown) is registered with :meth:`Renewer.fence` and done again by the renewer right after the
 late renewal returned, so a renewal landing late never cuts a cooldown short.
 
-**Observers.** :meth:`Renewer.observe_renewals` (one renewer) and :func:`observe_renewals` (every
-renewer of the process) register a callable told ``(key, token, seconds, ok)`` for each renewal
-result, on the renewer thread after the answer is recorded (metrics: renewal latency). Without
-one, a sweep pays a single falsy check.
+**Observers.** :meth:`Renewer.observe_renewals` (one renewer: one store's leases) and
+:func:`observe_renewals` (every renewer of the process) register a callable told ``(key, token,
+seconds, ok)`` for each renewal result, on the renewer thread after the answer is recorded
+(metrics: renewal latency). Without one, a sweep pays a single falsy check.
 
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside

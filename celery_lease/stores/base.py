@@ -213,7 +213,8 @@ class AsyncLockStore(Protocol):
     @property
     def sync(self) -> LockStore:
         """A synchronous store on the same data; the renewer thread renews through it (off the
-        event loop, so a busy loop does not lose a lease)."""
+        event loop, so a busy loop does not lose a lease). The same object at every access:
+        each store object has a renewer thread of its own."""
         ...
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
