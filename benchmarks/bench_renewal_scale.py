@@ -133,7 +133,7 @@ def bench_celery_lease(
     threads_before = threading.active_count()  # before either pass starts the renewer
     memory = memory_per_lease(store, n, nested)
     client = store.client
-    renewer = get_renewer()
+    renewer = get_renewer(None, store)
     sweeps: list[Sweep] = []
     phase = "acquiring"
     current: list[Sweep] = []

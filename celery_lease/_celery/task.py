@@ -11,7 +11,7 @@ options::
     def nightly_report(self): ...
 
 The lease is taken where the task runs (so ``send_task``, beat, canvas and acks_late redelivery
-all go through it), renewed by the process's renewer thread while the body runs, and released
+all go through it), renewed by the renewer thread of its store while the body runs, and released
 when the body ends (before the result is stored), or kept for ``cooldown`` after a success.
 
 While the body runs, ``self.request`` carries ``lock_key``, ``lock_token``, ``lock_waited``,

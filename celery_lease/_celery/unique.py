@@ -705,7 +705,7 @@ def on_start(
     if not (can_renew_deferred(store) and store.renew_deferred(qkey, owner, _ms(ttl))):
         entry.due = now
     hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
-    get_renewer(SYSTEM_CLOCK).add(entry)
+    get_renewer(SYSTEM_CLOCK, store).add(entry)
     _holding[task_id] = hold
     return hold
 

@@ -15,7 +15,7 @@ differs is where things run:
   ``wait_for_release`` with the same backoff as the sync path (50 ms doubling to 1 s).
   Cancelling the waiting task stops the wait; an attempt whose reply the cancel cut off is
   released owner-checked, so nothing is left held.
-- **Renewal** stays on the process's renewer thread, through the store's synchronous twin
+- **Renewal** stays on the renewer thread of the store's synchronous twin
   (``store.sync``): an event loop blocked by other tasks does not lose the lease.
 - **Release** is awaited on the loop. When the exit is cancelled (or the release fails) the
   release is done again on the dispatcher thread through ``store.sync``: a lease is never

@@ -999,7 +999,7 @@ class LeaseContext:
             if immediate_listener is not None:
                 held._listeners = [(immediate_listener, True)]
             assert held._entry is not None
-            get_renewer(self.clock).add(held._entry)
+            get_renewer(self.clock, held._entry.store).add(held._entry)
         except BaseException:
             entry = None if held is None else held._entry
             if entry is not None and entry.renewer is not None:

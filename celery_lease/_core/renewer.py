@@ -1,4 +1,4 @@
-"""One renewer thread per process (per clock) for all held leases.
+"""One renewer thread per store (and clock) in a process, for the leases held in that store.
 
 Every held lease is an :class:`Entry` in a heap ordered by the time of its next action: renew it
 (every ttl/3), retry a failed renewal, or declare it lost (its local validity ran out, or
@@ -6,6 +6,14 @@ Every held lease is an :class:`Entry` in a heap ordered by the time of its next 
 gets one round trip per sweep. The thread starts when the first lease is added and exits when
 none is left for :data:`IDLE_EXIT` seconds, or at :func:`shutdown`. After ``fork`` a child starts
 from an empty registry: it never renews its parent's leases.
+
+**One renewer per store.** A :class:`Renewer` serves the leases of one store object waiting on
+one clock (:func:`get_renewer`), with a thread, a watchdog, a heap and a lock of its own. A store
+whose call hangs or crawls therefore delays only the renewals of its own leases: the leases of
+every other store go on being renewed on their own threads. What is process-wide
+(:func:`snapshot`, :func:`shutdown`, :func:`observe_renewals`, the after-fork reset) goes over
+every renewer (:func:`renewers`). A store object used by several clocks has one renewer per
+clock; an idle renewer leaves the registry when its thread exits.
 
 **One record per lease end.** How an entry ended is written once, under the renewer's lock:
 ``closed`` with ``lost_reason`` ``None`` (its holder finished) or a reason (``"taken"``,
@@ -30,15 +38,15 @@ stall the loss reports). If it is still in flight after that, the holder's final
 cooldown) is registered with :meth:`Renewer.fence` and done again by the renewer right after the
 late renewal returned, so a renewal landing late never cuts a cooldown short.
 
-**Observers.** :meth:`Renewer.observe_renewals` (one renewer) and :func:`observe_renewals` (every
-renewer of the process) register a callable told ``(key, token, seconds, ok)`` for each renewal
-result, on the renewer thread after the answer is recorded (metrics: renewal latency). Without
-one, a sweep pays a single falsy check.
+**Observers.** :meth:`Renewer.observe_renewals` (one renewer: one store's leases) and
+:func:`observe_renewals` (every renewer of the process) register a callable told ``(key, token,
+seconds, ok)`` for each renewal result, on the renewer thread after the answer is recorded
+(metrics: renewal latency). Without one, a sweep pays a single falsy check.
 
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
 a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
-and records the ones that pass it. Renewal itself stays on the one renewer thread.
+and records the ones that pass it. Renewal itself stays on the store's renewer thread.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -68,6 +76,7 @@ __all__ = [
     "Renewer",
     "get_renewer",
     "observe_renewals",
+    "renewers",
     "shutdown",
     "snapshot",
     "validity",
@@ -194,10 +203,15 @@ class Entry:
 
 
 class Renewer:
-    """Renews every lease added to it, on one daemon thread, waiting on ``clock``."""
+    """Renews the leases of one ``store`` added to it, on one daemon thread, waiting on ``clock``.
 
-    def __init__(self, clock: Clock) -> None:
+    Made by :func:`get_renewer`, which keeps one per (clock, store) in the process. It holds
+    both strongly, so neither's ``id`` is reused while it is registered.
+    """
+
+    def __init__(self, clock: Clock, store: Any) -> None:
         self.clock = clock
+        self.store = store
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, Entry]] = []
         self._deadlines: list[tuple[float, int, Entry]] = []
@@ -244,7 +258,17 @@ class Renewer:
         return forget
 
     def add(self, entry: Entry) -> None:
-        """Start renewing ``entry``; starts the thread if it is not running."""
+        """Start renewing ``entry``; starts the thread if it is not running.
+
+        Raises:
+            ValueError: when ``entry`` is held in another store than this renewer's (its
+                renewals would share this store's thread; :func:`get_renewer` gives its own).
+        """
+        if entry.store is not self.store:
+            raise ValueError(
+                f"Renewer.add(entry={entry.key!r}): the entry's store {entry.store!r} is not this"
+                f" renewer's {self.store!r}; use get_renewer(clock, entry.store)"
+            )
         entry.renewer = self
         with self._lock:
             heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
@@ -572,23 +596,20 @@ class Renewer:
     def _sweep(self) -> None:
         now = self.clock.monotonic()
         lost: list[tuple[Entry, str]] = []
-        to_renew: dict[int, list[Entry]] = {}
+        to_renew: list[Entry] = []
         for entry in self._take_due(now):
             reason = entry.overdue(now)
             if reason is not None:
                 lost.append((entry, reason))
             else:
-                to_renew.setdefault(id(entry.store), []).append(entry)
+                to_renew.append(entry)
         self._notify_all([(e, reason) for e, reason in lost if self._report_lost(e, reason)])
         if to_renew:
             self.sweeps += 1
-        recorded: list[tuple[Entry, str]] = []
-        for group in to_renew.values():
-            recorded.extend(self._renew_group(group))
-        self._notify_all(recorded)
+            self._notify_all(self._renew_group(to_renew))
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
-        """Renew one store's due entries; returns the losses it recorded (to notify)."""
+        """Renew the due entries (all of this renewer's store); returns the losses it recorded."""
         with self._lock:
             # An entry removed since it was taken is not renewed; the others are in flight
             # from here on, so that remove() knows to wait for them.
@@ -597,7 +618,7 @@ class Renewer:
                 entry.inflight = True
         if not group:
             return []
-        store = group[0].store
+        store = self.store
         self._begin_io()
         try:
             sent_at = self.clock.monotonic()
@@ -750,8 +771,11 @@ class Renewer:
 
         Whatever a store raises, ``BaseException`` included (``asyncio.CancelledError``,
         ``gevent.Timeout``), is that entry's failed renewal: the renewer thread must outlive it.
-        A ``renew_many`` answer with a result count other than the number of leases sent is a
-        failure of the whole batch (nothing is decided on a malformed answer).
+        ``renew_many`` answers per key (``SupportsBatchRenew``): an exception instance in a
+        key's slot fails that key alone; a call that raises fails the whole batch, and so does
+        an answer with a result count other than the number of leases sent (nothing is decided
+        on a malformed answer). A batch that raised is not retried key by key: against a dead
+        store that would multiply its timeout by the batch size.
         """
         results: list[bool | BaseException]
         renew_many = getattr(store, "renew_many", None)
@@ -923,47 +947,62 @@ def _deadline(entry: Entry) -> float:
 
 
 _registry_lock = threading.Lock()
-_registry: dict[int, Renewer] = {}
+_registry: dict[tuple[int, int], Renewer] = {}
+"""The renewer of each (clock, store), by their ids; read without the lock, written under it."""
 _running: set[Renewer] = set()  # renewers whose thread runs, registered or not
 
 
-_system_renewer: Renewer | None = None
-"""The system clock's renewer of this process, once made (read without the lock)."""
+def get_renewer(clock: Clock | None, store: Any) -> Renewer:
+    """The renewer of this process for the leases of ``store`` waiting on ``clock``.
 
-
-def get_renewer(clock: Clock | None = None) -> Renewer:
-    """The renewer of this process for ``clock`` (default: the system clock)."""
-    global _system_renewer
-    if clock is None or clock is SYSTEM_CLOCK:
-        renewer = _system_renewer
-        if renewer is not None:
-            return renewer
+    ``clock`` ``None`` is the system clock. One dict look-up without a lock when the renewer
+    exists; made (without starting its thread: :meth:`Renewer.add` starts it) when it does not.
+    """
+    if clock is None:
         clock = SYSTEM_CLOCK
+    key = (id(clock), id(store))
+    renewer = _registry.get(key)
+    if renewer is not None and renewer.clock is clock and renewer.store is store:
+        return renewer
     with _registry_lock:
-        renewer = _registry.get(id(clock))
-        if renewer is None or renewer.clock is not clock:
-            renewer = _registry[id(clock)] = Renewer(clock)
-        if clock is SYSTEM_CLOCK:
-            _system_renewer = renewer  # never dropped (_forget_idle keeps it) until a fork
+        renewer = _registry.get(key)
+        if renewer is None or renewer.clock is not clock or renewer.store is not store:
+            renewer = _registry[key] = Renewer(clock, store)
         return renewer
 
 
+def renewers(clock: Clock | None = None) -> list[Renewer]:
+    """The renewers of this process (registered, or with a running thread), of ``clock`` if given.
+
+    A snapshot: renewers made or ended meanwhile are not reflected. Takes the registry's lock
+    only, never a renewer's.
+    """
+    with _registry_lock:
+        found = set(_registry.values()) | _running
+    return [renewer for renewer in found if clock is None or renewer.clock is clock]
+
+
 def _note_running(renewer: Renewer, running: bool) -> None:
-    """Track renewers with a live thread, for :func:`shutdown`; under the renewer's lock."""
+    """Track renewers with a live thread, for :func:`shutdown`; under the renewer's lock.
+
+    A renewer whose thread starts again after its idle exit dropped it from the registry is
+    registered again, unless another renewer took its place meanwhile (both then renew their own
+    entries until they idle out).
+    """
     with _registry_lock:
         if running:
             _running.add(renewer)
+            _registry.setdefault((id(renewer.clock), id(renewer.store)), renewer)
         else:
             _running.discard(renewer)
 
 
 def _forget_idle(renewer: Renewer) -> None:
-    """Drop an idle renewer of a test clock, so fake clocks do not pile up in the registry."""
-    if renewer.clock is SYSTEM_CLOCK:
-        return
+    """Drop an idle renewer from the registry, so idle stores and clocks do not pile up there."""
+    key = (id(renewer.clock), id(renewer.store))
     with _registry_lock:
-        if _registry.get(id(renewer.clock)) is renewer:
-            del _registry[id(renewer.clock)]
+        if _registry.get(key) is renewer:
+            del _registry[key]
 
 
 def snapshot() -> list[dict[str, Any]]:
@@ -977,9 +1016,7 @@ def snapshot() -> list[dict[str, Any]]:
     renewer's clock. Safe from any thread and never blocks on a store call (it takes only the
     renewers' locks, which no store call holds). A forked child sees only its own leases.
     """
-    with _registry_lock:
-        renewers = set(_registry.values()) | _running
-    rows = [row for renewer in renewers for row in renewer.snapshot()]
+    rows = [row for renewer in renewers() for row in renewer.snapshot()]
     return sorted(rows, key=lambda row: (row["key"], row["owner"]))
 
 
@@ -1004,9 +1041,8 @@ def shutdown(timeout: float = 5.0) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0")
     deadline = time.monotonic() + timeout
-    with _registry_lock:
-        renewers = set(_registry.values()) | _running
-    held = sorted({key for renewer in renewers for key in renewer.held_keys()})
+    stopping = renewers()
+    held = sorted({key for renewer in stopping for key in renewer.held_keys()})
     if held:
         raise RuntimeError(
             "celery_lease.shutdown(): leases are still held on "
@@ -1014,7 +1050,7 @@ def shutdown(timeout: float = 5.0) -> None:
             + "; leave their lease() blocks first"
         )
     threads: list[threading.Thread] = []
-    for renewer in renewers:
+    for renewer in stopping:
         threads.extend(renewer._stop())
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
@@ -1027,12 +1063,11 @@ def shutdown(timeout: float = 5.0) -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _observers_lock, _registry_lock, _system_renewer
+    global _observers_lock, _registry_lock
     _observers_lock = threading.Lock()  # observers registered before the fork stay
     _registry_lock = threading.Lock()
-    _system_renewer = None
     _registry.clear()
     _running.clear()
 
 
-forking.on_fork_child(_after_fork_in_child, name="renewer: registry, locks, system renewer")
+forking.on_fork_child(_after_fork_in_child, name="renewer: registry, locks")

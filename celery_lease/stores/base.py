@@ -6,7 +6,7 @@ these three calls. Optional capabilities, detected with ``isinstance`` against t
 ``runtime_checkable`` protocols below, make a store faster or inspectable:
 
 - :class:`SupportsReleaseNotify`: ``wait_for_release`` wakes a waiter when the key is released;
-- :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip;
+- :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip, per key;
 - :class:`SupportsInspection`: ``list`` / ``get`` / ``last_token`` / ``force_release`` for the CLI.
 
 :class:`AsyncLockStore` is the asyncio twin of :class:`LockStore` (``async with lease(...)``, see
@@ -141,10 +141,19 @@ class SupportsDeferredRenew(Protocol):
 class SupportsBatchRenew(Protocol):
     """A store that renews many leases in one round trip."""
 
-    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
-        """Renew each ``(key, owner, ttl_ms)``; one result per item, in order.
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> Sequence[bool | Exception]:
+        """Renew each ``(key, owner, ttl_ms)``; one answer per item, in order, per key.
 
-        A failure of the whole batch raises ``StoreUnavailableError``.
+        Each item's slot holds what :meth:`LockStore.renew` would answer for it: ``True``
+        (renewed), ``False`` (not held by ``owner``: refused), or the exception instance
+        (``StoreUnavailableError`` for a store error) that renewing that key alone would raise.
+        An error that concerns one key (a Redis key holding another type) goes in that key's
+        slot, so it fails that lease alone and the others of the batch are renewed. Raise only
+        when the batch as a whole failed (the connection, the transaction): the renewer then
+        counts every lease of the batch as failed and retries them while they are valid, in
+        one batch again, never one call per key (which against a dead store would multiply its
+        timeout by the batch size). An answer of another length than ``items`` also fails the
+        whole batch.
         """
         ...
 
@@ -204,7 +213,8 @@ class AsyncLockStore(Protocol):
     @property
     def sync(self) -> LockStore:
         """A synchronous store on the same data; the renewer thread renews through it (off the
-        event loop, so a busy loop does not lose a lease)."""
+        event loop, so a busy loop does not lose a lease). The same object at every access:
+        each store object has a renewer thread of its own."""
         ...
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:

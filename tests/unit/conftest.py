@@ -13,7 +13,7 @@ from celery.signals import after_task_publish
 
 from celery_lease import MemoryLockStore, StoreUnavailableError
 from celery_lease._celery import unique as unique_module
-from celery_lease._core.renewer import get_renewer
+from celery_lease._core.renewer import renewers
 from celery_lease.testing import FakeClock
 
 REAL_TIMEOUT = 10.0
@@ -54,10 +54,13 @@ class SpyStore(MemoryLockStore):
         with self.renewed:
             if not self.renewed.wait_for(lambda: len(self.renewals) >= count, REAL_TIMEOUT):
                 raise AssertionError(f"{len(self.renewals)} renewals seen, expected {count}")
-        # Only the renewer and its watchdog wait on the clock in these tests: once both wait
-        # again, the renewer has handled the results (and scheduled what comes next).
-        renewer = get_renewer(self.clock)
-        threads = 1 + (renewer.watchdog is not None)
+        # Only renewers and their watchdogs wait on the clock in these tests (one pair per
+        # store): once all of them wait again, this store's renewer has handled the results
+        # (and scheduled what comes next).
+        threads = sum(
+            (renewer.thread is not None) + (renewer.watchdog is not None)
+            for renewer in renewers(self.clock)
+        )
         self.clock.wait_for_sleepers(threads, timeout=REAL_TIMEOUT)
 
 

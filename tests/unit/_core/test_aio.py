@@ -631,7 +631,7 @@ class TestCallerCancellation:
         run(main())
         info = store.get("k")
         assert info is not None and info.owner == "someone-else"
-        assert len(get_renewer(clock)) == 0
+        assert len(get_renewer(clock, store)) == 0
 
     def test_cancel_during_an_acquire_in_flight_releases_it(self, clock: FakeClock) -> None:
         """An acquire that lands after its caller was cancelled is released owner-checked."""
@@ -1253,4 +1253,4 @@ class TestLoopShutdown:
 
         asyncio.run(main())
         assert store.get("k") is None
-        assert len(get_renewer(clock)) == 0
+        assert len(get_renewer(clock, store)) == 0

@@ -25,7 +25,7 @@ from celery_lease import (
     lease,
 )
 from celery_lease._core.dispatch import drain
-from celery_lease._core.renewer import Entry, get_renewer
+from celery_lease._core.renewer import Entry, renewers
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 from tests.unit.core_faults import REAL, Interrupt
@@ -559,8 +559,8 @@ class OnceRaisingRelease(MemoryLockStore):
 
 
 def renewed_keys(clock: FakeClock) -> list[str]:
-    """The keys the renewer of ``clock`` still renews."""
-    return get_renewer(clock).held_keys()
+    """The keys the renewers of ``clock`` (of every store) still renew."""
+    return sorted(key for renewer in renewers(clock) for key in renewer.held_keys())
 
 
 class TestInterruptInsideTheCore:

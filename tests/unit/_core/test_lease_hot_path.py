@@ -142,7 +142,7 @@ class TestRenewerHeaps:
             for n in range(4 * COMPACT_AFTER):
                 with lease(f"k{n}", store=store, ttl=3, clock=clock):
                     pass
-            renewer = get_renewer(clock)
+            renewer = get_renewer(clock, store)
             assert len(renewer._heap) <= COMPACT_AFTER + 2
             assert len(renewer._deadlines) <= COMPACT_AFTER + 2
 

@@ -21,7 +21,7 @@ import celery_lease
 from celery_lease import Lease, MemoryLockStore, lease
 from celery_lease._core import renewer as renewer_module
 from celery_lease._core.dispatch import drain, get_dispatcher
-from celery_lease._core.renewer import IDLE_EXIT, Renewer, get_renewer, validity
+from celery_lease._core.renewer import IDLE_EXIT, Entry, Renewer, get_renewer, renewers, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -127,7 +127,7 @@ class TestFailures:
             assert held.wait_lost(REAL_TIMEOUT)
             assert held.lost_reason == "max_hold"
             assert held._entry is not None and held._entry.closed
-            assert len(get_renewer(clock)) == 0, "the renewer no longer holds it"
+            assert len(get_renewer(clock, store)) == 0, "the renewer no longer holds it"
         assert store.get("k") is None, "a lease over max_hold is still ours to release"
 
 
@@ -169,31 +169,62 @@ class TestScale:
         try:
             clock.advance(1.0)
             store.wait_renewals(200)
-            renewer = get_renewer(clock)
+            renewer = get_renewer(clock, store)
             started = set(threading.enumerate()) - before
             assert started == {renewer.thread, renewer.watchdog}
-            assert len(get_renewer(clock)) == 200
+            assert len(get_renewer(clock, store)) == 200
             assert store.batches == [200]
             assert not any(h.lost for h in held)
         finally:
             for c in contexts:
                 c.__exit__(None, None, None)
-        assert len(get_renewer(clock)) == 0
+        assert len(get_renewer(clock, store)) == 0
 
     def test_thread_is_reused_then_exits_when_idle(self, store: SpyStore, clock: FakeClock) -> None:
         """Leases taken one after another share one thread; it ends after IDLE_EXIT idle."""
         with lease("k", store=store, ttl=3, clock=clock):
-            thread = get_renewer(clock).thread
+            thread = get_renewer(clock, store).thread
             assert thread is not None and thread.is_alive()
         for _ in range(3):
             with lease("k", store=store, ttl=3, clock=clock):
-                assert get_renewer(clock).thread is thread
+                assert get_renewer(clock, store).thread is thread
         clock.advance(IDLE_EXIT - 1)
         assert thread.is_alive()
         clock.advance(1.0)
         thread.join(REAL_TIMEOUT)
         assert not thread.is_alive()
-        assert get_renewer(clock).thread is None
+        assert get_renewer(clock, store).thread is None
+
+    def test_a_renewer_idled_out_and_added_to_again_is_registered_again(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A caller that looked the renewer up just before its idle exit adds to it after: the
+        renewer starts again, is the store's renewer again, and renews the lease."""
+        renewer = get_renewer(clock, store)
+        with lease("k", store=store, ttl=3, clock=clock):
+            thread = renewer.thread
+        assert thread is not None
+        clock.advance(IDLE_EXIT)
+        thread.join(REAL_TIMEOUT)
+        assert renewer not in renewers(clock), "an idle renewer leaves the registry"
+        entry = Entry(
+            store=store,
+            key="late",
+            owner="me",
+            ttl=3,
+            sent_at=clock.monotonic(),
+            max_hold_at=None,
+            on_lost=lambda reason: None,
+        )
+        store.acquire("late", "me", 3000)
+        renewer.add(entry)
+        try:
+            assert get_renewer(clock, store) is renewer
+            clock.advance(1.0)
+            store.wait_renewals(1)
+            assert store.renewals[-1][0] == "late"
+        finally:
+            renewer.remove(entry)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
@@ -202,14 +233,14 @@ class TestFork:
         """After fork, the child's renewer starts empty and renews only its own leases."""
         read, write = os.pipe()
         with lease("parent-key", store=store, ttl=3, clock=clock):
-            assert len(get_renewer(clock)) == 1
+            assert len(get_renewer(clock, store)) == 1
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child
                 status = 1
                 try:
-                    inherited = len(get_renewer(clock))
+                    inherited = len(get_renewer(clock, store))
                     with lease("child-key", store=store, ttl=3, clock=clock) as mine:
-                        renewer = get_renewer(clock)
+                        renewer = get_renewer(clock, store)
                         own = len(renewer)
                         alive = renewer.thread is not None and renewer.thread.is_alive()
                         clock.advance(1.0)
@@ -497,7 +528,7 @@ class TestBaseExceptionsOnOurThreads:
                 store.force_release("a")
                 clock.advance(1.0)
                 poll_until(lambda: closed(a), what="a recorded lost")
-            renewer = get_renewer(clock)
+            renewer = get_renewer(clock, store)
             poll_until(lambda: clock.sleepers >= 1, what="the renewer waits again")
             assert renewer.thread is not None and renewer.thread.is_alive(), "renewer died"
             for _ in range(3):
@@ -512,7 +543,7 @@ class TestBaseExceptionsOnOurThreads:
         with lease("k", store=store, ttl=3, clock=clock) as held:
             clock.advance(1.0)
             poll_until(lambda: store.renewals >= 1, what="the first renewal")
-            renewer = get_renewer(clock)
+            renewer = get_renewer(clock, store)
             poll_until(lambda: clock.sleepers >= 1, what="the renewer waits again")
             assert renewer.thread is not None and renewer.thread.is_alive(), "renewer died"
             assert held._entry is not None and not held._entry.inflight
@@ -831,8 +862,31 @@ class TestCompaction:
             assert store.get("second") is None
 
 
-def test_the_renewer_of_a_fake_clock_is_per_clock() -> None:
-    """Each FakeClock has a renewer of its own, apart from the system clock's."""
+def test_there_is_one_renewer_per_clock_and_store() -> None:
+    """Each (clock, store) has a renewer of its own: another store, or the system clock, another."""
     clock = FakeClock(0.0)
-    assert get_renewer(clock) is get_renewer(clock)
-    assert get_renewer(clock) is not get_renewer()
+    store, other = MemoryLockStore(clock=clock), MemoryLockStore(clock=clock)
+    assert get_renewer(clock, store) is get_renewer(clock, store)
+    assert get_renewer(clock, store) is not get_renewer(clock, other)
+    assert get_renewer(clock, store) is not get_renewer(None, store)
+    assert get_renewer(clock, store).store is store
+
+
+def test_a_renewer_refuses_an_entry_of_another_store() -> None:
+    """Renewer.add of an entry held in another store raises ValueError naming the key: that
+    lease would be renewed behind this store's calls."""
+    clock = FakeClock(0.0)
+    store, other = MemoryLockStore(clock=clock), MemoryLockStore(clock=clock)
+    entry = Entry(
+        store=other,
+        key="elsewhere",
+        owner="me",
+        ttl=3,
+        sent_at=0.0,
+        max_hold_at=None,
+        on_lost=lambda reason: None,
+    )
+    with pytest.raises(ValueError, match=r"'elsewhere'.*get_renewer"):
+        get_renewer(clock, store).add(entry)
+    assert entry.renewer is None
+    assert len(get_renewer(clock, store)) == 0

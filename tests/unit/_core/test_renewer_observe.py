@@ -42,7 +42,7 @@ class TestObserveRenewals:
         """A successful renewal is observed once with the key, the token, the round trip of the
         store call (of the renewer's clock) and ok=True."""
         recorder = _Recorder()
-        forget = get_renewer(clock).observe_renewals(recorder)
+        forget = get_renewer(clock, store).observe_renewals(recorder)
         try:
             with lease("k", store=store, ttl=3, clock=clock) as held:
                 clock.advance(1.0)
@@ -57,7 +57,7 @@ class TestObserveRenewals:
     ) -> None:
         """A renewal the store refuses (another owner took the key) is observed with ok=False."""
         recorder = _Recorder()
-        forget = get_renewer(clock).observe_renewals(recorder)
+        forget = get_renewer(clock, store).observe_renewals(recorder)
         try:
             with lease("k", store=store, ttl=3, clock=clock):
                 store.force_release("k")
@@ -72,7 +72,7 @@ class TestObserveRenewals:
         """A renewal that raised (store unavailable) is observed with ok=None."""
         recorder = _Recorder()
         store.fail_renewals = 1
-        forget = get_renewer(clock).observe_renewals(recorder)
+        forget = get_renewer(clock, store).observe_renewals(recorder)
         try:
             with lease("k", store=store, ttl=3, clock=clock):
                 clock.advance(1.0)
@@ -101,7 +101,7 @@ class TestObserveRenewals:
         """After the returned forget() ran, the observer is not called again (forget twice is
         harmless)."""
         recorder = _Recorder()
-        forget = get_renewer(clock).observe_renewals(recorder)
+        forget = get_renewer(clock, store).observe_renewals(recorder)
         forget()
         forget()
         with lease("k", store=store, ttl=3, clock=clock):
@@ -121,7 +121,7 @@ class TestObserveRenewals:
             raise RuntimeError("observer bug")
 
         recorder = _Recorder()
-        renewer = get_renewer(clock)
+        renewer = get_renewer(clock, store)
         forget_broken = renewer.observe_renewals(broken)
         forget = renewer.observe_renewals(recorder)
         try:
@@ -141,17 +141,17 @@ class TestObserveRenewals:
         logged = [r for r in caplog.records if "observer" in r.getMessage()]
         assert len(logged) == 1
 
-    def test_an_observer_must_be_callable(self, clock: FakeClock) -> None:
+    def test_an_observer_must_be_callable(self, store: SpyStore, clock: FakeClock) -> None:
         """A non-callable observer is refused when registered, naming what was given."""
         with pytest.raises(TypeError, match="callback=42"):
-            get_renewer(clock).observe_renewals(42)  # type: ignore[arg-type]
+            get_renewer(clock, store).observe_renewals(42)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="callback=42"):
             observe_renewals(42)  # type: ignore[arg-type]
 
     def test_batched_renewals_are_each_observed(self, store: SpyStore, clock: FakeClock) -> None:
         """Two leases renewed in one renew_many are observed once each."""
         recorder = _Recorder()
-        forget = get_renewer(clock).observe_renewals(recorder)
+        forget = get_renewer(clock, store).observe_renewals(recorder)
         try:
             with (
                 lease("a", store=store, ttl=3, clock=clock),
@@ -178,7 +178,7 @@ class TestBlockingObserver:
 
         store = SpyStore(clock)
         lost = threading.Event()
-        forget = get_renewer(clock).observe_renewals(stuck)
+        forget = get_renewer(clock, store).observe_renewals(stuck)
         try:
             with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()) as held:
                 clock.advance(1.0)  # renewed at +1: valid until +1 + 2.968 s
