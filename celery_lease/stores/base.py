@@ -141,10 +141,13 @@ class SupportsDeferredRenew(Protocol):
 class SupportsBatchRenew(Protocol):
     """A store that renews many leases in one round trip."""
 
-    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> Sequence[bool | Exception]:
         """Renew each ``(key, owner, ttl_ms)``; one result per item, in order.
 
         A failure of the whole batch raises ``StoreUnavailableError``.
+
+        A failure that concerns some keys only is answered in their slots as an exception
+        instance; raising fails every key of the batch.
         """
         ...
 
