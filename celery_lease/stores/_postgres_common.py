@@ -29,7 +29,9 @@ from celery_lease.stores.base import LeaseInfo, redact_url
 __all__ = [
     "CREATED_CONCURRENTLY",
     "DEFAULT_TABLE",
+    "INDEX_KEY_BYTES",
     "MISSING_TABLE",
+    "NOTIFY_KEY_BYTES",
     "SCHEMA_SQL",
     "ConnectFailures",
     "ParsedDSN",
@@ -39,10 +41,12 @@ __all__ = [
     "connect_kwargs",
     "create_denied_detail",
     "describe_error",
+    "key_too_long",
     "lease_info",
     "mask_secrets",
     "missing_table_detail",
     "no_connection_detail",
+    "notify_payload",
     "parse_dsn",
     "privilege_detail",
     "schema_sql",
@@ -98,17 +102,19 @@ FROM unnest(%(keys)s::text[], %(owners)s::text[], %(ttls)s::bigint[]) AS b(key, 
 WHERE t.key = b.key AND t.owner = b.owner AND t.expires > clock_timestamp()
 RETURNING t.key, t.owner"""
 
-# Params: key, owner, channel. Clears owner (the row and its counter stay) and notifies the
-# channel with the key as payload, in one statement; returns one row when something was released.
+# Params: key, owner, channel, payload (notify_payload(key)). Clears owner (the row and its
+# counter stay) and notifies the channel with the payload, in one statement; returns one row when
+# something was released.
 _RELEASE = """\
 WITH released AS (
     UPDATE {table} SET owner = NULL
     WHERE key = %(key)s AND owner = %(owner)s
     RETURNING key
 )
-SELECT pg_notify(%(channel)s, key) FROM released"""
+SELECT pg_notify(%(channel)s, %(payload)s) FROM released"""
 
-# Params: key, channel. Returns (key, owner, token, expires_in seconds) of the lease removed.
+# Params: key, channel, payload (notify_payload(key)). Returns (key, owner, token, expires_in
+# seconds) of the lease removed.
 _FORCE_RELEASE = """\
 WITH live AS (
     SELECT key, owner, token, expires FROM {table}
@@ -120,7 +126,7 @@ WITH live AS (
 )
 SELECT key, owner, token,
        greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8,
-       pg_notify(%(channel)s, key)
+       pg_notify(%(channel)s, %(payload)s)
 FROM released"""
 
 # Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
@@ -189,6 +195,48 @@ def channel_for(table: str) -> str:
     if len(channel) > _MAX_CHANNEL:
         channel = "celery_lease:" + hashlib.sha256(table.encode()).hexdigest()[:32]
     return channel
+
+
+NOTIFY_KEY_BYTES = 1000
+"""The longest key (UTF-8 bytes) a release notification carries as is; a longer key is
+announced by its digest (see :func:`notify_payload`)."""
+
+INDEX_KEY_BYTES = 2704
+"""PostgreSQL's limit on one entry of a btree index (version 4, 8 kB pages), in bytes: the
+primary key holds a key of at most about this size after compression (a random key cannot be
+compressed; a repetitive one may be much longer)."""
+
+
+def notify_payload(key: str) -> str:
+    """The ``NOTIFY`` payload announcing a release of ``key``, and what listeners match it by.
+
+    The key itself up to :data:`NOTIFY_KEY_BYTES` bytes; a longer one (a payload must stay under
+    8000 bytes, or the release fails) as ``sha256:`` and the hex digest of its UTF-8 bytes. A
+    short key that reads like another key's digest only wakes that key's waiters spuriously,
+    which waiters allow.
+    """
+    if len(key) <= NOTIFY_KEY_BYTES // 4:  # at most 4 bytes a character
+        return key
+    data = key.encode("utf-8", "surrogatepass")
+    if len(data) <= NOTIFY_KEY_BYTES:
+        return key
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def key_too_long(store: str, key: str, exc: BaseException | None) -> LeaseConfigError | None:
+    """The ``LeaseConfigError`` of an acquire PostgreSQL refused because ``key`` does not fit
+    the table's primary-key index (``exc``, SQLSTATE 54000); None for any other error.
+
+    Nothing was taken: the statement failed as a whole.
+    """
+    if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
+        return None
+    size = len(key.encode("utf-8", "surrogatepass"))
+    return LeaseConfigError(
+        f"key of {size} bytes is too long for {store}: its primary-key index holds at most "
+        f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
+        f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
+    )
 
 
 _TRUE = frozenset({"true", "1", "yes", "on"})

@@ -37,6 +37,7 @@ __all__ = [
     "HELD_MARK",
     "INSPECT",
     "INSPECT_SCRIPT",
+    "NOT_A_LEASE",
     "RELEASE",
     "RELEASE_SCRIPT",
     "RENEW",
@@ -63,6 +64,7 @@ __all__ = [
     "lease_info",
     "master_address",
     "no_master_message",
+    "not_a_lease",
     "not_confirmed",
     "parse_sentinel_url",
     "redact_secrets",
@@ -94,15 +96,34 @@ Counters of keys no longer used are dropped so Redis does not grow with every ke
 the next token is then floored by the server clock alone, far above any token of a week ago.
 """
 
+NOT_A_LEASE = (
+    "WRONGTYPE the lease key holds a value of another type, written by something else; "
+    "left as it is"
+)
+"""The error reply of a script that finds a lease key holding another type than a lease hash
+(a foreign writer's value): acquire, release, force-release and inspection refuse such a key
+and never overwrite it; renewals answer 0 (it is not the owner's lease)."""
+
+
+def _lua(source: str) -> str:
+    """A script's source with the NOT_A_LEASE placeholder made a Lua string literal."""
+    return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
+
+
 # KEYS[1] the lease hash, KEYS[2] the token counter.
 # ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
 # Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
 # lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
 # acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
 # counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
-# after a lost reply gets its lease back.
-ACQUIRE_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+# after a lost reply gets its lease back. A lease key holding another type (a foreign writer's
+# value) is left as it is and answered with the NOT_A_LEASE error reply.
+ACQUIRE_SCRIPT = _lua(
+    """
+local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
+if lease.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
 if lease[1] then
     if lease[1] == ARGV[1] then
         redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -122,6 +143,7 @@ redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', token)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return token
 """
+)
 
 HELD_MARK = "!"
 """First character of an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply that names the holder (a token
@@ -137,9 +159,10 @@ assert ACQUIRE_OR_HOLDER_SCRIPT != ACQUIRE_SCRIPT
 
 # KEYS[1] the lease hash.
 # ARGV[1] the owner, ARGV[2] the ttl in ms.
-# Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0.
+# Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0
+# (also when the key holds another type than a lease hash: it is not the owner's lease).
 RENEW_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+if redis.pcall('HGET', KEYS[1], 'owner') == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
     return 1
 end
@@ -149,12 +172,14 @@ return 0
 # KEYS[1..n] lease hashes (any number; on a Cluster they must share a slot).
 # ARGV[2i-1] the owner of KEYS[i], ARGV[2i] its ttl in ms.
 # Returns a list of n integers: 1 where that owner's live lease now expires ttl ms from now (set,
-# never added), 0 where the owner held no live lease. One command renews a whole batch, so
-# renewing 10,000 leases costs the client one command to pack per chunk instead of 10,000.
+# never added), 0 where the owner held no live lease, or where the key holds another type than a
+# lease hash (pcall: one foreign value must not abort the renewal of the others). One command
+# renews a whole batch, so renewing 10,000 leases costs the client one command to pack per chunk
+# instead of 10,000.
 RENEW_MANY_SCRIPT = """
 local renewed = {}
 for i = 1, #KEYS do
-    if redis.call('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
+    if redis.pcall('HGET', KEYS[i], 'owner') == ARGV[2 * i - 1] then
         redis.call('PEXPIRE', KEYS[i], ARGV[2 * i])
         renewed[i] = 1
     else
@@ -170,9 +195,15 @@ RENEW_CHUNK = 1000
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
 # ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
 # Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
-# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease.
-RELEASE_SCRIPT = """
-if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
+# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease. A lease
+# key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+RELEASE_SCRIPT = _lua(
+    """
+local owner = redis.pcall('HGET', KEYS[1], 'owner')
+if type(owner) == 'table' and owner.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
+if owner == ARGV[1] then
     redis.call('DEL', KEYS[1], KEYS[2])
     redis.call('RPUSH', KEYS[2], '1')
     redis.call('PEXPIRE', KEYS[2], ARGV[2])
@@ -180,13 +211,19 @@ if redis.call('HGET', KEYS[1], 'owner') == ARGV[1] then
 end
 return 0
 """
+)
 
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
 # ARGV[1] the signal's lifetime in ms.
 # Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
 # Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
-FORCE_RELEASE_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+FORCE_RELEASE_SCRIPT = _lua(
+    """
+local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
+if lease.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
 if not lease[1] then
     return false
 end
@@ -196,16 +233,23 @@ redis.call('RPUSH', KEYS[2], '1')
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 return {lease[1], lease[2], left}
 """
+)
 
 # KEYS[1] the lease hash.
 # Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
-INSPECT_SCRIPT = """
-local lease = redis.call('HMGET', KEYS[1], 'owner', 'token')
+# A lease key holding another type is answered with the NOT_A_LEASE error reply.
+INSPECT_SCRIPT = _lua(
+    """
+local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
+if lease.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
 if not lease[1] then
     return false
 end
 return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
 """
+)
 
 
 @dataclass(frozen=True)
@@ -398,6 +442,11 @@ def lease_info(key: str, result: Any, decode: Callable[[bytes | str], str]) -> L
         return None
     owner, token, left_ms = result
     return LeaseInfo(key, decode(owner), int(token), max(0, int(left_ms)) / 1000.0)
+
+
+def not_a_lease(error: BaseException) -> bool:
+    """Whether ``error`` is a script's :data:`NOT_A_LEASE` error reply."""
+    return str(error).startswith(NOT_A_LEASE)
 
 
 def glob_escape(value: str) -> str:

@@ -46,9 +46,14 @@ holds it for the default one. The store's role then needs only ``USAGE`` on the 
     GRANT USAGE ON SCHEMA ops TO app;
     GRANT SELECT, INSERT, UPDATE ON ops.celery_lease TO app;
 
-Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement; waiters in
-:meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store and
-process (see there).
+Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement (a key over
+1000 bytes is announced by its digest, ``sha256:<hex>``: a payload must stay under 8000 bytes);
+waiters in :meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store
+and process (see there).
+
+Key size: the primary-key index holds a key of at most 2704 bytes after compression (a random
+key of about 2.7 kB does not fit, a repetitive one can be much longer). An acquire of a key that
+does not fit takes nothing and raises ``LeaseConfigError`` naming the key's size and the limit.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -86,9 +91,11 @@ from celery_lease.stores._postgres_common import (
     connect_kwargs,
     create_denied_detail,
     describe_error,
+    key_too_long,
     lease_info,
     missing_table_detail,
     no_connection_detail,
+    notify_payload,
     parse_dsn,
     privilege_detail,
     schema_sql,
@@ -234,19 +241,24 @@ class _Listener:
 
     # Slots ------------------------------------------------------------------------------------
 
+    # Slots are filed under the key's NOTIFY payload (a digest for a long key), which is what a
+    # notification names.
+
     def register(self, key: str) -> _Slot:
+        payload = notify_payload(key)
         with self._lock:
-            slot = self._slots.get(key)
+            slot = self._slots.get(payload)
             if slot is None:
-                slot = self._slots[key] = _Slot()
+                slot = self._slots[payload] = _Slot()
             slot.refs += 1
             return slot
 
     def unregister(self, key: str, slot: _Slot) -> None:
+        payload = notify_payload(key)
         with self._lock:
             slot.refs -= 1
-            if slot.refs <= 0 and self._slots.get(key) is slot:
-                del self._slots[key]
+            if slot.refs <= 0 and self._slots.get(payload) is slot:
+                del self._slots[payload]
 
     def wait(self, key: str, slot: _Slot, deadline_in: float) -> bool:
         """Block on ``slot`` for up to ``deadline_in`` seconds; True when it was woken."""
@@ -266,9 +278,9 @@ class _Listener:
         with self._lock:
             return self._blocked
 
-    def _wake(self, key: str) -> None:
+    def _wake(self, payload: str) -> None:
         with self._lock:
-            slot = self._slots.pop(key, None)
+            slot = self._slots.pop(payload, None)
         if slot is not None:
             slot.event.set()
 
@@ -460,7 +472,8 @@ class PostgresLockStore:
 
     @property
     def channel(self) -> str:
-        """The ``NOTIFY`` channel released keys are announced on (payload: the key)."""
+        """The ``NOTIFY`` channel released keys are announced on (payload: the key, or for a
+        key over 1000 bytes ``sha256:`` and its hex digest; see ``notify_payload``)."""
         return self._channel
 
     # Connections --------------------------------------------------------------------------------
@@ -631,8 +644,11 @@ class PostgresLockStore:
 
         try:
             token = self._run("acquire", run)
-        except StoreUnavailableError:
+        except StoreUnavailableError as exc:
             self._drop_slot(key, slot)
+            refused = key_too_long(repr(self), key, exc.__cause__)
+            if refused is not None:
+                raise refused from exc.__cause__
             raise
         except BaseException:
             self._drop_slot(key, slot)
@@ -664,7 +680,12 @@ class PostgresLockStore:
         )
 
     def release(self, key: str, owner: str) -> None:
-        params = {"key": key, "owner": owner, "channel": self._channel}
+        params = {
+            "key": key,
+            "owner": owner,
+            "channel": self._channel,
+            "payload": notify_payload(key),
+        }
         self._run("release", lambda conn: conn.execute(self._sql["release"], params))
 
     # Batch renew ----------------------------------------------------------------------------------
@@ -770,7 +791,7 @@ class PostgresLockStore:
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
-        params = {"key": key, "channel": self._channel}
+        params = {"key": key, "channel": self._channel, "payload": notify_payload(key)}
         # Not redone after a dropped connection: if the first attempt took effect, the key may
         # have been acquired since, and a second force_release would remove that new lease.
         row = self._run(

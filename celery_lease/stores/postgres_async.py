@@ -53,8 +53,10 @@ from celery_lease.stores._postgres_common import (
     connect_kwargs,
     create_denied_detail,
     describe_error,
+    key_too_long,
     missing_table_detail,
     no_connection_detail,
+    notify_payload,
     parse_dsn,
     privilege_detail,
     statements,
@@ -137,24 +139,28 @@ class _Listener:
         self.blocked = 0  # coroutines awaiting a release with the listener ready
         self._task = asyncio.get_running_loop().create_task(self._run())
 
+    # Waiters are filed under the key's NOTIFY payload (a digest for a long key), which is what
+    # a notification names.
+
     def add(self, key: str, future: asyncio.Future[bool]) -> None:
-        self._waiters.setdefault(key, set()).add(future)
+        self._waiters.setdefault(notify_payload(key), set()).add(future)
 
     def remove(self, key: str, future: asyncio.Future[bool]) -> None:
-        waiting = self._waiters.get(key)
+        payload = notify_payload(key)
+        waiting = self._waiters.get(payload)
         if waiting is not None:
             waiting.discard(future)
             if not waiting:
-                del self._waiters[key]
+                del self._waiters[payload]
 
-    def _wake(self, key: str) -> None:
-        for future in self._waiters.pop(key, ()):
+    def _wake(self, payload: str) -> None:
+        for future in self._waiters.pop(payload, ()):
             if not future.done():
                 future.set_result(True)
 
     def _wake_all(self) -> None:
-        for key in list(self._waiters):
-            self._wake(key)
+        for payload in list(self._waiters):
+            self._wake(payload)
 
     async def _run(self) -> None:
         backoff, connected_before = 0.05, False
@@ -439,6 +445,9 @@ class AsyncPostgresLockStore:
         except StoreUnavailableError as exc:
             if isinstance(exc.__cause__, asyncio.TimeoutError):
                 await self._undo_acquire(key, owner, "timed out")
+            refused = key_too_long(repr(self), key, exc.__cause__)
+            if refused is not None:
+                raise refused from exc.__cause__
             raise
 
     async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
@@ -470,7 +479,12 @@ class AsyncPostgresLockStore:
 
     async def release(self, key: str, owner: str) -> None:
         """As :meth:`PostgresLockStore.release` (owner checked; notifies waiters)."""
-        params = {"key": key, "owner": owner, "channel": self._channel}
+        params = {
+            "key": key,
+            "owner": owner,
+            "channel": self._channel,
+            "payload": notify_payload(key),
+        }
 
         async def run(conn: _AsyncConn) -> None:
             await conn.execute(self._sql["release"], params)

@@ -86,6 +86,7 @@ from celery_lease.stores._redis_common import (
     lease_info,
     master_address,
     no_master_message,
+    not_a_lease,
     not_confirmed,
     parse_sentinel_url,
     redact_secrets,
@@ -359,8 +360,13 @@ class RedisLockStore:
     def _eval_many(self, script: Script, calls: _Calls) -> list[Any]:
         """Many EVALSHA in one pipelined round trip (one per node on a cluster), in order.
 
-        redis-py refuses EVALSHA in cluster pipelines, so on a cluster the calls are grouped by
-        the node owning their slot and pipelined on that node's own client; a call that meets a
+        Each call's reply, or in its place the exception its error reply stands for: one key
+        the script refuses fails that key only. On a single server a connection error or
+        timeout raises (it concerns every call). redis-py refuses EVALSHA in cluster pipelines,
+        so on a cluster the calls are grouped by the node owning their slot and pipelined on
+        that node's own client; a node whose pipeline fails twice with a connection error or a
+        timeout (a dead or unreachable master) gets that error in the place of each of its
+        calls, and the other nodes' calls keep their replies. A call that meets a
         MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client,
         which follows the redirection.
         """
@@ -368,20 +374,44 @@ class RedisLockStore:
             return []
         client = self._client
         if not isinstance(client, redis.cluster.RedisCluster):
-            return _pipelined(client, script, calls)[0]
+            return _pipelined(client, script, calls, errors_in_place=True)[0]
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         for index, (keys, _) in enumerate(calls):
             node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
             group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
             group[1].append(index)
         results: list[Any] = [None] * len(calls)
-        for node_client, indices in groups.values():
-            replies, _ = _pipelined(node_client, script, [calls[i] for i in indices])
+        for name, (node_client, indices) in groups.items():
+            replies = self._node_pipeline(name, node_client, script, [calls[i] for i in indices])
             for index, result in zip(indices, replies, strict=True):
                 if isinstance(result, (AskError, TryAgainError)):  # MovedError is an AskError
-                    result = self._eval(script, *calls[index])
+                    try:
+                        result = self._eval(script, *calls[index])
+                    except RedisError as exc:
+                        result = exc
                 results[index] = result
         return results
+
+    def _node_pipeline(
+        self, name: str, node_client: redis.Redis, script: Script, calls: _Calls
+    ) -> list[Any]:
+        """One cluster node's share of :meth:`_eval_many`: its replies (errors in place), or,
+        when the node cannot be reached twice in a row, that error once per call."""
+        for attempt in (1, 2):
+            try:
+                return _pipelined(node_client, script, calls, errors_in_place=True)[0]
+            except RETRIED as exc:
+                if attempt == 2:
+                    return [exc] * len(calls)
+                logger.info(
+                    "Redis store %s: retrying %d calls on node %s once after %s: %s",
+                    self._where(),
+                    len(calls),
+                    name,
+                    type(exc).__name__,
+                    self._redact(str(exc)),
+                )
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _write(self, script: Script, calls: _Calls) -> tuple[list[Any], int | None]:
         """Run write scripts on the current master: their replies and the replicas' acks.
@@ -392,11 +422,9 @@ class RedisLockStore:
         self._follow_master()
         wait = self._wait_args()
         client = self._client
-        if wait is None:
-            if len(calls) == 1:
-                return [self._eval(script, *calls[0])], None
-            return self._eval_many(script, calls), None
-        assert isinstance(client, redis.Redis)  # min_replicas is refused on a cluster
+        if wait is None and len(calls) == 1:
+            return [self._eval(script, *calls[0])], None
+        assert isinstance(client, redis.Redis)  # a cluster's batches go through _eval_many
         return _pipelined(client, script, calls, wait)
 
     def _follow_master(self) -> None:
@@ -458,6 +486,13 @@ class RedisLockStore:
                 return fn()
         except RedisError as exc:
             raise self._error(operation, key, failed(exc)) from exc
+
+    def _failed_in_place(self, operation: str, key: str, exc: Exception) -> Exception:
+        """The ``StoreUnavailableError`` answered in the place of ``key`` when its call failed
+        (``exc``, a driver error, kept as its cause)."""
+        error = self._error(operation, key, failed(exc))
+        error.__cause__ = exc
+        return error
 
     def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -554,19 +589,25 @@ class RedisLockStore:
             )
         return renewed
 
-    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+    def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool | Exception]:
         """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order.
 
         On a single server the batch goes as one script call per :data:`RENEW_CHUNK` leases
         (and one WAIT with ``min_replicas``: a batch not acknowledged raises
         ``StoreUnavailableError`` as a whole); on a Cluster, whose keys live in many slots, as
-        one call per lease, pipelined per node.
+        one call per lease, pipelined per node: a node that fails (a dead master) or a key whose
+        call fails puts a ``StoreUnavailableError`` in the place of each of its keys, and the
+        keys of the other nodes get their results. A lease key holding another type than a
+        lease hash (a foreign writer's value) is not renewed: ``False``.
         """
         operation = f"renew {len(items)} leases"
         if isinstance(self._client, redis.cluster.RedisCluster):
             calls = [((self.lease_key(k),), (o, int(t))) for k, o, t in items]
             results = self._call(operation, lambda: self._eval_many(RENEW, calls))
-            return [bool(r) for r in results]
+            return [
+                self._failed_in_place("renew", key, r) if isinstance(r, Exception) else bool(r)
+                for (key, _, _), r in zip(items, results, strict=True)
+            ]
         chunks: list[tuple[Sequence[str], Sequence[str | int]]] = []
         for start in range(0, len(items), RENEW_CHUNK):
             chunk = items[start : start + RENEW_CHUNK]
@@ -702,8 +743,22 @@ class RedisLockStore:
             "list leases",
             lambda: self._eval_many(INSPECT, [((self.lease_key(k),), ()) for k in keys]),
         )
-        infos = (lease_info(k, r, self._decode) for k, r in zip(keys, results, strict=True))
-        return [info for info in infos if info is not None]
+        infos: list[LeaseInfo] = []
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, Exception):
+                if not_a_lease(result):
+                    logger.warning(
+                        "Redis store %s: %s is not a lease (%s); left out of the listing",
+                        self._where(),
+                        self.lease_key(key),
+                        result,
+                    )
+                    continue
+                raise self._failed_in_place("list leases: read", key, result)
+            info = lease_info(key, result, self._decode)
+            if info is not None:
+                infos.append(info)
+        return infos
 
     def get(self, key: str) -> LeaseInfo | None:
         """The live lease on ``key``, or ``None`` when it is free."""
@@ -753,13 +808,16 @@ def _pipelined(
     script: Script,
     calls: _Calls,
     wait: tuple[int, int] | None = None,
+    *,
+    errors_in_place: bool = False,
 ) -> tuple[list[Any], int | None]:
     """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
 
     With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and its reply,
     the number of replicas that acknowledged every write before it, is returned second (None
     without). Replies that are redirections (cluster slots migrating) are returned for the caller
-    to redo; any other error reply is raised.
+    to redo; any other error reply is raised, or with ``errors_in_place`` returned in its call's
+    place. A connection error or a timeout raises.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
@@ -773,7 +831,11 @@ def _pipelined(
             client.script_load(script.source)
             continue
         for result in results:
-            if isinstance(result, Exception) and not isinstance(result, (AskError, TryAgainError)):
+            if isinstance(result, RETRIED) or (
+                isinstance(result, Exception)
+                and not errors_in_place
+                and not isinstance(result, (AskError, TryAgainError))
+            ):
                 raise result
         if isinstance(acks, Exception):
             raise acks

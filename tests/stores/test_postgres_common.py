@@ -15,6 +15,7 @@ from celery_lease.stores._postgres_common import (
     connect_kwargs,
     lease_info,
     missing_table_detail,
+    notify_payload,
     parse_dsn,
     schema_sql,
     statements,
@@ -137,3 +138,16 @@ class TestRowsAndErrors:
         detail = missing_table_detail(missing, "leases", create_table=False)
         assert detail is not None and "PostgresLockStore.schema_sql('leases')" in detail
         assert missing_table_detail(missing, "leases", create_table=True) is None
+
+
+class TestNotifyPayload:
+    def test_a_key_up_to_1000_bytes_is_its_own_payload(self) -> None:
+        assert notify_payload("job:1") == "job:1"
+        assert notify_payload("é" * 500) == "é" * 500  # 1000 bytes
+
+    def test_a_longer_key_is_announced_by_a_fixed_size_digest(self) -> None:
+        """1001 bytes and 9000 bytes both become ``sha256:`` and 64 hex digits, per key."""
+        long_a, long_b = "é" * 500 + "x", "x" * 9000
+        assert notify_payload(long_a).startswith("sha256:") and len(notify_payload(long_a)) == 71
+        assert len(notify_payload(long_b)) == 71
+        assert notify_payload(long_b) != notify_payload(long_b + "y")

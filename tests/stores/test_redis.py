@@ -344,10 +344,10 @@ class TestFailures:
         """A wrong-type key (a server-side error) raises StoreUnavailableError, not RedisError."""
         redis_client.set(store.lease_key("k"), "not a hash")
         with pytest.raises(StoreUnavailableError) as caught:
-            store.renew("k", "a", LONG_MS)
+            store.acquire("k", "a", LONG_MS)
         assert isinstance(caught.value.__cause__, redis.exceptions.ResponseError)
         with pytest.raises(StoreUnavailableError):
-            store.renew_many([("k", "a", LONG_MS)])
+            store.release("k", "a")
 
     def test_dropped_connections_are_retried_once(
         self, store: RedisLockStore, redis_client: redis.Redis
@@ -577,10 +577,10 @@ class TestErrorMessages:
         store = RedisLockStore(client)
         client.set(store.lease_key("k"), "not a hash")
         with pytest.raises(StoreUnavailableError) as caught:
-            store.renew("k", "a", LONG_MS)
+            store.acquire("k", "a", LONG_MS)
         text = str(caught.value)
         assert f"Redis Cluster (nodes 127.0.0.1:{redis_cluster_server.port})" in text
-        assert "renew 'k' failed: ResponseError" in text and "WRONGTYPE" in text
+        assert "acquire 'k' failed: ResponseError" in text and "WRONGTYPE" in text
         client.close()
 
 
