@@ -932,13 +932,21 @@ _system_renewer: Renewer | None = None
 
 
 def get_renewer(clock: Clock | None = None) -> Renewer:
-    """The renewer of this process for ``clock`` (default: the system clock)."""
+    """The renewer of this process for ``clock`` (default: the system clock).
+
+    The system clock's renewer is returned without a look at the pid: every acquisition made
+    the owner id of its attempt just before on this thread, which noticed a fork that skipped
+    Python's at-fork hooks (:func:`celery_lease._forking.generation`: the resets then ran, and
+    the parent's renewers are forgotten). Other clocks, and :func:`snapshot` and
+    :func:`shutdown`, ask.
+    """
     global _system_renewer
     if clock is None or clock is SYSTEM_CLOCK:
         renewer = _system_renewer
         if renewer is not None:
             return renewer
         clock = SYSTEM_CLOCK
+    forking.generation()
     with _registry_lock:
         renewer = _registry.get(id(clock))
         if renewer is None or renewer.clock is not clock:
@@ -977,6 +985,7 @@ def snapshot() -> list[dict[str, Any]]:
     renewer's clock. Safe from any thread and never blocks on a store call (it takes only the
     renewers' locks, which no store call holds). A forked child sees only its own leases.
     """
+    forking.generation()  # a child forked without the hooks: the parent's are forgotten
     with _registry_lock:
         renewers = set(_registry.values()) | _running
     rows = [row for renewer in renewers for row in renewer.snapshot()]
@@ -1004,6 +1013,7 @@ def shutdown(timeout: float = 5.0) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0")
     deadline = time.monotonic() + timeout
+    forking.generation()  # a child forked without the hooks: the parent's are forgotten
     with _registry_lock:
         renewers = set(_registry.values()) | _running
     held = sorted({key for renewer in renewers for key in renewer.held_keys()})
