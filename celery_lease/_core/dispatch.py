@@ -156,7 +156,9 @@ _dispatcher = Dispatcher()
 
 
 def get_dispatcher() -> Dispatcher:
-    """The dispatcher of this process."""
+    """The dispatcher of this process: a forked child's own, even after a fork that skipped
+    Python's at-fork hooks (noticed here, see :func:`celery_lease._forking.generation`)."""
+    forking.generation()  # in such a child, runs the resets: a new dispatcher
     return _dispatcher
 
 

@@ -8,10 +8,12 @@
 
 The lease of the innermost ``with`` in the current context is what :func:`get_lock_token` and
 :func:`current_lease` return, deep in the call stack and per thread (``contextvars``). A nested
-``lease()`` on the same key and store in the same context reuses the held lease (re-entrancy);
-the store contract itself stays strict. After ``fork`` the child ignores the leases of its
-parent: they are not its current lease, not re-entered, and never renewed or released from the
-child.
+``lease()`` on the same key and store in the same context, on the thread (or in the asyncio
+task) that entered the held lease, reuses it (re-entrancy, as an ``RLock``'s); code of a copied
+context running on another thread or in another task acquires like anyone else. The store
+contract itself stays strict. After ``fork`` the child ignores the leases of its parent: they
+are not its current lease, not re-entered, and never renewed or released from the child,
+whether or not the fork ran Python's at-fork hooks (:func:`celery_lease._forking.generation`).
 
 Loss is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on
 the
@@ -66,8 +68,9 @@ MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 class Frame:
     """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
 
-    ``gen`` is the fork generation of the process that pushed it: a forked child inherits the
-    context variables of its parent, and ignores the frames whose generation is not its own.
+    ``gen`` is the fork generation of the process that pushed it (its lease's): a forked child
+    inherits the context variables of its parent, and ignores the frames whose generation is not
+    its own.
     ``origin`` is the frame the pushing context holds (itself, or the frame a copy stands for).
     """
 
@@ -76,7 +79,7 @@ class Frame:
     def __init__(self, lease: Lease, parent: Frame | None) -> None:
         self.lease = lease
         self.parent = parent
-        self.gen = _generation
+        self.gen = lease._gen  # the frame of a lease this process holds: this process's
         self.origin = self  # a copy made by an out-of-order pop keeps the original's identity
 
 
@@ -84,23 +87,18 @@ current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", def
 _CONFORMS: dict[tuple[type, type], bool] = {}
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
-_generation = 0
-"""Bumped in each forked child (:mod:`celery_lease._forking`): cheaper than ``os.getpid()``
-per call.
-
-Frames and leases created by an ancestor carry a smaller generation than the child's, so the
-child never takes them for its own. Generations of siblings may be equal, but siblings share no
-memory.
-"""
+# Frames and leases record the fork generation of the process that made them
+# (celery_lease._forking.generation): those of an ancestor carry a smaller one than the child's,
+# so the child never takes them for its own, whether or not the fork ran Python's at-fork hooks.
+# Generations of siblings may be equal, but siblings share no memory.
 
 
 def _after_fork_in_child() -> None:
-    global _generation, _events_lock
-    _generation += 1
+    global _events_lock
     _events_lock = threading.Lock()
 
 
-forking.on_fork_child(_after_fork_in_child, name="lease: fork generation, events lock")
+forking.on_fork_child(_after_fork_in_child, name="lease: events lock")
 
 
 def conforms(obj: object, protocol: type) -> bool:
@@ -283,8 +281,9 @@ class Lease:
         self._notified = False
         self._released_early = False  # release_early() ended it ("released" by its own holder)
         self._listeners: list[tuple[LossListener, bool]] | None = None
-        self._gen = _generation
+        self._gen = forking.generation()
         self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
+        self._thread: int | None = None  # the thread that entered it outside any task
 
     @property
     def lost(self) -> bool:
@@ -295,7 +294,7 @@ class Lease:
         its local validity (or ``max_hold``) is recorded lost by the first reader to see it, so
         once True it stays True. After a normal exit it reads False.
         """
-        if self._gen != _generation:
+        if self._gen != forking.generation():
             return True  # the parent's lease, seen from a forked child
         entry = self._entry
         if entry is None:
@@ -320,7 +319,7 @@ class Lease:
         :meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
         is its parent's).
         """
-        if self._gen != _generation:
+        if self._gen != forking.generation():
             return "forked"
         entry = self._entry
         if entry is None or not self.lost:
@@ -335,14 +334,24 @@ class Lease:
         return self._released_early
 
     def _reenterable_by(self, task: object) -> bool:
-        """Whether code running in ``task`` (None: outside any asyncio task) may re-enter it.
+        """Whether code running in ``task`` (None: outside any asyncio task), on this thread,
+        may re-enter it: re-entry belongs to whoever entered it, as an ``RLock``'s does.
 
-        A lease entered outside a task: any code of its context. Entered in a task: that task
-        only; the tasks created in its block copy its context but run concurrently with it.
+        Entered in a task: that task only; the tasks created in its block copy its context but
+        run concurrently with it, and so does code it hands to another thread
+        (``asyncio.to_thread``: no task there). Entered outside any task: code on the thread
+        that entered it (the tasks of an event loop that its body runs on that thread
+        included); code of a copied context on another thread (``asyncio.to_thread``,
+        ``copy_context().run``, asgiref's ``sync_to_async``) runs concurrently with the holder.
+
+        The thread is ``threading.get_ident()`` read at each call: under gevent or eventlet
+        monkey-patching that is the greenlet's id, so greenlets sharing one OS thread are told
+        apart. An id is reused only once its thread (greenlet) ended, and the one that entered
+        a lease is alive while its block runs.
         """
         ref = self._task
         if ref is None:
-            return True
+            return self._thread == threading.get_ident()
         entered_in = ref()
         return entered_in is not None and entered_in is task
 
@@ -642,7 +651,7 @@ class LeaseContext:
     ) -> Literal[False]:
         held = self._lease
         assert held is not None
-        if self._reentered or held._gen != _generation:
+        if self._reentered or held._gen != forking.generation():
             pop_frame(self._frame)
             return False  # the outer context (or, after a fork, the parent) owns the lease
         entry = held._entry
@@ -720,7 +729,7 @@ class LeaseContext:
         held = self._lease
         if not self._entered or held is None:
             raise RuntimeError("release_early() needs an entered lease() context")
-        if held._gen != _generation:
+        if held._gen != forking.generation():
             return False
         entry = held._entry
         assert entry is not None and entry.renewer is not None
@@ -940,10 +949,13 @@ class LeaseContext:
         """
         top = current_frame.get()
         frame = top
+        if frame is None:
+            return None
+        mine = forking.generation()
         # Frames below the first foreign one are foreign too (pushed before the fork). A frame
         # whose lease has ended (left behind by an exit that an interrupt cut short) is never
         # re-entered: its key may be another holder's by now.
-        while frame is not None and frame.gen == _generation:
+        while frame is not None and frame.gen == mine:
             outer = frame.lease
             if (
                 outer.key == self.key
@@ -1009,8 +1021,11 @@ class LeaseContext:
 
     def push(self, held: Lease, task: object) -> None:
         """Make ``held``, just acquired in ``task`` (``None``: outside any asyncio task), this
-        context's lease and the current one; only ``task`` may re-enter it."""
-        if task is not None:
+        context's lease and the current one; only ``task`` (outside a task: this thread) may
+        re-enter it."""
+        if task is None:
+            held._thread = threading.get_ident()
+        else:
             held._task = weakref.ref(task)
         self._lease = held
         self._frame = Frame(held, current_frame.get())
@@ -1027,7 +1042,7 @@ class LeaseContext:
         held = self._lease
         assert held is not None
         pop_frame(self._frame)
-        if self._reentered or held._gen != _generation:
+        if self._reentered or held._gen != forking.generation():
             return None
         return held
 
@@ -1270,7 +1285,7 @@ def current_lease() -> Lease | None:
     In a forked child the parent's leases are not the child's: they are not returned.
     """
     top = current_frame.get()
-    return None if top is None or top.gen != _generation else top.lease
+    return None if top is None or top.gen != forking.generation() else top.lease
 
 
 def get_lock_token() -> int | None:

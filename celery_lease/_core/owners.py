@@ -86,16 +86,19 @@ _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
 
 
 class _Ids:
-    """``host/pid/`` plus 16 hex digits, never the same twice in a process (reset after fork).
+    """``host/pid/`` plus 16 hex digits, never the same twice in a process.
 
     The hex part is a random 64-bit start plus a count of the ids made, modulo 2**64: unique for
     every acquisition attempt of the process and as unguessable across processes as a random id
-    each, without a system call per id.
+    each. ``generation`` is the fork generation (:func:`celery_lease._forking.generation`) of the
+    process that made it: a forked child makes its own (its pid, a new random start), whether or
+    not the fork ran Python's at-fork hooks, so parent and child never make the same id.
     """
 
-    __slots__ = ("base", "count", "prefix")
+    __slots__ = ("base", "count", "generation", "prefix")
 
-    def __init__(self) -> None:
+    def __init__(self, generation: int) -> None:
+        self.generation = generation
         self.prefix = f"{_HOST.translate(_ENCODE)}/{os.getpid()}/"
         self.base = secrets.randbits(64)
         self.count = itertools.count(1)
@@ -108,21 +111,24 @@ class _Ids:
         return f"{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
-_ids = _Ids()
+_ids = _Ids(forking.generation())
+
+
+def _this_process_ids() -> _Ids:
+    """The owner-id generator of this process: made anew once the process is a forked child
+    (one ``os.getpid()`` per call, see :func:`celery_lease._forking.generation`)."""
+    global _ids
+    current = forking.generation()
+    ids = _ids
+    if ids.generation != current:
+        ids = _ids = _Ids(current)  # two threads racing here each make one: both unique
+    return ids
 
 
 def new_nonce() -> str:
-    """16 hex digits this process never returns twice, random across processes (no system
-    call: the owner ids' counter, see ``_Ids``)."""
-    return _ids.hex()
-
-
-def _after_fork_in_child() -> None:
-    global _ids
-    _ids = _Ids()
-
-
-forking.on_fork_child(_after_fork_in_child, name="holder: a new owner-id generator")
+    """16 hex digits this process never returns twice, random across processes (the owner ids'
+    counter, see ``_Ids``; a forked child has its own)."""
+    return _this_process_ids().hex()
 
 
 _node: str | None = None
@@ -196,7 +202,7 @@ def make_owner(
         TypeError: a value is not a str.
         ValueError: a value is longer than :data:`MAX_FIELD_CHARS`.
     """
-    owner = _ids.new()
+    owner = _this_process_ids().new()
     if node is None:
         node = _node
     if task is None and task_id is None:

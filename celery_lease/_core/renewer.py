@@ -957,9 +957,17 @@ def get_renewer(clock: Clock | None, store: Any) -> Renewer:
 
     ``clock`` ``None`` is the system clock. One dict look-up without a lock when the renewer
     exists; made (without starting its thread: :meth:`Renewer.add` starts it) when it does not.
+
+    The system clock's renewers are looked up without a look at the pid: every acquisition made
+    the owner id of its attempt just before on this thread, which noticed a fork that skipped
+    Python's at-fork hooks (:func:`celery_lease._forking.generation`: the resets then ran, and
+    the parent's renewers are forgotten). Other clocks, and :func:`snapshot` and
+    :func:`shutdown`, ask.
     """
     if clock is None:
         clock = SYSTEM_CLOCK
+    elif clock is not SYSTEM_CLOCK:
+        forking.generation()
     key = (id(clock), id(store))
     renewer = _registry.get(key)
     if renewer is not None and renewer.clock is clock and renewer.store is store:
@@ -1016,6 +1024,7 @@ def snapshot() -> list[dict[str, Any]]:
     renewer's clock. Safe from any thread and never blocks on a store call (it takes only the
     renewers' locks, which no store call holds). A forked child sees only its own leases.
     """
+    forking.generation()  # a child forked without the hooks: the parent's are forgotten
     rows = [row for renewer in renewers() for row in renewer.snapshot()]
     return sorted(rows, key=lambda row: (row["key"], row["owner"]))
 
@@ -1041,6 +1050,7 @@ def shutdown(timeout: float = 5.0) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0")
     deadline = time.monotonic() + timeout
+    forking.generation()  # a child forked without the hooks: the parent's are forgotten
     stopping = renewers()
     held = sorted({key for renewer in stopping for key in renewer.held_keys()})
     if held:
