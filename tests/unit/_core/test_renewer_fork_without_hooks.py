@@ -26,12 +26,12 @@ SCRIPT = textwrap.dedent(
 
     store = MemoryLockStore()
     with lease("parent", store=store, ttl=30):
-        parent_renewer, parent_dispatcher = get_renewer(), get_dispatcher()
+        parent_renewer, parent_dispatcher = get_renewer(None, store), get_dispatcher()
         read, write = os.pipe()
         pid = ctypes.PyDLL(None).fork()
         if pid == 0:
             os.close(read)
-            with lease("child", store=MemoryLockStore(), ttl=30) as held:
+            with lease("child", store=store, ttl=30) as held:  # the store the parent renews
                 out = {
                     "same_renewer": held._entry.renewer is parent_renewer,
                     "same_dispatcher": get_dispatcher() is parent_dispatcher,
