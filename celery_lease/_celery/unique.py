@@ -23,7 +23,10 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   increasing as today). Then ``"while_queued"`` releases the queued lease (owner-checked: only
   its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
   between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
-  task's thread; the first renewal, at start, is sent without waiting where the store can)
+  task's thread; the first renewal, at start, is sent without waiting where the store can;
+  a copy that started half its ``queue_ttl`` or more after its call, by the caller's and the
+  worker's wall clocks, takes the key back instead, answered before the body starts: its
+  queued lease may have expired in the queue)
   until the body ended and the run lease was released; then it is released on the task's
   thread, answered before the execution returns (a call made after the result is seen
   enqueues a new copy; sent without waiting when the execution publishes nothing: see
@@ -48,13 +51,23 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   with an eta ``debounce`` later, capped at ``debounce_max`` after the first call of the chain
   (kept in the owner's ``at``). A debounced copy releases its queued lease when it starts, also
   under ``"until_done"`` (whose callers then look at the run key too: a running copy is the
-  existing one), so a call never supersedes a running body. Two callers racing: one takes the key,
-  the others return its ``AsyncResult``. The superseded copy, when it reaches a worker, finds its
-  tombstone and ends without its body, REVOKED in the result backend with the reason ``"superseded
-  by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once). A failed publish of
-  the newest call (or a store error while superseding) removes its tombstone: the waiting copy
-then runs. A call that loses the key to a third one after releasing the waiting copy's lease
-keeps the tombstone: that copy has no lease left, so only the winner runs.
+  existing one), so a call never supersedes a running body. The tombstone key is the right to
+  free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
+  the duplicate of the caller that took it, or looks again when that caller's own copy is no
+  longer waiting), and a starting copy, after releasing its queued lease, takes its own
+  tombstone key for itself for the run lease's ttl: either a superseding call took it first (the
+  copy ends) or none can supersede it any more. Two callers racing: one takes the key, the
+  others return its ``AsyncResult``. The superseded copy, when it reaches a worker, finds its
+  tombstone taken and ends without its body, REVOKED in the result backend with the reason
+  ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once). A
+  failed publish of the newest call (or a store error while superseding) hands the key back
+  to the waiting copy, which then runs, unless a newer call superseded the failed one meanwhile
+  or took the key while it was free (then only that one runs): the failed call takes its own
+  tombstone first (no call supersedes it from then on; its message, had the broker taken it
+  after all, ends without its body), frees its queued lease, takes the key back under the
+  waiting copy's owner and only then removes the waiting copy's tombstone. A call that loses
+  the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
+  copy has no lease left, so only the winner runs.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
@@ -486,15 +499,43 @@ def _debounced(
         delay = max(0.0, min(now + debounce, first + cap) - now)
         owner = queued_owner(task.name, task_id, int(first * 1000))
         tomb = superseded_key(old.task_id, prefix)
+        tomb_ttl_ms = _ms(queue_ttl + cap)
         tomb_owner = queued_owner(task.name, task_id, int(now * 1000))
-        store.acquire(tomb, tomb_owner, _ms(queue_ttl + cap))
+        if store.acquire(tomb, tomb_owner, tomb_ttl_ms) is None:
+            # The tombstone is the right to free that copy's lease: it is another's.
+            writer = _tomb_writer(inspect, tomb)
+            if writer is None or writer == old.task_id:
+                continue  # gone, or the copy claimed it itself (it started): look again
+            if not _has_tomb(inspect, writer, prefix):
+                # A caller racing us supersedes it: we are that caller's duplicate.
+                return _duplicate(task, unique, key, task_id, writer, options)
+            # The writer's own call is no longer waiting: superseded, started, or withdrawing
+            # after a failed publish. Still the waiting copy's lease: the writer has handed it
+            # back and is about to remove the tombstone (the copy runs: we are its
+            # duplicate); else look again.
+            again = inspect.get(qkey)
+            if again is not None and again.owner == info.owner:
+                return _duplicate(task, unique, key, task_id, old.task_id, options)
+            continue
+        withdraw = functools.partial(
+            _withdraw,
+            store,
+            qkey,
+            owner,
+            superseded_key(task_id, prefix),
+            tomb_ttl_ms,
+            info.owner,
+            _ms(info.expires_in),
+            tomb,
+            tomb_owner,
+        )
         try:
             store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
             taken = store.acquire(qkey, owner, _ms(queue_ttl + delay))
         except BaseException:
-            # Nothing replaces the waiting copy: it must not stay superseded (run, like after a
-            # failed publish below), and the caller gets the store's error.
-            _release_quietly(store, tomb, tomb_owner, "the store failed while superseding")
+            # Nothing replaces the waiting copy: it is handed its key back (see _withdraw), and
+            # the caller gets the store's error.
+            withdraw()
             raise
         if taken is None:
             # Another call took the key between our release and our acquire: the waiting
@@ -515,10 +556,66 @@ def _debounced(
             store,
             qkey,
             owner,
-            undo=functools.partial(_release_quietly, store, tomb, tomb_owner, "publish failed"),
+            undo=withdraw,
+            free=False,  # withdraw frees it, in its own order
             failed_for=task,
         )
     return _duplicate(task, unique, key, task_id, None, options)
+
+
+def _tomb_writer(inspect: SupportsInspection, tomb: str) -> str | None:
+    """The task id the tombstone ``tomb`` names (None: there is none)."""
+    info = inspect.get(tomb)
+    return parse_owner(info.owner).task_id if info is not None else None
+
+
+def _has_tomb(inspect: SupportsInspection, task_id: str, prefix: str) -> bool:
+    """Whether copy ``task_id`` has a tombstone: it was superseded, has started, or withdrew."""
+    return inspect.get(superseded_key(task_id, prefix)) is not None
+
+
+def _withdraw(
+    store: LockStore,
+    qkey: str,
+    owner: str,
+    own_tomb: str,
+    tomb_ttl_ms: int,
+    waiting_owner: str,
+    waiting_ttl_ms: int,
+    tomb: str,
+    tomb_owner: str,
+) -> None:
+    """A superseding call was not published: hand the key back to the copy it superseded,
+    unless a newer call superseded this one meanwhile. Never raises a store error.
+
+    In this order, each step deciding the next, so that exactly one copy stays to run:
+
+    1. Take this call's own tombstone (``own_tomb``, owner naming itself): from here no call
+       can supersede it. Refused: a newer call superseded it and stands in for the waiting
+       copy, which stays superseded; nothing is touched.
+    2. Free this call's queued lease (owner-checked).
+    3. Take the key back for the waiting copy, under its owner (``waiting_owner``; the holder
+       again if its lease was never freed). Refused: a new call took the free key and runs;
+       the waiting copy stays superseded.
+    4. Remove the waiting copy's tombstone: it runs.
+
+    The own tombstone is kept (it expires): a message that reached the broker although the
+    publish failed ends without its body when it starts. A store error keeps what is left:
+    the waiting copy stays superseded (nothing may run) rather than two running.
+    """
+    try:
+        if store.acquire(own_tomb, tomb_owner, tomb_ttl_ms) is None:
+            return
+        store.release(qkey, owner)
+        if store.acquire(qkey, waiting_owner, waiting_ttl_ms) is None:
+            return
+        store.release(tomb, tomb_owner)
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: handing %r back to the superseded copy failed (%s); it stays superseded",
+            qkey,
+            exc,
+        )
 
 
 # The worker's side ---------------------------------------------------------------------------
@@ -671,22 +768,40 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Release first, then look: a call superseding this copy writes the tombstone before it
-        # releases the copy's lease, so either it finds the key free (and supersedes nothing)
-        # or the tombstone is there to be seen here.
+        # Release first, then claim the tombstone key for itself: a call superseding this copy
+        # must take that key before it may free the copy's lease. Either the call took it
+        # first (the copy ends here, superseded) or the claim stands and no call supersedes
+        # the copy from now on: one that read its lease before the release finds the tombstone
+        # taken, looks again and finds the key free (and under "until_done" the copy running).
+        # The claim lasts the run lease's ttl (then a call that read the lease long before is
+        # refused its key by the run lease's check, or finds it free).
         store.release(qkey, owner)
-        if is_inspectable(store):
-            tomb = store.get(superseded_key(task_id, prefix))
-            if tomb is not None:
-                _mark_superseded(task, request, parse_owner(tomb.owner).task_id)
+        tomb = superseded_key(task_id, prefix)
+        claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000))
+        if store.acquire(tomb, claim, _ms(ttl)) is None:
+            newer = store.get(tomb) if is_inspectable(store) else None
+            _mark_superseded(
+                task, request, parse_owner(newer.owner).task_id if newer is not None else None
+            )
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
         return None
-    if deferred and store.acquire(qkey, owner, _ms(ttl)) is None:
-        # The dead copy's queued lease expired and another copy took the key meanwhile: the
-        # renewal below reports it lost; the run lease still excludes that copy's body.
-        logger.info("celery-lease: %r is held by another copy; %s runs all the same", qkey, task_id)
+    # A copy that may have outlived its queued lease (a second delivery, or one that waited in
+    # the queue for half its queue_ttl or more) takes the key back before its body starts: a
+    # call made while the body runs must find it held. The holder again when the lease is still
+    # its own (same token, expiry set to ttl).
+    taken_at = parse_owner(owner).taken_at
+    late = taken_at is None or clock.time() >= taken_at + _queue_ttl(unique, settings) / 2
+    retaken = None
+    if deferred or late:
+        retaken = store.acquire(qkey, owner, _ms(ttl))
+        if retaken is None:
+            # Its queued lease expired and another copy took the key meanwhile: the renewal
+            # below reports it lost; the run lease still excludes that copy's body.
+            logger.info(
+                "celery-lease: %r is held by another copy; %s runs all the same", qkey, task_id
+            )
     now = SYSTEM_CLOCK.monotonic()
     entry = Entry(
         store=store,
@@ -702,7 +817,9 @@ def on_start(
     # waiting where the store can (its reply is read with this copy's next store call; the
     # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
     # renewer's thread.
-    if not (can_renew_deferred(store) and store.renew_deferred(qkey, owner, _ms(ttl))):
+    if retaken is None and not (
+        can_renew_deferred(store) and store.renew_deferred(qkey, owner, _ms(ttl))
+    ):
         entry.due = now
     hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
     get_renewer(SYSTEM_CLOCK, store).add(entry)

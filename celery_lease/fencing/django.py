@@ -19,7 +19,11 @@ row that does not exist yet, inside ``transaction.atomic()`` (a savepoint when a
 open): the fenced ``UPDATE``; if no row matched and none exists, ``create()`` in a savepoint of its
 own; if that fails on the unique key because a racing writer created the row first, the fenced
 ``UPDATE`` once more, which the fence decides. So the row is created once, racing writers never
-see an ``IntegrityError`` from each other, and the highest token wins whatever the order.
+see an ``IntegrityError`` from each other, and the highest token wins whatever the order. Under
+``REPEATABLE READ`` or ``SERIALIZABLE`` the racing writer's row is invisible to the snapshot
+taken before it was committed: called outside a transaction, the upsert runs once more in a new
+one (a new snapshot), where the fence decides; inside the caller's transaction the
+``IntegrityError`` is raised (retry that transaction, as such isolation requires).
 
 ``where`` names the row: its fields must be exactly the primary key, one ``unique`` field or one
 unconditional unique constraint (``unique_together``, ``UniqueConstraint`` on fields), so a fenced
@@ -51,7 +55,7 @@ except ModuleNotFoundError as exc:
 from django.db import IntegrityError, models, router, transaction
 
 from celery_lease.errors import LeaseConfigError
-from celery_lease.fencing import MissingRowError, StaleTokenError, resolve_token
+from celery_lease.fencing import FencingToken, MissingRowError, StaleTokenError, resolve_token
 
 __all__ = ["fenced_update", "fenced_upsert"]
 
@@ -124,10 +128,27 @@ def fenced_upsert(
     Raises:
         StaleTokenError: the row's fence is above ``token``: nothing was written.
         LeaseConfigError: a bad argument (unknown field, ``where`` not a unique key, no token).
-        django.db.IntegrityError: the create broke a constraint other than the row's key.
+        django.db.IntegrityError: the create broke a constraint other than the row's key; or,
+            inside a transaction of the caller's under REPEATABLE READ or SERIALIZABLE, a
+            racing writer created the row after that transaction's snapshot (it cannot be seen
+            there: retry the transaction, as that isolation requires). Called outside a
+            transaction it is retried once in a new one, where the fence decides.
     """
     plan = _Plan(model, where, values, fence, using)
     fencing = resolve_token(token, lock_key)
+    if transaction.get_connection(plan.using).in_atomic_block:
+        return _upsert(plan, fencing)
+    try:
+        return _upsert(plan, fencing)
+    except IntegrityError:
+        # Our own transaction, under REPEATABLE READ or SERIALIZABLE: the row a racing writer
+        # created was committed after our snapshot, which cannot see it. A new transaction
+        # (a new snapshot) sees it and the fence decides; another constraint raises again.
+        return _upsert(plan, fencing)
+
+
+def _upsert(plan: _Plan, fencing: FencingToken) -> int:
+    """One transaction (a savepoint inside the caller's) of :func:`fenced_upsert`."""
     with transaction.atomic(using=plan.using):
         if plan.update(fencing.token) == 1:
             return fencing.token

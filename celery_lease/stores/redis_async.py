@@ -20,7 +20,11 @@ leave the command applied on the server: the command is not cut off (redis-py wo
 connection, and a release sent on another connection could reach the server before it); the
 store waits for its reply (at most 5 s, further cancels included), releases the lease it took
 (owner checked: the owner id is unique per attempt), and only then lets the cancellation
-propagate, so nothing is left held that its caller never learned of.
+propagate, so nothing is left held that its caller never learned of. A reply later than that
+lets the cancellation go on at once; the release then follows the reply (or the command's
+failure, after its retry and ``socket_timeout``) in a task of its own, which
+:meth:`~AsyncRedisLockStore.aclose` waits for; a loop closed before it ran leaves the lease to
+expire within its ttl.
 """
 
 from __future__ import annotations
@@ -242,6 +246,8 @@ class AsyncRedisLockStore:
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
+        self._late_undos: set[asyncio.Future[None]] = set()
+        """Releases waiting for the late reply of a cancelled acquire (awaited by aclose)."""
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisLockStore:
@@ -422,11 +428,30 @@ class AsyncRedisLockStore:
         while not attempt.done():
             left = deadline - loop.time()
             if left <= 0:
-                attempt.cancel()
-                break
+                # The reply is late: the cancellation goes on now, and the release follows the
+                # reply in a task of its own. Cut off now, the command could still reach the
+                # server after a release sent at once, and take the key for a whole ttl.
+                undo = asyncio.ensure_future(self._undo_after_reply(attempt, key, owner))
+                self._late_undos.add(undo)
+                undo.add_done_callback(self._late_undos.discard)
+                return
             with contextlib.suppress(asyncio.CancelledError):  # re-raised by our caller
                 await asyncio.wait({attempt}, timeout=left)
-        if attempt.done() and not attempt.cancelled() and attempt.exception() is None:
+        await self._undo_after_reply(attempt, key, owner)
+
+    async def _undo_after_reply(
+        self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
+    ) -> None:
+        """Wait for the cancelled acquire's end (its reply, or its error after the retry and
+        ``socket_timeout``), then release what it may have taken. Without a ``socket_timeout``
+        the wait is cut off after two undo waits (5 s each): the attempt is cancelled and
+        released anyway (owner checked, so at worst a no-op)."""
+        limit = 2 * (self._socket_timeout or _UNDO_TIMEOUT) + _UNDO_TIMEOUT
+        await asyncio.wait({attempt}, timeout=limit)
+        if not attempt.done():
+            attempt.cancel()
+            await asyncio.wait({attempt})
+        if not attempt.cancelled() and attempt.exception() is None:
             if attempt.result()[0] is None:
                 return  # it took nothing
             why = "cancelled after it took the lease"
@@ -522,7 +547,10 @@ class AsyncRedisLockStore:
                 return True
 
     async def aclose(self) -> None:
-        """Close the async client and the sync twin when this store built them."""
+        """Close the async client and the sync twin when this store built them, once the
+        releases that follow late replies of cancelled acquires are done."""
+        if self._late_undos:
+            await asyncio.wait(set(self._late_undos))
         if self._owns_client:
             await self._client.aclose()
             if self._sentinel is not None:

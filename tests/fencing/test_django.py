@@ -88,7 +88,13 @@ def _add_alias(alias: str, conf: dict[str, Any]) -> None:
         connections.configure_settings(databases)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgresql", marks=pytest.mark.postgres),
+        pytest.param("postgresql-repeatable-read", marks=pytest.mark.postgres),
+    ]
+)
 def alias(
     request: pytest.FixtureRequest,
     tmp_path: Path,
@@ -101,11 +107,18 @@ def alias(
         connections[name].close()
         connections.settings[name]["NAME"] = str(tmp_path / "django.sqlite3")
     else:
-        name = "fencing_pg"
+        repeatable = request.param == "postgresql-repeatable-read"
+        name = "fencing_pg_rr" if repeatable else "fencing_pg"
         dsn = urlsplit(request.getfixturevalue("pg_database_dsn"))
+        options: dict[str, Any] = {}
+        if repeatable:
+            from psycopg import IsolationLevel
+
+            options["isolation_level"] = IsolationLevel.REPEATABLE_READ
         _add_alias(
             name,
             {
+                "OPTIONS": options,
                 "ENGINE": "django.db.backends.postgresql",
                 "NAME": dsn.path.lstrip("/"),
                 "USER": unquote(dsn.username or "postgres"),

@@ -25,6 +25,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import redis_async as redis_async_module
 from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsInspection
 from celery_lease.stores.postgres import PostgresLockStore
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
@@ -308,6 +309,80 @@ class TestAsyncOnly:
                 await _until(gone, "the slow connection to end")
             try:
                 assert direct.get("k") is None
+            finally:
+                direct.force_release("k")
+                direct.close()
+                observer.close()
+
+        asyncio.run(main())
+
+    @pytest.mark.redis
+    def test_an_acquire_cancelled_with_its_reply_later_than_the_undo_wait_is_still_undone(
+        self, redis_server: RedisServer, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The caller is cancelled while its acquire is on its way (held 1 s by a proxy), and the
+        store's wait for the reply is shorter than that (5 s in real life, 0.1 s here). Whatever
+        it does then, once the slow connection is done the key is not held: no lease of an
+        owner nobody knows stays behind for its ttl."""
+        monkeypatch.setattr(redis_async_module, "_UNDO_TIMEOUT", 0.1)
+        prefix = f"late-undo-{uuid.uuid4().hex[:8]}:"
+
+        async def main() -> None:
+            direct = RedisLockStore(redis_url, prefix=prefix)
+            observer = redis_server.client()
+            with TcpProxy(redis_server.port) as proxy:
+                sent = asyncio.Event()
+                route = {"port": proxy.port}
+
+                class Routed(redis.asyncio.Connection):
+                    """(Re)connects to ``route["port"]``; tells when the acquire was sent."""
+
+                    async def _connect(self) -> None:
+                        self.port = route["port"]
+                        await super()._connect()
+
+                    async def send_packed_command(
+                        self, command: Any, check_health: bool = True
+                    ) -> None:
+                        await super().send_packed_command(command, check_health)
+                        data = b"".join(command) if isinstance(command, list) else command
+                        if ACQUIRE_SCRIPT_SHA in data:
+                            sent.set()
+
+                pool = redis.asyncio.ConnectionPool(
+                    connection_class=Routed,
+                    host="127.0.0.1",
+                    port=proxy.port,
+                    retry=Retry(NoBackoff(), 0),
+                    socket_timeout=5.0,
+                )
+                client = redis.asyncio.Redis(connection_pool=pool)
+                store = AsyncRedisLockStore(client, sync=direct)
+                try:
+                    assert await store.renew("warm", "w", LONG_MS) is False  # connected
+                    direct.acquire("warm", "w", LONG_MS)  # the acquire script is loaded
+                    direct.release("warm", "w")
+                    slow_id = await client.client_id()  # the pool's one connection
+                    proxy.set_latency(1.0)
+                    attempt = asyncio.ensure_future(store.acquire("k", "cancelled", LONG_MS))
+                    await sent.wait()  # on its way, through the slow proxy
+                    route["port"] = redis_server.port  # new connections: straight there
+                    attempt.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await attempt
+                finally:
+                    await store.aclose()
+                    await client.aclose()
+                    await pool.disconnect()
+
+                def gone() -> bool:
+                    return slow_id not in {int(c["id"]) for c in observer.client_list()}
+
+                # The slow connection is closed: the server ran all it had sent, acquire too.
+                await _until(gone, "the slow connection to end")
+            try:
+                held = direct.get("k")
+                assert held is None, f"{held} stays behind for its ttl"
             finally:
                 direct.force_release("k")
                 direct.close()
