@@ -46,8 +46,8 @@ seconds, ok)`` for each renewal result, on the renewer thread after the answer i
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
 a store call (or an observer, a fenced action, the warning of a failed renewal, the loss
-notifications it makes), it waits for the earliest validity deadline (or ``max_hold``) of the held leases
-and records the ones that pass it. Renewal itself stays on the store's renewer thread.
+notifications it makes), it waits for the earliest validity deadline (or ``max_hold``) of the
+held leases and records the ones that pass it. Renewal itself stays on the store's renewer thread.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
