@@ -276,10 +276,14 @@ def child_snapshots(
                 del pending[sock]
                 if error is None:
                     try:
-                        rows.extend(json.loads(bytes(buffer)))
-                        continue
+                        answer = json.loads(bytes(buffer))
                     except ValueError as exc:
                         error = f"bad reply: {exc}"
+                    else:
+                        if isinstance(answer, list) and all(isinstance(r, dict) for r in answer):
+                            rows.extend(answer)
+                            continue
+                        error = f"bad reply: not a list of lease rows ({type(answer).__name__})"
                 unanswered.append({"pid": pid, "error": error})
         for sock, (pid, _) in pending.items():
             sock.close()

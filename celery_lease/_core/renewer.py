@@ -45,8 +45,9 @@ seconds, ok)`` for each renewal result, on the renewer thread after the answer i
 
 A store call can hang (a blackholed connection without a socket timeout). So that loss is still
 reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
-a store call, it waits for the earliest validity deadline (or ``max_hold``) of the held leases
-and records the ones that pass it. Renewal itself stays on the store's renewer thread.
+a store call (or an observer, a fenced action, the warning of a failed renewal, the loss
+notifications it makes), it waits for the earliest validity deadline (or ``max_hold``) of the
+held leases and records the ones that pass it. Renewal itself stays on the store's renewer thread.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -603,10 +604,24 @@ class Renewer:
                 lost.append((entry, reason))
             else:
                 to_renew.append(entry)
-        self._notify_all([(e, reason) for e, reason in lost if self._report_lost(e, reason)])
+        self._notify_watched([(e, reason) for e, reason in lost if self._report_lost(e, reason)])
         if to_renew:
             self.sweeps += 1
-            self._notify_all(self._renew_group(to_renew))
+            self._notify_watched(self._renew_group(to_renew))
+
+    def _notify_watched(self, losses: list[tuple[Entry, str]]) -> None:
+        """Notify ``losses`` on the renewer thread, watched like a store call.
+
+        An immediate listener that blocks holds the renewer thread; meanwhile the watchdog
+        records the other leases whose deadline passes, as it does while a store call hangs.
+        """
+        if not losses:
+            return
+        self._begin_io()
+        try:
+            self._notify_all(losses)
+        finally:
+            self._end_io()
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
         """Renew the due entries (all of this renewer's store); returns the losses it recorded."""
@@ -629,6 +644,7 @@ class Renewer:
         recorded: list[tuple[Entry, str]] = []
         redo: list[Callable[[], None]] = []
         refused: list[Entry] = []
+        failed: list[tuple[str, BaseException]] = []  # logged after the lock is let go
         with self._lock:
             for entry, result in zip(group, results, strict=True):
                 if result is False and not entry.closed and answered_at < entry.valid_until:
@@ -669,14 +685,24 @@ class Renewer:
                     continue
                 else:
                     entry.last_error = f"{type(result).__name__}: {result}"
-                    logger.warning(
-                        "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
-                        entry.key,
-                        result,
-                    )
+                    failed.append((entry.key, result))
                     now = self.clock.monotonic()
                     entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
+        # Outside the lock: a logging handler that blocks (a full pipe, a network handler)
+        # must not block the readers of this renewer (snapshot, holders' exits, the watchdog).
+        # The watchdog watches it like a store call.
+        if failed:
+            self._begin_io()
+            try:
+                for key, error in failed:
+                    logger.warning(
+                        "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
+                        key,
+                        error,
+                    )
+            finally:
+                self._end_io()
         if refused:
             recorded.extend(self._settle_refusals(store, refused, redo))
         if self._observers or _observers:
@@ -691,7 +717,7 @@ class Renewer:
             self._begin_io()
             try:
                 action()
-            except Exception:  # pragma: no cover - the actions log their own store errors
+            except BaseException:  # SystemExit, gevent.Timeout: the sweep's losses still go out
                 logger.exception("celery-lease: a fenced action after a renewal failed")
             finally:
                 self._end_io()
@@ -917,7 +943,7 @@ def _tell(
         for observer in observers:
             try:
                 observer.callback(entry.key, entry.token, seconds, ok)
-            except Exception:
+            except BaseException:  # SystemExit too: the sweep's losses and actions still go on
                 if not observer.failed:
                     observer.failed = True
                     logger.exception(

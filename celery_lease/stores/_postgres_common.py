@@ -27,6 +27,7 @@ from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 
 __all__ = [
+    "CANCELLED_BY_TIMEOUT",
     "CREATED_CONCURRENTLY",
     "DEFAULT_TABLE",
     "INDEX_KEY_BYTES",
@@ -506,6 +507,10 @@ def token_of(row: Sequence[Any] | None) -> int | None:
 
 MISSING_TABLE = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
 """Errors of a statement that found no table (or no schema): create it, or say how to."""
+
+CANCELLED_BY_TIMEOUT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)
+"""Errors of a statement the server ended at its ``statement_timeout`` or ``lock_timeout``
+(or an operator's cancel): the connection is sound, the statement did nothing."""
 
 CREATED_CONCURRENTLY = (
     psycopg.errors.UniqueViolation,

@@ -81,6 +81,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores._postgres_common import (
+    CANCELLED_BY_TIMEOUT,
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
@@ -88,6 +89,7 @@ from celery_lease.stores._postgres_common import (
     ConnectFailures,
     channel_for,
     check_options,
+    check_seconds,
     connect_kwargs,
     create_denied_detail,
     describe_error,
@@ -388,6 +390,14 @@ class PostgresLockStore:
         table: the table name, optionally ``schema.table`` (default ``"celery_lease"``).
         connect_timeout: seconds to wait for a connection (new or from the pool) before raising
             ``StoreUnavailableError`` (default 5.0).
+        statement_timeout: seconds one statement of the store may run on the server, waits for
+            a row or table locked by another session included, before the server cancels it
+            (default 5.0; PostgreSQL's ``statement_timeout``, set on each connection of the
+            internal pool when it is made). A statement cancelled so raises
+            ``StoreUnavailableError`` naming the bound, without a retry: a renewal batch that
+            meets a locked row fails within it (the renewer retries while the leases are valid)
+            instead of hanging the store's renewer. With a pool passed in, that pool's own
+            connection settings apply (set ``statement_timeout`` in its ``configure`` or DSN).
         max_connections: the size limit of the internal pool (default 8); ignored with a pool.
         create_table: whether the store may create a missing table (default: the URL's
             ``?create_table=true|false`` when given, else True). When False, or when the role
@@ -396,8 +406,9 @@ class PostgresLockStore:
 
     Raises:
         LeaseConfigError: for a bad ``table``, ``dsn_or_pool``, ``connect_timeout``,
-            ``max_connections`` or ``create_table`` (also a URL value that is not a boolean, or
-            one that contradicts the keyword).
+            ``statement_timeout`` (not a number of seconds > 0), ``max_connections`` or
+            ``create_table`` (also a URL value that is not a boolean, or one that contradicts
+            the keyword).
     """
 
     def __init__(
@@ -406,11 +417,14 @@ class PostgresLockStore:
         *,
         table: str = DEFAULT_TABLE,
         connect_timeout: float = 5.0,
+        statement_timeout: float = 5.0,
         max_connections: int = 8,
         create_table: bool | None = None,
     ) -> None:
         self._table = check_options(table, connect_timeout, max_connections, create_table)
+        check_seconds("statement_timeout", statement_timeout)
         self._connect_timeout = float(connect_timeout)
+        self._statement_timeout = float(statement_timeout)
         self._max_connections = max_connections
         self._where = ""
         self._secrets: tuple[str, ...] = ()  # passwords of the DSN, masked in every message
@@ -466,6 +480,11 @@ class PostgresLockStore:
         return self._table
 
     @property
+    def statement_timeout(self) -> float:
+        """Seconds one statement may run on the server (connections of the internal pool)."""
+        return self._statement_timeout
+
+    @property
     def create_table(self) -> bool:
         """Whether the store creates its table when a statement finds it missing."""
         return self._create_table
@@ -506,6 +525,7 @@ class PostgresLockStore:
                     self._dsn,
                     connection_class=self._connection_class,
                     kwargs=self._connect_kwargs(),
+                    configure=self._configure_connection,
                     min_size=1,
                     max_size=self._max_connections,
                     open=False,
@@ -519,6 +539,15 @@ class PostgresLockStore:
                 pool.open(wait=False)
                 self._pool = pool
             return self._pool
+
+    def _configure_connection(self, conn: psycopg.Connection[Any]) -> None:
+        """Bound every statement of a new pooled connection by ``statement_timeout``.
+
+        A session setting made once per connection (one round trip when it is made), not a
+        startup option: poolers such as PgBouncer refuse libpq's ``options``.
+        """
+        millis = max(1, round(self._statement_timeout * 1000))
+        conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(f"{millis}ms")))
 
     def _listener_connect(self) -> psycopg.Connection[Any]:
         if self._dsn is not None:
@@ -562,6 +591,10 @@ class PostgresLockStore:
                     return self._execute(what, conn, fn)
             except PoolTimeout as exc:
                 raise self._error(what, self._no_connection(exc)) from exc
+            except CANCELLED_BY_TIMEOUT as exc:
+                # The server ended the statement (a row or table locked by another session, a
+                # crawl); the connection is sound. Not retried: that would double the bound.
+                raise self._error(what, self._timed_out(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection and redo:
                     logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
@@ -600,6 +633,15 @@ class PostgresLockStore:
 
     def _error(self, what: str, detail: str) -> StoreUnavailableError:
         return store_error(repr(self), what, detail, self._secrets)
+
+    def _timed_out(self, exc: psycopg.Error) -> str:
+        bound = ""
+        if self._owns_pool:
+            bound = f" (statement_timeout {self._statement_timeout:g} s)"
+        return (
+            f"no answer within the server's statement or lock timeout{bound}; a row or the "
+            f"table may be locked by another session: {describe_error(exc)}"
+        )
 
     def _no_connection(self, exc: PoolTimeout) -> str:
         last = self._connect_failures.last if self._owns_pool else None

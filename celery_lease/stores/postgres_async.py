@@ -211,7 +211,9 @@ class AsyncPostgresLockStore:
         connect_timeout: seconds to wait for a connection before raising
             ``StoreUnavailableError`` (default 5.0).
         statement_timeout: seconds one statement may take, measured by the client, before it
-            is cancelled and ``StoreUnavailableError`` raised (default 5.0).
+            is cancelled and ``StoreUnavailableError`` raised (default 5.0). The sync twin this
+            store builds gets the same bound on the server's side, so the renewals of this
+            store's leases (which go through it) are bounded too.
         max_connections: the size limit of the pool (default 8), and of the sync twin's.
         create_table: whether a missing table may be created (default: the URL's
             ``?create_table=``, else True).
@@ -256,6 +258,7 @@ class AsyncPostgresLockStore:
                 dsn,
                 table=table,
                 connect_timeout=connect_timeout,
+                statement_timeout=statement_timeout,
                 max_connections=max_connections,
                 create_table=create_table,
             )

@@ -404,6 +404,33 @@ class TestWaiting:
         finally:
             other.close()
 
+    def test_a_foreign_notify_wakes_only_the_waiters_of_the_key_it_names(
+        self, store: PostgresLockStore, pg_database_dsn: str
+    ) -> None:
+        """Another session sends garbage payloads (empty, a bogus digest, 7000 bytes, a key
+        nobody waits for), then one naming "x": x's waiter wakes, y's waits on."""
+        assert store.acquire("x", "holder", LONG_MS) is not None
+        assert store.acquire("y", "holder", LONG_MS) is not None
+        woke: dict[str, bool] = {}
+        waiters = {
+            key: threading.Thread(
+                target=lambda k=key: woke.__setitem__(k, store.wait_for_release(k, 15))
+            )
+            for key in ("x", "y")
+        }
+        for waiter in waiters.values():
+            waiter.start()
+        _wait_for(lambda: store.waiting() == 2, "two waiters")
+        with psycopg.connect(pg_database_dsn, autocommit=True) as foreign:
+            for payload in ("", "sha256:zz", "\x01" * 7000, "nobody-waits", "x"):
+                foreign.execute("SELECT pg_notify(%s, %s)", [store.channel, payload])
+        waiters["x"].join(DEADLINE)
+        assert woke == {"x": True}, "only x's waiter woke (notifications arrive in order)"
+        assert waiters["y"].is_alive() and store.waiting() == 1
+        store.release("y", "holder")
+        waiters["y"].join(DEADLINE)
+        assert woke == {"x": True, "y": True}
+
     def test_force_release_wakes_waiters(self, store: PostgresLockStore) -> None:
         """force_release notifies like release does."""
         assert store.acquire("k", "a", LONG_MS) is not None

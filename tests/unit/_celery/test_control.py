@@ -4,8 +4,11 @@ answer is listed as unanswered, never as holding nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import stat
+import threading
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -95,3 +98,50 @@ class TestInspectCommand:
         keys = [row["key"] for row in answer["leases"]]
         assert keys.index("a-key") < keys.index("b-key")
         assert answer["unanswered"] == [] and answer["pool"] == ""
+
+
+def _serve_once(path: str, reply: bytes) -> threading.Thread:
+    """A fake child: listens on ``path``, answers one client with ``reply`` and closes."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+
+    def answer() -> None:
+        with server:
+            conn, _ = server.accept()
+            # The reader may close first (a reply too large).
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(reply)
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    return thread
+
+
+class TestAFaultyChild:
+    """One child's bad answer is listed in ``unanswered``; the others' rows still come."""
+
+    @pytest.mark.parametrize(
+        ("reply", "why"),
+        [
+            pytest.param(b"\x00not json at all", "bad reply", id="not-json"),
+            pytest.param(b"42", "bad reply", id="json-not-a-list"),
+            pytest.param(b'["a row that is not an object"]', "bad reply", id="rows-not-objects"),
+            pytest.param(b"[" + b" " * 2048 + b"]", "reply larger than", id="too-large"),
+        ],
+    )
+    def test_a_bad_reply_is_unanswered_and_the_others_answer(
+        self, worker_dir: str, monkeypatch: pytest.MonkeyPatch, reply: bytes, why: str
+    ) -> None:
+        monkeypatch.setattr(control, "_MAX_REPLY", 1024)
+        control.serve_in_child()  # this process answers as a healthy child
+        bad_pid = 777_777
+        path = control.socket_path(bad_pid)
+        assert path is not None
+        fake = _serve_once(path, reply)
+        with lease("inspected", store=MemoryLockStore(), ttl=30):
+            rows, unanswered = control.child_snapshots([bad_pid, os.getpid()], timeout=10.0)
+        fake.join(10.0)
+        assert [r["key"] for r in rows] == ["inspected"]
+        assert [u["pid"] for u in unanswered] == [bad_pid]
+        assert why in unanswered[0]["error"]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from celery_lease import LeaseInfo, MemoryLockStore
+from celery_lease import LeaseInfo, MemoryLockStore, StoreUnavailableError
 from celery_lease._celery import reaper as reaper_module
 from celery_lease._celery.reaper import _Death, _Reaper
 from celery_lease._core.dispatch import drain
@@ -505,3 +505,30 @@ class TestRunningTasks:
             _cache = {1: Job(), 2: Finished()}
 
         assert reaper_module._running_by_pid(PoolWithJobs()) == {DEAD: {"t1": None}}
+
+
+class TestOneStoreFails:
+    def test_a_store_whose_list_raises_or_cannot_list_is_skipped_and_the_others_handled(
+        self, released: list[dict[str, Any]], caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Three stores: the first's ``list()`` raises, the second has no ``list()``; the dead
+        child's lease in the third is released all the same, and each skip is logged."""
+
+        class Unlistable(MemoryLockStore):
+            def list(self, prefix: str = "") -> list[LeaseInfo]:
+                raise StoreUnavailableError("the listing failed")
+
+        class NoListing:
+            """A store that cannot list (not SupportsInspection)."""
+
+        failing, healthy = Unlistable(), MemoryLockStore()
+        failing.acquire("k-failing", owner("t1"), TTL_MS)
+        healthy.acquire("k-healthy", owner("t1"), TTL_MS)
+        reaper = _Reaper(FakeApp(), NODE, pool=None)
+        reaper._stores = lambda: [failing, NoListing(), healthy]  # type: ignore[method-assign,list-item]
+        reaper.release(_Death(DEAD, -9, {"t1": "t.run"}))
+        assert drain()
+        assert healthy.get("k-healthy") is None
+        assert failing.get("k-failing") is not None, "left to its ttl"
+        assert [sent["key"] for sent in released] == ["k-healthy"]
+        assert "the listing failed" in caplog.text and "cannot list leases" in caplog.text
