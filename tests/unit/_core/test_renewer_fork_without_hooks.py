@@ -19,7 +19,7 @@ from tests.unit.conftest import REAL_TIMEOUT
 # no Python at-fork hook runs in the child.
 SCRIPT = textwrap.dedent(
     """
-    import ctypes, json, os
+    import ctypes, json, os, threading, time
     from celery_lease import MemoryLockStore, lease
     from celery_lease._core.dispatch import get_dispatcher
     from celery_lease._core.renewer import get_renewer, snapshot
@@ -27,6 +27,13 @@ SCRIPT = textwrap.dedent(
     store = MemoryLockStore()
     with lease("parent", store=store, ttl=30):
         parent_renewer, parent_dispatcher = get_renewer(None, store), get_dispatcher()
+        # Fork only once the renewer thread finished starting: Python's own threading state
+        # (the lock a starting thread takes) is not reset in a child forked without the hooks,
+        # so a fork in the middle of a thread start would hang the child's first thread start.
+        while parent_renewer.thread.ident not in threading._active:
+            time.sleep(0.001)
+        with threading._active_limbo_lock:
+            pass
         read, write = os.pipe()
         pid = ctypes.PyDLL(None).fork()
         if pid == 0:
