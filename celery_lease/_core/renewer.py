@@ -13,7 +13,11 @@ whose call hangs or crawls therefore delays only the renewals of its own leases:
 every other store go on being renewed on their own threads. What is process-wide
 (:func:`snapshot`, :func:`shutdown`, :func:`observe_renewals`, the after-fork reset) goes over
 every renewer (:func:`renewers`). A store object used by several clocks has one renewer per
-clock; an idle renewer leaves the registry when its thread exits.
+clock; an idle renewer leaves the registry when its thread exits, unless observers are registered
+on it (:meth:`Renewer.observe_renewals`: they stay with the store's renewer; it leaves once the
+last one is unregistered while it is idle). A caller that looked a renewer up before it left and
+adds a lease to it after is sent to the renewer registered since, if any (:meth:`Renewer.add`):
+one store never has two renewers at once.
 
 **One record per lease end.** How an entry ended is written once, under the renewer's lock:
 ``closed`` with ``lost_reason`` ``None`` (its holder finished) or a reason (``"taken"``,
@@ -247,6 +251,11 @@ class Renewer:
         validity runs out meanwhile). What it raises is swallowed and logged once per observer.
         Returns a function that unregisters it. Without any observer a renewal costs nothing
         extra.
+
+        The renewer keeps its observers across an idle exit: it stays the store's renewer (its
+        thread ends, the object stays registered) while one is registered, so the leases taken
+        later in the store are observed too. Once the last one is unregistered, an idle renewer
+        leaves the registry.
         """
         observer = _Observer(callback)
         with self._lock:
@@ -255,11 +264,19 @@ class Renewer:
         def forget() -> None:
             with self._lock:
                 self._observers = tuple(o for o in self._observers if o is not observer)
+                if not self._observers and self._thread is None and not self._entries:
+                    _forget_idle(self)
 
         return forget
 
     def add(self, entry: Entry) -> None:
         """Start renewing ``entry``; starts the thread if it is not running.
+
+        When this renewer is no longer the registered one of its (clock, store) (the caller
+        looked it up before its idle exit, and another one was made since), the entry goes to
+        the registered one instead, so one store keeps one renewer; ``entry.renewer`` names the
+        renewer that took it. A renewer that left the registry and is not replaced registers
+        itself again.
 
         Raises:
             ValueError: when ``entry`` is held in another store than this renewer's (its
@@ -272,20 +289,27 @@ class Renewer:
             )
         entry.renewer = self
         with self._lock:
-            heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-            heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
-            self._entries.add(entry)
-            self._stopping = False
-            watch = self._in_io  # the watchdog must count this lease's deadline too
-            if self._thread is None:
-                self._next_wake = float("inf")
-                self._thread = threading.Thread(
-                    target=self._run, name="celery-lease-renewer", daemon=True
-                )
-                _note_running(self, True)
-                self._thread.start()
-                return
-            wake = entry.due < self._next_wake
+            # Checked under this lock: only this renewer's idle exit (under it too) removes it
+            # from the registry, so it stays the registered one while the entry goes in.
+            successor = _register(self)
+            if successor is None:
+                heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
+                heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                self._entries.add(entry)
+                self._stopping = False
+                watch = self._in_io  # the watchdog must count this lease's deadline too
+                if self._thread is None:
+                    self._next_wake = float("inf")
+                    self._thread = threading.Thread(
+                        target=self._run, name="celery-lease-renewer", daemon=True
+                    )
+                    _note_running(self, True)
+                    self._thread.start()
+                    return
+                wake = entry.due < self._next_wake
+        if successor is not None:
+            successor.add(entry)
+            return
         if watch:
             self._watch_wake.set()
         if wake:  # only when the new lease is due before the thread means to wake anyway
@@ -1016,23 +1040,36 @@ def renewers(clock: Clock | None = None) -> list[Renewer]:
     return [renewer for renewer in found if clock is None or renewer.clock is clock]
 
 
-def _note_running(renewer: Renewer, running: bool) -> None:
-    """Track renewers with a live thread, for :func:`shutdown`; under the renewer's lock.
+def _register(renewer: Renewer) -> Renewer | None:
+    """``None`` when ``renewer`` is the registered one of its (clock, store), registering it if
+    none is; else the one registered in its place. Under the renewer's lock.
 
-    A renewer whose thread starts again after its idle exit dropped it from the registry is
-    registered again, unless another renewer took its place meanwhile (both then renew their own
-    entries until they idle out).
+    One dict look-up without the registry's lock when it is registered (the common case): only
+    its own idle exit, under the renewer's lock too, takes it out again.
     """
+    key = (id(renewer.clock), id(renewer.store))
+    if _registry.get(key) is renewer:
+        return None
+    with _registry_lock:
+        current = _registry.setdefault(key, renewer)
+    return None if current is renewer else current
+
+
+def _note_running(renewer: Renewer, running: bool) -> None:
+    """Track renewers with a live thread, for :func:`shutdown`; under the renewer's lock."""
     with _registry_lock:
         if running:
             _running.add(renewer)
-            _registry.setdefault((id(renewer.clock), id(renewer.store)), renewer)
         else:
             _running.discard(renewer)
 
 
 def _forget_idle(renewer: Renewer) -> None:
-    """Drop an idle renewer from the registry, so idle stores and clocks do not pile up there."""
+    """Drop an idle renewer from the registry, so idle stores and clocks do not pile up there;
+    under the renewer's lock. Kept while observers are registered on it (they stay with the
+    store's renewer)."""
+    if renewer._observers:
+        return
     key = (id(renewer.clock), id(renewer.store))
     with _registry_lock:
         if _registry.get(key) is renewer:

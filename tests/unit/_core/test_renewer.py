@@ -226,6 +226,42 @@ class TestScale:
         finally:
             renewer.remove(entry)
 
+    def test_a_lease_added_to_a_renewer_replaced_since_goes_to_its_successor(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A caller looked the renewer up just before its idle exit; another thread then made
+        the store's next renewer and added a lease; the first caller's add goes to that one:
+        one store, one renewer thread."""
+        stale = get_renewer(clock, store)
+        with lease("k", store=store, ttl=3, clock=clock):
+            thread = stale.thread
+        assert thread is not None
+        clock.advance(IDLE_EXIT)
+        thread.join(REAL_TIMEOUT)
+        with lease("other", store=store, ttl=3, clock=clock):
+            current = get_renewer(clock, store)
+            assert current is not stale
+            entry = Entry(
+                store=store,
+                key="late",
+                owner="me",
+                ttl=3,
+                sent_at=clock.monotonic(),
+                max_hold_at=None,
+                on_lost=lambda reason: None,
+            )
+            store.acquire("late", "me", 3000)
+            stale.add(entry)
+            try:
+                assert entry.renewer is current, "the store has two renewers"
+                assert stale.thread is None
+                assert [r for r in renewers(clock) if r.store is store] == [current]
+                clock.advance(1.0)
+                store.wait_renewals(2)
+                assert sorted(key for key, _ in store.renewals) == ["late", "other"]
+            finally:
+                current.remove(entry)
+
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 class TestFork:

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from celery_lease import lease
-from celery_lease._core.renewer import get_renewer, observe_renewals
+from celery_lease._core.renewer import IDLE_EXIT, get_renewer, observe_renewals, renewers
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 
@@ -163,6 +163,51 @@ class TestObserveRenewals:
             forget()
         assert sorted(key for key, *_ in seen) == ["a", "b"]
         assert all(ok is True for *_, ok in seen)
+
+
+class TestObserverAcrossIdleExit:
+    def test_an_observer_of_a_renewer_is_kept_after_its_idle_exit(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A renewer whose thread exits for lack of leases stays the store's renewer while an
+        observer is registered on it: a lease taken later is renewed there, and observed."""
+        recorder = _Recorder()
+        renewer = get_renewer(clock, store)
+        forget = renewer.observe_renewals(recorder)
+        try:
+            with lease("a", store=store, ttl=3, clock=clock):
+                thread = renewer.thread
+            assert thread is not None
+            clock.advance(IDLE_EXIT)
+            thread.join(REAL_TIMEOUT)
+            assert not thread.is_alive()
+            assert get_renewer(clock, store) is renewer, (
+                "the idle exit dropped the renewer and its observers with it"
+            )
+            with lease("b", store=store, ttl=3, clock=clock):
+                clock.advance(1.0)
+                seen = recorder.wait(1)
+        finally:
+            forget()
+        assert [(key, ok) for key, _, _, ok in seen] == [("b", True)]
+
+    def test_a_renewer_leaves_the_registry_at_idle_once_its_observers_are_gone(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """Unregistering the last observer lets the renewer go at its next idle exit, or at
+        once when it is idle already."""
+        renewer = get_renewer(clock, store)
+        forget = renewer.observe_renewals(_Recorder())
+        with lease("a", store=store, ttl=3, clock=clock):
+            thread = renewer.thread
+        assert thread is not None
+        forget()
+        clock.advance(IDLE_EXIT)
+        thread.join(REAL_TIMEOUT)
+        assert renewer not in renewers(clock)
+        idle = get_renewer(clock, store)
+        idle.observe_renewals(_Recorder())()  # registered and unregistered while idle
+        assert idle not in renewers(clock)
 
 
 class TestBlockingObserver:
