@@ -24,9 +24,9 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
   between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
   task's thread; the first renewal, at start, is sent without waiting where the store can;
-  a copy that started half its ``queue_ttl`` or more after its call, by the caller's and the
-  worker's wall clocks, takes the key back instead, answered before the body starts: its
-  queued lease may have expired in the queue)
+  a copy that started half its ``queue_ttl`` or more after its eta (its call, without one), by
+  the caller's and the worker's wall clocks, takes the key back instead, answered before the
+  body starts: its queued lease may have expired in the queue)
   until the body ended and the run lease was released; then it is released on the task's
   thread, answered before the execution returns (a call made after the result is seen
   enqueues a new copy; sent without waiting when the execution publishes nothing: see
@@ -65,9 +65,14 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   or took the key while it was free (then only that one runs): the failed call takes its own
   tombstone first (no call supersedes it from then on; its message, had the broker taken it
   after all, ends without its body), frees its queued lease, takes the key back under the
-  waiting copy's owner and only then removes the waiting copy's tombstone. A call that loses
+  waiting copy's owner and only then removes the waiting copy's tombstone; not for a waiting
+  copy that has ended meanwhile (its worker started it and found its tombstone taken: it is
+  REVOKED in the result backend, read before and after the key is taken back; a key taken
+  back for it after it ended is freed again, by it or by the failed call). A call that loses
   the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
-  copy has no lease left, so only the winner runs.
+  copy has no lease left, so only the winner runs. A call that wrote a tombstone and then
+  publishes nothing (it lost the key to a third call) stores its own id REVOKED, ``"superseded
+  by <winner>"``: a racing caller may have been handed that id meanwhile.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
@@ -470,6 +475,16 @@ def _debounced(
     assert debounce is not None and cap is not None
     store: LockStore = inspect  # type: ignore[assignment]  # checked to conform to both
     options = {k: v for k, v in options.items() if k not in ("eta", "countdown")}
+    # Set once this call wrote a waiting copy's tombstone: from then on a racing caller may
+    # have been handed this call's id (it found the tombstone ours and us not superseded), so
+    # a call that ends up publishing nothing leaves a final state under its id (see _gave_way).
+    superseding = False
+
+    def gave_way(existing: str | None) -> AsyncResultLike:
+        if superseding:
+            _gave_way(task, task_id, existing)
+        return _duplicate(task, unique, key, task_id, existing, options)
+
     for _ in range(_TRIES):
         owner = queued_owner(task.name, task_id, int(now * 1000))
         if store.acquire(qkey, owner, _ms(queue_ttl + debounce)) is not None:
@@ -477,7 +492,7 @@ def _debounced(
                 running = _running_copy(inspect, key, task_id)
                 if running is not None:
                     store.release(qkey, owner)
-                    return _duplicate(task, unique, key, task_id, running, options)
+                    return gave_way(running)
             return _publish(
                 apply,
                 args,
@@ -494,7 +509,7 @@ def _debounced(
             continue
         old = parse_owner(info.owner)
         if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == task_id:
-            return _duplicate(task, unique, key, task_id, old.task_id, options)
+            return gave_way(old.task_id)
         first = old.taken_at if old.taken_at is not None else now
         delay = max(0.0, min(now + debounce, first + cap) - now)
         owner = queued_owner(task.name, task_id, int(first * 1000))
@@ -508,15 +523,16 @@ def _debounced(
                 continue  # gone, or the copy claimed it itself (it started): look again
             if not _has_tomb(inspect, writer, prefix):
                 # A caller racing us supersedes it: we are that caller's duplicate.
-                return _duplicate(task, unique, key, task_id, writer, options)
+                return gave_way(writer)
             # The writer's own call is no longer waiting: superseded, started, or withdrawing
             # after a failed publish. Still the waiting copy's lease: the writer has handed it
             # back and is about to remove the tombstone (the copy runs: we are its
             # duplicate); else look again.
             again = inspect.get(qkey)
             if again is not None and again.owner == info.owner:
-                return _duplicate(task, unique, key, task_id, old.task_id, options)
+                return gave_way(old.task_id)
             continue
+        superseding = True
         withdraw = functools.partial(
             _withdraw,
             store,
@@ -528,14 +544,18 @@ def _debounced(
             _ms(info.expires_in),
             tomb,
             tomb_owner,
+            functools.partial(_finished, task, old.task_id),
         )
         try:
             store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
             taken = store.acquire(qkey, owner, _ms(queue_ttl + delay))
-        except BaseException:
+        except BaseException as exc:
             # Nothing replaces the waiting copy: it is handed its key back (see _withdraw), and
-            # the caller gets the store's error.
+            # the caller gets the store's error (stored as this call's FAILURE, for a caller
+            # handed its id meanwhile).
             withdraw()
+            if isinstance(exc, Exception):
+                _fail_quietly(task, task_id, exc)
             raise
         if taken is None:
             # Another call took the key between our release and our acquire: the waiting
@@ -544,9 +564,7 @@ def _debounced(
             winner = inspect.get(qkey)
             if winner is None:
                 continue
-            return _duplicate(
-                task, unique, key, task_id, parse_owner(winner.owner).task_id, options
-            )
+            return gave_way(parse_owner(winner.owner).task_id)
         return _publish(
             apply,
             args,
@@ -560,7 +578,30 @@ def _debounced(
             free=False,  # withdraw frees it, in its own order
             failed_for=task,
         )
-    return _duplicate(task, unique, key, task_id, None, options)
+    return gave_way(None)
+
+
+def _gave_way(task: CeleryTask, task_id: str, existing: str | None) -> None:
+    """A debounced call that wrote a waiting copy's tombstone publishes nothing after all: its
+    id is stored REVOKED, ``"superseded by <existing>"``, in the task's result backend.
+
+    A caller that found that tombstone while this call was still superseding was handed this
+    call's ``AsyncResult``; its ``get()`` raises ``TaskRevokedError`` at once instead of waiting
+    for a message that is never sent. Only stored: no event, no signal (no copy of this id ever
+    reached a worker). A backend that fails is logged; the caller of this call still gets its
+    duplicate answer.
+    """
+    reason = f"superseded by {existing}"
+    try:
+        task.backend.mark_as_revoked(task_id, reason)
+    except Exception as error:
+        logger.warning(
+            "celery-lease: could not store %s[%s] as %s (%s): a caller handed its id waits",
+            task.name,
+            task_id,
+            reason,
+            error,
+        )
 
 
 def _tomb_writer(inspect: SupportsInspection, tomb: str) -> str | None:
@@ -584,9 +625,11 @@ def _withdraw(
     waiting_ttl_ms: int,
     tomb: str,
     tomb_owner: str,
+    waiting_ended: Callable[[], bool | None],
 ) -> None:
     """A superseding call was not published: hand the key back to the copy it superseded,
-    unless a newer call superseded this one meanwhile. Never raises a store error.
+    unless a newer call superseded this one meanwhile, or that copy has ended. Never raises a
+    store error.
 
     In this order, each step deciding the next, so that exactly one copy stays to run:
 
@@ -594,10 +637,22 @@ def _withdraw(
        can supersede it. Refused: a newer call superseded it and stands in for the waiting
        copy, which stays superseded; nothing is touched.
     2. Free this call's queued lease (owner-checked).
-    3. Take the key back for the waiting copy, under its owner (``waiting_owner``; the holder
+    3. Ask the result backend whether the waiting copy has ended (``waiting_ended``: a ready
+       state; its worker started it meanwhile, found its tombstone taken and stored itself
+       REVOKED). Then nothing is handed back: a key taken for a copy that no longer runs would
+       make every call until its ttl a duplicate of that dead copy.
+    4. Take the key back for the waiting copy, under its owner (``waiting_owner``; the holder
        again if its lease was never freed). Refused: a new call took the free key and runs;
        the waiting copy stays superseded.
-    4. Remove the waiting copy's tombstone: it runs.
+    5. Ask again: the copy may have ended between 3 and 4. If it has, free the key just taken
+       for it (owner-checked: that copy's owner, nobody else's) and keep its tombstone.
+    6. Remove the waiting copy's tombstone: it runs.
+
+    A copy that ends superseded frees a lease under its own owner after storing its REVOKED
+    state (:func:`on_start`), so a key taken back for it is freed either by it (taken before
+    that release) or by step 5 (taken after: step 5 then reads the REVOKED state). Where the
+    backend cannot tell (no result backend, a failed read: ``None``), the key is handed back as
+    if the copy were still waiting.
 
     The own tombstone is kept (it expires): a message that reached the broker although the
     publish failed ends without its body when it starts. A store error keeps what is left:
@@ -607,7 +662,12 @@ def _withdraw(
         if store.acquire(own_tomb, tomb_owner, tomb_ttl_ms) is None:
             return
         store.release(qkey, owner)
+        if waiting_ended():
+            return
         if store.acquire(qkey, waiting_owner, waiting_ttl_ms) is None:
+            return
+        if waiting_ended():
+            store.release(qkey, waiting_owner)
             return
         store.release(tomb, tomb_owner)
     except Exception as exc:
@@ -780,19 +840,26 @@ def on_start(
         claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000))
         if store.acquire(tomb, claim, _ms(ttl)) is None:
             newer = store.get(tomb) if is_inspectable(store) else None
-            _mark_superseded(
-                task, request, parse_owner(newer.owner).task_id if newer is not None else None
-            )
+            try:
+                reason = _mark_superseded(
+                    task, request, parse_owner(newer.owner).task_id if newer is not None else None
+                )
+            finally:
+                # After the REVOKED state is stored: a superseding call whose publish failed
+                # may hand the key back to this copy (see _withdraw); a lease under this
+                # copy's own owner taken before this release is freed here, one taken after
+                # it is freed by that call, which reads the state first.
+                _release_quietly(store, qkey, owner, "the copy was superseded")
+            raise Ignore(reason)
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
         return None
-    # A copy that may have outlived its queued lease (a second delivery, or one that waited in
-    # the queue for half its queue_ttl or more) takes the key back before its body starts: a
+    # A copy that may have outlived its queued lease (a second delivery, or one that started
+    # half its queue_ttl or more after its eta) takes the key back before its body starts: a
     # call made while the body runs must find it held. The holder again when the lease is still
     # its own (same token, expiry set to ttl).
-    taken_at = parse_owner(owner).taken_at
-    late = taken_at is None or clock.time() >= taken_at + _queue_ttl(unique, settings) / 2
+    late = clock.time() >= _queued_since(owner, request) + _queue_ttl(unique, settings) / 2
     retaken = None
     if deferred or late:
         retaken = store.acquire(qkey, owner, _ms(ttl))
@@ -825,6 +892,33 @@ def on_start(
     get_renewer(SYSTEM_CLOCK, store).add(entry)
     _holding[task_id] = hold
     return hold
+
+
+def _queued_since(owner: str, request: TaskRequest) -> float:
+    """When (wall clock, seconds) the copy's queued lease began to count its ``queue_ttl``: its
+    eta (the request's ``eta``, which a ``countdown`` became), or its call (the owner's ``at``)
+    when it has none or it lies before the call; ``-inf`` when neither is known (the copy counts
+    as late)."""
+    taken_at = parse_owner(owner).taken_at
+    eta = _wall_time(getattr(request, "eta", None))
+    if taken_at is None:
+        return float("-inf")
+    return taken_at if eta is None else max(taken_at, eta)
+
+
+def _wall_time(value: object) -> float | None:
+    """Seconds since the epoch of an ``eta`` (ISO 8601 text or a ``datetime``; naive: UTC);
+    ``None`` for anything else."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()
 
 
 def on_rejected(
@@ -986,7 +1080,9 @@ def _checking_class() -> Any:  # Any: mypy takes super()'s first argument for a 
     return _checking[0]  # set: a unique copy's task class was made by that module
 
 
-def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> None:
+def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> str:
+    """Store the copy of ``request`` REVOKED, ``"superseded by <newer>"``, send its
+    ``task-revoked`` event and log it; returns the reason (the caller raises ``Ignore``)."""
     reason = f"superseded by {newer}"
     task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)  # on_start checked
     if task.send_events:
@@ -997,7 +1093,7 @@ def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) 
         except Exception:
             logger.warning("celery-lease: could not send task-revoked for %s", request.id)
     logger.info("celery-lease: %s[%s] %s: body not run", task.name, request.id, reason)
-    raise Ignore(reason)
+    return reason
 
 
 def _on_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:

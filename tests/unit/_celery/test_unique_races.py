@@ -6,19 +6,28 @@ a chosen store operation or publish (``hook_once``, a wrapped ``send_task``).
 
 from __future__ import annotations
 
+import threading
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from celery import Celery
-from celery.exceptions import Ignore
+from celery import Celery, states
+from celery.exceptions import Ignore, TaskRevokedError
 
 from celery_lease import LockedTask
 from celery_lease._celery import settings as config
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.testing import FakeClock
-from tests.unit.conftest import Published, SpyStore
-from tests.unit.unique_copies import define_task, deliver, hook_once, request_of
+from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
+from tests.unit.unique_copies import (
+    Bodies,
+    define_recorded,
+    define_task,
+    deliver,
+    hook_once,
+    request_of,
+)
 
 
 class TestSupersedingCallerFails:
@@ -70,6 +79,42 @@ class TestSupersedingCallerFails:
         assert b.id == "B"
         assert published.ids == [a.id, "B"]
 
+    def test_a_caller_handed_an_id_that_is_never_published_sees_it_revoked(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """B writes A's tombstone; C finds it B's and is handed B's id; then D takes the key B
+        freed before B takes it, and B is D's duplicate, never published. B's id is stored
+        REVOKED ("superseded by D"): C's get() raises at once instead of waiting forever."""
+        task = define_task(app, "d.gave-way", lock_unique="while_queued", lock_debounce=1)
+        a = task.delay(1, 1)
+        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
+        c: list[Any] = []
+        d: list[Any] = []
+        hook_once(
+            monkeypatch,
+            store,
+            "acquire",
+            lambda key, owner, ttl: key == unique_module.superseded_key(a.id, ""),
+            lambda: c.append(task.apply_async((1, 3), task_id="C")),
+            after=True,
+        )
+        hook_once(
+            monkeypatch,
+            store,
+            "release",
+            lambda key, owner: key == "queued:k:1" and owner == a_owner,
+            lambda: d.append(task.apply_async((1, 4), task_id="D")),
+            after=True,
+        )
+        b = task.apply_async((1, 2), task_id="B")
+        assert [r.id for r in c] == ["B"], "C was not handed B's id"
+        assert [r.id for r in d] == ["D"]
+        assert b.id == "D"
+        assert published.ids == [a.id, "D"], "B was published after all"
+        assert c[0].state == states.REVOKED, f"B, never published, is left {c[0].state}"
+        with pytest.raises(TaskRevokedError, match="superseded by D"):
+            c[0].get(timeout=1)
+
 
 class TestLateStart:
     def test_an_until_done_copy_starting_after_its_queue_ttl_takes_its_key_back(
@@ -98,6 +143,43 @@ class TestLateStart:
         deliver(task, published.headers[0], deferred=False)
         assert inner == [first.id], "a call during the body was published as a second copy"
         assert published.ids == [first.id]
+
+    @pytest.mark.parametrize(("started_after", "retaken"), [(0.0, 0), (5.0, 1)])
+    def test_an_until_done_copy_with_a_countdown_is_late_counted_from_its_eta(
+        self,
+        app: Celery,
+        published: Published,
+        store: SpyStore,
+        clock: FakeClock,
+        monkeypatch: pytest.MonkeyPatch,
+        started_after: float,
+        retaken: int,
+    ) -> None:
+        """A copy published with a countdown of 8 s (queue_ttl 10 s) holds its queued lease for
+        18 s. Started at its eta it keeps that lease without taking the key again; started half
+        its queue_ttl after its eta it takes the key back before its body."""
+        task = define_recorded(
+            app, f"late.eta-{started_after}", Bodies(), lock_unique="until_done", lock_queue_ttl=10
+        )
+        eta = datetime.fromtimestamp(clock.time() + 8, tz=timezone.utc).isoformat()
+        copy = task.apply_async((1,), countdown=8)
+        headers = published.headers[0]
+        clock.advance(8 + started_after)
+        real_acquire = store.acquire
+        queued_acquires: list[str] = []
+
+        def acquire(key: str, owner: str, ttl_ms: int) -> Any:
+            if key == "queued:k:1":
+                queued_acquires.append(owner)
+            return real_acquire(key, owner, ttl_ms)
+
+        monkeypatch.setattr(store, "acquire", acquire)
+        assert deliver(task, headers, deferred=False, eta=eta) == 1
+        assert headers["id"] == copy.id
+        assert len(queued_acquires) == retaken, (
+            f"started {started_after} s after its eta: {len(queued_acquires)} blocking acquires"
+            " of its queued key"
+        )
 
 
 class TestWithdrawAfterFailedPublish:
@@ -193,6 +275,147 @@ class TestWithdrawAfterFailedPublish:
         a_request = request_of(published.headers[0])
         hold = unique_module.on_start(task, a_request, store, "k:1", settings, options, 30, 0)
         assert hold is None  # A runs its body (no Ignore)
+
+
+class TestWithdrawWhileTheWaitingCopyStarts:
+    """X superseded the waiting copy A; X's publish fails while A's worker starts A (A finds
+    its tombstone X's and ends REVOKED). Whatever the order of A's steps and X's hand-back,
+    no lease is left for the ended A: the next call is published, not A's duplicate."""
+
+    def _setup(
+        self, app: Celery, store: SpyStore, monkeypatch: pytest.MonkeyPatch, name: str
+    ) -> tuple[Any, Any, str, Any]:
+        task = define_task(app, name, lock_unique="while_queued", lock_debounce=1)
+        a = task.delay(1, 1)
+        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
+        return task, a, a_owner, app.send_task
+
+    @staticmethod
+    def _start(task: Any, published: Published, store: SpyStore) -> list[str]:
+        """Start A (the first message) as its worker does; returns what it ended with."""
+        settings = config.get_settings(task.app)
+        options = type(task)._lock_options.unique
+        try:
+            unique_module.on_start(
+                task, request_of(published.headers[0]), store, "k:1", settings, options, 30, 0
+            )
+        except Ignore as exc:
+            return [str(exc)]
+        return ["ran"]
+
+    def _assert_no_lease_for_a(
+        self, task: Any, a: Any, real_send: Any, monkeypatch: pytest.MonkeyPatch, store: SpyStore
+    ) -> None:
+        assert a.state == states.REVOKED
+        assert store.get("queued:k:1") is None, "a lease is left for the ended copy A"
+        monkeypatch.setattr(task.app, "send_task", real_send)
+        assert task.apply_async((1, 9), task_id="E").id == "E", "E is the ended A's duplicate"
+
+    def test_a_copy_that_ended_before_the_hand_back_gets_no_lease(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A starts and ends while X's publish hangs; then the publish fails: X frees its own
+        lease and hands nothing back (A's tombstone stays X's)."""
+        task, a, _, real = self._setup(app, store, monkeypatch, "s.ended")
+        ended: list[str] = []
+
+        def send(*args: Any, **kwargs: Any) -> Any:
+            ended.extend(self._start(task, published, store))
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", send)
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 2), task_id="X")
+        assert ended == ["superseded by X"]
+        tomb = store.get(unique_module.superseded_key(a.id, ""))
+        assert tomb is not None and parse_owner(tomb.owner).task_id == "X"
+        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+
+    def test_a_copy_ending_just_before_the_key_is_taken_back_loses_it_again(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A starts and ends after X read its state (not ended), before X takes the key back
+        for it: X reads the state again after taking it, and frees it."""
+        task, a, a_owner, real = self._setup(app, store, monkeypatch, "s.between")
+        monkeypatch.setattr(app, "send_task", self._refuse)
+        ended: list[str] = []
+        hook_once(
+            monkeypatch,
+            store,
+            "acquire",
+            lambda key, owner, ttl: key == "queued:k:1" and owner == a_owner,
+            lambda: ended.extend(self._start(task, published, store)),
+        )
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 2), task_id="X")
+        assert ended == ["superseded by X"]
+        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+
+    def test_a_copy_storing_its_end_after_the_hand_back_frees_the_key_itself(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A's claim is refused before X's hand-back, but A stores its REVOKED state only after
+        X took the key back, read A as not ended and removed A's tombstone: A frees the lease
+        under its own owner after storing its state."""
+        task, a, _, real = self._setup(app, store, monkeypatch, "s.late-state")
+        backend_class = type(task.backend)  # the app's backend is one per thread: patch them all
+        store_revoked = backend_class.mark_as_revoked
+        refused = threading.Event()
+        go_on = threading.Event()
+
+        def gated(backend: Any, task_id: str, *args: Any, **kwargs: Any) -> Any:
+            if task_id == a.id:
+                refused.set()
+                assert go_on.wait(REAL_TIMEOUT)
+            return store_revoked(backend, task_id, *args, **kwargs)
+
+        monkeypatch.setattr(backend_class, "mark_as_revoked", gated)
+        ended: list[str] = []
+        starter = threading.Thread(target=lambda: ended.extend(self._start(task, published, store)))
+
+        def send(*args: Any, **kwargs: Any) -> Any:
+            starter.start()
+            assert refused.wait(REAL_TIMEOUT)  # A's claim was refused: it is storing its end
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", send)
+        try:
+            with pytest.raises(ConnectionError):
+                task.apply_async((1, 2), task_id="X")
+            holder = store.get("queued:k:1")
+            assert holder is not None and parse_owner(holder.owner).task_id == a.id
+            assert store.get(unique_module.superseded_key(a.id, "")) is None
+        finally:
+            go_on.set()
+            starter.join(REAL_TIMEOUT)
+        assert ended == ["superseded by X"]
+        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+
+    def test_a_copy_starting_after_the_key_is_taken_back_ends_with_no_lease_left(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A starts right after X took the key back for it, before X removed A's tombstone: A
+        frees the lease as its own, its claim is refused and it ends superseded. Nothing runs
+        (X's caller has the error, A's caller its REVOKED state), and no lease is left."""
+        task, a, a_owner, real = self._setup(app, store, monkeypatch, "s.after")
+        monkeypatch.setattr(app, "send_task", self._refuse)
+        ended: list[str] = []
+        hook_once(
+            monkeypatch,
+            store,
+            "acquire",
+            lambda key, owner, ttl: key == "queued:k:1" and owner == a_owner,
+            lambda: ended.extend(self._start(task, published, store)),
+            after=True,
+        )
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 2), task_id="X")
+        assert ended == ["superseded by X"]
+        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+
+    @staticmethod
+    def _refuse(*args: Any, **kwargs: Any) -> Any:
+        raise ConnectionError("broker down")
 
 
 class TestUntilDoneDebounceStart:
