@@ -146,6 +146,8 @@ class _NodeWorkers:
     def run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
         """Run every job, the first in the calling thread and the others in the workers at the
         same time; their results in order, once every job has returned."""
+        if not jobs:
+            return []
         futures = [self._submit(job) for job in jobs[1:]]
         first = jobs[0]()
         return [first, *(future.result() for future in futures)]
@@ -817,15 +819,43 @@ class RedisLockStore:
     def _user_key(self, lease_key: str) -> str:
         return lease_key[len(self._prefix) + 1 : -len("}:lease")]
 
+    def _scan_node(self, name: str, node_client: redis.Redis, pattern: str) -> list[str]:
+        """The keys matching ``pattern`` on one cluster node; retried once after a connection
+        error (fast), never after a timeout (a hung node would cost another socket timeout)."""
+        try:
+            return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+        except RedisConnectionError as exc:
+            logger.info(
+                "Redis store %s: retrying the key scan of node %s once after %s: %s",
+                self._where(),
+                name,
+                type(exc).__name__,
+                self._redact(str(exc)),
+            )
+        return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+
     def list(self, prefix: str = "") -> list[LeaseInfo]:
-        """Live leases whose key starts with ``prefix``, sorted by key (SCAN, all cluster nodes)."""
+        """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
+        master at once, each on its own client, like a batch: a master that times out is not
+        asked again and fails the listing after about one socket timeout)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
-
-        def scan() -> list[str]:
-            found = {text(k) for k in self._client.scan_iter(match=pattern, count=1000)}
-            return sorted(self._user_key(k) for k in found)
-
-        keys = [k for k in self._call("list leases", scan) if k.startswith(prefix) and k]
+        client = self._client
+        if isinstance(client, redis.cluster.RedisCluster):
+            jobs = [
+                partial(self._scan_node, node.name, client.get_redis_connection(node), pattern)
+                for node in client.get_primaries()  # type: ignore[no-untyped-call]
+            ]
+            try:
+                found = {k for keys in self._node_workers.run(jobs) for k in keys}
+            except RedisError as exc:
+                raise self._error("list leases", None, failed(exc)) from exc
+        else:
+            found = self._call(
+                "list leases",
+                lambda: {text(k) for k in client.scan_iter(match=pattern, count=1000)},
+            )
+        listed = sorted(self._user_key(k) for k in found)
+        keys = [k for k in listed if k.startswith(prefix) and k]
         results = self._call(
             "list leases",
             lambda: self._eval_many(INSPECT, [((self.lease_key(k),), ()) for k in keys]),
