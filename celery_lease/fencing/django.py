@@ -21,9 +21,11 @@ own; if that fails on the unique key because a racing writer created the row fir
 ``UPDATE`` once more, which the fence decides. So the row is created once, racing writers never
 see an ``IntegrityError`` from each other, and the highest token wins whatever the order. Under
 ``REPEATABLE READ`` or ``SERIALIZABLE`` the racing writer's row is invisible to the snapshot
-taken before it was committed: called outside a transaction, the upsert runs once more in a new
-one (a new snapshot), where the fence decides; inside the caller's transaction the
-``IntegrityError`` is raised (retry that transaction, as such isolation requires).
+taken before it was committed, and the create fails with an ``IntegrityError`` or, under
+``SERIALIZABLE`` on PostgreSQL, a serialization failure (SQLSTATE 40001, which Django raises as
+``OperationalError``): called outside a transaction, the upsert runs once more in a new one (a
+new snapshot), where the fence decides; inside the caller's transaction that error is raised
+(retry that transaction, as such isolation requires).
 
 ``where`` names the row: its fields must be exactly the primary key, one ``unique`` field or one
 unconditional unique constraint (``unique_together``, ``UniqueConstraint`` on fields), so a fenced
@@ -52,7 +54,7 @@ except ModuleNotFoundError as exc:
         name="django",
     ) from exc
 
-from django.db import IntegrityError, models, router, transaction
+from django.db import IntegrityError, OperationalError, models, router, transaction
 
 from celery_lease.errors import LeaseConfigError
 from celery_lease.fencing import FencingToken, MissingRowError, StaleTokenError, resolve_token
@@ -133,6 +135,10 @@ def fenced_upsert(
             racing writer created the row after that transaction's snapshot (it cannot be seen
             there: retry the transaction, as that isolation requires). Called outside a
             transaction it is retried once in a new one, where the fence decides.
+        django.db.OperationalError: a serialization failure (SQLSTATE 40001, PostgreSQL under
+            SERIALIZABLE, e.g. for that racing create) inside a transaction of the caller's;
+            called outside a transaction it is retried once in a new one, like the
+            ``IntegrityError`` above. Any other operational error, as Django raises it.
     """
     plan = _Plan(model, where, values, fence, using)
     fencing = resolve_token(token, lock_key)
@@ -140,11 +146,20 @@ def fenced_upsert(
         return _upsert(plan, fencing)
     try:
         return _upsert(plan, fencing)
-    except IntegrityError:
+    except (IntegrityError, OperationalError) as exc:
+        if isinstance(exc, OperationalError) and not _serialization_failure(exc):
+            raise
         # Our own transaction, under REPEATABLE READ or SERIALIZABLE: the row a racing writer
         # created was committed after our snapshot, which cannot see it. A new transaction
         # (a new snapshot) sees it and the fence decides; another constraint raises again.
         return _upsert(plan, fencing)
+
+
+def _serialization_failure(exc: OperationalError) -> bool:
+    """Whether the driver error under Django's ``exc`` has SQLSTATE 40001 (psycopg 3 names it
+    ``sqlstate``, psycopg2 ``pgcode``)."""
+    cause = exc.__cause__
+    return "40001" in (getattr(cause, "sqlstate", None), getattr(cause, "pgcode", None))
 
 
 def _upsert(plan: _Plan, fencing: FencingToken) -> int:

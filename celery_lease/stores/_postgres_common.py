@@ -33,6 +33,7 @@ __all__ = [
     "INDEX_KEY_BYTES",
     "MISSING_TABLE",
     "NOTIFY_KEY_BYTES",
+    "OVER_A_LIMIT",
     "SCHEMA_SQL",
     "ConnectFailures",
     "ParsedDSN",
@@ -511,6 +512,12 @@ MISSING_TABLE = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName
 CANCELLED_BY_TIMEOUT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)
 """Errors of a statement the server ended at its ``statement_timeout`` or ``lock_timeout``
 (or an operator's cancel): the connection is sound, the statement did nothing."""
+
+OVER_A_LIMIT = psycopg.errors.ProgramLimitExceeded
+"""A statement the server refuses for exceeding one of its limits (SQLSTATE class 54: a key
+too long for the primary-key index, too many arguments). psycopg makes it an
+``OperationalError``, like a dropped connection, but running it again can only fail again:
+never retried."""
 
 CREATED_CONCURRENTLY = (
     psycopg.errors.UniqueViolation,

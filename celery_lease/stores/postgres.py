@@ -85,6 +85,7 @@ from celery_lease.stores._postgres_common import (
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
+    OVER_A_LIMIT,
     SCHEMA_SQL,
     ConnectFailures,
     channel_for,
@@ -361,8 +362,9 @@ class PostgresLockStore:
     connection per waiting thread would make the server fork a backend per waiter).
 
     Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
-    server restart, or cut after the server committed but before its reply arrived) is retried
-    once on another connection when the operation is safe to redo: acquire (the retry by the
+    server restart, or cut after the server committed but before its reply arrived; not a server
+    limit exceeded, SQLSTATE class 54, such as a key too long for the index) is retried once on
+    another connection when the operation is safe to redo: acquire (the retry by the
     same owner returns the lease the first attempt took), renew, renew_many and release (owner
     checked: a redo never frees someone else's lease), and the reads. ``force_release`` is not
     redone (the key may have been taken since): its error says the outcome is unknown. A second
@@ -578,9 +580,10 @@ class PostgresLockStore:
     ) -> _T:
         """Run ``fn`` (one statement) on a pooled connection.
 
-        A dropped connection (``OperationalError`` once a connection was had) is retried once on
-        another connection when ``redo`` (the operation is safe to repeat even if the first
-        attempt took effect); otherwise, or on a second failure, it raises.
+        A dropped connection (``OperationalError`` once a connection was had, but a server limit
+        exceeded, :data:`OVER_A_LIMIT`) is retried once on another connection when ``redo`` (the
+        operation is safe to repeat even if the first attempt took effect); otherwise, or on a
+        second failure, it raises.
         """
         pool = self._get_pool()
         for attempt in (1, 2):
@@ -595,6 +598,8 @@ class PostgresLockStore:
                 # The server ended the statement (a row or table locked by another session, a
                 # crawl); the connection is sound. Not retried: that would double the bound.
                 raise self._error(what, self._timed_out(exc)) from exc
+            except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
+                raise self._error(what, describe_error(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection and redo:
                     logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))

@@ -16,7 +16,8 @@ store releases that attempt's lease (owner checked; the owner id is unique per a
 raising, so nothing is left held that its caller never learned of.
 
 Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
-restart, or a reply lost after the commit) is retried once on another connection (every
+restart, or a reply lost after the commit; not a server limit exceeded, SQLSTATE class 54, such
+as a key too long for the index) is retried once on another connection (every
 operation here is safe to redo: the same owner's acquire gets its own lease back, renew and
 release are owner checked); then, like any other failure, it raises ``StoreUnavailableError``
 naming the store (host, port, database, table; never the password), the operation, the key and
@@ -46,6 +47,7 @@ from celery_lease.stores._postgres_common import (
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
+    OVER_A_LIMIT,
     ConnectFailures,
     channel_for,
     check_options,
@@ -356,9 +358,9 @@ class AsyncPostgresLockStore:
     ) -> _T:
         """Await ``fn`` (one statement) on a pooled connection, within the statement timeout.
 
-        A dropped connection (``OperationalError`` once a connection was had) is retried once
-        on another connection; a second failure, a timeout or any other error raises
-        ``StoreUnavailableError``.
+        A dropped connection (``OperationalError`` once a connection was had, but a server
+        limit exceeded, :data:`OVER_A_LIMIT`) is retried once on another connection; a second
+        failure, a timeout or any other error raises ``StoreUnavailableError``.
         """
         pool = await self._get_pool()
         for attempt in (1, 2):
@@ -378,6 +380,8 @@ class AsyncPostgresLockStore:
                     f"no reply within {self._statement_timeout:g} s (statement_timeout); the "
                     "statement was cancelled",
                 ) from exc
+            except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
+                raise self._error(what, key, describe_error(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection:
                     logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))

@@ -34,7 +34,10 @@ Nothing read from Redis is ever unpickled: values are plain strings and integers
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -48,6 +51,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
@@ -121,6 +125,72 @@ _T = TypeVar("_T")
 
 
 _Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
+
+_NODE_WORKERS = 8
+"""The most threads one cluster store runs nodes' pipelines in at once (nodes beyond wait)."""
+
+
+class _NodeWorkers:
+    """The threads that run the nodes' shares of one cluster store's batch at once.
+
+    Started at the first batch that spans two nodes (one thread per node but the caller's,
+    up to ``_NODE_WORKERS``), forgotten in a forked child (the threads are the parent's),
+    shut down by :meth:`close`; the next batch after that starts new ones.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        _ALL_NODE_WORKERS.add(self)
+
+    def run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """Run every job, the first in the calling thread and the others in the workers at the
+        same time; their results in order, once every job has returned."""
+        if not jobs:
+            return []
+        futures = [self._submit(job) for job in jobs[1:]]
+        first = jobs[0]()
+        return [first, *(future.result() for future in futures)]
+
+    def _submit(self, job: Callable[[], _T]) -> Future[_T]:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(
+                    max_workers=_NODE_WORKERS, thread_name_prefix="celery-lease-redis-node"
+                )
+            executor = self._executor
+        try:
+            return executor.submit(job)
+        except RuntimeError:  # shut down meanwhile, or the interpreter is exiting: run it here
+            future: Future[_T] = Future()
+            try:
+                future.set_result(job())
+            except Exception as exc:
+                future.set_exception(exc)
+            return future
+
+    def close(self) -> None:
+        """Let the threads end once their current job is done (close() does not wait)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+    def forget(self) -> None:
+        """In a forked child: a new lock, and no threads (the parent's do not exist here)."""
+        self._lock = threading.Lock()
+        self._executor = None
+
+
+_ALL_NODE_WORKERS: weakref.WeakSet[_NodeWorkers] = weakref.WeakSet()
+
+
+def _forget_node_workers() -> None:
+    for workers in list(_ALL_NODE_WORKERS):
+        workers.forget()
+
+
+forking.on_fork_child(_forget_node_workers, name="redis stores: cluster node threads")
 
 
 class RedisLockStore:
@@ -226,6 +296,7 @@ class RedisLockStore:
         self._fast: FastConnection | None = None
         if self._min_replicas == 0 and self._sentinel_pool is None:
             self._fast = fast_path_for(self._client)
+        self._node_workers = _NodeWorkers()
         kwargs = self._client.get_connection_kwargs()
         self._encoding = str(kwargs.get("encoding") or "utf-8")
         self._encoding_errors = str(kwargs.get("encoding_errors") or "strict")
@@ -364,9 +435,11 @@ class RedisLockStore:
         the script refuses fails that key only. On a single server a connection error or
         timeout raises (it concerns every call). redis-py refuses EVALSHA in cluster pipelines,
         so on a cluster the calls are grouped by the node owning their slot and pipelined on
-        that node's own client; a node whose pipeline fails twice with a connection error or a
-        timeout (a dead or unreachable master) gets that error in the place of each of its
-        calls, and the other nodes' calls keep their replies. A call that meets a
+        that node's own client, every node's pipeline at the same time (the caller's thread and
+        the store's node threads, ``_NODE_WORKERS`` at most). A node that times out (a hung
+        master), or whose connection fails twice (a dead one), gets that error in the place of
+        each of its calls, and the other nodes' calls keep their replies: one batch takes about
+        one socket timeout at most, whatever some nodes do. A call that meets a
         MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client,
         which follows the redirection.
         """
@@ -380,38 +453,54 @@ class RedisLockStore:
             node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
             group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
             group[1].append(index)
+        jobs = [
+            partial(self._node_share, name, node_client, script, [calls[i] for i in indices])
+            for name, (node_client, indices) in groups.items()
+        ]
+        shares = self._node_workers.run(jobs)
         results: list[Any] = [None] * len(calls)
-        for name, (node_client, indices) in groups.items():
-            replies = self._node_pipeline(name, node_client, script, [calls[i] for i in indices])
+        for (_, indices), replies in zip(groups.values(), shares, strict=True):
             for index, result in zip(indices, replies, strict=True):
-                if isinstance(result, (AskError, TryAgainError)):  # MovedError is an AskError
-                    try:
-                        result = self._eval(script, *calls[index])
-                    except RedisError as exc:
-                        result = exc
                 results[index] = result
         return results
+
+    def _node_share(
+        self, name: str, node_client: redis.Redis, script: Script, calls: _Calls
+    ) -> list[Any]:
+        """One cluster node's share of :meth:`_eval_many`: its replies in order, a redirected
+        call redone through the cluster client, errors in place."""
+        replies = self._node_pipeline(name, node_client, script, calls)
+        for position, reply in enumerate(replies):
+            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+                try:
+                    replies[position] = self._eval(script, *calls[position])
+                except RedisError as exc:
+                    replies[position] = exc
+        return replies
 
     def _node_pipeline(
         self, name: str, node_client: redis.Redis, script: Script, calls: _Calls
     ) -> list[Any]:
-        """One cluster node's share of :meth:`_eval_many`: its replies (errors in place), or,
-        when the node cannot be reached twice in a row, that error once per call."""
-        for attempt in (1, 2):
-            try:
-                return _pipelined(node_client, script, calls, errors_in_place=True)[0]
-            except RETRIED as exc:
-                if attempt == 2:
-                    return [exc] * len(calls)
-                logger.info(
-                    "Redis store %s: retrying %d calls on node %s once after %s: %s",
-                    self._where(),
-                    len(calls),
-                    name,
-                    type(exc).__name__,
-                    self._redact(str(exc)),
-                )
-        raise AssertionError("unreachable")  # pragma: no cover
+        """The node's pipelined replies (errors in place), or that error once per call when the
+        node times out (not asked again: a hung node would cost another socket timeout) or
+        cannot be reached twice in a row (a refused connection fails fast)."""
+        try:
+            return _pipelined(node_client, script, calls, errors_in_place=True)[0]
+        except RedisTimeoutError as exc:
+            return [exc] * len(calls)
+        except RedisConnectionError as exc:
+            logger.info(
+                "Redis store %s: retrying %d calls on node %s once after %s: %s",
+                self._where(),
+                len(calls),
+                name,
+                type(exc).__name__,
+                self._redact(str(exc)),
+            )
+        try:
+            return _pipelined(node_client, script, calls, errors_in_place=True)[0]
+        except RETRIED as exc:
+            return [exc] * len(calls)
 
     def _write(self, script: Script, calls: _Calls) -> tuple[list[Any], int | None]:
         """Run write scripts on the current master: their replies and the replicas' acks.
@@ -730,15 +819,43 @@ class RedisLockStore:
     def _user_key(self, lease_key: str) -> str:
         return lease_key[len(self._prefix) + 1 : -len("}:lease")]
 
+    def _scan_node(self, name: str, node_client: redis.Redis, pattern: str) -> list[str]:
+        """The keys matching ``pattern`` on one cluster node; retried once after a connection
+        error (fast), never after a timeout (a hung node would cost another socket timeout)."""
+        try:
+            return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+        except RedisConnectionError as exc:
+            logger.info(
+                "Redis store %s: retrying the key scan of node %s once after %s: %s",
+                self._where(),
+                name,
+                type(exc).__name__,
+                self._redact(str(exc)),
+            )
+        return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+
     def list(self, prefix: str = "") -> list[LeaseInfo]:
-        """Live leases whose key starts with ``prefix``, sorted by key (SCAN, all cluster nodes)."""
+        """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
+        master at once, each on its own client, like a batch: a master that times out is not
+        asked again and fails the listing after about one socket timeout)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
-
-        def scan() -> list[str]:
-            found = {text(k) for k in self._client.scan_iter(match=pattern, count=1000)}
-            return sorted(self._user_key(k) for k in found)
-
-        keys = [k for k in self._call("list leases", scan) if k.startswith(prefix) and k]
+        client = self._client
+        if isinstance(client, redis.cluster.RedisCluster):
+            jobs = [
+                partial(self._scan_node, node.name, client.get_redis_connection(node), pattern)
+                for node in client.get_primaries()  # type: ignore[no-untyped-call]
+            ]
+            try:
+                found = {k for keys in self._node_workers.run(jobs) for k in keys}
+            except RedisError as exc:
+                raise self._error("list leases", None, failed(exc)) from exc
+        else:
+            found = self._call(
+                "list leases",
+                lambda: {text(k) for k in client.scan_iter(match=pattern, count=1000)},
+            )
+        listed = sorted(self._user_key(k) for k in found)
+        keys = [k for k in listed if k.startswith(prefix) and k]
         results = self._call(
             "list leases",
             lambda: self._eval_many(INSPECT, [((self.lease_key(k),), ()) for k in keys]),
@@ -783,12 +900,14 @@ class RedisLockStore:
         return lease_info(key, result, self._decode)
 
     def close(self) -> None:
-        """Close the client's connections if the store built the client from a URL.
+        """Close the client's connections if the store built the client from a URL, and let the
+        cluster node threads end (a later batch starts new ones).
 
         A client passed in belongs to the caller, who closes it.
         """
         if self._fast is not None:
             self._fast.close()
+        self._node_workers.close()
         if not self._owns_client:
             return
         self._client.close()

@@ -20,7 +20,13 @@ import pytest
 django = pytest.importorskip("django")
 
 from django.conf import settings  # noqa: E402
-from django.db import IntegrityError, connections, models, transaction  # noqa: E402
+from django.db import (  # noqa: E402
+    IntegrityError,
+    OperationalError,
+    connections,
+    models,
+    transaction,
+)
 
 from celery_lease import LeaseConfigError, SQLiteLockStore, lease  # noqa: E402
 from celery_lease.fencing import MissingRowError, StaleTokenError  # noqa: E402
@@ -93,6 +99,7 @@ def _add_alias(alias: str, conf: dict[str, Any]) -> None:
         "sqlite",
         pytest.param("postgresql", marks=pytest.mark.postgres),
         pytest.param("postgresql-repeatable-read", marks=pytest.mark.postgres),
+        pytest.param("postgresql-serializable", marks=pytest.mark.postgres),
     ]
 )
 def alias(
@@ -107,14 +114,17 @@ def alias(
         connections[name].close()
         connections.settings[name]["NAME"] = str(tmp_path / "django.sqlite3")
     else:
-        repeatable = request.param == "postgresql-repeatable-read"
-        name = "fencing_pg_rr" if repeatable else "fencing_pg"
+        from psycopg import IsolationLevel
+
+        name, isolation = {
+            "postgresql": ("fencing_pg", None),
+            "postgresql-repeatable-read": ("fencing_pg_rr", IsolationLevel.REPEATABLE_READ),
+            "postgresql-serializable": ("fencing_pg_ser", IsolationLevel.SERIALIZABLE),
+        }[request.param]
         dsn = urlsplit(request.getfixturevalue("pg_database_dsn"))
         options: dict[str, Any] = {}
-        if repeatable:
-            from psycopg import IsolationLevel
-
-            options["isolation_level"] = IsolationLevel.REPEATABLE_READ
+        if isolation is not None:
+            options["isolation_level"] = isolation
         _add_alias(
             name,
             {
@@ -305,6 +315,72 @@ class TestFirstRow:
             assert (outcome.error.token, outcome.error.current) == (5, 8)
         else:
             assert outcome.error is None and outcome.result == 8
+
+
+class _DriverError(Exception):
+    """A driver error carrying a SQLSTATE, as psycopg's (``sqlstate``) do."""
+
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(f"SQLSTATE {sqlstate}")
+        self.sqlstate = sqlstate
+
+
+class TestOperationalErrors:
+    @pytest.mark.parametrize(
+        ("sqlstate", "retried"),
+        [("40001", True), ("57014", False)],
+        ids=["serialization-failure", "query-canceled"],
+    )
+    def test_only_a_serialization_failure_is_retried_in_a_new_transaction(
+        self,
+        alias: str,
+        django_models: dict[str, type[models.Model]],
+        sqlstate: str,
+        retried: bool,
+    ) -> None:
+        """Outside a transaction, a serialization failure (SQLSTATE 40001) of the first attempt
+        runs the upsert once more in a new transaction; any other OperationalError is raised."""
+        account = django_models["account"]
+        updates: list[str] = []
+
+        def fail_first_update(execute: Any, sql: str, params: Any, many: bool, ctx: Any) -> Any:
+            if sql.lstrip().upper().startswith("UPDATE"):
+                updates.append(sql)
+                if len(updates) == 1:
+                    raise OperationalError("refused") from _DriverError(sqlstate)
+            return execute(sql, params, many, ctx)
+
+        with connections[alias].execute_wrapper(fail_first_update):
+            if retried:
+                fenced_upsert(account, where={"id": 1}, values={"balance": 1}, token=3, using=alias)
+            else:
+                with pytest.raises(OperationalError, match="refused"):
+                    fenced_upsert(
+                        account, where={"id": 1}, values={"balance": 1}, token=3, using=alias
+                    )
+        assert len(updates) == (2 if retried else 1)
+        assert account_row(account, alias, 1) == ((1, 1, 3) if retried else None)
+
+    def test_a_serialization_failure_inside_the_callers_transaction_is_raised(
+        self, alias: str, django_models: dict[str, type[models.Model]]
+    ) -> None:
+        """Inside the caller's transaction the failure is the caller's to retry, whole."""
+        account = django_models["account"]
+        updates: list[str] = []
+
+        def fail_update(execute: Any, sql: str, params: Any, many: bool, ctx: Any) -> Any:
+            if sql.lstrip().upper().startswith("UPDATE"):
+                updates.append(sql)
+                raise OperationalError("refused") from _DriverError("40001")
+            return execute(sql, params, many, ctx)
+
+        with (
+            pytest.raises(OperationalError, match="refused"),
+            transaction.atomic(using=alias),
+            connections[alias].execute_wrapper(fail_update),
+        ):
+            fenced_upsert(account, where={"id": 1}, values={"balance": 1}, token=3, using=alias)
+        assert len(updates) == 1
 
 
 def _waits_on_a_lock(alias: str, pid: int) -> bool:

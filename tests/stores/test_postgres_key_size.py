@@ -9,6 +9,7 @@ naming the store, the key's size and the limit, and nothing is taken.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import threading
 import time
@@ -107,3 +108,27 @@ class TestKeysOverTheIndexLimit:
                 await store.aclose()
 
         asyncio.run(run(f"lease_async_{secrets.token_hex(6)}"))
+
+    def test_the_refused_acquire_is_not_retried(
+        self, store: PostgresLockStore, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """The limit error (SQLSTATE 54000, an OperationalError in psycopg) is not taken for a
+        dropped connection: the statement is not run again on another connection."""
+        with caplog.at_level(logging.INFO), pytest.raises(LeaseConfigError):
+            store.acquire(_random_key(4000), "o", LONG_MS)
+        assert not [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+
+    def test_the_async_stores_refused_acquire_is_not_retried(
+        self, pg_database_dsn: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        async def run(table: str) -> None:
+            store = AsyncPostgresLockStore(pg_database_dsn, table=table)
+            try:
+                with pytest.raises(LeaseConfigError):
+                    await store.acquire(_random_key(4000), "o", LONG_MS)
+            finally:
+                await store.aclose()
+
+        with caplog.at_level(logging.INFO):
+            asyncio.run(run(f"lease_async_{secrets.token_hex(6)}"))
+        assert not [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]

@@ -1,0 +1,210 @@
+"""One Redis Cluster master that stops answering (stopped, its socket still open) delays a
+batch across the nodes by at most one socket timeout, and costs only the leases on it.
+
+The nodes' pipelines of one batch run at once and a node that timed out is not asked again in
+the same batch, so the answering nodes' results come back within one socket timeout, in time
+to renew leases whose ttl is shorter than two socket timeouts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from redis.cluster import ClusterNode, RedisCluster
+
+from celery_lease import lease
+from celery_lease.errors import StoreUnavailableError
+from celery_lease.stores.redis import RedisLockStore
+from tests.fixtures_redis import ClusterNodes, RedisServer
+
+pytestmark = pytest.mark.redis
+
+SOCKET_TIMEOUT = 1.0
+"""The client's socket timeout, in seconds: how long one read from the stopped node blocks."""
+
+WAIT = 30.0
+"""Real seconds the test waits for the stopped node's leases to read lost before it fails."""
+
+KEYS = [f"job:{i}" for i in range(12)]
+
+NODE_THREAD = "celery-lease-redis-node"
+"""The name prefix of the threads a cluster store runs the nodes' pipelines in."""
+
+
+@pytest.fixture
+def store(redis_three_masters: ClusterNodes) -> Iterator[RedisLockStore]:
+    client = RedisCluster(
+        startup_nodes=[ClusterNode(h, p) for h, p in redis_three_masters.seeds],
+        socket_timeout=SOCKET_TIMEOUT,
+        socket_connect_timeout=SOCKET_TIMEOUT,
+    )
+    store = RedisLockStore(client)
+    yield store
+    store.close()
+    client.close()
+
+
+@contextlib.contextmanager
+def stopped(node: RedisServer) -> Iterator[None]:
+    """The node's process stopped (SIGSTOP: it keeps its sockets, it answers nothing) inside."""
+    assert node.pid is not None
+    os.kill(node.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(node.pid, signal.SIGCONT)
+
+
+def keys_on(store: RedisLockStore, *nodes: RedisServer) -> set[str]:
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    ports = {node.port for node in nodes}
+    on_nodes = {k for k in KEYS if client.get_node_from_key(store.lease_key(k)).port in ports}
+    assert 0 < len(on_nodes) < len(KEYS), "the keys must span the stopped nodes and the others"
+    return on_nodes
+
+
+@pytest.mark.parametrize("hung", [1, 2], ids=["one-master-hangs", "two-masters-hang"])
+def test_renew_many_answers_within_one_socket_timeout_when_masters_hang(
+    store: RedisLockStore, redis_three_masters: ClusterNodes, hung: int
+) -> None:
+    """The answering nodes' keys are renewed and the stopped nodes' keys get a
+    StoreUnavailableError in their places, all within one socket timeout: a stopped node is
+    not asked twice, and two stopped nodes are waited for at once."""
+    victims = redis_three_masters.nodes[:hung]
+    on_victims = keys_on(store, *victims)
+    for key in KEYS:
+        assert store.acquire(key, f"o-{key}", 60_000) is not None
+    try:
+        with contextlib.ExitStack() as stack:
+            for victim in victims:
+                stack.enter_context(stopped(victim))
+            started = time.monotonic()
+            results = store.renew_many([(key, f"o-{key}", 60_000) for key in KEYS])
+            took = time.monotonic() - started
+        assert took < 2 * SOCKET_TIMEOUT, f"renew_many took {took:.2f} s"
+        for key, result in zip(KEYS, results, strict=True):
+            if key in on_victims:
+                assert isinstance(result, StoreUnavailableError), (key, result)
+                assert f"renew {key!r}" in str(result)
+            else:
+                assert result is True, (key, result)
+    finally:
+        for key in KEYS:
+            store.release(key, f"o-{key}")
+
+
+def test_list_fails_within_one_socket_timeout_when_a_master_hangs(
+    store: RedisLockStore, redis_three_masters: ClusterNodes
+) -> None:
+    """The key scan and the lease reads go to every master at once; a stopped one fails the
+    listing (all or nothing) with StoreUnavailableError naming it, after one socket timeout."""
+    victim = redis_three_masters.nodes[1]
+    keys_on(store, victim)
+    for key in KEYS:
+        assert store.acquire(key, f"o-{key}", 60_000) is not None
+    try:
+        with stopped(victim):
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailableError) as raised:
+                store.list()
+            took = time.monotonic() - started
+        assert took < 2 * SOCKET_TIMEOUT, f"list took {took:.2f} s"
+        assert f"127.0.0.1:{victim.port}" in str(raised.value)
+        assert [info.key for info in store.list()] == sorted(KEYS)
+    finally:
+        for key in KEYS:
+            store.release(key, f"o-{key}")
+
+
+def test_a_hung_master_costs_only_the_leases_on_it(
+    store: RedisLockStore, redis_three_masters: ClusterNodes
+) -> None:
+    """Leases whose ttl is shorter than two socket timeouts stay held on the answering nodes
+    while one master hangs for longer than their ttl; those on the hung master are lost."""
+    victim = redis_three_masters.nodes[2]
+    on_victim = keys_on(store, victim)
+    ttl = 2.5 * SOCKET_TIMEOUT
+    contexts = [lease(key, store=store, ttl=ttl) for key in KEYS]
+    held = {key: context.__enter__() for key, context in zip(KEYS, contexts, strict=True)}
+    try:
+        with stopped(victim):
+            for key in sorted(on_victim):
+                assert held[key].wait_lost(WAIT), f"{key} lives on the hung node: it must read lost"
+            # Their ttl passed since the node stopped: the others were renewed through batches
+            # that waited on the hung node, and go on being renewed for two more ttls.
+            healthy = min(set(KEYS) - on_victim)
+            assert not held[healthy].wait_lost(2 * ttl), held[healthy].lost_reason
+            survivors = {key: held[key].lost_reason for key in KEYS if key not in on_victim}
+            assert survivors == {key: None for key in survivors}
+    finally:
+        for context in contexts:
+            with contextlib.suppress(Exception):  # the hung node's leases fail to release
+                context.__exit__(None, None, None)
+
+
+def node_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(NODE_THREAD)]
+
+
+def test_close_ends_the_node_threads_and_a_later_batch_starts_new_ones(
+    store: RedisLockStore,
+) -> None:
+    """A batch across nodes runs on node threads; close() lets them end; the store still
+    renews afterwards, on new threads."""
+    for key in KEYS:
+        assert store.acquire(key, f"o-{key}", 60_000) is not None
+    try:
+        assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
+        threads = node_threads()
+        assert threads, "a batch across three nodes runs on node threads"
+        store.close()
+        for thread in threads:
+            thread.join(WAIT)
+            assert not thread.is_alive(), f"{thread.name} outlived close()"
+        assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
+        assert node_threads()
+    finally:
+        for key in KEYS:
+            store.release(key, f"o-{key}")
+
+
+def _child_renews(store: RedisLockStore, results: Any) -> None:
+    """In a forked child: renew every key in one batch across the nodes, report the results."""
+    try:
+        results.put(store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]))
+    except BaseException as exc:  # pragma: no cover - reported to the parent
+        results.put(repr(exc))
+
+
+def test_a_forked_child_runs_batches_on_node_threads_of_its_own(store: RedisLockStore) -> None:
+    """The parent's node threads do not exist in a forked child: the child's first batch
+    across nodes starts its own instead of queueing its calls for threads that never run."""
+    for key in KEYS:
+        assert store.acquire(key, f"o-{key}", 60_000) is not None
+    try:
+        assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
+        assert node_threads(), "the parent has idle node threads when it forks"
+        context = multiprocessing.get_context("fork")
+        results = context.Queue()
+        child = context.Process(target=_child_renews, args=(store, results))
+        child.start()
+        try:
+            assert results.get(timeout=WAIT) == [True] * len(KEYS)
+        finally:
+            child.join(WAIT)
+            if child.is_alive():  # pragma: no cover - the failure above: do not leave it behind
+                child.kill()
+                child.join(WAIT)
+        assert child.exitcode == 0
+    finally:
+        for key in KEYS:
+            store.release(key, f"o-{key}")
