@@ -115,12 +115,19 @@ class _BlockingHandler(logging.Handler):
 def blocking_handler() -> Iterator[_BlockingHandler]:
     handler = _BlockingHandler("renewing 'logged' failed")
     log = logging.getLogger("celery_lease.renewer")
+    # An in-process Celery worker elsewhere in the session may have configured logging with
+    # ``disable_existing_loggers``: this test needs the warning to reach its handler.
+    disabled, level = log.disabled, log.level
+    log.disabled = False
+    log.setLevel(logging.WARNING)
     log.addHandler(handler)
     try:
         yield handler
     finally:
         handler.go.set()
         log.removeHandler(handler)
+        log.disabled = disabled
+        log.setLevel(level)
 
 
 class TestABlockingLogHandler:
