@@ -26,7 +26,7 @@ from redis.backoff import NoBackoff
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores import redis_async as redis_async_module
-from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsInspection
+from celery_lease.stores.base import AsyncLockStore, LeaseInfo, LockStore, SupportsInspection
 from celery_lease.stores.postgres import PostgresLockStore
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.redis import ACQUIRE_SCRIPT, RedisLockStore
@@ -253,68 +253,7 @@ class TestAsyncOnly:
         done the key is free (a release sent at once, on a new connection, would reach the
         server first and free nothing, and then the acquire would take the key)."""
         prefix = f"overtake-{uuid.uuid4().hex[:8]}:"
-
-        async def main() -> None:
-            direct = RedisLockStore(redis_url, prefix=prefix)
-            observer = redis_server.client()
-            with TcpProxy(redis_server.port) as proxy:
-                sent = asyncio.Event()
-                route = {"port": proxy.port}
-
-                class Routed(redis.asyncio.Connection):
-                    """(Re)connects to ``route["port"]``; tells when the acquire was sent."""
-
-                    async def _connect(self) -> None:
-                        self.port = route["port"]
-                        await super()._connect()
-
-                    async def send_packed_command(
-                        self, command: Any, check_health: bool = True
-                    ) -> None:
-                        await super().send_packed_command(command, check_health)
-                        data = b"".join(command) if isinstance(command, list) else command
-                        if ACQUIRE_SCRIPT_SHA in data:
-                            sent.set()
-
-                pool = redis.asyncio.ConnectionPool(
-                    connection_class=Routed,
-                    host="127.0.0.1",
-                    port=proxy.port,
-                    retry=Retry(NoBackoff(), 0),
-                    socket_timeout=5.0,
-                )
-                client = redis.asyncio.Redis(connection_pool=pool)
-                store = AsyncRedisLockStore(client, sync=direct)
-                try:
-                    assert await store.renew("warm", "w", LONG_MS) is False  # connected
-                    direct.acquire("warm", "w", LONG_MS)  # the acquire script is loaded
-                    direct.release("warm", "w")
-                    slow_id = await client.client_id()  # the pool's one connection
-                    proxy.set_latency(1.0)
-                    attempt = asyncio.ensure_future(store.acquire("k", "cancelled", LONG_MS))
-                    await sent.wait()  # on its way, through the slow proxy
-                    route["port"] = redis_server.port  # new connections: straight there
-                    attempt.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await attempt
-                finally:
-                    await store.aclose()
-                    await client.aclose()
-                    await pool.disconnect()
-
-                def gone() -> bool:
-                    return slow_id not in {int(c["id"]) for c in observer.client_list()}
-
-                # The slow connection is closed: the server ran all it had sent, acquire too.
-                await _until(gone, "the slow connection to end")
-            try:
-                assert direct.get("k") is None
-            finally:
-                direct.force_release("k")
-                direct.close()
-                observer.close()
-
-        asyncio.run(main())
+        assert asyncio.run(_cancel_an_acquire_on_its_way(redis_server, redis_url, prefix)) is None
 
     @pytest.mark.redis
     def test_an_acquire_cancelled_with_its_reply_later_than_the_undo_wait_is_still_undone(
@@ -326,69 +265,8 @@ class TestAsyncOnly:
         owner nobody knows stays behind for its ttl."""
         monkeypatch.setattr(redis_async_module, "_UNDO_TIMEOUT", 0.1)
         prefix = f"late-undo-{uuid.uuid4().hex[:8]}:"
-
-        async def main() -> None:
-            direct = RedisLockStore(redis_url, prefix=prefix)
-            observer = redis_server.client()
-            with TcpProxy(redis_server.port) as proxy:
-                sent = asyncio.Event()
-                route = {"port": proxy.port}
-
-                class Routed(redis.asyncio.Connection):
-                    """(Re)connects to ``route["port"]``; tells when the acquire was sent."""
-
-                    async def _connect(self) -> None:
-                        self.port = route["port"]
-                        await super()._connect()
-
-                    async def send_packed_command(
-                        self, command: Any, check_health: bool = True
-                    ) -> None:
-                        await super().send_packed_command(command, check_health)
-                        data = b"".join(command) if isinstance(command, list) else command
-                        if ACQUIRE_SCRIPT_SHA in data:
-                            sent.set()
-
-                pool = redis.asyncio.ConnectionPool(
-                    connection_class=Routed,
-                    host="127.0.0.1",
-                    port=proxy.port,
-                    retry=Retry(NoBackoff(), 0),
-                    socket_timeout=5.0,
-                )
-                client = redis.asyncio.Redis(connection_pool=pool)
-                store = AsyncRedisLockStore(client, sync=direct)
-                try:
-                    assert await store.renew("warm", "w", LONG_MS) is False  # connected
-                    direct.acquire("warm", "w", LONG_MS)  # the acquire script is loaded
-                    direct.release("warm", "w")
-                    slow_id = await client.client_id()  # the pool's one connection
-                    proxy.set_latency(1.0)
-                    attempt = asyncio.ensure_future(store.acquire("k", "cancelled", LONG_MS))
-                    await sent.wait()  # on its way, through the slow proxy
-                    route["port"] = redis_server.port  # new connections: straight there
-                    attempt.cancel()
-                    with pytest.raises(asyncio.CancelledError):
-                        await attempt
-                finally:
-                    await store.aclose()
-                    await client.aclose()
-                    await pool.disconnect()
-
-                def gone() -> bool:
-                    return slow_id not in {int(c["id"]) for c in observer.client_list()}
-
-                # The slow connection is closed: the server ran all it had sent, acquire too.
-                await _until(gone, "the slow connection to end")
-            try:
-                held = direct.get("k")
-                assert held is None, f"{held} stays behind for its ttl"
-            finally:
-                direct.force_release("k")
-                direct.close()
-                observer.close()
-
-        asyncio.run(main())
+        held = asyncio.run(_cancel_an_acquire_on_its_way(redis_server, redis_url, prefix))
+        assert held is None, f"{held} stays behind for its ttl"
 
     def test_an_acquire_whose_reply_was_lost_gets_the_lease_back(self, backend: Backend) -> None:
         """The server ran the acquire and the reply was lost: the store's retry returns the
@@ -608,3 +486,67 @@ class TestConfiguration:
             AsyncPostgresLockStore("postgresql://u@127.0.0.1:1/db", table="1bad")
         with pytest.raises(LeaseConfigError, match="create_table"):
             AsyncPostgresLockStore("postgresql://u@127.0.0.1:1/db?create_table=maybe")
+
+
+async def _cancel_an_acquire_on_its_way(
+    redis_server: RedisServer, redis_url: str, prefix: str
+) -> LeaseInfo | None:
+    """Cancel ``store.acquire("k", "cancelled")`` while it is on its way through a proxy that
+    holds it 1 s (connections opened from then on go to the server directly); once the slow
+    connection is done, what the server holds under ``k`` (None: nothing)."""
+    direct = RedisLockStore(redis_url, prefix=prefix)
+    observer = redis_server.client()
+    with TcpProxy(redis_server.port) as proxy:
+        sent = asyncio.Event()
+        route = {"port": proxy.port}
+
+        class Routed(redis.asyncio.Connection):
+            """(Re)connects to ``route["port"]``; tells when the acquire was sent."""
+
+            async def _connect(self) -> None:
+                self.port = route["port"]
+                await super()._connect()
+
+            async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+                await super().send_packed_command(command, check_health)
+                data = b"".join(command) if isinstance(command, list) else command
+                if ACQUIRE_SCRIPT_SHA in data:
+                    sent.set()
+
+        pool = redis.asyncio.ConnectionPool(
+            connection_class=Routed,
+            host="127.0.0.1",
+            port=proxy.port,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=5.0,
+        )
+        client = redis.asyncio.Redis(connection_pool=pool)
+        store = AsyncRedisLockStore(client, sync=direct)
+        try:
+            assert await store.renew("warm", "w", LONG_MS) is False  # connected
+            direct.acquire("warm", "w", LONG_MS)  # the acquire script is loaded
+            direct.release("warm", "w")
+            slow_id = await client.client_id()  # the pool's one connection
+            proxy.set_latency(1.0)
+            attempt = asyncio.ensure_future(store.acquire("k", "cancelled", LONG_MS))
+            await sent.wait()  # on its way, through the slow proxy
+            route["port"] = redis_server.port  # new connections: straight there
+            attempt.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await attempt
+        finally:
+            await store.aclose()
+            await client.aclose()
+            await pool.disconnect()
+
+        def gone() -> bool:
+            return slow_id not in {int(c["id"]) for c in observer.client_list()}
+
+        # The slow connection is closed: the server ran all it had sent, acquire too.
+        await _until(gone, "the slow connection to end")
+    try:
+        return direct.get("k")
+    finally:
+        direct.force_release("k")
+        direct.close()
+        observer.close()
