@@ -851,6 +851,11 @@ def on_start(
                 # it is freed by that call, which reads the state first.
                 _release_quietly(store, qkey, owner, "the copy was superseded")
             raise Ignore(reason)
+        # The claim stands. A superseding call whose publish failed may have handed the key
+        # back to this copy between the release above and the claim (it removes the
+        # tombstone only after that, see _withdraw): free it again, owner-checked, so that
+        # no key stays held for a copy that runs.
+        store.release(qkey, owner)
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)

@@ -35,11 +35,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import redis
@@ -51,7 +49,6 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
@@ -126,71 +123,55 @@ _T = TypeVar("_T")
 
 _Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
 
-_NODE_WORKERS = 8
-"""The most threads one cluster store runs nodes' pipelines in at once (nodes beyond wait)."""
+_NODE_THREAD = "celery-lease-redis-node"
+"""The name of the threads that run a cluster batch's node shares (numbered within the batch)."""
 
 
 class _NodeWorkers:
-    """The threads that run the nodes' shares of one cluster store's batch at once.
+    """Runs the nodes' shares of one cluster store's batch at once.
 
-    Started at the first batch that spans two nodes (one thread per node but the caller's,
-    up to ``_NODE_WORKERS``), forgotten in a forked child (the threads are the parent's),
-    shut down by :meth:`close`; the next batch after that starts new ones.
+    The first share runs in the calling thread, each other one on a daemon thread of its own,
+    started for that batch and ended with it (a batch comes every ttl/3 at most per store, so
+    a thread per node and batch costs little): no pool to keep, to reset after a fork (a
+    child, with or without Python's at-fork hooks, starts its own threads) or to shut down,
+    and a share stuck on a hung node never holds up the interpreter's exit.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
-        _ALL_NODE_WORKERS.add(self)
-
     def run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
-        """Run every job, the first in the calling thread and the others in the workers at the
-        same time; their results in order, once every job has returned."""
+        """Run every job at once; their results in order, once every job has returned. A job
+        that raises: the first such error in job order is raised, after all have ended."""
         if not jobs:
             return []
-        futures = [self._submit(job) for job in jobs[1:]]
-        first = jobs[0]()
-        return [first, *(future.result() for future in futures)]
+        results: list[_T | None] = [None] * len(jobs)
+        errors: list[BaseException | None] = [None] * len(jobs)
 
-    def _submit(self, job: Callable[[], _T]) -> Future[_T]:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(
-                    max_workers=_NODE_WORKERS, thread_name_prefix="celery-lease-redis-node"
-                )
-            executor = self._executor
-        try:
-            return executor.submit(job)
-        except RuntimeError:  # shut down meanwhile, or the interpreter is exiting: run it here
-            future: Future[_T] = Future()
+        def share(index: int) -> None:
             try:
-                future.set_result(job())
-            except Exception as exc:
-                future.set_exception(exc)
-            return future
+                results[index] = jobs[index]()
+            except BaseException as exc:  # handed to the caller below
+                errors[index] = exc
+
+        threads = []
+        for index in range(1, len(jobs)):
+            thread = threading.Thread(
+                target=share, args=(index,), name=f"{_NODE_THREAD}-{index}", daemon=True
+            )
+            try:
+                thread.start()
+            except RuntimeError:  # no thread to be had (the interpreter is exiting): run it here
+                share(index)
+                continue
+            threads.append(thread)
+        share(0)
+        for thread in threads:
+            thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
+        return cast("list[_T]", results)
 
     def close(self) -> None:
-        """Let the threads end once their current job is done (close() does not wait)."""
-        with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False)
-
-    def forget(self) -> None:
-        """In a forked child: a new lock, and no threads (the parent's do not exist here)."""
-        self._lock = threading.Lock()
-        self._executor = None
-
-
-_ALL_NODE_WORKERS: weakref.WeakSet[_NodeWorkers] = weakref.WeakSet()
-
-
-def _forget_node_workers() -> None:
-    for workers in list(_ALL_NODE_WORKERS):
-        workers.forget()
-
-
-forking.on_fork_child(_forget_node_workers, name="redis stores: cluster node threads")
+        """Nothing to end: a batch's threads end with it."""
 
 
 class RedisLockStore:
@@ -436,7 +417,7 @@ class RedisLockStore:
         timeout raises (it concerns every call). redis-py refuses EVALSHA in cluster pipelines,
         so on a cluster the calls are grouped by the node owning their slot and pipelined on
         that node's own client, every node's pipeline at the same time (the caller's thread and
-        the store's node threads, ``_NODE_WORKERS`` at most). A node that times out (a hung
+        one thread per other node, started for the batch). A node that times out (a hung
         master), or whose connection fails twice (a dead one), gets that error in the place of
         each of its calls, and the other nodes' calls keep their replies: one batch takes about
         one socket timeout at most, whatever some nodes do. A call that meets a

@@ -155,23 +155,29 @@ def node_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(NODE_THREAD)]
 
 
-def test_close_ends_the_node_threads_and_a_later_batch_starts_new_ones(
-    store: RedisLockStore,
+def test_node_threads_are_daemons_that_end_with_their_batch(
+    store: RedisLockStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch across nodes runs on node threads; close() lets them end; the store still
-    renews afterwards, on new threads."""
+    """A batch across nodes runs the other nodes' shares on threads of its own: daemons (a
+    share stuck on a hung node never holds up the interpreter's exit), none left once the batch
+    returned."""
+    ran_on: list[threading.Thread] = []
+    real = RedisLockStore._node_share
+
+    def recording(self: RedisLockStore, *args: Any, **kwargs: Any) -> Any:
+        ran_on.append(threading.current_thread())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(RedisLockStore, "_node_share", recording)
     for key in KEYS:
         assert store.acquire(key, f"o-{key}", 60_000) is not None
     try:
         assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
-        threads = node_threads()
-        assert threads, "a batch across three nodes runs on node threads"
-        store.close()
-        for thread in threads:
-            thread.join(WAIT)
-            assert not thread.is_alive(), f"{thread.name} outlived close()"
-        assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
-        assert node_threads()
+        helpers = [t for t in ran_on if t is not threading.current_thread()]
+        assert len(helpers) == 2, "three nodes: the caller runs one share, two threads the rest"
+        assert all(t.daemon and t.name.startswith(NODE_THREAD) for t in helpers)
+        assert not any(t.is_alive() for t in helpers), "a node thread outlived its batch"
+        assert node_threads() == []
     finally:
         for key in KEYS:
             store.release(key, f"o-{key}")
@@ -186,13 +192,11 @@ def _child_renews(store: RedisLockStore, results: Any) -> None:
 
 
 def test_a_forked_child_runs_batches_on_node_threads_of_its_own(store: RedisLockStore) -> None:
-    """The parent's node threads do not exist in a forked child: the child's first batch
-    across nodes starts its own instead of queueing its calls for threads that never run."""
+    """A forked child's batches across nodes run on threads of its own, as the parent's do."""
     for key in KEYS:
         assert store.acquire(key, f"o-{key}", 60_000) is not None
     try:
         assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
-        assert node_threads(), "the parent has idle node threads when it forks"
         context = multiprocessing.get_context("fork")
         results = context.Queue()
         child = context.Process(target=_child_renews, args=(store, results))

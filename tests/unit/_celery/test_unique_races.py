@@ -417,6 +417,67 @@ class TestWithdrawWhileTheWaitingCopyStarts:
     def _refuse(*args: Any, **kwargs: Any) -> Any:
         raise ConnectionError("broker down")
 
+    def test_a_copy_whose_claim_follows_the_hand_back_runs_with_its_key_free(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A starts and releases its queued lease (a no-op: X holds the key); X's publish fails
+        and X hands the key back to A, then removes A's tombstone; only then A claims its
+        tombstone, which stands: A runs its body, and its key is free, so a new call is not
+        refused while A runs."""
+        task = define_task(
+            app, "s.claim-after-hand-back", lock_unique="while_queued", lock_debounce=1
+        )
+        a = task.delay(1, 1)
+        tomb_a = unique_module.superseded_key(a.id, "")
+        real_acquire = store.acquire
+        at_claim = threading.Event()
+        go_on = threading.Event()
+
+        def acquire(key: str, owner: str, ttl: int) -> Any:
+            if key == tomb_a and parse_owner(owner).task_id == a.id:
+                at_claim.set()  # A released its queued lease and now claims its tombstone
+                assert go_on.wait(REAL_TIMEOUT)
+            return real_acquire(key, owner, ttl)
+
+        monkeypatch.setattr(store, "acquire", acquire)
+        ended: list[str] = []
+
+        def start() -> None:
+            options = type(task)._lock_options.unique
+            try:
+                unique_module.on_start(
+                    task,
+                    request_of(published.headers[0]),
+                    store,
+                    "k:1",
+                    config.get_settings(task.app),
+                    options,
+                    30,
+                    0,
+                )
+                ended.append("ran")
+            except Ignore as exc:
+                ended.append(str(exc))
+
+        starter = threading.Thread(target=start)
+        real_send = app.send_task
+
+        def send(*args: Any, **kwargs: Any) -> Any:
+            starter.start()
+            assert at_claim.wait(REAL_TIMEOUT)
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", send)
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 2), task_id="X")
+        go_on.set()
+        starter.join(REAL_TIMEOUT)
+        holder = store.get("queued:k:1")
+        monkeypatch.setattr(app, "send_task", real_send)
+        assert ended == ["ran"]
+        assert holder is None, f"A runs its body with its queued key still held: {holder}"
+        assert task.apply_async((1, 9), task_id="E").id == "E", "a new call is refused"
+
 
 class TestUntilDoneDebounceStart:
     def test_a_call_racing_the_copys_start_is_not_enqueued_while_its_body_runs(
