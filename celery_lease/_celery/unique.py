@@ -485,99 +485,107 @@ def _debounced(
             _gave_way(task, task_id, existing)
         return _duplicate(task, unique, key, task_id, existing, options)
 
-    for _ in range(_TRIES):
-        owner = queued_owner(task.name, task_id, int(now * 1000))
-        if store.acquire(qkey, owner, _ms(queue_ttl + debounce)) is not None:
-            if unique.unique == "until_done":
-                running = _running_copy(inspect, key, task_id)
-                if running is not None:
-                    store.release(qkey, owner)
-                    return gave_way(running)
+    try:
+        for _ in range(_TRIES):
+            owner = queued_owner(task.name, task_id, int(now * 1000))
+            if store.acquire(qkey, owner, _ms(queue_ttl + debounce)) is not None:
+                if unique.unique == "until_done":
+                    running = _running_copy(inspect, key, task_id)
+                    if running is not None:
+                        store.release(qkey, owner)
+                        return gave_way(running)
+                return _publish(
+                    apply,
+                    args,
+                    kwargs,
+                    task_id,
+                    {**options, "countdown": debounce},
+                    store,
+                    qkey,
+                    owner,
+                    failed_for=task,
+                )
+            info = inspect.get(qkey)
+            if info is None:
+                continue
+            old = parse_owner(info.owner)
+            if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == task_id:
+                return gave_way(old.task_id)
+            first = old.taken_at if old.taken_at is not None else now
+            delay = max(0.0, min(now + debounce, first + cap) - now)
+            owner = queued_owner(task.name, task_id, int(first * 1000))
+            tomb = superseded_key(old.task_id, prefix)
+            tomb_ttl_ms = _ms(queue_ttl + cap)
+            tomb_owner = queued_owner(task.name, task_id, int(now * 1000))
+            if store.acquire(tomb, tomb_owner, tomb_ttl_ms) is None:
+                # The tombstone is the right to free that copy's lease: it is another's.
+                writer = _tomb_writer(inspect, tomb)
+                if writer is None or writer == old.task_id:
+                    continue  # gone, or the copy claimed it itself (it started): look again
+                if not _has_tomb(inspect, writer, prefix):
+                    # A caller racing us supersedes it: we are that caller's duplicate.
+                    return gave_way(writer)
+                # The writer's own call is no longer waiting: superseded, started, or withdrawing
+                # after a failed publish. Still the waiting copy's lease: the writer has handed it
+                # back and is about to remove the tombstone (the copy runs: we are its
+                # duplicate); else look again.
+                again = inspect.get(qkey)
+                if again is not None and again.owner == info.owner:
+                    return gave_way(old.task_id)
+                continue
+            superseding = True
+            withdraw = functools.partial(
+                _withdraw,
+                store,
+                qkey,
+                owner,
+                superseded_key(task_id, prefix),
+                tomb_ttl_ms,
+                info.owner,
+                _ms(info.expires_in),
+                tomb,
+                tomb_owner,
+                functools.partial(_finished, task, old.task_id),
+            )
+            try:
+                store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
+                taken = store.acquire(qkey, owner, _ms(queue_ttl + delay))
+            except BaseException as exc:
+                # Nothing replaces the waiting copy: it is handed its key back (see _withdraw), and
+                # the caller gets the store's error (stored as this call's FAILURE, for a caller
+                # handed its id meanwhile).
+                withdraw()
+                if isinstance(exc, Exception):
+                    _fail_quietly(task, task_id, exc)
+                raise
+            if taken is None:
+                # Another call took the key between our release and our acquire: the waiting
+                # copy's lease is gone, so it stays superseded (its tombstone is kept) and only
+                # the winner runs, never the old copy beside it.
+                winner = inspect.get(qkey)
+                if winner is None:
+                    continue
+                return gave_way(parse_owner(winner.owner).task_id)
             return _publish(
                 apply,
                 args,
                 kwargs,
                 task_id,
-                {**options, "countdown": debounce},
+                {**options, "countdown": delay},
                 store,
                 qkey,
                 owner,
+                undo=withdraw,
+                free=False,  # withdraw frees it, in its own order
                 failed_for=task,
             )
-        info = inspect.get(qkey)
-        if info is None:
-            continue
-        old = parse_owner(info.owner)
-        if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == task_id:
-            return gave_way(old.task_id)
-        first = old.taken_at if old.taken_at is not None else now
-        delay = max(0.0, min(now + debounce, first + cap) - now)
-        owner = queued_owner(task.name, task_id, int(first * 1000))
-        tomb = superseded_key(old.task_id, prefix)
-        tomb_ttl_ms = _ms(queue_ttl + cap)
-        tomb_owner = queued_owner(task.name, task_id, int(now * 1000))
-        if store.acquire(tomb, tomb_owner, tomb_ttl_ms) is None:
-            # The tombstone is the right to free that copy's lease: it is another's.
-            writer = _tomb_writer(inspect, tomb)
-            if writer is None or writer == old.task_id:
-                continue  # gone, or the copy claimed it itself (it started): look again
-            if not _has_tomb(inspect, writer, prefix):
-                # A caller racing us supersedes it: we are that caller's duplicate.
-                return gave_way(writer)
-            # The writer's own call is no longer waiting: superseded, started, or withdrawing
-            # after a failed publish. Still the waiting copy's lease: the writer has handed it
-            # back and is about to remove the tombstone (the copy runs: we are its
-            # duplicate); else look again.
-            again = inspect.get(qkey)
-            if again is not None and again.owner == info.owner:
-                return gave_way(old.task_id)
-            continue
-        superseding = True
-        withdraw = functools.partial(
-            _withdraw,
-            store,
-            qkey,
-            owner,
-            superseded_key(task_id, prefix),
-            tomb_ttl_ms,
-            info.owner,
-            _ms(info.expires_in),
-            tomb,
-            tomb_owner,
-            functools.partial(_finished, task, old.task_id),
-        )
-        try:
-            store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
-            taken = store.acquire(qkey, owner, _ms(queue_ttl + delay))
-        except BaseException as exc:
-            # Nothing replaces the waiting copy: it is handed its key back (see _withdraw), and
-            # the caller gets the store's error (stored as this call's FAILURE, for a caller
-            # handed its id meanwhile).
-            withdraw()
-            if isinstance(exc, Exception):
-                _fail_quietly(task, task_id, exc)
-            raise
-        if taken is None:
-            # Another call took the key between our release and our acquire: the waiting
-            # copy's lease is gone, so it stays superseded (its tombstone is kept) and only
-            # the winner runs, never the old copy beside it.
-            winner = inspect.get(qkey)
-            if winner is None:
-                continue
-            return gave_way(parse_owner(winner.owner).task_id)
-        return _publish(
-            apply,
-            args,
-            kwargs,
-            task_id,
-            {**options, "countdown": delay},
-            store,
-            qkey,
-            owner,
-            undo=withdraw,
-            free=False,  # withdraw frees it, in its own order
-            failed_for=task,
-        )
+    except Exception as exc:
+        # A store error once a caller may hold this call's id (superseding): stored as this
+        # call's FAILURE, so that caller's get() raises it instead of waiting for ever (twice
+        # when the path that raised stored it already: the same state).
+        if superseding:
+            _fail_quietly(task, task_id, exc)
+        raise
     return gave_way(None)
 
 

@@ -255,11 +255,16 @@ class Renewer:
         The renewer keeps its observers across an idle exit: it stays the store's renewer (its
         thread ends, the object stays registered) while one is registered, so the leases taken
         later in the store are observed too. Once the last one is unregistered, an idle renewer
-        leaves the registry.
+        leaves the registry. Called on a renewer that left the registry since it was looked up,
+        it observes the one registered for its store in its place.
         """
         observer = _Observer(callback)
         with self._lock:
-            self._observers = (*self._observers, observer)
+            successor = _register(self)
+            if successor is None:
+                self._observers = (*self._observers, observer)
+        if successor is not None:  # this one left the registry meanwhile: observe its successor
+            return successor.observe_renewals(callback)
 
         def forget() -> None:
             with self._lock:

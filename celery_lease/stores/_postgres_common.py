@@ -513,9 +513,14 @@ CANCELLED_BY_TIMEOUT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvai
 """Errors of a statement the server ended at its ``statement_timeout`` or ``lock_timeout``
 (or an operator's cancel): the connection is sound, the statement did nothing."""
 
-OVER_A_LIMIT = psycopg.errors.ProgramLimitExceeded
-"""A statement the server refuses for exceeding one of its limits (SQLSTATE class 54: a key
-too long for the primary-key index, too many arguments). psycopg makes it an
+OVER_A_LIMIT = (
+    psycopg.errors.ProgramLimitExceeded,
+    psycopg.errors.StatementTooComplex,
+    psycopg.errors.TooManyColumns,
+    psycopg.errors.TooManyArguments,
+)
+"""A statement the server refuses for exceeding one of its limits (SQLSTATE class 54, every
+code of it: a key too long for the primary-key index, too many arguments). psycopg makes it an
 ``OperationalError``, like a dropped connection, but running it again can only fail again:
 never retried."""
 

@@ -9,6 +9,7 @@ import pytest
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores._postgres_common import (
     DEFAULT_TABLE,
+    OVER_A_LIMIT,
     SCHEMA_SQL,
     channel_for,
     check_options,
@@ -151,3 +152,18 @@ class TestNotifyPayload:
         assert notify_payload(long_a).startswith("sha256:") and len(notify_payload(long_a)) == 71
         assert len(notify_payload(long_b)) == 71
         assert notify_payload(long_b) != notify_payload(long_b + "y")
+
+
+class TestServerLimits:
+    def test_every_code_of_the_limit_class_is_never_retried(self) -> None:
+        """Each psycopg error of SQLSTATE class 54 (a server limit exceeded) is in OVER_A_LIMIT,
+        the errors the stores raise at once instead of retrying as a dropped connection."""
+        class_54 = {
+            error
+            for error in vars(psycopg.errors).values()
+            if isinstance(error, type)
+            and issubclass(error, psycopg.Error)
+            and str(getattr(error, "sqlstate", "") or "").startswith("54")
+        }
+        assert class_54, "psycopg names no error of class 54"
+        assert class_54 == set(OVER_A_LIMIT)

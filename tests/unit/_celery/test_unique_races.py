@@ -18,6 +18,7 @@ from celery_lease import LockedTask
 from celery_lease._celery import settings as config
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner, parse_owner
+from celery_lease.errors import StoreUnavailableError
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
 from tests.unit.unique_copies import (
@@ -114,6 +115,48 @@ class TestSupersedingCallerFails:
         assert c[0].state == states.REVOKED, f"B, never published, is left {c[0].state}"
         with pytest.raises(TaskRevokedError, match="superseded by D"):
             c[0].get(timeout=1)
+
+    def test_a_store_error_after_an_id_was_handed_out_is_stored_as_its_failure(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """As above, but B's look at the key after D took it fails with a store error: B's
+        caller gets the error, and B's id is stored as that FAILURE, so C's get() raises it
+        instead of waiting forever."""
+        task = define_task(
+            app, "d.error-after-hand-out", lock_unique="while_queued", lock_debounce=1
+        )
+        a = task.delay(1, 1)
+        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
+        c: list[Any] = []
+        d: list[Any] = []
+        hook_once(
+            monkeypatch,
+            store,
+            "acquire",
+            lambda key, owner, ttl: key == unique_module.superseded_key(a.id, ""),
+            lambda: c.append(task.apply_async((1, 3), task_id="C")),
+            after=True,
+        )
+        hook_once(
+            monkeypatch,
+            store,
+            "release",
+            lambda key, owner: key == "queued:k:1" and owner == a_owner,
+            lambda: d.append(task.apply_async((1, 4), task_id="D")),
+            after=True,
+        )
+        real_get = store.get
+
+        def get(key: str) -> Any:
+            if d and key == "queued:k:1":
+                raise StoreUnavailableError("injected: the store fails B's look at the key")
+            return real_get(key)
+
+        monkeypatch.setattr(store, "get", get)
+        with pytest.raises(StoreUnavailableError):
+            task.apply_async((1, 2), task_id="B")
+        assert [r.id for r in c] == ["B"], "C was not handed B's id"
+        assert c[0].state == states.FAILURE, f"B, never published, is left {c[0].state}"
 
 
 class TestLateStart:

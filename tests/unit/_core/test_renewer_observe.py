@@ -209,6 +209,30 @@ class TestObserverAcrossIdleExit:
         idle.observe_renewals(_Recorder())()  # registered and unregistered while idle
         assert idle not in renewers(clock)
 
+    def test_observing_a_renewer_that_left_the_registry_observes_its_successor(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A renewer looked up, then dropped at its idle exit and replaced before the observer
+        is registered: the observer lands on the renewer that renews the store's leases."""
+        recorder = _Recorder()
+        stale = get_renewer(clock, store)
+        with lease("a", store=store, ttl=3, clock=clock):
+            thread = stale.thread
+        assert thread is not None
+        clock.advance(IDLE_EXIT)
+        thread.join(REAL_TIMEOUT)
+        assert stale not in renewers(clock)
+        successor = get_renewer(clock, store)
+        assert successor is not stale
+        forget = stale.observe_renewals(recorder)
+        try:
+            with lease("b", store=store, ttl=3, clock=clock):
+                clock.advance(1.0)
+                seen = recorder.wait(1)
+        finally:
+            forget()
+        assert [(key, ok) for key, _, _, ok in seen] == [("b", True)]
+
 
 class TestBlockingObserver:
     def test_loss_is_reported_while_an_observer_blocks(self, clock: FakeClock) -> None:
