@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import NoReturn
 
 import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (the working directory of scripts that import ``tests``)."""
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -13,20 +13,22 @@ import subprocess
 import sys
 import textwrap
 
+from tests.support import REPO_ROOT
 from tests.unit.conftest import REAL_TIMEOUT
 
-# Runs in a fresh interpreter: fork with libc's fork() (through PyDLL, which keeps the GIL), so
+# Runs in a fresh interpreter (cwd: the repository root): fork with libc's fork(), so
 # no Python at-fork hook runs in the child, then compare what parent and child make.
 SCRIPT = textwrap.dedent(
     """
-    import ctypes, json, os, sys
+    import json, os, sys
     from celery_lease import MemoryLockStore, lease
     from celery_lease._core.owners import make_owner, new_nonce
+    from tests.hookless_fork import fork_without_hooks
 
     make_owner()  # the generator exists before the fork, as in a preloaded uWSGI master
     store_parent = MemoryLockStore()
     read, write = os.pipe()
-    pid = ctypes.PyDLL(None).fork()
+    pid = fork_without_hooks()
     if pid == 0:
         os.close(read)
         out = {"owner": make_owner(), "nonce": new_nonce()}
@@ -44,13 +46,14 @@ SCRIPT = textwrap.dedent(
 
 LEASE_SCRIPT = textwrap.dedent(
     """
-    import ctypes, json, os
+    import json, os
     from celery_lease import MemoryLockStore, lease, current_lease
+    from tests.hookless_fork import fork_without_hooks
 
     store = MemoryLockStore()
     with lease("k", store=store, ttl=30) as held:
         read, write = os.pipe()
-        pid = ctypes.PyDLL(None).fork()
+        pid = fork_without_hooks()
         if pid == 0:
             os.close(read)
             out = {"lost": held.lost, "reason": held.lost_reason,
@@ -70,6 +73,7 @@ LEASE_SCRIPT = textwrap.dedent(
 def run(script: str) -> dict[str, object]:
     done = subprocess.run(
         [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=REAL_TIMEOUT * 6,

@@ -13,29 +13,24 @@ import subprocess
 import sys
 import textwrap
 
+from tests.support import REPO_ROOT
 from tests.unit.conftest import REAL_TIMEOUT
 
-# Runs in a fresh interpreter: fork with libc's fork() (through PyDLL, which keeps the GIL), so
-# no Python at-fork hook runs in the child.
+# Runs in a fresh interpreter (cwd: the repository root): fork with libc's fork(), so no Python
+# at-fork hook runs in the child.
 SCRIPT = textwrap.dedent(
     """
-    import ctypes, json, os, threading, time
+    import json, os
     from celery_lease import MemoryLockStore, lease
     from celery_lease._core.dispatch import get_dispatcher
     from celery_lease._core.renewer import get_renewer, snapshot
+    from tests.hookless_fork import fork_without_hooks
 
     store = MemoryLockStore()
     with lease("parent", store=store, ttl=30):
         parent_renewer, parent_dispatcher = get_renewer(None, store), get_dispatcher()
-        # Fork only once the renewer thread finished starting: Python's own threading state
-        # (the lock a starting thread takes) is not reset in a child forked without the hooks,
-        # so a fork in the middle of a thread start would hang the child's first thread start.
-        while parent_renewer.thread.ident not in threading._active:
-            time.sleep(0.001)
-        with threading._active_limbo_lock:
-            pass
         read, write = os.pipe()
-        pid = ctypes.PyDLL(None).fork()
+        pid = fork_without_hooks()  # once the renewer thread is started and blocked in its wait
         if pid == 0:
             os.close(read)
             with lease("child", store=store, ttl=30) as held:  # the store the parent renews
@@ -61,6 +56,7 @@ class TestForkWithoutHooks:
         """The child's lease goes to a new renewer and dispatcher; it sees only its own lease."""
         done = subprocess.run(
             [sys.executable, "-c", SCRIPT],
+            cwd=REPO_ROOT,
             capture_output=True,
             text=True,
             timeout=REAL_TIMEOUT * 6,
