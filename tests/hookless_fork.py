@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import linecache
 import os
+import signal
 import sys
 import threading
 import time
@@ -28,24 +29,56 @@ SETTLE = 0.005
 CALM_CHECKS = 3
 """Consecutive checks that must find every other thread blocked before the fork."""
 
+LONG_WAIT = 1.0
+"""Seconds: a timed wait shorter than this might end (and want the GIL) at the fork itself."""
+
 GIVE_UP = 30.0
 """Seconds after which the threads are reported as never calm (a test bug, not a hang)."""
 
+CHILD_DEADLINE = 30
+"""Seconds after which the child is killed by ``SIGALRM`` (no handler: it dies even inside C)."""
+
+# The two lines of ``Condition.wait`` that block on the waiter lock once the condition's own lock
+# is released (``saved_state`` is bound): untimed, and timed with a positive timeout.
+_BLOCKING_LINES = {"waiter.acquire()", "gotit = waiter.acquire(True, timeout)"}
+
 
 def _blocked_in_a_wait(frame: FrameType | None) -> bool:
-    """Whether a thread's innermost Python frame is the blocking acquire of ``Condition.wait``."""
+    """Whether a thread's innermost frame is ``Condition.wait`` blocked on its waiter lock.
+
+    The frame stays on that line also once the acquire returned and the thread waits to take the
+    GIL back; only a wait that is untimed or long (``LONG_WAIT``) is trusted not to end at the fork.
+    """
     if frame is None:  # started, not yet running Python code: it is waiting for the GIL
         return False
     code = frame.f_code
     if os.path.basename(code.co_filename) != "threading.py" or code.co_name != "wait":
         return False
-    return "acquire(" in linecache.getline(code.co_filename, frame.f_lineno)
+    names = frame.f_locals
+    if "saved_state" not in names:  # before the condition's own lock is released
+        return False
+    if linecache.getline(code.co_filename, frame.f_lineno).strip() not in _BLOCKING_LINES:
+        return False
+    timeout = names.get("timeout")
+    return timeout is None or timeout >= LONG_WAIT
+
+
+def _native_thread_count() -> int | None:
+    """How many threads the OS counts in this process (Linux), or None where it cannot tell."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return None
 
 
 def fork_without_hooks() -> int:
     """``fork()`` through libc (the GIL kept, no at-fork hook runs) once the other threads are calm.
 
-    Returns what ``fork()`` returns: 0 in the child, the child's pid in the parent.
+    Calm: every other thread is blocked in an untimed or long ``Condition.wait``, and no thread
+    exists that Python does not know of (a C thread could want the GIL at any time).
+
+    Returns what ``fork()`` returns: 0 in the child, the child's pid in the parent. The child
+    gets ``CHILD_DEADLINE`` seconds to live.
 
     Raises:
         RuntimeError: some thread was still running (or not blocked in a wait) after ``GIVE_UP`` s.
@@ -57,12 +90,24 @@ def fork_without_hooks() -> int:
         time.sleep(SETTLE)
         frames = sys._current_frames()
         busy = [
-            thread.name
-            for thread in threading.enumerate()
-            if thread.ident != me and not _blocked_in_a_wait(frames.get(thread.ident or -1))
+            str(ident)
+            for ident, frame in frames.items()
+            if ident != me and not _blocked_in_a_wait(frame)
         ]
+        native = _native_thread_count()
+        if native is not None and native != len(frames):
+            busy.append(f"{native - len(frames)} thread(s) unknown to Python")
         calm = 0 if busy else calm + 1
         if busy and time.monotonic() > give_up:
             raise RuntimeError(f"threads never blocked in a wait before the fork: {busy}")
     pid: int = ctypes.PyDLL(None).fork()
+    if pid == 0:
+        signal.alarm(CHILD_DEADLINE)  # a hung child must not outlive the test as an orphan
     return pid
+
+
+def wait_for_child(pid: int) -> None:
+    """Reap the child; raise if it did not exit with status 0 (e.g. killed by its deadline)."""
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        raise RuntimeError(f"the child forked without hooks ended with wait status {status:#x}")

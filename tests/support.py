@@ -33,3 +33,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def complete_lines(path: Path) -> list[str]:
+    """The whole lines of a marker file (each writer appends ``line + "\\n"`` in one write).
+
+    A file is seen between its creation and its write, empty, and a write may be seen before it
+    ends: only the text up to the last newline counts. Missing file: no lines.
+    """
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return text[: text.rfind("\n") + 1].splitlines()

@@ -20,6 +20,7 @@ import pytest
 from celery_lease.stores.redis import RedisLockStore
 from tests.faults.harness import CELERY_TTL, ROOT, make_celery_app, now
 from tests.fixtures_redis import RedisServer
+from tests.support import complete_lines
 
 pytestmark = [pytest.mark.slow, pytest.mark.worker]
 
@@ -96,9 +97,7 @@ def celery_env(own_redis: RedisServer, tmp_path: Path) -> Iterator[dict[str, Any
 
 
 def _bodies(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in complete_lines(path) if line.strip()]
 
 
 def test_redelivered_task_runs_after_the_dead_workers_lease_expires(

@@ -23,6 +23,7 @@ from celery_lease import LockStore, store_from_url
 from tests.fixtures_redis import RedisServer
 from tests.integration.worker_app import make_app
 from tests.integration.workers import start_worker, stop_worker
+from tests.support import complete_lines
 
 READY_TIMEOUT = 40.0  # seconds for a worker to log "ready."
 TIMEOUT = 30.0  # seconds a test waits for a result or a marker file
@@ -49,10 +50,10 @@ class WorkerEnv:
         return "r" + uuid.uuid4().hex[:11]
 
     def wait_file(self, name: str, timeout: float = TIMEOUT) -> Path:
-        """Wait (polling) for a marker file written by a task body or receiver."""
+        """Wait (polling) for a marker file written by a task body or receiver: its first line."""
         path = self.directory / name
         deadline = time.monotonic() + timeout
-        while not path.exists():
+        while not complete_lines(path):
             if time.monotonic() > deadline:
                 raise AssertionError(f"{name} not written within {timeout}s; log:\n{self.tail()}")
             if self.process.poll() is not None:

@@ -31,6 +31,7 @@ from celery_lease import LeaseInfo, LockedTask, SupportsInspection, lease, store
 from celery_lease._core.keys import make_key_function
 from celery_lease._core.owners import parse_owner
 from celery_lease.signals import lock_released
+from tests.support import complete_lines
 
 TTL = "30s"
 READY_TIMEOUT = 60.0  # seconds for a worker to log "ready." on a loaded machine
@@ -236,10 +237,9 @@ class Worker:
         path = self.directory / name
         deadline = time.monotonic() + TIMEOUT
         while True:
-            if path.exists():
-                rows = [json.loads(x) for x in path.read_text().splitlines() if x]
-                if len(rows) >= lines:
-                    return rows
+            rows = [json.loads(x) for x in complete_lines(path) if x]
+            if len(rows) >= lines:
+                return rows
             if self.process.poll() is not None:
                 raise AssertionError(f"worker exited ({self.process.returncode}):\n{self.tail()}")
             if time.monotonic() > deadline:

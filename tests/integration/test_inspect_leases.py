@@ -34,6 +34,7 @@ from celery import Celery
 
 from celery_lease import LockedTask, StoreUnavailableError, lease, store_from_url
 from tests.integration.workers import ROOT
+from tests.support import complete_lines
 
 TIMEOUT = 30.0  # seconds a test waits for a marker file or a condition
 WAIT = 60.0  # seconds a body holds its key at most
@@ -155,13 +156,13 @@ class Worker:
         """Wait until the body of ``run`` holds its key: ``(pid, token)``."""
         path = self.directory / f"held-{run}"
         deadline = time.monotonic() + TIMEOUT
-        while not path.exists() or not path.read_text().strip():
+        while not complete_lines(path):
             if self.process.poll() is not None:
                 raise AssertionError(f"worker exited ({self.process.returncode}):\n{self.tail()}")
             if time.monotonic() > deadline:
                 raise AssertionError(f"{run} not held within {TIMEOUT}s; log:\n{self.tail()}")
             time.sleep(0.02)
-        pid, token = json.loads(path.read_text().splitlines()[0])
+        pid, token = json.loads(complete_lines(path)[0])
         return int(pid), int(token)
 
     def done(self, run: str) -> None:

@@ -39,7 +39,7 @@ from celery_lease import LockedTask, store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
 from tests.integration.workers import CeleryWorker
-from tests.support import service_missing
+from tests.support import complete_lines, service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -150,7 +150,7 @@ class Worker:
         path = self.directory / f"held-{run}"
         deadline = time.monotonic() + TIMEOUT
         while True:
-            pids = [int(x) for x in path.read_text().splitlines()] if path.exists() else []
+            pids = [int(x) for x in complete_lines(path)]
             if len(pids) >= count:
                 return pids
             assert self.process.poll() is None, f"worker exited:\n{self.tail()}"

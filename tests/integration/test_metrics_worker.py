@@ -25,6 +25,7 @@ from celery.exceptions import TaskRevokedError
 from celery_lease import LockedTask
 from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.integration.workers import CeleryWorker, filesystem_app
+from tests.support import complete_lines
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -48,7 +49,7 @@ def make_app(directory: str) -> Celery:
 
     @app.task(name="mw.hold", base=LockedTask, lock_key="work:{run}", lock_ttl="0.6s", shared=False)
     def hold(run: str) -> bool:
-        (out / f"held-{run}").write_text(str(os.getpid()))
+        (out / f"held-{run}").write_text(f"{os.getpid()}\n")
         lease = hold.request.lease
         return bool(lease.wait_lost(20.0))
 
@@ -171,11 +172,11 @@ def test_killed_child_leaves_no_lease_counted_as_held(
     client.send_task("mw.hold", (run,))
     marker = tmp_path / f"held-{run}"
     deadline = time.monotonic() + RESULT_TIMEOUT
-    while not marker.exists() or not marker.read_text():
+    while not complete_lines(marker):
         assert time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(POLL)
     assert sample(scrape(log), "celery_lease_held", 'task="mw.hold"') == 1
-    child = int(marker.read_text())
+    child = int(complete_lines(marker)[0])
     os.kill(child, signal.SIGKILL)
     deadline = time.monotonic() + RESULT_TIMEOUT
     while _alive(child):

@@ -33,7 +33,7 @@ from tests.fixtures_redis import RedisServer
 from tests.integration import workers
 from tests.integration.unique_app import make_app
 from tests.integration.workers import ROOT, stop_worker
-from tests.support import free_port
+from tests.support import complete_lines, free_port
 
 pytestmark = [pytest.mark.worker, pytest.mark.redis]
 
@@ -58,7 +58,7 @@ class Env:
     def wait_file(self, name: str) -> Path:
         path = self.directory / name
         deadline = time.monotonic() + TIMEOUT
-        while not path.exists():
+        while not complete_lines(path):
             assert time.monotonic() < deadline, f"{name} not written; log:\n{self.tail()}"
             time.sleep(POLL)
         return path
@@ -70,8 +70,7 @@ class Env:
             time.sleep(POLL)
 
     def lines(self, name: str) -> list[str]:
-        path = self.directory / name
-        return path.read_text().splitlines() if path.exists() else []
+        return complete_lines(self.directory / name)
 
     def tail(self) -> str:
         if self.log is None or not self.log.exists():

@@ -40,7 +40,7 @@ from celery_lease import store_from_url
 from celery_lease.stores.base import SupportsInspection
 from tests.fixtures_redis import RedisServer
 from tests.integration.workers import CeleryWorker
-from tests.support import service_missing
+from tests.support import complete_lines, service_missing
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
 
@@ -61,7 +61,7 @@ TASKS = textwrap.dedent(
 
 
     def hold_body(run):
-        (OUT / f"held-{run}").write_text(str(os.getpid()))
+        (OUT / f"held-{run}").write_text(f"{os.getpid()}\\n")
         deadline = time.monotonic() + 60
         while not (OUT / f"done-{run}").exists() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -194,11 +194,11 @@ class Project:
         """Wait until the body of ``run`` holds its key; the pid of the pool child."""
         path = self.out / f"held-{run}"
         deadline = time.monotonic() + TIMEOUT
-        while not path.exists() or not path.read_text():
+        while not complete_lines(path):
             assert self.process.poll() is None, f"worker exited:\n{self.tail()}"
             assert time.monotonic() < deadline, f"{run} not held; log:\n{self.tail()}"
             time.sleep(POLL)
-        return int(path.read_text())
+        return int(complete_lines(path)[0])
 
     def celery(self, *args: str) -> subprocess.CompletedProcess[str]:
         """Run the ``celery`` program on this project (``-A proj``), as an operator would."""

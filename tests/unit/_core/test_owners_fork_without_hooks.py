@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import json, os, sys
     from celery_lease import MemoryLockStore, lease
     from celery_lease._core.owners import make_owner, new_nonce
-    from tests.hookless_fork import fork_without_hooks
+    from tests.hookless_fork import fork_without_hooks, wait_for_child
 
     make_owner()  # the generator exists before the fork, as in a preloaded uWSGI master
     store_parent = MemoryLockStore()
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     data = b""
     while chunk := os.read(read, 65536):
         data += chunk
-    os.waitpid(pid, 0)
+    wait_for_child(pid)
     print(json.dumps({"parent": mine, "child": json.loads(data), "child_pid": pid}))
     """
 )
@@ -48,7 +48,7 @@ LEASE_SCRIPT = textwrap.dedent(
     """
     import json, os
     from celery_lease import MemoryLockStore, lease, current_lease
-    from tests.hookless_fork import fork_without_hooks
+    from tests.hookless_fork import fork_without_hooks, wait_for_child
 
     store = MemoryLockStore()
     with lease("k", store=store, ttl=30) as held:
@@ -64,7 +64,7 @@ LEASE_SCRIPT = textwrap.dedent(
         data = b""
         while chunk := os.read(read, 65536):
             data += chunk
-        os.waitpid(pid, 0)
+        wait_for_child(pid)
     print(data.decode())
     """
 )

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from celery_lease import MemoryLockStore, lease
     from celery_lease._core.dispatch import get_dispatcher
     from celery_lease._core.renewer import get_renewer, snapshot
-    from tests.hookless_fork import fork_without_hooks
+    from tests.hookless_fork import fork_without_hooks, wait_for_child
 
     store = MemoryLockStore()
     with lease("parent", store=store, ttl=30):
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
         data = b""
         while chunk := os.read(read, 65536):
             data += chunk
-        os.waitpid(pid, 0)
+        wait_for_child(pid)
     print(data.decode())
     """
 )
