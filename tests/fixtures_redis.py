@@ -471,7 +471,7 @@ class SentinelGroup:
                 log.close()
             client = self.sentinel_client()
             try:
-                _wait("the Sentinel answering PING", client.ping, 2.0)
+                _wait("the Sentinel answering PING", client.ping, 10.0)
                 return
             except RuntimeError:
                 self._stop_sentinel()

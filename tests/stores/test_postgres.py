@@ -62,11 +62,6 @@ class TestPostgresStore(StoreContract):
     def store_factory(self) -> Callable[[], LockStore]:
         return functools.partial(PostgresLockStore, self.dsn, table=self.table)
 
-    def short_ttl_ms(self) -> int:
-        # The suite's 50 ms lets a lease expire between two round trips when the (shared, two
-        # core) machine is busy; 250 ms keeps the expiry tests fast and not flaky.
-        return 250
-
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         assert isinstance(store, PostgresLockStore)
         _wait_for(lambda: store.waiting() >= count, f"{count} waiters")
@@ -444,11 +439,12 @@ class TestWaiting:
         assert woke == [True]
 
     def test_close_wakes_and_stops_promptly(self, store: PostgresLockStore) -> None:
-        """close() stops the listener thread within a fraction of a second."""
+        """close() wakes the listener thread instead of letting it wait out its 1 s tick."""
         assert store.wait_for_release("k", 0.01) is False
         started = time.monotonic()
         store.close()
-        assert time.monotonic() - started < 0.5
+        took = time.monotonic() - started
+        assert took < 0.9, f"close() took {took:.2f} s: it waited for the listener's tick"
         with pytest.raises(StoreUnavailableError):
             store.acquire("k", "a", LONG_MS)
 

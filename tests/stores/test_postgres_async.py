@@ -35,9 +35,6 @@ class TestAsyncPostgresContract(AsyncStoreContract):
     def async_store_factory(self) -> Callable[[], AsyncLockStore]:
         return functools.partial(AsyncPostgresLockStore, self.dsn, table=self.table)
 
-    def short_ttl_ms(self) -> int:
-        return 250  # as the sync store's suite: 50 ms can pass between two round trips here
-
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         assert isinstance(store, SyncOverAsync)
         inner = store.async_store

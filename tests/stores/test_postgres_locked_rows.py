@@ -20,7 +20,7 @@ from tests.stores.contract import LONG_MS
 
 pytestmark = pytest.mark.postgres
 
-BOUND = 0.3
+BOUND = 1.0
 """The statement_timeout (seconds) of the stores under test."""
 
 SLACK = 5.0

@@ -13,7 +13,7 @@ from celery.signals import after_task_publish
 
 from celery_lease import MemoryLockStore, StoreUnavailableError
 from celery_lease._celery import unique as unique_module
-from celery_lease._core.renewer import renewers
+from celery_lease._core.renewer import renewers, shutdown
 from celery_lease.testing import FakeClock
 
 REAL_TIMEOUT = 10.0
@@ -54,9 +54,15 @@ class SpyStore(MemoryLockStore):
         with self.renewed:
             if not self.renewed.wait_for(lambda: len(self.renewals) >= count, REAL_TIMEOUT):
                 raise AssertionError(f"{len(self.renewals)} renewals seen, expected {count}")
-        # Only renewers and their watchdogs wait on the clock in these tests (one pair per
-        # store): once all of them wait again, this store's renewer has handled the results
-        # (and scheduled what comes next).
+        self.settle()
+
+    def settle(self) -> None:
+        """Block (real time) until every renewer and watchdog on this clock waits on it again.
+
+        Only renewers and their watchdogs wait on the clock in these tests (one pair per store):
+        once all of them wait, the renewers have handled their results (and scheduled what comes
+        next), and a loss is recorded on its lease.
+        """
         threads = sum(
             (renewer.thread is not None) + (renewer.watchdog is not None)
             for renewer in renewers(self.clock)
@@ -65,8 +71,15 @@ class SpyStore(MemoryLockStore):
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock(1000.0)
+def clock() -> Iterator[FakeClock]:
+    """A fake clock; at teardown the threads that waited on it are stopped.
+
+    A renewer (and its watchdog) on a fake clock that nobody moves any more polls the clock's
+    condition every few milliseconds for ever: left running, each test's pair would add to the
+    load that the real-time waits of every later test run under.
+    """
+    yield FakeClock(1000.0)
+    shutdown()
 
 
 @pytest.fixture

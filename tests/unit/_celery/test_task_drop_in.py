@@ -32,6 +32,7 @@ from pydantic import BaseModel
 
 from celery_lease import LockedTask, LockLostError, current_lease, get_lock_token
 from celery_lease.signals import lock_released
+from tests.support import complete_lines
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 20.0  # seconds a test waits for a result
@@ -198,7 +199,8 @@ def make_app(broker: str, backend: str, store: Any, directory: str = "") -> Cele
     def early(self: Any, run: str) -> str:
         assert out is not None
         if self.request.retries:
-            (out / f"copy-{run}").write_text(str(self.request.lock_token))
+            (out / f"copy-{run}.tmp").write_text(str(self.request.lock_token))
+            (out / f"copy-{run}.tmp").rename(out / f"copy-{run}")  # seen whole or not at all
             wait_file(out / f"first-{run}")
             return "copy"
         self.retry(countdown=0, throw=False)
@@ -533,7 +535,7 @@ class TestEarlyReleaseOnARealWorker:
         released = real.directory / "released"
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
-            lines = released.read_text().splitlines() if released.exists() else []
+            lines = complete_lines(released)
             mine = sorted(
                 int(t) for k, t in (line.split() for line in lines) if k == f"early:{run}"
             )

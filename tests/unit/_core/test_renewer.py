@@ -80,12 +80,15 @@ class TestFailures:
         store.fail_forever = True
         lost = threading.Event()
         with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()) as held:
-            while not lost.is_set():
-                clock.wait_for_sleepers(1)
+            # Time moves only while the renewer waits with the loss not yet recorded: moving it
+            # once more would jump to the idle renewer's next poll, past the ttl.
+            store.settle()
+            while not held.lost:
                 clock.advance_to_next_deadline()
-                lost.wait(0.01)
+                store.settle()
             assert held.lost_reason == "expired"
             assert clock.monotonic() - held.acquired_at < 3.0
+            assert lost.wait(REAL_TIMEOUT)  # on_lost runs on the dispatcher, in real time
 
     def test_on_lost_runs_exactly_once(self, store: SpyStore, clock: FakeClock) -> None:
         """However long it stays lost, on_lost is called once."""
@@ -338,7 +341,7 @@ class TestDispatch:
                     clock.advance(0.3)
                     assert wait_until(
                         lambda renewed=renewed: sum(k == "b" for k, _ in store.renewals) > renewed,
-                        timeout=2.0,
+                        timeout=REAL_TIMEOUT,
                     ), f"B was not renewed at step {n}: the renewer is stuck in A's on_lost"
                 assert store.acquire("b", "intruder", 900) is None
                 assert not b.lost
@@ -609,7 +612,7 @@ class TestBaseExceptionsOnOurThreads:
                 # A watchdog waits for b's validity deadline (not merely for the next store call).
                 poll_until(lambda: clock._deadlines, what="a watchdog waiting for b's deadline")
                 clock.advance(2.0)
-                poll_until(lambda: closed(b), timeout=2.0, what="b recorded lost")
+                poll_until(lambda: closed(b), timeout=REAL_TIMEOUT, what="b recorded lost")
                 assert b.lost_reason == "expired"
             finally:
                 second.open()
@@ -634,7 +637,7 @@ class TestWatchdogDuringAHang:
                 ):
                     poll_until(lambda: any(d < 1020 for d in clock._deadlines), what="W counts b")
                     clock.advance(3.0)  # past b's validity, long before a's
-                    poll_until(lambda: lost, timeout=2.0, what="b reported lost by W")
+                    poll_until(lambda: lost, timeout=REAL_TIMEOUT, what="b reported lost by W")
             finally:
                 trap.open()
         assert lost == ["b"]
@@ -672,7 +675,7 @@ class TestForkWhileLocked:
                 context.__exit__(None, None, None)
                 with lease("k", store=MemoryLockStore(), ttl=30) as mine:
                     seen.append(mine is not parent and not mine.lost)
-                celery_lease.shutdown(timeout=2.0)
+                celery_lease.shutdown(timeout=REAL_TIMEOUT)
                 os.write(write, json.dumps(seen).encode())
                 status = 0
             finally:
