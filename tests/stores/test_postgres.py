@@ -440,7 +440,10 @@ class TestWaiting:
 
     def test_close_wakes_and_stops_promptly(self, store: PostgresLockStore) -> None:
         """close() wakes the listener thread instead of letting it wait out its 1 s tick."""
-        assert store.wait_for_release("k", 0.01) is False
+        assert store.wait_for_release("k", 0.01) is False  # starts the listener
+        listener = store._listener
+        assert listener is not None
+        _wait_for(listener.ready.is_set, "the listener")  # listening: only a wake-up stops it now
         started = time.monotonic()
         store.close()
         took = time.monotonic() - started

@@ -54,15 +54,9 @@ class SpyStore(MemoryLockStore):
         with self.renewed:
             if not self.renewed.wait_for(lambda: len(self.renewals) >= count, REAL_TIMEOUT):
                 raise AssertionError(f"{len(self.renewals)} renewals seen, expected {count}")
-        self.settle()
-
-    def settle(self) -> None:
-        """Block (real time) until every renewer and watchdog on this clock waits on it again.
-
-        Only renewers and their watchdogs wait on the clock in these tests (one pair per store):
-        once all of them wait, the renewers have handled their results (and scheduled what comes
-        next), and a loss is recorded on its lease.
-        """
+        # Only renewers and their watchdogs wait on the clock in these tests (one pair per
+        # store): once all of them wait again, this store's renewer has handled the results
+        # (and scheduled what comes next).
         threads = sum(
             (renewer.thread is not None) + (renewer.watchdog is not None)
             for renewer in renewers(self.clock)
@@ -78,8 +72,13 @@ def clock() -> Iterator[FakeClock]:
     condition every few milliseconds for ever: left running, each test's pair would add to the
     load that the real-time waits of every later test run under.
     """
-    yield FakeClock(1000.0)
-    shutdown()
+    clock = FakeClock(1000.0)
+    yield clock
+    left = sorted({key for renewer in renewers(clock) for key in renewer.held_keys()})
+    assert not left, f"the test left leases held on its clock: {left}"
+    # A lease another test left held (reported there) keeps every thread: stop none then.
+    if not any(renewer.held_keys() for renewer in renewers()):
+        shutdown()
 
 
 @pytest.fixture

@@ -80,14 +80,25 @@ class TestFailures:
         store.fail_forever = True
         lost = threading.Event()
         with lease("k", store=store, ttl=3, clock=clock, on_lost=lambda _: lost.set()) as held:
-            # Time moves only while the renewer waits with the loss not yet recorded: moving it
-            # once more would jump to the idle renewer's next poll, past the ttl.
-            store.settle()
-            while not held.lost:
-                clock.advance_to_next_deadline()
-                store.settle()
+            ttl_over = held.acquired_at + 3.0
+
+            def next_retry() -> float | None:
+                due = [d for d in clock._deadlines if clock.monotonic() < d < ttl_over]
+                return min(due) if due else None
+
+            # Time moves from one deadline to the next, never to the end of the ttl: the renewer
+            # (or its watchdog, not this thread: ``closed`` only reads) must record the loss
+            # before. ``held.lost`` would record an overdue loss itself.
+            while not closed(held):
+                poll_until(
+                    lambda: closed(held) or next_retry() is not None,
+                    timeout=REAL_TIMEOUT,
+                    what="a renewal retry due before the ttl is over, or the loss recorded",
+                )
+                if not closed(held):
+                    clock.advance_to_next_deadline()
             assert held.lost_reason == "expired"
-            assert clock.monotonic() - held.acquired_at < 3.0
+            assert clock.monotonic() < ttl_over
             assert lost.wait(REAL_TIMEOUT)  # on_lost runs on the dispatcher, in real time
 
     def test_on_lost_runs_exactly_once(self, store: SpyStore, clock: FakeClock) -> None:
@@ -326,7 +337,7 @@ class TestDispatch:
 
         def slow(_: Lease) -> None:
             a_lost.set()
-            unblock.wait(REAL_TIMEOUT)  # as if it blocked for seconds
+            unblock.wait(6 * REAL_TIMEOUT)  # blocks far longer than a step may wait below
 
         try:
             with (
@@ -613,6 +624,7 @@ class TestBaseExceptionsOnOurThreads:
                 poll_until(lambda: clock._deadlines, what="a watchdog waiting for b's deadline")
                 clock.advance(2.0)
                 poll_until(lambda: closed(b), timeout=REAL_TIMEOUT, what="b recorded lost")
+                assert not second.timed_out, "b was recorded lost only once its hung renewal ended"
                 assert b.lost_reason == "expired"
             finally:
                 second.open()
