@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import ssl
 import threading
@@ -206,6 +207,8 @@ class TestDeferredRelease:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+            signal.alarm(60)  # a child that hangs dies instead of outliving the test
             code = 1
             try:
                 ok = not _fast(store)._unread and store.acquire("d:9c", "child", TTL_MS) is not None

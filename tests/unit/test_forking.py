@@ -56,6 +56,8 @@ def in_forked_child(body: Callable[[], object]) -> object:
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+        signal.alarm(60)  # a child that hangs dies instead of outliving the test
         try:
             os.write(write, json.dumps(body()).encode())
         finally:

@@ -286,6 +286,8 @@ class TestFork:
             assert len(get_renewer(clock, store)) == 1
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child
+                signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not pytest-timeout's handler
+                signal.alarm(60)  # a child that hangs dies instead of outliving the test
                 status = 1
                 try:
                     inherited = len(get_renewer(clock, store))
@@ -632,11 +634,10 @@ class TestBaseExceptionsOnOurThreads:
 
 class TestWatchdogDuringAHang:
     def test_a_lease_added_while_the_renewer_hangs_is_watched(self, clock: FakeClock) -> None:
-        """The renewer hangs renewing a (ttl 30 s, one blackholed connection); b (ttl 3 s, another
-        store) is acquired meanwhile: the watchdog reports b lost when b's validity passes, not
-        at a's."""
+        """The renewer hangs renewing a (ttl 30 s, one blackholed connection); b (ttl 3 s, the
+        same store, so the same renewer) is acquired meanwhile: the watchdog reports b lost when
+        b's validity passes, not at a's."""
         slow = AdversaryStore(MemoryLockStore(clock=clock))
-        fast = MemoryLockStore(clock=clock)
         trap = slow.trap("renew", delay="before")
         lost: list[str] = []
         with lease("a", store=slow, ttl=30, clock=clock):
@@ -645,11 +646,12 @@ class TestWatchdogDuringAHang:
             poll_until(lambda: clock._deadlines, what="W waiting for a's deadline")
             try:
                 with lease(
-                    "b", store=fast, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)
+                    "b", store=slow, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)
                 ):
                     poll_until(lambda: any(d < 1020 for d in clock._deadlines), what="W counts b")
                     clock.advance(3.0)  # past b's validity, long before a's
                     poll_until(lambda: lost, timeout=REAL_TIMEOUT, what="b reported lost by W")
+                    assert not trap.timed_out, "b was reported only once a's renewal gave up"
             finally:
                 trap.open()
         assert lost == ["b"]
