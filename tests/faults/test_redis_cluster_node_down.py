@@ -16,8 +16,8 @@ import pytest
 from redis.cluster import ClusterNode, RedisCluster
 
 from celery_lease import lease
-from celery_lease.errors import StoreUnavailableError
 from celery_lease.stores.redis import RedisLockStore
+from tests.faults.cluster_batches import HELD_MS, assert_only_these_failed, keys_on
 from tests.fixtures_redis import ClusterNodes
 
 pytestmark = pytest.mark.redis
@@ -82,24 +82,16 @@ def test_renew_many_answers_the_dead_nodes_keys_in_place(
     assert isinstance(client, RedisCluster)
     victim = redis_three_masters.nodes[0]
     keys = [f"job:{i}" for i in range(12)]
-    on_victim = [
-        key for key in keys if client.get_node_from_key(store.lease_key(key)).port == victim.port
-    ]
-    assert 0 < len(on_victim) < len(keys), "the keys must span the dead node and the others"
+    on_victim = keys_on(store, keys, victim)
     for key in keys:
-        assert store.acquire(key, f"o-{key}", 60_000) is not None
+        assert store.acquire(key, f"o-{key}", HELD_MS) is not None
     assert victim.pid is not None
     os.kill(victim.pid, signal.SIGKILL)
     try:
-        results = store.renew_many([(key, f"o-{key}", 60_000) for key in keys])
+        results = store.renew_many([(key, f"o-{key}", HELD_MS) for key in keys])
     finally:
         _revive(redis_three_masters)
-    for key, result in zip(keys, results, strict=True):
-        if key in on_victim:
-            assert isinstance(result, StoreUnavailableError), (key, result)
-            assert f"renew {key!r}" in str(result)
-        else:
-            assert result is True, (key, result)
+    assert_only_these_failed(keys, results, on_victim)
     store.close()
     client.close()
 

@@ -23,6 +23,7 @@ from redis.cluster import ClusterNode, RedisCluster
 from celery_lease import lease
 from celery_lease.errors import StoreUnavailableError
 from celery_lease.stores.redis import RedisLockStore
+from tests.faults.cluster_batches import assert_only_these_failed, keys_on, leases_held
 from tests.fixtures_redis import ClusterNodes, RedisServer
 
 pytestmark = pytest.mark.redis
@@ -63,15 +64,6 @@ def stopped(node: RedisServer) -> Iterator[None]:
         os.kill(node.pid, signal.SIGCONT)
 
 
-def keys_on(store: RedisLockStore, *nodes: RedisServer) -> set[str]:
-    client = store.client
-    assert isinstance(client, RedisCluster)
-    ports = {node.port for node in nodes}
-    on_nodes = {k for k in KEYS if client.get_node_from_key(store.lease_key(k)).port in ports}
-    assert 0 < len(on_nodes) < len(KEYS), "the keys must span the stopped nodes and the others"
-    return on_nodes
-
-
 @pytest.mark.parametrize("hung", [1, 2], ids=["one-master-hangs", "two-masters-hang"])
 def test_renew_many_answers_within_one_socket_timeout_when_masters_hang(
     store: RedisLockStore, redis_three_masters: ClusterNodes, hung: int
@@ -80,26 +72,16 @@ def test_renew_many_answers_within_one_socket_timeout_when_masters_hang(
     StoreUnavailableError in their places, all within one socket timeout: a stopped node is
     not asked twice, and two stopped nodes are waited for at once."""
     victims = redis_three_masters.nodes[:hung]
-    on_victims = keys_on(store, *victims)
-    for key in KEYS:
-        assert store.acquire(key, f"o-{key}", 60_000) is not None
-    try:
+    on_victims = keys_on(store, KEYS, *victims)
+    with leases_held(store, KEYS) as batch:
         with contextlib.ExitStack() as stack:
             for victim in victims:
                 stack.enter_context(stopped(victim))
             started = time.monotonic()
-            results = store.renew_many([(key, f"o-{key}", 60_000) for key in KEYS])
+            results = store.renew_many(batch)
             took = time.monotonic() - started
         assert took < 2 * SOCKET_TIMEOUT, f"renew_many took {took:.2f} s"
-        for key, result in zip(KEYS, results, strict=True):
-            if key in on_victims:
-                assert isinstance(result, StoreUnavailableError), (key, result)
-                assert f"renew {key!r}" in str(result)
-            else:
-                assert result is True, (key, result)
-    finally:
-        for key in KEYS:
-            store.release(key, f"o-{key}")
+        assert_only_these_failed(KEYS, results, on_victims)
 
 
 def test_list_fails_within_one_socket_timeout_when_a_master_hangs(
@@ -108,10 +90,8 @@ def test_list_fails_within_one_socket_timeout_when_a_master_hangs(
     """The key scan and the lease reads go to every master at once; a stopped one fails the
     listing (all or nothing) with StoreUnavailableError naming it, after one socket timeout."""
     victim = redis_three_masters.nodes[1]
-    keys_on(store, victim)
-    for key in KEYS:
-        assert store.acquire(key, f"o-{key}", 60_000) is not None
-    try:
+    keys_on(store, KEYS, victim)
+    with leases_held(store, KEYS):
         with stopped(victim):
             started = time.monotonic()
             with pytest.raises(StoreUnavailableError) as raised:
@@ -120,9 +100,6 @@ def test_list_fails_within_one_socket_timeout_when_a_master_hangs(
         assert took < 2 * SOCKET_TIMEOUT, f"list took {took:.2f} s"
         assert f"127.0.0.1:{victim.port}" in str(raised.value)
         assert [info.key for info in store.list()] == sorted(KEYS)
-    finally:
-        for key in KEYS:
-            store.release(key, f"o-{key}")
 
 
 def test_a_hung_master_costs_only_the_leases_on_it(
@@ -131,7 +108,7 @@ def test_a_hung_master_costs_only_the_leases_on_it(
     """Leases whose ttl is shorter than two socket timeouts stay held on the answering nodes
     while one master hangs for longer than their ttl; those on the hung master are lost."""
     victim = redis_three_masters.nodes[2]
-    on_victim = keys_on(store, victim)
+    on_victim = keys_on(store, KEYS, victim)
     ttl = 2.5 * SOCKET_TIMEOUT
     contexts = [lease(key, store=store, ttl=ttl) for key in KEYS]
     held = {key: context.__enter__() for key, context in zip(KEYS, contexts, strict=True)}
@@ -169,18 +146,13 @@ def test_node_threads_are_daemons_that_end_with_their_batch(
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(RedisLockStore, "_node_share", recording)
-    for key in KEYS:
-        assert store.acquire(key, f"o-{key}", 60_000) is not None
-    try:
-        assert store.renew_many([(k, f"o-{k}", 60_000) for k in KEYS]) == [True] * len(KEYS)
+    with leases_held(store, KEYS) as batch:
+        assert store.renew_many(batch) == [True] * len(KEYS)
         helpers = [t for t in ran_on if t is not threading.current_thread()]
         assert len(helpers) == 2, "three nodes: the caller runs one share, two threads the rest"
         assert all(t.daemon and t.name.startswith(NODE_THREAD) for t in helpers)
         assert not any(t.is_alive() for t in helpers), "a node thread outlived its batch"
         assert node_threads() == []
-    finally:
-        for key in KEYS:
-            store.release(key, f"o-{key}")
 
 
 def _child_renews(store: RedisLockStore, results: Any) -> None:

@@ -11,9 +11,9 @@ import pytest
 from celery import Celery
 from celery.signals import after_task_publish
 
-from celery_lease import MemoryLockStore, StoreUnavailableError
+from celery_lease import MemoryLockStore, StoreUnavailableError, lease
 from celery_lease._celery import unique as unique_module
-from celery_lease._core.renewer import renewers, shutdown
+from celery_lease._core.renewer import IDLE_EXIT, Entry, Renewer, renewers, shutdown
 from celery_lease.testing import FakeClock
 
 REAL_TIMEOUT = 10.0
@@ -62,6 +62,36 @@ class SpyStore(MemoryLockStore):
             for renewer in renewers(self.clock)
         )
         self.clock.wait_for_sleepers(threads, timeout=REAL_TIMEOUT)
+
+
+def renewer_thread_after_one_lease(
+    renewer: Renewer, store: SpyStore, clock: FakeClock, key: str = "k"
+) -> threading.Thread:
+    """Take and leave a lease on ``key`` so that ``renewer`` runs; its thread, now idle."""
+    with lease(key, store=store, ttl=3, clock=clock):
+        thread = renewer.thread
+    assert thread is not None
+    return thread
+
+
+def let_idle_exit(thread: threading.Thread, clock: FakeClock) -> None:
+    """Move ``clock`` by the renewer's idle exit and join its (idle) ``thread``."""
+    clock.advance(IDLE_EXIT)
+    thread.join(REAL_TIMEOUT)
+
+
+def held_entry(store: SpyStore, clock: FakeClock, key: str = "late") -> Entry:
+    """A renewer entry for a lease on ``key`` held in ``store`` by "me" (ttl 3 s), not added."""
+    store.acquire(key, "me", 3000)
+    return Entry(
+        store=store,
+        key=key,
+        owner="me",
+        ttl=3,
+        sent_at=clock.monotonic(),
+        max_hold_at=None,
+        on_lost=lambda reason: None,
+    )
 
 
 @pytest.fixture

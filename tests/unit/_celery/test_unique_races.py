@@ -31,6 +31,36 @@ from tests.unit.unique_copies import (
 )
 
 
+def hand_b_to_c_then_let_d_take_the_key(
+    task: Any, store: SpyStore, monkeypatch: pytest.MonkeyPatch, a_id: str
+) -> tuple[list[Any], list[Any]]:
+    """The race around a call B (to come) that supersedes the waiting copy ``a_id`` of ``(1, 1)``.
+
+    Once B wrote A's tombstone, C calls and is handed B's id; once B freed A's queued key, D
+    calls and takes it. Returns C's and D's results (one each, once they called).
+    """
+    a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
+    c: list[Any] = []
+    d: list[Any] = []
+    hook_once(
+        monkeypatch,
+        store,
+        "acquire",
+        lambda key, owner, ttl: key == unique_module.superseded_key(a_id, ""),
+        lambda: c.append(task.apply_async((1, 3), task_id="C")),
+        after=True,
+    )
+    hook_once(
+        monkeypatch,
+        store,
+        "release",
+        lambda key, owner: key == "queued:k:1" and owner == a_owner,
+        lambda: d.append(task.apply_async((1, 4), task_id="D")),
+        after=True,
+    )
+    return c, d
+
+
 class TestSupersedingCallerFails:
     def test_a_failed_publish_does_not_revive_a_copy_superseded_again(
         self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
@@ -88,25 +118,7 @@ class TestSupersedingCallerFails:
         REVOKED ("superseded by D"): C's get() raises at once instead of waiting forever."""
         task = define_task(app, "d.gave-way", lock_unique="while_queued", lock_debounce=1)
         a = task.delay(1, 1)
-        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
-        c: list[Any] = []
-        d: list[Any] = []
-        hook_once(
-            monkeypatch,
-            store,
-            "acquire",
-            lambda key, owner, ttl: key == unique_module.superseded_key(a.id, ""),
-            lambda: c.append(task.apply_async((1, 3), task_id="C")),
-            after=True,
-        )
-        hook_once(
-            monkeypatch,
-            store,
-            "release",
-            lambda key, owner: key == "queued:k:1" and owner == a_owner,
-            lambda: d.append(task.apply_async((1, 4), task_id="D")),
-            after=True,
-        )
+        c, d = hand_b_to_c_then_let_d_take_the_key(task, store, monkeypatch, a.id)
         b = task.apply_async((1, 2), task_id="B")
         assert [r.id for r in c] == ["B"], "C was not handed B's id"
         assert [r.id for r in d] == ["D"]
@@ -126,25 +138,7 @@ class TestSupersedingCallerFails:
             app, "d.error-after-hand-out", lock_unique="while_queued", lock_debounce=1
         )
         a = task.delay(1, 1)
-        a_owner = store.get("queued:k:1").owner  # type: ignore[union-attr]
-        c: list[Any] = []
-        d: list[Any] = []
-        hook_once(
-            monkeypatch,
-            store,
-            "acquire",
-            lambda key, owner, ttl: key == unique_module.superseded_key(a.id, ""),
-            lambda: c.append(task.apply_async((1, 3), task_id="C")),
-            after=True,
-        )
-        hook_once(
-            monkeypatch,
-            store,
-            "release",
-            lambda key, owner: key == "queued:k:1" and owner == a_owner,
-            lambda: d.append(task.apply_async((1, 4), task_id="D")),
-            after=True,
-        )
+        c, d = hand_b_to_c_then_let_d_take_the_key(task, store, monkeypatch, a.id)
         real_get = store.get
 
         def get(key: str) -> Any:
@@ -380,17 +374,9 @@ class TestWithdrawWhileTheWaitingCopyStarts:
         """A starts and ends after X read its state (not ended), before X takes the key back
         for it: X reads the state again after taking it, and frees it."""
         task, a, a_owner, real = self._setup(app, store, monkeypatch, "s.between")
-        monkeypatch.setattr(app, "send_task", self._refuse)
-        ended: list[str] = []
-        hook_once(
-            monkeypatch,
-            store,
-            "acquire",
-            lambda key, owner, ttl: key == "queued:k:1" and owner == a_owner,
-            lambda: ended.extend(self._start(task, published, store)),
+        ended = self._start_a_as_x_takes_the_key_back(
+            app, task, published, store, monkeypatch, a_owner, after=False
         )
-        with pytest.raises(ConnectionError):
-            task.apply_async((1, 2), task_id="X")
         assert ended == ["superseded by X"]
         self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
 
@@ -441,6 +427,25 @@ class TestWithdrawWhileTheWaitingCopyStarts:
         frees the lease as its own, its claim is refused and it ends superseded. Nothing runs
         (X's caller has the error, A's caller its REVOKED state), and no lease is left."""
         task, a, a_owner, real = self._setup(app, store, monkeypatch, "s.after")
+        ended = self._start_a_as_x_takes_the_key_back(
+            app, task, published, store, monkeypatch, a_owner, after=True
+        )
+        assert ended == ["superseded by X"]
+        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+
+    def _start_a_as_x_takes_the_key_back(
+        self,
+        app: Celery,
+        task: Any,
+        published: Published,
+        store: SpyStore,
+        monkeypatch: pytest.MonkeyPatch,
+        a_owner: str,
+        *,
+        after: bool,
+    ) -> list[str]:
+        """X supersedes A and its publish fails; A starts as X takes A's queued key back for it
+        (just before that acquire, or just ``after`` it). Returns how A's start ended."""
         monkeypatch.setattr(app, "send_task", self._refuse)
         ended: list[str] = []
         hook_once(
@@ -449,12 +454,11 @@ class TestWithdrawWhileTheWaitingCopyStarts:
             "acquire",
             lambda key, owner, ttl: key == "queued:k:1" and owner == a_owner,
             lambda: ended.extend(self._start(task, published, store)),
-            after=True,
+            after=after,
         )
         with pytest.raises(ConnectionError):
             task.apply_async((1, 2), task_id="X")
-        assert ended == ["superseded by X"]
-        self._assert_no_lease_for_a(task, a, real, monkeypatch, store)
+        return ended
 
     @staticmethod
     def _refuse(*args: Any, **kwargs: Any) -> Any:

@@ -24,7 +24,13 @@ from celery_lease._core.dispatch import drain, get_dispatcher
 from celery_lease._core.renewer import IDLE_EXIT, Entry, Renewer, get_renewer, renewers, validity
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
-from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+from tests.unit.conftest import (
+    REAL_TIMEOUT,
+    SpyStore,
+    held_entry,
+    let_idle_exit,
+    renewer_thread_after_one_lease,
+)
 from tests.unit.core_faults import REAL, GatedRenewalStore, Interrupt, churn, poll_until
 
 
@@ -215,22 +221,9 @@ class TestScale:
         """A caller that looked the renewer up just before its idle exit adds to it after: the
         renewer starts again, is the store's renewer again, and renews the lease."""
         renewer = get_renewer(clock, store)
-        with lease("k", store=store, ttl=3, clock=clock):
-            thread = renewer.thread
-        assert thread is not None
-        clock.advance(IDLE_EXIT)
-        thread.join(REAL_TIMEOUT)
+        let_idle_exit(renewer_thread_after_one_lease(renewer, store, clock), clock)
         assert renewer not in renewers(clock), "an idle renewer leaves the registry"
-        entry = Entry(
-            store=store,
-            key="late",
-            owner="me",
-            ttl=3,
-            sent_at=clock.monotonic(),
-            max_hold_at=None,
-            on_lost=lambda reason: None,
-        )
-        store.acquire("late", "me", 3000)
+        entry = held_entry(store, clock)
         renewer.add(entry)
         try:
             assert get_renewer(clock, store) is renewer
@@ -247,24 +240,11 @@ class TestScale:
         the store's next renewer and added a lease; the first caller's add goes to that one:
         one store, one renewer thread."""
         stale = get_renewer(clock, store)
-        with lease("k", store=store, ttl=3, clock=clock):
-            thread = stale.thread
-        assert thread is not None
-        clock.advance(IDLE_EXIT)
-        thread.join(REAL_TIMEOUT)
+        let_idle_exit(renewer_thread_after_one_lease(stale, store, clock), clock)
         with lease("other", store=store, ttl=3, clock=clock):
             current = get_renewer(clock, store)
             assert current is not stale
-            entry = Entry(
-                store=store,
-                key="late",
-                owner="me",
-                ttl=3,
-                sent_at=clock.monotonic(),
-                max_hold_at=None,
-                on_lost=lambda reason: None,
-            )
-            store.acquire("late", "me", 3000)
+            entry = held_entry(store, clock)
             stale.add(entry)
             try:
                 assert entry.renewer is current, "the store has two renewers"

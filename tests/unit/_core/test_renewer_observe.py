@@ -9,9 +9,14 @@ import threading
 import pytest
 
 from celery_lease import lease
-from celery_lease._core.renewer import IDLE_EXIT, get_renewer, observe_renewals, renewers
+from celery_lease._core.renewer import get_renewer, observe_renewals, renewers
 from celery_lease.testing import FakeClock
-from tests.unit.conftest import REAL_TIMEOUT, SpyStore
+from tests.unit.conftest import (
+    REAL_TIMEOUT,
+    SpyStore,
+    let_idle_exit,
+    renewer_thread_after_one_lease,
+)
 
 Seen = list[tuple[str, int | None, float, bool | None]]
 
@@ -175,11 +180,8 @@ class TestObserverAcrossIdleExit:
         renewer = get_renewer(clock, store)
         forget = renewer.observe_renewals(recorder)
         try:
-            with lease("a", store=store, ttl=3, clock=clock):
-                thread = renewer.thread
-            assert thread is not None
-            clock.advance(IDLE_EXIT)
-            thread.join(REAL_TIMEOUT)
+            thread = renewer_thread_after_one_lease(renewer, store, clock, "a")
+            let_idle_exit(thread, clock)
             assert not thread.is_alive()
             assert get_renewer(clock, store) is renewer, (
                 "the idle exit dropped the renewer and its observers with it"
@@ -198,12 +200,9 @@ class TestObserverAcrossIdleExit:
         once when it is idle already."""
         renewer = get_renewer(clock, store)
         forget = renewer.observe_renewals(_Recorder())
-        with lease("a", store=store, ttl=3, clock=clock):
-            thread = renewer.thread
-        assert thread is not None
+        thread = renewer_thread_after_one_lease(renewer, store, clock, "a")
         forget()
-        clock.advance(IDLE_EXIT)
-        thread.join(REAL_TIMEOUT)
+        let_idle_exit(thread, clock)
         assert renewer not in renewers(clock)
         idle = get_renewer(clock, store)
         idle.observe_renewals(_Recorder())()  # registered and unregistered while idle
@@ -216,11 +215,7 @@ class TestObserverAcrossIdleExit:
         is registered: the observer lands on the renewer that renews the store's leases."""
         recorder = _Recorder()
         stale = get_renewer(clock, store)
-        with lease("a", store=store, ttl=3, clock=clock):
-            thread = stale.thread
-        assert thread is not None
-        clock.advance(IDLE_EXIT)
-        thread.join(REAL_TIMEOUT)
+        let_idle_exit(renewer_thread_after_one_lease(stale, store, clock, "a"), clock)
         assert stale not in renewers(clock)
         successor = get_renewer(clock, store)
         assert successor is not stale
