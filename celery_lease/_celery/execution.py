@@ -366,6 +366,11 @@ def _run_locked(
     ttl, wait = spec.durations(settings)
     store = _store_of(options, app, key)
     context = _lease_context(run, request, store, ttl, wait)
+    if options.unique is not None and request is not None:
+        # A superseded debounced copy ends here (Ignore), before it could hold the run key.
+        _unique.on_arrival(
+            cast("CeleryTask", task), request, store, key, settings, options.unique, ttl
+        )
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:

@@ -54,12 +54,17 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   existing one), so a call never supersedes a running body. The tombstone key is the right to
   free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
   the duplicate of the caller that took it, or looks again when that caller's own copy is no
-  longer waiting), and a starting copy, after releasing its queued lease, takes its own
-  tombstone key for itself for the run lease's ttl: either a superseding call took it first (the
-  copy ends) or none can supersede it any more. Two callers racing: one takes the key, the
-  others return its ``AsyncResult``. The superseded copy, when it reaches a worker, finds its
-  tombstone taken and ends without its body, REVOKED in the result backend with the reason
-  ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once). A
+  longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
+  takes its own tombstone key for itself for the run lease's ttl: either a superseding call
+  took it first (the copy ends) or none can supersede it any more. ``"while_queued"`` releases
+  its queued lease around that claim; ``"until_done"`` keeps it until the run lease is held
+  (a caller finding the tombstone claimed by the copy itself is its duplicate). Two callers
+  racing: one takes the key, the others return its ``AsyncResult``. The superseded copy, when
+  it reaches a worker, finds its tombstone taken and ends without its body and without ever
+  holding the run key, REVOKED in the result backend with the reason
+  ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once; no
+  errback fires): the newer copy, started a moment later on another slot, never meets the run
+  key held by the copy it superseded. A
   failed publish of the newest call (or a store error while superseding) hands the key back
   to the waiting copy, which then runs, unless a newer call superseded the failed one meanwhile
   or took the key while it was free (then only that one runs): the failed call takes its own
@@ -121,7 +126,7 @@ from celery_lease._celery.protocols import (
 from celery_lease._celery.spec import Spec, options_of
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
+from celery_lease._core.owners import is_queued_owner, make_owner, parse_owner, queued_owner
 from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease._core.unique_options import (
     BUILTIN_QUEUE_TTL,
@@ -145,6 +150,7 @@ __all__ = [
     "NAMESPACE",
     "apply_unique",
     "checks_apply_async",
+    "on_arrival",
     "on_rejected",
     "on_start",
     "queued_key",
@@ -519,7 +525,17 @@ def _debounced(
             tomb_owner = queued_owner(task.name, task_id, int(now * 1000))
             if store.acquire(tomb, tomb_owner, tomb_ttl_ms) is None:
                 # The tombstone is the right to free that copy's lease: it is another's.
-                writer = _tomb_writer(inspect, tomb)
+                claimed = inspect.get(tomb)
+                writer = parse_owner(claimed.owner).task_id if claimed is not None else None
+                if (
+                    claimed is not None
+                    and writer == old.task_id
+                    and unique.unique == "until_done"
+                    and _is_started_claim(claimed.owner)
+                ):
+                    # The copy started (on_arrival): it keeps its queued lease until its run
+                    # lease is held, and runs; this call is its duplicate.
+                    return gave_way(old.task_id)
                 if writer is None or writer == old.task_id:
                     continue  # gone, or the copy claimed it itself (it started): look again
                 if not _has_tomb(inspect, writer, prefix):
@@ -610,12 +626,6 @@ def _gave_way(task: CeleryTask, task_id: str, existing: str | None) -> None:
             reason,
             error,
         )
-
-
-def _tomb_writer(inspect: SupportsInspection, tomb: str) -> str | None:
-    """The task id the tombstone ``tomb`` names (None: there is none)."""
-    info = inspect.get(tomb)
-    return parse_owner(info.owner).task_id if info is not None else None
 
 
 def _has_tomb(inspect: SupportsInspection, task_id: str, prefix: str) -> bool:
@@ -836,34 +846,11 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Release first, then claim the tombstone key for itself: a call superseding this copy
-        # must take that key before it may free the copy's lease. Either the call took it
-        # first (the copy ends here, superseded) or the claim stands and no call supersedes
-        # the copy from now on: one that read its lease before the release finds the tombstone
-        # taken, looks again and finds the key free (and under "until_done" the copy running).
-        # The claim lasts the run lease's ttl (then a call that read the lease long before is
-        # refused its key by the run lease's check, or finds it free).
-        store.release(qkey, owner)
-        tomb = superseded_key(task_id, prefix)
-        claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000))
-        if store.acquire(tomb, claim, _ms(ttl)) is None:
-            newer = store.get(tomb) if is_inspectable(store) else None
-            try:
-                reason = _mark_superseded(
-                    task, request, parse_owner(newer.owner).task_id if newer is not None else None
-                )
-            finally:
-                # After the REVOKED state is stored: a superseding call whose publish failed
-                # may hand the key back to this copy (see _withdraw); a lease under this
-                # copy's own owner taken before this release is freed here, one taken after
-                # it is freed by that call, which reads the state first.
-                _release_quietly(store, qkey, owner, "the copy was superseded")
-            raise Ignore(reason)
-        # The claim stands. A superseding call whose publish failed may have handed the key
-        # back to this copy between the release above and the claim (it removes the
-        # tombstone only after that, see _withdraw): free it again, owner-checked, so that
-        # no key stays held for a copy that runs.
-        store.release(qkey, owner)
+        # Its claim stood before the run lease was taken (on_arrival): no call supersedes it.
+        # Under "until_done" its queued lease was kept until now, so that a call never finds
+        # neither key held; "while_queued" released it there already.
+        if unique.unique == "until_done":
+            store.release(qkey, owner)
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
@@ -905,6 +892,84 @@ def on_start(
     get_renewer(SYSTEM_CLOCK, store).add(entry)
     _holding[task_id] = hold
     return hold
+
+
+def on_arrival(
+    task: CeleryTask,
+    request: TaskRequest,
+    store: LockStore,
+    key: str,
+    settings: config.LeaseSettings,
+    unique: UniqueOptions,
+    ttl: float,
+) -> None:
+    """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
+
+    The copy claims its tombstone key for itself (owner: a started claim naming its task id,
+    for the run lease's ``ttl``): a call superseding it must take that key before it may free
+    the copy's queued lease. Either a call took it first (the copy ends here, REVOKED
+    ``"superseded by <newer id>"``, ``Ignore`` raised) or the claim stands and no call
+    supersedes the copy from now on. Learnt before the run lease: a superseded copy never
+    holds the run key, so the copy that superseded it, starting a moment later on another
+    slot, never finds the key held by it.
+
+    ``"while_queued"`` releases the queued lease first (a call that read it before finds the
+    tombstone taken, looks again and finds the key free) and again once the claim stands (a
+    superseding call whose publish failed may have handed it back in between, see
+    :func:`_withdraw`). ``"until_done"`` keeps it until the run lease is held
+    (:func:`on_start` frees it then): a call that finds the tombstone claimed by the copy
+    itself is its duplicate. A claim of an earlier attempt of this very copy (a retry, a
+    second delivery) stands for this one. Nothing for a copy without debounce, an eager run,
+    or a message not published through :func:`apply_unique`.
+
+    Raises:
+        Ignore: the copy was superseded (its REVOKED state is stored).
+    """
+    if unique.debounce is None or getattr(request, "is_eager", False):
+        return
+    task_id = getattr(request, "id", None)
+    prefix = settings.key_prefix
+    qkey = queued_key(key, prefix)
+    owner = _header_owner(request, task_id, qkey)
+    if owner is None or task_id is None:
+        return
+    waits_beside = unique.unique != "until_done"
+    if waits_beside:
+        store.release(qkey, owner)
+    tomb = superseded_key(task_id, prefix)
+    claim = make_owner(task=getattr(task, "name", "?"), task_id=task_id, label=STARTED)
+    stands, newer = False, None
+    for _ in range(_TRIES):
+        if store.acquire(tomb, claim, _ms(ttl)) is not None:
+            stands = True
+            break
+        holder = store.get(tomb) if is_inspectable(store) else None
+        if holder is None and is_inspectable(store):
+            continue  # freed in between (a withdrawing call handed the key back): again
+        newer = parse_owner(holder.owner).task_id if holder is not None else None
+        stands = holder is not None and newer == task_id and _is_started_claim(holder.owner)
+        break
+    if not stands:
+        try:
+            reason = _mark_superseded(task, request, newer)
+        finally:
+            # After the REVOKED state is stored: a superseding call whose publish failed
+            # may hand the key back to this copy (see _withdraw); a lease under this
+            # copy's own owner taken before this release is freed here, one taken after
+            # it is freed by that call, which reads the state first.
+            _release_quietly(store, qkey, owner, "the copy was superseded")
+        raise Ignore(reason)
+    if waits_beside:
+        store.release(qkey, owner)
+
+
+STARTED = "started"
+"""The label of a debounced copy's claim on its own tombstone key (:func:`on_arrival`)."""
+
+
+def _is_started_claim(owner: str) -> bool:
+    """Whether ``owner`` is a copy's claim on its own tombstone (not a superseding call's)."""
+    return not is_queued_owner(owner) and parse_owner(owner).label == STARTED
 
 
 def _queued_since(owner: str, request: TaskRequest) -> float:

@@ -87,6 +87,17 @@ def make_app(broker: str, backend: str, directory: str, store: str = "") -> Cele
         return record(run, n, False)
 
     @app.task(
+        name="uq.burst", base=LockedTask, lock_key="bu:{run}", lock_unique="while_queued",
+        lock_debounce="0.3s", shared=False,
+    )  # fmt: skip
+    def burst(run: str, n: Any = 0) -> Any:
+        return record(run, n, False)
+
+    @app.task(name="uq.errback", shared=False)
+    def errback(request: Any, exc: Any, traceback: Any, run: str) -> None:
+        _append(out / f"errback-{run}", str(request.id))
+
+    @app.task(
         name="uq.short", base=LockedTask, lock_key="sh:{run}", lock_unique="until_done",
         lock_queue_ttl="2s", shared=False,
     )  # fmt: skip

@@ -133,3 +133,19 @@ def deliver(
         return task(1)
     finally:
         task.pop_request()
+
+
+def start_copy(
+    task: Any,
+    request: Any,
+    store: Any,
+    key: str,
+    settings: Any,
+    unique: Any,
+    ttl: float,
+    cooldown: float,
+) -> Any:
+    """The worker's hooks at a copy's start, in the engine's order: ``on_arrival`` (before the
+    run lease), then ``on_start`` (the run lease held); what ``on_start`` returns."""
+    unique_module.on_arrival(task, request, store, key, settings, unique, ttl)
+    return unique_module.on_start(task, request, store, key, settings, unique, ttl, cooldown)

@@ -26,6 +26,7 @@ from tests.unit.unique_copies import (
     deliver,
     hook_once,
     request_of,
+    start_copy,
     until_done_copy,
 )
 
@@ -56,7 +57,7 @@ class TestForgedHeader:
             **{unique_module.HEADER: published.headers[0][unique_module.HEADER]},
         )
         unique = type(task)._lock_options.unique
-        assert unique_module.on_start(task, forged, store, "k:1", settings, unique, 30, 0) is None
+        assert start_copy(task, forged, store, "k:1", settings, unique, 30, 0) is None
         unique_module.on_rejected(forged, store, "k:1", settings)
         unique_module._on_revoked(sender=task, request=forged)
         info = store.get("queued:k:1")
@@ -97,7 +98,7 @@ class TestDebounceHandOver:
         unique = type(task)._lock_options.unique
         settings = config.get_settings(app)
         try:
-            unique_module.on_start(task, request, store, "k:1", settings, unique, 30, 0)
+            start_copy(task, request, store, "k:1", settings, unique, 30, 0)
         except Ignore:
             ran = False
         else:
@@ -120,7 +121,7 @@ class TestFakeClockAroundQueueTtl:
         assert b.id != a.id
         unique = type(task)._lock_options.unique
         settings = config.get_settings(app)
-        unique_module.on_start(
+        start_copy(
             task, request_of(published.headers[0]), store, "k:1", settings, unique, 30, 0
         )
         info = store.get("queued:k:1")
@@ -176,7 +177,7 @@ class TestRedelivery:
         settings = config.get_settings(app)
         unique = type(task)._lock_options.unique
         with pytest.raises(Ignore, match="finished"):
-            unique_module.on_start(task, request, store, "k:1", settings, unique, 30, 0)
+            start_copy(task, request, store, "k:1", settings, unique, 30, 0)
         assert task.AsyncResult(first.id).get() == 1
 
     def test_a_copy_turned_away_by_another_copy_frees_its_queued_key(

@@ -28,6 +28,7 @@ from tests.unit.unique_copies import (
     deliver,
     hook_once,
     request_of,
+    start_copy,
 )
 
 
@@ -308,9 +309,9 @@ class TestWithdrawAfterFailedPublish:
         options = type(task)._lock_options.unique
         x_request = request_of(published.headers[1])
         with pytest.raises(Ignore):
-            unique_module.on_start(task, x_request, store, "k:1", settings, options, 30, 0)
+            start_copy(task, x_request, store, "k:1", settings, options, 30, 0)
         a_request = request_of(published.headers[0])
-        hold = unique_module.on_start(task, a_request, store, "k:1", settings, options, 30, 0)
+        hold = start_copy(task, a_request, store, "k:1", settings, options, 30, 0)
         assert hold is None  # A runs its body (no Ignore)
 
 
@@ -333,7 +334,7 @@ class TestWithdrawWhileTheWaitingCopyStarts:
         settings = config.get_settings(task.app)
         options = type(task)._lock_options.unique
         try:
-            unique_module.on_start(
+            start_copy(
                 task, request_of(published.headers[0]), store, "k:1", settings, options, 30, 0
             )
         except Ignore as exc:
@@ -492,7 +493,7 @@ class TestWithdrawWhileTheWaitingCopyStarts:
         def start() -> None:
             options = type(task)._lock_options.unique
             try:
-                unique_module.on_start(
+                start_copy(
                     task,
                     request_of(published.headers[0]),
                     store,
@@ -544,7 +545,7 @@ class TestUntilDoneDebounceStart:
         def start_a() -> None:
             store.acquire("k:1", make_owner(task=task.name, task_id=a.id), 30_000)
             try:
-                unique_module.on_start(
+                start_copy(
                     task, request_of(published.headers[0]), store, "k:1", settings, options, 30, 0
                 )
             except Ignore:
