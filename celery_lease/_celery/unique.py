@@ -97,7 +97,9 @@ from a dead one: the body runs again, as acks_late promises (at least once).
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
 body). A duplicate call that carries callbacks (``link``, ``link_error``, a chain's next steps)
-raises :class:`~celery_lease.AlreadyQueuedError` whatever ``on_duplicate`` says: they are never
+or is a group or chord member (``group_id``, ``chord``: its id is pre-assigned, and the group's
+result and the chord's body wait for that id, whatever ``apply_async`` returns) raises
+:class:`~celery_lease.AlreadyQueuedError` whatever ``on_duplicate`` says: they are never
 dropped silently.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
@@ -174,7 +176,10 @@ clock: Clock = SYSTEM_CLOCK
 _TRIES = 8
 """Attempts when the key flips between free and held under our feet."""
 
-_CALLBACKS = ("link", "link_error", "chain")
+_CALLBACKS = ("link", "link_error", "chain", "chord", "group_id")
+"""Options of a call whose duplicate raises whatever ``on_duplicate`` says: callbacks, a
+chain's next steps, and a group or chord member (published under its own pre-assigned id, which
+its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns)."""
 
 _USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
 """Store class -> whether its acquire_or_holder may stand for its acquire

@@ -11,7 +11,7 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
-from celery import Celery
+from celery import Celery, chord, group
 
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease._celery import unique as unique_module
@@ -197,6 +197,43 @@ class TestDuplicates:
         with pytest.raises(AlreadyQueuedError):
             (task.s(6) | other.s()).apply_async()
         assert len(published.ids) == 1
+
+
+class TestCanvasMembers:
+    """A group or chord member is published under its own pre-assigned id, and Celery ignores
+    what its apply_async returns: handed the existing copy's result instead, its id would never
+    finish (GroupResult.get() and the chord's body waiting for ever)."""
+
+    def test_a_duplicate_group_member_raises(self, app: Celery, published: Published) -> None:
+        """group(t(4), t(4)): the second member is a duplicate of the first and raises, naming
+        it; only the first was published."""
+        task = define(app, "t.group", lock_unique="until_done")
+        with pytest.raises(AlreadyQueuedError) as caught:
+            group(task.s(4), task.s(4)).apply_async()
+        assert published.ids == [caught.value.task_id]
+
+    def test_a_chord_overlapping_a_waiting_one_raises(
+        self, app: Celery, published: Published
+    ) -> None:
+        """Two chords sharing a member key: the second one raises at the shared member instead
+        of leaving its body waiting for a member id that is never published."""
+        task = define(app, "t.chord", lock_unique="while_queued")
+        collect = define(app, "t.chord.body")
+        chord([task.s(1), task.s(2)], collect.s()).apply_async()
+        first = list(published.ids)
+        assert len(first) == 2
+        with pytest.raises(AlreadyQueuedError) as caught:
+            chord([task.s(2), task.s(3)], collect.s()).apply_async()
+        assert caught.value.task_id == first[1]
+        assert published.ids == first
+
+    def test_a_group_member_that_is_no_duplicate_is_published(
+        self, app: Celery, published: Published
+    ) -> None:
+        """Members on keys of their own are published as usual, each under its own id."""
+        task = define(app, "t.group.free", lock_unique="until_done")
+        result = group(task.s(5), task.s(6)).apply_async()
+        assert published.ids == [r.id for r in result.results]
 
 
 class TestUntilDone:
