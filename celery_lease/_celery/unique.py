@@ -91,7 +91,10 @@ backend; not RETRY, which also shows while a retry attempt runs), and is re-sent
 the run key is held (by its copy or a newer one) or the backend cannot answer. It runs the
 body only when it found the run key free and its copy not done on two arrivals a ttl apart (its
 copy's worker died); one such arrival may fall between the copy's release and its stored
-result. Without a stored result (``ignore_result``, no backend) a finished copy cannot be told
+result. The running copy may end between the refused acquire and the read of the run key's
+holder: a delivery that then finds the key free is handled as a second delivery all the same
+(who refused it cannot be told any more), and one that finds another copy there while its own
+copy is done ends without the policy, nothing stored. Without a stored result (``ignore_result``, no backend) a finished copy cannot be told
 from a dead one: the body runs again, as acks_late promises (at least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
@@ -1051,6 +1054,21 @@ def on_rejected(
             if task is not None and ttl is not None:
                 _defer(task, request, key, ttl, 1)
             return
+        if run is None and task_id is not None and task is not None and ttl is not None:
+            # Free when read: whoever refused this delivery let go in between, and it may have
+            # been this very copy (its first delivery, just finished: on_held would fire the
+            # failure path of a copy that succeeded). Who it was cannot be told any more, so it
+            # is handled as a second delivery: dropped if its copy is done, else re-sent; it
+            # runs its body only if its copy is still not done on two free arrivals a ttl
+            # apart (a rejected copy whose holder has ended then runs, later). Its queued key
+            # goes with it.
+            _defer(task, request, key, ttl, 1)
+        if task_id is not None and task is not None and ttl is not None:
+            # Held by another copy now; it may have taken the key after this very copy (the
+            # one that refused this delivery) finished. A delivery of a copy that is done ends
+            # here, nothing stored: never the failure path of a copy that ran.
+            if _finished(task, task_id):
+                _drop_finished(task, task_id)
     if owner is not None and policy != "retry":
         _release_quietly(store, qkey, owner, "the copy was rejected")
 

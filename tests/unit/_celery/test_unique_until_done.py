@@ -17,13 +17,19 @@ import pytest
 from celery import Celery
 from celery.exceptions import Ignore, Reject
 
-from celery_lease import MemoryLockStore, signals
+from celery_lease import LockedTask, MemoryLockStore, signals
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner
 from celery_lease.testing import FakeClock
 from tests.unit._celery.test_deferral import only_our_receivers  # noqa: F401 (autouse fixture)
-from tests.unit.conftest import Published, SpyStore
-from tests.unit.unique_copies import Bodies, define_recorded, deliver, until_done_copy
+from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
+from tests.unit.unique_copies import (
+    Bodies,
+    define_recorded,
+    deliver,
+    hook_once,
+    until_done_copy,
+)
 
 
 class TestDeferredMeetsAnotherCopy:
@@ -355,3 +361,88 @@ class TestUntilDoneWithoutWaiting:
         # The run lease's release was answered before the queued key's went another way.
         log = store.log
         assert log.index("read release k:1") < log.index("release queued:k:1 (pool)")
+
+
+class TestSecondDeliveryAsItsCopyEnds:
+    @pytest.mark.parametrize("stored", [True, False], ids=["result-stored", "result-not-yet"])
+    def test_the_copy_ending_after_the_refusal_fires_no_failure_path(
+        self,
+        app: Celery,
+        published: Published,
+        store: SpyStore,
+        monkeypatch: pytest.MonkeyPatch,
+        stored: bool,
+    ) -> None:
+        """A second delivery of a running copy is refused the run key by that copy; the copy
+        then finishes (run lease and queued key released, its SUCCESS stored or about to be)
+        before the delivery looks at who held the key. The delivery is still no rejection:
+        on_held is not applied (no LockNotAcquiredError, whose FAILURE would fire task_failure,
+        on_failure and the errbacks; no lock_rejected), the
+        body does not run again, and nothing is stored under the id."""
+        bodies = Bodies()
+        gate = threading.Event()
+
+        @app.task(
+            name="d.ends-between", base=LockedTask, lock_key="k:{n}", lock_wait=0, shared=False,
+            bind=True, lock_unique="until_done", acks_late=True,
+        )  # fmt: skip
+        def body(self: Any, n: int) -> int:
+            with bodies.lock:
+                bodies.runs.append((self.request.id, 0))
+            assert gate.wait(REAL_TIMEOUT)
+            return n
+
+        task = body._get_current_object()
+        first = task.delay(1)
+        headers = published.headers[0]
+        running = threading.Event()
+        first_done: list[Any] = []
+
+        def first_delivery() -> None:
+            first_done.append(deliver(task, headers, deferred=False))
+            if stored:
+                task.backend.mark_as_done(first.id, first_done[0])  # what the tracer does next
+
+        runner = threading.Thread(target=first_delivery)
+        started = signals.lock_acquired.connect(lambda sender=None, **_: running.set(), weak=False)
+        runner.start()
+        assert running.wait(REAL_TIMEOUT)
+        signals.lock_acquired.disconnect(started)
+
+        def copy_finishes() -> None:  # between the refused acquire and the holder read
+            gate.set()
+            runner.join(REAL_TIMEOUT)
+            assert not runner.is_alive()
+
+        hook_once(monkeypatch, store, "acquire", lambda key, *_: key == "k:1", copy_finishes,
+                  after=True)  # fmt: skip
+        rejected: list[Any] = []
+
+        def on_rejected(sender: Any = None, **kwargs: Any) -> None:
+            rejected.append(kwargs)
+
+        signals.lock_rejected.connect(on_rejected, weak=False)
+        try:
+            with pytest.raises(Ignore):  # the engine's failure path: LockNotAcquiredError
+                deliver(task, headers, deferred=False)
+        finally:
+            signals.lock_rejected.disconnect(on_rejected)
+        assert first_done == [1]
+        assert bodies.runs == [(first.id, 0)]
+        assert rejected == []
+        assert task.AsyncResult(first.id).state == ("SUCCESS" if stored else "PENDING")
+
+    def test_a_delivery_of_a_finished_copy_refused_by_the_next_one_stores_nothing(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """The copy finished (SUCCESS stored) and the next copy took the run key before this
+        delivery of the finished copy looked: it ends without the policy, nothing stored, and
+        leaves the queued key alone."""
+        bodies, task, first, headers = until_done_copy(app, published, "d.next-holds")
+        task.backend.mark_as_done(first.id, 1)
+        store.acquire("k:1", make_owner(task=task.name, task_id="next-id"), 60_000)
+        with pytest.raises(Ignore, match="finished"):
+            deliver(task, headers, deferred=False)
+        assert bodies.runs == []
+        assert task.AsyncResult(first.id).get() == 1
+        assert store.get("queued:k:1") is not None
