@@ -94,8 +94,9 @@ copy's worker died); one such arrival may fall between the copy's release and it
 result. The running copy may end between the refused acquire and the read of the run key's
 holder: a delivery that then finds the key free is handled as a second delivery all the same
 (who refused it cannot be told any more), and one that finds another copy there while its own
-copy is done ends without the policy, nothing stored. Without a stored result (``ignore_result``, no backend) a finished copy cannot be told
-from a dead one: the body runs again, as acks_late promises (at least once).
+copy is done ends without the policy, nothing stored. Without a stored result
+(``ignore_result``, no backend) a finished copy cannot be told from a dead one: the body runs
+again, as acks_late promises (at least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -1023,7 +1024,9 @@ def on_rejected(
     published. When the run lease is held by this very task id (a second delivery of the
     running copy), the queued key is the running body's; with ``task`` and ``ttl`` given (the
     engine's call) the delivery is re-sent to wait for that copy and ``Ignore`` is raised: the
-    policy is not applied, nothing is stored under the id (see the module docstring).
+    policy is not applied, nothing is stored under the id (see the module docstring). So too
+    when the run key is found free (its holder let go after the refusal: it may have been this
+    very copy), and a delivery whose copy is done ends (``Ignore``) whoever holds the key now.
 
     Raises:
         Ignore: a second delivery of the running copy, re-sent (or its copy finished).
@@ -1063,12 +1066,16 @@ def on_rejected(
             # apart (a rejected copy whose holder has ended then runs, later). Its queued key
             # goes with it.
             _defer(task, request, key, ttl, 1)
-        if task_id is not None and task is not None and ttl is not None:
-            # Held by another copy now; it may have taken the key after this very copy (the
-            # one that refused this delivery) finished. A delivery of a copy that is done ends
-            # here, nothing stored: never the failure path of a copy that ran.
-            if _finished(task, task_id):
-                _drop_finished(task, task_id)
+        # Held by another copy now; it may have taken the key after this very copy (the one
+        # that refused this delivery) finished. A delivery of a copy that is done ends here,
+        # nothing stored: never the failure path of a copy that ran.
+        if (
+            task_id is not None
+            and task is not None
+            and ttl is not None
+            and _finished(task, task_id)
+        ):
+            _drop_finished(task, task_id)
     if owner is not None and policy != "retry":
         _release_quietly(store, qkey, owner, "the copy was rejected")
 

@@ -72,8 +72,7 @@ def test_a_burst_runs_the_newest_body_once_and_revokes_the_rest(
     runs = ["r" + uuid.uuid4().hex[:11] for _ in range(BURSTS)]
     results = {
         run: [
-            body.apply_async((run, n), queue=queue, link_error=errback.s(run))
-            for n in range(CALLS)
+            body.apply_async((run, n), queue=queue, link_error=errback.s(run)) for n in range(CALLS)
         ]
         for run in runs
     }

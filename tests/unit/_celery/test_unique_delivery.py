@@ -121,9 +121,7 @@ class TestFakeClockAroundQueueTtl:
         assert b.id != a.id
         unique = type(task)._lock_options.unique
         settings = config.get_settings(app)
-        start_copy(
-            task, request_of(published.headers[0]), store, "k:1", settings, unique, 30, 0
-        )
+        start_copy(task, request_of(published.headers[0]), store, "k:1", settings, unique, 30, 0)
         info = store.get("queued:k:1")
         assert info is not None and parse_owner(info.owner).task_id == b.id
         assert task.delay(1).id == b.id
