@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from celery import Celery, states
-from celery.exceptions import Ignore, TaskRevokedError
+from celery.exceptions import Ignore, Retry, TaskRevokedError
 
 from celery_lease import LockedTask
 from celery_lease._celery import settings as config
@@ -558,3 +558,35 @@ class TestUntilDoneDebounceStart:
         assert ran == [True]
         assert n.id == a.id, "N was enqueued while A's body runs"
         assert published.ids == [a.id]
+
+
+class TestDebouncedRetry:
+    @pytest.mark.parametrize("unique", ["while_queued", "until_done"])
+    def test_a_retry_of_a_debounced_copy_runs_its_body(
+        self, app: Celery, published: Published, store: SpyStore, unique: str
+    ) -> None:
+        """A debounced copy whose body calls retry(): the retry attempt (same id) comes back
+        within the run ttl and finds its tombstone claimed by its own first attempt. That claim
+        is its own, not a newer call's: the retry runs its body and is not stored REVOKED
+        "superseded by" itself."""
+        bodies = Bodies()
+
+        @app.task(
+            name=f"d.retry.{unique}", base=LockedTask, lock_key="k:{n}", lock_wait=0,
+            lock_ttl=30, lock_unique=unique, lock_debounce=1, shared=False, bind=True,
+        )  # fmt: skip
+        def body(self: Any, n: int) -> int:
+            with bodies.lock:
+                bodies.runs.append((self.request.id, int(self.request.retries or 0)))
+            if not self.request.retries:
+                raise self.retry(countdown=1)
+            return n
+
+        task = body._get_current_object()
+        first = task.delay(1)
+        with pytest.raises(Retry):
+            deliver(task, published.headers[0], deferred=False)
+        assert published.ids == [first.id, first.id]
+        assert deliver(task, published.headers[1], deferred=False, retries=1) == 1
+        assert bodies.runs == [(first.id, 0), (first.id, 1)]
+        assert task.AsyncResult(first.id).state != "REVOKED"
