@@ -590,3 +590,24 @@ class TestDebouncedRetry:
         assert deliver(task, published.headers[1], deferred=False, retries=1) == 1
         assert bodies.runs == [(first.id, 0), (first.id, 1)]
         assert task.AsyncResult(first.id).state != "REVOKED"
+
+    def test_a_call_meeting_the_started_claim_before_the_run_lease_is_the_duplicate(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """until_done with debounce: N reads the waiting copy A's queued lease; A arrives at a
+        worker and claims its tombstone (its run lease not taken yet, its queued lease kept);
+        N, refused the tombstone by A's own claim, is A's duplicate (not an error, no copy)."""
+        task = define_task(app, "d.claim-race", lock_unique="until_done", lock_debounce=1)
+        a = task.delay(1, 1)
+        settings = config.get_settings(app)
+        options = type(task)._lock_options.unique
+        request = request_of(published.headers[0])
+
+        def a_arrives() -> None:
+            unique_module.on_arrival(task, request, store, "k:1", settings, options, 30)
+
+        hook_once(monkeypatch, store, "get", lambda key: key == "queued:k:1", a_arrives, after=True)
+        assert task.apply_async((1, 2), task_id="N").id == a.id
+        assert published.ids == [a.id]
+        held = store.get("queued:k:1")
+        assert held is not None and parse_owner(held.owner).task_id == a.id
