@@ -132,7 +132,7 @@ from celery_lease._celery.protocols import (
 from celery_lease._celery.spec import Spec, options_of
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.owners import is_queued_owner, make_owner, parse_owner, queued_owner
+from celery_lease._core.owners import is_queued_owner, parse_owner, queued_owner
 from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease._core.unique_options import (
     BUILTIN_QUEUE_TTL,
@@ -946,7 +946,7 @@ def on_arrival(
     if waits_beside:
         store.release(qkey, owner)
     tomb = superseded_key(task_id, prefix)
-    claim = make_owner(task=getattr(task, "name", "?"), task_id=task_id, label=STARTED)
+    claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000), STARTED)
     stands, newer = False, None
     for _ in range(_TRIES):
         if store.acquire(tomb, claim, _ms(ttl)) is not None:
@@ -978,7 +978,7 @@ STARTED = "started"
 
 def _is_started_claim(owner: str) -> bool:
     """Whether ``owner`` is a copy's claim on its own tombstone (not a superseding call's)."""
-    return not is_queued_owner(owner) and parse_owner(owner).label == STARTED
+    return is_queued_owner(owner) and parse_owner(owner).label == STARTED
 
 
 def _queued_since(owner: str, request: TaskRequest) -> float:

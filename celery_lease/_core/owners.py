@@ -220,16 +220,19 @@ def make_owner(
     return f"{owner};at={time.time_ns() // 1_000_000}"
 
 
-def queued_owner(task: str, task_id: str, at_ms: int) -> str:
-    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``).
+def queued_owner(task: str, task_id: str, at_ms: int, label: str | None = None) -> str:
+    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``);
+    ``label`` (``l=``, read back as ``Holder.label``) tells one kind of such lease from another
+    (a debounced copy's claim on its own tombstone key).
 
     Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
     (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
     acquire by the same owner is the holder again).
     """
+    tail = "" if label is None else f";l={_field('label', label)}"
     return (
         f"{QUEUED_OWNER_HEAD}t={_field('task', task)};i={_field('task_id', task_id)};at={at_ms}"
-        f";n={new_nonce()}"
+        f"{tail};n={new_nonce()}"
     )
 
 

@@ -9,7 +9,13 @@ import pytest
 from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, LockNotAcquiredError, MemoryLockStore, lease
-from celery_lease._core.owners import MAX_FIELD_CHARS, make_owner, parse_owner
+from celery_lease._core.owners import (
+    MAX_FIELD_CHARS,
+    is_queued_owner,
+    make_owner,
+    parse_owner,
+    queued_owner,
+)
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT
 
@@ -109,3 +115,20 @@ class TestOwnerIds:
             assert parse_owner(held.owner).task_id == "same-id"
             info = store.get("k")
             assert info is not None and info.owner == held.owner
+
+
+class TestQueuedOwner:
+    def test_a_label_is_read_back_and_the_owner_stays_a_queued_one(self) -> None:
+        """queued_owner(..., label): a queued owner whose label parse_owner reads back; none
+        without it; two owners made alike still differ (the nonce)."""
+        owner = queued_owner("t.name", "id;1", 1234, "started")
+        held = parse_owner(owner)
+        assert is_queued_owner(owner)
+        assert (held.task, held.task_id, held.label, held.taken_at) == (
+            "t.name",
+            "id;1",
+            "started",
+            1.234,
+        )
+        assert parse_owner(queued_owner("t.name", "id;1", 1234)).label is None
+        assert queued_owner("t", "i", 1, "started") != queued_owner("t", "i", 1, "started")
