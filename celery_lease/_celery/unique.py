@@ -494,6 +494,7 @@ def _debounced(
     # have been handed this call's id (it found the tombstone ours and us not superseded), so
     # a call that ends up publishing nothing leaves a final state under its id (see _gave_way).
     superseding = False
+    started: str | None = None  # a copy seen started whose queued lease stayed held
 
     def gave_way(existing: str | None) -> AsyncResultLike:
         if superseding:
@@ -545,6 +546,15 @@ def _debounced(
                     # The copy started (on_arrival): it keeps its queued lease until its run
                     # lease is held, and runs; this call is its duplicate.
                     return gave_way(old.task_id)
+                if (
+                    claimed is not None
+                    and writer == old.task_id
+                    and _is_started_claim(claimed.owner)
+                ):
+                    # The copy started; it frees its queued lease at once, unless it is waiting
+                    # again (its retry took the key back): the duplicate of that retry if the
+                    # key is still its own after every try.
+                    started = old.task_id
                 if writer is None or writer == old.task_id:
                     continue  # gone, or the copy claimed it itself (it started): look again
                 if not _has_tomb(inspect, writer, prefix):
@@ -611,7 +621,7 @@ def _debounced(
         if superseding:
             _fail_quietly(task, task_id, exc)
         raise
-    return gave_way(None)
+    return gave_way(started)
 
 
 def _gave_way(task: CeleryTask, task_id: str, existing: str | None) -> None:

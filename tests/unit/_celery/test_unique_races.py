@@ -611,3 +611,28 @@ class TestDebouncedRetry:
         assert published.ids == [a.id]
         held = store.get("queued:k:1")
         assert held is not None and parse_owner(held.owner).task_id == a.id
+
+    def test_a_call_during_the_retry_wait_of_a_debounced_copy_gets_an_answer(
+        self, app: Celery, published: Published, store: SpyStore
+    ) -> None:
+        """while_queued with debounce: the copy's first attempt claimed its tombstone and
+        retried (its queued lease taken again for the retry). A call during the retry's wait
+        can neither supersede it (the claim stands for the run ttl) nor take the key: it is the
+        waiting retry's duplicate, not an AlreadyQueuedError naming no copy."""
+        bodies = Bodies()
+
+        @app.task(
+            name="d.retry-wait", base=LockedTask, lock_key="k:{n}", lock_wait=0, lock_ttl=30,
+            lock_unique="while_queued", lock_debounce=1, shared=False, bind=True,
+        )  # fmt: skip
+        def body(self: Any, n: int) -> int:
+            with bodies.lock:
+                bodies.runs.append((self.request.id, int(self.request.retries or 0)))
+            raise self.retry(countdown=1)
+
+        task = body._get_current_object()
+        first = task.delay(1)
+        with pytest.raises(Retry):
+            deliver(task, published.headers[0], deferred=False)
+        assert task.delay(1).id == first.id
+        assert published.ids == [first.id, first.id]
