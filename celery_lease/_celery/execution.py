@@ -371,10 +371,13 @@ def _run_locked(
         _unique.on_arrival(
             cast("CeleryTask", task), request, store, key, settings, options.unique, ttl
         )
+        # A refusal names its holder in the same step where the store can: a second delivery
+        # of a running copy is told from a rejection even if that copy ends just after.
+        context.names_holder = _unique.names_holder(store)
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
-        _rejected(run, request, store, settings, ttl, exc)  # raises, or skips: None
+        _rejected(run, request, store, settings, ttl, exc, context.refused_by)  # raises, or None
         return None
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
@@ -473,15 +476,24 @@ def _rejected(
     settings: config.LeaseSettings,
     ttl: float,
     exc: LockNotAcquiredError,
+    refused_by: str | None = None,
 ) -> None:
     """The key stayed held past ``wait``: a unique copy frees its queued key, then the
-    ``on_held`` policy decides (:func:`celery_lease._celery.on_held.apply_policy`)."""
+    ``on_held`` policy decides (:func:`celery_lease._celery.on_held.apply_policy`).
+    ``refused_by``: the holder the last refused attempt named, where the store names it."""
     task, key, options = run.task, run.key, run.options
     if options.unique is not None:
         # Its queued key, if any; a second delivery of its own running copy is re-sent
         # for later and ends here (Ignore), whatever on_held says.
         _unique.on_rejected(
-            request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
+            request,
+            store,
+            key,
+            settings,
+            task=task,
+            ttl=ttl,
+            policy=options.on_held,
+            refused_by=refused_by,
         )
     nested = current_run(getattr(request, "id", None)) is not None
     on_held.apply_policy(task, request, key, options, exc, nested=nested)

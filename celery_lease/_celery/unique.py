@@ -91,10 +91,12 @@ backend; not RETRY, which also shows while a retry attempt runs), and is re-sent
 the run key is held (by its copy or a newer one) or the backend cannot answer. It runs the
 body only when it found the run key free and its copy not done on two arrivals a ttl apart (its
 copy's worker died); one such arrival may fall between the copy's release and its stored
-result. The running copy may end between the refused acquire and the read of the run key's
-holder: a delivery that then finds the key free is handled as a second delivery all the same
-(who refused it cannot be told any more), and one that finds another copy there while its own
-copy is done ends without the policy, nothing stored. Without a stored result
+result. Who refused the key comes from the refused acquire itself where the store names the
+holder in the same step (:func:`names_holder`; the engine sets ``LeaseContext.names_holder``);
+elsewhere it is read after the refusal, and the running copy may end in between: a delivery
+that then finds the key free is handled as a second delivery all the same (who refused it
+cannot be told any more). A delivery whose copy is done ends without the policy, nothing
+stored, whoever holds the key. Without a stored result
 (``ignore_result``, no backend) a finished copy cannot be told from a dead one: the body runs
 again, as acks_late promises (at least once).
 
@@ -156,6 +158,7 @@ __all__ = [
     "NAMESPACE",
     "apply_unique",
     "checks_apply_async",
+    "names_holder",
     "on_arrival",
     "on_rejected",
     "on_start",
@@ -305,6 +308,13 @@ def apply_unique(
             return _duplicate(task, unique, key, task_id, parse_owner(info.owner).task_id, options)
         return _publish(apply, args, kwargs, task_id, options, store, qkey, owner, failed_for=task)
     return _duplicate(task, unique, key, task_id, None, options)
+
+
+def names_holder(store: LockStore) -> bool:
+    """Whether the run lease of a unique copy is taken through ``store.acquire_or_holder``, so
+    that a refusal names its holder atomically (:func:`on_rejected`'s ``refused_by``): the
+    rule :func:`_uses_acquire_or_holder` applies to the queued lease."""
+    return _uses_acquire_or_holder(store)
 
 
 def _uses_acquire_or_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
@@ -1027,6 +1037,7 @@ def on_rejected(
     task: CeleryTask | None = None,
     ttl: float | None = None,
     policy: str = "raise",
+    refused_by: str | None = None,
 ) -> None:
     """The run lease stayed held and the copy ends without its body: free its queued key.
 
@@ -1034,9 +1045,13 @@ def on_rejected(
     published. When the run lease is held by this very task id (a second delivery of the
     running copy), the queued key is the running body's; with ``task`` and ``ttl`` given (the
     engine's call) the delivery is re-sent to wait for that copy and ``Ignore`` is raised: the
-    policy is not applied, nothing is stored under the id (see the module docstring). So too
-    when the run key is found free (its holder let go after the refusal: it may have been this
-    very copy), and a delivery whose copy is done ends (``Ignore``) whoever holds the key now.
+    policy is not applied, nothing is stored under the id (see the module docstring).
+
+    Who held it: ``refused_by``, the owner id the refused acquire itself named (the engine's
+    call, on a store that answers it atomically: :func:`names_holder`), else the run key's
+    holder read now. A key read free now may have been refused by this very copy, which ended
+    in between: handled as a second delivery too. A delivery whose copy is done ends
+    (``Ignore``, nothing stored) whoever holds the key.
 
     Raises:
         Ignore: a second delivery of the running copy, re-sent (or its copy finished).
@@ -1046,28 +1061,33 @@ def on_rejected(
         return
     task_id = getattr(request, "id", None)
     deferred = _deferrals(request)
-    if deferred and task_id is not None and task is not None and ttl is not None:
+    engine = task is not None and ttl is not None
+    if deferred and task_id is not None and engine:
         # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
         # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
         # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
-        _defer(task, request, key, ttl, deferred)  # dropped there when its copy is done
+        _defer(cast("CeleryTask", task), request, key, cast(float, ttl), deferred)
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
         return
-    if is_inspectable(store):
+    known = refused_by is not None or is_inspectable(store)
+    holder = refused_by
+    if holder is None and is_inspectable(store):
         try:
             run = store.get(key)
         except Exception as exc:
             logger.warning("celery-lease: reading %r failed (%s); %r is kept", key, exc, qkey)
             return  # frees itself within its ttl: never freed while its own body may run
-        if task_id is not None and run is not None and parse_owner(run.owner).task_id == task_id:
+        holder = run.owner if run is not None else None
+    if known and task_id is not None:
+        if holder is not None and parse_owner(holder).task_id == task_id:
             # Its own run lease (acks_late redelivery of the running copy): the running body
             # keeps the queued key (until_done); it is not this delivery's to free.
-            if task is not None and ttl is not None:
-                _defer(task, request, key, ttl, 1)
+            if engine:
+                _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1)
             return
-        if run is None and task_id is not None and task is not None and ttl is not None:
+        if holder is None and engine:
             # Free when read: whoever refused this delivery let go in between, and it may have
             # been this very copy (its first delivery, just finished: on_held would fire the
             # failure path of a copy that succeeded). Who it was cannot be told any more, so it
@@ -1075,17 +1095,13 @@ def on_rejected(
             # runs its body only if its copy is still not done on two free arrivals a ttl
             # apart (a rejected copy whose holder has ended then runs, later). Its queued key
             # goes with it.
-            _defer(task, request, key, ttl, 1)
-        # Held by another copy now; it may have taken the key after this very copy (the one
-        # that refused this delivery) finished. A delivery of a copy that is done ends here,
-        # nothing stored: never the failure path of a copy that ran.
-        if (
-            task_id is not None
-            and task is not None
-            and ttl is not None
-            and _finished(task, task_id)
-        ):
-            _drop_finished(task, task_id)
+            _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1)
+        # Held by another copy; it may have taken the key after this very copy finished (read
+        # after the refusal), or this is a late delivery of a finished copy. A delivery of a
+        # copy that is done ends here, nothing stored: never the failure path of a copy that
+        # ran.
+        if engine and _finished(cast("CeleryTask", task), task_id):
+            _drop_finished(cast("CeleryTask", task), task_id)
     if owner is not None and policy != "retry":
         _release_quietly(store, qkey, owner, "the copy was rejected")
 

@@ -45,6 +45,7 @@ from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquired
 from celery_lease.stores.base import (
     AsyncLockStore,
     LockStore,
+    SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
 )
@@ -545,6 +546,13 @@ class LeaseContext:
         # go out
         # without waiting for its reply (SupportsDeferredRelease).
         self.defer_release = False
+        # The caller needs to know who refused the key (a unique copy telling a second delivery
+        # of itself from a rejection; celery_lease._celery.unique decides which stores may
+        # answer through acquire_or_holder): each attempt then goes through
+        # SupportsAcquireOrHolder.acquire_or_holder, and ``refused_by`` is the owner id the
+        # last refused attempt named, read in the same atomic step as the refusal.
+        self.names_holder = False
+        self.refused_by: str | None = None
 
     # Decorator --------------------------------------------------------------------------------
 
@@ -830,7 +838,12 @@ class LeaseContext:
                 raise LockNotAcquiredError(self.key, "cancelled")
             sent_at = clock.monotonic()
             try:
-                token = store.acquire(self.key, owner, ttl_ms)
+                if self.names_holder:
+                    token, self.refused_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(
+                        self.key, owner, ttl_ms
+                    )
+                else:
+                    token = store.acquire(self.key, owner, ttl_ms)
             except BaseException:
                 # The attempt may have taken effect and lost its reply: free it (the owner id
                 # is this attempt's own, so this can never free someone else's lease). On the

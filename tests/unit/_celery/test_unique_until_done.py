@@ -20,6 +20,7 @@ from celery.exceptions import Ignore, Reject
 from celery_lease import LockedTask, MemoryLockStore, signals
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner
+from celery_lease.errors import LockNotAcquiredError
 from celery_lease.testing import FakeClock
 from tests.unit._celery.test_deferral import only_our_receivers  # noqa: F401 (autouse fixture)
 from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
@@ -363,7 +364,14 @@ class TestUntilDoneWithoutWaiting:
         assert log.index("read release k:1") < log.index("release queued:k:1 (pool)")
 
 
+REFUSALS = ["acquire", "acquire_or_holder"]
+"""The store call that refuses the run key, hooked: ``acquire`` (replaced on the instance, the
+engine reads the holder with a later ``get``) or ``acquire_or_holder`` (names it atomically)."""
+REFUSAL_IDS = ["holder-read-after", "holder-named-by-refusal"]
+
+
 class TestSecondDeliveryAsItsCopyEnds:
+    @pytest.mark.parametrize("op", REFUSALS, ids=REFUSAL_IDS)
     @pytest.mark.parametrize("stored", [True, False], ids=["result-stored", "result-not-yet"])
     def test_the_copy_ending_after_the_refusal_fires_no_failure_path(
         self,
@@ -372,6 +380,7 @@ class TestSecondDeliveryAsItsCopyEnds:
         store: SpyStore,
         monkeypatch: pytest.MonkeyPatch,
         stored: bool,
+        op: str,
     ) -> None:
         """A second delivery of a running copy is refused the run key by that copy; the copy
         then finishes (run lease and queued key released, its SUCCESS stored or about to be)
@@ -414,7 +423,7 @@ class TestSecondDeliveryAsItsCopyEnds:
             runner.join(REAL_TIMEOUT)
             assert not runner.is_alive()
 
-        hook_once(monkeypatch, store, "acquire", lambda key, *_: key == "k:1", copy_finishes,
+        hook_once(monkeypatch, store, op, lambda key, *_: key == "k:1", copy_finishes,
                   after=True)  # fmt: skip
         rejected: list[Any] = []
 
@@ -446,3 +455,30 @@ class TestSecondDeliveryAsItsCopyEnds:
         assert bodies.runs == []
         assert task.AsyncResult(first.id).get() == 1
         assert store.get("queued:k:1") is not None
+
+    @pytest.mark.parametrize("op", REFUSALS, ids=REFUSAL_IDS)
+    def test_a_copy_refused_by_another_that_ends_at_once_is_never_lost(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        op: str,
+    ) -> None:  # fmt: skip
+        """A copy refused the run key by another copy, which ends before the refusal's holder is
+        looked at. Where the refusal named its holder, on_held applies as for any rejection
+        (LockNotAcquiredError); where the key is only read afterwards (found free: the refuser
+        may have been this very copy) the delivery is re-sent as a second delivery, to run
+        later: never lost, never a failure of a copy that ran."""
+        bodies, task, first, headers = until_done_copy(app, published, f"d.other-ends.{op}")
+        other = make_owner(task=task.name, task_id="other-id")
+        store.acquire("k:1", other, 60_000)
+        hook_once(monkeypatch, store, op, lambda key, *_: key == "k:1",
+                  lambda: store.release("k:1", other), after=True)  # fmt: skip
+        if op == "acquire_or_holder":
+            with pytest.raises(LockNotAcquiredError):
+                deliver(task, headers, deferred=False)
+            assert published.ids == [first.id]
+            assert store.get("queued:k:1") is None  # the rejected copy freed its key
+        else:
+            with pytest.raises(Ignore):
+                deliver(task, headers, deferred=False)
+            assert published.ids == [first.id, first.id]
+            assert published.headers[1][unique_module.DEFERRED] == 1
+        assert bodies.runs == []
