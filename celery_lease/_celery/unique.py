@@ -96,9 +96,9 @@ holder in the same step (:func:`names_holder`; the engine sets ``LeaseContext.na
 elsewhere it is read after the refusal, and the running copy may end in between: a delivery
 that then finds the key free is handled as a second delivery all the same (who refused it
 cannot be told any more). A delivery whose copy is done ends without the policy, nothing
-stored, whoever holds the key. Without a stored result
-(``ignore_result``, no backend) a finished copy cannot be told from a dead one: the body runs
-again, as acks_late promises (at least once).
+stored, whoever holds the key. Without a stored result (``ignore_result``, no backend) a
+finished copy cannot be told from a dead one: the body runs again, as acks_late promises (at
+least once).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -550,20 +550,15 @@ def _debounced(
                 if (
                     claimed is not None
                     and writer == old.task_id
-                    and unique.unique == "until_done"
                     and _is_started_claim(claimed.owner)
                 ):
-                    # The copy started (on_arrival): it keeps its queued lease until its run
-                    # lease is held, and runs; this call is its duplicate.
-                    return gave_way(old.task_id)
-                if (
-                    claimed is not None
-                    and writer == old.task_id
-                    and _is_started_claim(claimed.owner)
-                ):
-                    # The copy started; it frees its queued lease at once, unless it is waiting
-                    # again (its retry took the key back): the duplicate of that retry if the
-                    # key is still its own after every try.
+                    if unique.unique == "until_done":
+                        # The copy started (on_arrival): it keeps its queued lease until its
+                        # run lease is held, and runs; this call is its duplicate.
+                        return gave_way(old.task_id)
+                    # It frees its queued lease at once, unless it waits again (its retry
+                    # took the key back): the duplicate of that retry if the key is still its
+                    # own after every try.
                     started = old.task_id
                 if writer is None or writer == old.task_id:
                     continue  # gone, or the copy claimed it itself (it started): look again
