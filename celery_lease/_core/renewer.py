@@ -30,6 +30,17 @@ direction: a refusal answered while the holder's exit waits for that renewal tur
 "finished" into ``"taken"`` (:meth:`Renewer.remove`): the store lost the lease while the body
 still counted on it, and that must not be hidden.
 
+**A key lost by expiry is freed at once.** When a loss ``"expired"`` or ``"max_hold"`` is
+recorded (by the renewer, the watchdog or a reader of ``Lease.lost``), a renewal may still have
+landed on the store: one answered too late, one whose reply was lost after it took effect, one
+still in flight. It extended the key by a whole ttl that nobody will use, and every other holder
+would be kept out until it runs out. So the renewer releases such a key, owner-checked, on its
+own thread as soon as no renewal of it is in flight (:meth:`Renewer._free_lapsed`), while the
+body may still run; the holder's exit releases it again, which is harmless. A key lost as
+``"taken"`` or ``"released"`` is not ours any more and is left alone; the owner check makes a
+release that comes after another owner took the key a no-op in any case. A renewal that lands
+after the release finds no lease of ours and is refused, so it cannot bring the key back.
+
 **No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
 lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
 (:mod:`celery_lease._core.dispatch`), so a callback that blocks never stalls other leases.
@@ -75,6 +86,7 @@ __all__ = [
     "DRIFT_FACTOR",
     "DRIFT_MARGIN",
     "FLIGHT_WAIT",
+    "FREED_ON_LOSS",
     "IDLE_EXIT",
     "IDLE_POLL",
     "Entry",
@@ -106,6 +118,10 @@ IDLE_POLL = 1.0
 
 COMPACT_AFTER = 256
 """Closed entries after which (and once as many as are held) the heaps drop their items."""
+
+FREED_ON_LOSS = frozenset({"expired", "max_hold"})
+"""Loss reasons after which the renewer releases the key itself (owner-checked): the lease ran
+out of time, so a renewal of it may have landed on the store and kept the key for nothing."""
 
 FLIGHT_WAIT = 1.0
 """Seconds (of the lease's clock) :meth:`Renewer.remove` waits at most for a renewal in flight.
@@ -236,6 +252,9 @@ class Renewer:
         self._watch_wake = threading.Event()
         self._stopping = False
         self._observers: tuple[_Observer, ...] = ()
+        # Entries recorded lost by expiry whose key the renewer thread releases (see the module
+        # docstring); under the lock.
+        self._lapsed: list[Entry] = []
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
 
@@ -475,6 +494,9 @@ class Renewer:
         entry.lost_reason = reason
         entry.closed = True
         self._forget(entry)
+        if reason in FREED_ON_LOSS:
+            self._lapsed.append(entry)
+            self._wake.set()  # the renewer thread frees it (after a renewal in flight returns)
 
     def _forget(self, entry: Entry) -> None:
         """Drop a closed ``entry`` from the held ones, noting when the renewer became idle.
@@ -593,8 +615,8 @@ class Renewer:
                     exit_at = idle_since + IDLE_EXIT
                     # Look again every IDLE_POLL seconds, so that a new lease due later than
                     # that needs no wake-up call (add() wakes the thread only for earlier ones).
-                    self._next_wake = min(exit_at, now + IDLE_POLL)
-                    if now >= exit_at or self._stopping:
+                    self._next_wake = now if self._lapsed else min(exit_at, now + IDLE_POLL)
+                    if (now >= exit_at or self._stopping) and not self._lapsed:
                         self._thread = None
                         self._watch_wake.set()  # lets the watchdog see that the renewer is gone
                         _note_running(self, False)
@@ -637,6 +659,34 @@ class Renewer:
         if to_renew:
             self.sweeps += 1
             self._notify_watched(self._renew_group(to_renew))
+        self._free_lapsed()
+
+    def _free_lapsed(self) -> None:
+        """Release, owner-checked, the keys of the leases recorded lost by expiry.
+
+        On the renewer thread, between two sweeps: no renewal of this store is in flight then,
+        so none can land after the release and keep the key. Watched like a store call; a
+        release that fails is logged (the key then expires by itself, as before) and does not
+        stop the others, nor the renewals.
+        """
+        with self._lock:
+            lapsed, self._lapsed = self._lapsed, []
+        if not lapsed:
+            return
+        self._begin_io()
+        try:
+            for entry in lapsed:
+                try:
+                    entry.store.release(entry.key, entry.owner)
+                except BaseException as exc:  # the renewer thread outlives any store error
+                    logger.warning(
+                        "celery-lease: freeing the key of the lost lease %r failed (%s);"
+                        " it expires within its ttl",
+                        entry.key,
+                        exc,
+                    )
+        finally:
+            self._end_io()
 
     def _notify_watched(self, losses: list[tuple[Entry, str]]) -> None:
         """Notify ``losses`` on the renewer thread, watched like a store call.

@@ -6,11 +6,15 @@
         client = redis.Redis(port=proxy.port)   # every chunk now arrives 50-70 ms late
         proxy.blackhole()                       # nothing gets through, connections stay open
         proxy.restore()
+        proxy.hold_replies()                    # requests reach the server; its replies wait
+        proxy.restore()
 
 It runs an asyncio loop on one daemon thread of the calling process. Each direction of each
 connection delivers its chunks in order, each no earlier than ``latency + uniform(0, jitter)``
 seconds after it was read. :meth:`blackhole` holds every byte (like a partition: nothing is lost,
 nothing arrives, new connections are accepted but nothing flows) until :meth:`restore`.
+:meth:`hold_replies` holds only what the server sends back: a command takes effect on the server
+and its reply is delayed until :meth:`restore` (a reply lost, then found, after the effect).
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class TcpProxy:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._open: asyncio.Event | None = None
+        self._replies: asyncio.Event | None = None
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
 
@@ -77,9 +82,18 @@ class TcpProxy:
         """Hold all traffic from now on (connections stay open, nothing is delivered)."""
         self._call(lambda: self._open_event().clear())
 
+    def hold_replies(self) -> None:
+        """Hold what the server sends from now on; requests still reach it."""
+        self._call(lambda: self._replies_event().clear())
+
     def restore(self) -> None:
-        """Deliver traffic again, held bytes first."""
-        self._call(lambda: self._open_event().set())
+        """Deliver traffic again (both directions), held bytes first."""
+
+        def reopen() -> None:
+            self._open_event().set()
+            self._replies_event().set()
+
+        self._call(reopen)
 
     def close(self) -> None:
         """Close every connection and the listener, and stop the thread."""
@@ -113,9 +127,15 @@ class TcpProxy:
         assert self._open is not None
         return self._open
 
+    def _replies_event(self) -> asyncio.Event:
+        assert self._replies is not None
+        return self._replies
+
     async def _start(self) -> None:
         self._open = asyncio.Event()
         self._open.set()
+        self._replies = asyncio.Event()
+        self._replies.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -142,8 +162,8 @@ class TcpProxy:
         self._writers.add(upstream_w)
         try:
             await asyncio.gather(
-                self._pump(client_r, upstream_w),
-                self._pump(upstream_r, client_w),
+                self._pump(client_r, upstream_w, replies=False),
+                self._pump(upstream_r, client_w, replies=True),
                 return_exceptions=True,
             )
         except asyncio.CancelledError:
@@ -153,7 +173,9 @@ class TcpProxy:
                 writer.close()
                 self._writers.discard(writer)
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, replies: bool
+    ) -> None:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
 
@@ -166,6 +188,8 @@ class TcpProxy:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 await self._open_event().wait()
+                if replies:
+                    await self._replies_event().wait()
                 try:
                     writer.write(data)
                     await writer.drain()

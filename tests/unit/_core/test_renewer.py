@@ -576,7 +576,10 @@ class TestBaseExceptionsOnOurThreads:
             clock.advance(1.0)
             poll_until(lambda: store.renewals >= 1, what="the first renewal")
             renewer = get_renewer(clock, store)
-            poll_until(lambda: clock.sleepers >= 1, what="the renewer waits again")
+            # Both the renewer and its watchdog (started by that renewal, idle between store
+            # calls): the watchdog alone waiting says nothing of whether the renewer has
+            # scheduled the retry yet, and time moved before that would skip it.
+            poll_until(lambda: clock.sleepers >= 2, what="the renewer waits again")
             assert renewer.thread is not None and renewer.thread.is_alive(), "renewer died"
             assert held._entry is not None and not held._entry.inflight
             clock.advance(0.2)  # the retry delay of a 3 s lease
