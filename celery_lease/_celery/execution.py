@@ -478,7 +478,7 @@ def _rejected(
             request, store, key, settings, task=task, ttl=ttl, policy=options.on_held
         )
     nested = current_run(getattr(request, "id", None)) is not None
-    on_held.apply_policy(task, request, key, options, exc, nested=nested)
+    on_held.apply_policy(task, request, key, options, exc, nested=nested, store=store, ttl=ttl)
 
 
 def _queued_hold(
