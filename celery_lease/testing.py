@@ -2,7 +2,10 @@
 
 ``FakeClock`` is accepted wherever a clock is (``MemoryLockStore``, ``lease()``, the renewer).
 Time moves only when a test calls :meth:`FakeClock.advance`, which wakes every thread waiting on
-the clock, so tests of expiry, waiting and renewal never sleep.
+the clock, so tests of expiry, waiting and renewal never sleep; with ``autojump_threshold`` it
+also moves by itself to the next deadline once every thread waiting on it has slept that long.
+A Celery task's lease runs on the clock of the store it is taken in, so under these fixtures
+its renewer sleeps on ``lease_clock``.
 
 :func:`override_lease_store` points an existing Celery app at another store inside a block.
 
@@ -269,7 +272,12 @@ else:
 
     @pytest.fixture
     def lease_clock() -> Iterator[FakeClock]:
-        """A :class:`FakeClock` starting at 1000.0 seconds.
+        """A :class:`FakeClock` starting at 1000.0 seconds, without autojump.
+
+        Autojump is off because the clock cannot see a thread that works without touching it
+        (the test's own thread between two steps): on a busy machine time could move under it.
+        A test that waits on its own thread turns it on: ``lease_clock.autojump_threshold =
+        0.01``.
 
         At teardown it calls :func:`celery_lease.shutdown`, so no celery-lease thread outlives
         the test (suites with a thread-leak check, such as Celery's ``threads_not_lingering``,

@@ -268,18 +268,18 @@ class TestATaskOnThePluginClock:
         started, go = threading.Event(), threading.Event()
 
         @app.task(base=LockedTask, lock_key="report", lock_ttl="30s")
-        def report() -> bool:
+        def renewed_report() -> bool:
             started.set()
             assert go.wait(REAL_TIMEOUT)
-            return bool(report.request.lock_lost)
+            return bool(renewed_report.request.lock_lost)
 
         lost = threading.Event()
 
         def heard(sender: object, **kwargs: Any) -> None:
             lost.set()
 
-        thread, out = _in_thread(lambda: report.apply().get())
-        lock_lost.connect(heard, sender=report, weak=False)
+        lock_lost.connect(heard, sender=renewed_report, weak=False)
+        thread, out = _in_thread(lambda: renewed_report.apply().get())
         try:
             assert started.wait(REAL_TIMEOUT)
             lease_clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
@@ -287,7 +287,7 @@ class TestATaskOnThePluginClock:
             lease_clock.advance(10)  # the renewer's turn: it finds the key released
             assert lost.wait(REAL_TIMEOUT), "no lock_lost: the renewer did not wake"
         finally:
-            lock_lost.disconnect(heard, sender=report)
+            lock_lost.disconnect(heard, sender=renewed_report)
             go.set()
             thread.join(REAL_TIMEOUT)
         assert not thread.is_alive()

@@ -295,7 +295,7 @@ class TestSkipReason:
         app.conf.task_always_eager = True
         app.conf.lease_store = MemoryLockStore(clock=clock)
 
-        @app.task(bind=True, name="proj.nightly_report")
+        @app.task(bind=True, name="proj.nightly_report_after_a_manual_run")
         @locked(key="nightly-report", on_held="skip", cooldown="10m")
         def nightly_report(self: Any) -> str:
             return "sent"
@@ -307,5 +307,5 @@ class TestSkipReason:
             assert nightly_report.delay().get() is None
         assert (
             "skipped: 'nightly-report' is in its cooldown until 2026-12-05T22:00:36Z"
-            f" (576.0 s left), kept by proj.nightly_report[{manual.id}]"
+            f" (576.0 s left), kept by proj.nightly_report_after_a_manual_run[{manual.id}]"
         ) in caplog.text
