@@ -12,7 +12,11 @@ so that prefork children inherit them::
 
 - ``lock_acquired(key, token, waited, wait_seconds)``: the lease was taken; ``waited`` is True when
   another holder had it first, ``wait_seconds`` is how long acquiring took (seconds).
-- ``lock_rejected(key)``: the key stayed held past ``wait``; the body did not run.
+- ``lock_rejected(key, reason, until, holder_task_id)``: the key stayed held past ``wait``; the
+  body did not run. For ``on_held="skip"`` the holder is read: ``reason`` is ``"cooldown"`` (a
+  run that succeeded keeps the key for its ``cooldown``) or ``"held"``, ``until`` when the key
+  frees itself unless renewed (unix seconds), ``holder_task_id`` the holder's task id; each is
+  ``None`` when it could not be read, and for the other policies.
 - ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
   ``"expired"``, ``"taken"``, ``"released"`` (an operator's force-release) or ``"max_hold"``.
   Sent from the lease dispatcher's thread, never
@@ -59,7 +63,10 @@ logger = logging.getLogger("celery_lease.signals")
 lock_acquired = Signal(
     name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds", "task_id"}
 )
-lock_rejected = Signal(name="lock_rejected", providing_args={"key", "task_id"})
+lock_rejected = Signal(
+    name="lock_rejected",
+    providing_args={"key", "task_id", "reason", "until", "holder_task_id"},
+)
 lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id"})
 lock_released = Signal(
     name="lock_released",

@@ -2,7 +2,10 @@
 
 ``FakeClock`` is accepted wherever a clock is (``MemoryLockStore``, ``lease()``, the renewer).
 Time moves only when a test calls :meth:`FakeClock.advance`, which wakes every thread waiting on
-the clock, so tests of expiry, waiting and renewal never sleep.
+the clock, so tests of expiry, waiting and renewal never sleep; with ``autojump_threshold`` it
+also moves by itself to the next deadline once every thread waiting on it has slept that long.
+A Celery task's lease runs on the clock of the store it is taken in, so under these fixtures
+its renewer sleeps on ``lease_clock``.
 
 :func:`override_lease_store` points an existing Celery app at another store inside a block.
 
@@ -47,27 +50,78 @@ _POLL = 0.002
 _EPSILON = 1e-9
 
 
+def _checked_threshold(value: float) -> float:
+    if not (isinstance(value, (int, float)) and value >= 0):  # NaN fails the comparison
+        raise ValueError(
+            f"autojump_threshold={value!r} must be a number of real seconds >= 0"
+            " (math.inf: never jump)"
+        )
+    return float(value)
+
+
 class FakeClock:
-    """A clock that moves only when told to.
+    """A clock that moves only when told to, or by itself once every thread on it sleeps.
 
     Args:
         start: the initial reading of both ``monotonic()`` and ``time()``, in seconds.
+        autojump_threshold: real seconds (default ``math.inf``: never). When every thread
+            waiting on the clock has slept this long with no thread reading, advancing or
+            beginning or ending a wait on it, and none of their events is set, the clock moves
+            by itself to the earliest deadline of those waits (trio's
+            ``MockClock.autojump_threshold``). A wait called from the test's own thread then
+            returns instead of hanging; time still moves from deadline to deadline, so each
+            renewal and expiry on the way happens in order. A thread that works without
+            touching the clock (the test's own, between two steps) is not seen: a jump may come
+            while it works if it takes longer than the threshold. Settable at any time.
     """
 
-    def __init__(self, start: float = 0.0) -> None:
+    def __init__(self, start: float = 0.0, *, autojump_threshold: float = math.inf) -> None:
         self._now = float(start)
         self._cond = threading.Condition()
         self._sleepers = 0
         self._deadlines: list[float] = []
+        self._events: list[threading.Event] = []
+        self._autojump = _checked_threshold(autojump_threshold)
+        self._last_activity = time.monotonic()  # real seconds
         self.waits = 0
         """How many calls to :meth:`wait` have begun (lets a test see a thread go back to sleep)."""
 
+    @property
+    def autojump_threshold(self) -> float:
+        """Real seconds of quiet after which the clock jumps to the next deadline (``math.inf``:
+        never). Raises ``ValueError`` when set to a negative number or NaN."""
+        with self._cond:
+            return self._autojump
+
+    @autojump_threshold.setter
+    def autojump_threshold(self, value: float) -> None:
+        checked = _checked_threshold(value)
+        with self._cond:
+            self._autojump = checked
+            self._touch()
+
+    def _touch(self) -> None:
+        """Someone used the clock (the lock is held): the quiet starts again; wake the waiters."""
+        self._last_activity = time.monotonic()
+        self._cond.notify_all()
+
+    def _autojump_in(self) -> float | None:
+        """Real seconds until the clock may jump by itself (<= 0: now), or ``None`` while it may
+        not (off, no deadline ahead, or an event set whose waiter has yet to wake)."""
+        if self._autojump == math.inf or not any(d > self._now for d in self._deadlines):
+            return None
+        if any(event.is_set() for event in self._events):
+            return None
+        return self._last_activity + self._autojump - time.monotonic()
+
     def monotonic(self) -> float:
         with self._cond:
+            self._last_activity = time.monotonic()
             return self._now
 
     def time(self) -> float:
         with self._cond:
+            self._last_activity = time.monotonic()
             return self._now
 
     def advance(self, seconds: float) -> None:
@@ -82,7 +136,7 @@ class FakeClock:
             )
         with self._cond:
             self._now += seconds
-            self._cond.notify_all()
+            self._touch()
 
     def wait(self, event: threading.Event, timeout: float | None) -> bool:
         with self._cond:
@@ -91,18 +145,25 @@ class FakeClock:
             self.waits += 1
             if deadline is not None:
                 self._deadlines.append(deadline)
-            self._cond.notify_all()
+            self._events.append(event)
+            self._touch()
             try:
                 while not event.is_set():
                     if deadline is not None and self._now >= deadline - _EPSILON:
                         return False
-                    self._cond.wait(_POLL)
+                    jump_in = self._autojump_in()
+                    if jump_in is not None and jump_in <= 0:
+                        self._now = min(d for d in self._deadlines if d > self._now)
+                        self._touch()
+                        continue
+                    self._cond.wait(_POLL if jump_in is None else min(_POLL, jump_in))
                 return True
             finally:
                 self._sleepers -= 1
                 if deadline is not None:
                     self._deadlines.remove(deadline)
-                self._cond.notify_all()
+                self._events.remove(event)
+                self._touch()
 
     def advance_to_next_deadline(self) -> float:
         """Advance exactly to the earliest deadline of a thread waiting now; returns the step.
@@ -113,7 +174,7 @@ class FakeClock:
             future = [d for d in self._deadlines if d > self._now]
             step = (min(future) - self._now) if future else 0.0
             self._now += step
-            self._cond.notify_all()
+            self._touch()
             return step
 
     def wait_for_waits(self, count: int, timeout: float = 10.0) -> None:
@@ -155,7 +216,9 @@ class FakeClock:
                 self._cond.wait(min(left, 0.05))
 
     def __repr__(self) -> str:
-        return f"FakeClock(now={self._now!r})"
+        if self._autojump == math.inf:
+            return f"FakeClock(now={self._now!r})"
+        return f"FakeClock(now={self._now!r}, autojump_threshold={self._autojump!r})"
 
 
 _S = TypeVar("_S", bound="str | LockStore")
@@ -209,7 +272,12 @@ else:
 
     @pytest.fixture
     def lease_clock() -> Iterator[FakeClock]:
-        """A :class:`FakeClock` starting at 1000.0 seconds.
+        """A :class:`FakeClock` starting at 1000.0 seconds, without autojump.
+
+        Autojump is off because the clock cannot see a thread that works without touching it
+        (the test's own thread between two steps): on a busy machine time could move under it.
+        A test that waits on its own thread turns it on: ``lease_clock.autojump_threshold =
+        0.01``.
 
         At teardown it calls :func:`celery_lease.shutdown`, so no celery-lease thread outlives
         the test (suites with a thread-leak check, such as Celery's ``threads_not_lingering``,

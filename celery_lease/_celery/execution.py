@@ -40,10 +40,9 @@ from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import store_for
-from celery_lease._core.lease import Lease, LeaseContext, conforms, lease
+from celery_lease._core.lease import Lease, LeaseContext, clock_of, conforms, lease
 from celery_lease._core.options import LockOptions
 from celery_lease._core.owners import MAX_FIELD_CHARS
-from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
@@ -462,7 +461,7 @@ def _lease_context(
         options.cooldown,
         run.on_lost,
         None,
-        SYSTEM_CLOCK,
+        clock_of(store),  # the store's own clock (a FakeClock under the pytest fixtures)
         node=_described(getattr(request, "hostname", None) if request is not None else None),
         task=_described(getattr(run.task, "name", None)),
         task_id=_described(run.task_id),
@@ -496,7 +495,7 @@ def _rejected(
             refused_by=refused_by,
         )
     nested = current_run(getattr(request, "id", None)) is not None
-    on_held.apply_policy(task, request, key, options, exc, nested=nested)
+    on_held.apply_policy(task, request, key, options, exc, nested=nested, store=store, ttl=ttl)
 
 
 def _queued_hold(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 from celery.exceptions import Ignore
 
 from celery_lease import signals
-from celery_lease._celery import compat
+from celery_lease._celery import compat, held_by
 from celery_lease._core.options import LockOptions, retry_countdown
 from celery_lease.errors import LockNotAcquiredError
 
@@ -37,28 +37,47 @@ def apply_policy(
     exc: LockNotAcquiredError,
     *,
     nested: bool,
+    store: object = None,
+    ttl: float = 0.0,
 ) -> None:
     """The key stayed held past ``wait``: send ``lock_rejected``, call ``on_lock_rejected``,
     then apply ``options.on_held`` (``"skip"``: return ``None``, or end a worker execution as
     REVOKED; ``"retry"``: raise the task's retry; ``"raise"``: raise ``exc``).
 
     ``nested``: this execution runs inside another locked run of the same task id (its skip
-    returns ``None`` to the enclosing body).
+    returns ``None`` to the enclosing body). ``store`` and ``ttl`` (seconds, the task's lease
+    ttl): for a skip, who keeps the key is read from ``store``
+    (:func:`celery_lease._celery.held_by.look_up`) so that the skip says ``cooldown``, until
+    when and after which execution, or which execution holds it; the other policies read
+    nothing more.
     """
-    signals.send(signals.lock_rejected, task, key=key, task_id=getattr(request, "id", None))
+    policy = options.on_held
+    found = (
+        held_by.look_up(store, key, task, ttl) if policy == "skip" and store is not None else None
+    )
+    signals.send(
+        signals.lock_rejected,
+        task,
+        key=key,
+        task_id=getattr(request, "id", None),
+        reason=None if policy != "skip" else "held" if found is None else found.reason,
+        until=None if found is None else found.until,
+        holder_task_id=None if found is None else found.holder.task_id,
+    )
     hook = getattr(task, "on_lock_rejected", None)
     if hook is not None:
         hook(key)
-    policy = options.on_held
     if policy == "skip":
+        what = "held by another execution" if found is None else found.describe()
         logger.info(
-            "celery-lease: %s[%s] skipped: %r is held by another execution",
+            "celery-lease: %s[%s] skipped: %r is %s",
             getattr(task, "name", "?"),
             getattr(request, "id", None),
             key,
+            what,
         )
         if task is not None and request is not None and _marks_skipped(task, request, nested):
-            _mark_skipped(task, request, key)  # raises Ignore: the REVOKED state stays
+            _mark_skipped(task, request, key, what)  # raises Ignore: the REVOKED state stays
         return None
     if policy == "retry" and task is not None and request is not None:
         retries = int(getattr(request, "retries", 0) or 0)
@@ -88,8 +107,9 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
     return not skip_quietly.get() and not nested
 
 
-def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str) -> None:
-    """End a skipped worker execution as REVOKED, with a reason that says skipped.
+def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str, what: str) -> None:
+    """End a skipped worker execution as REVOKED, with a reason that says skipped and ``what``
+    keeps the key (``held by another execution...``, ``in its cooldown until...``).
 
     Stored in the result backend as Celery stores a revoked task (``AsyncResult.get()`` raises
     ``TaskRevokedError(reason)`` at once), announced with a ``task-revoked`` event (Flower shows
@@ -101,7 +121,7 @@ def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str) -> None:
     events on remotely, and the pool process cannot tell); ``send_events = False`` on the task
     turns it off.
     """
-    reason = f"skipped: {key!r} held by another execution (on_held='skip')"
+    reason = f"skipped: {key!r} {what} (on_held='skip')"
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))
     else:  # an older Celery without the helper

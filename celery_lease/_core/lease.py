@@ -50,7 +50,7 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 
-__all__ = ["Lease", "current_lease", "get_lock_token", "lease", "new_owner_id"]
+__all__ = ["Lease", "clock_of", "current_lease", "get_lock_token", "lease", "new_owner_id"]
 
 logger = logging.getLogger("celery_lease.lease")
 
@@ -122,6 +122,19 @@ def offers(obj: object, protocol: type, method: str) -> bool:
     class test first, since the protocol check of a class that does not conform is not cached
     and costs a full ``isinstance()`` per call (on a task's hot path)."""
     return hasattr(type(obj), method) and conforms(obj, protocol)
+
+
+def clock_of(store: object) -> Clock:
+    """The clock a task's lease in ``store`` runs on: the store's own (``clock``, the memory
+    and SQLite stores take one), else the system clock.
+
+    The lease's renewer sleeps on it and its validity is counted on it, as the store counts the
+    lease's expiry: on a ``MemoryLockStore`` over a ``FakeClock`` (the pytest plugin's
+    ``lease_store``) the task's renewer wakes when the test moves that clock, never on real time
+    the store does not see. (``lease()`` takes ``clock=`` instead: an ``async with`` counts its
+    wait on the lease's clock while it sleeps on its event loop.)
+    """
+    return _wait_clock(store, SYSTEM_CLOCK)
 
 
 def _wait_clock(store: object, clock: Clock) -> Clock:

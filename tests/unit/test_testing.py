@@ -19,6 +19,7 @@ from celery import Celery
 from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, lease
 from celery_lease._celery import settings as config
 from celery_lease.clock import SYSTEM_CLOCK
+from celery_lease.signals import lock_lost
 from celery_lease.testing import FakeClock, override_lease_store
 from tests.unit.conftest import REAL_TIMEOUT
 
@@ -247,3 +248,104 @@ class TestFakeClock:
         with pytest.raises(ValueError, match="seconds="):
             clock.advance(step)
         assert clock.monotonic() == 5.0
+
+
+class TestATaskOnThePluginClock:
+    """Under the fixtures a task's lease runs on ``lease_clock``, the clock of the store it is
+    taken in: its renewer sleeps on it, so a test loses the task's lease by moving that clock."""
+
+    def test_a_running_tasks_renewer_sleeps_on_lease_clock(
+        self,
+        use_lease_store: Callable[[Celery], MemoryLockStore],
+        lease_clock: FakeClock,
+    ) -> None:
+        """While an eager task's body runs, its renewer waits on ``lease_clock``; once the key
+        is force-released, moving the clock by a third of the ttl makes the renewer find the
+        loss, and the body sees ``request.lock_lost``."""
+        app = Celery("renewals", broker="memory://", set_as_current=False)
+        app.conf.task_always_eager = True
+        store = use_lease_store(app)
+        started, go = threading.Event(), threading.Event()
+
+        @app.task(base=LockedTask, lock_key="report", lock_ttl="30s")
+        def renewed_report() -> bool:
+            started.set()
+            assert go.wait(REAL_TIMEOUT)
+            return bool(renewed_report.request.lock_lost)
+
+        lost = threading.Event()
+
+        def heard(sender: object, **kwargs: Any) -> None:
+            lost.set()
+
+        lock_lost.connect(heard, sender=renewed_report, weak=False)
+        thread, out = _in_thread(lambda: renewed_report.apply().get())
+        try:
+            assert started.wait(REAL_TIMEOUT)
+            lease_clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
+            assert store.force_release("report") is not None
+            lease_clock.advance(10)  # the renewer's turn: it finds the key released
+            assert lost.wait(REAL_TIMEOUT), "no lock_lost: the renewer did not wake"
+        finally:
+            lock_lost.disconnect(heard, sender=renewed_report)
+            go.set()
+            thread.join(REAL_TIMEOUT)
+        assert not thread.is_alive()
+        assert out == {"result": True}
+
+
+class TestAutojump:
+    """``FakeClock(autojump_threshold=...)`` moves itself to the next deadline once every
+    thread on it has slept that long (real seconds), as trio's ``MockClock`` does."""
+
+    def test_a_wait_from_the_tests_own_thread_returns(self) -> None:
+        """``lease(wait="5s")`` on a held key, called from the test's own thread, gives up
+        after 5 s of the clock that nobody advances by hand."""
+        clock = FakeClock(1000.0, autojump_threshold=0.001)
+        store = MemoryLockStore(clock=clock)
+        store.acquire("report", "another-worker", 60_000)
+        with (
+            pytest.raises(LockNotAcquiredError),
+            lease("report", store=store, wait="5s", clock=clock),
+        ):
+            pass
+        assert clock.monotonic() == 1005.0
+
+    def test_a_holders_renewals_happen_in_turn_while_the_test_thread_waits(self) -> None:
+        """A holder's renewer wakes every second of a 3 s ttl; a waiter on the test's own thread
+        waits 7 s, more than two ttls. The clock stops at each deadline on the way, so every
+        renewal happens in turn: the holder never loses the key, and the waiter gives up."""
+        clock = FakeClock(0.0, autojump_threshold=0.05)
+        store = MemoryLockStore(clock=clock)
+        holding, done = threading.Event(), threading.Event()
+
+        def hold() -> bool:
+            with lease("report", store=store, ttl="3s", clock=clock) as held:
+                holding.set()
+                assert done.wait(REAL_TIMEOUT)
+                return held.lost
+
+        holder, out = _in_thread(hold)
+        try:
+            assert holding.wait(REAL_TIMEOUT)
+            clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)  # the renewer sleeps on the clock
+            with (
+                pytest.raises(LockNotAcquiredError),
+                lease("report", store=store, wait="7s", clock=clock),
+            ):
+                pass
+            assert clock.monotonic() >= 7.0
+        finally:
+            done.set()
+            holder.join(REAL_TIMEOUT)
+        assert out == {"result": False}  # renewed all along, never lost
+
+    @pytest.mark.parametrize("threshold", [math.nan, -0.1])
+    def test_a_threshold_that_is_no_duration_is_refused(self, threshold: float) -> None:
+        """The parameter, the value and what is allowed are named."""
+        with pytest.raises(ValueError, match=r"autojump_threshold=.*>= 0"):
+            FakeClock(autojump_threshold=threshold)
+
+    def test_off_by_default(self) -> None:
+        """Without a threshold the clock never moves by itself (``math.inf``, trio's default)."""
+        assert FakeClock().autojump_threshold == math.inf

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
+from celery import Celery
 from celery.exceptions import Ignore
 
-from celery_lease import LockNotAcquiredError
+from celery_lease import LockNotAcquiredError, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
 from celery_lease._celery.on_held import apply_policy, skip_quietly
 from celery_lease._core.options import LockOptions
+from celery_lease._core.owners import make_owner
+from celery_lease.testing import FakeClock
 
 
 class Backend:
     def __init__(self) -> None:
         self.revoked: list[tuple[str, str, bool]] = []
+        self.states: dict[str, str] = {}
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        """The stored meta of a task, as Celery's key-value and database backends read it."""
+        return {"status": self.states.get(task_id, "PENDING")}
 
     def mark_as_revoked(self, task_id: str, reason: str, request: Any, store_result: bool) -> None:
         self.revoked.append((task_id, reason, store_result))
@@ -134,3 +143,169 @@ class TestSkip:
         options = LockOptions(on_held="skip")
         assert apply_policy(task, Direct(), "k", options, _exc(), nested=False) is None
         assert task.backend.revoked == []
+
+
+# The manual run of the report in the example: it succeeded at 21:50:36 UTC and keeps its key
+# for a cooldown of 10 minutes; the beat tick comes at 21:51:00.
+_RUN_AT = 1796507436.0  # 2026-12-05T21:50:36Z
+_KEY = "nc5:nightly-report"
+
+
+def _held_store(keep_ms: int, *, task_id: str = "t-0") -> tuple[MemoryLockStore, FakeClock]:
+    """A store where the execution ``task_id`` of proj.report on w1@vm took ``_KEY`` at
+    ``_RUN_AT`` with a 30 s ttl and then set it to ``keep_ms`` (its cooldown, or a renewal)."""
+    clock = FakeClock(_RUN_AT)
+    store = MemoryLockStore(clock=clock)
+    owner = make_owner(node="w1@vm", task="proj.report", task_id=task_id)
+    assert store.acquire(_KEY, owner, 30_000) is not None
+    assert store.renew(_KEY, owner, keep_ms)
+    clock.advance(24)  # the tick
+    return store, clock
+
+
+@pytest.fixture
+def rejections() -> Any:
+    sent: list[dict[str, Any]] = []
+
+    def receiver(sender: Any = None, **kwargs: Any) -> None:
+        kwargs.pop("signal", None)
+        sent.append(kwargs)
+
+    lease_signals.lock_rejected.connect(receiver, weak=False)
+    yield sent
+    lease_signals.lock_rejected.disconnect(receiver)
+
+
+class TestSkipReason:
+    """A skip says why: the key's cooldown (until when, and after which execution) or the
+    execution holding it, in the REVOKED reason, the log line and ``lock_rejected``."""
+
+    def test_a_skip_in_a_cooldown_says_cooldown_until_when_and_after_which_run(
+        self, rejections: Any, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        store, _ = _held_store(600_000)
+        task = Task()
+        options = LockOptions(on_held="skip")
+        exc = LockNotAcquiredError(_KEY, "held")
+        with (
+            caplog.at_level(logging.INFO, logger="celery_lease.engine"),
+            pytest.raises(Ignore),
+        ):
+            apply_policy(task, Request(), _KEY, options, exc, nested=False, store=store, ttl=30.0)
+        cooldown = (
+            "'nc5:nightly-report' in its cooldown until 2026-12-05T22:00:36Z (576.0 s left),"
+            " kept by proj.report[t-0] on w1@vm after it succeeded"
+        )
+        [(_, reason, _)] = task.backend.revoked
+        assert reason == f"skipped: {cooldown} (on_held='skip')"
+        assert f"proj.report[t-1] skipped: {cooldown.replace(' in its', ' is in its', 1)}" in (
+            caplog.text
+        )
+        assert rejections == [
+            {
+                "key": _KEY,
+                "task_id": "t-1",
+                "reason": "cooldown",
+                "until": _RUN_AT + 600,
+                "holder_task_id": "t-0",
+            }
+        ]
+
+    def test_a_skip_behind_a_running_execution_names_it(self, rejections: Any) -> None:
+        """A lease renewed to its ttl is a running execution's: "held", and whose."""
+        store, _ = _held_store(30_000)
+        task = Task()
+        exc = LockNotAcquiredError(_KEY, "held")
+        with pytest.raises(Ignore):
+            apply_policy(
+                task,
+                Request(),
+                _KEY,
+                LockOptions(on_held="skip"),
+                exc,
+                nested=False,
+                store=store,
+                ttl=30.0,
+            )
+        [(_, reason, _)] = task.backend.revoked
+        assert reason == (
+            "skipped: 'nc5:nightly-report' held by another execution, proj.report[t-0] on w1@vm"
+            " (on_held='skip')"
+        )
+        assert [(r["reason"], r["holder_task_id"], r["until"]) for r in rejections] == [
+            ("held", "t-0", _RUN_AT + 30)
+        ]
+
+    def test_a_holder_the_result_backend_shows_succeeded_is_in_its_cooldown(
+        self, rejections: Any
+    ) -> None:
+        """A cooldown shorter than the ttl cannot be told by its length: the holder's task
+        succeeded, as the result backend says, so the key is kept for its cooldown."""
+        store, _ = _held_store(28_000)
+        task = Task()
+        task.backend.states = {"t-0": "SUCCESS"}
+        exc = LockNotAcquiredError(_KEY, "held")
+        cooldown = r"in its cooldown until 2026-12-05T21:51:04Z \(4.0 s left\)"
+        with pytest.raises(Ignore, match=cooldown):
+            apply_policy(
+                task,
+                Request(),
+                _KEY,
+                LockOptions(on_held="skip"),
+                exc,
+                nested=False,
+                store=store,
+                ttl=30.0,
+            )
+        assert [r["reason"] for r in rejections] == ["cooldown"]
+
+    def test_a_store_that_cannot_answer_leaves_the_plain_reason(self, rejections: Any) -> None:
+        """Describing the holder never fails the skip: a store error gives the plain text."""
+
+        class Down(MemoryLockStore):
+            def get(self, key: str) -> Any:
+                raise ConnectionError("store down")
+
+        task = Task()
+        exc = LockNotAcquiredError(_KEY, "held")
+        with pytest.raises(Ignore):
+            apply_policy(
+                task,
+                Request(),
+                _KEY,
+                LockOptions(on_held="skip"),
+                exc,
+                nested=False,
+                store=Down(),
+                ttl=30.0,
+            )
+        [(_, reason, _)] = task.backend.revoked
+        assert reason == "skipped: 'nc5:nightly-report' held by another execution (on_held='skip')"
+        assert [(r["reason"], r["until"], r["holder_task_id"]) for r in rejections] == [
+            ("held", None, None)
+        ]
+
+    def test_an_eager_tick_after_a_manual_run_logs_the_cooldown(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Through the run engine: the manual run succeeds and keeps its key; the tick that
+        follows is skipped, and the log line says cooldown, until when, and after which run."""
+        clock = FakeClock(_RUN_AT)
+        app = Celery("beat", broker="memory://", set_as_current=False)
+        app.conf.task_always_eager = True
+        app.conf.lease_store = MemoryLockStore(clock=clock)
+
+        @app.task(bind=True, name="proj.nightly_report_after_a_manual_run")
+        @locked(key="nightly-report", on_held="skip", cooldown="10m")
+        def nightly_report(self: Any) -> str:
+            return "sent"
+
+        manual = nightly_report.delay()
+        assert manual.get() == "sent"
+        clock.advance(24)
+        with caplog.at_level(logging.INFO, logger="celery_lease.engine"):
+            assert nightly_report.delay().get() is None
+        assert (
+            "skipped: 'nightly-report' is in its cooldown until 2026-12-05T22:00:36Z"
+            f" (576.0 s left), kept by proj.nightly_report_after_a_manual_run[{manual.id}]"
+        ) in caplog.text

@@ -1,0 +1,124 @@
+"""Who keeps a key that turned a locked execution away: a running execution, or one that
+succeeded and keeps the key for its ``cooldown``.
+
+Read when a skip is reported (:func:`celery_lease._celery.on_held.apply_policy`), so that the
+log line, the REVOKED reason and ``lock_rejected`` say ``cooldown``, until when (wall clock) and
+after which execution, rather than only "held by another execution". A cooldown keeps the key
+under the owner id of the run that succeeded, so it is told from a running holder in two ways:
+its lease lasts longer than a renewal of the task's ttl sets (a running copy renews to at most
+its ttl), or the result backend shows the holder's task succeeded (a cooldown shorter than the
+ttl). One store ``get``, and one backend read when the first does not tell; never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from celery.backends.base import DisabledBackend
+from celery.backends.rpc import RPCBackend
+
+from celery_lease._celery import compat
+from celery_lease._core.lease import clock_of
+from celery_lease._core.owners import Holder, parse_owner
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryTask
+
+__all__ = ["HeldBy", "iso_utc", "look_up"]
+
+logger = logging.getLogger("celery_lease.engine")
+
+
+@dataclass(frozen=True)
+class HeldBy:
+    """The holder of a key, as read when an execution was turned away from it."""
+
+    key: str
+    holder: Holder
+    """The holder's owner id, parsed (node, task, task id...)."""
+    until: float
+    """When (unix seconds) the key frees itself unless its holder renews it: for a cooldown,
+    its end."""
+    left: float
+    """Seconds from the look-up to ``until``."""
+    cooldown: bool
+    """Whether the holder is a run that succeeded and keeps the key for its ``cooldown``."""
+
+    @property
+    def reason(self) -> str:
+        """``"cooldown"`` or ``"held"``."""
+        return "cooldown" if self.cooldown else "held"
+
+    def describe(self) -> str:
+        """What keeps the key, after it: ``in its cooldown until 2026-12-05T22:00:36Z (576.0 s
+        left), kept by proj.report[<task id>] on w1@host after it succeeded``, or ``held by
+        another execution, proj.report[<task id>] on w1@host``."""
+        who = _who(self.holder)
+        if not self.cooldown:
+            return f"held by another execution, {who}"
+        return (
+            f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
+            f" kept by {who} after it succeeded"
+        )
+
+
+def iso_utc(unix_seconds: float) -> str:
+    """``2026-12-05T22:00:36Z``: the time in UTC, to the second (rounded down)."""
+    moment = datetime.fromtimestamp(int(unix_seconds), tz=timezone.utc)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _who(holder: Holder) -> str:
+    if holder.task is not None or holder.task_id is not None:
+        name = f"{holder.task or '?'}[{holder.task_id or '?'}]"
+    elif holder.label is not None:
+        name = repr(holder.label)
+    else:
+        name = holder.raw
+    return name if holder.node is None else f"{name} on {holder.node}"
+
+
+def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> HeldBy | None:
+    """Who holds ``key`` in ``store`` now, or ``None`` when that cannot be told (a store
+    without ``get``, a store error, the key already free). Never raises.
+
+    ``ttl`` is the turned-away task's lease ttl in seconds: a lease held by the same task for
+    longer than that is in its cooldown. ``task.backend`` is asked for the holder's state
+    otherwise (``SUCCESS``: in its cooldown).
+    """
+    try:
+        get = getattr(store, "get", None)
+        if get is None:
+            return None
+        info = get(key)
+        if info is None:
+            return None
+        holder = parse_owner(info.owner)
+        left = max(0.0, float(info.expires_in))
+        until = clock_of(store).time() + left
+        same_task = task is not None and holder.task == getattr(task, "name", None)
+        cooldown = (same_task and left > ttl) or _succeeded(task, holder.task_id)
+        return HeldBy(key, holder, until, left, cooldown)
+    except Exception:
+        logger.debug("celery-lease: could not read who holds %r", key, exc_info=True)
+        return None
+
+
+def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool:
+    """Whether the result backend of ``task`` shows ``task_id`` succeeded (``False`` when it
+    stores nothing, is ``rpc://``, or cannot answer)."""
+    if task is None or task_id is None:
+        return False
+    backend = getattr(task, "backend", None)
+    if isinstance(backend, (DisabledBackend, RPCBackend)):
+        return False  # no results stored; rpc:// results live on the caller's queue
+    get = compat.task_meta_reader(backend)
+    if get is None:
+        return False
+    try:
+        return get(task_id).get("status") == "SUCCESS"
+    except Exception:  # an unreachable backend tells nothing
+        return False
