@@ -16,6 +16,7 @@ LOGGER_NAMES = {
     "celery_lease._celery.control": "celery_lease.control",
     "celery_lease._celery.deferral": "celery_lease.deferral",
     "celery_lease._celery.execution": "celery_lease.engine",
+    "celery_lease._celery.held_by": "celery_lease.engine",
     "celery_lease._celery.interrupt": "celery_lease.interrupt",
     "celery_lease._celery.on_held": "celery_lease.engine",
     "celery_lease._celery.reaper": "celery_lease.worker",
