@@ -997,6 +997,28 @@ class TestClusterSlotTableGoneStale:
         assert second is True
         store.close()
 
+    @pytest.mark.parametrize("refresh_every", [0, 3600], ids=["refresh-due", "refresh-not-due"])
+    def test_a_slot_without_a_node_fails_its_key_alone_until_refreshed(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str, refresh_every: float
+    ) -> None:
+        """The table has no node for one key's slot: that key is renewed once the refresh it
+        asks for runs, else it gets a StoreUnavailableError in its place; the other key is
+        renewed either way."""
+        store = self._store(redis_cluster_server, refresh_every=refresh_every)
+        for key in ("a", "b"):
+            assert store.acquire(key, "o", LONG_MS) is not None
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        del client.nodes_manager.slots_cache[client.keyslot(store.lease_key("a"))]
+        first, second = store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)])
+        if refresh_every:
+            assert isinstance(first, StoreUnavailableError) and "renew 'a'" in str(first)
+            assert "not covered" in str(first)
+        else:
+            assert first is True
+        assert second is True
+        store.close()
+
     def test_the_listing_scans_the_masters_of_the_refreshed_table(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str
     ) -> None:
