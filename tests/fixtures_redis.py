@@ -13,7 +13,8 @@ For tests that reconfigure, fill, stop or fail over their servers:
 - ``redis_sentinel`` (function): a :class:`SentinelGroup` of one master, one replica and one
   Sentinel (quorum 1) on free ports, for failover tests;
 - ``redis_three_masters`` (module): a :class:`ClusterNodes` Redis Cluster of three masters (no
-  replicas) built with ``redis-cli --cluster create``.
+  replicas) built with ``redis-cli --cluster create``; failover tests build a
+  :class:`ClusterNodes` with replicas and a short node timeout of their own.
 
 The shared Redis on 6379 is never touched.
 """
@@ -572,17 +573,25 @@ def redis_sentinel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sentine
 
 
 class ClusterNodes:
-    """A Redis Cluster of three masters (no replicas) on free ports of 127.0.0.1.
+    """A Redis Cluster of three masters on free ports of 127.0.0.1, with or without replicas.
 
-    Built with ``redis-server --cluster-enabled yes`` three times and ``redis-cli --cluster
+    Built with ``redis-server --cluster-enabled yes`` once per node and ``redis-cli --cluster
     create ... --cluster-yes`` (about 2 s). Each node's cluster bus gets a free port of its own.
 
     Args:
         directory: where the nodes keep their files (one subdirectory each).
+        replicas: replicas per master (``--cluster-replicas``); 0: three masters alone.
+        node_timeout_ms: the nodes' ``cluster-node-timeout`` (None: Redis's 15 s). A replica
+            takes over a dead master about this long after it died (plus its election): a
+            failover test sets a short one. Replicas then always try (validity factor 0).
     """
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(
+        self, directory: Path, replicas: int = 0, node_timeout_ms: int | None = None
+    ) -> None:
         self.directory = directory
+        self.replicas = replicas
+        self.node_timeout_ms = node_timeout_ms
         self.nodes: list[RedisServer] = []
 
     @property
@@ -595,7 +604,15 @@ class ClusterNodes:
         cli = shutil.which("redis-cli")
         if cli is None:
             service_missing("redis-cli binary on PATH", "apt-get install -y redis-tools")
-        for index in range(3):
+        timeout: tuple[str, ...] = ()
+        if self.node_timeout_ms is not None:
+            timeout = (
+                "--cluster-node-timeout",
+                str(self.node_timeout_ms),
+                "--cluster-replica-validity-factor",
+                "0",
+            )
+        for index in range(3 * (1 + self.replicas)):
             directory = self.directory / f"node{index}"
             directory.mkdir()
             self.nodes.append(
@@ -608,11 +625,20 @@ class ClusterNodes:
                         "nodes.conf",
                         "--cluster-port",
                         str(free_port()),
+                        *timeout,
                     ),
                 )
             )
         result = subprocess.run(
-            [cli, "--cluster", "create", *(f"{h}:{p}" for h, p in self.seeds), "--cluster-yes"],
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"{h}:{p}" for h, p in self.seeds),
+                "--cluster-replicas",
+                str(self.replicas),
+                "--cluster-yes",
+            ],
             capture_output=True,
             text=True,
             timeout=30,
@@ -629,12 +655,30 @@ class ClusterNodes:
                     f"cluster_state:ok on node {node.port}",
                     lambda c=client: (
                         _cluster_info(c).get("cluster_state") == "ok"
-                        and _cluster_info(c).get("cluster_known_nodes") == "3"
+                        and _cluster_info(c).get("cluster_known_nodes") == str(len(self.nodes))
+                        and _replication_up(c)
                     ),
                     _START_TIMEOUT,
                 )
             finally:
                 client.close()
+
+    def replicas_of(self, master: RedisServer) -> list[RedisServer]:
+        """The nodes replicating ``master`` (asked of each node: ``ROLE``)."""
+        found = []
+        for node in self.nodes:
+            if node is master or node.pid is None:
+                continue
+            client = node.client(socket_timeout=0.5)
+            try:
+                role = client.execute_command("ROLE")
+            except redis.RedisError:  # a node a test killed or stopped
+                continue
+            finally:
+                client.close()
+            if role[0] in (b"slave", "slave") and int(role[2]) == master.port:
+                found.append(node)
+        return found
 
     def flush(self) -> None:
         """FLUSHALL on every node."""
@@ -649,6 +693,12 @@ class ClusterNodes:
         """Stop every node."""
         for node in self.nodes:
             _stop_server(node)
+
+
+def _replication_up(client: redis.Redis) -> bool:
+    """A master, or a replica whose link to its master is up."""
+    info = client.info("replication")
+    return info.get("role") == "master" or info.get("master_link_status") == "up"
 
 
 def _cluster_info(client: redis.Redis) -> dict[str, str]:

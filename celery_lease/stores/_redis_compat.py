@@ -15,8 +15,15 @@ import socket
 from typing import cast
 
 from redis._parsers.base import BaseParser
+from redis.cluster import RedisCluster
 
-__all__ = ["client_retries", "connection_socket", "parse_error"]
+__all__ = [
+    "client_retries",
+    "connection_socket",
+    "parse_error",
+    "request_slot_refresh",
+    "run_requested_slot_refresh",
+]
 
 
 def parse_error(text: str) -> Exception:
@@ -50,3 +57,39 @@ def client_retries(retry: object) -> int:
     get_retries = getattr(retry, "get_retries", None)
     retries = get_retries() if callable(get_retries) else getattr(retry, "_retries", 0)
     return retries if isinstance(retries, int) else 0
+
+
+def request_slot_refresh(client: RedisCluster, failed_node: str | None = None) -> None:
+    """Ask the cluster client to read its slot table again, as its own command path does after
+    a connection error or a timeout on ``failed_node`` (a node name, ``host:port``; queried
+    last by the refresh) or a ``CLUSTERDOWN`` reply.
+
+    redis-py 8.2: ``NodesManager._request_refresh(last_failed_node_name=...)``, private; the
+    request is merged with the others and run by :func:`run_requested_slot_refresh` or by the
+    client's next command. Older releases (redis-py 5) have no request: their command path
+    calls ``NodesManager.initialize()`` right away, and so does this.
+    """
+    manager = client.nodes_manager
+    request = getattr(manager, "_request_refresh", None)
+    if callable(request):
+        request(last_failed_node_name=failed_node)
+    else:  # pragma: no cover - redis-py before 8.2
+        manager.initialize()
+
+
+def run_requested_slot_refresh(client: RedisCluster) -> None:
+    """Run the slot-table refresh an error asked for, if there is one and it is due.
+
+    redis-py 8.2: ``NodesManager._refresh_requested`` and ``_run_requested_refresh(retry)``,
+    private, which ``RedisCluster.execute_command`` runs before each attempt. Refreshes asked
+    for by errors are paced: at least 1 s apart (``_TOPOLOGY_REFRESH_MIN_INTERVAL_SECONDS``),
+    longer after failed ones (the client's retry backoff). A refresh asks ``CLUSTER SLOTS`` of
+    the known nodes in random order, the failed node last, until one answers with every slot
+    covered; one that fails is logged by redis-py and asked for again, and the table in use is
+    kept. Older releases refreshed when the error happened (:func:`request_slot_refresh`):
+    nothing to run.
+    """
+    manager = client.nodes_manager
+    run = getattr(manager, "_run_requested_refresh", None)
+    if callable(run) and getattr(manager, "_refresh_requested", False):
+        run(getattr(client, "retry", None))

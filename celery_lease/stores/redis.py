@@ -44,7 +44,14 @@ import redis
 import redis.cluster
 import redis.sentinel
 from redis.backoff import NoBackoff
-from redis.exceptions import AskError, NoScriptError, RedisError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    NoScriptError,
+    RedisError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -99,7 +106,11 @@ from celery_lease.stores._redis_common import (
     text,
     what,
 )
-from celery_lease.stores._redis_compat import client_retries
+from celery_lease.stores._redis_compat import (
+    client_retries,
+    request_slot_refresh,
+    run_requested_slot_refresh,
+)
 from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LeaseInfo
 
@@ -423,33 +434,92 @@ class RedisLockStore:
         one socket timeout at most, whatever some nodes do. A call that meets a
         MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client,
         which follows the redirection.
+
+        A failover moves slots without a redirection (the old master is gone), so the batch
+        follows the cluster's slot table as redis-py's command path does: it first runs the
+        table refresh an earlier error asked for (paced by redis-py, at least 1 s apart); a
+        node that fails or times out, a ``CLUSTERDOWN`` reply or a slot the table does not
+        cover asks for one. When calls failed fast (a refused connection, ``CLUSTERDOWN``, no
+        node for the slot) and no node hung, the refresh runs at once and the failed calls
+        whose slot now belongs to another node are sent there, in the same batch (at most one
+        more socket timeout); a hung node is never waited for twice, so after a timeout the
+        refresh waits for the next batch. A call that fails again keeps its error: nothing
+        here turns a failure into a success.
         """
         if not calls:
             return []
         client = self._client
         if not isinstance(client, redis.cluster.RedisCluster):
             return _pipelined(client, script, calls, errors_in_place=True)[0]
-        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
-        for index, (keys, _) in enumerate(calls):
-            node = client.get_node_from_key(keys[0])  # type: ignore[no-untyped-call]
-            group = groups.setdefault(node.name, (client.get_redis_connection(node), []))
-            group[1].append(index)
-        jobs = [
-            partial(self._node_share, name, node_client, script, [calls[i] for i in indices])
-            for name, (node_client, indices) in groups.items()
-        ]
-        shares = self._node_workers.run(jobs)
+        self._refresh_slots(client)
         results: list[Any] = [None] * len(calls)
-        for (_, indices), replies in zip(groups.values(), shares, strict=True):
-            for index, result in zip(indices, replies, strict=True):
-                results[index] = result
+        sent_to = self._send_by_node(client, script, calls, range(len(calls)), results)
+        stale = [i for i in sent_to if _stale_route(results[i])]
+        if not stale or any(isinstance(results[i], RedisTimeoutError) for i in sent_to):
+            return results
+        self._refresh_slots(client)
+        moved = [i for i in stale if _node_of(client, calls[i][0][0]) not in (None, sent_to[i])]
+        if moved:
+            logger.info(
+                "Redis store %s: the cluster's slot table changed; sending %d calls again "
+                "to the nodes now serving their slots",
+                self._where(),
+                len(moved),
+            )
+            self._send_by_node(client, script, calls, moved, results)
         return results
+
+    def _refresh_slots(self, client: redis.cluster.RedisCluster) -> None:
+        """Run the slot-table refresh an error asked for, if it is due; a refresh that fails
+        leaves the table in use (the calls it would have moved keep their errors)."""
+        try:
+            run_requested_slot_refresh(client)
+        except RedisError as exc:
+            logger.info(
+                "Redis store %s: refreshing the cluster's slot table failed: %s",
+                self._where(),
+                self._redact(f"{type(exc).__name__}: {exc}"),
+            )
+
+    def _send_by_node(
+        self,
+        client: redis.cluster.RedisCluster,
+        script: Script,
+        calls: _Calls,
+        indices: Sequence[int],
+        results: list[Any],
+    ) -> dict[int, str | None]:
+        """Run the calls at ``indices`` on the nodes serving their slots, all nodes at once;
+        their replies or errors go to ``results`` in place. Returns the node each one was sent
+        to (None: the slot table names no node for its slot, whose error is its result)."""
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        sent_to: dict[int, str | None] = {}
+        for index in indices:
+            try:
+                node = client.get_node_from_key(calls[index][0][0])  # type: ignore[no-untyped-call]
+            except SlotNotCoveredError as exc:
+                request_slot_refresh(client)
+                results[index] = exc
+                sent_to[index] = None
+                continue
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(index)
+            sent_to[index] = node.name
+        jobs = [
+            partial(self._node_share, name, node_client, script, [calls[i] for i in share])
+            for name, (node_client, share) in groups.items()
+        ]
+        replies = self._node_workers.run(jobs)
+        for (_, share), answers in zip(groups.values(), replies, strict=True):
+            for index, answer in zip(share, answers, strict=True):
+                results[index] = answer
+        return sent_to
 
     def _node_share(
         self, name: str, node_client: redis.Redis, script: Script, calls: _Calls
     ) -> list[Any]:
         """One cluster node's share of :meth:`_eval_many`: its replies in order, a redirected
-        call redone through the cluster client, errors in place."""
+        call redone through the cluster client, errors in place (a ``CLUSTERDOWN`` reply asks
+        for a slot-table refresh)."""
         replies = self._node_pipeline(name, node_client, script, calls)
         for position, reply in enumerate(replies):
             if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
@@ -457,6 +527,10 @@ class RedisLockStore:
                     replies[position] = self._eval(script, *calls[position])
                 except RedisError as exc:
                     replies[position] = exc
+        if any(isinstance(reply, ClusterDownError) for reply in replies):
+            client = self._client
+            assert isinstance(client, redis.cluster.RedisCluster)
+            request_slot_refresh(client)
         return replies
 
     def _node_pipeline(
@@ -464,10 +538,12 @@ class RedisLockStore:
     ) -> list[Any]:
         """The node's pipelined replies (errors in place), or that error once per call when the
         node times out (not asked again: a hung node would cost another socket timeout) or
-        cannot be reached twice in a row (a refused connection fails fast)."""
+        cannot be reached twice in a row (a refused connection fails fast); either asks for a
+        slot-table refresh that queries this node last."""
         try:
             return _pipelined(node_client, script, calls, errors_in_place=True)[0]
         except RedisTimeoutError as exc:
+            self._node_failed(name)
             return [exc] * len(calls)
         except RedisConnectionError as exc:
             logger.info(
@@ -481,7 +557,14 @@ class RedisLockStore:
         try:
             return _pipelined(node_client, script, calls, errors_in_place=True)[0]
         except RETRIED as exc:
+            self._node_failed(name)
             return [exc] * len(calls)
+
+    def _node_failed(self, name: str) -> None:
+        """Ask for a slot-table refresh after cluster node ``name`` failed (queried last)."""
+        client = self._client
+        assert isinstance(client, redis.cluster.RedisCluster)
+        request_slot_refresh(client, name)
 
     def _write(self, script: Script, calls: _Calls) -> tuple[list[Any], int | None]:
         """Run write scripts on the current master: their replies and the replicas' acks.
@@ -667,8 +750,10 @@ class RedisLockStore:
         ``StoreUnavailableError`` as a whole); on a Cluster, whose keys live in many slots, as
         one call per lease, pipelined per node: a node that fails (a dead master) or a key whose
         call fails puts a ``StoreUnavailableError`` in the place of each of its keys, and the
-        keys of the other nodes get their results. A lease key holding another type than a
-        lease hash (a foreign writer's value) is not renewed: ``False``.
+        keys of the other nodes get their results. After a failover the batch follows the
+        cluster's refreshed slot table to the promoted replica as redis-py's commands do (see
+        ``_eval_many``). A lease key holding another type than a lease hash (a foreign
+        writer's value) is not renewed: ``False``.
         """
         operation = f"renew {len(items)} leases"
         if isinstance(self._client, redis.cluster.RedisCluster):
@@ -800,34 +885,76 @@ class RedisLockStore:
     def _user_key(self, lease_key: str) -> str:
         return lease_key[len(self._prefix) + 1 : -len("}:lease")]
 
-    def _scan_node(self, name: str, node_client: redis.Redis, pattern: str) -> list[str]:
-        """The keys matching ``pattern`` on one cluster node; retried once after a connection
-        error (fast), never after a timeout (a hung node would cost another socket timeout)."""
+    def _scan_node(
+        self, name: str, node_client: redis.Redis, pattern: str
+    ) -> list[str] | RedisError:
+        """The keys matching ``pattern`` on one cluster node, or the error that stopped the
+        scan; retried once after a connection error (fast), never after a timeout (a hung node
+        would cost another socket timeout). A node that fails asks for a slot-table refresh."""
         try:
+            try:
+                return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+            except RedisConnectionError as exc:
+                logger.info(
+                    "Redis store %s: retrying the key scan of node %s once after %s: %s",
+                    self._where(),
+                    name,
+                    type(exc).__name__,
+                    self._redact(str(exc)),
+                )
             return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
-        except RedisConnectionError as exc:
-            logger.info(
-                "Redis store %s: retrying the key scan of node %s once after %s: %s",
-                self._where(),
-                name,
-                type(exc).__name__,
-                self._redact(str(exc)),
-            )
-        return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+        except RETRIED as exc:
+            self._node_failed(name)
+            return exc
+        except RedisError as exc:
+            return exc
+
+    def _scan_cluster(self, client: redis.cluster.RedisCluster, pattern: str) -> set[str]:
+        """The keys matching ``pattern`` on every master the slot table names, all at once.
+
+        Runs the slot-table refresh an earlier error asked for first. When a master cannot be
+        reached (refused, fast) and none timed out, the table is refreshed and the masters it
+        names now that were not scanned yet (a replica promoted in a dead master's place) are
+        scanned; a master that still fails then, or one that timed out, fails the listing.
+        """
+        self._refresh_slots(client)
+        found: set[str] = set()
+        scanned: set[str] = set()
+        for attempt in (1, 2):
+            masters = [
+                node
+                for node in client.get_primaries()  # type: ignore[no-untyped-call]
+                if node.name not in scanned
+            ]
+            jobs = [
+                partial(self._scan_node, node.name, client.get_redis_connection(node), pattern)
+                for node in masters
+            ]
+            failures: list[RedisError] = []
+            for node, keys in zip(masters, self._node_workers.run(jobs), strict=True):
+                if isinstance(keys, RedisError):
+                    failures.append(keys)
+                else:
+                    scanned.add(node.name)
+                    found.update(keys)
+            if not failures:
+                return found
+            if attempt == 2 or any(not isinstance(f, RedisConnectionError) for f in failures):
+                raise failures[0]
+            self._refresh_slots(client)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
         master at once, each on its own client, like a batch: a master that times out is not
-        asked again and fails the listing after about one socket timeout)."""
+        asked again and fails the listing after about one socket timeout; a master that cannot
+        be reached makes the listing refresh the slot table and scan the masters it names now,
+        so the listing follows a failover as a batch does)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
         client = self._client
         if isinstance(client, redis.cluster.RedisCluster):
-            jobs = [
-                partial(self._scan_node, node.name, client.get_redis_connection(node), pattern)
-                for node in client.get_primaries()  # type: ignore[no-untyped-call]
-            ]
             try:
-                found = {k for keys in self._node_workers.run(jobs) for k in keys}
+                found = self._scan_cluster(client, pattern)
             except RedisError as exc:
                 raise self._error("list leases", None, failed(exc)) from exc
         else:
@@ -941,6 +1068,22 @@ def _pipelined(
             raise acks
         return results, None if acks is None else int(acks)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _stale_route(result: object) -> bool:
+    """Whether a cluster call's ``result`` may come from a slot table the cluster has left
+    behind: its node refused the connection or timed out, the cluster was down (a failover
+    under way), or the table named no node for its slot."""
+    return isinstance(result, (*RETRIED, ClusterDownError, SlotNotCoveredError))
+
+
+def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
+    """The name of the node the client's slot table names for ``key`` (None: no node)."""
+    try:
+        node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+    except SlotNotCoveredError:
+        return None
+    return str(node.name)
 
 
 def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
 from redis.retry import Retry
@@ -930,6 +930,114 @@ class TestRedisClusterStore(StoreContract):
             assert store.acquire(f"k{i:02d}", "o", LONG_MS) is not None
         assert store.renew_many([(f"k{i:02d}", "o", LONG_MS) for i in range(20)]) == [True] * 20
         assert [i.key for i in store.list("k")] == [f"k{i:02d}" for i in range(20)]
+        store.close()
+
+
+class TestClusterSlotTableGoneStale:
+    """The cluster client's slot table names a node that is gone (as after a failover, before
+    anything refreshed it): batches and the listing refresh the table the way redis-py's
+    command path does (requested by the error, run once due) and go to the node it names now;
+    while no refresh is due, the calls keep their error."""
+
+    @staticmethod
+    def _store(server: RedisServer, refresh_every: float) -> RedisLockStore:
+        client = RedisCluster(
+            host="127.0.0.1",
+            port=server.port,
+            socket_connect_timeout=1.0,
+            socket_timeout=1.0,
+            retry=Retry(NoBackoff(), 0),
+            topology_refresh_min_interval=refresh_every,
+        )
+        return _ClosingStore(client, prefix=f"stale-{uuid.uuid4().hex[:8]}:")
+
+    @staticmethod
+    def _send_slot_to_a_dead_node(store: RedisLockStore, key: str) -> str:
+        """Point the client's table entry for the slot of ``key`` at a port nothing listens
+        on; the name of that node."""
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        dead = ClusterNode("127.0.0.1", free_port(), server_type=PRIMARY)
+        manager = client.nodes_manager
+        manager.nodes_cache[dead.name] = dead
+        manager.slots_cache[client.keyslot(store.lease_key(key))] = [dead]
+        return dead.name
+
+    @staticmethod
+    def _node_of(store: RedisLockStore, key: str) -> int:
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        return int(client.get_node_from_key(store.lease_key(key)).port)
+
+    def test_a_batch_follows_the_refreshed_table_in_the_same_call(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        store = self._store(redis_cluster_server, refresh_every=0)
+        for key in ("a", "b"):
+            assert store.acquire(key, "o", LONG_MS) is not None
+        self._send_slot_to_a_dead_node(store, "a")
+        assert store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)]) == [True, True]
+        assert self._node_of(store, "a") == redis_cluster_server.port
+        info = store.get("a")
+        assert info is not None and info.expires_in > LONG_MS / 1000 - DEADLINE
+        store.close()
+
+    def test_a_batch_keeps_the_error_while_no_refresh_is_due(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """The refresh the error asked for is not due for an hour: the dead node's key gets a
+        StoreUnavailableError in its place, the other key is renewed."""
+        store = self._store(redis_cluster_server, refresh_every=3600)
+        for key in ("a", "b"):
+            assert store.acquire(key, "o", LONG_MS) is not None
+        dead = self._send_slot_to_a_dead_node(store, "a")
+        first, second = store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)])
+        assert isinstance(first, StoreUnavailableError) and "renew 'a'" in str(first)
+        assert dead.split(":")[1] in str(first)
+        assert second is True
+        store.close()
+
+    @pytest.mark.parametrize("refresh_every", [0, 3600], ids=["refresh-due", "refresh-not-due"])
+    def test_a_slot_without_a_node_fails_its_key_alone_until_refreshed(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str, refresh_every: float
+    ) -> None:
+        """The table has no node for one key's slot: that key is renewed once the refresh it
+        asks for runs, else it gets a StoreUnavailableError in its place; the other key is
+        renewed either way."""
+        store = self._store(redis_cluster_server, refresh_every=refresh_every)
+        for key in ("a", "b"):
+            assert store.acquire(key, "o", LONG_MS) is not None
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        del client.nodes_manager.slots_cache[client.keyslot(store.lease_key("a"))]
+        first, second = store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)])
+        if refresh_every:
+            assert isinstance(first, StoreUnavailableError) and "renew 'a'" in str(first)
+            assert "not covered" in str(first)
+        else:
+            assert first is True
+        assert second is True
+        store.close()
+
+    def test_the_listing_scans_the_masters_of_the_refreshed_table(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        store = self._store(redis_cluster_server, refresh_every=0)
+        assert store.acquire("a", "o", LONG_MS) is not None
+        self._send_slot_to_a_dead_node(store, "a")
+        assert [info.key for info in store.list()] == ["a"]
+        assert self._node_of(store, "a") == redis_cluster_server.port
+        store.close()
+
+    def test_the_listing_fails_while_no_refresh_is_due(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        store = self._store(redis_cluster_server, refresh_every=3600)
+        assert store.acquire("a", "o", LONG_MS) is not None
+        dead = self._send_slot_to_a_dead_node(store, "a")
+        with pytest.raises(StoreUnavailableError, match="list leases failed") as raised:
+            store.list()
+        assert dead.split(":")[1] in str(raised.value)
         store.close()
 
 

@@ -7,10 +7,19 @@ import socket
 import pytest
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.retry import Retry
 
-from celery_lease.stores._redis_compat import client_retries, connection_socket, parse_error
+from celery_lease.stores._redis_compat import (
+    client_retries,
+    connection_socket,
+    parse_error,
+    request_slot_refresh,
+    run_requested_slot_refresh,
+)
+from tests.fixtures_redis import RedisServer
+from tests.support import free_port
 
 
 class TestParseError:
@@ -64,3 +73,60 @@ class TestClientRetries:
 
     def test_an_object_that_cannot_tell_is_zero(self) -> None:
         assert client_retries(object()) == 0
+
+
+class TestSlotRefresh:
+    """A refresh asked for after an error replaces a slot table entry that names a dead node;
+    nothing runs without a request, or before the client's minimum interval has passed."""
+
+    SLOT = 1234
+
+    @staticmethod
+    def _client(server: RedisServer, refresh_every: float) -> RedisCluster:
+        return RedisCluster(
+            host="127.0.0.1", port=server.port, topology_refresh_min_interval=refresh_every
+        )
+
+    def _stale(self, client: RedisCluster) -> str:
+        dead = ClusterNode("127.0.0.1", free_port(), server_type=PRIMARY)
+        client.nodes_manager.nodes_cache[dead.name] = dead
+        client.nodes_manager.slots_cache[self.SLOT] = [dead]
+        return dead.name
+
+    def _serving(self, client: RedisCluster) -> str:
+        return str(client.nodes_manager.get_node_from_slot(self.SLOT).name)
+
+    def test_a_requested_refresh_runs_and_replaces_the_table(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        client = self._client(redis_cluster_server, refresh_every=0)
+        try:
+            dead = self._stale(client)
+            request_slot_refresh(client, dead)
+            run_requested_slot_refresh(client)
+            assert self._serving(client) == f"127.0.0.1:{redis_cluster_server.port}"
+        finally:
+            client.close()
+
+    def test_nothing_runs_without_a_request(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        client = self._client(redis_cluster_server, refresh_every=0)
+        try:
+            dead = self._stale(client)
+            run_requested_slot_refresh(client)
+            assert self._serving(client) == dead
+        finally:
+            client.close()
+
+    def test_a_request_waits_for_the_minimum_interval(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        client = self._client(redis_cluster_server, refresh_every=3600)
+        try:
+            dead = self._stale(client)
+            request_slot_refresh(client, dead)
+            run_requested_slot_refresh(client)
+            assert self._serving(client) == dead
+        finally:
+            client.close()
