@@ -10,6 +10,9 @@ in that window; those renewals never reach the new master.
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
 
 import pytest
@@ -185,3 +188,53 @@ def test_without_any_sentinel_acked_renewals_go_on_and_unacked_ones_fail(
     finally:
         acked.close()
         unacked.close()
+
+
+def _wait_calls(server: RedisServer) -> int:
+    """How many WAIT commands ``server`` has run (blocked ones included)."""
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return int(stats.get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_an_acquire_a_lagging_replica_did_not_confirm_is_retried_within_the_wait(
+    redis_sentinel: SentinelGroup,
+) -> None:
+    """With the replica stopped (SIGSTOP) the first WAIT times out; the acquire is asked again
+    instead of failing, and succeeds once the replica is resumed, within the caller's wait."""
+    store = RedisLockStore(redis_sentinel.url)
+    master = redis_sentinel.server(redis_sentinel.master_port())
+    replica = next(s for s in redis_sentinel.servers if s is not master)
+    assert store.acquire("warm", "w", 10_000) is not None  # the replica acknowledges writes
+    store.release("warm", "w")
+    _reset_stats(master)
+    outcome: list[object] = []
+
+    def take() -> None:
+        try:
+            with lease("b1", store=store, ttl=TTL, wait=DEADLINE) as held:
+                outcome.append(held.token)
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    assert replica.pid is not None
+    os.kill(replica.pid, signal.SIGSTOP)
+    thread = threading.Thread(target=take, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + DEADLINE
+        # A second WAIT means the first one timed out unconfirmed and the acquire went on.
+        while _wait_calls(master) < 2 and thread.is_alive():
+            assert time.monotonic() < deadline, "the acquire neither retried nor ended"
+            time.sleep(0.01)
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+    thread.join(DEADLINE)
+    assert not thread.is_alive(), "the acquire did not end after the replica resumed"
+    try:
+        assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    finally:
+        store.close()
