@@ -5,6 +5,7 @@ Keys, for the user key ``account:42`` and the default prefix::
     celery-lease:{account:42}:lease    hash {owner, token}, PEXPIRE = ttl (Redis expires it)
     celery-lease:{account:42}:token    the last token issued, a decimal string
     celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
+    celery-lease:marker                hash {epoch, until}, no expiry: the restart grace's marker
 
 The hash tag ``{account:42}`` puts the three keys of a lease in one Redis Cluster slot, so every
 script touches a single slot. The prefix (no braces allowed) keeps them apart from the keys of
@@ -27,6 +28,13 @@ and renewal is followed by ``WAIT`` in the same pipeline (still one round trip) 
 when that many replicas acknowledged it: a renewal a failover would lose is never trusted, so a
 holder is either renewed on the master that takes over or told its lease is lost within its ttl.
 docs/stores.md (Redis) says exactly what is and is not guaranteed.
+
+Restart grace: a server that lost its data (restarted without persistence, flushed) forgets
+every lease before its holders hear of it. The marker hash is written at a store's first
+acquire and never expires; a store that saw it and finds it gone (or replaced) refuses free
+keys for ``restart_grace`` seconds, so that no second holder gets a key its old holder may still
+believe it holds (Chubby's lock-delay). A store that never saw the marker cannot tell a new
+server from an emptied one and starts no grace; docs/stores.md says what that leaves open.
 
 Nothing read from Redis is ever unpickled: values are plain strings and integers.
 """
@@ -212,8 +220,10 @@ class RedisLockStore:
     master (one more round trip, to the Sentinel) and leave the old master as soon as Sentinel
     names another. With ``min_replicas`` > 0, acquire and renewals are pipelined with ``WAIT``
     (no extra round trip; the reply waits for the replicas' acknowledgement, about one
-    master-replica round trip): an acquire not acknowledged in time is released again and
-    raises ``StoreUnavailableError``; a renewal not acknowledged raises it too, so the holder
+    master-replica round trip): an acquire not acknowledged in time is asked again (the same
+    owner's acquire, idempotent) for up to ``CONFIRM_WINDOW`` (1 s), then released and raised
+    as ``ReplicaLagError`` (a ``StoreUnavailableError`` that :func:`~celery_lease.lease` retries
+    within its wait); a renewal not acknowledged raises ``StoreUnavailableError``, so the holder
     keeps counting from its last confirmed renewal and the lease is reported lost if none gets
     through within its ttl.
 
