@@ -10,10 +10,12 @@ in that window; those renewals never reach the new master.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -22,6 +24,7 @@ from redis.retry import Retry
 
 from celery_lease import StoreUnavailableError, lease
 from celery_lease.stores.redis import RedisLockStore
+from celery_lease.stores.redis_async import AsyncRedisLockStore
 from tests.fixtures_redis import RedisServer, SentinelGroup
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -220,6 +223,64 @@ def test_an_acquire_a_lagging_replica_did_not_confirm_is_retried_within_the_wait
         except Exception as exc:  # handed to the test
             outcome.append(exc)
 
+    _take_while_the_replica_is_stopped(master, replica, take)
+    try:
+        assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    finally:
+        store.close()
+
+
+def test_the_async_store_asks_again_too(redis_sentinel: SentinelGroup) -> None:
+    """The asyncio twin asks an unconfirmed acquire again as the sync store does."""
+    master = redis_sentinel.server(redis_sentinel.master_port())
+    replica = next(s for s in redis_sentinel.servers if s is not master)
+    outcome: list[object] = []
+
+    async def main() -> None:
+        store = AsyncRedisLockStore(redis_sentinel.url)
+        try:
+            async with lease("warm", store=store, ttl=TTL):
+                pass
+            _reset_stats(master)
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, resumed.wait, DEADLINE)
+        finally:
+            await store.aclose()
+
+    ready, resumed = threading.Event(), threading.Event()
+
+    def take() -> None:
+        async def run() -> None:
+            store = AsyncRedisLockStore(redis_sentinel.url)
+            try:
+                async with lease("b1", store=store, ttl=TTL, wait=DEADLINE) as held:
+                    outcome.append(held.token)
+            finally:
+                await store.aclose()
+
+        try:
+            asyncio.run(run())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    # A first store warms the replica's link (its first WAIT answered), then the test stops it.
+    warm = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    warm.start()
+    assert ready.wait(DEADLINE)
+    try:
+        _take_while_the_replica_is_stopped(master, replica, take)
+    finally:
+        resumed.set()
+        warm.join(DEADLINE)
+    assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+
+
+def _take_while_the_replica_is_stopped(
+    master: RedisServer, replica: RedisServer, take: Callable[[], None]
+) -> None:
+    """Run ``take`` on a thread with ``replica`` stopped (SIGSTOP) until the master ran a second
+    WAIT (the first one timed out and the acquire was asked again), then resume the replica and
+    wait for ``take`` to end."""
     assert replica.pid is not None
     os.kill(replica.pid, signal.SIGSTOP)
     thread = threading.Thread(target=take, daemon=True)
@@ -234,7 +295,3 @@ def test_an_acquire_a_lagging_replica_did_not_confirm_is_retried_within_the_wait
         os.kill(replica.pid, signal.SIGCONT)
     thread.join(DEADLINE)
     assert not thread.is_alive(), "the acquire did not end after the replica resumed"
-    try:
-        assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
-    finally:
-        store.close()
