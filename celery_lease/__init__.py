@@ -21,6 +21,7 @@ from celery_lease.errors import (
     LeaseError,
     LockLostError,
     LockNotAcquiredError,
+    ReplicaLagError,
     StoreUnavailableError,
 )
 from celery_lease.stores import _registry
@@ -65,6 +66,7 @@ __all__ = [
     "MemoryLockStore",
     "PostgresLockStore",
     "RedisLockStore",
+    "ReplicaLagError",
     "SQLiteLockStore",
     "StoreUnavailableError",
     "SupportsAcquireOrHolder",

@@ -7,6 +7,7 @@
     │   └── AlreadyQueuedError        a unique task's copy holds the key (``on_duplicate="raise"``)
     ├── LockLostError                 a held lease was lost (not renewed in time, taken, max_hold)
     ├── StoreUnavailableError         the store could not be reached or answered with an error
+    │   └── ReplicaLagError           too few replicas confirmed an acquire in time (undone)
     ├── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
     ├── StaleTokenError               a fenced write refused: a newer holder already wrote
     └── MissingRowError (LookupError) a fenced update found no row to update
@@ -28,6 +29,7 @@ __all__ = [
     "LockLostError",
     "LockNotAcquiredError",
     "MissingRowError",
+    "ReplicaLagError",
     "StaleTokenError",
     "StoreUnavailableError",
 ]
@@ -101,6 +103,17 @@ class StoreUnavailableError(LeaseError):
     """The lock store could not be reached or failed; the driver's error is chained."""
 
     code = "STORE_UNAVAILABLE"
+
+
+class ReplicaLagError(StoreUnavailableError):
+    """An acquire was refused because too few replicas acknowledged it in time (``WAIT``).
+
+    The store asked again for a moment (a replica that just synced) and then released the
+    lease: a failover could have lost it. Asking again later may succeed, so :func:`lease`
+    retries it within its ``wait``, and raises it only when the wait runs out.
+    """
+
+    code = "REPLICA_LAG"
 
 
 class LeaseConfigError(LeaseError, ValueError):

@@ -15,6 +15,9 @@ setting (``app.conf``)        meaning                                built-in de
 ``lease_store_check``         a store that does not answer at        ``"refuse"``
                               worker start: ``"refuse"``, ``"warn"``
                               or ``"off"`` (see the startup module)
+``lease_restart_grace``       how long a Redis store built from a    ``lease_default_ttl``
+                              URL refuses free keys after the
+                              server lost its data (duration; 0 off)
 ============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -44,7 +47,7 @@ import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from celery_lease import _forking as forking
 from celery_lease._celery.setting_typos import check_names
@@ -77,6 +80,7 @@ __all__ = [
     "refuse",
     "reset",
     "store_option",
+    "with_restart_grace",
 ]
 
 logger = logging.getLogger("celery_lease.config")
@@ -100,6 +104,7 @@ SETTINGS: tuple[str, ...] = (
     "lease_default_queue_ttl",
     "lease_defer_release",
     "lease_store_check",
+    "lease_restart_grace",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -158,6 +163,8 @@ class LeaseSettings:
             release without waiting for its reply when nothing is published after the body
             (see :mod:`celery_lease._celery.deferral`); ``False`` waits for every release's reply.
         store_check: ``lease_store_check``, else ``"refuse"`` (one of :data:`STORE_CHECKS`).
+        restart_grace: seconds (``lease_restart_grace``), or ``None`` (unset: the default
+            ttl): the ``restart_grace`` of a Redis store built from a URL that sets none.
     """
 
     store: str | LockStore | None
@@ -169,6 +176,7 @@ class LeaseSettings:
     default_queue_ttl: float | None = None
     defer_release: bool = True
     store_check: str = "refuse"
+    restart_grace: float | None = None
 
 
 _lock = threading.RLock()
@@ -229,6 +237,9 @@ def _read(app: CeleryApp) -> LeaseSettings:
         ),
         defer_release=_read_bool(conf.get("lease_defer_release"), "lease_defer_release", True),
         store_check=_read_store_check(conf.get("lease_store_check")),
+        restart_grace=None
+        if conf.get("lease_restart_grace") is None
+        else to_seconds(conf.get("lease_restart_grace"), name="lease_restart_grace"),
     )
 
 
@@ -469,16 +480,35 @@ def store_option(app: CeleryApp) -> str | LockStore:
     return f"sqlite:///{default_sqlite_path()}"
 
 
+_REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+
+
+def with_restart_grace(url: str, settings: LeaseSettings) -> str:
+    """``url`` with the app's ``restart_grace`` in its query when it is a Redis URL that sets
+    none: ``lease_restart_grace``, else the default ttl (the longest a holder of a default
+    lease goes on without hearing it lost it). Other URLs as they are."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() not in _REDIS_SCHEMES:
+        return url
+    if any(name == "restart_grace" for name, _ in parse_qsl(parts.query, keep_blank_values=True)):
+        return url
+    grace = pick(settings.restart_grace, None, settings.default_ttl)
+    base, hash_mark, fragment = url.partition("#")
+    joint = "&" if parts.query else ("" if base.endswith("?") else "?")
+    return f"{base}{joint}restart_grace={grace:g}{hash_mark}{fragment}"
+
+
 def _build_store(app: CeleryApp) -> LockStore:
     global _warned_local
-    configured = get_settings(app).store
+    settings = get_settings(app)
+    configured = settings.store
     if isinstance(configured, LockStore):
         return configured
     if isinstance(configured, str):
-        return store_from_url(configured)
+        return store_from_url(with_restart_grace(configured, settings))
     broker = broker_store_url(app)
     if broker is not None:
-        return store_from_url(broker)
+        return store_from_url(with_restart_grace(broker, settings))
     from celery_lease.stores.sqlite import SQLiteLockStore
 
     path = default_sqlite_path()

@@ -61,7 +61,7 @@ from celery_lease._core.lease import (
     to_ms,
 )
 from celery_lease._core.threaded_store import ThreadedAsyncStore
-from celery_lease.errors import LockLostError, LockNotAcquiredError
+from celery_lease.errors import LockLostError, LockNotAcquiredError, ReplicaLagError
 from celery_lease.stores.base import AsyncLockStore
 
 # split_async_store: the Celery layer's task path splits a store as lease() does
@@ -154,12 +154,16 @@ async def _acquire(
     deadline = started + ctx.wait
     interval = POLL_FIRST
     tries = 0
+    lagging: ReplicaLagError | None = None
     while True:
         if ctx.cancel is not None and ctx.cancel.is_set():
             raise LockNotAcquiredError(ctx.key, "cancelled")
         sent_at = clock.monotonic()
         try:
             token = await astore.acquire(ctx.key, owner, ttl_ms)
+            lagging = None
+        except ReplicaLagError as exc:  # released by the store: asked again within the wait
+            token, lagging = None, exc
         except BaseException:
             # Cancelled or failed: the attempt may have taken effect with its reply lost.
             # Release it owner-checked (this attempt's own owner id) on the dispatcher.
@@ -170,6 +174,11 @@ async def _acquire(
         tries += 1
         remaining = deadline - clock.monotonic()
         if remaining <= 0:
+            if lagging is not None:
+                get_dispatcher().submit(
+                    ctx.abandon_attempt, owner, f"clean-up of acquire {ctx.key!r}"
+                )
+                raise lagging
             raise LockNotAcquiredError(ctx.key)
         await astore.wait_for_release(ctx.key, min(interval, remaining))
         interval = min(interval * 2, POLL_MAX)

@@ -41,7 +41,12 @@ from celery_lease._core.owners import MAX_FIELD_CHARS, make_owner
 from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.durations import Duration, to_seconds
-from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
+from celery_lease.errors import (
+    LeaseConfigError,
+    LockLostError,
+    LockNotAcquiredError,
+    ReplicaLagError,
+)
 from celery_lease.stores.base import (
     AsyncLockStore,
     LockStore,
@@ -846,6 +851,7 @@ class LeaseContext:
         waits_on: Clock | None = None
         idle = self.cancel
         tries = 0
+        lagging: ReplicaLagError | None = None
         while True:
             if self.cancel is not None and self.cancel.is_set():
                 raise LockNotAcquiredError(self.key, "cancelled")
@@ -857,6 +863,13 @@ class LeaseContext:
                     )
                 else:
                     token = store.acquire(self.key, owner, ttl_ms)
+                lagging = None
+            except ReplicaLagError as exc:
+                # The replicas did not confirm it and the store released it: asked again
+                # within the wait like a held key, raised when the wait runs out.
+                token, lagging = None, exc
+                if self.names_holder:
+                    self.refused_by = None  # refused by the replicas, not by a holder
             except BaseException:
                 # The attempt may have taken effect and lost its reply: free it (the owner id
                 # is this attempt's own, so this can never free someone else's lease). On the
@@ -875,6 +888,11 @@ class LeaseContext:
                     deadline = waits_on.monotonic() + self.wait - (clock.monotonic() - started)
             remaining = deadline - waits_on.monotonic()
             if remaining <= 0:
+                if lagging is not None:
+                    get_dispatcher().submit(
+                        self.abandon_attempt, owner, f"clean-up of acquire {self.key!r}"
+                    )
+                    raise lagging
                 raise LockNotAcquiredError(self.key)
             pause = min(interval, remaining)
             if notify is None:  # the store's notification sleeps on the store's clock

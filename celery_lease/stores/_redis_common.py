@@ -13,6 +13,7 @@ differ in how they wait for the server.
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,13 +31,20 @@ __all__ = [
     "ACQUIRE",
     "ACQUIRE_OR_HOLDER",
     "ACQUIRE_OR_HOLDER_SCRIPT",
+    "ACQUIRE_OR_HOLDER_WITH_GRACE",
     "ACQUIRE_SCRIPT",
+    "ACQUIRE_WITH_GRACE",
+    "CONFIRM_WINDOW",
     "DEFAULT_PREFIX",
     "FORCE_RELEASE",
     "FORCE_RELEASE_SCRIPT",
+    "GRACE_MARK",
     "HELD_MARK",
     "INSPECT",
     "INSPECT_SCRIPT",
+    "MARK",
+    "MARKER",
+    "MARKER_SCRIPT",
     "NOT_A_LEASE",
     "RELEASE",
     "RELEASE_SCRIPT",
@@ -46,20 +54,26 @@ __all__ = [
     "RENEW_MANY_SCRIPT",
     "RENEW_SCRIPT",
     "REPLICA_TIMEOUT",
+    "RESTART_GRACE",
     "RETRIED",
     "SIGNAL_TTL_MS",
     "SOCKET_TIMEOUT",
     "STORE_OPTIONS",
     "TOKEN_TTL_MS",
+    "WITH_GRACE",
     "Script",
     "SentinelURL",
     "blpop_slice",
+    "check_restart_grace",
     "describe_sentinel_master",
     "describe_server",
     "error_text",
     "failed",
     "glob_escape",
+    "grace_detail",
+    "grace_end",
     "host_port",
+    "in_grace",
     "int_or_none",
     "lease_info",
     "master_address",
@@ -86,6 +100,15 @@ SOCKET_TIMEOUT = 5.0
 REPLICA_TIMEOUT = 0.2
 """Seconds an acquire or renewal waits (``WAIT``) for ``min_replicas`` acknowledgements."""
 
+CONFIRM_WINDOW = 1.0
+"""Seconds an acquire that too few replicas acknowledged is asked again before it is given up.
+
+Each ask is the same owner's acquire again (idempotent: it re-sets the lease's expiry, a new
+write) with its own ``WAIT``, so a replica a moment behind (one that just synced, or resynced
+after a failover) confirms it at a later ask. A replica still silent after a second is lagging,
+not a moment behind: the lease is released and :class:`~celery_lease.errors.ReplicaLagError`
+raised, which :func:`~celery_lease.lease` retries within the caller's ``wait``."""
+
 SIGNAL_TTL_MS = 60_000
 """Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
 
@@ -106,18 +129,32 @@ and never overwrite it; renewals answer 0 (it is not the owner's lease)."""
 
 
 def _lua(source: str) -> str:
-    """A script's source with the NOT_A_LEASE placeholder made a Lua string literal."""
-    return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
+    """A script's source with the NOT_A_LEASE placeholder made a Lua string literal (and the
+    GRACE_MARK one the mark's text)."""
+    return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'").replace("GRACE_MARK", "~")
 
 
-# KEYS[1] the lease hash, KEYS[2] the token counter.
-# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms.
+GRACE_MARK = "~"
+"""First character of an acquire script's reply refusing a free key during a restart grace,
+followed by the end of the grace (server time in microseconds)."""
+
+# KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
+# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms; with
+# KEYS[3]: ARGV[4] the marker epoch the caller saw before ('' for none), ARGV[5] the restart
+# grace in microseconds.
 # Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
 # lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
 # acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
 # counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
 # after a lost reply gets its lease back. A lease key holding another type (a foreign writer's
 # value) is left as it is and answered with the NOT_A_LEASE error reply.
+# Restart grace (with KEYS[3]): the marker hash {epoch, until} is written at first use (epoch:
+# the server time then) and has no expiry, so it is gone only when the server lost its data (a
+# restart without persistence, a flush). A caller that saw an epoch before and finds no marker,
+# or another epoch, knows the leases held before were lost with their holders not yet told: a
+# free key is then refused with GRACE_MARK .. until (server time in microseconds) until ARGV[5]
+# after the new epoch began. A caller that saw no epoch cannot tell a new server from an emptied
+# one and starts none.
 ACQUIRE_SCRIPT = _lua(
     """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
@@ -133,6 +170,26 @@ if lease[1] then
 end
 local now = redis.call('TIME')
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if KEYS[3] then
+    local mark = redis.call('HMGET', KEYS[3], 'epoch', 'until')
+    local epoch, hold = mark[1], tonumber(mark[2] or '0')
+    if not epoch then
+        epoch, hold = string.format('%d', floor), 0
+        if ARGV[4] ~= '' then
+            hold = floor + tonumber(ARGV[5])
+        end
+        redis.call('HSET', KEYS[3], 'epoch', epoch, 'until', string.format('%d', hold))
+    elseif ARGV[4] ~= '' and epoch ~= ARGV[4] then
+        local bound = tonumber(epoch) + tonumber(ARGV[5])
+        if bound > hold then
+            hold = bound
+            redis.call('HSET', KEYS[3], 'until', string.format('%d', hold))
+        end
+    end
+    if floor < hold then
+        return 'GRACE_MARK' .. string.format('%d', hold)
+    end
+end
 local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if floor > token then
     token = floor
@@ -252,6 +309,21 @@ return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
 )
 
 
+# KEYS[1] the store's marker hash.
+# Returns the marker's epoch (server TIME in microseconds when it was written, a decimal
+# string), writing the marker {epoch, until = 0} first when there is none: how a store learns
+# the epoch at its first acquire (see ACQUIRE_SCRIPT's restart grace).
+MARKER_SCRIPT = """
+local epoch = redis.call('HGET', KEYS[1], 'epoch')
+if not epoch then
+    local now = redis.call('TIME')
+    epoch = string.format('%d', tonumber(now[1]) * 1000000 + tonumber(now[2]))
+    redis.call('HSET', KEYS[1], 'epoch', epoch, 'until', '0')
+end
+return epoch
+"""
+
+
 @dataclass(frozen=True)
 class Script:
     """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
@@ -275,11 +347,51 @@ class Script:
 
 ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
+ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 5))
+ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 5))
+MARK = Script(MARKER_SCRIPT)
+WITH_GRACE = {ACQUIRE: ACQUIRE_WITH_GRACE, ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE}
+"""The same acquire scripts called with the marker key and the grace arguments (the fast path
+packs another request head for them)."""
 RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
 RENEW_MANY = Script(RENEW_MANY_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
+
+RESTART_GRACE = 30.0
+"""Seconds a Redis store that lost its data holds new leases (``restart_grace``'s default when
+built without one): the built-in default ttl, the longest a holder of a default lease may go
+on without hearing it lost it."""
+
+MARKER = "marker"
+"""The name after the prefix of the store's marker hash (``celery-lease:marker``)."""
+
+
+def in_grace(reply: Any) -> bool:
+    """Whether an acquire script's reply refused a free key during a restart grace."""
+    return isinstance(reply, (bytes, str)) and reply[:1] in (b"~", "~")
+
+
+def grace_end(reply: bytes | str) -> float:
+    """The end of the grace a :func:`in_grace` reply names, in seconds of the server's clock."""
+    return int(reply[1:]) / 1_000_000
+
+
+def grace_detail(until: float, restart_grace: float, key: str) -> str:
+    """What a store logs (after its address) when a restart grace first refuses a key."""
+    return (
+        "the server lost the leases it held (restarted without persistence, or flushed): free "
+        f"keys are refused until {time.strftime('%H:%M:%S', time.gmtime(until))} UTC "
+        f"(restart_grace={restart_grace:g} s), so that their old holders hear they lost them "
+        f"first (first refused: {key!r})"
+    )
+
+
+def check_restart_grace(value: object, name: str = "restart_grace") -> float:
+    """``restart_grace`` in seconds (a number, ``"30s"``, a timedelta; 0 turns it off)."""
+    return to_seconds(value, name=name)
+
 
 RETRIED = (RedisConnectionError, RedisTimeoutError)
 """The driver errors a store call is retried once after (a dropped connection, a lost reply):
@@ -300,6 +412,7 @@ class SentinelURL:
     socket_connect_timeout: float = SOCKET_TIMEOUT
     min_replicas: int | None = None
     replica_timeout: float | None = None
+    restart_grace: float | None = None
 
 
 _SENTINEL_OPTIONS = (
@@ -308,9 +421,10 @@ _SENTINEL_OPTIONS = (
     "socket_connect_timeout",
     "min_replicas",
     "replica_timeout",
+    "restart_grace",
 )
 
-STORE_OPTIONS = ("min_replicas", "replica_timeout")
+STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
 """Query options every store URL may carry; the store reads them, redis-py never sees them."""
 
 
@@ -320,8 +434,9 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
     master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
     ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
-    ``min_replicas`` (an integer) and ``replica_timeout`` (a duration such as ``0.2`` or
-    ``250ms``). IPv6 hosts go in brackets: ``[::1]:26379``.
+    ``min_replicas`` (an integer), ``replica_timeout`` (a duration such as ``0.2`` or
+    ``250ms``) and ``restart_grace`` (a duration; 0 turns it off). IPv6 hosts go in brackets:
+    ``[::1]:26379``.
 
     Raises:
         LeaseConfigError: naming what is wrong.
@@ -361,6 +476,8 @@ def parse_sentinel_url(url: str) -> SentinelURL:
             options[name] = int(value)
         elif name == "replica_timeout":
             options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
+        elif name == "restart_grace":
+            options[name] = check_restart_grace(value)
         elif name in ("socket_timeout", "socket_connect_timeout"):
             try:
                 options[name] = float(value)
@@ -488,11 +605,13 @@ def failed(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {exc}"
 
 
-def not_confirmed(acks: int, min_replicas: int, replica_timeout: float) -> str:
-    """The start of the detail of a write that too few replicas acknowledged (``WAIT``)."""
+def not_confirmed(acks: int, min_replicas: int, replica_timeout: float, asks: int = 1) -> str:
+    """The start of the detail of a write that too few replicas acknowledged (``WAIT``);
+    ``asks``: how many times it was asked (each with its own ``WAIT``)."""
+    times = "" if asks == 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
     return (
         f"not confirmed: {acks} of {min_replicas} replicas acknowledged it within "
-        f"{replica_timeout * 1000:g} ms"
+        f"{replica_timeout * 1000:g} ms{times}"
     )
 
 

@@ -5,6 +5,7 @@ Keys, for the user key ``account:42`` and the default prefix::
     celery-lease:{account:42}:lease    hash {owner, token}, PEXPIRE = ttl (Redis expires it)
     celery-lease:{account:42}:token    the last token issued, a decimal string
     celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
+    celery-lease:marker                hash {epoch, until}, no expiry: the restart grace's marker
 
 The hash tag ``{account:42}`` puts the three keys of a lease in one Redis Cluster slot, so every
 script touches a single slot. The prefix (no braces allowed) keeps them apart from the keys of
@@ -27,6 +28,13 @@ and renewal is followed by ``WAIT`` in the same pipeline (still one round trip) 
 when that many replicas acknowledged it: a renewal a failover would lose is never trusted, so a
 holder is either renewed on the master that takes over or told its lease is lost within its ttl.
 docs/stores.md (Redis) says exactly what is and is not guaranteed.
+
+Restart grace: a server that lost its data (restarted without persistence, flushed) forgets
+every lease before its holders hear of it. The marker hash is written at a store's first
+acquire and never expires; a store that saw it and finds it gone (or replaced) refuses free
+keys for ``restart_grace`` seconds, so that no second holder gets a key its old holder may still
+believe it holds (Chubby's lock-delay). A store that never saw the marker cannot tell a new
+server from an emptied one and starts no grace; docs/stores.md says what that leaves open.
 
 Nothing read from Redis is ever unpickled: values are plain strings and integers.
 """
@@ -58,17 +66,20 @@ from redis.retry import Retry
 
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import Duration, to_seconds
-from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.errors import LeaseConfigError, ReplicaLagError, StoreUnavailableError
 from celery_lease.stores._redis_common import (
     ACQUIRE,
     ACQUIRE_OR_HOLDER,
     ACQUIRE_SCRIPT,
+    CONFIRM_WINDOW,
     DEFAULT_PREFIX,
     FORCE_RELEASE,
     FORCE_RELEASE_SCRIPT,
     HELD_MARK,
     INSPECT,
     INSPECT_SCRIPT,
+    MARK,
+    MARKER,
     RELEASE,
     RELEASE_SCRIPT,
     RENEW,
@@ -77,19 +88,25 @@ from celery_lease.stores._redis_common import (
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     REPLICA_TIMEOUT,
+    RESTART_GRACE,
     RETRIED,
     SIGNAL_TTL_MS,
     SOCKET_TIMEOUT,
     TOKEN_TTL_MS,
+    WITH_GRACE,
     Script,
     SentinelURL,
     blpop_slice,
+    check_restart_grace,
     describe_sentinel_master,
     describe_server,
     error_text,
     failed,
     glob_escape,
+    grace_detail,
+    grace_end,
     host_port,
+    in_grace,
     int_or_none,
     lease_info,
     master_address,
@@ -214,8 +231,10 @@ class RedisLockStore:
     master (one more round trip, to the Sentinel) and leave the old master as soon as Sentinel
     names another. With ``min_replicas`` > 0, acquire and renewals are pipelined with ``WAIT``
     (no extra round trip; the reply waits for the replicas' acknowledgement, about one
-    master-replica round trip): an acquire not acknowledged in time is released again and
-    raises ``StoreUnavailableError``; a renewal not acknowledged raises it too, so the holder
+    master-replica round trip): an acquire not acknowledged in time is asked again (the same
+    owner's acquire, idempotent) for up to ``CONFIRM_WINDOW`` (1 s), then released and raised
+    as ``ReplicaLagError`` (a ``StoreUnavailableError`` that :func:`~celery_lease.lease` retries
+    within its wait); a renewal not acknowledged raises ``StoreUnavailableError``, so the holder
     keeps counting from its last confirmed renewal and the lease is reported lost if none gets
     through within its ttl.
 
@@ -236,10 +255,18 @@ class RedisLockStore:
         replica_timeout: how long (a duration: seconds, ``"250ms"``) one ``WAIT`` may block.
             Default: the URL's ``replica_timeout``, else 0.2 s; must be shorter than the
             client's ``socket_timeout``.
+        restart_grace: how long (a duration) a server that lost its data (restarted without
+            persistence, or flushed) refuses free keys, so that every holder of a lease lost
+            with it hears of the loss first; set it to the longest ttl in use (0 turns it
+            off). The store knows the server lost its data when the marker hash
+            (:attr:`marker_key`) it saw before is gone or replaced; a store that never saw it
+            (a new process on a new or emptied server) cannot tell and starts no grace.
+            Default: the URL's ``restart_grace``, else 30 s (the default ttl); 0 on a
+            Cluster, which does not support it (its keys live in many slots).
 
     Raises:
-        LeaseConfigError: for a bad URL, client, prefix, ``min_replicas`` or
-            ``replica_timeout``.
+        LeaseConfigError: for a bad URL, client, prefix, ``min_replicas``,
+            ``replica_timeout`` or ``restart_grace``.
     """
 
     def __init__(
@@ -249,6 +276,7 @@ class RedisLockStore:
         prefix: str = DEFAULT_PREFIX,
         min_replicas: int | None = None,
         replica_timeout: Duration | None = None,
+        restart_grace: Duration | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise LeaseConfigError(
@@ -281,6 +309,10 @@ class RedisLockStore:
         )
         self._min_replicas = self._resolve_min_replicas(min_replicas, options)
         self._replica_timeout = self._resolve_replica_timeout(replica_timeout, options)
+        self._restart_grace = self._resolve_restart_grace(restart_grace, options)
+        self._grace_until = 0.0  # the end of the last grace logged (server seconds)
+        self._epoch: str | None = None
+        """The marker epoch this store saw (None: none yet; see ACQUIRE_SCRIPT)."""
         self._secrets = _secrets_of(self._client)
         # acquire / renew / release of a plain standalone client skip redis-py's command
         # machinery (see celery_lease.stores._redis_fast); Sentinel (its master check), WAIT
@@ -326,6 +358,35 @@ class RedisLockStore:
                 f"socket_timeout ({timeout:g} s), or the socket times out first"
             )
         return seconds
+
+    def _resolve_restart_grace(self, value: object, options: dict[str, object]) -> float:
+        if value is None:
+            value = options.get("restart_grace")
+        cluster = isinstance(self._client, redis.cluster.RedisCluster)
+        if value is None:
+            return 0.0 if cluster else RESTART_GRACE
+        seconds = check_restart_grace(value)
+        if seconds and cluster:
+            raise LeaseConfigError(
+                f"restart_grace={value!r} is not supported on a Redis Cluster (its marker "
+                "would have to live in every slot); use restart_grace=0 and persistence "
+                "(appendonly yes) on the cluster's masters"
+            )
+        return seconds
+
+    @property
+    def restart_grace(self) -> float:
+        """Seconds a server that lost its data refuses free keys (0: no grace)."""
+        return self._restart_grace
+
+    @property
+    def marker_key(self) -> str:
+        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{epoch, until}``.
+
+        Written at first use, never expiring: its absence tells a store that saw it before
+        that the server lost its data (see ``restart_grace``).
+        """
+        return self._prefix + MARKER
 
     @property
     def client(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -652,13 +713,18 @@ class RedisLockStore:
             self._redact(error_text(self._where(), operation, key, detail))
         )
 
-    def _unconfirmed(self, operation: str, key: str | None, acks: int, after: str) -> Exception:
-        return self._error(
-            operation,
-            key,
-            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout)} "
-            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}",
+    def _unconfirmed(
+        self, operation: str, key: str | None, acks: int, after: str, asks: int = 0
+    ) -> StoreUnavailableError:
+        """The error of a write too few replicas acknowledged: a :class:`ReplicaLagError` for
+        an acquire asked ``asks`` times (retried within the caller's wait), else a plain
+        ``StoreUnavailableError``."""
+        detail = (
+            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
+            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}"
         )
+        message = self._redact(error_text(self._where(), operation, key, detail))
+        return ReplicaLagError(message) if asks else StoreUnavailableError(message)
 
     def _redact(self, message: str) -> str:
         return redact_secrets(message, self._secrets)
@@ -692,8 +758,11 @@ class RedisLockStore:
 
     def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
         """:meth:`acquire`; when refused, ``(None, owner of the live lease)``, read by the same
-        script (one round trip: a unique task's duplicate call needs no second one)."""
+        script (one round trip: a unique task's duplicate call needs no second one), or
+        ``(None, None)`` when the key is free but a restart grace refuses it."""
         reply = self._take(ACQUIRE_OR_HOLDER, key, owner, ttl_ms)
+        if reply is None:
+            return None, None
         if refused(reply):
             return None, self._decode(reply)[len(HELD_MARK) :]
         return int(reply), None
@@ -706,17 +775,39 @@ class RedisLockStore:
         return value
 
     def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
-        """Run an acquire ``script``; its raw reply (a token, or the script's refusal)."""
+        """Run an acquire ``script``; its raw reply (a token, or the script's refusal), None
+        when a restart grace refused a free key."""
+        base = self._base(key)
+        keys: tuple[str, ...] = (base + ":lease", base + ":token")
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
+        if self._restart_grace:
+            script = WITH_GRACE[script]
+            keys += (self.marker_key,)
+            args += (self._seen_epoch(key), round(self._restart_grace * 1_000_000))
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
-            base = self._base(key)
-            keys = (base + ":lease", base + ":token")
-            args = (owner, int(ttl_ms), TOKEN_TTL_MS)
-            return self._call("acquire", partial(self._eval, script, keys, args), key)
-        calls = [((self.lease_key(key), self.token_key(key)), (owner, int(ttl_ms), TOKEN_TTL_MS))]
-        replies, acks = self._call("acquire", lambda: self._write(script, calls), key)
-        reply = replies[0]
-        taken = reply is not None and not refused(reply)
-        if taken and acks is not None and acks < self._min_replicas:
+            reply = self._call("acquire", partial(self._eval, script, keys, args), key)
+            return self._outside_grace(key, reply)
+        calls = [(keys, args)]
+        started = SYSTEM_CLOCK.monotonic()
+        asks = 0
+        while True:
+            replies, acks = self._call("acquire", lambda: self._write(script, calls), key)
+            asks += 1
+            reply = replies[0]
+            taken = reply is not None and not refused(reply) and not in_grace(reply)
+            if not taken or acks is None or acks >= self._min_replicas:
+                if asks > 1:
+                    logger.info(
+                        "Redis store %s: acquire %r confirmed by the replicas at ask %d",
+                        self._where(),
+                        key,
+                        asks,
+                    )
+                return self._outside_grace(key, reply)
+            # Not confirmed yet: a replica a moment behind confirms a later ask (the same
+            # owner's acquire again: it re-sets the expiry, a new write for WAIT to count).
+            if SYSTEM_CLOCK.monotonic() - started < CONFIRM_WINDOW:
+                continue
             # A failover now could lose this lease and hand the key to a second owner: give it
             # up (it is this attempt's own owner id, never anyone else's) and say why.
             try:
@@ -725,8 +816,32 @@ class RedisLockStore:
             except StoreUnavailableError as exc:
                 logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
                 after = "releasing it failed too: it expires within its ttl"
-            raise self._unconfirmed("acquire", key, acks, after)
-        return reply
+            error = self._unconfirmed("acquire", key, acks, after, asks)
+            logger.warning("%s; asked again within the caller's wait", error)
+            raise error
+
+    def _seen_epoch(self, key: str) -> str:
+        """The marker epoch this store saw: read (and the marker written when there is none)
+        at its first acquire, one round trip more once per store."""
+        if self._epoch is None:
+            marker = (self.marker_key,)
+            epoch = self._call("acquire", lambda: self._eval(MARK, marker, ()), key)
+            self._epoch = text(epoch)
+        return self._epoch
+
+    def _outside_grace(self, key: str, reply: Any) -> Any:
+        """``reply``, or None for a free key a restart grace refused (logged once a grace)."""
+        if not in_grace(reply):
+            return reply
+        until = grace_end(reply)
+        if until != self._grace_until:
+            self._grace_until = until
+            logger.warning(
+                "Redis store %s: %s",
+                self._where(),
+                grace_detail(until, self._restart_grace, key),
+            )
+        return None
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         if self._fast is not None:
@@ -1190,6 +1305,8 @@ def _client_from_url(
             options["min_replicas"] = spec.min_replicas
         if spec.replica_timeout is not None:
             options["replica_timeout"] = spec.replica_timeout
+        if spec.restart_grace is not None:
+            options["restart_grace"] = spec.restart_grace
         return client, sentinel, options
     if scheme not in ("redis", "rediss", "unix"):
         raise LeaseConfigError(

@@ -44,10 +44,12 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from celery_lease.durations import to_seconds
-from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.errors import LeaseConfigError, ReplicaLagError, StoreUnavailableError
 from celery_lease.stores._redis_common import (
     ACQUIRE,
+    CONFIRM_WINDOW,
     DEFAULT_PREFIX,
+    MARK,
     RELEASE,
     RENEW,
     RETRIED,
@@ -56,11 +58,15 @@ from celery_lease.stores._redis_common import (
     TOKEN_TTL_MS,
     Script,
     blpop_slice,
+    check_restart_grace,
     describe_sentinel_master,
     describe_server,
     error_text,
     failed,
+    grace_detail,
+    grace_end,
     host_port,
+    in_grace,
     master_address,
     no_master_message,
     not_confirmed,
@@ -70,6 +76,7 @@ from celery_lease.stores._redis_common import (
     sentinel_connection_kwargs,
     socket_timeout_of,
     split_store_options,
+    text,
     what,
 )
 from celery_lease.stores.base import LockStore, LoopBinding, redact_url
@@ -174,6 +181,8 @@ class AsyncRedisLockStore:
             :class:`RedisLockStore` (default: the URL's, else 1 under Sentinel, else 0).
         replica_timeout: how long one ``WAIT`` may block (a duration), as in
             :class:`RedisLockStore`.
+        restart_grace: how long a server that lost its data refuses free keys (a duration),
+            as in :class:`RedisLockStore` (default: the twin's).
 
     Raises:
         LeaseConfigError: for a bad URL, client, prefix, twin or replica option (as the sync
@@ -188,6 +197,7 @@ class AsyncRedisLockStore:
         sync: RedisLockStore | None = None,
         min_replicas: int | None = None,
         replica_timeout: Any = None,
+        restart_grace: Any = None,
     ) -> None:
         if sync is not None and not isinstance(sync, RedisLockStore):
             raise LeaseConfigError(f"sync={sync!r} must be a RedisLockStore (or None)")
@@ -207,6 +217,7 @@ class AsyncRedisLockStore:
                     prefix=prefix,
                     min_replicas=min_replicas,
                     replica_timeout=replica_timeout,
+                    restart_grace=restart_grace,
                 )
                 self._owns_sync = True
             else:
@@ -243,6 +254,17 @@ class AsyncRedisLockStore:
                     f"({sync.replica_timeout:g} s): set it on the twin, which both use"
                 )
         self._replica_timeout = sync.replica_timeout
+        if restart_grace is not None and not self._owns_sync:
+            seconds = check_restart_grace(restart_grace)
+            if abs(seconds - sync.restart_grace) > 1e-9:
+                raise LeaseConfigError(
+                    f"restart_grace={restart_grace!r} differs from sync's "
+                    f"({sync.restart_grace:g} s): set it on the twin, which both use"
+                )
+        self._restart_grace = sync.restart_grace
+        self._grace_until = 0.0  # the end of the last grace logged (server seconds)
+        self._epoch: str | None = None
+        """The marker epoch this store saw (None: none yet; see ACQUIRE_SCRIPT)."""
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
@@ -348,13 +370,17 @@ class AsyncRedisLockStore:
             self._redact(error_text(self._where(), operation, key, detail))
         )
 
-    def _unconfirmed(self, operation: str, key: str, acks: int, after: str) -> Exception:
-        return self._error(
-            operation,
-            key,
-            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout)} "
-            f"(min_replicas={self._min_replicas}); {after}",
+    def _unconfirmed(
+        self, operation: str, key: str, acks: int, after: str, asks: int = 0
+    ) -> StoreUnavailableError:
+        """As :meth:`RedisLockStore._unconfirmed`: a ``ReplicaLagError`` for an acquire asked
+        ``asks`` times, else a plain ``StoreUnavailableError``."""
+        detail = (
+            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
+            f"(min_replicas={self._min_replicas}); {after}"
         )
+        message = self._redact(error_text(self._where(), operation, key, detail))
+        return ReplicaLagError(message) if asks else StoreUnavailableError(message)
 
     def _collect_secrets(self) -> tuple[str, ...]:
         found: list[object] = [self._client.connection_pool.connection_kwargs.get("password")]
@@ -387,32 +413,61 @@ class AsyncRedisLockStore:
         """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and
         releases what it took before the cancellation propagates."""
         self._loop.check(self)
-        keys = (self._sync.lease_key(key), self._sync.token_key(key))
-        args = (owner, int(ttl_ms), TOKEN_TTL_MS)
+        keys: tuple[str, ...] = (self._sync.lease_key(key), self._sync.token_key(key))
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
+        if self._restart_grace:
+            keys += (self._sync.marker_key,)
+            args += (await self._seen_epoch(key), round(self._restart_grace * 1_000_000))
 
         async def run() -> tuple[Any, int | None]:
             await self._follow_master()
             reply: tuple[Any, int | None] = await self._eval(ACQUIRE, keys, args)
             return reply
 
-        # Shielded: a cancel must not cut the command off in flight (redis-py would drop the
-        # connection, and a release sent on another one could reach the server first).
-        attempt = asyncio.ensure_future(self._call("acquire", run, key))
-        try:
-            reply, acks = await asyncio.shield(attempt)
-        except asyncio.CancelledError:
-            await self._settle_cancelled_acquire(attempt, key, owner)
-            raise
-        token = None if reply is None else int(reply)
-        if token is not None and acks is not None and acks < self._min_replicas:
+        started = time.monotonic()
+        asks = 0
+        while True:
+            # Shielded: a cancel must not cut the command off in flight (redis-py would drop
+            # the connection, and a release sent on another one could reach the server first).
+            attempt = asyncio.ensure_future(self._call("acquire", run, key))
+            try:
+                reply, acks = await asyncio.shield(attempt)
+            except asyncio.CancelledError:
+                await self._settle_cancelled_acquire(attempt, key, owner)
+                raise
+            asks += 1
+            token = None if reply is None or in_grace(reply) else int(reply)
+            if in_grace(reply) and grace_end(reply) != self._grace_until:
+                self._grace_until = grace_end(reply)
+                detail = grace_detail(self._grace_until, self._restart_grace, key)
+                logger.warning("Redis store %s: %s", self._where(), detail)
+            if token is None or acks is None or acks >= self._min_replicas:
+                return token
+            # A replica a moment behind confirms a later ask (see CONFIRM_WINDOW).
+            if time.monotonic() - started < CONFIRM_WINDOW:
+                continue
             try:
                 await self.release(key, owner)
                 after = "the lease was released"
             except StoreUnavailableError as exc:
                 logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
                 after = "releasing it failed too: it expires within its ttl"
-            raise self._unconfirmed("acquire", key, acks, after)
-        return token
+            error = self._unconfirmed("acquire", key, acks, after, asks)
+            logger.warning("%s; asked again within the caller's wait", error)
+            raise error
+
+    async def _seen_epoch(self, key: str) -> str:
+        """The marker epoch this store saw: read (and the marker written when there is none)
+        at its first acquire, as the sync store does."""
+        if self._epoch is None:
+            marker = (self._sync.marker_key,)
+
+            async def read() -> Any:
+                await self._follow_master()
+                return (await self._eval(MARK, marker, ()))[0]
+
+            self._epoch = text(await self._call("acquire", read, key))
+        return self._epoch
 
     async def _settle_cancelled_acquire(
         self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str

@@ -10,7 +10,12 @@ in that window; those renewals never reach the new master.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -19,6 +24,7 @@ from redis.retry import Retry
 
 from celery_lease import StoreUnavailableError, lease
 from celery_lease.stores.redis import RedisLockStore
+from celery_lease.stores.redis_async import AsyncRedisLockStore
 from tests.fixtures_redis import RedisServer, SentinelGroup
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -185,3 +191,107 @@ def test_without_any_sentinel_acked_renewals_go_on_and_unacked_ones_fail(
     finally:
         acked.close()
         unacked.close()
+
+
+def _wait_calls(server: RedisServer) -> int:
+    """How many WAIT commands ``server`` has run (blocked ones included)."""
+    client = server.client()
+    try:
+        stats = client.info("commandstats")
+    finally:
+        client.close()
+    return int(stats.get("cmdstat_wait", {}).get("calls", 0))
+
+
+def test_an_acquire_a_lagging_replica_did_not_confirm_is_retried_within_the_wait(
+    redis_sentinel: SentinelGroup,
+) -> None:
+    """With the replica stopped (SIGSTOP) the first WAIT times out; the acquire is asked again
+    instead of failing, and succeeds once the replica is resumed, within the caller's wait."""
+    store = RedisLockStore(redis_sentinel.url)
+    master = redis_sentinel.server(redis_sentinel.master_port())
+    replica = next(s for s in redis_sentinel.servers if s is not master)
+    assert store.acquire("warm", "w", 10_000) is not None  # the replica acknowledges writes
+    store.release("warm", "w")
+    _reset_stats(master)
+    outcome: list[object] = []
+
+    def take() -> None:
+        try:
+            with lease("b1", store=store, ttl=TTL, wait=DEADLINE) as held:
+                outcome.append(held.token)
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    _take_while_the_replica_is_stopped(master, replica, take)
+    try:
+        assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+    finally:
+        store.close()
+
+
+def test_the_async_store_asks_again_too(redis_sentinel: SentinelGroup) -> None:
+    """The asyncio twin asks an unconfirmed acquire again as the sync store does."""
+    master = redis_sentinel.server(redis_sentinel.master_port())
+    replica = next(s for s in redis_sentinel.servers if s is not master)
+    outcome: list[object] = []
+
+    async def main() -> None:
+        store = AsyncRedisLockStore(redis_sentinel.url)
+        try:
+            async with lease("warm", store=store, ttl=TTL):
+                pass
+            _reset_stats(master)
+            ready.set()
+            await asyncio.get_running_loop().run_in_executor(None, resumed.wait, DEADLINE)
+        finally:
+            await store.aclose()
+
+    ready, resumed = threading.Event(), threading.Event()
+
+    def take() -> None:
+        async def run() -> None:
+            store = AsyncRedisLockStore(redis_sentinel.url)
+            try:
+                async with lease("b1", store=store, ttl=TTL, wait=DEADLINE) as held:
+                    outcome.append(held.token)
+            finally:
+                await store.aclose()
+
+        try:
+            asyncio.run(run())
+        except Exception as exc:  # handed to the test
+            outcome.append(exc)
+
+    # A first store warms the replica's link (its first WAIT answered), then the test stops it.
+    warm = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    warm.start()
+    assert ready.wait(DEADLINE)
+    try:
+        _take_while_the_replica_is_stopped(master, replica, take)
+    finally:
+        resumed.set()
+        warm.join(DEADLINE)
+    assert len(outcome) == 1 and isinstance(outcome[0], int), outcome
+
+
+def _take_while_the_replica_is_stopped(
+    master: RedisServer, replica: RedisServer, take: Callable[[], None]
+) -> None:
+    """Run ``take`` on a thread with ``replica`` stopped (SIGSTOP) until the master ran a second
+    WAIT (the first one timed out and the acquire was asked again), then resume the replica and
+    wait for ``take`` to end."""
+    assert replica.pid is not None
+    os.kill(replica.pid, signal.SIGSTOP)
+    thread = threading.Thread(target=take, daemon=True)
+    try:
+        thread.start()
+        deadline = time.monotonic() + DEADLINE
+        # A second WAIT means the first one timed out unconfirmed and the acquire went on.
+        while _wait_calls(master) < 2 and thread.is_alive():
+            assert time.monotonic() < deadline, "the acquire neither retried nor ended"
+            time.sleep(0.01)
+    finally:
+        os.kill(replica.pid, signal.SIGCONT)
+    thread.join(DEADLINE)
+    assert not thread.is_alive(), "the acquire did not end after the replica resumed"

@@ -213,13 +213,16 @@ class TestKeysAndValues:
     def test_keys_carry_the_prefix_and_a_hash_tag_on_the_user_key(
         self, redis_url: str, redis_client: redis.Redis
     ) -> None:
-        """Lease, counter and signal are <prefix>{<key>}:..., all in one cluster slot."""
+        """Lease, counter and signal are <prefix>{<key>}:..., all in one cluster slot; the
+        store's marker (restart grace) is <prefix>marker, without expiry."""
         store = RedisLockStore(redis_url, prefix="app:")
         token = store.acquire("account:42", "worker-1", 5000)
         assert sorted(redis_client.keys("*")) == [
+            b"app:marker",
             b"app:{account:42}:lease",
             b"app:{account:42}:token",
         ]
+        assert redis_client.ttl("app:marker") == -1
         assert redis_client.hgetall("app:{account:42}:lease") == {
             b"owner": b"worker-1",
             b"token": str(token).encode(),
@@ -228,6 +231,7 @@ class TestKeysAndValues:
         assert redis_client.get("app:{account:42}:token") == str(token).encode()
         store.release("account:42", "worker-1")
         assert sorted(redis_client.keys("*")) == [
+            b"app:marker",
             b"app:{account:42}:signal",
             b"app:{account:42}:token",
         ]
@@ -303,7 +307,9 @@ class TestFailures:
     def test_tokens_increase_after_a_restart_without_persistence(
         self, redis_server: RedisServer, store: RedisLockStore
     ) -> None:
-        """A restart loses the lease and the counter, yet the next token is still higher."""
+        """A restart loses the lease and the counter, yet the next token is still higher
+        (without a restart grace here: TestRestartGrace and tests/faults cover it)."""
+        store = RedisLockStore(store.client, restart_grace=0)
         first = store.acquire("k", "a", LONG_MS)
         assert first is not None
         redis_server.restart()
@@ -315,7 +321,9 @@ class TestFailures:
     def test_server_down_raises_store_unavailable_with_the_cause(
         self, redis_server: RedisServer, store: RedisLockStore
     ) -> None:
-        """With the server stopped every operation raises StoreUnavailableError, cause chained."""
+        """With the server stopped every operation raises StoreUnavailableError, cause chained
+        (the store started without a restart grace: it takes a key at once after the restart)."""
+        store = RedisLockStore(store.client, restart_grace=0)
         assert store.acquire("k", "a", LONG_MS) is not None
         redis_server.stop()
         try:
@@ -610,10 +618,12 @@ class TestEviction:
     ) -> None:
         """Under volatile-* and allkeys-* the lease hash (it has a TTL) is evicted while held: a
         second owner can take the key at once, and the holder learns "taken" at its next
-        renewal. The next token is still higher: the counter is floored by the server's TIME."""
+        renewal. The next token is still higher: the counter is floored by the server's TIME.
+        (Under allkeys-* the store's marker may be evicted too, which starts a restart grace:
+        turned off here, so that the intruder's acquire does not depend on the LRU's pick.)"""
         server = redis_server_factory("--maxmemory-policy", policy)
         client = server.client()
-        store = RedisLockStore(server.url)
+        store = RedisLockStore(server.url, restart_grace=0)
         with lease("k", store=store, ttl=3.0) as held:
             used = int(client.info("memory")["used_memory"])
             client.config_set("maxmemory", used + 1024 * 1024)
@@ -764,6 +774,87 @@ class TestStoreOptions:
         with pytest.raises(LeaseConfigError, match="min_replicas=1"):
             RedisLockStore(client, min_replicas=1)
         client.close()
+
+
+class TestRestartGrace:
+    """A server that lost our data (flushed here; restarted: tests/faults) refuses free keys."""
+
+    def test_a_new_server_grants_at_once_with_the_default_grace(self, redis_url: str) -> None:
+        """A store that never saw the marker cannot tell a new server from an emptied one and
+        starts no grace: a fresh Redis in CI is no trap."""
+        store = RedisLockStore(redis_url)
+        try:
+            assert store.restart_grace == 30.0
+            assert store.acquire("k", "a", LONG_MS) is not None
+            marker = store.client.hgetall(store.marker_key)
+            assert marker[b"until"] == b"0" and int(marker[b"epoch"]) > 0
+        finally:
+            store.close()
+
+    def test_a_flush_seen_by_a_store_that_used_the_server_holds_free_keys(
+        self, redis_url: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """After FLUSHALL a store that saw the marker refuses a free key (logged once), and so
+        does then a store that never saw it; restart_grace=0 grants at once."""
+        seen = RedisLockStore(redis_url, restart_grace=60)
+        off = RedisLockStore(redis_url, restart_grace=0)
+        try:
+            assert seen.acquire("warm", "w", LONG_MS) is not None
+            seen.client.flushall()
+            with caplog.at_level("WARNING", logger="celery_lease.stores.redis"):
+                assert seen.acquire("k", "a", LONG_MS) is None
+                assert seen.acquire_or_holder("k", "a", LONG_MS) == (None, None)
+            assert seen.get("k") is None, "the key is free: the grace refused it"
+            grace_logs = [r for r in caplog.records if "restart_grace=60 s" in r.getMessage()]
+            assert len(grace_logs) == 1, [r.getMessage() for r in caplog.records]
+            assert "first refused: 'k'" in grace_logs[0].getMessage()
+            newcomer = RedisLockStore(redis_url)
+            try:
+                assert newcomer.acquire("other", "n", LONG_MS) is None
+            finally:
+                newcomer.close()
+            token = off.acquire("k", "b", LONG_MS)
+            marker = seen.client.hgetall(seen.marker_key)
+            assert token is not None and token < int(marker[b"until"])
+        finally:
+            seen.close()
+            off.close()
+
+    def test_a_held_key_is_still_answered_during_the_grace(self, redis_url: str) -> None:
+        """The grace refuses free keys only: its holder re-takes a live lease, others are
+        refused as held."""
+        seen = RedisLockStore(redis_url, restart_grace=60)
+        off = RedisLockStore(redis_url, restart_grace=0)
+        try:
+            assert seen.acquire("warm", "w", LONG_MS) is not None
+            seen.client.flushall()
+            token = off.acquire("k", "a", LONG_MS)
+            assert token is not None
+            assert seen.acquire("k", "a", LONG_MS) == token
+            assert seen.acquire_or_holder("k", "b", LONG_MS) == (None, "a")
+        finally:
+            seen.close()
+            off.close()
+
+    def test_options(self, redis_cluster_server: RedisServer, redis_cluster_url: str) -> None:
+        """restart_grace from the keyword, the URL (plain and Sentinel) or the default; a bad
+        value and a Cluster with a grace are refused naming the value."""
+        assert RedisLockStore("redis://localhost:1/0?restart_grace=5s").restart_grace == 5.0
+        assert RedisLockStore("redis://localhost:1/0?restart_grace=0").restart_grace == 0.0
+        url = "redis+sentinel://s1/svc?restart_grace=90"
+        assert RedisLockStore(url).restart_grace == 90.0
+        assert RedisLockStore(url, restart_grace=1).restart_grace == 1.0
+        with pytest.raises(LeaseConfigError, match="restart_grace='soon'"):
+            RedisLockStore("redis://localhost:1/0?restart_grace=soon")
+        with pytest.raises(LeaseConfigError, match="restart_grace=-1"):
+            RedisLockStore("redis://localhost:1/0", restart_grace=-1)
+        client = RedisCluster(host="127.0.0.1", port=redis_cluster_server.port)
+        try:
+            assert RedisLockStore(client).restart_grace == 0.0
+            with pytest.raises(LeaseConfigError, match="restart_grace=30 is not supported"):
+                RedisLockStore(client, restart_grace=30)
+        finally:
+            client.close()
 
 
 class TestWaiting:

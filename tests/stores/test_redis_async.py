@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import uuid
 from collections.abc import Callable
 
 import pytest
 
+from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore
+from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore
 from tests.fixtures_redis import RedisServer, blocked_clients
 from tests.stores.async_contract import AsyncStoreContract, wait_for
@@ -37,3 +40,36 @@ class TestAsyncRedisContract(AsyncStoreContract):
 
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         wait_for(lambda: blocked_clients(self.server) >= count, f"{count} waiters")
+
+
+@pytest.mark.redis
+class TestAsyncRestartGrace:
+    def test_a_flush_seen_by_the_store_holds_free_keys_as_the_sync_twin_does(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """After FLUSHALL the async store that saw the marker refuses a free key; its grace is
+        its twin's, and a different one is refused at construction."""
+
+        async def main() -> None:
+            store = AsyncRedisLockStore(redis_url, restart_grace=60)
+            try:
+                twin = store.sync
+                assert isinstance(twin, RedisLockStore) and twin.restart_grace == 60.0
+                assert await store.acquire("warm", "w", 60_000) is not None
+                client = redis_server.client()
+                try:
+                    client.flushall()
+                finally:
+                    client.close()
+                assert await store.acquire("k", "a", 60_000) is None
+                assert twin.get("k") is None  # free: the grace refused it
+            finally:
+                await store.aclose()
+
+        asyncio.run(main())
+        twin = RedisLockStore(redis_url, restart_grace=5)
+        try:
+            with pytest.raises(LeaseConfigError, match="restart_grace=7 differs"):
+                AsyncRedisLockStore(redis_url, sync=twin, restart_grace=7)
+        finally:
+            twin.close()

@@ -279,8 +279,8 @@ class TestWire:
                 return b"-LOADING Redis is loading the dataset in memory\r\n"
             return b"$2\r\n42\r\n"
 
-        server = fake_redis(answer)
-        store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?protocol=2")
+        server = fake_redis(answer)  # no marker to read: no restart grace
+        store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?protocol=2&restart_grace=0")
         try:
             assert store.acquire("k", "a", LONG_MS) == 42
             evals = [c for c in server.commands if c[0].upper() == b"EVALSHA"]
@@ -298,8 +298,8 @@ class TestWire:
         def answer(state: dict[str, Any], command: list[bytes]) -> bytes:
             return next(answers)
 
-        server = fake_redis(answer)
-        store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?protocol=2")
+        server = fake_redis(answer)  # no marker to read: no restart grace
+        store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?protocol=2&restart_grace=0")
         try:
             with pytest.raises(StoreUnavailableError, match="InvalidResponse"):
                 store.acquire("k", "a", LONG_MS)
@@ -789,9 +789,10 @@ class TestDeadConnections:
         self, redis_server_factory: Callable[..., RedisServer], protocol: int
     ) -> None:
         """After a restart the old socket is dead and the script cache empty: the acquire
-        reconnects, meets NOSCRIPT, runs EVAL, and gets a lease on the new server."""
+        reconnects, meets NOSCRIPT, runs EVAL, and gets a lease on the new server (at once:
+        no restart grace here)."""
         server = redis_server_factory()
-        store = RedisLockStore(f"{server.url}?protocol={protocol}")
+        store = RedisLockStore(f"{server.url}?protocol={protocol}&restart_grace=0")
         try:
             assert store.acquire("k", "a", LONG_MS) is not None
             server.restart()

@@ -12,6 +12,7 @@ from celery_lease import (
     LeaseError,
     LockLostError,
     LockNotAcquiredError,
+    ReplicaLagError,
     StoreUnavailableError,
 )
 
@@ -40,6 +41,7 @@ class TestAttributes:
         for cls in (LockNotAcquiredError, LockLostError, StoreUnavailableError, LeaseConfigError):
             assert issubclass(cls, LeaseError)
         assert issubclass(LeaseConfigError, ValueError)
+        assert issubclass(ReplicaLagError, StoreUnavailableError)
 
 
 ERRORS = [
@@ -47,6 +49,7 @@ ERRORS = [
     LockNotAcquiredError("k", "cancelled"),
     LockLostError("k", "taken"),
     StoreUnavailableError("redis down"),
+    ReplicaLagError("acquire 'k' not confirmed"),
     LeaseConfigError("ttl=0 must be > 0 seconds"),
 ]
 

@@ -23,6 +23,7 @@ CONTRACT = {
     "LockNotAcquiredError",
     "LockLostError",
     "StoreUnavailableError",
+    "ReplicaLagError",
     # Celery
     "LockedTask",
     "locked",

@@ -19,6 +19,7 @@ from celery_lease import (
     LockLostError,
     LockNotAcquiredError,
     MemoryLockStore,
+    ReplicaLagError,
     SQLiteLockStore,
     current_lease,
     get_lock_token,
@@ -223,6 +224,50 @@ class TestWaiting:
         gaps = [round(b - a, 3) for a, b in zip(polled.tries, polled.tries[1:], strict=False)]
         assert gaps[:6] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
         assert isinstance(out.get("error"), LockNotAcquiredError)
+
+    @pytest.mark.parametrize("lags", [2, 1000])
+    def test_an_acquire_the_replicas_did_not_confirm_is_retried_within_the_wait(
+        self, clock: FakeClock, lags: int
+    ) -> None:
+        """A ReplicaLagError (the store released the unconfirmed lease) is asked again within
+        wait like a held key; when the wait runs out, that error is raised, not "held"."""
+
+        class Lagging:
+            def __init__(self) -> None:
+                self.inner = MemoryLockStore(clock=clock)
+                self.asks = 0
+
+            def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+                self.asks += 1
+                if self.asks <= lags:
+                    raise ReplicaLagError(f"acquire {key!r} not confirmed (ask {self.asks})")
+                return self.inner.acquire(key, owner, ttl_ms)
+
+            def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+                return self.inner.renew(key, owner, ttl_ms)
+
+            def release(self, key: str, owner: str) -> None:
+                self.inner.release(key, owner)
+
+        lagging = Lagging()
+        context = lease("k", store=lagging, wait=4, clock=clock)
+        thread, out = run_in_thread(context.__enter__)
+        waits = 0
+        while thread.is_alive():
+            try:
+                clock.wait_for_waits(waits + 1, timeout=0.2)
+            except TimeoutError:
+                continue
+            waits = clock.waits
+            clock.advance_to_next_deadline()
+        thread.join(REAL_TIMEOUT)
+        if lags == 2:
+            held = out.get("result")
+            assert isinstance(held, Lease) and lagging.asks == 3, out
+            context.__exit__(None, None, None)
+        else:
+            assert isinstance(out.get("error"), ReplicaLagError), out
+            assert 3 < lagging.asks < lags
 
     def test_cancel_aborts_the_wait(self, store: SpyStore, clock: FakeClock) -> None:
         """Setting cancel stops a waiter with an error that says it was cancelled."""
