@@ -14,7 +14,9 @@ Under ``celery -A proj lease``, ``show`` and ``release`` look up KEY as the app'
 with the app's ``lease_key_prefix`` in front (a KEY that already starts with it, or ``--raw``: as
 given), and say on stderr which key they looked up. ``celery-lease`` has no app, so no prefix.
 
-Every failure to reach or build the store is one line on stderr and exit status 2.
+Every failure to reach or build the store is one line on stderr and exit status 2. A reader that
+goes away (``celery lease show KEY | head -1``) ends a command quietly with status 141 (128 +
+SIGPIPE), the status the shell reports for ``git log | head``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ import dataclasses
 import importlib
 import json
 import os
+import select
+import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import click
@@ -149,10 +154,58 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
     return store
 
 
+CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
+"""The exit status when the reader of our output went away: what a shell reports for a program
+that SIGPIPE ended (``git log | head``), 141 on Linux and macOS."""
+
+
+def _end_on_closed_pipe() -> NoReturn:
+    """End the command quietly because stdout's reader is gone (``| head -1``).
+
+    Python ignores SIGPIPE, so the write raised ``BrokenPipeError``; what is still buffered would
+    fail again when the interpreter flushes stdout at exit (an "Exception ignored" message), so
+    stdout is pointed at ``os.devnull`` first, then :data:`CLOSED_PIPE_STATUS` is the status.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a descriptor (an in-process runner)
+        pass
+    raise SystemExit(CLOSED_PIPE_STATUS)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (a ``BrokenPipeError`` may also come from a store's
+    socket). A pipe whose reader closed polls as an error; a stdout without a descriptor, or a
+    platform without ``poll``, counts as closed (the error was ours to see)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
+class _LeaseGroup(click.Group):
+    """The ``lease`` group: a closed stdout ends any of its commands quietly."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _end_on_closed_pipe()
+
+
 def _run(fn: Callable[[], None]) -> None:
-    """Run a command's body, turning store failures into one line and exit status 2."""
+    """Run a command's body, turning store failures into one line and exit status 2 (a closed
+    stdout is not a store failure: it goes up to :class:`_LeaseGroup`)."""
     try:
         fn()
+    except BrokenPipeError as exc:
+        if _stdout_closed():
+            raise
+        raise CliError(str(exc)) from None
     except (LeaseError, OSError) as exc:
         raise CliError(str(exc)) from None
 
@@ -379,6 +432,12 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
     )
 
 
+def _node(record: dict[str, Any]) -> str | None:
+    """What NODE shows, in ``list`` and ``show`` alike: the Celery node that took the lease, or
+    for a lease taken outside a worker (``lease()`` in a script) its host."""
+    return record["node"] or record["host"]
+
+
 def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -392,7 +451,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
     for r in records:
         # An owner that tells nothing (no fields, or a foreign id) is shown whole in NODE.
         tells = any(r[name] is not None for name in ("task", "task_id", "label", "taken_at"))
-        node = r["node"] or r["host"] or ("-" if tells else r["owner"])
+        node = _node(r) or ("-" if tells else r["owner"])
         row = [
             r["key"],
             r["state"],
@@ -414,7 +473,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
-@click.group(name="lease")
+@click.group(name="lease", cls=_LeaseGroup)
 @click.option("--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP)
 def lease_group(store_url: str | None) -> None:
     """Inspect and free the leases held in a celery-lease store."""
@@ -537,7 +596,7 @@ def show_command(
             click.echo(_describe(info, record))
             for label, value in (
                 ("state", record["state"]),
-                ("node", record["node"]),
+                ("node", _node(record)),
                 ("task", record["task"]),
                 ("task id", record["task_id"]),
                 ("label", record["label"]),

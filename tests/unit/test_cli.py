@@ -514,3 +514,49 @@ class TestEntryPoints:
                 "state": "held",
             }
         ]
+
+
+def _sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'leases.db'}"
+    store_from_url(url).release("init", "nobody")  # creates the file
+    return url
+
+
+class TestClosedPipe:
+    @pytest.mark.parametrize("command", [["show", "k"], ["list"], ["show", "free-key"]])
+    def test_a_closed_pipe_ends_quietly_with_the_sigpipe_status(
+        self, tmp_path: Path, command: list[str]
+    ):
+        """``celery-lease show KEY | head -1``: a reader that went away ends the command with no
+        message and status 141 (128 + SIGPIPE, what the shell reports for ``git log | head``),
+        not 2, which says the store could not be reached."""
+        url = _sqlite_url(tmp_path)
+        store_from_url(url).acquire("k", make_owner(label="script"), TTL_MS)
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written: every write fails
+        try:
+            process = subprocess.run(
+                [sys.executable, "-c", "from celery_lease.cli import main; main()",
+                 "--store", url, *command],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert "Broken pipe" not in process.stderr
+        assert "Error" not in process.stderr
+        assert process.returncode == 128 + 13
+
+
+class TestNodeColumn:
+    def test_a_lease_taken_outside_celery_has_the_same_node_in_list_and_show(
+        self, tmp_path: Path
+    ):
+        """A lease with no Celery node (taken by ``lease()`` in a script) shows one NODE in
+        ``list`` and ``show``: its host."""
+        url = _sqlite_url(tmp_path)
+        store_from_url(url).acquire("script:1", make_owner(label="script"), TTL_MS)
+        listed = table(run("list", "--store", url))
+        node_in_list = listed[1][listed[0].index("NODE")]
+        shown = run("show", "script:1", "--store", url).stdout.splitlines()[1:]
+        fields = dict(re.split(r":\s+", line.strip(), maxsplit=1) for line in shown)
+        assert node_in_list == fields["node"] == socket.gethostname()
