@@ -666,7 +666,9 @@ def release_command(
 def check_command(ctx: click.Context, store_url: str | None) -> None:
     """Check the app's lease settings and that every store its locked tasks use answers.
 
-    For deploy scripts: one line per check (ok / FAIL), exit status 2 when one failed. Under
+    For deploy scripts: one line per check (ok / WARN / FAIL), exit status 2 when one failed, 1
+    when none failed but one warned (the host-local SQLite fallback, which excludes only the
+    workers of one host; lease_require_shared_store=True makes it a failure). Under
     `celery -A proj lease check` the app's task modules are imported (as a worker does), its
     lease_* settings validated, and its lease_store (or what it defaults to) and every task's
     lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
@@ -693,6 +695,8 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
         click.echo(check.line())
     if not all(check.ok for check in checks):
         ctx.exit(2)
+    if any(check.warning is not None for check in checks):
+        ctx.exit(1)
 
 
 # `celery -A proj inspect leases` is checked against the remote-control registry of the process

@@ -1,21 +1,23 @@
 """Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
 
-============================  =====================================  ========================
-setting (``app.conf``)        meaning                                built-in default
-============================  =====================================  ========================
-``lease_store``               a store URL or a ``LockStore``         see :func:`get_store`
-``lease_default_ttl``         ttl of tasks that set none (duration)  30 s
-``lease_default_wait``        wait of tasks that set none (duration)  0
-``lease_key_prefix``          prepended to every task's key (str)    ``""``
-``lease_metrics``             ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
-``lease_metrics_port``        port of the Prometheus ``/metrics``    9809
-``lease_default_queue_ttl``   an unstarted unique copy's key (dur.)  1 h
-``lease_defer_release``       may a worker skip waiting for the      ``True``
-                              release's reply (bool; see engine)
-``lease_store_check``         a store that does not answer at        ``"refuse"``
-                              worker start: ``"refuse"``, ``"warn"``
-                              or ``"off"`` (see the startup module)
-============================  =====================================  ========================
+==============================  =====================================  ========================
+setting (``app.conf``)          meaning                                built-in default
+==============================  =====================================  ========================
+``lease_store``                 a store URL or a ``LockStore``         see :func:`get_store`
+``lease_default_ttl``           ttl of tasks that set none (duration)  30 s
+``lease_default_wait``          wait of tasks that set none (duration)  0
+``lease_key_prefix``            prepended to every task's key (str)    ``""``
+``lease_metrics``               ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
+``lease_metrics_port``          port of the Prometheus ``/metrics``    9809
+``lease_default_queue_ttl``     an unstarted unique copy's key (dur.)  1 h
+``lease_defer_release``         may a worker skip waiting for the      ``True``
+                                release's reply (bool; see engine)
+``lease_store_check``           a store that does not answer at        ``"refuse"``
+                                worker start: ``"refuse"``, ``"warn"``
+                                or ``"off"`` (see the startup module)
+``lease_require_shared_store``  refuse the host-local SQLite           ``False``
+                                fallback (bool; see :func:`get_store`)
+==============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
 a locked task of the app needs them, and at worker start-up (:mod:`celery_lease._celery.startup`
@@ -26,14 +28,14 @@ like one of ours (``lease_stor``, ``CELERY_LEASE_STOR``) or a known name in a sp
 never reads (``LEASE_STORE`` without a namespace) is an error naming the key, the setting meant
 and the settings. Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
-
+  
 The store is resolved once per app in each process and rebuilt after ``fork``.
-
+  
 The lock and the fork resets this module takes part in: ``docs/internals.md``.
 """
-
+  
 from __future__ import annotations
-
+  
 import contextlib
 import logging
 import os
@@ -71,12 +73,15 @@ __all__ = [
     "default_sqlite_path",
     "get_settings",
     "get_store",
+    "host_local_fallback",
+    "host_local_message",
     "is_process_local",
     "pick",
     "recheck",
     "refuse",
     "reset",
     "store_option",
+    "warn_host_local",
 ]
 
 logger = logging.getLogger("celery_lease.config")
@@ -100,6 +105,7 @@ SETTINGS: tuple[str, ...] = (
     "lease_default_queue_ttl",
     "lease_defer_release",
     "lease_store_check",
+    "lease_require_shared_store",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -158,6 +164,9 @@ class LeaseSettings:
             release without waiting for its reply when nothing is published after the body
             (see :mod:`celery_lease._celery.deferral`); ``False`` waits for every release's reply.
         store_check: ``lease_store_check``, else ``"refuse"`` (one of :data:`STORE_CHECKS`).
+        require_shared_store: ``lease_require_shared_store``, else ``False``: when ``True``, the
+            host-local SQLite fallback (:func:`host_local_fallback`) is refused instead of used
+            with a warning.
     """
 
     store: str | LockStore | None
@@ -169,6 +178,7 @@ class LeaseSettings:
     default_queue_ttl: float | None = None
     defer_release: bool = True
     store_check: str = "refuse"
+    require_shared_store: bool = False
 
 
 _lock = threading.RLock()
@@ -229,6 +239,9 @@ def _read(app: CeleryApp) -> LeaseSettings:
         ),
         defer_release=_read_bool(conf.get("lease_defer_release"), "lease_defer_release", True),
         store_check=_read_store_check(conf.get("lease_store_check")),
+        require_shared_store=_read_bool(
+            conf.get("lease_require_shared_store"), "lease_require_shared_store", False
+        ),
     )
 
 
@@ -469,9 +482,45 @@ def store_option(app: CeleryApp) -> str | LockStore:
     return f"sqlite:///{default_sqlite_path()}"
 
 
-def _build_store(app: CeleryApp) -> LockStore:
+def host_local_fallback(app: CeleryApp) -> bool:
+    """Whether ``app``'s store is the host-local SQLite file: ``lease_store`` unset and a broker
+    that is not Redis (RabbitMQ, SQS...). It excludes only the workers of one host.
+
+    Raises:
+        LeaseConfigError: as :func:`get_settings`.
+    """
+    return get_settings(app).store is None and broker_store_url(app) is None
+
+
+def host_local_message(app: CeleryApp, path: str) -> str:
+    """What is said about the host-local file at ``path``: a warning, or with
+    ``lease_require_shared_store`` the refusal (both name the settings to change)."""
+    if get_settings(app).require_shared_store:
+        return (
+            f"celery-lease: lease_store is unset and the broker is not Redis, so the lease"
+            f" store would be the host-local SQLite file {path}, which excludes only workers on"
+            " this host; lease_require_shared_store=True refuses it: set lease_store to a store"
+            " every worker shares (redis://..., postgresql://...)"
+        )
+    return (
+        f"celery-lease: lease_store is unset and the broker is not Redis: using {path}, which"
+        " excludes only workers on this host; set lease_store to share locks across hosts"
+        " (lease_require_shared_store=True refuses to start without one)"
+    )
+
+
+def warn_host_local(app: CeleryApp, path: str) -> None:
+    """Log :func:`host_local_message` as a warning, once per process (and in no pool process
+    forked after the worker's main process logged it at start)."""
     global _warned_local
-    configured = get_settings(app).store
+    if not _warned_local:
+        _warned_local = True
+        logger.warning("%s", host_local_message(app, path))
+
+
+def _build_store(app: CeleryApp) -> LockStore:
+    settings = get_settings(app)
+    configured = settings.store
     if isinstance(configured, LockStore):
         return configured
     if isinstance(configured, str):
@@ -482,13 +531,9 @@ def _build_store(app: CeleryApp) -> LockStore:
     from celery_lease.stores.sqlite import SQLiteLockStore
 
     path = default_sqlite_path()
-    if not _warned_local:
-        _warned_local = True
-        logger.warning(
-            "celery-lease: lease_store is unset and the broker is not Redis: using %s, which"
-            " excludes only workers on this host; set lease_store to share locks across hosts",
-            path,
-        )
+    if settings.require_shared_store:
+        raise LeaseConfigError(host_local_message(app, path))
+    warn_host_local(app, path)
     return SQLiteLockStore(path)
 
 
@@ -497,10 +542,12 @@ def get_store(app: CeleryApp) -> LockStore:
 
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
-    this user on this host (logged once as host-local only). Rebuilt after ``fork``.
+    this user on this host (logged once as host-local only: by a worker's main process at start,
+    :mod:`celery_lease._celery.startup`). Rebuilt after ``fork``.
 
     Raises:
-        LeaseConfigError: as :func:`get_settings`.
+        LeaseConfigError: as :func:`get_settings`; and instead of the host-local file when
+            ``lease_require_shared_store`` is ``True``.
     """
     if _refusals:
         _raise_refusal(app)
