@@ -278,6 +278,41 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
     return prefix + key
 
 
+def _other_key(ctx: click.Context, key: str, store_key: str) -> str | None:
+    """The other spelling of KEY under an app with a ``lease_key_prefix``: without the prefix
+    when the prefixed key was looked up, with it when ``--raw`` looked KEY up as given; ``None``
+    without an app or a prefix. A ``lease()`` taken without the app's prefix (or with it, by
+    ``lease(key, app=app)``) holds the other one, and does not exclude the holder of this one."""
+    prefix = _key_prefix(_app(ctx))
+    if not prefix:
+        return None
+    if store_key == prefix + key:
+        return key
+    return key.removeprefix(prefix) if key.startswith(prefix) else prefix + key
+
+
+def _other_note(ctx: click.Context, store_key: str, other: dict[str, Any], *, both: bool) -> str:
+    """The line ``show`` adds when the other spelling of KEY (:func:`_other_key`) is held."""
+    prefix = _key_prefix(_app(ctx))
+    key = other["key"]
+    form = (
+        f"with the app's lease_key_prefix {prefix!r}, as its tasks take it"
+        if key.startswith(prefix) and store_key == key.removeprefix(prefix)
+        else f"without the app's lease_key_prefix {prefix!r}"
+    )
+    if both:
+        return (
+            f"note: {key!r} ({form}) is held too, by {_holder_line(other)}: two holders each"
+            " hold what may be meant as one key, and do not exclude each other"
+            " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+        )
+    return (
+        f"note: {key!r} ({form}) is held by {_holder_line(other)}, token {other['token']}:"
+        f" it does not exclude a holder of {store_key!r}"
+        " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+    )
+
+
 def raw_option(func: F) -> F:
     """The ``--raw`` flag of ``show`` and ``release``."""
     return click.option(
@@ -435,7 +470,8 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
 def _node(record: dict[str, Any]) -> str | None:
     """What NODE shows, in ``list`` and ``show`` alike: the Celery node that took the lease, or
     for a lease taken outside a worker (``lease()`` in a script) its host."""
-    return record["node"] or record["host"]
+    node: str | None = record["node"] or record["host"]
+    return node
 
 
 def _cell(value: object) -> str:
@@ -588,10 +624,16 @@ def show_command(
         store = _inspectable(ctx, store_url)
         store_key = _store_key(ctx, key, raw)
         info = store.get(store_key)
+        other = _other_key(ctx, key, store_key)
+        other_info = None if other is None else store.get(other)
+        other_record = (
+            None if other_info is None else _records([other_info], time.time(), _app(ctx))[0]
+        )
+        also = {} if other_record is None else {"other_key": other_record}
         if info is not None:
             (record,) = _records([info], time.time(), _app(ctx))
             if as_json:
-                click.echo(json.dumps({"held": True, **record}, indent=2))
+                click.echo(json.dumps({"held": True, **record, **also}, indent=2))
                 return
             click.echo(_describe(info, record))
             for label, value in (
@@ -606,13 +648,18 @@ def show_command(
                 ("owner", record["owner"]),
             ):
                 click.echo(f"  {label + ':':<10}{_cell(value)}")
+            if other_record is not None:
+                click.echo(_other_note(ctx, store_key, other_record, both=True))
             return
         last = store.last_token(store_key)
         if as_json:
-            click.echo(json.dumps({"key": store_key, "held": False, "last_token": last}, indent=2))
+            free = {"key": store_key, "held": False, "last_token": last, **also}
+            click.echo(json.dumps(free, indent=2))
             return
         issued = "no token issued yet" if last is None else f"last token issued {last}"
         click.echo(f"{store_key}: free ({issued})")
+        if other_record is not None:
+            click.echo(_other_note(ctx, store_key, other_record, both=False))
 
     _run(body)
 

@@ -28,14 +28,14 @@ like one of ours (``lease_stor``, ``CELERY_LEASE_STOR``) or a known name in a sp
 never reads (``LEASE_STORE`` without a namespace) is an error naming the key, the setting meant
 and the settings. Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
-  
+
 The store is resolved once per app in each process and rebuilt after ``fork``.
-  
+
 The lock and the fork resets this module takes part in: ``docs/internals.md``.
 """
-  
+
 from __future__ import annotations
-  
+
 import contextlib
 import logging
 import os

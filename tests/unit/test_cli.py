@@ -548,9 +548,7 @@ class TestClosedPipe:
 
 
 class TestNodeColumn:
-    def test_a_lease_taken_outside_celery_has_the_same_node_in_list_and_show(
-        self, tmp_path: Path
-    ):
+    def test_a_lease_taken_outside_celery_has_the_same_node_in_list_and_show(self, tmp_path: Path):
         """A lease with no Celery node (taken by ``lease()`` in a script) shows one NODE in
         ``list`` and ``show``: its host."""
         url = _sqlite_url(tmp_path)

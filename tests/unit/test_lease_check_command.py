@@ -9,8 +9,8 @@ socket path that does not exist.
 from __future__ import annotations
 
 import subprocess
-import tempfile
 import sys
+import tempfile
 import textwrap
 import threading
 import types
