@@ -405,7 +405,33 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
     prefix = _key_prefix(app)
     for r in records:
         r["state"] = _state(r, states, prefix)
+        r["stale"] = _is_stale(r)
     return records
+
+
+STALE_FRACTION = 1 / 3
+"""A lease not renewed for more than this fraction of its ttl is stale: its holder renews it
+every third of its ttl, so one that missed its renewal has stopped (a dead worker), hangs, or
+cannot reach the store."""
+
+
+def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
+    """Seconds since the lease was last renewed (or taken): its ttl minus the time left, both
+    measured by the store, so no host's clock enters. ``None`` when the owner recorded no ttl,
+    or when the time left exceeds the ttl (a cooldown longer than the ttl set it)."""
+    if ttl is None:
+        return None
+    ago = ttl - expires_in
+    return max(0.0, ago) if ago > -0.5 else None  # a little past: rounding of the store's ms
+
+
+def _is_stale(record: dict[str, Any]) -> bool:
+    """Not renewed for more than :data:`STALE_FRACTION` of its ttl, and not in a cooldown the
+    result backend tells (its task succeeded: the key is kept unrenewed on purpose)."""
+    ago, ttl = record["renewed_seconds_ago"], record["ttl"]
+    if ago is None or ttl is None or record.get("state") == COOLDOWN:
+        return False
+    return bool(ago > ttl * STALE_FRACTION)
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
@@ -413,10 +439,13 @@ def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
 
     ``held_seconds`` is ``now`` (this host's wall clock) minus ``taken_at`` (the holder's wall
     clock at the acquisition attempt), never below 0; ``None`` for an owner without ``at``.
-    ``state`` is added by :func:`_records`.
+    ``ttl`` (seconds) is the one recorded in the owner id, ``renewed_seconds_ago`` how long ago
+    the lease was last renewed (:func:`_renewed_ago`), ``None`` when not told. ``state`` and
+    ``stale`` (:func:`_is_stale`) are set by :func:`_records`.
     """
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
+    renewed = _renewed_ago(holder.ttl, info.expires_in)
     return {
         "key": info.key,
         "owner": info.owner,
@@ -430,6 +459,10 @@ def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
         "label": holder.label,
         "taken_at": holder.taken_at,
         "held_seconds": held,
+        "ttl": holder.ttl,
+        "cooldown": holder.cooldown,
+        "renewed_seconds_ago": renewed,
+        "stale": False,
     }
 
 
@@ -460,9 +493,12 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
         "" if record["held_seconds"] is None else f", held for {_time_left(record['held_seconds'])}"
     )
     state = record.get("state")
-    state = "" if state in (None, HELD) else f" ({state})"
+    told = [] if state in (None, HELD) else [str(state)]
+    if record.get("stale"):
+        told.append(_stale_words(record))
+    shown = f" ({', '.join(told)})" if told else ""
     return (
-        f"{info.key}: held{state} by {_holder_line(record)}, token {info.token}, "
+        f"{info.key}: held{shown} by {_holder_line(record)}, token {info.token}, "
         f"expires in {_time_left(info.expires_in)}{held}"
     )
 
@@ -474,13 +510,40 @@ def _node(record: dict[str, Any]) -> str | None:
     return node
 
 
+def _stale_words(record: dict[str, Any]) -> str:
+    """``stale: not renewed for 25.0s, more than a third of its 1m00s ttl`` (and, for an owner
+    that keeps a cooldown, that it may be in it)."""
+    words = (
+        f"stale: not renewed for {_time_left(record['renewed_seconds_ago'])}, more than a third"
+        f" of its {_time_left(record['ttl'])} ttl"
+    )
+    if record.get("cooldown"):
+        words += f" (its holder is gone, or it is in its {_time_left(record['cooldown'])} cooldown)"
+    return words
+
+
+def _renewed_line(record: dict[str, Any]) -> str | None:
+    """``show``'s ``renewed:`` field: ``3.2s ago (ttl 1m00s)``, ``None`` when not told."""
+    if record["renewed_seconds_ago"] is None:
+        return None
+    return f"{_renewed_cell(record)} (ttl {_time_left(record['ttl'])})"
+
+
+def _renewed_cell(record: dict[str, Any]) -> str:
+    ago = record["renewed_seconds_ago"]
+    return "-" if ago is None else f"{_time_left(ago)} ago"
+
+
 def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
 def _table(records: Sequence[dict[str, Any]]) -> str:
     labels = any(r["label"] is not None for r in records)
-    header = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+    header = [
+        "KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "RENEWED", "TOKEN",
+        "EXPIRES IN",
+    ]  # fmt: skip
     if labels:
         header.insert(6, "LABEL")
     cells = []
@@ -490,12 +553,13 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
         node = _node(r) or ("-" if tells else r["owner"])
         row = [
             r["key"],
-            r["state"],
+            f"{r['state']}, stale" if r["stale"] else r["state"],
             node,
             _cell(r["pid"]),
             _cell(r["task"]),
             _cell(r["task_id"]),
             "-" if r["held_seconds"] is None else _time_left(r["held_seconds"]),
+            _renewed_cell(r),
             str(r["token"]),
             _time_left(r["expires_in"]),
         ]
@@ -544,13 +608,17 @@ def list_command(
     as_json: bool,
     store_url: str | None,
 ) -> None:
-    """List live leases: key, state, holder (node, pid, task, task id), held for, token, time left.
+    """List live leases: key, state, holder (node, pid, task, task id), held for, renewed, token,
+    time left.
 
     STATE is queued (a unique task's copy waiting in the queue), running (its task has not
     finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
     the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
     the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Leases whose owner id carries no holder fields (a bare host/pid/hex,
+    when it took the lease. Renewed is how long ago it was last renewed (its ttl, recorded in
+    the owner id, minus the time left); a lease not renewed for more than a third of its ttl
+    is marked stale ("running, stale"): its holder stopped renewing (a dead worker, a hang, a
+    store it cannot reach). Leases whose owner id carries no holder fields (a bare host/pid/hex,
     or another program's) are listed with "-".
 
     Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
@@ -645,6 +713,7 @@ def show_command(
                 ("host", record["host"]),
                 ("pid", record["pid"]),
                 ("taken at", _taken(record)),
+                ("renewed", _renewed_line(record)),
                 ("owner", record["owner"]),
             ):
                 click.echo(f"  {label + ':':<10}{_cell(value)}")

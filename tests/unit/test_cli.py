@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from click.testing import CliRunner, Result
 
-from celery_lease import LockStore, store_from_url
+from celery_lease import LockStore, lease, store_from_url
 from celery_lease._core.owners import make_owner
 from celery_lease.cli import lease_group, main
 from tests.support import free_port
@@ -68,7 +68,9 @@ def table(result: Result) -> list[list[str]]:
     return [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
 
 
-HEADER = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+HEADER = [
+    "KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "RENEWED", "TOKEN", "EXPIRES IN",
+]  # fmt: skip
 
 
 class TestList:
@@ -83,7 +85,8 @@ class TestList:
         assert result.exit_code == 0, result.output
         header, row = table(result)
         assert header == HEADER
-        key, state, node, pid, task, task_id, held, shown_token, left = row
+        key, state, node, pid, task, task_id, held, renewed, shown_token, left = row
+        assert renewed == "-"  # an owner id that records no ttl
         assert (key, state, node, pid, task, task_id) == (
             "report:nightly", "held", "w1@host", str(os.getpid()), "report.build", "id-1",
         )  # fmt: skip
@@ -100,7 +103,7 @@ class TestList:
         header, foreign, old = table(result)
         assert header == HEADER
         assert old[:7] == ["report:old", "held", "oldhost", "41", "-", "-", "-"]
-        assert int(old[7]) == token
+        assert int(old[8]) == token
         assert foreign[:7] == ["report:foreign", "held", "something-else", "-", "-", "-", "-"]
 
     def test_label_column_appears_when_a_lease_has_one(self, store: LockStore, store_url: str):
@@ -154,7 +157,8 @@ class TestList:
         ]
         assert set(data[0]) == {
             "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
-            "label", "taken_at", "held_seconds", "state",
+            "label", "taken_at", "held_seconds", "state", "ttl", "cooldown",
+            "renewed_seconds_ago", "stale",
         }  # fmt: skip
         assert 0 < data[0]["expires_in"] <= 5
         assert data[0]["node"] is data[0]["taken_at"] is data[0]["held_seconds"] is None
@@ -492,6 +496,7 @@ class TestEntryPoints:
         result = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "lease_cli_app", "lease", "list", "--json"],
             cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},  # this tree
             capture_output=True,
             text=True,
             timeout=60,
@@ -511,7 +516,11 @@ class TestEntryPoints:
                 "label": None,
                 "taken_at": None,
                 "held_seconds": None,
+                "ttl": None,
+                "cooldown": None,
+                "renewed_seconds_ago": None,
                 "state": "held",
+                "stale": False,
             }
         ]
 
@@ -558,3 +567,51 @@ class TestNodeColumn:
         shown = run("show", "script:1", "--store", url).stdout.splitlines()[1:]
         fields = dict(re.split(r":\s+", line.strip(), maxsplit=1) for line in shown)
         assert node_in_list == fields["node"] == socket.gethostname()
+
+
+class TestLastRenewed:
+    """When each lease was last renewed: its ttl minus the time left, both the store's (the ttl
+    is recorded in the owner id when it is taken); past a third of the ttl it is stale."""
+
+    def test_a_lease_being_renewed_says_when_and_is_not_stale(
+        self, store: LockStore, store_url: str
+    ):
+        with lease("k", store=store, ttl="60s"):
+            (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+            rows = table(run("list", "--store", store_url))
+            shown = run("show", "k", "--store", store_url).stdout
+        assert 0 <= record["renewed_seconds_ago"] < 20
+        assert record["ttl"] == 60
+        assert record["stale"] is False
+        cells = dict(zip(rows[0], rows[1], strict=True))
+        assert cells["STATE"] == "held"
+        assert cells["RENEWED"].endswith(" ago")
+        assert shown.startswith("k: held by ")
+        assert re.search(r"^  renewed:  \d+\.\ds ago \(ttl 1m00s\)$", shown, re.M), shown
+
+    def test_a_lease_not_renewed_for_over_a_third_of_its_ttl_is_stale(
+        self, store: LockStore, store_url: str
+    ):
+        """Its holder stopped renewing (a dead worker): ``list`` and ``show`` say ``stale``
+        instead of plainly "held"."""
+        with lease("k", store=store, ttl="60s") as held:
+            # As if the last renewal had set its expiry 25 s ago: 35 s are left of its 60 s.
+            assert store.renew("k", held.owner, 35_000)
+            (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+            rows = table(run("list", "--store", store_url))
+            shown = run("show", "k", "--store", store_url).stdout
+        assert record["renewed_seconds_ago"] == pytest.approx(25, abs=5)
+        assert record["stale"] is True
+        cells = dict(zip(rows[0], rows[1], strict=True))
+        assert cells["STATE"] == "held, stale"
+        assert shown.startswith("k: held (stale: not renewed for 2"), shown
+        assert "more than a third of its 1m00s ttl" in shown.splitlines()[0]
+
+    def test_an_owner_without_a_ttl_tells_nothing(self, store: LockStore, store_url: str):
+        """An owner id that records no ttl (another program's, an older version's): no time,
+        never stale."""
+        store.acquire("k", "host/9/xyz", TTL_MS)
+        (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+        assert (record["renewed_seconds_ago"], record["stale"]) == (None, False)
+        rows = table(run("list", "--store", store_url))
+        assert dict(zip(rows[0], rows[1], strict=True))["RENEWED"] == "-"
