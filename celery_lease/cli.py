@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
 import select
 import signal
@@ -51,6 +52,8 @@ from celery_lease.stores.base import (
 from celery_lease.stores.memory import MemoryLockStore
 
 __all__ = ["lease_group", "main"]
+
+logger = logging.getLogger("celery_lease.cli")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -172,6 +175,7 @@ def _end_on_closed_pipe() -> NoReturn:
         os.close(devnull)
     except (OSError, ValueError):  # a stdout without a descriptor (an in-process runner)
         pass
+    logger.debug("celery-lease: stdout's reader went away; ending with %d", CLOSED_PIPE_STATUS)
     raise SystemExit(CLOSED_PIPE_STATUS)
 
 
@@ -188,9 +192,15 @@ def _stdout_closed() -> bool:
 
 
 class _LeaseGroup(click.Group):
-    """The ``lease`` group: a closed stdout ends any of its commands quietly."""
+    """The ``lease`` group: a closed stdout ends any of its commands quietly, and a store that
+    cannot be reached is one line of the command's, not that line plus the store's own log
+    lines (its outage WARNING, which Python's last-resort handler would print on stderr where
+    logging is not configured; where it is, the lines go where it says)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        stores = logging.getLogger("celery_lease.stores")
+        if not any(isinstance(h, logging.NullHandler) for h in stores.handlers):
+            stores.addHandler(logging.NullHandler())
         try:
             return super().invoke(ctx)
         except BrokenPipeError:

@@ -124,14 +124,16 @@ def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Conne
     """
 
     class _StoreConnection(psycopg.Connection[Any]):
+        celery_lease_own_connection = True  # OWN_CONNECTION: psycopg_pool's records folded
+
         @classmethod
         def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
             try:
                 conn = super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = describe_error(exc)
+                failures.failed(describe_error(exc))
                 raise
-            failures.last = None
+            failures.connected()
             return conn
 
     return _StoreConnection
@@ -448,7 +450,9 @@ class PostgresLockStore:
                 "psycopg_pool.ConnectionPool"
             )
         self._create_table = True if create_table is None else create_table
-        self._connect_failures = ConnectFailures()
+        self._connect_failures = ConnectFailures(
+            f"PostgresLockStore({self._where}, table={self._table!r})", logger
+        )
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._channel = channel_for(self._table)
         self._sql = statements(self._table)

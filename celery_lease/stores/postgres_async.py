@@ -113,14 +113,16 @@ def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
     """An AsyncConnection class that records why the pool's background connects failed."""
 
     class _StoreConnection(psycopg.AsyncConnection[Any]):
+        celery_lease_own_connection = True  # OWN_CONNECTION: psycopg_pool's records folded
+
         @classmethod
         async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
             try:
                 conn = await super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = describe_error(exc)
+                failures.failed(describe_error(exc))
                 raise
-            failures.last = None
+            failures.connected()
             return conn
 
     return _StoreConnection
@@ -275,7 +277,9 @@ class AsyncPostgresLockStore:
         self._connect_timeout = float(connect_timeout)
         self._statement_timeout = float(statement_timeout)
         self._max_connections = max_connections
-        self._connect_failures = ConnectFailures()
+        self._connect_failures = ConnectFailures(
+            f"AsyncPostgresLockStore({self._where}, table={self._table!r})", logger
+        )
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._pool: AsyncConnectionPool[Any] | None = None
         self._listener: _Listener | None = None

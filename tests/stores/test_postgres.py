@@ -522,6 +522,38 @@ class TestServerFailures:
         finally:
             store.close()
 
+    def test_an_outage_is_one_line_of_ours_not_the_pools_messages(
+        self, pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Two outages, several failing calls each: psycopg_pool's own warnings about the
+        store's pool ("discarding broken connection", "error connecting in 'celery-lease'")
+        are folded into one WARNING of ours per outage, and one line when it connects again."""
+        store = PostgresLockStore(pg_cluster.dsn, table="outage_lines", connect_timeout=1)
+        try:
+            with caplog.at_level(logging.INFO):
+                assert store.acquire("k", "a", LONG_MS) is not None
+                for _ in range(2):
+                    pg_cluster.stop("fast")
+                    for _ in range(3):
+                        with pytest.raises(StoreUnavailableError):
+                            store.renew("k", "a", LONG_MS)
+                    pg_cluster.start()
+                    assert store.renew("k", "a", LONG_MS) is True
+        finally:
+            store.close()
+        pools = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("psycopg.pool") and r.levelno >= logging.WARNING
+        ]
+        assert pools == []
+        down = [r for r in caplog.records if "cannot connect" in r.getMessage()]
+        back = [r for r in caplog.records if "connected again" in r.getMessage()]
+        assert len(down) == 2, [r.getMessage() for r in caplog.records]
+        assert all(r.levelno == logging.WARNING for r in down)
+        assert "127.0.0.1" in down[0].getMessage() or "localhost" in down[0].getMessage()
+        assert len(back) == 2, [r.getMessage() for r in caplog.records]
+
     def test_a_stopped_server_raises_store_unavailable_quickly(self, pg_cluster: PgCluster) -> None:
         """With the server down, calls fail with StoreUnavailableError within connect_timeout."""
         store = PostgresLockStore(pg_cluster.dsn, table="stopped", connect_timeout=1)

@@ -244,3 +244,19 @@ class TestHostLocalFallback:
         result = check(app)
         assert result.exit_code == 0, result.output
         assert all(line.startswith("ok") for line in result.stdout.splitlines()), result.output
+
+
+class TestADownPostgres:
+    def test_a_down_postgresql_store_is_one_line(self) -> None:
+        """``celery-lease check --store postgresql://<nobody listens>``: the FAIL line and
+        nothing else, none of psycopg_pool's connection messages (stdout and stderr alike)."""
+        url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+        done = subprocess.run(
+            [sys.executable, "-c", "from celery_lease.cli import main; main()",
+             "check", "--store", url],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        lines = (done.stdout + done.stderr).splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("FAIL") and "Connection refused" in lines[0]
+        assert done.returncode == 2
