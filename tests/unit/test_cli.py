@@ -561,7 +561,10 @@ class TestNodeColumn:
         """A lease with no Celery node (taken by ``lease()`` in a script) shows one NODE in
         ``list`` and ``show``: its host."""
         url = _sqlite_url(tmp_path)
-        store_from_url(url).acquire("script:1", make_owner(label="script"), TTL_MS)
+        # What a lease() in a script records: no node (make_owner would add the node an
+        # earlier test set for this process).
+        owner = f"{socket.gethostname()}/{os.getpid()}/00000000000000ab;l=script;at=1"
+        store_from_url(url).acquire("script:1", owner, TTL_MS)
         listed = table(run("list", "--store", url))
         node_in_list = listed[1][listed[0].index("NODE")]
         shown = run("show", "script:1", "--store", url).stdout.splitlines()[1:]
