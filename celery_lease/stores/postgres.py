@@ -299,7 +299,7 @@ class _Listener:
     # Thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff, connected_before = 0.05, False
+        backoff, connected_before, failing = 0.05, False, False
         listen = sql.SQL("LISTEN {}; LISTEN {}").format(
             sql.Identifier(self._channel), sql.Identifier(self.stop_channel)
         )
@@ -307,7 +307,13 @@ class _Listener:
             try:
                 conn = self._connect()
             except psycopg.Error as exc:
-                logger.warning("celery-lease: listener failed to connect (%s)", exc)
+                # One line per outage: the retries after it say nothing until it connects.
+                if not failing:
+                    logger.warning(
+                        "celery-lease: listener failed to connect (%s); retrying until it connects",
+                        " ".join(str(exc).split()),
+                    )
+                failing = True
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -316,7 +322,9 @@ class _Listener:
                 conn.execute(listen)
                 if connected_before:
                     self._wake_all()
-                connected_before, backoff = True, 0.05
+                if failing:
+                    logger.info("celery-lease: listener connected again")
+                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 while not self._stop.is_set():
                     for notify in conn.notifies(timeout=self._TICK):

@@ -167,13 +167,20 @@ class _Listener:
             self._wake(payload)
 
     async def _run(self) -> None:
-        backoff, connected_before = 0.05, False
+        backoff, connected_before, failing = 0.05, False, False
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
         while True:
             try:
                 conn = await self._connect()
             except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
-                logger.warning("celery-lease: async listener failed to connect (%s)", exc)
+                # One line per outage: the retries after it say nothing until it connects.
+                if not failing:
+                    logger.warning(
+                        "celery-lease: async listener failed to connect (%s); retrying until it"
+                        " connects",
+                        " ".join(str(exc).split()),
+                    )
+                failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -181,7 +188,9 @@ class _Listener:
                 await conn.execute(listen)
                 if connected_before:
                     self._wake_all()
-                connected_before, backoff = True, 0.05
+                if failing:
+                    logger.info("celery-lease: async listener connected again")
+                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 async for notify in conn.notifies():
                     self._wake(notify.payload)

@@ -571,6 +571,33 @@ class TestServerFailures:
         finally:
             store.close()
 
+    def test_the_listeners_failed_reconnects_are_one_line_per_outage(
+        self, pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """While the server is down the listener retries (50 ms, doubling): its first failure is
+        one WARNING, the others say nothing, and connecting again is one INFO line."""
+        store = PostgresLockStore(pg_cluster.dsn, table="outage_listen")
+        try:
+            assert store.acquire("k", "a", LONG_MS) is not None
+            assert store.wait_for_release("k", 0.01) is False  # starts the listener
+            listener = store._listener
+            assert listener is not None
+            _wait_for(listener.ready.is_set, "the listener")
+            with caplog.at_level(logging.INFO, logger="celery_lease.stores.postgres"):
+                pg_cluster.stop("fast")
+                failed = lambda: [  # noqa: E731
+                    r for r in caplog.records if "listener failed to connect" in r.getMessage()
+                ]
+                _wait_for(lambda: len(failed()) >= 1, "the listener's first failure")
+                store.wait_for_release("k", 1.6)  # the listener retries 5 times meanwhile
+                pg_cluster.start()
+                _wait_for(listener.ready.is_set, "the listener, connected again")
+            assert len(failed()) == 1, [r.getMessage() for r in caplog.records]
+            again = [r for r in caplog.records if "listener connected again" in r.getMessage()]
+            assert len(again) == 1
+        finally:
+            store.close()
+
     def test_the_listener_reconnects_after_a_restart(self, pg_cluster: PgCluster) -> None:
         """After a server restart, waiters are woken again by releases."""
         store = PostgresLockStore(pg_cluster.dsn, table="restart_listen")
