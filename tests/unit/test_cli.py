@@ -555,6 +555,29 @@ class TestClosedPipe:
         assert "Error" not in process.stderr
         assert process.returncode == 128 + 13
 
+    def test_under_celery_a_closed_pipe_ends_quietly_too(self, tmp_path: Path):
+        """``celery -A proj lease list | head -1``: the same quiet end under Celery's program."""
+        url = _sqlite_url(tmp_path)
+        store_from_url(url).acquire("k", make_owner(label="script"), TTL_MS)
+        (tmp_path / "pipe_app.py").write_text(
+            "from celery import Celery\n"
+            "app = Celery('pipe_app', broker='memory://')\n"
+            f"app.conf.lease_store = {url!r}\n"
+        )
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        root = str(Path(__file__).resolve().parents[2])
+        try:
+            process = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "pipe_app", "lease", "list"],
+                cwd=tmp_path, env={**os.environ, "PYTHONPATH": root}, stdout=write_end,
+                stderr=subprocess.PIPE, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert "Broken pipe" not in process.stderr and "Error" not in process.stderr
+        assert process.returncode == 128 + 13
+
 
 class TestNodeColumn:
     def test_a_lease_taken_outside_celery_has_the_same_node_in_list_and_show(self, tmp_path: Path):
