@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from celery_lease._core.lease import Lease, LeaseContext, current_lease, get_lock_token, lease
+from celery_lease._celery.app_lease import lease
+from celery_lease._core.lease import Lease, LeaseContext, current_lease, get_lock_token
 from celery_lease._core.renewer import shutdown
 from celery_lease.clock import Clock, SystemClock
 from celery_lease.durations import Duration, to_seconds

@@ -14,7 +14,9 @@ Under ``celery -A proj lease``, ``show`` and ``release`` look up KEY as the app'
 with the app's ``lease_key_prefix`` in front (a KEY that already starts with it, or ``--raw``: as
 given), and say on stderr which key they looked up. ``celery-lease`` has no app, so no prefix.
 
-Every failure to reach or build the store is one line on stderr and exit status 2.
+Every failure to reach or build the store is one line on stderr and exit status 2. A reader that
+goes away (``celery lease show KEY | head -1``) ends a command quietly with status 141 (128 +
+SIGPIPE), the status the shell reports for ``git log | head``.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import os
+import select
+import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import click
@@ -46,6 +52,8 @@ from celery_lease.stores.base import (
 from celery_lease.stores.memory import MemoryLockStore
 
 __all__ = ["lease_group", "main"]
+
+logger = logging.getLogger("celery_lease.cli")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -149,10 +157,65 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
     return store
 
 
+CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
+"""The exit status when the reader of our output went away: what a shell reports for a program
+that SIGPIPE ended (``git log | head``), 141 on Linux and macOS."""
+
+
+def _end_on_closed_pipe() -> NoReturn:
+    """End the command quietly because stdout's reader is gone (``| head -1``).
+
+    Python ignores SIGPIPE, so the write raised ``BrokenPipeError``; what is still buffered would
+    fail again when the interpreter flushes stdout at exit (an "Exception ignored" message), so
+    stdout is pointed at ``os.devnull`` first, then :data:`CLOSED_PIPE_STATUS` is the status.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a descriptor (an in-process runner)
+        pass
+    logger.debug("celery-lease: stdout's reader went away; ending with %d", CLOSED_PIPE_STATUS)
+    raise SystemExit(CLOSED_PIPE_STATUS)
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader went away (a ``BrokenPipeError`` may also come from a store's
+    socket). A pipe whose reader closed polls as an error; a stdout without a descriptor, or a
+    platform without ``poll``, counts as closed (the error was ours to see)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return True
+
+
+class _LeaseGroup(click.Group):
+    """The ``lease`` group: a closed stdout ends any of its commands quietly, and a store that
+    cannot be reached is one line of the command's, not that line plus the store's own log
+    lines (its outage WARNING, which Python's last-resort handler would print on stderr where
+    logging is not configured; where it is, the lines go where it says)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        stores = logging.getLogger("celery_lease.stores")
+        if not any(isinstance(h, logging.NullHandler) for h in stores.handlers):
+            stores.addHandler(logging.NullHandler())
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            _end_on_closed_pipe()
+
+
 def _run(fn: Callable[[], None]) -> None:
-    """Run a command's body, turning store failures into one line and exit status 2."""
+    """Run a command's body, turning store failures into one line and exit status 2 (a closed
+    stdout is not a store failure: it goes up to :class:`_LeaseGroup`)."""
     try:
         fn()
+    except BrokenPipeError as exc:
+        if _stdout_closed():
+            raise
+        raise CliError(str(exc)) from None
     except (LeaseError, OSError) as exc:
         raise CliError(str(exc)) from None
 
@@ -223,6 +286,41 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
         err=True,
     )
     return prefix + key
+
+
+def _other_key(ctx: click.Context, key: str, store_key: str) -> str | None:
+    """The other spelling of KEY under an app with a ``lease_key_prefix``: without the prefix
+    when the prefixed key was looked up, with it when ``--raw`` looked KEY up as given; ``None``
+    without an app or a prefix. A ``lease()`` taken without the app's prefix (or with it, by
+    ``lease(key, app=app)``) holds the other one, and does not exclude the holder of this one."""
+    prefix = _key_prefix(_app(ctx))
+    if not prefix:
+        return None
+    if store_key == prefix + key:
+        return key
+    return key.removeprefix(prefix) if key.startswith(prefix) else prefix + key
+
+
+def _other_note(ctx: click.Context, store_key: str, other: dict[str, Any], *, both: bool) -> str:
+    """The line ``show`` adds when the other spelling of KEY (:func:`_other_key`) is held."""
+    prefix = _key_prefix(_app(ctx))
+    key = other["key"]
+    form = (
+        f"with the app's lease_key_prefix {prefix!r}, as its tasks take it"
+        if key.startswith(prefix) and store_key == key.removeprefix(prefix)
+        else f"without the app's lease_key_prefix {prefix!r}"
+    )
+    if both:
+        return (
+            f"note: {key!r} ({form}) is held too, by {_holder_line(other)}: two holders each"
+            " hold what may be meant as one key, and do not exclude each other"
+            " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+        )
+    return (
+        f"note: {key!r} ({form}) is held by {_holder_line(other)}, token {other['token']}:"
+        f" it does not exclude a holder of {store_key!r}"
+        " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+    )
 
 
 def raw_option(func: F) -> F:
@@ -317,7 +415,33 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
     prefix = _key_prefix(app)
     for r in records:
         r["state"] = _state(r, states, prefix)
+        r["stale"] = _is_stale(r)
     return records
+
+
+STALE_FRACTION = 1 / 3
+"""A lease not renewed for more than this fraction of its ttl is stale: its holder renews it
+every third of its ttl, so one that missed its renewal has stopped (a dead worker), hangs, or
+cannot reach the store."""
+
+
+def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
+    """Seconds since the lease was last renewed (or taken): its ttl minus the time left, both
+    measured by the store, so no host's clock enters. ``None`` when the owner recorded no ttl,
+    or when the time left exceeds the ttl (a cooldown longer than the ttl set it)."""
+    if ttl is None:
+        return None
+    ago = ttl - expires_in
+    return max(0.0, ago) if ago > -0.5 else None  # a little past: rounding of the store's ms
+
+
+def _is_stale(record: dict[str, Any]) -> bool:
+    """Not renewed for more than :data:`STALE_FRACTION` of its ttl, and not in a cooldown the
+    result backend tells (its task succeeded: the key is kept unrenewed on purpose)."""
+    ago, ttl = record["renewed_seconds_ago"], record["ttl"]
+    if ago is None or ttl is None or record.get("state") == COOLDOWN:
+        return False
+    return bool(ago > ttl * STALE_FRACTION)
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
@@ -325,10 +449,13 @@ def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
 
     ``held_seconds`` is ``now`` (this host's wall clock) minus ``taken_at`` (the holder's wall
     clock at the acquisition attempt), never below 0; ``None`` for an owner without ``at``.
-    ``state`` is added by :func:`_records`.
+    ``ttl`` (seconds) is the one recorded in the owner id, ``renewed_seconds_ago`` how long ago
+    the lease was last renewed (:func:`_renewed_ago`), ``None`` when not told. ``state`` and
+    ``stale`` (:func:`_is_stale`) are set by :func:`_records`.
     """
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
+    renewed = _renewed_ago(holder.ttl, info.expires_in)
     return {
         "key": info.key,
         "owner": info.owner,
@@ -342,6 +469,10 @@ def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
         "label": holder.label,
         "taken_at": holder.taken_at,
         "held_seconds": held,
+        "ttl": holder.ttl,
+        "cooldown": holder.cooldown,
+        "renewed_seconds_ago": renewed,
+        "stale": False,
     }
 
 
@@ -372,11 +503,45 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
         "" if record["held_seconds"] is None else f", held for {_time_left(record['held_seconds'])}"
     )
     state = record.get("state")
-    state = "" if state in (None, HELD) else f" ({state})"
+    told = [] if state in (None, HELD) else [str(state)]
+    if record.get("stale"):
+        told.append(_stale_words(record))
+    shown = f" ({', '.join(told)})" if told else ""
     return (
-        f"{info.key}: held{state} by {_holder_line(record)}, token {info.token}, "
+        f"{info.key}: held{shown} by {_holder_line(record)}, token {info.token}, "
         f"expires in {_time_left(info.expires_in)}{held}"
     )
+
+
+def _node(record: dict[str, Any]) -> str | None:
+    """What NODE shows, in ``list`` and ``show`` alike: the Celery node that took the lease, or
+    for a lease taken outside a worker (``lease()`` in a script) its host."""
+    node: str | None = record["node"] or record["host"]
+    return node
+
+
+def _stale_words(record: dict[str, Any]) -> str:
+    """``stale: not renewed for 25.0s, more than a third of its 1m00s ttl`` (and, for an owner
+    that keeps a cooldown, that it may be in it)."""
+    words = (
+        f"stale: not renewed for {_time_left(record['renewed_seconds_ago'])}, more than a third"
+        f" of its {_time_left(record['ttl'])} ttl"
+    )
+    if record.get("cooldown"):
+        words += f" (its holder is gone, or it is in its {_time_left(record['cooldown'])} cooldown)"
+    return words
+
+
+def _renewed_line(record: dict[str, Any]) -> str | None:
+    """``show``'s ``renewed:`` field: ``3.2s ago (ttl 1m00s)``, ``None`` when not told."""
+    if record["renewed_seconds_ago"] is None:
+        return None
+    return f"{_renewed_cell(record)} (ttl {_time_left(record['ttl'])})"
+
+
+def _renewed_cell(record: dict[str, Any]) -> str:
+    ago = record["renewed_seconds_ago"]
+    return "-" if ago is None else f"{_time_left(ago)} ago"
 
 
 def _cell(value: object) -> str:
@@ -385,22 +550,26 @@ def _cell(value: object) -> str:
 
 def _table(records: Sequence[dict[str, Any]]) -> str:
     labels = any(r["label"] is not None for r in records)
-    header = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+    header = [
+        "KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "RENEWED", "TOKEN",
+        "EXPIRES IN",
+    ]  # fmt: skip
     if labels:
         header.insert(6, "LABEL")
     cells = []
     for r in records:
         # An owner that tells nothing (no fields, or a foreign id) is shown whole in NODE.
         tells = any(r[name] is not None for name in ("task", "task_id", "label", "taken_at"))
-        node = r["node"] or r["host"] or ("-" if tells else r["owner"])
+        node = _node(r) or ("-" if tells else r["owner"])
         row = [
             r["key"],
-            r["state"],
+            f"{r['state']}, stale" if r["stale"] else r["state"],
             node,
             _cell(r["pid"]),
             _cell(r["task"]),
             _cell(r["task_id"]),
             "-" if r["held_seconds"] is None else _time_left(r["held_seconds"]),
+            _renewed_cell(r),
             str(r["token"]),
             _time_left(r["expires_in"]),
         ]
@@ -414,7 +583,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
     )
 
 
-@click.group(name="lease")
+@click.group(name="lease", cls=_LeaseGroup)
 @click.option("--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP)
 def lease_group(store_url: str | None) -> None:
     """Inspect and free the leases held in a celery-lease store."""
@@ -449,13 +618,17 @@ def list_command(
     as_json: bool,
     store_url: str | None,
 ) -> None:
-    """List live leases: key, state, holder (node, pid, task, task id), held for, token, time left.
+    """List live leases: key, state, holder (node, pid, task, task id), held for, renewed, token,
+    time left.
 
     STATE is queued (a unique task's copy waiting in the queue), running (its task has not
     finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
     the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
     the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Leases whose owner id carries no holder fields (a bare host/pid/hex,
+    when it took the lease. Renewed is how long ago it was last renewed (its ttl, recorded in
+    the owner id, minus the time left); a lease not renewed for more than a third of its ttl
+    is marked stale ("running, stale"): its holder stopped renewing (a dead worker, a hang, a
+    store it cannot reach). Leases whose owner id carries no holder fields (a bare host/pid/hex,
     or another program's) are listed with "-".
 
     Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
@@ -529,31 +702,43 @@ def show_command(
         store = _inspectable(ctx, store_url)
         store_key = _store_key(ctx, key, raw)
         info = store.get(store_key)
+        other = _other_key(ctx, key, store_key)
+        other_info = None if other is None else store.get(other)
+        other_record = (
+            None if other_info is None else _records([other_info], time.time(), _app(ctx))[0]
+        )
+        also = {} if other_record is None else {"other_key": other_record}
         if info is not None:
             (record,) = _records([info], time.time(), _app(ctx))
             if as_json:
-                click.echo(json.dumps({"held": True, **record}, indent=2))
+                click.echo(json.dumps({"held": True, **record, **also}, indent=2))
                 return
             click.echo(_describe(info, record))
             for label, value in (
                 ("state", record["state"]),
-                ("node", record["node"]),
+                ("node", _node(record)),
                 ("task", record["task"]),
                 ("task id", record["task_id"]),
                 ("label", record["label"]),
                 ("host", record["host"]),
                 ("pid", record["pid"]),
                 ("taken at", _taken(record)),
+                ("renewed", _renewed_line(record)),
                 ("owner", record["owner"]),
             ):
                 click.echo(f"  {label + ':':<10}{_cell(value)}")
+            if other_record is not None:
+                click.echo(_other_note(ctx, store_key, other_record, both=True))
             return
         last = store.last_token(store_key)
         if as_json:
-            click.echo(json.dumps({"key": store_key, "held": False, "last_token": last}, indent=2))
+            free = {"key": store_key, "held": False, "last_token": last, **also}
+            click.echo(json.dumps(free, indent=2))
             return
         issued = "no token issued yet" if last is None else f"last token issued {last}"
         click.echo(f"{store_key}: free ({issued})")
+        if other_record is not None:
+            click.echo(_other_note(ctx, store_key, other_record, both=False))
 
     _run(body)
 
@@ -607,7 +792,9 @@ def release_command(
 def check_command(ctx: click.Context, store_url: str | None) -> None:
     """Check the app's lease settings and that every store its locked tasks use answers.
 
-    For deploy scripts: one line per check (ok / FAIL), exit status 2 when one failed. Under
+    For deploy scripts: one line per check (ok / WARN / FAIL), exit status 2 when one failed, 1
+    when none failed but one warned (the host-local SQLite fallback, which excludes only the
+    workers of one host; lease_require_shared_store=True makes it a failure). Under
     `celery -A proj lease check` the app's task modules are imported (as a worker does), its
     lease_* settings validated, and its lease_store (or what it defaults to) and every task's
     lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
@@ -634,6 +821,8 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
         click.echo(check.line())
     if not all(check.ok for check in checks):
         ctx.exit(2)
+    if any(check.warning is not None for check in checks):
+        ctx.exit(1)
 
 
 # `celery -A proj inspect leases` is checked against the remote-control registry of the process

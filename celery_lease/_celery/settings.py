@@ -1,24 +1,26 @@
 """Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
 
-============================  =====================================  ========================
-setting (``app.conf``)        meaning                                built-in default
-============================  =====================================  ========================
-``lease_store``               a store URL or a ``LockStore``         see :func:`get_store`
-``lease_default_ttl``         ttl of tasks that set none (duration)  30 s
-``lease_default_wait``        wait of tasks that set none (duration)  0
-``lease_key_prefix``          prepended to every task's key (str)    ``""``
-``lease_metrics``             ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
-``lease_metrics_port``        port of the Prometheus ``/metrics``    9809
-``lease_default_queue_ttl``   an unstarted unique copy's key (dur.)  1 h
-``lease_defer_release``       may a worker skip waiting for the      ``True``
-                              release's reply (bool; see engine)
-``lease_store_check``         a store that does not answer at        ``"refuse"``
-                              worker start: ``"refuse"``, ``"warn"``
-                              or ``"off"`` (see the startup module)
-``lease_restart_grace``       how long a Redis store built from a    ``lease_default_ttl``
-                              URL refuses free keys after the
-                              server lost its data (duration; 0 off)
-============================  =====================================  ========================
+==============================  =====================================  ========================
+setting (``app.conf``)          meaning                                built-in default
+==============================  =====================================  ========================
+``lease_store``                 a store URL or a ``LockStore``         see :func:`get_store`
+``lease_default_ttl``           ttl of tasks that set none (duration)  30 s
+``lease_default_wait``          wait of tasks that set none (duration)  0
+``lease_key_prefix``            prepended to every task's key (str)    ``""``
+``lease_metrics``               ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
+``lease_metrics_port``          port of the Prometheus ``/metrics``    9809
+``lease_default_queue_ttl``     an unstarted unique copy's key (dur.)  1 h
+``lease_defer_release``         may a worker skip waiting for the      ``True``
+                                release's reply (bool; see engine)
+``lease_store_check``           a store that does not answer at        ``"refuse"``
+                                worker start: ``"refuse"``, ``"warn"``
+                                or ``"off"`` (see the startup module)
+``lease_require_shared_store``  refuse the host-local SQLite           ``False``
+                                fallback (bool; see :func:`get_store`)
+``lease_restart_grace``         how long a Redis store built from a    ``lease_default_ttl``
+                                URL refuses free keys after the
+                                server lost its data (duration; 0 off)
+==============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
 a locked task of the app needs them, and at worker start-up (:mod:`celery_lease._celery.startup`
@@ -74,12 +76,15 @@ __all__ = [
     "default_sqlite_path",
     "get_settings",
     "get_store",
+    "host_local_fallback",
+    "host_local_message",
     "is_process_local",
     "pick",
     "recheck",
     "refuse",
     "reset",
     "store_option",
+    "warn_host_local",
     "with_restart_grace",
 ]
 
@@ -104,6 +109,7 @@ SETTINGS: tuple[str, ...] = (
     "lease_default_queue_ttl",
     "lease_defer_release",
     "lease_store_check",
+    "lease_require_shared_store",
     "lease_restart_grace",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
@@ -165,6 +171,9 @@ class LeaseSettings:
         store_check: ``lease_store_check``, else ``"refuse"`` (one of :data:`STORE_CHECKS`).
         restart_grace: seconds (``lease_restart_grace``), or ``None`` (unset: the default
             ttl): the ``restart_grace`` of a Redis store built from a URL that sets none.
+        require_shared_store: ``lease_require_shared_store``, else ``False``: when ``True``, the
+            host-local SQLite fallback (:func:`host_local_fallback`) is refused instead of used
+            with a warning.
     """
 
     store: str | LockStore | None
@@ -177,6 +186,7 @@ class LeaseSettings:
     defer_release: bool = True
     store_check: str = "refuse"
     restart_grace: float | None = None
+    require_shared_store: bool = False
 
 
 _lock = threading.RLock()
@@ -240,6 +250,9 @@ def _read(app: CeleryApp) -> LeaseSettings:
         restart_grace=None
         if conf.get("lease_restart_grace") is None
         else to_seconds(conf.get("lease_restart_grace"), name="lease_restart_grace"),
+        require_shared_store=_read_bool(
+            conf.get("lease_require_shared_store"), "lease_require_shared_store", False
+        ),
     )
 
 
@@ -498,8 +511,43 @@ def with_restart_grace(url: str, settings: LeaseSettings) -> str:
     return f"{base}{joint}restart_grace={grace:g}{hash_mark}{fragment}"
 
 
-def _build_store(app: CeleryApp) -> LockStore:
+def host_local_fallback(app: CeleryApp) -> bool:
+    """Whether ``app``'s store is the host-local SQLite file: ``lease_store`` unset and a broker
+    that is not Redis (RabbitMQ, SQS...). It excludes only the workers of one host.
+
+    Raises:
+        LeaseConfigError: as :func:`get_settings`.
+    """
+    return get_settings(app).store is None and broker_store_url(app) is None
+
+
+def host_local_message(app: CeleryApp, path: str) -> str:
+    """What is said about the host-local file at ``path``: a warning, or with
+    ``lease_require_shared_store`` the refusal (both name the settings to change)."""
+    if get_settings(app).require_shared_store:
+        return (
+            f"celery-lease: lease_store is unset and the broker is not Redis, so the lease"
+            f" store would be the host-local SQLite file {path}, which excludes only workers on"
+            " this host; lease_require_shared_store=True refuses it: set lease_store to a store"
+            " every worker shares (redis://..., postgresql://...)"
+        )
+    return (
+        f"celery-lease: lease_store is unset and the broker is not Redis: using {path}, which"
+        " excludes only workers on this host; set lease_store to share locks across hosts"
+        " (lease_require_shared_store=True refuses to start without one)"
+    )
+
+
+def warn_host_local(app: CeleryApp, path: str) -> None:
+    """Log :func:`host_local_message` as a warning, once per process (and in no pool process
+    forked after the worker's main process logged it at start)."""
     global _warned_local
+    if not _warned_local:
+        _warned_local = True
+        logger.warning("%s", host_local_message(app, path))
+
+
+def _build_store(app: CeleryApp) -> LockStore:
     settings = get_settings(app)
     configured = settings.store
     if isinstance(configured, LockStore):
@@ -512,13 +560,9 @@ def _build_store(app: CeleryApp) -> LockStore:
     from celery_lease.stores.sqlite import SQLiteLockStore
 
     path = default_sqlite_path()
-    if not _warned_local:
-        _warned_local = True
-        logger.warning(
-            "celery-lease: lease_store is unset and the broker is not Redis: using %s, which"
-            " excludes only workers on this host; set lease_store to share locks across hosts",
-            path,
-        )
+    if settings.require_shared_store:
+        raise LeaseConfigError(host_local_message(app, path))
+    warn_host_local(app, path)
     return SQLiteLockStore(path)
 
 
@@ -527,10 +571,12 @@ def get_store(app: CeleryApp) -> LockStore:
 
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
-    this user on this host (logged once as host-local only). Rebuilt after ``fork``.
+    this user on this host (logged once as host-local only: by a worker's main process at start,
+    :mod:`celery_lease._celery.startup`). Rebuilt after ``fork``.
 
     Raises:
-        LeaseConfigError: as :func:`get_settings`.
+        LeaseConfigError: as :func:`get_settings`; and instead of the host-local file when
+            ``lease_require_shared_store`` is ``True``.
     """
     if _refusals:
         _raise_refusal(app)

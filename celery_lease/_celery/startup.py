@@ -14,7 +14,13 @@ any other app pings no store.
 Checked at start (:class:`LeaseCheck`, in this order; each refusal stops the worker as below):
 
 1. the configuration (see "Refusing a bad configuration");
-2. that every store the app's locked tasks use answers one round trip (``get`` of a key of
+2. the host-local fallback: with ``lease_store`` unset and a broker that is not Redis, the app's
+   store is an SQLite file of this host (:func:`celery_lease._celery.settings.get_store`), which
+   excludes nothing across hosts. The worker's main process says so in one WARNING while it is
+   built, before ``ready.`` (pool processes do not repeat it), or, with
+   ``lease_require_shared_store = True``, refuses to start, naming the setting
+   (:func:`check_host_local`). ``celery lease check`` prints ``WARN`` (or ``FAIL``) for it;
+3. that every store the app's locked tasks use answers one round trip (``get`` of a key of
    its own, or an owner-checked ``release`` of it for a store that cannot read), within
    :data:`STORE_CHECK_TIMEOUT` seconds: a wrong URL (port, database, socket path) would
    otherwise let the worker say "ready" and fail every locked task with
@@ -63,6 +69,7 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -92,6 +99,7 @@ __all__ = [
     "Check",
     "LeaseCheck",
     "check_app",
+    "check_host_local",
     "check_worker",
     "locked_tasks",
     "opt_in",
@@ -244,21 +252,28 @@ class Check:
     error: str | None = None
     seconds: float = 0.0
     note: str | None = None
+    warning: str | None = None
+    """Why a check that passed still needs attention (the host-local fallback), or ``None``."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
 
     def line(self) -> str:
-        """``ok    lease_store redis://:***@h:6379/1: answered in 0.8 ms`` or ``FAIL  ...``."""
+        """``ok    lease_store redis://:***@h:6379/1: answered in 0.8 ms``, ``WARN  ...`` (it
+        answered, but see the warning) or ``FAIL  ...``."""
         subject = f"{self.what} {self.shown}" if self.shown else self.what
         if self.error is not None:
             return f"FAIL  {subject}: {self.error}"
         if self.note is not None:
-            return f"ok    {subject}: {self.note}"
-        if self.shown:
-            return f"ok    {subject}: answered in {self.seconds * 1000:.1f} ms"
-        return f"ok    {subject}"
+            told = self.note
+        elif self.shown:
+            told = f"answered in {self.seconds * 1000:.1f} ms"
+        else:
+            told = ""
+        if self.warning is not None:
+            return f"WARN  {subject}: {told + '; ' if told else ''}{self.warning}"
+        return f"ok    {subject}: {told}" if told else f"ok    {subject}"
 
 
 def _shown(option: str | LockStore) -> str:
@@ -373,7 +388,7 @@ def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockSt
         if configured is not None:
             what = "lease_store"
         elif isinstance(option, str) and option.startswith("sqlite:"):
-            what = "lease_store (unset: the host-local SQLite file)"
+            what = HOST_LOCAL
         else:
             what = "lease_store (unset: the broker's Redis)"
         pairs.append((what, option))
@@ -388,12 +403,24 @@ def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockSt
     return unique
 
 
+HOST_LOCAL = "lease_store (unset: the host-local SQLite file)"
+"""What a check calls the app's store when it is the host-local fallback."""
+
+HOST_LOCAL_WARNING = (
+    "excludes only workers on this host: set lease_store to a store every host shares"
+    " (lease_require_shared_store=True makes this a failure)"
+)
+"""Why ``celery lease check`` says ``WARN`` for the host-local fallback."""
+
+
 def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
     """The checks of ``celery lease check``: the settings, then every store of the app.
 
     Stores are those of :func:`_stores_to_ping` with the app's own store always included
     (the deploy script asks about it even before any task module names a locked task).
-    Nothing is pinged when the settings are bad.
+    Nothing is pinged when the settings are bad. The host-local fallback is a warning
+    (:attr:`Check.warning`: ``WARN``) when it answers, and a failure when
+    ``lease_require_shared_store`` is set.
     """
     try:
         settings = config.get_settings(app)
@@ -405,8 +432,43 @@ def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Chec
     except LeaseConfigError as exc:
         return [*checks, Check("lease_store", error=str(exc))]
     key = settings.key_prefix + PING_KEY
-    checks.extend(ping_stores(stores, key, timeout))
+    for check in ping_stores(stores, key, timeout):
+        if check.what == HOST_LOCAL and check.ok:
+            if settings.require_shared_store:
+                path = config.default_sqlite_path()
+                check = dataclasses.replace(check, error=config.host_local_message(app, path))
+            else:
+                check = dataclasses.replace(check, warning=HOST_LOCAL_WARNING)
+        checks.append(check)
     return checks
+
+
+def _uses_app_store(app: CeleryApp) -> bool:
+    """Whether locked executions of ``app`` may use its store: a locked task without a
+    ``lock_store`` of its own, or no locked task (``lease()`` in plain task bodies)."""
+    tasks = list(locked_tasks(app))
+    return not tasks or any(store is None for _, store in tasks)
+
+
+def check_host_local(app: CeleryApp) -> LeaseConfigError | None:
+    """At worker start, in the main process: the host-local fallback warned about, or refused.
+
+    When ``app``'s store is the host-local SQLite file
+    (:func:`celery_lease._celery.settings.host_local_fallback`) and its tasks may use it: with
+    ``lease_require_shared_store`` the refusal is returned; otherwise the warning is logged
+    now, before the worker says ``ready.``, once per process (the pool processes forked later
+    do not repeat it when they open the store).
+    """
+    try:
+        if not config.host_local_fallback(app) or not _uses_app_store(app):
+            return None
+        path = config.default_sqlite_path()
+    except LeaseConfigError as exc:
+        return exc
+    if config.get_settings(app).require_shared_store:
+        return LeaseConfigError(config.host_local_message(app, path))
+    config.warn_host_local(app, path)
+    return None
 
 
 def _check_stores(app: CeleryApp, settings: config.LeaseSettings) -> LeaseConfigError | None:
@@ -461,7 +523,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         processes = pool.pool_processes(parent.pool_cls, parent.concurrency, autoscale)
         error = _check(app, processes, pool.pool_name(parent.pool_cls))
         if error is None and uses_celery_lease(app):
-            error = _check_stores(app, config.get_settings(app))
+            error = check_host_local(app) or _check_stores(app, config.get_settings(app))
         if error is not None:
             config.refuse(app, str(error))
             logger.critical(

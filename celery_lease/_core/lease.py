@@ -1022,7 +1022,14 @@ class LeaseContext:
 
     def new_owner(self) -> str:
         """A fresh owner id for one acquisition attempt, naming this context's holder fields."""
-        return make_owner(node=self.node, task=self.task, task_id=self.task_id, label=self.label)
+        return make_owner(
+            node=self.node,
+            task=self.task,
+            task_id=self.task_id,
+            label=self.label,
+            ttl_ms=to_ms(self.ttl),
+            cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
+        )
 
     def hold(
         self,

@@ -13,6 +13,9 @@ field     meaning
 ``t``     the task name
 ``i``     the task id
 ``l``     a free label (``lease(..., holder="nightly import")``)
+``ttl``   the lease's ttl, milliseconds: every renewal sets its expiry that far ahead, so the
+          ttl minus the time left is how long ago it was last renewed (``celery lease list``)
+``cd``    the cooldown kept after a body that succeeded, milliseconds (absent: none)
 ``at``    when the id was made (the acquisition attempt), unix milliseconds
 ========  ===============================================================
 
@@ -178,6 +181,8 @@ def make_owner(
     task: str | None = None,
     task_id: str | None = None,
     label: str | None = None,
+    ttl_ms: int | None = None,
+    cooldown_ms: int | None = None,
 ) -> str:
     """A fresh owner id: ``host/pid/<16 hex>`` then the given fields and the time it was made.
 
@@ -186,6 +191,9 @@ def make_owner(
         task: the task name, or None.
         task_id: the task id, or None.
         label: a free text naming the holder (``lease(..., holder=...)``), or None.
+        ttl_ms: the ttl the lease is taken and renewed with, milliseconds, or None.
+        cooldown_ms: the cooldown kept after a body that succeeded, milliseconds, or None
+            (none).
 
     ``node`` defaults to the process's node (:func:`set_node`); ``task`` and ``task_id``, when
     both are left out, default to the task running in this context (:func:`push_task`).
@@ -217,6 +225,10 @@ def make_owner(
         owner += ";i=" + _field("task_id", task_id)
     if label is not None:
         owner += ";l=" + _field("label", label)
+    if ttl_ms is not None:
+        owner += f";ttl={int(ttl_ms)}"
+    if cooldown_ms:
+        owner += f";cd={int(cooldown_ms)}"
     return f"{owner};at={time.time_ns() // 1_000_000}"
 
 
@@ -261,6 +273,10 @@ class Holder:
     """The ``holder=`` label given to ``lease()``, if any."""
     taken_at: float | None
     """When the owner id was made (just before the acquisition), unix seconds."""
+    ttl: float | None = None
+    """The ttl the lease is renewed with, seconds (owner ids of older versions have none)."""
+    cooldown: float | None = None
+    """The cooldown kept after a body that succeeded, seconds; None: none (or not recorded)."""
 
 
 _FIELDS = {"n": "node", "t": "task", "i": "task_id", "l": "label"}
@@ -280,6 +296,7 @@ def parse_owner(owner: str) -> Holder:
     host: str | None = None
     pid: int | None = None
     taken_at: float | None = None
+    millis: dict[str, float] = {}
     try:
         head, *fields = owner.split(";")
         bits = head.split("/")
@@ -293,6 +310,9 @@ def parse_owner(owner: str) -> Holder:
             if name == "at":
                 if value.isdigit():
                     taken_at = int(value) / 1000.0
+            elif name in ("ttl", "cd"):
+                if value.isdigit():
+                    millis[name] = int(value) / 1000.0
             elif name in _FIELDS:
                 found[_FIELDS[name]] = _decode(value)
     except Exception:  # documented: never raises, whatever the store returned
@@ -306,4 +326,6 @@ def parse_owner(owner: str) -> Holder:
         task_id=found["task_id"],
         label=found["label"],
         taken_at=taken_at,
+        ttl=millis.get("ttl"),
+        cooldown=millis.get("cd"),
     )

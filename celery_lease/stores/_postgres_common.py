@@ -8,12 +8,23 @@ statement (:func:`statements`, rendered for a validated table name), the ``NOTIF
 table, how a DSN or store URL is read (``?create_table=``, passwords kept out of every message),
 the options both validate, how a row becomes a lease, and how a driver error is described. The
 two stores only differ in how they wait for the server.
+
+What an outage logs, also shared: psycopg_pool logs a WARNING for every failed background connect
+and every broken connection it discards (``error connecting in 'celery-lease': ...``,
+``discarding broken connection: <..._StoreConnection [BAD]>``), in every process, for as long as
+the server is down. For the pools the stores open themselves (named :data:`POOL_NAME`...) those
+records are dropped by a filter on psycopg_pool's logger (:func:`fold_pool_record`) and
+:class:`ConnectFailures` says it once instead: one WARNING when the pool first fails to connect,
+one INFO when it connects again. A pool passed in by the caller is the caller's: its messages are
+left alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +45,8 @@ __all__ = [
     "MISSING_TABLE",
     "NOTIFY_KEY_BYTES",
     "OVER_A_LIMIT",
+    "OWN_CONNECTION",
+    "POOL_NAME",
     "SCHEMA_SQL",
     "ConnectFailures",
     "ParsedDSN",
@@ -43,6 +56,7 @@ __all__ = [
     "connect_kwargs",
     "create_denied_detail",
     "describe_error",
+    "fold_pool_record",
     "key_too_long",
     "lease_info",
     "mask_secrets",
@@ -360,13 +374,99 @@ def describe_error(exc: BaseException) -> str:
     return f"{text} (SQLSTATE {sqlstate})" if sqlstate else text
 
 
+logger = logging.getLogger("celery_lease.stores.postgres")
+"""Where an outage is said when the store gives :class:`ConnectFailures` no logger of its own."""
+
+POOL_NAME = "celery-lease"
+"""The name of the pools the stores open themselves (``celery-lease``, ``celery-lease-async``):
+psycopg_pool's records naming one are folded (:func:`fold_pool_record`)."""
+
+OWN_CONNECTION = "celery_lease_own_connection"
+"""The class attribute (``True``) that marks the connection classes of the stores' own pools,
+so that psycopg_pool's records about one of their connections are folded."""
+
+
 class ConnectFailures:
-    """The last failure of the store's own pool to connect (None after a success)."""
+    """How the store's own pool connects: the last failure (``None`` after a success), and the
+    one line per outage.
 
-    __slots__ = ("last",)
+    :meth:`failed` and :meth:`connected` are called by the pool's connection class, on the
+    pool's threads (or its event loop). The first failure after a success (or after the start)
+    logs one WARNING naming the server and the error; the failures after it, and psycopg_pool's
+    own messages, say nothing more until a connect succeeds, which logs one INFO line. The
+    outage flag is a lock taken without blocking by the failure that opens the outage (two
+    threads failing at once log once) and released by the success that ends it; it never
+    blocks, so a fork while it is held leaves nothing to wait for.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("_outage", "attempts", "last", "logger", "what")
+
+    def __init__(
+        self, what: str = "the PostgreSQL store", log: logging.Logger | None = None
+    ) -> None:
         self.last: str | None = None
+        self.logger = logger if log is None else log
+        """The store's logger, which says the outage."""
+        self.what = what
+        """The server, as the lines name it (``host=..., port=..., dbname=...``)."""
+        self.attempts = 0
+        self._outage = threading.Lock()
+
+    def failed(self, detail: str) -> None:
+        """A connect failed with ``detail``: the outage's WARNING if it is the first."""
+        self.last = detail
+        self.attempts += 1
+        if self._outage.acquire(blocking=False):
+            detail = " ".join(detail.split())  # libpq's hint comes on a line of its own
+            self.logger.warning(
+                "celery-lease: %s cannot connect (%s); retrying. Further connection errors of its"
+                " pool are said once, when it connects again",
+                self.what,
+                detail,
+            )
+
+    def connected(self) -> None:
+        """A connect succeeded: the end of an outage is said, once."""
+        self.last = None
+        if self._outage.locked():
+            attempts, self.attempts = self.attempts, 0
+            try:
+                self._outage.release()
+            except RuntimeError:  # another success released it first
+                return
+            self.logger.info(
+                "celery-lease: %s connected again after %d failed attempt%s",
+                self.what,
+                attempts,
+                "" if attempts == 1 else "s",
+            )
+        else:
+            self.attempts = 0
+
+
+def _names_own_pool(arg: object) -> bool:
+    if isinstance(arg, str):
+        return arg.startswith(POOL_NAME)
+    return bool(getattr(type(arg), OWN_CONNECTION, False))
+
+
+def fold_pool_record(record: logging.LogRecord) -> bool:
+    """The filter on psycopg_pool's logger: ``False`` (drop) for a WARNING or worse about one of
+    the stores' own pools (its name, one of its connections, or a task naming the pool in its
+    text), which :class:`ConnectFailures` says once per outage; ``True`` for everything else."""
+    if record.levelno < logging.WARNING:
+        return True
+    args = record.args if isinstance(record.args, tuple) else (record.args,)
+    if any(_names_own_pool(arg) for arg in args):
+        return False
+    try:
+        message = record.getMessage()
+    except Exception:  # a record that does not format is not ours to judge
+        return True
+    return f"'{POOL_NAME}" not in message
+
+
+logging.getLogger("psycopg.pool").addFilter(fold_pool_record)
 
 
 def target(params: dict[str, Any]) -> str:

@@ -124,14 +124,16 @@ def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Conne
     """
 
     class _StoreConnection(psycopg.Connection[Any]):
+        celery_lease_own_connection = True  # OWN_CONNECTION: psycopg_pool's records folded
+
         @classmethod
         def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
             try:
                 conn = super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = describe_error(exc)
+                failures.failed(describe_error(exc))
                 raise
-            failures.last = None
+            failures.connected()
             return conn
 
     return _StoreConnection
@@ -297,7 +299,7 @@ class _Listener:
     # Thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff, connected_before = 0.05, False
+        backoff, connected_before, failing = 0.05, False, False
         listen = sql.SQL("LISTEN {}; LISTEN {}").format(
             sql.Identifier(self._channel), sql.Identifier(self.stop_channel)
         )
@@ -305,7 +307,13 @@ class _Listener:
             try:
                 conn = self._connect()
             except psycopg.Error as exc:
-                logger.warning("celery-lease: listener failed to connect (%s)", exc)
+                # One line per outage: the retries after it say nothing until it connects.
+                if not failing:
+                    logger.warning(
+                        "celery-lease: listener failed to connect (%s); retrying until it connects",
+                        " ".join(str(exc).split()),
+                    )
+                failing = True
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -314,7 +322,9 @@ class _Listener:
                 conn.execute(listen)
                 if connected_before:
                     self._wake_all()
-                connected_before, backoff = True, 0.05
+                if failing:
+                    logger.info("celery-lease: listener connected again")
+                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 while not self._stop.is_set():
                     for notify in conn.notifies(timeout=self._TICK):
@@ -448,7 +458,9 @@ class PostgresLockStore:
                 "psycopg_pool.ConnectionPool"
             )
         self._create_table = True if create_table is None else create_table
-        self._connect_failures = ConnectFailures()
+        self._connect_failures = ConnectFailures(
+            f"PostgresLockStore({self._where}, table={self._table!r})", logger
+        )
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._channel = channel_for(self._table)
         self._sql = statements(self._table)

@@ -113,14 +113,16 @@ def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
     """An AsyncConnection class that records why the pool's background connects failed."""
 
     class _StoreConnection(psycopg.AsyncConnection[Any]):
+        celery_lease_own_connection = True  # OWN_CONNECTION: psycopg_pool's records folded
+
         @classmethod
         async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
             try:
                 conn = await super().connect(conninfo, **kwargs)
             except psycopg.Error as exc:
-                failures.last = describe_error(exc)
+                failures.failed(describe_error(exc))
                 raise
-            failures.last = None
+            failures.connected()
             return conn
 
     return _StoreConnection
@@ -165,13 +167,20 @@ class _Listener:
             self._wake(payload)
 
     async def _run(self) -> None:
-        backoff, connected_before = 0.05, False
+        backoff, connected_before, failing = 0.05, False, False
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
         while True:
             try:
                 conn = await self._connect()
             except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
-                logger.warning("celery-lease: async listener failed to connect (%s)", exc)
+                # One line per outage: the retries after it say nothing until it connects.
+                if not failing:
+                    logger.warning(
+                        "celery-lease: async listener failed to connect (%s); retrying until it"
+                        " connects",
+                        " ".join(str(exc).split()),
+                    )
+                failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
@@ -179,7 +188,9 @@ class _Listener:
                 await conn.execute(listen)
                 if connected_before:
                     self._wake_all()
-                connected_before, backoff = True, 0.05
+                if failing:
+                    logger.info("celery-lease: async listener connected again")
+                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 async for notify in conn.notifies():
                     self._wake(notify.payload)
@@ -275,7 +286,9 @@ class AsyncPostgresLockStore:
         self._connect_timeout = float(connect_timeout)
         self._statement_timeout = float(statement_timeout)
         self._max_connections = max_connections
-        self._connect_failures = ConnectFailures()
+        self._connect_failures = ConnectFailures(
+            f"AsyncPostgresLockStore({self._where}, table={self._table!r})", logger
+        )
         self._connection_class = _recording_connection_class(self._connect_failures)
         self._pool: AsyncConnectionPool[Any] | None = None
         self._listener: _Listener | None = None

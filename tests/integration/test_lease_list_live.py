@@ -175,8 +175,10 @@ def test_lease_list_and_show_report_the_lease_of_a_running_task(live_worker: Liv
     row = rows[key]
     assert set(row) == {
         "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
-        "label", "taken_at", "held_seconds", "state",
+        "label", "taken_at", "held_seconds", "state", "ttl", "cooldown", "renewed_seconds_ago",
+        "stale",
     }  # fmt: skip
+    assert row["ttl"] == 6.0  # recorded in the owner id; stale or not depends on the load
     assert (row["task"], row["pid"]) == (CACHE, live_worker.process.pid)
     assert isinstance(row["token"], int)
     assert row["token"] == held.token > 0

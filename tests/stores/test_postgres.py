@@ -522,6 +522,38 @@ class TestServerFailures:
         finally:
             store.close()
 
+    def test_an_outage_is_one_line_of_ours_not_the_pools_messages(
+        self, pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Two outages, several failing calls each: psycopg_pool's own warnings about the
+        store's pool ("discarding broken connection", "error connecting in 'celery-lease'")
+        are folded into one WARNING of ours per outage, and one line when it connects again."""
+        store = PostgresLockStore(pg_cluster.dsn, table="outage_lines", connect_timeout=1)
+        try:
+            with caplog.at_level(logging.INFO):
+                assert store.acquire("k", "a", LONG_MS) is not None
+                for _ in range(2):
+                    pg_cluster.stop("fast")
+                    for _ in range(3):
+                        with pytest.raises(StoreUnavailableError):
+                            store.renew("k", "a", LONG_MS)
+                    pg_cluster.start()
+                    assert store.renew("k", "a", LONG_MS) is True
+        finally:
+            store.close()
+        pools = [
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("psycopg.pool") and r.levelno >= logging.WARNING
+        ]
+        assert pools == []
+        down = [r for r in caplog.records if "cannot connect" in r.getMessage()]
+        back = [r for r in caplog.records if "connected again" in r.getMessage()]
+        assert len(down) == 2, [r.getMessage() for r in caplog.records]
+        assert all(r.levelno == logging.WARNING for r in down)
+        assert "127.0.0.1" in down[0].getMessage() or "localhost" in down[0].getMessage()
+        assert len(back) == 2, [r.getMessage() for r in caplog.records]
+
     def test_a_stopped_server_raises_store_unavailable_quickly(self, pg_cluster: PgCluster) -> None:
         """With the server down, calls fail with StoreUnavailableError within connect_timeout."""
         store = PostgresLockStore(pg_cluster.dsn, table="stopped", connect_timeout=1)
@@ -536,6 +568,33 @@ class TestServerFailures:
             assert store.wait_for_release("k", 0.2) is False
             pg_cluster.start()
             assert store.renew("k", "a", LONG_MS) is True
+        finally:
+            store.close()
+
+    def test_the_listeners_failed_reconnects_are_one_line_per_outage(
+        self, pg_cluster: PgCluster, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """While the server is down the listener retries (50 ms, doubling): its first failure is
+        one WARNING, the others say nothing, and connecting again is one INFO line."""
+        store = PostgresLockStore(pg_cluster.dsn, table="outage_listen")
+        try:
+            assert store.acquire("k", "a", LONG_MS) is not None
+            assert store.wait_for_release("k", 0.01) is False  # starts the listener
+            listener = store._listener
+            assert listener is not None
+            _wait_for(listener.ready.is_set, "the listener")
+            with caplog.at_level(logging.INFO, logger="celery_lease.stores.postgres"):
+                pg_cluster.stop("fast")
+                failed = lambda: [  # noqa: E731
+                    r for r in caplog.records if "listener failed to connect" in r.getMessage()
+                ]
+                _wait_for(lambda: len(failed()) >= 1, "the listener's first failure")
+                store.wait_for_release("k", 1.6)  # the listener retries 5 times meanwhile
+                pg_cluster.start()
+                _wait_for(listener.ready.is_set, "the listener, connected again")
+            assert len(failed()) == 1, [r.getMessage() for r in caplog.records]
+            again = [r for r in caplog.records if "listener connected again" in r.getMessage()]
+            assert len(again) == 1
         finally:
             store.close()
 

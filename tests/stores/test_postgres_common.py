@@ -3,6 +3,8 @@ statements, the table's channel, reading a DSN, the options, rows and the texts 
 
 from __future__ import annotations
 
+import logging
+
 import psycopg
 import pytest
 
@@ -11,9 +13,11 @@ from celery_lease.stores._postgres_common import (
     DEFAULT_TABLE,
     OVER_A_LIMIT,
     SCHEMA_SQL,
+    ConnectFailures,
     channel_for,
     check_options,
     connect_kwargs,
+    fold_pool_record,
     lease_info,
     missing_table_detail,
     notify_payload,
@@ -167,3 +171,57 @@ class TestServerLimits:
         }
         assert class_54, "psycopg names no error of class 54"
         assert class_54 == set(OVER_A_LIMIT)
+
+
+class TestOutageLines:
+    """psycopg_pool's records about the stores' own pools are folded into one line per outage."""
+
+    @staticmethod
+    def record(msg: str, *args: object, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("psycopg.pool", level, "pool.py", 1, msg, args, None)
+
+    def test_records_about_the_stores_own_pools_are_dropped(self) -> None:
+        class Own:
+            celery_lease_own_connection = True
+
+        class Task:
+            def __repr__(self) -> str:
+                return "<AddConnection 'celery-lease-async' at 0x1>"
+
+        for dropped in (
+            self.record("error connecting in %r: %s", "celery-lease", "refused"),
+            self.record("error connecting in %r: %s", "celery-lease-async", "refused"),
+            self.record("discarding broken connection: %s", Own()),
+            self.record("task run %s failed: %s: %s", Task(), "OperationalError", "x"),
+        ):
+            assert fold_pool_record(dropped) is False, dropped.getMessage()
+
+    def test_records_about_other_pools_and_below_warning_are_kept(self) -> None:
+        for kept in (
+            self.record("error connecting in %r: %s", "the-apps-pool", "refused"),
+            self.record("discarding broken connection: %s", object()),
+            self.record("growing pool %r to %s", "celery-lease", 2, level=logging.INFO),
+        ):
+            assert fold_pool_record(kept) is True, kept.getMessage()
+
+    def test_the_filter_is_on_psycopg_pools_logger(self) -> None:
+        assert fold_pool_record in logging.getLogger("psycopg.pool").filters
+
+    def test_one_warning_per_outage_and_one_line_when_it_ends(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        failures = ConnectFailures("PostgresLockStore(host='db')")
+        with caplog.at_level(logging.INFO, logger="celery_lease.stores.postgres"):
+            failures.connected()  # the first connect: nothing to say
+            for _ in range(2):
+                for _ in range(3):
+                    failures.failed("connection failed: refused\n\tIs the server running?")
+                failures.connected()
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 4, lines
+        down, back = lines[0], lines[1]
+        assert down.startswith("celery-lease: PostgresLockStore(host='db') cannot connect")
+        assert "refused Is the server running?" in down  # one line
+        assert back.endswith("connected again after 3 failed attempts")
+        assert lines[2:] == [down, back]
+        assert failures.last is None

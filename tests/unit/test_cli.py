@@ -21,7 +21,7 @@ import pytest
 from celery import Celery
 from click.testing import CliRunner, Result
 
-from celery_lease import LockStore, store_from_url
+from celery_lease import LockStore, lease, store_from_url
 from celery_lease._core.owners import make_owner
 from celery_lease.cli import lease_group, main
 from tests.support import free_port
@@ -68,7 +68,9 @@ def table(result: Result) -> list[list[str]]:
     return [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
 
 
-HEADER = ["KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "TOKEN", "EXPIRES IN"]
+HEADER = [
+    "KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "RENEWED", "TOKEN", "EXPIRES IN",
+]  # fmt: skip
 
 
 class TestList:
@@ -83,7 +85,8 @@ class TestList:
         assert result.exit_code == 0, result.output
         header, row = table(result)
         assert header == HEADER
-        key, state, node, pid, task, task_id, held, shown_token, left = row
+        key, state, node, pid, task, task_id, held, renewed, shown_token, left = row
+        assert renewed == "-"  # an owner id that records no ttl
         assert (key, state, node, pid, task, task_id) == (
             "report:nightly", "held", "w1@host", str(os.getpid()), "report.build", "id-1",
         )  # fmt: skip
@@ -100,7 +103,7 @@ class TestList:
         header, foreign, old = table(result)
         assert header == HEADER
         assert old[:7] == ["report:old", "held", "oldhost", "41", "-", "-", "-"]
-        assert int(old[7]) == token
+        assert int(old[8]) == token
         assert foreign[:7] == ["report:foreign", "held", "something-else", "-", "-", "-", "-"]
 
     def test_label_column_appears_when_a_lease_has_one(self, store: LockStore, store_url: str):
@@ -154,7 +157,8 @@ class TestList:
         ]
         assert set(data[0]) == {
             "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
-            "label", "taken_at", "held_seconds", "state",
+            "label", "taken_at", "held_seconds", "state", "ttl", "cooldown",
+            "renewed_seconds_ago", "stale",
         }  # fmt: skip
         assert 0 < data[0]["expires_in"] <= 5
         assert data[0]["node"] is data[0]["taken_at"] is data[0]["held_seconds"] is None
@@ -492,6 +496,7 @@ class TestEntryPoints:
         result = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "lease_cli_app", "lease", "list", "--json"],
             cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},  # this tree
             capture_output=True,
             text=True,
             timeout=60,
@@ -511,6 +516,128 @@ class TestEntryPoints:
                 "label": None,
                 "taken_at": None,
                 "held_seconds": None,
+                "ttl": None,
+                "cooldown": None,
+                "renewed_seconds_ago": None,
                 "state": "held",
+                "stale": False,
             }
         ]
+
+
+def _sqlite_url(tmp_path: Path) -> str:
+    url = f"sqlite:///{tmp_path / 'leases.db'}"
+    store_from_url(url).release("init", "nobody")  # creates the file
+    return url
+
+
+class TestClosedPipe:
+    @pytest.mark.parametrize("command", [["show", "k"], ["list"], ["show", "free-key"]])
+    def test_a_closed_pipe_ends_quietly_with_the_sigpipe_status(
+        self, tmp_path: Path, command: list[str]
+    ):
+        """``celery-lease show KEY | head -1``: a reader that went away ends the command with no
+        message and status 141 (128 + SIGPIPE, what the shell reports for ``git log | head``),
+        not 2, which says the store could not be reached."""
+        url = _sqlite_url(tmp_path)
+        store_from_url(url).acquire("k", make_owner(label="script"), TTL_MS)
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader is gone before anything is written: every write fails
+        try:
+            process = subprocess.run(
+                [sys.executable, "-c", "from celery_lease.cli import main; main()",
+                 "--store", url, *command],
+                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert "Broken pipe" not in process.stderr
+        assert "Error" not in process.stderr
+        assert process.returncode == 128 + 13
+
+    def test_under_celery_a_closed_pipe_ends_quietly_too(self, tmp_path: Path):
+        """``celery -A proj lease list | head -1``: the same quiet end under Celery's program."""
+        url = _sqlite_url(tmp_path)
+        store_from_url(url).acquire("k", make_owner(label="script"), TTL_MS)
+        (tmp_path / "pipe_app.py").write_text(
+            "from celery import Celery\n"
+            "app = Celery('pipe_app', broker='memory://')\n"
+            f"app.conf.lease_store = {url!r}\n"
+        )
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        root = str(Path(__file__).resolve().parents[2])
+        try:
+            process = subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "pipe_app", "lease", "list"],
+                cwd=tmp_path, env={**os.environ, "PYTHONPATH": root}, stdout=write_end,
+                stderr=subprocess.PIPE, text=True, timeout=60,
+            )  # fmt: skip
+        finally:
+            os.close(write_end)
+        assert "Broken pipe" not in process.stderr and "Error" not in process.stderr
+        assert process.returncode == 128 + 13
+
+
+class TestNodeColumn:
+    def test_a_lease_taken_outside_celery_has_the_same_node_in_list_and_show(self, tmp_path: Path):
+        """A lease with no Celery node (taken by ``lease()`` in a script) shows one NODE in
+        ``list`` and ``show``: its host."""
+        url = _sqlite_url(tmp_path)
+        # What a lease() in a script records: no node (make_owner would add the node an
+        # earlier test set for this process).
+        owner = f"{socket.gethostname()}/{os.getpid()}/00000000000000ab;l=script;at=1"
+        store_from_url(url).acquire("script:1", owner, TTL_MS)
+        listed = table(run("list", "--store", url))
+        node_in_list = listed[1][listed[0].index("NODE")]
+        shown = run("show", "script:1", "--store", url).stdout.splitlines()[1:]
+        fields = dict(re.split(r":\s+", line.strip(), maxsplit=1) for line in shown)
+        assert node_in_list == fields["node"] == socket.gethostname()
+
+
+class TestLastRenewed:
+    """When each lease was last renewed: its ttl minus the time left, both the store's (the ttl
+    is recorded in the owner id when it is taken); past a third of the ttl it is stale."""
+
+    def test_a_lease_being_renewed_says_when_and_is_not_stale(
+        self, store: LockStore, store_url: str
+    ):
+        with lease("k", store=store, ttl="60s"):
+            (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+            rows = table(run("list", "--store", store_url))
+            shown = run("show", "k", "--store", store_url).stdout
+        assert 0 <= record["renewed_seconds_ago"] < 20
+        assert record["ttl"] == 60
+        assert record["stale"] is False
+        cells = dict(zip(rows[0], rows[1], strict=True))
+        assert cells["STATE"] == "held"
+        assert cells["RENEWED"].endswith(" ago")
+        assert shown.startswith("k: held by ")
+        assert re.search(r"^  renewed:  \d+\.\ds ago \(ttl 1m00s\)$", shown, re.M), shown
+
+    def test_a_lease_not_renewed_for_over_a_third_of_its_ttl_is_stale(
+        self, store: LockStore, store_url: str
+    ):
+        """Its holder stopped renewing (a dead worker): ``list`` and ``show`` say ``stale``
+        instead of plainly "held"."""
+        with lease("k", store=store, ttl="60s") as held:
+            # As if the last renewal had set its expiry 25 s ago: 35 s are left of its 60 s.
+            assert store.renew("k", held.owner, 35_000)
+            (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+            rows = table(run("list", "--store", store_url))
+            shown = run("show", "k", "--store", store_url).stdout
+        assert record["renewed_seconds_ago"] == pytest.approx(25, abs=5)
+        assert record["stale"] is True
+        cells = dict(zip(rows[0], rows[1], strict=True))
+        assert cells["STATE"] == "held, stale"
+        assert shown.startswith("k: held (stale: not renewed for 2"), shown
+        assert "more than a third of its 1m00s ttl" in shown.splitlines()[0]
+
+    def test_an_owner_without_a_ttl_tells_nothing(self, store: LockStore, store_url: str):
+        """An owner id that records no ttl (another program's, an older version's): no time,
+        never stale."""
+        store.acquire("k", "host/9/xyz", TTL_MS)
+        (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
+        assert (record["renewed_seconds_ago"], record["stale"]) == (None, False)
+        rows = table(run("list", "--store", store_url))
+        assert dict(zip(rows[0], rows[1], strict=True))["RENEWED"] == "-"

@@ -143,7 +143,51 @@ class TestKeyPrefix:
             assert f"token {held.token}" in raw.stdout
             assert "--raw" in raw.stderr
             prefixed = run("show", "cache:rebuild", obj=obj(app))
-            assert prefixed.stdout.strip() == "shop:cache:rebuild: free (no token issued yet)"
+            first = prefixed.stdout.splitlines()[0]
+            assert first == "shop:cache:rebuild: free (no token issued yet)"
+
+    def test_show_says_the_unprefixed_key_is_held_when_the_prefixed_one_is_free(
+        self, app: Celery, store: SupportsInspection, url: str
+    ) -> None:
+        """``show cache:prices`` under a prefix: ``shop:cache:prices`` is free, but a ``lease()``
+        taken without the app's prefix holds ``cache:prices``: the answer says so (text and
+        JSON), since a task with ``lock_key="cache:prices"`` would not be excluded by it."""
+        with lease("cache:prices", store=store_from_url(url), ttl="60s", holder="endpoint"):
+            result = run("show", "cache:prices", obj=obj(app))
+            shown = json.loads(run("show", "cache:prices", "--json", obj=obj(app)).stdout)
+        assert result.exit_code == 0, result.output
+        first, *notes = result.stdout.splitlines()
+        assert first.startswith("shop:cache:prices: free")
+        (note,) = notes
+        assert "'cache:prices'" in note and "without the app's lease_key_prefix" in note
+        assert "held by 'endpoint'" in note
+        assert shown["held"] is False
+        assert shown["other_key"]["key"] == "cache:prices"
+        assert shown["other_key"]["label"] == "endpoint"
+
+    def test_show_says_when_both_the_prefixed_and_the_unprefixed_key_are_held(
+        self, app: Celery, store: SupportsInspection
+    ) -> None:
+        """Both forms held: two holders each believe they hold "cache:prices"; show says it."""
+        assert store.acquire("cache:prices", make_owner(label="endpoint"), TTL_MS) is not None
+        assert store.acquire("shop:cache:prices", make_owner(task="t", task_id="i"), TTL_MS)
+        result = run("show", "cache:prices", obj=obj(app))
+        assert result.stdout.startswith("shop:cache:prices: held by task t[i]")
+        assert "'cache:prices' (without the app's lease_key_prefix 'shop:') is held too" in (
+            result.stdout
+        )
+
+    def test_raw_says_the_prefixed_key_is_held_when_the_raw_one_is_free(
+        self, app: Celery, store: SupportsInspection
+    ) -> None:
+        """``show --raw cache:prices`` is free while the app's task holds
+        ``shop:cache:prices``: the answer names the held prefixed key."""
+        assert store.acquire("shop:cache:prices", make_owner(task="t", task_id="i"), TTL_MS)
+        result = run("show", "--raw", "cache:prices", obj=obj(app))
+        first, note = result.stdout.splitlines()
+        assert first.startswith("cache:prices: free")
+        assert "'shop:cache:prices' (with the app's lease_key_prefix 'shop:'" in note
+        assert "held by task t[i]" in note
 
     def test_release_frees_the_prefixed_key(self, app: Celery, store: SupportsInspection) -> None:
         """``release account:1 --yes`` under the app releases ``shop:account:1``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import types
@@ -199,3 +200,63 @@ class TestStoresArePingedAtOnce:
         checks = startup.ping_stores([("a", first), ("b", second)], "ping", timeout=20)
         assert [c.ok for c in checks] == [True, True], checks
         assert first.answered_after_the_other_began
+
+
+RABBITMQ = "amqp://guest:guest@127.0.0.1:5672//"
+
+
+class TestHostLocalFallback:
+    """No ``lease_store`` and a broker that is not Redis: the embedded SQLite file of this host
+    (the broker is never contacted by the check)."""
+
+    def test_the_host_local_file_is_a_warning_and_a_non_zero_status(
+        self, tmp_path: Path, monkeypatch: Any
+    ) -> None:
+        """The app's store line starts with ``WARN``, says it excludes only this host's workers
+        and names ``lease_store``; the status is 1 (2 is kept for a check that failed)."""
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the file's directory
+        app = Celery("check", broker=RABBITMQ, set_as_current=False)
+        result = check(app)
+        lines = result.stdout.splitlines()
+        (line,) = [x for x in lines if "lease_store" in x]
+        assert line.startswith("WARN"), lines
+        assert "only workers on this host" in line and "lease_store" in line
+        assert result.exit_code == 1, result.output
+
+    def test_requiring_a_shared_store_fails_the_check_naming_the_setting(
+        self, tmp_path: Path, monkeypatch: Any
+    ) -> None:
+        """``lease_require_shared_store = True``: the fallback is a failure naming the setting."""
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        app = Celery("check", broker=RABBITMQ, set_as_current=False)
+        app.conf.lease_require_shared_store = True
+        result = check(app)
+        settings, *stores = result.stdout.splitlines()
+        assert settings.startswith("ok"), result.output  # a setting it knows
+        (line,) = [x for x in stores if "lease_store" in x]
+        assert line.startswith("FAIL") and "lease_require_shared_store" in line, result.output
+        assert result.exit_code == 2, result.output
+
+    def test_a_shared_store_is_no_warning(self, tmp_path: Path) -> None:
+        """The broker's Redis (or any ``lease_store``) is shared: ``ok``, status 0."""
+        app = Celery("check", broker="redis://127.0.0.1:6379/15", set_as_current=False)
+        app.conf.lease_require_shared_store = True
+        result = check(app)
+        assert result.exit_code == 0, result.output
+        assert all(line.startswith("ok") for line in result.stdout.splitlines()), result.output
+
+
+class TestADownPostgres:
+    def test_a_down_postgresql_store_is_one_line(self) -> None:
+        """``celery-lease check --store postgresql://<nobody listens>``: the FAIL line and
+        nothing else, none of psycopg_pool's connection messages (stdout and stderr alike)."""
+        url = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+        done = subprocess.run(
+            [sys.executable, "-c", "from celery_lease.cli import main; main()",
+             "check", "--store", url],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        lines = (done.stdout + done.stderr).splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith("FAIL") and "Connection refused" in lines[0]
+        assert done.returncode == 2

@@ -126,3 +126,27 @@ class TestFileMode:
         with pytest.raises(LeaseConfigError, match="not a regular file"):
             config.default_sqlite_path()
         assert stat.S_IMODE(target.stat().st_mode) == 0o644
+
+
+class TestRequireSharedStore:
+    def test_the_host_local_file_is_refused_naming_the_setting(self, tempdir: Path) -> None:
+        """``lease_require_shared_store = True``: the app's store is never the host-local file;
+        the error names the setting and what to set instead."""
+        from celery import Celery
+
+        app = Celery("require", broker="amqp://guest@localhost//", set_as_current=False)
+        app.conf.lease_require_shared_store = True
+        with pytest.raises(LeaseConfigError, match="lease_require_shared_store=True refuses it"):
+            config.get_store(app)
+        app.conf.lease_store = f"sqlite:///{tempdir / 'shared.db'}"  # named: the user's choice
+        config.reset(app)
+        assert isinstance(config.get_store(app), SQLiteLockStore)
+
+    def test_a_value_that_is_not_a_bool_is_refused(self) -> None:
+        """Like every boolean setting: ``True`` or ``False``, naming the setting."""
+        from celery import Celery
+
+        app = Celery("require", broker="amqp://guest@localhost//", set_as_current=False)
+        app.conf.lease_require_shared_store = "yes"
+        with pytest.raises(LeaseConfigError, match="lease_require_shared_store='yes'"):
+            config.get_settings(app)

@@ -295,3 +295,71 @@ class TestWorkerCheckRefusals:
         finally:
             config.reset(twin)
             twin.close()
+
+
+class TestHostLocalFallback:
+    """check_host_local: the worker's main process on the host-local SQLite fallback."""
+
+    @pytest.fixture
+    def fallback_app(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
+        import tempfile
+
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+        monkeypatch.setattr(config, "_warned_local", False)
+        app = Celery("fallback", broker="amqp://guest@localhost//", set_as_current=False)
+        yield app
+        config.reset(app)
+        app.close()
+
+    def test_the_warning_is_logged_once_and_not_again_when_the_store_is_opened(
+        self, fallback_app: Celery, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """At start, then at the first locked task of a process forked after it: one line."""
+
+        @fallback_app.task(name="fallback.locked", base=LockedTask, shared=False)
+        def uses_app_store() -> None: ...
+
+        with caplog.at_level(logging.WARNING, logger="celery_lease.config"):
+            assert startup.check_host_local(fallback_app) is None
+            config.get_store(fallback_app)
+        lines = [
+            r for r in caplog.records if "excludes only workers on this host" in r.getMessage()
+        ]
+        assert len(lines) == 1
+
+    def test_required_shared_store_is_a_refusal_naming_the_setting(
+        self, fallback_app: Celery
+    ) -> None:
+        fallback_app.conf.lease_require_shared_store = True
+
+        @fallback_app.task(name="fallback.app_store", base=LockedTask, shared=False)
+        def app_store() -> None: ...
+
+        error = startup.check_host_local(fallback_app)
+        assert isinstance(error, LeaseConfigError)
+        assert "lease_require_shared_store=True refuses it" in str(error)
+
+    def test_tasks_that_all_have_their_own_store_need_no_warning(
+        self,
+        fallback_app: Celery,
+        tmp_path: Path,
+        caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """The app's store is never used: nothing to warn about or refuse. (The app's locked
+        tasks are given: Celery adds every shared task defined earlier in this process to a new
+        app.)"""
+        fallback_app.conf.lease_require_shared_store = True
+        own = [("fallback.own", f"sqlite:///{tmp_path}/own.db")]
+        monkeypatch.setattr(startup, "locked_tasks", lambda app: iter(own))
+        with caplog.at_level(logging.WARNING, logger="celery_lease.config"):
+            assert startup.check_host_local(fallback_app) is None
+        assert caplog.records == []
+
+    def test_a_broker_redis_is_no_fallback(self, caplog: pytest.LogCaptureFixture) -> None:
+        app = Celery("redis-broker", broker="redis://127.0.0.1:6379/0", set_as_current=False)
+        app.conf.lease_require_shared_store = True
+        try:
+            assert startup.check_host_local(app) is None
+        finally:
+            config.reset(app)

@@ -132,3 +132,23 @@ class TestQueuedOwner:
         )
         assert parse_owner(queued_owner("t.name", "id;1", 1234)).label is None
         assert queued_owner("t", "i", 1, "started") != queued_owner("t", "i", 1, "started")
+
+
+class TestTtlAndCooldownInTheOwner:
+    def test_the_ttl_and_the_cooldown_are_recorded(self) -> None:
+        """The owner id of a lease records its ttl and cooldown (seconds once parsed): how long
+        ago it was renewed is then its ttl minus the time the store says is left."""
+        store = MemoryLockStore()
+        with lease("t", store=store, ttl="45s", cooldown="250ms") as held:
+            holder = parse_owner(held.owner)
+        assert (holder.ttl, holder.cooldown) == (45.0, 0.25)
+
+    def test_no_cooldown_is_not_recorded_and_old_owners_have_neither(self) -> None:
+        store = MemoryLockStore()
+        with lease("t", store=store, ttl="1s") as held:
+            assert ";cd=" not in held.owner
+            assert parse_owner(held.owner).cooldown is None
+        old = parse_owner("host/1/abc;at=1733260000123")
+        assert (old.ttl, old.cooldown) == (None, None)
+        assert parse_owner(make_owner(ttl_ms=1500)).ttl == 1.5
+        assert parse_owner("h/1/a;ttl=x").ttl is None  # never raises on a bad field
