@@ -15,11 +15,11 @@ setting (``app.conf``)          meaning                                built-in 
 ``lease_store_check``           a store that does not answer at        ``"refuse"``
                                 worker start: ``"refuse"``, ``"warn"``
                                 or ``"off"`` (see the startup module)
-``lease_require_shared_store``  refuse the host-local SQLite           ``False``
-                                fallback (bool; see :func:`get_store`)
 ``lease_restart_grace``         how long a Redis store built from a    ``lease_default_ttl``
                                 URL refuses free keys after the
                                 server lost its data (duration; 0 off)
+``lease_require_shared_store``  refuse the host-local SQLite           ``False``
+                                fallback (bool; see :func:`get_store`)
 ==============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -109,8 +109,8 @@ SETTINGS: tuple[str, ...] = (
     "lease_default_queue_ttl",
     "lease_defer_release",
     "lease_store_check",
-    "lease_require_shared_store",
     "lease_restart_grace",
+    "lease_require_shared_store",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
