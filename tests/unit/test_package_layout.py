@@ -122,11 +122,14 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.metrics.prometheus": {
         "HOLD_BUCKETS",
+        "PortsTaken",
         "PrometheusExporter",
         "PrometheusSink",
         "RENEWAL_BUCKETS",
         "WAIT_BUCKETS",
+        "first_free_port",
         "port_in_use",
+        "remove_dead_dirs",
     },
     "celery_lease.metrics.otel": {"OtelSink"},
     "celery_lease.stores": {
