@@ -110,6 +110,15 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.fencing.sqlalchemy": {"fenced_update", "fenced_upsert"},
     "celery_lease.fencing.django": {"fenced_update", "fenced_upsert"},
+    "celery_lease.django": {
+        "AsyncDjangoStore",
+        "DjangoStore",
+        "POSTGRESQL_ENGINES",
+        "SCHEME",
+        "SQLITE_ENGINES",
+        "async_database_store",
+        "database_store",
+    },
     "celery_lease.metrics": {
         "DEFAULT_PORT",
         "EXPORTERS",
