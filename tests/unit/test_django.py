@@ -6,7 +6,8 @@ file. Django is configured once per process (``settings.configure``): these test
 if nothing did before (as ``tests/fencing/test_django.py`` does) and then give each test its own
 ``DATABASES`` with ``override_settings``. The end-to-end example runs a Django project of its own
 in a subprocess: its settings module, ``CELERY_LEASE_STORE = "django://default"`` and a
-``shared_task`` with ``LockedTask`` and one with ``@locked``.
+``shared_task`` with ``LockedTask`` and one with ``@locked``, a receiver connected in
+``AppConfig.ready()``.
 """
 
 from __future__ import annotations
@@ -298,18 +299,39 @@ def sync(n):
     return current_lease().key
 """
 
+PROJECT_APPS = """
+from django.apps import AppConfig
+
+ACQUIRED = []
+
+
+def count_acquired(sender, key, token, **kwargs):
+    ACQUIRED.append(key)
+
+
+class ShopConfig(AppConfig):
+    name = "shop"
+
+    def ready(self):
+        from celery_lease.signals import lock_acquired
+
+        lock_acquired.connect(count_acquired, dispatch_uid="shop.count_acquired")
+"""
+
 PROJECT_MAIN = """
 import django
 
 django.setup()
 
 from proj.celery import app
+from shop.apps import ACQUIRED
 from shop.tasks import report, sync
 from celery_lease._celery.settings import get_store
 
 print(type(get_store(app)).__name__)
 print(report.delay("mon").get())
 print(sync.delay(3).get())
+print(ACQUIRED)
 """
 
 
@@ -320,7 +342,8 @@ def test_a_django_project_with_the_store_from_databases(
     """A Django project (settings module, ``proj/celery.py`` as Celery's Django guide writes it,
     tasks in an app's ``tasks.py`` found by ``autodiscover_tasks``): ``CELERY_LEASE_STORE =
     "django://default"`` builds the store of the project's own database, and a ``shared_task``
-    with ``LockedTask`` and one with ``@locked`` take their leases there, under the prefix."""
+    with ``LockedTask`` and one with ``@locked`` take their leases there, under the prefix; a
+    receiver connected in ``AppConfig.ready()`` hears both."""
     if engine == "postgresql":
         database = _postgres(request.getfixturevalue("pg_database_dsn"))
         expected = "PostgresLockStore"
@@ -333,6 +356,7 @@ def test_a_django_project_with_the_store_from_databases(
     (tmp_path / "proj" / "settings.py").write_text(PROJECT_SETTINGS.format(database=database))
     (tmp_path / "proj" / "celery.py").write_text(textwrap.dedent(PROJECT_CELERY))
     (tmp_path / "shop" / "tasks.py").write_text(textwrap.dedent(PROJECT_TASKS))
+    (tmp_path / "shop" / "apps.py").write_text(textwrap.dedent(PROJECT_APPS))
     (tmp_path / "main.py").write_text(textwrap.dedent(PROJECT_MAIN))
     env = {
         **os.environ,
@@ -353,3 +377,4 @@ def test_a_django_project_with_the_store_from_databases(
     key, token = ast.literal_eval(lines[1])
     assert key == "shop:report:mon" and isinstance(token, int), lines
     assert lines[2] == "shop:sync:3", lines
+    assert ast.literal_eval(lines[3]) == ["shop:report:mon", "shop:sync:3"], lines
