@@ -7,21 +7,23 @@ is ``default``. The same URL works wherever a store URL does (``lease_store``, a
 ``lock_store``, ``store_from_url``, ``async_store_from_url``, the ``celery lease`` commands),
 and :func:`database_store` / :func:`async_database_store` build the stores in code.
 
-What the alias's ``ENGINE`` gives (by the last part of its dotted path, so that wrapping
-backends such as django-prometheus's ``django_prometheus.db.backends.postgresql`` work too):
+What the alias's ``ENGINE`` gives, by how the last part of its dotted path begins (so that
+wrapping backends such as django-prometheus's ``django_prometheus.db.backends.postgresql``,
+``postgresql_psycopg2`` pools or django-tenants' ``postgresql_backend`` work too):
 
-- ``postgresql`` (also ``postgresql_psycopg2`` and PostGIS's ``postgis``): a
-  :class:`~celery_lease.PostgresLockStore` connected with the alias's ``NAME``, ``USER``,
-  ``PASSWORD``, ``HOST``, ``PORT`` and the libpq parameters of its ``OPTIONS`` (``sslmode``,
-  ``service``, ``options``...; Django's own keys ``isolation_level``, ``pool``,
+- begins with ``postgresql`` (``postgresql_psycopg2``, ``postgresql_backend``...) or
+  ``postgis``: a :class:`~celery_lease.PostgresLockStore` connected with the alias's ``NAME``,
+  ``USER``, ``PASSWORD``, ``HOST``, ``PORT`` and the libpq parameters of its ``OPTIONS``
+  (``sslmode``, ``service``, ``options``...; Django's own keys ``isolation_level``, ``pool``,
   ``server_side_binding``, ``assume_role``, ``cursor_factory``, ``prepare_threshold`` and
   ``context`` are not libpq's and are left out). The leases go to the table ``celery_lease`` of
   that database, created on first use (see the store for the grants). The store opens its own
   connections: Django's connection of the request or task is never used, so a lease is never
   part of your transaction.
-- ``sqlite3`` (also SpatiaLite's ``spatialite``): a :class:`~celery_lease.SQLiteLockStore` on the
-  database's file (one host only). An in-memory database (``:memory:``, or Django's test
-  database for SQLite, ``file:memorydb_...``) is refused: it is not shared between processes.
+- begins with ``sqlite`` (``sqlite3``) or ``spatialite``: a
+  :class:`~celery_lease.SQLiteLockStore` on the database's file (one host only). An in-memory
+  database (``:memory:``, or Django's test database for SQLite, ``file:memorydb_...``) is
+  refused: it is not shared between processes.
 - anything else (MySQL, Oracle...): refused with an error naming the alias, the engine and the
   engines allowed. Use ``lease_store = "redis://..."`` there.
 
@@ -61,11 +63,11 @@ __all__ = [
 SCHEME = "django"
 """The URL scheme: ``django://<alias>``."""
 
-POSTGRESQL_ENGINES = ("postgresql", "postgresql_psycopg2", "postgis")
-"""Last parts of an ``ENGINE`` path served by the PostgreSQL store."""
+POSTGRESQL_ENGINES = ("postgresql", "postgis")
+"""How the last part of an ``ENGINE`` path served by the PostgreSQL store begins."""
 
-SQLITE_ENGINES = ("sqlite3", "spatialite")
-"""Last parts of an ``ENGINE`` path served by the SQLite store."""
+SQLITE_ENGINES = ("sqlite", "spatialite")
+"""How the last part of an ``ENGINE`` path served by the SQLite store begins."""
 
 _NOT_LIBPQ = frozenset(
     {
@@ -138,15 +140,15 @@ def _kind(alias: str, database: dict[str, Any]) -> str:
     """``"postgresql"`` or ``"sqlite"``: the store of ``database``'s ENGINE."""
     engine = database.get("ENGINE")
     last = engine.rpartition(".")[2] if isinstance(engine, str) else ""
-    if last in POSTGRESQL_ENGINES:
+    if last.startswith(POSTGRESQL_ENGINES):
         return "postgresql"
-    if last in SQLITE_ENGINES:
+    if last.startswith(SQLITE_ENGINES):
         return "sqlite"
     raise LeaseConfigError(
         f"the store django://{alias}: DATABASES[{alias!r}]['ENGINE']={engine!r} has no lease"
         " store. Allowed engines: PostgreSQL (django.db.backends.postgresql, or an engine whose"
-        f" path ends in {', '.join(POSTGRESQL_ENGINES)}) and SQLite"
-        f" (django.db.backends.sqlite3, or a path ending in {', '.join(SQLITE_ENGINES)}); for"
+        " path's last part begins with postgresql or postgis) and SQLite"
+        " (django.db.backends.sqlite3, or a last part beginning with sqlite or spatialite); for"
         " another database, use a Redis store: lease_store='redis://...'"
     )
 

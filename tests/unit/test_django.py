@@ -108,12 +108,14 @@ class TestPostgreSQL:
     def test_another_alias_and_django_only_options(
         self, databases: Any, pg_database_dsn: str, tmp_path: Path
     ) -> None:
-        """An alias other than default; Django's own OPTIONS (isolation_level, pool,
-        server_side_binding...) are not given to libpq."""
+        """An alias other than default, with a wrapping engine (its path's last part begins
+        with postgresql); Django's own OPTIONS (isolation_level, pool, server_side_binding...)
+        are not given to libpq."""
         from celery_lease import PostgresLockStore
 
         options = {"isolation_level": 1, "server_side_binding": True, "pool": True}
         replica = _postgres(pg_database_dsn, OPTIONS=options)
+        replica["ENGINE"] = "django_tenants.postgresql_backend"  # a wrapping backend
         default = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "d.db")}
         with databases(default=default, replica=replica):
             store = database_store("replica")
@@ -166,8 +168,12 @@ class TestPostgreSQL:
 
         sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "a.db")}
         with databases(default=_postgres(pg_database_dsn), files=sqlite):
-            assert isinstance(async_database_store("default"), AsyncPostgresLockStore)
-            assert isinstance(async_database_store("files"), ThreadedAsyncStore)
+            for alias, kind in (("default", AsyncPostgresLockStore), ("files", ThreadedAsyncStore)):
+                store = async_database_store(alias)
+                try:
+                    assert isinstance(store, kind)
+                finally:
+                    asyncio.run(store.aclose())
             assert asyncio.run(self._async_round_trip("django://default")) is not None
             assert asyncio.run(self._async_round_trip("django://files")) is not None
 
