@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +26,7 @@ from celery.exceptions import TaskRevokedError
 
 from celery_lease import LockedTask
 from celery_lease.stores.sqlite import SQLiteLockStore
-from tests.integration.workers import CeleryWorker, filesystem_app
+from tests.integration.workers import STOP_TIMEOUT, CeleryWorker, filesystem_app
 from tests.support import complete_lines
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -265,8 +266,17 @@ def host(tmp_path: Path) -> Iterator[Callable[..., HostWorker]]:
         return worker
 
     yield _start
+    running = [w for w in started if w.worker.process.poll() is None]
+    for worker in running:  # all at once: their warm shutdowns overlap
+        worker.worker.process.send_signal(signal.SIGTERM)
+    for worker in running:
+        try:
+            worker.worker.process.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.worker.process.pid, signal.SIGKILL)
+            worker.worker.process.wait()
     for worker in started:
-        worker.stop()
+        worker.stop()  # nothing left to stop: closes the client
 
 
 def free_ports(count: int) -> range:
@@ -366,8 +376,6 @@ def test_a_killed_workers_metrics_directory_is_removed_at_the_next_start(
 ) -> None:
     """A worker SIGKILLed (its whole process group) leaves its multiprocess directory; the next
     worker started with the same TMPDIR removes it, and keeps its own."""
-    import signal
-
     killed = host("0")
     killed.worker.wait_ready(START_TIMEOUT, POLL)
     killed.runs_a_task()
