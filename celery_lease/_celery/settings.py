@@ -9,6 +9,7 @@ setting (``app.conf``)          meaning                                built-in 
 ``lease_key_prefix``            prepended to every task's key (str)    ``""``
 ``lease_metrics``               ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
 ``lease_metrics_port``          port of the Prometheus ``/metrics``    9809
+                                (or a range: the first free one)
 ``lease_default_queue_ttl``     an unstarted unique copy's key (dur.)  1 h
 ``lease_defer_release``         may a worker skip waiting for the      ``True``
                                 release's reply (bool; see engine)
@@ -42,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import stat
 import tempfile
 import threading
@@ -80,6 +82,7 @@ __all__ = [
     "host_local_message",
     "is_process_local",
     "pick",
+    "read_metrics_port",
     "recheck",
     "refuse",
     "reset",
@@ -163,7 +166,9 @@ class LeaseSettings:
         default_wait: seconds (``lease_default_wait``, else 0).
         key_prefix: ``lease_key_prefix``, else ``""``.
         metrics: ``lease_metrics``: ``"prometheus"``, ``"otel"``, or ``None`` (no metrics).
-        metrics_port: ``lease_metrics_port``, else 9809 (0: any free port).
+        metrics_port: ``lease_metrics_port``, else 9809 (0: any free port); a tuple of
+            ports for a range (the worker takes the first free one, see
+            :func:`read_metrics_port`).
         default_queue_ttl: seconds (``lease_default_queue_ttl``), or ``None`` (unset: 1 h).
         defer_release: ``lease_defer_release``, else ``True``: a worker may send a task's
             release without waiting for its reply when nothing is published after the body
@@ -181,7 +186,7 @@ class LeaseSettings:
     default_wait: float
     key_prefix: str
     metrics: str | None = None
-    metrics_port: int = BUILTIN_METRICS_PORT
+    metrics_port: int | tuple[int, ...] = BUILTIN_METRICS_PORT
     default_queue_ttl: float | None = None
     defer_release: bool = True
     store_check: str = "refuse"
@@ -279,7 +284,7 @@ def _read_bool(value: object, name: str, default: bool) -> bool:
     return value
 
 
-def _read_metrics(exporter: object, port: object) -> tuple[str | None, int]:
+def _read_metrics(exporter: object, port: object) -> tuple[str | None, int | tuple[int, ...]]:
     """``lease_metrics`` and ``lease_metrics_port``, checked (an empty string is unset)."""
     if isinstance(exporter, str) and not exporter.strip():
         exporter = None
@@ -290,14 +295,50 @@ def _read_metrics(exporter: object, port: object) -> tuple[str | None, int]:
         )
     if port is None or (isinstance(port, str) and not port.strip()):
         return exporter, BUILTIN_METRICS_PORT
-    if isinstance(port, str) and port.strip().isdigit():
-        port = int(port.strip())  # from an environment variable
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise LeaseConfigError(
-            f"lease_metrics_port={port!r} is not allowed: use a port from 0 to 65535"
-            f" (0: any free port; default {BUILTIN_METRICS_PORT})"
-        )
-    return exporter, port
+    return exporter, read_metrics_port(port, "lease_metrics_port")
+
+
+_PORT_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
+    """A metrics port setting, checked: an ``int`` for one port, a tuple for a range.
+
+    Accepted (django-prometheus's ``PROMETHEUS_METRICS_EXPORT_PORT_RANGE`` convention for the
+    ranges: the worker takes the first port of it that is free, in the order given):
+
+    - an int from 0 to 65535 (0: any free port, chosen by the kernel), or a str of digits (from
+      an environment variable);
+    - a range: ``range(9809, 9819)`` (its ports, in order), ``"9809-9818"`` (first and last,
+      both included: the form for an environment variable), or a list or tuple of ports; each
+      from 1 to 65535, at least one.
+
+    Raises:
+        LeaseConfigError: any other value (a bool, a float, a set: no order to take the first
+            of, an empty or reversed range, a port out of bounds), naming ``name``.
+    """
+    ports: object = value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            ports = int(text)
+        elif (match := _PORT_RANGE.match(text)) is not None:
+            first, last = int(match.group(1)), int(match.group(2))
+            ports = range(first, last + 1) if first <= last else ()
+    if isinstance(ports, int) and not isinstance(ports, bool) and 0 <= ports <= 65535:
+        return ports
+    if isinstance(ports, (range, list, tuple)):
+        candidates = tuple(ports)
+        if candidates and all(
+            isinstance(p, int) and not isinstance(p, bool) and 1 <= p <= 65535 for p in candidates
+        ):
+            return candidates
+    raise LeaseConfigError(
+        f"{name}={value!r} is not allowed: use a port from 0 to 65535 (0: any free port; default"
+        f" {BUILTIN_METRICS_PORT}), or ports each worker takes the first free one of:"
+        f" range(9809, 9819), '9809-9818' (first-last, both included) or a list of ports, each"
+        " from 1 to 65535"
+    )
 
 
 def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _V:

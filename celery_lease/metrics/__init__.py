@@ -7,6 +7,7 @@ app::
 
     celery_lease.metrics.install(app)                       # Prometheus on :9809/metrics
     celery_lease.metrics.install(app, port=0)               # any free port (logged at start)
+    celery_lease.metrics.install(app, port=range(9809, 9819))  # the first free one of them
     celery_lease.metrics.install(app, exporter="otel")      # the OpenTelemetry API instead
 
 or, without code, the settings ``app.conf.lease_metrics = "prometheus"`` (or ``"otel"``) and
@@ -14,9 +15,12 @@ or, without code, the settings ``app.conf.lease_metrics = "prometheus"`` (or ``"
 start: a bad value or a misspelled name refuses the worker). A call of :func:`install` wins over
 the settings.
 
-A port already taken on the host (a second worker given the same port) refuses the worker while
-it is built, with one line naming ``lease_metrics_port`` (or ``install(port=...)``) and the port:
-Prometheus scrapes a fixed port per worker, so no other port is picked silently.
+Metrics never stop a worker. A port already taken on the host (a second worker given the same
+port) is logged as one ERROR line naming ``lease_metrics_port`` (or ``install(port=...)``) and
+the port, and the worker runs its tasks without metrics. Several workers on one host can share
+one setting given as a range of ports (``lease_metrics_port = "9809-9818"``, ``range(9809,
+9819)`` or a list: django-prometheus's ``PROMETHEUS_METRICS_EXPORT_PORT_RANGE`` convention):
+each takes the first port of it that is free, and logs which.
 
 Nothing happens at the call but checks (a bad argument or a missing client library is an error
 here, at import of the app). The worker does the rest while it is built, in its main process,
@@ -64,7 +68,7 @@ import logging
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, cast
 
 from celery import bootsteps
@@ -73,7 +77,11 @@ from celery_lease import _forking as forking
 from celery_lease import signals
 from celery_lease._celery import pool
 from celery_lease._celery import settings as config
-from celery_lease._celery.settings import BUILTIN_METRICS_PORT, METRICS_EXPORTERS
+from celery_lease._celery.settings import (
+    BUILTIN_METRICS_PORT,
+    METRICS_EXPORTERS,
+    read_metrics_port,
+)
 from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
 
@@ -308,7 +316,7 @@ def disconnect() -> None:
 class _Options:
     __slots__ = ("addr", "exporter", "port", "setting")
 
-    def __init__(self, exporter: str, port: int, addr: str, setting: str) -> None:
+    def __init__(self, exporter: str, port: int | tuple[int, ...], addr: str, setting: str) -> None:
         self.exporter, self.port, self.addr, self.setting = exporter, port, addr, setting
 
 
@@ -324,7 +332,7 @@ def install(
     app: CeleryApp,
     exporter: str = "prometheus",
     *,
-    port: int = DEFAULT_PORT,
+    port: int | Sequence[int] | str = DEFAULT_PORT,
     addr: str = "0.0.0.0",
 ) -> None:
     """Export the lock metrics of ``app``'s workers.
@@ -335,8 +343,11 @@ def install(
             ``"otel"`` (instruments of the OpenTelemetry API, exported by the meter and tracer
             providers you configure; ``port`` and ``addr`` are not used).
         port: TCP port of ``/metrics`` (default :data:`DEFAULT_PORT`; 0: any free port, which
-            the worker logs). Two workers on one host need two ports: a worker whose port
-            is taken refuses to start, naming it.
+            the worker logs), or ports each worker takes the first free one of:
+            ``range(9809, 9819)``, a list or tuple of ports, or ``"9809-9818"`` (see
+            :func:`celery_lease._celery.settings.read_metrics_port`). A worker whose port is
+            taken (a second worker on the host) logs one ERROR line naming it and runs on
+            without metrics.
         addr: address to listen on (default all interfaces).
 
     Raises:
@@ -347,15 +358,19 @@ def install(
         raise LeaseConfigError(
             f"exporter={exporter!r} is not allowed: use one of {', '.join(EXPORTERS)}"
         )
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise LeaseConfigError(f"port={port!r} is not allowed: use an int from 0 to 65535")
+    if isinstance(port, str):
+        raise LeaseConfigError(
+            f"port={port!r} is not allowed: use an int from 0 to 65535, or a range of ports"
+            " (range(9809, 9819), a list or tuple)"
+        )
+    ports = read_metrics_port(port, "port")
     if not isinstance(addr, str) or not addr:
         raise LeaseConfigError(f"addr={addr!r} is not allowed: use a host address such as '::'")
     _check_library(exporter, "exporter")
     steps = getattr(app, "steps", None)
     if steps is None:
         raise LeaseConfigError(f"app={app!r} is not a Celery app (it has no .steps)")
-    _installed[app] = _Options(exporter, port, addr, "install(port)")
+    _installed[app] = _Options(exporter, ports, addr, "install(port)")
     from celery_lease._celery import startup  # not at import: it registers `inspect leases`
 
     startup.opt_in(app)  # its workers get celery-lease's hooks without a locked task
@@ -403,13 +418,18 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
     the ``lease_metrics`` setting; without either it does nothing): metrics set up before the
     pool forks.
 
-    ``__init__`` (while Celery builds the worker, before any step starts) prepares the
-    exporter (for Prometheus under a multi-process pool: the multiprocess directory, see
+    ``__init__`` (while Celery builds the worker, before any step starts) picks the port (the
+    first free one of the setting), prepares the exporter (for Prometheus under a
+    multi-process pool: the multiprocess directory, see
     :mod:`celery_lease.metrics.prometheus`) and connects the receivers; ``start`` (after the
     pool started) serves ``/metrics``; ``stop`` / ``terminate`` stop serving and disconnect.
-    A Prometheus port already in use refuses the worker in ``__init__`` (or, if it was taken
-    in between, in ``start``) with a :class:`~celery_lease.LeaseConfigError` naming the setting
-    and the port, logged at CRITICAL, after removing the directories celery-lease made.
+
+    A Prometheus port in use never stops the worker: no port of the setting free in
+    ``__init__`` (nothing is made then), or none left in ``start`` (taken in between), is
+    logged as one ERROR line naming the setting and the ports, and the worker runs its tasks
+    without metrics. Only a configuration that cannot work on any start refuses the worker,
+    at CRITICAL with a :class:`~celery_lease.LeaseConfigError`: ``prometheus_client`` imported
+    before ``PROMETHEUS_MULTIPROC_DIR`` was set under a multi-process pool.
     """
 
     label = "celery-lease metrics"
@@ -424,16 +444,20 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if options is None:
             return
         if options.exporter == "prometheus":
-            from celery_lease.metrics.prometheus import PrometheusExporter
+            from celery_lease.metrics.prometheus import PortsTaken, PrometheusExporter
 
+            node = getattr(parent, "hostname", None)
             try:
                 self.exporter = PrometheusExporter(
                     options.port,
                     options.addr,
                     multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
-                    node=getattr(parent, "hostname", None),
+                    node=node,
                     setting=options.setting,
                 )
+            except PortsTaken as taken:
+                logger.error("%s", taken.message(node))
+                return
             except LeaseConfigError as exc:
                 _refuse(parent, exc)
                 raise
@@ -446,13 +470,16 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         connect(self.exporter.sink)
 
     def start(self, parent: WorkerLike) -> None:
-        """Serve ``/metrics`` (Prometheus), from the main process only."""
-        if self.exporter is not None:
+        """Serve ``/metrics`` (Prometheus), from the main process only; no port left: one ERROR
+        line, and the worker runs on without metrics (its directory goes at ``stop``)."""
+        from celery_lease.metrics.prometheus import PortsTaken
+
+        exporter = self.exporter
+        if exporter is not None:
             try:
-                self.exporter.start()
-            except LeaseConfigError as exc:
-                _refuse(parent, exc)
-                raise
+                exporter.start()
+            except PortsTaken as taken:
+                logger.error("%s", taken.message(getattr(parent, "hostname", None)))
 
     def stop(self, parent: WorkerLike) -> None:
         """Stop serving; disconnect the receivers."""

@@ -24,18 +24,31 @@ histograms never go back, as Prometheus requires.
 Under solo, threads, gevent and eventlet (tasks in the main process) the default registry is
 served as it is, with the process metrics prometheus_client adds.
 
-**A port taken.** Prometheus scrapes a fixed port per worker, so a port already in use (a second
-worker on the host given the same ``lease_metrics_port``) refuses the worker while it is built,
-before the pool forks, with one line naming the setting and the port
-(:func:`port_in_use`, then the bind itself at start, which says the same if another process
-took the port in between). Nothing is left behind: the private multiprocess directory is
-removed when the worker stops, is refused, or exits (``atexit``).
+**A port taken.** Metrics never stop a worker: when its port is taken (a second worker on the
+host given the same ``lease_metrics_port``), the worker logs one ERROR line naming the setting
+and the port, and runs its tasks without metrics (nothing is made for them). A range of ports
+(``lease_metrics_port = "9809-9818"`` or ``range(9809, 9819)``, django-prometheus's
+``PROMETHEUS_METRICS_EXPORT_PORT_RANGE`` convention) lets several workers on a host each take
+the first port of it that is free; the port taken is logged at INFO. The port is chosen while
+the worker is built (:func:`first_free_port`) and bound after the pool started: a port taken in
+between moves the worker on to the next free one of its range, and only when none is left is the
+ERROR logged.
+
+**A killed worker's directory.** The private directory holds a lock file, ``owner.lock``,
+created already locked (``flock``) by the worker that made the directory: the lock lasts as long
+as any process of that worker holds the file open (its pool children inherit it). Each worker
+that makes its directory first removes those, in the same temporary directory, whose lock no
+process holds any more (:func:`remove_dead_dirs`): a worker SIGKILLed with its children leaves
+its directory only until the next start of a worker on the host. A directory without the lock
+file (being made right now, or made by an older version) is never removed.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import fcntl
 import glob
 import logging
 import os
@@ -44,8 +57,8 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, TextIO
 
 from celery_lease.errors import LeaseConfigError
 
@@ -53,9 +66,12 @@ __all__ = [
     "HOLD_BUCKETS",
     "RENEWAL_BUCKETS",
     "WAIT_BUCKETS",
+    "PortsTaken",
     "PrometheusExporter",
     "PrometheusSink",
+    "first_free_port",
     "port_in_use",
+    "remove_dead_dirs",
 ]
 
 logger = logging.getLogger("celery_lease.metrics.prometheus")
@@ -227,64 +243,158 @@ def port_in_use(addr: str, port: int) -> OSError | None:
     return None
 
 
+def first_free_port(addr: str, ports: Sequence[int]) -> tuple[int, OSError | None]:
+    """The first of ``ports`` that ``/metrics`` can listen on at ``addr`` now
+    (:func:`port_in_use`), and ``None``; or ``-1`` and why the last one could not."""
+    why: OSError | None = None
+    for port in ports:
+        why = port_in_use(addr, port)
+        if why is None:
+            return port, None
+    return -1, why
+
+
 SETTING = "lease_metrics_port"
 """How :class:`PrometheusExporter` names a port that came from the settings."""
 
+LOCK_FILE = "owner.lock"
+"""The lock file of a private multiprocess directory, held locked by the worker that made it."""
 
-def port_refusal(setting: str, port: int, addr: str, exc: OSError) -> LeaseConfigError:
-    """The one-line error of a metrics port that cannot be listened on.
+DIR_PREFIX = "celery-lease-metrics-"
+"""Name prefix of the private multiprocess directories, in :func:`tempfile.gettempdir`."""
 
-    ``setting`` is :data:`SETTING` or ``"install(port)"`` (the port given to
-    :func:`celery_lease.metrics.install`).
-    """
-    why = exc.strerror or str(exc)
-    if setting == SETTING:
-        named = f"{SETTING}={port}"
-        fix = (
-            f"set {SETTING} per worker (app.conf, from an environment variable set per worker;"
-            f" or on the worker's command line: celery -A proj worker ... {SETTING}='(int)N')"
+
+def _shown_ports(ports: Sequence[int]) -> str:
+    if len(ports) == 1:
+        return str(ports[0])
+    if list(ports) == list(range(ports[0], ports[0] + len(ports))):
+        return f"{ports[0]}-{ports[-1]}"
+    return ",".join(str(port) for port in ports)
+
+
+class PortsTaken(Exception):
+    """No port of the worker's metrics setting can be listened on: the worker runs on without
+    metrics. Its message is the one ERROR line the worker logs (:meth:`message`)."""
+
+    def __init__(self, setting: str, ports: Sequence[int], addr: str, exc: OSError | None) -> None:
+        self.setting, self.ports, self.addr = setting, tuple(ports), addr
+        self.why = (exc.strerror or str(exc)) if exc is not None else "in use"
+        super().__init__(self.message(None))
+
+    def message(self, node: str | None) -> str:
+        """One line: what is taken, that ``node`` runs without metrics, and what to do."""
+        shown = _shown_ports(self.ports)
+        if self.setting == SETTING:
+            named = f"{SETTING}={shown}"
+            fix = (
+                f"give each worker on a host its own port (from an environment variable set per"
+                f" worker), or a range each worker takes the first free port of:"
+                f" {SETTING}='9809-9818' (or range(9809, 9819)); or 0 for any free port"
+            )
+        else:
+            named = f"celery_lease.metrics.install(port={shown})"
+            fix = (
+                "pass each worker its own port, or a range each worker takes the first free port"
+                " of: install(app, port=range(9809, 9819)); or 0 for any free port"
+            )
+        what = "cannot be served" if len(self.ports) == 1 else "has no port left to serve"
+        return (
+            f"celery-lease metrics: {named} {what} on {self.addr}: {self.why} (another process"
+            f" listens there: a second worker on this host?); worker {node or 'this worker'}"
+            f" runs its tasks without metrics. To serve them, {fix}"
         )
-    else:
-        named = f"celery_lease.metrics.install(port={port})"
-        fix = "pass each worker its own port (from an environment variable set per worker)"
-    return LeaseConfigError(
-        f"celery-lease metrics: {named} cannot be served on {addr}: {why} (another process"
-        f" listens there: a second worker on this host?). Give each worker on a host its own"
-        f" port: {fix}; or 0 for any free port (logged at start)"
-    )
+
+
+def _lock_exclusive(handle: TextIO) -> bool:
+    """Take ``handle``'s file lock without waiting: True when taken, False when it is held."""
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def remove_dead_dirs(parent: str) -> list[str]:
+    """Remove the private multiprocess directories in ``parent`` whose worker is gone; the
+    paths removed.
+
+    A directory is removed only when its :data:`LOCK_FILE` exists and its lock can be taken:
+    no process (the worker that made it, or one of its pool children) holds it any more. The
+    lock is kept while the directory is removed, so two workers starting at once remove it
+    once. A directory without the lock file is left alone: a worker is making it (the file
+    appears already locked), or an older version made it.
+    """
+    removed: list[str] = []
+    for path in sorted(glob.glob(os.path.join(glob.escape(parent), DIR_PREFIX + "*"))):
+        lock = os.path.join(path, LOCK_FILE)
+        try:
+            handle = open(lock)  # noqa: SIM115 - kept open while the directory is removed
+        except OSError:
+            continue  # being made, made by an older version, or not a directory of ours
+        with handle:
+            try:
+                taken = _lock_exclusive(handle)
+            except OSError:
+                continue
+            if not taken:
+                continue  # a live worker's
+            if not os.path.exists(lock):
+                continue  # removed by another worker while we waited
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _make_owned_dir() -> tuple[str, TextIO]:
+    """A new private directory whose :data:`LOCK_FILE` this process holds locked; the file is
+    made under another name, locked, then renamed, so it never exists unlocked."""
+    path = tempfile.mkdtemp(prefix=DIR_PREFIX)
+    hidden = os.path.join(path, f".{LOCK_FILE}.{os.getpid()}")
+    handle = open(hidden, "w")  # noqa: SIM115 - held open (and locked) for the worker's life
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    os.rename(hidden, os.path.join(path, LOCK_FILE))
+    return path, handle
 
 
 class PrometheusExporter:
     """Set up in the worker's main process before the fork; serves ``/metrics`` from it.
 
     Args:
-        port, addr: where to listen (port 0: any free port; the one taken is logged).
+        port, addr: where to listen (port 0: any free port; a sequence of ports: the first of
+            them that is free; the one taken is logged).
         multiprocess: tasks run in pool children (prefork): use multiprocess mode.
-        node: the worker's name, for the log line.
+        node: the worker's name, for the log lines.
         setting: how the port was configured, for the error of a port in use
             (``lease_metrics_port``, or ``install(port=...)``).
 
     Raises:
-        LeaseConfigError: the port is in use (checked first: nothing is made then), or
-            multiprocess mode is needed but ``prometheus_client`` was imported before
-            ``PROMETHEUS_MULTIPROC_DIR`` was set.
+        PortsTaken: no port is free (checked first: nothing is made then); the worker runs on
+            without metrics.
+        LeaseConfigError: multiprocess mode is needed but ``prometheus_client`` was imported
+            before ``PROMETHEUS_MULTIPROC_DIR`` was set.
     """
 
     def __init__(
         self,
-        port: int,
+        port: int | Sequence[int],
         addr: str,
         *,
         multiprocess: bool,
         node: str | None,
         setting: str = SETTING,
     ) -> None:
-        self.port, self.addr, self.node, self.setting = port, addr, node, setting
-        taken = port_in_use(addr, port)
+        self.ports: tuple[int, ...] = (port,) if isinstance(port, int) else tuple(port)
+        self.addr, self.node, self.setting = addr, node, setting
+        self.port, taken = first_free_port(addr, self.ports)
         if taken is not None:
-            raise port_refusal(setting, port, addr, taken)
+            raise PortsTaken(setting, self.ports, addr, taken)
         self.multiprocess = multiprocess
         self.created_dir: str | None = None
+        self._owner: TextIO | None = None  # the locked LOCK_FILE of created_dir
         self._made_here = os.getpid()  # only this process removes what it made
         self.server: Any = None
         self.thread: Any = None
@@ -325,7 +435,9 @@ class PrometheusExporter:
             return
         if "prometheus_client" in sys.modules:
             return  # too late: refused in __init__
-        self.created_dir = tempfile.mkdtemp(prefix="celery-lease-metrics-")
+        for gone in remove_dead_dirs(tempfile.gettempdir()):
+            logger.info("celery-lease: removed %s, the metrics directory of a worker gone", gone)
+        self.created_dir, self._owner = _make_owned_dir()
         os.environ[ENV] = self.created_dir
         atexit.register(self._forget_dir)  # a worker that ends without stopping its steps
 
@@ -335,19 +447,32 @@ class PrometheusExporter:
             if os.environ.get(ENV) == self.created_dir:
                 del os.environ[ENV]
             self.created_dir = None
+            owner, self._owner = self._owner, None
+            if owner is not None:
+                owner.close()
 
     def start(self) -> None:
-        """Serve ``/metrics`` on a daemon thread of this (the main) process."""
+        """Serve ``/metrics`` on a daemon thread of this (the main) process, on the port chosen
+        at construction or, if it was taken since, the next free one of the ports given.
+
+        Raises:
+            PortsTaken: none is free any more (the worker runs on without metrics).
+        """
         from prometheus_client import start_http_server
 
-        try:
-            self.server, self.thread = start_http_server(
-                self.port, self.addr, registry=self.registry
-            )
-        except OSError as exc:  # taken since __init__ checked it
-            self._forget_dir()
-            raise port_refusal(self.setting, self.port, self.addr, exc) from None
-        port = self.server.server_port
+        why: OSError | None = None
+        for port in self.ports[self.ports.index(self.port) :]:
+            try:
+                self.server, self.thread = start_http_server(
+                    port, self.addr, registry=self.registry
+                )
+            except OSError as exc:  # taken since __init__ checked it
+                why = exc
+                continue
+            break
+        else:
+            raise PortsTaken(self.setting, self.ports, self.addr, why)
+        self.port = port = self.server.server_port
         mode = f"multiprocess, {os.environ.get(ENV)}" if self.multiprocess else "one process"
         logger.info(
             "celery-lease: metrics of %s on http://%s:%d/metrics (%s)",

@@ -62,6 +62,8 @@ _REDIS = "celery_lease.stores.redis:RedisLockStore"
 _REDIS_ASYNC = "celery_lease.stores.redis_async:AsyncRedisLockStore"
 _POSTGRES = "celery_lease.stores.postgres:PostgresLockStore"
 _POSTGRES_ASYNC = "celery_lease.stores.postgres_async:AsyncPostgresLockStore"
+_DJANGO = "celery_lease.django:DjangoStore"
+_DJANGO_ASYNC = "celery_lease.django:AsyncDjangoStore"
 
 SCHEMES: Mapping[str, Entry] = MappingProxyType(
     {
@@ -73,6 +75,9 @@ SCHEMES: Mapping[str, Entry] = MappingProxyType(
         "unix": Entry(_REDIS, _REDIS_ASYNC, "redis", None),
         "postgresql": Entry(_POSTGRES, _POSTGRES_ASYNC, "postgres", "postgresql://"),
         "postgres": Entry(_POSTGRES, _POSTGRES_ASYNC, "postgres", None),
+        # Not a store of its own: the PostgreSQL or SQLite store of a database of Django's
+        # settings.DATABASES (celery_lease.django, above the stores: named, never imported).
+        "django": Entry(_DJANGO, _DJANGO_ASYNC, "django", "django://<alias>"),
     }
 )
 """Lower-case URL scheme -> :class:`Entry`, in the order the schemes are listed to users."""

@@ -132,7 +132,8 @@ class TestTheTable:
         }
         named = {path.partition(":")[0] for path in _paths()}
         assert named - {"celery_lease.stores.base"} <= stores | {
-            "celery_lease._core.threaded_store"
+            "celery_lease._core.threaded_store",
+            "celery_lease.django",
         }
         assert not ours & (stores | named)
         assert ours <= {

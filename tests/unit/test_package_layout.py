@@ -112,6 +112,15 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.fencing.sqlalchemy": {"fenced_update", "fenced_upsert"},
     "celery_lease.fencing.django": {"fenced_update", "fenced_upsert"},
+    "celery_lease.django": {
+        "AsyncDjangoStore",
+        "DjangoStore",
+        "POSTGRESQL_ENGINES",
+        "SCHEME",
+        "SQLITE_ENGINES",
+        "async_database_store",
+        "database_store",
+    },
     "celery_lease.metrics": {
         "DEFAULT_PORT",
         "EXPORTERS",
@@ -124,11 +133,14 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.metrics.prometheus": {
         "HOLD_BUCKETS",
+        "PortsTaken",
         "PrometheusExporter",
         "PrometheusSink",
         "RENEWAL_BUCKETS",
         "WAIT_BUCKETS",
+        "first_free_port",
         "port_in_use",
+        "remove_dead_dirs",
     },
     "celery_lease.metrics.otel": {"OtelSink"},
     "celery_lease.stores": {

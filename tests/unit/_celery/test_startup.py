@@ -266,6 +266,7 @@ class TestWorkerCheckRefusals:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """config.STORE_SCHEMES is exactly what store_from_url builds a store for."""
+        from celery_lease import django as django_databases
         from celery_lease.stores import base, memory, postgres, redis, sqlite
 
         built: list[str] = []
@@ -278,6 +279,7 @@ class TestWorkerCheckRefusals:
         monkeypatch.setattr(redis, "RedisLockStore", fake)
         monkeypatch.setattr(postgres, "PostgresLockStore", fake)
         monkeypatch.setattr(sqlite.SQLiteLockStore, "from_url", staticmethod(fake))
+        monkeypatch.setattr(django_databases.DjangoStore, "from_url", staticmethod(fake))
         for scheme in config.STORE_SCHEMES:
             base.store_from_url(f"{scheme}://h/x")
         assert len(built) == len(config.STORE_SCHEMES)

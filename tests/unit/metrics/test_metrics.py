@@ -109,6 +109,35 @@ class TestSetting:
         assert options is not None
         assert (options.exporter, options.port) == ("prometheus", 9911)
 
+    @pytest.mark.parametrize(
+        ("value", "ports"),
+        [
+            ("9811-9813", (9811, 9812, 9813)),
+            (" 9811 - 9811 ", (9811,)),
+            (range(9811, 9814), (9811, 9812, 9813)),
+            ([9815, 9811], (9815, 9811)),
+            ((9811,), (9811,)),
+        ],
+    )
+    def test_a_range_of_ports_is_read_in_each_accepted_form(
+        self, app: Celery, value: object, ports: tuple[int, ...]
+    ) -> None:
+        """lease_metrics_port as "first-last" (from the environment), a range, a list or a tuple:
+        the ports each worker takes the first free one of, in the order given."""
+        app.conf.lease_metrics = "prometheus"
+        app.conf.lease_metrics_port = value
+        options = metrics._options_of(app)
+        assert options is not None and options.port == ports
+
+    def test_install_takes_a_range_of_ports(self, app: Celery) -> None:
+        """install(port=range(...)) as the setting's range; a str is refused there (code passes
+        ints), naming the parameter."""
+        metrics.install(app, port=range(9811, 9813))
+        options = metrics._options_of(app)
+        assert options is not None and options.port == (9811, 9812)
+        with pytest.raises(LeaseConfigError, match=re.escape("port='9811-9812' is not allowed")):
+            metrics.install(app, port="9811-9812")
+
     def test_unset_or_none_exports_nothing(self, app: Celery) -> None:
         """No setting and no install(): the worker step does nothing."""
         assert metrics._options_of(app) is None
@@ -130,6 +159,15 @@ class TestSetting:
             ({"lease_metrics_port": 70000}, "lease_metrics_port=70000 is not allowed"),
             ({"lease_metrics_port": "80a"}, "lease_metrics_port='80a' is not allowed"),
             ({"lease_metrics_port": True}, "lease_metrics_port=True is not allowed"),
+            ({"lease_metrics_port": "9813-9811"}, "lease_metrics_port='9813-9811' is not allowed"),
+            ({"lease_metrics_port": [0, 9811]}, "lease_metrics_port=[0, 9811] is not allowed"),
+            ({"lease_metrics_port": {9811}}, "lease_metrics_port={9811} is not allowed"),
+            ({"lease_metrics_port": []}, "lease_metrics_port=[] is not allowed"),
+            (
+                {"lease_metrics_port": range(65535, 65537)},
+                "lease_metrics_port=range(65535, 65537) is not allowed",
+            ),
+            ({"lease_metrics_port": 9809.0}, "lease_metrics_port=9809.0 is not allowed"),
             ({"lease_metric": "prometheus"}, "did you mean 'lease_metrics'"),
             ({"lease_metrics_prot": 1}, "did you mean 'lease_metrics_port'"),
         ],
