@@ -156,8 +156,10 @@ __all__ = [
     "DEFERRED",
     "HEADER",
     "NAMESPACE",
+    "Arrival",
     "apply_unique",
     "checks_apply_async",
+    "leave",
     "names_holder",
     "on_arrival",
     "on_rejected",
@@ -186,7 +188,10 @@ _TRIES = 8
 _CALLBACKS = ("link", "link_error", "chain", "chord", "group_id")
 """Options of a call whose duplicate raises whatever ``on_duplicate`` says: callbacks, a
 chain's next steps, and a group or chord member (published under its own pre-assigned id, which
-its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns)."""
+its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns).
+A chain's step raises even with ``chain`` empty: Celery publishes a chain's last step (from
+the worker that ran the step before it, ``celery/app/trace.py``) with ``chain=[]``, under the id
+the chain's result waits for."""
 
 _USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
 """Store class -> whether its acquire_or_holder may stand for its acquire
@@ -368,6 +373,7 @@ def _duplicate(
         unique.on_duplicate == "raise"
         or existing is None
         or any(options.get(c) for c in _CALLBACKS)
+        or "chain" in options  # a chain's last step: Celery publishes it with chain=[]
     ):
         raise AlreadyQueuedError(key, existing)
     return task.AsyncResult(existing)
@@ -552,13 +558,12 @@ def _debounced(
                     and writer == old.task_id
                     and _is_started_claim(claimed.owner)
                 ):
-                    if unique.unique == "until_done":
-                        # The copy started (on_arrival): it keeps its queued lease until its
-                        # run lease is held, and runs; this call is its duplicate.
-                        return gave_way(old.task_id)
-                    # It frees its queued lease at once, unless it waits again (its retry
-                    # took the key back): the duplicate of that retry if the key is still its
-                    # own after every try.
+                    # The copy has arrived at a worker (on_arrival): it frees its queued lease
+                    # at once (a look again finds the key free; under "until_done" then the
+                    # run key), unless its running body published its retry (which took the
+                    # key back): the duplicate of that retry if the key is still its own
+                    # after every try. Its claim goes when its execution ends: from then on
+                    # a call supersedes the waiting retry.
                     started = old.task_id
                 if writer is None or writer == old.task_id:
                     continue  # gone, or the copy claimed it itself (it started): look again
@@ -870,11 +875,8 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Its claim stood before the run lease was taken (on_arrival): no call supersedes it.
-        # Under "until_done" its queued lease was kept until now, so that a call never finds
-        # neither key held; "while_queued" released it there already.
-        if unique.unique == "until_done":
-            store.release(qkey, owner)
+        # Its queued lease was freed at its arrival, once its claim stood (on_arrival); under
+        # "until_done" a call then finds the run key held by it from here.
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
@@ -926,65 +928,126 @@ def on_arrival(
     settings: config.LeaseSettings,
     unique: UniqueOptions,
     ttl: float,
-) -> None:
+    wait: float = 0.0,
+) -> Arrival | None:
     """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
 
-    The copy claims its tombstone key for itself (owner: a started claim naming its task id,
-    for the run lease's ``ttl``): a call superseding it must take that key before it may free
-    the copy's queued lease. Either a call took it first (the copy ends here, REVOKED
-    ``"superseded by <newer id>"``, ``Ignore`` raised) or the claim stands and no call
-    supersedes the copy from now on. Learnt before the run lease: a superseded copy never
-    holds the run key, so the copy that superseded it, starting a moment later on another
-    slot, never finds the key held by it.
+    The copy frees its queued lease (owner-checked; both modes: from here a call finds the key
+    free, and under ``"until_done"`` then looks at the run key), then claims its tombstone key
+    for itself (owner: a started claim naming its task id, unique to this arrival) for the run
+    lease's ``ttl`` plus ``wait`` (``lock_wait``: the longest it may wait for the run lease): a
+    call superseding it must take that key before it may free the copy's queued lease. Either a
+    call took it first (the copy ends here, REVOKED ``"superseded by <newer id>"``, ``Ignore``
+    raised) or the claim stands and no call supersedes the copy from now on. Learnt before the
+    run lease: a superseded copy never holds the run key, so the copy that superseded it,
+    starting a moment later on another slot, never finds the key held by it. The queued lease
+    is freed again once the claim stands: a superseding call whose publish failed may have
+    handed it back in between (see :func:`_withdraw`).
 
-    ``"while_queued"`` releases the queued lease first (a call that read it before finds the
-    tombstone taken, looks again and finds the key free) and again once the claim stands (a
-    superseding call whose publish failed may have handed it back in between, see
-    :func:`_withdraw`). ``"until_done"`` keeps it until the run lease is held
-    (:func:`on_start` frees it then): a call that finds the tombstone claimed by the copy
-    itself is its duplicate. A claim of an earlier attempt of this very copy (a retry, a
-    second delivery) stands for this one. Nothing for a copy without debounce, an eager run,
-    or a message not published through :func:`apply_unique`.
+    Returns the claim (:class:`Arrival`), which the engine re-asserts once the run lease is
+    held (:meth:`Arrival.confirm`) and frees whenever the execution ends, with or without its
+    body (:meth:`Arrival.leave`); ``None`` for a copy without debounce, an eager run, or a
+    message not published through :func:`apply_unique`. A claim of an earlier attempt of this
+    very copy still standing (a second delivery while its first runs) stands for this one.
+    A claim whose acquire failed (a lost reply may have let it take effect) is freed before
+    the error goes on: nothing of this arrival stays held.
 
     Raises:
         Ignore: the copy was superseded (its REVOKED state is stored).
     """
     if unique.debounce is None or getattr(request, "is_eager", False):
-        return
+        return None
     task_id = getattr(request, "id", None)
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None or task_id is None:
-        return
-    waits_beside = unique.unique != "until_done"
-    if waits_beside:
-        store.release(qkey, owner)
-    tomb = superseded_key(task_id, prefix)
+        return None
+    store.release(qkey, owner)
     claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000), STARTED)
-    stands, newer = False, None
-    for _ in range(_TRIES):
-        if store.acquire(tomb, claim, _ms(ttl)) is not None:
-            stands = True
-            break
-        holder = store.get(tomb) if is_inspectable(store) else None
-        if holder is None and is_inspectable(store):
-            continue  # freed in between (a withdrawing call handed the key back): again
-        newer = parse_owner(holder.owner).task_id if holder is not None else None
-        stands = holder is not None and newer == task_id and _is_started_claim(holder.owner)
-        break
-    if not stands:
+    arrival = Arrival(store, superseded_key(task_id, prefix), claim, task_id, _ms(ttl + wait))
+    arrival.claim_or_end(task, request, qkey, owner)
+    _release_quietly(store, qkey, owner, "the copy started")
+    return arrival
+
+
+class Arrival:
+    """A debounced copy's claim on its own tombstone key, from its arrival (:func:`on_arrival`)
+    until its execution ends (:meth:`leave`)."""
+
+    __slots__ = ("claim", "hold_ms", "store", "taken", "task_id", "tomb")
+
+    def __init__(self, store: LockStore, tomb: str, claim: str, task_id: str, hold_ms: int):
+        self.store, self.tomb, self.claim, self.task_id = store, tomb, claim, task_id
+        self.hold_ms = hold_ms
+        self.taken = False  # this arrival's own claim holds the key (not an earlier attempt's)
+
+    def claim_or_end(
+        self, task: CeleryTask, request: TaskRequest, qkey: str | None, owner: str | None
+    ) -> None:
+        """Take (or take again: the same owner is the holder again, its expiry reset) the
+        tombstone key; raise ``Ignore`` with the REVOKED state stored if a newer call holds it.
+        A store error frees what this arrival may hold, then goes on."""
+        try:
+            stands, newer = self._claim()
+        except BaseException:
+            self.taken = True  # it may have taken effect, its reply lost: freed, owner-checked
+            self.leave()
+            raise
+        if stands:
+            return
+        self.taken = False  # never ours, or lost: the tombstone is the newer call's
         try:
             reason = _mark_superseded(task, request, newer)
         finally:
-            # After the REVOKED state is stored: a superseding call whose publish failed
-            # may hand the key back to this copy (see _withdraw); a lease under this
-            # copy's own owner taken before this release is freed here, one taken after
-            # it is freed by that call, which reads the state first.
-            _release_quietly(store, qkey, owner, "the copy was superseded")
+            if qkey is not None and owner is not None:
+                # After the REVOKED state is stored: a superseding call whose publish failed
+                # may hand the key back to this copy (see _withdraw); a lease under this
+                # copy's own owner taken before this release is freed here, one taken after
+                # it is freed by that call, which reads the state first.
+                _release_quietly(self.store, qkey, owner, "the copy was superseded")
         raise Ignore(reason)
-    if waits_beside:
-        store.release(qkey, owner)
+
+    def _claim(self) -> tuple[bool, str | None]:
+        store, task_id = self.store, self.task_id
+        for _ in range(_TRIES):
+            if store.acquire(self.tomb, self.claim, self.hold_ms) is not None:
+                self.taken = True
+                return True, None
+            self.taken = False
+            holder = store.get(self.tomb) if is_inspectable(store) else None
+            if holder is None and is_inspectable(store):
+                continue  # freed in between (a withdrawing call handed the key back): again
+            newer = parse_owner(holder.owner).task_id if holder is not None else None
+            return holder is not None and newer == task_id and _is_started_claim(
+                holder.owner
+            ), newer
+        return False, None
+
+    def confirm(self, task: CeleryTask, request: TaskRequest) -> None:
+        """The run lease is held: re-assert the claim before the body starts. A claim that
+        lapsed meanwhile (a wait for the run lease, a stall) and was taken by a superseding
+        call ends the copy here, REVOKED (``Ignore``; the engine releases the run lease): the
+        newer call runs, never both.
+
+        Raises:
+            Ignore: the copy was superseded while it waited for the run lease.
+        """
+        self.claim_or_end(task, request, None, None)
+
+    def leave(self) -> None:
+        """The execution ends (its body ran, or it ends without it): free the claim
+        (owner-checked: this arrival's own). From here a call may supersede a retry of this
+        copy that waits in the queue (the retry then ends REVOKED). Never raises."""
+        if self.taken:
+            self.taken = False
+            _release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
+
+
+def leave(arrival: Arrival | None) -> None:
+    """:meth:`Arrival.leave` of an arrival, if any."""
+    if arrival is not None:
+        arrival.leave()
 
 
 STARTED = "started"
