@@ -296,7 +296,8 @@ def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
     """``superseded`` (a debounce tombstone: the copy named in its key was superseded by the one
     its owner names), ``started`` (a debounced copy's claim on its own tombstone), ``queued`` (a
     unique copy waiting in the queue), ``cooldown`` (its task succeeded: the key is kept for
-    ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it cannot be told: no task id in the owner, or no result backend to ask)."""
+    ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it cannot be told:
+    no task id in the owner, or no result backend to ask)."""
     if _is_tombstone(record["key"], record["owner"], prefix):
         return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
     if is_queued_owner(record["owner"]):
