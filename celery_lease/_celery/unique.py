@@ -49,16 +49,23 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   copy supersedes it: it writes a tombstone lease ``superseded:<old id>`` (owner names the new
   id), releases the old copy's queued lease (owner-checked), takes it for itself and publishes
   with an eta ``debounce`` later, capped at ``debounce_max`` after the first call of the chain
-  (kept in the owner's ``at``). A debounced copy releases its queued lease when it starts, also
-  under ``"until_done"`` (whose callers then look at the run key too: a running copy is the
-  existing one), so a call never supersedes a running body. The tombstone key is the right to
-  free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
-  the duplicate of the caller that took it, or looks again when that caller's own copy is no
-  longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
-  takes its own tombstone key for itself for the run lease's ttl: either a superseding call
-  took it first (the copy ends) or none can supersede it any more. ``"while_queued"`` releases
-  its queued lease around that claim; ``"until_done"`` keeps it until the run lease is held
-  (a caller finding the tombstone claimed by the copy itself is its duplicate). Two callers
+  (kept in the owner's ``at``). A debounced copy releases its queued lease when it reaches a
+  worker, also under ``"until_done"`` (whose callers then look at the run key too: a running
+  copy is the existing one), so a call never supersedes a running body. The tombstone key is
+  the right to free the waiting copy's lease: a caller that fails to take it never touches
+  that lease (it is the duplicate of the caller that took it, or looks again when that
+  caller's own copy is no longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
+  takes its own tombstone key for itself for the run lease's ttl plus ``lock_wait``: either a
+  superseding call took it first (the copy ends) or none can supersede it any more. It releases
+  its queued lease around that claim, in both modes: a call from then on finds the key free
+  and is the next copy, or under ``"until_done"`` the duplicate of the copy that holds the run
+  key (never of one that may still be refused it: such a copy ends without its body, and a
+  call handed its id would lose its work). Once the run lease is held the claim is taken
+  again (:meth:`Arrival.confirm`): one that lapsed meanwhile and was taken by a newer call
+  ends the copy REVOKED before its body, the run lease released. The claim is freed when the
+  execution ends, with or without its body (:meth:`Arrival.leave`): a retry the copy
+  published then waits as any copy and a newer call supersedes it (while the body that
+  published it runs, a call is that retry's duplicate). Two callers
   racing: one takes the key, the others return its ``AsyncResult``. The superseded copy, when
   it reaches a worker, finds its tombstone taken and ends without its body and without ever
   holding the run key, REVOKED in the result backend with the reason
