@@ -54,9 +54,9 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   copy is the existing one), so a call never supersedes a running body. The tombstone key is
   the right to free the waiting copy's lease: a caller that fails to take it never touches
   that lease (it is the duplicate of the caller that took it, or looks again when that
-  caller's own copy is no longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
-  takes its own tombstone key for itself for the run lease's ttl plus ``lock_wait``: either a
-  superseding call took it first (the copy ends) or none can supersede it any more. It releases
+  caller's own copy is no longer waiting), and a starting copy, *before it takes the run
+  lease* (:func:`on_arrival`), takes its own tombstone key for itself for the run lease's ttl
+  plus ``lock_wait``: either a superseding call took it first (the copy ends) or none can supersede it any more. It releases
   its queued lease around that claim, in both modes: a call from then on finds the key free
   and is the next copy, or under ``"until_done"`` the duplicate of the copy that holds the run
   key (never of one that may still be refused it: such a copy ends without its body, and a
