@@ -50,41 +50,39 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   id), releases the old copy's queued lease (owner-checked), takes it for itself and publishes
   with an eta ``debounce`` later, capped at ``debounce_max`` after the first call of the chain
   (kept in the owner's ``at``). A debounced copy releases its queued lease when it reaches a
-  worker, also under ``"until_done"`` (whose callers then look at the run key too: a running
-  copy is the existing one), so a call never supersedes a running body. The tombstone key is
-  the right to free the waiting copy's lease: a caller that fails to take it never touches
-  that lease (it is the duplicate of the caller that took it, or looks again when that
-  caller's own copy is no longer waiting), and a starting copy, *before it takes the run
-  lease* (:func:`on_arrival`), takes its own tombstone key for itself for the run lease's ttl
-  plus ``lock_wait``: either a superseding call took it first (the copy ends) or none can supersede it any more. It releases
-  its queued lease around that claim, in both modes: a call from then on finds the key free
-  and is the next copy, or under ``"until_done"`` the duplicate of the copy that holds the run
-  key (never of one that may still be refused it: such a copy ends without its body, and a
-  call handed its id would lose its work). Once the run lease is held the claim is taken
-  again (:meth:`Arrival.confirm`): one that lapsed meanwhile and was taken by a newer call
-  ends the copy REVOKED before its body, the run lease released. The claim is freed when the
-  execution ends, with or without its body (:meth:`Arrival.leave`): a retry the copy
-  published then waits as any copy and a newer call supersedes it (while the body that
-  published it runs, a call is that retry's duplicate). Two callers
-  racing: one takes the key, the others return its ``AsyncResult``. The superseded copy, when
-  it reaches a worker, finds its tombstone taken and ends without its body and without ever
-  holding the run key, REVOKED in the result backend with the reason
-  ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once; no
-  errback fires): the newer copy, started a moment later on another slot, never meets the run
-  key held by the copy it superseded. A
-  failed publish of the newest call (or a store error while superseding) hands the key back
-  to the waiting copy, which then runs, unless a newer call superseded the failed one meanwhile
-  or took the key while it was free (then only that one runs): the failed call takes its own
-  tombstone first (no call supersedes it from then on; its message, had the broker taken it
-  after all, ends without its body), frees its queued lease, takes the key back under the
-  waiting copy's owner and only then removes the waiting copy's tombstone; not for a waiting
-  copy that has ended meanwhile (its worker started it and found its tombstone taken: it is
-  REVOKED in the result backend, read before and after the key is taken back; a key taken
-  back for it after it ended is freed again, by it or by the failed call). A call that loses
-  the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
-  copy has no lease left, so only the winner runs. A call that wrote a tombstone and then
-  publishes nothing (it lost the key to a third call) stores its own id REVOKED, ``"superseded
-  by <winner>"``: a racing caller may have been handed that id meanwhile.
+  worker, also under ``"until_done"`` (whose callers then look at the run key too: a running copy
+  is the existing one), so a call never supersedes a running body. The tombstone key is the right
+  to free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
+  the duplicate of the caller that took it, or looks again when that caller's own copy is no
+  longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
+  takes its own tombstone key for itself for the run lease's ttl plus ``lock_wait``: either a
+  superseding call took it first (the copy ends) or none can supersede it any more. It releases
+  its queued lease around that claim, in both modes: a call from then on finds the key free and is
+  the next copy, or under ``"until_done"`` the duplicate of the copy that holds the run key (never
+  of one that may still be refused it: such a copy ends without its body, and a call handed its id
+  would lose its work). Once the run lease is held the claim is taken again
+  (:meth:`Arrival.confirm`): one that lapsed meanwhile and was taken by a newer call ends the copy
+  REVOKED before its body, the run lease released. The claim is freed when the execution ends,
+  with or without its body (:meth:`Arrival.leave`): a retry the copy published then waits as any
+  copy and a newer call supersedes it (while the body that published it runs, a call is that
+  retry's duplicate). Two callers racing: one takes the key, the others return its
+  ``AsyncResult``. The superseded copy, when it reaches a worker, finds its tombstone taken and
+  ends without its body and without ever holding the run key, REVOKED in the result backend with
+  the reason ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at
+  once; no errback fires): the newer copy, started a moment later on another slot, never meets the
+  run key held by the copy it superseded. A failed publish of the newest call (or a store error
+  while superseding) hands the key back to the waiting copy, which then runs, unless a newer call
+  superseded the failed one meanwhile or took the key while it was free (then only that one runs):
+  the failed call takes its own tombstone first (no call supersedes it from then on; its message,
+  had the broker taken it after all, ends without its body), frees its queued lease, takes the key
+  back under the waiting copy's owner and only then removes the waiting copy's tombstone; not for
+  a waiting copy that has ended meanwhile (its worker started it and found its tombstone taken: it
+  is REVOKED in the result backend, read before and after the key is taken back; a key taken back
+  for it after it ended is freed again, by it or by the failed call). A call that loses the key to
+  a third one after releasing the waiting copy's lease keeps the tombstone: that copy has no lease
+  left, so only the winner runs. A call that wrote a tombstone and then publishes nothing (it lost
+  the key to a third call) stores its own id REVOKED, ``"superseded by <winner>"``: a racing
+  caller may have been handed that id meanwhile.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
