@@ -971,7 +971,8 @@ def on_arrival(
     store.release(qkey, owner)
     claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000), STARTED)
     arrival = Arrival(store, superseded_key(task_id, prefix), claim, task_id, _ms(ttl + wait))
-    arrival.claim_or_end(task, request, qkey, owner)
+    arrival.qkey, arrival.owner = qkey, owner
+    arrival.claim_or_end(task, request)
     _release_quietly(store, qkey, owner, "the copy started")
     return arrival
 
@@ -980,19 +981,23 @@ class Arrival:
     """A debounced copy's claim on its own tombstone key, from its arrival (:func:`on_arrival`)
     until its execution ends (:meth:`leave`)."""
 
-    __slots__ = ("claim", "hold_ms", "store", "taken", "task_id", "tomb")
+    __slots__ = ("claim", "hold_ms", "owner", "qkey", "store", "taken", "task_id", "token", "tomb")
 
     def __init__(self, store: LockStore, tomb: str, claim: str, task_id: str, hold_ms: int):
         self.store, self.tomb, self.claim, self.task_id = store, tomb, claim, task_id
         self.hold_ms = hold_ms
+        self.qkey: str | None = None  # the copy's queued lease: key and owner
+        self.owner: str | None = None
         self.taken = False  # this arrival's own claim holds the key (not an earlier attempt's)
+        self.token: int | None = None  # the claim's token when it was taken
 
-    def claim_or_end(
-        self, task: CeleryTask, request: TaskRequest, qkey: str | None, owner: str | None
-    ) -> None:
-        """Take (or take again: the same owner is the holder again, its expiry reset) the
-        tombstone key; raise ``Ignore`` with the REVOKED state stored if a newer call holds it.
-        A store error frees what this arrival may hold, then goes on."""
+    def claim_or_end(self, task: CeleryTask, request: TaskRequest) -> bool:
+        """Take (or take again: the same owner is the holder again, same token, its expiry
+        reset) the tombstone key; raise ``Ignore`` with the REVOKED state stored if a newer
+        call holds it. Returns whether the claim is one taken afresh (a new token: it was
+        not held by this arrival just before). A store error frees what this arrival may hold,
+        then goes on."""
+        before = self.token
         try:
             stands, newer = self._claim()
         except BaseException:
@@ -1000,26 +1005,27 @@ class Arrival:
             self.leave()
             raise
         if stands:
-            return
+            return self.token is None or self.token != before
         self.taken = False  # never ours, or lost: the tombstone is the newer call's
         try:
             reason = _mark_superseded(task, request, newer)
         finally:
-            if qkey is not None and owner is not None:
+            if self.qkey is not None and self.owner is not None:
                 # After the REVOKED state is stored: a superseding call whose publish failed
                 # may hand the key back to this copy (see _withdraw); a lease under this
                 # copy's own owner taken before this release is freed here, one taken after
                 # it is freed by that call, which reads the state first.
-                _release_quietly(self.store, qkey, owner, "the copy was superseded")
+                _release_quietly(self.store, self.qkey, self.owner, "the copy was superseded")
         raise Ignore(reason)
 
     def _claim(self) -> tuple[bool, str | None]:
         store, task_id = self.store, self.task_id
         for _ in range(_TRIES):
-            if store.acquire(self.tomb, self.claim, self.hold_ms) is not None:
-                self.taken = True
+            token = store.acquire(self.tomb, self.claim, self.hold_ms)
+            if token is not None:
+                self.taken, self.token = True, token
                 return True, None
-            self.taken = False
+            self.taken, self.token = False, None
             holder = store.get(self.tomb) if is_inspectable(store) else None
             if holder is None and is_inspectable(store):
                 continue  # freed in between (a withdrawing call handed the key back): again
@@ -1035,10 +1041,15 @@ class Arrival:
         call ends the copy here, REVOKED (``Ignore``; the engine releases the run lease): the
         newer call runs, never both.
 
+        A claim taken afresh here (it had lapsed, or it was an earlier attempt's) may follow a
+        superseding call that handed the queued key back to this copy (see :func:`_withdraw`)
+        while it had none: that key is freed (owner-checked), as at the arrival.
+
         Raises:
             Ignore: the copy was superseded while it waited for the run lease.
         """
-        self.claim_or_end(task, request, None, None)
+        if self.claim_or_end(task, request) and self.qkey is not None and self.owner is not None:
+            _release_quietly(self.store, self.qkey, self.owner, "the copy's claim was taken again")
 
     def leave(self) -> None:
         """The execution ends (its body ran, or it ends without it): free the claim

@@ -797,6 +797,34 @@ class TestArrivalClaim:
         assert store.get("k:1") is None
         assert parse_owner(store.get(tomb).owner).task_id == "C"  # type: ignore[union-attr]
 
+    def test_a_key_handed_back_while_the_claim_had_lapsed_is_freed_by_the_copy(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        clock: FakeClock,
+    ) -> None:  # fmt: skip
+        """B's claim lapses while it waits for the run lease; a call that read B's queued lease
+        before B arrived supersedes it, fails to publish and hands the queued key back under
+        B's owner, removing its tombstone (see _withdraw). B takes its claim again once it holds
+        the run lease, runs, and frees that key: it is left to no copy that would free it."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.handed-back", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        b = task.delay(1)
+        qkey, b_owner = published.headers[0][unique_module.HEADER]
+
+        def lapsed_then_handed_back() -> None:
+            clock.advance(31)  # past the claim's ttl (lock_ttl 30 + lock_wait 0)
+            tomb, c_owner = f"superseded:{b.id}", queued_owner(task.name, "C", 0)
+            assert store.acquire(tomb, c_owner, 60_000) is not None  # C supersedes B
+            assert store.acquire(qkey, b_owner, 60_000) is not None  # C's publish failed
+            store.release(tomb, c_owner)
+
+        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
+                  lapsed_then_handed_back)  # fmt: skip
+        assert deliver(task, published.headers[0], deferred=False) == 1
+        assert bodies.runs == [(b.id, 0)]
+        assert store.get(qkey) is None, "the key handed back to B is left held"
+        assert task.apply_async((1,), task_id="N").id == "N"
+
     def test_the_claim_lasts_the_wait_for_the_run_lease(
         self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
