@@ -343,6 +343,9 @@ def _time_left(seconds: float) -> str:
 
 QUEUED = "queued"
 SUPERSEDED = "superseded"
+STARTED = "started"
+"""The state of a debounced copy's claim on its own tombstone key (its owner's label): it reached
+a worker; nothing superseded it."""
 RUNNING = "running"
 COOLDOWN = "cooldown"
 HELD = "held"
@@ -389,11 +392,12 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
 
 def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
     """``superseded`` (a debounce tombstone: the copy named in its key was superseded by the one
-    its owner names), ``queued`` (a unique copy waiting in the queue), ``cooldown`` (its task
-    succeeded: the key is kept for ``lock_cooldown``), ``running`` (its task has not finished),
-    or ``held`` (it cannot be told: no task id in the owner, or no result backend to ask)."""
+    its owner names), ``started`` (a debounced copy's claim on its own tombstone), ``queued`` (a
+    unique copy waiting in the queue), ``cooldown`` (its task succeeded: the key is kept for
+    ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it cannot be told:
+    no task id in the owner, or no result backend to ask)."""
     if _is_tombstone(record["key"], record["owner"], prefix):
-        return SUPERSEDED
+        return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
     if is_queued_owner(record["owner"]):
         return QUEUED
     state = states.get(record["task_id"] or "")
@@ -633,7 +637,8 @@ def list_command(
 
     Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
     ends without its body) hold no work: they are left out, and counted on stderr, unless
-    --superseded or --state superseded is given; then their STATE is superseded.
+    --superseded or --state superseded is given; then their STATE is superseded (started for a
+    copy's claim on its own, taken when it reached a worker).
     """
 
     def body() -> None:
@@ -650,7 +655,7 @@ def list_command(
         records = _records(infos, now, _app(ctx))
         hidden = 0
         if not with_superseded and state != SUPERSEDED:
-            kept = [r for r in records if r["state"] != SUPERSEDED]
+            kept = [r for r in records if r["state"] not in (SUPERSEDED, STARTED)]
             hidden = len(records) - len(kept)
             records = kept
         if state is not None:

@@ -365,14 +365,36 @@ def _run_locked(
     ttl, wait = spec.durations(settings)
     store = _store_of(options, app, key)
     context = _lease_context(run, request, store, ttl, wait)
+    arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
     if options.unique is not None and request is not None:
         # A superseded debounced copy ends here (Ignore), before it could hold the run key.
-        _unique.on_arrival(
-            cast("CeleryTask", task), request, store, key, settings, options.unique, ttl
+        arrival = _unique.on_arrival(
+            cast("CeleryTask", task), request, store, key, settings, options.unique, ttl, wait
         )
         # A refusal names its holder in the same step where the store can: a second delivery
         # of a running copy is told from a rejection even if that copy ends just after.
         context.names_holder = _unique.names_holder(store)
+    try:
+        return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
+    finally:
+        # With or without its body, whatever raised: the claim is this arrival's own, and a
+        # claim left held would make the calls of its ttl duplicates of a copy that is over.
+        _unique.leave(arrival)
+
+
+def _run_arrived(
+    run: _Run,
+    request: TaskRequest | None,
+    context: LeaseContext,
+    store: LockStore,
+    settings: config.LeaseSettings,
+    ttl: float,
+    body: Callable[[], _R],
+    adopt: bool,
+    arrival: _unique.Arrival | None,
+) -> _R | None:
+    """The run lease, the body and the release, for a copy that was not superseded."""
+    task, key = run.task, run.key
     try:
         held = context.__enter__()
     except LockNotAcquiredError as exc:
@@ -386,6 +408,10 @@ def _run_locked(
             # a BaseException, which Celery's robust send lets through; an asynchronous
             # exception) releases it below.
             run.acquired(context, held)
+            if arrival is not None:
+                # Superseded while it waited for the run lease (its claim lapsed): Ignore,
+                # and the run lease is released below before the newer copy may need it.
+                arrival.confirm(cast("CeleryTask", task), cast("TaskRequest", request))
             queued = _queued_hold(run, request, store, settings, ttl)
             _send_acquired(run, context, held)
             runs_token = _active.set((*_active.get(), run))

@@ -49,35 +49,40 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   copy supersedes it: it writes a tombstone lease ``superseded:<old id>`` (owner names the new
   id), releases the old copy's queued lease (owner-checked), takes it for itself and publishes
   with an eta ``debounce`` later, capped at ``debounce_max`` after the first call of the chain
-  (kept in the owner's ``at``). A debounced copy releases its queued lease when it starts, also
-  under ``"until_done"`` (whose callers then look at the run key too: a running copy is the
-  existing one), so a call never supersedes a running body. The tombstone key is the right to
-  free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
+  (kept in the owner's ``at``). A debounced copy releases its queued lease when it reaches a
+  worker, also under ``"until_done"`` (whose callers then look at the run key too: a running copy
+  is the existing one), so a call never supersedes a running body. The tombstone key is the right
+  to free the waiting copy's lease: a caller that fails to take it never touches that lease (it is
   the duplicate of the caller that took it, or looks again when that caller's own copy is no
   longer waiting), and a starting copy, *before it takes the run lease* (:func:`on_arrival`),
-  takes its own tombstone key for itself for the run lease's ttl: either a superseding call
-  took it first (the copy ends) or none can supersede it any more. ``"while_queued"`` releases
-  its queued lease around that claim; ``"until_done"`` keeps it until the run lease is held
-  (a caller finding the tombstone claimed by the copy itself is its duplicate). Two callers
-  racing: one takes the key, the others return its ``AsyncResult``. The superseded copy, when
-  it reaches a worker, finds its tombstone taken and ends without its body and without ever
-  holding the run key, REVOKED in the result backend with the reason
-  ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at once; no
-  errback fires): the newer copy, started a moment later on another slot, never meets the run
-  key held by the copy it superseded. A
-  failed publish of the newest call (or a store error while superseding) hands the key back
-  to the waiting copy, which then runs, unless a newer call superseded the failed one meanwhile
-  or took the key while it was free (then only that one runs): the failed call takes its own
-  tombstone first (no call supersedes it from then on; its message, had the broker taken it
-  after all, ends without its body), frees its queued lease, takes the key back under the
-  waiting copy's owner and only then removes the waiting copy's tombstone; not for a waiting
-  copy that has ended meanwhile (its worker started it and found its tombstone taken: it is
-  REVOKED in the result backend, read before and after the key is taken back; a key taken
-  back for it after it ended is freed again, by it or by the failed call). A call that loses
-  the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
-  copy has no lease left, so only the winner runs. A call that wrote a tombstone and then
-  publishes nothing (it lost the key to a third call) stores its own id REVOKED, ``"superseded
-  by <winner>"``: a racing caller may have been handed that id meanwhile.
+  takes its own tombstone key for itself for the run lease's ttl plus ``lock_wait``: either a
+  superseding call took it first (the copy ends) or none can supersede it any more. It releases
+  its queued lease around that claim, in both modes: a call from then on finds the key free and is
+  the next copy, or under ``"until_done"`` the duplicate of the copy that holds the run key (never
+  of one that may still be refused it: such a copy ends without its body, and a call handed its id
+  would lose its work). Once the run lease is held the claim is taken again
+  (:meth:`Arrival.confirm`): one that lapsed meanwhile and was taken by a newer call ends the copy
+  REVOKED before its body, the run lease released. The claim is freed when the execution ends,
+  with or without its body (:meth:`Arrival.leave`): a retry the copy published then waits as any
+  copy and a newer call supersedes it (while the body that published it runs, a call is that
+  retry's duplicate). Two callers racing: one takes the key, the others return its
+  ``AsyncResult``. The superseded copy, when it reaches a worker, finds its tombstone taken and
+  ends without its body and without ever holding the run key, REVOKED in the result backend with
+  the reason ``"superseded by <new id>"`` (``AsyncResult.get()`` raises ``TaskRevokedError`` at
+  once; no errback fires): the newer copy, started a moment later on another slot, never meets the
+  run key held by the copy it superseded. A failed publish of the newest call (or a store error
+  while superseding) hands the key back to the waiting copy, which then runs, unless a newer call
+  superseded the failed one meanwhile or took the key while it was free (then only that one runs):
+  the failed call takes its own tombstone first (no call supersedes it from then on; its message,
+  had the broker taken it after all, ends without its body), frees its queued lease, takes the key
+  back under the waiting copy's owner and only then removes the waiting copy's tombstone; not for
+  a waiting copy that has ended meanwhile (its worker started it and found its tombstone taken: it
+  is REVOKED in the result backend, read before and after the key is taken back; a key taken back
+  for it after it ended is freed again, by it or by the failed call). A call that loses the key to
+  a third one after releasing the waiting copy's lease keeps the tombstone: that copy has no lease
+  left, so only the winner runs. A call that wrote a tombstone and then publishes nothing (it lost
+  the key to a third call) stores its own id REVOKED, ``"superseded by <winner>"``: a racing
+  caller may have been handed that id meanwhile.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
@@ -156,8 +161,10 @@ __all__ = [
     "DEFERRED",
     "HEADER",
     "NAMESPACE",
+    "Arrival",
     "apply_unique",
     "checks_apply_async",
+    "leave",
     "names_holder",
     "on_arrival",
     "on_rejected",
@@ -186,7 +193,10 @@ _TRIES = 8
 _CALLBACKS = ("link", "link_error", "chain", "chord", "group_id")
 """Options of a call whose duplicate raises whatever ``on_duplicate`` says: callbacks, a
 chain's next steps, and a group or chord member (published under its own pre-assigned id, which
-its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns)."""
+its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns).
+A chain's step raises even with ``chain`` empty: Celery publishes a chain's last step (from
+the worker that ran the step before it, ``celery/app/trace.py``) with ``chain=[]``, under the id
+the chain's result waits for."""
 
 _USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
 """Store class -> whether its acquire_or_holder may stand for its acquire
@@ -368,6 +378,7 @@ def _duplicate(
         unique.on_duplicate == "raise"
         or existing is None
         or any(options.get(c) for c in _CALLBACKS)
+        or "chain" in options  # a chain's last step: Celery publishes it with chain=[]
     ):
         raise AlreadyQueuedError(key, existing)
     return task.AsyncResult(existing)
@@ -552,13 +563,12 @@ def _debounced(
                     and writer == old.task_id
                     and _is_started_claim(claimed.owner)
                 ):
-                    if unique.unique == "until_done":
-                        # The copy started (on_arrival): it keeps its queued lease until its
-                        # run lease is held, and runs; this call is its duplicate.
-                        return gave_way(old.task_id)
-                    # It frees its queued lease at once, unless it waits again (its retry
-                    # took the key back): the duplicate of that retry if the key is still its
-                    # own after every try.
+                    # The copy has arrived at a worker (on_arrival): it frees its queued lease
+                    # at once (a look again finds the key free; under "until_done" then the
+                    # run key), unless its running body published its retry (which took the
+                    # key back): the duplicate of that retry if the key is still its own
+                    # after every try. Its claim goes when its execution ends: from then on
+                    # a call supersedes the waiting retry.
                     started = old.task_id
                 if writer is None or writer == old.task_id:
                     continue  # gone, or the copy claimed it itself (it started): look again
@@ -870,11 +880,8 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Its claim stood before the run lease was taken (on_arrival): no call supersedes it.
-        # Under "until_done" its queued lease was kept until now, so that a call never finds
-        # neither key held; "while_queued" released it there already.
-        if unique.unique == "until_done":
-            store.release(qkey, owner)
+        # Its queued lease was freed at its arrival, once its claim stood (on_arrival); under
+        # "until_done" a call then finds the run key held by it from here.
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
@@ -926,65 +933,137 @@ def on_arrival(
     settings: config.LeaseSettings,
     unique: UniqueOptions,
     ttl: float,
-) -> None:
+    wait: float = 0.0,
+) -> Arrival | None:
     """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
 
-    The copy claims its tombstone key for itself (owner: a started claim naming its task id,
-    for the run lease's ``ttl``): a call superseding it must take that key before it may free
-    the copy's queued lease. Either a call took it first (the copy ends here, REVOKED
-    ``"superseded by <newer id>"``, ``Ignore`` raised) or the claim stands and no call
-    supersedes the copy from now on. Learnt before the run lease: a superseded copy never
-    holds the run key, so the copy that superseded it, starting a moment later on another
-    slot, never finds the key held by it.
+    The copy frees its queued lease (owner-checked; both modes: from here a call finds the key
+    free, and under ``"until_done"`` then looks at the run key), then claims its tombstone key
+    for itself (owner: a started claim naming its task id, unique to this arrival) for the run
+    lease's ``ttl`` plus ``wait`` (``lock_wait``: the longest it may wait for the run lease): a
+    call superseding it must take that key before it may free the copy's queued lease. Either a
+    call took it first (the copy ends here, REVOKED ``"superseded by <newer id>"``, ``Ignore``
+    raised) or the claim stands and no call supersedes the copy from now on. Learnt before the
+    run lease: a superseded copy never holds the run key, so the copy that superseded it,
+    starting a moment later on another slot, never finds the key held by it. The queued lease
+    is freed again once the claim stands: a superseding call whose publish failed may have
+    handed it back in between (see :func:`_withdraw`).
 
-    ``"while_queued"`` releases the queued lease first (a call that read it before finds the
-    tombstone taken, looks again and finds the key free) and again once the claim stands (a
-    superseding call whose publish failed may have handed it back in between, see
-    :func:`_withdraw`). ``"until_done"`` keeps it until the run lease is held
-    (:func:`on_start` frees it then): a call that finds the tombstone claimed by the copy
-    itself is its duplicate. A claim of an earlier attempt of this very copy (a retry, a
-    second delivery) stands for this one. Nothing for a copy without debounce, an eager run,
-    or a message not published through :func:`apply_unique`.
+    Returns the claim (:class:`Arrival`), which the engine re-asserts once the run lease is
+    held (:meth:`Arrival.confirm`) and frees whenever the execution ends, with or without its
+    body (:meth:`Arrival.leave`); ``None`` for a copy without debounce, an eager run, or a
+    message not published through :func:`apply_unique`. A claim of an earlier attempt of this
+    very copy still standing (a second delivery while its first runs) stands for this one.
+    A claim whose acquire failed (a lost reply may have let it take effect) is freed before
+    the error goes on: nothing of this arrival stays held.
 
     Raises:
         Ignore: the copy was superseded (its REVOKED state is stored).
     """
     if unique.debounce is None or getattr(request, "is_eager", False):
-        return
+        return None
     task_id = getattr(request, "id", None)
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None or task_id is None:
-        return
-    waits_beside = unique.unique != "until_done"
-    if waits_beside:
-        store.release(qkey, owner)
-    tomb = superseded_key(task_id, prefix)
+        return None
+    store.release(qkey, owner)
     claim = queued_owner(getattr(task, "name", "?"), task_id, int(clock.time() * 1000), STARTED)
-    stands, newer = False, None
-    for _ in range(_TRIES):
-        if store.acquire(tomb, claim, _ms(ttl)) is not None:
-            stands = True
-            break
-        holder = store.get(tomb) if is_inspectable(store) else None
-        if holder is None and is_inspectable(store):
-            continue  # freed in between (a withdrawing call handed the key back): again
-        newer = parse_owner(holder.owner).task_id if holder is not None else None
-        stands = holder is not None and newer == task_id and _is_started_claim(holder.owner)
-        break
-    if not stands:
+    arrival = Arrival(store, superseded_key(task_id, prefix), claim, task_id, _ms(ttl + wait))
+    arrival.qkey, arrival.owner = qkey, owner
+    arrival.claim_or_end(task, request)
+    _release_quietly(store, qkey, owner, "the copy started")
+    return arrival
+
+
+class Arrival:
+    """A debounced copy's claim on its own tombstone key, from its arrival (:func:`on_arrival`)
+    until its execution ends (:meth:`leave`)."""
+
+    __slots__ = ("claim", "hold_ms", "owner", "qkey", "store", "taken", "task_id", "token", "tomb")
+
+    def __init__(self, store: LockStore, tomb: str, claim: str, task_id: str, hold_ms: int):
+        self.store, self.tomb, self.claim, self.task_id = store, tomb, claim, task_id
+        self.hold_ms = hold_ms
+        self.qkey: str | None = None  # the copy's queued lease: key and owner
+        self.owner: str | None = None
+        self.taken = False  # this arrival's own claim holds the key (not an earlier attempt's)
+        self.token: int | None = None  # the claim's token when it was taken
+
+    def claim_or_end(self, task: CeleryTask, request: TaskRequest) -> bool:
+        """Take (or take again: the same owner is the holder again, same token, its expiry
+        reset) the tombstone key; raise ``Ignore`` with the REVOKED state stored if a newer
+        call holds it. Returns whether the claim is one taken afresh (a new token: it was
+        not held by this arrival just before). A store error frees what this arrival may hold,
+        then goes on."""
+        before = self.token
+        try:
+            stands, newer = self._claim()
+        except BaseException:
+            self.taken = True  # it may have taken effect, its reply lost: freed, owner-checked
+            self.leave()
+            raise
+        if stands:
+            return self.token is None or self.token != before
+        self.taken = False  # never ours, or lost: the tombstone is the newer call's
         try:
             reason = _mark_superseded(task, request, newer)
         finally:
-            # After the REVOKED state is stored: a superseding call whose publish failed
-            # may hand the key back to this copy (see _withdraw); a lease under this
-            # copy's own owner taken before this release is freed here, one taken after
-            # it is freed by that call, which reads the state first.
-            _release_quietly(store, qkey, owner, "the copy was superseded")
+            if self.qkey is not None and self.owner is not None:
+                # After the REVOKED state is stored: a superseding call whose publish failed
+                # may hand the key back to this copy (see _withdraw); a lease under this
+                # copy's own owner taken before this release is freed here, one taken after
+                # it is freed by that call, which reads the state first.
+                _release_quietly(self.store, self.qkey, self.owner, "the copy was superseded")
         raise Ignore(reason)
-    if waits_beside:
-        store.release(qkey, owner)
+
+    def _claim(self) -> tuple[bool, str | None]:
+        store, task_id = self.store, self.task_id
+        for _ in range(_TRIES):
+            token = store.acquire(self.tomb, self.claim, self.hold_ms)
+            if token is not None:
+                self.taken, self.token = True, token
+                return True, None
+            self.taken, self.token = False, None
+            holder = store.get(self.tomb) if is_inspectable(store) else None
+            if holder is None and is_inspectable(store):
+                continue  # freed in between (a withdrawing call handed the key back): again
+            newer = parse_owner(holder.owner).task_id if holder is not None else None
+            return holder is not None and newer == task_id and _is_started_claim(
+                holder.owner
+            ), newer
+        return False, None
+
+    def confirm(self, task: CeleryTask, request: TaskRequest) -> None:
+        """The run lease is held: re-assert the claim before the body starts. A claim that
+        lapsed meanwhile (a wait for the run lease, a stall) and was taken by a superseding
+        call ends the copy here, REVOKED (``Ignore``; the engine releases the run lease): the
+        newer call runs, never both.
+
+        A claim taken afresh here (it had lapsed, or it was an earlier attempt's) may follow a
+        superseding call that handed the queued key back to this copy (see :func:`_withdraw`)
+        while it had none: that key is freed (owner-checked), as at the arrival.
+
+        Raises:
+            Ignore: the copy was superseded while it waited for the run lease.
+        """
+        if self.claim_or_end(task, request) and self.qkey is not None and self.owner is not None:
+            _release_quietly(self.store, self.qkey, self.owner, "the copy's claim was taken again")
+
+    def leave(self) -> None:
+        """The execution ends (its body ran, or it ends without it): free the claim
+        (owner-checked: this arrival's own). From here a call may supersede a retry of this
+        copy that waits in the queue (the retry then ends REVOKED). Never raises."""
+        if self.taken:
+            self.taken = False
+            _release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
+
+
+def leave(arrival: Arrival | None) -> None:
+    """:meth:`Arrival.leave` of an arrival, if any."""
+    if arrival is not None:
+        arrival.leave()
 
 
 STARTED = "started"

@@ -381,6 +381,22 @@ class TestListAfterUnique:
         assert "  node:     -" in shown.stdout.splitlines()
         assert " on " not in shown.stdout.splitlines()[0]
 
+    def test_a_started_copys_claim_is_listed_as_started(
+        self, app: Celery, store: SupportsInspection, debounced: tuple[str, str]
+    ) -> None:
+        """A debounced copy that reached a worker holds its own tombstone key, a started claim
+        (owner labelled ``l=started``, naming that very copy): hidden and counted with the
+        tombstones, and listed with state "started" (not "superseded": nothing superseded
+        it)."""
+        _, second = debounced
+        claim = queued_owner("t.digest", second, 1, "started")
+        assert store.acquire(f"shop:superseded:{second}", claim, TTL_MS) is not None
+        result = run("list", "--json", obj=obj(app))
+        assert "2 debounce tombstones" in result.stderr
+        listed = json.loads(run("list", "--json", "--superseded", obj=obj(app)).stdout)
+        states = {r["key"]: (r["state"], r["task_id"]) for r in listed}
+        assert states[f"shop:superseded:{second}"] == ("started", second)
+
     def test_standalone_lists_unprefixed_tombstones_as_superseded(
         self, store: SupportsInspection, url: str
     ) -> None:

@@ -146,6 +146,9 @@ def start_copy(
     cooldown: float,
 ) -> Any:
     """The worker's hooks at a copy's start, in the engine's order: ``on_arrival`` (before the
-    run lease), then ``on_start`` (the run lease held); what ``on_start`` returns."""
-    unique_module.on_arrival(task, request, store, key, settings, unique, ttl)
+    run lease), then, the run lease held, the claim re-asserted and ``on_start``; what
+    ``on_start`` returns. The claim is left held (the engine frees it when the run ends)."""
+    arrival = unique_module.on_arrival(task, request, store, key, settings, unique, ttl)
+    if arrival is not None:
+        arrival.confirm(task, request)
     return unique_module.on_start(task, request, store, key, settings, unique, ttl, cooldown)

@@ -227,6 +227,18 @@ class TestCanvasMembers:
         assert caught.value.task_id == first[1]
         assert published.ids == first
 
+    def test_a_duplicate_last_chain_step_raises(self, app: Celery, published: Published) -> None:
+        """Celery's worker publishes a chain's next step with ``chain=chain[:-1]``
+        (celery/app/trace.py): the last step carries ``chain=[]`` and the id the chain's result
+        waits for. A duplicate of it raises, naming the existing copy, instead of being handed
+        that copy's result while the chain's id is never published."""
+        task = define(app, "t.chain.last", lock_unique="while_queued")
+        first = task.delay(4)
+        with pytest.raises(AlreadyQueuedError) as caught:
+            task.apply_async((4,), task_id="chain-tail", chain=[], parent_id="p", root_id="r")
+        assert caught.value.task_id == first.id
+        assert published.ids == [first.id]
+
     def test_a_group_member_that_is_no_duplicate_is_published(
         self, app: Celery, published: Published
     ) -> None:

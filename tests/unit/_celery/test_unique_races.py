@@ -17,8 +17,8 @@ from celery.exceptions import Ignore, Retry, TaskRevokedError
 from celery_lease import LockedTask
 from celery_lease._celery import settings as config
 from celery_lease._celery import unique as unique_module
-from celery_lease._core.owners import make_owner, parse_owner
-from celery_lease.errors import StoreUnavailableError
+from celery_lease._core.owners import make_owner, parse_owner, queued_owner
+from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
 from tests.unit.unique_copies import (
@@ -591,12 +591,14 @@ class TestDebouncedRetry:
         assert bodies.runs == [(first.id, 0), (first.id, 1)]
         assert task.AsyncResult(first.id).state != "REVOKED"
 
-    def test_a_call_meeting_the_started_claim_before_the_run_lease_is_the_duplicate(
+    def test_a_call_meeting_the_started_claim_before_the_run_lease_is_the_next_copy(
         self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """until_done with debounce: N reads the waiting copy A's queued lease; A arrives at a
-        worker and claims its tombstone (its run lease not taken yet, its queued lease kept);
-        N, refused the tombstone by A's own claim, is A's duplicate (not an error, no copy)."""
+        worker, frees its queued lease and claims its tombstone (its run lease not taken yet:
+        it may still be refused it). N, refused the tombstone by A's own claim, looks again,
+        finds the queued key free and the run key not A's, and is published as the next copy
+        holding the queued key: never the duplicate of a copy that may end without its body."""
         task = define_task(app, "d.claim-race", lock_unique="until_done", lock_debounce=1)
         a = task.delay(1, 1)
         settings = config.get_settings(app)
@@ -607,32 +609,305 @@ class TestDebouncedRetry:
             unique_module.on_arrival(task, request, store, "k:1", settings, options, 30)
 
         hook_once(monkeypatch, store, "get", lambda key: key == "queued:k:1", a_arrives, after=True)
-        assert task.apply_async((1, 2), task_id="N").id == a.id
-        assert published.ids == [a.id]
+        assert task.apply_async((1, 2), task_id="N").id == "N"
+        assert published.ids == [a.id, "N"]
         held = store.get("queued:k:1")
-        assert held is not None and parse_owner(held.owner).task_id == a.id
+        assert held is not None and parse_owner(held.owner).task_id == "N"
 
-    def test_a_call_during_the_retry_wait_of_a_debounced_copy_gets_an_answer(
-        self, app: Celery, published: Published, store: SpyStore
+    @pytest.mark.parametrize("unique", ["while_queued", "until_done"])
+    def test_the_newest_call_supersedes_a_waiting_retry(
+        self, app: Celery, published: Published, store: SpyStore, unique: str
     ) -> None:
-        """while_queued with debounce: the copy's first attempt claimed its tombstone and
-        retried (its queued lease taken again for the retry). A call during the retry's wait
-        can neither supersede it (the claim stands for the run ttl) nor take the key: it is the
-        waiting retry's duplicate, not an AlreadyQueuedError naming no copy."""
+        """A debounced copy's body retried; its execution ended (its claim freed with it). A
+        call during the retry's wait supersedes the retry as it would any waiting copy: the
+        retry ends REVOKED "superseded by" the call, whose body runs with the newest
+        arguments."""
         bodies = Bodies()
 
         @app.task(
-            name="d.retry-wait", base=LockedTask, lock_key="k:{n}", lock_wait=0, lock_ttl=30,
-            lock_unique="while_queued", lock_debounce=1, shared=False, bind=True,
+            name=f"d.retry-wait.{unique}", base=LockedTask, lock_key="k:{n}", lock_wait=0,
+            lock_ttl=30, lock_unique=unique, lock_debounce=1, shared=False, bind=True,
         )  # fmt: skip
         def body(self: Any, n: int) -> int:
             with bodies.lock:
                 bodies.runs.append((self.request.id, int(self.request.retries or 0)))
-            raise self.retry(countdown=1)
+            if not self.request.retries and self.request.id != "N":
+                raise self.retry(countdown=1)
+            return n
 
         task = body._get_current_object()
         first = task.delay(1)
         with pytest.raises(Retry):
             deliver(task, published.headers[0], deferred=False)
-        assert task.delay(1).id == first.id
-        assert published.ids == [first.id, first.id]
+        assert store.get(f"superseded:{first.id}") is None, "the ended run's claim is kept"
+        assert task.apply_async((1,), task_id="N").id == "N"
+        assert published.ids == [first.id, first.id, "N"]
+        with pytest.raises(Ignore):
+            deliver(task, published.headers[1], deferred=False, retries=1)
+        assert task.AsyncResult(first.id).state == states.REVOKED
+        assert "superseded by N" in str(task.AsyncResult(first.id).result)
+        assert deliver(task, published.headers[2], deferred=False) == 1
+        assert bodies.runs == [(first.id, 0), ("N", 0)]
+
+
+def _run_op(store: SpyStore) -> str:
+    """The store operation the engine takes a unique copy's run lease with."""
+    return "acquire_or_holder" if unique_module.names_holder(store) else "acquire"
+
+
+class TestArrivalClaim:
+    """A debounced copy's claim on its own tombstone, from its arrival at a worker to the end of
+    its execution: taken before the run lease, re-asserted once it is held, freed on every way
+    out (body run, refused, store error)."""
+
+    def test_the_superseded_copy_never_holds_the_run_key_the_newest_needs(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A is superseded by B. A's worker reaches A's tombstone; right then B's worker runs
+        B. B finds the run key free (A learnt it was superseded before taking the run lease)
+        and runs its body; A ends REVOKED without its body."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.order", bodies, lock_unique="while_queued",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        a = task.delay(1)
+        b = task.delay(1)
+        assert published.ids == [a.id, b.id]
+        seen: list[object] = []
+
+        def b_runs() -> None:
+            seen.append(store.get("k:1"))
+            try:
+                seen.append(deliver(task, published.headers[1], deferred=False))
+            except Exception as exc:  # what B's worker stores: its FAILURE
+                seen.append(exc)
+
+        hook_once(monkeypatch, store, "acquire", lambda key, *_: key == f"superseded:{a.id}",
+                  b_runs, after=True)  # fmt: skip
+        with pytest.raises(Ignore):
+            deliver(task, published.headers[0], deferred=False)
+        assert seen == [None, 1], f"A held the run key when B ran: {seen}"
+        assert bodies.runs == [(b.id, 0)]
+        assert task.AsyncResult(a.id).state == states.REVOKED
+
+    def test_a_call_while_the_copy_is_refused_the_run_key_is_never_its_duplicate(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """until_done with debounce: copy X (not of this call chain) runs the key. B arrives,
+        claims its tombstone, is refused the run key and ends FAILURE. A call C made while B
+        waits for the run lease is the duplicate of the running X, never of B; once B ended,
+        nothing of B is held: the next call is published."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.refused", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        b = task.delay(1)
+        store.acquire("k:1", make_owner(task=task.name, task_id="X"), 60_000)
+        calls: list[Any] = []
+        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
+                  lambda: calls.append(task.apply_async((1,), task_id="C")))  # fmt: skip
+        with pytest.raises(LockNotAcquiredError):
+            deliver(task, published.headers[0], deferred=False)
+        assert calls[0].id == "X", f"C handed {calls[0].id} (B: {b.id}), not the running copy"
+        assert store.get(f"superseded:{b.id}") is None
+        assert store.get("queued:k:1") is None
+        assert task.apply_async((1,), task_id="D").id == "X"
+        store.release("k:1", store.get("k:1").owner)  # type: ignore[union-attr]
+        assert task.apply_async((1,), task_id="E").id == "E"
+        assert bodies.runs == []
+
+    def test_the_running_backlogged_copy_answers_a_call_made_while_the_next_is_refused(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        clock: FakeClock,
+    ) -> None:  # fmt: skip
+        """until_done with debounce: A waited in a backlog past its queue_ttl (its queued lease
+        expired) and B was enqueued meanwhile; A's body runs when B arrives. C, called while B
+        is between its claim and its refused run lease, is handed A's id (the running copy),
+        never B's (which ends FAILURE)."""
+        gate, running = threading.Event(), threading.Event()
+        runs: list[int] = []
+
+        @app.task(name="d.backlog", base=LockedTask, lock_key="k:{n}", lock_wait=0, lock_ttl=30,
+                  lock_unique="until_done", lock_debounce=1, lock_queue_ttl=5, shared=False,
+                  bind=True)  # fmt: skip
+        def body(self: Any, n: int, extra: int = 0) -> int:
+            runs.append(extra)
+            running.set()
+            assert gate.wait(REAL_TIMEOUT)
+            return n
+
+        task = body._get_current_object()
+        a = task.apply_async((1,), {"extra": 1})
+        clock.advance(7)  # debounce + queue_ttl: A's queued lease expired in the backlog
+        b = task.apply_async((1,), {"extra": 2})
+        assert b.id != a.id
+
+        def deliver_kw(headers: dict[str, Any], extra: int) -> Any:
+            task.push_request(
+                id=headers["id"], args=[1], kwargs={"extra": extra}, is_eager=False,
+                called_directly=False, lease_queued=headers["lease_queued"],
+            )  # fmt: skip
+            try:
+                return task(1, extra=extra)
+            finally:
+                task.pop_request()
+
+        first = threading.Thread(target=deliver_kw, args=(published.headers[0], 1))
+        first.start()
+        calls: list[Any] = []
+        try:
+            assert running.wait(REAL_TIMEOUT)
+
+            def c_calls() -> None:
+                calls.append(task.apply_async((1,), {"extra": 3}, task_id="C"))
+
+            hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1", c_calls)
+            with pytest.raises(LockNotAcquiredError):
+                deliver_kw(published.headers[1], 2)
+        finally:
+            gate.set()
+            first.join(REAL_TIMEOUT)
+        assert calls[0].id == a.id, f"C handed {calls[0].id}; B ({b.id}) failed"
+        assert runs == [1]
+
+    def test_a_copy_superseded_while_it_waits_for_the_run_lease_ends_revoked(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        clock: FakeClock,
+    ) -> None:  # fmt: skip
+        """B claims its tombstone, then waits for the run lease longer than its claim lasts (a
+        stall, or a holder that outlives lock_ttl + lock_wait); a call that read B's queued
+        lease before B arrived takes the lapsed tombstone. B, once it holds the run lease,
+        finds the claim no longer its own: it ends REVOKED "superseded by" that call, without
+        its body, and leaves the run key free."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.lapsed", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        b = task.delay(1)
+        tomb = f"superseded:{b.id}"
+
+        def stall_then_superseded() -> None:
+            clock.advance(31)  # past the claim's ttl (lock_ttl 30 + lock_wait 0)
+            assert store.acquire(tomb, queued_owner(task.name, "C", 0), 60_000) is not None
+
+        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
+                  stall_then_superseded)  # fmt: skip
+        with pytest.raises(Ignore):
+            deliver(task, published.headers[0], deferred=False)
+        assert bodies.runs == []
+        assert task.AsyncResult(b.id).state == states.REVOKED
+        assert "superseded by C" in str(task.AsyncResult(b.id).result)
+        assert store.get("k:1") is None
+        assert parse_owner(store.get(tomb).owner).task_id == "C"  # type: ignore[union-attr]
+
+    def test_a_key_handed_back_while_the_claim_had_lapsed_is_freed_by_the_copy(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch,
+        clock: FakeClock,
+    ) -> None:  # fmt: skip
+        """B's claim lapses while it waits for the run lease; a call that read B's queued lease
+        before B arrived supersedes it, fails to publish and hands the queued key back under
+        B's owner, removing its tombstone (see _withdraw). B takes its claim again once it holds
+        the run lease, runs, and frees that key: it is left to no copy that would free it."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.handed-back", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        b = task.delay(1)
+        qkey, b_owner = published.headers[0][unique_module.HEADER]
+
+        def lapsed_then_handed_back() -> None:
+            clock.advance(31)  # past the claim's ttl (lock_ttl 30 + lock_wait 0)
+            tomb, c_owner = f"superseded:{b.id}", queued_owner(task.name, "C", 0)
+            assert store.acquire(tomb, c_owner, 60_000) is not None  # C supersedes B
+            assert store.acquire(qkey, b_owner, 60_000) is not None  # C's publish failed
+            store.release(tomb, c_owner)
+
+        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
+                  lapsed_then_handed_back)  # fmt: skip
+        assert deliver(task, published.headers[0], deferred=False) == 1
+        assert bodies.runs == [(b.id, 0)]
+        assert store.get(qkey) is None, "the key handed back to B is left held"
+        assert task.apply_async((1,), task_id="N").id == "N"
+
+    def test_the_claim_lasts_the_wait_for_the_run_lease(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The claim is taken for lock_ttl + lock_wait: a copy waiting lock_wait for the run
+        lease cannot be superseded meanwhile."""
+        ran: list[int] = []
+
+        @app.task(
+            name="d.claim-ttl", base=LockedTask, lock_key="k:{n}", lock_wait=50, lock_ttl=30,
+            lock_unique="while_queued", lock_debounce=1, shared=False,
+        )  # fmt: skip
+        def body(n: int) -> int:
+            ran.append(n)
+            return n
+
+        task = body._get_current_object()
+        b = task.delay(1)
+        claims: list[int] = []
+        real = store.acquire
+
+        def acquire(key: str, owner: str, ttl_ms: int) -> Any:
+            if key == f"superseded:{b.id}":
+                claims.append(ttl_ms)
+            return real(key, owner, ttl_ms)
+
+        monkeypatch.setattr(store, "acquire", acquire)
+        deliver(task, published.headers[0], deferred=False)
+        assert claims and set(claims) == {80_000}
+        assert ran == [1]
+        assert store.get(f"superseded:{b.id}") is None
+
+    def test_a_lost_reply_on_the_claim_leaves_nothing_held(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """until_done with debounce: the claim takes effect and its reply is lost; the copy ends
+        FAILURE without its body. Neither its queued key nor its claim stays held: the next
+        call is published, not handed the failed copy's id."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.lost-claim", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        a = task.delay(1)
+        real = store.acquire
+        lost: list[bool] = []
+
+        def acquire(key: str, owner: str, ttl_ms: int) -> Any:
+            token = real(key, owner, ttl_ms)
+            if not lost and key.startswith("superseded:"):
+                lost.append(True)
+                raise StoreUnavailableError("reply lost after the effect")
+            return token
+
+        monkeypatch.setattr(store, "acquire", acquire)
+        with pytest.raises(StoreUnavailableError):
+            deliver(task, published.headers[0], deferred=False)
+        assert store.get(f"superseded:{a.id}") is None
+        assert store.get("queued:k:1") is None
+        assert task.apply_async((1,), task_id="N").id == "N"
+        assert bodies.runs == []
+
+    def test_a_store_error_on_the_run_lease_leaves_nothing_held(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """until_done with debounce: the claim stands, then taking the run lease raises. The copy
+        ends FAILURE without its body; its queued key and its claim are free: the next call is
+        published."""
+        bodies = Bodies()
+        task = define_recorded(app, "d.run-error", bodies, lock_unique="until_done",
+                               lock_debounce=1, lock_ttl=30)  # fmt: skip
+        a = task.delay(1)
+        op = _run_op(store)
+        real = getattr(store, op)
+        failed: list[bool] = []
+
+        def failing(key: str, owner: str, ttl_ms: int) -> Any:
+            if key == "k:1" and not failed:
+                failed.append(True)
+                raise StoreUnavailableError("run acquire failed")
+            return real(key, owner, ttl_ms)
+
+        monkeypatch.setattr(store, op, failing)
+        with pytest.raises(StoreUnavailableError):
+            deliver(task, published.headers[0], deferred=False)
+        assert store.get(f"superseded:{a.id}") is None
+        assert store.get("queued:k:1") is None
+        assert task.apply_async((1,), task_id="N").id == "N"
+        assert bodies.runs == []
