@@ -66,7 +66,7 @@ from celery_lease._celery import unique as unique_module
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import parse_owner
 from celery_lease.stores.base import LeaseInfo
-from celery_lease.testing import FakeClock
+from celery_lease.testing import FakeClock, drain
 
 START = 1_767_225_600.0
 """The fake clock's reading at the start of every run (2026-01-01T00:00:00Z)."""
@@ -116,6 +116,7 @@ class Actor:
     wake_at: float | None = None  # a sleeping caller's time
     error: BaseException | None = None
     go: threading.Event = dataclasses.field(default_factory=threading.Event)
+    current: Message | None = None  # a slot's delivery in progress
 
 
 @dataclasses.dataclass
@@ -128,6 +129,7 @@ class Body:
     started: int
     ended: int | None = None
     retried: bool = False
+    killed: bool = False
 
 
 @dataclasses.dataclass
@@ -258,6 +260,8 @@ class World:
         self.queue: list[Message] = []
         self.published: list[Message] = []
         self.faults_left = scenario.faults
+        self.kills_left = scenario.kills
+        self.killed_ids: set[str] = set()  # the copies whose delivery died with its slot
         self.bodies: list[Body] = []
         self.active: dict[str, list[Body]] = {}
         self.calls: list[Call] = []
@@ -292,6 +296,10 @@ class World:
         an actor at its first point. Any other thread that is no actor (the main thread
         reading the results) passes through."""
         actor = self.actor()
+        if self.abandoned:  # the run is over: threads still in it go on unscheduled, or stop
+            if actor is not None and actor.kind != "background":
+                raise Stop
+            return None
         if actor is None:
             if not threading.current_thread().name.startswith("celery-lease-dispatch"):
                 self.timeline.append(
@@ -370,6 +378,42 @@ class World:
             return actor.wake_at <= now
         return True
 
+    @staticmethod
+    def _busy(actor: Actor) -> bool:
+        """A slot in the middle of a delivery (not a killed one: it runs nothing any more)."""
+        return (
+            actor.kind == "slot"
+            and actor.state == "parked"
+            and actor.pending not in ("take", "start")
+        )
+
+    def _kill(self, actor: Actor) -> None:
+        """The slot's process dies where it is parked: it runs nothing more (its thread is let
+        out unscheduled after the run, its store calls refused), its body no longer runs, and
+        an ``acks_late`` message goes back to the queue (redelivered at once)."""
+        actor.state = "killed"
+        self.kills_left -= 1
+        for running in self.active.values():
+            for body in [b for b in running if b.slot == actor.name]:
+                running.remove(body)
+                body.killed = True
+        msg = actor.current
+        if msg is not None:
+            self.killed_ids.add(msg.task_id)
+        acks_late = bool(self.scenario.options.get("acks_late"))
+        if msg is not None and acks_late:
+            self.queue.append(
+                dataclasses.replace(msg, seq=next(self.seqs), eta=self.now(), redelivered=True)
+            )
+        self.timeline.append(
+            Event(
+                self.step,
+                actor.name,
+                f"killed at {actor.pending}",
+                f"{msg.task_id if msg else '-'} {'redelivered' if acks_late else 'lost (acked)'}",
+            )
+        )
+
     def _clock_target(self, now: float) -> float | None:
         times = [m.eta for m in self.queue if m.eta > now]
         times += [a.wake_at for a in self.actors if a.state == "parked" and a.wake_at is not None]
@@ -377,9 +421,7 @@ class World:
         if not future:
             return None
         target = min(future)
-        busy = any(
-            a.kind == "slot" and a.state == "parked" and a.pending != "take" for a in self.actors
-        )
+        busy = any(self._busy(a) for a in self.actors)
         if busy and target - now >= RUN_TTL / 3:
             return None  # see the module docstring: only while no delivery runs
         return target
@@ -409,6 +451,8 @@ class World:
                 labels.append("clock")
             if not labels:
                 break
+            if self.kills_left > 0:
+                labels += [f"kill {a.name}" for a in self.actors if self._busy(a)]
             self.step += 1
             choice = self.strategy.pick("schedule", labels, last)
             self.choices.append(choice)
@@ -418,6 +462,10 @@ class World:
                 self.timeline.append(
                     Event(self.step, "clock", f"advance to +{self.now() - START:g}s")
                 )
+                self.last = None
+                continue
+            if labels[choice].startswith("kill "):
+                self._kill(next(a for a in self.actors if f"kill {a.name}" == labels[choice]))
                 self.last = None
                 continue
             chosen = options[choice]
@@ -432,7 +480,8 @@ class World:
         stuck = [
             a
             for a in self.actors
-            if a.state not in ("done", "idle") and not (a.kind == "slot" and a.pending == "take")
+            if a.state not in ("done", "idle", "killed")
+            and not (a.kind == "slot" and a.pending == "take")
         ]
         if stuck:
             raise Stuck(
@@ -440,7 +489,7 @@ class World:
             )
         self.stopping = True
         for actor in self.actors:
-            if actor.state in ("done", "idle"):
+            if actor.state in ("done", "idle", "killed"):
                 continue
             with self.cond:
                 self.running = actor
@@ -449,7 +498,7 @@ class World:
             self._settled()
         for actor in self.actors:
             assert actor.thread is not None
-            if actor.kind != "background":
+            if actor.kind != "background" and actor.state != "killed":
                 actor.thread.join(REAL_TIMEOUT)
 
     def _main(self, actor: Actor) -> None:
@@ -472,11 +521,16 @@ class World:
                 self.cond.notify_all()
 
     def abandon(self) -> None:
-        """Let every parked actor out (a stuck run): slots and callers stop, a dispatcher
-        thread finishes its callback unscheduled, so that no later run waits for it."""
+        """Let every parked actor out (a stuck run, killed slots): slots and callers stop, a
+        dispatcher thread finishes its callback unscheduled; returns once they did, so that
+        no later run meets them."""
         self.abandoned = True
         for actor in list(self.actors):
             actor.go.set()
+        for actor in list(self.actors):
+            if actor.kind != "background" and actor.thread is not None:
+                actor.thread.join(REAL_TIMEOUT)
+        drain(REAL_TIMEOUT)
 
     def choose(self, kind: str, options: Sequence[str]) -> str:
         choice = self.strategy.pick(kind, options, None)
@@ -556,6 +610,8 @@ class World:
         return body
 
     def body_end(self, body: Body) -> None:
+        if body.killed:
+            return  # its slot was killed: this is its thread let out after the run
         body.ended = self.step
         self.active[body.key].remove(body)
 
@@ -754,10 +810,11 @@ class Scenario:
     slots: int = 2
     faults: int = 0
     broker_faults: tuple[str, ...] = ("fail", "lost-reply", "twice")
+    kills: int = 0
     retry_once: bool = False
     debounced: bool = False
     bound: int = 2
-    dfs_limit: int = 600
+    dfs_limit: int = 500
 
     def describe(self) -> str:
         return f"--scenario {self.name}"
@@ -821,6 +878,23 @@ SCENARIOS = {
             ((_call(1, 1),), (_call(1, 2),)),
             faults=1,
             retry_once=True,
+            bound=1,
+        ),
+        # until_done, acks_late: a slot's process may die anywhere in a delivery (its message
+        # is redelivered; its leases expire on the clock).
+        Scenario(
+            "killed-slot",
+            {"lock_unique": "until_done", "acks_late": True},
+            ((_call(1, 1),), (_call(1, 2),)),
+            kills=1,
+            bound=1,
+        ),
+        # A debounced burst, acks_late, one slot may die.
+        Scenario(
+            "killed-debounce",
+            {**DEBOUNCE, "acks_late": True},
+            ((_call(1, 1),), (_call(1, 2),)),
+            kills=1,
             bound=1,
         ),
         # A group with two members of one key, and a plain call of that key.
@@ -986,6 +1060,7 @@ def run_once(scenario: Scenario, strategy: Strategy) -> Outcome:
                     w.abandon()
                     return Outcome(scenario, strategy, w, list(w.violations))
                 violations = check(w, app, store)
+                w.abandon()  # killed slots' threads end now, their store calls refused
         finally:
             unique_module.clock = saved_clock
             WORLD = None
@@ -1028,6 +1103,9 @@ def _slot(w: World, app: Celery, task: Any, tracer: Any, name: str) -> Callable[
         while True:
             event = w.point("take")
             msg = w.take()
+            actor = w.actor()
+            assert actor is not None
+            actor.current = msg
             w.taken_at[msg.task_id] = w.step
             if event is not None:
                 event.what = (
@@ -1060,6 +1138,7 @@ def _slot(w: World, app: Celery, task: Any, tracer: Any, name: str) -> Callable[
                 )
                 state = f"{state} (requeued)"
             w.timeline.append(Event(w.step, name, f"delivery of {msg.task_id} ends", str(state)))
+            actor.current = None
 
     return run
 
@@ -1103,7 +1182,8 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
         with an error), or the call raised; a SUCCESS is never stored for an id whose body
         never ran;
     I8  nothing is left held once nothing runs or waits: no run key, no queued key (the
-        tombstones ``superseded:<id>`` expire by themselves).
+        tombstones ``superseded:<id>`` expire by themselves, and so do the leases of a killed
+        slot's copy, within the run ttl).
     """
     violations = list(w.violations)
     finals = _finals(w)
@@ -1149,7 +1229,11 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                 f"I5 {tid} succeeded (its body ran and returned, SUCCESS stored) yet its failure"
                 f" path fired: {fired[tid]}"
             )
-    if w.scenario.debounced and w.faults_left == w.scenario.faults:
+    if (
+        w.scenario.debounced
+        and w.faults_left == w.scenario.faults
+        and w.kills_left == w.scenario.kills
+    ):
         for key in sorted({b.key for b in w.bodies} | {"acct:1"}):
             firsts = [
                 m
@@ -1209,7 +1293,14 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                 f"I7 {call.caller}'s call{call.args} ({tid}) ends {state} {result!r}: neither a"
                 " body run nor a reason"
             )
-    held = [info for info in store.inner.list("") if not info.key.startswith(prefix)]
+    dead = {b.task_id for b in w.bodies if b.killed} | w.killed_ids
+    held = [
+        info
+        for info in store.inner.list("")
+        if not info.key.startswith(prefix)
+        # a killed slot's leases free themselves within the run ttl, as documented
+        and not (parse_owner(info.owner).task_id in dead and info.expires_in <= RUN_TTL)
+    ]
     for info in held:
         violations.append(
             f"I8 {info.key!r} is still held by {_who(info.owner)} once nothing runs or waits"
