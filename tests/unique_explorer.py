@@ -57,9 +57,10 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from celery import Celery, group, states
+from celery import Celery, chord, group, states
 from celery.app.trace import build_tracer
 from celery.backends.base import KeyValueStoreBackend
+from celery.signals import after_task_publish, before_task_publish
 
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease._celery import settings as lease_settings
@@ -262,6 +263,7 @@ class World:
         self.published: list[Message] = []
         self.faults_left = scenario.faults
         self.kills_left = scenario.kills
+        self.plain_ran: set[str] = set()  # ids of tasks without a lock that ran (chord bodies)
         self.killed_ids: set[str] = set()  # the copies whose delivery died with its slot
         self.bodies: list[Body] = []
         self.active: dict[str, list[Body]] = {}
@@ -540,9 +542,8 @@ class World:
 
     # the broker --------------------------------------------------------------------------------
 
-    def publish(self, name: str, message: Any, **options: Any) -> None:
+    def publish(self, name: str, message: Any) -> None:
         headers = dict(message.headers)
-        headers.update(options.get("headers") or {})  # as Celery's send_task_message merges them
         args, kwargs, embed = message.body
         task_id = headers["id"]
         eta = _wall(headers.get("eta")) or self.now()
@@ -611,8 +612,8 @@ class World:
         return body
 
     def body_end(self, body: Body) -> None:
-        if body.killed:
-            return  # its slot was killed: this is its thread let out after the run
+        if body.killed or body.ended is not None:
+            return  # its slot was killed (its thread let out after the run), or ended already
         body.ended = self.step
         self.active[body.key].remove(body)
 
@@ -724,6 +725,7 @@ class ExploredBackend(KeyValueStoreBackend):  # type: ignore[misc]
     """Celery's key/value result backend over the run's dict; reads and writes are points."""
 
     thread_safe = True  # one instance for every actor, as one server is
+    implements_incr = True  # chords count their members here (no chord_unlock polling)
 
     def _data(self) -> dict[str, Any]:
         return world().results
@@ -829,6 +831,10 @@ def _group(*members: tuple[Any, ...]) -> tuple[Any, ...]:
     return ("group", members)
 
 
+def _chord(*members: tuple[Any, ...]) -> tuple[Any, ...]:
+    return ("chord", members)
+
+
 def _sleep(seconds: float) -> tuple[Any, ...]:
     return ("sleep", seconds)
 
@@ -898,6 +904,14 @@ SCENARIOS = {
             kills=1,
             bound=1,
         ),
+        # Two overlapping chords: (1, 2) then (2, 3) on keys acct:1..3.
+        Scenario(
+            "chord-duplicates",
+            {"lock_unique": "until_done"},
+            ((_chord((1, 1), (2, 1)),), (_chord((2, 2), (3, 2)),)),
+            bound=1,
+            dfs_limit=300,
+        ),
         # A group with two members of one key, and a plain call of that key.
         Scenario(
             "group-duplicates",
@@ -959,22 +973,60 @@ def _app_for(scenario: Scenario) -> tuple[Celery, Any, ExploredStore, Any]:
             w.point(f"body {request.id} args={(account, n)} token={request.lock_token} runs")
             if retry_once and not request.retries:
                 body.retried = True
+                # The body's work ends here: retry() releases the run lease early (before its
+                # publish, by design), so another copy may start while it publishes.
+                w.body_end(body)
                 raise self.retry(countdown=1)
         finally:
             w.body_end(body)
         return n
 
+    @app.task(name=f"explore-callback.{scenario.name}", shared=False)
+    def joined(results: list[int]) -> list[int]:
+        """A chord's body (no lock): what its header returned."""
+        return results
+
     app.now = lambda: datetime.fromtimestamp(world().now(), timezone.utc)  # type: ignore[method-assign]
     app.amqp.send_task_message = _send_task_message  # the broker
     task = sync._get_current_object()
     app.finalize()
-    tracer = build_tracer(task.name, task, app=app, eager=False, propagate=False)
-    _apps[scenario.name] = (app, task, store, tracer)
+    tracers = {
+        t.name: build_tracer(t.name, t, app=app, eager=False, propagate=False)
+        for t in (task, joined._get_current_object())
+    }
+    _apps[scenario.name] = (app, task, store, tracers)
     return _apps[scenario.name]
 
 
-def _send_task_message(producer: Any, name: str, message: Any, **options: Any) -> None:
-    world().publish(name, message, **options)
+def _send_task_message(
+    producer: Any,
+    name: str,
+    message: Any,
+    exchange: str | None = None,
+    routing_key: str | None = None,
+    headers: dict[str, Any] | None = None,
+    **options: Any,
+) -> None:
+    """Celery's ``amqp.send_task_message`` around the explored broker: the custom headers
+    merged into the message's, ``before_task_publish`` sent before (celery-lease's early
+    release of a task publishing its own id listens there), ``after_task_publish`` after."""
+    headers2 = message.headers
+    headers2.update(headers or {})
+    exchange, routing_key = exchange or "", routing_key or "celery"
+    before_task_publish.send(
+        sender=name,
+        body=message.body,
+        exchange=exchange,
+        routing_key=routing_key,
+        declare=[],
+        headers=headers2,
+        properties=message.properties,
+        retry_policy={},
+    )
+    world().publish(name, message)
+    after_task_publish.send(
+        sender=name, body=message.body, headers=headers2, exchange=exchange, routing_key=routing_key
+    )
 
 
 @contextlib.contextmanager
@@ -1082,9 +1134,14 @@ def _caller(
                 if kind == "call":
                     result = task.apply_async(value)
                     call.ids = [str(result.id)]
-                else:
+                elif kind == "group":
                     result = group(task.s(*member) for member in value).apply_async()
                     call.ids = [str(r.id) for r in result.results]
+                else:  # a chord: the members, then its body's id
+                    callback = task.app.tasks[f"explore-callback.{w.scenario.name}"]
+                    header = group(task.s(*member) for member in value)
+                    result = chord(header)(callback.s())
+                    call.ids = [str(r.id) for r in result.parent.results] + [str(result.id)]
             except Exception as exc:
                 call.raised = repr(exc)
             w.timeline.append(
@@ -1127,11 +1184,17 @@ def _slot(w: World, app: Celery, task: Any, tracer: Any, name: str) -> Callable[
                 },
                 **msg.embed,
             }
-            result = tracer(msg.task_id, list(msg.args), msg.kwargs, request)
+            if msg.name not in tracer:
+                tracer[msg.name] = build_tracer(
+                    msg.name, app.tasks[msg.name], app=app, eager=False, propagate=False
+                )
+            result = tracer[msg.name](msg.task_id, list(msg.args), msg.kwargs, request)
             state = (
                 getattr(result.info, "state", None) if result.info is not None else states.SUCCESS
             )
             w.traced.append((msg.task_id, name, str(state)))
+            if msg.name != task.name and state == states.SUCCESS:
+                w.plain_ran.add(msg.task_id)  # a chord's body: no lock, no Body record
             rejected = getattr(result.info, "retval", None) if state == states.REJECTED else None
             if getattr(rejected, "requeue", False):  # Reject(requeue=True): the broker keeps it
                 w.queue.append(
@@ -1267,7 +1330,7 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                     f" copy {newest.task_id}{newest.args} (bodies run:"
                     f" {', '.join(f'{b.task_id}{b.args}' for b in ran) or 'none'})"
                 )
-    ran_ids = {b.task_id for b in w.bodies}
+    ran_ids = {b.task_id for b in w.bodies} | w.plain_ran
 
     def resolved(tid: str, seen: frozenset[str] = frozenset()) -> bool:
         if tid in ran_ids:
