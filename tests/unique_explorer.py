@@ -277,7 +277,7 @@ class World:
         self.taken_at: dict[str, int] = {}  # task id -> the step its latest delivery was taken
         self.choices: list[int] = []  # every decision taken: ``--choices`` replays the run
         self.max_running = 0  # the most actors seen running at once (1: the scheduler holds)
-        self.store_history: list[tuple[str, tuple[Any, ...], Any]] = []
+        self.store_history: list[tuple[str, tuple[Any, ...], Any, int]] = []  # with its step
 
     # ids and time ------------------------------------------------------------------------------
 
@@ -682,7 +682,7 @@ class ExploredStore:
                 event.result = f"raised {exc!r}"
             raise
         if w is not None:
-            w.store_history.append((op, args, result))
+            w.store_history.append((op, args, result, w.step))
         if event is not None:
             event.result = _show(result)
         return result
@@ -1236,11 +1236,12 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
     I4  a superseded copy (its tombstone taken by another call) ends REVOKED, never FAILURE, and
         fires no failure path (on_failure, link_error errbacks);
     I5  a copy whose body succeeded fires no failure path;
-    I6  debounce (no fault injected): a superseded copy never runs its body, and once the
-        calls go quiet the newest copy (the last one published that nobody superseded) ran its
-        body; except where that copy met the run key held by an earlier copy that ran
-        its body (a call made during a run, due before the run released: ``on_held`` with
-        ``lock_wait`` decides, as documented for ``"while_queued"``);
+    I6  debounce (no fault injected): a copy superseded before its body began never runs it
+        (a caller that stalls across a whole run supersedes nothing: its call comes after the
+        run), and once the calls go quiet the newest copy (the last one published that nobody
+        superseded) ran its body; except where that copy met the run key held by an earlier
+        copy that ran its body (a call made during a run, due before the run released:
+        ``on_held`` with ``lock_wait`` decides, as documented for ``"while_queued"``);
     I7  every call's work is done by a body run of its id, or its id ends with a reason (REVOKED
         with one, "superseded by X" leading to a copy that ran or ended with a reason; FAILURE
         with an error), or the call raised; a SUCCESS is never stored for an id whose body
@@ -1268,13 +1269,15 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                 " with nothing left to run (it never becomes ready)"
             )
     superseded: dict[str, str] = {}
+    superseded_at: dict[str, int] = {}  # the step at which another call took its tombstone
     prefix = unique_module.superseded_key("", "")
-    for op, args, result in w.store_history:
+    for op, args, result, step in w.store_history:
         if op == "acquire" and result is not None and str(args[0]).startswith(prefix):
             old = str(args[0])[len(prefix) :]
             writer = parse_owner(str(args[1])).task_id
             if writer is not None and writer != old:
                 superseded.setdefault(old, writer)
+                superseded_at.setdefault(old, step)
     fired: dict[str, list[str]] = {}
     for tid, what in w.failure_path:
         fired.setdefault(tid, []).append(what)
@@ -1309,7 +1312,9 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
             ]
             ran = [b for b in w.bodies if b.key == key]
             for body in ran:
-                if body.task_id in superseded:
+                # A tombstone taken after the body started (a caller that stalled across the
+                # whole run) supersedes nothing: that call is a new one, after the run.
+                if body.task_id in superseded and superseded_at[body.task_id] < body.started:
                     violations.append(
                         f"I6 {body.task_id}{body.args} runs its body although"
                         f" {superseded[body.task_id]} superseded it"
