@@ -909,6 +909,9 @@ def on_start(
         sent_at=now,
         max_hold_at=None,
         on_lost=functools.partial(_queued_lost, qkey),
+        # Its owner id is the copy's, shared with a retry or a redelivered copy that takes the
+        # key again: a loss must not free it under them; QueuedHold.end frees or keeps it.
+        free_on_loss=False,
     )
     # Its expiry set to ``ttl`` now, so that from here a worker that dies mid-body leaves the
     # key to expire within ``ttl``, not within what was left of ``queue_ttl``: sent without

@@ -35,11 +35,15 @@ recorded (by the renewer, the watchdog or a reader of ``Lease.lost``), a renewal
 landed on the store: one answered too late, one whose reply was lost after it took effect, one
 still in flight. It extended the key by a whole ttl that nobody will use, and every other holder
 would be kept out until it runs out. So the renewer releases such a key, owner-checked, on its
-own thread as soon as no renewal of it is in flight (:meth:`Renewer._free_lapsed`), while the
-body may still run; the holder's exit releases it again, which is harmless. A key lost as
-``"taken"`` or ``"released"`` is not ours any more and is left alone; the owner check makes a
-release that comes after another owner took the key a no-op in any case. A renewal that lands
-after the release finds no lease of ours and is refused, so it cannot bring the key back.
+dispatcher (never on the renewer thread: a release that hangs must not stop the renewals of the
+other leases) as soon as the loss is notified, while the body may still run; the holder's exit
+releases it again, which is harmless. A renewal still in flight changes nothing: one that lands
+after the release finds no lease of ours and is refused (a renewal never creates a key), one that
+lands before it is undone by it. A key lost as ``"taken"`` or ``"released"`` is not ours any more
+and is left alone; the owner check makes a release that comes after another owner took the key
+a no-op in any case. An entry made with ``free_on_loss=False`` is never released this way: its
+owner id is shared by design (the queued lease of a unique copy, which a retry or a redelivered
+copy takes again under the same owner) and its holder frees or keeps the key itself.
 
 **No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
 lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
@@ -154,6 +158,7 @@ class Entry:
         "closed",
         "due",
         "finalized",
+        "free_on_loss",
         "inflight",
         "key",
         "landed",
@@ -184,6 +189,7 @@ class Entry:
         max_hold_at: float | None,
         on_lost: Callable[[str], None],
         token: int | None = None,
+        free_on_loss: bool = True,
     ) -> None:
         self.store = store
         self.key = key
@@ -206,6 +212,9 @@ class Entry:
         self.redo: Callable[[], None] | None = None  # run by the renewer after the flight
         self.finalized = False  # the holder's release (or cooldown) was sent
         self.refused = False  # the store refused a renewal answered while the exit waited for it
+        # After an "expired" or "max_hold" loss, the key is released owner-checked on the
+        # dispatcher (module docstring); False where the owner id is shared by design.
+        self.free_on_loss = free_on_loss
 
     def overdue(self, now: float) -> str | None:
         """``"max_hold"`` or ``"expired"`` when the lease is past that deadline at ``now``."""
@@ -252,9 +261,6 @@ class Renewer:
         self._watch_wake = threading.Event()
         self._stopping = False
         self._observers: tuple[_Observer, ...] = ()
-        # Entries recorded lost by expiry whose key the renewer thread releases (see the module
-        # docstring); under the lock.
-        self._lapsed: list[Entry] = []
         self.sweeps = 0
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
 
@@ -494,9 +500,6 @@ class Renewer:
         entry.lost_reason = reason
         entry.closed = True
         self._forget(entry)
-        if reason in FREED_ON_LOSS:
-            self._lapsed.append(entry)
-            self._wake.set()  # the renewer thread frees it (after a renewal in flight returns)
 
     def _forget(self, entry: Entry) -> None:
         """Drop a closed ``entry`` from the held ones, noting when the renewer became idle.
@@ -538,6 +541,7 @@ class Renewer:
         stop the renewal, or the loss reports, of every other lease of the process.
         """
         for entry, reason in losses:
+            _free_lost_key(entry, reason)
             try:
                 entry.on_lost(reason)
             except BaseException:
@@ -551,6 +555,7 @@ class Renewer:
         ``Lease.lost``. Called outside every lock; an ``Exception`` it raises is logged, anything
         else (an interrupt of the calling thread) propagates.
         """
+        _free_lost_key(entry, reason)
         try:
             entry.on_lost(reason)
         except Exception:
@@ -615,8 +620,8 @@ class Renewer:
                     exit_at = idle_since + IDLE_EXIT
                     # Look again every IDLE_POLL seconds, so that a new lease due later than
                     # that needs no wake-up call (add() wakes the thread only for earlier ones).
-                    self._next_wake = now if self._lapsed else min(exit_at, now + IDLE_POLL)
-                    if (now >= exit_at or self._stopping) and not self._lapsed:
+                    self._next_wake = min(exit_at, now + IDLE_POLL)
+                    if now >= exit_at or self._stopping:
                         self._thread = None
                         self._watch_wake.set()  # lets the watchdog see that the renewer is gone
                         _note_running(self, False)
@@ -659,34 +664,6 @@ class Renewer:
         if to_renew:
             self.sweeps += 1
             self._notify_watched(self._renew_group(to_renew))
-        self._free_lapsed()
-
-    def _free_lapsed(self) -> None:
-        """Release, owner-checked, the keys of the leases recorded lost by expiry.
-
-        On the renewer thread, between two sweeps: no renewal of this store is in flight then,
-        so none can land after the release and keep the key. Watched like a store call; a
-        release that fails is logged (the key then expires by itself, as before) and does not
-        stop the others, nor the renewals.
-        """
-        with self._lock:
-            lapsed, self._lapsed = self._lapsed, []
-        if not lapsed:
-            return
-        self._begin_io()
-        try:
-            for entry in lapsed:
-                try:
-                    entry.store.release(entry.key, entry.owner)
-                except BaseException as exc:  # the renewer thread outlives any store error
-                    logger.warning(
-                        "celery-lease: freeing the key of the lost lease %r failed (%s);"
-                        " it expires within its ttl",
-                        entry.key,
-                        exc,
-                    )
-        finally:
-            self._end_io()
 
     def _notify_watched(self, losses: list[tuple[Entry, str]]) -> None:
         """Notify ``losses`` on the renewer thread, watched like a store call.
@@ -965,6 +942,34 @@ class Renewer:
         self._wake.set()
         self._watch_wake.set()
         return threads
+
+
+def _free_lost_key(entry: Entry, reason: str) -> None:
+    """Have the dispatcher release the key of ``entry``, lost for ``reason``, owner-checked,
+    when that reason means a renewal may have kept the key for nothing (:data:`FREED_ON_LOSS`).
+
+    Called where a recorded loss is notified, outside every lock. Never raises.
+    """
+    if reason not in FREED_ON_LOSS or not entry.free_on_loss:
+        return
+    try:
+        get_dispatcher().submit(_release_lost, entry, f"release of the lost lease {entry.key!r}")
+    except Exception:  # pragma: no cover - the key then expires by itself, as before
+        logger.exception("celery-lease: could not hand over the release of %r", entry.key)
+
+
+def _release_lost(entry: Entry) -> None:
+    """Release the key of a lost ``entry`` owner-checked; a store error is logged (the key then
+    expires within its ttl, as it would have without this release)."""
+    try:
+        entry.store.release(entry.key, entry.owner)
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: freeing the key of the lost lease %r failed (%s);"
+            " it expires within its ttl",
+            entry.key,
+            exc,
+        )
 
 
 RenewalObserver = Callable[[str, int | None, float, bool | None], object]

@@ -1,10 +1,10 @@
 """A lease lost by expiry while its renewal's reply was held frees its key on a real Redis.
 
-The renewal reaches the server and extends the key by a whole ttl; its reply is held by a proxy
-until the lease has been recorded lost ("expired"). Nothing renews the key any more, yet without
-a release it would keep every other holder out until it runs out. The server's active expiry is
-off, so the key can only go by a ``DEL``: the test sees whether the renewer released it while the
-body still runs, with no race against the server's expiry cycle.
+The renewal reaches the server and extends the key; its reply is held by a proxy until the lease
+has been recorded lost ("expired"). Nothing renews the key any more, yet without a release it
+would keep every other holder out until it expires. The test then stretches the key's expiry
+far past the test and turns the server's active expiry off, so the key can only go by a ``DEL``:
+it sees whether the key was released while the body still runs, with no race against expiry.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -21,11 +22,13 @@ from celery_lease import lease
 from celery_lease.stores.redis import RedisLockStore
 from tests.faults.tcp_proxy import TcpProxy
 from tests.fixtures_redis import RedisServer
+from tests.unit.core_faults import poll_until
 
 pytestmark = pytest.mark.slow
 
-TTL = 1.5  # seconds: the renewal leaves at ttl/3, the loss is recorded at the validity
+TTL = 1.5  # seconds: renewals leave every ttl/3, the loss is recorded at the validity
 WAIT = 10.0  # real seconds a step may take on a loaded machine before the test fails
+KEY = "celery-lease:{k}:lease"
 
 
 @contextlib.contextmanager
@@ -59,6 +62,19 @@ def keyspace_events(client: redis.Redis, key: str) -> Iterator[queue.Queue[str]]
         pubsub.close()
 
 
+def renewal_landed(client: redis.Redis) -> None:
+    """Wait (real time) until the lease's expiry goes up again: a renewal reached the server."""
+    deadline = time.monotonic() + WAIT
+    last = client.pttl(KEY)
+    while time.monotonic() < deadline:
+        left = client.pttl(KEY)
+        if left > last:
+            return
+        last = left
+        time.sleep(0.005)
+    raise AssertionError(f"no renewal of {KEY!r} reached the server in {WAIT} s")
+
+
 def first_of(events: queue.Queue[str], wanted: set[str]) -> str | None:
     """The first event in ``wanted`` within ``WAIT`` real seconds, else None."""
     try:
@@ -83,10 +99,19 @@ def test_a_lease_lost_while_its_renewal_reply_is_held_is_released(
         )
         try:
             with (
-                keyspace_events(direct, "celery-lease:{k}:lease") as events,
+                keyspace_events(direct, KEY) as events,
                 lease("k", store=store, ttl=TTL) as held,
             ):
-                proxy.hold_replies()  # the first renewal lands; its reply waits in the proxy
+                # One renewal answered first: its connection is open, so the next renewal's
+                # request needs no reply before it reaches the server.
+                entry = held._entry
+                assert entry is not None
+                poll_until(lambda: entry.renewals >= 1, timeout=WAIT, what="a first renewal")
+                proxy.hold_replies()  # the next renewal lands; its reply waits in the proxy
+                renewal_landed(direct)
+                # As if that renewal had a long ttl: the key can then only go by a DEL, however
+                # long this machine takes between the steps below.
+                direct.pexpire(KEY, 600_000)
                 assert held.wait_lost(WAIT), "the lease was not recorded lost at its validity"
                 reason = held.lost_reason
                 proxy.restore()  # the renewal's late answer reaches the renewer

@@ -2,8 +2,8 @@
 
 The renewal that may still have landed (its answer came back too late, or never came back) can
 have extended the key on the server by a whole ttl; nobody renews it any more, yet every other
-holder would be kept out until it expires. The renewer releases it, owner-checked, as soon as the
-loss is recorded and no renewal of it is in flight, while the body may still run.
+holder would be kept out until it expires. The key is released, owner-checked, on the dispatcher
+as soon as the loss is notified, while the body may still run.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import threading
 import pytest
 
 from celery_lease import MemoryLockStore, StoreUnavailableError, lease
+from celery_lease._core.dispatch import drain
+from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 from tests.unit.core_faults import poll_until
@@ -188,3 +190,69 @@ class TestOneFaultyRelease:
                 clock.advance(10.0)
                 store.wait_renewals(1 + n)
             assert not kept.lost
+
+
+class TestAReleaseThatHangs:
+    def test_the_other_leases_of_the_store_are_still_renewed(self, clock: FakeClock) -> None:
+        """The release of the lost lease hangs in the store (a dead node, a locked row): it
+        runs on the dispatcher, so the renewer goes on renewing the store's other lease."""
+        in_release = threading.Event()
+        go = threading.Event()
+
+        class HungRelease(LateAnswerStore):
+            def release(self, key: str, owner: str) -> bool:
+                if key == "lost" and not go.is_set():
+                    in_release.set()
+                    go.wait(REAL_TIMEOUT * 6)  # longer than every wait of the test
+                return super().release(key, owner)
+
+        store = HungRelease(clock)
+        try:
+            with (
+                lease("kept", store=store, ttl=30, clock=clock) as kept,
+                lease("lost", store=store, ttl=3, clock=clock) as lost,
+            ):
+                store.late_key = "lost"
+                store.answer_at = lost.acquired_at + 3.0
+                clock.advance(1.0)
+                assert lost.wait_lost(REAL_TIMEOUT)
+                assert in_release.wait(REAL_TIMEOUT), "the lost lease's key was released"
+                for n in range(1, 4):  # "kept" is due every 10 s; "lost" was renewed once
+                    clock.advance(10.0)
+                    store.wait_renewals(1 + n)
+                assert not kept.lost
+                go.set()
+        finally:
+            go.set()
+        assert holder(store, "lost") is None
+
+
+class TestASharedOwner:
+    def test_an_entry_made_not_to_free_its_key_keeps_it_after_a_loss(
+        self, clock: FakeClock
+    ) -> None:
+        """``free_on_loss=False`` (a unique copy's queued lease, whose owner id a retry or a
+        redelivered copy takes again): the loss is reported, the key is left to its holder."""
+        store = LateAnswerStore(clock)
+        store.acquire("q", "shared-owner", 3000)
+        lost = threading.Event()
+        entry = Entry(
+            store=store,
+            key="q",
+            owner="shared-owner",
+            ttl=3,
+            sent_at=clock.monotonic(),
+            max_hold_at=None,
+            on_lost=lambda _: lost.set(),
+            free_on_loss=False,
+        )
+        renewer = get_renewer(clock, store)
+        store.late_key = "q"
+        store.answer_at = clock.monotonic() + 3.0
+        renewer.add(entry)
+        clock.advance(1.0)
+        assert lost.wait(REAL_TIMEOUT)
+        assert entry.lost_reason == "expired"
+        assert drain(), "every loss notification and hand-over ran"
+        renewer.remove(entry)
+        assert holder(store, "q") == "shared-owner"
