@@ -22,6 +22,7 @@ from celery_lease.errors import (
     LockLostError,
     LockNotAcquiredError,
     ReplicaLagError,
+    RestartGraceError,
     StoreUnavailableError,
 )
 from celery_lease.stores import _registry
@@ -67,6 +68,7 @@ __all__ = [
     "PostgresLockStore",
     "RedisLockStore",
     "ReplicaLagError",
+    "RestartGraceError",
     "SQLiteLockStore",
     "StoreUnavailableError",
     "SupportsAcquireOrHolder",

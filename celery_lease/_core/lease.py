@@ -46,6 +46,7 @@ from celery_lease.errors import (
     LockLostError,
     LockNotAcquiredError,
     ReplicaLagError,
+    RestartGraceError,
 )
 from celery_lease.stores.base import (
     AsyncLockStore,
@@ -830,7 +831,7 @@ class LeaseContext:
         waits_on: Clock | None = None
         idle = self.cancel
         tries = 0
-        lagging: ReplicaLagError | None = None
+        lagging: ReplicaLagError | RestartGraceError | None = None
         while True:
             if self.cancel is not None and self.cancel.is_set():
                 raise LockNotAcquiredError(self.key, "cancelled")
@@ -838,9 +839,10 @@ class LeaseContext:
             try:
                 token = store.acquire(self.key, owner, ttl_ms)
                 lagging = None
-            except ReplicaLagError as exc:
-                # The replicas did not confirm it and the store released it: asked again
-                # within the wait like a held key, raised when the wait runs out.
+            except (ReplicaLagError, RestartGraceError) as exc:
+                # The replicas did not confirm it and the store released it, or a restart
+                # grace refused the key: asked again within the wait like a held key, raised
+                # when the wait runs out.
                 token, lagging = None, exc
             except BaseException:
                 # The attempt may have taken effect and lost its reply: free it (the owner id
