@@ -23,6 +23,7 @@ from celery_lease.errors import (
     LockLostError,
     LockNotAcquiredError,
     ReplicaLagError,
+    RestartGraceError,
     StoreUnavailableError,
 )
 from celery_lease.stores import _registry
@@ -68,6 +69,7 @@ __all__ = [
     "PostgresLockStore",
     "RedisLockStore",
     "ReplicaLagError",
+    "RestartGraceError",
     "SQLiteLockStore",
     "StoreUnavailableError",
     "SupportsAcquireOrHolder",

@@ -7,7 +7,8 @@
     │   └── AlreadyQueuedError        a unique task's copy holds the key (``on_duplicate="raise"``)
     ├── LockLostError                 a held lease was lost (not renewed in time, taken, max_hold)
     ├── StoreUnavailableError         the store could not be reached or answered with an error
-    │   └── ReplicaLagError           too few replicas confirmed an acquire in time (undone)
+    │   ├── ReplicaLagError           too few replicas confirmed an acquire in time (undone)
+    │   └── RestartGraceError         a server that may have lost leases refuses free keys a while
     ├── LeaseConfigError (ValueError) a bad argument or setting, raised at construction time
     ├── StaleTokenError               a fenced write refused: a newer holder already wrote
     └── MissingRowError (LookupError) a fenced update found no row to update
@@ -30,6 +31,7 @@ __all__ = [
     "LockNotAcquiredError",
     "MissingRowError",
     "ReplicaLagError",
+    "RestartGraceError",
     "StaleTokenError",
     "StoreUnavailableError",
 ]
@@ -114,6 +116,29 @@ class ReplicaLagError(StoreUnavailableError):
     """
 
     code = "REPLICA_LAG"
+
+
+class RestartGraceError(StoreUnavailableError):
+    """A free key was refused: the server may have lost leases (restarted, flushed) and is in
+    its restart grace (a Redis store's ``restart_grace``), so that their old holders hear they
+    lost them before anyone else gets their keys.
+
+    The message says why, until when and how to turn the grace off for a throwaway server.
+    :func:`lease` retries it within its ``wait``, as a held key, and raises it when the wait
+    runs out.
+
+    Attributes:
+        until: when the grace ends (Unix time in seconds, the server's clock).
+    """
+
+    code = "RESTART_GRACE"
+
+    def __init__(self, message: str, until: float) -> None:
+        super().__init__(message, until)
+        self.until = until
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class LeaseConfigError(LeaseError, ValueError):

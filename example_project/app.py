@@ -109,6 +109,9 @@ def create_app(
         result_expires=timedelta(hours=1),
         timezone="UTC",
         lease_default_ttl=env.get("EXAMPLE_LEASE_TTL") or "30s",
+        # Unset: a Redis store refuses free keys until lease_default_ttl after the server's
+        # start when the server may have lost leases (docs/stores.md, restart grace).
+        lease_restart_grace=env.get("EXAMPLE_LEASE_RESTART_GRACE"),
         beat_schedule={"nightly-report": {"task": REPORT_TASK, "schedule": schedule}},
     )
     store = env.get("EXAMPLE_LEASE_STORE")

@@ -173,6 +173,9 @@ class Demo:
             self.env["EXAMPLE_BROKER_URL"] = self.redis_url
             self.env["EXAMPLE_LEASE_STORE"] = self.redis_url
             self.env["EXAMPLE_KEY_PREFIX"] = f"celery-lease-demo-{self.run_id}:"
+            # The demo's keys are its own and deleted at its end: a restart grace would only
+            # hold it up on a Redis started moments ago.
+            self.env["EXAMPLE_LEASE_RESTART_GRACE"] = "0"
         self.events_file.touch()
 
         with _environ(self.env):  # importing the app here must not touch the default data dir

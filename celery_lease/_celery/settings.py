@@ -16,9 +16,10 @@ setting (``app.conf``)          meaning                                built-in 
 ``lease_store_check``           a store that does not answer at        ``"refuse"``
                                 worker start: ``"refuse"``, ``"warn"``
                                 or ``"off"`` (see the startup module)
-``lease_restart_grace``         how long a Redis store built from a    ``lease_default_ttl``
-                                URL refuses free keys after the
-                                server lost its data (duration; 0 off)
+``lease_restart_grace``         how long after its start a Redis       ``lease_default_ttl``
+                                server that may have lost leases
+                                refuses free keys to a store built
+                                from a URL (duration; 0 off)
 ``lease_require_shared_store``  refuse the host-local SQLite           ``False``
                                 fallback (bool; see :func:`get_store`)
 ==============================  =====================================  ========================

@@ -61,7 +61,12 @@ from celery_lease._core.lease import (
     to_ms,
 )
 from celery_lease._core.threaded_store import ThreadedAsyncStore
-from celery_lease.errors import LockLostError, LockNotAcquiredError, ReplicaLagError
+from celery_lease.errors import (
+    LockLostError,
+    LockNotAcquiredError,
+    ReplicaLagError,
+    RestartGraceError,
+)
 from celery_lease.stores.base import AsyncLockStore
 
 # split_async_store: the Celery layer's task path splits a store as lease() does
@@ -154,7 +159,7 @@ async def _acquire(
     deadline = started + ctx.wait
     interval = POLL_FIRST
     tries = 0
-    lagging: ReplicaLagError | None = None
+    lagging: ReplicaLagError | RestartGraceError | None = None
     while True:
         if ctx.cancel is not None and ctx.cancel.is_set():
             raise LockNotAcquiredError(ctx.key, "cancelled")
@@ -162,7 +167,9 @@ async def _acquire(
         try:
             token = await astore.acquire(ctx.key, owner, ttl_ms)
             lagging = None
-        except ReplicaLagError as exc:  # released by the store: asked again within the wait
+        except (ReplicaLagError, RestartGraceError) as exc:
+            # Refused for now (released by the store, or a restart grace): asked again within
+            # the wait like a held key, raised when the wait runs out.
             token, lagging = None, exc
         except BaseException:
             # Cancelled or failed: the attempt may have taken effect with its reply lost.

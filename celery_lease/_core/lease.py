@@ -46,6 +46,7 @@ from celery_lease.errors import (
     LockLostError,
     LockNotAcquiredError,
     ReplicaLagError,
+    RestartGraceError,
 )
 from celery_lease.stores.base import (
     AsyncLockStore,
@@ -851,7 +852,7 @@ class LeaseContext:
         waits_on: Clock | None = None
         idle = self.cancel
         tries = 0
-        lagging: ReplicaLagError | None = None
+        lagging: ReplicaLagError | RestartGraceError | None = None
         while True:
             if self.cancel is not None and self.cancel.is_set():
                 raise LockNotAcquiredError(self.key, "cancelled")
@@ -864,9 +865,10 @@ class LeaseContext:
                 else:
                     token = store.acquire(self.key, owner, ttl_ms)
                 lagging = None
-            except ReplicaLagError as exc:
-                # The replicas did not confirm it and the store released it: asked again
-                # within the wait like a held key, raised when the wait runs out.
+            except (ReplicaLagError, RestartGraceError) as exc:
+                # The replicas did not confirm it and the store released it, or a restart
+                # grace refused the key: asked again within the wait like a held key, raised
+                # when the wait runs out.
                 token, lagging = None, exc
                 if self.names_holder:
                     self.refused_by = None  # refused by the replicas, not by a holder

@@ -42,9 +42,7 @@ __all__ = [
     "HELD_MARK",
     "INSPECT",
     "INSPECT_SCRIPT",
-    "MARK",
     "MARKER",
-    "MARKER_SCRIPT",
     "NOT_A_LEASE",
     "RELEASE",
     "RELEASE_SCRIPT",
@@ -54,13 +52,13 @@ __all__ = [
     "RENEW_MANY_SCRIPT",
     "RENEW_SCRIPT",
     "REPLICA_TIMEOUT",
-    "RESTART_GRACE",
     "RETRIED",
     "SIGNAL_TTL_MS",
     "SOCKET_TIMEOUT",
     "STORE_OPTIONS",
     "TOKEN_TTL_MS",
     "WITH_GRACE",
+    "Grace",
     "Script",
     "SentinelURL",
     "blpop_slice",
@@ -70,8 +68,6 @@ __all__ = [
     "error_text",
     "failed",
     "glob_escape",
-    "grace_detail",
-    "grace_end",
     "host_port",
     "in_grace",
     "int_or_none",
@@ -140,21 +136,21 @@ followed by the end of the grace (server time in microseconds)."""
 
 # KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
 # ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms; with
-# KEYS[3]: ARGV[4] the marker epoch the caller saw before ('' for none), ARGV[5] the restart
-# grace in microseconds.
+# KEYS[3]: ARGV[4] the restart grace in microseconds.
 # Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
 # lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
 # acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
 # counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
 # after a lost reply gets its lease back. A lease key holding another type (a foreign writer's
 # value) is left as it is and answered with the NOT_A_LEASE error reply.
-# Restart grace (with KEYS[3]): the marker hash {epoch, until} is written at first use (epoch:
-# the server time then) and has no expiry, so it is gone only when the server lost its data (a
-# restart without persistence, a flush). A caller that saw an epoch before and finds no marker,
-# or another epoch, knows the leases held before were lost with their holders not yet told: a
-# free key is then refused with GRACE_MARK .. until (server time in microseconds) until ARGV[5]
-# after the new epoch began. A caller that saw no epoch cannot tell a new server from an emptied
-# one and starts none.
+# Restart grace (with KEYS[3]), decided by the server, atomically with the grant: the marker hash
+# {boot, started, cause} names the server run (INFO's run_id, new at every start) that wrote it
+# and when that run started (TIME - uptime, microseconds). A marker that is missing (a new
+# server, one restarted without persistence, a flush) or names another run (a restart that
+# reloaded an RDB snapshot or AOF, which may lack the newest leases; a failover) is rewritten
+# for this run with cause 'new' or 'restored'. A free key is then refused until ARGV[4] after
+# this run started: GRACE_MARK .. until .. ':' .. cause .. ':' .. started (microseconds). A
+# held key is answered as ever; a server up longer than the grace refuses nothing.
 ACQUIRE_SCRIPT = _lua(
     """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
@@ -171,23 +167,21 @@ end
 local now = redis.call('TIME')
 local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
 if KEYS[3] then
-    local mark = redis.call('HMGET', KEYS[3], 'epoch', 'until')
-    local epoch, hold = mark[1], tonumber(mark[2] or '0')
-    if not epoch then
-        epoch, hold = string.format('%d', floor), 0
-        if ARGV[4] ~= '' then
-            hold = floor + tonumber(ARGV[5])
-        end
-        redis.call('HSET', KEYS[3], 'epoch', epoch, 'until', string.format('%d', hold))
-    elseif ARGV[4] ~= '' and epoch ~= ARGV[4] then
-        local bound = tonumber(epoch) + tonumber(ARGV[5])
-        if bound > hold then
-            hold = bound
-            redis.call('HSET', KEYS[3], 'until', string.format('%d', hold))
-        end
+    local info = redis.call('INFO', 'server')
+    local boot = string.match(info, 'run_id:(%x+)')
+    local mark = redis.call('HMGET', KEYS[3], 'boot', 'started', 'cause')
+    local started, cause = tonumber(mark[2] or '0'), mark[3]
+    if mark[1] ~= boot then
+        local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+        started = (tonumber(now[1]) - uptime) * 1000000
+        cause = mark[1] and 'restored' or 'new'
+        redis.call('HSET', KEYS[3], 'boot', boot, 'started', string.format('%d', started),
+            'cause', cause)
     end
+    local hold = started + tonumber(ARGV[4])
     if floor < hold then
-        return 'GRACE_MARK' .. string.format('%d', hold)
+        return 'GRACE_MARK' .. string.format('%d', hold) .. ':' .. cause .. ':'
+            .. string.format('%d', started)
     end
 end
 local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
@@ -309,21 +303,6 @@ return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
 )
 
 
-# KEYS[1] the store's marker hash.
-# Returns the marker's epoch (server TIME in microseconds when it was written, a decimal
-# string), writing the marker {epoch, until = 0} first when there is none: how a store learns
-# the epoch at its first acquire (see ACQUIRE_SCRIPT's restart grace).
-MARKER_SCRIPT = """
-local epoch = redis.call('HGET', KEYS[1], 'epoch')
-if not epoch then
-    local now = redis.call('TIME')
-    epoch = string.format('%d', tonumber(now[1]) * 1000000 + tonumber(now[2]))
-    redis.call('HSET', KEYS[1], 'epoch', epoch, 'until', '0')
-end
-return epoch
-"""
-
-
 @dataclass(frozen=True)
 class Script:
     """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
@@ -347,9 +326,8 @@ class Script:
 
 ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
-ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 5))
-ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 5))
-MARK = Script(MARKER_SCRIPT)
+ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 4))
+ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 4))
 WITH_GRACE = {ACQUIRE: ACQUIRE_WITH_GRACE, ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE}
 """The same acquire scripts called with the marker key and the grace arguments (the fast path
 packs another request head for them)."""
@@ -358,11 +336,6 @@ RENEW_MANY = Script(RENEW_MANY_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
-
-RESTART_GRACE = 30.0
-"""Seconds a Redis store that lost its data holds new leases (``restart_grace``'s default when
-built without one): the built-in default ttl, the longest a holder of a default lease may go
-on without hearing it lost it."""
 
 MARKER = "marker"
 """The name after the prefix of the store's marker hash (``celery-lease:marker``)."""
@@ -373,19 +346,54 @@ def in_grace(reply: Any) -> bool:
     return isinstance(reply, (bytes, str)) and reply[:1] in (b"~", "~")
 
 
-def grace_end(reply: bytes | str) -> float:
-    """The end of the grace a :func:`in_grace` reply names, in seconds of the server's clock."""
-    return int(reply[1:]) / 1_000_000
+@dataclass(frozen=True)
+class Grace:
+    """A restart grace an acquire script refused a free key for (see ``ACQUIRE_SCRIPT``).
+
+    Attributes:
+        until: when the grace ends, in seconds of the server's clock (Unix time).
+        started: when the server's current run started, in seconds of its clock.
+        cause: ``"new"`` (the server had no marker: a new server, a restart without
+            persistence, a flush) or ``"restored"`` (its marker named another run: a restart
+            that reloaded a snapshot or AOF, or a failover to a replica).
+    """
+
+    until: float
+    started: float
+    cause: str
+
+    @classmethod
+    def parse(cls, reply: bytes | str) -> Grace:
+        """The grace an :func:`in_grace` reply names."""
+        until, cause, started = text(reply)[1:].split(":")
+        return cls(int(until) / 1_000_000, int(started) / 1_000_000, cause)
+
+    def explain(self, restart_grace: float, now: float) -> str:
+        """Why the grace is on, until when and how to turn it off (for a log or an error);
+        ``now`` is the caller's Unix time (for "started N s ago")."""
+        if self.cause == "restored":
+            why = (
+                "with a marker of another server run (a restart that reloaded a snapshot or an "
+                "AOF, which may lack the newest leases, or a failover)"
+            )
+        else:
+            why = (
+                "without this store's marker (a new server, or one restarted without "
+                "persistence, or flushed: the leases it held may be lost)"
+            )
+        age = max(0.0, now - self.started)
+        return (
+            f"refused by the restart grace: the server started {age:.0f} s ago "
+            f"({_utc(self.started)} UTC) {why}; free keys are refused until "
+            f"{_utc(self.until)} UTC (restart_grace={restart_grace:g} s from the server's "
+            "start), so that a holder of a lost lease hears it lost it first. For a throwaway "
+            "server (tests, CI) turn it off: restart_grace=0 on the store (?restart_grace=0 "
+            "in its URL) or the Celery setting lease_restart_grace=0"
+        )
 
 
-def grace_detail(until: float, restart_grace: float, key: str) -> str:
-    """What a store logs (after its address) when a restart grace first refuses a key."""
-    return (
-        "the server lost the leases it held (restarted without persistence, or flushed): free "
-        f"keys are refused until {time.strftime('%H:%M:%S', time.gmtime(until))} UTC "
-        f"(restart_grace={restart_grace:g} s), so that their old holders hear they lost them "
-        f"first (first refused: {key!r})"
-    )
+def _utc(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(seconds))
 
 
 def check_restart_grace(value: object, name: str = "restart_grace") -> float:

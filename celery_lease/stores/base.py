@@ -102,9 +102,8 @@ class SupportsAcquireOrHolder(Protocol):
 
         Returns ``(token, None)`` when ``owner`` took (or, holding it, re-took) the key, exactly as
         ``acquire`` would, and ``(None, holder)`` when ``holder`` holds a live lease on it (which
-        is left as it was), or ``(None, None)`` when the key is free but refused for a while (a
-        Redis store's restart grace). Store errors raise ``StoreUnavailableError``, as
-        ``acquire``'s do.
+        is left as it was). Store errors raise ``StoreUnavailableError``, as ``acquire``'s do
+        (a Redis store in its restart grace raises its subclass ``RestartGraceError``).
         """
         ...
 

@@ -5,7 +5,7 @@ Keys, for the user key ``account:42`` and the default prefix::
     celery-lease:{account:42}:lease    hash {owner, token}, PEXPIRE = ttl (Redis expires it)
     celery-lease:{account:42}:token    the last token issued, a decimal string
     celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
-    celery-lease:marker                hash {epoch, until}, no expiry: the restart grace's marker
+    celery-lease:marker                hash {boot, started, cause}, no expiry: the grace's marker
 
 The hash tag ``{account:42}`` puts the three keys of a lease in one Redis Cluster slot, so every
 script touches a single slot. The prefix (no braces allowed) keeps them apart from the keys of
@@ -30,11 +30,13 @@ holder is either renewed on the master that takes over or told its lease is lost
 docs/stores.md (Redis) says exactly what is and is not guaranteed.
 
 Restart grace: a server that lost its data (restarted without persistence, flushed) forgets
-every lease before its holders hear of it. The marker hash is written at a store's first
-acquire and never expires; a store that saw it and finds it gone (or replaced) refuses free
-keys for ``restart_grace`` seconds, so that no second holder gets a key its old holder may still
-believe it holds (Chubby's lock-delay). A store that never saw the marker cannot tell a new
-server from an emptied one and starts no grace; docs/stores.md says what that leaves open.
+every lease before its holders hear of it. With ``restart_grace`` set, the acquire script itself
+(atomically, no extra round trip) compares the marker hash with the server's current run
+(``INFO server``'s ``run_id``): a marker missing or naming another run means the server may
+have lost leases, and free keys are refused (``RestartGraceError``) until ``restart_grace``
+after the server STARTED, so that no second holder gets a key its old holder may still believe
+it holds (Chubby's lock-delay). Every store and process sees the same grace; a server up longer
+than the grace refuses nothing. docs/stores.md says what that leaves open.
 
 Nothing read from Redis is ever unpickled: values are plain strings and integers.
 """
@@ -66,7 +68,12 @@ from redis.retry import Retry
 
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import Duration, to_seconds
-from celery_lease.errors import LeaseConfigError, ReplicaLagError, StoreUnavailableError
+from celery_lease.errors import (
+    LeaseConfigError,
+    ReplicaLagError,
+    RestartGraceError,
+    StoreUnavailableError,
+)
 from celery_lease.stores._redis_common import (
     ACQUIRE,
     ACQUIRE_OR_HOLDER,
@@ -78,7 +85,6 @@ from celery_lease.stores._redis_common import (
     HELD_MARK,
     INSPECT,
     INSPECT_SCRIPT,
-    MARK,
     MARKER,
     RELEASE,
     RELEASE_SCRIPT,
@@ -88,12 +94,12 @@ from celery_lease.stores._redis_common import (
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     REPLICA_TIMEOUT,
-    RESTART_GRACE,
     RETRIED,
     SIGNAL_TTL_MS,
     SOCKET_TIMEOUT,
     TOKEN_TTL_MS,
     WITH_GRACE,
+    Grace,
     Script,
     SentinelURL,
     blpop_slice,
@@ -103,8 +109,6 @@ from celery_lease.stores._redis_common import (
     error_text,
     failed,
     glob_escape,
-    grace_detail,
-    grace_end,
     host_port,
     in_grace,
     int_or_none,
@@ -255,14 +259,14 @@ class RedisLockStore:
         replica_timeout: how long (a duration: seconds, ``"250ms"``) one ``WAIT`` may block.
             Default: the URL's ``replica_timeout``, else 0.2 s; must be shorter than the
             client's ``socket_timeout``.
-        restart_grace: how long (a duration) a server that lost its data (restarted without
-            persistence, or flushed) refuses free keys, so that every holder of a lease lost
-            with it hears of the loss first; set it to the longest ttl in use (0 turns it
-            off). The store knows the server lost its data when the marker hash
-            (:attr:`marker_key`) it saw before is gone or replaced; a store that never saw it
-            (a new process on a new or emptied server) cannot tell and starts no grace.
-            Default: the URL's ``restart_grace``, else 30 s (the default ttl); 0 on a
-            Cluster, which does not support it (its keys live in many slots).
+        restart_grace: how long (a duration), counted from the server's start, a server
+            that may have lost leases (its marker hash :attr:`marker_key` missing: restarted
+            without persistence, flushed, new; or naming another server run: restarted from
+            a snapshot or AOF, failed over) refuses free keys with ``RestartGraceError``, so
+            that every holder of a lost lease hears of the loss first; set it to the longest
+            ttl in use in production (0 turns it off). Default: the URL's ``restart_grace``,
+            else 0 (off: a library primitive does what it is told; a store built from the
+            Celery settings defaults to ``lease_default_ttl``). Not supported on a Cluster.
 
     Raises:
         LeaseConfigError: for a bad URL, client, prefix, ``min_replicas``,
@@ -311,8 +315,6 @@ class RedisLockStore:
         self._replica_timeout = self._resolve_replica_timeout(replica_timeout, options)
         self._restart_grace = self._resolve_restart_grace(restart_grace, options)
         self._grace_until = 0.0  # the end of the last grace logged (server seconds)
-        self._epoch: str | None = None
-        """The marker epoch this store saw (None: none yet; see ACQUIRE_SCRIPT)."""
         self._secrets = _secrets_of(self._client)
         # acquire / renew / release of a plain standalone client skip redis-py's command
         # machinery (see celery_lease.stores._redis_fast); Sentinel (its master check), WAIT
@@ -364,7 +366,7 @@ class RedisLockStore:
             value = options.get("restart_grace")
         cluster = isinstance(self._client, redis.cluster.RedisCluster)
         if value is None:
-            return 0.0 if cluster else RESTART_GRACE
+            return 0.0
         seconds = check_restart_grace(value)
         if seconds and cluster:
             raise LeaseConfigError(
@@ -376,15 +378,18 @@ class RedisLockStore:
 
     @property
     def restart_grace(self) -> float:
-        """Seconds a server that lost its data refuses free keys (0: no grace)."""
+        """Seconds after its start a server that may have lost leases refuses free keys
+        (0: no grace)."""
         return self._restart_grace
 
     @property
     def marker_key(self) -> str:
-        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{epoch, until}``.
+        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{boot, started,
+        cause}``.
 
-        Written at first use, never expiring: its absence tells a store that saw it before
-        that the server lost its data (see ``restart_grace``).
+        Written by the first acquire of each server run (``boot``: INFO's ``run_id``), never
+        expiring: missing, or naming another run, it tells the acquire script that the server
+        may have lost leases (see ``restart_grace``).
         """
         return self._prefix + MARKER
 
@@ -758,11 +763,12 @@ class RedisLockStore:
 
     def acquire_or_holder(self, key: str, owner: str, ttl_ms: int) -> tuple[int | None, str | None]:
         """:meth:`acquire`; when refused, ``(None, owner of the live lease)``, read by the same
-        script (one round trip: a unique task's duplicate call needs no second one), or
-        ``(None, None)`` when the key is free but a restart grace refuses it."""
+        script (one round trip: a unique task's duplicate call needs no second one).
+
+        Raises:
+            RestartGraceError: the key is free but a restart grace refuses it.
+        """
         reply = self._take(ACQUIRE_OR_HOLDER, key, owner, ttl_ms)
-        if reply is None:
-            return None, None
         if refused(reply):
             return None, self._decode(reply)[len(HELD_MARK) :]
         return int(reply), None
@@ -775,15 +781,18 @@ class RedisLockStore:
         return value
 
     def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
-        """Run an acquire ``script``; its raw reply (a token, or the script's refusal), None
-        when a restart grace refused a free key."""
+        """Run an acquire ``script``; its raw reply (a token, or the script's refusal).
+
+        Raises:
+            RestartGraceError: a restart grace refused a free key.
+        """
         base = self._base(key)
         keys: tuple[str, ...] = (base + ":lease", base + ":token")
         args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
         if self._restart_grace:
             script = WITH_GRACE[script]
             keys += (self.marker_key,)
-            args += (self._seen_epoch(key), round(self._restart_grace * 1_000_000))
+            args += (round(self._restart_grace * 1_000_000),)
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             reply = self._call("acquire", partial(self._eval, script, keys, args), key)
             return self._outside_grace(key, reply)
@@ -820,28 +829,26 @@ class RedisLockStore:
             logger.warning("%s; asked again within the caller's wait", error)
             raise error
 
-    def _seen_epoch(self, key: str) -> str:
-        """The marker epoch this store saw: read (and the marker written when there is none)
-        at its first acquire, one round trip more once per store."""
-        if self._epoch is None:
-            marker = (self.marker_key,)
-            epoch = self._call("acquire", lambda: self._eval(MARK, marker, ()), key)
-            self._epoch = text(epoch)
-        return self._epoch
-
     def _outside_grace(self, key: str, reply: Any) -> Any:
-        """``reply``, or None for a free key a restart grace refused (logged once a grace)."""
+        """``reply``; a refusal of a free key by a restart grace raised (logged once a grace)."""
         if not in_grace(reply):
             return reply
-        until = grace_end(reply)
-        if until != self._grace_until:
-            self._grace_until = until
-            logger.warning(
-                "Redis store %s: %s",
-                self._where(),
-                grace_detail(until, self._restart_grace, key),
-            )
-        return None
+        grace = Grace.parse(reply)
+        error = RestartGraceError(
+            self._redact(
+                error_text(
+                    self._where(),
+                    "acquire",
+                    key,
+                    grace.explain(self._restart_grace, SYSTEM_CLOCK.time()),
+                )
+            ),
+            grace.until,
+        )
+        if grace.until != self._grace_until:
+            self._grace_until = grace.until
+            logger.warning("%s", error)
+        raise error
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         if self._fast is not None:

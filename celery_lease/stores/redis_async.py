@@ -44,18 +44,23 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from celery_lease.durations import to_seconds
-from celery_lease.errors import LeaseConfigError, ReplicaLagError, StoreUnavailableError
+from celery_lease.errors import (
+    LeaseConfigError,
+    ReplicaLagError,
+    RestartGraceError,
+    StoreUnavailableError,
+)
 from celery_lease.stores._redis_common import (
     ACQUIRE,
     CONFIRM_WINDOW,
     DEFAULT_PREFIX,
-    MARK,
     RELEASE,
     RENEW,
     RETRIED,
     SIGNAL_TTL_MS,
     SOCKET_TIMEOUT,
     TOKEN_TTL_MS,
+    Grace,
     Script,
     blpop_slice,
     check_restart_grace,
@@ -63,8 +68,6 @@ from celery_lease.stores._redis_common import (
     describe_server,
     error_text,
     failed,
-    grace_detail,
-    grace_end,
     host_port,
     in_grace,
     master_address,
@@ -76,7 +79,6 @@ from celery_lease.stores._redis_common import (
     sentinel_connection_kwargs,
     socket_timeout_of,
     split_store_options,
-    text,
     what,
 )
 from celery_lease.stores.base import LockStore, LoopBinding, redact_url
@@ -181,7 +183,8 @@ class AsyncRedisLockStore:
             :class:`RedisLockStore` (default: the URL's, else 1 under Sentinel, else 0).
         replica_timeout: how long one ``WAIT`` may block (a duration), as in
             :class:`RedisLockStore`.
-        restart_grace: how long a server that lost its data refuses free keys (a duration),
+        restart_grace: how long after its start a server that may have lost leases refuses
+            free keys (a duration),
             as in :class:`RedisLockStore` (default: the twin's).
 
     Raises:
@@ -263,7 +266,6 @@ class AsyncRedisLockStore:
                 )
         self._restart_grace = sync.restart_grace
         self._grace_until = 0.0  # the end of the last grace logged (server seconds)
-        self._epoch: str | None = None
         """The marker epoch this store saw (None: none yet; see ACQUIRE_SCRIPT)."""
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
@@ -417,7 +419,7 @@ class AsyncRedisLockStore:
         args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
         if self._restart_grace:
             keys += (self._sync.marker_key,)
-            args += (await self._seen_epoch(key), round(self._restart_grace * 1_000_000))
+            args += (round(self._restart_grace * 1_000_000),)
 
         async def run() -> tuple[Any, int | None]:
             await self._follow_master()
@@ -436,11 +438,9 @@ class AsyncRedisLockStore:
                 await self._settle_cancelled_acquire(attempt, key, owner)
                 raise
             asks += 1
-            token = None if reply is None or in_grace(reply) else int(reply)
-            if in_grace(reply) and grace_end(reply) != self._grace_until:
-                self._grace_until = grace_end(reply)
-                detail = grace_detail(self._grace_until, self._restart_grace, key)
-                logger.warning("Redis store %s: %s", self._where(), detail)
+            if in_grace(reply):
+                raise self._grace_error(key, Grace.parse(reply))
+            token = None if reply is None else int(reply)
             if token is None or acks is None or acks >= self._min_replicas:
                 return token
             # A replica a moment behind confirms a later ask (see CONFIRM_WINDOW).
@@ -456,18 +456,17 @@ class AsyncRedisLockStore:
             logger.warning("%s; asked again within the caller's wait", error)
             raise error
 
-    async def _seen_epoch(self, key: str) -> str:
-        """The marker epoch this store saw: read (and the marker written when there is none)
-        at its first acquire, as the sync store does."""
-        if self._epoch is None:
-            marker = (self._sync.marker_key,)
-
-            async def read() -> Any:
-                await self._follow_master()
-                return (await self._eval(MARK, marker, ()))[0]
-
-            self._epoch = text(await self._call("acquire", read, key))
-        return self._epoch
+    def _grace_error(self, key: str, grace: Grace) -> RestartGraceError:
+        """The error of a free key a restart grace refused (logged once a grace), as the sync
+        store's."""
+        detail = grace.explain(self._restart_grace, time.time())
+        error = RestartGraceError(
+            self._redact(error_text(self._where(), "acquire", key, detail)), grace.until
+        )
+        if grace.until != self._grace_until:
+            self._grace_until = grace.until
+            logger.warning("%s", error)
+        return error
 
     async def _settle_cancelled_acquire(
         self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str

@@ -75,6 +75,8 @@ def make_app(broker: str, directory: str, queue: str) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         task_default_queue=queue,
+        # A throwaway redis-server started by this session: no restart grace (see docs/stores.md).
+        lease_restart_grace=0,
     )
 
     @app.task(name="kc.hold", base=LockedTask, lock_key="kc:{run}", lock_ttl="30s", shared=False)

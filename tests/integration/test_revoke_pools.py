@@ -54,6 +54,8 @@ def make_app(broker: str, directory: str) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         result_serializer="json",
+        # A throwaway redis-server started by this session: no restart grace (see docs/stores.md).
+        lease_restart_grace=0,
     )
     out = Path(directory)
     revoke = {"base": LockedTask, "lock_ttl": "0.6s", "lock_on_lost": "revoke", "shared": False}

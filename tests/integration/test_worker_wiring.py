@@ -85,6 +85,7 @@ LAYOUTS: dict[str, dict[str, str]] = {
             )
             app.conf.lease_metrics = "prometheus"
             app.conf.lease_metrics_port = 0
+            app.conf.lease_restart_grace = 0  # the session's throwaway redis-server
             app.conf.task_default_queue = os.environ["WW_QUEUE"]
             """,
         "proj/tasks.py": TASKS
@@ -112,6 +113,7 @@ LAYOUTS: dict[str, dict[str, str]] = {
             CELERY_TASK_DEFAULT_QUEUE = os.environ["WW_QUEUE"]
             CELERY_LEASE_METRICS = "prometheus"
             CELERY_LEASE_METRICS_PORT = 0
+            CELERY_LEASE_RESTART_GRACE = 0  # the session's throwaway redis-server
             """,
         "proj/celery.py": """
             import os

@@ -41,6 +41,8 @@ def make_app(broker: str, backend: str, directory: str, store: str = "") -> Cele
     app = Celery("uq", broker=broker, backend=backend, set_as_current=False)
     app.conf.update(
         lease_store=store,
+        # A throwaway redis-server started by this session: no restart grace (see docs/stores.md).
+        lease_restart_grace=0,
         task_acks_late=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,

@@ -45,6 +45,8 @@ def make_app(
     app = Celery("it", broker=broker, backend=backend, set_as_current=False)
     app.conf.update(
         lease_store=store,
+        # A throwaway redis-server started by this session: no restart grace (see docs/stores.md).
+        lease_restart_grace=0,
         result_serializer=result_serializer,
         accept_content=["json", "pickle"],
         result_accept_content=["json", "pickle"],

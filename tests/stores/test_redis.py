@@ -22,7 +22,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from celery_lease import lease
-from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.errors import LeaseConfigError, RestartGraceError, StoreUnavailableError
 from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LockStore, store_from_url
 from celery_lease.stores.redis import (
@@ -213,16 +213,14 @@ class TestKeysAndValues:
     def test_keys_carry_the_prefix_and_a_hash_tag_on_the_user_key(
         self, redis_url: str, redis_client: redis.Redis
     ) -> None:
-        """Lease, counter and signal are <prefix>{<key>}:..., all in one cluster slot; the
-        store's marker (restart grace) is <prefix>marker, without expiry."""
+        """Lease, counter and signal are <prefix>{<key>}:..., all in one cluster slot (without
+        a restart grace no marker is written; with one it is <prefix>marker, no expiry)."""
         store = RedisLockStore(redis_url, prefix="app:")
         token = store.acquire("account:42", "worker-1", 5000)
         assert sorted(redis_client.keys("*")) == [
-            b"app:marker",
             b"app:{account:42}:lease",
             b"app:{account:42}:token",
         ]
-        assert redis_client.ttl("app:marker") == -1
         assert redis_client.hgetall("app:{account:42}:lease") == {
             b"owner": b"worker-1",
             b"token": str(token).encode(),
@@ -231,7 +229,6 @@ class TestKeysAndValues:
         assert redis_client.get("app:{account:42}:token") == str(token).encode()
         store.release("account:42", "worker-1")
         assert sorted(redis_client.keys("*")) == [
-            b"app:marker",
             b"app:{account:42}:signal",
             b"app:{account:42}:token",
         ]
@@ -777,68 +774,151 @@ class TestStoreOptions:
 
 
 class TestRestartGrace:
-    """A server that lost our data (flushed here; restarted: tests/faults) refuses free keys."""
+    """A server that may have lost leases refuses free keys until ``restart_grace`` after its
+    start (restarts: tests/faults/test_redis_restart.py). Every server here is the test's own,
+    started moments before, so a grace of an hour is always on unless the marker says
+    otherwise."""
 
-    def test_a_new_server_grants_at_once_with_the_default_grace(self, redis_url: str) -> None:
-        """A store that never saw the marker cannot tell a new server from an emptied one and
-        starts no grace: a fresh Redis in CI is no trap."""
-        store = RedisLockStore(redis_url)
+    HOUR = 3600
+
+    @staticmethod
+    def _run(client: redis.Redis) -> tuple[str, int]:
+        """The server's run id and its TIME in whole seconds."""
+        info = client.info("server")
+        return str(info["run_id"]), int(client.time()[0])
+
+    def test_a_young_server_without_the_marker_refuses_free_keys_saying_why_and_how_to_turn_it_off(
+        self,
+        redis_server_factory: Callable[..., RedisServer],
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        """Free keys raise RestartGraceError (logged once a grace) whose message names the
+        cause, the end and how to turn it off; its end is the grace after the server's start,
+        which the marker records with the server's run id. The key stays free."""
+        server = redis_server_factory()
+        store = RedisLockStore(server.url, restart_grace=self.HOUR)
         try:
-            assert store.restart_grace == 30.0
-            assert store.acquire("k", "a", LONG_MS) is not None
+            with caplog.at_level("WARNING", logger="celery_lease.stores.redis"):
+                with pytest.raises(RestartGraceError) as refused:
+                    store.acquire("k", "a", LONG_MS)
+                with pytest.raises(RestartGraceError):
+                    store.acquire_or_holder("other", "a", LONG_MS)
+            message = str(refused.value)
+            for part in (
+                "acquire 'k'",
+                "without this store's marker",
+                f"restart_grace={self.HOUR} s",
+                "restart_grace=0",
+                "lease_restart_grace=0",
+            ):
+                assert part in message, (part, message)
             marker = store.client.hgetall(store.marker_key)
-            assert marker[b"until"] == b"0" and int(marker[b"epoch"]) > 0
+            run_id, now = self._run(store.client)
+            assert marker[b"boot"].decode() == run_id and marker[b"cause"] == b"new"
+            started = int(marker[b"started"]) / 1_000_000
+            uptime = int(store.client.info("server")["uptime_in_seconds"])
+            assert started in (now - uptime, now - uptime - 1)  # TIME and INFO: two reads
+            assert refused.value.until == started + self.HOUR
+            assert time.strftime("%H:%M:%S", time.gmtime(refused.value.until)) in message
+            grace_logs = [r for r in caplog.records if "restart grace" in r.getMessage()]
+            assert len(grace_logs) == 1, [r.getMessage() for r in caplog.records]
+            assert store.get("k") is None and store.get("other") is None
         finally:
             store.close()
 
-    def test_a_flush_seen_by_a_store_that_used_the_server_holds_free_keys(
-        self, redis_url: str, caplog: pytest.LogCaptureFixture
+    def test_a_server_that_started_longer_ago_than_the_grace_grants_at_once(
+        self, redis_server_factory: Callable[..., RedisServer]
     ) -> None:
-        """After FLUSHALL a store that saw the marker refuses a free key (logged once), and so
-        does then a store that never saw it; restart_grace=0 grants at once."""
-        seen = RedisLockStore(redis_url, restart_grace=60)
-        off = RedisLockStore(redis_url, restart_grace=0)
+        """The grace counts from the server's start: with this run's marker two hours old, an
+        hour's grace is over and a free key is granted."""
+        server = redis_server_factory()
+        store = RedisLockStore(server.url, restart_grace=self.HOUR)
         try:
-            assert seen.acquire("warm", "w", LONG_MS) is not None
-            seen.client.flushall()
-            with caplog.at_level("WARNING", logger="celery_lease.stores.redis"):
-                assert seen.acquire("k", "a", LONG_MS) is None
-                assert seen.acquire_or_holder("k", "a", LONG_MS) == (None, None)
-            assert seen.get("k") is None, "the key is free: the grace refused it"
-            grace_logs = [r for r in caplog.records if "restart_grace=60 s" in r.getMessage()]
-            assert len(grace_logs) == 1, [r.getMessage() for r in caplog.records]
-            assert "first refused: 'k'" in grace_logs[0].getMessage()
-            newcomer = RedisLockStore(redis_url)
-            try:
-                assert newcomer.acquire("other", "n", LONG_MS) is None
-            finally:
-                newcomer.close()
-            token = off.acquire("k", "b", LONG_MS)
-            marker = seen.client.hgetall(seen.marker_key)
-            assert token is not None and token < int(marker[b"until"])
+            run_id, now = self._run(store.client)
+            started = (now - 2 * self.HOUR) * 1_000_000
+            store.client.hset(
+                store.marker_key, mapping={"boot": run_id, "started": started, "cause": "new"}
+            )
+            assert store.acquire("k", "a", LONG_MS) is not None
         finally:
-            seen.close()
-            off.close()
+            store.close()
 
-    def test_a_held_key_is_still_answered_during_the_grace(self, redis_url: str) -> None:
-        """The grace refuses free keys only: its holder re-takes a live lease, others are
-        refused as held."""
-        seen = RedisLockStore(redis_url, restart_grace=60)
-        off = RedisLockStore(redis_url, restart_grace=0)
+    def test_a_marker_of_another_server_run_starts_a_grace(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """A marker naming another run (a restart that reloaded a snapshot, which may lack the
+        newest leases) is a loss too: the grace counts from this run's start."""
+        server = redis_server_factory()
+        store = RedisLockStore(server.url, restart_grace=self.HOUR)
         try:
-            assert seen.acquire("warm", "w", LONG_MS) is not None
-            seen.client.flushall()
+            _, now = self._run(store.client)
+            old = {"boot": "0" * 40, "started": (now - 2 * self.HOUR) * 1_000_000, "cause": "new"}
+            store.client.hset(store.marker_key, mapping=old)
+            with pytest.raises(RestartGraceError, match="a marker of another server run"):
+                store.acquire("k", "a", LONG_MS)
+            marker = store.client.hgetall(store.marker_key)
+            assert marker[b"cause"] == b"restored" and marker[b"boot"] != b"0" * 40
+        finally:
+            store.close()
+
+    def test_a_held_key_is_still_answered_during_the_grace(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """The grace refuses free keys only: its holder re-takes a live lease, others are
+        refused as held (with the holder's name)."""
+        server = redis_server_factory()
+        grace = RedisLockStore(server.url, restart_grace=self.HOUR)
+        off = RedisLockStore(server.url, restart_grace=0)
+        try:
             token = off.acquire("k", "a", LONG_MS)
             assert token is not None
-            assert seen.acquire("k", "a", LONG_MS) == token
-            assert seen.acquire_or_holder("k", "b", LONG_MS) == (None, "a")
+            assert grace.acquire("k", "a", LONG_MS) == token
+            assert grace.acquire("k", "b", LONG_MS) is None
+            assert grace.acquire_or_holder("k", "b", LONG_MS) == (None, "a")
         finally:
-            seen.close()
+            grace.close()
             off.close()
 
+    def test_a_flush_refuses_free_keys_on_a_young_server_and_restart_grace_0_turns_it_off(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """A flush removes the marker: within the grace after the server's start free keys are
+        refused, with a message saying how to turn it off; a store with restart_grace=0 (a
+        throwaway server between tests) is granted at once, its token above the last one."""
+        server = redis_server_factory()
+        grace = RedisLockStore(server.url, restart_grace=self.HOUR)
+        off = RedisLockStore(server.url, restart_grace=0)
+        try:
+            first = off.acquire("a", "o", LONG_MS)
+            assert first is not None
+            off.release("a", "o")
+            off.client.flushdb()
+            with pytest.raises(RestartGraceError, match="restart_grace=0"):
+                grace.acquire("b", "o", LONG_MS)
+            second = off.acquire("b", "o", LONG_MS)
+            assert second is not None and second > first
+        finally:
+            grace.close()
+            off.close()
+
+    def test_lease_waits_out_the_grace_within_its_wait_and_raises_it_after(
+        self, redis_server_factory: Callable[..., RedisServer]
+    ) -> None:
+        """lease() asks again within its wait and then raises the RestartGraceError itself
+        (not a LockNotAcquiredError: nothing holds the key)."""
+        server = redis_server_factory()
+        store = RedisLockStore(server.url, restart_grace=self.HOUR)
+        try:
+            with pytest.raises(RestartGraceError), lease("k", store=store, wait=0.05):
+                pass
+        finally:
+            store.close()
+
     def test_options(self, redis_cluster_server: RedisServer, redis_cluster_url: str) -> None:
-        """restart_grace from the keyword, the URL (plain and Sentinel) or the default; a bad
-        value and a Cluster with a grace are refused naming the value."""
+        """restart_grace from the keyword, the URL (plain and Sentinel), else 0 (off: the
+        Celery settings give a store their own default); a bad value and a Cluster with a
+        grace are refused naming the value."""
+        assert RedisLockStore("redis://localhost:1/0").restart_grace == 0.0
         assert RedisLockStore("redis://localhost:1/0?restart_grace=5s").restart_grace == 5.0
         assert RedisLockStore("redis://localhost:1/0?restart_grace=0").restart_grace == 0.0
         url = "redis+sentinel://s1/svc?restart_grace=90"

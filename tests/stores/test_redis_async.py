@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import pytest
 
-from celery_lease.errors import LeaseConfigError
+from celery_lease.errors import LeaseConfigError, RestartGraceError
 from celery_lease.stores.base import AsyncLockStore, LockStore
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore
@@ -44,24 +44,23 @@ class TestAsyncRedisContract(AsyncStoreContract):
 
 @pytest.mark.redis
 class TestAsyncRestartGrace:
-    def test_a_flush_seen_by_the_store_holds_free_keys_as_the_sync_twin_does(
-        self, redis_server: RedisServer, redis_url: str
+    def test_a_young_server_without_the_marker_refuses_free_keys_as_the_sync_twin_does(
+        self, redis_server_factory: Callable[..., RedisServer], redis_url: str
     ) -> None:
-        """After FLUSHALL the async store that saw the marker refuses a free key; its grace is
-        its twin's, and a different one is refused at construction."""
+        """On a server started moments ago without the marker the async store refuses a free
+        key with RestartGraceError, as its twin does (the server decides); its grace is its
+        twin's, and a different one is refused at construction."""
+        server = redis_server_factory()
 
         async def main() -> None:
-            store = AsyncRedisLockStore(redis_url, restart_grace=60)
+            store = AsyncRedisLockStore(server.url, restart_grace=3600)
             try:
                 twin = store.sync
-                assert isinstance(twin, RedisLockStore) and twin.restart_grace == 60.0
-                assert await store.acquire("warm", "w", 60_000) is not None
-                client = redis_server.client()
-                try:
-                    client.flushall()
-                finally:
-                    client.close()
-                assert await store.acquire("k", "a", 60_000) is None
+                assert isinstance(twin, RedisLockStore) and twin.restart_grace == 3600.0
+                with pytest.raises(RestartGraceError, match="lease_restart_grace=0"):
+                    await store.acquire("k", "a", 60_000)
+                with pytest.raises(RestartGraceError):
+                    twin.acquire("k", "a", 60_000)
                 assert twin.get("k") is None  # free: the grace refused it
             finally:
                 await store.aclose()

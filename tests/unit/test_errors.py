@@ -13,6 +13,7 @@ from celery_lease import (
     LockLostError,
     LockNotAcquiredError,
     ReplicaLagError,
+    RestartGraceError,
     StoreUnavailableError,
 )
 
@@ -42,6 +43,7 @@ class TestAttributes:
             assert issubclass(cls, LeaseError)
         assert issubclass(LeaseConfigError, ValueError)
         assert issubclass(ReplicaLagError, StoreUnavailableError)
+        assert issubclass(RestartGraceError, StoreUnavailableError)
 
 
 ERRORS = [
@@ -50,6 +52,7 @@ ERRORS = [
     LockLostError("k", "taken"),
     StoreUnavailableError("redis down"),
     ReplicaLagError("acquire 'k' not confirmed"),
+    RestartGraceError("acquire 'k' refused: restart grace", 1_800_000_000.5),
     LeaseConfigError("ttl=0 must be > 0 seconds"),
 ]
 

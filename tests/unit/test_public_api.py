@@ -24,6 +24,7 @@ CONTRACT = {
     "LockLostError",
     "StoreUnavailableError",
     "ReplicaLagError",
+    "RestartGraceError",
     # Celery
     "LockedTask",
     "locked",

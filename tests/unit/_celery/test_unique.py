@@ -16,7 +16,7 @@ from celery import Celery, chord, group
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease._celery import unique as unique_module
 from celery_lease._core.owners import make_owner, parse_owner
-from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
+from celery_lease.errors import LockNotAcquiredError, RestartGraceError, StoreUnavailableError
 from celery_lease.signals import lock_duplicate
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.redis import RedisLockStore
@@ -791,6 +791,25 @@ class TestRedisUnique:
             assert published.ids == []
             info = store.get(qkey)
             assert info is not None and (info.owner, info.token) == ("!12", token)
+        finally:
+            app.close()
+            store.close()
+
+    def test_a_restart_grace_raises_its_own_error_even_with_on_duplicate_existing(
+        self, redis_server_factory: Any, published: Published
+    ) -> None:
+        """A server in its restart grace refuses the free queued key: the call raises
+        RestartGraceError (nothing holds the key, nothing was published), not an
+        AlreadyQueuedError that a caller catching duplicates would take for a queued copy."""
+        server = redis_server_factory()  # started moments ago, no marker: an hour's grace is on
+        store = RedisLockStore(server.url, restart_grace=3600)
+        app = _app(store)
+        task = _define(app, "aoh.grace", lock_unique="while_queued", lock_on_duplicate="existing")
+        try:
+            with pytest.raises(RestartGraceError, match="restart grace"):
+                task.delay(1)
+            assert published.ids == []
+            assert store.get(unique_module.queued_key("k:1", "")) is None
         finally:
             app.close()
             store.close()

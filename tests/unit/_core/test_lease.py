@@ -20,7 +20,9 @@ from celery_lease import (
     LockNotAcquiredError,
     MemoryLockStore,
     ReplicaLagError,
+    RestartGraceError,
     SQLiteLockStore,
+    StoreUnavailableError,
     current_lease,
     get_lock_token,
     lease,
@@ -225,12 +227,21 @@ class TestWaiting:
         assert gaps[:6] == [0.05, 0.1, 0.2, 0.4, 0.8, 1.0]
         assert isinstance(out.get("error"), LockNotAcquiredError)
 
+    @pytest.mark.parametrize(
+        "refusal",
+        [
+            lambda text: ReplicaLagError(text),
+            lambda text: RestartGraceError(text, 1_800_000_000.0),
+        ],
+        ids=["replica-lag", "restart-grace"],
+    )
     @pytest.mark.parametrize("lags", [2, 1000])
     def test_an_acquire_the_replicas_did_not_confirm_is_retried_within_the_wait(
-        self, clock: FakeClock, lags: int
+        self, clock: FakeClock, lags: int, refusal: Callable[[str], StoreUnavailableError]
     ) -> None:
-        """A ReplicaLagError (the store released the unconfirmed lease) is asked again within
-        wait like a held key; when the wait runs out, that error is raised, not "held"."""
+        """A ReplicaLagError (the store released the unconfirmed lease) or a RestartGraceError
+        (a server in its restart grace refused the free key) is asked again within wait like a
+        held key; when the wait runs out, that error is raised, not "held"."""
 
         class Lagging:
             def __init__(self) -> None:
@@ -240,7 +251,7 @@ class TestWaiting:
             def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
                 self.asks += 1
                 if self.asks <= lags:
-                    raise ReplicaLagError(f"acquire {key!r} not confirmed (ask {self.asks})")
+                    raise refusal(f"acquire {key!r} refused for now (ask {self.asks})")
                 return self.inner.acquire(key, owner, ttl_ms)
 
             def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
@@ -266,7 +277,7 @@ class TestWaiting:
             assert isinstance(held, Lease) and lagging.asks == 3, out
             context.__exit__(None, None, None)
         else:
-            assert isinstance(out.get("error"), ReplicaLagError), out
+            assert type(out.get("error")) is type(refusal("")), out
             assert 3 < lagging.asks < lags
 
     def test_cancel_aborts_the_wait(self, store: SpyStore, clock: FakeClock) -> None:
