@@ -1044,9 +1044,11 @@ class RedisLockStore:
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
         master at once, each on its own client, like a batch: a master that times out is not
-        asked again and fails the listing after about one socket timeout; a master that cannot
-        be reached makes the listing refresh the slot table and scan the masters it names now,
-        so the listing follows a failover as a batch does)."""
+        asked again and fails the listing after about one socket timeout; a master that fails
+        starts a slot-table refresh after the scan, never before it, and when the master could
+        not be reached and the refresh ends within one socket timeout of the listing's start,
+        the masters it names now are scanned, so the listing follows a failover as a batch
+        does)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
         client = self._client
         if isinstance(client, redis.cluster.RedisCluster):
