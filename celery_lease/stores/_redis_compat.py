@@ -66,19 +66,18 @@ def request_slot_refresh(client: RedisCluster, failed_node: str | None = None) -
 
     redis-py 8.2: ``NodesManager._request_refresh(last_failed_node_name=...)``, private; the
     request is merged with the others and run by :func:`run_requested_slot_refresh` or by the
-    client's next command. Older releases (redis-py 5) have no request: their command path
-    calls ``NodesManager.initialize()`` right away, and so does this.
+    client's next command. Older releases (redis-py 5) keep no request: nothing to do here
+    (their own command path refreshes at its own errors, and the caller runs
+    :func:`run_requested_slot_refresh` after an error of its own).
     """
-    manager = client.nodes_manager
-    request = getattr(manager, "_request_refresh", None)
+    request = getattr(client.nodes_manager, "_request_refresh", None)
     if callable(request):
         request(last_failed_node_name=failed_node)
-    else:  # pragma: no cover - redis-py before 8.2
-        manager.initialize()
 
 
 def run_requested_slot_refresh(client: RedisCluster) -> None:
-    """Run the slot-table refresh an error asked for, if there is one and it is due.
+    """Refresh the slot table after an error: the refresh requested, if it is due (redis-py
+    8.2), or at once (older releases). Call it only after an error, on one thread at a time.
 
     redis-py 8.2: ``NodesManager._refresh_requested`` and ``_run_requested_refresh(retry)``,
     private, which ``RedisCluster.execute_command`` runs before each attempt. Refreshes asked
@@ -86,10 +85,15 @@ def run_requested_slot_refresh(client: RedisCluster) -> None:
     longer after failed ones (the client's retry backoff). A refresh asks ``CLUSTER SLOTS`` of
     the known nodes in random order, the failed node last, until one answers with every slot
     covered; one that fails is logged by redis-py and asked for again, and the table in use is
-    kept. Older releases refreshed when the error happened (:func:`request_slot_refresh`):
-    nothing to run.
+    kept. Older releases (redis-py 5) have no request and no pacing, and no lock around a
+    refresh: ``NodesManager.initialize()`` runs here, asking the startup nodes in order, and
+    raises ``RedisClusterException`` (no ``RedisError``) when none answers, the table in use
+    kept. Anything may be raised: the caller catches it.
     """
     manager = client.nodes_manager
     run = getattr(manager, "_run_requested_refresh", None)
-    if callable(run) and getattr(manager, "_refresh_requested", False):
-        run(getattr(client, "retry", None))
+    if callable(run):
+        if getattr(manager, "_refresh_requested", False):
+            run(getattr(client, "retry", None))
+    else:
+        manager.initialize()

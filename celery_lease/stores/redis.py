@@ -44,7 +44,9 @@ Nothing read from Redis is ever unpickled: values are plain strings and integers
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
@@ -206,6 +208,78 @@ class _NodeWorkers:
         """Nothing to end: a batch's threads end with it."""
 
 
+_SLOTS_THREAD = "celery-lease-redis-slots"
+"""The name of the thread that refreshes a cluster store's slot table after an error."""
+
+
+class _SlotRefresh:
+    """Runs one cluster store's slot-table refreshes on a daemon thread of their own, one at a
+    time (per process), so a batch waits for one only as long as its deadline allows and a
+    refresh stuck on a hung node holds up nobody.
+
+    A refresh asked for while one runs joins it (the running one reads the cluster as it is
+    now). The thread is started for one refresh and ends with it: nothing to reset after a
+    fork (a child sees its parent's refresh as not running, by the process id, and starts its
+    own).
+    """
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self._refresh = refresh
+        self._guard = threading.Lock()  # held for a few lines, never across the refresh
+        self._running: tuple[int, threading.Event] | None = None
+
+    def start(self) -> threading.Event:
+        """Start a refresh unless one is running; the event set once the running one ended."""
+        pid = os.getpid()
+        with self._guard:
+            running = self._running
+            if running is not None and running[0] == pid and not running[1].is_set():
+                return running[1]
+            done = threading.Event()
+            self._running = (pid, done)
+
+        def run() -> None:
+            try:
+                self._refresh()
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name=_SLOTS_THREAD, daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had (the interpreter is exiting): run it here
+            run()
+        return done
+
+
+def _before(deadline: float, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+    """Run ``job`` on a daemon thread of its own and wait for it until ``deadline``
+    (``time.monotonic()``): ``(True, its result)``, or ``(False, None)`` when it had not ended
+    then (it goes on alone; its result is dropped). A job that raises: raised here."""
+    outcome: list[_T] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(job())
+        except BaseException as exc:  # handed to the caller below
+            error.append(exc)
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, name=_SLOTS_THREAD, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had (the interpreter is exiting): run it here
+        run()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        return False, None
+    if error:
+        raise error[0]
+    return True, outcome[0]
+
+
 class RedisLockStore:
     """A :class:`~celery_lease.LockStore` on Redis (standalone, Sentinel-managed or Cluster).
 
@@ -323,6 +397,7 @@ class RedisLockStore:
         if self._min_replicas == 0 and self._sentinel_pool is None:
             self._fast = fast_path_for(self._client)
         self._node_workers = _NodeWorkers()
+        self._slot_refresh = _SlotRefresh(self._refresh_slots)
         kwargs = self._client.get_connection_kwargs()
         self._encoding = str(kwargs.get("encoding") or "utf-8")
         self._encoding_errors = str(kwargs.get("encoding_errors") or "strict")
@@ -502,45 +577,61 @@ class RedisLockStore:
         which follows the redirection.
 
         A failover moves slots without a redirection (the old master is gone), so the batch
-        follows the cluster's slot table as redis-py's command path does: it first runs the
-        table refresh an earlier error asked for (paced by redis-py, at least 1 s apart); a
-        node that fails or times out, a ``CLUSTERDOWN`` reply or a slot the table does not
-        cover asks for one. When calls failed fast (a refused connection, ``CLUSTERDOWN``, no
-        node for the slot) and no node hung, the refresh runs at once and the failed calls
-        whose slot now belongs to another node are sent there, in the same batch (at most one
-        more socket timeout); a hung node is never waited for twice, so after a timeout the
-        refresh waits for the next batch. A call that fails again keeps its error: nothing
-        here turns a failure into a success.
+        follows the cluster's slot table as redis-py's command path does, but never ahead of
+        the renewals: the batch goes out on the table the client has; when calls of it met a
+        node that failed or timed out, a ``CLUSTERDOWN`` reply or a slot the table does not
+        cover, a refresh of the table starts on a thread of its own (:class:`_SlotRefresh`:
+        redis-py paces refreshes, at least 1 s apart; redis-py 5 refreshes each time), and the
+        failed calls whose slot the refreshed table gives to another node are sent there. The
+        batch waits for both only until one socket timeout after it began: a hung node, in the
+        batch or in the refresh, costs no more (the refresh goes on alone and serves the next
+        batch). A call that fails again, or whose second try did not end in time, keeps its
+        first error: nothing here turns a failure into a success.
         """
         if not calls:
             return []
         client = self._client
         if not isinstance(client, redis.cluster.RedisCluster):
             return _pipelined(client, script, calls, errors_in_place=True)[0]
-        self._refresh_slots(client)
+        deadline = time.monotonic() + (self._socket_timeout or SOCKET_TIMEOUT)
         results: list[Any] = [None] * len(calls)
         sent_to = self._send_by_node(client, script, calls, range(len(calls)), results)
         stale = [i for i in sent_to if _stale_route(results[i])]
-        if not stale or any(isinstance(results[i], RedisTimeoutError) for i in sent_to):
+        if not stale:
             return results
-        self._refresh_slots(client)
+        refreshed = self._slot_refresh.start()
+        if not refreshed.wait(max(0.0, deadline - time.monotonic())):
+            return results
         moved = [i for i in stale if _node_of(client, calls[i][0][0]) not in (None, sent_to[i])]
-        if moved:
-            logger.info(
-                "Redis store %s: the cluster's slot table changed; sending %d calls again "
-                "to the nodes now serving their slots",
-                self._where(),
-                len(moved),
-            )
-            self._send_by_node(client, script, calls, moved, results)
+        if not moved:
+            return results
+        logger.info(
+            "Redis store %s: the cluster's slot table changed; sending %d calls again "
+            "to the nodes now serving their slots",
+            self._where(),
+            len(moved),
+        )
+
+        def resend() -> list[Any]:
+            again: list[Any] = [None] * len(calls)
+            self._send_by_node(client, script, calls, moved, again)
+            return again
+
+        ended, again = _before(deadline, resend)
+        if ended and again is not None:
+            for index in moved:
+                results[index] = again[index]
         return results
 
-    def _refresh_slots(self, client: redis.cluster.RedisCluster) -> None:
-        """Run the slot-table refresh an error asked for, if it is due; a refresh that fails
-        leaves the table in use (the calls it would have moved keep their errors)."""
+    def _refresh_slots(self) -> None:
+        """Refresh the cluster's slot table after an error (the refresh requested, once due);
+        whatever a refresh raises is logged and leaves the table in use (the calls it would
+        have moved keep their errors). Run by :class:`_SlotRefresh`, one at a time."""
+        client = self._client
+        assert isinstance(client, redis.cluster.RedisCluster)
         try:
             run_requested_slot_refresh(client)
-        except RedisError as exc:
+        except Exception as exc:  # redis-py 5 raises RedisClusterException, no RedisError
             logger.info(
                 "Redis store %s: refreshing the cluster's slot table failed: %s",
                 self._where(),
@@ -1034,12 +1125,14 @@ class RedisLockStore:
     def _scan_cluster(self, client: redis.cluster.RedisCluster, pattern: str) -> set[str]:
         """The keys matching ``pattern`` on every master the slot table names, all at once.
 
-        Runs the slot-table refresh an earlier error asked for first. When a master cannot be
-        reached (refused, fast) and none timed out, the table is refreshed and the masters it
-        names now that were not scanned yet (a replica promoted in a dead master's place) are
-        scanned; a master that still fails then, or one that timed out, fails the listing.
+        The scan goes out on the table the client has. When a master fails, a slot-table
+        refresh starts (:class:`_SlotRefresh`); when every failure was a refused connection
+        (fast) and the refresh ends within one socket timeout of the listing's start, the
+        masters the refreshed table names that were not scanned yet (a replica promoted in a
+        dead master's place) are scanned. A master that still fails then, or one that timed
+        out, fails the listing (the refresh goes on alone and serves the next listing).
         """
-        self._refresh_slots(client)
+        deadline = time.monotonic() + (self._socket_timeout or SOCKET_TIMEOUT)
         found: set[str] = set()
         scanned: set[str] = set()
         for attempt in (1, 2):
@@ -1061,17 +1154,23 @@ class RedisLockStore:
                     found.update(keys)
             if not failures:
                 return found
-            if attempt == 2 or any(not isinstance(f, RedisConnectionError) for f in failures):
+            if attempt == 2:
                 raise failures[0]
-            self._refresh_slots(client)
+            refreshed = self._slot_refresh.start()
+            if any(not isinstance(f, RedisConnectionError) for f in failures):
+                raise failures[0]
+            if not refreshed.wait(max(0.0, deadline - time.monotonic())):
+                raise failures[0]
         raise AssertionError("unreachable")  # pragma: no cover
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
         master at once, each on its own client, like a batch: a master that times out is not
-        asked again and fails the listing after about one socket timeout; a master that cannot
-        be reached makes the listing refresh the slot table and scan the masters it names now,
-        so the listing follows a failover as a batch does)."""
+        asked again and fails the listing after about one socket timeout; a master that fails
+        starts a slot-table refresh after the scan, never before it, and when the master could
+        not be reached and the refresh ends within one socket timeout of the listing's start,
+        the masters it names now are scanned, so the listing follows a failover as a batch
+        does)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
         client = self._client
         if isinstance(client, redis.cluster.RedisCluster):

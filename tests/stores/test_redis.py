@@ -7,6 +7,7 @@ import hashlib
 import multiprocessing
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -16,13 +17,15 @@ from typing import Any
 import pytest
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.cluster import PRIMARY, ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, NodesManager, RedisCluster
 from redis.connection import SSLConnection, UnixDomainSocketConnection
 from redis.crc import key_slot
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
 from celery_lease import lease
 from celery_lease.errors import LeaseConfigError, RestartGraceError, StoreUnavailableError
+from celery_lease.stores._redis_compat import request_slot_refresh
 from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
 from celery_lease.stores.base import LockStore, store_from_url
 from celery_lease.stores.redis import (
@@ -1104,6 +1107,17 @@ class TestRedisClusterStore(StoreContract):
         store.close()
 
 
+HAS_REFRESH_REQUESTS = hasattr(NodesManager, "_request_refresh")
+"""Whether this redis-py paces the slot-table refreshes errors ask for (``topology_refresh_
+min_interval``); older releases (redis-py 5) have no such request, and the store refreshes once
+per batch that met a stale route."""
+
+paced_refreshes = pytest.mark.skipif(
+    not HAS_REFRESH_REQUESTS,
+    reason="this redis-py has no paced refresh requests: every failing batch refreshes",
+)
+
+
 class TestClusterSlotTableGoneStale:
     """The cluster client's slot table names a node that is gone (as after a failover, before
     anything refreshed it): batches and the listing refresh the table the way redis-py's
@@ -1153,6 +1167,7 @@ class TestClusterSlotTableGoneStale:
         assert info is not None and info.expires_in > LONG_MS / 1000 - DEADLINE
         store.close()
 
+    @paced_refreshes
     def test_a_batch_keeps_the_error_while_no_refresh_is_due(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str
     ) -> None:
@@ -1168,7 +1183,11 @@ class TestClusterSlotTableGoneStale:
         assert second is True
         store.close()
 
-    @pytest.mark.parametrize("refresh_every", [0, 3600], ids=["refresh-due", "refresh-not-due"])
+    @pytest.mark.parametrize(
+        "refresh_every",
+        [0, pytest.param(3600, marks=paced_refreshes)],
+        ids=["refresh-due", "refresh-not-due"],
+    )
     def test_a_slot_without_a_node_fails_its_key_alone_until_refreshed(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str, refresh_every: float
     ) -> None:
@@ -1200,6 +1219,7 @@ class TestClusterSlotTableGoneStale:
         assert self._node_of(store, "a") == redis_cluster_server.port
         store.close()
 
+    @paced_refreshes
     def test_the_listing_fails_while_no_refresh_is_due(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str
     ) -> None:
@@ -1210,6 +1230,231 @@ class TestClusterSlotTableGoneStale:
             store.list()
         assert dead.split(":")[1] in str(raised.value)
         store.close()
+
+
+WAIT = 30.0
+"""Real seconds a test waits for a call that must return before it reports it hung."""
+
+
+class _ManagerWithoutRequests:
+    """A cluster client's nodes manager as redis-py 5 has it: no refresh request API (the
+    store then refreshes with ``initialize()``), and an ``initialize`` that counts its calls,
+    the most that ran at once, and can fail as redis-py 5's does when no node answers, or
+    block until the test lets it go."""
+
+    def __init__(self, manager: NodesManager, fail: bool = False) -> None:
+        self._manager = manager
+        self._fail = fail
+        self._guard = threading.Lock()
+        self.calls = 0
+        self.running = 0
+        self.most_at_once = 0
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("_request_refresh", "_run_requested_refresh"):
+            raise AttributeError(name)
+        return getattr(self._manager, name)
+
+    def initialize(self) -> None:
+        with self._guard:
+            self.calls += 1
+            self.running += 1
+            self.most_at_once = max(self.most_at_once, self.running)
+        self.entered.set()
+        try:
+            self.release.wait(WAIT)
+            if self._fail:
+                raise RedisClusterException(
+                    "Redis Cluster cannot be connected. Please provide at least one reachable node"
+                )
+            self._manager.initialize()
+        finally:
+            with self._guard:
+                self.running -= 1
+
+
+def _without_requests(store: RedisLockStore, fail: bool = False) -> _ManagerWithoutRequests:
+    client = store.client
+    assert isinstance(client, RedisCluster)
+    manager = _ManagerWithoutRequests(client.nodes_manager, fail=fail)
+    client.nodes_manager = manager  # type: ignore[assignment]
+    return manager
+
+
+def _silent_listener() -> socket.socket:
+    """A listening socket that accepts connections and never answers (a stopped node)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    return listener
+
+
+def _was_asked(listener: socket.socket) -> bool:
+    """Whether anything connected to ``listener`` (a connection waits in its backlog)."""
+    try:
+        conn, _ = listener.accept()
+    except BlockingIOError:
+        return False
+    conn.close()
+    return True
+
+
+class TestClusterBatchesSendFirstAndRefreshAfter:
+    """A batch (and a listing) goes out on the slot table it has before any refresh: a refresh
+    runs only after calls of this batch met a stale route, on a thread of its own, one at a
+    time, and the batch waits for it (and for the calls it moves) only until one socket
+    timeout after the batch began; a refresh that fails, whatever it raises, leaves the keys'
+    errors in place. redis-py without the refresh request API (redis-py 5) included."""
+
+    SOCKET_TIMEOUT = 1.0
+
+    def _store(self, server: RedisServer) -> RedisLockStore:
+        client = RedisCluster(
+            host="127.0.0.1",
+            port=server.port,
+            socket_connect_timeout=self.SOCKET_TIMEOUT,
+            socket_timeout=self.SOCKET_TIMEOUT,
+            retry=Retry(NoBackoff(), 0),
+            **({"topology_refresh_min_interval": 0} if HAS_REFRESH_REQUESTS else {}),
+        )
+        return _ClosingStore(client, prefix=f"first-{uuid.uuid4().hex[:8]}:")
+
+    @staticmethod
+    def _held(store: RedisLockStore, *keys: str) -> None:
+        for key in keys:
+            assert store.acquire(key, "o", LONG_MS) is not None
+
+    @staticmethod
+    def _with_a_silent_startup_node(store: RedisLockStore) -> socket.socket:
+        """A startup node that never answers, queried before the live one by a refresh (the
+        live one is named as the failed node, so queried last)."""
+        client = store.client
+        assert isinstance(client, RedisCluster)
+        listener = _silent_listener()
+        port = listener.getsockname()[1]
+        manager = client.nodes_manager
+        live = next(iter(manager.startup_nodes))
+        manager.startup_nodes[f"127.0.0.1:{port}"] = ClusterNode("127.0.0.1", port)
+        request_slot_refresh(client, live)
+        return listener
+
+    def test_renewals_on_answering_nodes_go_out_before_a_pending_refresh(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """A refresh is pending (an earlier error asked for it) and would query a silent node
+        first: the batch, whose every key answers, runs no refresh at all, so it asks nothing
+        of the silent node and costs no socket timeout."""
+        store = self._store(redis_cluster_server)
+        self._held(store, "a", "b")
+        silent = self._with_a_silent_startup_node(store)
+        try:
+            assert store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)]) == [True, True]
+            assert not _was_asked(silent), "the batch ran a refresh before its renewals"
+        finally:
+            silent.close()
+            store.close()
+
+    def test_the_listing_goes_out_before_a_pending_refresh(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        store = self._store(redis_cluster_server)
+        self._held(store, "a")
+        silent = self._with_a_silent_startup_node(store)
+        try:
+            assert [info.key for info in store.list()] == ["a"]
+            assert not _was_asked(silent), "the listing ran a refresh before its scan"
+        finally:
+            silent.close()
+            store.close()
+
+    @pytest.mark.parametrize("fail", [False, True], ids=["refresh-answers", "refresh-fails"])
+    def test_without_refresh_requests_a_dead_node_costs_its_keys_alone(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str, fail: bool
+    ) -> None:
+        """redis-py 5: two dead nodes in the table make one refresh for the batch, never two
+        at once; it follows the table it reads, and a refresh that raises (redis-py 5's
+        RedisClusterException, no RedisError) leaves StoreUnavailableError in the dead
+        nodes' places and the other key renewed: nothing escapes renew_many."""
+        store = self._store(redis_cluster_server)
+        self._held(store, "a", "b", "c")
+        dead = [TestClusterSlotTableGoneStale._send_slot_to_a_dead_node(store, k) for k in "ab"]
+        manager = _without_requests(store, fail=fail)
+        try:
+            results = store.renew_many([(k, "o", LONG_MS) for k in "abc"])
+            if fail:
+                for key, name, result in zip("ab", dead, results, strict=False):
+                    assert isinstance(result, StoreUnavailableError), results
+                    assert f"renew {key!r}" in str(result) and name.split(":")[1] in str(result)
+            else:
+                assert results[:2] == [True, True]
+            assert results[2] is True
+            assert (manager.calls, manager.most_at_once) == (1, 1)
+        finally:
+            store.close()
+
+    def test_without_refresh_requests_a_listing_survives_a_failing_refresh(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        store = self._store(redis_cluster_server)
+        self._held(store, "a")
+        dead = TestClusterSlotTableGoneStale._send_slot_to_a_dead_node(store, "a")
+        manager = _without_requests(store, fail=True)
+        try:
+            with pytest.raises(StoreUnavailableError, match="list leases failed") as raised:
+                store.list()
+            assert dead.split(":")[1] in str(raised.value)
+            assert manager.calls == 1
+        finally:
+            store.close()
+
+    def test_a_batch_waits_for_a_hung_refresh_only_until_its_deadline(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """The refresh a dead node asked for hangs (it queries a stopped node): the batch
+        returns with the dead node's key failed in place and the other key renewed while the
+        refresh is still running, and the next failing batch starts no second refresh."""
+        store = self._store(redis_cluster_server)
+        self._held(store, "a", "b")
+        TestClusterSlotTableGoneStale._send_slot_to_a_dead_node(store, "a")
+        manager = _without_requests(store)
+        manager.release.clear()
+        outcome: list[Any] = []
+        try:
+            for _ in range(2):
+                caller = threading.Thread(
+                    target=lambda: outcome.append(
+                        store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)])
+                    ),
+                    daemon=True,
+                )
+                caller.start()
+                caller.join(WAIT)
+                assert not caller.is_alive(), "renew_many waited for the hung refresh"
+                first, second = outcome.pop()
+                assert isinstance(first, StoreUnavailableError) and second is True
+            assert manager.entered.is_set() and (manager.calls, manager.running) == (1, 1)
+        finally:
+            manager.release.set()
+            store.close()
+
+    def test_a_batch_to_a_cluster_whose_only_node_died_fails_each_key_in_place(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """Every node of the cluster is gone: each key gets a StoreUnavailableError in its
+        place (the refresh it asks for reaches no node), under any redis-py."""
+        store = self._store(redis_cluster_server)
+        self._held(store, "a", "b")
+        redis_cluster_server.stop()
+        try:
+            results = store.renew_many([("a", "o", LONG_MS), ("b", "o", LONG_MS)])
+            assert all(isinstance(r, StoreUnavailableError) for r in results), results
+        finally:
+            redis_cluster_server.ensure_running()
+            store.close()
 
 
 class _ClosingStore(RedisLockStore):

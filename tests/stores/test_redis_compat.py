@@ -7,7 +7,7 @@ import socket
 import pytest
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import PRIMARY, ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, NodesManager, RedisCluster
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.retry import Retry
 
@@ -75,6 +75,29 @@ class TestClientRetries:
         assert client_retries(object()) == 0
 
 
+requests_kept = pytest.mark.skipif(
+    not hasattr(NodesManager, "_request_refresh"),
+    reason="this redis-py keeps no refresh request: the refresh runs whenever asked to",
+)
+
+
+class _ManagerWithoutRequests:
+    """A nodes manager as redis-py 5 has it: no refresh request API; counts ``initialize``."""
+
+    def __init__(self, manager: NodesManager) -> None:
+        self._manager = manager
+        self.initialized = 0
+
+    def __getattr__(self, name: str) -> object:
+        if name in ("_request_refresh", "_run_requested_refresh"):
+            raise AttributeError(name)
+        return getattr(self._manager, name)
+
+    def initialize(self) -> None:
+        self.initialized += 1
+        self._manager.initialize()
+
+
 class TestSlotRefresh:
     """A refresh asked for after an error replaces a slot table entry that names a dead node;
     nothing runs without a request, or before the client's minimum interval has passed."""
@@ -108,6 +131,7 @@ class TestSlotRefresh:
         finally:
             client.close()
 
+    @requests_kept
     def test_nothing_runs_without_a_request(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str
     ) -> None:
@@ -119,6 +143,7 @@ class TestSlotRefresh:
         finally:
             client.close()
 
+    @requests_kept
     def test_a_request_waits_for_the_minimum_interval(
         self, redis_cluster_server: RedisServer, redis_cluster_url: str
     ) -> None:
@@ -128,5 +153,22 @@ class TestSlotRefresh:
             request_slot_refresh(client, dead)
             run_requested_slot_refresh(client)
             assert self._serving(client) == dead
+        finally:
+            client.close()
+
+    def test_without_the_request_api_a_request_is_nothing_and_a_run_refreshes(
+        self, redis_cluster_server: RedisServer, redis_cluster_url: str
+    ) -> None:
+        """redis-py 5: a request changes nothing; running refreshes the table at once."""
+        client = self._client(redis_cluster_server, refresh_every=0)
+        manager = _ManagerWithoutRequests(client.nodes_manager)
+        client.nodes_manager = manager  # type: ignore[assignment]
+        try:
+            dead = self._stale(client)
+            request_slot_refresh(client, dead)
+            assert (manager.initialized, self._serving(client)) == (0, dead)
+            run_requested_slot_refresh(client)
+            assert manager.initialized == 1
+            assert self._serving(client) == f"127.0.0.1:{redis_cluster_server.port}"
         finally:
             client.close()
