@@ -158,8 +158,9 @@ def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool | None:
     def read() -> None:
         try:
             # The task's backend as this thread sees it: Celery keeps the app's backend per
-            # thread unless ``result_backend_thread_safe`` is set.
-            get = compat.task_meta_reader(getattr(task, "backend", None))
+            # thread (a connection of its own) unless ``result_backend_thread_safe`` is set.
+            shared = getattr(backend, "thread_safe", False) is True
+            get = compat.task_meta_reader(backend if shared else getattr(task, "backend", None))
             if get is not None:
                 answer.append(get(task_id))
         except Exception:  # an unreachable backend tells nothing

@@ -296,7 +296,8 @@ class TestATaskOnThePluginClock:
 
 class TestAutojump:
     """``FakeClock(autojump_threshold=...)`` moves itself to the next deadline once every
-    thread on it has slept that long (real seconds), as trio's ``MockClock`` does."""
+    thread of the clock waits on it and it has been quiet that long (real seconds), as trio's
+    ``MockClock`` does once every task is blocked."""
 
     def test_a_wait_from_the_tests_own_thread_returns(self) -> None:
         """``lease(wait="5s")`` on a held key, called from the test's own thread, gives up
