@@ -15,7 +15,13 @@ __all__ = ["SYSTEM_CLOCK", "Clock", "SystemClock"]
 
 @runtime_checkable
 class Clock(Protocol):
-    """What the core needs from time."""
+    """What the core needs from time.
+
+    A clock of your own is a class that defines these three methods (or inherits them). A
+    store's ``clock`` attribute (``MemoryLockStore(clock=)``, ``SQLiteLockStore(clock=)``) is
+    the clock its leases run on only when its class does: an object that answers every
+    attribute (a ``Mock``, a ``__getattr__`` proxy) is no clock, and the system clock is used.
+    """
 
     def monotonic(self) -> float:
         """Seconds from an arbitrary origin; never goes back. Used for deadlines.

@@ -16,7 +16,8 @@ so that prefork children inherit them::
   body did not run. For ``on_held="skip"`` the holder is read: ``reason`` is ``"cooldown"`` (a
   run that succeeded keeps the key for its ``cooldown``) or ``"held"``, ``until`` when the key
   frees itself unless renewed (unix seconds), ``holder_task_id`` the holder's task id; each is
-  ``None`` when it could not be read, and for the other policies.
+  ``None`` when it could not be read, and for the other policies. ``"held"`` also when the
+  result backend did not tell in time whether the holder succeeded.
 - ``lock_lost(key, token, reason)``: the lease was lost while the body ran; ``reason`` is
   ``"expired"``, ``"taken"``, ``"released"`` (an operator's force-release) or ``"max_hold"``.
   Sent from the lease dispatcher's thread, never

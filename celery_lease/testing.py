@@ -24,10 +24,12 @@ import contextlib
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeVar
 
 from celery_lease._core.dispatch import drain
+from celery_lease._core.renewer import renewers
 
 __all__ = [
     "FakeClock",
@@ -64,15 +66,21 @@ class FakeClock:
 
     Args:
         start: the initial reading of both ``monotonic()`` and ``time()``, in seconds.
-        autojump_threshold: real seconds (default ``math.inf``: never). When every thread
-            waiting on the clock has slept this long with no thread reading, advancing or
-            beginning or ending a wait on it, and none of their events is set, the clock moves
-            by itself to the earliest deadline of those waits (trio's
+        autojump_threshold: real seconds (default ``math.inf``: never). When every thread of
+            the clock waits on it, none is due to wake (its event set or its deadline come),
+            and no thread has read, advanced or begun or ended a wait on it for this long, the
+            clock moves by itself to the earliest deadline of those waits (trio's
             ``MockClock.autojump_threshold``). A wait called from the test's own thread then
             returns instead of hanging; time still moves from deadline to deadline, so each
-            renewal and expiry on the way happens in order. A thread that works without
-            touching the clock (the test's own, between two steps) is not seen: a jump may come
-            while it works if it takes longer than the threshold. Settable at any time.
+            renewal and expiry on the way happens in order. The threads of the clock are those
+            that ever waited on it, busy from the moment a wait returns until their next wait
+            begins or they end, and the renewer and watchdog threads of leases on it from their
+            start: while one of them works (a renewal's store round trip, a descheduled thread)
+            the clock stays still. A thread that never waited on it (the test's own before its
+            first wait, the dispatcher running ``lock_lost`` receivers) is not seen: a jump may
+            come while it works longer than the threshold. A thread that waited on the clock
+            and then blocks on something else (a ``join``, a queue) holds the clock still until
+            it waits on the clock again or ends. Settable at any time.
     """
 
     def __init__(self, start: float = 0.0, *, autojump_threshold: float = math.inf) -> None:
@@ -81,6 +89,10 @@ class FakeClock:
         self._sleepers = 0
         self._deadlines: list[float] = []
         self._events: list[threading.Event] = []
+        # The threads in a wait() now (how many waits each: a signal handler may nest one), and
+        # every thread that ever waited (weakly: a thread object that is gone counts no more).
+        self._waiting: dict[threading.Thread, int] = {}
+        self._participants: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._autojump = _checked_threshold(autojump_threshold)
         self._last_activity = time.monotonic()  # real seconds
         self.waits = 0
@@ -107,12 +119,33 @@ class FakeClock:
 
     def _autojump_in(self) -> float | None:
         """Real seconds until the clock may jump by itself (<= 0: now), or ``None`` while it may
-        not (off, no deadline ahead, or an event set whose waiter has yet to wake)."""
-        if self._autojump == math.inf or not any(d > self._now for d in self._deadlines):
+        not: off, no deadline, a waiter due to wake (its event set or its deadline come) that
+        has yet to return, or a participant busy off the clock (:meth:`_busy`)."""
+        if self._autojump == math.inf or not self._deadlines:
             return None
-        if any(event.is_set() for event in self._events):
+        if any(d - _EPSILON <= self._now for d in self._deadlines):
+            return None
+        if any(event.is_set() for event in self._events) or self._busy():
             return None
         return self._last_activity + self._autojump - time.monotonic()
+
+    def _busy(self) -> bool:
+        """Whether a thread of the clock is alive and not in a :meth:`wait` (the lock is held).
+
+        The threads of the clock: each that ever waited on it, and the renewer and watchdog
+        threads of celery-lease's renewers on this clock, from their start (a renewer thread
+        just started has not reached its first wait yet).
+        """
+        for thread in list(self._participants):
+            if not thread.is_alive():
+                self._participants.discard(thread)
+            elif thread not in self._waiting:
+                return True
+        for renewer in renewers(self):
+            for own in (renewer.thread, renewer.watchdog):
+                if own is not None and own.is_alive() and own not in self._waiting:
+                    return True
+        return False
 
     def monotonic(self) -> float:
         with self._cond:
@@ -139,6 +172,7 @@ class FakeClock:
             self._touch()
 
     def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        thread = threading.current_thread()
         with self._cond:
             deadline = None if timeout is None else self._now + timeout
             self._sleepers += 1
@@ -146,6 +180,8 @@ class FakeClock:
             if deadline is not None:
                 self._deadlines.append(deadline)
             self._events.append(event)
+            self._waiting[thread] = self._waiting.get(thread, 0) + 1
+            self._participants.add(thread)
             self._touch()
             try:
                 while not event.is_set():
@@ -153,7 +189,7 @@ class FakeClock:
                         return False
                     jump_in = self._autojump_in()
                     if jump_in is not None and jump_in <= 0:
-                        self._now = min(d for d in self._deadlines if d > self._now)
+                        self._now = min(self._deadlines)
                         self._touch()
                         continue
                     self._cond.wait(_POLL if jump_in is None else min(_POLL, jump_in))
@@ -163,6 +199,11 @@ class FakeClock:
                 if deadline is not None:
                     self._deadlines.remove(deadline)
                 self._events.remove(event)
+                left = self._waiting[thread] - 1
+                if left:
+                    self._waiting[thread] = left
+                else:
+                    del self._waiting[thread]
                 self._touch()
 
     def advance_to_next_deadline(self) -> float:
@@ -274,10 +315,11 @@ else:
     def lease_clock() -> Iterator[FakeClock]:
         """A :class:`FakeClock` starting at 1000.0 seconds, without autojump.
 
-        Autojump is off because the clock cannot see a thread that works without touching it
-        (the test's own thread between two steps): on a busy machine time could move under it.
-        A test that waits on its own thread turns it on: ``lease_clock.autojump_threshold =
-        0.01``.
+        Autojump is off because the clock cannot see a thread that never waited on it (the
+        test's own thread before its first wait, a ``lock_lost`` receiver on the dispatcher):
+        on a busy machine time could move under it, and a test that moves the clock itself
+        decides exactly when time moves. A test that waits on its own thread turns it on:
+        ``lease_clock.autojump_threshold = 0.01``.
 
         At teardown it calls :func:`celery_lease.shutdown`, so no celery-lease thread outlives
         the test (suites with a thread-leak check, such as Celery's ``threads_not_lingering``,

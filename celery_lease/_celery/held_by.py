@@ -8,11 +8,18 @@ under the owner id of the run that succeeded, so it is told from a running holde
 its lease lasts longer than a renewal of the task's ttl sets (a running copy renews to at most
 its ttl), or the result backend shows the holder's task succeeded (a cooldown shorter than the
 ttl). One store ``get``, and one backend read when the first does not tell; never raises.
+
+The backend read runs on a thread of its own, waited for at most :data:`BACKEND_WAIT` seconds,
+and at most one runs at a time in a process: a result backend that stopped answering (a read
+then lasts its client's socket timeout, 120 s for Redis by default) neither holds the skipping
+worker slot nor piles up threads; the skip then says the holder's state is unknown.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
@@ -20,6 +27,7 @@ from typing import TYPE_CHECKING
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 
+from celery_lease import _forking as forking
 from celery_lease._celery import compat
 from celery_lease._core.lease import clock_of
 from celery_lease._core.owners import Holder, parse_owner
@@ -30,6 +38,19 @@ if TYPE_CHECKING:
 __all__ = ["HeldBy", "iso_utc", "look_up"]
 
 logger = logging.getLogger("celery_lease.engine")
+
+BACKEND_WAIT = 0.5
+"""Real seconds a skip waits at most for the result backend's answer about the holder."""
+
+_reading = threading.Lock()  # held while a backend read runs (released by its thread)
+
+
+def _after_fork_in_child() -> None:
+    global _reading
+    _reading = threading.Lock()  # a read in flight in the parent has no thread in the child
+
+
+forking.on_fork_child(_after_fork_in_child, name="held_by: backend read")
 
 
 @dataclass(frozen=True)
@@ -46,6 +67,10 @@ class HeldBy:
     """Seconds from the look-up to ``until``."""
     cooldown: bool
     """Whether the holder is a run that succeeded and keeps the key for its ``cooldown``."""
+    state_known: bool = True
+    """``False`` when the result backend was asked for the holder's state and did not answer
+    within :data:`BACKEND_WAIT` (or an earlier read still hangs): the holder may be running or
+    in its cooldown."""
 
     @property
     def reason(self) -> str:
@@ -58,6 +83,11 @@ class HeldBy:
         another execution, proj.report[<task id>] on w1@host``."""
         who = _who(self.holder)
         if not self.cooldown:
+            if not self.state_known:
+                return (
+                    f"held by another execution, {who}"
+                    " (its state unknown: the result backend did not answer)"
+                )
             return f"held by another execution, {who}"
         return (
             f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
@@ -100,25 +130,51 @@ def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> Hel
         left = max(0.0, float(info.expires_in))
         until = clock_of(store).time() + left
         same_task = task is not None and holder.task == getattr(task, "name", None)
-        cooldown = (same_task and left > ttl) or _succeeded(task, holder.task_id)
-        return HeldBy(key, holder, until, left, cooldown)
+        if same_task and left > ttl:  # the store tells: no backend read
+            return HeldBy(key, holder, until, left, True)
+        succeeded = _succeeded(task, holder.task_id)
+        return HeldBy(key, holder, until, left, bool(succeeded), state_known=succeeded is not None)
     except Exception:
         logger.debug("celery-lease: could not read who holds %r", key, exc_info=True)
         return None
 
 
-def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool:
-    """Whether the result backend of ``task`` shows ``task_id`` succeeded (``False`` when it
-    stores nothing, is ``rpc://``, or cannot answer)."""
+def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool | None:
+    """Whether the result backend of ``task`` shows ``task_id`` succeeded: ``False`` when it
+    stores nothing, is ``rpc://``, or answers with an error; ``None`` when it did not answer
+    within :data:`BACKEND_WAIT` seconds or an earlier read still runs."""
     if task is None or task_id is None:
         return False
     backend = getattr(task, "backend", None)
     if isinstance(backend, (DisabledBackend, RPCBackend)):
         return False  # no results stored; rpc:// results live on the caller's queue
-    get = compat.task_meta_reader(backend)
-    if get is None:
+    if compat.task_meta_reader(backend) is None:
         return False
+    reading = _reading
+    if not reading.acquire(blocking=False):
+        return None  # an earlier read still hangs: do not pile up another
+    answer: list[Mapping[str, object]] = []
+
+    def read() -> None:
+        try:
+            # The task's backend as this thread sees it: Celery keeps the app's backend per
+            # thread (a connection of its own) unless ``result_backend_thread_safe`` is set.
+            shared = getattr(backend, "thread_safe", False) is True
+            get = compat.task_meta_reader(backend if shared else getattr(task, "backend", None))
+            if get is not None:
+                answer.append(get(task_id))
+        except Exception:  # an unreachable backend tells nothing
+            logger.debug("celery-lease: could not read the state of %s", task_id, exc_info=True)
+        finally:
+            reading.release()
+
+    reader = threading.Thread(target=read, name="celery-lease-held-by", daemon=True)
     try:
-        return get(task_id).get("status") == "SUCCESS"
-    except Exception:  # an unreachable backend tells nothing
-        return False
+        reader.start()
+    except BaseException:
+        reading.release()
+        raise
+    reader.join(BACKEND_WAIT)
+    if reader.is_alive():
+        return None
+    return bool(answer) and answer[0].get("status") == "SUCCESS"

@@ -130,30 +130,65 @@ def offers(obj: object, protocol: type, method: str) -> bool:
     return hasattr(type(obj), method) and conforms(obj, protocol)
 
 
-def clock_of(store: object) -> Clock:
-    """The clock a task's lease in ``store`` runs on: the store's own (``clock``, the memory
-    and SQLite stores take one), else the system clock.
+_CLOCK_METHODS = ("monotonic", "time", "wait")
+_CLOCK_CLASSES: set[type] = set()  # classes found to define every clock method (positives only)
+_CLOCK_RAISED: set[type] = set()  # store classes whose ``clock`` raised (warned once each)
+
+
+def is_clock(obj: object) -> bool:
+    """Whether ``obj`` is a real clock: its class itself defines (or inherits) ``monotonic``,
+    ``time`` and ``wait`` (:class:`~celery_lease.clock.Clock`), as ``SystemClock``,
+    ``FakeClock`` and a user's clock class do.
+
+    Stricter than ``isinstance(obj, Clock)``, which an object answering every attribute passes
+    (a ``Mock``, a ``__getattr__`` proxy), and than ``isinstance(obj, FakeClock)``, which
+    ``Mock(spec=FakeClock)`` passes: the class is read without running any ``__getattr__``.
+    """
+    cls = type(obj)
+    if cls in _CLOCK_CLASSES:
+        return True
+    found = all(callable(inspect.getattr_static(cls, name, None)) for name in _CLOCK_METHODS)
+    if found:
+        _CLOCK_CLASSES.add(cls)
+    return found
+
+
+def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
+    """The clock a lease in ``store`` runs on: the store's own (``clock``, the memory and SQLite
+    stores take one) when it is a real clock (:func:`is_clock`), else ``default`` (the system
+    clock). Never raises.
 
     The lease's renewer sleeps on it and its validity is counted on it, as the store counts the
     lease's expiry: on a ``MemoryLockStore`` over a ``FakeClock`` (the pytest plugin's
     ``lease_store``) the task's renewer wakes when the test moves that clock, never on real time
-    the store does not see. (``lease()`` takes ``clock=`` instead: an ``async with`` counts its
-    wait on the lease's clock while it sleeps on its event loop.)
+    the store does not see. A ``clock`` that is no real clock (a ``Mock``'s, or whatever a
+    ``__getattr__`` proxy answers) is ignored; one whose reading raises is ignored too, with a
+    WARNING once per store class. A wrapper store that forwards ``clock`` to the store it wraps
+    gives that store's clock.
+
+    A wait for a held key of ``store`` is measured and slept on this clock too, with the lease's
+    ``clock=`` as ``default``: a memory store's ``wait_for_release`` sleeps on its clock, and the
+    holder's lease expires by it, so a deadline read from another clock is never reached when
+    the store's is a ``FakeClock`` nobody advances (a task's ``lock_wait`` on the pytest
+    plugin's ``lease_store``). (An ``async with`` counts its wait on that clock while it sleeps
+    on its event loop.)
     """
-    return _wait_clock(store, SYSTEM_CLOCK)
-
-
-def _wait_clock(store: object, clock: Clock) -> Clock:
-    """The clock a wait for a held key of ``store`` is measured and slept on.
-
-    The store's own clock when it has one (the memory and SQLite stores take ``clock=``), else
-    the lease's ``clock``. A memory store's ``wait_for_release`` sleeps on its clock, and the
-    holder's lease expires by it: a deadline read from another clock is never reached when the
-    store's is a ``FakeClock`` nobody advances (a task's ``lock_wait`` on the pytest plugin's
-    ``lease_store``), so the waiter never gave up. Such stores name it ``clock``.
-    """
-    own = getattr(store, "clock", None)
-    return own if own is not None and conforms(own, Clock) else clock
+    try:
+        own = getattr(store, "clock", None)
+    except Exception as exc:
+        cls = type(store)
+        if cls not in _CLOCK_RAISED:
+            _CLOCK_RAISED.add(cls)
+            logger.warning(
+                "celery-lease: reading the clock of %s.%s raised %s: %s; its leases run on %r",
+                cls.__module__,
+                cls.__qualname__,
+                type(exc).__name__,
+                exc,
+                default,
+            )
+        return default
+    return own if own is not None and is_clock(own) else default
 
 
 def new_owner_id(
@@ -544,7 +579,7 @@ class LeaseContext:
         self.cancel = cancel
         self.clock = clock
         # The clock a wait for a held key is measured and slept on: None for the store's own
-        # clock where it has one, else ``clock`` (see _wait_clock).
+        # clock where it has one, else ``clock`` (see clock_of).
         self.wait_clock = wait_clock
         # Recorded in the owner id of each acquisition (celery_lease._core.owners.make_owner): the
         # label is lease()'s holder= text.
@@ -885,7 +920,7 @@ class LeaseContext:
                 break
             tries += 1
             if waits_on is None:
-                waits_on = self.wait_clock or _wait_clock(store, clock)
+                waits_on = self.wait_clock or clock_of(store, clock)
                 if waits_on is not clock:  # what the first attempts took counts against wait
                     deadline = waits_on.monotonic() + self.wait - (clock.monotonic() - started)
             remaining = deadline - waits_on.monotonic()

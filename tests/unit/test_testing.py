@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -296,7 +296,8 @@ class TestATaskOnThePluginClock:
 
 class TestAutojump:
     """``FakeClock(autojump_threshold=...)`` moves itself to the next deadline once every
-    thread on it has slept that long (real seconds), as trio's ``MockClock`` does."""
+    thread of the clock waits on it and it has been quiet that long (real seconds), as trio's
+    ``MockClock`` does once every task is blocked."""
 
     def test_a_wait_from_the_tests_own_thread_returns(self) -> None:
         """``lease(wait="5s")`` on a held key, called from the test's own thread, gives up
@@ -339,6 +340,67 @@ class TestAutojump:
             done.set()
             holder.join(REAL_TIMEOUT)
         assert out == {"result": False}  # renewed all along, never lost
+
+    def test_the_clock_does_not_jump_while_a_renewer_is_busy_with_its_store(self) -> None:
+        """A renewal round trip takes many thresholds of real time (a Redis or SQLite store,
+        or a renewer thread the machine descheduled), while the test's own thread is the only
+        one sleeping on the clock. The renewer has waited on the clock, so it counts as busy
+        from the moment its wait returns until its next wait begins: the clock stays still
+        during each renewal, and the lease is never lost on the way."""
+        threshold = 0.002
+        clock = FakeClock(1000.0, autojump_threshold=threshold)
+        moved: list[tuple[float, float]] = []
+
+        def round_trip() -> None:
+            before = clock.monotonic()
+            threading.Event().wait(25 * threshold)  # real work, off the clock
+            after = clock.monotonic()
+            if after != before:
+                moved.append((before, after))
+
+        class SlowRenewals(MemoryLockStore):
+            def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+                round_trip()
+                return super().renew(key, owner, ttl_ms)
+
+            def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
+                round_trip()
+                return super().renew_many(items)
+
+        store = SlowRenewals(clock=clock)
+        lost: list[str] = []
+        with lease("report", store=store, ttl="9s", clock=clock, on_lost=lost.append) as held:
+            clock.wait(threading.Event(), 30.0)  # the test's own thread: renewals every 3 s
+            assert clock.monotonic() == 1030.0
+            assert not held.lost, f"lost at {clock.monotonic()} while renewing: {moved}"
+        assert moved == []
+        assert lost == []
+
+    def test_a_thread_that_waited_on_the_clock_holds_it_still_until_it_waits_again(
+        self,
+    ) -> None:
+        """A thread whose wait on the clock returned is busy until its next wait or its end:
+        no jump while it works, and a thread that ended no longer counts."""
+        clock = FakeClock(0.0, autojump_threshold=0.001)
+        working, finish = threading.Event(), threading.Event()
+
+        def work() -> None:
+            clock.wait(threading.Event(), 1.0)  # a participant from here on
+            working.set()
+            assert finish.wait(REAL_TIMEOUT)  # busy, off the clock
+
+        worker, _ = _in_thread(work)
+        assert working.wait(REAL_TIMEOUT)
+        sleeper, slept = _in_thread(lambda: clock.wait(threading.Event(), 5.0))
+        clock.wait_for_sleepers(1, timeout=REAL_TIMEOUT)
+        # While the worker is busy the sleeper's deadline is not jumped to, however long the
+        # sleeper has slept; the worker ending (it never waits again) lets the clock move.
+        assert not threading.Event().wait(50 * 0.001) and clock.monotonic() == 1.0
+        finish.set()
+        worker.join(REAL_TIMEOUT)
+        sleeper.join(REAL_TIMEOUT)
+        assert not sleeper.is_alive() and slept == {"result": False}
+        assert clock.monotonic() == 6.0
 
     @pytest.mark.parametrize("threshold", [math.nan, -0.1])
     def test_a_threshold_that_is_no_duration_is_refused(self, threshold: float) -> None:

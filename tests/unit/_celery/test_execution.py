@@ -156,3 +156,28 @@ def _ignore_runtime_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+class TestTheStoresClock:
+    """A task's lease runs on its store's clock only when that is a real clock."""
+
+    def test_a_task_on_a_store_whose_clock_raises_runs(self) -> None:
+        """Through the task path: the lease is taken and released, on the system clock."""
+
+        class RaisingClock(MemoryLockStore):
+            @property
+            def clock(self) -> Any:
+                raise RuntimeError("the clock is not configured")
+
+        store = RaisingClock()
+        app = Celery("raising-clock", broker="memory://", set_as_current=False)
+        app.conf.task_always_eager = True
+        app.conf.lease_store = store
+
+        @app.task(base=LockedTask, lock_key="report", name="tests.clock_of.report")
+        def report() -> int | None:
+            return report.request.lock_token  # type: ignore[no-any-return]
+
+        token = report.delay().get()
+        assert token is not None and store.last_token("report") == token
+        assert store.get("report") is None

@@ -3,16 +3,20 @@ execution or a cooldown, described for the skip's log line and reason; never rai
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
+import pytest
 from celery import Celery
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
 
 from celery_lease import MemoryLockStore
+from celery_lease._celery import held_by
 from celery_lease._celery.held_by import iso_utc, look_up
 from celery_lease._core.owners import make_owner
 from celery_lease.testing import FakeClock
+from tests.unit.conftest import REAL_TIMEOUT
 
 
 class Task:
@@ -98,6 +102,81 @@ class TestLookUp:
         assert (
             found is not None and found.describe() == "held by another execution, 'nightly import'"
         )
+
+
+class Hung:
+    """A result backend whose reads block until the test opens ``gate`` (a Redis result
+    backend that stopped answering: a read then lasts the client's socket timeout)."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.reads: list[str] = []
+        self.entered = threading.Event()
+        self.finished = threading.Event()
+
+    def _get_task_meta_for(self, task_id: str) -> dict[str, Any]:
+        self.reads.append(task_id)
+        self.entered.set()
+        try:
+            assert self.gate.wait(REAL_TIMEOUT)
+            return {"status": "SUCCESS"}
+        finally:
+            self.finished.set()
+
+
+def _join_readers() -> None:
+    """Wait until the backend reads of the skips have ended (their threads too)."""
+    for thread in threading.enumerate():
+        if thread.name == "celery-lease-held-by":
+            thread.join(REAL_TIMEOUT)
+            assert not thread.is_alive()
+
+
+class TestAHungResultBackend:
+    """The skip reads the holder's state from the result backend for at most
+    ``BACKEND_WAIT`` seconds, and never while an earlier read still hangs: a backend that
+    stopped answering holds no worker slot."""
+
+    def test_a_skip_behind_a_hung_backend_ends_without_its_answer(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(held_by, "BACKEND_WAIT", 0.01)
+        backend = Hung()
+        owner = make_owner(node="w1@vm", task="proj.report", task_id="t-0")
+        store = _store(owner=owner, keep_ms=20_000)
+        try:
+            found = look_up(store, "k", Task(backend), 30.0)
+            assert backend.entered.is_set(), "the backend was not asked"
+            assert not backend.finished.is_set(), "the skip waited for the hung read"
+            assert found is not None and not found.cooldown and found.reason == "held"
+            assert found.describe() == (
+                "held by another execution, proj.report[t-0] on w1@vm"
+                " (its state unknown: the result backend did not answer)"
+            )
+            # A second skip while the first read still hangs does not ask again.
+            again = look_up(store, "k", Task(backend), 30.0)
+            assert again is not None and again.describe() == found.describe()
+            assert backend.reads == ["t-0"]
+        finally:
+            backend.gate.set()
+            _join_readers()
+        assert backend.finished.is_set()
+
+    def test_the_backend_is_asked_again_once_the_hung_read_ended(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(held_by, "BACKEND_WAIT", 0.01)
+        backend = Hung()
+        owner = make_owner(task="proj.report", task_id="t-0")
+        store = _store(owner=owner, keep_ms=20_000)
+        first = look_up(store, "k", Task(backend), 30.0)
+        assert first is not None and not first.state_known
+        backend.gate.set()
+        _join_readers()
+        monkeypatch.setattr(held_by, "BACKEND_WAIT", REAL_TIMEOUT)
+        found = look_up(store, "k", Task(backend), 30.0)
+        assert found is not None and found.cooldown  # the backend answered SUCCESS
+        assert backend.reads == ["t-0", "t-0"]
 
 
 class TestIsoUtc:

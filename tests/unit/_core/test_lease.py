@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import Mock
 
 import pytest
 
@@ -28,7 +29,9 @@ from celery_lease import (
     lease,
 )
 from celery_lease._core.dispatch import drain
+from celery_lease._core.lease import clock_of
 from celery_lease._core.renewer import Entry, renewers
+from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 from tests.unit.core_faults import REAL, Interrupt
@@ -834,3 +837,89 @@ class TestReentry:
             with lease("k", store=store, ttl=3, clock=clock) as inner:
                 assert inner is not outer and inner.owner != outer.owner
                 assert inner.token > outer.token
+
+
+class _Anything:
+    """Answers every attribute, as a ``__getattr__`` proxy that forwards blindly does."""
+
+    def __getattr__(self, name: str) -> Any:
+        return _Anything()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _Anything()
+
+
+class _RaisingClockStore(MemoryLockStore):
+    """A store whose ``clock`` property fails with something other than AttributeError."""
+
+    @property
+    def clock(self) -> Any:
+        raise RuntimeError("the clock is not configured")
+
+
+class _OwnClock:
+    """A user's clock: a class of its own that defines what a clock does."""
+
+    def __init__(self) -> None:
+        self.inner = FakeClock(50.0)
+
+    def monotonic(self) -> float:
+        return self.inner.monotonic()
+
+    def time(self) -> float:
+        return self.inner.time()
+
+    def wait(self, event: threading.Event, timeout: float | None) -> bool:
+        return self.inner.wait(event, timeout)
+
+
+class TestClockOf:
+    """A task's lease runs on its store's clock only when that is a real clock; anything else
+    (a proxy answering every attribute, a Mock, a ``clock`` that raises) gives the system
+    clock, and never an error on the task's path."""
+
+    @pytest.mark.parametrize(
+        "store",
+        [
+            pytest.param(_Anything(), id="getattr-proxy"),
+            pytest.param(Mock(), id="mock"),
+            pytest.param(Mock(spec=MemoryLockStore), id="mock-with-spec"),
+            pytest.param(_RaisingClockStore(), id="raising-property"),
+        ],
+    )
+    def test_a_store_without_a_real_clock_gives_the_system_clock(self, store: object) -> None:
+        assert clock_of(store) is SYSTEM_CLOCK
+
+    def test_a_mock_clock_that_claims_a_clock_class_is_refused(self) -> None:
+        """``Mock(spec=FakeClock)`` passes ``isinstance(..., FakeClock)``: its class is what
+        counts."""
+
+        class WithMockClock(MemoryLockStore):
+            @property
+            def clock(self) -> Any:
+                return Mock(spec=FakeClock)
+
+        assert clock_of(WithMockClock()) is SYSTEM_CLOCK
+
+    def test_a_stores_own_clock_is_used(self) -> None:
+        clock = FakeClock(1000.0)
+        assert clock_of(MemoryLockStore(clock=clock)) is clock
+        assert clock_of(MemoryLockStore()) is SYSTEM_CLOCK
+
+    def test_a_clock_class_of_the_users_own_is_used(self) -> None:
+        own = _OwnClock()
+        assert clock_of(MemoryLockStore(clock=own)) is own
+
+    def test_a_delegating_wrapper_gives_its_inner_stores_clock(self) -> None:
+        """The tests' wrapper pattern (``__getattr__`` to the inner store) forwards a real
+        clock: that clock is used."""
+
+        class Wrapper:
+            def __init__(self, inner: object) -> None:
+                self.inner = inner
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(self.inner, name)
+
+        clock = FakeClock(1000.0)
+        assert clock_of(Wrapper(MemoryLockStore(clock=clock))) is clock
