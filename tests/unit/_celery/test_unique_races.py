@@ -787,8 +787,10 @@ class TestArrivalClaim:
             clock.advance(31)  # past the claim's ttl (lock_ttl 30 + lock_wait 0)
             assert store.acquire(tomb, queued_owner(task.name, "C", 0), 60_000) is not None
 
-        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
-                  stall_then_superseded)  # fmt: skip
+        # Right after B's own claim, before its run lease is asked for: the run lease (on the
+        # store's clock) is then taken after the stall, and lasts its own ttl.
+        hook_once(monkeypatch, store, "acquire", lambda key, *_: key == tomb,
+                  stall_then_superseded, after=True)  # fmt: skip
         with pytest.raises(Ignore):
             deliver(task, published.headers[0], deferred=False)
         assert bodies.runs == []
@@ -811,15 +813,17 @@ class TestArrivalClaim:
         b = task.delay(1)
         qkey, b_owner = published.headers[0][unique_module.HEADER]
 
+        tomb, c_owner = f"superseded:{b.id}", queued_owner(task.name, "C", 0)
+
         def lapsed_then_handed_back() -> None:
             clock.advance(31)  # past the claim's ttl (lock_ttl 30 + lock_wait 0)
-            tomb, c_owner = f"superseded:{b.id}", queued_owner(task.name, "C", 0)
             assert store.acquire(tomb, c_owner, 60_000) is not None  # C supersedes B
             assert store.acquire(qkey, b_owner, 60_000) is not None  # C's publish failed
             store.release(tomb, c_owner)
 
-        hook_once(monkeypatch, store, _run_op(store), lambda key, *_: key == "k:1",
-                  lapsed_then_handed_back)  # fmt: skip
+        # Right after B's own claim, before its run lease is asked for (see above).
+        hook_once(monkeypatch, store, "acquire", lambda key, *_: key == tomb,
+                  lapsed_then_handed_back, after=True)  # fmt: skip
         assert deliver(task, published.headers[0], deferred=False) == 1
         assert bodies.runs == [(b.id, 0)]
         assert store.get(qkey) is None, "the key handed back to B is left held"
