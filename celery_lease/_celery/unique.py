@@ -873,7 +873,15 @@ def on_start(
         if done:
             _drop_finished(task, task_id)  # raises Ignore: the body ran already
         if done is None or deferred < 2:
-            _defer(task, request, key, ttl, deferred + (done is False), unfinished=done is False)
+            _defer(
+                task,
+                request,
+                key,
+                ttl,
+                deferred + (done is False),
+                unfinished=done is False,
+                ends_copy=True,  # the run key was free: no copy is known to run
+            )
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
@@ -1143,7 +1151,16 @@ def on_rejected(
         # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
         # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
         # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
-        _defer(cast("CeleryTask", task), request, key, cast(float, ttl), deferred)
+        _defer(
+            cast("CeleryTask", task),
+            request,
+            key,
+            cast(float, ttl),
+            deferred,
+            # Its copy may be dead (the key held by a newer one): unless the refusal named its
+            # own running copy, a re-send that fails ends it with the publish error.
+            ends_copy=refused_by is not None and parse_owner(refused_by).task_id != task_id,
+        )
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
@@ -1171,8 +1188,8 @@ def on_rejected(
             # is handled as a second delivery: dropped if its copy is done, else re-sent; it
             # runs its body only if its copy is still not done on two free arrivals a ttl
             # apart (a rejected copy whose holder has ended then runs, later). Its queued key
-            # goes with it.
-            _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1)
+            # goes with it. No copy is known to run: a re-send that fails ends it.
+            _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1, ends_copy=True)
         # Held by another copy; it may have taken the key after this very copy finished (read
         # after the refusal), or this is a late delivery of a finished copy. A delivery of a
         # copy that is done ends here, nothing stored: never the failure path of a copy that
@@ -1226,6 +1243,7 @@ def _defer(
     count: int,
     *,
     unfinished: bool = False,
+    ends_copy: bool = False,
 ) -> None:
     """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
     Dropped instead when its copy is done (not asked again when the caller just read it
@@ -1233,7 +1251,11 @@ def _defer(
 
     If the re-send fails: an ``acks_late`` task's message is rejected back to the broker
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
-    it: the failure is logged (its copy, which still runs, carries the work) and it ends.
+    it and it ends. With ``ends_copy`` (no copy of this id is known to run: the run key was
+    free, or held by another copy) the publish error is stored as the copy's FAILURE (no
+    errback; only while no ready state is stored): its callers see it in ``get()`` instead of
+    waiting for ever. Without it (its own copy holds the run key) only logged: that copy
+    carries the work and stores its result.
     """
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
@@ -1258,6 +1280,17 @@ def _defer(
                 exc,
             )
             raise Reject(exc, requeue=True) from exc
+        if ends_copy:
+            logger.error(
+                "celery-lease: re-sending the second delivery of %s[%s] failed (%s); no copy of"
+                " it is known to run: the error is stored as its failure",
+                task.name,
+                task_id,
+                exc,
+            )
+            if _finished(task, task_id) is False:
+                _fail_quietly(task, task_id, exc)
+            raise Ignore("second delivery not re-sent") from exc
         logger.error(
             "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
             " (acked on arrival: the copy that still runs carries its work)",
