@@ -1340,9 +1340,9 @@ def _defer(
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
     it and it ends. With ``ends_copy`` (no copy of this id is known to run: the run key was
     free, or held by another copy) the publish error is stored as the copy's FAILURE (no
-    errback; only while no ready state is stored): its callers see it in ``get()`` instead of
-    waiting for ever. Without it (its own copy holds the run key) only logged: that copy
-    carries the work and stores its result.
+    errback; only while neither a ready state nor RETRY is stored: :func:`_fail_unless_stored`):
+    its callers see it in ``get()`` instead of waiting for ever. Without it (its own copy holds
+    the run key) only logged: that copy carries the work and stores its result.
     """
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
@@ -1375,8 +1375,7 @@ def _defer(
                 task_id,
                 exc,
             )
-            if _finished(task, task_id) is False:
-                _fail_quietly(task, task_id, exc)
+            _fail_unless_stored(task, task_id, exc)
             raise Ignore("second delivery not re-sent") from exc
         logger.error(
             "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
@@ -1395,6 +1394,19 @@ def _defer(
         ttl,
     )
     raise Ignore("delivered again while its own copy runs")
+
+
+def _fail_unless_stored(task: CeleryTask, task_id: str, exc: Exception) -> None:
+    """Store ``exc`` as the FAILURE of copy ``task_id`` (no errback) unless its result backend
+    holds a ready state (its result) or RETRY (a retry message carries its work), or cannot
+    answer. Never raises."""
+    try:
+        state = task.backend.get_state(task_id)
+    except Exception as error:  # no backend (NotImplementedError), or it is down
+        logger.debug("celery-lease: reading the state of %s failed (%s)", task_id, error)
+        return
+    if state not in states.READY_STATES and state != states.RETRY:
+        _fail_quietly(task, task_id, exc)
 
 
 _checking: list[type] = []

@@ -202,6 +202,28 @@ class TestRedelivery:
         assert result.state == "FAILURE"
         assert isinstance(result.result, ConnectionError)
 
+    def test_a_deferred_delivery_whose_re_send_fails_leaves_a_retry_state_alone(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The copy retried (RETRY stored: a retry message carries its work): a deferred
+        delivery whose re-send fails with the key free stores no FAILURE over it."""
+        task = define_task(app, "r.deferred-retry", lock_unique="while_queued", lock_debounce=1)
+        first = task.delay(1)
+        task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+        request = request_of(published.headers[0])
+        request.args, request.kwargs = [1], {}
+        setattr(request, unique_module.DEFERRED, 1)
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", refuse)
+        settings = config.get_settings(app)
+        unique = type(task)._lock_options.unique
+        with pytest.raises(Ignore):
+            start_copy(task, request, store, "k:1", settings, unique, 30, 0)
+        assert task.AsyncResult(first.id).state == "RETRY"
+
     def test_a_deferred_delivery_whose_re_send_fails_keeps_a_stored_result(
         self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
