@@ -37,7 +37,8 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 - **Failed publish** releases the queued lease at once, stores the error as the copy's FAILURE
   (callers handed its ``AsyncResult`` meanwhile see it in ``get()``) and re-raises; also when
   the broker may have taken the message after all (then the run lease still excludes a second
-  body, and a late result overwrites the FAILURE). **Revoke** releases it
+  body, and a late result overwrites the FAILURE; a debounced copy's message then ends without
+  its body, see Debounce). **Revoke** releases it
   when the worker sees the revoke (``task_revoked``, also for ``expires``); a purged queue, a lost
   message or a worker killed before the copy started leave it to expire after ``queue_ttl``.
 - **Retries** (a running copy publishing its own task id: ``retry()``, ``on_held="retry"``) take
@@ -78,11 +79,16 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   back under the waiting copy's owner and only then removes the waiting copy's tombstone; not for
   a waiting copy that has ended meanwhile (its worker started it and found its tombstone taken: it
   is REVOKED in the result backend, read before and after the key is taken back; a key taken back
-  for it after it ended is freed again, by it or by the failed call). A call that loses the key to
-  a third one after releasing the waiting copy's lease keeps the tombstone: that copy has no lease
-  left, so only the winner runs. A call that wrote a tombstone and then publishes nothing (it lost
-  the key to a third call) stores its own id REVOKED, ``"superseded by <winner>"``: a racing
-  caller may have been handed that id meanwhile.
+  for it after it ended is freed again, by it or by the failed call). Any debounced call whose
+  publish fails takes its own tombstone before it stores its error as its FAILURE: a message
+  that finds its tombstone held by its own call (not a started claim) ends without its body and
+  stores nothing (never "superseded by" itself); a call that finds it held by a newer call stores
+  REVOKED ``"superseded by <newer>"`` instead (a superseded copy never ends FAILURE), and one
+  that finds its own message started stores nothing (that copy stores its result). A call that
+  loses the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
+  copy has no lease left, so only the winner runs. A call that wrote a tombstone and then
+  publishes nothing (it lost the key to a third call) stores its own id REVOKED,
+  ``"superseded by <winner>"``: a racing caller may have been handed that id meanwhile.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
@@ -103,7 +109,8 @@ that then finds the key free is handled as a second delivery all the same (who r
 cannot be told any more). A delivery whose copy is done ends without the policy, nothing
 stored, whoever holds the key. Without a stored result (``ignore_result``, no backend) a
 finished copy cannot be told from a dead one: the body runs again, as acks_late promises (at
-least once).
+least once). A re-send that fails (not acks_late: the message was acked on arrival) stores the
+publish error as the copy's FAILURE unless its own running copy refused it (see :func:`_defer`).
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the
@@ -515,6 +522,7 @@ def _debounced(
     # have been handed this call's id (it found the tombstone ours and us not superseded), so
     # a call that ends up publishing nothing leaves a final state under its id (see _gave_way).
     superseding = False
+    settled = False  # a failed publish (or store error) stored this call's final state
     started: str | None = None  # a copy seen started whose queued lease stayed held
 
     def gave_way(existing: str | None) -> AsyncResultLike:
@@ -531,17 +539,32 @@ def _debounced(
                     if running is not None:
                         store.release(qkey, owner)
                         return gave_way(running)
-                return _publish(
-                    apply,
-                    args,
-                    kwargs,
-                    task_id,
-                    {**options, "countdown": debounce},
-                    store,
-                    qkey,
-                    owner,
-                    failed_for=task,
-                )
+                try:
+                    return _publish(
+                        apply,
+                        args,
+                        kwargs,
+                        task_id,
+                        {**options, "countdown": debounce},
+                        store,
+                        qkey,
+                        owner,
+                        free=False,  # freed below, once no call can supersede this one
+                    )
+                except BaseException as exc:
+                    # Its own tombstone first: from then on no call supersedes it (and its
+                    # message, had the broker taken it after all, ends without its body), so
+                    # the state stored below is never written over a "superseded" REVOKED.
+                    own = _take_own_tomb(
+                        store,
+                        superseded_key(task_id, prefix),
+                        queued_owner(task.name, task_id, int(now * 1000)),
+                        _ms(queue_ttl + cap),
+                    )
+                    _release_quietly(store, qkey, owner, "the publish failed")
+                    if isinstance(exc, Exception):
+                        _store_failed_publish(task, task_id, exc, own)
+                    raise
             info = inspect.get(qkey)
             if info is None:
                 continue
@@ -603,10 +626,11 @@ def _debounced(
             except BaseException as exc:
                 # Nothing replaces the waiting copy: it is handed its key back (see _withdraw), and
                 # the caller gets the store's error (stored as this call's FAILURE, for a caller
-                # handed its id meanwhile).
-                withdraw()
+                # handed its id meanwhile, unless a newer call superseded this one).
+                own = withdraw()
                 if isinstance(exc, Exception):
-                    _fail_quietly(task, task_id, exc)
+                    _store_failed_publish(task, task_id, exc, own)
+                    settled = True
                 raise
             if taken is None:
                 # Another call took the key between our release and our acquire: the waiting
@@ -616,24 +640,29 @@ def _debounced(
                 if winner is None:
                     continue
                 return gave_way(parse_owner(winner.owner).task_id)
-            return _publish(
-                apply,
-                args,
-                kwargs,
-                task_id,
-                {**options, "countdown": delay},
-                store,
-                qkey,
-                owner,
-                undo=withdraw,
-                free=False,  # withdraw frees it, in its own order
-                failed_for=task,
-            )
+            try:
+                return _publish(
+                    apply,
+                    args,
+                    kwargs,
+                    task_id,
+                    {**options, "countdown": delay},
+                    store,
+                    qkey,
+                    owner,
+                    free=False,  # withdraw frees it, in its own order
+                )
+            except BaseException as exc:
+                own = withdraw()
+                if isinstance(exc, Exception):
+                    _store_failed_publish(task, task_id, exc, own)
+                    settled = True
+                raise
     except Exception as exc:
         # A store error once a caller may hold this call's id (superseding): stored as this
-        # call's FAILURE, so that caller's get() raises it instead of waiting for ever (twice
-        # when the path that raised stored it already: the same state).
-        if superseding:
+        # call's FAILURE, so that caller's get() raises it instead of waiting for ever (not
+        # when the path that raised settled its state already).
+        if superseding and not settled:
             _fail_quietly(task, task_id, exc)
         raise
     return gave_way(started)
@@ -678,10 +707,11 @@ def _withdraw(
     tomb: str,
     tomb_owner: str,
     waiting_ended: Callable[[], bool | None],
-) -> None:
+) -> tuple[bool, str | None]:
     """A superseding call was not published: hand the key back to the copy it superseded,
     unless a newer call superseded this one meanwhile, or that copy has ended. Never raises a
-    store error.
+    store error. Returns what taking its own tombstone found (:func:`_take_own_tomb`), for
+    :func:`_store_failed_publish`.
 
     In this order, each step deciding the next, so that exactly one copy stays to run:
 
@@ -710,17 +740,18 @@ def _withdraw(
     publish failed ends without its body when it starts. A store error keeps what is left:
     the waiting copy stays superseded (nothing may run) rather than two running.
     """
+    own = _take_own_tomb(store, own_tomb, tomb_owner, tomb_ttl_ms)
+    if not own[0]:
+        return own
     try:
-        if store.acquire(own_tomb, tomb_owner, tomb_ttl_ms) is None:
-            return
         store.release(qkey, owner)
         if waiting_ended():
-            return
+            return own
         if store.acquire(qkey, waiting_owner, waiting_ttl_ms) is None:
-            return
+            return own
         if waiting_ended():
             store.release(qkey, waiting_owner)
-            return
+            return own
         store.release(tomb, tomb_owner)
     except Exception as exc:
         logger.warning(
@@ -728,6 +759,50 @@ def _withdraw(
             qkey,
             exc,
         )
+    return own
+
+
+def _take_own_tomb(
+    store: LockStore, own_tomb: str, tomb_owner: str, ttl_ms: int
+) -> tuple[bool, str | None]:
+    """A debounced call whose publish failed takes its own tombstone key (``tomb_owner`` names
+    its own id, no started label): from then on no call supersedes it, and its message, had the
+    broker taken it after all, ends without its body (:meth:`Arrival.claim_or_end`). Never
+    raises a store error.
+
+    Returns ``(True, None)`` when taken (also when a store error left it unknown: handled as
+    before, its error stored), else ``(False, holder)``: the owner of who holds it, a newer
+    call that superseded this one, or this call's own message, started on a worker.
+    """
+    try:
+        for _ in range(_TRIES):
+            if store.acquire(own_tomb, tomb_owner, ttl_ms) is not None:
+                return True, None
+            holder = cast(SupportsInspection, store).get(own_tomb)
+            if holder is not None:
+                return False, holder.owner
+    except Exception as exc:
+        logger.warning("celery-lease: taking %r failed (%s)", own_tomb, exc)
+    return True, None
+
+
+def _store_failed_publish(
+    task: CeleryTask, task_id: str, exc: Exception, own: tuple[bool, str | None]
+) -> None:
+    """Store the final state of a debounced call whose publish failed, once its own tombstone
+    was taken or found held (``own``, :func:`_take_own_tomb`): the error as its FAILURE; but
+    REVOKED ``"superseded by <newer>"`` when a newer call holds it (a superseded copy never
+    ends FAILURE: its worker, had the broker taken the message, stores the same), and nothing
+    when its own message started on a worker (it runs and stores its own result)."""
+    taken, holder = own
+    if not taken and holder is not None:
+        newer = parse_owner(holder).task_id
+        if newer == task_id and _is_started_claim(holder):
+            return
+        if newer not in (None, task_id):
+            _gave_way(task, task_id, newer)
+            return
+    _fail_quietly(task, task_id, exc)
 
 
 # The worker's side ---------------------------------------------------------------------------
@@ -873,7 +948,15 @@ def on_start(
         if done:
             _drop_finished(task, task_id)  # raises Ignore: the body ran already
         if done is None or deferred < 2:
-            _defer(task, request, key, ttl, deferred + (done is False), unfinished=done is False)
+            _defer(
+                task,
+                request,
+                key,
+                ttl,
+                deferred + (done is False),
+                unfinished=done is False,
+                ends_copy=True,  # the run key was free: no copy is known to run
+            )
     prefix = settings.key_prefix
     qkey = queued_key(key, prefix)
     owner = _header_owner(request, task_id, qkey)
@@ -1010,6 +1093,18 @@ class Arrival:
         if stands:
             return self.token is None or self.token != before
         self.taken = False  # never ours, or lost: the tombstone is the newer call's
+        if newer == self.task_id:
+            # Its own call's tombstone: that call's publish raised although the broker took
+            # this message, and the call took it (see _take_own_tomb). Not superseded (never by
+            # itself): it ends without its body and stores nothing; the call stores its state.
+            if self.qkey is not None and self.owner is not None:
+                _release_quietly(self.store, self.qkey, self.owner, "its publish failed")
+            logger.info(
+                "celery-lease: %s[%s] its call's publish failed: body not run",
+                getattr(task, "name", "?"),
+                self.task_id,
+            )
+            raise Ignore("its publish failed")
         try:
             reason = _mark_superseded(task, request, newer)
         finally:
@@ -1143,7 +1238,16 @@ def on_rejected(
         # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
         # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
         # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
-        _defer(cast("CeleryTask", task), request, key, cast(float, ttl), deferred)
+        _defer(
+            cast("CeleryTask", task),
+            request,
+            key,
+            cast(float, ttl),
+            deferred,
+            # Its copy may be dead (the key held by a newer one): unless the refusal named its
+            # own running copy, a re-send that fails ends it with the publish error.
+            ends_copy=refused_by is not None and parse_owner(refused_by).task_id != task_id,
+        )
     qkey = queued_key(key, settings.key_prefix)
     owner = _header_owner(request, task_id, qkey)
     if owner is None and task is None:
@@ -1171,8 +1275,8 @@ def on_rejected(
             # is handled as a second delivery: dropped if its copy is done, else re-sent; it
             # runs its body only if its copy is still not done on two free arrivals a ttl
             # apart (a rejected copy whose holder has ended then runs, later). Its queued key
-            # goes with it.
-            _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1)
+            # goes with it. No copy is known to run: a re-send that fails ends it.
+            _defer(cast("CeleryTask", task), request, key, cast(float, ttl), 1, ends_copy=True)
         # Held by another copy; it may have taken the key after this very copy finished (read
         # after the refusal), or this is a late delivery of a finished copy. A delivery of a
         # copy that is done ends here, nothing stored: never the failure path of a copy that
@@ -1226,6 +1330,7 @@ def _defer(
     count: int,
     *,
     unfinished: bool = False,
+    ends_copy: bool = False,
 ) -> None:
     """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
     Dropped instead when its copy is done (not asked again when the caller just read it
@@ -1233,7 +1338,11 @@ def _defer(
 
     If the re-send fails: an ``acks_late`` task's message is rejected back to the broker
     (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
-    it: the failure is logged (its copy, which still runs, carries the work) and it ends.
+    it and it ends. With ``ends_copy`` (no copy of this id is known to run: the run key was
+    free, or held by another copy) the publish error is stored as the copy's FAILURE (no
+    errback; only while neither a ready state nor RETRY is stored: :func:`_fail_unless_stored`):
+    its callers see it in ``get()`` instead of waiting for ever. Without it (its own copy holds
+    the run key) only logged: that copy carries the work and stores its result.
     """
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and _finished(task, task_id):  # in its cooldown, or releasing its key
@@ -1258,6 +1367,16 @@ def _defer(
                 exc,
             )
             raise Reject(exc, requeue=True) from exc
+        if ends_copy:
+            logger.error(
+                "celery-lease: re-sending the second delivery of %s[%s] failed (%s); no copy of"
+                " it is known to run: the error is stored as its failure",
+                task.name,
+                task_id,
+                exc,
+            )
+            _fail_unless_stored(task, task_id, exc)
+            raise Ignore("second delivery not re-sent") from exc
         logger.error(
             "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
             " (acked on arrival: the copy that still runs carries its work)",
@@ -1275,6 +1394,19 @@ def _defer(
         ttl,
     )
     raise Ignore("delivered again while its own copy runs")
+
+
+def _fail_unless_stored(task: CeleryTask, task_id: str, exc: Exception) -> None:
+    """Store ``exc`` as the FAILURE of copy ``task_id`` (no errback) unless its result backend
+    holds a ready state (its result) or RETRY (a retry message carries its work), or cannot
+    answer. Never raises."""
+    try:
+        state = task.backend.get_state(task_id)
+    except Exception as error:  # no backend (NotImplementedError), or it is down
+        logger.debug("celery-lease: reading the state of %s failed (%s)", task_id, error)
+        return
+    if state not in states.READY_STATES and state != states.RETRY:
+        _fail_quietly(task, task_id, exc)
 
 
 _checking: list[type] = []

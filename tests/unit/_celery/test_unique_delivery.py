@@ -178,6 +178,72 @@ class TestRedelivery:
             start_copy(task, request, store, "k:1", settings, unique, 30, 0)
         assert task.AsyncResult(first.id).get() == 1
 
+    def test_a_deferred_delivery_whose_re_send_fails_with_the_key_free_ends_failure(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A deferred delivery back with the run key free and its copy not done is re-sent once
+        more; when that publish fails (not acks_late: nothing keeps the message), no copy is
+        left to run: the publish error is stored as the copy's FAILURE, never PENDING."""
+        task = define_task(app, "r.deferred-lost", lock_unique="while_queued", lock_debounce=1)
+        first = task.delay(1)
+        request = request_of(published.headers[0])
+        request.args, request.kwargs = [1], {}
+        setattr(request, unique_module.DEFERRED, 1)  # re-sent once: its worker may have died
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", refuse)
+        settings = config.get_settings(app)
+        unique = type(task)._lock_options.unique
+        with pytest.raises(Ignore):
+            start_copy(task, request, store, "k:1", settings, unique, 30, 0)
+        result = task.AsyncResult(first.id)
+        assert result.state == "FAILURE"
+        assert isinstance(result.result, ConnectionError)
+
+    def test_a_deferred_delivery_whose_re_send_fails_leaves_a_retry_state_alone(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The copy retried (RETRY stored: a retry message carries its work): a deferred
+        delivery whose re-send fails with the key free stores no FAILURE over it."""
+        task = define_task(app, "r.deferred-retry", lock_unique="while_queued", lock_debounce=1)
+        first = task.delay(1)
+        task.backend.mark_as_retry(first.id, RuntimeError("try again"))
+        request = request_of(published.headers[0])
+        request.args, request.kwargs = [1], {}
+        setattr(request, unique_module.DEFERRED, 1)
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", refuse)
+        settings = config.get_settings(app)
+        unique = type(task)._lock_options.unique
+        with pytest.raises(Ignore):
+            start_copy(task, request, store, "k:1", settings, unique, 30, 0)
+        assert task.AsyncResult(first.id).state == "RETRY"
+
+    def test_a_deferred_delivery_whose_re_send_fails_keeps_a_stored_result(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A second delivery of the running copy (its own run lease) whose re-send fails stores
+        nothing: the running copy carries the work and stores its own result."""
+        task = define_task(app, "r.deferred-running", lock_unique="until_done")
+        first = task.delay(1)
+        store.acquire("k:1", make_owner(task=task.name, task_id=first.id), 60_000)  # running
+        request = request_of(published.headers[0])
+        request.args, request.kwargs = [1], {}
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("broker down")
+
+        monkeypatch.setattr(app, "send_task", refuse)
+        settings = config.get_settings(app)
+        with pytest.raises(Ignore):
+            unique_module.on_rejected(request, store, "k:1", settings, task=task, ttl=5.0)
+        assert task.AsyncResult(first.id).state == "PENDING"
+
     def test_a_copy_turned_away_by_another_copy_frees_its_queued_key(
         self, app: Celery, published: Published, store: SpyStore
     ) -> None:

@@ -315,6 +315,72 @@ class TestWithdrawAfterFailedPublish:
         assert hold is None  # A runs its body (no Ignore)
 
 
+class TestFailedPublishFinalState:
+    """What a debounced call whose publish raised leaves stored under its id, whatever a
+    worker wrote there meanwhile: a superseded copy ends REVOKED, a withdrawn call's own
+    message never calls its id superseded by itself."""
+
+    def test_a_copy_superseded_while_its_publish_fails_ends_revoked_not_failure(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A's publish reaches the broker but its reply is lost; before A's caller stores the
+        error, Y supersedes A and A's message starts and ends "superseded by Y": A's caller
+        stores no FAILURE over that (no failure state for a superseded copy)."""
+        task = define_task(app, "f.superseded", lock_unique="while_queued", lock_debounce=1)
+        real = app.send_task
+        settings = config.get_settings(app)
+        options = type(task)._lock_options.unique
+        ended: list[str] = []
+
+        def taken_then_fail(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)
+            monkeypatch.setattr(app, "send_task", real)
+            assert task.apply_async((1, 2), task_id="Y").id == "Y"
+            try:
+                start_copy(
+                    task, request_of(published.headers[0]), store, "k:1", settings, options, 30, 0
+                )
+            except Ignore as exc:
+                ended.append(str(exc))
+            raise ConnectionError("connection lost after the broker took it")
+
+        monkeypatch.setattr(app, "send_task", taken_then_fail)
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 1), task_id="A")
+        assert ended == ["superseded by Y"]
+        a = task.AsyncResult("A")
+        assert a.state == states.REVOKED, a.result
+        assert published.ids == ["A", "Y"]
+
+    def test_a_withdrawn_calls_own_message_keeps_its_failure(
+        self, app: Celery, published: Published, store: SpyStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """X superseded the waiting A; X's publish reached the broker but raised, and X handed
+        the key back to A. X's message ends without its body and stores nothing: X keeps the
+        publish error as its FAILURE, never REVOKED "superseded by X" (by itself)."""
+        task = define_task(app, "f.withdrawn", lock_unique="while_queued", lock_debounce=1)
+        task.delay(1, 1)
+        real = app.send_task
+
+        def taken_then_fail(*args: Any, **kwargs: Any) -> Any:
+            real(*args, **kwargs)
+            raise ConnectionError("connection lost after the broker took it")
+
+        monkeypatch.setattr(app, "send_task", taken_then_fail)
+        with pytest.raises(ConnectionError):
+            task.apply_async((1, 2), task_id="X")
+        settings = config.get_settings(app)
+        options = type(task)._lock_options.unique
+        with pytest.raises(Ignore) as ended:
+            start_copy(
+                task, request_of(published.headers[1]), store, "k:1", settings, options, 30, 0
+            )
+        assert "superseded by X" not in str(ended.value)
+        x = task.AsyncResult("X")
+        assert x.state == states.FAILURE
+        assert isinstance(x.result, ConnectionError)
+
+
 class TestWithdrawWhileTheWaitingCopyStarts:
     """X superseded the waiting copy A; X's publish fails while A's worker starts A (A finds
     its tombstone X's and ends REVOKED). Whatever the order of A's steps and X's hand-back,
