@@ -26,7 +26,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
@@ -40,6 +40,7 @@ from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
     SupportsInspection,
+    conforms,
     redact_url,
     store_from_url,
 )
@@ -140,13 +141,13 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
                 "or run it as `celery -A proj lease ...`"
             )
         store = _store_for_app(app)
-    if not isinstance(store, SupportsInspection):
+    if not conforms(store, SupportsInspection):
         missing = ", ".join(f"{m}()" for m in _INSPECTION if not callable(getattr(store, m, None)))
         raise CliError(
             f"{type(store).__name__} cannot be inspected: it lacks {missing} "
             "(see celery_lease.SupportsInspection)"
         )
-    return store
+    return cast(SupportsInspection, store)
 
 
 def _run(fn: Callable[[], None]) -> None:

@@ -152,6 +152,7 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsInspection",
         "SupportsReleaseNotify",
         "async_store_from_url",
+        "conforms",
         "redact_url",
         "store_from_url",
     },
