@@ -517,7 +517,9 @@ def test_pydantic_model_arguments_key_alike_however_they_arrive(
     keys.add(run(mode, "di.pydantic", item={"tags": ["a"], "n": 1})["key"])
     keys.add(run(mode, "di.pydantic", {"n": 1})["key"])  # tags: the model's default
     keys.add(run(mode, "di.pydantic", {"n": "1"})["key"])  # pydantic_strict=False coerces
-    if mode != "worker":  # the caller's model is dumped to JSON by apply_async
+    # Celery 5.7's apply_async dumps the caller's model to JSON; Celery 5.6 sends it as it is,
+    # which the json serializer refuses (plain Celery too), so only apply() and a call take it.
+    if mode != "worker" and (CELERY_MINOR >= (5, 7) or mode in ("apply", "direct")):
         keys.add(run(mode, "di.pydantic", Item(n=1, tags=["a"]))["key"])
     assert len(keys) == 1, keys
     other = run(mode, "di.pydantic", {"n": 2})
