@@ -32,7 +32,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 from urllib.parse import urlsplit
 
 import click
@@ -46,6 +46,7 @@ from celery_lease.stores.base import (
     LeaseInfo,
     LockStore,
     SupportsInspection,
+    conforms,
     redact_url,
     store_from_url,
 )
@@ -148,13 +149,13 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
                 "or run it as `celery -A proj lease ...`"
             )
         store = _store_for_app(app)
-    if not isinstance(store, SupportsInspection):
+    if not conforms(store, SupportsInspection):
         missing = ", ".join(f"{m}()" for m in _INSPECTION if not callable(getattr(store, m, None)))
         raise CliError(
             f"{type(store).__name__} cannot be inspected: it lacks {missing} "
             "(see celery_lease.SupportsInspection)"
         )
-    return store
+    return cast(SupportsInspection, store)
 
 
 CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)

@@ -43,10 +43,14 @@ if TYPE_CHECKING:
     )
 
 try:
-    # celery 5.7 (read): the per-request ignore_result rule; older releases lack it (< 5.6).
+    # celery 5.7 (read): the per-request ignore_result rule, in celery.app.task.
     from celery.app.task import get_actual_ignore_result
-except ImportError:  # pragma: no cover  # Celery < 5.6: no per-request ignore_result helper
-    get_actual_ignore_result = None
+except ImportError:  # pragma: no cover  # Celery < 5.7
+    try:
+        # celery 5.6 (read): the same rule, in celery.app.trace.
+        from celery.app.trace import get_actual_ignore_result
+    except ImportError:  # Celery < 5.6: no per-request override (see deferral._result_ignored)
+        get_actual_ignore_result = None
 
 __all__ = [
     "EX_RECYCLE",

@@ -96,8 +96,11 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
 def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
     if compat.get_actual_ignore_result is not None:
         return bool(compat.get_actual_ignore_result(task, request))
-    # Celery < 5.6: the task's setting, unless the request asks for the result explicitly.
-    return bool(task.ignore_result) and getattr(request, "ignore_result", None) is not False
+    # Celery 5.4 and 5.5 (read): the tracer publishes a result only when the task's
+    # ignore_result is off, and the backend stores it only when the request's is off too
+    # (celery.app.trace.build_tracer, celery.backends.base.mark_as_done): a request cannot ask
+    # for the result of a task that ignores it, and its ignore_result defaults to False.
+    return bool(task.ignore_result) or bool(getattr(request, "ignore_result", False))
 
 
 def _custom(cls: type, name: str) -> bool:

@@ -40,11 +40,11 @@ from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import store_for
-from celery_lease._core.lease import Lease, LeaseContext, clock_of, conforms, lease
+from celery_lease._core.lease import Lease, LeaseContext, clock_of, lease
 from celery_lease._core.options import LockOptions
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.stores.base import LockStore, SupportsDeferredRelease
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease, conforms
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest

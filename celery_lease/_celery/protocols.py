@@ -35,9 +35,9 @@ is ``runtime_checkable``: no code asks ``isinstance`` of a Celery object, and th
 only read by mypy. ``tests/unit/_celery/test_protocols.py`` checks that Celery's real objects
 still have every member named here.
 
-The ``TypeGuard`` functions below are the capability checks of a store: each asks the cached
-protocol check of :mod:`celery_lease._core.lease` (:func:`~celery_lease._core.lease.conforms`,
-:func:`~celery_lease._core.lease.offers`), and tells mypy what a True answer means.
+The ``TypeGuard`` functions below are the capability checks of a store: each asks the protocol
+check that sees delegated attributes on every Python (:func:`~celery_lease.stores.base.conforms`,
+and :func:`~celery_lease._core.lease.offers`), and tells mypy what a True answer means.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ from collections.abc import Callable, Iterable, Mapping, MutableSet, Sequence
 from datetime import datetime
 from typing import Protocol, TypeGuard
 
-from celery_lease._core.lease import Lease, conforms, offers
+from celery_lease._core.lease import Lease, offers
 from celery_lease.stores.base import (
     SupportsDeferredRelease,
     SupportsDeferredRenew,
     SupportsInspection,
+    conforms,
 )
 
 __all__ = [

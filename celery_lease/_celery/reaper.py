@@ -69,7 +69,7 @@ from celery_lease._celery.unique import queued_key
 from celery_lease._core import owners
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection
+from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, conforms
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import (
@@ -418,7 +418,7 @@ class _Reaper:
         refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
         """
         for store in self._stores():
-            if not isinstance(store, SupportsInspection):
+            if not conforms(store, SupportsInspection):
                 logger.warning(
                     "celery-lease: %s cannot list leases: the leases of dead pool process %d"
                     " (if any) free themselves at their ttl",
@@ -426,8 +426,9 @@ class _Reaper:
                     death.pid,
                 )
                 continue
+            inspect = cast(SupportsInspection, store)
             try:
-                infos = store.list()
+                infos = inspect.list()
             except Exception as exc:
                 logger.warning(
                     "celery-lease: cannot list the leases of dead pool process %d (%s); they"

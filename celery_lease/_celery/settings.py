@@ -51,7 +51,7 @@ import threading
 import weakref
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 from urllib.parse import parse_qsl, urlsplit
 
 from celery_lease import _forking as forking
@@ -59,7 +59,7 @@ from celery_lease._celery.setting_typos import check_names
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores import _registry
-from celery_lease.stores.base import LockStore, redact_url, store_from_url
+from celery_lease.stores.base import LockStore, conforms, redact_url, store_from_url
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
@@ -206,7 +206,7 @@ def _read(app: CeleryApp) -> LeaseSettings:
     conf = app.conf
     check_names(conf, SETTINGS)
     store = conf.get("lease_store")
-    if store is not None and not isinstance(store, (str, LockStore)):
+    if store is not None and not isinstance(store, str) and not conforms(store, LockStore):
         raise LeaseConfigError(
             f"lease_store={store!r} is not allowed: use a store URL (redis://, sqlite:///...,"
             " postgresql://, memory://) or a LockStore instance"
@@ -232,7 +232,7 @@ def _read(app: CeleryApp) -> LeaseSettings:
         raise LeaseConfigError(f"lease_key_prefix={prefix!r} must be a str (default '')")
     metrics, metrics_port = _read_metrics(conf.get("lease_metrics"), conf.get("lease_metrics_port"))
     return LeaseSettings(
-        store=store,
+        store=cast("str | LockStore | None", store),
         default_ttl=pick(
             None if ttl is None else to_seconds(ttl, name="lease_default_ttl", inclusive=False),
             None,
@@ -592,7 +592,7 @@ def warn_host_local(app: CeleryApp, path: str) -> None:
 def _build_store(app: CeleryApp) -> LockStore:
     settings = get_settings(app)
     configured = settings.store
-    if isinstance(configured, LockStore):
+    if configured is not None and not isinstance(configured, str):
         return configured
     if isinstance(configured, str):
         return store_from_url(with_restart_grace(configured, settings))

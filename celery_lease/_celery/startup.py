@@ -78,7 +78,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from urllib.parse import urlsplit
 
 from celery import bootsteps
@@ -87,7 +87,13 @@ from celery_lease._celery import control, pool
 from celery_lease._celery import settings as config
 from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore, SupportsInspection, redact_url, store_from_url
+from celery_lease.stores.base import (
+    LockStore,
+    SupportsInspection,
+    conforms,
+    redact_url,
+    store_from_url,
+)
 
 if TYPE_CHECKING:
     from celery_lease._celery.pool import Autoscale
@@ -358,8 +364,8 @@ def _ping(
     began = time.monotonic()
     try:
         store = store_from_url(option) if isinstance(option, str) else option
-        if isinstance(store, SupportsInspection):
-            store.get(key)
+        if conforms(store, SupportsInspection):
+            cast(SupportsInspection, store).get(key)
         else:
             store.release(key, f"start-check/{os.getpid()}/{uuid.uuid4().hex}")
         outcome.append(time.monotonic() - began)

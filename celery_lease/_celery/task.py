@@ -120,8 +120,10 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     Celery validates the arguments of such a task into models inside ``run`` (its
     ``pydantic_wrapper``): a model passed directly, its JSON form after the serializer and the
     model default all reach the body as equal models, so the key is built from those. Uses the
-    wrapper's own validation helpers where Celery has them (5.7), else validates the same
-    annotations with pydantic. An argument that fails validation is keyed as it came (the body's
+    wrapper's own validation helpers where Celery has them (5.7), else validates the annotations
+    Celery validates with pydantic (5.6: resolved type hints; 5.5: the raw annotations, so a
+    string annotation of ``from __future__ import annotations`` is not validated, by Celery
+    either). An argument that fails validation is keyed as it came (the body's
     own validation then raises, as in Celery). ``None`` for a task without ``pydantic=True``.
     """
     run = inspect.getattr_static(cls, "run", None)
@@ -133,12 +135,10 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     signature = free.get("task_signature") or inspect.signature(func)
     get_model = free.get("get_argument_model")
     validate_argument = free.get("validate_argument")
-    hints = free.get("type_hints")
-    if hints is None:
-        try:
-            hints = typing.get_type_hints(inspect.unwrap(func))
-        except Exception:  # unresolvable string annotations: fall back to the raw ones
-            hints = {}
+    # Celery 5.6 resolves string annotations (its type_hints cell; None when they cannot be
+    # resolved), Celery 5.5 validates the raw ones only (no cell): the same here, so the key is
+    # built from what the body receives.
+    hints = free.get("type_hints") or {}
     strict = bool(free.get("strict", False))
     context = {
         **(free.get("context") or {}),

@@ -120,9 +120,17 @@ class _Canceller:
         uncancel = getattr(self.task, "uncancel", None)
         if uncancel is not None:  # Python 3.11+: cancellation requests are counted
             return bool(uncancel())  # the requests left: from outside
-        # Python 3.10: the message of the cancel delivered travels with the error. An outside
-        # cancel requested before ours was delivered is merged into it, and not seen here.
-        return isinstance(exc, asyncio.CancelledError) and exc.args[:1] != (_CANCEL_MSG,)
+        # Python 3.10: the message of the cancel delivered travels with the error, and an
+        # outside cancel delivered before ours is the context of ours (ours landed in the
+        # body's clean-up of it). An outside cancel requested before ours was delivered is
+        # merged into it, and not seen here.
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            if isinstance(exc, asyncio.CancelledError) and exc.args[:1] != (_CANCEL_MSG,):
+                return True
+            exc = exc.__context__
+        return False
 
 
 async def aenter(ctx: LeaseContext) -> tuple[Lease, _Canceller | None]:

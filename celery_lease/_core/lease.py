@@ -54,6 +54,7 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
+    conforms,
 )
 
 __all__ = ["Lease", "clock_of", "current_lease", "get_lock_token", "lease", "new_owner_id"]
@@ -91,7 +92,6 @@ class Frame:
 
 
 current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
-_CONFORMS: dict[tuple[type, type], bool] = {}
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
 
 # Frames and leases record the fork generation of the process that made them
@@ -106,21 +106,6 @@ def _after_fork_in_child() -> None:
 
 
 forking.on_fork_child(_after_fork_in_child, name="lease: events lock")
-
-
-def conforms(obj: object, protocol: type) -> bool:
-    """``isinstance(obj, protocol)`` for a runtime-checkable protocol, cached per class.
-
-    The protocol check inspects every member on each call (tens of microseconds); a class that
-    conforms once conforms always, so only instances of classes that do not are checked again.
-    """
-    cache_key = (type(obj), protocol)
-    if _CONFORMS.get(cache_key):
-        return True
-    result = isinstance(obj, protocol)
-    if result:
-        _CONFORMS[cache_key] = True
-    return result
 
 
 def offers(obj: object, protocol: type, method: str) -> bool:
@@ -233,11 +218,14 @@ CANCEL = _CancelBody()
 
 
 def is_async_store(store: object) -> bool:
-    """True for an :class:`~celery_lease.stores.base.AsyncLockStore` (cached per class)."""
+    """True for an :class:`~celery_lease.stores.base.AsyncLockStore` (cached per class, but for
+    a class delegating through ``__getattr__``)."""
     cls = type(store)
     known = _ASYNC_CLASSES.get(cls)
     if known is None:
-        known = _ASYNC_CLASSES[cls] = isinstance(store, AsyncLockStore)
+        known = conforms(store, AsyncLockStore)
+        if not hasattr(cls, "__getattr__"):  # a delegating wrapper answers per wrapped store
+            _ASYNC_CLASSES[cls] = known
     return known
 
 
@@ -253,7 +241,7 @@ def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
     if not is_async_store(store):
         return None, store
     twin = store.sync
-    if not isinstance(twin, LockStore) or is_async_store(twin):
+    if not conforms(twin, LockStore) or is_async_store(twin):
         raise LeaseConfigError(
             f"store={store!r} is an AsyncLockStore whose .sync ({twin!r}) is not a synchronous"
             " LockStore: the renewer thread renews through it"

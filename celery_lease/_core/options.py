@@ -16,7 +16,7 @@ from celery_lease._core.lease import check_ttl
 from celery_lease._core.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore
+from celery_lease.stores.base import LockStore, conforms
 from celery_lease.types import OnHeld, OnLost
 
 __all__ = [
@@ -118,7 +118,7 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
     if isinstance(key, str) and not key:
         raise LeaseConfigError(f"{name('key')}='' must be a non-empty template")
     store = raw.get("store")
-    if store is not None and not isinstance(store, (str, LockStore)):
+    if store is not None and not isinstance(store, str) and not conforms(store, LockStore):
         raise LeaseConfigError(
             f"{name('store')}={store!r} is not allowed: use a LockStore, a store URL, or None"
         )

@@ -20,7 +20,7 @@ from typing import TypeVar
 
 from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import AsyncLockStore, LockStore
+from celery_lease.stores.base import AsyncLockStore, LockStore, conforms
 
 __all__ = ["ThreadedAsyncStore"]
 
@@ -129,7 +129,7 @@ class ThreadedAsyncStore:
     """
 
     def __init__(self, store: LockStore, *, close_store: bool = False) -> None:
-        if not isinstance(store, LockStore) or isinstance(store, AsyncLockStore):
+        if not conforms(store, LockStore) or conforms(store, AsyncLockStore):
             raise LeaseConfigError(
                 f"store={store!r} is not a synchronous LockStore: it needs acquire(), renew()"
                 " and release()"

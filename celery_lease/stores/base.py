@@ -2,8 +2,8 @@
 
 A store keeps, per key, at most one live lease ``{owner, expires}`` and a fencing-token counter
 that only grows. Everything else in celery-lease (waiting, renewal, loss, Celery) is built above
-these three calls. Optional capabilities, detected with ``isinstance`` against the
-``runtime_checkable`` protocols below, make a store faster or inspectable:
+these three calls. Optional capabilities, detected with :func:`conforms` against the protocols
+below, make a store faster or inspectable:
 
 - :class:`SupportsReleaseNotify`: ``wait_for_release`` wakes a waiter when the key is released;
 - :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip, per key;
@@ -17,11 +17,12 @@ synchronous store it hands out as ``sync`` (the renewer thread renews through th
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 from celery_lease.errors import LeaseConfigError
@@ -39,6 +40,7 @@ __all__ = [
     "SupportsInspection",
     "SupportsReleaseNotify",
     "async_store_from_url",
+    "conforms",
     "redact_url",
     "store_from_url",
 ]
@@ -279,6 +281,57 @@ class SupportsInspection(Protocol):
         The counter is kept, so the next acquirer still gets a higher token.
         """
         ...
+
+
+def conforms(obj: object, protocol: type) -> bool:
+    """Whether ``obj`` offers every member of ``protocol`` (one of the protocols above, or any
+    ``typing.Protocol``): each method as a callable attribute, each property as an attribute.
+
+    The same answer on every Python: attributes are read with ``getattr``, so a wrapper that
+    delegates to its store through ``__getattr__`` (tracing and metrics wrappers do) conforms to
+    what the wrapped store offers. ``isinstance`` against a ``runtime_checkable`` protocol does
+    not see such attributes since Python 3.12 (it looks them up statically). Reading a property
+    runs it, as ``isinstance`` did before 3.12. A class that has every member itself conforms
+    always, and is remembered (the check then costs one dict look-up).
+    """
+    cls = type(obj)
+    if (cls, protocol) in _STATIC:
+        return True
+    methods, others = _members(protocol)
+    if all(callable(getattr(cls, name, None)) for name in methods) and all(
+        hasattr(cls, name) for name in others
+    ):
+        _STATIC.add((cls, protocol))
+        return True
+    return all(callable(getattr(obj, name, None)) for name in methods) and all(
+        hasattr(obj, name) for name in others
+    )
+
+
+_STATIC: set[tuple[type, type]] = set()
+_MEMBERS: dict[type, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _members(protocol: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(methods, other members)`` of ``protocol`` and its protocol bases, public names only."""
+    known = _MEMBERS.get(protocol)
+    if known is not None:
+        return known
+    if not getattr(protocol, "_is_protocol", False):
+        raise TypeError(f"conforms() needs a typing.Protocol class, not {protocol!r}")
+    methods: set[str] = set()
+    others: set[str] = set()
+    for base in protocol.__mro__:
+        if base in (object, Protocol) or not base.__dict__.get("_is_protocol", False):
+            continue
+        found: dict[str, Any] = dict.fromkeys(inspect.get_annotations(base))
+        found.update(base.__dict__)
+        for name, value in found.items():
+            if name.startswith("_"):
+                continue
+            (methods if callable(value) else others).add(name)
+    known = _MEMBERS[protocol] = (tuple(sorted(methods)), tuple(sorted(others)))
+    return known
 
 
 _SCHEME_PREFIX = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/+")

@@ -168,6 +168,7 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsInspection",
         "SupportsReleaseNotify",
         "async_store_from_url",
+        "conforms",
         "redact_url",
         "store_from_url",
     },

@@ -20,6 +20,7 @@ from celery.utils.dispatch import Signal
 from celery.worker.request import Request
 
 from celery_lease._celery import compat
+from tests.support import CELERY_MINOR, needs_celery_pydantic
 
 PACKAGE = Path(compat.__file__).resolve().parents[1]
 
@@ -68,12 +69,14 @@ class TestCeleryState:
     def test_the_current_app_is_celerys(self) -> None:
         assert compat.get_current_app() is celery._state.get_current_app()
 
-    def test_the_ignore_result_helper_is_there(self) -> None:
-        """This Celery has the per-request rule (the callers' fallback is for older ones)."""
-        assert compat.get_actual_ignore_result is not None
+    def test_the_ignore_result_helper_is_there_from_celery_5_6(self) -> None:
+        """Celery 5.6 and later have the per-request rule (5.6 in celery.app.trace, 5.7 in
+        celery.app.task); the callers' fallback is for 5.4 and 5.5."""
+        assert (compat.get_actual_ignore_result is not None) == (CELERY_MINOR >= (5, 6))
 
 
 class TestPydanticWrapper:
+    @needs_celery_pydantic
     def test_the_closure_of_celerys_wrapper_is_read(self) -> None:
         """``pydantic=True``: the wrapper is recognised and its free variables read."""
         pytest.importorskip("pydantic")

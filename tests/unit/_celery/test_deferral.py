@@ -28,6 +28,7 @@ from celery_lease._celery import deferral
 from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
 from celery_lease.stores.base import SupportsDeferredRelease
+from tests.support import CELERY_MINOR
 
 
 class DeferringStore(MemoryLockStore):
@@ -160,14 +161,28 @@ class TestWhichExecutionsDefer:
         assert released(log) == ["release k:2"]
 
     def test_a_request_asking_for_its_result_waits(self, app: Celery, log: list[str]) -> None:
-        """``apply_async(ignore_result=False)`` on an ignoring task: the request wins."""
+        """``apply_async(ignore_result=False)`` on an ignoring task: from Celery 5.6 the request
+        wins and the result is stored (so the release waits); Celery 5.4 and 5.5 store no result
+        of a task that ignores it, whatever the request says (so it goes out deferred)."""
 
         @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
         def asked(n: int) -> None:
             return None
 
         traced(app, asked)(3, ignore_result=False)
-        assert released(log) == ["release k:3"]
+        stored = CELERY_MINOR >= (5, 6)
+        assert released(log) == (["release k:3"] if stored else ["deferred k:3"])
+
+    def test_a_request_ignoring_its_result_defers(self, app: Celery, log: list[str]) -> None:
+        """``apply_async(ignore_result=True)`` on a task that stores results: nothing is stored,
+        on every Celery, so the release goes out deferred."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def unasked(n: int) -> None:
+            return None
+
+        traced(app, unasked)(4, ignore_result=True)
+        assert released(log) == ["deferred k:4"]
 
     def test_a_chord_member_waits(self, app: Celery, log: list[str]) -> None:
         """A chord header task counts its part in the backend after the body: no deferral."""

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 
 from celery_lease import LockedTask, LockLostError, current_lease, get_lock_token
 from celery_lease.signals import lock_released
-from tests.support import complete_lines
+from tests.support import CELERY_MINOR, complete_lines, needs_celery_pydantic
 
 ROOT = Path(__file__).resolve().parents[3]
 TIMEOUT = 20.0  # seconds a test waits for a result
@@ -481,8 +481,17 @@ def test_retry_resends_the_arguments_plain_celery_resends(
     """``retry()`` from a body whose arguments a subclass changed: the retried attempt gets what
     it gets under plain Celery (eager and embedded: the doubled value again; worker: the
     original), and its key follows what its body gets."""
+    if CELERY_MINOR < (5, 5) and mode == "embedded":
+        pytest.skip(
+            "Celery 5.4: under a class defining __call__ the body runs on a request without the"
+            " message's id on a threads pool: plain Celery's retry() leaves no result to wait on"
+        )
     locked = run(mode, "di.doubled", 1, True)
     plain = run(mode, "di.plain_doubled", 1, True)
+    if CELERY_MINOR < (5, 5) and mode in ("apply", "always_eager"):
+        # Celery 5.4's apply() ends an eager retry() with the Retry: no second attempt runs.
+        assert plain is None and locked is None
+        return
     assert plain["retries"] == 1
     assert {k: locked[k] for k in SAME_AS_PLAIN} == {k: plain[k] for k in SAME_AS_PLAIN}
     assert locked["key"] == f"dbl:{locked['received'][0]}"
@@ -491,6 +500,7 @@ def test_retry_resends_the_arguments_plain_celery_resends(
 # pydantic=True -------------------------------------------------------------------------------
 
 
+@needs_celery_pydantic
 @pytest.mark.parametrize("mode", MODES)
 def test_pydantic_model_arguments_key_alike_however_they_arrive(
     run: Callable[..., Any], mode: str
@@ -507,7 +517,9 @@ def test_pydantic_model_arguments_key_alike_however_they_arrive(
     keys.add(run(mode, "di.pydantic", item={"tags": ["a"], "n": 1})["key"])
     keys.add(run(mode, "di.pydantic", {"n": 1})["key"])  # tags: the model's default
     keys.add(run(mode, "di.pydantic", {"n": "1"})["key"])  # pydantic_strict=False coerces
-    if mode != "worker":  # the caller's model is dumped to JSON by apply_async
+    # Celery 5.7's apply_async dumps the caller's model to JSON; Celery 5.6 sends it as it is,
+    # which the json serializer refuses (plain Celery too), so only apply() and a call take it.
+    if mode != "worker" and (CELERY_MINOR >= (5, 7) or mode in ("apply", "direct")):
         keys.add(run(mode, "di.pydantic", Item(n=1, tags=["a"]))["key"])
     assert len(keys) == 1, keys
     other = run(mode, "di.pydantic", {"n": 2})
@@ -592,7 +604,12 @@ def test_message_headers_cannot_forge_the_lock_attributes(
     forged = app.send_task(name, (7,), headers=FORGED_HEADERS).get(timeout=TIMEOUT, interval=POLL)
     assert forged["key"] == plain["key"] == ("lk:7" if name == "di.locked" else "mx:7")
     assert forged["token"] == forged["lease_token"] == forged["ambient"] != 10**30
-    assert forged["depth"] == plain["depth"] and forged["has_id"]
+    assert forged["depth"] == plain["depth"]
+    # Celery 5.4's Task.__call__ pushes a request of its own (no id) under a class that defines
+    # __call__ (the mixins), on a threads pool: the body sees no id, with or without headers.
+    assert forged["has_id"] == plain["has_id"]
+    old_call = CELERY_MINOR < (5, 5) and mode == "embedded" and name != "di.locked"
+    assert forged["has_id"] or old_call
 
 
 @pytest.mark.parametrize("outcome", ["ok", "fail", "retry"])
@@ -618,6 +635,7 @@ def test_call_time_argument_check_is_kept(local: SimpleNamespace) -> None:
             local.app.tasks[name].delay(1, 2, 3, 4)
 
 
+@needs_celery_pydantic
 def test_pydantic_unbound_optional_model_and_decorator_form(local: SimpleNamespace) -> None:
     """``pydantic=True`` without ``bind``, an ``Item | None`` parameter and the ``@locked``
     form: the key follows the validated model, and ``None`` stays ``None``."""

@@ -250,9 +250,20 @@ class TestAsyncWith:
         info = store.get("k")
         assert info is not None and info.owner == "someone-else"
 
-    def test_waiter_wakes_on_async_release(self, store: SpyStore, clock: FakeClock) -> None:
-        """A coroutine waiting for the key gets it once the holder's block ends (no fake time)."""
+    def test_waiter_wakes_on_async_release(self, clock: FakeClock) -> None:
+        """A coroutine waiting for the key gets it once the holder's block ends (no fake time).
+        The holder leaves once the waiter was refused (its acquire runs on a thread)."""
         order: list[str] = []
+        refused: list[str] = []
+
+        class RefusalStore(SpyStore):
+            def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+                token = super().acquire(key, owner, ttl_ms)
+                if token is None:
+                    refused.append(key)
+                return token
+
+        store = RefusalStore(clock)
 
         async def first(entered: asyncio.Event, go: asyncio.Event) -> None:
             async with lease("k", store=store, clock=clock):
@@ -270,7 +281,7 @@ class TestAsyncWith:
             entered, go = asyncio.Event(), asyncio.Event()
             tasks = [asyncio.create_task(first(entered, go)), asyncio.create_task(second(entered))]
             await entered.wait()
-            await asyncio.sleep(0)
+            await until(lambda: bool(refused))
             go.set()
             await asyncio.gather(*tasks)
 
