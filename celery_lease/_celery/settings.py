@@ -196,8 +196,16 @@ class LeaseSettings:
 
 
 _lock = threading.RLock()
-_settings: weakref.WeakKeyDictionary[CeleryApp, LeaseSettings] = weakref.WeakKeyDictionary()
-_stores: weakref.WeakKeyDictionary[CeleryApp, LockStore] = weakref.WeakKeyDictionary()
+# Each app's settings with (a reference to) the ``app.conf`` they were read from, and its store
+# with the settings it was built from: Celery replaces ``app.conf`` when the app is configured
+# after a first read (``config_from_object`` on an app whose configuration was already loaded,
+# which any read of ``app.conf`` does), so an entry read from another ``app.conf`` is stale.
+_settings: weakref.WeakKeyDictionary[CeleryApp, tuple[Callable[[], object], LeaseSettings]] = (
+    weakref.WeakKeyDictionary()
+)
+_stores: weakref.WeakKeyDictionary[CeleryApp, tuple[LeaseSettings, LockStore]] = (
+    weakref.WeakKeyDictionary()
+)
 _refusals: weakref.WeakKeyDictionary[CeleryApp, str] = weakref.WeakKeyDictionary()
 _warned_local = False
 
@@ -358,7 +366,11 @@ def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _
 
 
 def get_settings(app: CeleryApp) -> LeaseSettings:
-    """The validated lease settings of ``app``, read once (cached per app).
+    """The validated lease settings of ``app``, read once per configuration (cached per app).
+
+    Read again when ``app.conf`` is no longer the one they were read from: Celery replaces it
+    when the app is configured (``config_from_object``) after something read it, so settings
+    read before the app was configured (a module imported first) do not outlive that.
 
     Raises:
         LeaseConfigError: a setting has a bad value or a misspelled name (the message names the
@@ -367,7 +379,23 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
     """
     if _refusals:
         _raise_refusal(app)
-    return cached(_settings, app, lambda: _read(app))
+    conf = app.conf  # loads the app's configuration if nothing did yet (as its tasks would)
+    entry = _settings.get(app)
+    if entry is None or entry[0]() is not conf:
+        with _lock:
+            entry = _settings.get(app)
+            if entry is None or entry[0]() is not conf:
+                entry = _settings[app] = (_reference(conf), _read(app))
+    return entry[1]
+
+
+def _reference(conf: object) -> Callable[[], object]:
+    """A weak reference to ``conf`` where it takes one (Celery's ``Settings``), else a strong
+    one (a plain mapping in a test)."""
+    try:
+        return weakref.ref(conf)
+    except TypeError:
+        return lambda: conf
 
 
 def refuse(app: CeleryApp, message: str) -> None:
@@ -609,7 +637,8 @@ def _build_store(app: CeleryApp) -> LockStore:
 
 
 def get_store(app: CeleryApp) -> LockStore:
-    """The lock store of ``app`` in this process, resolved on first use.
+    """The lock store of ``app`` in this process, resolved on first use (and again when the
+    app's settings are read again: :func:`get_settings`).
 
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
@@ -620,9 +649,14 @@ def get_store(app: CeleryApp) -> LockStore:
         LeaseConfigError: as :func:`get_settings`; and instead of the host-local file when
             ``lease_require_shared_store`` is ``True``.
     """
-    if _refusals:
-        _raise_refusal(app)
-    return cached(_stores, app, lambda: _build_store(app))
+    settings = get_settings(app)
+    entry = _stores.get(app)
+    if entry is None or entry[0] is not settings:
+        with _lock:
+            entry = _stores.get(app)
+            if entry is None or entry[0] is not settings:
+                entry = _stores[app] = (settings, _build_store(app))
+    return entry[1]
 
 
 def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
