@@ -33,7 +33,10 @@ PREFIX = "nc5:"
 def make_app(directory: str, store: str) -> Celery:
     """The app of the worker and of this process: ``lease_store=store``, prefix ``nc5:``."""
     app = filesystem_app("al", directory, POLL)
-    app.conf.update(lease_store=store, lease_key_prefix=PREFIX, result_extended=False)
+    # A throwaway redis-server, new for the module: no restart grace to wait out.
+    app.conf.update(
+        lease_store=store, lease_key_prefix=PREFIX, result_extended=False, lease_restart_grace=0
+    )
 
     @app.task(
         name="al.hold", base=LockedTask, lock_key="cache:prices", lock_on_held="raise", shared=False
