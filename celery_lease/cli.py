@@ -181,18 +181,27 @@ def _end_on_closed_pipe() -> NoReturn:
 
 def _stdout_closed() -> bool:
     """Whether stdout's reader went away (a ``BrokenPipeError`` may also come from a store's
-    socket). A pipe whose reader closed polls as an error; a stdout without a descriptor, or a
-    platform without ``poll``, counts as closed (the error was ours to see)."""
+    socket or a child process). A pipe whose reader closed polls as an error. A stdout without
+    a descriptor (an in-process runner, a ``StringIO``) is not closed: the error is someone
+    else's. A platform without ``poll`` cannot tell, and counts it as closed."""
     try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(event & select.POLLERR for _, event in poller.poll(0))
+        fileno = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
+        return False
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        return True
+    try:
+        poller = poll()
+        poller.register(fileno, select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError):  # a descriptor closed under us: nothing to write to
         return True
 
 
 class _LeaseGroup(click.Group):
-    """The ``lease`` group: a closed stdout ends any of its commands quietly, and a store that
+    """The ``lease`` group: a closed stdout ends any of its commands quietly (a broken pipe that
+    is not stdout's is raised), and a store that
     cannot be reached is one line of the command's, not that line plus the store's own log
     lines (its outage WARNING, which Python's last-resort handler would print on stderr where
     logging is not configured; where it is, the lines go where it says)."""
@@ -203,7 +212,11 @@ class _LeaseGroup(click.Group):
             stores.addHandler(logging.NullHandler())
         try:
             return super().invoke(ctx)
-        except BrokenPipeError:
+        except BrokenPipeError as exc:
+            if not _stdout_closed():
+                # Not stdout's: an error to see (click's main would end a BrokenPipeError that
+                # reaches it with status 1 and no word).
+                raise CliError(f"{exc} ({type(exc).__name__})") from exc
             _end_on_closed_pipe()
 
 

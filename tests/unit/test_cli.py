@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 from celery_lease import LockStore, lease, store_from_url
 from celery_lease._core.owners import make_owner
 from celery_lease.cli import lease_group, main
+from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.support import free_port
 
 TTL_MS = 60_000
@@ -701,3 +702,53 @@ class TestALeaseInItsCooldown:
             pass
         record = listed(sqlite_url)
         assert record["renewed_seconds_ago"] <= record["held_seconds"]
+
+
+class _BrokenPipeStore(SQLiteLockStore):
+    """A store whose connection broke (its socket's peer went away): reads raise
+    ``BrokenPipeError`` while stdout is fine."""
+
+    def get(self, key: str) -> Any:
+        raise BrokenPipeError(32, "Broken pipe (the store's socket)")
+
+    def list(self, prefix: str = "") -> Any:
+        raise BrokenPipeError(32, "Broken pipe (the store's socket)")
+
+
+class TestABrokenPipeThatIsNotStdouts:
+    """A ``BrokenPipeError`` from elsewhere than stdout (a store's socket, the demo's children)
+    is an error to report, not a reader that went away: only a stdout that really is closed ends
+    the command quietly with 141."""
+
+    @pytest.mark.parametrize("command", [["show", "k"], ["list"]])
+    def test_a_store_socket_that_broke_is_a_store_failure(
+        self, command: list[str], tmp_path: Path
+    ) -> None:
+        """In-process (stdout without a descriptor, as under ``CliRunner``): status 2, with
+        the error, not the quiet 141."""
+        app = Celery("broken-pipe", broker="memory://", set_as_current=False)
+        app.conf.lease_store = _BrokenPipeStore(str(tmp_path / "leases.db"))
+        result = run(*command, obj=types.SimpleNamespace(app=app))
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        assert "Broken pipe (the store's socket)" in result.output
+
+    def test_outside_a_store_call_it_is_raised_while_stdout_is_open(self) -> None:
+        """A command whose own work breaks a pipe (the demo's) with stdout a live pipe: the
+        error is reported (status 2, its message), not hidden behind 141."""
+        script = textwrap.dedent(
+            """
+            import sys, types
+            demo = types.ModuleType("example_project.demo")
+            def main(args):
+                raise BrokenPipeError(32, "Broken pipe (a child of the demo)")
+            demo.main = main
+            sys.modules["example_project.demo"] = demo
+            from celery_lease.cli import main as cli_main
+            cli_main(["demo"])
+            """
+        )
+        process = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert process.returncode == 2, (process.returncode, process.stderr)
+        assert "Broken pipe (a child of the demo)" in process.stderr
