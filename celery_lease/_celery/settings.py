@@ -333,9 +333,11 @@ def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
             ports = int(text)
         elif (match := _PORT_RANGE.match(text)) is not None:
             first, last = int(match.group(1)), int(match.group(2))
-            ports = range(first, last + 1) if first <= last else ()
+            ports = range(first, last + 1) if 1 <= first <= last <= 65535 else ()
     if isinstance(ports, int) and not isinstance(ports, bool) and 0 <= ports <= 65535:
         return ports
+    if isinstance(ports, range) and not _range_within_ports(ports):
+        ports = ()  # checked from its ends: a range past 65535 is never listed
     if isinstance(ports, (range, list, tuple)):
         candidates = tuple(ports)
         if candidates and all(
@@ -348,6 +350,18 @@ def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
         f" range(9809, 9819), '9809-9818' (first-last, both included) or a list of ports, each"
         " from 1 to 65535"
     )
+
+
+def _range_within_ports(ports: range) -> bool:
+    """Whether ``ports`` is not empty and both its ends are ports (1 to 65535), read from its
+    ends without listing it."""
+    try:
+        if len(ports) == 0:
+            return False
+    except OverflowError:  # longer than sys.maxsize: far more than 65535 ports
+        return False
+    first, last = ports[0], ports[-1]
+    return min(first, last) >= 1 and max(first, last) <= 65535
 
 
 def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _V:
