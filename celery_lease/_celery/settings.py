@@ -76,6 +76,7 @@ __all__ = [
     "LeaseSettings",
     "broker_store_url",
     "cached",
+    "close_stores",
     "default_sqlite_path",
     "get_settings",
     "get_store",
@@ -692,6 +693,21 @@ def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
             _stores.pop(app, None)
             if refusals:
                 _refusals.pop(app, None)
+
+
+def close_stores(app: CeleryApp | None = None) -> None:
+    """Close the stores this module built (of ``app``, or of every app) and forget them: the
+    next use builds them anew. A ``LockStore`` given as ``lease_store`` is the caller's: it is
+    forgotten, not closed. For a test runner about to drop the database a store is connected
+    to (``celery_lease.testing.close_lease_stores``); never while a lease in them is held."""
+    with _lock:
+        apps = list(_stores.keys()) if app is None else [app]
+        entries = [entry for a in apps if (entry := _stores.pop(a, None)) is not None]
+    for settings, store in entries:
+        if not isinstance(settings.store, LockStore):
+            close = getattr(store, "close", None)
+            if callable(close):
+                close()
 
 
 def _after_fork_in_child() -> None:
