@@ -669,7 +669,13 @@ def get_store(app: CeleryApp) -> LockStore:
     if entry is None or entry[0] is not settings:
         with _lock:
             entry = _stores.get(app)
-            if entry is None or entry[0] is not settings:
+            if entry is not None and entry[0] is not settings and entry[0] == settings:
+                # The same values read again (recheck, a configuration reloaded unchanged):
+                # the same store.
+                entry = _stores[app] = (settings, entry[1])
+            elif entry is None or entry[0] is not settings:
+                # Other values (the app configured after a first read): a store of its own.
+                # The previous one is left open: a lease taken in it may still be held.
                 entry = _stores[app] = (settings, _build_store(app))
     return entry[1]
 

@@ -175,3 +175,17 @@ class TestSettingsReadBeforeTheAppIsConfigured:
             assert config.get_store(app) is store
         finally:
             config.reset(app)
+
+    def test_the_same_settings_read_again_keep_the_store(self) -> None:
+        """Settings read again with the same values (a recheck at worker start) keep the store
+        already built: leases held in it go on being renewed in the store tasks use."""
+        from celery import Celery
+
+        app = Celery("read-again", set_as_current=False)
+        app.conf.lease_store = "memory://"
+        try:
+            built = config.get_store(app)
+            config.recheck(app)
+            assert config.get_store(app) is built
+        finally:
+            config.reset(app)
