@@ -34,7 +34,10 @@ never reads (``LEASE_STORE`` without a namespace) is an error naming the key, th
 and the settings. Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
 
-The store is resolved once per app in each process and rebuilt after ``fork``.
+The store is resolved once per app in each process and rebuilt after ``fork``. Settings read
+before the app was configured do not outlive its configuration: Celery replaces ``app.conf``
+when ``config_from_object`` follows a first read, and the settings (and, when their values
+changed, the store) are read again then (:func:`get_settings`).
 
 The lock and the fork resets this module takes part in: ``docs/internals.md``.
 """
