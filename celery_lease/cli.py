@@ -182,18 +182,27 @@ def _end_on_closed_pipe() -> NoReturn:
 
 def _stdout_closed() -> bool:
     """Whether stdout's reader went away (a ``BrokenPipeError`` may also come from a store's
-    socket). A pipe whose reader closed polls as an error; a stdout without a descriptor, or a
-    platform without ``poll``, counts as closed (the error was ours to see)."""
+    socket or a child process). A pipe whose reader closed polls as an error. A stdout without
+    a descriptor (an in-process runner, a ``StringIO``) is not closed: the error is someone
+    else's. A platform without ``poll`` cannot tell, and counts it as closed."""
     try:
-        poller = select.poll()
-        poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(event & select.POLLERR for _, event in poller.poll(0))
+        fileno = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
+        return False
+    poll = getattr(select, "poll", None)
+    if poll is None:
+        return True
+    try:
+        poller = poll()
+        poller.register(fileno, select.POLLOUT)
+        return any(event & select.POLLERR for _, event in poller.poll(0))
+    except (OSError, ValueError):  # a descriptor closed under us: nothing to write to
         return True
 
 
 class _LeaseGroup(click.Group):
-    """The ``lease`` group: a closed stdout ends any of its commands quietly, and a store that
+    """The ``lease`` group: a closed stdout ends any of its commands quietly (a broken pipe that
+    is not stdout's is raised), and a store that
     cannot be reached is one line of the command's, not that line plus the store's own log
     lines (its outage WARNING, which Python's last-resort handler would print on stderr where
     logging is not configured; where it is, the lines go where it says)."""
@@ -204,7 +213,11 @@ class _LeaseGroup(click.Group):
             stores.addHandler(logging.NullHandler())
         try:
             return super().invoke(ctx)
-        except BrokenPipeError:
+        except BrokenPipeError as exc:
+            if not _stdout_closed():
+                # Not stdout's: an error to see (click's main would end a BrokenPipeError that
+                # reaches it with status 1 and no word).
+                raise CliError(f"{exc} ({type(exc).__name__})") from exc
             _end_on_closed_pipe()
 
 
@@ -420,14 +433,31 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
     prefix = _key_prefix(app)
     for r in records:
         r["state"] = _state(r, states, prefix)
+        if r["state"] == HELD and _cooling(r):
+            r["state"] = COOLDOWN
+        if r["state"] == COOLDOWN:
+            r["renewed_seconds_ago"] = _cooldown_set_ago(r)
         r["stale"] = _is_stale(r)
     return records
 
 
 STALE_FRACTION = 1 / 3
-"""A lease not renewed for more than this fraction of its ttl is stale: its holder renews it
-every third of its ttl, so one that missed its renewal has stopped (a dead worker), hangs, or
-cannot reach the store."""
+"""A lease not renewed for more than this fraction of its ttl (plus :func:`stale_margin`) is
+stale: its holder renews it every third of its ttl, so one that missed its renewal has stopped
+(a dead worker), hangs, or cannot reach the store."""
+
+STALE_MARGIN_FRACTION = 0.1
+"""The margin past the due renewal before a lease is stale, as a fraction of its ttl (at least
+:data:`STALE_MARGIN_MIN` seconds): a renewal takes a round trip, and one that is a few
+milliseconds late must not make a healthy lease flap between held and stale."""
+
+STALE_MARGIN_MIN = 1.0
+"""Seconds: the smallest margin past the due renewal (:data:`STALE_MARGIN_FRACTION`)."""
+
+
+def stale_margin(ttl: float) -> float:
+    """Seconds past the due renewal (a third of ``ttl``) before a lease is stale."""
+    return max(STALE_MARGIN_MIN, ttl * STALE_MARGIN_FRACTION)
 
 
 def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
@@ -441,12 +471,36 @@ def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
 
 
 def _is_stale(record: dict[str, Any]) -> bool:
-    """Not renewed for more than :data:`STALE_FRACTION` of its ttl, and not in a cooldown the
-    result backend tells (its task succeeded: the key is kept unrenewed on purpose)."""
+    """Not renewed for more than :data:`STALE_FRACTION` of its ttl plus :func:`stale_margin`,
+    and not in a cooldown (told by the result backend, or by :func:`_cooling`)."""
     ago, ttl = record["renewed_seconds_ago"], record["ttl"]
     if ago is None or ttl is None or record.get("state") == COOLDOWN:
         return False
-    return bool(ago > ttl * STALE_FRACTION)
+    return bool(ago > ttl * STALE_FRACTION + stale_margin(ttl))
+
+
+def _cooldown_set_ago(record: dict[str, Any]) -> float | None:
+    """RENEWED of a lease in its cooldown: how long ago the cooldown set its time left (the
+    cooldown its owner recorded minus the time left), else as told; never more than it was held
+    for (it was not renewed before it was taken)."""
+    ago: float | None = record["renewed_seconds_ago"]
+    cooldown, left = record["cooldown"], record["expires_in"]
+    if cooldown and left <= cooldown + 0.5:
+        ago = max(0.0, cooldown - left)
+    if ago is not None and record["held_seconds"] is not None:
+        ago = min(ago, record["held_seconds"])
+    return ago
+
+
+def _cooling(record: dict[str, Any]) -> bool:
+    """Whether the lease is in the cooldown its owner recorded (``cd=``), as far as the store
+    tells: the time left is within the cooldown and lower than a renewing holder lets it fall
+    (two thirds of the ttl). A holder that died with the time left there looks the same; it
+    frees the key within the cooldown."""
+    cooldown, ttl, left = record["cooldown"], record["ttl"], record["expires_in"]
+    if not cooldown or ttl is None:
+        return False
+    return bool(left <= cooldown + 0.5 and left < ttl * (1 - STALE_FRACTION))
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
@@ -530,7 +584,8 @@ def _stale_words(record: dict[str, Any]) -> str:
     that keeps a cooldown, that it may be in it)."""
     words = (
         f"stale: not renewed for {_time_left(record['renewed_seconds_ago'])}, more than a third"
-        f" of its {_time_left(record['ttl'])} ttl"
+        f" of its {_time_left(record['ttl'])} ttl (and a {_time_left(stale_margin(record['ttl']))}"
+        " margin)"
     )
     if record.get("cooldown"):
         words += f" (its holder is gone, or it is in its {_time_left(record['cooldown'])} cooldown)"

@@ -31,8 +31,11 @@ Django's settings are read when the store is built, not before: at the first loc
 process, at worker start (the store check) or when :func:`database_store` is called. By then
 ``DJANGO_SETTINGS_MODULE`` must be set (``proj/celery.py`` sets it, as Celery's Django guide
 does); ``django.setup()`` is not needed. Under a test runner the store is built from the
-database name the runner put in ``DATABASES`` if it is built after the test database was set up;
-tests usually replace the store instead (``celery_lease.testing``'s ``lease_store`` fixture).
+database name the runner put in ``DATABASES`` if it is built after the test database was set up
+(one built before stays on the real database), and its own connections to the test database
+must be closed before the runner drops it (``celery_lease.testing.close_lease_stores``; the
+pytest-django fixture is in ``docs/django.md``); tests usually replace the store instead
+(``celery_lease.testing``'s ``lease_store`` fixture).
 
 This module imports neither Django nor a database driver at import; the store table
 (:mod:`celery_lease.stores._registry`) names :class:`DjangoStore` and :class:`AsyncDjangoStore`

@@ -33,6 +33,7 @@ from celery_lease._core.renewer import renewers
 
 __all__ = [
     "FakeClock",
+    "close_lease_stores",
     "drain",
     "lease_clock",
     "lease_store",
@@ -260,6 +261,24 @@ class FakeClock:
         if self._autojump == math.inf:
             return f"FakeClock(now={self._now!r})"
         return f"FakeClock(now={self._now!r}, autojump_threshold={self._autojump!r})"
+
+
+def close_lease_stores(app: Celery | None = None) -> None:
+    """Close the stores celery-lease built in this process, and forget them: ``app``'s lease
+    store (or every app's) and the stores of tasks' ``lock_store`` URLs. The next task or
+    ``lease(app=...)`` builds them anew, from the settings as they are then.
+
+    For a test runner about to drop the database a store is connected to: under pytest-django
+    with ``lease_store = "django://default"``, the store's own connections to the test database
+    make ``DROP DATABASE`` fail ("being accessed by other users") unless they are closed first
+    (``docs/django.md`` has the fixture). A ``LockStore`` given as ``lease_store`` is the
+    caller's: forgotten, not closed. Call it when no lease of those stores is held.
+    """
+    from celery_lease._celery import settings as config
+    from celery_lease._celery.store_resolution import close_url_stores
+
+    config.close_stores(app)
+    close_url_stores()
 
 
 _S = TypeVar("_S", bound="str | LockStore")

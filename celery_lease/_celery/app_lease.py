@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, cast
 
 from celery_lease._celery import settings as config
 from celery_lease._core import lease as core
@@ -36,7 +37,7 @@ from celery_lease.stores.base import AsyncLockStore, LockStore
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-__all__ = ["lease"]
+__all__ = ["AppLeaseContext", "lease"]
 
 CORE_TTL = 30.0
 """Seconds: the ttl of a ``lease()`` without an app that sets none."""
@@ -77,8 +78,13 @@ def lease(
         app: a Celery app: its lease store (the one its locked tasks use in this process:
             ``lease_store``, else the broker's Redis, else the host-local SQLite file) unless
             ``store`` is given, its ``lease_key_prefix``, and its ``lease_default_ttl`` and
-            ``lease_default_wait`` for a ``ttl`` or ``wait`` left out. Its settings are
-            validated as its tasks' are. Default: none.
+            ``lease_default_wait`` for a ``ttl`` or ``wait`` left out. These are read when the
+            lease is entered (each call, for the decorator form), so ``@lease(key, app=app)``
+            in a module imported before ``app.config_from_object(...)`` uses the configuration
+            the app has when it runs; an app already configured is also read (and its settings
+            validated, as its tasks' are) when ``lease()`` is called. A task that sets its own
+            ``lock_store=`` holds its key in that store, not the app's: ``lease(app=app)``
+            does not exclude it (pass the same ``store=``). Default: none.
         ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s); renewed every
             ttl/3 while the body runs, so a crashed holder frees the key within one ttl.
         wait: how long to wait for another holder (default: the app's ``lease_default_wait``,
@@ -109,33 +115,136 @@ def lease(
         LockLostError: on exit, when the body raised an ``Exception`` after the lease was lost.
         StoreUnavailableError: when the store cannot be reached to acquire.
     """
-    ttl_default, wait_default = CORE_TTL, CORE_WAIT
-    if app is not None:
-        if not hasattr(app, "conf"):
-            raise LeaseConfigError(
-                f"app={app!r} is not a Celery app (it has no .conf): pass the app whose"
-                " lease store and lease_key_prefix to use, or store=..."
-            )
-        settings = config.get_settings(app)
+    if app is None:
         if store is None:
-            store = config.get_store(app)
-        if isinstance(key, str) and key:
-            key = settings.key_prefix + key
-        ttl_default, wait_default = settings.default_ttl, settings.default_wait
-    elif store is None:
-        raise LeaseConfigError(
-            f"lease({key!r}) needs store=<a LockStore> or app=<a Celery app> (whose lease store"
-            " and lease_key_prefix are used)"
+            raise LeaseConfigError(
+                f"lease({key!r}) needs store=<a LockStore> or app=<a Celery app> (whose lease"
+                " store and lease_key_prefix are used)"
+            )
+        return core.lease(
+            key,
+            store=store,
+            ttl=CORE_TTL if ttl is None else ttl,
+            wait=CORE_WAIT if wait is None else wait,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            cancel=cancel,
+            clock=clock,
+            cooldown=cooldown,
+            holder=holder,
         )
-    return core.lease(
-        key,
-        store=store,
-        ttl=ttl_default if ttl is None else ttl,
-        wait=wait_default if wait is None else wait,
-        max_hold=max_hold,
-        on_lost=on_lost,
-        cancel=cancel,
-        clock=clock,
-        cooldown=cooldown,
-        holder=holder,
+    if not hasattr(type(app), "conf"):  # on the type: reading app.conf would configure the app
+        raise LeaseConfigError(
+            f"app={app!r} is not a Celery app (it has no .conf): pass the app whose"
+            " lease store and lease_key_prefix to use, or store=..."
+        )
+    arguments = _Arguments(
+        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
     )
+    # Everything that does not depend on the app is checked now, against a stand-in store.
+    template = arguments.resolve(None, UNRESOLVED)
+    context = AppLeaseContext(app, arguments, template)
+    if getattr(app, "configured", True):
+        context.resolve()  # a bad setting fails here, and ttl/wait/key show the app's
+    return context
+
+
+class _Unresolved:
+    """The stand-in store of an app lease not entered yet: it is never called."""
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        raise AssertionError("an app lease is resolved before it is entered")
+
+    renew = release = acquire
+
+
+UNRESOLVED = cast(LockStore, _Unresolved())
+
+
+@dataclass(frozen=True)
+class _Arguments:
+    """What ``lease(app=...)`` was called with, resolved against the app on entry."""
+
+    key: str
+    store: LockStore | AsyncLockStore | None
+    ttl: Duration | None
+    wait: Duration | None
+    max_hold: Duration | None
+    on_lost: Callable[[Lease], object] | Literal["cancel"] | None
+    cancel: threading.Event | None
+    clock: Clock | None
+    cooldown: Duration
+    holder: str | None
+
+    def resolve(self, app: CeleryApp | None, fallback: LockStore) -> LeaseContext:
+        """The core's context for ``app``'s store, prefix and defaults (``None``: the core's
+        defaults and ``fallback`` for a store left out)."""
+        key, store = self.key, self.store
+        ttl_default, wait_default = CORE_TTL, CORE_WAIT
+        if app is not None:
+            settings = config.get_settings(app)
+            if store is None:
+                store = config.get_store(app)
+            if isinstance(key, str) and key:
+                key = settings.key_prefix + key
+            ttl_default, wait_default = settings.default_ttl, settings.default_wait
+        return core.lease(
+            key,
+            store=fallback if store is None else store,
+            ttl=ttl_default if self.ttl is None else self.ttl,
+            wait=wait_default if self.wait is None else self.wait,
+            max_hold=self.max_hold,
+            on_lost=self.on_lost,
+            cancel=self.cancel,
+            clock=self.clock,
+            cooldown=self.cooldown,
+            holder=self.holder,
+        )
+
+
+class AppLeaseContext(LeaseContext):
+    """The context ``lease(app=...)`` returns: the app's store, ``lease_key_prefix`` and
+    defaults are read when it is entered (each call of a decorated function enters a fresh
+    one), so a lease made at import, before the app is configured, uses the configuration the
+    app has when it runs."""
+
+    def __init__(self, app: CeleryApp, arguments: _Arguments, template: LeaseContext) -> None:
+        super().__init__(
+            template.key,
+            template.store,
+            template.ttl,
+            template.wait,
+            template.max_hold,
+            template.cooldown,
+            template.on_lost,
+            template.cancel,
+            template.clock,
+            label=template.label,
+            wait_clock=template.wait_clock,
+        )
+        self.async_store = template.async_store
+        self.app = app
+        self.arguments = arguments
+
+    def resolve(self) -> None:
+        """Take the app's store, prefixed key and defaults as they are now.
+
+        Raises:
+            LeaseConfigError: a bad setting of the app (as its tasks would).
+        """
+        resolved = self.arguments.resolve(self.app, UNRESOLVED)
+        self.key, self.store = resolved.key, resolved.store
+        self.ttl, self.wait = resolved.ttl, resolved.wait
+        self.async_store = resolved.async_store
+
+    def fresh(self) -> LeaseContext:
+        """A new, unentered context with the same arguments, resolved on entry."""
+        return AppLeaseContext(self.app, self.arguments, self)
+
+    def __enter__(self) -> Lease:
+        self.resolve()
+        return super().__enter__()
+
+    async def __aenter__(self) -> Lease:
+        self.resolve()
+        return await super().__aenter__()

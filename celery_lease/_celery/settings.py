@@ -34,7 +34,10 @@ never reads (``LEASE_STORE`` without a namespace) is an error naming the key, th
 and the settings. Celery's namespaces apply: with ``config_from_object(..., namespace="CELERY")``,
 Django's ``CELERY_LEASE_STORE`` is ``lease_store``.
 
-The store is resolved once per app in each process and rebuilt after ``fork``.
+The store is resolved once per app in each process and rebuilt after ``fork``. Settings read
+before the app was configured do not outlive its configuration: Celery replaces ``app.conf``
+when ``config_from_object`` follows a first read, and the settings (and, when their values
+changed, the store) are read again then (:func:`get_settings`).
 
 The lock and the fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -76,6 +79,7 @@ __all__ = [
     "LeaseSettings",
     "broker_store_url",
     "cached",
+    "close_stores",
     "default_sqlite_path",
     "get_settings",
     "get_store",
@@ -196,8 +200,16 @@ class LeaseSettings:
 
 
 _lock = threading.RLock()
-_settings: weakref.WeakKeyDictionary[CeleryApp, LeaseSettings] = weakref.WeakKeyDictionary()
-_stores: weakref.WeakKeyDictionary[CeleryApp, LockStore] = weakref.WeakKeyDictionary()
+# Each app's settings with (a reference to) the ``app.conf`` they were read from, and its store
+# with the settings it was built from: Celery replaces ``app.conf`` when the app is configured
+# after a first read (``config_from_object`` on an app whose configuration was already loaded,
+# which any read of ``app.conf`` does), so an entry read from another ``app.conf`` is stale.
+_settings: weakref.WeakKeyDictionary[CeleryApp, tuple[Callable[[], object], LeaseSettings]] = (
+    weakref.WeakKeyDictionary()
+)
+_stores: weakref.WeakKeyDictionary[CeleryApp, tuple[LeaseSettings, LockStore]] = (
+    weakref.WeakKeyDictionary()
+)
 _refusals: weakref.WeakKeyDictionary[CeleryApp, str] = weakref.WeakKeyDictionary()
 _warned_local = False
 
@@ -325,9 +337,11 @@ def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
             ports = int(text)
         elif (match := _PORT_RANGE.match(text)) is not None:
             first, last = int(match.group(1)), int(match.group(2))
-            ports = range(first, last + 1) if first <= last else ()
+            ports = range(first, last + 1) if 1 <= first <= last <= 65535 else ()
     if isinstance(ports, int) and not isinstance(ports, bool) and 0 <= ports <= 65535:
         return ports
+    if isinstance(ports, range) and not _range_within_ports(ports):
+        ports = ()  # checked from its ends: a range past 65535 is never listed
     if isinstance(ports, (range, list, tuple)):
         candidates = tuple(ports)
         if candidates and all(
@@ -340,6 +354,18 @@ def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
         f" range(9809, 9819), '9809-9818' (first-last, both included) or a list of ports, each"
         " from 1 to 65535"
     )
+
+
+def _range_within_ports(ports: range) -> bool:
+    """Whether ``ports`` is not empty and both its ends are ports (1 to 65535), read from its
+    ends without listing it."""
+    try:
+        if len(ports) == 0:
+            return False
+    except OverflowError:  # longer than sys.maxsize: far more than 65535 ports
+        return False
+    first, last = ports[0], ports[-1]
+    return min(first, last) >= 1 and max(first, last) <= 65535
 
 
 def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _V:
@@ -358,7 +384,11 @@ def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _
 
 
 def get_settings(app: CeleryApp) -> LeaseSettings:
-    """The validated lease settings of ``app``, read once (cached per app).
+    """The validated lease settings of ``app``, read once per configuration (cached per app).
+
+    Read again when ``app.conf`` is no longer the one they were read from: Celery replaces it
+    when the app is configured (``config_from_object``) after something read it, so settings
+    read before the app was configured (a module imported first) do not outlive that.
 
     Raises:
         LeaseConfigError: a setting has a bad value or a misspelled name (the message names the
@@ -367,7 +397,23 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
     """
     if _refusals:
         _raise_refusal(app)
-    return cached(_settings, app, lambda: _read(app))
+    conf = app.conf  # loads the app's configuration if nothing did yet (as its tasks would)
+    entry = _settings.get(app)
+    if entry is None or entry[0]() is not conf:
+        with _lock:
+            entry = _settings.get(app)
+            if entry is None or entry[0]() is not conf:
+                entry = _settings[app] = (_reference(conf), _read(app))
+    return entry[1]
+
+
+def _reference(conf: object) -> Callable[[], object]:
+    """A weak reference to ``conf`` where it takes one (Celery's ``Settings``), else a strong
+    one (a plain mapping in a test)."""
+    try:
+        return weakref.ref(conf)
+    except TypeError:
+        return lambda: conf
 
 
 def refuse(app: CeleryApp, message: str) -> None:
@@ -609,7 +655,8 @@ def _build_store(app: CeleryApp) -> LockStore:
 
 
 def get_store(app: CeleryApp) -> LockStore:
-    """The lock store of ``app`` in this process, resolved on first use.
+    """The lock store of ``app`` in this process, resolved on first use (and again when the
+    app's settings are read again: :func:`get_settings`).
 
     Order: ``app.conf.lease_store`` (URL or instance) -> the broker's Redis when the broker URL
     is ``redis://``, ``rediss://`` or ``sentinel://`` -> a SQLite file shared by every worker of
@@ -620,9 +667,20 @@ def get_store(app: CeleryApp) -> LockStore:
         LeaseConfigError: as :func:`get_settings`; and instead of the host-local file when
             ``lease_require_shared_store`` is ``True``.
     """
-    if _refusals:
-        _raise_refusal(app)
-    return cached(_stores, app, lambda: _build_store(app))
+    settings = get_settings(app)
+    entry = _stores.get(app)
+    if entry is None or entry[0] is not settings:
+        with _lock:
+            entry = _stores.get(app)
+            if entry is not None and entry[0] is not settings and entry[0] == settings:
+                # The same values read again (recheck, a configuration reloaded unchanged):
+                # the same store.
+                entry = _stores[app] = (settings, entry[1])
+            elif entry is None or entry[0] is not settings:
+                # Other values (the app configured after a first read): a store of its own.
+                # The previous one is left open: a lease taken in it may still be held.
+                entry = _stores[app] = (settings, _build_store(app))
+    return entry[1]
 
 
 def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
@@ -644,6 +702,21 @@ def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
             _stores.pop(app, None)
             if refusals:
                 _refusals.pop(app, None)
+
+
+def close_stores(app: CeleryApp | None = None) -> None:
+    """Close the stores this module built (of ``app``, or of every app) and forget them: the
+    next use builds them anew. A ``LockStore`` given as ``lease_store`` is the caller's: it is
+    forgotten, not closed. For a test runner about to drop the database a store is connected
+    to (``celery_lease.testing.close_lease_stores``); never while a lease in them is held."""
+    with _lock:
+        apps = list(_stores.keys()) if app is None else [app]
+        entries = [entry for a in apps if (entry := _stores.pop(a, None)) is not None]
+    for settings, store in entries:
+        if not isinstance(settings.store, LockStore):
+            close = getattr(store, "close", None)
+            if callable(close):
+                close()
 
 
 def _after_fork_in_child() -> None:

@@ -20,7 +20,7 @@ from celery_lease.stores.base import LockStore, store_from_url
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-__all__ = ["store_for"]
+__all__ = ["close_url_stores", "store_for"]
 
 _url_stores: dict[str, LockStore] = {}
 
@@ -32,6 +32,20 @@ def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
     if isinstance(option, str):
         return config.cached(_url_stores, option, lambda: store_from_url(option))
     return option
+
+
+def close_url_stores() -> None:
+    """Close the stores built from tasks' ``lock_store`` URLs in this process and forget them
+    (the next execution builds them anew); as
+    :func:`celery_lease._celery.settings.close_stores`."""
+    while _url_stores:
+        try:
+            _, store = _url_stores.popitem()  # one at a time: atomic, whatever runs at once
+        except KeyError:
+            return
+        close = getattr(store, "close", None)
+        if callable(close):
+            close()
 
 
 def _forget_url_stores() -> None:

@@ -12,10 +12,12 @@ two stores only differ in how they wait for the server.
 What an outage logs, also shared: psycopg_pool logs a WARNING for every failed background connect
 and every broken connection it discards (``error connecting in 'celery-lease': ...``,
 ``discarding broken connection: <..._StoreConnection [BAD]>``), in every process, for as long as
-the server is down. For the pools the stores open themselves (named :data:`POOL_NAME`...) those
-records are dropped by a filter on psycopg_pool's logger (:func:`fold_pool_record`) and
-:class:`ConnectFailures` says it once instead: one WARNING when the pool first fails to connect,
-one INFO when it connects again. A pool passed in by the caller is the caller's: its messages are
+the server is down, and one each time its background reconnection gives up (the stores set it
+to give up after their connect timeout). For the pools the stores open themselves (named
+exactly as in :data:`OWN_POOL_NAMES`) those records, and only those, are dropped by a filter on
+psycopg_pool's logger (:func:`fold_pool_record`) and :class:`ConnectFailures` says it once
+instead: one WARNING when the pool first fails to connect, one INFO when it connects again.
+Every other record is kept, and a pool passed in by the caller is the caller's: its messages are
 left alone.
 """
 
@@ -38,6 +40,7 @@ from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 
 __all__ = [
+    "ASYNC_POOL_NAME",
     "CANCELLED_BY_TIMEOUT",
     "CREATED_CONCURRENTLY",
     "DEFAULT_TABLE",
@@ -46,6 +49,7 @@ __all__ = [
     "NOTIFY_KEY_BYTES",
     "OVER_A_LIMIT",
     "OWN_CONNECTION",
+    "OWN_POOL_NAMES",
     "POOL_NAME",
     "SCHEMA_SQL",
     "ConnectFailures",
@@ -378,8 +382,8 @@ logger = logging.getLogger("celery_lease.stores.postgres")
 """Where an outage is said when the store gives :class:`ConnectFailures` no logger of its own."""
 
 POOL_NAME = "celery-lease"
-"""The name of the pools the stores open themselves (``celery-lease``, ``celery-lease-async``):
-psycopg_pool's records naming one are folded (:func:`fold_pool_record`)."""
+"""The name of the sync store's own pool (the asyncio store's is ``celery-lease-async``):
+psycopg_pool's outage records naming one are folded (:func:`fold_pool_record`)."""
 
 OWN_CONNECTION = "celery_lease_own_connection"
 """The class attribute (``True``) that marks the connection classes of the stores' own pools,
@@ -444,26 +448,44 @@ class ConnectFailures:
             self.attempts = 0
 
 
-def _names_own_pool(arg: object) -> bool:
-    if isinstance(arg, str):
-        return arg.startswith(POOL_NAME)
-    return bool(getattr(type(arg), OWN_CONNECTION, False))
+ASYNC_POOL_NAME = POOL_NAME + "-async"
+"""The name of the asyncio store's own pool."""
+
+OWN_POOL_NAMES: frozenset[str] = frozenset({POOL_NAME, ASYNC_POOL_NAME})
+"""The exact names of the pools the stores open themselves (a user's pool named
+``celery-lease-orders`` is not one of them)."""
+
+_NAMING_THE_POOL = frozenset(
+    {
+        "error connecting in %r: %s",
+        # The stores give up background reconnection after their connect timeout on purpose
+        # (the next call connects at once): part of the outage ConnectFailures says.
+        "reconnection attempt in pool %r failed after %s sec",
+    }
+)
+_NAMING_THE_CONNECTION = frozenset(
+    {"discarding broken connection: %s", "discarding closed connection: %s"}
+)
 
 
 def fold_pool_record(record: logging.LogRecord) -> bool:
-    """The filter on psycopg_pool's logger: ``False`` (drop) for a WARNING or worse about one of
-    the stores' own pools (its name, one of its connections, or a task naming the pool in its
-    text), which :class:`ConnectFailures` says once per outage; ``True`` for everything else."""
+    """The filter on psycopg_pool's logger: ``False`` (drop) for the records an outage repeats
+    about one of the stores' own pools, which :class:`ConnectFailures` says once per outage
+    instead: a failed connect and a given-up reconnection of a pool named exactly as one of
+    :data:`OWN_POOL_NAMES`, and a broken or closed connection of theirs (its class marked
+    :data:`OWN_CONNECTION`) discarded. ``True`` for everything else: the other warnings about
+    the same pools (a connection returned mid-query or inside a transaction, a thread that would
+    not stop) and every record about another pool."""
     if record.levelno < logging.WARNING:
         return True
     args = record.args if isinstance(record.args, tuple) else (record.args,)
-    if any(_names_own_pool(arg) for arg in args):
-        return False
-    try:
-        message = record.getMessage()
-    except Exception:  # a record that does not format is not ours to judge
+    if not args:
         return True
-    return f"'{POOL_NAME}" not in message
+    if record.msg in _NAMING_THE_POOL:
+        return args[0] not in OWN_POOL_NAMES
+    if record.msg in _NAMING_THE_CONNECTION:
+        return not getattr(type(args[0]), OWN_CONNECTION, False)
+    return True
 
 
 logging.getLogger("psycopg.pool").addFilter(fold_pool_record)

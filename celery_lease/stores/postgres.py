@@ -86,6 +86,7 @@ from celery_lease.stores._postgres_common import (
     DEFAULT_TABLE,
     MISSING_TABLE,
     OVER_A_LIMIT,
+    POOL_NAME,
     SCHEMA_SQL,
     ConnectFailures,
     channel_for,
@@ -548,7 +549,7 @@ class PostgresLockStore:
                     # caller waits: the next call then connects at once, instead of waiting for
                     # a backoff grown during a long outage.
                     reconnect_timeout=self._connect_timeout,
-                    name="celery-lease",
+                    name=POOL_NAME,
                 )
                 pool.open(wait=False)
                 self._pool = pool

@@ -44,6 +44,7 @@ from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores._postgres_common import (
+    ASYNC_POOL_NAME,
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
@@ -344,7 +345,7 @@ class AsyncPostgresLockStore:
                 open=False,
                 timeout=self._connect_timeout,
                 reconnect_timeout=self._connect_timeout,
-                name="celery-lease-async",
+                name=ASYNC_POOL_NAME,
             )
             self._pool = pool
             await pool.open(wait=False)

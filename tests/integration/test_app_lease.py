@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,10 +30,41 @@ POLL = 0.02
 PREFIX = "nc5:"
 
 
-def make_app(directory: str, store: str) -> Celery:
-    """The app of the worker and of this process: ``lease_store=store``, prefix ``nc5:``."""
+def make_app(directory: str, store: str, late: bool = False) -> Celery:
+    """The app of the worker and of this process: ``lease_store=store``, prefix ``nc5:``.
+
+    ``late``: configured as a ``proj/celery.py`` that imports a helper module first, whose
+    ``@lease(..., app=app)`` runs before ``app.config_from_object(...)``: the app's tasks must
+    still use the configured store and prefix."""
     app = filesystem_app("al", directory, POLL)
-    app.conf.update(lease_store=store, lease_key_prefix=PREFIX, result_extended=False)
+    # A throwaway redis-server, new for the module: no restart grace to wait out.
+    settings = {
+        "lease_store": store,
+        "lease_key_prefix": PREFIX,
+        "result_extended": False,
+        "lease_restart_grace": 0,
+    }
+
+    def helper() -> Callable[[], str]:
+        """A helper module's ``@lease("nightly", app=app)`` function, made at its import."""
+
+        @lease("nightly", app=app)
+        def nightly() -> str:
+            return "ran"
+
+        return nightly
+
+    if late:
+        nightly = helper()  # imported before the app is configured
+        app.config_from_object(settings)
+    else:
+        app.conf.update(settings)
+        nightly = helper()
+
+    @app.task(name="al.nightly", shared=False)
+    def run_nightly() -> str:
+        """Call the helper's leased function in the worker's pool process."""
+        return nightly()
 
     @app.task(
         name="al.hold", base=LockedTask, lock_key="cache:prices", lock_on_held="raise", shared=False
@@ -51,18 +82,24 @@ def make_app(directory: str, store: str) -> Celery:
 
 
 if os.environ.get("AL_DIR"):
-    app = make_app(os.environ["AL_DIR"], os.environ["AL_STORE"])
+    app = make_app(os.environ["AL_DIR"], os.environ["AL_STORE"], bool(os.environ.get("AL_LATE")))
 
 
-@pytest.fixture(scope="module")
-def directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("app-lease")
+LATE = "decorated-before-configuration"
+
+
+@pytest.fixture(scope="module", params=["configured-first", LATE])
+def directory(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of one worker, for each form of its app module (:func:`make_app`)."""
+    return tmp_path_factory.mktemp(f"app-lease-{request.param}-")
 
 
 @pytest.fixture(scope="module")
 def worker(directory: Path, redis_server: RedisServer) -> Iterator[Celery]:
-    """The worker, started once for the module; yields this process's client app (same store,
-    same prefix). Each test uses run ids of its own."""
+    """The worker, started once per form of its app module (configured before anything reads
+    it, or with a ``@lease(..., app=app)`` made before ``config_from_object``); yields this
+    process's client app (same store, same prefix). Each test uses run ids of its own."""
+    late = f"-{LATE}-" in directory.name
     redis_server.ensure_running()
     redis_url = redis_server.url
     tmp_path = directory
@@ -72,7 +109,7 @@ def worker(directory: Path, redis_server: RedisServer) -> Iterator[Celery]:
         pool="prefork",
         concurrency=1,
         name="al",
-        env={"AL_DIR": str(tmp_path), "AL_STORE": redis_url},
+        env={"AL_DIR": str(tmp_path), "AL_STORE": redis_url, **({"AL_LATE": "1"} if late else {})},
     )
     client = make_app(str(tmp_path), redis_url)
     try:
@@ -115,3 +152,17 @@ class TestExclusionUnderAPrefix:
         assert isinstance(outcome, LockNotAcquiredError), outcome
         assert outcome.key == PREFIX + "cache:prices"
         assert not (directory / "r2.started").exists()
+
+    def test_a_function_decorated_with_the_app_holds_its_prefixed_key(self, worker: Celery) -> None:
+        """``@lease("nightly", app=app)`` called in the worker's pool process holds
+        ``nc5:nightly`` in the configured store, even when it was made before the app was
+        configured: while this process holds it, the call is refused."""
+        with lease("nightly", app=worker) as held:
+            assert held.key == PREFIX + "nightly"
+            outcome = worker.send_task("al.nightly").get(
+                timeout=TIMEOUT, interval=POLL, propagate=False
+            )
+        assert isinstance(outcome, LockNotAcquiredError), outcome
+        assert outcome.key == PREFIX + "nightly"
+        result = worker.send_task("al.nightly").get(timeout=TIMEOUT, interval=POLL)
+        assert result == "ran"

@@ -184,15 +184,12 @@ class TestOutageLines:
         class Own:
             celery_lease_own_connection = True
 
-        class Task:
-            def __repr__(self) -> str:
-                return "<AddConnection 'celery-lease-async' at 0x1>"
-
         for dropped in (
             self.record("error connecting in %r: %s", "celery-lease", "refused"),
             self.record("error connecting in %r: %s", "celery-lease-async", "refused"),
             self.record("discarding broken connection: %s", Own()),
-            self.record("task run %s failed: %s: %s", Task(), "OperationalError", "x"),
+            self.record("discarding closed connection: %s", Own()),
+            self.record("reconnection attempt in pool %r failed after %s sec", "celery-lease", 1.0),
         ):
             assert fold_pool_record(dropped) is False, dropped.getMessage()
 
@@ -201,6 +198,24 @@ class TestOutageLines:
             self.record("error connecting in %r: %s", "the-apps-pool", "refused"),
             self.record("discarding broken connection: %s", object()),
             self.record("growing pool %r to %s", "celery-lease", 2, level=logging.INFO),
+        ):
+            assert fold_pool_record(kept) is True, kept.getMessage()
+
+    def test_only_the_outage_records_of_the_stores_own_pools_are_dropped(self) -> None:
+        """What ConnectFailures does not say instead is kept, even about the stores' own pools:
+        a connection returned mid-query or in a transaction, a worker thread that would not
+        stop; and a user's pool (one whose name only starts like ours too)."""
+
+        class Own:
+            celery_lease_own_connection = True
+
+        for kept in (
+            self.record("closing returned connection: %s", Own()),
+            self.record("rolling back returned connection: %s", Own()),
+            self.record("reconnection attempt in pool %r failed after %s sec", "the-apps", 300),
+            self.record("couldn't stop thread %r within %s seconds", "celery-lease-worker-0", 5.0),
+            self.record("error connecting in %r: %s", "celery-leases-orders", "refused"),
+            self.record("error connecting in %r: %s", "celery-lease-async-orders", "refused"),
         ):
             assert fold_pool_record(kept) is True, kept.getMessage()
 

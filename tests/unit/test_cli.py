@@ -24,6 +24,7 @@ from click.testing import CliRunner, Result
 from celery_lease import LockStore, lease, store_from_url
 from celery_lease._core.owners import make_owner
 from celery_lease.cli import lease_group, main
+from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.support import free_port
 
 TTL_MS = 60_000
@@ -621,16 +622,17 @@ class TestLastRenewed:
         """Its holder stopped renewing (a dead worker): ``list`` and ``show`` say ``stale``
         instead of plainly "held"."""
         with lease("k", store=store, ttl="60s") as held:
-            # As if the last renewal had set its expiry 25 s ago: 35 s are left of its 60 s.
-            assert store.renew("k", held.owner, 35_000)
+            # As if the last renewal had set its expiry 30 s ago: 30 s are left of its 60 s
+            # (past the 20 s due renewal and its 6 s margin).
+            assert store.renew("k", held.owner, 30_000)
             (record,) = json.loads(run("list", "--json", "--store", store_url).stdout)
             rows = table(run("list", "--store", store_url))
             shown = run("show", "k", "--store", store_url).stdout
-        assert record["renewed_seconds_ago"] == pytest.approx(25, abs=5)
+        assert record["renewed_seconds_ago"] == pytest.approx(30, abs=3)
         assert record["stale"] is True
         cells = dict(zip(rows[0], rows[1], strict=True))
         assert cells["STATE"] == "held, stale"
-        assert shown.startswith("k: held (stale: not renewed for 2"), shown
+        assert shown.startswith("k: held (stale: not renewed for 3"), shown
         assert "more than a third of its 1m00s ttl" in shown.splitlines()[0]
 
     def test_an_owner_without_a_ttl_tells_nothing(self, store: LockStore, store_url: str):
@@ -641,3 +643,112 @@ class TestLastRenewed:
         assert (record["renewed_seconds_ago"], record["stale"]) == (None, False)
         rows = table(run("list", "--store", store_url))
         assert dict(zip(rows[0], rows[1], strict=True))["RENEWED"] == "-"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    """An empty SQLite store file (the CLI's view of a lease does not depend on the store)."""
+    url = f"sqlite:///{tmp_path / 'leases.db'}"
+    store_from_url(url).release("init", "nobody")  # creates the file
+    return url
+
+
+def listed(url: str) -> dict[str, Any]:
+    (record,) = json.loads(run("list", "--json", "--store", url).stdout)
+    return dict(record)
+
+
+class TestStaleMargin:
+    """Stale means not renewed for more than a third of the ttl plus a margin (the larger of
+    1 s and a tenth of the ttl): a renewal due at ttl/3 that is a little late is not stale."""
+
+    def test_a_renewal_a_little_late_is_not_stale(self, sqlite_url: str) -> None:
+        store = store_from_url(sqlite_url)
+        # 21 s since the last renewal of a 60 s lease: due at 20 s, within the 6 s margin.
+        store.acquire("k", make_owner(ttl_ms=60_000), 39_000)
+        record = listed(sqlite_url)
+        assert record["renewed_seconds_ago"] == pytest.approx(21, abs=1)
+        assert record["stale"] is False
+
+    def test_past_the_margin_it_is_stale(self, sqlite_url: str) -> None:
+        store = store_from_url(sqlite_url)
+        store.acquire("k", make_owner(ttl_ms=60_000), 32_000)  # 28 s: past 20 s + 6 s
+        assert listed(sqlite_url)["stale"] is True
+
+    def test_a_short_ttl_gets_at_least_a_second(self, sqlite_url: str) -> None:
+        store = store_from_url(sqlite_url)
+        # ttl 3 s: due at 1 s; 1.8 s late is within the 1 s floor of the margin.
+        store.acquire("k", make_owner(ttl_ms=3_000), 1_200)
+        assert listed(sqlite_url)["stale"] is False
+
+
+class TestALeaseInItsCooldown:
+    """A lease kept for its cooldown (recorded as ``cd=`` in the owner) is not renewed on
+    purpose: with the time left within the cooldown it is shown in cooldown, not stale, even
+    without a result backend to ask."""
+
+    def test_it_is_shown_in_cooldown_not_stale(self, sqlite_url: str) -> None:
+        store = store_from_url(sqlite_url)
+        with lease("cool", store=store, ttl=30, cooldown=20, holder="nightly"):
+            pass
+        record = listed(sqlite_url)
+        assert (record["state"], record["stale"]) == ("cooldown", False)
+        rows = table(run("list", "--store", sqlite_url))
+        assert dict(zip(rows[0], rows[1], strict=True))["STATE"] == "cooldown"
+
+    def test_renewed_is_never_before_it_was_taken(self, sqlite_url: str) -> None:
+        store = store_from_url(sqlite_url)
+        with lease("cool", store=store, ttl=30, cooldown=20):
+            pass
+        record = listed(sqlite_url)
+        assert record["renewed_seconds_ago"] <= record["held_seconds"]
+
+
+class _BrokenPipeStore(SQLiteLockStore):
+    """A store whose connection broke (its socket's peer went away): reads raise
+    ``BrokenPipeError`` while stdout is fine."""
+
+    def get(self, key: str) -> Any:
+        raise BrokenPipeError(32, "Broken pipe (the store's socket)")
+
+    def list(self, prefix: str = "") -> Any:
+        raise BrokenPipeError(32, "Broken pipe (the store's socket)")
+
+
+class TestABrokenPipeThatIsNotStdouts:
+    """A ``BrokenPipeError`` from elsewhere than stdout (a store's socket, the demo's children)
+    is an error to report, not a reader that went away: only a stdout that really is closed ends
+    the command quietly with 141."""
+
+    @pytest.mark.parametrize("command", [["show", "k"], ["list"]])
+    def test_a_store_socket_that_broke_is_a_store_failure(
+        self, command: list[str], tmp_path: Path
+    ) -> None:
+        """In-process (stdout without a descriptor, as under ``CliRunner``): status 2, with
+        the error, not the quiet 141."""
+        app = Celery("broken-pipe", broker="memory://", set_as_current=False)
+        app.conf.lease_store = _BrokenPipeStore(str(tmp_path / "leases.db"))
+        result = run(*command, obj=types.SimpleNamespace(app=app))
+        assert result.exit_code == 2, (result.exit_code, result.output)
+        assert "Broken pipe (the store's socket)" in result.output
+
+    def test_outside_a_store_call_it_is_raised_while_stdout_is_open(self) -> None:
+        """A command whose own work breaks a pipe (the demo's) with stdout a live pipe: the
+        error is reported (status 2, its message), not hidden behind 141."""
+        script = textwrap.dedent(
+            """
+            import sys, types
+            demo = types.ModuleType("example_project.demo")
+            def main(args):
+                raise BrokenPipeError(32, "Broken pipe (a child of the demo)")
+            demo.main = main
+            sys.modules["example_project.demo"] = demo
+            from celery_lease.cli import main as cli_main
+            cli_main(["demo"])
+            """
+        )
+        process = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert process.returncode == 2, (process.returncode, process.stderr)
+        assert "Broken pipe (a child of the demo)" in process.stderr

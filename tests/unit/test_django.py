@@ -384,3 +384,47 @@ def test_a_django_project_with_the_store_from_databases(
     assert key == "shop:report:mon" and isinstance(token, int), lines
     assert lines[2] == "shop:sync:3", lines
     assert ast.literal_eval(lines[3]) == ["shop:report:mon", "shop:sync:3"], lines
+
+
+def test_the_test_database_is_dropped_after_the_stores_are_closed(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """What pytest-django does, on the real PostgreSQL: create ``test_<NAME>``, let the app's
+    ``django://default`` store take a lease there, then drop the test database. The store's own
+    connections would make the drop fail; ``close_lease_stores(app)`` (the session fixture of
+    docs/django.md) closes them first. Runs in a process of its own (Django configured there),
+    on a database named for this test only."""
+    dsn = request.getfixturevalue("pg_database_dsn")
+    name = f"cl_teardown_{uuid.uuid4().hex[:12]}"
+    database = {**_postgres(dsn), "NAME": name}
+    script = textwrap.dedent(
+        f"""
+        import django
+        from django.conf import settings
+        settings.configure(DATABASES={{"default": {database!r}}}, INSTALLED_APPS=[])
+        django.setup()
+        from celery import Celery
+        from django.db import connection
+        from celery_lease import lease
+        from celery_lease.testing import close_lease_stores
+
+        app = Celery("teardown", broker="memory://", set_as_current=False)
+        app.conf.lease_store = "django://default"
+        created = connection.creation.create_test_db(verbosity=0, autoclobber=True)
+        with lease("k", app=app) as held:
+            assert held.store.list()[0].key == "k"
+        close_lease_stores(app)
+        connection.creation.destroy_test_db({name!r}, verbosity=0)
+        print("dropped", created)
+        """
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.strip() == f"dropped test_{name}"

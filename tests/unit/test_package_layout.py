@@ -98,6 +98,7 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.testing": {
         "FakeClock",
+        "close_lease_stores",
         "drain",
         "lease_clock",
         "lease_store",

@@ -11,6 +11,7 @@ import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +19,10 @@ from celery import Celery
 
 from celery_lease import LockedTask, LockNotAcquiredError, MemoryLockStore, lease
 from celery_lease._celery import settings as config
+from celery_lease._celery.store_resolution import store_for
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.signals import lock_lost
-from celery_lease.testing import FakeClock, override_lease_store
+from celery_lease.testing import FakeClock, close_lease_stores, override_lease_store
 from tests.unit.conftest import REAL_TIMEOUT
 
 pytest_plugins = ["pytester"]
@@ -411,3 +413,45 @@ class TestAutojump:
     def test_off_by_default(self) -> None:
         """Without a threshold the clock never moves by itself (``math.inf``, trio's default)."""
         assert FakeClock().autojump_threshold == math.inf
+
+
+class TestCloseLeaseStores:
+    """``close_lease_stores(app)``: the stores celery-lease built for the app in this process
+    (its lease store, the stores of its tasks' ``lock_store`` URLs) are closed and forgotten, so
+    that nothing of ours stays connected to a database a test runner is about to drop."""
+
+    def test_the_built_store_is_closed_and_the_next_use_builds_another(
+        self, tmp_path: Path
+    ) -> None:
+        app = Celery("closing", broker="memory://", set_as_current=False)
+        app.conf.lease_store = f"sqlite:///{tmp_path / 'app.db'}"
+        try:
+            built = config.get_store(app)
+            by_url = store_for(f"sqlite:///{tmp_path / 'task.db'}", app)
+            closed: list[object] = []
+            for store in (built, by_url):
+                original = store.close  # type: ignore[attr-defined]
+
+                def close(store: object = store, original: Any = original) -> None:
+                    closed.append(store)
+                    original()
+
+                store.close = close  # type: ignore[attr-defined]
+            close_lease_stores(app)
+            assert closed == [built, by_url]
+            assert config.get_store(app) is not built
+        finally:
+            config.reset(app)
+
+    def test_a_store_instance_given_in_the_settings_is_left_open(self) -> None:
+        """A ``LockStore`` set as ``lease_store`` is the caller's: forgotten, not closed."""
+        given = MemoryLockStore()
+        given.close = lambda: pytest.fail("the caller's store was closed")  # type: ignore[attr-defined]
+        app = Celery("given", broker="memory://", set_as_current=False)
+        app.conf.lease_store = given
+        try:
+            assert config.get_store(app) is given
+            close_lease_stores(app)
+            assert config.get_store(app) is given
+        finally:
+            config.reset(app)

@@ -61,15 +61,18 @@ class TestTheAppsStoreAndPrefix:
             assert held_keys(app.conf.lease_store) == []
 
     def test_ttl_and_wait_default_to_the_apps(self, app: Celery) -> None:
-        """Left out, ttl and wait are ``lease_default_ttl`` and ``lease_default_wait``; given,
-        they win."""
+        """Left out, ttl and wait are ``lease_default_ttl`` and ``lease_default_wait`` (read on
+        entry); given, they win."""
         app.conf.update(lease_default_ttl="12s", lease_default_wait="2s")
         config.reset(app)
-        assert (lease("k", app=app).ttl, lease("k", app=app).wait) == (12.0, 2.0)
-        assert (lease("k", app=app, ttl=5, wait=0).ttl, lease("k", app=app, wait=0).wait) == (
-            5.0,
-            0.0,
-        )
+
+        def entered(**given: float) -> tuple[float, float]:
+            context = lease("k", app=app, **given)  # type: ignore[arg-type]
+            with context:
+                return context.ttl, context.wait
+
+        assert entered() == (12.0, 2.0)
+        assert entered(ttl=5, wait=0) == (5.0, 0.0)
 
     def test_without_an_app_the_defaults_and_key_are_the_cores(self) -> None:
         """No app: the key as given, ttl 30 s, wait 0."""
@@ -97,10 +100,64 @@ class TestBadInput:
             lease("k", app=42)  # type: ignore[arg-type]
 
     def test_a_bad_setting_of_the_app_is_refused_naming_it(self, app: Celery) -> None:
+        """Refused on entry, before anything is acquired (the app is read then)."""
         app.conf.lease_key_prefix = 7
         config.reset(app)
-        with pytest.raises(LeaseConfigError, match="lease_key_prefix"):
-            lease("k", app=app)
+        with pytest.raises(LeaseConfigError, match="lease_key_prefix"), lease("k", app=app):
+            pass
+
+    def test_a_bad_setting_of_a_configured_app_is_refused_by_lease_itself(self) -> None:
+        """An app already configured is read when the lease is made: the error comes then."""
+        app = Celery("configured-bad", set_as_current=False)
+        app.config_from_object({"lease_key_prefix": 7}, force=True)
+        try:
+            with pytest.raises(LeaseConfigError, match="lease_key_prefix"):
+                lease("k", app=app)
+        finally:
+            config.reset(app)
+
+    def test_a_bad_argument_is_refused_before_the_app_is_configured(self) -> None:
+        """What does not depend on the app (a ttl, a key) is checked when the lease is made."""
+        app = Celery("unconfigured-bad-arg", set_as_current=False)
+        with pytest.raises(LeaseConfigError, match="ttl"):
+            lease("k", app=app, ttl=-1)
+        with pytest.raises(LeaseConfigError, match="key"):
+            lease("", app=app)
+        assert app.configured is False
 
     def test_the_package_exports_it(self) -> None:
         assert celery_lease.lease is lease
+
+
+class TestAnAppConfiguredAfterTheLeaseIsMade:
+    """``@lease(key, app=app)`` runs at import, often before ``app.config_from_object``: the
+    app's store, prefix and defaults are those it has when the lease is entered."""
+
+    def test_the_decorator_uses_the_store_and_prefix_configured_after_it(self) -> None:
+        app = Celery("configured-later", set_as_current=False)
+        seen: list[str] = []
+
+        @lease("nightly", app=app)
+        def nightly() -> None:
+            seen.extend(held_keys(store))
+
+        store = MemoryLockStore()
+
+        class Conf:
+            lease_store = store
+            lease_key_prefix = "proj:"
+            lease_default_ttl = "12s"
+
+        app.config_from_object(Conf)
+        try:
+            nightly()
+            assert seen == ["proj:nightly"]
+            assert config.get_settings(app).key_prefix == "proj:"
+            assert config.get_store(app) is store
+        finally:
+            config.reset(app)
+
+    def test_making_the_lease_leaves_an_unconfigured_app_unconfigured(self) -> None:
+        app = Celery("still-unconfigured", set_as_current=False)
+        lease("k", app=app)
+        assert app.configured is False

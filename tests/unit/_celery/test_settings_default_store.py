@@ -150,3 +150,42 @@ class TestRequireSharedStore:
         app.conf.lease_require_shared_store = "yes"
         with pytest.raises(LeaseConfigError, match="lease_require_shared_store='yes'"):
             config.get_settings(app)
+
+
+class TestSettingsReadBeforeTheAppIsConfigured:
+    """Settings read while the app had no configuration yet (a helper module imported first)
+    do not outlive ``app.config_from_object``: its tasks then use the configured store."""
+
+    def test_config_from_object_after_a_read_is_seen(self) -> None:
+        from celery import Celery
+
+        from celery_lease import MemoryLockStore
+
+        app = Celery("read-too-early", set_as_current=False)
+        try:
+            assert config.get_settings(app).key_prefix == ""
+            store = MemoryLockStore()
+
+            class Conf:
+                lease_store = store
+                lease_key_prefix = "proj:"
+
+            app.config_from_object(Conf)
+            assert config.get_settings(app).key_prefix == "proj:"
+            assert config.get_store(app) is store
+        finally:
+            config.reset(app)
+
+    def test_the_same_settings_read_again_keep_the_store(self) -> None:
+        """Settings read again with the same values (a recheck at worker start) keep the store
+        already built: leases held in it go on being renewed in the store tasks use."""
+        from celery import Celery
+
+        app = Celery("read-again", set_as_current=False)
+        app.conf.lease_store = "memory://"
+        try:
+            built = config.get_store(app)
+            config.recheck(app)
+            assert config.get_store(app) is built
+        finally:
+            config.reset(app)

@@ -12,6 +12,7 @@ from celery import Celery
 import celery_lease.metrics as metrics
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
+from celery_lease._celery import settings as config
 from tests.unit.metrics.samples import value
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -239,3 +240,16 @@ class TestRenewalLatency:
             forget()
             app.close()
         assert value(registry, "celery_lease_renewal_seconds_count", task="r.slow") >= 2
+
+
+class TestAPortRangeOutOfBounds:
+    """A range whose ends are not both ports (1 to 65535) is refused from its ends, before any
+    of its ports is listed: a mistyped ``"9809-981800000000000"`` is an error naming the setting,
+    not a tuple of a hundred trillion ints."""
+
+    @pytest.mark.parametrize(
+        "value", ["9809-981800000000000", range(9809, 981_800_000_000_000), "0-9818", "9809-65536"]
+    )
+    def test_it_is_refused_naming_the_setting(self, value: object) -> None:
+        with pytest.raises(LeaseConfigError, match=r"lease_metrics_port=.*from 1 to 65535"):
+            config.read_metrics_port(value, "lease_metrics_port")
