@@ -115,9 +115,10 @@ def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> Hel
     """Who holds ``key`` in ``store`` now, or ``None`` when that cannot be told (a store
     without ``get``, a store error, the key already free). Never raises.
 
-    ``ttl`` is the turned-away task's lease ttl in seconds: a lease held by the same task for
-    longer than that is in its cooldown. ``task.backend`` is asked for the holder's state
-    otherwise (``SUCCESS``: in its cooldown).
+    A holder whose owner id records its ttl but no cooldown is running. Otherwise ``ttl``, the
+    turned-away task's lease ttl in seconds, tells: a lease held by the same task for longer
+    than that is in its cooldown; else ``task.backend`` is asked for the holder's state
+    (``SUCCESS``: in its cooldown).
     """
     try:
         get = getattr(store, "get", None)
@@ -129,6 +130,11 @@ def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> Hel
         holder = parse_owner(info.owner)
         left = max(0.0, float(info.expires_in))
         until = clock_of(store).time() + left
+        if holder.ttl is not None and not holder.cooldown:
+            # Its owner id records its ttl and no cooldown (as every owner id of this version
+            # does): it keeps the key only while it runs, whatever the backend says of it now
+            # (it may have ended between the refusal and this read).
+            return HeldBy(key, holder, until, left, False)
         same_task = task is not None and holder.task == getattr(task, "name", None)
         if same_task and left > ttl:  # the store tells: no backend read
             return HeldBy(key, holder, until, left, True)

@@ -72,6 +72,24 @@ class TestLookUp:
         found = look_up(store, "k", Task(backend), 30.0)
         assert found is not None and found.cooldown and backend.reads == ["t-9"]
 
+    def test_a_holder_that_records_no_cooldown_is_running_whatever_the_backend_says(
+        self,
+    ) -> None:
+        """Its owner id records its ttl and no cooldown: a running execution, also when the
+        backend already shows it succeeded (it ended between the refusal and this read), and
+        the backend is not asked."""
+        backend = ReadsCounted()
+        owner = make_owner(task="proj.report", task_id="t-0", ttl_ms=30_000)
+        found = look_up(_store(owner=owner, keep_ms=30_000), "k", Task(backend), 30.0)
+        assert found is not None and not found.cooldown and found.reason == "held"
+        assert backend.reads == []
+
+    def test_a_holder_that_records_its_cooldown_is_in_it_once_it_succeeded(self) -> None:
+        backend = ReadsCounted()
+        owner = make_owner(task="proj.other", task_id="t-9", ttl_ms=30_000, cooldown_ms=600_000)
+        found = look_up(_store(owner=owner, keep_ms=500_000), "k", Task(backend), 30.0)
+        assert found is not None and found.cooldown and backend.reads == ["t-9"]
+
     def test_an_rpc_or_disabled_backend_is_not_read(self) -> None:
         """rpc:// results live on the caller's queue: reading one there would take it; a
         disabled backend stores nothing."""
