@@ -47,7 +47,8 @@ try:
     from celery.app.task import get_actual_ignore_result
 except ImportError:  # pragma: no cover  # Celery < 5.7
     try:
-        # celery 5.6 (read): the same rule, in celery.app.trace.
+        # celery 5.6.3 to 5.6.x (read): the same rule, in celery.app.trace (5.6.0-5.6.2 have
+        # none: the fallback's rule is theirs).
         from celery.app.trace import get_actual_ignore_result
     except ImportError:  # Celery < 5.6: no per-request override (see deferral._result_ignored)
         get_actual_ignore_result = None

@@ -122,12 +122,14 @@ class _Canceller:
             return bool(uncancel())  # the requests left: from outside
         # Python 3.10: the message of the cancel delivered travels with the error, and an
         # outside cancel delivered before ours is the context of ours (ours landed in the
-        # body's clean-up of it). An outside cancel requested before ours was delivered is
+        # body's clean-up of it). Only a chain of cancellations is followed: a cancel behind
+        # another error is the body's own business (``wait_for``'s TimeoutError carries the
+        # cancel of its inner task). An outside cancel requested before ours was delivered is
         # merged into it, and not seen here.
         seen: set[int] = set()
-        while exc is not None and id(exc) not in seen:
+        while isinstance(exc, asyncio.CancelledError) and id(exc) not in seen:
             seen.add(id(exc))
-            if isinstance(exc, asyncio.CancelledError) and exc.args[:1] != (_CANCEL_MSG,):
+            if exc.args[:1] != (_CANCEL_MSG,):
                 return True
             exc = exc.__context__
         return False

@@ -24,11 +24,10 @@ from celery.utils.dispatch import Signal
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease._celery import deferral
+from celery_lease._celery import compat, deferral
 from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
 from celery_lease.stores.base import SupportsDeferredRelease
-from tests.support import CELERY_MINOR
 
 
 class DeferringStore(MemoryLockStore):
@@ -161,16 +160,17 @@ class TestWhichExecutionsDefer:
         assert released(log) == ["release k:2"]
 
     def test_a_request_asking_for_its_result_waits(self, app: Celery, log: list[str]) -> None:
-        """``apply_async(ignore_result=False)`` on an ignoring task: from Celery 5.6 the request
-        wins and the result is stored (so the release waits); Celery 5.4 and 5.5 store no result
-        of a task that ignores it, whatever the request says (so it goes out deferred)."""
+        """``apply_async(ignore_result=False)`` on an ignoring task: from Celery 5.6.3 the
+        request wins and the result is stored (so the release waits); Celery 5.4 to 5.6.2 store
+        no result of a task that ignores it, whatever the request says (so it goes out
+        deferred)."""
 
         @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
         def asked(n: int) -> None:
             return None
 
         traced(app, asked)(3, ignore_result=False)
-        stored = CELERY_MINOR >= (5, 6)
+        stored = compat.get_actual_ignore_result is not None  # the releases with the rule
         assert released(log) == (["release k:3"] if stored else ["deferred k:3"])
 
     def test_a_request_ignoring_its_result_defers(self, app: Celery, log: list[str]) -> None:

@@ -907,6 +907,31 @@ class TestCancelOnLossBookkeeping:
 
         run(main())
 
+    def test_loss_in_the_handler_of_the_bodys_own_timeout_is_a_lost_lease(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """The body's ``wait_for`` times out (its TimeoutError carries the cancel of the inner
+        task) and the lease is lost while the handler awaits: the block ends with
+        LockLostError, not as if the caller had cancelled it."""
+        seen: list[str] = []
+
+        async def body() -> None:
+            try:
+                async with lease("k", store=store, clock=clock, ttl=3, on_lost="cancel"):
+                    try:
+                        await asyncio.wait_for(asyncio.Event().wait(), 0.01)
+                    except asyncio.TimeoutError:
+                        take_away(store, "k")
+                        clock.advance(1.0)
+                        await asyncio.Event().wait()  # our cancel lands here
+            except LockLostError:
+                seen.append("lock lost")
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+
+        run(body())
+        assert seen == ["lock lost"]
+
     @needs_uncancel
     def test_taskgroup_sibling_failing_with_a_loss_propagates_the_group_error(
         self, store: SpyStore, clock: FakeClock
