@@ -21,8 +21,10 @@ The shared Redis on 6379 is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -210,10 +212,29 @@ class RedisServer:
         self.start()
 
     def ensure_running(self) -> None:
-        """Start the server again if a test left it stopped."""
-        if self._process is None or self._process.poll() is not None:
-            self._process = None
-            self.start()
+        """Start the server again if a test left it stopped, killed or dying.
+
+        A server SIGKILLed a moment ago may have closed its port while its process has not
+        exited yet (``poll()`` still None): one that does not answer PING is ended (SIGCONT
+        first, in case it was SIGSTOPped) and started again, never taken for a live one.
+        """
+        if self._process is not None and self._process.poll() is None and self._answers():
+            return
+        if self._process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._process.pid, signal.SIGCONT)
+            self.stop()
+        self._process = None
+        self.start()
+
+    def _answers(self) -> bool:
+        client = self.client(socket_timeout=0.5, socket_connect_timeout=0.5)
+        try:
+            return bool(client.ping())
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
 
     def log(self) -> str:
         """The server's log so far."""
