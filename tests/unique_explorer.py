@@ -65,6 +65,9 @@ from celery.signals import after_task_publish, before_task_publish
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease._celery import settings as lease_settings
 from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import caller as unique_caller
+from celery_lease._celery.unique import common as unique_common
+from celery_lease._celery.unique import hold as unique_hold
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import parse_owner
 from celery_lease.stores.base import LeaseInfo
@@ -1036,7 +1039,7 @@ def _deterministic_ids(w: World) -> Iterator[None]:
     import celery.app.task
     import celery.canvas
 
-    modules = [celery.app.base, celery.canvas, unique_module]
+    modules = [celery.app.base, celery.canvas, unique_caller]
     saved = [m.uuid for m in modules]  # type: ignore[attr-defined]
     for m in modules:
         m.uuid = w.new_id  # type: ignore[attr-defined]
@@ -1092,9 +1095,9 @@ def run_once(scenario: Scenario, strategy: Strategy) -> Outcome:
         w = World(scenario, strategy)
         store.reset(w.clock)
         lease_settings.reset(app)
-        unique_module._holding.clear()
-        saved_clock = unique_module.clock
-        unique_module.clock = w.clock
+        unique_hold.holding.clear()
+        saved_clock = unique_common.clock
+        unique_common.clock = w.clock
         WORLD = w
         try:
             with _deterministic_ids(w):
@@ -1115,7 +1118,7 @@ def run_once(scenario: Scenario, strategy: Strategy) -> Outcome:
                 violations = check(w, app, store)
                 w.abandon()  # killed slots' threads end now, their store calls refused
         finally:
-            unique_module.clock = saved_clock
+            unique_common.clock = saved_clock
             WORLD = None
         return Outcome(scenario, strategy, w, violations)
 

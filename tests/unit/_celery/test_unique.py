@@ -379,13 +379,13 @@ class TestDebounce:
         task = define(
             app, "t.cap", lock_unique="while_queued", lock_debounce=1, lock_debounce_max=3
         )
-        real = unique_module._publish
+        real = task.publish_copy
 
         def spy(*args: Any, **kwargs: Any) -> Any:
-            countdowns.append(args[4]["countdown"])
+            countdowns.append(kwargs["countdown"])
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(unique_module, "_publish", spy)
+        monkeypatch.setattr(task, "publish_copy", spy)
         for _ in range(6):
             task.delay(1)
             clock.advance(0.5)

@@ -41,7 +41,7 @@ class TestForgedHeader:
         owner = queued_owner(task.name, "victim-id", 1)
         store.acquire("k:other", owner, 60_000)  # some lease that is not a queued lease
         request = SimpleNamespace(id="victim-id", **{unique_module.HEADER: ["k:other", owner]})
-        unique_module._on_revoked(sender=task, request=request)
+        unique_module.on_task_revoked(sender=task, request=request)
         assert store.get("k:other") is not None
 
     def test_a_header_naming_another_copy_is_not_trusted(
@@ -59,7 +59,7 @@ class TestForgedHeader:
         unique = type(task)._lock_options.unique
         assert start_copy(task, forged, store, "k:1", settings, unique, 30, 0) is None
         unique_module.on_rejected(forged, store, "k:1", settings)
-        unique_module._on_revoked(sender=task, request=forged)
+        unique_module.on_task_revoked(sender=task, request=forged)
         info = store.get("queued:k:1")
         assert info is not None and parse_owner(info.owner).task_id == victim.id
 
