@@ -64,7 +64,6 @@ from celery.signals import after_task_publish, before_task_publish
 
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease._celery import settings as lease_settings
-from celery_lease._celery import unique as unique_module
 from celery_lease._celery.unique import caller as unique_caller
 from celery_lease._celery.unique import common as unique_common
 from celery_lease._celery.unique import hold as unique_hold
@@ -635,8 +634,8 @@ def _describe_headers(headers: dict[str, Any]) -> str:
     notes = []
     if headers.get("retries"):
         notes.append(f" retries={headers['retries']}")
-    if headers.get(unique_module.DEFERRED):
-        notes.append(f" deferred={headers[unique_module.DEFERRED]}")
+    if headers.get(unique_common.DEFERRED):
+        notes.append(f" deferred={headers[unique_common.DEFERRED]}")
     if headers.get("group"):
         notes.append(" group")
     return "".join(notes)
@@ -1273,7 +1272,7 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
             )
     superseded: dict[str, str] = {}
     superseded_at: dict[str, int] = {}  # the step at which another call took its tombstone
-    prefix = unique_module.superseded_key("", "")
+    prefix = unique_common.superseded_key("", "")
     for op, args, result, step in w.store_history:
         if op == "acquire" and result is not None and str(args[0]).startswith(prefix):
             old = str(args[0])[len(prefix) :]
@@ -1309,7 +1308,7 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                 m
                 for m in w.published
                 if not m.redelivered
-                and not m.headers.get(unique_module.DEFERRED)
+                and not m.headers.get(unique_common.DEFERRED)
                 and not m.headers.get("retries")
                 and m.args[0] == int(key.split(":")[1])
             ]

@@ -132,15 +132,13 @@ The threads, locks and fork resets this package takes part in: ``docs/internals.
 
 from celery_lease._celery.unique.arrival import Arrival, leave, on_arrival
 from celery_lease._celery.unique.caller import apply_unique, names_holder
-from celery_lease._celery.unique.common import DEFERRED, HEADER, queued_key, superseded_key
+from celery_lease._celery.unique.common import queued_key
 from celery_lease._celery.unique.handover import on_start
 from celery_lease._celery.unique.hold import QueuedHold
 from celery_lease._celery.unique.redelivery import on_rejected
 from celery_lease._celery.unique.revoke import on_task_revoked
 
 __all__ = [
-    "DEFERRED",
-    "HEADER",
     "Arrival",
     "QueuedHold",
     "apply_unique",
@@ -151,5 +149,4 @@ __all__ = [
     "on_start",
     "on_task_revoked",
     "queued_key",
-    "superseded_key",
 ]
