@@ -12,35 +12,29 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
 
 - **The queued lease** lives on its own key, the task's key with ``queued:`` after the
   ``lease_key_prefix`` (``queued:report:7``), owned by ``queued;t=<task>;i=<task id>;at=<ms>``
-  (:func:`~celery_lease._core.owners.queued_owner`): the owner names the copy's task id. The caller
-  takes
-  it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message carries the key
-  and the owner in its ``lease_queued`` header. A caller that finds it held reads the holder's task
-  id (``get``) and returns that copy's ``AsyncResult`` (``on_duplicate="existing"``) or raises
-  :class:`~celery_lease.AlreadyQueuedError` (``"raise"``); ``lock_duplicate`` is sent either way.
+  (:func:`~celery_lease._core.owners.queued_owner`): the owner names the copy's task id. The
+  caller takes it *before* publishing, for ``queue_ttl`` counted from the copy's eta; the message
+  carries the key and the owner in its ``lease_queued`` header. A caller that finds it held
+  reads the holder's task id (``get``) and returns that copy's ``AsyncResult``
+  (``on_duplicate="existing"``) or raises :class:`~celery_lease.AlreadyQueuedError`
+  (``"raise"``); ``lock_duplicate`` is sent either way.
 - **The hand-over.** When the copy starts, the worker first takes the run lease on the task's
-  key, as for any locked task (it excludes bodies; its tokens are the fencing tokens, which keep
-  increasing as today). Then ``"while_queued"`` releases the queued lease (owner-checked: only
-  its own), and ``"until_done"`` keeps it under the same owner (the key is never free in
-  between): the renewer renews it with the run lease's ttl (at once, then every ttl/3, off the
-  task's thread; the first renewal, at start, is sent without waiting where the store can;
-  a copy that started half its ``queue_ttl`` or more after its eta (its call, without one), by
-  the caller's and the worker's wall clocks, takes the key back instead, answered before the
-  body starts: its queued lease may have expired in the queue)
-  until the body ended and the run lease was released; then it is released on the task's
-  thread, answered before the execution returns (a call made after the result is seen
-  enqueues a new copy; sent without waiting when the execution publishes nothing: see
-  :mod:`celery_lease._celery.execution`), or kept for ``lock_cooldown`` after a success (a throttle:
-  calls in the cooldown are duplicates of the finished copy; the keep is sent by the
-  dispatcher, off the task's thread, the key staying taken meanwhile). A worker that dies
-  mid-body stops renewing it: it frees itself within the run ttl.
+  key, as for any locked task (it excludes bodies; its tokens are the fencing tokens). Then
+  ``"while_queued"`` releases the queued lease (owner-checked), and ``"until_done"`` keeps it
+  under the same owner (the key is never free in between), renewed with the run lease's ttl
+  (a copy that started half its ``queue_ttl`` or more after its eta takes the key back first:
+  its queued lease may have expired in the queue) until the body ended and the run lease was
+  released; then it is released before the execution returns (a call made after the result is
+  seen enqueues a new copy), or kept for ``lock_cooldown`` after a success (a throttle: calls
+  in the cooldown are duplicates of the finished copy). A worker that dies mid-body stops
+  renewing it: it frees itself within the run ttl (:mod:`.handover`, :mod:`.hold`).
 - **Failed publish** releases the queued lease at once, stores the error as the copy's FAILURE
   (callers handed its ``AsyncResult`` meanwhile see it in ``get()``) and re-raises; also when
   the broker may have taken the message after all (then the run lease still excludes a second
   body, and a late result overwrites the FAILURE; a debounced copy's message then ends without
-  its body, see Debounce). **Revoke** releases it
-  when the worker sees the revoke (``task_revoked``, also for ``expires``); a purged queue, a lost
-  message or a worker killed before the copy started leave it to expire after ``queue_ttl``.
+  its body, see Debounce). **Revoke** releases it when the worker sees the revoke
+  (``task_revoked``, also for ``expires``); a purged queue, a lost message or a worker killed
+  before the copy started leave it to expire after ``queue_ttl``.
 - **Retries** (a running copy publishing its own task id: ``retry()``, ``on_held="retry"``) take
   the queued lease again for their own id before publishing, for ``queue_ttl`` from the retry's
   eta (an ``until_done`` copy holds it already: the key is never free in between), and are never
@@ -73,22 +67,10 @@ How it is built, on the three store operations plus ``get`` (:class:`SupportsIns
   once; no errback fires): the newer copy, started a moment later on another slot, never meets the
   run key held by the copy it superseded. A failed publish of the newest call (or a store error
   while superseding) hands the key back to the waiting copy, which then runs, unless a newer call
-  superseded the failed one meanwhile or took the key while it was free (then only that one runs):
-  the failed call takes its own tombstone first (no call supersedes it from then on; its message,
-  had the broker taken it after all, ends without its body), frees its queued lease, takes the key
-  back under the waiting copy's owner and only then removes the waiting copy's tombstone; not for
-  a waiting copy that has ended meanwhile (its worker started it and found its tombstone taken: it
-  is REVOKED in the result backend, read before and after the key is taken back; a key taken back
-  for it after it ended is freed again, by it or by the failed call). Any debounced call whose
-  publish fails takes its own tombstone before it stores its error as its FAILURE: a message
-  that finds its tombstone held by its own call (not a started claim) ends without its body and
-  stores nothing (never "superseded by" itself); a call that finds it held by a newer call stores
-  REVOKED ``"superseded by <newer>"`` instead (a superseded copy never ends FAILURE), and one
-  that finds its own message started stores nothing (that copy stores its result). A call that
-  loses the key to a third one after releasing the waiting copy's lease keeps the tombstone: that
-  copy has no lease left, so only the winner runs. A call that wrote a tombstone and then
-  publishes nothing (it lost the key to a third call) stores its own id REVOKED,
-  ``"superseded by <winner>"``: a racing caller may have been handed that id meanwhile.
+  superseded the failed one or took the free key (then only that one runs); the failed call's
+  own tombstone keeps its message, had the broker taken it, from running, and its final state
+  is stored (:mod:`.debounce`). A call that wrote a tombstone and then publishes nothing stores
+  its own id REVOKED, ``"superseded by <winner>"``: a racing caller may hold that id.
 
 **A second delivery of a running copy** (acks_late redelivery, a duplicated message: same task
 id) meets the run lease held by its own task id. It is not a duplicate of itself, and it may be
@@ -98,20 +80,11 @@ id, arguments and headers plus ``lease_deferred`` (how often it was re-sent so),
 the run lease's ttl (the longest a dead holder's run lease outlives it; one message per ttl, no
 busy loop), then acked (``Ignore``). A delivery that carries ``lease_deferred`` never applies
 ``on_held``: it ends without its body when its copy is done (a ready state in the result
-backend; not RETRY, which also shows while a retry attempt runs), and is re-sent again while
-the run key is held (by its copy or a newer one) or the backend cannot answer. It runs the
-body only when it found the run key free and its copy not done on two arrivals a ttl apart (its
-copy's worker died); one such arrival may fall between the copy's release and its stored
-result. Who refused the key comes from the refused acquire itself where the store names the
-holder in the same step (:func:`names_holder`; the engine sets ``LeaseContext.names_holder``);
-elsewhere it is read after the refusal, and the running copy may end in between: a delivery
-that then finds the key free is handled as a second delivery all the same (who refused it
-cannot be told any more). A delivery whose copy is done ends without the policy, nothing
-stored, whoever holds the key. Without a stored result (``ignore_result``, no backend) a
-finished copy cannot be told from a dead one: the body runs again, as acks_late promises (at
-least once). A re-send that fails (not acks_late: the message was acked on arrival) stores the
-publish error as the copy's FAILURE unless its own running copy refused it
-(:func:`.redelivery.defer`).
+backend), and is re-sent again while the run key is held or the backend cannot answer. It runs
+the body only when it found the run key free and its copy not done on two arrivals a ttl apart
+(its copy's worker died). Without a stored result (``ignore_result``, no backend) a finished
+copy cannot be told from a dead one: the body runs again, as acks_late promises (at least
+once). Who refused the key, and a failed re-send: :mod:`.redelivery`.
 
 Eager mode (``task_always_eager``) publishes nothing and de-duplicates nothing. ``send_task`` by
 name bypasses the task class: no de-duplication at enqueue (the run lease still excludes the

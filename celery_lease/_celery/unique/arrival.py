@@ -10,17 +10,7 @@ from celery.exceptions import Ignore
 from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import is_inspectable
 from celery_lease._celery.unique import common
-from celery_lease._celery.unique.common import (
-    STARTED,
-    TRIES,
-    header_owner,
-    is_started_claim,
-    logger,
-    ms,
-    queued_key,
-    release_quietly,
-    superseded_key,
-)
+from celery_lease._celery.unique.common import logger
 from celery_lease._core.owners import parse_owner, queued_owner
 from celery_lease._core.unique_options import UniqueOptions
 from celery_lease.stores.base import LockStore
@@ -41,25 +31,18 @@ def on_arrival(
 ) -> Arrival | None:
     """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
 
-    The copy frees its queued lease (owner-checked; both modes: from here a call finds the key
-    free, and under ``"until_done"`` then looks at the run key), then claims its tombstone key
-    for itself (owner: a started claim naming its task id, unique to this arrival) for the run
-    lease's ``ttl`` plus ``wait`` (``lock_wait``: the longest it may wait for the run lease): a
-    call superseding it must take that key before it may free the copy's queued lease. Either a
-    call took it first (the copy ends here, REVOKED ``"superseded by <newer id>"``, ``Ignore``
-    raised) or the claim stands and no call supersedes the copy from now on. Learnt before the
-    run lease: a superseded copy never holds the run key, so the copy that superseded it,
-    starting a moment later on another slot, never finds the key held by it. The queued lease
-    is freed again once the claim stands: a superseding call whose publish failed may have
-    handed it back in between.
+    The copy frees its queued lease (owner-checked), then claims its tombstone key for itself
+    (a started claim naming its task id) for the run lease's ``ttl`` plus ``wait``
+    (``lock_wait``): either a superseding call took it first (the copy ends REVOKED) or no call
+    supersedes the copy from now on. The queued lease is freed again once the claim stands: a
+    superseding call whose publish failed may have handed it back in between.
 
     Returns the claim (:class:`Arrival`), which the engine re-asserts once the run lease is
-    held (:meth:`Arrival.confirm`) and frees whenever the execution ends, with or without its
-    body (:meth:`Arrival.leave`); ``None`` for a copy without debounce, an eager run, or a
-    message not published through ``apply_unique``. A claim of an earlier attempt of this
-    very copy still standing (a second delivery while its first runs) stands for this one.
-    A claim whose acquire failed (a lost reply may have let it take effect) is freed before
-    the error goes on: nothing of this arrival stays held.
+    held (:meth:`Arrival.confirm`) and frees when the execution ends (:meth:`Arrival.leave`);
+    ``None`` for a copy without debounce, an eager run, or a message not published through
+    ``apply_unique``. A claim of an earlier attempt of this very copy still standing (a second
+    delivery while its first runs) stands for this one; one whose acquire failed is freed
+    before the error goes on.
 
     Raises:
         Ignore: the copy was superseded (its REVOKED state is stored).
@@ -68,17 +51,19 @@ def on_arrival(
         return None
     task_id = getattr(request, "id", None)
     prefix = settings.key_prefix
-    qkey = queued_key(key, prefix)
-    owner = header_owner(request, task_id, qkey)
+    qkey = common.queued_key(key, prefix)
+    owner = common.header_owner(request, task_id, qkey)
     if owner is None or task_id is None:
         return None
     store.release(qkey, owner)
     at = int(common.clock.time() * 1000)
-    claim = queued_owner(getattr(task, "name", "?"), task_id, at, STARTED)
-    arrival = Arrival(store, superseded_key(task_id, prefix), claim, task_id, ms(ttl + wait))
+    claim = queued_owner(getattr(task, "name", "?"), task_id, at, common.STARTED)
+    arrival = Arrival(
+        store, common.superseded_key(task_id, prefix), claim, task_id, common.ms(ttl + wait)
+    )
     arrival.qkey, arrival.owner = qkey, owner
     arrival.claim_or_end(task, request)
-    release_quietly(store, qkey, owner, "the copy started")
+    common.release_quietly(store, qkey, owner, "the copy started")
     return arrival
 
 
@@ -141,11 +126,11 @@ class Arrival:
 
     def _release_queued(self, why: str) -> None:
         if self.qkey is not None and self.owner is not None:
-            release_quietly(self.store, self.qkey, self.owner, why)
+            common.release_quietly(self.store, self.qkey, self.owner, why)
 
     def _claim(self) -> tuple[bool, str | None]:
         store, task_id = self.store, self.task_id
-        for _ in range(TRIES):
+        for _ in range(common.TRIES):
             token = store.acquire(self.tomb, self.claim, self.hold_ms)
             if token is not None:
                 self.taken, self.token = True, token
@@ -155,7 +140,9 @@ class Arrival:
             if holder is None and is_inspectable(store):
                 continue  # freed in between (a withdrawing call handed the key back): again
             newer = parse_owner(holder.owner).task_id if holder is not None else None
-            return holder is not None and newer == task_id and is_started_claim(holder.owner), newer
+            return holder is not None and newer == task_id and common.is_started_claim(
+                holder.owner
+            ), newer
         return False, None
 
     def confirm(self, task: CeleryTask, request: TaskRequest) -> None:
@@ -180,7 +167,7 @@ class Arrival:
         copy that waits in the queue (the retry then ends REVOKED). Never raises."""
         if self.taken:
             self.taken = False
-            release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
+            common.release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
 
 
 def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> str:

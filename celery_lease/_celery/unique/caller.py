@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 _USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
 """Store class -> whether its acquire_or_holder may stand for its acquire
-(:func:`_uses_acquire_or_holder`)."""
+(:func:`names_holder`)."""
 
 
 def apply_unique(
@@ -91,7 +91,7 @@ def _take_and_publish(call: Call) -> AsyncResultLike:
     the duplicate of its holder."""
     store, qkey, owner = call.store, call.qkey, call.owner()
     ttl_ms = ms(call.queue_ttl + _delay(call.options, call.now))
-    if _uses_acquire_or_holder(store):  # one round trip for a duplicate, the holder read atomically
+    if names_holder(store):  # one round trip for a duplicate, the holder read atomically
         token, held_by = store.acquire_or_holder(qkey, owner, ttl_ms)
         if token is None:
             return call.duplicate(parse_owner(held_by).task_id if held_by is not None else None)
@@ -130,22 +130,15 @@ def _delay(options: Mapping[str, Any], now: float) -> float:
     return max(0.0, eta.timestamp() - now)
 
 
-def names_holder(store: LockStore) -> bool:
-    """Whether the run lease of a unique copy is taken through ``store.acquire_or_holder``, so
-    that a refusal names its holder atomically (``on_rejected``'s ``refused_by``): the rule
-    :func:`_uses_acquire_or_holder` applies to the queued lease."""
-    return _uses_acquire_or_holder(store)
+def names_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
+    """Whether a unique copy's leases (queued and run) are taken through
+    ``store.acquire_or_holder``, so that a refusal names its holder atomically.
 
-
-def _uses_acquire_or_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
-    """Whether ``store`` names the holder of a refused key (SupportsAcquireOrHolder) through
-    the same code as its ``acquire``.
-
-    ``acquire_or_holder`` is used only where it is the own method of the class that defines
-    ``acquire`` (or of a subclass of it), and not where ``acquire`` was replaced on the
-    instance: a subclass or a wrapper that overrides ``acquire`` (to inject faults, count,
-    apply a policy) is not bypassed by an inherited or forwarded ``acquire_or_holder``. Such a
-    store gets the two calls. Cached per class (the instance check is one dict lookup).
+    Only where ``acquire_or_holder`` is the own method of the class that defines ``acquire`` (or
+    of a subclass of it), and not where ``acquire`` was replaced on the instance: a subclass or
+    a wrapper that overrides ``acquire`` (to inject faults, count, apply a policy) is not
+    bypassed by an inherited or forwarded ``acquire_or_holder``. Such a store gets the two
+    calls. Cached per class (the instance check is one dict lookup).
     """
     if "acquire" in getattr(store, "__dict__", ()):
         return False

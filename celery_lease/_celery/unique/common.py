@@ -85,14 +85,11 @@ def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | N
 
 
 def finished(task: CeleryTask, task_id: str) -> bool | None:
-    """Whether the copy ``task_id`` is done: its result backend holds a ready state (SUCCESS,
-    FAILURE, REVOKED).
+    """Whether the copy ``task_id`` is done: its result backend holds a ready state.
 
-    ``False`` for any other state, RETRY included (it stays while the retry attempt itself
-    runs, so it cannot tell a retried attempt from a dead retry attempt: dropping on it lost
-    the work of the latter), and where there is no result to read (no backend,
-    ``ignore_result``: a done copy then looks like a dead one, so the body runs again, at
-    least once); ``None`` when the backend failed to answer (the caller waits and asks again).
+    ``False`` for any other state, RETRY included (it also shows while a retry attempt runs),
+    and where there is no result to read (no backend, ``ignore_result``: the body runs again,
+    at least once); ``None`` when the backend failed to answer (the caller asks again later).
     """
     try:
         state = task.backend.get_state(task_id)

@@ -7,18 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from celery_lease._celery.unique import common
 from celery_lease._celery.unique.call import Call
-from celery_lease._celery.unique.common import (
-    TRIES,
-    fail_quietly,
-    finished,
-    is_started_claim,
-    logger,
-    ms,
-    release_quietly,
-    revoke_quietly,
-    superseded_key,
-)
+from celery_lease._celery.unique.common import logger
 from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
 
 if TYPE_CHECKING:
@@ -34,7 +25,7 @@ def debounced(call: Call) -> AsyncResultLike:
         )
     )
     try:
-        for _ in range(TRIES):
+        for _ in range(common.TRIES):
             result = run.attempt()
             if result is not None:
                 return result
@@ -43,7 +34,7 @@ def debounced(call: Call) -> AsyncResultLike:
         # call's FAILURE, so that caller's get() raises it instead of waiting for ever (not
         # when the path that raised settled its state already).
         if run.superseding and not run.settled:
-            fail_quietly(call.task, call.task_id, exc)
+            common.fail_quietly(call.task, call.task_id, exc)
         raise
     return run.gave_way(run.started)
 
@@ -81,7 +72,7 @@ class _Debounce:
     def gave_way(self, existing: str | None) -> AsyncResultLike:
         """A duplicate of ``existing``; stored REVOKED first once this call superseded."""
         if self.superseding:
-            revoke_quietly(self.call.task, self.call.task_id, existing)
+            common.revoke_quietly(self.call.task, self.call.task_id, existing)
         return self.call.duplicate(existing)
 
     def attempt(self) -> AsyncResultLike | None:
@@ -89,7 +80,7 @@ class _Debounce:
         call = self.call
         store, qkey = call.store, call.qkey
         owner = call.owner()
-        if store.acquire(qkey, owner, ms(call.queue_ttl + self.debounce)) is not None:
+        if store.acquire(qkey, owner, common.ms(call.queue_ttl + self.debounce)) is not None:
             return self._publish_first(owner)
         info = store.get(qkey)
         if info is None:
@@ -97,14 +88,14 @@ class _Debounce:
         old = parse_owner(info.owner)
         if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == call.task_id:
             return self.gave_way(old.task_id)
-        tomb = superseded_key(old.task_id, call.prefix)
+        tomb = common.superseded_key(old.task_id, call.prefix)
         tomb_owner = call.owner()
         if store.acquire(tomb, tomb_owner, self._tomb_ttl_ms()) is None:
             return self._tomb_refused(info, old.task_id, tomb)
         return self._supersede(info, old, old.task_id, tomb, tomb_owner)
 
     def _tomb_ttl_ms(self) -> int:
-        return ms(self.call.queue_ttl + self.cap)
+        return common.ms(self.call.queue_ttl + self.cap)
 
     def _publish_first(self, owner: str) -> AsyncResultLike:
         """The key was free: publish (unless a running copy makes this call its duplicate)."""
@@ -123,7 +114,7 @@ class _Debounce:
             # had the broker taken it after all, ends without its body), so the state stored
             # below is never written over a "superseded" REVOKED.
             own = self._take_own_tomb()
-            release_quietly(store, qkey, owner, "the publish failed")
+            common.release_quietly(store, qkey, owner, "the publish failed")
             if isinstance(exc, Exception):
                 self._store_failed_publish(exc, own)
             raise
@@ -133,7 +124,7 @@ class _Debounce:
         store = self.call.store
         claimed = store.get(tomb)
         writer = parse_owner(claimed.owner).task_id if claimed is not None else None
-        if claimed is not None and writer == old_id and is_started_claim(claimed.owner):
+        if claimed is not None and writer == old_id and common.is_started_claim(claimed.owner):
             # The copy has arrived at a worker (on_arrival): it frees its queued lease at once
             # (a look again finds the key free; under "until_done" then the run key), unless
             # its running body published its retry (which took the key back): the duplicate of
@@ -142,7 +133,7 @@ class _Debounce:
             self.started = old_id
         if writer is None or writer == old_id:
             return None  # gone, or the copy claimed it itself (it started): look again
-        if store.get(superseded_key(writer, self.call.prefix)) is None:
+        if store.get(common.superseded_key(writer, self.call.prefix)) is None:
             # A caller racing us supersedes it: we are that caller's duplicate.
             return self.gave_way(writer)
         # The writer's own call is no longer waiting: superseded, started, or withdrawing after
@@ -163,10 +154,12 @@ class _Debounce:
         delay = max(0.0, min(now + self.debounce, first + self.cap) - now)
         owner = call.owner(first)
         self.superseding = True
-        takeover = _Takeover(owner, old_id, info.owner, ms(info.expires_in), tomb, tomb_owner)
+        takeover = _Takeover(
+            owner, old_id, info.owner, common.ms(info.expires_in), tomb, tomb_owner
+        )
         try:
             store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
-            taken = store.acquire(qkey, owner, ms(call.queue_ttl + delay))
+            taken = store.acquire(qkey, owner, common.ms(call.queue_ttl + delay))
         except BaseException as exc:
             # Nothing replaces the waiting copy: it is handed its key back, and the caller gets
             # the store's error (stored as this call's FAILURE, for a caller handed its id
@@ -229,11 +222,11 @@ class _Debounce:
         store, qkey = call.store, call.qkey
         try:
             store.release(qkey, t.owner)
-            if finished(call.task, t.waiting_id):
+            if common.finished(call.task, t.waiting_id):
                 return own
             if store.acquire(qkey, t.waiting_owner, t.waiting_ttl_ms) is None:
                 return own
-            if finished(call.task, t.waiting_id):
+            if common.finished(call.task, t.waiting_id):
                 store.release(qkey, t.waiting_owner)
                 return own
             store.release(t.tomb, t.tomb_owner)
@@ -257,9 +250,9 @@ class _Debounce:
         newer call that superseded this one, or this call's own message, started on a worker.
         """
         call = self.call
-        own_tomb = superseded_key(call.task_id, call.prefix)
+        own_tomb = common.superseded_key(call.task_id, call.prefix)
         try:
-            for _ in range(TRIES):
+            for _ in range(common.TRIES):
                 if call.store.acquire(own_tomb, call.owner(), self._tomb_ttl_ms()) is not None:
                     return True, None
                 holder = call.store.get(own_tomb)
@@ -279,12 +272,12 @@ class _Debounce:
         taken, holder = own
         if not taken and holder is not None:
             newer = parse_owner(holder).task_id
-            if newer == task_id and is_started_claim(holder):
+            if newer == task_id and common.is_started_claim(holder):
                 return
             if newer not in (None, task_id):
-                revoke_quietly(task, task_id, newer)
+                common.revoke_quietly(task, task_id, newer)
                 return
-        fail_quietly(task, task_id, exc)
+        common.fail_quietly(task, task_id, exc)
 
 
 def _running_copy(call: Call) -> str | None:

@@ -35,13 +35,10 @@ def on_start(
 ) -> QueuedHold | None:
     """The copy holds its run lease and its body is about to start: hand the queued key over.
 
-    ``"until_done"`` (without debounce): the copy's own queued lease is taken over under its
-    owner (the key is never free in between): handed to the renewer, which renews it with the
-    run lease's ``ttl`` (off this thread, batched with the other renewals) at once, then every
-    ``ttl``/3, until the body ends (:meth:`QueuedHold.end`). If a renewal finds the key no
-    longer this copy's (it expired while queued and another copy took it), the loss is logged
-    and the body runs all the same: the run lease still excludes bodies. Otherwise it is
-    released (owner-checked).
+    ``"until_done"`` (without debounce): the copy's own queued lease is kept under its owner
+    (the key is never free in between), renewed with the run lease's ``ttl`` until the body
+    ends (:meth:`QueuedHold.end`); a loss is logged and the body runs all the same (the run
+    lease still excludes bodies). Otherwise it is released (owner-checked).
 
     Raises:
         Ignore: a second delivery whose copy is done, or that is re-sent to wait again.

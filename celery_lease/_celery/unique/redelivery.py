@@ -10,15 +10,8 @@ from celery.exceptions import Ignore, Reject
 
 from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import is_inspectable
-from celery_lease._celery.unique.common import (
-    DEFERRED,
-    fail_quietly,
-    finished,
-    header_owner,
-    logger,
-    queued_key,
-    release_quietly,
-)
+from celery_lease._celery.unique import common
+from celery_lease._celery.unique.common import logger
 from celery_lease._core.owners import parse_owner
 from celery_lease.stores.base import LockStore
 
@@ -37,19 +30,14 @@ def on_rejected(
     policy: str = "raise",
     refused_by: str | None = None,
 ) -> None:
-    """The run lease stayed held and the copy ends without its body: free its queued key.
+    """The run lease stayed held and the copy ends without its body: free its queued key
+    (not for ``on_held="retry"``, ``policy``: the retry takes it again for itself).
 
-    Not for ``on_held="retry"`` (``policy``): the retry takes it again for itself before it is
-    published. When the run lease is held by this very task id (a second delivery of the
-    running copy), the queued key is the running body's; with ``task`` and ``ttl`` given (the
-    engine's call) the delivery is re-sent to wait for that copy and ``Ignore`` is raised: the
-    policy is not applied, nothing is stored under the id.
-
-    Who held it: ``refused_by``, the owner id the refused acquire itself named (the engine's
-    call, on a store that answers it atomically: ``names_holder``), else the run key's holder
-    read now. A key read free now may have been refused by this very copy, which ended in
-    between: handled as a second delivery too. A delivery whose copy is done ends (``Ignore``,
-    nothing stored) whoever holds the key.
+    Who held it: ``refused_by``, the owner the refused acquire named (``names_holder``), else
+    the run key's holder read now. Held by this very task id, or read free (who refused it
+    cannot be told any more), the delivery is handled as a second one: with the engine's
+    ``task`` and ``ttl`` it is re-sent to wait for its copy, the policy not applied, nothing
+    stored. A delivery whose copy is done ends, nothing stored, whoever holds the key.
 
     Raises:
         Ignore: a second delivery of the running copy, re-sent (or its copy finished).
@@ -67,8 +55,8 @@ def on_rejected(
         # running copy, a re-send that fails ends it with the publish error.
         own = refused_by is None or parse_owner(refused_by).task_id == task_id
         defer(task, request, key, ttl, deferred, ends_copy=not own)
-    qkey = queued_key(key, settings.key_prefix)
-    owner = header_owner(request, task_id, qkey)
+    qkey = common.queued_key(key, settings.key_prefix)
+    owner = common.header_owner(request, task_id, qkey)
     if owner is None and task is None:
         return
     if refused_by is not None or is_inspectable(store):
@@ -80,7 +68,7 @@ def on_rejected(
         if task_id is not None and _refused_by_own_copy(request, task_id, key, holder, task, ttl):
             return
     if owner is not None and policy != "retry":
-        release_quietly(store, qkey, owner, "the copy was rejected")
+        common.release_quietly(store, qkey, owner, "the copy was rejected")
 
 
 def _run_holder(store: LockStore, key: str) -> str | None:
@@ -117,7 +105,7 @@ def _refused_by_own_copy(
     # Held by another copy; it may have taken the key after this very copy finished (read
     # after the refusal), or this is a late delivery of a finished copy. A delivery of a copy
     # that is done ends here, nothing stored: never the failure path of a copy that ran.
-    if engine and finished(cast("UniqueTask", task), task_id):
+    if engine and common.finished(cast("UniqueTask", task), task_id):
         drop_finished(cast("UniqueTask", task), task_id)
     return False
 
@@ -125,7 +113,7 @@ def _refused_by_own_copy(
 def deferrals(request: TaskRequest) -> int:
     """How often this delivery was re-sent to wait for its own copy (0: never): the
     ``lease_deferred`` header, a count."""
-    value = getattr(request, DEFERRED, None)
+    value = getattr(request, common.DEFERRED, None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
@@ -150,19 +138,17 @@ def defer(
     Dropped instead when its copy is done (not asked again when the caller just read it
     ``unfinished``).
 
-    If the re-send fails: an ``acks_late`` task's message is rejected back to the broker
-    (``Reject(requeue=True)``); any other task's was acked when it arrived, so nothing can keep
-    it and it ends. With ``ends_copy`` (no copy of this id is known to run: the run key was
-    free, or held by another copy) the publish error is stored as the copy's FAILURE (no
-    errback; only while neither a ready state nor RETRY is stored): its callers see it in
-    ``get()`` instead of waiting for ever. Without it (its own copy holds the run key) only
-    logged: that copy carries the work and stores its result.
+    A failed re-send of an ``acks_late`` task's message rejects it back to the broker
+    (``Reject(requeue=True)``); any other ends. With ``ends_copy`` (no copy of this id is known
+    to run) the publish error is stored as the copy's FAILURE, unless a ready state or RETRY is
+    stored: its callers see it in ``get()``. Without it only logged: its own running copy
+    carries the work.
     """
     task_id = cast(str, request.id)  # every caller checked it
-    if not unfinished and finished(task, task_id):  # in its cooldown, or releasing its key
+    if not unfinished and common.finished(task, task_id):  # in its cooldown, or releasing its key
         drop_finished(task, task_id)
     headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
-    headers[DEFERRED] = count
+    headers[common.DEFERRED] = count
     # As retry() re-sends a request (routing, ids, links, time limits, ``retries`` unchanged),
     # but without ``expires`` (the copy started in time) and past apply_unique: this is the
     # copy itself, whose queued key its running body holds.
@@ -226,4 +212,4 @@ def _fail_unless_stored(task: UniqueTask, task_id: str, exc: Exception) -> None:
         logger.debug("celery-lease: reading the state of %s failed (%s)", task_id, error)
         return
     if state not in states.READY_STATES and state != states.RETRY:
-        fail_quietly(task, task_id, exc)
+        common.fail_quietly(task, task_id, exc)
