@@ -64,7 +64,9 @@ from celery.signals import after_task_publish, before_task_publish
 
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease._celery import settings as lease_settings
-from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import caller as unique_caller
+from celery_lease._celery.unique import common as unique_common
+from celery_lease._celery.unique import hold as unique_hold
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import parse_owner
 from celery_lease.stores.base import LeaseInfo
@@ -632,8 +634,8 @@ def _describe_headers(headers: dict[str, Any]) -> str:
     notes = []
     if headers.get("retries"):
         notes.append(f" retries={headers['retries']}")
-    if headers.get(unique_module.DEFERRED):
-        notes.append(f" deferred={headers[unique_module.DEFERRED]}")
+    if headers.get(unique_common.DEFERRED):
+        notes.append(f" deferred={headers[unique_common.DEFERRED]}")
     if headers.get("group"):
         notes.append(" group")
     return "".join(notes)
@@ -1036,7 +1038,7 @@ def _deterministic_ids(w: World) -> Iterator[None]:
     import celery.app.task
     import celery.canvas
 
-    modules = [celery.app.base, celery.canvas, unique_module]
+    modules = [celery.app.base, celery.canvas, unique_caller]
     saved = [m.uuid for m in modules]  # type: ignore[attr-defined]
     for m in modules:
         m.uuid = w.new_id  # type: ignore[attr-defined]
@@ -1092,9 +1094,9 @@ def run_once(scenario: Scenario, strategy: Strategy) -> Outcome:
         w = World(scenario, strategy)
         store.reset(w.clock)
         lease_settings.reset(app)
-        unique_module._holding.clear()
-        saved_clock = unique_module.clock
-        unique_module.clock = w.clock
+        unique_hold.holding.clear()
+        saved_clock = unique_common.clock
+        unique_common.clock = w.clock
         WORLD = w
         try:
             with _deterministic_ids(w):
@@ -1115,7 +1117,7 @@ def run_once(scenario: Scenario, strategy: Strategy) -> Outcome:
                 violations = check(w, app, store)
                 w.abandon()  # killed slots' threads end now, their store calls refused
         finally:
-            unique_module.clock = saved_clock
+            unique_common.clock = saved_clock
             WORLD = None
         return Outcome(scenario, strategy, w, violations)
 
@@ -1270,7 +1272,7 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
             )
     superseded: dict[str, str] = {}
     superseded_at: dict[str, int] = {}  # the step at which another call took its tombstone
-    prefix = unique_module.superseded_key("", "")
+    prefix = unique_common.superseded_key("", "")
     for op, args, result, step in w.store_history:
         if op == "acquire" and result is not None and str(args[0]).startswith(prefix):
             old = str(args[0])[len(prefix) :]
@@ -1306,7 +1308,7 @@ def check(w: World, app: Celery, store: ExploredStore) -> list[str]:
                 m
                 for m in w.published
                 if not m.redelivered
-                and not m.headers.get(unique_module.DEFERRED)
+                and not m.headers.get(unique_common.DEFERRED)
                 and not m.headers.get("retries")
                 and m.args[0] == int(key.split(":")[1])
             ]

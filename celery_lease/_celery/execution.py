@@ -47,7 +47,7 @@ from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease, conforms
 
 if TYPE_CHECKING:
-    from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest
+    from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest, UniqueTask
 
 __all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
 
@@ -515,7 +515,7 @@ def _rejected(
             store,
             key,
             settings,
-            task=task,
+            task=cast("UniqueTask | None", task),  # lock_unique: a LockedTask
             ttl=ttl,
             policy=options.on_held,
             refused_by=refused_by,
@@ -537,7 +537,7 @@ def _queued_hold(
     options = run.options
     if options.unique is None or request is None:
         return None
-    task = cast("CeleryTask", run.task)  # lock_unique is an option of LockedTask: a task runs
+    task = cast("UniqueTask", run.task)  # lock_unique is an option of LockedTask: a task runs
     return _unique.on_start(
         task, request, store, run.key, settings, options.unique, ttl, options.cooldown
     )

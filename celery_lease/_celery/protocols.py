@@ -9,6 +9,7 @@ as Celery defines them:
 
 - :class:`CeleryTask`: a task (``celery.app.task.Task``, here a ``LockedTask``): its name, app,
   options, result backend, current request, and the calls that publish or re-send it.
+- :class:`UniqueTask`: a task with ``lock_unique``, which publishes a copy past unique's checks.
 - :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
   execution's id and delivery; headers also show as attributes (``lease_queued``).
 - :class:`RequestStack`: ``task.request_stack``, read without building a default request.
@@ -71,6 +72,7 @@ __all__ = [
     "TaskRequest",
     "TaskSignature",
     "TaskStack",
+    "UniqueTask",
     "WorkerLike",
     "WorkerRequest",
     "can_release_deferred",
@@ -250,6 +252,19 @@ class CeleryTask(Protocol):
         **options: object,
     ) -> BaseException:
         """Re-send this execution; raises (or, with ``throw=False``, returns) ``Retry``."""
+
+
+class UniqueTask(CeleryTask, Protocol):
+    """A task with ``lock_unique`` (a ``LockedTask``): unique publishes its copies through it."""
+
+    def publish_copy(
+        self,
+        args: Iterable[object] | None,
+        kwargs: Mapping[str, object] | None,
+        task_id: str | None,
+        **options: object,
+    ) -> AsyncResultLike:
+        """Publish as Celery's ``apply_async`` does, past ``lock_unique``'s checks."""
 
 
 class SignalLike(Protocol):

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from celery import Task
 from celery.exceptions import Retry
 from celery.result import AsyncResult
+from celery.signals import task_revoked
 
 from celery_lease._celery import compat
 from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
@@ -358,7 +359,6 @@ class LockedTask(Task):  # type: ignore[misc]
         return _unique.apply_unique(
             self,
             self._lock_get_spec(),
-            super().apply_async,
             args,
             kwargs,
             task_id,
@@ -370,6 +370,17 @@ class LockedTask(Task):  # type: ignore[misc]
                 **options,
             },
         )
+
+    def publish_copy(
+        self,
+        args: Sequence[object] | None = None,
+        kwargs: Mapping[str, object] | None = None,
+        task_id: str | None = None,
+        **options: Any,  # Celery's publish options: values of any kind
+    ) -> AsyncResult:
+        """Celery's ``apply_async``, past ``lock_unique``'s checks: how the unique code
+        publishes a copy it has decided on (and re-sends a second delivery)."""
+        return super().apply_async(args, kwargs, task_id, **options)
 
     def push_request(self, *args: object, **kwargs: object) -> None:
         """Push a request as Celery does; one pushed for a running execution's body (by
@@ -431,7 +442,9 @@ class LockedTask(Task):  # type: ignore[misc]
 # @locked -------------------------------------------------------------------------------------
 
 
-_unique.checks_apply_async(LockedTask)
+task_revoked.connect(
+    _unique.on_task_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked"
+)
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:

@@ -27,7 +27,7 @@ from celery import Celery
 from celery.exceptions import TaskRevokedError
 
 from celery_lease import LockStore, store_from_url
-from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import common as unique_common
 from celery_lease._core.owners import parse_owner
 from tests.fixtures_redis import RedisServer
 from tests.integration import workers
@@ -524,7 +524,7 @@ def deliver_again(env: Env, name: str, first: Any, run: str, prefix: str, queue:
         name,
         args=(run, 1, True),
         task_id=first.id,
-        headers={unique_module.HEADER: [qkey, held.owner]},
+        headers={unique_common.HEADER: [qkey, held.owner]},
         queue=queue,
     )
 

@@ -12,7 +12,7 @@ from celery import Celery
 from celery.signals import after_task_publish
 
 from celery_lease import MemoryLockStore, StoreUnavailableError, lease
-from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import common as unique_common
 from celery_lease._core.renewer import IDLE_EXIT, Entry, Renewer, renewers, shutdown
 from celery_lease.testing import FakeClock
 
@@ -141,7 +141,7 @@ def published() -> Iterator[Published]:
 @pytest.fixture
 def app(store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Iterator[Celery]:
     """A Celery app on ``store`` (memory broker and result backend); unique's clock is ``clock``."""
-    monkeypatch.setattr(unique_module, "clock", clock)
+    monkeypatch.setattr(unique_common, "clock", clock)
     app = Celery("unique-unit", broker="memory://", backend="cache+memory://", set_as_current=False)
     app.conf.update(lease_store=store, broker_connection_retry_on_startup=False)
     yield app

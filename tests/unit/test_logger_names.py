@@ -22,7 +22,7 @@ LOGGER_NAMES = {
     "celery_lease._celery.reaper": "celery_lease.worker",
     "celery_lease._celery.settings": "celery_lease.config",
     "celery_lease._celery.startup": "celery_lease.worker",
-    "celery_lease._celery.unique": "celery_lease.unique",
+    "celery_lease._celery.unique.common": "celery_lease.unique",
     "celery_lease._celery.worker": "celery_lease.worker",
     "celery_lease._core.aio": "celery_lease.aio",
     "celery_lease._core.dispatch": "celery_lease.dispatch",

@@ -16,6 +16,7 @@ from celery.app.task import Context
 
 from celery_lease import LockedTask
 from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import common as unique_common
 from tests.unit.conftest import Published, SpyStore
 
 Hook = Callable[[], None]
@@ -65,7 +66,7 @@ def request_of(message_headers: dict[str, Any]) -> Context:
         id=message_headers["id"],
         is_eager=False,
         called_directly=False,
-        **{unique_module.HEADER: message_headers[unique_module.HEADER]},
+        **{unique_common.HEADER: message_headers[unique_common.HEADER]},
     )
 
 
@@ -115,9 +116,9 @@ def deliver(
 ) -> Any:
     """Run one delivery of the published message ``headers`` as the worker's tracer does: a
     request pushed for it (its custom headers as attributes), then the task called."""
-    extra: dict[str, Any] = {unique_module.HEADER: headers[unique_module.HEADER]}
+    extra: dict[str, Any] = {unique_common.HEADER: headers[unique_common.HEADER]}
     if deferred:
-        extra[unique_module.DEFERRED] = int(deferred)  # the header is the count the worker writes
+        extra[unique_common.DEFERRED] = int(deferred)  # the header is the count the worker writes
     task.push_request(
         id=headers["id"],
         args=[1],

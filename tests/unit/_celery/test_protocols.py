@@ -11,7 +11,7 @@ from celery import Celery
 from celery.app.task import Context
 from celery.signals import task_success
 
-from celery_lease import MemoryLockStore
+from celery_lease import LockedTask, MemoryLockStore
 from celery_lease._celery import protocols
 from celery_lease._celery import request as _request  # noqa: F401  # lock attributes on Context
 
@@ -46,6 +46,15 @@ class TestCeleryHasWhatTheProtocolsName:
         assert _missing(add, protocols.CeleryTask) == set()
         retry = inspect.signature(add.retry).parameters
         assert {"args", "kwargs", "exc", "throw", "eta", "countdown", "max_retries"} <= set(retry)
+
+    def test_a_locked_task_has_every_member_of_unique_task(self, app: Celery) -> None:
+        """A LockedTask also has the publish that unique's code calls past its checks."""
+
+        @app.task(shared=False, base=LockedTask, lock_key="k")
+        def add(x: int) -> int:
+            return x
+
+        assert _missing(add, protocols.UniqueTask) == set()
 
     def test_a_request_has_every_member_of_task_request(self) -> None:
         """Celery's Context defines every attribute TaskRequest names (as class defaults)."""

@@ -11,10 +11,11 @@ import pytest
 import redis
 import redis.backoff
 import redis.retry
-from celery import Celery, chord, group
+from celery import Celery
 
 from celery_lease import AlreadyQueuedError, LeaseConfigError, LockedTask, locked
 from celery_lease._celery import unique as unique_module
+from celery_lease._celery.unique import common as unique_common
 from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.errors import LockNotAcquiredError, RestartGraceError, StoreUnavailableError
 from celery_lease.signals import lock_duplicate
@@ -110,7 +111,7 @@ class TestOneCopy:
         """The header names the queued key and an owner that identifies the task id."""
         task = define(app, "t.header", lock_unique="while_queued")
         result = task.delay(5)
-        qkey, owner = published.headers[0][unique_module.HEADER]
+        qkey, owner = published.headers[0][unique_common.HEADER]
         assert qkey == "queued:k:5"
         assert parse_owner(owner).task_id == result.id
         info = store.get(qkey)
@@ -197,55 +198,6 @@ class TestDuplicates:
         with pytest.raises(AlreadyQueuedError):
             (task.s(6) | other.s()).apply_async()
         assert len(published.ids) == 1
-
-
-class TestCanvasMembers:
-    """A group or chord member is published under its own pre-assigned id, and Celery ignores
-    what its apply_async returns: handed the existing copy's result instead, its id would never
-    finish (GroupResult.get() and the chord's body waiting for ever)."""
-
-    def test_a_duplicate_group_member_raises(self, app: Celery, published: Published) -> None:
-        """group(t(4), t(4)): the second member is a duplicate of the first and raises, naming
-        it; only the first was published."""
-        task = define(app, "t.group", lock_unique="until_done")
-        with pytest.raises(AlreadyQueuedError) as caught:
-            group(task.s(4), task.s(4)).apply_async()
-        assert published.ids == [caught.value.task_id]
-
-    def test_a_chord_overlapping_a_waiting_one_raises(
-        self, app: Celery, published: Published
-    ) -> None:
-        """Two chords sharing a member key: the second one raises at the shared member instead
-        of leaving its body waiting for a member id that is never published."""
-        task = define(app, "t.chord", lock_unique="while_queued")
-        collect = define(app, "t.chord.body")
-        chord([task.s(1), task.s(2)], collect.s()).apply_async()
-        first = list(published.ids)
-        assert len(first) == 2
-        with pytest.raises(AlreadyQueuedError) as caught:
-            chord([task.s(2), task.s(3)], collect.s()).apply_async()
-        assert caught.value.task_id == first[1]
-        assert published.ids == first
-
-    def test_a_duplicate_last_chain_step_raises(self, app: Celery, published: Published) -> None:
-        """Celery's worker publishes a chain's next step with ``chain=chain[:-1]``
-        (celery/app/trace.py): the last step carries ``chain=[]`` and the id the chain's result
-        waits for. A duplicate of it raises, naming the existing copy, instead of being handed
-        that copy's result while the chain's id is never published."""
-        task = define(app, "t.chain.last", lock_unique="while_queued")
-        first = task.delay(4)
-        with pytest.raises(AlreadyQueuedError) as caught:
-            task.apply_async((4,), task_id="chain-tail", chain=[], parent_id="p", root_id="r")
-        assert caught.value.task_id == first.id
-        assert published.ids == [first.id]
-
-    def test_a_group_member_that_is_no_duplicate_is_published(
-        self, app: Celery, published: Published
-    ) -> None:
-        """Members on keys of their own are published as usual, each under its own id."""
-        task = define(app, "t.group.free", lock_unique="until_done")
-        result = group(task.s(5), task.s(6)).apply_async()
-        assert published.ids == [r.id for r in result.results]
 
 
 class TestUntilDone:
@@ -347,8 +299,8 @@ class TestRetries:
         assert again.id == first.id
         assert published.ids == [first.id, first.id]
         assert (
-            published.headers[1][unique_module.HEADER]
-            == (published.headers[0][unique_module.HEADER])
+            published.headers[1][unique_common.HEADER]
+            == (published.headers[0][unique_common.HEADER])
         )
         assert parse_owner(store.get("queued:k:1").owner).task_id == first.id  # type: ignore[union-attr]
 
@@ -367,9 +319,9 @@ class TestDebounce:
         holder = store.get("queued:k:1")
         assert holder is not None and parse_owner(holder.owner).task_id == results[-1].id
         for old in results[:-1]:
-            tomb = store.get(unique_module.superseded_key(old.id, ""))
+            tomb = store.get(unique_common.superseded_key(old.id, ""))
             assert tomb is not None
-        assert store.get(unique_module.superseded_key(results[-1].id, "")) is None
+        assert store.get(unique_common.superseded_key(results[-1].id, "")) is None
 
     def test_debounce_max_caps_the_delay(
         self, app: Celery, published: Published, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
@@ -379,13 +331,13 @@ class TestDebounce:
         task = define(
             app, "t.cap", lock_unique="while_queued", lock_debounce=1, lock_debounce_max=3
         )
-        real = unique_module._publish
+        real = task.publish_copy
 
         def spy(*args: Any, **kwargs: Any) -> Any:
-            countdowns.append(args[4]["countdown"])
+            countdowns.append(kwargs["countdown"])
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(unique_module, "_publish", spy)
+        monkeypatch.setattr(task, "publish_copy", spy)
         for _ in range(6):
             task.delay(1)
             clock.advance(0.5)
@@ -408,7 +360,7 @@ class TestDebounce:
         monkeypatch.setattr(app, "send_task", refuse)
         with pytest.raises(ConnectionError):
             task.delay(1)
-        assert store.get(unique_module.superseded_key(first.id, "")) is None
+        assert store.get(unique_common.superseded_key(first.id, "")) is None
         holder = store.get("queued:k:1")
         assert holder is not None and holder.owner == first_owner  # the waiting copy's again
 
@@ -542,7 +494,7 @@ class TestSupersedeRace:
         b = task.delay(1, 2)
         assert c and b.id == c[0].id  # B is a duplicate of the winner
         assert published.ids == [a.id, c[0].id]
-        a_runs = store.get(unique_module.superseded_key(a.id, "")) is None
+        a_runs = store.get(unique_common.superseded_key(a.id, "")) is None
         assert not a_runs, "A has no lease and no tombstone: it runs beside C"
 
     def test_a_store_error_while_superseding_keeps_the_waiting_copy(
@@ -566,7 +518,7 @@ class TestSupersedeRace:
         with pytest.raises(StoreUnavailableError):
             task.delay(1, 2)
         assert published.ids == [a.id]
-        assert store.get(unique_module.superseded_key(a.id, "")) is None
+        assert store.get(unique_common.superseded_key(a.id, "")) is None
 
 
 class TestStoreDown:
@@ -585,29 +537,6 @@ class TestStoreDown:
         with pytest.raises(StoreUnavailableError):
             task.delay(1)
         assert published.ids == []
-
-
-class TestFailedPublishSeenByDuplicates:
-    def test_a_duplicate_of_a_copy_whose_publish_failed_does_not_wait_forever(
-        self, app: Celery, published: Published, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """B calls while A is publishing and gets A's id; A's publish then fails: B's result
-        ends FAILURE (its get() raises) instead of staying PENDING for ever."""
-        task = define_task(app, "r.dup-of-failed", lock_unique="until_done")
-        seen: list[Any] = []
-
-        def refuse(*args: Any, **kwargs: Any) -> Any:
-            seen.append(task.delay(1))  # B, during A's publish
-            raise ConnectionError("broker down")
-
-        with monkeypatch.context() as patch:
-            patch.setattr(app, "send_task", refuse)
-            with pytest.raises(ConnectionError):
-                task.delay(1)
-        assert seen and published.ids == []
-        assert seen[0].state == "FAILURE"
-        with pytest.raises(ConnectionError):
-            seen[0].get(timeout=5, propagate=True)
 
 
 # The duplicate check's acquire_or_holder ---------------------------------------------------------

@@ -8,7 +8,6 @@ would, on a memory store and a FakeClock; a competing call is made at a chosen s
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,7 +16,8 @@ from celery.exceptions import Ignore
 
 from celery_lease._celery import settings as config
 from celery_lease._celery import unique as unique_module
-from celery_lease._core.owners import make_owner, parse_owner, queued_owner
+from celery_lease._celery.unique import common as unique_common
+from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import Published, SpyStore
 from tests.unit.unique_copies import (
@@ -29,39 +29,6 @@ from tests.unit.unique_copies import (
     start_copy,
     until_done_copy,
 )
-
-
-class TestForgedHeader:
-    def test_a_revoked_copy_frees_only_a_queued_key(
-        self, app: Celery, published: Published, store: SpyStore
-    ) -> None:
-        """task_revoked with a header naming a key outside the queued namespace frees nothing,
-        even when that key's owner happens to carry the same text."""
-        task = define_task(app, "r.forged", lock_unique="while_queued")
-        owner = queued_owner(task.name, "victim-id", 1)
-        store.acquire("k:other", owner, 60_000)  # some lease that is not a queued lease
-        request = SimpleNamespace(id="victim-id", **{unique_module.HEADER: ["k:other", owner]})
-        unique_module._on_revoked(sender=task, request=request)
-        assert store.get("k:other") is not None
-
-    def test_a_header_naming_another_copy_is_not_trusted(
-        self, app: Celery, published: Published, store: SpyStore
-    ) -> None:
-        """A message carrying another copy's [queued key, owner] frees nothing when it starts."""
-        task = define_task(app, "r.forged-start", lock_unique="while_queued")
-        victim = task.delay(1)
-        settings = config.get_settings(app)
-        forged = SimpleNamespace(
-            id="attacker-id",
-            is_eager=False,
-            **{unique_module.HEADER: published.headers[0][unique_module.HEADER]},
-        )
-        unique = type(task)._lock_options.unique
-        assert start_copy(task, forged, store, "k:1", settings, unique, 30, 0) is None
-        unique_module.on_rejected(forged, store, "k:1", settings)
-        unique_module._on_revoked(sender=task, request=forged)
-        info = store.get("queued:k:1")
-        assert info is not None and parse_owner(info.owner).task_id == victim.id
 
 
 class TestDebounceHandOver:
@@ -104,7 +71,7 @@ class TestDebounceHandOver:
         else:
             ran = True
         assert newer, "the competing call was made"
-        tomb = store.get(unique_module.superseded_key(first.id, ""))
+        tomb = store.get(unique_common.superseded_key(first.id, ""))
         superseded = tomb is not None and parse_owner(tomb.owner).task_id != first.id
         assert not (ran and superseded), "the superseded copy went on to run its body"
 
@@ -157,8 +124,8 @@ class TestRedelivery:
             unique_module.on_rejected(request, store, "k:1", settings, task=task, ttl=5.0)
         assert published.ids == [first.id, first.id]
         again = published.headers[1]
-        assert again[unique_module.DEFERRED] == 1  # re-sent once so far
-        assert again[unique_module.HEADER] == published.headers[0][unique_module.HEADER]
+        assert again[unique_common.DEFERRED] == 1  # re-sent once so far
+        assert again[unique_common.HEADER] == published.headers[0][unique_common.HEADER]
         assert again["eta"] is not None and again["expires"] is None
         assert task.AsyncResult(first.id).state == "PENDING"
         assert store.get("queued:k:1") is not None
@@ -171,7 +138,7 @@ class TestRedelivery:
         first = task.delay(1)
         task.backend.mark_as_done(first.id, 1)
         request = request_of(published.headers[0])
-        setattr(request, unique_module.DEFERRED, 1)  # re-sent once
+        setattr(request, unique_common.DEFERRED, 1)  # re-sent once
         settings = config.get_settings(app)
         unique = type(task)._lock_options.unique
         with pytest.raises(Ignore, match="finished"):
@@ -188,7 +155,7 @@ class TestRedelivery:
         first = task.delay(1)
         request = request_of(published.headers[0])
         request.args, request.kwargs = [1], {}
-        setattr(request, unique_module.DEFERRED, 1)  # re-sent once: its worker may have died
+        setattr(request, unique_common.DEFERRED, 1)  # re-sent once: its worker may have died
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise ConnectionError("broker down")
@@ -212,7 +179,7 @@ class TestRedelivery:
         task.backend.mark_as_retry(first.id, RuntimeError("try again"))
         request = request_of(published.headers[0])
         request.args, request.kwargs = [1], {}
-        setattr(request, unique_module.DEFERRED, 1)
+        setattr(request, unique_common.DEFERRED, 1)
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
             raise ConnectionError("broker down")
@@ -290,7 +257,7 @@ class TestRedeliveredRetryAttempt:
             deliver(task, headers, deferred=False, retries=1, acks_late=True)
         # Re-sent, to come back once the dead holder's lease expired (never dropped).
         assert len(published.ids) == before + 1
-        assert published.headers[-1][unique_module.DEFERRED] == 1
+        assert published.headers[-1][unique_common.DEFERRED] == 1
 
     def test_a_dead_retry_attempt_runs_on_its_second_free_arrival(
         self, app: Celery, published: Published, store: SpyStore

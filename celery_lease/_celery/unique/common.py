@@ -1,0 +1,142 @@
+"""What every side of unique shares: the header names, the keys, the clock, the checked header
+owner, the result backend reads and the quiet writes (a store release, a stored final state)."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from celery import states
+
+from celery_lease._celery import settings as config
+from celery_lease._core.owners import is_queued_owner, parse_owner
+from celery_lease._core.unique_options import (
+    BUILTIN_QUEUE_TTL,
+    SUPERSEDED_NAMESPACE,
+    UniqueOptions,
+)
+from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.stores.base import LockStore
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import CeleryTask, TaskRequest
+
+logger = logging.getLogger("celery_lease.unique")
+
+HEADER = "lease_queued"
+"""Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
+
+DEFERRED = "lease_deferred"
+"""Message header (``True``) of a second delivery re-sent to wait for its own running copy."""
+
+NAMESPACE = "queued:"
+"""Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
+
+STARTED = "started"
+"""The label of a debounced copy's claim on its own tombstone key (``on_arrival``)."""
+
+TRIES = 8
+"""Attempts when the key flips between free and held under our feet."""
+
+clock: Clock = SYSTEM_CLOCK
+"""Where unique reads the wall clock (eta, the debounce window); tests swap in a FakeClock."""
+
+
+def queued_key(key: str, prefix: str) -> str:
+    """The queued lease's key for the task key ``key`` (which starts with ``prefix``)."""
+    return prefix + NAMESPACE + key[len(prefix) :]
+
+
+def superseded_key(task_id: str, prefix: str) -> str:
+    """The tombstone key of a superseded (debounced) copy."""
+    return f"{prefix}{SUPERSEDED_NAMESPACE}{task_id}"
+
+
+def ms(seconds: float) -> int:
+    """Whole milliseconds, at least 1."""
+    return max(1, round(seconds * 1000))
+
+
+def queue_ttl(unique: UniqueOptions, settings: config.LeaseSettings) -> float:
+    """The copy's ``queue_ttl``: the task's, else the app's default, else the built-in one."""
+    return config.pick(unique.queue_ttl, settings.default_queue_ttl, BUILTIN_QUEUE_TTL)
+
+
+def is_started_claim(owner: str) -> bool:
+    """Whether ``owner`` is a copy's claim on its own tombstone (not a superseding call's)."""
+    return is_queued_owner(owner) and parse_owner(owner).label == STARTED
+
+
+def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | None) -> str | None:
+    """The queued lease's owner from the request's header, if it is this copy's own.
+
+    A header is never trusted: the owner must be a queued owner naming this very task id (and
+    the key, when given, the expected one), so nothing but this copy's lease can be released.
+    """
+    header: object = getattr(request, HEADER, None)
+    if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
+        return None
+    hkey, owner = header
+    if not isinstance(hkey, str) or not isinstance(owner, str) or not is_queued_owner(owner):
+        return None
+    if qkey is not None and hkey != qkey:
+        return None
+    return owner if parse_owner(owner).task_id == task_id else None
+
+
+def finished(task: CeleryTask, task_id: str) -> bool | None:
+    """Whether the copy ``task_id`` is done: its result backend holds a ready state.
+
+    ``False`` for any other state, RETRY included (it also shows while a retry attempt runs),
+    and where there is no result to read (no backend, ``ignore_result``: the body runs again,
+    at least once); ``None`` when the backend failed to answer (the caller asks again later).
+    """
+    try:
+        state = task.backend.get_state(task_id)
+    except NotImplementedError:  # DisabledBackend: no results, ever
+        return False
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: reading the state of %s failed (%s); asking later", task_id, exc
+        )
+        return None
+    return state in states.READY_STATES
+
+
+def release_quietly(store: LockStore, key: str, owner: str, why: str) -> None:
+    """``store.release`` (owner-checked); a store error is logged, never raised."""
+    try:
+        store.release(key, owner)
+    except Exception as exc:
+        logger.warning(
+            "celery-lease: releasing %r (%s) failed (%s); it frees itself within its ttl",
+            key,
+            why,
+            exc,
+        )
+
+
+def fail_quietly(task: CeleryTask, task_id: str, exc: Exception) -> None:
+    """Store ``exc`` as the FAILURE of copy ``task_id`` (no errback); never raises."""
+    try:
+        task.backend.mark_as_failure(task_id, exc, call_errbacks=False)
+    except Exception as error:  # no result backend, or it is down too: the caller has exc
+        logger.debug("celery-lease: could not store the failed publish of %s: %s", task_id, error)
+
+
+def revoke_quietly(task: CeleryTask, task_id: str, newer: str | None) -> None:
+    """Store copy ``task_id`` REVOKED, ``"superseded by <newer>"``, for a call that publishes
+    nothing after all: a caller handed its id gets ``TaskRevokedError`` at once instead of
+    waiting for a message that is never sent. Only stored (no event, no signal: no copy of this
+    id reached a worker); a backend that fails is logged."""
+    reason = f"superseded by {newer}"
+    try:
+        task.backend.mark_as_revoked(task_id, reason)
+    except Exception as error:
+        logger.warning(
+            "celery-lease: could not store %s[%s] as %s (%s): a caller handed its id waits",
+            task.name,
+            task_id,
+            reason,
+            error,
+        )

@@ -1,0 +1,289 @@
+"""Debounce, the caller's side: a call supersedes the waiting copy (its tombstone written, its
+queued lease taken over) and publishes ``debounce`` later; a failed publish hands the key back.
+The rules are in the package docstring (Debounce)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from celery_lease._celery.unique import common
+from celery_lease._celery.unique.call import Call
+from celery_lease._celery.unique.common import logger
+from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import AsyncResultLike
+    from celery_lease.stores.base import LeaseInfo
+
+
+def debounced(call: Call) -> AsyncResultLike:
+    """Publish ``debounce`` from now, superseding the waiting copy."""
+    run = _Debounce(
+        replace(
+            call, options={k: v for k, v in call.options.items() if k not in ("eta", "countdown")}
+        )
+    )
+    try:
+        for _ in range(common.TRIES):
+            result = run.attempt()
+            if result is not None:
+                return result
+    except Exception as exc:
+        # A store error once a caller may hold this call's id (superseding): stored as this
+        # call's FAILURE, so that caller's get() raises it instead of waiting for ever (not
+        # when the path that raised settled its state already).
+        if run.superseding and not run.settled:
+            common.fail_quietly(call.task, call.task_id, exc)
+        raise
+    return run.gave_way(run.started)
+
+
+@dataclass(frozen=True)
+class _Takeover:
+    """This call superseding the waiting copy ``waiting_id``: what handing it back undoes."""
+
+    owner: str
+    """This call's queued lease."""
+    waiting_id: str
+    waiting_owner: str
+    waiting_ttl_ms: int
+    tomb: str
+    """The waiting copy's tombstone key, held under ``tomb_owner`` (this call's)."""
+    tomb_owner: str
+
+
+class _Debounce:
+    """One debounced call's attempts and what they learnt on the way."""
+
+    __slots__ = ("call", "cap", "debounce", "settled", "started", "superseding")
+
+    def __init__(self, call: Call) -> None:
+        debounce, cap = call.unique.debounce, call.unique.debounce_max
+        assert debounce is not None and cap is not None
+        self.call, self.debounce, self.cap = call, debounce, cap
+        # Set once this call wrote a waiting copy's tombstone: from then on a racing caller may
+        # have been handed this call's id (it found the tombstone ours and us not superseded),
+        # so a call that ends up publishing nothing leaves a final state under its id.
+        self.superseding = False
+        self.settled = False  # a failed publish (or store error) stored this call's final state
+        self.started: str | None = None  # a copy seen started whose queued lease stayed held
+
+    def gave_way(self, existing: str | None) -> AsyncResultLike:
+        """A duplicate of ``existing``; stored REVOKED first once this call superseded."""
+        if self.superseding:
+            common.revoke_quietly(self.call.task, self.call.task_id, existing)
+        return self.call.duplicate(existing)
+
+    def attempt(self) -> AsyncResultLike | None:
+        """Take the free key, or supersede its waiting copy; ``None``: look again."""
+        call = self.call
+        store, qkey = call.store, call.qkey
+        owner = call.owner()
+        if store.acquire(qkey, owner, common.ms(call.queue_ttl + self.debounce)) is not None:
+            return self._publish_first(owner)
+        info = store.get(qkey)
+        if info is None:
+            return None
+        old = parse_owner(info.owner)
+        if not is_queued_owner(info.owner) or old.task_id is None or old.task_id == call.task_id:
+            return self.gave_way(old.task_id)
+        tomb = common.superseded_key(old.task_id, call.prefix)
+        tomb_owner = call.owner()
+        if store.acquire(tomb, tomb_owner, self._tomb_ttl_ms()) is None:
+            return self._tomb_refused(info, old.task_id, tomb)
+        return self._supersede(info, old, old.task_id, tomb, tomb_owner)
+
+    def _tomb_ttl_ms(self) -> int:
+        return common.ms(self.call.queue_ttl + self.cap)
+
+    def _publish_first(self, owner: str) -> AsyncResultLike:
+        """The key was free: publish (unless a running copy makes this call its duplicate)."""
+        call = self.call
+        store, qkey = call.store, call.qkey
+        if call.unique.unique == "until_done":
+            running = _running_copy(call)
+            if running is not None:
+                store.release(qkey, owner)
+                return self.gave_way(running)
+        try:
+            # Not freed on failure there: below, once no call can supersede this one.
+            return call.publish(owner, free=False, countdown=self.debounce)
+        except BaseException as exc:
+            # Its own tombstone first: from then on no call supersedes it (and its message,
+            # had the broker taken it after all, ends without its body), so the state stored
+            # below is never written over a "superseded" REVOKED.
+            own = self._take_own_tomb()
+            common.release_quietly(store, qkey, owner, "the publish failed")
+            if isinstance(exc, Exception):
+                self._store_failed_publish(exc, own)
+            raise
+
+    def _tomb_refused(self, info: LeaseInfo, old_id: str, tomb: str) -> AsyncResultLike | None:
+        """The tombstone (the right to free that copy's lease) is another's."""
+        store = self.call.store
+        claimed = store.get(tomb)
+        writer = parse_owner(claimed.owner).task_id if claimed is not None else None
+        if claimed is not None and writer == old_id and common.is_started_claim(claimed.owner):
+            # The copy has arrived at a worker (on_arrival): it frees its queued lease at once
+            # (a look again finds the key free; under "until_done" then the run key), unless
+            # its running body published its retry (which took the key back): the duplicate of
+            # that retry if the key is still its own after every try. Its claim goes when its
+            # execution ends: from then on a call supersedes the waiting retry.
+            self.started = old_id
+        if writer is None or writer == old_id:
+            return None  # gone, or the copy claimed it itself (it started): look again
+        if store.get(common.superseded_key(writer, self.call.prefix)) is None:
+            # A caller racing us supersedes it: we are that caller's duplicate.
+            return self.gave_way(writer)
+        # The writer's own call is no longer waiting: superseded, started, or withdrawing after
+        # a failed publish. Still the waiting copy's lease: the writer has handed it back and is
+        # about to remove the tombstone (the copy runs: we are its duplicate); else look again.
+        again = store.get(self.call.qkey)
+        if again is not None and again.owner == info.owner:
+            return self.gave_way(old_id)
+        return None
+
+    def _supersede(
+        self, info: LeaseInfo, old: Holder, old_id: str, tomb: str, tomb_owner: str
+    ) -> AsyncResultLike | None:
+        """This call holds the waiting copy's tombstone: take its queued lease over, publish."""
+        call = self.call
+        store, qkey, now = call.store, call.qkey, call.now
+        first = old.taken_at if old.taken_at is not None else now
+        delay = max(0.0, min(now + self.debounce, first + self.cap) - now)
+        owner = call.owner(first)
+        self.superseding = True
+        takeover = _Takeover(
+            owner, old_id, info.owner, common.ms(info.expires_in), tomb, tomb_owner
+        )
+        try:
+            store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
+            taken = store.acquire(qkey, owner, common.ms(call.queue_ttl + delay))
+        except BaseException as exc:
+            # Nothing replaces the waiting copy: it is handed its key back, and the caller gets
+            # the store's error (stored as this call's FAILURE, for a caller handed its id
+            # meanwhile, unless a newer call superseded this one).
+            self._withdraw_failed(takeover, exc)
+            raise
+        if taken is None:
+            # Another call took the key between our release and our acquire: the waiting
+            # copy's lease is gone, so it stays superseded (its tombstone is kept) and only
+            # the winner runs, never the old copy beside it.
+            winner = store.get(qkey)
+            if winner is None:
+                return None
+            return self.gave_way(parse_owner(winner.owner).task_id)
+        try:
+            return call.publish(owner, free=False, countdown=delay)  # _withdraw frees it
+        except BaseException as exc:
+            self._withdraw_failed(takeover, exc)
+            raise
+
+    def _withdraw_failed(self, takeover: _Takeover, exc: BaseException) -> None:
+        own = self._withdraw(takeover)
+        if isinstance(exc, Exception):
+            self._store_failed_publish(exc, own)
+            self.settled = True
+
+    def _withdraw(self, takeover: _Takeover) -> tuple[bool, str | None]:
+        """A superseding call was not published: hand the key back to the copy it superseded,
+        unless a newer call superseded this one meanwhile, or that copy has ended. Never raises
+        a store error. Returns what taking its own tombstone found (:meth:`_take_own_tomb`).
+
+        In this order, each step deciding the next, so that exactly one copy stays to run:
+
+        1. Take this call's own tombstone: from here no call can supersede it. Refused: a newer
+           call superseded it and stands in for the waiting copy; nothing is touched.
+        2. Free this call's queued lease (owner-checked).
+        3. Ask the result backend whether the waiting copy has ended (a ready state: its worker
+           started it meanwhile, found its tombstone taken and stored itself REVOKED). Then
+           nothing is handed back: a key taken for a copy that no longer runs would make every
+           call until its ttl a duplicate of that dead copy.
+        4. Take the key back for the waiting copy, under its owner. Refused: a new call took
+           the free key and runs; the waiting copy stays superseded.
+        5. Ask again: the copy may have ended between 3 and 4. If it has, free the key just
+           taken for it (owner-checked) and keep its tombstone.
+        6. Remove the waiting copy's tombstone: it runs.
+
+        A copy that ends superseded frees a lease under its own owner after storing its REVOKED
+        state (``on_start``), so a key taken back for it is freed either by it (taken before
+        that release) or by step 5. Where the backend cannot tell (``None``), the key is handed
+        back as if the copy were still waiting.
+
+        The own tombstone is kept (it expires): a message that reached the broker although the
+        publish failed ends without its body when it starts. A store error keeps what is left:
+        the waiting copy stays superseded (nothing may run) rather than two running.
+        """
+        own = self._take_own_tomb()
+        if not own[0]:
+            return own
+        call, t = self.call, takeover
+        store, qkey = call.store, call.qkey
+        try:
+            store.release(qkey, t.owner)
+            if common.finished(call.task, t.waiting_id):
+                return own
+            if store.acquire(qkey, t.waiting_owner, t.waiting_ttl_ms) is None:
+                return own
+            if common.finished(call.task, t.waiting_id):
+                store.release(qkey, t.waiting_owner)
+                return own
+            store.release(t.tomb, t.tomb_owner)
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: handing %r back to the superseded copy failed (%s); it stays"
+                " superseded",
+                qkey,
+                exc,
+            )
+        return own
+
+    def _take_own_tomb(self) -> tuple[bool, str | None]:
+        """A call whose publish failed takes its own tombstone key (owner naming its own id, no
+        started label): from then on no call supersedes it, and its message, had the broker
+        taken it after all, ends without its body (``Arrival.claim_or_end``). Never raises a
+        store error.
+
+        Returns ``(True, None)`` when taken (also when a store error left it unknown: handled
+        as before, its error stored), else ``(False, holder)``: the owner of who holds it, a
+        newer call that superseded this one, or this call's own message, started on a worker.
+        """
+        call = self.call
+        own_tomb = common.superseded_key(call.task_id, call.prefix)
+        try:
+            for _ in range(common.TRIES):
+                if call.store.acquire(own_tomb, call.owner(), self._tomb_ttl_ms()) is not None:
+                    return True, None
+                holder = call.store.get(own_tomb)
+                if holder is not None:
+                    return False, holder.owner
+        except Exception as exc:
+            logger.warning("celery-lease: taking %r failed (%s)", own_tomb, exc)
+        return True, None
+
+    def _store_failed_publish(self, exc: Exception, own: tuple[bool, str | None]) -> None:
+        """Store the final state of a call whose publish failed, once its own tombstone was
+        taken or found held (``own``): the error as its FAILURE; but REVOKED ``"superseded by
+        <newer>"`` when a newer call holds it (a superseded copy never ends FAILURE: its worker,
+        had the broker taken the message, stores the same), and nothing when its own message
+        started on a worker (it runs and stores its own result)."""
+        task, task_id = self.call.task, self.call.task_id
+        taken, holder = own
+        if not taken and holder is not None:
+            newer = parse_owner(holder).task_id
+            if newer == task_id and common.is_started_claim(holder):
+                return
+            if newer not in (None, task_id):
+                common.revoke_quietly(task, task_id, newer)
+                return
+        common.fail_quietly(task, task_id, exc)
+
+
+def _running_copy(call: Call) -> str | None:
+    """The task id of another copy holding the run key (running, or in its cooldown)."""
+    info = call.store.get(call.key)
+    if info is None:
+        return None
+    holding_task_id = parse_owner(info.owner).task_id
+    return holding_task_id if holding_task_id not in (None, call.task_id) else None

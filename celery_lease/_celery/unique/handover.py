@@ -1,0 +1,165 @@
+"""The hand-over (:func:`on_start`): a copy that holds its run lease, its body about to start,
+frees its queued lease (``"while_queued"``) or keeps it renewed (``"until_done"``)."""
+
+from __future__ import annotations
+
+import functools
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from celery_lease._celery import settings as config
+from celery_lease._celery.protocols import can_renew_deferred
+from celery_lease._celery.unique import common
+from celery_lease._celery.unique.common import header_owner, logger, ms, queue_ttl, queued_key
+from celery_lease._celery.unique.hold import QueuedHold, holding, queued_lost
+from celery_lease._celery.unique.redelivery import defer, deferrals, drop_finished
+from celery_lease._core.owners import parse_owner
+from celery_lease._core.renewer import Entry, get_renewer
+from celery_lease._core.unique_options import UniqueOptions
+from celery_lease.clock import SYSTEM_CLOCK
+from celery_lease.stores.base import LockStore
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import TaskRequest, UniqueTask
+
+
+def on_start(
+    task: UniqueTask,
+    request: TaskRequest,
+    store: LockStore,
+    key: str,
+    settings: config.LeaseSettings,
+    unique: UniqueOptions,
+    ttl: float,
+    cooldown: float,
+) -> QueuedHold | None:
+    """The copy holds its run lease and its body is about to start: hand the queued key over.
+
+    ``"until_done"`` (without debounce): the copy's own queued lease is kept under its owner
+    (the key is never free in between), renewed with the run lease's ``ttl`` until the body
+    ends (:meth:`QueuedHold.end`); a loss is logged and the body runs all the same (the run
+    lease still excludes bodies). Otherwise it is released (owner-checked).
+
+    Raises:
+        Ignore: a second delivery whose copy is done, or that is re-sent to wait again.
+    """
+    if getattr(request, "is_eager", False):
+        return None
+    task_id = getattr(request, "id", None)
+    deferred = deferrals(request)
+    if deferred and task_id is not None:
+        _second_delivery(task, request, task_id, key, ttl, deferred)
+    qkey = queued_key(key, settings.key_prefix)
+    owner = header_owner(request, task_id, qkey)
+    if owner is None or task_id is None:
+        return None  # not published through apply_unique (send_task, or before lock_unique)
+    if unique.debounce is not None:
+        # Its queued lease was freed at its arrival, once its claim stood (on_arrival); under
+        # "until_done" a call then finds the run key held by it from here.
+        return None
+    if unique.unique != "until_done":
+        store.release(qkey, owner)
+        return None
+    # A copy that may have outlived its queued lease (a second delivery, or one that started
+    # half its queue_ttl or more after its eta) takes the key back before its body starts: a
+    # call made while the body runs must find it held. The holder again when the lease is still
+    # its own (same token, expiry set to ttl).
+    late = common.clock.time() >= _queued_since(owner, request) + queue_ttl(unique, settings) / 2
+    retaken = None
+    if deferred or late:
+        retaken = store.acquire(qkey, owner, ms(ttl))
+        if retaken is None:
+            # Its queued lease expired and another copy took the key meanwhile: the renewal
+            # below reports it lost; the run lease still excludes that copy's body.
+            logger.info(
+                "celery-lease: %r is held by another copy; %s runs all the same", qkey, task_id
+            )
+    return _hold(store, qkey, owner, task_id, ttl, cooldown, renewed=retaken is not None)
+
+
+def _second_delivery(
+    task: UniqueTask, request: TaskRequest, task_id: str, key: str, ttl: float, deferred: int
+) -> None:
+    """A second delivery of a copy, back with the run key free. It runs the body only when the
+    copy is not done and was seen so twice, one ttl apart: the first time may be the instant
+    between the copy's release and its stored result (or a backend that could not answer); a
+    copy whose worker died is still not done a ttl later. Else it ends (``Ignore``)."""
+    done = common.finished(task, task_id)
+    if done:
+        drop_finished(task, task_id)  # the body ran already
+    if done is None or deferred < 2:
+        defer(
+            task,
+            request,
+            key,
+            ttl,
+            deferred + (done is False),
+            unfinished=done is False,
+            ends_copy=True,  # the run key was free: no copy is known to run
+        )
+
+
+def _hold(
+    store: LockStore,
+    qkey: str,
+    owner: str,
+    task_id: str,
+    ttl: float,
+    cooldown: float,
+    *,
+    renewed: bool,
+) -> QueuedHold:
+    """Hand the queued lease to the renewer for the body's run."""
+    now = SYSTEM_CLOCK.monotonic()
+    entry = Entry(
+        store=store,
+        key=qkey,
+        owner=owner,
+        ttl=ttl,
+        sent_at=now,
+        max_hold_at=None,
+        on_lost=functools.partial(queued_lost, qkey),
+        # Its owner id is the copy's, shared with a retry or a redelivered copy that takes the
+        # key again: a loss must not free it under them; QueuedHold.end frees or keeps it.
+        free_on_loss=False,
+    )
+    # Its expiry set to ``ttl`` now, so that from here a worker that dies mid-body leaves the
+    # key to expire within ``ttl``, not within what was left of ``queue_ttl``: sent without
+    # waiting where the store can (its reply is read with this copy's next store call; the
+    # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
+    # renewer's thread.
+    if not renewed and not (
+        can_renew_deferred(store) and store.renew_deferred(qkey, owner, ms(ttl))
+    ):
+        entry.due = now
+    hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
+    get_renewer(SYSTEM_CLOCK, store).add(entry)
+    holding[task_id] = hold
+    return hold
+
+
+def _queued_since(owner: str, request: TaskRequest) -> float:
+    """When (wall clock, seconds) the copy's queued lease began to count its ``queue_ttl``: its
+    eta (the request's ``eta``, which a ``countdown`` became), or its call (the owner's ``at``)
+    when it has none or it lies before the call; ``-inf`` when neither is known (the copy counts
+    as late)."""
+    taken_at = parse_owner(owner).taken_at
+    eta = _wall_time(getattr(request, "eta", None))
+    if taken_at is None:
+        return float("-inf")
+    return taken_at if eta is None else max(taken_at, eta)
+
+
+def _wall_time(value: object) -> float | None:
+    """Seconds since the epoch of an ``eta`` (ISO 8601 text or a ``datetime``; naive: UTC);
+    ``None`` for anything else."""
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            return None
+    if not isinstance(value, datetime):
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=timezone.utc)
+    return value.timestamp()

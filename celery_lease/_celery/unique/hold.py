@@ -1,0 +1,92 @@
+"""The queued lease an ``"until_done"`` copy keeps while its body runs (:class:`QueuedHold`):
+renewed by the renewer, then freed, or kept for the retry's wait or the cooldown."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from celery_lease._celery.protocols import can_release_deferred
+from celery_lease._celery.unique.common import logger, ms, release_quietly
+from celery_lease._core.dispatch import get_dispatcher
+from celery_lease._core.renewer import Entry
+from celery_lease.stores.base import LockStore
+
+
+class QueuedHold:
+    """The queued lease an ``"until_done"`` copy keeps (renewed) while its body runs."""
+
+    __slots__ = ("cooldown", "entry", "owner", "qkey", "retry_ttl_ms", "store", "task_id")
+
+    def __init__(
+        self, store: LockStore, qkey: str, owner: str, task_id: str, entry: Entry, cooldown: float
+    ) -> None:
+        self.store, self.qkey, self.owner, self.task_id = store, qkey, owner, task_id
+        self.entry, self.cooldown = entry, cooldown
+        self.retry_ttl_ms: int | None = None  # set when the body published its retry
+
+    def end(self, succeeded: bool, defer: bool = False) -> None:
+        """The body ended and the run lease is released: stop renewing, then free the key, or
+        keep it for the retry's wait or for ``cooldown``. Never raises a store error.
+
+        ``defer`` (:mod:`celery_lease._celery.execution` decides; a store that can,
+        :class:`~celery_lease.stores.base.SupportsDeferredRelease`): the release goes out
+        without waiting, on the one connection the run lease's release went out on just
+        before, so the server runs them in that order; the caller reads the replies. If it
+        cannot go that way, the replies still unread are read first, then it is released the
+        usual way: never ahead of the run lease's release.
+        """
+        holding.pop(self.task_id, None)
+        entry = self.entry
+        renewer = entry.renewer
+        assert renewer is not None
+        try:
+            settled, _final, _lapsed = renewer.remove(entry)
+        except BaseException:
+            renewer.abandon(entry)
+            raise
+        keep = self.retry_ttl_ms
+        if keep is None and succeeded and self.cooldown > 0:
+            keep = ms(self.cooldown)
+        # The release is sent and answered here, on the task's thread, before the execution
+        # returns: a caller that sees the result and calls again must find the key free (a
+        # release left to another thread let such a call get the finished copy's id, and its
+        # work was never enqueued). A renewal landing after the release finds no lease of ours
+        # and creates nothing; one landing after a keep is fenced: the keep is set after it.
+        if keep is None:
+            store = self.store
+            if defer and can_release_deferred(store):
+                if store.release_deferred(self.qkey, self.owner):
+                    return
+                store.flush_deferred()  # the run lease's release answered first
+            release_quietly(self.store, self.qkey, self.owner, "the copy ended")
+            return
+        action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
+        if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after
+            get_dispatcher().submit(_run, action, f"keep of {self.qkey!r}")
+
+
+def _run(action: Callable[[], None]) -> None:
+    action()
+
+
+def _set_quietly(store: LockStore, key: str, owner: str, ttl_ms: int) -> None:
+    try:
+        if not store.renew(key, owner, ttl_ms):
+            logger.warning("celery-lease: %r is no longer held by %s; not kept", key, owner)
+    except Exception as exc:
+        logger.warning("celery-lease: keeping %r failed (%s); it frees itself", key, exc)
+
+
+def queued_lost(key: str, reason: str) -> None:
+    """Renewer callback (quick, no user code): the running copy's queued lease was lost."""
+    logger.warning(
+        "celery-lease: the queued key %r of a running copy was lost (%s): another copy may be"
+        " enqueued meanwhile (the run lease still excludes its body)",
+        key,
+        reason,
+    )
+
+
+holding: dict[str, QueuedHold] = {}
+"""Task id -> the queued lease its running ``"until_done"`` body keeps (this process)."""

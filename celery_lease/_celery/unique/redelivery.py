@@ -1,0 +1,215 @@
+"""A copy refused its run lease (:func:`on_rejected`), and a second delivery of a running copy,
+re-sent to wait for it (:func:`defer`); the rules are in the package docstring."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NoReturn, cast
+
+from celery import states
+from celery.exceptions import Ignore, Reject
+
+from celery_lease._celery import settings as config
+from celery_lease._celery.protocols import is_inspectable
+from celery_lease._celery.unique import common
+from celery_lease._celery.unique.common import logger
+from celery_lease._core.owners import parse_owner
+from celery_lease.stores.base import LockStore
+
+if TYPE_CHECKING:
+    from celery_lease._celery.protocols import TaskRequest, UniqueTask
+
+
+def on_rejected(
+    request: TaskRequest | None,
+    store: LockStore,
+    key: str,
+    settings: config.LeaseSettings,
+    *,
+    task: UniqueTask | None = None,
+    ttl: float | None = None,
+    policy: str = "raise",
+    refused_by: str | None = None,
+) -> None:
+    """The run lease stayed held and the copy ends without its body: free its queued key
+    (not for ``on_held="retry"``, ``policy``: the retry takes it again for itself).
+
+    Who held it: ``refused_by``, the owner the refused acquire named (``names_holder``), else
+    the run key's holder read now. Held by this very task id, or read free (who refused it
+    cannot be told any more), the delivery is handled as a second one: with the engine's
+    ``task`` and ``ttl`` it is re-sent to wait for its copy, the policy not applied, nothing
+    stored. A delivery whose copy is done ends, nothing stored, whoever holds the key.
+
+    Raises:
+        Ignore: a second delivery of the running copy, re-sent (or its copy finished).
+        Reject: re-sending it failed (``requeue=True``: the broker keeps the message).
+    """
+    if request is None or getattr(request, "is_eager", False):
+        return
+    task_id = getattr(request, "id", None)
+    deferred = deferrals(request)
+    if deferred and task_id is not None and task is not None and ttl is not None:
+        # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
+        # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
+        # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
+        # Its copy may be dead (the key held by a newer one): unless the refusal named its own
+        # running copy, a re-send that fails ends it with the publish error.
+        own = refused_by is None or parse_owner(refused_by).task_id == task_id
+        defer(task, request, key, ttl, deferred, ends_copy=not own)
+    qkey = common.queued_key(key, settings.key_prefix)
+    owner = common.header_owner(request, task_id, qkey)
+    if owner is None and task is None:
+        return
+    if refused_by is not None or is_inspectable(store):
+        try:
+            holder = refused_by if refused_by is not None else _run_holder(store, key)
+        except Exception as exc:
+            logger.warning("celery-lease: reading %r failed (%s); %r is kept", key, exc, qkey)
+            return  # frees itself within its ttl: never freed while its own body may run
+        if task_id is not None and _refused_by_own_copy(request, task_id, key, holder, task, ttl):
+            return
+    if owner is not None and policy != "retry":
+        common.release_quietly(store, qkey, owner, "the copy was rejected")
+
+
+def _run_holder(store: LockStore, key: str) -> str | None:
+    run = store.get(key) if is_inspectable(store) else None
+    return run.owner if run is not None else None
+
+
+def _refused_by_own_copy(
+    request: TaskRequest,
+    task_id: str,
+    key: str,
+    holder: str | None,
+    task: UniqueTask | None,
+    ttl: float | None,
+) -> bool:
+    """Who refused the run key is known (``holder``): whether it is this very copy's own run
+    lease (its queued key is the running body's). With the engine's ``task`` and ``ttl``, a
+    delivery that may be a second one is re-sent, and one whose copy is done ends (``Ignore``)."""
+    engine = task is not None and ttl is not None
+    if holder is not None and parse_owner(holder).task_id == task_id:
+        # Its own run lease (acks_late redelivery of the running copy): the running body keeps
+        # the queued key (until_done); it is not this delivery's to free.
+        if engine:
+            defer(cast("UniqueTask", task), request, key, cast(float, ttl), 1)
+        return True
+    if holder is None and engine:
+        # Free when read: whoever refused this delivery let go in between, and it may have been
+        # this very copy (its first delivery, just finished: on_held would fire the failure
+        # path of a copy that succeeded). Who it was cannot be told any more, so it is handled
+        # as a second delivery: dropped if its copy is done, else re-sent; it runs its body
+        # only if its copy is still not done on two free arrivals a ttl apart. Its queued key
+        # goes with it. No copy is known to run: a re-send that fails ends it.
+        defer(cast("UniqueTask", task), request, key, cast(float, ttl), 1, ends_copy=True)
+    # Held by another copy; it may have taken the key after this very copy finished (read
+    # after the refusal), or this is a late delivery of a finished copy. A delivery of a copy
+    # that is done ends here, nothing stored: never the failure path of a copy that ran.
+    if engine and common.finished(cast("UniqueTask", task), task_id):
+        drop_finished(cast("UniqueTask", task), task_id)
+    return False
+
+
+def deferrals(request: TaskRequest) -> int:
+    """How often this delivery was re-sent to wait for its own copy (0: never): the
+    ``lease_deferred`` header, a count."""
+    value = getattr(request, common.DEFERRED, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
+
+
+def drop_finished(task: UniqueTask, task_id: str) -> NoReturn:
+    """End a delivery of a copy that is done: ``Ignore``, nothing stored."""
+    reason = "delivered again after it finished"
+    logger.info("celery-lease: %s[%s] %s: body not run, nothing stored", task.name, task_id, reason)
+    raise Ignore(reason)
+
+
+def defer(
+    task: UniqueTask,
+    request: TaskRequest,
+    key: str,
+    ttl: float,
+    count: int,
+    *,
+    unfinished: bool = False,
+    ends_copy: bool = False,
+) -> NoReturn:
+    """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
+    Dropped instead when its copy is done (not asked again when the caller just read it
+    ``unfinished``).
+
+    A failed re-send of an ``acks_late`` task's message rejects it back to the broker
+    (``Reject(requeue=True)``); any other ends. With ``ends_copy`` (no copy of this id is known
+    to run) the publish error is stored as the copy's FAILURE, unless a ready state or RETRY is
+    stored: its callers see it in ``get()``. Without it only logged: its own running copy
+    carries the work.
+    """
+    task_id = cast(str, request.id)  # every caller checked it
+    if not unfinished and common.finished(task, task_id):  # in its cooldown, or releasing its key
+        drop_finished(task, task_id)
+    headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
+    headers[common.DEFERRED] = count
+    # As retry() re-sends a request (routing, ids, links, time limits, ``retries`` unchanged),
+    # but without ``expires`` (the copy started in time) and past apply_unique: this is the
+    # copy itself, whose queued key its running body holds.
+    signature = task.signature_from_request(request, countdown=ttl, expires=None, headers=headers)
+    try:
+        options = {k: v for k, v in signature.options.items() if k != "task_id"}  # request.id
+        task.publish_copy(signature.args, signature.kwargs, task_id, **options)
+    except Exception as exc:
+        _resend_failed(task, request, task_id, exc, ends_copy)
+    logger.info(
+        "celery-lease: %s[%s] delivered again while its own copy is not done (key %r): re-sent"
+        " to come back in %gs, nothing stored",
+        task.name,
+        task_id,
+        key,
+        ttl,
+    )
+    raise Ignore("delivered again while its own copy runs")
+
+
+def _resend_failed(
+    task: UniqueTask, request: TaskRequest, task_id: str, exc: Exception, ends_copy: bool
+) -> NoReturn:
+    """Raise ``Reject`` (acks_late) or ``Ignore`` for a second delivery whose re-send failed."""
+    if getattr(request, "acks_late", None) or getattr(task, "acks_late", False):
+        logger.warning(
+            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); rejected"
+            " back to the broker",
+            task.name,
+            task_id,
+            exc,
+        )
+        raise Reject(exc, requeue=True) from exc
+    if ends_copy:
+        logger.error(
+            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); no copy of"
+            " it is known to run: the error is stored as its failure",
+            task.name,
+            task_id,
+            exc,
+        )
+        _fail_unless_stored(task, task_id, exc)
+    else:
+        logger.error(
+            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
+            " (acked on arrival: the copy that still runs carries its work)",
+            task.name,
+            task_id,
+            exc,
+        )
+    raise Ignore("second delivery not re-sent") from exc
+
+
+def _fail_unless_stored(task: UniqueTask, task_id: str, exc: Exception) -> None:
+    """Store ``exc`` as the FAILURE of copy ``task_id`` (no errback) unless its result backend
+    holds a ready state (its result) or RETRY (a retry message carries its work), or cannot
+    answer. Never raises."""
+    try:
+        state = task.backend.get_state(task_id)
+    except Exception as error:  # no backend (NotImplementedError), or it is down
+        logger.debug("celery-lease: reading the state of %s failed (%s)", task_id, error)
+        return
+    if state not in states.READY_STATES and state != states.RETRY:
+        common.fail_quietly(task, task_id, exc)
