@@ -140,6 +140,8 @@ _tasks_by_key: dict[str, str] = {}
 """Key -> task name of the leases held by running tasks in this process, and of the queued
 keys their unique copies renew (for renewals)."""
 _lock = threading.Lock()
+_observing = False
+"""The renewal observer is registered (once per process, with :data:`_lock` held)."""
 _counting = threading.Lock()
 """Guards :data:`_held` and :data:`_early` (the receivers run on the task's thread and on the
 dispatcher's); made anew in a forked child."""
@@ -287,17 +289,16 @@ def connect(sink: Sink) -> None:
 
     Connected before the pool forks, the receivers are inherited by the children.
     """
-    global _sink
+    global _sink, _observing
     with _lock:
         _sink = sink
         for signal, receiver in _RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=f"celery_lease.metrics.{signal.name}")
         from celery_lease._core import renewer
 
-        observe = getattr(renewer, "observe_renewals", None)
-        if observe is not None and not getattr(connect, "_observing", False):
-            observe(_on_renewal)
-            connect._observing = True  # type: ignore[attr-defined]
+        if not _observing:
+            renewer.observe_renewals(_on_renewal)
+            _observing = True
 
 
 def disconnect() -> None:
