@@ -76,10 +76,10 @@ from celery import bootsteps
 from celery_lease import _forking as forking
 from celery_lease import signals
 from celery_lease._celery import pool
-from celery_lease._celery import settings as config
 from celery_lease._celery.settings import (
     BUILTIN_METRICS_PORT,
     METRICS_EXPORTERS,
+    get_settings,
     read_metrics_port,
 )
 from celery_lease._celery.spec import options_of
@@ -167,7 +167,7 @@ def _queued_key(sender: object, key: str) -> str | None:
     if unique is None or unique.unique != "until_done" or unique.debounce is not None:
         return None
     try:
-        prefix = config.get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
+        prefix = get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
     except Exception:  # no app, bad settings: its renewals are not counted
         return None
     from celery_lease._celery.unique import queued_key  # not at import: it connects receivers
@@ -397,7 +397,7 @@ def _options_of(app: CeleryApp) -> _Options | None:
     if options is not None:
         return options
     try:
-        settings = config.get_settings(app)
+        settings = get_settings(app)
     except LeaseConfigError:
         return None  # celery_lease._celery.startup.LeaseCheck refuses the worker with this error
     if settings.metrics is None:
