@@ -59,8 +59,9 @@ class Edge:
 
 
 @dataclass(frozen=True, order=True)
-class PrivateAccess:
-    """``text`` at ``line`` of ``file`` uses the private ``name`` its package does not define."""
+class Finding:
+    """``text`` at ``line`` of ``file``, about ``name``: a private name its package does not
+    define, or the other name a module is imported under."""
 
     file: str
     line: int
@@ -342,7 +343,7 @@ def defined_private_names(tree: ast.Module) -> set[str]:
 
 def private_accesses(
     root: Path, exempt: Iterable[str] = (), conventional: Iterable[str] = ()
-) -> list[PrivateAccess]:
+) -> list[Finding]:
     """Every access to a private name its package does not define (see the module docstring),
     in the modules of the package at ``root`` but the ``exempt`` ones (dotted names); names in
     ``conventional`` (another library's documented underscore API, such as Django's ``_meta``)
@@ -374,11 +375,11 @@ def private_accesses(
             if not _is_private(name) or name in own or name in conventional or _is_self(obj):
                 continue
             file = _display(found[module], root)
-            result.append(PrivateAccess(file, node.lineno, name, ast.unparse(node)))
+            result.append(Finding(file, node.lineno, name, ast.unparse(node)))
     return sorted(result)
 
 
-def private_imports(root: Path) -> list[PrivateAccess]:
+def private_imports(root: Path) -> list[Finding]:
     """``from pkg.x import _name`` where ``pkg.x`` is in another package than the importer's."""
     found = modules(root)
     result = []
@@ -389,5 +390,32 @@ def private_imports(root: Path) -> list[PrivateAccess]:
                 continue
             if package_of(target, found[target]) != package:
                 text = f"from {target} import {name}"
-                result.append(PrivateAccess(_display(path, root), line, name, text))
+                result.append(Finding(_display(path, root), line, name, text))
+    return sorted(result)
+
+
+def renamed_module_imports(root: Path) -> list[Finding]:
+    """Imports of a module of the package under another name (``import settings as config``):
+    one module, one name, wherever it is read. Dropping or adding the leading underscore
+    (``_forking as forking``) keeps the name."""
+    found = modules(root)
+    result = []
+    for module, path in found.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for alias in node.names:
+                if alias.asname is None:
+                    continue
+                if isinstance(node, ast.Import):
+                    imported = alias.name
+                else:
+                    base = node.module or ""
+                    if node.level:
+                        base = _absolute(module, path, node.level, node.module)
+                    imported = f"{base}.{alias.name}"
+                name = imported.rpartition(".")[2]
+                if imported in found and alias.asname.lstrip("_") != name.lstrip("_"):
+                    text = f"{imported} as {alias.asname}"
+                    result.append(Finding(_display(path, root), node.lineno, alias.asname, text))
     return sorted(result)

@@ -165,6 +165,35 @@ class TestPrivateAccesses:
         assert found == ["pkg/_celery/task.py:1: from pkg._core.context import _helper"]
 
 
+class TestRenamedModules:
+    def test_a_module_imported_under_another_name(self, tmp_path: Path) -> None:
+        """``settings as config`` is found, in every import form; ``_forking as forking``, a
+        name imported from a module and another library's module renamed are not."""
+        root = plant(
+            tmp_path,
+            {
+                "_celery/settings.py": "def get(): ...\n",
+                "_celery/task.py": """
+                    import json as jsonlib
+                    import pkg._celery.settings as conf
+                    from pkg import _forking as forking
+                    from pkg._celery import settings as config
+                    from pkg._celery.settings import get as read
+
+                    def later():
+                        from . import settings as cfg
+                    """,
+                "_forking.py": "",
+            },
+        )
+        found = [str(f) for f in checks.renamed_module_imports(root)]
+        assert found == [
+            "pkg/_celery/task.py:3: pkg._celery.settings as conf",
+            "pkg/_celery/task.py:5: pkg._celery.settings as config",
+            "pkg/_celery/task.py:9: pkg._celery.settings as cfg",
+        ]
+
+
 class TestLateBoundEdges:
     def test_a_string_naming_a_module_closes_a_cycle(self, tmp_path: Path) -> None:
         """A ``"pkg.x:Name"`` table read by ``importlib`` is an edge: the protocol module that
