@@ -98,7 +98,7 @@ class TestPrivateAccesses:
     def test_privacy_is_scoped_by_package(self, tmp_path: Path) -> None:
         """A module of the package that defines a private name may use it; a module of another
         package (a sibling, the parent) may not, written or read."""
-        reader = """
+        source = """
             def read(ctx):
                 ctx._state = 2
                 return ctx._step(), ctx._slot, ctx._table
@@ -107,20 +107,16 @@ class TestPrivateAccesses:
             tmp_path,
             {
                 "_core/context.py": CONTEXT,
-                "_core/driver.py": reader,
-                "_celery/task.py": reader,
-                "cli.py": reader,
+                "_core/driver.py": source,
+                "_celery/task.py": source,
+                "cli.py": source,
             },
         )
+        uses = [(3, "_state"), (4, "_slot"), (4, "_step"), (4, "_table")]
         assert accesses(root) == [
-            *(
-                f"pkg/_celery/task.py:{line}: {name}"
-                for line, name in [(3, "_state"), (4, "_slot"), (4, "_step"), (4, "_table")]
-            ),
-            *(
-                f"pkg/cli.py:{line}: {name}"
-                for line, name in [(3, "_state"), (4, "_slot"), (4, "_step"), (4, "_table")]
-            ),
+            f"pkg/{reader}:{line}: {name}"
+            for reader in ("_celery/task.py", "cli.py")
+            for line, name in uses
         ]
 
     def test_self_cls_super_conventional_names_and_exempt_modules(self, tmp_path: Path) -> None:
