@@ -274,10 +274,10 @@ def close_lease_stores(app: Celery | None = None) -> None:
     (``docs/django.md`` has the fixture). A ``LockStore`` given as ``lease_store`` is the
     caller's: forgotten, not closed. Call it when no lease of those stores is held.
     """
-    from celery_lease._celery import settings as config
+    from celery_lease._celery.settings import close_stores
     from celery_lease._celery.store_resolution import close_url_stores
 
-    config.close_stores(app)
+    close_stores(app)
     close_url_stores()
 
 
@@ -300,7 +300,7 @@ def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     Yields:
         ``store``.
     """
-    from celery_lease._celery import settings as config
+    from celery_lease._celery.settings import reset
 
     conf = app.conf
     conf.finalize()  # load config_from_object now: its namespace decides the key
@@ -313,7 +313,7 @@ def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     missing = object()
     previous = changes.get(key, missing)
     changes[key] = store
-    config.reset(app)
+    reset(app)
     try:
         yield store
     finally:
@@ -321,7 +321,7 @@ def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
             changes.pop(key, None)
         else:
             changes[key] = previous
-        config.reset(app)
+        reset(app)
 
 
 try:

@@ -76,10 +76,10 @@ from celery import bootsteps
 from celery_lease import _forking as forking
 from celery_lease import signals
 from celery_lease._celery import pool
-from celery_lease._celery import settings as config
 from celery_lease._celery.settings import (
     BUILTIN_METRICS_PORT,
     METRICS_EXPORTERS,
+    get_settings,
     read_metrics_port,
 )
 from celery_lease._celery.spec import options_of
@@ -140,6 +140,8 @@ _tasks_by_key: dict[str, str] = {}
 """Key -> task name of the leases held by running tasks in this process, and of the queued
 keys their unique copies renew (for renewals)."""
 _lock = threading.Lock()
+_observing = False
+"""The renewal observer is registered (once per process, with :data:`_lock` held)."""
 _counting = threading.Lock()
 """Guards :data:`_held` and :data:`_early` (the receivers run on the task's thread and on the
 dispatcher's); made anew in a forked child."""
@@ -165,7 +167,7 @@ def _queued_key(sender: object, key: str) -> str | None:
     if unique is None or unique.unique != "until_done" or unique.debounce is not None:
         return None
     try:
-        prefix = config.get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
+        prefix = get_settings(cast("CeleryTask", sender).app).key_prefix  # a LockedTask
     except Exception:  # no app, bad settings: its renewals are not counted
         return None
     from celery_lease._celery.unique import queued_key  # not at import: it connects receivers
@@ -287,17 +289,16 @@ def connect(sink: Sink) -> None:
 
     Connected before the pool forks, the receivers are inherited by the children.
     """
-    global _sink
+    global _sink, _observing
     with _lock:
         _sink = sink
         for signal, receiver in _RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=f"celery_lease.metrics.{signal.name}")
         from celery_lease._core import renewer
 
-        observe = getattr(renewer, "observe_renewals", None)
-        if observe is not None and not getattr(connect, "_observing", False):
-            observe(_on_renewal)
-            connect._observing = True  # type: ignore[attr-defined]
+        if not _observing:
+            renewer.observe_renewals(_on_renewal)
+            _observing = True
 
 
 def disconnect() -> None:
@@ -396,7 +397,7 @@ def _options_of(app: CeleryApp) -> _Options | None:
     if options is not None:
         return options
     try:
-        settings = config.get_settings(app)
+        settings = get_settings(app)
     except LeaseConfigError:
         return None  # celery_lease._celery.startup.LeaseCheck refuses the worker with this error
     if settings.metrics is None:

@@ -403,7 +403,9 @@ class PrometheusExporter:
         import prometheus_client
         from prometheus_client import values
 
-        if multiprocess and not getattr(values.ValueClass, "_multiprocess", False):
+        # multiprocess mode is chosen when prometheus_client.values is imported: MutexValue is
+        # its single-process value class
+        if multiprocess and values.ValueClass is values.MutexValue:
             self._forget_dir()
             raise LeaseConfigError(
                 "celery-lease metrics: this worker runs tasks in pool processes, whose metrics"

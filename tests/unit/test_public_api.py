@@ -9,6 +9,10 @@ from pathlib import Path
 
 import celery_lease
 
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+"""The ``lint-imports`` of this interpreter's environment, found beside ``sys.executable`` (not on
+``PATH``): a run with a venv's python that is not activated checks with that venv's packages."""
+
 CONTRACT = {
     # the core
     "LockStore",
@@ -85,12 +89,10 @@ class TestLayering:
         assert result.stdout.strip() == "[]"
 
     def test_import_linter_contracts_hold(self) -> None:
-        """The import-linter contracts in pyproject.toml (core without Celery, stores) are kept.
-
-        The ``lint-imports`` of this interpreter's environment (beside ``sys.executable``), so a
-        run with a venv's python that is not activated checks with that venv's packages."""
+        """The import-linter contracts in pyproject.toml (the layers, core without Celery, the
+        stores) are kept, checked by :data:`LINT_IMPORTS`."""
         result = subprocess.run(
-            [str(Path(sys.executable).with_name("lint-imports")), "--no-cache"],
+            [str(LINT_IMPORTS), "--no-cache"],
             capture_output=True,
             text=True,
             timeout=120,
