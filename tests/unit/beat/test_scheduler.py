@@ -1,0 +1,118 @@
+"""The leased scheduler: one sender, the token header, take-over at the due time, clock steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from celery_lease.beat import TOKEN_HEADER
+from celery_lease.testing import FakeClock
+from tests.unit.beat.conftest import Beat, WallClock, sent
+from tests.unit.conftest import Published
+
+
+class TestOneSender:
+    def test_only_the_holder_sends_each_tick_once(
+        self, beats: Callable[[], Beat], clock: FakeClock, published: Published
+    ) -> None:
+        """Two beats on one schedule: each second's tick is sent once, by the holder."""
+        first, second = beats(), beats()
+        for _ in range(10):
+            clock.advance(1)
+            first.ticks(5)
+            second.ticks(5)
+        assert first.token is not None
+        assert second.token is None
+        assert sent(published) == [first.token] * 10
+
+    def test_every_message_carries_the_fencing_token(
+        self, beats: Callable[[], Beat], clock: FakeClock, published: Published
+    ) -> None:
+        """The header ``lease_beat_token`` is the holder's fencing token."""
+        beat = beats()
+        clock.advance(1)
+        beat.ticks(5)
+        assert beat.token is not None
+        assert published.headers[0][TOKEN_HEADER] == beat.token
+        assert published.headers[0]["celery_beat_task"] is True
+
+
+class TestTakeOver:
+    def test_after_a_clean_shutdown_the_standby_sends_the_next_tick_at_its_due_time(
+        self, beats: Callable[[], Beat], clock: FakeClock, published: Published
+    ) -> None:
+        """The standby takes over at once and neither repeats the last tick nor skips one."""
+        first, second = beats(), beats()
+        clock.advance(1)  # the entry was made 1 s ago: due
+        first.ticks(5)
+        second.ticks(5)
+        assert len(published.ids) == 1
+        old = first.token
+        clock.advance(0.5)
+        first.close()  # releases
+        second.ticks(5)
+        assert second.token is not None
+        assert len(published.ids) == 1, "the tick the first beat sent 0.5 s ago was sent again"
+        clock.advance(0.5)
+        second.ticks(5)
+        assert sent(published) == [old, second.token]
+
+
+class TestSharedLastRuns:
+    def test_a_wall_clock_step_back_sends_no_tick_twice(
+        self,
+        beats: Callable[[], Beat],
+        clock: FakeClock,
+        wall: WallClock,
+        published: Published,
+    ) -> None:
+        """After the wall clock steps back an hour, neither beat sends the tick again, and the
+        lease is kept (it is counted on the monotonic clock)."""
+        first, second = beats(), beats()
+        clock.advance(1)
+        first.ticks(5)
+        wall.offset = -3600.0
+        for _ in range(5):
+            clock.advance(1)
+            first.ticks(5)
+            second.ticks(5)
+        assert len(published.ids) == 1
+        assert first.token is not None
+
+    def test_a_wall_clock_step_forward_sends_one_tick(
+        self,
+        beats: Callable[[], Beat],
+        clock: FakeClock,
+        wall: WallClock,
+        published: Published,
+    ) -> None:
+        """A step forward of an hour sends the due tick once (Celery's catch-up), not 3600."""
+        beat = beats()
+        clock.advance(1)
+        beat.ticks(5)
+        wall.offset = 3600.0
+        beat.ticks(5)
+        beat.ticks(5)
+        assert len(published.ids) == 2
+
+    def test_a_take_over_reads_runs_newer_than_its_own(
+        self,
+        beats: Callable[[], Beat],
+        clock: FakeClock,
+        published: Published,
+    ) -> None:
+        """A beat that sent long ago and takes the lease back reads the other beat's runs."""
+        first, second = beats(), beats()
+        clock.advance(1)
+        first.ticks(5)
+        first.close()
+        for _ in range(3):
+            clock.advance(1)
+            second.ticks(5)
+        clock.advance(0.5)
+        second.close()
+        first.ticks(5)  # its own last run is 3.5 s old; the shared one 0.5 s
+        assert first.token is not None
+        assert len(published.ids) == 4
+        clock.advance(0.5)
+        first.ticks(5)
+        assert len(published.ids) == 5
