@@ -118,8 +118,8 @@ class Deployment:
         info = self.store.get(self.key)  # type: ignore[attr-defined]
         return None if info is None else parse_owner(info.owner).pid
 
-    def wait(self, what: str, done: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + TIMEOUT
+    def wait(self, what: str, done: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
         while not done():
             if time.monotonic() > deadline:
                 logs = {name: self.log(name)[-3000:] for name in self.processes}
@@ -132,7 +132,8 @@ class Deployment:
         def mine() -> list[Sent]:
             return [s for s in self.sent() if token is None or s.token == token]
 
-        self.wait(f"{count} sends of token {token}", lambda: len(mine()) >= count)
+        timeout = TIMEOUT + count * INTERVAL
+        self.wait(f"{count} sends of token {token}", lambda: len(mine()) >= count, timeout)
         return mine()
 
     def wait_new_token(self, old: int) -> Sent:
@@ -215,6 +216,20 @@ class TestRedisStore:
         assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
         assert_no_tick_twice(d.sent())
 
+    def test_three_beats_send_each_tick_of_a_minute_once(
+        self, redis_deployment: Deployment
+    ) -> None:
+        """Three beats on one schedule for a minute: one token, one message per tick."""
+        d = redis_deployment
+        for name in ("a", "b", "c"):
+            d.beat(name)
+        sent = d.wait_sends(60)
+        assert len({s.token for s in sent}) == 1
+        assert_no_tick_twice(sent)
+        gaps = [b.at - a.at for a, b in itertools.pairwise(sent)]
+        assert max(gaps) < 2 * INTERVAL, gaps  # none skipped while the holder ran
+        print(f"\nbeat x3, a minute: {len(sent)} ticks, gaps {min(gaps):.3f} to {max(gaps):.3f} s")
+
     def test_a_clean_shutdown_hands_over_at_the_next_due_time(
         self, redis_deployment: Deployment
     ) -> None:
@@ -296,3 +311,34 @@ class TestPostgresStore:
             report(f"SIGKILL #{round_}, PostgreSQL", taken.at - killed_at)
             assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
         assert_no_tick_twice(d.sent())
+
+
+def test_a_worker_s_warm_shutdown_hands_its_embedded_beat_over_at_once(
+    redis_deployment: Deployment,
+) -> None:
+    """SIGTERM a ``worker -B`` whose beat holds the lease: its beat releases, and the other
+    worker's beat sends the next tick at its due time."""
+    d = redis_deployment
+    for name in ("w1", "w2"):
+        d.worker_with_beat(name)
+    old = d.wait_sends(3)[0].token
+    pid = d.holder_pid()
+    holder = next(
+        name
+        for name, process in d.processes.items()
+        if pid in (process.pid, *children(process.pid))
+    )
+    d.processes[holder].send_signal(signal.SIGTERM)
+    taken = d.wait_new_token(old)
+    last_old = max(s.at for s in d.sent() if s.token == old)
+    report("worker SIGTERM, Redis: gap after the last tick", taken.at - last_old)
+    assert taken.at - last_old <= INTERVAL + MARGIN
+    assert_no_tick_twice(d.sent())
+
+
+def children(pid: int) -> list[int]:
+    """The pids of ``pid``'s child processes (Linux ``/proc``)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
