@@ -7,7 +7,11 @@ wrapped scheduler keeps its own ``tick``, heap, persistence and entries, and the
 hooks the three steps every scheduler shares:
 
 * ``tick``: without the lease, wait for it instead (a standby); on taking it, read the shared
-  last runs (:mod:`celery_lease.beat.last_runs`) into the schedule before anything is sent.
+  last runs (:mod:`celery_lease.beat.last_runs`) before anything is sent.
+* ``populate_heap`` (whenever ``tick`` rebuilds its heap: on take-over, and after the wrapped
+  scheduler reloaded its schedule, as django-celery-beat's does from its database every few
+  minutes): raise each entry's last run to the shared one, so a reload of state older than the
+  store's (a predecessor that died before it saved its own) never makes a tick due again.
 * ``reserve`` (called by ``tick`` just before a send): check with the store that the lease is
   still this beat's; if not, nothing is reserved or sent and the entry stays due for whoever
   holds the lease.
@@ -93,6 +97,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         self.election = Election(app, self.lease_config.key, self.lease_config.ttl)
         self.last_runs: LastRuns | None = None
         self._reserved: dict[str, datetime] = {}
+        self._runs: dict[str, datetime] = {}  # the shared last runs, as read and written
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -136,8 +141,9 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         result = super().apply_async(marked, producer=producer, advance=advance, **kwargs)
         at = self._reserved.pop(entry.name, None)
         if at is not None and self.last_runs is not None:
+            self._runs[entry.name] = maybe_make_aware(at)
             try:
-                self.last_runs.write(entry.name, maybe_make_aware(at).timestamp())
+                self.last_runs.write(entry.name, self._runs[entry.name].timestamp())
             except (LeaseError, OSError) as exc:
                 logger.warning(
                     "celery-lease beat: could not record the run of %r (%s): a beat taking"
@@ -146,6 +152,19 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
                     exc,
                 )
         return result
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        """Raise each entry's last run to the shared one, then let the wrapped scheduler build
+        its heap."""
+        schedule = self.schedule
+        for name, when in self._runs.items():
+            entry = schedule.get(name)
+            if entry is None:
+                continue
+            local = entry.last_run_at
+            if local is None or maybe_make_aware(local) < when:
+                entry.last_run_at = when.astimezone(maybe_make_aware(entry.default_now()).tzinfo)
+        super().populate_heap(*args, **kwargs)
 
     def close(self) -> None:
         """Close the wrapped scheduler, then release the lease."""
@@ -181,14 +200,9 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             )
             self.election.resign()
             return False
-        for name, at in recorded.items():
-            entry = self.schedule.get(name)
-            if entry is None:
-                continue
-            when = datetime.fromtimestamp(at, tz=timezone.utc)
-            local = entry.last_run_at
-            if local is None or maybe_make_aware(local) < when:
-                entry.last_run_at = when.astimezone(maybe_make_aware(entry.default_now()).tzinfo)
+        self._runs = {
+            name: datetime.fromtimestamp(at, tz=timezone.utc) for name, at in recorded.items()
+        }
         self._reserved.clear()
         self._heap = None  # rebuilt from the schedule as it is now
         return True

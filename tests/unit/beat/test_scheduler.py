@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import timedelta
 
 from celery_lease.beat import TOKEN_HEADER
 from celery_lease.testing import FakeClock
@@ -116,3 +117,31 @@ class TestSharedLastRuns:
         clock.advance(0.5)
         first.ticks(5)
         assert len(published.ids) == 5
+
+
+def test_a_reload_of_older_state_after_a_take_over_sends_no_tick_again(
+    beats: Callable[[], Beat], clock: FakeClock, wall: WallClock, published: Published
+) -> None:
+    """The wrapped scheduler reloads its entries with a last run older than the shared one
+    (django-celery-beat reads its database every 5 minutes; the dead holder had not saved its
+    last run): the tick its predecessor sent is still not sent again."""
+    first, second = beats(), beats()
+    clock.advance(1)
+    first.ticks(5)
+    clock.advance(0.5)
+    first.close()
+    second.ticks(5)
+    assert second.token is not None
+
+    def reload_stale_state() -> None:
+        for entry in second.scheduler.schedule.values():
+            entry.last_run_at = wall() - timedelta(hours=1)
+        second.scheduler._heap = None  # as django-celery-beat does after a reload
+
+    second.run(reload_stale_state)
+    clock.advance(0.1)
+    second.ticks(5)
+    assert len(published.ids) == 1, "the tick sent 0.6 s ago was sent again after a reload"
+    clock.advance(0.4)
+    second.ticks(5)
+    assert len(published.ids) == 2
