@@ -23,7 +23,6 @@ hooks the three steps every scheduler shares:
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 from datetime import datetime, timezone
@@ -134,11 +133,15 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         held = self.election.held
         if held is None:  # only reachable through a direct call of a standby
             raise NotHolding(entry.name)
-        marked = copy.copy(entry)
-        options = dict(entry.options or {})
-        options["headers"] = {**(options.get("headers") or {}), TOKEN_HEADER: held.token}
-        marked.options = options
-        result = super().apply_async(marked, producer=producer, advance=advance, **kwargs)
+        # The entry itself carries the header for this send (a copy cannot be made of every
+        # scheduler's entries: django-celery-beat's ModelEntry does not copy).
+        options = entry.options
+        headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
+        entry.options = {**(options or {}), "headers": headers}
+        try:
+            result = super().apply_async(entry, producer=producer, advance=advance, **kwargs)
+        finally:
+            entry.options = options
         at = self._reserved.pop(entry.name, None)
         if at is not None and self.last_runs is not None:
             self._runs[entry.name] = maybe_make_aware(at)

@@ -53,7 +53,11 @@ class Sent:
 class Deployment:
     """Beats of one test: their store, queue, key prefix, processes and logs."""
 
-    def __init__(self, store_url: str, directory: Path) -> None:
+    def __init__(
+        self, store_url: str, directory: Path, app: str = APP, extra: dict[str, str] | None = None
+    ) -> None:
+        self.app = app
+        self.extra = extra or {}
         self.store_url = store_url
         self.directory = directory
         self.prefix = f"beat-it-{token_hex(4)}:"
@@ -71,13 +75,14 @@ class Deployment:
             "BEAT_PREFIX": self.prefix,
             "BEAT_QUEUE": self.queue,
             "BEAT_TTL": str(TTL),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **self.extra,
         }
 
     def start(self, name: str, *command: str) -> subprocess.Popen[bytes]:
         with open(self.directory / f"{name}.log", "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", APP, *command],
+                [sys.executable, "-m", "celery", "-A", self.app, *command],
                 cwd=self.directory, env=self.environ(), stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
@@ -103,7 +108,11 @@ class Deployment:
         return (self.directory / f"{name}.log").read_text(errors="replace")
 
     def sent(self) -> list[Sent]:
-        """Every tick on the queue, by the time it was sent."""
+        """Every tick on the queue, by the time it was sent (for an app that records its
+        sends, what it recorded)."""
+        if self.app != APP:
+            recorded = [json.loads(raw) for raw in self.redis.lrange(self.queue + ":sent", 0, -1)]
+            return sorted((Sent(int(token), float(at)) for at, token in recorded), key=_at)
         found = []
         for raw in self.redis.lrange(self.queue, 0, -1):
             message = json.loads(raw)
@@ -147,10 +156,14 @@ class Deployment:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGCONT)
             stop_worker(process)
-        self.redis.delete(self.queue)
+        self.redis.delete(self.queue, self.queue + ":sent")
         for info in self.store.list(self.prefix):  # type: ignore[attr-defined]
             self.store.release(info.key, info.owner)
         self.redis.close()
+
+
+def _at(sent: Sent) -> float:
+    return sent.at
 
 
 def assert_no_tick_twice(sent: list[Sent]) -> None:
@@ -342,3 +355,36 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(c) for c in (task / "children").read_text().split()]
     return found
+
+
+@pytest.mark.postgres
+def test_django_celery_beat_database_scheduler_wrapped(
+    tmp_path: Path, pg_database_dsn: str
+) -> None:
+    """django-celery-beat's ``DatabaseScheduler`` under the leased scheduler, two beats on one
+    database and the PostgreSQL store: one sender; SIGKILL it, the standby takes over within
+    ttl + one interval and sends no tick twice."""
+    pytest.importorskip("django_celery_beat")
+    extra = {
+        "DJANGO_SETTINGS_MODULE": "tests.integration.beat_django_settings",
+        "BEAT_DJANGO_DB": pg_database_dsn,
+    }
+    d = Deployment(pg_database_dsn, tmp_path, "tests.integration.beat_django_app:app", extra)
+    try:
+        subprocess.run(
+            [sys.executable, "-m", "django", "migrate", "--verbosity", "0"],
+            env=d.environ(), check=True, timeout=TIMEOUT, cwd=tmp_path,
+        )  # fmt: skip
+        d.beat("a"), d.beat("b")
+        first = active(d, ["a", "b"])
+        old = d.wait_sends(3)[0].token
+        assert {s.token for s in d.sent()} == {old}
+        killed_at = time.time()
+        d.processes[first].send_signal(signal.SIGKILL)
+        taken = d.wait_new_token(old)
+        d.wait_sends(3, taken.token)
+        report("SIGKILL, django-celery-beat on PostgreSQL", taken.at - killed_at)
+        assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
+        assert_no_tick_twice(d.sent())
+    finally:
+        d.close()

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+from celery.beat import ScheduleEntry, Scheduler
 
 from celery_lease.beat import TOKEN_HEADER
 from celery_lease.testing import FakeClock
@@ -145,3 +149,27 @@ def test_a_reload_of_older_state_after_a_take_over_sends_no_tick_again(
     clock.advance(0.4)
     second.ticks(5)
     assert len(published.ids) == 2
+
+
+class UncopyableEntry(ScheduleEntry):
+    """An entry that cannot be copied, as django-celery-beat's ``ModelEntry``."""
+
+    def __reduce__(self) -> Any:
+        raise TypeError("ModelEntry.__init__() takes from 2 to 3 positional arguments")
+
+
+class UncopyableScheduler(Scheduler):
+    Entry = UncopyableEntry
+
+
+def test_a_scheduler_whose_entries_do_not_copy_sends_with_the_token(
+    beat_app: Celery, beats: Callable[[], Beat], clock: FakeClock, published: Published
+) -> None:
+    """The token goes on the send, not into the schedule, whatever the entry class."""
+    beat_app.conf.lease_beat_scheduler = UncopyableScheduler
+    beat = beats()
+    clock.advance(1)
+    beat.ticks(5)
+    assert sent(published) == [beat.token]
+    entry = beat.scheduler.schedule["every-second"]
+    assert TOKEN_HEADER not in (entry.options.get("headers") or {})
