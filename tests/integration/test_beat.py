@@ -172,6 +172,19 @@ def assert_no_tick_twice(sent: list[Sent]) -> None:
     assert all(gap >= INTERVAL / 2 for _, gap in gaps), gaps
 
 
+def kill_and_measure(d: Deployment, pid: int, old: int, what: str) -> int:
+    """SIGKILL ``pid`` (the holder of token ``old``); the standby must send within ttl + one
+    interval, and three ticks after, with no tick twice. The new token."""
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    taken = d.wait_new_token(old)
+    d.wait_sends(3, taken.token)
+    report(what, taken.at - killed_at)
+    assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
+    assert_no_tick_twice(d.sent())
+    return taken.token
+
+
 def report(what: str, seconds: float) -> None:
     print(f"\nbeat take-over ({what}): {seconds:.2f} s (ttl {TTL:g} s, interval {INTERVAL:g} s)")
 
@@ -221,13 +234,7 @@ class TestRedisStore:
         ).stdout  # fmt: skip
         line = next(line for line in listing.splitlines() if d.key in line)
         assert str(d.processes[first].pid) in line and "celery beat" in line, listing
-        killed_at = time.time()
-        d.processes[first].send_signal(signal.SIGKILL)
-        taken = d.wait_new_token(old)
-        d.wait_sends(3, taken.token)
-        report("SIGKILL, Redis", taken.at - killed_at)
-        assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
-        assert_no_tick_twice(d.sent())
+        kill_and_measure(d, d.processes[first].pid, old, "SIGKILL, Redis")
 
     def test_three_beats_send_each_tick_of_a_minute_once(
         self, redis_deployment: Deployment
@@ -293,13 +300,8 @@ class TestRedisStore:
         assert {s.token for s in d.sent()} == {old}
         pid = d.holder_pid()
         assert pid is not None
-        killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)  # the embedded beat process, not its worker
-        taken = d.wait_new_token(old)
-        d.wait_sends(3, taken.token)
-        report("SIGKILL of a worker's embedded beat, Redis", taken.at - killed_at)
-        assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
-        assert_no_tick_twice(d.sent())
+        # The embedded beat process, not its worker.
+        kill_and_measure(d, pid, old, "SIGKILL of a worker's embedded beat, Redis")
 
 
 @pytest.mark.postgres
@@ -315,15 +317,9 @@ class TestPostgresStore:
         for round_ in (1, 2):
             victim = active(d, names)
             d.wait_sends(2, token)
-            killed_at = time.time()
-            d.processes[victim].send_signal(signal.SIGKILL)
             names.remove(victim)
-            taken = d.wait_new_token(token)
-            token = taken.token
-            d.wait_sends(3, token)
-            report(f"SIGKILL #{round_}, PostgreSQL", taken.at - killed_at)
-            assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
-        assert_no_tick_twice(d.sent())
+            pid = d.processes[victim].pid
+            token = kill_and_measure(d, pid, token, f"SIGKILL #{round_}, PostgreSQL")
 
 
 def test_a_worker_s_warm_shutdown_hands_its_embedded_beat_over_at_once(
@@ -379,12 +375,6 @@ def test_django_celery_beat_database_scheduler_wrapped(
         first = active(d, ["a", "b"])
         old = d.wait_sends(3)[0].token
         assert {s.token for s in d.sent()} == {old}
-        killed_at = time.time()
-        d.processes[first].send_signal(signal.SIGKILL)
-        taken = d.wait_new_token(old)
-        d.wait_sends(3, taken.token)
-        report("SIGKILL, django-celery-beat on PostgreSQL", taken.at - killed_at)
-        assert taken.at - killed_at <= TTL + INTERVAL + MARGIN
-        assert_no_tick_twice(d.sent())
+        kill_and_measure(d, d.processes[first].pid, old, "SIGKILL, django-celery-beat on PG")
     finally:
         d.close()

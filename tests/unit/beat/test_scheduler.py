@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 
@@ -63,41 +64,36 @@ class TestTakeOver:
 
 
 class TestSharedLastRuns:
-    def test_a_wall_clock_step_back_sends_no_tick_twice(
+    @pytest.mark.parametrize(
+        ("step", "seconds", "sends"),
+        [(-3600.0, 5, 1), (3600.0, 0, 2)],
+        ids=["back an hour: none again", "forward an hour: one, not 3600"],
+    )
+    def test_a_wall_clock_step_sends_no_tick_twice(
         self,
         beats: Callable[[], Beat],
         clock: FakeClock,
         wall: WallClock,
         published: Published,
+        step: float,
+        seconds: int,
+        sends: int,
     ) -> None:
-        """After the wall clock steps back an hour, neither beat sends the tick again, and the
-        lease is kept (it is counted on the monotonic clock)."""
+        """After a wall-clock step neither beat sends a tick twice and the lease is kept (it is
+        counted on the monotonic clock); a step forward sends the due tick once (Celery's
+        catch-up)."""
         first, second = beats(), beats()
         clock.advance(1)
         first.ticks(5)
-        wall.offset = -3600.0
-        for _ in range(5):
+        wall.offset = step
+        first.ticks(5)
+        second.ticks(5)
+        for _ in range(seconds):
             clock.advance(1)
             first.ticks(5)
             second.ticks(5)
-        assert len(published.ids) == 1
-        assert first.token is not None
-
-    def test_a_wall_clock_step_forward_sends_one_tick(
-        self,
-        beats: Callable[[], Beat],
-        clock: FakeClock,
-        wall: WallClock,
-        published: Published,
-    ) -> None:
-        """A step forward of an hour sends the due tick once (Celery's catch-up), not 3600."""
-        beat = beats()
-        clock.advance(1)
-        beat.ticks(5)
-        wall.offset = 3600.0
-        beat.ticks(5)
-        beat.ticks(5)
-        assert len(published.ids) == 2
+        assert len(published.ids) == sends
+        assert first.token is not None and second.token is None
 
     def test_a_take_over_reads_runs_newer_than_its_own(
         self,
