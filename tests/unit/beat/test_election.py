@@ -13,7 +13,7 @@ from celery_lease import MemoryLockStore
 from celery_lease._core.owners import parse_owner
 from celery_lease.testing import FakeClock
 from tests.unit.beat.conftest import KEY, Beat, sent
-from tests.unit.conftest import Published
+from tests.unit.conftest import Published, SpyStore
 
 
 class TestLossAndRejoin:
@@ -81,3 +81,25 @@ def test_the_beat_lease_in_the_store_names_the_beat(
         os.getpid(),
         "celery beat",
     )
+
+
+def test_nothing_is_sent_while_the_store_cannot_confirm_the_lease(
+    beats: Callable[[], Beat],
+    clock: FakeClock,
+    store: SpyStore,
+    published: Published,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A store that stops answering: the due tick waits (it is neither sent nor skipped) and
+    goes out once the store confirms the lease again."""
+    beat = beats()
+    beat.tick()
+    store.fail_forever = True
+    clock.advance(1)
+    with caplog.at_level(logging.WARNING, logger="celery_lease.beat"):
+        beat.ticks(5)
+    assert "cannot check" in caplog.text
+    assert published.ids == []
+    store.fail_forever = False
+    beat.ticks(5)
+    assert sent(published) == [beat.token]
