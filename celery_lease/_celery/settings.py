@@ -22,6 +22,11 @@ setting (``app.conf``)          meaning                                built-in 
                                 from a URL (duration; 0 off)
 ``lease_require_shared_store``  refuse the host-local SQLite           ``False``
                                 fallback (bool; see :func:`get_store`)
+``lease_beat_scheduler``        the scheduler ``celery_lease.beat``'s  ``"celery.beat:
+                                ``LeasedScheduler`` wraps (a class or   PersistentScheduler"``
+                                its ``"module:Class"`` name)
+``lease_beat_key``              the key the leased beat holds (str)    ``"celery-beat:<main>"``
+``lease_beat_ttl``              the ttl of that lease (duration)       30 s
 ==============================  =====================================  ========================
 
 :data:`SETTINGS` is the one list of these names. Settings are read and validated the first time
@@ -119,6 +124,9 @@ SETTINGS: tuple[str, ...] = (
     "lease_store_check",
     "lease_restart_grace",
     "lease_require_shared_store",
+    "lease_beat_scheduler",
+    "lease_beat_key",
+    "lease_beat_ttl",
 )
 """Every ``app.conf`` setting of celery-lease, in documentation order: the one list.
 
@@ -184,6 +192,11 @@ class LeaseSettings:
         require_shared_store: ``lease_require_shared_store``, else ``False``: when ``True``, the
             host-local SQLite fallback (:func:`host_local_fallback`) is refused instead of used
             with a warning.
+        beat_scheduler: ``lease_beat_scheduler`` as given (a ``"module:Class"`` name or a
+            class), or ``None`` (unset: Celery's ``PersistentScheduler``); imported and checked
+            when a leased beat starts (:mod:`celery_lease.beat`).
+        beat_key: ``lease_beat_key``, or ``None`` (unset: ``"celery-beat:<app main name>"``).
+        beat_ttl: seconds (``lease_beat_ttl``), or ``None`` (unset: 30).
     """
 
     store: str | LockStore | None
@@ -197,6 +210,9 @@ class LeaseSettings:
     store_check: str = "refuse"
     restart_grace: float | None = None
     require_shared_store: bool = False
+    beat_scheduler: str | type | None = None
+    beat_key: str | None = None
+    beat_ttl: float | None = None
 
 
 _lock = threading.RLock()
@@ -271,6 +287,34 @@ def _read(app: CeleryApp) -> LeaseSettings:
         require_shared_store=_read_bool(
             conf.get("lease_require_shared_store"), "lease_require_shared_store", False
         ),
+        beat_scheduler=_read_beat_scheduler(conf.get("lease_beat_scheduler")),
+        beat_key=_read_beat_key(conf.get("lease_beat_key")),
+        beat_ttl=None
+        if conf.get("lease_beat_ttl") is None
+        else to_seconds(conf.get("lease_beat_ttl"), name="lease_beat_ttl", inclusive=False),
+    )
+
+
+def _read_beat_scheduler(value: object) -> str | type | None:
+    """``lease_beat_scheduler``: a non-empty ``"module:Class"`` name or a class, ``None`` unset.
+
+    Only its type is checked here; the leased beat imports it when it starts
+    (:func:`celery_lease.beat.config.scheduler_class`)."""
+    if value is None or isinstance(value, type) or (isinstance(value, str) and value.strip()):
+        return value
+    raise LeaseConfigError(
+        f"lease_beat_scheduler={value!r} is not allowed: use a celery.beat.Scheduler subclass or"
+        " its name ('module:Class', default 'celery.beat:PersistentScheduler')"
+    )
+
+
+def _read_beat_key(value: object) -> str | None:
+    """``lease_beat_key``: a non-empty string, ``None`` unset."""
+    if value is None or (isinstance(value, str) and value):
+        return value
+    raise LeaseConfigError(
+        f"lease_beat_key={value!r} is not allowed: use a non-empty str"
+        " (default 'celery-beat:<app main name>')"
     )
 
 

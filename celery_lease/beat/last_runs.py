@@ -1,0 +1,111 @@
+"""Each schedule entry's last run, shared through the lease store next to the beat's lease.
+
+The holder of the beat lease records, after every send, when the entry last ran; a beat that
+takes the lease over reads the records before it sends anything, so it sends the next tick at
+that tick's due time: it neither repeats the tick its predecessor sent nor skips one, whatever
+the wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host).
+
+A record is a lease, so every store has it with no new method: the key
+``<beat key>:last-run:<entry name>`` held for :data:`RECORD_TTL` by an owner id whose label
+is ``last-run <unix milliseconds>`` (``celery lease list`` shows it). Writing one releases the
+previous owner and acquires with the new one; only the beat lease's holder writes, right after
+it checked with the store that it still holds the beat lease. Reading needs a store that lists
+its leases (:class:`~celery_lease.stores.base.SupportsInspection`, as every store of the
+package); with another store the records are neither written nor read, and take-over falls back
+to the wrapped scheduler's own state (logged once at start).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+from urllib.parse import quote, unquote
+
+from celery_lease.stores.base import LockStore, SupportsInspection, conforms
+
+__all__ = ["RECORD_TTL", "LastRuns"]
+
+logger = logging.getLogger("celery_lease.beat")
+
+RECORD_TTL = 400 * 24 * 3600.0
+"""Seconds a record is kept without a new run (about 13 months: a yearly crontab's gap)."""
+
+_LABEL = "last-run "
+_SEPARATOR = ":last-run:"
+
+
+class LastRuns:
+    """The last-run records of one beat lease's schedule, in ``store``.
+
+    Args:
+        store: the beat lease's store.
+        beat_key: the beat lease's full key (with the app's ``lease_key_prefix``).
+    """
+
+    def __init__(self, store: LockStore, beat_key: str) -> None:
+        self.store = store
+        self.prefix = beat_key + _SEPARATOR
+        self.shared = conforms(store, SupportsInspection)
+        self._owners: dict[str, str] = {}  # the owner id this process last wrote, by entry
+
+    def read(self) -> dict[str, float]:
+        """Unix seconds of each entry's last recorded run, by entry name (empty when the
+        store cannot list its leases).
+
+        Raises:
+            StoreUnavailableError: the store did not answer.
+        """
+        if not self.shared:
+            return {}
+        found: dict[str, float] = {}
+        for info in self.store.list(self.prefix):  # type: ignore[attr-defined]
+            at = _parse(info.owner)
+            if at is not None and info.key.startswith(self.prefix):
+                found[info.key[len(self.prefix) :]] = at
+        return found
+
+    def write(self, name: str, at: float) -> None:
+        """Record that entry ``name`` last ran at ``at`` (unix seconds).
+
+        Raises:
+            StoreUnavailableError: the store did not answer.
+        """
+        if not self.shared:
+            return
+        key = self.prefix + name
+        owner = _owner(at)
+        ttl_ms = round(RECORD_TTL * 1000)
+        previous = self._owners.pop(name, None)
+        if previous is not None:
+            self.store.release(key, previous)
+        if self.store.acquire(key, owner, ttl_ms) is None:
+            # Another beat's record (written while it held the beat lease): replace it.
+            info = self.store.get(key)  # type: ignore[attr-defined]
+            if info is not None:
+                self.store.release(key, info.owner)
+            if self.store.acquire(key, owner, ttl_ms) is None:
+                logger.warning("celery-lease beat: could not record the last run of %r", name)
+                return
+        self._owners[name] = owner
+
+
+def _owner(at: float) -> str:
+    """An owner id (``host/pid/<16 hex>;l=<label>``, as ``celery lease list`` reads them) whose
+    label carries ``at``."""
+    label = quote(f"{_LABEL}{round(at * 1000)}", safe=" ")
+    return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(8)};l={label}"
+
+
+def _parse(owner: str) -> float | None:
+    """The unix seconds a record's owner id carries, ``None`` for any other owner id."""
+    for field in owner.split(";")[1:]:
+        name, _, value = field.partition("=")
+        label = unquote(value)
+        if name == "l" and label.startswith(_LABEL):
+            try:
+                return int(label[len(_LABEL) :]) / 1000
+            except ValueError:
+                return None
+    return None

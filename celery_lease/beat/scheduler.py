@@ -1,0 +1,229 @@
+""":class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
+
+How it fits Celery's ``Service`` loop (``celery/beat.py``): the service calls ``tick()`` again
+and again and sleeps the interval it returns. The leased scheduler is a subclass built once per
+wrapped class (``LeasedPersistentScheduler(LeasedScheduler, PersistentScheduler)``), so the
+wrapped scheduler keeps its own ``tick``, heap, persistence and entries, and the leased part
+hooks the three steps every scheduler shares:
+
+* ``tick``: without the lease, wait for it instead (a standby); on taking it, read the shared
+  last runs (:mod:`celery_lease.beat.last_runs`) before anything is sent.
+* ``populate_heap`` (whenever ``tick`` rebuilds its heap: on take-over, and after the wrapped
+  scheduler reloaded its schedule, as django-celery-beat's does from its database every few
+  minutes): raise each entry's last run to the shared one, so a reload of state older than the
+  store's (a predecessor that died before it saved its own) never makes a tick due again.
+* ``reserve`` (called by ``tick`` just before a send): check with the store that the lease is
+  still this beat's; if not, nothing is reserved or sent and the entry stays due for whoever
+  holds the lease.
+* ``apply_async``: send with the header ``lease_beat_token`` (the lease's fencing token), then
+  record the entry's last run in the store.
+* ``close`` (the service's stop, ``SIGTERM``, ``SIGINT``): release the lease, so a standby takes
+  over at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import datetime, timezone
+from typing import Any
+
+from celery.beat import Scheduler
+from celery.utils.time import maybe_make_aware
+
+from celery_lease._celery import settings as lease_settings
+from celery_lease.beat.config import BeatConfig, read_config
+from celery_lease.beat.election import Election
+from celery_lease.beat.last_runs import LastRuns
+from celery_lease.errors import LeaseConfigError, LeaseError
+
+__all__ = ["TOKEN_HEADER", "LeasedScheduler"]
+
+logger = logging.getLogger("celery_lease.beat")
+
+TOKEN_HEADER = "lease_beat_token"
+"""The header every message of a leased beat carries: the fencing token of its lease (read it in
+a task as ``self.request.lease_beat_token``)."""
+
+
+class NotHolding(Exception):
+    """Raised by ``reserve`` when the lease is not this beat's: ``tick`` drops the send."""
+
+
+class LeasedScheduler(Scheduler):  # type: ignore[misc]
+    """A beat scheduler that sends due tasks only while it holds the lease ``lease_beat_key``.
+
+    Use it as ``celery beat -S celery_lease.beat:LeasedScheduler`` or
+    ``app.conf.beat_scheduler = "celery_lease.beat:LeasedScheduler"`` (also for
+    ``celery worker -B``). It wraps the scheduler class ``lease_beat_scheduler`` names (default
+    ``celery.beat:PersistentScheduler``; ``django_celery_beat.schedulers:DatabaseScheduler``, or
+    its alias ``django``, works too): instantiating ``LeasedScheduler`` builds a subclass of
+    both, so the wrapped scheduler's schedule, persistence and ``tick`` are kept as they are.
+
+    Settings (``app.conf``), read and checked when beat starts (a bad one raises
+    :class:`~celery_lease.LeaseConfigError` naming it, its value and what is allowed):
+
+    * ``lease_beat_scheduler``: the wrapped scheduler (a class or ``"module:Class"``).
+    * ``lease_beat_key``: the lease's key (default ``"celery-beat:<app main name>"``; the
+      app's ``lease_key_prefix`` is put in front, as for every app lease).
+    * ``lease_beat_ttl``: its ttl (duration, default 30 s); it is renewed every ttl/3, so a
+      standby takes over within one ttl (plus one poll, at most 1 s) of the active beat's death,
+      and at once after a clean shutdown, which releases it.
+
+    Every message it sends carries the header ``lease_beat_token``: its lease's fencing token.
+
+    Attributes:
+        standby_wait: seconds one ``tick`` of a standby waits for the lease (default ``None``:
+            the ttl, at most the scheduler's ``max_interval``). 0: try once and return.
+    """
+
+    standby_wait: float | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LeasedScheduler:
+        if cls is LeasedScheduler:
+            app = kwargs["app"] if "app" in kwargs else args[0]
+            wrapped = read_config(app).scheduler
+            if issubclass(wrapped, LeasedScheduler):
+                raise LeaseConfigError(
+                    f"lease_beat_scheduler={app.conf.get('lease_beat_scheduler')!r} is the leased"
+                    " scheduler itself: name the scheduler it wraps (default"
+                    " 'celery.beat:PersistentScheduler')"
+                )
+            cls = leased_class(wrapped)
+        return super().__new__(cls)  # type: ignore[no-any-return]
+
+    def __init__(self, app: Any, *args: Any, **kwargs: Any) -> None:
+        self.lease_config: BeatConfig = read_config(app)
+        self.election = Election(app, self.lease_config.key, self.lease_config.ttl)
+        self.last_runs: LastRuns | None = None
+        self._reserved: dict[str, datetime] = {}
+        self._runs: dict[str, datetime] = {}  # the shared last runs, as read and written
+        super().__init__(app, *args, **kwargs)
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        """One pass: send what is due while holding the lease, else wait for the lease.
+
+        Returns:
+            seconds until the next pass is wanted.
+        """
+        if self.election.current() is None and not self._take_over():
+            return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
+        try:
+            return float(super().tick(*args, **kwargs))
+        except NotHolding:
+            self._heap = None  # tick popped the entry: rebuild the heap, the entry is still due
+            return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
+
+    def reserve(self, entry: Any) -> Any:
+        """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
+
+        Raises:
+            NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
+        """
+        if not self.election.verify():
+            raise NotHolding(entry.name)
+        new_entry = super().reserve(entry)
+        if new_entry.last_run_at is not None:
+            self._reserved[entry.name] = new_entry.last_run_at
+        return new_entry
+
+    def apply_async(
+        self, entry: Any, producer: Any = None, advance: bool = True, **kwargs: Any
+    ) -> Any:
+        """Send ``entry``'s task with the header ``lease_beat_token``, then record its run."""
+        held = self.election.held
+        if held is None:  # only reachable through a direct call of a standby
+            raise NotHolding(entry.name)
+        # The entry itself carries the header for this send (a copy cannot be made of every
+        # scheduler's entries: django-celery-beat's ModelEntry does not copy).
+        options = entry.options
+        headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
+        entry.options = {**(options or {}), "headers": headers}
+        try:
+            result = super().apply_async(entry, producer=producer, advance=advance, **kwargs)
+        finally:
+            entry.options = options
+        at = self._reserved.pop(entry.name, None)
+        if at is not None and self.last_runs is not None:
+            self._runs[entry.name] = maybe_make_aware(at)
+            try:
+                self.last_runs.write(entry.name, self._runs[entry.name].timestamp())
+            except (LeaseError, OSError) as exc:
+                logger.warning(
+                    "celery-lease beat: could not record the run of %r (%s): a beat taking"
+                    " over may send it again",
+                    entry.name,
+                    exc,
+                )
+        return result
+
+    def populate_heap(self, *args: Any, **kwargs: Any) -> None:
+        """Raise each entry's last run to the shared one, then let the wrapped scheduler build
+        its heap."""
+        schedule = self.schedule
+        for name, when in self._runs.items():
+            entry = schedule.get(name)
+            if entry is None:
+                continue
+            local = entry.last_run_at
+            if local is None or maybe_make_aware(local) < when:
+                entry.last_run_at = when.astimezone(maybe_make_aware(entry.default_now()).tzinfo)
+        super().populate_heap(*args, **kwargs)
+
+    def close(self) -> None:
+        """Close the wrapped scheduler, then release the lease."""
+        try:
+            super().close()
+        finally:
+            self.election.resign()
+
+    @property
+    def info(self) -> str:
+        config = self.lease_config
+        key = lease_settings.get_settings(self.app).key_prefix + config.key
+        return (
+            f"{super().info}\n    . lease -> {key!r} (ttl {config.ttl:g} s,"
+            f" wraps {config.scheduler.__module__}.{config.scheduler.__qualname__})"
+        )
+
+    def _standby_wait(self) -> float:
+        if self.standby_wait is not None:
+            return self.standby_wait
+        return float(min(self.lease_config.ttl, self.max_interval))
+
+    def _take_over(self) -> bool:
+        """Wait for the lease; once taken, bring the schedule up to the shared last runs."""
+        held = self.election.take(self._standby_wait())
+        if held is None:
+            return False
+        self.last_runs = LastRuns(held.store, held.key)
+        try:
+            recorded = self.last_runs.read()
+        except (LeaseError, OSError) as exc:
+            logger.warning(
+                "celery-lease beat: cannot read the last runs (%s): releasing the lease", exc
+            )
+            self.election.resign()
+            return False
+        self._runs = {
+            name: datetime.fromtimestamp(at, tz=timezone.utc) for name, at in recorded.items()
+        }
+        self._reserved.clear()
+        self._heap = None  # rebuilt from the schedule as it is now
+        return True
+
+
+_classes: dict[type, type[LeasedScheduler]] = {}
+_classes_lock = threading.Lock()
+
+
+def leased_class(wrapped: type[Scheduler]) -> type[LeasedScheduler]:
+    """The subclass of :class:`LeasedScheduler` and ``wrapped`` (one per wrapped class)."""
+    with _classes_lock:
+        cls = _classes.get(wrapped)
+        if cls is None:
+            name = f"Leased{wrapped.__name__}"
+            cls = _classes[wrapped] = type(
+                name, (LeasedScheduler, wrapped), {"__module__": __name__, "__qualname__": name}
+            )
+        return cls
