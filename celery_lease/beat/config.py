@@ -14,7 +14,7 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.utils.imports import load_extension_class_names, symbol_by_name
 
-from celery_lease._celery import settings as lease_settings
+from celery_lease._celery.settings import get_settings
 from celery_lease.errors import LeaseConfigError
 
 __all__ = ["DEFAULT_SCHEDULER", "DEFAULT_TTL", "MIN_TTL", "BeatConfig", "read_config"]
@@ -57,7 +57,7 @@ def read_config(app: Any) -> BeatConfig:
             unimportable scheduler, one that is not a ``celery.beat.Scheduler`` subclass, a
             ttl under :data:`MIN_TTL`, or any other bad ``lease_*`` setting of the app.
     """
-    settings = lease_settings.get_settings(app)
+    settings = get_settings(app)
     ttl = DEFAULT_TTL if settings.beat_ttl is None else settings.beat_ttl
     if ttl < MIN_TTL:
         raise LeaseConfigError(

@@ -31,7 +31,7 @@ from typing import Any
 from celery.beat import Scheduler
 from celery.utils.time import maybe_make_aware
 
-from celery_lease._celery import settings as lease_settings
+from celery_lease._celery.settings import get_settings
 from celery_lease.beat.config import BeatConfig, read_config
 from celery_lease.beat.election import Election
 from celery_lease.beat.last_runs import LastRuns
@@ -180,7 +180,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
     @property
     def info(self) -> str:
         config = self.lease_config
-        key = lease_settings.get_settings(self.app).key_prefix + config.key
+        key = get_settings(self.app).key_prefix + config.key
         return (
             f"{super().info}\n    . lease -> {key!r} (ttl {config.ttl:g} s,"
             f" wraps {config.scheduler.__module__}.{config.scheduler.__qualname__})"

@@ -255,7 +255,6 @@ ALLOWED_RENAMED_MODULES: dict[tuple[str, str], str] = {
             "spec",
             "startup",
             "store_resolution",
-            "unique",
         )
     },
     ("celery_lease/_celery/app_lease.py", "core"): "_core.lease imported as core",

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, cast
 
 from celery.exceptions import Ignore
 
-from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import is_inspectable
+from celery_lease._celery.settings import LeaseSettings
 from celery_lease._celery.unique import common
 from celery_lease._celery.unique.common import logger
 from celery_lease._core.owners import parse_owner, queued_owner
@@ -24,7 +24,7 @@ def on_arrival(
     request: TaskRequest,
     store: LockStore,
     key: str,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     unique: UniqueOptions,
     ttl: float,
     wait: float = 0.0,

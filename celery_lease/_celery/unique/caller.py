@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 from celery.utils import uuid
 
-from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import is_inspectable
+from celery_lease._celery.settings import get_settings
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._celery.unique import common
@@ -57,7 +57,7 @@ def apply_unique(
     app = task.app
     if app.conf.task_always_eager:
         return task.publish_copy(args, kwargs, task_id, **options)
-    settings = config.get_settings(app)
+    settings = get_settings(app)
     store = _inspectable(store_for(spec.options.store, app), task)
     prefix = settings.key_prefix
     key = prefix + spec.key_function(tuple(args or ()), dict(kwargs or {}))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from celery import states
 
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import LeaseSettings, pick
 from celery_lease._core.owners import is_queued_owner, parse_owner
 from celery_lease._core.unique_options import (
     BUILTIN_QUEUE_TTL,
@@ -57,9 +57,9 @@ def ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-def queue_ttl(unique: UniqueOptions, settings: config.LeaseSettings) -> float:
+def queue_ttl(unique: UniqueOptions, settings: LeaseSettings) -> float:
     """The copy's ``queue_ttl``: the task's, else the app's default, else the built-in one."""
-    return config.pick(unique.queue_ttl, settings.default_queue_ttl, BUILTIN_QUEUE_TTL)
+    return pick(unique.queue_ttl, settings.default_queue_ttl, BUILTIN_QUEUE_TTL)
 
 
 def is_started_claim(owner: str) -> bool:

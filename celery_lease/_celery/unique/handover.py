@@ -7,8 +7,8 @@ import functools
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import can_renew_deferred
+from celery_lease._celery.settings import LeaseSettings
 from celery_lease._celery.unique import common
 from celery_lease._celery.unique.common import header_owner, logger, ms, queue_ttl, queued_key
 from celery_lease._celery.unique.hold import QueuedHold, holding, queued_lost
@@ -28,7 +28,7 @@ def on_start(
     request: TaskRequest,
     store: LockStore,
     key: str,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     unique: UniqueOptions,
     ttl: float,
     cooldown: float,

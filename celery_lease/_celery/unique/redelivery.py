@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, NoReturn, cast
 from celery import states
 from celery.exceptions import Ignore, Reject
 
-from celery_lease._celery import settings as config
 from celery_lease._celery.protocols import is_inspectable
+from celery_lease._celery.settings import LeaseSettings
 from celery_lease._celery.unique import common
 from celery_lease._celery.unique.common import logger
 from celery_lease._core.owners import parse_owner
@@ -23,7 +23,7 @@ def on_rejected(
     request: TaskRequest | None,
     store: LockStore,
     key: str,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     *,
     task: UniqueTask | None = None,
     ttl: float | None = None,

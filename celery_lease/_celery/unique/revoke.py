@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, cast
 
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import get_settings
 from celery_lease._celery.spec import options_of
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._celery.unique import common
@@ -28,7 +28,7 @@ def on_task_revoked(sender: object = None, request: TaskRequest | None = None, *
         0
     ]  # header_owner: a [key, owner] of str
     try:
-        prefix = config.get_settings(task.app).key_prefix
+        prefix = get_settings(task.app).key_prefix
         if not qkey.startswith(prefix + common.NAMESPACE):  # a forged header naming another key
             return
         store = store_for(options.store, task.app)
