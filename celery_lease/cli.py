@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import click
 from click.core import ParameterSource
 
-from celery_lease._celery import compat
+from celery_lease._celery import compat, control
 from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
 from celery_lease._core.unique_options import SUPERSEDED_NAMESPACE
 from celery_lease.errors import LeaseError
@@ -889,7 +889,7 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
 # `celery -A proj inspect leases` is checked against the remote-control registry of the process
 # that runs it, which imports the -A module only (often not the one that imports celery-lease):
 # this module is loaded in every run of the `celery` program (the celery.commands entry point).
-importlib.import_module("celery_lease._celery.control")
+control.register_command()
 
 
 @lease_group.command(

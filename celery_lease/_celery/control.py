@@ -1,12 +1,12 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
 
-Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) when this
-module is imported, which :mod:`celery_lease._celery.worker` does (so does anything that imports
-``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery`` program loads in every
-invocation (the ``celery.commands`` entry point): the ``celery inspect`` client checks the
-command name against its own registry, and it imports only the ``-A`` module, not the app's task
-modules, which are often the only ones that import celery-lease. The worker answers the
-command. ::
+Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) by
+:func:`register_command`, which :func:`celery_lease._celery.wiring.install` calls (so does
+anything that imports ``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery``
+program loads in every invocation (the ``celery.commands`` entry point): the ``celery inspect``
+client checks the command name against its own registry, and it imports only the ``-A`` module,
+not the app's task modules, which are often the only ones that import celery-lease. The worker
+answers the command. ::
 
     $ celery -A proj inspect leases
     ->  w1@host: OK
@@ -60,7 +60,7 @@ from celery_lease._celery import compat
 from celery_lease._core import renewer
 from celery_lease._core.owners import parse_owner
 
-__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
+__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows", "register_command"]
 
 logger = logging.getLogger("celery_lease.control")
 
@@ -299,7 +299,6 @@ def _pool_children(pool: object) -> list[int] | None:
     return [pid for p in processes if (pid := getattr(p, "pid", None))]
 
 
-@inspect_command(default_timeout=1.0)  # type: ignore[untyped-decorator]  # celery is untyped
 def leases(state: object, **kwargs: object) -> LeasesReply:
     """List the leases held by this worker's processes now (key, token, task id, held for...)."""
     pool = getattr(getattr(state, "consumer", None), "pool", None)
@@ -316,3 +315,8 @@ def leases(state: object, **kwargs: object) -> LeasesReply:
         "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
         "unanswered": unanswered,
     }
+
+
+def register_command() -> None:
+    """Register :func:`leases` as the remote-control command ``leases`` (again: no change)."""
+    inspect_command(default_timeout=1.0)(leases)

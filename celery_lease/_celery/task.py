@@ -42,10 +42,8 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.result import AsyncResult
 
-from celery_lease._celery import compat
-from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
+from celery_lease._celery import compat, wiring
 from celery_lease._celery import unique as _unique
-from celery_lease._celery import worker as _worker  # noqa: F401  # connects the worker hooks
 from celery_lease._celery.execution import adopt_request, current_run, run_locked
 from celery_lease._celery.interrupt import REVOKE_GRACE
 from celery_lease._celery.on_held import skip_quietly
@@ -79,6 +77,8 @@ __all__ = [
     "locked",
     "run_locked",
 ]
+
+wiring.install()  # Celery's signals, the request attributes, `inspect leases`: before any fork
 
 F = TypeVar("F", bound=Callable[..., object])
 

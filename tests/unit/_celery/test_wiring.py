@@ -1,0 +1,97 @@
+"""``celery_lease._celery.wiring``: one call hooks celery-lease into Celery, once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from celery import signals
+from celery.app.task import Context
+from celery.worker.control import Panel
+
+from celery_lease._celery import control, wiring
+
+UIDS = {
+    "worker_init": "celery_lease.worker_init",
+    "worker_process_init": "celery_lease.worker_process_init",
+    "worker_shutdown": "celery_lease.worker_shutdown",
+    "task_prerun": "celery_lease.task_prerun",
+    "task_postrun": "celery_lease.task_postrun",
+    "task_failure": "celery_lease.task_failure",
+    "before_task_publish": "celery_lease.release_before_retry",
+}
+
+
+def _ours() -> dict[str, int]:
+    return {
+        name: sum(key[0] == uid for key, _ in getattr(signals, name).receivers)
+        for name, uid in UIDS.items()
+    }
+
+
+class TestInstall:
+    def test_every_receiver_is_connected_once_under_its_fixed_uid(self) -> None:
+        """Importing the task layer installed each receiver; installing again adds none."""
+        assert _ours() == dict.fromkeys(UIDS, 1)
+        wiring.install()
+        wiring.install()
+        assert _ours() == dict.fromkeys(UIDS, 1)
+
+    def test_the_table_names_every_receiver(self) -> None:
+        assert {(signal.name, uid) for signal, _, uid in wiring.RECEIVERS} == set(UIDS.items())
+
+    def test_the_steps_run_again_connect_nothing_twice(self) -> None:
+        """Each step is idempotent of itself: two threads racing past the flag change nothing."""
+        for signal, receiver, uid in wiring.RECEIVERS:
+            signal.connect(receiver, weak=False, dispatch_uid=uid)
+        assert _ours() == dict.fromkeys(UIDS, 1)
+
+    def test_the_command_and_the_request_attributes_are_installed(self) -> None:
+        assert Panel.data["leases"] is control.leases
+        assert Panel.meta["leases"].type == "inspect"
+        fresh = Context()
+        assert (fresh.lock_key, fresh.lock_token, fresh.lock_waited, fresh.lock_lost) == (
+            None,
+            None,
+            False,
+            False,
+        )
+
+
+def _in_fresh_interpreter(code: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    answer: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
+
+_REPORT = (
+    "import json; from celery import signals; from celery.worker.control import Panel; "
+    "from celery.app.task import Context; "
+    "print(json.dumps({'leases': 'leases' in Panel.data, "
+    "'attributes': hasattr(Context, 'lock_token'), "
+    "'receivers': sorted(k[0] for n in ('worker_init', 'task_prerun', 'before_task_publish') "
+    "for k, _ in getattr(signals, n).receivers if str(k[0]).startswith('celery_lease.'))}))"
+)
+
+
+class TestWhereItRuns:
+    def test_importing_the_locked_task_installs_everything(self) -> None:
+        answer = _in_fresh_interpreter("from celery_lease import LockedTask; " + _REPORT)
+        assert answer == {
+            "leases": True,
+            "attributes": True,
+            "receivers": [
+                "celery_lease.release_before_retry",
+                "celery_lease.task_prerun",
+                "celery_lease.worker_init",
+            ],
+        }
+
+    def test_the_cli_registers_the_command_and_connects_no_worker_hook(self) -> None:
+        """The ``celery`` program loads the CLI in every run, workers of apps without a locked
+        task included: it must not add celery-lease's hooks to those."""
+        answer = _in_fresh_interpreter("import celery_lease.cli; " + _REPORT)
+        assert answer == {"leases": True, "attributes": False, "receivers": []}
