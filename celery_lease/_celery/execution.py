@@ -34,10 +34,10 @@ from celery.exceptions import Retry
 
 from celery_lease import signals
 from celery_lease._celery import compat, deferral, on_held
-from celery_lease._celery import request as _request  # defines the request attributes
-from celery_lease._celery import settings as config
+from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
+from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.lease import Lease, LeaseContext, clock_of, lease
@@ -357,7 +357,7 @@ def _run_locked(
     are the functions below, in the order they run."""
     options = spec.options
     app = task.app if task is not None else compat.get_current_app()
-    settings = config.get_settings(app)
+    settings = get_settings(app)
     if request is not None:
         _clear_lock_attributes(request)  # overwrite what a message header may have put there
     key = settings.key_prefix + spec.key_function(args, kwargs)
@@ -387,7 +387,7 @@ def _run_arrived(
     request: TaskRequest | None,
     context: LeaseContext,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
     body: Callable[[], _R],
     adopt: bool,
@@ -498,7 +498,7 @@ def _rejected(
     run: _Run,
     request: TaskRequest | None,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
     exc: LockNotAcquiredError,
     refused_by: str | None = None,
@@ -528,7 +528,7 @@ def _queued_hold(
     run: _Run,
     request: TaskRequest | None,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
 ) -> _unique.QueuedHold | None:
     """A unique copy about to run its body hands its queued key over
@@ -571,7 +571,7 @@ def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
 
 
 def _release(
-    run: _Run, request: TaskRequest | None, context: LeaseContext, settings: config.LeaseSettings
+    run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
     """After the body returned: release the lease (or keep it for ``cooldown``), without
     waiting for the reply where the store can and nothing may depend on it."""
@@ -586,7 +586,7 @@ def _release_with_queued(
     context: LeaseContext,
     held: Lease,
     queued: _unique.QueuedHold,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
 ) -> None:
     """After the body of an ``until_done`` copy returned: release the run lease, then its
     queued key.

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from celery_lease import _forking as forking
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import cached, get_store
 from celery_lease.stores.base import LockStore, store_from_url
 
 if TYPE_CHECKING:
@@ -28,9 +28,9 @@ _url_stores: dict[str, LockStore] = {}
 def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
     """The store of an execution: the task's option (URL resolved once per process) or the app's."""
     if option is None:
-        return config.get_store(app)
+        return get_store(app)
     if isinstance(option, str):
-        return config.cached(_url_stores, option, lambda: store_from_url(option))
+        return cached(_url_stores, option, lambda: store_from_url(option))
     return option
 
 

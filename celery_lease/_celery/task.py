@@ -527,28 +527,21 @@ def locked(
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
-            if skips and task is not None and not _is_body_of(task, wrapper):
-                # A helper called from a running body: a skip returns None to that body.
-                quiet = skip_quietly.set(True)
-                try:
-                    return run_locked(
-                        task,
-                        request,
-                        spec_for(name, bound),
-                        key_args,
-                        kwargs,
-                        lambda: func(*args, **kwargs),
-                    )
-                finally:
+            # A helper called from a running body: a skip returns None to that body.
+            helper = skips and task is not None and not _is_body_of(task, wrapper)
+            quiet = skip_quietly.set(True) if helper else None
+            try:
+                return run_locked(
+                    task,
+                    request,
+                    spec_for(name, bound),
+                    key_args,
+                    kwargs,
+                    lambda: func(*args, **kwargs),
+                )
+            finally:
+                if quiet is not None:
                     skip_quietly.reset(quiet)
-            return run_locked(
-                task,
-                request,
-                spec_for(name, bound),
-                key_args,
-                kwargs,
-                lambda: func(*args, **kwargs),
-            )
 
         wrapper.__signature__ = full  # type: ignore[attr-defined]  # Celery ignores __wrapped__
         wrapper._lock_options = options  # type: ignore[attr-defined]  # read by startup.check_worker
