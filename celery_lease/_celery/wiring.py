@@ -3,8 +3,10 @@
 - the lock attributes of the request ``Context``
   (:func:`celery_lease._celery.request.define_attributes`);
 - the remote-control command ``leases`` (:func:`celery_lease._celery.control.register_command`);
-- every receiver in :data:`RECEIVERS`: the worker hooks (:mod:`celery_lease._celery.worker`) and
-  the early release of a task that re-sends its own id (:mod:`celery_lease._celery.early_release`).
+- every receiver in :data:`RECEIVERS`: the worker hooks (:mod:`celery_lease._celery.worker`),
+  the early release of a task that re-sends its own id (:mod:`celery_lease._celery.early_release`)
+  and the exit flush of deferred releases (:mod:`celery_lease._celery.deferral`), which also runs
+  when the process exits (``atexit``: a worker that fails to start sends no ``worker_shutdown``).
 
 When. :mod:`celery_lease._celery.task` calls :func:`install` when it is imported, and everything
 that defines a locked task imports it, before the pool forks, so prefork children inherit the
@@ -24,12 +26,14 @@ with ``weak=False`` under a fixed ``dispatch_uid``, the command and the attribut
 name), so two threads calling it at once connect nothing twice, and no lock is needed that a
 fork could inherit held; a forked child inherits both the receivers and the flag.
 
-The deferred-release flush (:mod:`celery_lease._celery.deferral`) and the revoke receiver of
-unique copies (:mod:`celery_lease._celery.unique`) are still connected by their own modules.
+:mod:`celery_lease._celery.deferral` still connects its own flush as well, under the same
+``dispatch_uid`` (so it is connected once), and :mod:`celery_lease._celery.unique` its revoke
+receiver.
 """
 
 from __future__ import annotations
 
+import atexit
 from collections.abc import Callable
 
 from celery.signals import (
@@ -39,13 +43,21 @@ from celery.signals import (
     task_prerun,
     worker_init,
     worker_process_init,
+    worker_process_shutdown,
     worker_shutdown,
 )
 from celery.utils.dispatch import Signal
 
-from celery_lease._celery import control, early_release, request, worker
+from celery_lease._celery import control, deferral, early_release, request, worker
 
 __all__ = ["RECEIVERS", "install"]
+
+
+def _flush_deferred(**_: object) -> None:
+    """``worker_process_shutdown`` / ``worker_shutdown``: read this process's deferred release
+    replies (:func:`celery_lease._celery.deferral.flush_deferred_releases`)."""
+    deferral.flush_deferred_releases()
+
 
 RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (worker_init, worker.on_worker_init, "celery_lease.worker_init"),
@@ -59,6 +71,8 @@ RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
         early_release.release_before_publish,
         "celery_lease.release_before_retry",
     ),
+    (worker_process_shutdown, _flush_deferred, "celery_lease.flush_deferred_process"),
+    (worker_shutdown, _flush_deferred, "celery_lease.flush_deferred"),
 )
 """``(signal, receiver, dispatch_uid)`` of every receiver :func:`install` connects."""
 
@@ -68,9 +82,9 @@ _installed = False
 def install() -> None:
     """Hook celery-lease into Celery (once per process: a second call returns at once).
 
-    Defines the request's lock attributes, registers ``celery inspect leases`` and connects
+    Defines the request's lock attributes, registers ``celery inspect leases``, connects
     every receiver of :data:`RECEIVERS` (strong references, each under its fixed
-    ``dispatch_uid``).
+    ``dispatch_uid``) and flushes deferred releases when the process exits.
     """
     global _installed
     if _installed:
@@ -79,4 +93,5 @@ def install() -> None:
     control.register_command()
     for signal, receiver, uid in RECEIVERS:
         signal.connect(receiver, weak=False, dispatch_uid=uid)
+    atexit.register(deferral.flush_deferred_releases)
     _installed = True

@@ -20,34 +20,45 @@ UIDS = {
     "task_postrun": "celery_lease.task_postrun",
     "task_failure": "celery_lease.task_failure",
     "before_task_publish": "celery_lease.release_before_retry",
+    "worker_process_shutdown": "celery_lease.flush_deferred_process",
 }
 
 
+FLUSH = "celery_lease.flush_deferred"
+"""The second uid on ``worker_shutdown``: the exit flush of deferred releases."""
+
+
 def _ours() -> dict[str, int]:
-    return {
+    counts = {
         name: sum(key[0] == uid for key, _ in getattr(signals, name).receivers)
         for name, uid in UIDS.items()
     }
+    counts[FLUSH] = sum(key[0] == FLUSH for key, _ in signals.worker_shutdown.receivers)
+    return counts
 
 
 class TestInstall:
     def test_every_receiver_is_connected_once_under_its_fixed_uid(self) -> None:
-        """Importing the task layer installed each receiver; installing again adds none."""
-        assert _ours() == dict.fromkeys(UIDS, 1)
+        """Installing twice connects each receiver once (importing the task layer installs:
+        :class:`TestWhereItRuns`)."""
         wiring.install()
         wiring.install()
-        assert _ours() == dict.fromkeys(UIDS, 1)
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
 
     def test_the_table_names_every_receiver(self) -> None:
-        assert {(signal.name, uid) for signal, _, uid in wiring.RECEIVERS} == set(UIDS.items())
+        assert {(signal.name, uid) for signal, _, uid in wiring.RECEIVERS} == {
+            *UIDS.items(),
+            ("worker_shutdown", FLUSH),
+        }
 
     def test_the_steps_run_again_connect_nothing_twice(self) -> None:
         """Each step is idempotent of itself: two threads racing past the flag change nothing."""
         for signal, receiver, uid in wiring.RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=uid)
-        assert _ours() == dict.fromkeys(UIDS, 1)
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
 
     def test_the_command_and_the_request_attributes_are_installed(self) -> None:
+        wiring.install()
         assert Panel.data["leases"] is control.leases
         assert Panel.meta["leases"].type == "inspect"
         fresh = Context()
