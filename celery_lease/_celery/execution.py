@@ -31,6 +31,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from celery.exceptions import Retry
+from celery.utils.dispatch import Signal
 
 from celery_lease import signals
 from celery_lease._celery import compat, deferral, on_held
@@ -177,14 +178,7 @@ class _Run:
             # ``self.released_early``: that is set before the early release is recorded, and a
             # real loss recorded just before it must still be reported.
             return
-        signals.send(
-            signals.lock_lost,
-            self.task,
-            key=held.key,
-            token=held.token,
-            reason=reason,
-            task_id=self.task_id,
-        )
+        self._send(signals.lock_lost, held, reason=reason)
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
@@ -196,16 +190,10 @@ class _Run:
 
     # Release ------------------------------------------------------------------------------------
 
-    def _send_released(self, held: Lease, held_seconds: float) -> None:
-        if not signals.lock_released.receivers:
-            return
+    def _send(self, signal: Signal, held: Lease, **named: object) -> None:
+        """Send ``signal`` about ``held`` (its key and token, this execution's task id)."""
         signals.send(
-            signals.lock_released,
-            self.task,
-            key=held.key,
-            token=held.token,
-            held_seconds=held_seconds,
-            task_id=self.task_id,
+            signal, self.task, key=held.key, token=held.token, task_id=self.task_id, **named
         )
 
     def release_early(self) -> None:
@@ -223,7 +211,7 @@ class _Run:
         held_seconds = held.held_seconds
         self.released_early = True
         if context.release_early("released"):
-            self._send_released(held, held_seconds)
+            self._send(signals.lock_released, held, held_seconds=held_seconds)
 
     def release(self, exc: BaseException | None) -> None:
         """Release the lease (or keep it for cooldown after success), once; send lock_released.
@@ -247,7 +235,7 @@ class _Run:
         finally:
             # A lost lease was not ours to release any more: lock_lost already said so.
             if not context.reentered and not held.lost:
-                self._send_released(held, held_seconds)
+                self._send(signals.lock_released, held, held_seconds=held_seconds)
 
 
 _active: ContextVar[tuple[_Run, ...]] = ContextVar("celery_lease_runs", default=())
