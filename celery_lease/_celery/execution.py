@@ -40,15 +40,15 @@ from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
-from celery_lease._celery.store_resolution import store_for
-from celery_lease._core.lease import Lease, LeaseContext, clock_of, lease
+from celery_lease._celery.store_resolution import execution_store
+from celery_lease._core.lease import Lease, LeaseContext, clock_of
 from celery_lease._core.options import LockOptions
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.stores.base import LockStore, SupportsDeferredRelease, conforms
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
 if TYPE_CHECKING:
-    from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest
+    from celery_lease._celery.protocols import CeleryTask, TaskRequest
 
 __all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
 
@@ -351,7 +351,7 @@ def _run_locked(
     key = settings.key_prefix + spec.key_function(args, kwargs)
     run = _Run(task, request, key, options)
     ttl, wait = spec.durations(settings)
-    store = _store_of(options, app, key)
+    store = execution_store(options.store, app, key)
     context = _lease_context(run, request, store, ttl, wait)
     arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
     if options.unique is not None and request is not None:
@@ -440,19 +440,6 @@ def _clear_lock_attributes(request: TaskRequest) -> None:
     request.lock_token = None
     request.lock_waited = False
     request.lease = None
-
-
-def _store_of(options: LockOptions, app: CeleryApp, key: str) -> LockStore:
-    """The execution's store (an async store's ``.sync`` twin); a store that is no
-    ``LockStore`` raises the error ``lease()`` gives for it."""
-    store = store_for(options.store, app)
-    if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
-        from celery_lease._core import aio
-
-        store = aio.split_async_store(store)[1]
-    if not conforms(store, LockStore):
-        lease(key, store=store)  # raises the error lease() gives for it
-    return store
 
 
 def _lease_context(
