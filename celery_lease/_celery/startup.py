@@ -167,8 +167,7 @@ def uses_celery_lease(app: CeleryApp) -> bool:
 
     True when the app has a locked task (a ``LockedTask`` or a ``@locked`` body), configures
     one of the ``lease_*`` settings (:data:`celery_lease._celery.settings.SETTINGS`: an app that
-    uses
-    ``lease()`` in plain task bodies opts in so), or called
+    uses ``lease()`` in plain task bodies opts in so), or called
     :func:`celery_lease.metrics.install`. Read once the app is final (a worker's steps are
     built after it imported every task module); reading it finalizes the app.
     """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -56,6 +57,23 @@ class TestInstall:
         for signal, receiver, uid in wiring.RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=uid)
         assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
+
+    def test_a_forked_child_has_each_receiver_once_and_installs_nothing_more(self) -> None:
+        """The flag and the receivers are inherited together: installing in the child (as the
+        task layer's import would, in a pool process) connects nothing twice."""
+        wiring.install()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                wiring.install()
+                os.write(write, json.dumps(_ours()).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as answer:
+            assert json.loads(answer.read()) == dict.fromkeys([*UIDS, FLUSH], 1)
 
     def test_the_command_and_the_request_attributes_are_installed(self) -> None:
         wiring.install()
