@@ -38,14 +38,7 @@ from urllib.parse import urlsplit
 import click
 from click.core import ParameterSource
 
-# `celery -A proj inspect leases` is checked against the remote-control registry of the process
-# that runs it, which imports the -A module only (often not the one that imports celery-lease):
-# this module is loaded in every run of the `celery` program (the celery.commands entry point),
-# and importing the control module registers the `leases` command.
-from celery_lease._celery import (
-    compat,
-    control,  # noqa: F401  (imported for what its import registers)
-)
+from celery_lease._celery import compat, control
 from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
 from celery_lease._core.unique_options import SUPERSEDED_NAMESPACE
 from celery_lease.errors import LeaseError
@@ -891,6 +884,12 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
         ctx.exit(2)
     if any(check.warning is not None for check in checks):
         ctx.exit(1)
+
+
+# `celery -A proj inspect leases` is checked against the remote-control registry of the process
+# that runs it, which imports the -A module only (often not the one that imports celery-lease):
+# this module is loaded in every run of the `celery` program (the celery.commands entry point).
+control.register_command()
 
 
 @lease_group.command(

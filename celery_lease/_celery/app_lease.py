@@ -1,11 +1,11 @@
 """``lease()``, the public one: the core's lease, or a Celery app's, in its store and key space.
 
 ``lease(key, app=app)`` takes ``key`` as the app's locked tasks take their ``lock_key``: in the
-store they use in this process (:func:`celery_lease._celery.settings.get_store`: ``lease_store``,
-else the broker's Redis, else the host-local SQLite file), with the app's ``lease_key_prefix``
-in front, and with ``lease_default_ttl`` / ``lease_default_wait`` for a ttl or wait left out. So
-an endpoint, a script or a management command and a task with the same ``lock_key`` exclude
-each other. ``store=`` picks another store; the prefix still applies.
+store they use in this process (:func:`celery_lease._celery.store_resolution.store_for`:
+``lease_store``, else the broker's Redis, else the host-local SQLite file), with the app's
+``lease_key_prefix`` in front, and with ``lease_default_ttl`` / ``lease_default_wait`` for a
+ttl or wait left out. So an endpoint, a script or a management command and a task with the
+same ``lock_key`` exclude each other. ``store=`` picks another store; the prefix still applies.
 
 The seam between the layers: the core's :func:`celery_lease._core.lease.lease` takes a store and
 a key and knows nothing of apps; resolving an app into a store, a prefix and defaults is the
@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
-from celery_lease._celery import settings as config
-from celery_lease._core import lease as core
+from celery_lease._celery.settings import get_settings
+from celery_lease._celery.store_resolution import store_for
 from celery_lease._core.lease import Lease, LeaseContext
+from celery_lease._core.lease import lease as core_lease
 from celery_lease.clock import Clock
 from celery_lease.durations import Duration
 from celery_lease.errors import LeaseConfigError
@@ -121,7 +122,7 @@ def lease(
                 f"lease({key!r}) needs store=<a LockStore> or app=<a Celery app> (whose lease"
                 " store and lease_key_prefix are used)"
             )
-        return core.lease(
+        return core_lease(
             key,
             store=store,
             ttl=CORE_TTL if ttl is None else ttl,
@@ -182,13 +183,13 @@ class _Arguments:
         key, store = self.key, self.store
         ttl_default, wait_default = CORE_TTL, CORE_WAIT
         if app is not None:
-            settings = config.get_settings(app)
+            settings = get_settings(app)
             if store is None:
-                store = config.get_store(app)
+                store = store_for(None, app)
             if isinstance(key, str) and key:
                 key = settings.key_prefix + key
             ttl_default, wait_default = settings.default_ttl, settings.default_wait
-        return core.lease(
+        return core_lease(
             key,
             store=fallback if store is None else store,
             ttl=ttl_default if self.ttl is None else self.ttl,

@@ -1,12 +1,12 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
 
-Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) when this
-module is imported, which :mod:`celery_lease._celery.worker` does (so does anything that imports
-``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery`` program loads in every
-invocation (the ``celery.commands`` entry point): the ``celery inspect`` client checks the
-command name against its own registry, and it imports only the ``-A`` module, not the app's task
-modules, which are often the only ones that import celery-lease. The worker answers the
-command. ::
+Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) by
+:func:`register_command`, which :func:`celery_lease._celery.wiring.install` calls (so does
+anything that imports ``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery``
+program loads in every invocation (the ``celery.commands`` entry point): the ``celery inspect``
+client checks the command name against its own registry, and it imports only the ``-A`` module,
+not the app's task modules, which are often the only ones that import celery-lease. The worker
+answers the command. ::
 
     $ celery -A proj inspect leases
     ->  w1@host: OK
@@ -60,7 +60,7 @@ from celery_lease._celery import compat
 from celery_lease._core import renewer
 from celery_lease._core.owners import parse_owner
 
-__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows"]
+__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows", "register_command"]
 
 logger = logging.getLogger("celery_lease.control")
 
@@ -239,56 +239,74 @@ def child_snapshots(
     pending: dict[socket.socket, tuple[int, bytearray]] = {}
     with selectors.DefaultSelector() as selector:
         for pid in pids:
-            path = socket_path(pid)
-            if path is None:
-                unanswered.append({"pid": pid, "error": "no socket directory in this worker"})
-                continue
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                sock.setblocking(False)
-                sock.connect(path)  # a unix socket connects at once or fails at once
-            except OSError as exc:
-                sock.close()
-                unanswered.append({"pid": pid, "error": f"cannot connect: {exc}"})
+            sock, why = _connect(pid)
+            if sock is None:
+                unanswered.append({"pid": pid, "error": why})
                 continue
             pending[sock] = (pid, bytearray())
             selector.register(sock, selectors.EVENT_READ)
-        while pending:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
+        while pending and (left := deadline - time.monotonic()) > 0:
             for key, _ in selector.select(left):
                 sock = cast(socket.socket, key.fileobj)
                 pid, buffer = pending[sock]
-                try:
-                    chunk = sock.recv(65536)
-                except BlockingIOError:
+                done, error = _read_more(sock, buffer)
+                if not done:
                     continue
-                except OSError as exc:
-                    error: str | None = f"read failed: {exc}"
-                else:
-                    if chunk and len(buffer) + len(chunk) <= _MAX_REPLY:
-                        buffer.extend(chunk)
-                        continue
-                    error = f"reply larger than {_MAX_REPLY} bytes" if chunk else None
                 selector.unregister(sock)
                 sock.close()
                 del pending[sock]
                 if error is None:
-                    try:
-                        answer = json.loads(bytes(buffer))
-                    except ValueError as exc:
-                        error = f"bad reply: {exc}"
-                    else:
-                        if isinstance(answer, list) and all(isinstance(r, dict) for r in answer):
-                            rows.extend(answer)
-                            continue
-                        error = f"bad reply: not a list of lease rows ({type(answer).__name__})"
+                    answer, error = _parse(buffer)
+                    if answer is not None:
+                        rows.extend(answer)
+                        continue
                 unanswered.append({"pid": pid, "error": error})
         for sock, (pid, _) in pending.items():
             sock.close()
             unanswered.append({"pid": pid, "error": f"no answer within {timeout:g} s"})
     return rows, unanswered
+
+
+def _connect(pid: int) -> tuple[socket.socket | None, str]:
+    """A non-blocking socket connected to child ``pid``, or ``None`` and why not."""
+    path = socket_path(pid)
+    if path is None:
+        return None, "no socket directory in this worker"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        sock.connect(path)  # a unix socket connects at once or fails at once
+    except OSError as exc:
+        sock.close()
+        return None, f"cannot connect: {exc}"
+    return sock, ""
+
+
+def _read_more(sock: socket.socket, buffer: bytearray) -> tuple[bool, str | None]:
+    """Read what ``sock`` has into ``buffer``: ``(done, error)``, done at the end or an error."""
+    try:
+        chunk = sock.recv(65536)
+    except BlockingIOError:
+        return False, None
+    except OSError as exc:
+        return True, f"read failed: {exc}"
+    if not chunk:
+        return True, None
+    if len(buffer) + len(chunk) > _MAX_REPLY:
+        return True, f"reply larger than {_MAX_REPLY} bytes"
+    buffer.extend(chunk)
+    return False, None
+
+
+def _parse(buffer: bytearray) -> tuple[list[LeaseRow] | None, str]:
+    """A child's whole reply as lease rows, or ``None`` and why it is not one."""
+    try:
+        answer = json.loads(bytes(buffer))
+    except ValueError as exc:
+        return None, f"bad reply: {exc}"
+    if isinstance(answer, list) and all(isinstance(r, dict) for r in answer):
+        return answer, ""
+    return None, f"bad reply: not a list of lease rows ({type(answer).__name__})"
 
 
 def _pool_children(pool: object) -> list[int] | None:
@@ -299,7 +317,6 @@ def _pool_children(pool: object) -> list[int] | None:
     return [pid for p in processes if (pid := getattr(p, "pid", None))]
 
 
-@inspect_command(default_timeout=1.0)  # type: ignore[untyped-decorator]  # celery is untyped
 def leases(state: object, **kwargs: object) -> LeasesReply:
     """List the leases held by this worker's processes now (key, token, task id, held for...)."""
     pool = getattr(getattr(state, "consumer", None), "pool", None)
@@ -316,3 +333,8 @@ def leases(state: object, **kwargs: object) -> LeasesReply:
         "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
         "unanswered": unanswered,
     }
+
+
+def register_command() -> None:
+    """Register :func:`leases` as the remote-control command ``leases`` (again: no change)."""
+    inspect_command(default_timeout=1.0)(leases)

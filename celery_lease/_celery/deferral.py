@@ -22,11 +22,10 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 
 from __future__ import annotations
 
-import atexit
 import logging
 from typing import TYPE_CHECKING
 
-from celery.signals import task_postrun, task_success, worker_process_shutdown, worker_shutdown
+from celery.signals import task_postrun, task_success
 
 from celery_lease import signals
 from celery_lease._celery import compat, pool
@@ -120,14 +119,3 @@ def only_ours(signal: SignalLike) -> bool:
         (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
         for receiver in compat.live_receivers(signal)
     )
-
-
-def _flush_at_exit(**_: object) -> None:
-    flush_deferred_releases()
-
-
-worker_process_shutdown.connect(
-    _flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred_process"
-)
-worker_shutdown.connect(_flush_at_exit, weak=False, dispatch_uid="celery_lease.flush_deferred")
-atexit.register(flush_deferred_releases)

@@ -10,7 +10,7 @@ holder let go itself), and no interrupt is fired from the publish (the usual
 ``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
 ``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
 
-The receiver is connected when this module is imported (by :mod:`celery_lease._celery.task`).
+The receiver is connected by :func:`celery_lease._celery.wiring.install`.
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
 
@@ -18,19 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from celery.signals import before_task_publish
-
 from celery_lease._celery import deferral, execution
 
-__all__: list[str] = []
+__all__ = ["release_before_publish"]
 
 
-def _release_before_publish(
+def release_before_publish(
     headers: Mapping[str, object] | None = None, body: object = None, **_: object
 ) -> None:
-    """A running locked task publishes a message with its own id (``retry()``, ``replace()``,
-    ``apply_async(task_id=...)``): release its lease first (early), so the new message can
-    never find its own lease still held.
+    """``before_task_publish``: a running locked task publishes a message with its own id
+    (``retry()``, ``replace()``, ``apply_async(task_id=...)``): release its lease first
+    (early), so the new message can never find its own lease still held.
 
     The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
     Any deferred release of this process is answered first (see
@@ -49,8 +47,3 @@ def _release_before_publish(
     for run in reversed(runs):
         if run.task_id == task_id:
             run.release_early()
-
-
-before_task_publish.connect(
-    _release_before_publish, weak=False, dispatch_uid="celery_lease.release_before_retry"
-)

@@ -31,23 +31,24 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, TypeVar, cast
 
 from celery.exceptions import Retry
+from celery.utils.dispatch import Signal
 
 from celery_lease import signals
 from celery_lease._celery import compat, deferral, on_held
-from celery_lease._celery import request as _request  # defines the request attributes
-from celery_lease._celery import settings as config
+from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
+from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
-from celery_lease._celery.store_resolution import store_for
-from celery_lease._core.lease import Lease, LeaseContext, clock_of, lease
+from celery_lease._celery.store_resolution import execution_store
+from celery_lease._core.lease import Lease, LeaseContext, clock_of
 from celery_lease._core.options import LockOptions
 from celery_lease._core.owners import MAX_FIELD_CHARS
 from celery_lease.errors import LockLostError, LockNotAcquiredError
-from celery_lease.stores.base import LockStore, SupportsDeferredRelease, conforms
+from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
 if TYPE_CHECKING:
-    from celery_lease._celery.protocols import CeleryApp, CeleryTask, TaskRequest, UniqueTask
+    from celery_lease._celery.protocols import CeleryTask, TaskRequest, UniqueTask
 
 __all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
 
@@ -177,14 +178,7 @@ class _Run:
             # ``self.released_early``: that is set before the early release is recorded, and a
             # real loss recorded just before it must still be reported.
             return
-        signals.send(
-            signals.lock_lost,
-            self.task,
-            key=held.key,
-            token=held.token,
-            reason=reason,
-            task_id=self.task_id,
-        )
+        self._send(signals.lock_lost, held, reason=reason)
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
@@ -196,16 +190,10 @@ class _Run:
 
     # Release ------------------------------------------------------------------------------------
 
-    def _send_released(self, held: Lease, held_seconds: float) -> None:
-        if not signals.lock_released.receivers:
-            return
+    def _send(self, signal: Signal, held: Lease, **named: object) -> None:
+        """Send ``signal`` about ``held`` (its key and token, this execution's task id)."""
         signals.send(
-            signals.lock_released,
-            self.task,
-            key=held.key,
-            token=held.token,
-            held_seconds=held_seconds,
-            task_id=self.task_id,
+            signal, self.task, key=held.key, token=held.token, task_id=self.task_id, **named
         )
 
     def release_early(self) -> None:
@@ -223,7 +211,7 @@ class _Run:
         held_seconds = held.held_seconds
         self.released_early = True
         if context.release_early("released"):
-            self._send_released(held, held_seconds)
+            self._send(signals.lock_released, held, held_seconds=held_seconds)
 
     def release(self, exc: BaseException | None) -> None:
         """Release the lease (or keep it for cooldown after success), once; send lock_released.
@@ -247,7 +235,7 @@ class _Run:
         finally:
             # A lost lease was not ours to release any more: lock_lost already said so.
             if not context.reentered and not held.lost:
-                self._send_released(held, held_seconds)
+                self._send(signals.lock_released, held, held_seconds=held_seconds)
 
 
 _active: ContextVar[tuple[_Run, ...]] = ContextVar("celery_lease_runs", default=())
@@ -357,13 +345,13 @@ def _run_locked(
     are the functions below, in the order they run."""
     options = spec.options
     app = task.app if task is not None else compat.get_current_app()
-    settings = config.get_settings(app)
+    settings = get_settings(app)
     if request is not None:
         _clear_lock_attributes(request)  # overwrite what a message header may have put there
     key = settings.key_prefix + spec.key_function(args, kwargs)
     run = _Run(task, request, key, options)
     ttl, wait = spec.durations(settings)
-    store = _store_of(options, app, key)
+    store = execution_store(options.store, app, key)
     context = _lease_context(run, request, store, ttl, wait)
     arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
     if options.unique is not None and request is not None:
@@ -387,7 +375,7 @@ def _run_arrived(
     request: TaskRequest | None,
     context: LeaseContext,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
     body: Callable[[], _R],
     adopt: bool,
@@ -454,19 +442,6 @@ def _clear_lock_attributes(request: TaskRequest) -> None:
     request.lease = None
 
 
-def _store_of(options: LockOptions, app: CeleryApp, key: str) -> LockStore:
-    """The execution's store (an async store's ``.sync`` twin); a store that is no
-    ``LockStore`` raises the error ``lease()`` gives for it."""
-    store = store_for(options.store, app)
-    if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
-        from celery_lease._core import aio
-
-        store = aio.split_async_store(store)[1]
-    if not conforms(store, LockStore):
-        lease(key, store=store)  # raises the error lease() gives for it
-    return store
-
-
 def _lease_context(
     run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
 ) -> LeaseContext:
@@ -498,7 +473,7 @@ def _rejected(
     run: _Run,
     request: TaskRequest | None,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
     exc: LockNotAcquiredError,
     refused_by: str | None = None,
@@ -528,7 +503,7 @@ def _queued_hold(
     run: _Run,
     request: TaskRequest | None,
     store: LockStore,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
     ttl: float,
 ) -> _unique.QueuedHold | None:
     """A unique copy about to run its body hands its queued key over
@@ -571,7 +546,7 @@ def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
 
 
 def _release(
-    run: _Run, request: TaskRequest | None, context: LeaseContext, settings: config.LeaseSettings
+    run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
     """After the body returned: release the lease (or keep it for ``cooldown``), without
     waiting for the reply where the store can and nothing may depend on it."""
@@ -586,7 +561,7 @@ def _release_with_queued(
     context: LeaseContext,
     held: Lease,
     queued: _unique.QueuedHold,
-    settings: config.LeaseSettings,
+    settings: LeaseSettings,
 ) -> None:
     """After the body of an ``until_done`` copy returned: release the run lease, then its
     queued key.

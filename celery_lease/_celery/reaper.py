@@ -63,7 +63,7 @@ from celery.exceptions import TimeLimitExceeded
 
 from celery_lease import signals
 from celery_lease._celery import compat, control, startup
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import get_settings
 from celery_lease._celery.store_resolution import store_for
 from celery_lease._celery.unique import queued_key
 from celery_lease._core import owners
@@ -222,35 +222,14 @@ class _Reaper:
         mark = self.pool.mark_as_worker_lost
 
         def join_exited_workers(*args: object, **kwargs: object) -> object:
-            self.handled = set()
-            try:
-                self.before = {p.pid: p for p in list(self._children()) if p.pid}
-                self.running = _running_by_pid(self.pool)
-                self.fails = _ends_failed_ids()
-            except Exception:
-                logger.exception("celery-lease: cannot note the pool's running tasks")
-                self.running = {}
-                self.fails = set()
+            self._note_children()
             try:
                 return join(*args, **kwargs)
             finally:
-                try:
-                    present = {id(p) for p in self._children()}
-                    for pid, process in self.before.items():
-                        if id(process) not in present and pid not in self.handled:
-                            self.reaped(pid, process, wait=False)
-                except Exception:
-                    logger.exception(_REAPER_FAILED)
-                self.before = {}
+                self._release_joined()
 
         def mark_as_worker_lost(job: PoolJob, exitcode: int) -> object:
-            try:
-                for pid in job.worker_pids():
-                    process = self.before.get(pid)
-                    if process is not None and pid not in self.handled:
-                        self.reaped(pid, process, wait=True)
-            except Exception:
-                logger.exception(_REAPER_FAILED)
+            self._release_lost(job)
             return mark(job, exitcode)
 
         compat.set_join_exited_workers(self.pool, join_exited_workers)
@@ -262,17 +241,54 @@ class _Reaper:
                 try:
                     return exited(hub, process)
                 finally:
-                    try:
-                        if process in self._children():  # closed its files, not yet reapable
-                            self.watch_exit(hub, process)
-                    except Exception:
-                        logger.exception(
-                            "celery-lease: cannot watch pool process %s exit; billiard's timer"
-                            " reaps it within 5 s",
-                            getattr(process, "pid", "?"),
-                        )
+                    self._watch_closed(hub, process)
 
             compat.set_event_process_exit(self.pool, event_process_exit)
+
+    def _note_children(self) -> None:
+        """Before the pool joins its exited children: note who runs what now."""
+        self.handled = set()
+        try:
+            self.before = {p.pid: p for p in list(self._children()) if p.pid}
+            self.running = _running_by_pid(self.pool)
+            self.fails = _ends_failed_ids()
+        except Exception:
+            logger.exception("celery-lease: cannot note the pool's running tasks")
+            self.running = {}
+            self.fails = set()
+
+    def _release_joined(self) -> None:
+        """After the join: release the leases of every child it reaped (not yet handled)."""
+        try:
+            present = {id(p) for p in self._children()}
+            for pid, process in self.before.items():
+                if id(process) not in present and pid not in self.handled:
+                    self.reaped(pid, process, wait=False)
+        except Exception:
+            logger.exception(_REAPER_FAILED)
+        self.before = {}
+
+    def _release_lost(self, job: PoolJob) -> None:
+        """A job's worker was lost (noted during a join): release its leases first."""
+        try:
+            for pid in job.worker_pids():
+                process = self.before.get(pid)
+                if process is not None and pid not in self.handled:
+                    self.reaped(pid, process, wait=True)
+        except Exception:
+            logger.exception(_REAPER_FAILED)
+
+    def _watch_closed(self, hub: EventLoopHub, process: PoolProcess) -> None:
+        """A child closed its files: watch for it to become reapable (:meth:`watch_exit`)."""
+        try:
+            if process in self._children():  # closed its files, not yet reapable
+                self.watch_exit(hub, process)
+        except Exception:
+            logger.exception(
+                "celery-lease: cannot watch pool process %s exit; billiard's timer"
+                " reaps it within 5 s",
+                getattr(process, "pid", "?"),
+            )
 
     def _children(self) -> list[PoolProcess]:
         """The pool's child processes now (a reaped child has left the list)."""
@@ -372,7 +388,7 @@ class _Reaper:
 
     def _stores(self) -> list[LockStore]:
         try:
-            settings = config.get_settings(self.app)
+            settings = get_settings(self.app)
         except LeaseConfigError:
             return []
         stores: dict[int, LockStore] = {}
@@ -543,7 +559,7 @@ class _Reaper:
     def _prefix(self) -> str:
         """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
         try:
-            return config.get_settings(self.app).key_prefix
+            return get_settings(self.app).key_prefix
         except Exception:
             return ""
 

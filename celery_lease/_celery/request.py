@@ -1,7 +1,8 @@
 """The request attributes of a locked execution, defined on Celery's ``Context`` class.
 
-Importing this module (the task layer does) adds ``lock_key``, ``lock_token``, ``lock_waited``,
-``lock_lost`` and ``lease`` to :class:`celery.app.task.Context`. Defined on the class, they are
+:func:`define_attributes` (called by :func:`celery_lease._celery.wiring.install`) adds
+``lock_key``, ``lock_token``, ``lock_waited``, ``lock_lost`` and ``lease`` to
+:class:`celery.app.task.Context`. Defined on the class, they are
 never treated as custom headers (``retry()`` re-sends those) and always have a value; they are
 always overwritten when an execution starts, so a message header of the same name cannot forge
 them.
@@ -25,7 +26,7 @@ from celery.app.task import Context
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import TaskRequest
 
-__all__: list[str] = []
+__all__ = ["CLAIMED", "FIELDS", "define_attributes", "is_claimed", "restore", "save"]
 
 
 class _Claimed:
@@ -47,12 +48,6 @@ FIELDS = ("lock_key", "lock_token", "lock_waited", "lease", "_lease_run")
 """The attributes a locked execution writes on a request."""
 
 _MISSING = object()
-
-Context.lock_key = None
-Context.lock_token = None
-Context.lock_waited = False
-Context.lease = None
-Context._lease_run = None  # CLAIMED on a request a locked execution has claimed
 
 
 def is_claimed(request: TaskRequest) -> bool:
@@ -86,6 +81,13 @@ def _get_lock_lost(request: TaskRequest) -> bool:
     return held is not None and bool(held.lost)
 
 
-Context.lock_lost = property(
-    _get_lock_lost, doc="True once this execution's lease is lost (read from the lease)."
-)
+def define_attributes() -> None:
+    """Define the lock attributes on Celery's ``Context`` class (again: no change)."""
+    Context.lock_key = None
+    Context.lock_token = None
+    Context.lock_waited = False
+    Context.lease = None
+    Context._lease_run = None  # CLAIMED on a request a locked execution has claimed
+    Context.lock_lost = property(
+        _get_lock_lost, doc="True once this execution's lease is lost (read from the lease)."
+    )

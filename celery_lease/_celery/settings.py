@@ -680,15 +680,15 @@ def warn_host_local(app: CeleryApp, path: str) -> None:
 
 
 def _build_store(app: CeleryApp) -> LockStore:
+    """The store :func:`store_option` names, built (the host-local file refused or warned of)."""
     settings = get_settings(app)
-    configured = settings.store
-    if configured is not None and not isinstance(configured, str):
-        return configured
-    if isinstance(configured, str):
-        return store_from_url(with_restart_grace(configured, settings))
-    broker = broker_store_url(app)
-    if broker is not None:
-        return store_from_url(with_restart_grace(broker, settings))
+    if not host_local_fallback(app):
+        option = store_option(app)
+        return (
+            store_from_url(with_restart_grace(option, settings))
+            if isinstance(option, str)
+            else option
+        )
     from celery_lease.stores.sqlite import SQLiteLockStore
 
     path = default_sqlite_path()

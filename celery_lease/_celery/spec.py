@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import BUILTIN_TTL, BUILTIN_WAIT, LeaseSettings, pick
 from celery_lease._core.keys import KeyFunction
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.options import LockOptions
@@ -41,7 +41,7 @@ class Spec:
         default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
     )
 
-    def durations(self, settings: config.LeaseSettings) -> tuple[float, float]:
+    def durations(self, settings: LeaseSettings) -> tuple[float, float]:
         """``(ttl, wait)`` in seconds: the task's options, else the app's settings, else the
         built-in defaults; worked out and checked once per settings object (a new one is read
         after :func:`celery_lease._celery.settings.reset`)."""
@@ -49,8 +49,8 @@ class Spec:
         if read is settings:
             return ttl, wait
         options = self.options
-        ttl = config.pick(options.ttl, settings.default_ttl, config.BUILTIN_TTL)
-        wait = config.pick(options.wait, settings.default_wait, config.BUILTIN_WAIT)
+        ttl = pick(options.ttl, settings.default_ttl, BUILTIN_TTL)
+        wait = pick(options.wait, settings.default_wait, BUILTIN_WAIT)
         check_ttl(ttl, ttl, name="ttl")  # as lease() checks it: lease_default_ttl may be too short
         self._durations[0] = (settings, ttl, wait)
         return ttl, wait

@@ -84,7 +84,19 @@ from urllib.parse import urlsplit
 from celery import bootsteps
 
 from celery_lease._celery import control, pool
-from celery_lease._celery import settings as config
+from celery_lease._celery.settings import (
+    SETTINGS,
+    LeaseSettings,
+    default_sqlite_path,
+    get_settings,
+    host_local_fallback,
+    host_local_message,
+    is_process_local,
+    recheck,
+    refuse,
+    store_option,
+    warn_host_local,
+)
 from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import (
@@ -155,15 +167,14 @@ def uses_celery_lease(app: CeleryApp) -> bool:
 
     True when the app has a locked task (a ``LockedTask`` or a ``@locked`` body), configures
     one of the ``lease_*`` settings (:data:`celery_lease._celery.settings.SETTINGS`: an app that
-    uses
-    ``lease()`` in plain task bodies opts in so), or called
+    uses ``lease()`` in plain task bodies opts in so), or called
     :func:`celery_lease.metrics.install`. Read once the app is final (a worker's steps are
     built after it imported every task module); reading it finalizes the app.
     """
     if any(True for _ in locked_tasks(app)):
         return True
     conf = app.conf
-    return any(conf.get(name) is not None for name in config.SETTINGS) or app in _opted_in
+    return any(conf.get(name) is not None for name in SETTINGS) or app in _opted_in
 
 
 _opted_in: weakref.WeakSet[CeleryApp] = weakref.WeakSet()
@@ -200,13 +211,13 @@ def _check(
     app: CeleryApp, processes: int, pool: str, *, warn: bool = True
 ) -> LeaseConfigError | None:
     try:
-        settings = config.get_settings(app)
+        settings = get_settings(app)
     except LeaseConfigError as exc:
         return exc
     local = [
         (where, store)
         for where, store in stores_in_use(app, settings.store)
-        if config.is_process_local(store)
+        if is_process_local(store)
     ]
     if not local:
         return None
@@ -320,7 +331,7 @@ def ping_stores(
     started: list[tuple[str, str | LockStore, threading.Event, list[float | BaseException]]] = []
     checks: dict[int, Check] = {}
     for index, (what, option) in enumerate(stores):
-        if config.is_process_local(option):
+        if is_process_local(option):
             checks[index] = Check(
                 what, _shown(option), note="in one process's memory: nothing to reach"
             )
@@ -386,11 +397,11 @@ def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockSt
     ``lease_store`` is set, or when a locked task has no ``lock_store`` of its own; and every
     task's ``lock_store``.
     """
-    configured = config.get_settings(app).store
+    configured = get_settings(app).store
     tasks = list(locked_tasks(app))
     pairs: list[tuple[str, str | LockStore]] = []
     if every or configured is not None or any(store is None for _, store in tasks):
-        option = config.store_option(app)
+        option = store_option(app)
         if configured is not None:
             what = "lease_store"
         elif isinstance(option, str) and option.startswith("sqlite:"):
@@ -429,7 +440,7 @@ def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Chec
     ``lease_require_shared_store`` is set.
     """
     try:
-        settings = config.get_settings(app)
+        settings = get_settings(app)
     except LeaseConfigError as exc:
         return [Check("settings", error=str(exc))]
     checks = [Check("settings")]
@@ -441,8 +452,8 @@ def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Chec
     for check in ping_stores(stores, key, timeout):
         if check.what == HOST_LOCAL and check.ok:
             if settings.require_shared_store:
-                path = config.default_sqlite_path()
-                check = dataclasses.replace(check, error=config.host_local_message(app, path))
+                path = default_sqlite_path()
+                check = dataclasses.replace(check, error=host_local_message(app, path))
             else:
                 check = dataclasses.replace(check, warning=HOST_LOCAL_WARNING)
         checks.append(check)
@@ -466,18 +477,18 @@ def check_host_local(app: CeleryApp) -> LeaseConfigError | None:
     do not repeat it when they open the store).
     """
     try:
-        if not config.host_local_fallback(app) or not _uses_app_store(app):
+        if not host_local_fallback(app) or not _uses_app_store(app):
             return None
-        path = config.default_sqlite_path()
+        path = default_sqlite_path()
     except LeaseConfigError as exc:
         return exc
-    if config.get_settings(app).require_shared_store:
-        return LeaseConfigError(config.host_local_message(app, path))
-    config.warn_host_local(app, path)
+    if get_settings(app).require_shared_store:
+        return LeaseConfigError(host_local_message(app, path))
+    warn_host_local(app, path)
     return None
 
 
-def _check_stores(app: CeleryApp, settings: config.LeaseSettings) -> LeaseConfigError | None:
+def _check_stores(app: CeleryApp, settings: LeaseSettings) -> LeaseConfigError | None:
     """At worker start: ping every store in use (``lease_store_check``); the refusal, if any."""
     if settings.store_check == "off":
         return None
@@ -525,13 +536,13 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         global _app, _processes
         super().__init__(parent, **kwargs)
         app = parent.app
-        config.recheck(app)
+        recheck(app)
         processes = pool.pool_processes(parent.pool_cls, parent.concurrency, autoscale)
         error = _check(app, processes, pool.pool_name(parent.pool_cls))
         if error is None and uses_celery_lease(app):
-            error = check_host_local(app) or _check_stores(app, config.get_settings(app))
+            error = check_host_local(app) or _check_stores(app, get_settings(app))
         if error is not None:
-            config.refuse(app, str(error))
+            refuse(app, str(error))
             logger.critical(
                 "Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error
             )
@@ -564,7 +575,7 @@ def recheck_in_pool_process() -> None:
         return
     error = _check(app, _processes, pool.pool_label(), warn=False)
     if error is not None:
-        config.refuse(app, str(error))
+        refuse(app, str(error))
         logger.critical(
             "celery-lease: pool process %d refuses locked tasks: %s", os.getpid(), error
         )

@@ -41,12 +41,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from celery import Task
 from celery.exceptions import Retry
 from celery.result import AsyncResult
-from celery.signals import task_revoked
 
-from celery_lease._celery import compat
-from celery_lease._celery import early_release as _early_release  # noqa: F401  # its receiver
+from celery_lease._celery import compat, wiring
 from celery_lease._celery import unique as _unique
-from celery_lease._celery import worker as _worker  # noqa: F401  # connects the worker hooks
 from celery_lease._celery.execution import adopt_request, current_run, run_locked
 from celery_lease._celery.interrupt import REVOKE_GRACE
 from celery_lease._celery.on_held import skip_quietly
@@ -80,6 +77,8 @@ __all__ = [
     "locked",
     "run_locked",
 ]
+
+wiring.install()  # Celery's signals, the request attributes, `inspect leases`: before any fork
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -442,11 +441,6 @@ class LockedTask(Task):  # type: ignore[misc]
 # @locked -------------------------------------------------------------------------------------
 
 
-task_revoked.connect(
-    _unique.on_task_revoked, weak=False, dispatch_uid="celery_lease.unique.revoked"
-)
-
-
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
     """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
     wrapper), not a helper called from the body."""
@@ -540,28 +534,21 @@ def locked(
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
-            if skips and task is not None and not _is_body_of(task, wrapper):
-                # A helper called from a running body: a skip returns None to that body.
-                quiet = skip_quietly.set(True)
-                try:
-                    return run_locked(
-                        task,
-                        request,
-                        spec_for(name, bound),
-                        key_args,
-                        kwargs,
-                        lambda: func(*args, **kwargs),
-                    )
-                finally:
+            # A helper called from a running body: a skip returns None to that body.
+            helper = skips and task is not None and not _is_body_of(task, wrapper)
+            quiet = skip_quietly.set(True) if helper else None
+            try:
+                return run_locked(
+                    task,
+                    request,
+                    spec_for(name, bound),
+                    key_args,
+                    kwargs,
+                    lambda: func(*args, **kwargs),
+                )
+            finally:
+                if quiet is not None:
                     skip_quietly.reset(quiet)
-            return run_locked(
-                task,
-                request,
-                spec_for(name, bound),
-                key_args,
-                kwargs,
-                lambda: func(*args, **kwargs),
-            )
 
         wrapper.__signature__ = full  # type: ignore[attr-defined]  # Celery ignores __wrapped__
         wrapper._lock_options = options  # type: ignore[attr-defined]  # read by startup.check_worker

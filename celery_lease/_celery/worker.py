@@ -1,8 +1,5 @@
-"""Worker hooks: the per-process state rebuilt in each pool process, and the wiring of
-celery-lease into Celery's signals and the worker's bootsteps.
-
-Connected when :mod:`celery_lease._celery.task` is imported (before the pool forks, so prefork
-children inherit the receivers):
+"""Worker hooks: the per-process state rebuilt in each pool process, and the receivers that
+tie celery-lease into the worker's life (connected by :func:`celery_lease._celery.wiring.install`):
 
 - ``worker_init`` (main process): remember the main process id and add
   :class:`~celery_lease._celery.startup.LeaseCheck`,
@@ -16,22 +13,10 @@ children inherit the receivers):
   also covers pools that start processes otherwise), note whether this process is a pool
   child (:func:`celery_lease._celery.pool.set_pool_child`), and check again there
   (:func:`celery_lease._celery.startup.recheck_in_pool_process`);
+- ``worker_shutdown`` (main process): remove the socket directory of ``inspect leases``;
 - ``task_failure`` (main process): a task ended by its hard time limit is noted for the reaper
   (:func:`celery_lease._celery.reaper.note_task_failure`).
 
-When that happens, whatever the layout of the project. ``celery worker`` imports the app's task
-modules (``include``, ``imports``, and ``autodiscover_tasks()``, Django's included, through the
-``import_modules`` signal) in ``loader.init_worker()``, the first thing ``WorkController``
-does, before it sends ``worker_init``; it reads ``app.steps["worker"]`` after ``worker_init``,
-and builds every step (their ``__init__``) before any step starts: before the pool forks. So a
-task module that defines a locked task has imported this module (through
-:mod:`celery_lease._celery.task`) before ``worker_init``, whichever module ``-A`` names. The
-``celery`` program itself loads :mod:`celery_lease.cli` (the ``celery.commands`` entry point)
-in every invocation, ``celery inspect`` included, which registers the remote-control command
-``leases`` there (:mod:`celery_lease._celery.control`): the inspect client checks the name
-against its own registry, and imports only the ``-A`` module, never the task modules.
-
-Every receiver is connected by :func:`connect_receivers`, once, when this module is imported.
 What runs at start: :mod:`celery_lease._celery.startup` (the configuration and store checks,
 :class:`~celery_lease._celery.startup.LeaseCheck`). The leases of dead pool children:
 :mod:`celery_lease._celery.reaper` (:class:`~celery_lease._celery.reaper.DeadHolders`).
@@ -40,8 +25,8 @@ Who holds what. ``worker_init`` makes the worker's node name (``w1@host``) the d
 every owner id made in the worker's processes (:func:`celery_lease._core.owners.set_node`), and
 ``task_prerun`` / ``task_postrun`` make the running task's name and id the default task of owner
 ids made during it (:func:`celery_lease._core.owners.push_task`), so a ``lease()`` inside a task
-body names its task too. :mod:`celery_lease._celery.control` (imported here) registers
-``celery inspect leases``; every pool child serves its snapshot for it (see there).
+body names its task too. Every pool child serves its snapshot for ``celery inspect leases``
+(:mod:`celery_lease._celery.control`).
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -53,20 +38,20 @@ import contextvars
 import logging
 import os
 
-from celery.signals import (
-    task_failure,
-    task_postrun,
-    task_prerun,
-    worker_init,
-    worker_process_init,
-    worker_shutdown,
-)
-
 from celery_lease import _forking as forking
 from celery_lease._celery import control, pool, reaper, startup
 from celery_lease._core import owners
 
-__all__ = ["METRICS_STEP", "connect_receivers", "reset_process_state"]
+__all__ = [
+    "METRICS_STEP",
+    "on_task_failure",
+    "on_task_postrun",
+    "on_task_prerun",
+    "on_worker_init",
+    "on_worker_process_init",
+    "on_worker_shutdown",
+    "reset_process_state",
+]
 
 logger = logging.getLogger("celery_lease.worker")
 
@@ -85,7 +70,8 @@ def reset_process_state() -> None:
     forking.reset_child_state()
 
 
-def _on_worker_init(sender: object = None, **_: object) -> None:
+def on_worker_init(sender: object = None, **_: object) -> None:
+    """``worker_init``: note the main process and its node; add our bootsteps."""
     global _main_pid
     _main_pid = os.getpid()
     node = getattr(sender, "hostname", None)
@@ -99,7 +85,8 @@ def _on_worker_init(sender: object = None, **_: object) -> None:
         app.steps["worker"].add(METRICS_STEP)
 
 
-def _on_worker_process_init(**_: object) -> None:
+def on_worker_process_init(**_: object) -> None:
+    """``worker_process_init``: forget inherited state; in a pool child, check and serve."""
     child = _main_pid is not None and os.getpid() != _main_pid
     pool.set_pool_child(child)
     reset_process_state()
@@ -108,7 +95,8 @@ def _on_worker_process_init(**_: object) -> None:
         control.serve_in_child()
 
 
-def _on_worker_shutdown(**_: object) -> None:
+def on_worker_shutdown(**_: object) -> None:
+    """``worker_shutdown``: in the main process, remove the ``inspect leases`` sockets."""
     if os.getpid() == _main_pid:
         control.cleanup_main()
 
@@ -123,7 +111,8 @@ _task_tokens: contextvars.ContextVar[list[tuple[str, _OwnerToken]] | None] = con
 )
 
 
-def _on_task_prerun(task_id: str | None = None, task: object = None, **_: object) -> None:
+def on_task_prerun(task_id: str | None = None, task: object = None, **_: object) -> None:
+    """``task_prerun``: the running task is the default task of owner ids made now."""
     stack = _task_tokens.get()
     if stack is None:
         stack = []
@@ -132,7 +121,8 @@ def _on_task_prerun(task_id: str | None = None, task: object = None, **_: object
     stack.append((str(task_id), owners.push_task(name if isinstance(name, str) else None, task_id)))
 
 
-def _on_task_postrun(task_id: str | None = None, **_: object) -> None:
+def on_task_postrun(task_id: str | None = None, **_: object) -> None:
+    """``task_postrun``: undo what :func:`on_task_prerun` did for this task id."""
     stack = _task_tokens.get()
     if not stack or stack[-1][0] != str(task_id):
         return
@@ -141,30 +131,9 @@ def _on_task_postrun(task_id: str | None = None, **_: object) -> None:
         owners.pop_task(token)
 
 
-def _on_task_failure(
+def on_task_failure(
     sender: object = None, task_id: str | None = None, exception: object = None, **_: object
 ) -> None:
     """In the main process: tell the reaper of tasks ended by a hard time limit."""
     if os.getpid() == _main_pid:
         reaper.note_task_failure(sender, task_id, exception)
-
-
-def connect_receivers() -> None:
-    """Connect every receiver of Celery's signals (once: at import of this module).
-
-    Strong references (``weak=False``), each under a fixed ``dispatch_uid``, so connecting again
-    adds nothing.
-    """
-    worker_init.connect(_on_worker_init, weak=False, dispatch_uid="celery_lease.worker_init")
-    worker_process_init.connect(
-        _on_worker_process_init, weak=False, dispatch_uid="celery_lease.worker_process_init"
-    )
-    worker_shutdown.connect(
-        _on_worker_shutdown, weak=False, dispatch_uid="celery_lease.worker_shutdown"
-    )
-    task_prerun.connect(_on_task_prerun, weak=False, dispatch_uid="celery_lease.task_prerun")
-    task_postrun.connect(_on_task_postrun, weak=False, dispatch_uid="celery_lease.task_postrun")
-    task_failure.connect(_on_task_failure, weak=False, dispatch_uid="celery_lease.task_failure")
-
-
-connect_receivers()

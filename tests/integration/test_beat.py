@@ -361,6 +361,7 @@ def test_django_celery_beat_database_scheduler_wrapped(
     database and the PostgreSQL store: one sender; SIGKILL it, the standby takes over within
     ttl + one interval and sends no tick twice."""
     import django_celery_beat  # noqa: F401  (the test extra installs it: no skip)
+
     extra = {
         "DJANGO_SETTINGS_MODULE": "tests.integration.beat_django_settings",
         "BEAT_DJANGO_DB": pg_database_dsn,

@@ -245,20 +245,7 @@ ALLOWED_PRIVATE_ACCESSES: dict[tuple[str, str], str] = {
         "typing's private marker of a Protocol class, read outside a compat module"
     ),
 }
-ALLOWED_RENAMED_MODULES: dict[tuple[str, str], str] = {
-    **{
-        (f"celery_lease/_celery/{module}.py", "config"): "settings imported as config"
-        for module in (
-            "app_lease",
-            "execution",
-            "reaper",
-            "spec",
-            "startup",
-            "store_resolution",
-        )
-    },
-    ("celery_lease/_celery/app_lease.py", "core"): "_core.lease imported as core",
-}
+ALLOWED_RENAMED_MODULES: dict[tuple[str, str], str] = {}
 ALLOWED_LATE_BOUND_EDGES: dict[tuple[str, str], str] = {
     ("celery_lease/_celery/worker.py", "celery_lease.metrics"): (
         "METRICS_STEP names the metrics bootstep: the Celery layer reaches the add-on above it"

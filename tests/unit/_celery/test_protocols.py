@@ -12,8 +12,9 @@ from celery.app.task import Context
 from celery.signals import task_success
 
 from celery_lease import LockedTask, MemoryLockStore
-from celery_lease._celery import protocols
-from celery_lease._celery import request as _request  # noqa: F401  # lock attributes on Context
+from celery_lease._celery import protocols, wiring
+
+wiring.install()  # the lock attributes on Context, as the task layer's import installs them
 
 
 def _members(protocol: type) -> set[str]:

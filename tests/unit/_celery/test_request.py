@@ -7,9 +7,17 @@ import copy
 import pickle
 from types import SimpleNamespace
 
+import pytest
 from celery.app.task import Context
 
 from celery_lease._celery import request
+
+
+@pytest.fixture(autouse=True)
+def _attributes_defined() -> None:
+    """What :func:`celery_lease._celery.wiring.install` does first (defining them again is no
+    change)."""
+    request.define_attributes()
 
 
 class TestDefaults:

@@ -225,7 +225,7 @@ class TestWorkerCheckRefusals:
         pid = os.fork()
         if pid == 0:  # a pool process forked after the registration: what prefork runs first
             try:
-                worker._on_worker_process_init()
+                worker.on_worker_process_init()
                 try:
                     config.get_settings(app)  # what every locked execution reads first
                     os.write(write, b"ran")

@@ -10,7 +10,8 @@ from celery import Celery
 from celery_lease import MemoryLockStore
 from celery_lease import _forking as forking
 from celery_lease._celery import settings as config
-from celery_lease._celery.store_resolution import store_for
+from celery_lease._celery.store_resolution import execution_store, store_for
+from celery_lease.errors import LeaseConfigError
 
 
 @pytest.fixture
@@ -43,3 +44,19 @@ class TestStoreFor:
         first = store_for("memory://", app)
         forking.reset_child_state()
         assert store_for("memory://", app) is not first
+
+
+class TestExecutionStore:
+    def test_an_async_store_is_held_through_its_sync_twin(self, app: Celery) -> None:
+        """An execution renews from a thread: an async ``lock_store`` gives its ``.sync``."""
+        from celery_lease import ThreadedAsyncStore
+
+        sync = MemoryLockStore()
+        assert execution_store(ThreadedAsyncStore(sync), app, "k") is sync
+        assert execution_store(None, app, "k") is app.conf.lease_store
+
+    def test_a_store_that_is_no_lock_store_is_refused_as_lease_refuses_it(
+        self, app: Celery
+    ) -> None:
+        with pytest.raises(LeaseConfigError, match="store="):
+            execution_store(object(), app, "k")  # type: ignore[arg-type]

@@ -47,7 +47,7 @@ class TestSocketDirectory:
         from celery_lease._core import owners
 
         monkeypatch.setattr(owners, "_node", owners._node)
-        worker._on_worker_init(sender=Sender())
+        worker.on_worker_init(sender=Sender())
         assert startup.LeaseCheck in Sender.app.steps["worker"].added
         assert reaper.DeadHolders in Sender.app.steps["worker"].added
         assert control.socket_path(1) is None  # no directory: `inspect` says so per child
@@ -61,31 +61,6 @@ class TestStepNames:
             "celery_lease.worker.LeaseCheck",
             "celery_lease.worker.DeadHolders",
         )
-
-
-class TestConnectReceivers:
-    UIDS = {
-        "worker_init": "celery_lease.worker_init",
-        "worker_process_init": "celery_lease.worker_process_init",
-        "worker_shutdown": "celery_lease.worker_shutdown",
-        "task_prerun": "celery_lease.task_prerun",
-        "task_postrun": "celery_lease.task_postrun",
-        "task_failure": "celery_lease.task_failure",
-    }
-
-    def _ours(self) -> dict[str, int]:
-        from celery import signals
-
-        return {
-            name: sum(key[0] == uid for key, _ in getattr(signals, name).receivers)
-            for name, uid in self.UIDS.items()
-        }
-
-    def test_every_receiver_is_connected_once_under_its_fixed_uid(self) -> None:
-        """Importing the worker module connected each receiver; connecting again adds none."""
-        assert self._ours() == dict.fromkeys(self.UIDS, 1)
-        worker.connect_receivers()
-        assert self._ours() == dict.fromkeys(self.UIDS, 1)
 
 
 class TestMetricsStep:

@@ -1,0 +1,124 @@
+"""``celery_lease._celery.wiring``: one call hooks celery-lease into Celery, once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from celery import signals
+from celery.app.task import Context
+from celery.worker.control import Panel
+
+from celery_lease._celery import control, wiring
+
+UIDS = {
+    "worker_init": "celery_lease.worker_init",
+    "worker_process_init": "celery_lease.worker_process_init",
+    "worker_shutdown": "celery_lease.worker_shutdown",
+    "task_prerun": "celery_lease.task_prerun",
+    "task_postrun": "celery_lease.task_postrun",
+    "task_failure": "celery_lease.task_failure",
+    "before_task_publish": "celery_lease.release_before_retry",
+    "worker_process_shutdown": "celery_lease.flush_deferred_process",
+    "task_revoked": "celery_lease.unique.revoked",
+}
+
+
+FLUSH = "celery_lease.flush_deferred"
+"""The second uid on ``worker_shutdown``: the exit flush of deferred releases."""
+
+
+def _ours() -> dict[str, int]:
+    counts = {
+        name: sum(key[0] == uid for key, _ in getattr(signals, name).receivers)
+        for name, uid in UIDS.items()
+    }
+    counts[FLUSH] = sum(key[0] == FLUSH for key, _ in signals.worker_shutdown.receivers)
+    return counts
+
+
+class TestInstall:
+    def test_every_receiver_is_connected_once_under_its_fixed_uid(self) -> None:
+        """Installing twice connects each receiver once (importing the task layer installs:
+        :class:`TestWhereItRuns`)."""
+        wiring.install()
+        wiring.install()
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
+
+    def test_the_table_names_every_receiver(self) -> None:
+        assert {(signal.name, uid) for signal, _, uid in wiring.RECEIVERS} == {
+            *UIDS.items(),
+            ("worker_shutdown", FLUSH),
+        }
+
+    def test_the_steps_run_again_connect_nothing_twice(self) -> None:
+        """Each step is idempotent of itself: two threads racing past the flag change nothing."""
+        for signal, receiver, uid in wiring.RECEIVERS:
+            signal.connect(receiver, weak=False, dispatch_uid=uid)
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
+
+    def test_a_forked_child_has_each_receiver_once_and_installs_nothing_more(self) -> None:
+        """The flag and the receivers are inherited together: installing in the child (as the
+        task layer's import would, in a pool process) connects nothing twice."""
+        wiring.install()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child
+            try:
+                wiring.install()
+                os.write(write, json.dumps(_ours()).encode())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        with os.fdopen(read) as answer:
+            assert json.loads(answer.read()) == dict.fromkeys([*UIDS, FLUSH], 1)
+
+    def test_the_command_and_the_request_attributes_are_installed(self) -> None:
+        wiring.install()
+        assert Panel.data["leases"] is control.leases
+        assert Panel.meta["leases"].type == "inspect"
+        assert {name: getattr(Context(), name) for name in ("lock_token", "lock_lost")} == {
+            "lock_token": None,
+            "lock_lost": False,
+        }
+
+
+def _in_fresh_interpreter(code: str) -> dict[str, object]:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    answer: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return answer
+
+
+_REPORT = (
+    "import json; from celery import signals; from celery.worker.control import Panel; "
+    "from celery.app.task import Context; "
+    "print(json.dumps({'leases': 'leases' in Panel.data, "
+    "'attributes': hasattr(Context, 'lock_token'), "
+    "'receivers': sorted(k[0] for n in ('worker_init', 'task_prerun', 'before_task_publish') "
+    "for k, _ in getattr(signals, n).receivers if str(k[0]).startswith('celery_lease.'))}))"
+)
+
+
+class TestWhereItRuns:
+    def test_importing_the_locked_task_installs_everything(self) -> None:
+        answer = _in_fresh_interpreter("from celery_lease import LockedTask; " + _REPORT)
+        assert answer == {
+            "leases": True,
+            "attributes": True,
+            "receivers": [
+                "celery_lease.release_before_retry",
+                "celery_lease.task_prerun",
+                "celery_lease.worker_init",
+            ],
+        }
+
+    def test_the_cli_registers_the_command_and_connects_no_worker_hook(self) -> None:
+        """The ``celery`` program loads the CLI in every run, workers of apps without a locked
+        task included: it must not add celery-lease's hooks to those."""
+        answer = _in_fresh_interpreter("import celery_lease.cli; " + _REPORT)
+        assert answer == {"leases": True, "attributes": False, "receivers": []}
