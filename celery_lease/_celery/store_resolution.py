@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from celery_lease import _forking as forking
 from celery_lease._celery import settings as config
-from celery_lease.stores.base import LockStore, store_from_url
+from celery_lease.stores import store_from_url
+from celery_lease.stores.base import LockStore
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp

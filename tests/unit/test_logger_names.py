@@ -28,7 +28,7 @@ LOGGER_NAMES = {
     "celery_lease._core.dispatch": "celery_lease.dispatch",
     "celery_lease._core.lease": "celery_lease.lease",
     "celery_lease._core.renewer": "celery_lease.renewer",
-    "celery_lease._core.threaded_store": "celery_lease.aio",
+    "celery_lease.stores.threaded": "celery_lease.aio",
     "celery_lease._forking": "celery_lease.forking",
     "celery_lease.cli": "celery_lease.cli",
     "celery_lease.metrics": "celery_lease.metrics",

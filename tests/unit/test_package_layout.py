@@ -168,12 +168,11 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsDeferredRenew",
         "SupportsInspection",
         "SupportsReleaseNotify",
-        "async_store_from_url",
         "conforms",
         "redact_url",
-        "store_from_url",
     },
     "celery_lease.stores.memory": {"MemoryLockStore"},
+    "celery_lease.stores.threaded": {"ThreadedAsyncStore"},
     "celery_lease.stores.sqlite": {"SQLiteLockStore"},
     "celery_lease.stores.redis": {
         "ACQUIRE_SCRIPT",
