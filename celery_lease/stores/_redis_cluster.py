@@ -20,14 +20,7 @@ from typing import Any, TypeVar, cast
 
 import redis
 import redis.cluster
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    NoScriptError,
-    RedisError,
-    SlotNotCoveredError,
-    TryAgainError,
-)
+from redis.exceptions import AskError, ClusterDownError, RedisError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -42,6 +35,10 @@ _T = TypeVar("_T")
 
 Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
 """Script calls: ``(keys, args)`` each."""
+
+_REDIRECTED = (AskError, redis.exceptions.TryAgainError)  # MovedError is an AskError
+"""Replies of a cluster call to redo through the cluster client, which follows them (slots
+migrating)."""
 
 _NODE_THREAD = "celery-lease-redis-node"
 """The name of the threads that run a cluster batch's node shares (numbered within the batch)."""
@@ -181,14 +178,14 @@ def pipelined(
             pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
         results: list[Any] = pipe.execute(raise_on_error=False)
         acks: Any = results.pop() if wait is not None else None
-        if attempt == 1 and any(isinstance(r, NoScriptError) for r in results):
+        if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
             client.script_load(script.source)
             continue
         for result in results:
             if isinstance(result, RETRIED) or (
                 isinstance(result, Exception)
                 and not errors_in_place
-                and not isinstance(result, (AskError, TryAgainError))
+                and not isinstance(result, _REDIRECTED)
             ):
                 raise result
         if isinstance(acks, Exception):
@@ -341,7 +338,7 @@ class ClusterFanOut:
         through the cluster client, errors in place (``CLUSTERDOWN`` asks for a refresh)."""
         replies = self._node_pipeline(name, node_client, script, calls)
         for position, reply in enumerate(replies):
-            if isinstance(reply, (AskError, TryAgainError)):  # MovedError is an AskError
+            if isinstance(reply, _REDIRECTED):
                 try:
                     replies[position] = self._eval_one(script, *calls[position])
                 except RedisError as exc:

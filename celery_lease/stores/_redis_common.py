@@ -267,13 +267,9 @@ return 0
 """
 )
 
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the signal's lifetime in ms.
-# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
-# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
-# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
-FORCE_RELEASE_SCRIPT = _lua(
-    """
+# The start of the scripts that read a live lease: `lease` holds {owner, token}; a free key
+# answers false (nil), a lease key holding another type the NOT_A_LEASE error reply.
+_READ_LEASE = """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
 if lease.err then
     return redis.error_reply(NOT_A_LEASE)
@@ -281,7 +277,16 @@ end
 if not lease[1] then
     return false
 end
-local left = redis.call('PTTL', KEYS[1])
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the signal's lifetime in ms.
+# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
+# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
+# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+FORCE_RELEASE_SCRIPT = _lua(
+    _READ_LEASE
+    + """local left = redis.call('PTTL', KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('RPUSH', KEYS[2], '1')
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
@@ -292,18 +297,7 @@ return {lease[1], lease[2], left}
 # KEYS[1] the lease hash.
 # Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
 # A lease key holding another type is answered with the NOT_A_LEASE error reply.
-INSPECT_SCRIPT = _lua(
-    """
-local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
-if lease.err then
-    return redis.error_reply(NOT_A_LEASE)
-end
-if not lease[1] then
-    return false
-end
-return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
-"""
-)
+INSPECT_SCRIPT = _lua(_READ_LEASE + "return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}\n")
 
 
 @dataclass(frozen=True)
@@ -557,33 +551,6 @@ class StoreBase:
         """The prefix of every key the store writes."""
         return self._prefix
 
-    @property
-    def min_replicas(self) -> int:
-        """Replicas that must acknowledge an acquire or a renewal (0: no ``WAIT``)."""
-        return self._min_replicas
-
-    @property
-    def replica_timeout(self) -> float:
-        """Seconds one ``WAIT`` may block for :attr:`min_replicas` acknowledgements."""
-        return self._replica_timeout
-
-    @property
-    def restart_grace(self) -> float:
-        """Seconds after its start a server that may have lost leases refuses free keys
-        (0: no grace)."""
-        return self._restart_grace
-
-    @property
-    def marker_key(self) -> str:
-        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{boot, started,
-        cause}``.
-
-        Written by the first acquire of each server run (``boot``: INFO's ``run_id``), never
-        expiring: missing, or naming another run, it tells the acquire script that the server
-        may have lost leases (see ``restart_grace``).
-        """
-        return self._prefix + MARKER
-
     # Keys and calls -----------------------------------------------------------------------------
 
     def _base(self, key: str) -> str:
@@ -604,6 +571,17 @@ class StoreBase:
         """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``."""
         return self._base(key) + ":signal"
 
+    @property
+    def marker_key(self) -> str:
+        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{boot, started,
+        cause}``.
+
+        Written by the first acquire of each server run (``boot``: INFO's ``run_id``), never
+        expiring: missing, or naming another run, it tells the acquire script that the server
+        may have lost leases (see ``restart_grace``).
+        """
+        return self._prefix + MARKER
+
     def _acquire_call(
         self, script: Script, key: str, owner: str, ttl_ms: int
     ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...]]:
@@ -623,6 +601,11 @@ class StoreBase:
         base = self._base(key)
         return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS)
 
+    @property
+    def replica_timeout(self) -> float:
+        """Seconds one ``WAIT`` may block for :attr:`min_replicas` acknowledgements."""
+        return self._replica_timeout
+
     def _wait_args(self) -> tuple[int, int] | None:
         """``(numreplicas, timeout ms)`` of the WAIT that follows a write, or None (no WAIT)."""
         if not self._min_replicas:
@@ -630,6 +613,11 @@ class StoreBase:
         return self._min_replicas, max(1, round(self._replica_timeout * 1000))
 
     # Replies --------------------------------------------------------------------------------------
+
+    @property
+    def min_replicas(self) -> int:
+        """Replicas that must acknowledge an acquire or a renewal (0: no ``WAIT``)."""
+        return self._min_replicas
 
     def _confirmed(self, acks: int | None) -> bool:
         """Whether a write's ``acks`` (None: no WAIT) satisfy :attr:`min_replicas`."""
@@ -644,6 +632,12 @@ class StoreBase:
                 "renew", key, acks, "its holder keeps its last confirmed expiry"
             )
         return renewed
+
+    @property
+    def restart_grace(self) -> float:
+        """Seconds after its start a server that may have lost leases refuses free keys
+        (0: no grace)."""
+        return self._restart_grace
 
     def _outside_grace(self, key: str, reply: Any) -> Any:
         """``reply``; a refusal of a free key by a restart grace raised (logged once a grace)."""

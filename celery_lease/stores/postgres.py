@@ -89,22 +89,17 @@ from celery_lease.stores._postgres_common import (
     POOL_NAME,
     SCHEMA_SQL,
     ConnectFailures,
-    channel_for,
-    check_options,
-    check_seconds,
+    ListenerRetry,
+    StoreBase,
     connect_kwargs,
-    create_denied_detail,
     describe_error,
-    key_too_long,
     lease_info,
-    missing_table_detail,
+    log_undo_failed,
     no_connection_detail,
     notify_payload,
     parse_dsn,
-    privilege_detail,
     schema_sql,
     statements,
-    store_error,
     target,
     token_of,
 )
@@ -129,13 +124,8 @@ def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Conne
 
         @classmethod
         def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
-            try:
-                conn = super().connect(conninfo, **kwargs)
-            except psycopg.Error as exc:
-                failures.failed(describe_error(exc))
-                raise
-            failures.connected()
-            return conn
+            with failures.recording():
+                return super().connect(conninfo, **kwargs)
 
     return _StoreConnection
 
@@ -300,7 +290,7 @@ class _Listener:
     # Thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff, connected_before, failing = 0.05, False, False
+        retry = ListenerRetry("listener", logger)
         listen = sql.SQL("LISTEN {}; LISTEN {}").format(
             sql.Identifier(self._channel), sql.Identifier(self.stop_channel)
         )
@@ -308,24 +298,13 @@ class _Listener:
             try:
                 conn = self._connect()
             except psycopg.Error as exc:
-                # One line per outage: the retries after it say nothing until it connects.
-                if not failing:
-                    logger.warning(
-                        "celery-lease: listener failed to connect (%s); retrying until it connects",
-                        " ".join(str(exc).split()),
-                    )
-                failing = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._stop.wait(retry.failed(exc))
                 continue
             self._conn = conn
             try:
                 conn.execute(listen)
-                if connected_before:
+                if retry.connected():
                     self._wake_all()
-                if failing:
-                    logger.info("celery-lease: listener connected again")
-                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 while not self._stop.is_set():
                     for notify in conn.notifies(timeout=self._TICK):
@@ -355,7 +334,7 @@ class _Listener:
             _INHERITED.append(self._conn)
 
 
-class PostgresLockStore:
+class PostgresLockStore(StoreBase):
     """A :class:`~celery_lease.LockStore` in a PostgreSQL table; excludes across hosts.
 
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
@@ -434,11 +413,7 @@ class PostgresLockStore:
         max_connections: int = 8,
         create_table: bool | None = None,
     ) -> None:
-        self._table = check_options(table, connect_timeout, max_connections, create_table)
-        check_seconds("statement_timeout", statement_timeout)
-        self._connect_timeout = float(connect_timeout)
-        self._statement_timeout = float(statement_timeout)
-        self._max_connections = max_connections
+        self._set_options(table, connect_timeout, statement_timeout, max_connections, create_table)
         self._where = ""
         self._secrets: tuple[str, ...] = ()  # passwords of the DSN, masked in every message
         if isinstance(dsn_or_pool, ConnectionPool):
@@ -463,8 +438,6 @@ class PostgresLockStore:
             f"PostgresLockStore({self._where}, table={self._table!r})", logger
         )
         self._connection_class = _recording_connection_class(self._connect_failures)
-        self._channel = channel_for(self._table)
-        self._sql = statements(self._table)
         self._init_process_state()
         _STORES.add(self)
 
@@ -489,27 +462,6 @@ class PostgresLockStore:
         """
         return schema_sql(table)
 
-    @property
-    def table(self) -> str:
-        """The table name, as given."""
-        return self._table
-
-    @property
-    def statement_timeout(self) -> float:
-        """Seconds one statement may run on the server (connections of the internal pool)."""
-        return self._statement_timeout
-
-    @property
-    def create_table(self) -> bool:
-        """Whether the store creates its table when a statement finds it missing."""
-        return self._create_table
-
-    @property
-    def channel(self) -> str:
-        """The ``NOTIFY`` channel released keys are announced on (payload: the key, or for a
-        key over 1000 bytes ``sha256:`` and its hex digest; see ``notify_payload``)."""
-        return self._channel
-
     # Connections --------------------------------------------------------------------------------
 
     def _connect_kwargs(self) -> dict[str, Any]:
@@ -525,35 +477,30 @@ class PostgresLockStore:
         self._init_process_state()
         self._closed = closed
 
-    def _get_pool(self) -> ConnectionPool[Any]:
+    def _once(self, read: Callable[[], _T | None], make: Callable[[], _T]) -> _T:
+        """``read()``, else ``make()`` under the lock (it keeps what it made) unless the store
+        is closed; state inherited through a fork is abandoned first."""
         if self._pid != os.getpid():  # forked without os.register_at_fork (e.g. by C code)
             self._forget_inherited()
-        pool = self._pool
-        if pool is not None:
-            return pool
+        value = read()
+        if value is not None:
+            return value
         with self._lock:
             if self._closed:
                 raise StoreUnavailableError(f"{self!r} is closed")
-            if self._pool is None:
-                assert self._dsn is not None
-                pool = ConnectionPool(
-                    self._dsn,
-                    connection_class=self._connection_class,
-                    kwargs=self._connect_kwargs(),
-                    configure=self._configure_connection,
-                    min_size=1,
-                    max_size=self._max_connections,
-                    open=False,
-                    timeout=self._connect_timeout,
-                    # Give up background reconnection (1 s, then doubling) after as long as a
-                    # caller waits: the next call then connects at once, instead of waiting for
-                    # a backoff grown during a long outage.
-                    reconnect_timeout=self._connect_timeout,
-                    name=POOL_NAME,
-                )
-                pool.open(wait=False)
-                self._pool = pool
-            return self._pool
+            value = read()
+            return make() if value is None else value
+
+    def _get_pool(self) -> ConnectionPool[Any]:
+        return self._once(lambda: self._pool, self._new_pool)
+
+    def _new_pool(self) -> ConnectionPool[Any]:
+        assert self._dsn is not None
+        options = self._pool_options(POOL_NAME, self._connect_kwargs())
+        pool = ConnectionPool(self._dsn, configure=self._configure_connection, **options)
+        pool.open(wait=False)
+        self._pool = pool
+        return pool
 
     def _configure_connection(self, conn: psycopg.Connection[Any]) -> None:
         """Bound every statement of a new pooled connection by ``statement_timeout``.
@@ -576,17 +523,11 @@ class PostgresLockStore:
         return psycopg.Connection.connect(conninfo, **kwargs)
 
     def _get_listener(self) -> _Listener:
-        if self._pid != os.getpid():
-            self._forget_inherited()
-        listener = self._listener
-        if listener is not None:
-            return listener
-        with self._lock:
-            if self._closed:
-                raise StoreUnavailableError(f"{self!r} is closed")
-            if self._listener is None:
-                self._listener = _Listener(self._listener_connect, self._channel)
-            return self._listener
+        return self._once(lambda: self._listener, self._new_listener)
+
+    def _new_listener(self) -> _Listener:
+        self._listener = _Listener(self._listener_connect, self._channel)
+        return self._listener
 
     def _run(
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
@@ -606,13 +547,13 @@ class PostgresLockStore:
                     got_connection = True
                     return self._execute(what, conn, fn)
             except PoolTimeout as exc:
-                raise self._error(what, self._no_connection(exc)) from exc
+                raise self._error(what, None, self._no_connection(exc)) from exc
             except CANCELLED_BY_TIMEOUT as exc:
                 # The server ended the statement (a row or table locked by another session, a
                 # crawl); the connection is sound. Not retried: that would double the bound.
-                raise self._error(what, self._timed_out(exc)) from exc
+                raise self._error(what, None, self._timed_out(exc)) from exc
             except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection and redo:
                     logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
@@ -621,13 +562,13 @@ class PostgresLockStore:
                 detail = describe_error(exc)
                 if got_connection and not redo:
                     detail += "; not retried: it may have taken effect (look with get())"
-                raise self._error(what, detail) from exc
+                raise self._error(what, None, detail) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(what, privilege_detail(exc, self._table)) from exc
+                raise self._error(what, None, self._denied(exc)) from exc
             except psycopg.Error as exc:
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
             except PoolClosed as exc:
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute(
@@ -648,9 +589,6 @@ class PostgresLockStore:
             # An interrupt raised inside the statement: end it before anyone goes on.
             _settle_interrupted(conn)
             raise
-
-    def _error(self, what: str, detail: str) -> StoreUnavailableError:
-        return store_error(repr(self), what, detail, self._secrets)
 
     def _timed_out(self, exc: psycopg.Error) -> str:
         bound = ""
@@ -675,9 +613,9 @@ class PostgresLockStore:
 
     def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
         """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""
-        refusal = missing_table_detail(missing, self._table, self._create_table)
+        refusal = self._table_refusal(missing)
         if refusal is not None:
-            raise self._error(what, refusal) from missing
+            raise self._error(what, None, refusal) from missing
         with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
                 conn.execute(self._sql["schema"])
@@ -687,7 +625,7 @@ class PostgresLockStore:
             except psycopg.errors.InsufficientPrivilege as exc:
                 if not conn.autocommit:
                     conn.rollback()
-                raise self._error(what, create_denied_detail(exc, self._table)) from exc
+                raise self._error(what, None, self._denied(exc, creating=True)) from exc
             else:
                 if not conn.autocommit:
                     conn.commit()
@@ -706,7 +644,7 @@ class PostgresLockStore:
             token = self._run("acquire", run)
         except StoreUnavailableError as exc:
             self._drop_slot(key, slot)
-            refused = key_too_long(repr(self), key, exc.__cause__)
+            refused = self._refused_key(key, exc.__cause__)
             if refused is not None:
                 raise refused from exc.__cause__
             raise
@@ -726,12 +664,7 @@ class PostgresLockStore:
         try:
             self.release(key, owner)
         except Exception as exc:
-            logger.warning(
-                "celery-lease: acquire of %r was interrupted and releasing what it may have "
-                "taken failed (%s); it expires within its ttl",
-                key,
-                exc,
-            )
+            log_undo_failed(logger, key, "was interrupted", exc)
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
@@ -740,12 +673,7 @@ class PostgresLockStore:
         )
 
     def release(self, key: str, owner: str) -> None:
-        params = {
-            "key": key,
-            "owner": owner,
-            "channel": self._channel,
-            "payload": notify_payload(key),
-        }
+        params = self._release_params(key, owner)
         self._run("release", lambda conn: conn.execute(self._sql["release"], params))
 
     # Batch renew ----------------------------------------------------------------------------------
@@ -851,7 +779,7 @@ class PostgresLockStore:
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
-        params = {"key": key, "channel": self._channel, "payload": notify_payload(key)}
+        params = self._release_params(key)
         # Not redone after a dropped connection: if the first attempt took effect, the key may
         # have been acquired since, and a second force_release would remove that new lease.
         row = self._run(

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import redis.asyncio
@@ -53,7 +54,6 @@ from celery_lease.stores._redis_common import (
     Script,
     StoreBase,
     blpop_waits,
-    check_restart_grace,
     describe_server,
     failed,
     secrets_among,
@@ -185,8 +185,10 @@ class AsyncRedisLockStore(StoreBase):
         self._prefix = prefix
         self._min_replicas = _same_as_twin("min_replicas", min_replicas, sync.min_replicas, None)
         if not self._owns_sync:  # the twin's values are the ones used: set them there
-            _same_as_twin("replica_timeout", replica_timeout, sync.replica_timeout, _wait_seconds)
-            _same_as_twin("restart_grace", restart_grace, sync.restart_grace, check_restart_grace)
+            wait = partial(to_seconds, name="replica_timeout", minimum=0.001)
+            _same_as_twin("replica_timeout", replica_timeout, sync.replica_timeout, wait)
+            grace = partial(to_seconds, name="restart_grace")
+            _same_as_twin("restart_grace", restart_grace, sync.restart_grace, grace)
         self._replica_timeout = sync.replica_timeout
         self._restart_grace = sync.restart_grace
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
@@ -204,11 +206,6 @@ class AsyncRedisLockStore(StoreBase):
     def sync(self) -> LockStore:
         """The synchronous :class:`RedisLockStore` on the same server and prefix."""
         return self._sync
-
-    @property
-    def client(self) -> AsyncClient:
-        """The ``redis.asyncio`` client the store talks through."""
-        return self._client
 
     # Calls ----------------------------------------------------------------------------------
 
@@ -290,6 +287,11 @@ class AsyncRedisLockStore(StoreBase):
     def _redact(self, message: str) -> str:
         message = super()._redact(message)
         return redact_url(message) if "://" in message else message
+
+    @property
+    def client(self) -> AsyncClient:
+        """The ``redis.asyncio`` client the store talks through."""
+        return self._client
 
     def _where(self) -> str:
         """``redis://host:port/db`` (or the Sentinel hosts and service, or the socket path)."""
@@ -456,10 +458,6 @@ class AsyncRedisLockStore(StoreBase):
 
     def __repr__(self) -> str:
         return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
-
-
-def _wait_seconds(value: object) -> float:
-    return to_seconds(value, name="replica_timeout", minimum=0.001)
 
 
 def _same_as_twin(name: str, value: Any, twin: Any, convert: Callable[[Any], float] | None) -> Any:

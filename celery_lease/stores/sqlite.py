@@ -329,11 +329,6 @@ class SQLiteLockStore:
         """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
         return self._clock
 
-    @property
-    def path(self) -> str:
-        """The database file, as given."""
-        return self._path
-
     # Connection ---------------------------------------------------------------------------------
 
     def _close_for_fork(self) -> None:
@@ -619,6 +614,11 @@ class SQLiteLockStore:
                 return self._info(row)
 
         return self._run("force-release", op)
+
+    @property
+    def path(self) -> str:
+        """The database file, as given."""
+        return self._path
 
     def close(self) -> None:
         """Close this process's connection; a later call opens a new one."""
