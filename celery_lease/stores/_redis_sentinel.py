@@ -112,33 +112,41 @@ def parse_sentinel_url(url: str) -> SentinelURL:
         if not path[1].isdigit():
             raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
         db = int(path[1])
-    options: dict[str, Any] = {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name == "sentinel_password":
-            options[name] = value
-        elif name == "min_replicas":
-            if not value.isdigit():
-                raise LeaseConfigError(
-                    f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
-                )
-            options[name] = int(value)
-        elif name == "replica_timeout":
-            options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
-        elif name == "restart_grace":
-            options[name] = check_restart_grace(value)
-        elif name in ("socket_timeout", "socket_connect_timeout"):
-            try:
-                options[name] = float(value)
-            except ValueError:
-                raise LeaseConfigError(
-                    f"url={url!r}: {name}={value!r} must be a number of seconds"
-                ) from None
-        else:
-            raise LeaseConfigError(
-                f"url={url!r} has an unknown option {name!r}; supported: "
-                + ", ".join(_SENTINEL_OPTIONS)
-            )
+    options = {
+        name: _sentinel_option(url, name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    }
     return SentinelURL(sentinels, path[0], db, username, password, **options)
+
+
+def _sentinel_option(url: str, name: str, value: str) -> Any:
+    """The value of the query option ``name`` of a ``redis+sentinel://`` URL.
+
+    Raises:
+        LeaseConfigError: for an unknown option or a bad value.
+    """
+    if name == "sentinel_password":
+        return value
+    if name == "min_replicas":
+        if not value.isdigit():
+            raise LeaseConfigError(
+                f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
+            )
+        return int(value)
+    if name == "replica_timeout":
+        return to_seconds(value, name="replica_timeout", minimum=0.001)
+    if name == "restart_grace":
+        return check_restart_grace(value)
+    if name in ("socket_timeout", "socket_connect_timeout"):
+        try:
+            return float(value)
+        except ValueError:
+            raise LeaseConfigError(
+                f"url={url!r}: {name}={value!r} must be a number of seconds"
+            ) from None
+    raise LeaseConfigError(
+        f"url={url!r} has an unknown option {name!r}; supported: " + ", ".join(_SENTINEL_OPTIONS)
+    )
 
 
 def _parse_host(url: str, item: str) -> tuple[str, int]:
