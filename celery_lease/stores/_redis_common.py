@@ -79,10 +79,13 @@ __all__ = [
     "in_grace",
     "int_or_none",
     "lease_info",
+    "min_replicas_of",
     "not_a_lease",
     "not_confirmed",
     "redact_secrets",
     "refused",
+    "replica_timeout_of",
+    "restart_grace_of",
     "secrets_among",
     "socket_timeout_of",
     "split_store_options",
@@ -405,6 +408,76 @@ every script is safe to run twice."""
 
 STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
 """Query options every store URL may carry; the store reads them, redis-py never sees them."""
+
+
+def min_replicas_of(
+    value: object, options: dict[str, object], sentinel: bool, cluster: bool
+) -> int:
+    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel and 0
+    otherwise.
+
+    Raises:
+        LeaseConfigError: not a non-negative integer, or not 0 on a Cluster.
+    """
+    if value is None and "min_replicas" in options:
+        value = options["min_replicas"]
+        if isinstance(value, str):
+            if not value.isdigit():
+                raise LeaseConfigError(
+                    f"min_replicas={value!r} (URL option) must be a non-negative integer"
+                )
+            value = int(value)
+    if value is None:
+        value = 1 if sentinel else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LeaseConfigError(f"min_replicas={value!r} must be a non-negative integer")
+    if value and cluster:
+        raise LeaseConfigError(
+            f"min_replicas={value!r} is not supported on a Redis Cluster (WAIT cannot ride "
+            "along its per-node script pipelines); use min_replicas=0"
+        )
+    return value
+
+
+def replica_timeout_of(
+    value: object, options: dict[str, object], min_replicas: int, socket_timeout: float | None
+) -> float:
+    """A store's ``replica_timeout`` in seconds: ``value``, else the URL's, else
+    :data:`REPLICA_TIMEOUT`.
+
+    Raises:
+        LeaseConfigError: not a duration, or (with ``min_replicas``) not shorter than the
+            client's ``socket_timeout``.
+    """
+    if value is None:
+        value = options.get("replica_timeout", REPLICA_TIMEOUT)
+    seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
+    if min_replicas and socket_timeout is not None and seconds >= socket_timeout:
+        raise LeaseConfigError(
+            f"replica_timeout={value!r} must be shorter than the client's "
+            f"socket_timeout ({socket_timeout:g} s), or the socket times out first"
+        )
+    return seconds
+
+
+def restart_grace_of(value: object, options: dict[str, object], cluster: bool) -> float:
+    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off).
+
+    Raises:
+        LeaseConfigError: not a duration, or not 0 on a Cluster.
+    """
+    if value is None:
+        value = options.get("restart_grace")
+    if value is None:
+        return 0.0
+    seconds = check_restart_grace(value)
+    if seconds and cluster:
+        raise LeaseConfigError(
+            f"restart_grace={value!r} is not supported on a Redis Cluster (its marker "
+            "would have to live in every slot); use restart_grace=0 and persistence "
+            "(appendonly yes) on the cluster's masters"
+        )
+    return seconds
 
 
 def split_store_options(url: str) -> tuple[str, dict[str, object]]:

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Final
 
@@ -65,7 +65,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_lease import _forking as forking
 from celery_lease.stores._redis_compat import connection_socket, parse_error
 
-__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
+__all__ = [
+    "BUSY",
+    "FastConnection",
+    "fast_path_for",
+    "pack_eval_head",
+    "pack_head",
+    "pack_request",
+]
 
 logger = logging.getLogger("celery_lease.stores._redis_fast")
 
@@ -145,6 +152,16 @@ def pack_eval_head(source: str, numkeys: int, nargs: int) -> bytes:
         len(count),
         count,
     )
+
+
+def pack_request(head: bytes, items: Iterable[str | int], encoding: str, errors: str) -> bytes:
+    """A request: its packed ``head`` (see :func:`pack_head`) and each key and argument as a
+    bulk string (text encoded as the client encodes it)."""
+    parts = [head]
+    for item in items:
+        data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 def fast_path_for(client: object) -> FastConnection | None:

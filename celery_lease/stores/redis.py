@@ -7,38 +7,14 @@ Keys, for the user key ``account:42`` and the default prefix::
     celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
     celery-lease:marker                hash {boot, started, cause}, no expiry: the grace's marker
 
-The hash tag ``{account:42}`` puts the three keys of a lease in one Redis Cluster slot, so every
-script touches a single slot. The prefix (no braces allowed) keeps them apart from the keys of
-Celery and kombu (``celery-task-meta-*``, ``_kombu.*``, queue names).
-
-Fencing tokens: the next token is ``max(counter + 1, server TIME in microseconds)``, computed in
-the script. The counter alone would restart from 1 when the server restarts without persistence,
-fails over to a replica that missed the last increments, or evicts the counter; the server clock
-keeps the tokens increasing in those cases, **assuming the Redis servers' clocks do not jump
-back** (keep them on NTP; a promoted replica's clock must not be behind the old master's by more
-than the time between two acquires of one key). Values stay far below 2**53, where Lua numbers
-are exact.
-
-Sentinel: before every acquire and every renewal call the store asks a Sentinel which server is
-the master now (``SENTINEL GET-MASTER-ADDR-BY-NAME``, one round trip to a Sentinel) and, when it
-changed, drops the pooled connections to the old one, so renewals move to the new master at the
-first sweep after Sentinel switched (the old master stays writable until Sentinel demotes it,
-about 10 s later). With ``min_replicas`` (1 by default for Sentinel-managed stores) every acquire
-and renewal is followed by ``WAIT`` in the same pipeline (still one round trip) and counts only
-when that many replicas acknowledged it: a renewal a failover would lose is never trusted, so a
-holder is either renewed on the master that takes over or told its lease is lost within its ttl.
-docs/stores.md (Redis) says exactly what is and is not guaranteed.
-
-Restart grace: a server that lost its data (restarted without persistence, flushed) forgets
-every lease before its holders hear of it. With ``restart_grace`` set, the acquire script itself
-(atomically, no extra round trip) compares the marker hash with the server's current run
-(``INFO server``'s ``run_id``): a marker missing or naming another run means the server may
-have lost leases, and free keys are refused (``RestartGraceError``) until ``restart_grace``
-after the server STARTED, so that no second holder gets a key its old holder may still believe
-it holds (Chubby's lock-delay). Every store and process sees the same grace; a server up longer
-than the grace refuses nothing. docs/stores.md says what that leaves open.
-
-Nothing read from Redis is ever unpickled: values are plain strings and integers.
+The hash tag puts the three keys of a lease in one Cluster slot, so every script touches one
+slot. Tokens are ``max(counter + 1, server TIME in microseconds)``, so they keep growing after a
+restart without persistence, a failover or an eviction, as long as the servers' clocks do not
+jump back. The scripts and what they answer: :mod:`celery_lease.stores._redis_common`; a
+cluster's batches: :mod:`~celery_lease.stores._redis_cluster`; Sentinel:
+:mod:`~celery_lease.stores._redis_sentinel`. What is and is not guaranteed (Sentinel failovers,
+``min_replicas``, the restart grace): docs/stores.md (Redis). Nothing read from Redis is ever
+unpickled: values are plain strings and integers.
 """
 
 from __future__ import annotations
@@ -56,7 +32,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from celery_lease.clock import SYSTEM_CLOCK
-from celery_lease.durations import Duration, to_seconds
+from celery_lease.durations import Duration
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores._redis_cluster import Calls, ClusterFanOut, pipelined
 from celery_lease.stores._redis_common import (
@@ -77,27 +53,28 @@ from celery_lease.stores._redis_common import (
     RENEW_MANY,
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
-    REPLICA_TIMEOUT,
     RETRIED,
     SIGNAL_TTL_MS,
     Script,
     StoreBase,
     blpop_waits,
-    check_restart_grace,
     describe_server,
     failed,
     glob_escape,
     in_grace,
     int_or_none,
     lease_info,
+    min_replicas_of,
     not_a_lease,
     refused,
+    replica_timeout_of,
+    restart_grace_of,
     secrets_among,
     socket_timeout_of,
     text,
 )
 from celery_lease.stores._redis_compat import client_retries
-from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
+from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for, pack_request
 from celery_lease.stores._redis_sentinel import (
     Sentinel,
     SentinelURL,
@@ -133,44 +110,30 @@ class RedisLockStore(StoreBase):
     list, one waiter wakes per release), :class:`~celery_lease.SupportsBatchRenew` (one
     pipelined round trip) and :class:`~celery_lease.SupportsInspection`.
 
-    Every operation is one EVALSHA round trip; when the server does not know the script
-    (``NOSCRIPT``, e.g. after a restart or ``SCRIPT FLUSH``) it is loaded and the call redone.
-    A connection error or timeout is retried once (a connection dropped by a server restart, or
-    a reply lost after the server ran the command: every script is safe to run twice, acquire
-    included, which gives the retry its own lease back); then, like any other Redis error, it
-    raises ``StoreUnavailableError`` naming the store (host, port and db; Sentinel hosts,
-    service and master; or cluster nodes; never a password), the operation, the key and the
-    server's own message, with the driver's error chained. redis-py's connection pools reconnect
-    after ``fork()``, so one store can be created before Celery forks its pool workers.
+    Every operation is one EVALSHA round trip (on ``NOSCRIPT`` the script is loaded and the
+    call redone). A connection error or timeout is retried once (every script is safe to run
+    twice, acquire included: the retry gets its own lease back); then, like any other Redis
+    error, it raises ``StoreUnavailableError`` naming the store (never a password), the
+    operation, the key and the server's message, the driver's error chained. redis-py's pools
+    reconnect after ``fork()``, so a store can be made before Celery forks its pool workers.
 
     On a plain standalone client (stock pool and connection class, no Sentinel, no
-    ``min_replicas``, no client-side cache) acquire, renew and release skip redis-py's command
-    machinery: they go over one connection of the store's own per process, opened by
-    redis-py's connection class with the client's settings, as pre-packed EVALSHA requests
-    (about 60-80 us less per call here; see :mod:`celery_lease.stores._redis_fast`). A thread
-    that finds it busy uses the client's pool instead. Every reply is read before the call
-    returns (a release has freed the key on the server when ``release`` returns).
+    ``min_replicas``, no client-side cache) acquire, renew and release go over one connection
+    of the store's own per process as pre-packed requests (:mod:`~._redis_fast`); a thread that
+    finds it busy uses the client's pool. Every reply is read before the call returns.
 
     On a Sentinel-managed client, acquire and renewals first ask a Sentinel for the current
-    master (one more round trip, to the Sentinel) and leave the old master as soon as Sentinel
-    names another. With ``min_replicas`` > 0, acquire and renewals are pipelined with ``WAIT``
-    (no extra round trip; the reply waits for the replicas' acknowledgement, about one
-    master-replica round trip): an acquire not acknowledged in time is asked again (the same
-    owner's acquire, idempotent) for up to ``CONFIRM_WINDOW`` (1 s), then released and raised
-    as ``ReplicaLagError`` (a ``StoreUnavailableError`` that :func:`~celery_lease.lease` retries
-    within its wait); a renewal not acknowledged raises ``StoreUnavailableError``, so the holder
-    keeps counting from its last confirmed renewal and the lease is reported lost if none gets
-    through within its ttl.
+    master and leave the old one as soon as Sentinel names another. With ``min_replicas`` > 0
+    they are pipelined with ``WAIT``: an acquire not acknowledged in time is asked again for up
+    to ``CONFIRM_WINDOW`` (1 s), then released and raised as ``ReplicaLagError`` (retried
+    within the caller's wait); a renewal not acknowledged raises ``StoreUnavailableError``.
 
     Args:
-        client_or_url: a ``redis.Redis`` (also one from ``Sentinel.master_for``) or a
-            ``redis.cluster.RedisCluster`` (used as is; its ``socket_timeout`` should exceed a
-            few seconds), or a URL: ``redis://``, ``rediss://`` (TLS), ``unix://``, or
-            ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``
-            (see :func:`parse_sentinel_url`). Clients built from a URL get
-            ``socket_timeout`` and ``socket_connect_timeout`` of 5 s unless the URL sets them,
-            ``decode_responses=False`` and no redis-py retries (the store retries once itself).
-            Every URL may also carry ``min_replicas`` and ``replica_timeout`` in its query.
+        client_or_url: a ``redis.Redis`` (also from ``Sentinel.master_for``) or a
+            ``redis.cluster.RedisCluster`` (used as is), or a ``redis://``, ``rediss://``,
+            ``unix://`` or ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`), whose
+            client gets 5 s socket timeouts unless the URL sets them and no redis-py retries;
+            its query may carry ``min_replicas``, ``replica_timeout`` and ``restart_grace``.
         prefix: prepended to every key (default ``"celery-lease:"``); must not contain ``{`` or
             ``}``, which would break the Cluster hash tag.
         min_replicas: replicas that must acknowledge (``WAIT``) an acquire or a renewal before
@@ -179,14 +142,11 @@ class RedisLockStore(StoreBase):
         replica_timeout: how long (a duration: seconds, ``"250ms"``) one ``WAIT`` may block.
             Default: the URL's ``replica_timeout``, else 0.2 s; must be shorter than the
             client's ``socket_timeout``.
-        restart_grace: how long (a duration), counted from the server's start, a server
-            that may have lost leases (its marker hash :attr:`marker_key` missing: restarted
-            without persistence, flushed, new; or naming another server run: restarted from
-            a snapshot or AOF, failed over) refuses free keys with ``RestartGraceError``, so
-            that every holder of a lost lease hears of the loss first; set it to the longest
-            ttl in use in production (0 turns it off). Default: the URL's ``restart_grace``,
-            else 0 (off: a library primitive does what it is told; a store built from the
-            Celery settings defaults to ``lease_default_ttl``). Not supported on a Cluster.
+        restart_grace: how long (a duration) after its start a server that may have lost
+            leases (its marker :attr:`marker_key` missing or naming another server run)
+            refuses free keys with ``RestartGraceError``, so that every holder of a lost lease
+            hears of it first; set it to the longest ttl in use (0: off). Default: the URL's,
+            else 0 (the Celery settings default to ``lease_default_ttl``). Not on a Cluster.
 
     Raises:
         LeaseConfigError: for a bad URL, client, prefix, ``min_replicas``,
@@ -236,9 +196,14 @@ class RedisLockStore(StoreBase):
             if isinstance(pool, redis.sentinel.SentinelConnectionPool) and pool.is_master
             else None
         )
-        self._min_replicas = self._resolve_min_replicas(min_replicas, options)
-        self._replica_timeout = self._resolve_replica_timeout(replica_timeout, options)
-        self._restart_grace = self._resolve_restart_grace(restart_grace, options)
+        cluster = isinstance(self._client, redis.cluster.RedisCluster)
+        self._min_replicas = min_replicas_of(
+            min_replicas, options, self._sentinel_pool is not None, cluster
+        )
+        self._replica_timeout = replica_timeout_of(
+            replica_timeout, options, self._min_replicas, self._socket_timeout
+        )
+        self._restart_grace = restart_grace_of(restart_grace, options, cluster)
         self._secrets = _secrets_of(self._client)
         # acquire / renew / release of a plain standalone client skip redis-py's command
         # machinery (see celery_lease.stores._redis_fast); Sentinel (its master check), WAIT
@@ -253,52 +218,6 @@ class RedisLockStore(StoreBase):
             )
         self._encoding = str(kwargs.get("encoding") or "utf-8")
         self._encoding_errors = str(kwargs.get("encoding_errors") or "strict")
-
-    def _resolve_min_replicas(self, value: object, options: dict[str, object]) -> int:
-        if value is None and "min_replicas" in options:
-            value = options["min_replicas"]
-            if isinstance(value, str):
-                if not value.isdigit():
-                    raise LeaseConfigError(
-                        f"min_replicas={value!r} (URL option) must be a non-negative integer"
-                    )
-                value = int(value)
-        if value is None:
-            value = 1 if self._sentinel_pool is not None else 0
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise LeaseConfigError(f"min_replicas={value!r} must be a non-negative integer")
-        if value and isinstance(self._client, redis.cluster.RedisCluster):
-            raise LeaseConfigError(
-                f"min_replicas={value!r} is not supported on a Redis Cluster (WAIT cannot ride "
-                "along its per-node script pipelines); use min_replicas=0"
-            )
-        return value
-
-    def _resolve_replica_timeout(self, value: object, options: dict[str, object]) -> float:
-        if value is None:
-            value = options.get("replica_timeout", REPLICA_TIMEOUT)
-        seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
-        timeout = self._socket_timeout
-        if self._min_replicas and timeout is not None and seconds >= timeout:
-            raise LeaseConfigError(
-                f"replica_timeout={value!r} must be shorter than the client's "
-                f"socket_timeout ({timeout:g} s), or the socket times out first"
-            )
-        return seconds
-
-    def _resolve_restart_grace(self, value: object, options: dict[str, object]) -> float:
-        if value is None:
-            value = options.get("restart_grace")
-        if value is None:
-            return 0.0
-        seconds = check_restart_grace(value)
-        if seconds and isinstance(self._client, redis.cluster.RedisCluster):
-            raise LeaseConfigError(
-                f"restart_grace={value!r} is not supported on a Redis Cluster (its marker "
-                "would have to live in every slot); use restart_grace=0 and persistence "
-                "(appendonly yes) on the cluster's masters"
-            )
-        return seconds
 
     @property
     def client(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -337,12 +256,8 @@ class RedisLockStore(StoreBase):
         self, script: Script, keys: Sequence[str], args: Sequence[str | int], cold: bool = False
     ) -> bytes:
         """The packed EVALSHA request (``cold``: EVAL with the source) of ``script``."""
-        encoding, errors = self._encoding, self._encoding_errors
-        parts = [script.cold_head if cold else script.head]
-        for item in (*keys, *args):
-            data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
-            parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
-        return b"".join(parts)
+        head = script.cold_head if cold else script.head
+        return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
     def _eval_many(self, script: Script, calls: Calls) -> list[Any]:
         """Many EVALSHA in one pipelined round trip (one per node on a cluster, see
@@ -495,15 +410,11 @@ class RedisLockStore(StoreBase):
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool | Exception]:
         """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order.
 
-        On a single server the batch goes as one script call per :data:`RENEW_CHUNK` leases
-        (and one WAIT with ``min_replicas``: a batch not acknowledged raises
-        ``StoreUnavailableError`` as a whole); on a Cluster, whose keys live in many slots, as
-        one call per lease, pipelined per node: a node that fails (a dead master) or a key whose
-        call fails puts a ``StoreUnavailableError`` in the place of each of its keys, and the
-        keys of the other nodes get their results. After a failover the batch follows the
-        cluster's refreshed slot table to the promoted replica as redis-py's commands do. A
-        lease key holding another type than a lease hash (a foreign writer's value) is not
-        renewed: ``False``.
+        On a single server: one script call per :data:`RENEW_CHUNK` leases (and one WAIT with
+        ``min_replicas``: a batch not acknowledged raises as a whole). On a Cluster: one call
+        per lease, pipelined per node; a node or key that fails gets a
+        ``StoreUnavailableError`` in its place, the other keys their results. A lease key
+        holding another type than a lease hash is not renewed: ``False``.
         """
         operation = f"renew {len(items)} leases"
         if self._cluster is not None:
@@ -540,14 +451,11 @@ class RedisLockStore(StoreBase):
     def release_deferred(self, key: str, owner: str) -> bool:
         """Send the release of ``key`` without waiting for its reply; False when not sent.
 
-        Only on the fast path (a standalone server). The reply is read before the next reply on
-        that connection (the server answers in order), or by :meth:`flush_deferred`; its
-        outcome is logged then: an error reply, or a connection that failed before the reply,
-        leaves the key to expire within its ttl, as a failed :meth:`release` does. It is sent
-        as ``EVAL`` with the script's source, never ``EVALSHA``: a NOSCRIPT reply (a cold or
-        flushed script cache) would come after the next request had already run, with the key
-        still taken. The caller must let nothing depend on the key being free (publish a task's
-        result) before :meth:`flush_deferred` or its next call on this store.
+        Only on the fast path. The reply is read before the next reply on that connection, or
+        by :meth:`flush_deferred`, and its outcome logged then (a failure leaves the key to
+        expire within its ttl). Sent as ``EVAL`` with the source: a NOSCRIPT reply would come
+        after the next request had run. Nothing may depend on the key being free (a task's
+        result) before :meth:`flush_deferred` or the store's next call.
         """
         fast = self._fast
         if fast is None:
@@ -558,9 +466,8 @@ class RedisLockStore(StoreBase):
     def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
         """Send the renewal of ``key`` without waiting for its reply; False when not sent.
 
-        As :meth:`release_deferred` (the fast path only, ``EVAL``, read in order before the next
-        reply). A refusal (the owner holds no live lease) or a failure is logged when the reply
-        is read; the caller's renewer renews the lease at its next round as usual.
+        As :meth:`release_deferred`; a refusal or failure is logged when the reply is read (the
+        renewer renews the lease at its next round as usual).
         """
         fast = self._fast
         if fast is None:
@@ -604,10 +511,9 @@ class RedisLockStore(StoreBase):
     def wait_for_release(self, key: str, timeout: float) -> bool:
         """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP).
 
-        Each release leaves one element, so one waiter wakes per release and the others keep
-        waiting. A release seen by nobody leaves its signal for up to 60 s, which may wake a
-        later waiter spuriously (allowed: the caller retries ``acquire``). The wait is cut into
-        slices shorter than the client's ``socket_timeout`` so the socket never times out first.
+        One waiter wakes per release; a signal nobody took stays up to 60 s (a later waiter
+        may wake spuriously, which is allowed). Cut into slices shorter than the client's
+        ``socket_timeout``.
         """
         signal = self.signal_key(key)
         client = self._client
@@ -623,12 +529,8 @@ class RedisLockStore(StoreBase):
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
-        master at once, each on its own client, like a batch: a master that times out is not
-        asked again and fails the listing after about one socket timeout; a master that fails
-        starts a slot-table refresh after the scan, never before it, and when the master could
-        not be reached and the refresh ends within one socket timeout of the listing's start,
-        the masters it names now are scanned, so the listing follows a failover as a batch
-        does)."""
+        master at once, following a failover as a batch does: see
+        :meth:`~celery_lease.stores._redis_cluster.ClusterFanOut.scan`)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
         client, cluster = self._client, self._cluster
         if cluster is not None:
