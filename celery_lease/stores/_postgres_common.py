@@ -40,46 +40,6 @@ from psycopg.conninfo import conninfo_to_dict
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
 
-__all__ = [
-    "ASYNC_POOL_NAME",
-    "CANCELLED_BY_TIMEOUT",
-    "CREATED_CONCURRENTLY",
-    "DEFAULT_TABLE",
-    "INDEX_KEY_BYTES",
-    "MISSING_TABLE",
-    "NOTIFY_KEY_BYTES",
-    "OVER_A_LIMIT",
-    "OWN_CONNECTION",
-    "OWN_POOL_NAMES",
-    "POOL_NAME",
-    "SCHEMA_SQL",
-    "ConnectFailures",
-    "ListenerRetry",
-    "ParsedDSN",
-    "StoreBase",
-    "channel_for",
-    "check_options",
-    "check_seconds",
-    "connect_kwargs",
-    "create_denied_detail",
-    "describe_error",
-    "fold_pool_record",
-    "key_too_long",
-    "lease_info",
-    "log_undo_failed",
-    "mask_secrets",
-    "missing_table_detail",
-    "no_connection_detail",
-    "notify_payload",
-    "parse_dsn",
-    "privilege_detail",
-    "schema_sql",
-    "statements",
-    "store_error",
-    "target",
-    "token_of",
-]
-
 DEFAULT_TABLE = "celery_lease"
 
 # One or two dot-separated parts ("table" or "schema.table"), each a plain identifier.

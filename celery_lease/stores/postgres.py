@@ -1,61 +1,18 @@
 """PostgreSQL store: one table, one statement per operation, time from the database's clock.
 
-Every operation is a single SQL statement on an autocommit connection, so it is one round trip
-and atomic per key. Expiry and tokens are computed from ``clock_timestamp()`` on the server,
-never from a client's clock, so workers with skewed clocks still agree.
-
-The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` (or
-lets ``expires`` pass) but keeps the row, so the fencing-token counter only grows. A new token is
-``GREATEST(previous + 1, clock_timestamp() in microseconds)``, so it also exceeds every earlier
-token after the row is lost (a restored backup, a dropped table) as long as the server's clock
-does not go back.
-
-A repeated ``acquire`` by the owner of the live lease returns that lease's token and sets its
-expiry to now + ttl (the store contract): so an acquire whose reply was lost after the commit,
-retried by the same owner, gets its own lease back instead of leaving an orphan for a ttl.
-
-The clock: ``expires`` is an absolute ``timestamptz`` of the server's wall clock, compared with
-``clock_timestamp()`` at every statement. A step of that clock (NTP, a VM restore, a failover to a
-server whose clock differs) moves every lease by the step: forward by *d*, each live lease with
-less than *d* left expires at once, while its holder (which counts its validity on its own
-monotonic clock from when it sent the acquire or renew) still believes it holds it until its
-next renewal fails; another owner can acquire in between, and only fencing tokens (the new
-token is larger) protect writes then. Backward by *d*, leases last up to *d* longer (a crashed
-holder's key stays blocked up to ttl + *d*) and tokens of a key keep growing by the counter, but
-a key whose row was lost can be issued a token below one issued before the step. Time spent
-waiting on the network is on the holder's side (it counts from before sending).
-
-Schema: with ``create_table=True`` (the default) the table is created the first time a statement
-finds it missing (SQLSTATE 42P01), then the statement is run again; an existing table costs
-nothing (no DDL on the hot path). With ``create_table=False`` (or ``?create_table=false`` in the
-URL) the store never runs DDL, and a missing table is a ``StoreUnavailableError`` naming it and
-:meth:`PostgresLockStore.schema_sql`. The schema, for teams that manage DDL themselves (default
-table name)::
-
-    CREATE TABLE IF NOT EXISTS "celery_lease" (
-        key text COLLATE "C" PRIMARY KEY,  -- the lock key; "C": byte order, prefix scans
-        owner text NULL,                   -- the holder, NULL once released
-        expires timestamptz NOT NULL,      -- end of the lease, by the server's clock
-        token bigint NOT NULL              -- last fencing token issued for the key
-    )
-
-``PostgresLockStore.schema_sql(table)`` returns it for another table name; :data:`SCHEMA_SQL`
-holds it for the default one. The store's role then needs only ``USAGE`` on the schema and
-``SELECT, INSERT, UPDATE`` on the table (rows are never deleted)::
-
-    GRANT USAGE ON SCHEMA ops TO app;
-    GRANT SELECT, INSERT, UPDATE ON ops.celery_lease TO app;
+Every operation is a single SQL statement on an autocommit connection: one round trip, atomic
+per key. Expiry and tokens come from ``clock_timestamp()`` on the server, never a client's
+clock. The table keeps one row per key ever locked (release clears ``owner``), so the token
+counter only grows; a new token is ``GREATEST(previous + 1, clock_timestamp() in µs)``, which
+also exceeds earlier tokens after the row is lost, as long as the server's clock does not go
+back. A repeated ``acquire`` by the live lease's owner returns its token and sets its expiry,
+so a retry after a lost reply gets its own lease back.
 
 Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement (a key over
-1000 bytes is announced by its digest, ``sha256:<hex>``: a payload must stay under 8000 bytes);
-waiters in :meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store
-and process (see there).
-
-Key size: the primary-key index holds a key of at most 2704 bytes after compression (a random
-key of about 2.7 kB does not fit, a repetitive one can be much longer). An acquire of a key that
-does not fit takes nothing and raises ``LeaseConfigError`` naming the key's size and the limit.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+1000 bytes by its digest); waiters are woken by one listener thread per store and process. The
+statements and the schema: :mod:`celery_lease.stores._postgres_common`. The table, the grants a
+role needs, ``create_table`` and what a step of the server's clock does: docs/stores.md
+(PostgreSQL). Threads, locks and fork resets: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -340,40 +297,26 @@ class PostgresLockStore(StoreBase):
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
     :class:`~celery_lease.SupportsBatchRenew` and :class:`~celery_lease.SupportsInspection`.
 
-    Connections: given a DSN, the store opens a small ``psycopg_pool.ConnectionPool`` of
-    autocommit connections on first use (1 to ``max_connections``); given a pool, it uses that
-    pool as is and never closes it. After ``fork()`` the child builds its own pool (and listener)
-    and never touches the sockets it inherited; a pool passed in by the caller cannot be rebuilt,
-    so the caller must not share one across a fork.
+    Connections: given a DSN, the store opens a ``psycopg_pool.ConnectionPool`` of autocommit
+    connections on first use (1 to ``max_connections``); a pool passed in is used as is, never
+    closed, and must not be shared across a fork (a forked child rebuilds the store's own pool
+    and listener, never touching the sockets it inherited). :meth:`wait_for_release` is served
+    by one listener thread per store and process, holding one extra ``LISTEN`` connection.
 
-    Waiting: :meth:`wait_for_release` is served by one listener thread per store and process,
-    holding one extra connection that ``LISTEN``\\ s on the table's channel and wakes the waiters
-    of the released key. Any number of threads can wait at the cost of one connection (a
-    connection per waiting thread would make the server fork a backend per waiter).
+    Errors: a dropped connection (``OperationalError``, but not SQLSTATE class 54, a server
+    limit) is retried once on another connection when the operation is safe to redo (all but
+    ``force_release``, whose error then says the outcome is unknown). Any other failure raises
+    ``StoreUnavailableError`` naming the store (never the password), the operation and the
+    server's message with its SQLSTATE, the driver's error chained.
 
-    Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
-    server restart, or cut after the server committed but before its reply arrived; not a server
-    limit exceeded, SQLSTATE class 54, such as a key too long for the index) is retried once on
-    another connection when the operation is safe to redo: acquire (the retry by the
-    same owner returns the lease the first attempt took), renew, renew_many and release (owner
-    checked: a redo never frees someone else's lease), and the reads. ``force_release`` is not
-    redone (the key may have been taken since): its error says the outcome is unknown. A second
-    failure, a timeout getting a connection, or any other driver error raises
-    ``StoreUnavailableError`` naming the store (host, port, database, table; never the
-    password), the operation and the server's own message with its SQLSTATE (for a connection
-    that could not be made: libpq's reason, e.g. ``database "x" does not exist``), with the
-    driver's error chained.
+    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``,
+    ``KeyboardInterrupt``) cancels the statement on the server, waits (up to 5 s) for its end
+    and closes the connection; an interrupted acquire then releases what it may have taken
+    (owner checked) before the exception propagates.
 
-    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``'s
-    signal handler or ``PyThreadState_SetAsyncExc``, ``KeyboardInterrupt``) cancels that
-    statement on the server, waits (up to 5 s) for it to end and closes the connection; an
-    interrupted acquire then releases whatever it may have taken (owner checked), so no lease is
-    left that its caller never learned of. The exception then propagates.
-
-    Schema: with ``create_table=True`` the table is created (``CREATE TABLE IF NOT EXISTS``)
-    the first time a statement finds it missing, and that statement is run again; an existing
-    table costs no DDL at all, so a role without ``CREATE`` works on a table made by a DBA (see
-    the module docstring for the grants). With ``create_table=False`` the store never runs DDL.
+    Schema: with ``create_table=True`` a missing table is created the first time a statement
+    finds it missing (an existing table costs no DDL, so a role without ``CREATE`` works on a
+    table a DBA made); with ``create_table=False`` the store never runs DDL.
 
     Args:
         dsn_or_pool: a libpq connection string or URL (``postgresql://`` or ``postgres://``), or
