@@ -26,7 +26,7 @@ from celery_lease.errors import (
     RestartGraceError,
     StoreUnavailableError,
 )
-from celery_lease.stores import _registry
+from celery_lease.stores import _registry, async_store_from_url, store_from_url
 from celery_lease.stores.base import (
     AsyncLockStore,
     LeaseInfo,
@@ -35,14 +35,12 @@ from celery_lease.stores.base import (
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
-    async_store_from_url,
-    store_from_url,
 )
 from celery_lease.stores.memory import MemoryLockStore
+from celery_lease.stores.threaded import ThreadedAsyncStore
 
 if TYPE_CHECKING:
     from celery_lease._celery.task import LockedTask, locked
-    from celery_lease._core.threaded_store import ThreadedAsyncStore
     from celery_lease.stores.postgres import PostgresLockStore
     from celery_lease.stores.postgres_async import AsyncPostgresLockStore
     from celery_lease.stores.redis import RedisLockStore

@@ -42,14 +42,8 @@ from celery_lease._celery import compat, control
 from celery_lease._core.owners import Holder, is_queued_owner, parse_owner
 from celery_lease._core.unique_options import SUPERSEDED_NAMESPACE
 from celery_lease.errors import LeaseError
-from celery_lease.stores.base import (
-    LeaseInfo,
-    LockStore,
-    SupportsInspection,
-    conforms,
-    redact_url,
-    store_from_url,
-)
+from celery_lease.stores import store_from_url
+from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, conforms, redact_url
 from celery_lease.stores.memory import MemoryLockStore
 
 __all__ = ["lease_group", "main"]

@@ -255,8 +255,8 @@ def async_database_store(alias: str = "default") -> AsyncLockStore:
             from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 
         return AsyncPostgresLockStore(_postgresql_dsn(alias, database))
-    from celery_lease._core.threaded_store import ThreadedAsyncStore
     from celery_lease.stores.sqlite import SQLiteLockStore
+    from celery_lease.stores.threaded import ThreadedAsyncStore
 
     return ThreadedAsyncStore(SQLiteLockStore(_sqlite_path(alias, database)), close_store=True)
 

@@ -66,8 +66,8 @@ from celery_lease import _forking as forking
 from celery_lease._celery.setting_typos import check_names
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores import _registry
-from celery_lease.stores.base import LockStore, conforms, redact_url, store_from_url
+from celery_lease.stores import _registry, store_from_url
+from celery_lease.stores.base import LockStore, conforms, redact_url
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp

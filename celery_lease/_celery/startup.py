@@ -99,13 +99,8 @@ from celery_lease._celery.settings import (
 )
 from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import (
-    LockStore,
-    SupportsInspection,
-    conforms,
-    redact_url,
-    store_from_url,
-)
+from celery_lease.stores import store_from_url
+from celery_lease.stores.base import LockStore, SupportsInspection, conforms, redact_url
 
 if TYPE_CHECKING:
     from celery_lease._celery.pool import Autoscale

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from celery_lease import _forking as forking
 from celery_lease._celery.settings import cached, get_store
 from celery_lease._core.lease import lease
-from celery_lease.stores.base import LockStore, conforms, store_from_url
+from celery_lease.stores import store_from_url
+from celery_lease.stores.base import LockStore, conforms
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp

@@ -60,7 +60,6 @@ from celery_lease._core.lease import (
     split_async_store,
     to_ms,
 )
-from celery_lease._core.threaded_store import ThreadedAsyncStore
 from celery_lease.errors import (
     LockLostError,
     LockNotAcquiredError,
@@ -68,6 +67,7 @@ from celery_lease.errors import (
     RestartGraceError,
 )
 from celery_lease.stores.base import AsyncLockStore
+from celery_lease.stores.threaded import ThreadedAsyncStore
 
 # split_async_store: the Celery layer's task path splits a store as lease() does
 __all__ = ["ASYNC_PATH", "CANCEL", "ThreadedAsyncStore", "split_async_store"]

@@ -1,5 +1,6 @@
 """Lock stores: the protocol and its implementations (each in its own module, loaded on use)."""
 
+from celery_lease.stores._registry import async_store_from_url, store_from_url
 from celery_lease.stores.base import (
     AsyncLockStore,
     LeaseInfo,
@@ -7,8 +8,6 @@ from celery_lease.stores.base import (
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
-    async_store_from_url,
-    store_from_url,
 )
 from celery_lease.stores.memory import MemoryLockStore
 

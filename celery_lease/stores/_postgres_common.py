@@ -23,11 +23,12 @@ left alone.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, unquote_plus
@@ -38,43 +39,6 @@ from psycopg.conninfo import conninfo_to_dict
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, redact_url
-
-__all__ = [
-    "ASYNC_POOL_NAME",
-    "CANCELLED_BY_TIMEOUT",
-    "CREATED_CONCURRENTLY",
-    "DEFAULT_TABLE",
-    "INDEX_KEY_BYTES",
-    "MISSING_TABLE",
-    "NOTIFY_KEY_BYTES",
-    "OVER_A_LIMIT",
-    "OWN_CONNECTION",
-    "OWN_POOL_NAMES",
-    "POOL_NAME",
-    "SCHEMA_SQL",
-    "ConnectFailures",
-    "ParsedDSN",
-    "channel_for",
-    "check_options",
-    "check_seconds",
-    "connect_kwargs",
-    "create_denied_detail",
-    "describe_error",
-    "fold_pool_record",
-    "key_too_long",
-    "lease_info",
-    "mask_secrets",
-    "missing_table_detail",
-    "no_connection_detail",
-    "notify_payload",
-    "parse_dsn",
-    "privilege_detail",
-    "schema_sql",
-    "statements",
-    "store_error",
-    "target",
-    "token_of",
-]
 
 DEFAULT_TABLE = "celery_lease"
 
@@ -429,6 +393,17 @@ class ConnectFailures:
                 detail,
             )
 
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Record how the connect inside the block ends: :meth:`failed` with a driver error
+        (raised again), :meth:`connected` when it returns."""
+        try:
+            yield
+        except psycopg.Error as exc:
+            self.failed(describe_error(exc))
+            raise
+        self.connected()
+
     def connected(self) -> None:
         """A connect succeeded: the end of an outage is said, once."""
         self.last = None
@@ -708,3 +683,149 @@ def create_denied_detail(exc: BaseException, table: str) -> str:
         f"table {table!r} does not exist and this role may not create it: "
         f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on the schema"
     )
+
+
+def log_undo_failed(log: logging.Logger, key: str, why: str, exc: BaseException) -> None:
+    """Say that releasing what an interrupted acquire of ``key`` may have taken failed."""
+    log.warning(
+        "celery-lease: acquire of %r %s and releasing what it may have taken failed (%s); it "
+        "expires within its ttl",
+        key,
+        why,
+        exc,
+    )
+
+
+class ListenerRetry:
+    """A listener's reconnects: the backoff between them (50 ms doubling to 2 s) and one line
+    per outage (a WARNING when it starts, an INFO when the listener is connected again)."""
+
+    def __init__(self, what: str, log: logging.Logger) -> None:
+        self._what = what
+        self._log = log
+        self._backoff = 0.05
+        self._failing = False
+        self._connected_before = False
+
+    def failed(self, exc: BaseException) -> float:
+        """A connect failed: the seconds to wait before the next (logged once an outage)."""
+        if not self._failing:
+            self._log.warning(
+                "celery-lease: %s failed to connect (%s); retrying until it connects",
+                self._what,
+                " ".join(str(exc).split()),
+            )
+        self._failing = True
+        wait, self._backoff = self._backoff, min(self._backoff * 2, 2.0)
+        return wait
+
+    def connected(self) -> bool:
+        """The listener listens again: whether it had before (its waiters must then be woken,
+        a release may have been notified while nobody listened)."""
+        if self._failing:
+            self._log.info("celery-lease: %s connected again", self._what)
+        before = self._connected_before
+        self._connected_before, self._backoff, self._failing = True, 0.05, False
+        return before
+
+
+class StoreBase:
+    """What the PostgreSQL store and its asyncio twin share that does no I/O: their options,
+    the parameters of each statement, the options of their own pool and their errors."""
+
+    _table: str
+    _channel: str
+    _statement_timeout: float
+    _create_table: bool
+    _connect_timeout: float
+    _max_connections: int
+    _connection_class: type
+    _secrets: tuple[str, ...]
+    _sql: dict[str, bytes]
+
+    def _set_options(
+        self,
+        table: str,
+        connect_timeout: float,
+        statement_timeout: float,
+        max_connections: int,
+        create_table: bool | None,
+    ) -> None:
+        """Validate the options both stores take (see :func:`check_options`) and keep them,
+        with the table's channel and statements.
+
+        Raises:
+            LeaseConfigError: naming the first bad option.
+        """
+        self._table = check_options(table, connect_timeout, max_connections, create_table)
+        check_seconds("statement_timeout", statement_timeout)
+        self._connect_timeout = float(connect_timeout)
+        self._statement_timeout = float(statement_timeout)
+        self._max_connections = max_connections
+        self._channel = channel_for(self._table)
+        self._sql = statements(self._table)
+
+    @property
+    def table(self) -> str:
+        """The table name, as given."""
+        return self._table
+
+    def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
+        """``<store> failed to <what> [<key>]: <detail>``, every password masked."""
+        operation = what if key is None else f"{what} {key!r}"
+        return store_error(repr(self), operation, detail, self._secrets)
+
+    def _refused_key(self, key: str, exc: BaseException | None) -> LeaseConfigError | None:
+        """The error of an acquire refused for a ``key`` too long (see :func:`key_too_long`)."""
+        return key_too_long(repr(self), key, exc)
+
+    def _table_refusal(self, missing: psycopg.Error) -> str | None:
+        """Why the missing table is not created (see :func:`missing_table_detail`), or None."""
+        return missing_table_detail(missing, self._table, self._create_table)
+
+    def _denied(self, exc: BaseException, creating: bool = False) -> str:
+        """A statement refused for lack of privileges: the grants the store's role needs, or
+        (``creating``) how to create the missing table instead."""
+        if creating:
+            return create_denied_detail(exc, self._table)
+        return privilege_detail(exc, self._table)
+
+    @property
+    def channel(self) -> str:
+        """The ``NOTIFY`` channel released keys are announced on (payload: the key, or for a
+        key over 1000 bytes ``sha256:`` and its hex digest; see ``notify_payload``)."""
+        return self._channel
+
+    def _release_params(self, key: str, owner: str | None = None) -> dict[str, Any]:
+        """The parameters of ``release`` (with ``owner``) or ``force_release`` (without)."""
+        params = {"key": key, "channel": self._channel, "payload": notify_payload(key)}
+        if owner is not None:
+            params["owner"] = owner
+        return params
+
+    @property
+    def statement_timeout(self) -> float:
+        """Seconds one statement of the store may run before it is cancelled."""
+        return self._statement_timeout
+
+    def _pool_options(self, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The options of the store's own pool named ``name``, its connections made with
+        ``kwargs``: 1 to ``max_connections`` connections, opened on first use."""
+        return {
+            "connection_class": self._connection_class,
+            "kwargs": kwargs,
+            "min_size": 1,
+            "max_size": self._max_connections,
+            "open": False,
+            "timeout": self._connect_timeout,
+            # Give up background reconnection (1 s, then doubling) after as long as a caller
+            # waits: the next call then connects at once, instead of waiting for a backoff
+            # grown during a long outage.
+            "reconnect_timeout": self._connect_timeout,
+            "name": name,
+        }
+
+    @property
+    def create_table(self) -> bool:
+        """Whether the store creates its table when a statement finds it missing."""
+        return self._create_table

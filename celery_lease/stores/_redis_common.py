@@ -13,79 +13,26 @@ differ in how they wait for the server.
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.durations import to_seconds
-from celery_lease.errors import LeaseConfigError
+from celery_lease.errors import (
+    LeaseConfigError,
+    ReplicaLagError,
+    RestartGraceError,
+    StoreUnavailableError,
+)
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
 from celery_lease.stores.base import LeaseInfo
-
-__all__ = [
-    "ACQUIRE",
-    "ACQUIRE_OR_HOLDER",
-    "ACQUIRE_OR_HOLDER_SCRIPT",
-    "ACQUIRE_OR_HOLDER_WITH_GRACE",
-    "ACQUIRE_SCRIPT",
-    "ACQUIRE_WITH_GRACE",
-    "CONFIRM_WINDOW",
-    "DEFAULT_PREFIX",
-    "FORCE_RELEASE",
-    "FORCE_RELEASE_SCRIPT",
-    "GRACE_MARK",
-    "HELD_MARK",
-    "INSPECT",
-    "INSPECT_SCRIPT",
-    "MARKER",
-    "NOT_A_LEASE",
-    "RELEASE",
-    "RELEASE_SCRIPT",
-    "RENEW",
-    "RENEW_CHUNK",
-    "RENEW_MANY",
-    "RENEW_MANY_SCRIPT",
-    "RENEW_SCRIPT",
-    "REPLICA_TIMEOUT",
-    "RETRIED",
-    "SIGNAL_TTL_MS",
-    "SOCKET_TIMEOUT",
-    "STORE_OPTIONS",
-    "TOKEN_TTL_MS",
-    "WITH_GRACE",
-    "Grace",
-    "Script",
-    "SentinelURL",
-    "blpop_slice",
-    "check_restart_grace",
-    "describe_sentinel_master",
-    "describe_server",
-    "error_text",
-    "failed",
-    "glob_escape",
-    "host_port",
-    "in_grace",
-    "int_or_none",
-    "lease_info",
-    "master_address",
-    "no_master_message",
-    "not_a_lease",
-    "not_confirmed",
-    "parse_sentinel_url",
-    "redact_secrets",
-    "refused",
-    "secrets_among",
-    "sentinel_connection_kwargs",
-    "socket_timeout_of",
-    "split_store_options",
-    "text",
-    "what",
-]
 
 DEFAULT_PREFIX = "celery-lease:"
 """Prefix of every key the store writes."""
@@ -264,13 +211,9 @@ return 0
 """
 )
 
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the signal's lifetime in ms.
-# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
-# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
-# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
-FORCE_RELEASE_SCRIPT = _lua(
-    """
+# The start of the scripts that read a live lease: `lease` holds {owner, token}; a free key
+# answers false (nil), a lease key holding another type the NOT_A_LEASE error reply.
+_READ_LEASE = """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
 if lease.err then
     return redis.error_reply(NOT_A_LEASE)
@@ -278,7 +221,16 @@ end
 if not lease[1] then
     return false
 end
-local left = redis.call('PTTL', KEYS[1])
+"""
+
+# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# ARGV[1] the signal's lifetime in ms.
+# Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
+# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
+# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+FORCE_RELEASE_SCRIPT = _lua(
+    _READ_LEASE
+    + """local left = redis.call('PTTL', KEYS[1])
 redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('RPUSH', KEYS[2], '1')
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
@@ -289,18 +241,7 @@ return {lease[1], lease[2], left}
 # KEYS[1] the lease hash.
 # Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
 # A lease key holding another type is answered with the NOT_A_LEASE error reply.
-INSPECT_SCRIPT = _lua(
-    """
-local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
-if lease.err then
-    return redis.error_reply(NOT_A_LEASE)
-end
-if not lease[1] then
-    return false
-end
-return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}
-"""
-)
+INSPECT_SCRIPT = _lua(_READ_LEASE + "return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}\n")
 
 
 @dataclass(frozen=True)
@@ -406,114 +347,78 @@ RETRIED = (RedisConnectionError, RedisTimeoutError)
 every script is safe to run twice."""
 
 
-@dataclass(frozen=True)
-class SentinelURL:
-    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    service_name: str
-    db: int = 0
-    username: str | None = None
-    password: str | None = None
-    sentinel_password: str | None = None
-    socket_timeout: float = SOCKET_TIMEOUT
-    socket_connect_timeout: float = SOCKET_TIMEOUT
-    min_replicas: int | None = None
-    replica_timeout: float | None = None
-    restart_grace: float | None = None
-
-
-_SENTINEL_OPTIONS = (
-    "sentinel_password",
-    "socket_timeout",
-    "socket_connect_timeout",
-    "min_replicas",
-    "replica_timeout",
-    "restart_grace",
-)
-
 STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
 """Query options every store URL may carry; the store reads them, redis-py never sees them."""
 
 
-def parse_sentinel_url(url: str) -> SentinelURL:
-    """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
-
-    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
-    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
-    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
-    ``min_replicas`` (an integer), ``replica_timeout`` (a duration such as ``0.2`` or
-    ``250ms``) and ``restart_grace`` (a duration; 0 turns it off). IPv6 hosts go in brackets:
-    ``[::1]:26379``.
+def min_replicas_of(
+    value: object, options: dict[str, object], sentinel: bool, cluster: bool
+) -> int:
+    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel and 0
+    otherwise.
 
     Raises:
-        LeaseConfigError: naming what is wrong.
+        LeaseConfigError: not a non-negative integer, or not 0 on a Cluster.
     """
-    parts = urlsplit(url)
-    if parts.scheme.lower() != "redis+sentinel":
-        raise LeaseConfigError(f"url={url!r} is not a redis+sentinel:// URL")
-    userinfo, _, hostlist = parts.netloc.rpartition("@")
-    username = password = None
-    if userinfo:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(secret) if colon else None
-    sentinels = tuple(_parse_host(url, item) for item in hostlist.split(","))
-    path = [unquote(p) for p in parts.path.split("/")[1:]]
-    if path and path[-1] == "":
-        path.pop()
-    if not path or not path[0] or len(path) > 2:
-        raise LeaseConfigError(
-            f"url={url!r} must name the Sentinel service as its path: "
-            "redis+sentinel://host:26379/service_name[/db]"
-        )
-    db = 0
-    if len(path) == 2:
-        if not path[1].isdigit():
-            raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
-        db = int(path[1])
-    options: dict[str, Any] = {}
-    for name, value in parse_qsl(parts.query, keep_blank_values=True):
-        if name == "sentinel_password":
-            options[name] = value
-        elif name == "min_replicas":
+    if value is None and "min_replicas" in options:
+        value = options["min_replicas"]
+        if isinstance(value, str):
             if not value.isdigit():
                 raise LeaseConfigError(
-                    f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
+                    f"min_replicas={value!r} (URL option) must be a non-negative integer"
                 )
-            options[name] = int(value)
-        elif name == "replica_timeout":
-            options[name] = to_seconds(value, name="replica_timeout", minimum=0.001)
-        elif name == "restart_grace":
-            options[name] = check_restart_grace(value)
-        elif name in ("socket_timeout", "socket_connect_timeout"):
-            try:
-                options[name] = float(value)
-            except ValueError:
-                raise LeaseConfigError(
-                    f"url={url!r}: {name}={value!r} must be a number of seconds"
-                ) from None
-        else:
-            raise LeaseConfigError(
-                f"url={url!r} has an unknown option {name!r}; supported: "
-                + ", ".join(_SENTINEL_OPTIONS)
-            )
-    return SentinelURL(sentinels, path[0], db, username, password, **options)
+            value = int(value)
+    if value is None:
+        value = 1 if sentinel else 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LeaseConfigError(f"min_replicas={value!r} must be a non-negative integer")
+    if value and cluster:
+        raise LeaseConfigError(
+            f"min_replicas={value!r} is not supported on a Redis Cluster (WAIT cannot ride "
+            "along its per-node script pipelines); use min_replicas=0"
+        )
+    return value
 
 
-def _parse_host(url: str, item: str) -> tuple[str, int]:
-    if item.startswith("["):
-        host, _, rest = item[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else rest
-    else:
-        host, _, port_text = item.partition(":")
-    if not host:
-        raise LeaseConfigError(f"url={url!r} has an empty Sentinel host in {item!r}")
-    if not port_text:
-        return host, 26379
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
-    return host, int(port_text)
+def replica_timeout_of(
+    value: object, options: dict[str, object], min_replicas: int, socket_timeout: float | None
+) -> float:
+    """A store's ``replica_timeout`` in seconds: ``value``, else the URL's, else
+    :data:`REPLICA_TIMEOUT`.
+
+    Raises:
+        LeaseConfigError: not a duration, or (with ``min_replicas``) not shorter than the
+            client's ``socket_timeout``.
+    """
+    if value is None:
+        value = options.get("replica_timeout", REPLICA_TIMEOUT)
+    seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
+    if min_replicas and socket_timeout is not None and seconds >= socket_timeout:
+        raise LeaseConfigError(
+            f"replica_timeout={value!r} must be shorter than the client's "
+            f"socket_timeout ({socket_timeout:g} s), or the socket times out first"
+        )
+    return seconds
+
+
+def restart_grace_of(value: object, options: dict[str, object], cluster: bool) -> float:
+    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off).
+
+    Raises:
+        LeaseConfigError: not a duration, or not 0 on a Cluster.
+    """
+    if value is None:
+        value = options.get("restart_grace")
+    if value is None:
+        return 0.0
+    seconds = check_restart_grace(value)
+    if seconds and cluster:
+        raise LeaseConfigError(
+            f"restart_grace={value!r} is not supported on a Redis Cluster (its marker "
+            "would have to live in every slot); use restart_grace=0 and persistence "
+            "(appendonly yes) on the cluster's masters"
+        )
+    return seconds
 
 
 def split_store_options(url: str) -> tuple[str, dict[str, object]]:
@@ -525,19 +430,6 @@ def split_store_options(url: str) -> tuple[str, dict[str, object]]:
         return url, options
     rest = urlencode([(k, v) for k, v in query if k not in STORE_OPTIONS])
     return urlunsplit(parts._replace(query=rest)), options
-
-
-def sentinel_connection_kwargs(spec: SentinelURL, retry: Any) -> dict[str, Any]:
-    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
-    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
-    kwargs: dict[str, Any] = {
-        "socket_timeout": spec.socket_timeout,
-        "socket_connect_timeout": spec.socket_connect_timeout,
-        "retry": retry,
-    }
-    if spec.sentinel_password is not None:
-        kwargs["password"] = spec.sentinel_password
-    return kwargs
 
 
 # Replies ----------------------------------------------------------------------------------------
@@ -645,34 +537,193 @@ def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
     return f"{'rediss' if ssl else 'redis'}://{host_port(kwargs)}/{db}"
 
 
-def describe_sentinel_master(
-    sentinels: Iterable[Mapping[str, Any]],
-    service: str,
-    db: object,
-    master: tuple[str, int] | None,
-) -> str:
-    """A Sentinel-managed master's address for messages, from its Sentinels' connection
-    keywords: ``redis+sentinel://s1:26379,s2:26379/service/db (master host:port)``."""
-    hosts = ",".join(host_port(kwargs) for kwargs in sentinels)
-    known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
-    return f"redis+sentinel://{hosts}/{service}/{db} ({known})"
-
-
-def master_address(reply: Any) -> tuple[str, int] | None:
-    """The ``(host, port)`` of a ``SENTINEL GET-MASTER-ADDR-BY-NAME`` reply, None when the
-    Sentinel knows no such service."""
-    if not reply:
-        return None
-    return text(reply[0]), int(reply[1])
-
-
-def no_master_message(service: str, problems: Iterable[str]) -> str:
-    """The message of the ``MasterNotFoundError`` raised when no Sentinel names a master,
-    with each Sentinel's reason (``host:port: why``)."""
-    return f"No master found for {service!r}: " + "; ".join(problems)
-
-
 def socket_timeout_of(kwargs: Mapping[str, Any]) -> float | None:
     """The ``socket_timeout`` (seconds) of a client's connection keywords, None for none."""
     value = kwargs.get("socket_timeout")
     return None if value is None else float(value)
+
+
+class StoreBase:
+    """What the Redis store and its asyncio twin share that does no I/O: their keys and
+    options, the arguments of each script call, how a reply is judged and how a failure is
+    said (never with a password in it). Each twin does its own I/O and names its address."""
+
+    _logger: logging.Logger
+    _prefix: str
+    _min_replicas: int
+    _replica_timeout: float
+    _restart_grace: float
+    _grace_until = 0.0  # the end of the last grace logged (server seconds)
+    _secrets: tuple[str, ...] = ()
+
+    def _where(self) -> str:
+        """The store's address for messages (never a password)."""
+        raise NotImplementedError
+
+    @property
+    def prefix(self) -> str:
+        """The prefix of every key the store writes."""
+        return self._prefix
+
+    # Keys and calls -----------------------------------------------------------------------------
+
+    def _base(self, key: str) -> str:
+        if not isinstance(key, str) or not key or key.startswith("}"):
+            # '{}' or '{}...' is no hash tag: the three keys would land in different slots.
+            raise LeaseConfigError(f"key={key!r} must be a non-empty string not starting with '}}'")
+        return f"{self._prefix}{{{key}}}"
+
+    def lease_key(self, key: str) -> str:
+        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease``."""
+        return self._base(key) + ":lease"
+
+    def token_key(self, key: str) -> str:
+        """The Redis key of the token counter of ``key``: ``<prefix>{<key>}:token``."""
+        return self._base(key) + ":token"
+
+    def signal_key(self, key: str) -> str:
+        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``."""
+        return self._base(key) + ":signal"
+
+    @property
+    def marker_key(self) -> str:
+        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{boot, started,
+        cause}``.
+
+        Written by the first acquire of each server run (``boot``: INFO's ``run_id``), never
+        expiring: missing, or naming another run, it tells the acquire script that the server
+        may have lost leases (see ``restart_grace``).
+        """
+        return self._prefix + MARKER
+
+    def _acquire_call(
+        self, script: Script, key: str, owner: str, ttl_ms: int
+    ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...]]:
+        """``(script, keys, args)`` of an acquire: with the marker and the grace when the store
+        has a restart grace."""
+        base = self._base(key)
+        keys: tuple[str, ...] = (base + ":lease", base + ":token")
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
+        if self._restart_grace:
+            script = WITH_GRACE[script]
+            keys += (self.marker_key,)
+            args += (round(self._restart_grace * 1_000_000),)
+        return script, keys, args
+
+    def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int]]:
+        """``(keys, args)`` of :data:`RELEASE`."""
+        base = self._base(key)
+        return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS)
+
+    @property
+    def replica_timeout(self) -> float:
+        """Seconds one ``WAIT`` may block for :attr:`min_replicas` acknowledgements."""
+        return self._replica_timeout
+
+    def _wait_args(self) -> tuple[int, int] | None:
+        """``(numreplicas, timeout ms)`` of the WAIT that follows a write, or None (no WAIT)."""
+        if not self._min_replicas:
+            return None
+        return self._min_replicas, max(1, round(self._replica_timeout * 1000))
+
+    # Replies --------------------------------------------------------------------------------------
+
+    @property
+    def min_replicas(self) -> int:
+        """Replicas that must acknowledge an acquire or a renewal (0: no ``WAIT``)."""
+        return self._min_replicas
+
+    def _confirmed(self, acks: int | None) -> bool:
+        """Whether a write's ``acks`` (None: no WAIT) satisfy :attr:`min_replicas`."""
+        return acks is None or acks >= self._min_replicas
+
+    def _renewed(self, key: str, reply: Any, acks: int | None) -> bool:
+        """A renewal's answer; a renewal too few replicas acknowledged raises."""
+        renewed = bool(reply)
+        if renewed and not self._confirmed(acks):
+            assert acks is not None
+            raise self._unconfirmed(
+                "renew", key, acks, "its holder keeps its last confirmed expiry"
+            )
+        return renewed
+
+    @property
+    def restart_grace(self) -> float:
+        """Seconds after its start a server that may have lost leases refuses free keys
+        (0: no grace)."""
+        return self._restart_grace
+
+    def _outside_grace(self, key: str, reply: Any) -> Any:
+        """``reply``; a refusal of a free key by a restart grace raised (logged once a grace)."""
+        if not in_grace(reply):
+            return reply
+        grace = Grace.parse(reply)
+        detail = grace.explain(self._restart_grace, SYSTEM_CLOCK.time())
+        error = RestartGraceError(
+            self._redact(error_text(self._where(), "acquire", key, detail)), grace.until
+        )
+        if grace.until != self._grace_until:
+            self._grace_until = grace.until
+            self._logger.warning("%s", error)
+        raise error
+
+    # Messages -------------------------------------------------------------------------------------
+
+    def _redact(self, message: str) -> str:
+        return redact_secrets(message, self._secrets)
+
+    def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
+        return StoreUnavailableError(
+            self._redact(error_text(self._where(), operation, key, detail))
+        )
+
+    def _log_retry(self, operation: str, key: str | None, exc: BaseException) -> None:
+        self._logger.info(
+            "Redis store %s: retrying %s once after %s: %s",
+            self._where(),
+            what(operation, key),
+            type(exc).__name__,
+            self._redact(str(exc)),
+        )
+
+    def _unconfirmed(
+        self, operation: str, key: str | None, acks: int, after: str, asks: int = 0
+    ) -> StoreUnavailableError:
+        """The error of a write too few replicas acknowledged: a :class:`ReplicaLagError` for
+        an acquire asked ``asks`` times (retried within the caller's wait), else a plain
+        ``StoreUnavailableError``."""
+        detail = (
+            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
+            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}"
+        )
+        message = self._redact(error_text(self._where(), operation, key, detail))
+        return ReplicaLagError(message) if asks else StoreUnavailableError(message)
+
+    def _given_up(
+        self, key: str, acks: int, asks: int, release_failed: Exception | None
+    ) -> StoreUnavailableError:
+        """The error of an acquire no ask of which the replicas confirmed within
+        :data:`CONFIRM_WINDOW`, after its lease was released (``release_failed``: how that
+        failed); logged."""
+        if release_failed is None:
+            after = "the lease was released"
+        else:
+            self._logger.warning(
+                "Redis store: releasing an unconfirmed lease failed: %s", release_failed
+            )
+            after = "releasing it failed too: it expires within its ttl"
+        error = self._unconfirmed("acquire", key, acks, after, asks)
+        self._logger.warning("%s; asked again within the caller's wait", error)
+        return error
+
+
+def blpop_waits(
+    timeout: float, socket_timeout: float | None, monotonic: Callable[[], float]
+) -> Iterator[float]:
+    """The BLPOP timeouts (seconds) of a wait of ``timeout`` seconds, each shorter than the
+    client's ``socket_timeout`` (so the socket never times out first), read on ``monotonic``
+    when each is due, until the wait's end. BLPOP takes milliseconds; 0 would block forever."""
+    deadline = monotonic() + timeout
+    step = blpop_slice(socket_timeout)
+    while (left := deadline - monotonic()) > 0:
+        yield max(0.001, round(min(left, step), 3))

@@ -52,7 +52,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, Final
 
@@ -65,7 +65,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_lease import _forking as forking
 from celery_lease.stores._redis_compat import connection_socket, parse_error
 
-__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head"]
+__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head", "pack_request"]
 
 logger = logging.getLogger("celery_lease.stores._redis_fast")
 
@@ -145,6 +145,16 @@ def pack_eval_head(source: str, numkeys: int, nargs: int) -> bytes:
         len(count),
         count,
     )
+
+
+def pack_request(head: bytes, items: Iterable[str | int], encoding: str, errors: str) -> bytes:
+    """A request: its packed ``head`` (see :func:`pack_head`) and each key and argument as a
+    bulk string (text encoded as the client encodes it)."""
+    parts = [head]
+    for item in items:
+        data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)
 
 
 def fast_path_for(client: object) -> FastConnection | None:
@@ -386,57 +396,50 @@ class FastConnection:
     def _read(self, sock: socket.socket) -> Any:
         """One reply: bytes, None, an int, or the exception an error reply stands for."""
         buf = self._buf
-        while True:
-            end = buf.find(_CRLF)
-            while end < 0:
-                self._fill(sock)
-                end = buf.find(_CRLF)
-            if buf[0] != 0x3E:  # not '>'
-                break
+        end = self._line_end(sock)
+        while buf[0] == 0x3E:  # '>'
             # A RESP3 push frame (a server in maintenance pushes MIGRATING / MOVING to clients
             # that asked for it, which redis-py's handshake does) comes before or between
             # replies and is no reply: skip it, as redis-py's parsers do.
             self._skip(sock)
+            end = self._line_end(sock)
         kind = buf[0]
         if kind == 0x24:  # '$' bulk string
-            try:
-                size = int(buf[1:end])
-            except ValueError:
-                raise InvalidResponse(
-                    f"Protocol error, bad bulk length {bytes(buf[:end])!r}"
-                ) from None
-            if size < 0:
-                del buf[: end + 2]
-                return None
-            stop = end + 2 + size
-            while len(buf) < stop + 2:
-                self._fill(sock)
-            data = bytes(buf[end + 2 : stop])
-            del buf[: stop + 2]
-            return data
+            return self._bulk(sock, end)
         line = bytes(buf[1:end])
         del buf[: end + 2]
-        if kind == 0x3A:  # ':' integer
-            return int(line)
-        if kind == 0x5F:  # '_' RESP3 null (a script's false or nil)
-            return None
-        if kind == 0x23:  # '#' RESP3 boolean
-            return 1 if line == b"t" else 0
-        if kind == 0x2D:  # '-' error
-            # redis-py's own mapping: NOSCRIPT -> NoScriptError, READONLY -> ReadOnlyError...
-            return parse_error(line.decode(errors="replace"))
-        if kind == 0x2B:  # '+' simple string
-            return line
-        # Nothing the scripts return looks like this: the stream cannot be trusted any more.
-        raise InvalidResponse(f"Protocol error, got {chr(kind)!r} as reply type byte")
+        return _one_line_reply(kind, line)
 
-    def _skip(self, sock: socket.socket) -> None:
-        """Read one RESP2/RESP3 element of any type (a push frame and its parts) and drop it."""
+    def _line_end(self, sock: socket.socket) -> int:
+        """Where the first line of the buffer ends (its CRLF), reading until it is there."""
         buf = self._buf
         end = buf.find(_CRLF)
         while end < 0:
             self._fill(sock)
             end = buf.find(_CRLF)
+        return end
+
+    def _bulk(self, sock: socket.socket, end: int) -> bytes | None:
+        """A bulk string whose ``$<size>`` line ends at ``end``; None for a nil (size -1)."""
+        buf = self._buf
+        try:
+            size = int(buf[1:end])
+        except ValueError:
+            raise InvalidResponse(f"Protocol error, bad bulk length {bytes(buf[:end])!r}") from None
+        if size < 0:
+            del buf[: end + 2]
+            return None
+        stop = end + 2 + size
+        while len(buf) < stop + 2:
+            self._fill(sock)
+        data = bytes(buf[end + 2 : stop])
+        del buf[: stop + 2]
+        return data
+
+    def _skip(self, sock: socket.socket) -> None:
+        """Read one RESP2/RESP3 element of any type (a push frame and its parts) and drop it."""
+        buf = self._buf
+        end = self._line_end(sock)
         kind = buf[0]
         head = bytes(buf[1:end])
         del buf[: end + 2]
@@ -454,6 +457,23 @@ class FastConnection:
             return
         for _ in range(size * 2 if kind in b"%|" else size):  # maps and attributes: pairs
             self._skip(sock)
+
+
+def _one_line_reply(kind: int, line: bytes) -> Any:
+    """The reply of a one-line RESP element of type byte ``kind`` and text ``line``."""
+    if kind == 0x3A:  # ':' integer
+        return int(line)
+    if kind == 0x5F:  # '_' RESP3 null (a script's false or nil)
+        return None
+    if kind == 0x23:  # '#' RESP3 boolean
+        return 1 if line == b"t" else 0
+    if kind == 0x2D:  # '-' error
+        # redis-py's own mapping: NOSCRIPT -> NoScriptError, READONLY -> ReadOnlyError...
+        return parse_error(line.decode(errors="replace"))
+    if kind == 0x2B:  # '+' simple string
+        return line
+    # Nothing the scripts return looks like this: the stream cannot be trusted any more.
+    raise InvalidResponse(f"Protocol error, got {chr(kind)!r} as reply type byte")
 
 
 def _hand(on_reply: Callable[[Any], None], reply: Any) -> None:

@@ -1,22 +1,17 @@
-"""The one table of stores: URL scheme -> the classes that serve it, as ``"module:Class"`` strings.
+"""The table of stores (URL scheme -> ``"module:Class"`` of the classes that serve it) and the
+factories that read it: :func:`store_from_url` and :func:`async_store_from_url`.
 
-Every reader of a store URL goes through this table:
-:func:`~celery_lease.stores.base.store_from_url`,
-:func:`~celery_lease.stores.base.async_store_from_url`, the settings check that refuses a
-misspelled ``lease_store`` scheme at worker start (:mod:`celery_lease._celery.settings`), the
-``celery
-lease`` CLI (through ``store_from_url``) and the store classes :mod:`celery_lease` loads on first
-use (naming the extra to install when a driver is missing). A scheme added here is known to all
-of them.
+Every reader of a store URL goes through this table: the two factories, the settings check that
+refuses a misspelled ``lease_store`` scheme at worker start (:mod:`celery_lease._celery.settings`),
+the ``celery lease`` CLI (through ``store_from_url``) and the store classes :mod:`celery_lease`
+loads on first use (naming the extra to install when a driver is missing). A scheme added here
+is known to all of them.
 
-The classes are named, not imported (as kombu's ``TRANSPORT_ALIASES``): a class is imported on
-first use with :mod:`importlib`, so a missing optional driver fails only when its scheme is used,
-and the store protocol module imports no store (each store imports it). This module imports
-nothing of celery-lease.
-
-A synchronous store is built from a URL by ``Class.from_url(url)`` when the class has one, else
-``Class(url)``; a native async store by ``Class.from_url(url)``. A scheme without a native async
-store is served asynchronously by :data:`THREADED_ADAPTER` over its synchronous store.
+The classes are named, not imported (as kombu's ``TRANSPORT_ALIASES``, kept out of its transport
+base module): a class is imported on first use with :mod:`importlib`, so a missing optional
+driver fails only when its scheme is used, and the store protocol (:mod:`.base`) knows no store.
+A scheme without a native async store is served by :class:`~.threaded.ThreadedAsyncStore` over
+its synchronous store.
 """
 
 from __future__ import annotations
@@ -24,20 +19,24 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
+from urllib.parse import urlsplit
+
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.base import AsyncLockStore, LockStore, redact_url
+from celery_lease.stores.threaded import ThreadedAsyncStore
 
 __all__ = [
     "SCHEMES",
-    "THREADED_ADAPTER",
     "Entry",
     "async_class",
+    "async_store_from_url",
     "examples",
-    "extra_for",
     "known_schemes",
     "lazy_names",
     "resolve",
+    "store_from_url",
     "sync_class",
-    "threaded_adapter",
 ]
 
 
@@ -48,7 +47,8 @@ class Entry(NamedTuple):
     """``"module:Class"`` of the :class:`~celery_lease.stores.base.LockStore`."""
     native_async: str | None
     """``"module:Class"`` of the native :class:`~celery_lease.stores.base.AsyncLockStore`, or
-    ``None``: :data:`THREADED_ADAPTER` runs the synchronous store's calls on a thread."""
+    ``None``: :class:`~.threaded.ThreadedAsyncStore` runs the synchronous store's calls on a
+    thread."""
     extra: str | None
     """The ``celery-lease[extra]`` that installs the driver, or ``None`` (standard library)."""
     example: str | None
@@ -81,10 +81,6 @@ SCHEMES: Mapping[str, Entry] = MappingProxyType(
     }
 )
 """Lower-case URL scheme -> :class:`Entry`, in the order the schemes are listed to users."""
-
-THREADED_ADAPTER = "celery_lease._core.threaded_store:ThreadedAsyncStore"
-"""``"module:Class"`` of the async adapter over any synchronous store (built with the store and
-``close_store=True``)."""
 
 
 def resolve(path: str) -> Any:
@@ -121,7 +117,7 @@ def sync_class(scheme: str) -> type[Any]:
 
 def async_class(scheme: str) -> type[Any] | None:
     """The native async store class of ``scheme`` (lower case), imported, or ``None`` when the
-    scheme has none (:func:`threaded_adapter` serves it).
+    scheme has none (the thread adapter serves it).
 
     Raises:
         KeyError: ``scheme`` is not in :data:`SCHEMES`.
@@ -134,30 +130,81 @@ def async_class(scheme: str) -> type[Any] | None:
     return cls
 
 
-def threaded_adapter() -> type[Any]:
-    """The :data:`THREADED_ADAPTER` class, imported."""
-    cls: type[Any] = resolve(THREADED_ADAPTER)
-    return cls
-
-
-def extra_for(scheme: str) -> str | None:
-    """The extra that installs the driver of ``scheme``'s stores, or ``None`` (none needed).
-
-    Raises:
-        KeyError: ``scheme`` is not in :data:`SCHEMES`.
-    """
-    return SCHEMES[scheme].extra
-
-
 def lazy_names() -> dict[str, tuple[str, str | None]]:
-    """Class name -> ``(module, extra or None)`` of every class the table names, and of the
-    adapter: for the names :mod:`celery_lease` loads on first use."""
+    """Class name -> ``(module, extra or None)`` of every class the table names: for the names
+    :mod:`celery_lease` loads on first use."""
     names: dict[str, tuple[str, str | None]] = {}
     for entry in SCHEMES.values():
         for path in (entry.sync, entry.native_async):
             if path is not None:
                 module_name, _, name = path.partition(":")
                 names[name] = (module_name, entry.extra)
-    module_name, _, name = THREADED_ADAPTER.partition(":")
-    names[name] = (module_name, None)
     return names
+
+
+def store_from_url(url: str) -> LockStore:
+    """Build a store from a URL.
+
+    Supported forms:
+
+    - ``memory://``: a new :class:`~celery_lease.MemoryLockStore` (one process only);
+    - ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``;
+    - ``redis://[[user]:password@]host[:port][/db]`` and ``rediss://...`` (TLS), query options as
+      redis-py's ``from_url`` takes them;
+    - ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service_name[/db]``: a
+      Sentinel-managed master (``?sentinel_password=...`` for Sentinel's own auth);
+    - ``postgresql://...`` / ``postgres://...``: a libpq DSN.
+
+    The scheme picks the class in :data:`SCHEMES`, imported on first use.
+
+    Raises:
+        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
+    """
+    scheme = _scheme_of(url)
+    cls = sync_class(scheme)
+    build = getattr(cls, "from_url", cls)  # RedisLockStore and PostgresLockStore take the URL
+    return cast(LockStore, build(url))
+
+
+def async_store_from_url(url: str) -> AsyncLockStore:
+    """Build an :class:`AsyncLockStore` from a URL (the forms :func:`store_from_url` takes).
+
+    - ``redis://``, ``rediss://``, ``redis+sentinel://``, ``unix://``:
+      ``AsyncRedisLockStore.from_url(url)`` (``redis.asyncio``);
+    - ``postgresql://`` / ``postgres://``: ``AsyncPostgresLockStore.from_url(url)`` (psycopg 3);
+    - ``sqlite:///...`` and ``memory://``: a :class:`~.threaded.ThreadedAsyncStore` over the
+      synchronous store (their calls are short and local: they run on a thread of the event
+      loop's default executor). The adapter owns that store: ``aclose()`` closes it.
+
+    Build it once per event loop and ``await store.aclose()`` when done (native async clients
+    belong to the loop they were first used in).
+
+    Raises:
+        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
+    """
+    scheme = _scheme_of(url)
+    native = async_class(scheme)
+    if native is not None:
+        return cast(AsyncLockStore, native.from_url(url))
+    return ThreadedAsyncStore(store_from_url(url), close_store=True)
+
+
+def _scheme_of(url: str) -> str:
+    """The lower-case scheme of a store ``url``, one of the store table's.
+
+    Raises:
+        LeaseConfigError: ``url`` is not a URL, or its scheme is not in the table (the message
+            lists the supported forms).
+    """
+    if not isinstance(url, str) or "://" not in url:
+        shown = redact_url(url) if isinstance(url, str) else url
+        raise LeaseConfigError(
+            f"store url={shown!r} is not a URL; supported: {', '.join(examples())}"
+        )
+    scheme = urlsplit(url).scheme.lower()
+    if scheme not in SCHEMES:
+        raise LeaseConfigError(
+            f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
+            f"{', '.join(examples())}"
+        )
+    return scheme

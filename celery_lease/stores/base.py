@@ -22,11 +22,7 @@ import re
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
-from urllib.parse import urlsplit
-
-from celery_lease.errors import LeaseConfigError
-from celery_lease.stores import _registry
+from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "AsyncLockStore",
@@ -39,10 +35,8 @@ __all__ = [
     "SupportsDeferredRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
-    "async_store_from_url",
     "conforms",
     "redact_url",
-    "store_from_url",
 ]
 
 
@@ -207,10 +201,10 @@ class AsyncLockStore(Protocol):
     works on the SAME data as its synchronous twin :attr:`sync`, so sync and async processes
     (and the renewer thread, which renews through :attr:`sync`) exclude each other.
 
-    Implementations: :class:`celery_lease._core.aio.ThreadedAsyncStore` (any sync store, its short
-    calls run on a thread), ``celery_lease.stores.redis_async.AsyncRedisLockStore``
+    Implementations: :class:`celery_lease.stores.threaded.ThreadedAsyncStore` (any sync store, its
+    short calls run on a thread), ``celery_lease.stores.redis_async.AsyncRedisLockStore``
     (``redis.asyncio``) and ``celery_lease.stores.postgres_async.AsyncPostgresLockStore``
-    (psycopg's async connection). :func:`async_store_from_url` picks one from a URL.
+    (psycopg's async connection). :func:`~celery_lease.async_store_from_url` picks one from a URL.
     """
 
     @property
@@ -360,74 +354,3 @@ def redact_url(url: str) -> str:
         if colon >= 0:
             text = text[: colon + 1] + "***" + text[at:]
     return _PARAM_PASSWORD.sub(r"\1***", text)
-
-
-def store_from_url(url: str) -> LockStore:
-    """Build a store from a URL.
-
-    Supported forms:
-
-    - ``memory://``: a new :class:`~celery_lease.MemoryLockStore` (one process only);
-    - ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db``;
-    - ``redis://[[user]:password@]host[:port][/db]`` and ``rediss://...`` (TLS), query options as
-      redis-py's ``from_url`` takes them;
-    - ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service_name[/db]``: a
-      Sentinel-managed master (``?sentinel_password=...`` for Sentinel's own auth);
-    - ``postgresql://...`` / ``postgres://...``: a libpq DSN.
-
-    The scheme picks the class in the one table of stores (:mod:`celery_lease.stores._registry`),
-    which imports it on first use.
-
-    Raises:
-        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
-    """
-    scheme = _scheme_of(url)
-    cls = _registry.sync_class(scheme)
-    build = getattr(cls, "from_url", cls)  # RedisLockStore and PostgresLockStore take the URL
-    return cast(LockStore, build(url))
-
-
-def async_store_from_url(url: str) -> AsyncLockStore:
-    """Build an :class:`AsyncLockStore` from a URL (the forms :func:`store_from_url` takes).
-
-    - ``redis://``, ``rediss://``, ``redis+sentinel://``, ``unix://``:
-      ``AsyncRedisLockStore.from_url(url)`` (``redis.asyncio``);
-    - ``postgresql://`` / ``postgres://``: ``AsyncPostgresLockStore.from_url(url)`` (psycopg 3);
-    - ``sqlite:///...`` and ``memory://``: a :class:`celery_lease._core.aio.ThreadedAsyncStore`
-    over the
-      synchronous store (their calls are short and local: they run on a thread of the event
-      loop's default executor). The adapter owns that store: ``aclose()`` closes it.
-
-    Build it once per event loop and ``await store.aclose()`` when done (native async clients
-    belong to the loop they were first used in).
-
-    Raises:
-        LeaseConfigError: (a ``ValueError``) for an unknown scheme, listing the supported ones.
-    """
-    scheme = _scheme_of(url)
-    native = _registry.async_class(scheme)
-    if native is not None:
-        return cast(AsyncLockStore, native.from_url(url))
-    adapter = _registry.threaded_adapter()
-    return cast(AsyncLockStore, adapter(store_from_url(url), close_store=True))
-
-
-def _scheme_of(url: str) -> str:
-    """The lower-case scheme of a store ``url``, one of the store table's.
-
-    Raises:
-        LeaseConfigError: ``url`` is not a URL, or its scheme is not in the table (the message
-            lists the supported forms).
-    """
-    if not isinstance(url, str) or "://" not in url:
-        shown = redact_url(url) if isinstance(url, str) else url
-        raise LeaseConfigError(
-            f"store url={shown!r} is not a URL; supported: {', '.join(_registry.examples())}"
-        )
-    scheme = urlsplit(url).scheme.lower()
-    if scheme not in _registry.SCHEMES:
-        raise LeaseConfigError(
-            f"store url={redact_url(url)!r} has an unknown scheme {scheme!r}; supported: "
-            f"{', '.join(_registry.examples())}"
-        )
-    return scheme

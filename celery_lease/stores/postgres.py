@@ -1,61 +1,18 @@
 """PostgreSQL store: one table, one statement per operation, time from the database's clock.
 
-Every operation is a single SQL statement on an autocommit connection, so it is one round trip
-and atomic per key. Expiry and tokens are computed from ``clock_timestamp()`` on the server,
-never from a client's clock, so workers with skewed clocks still agree.
-
-The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` (or
-lets ``expires`` pass) but keeps the row, so the fencing-token counter only grows. A new token is
-``GREATEST(previous + 1, clock_timestamp() in microseconds)``, so it also exceeds every earlier
-token after the row is lost (a restored backup, a dropped table) as long as the server's clock
-does not go back.
-
-A repeated ``acquire`` by the owner of the live lease returns that lease's token and sets its
-expiry to now + ttl (the store contract): so an acquire whose reply was lost after the commit,
-retried by the same owner, gets its own lease back instead of leaving an orphan for a ttl.
-
-The clock: ``expires`` is an absolute ``timestamptz`` of the server's wall clock, compared with
-``clock_timestamp()`` at every statement. A step of that clock (NTP, a VM restore, a failover to a
-server whose clock differs) moves every lease by the step: forward by *d*, each live lease with
-less than *d* left expires at once, while its holder (which counts its validity on its own
-monotonic clock from when it sent the acquire or renew) still believes it holds it until its
-next renewal fails; another owner can acquire in between, and only fencing tokens (the new
-token is larger) protect writes then. Backward by *d*, leases last up to *d* longer (a crashed
-holder's key stays blocked up to ttl + *d*) and tokens of a key keep growing by the counter, but
-a key whose row was lost can be issued a token below one issued before the step. Time spent
-waiting on the network is on the holder's side (it counts from before sending).
-
-Schema: with ``create_table=True`` (the default) the table is created the first time a statement
-finds it missing (SQLSTATE 42P01), then the statement is run again; an existing table costs
-nothing (no DDL on the hot path). With ``create_table=False`` (or ``?create_table=false`` in the
-URL) the store never runs DDL, and a missing table is a ``StoreUnavailableError`` naming it and
-:meth:`PostgresLockStore.schema_sql`. The schema, for teams that manage DDL themselves (default
-table name)::
-
-    CREATE TABLE IF NOT EXISTS "celery_lease" (
-        key text COLLATE "C" PRIMARY KEY,  -- the lock key; "C": byte order, prefix scans
-        owner text NULL,                   -- the holder, NULL once released
-        expires timestamptz NOT NULL,      -- end of the lease, by the server's clock
-        token bigint NOT NULL              -- last fencing token issued for the key
-    )
-
-``PostgresLockStore.schema_sql(table)`` returns it for another table name; :data:`SCHEMA_SQL`
-holds it for the default one. The store's role then needs only ``USAGE`` on the schema and
-``SELECT, INSERT, UPDATE`` on the table (rows are never deleted)::
-
-    GRANT USAGE ON SCHEMA ops TO app;
-    GRANT SELECT, INSERT, UPDATE ON ops.celery_lease TO app;
+Every operation is a single SQL statement on an autocommit connection: one round trip, atomic
+per key. Expiry and tokens come from ``clock_timestamp()`` on the server, never a client's
+clock. The table keeps one row per key ever locked (release clears ``owner``), so the token
+counter only grows; a new token is ``GREATEST(previous + 1, clock_timestamp() in µs)``, which
+also exceeds earlier tokens after the row is lost, as long as the server's clock does not go
+back. A repeated ``acquire`` by the live lease's owner returns its token and sets its expiry,
+so a retry after a lost reply gets its own lease back.
 
 Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement (a key over
-1000 bytes is announced by its digest, ``sha256:<hex>``: a payload must stay under 8000 bytes);
-waiters in :meth:`PostgresLockStore.wait_for_release` are woken by one listener thread per store
-and process (see there).
-
-Key size: the primary-key index holds a key of at most 2704 bytes after compression (a random
-key of about 2.7 kB does not fit, a repetitive one can be much longer). An acquire of a key that
-does not fit takes nothing and raises ``LeaseConfigError`` naming the key's size and the limit.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+1000 bytes by its digest); waiters are woken by one listener thread per store and process. The
+statements and the schema: :mod:`celery_lease.stores._postgres_common`. The table, the grants a
+role needs, ``create_table`` and what a step of the server's clock does: docs/stores.md
+(PostgreSQL). Threads, locks and fork resets: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -89,22 +46,17 @@ from celery_lease.stores._postgres_common import (
     POOL_NAME,
     SCHEMA_SQL,
     ConnectFailures,
-    channel_for,
-    check_options,
-    check_seconds,
+    ListenerRetry,
+    StoreBase,
     connect_kwargs,
-    create_denied_detail,
     describe_error,
-    key_too_long,
     lease_info,
-    missing_table_detail,
+    log_undo_failed,
     no_connection_detail,
     notify_payload,
     parse_dsn,
-    privilege_detail,
     schema_sql,
     statements,
-    store_error,
     target,
     token_of,
 )
@@ -129,13 +81,8 @@ def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Conne
 
         @classmethod
         def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
-            try:
-                conn = super().connect(conninfo, **kwargs)
-            except psycopg.Error as exc:
-                failures.failed(describe_error(exc))
-                raise
-            failures.connected()
-            return conn
+            with failures.recording():
+                return super().connect(conninfo, **kwargs)
 
     return _StoreConnection
 
@@ -300,7 +247,7 @@ class _Listener:
     # Thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff, connected_before, failing = 0.05, False, False
+        retry = ListenerRetry("listener", logger)
         listen = sql.SQL("LISTEN {}; LISTEN {}").format(
             sql.Identifier(self._channel), sql.Identifier(self.stop_channel)
         )
@@ -308,24 +255,13 @@ class _Listener:
             try:
                 conn = self._connect()
             except psycopg.Error as exc:
-                # One line per outage: the retries after it say nothing until it connects.
-                if not failing:
-                    logger.warning(
-                        "celery-lease: listener failed to connect (%s); retrying until it connects",
-                        " ".join(str(exc).split()),
-                    )
-                failing = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._stop.wait(retry.failed(exc))
                 continue
             self._conn = conn
             try:
                 conn.execute(listen)
-                if connected_before:
+                if retry.connected():
                     self._wake_all()
-                if failing:
-                    logger.info("celery-lease: listener connected again")
-                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 while not self._stop.is_set():
                     for notify in conn.notifies(timeout=self._TICK):
@@ -355,46 +291,32 @@ class _Listener:
             _INHERITED.append(self._conn)
 
 
-class PostgresLockStore:
+class PostgresLockStore(StoreBase):
     """A :class:`~celery_lease.LockStore` in a PostgreSQL table; excludes across hosts.
 
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
     :class:`~celery_lease.SupportsBatchRenew` and :class:`~celery_lease.SupportsInspection`.
 
-    Connections: given a DSN, the store opens a small ``psycopg_pool.ConnectionPool`` of
-    autocommit connections on first use (1 to ``max_connections``); given a pool, it uses that
-    pool as is and never closes it. After ``fork()`` the child builds its own pool (and listener)
-    and never touches the sockets it inherited; a pool passed in by the caller cannot be rebuilt,
-    so the caller must not share one across a fork.
+    Connections: given a DSN, the store opens a ``psycopg_pool.ConnectionPool`` of autocommit
+    connections on first use (1 to ``max_connections``); a pool passed in is used as is, never
+    closed, and must not be shared across a fork (a forked child rebuilds the store's own pool
+    and listener, never touching the sockets it inherited). :meth:`wait_for_release` is served
+    by one listener thread per store and process, holding one extra ``LISTEN`` connection.
 
-    Waiting: :meth:`wait_for_release` is served by one listener thread per store and process,
-    holding one extra connection that ``LISTEN``\\ s on the table's channel and wakes the waiters
-    of the released key. Any number of threads can wait at the cost of one connection (a
-    connection per waiting thread would make the server fork a backend per waiter).
+    Errors: a dropped connection (``OperationalError``, but not SQLSTATE class 54, a server
+    limit) is retried once on another connection when the operation is safe to redo (all but
+    ``force_release``, whose error then says the outcome is unknown). Any other failure raises
+    ``StoreUnavailableError`` naming the store (never the password), the operation and the
+    server's message with its SQLSTATE, the driver's error chained.
 
-    Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
-    server restart, or cut after the server committed but before its reply arrived; not a server
-    limit exceeded, SQLSTATE class 54, such as a key too long for the index) is retried once on
-    another connection when the operation is safe to redo: acquire (the retry by the
-    same owner returns the lease the first attempt took), renew, renew_many and release (owner
-    checked: a redo never frees someone else's lease), and the reads. ``force_release`` is not
-    redone (the key may have been taken since): its error says the outcome is unknown. A second
-    failure, a timeout getting a connection, or any other driver error raises
-    ``StoreUnavailableError`` naming the store (host, port, database, table; never the
-    password), the operation and the server's own message with its SQLSTATE (for a connection
-    that could not be made: libpq's reason, e.g. ``database "x" does not exist``), with the
-    driver's error chained.
+    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``,
+    ``KeyboardInterrupt``) cancels the statement on the server, waits (up to 5 s) for its end
+    and closes the connection; an interrupted acquire then releases what it may have taken
+    (owner checked) before the exception propagates.
 
-    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``'s
-    signal handler or ``PyThreadState_SetAsyncExc``, ``KeyboardInterrupt``) cancels that
-    statement on the server, waits (up to 5 s) for it to end and closes the connection; an
-    interrupted acquire then releases whatever it may have taken (owner checked), so no lease is
-    left that its caller never learned of. The exception then propagates.
-
-    Schema: with ``create_table=True`` the table is created (``CREATE TABLE IF NOT EXISTS``)
-    the first time a statement finds it missing, and that statement is run again; an existing
-    table costs no DDL at all, so a role without ``CREATE`` works on a table made by a DBA (see
-    the module docstring for the grants). With ``create_table=False`` the store never runs DDL.
+    Schema: with ``create_table=True`` a missing table is created the first time a statement
+    finds it missing (an existing table costs no DDL, so a role without ``CREATE`` works on a
+    table a DBA made); with ``create_table=False`` the store never runs DDL.
 
     Args:
         dsn_or_pool: a libpq connection string or URL (``postgresql://`` or ``postgres://``), or
@@ -434,11 +356,7 @@ class PostgresLockStore:
         max_connections: int = 8,
         create_table: bool | None = None,
     ) -> None:
-        self._table = check_options(table, connect_timeout, max_connections, create_table)
-        check_seconds("statement_timeout", statement_timeout)
-        self._connect_timeout = float(connect_timeout)
-        self._statement_timeout = float(statement_timeout)
-        self._max_connections = max_connections
+        self._set_options(table, connect_timeout, statement_timeout, max_connections, create_table)
         self._where = ""
         self._secrets: tuple[str, ...] = ()  # passwords of the DSN, masked in every message
         if isinstance(dsn_or_pool, ConnectionPool):
@@ -463,8 +381,6 @@ class PostgresLockStore:
             f"PostgresLockStore({self._where}, table={self._table!r})", logger
         )
         self._connection_class = _recording_connection_class(self._connect_failures)
-        self._channel = channel_for(self._table)
-        self._sql = statements(self._table)
         self._init_process_state()
         _STORES.add(self)
 
@@ -489,27 +405,6 @@ class PostgresLockStore:
         """
         return schema_sql(table)
 
-    @property
-    def table(self) -> str:
-        """The table name, as given."""
-        return self._table
-
-    @property
-    def statement_timeout(self) -> float:
-        """Seconds one statement may run on the server (connections of the internal pool)."""
-        return self._statement_timeout
-
-    @property
-    def create_table(self) -> bool:
-        """Whether the store creates its table when a statement finds it missing."""
-        return self._create_table
-
-    @property
-    def channel(self) -> str:
-        """The ``NOTIFY`` channel released keys are announced on (payload: the key, or for a
-        key over 1000 bytes ``sha256:`` and its hex digest; see ``notify_payload``)."""
-        return self._channel
-
     # Connections --------------------------------------------------------------------------------
 
     def _connect_kwargs(self) -> dict[str, Any]:
@@ -525,35 +420,30 @@ class PostgresLockStore:
         self._init_process_state()
         self._closed = closed
 
-    def _get_pool(self) -> ConnectionPool[Any]:
+    def _once(self, read: Callable[[], _T | None], make: Callable[[], _T]) -> _T:
+        """``read()``, else ``make()`` under the lock (it keeps what it made) unless the store
+        is closed; state inherited through a fork is abandoned first."""
         if self._pid != os.getpid():  # forked without os.register_at_fork (e.g. by C code)
             self._forget_inherited()
-        pool = self._pool
-        if pool is not None:
-            return pool
+        value = read()
+        if value is not None:
+            return value
         with self._lock:
             if self._closed:
                 raise StoreUnavailableError(f"{self!r} is closed")
-            if self._pool is None:
-                assert self._dsn is not None
-                pool = ConnectionPool(
-                    self._dsn,
-                    connection_class=self._connection_class,
-                    kwargs=self._connect_kwargs(),
-                    configure=self._configure_connection,
-                    min_size=1,
-                    max_size=self._max_connections,
-                    open=False,
-                    timeout=self._connect_timeout,
-                    # Give up background reconnection (1 s, then doubling) after as long as a
-                    # caller waits: the next call then connects at once, instead of waiting for
-                    # a backoff grown during a long outage.
-                    reconnect_timeout=self._connect_timeout,
-                    name=POOL_NAME,
-                )
-                pool.open(wait=False)
-                self._pool = pool
-            return self._pool
+            value = read()
+            return make() if value is None else value
+
+    def _get_pool(self) -> ConnectionPool[Any]:
+        return self._once(lambda: self._pool, self._new_pool)
+
+    def _new_pool(self) -> ConnectionPool[Any]:
+        assert self._dsn is not None
+        options = self._pool_options(POOL_NAME, self._connect_kwargs())
+        pool = ConnectionPool(self._dsn, configure=self._configure_connection, **options)
+        pool.open(wait=False)
+        self._pool = pool
+        return pool
 
     def _configure_connection(self, conn: psycopg.Connection[Any]) -> None:
         """Bound every statement of a new pooled connection by ``statement_timeout``.
@@ -576,17 +466,11 @@ class PostgresLockStore:
         return psycopg.Connection.connect(conninfo, **kwargs)
 
     def _get_listener(self) -> _Listener:
-        if self._pid != os.getpid():
-            self._forget_inherited()
-        listener = self._listener
-        if listener is not None:
-            return listener
-        with self._lock:
-            if self._closed:
-                raise StoreUnavailableError(f"{self!r} is closed")
-            if self._listener is None:
-                self._listener = _Listener(self._listener_connect, self._channel)
-            return self._listener
+        return self._once(lambda: self._listener, self._new_listener)
+
+    def _new_listener(self) -> _Listener:
+        self._listener = _Listener(self._listener_connect, self._channel)
+        return self._listener
 
     def _run(
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
@@ -606,13 +490,13 @@ class PostgresLockStore:
                     got_connection = True
                     return self._execute(what, conn, fn)
             except PoolTimeout as exc:
-                raise self._error(what, self._no_connection(exc)) from exc
+                raise self._error(what, None, self._no_connection(exc)) from exc
             except CANCELLED_BY_TIMEOUT as exc:
                 # The server ended the statement (a row or table locked by another session, a
                 # crawl); the connection is sound. Not retried: that would double the bound.
-                raise self._error(what, self._timed_out(exc)) from exc
+                raise self._error(what, None, self._timed_out(exc)) from exc
             except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
             except psycopg.OperationalError as exc:
                 if attempt == 1 and got_connection and redo:
                     logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
@@ -621,13 +505,13 @@ class PostgresLockStore:
                 detail = describe_error(exc)
                 if got_connection and not redo:
                     detail += "; not retried: it may have taken effect (look with get())"
-                raise self._error(what, detail) from exc
+                raise self._error(what, None, detail) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(what, privilege_detail(exc, self._table)) from exc
+                raise self._error(what, None, self._denied(exc)) from exc
             except psycopg.Error as exc:
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
             except PoolClosed as exc:
-                raise self._error(what, describe_error(exc)) from exc
+                raise self._error(what, None, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute(
@@ -648,9 +532,6 @@ class PostgresLockStore:
             # An interrupt raised inside the statement: end it before anyone goes on.
             _settle_interrupted(conn)
             raise
-
-    def _error(self, what: str, detail: str) -> StoreUnavailableError:
-        return store_error(repr(self), what, detail, self._secrets)
 
     def _timed_out(self, exc: psycopg.Error) -> str:
         bound = ""
@@ -675,9 +556,9 @@ class PostgresLockStore:
 
     def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
         """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""
-        refusal = missing_table_detail(missing, self._table, self._create_table)
+        refusal = self._table_refusal(missing)
         if refusal is not None:
-            raise self._error(what, refusal) from missing
+            raise self._error(what, None, refusal) from missing
         with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
                 conn.execute(self._sql["schema"])
@@ -687,7 +568,7 @@ class PostgresLockStore:
             except psycopg.errors.InsufficientPrivilege as exc:
                 if not conn.autocommit:
                     conn.rollback()
-                raise self._error(what, create_denied_detail(exc, self._table)) from exc
+                raise self._error(what, None, self._denied(exc, creating=True)) from exc
             else:
                 if not conn.autocommit:
                     conn.commit()
@@ -706,7 +587,7 @@ class PostgresLockStore:
             token = self._run("acquire", run)
         except StoreUnavailableError as exc:
             self._drop_slot(key, slot)
-            refused = key_too_long(repr(self), key, exc.__cause__)
+            refused = self._refused_key(key, exc.__cause__)
             if refused is not None:
                 raise refused from exc.__cause__
             raise
@@ -726,12 +607,7 @@ class PostgresLockStore:
         try:
             self.release(key, owner)
         except Exception as exc:
-            logger.warning(
-                "celery-lease: acquire of %r was interrupted and releasing what it may have "
-                "taken failed (%s); it expires within its ttl",
-                key,
-                exc,
-            )
+            log_undo_failed(logger, key, "was interrupted", exc)
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
@@ -740,12 +616,7 @@ class PostgresLockStore:
         )
 
     def release(self, key: str, owner: str) -> None:
-        params = {
-            "key": key,
-            "owner": owner,
-            "channel": self._channel,
-            "payload": notify_payload(key),
-        }
+        params = self._release_params(key, owner)
         self._run("release", lambda conn: conn.execute(self._sql["release"], params))
 
     # Batch renew ----------------------------------------------------------------------------------
@@ -851,7 +722,7 @@ class PostgresLockStore:
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
-        params = {"key": key, "channel": self._channel, "payload": notify_payload(key)}
+        params = self._release_params(key)
         # Not redone after a dropped connection: if the first attempt took effect, the key may
         # have been acquired since, and a second force_release would remove that new lease.
         row = self._run(

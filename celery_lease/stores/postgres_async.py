@@ -50,23 +50,17 @@ from celery_lease.stores._postgres_common import (
     MISSING_TABLE,
     OVER_A_LIMIT,
     ConnectFailures,
-    channel_for,
-    check_options,
-    check_seconds,
+    ListenerRetry,
+    StoreBase,
     connect_kwargs,
-    create_denied_detail,
     describe_error,
-    key_too_long,
-    missing_table_detail,
+    log_undo_failed,
     no_connection_detail,
     notify_payload,
     parse_dsn,
-    privilege_detail,
-    statements,
-    store_error,
     token_of,
 )
-from celery_lease.stores.base import LockStore, LoopBinding
+from celery_lease.stores.base import LoopBinding
 from celery_lease.stores.postgres import PostgresLockStore
 
 __all__ = ["AsyncPostgresLockStore"]
@@ -118,13 +112,8 @@ def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
 
         @classmethod
         async def connect(cls, conninfo: str = "", **kwargs: Any) -> Any:
-            try:
-                conn = await super().connect(conninfo, **kwargs)
-            except psycopg.Error as exc:
-                failures.failed(describe_error(exc))
-                raise
-            failures.connected()
-            return conn
+            with failures.recording():
+                return await super().connect(conninfo, **kwargs)
 
     return _StoreConnection
 
@@ -168,30 +157,18 @@ class _Listener:
             self._wake(payload)
 
     async def _run(self) -> None:
-        backoff, connected_before, failing = 0.05, False, False
+        retry = ListenerRetry("async listener", logger)
         listen = sql.SQL("LISTEN {}").format(sql.Identifier(self._channel))
         while True:
             try:
                 conn = await self._connect()
             except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:
-                # One line per outage: the retries after it say nothing until it connects.
-                if not failing:
-                    logger.warning(
-                        "celery-lease: async listener failed to connect (%s); retrying until it"
-                        " connects",
-                        " ".join(str(exc).split()),
-                    )
-                failing = True
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await asyncio.sleep(retry.failed(exc))
                 continue
             try:
                 await conn.execute(listen)
-                if connected_before:
+                if retry.connected():
                     self._wake_all()
-                if failing:
-                    logger.info("celery-lease: async listener connected again")
-                connected_before, backoff, failing = True, 0.05, False
                 self.ready.set()
                 async for notify in conn.notifies():
                     self._wake(notify.payload)
@@ -209,7 +186,7 @@ class _Listener:
         self._wake_all()
 
 
-class AsyncPostgresLockStore:
+class AsyncPostgresLockStore(StoreBase):
     """An :class:`~celery_lease.stores.base.AsyncLockStore` in a PostgreSQL table.
 
     The same table, statements and semantics as
@@ -245,21 +222,20 @@ class AsyncPostgresLockStore:
         dsn: str,
         *,
         table: str = DEFAULT_TABLE,
+        sync: PostgresLockStore | None = None,
         connect_timeout: float = 5.0,
         statement_timeout: float = 5.0,
         max_connections: int = 8,
         create_table: bool | None = None,
-        sync: PostgresLockStore | None = None,
     ) -> None:
         if not isinstance(dsn, str):
             raise LeaseConfigError(
                 f"dsn={type(dsn).__name__} must be a libpq connection string or URL"
             )
-        check_seconds("statement_timeout", statement_timeout)
+        # Every option is validated as the sync store validates it (the same function).
+        self._set_options(table, connect_timeout, statement_timeout, max_connections, create_table)
         if sync is not None and not isinstance(sync, PostgresLockStore):
             raise LeaseConfigError(f"sync={sync!r} must be a PostgresLockStore (or None)")
-        # Every option is validated as the sync store validates it (the same functions).
-        self._table = check_options(table, connect_timeout, max_connections, create_table)
         parsed = parse_dsn(dsn, create_table)
         if sync is not None and sync.table != self._table:
             raise LeaseConfigError(
@@ -278,15 +254,10 @@ class AsyncPostgresLockStore:
             )
         self._sync = sync
         self._dsn = parsed.dsn
-        self._channel = channel_for(self._table)
         self._create_table = True if parsed.create_table is None else parsed.create_table
-        self._sql = statements(self._table)
         self._secrets = parsed.secrets
         self._where = parsed.where
-        self._connect_kwargs = connect_kwargs(float(connect_timeout), parsed.application_name)
-        self._connect_timeout = float(connect_timeout)
-        self._statement_timeout = float(statement_timeout)
-        self._max_connections = max_connections
+        self._connect_kwargs = connect_kwargs(self._connect_timeout, parsed.application_name)
         self._connect_failures = ConnectFailures(
             f"AsyncPostgresLockStore({self._where}, table={self._table!r})", logger
         )
@@ -296,32 +267,10 @@ class AsyncPostgresLockStore:
         self._closed = False
         self._loop = LoopBinding("its connection pool and listener")  # the loop of its first call
 
-    @classmethod
-    def from_url(cls, url: str, **options: Any) -> AsyncPostgresLockStore:
-        """``AsyncPostgresLockStore(url, **options)`` (what ``async_store_from_url`` calls)."""
-        return cls(url, **options)
-
-    # Properties -----------------------------------------------------------------------------
-
     @property
-    def sync(self) -> LockStore:
+    def sync(self) -> PostgresLockStore:
         """The synchronous :class:`PostgresLockStore` on the same table."""
         return self._sync
-
-    @property
-    def table(self) -> str:
-        """The table name, as given."""
-        return self._table
-
-    @property
-    def channel(self) -> str:
-        """The ``NOTIFY`` channel released keys are announced on (the sync store's)."""
-        return self._channel
-
-    @property
-    def statement_timeout(self) -> float:
-        """Seconds one statement may take before it is cancelled."""
-        return self._statement_timeout
 
     def waiting(self) -> int:
         """Coroutines now awaiting a release with a ready listener (used by tests)."""
@@ -336,18 +285,8 @@ class AsyncPostgresLockStore:
         self._loop.check(self)
         pool = self._pool
         if pool is None:
-            pool = AsyncConnectionPool(
-                self._dsn,
-                connection_class=self._connection_class,
-                kwargs=self._connect_kwargs,
-                min_size=1,
-                max_size=self._max_connections,
-                open=False,
-                timeout=self._connect_timeout,
-                reconnect_timeout=self._connect_timeout,
-                name=ASYNC_POOL_NAME,
-            )
-            self._pool = pool
+            options = self._pool_options(ASYNC_POOL_NAME, self._connect_kwargs)
+            pool = self._pool = AsyncConnectionPool(self._dsn, **options)
             await pool.open(wait=False)
         return pool
 
@@ -404,7 +343,7 @@ class AsyncPostgresLockStore:
                     continue
                 raise self._error(what, key, describe_error(exc)) from exc
             except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(what, key, privilege_detail(exc, self._table)) from exc
+                raise self._error(what, key, self._denied(exc)) from exc
             except psycopg.Error as exc:
                 raise self._error(what, key, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
@@ -428,7 +367,7 @@ class AsyncPostgresLockStore:
     async def _make_table(
         self, what: str, key: str | None, conn: _AsyncConn, missing: psycopg.Error
     ) -> None:
-        refusal = missing_table_detail(missing, self._table, self._create_table)
+        refusal = self._table_refusal(missing)
         if refusal is not None:
             raise self._error(what, key, refusal) from missing
         try:
@@ -436,13 +375,9 @@ class AsyncPostgresLockStore:
         except CREATED_CONCURRENTLY:
             pass  # another session created it concurrently
         except psycopg.errors.InsufficientPrivilege as exc:
-            raise self._error(what, key, create_denied_detail(exc, self._table)) from exc
+            raise self._error(what, key, self._denied(exc, creating=True)) from exc
         else:
             logger.info("celery-lease: created table %r", self._table)
-
-    def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
-        operation = what if key is None else f"{what} {key!r}"
-        return store_error(repr(self), operation, detail, self._secrets)
 
     def _no_connection(self, exc: PoolTimeout) -> str:
         return no_connection_detail(self._connect_timeout, self._connect_failures.last, exc)
@@ -466,7 +401,7 @@ class AsyncPostgresLockStore:
         except StoreUnavailableError as exc:
             if isinstance(exc.__cause__, asyncio.TimeoutError):
                 await self._undo_acquire(key, owner, "timed out")
-            refused = key_too_long(repr(self), key, exc.__cause__)
+            refused = self._refused_key(key, exc.__cause__)
             if refused is not None:
                 raise refused from exc.__cause__
             raise
@@ -480,13 +415,7 @@ class AsyncPostgresLockStore:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.warning(
-                "celery-lease: acquire of %r %s and releasing what it may have taken failed "
-                "(%s); it expires within its ttl",
-                key,
-                why,
-                exc,
-            )
+            log_undo_failed(logger, key, why, exc)
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`PostgresLockStore.renew`."""
@@ -500,12 +429,7 @@ class AsyncPostgresLockStore:
 
     async def release(self, key: str, owner: str) -> None:
         """As :meth:`PostgresLockStore.release` (owner checked; notifies waiters)."""
-        params = {
-            "key": key,
-            "owner": owner,
-            "channel": self._channel,
-            "payload": notify_payload(key),
-        }
+        params = self._release_params(key, owner)
 
         async def run(conn: _AsyncConn) -> None:
             await conn.execute(self._sql["release"], params)
@@ -579,6 +503,11 @@ class AsyncPostgresLockStore:
         if self._owns_sync:
             # Its listener thread may take a moment to stop: off the event loop.
             await asyncio.get_running_loop().run_in_executor(None, self._sync.close)
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> AsyncPostgresLockStore:
+        """``AsyncPostgresLockStore(url, **options)`` (what ``async_store_from_url`` calls)."""
+        return cls(url, **options)
 
     def __repr__(self) -> str:
         return f"AsyncPostgresLockStore({self._where}, table={self._table!r})"

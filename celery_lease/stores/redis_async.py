@@ -34,22 +34,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis.asyncio
 import redis.asyncio.sentinel
 from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from celery_lease.durations import to_seconds
-from celery_lease.errors import (
-    LeaseConfigError,
-    ReplicaLagError,
-    RestartGraceError,
-    StoreUnavailableError,
-)
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores._redis_common import (
     ACQUIRE,
     CONFIRM_WINDOW,
@@ -57,29 +51,21 @@ from celery_lease.stores._redis_common import (
     RELEASE,
     RENEW,
     RETRIED,
-    SIGNAL_TTL_MS,
-    SOCKET_TIMEOUT,
-    TOKEN_TTL_MS,
-    Grace,
     Script,
-    blpop_slice,
-    check_restart_grace,
-    describe_sentinel_master,
+    StoreBase,
+    blpop_waits,
     describe_server,
-    error_text,
     failed,
-    host_port,
-    in_grace,
-    master_address,
-    no_master_message,
-    not_confirmed,
-    parse_sentinel_url,
-    redact_secrets,
     secrets_among,
-    sentinel_connection_kwargs,
     socket_timeout_of,
-    split_store_options,
-    what,
+)
+from celery_lease.stores._redis_sentinel import (
+    GET_MASTER,
+    client_from_url,
+    describe_sentinel_master,
+    log_master_change,
+    master_of,
+    no_master_message,
 )
 from celery_lease.stores.base import LockStore, LoopBinding, redact_url
 from celery_lease.stores.redis import RedisLockStore
@@ -96,10 +82,6 @@ _UNDO_TIMEOUT = 5.0  # seconds a release undoing a cancelled acquire may take
 AsyncClient = redis.asyncio.Redis
 
 
-def _no_retry() -> Retry:
-    return Retry(NoBackoff(), 0)
-
-
 class _Sentinel(redis.asyncio.sentinel.Sentinel):
     """Discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``, as the sync store does
     (it names a promoted replica earlier than ``SENTINEL MASTERS``)."""
@@ -107,60 +89,17 @@ class _Sentinel(redis.asyncio.sentinel.Sentinel):
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         problems: list[str] = []
         for sentinel in list(self.sentinels):
-            where = host_port(sentinel.connection_pool.connection_kwargs)
             try:
-                reply = await sentinel.execute_command(  # type: ignore[no-untyped-call]
-                    "SENTINEL GET-MASTER-ADDR-BY-NAME", service_name
-                )
+                reply = await sentinel.execute_command(GET_MASTER, service_name)  # type: ignore[no-untyped-call]
             except RETRIED as exc:
-                problems.append(f"{where}: {exc}")
-                continue
-            address = master_address(reply)
+                reply = exc
+            address = master_of(sentinel, reply, problems)
             if address is not None:
                 return address
-            problems.append(f"{where}: no such service")
         raise redis.asyncio.sentinel.MasterNotFoundError(no_master_message(service_name, problems))
 
 
-def _async_client_from_url(
-    url: str,
-) -> tuple[AsyncClient, redis.asyncio.sentinel.Sentinel | None]:
-    """The ``redis.asyncio`` client a URL names (same defaults as the sync store's), and its
-    Sentinel manager (or None)."""
-    scheme = urlsplit(url).scheme.lower()
-    if scheme == "redis+sentinel":
-        spec = parse_sentinel_url(url)
-        # redis.asyncio.sentinel ships without annotations before redis-py 8.2.
-        sentinel = _Sentinel(  # type: ignore[no-untyped-call,unused-ignore]
-            list(spec.sentinels),
-            sentinel_kwargs=sentinel_connection_kwargs(spec, _no_retry()),
-            socket_timeout=spec.socket_timeout,
-            socket_connect_timeout=spec.socket_connect_timeout,
-            retry=_no_retry(),
-        )
-        client: AsyncClient = sentinel.master_for(
-            spec.service_name,
-            db=spec.db,
-            username=spec.username,
-            password=spec.password,
-            decode_responses=False,
-        )
-        return client, sentinel
-    try:
-        # Options in the URL's query win over these keyword arguments, as in the sync store.
-        client = redis.asyncio.Redis.from_url(
-            split_store_options(url)[0],
-            socket_timeout=SOCKET_TIMEOUT,
-            socket_connect_timeout=SOCKET_TIMEOUT,
-            decode_responses=False,
-            retry=_no_retry(),
-        )
-    except ValueError as exc:
-        raise LeaseConfigError(f"url={redact_url(url)!r} is not a valid Redis URL: {exc}") from exc
-    return client, None
-
-
-class AsyncRedisLockStore:
+class AsyncRedisLockStore(StoreBase):
     """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel).
 
     The same scripts, keys and semantics as :class:`~celery_lease.stores.redis.RedisLockStore`
@@ -192,6 +131,8 @@ class AsyncRedisLockStore:
             store reports them).
     """
 
+    _logger = logger
+
     def __init__(
         self,
         client_or_url: str | AsyncClient,
@@ -211,10 +152,12 @@ class AsyncRedisLockStore:
                 f"prefix={prefix!r} differs from the prefix of sync ({sync.prefix!r}): the two "
                 "would use different keys and not exclude each other"
             )
+        self._owns_sync = sync is None
         self._sentinel: redis.asyncio.sentinel.Sentinel | None = None
+        self._client: AsyncClient
         if isinstance(client_or_url, str):
+            # The sync store validates the URL, prefix and replica options (the same checks).
             if sync is None:
-                # Validates the URL, prefix and replica options exactly as the sync store does.
                 sync = RedisLockStore(
                     client_or_url,
                     prefix=prefix,
@@ -222,51 +165,32 @@ class AsyncRedisLockStore:
                     replica_timeout=replica_timeout,
                     restart_grace=restart_grace,
                 )
-                self._owns_sync = True
-            else:
-                self._owns_sync = False
-            self._client, self._sentinel = _async_client_from_url(client_or_url)
-            self._owns_client = True
-        elif isinstance(client_or_url, redis.asyncio.Redis):
-            if sync is None:
-                raise LeaseConfigError(
-                    "sync=None: with a redis.asyncio.Redis client pass sync=RedisLockStore(...) "
-                    "on the same server (the renewer thread renews through it)"
-                )
-            self._client = client_or_url
-            self._owns_client = False
-            self._owns_sync = False
-        else:
+            self._client, self._sentinel, _ = client_from_url(
+                client_or_url, redis.asyncio.Redis, _Sentinel, Retry
+            )
+        elif not isinstance(client_or_url, redis.asyncio.Redis):
             raise LeaseConfigError(
                 f"client_or_url={client_or_url!r} must be a redis.asyncio.Redis or a redis://, "
                 "rediss://, unix:// or redis+sentinel:// URL"
             )
+        elif sync is None:
+            raise LeaseConfigError(
+                "sync=None: with a redis.asyncio.Redis client pass sync=RedisLockStore(...) "
+                "on the same server (the renewer thread renews through it)"
+            )
+        else:
+            self._client = client_or_url
+        self._owns_client = isinstance(client_or_url, str)
         self._sync = sync
         self._prefix = prefix
-        self._min_replicas = sync.min_replicas if min_replicas is None else min_replicas
-        if self._min_replicas != sync.min_replicas:
-            raise LeaseConfigError(
-                f"min_replicas={min_replicas!r} differs from sync's ({sync.min_replicas})"
-            )
-        if replica_timeout is not None and not self._owns_sync:
-            # The twin's WAIT timeout is the one used: a different one here would be dropped.
-            seconds = to_seconds(replica_timeout, name="replica_timeout", minimum=0.001)
-            if abs(seconds - sync.replica_timeout) > 1e-9:
-                raise LeaseConfigError(
-                    f"replica_timeout={replica_timeout!r} differs from sync's "
-                    f"({sync.replica_timeout:g} s): set it on the twin, which both use"
-                )
+        self._min_replicas = _same_as_twin("min_replicas", min_replicas, sync.min_replicas, None)
+        if not self._owns_sync:  # the twin's values are the ones used: set them there
+            wait = partial(to_seconds, name="replica_timeout", minimum=0.001)
+            _same_as_twin("replica_timeout", replica_timeout, sync.replica_timeout, wait)
+            grace = partial(to_seconds, name="restart_grace")
+            _same_as_twin("restart_grace", restart_grace, sync.restart_grace, grace)
         self._replica_timeout = sync.replica_timeout
-        if restart_grace is not None and not self._owns_sync:
-            seconds = check_restart_grace(restart_grace)
-            if abs(seconds - sync.restart_grace) > 1e-9:
-                raise LeaseConfigError(
-                    f"restart_grace={restart_grace!r} differs from sync's "
-                    f"({sync.restart_grace:g} s): set it on the twin, which both use"
-                )
         self._restart_grace = sync.restart_grace
-        self._grace_until = 0.0  # the end of the last grace logged (server seconds)
-        """The marker epoch this store saw (None: none yet; see ACQUIRE_SCRIPT)."""
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
@@ -278,36 +202,29 @@ class AsyncRedisLockStore:
         """``AsyncRedisLockStore(url, **options)`` (what ``async_store_from_url`` calls)."""
         return cls(url, **options)
 
-    # Properties -----------------------------------------------------------------------------
-
     @property
     def sync(self) -> LockStore:
         """The synchronous :class:`RedisLockStore` on the same server and prefix."""
         return self._sync
 
-    @property
-    def client(self) -> AsyncClient:
-        """The ``redis.asyncio`` client the store talks through."""
-        return self._client
-
-    @property
-    def prefix(self) -> str:
-        """The prefix of every key the store writes (the sync twin's)."""
-        return self._prefix
-
     # Calls ----------------------------------------------------------------------------------
 
-    async def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """One EVALSHA, with a WAIT pipelined after it when ``min_replicas``; on NOSCRIPT load
-        the script and evaluate again. Returns ``(reply, acks or None)``."""
+    async def _eval(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        wait: tuple[int, int] | None = None,
+    ) -> tuple[Any, int | None]:
+        """One EVALSHA, with ``WAIT *wait`` pipelined after it (see ``_wait_args``); on
+        NOSCRIPT load the script and evaluate again. Returns ``(reply, acks or None)``."""
         client = self._client
-        if not self._min_replicas:
+        if wait is None:
             try:
                 return await client.evalsha(script.sha, len(keys), *keys, *args), None
             except NoScriptError:
                 await client.script_load(script.source)
                 return await client.evalsha(script.sha, len(keys), *keys, *args), None
-        wait = (self._min_replicas, max(1, round(self._replica_timeout * 1000)))
         for attempt in (1, 2):
             pipe = client.pipeline(transaction=False)
             pipe.evalsha(script.sha, len(keys), *keys, *args)
@@ -323,7 +240,9 @@ class AsyncRedisLockStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _follow_master(self) -> None:
-        """Under Sentinel: make sure the pool talks to the master a Sentinel names now."""
+        """Under Sentinel: make sure the pool talks to the master a Sentinel names now (as
+        :func:`~celery_lease.stores._redis_sentinel.follow_master`; when no Sentinel answers
+        and WAIT guards every write, the known master is kept)."""
         pool = self._client.connection_pool
         if not isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
             return
@@ -333,19 +252,11 @@ class AsyncRedisLockStore:
         except redis.asyncio.sentinel.MasterNotFoundError:
             if not self._min_replicas or known is None:
                 raise
-            return  # WAIT still refuses a write a failover would lose
+            return
         if address != known:
             await pool.get_master_address()  # type: ignore[no-untyped-call]  # moves the pool and drops connections to the old
             if known is not None:
-                logger.warning(
-                    "Redis store: Sentinel names %s:%s as master of %r instead of %s:%s; "
-                    "leaving the old master",
-                    address[0],
-                    address[1],
-                    pool.service_name,
-                    known[0],
-                    known[1],
-                )
+                log_master_change(address, pool.service_name, known)
 
     async def _call(
         self, operation: str, fn: Callable[[], Awaitable[_T]], key: str | None = None
@@ -356,33 +267,15 @@ class AsyncRedisLockStore:
             try:
                 return await fn()
             except RETRIED as exc:
-                logger.info(
-                    "Redis store %s: retrying %s once after %s: %s",
-                    self._where(),
-                    what(operation, key),
-                    type(exc).__name__,
-                    self._redact(str(exc)),
-                )
-                return await fn()
+                self._log_retry(operation, key, exc)
+            return await fn()
         except RedisError as exc:
             raise self._error(operation, key, failed(exc)) from exc
 
-    def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
-        return StoreUnavailableError(
-            self._redact(error_text(self._where(), operation, key, detail))
-        )
-
-    def _unconfirmed(
-        self, operation: str, key: str, acks: int, after: str, asks: int = 0
-    ) -> StoreUnavailableError:
-        """As :meth:`RedisLockStore._unconfirmed`: a ``ReplicaLagError`` for an acquire asked
-        ``asks`` times, else a plain ``StoreUnavailableError``."""
-        detail = (
-            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
-            f"(min_replicas={self._min_replicas}); {after}"
-        )
-        message = self._redact(error_text(self._where(), operation, key, detail))
-        return ReplicaLagError(message) if asks else StoreUnavailableError(message)
+    async def _write(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """Follow a Sentinel failover, then :meth:`_eval`: ``(reply, acks or None)``."""
+        await self._follow_master()
+        return await self._eval(script, keys, args, self._wait_args())
 
     def _collect_secrets(self) -> tuple[str, ...]:
         found: list[object] = [self._client.connection_pool.connection_kwargs.get("password")]
@@ -392,8 +285,13 @@ class AsyncRedisLockStore:
         return secrets_among(found)
 
     def _redact(self, message: str) -> str:
-        message = redact_secrets(message, self._secrets)
+        message = super()._redact(message)
         return redact_url(message) if "://" in message else message
+
+    @property
+    def client(self) -> AsyncClient:
+        """The ``redis.asyncio`` client the store talks through."""
+        return self._client
 
     def _where(self) -> str:
         """``redis://host:port/db`` (or the Sentinel hosts and service, or the socket path)."""
@@ -415,58 +313,32 @@ class AsyncRedisLockStore:
         """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and
         releases what it took before the cancellation propagates."""
         self._loop.check(self)
-        keys: tuple[str, ...] = (self._sync.lease_key(key), self._sync.token_key(key))
-        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
-        if self._restart_grace:
-            keys += (self._sync.marker_key,)
-            args += (round(self._restart_grace * 1_000_000),)
-
-        async def run() -> tuple[Any, int | None]:
-            await self._follow_master()
-            reply: tuple[Any, int | None] = await self._eval(ACQUIRE, keys, args)
-            return reply
-
+        script, keys, args = self._acquire_call(ACQUIRE, key, owner, ttl_ms)
         started = time.monotonic()
         asks = 0
         while True:
             # Shielded: a cancel must not cut the command off in flight (redis-py would drop
             # the connection, and a release sent on another one could reach the server first).
-            attempt = asyncio.ensure_future(self._call("acquire", run, key))
+            attempt = asyncio.ensure_future(
+                self._call("acquire", lambda: self._write(script, keys, args), key)
+            )
             try:
                 reply, acks = await asyncio.shield(attempt)
             except asyncio.CancelledError:
                 await self._settle_cancelled_acquire(attempt, key, owner)
                 raise
             asks += 1
-            if in_grace(reply):
-                raise self._grace_error(key, Grace.parse(reply))
-            token = None if reply is None else int(reply)
-            if token is None or acks is None or acks >= self._min_replicas:
+            token = None if reply is None else int(self._outside_grace(key, reply))
+            if token is None or self._confirmed(acks):
                 return token
             # A replica a moment behind confirms a later ask (see CONFIRM_WINDOW).
             if time.monotonic() - started < CONFIRM_WINDOW:
                 continue
             try:
                 await self.release(key, owner)
-                after = "the lease was released"
             except StoreUnavailableError as exc:
-                logger.warning("Redis store: releasing an unconfirmed lease failed: %s", exc)
-                after = "releasing it failed too: it expires within its ttl"
-            error = self._unconfirmed("acquire", key, acks, after, asks)
-            logger.warning("%s; asked again within the caller's wait", error)
-            raise error
-
-    def _grace_error(self, key: str, grace: Grace) -> RestartGraceError:
-        """The error of a free key a restart grace refused (logged once a grace), as the sync
-        store's."""
-        detail = grace.explain(self._restart_grace, time.time())
-        error = RestartGraceError(
-            self._redact(error_text(self._where(), "acquire", key, detail)), grace.until
-        )
-        if grace.until != self._grace_until:
-            self._grace_until = grace.until
-            logger.warning("%s", error)
-        return error
+                raise self._given_up(key, acks, asks, exc) from None
+            raise self._given_up(key, acks, asks, None)
 
     async def _settle_cancelled_acquire(
         self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
@@ -518,14 +390,7 @@ class AsyncRedisLockStore:
 
         Runs shielded from further cancellation and bounded in time; a failure is logged (the
         lease then expires within its ttl)."""
-        keys = (self._sync.lease_key(key), self._sync.signal_key(key))
-
-        async def undo() -> None:
-            await self._call(
-                "release", lambda: self._eval(RELEASE, keys, (owner, SIGNAL_TTL_MS)), key
-            )
-
-        task = asyncio.ensure_future(asyncio.wait_for(undo(), _UNDO_TIMEOUT))
+        task = asyncio.ensure_future(asyncio.wait_for(self._release(key, owner), _UNDO_TIMEOUT))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -543,55 +408,31 @@ class AsyncRedisLockStore:
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`RedisLockStore.renew`."""
         self._loop.check(self)
-        keys = (self._sync.lease_key(key),)
-        args = (owner, int(ttl_ms))
-
-        async def run() -> tuple[Any, int | None]:
-            await self._follow_master()
-            reply: tuple[Any, int | None] = await self._eval(RENEW, keys, args)
-            return reply
-
-        reply, acks = await self._call("renew", run, key)
-        renewed = bool(reply)
-        if renewed and acks is not None and acks < self._min_replicas:
-            raise self._unconfirmed(
-                "renew", key, acks, "its holder keeps its last confirmed expiry"
-            )
-        return renewed
+        keys, args = (self.lease_key(key),), (owner, int(ttl_ms))
+        reply, acks = await self._call("renew", lambda: self._write(RENEW, keys, args), key)
+        return self._renewed(key, reply, acks)
 
     async def release(self, key: str, owner: str) -> None:
         """As :meth:`RedisLockStore.release` (owner checked, signals one waiter)."""
         self._loop.check(self)
-        keys = (self._sync.lease_key(key), self._sync.signal_key(key))
-        client = self._client
+        await self._release(key, owner)
 
-        async def run() -> Any:
-            # No WAIT: a release a failover loses lets the lease expire within its ttl.
-            try:
-                return await client.evalsha(RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
-            except NoScriptError:
-                await client.script_load(RELEASE.source)
-                return await client.evalsha(RELEASE.sha, len(keys), *keys, owner, SIGNAL_TTL_MS)
-
-        await self._call("release", run, key)
+    async def _release(self, key: str, owner: str) -> None:
+        # No WAIT: a release a failover loses lets the lease expire within its ttl.
+        keys, args = self._release_call(key, owner)
+        await self._call("release", lambda: self._eval(RELEASE, keys, args), key)
 
     async def wait_for_release(self, key: str, timeout: float) -> bool:
         """As :meth:`RedisLockStore.wait_for_release` (BLPOP on the key's signal list, one waiter
         woken per release), in slices shorter than the socket timeout. Cancelling the awaiting
         task stops the wait (redis-py drops the connection that was blocked)."""
         self._loop.check(self)
-        signal = self._sync.signal_key(key)
+        signal = self.signal_key(key)
         client = self._client
         if timeout <= 0:
             popped = await self._call("poll a release of", lambda: client.lpop(signal), key)
             return popped is not None
-        deadline = time.monotonic() + timeout
-        step = blpop_slice(self._socket_timeout)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            wait = max(0.001, round(min(left, step), 3))
+        for wait in blpop_waits(timeout, self._socket_timeout, time.monotonic):
             got = await self._call(
                 "wait for a release of",
                 lambda wait=wait: client.blpop([signal], wait),  # type: ignore[misc]
@@ -599,6 +440,7 @@ class AsyncRedisLockStore:
             )
             if got is not None:
                 return True
+        return False
 
     async def aclose(self) -> None:
         """Close the async client and the sync twin when this store built them, once the
@@ -616,3 +458,19 @@ class AsyncRedisLockStore:
 
     def __repr__(self) -> str:
         return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
+
+
+def _same_as_twin(name: str, value: Any, twin: Any, convert: Callable[[Any], float] | None) -> Any:
+    """The twin's ``name``; ``value`` (given here) must be the same (in seconds, by
+    ``convert``, when given).
+
+    Raises:
+        LeaseConfigError: naming both values.
+    """
+    if value is None:
+        return twin
+    if value != twin if convert is None else abs(convert(value) - twin) > 1e-9:
+        raise LeaseConfigError(
+            f"{name}={value!r} differs from sync's ({twin:g}): set it on the twin, which both use"
+        )
+    return twin

@@ -3,40 +3,18 @@
 Each operation is one short write transaction (``BEGIN IMMEDIATE``) on a database in WAL mode, so
 readers never block and writers queue on SQLite's file lock for up to ``busy_timeout`` seconds.
 
-**Which clock decides expiry.** The host's ``CLOCK_MONOTONIC`` (``clock.monotonic()``, which for
-the system clock is ``time.monotonic``), tagged with the kernel's boot id
-(``/proc/sys/kernel/random/boot_id``). Every process of the host reads the same monotonic clock
-and it never steps, so an NTP step of the wall clock, either way, neither frees nor extends a
-lease. It is the clock a holder measures its own validity by (the lease starts before the
-acquire is sent, on ``time.monotonic``), so the store never expires a lease before its holder
-stops trusting it. ``CLOCK_BOOTTIME`` was not chosen: it keeps counting while the host is
-suspended, and ``time.monotonic`` does not, so after a suspend the store would expire leases
-whose holders still count them valid; with ``CLOCK_MONOTONIC`` both pause together (a key held at
-suspend time stays held for the rest of its ttl after resume: every process using the file was
-suspended too). A row whose boot id is not this boot's was written before a reboot: its
-monotonic expiry means nothing now and the lease is expired (its holder died with that boot).
-Inside a time namespace (``unshare --time``) the namespace's monotonic offset, read from
-``/proc/self/timens_offsets``, is subtracted, so its processes agree with the host's. (That file
-shows the namespace of the process's children: a process that unshared one for its children but
-is not in it itself judges expiry by the wall clock instead.)
+Expiry is decided by the host's ``CLOCK_MONOTONIC`` (what a holder counts its own validity on),
+tagged with the kernel's boot id: a step of the wall clock neither frees nor extends a lease, and
+a row of an earlier boot is expired. Inside a time namespace its monotonic offset is subtracted.
+Without a boot id (not Linux) expiry falls back to the wall clock; every row also carries its
+wall-clock expiry, so processes with and without a boot id can share a file. Why this clock and
+what each case means: docs/stores.md (SQLite).
 
-Without a boot id (not Linux, or no ``/proc``) the store falls back to the wall clock
-(``clock.time()``): leases then end early by the size of a forward step of the wall clock and
-late by a backward one.
-
-The wall clock is otherwise used only to floor new tokens and to write the wall-clock
-``expires_ms`` column of every row, which the processes without a boot id judge leases by: they
-can share a file with processes that have one and still exclude each other.
-
-The table keeps one row per key ever locked: releasing or expiring a lease clears ``owner`` but
-keeps the row, so the token counter persists in the file and tokens keep growing across restarts
-and reboots. Every new token is also floored by the wall clock in microseconds, like the memory
-store.
-
-Columns: ``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``,
-``boot_id`` and ``boot_expires_ms`` (the host's monotonic clock in that boot, ms), both ``NULL``
-when the row was written by a process without a boot id. A file whose ``celery_lease`` table
-lacks one of these columns was not made by this store and is refused.
+The table keeps one row per key ever locked (release clears ``owner``), so the token counter
+persists in the file; every new token is also floored by the wall clock in microseconds. Columns:
+``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``, ``boot_id`` and
+``boot_expires_ms`` (the monotonic clock in that boot, ms; both ``NULL`` without a boot id). A
+file whose ``celery_lease`` table lacks one of them is refused.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
@@ -329,11 +307,6 @@ class SQLiteLockStore:
         """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
         return self._clock
 
-    @property
-    def path(self) -> str:
-        """The database file, as given."""
-        return self._path
-
     # Connection ---------------------------------------------------------------------------------
 
     def _close_for_fork(self) -> None:
@@ -619,6 +592,11 @@ class SQLiteLockStore:
                 return self._info(row)
 
         return self._run("force-release", op)
+
+    @property
+    def path(self) -> str:
+        """The database file, as given."""
+        return self._path
 
     def close(self) -> None:
         """Close this process's connection; a later call opens a new one."""

@@ -22,6 +22,7 @@ from redis.cluster import ClusterNode, RedisCluster
 
 from celery_lease import lease
 from celery_lease.errors import StoreUnavailableError
+from celery_lease.stores._redis_cluster import ClusterFanOut
 from celery_lease.stores.redis import RedisLockStore
 from tests.faults.cluster_batches import assert_only_these_failed, keys_on, leases_held
 from tests.fixtures_redis import ClusterNodes, RedisServer
@@ -139,13 +140,13 @@ def test_node_threads_are_daemons_that_end_with_their_batch(
     share stuck on a hung node never holds up the interpreter's exit), none left once the batch
     returned."""
     ran_on: list[threading.Thread] = []
-    real = RedisLockStore._node_share
+    real = ClusterFanOut._node_share
 
-    def recording(self: RedisLockStore, *args: Any, **kwargs: Any) -> Any:
+    def recording(self: ClusterFanOut, *args: Any, **kwargs: Any) -> Any:
         ran_on.append(threading.current_thread())
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(RedisLockStore, "_node_share", recording)
+    monkeypatch.setattr(ClusterFanOut, "_node_share", recording)
     with leases_held(store, KEYS) as batch:
         assert store.renew_many(batch) == [True] * len(KEYS)
         helpers = [t for t in ran_on if t is not threading.current_thread()]

@@ -25,7 +25,8 @@ import pytest
 import celery_lease
 from celery_lease import LockLostError, get_lock_token, lease
 from celery_lease._core.dispatch import drain
-from celery_lease.stores.base import AsyncLockStore, async_store_from_url
+from celery_lease.stores import async_store_from_url
+from celery_lease.stores.base import AsyncLockStore
 from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore

@@ -1,7 +1,7 @@
 """The async stores (Redis and PostgreSQL): the rules only a coroutine caller meets.
 
 Each store's run of the whole contract is in its own file (``test_redis_async.py``,
-``test_postgres_async.py``; the thread adapter's in ``tests/unit/_core/test_threaded_store.py``).
+``test_postgres_async.py``; the thread adapter's in ``tests/stores/test_threaded.py``).
 The async-only tests run on real servers: a cancelled wait, a cancelled acquire whose command
 the server already ran, many coroutines of one loop handing a key over, the sync twin and the
 async store excluding each other, a hung server, and a reply lost after the server applied it.

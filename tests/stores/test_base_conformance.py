@@ -79,7 +79,7 @@ class TestMembers:
     def test_properties_count_as_members(self) -> None:
         """AsyncLockStore's ``sync`` is a property: a class with the coroutines but no ``sync``
         is not an async store; the threaded adapter, which has it, is."""
-        from celery_lease._core.threaded_store import ThreadedAsyncStore
+        from celery_lease.stores.threaded import ThreadedAsyncStore
 
         class NoSync:
             async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:

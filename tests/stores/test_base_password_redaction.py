@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import store_from_url
+from celery_lease.stores import store_from_url
 
 SECRET = "s3cr3tPW"
 

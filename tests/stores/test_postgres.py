@@ -21,12 +21,12 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import store_from_url
 from celery_lease.stores.base import (
     LockStore,
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
-    store_from_url,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
 from tests.fixtures_postgres import PgCluster, PgRole

@@ -25,9 +25,10 @@ from redis.retry import Retry
 
 from celery_lease import lease
 from celery_lease.errors import LeaseConfigError, RestartGraceError, StoreUnavailableError
+from celery_lease.stores import store_from_url
 from celery_lease.stores._redis_compat import request_slot_refresh
 from celery_lease.stores._redis_fast import BUSY, FastConnection, fast_path_for
-from celery_lease.stores.base import LockStore, store_from_url
+from celery_lease.stores.base import LockStore
 from celery_lease.stores.redis import (
     ACQUIRE_SCRIPT,
     RELEASE_SCRIPT,

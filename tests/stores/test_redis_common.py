@@ -1,76 +1,20 @@
 """The parts the Redis store and its asyncio twin share (``celery_lease.stores._redis_common``):
-Sentinel URLs, the store's own URL options, script replies and the texts of messages."""
+the store's own URL options, script replies and the texts of messages."""
 
 from __future__ import annotations
 
 import pytest
 
-from celery_lease.errors import LeaseConfigError
 from celery_lease.stores._redis_common import (
     HELD_MARK,
-    SentinelURL,
     blpop_slice,
-    describe_sentinel_master,
+    blpop_waits,
     describe_server,
-    master_address,
-    parse_sentinel_url,
     redact_secrets,
     refused,
     secrets_among,
     split_store_options,
 )
-
-
-class TestSentinelURLs:
-    """``redis+sentinel://`` URLs, parsed once for both stores."""
-
-    @pytest.mark.parametrize(
-        ("url", "expected"),
-        [
-            (
-                "redis+sentinel://s1:26379,s2:26380/mymaster",
-                SentinelURL((("s1", 26379), ("s2", 26380)), "mymaster"),
-            ),
-            (
-                "redis+sentinel://user:p%3Aw@s1,[::1]:26381/svc/4?sentinel_password=x&socket_timeout=2",
-                SentinelURL(
-                    (("s1", 26379), ("::1", 26381)),
-                    "svc",
-                    db=4,
-                    username="user",
-                    password="p:w",
-                    sentinel_password="x",
-                    socket_timeout=2.0,
-                ),
-            ),
-            (
-                "redis+sentinel://:only-password@s1:26379/svc/",
-                SentinelURL((("s1", 26379),), "svc", password="only-password"),
-            ),
-        ],
-    )
-    def test_sentinel_url_parsing(self, url: str, expected: SentinelURL) -> None:
-        """Hosts, ports (default 26379), credentials, service, db and options are parsed."""
-        assert parse_sentinel_url(url) == expected
-
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "redis+sentinel://s1:26379",
-            "redis+sentinel://s1:26379/",
-            "redis+sentinel://s1:26379/svc/notadb",
-            "redis+sentinel://s1:26379/svc/1/extra",
-            "redis+sentinel://s1:port/svc",
-            "redis+sentinel://s1,,s2/svc",
-            "redis+sentinel://s1/svc?sentinel_pasword=typo",
-            "redis+sentinel://s1/svc?socket_timeout=soon",
-            "redis://s1/svc",
-        ],
-    )
-    def test_bad_sentinel_urls_are_refused(self, url: str) -> None:
-        """Malformed Sentinel URLs raise LeaseConfigError naming the URL."""
-        with pytest.raises(LeaseConfigError, match="url="):
-            parse_sentinel_url(url)
 
 
 class TestStoreOptions:
@@ -98,11 +42,6 @@ class TestReplies:
         assert refused(HELD_MARK + "owner-1")
         assert not refused(b"1733300000000000")
 
-    def test_sentinel_master_reply(self) -> None:
-        """GET-MASTER-ADDR-BY-NAME's pair is (host, port); an empty reply is no master."""
-        assert master_address([b"10.0.0.2", b"6380"]) == ("10.0.0.2", 6380)
-        assert master_address(None) is None
-
     @pytest.mark.parametrize(
         ("socket_timeout", "expected"), [(None, 3600.0), (5.0, 4.0), (1.0, 0.5), (0.01, 0.01)]
     )
@@ -111,6 +50,19 @@ class TestReplies:
     ) -> None:
         """A blocking pop returns before the client's socket_timeout."""
         assert blpop_slice(socket_timeout) == expected
+
+    def test_a_wait_is_cut_into_slices_until_its_deadline(self) -> None:
+        """Each slice is at most the socket's and at least 1 ms; the last one ends the wait."""
+        now = [0.0]
+
+        def slices() -> list[float]:
+            got = []
+            for wait in blpop_waits(10.0, 5.0, lambda: now[0]):
+                got.append(wait)
+                now[0] += wait
+            return got
+
+        assert slices() == [4.0, 4.0, 2.0]
 
 
 class TestMessages:
@@ -124,16 +76,6 @@ class TestMessages:
         assert describe_server({"host": "::1", "port": 6379}, ssl=True) == "rediss://[::1]:6379/0"
         assert describe_server({"path": "/tmp/r.sock", "db": 1}, ssl=False) == (
             "unix:///tmp/r.sock?db=1"
-        )
-
-    def test_a_sentinel_master_is_described_by_its_sentinels_service_and_master(self) -> None:
-        """The Sentinels, the service, the db and the master known (or not yet)."""
-        sentinels = [{"host": "s1", "port": 26379}, {"host": "s2", "port": 26380}]
-        assert describe_sentinel_master(sentinels, "svc", 3, ("m", 6379)) == (
-            "redis+sentinel://s1:26379,s2:26380/svc/3 (master m:6379)"
-        )
-        assert describe_sentinel_master(sentinels, "svc", 0, None).endswith(
-            "(master not known yet)"
         )
 
     def test_every_password_is_masked_the_longest_first(self) -> None:

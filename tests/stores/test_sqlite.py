@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import store_from_url
 from celery_lease.stores.base import (
     LockStore,
     SupportsBatchRenew,
     SupportsInspection,
     SupportsReleaseNotify,
-    store_from_url,
 )
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock

@@ -170,12 +170,11 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsDeferredRenew",
         "SupportsInspection",
         "SupportsReleaseNotify",
-        "async_store_from_url",
         "conforms",
         "redact_url",
-        "store_from_url",
     },
     "celery_lease.stores.memory": {"MemoryLockStore"},
+    "celery_lease.stores.threaded": {"ThreadedAsyncStore"},
     "celery_lease.stores.sqlite": {"SQLiteLockStore"},
     "celery_lease.stores.redis": {
         "ACQUIRE_SCRIPT",
@@ -250,19 +249,9 @@ ALLOWED_LATE_BOUND_EDGES: dict[tuple[str, str], str] = {
     ("celery_lease/_celery/worker.py", "celery_lease.metrics"): (
         "METRICS_STEP names the metrics bootstep: the Celery layer reaches the add-on above it"
     ),
-    ("celery_lease/stores/_registry.py", "celery_lease._core.threaded_store"): (
-        "THREADED_ADAPTER: the stores reach the core above them"
-    ),
     ("celery_lease/stores/_registry.py", "celery_lease.django"): (
         "the django:// entry: the stores reach the add-on above them"
     ),
-    **{
-        ("celery_lease/stores/_registry.py", f"celery_lease.stores.{store}"): (
-            "the store table, imported by stores/base.py, names every store, each of which"
-            " imports stores/base.py"
-        )
-        for store in ("memory", "sqlite", "redis", "redis_async", "postgres", "postgres_async")
-    },
 }
 
 

@@ -21,7 +21,7 @@ from celery_lease import signals as lease_signals
 from celery_lease._core.dispatch import drain
 from celery_lease._core.owners import parse_owner
 from celery_lease._core.renewer import observe_renewals
-from celery_lease._core.threaded_store import ThreadedAsyncStore
+from celery_lease.stores.threaded import ThreadedAsyncStore
 from tests.unit.conftest import REAL_TIMEOUT
 
 

@@ -267,7 +267,7 @@ class TestWorkerCheckRefusals:
     ) -> None:
         """config.STORE_SCHEMES is exactly what store_from_url builds a store for."""
         from celery_lease import django as django_databases
-        from celery_lease.stores import base, memory, postgres, redis, sqlite
+        from celery_lease.stores import memory, postgres, redis, sqlite, store_from_url
 
         built: list[str] = []
 
@@ -281,10 +281,10 @@ class TestWorkerCheckRefusals:
         monkeypatch.setattr(sqlite.SQLiteLockStore, "from_url", staticmethod(fake))
         monkeypatch.setattr(django_databases.DjangoStore, "from_url", staticmethod(fake))
         for scheme in config.STORE_SCHEMES:
-            base.store_from_url(f"{scheme}://h/x")
+            store_from_url(f"{scheme}://h/x")
         assert len(built) == len(config.STORE_SCHEMES)
         with pytest.raises(LeaseConfigError, match="unknown scheme"):
-            base.store_from_url("nope://h/x")
+            store_from_url("nope://h/x")
 
     def test_a_refusal_is_of_one_app(self, app: Celery) -> None:
         """Refusing one app leaves another (even one of the same name) alone."""

@@ -32,11 +32,12 @@ from celery_lease import (
     lease,
 )
 from celery_lease._core import aio
-from celery_lease._core import threaded_store as _aio_store
 from celery_lease._core.aio import ThreadedAsyncStore
 from celery_lease._core.dispatch import drain
 from celery_lease._core.renewer import get_renewer
-from celery_lease.stores.base import AsyncLockStore, async_store_from_url
+from celery_lease.stores import async_store_from_url
+from celery_lease.stores import threaded as _aio_store
+from celery_lease.stores.base import AsyncLockStore
 from celery_lease.testing import FakeClock
 from tests.adversary import AdversaryStore
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore

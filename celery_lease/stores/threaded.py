@@ -1,9 +1,8 @@
 """The thread adapter: :class:`ThreadedAsyncStore`, an AsyncLockStore over a synchronous store.
 
-Re-exported as :class:`celery_lease._core.aio.ThreadedAsyncStore`. Kept apart from
-:mod:`celery_lease._core.aio` so that :func:`celery_lease.stores.base.async_store_from_url` can
-build
-one without the stores depending on the lease machinery (import-linter contracts).
+Among the stores (it needs only the protocol), so that :func:`~celery_lease.async_store_from_url`
+builds one without reaching up into the lease machinery; ``async with lease(...)`` wraps a sync
+store in one (:mod:`celery_lease._core.aio`).
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """

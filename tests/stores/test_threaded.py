@@ -1,4 +1,4 @@
-"""celery_lease._core.threaded_store: the thread adapter runs a sync store's calls off the event
+"""celery_lease.stores.threaded: the thread adapter runs a sync store's calls off the event
 loop. The whole store contract, through :class:`tests.stores.async_contract.SyncOverAsync`, over
 the memory and SQLite stores."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from celery_lease._core import threaded_store as _aio_store
-from celery_lease._core.threaded_store import ThreadedAsyncStore
+from celery_lease.stores import threaded as _aio_store
 from celery_lease.stores.base import AsyncLockStore, LockStore
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.sqlite import SQLiteLockStore
+from celery_lease.stores.threaded import ThreadedAsyncStore
 from tests.stores.async_contract import AsyncStoreContract, SyncOverAsync, wait_for
 
 

@@ -1,0 +1,435 @@
+"""Redis Cluster batches: a store's many calls fanned out to the nodes owning their slots.
+
+redis-py refuses EVALSHA in cluster pipelines, so :class:`ClusterFanOut` groups the calls of a
+batch (``renew_many``, ``list``) by the node owning their slot and pipelines each group on that
+node's own client, every node at once (the caller's thread and one thread per other node,
+:class:`NodeWorkers`). A failover moves slots without a redirection, so after a batch whose calls
+met a failed node the slot table is refreshed on a thread of its own (:class:`SlotRefresh`) and
+the calls it moved are sent again, all within one socket timeout of the batch's start.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, TypeVar, cast
+
+import redis
+import redis.cluster
+from redis.exceptions import AskError, ClusterDownError, RedisError, SlotNotCoveredError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from celery_lease.stores._redis_common import RETRIED, SOCKET_TIMEOUT, Script, text
+from celery_lease.stores._redis_compat import request_slot_refresh, run_requested_slot_refresh
+
+__all__ = ["Calls", "ClusterFanOut", "NodeWorkers", "SlotRefresh", "before", "pipelined"]
+
+logger = logging.getLogger("celery_lease.stores.redis")
+
+_T = TypeVar("_T")
+
+Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
+"""Script calls: ``(keys, args)`` each."""
+
+_REDIRECTED = (AskError, redis.exceptions.TryAgainError)  # MovedError is an AskError
+"""Replies of a cluster call to redo through the cluster client, which follows them (slots
+migrating)."""
+
+_NODE_THREAD = "celery-lease-redis-node"
+"""The name of the threads that run a cluster batch's node shares (numbered within the batch)."""
+
+_SLOTS_THREAD = "celery-lease-redis-slots"
+"""The name of the thread that refreshes a cluster store's slot table after an error."""
+
+
+def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
+    """``target`` on a daemon thread of its own; run here when no thread is to be had (the
+    interpreter is exiting): then None."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:
+        target()
+        return None
+    return thread
+
+
+class NodeWorkers:
+    """Runs the nodes' shares of one cluster store's batch at once.
+
+    The first share runs in the calling thread, each other one on a daemon thread of its own,
+    started for that batch and ended with it (a batch comes every ttl/3 at most per store, so
+    a thread per node and batch costs little): no pool to keep, to reset after a fork or to
+    shut down, and a share stuck on a hung node never holds up the interpreter's exit.
+    """
+
+    def run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """Run every job at once; their results in order, once every job has returned. A job
+        that raises: the first such error in job order is raised, after all have ended."""
+        results: list[_T | None] = [None] * len(jobs)
+        errors: list[BaseException | None] = [None] * len(jobs)
+
+        def share(index: int) -> None:
+            try:
+                results[index] = jobs[index]()
+            except BaseException as exc:  # handed to the caller below
+                errors[index] = exc
+
+        threads = [
+            _start(partial(share, index), f"{_NODE_THREAD}-{index}")
+            for index in range(1, len(jobs))
+        ]
+        if jobs:
+            share(0)
+        for thread in threads:
+            if thread is not None:
+                thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
+        return cast("list[_T]", results)
+
+
+class SlotRefresh:
+    """Runs one cluster store's slot-table refreshes on a daemon thread of their own, one at a
+    time (per process), so a batch waits for one only as long as its deadline allows and a
+    refresh stuck on a hung node holds up nobody.
+
+    A refresh asked for while one runs joins it (the running one reads the cluster as it is
+    now). The thread ends with its refresh: nothing to reset after a fork (a child sees its
+    parent's refresh as not running, by the process id, and starts its own).
+    """
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        self._refresh = refresh
+        self._guard = threading.Lock()  # held for a few lines, never across the refresh
+        self._running: tuple[int, threading.Event] | None = None
+
+    def start(self) -> threading.Event:
+        """Start a refresh unless one is running; the event set once the running one ended."""
+        pid = os.getpid()
+        with self._guard:
+            running = self._running
+            if running is not None and running[0] == pid and not running[1].is_set():
+                return running[1]
+            done = threading.Event()
+            self._running = (pid, done)
+
+        def run() -> None:
+            try:
+                self._refresh()
+            finally:
+                done.set()
+
+        _start(run, _SLOTS_THREAD)
+        return done
+
+
+def before(deadline: float, job: Callable[[], _T]) -> tuple[bool, _T | None]:
+    """Run ``job`` on a daemon thread of its own and wait for it until ``deadline``
+    (``time.monotonic()``): ``(True, its result)``, or ``(False, None)`` when it had not ended
+    then (it goes on alone; its result is dropped). A job that raises: raised here."""
+    outcome: list[_T] = []
+    error: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(job())
+        except BaseException as exc:  # handed to the caller below
+            error.append(exc)
+        finally:
+            done.set()
+
+    _start(run, _SLOTS_THREAD)
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        return False, None
+    if error:
+        raise error[0]
+    return True, outcome[0]
+
+
+def pipelined(
+    client: redis.Redis,
+    script: Script,
+    calls: Calls,
+    wait: tuple[int, int] | None = None,
+    *,
+    errors_in_place: bool = False,
+) -> tuple[list[Any], int | None]:
+    """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
+
+    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and its reply,
+    the number of replicas that acknowledged every write before it, is returned second (None
+    without). Replies that are redirections (cluster slots migrating) are returned for the caller
+    to redo; any other error reply is raised, or with ``errors_in_place`` returned in its call's
+    place. A connection error or a timeout raises.
+    """
+    for attempt in (1, 2):
+        pipe = client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        if wait is not None:
+            pipe.execute_command("WAIT", *wait)  # type: ignore[no-untyped-call]
+        results: list[Any] = pipe.execute(raise_on_error=False)
+        acks: Any = results.pop() if wait is not None else None
+        if attempt == 1 and any(isinstance(r, redis.exceptions.NoScriptError) for r in results):
+            client.script_load(script.source)
+            continue
+        for result in results:
+            if isinstance(result, RETRIED) or (
+                isinstance(result, Exception)
+                and not errors_in_place
+                and not isinstance(result, _REDIRECTED)
+            ):
+                raise result
+        if isinstance(acks, Exception):
+            raise acks
+        return results, None if acks is None else int(acks)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _stale_route(result: object) -> bool:
+    """Whether a cluster call's ``result`` may come from a slot table the cluster has left
+    behind: its node refused the connection or timed out, the cluster was down (a failover
+    under way), or the table named no node for its slot."""
+    return isinstance(result, (*RETRIED, ClusterDownError, SlotNotCoveredError))
+
+
+def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
+    """The name of the node the client's slot table names for ``key`` (None: no node)."""
+    try:
+        node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+    except SlotNotCoveredError:
+        return None
+    return str(node.name)
+
+
+class ClusterFanOut:
+    """A cluster store's batches and key scans, every node at once, following the slot table.
+
+    Args:
+        client: the store's cluster client.
+        socket_timeout: the client's, in seconds (None: :data:`SOCKET_TIMEOUT`): how long a
+            batch may take with its refresh and second try.
+        eval_one: the store's single script call (which follows redirections), for the calls a
+            node answered with MOVED/ASK/TRYAGAIN.
+        where: the store's address, for log lines.
+        redact: masks the store's passwords in a log line.
+    """
+
+    def __init__(
+        self,
+        client: redis.cluster.RedisCluster,
+        socket_timeout: float | None,
+        eval_one: Callable[[Script, Sequence[str], Sequence[str | int]], Any],
+        where: Callable[[], str],
+        redact: Callable[[str], str],
+    ) -> None:
+        self._client = client
+        self._timeout = socket_timeout or SOCKET_TIMEOUT
+        self._eval_one = eval_one
+        self._where = where
+        self._redact = redact
+        self._workers = NodeWorkers()
+        self._slot_refresh = SlotRefresh(self._refresh_slots)
+
+    def eval_many(self, script: Script, calls: Calls) -> list[Any]:
+        """Many EVALSHA, pipelined per node, every node's pipeline at the same time; each
+        call's reply, or in its place the exception its error reply stands for.
+
+        A node that times out (a hung master), or whose connection fails twice (a dead one),
+        gets that error in the place of each of its calls, and the other nodes' calls keep
+        their replies: one batch takes about one socket timeout at most. A call that meets a
+        MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client.
+
+        The batch goes out on the slot table the client has (never behind a refresh); when
+        calls of it met a node that failed or timed out, a ``CLUSTERDOWN`` reply or a slot the
+        table does not cover, a refresh starts on a thread of its own (redis-py paces them, at
+        least 1 s apart; redis-py 5 refreshes each time), and the failed calls whose slot the
+        refreshed table gives to another node are sent there. The batch waits for both only
+        until one socket timeout after it began. A call that fails again, or whose second try
+        did not end in time, keeps its first error: nothing here turns a failure into a
+        success.
+        """
+        if not calls:
+            return []
+        client = self._client
+        deadline = time.monotonic() + self._timeout
+        results: list[Any] = [None] * len(calls)
+        sent_to = self._send_by_node(script, calls, range(len(calls)), results)
+        stale = [i for i in sent_to if _stale_route(results[i])]
+        if not stale:
+            return results
+        refreshed = self._slot_refresh.start()
+        if not refreshed.wait(max(0.0, deadline - time.monotonic())):
+            return results
+        moved = [i for i in stale if _node_of(client, calls[i][0][0]) not in (None, sent_to[i])]
+        if not moved:
+            return results
+        logger.info(
+            "Redis store %s: the cluster's slot table changed; sending %d calls again "
+            "to the nodes now serving their slots",
+            self._where(),
+            len(moved),
+        )
+
+        def resend() -> list[Any]:
+            again: list[Any] = [None] * len(calls)
+            self._send_by_node(script, calls, moved, again)
+            return again
+
+        ended, again = before(deadline, resend)
+        if ended and again is not None:
+            for index in moved:
+                results[index] = again[index]
+        return results
+
+    def _refresh_slots(self) -> None:
+        """Refresh the slot table after an error (the refresh requested, once due); whatever a
+        refresh raises is logged and leaves the table in use. Run by :class:`SlotRefresh`."""
+        try:
+            run_requested_slot_refresh(self._client)
+        except Exception as exc:  # redis-py 5 raises RedisClusterException, no RedisError
+            logger.info(
+                "Redis store %s: refreshing the cluster's slot table failed: %s",
+                self._where(),
+                self._redact(f"{type(exc).__name__}: {exc}"),
+            )
+
+    def _send_by_node(
+        self, script: Script, calls: Calls, indices: Sequence[int], results: list[Any]
+    ) -> dict[int, str | None]:
+        """Run the calls at ``indices`` on the nodes serving their slots, all nodes at once;
+        their replies or errors go to ``results`` in place. Returns the node each one was sent
+        to (None: the slot table names no node for its slot, whose error is its result)."""
+        client = self._client
+        groups: dict[str, tuple[redis.Redis, list[int]]] = {}
+        sent_to: dict[int, str | None] = {}
+        for index in indices:
+            try:
+                node = client.get_node_from_key(calls[index][0][0])  # type: ignore[no-untyped-call]
+            except SlotNotCoveredError as exc:
+                request_slot_refresh(client)
+                results[index] = exc
+                sent_to[index] = None
+                continue
+            groups.setdefault(node.name, (client.get_redis_connection(node), []))[1].append(index)
+            sent_to[index] = node.name
+        jobs = [
+            partial(self._node_share, name, node_client, script, [calls[i] for i in share])
+            for name, (node_client, share) in groups.items()
+        ]
+        replies = self._workers.run(jobs)
+        for (_, share), answers in zip(groups.values(), replies, strict=True):
+            for index, answer in zip(share, answers, strict=True):
+                results[index] = answer
+        return sent_to
+
+    def _node_share(
+        self, name: str, node_client: redis.Redis, script: Script, calls: Calls
+    ) -> list[Any]:
+        """One node's share of :meth:`eval_many`: its replies in order, a redirected call redone
+        through the cluster client, errors in place (``CLUSTERDOWN`` asks for a refresh)."""
+        replies = self._node_pipeline(name, node_client, script, calls)
+        for position, reply in enumerate(replies):
+            if isinstance(reply, _REDIRECTED):
+                try:
+                    replies[position] = self._eval_one(script, *calls[position])
+                except RedisError as exc:
+                    replies[position] = exc
+        if any(isinstance(reply, ClusterDownError) for reply in replies):
+            request_slot_refresh(self._client)
+        return replies
+
+    def _node_pipeline(
+        self, name: str, node_client: redis.Redis, script: Script, calls: Calls
+    ) -> list[Any]:
+        """The node's pipelined replies (errors in place), or that error once per call when the
+        node times out (not asked again: a hung node would cost another socket timeout) or
+        cannot be reached twice in a row; either asks for a refresh that queries it last."""
+        try:
+            return pipelined(node_client, script, calls, errors_in_place=True)[0]
+        except RedisTimeoutError as exc:
+            request_slot_refresh(self._client, name)
+            return [exc] * len(calls)
+        except RedisConnectionError as exc:
+            self._log_retry(f"{len(calls)} calls on node {name}", exc)
+        try:
+            return pipelined(node_client, script, calls, errors_in_place=True)[0]
+        except RETRIED as exc:
+            request_slot_refresh(self._client, name)
+            return [exc] * len(calls)
+
+    def _log_retry(self, what: str, exc: Exception) -> None:
+        logger.info(
+            "Redis store %s: retrying %s once after %s: %s",
+            self._where(),
+            what,
+            type(exc).__name__,
+            self._redact(str(exc)),
+        )
+
+    def _scan_node(
+        self, name: str, node_client: redis.Redis, pattern: str
+    ) -> list[str] | RedisError:
+        """The keys matching ``pattern`` on one node, or the error that stopped the scan;
+        retried once after a connection error (fast), never after a timeout. A node that fails
+        asks for a slot-table refresh."""
+        try:
+            try:
+                return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+            except RedisConnectionError as exc:
+                self._log_retry(f"the key scan of node {name}", exc)
+            return [text(k) for k in node_client.scan_iter(match=pattern, count=1000)]
+        except RETRIED as exc:
+            request_slot_refresh(self._client, name)
+            return exc
+        except RedisError as exc:
+            return exc
+
+    def scan(self, pattern: str) -> set[str]:
+        """The keys matching ``pattern`` on every master the slot table names, all at once.
+
+        When a master fails, a slot-table refresh starts; when every failure was a refused
+        connection (fast) and the refresh ends within one socket timeout of the scan's start,
+        the masters the refreshed table names that were not scanned yet (a replica promoted in
+        a dead master's place) are scanned. A master that still fails then, or one that timed
+        out, fails the scan (its first error is raised).
+        """
+        client = self._client
+        deadline = time.monotonic() + self._timeout
+        found: set[str] = set()
+        scanned: set[str] = set()
+        for attempt in (1, 2):
+            masters = [
+                node
+                for node in client.get_primaries()  # type: ignore[no-untyped-call]
+                if node.name not in scanned
+            ]
+            jobs = [
+                partial(self._scan_node, node.name, client.get_redis_connection(node), pattern)
+                for node in masters
+            ]
+            failures: list[RedisError] = []
+            for node, keys in zip(masters, self._workers.run(jobs), strict=True):
+                if isinstance(keys, RedisError):
+                    failures.append(keys)
+                else:
+                    scanned.add(node.name)
+                    found.update(keys)
+            if not failures:
+                return found
+            if attempt == 2:
+                raise failures[0]
+            refreshed = self._slot_refresh.start()
+            if any(not isinstance(f, RedisConnectionError) for f in failures):
+                raise failures[0]
+            if not refreshed.wait(max(0.0, deadline - time.monotonic())):
+                raise failures[0]
+        raise AssertionError("unreachable")  # pragma: no cover

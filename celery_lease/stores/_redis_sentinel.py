@@ -1,0 +1,349 @@
+"""Redis Sentinel: the ``redis+sentinel://`` URL form, finding the master, following a failover.
+
+Both Redis stores read the URL and build their clients here (:func:`client_from_url`, with the
+sync or the ``redis.asyncio`` classes). A Sentinel-managed store asks a Sentinel which server is
+the master now (``SENTINEL GET-MASTER-ADDR-BY-NAME``) before every acquire and renewal, and
+moves its pool when the answer changed (:func:`follow_master`, :class:`Sentinel`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis.sentinel
+from redis.backoff import NoBackoff
+
+from celery_lease.durations import to_seconds
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores._redis_common import (
+    RETRIED,
+    SOCKET_TIMEOUT,
+    STORE_OPTIONS,
+    check_restart_grace,
+    host_port,
+    split_store_options,
+    text,
+)
+from celery_lease.stores.base import redact_url
+
+__all__ = [
+    "GET_MASTER",
+    "Sentinel",
+    "SentinelURL",
+    "client_from_url",
+    "describe_sentinel_master",
+    "follow_master",
+    "master_address",
+    "no_master_message",
+    "parse_sentinel_url",
+    "sentinel_connection_kwargs",
+]
+
+logger = logging.getLogger("celery_lease.stores.redis")
+
+GET_MASTER = "SENTINEL GET-MASTER-ADDR-BY-NAME"
+"""The one question asked of a Sentinel: the ``(host, port)`` of a service's master now."""
+
+
+@dataclass(frozen=True)
+class SentinelURL:
+    """The parts of a ``redis+sentinel://`` URL (see :func:`parse_sentinel_url`)."""
+
+    sentinels: tuple[tuple[str, int], ...]
+    service_name: str
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    sentinel_password: str | None = None
+    socket_timeout: float = SOCKET_TIMEOUT
+    socket_connect_timeout: float = SOCKET_TIMEOUT
+    min_replicas: int | None = None
+    replica_timeout: float | None = None
+    restart_grace: float | None = None
+
+
+_SENTINEL_OPTIONS = (
+    "sentinel_password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "min_replicas",
+    "replica_timeout",
+    "restart_grace",
+)
+
+
+def parse_sentinel_url(url: str) -> SentinelURL:
+    """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
+
+    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
+    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
+    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
+    ``min_replicas`` (an integer), ``replica_timeout`` (a duration such as ``0.2`` or
+    ``250ms``) and ``restart_grace`` (a duration; 0 turns it off). IPv6 hosts go in brackets:
+    ``[::1]:26379``.
+
+    Raises:
+        LeaseConfigError: naming what is wrong.
+    """
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "redis+sentinel":
+        raise LeaseConfigError(f"url={url!r} is not a redis+sentinel:// URL")
+    userinfo, _, hostlist = parts.netloc.rpartition("@")
+    username = password = None
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(secret) if colon else None
+    sentinels = tuple(_parse_host(url, item) for item in hostlist.split(","))
+    path = [unquote(p) for p in parts.path.split("/")[1:]]
+    if path and path[-1] == "":
+        path.pop()
+    if not path or not path[0] or len(path) > 2:
+        raise LeaseConfigError(
+            f"url={url!r} must name the Sentinel service as its path: "
+            "redis+sentinel://host:26379/service_name[/db]"
+        )
+    db = 0
+    if len(path) == 2:
+        if not path[1].isdigit():
+            raise LeaseConfigError(f"url={url!r}: db={path[1]!r} must be a non-negative integer")
+        db = int(path[1])
+    options = {
+        name: _sentinel_option(url, name, value)
+        for name, value in parse_qsl(parts.query, keep_blank_values=True)
+    }
+    return SentinelURL(sentinels, path[0], db, username, password, **options)
+
+
+def _sentinel_option(url: str, name: str, value: str) -> Any:
+    """The value of the query option ``name`` of a ``redis+sentinel://`` URL.
+
+    Raises:
+        LeaseConfigError: for an unknown option or a bad value.
+    """
+    if name == "sentinel_password":
+        return value
+    if name == "min_replicas":
+        if not value.isdigit():
+            raise LeaseConfigError(
+                f"url={url!r}: min_replicas={value!r} must be a non-negative integer"
+            )
+        return int(value)
+    if name == "replica_timeout":
+        return to_seconds(value, name="replica_timeout", minimum=0.001)
+    if name == "restart_grace":
+        return check_restart_grace(value)
+    if name in ("socket_timeout", "socket_connect_timeout"):
+        try:
+            return float(value)
+        except ValueError:
+            raise LeaseConfigError(
+                f"url={url!r}: {name}={value!r} must be a number of seconds"
+            ) from None
+    raise LeaseConfigError(
+        f"url={url!r} has an unknown option {name!r}; supported: " + ", ".join(_SENTINEL_OPTIONS)
+    )
+
+
+def _parse_host(url: str, item: str) -> tuple[str, int]:
+    if item.startswith("["):
+        host, _, rest = item[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else rest
+    else:
+        host, _, port_text = item.partition(":")
+    if not host:
+        raise LeaseConfigError(f"url={url!r} has an empty Sentinel host in {item!r}")
+    if not port_text:
+        return host, 26379
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise LeaseConfigError(f"url={url!r}: port {port_text!r} of {host!r} is not a port")
+    return host, int(port_text)
+
+
+def sentinel_connection_kwargs(spec: SentinelURL, retry: Any) -> dict[str, Any]:
+    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
+    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": spec.socket_timeout,
+        "socket_connect_timeout": spec.socket_connect_timeout,
+        "retry": retry,
+    }
+    if spec.sentinel_password is not None:
+        kwargs["password"] = spec.sentinel_password
+    return kwargs
+
+
+def describe_sentinel_master(
+    sentinels: Iterable[Mapping[str, Any]],
+    service: str,
+    db: object,
+    master: tuple[str, int] | None,
+) -> str:
+    """A Sentinel-managed master's address for messages, from its Sentinels' connection
+    keywords: ``redis+sentinel://s1:26379,s2:26379/service/db (master host:port)``."""
+    hosts = ",".join(host_port(kwargs) for kwargs in sentinels)
+    known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
+    return f"redis+sentinel://{hosts}/{service}/{db} ({known})"
+
+
+def master_address(reply: Any) -> tuple[str, int] | None:
+    """The ``(host, port)`` of a ``SENTINEL GET-MASTER-ADDR-BY-NAME`` reply, None when the
+    Sentinel knows no such service."""
+    if not reply:
+        return None
+    return text(reply[0]), int(reply[1])
+
+
+def no_master_message(service: str, problems: Iterable[str]) -> str:
+    """The message of the ``MasterNotFoundError`` raised when no Sentinel names a master,
+    with each Sentinel's reason (``host:port: why``)."""
+    return f"No master found for {service!r}: " + "; ".join(problems)
+
+
+def ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, int]:
+    """The ``(host, port)`` the first answering Sentinel names as master of ``service``.
+
+    Raises:
+        MasterNotFoundError: (a ``ConnectionError``) when no Sentinel names one, with each
+            Sentinel's reason.
+    """
+    problems: list[str] = []
+    for sentinel in list(manager.sentinels):
+        address = master_of(sentinel, _reply_or_error(sentinel, service), problems)
+        if address is not None:
+            return address
+    raise redis.sentinel.MasterNotFoundError(no_master_message(service, problems))
+
+
+def _reply_or_error(sentinel: redis.Redis, service: str) -> Any:
+    try:
+        return sentinel.execute_command(GET_MASTER, service)  # type: ignore[no-untyped-call]
+    except RETRIED as exc:
+        return exc
+
+
+def master_of(sentinel: Any, reply: Any, problems: list[str]) -> tuple[str, int] | None:
+    """The master address ``sentinel`` answered (``reply``: its reply or the error asking it
+    raised), or None with the reason added to ``problems``."""
+    where = host_port(sentinel.connection_pool.connection_kwargs)
+    if isinstance(reply, Exception):
+        problems.append(f"{where}: {reply}")
+        return None
+    address = master_address(reply)
+    if address is None:
+        problems.append(f"{where}: no such service")
+    return address
+
+
+class Sentinel(redis.sentinel.Sentinel):
+    """A Sentinel manager that discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``.
+
+    redis-py's own discovery reads ``SENTINEL MASTERS``, which keeps naming the old master until
+    the failover's last step (``+switch-master``); ``GET-MASTER-ADDR-BY-NAME`` names the promoted
+    replica as soon as Sentinel starts reconfiguring the other servers (50-100 ms earlier in our
+    runs). Using one command for both the store's check and the pool's discovery makes them
+    agree, so the pool moves at the first check that sees the new master.
+    """
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        return ask_sentinels(self, service_name)
+
+
+def follow_master(
+    pool: redis.sentinel.SentinelConnectionPool,
+    on_silence: Callable[[Exception], None] | None,
+) -> None:
+    """Make sure ``pool`` talks to the master a Sentinel names now.
+
+    One ``SENTINEL GET-MASTER-ADDR-BY-NAME``; when the answer differs from the pool's master,
+    the pool re-discovers it and disconnects its idle connections, so this call and the next
+    ones reach the new master (connections busy in other threads are dropped when they come
+    back to the pool). When no Sentinel answers and the pool knows a master, ``on_silence`` is
+    called with the error and the known master kept (a store whose writes wait for replicas:
+    WAIT still refuses a write a failover would lose); without ``on_silence`` the error is
+    raised, since nothing else tells a stale master from the current one.
+    """
+    known = pool.master_address
+    try:
+        address = ask_sentinels(pool.sentinel_manager, pool.service_name)
+    except redis.sentinel.MasterNotFoundError as exc:
+        if on_silence is None or known is None:
+            raise
+        on_silence(exc)
+        return
+    if address != known:
+        # Stores built from a URL discover with the same command (Sentinel), so the pool moves
+        # now; a stock Sentinel (SENTINEL MASTERS) follows ~50-100 ms later.
+        pool.get_master_address()  # type: ignore[no-untyped-call]
+        if known is not None and pool.master_address != known:
+            log_master_change(address, pool.service_name, known)
+
+
+def log_master_change(address: tuple[str, int], service: str, known: tuple[str, int]) -> None:
+    """Say that Sentinel names another master of ``service`` than ``known``."""
+    logger.warning(
+        "Redis store: Sentinel names %s as master of %r instead of %s:%s; leaving the old master",
+        host_port({"host": address[0], "port": address[1]}),
+        service,
+        known[0],
+        known[1],
+    )
+
+
+def client_from_url(
+    url: str, client_class: Any, sentinel_class: Any, retry_class: Any
+) -> tuple[Any, Any, dict[str, object]]:
+    """The client a store URL names, its Sentinel manager (or None) and the store's own URL
+    options (``min_replicas``, ``replica_timeout``, ``restart_grace``), with the classes of
+    redis-py's sync or ``redis.asyncio`` API. Nothing connects yet.
+
+    Clients get ``socket_timeout`` and ``socket_connect_timeout`` of 5 s unless the URL sets
+    them, ``decode_responses=False`` and no redis-py retries (the stores retry once).
+
+    Raises:
+        LeaseConfigError: for a URL of another scheme or one redis-py refuses.
+    """
+    scheme = urlsplit(url).scheme.lower()
+    options: dict[str, object]
+    if scheme == "redis+sentinel":
+        spec = parse_sentinel_url(url)
+        sentinel = sentinel_class(
+            list(spec.sentinels),
+            sentinel_kwargs=sentinel_connection_kwargs(spec, retry_class(NoBackoff(), 0)),
+            socket_timeout=spec.socket_timeout,
+            socket_connect_timeout=spec.socket_connect_timeout,
+            retry=retry_class(NoBackoff(), 0),
+        )
+        client = sentinel.master_for(
+            spec.service_name,
+            db=spec.db,
+            username=spec.username,
+            password=spec.password,
+            decode_responses=False,
+        )
+        options = {
+            name: getattr(spec, name) for name in STORE_OPTIONS if getattr(spec, name) is not None
+        }
+        return client, sentinel, options
+    if scheme not in ("redis", "rediss", "unix"):
+        raise LeaseConfigError(
+            f"url={redact_url(url)!r} is not a Redis URL; supported: redis://, rediss://, "
+            "unix://, redis+sentinel://"
+        )
+    plain, options = split_store_options(url)
+    try:
+        # Options in the URL's query win over these keyword arguments.
+        client = client_class.from_url(
+            plain,
+            socket_timeout=SOCKET_TIMEOUT,
+            socket_connect_timeout=SOCKET_TIMEOUT,
+            decode_responses=False,
+            retry=retry_class(NoBackoff(), 0),
+        )
+    except ValueError as exc:
+        raise LeaseConfigError(f"url={redact_url(url)!r} is not a valid Redis URL: {exc}") from exc
+    return client, None, options
