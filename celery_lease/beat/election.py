@@ -15,6 +15,7 @@ import logging
 from typing import Any
 
 from celery_lease import Lease, LeaseContext, lease
+from celery_lease._core.lease import clock_of
 from celery_lease.errors import LeaseError, LockNotAcquiredError, StoreUnavailableError
 
 __all__ = ["HOLDER", "Election"]
@@ -87,10 +88,14 @@ class Election:
 
     def verify(self) -> bool:
         """Whether this beat still holds the lease, asked of the store now (a renewal, owner
-        checked): ``False`` once it is lost, taken, or the store does not answer."""
+        checked): ``False`` once it is lost, taken, or the store does not answer, and when
+        the answer took more than half the ttl (the renewal is counted from when it was asked,
+        so a late answer leaves too little of the lease for a send)."""
         held = self.current()
         if held is None:
             return False
+        clock = clock_of(held.store)  # the clock the store counts the lease's expiry on
+        asked = clock.monotonic()
         try:
             kept = held.store.renew(held.key, held.owner, max(1, round(self.ttl * 1000)))
         except (LeaseError, OSError) as exc:
@@ -107,7 +112,18 @@ class Election:
                 held.key,
             )
             self._exit()
-        return kept
+            return False
+        took = clock.monotonic() - asked
+        if took > self.ttl / 2:
+            logger.warning(
+                "celery-lease beat: the store took %.3f s to confirm %s, more than half its"
+                " %g s ttl: not sending on that answer",
+                took,
+                held.key,
+                self.ttl,
+            )
+            return False
+        return True
 
     def resign(self) -> None:
         """Release the lease if held (a clean shutdown: a standby takes over at once)."""

@@ -117,9 +117,13 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
 
+        The broker connection (made on the first send, retried while the broker is down) is
+        made before the store is asked, so the send follows a fresh confirmation.
+
         Raises:
             NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
         """
+        self.producer  # noqa: B018 - connect to the broker before the store is asked, not after
         if not self.election.verify():
             raise NotHolding(entry.name)
         new_entry = super().reserve(entry)
