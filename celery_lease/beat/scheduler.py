@@ -35,7 +35,7 @@ from celery_lease._celery import settings as lease_settings
 from celery_lease.beat.config import BeatConfig, read_config
 from celery_lease.beat.election import Election
 from celery_lease.beat.last_runs import MIN_RECORD_KEEP, RECORD_TTL, LastRuns
-from celery_lease.errors import LeaseConfigError, LeaseError
+from celery_lease.errors import LeaseConfigError, LeaseError, StoreUnavailableError
 
 __all__ = ["TOKEN_HEADER", "LeasedScheduler"]
 
@@ -157,13 +157,14 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return result
 
     def _record_unrecorded(self) -> None:
-        """Write the runs sent but not yet recorded; a run the store refuses is tried again on
-        the next tick (and at close) while this beat holds the lease."""
+        """Write the runs sent but not yet recorded. A run the store could not take now (it did
+        not answer) is tried again on the next tick (and at close) while this beat holds the
+        lease; one it refuses for good (a key too long for it) is given up."""
         while self._unrecorded and self.last_runs is not None:
             name, (at, keep) = next(iter(self._unrecorded.items()))
             try:
                 self.last_runs.write(name, at.timestamp(), keep)
-            except (LeaseError, OSError) as exc:
+            except (StoreUnavailableError, OSError) as exc:
                 logger.warning(
                     "celery-lease beat: could not record the run of %r (%s): trying again on"
                     " the next tick; a beat taking over before then may send it again",
@@ -171,6 +172,13 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
                     exc,
                 )
                 return
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-lease beat: the store refused the record of %r (%s): a beat taking"
+                    " over falls back to its own state for that entry",
+                    name,
+                    exc,
+                )
             del self._unrecorded[name]
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:

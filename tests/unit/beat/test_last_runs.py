@@ -7,13 +7,15 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from celery import Celery
+from celery.schedules import schedule
 
 from celery_lease import MemoryLockStore
 from celery_lease._core.owners import parse_owner
 from celery_lease.beat.last_runs import MIN_RECORD_KEEP, LastRuns
-from celery_lease.errors import StoreUnavailableError
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.testing import FakeClock
-from tests.unit.beat.conftest import KEY, Beat
+from tests.unit.beat.conftest import KEY, Beat, WallClock
 from tests.unit.conftest import Published
 
 
@@ -112,3 +114,32 @@ def test_the_record_of_an_entry_that_stopped_running_expires(
     clock.advance(MIN_RECORD_KEEP + 3)
     beat.ticks(5)
     assert store.get(record) is None, "the record of a removed entry is still kept"
+
+
+def test_a_record_the_store_never_takes_does_not_hold_back_the_others(
+    beat_app: Celery,
+    beats: Callable[[], Beat],
+    clock: FakeClock,
+    store: MemoryLockStore,
+    wall: WallClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record refused for good (a key too long for the store) is given up with a warning;
+    the other entries' runs are still recorded."""
+    beat_app.conf.beat_schedule = {
+        "a-too-long-name": {"task": "tick", "schedule": schedule(1, nowfun=wall)},
+        "every-second": {"task": "tick", "schedule": schedule(1, nowfun=wall)},
+    }
+    acquire = store.acquire
+
+    def acquire_refusing_long_keys(key: str, owner: str, ttl_ms: int) -> int | None:
+        if key.endswith("a-too-long-name"):
+            raise LeaseConfigError(f"key of {len(key)} bytes is too long")
+        return acquire(key, owner, ttl_ms)
+
+    monkeypatch.setattr(store, "acquire", acquire_refusing_long_keys)
+    beat = beats()
+    for _ in range(3):
+        clock.advance(1)
+        beat.ticks(5)
+    assert LastRuns(store, KEY).read() == {"every-second": pytest.approx(clock.time(), abs=0.001)}
