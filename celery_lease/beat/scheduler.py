@@ -107,14 +107,19 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         Returns:
             seconds until the next pass is wanted.
         """
+        ttl = self.lease_config.ttl
+        self.election.back_within(ttl)  # this tick ends within a ttl, or the lease goes
         if self.election.current() is None and not self._take_over():
             return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
         self._record_unrecorded()
         try:
-            return float(super().tick(*args, **kwargs))
+            interval = float(super().tick(*args, **kwargs))
         except NotHolding:
             self._heap = None  # tick popped the entry: rebuild the heap, the entry is still due
-            return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
+            interval = 0.0 if self.election.current() is None else min(1.0, self.max_interval)
+        # Service sleeps ``interval``, may sync the wrapped scheduler, and ticks again.
+        self.election.back_within(max(interval, 0.0) + ttl)
+        return interval
 
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
