@@ -120,3 +120,13 @@ def test_a_holder_whose_loop_does_not_come_back_lets_the_lease_go(
     assert held.lost_reason == "beat loop hung"
     second.ticks(5)
     assert second.token is not None
+
+
+def test_closing_stops_the_watchdog(beats: Callable[[], Beat]) -> None:
+    """The thread that watches the beat loop ends with the lease: a closed beat leaves none."""
+    beat = beats()
+    beat.tick()
+    watchdog = beat.scheduler.election._watchdog
+    assert watchdog is not None and watchdog.is_alive()
+    beat.close()
+    assert not watchdog.is_alive()
