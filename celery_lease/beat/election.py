@@ -125,7 +125,8 @@ class Election:
         if took > self.ttl / 2:
             logger.warning(
                 "celery-lease beat: the store took %.3f s to confirm %s, more than half its"
-                " %g s ttl: not sending on that answer",
+                " %g s ttl: not sending on that answer (a store this slow needs a longer"
+                " lease_beat_ttl)",
                 took,
                 held.key,
                 self.ttl,
