@@ -83,7 +83,7 @@ def scheduler_class(value: str | type | None) -> type[Scheduler]:
         aliases = dict(load_extension_class_names(EXTENSION_NAMESPACE) or ())
         try:
             found = symbol_by_name(name, aliases=aliases)
-        except (ImportError, AttributeError, ValueError) as exc:
+        except Exception as exc:  # any failing import: Django's ImproperlyConfigured too
             raise LeaseConfigError(
                 f"lease_beat_scheduler={value!r} cannot be imported ({type(exc).__name__}:"
                 f" {exc}): {allowed}"

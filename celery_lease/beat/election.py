@@ -6,15 +6,19 @@ library's renewer renews it every ttl/3 and records its loss; :meth:`Election.ve
 store itself, right before each send, whether the lease is still this beat's. A beat that lost
 the lease does not exit: its next tick exits the lost lease and stands by again, waiting for the
 key as any ``lease(wait=...)`` does (woken by a release where the store notifies one, else
-polling from 50 ms up to 1 s).
+polling from 50 ms up to 1 s). The library renews the lease on a thread of its own, so a beat
+whose loop hangs (in a send, a store or a database call) would keep it: a watchdog releases it
+when the loop is late (:meth:`Election.back_within`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from celery_lease import Lease, LeaseContext, lease
+from celery_lease._core.lease import clock_of
 from celery_lease.errors import LeaseError, LockNotAcquiredError, StoreUnavailableError
 
 __all__ = ["HOLDER", "Election"]
@@ -34,7 +38,8 @@ class Election:
         ttl: the lease's ttl in seconds.
 
     Not thread-safe: one scheduler thread calls it (the loss report runs on the library's
-    dispatcher thread and only logs).
+    dispatcher thread and only logs). While the lease is held, a watchdog thread releases it
+    when the loop is not back within the time it gave in :meth:`back_within`.
     """
 
     def __init__(self, app: Any, key: str, ttl: float) -> None:
@@ -44,6 +49,9 @@ class Election:
         self.held: Lease | None = None
         self._context: LeaseContext | None = None
         self._standing_by = False
+        self._due_back = 0.0  # clock time by which the beat loop must call back_within again
+        self._watchdog: threading.Thread | None = None
+        self._stop_watch = threading.Event()
 
     def current(self) -> Lease | None:
         """The lease while this beat holds it; ``None`` when it does not (a lease found lost is
@@ -78,6 +86,7 @@ class Election:
             )
             return None
         self.held, self._context, self._standing_by = held, context, False
+        self._watch(context, held)
         logger.info(
             "celery-lease beat: took %s (fencing token %d): sending due tasks",
             held.key,
@@ -87,10 +96,14 @@ class Election:
 
     def verify(self) -> bool:
         """Whether this beat still holds the lease, asked of the store now (a renewal, owner
-        checked): ``False`` once it is lost, taken, or the store does not answer."""
+        checked): ``False`` once it is lost, taken, or the store does not answer, and when
+        the answer took more than half the ttl (the renewal is counted from when it was asked,
+        so a late answer leaves too little of the lease for a send)."""
         held = self.current()
         if held is None:
             return False
+        clock = clock_of(held.store)  # the clock the store counts the lease's expiry on
+        asked = clock.monotonic()
         try:
             kept = held.store.renew(held.key, held.owner, max(1, round(self.ttl * 1000)))
         except (LeaseError, OSError) as exc:
@@ -107,7 +120,52 @@ class Election:
                 held.key,
             )
             self._exit()
-        return kept
+            return False
+        took = clock.monotonic() - asked
+        if took > self.ttl / 2:
+            logger.warning(
+                "celery-lease beat: the store took %.3f s to confirm %s, more than half its"
+                " %g s ttl: not sending on that answer (a store this slow needs a longer"
+                " lease_beat_ttl)",
+                took,
+                held.key,
+                self.ttl,
+            )
+            return False
+        return True
+
+    def back_within(self, seconds: float) -> None:
+        """Say that the beat loop calls this again within ``seconds``; while the lease is held,
+        a loop that does not (it hangs in a send, a store or database call) has its lease
+        released then, so a standby takes over (the lease's renewer, a thread of its own,
+        would keep a hung beat in charge for ever)."""
+        held = self.held
+        if held is not None:
+            self._due_back = clock_of(held.store).monotonic() + seconds
+
+    def _watch(self, context: LeaseContext, held: Lease) -> None:
+        """Start the thread that releases ``held`` once the loop is not back in time."""
+        clock = clock_of(held.store)
+        self._due_back = clock.monotonic() + self.ttl  # the tick that took it is running
+        stop = self._stop_watch = threading.Event()
+
+        def watch() -> None:
+            while True:
+                late = clock.monotonic() - self._due_back
+                if late >= 0:
+                    break
+                if clock.wait(stop, -late):
+                    return
+            logger.error(
+                "celery-lease beat: the beat loop is %.1f s late (hung in a send, a store or a"
+                " database call?): releasing %s so that a standby takes over",
+                late,
+                held.key,
+            )
+            context.release_early("beat loop hung")
+
+        self._watchdog = threading.Thread(target=watch, name="celery-lease-beat-watch", daemon=True)
+        self._watchdog.start()
 
     def resign(self) -> None:
         """Release the lease if held (a clean shutdown: a standby takes over at once)."""
@@ -117,6 +175,10 @@ class Election:
 
     def _exit(self) -> None:
         context, self._context, self.held = self._context, None, None
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            self._stop_watch.set()
+            watchdog.join()
         if context is None:
             return
         try:

@@ -25,12 +25,17 @@ from urllib.parse import quote, unquote
 
 from celery_lease.stores.base import LockStore, SupportsInspection, conforms
 
-__all__ = ["RECORD_TTL", "LastRuns"]
+__all__ = ["MIN_RECORD_KEEP", "RECORD_TTL", "LastRuns"]
 
 logger = logging.getLogger("celery_lease.beat")
 
 RECORD_TTL = 400 * 24 * 3600.0
-"""Seconds a record is kept without a new run (about 13 months: a yearly crontab's gap)."""
+"""Seconds: the longest a record is kept without a new run (about 13 months: a yearly
+crontab's gap). The scheduler keeps each record twice its entry's period, within
+:data:`MIN_RECORD_KEEP` and this."""
+
+MIN_RECORD_KEEP = 3600.0
+"""Seconds: the shortest a record is kept without a new run (entries of short periods)."""
 
 _LABEL = "last-run "
 _SEPARATOR = ":last-run:"
@@ -48,7 +53,7 @@ class LastRuns:
         self.store = store
         self.prefix = beat_key + _SEPARATOR
         self.shared = conforms(store, SupportsInspection)
-        self._owners: dict[str, str] = {}  # the owner id this process last wrote, by entry
+        self._owners: dict[str, str] = {}  # each record's owner id, as last read or written
 
     def read(self) -> dict[str, float]:
         """Unix seconds of each entry's last recorded run, by entry name (empty when the
@@ -63,11 +68,14 @@ class LastRuns:
         for info in self.store.list(self.prefix):  # type: ignore[attr-defined]
             at = _parse(info.owner)
             if at is not None and info.key.startswith(self.prefix):
-                found[info.key[len(self.prefix) :]] = at
+                name = info.key[len(self.prefix) :]
+                found[name] = at
+                self._owners[name] = info.owner  # the next write replaces it in two calls
         return found
 
-    def write(self, name: str, at: float) -> None:
-        """Record that entry ``name`` last ran at ``at`` (unix seconds).
+    def write(self, name: str, at: float, keep: float = RECORD_TTL) -> None:
+        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds
+        unless written again.
 
         Raises:
             StoreUnavailableError: the store did not answer.
@@ -76,7 +84,7 @@ class LastRuns:
             return
         key = self.prefix + name
         owner = _owner(at)
-        ttl_ms = round(RECORD_TTL * 1000)
+        ttl_ms = max(1, round(keep * 1000))
         previous = self._owners.pop(name, None)
         if previous is not None:
             self.store.release(key, previous)

@@ -34,8 +34,8 @@ from celery.utils.time import maybe_make_aware
 from celery_lease._celery.settings import get_settings
 from celery_lease.beat.config import BeatConfig, read_config
 from celery_lease.beat.election import Election
-from celery_lease.beat.last_runs import LastRuns
-from celery_lease.errors import LeaseConfigError, LeaseError
+from celery_lease.beat.last_runs import MIN_RECORD_KEEP, RECORD_TTL, LastRuns
+from celery_lease.errors import LeaseConfigError, LeaseError, StoreUnavailableError
 
 __all__ = ["TOKEN_HEADER", "LeasedScheduler"]
 
@@ -96,8 +96,9 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         self.lease_config: BeatConfig = read_config(app)
         self.election = Election(app, self.lease_config.key, self.lease_config.ttl)
         self.last_runs: LastRuns | None = None
-        self._reserved: dict[str, datetime] = {}
+        self._reserved: dict[str, tuple[datetime, float]] = {}  # (run, seconds to keep it)
         self._runs: dict[str, datetime] = {}  # the shared last runs, as read and written
+        self._unrecorded: dict[str, tuple[datetime, float]] = {}  # sent, the store refused
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -106,25 +107,35 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         Returns:
             seconds until the next pass is wanted.
         """
+        ttl = self.lease_config.ttl
+        self.election.back_within(ttl)  # this tick ends within a ttl, or the lease goes
         if self.election.current() is None and not self._take_over():
             return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
+        self._record_unrecorded()
         try:
-            return float(super().tick(*args, **kwargs))
+            interval = float(super().tick(*args, **kwargs))
         except NotHolding:
             self._heap = None  # tick popped the entry: rebuild the heap, the entry is still due
-            return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
+            interval = 0.0 if self.election.current() is None else min(1.0, self.max_interval)
+        # Service sleeps ``interval``, may sync the wrapped scheduler, and ticks again.
+        self.election.back_within(max(interval, 0.0) + ttl)
+        return interval
 
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
 
+        The broker connection (made on the first send, retried while the broker is down) is
+        made before the store is asked, so the send follows a fresh confirmation.
+
         Raises:
             NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
         """
+        self.producer  # noqa: B018 - connect to the broker before the store is asked, not after
         if not self.election.verify():
             raise NotHolding(entry.name)
         new_entry = super().reserve(entry)
         if new_entry.last_run_at is not None:
-            self._reserved[entry.name] = new_entry.last_run_at
+            self._reserved[entry.name] = (new_entry.last_run_at, record_keep(new_entry))
         return new_entry
 
     def apply_async(
@@ -143,19 +154,37 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             result = super().apply_async(entry, producer=producer, advance=advance, **kwargs)
         finally:
             entry.options = options
-        at = self._reserved.pop(entry.name, None)
-        if at is not None and self.last_runs is not None:
-            self._runs[entry.name] = maybe_make_aware(at)
+        reserved = self._reserved.pop(entry.name, None)
+        if reserved is not None and self.last_runs is not None:
+            at, keep = maybe_make_aware(reserved[0]), reserved[1]
+            self._runs[entry.name], self._unrecorded[entry.name] = at, (at, keep)
+            self._record_unrecorded()
+        return result
+
+    def _record_unrecorded(self) -> None:
+        """Write the runs sent but not yet recorded. A run the store could not take now (it did
+        not answer) is tried again on the next tick (and at close) while this beat holds the
+        lease; one it refuses for good (a key too long for it) is given up."""
+        while self._unrecorded and self.last_runs is not None:
+            name, (at, keep) = next(iter(self._unrecorded.items()))
             try:
-                self.last_runs.write(entry.name, self._runs[entry.name].timestamp())
-            except (LeaseError, OSError) as exc:
+                self.last_runs.write(name, at.timestamp(), keep)
+            except (StoreUnavailableError, OSError) as exc:
                 logger.warning(
-                    "celery-lease beat: could not record the run of %r (%s): a beat taking"
-                    " over may send it again",
-                    entry.name,
+                    "celery-lease beat: could not record the run of %r (%s): trying again on"
+                    " the next tick; a beat taking over before then may send it again",
+                    name,
                     exc,
                 )
-        return result
+                return
+            except LeaseError as exc:
+                logger.warning(
+                    "celery-lease beat: the store refused the record of %r (%s): a beat taking"
+                    " over falls back to its own state for that entry",
+                    name,
+                    exc,
+                )
+            del self._unrecorded[name]
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
         """Raise each entry's last run to the shared one, then let the wrapped scheduler build
@@ -173,6 +202,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
     def close(self) -> None:
         """Close the wrapped scheduler, then release the lease."""
         try:
+            if self.election.current() is not None:
+                self._record_unrecorded()
             super().close()
         finally:
             self.election.resign()
@@ -209,8 +240,22 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             name: datetime.fromtimestamp(at, tz=timezone.utc) for name, at in recorded.items()
         }
         self._reserved.clear()
+        self._unrecorded.clear()  # runs of an earlier hold: the store's records are newer
         self._heap = None  # rebuilt from the schedule as it is now
         return True
+
+
+def record_keep(entry: Any) -> float:
+    """Seconds to keep the record of ``entry``'s run just reserved: twice the time to its next
+    run, at least :data:`~celery_lease.beat.last_runs.MIN_RECORD_KEEP` and at most
+    :data:`~celery_lease.beat.last_runs.RECORD_TTL`. An entry that stops running (removed from
+    the schedule, deleted or disabled) loses its record after about two of its periods, so the
+    records are never many more than the entries."""
+    try:
+        next_in = float(entry.is_due()[1])
+    except Exception:  # an entry whose next run cannot be computed: keep the record longest
+        return RECORD_TTL
+    return min(RECORD_TTL, max(MIN_RECORD_KEEP, 2 * next_in))
 
 
 _classes: dict[type, type[LeasedScheduler]] = {}

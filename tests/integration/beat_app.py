@@ -14,6 +14,16 @@ import time
 from celery import Celery
 from celery.beat import BeatLazyFunc
 
+
+def sent_at() -> float:
+    """The wall time of the send; with ``BEAT_HANG_DIR`` set, a beat whose pid is named by a
+    file ``hang-<pid>`` there hangs here (a publish that never returns) until it is killed."""
+    hang = os.environ.get("BEAT_HANG_DIR")
+    while hang and os.path.exists(os.path.join(hang, f"hang-{os.getpid()}")):
+        time.sleep(0.05)
+    return time.time()
+
+
 app = Celery("beat-it", broker=os.environ["BEAT_BROKER"])
 app.conf.update(
     lease_store=os.environ["BEAT_STORE"],
@@ -27,7 +37,7 @@ app.conf.update(
         "every-second": {
             "task": "beat_it.tick",
             "schedule": 1.0,
-            "args": (BeatLazyFunc(time.time),),
+            "args": (BeatLazyFunc(sent_at),),
             "options": {"queue": os.environ["BEAT_QUEUE"]},
         }
     },

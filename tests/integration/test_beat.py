@@ -345,6 +345,25 @@ def test_a_worker_s_warm_shutdown_hands_its_embedded_beat_over_at_once(
     assert_no_tick_twice(d.sent())
 
 
+def test_a_beat_whose_loop_hangs_hands_the_lease_over(tmp_path: Path) -> None:
+    """The holder's loop hangs in a send (its lease renewer, a thread of its own, still runs):
+    the lease is released a ttl after the hung tick began, and the standby takes over."""
+    d = Deployment(BROKER, tmp_path, extra={"BEAT_HANG_DIR": str(tmp_path)})
+    try:
+        d.beat("a"), d.beat("b")
+        holder = active(d, ["a", "b"])
+        old = d.sent()[-1].token
+        hung_at = time.time()
+        (tmp_path / f"hang-{d.processes[holder].pid}").touch()
+        taken = d.wait_new_token(old)
+        report("holder's loop hung, Redis", taken.at - hung_at)
+        assert taken.at - hung_at <= TTL + INTERVAL + MARGIN
+        d.wait_sends(3, taken.token)
+        assert_no_tick_twice(d.sent())
+    finally:
+        d.close()
+
+
 def children(pid: int) -> list[int]:
     """The pids of ``pid``'s child processes (Linux ``/proc``)."""
     found = []

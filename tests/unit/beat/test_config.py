@@ -36,6 +36,10 @@ class TestConfiguration:
             ("celery.beat:Service", "lease_beat_scheduler='celery.beat:Service' is <class"),
             ("celery_lease.beat:LeasedScheduler", "is the leased scheduler itself"),
             (42, "lease_beat_scheduler=42 is not allowed"),
+            (
+                "tests.unit.beat.failing_import:Scheduler",
+                "cannot be imported (RuntimeError: Requested setting USE_TZ",
+            ),
         ],
     )
     def test_a_bad_scheduler_fails_naming_the_setting(

@@ -13,7 +13,7 @@ from celery_lease import MemoryLockStore
 from celery_lease._core.owners import parse_owner
 from celery_lease.testing import FakeClock
 from tests.unit.beat.conftest import KEY, Beat, sent
-from tests.unit.conftest import Published, SpyStore
+from tests.unit.conftest import REAL_TIMEOUT, Published, SpyStore
 
 
 class TestLossAndRejoin:
@@ -103,3 +103,30 @@ def test_nothing_is_sent_while_the_store_cannot_confirm_the_lease(
     store.fail_forever = False
     beat.ticks(5)
     assert sent(published) == [beat.token]
+
+
+def test_a_holder_whose_loop_does_not_come_back_lets_the_lease_go(
+    beats: Callable[[], Beat], clock: FakeClock, store: MemoryLockStore
+) -> None:
+    """The holder's loop hangs after a tick (the lease's renewer still runs): a ttl after the
+    loop was due back the lease is released, and the standby takes it."""
+    first, second = beats(), beats()
+    clock.advance(1)
+    first.ticks(5)  # sent; the loop is due back within the interval it returned
+    held = first.scheduler.election.held
+    assert held is not None
+    clock.advance(1 + 30 + 0.5)  # first never ticks again
+    assert held.wait_lost(REAL_TIMEOUT)
+    assert held.lost_reason == "beat loop hung"
+    second.ticks(5)
+    assert second.token is not None
+
+
+def test_closing_stops_the_watchdog(beats: Callable[[], Beat]) -> None:
+    """The thread that watches the beat loop ends with the lease: a closed beat leaves none."""
+    beat = beats()
+    beat.tick()
+    watchdog = beat.scheduler.election._watchdog
+    assert watchdog is not None and watchdog.is_alive()
+    beat.close()
+    assert not watchdog.is_alive()

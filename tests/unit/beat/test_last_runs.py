@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 
 import pytest
+from celery import Celery
+from celery.schedules import schedule
 
 from celery_lease import MemoryLockStore
 from celery_lease._core.owners import parse_owner
-from celery_lease.beat.last_runs import LastRuns
+from celery_lease.beat.last_runs import MIN_RECORD_KEEP, LastRuns
+from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.testing import FakeClock
-from tests.unit.beat.conftest import KEY, Beat
+from tests.unit.beat.conftest import KEY, Beat, WallClock
+from tests.unit.conftest import Published
 
 
 class TestLastRuns:
@@ -62,3 +67,79 @@ def test_a_send_records_the_entry_s_run(
     beat.ticks(5)
     runs = LastRuns(store, KEY).read()
     assert runs == {"every-second": pytest.approx(clock.time(), abs=0.001)}
+
+
+def test_a_record_the_store_refused_is_written_on_the_next_tick(
+    beats: Callable[[], Beat],
+    clock: FakeClock,
+    store: MemoryLockStore,
+    published: Published,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The store fails once while a run is recorded: the record is written once the store
+    answers again, so a beat taking over later does not send that tick again."""
+    first, second = beats(), beats()
+    acquire = store.acquire
+    failures = [StoreUnavailableError("injected record failure")]
+
+    def acquire_failing_once(key: str, owner: str, ttl_ms: int) -> int | None:
+        if ":last-run:" in key and failures:
+            raise failures.pop()
+        return acquire(key, owner, ttl_ms)
+
+    monkeypatch.setattr(store, "acquire", acquire_failing_once)
+    clock.advance(1)
+    with caplog.at_level(logging.WARNING, logger="celery_lease.beat"):
+        first.ticks(5)
+    assert "could not record the run" in caplog.text
+    clock.advance(0.5)
+    first.ticks(5)  # nothing due; the store answers again
+    first.close()
+    second.ticks(5)  # takes over 0.5 s after the tick was sent
+    assert len(published.ids) == 1, "the tick whose record had failed was sent again"
+
+
+def test_the_record_of_an_entry_that_stopped_running_expires(
+    beats: Callable[[], Beat], clock: FakeClock, store: MemoryLockStore
+) -> None:
+    """A record is kept about twice its entry's period (at least an hour), not 400 days: the
+    record of an entry removed from the schedule leaves the store on its own."""
+    beat = beats()
+    clock.advance(1)
+    beat.ticks(5)
+    record = KEY + ":last-run:every-second"
+    assert store.get(record) is not None
+    beat.run(lambda: beat.scheduler.schedule.pop("every-second"))
+    clock.advance(MIN_RECORD_KEEP + 3)
+    beat.ticks(5)
+    assert store.get(record) is None, "the record of a removed entry is still kept"
+
+
+def test_a_record_the_store_never_takes_does_not_hold_back_the_others(
+    beat_app: Celery,
+    beats: Callable[[], Beat],
+    clock: FakeClock,
+    store: MemoryLockStore,
+    wall: WallClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record refused for good (a key too long for the store) is given up with a warning;
+    the other entries' runs are still recorded."""
+    beat_app.conf.beat_schedule = {
+        "a-too-long-name": {"task": "tick", "schedule": schedule(1, nowfun=wall)},
+        "every-second": {"task": "tick", "schedule": schedule(1, nowfun=wall)},
+    }
+    acquire = store.acquire
+
+    def acquire_refusing_long_keys(key: str, owner: str, ttl_ms: int) -> int | None:
+        if key.endswith("a-too-long-name"):
+            raise LeaseConfigError(f"key of {len(key)} bytes is too long")
+        return acquire(key, owner, ttl_ms)
+
+    monkeypatch.setattr(store, "acquire", acquire_refusing_long_keys)
+    beat = beats()
+    for _ in range(3):
+        clock.advance(1)
+        beat.ticks(5)
+    assert LastRuns(store, KEY).read() == {"every-second": pytest.approx(clock.time(), abs=0.001)}
