@@ -59,7 +59,7 @@ from urllib.parse import unquote
 from celery_lease import _forking as forking
 
 __all__ = [
-    "MAX_FIELD_CHARS",
+    "MAX_OWNER_FIELD_CHARS",
     "QUEUED_OWNER_HEAD",
     "Holder",
     "is_queued_owner",
@@ -72,7 +72,7 @@ __all__ = [
     "set_node",
 ]
 
-MAX_FIELD_CHARS = 1000
+MAX_OWNER_FIELD_CHARS = 1000
 """Longest value (in characters, before encoding) :func:`make_owner` accepts for one field.
 
 Stores keep owners in a Redis string / a SQLite or PostgreSQL ``text`` column, which take any
@@ -165,10 +165,10 @@ def _field(name: str, value: str | None) -> str:
         raise TypeError(
             f"make_owner: {name} must be a str or None, got {type(value).__name__} {value!r}"
         )
-    if len(value) > MAX_FIELD_CHARS:
+    if len(value) > MAX_OWNER_FIELD_CHARS:
         raise ValueError(
             f"make_owner: {name} is {len(value)} characters long ({value[:40]!r}...); "
-            f"at most {MAX_FIELD_CHARS} are allowed"
+            f"at most {MAX_OWNER_FIELD_CHARS} are allowed"
         )
     if _SPECIAL.isdisjoint(value):
         return value
@@ -198,7 +198,7 @@ def make_owner(
     ``node`` defaults to the process's node (:func:`set_node`); ``task`` and ``task_id``, when
     both are left out, default to the task running in this context (:func:`push_task`).
     Each value may hold any characters (``;``, ``=``, ``%`` and ``/`` are percent-encoded) and is
-    at most :data:`MAX_FIELD_CHARS` characters long. The ``at`` field (unix milliseconds) is
+    at most :data:`MAX_OWNER_FIELD_CHARS` characters long. The ``at`` field (unix milliseconds) is
     always added.
 
     Returns:
@@ -208,7 +208,7 @@ def make_owner(
 
     Raises:
         TypeError: a value is not a str.
-        ValueError: a value is longer than :data:`MAX_FIELD_CHARS`.
+        ValueError: a value is longer than :data:`MAX_OWNER_FIELD_CHARS`.
     """
     owner = _this_process_ids().new()
     if node is None:
