@@ -1296,10 +1296,12 @@ def lease(
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
     if clock is not None and not conforms(clock, Clock):
         raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
-    if holder is not None and not (isinstance(holder, str) and 0 < len(holder) <= MAX_OWNER_FIELD_CHARS):
+    if holder is not None and not (
+        isinstance(holder, str) and 0 < len(holder) <= MAX_OWNER_FIELD_CHARS
+    ):
         raise LeaseConfigError(
-            f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS} characters,"
-            " or None"
+            f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS}"
+            " characters, or None"
         )
     context = LeaseContext(
         key,
