@@ -606,23 +606,16 @@ def list_command(
     as_json: bool,
     store_url: str | None,
 ) -> None:
-    """List live leases: key, state, holder (node, pid, task, task id), held for, renewed, token,
-    time left.
+    """List live leases: key, state, holder, held for, renewed, token, time left.
 
-    STATE is queued (a unique task's copy waiting in the queue), running (its task has not
-    finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
-    the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
-    the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Renewed is how long ago it was last renewed (its ttl, recorded in
-    the owner id, minus the time left); a lease not renewed for more than a third of its ttl
-    is marked stale ("running, stale"): its holder stopped renewing (a dead worker, a hang, a
-    store it cannot reach). Leases whose owner id carries no holder fields (a bare host/pid/hex,
-    or another program's) are listed with "-".
+    STATE is queued (a unique copy waiting), running, cooldown (its task succeeded: kept for
+    lock_cooldown) or held (not told: no task in the owner, or no result backend to ask).
+    Held for: this host's clock minus the holder's at acquisition. Renewed: ttl minus time
+    left; a lease not renewed for a third of its ttl is marked stale (its holder stopped
+    renewing). Owners without holder fields are listed with "-".
 
-    Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
-    ends without its body) hold no work: they are left out, and counted on stderr, unless
-    --superseded or --state superseded is given; then their STATE is superseded (started for a
-    copy's claim on its own, taken when it reached a worker).
+    Debounce tombstones (superseded:<task id>) hold no work: they are counted on stderr, and
+    listed only with --superseded or --state superseded (started: a copy's claim on its own).
     """
 
     def body() -> None:
@@ -682,9 +675,8 @@ def show_command(
 ) -> None:
     """Show the lease on KEY and its holder, or that it is free with the last token issued.
 
-    Under `celery -A proj lease`, KEY is the task's key: the app's lease_key_prefix is put in
-    front of it unless KEY already starts with it or --raw is given. The key looked up is the
-    first word of the answer (and "key" in --json); how it was made is said on stderr.
+    Under `celery -A proj lease`, the app's lease_key_prefix is put in front of KEY unless
+    --raw is given; the key looked up is the answer's first word, and stderr says why.
     """
 
     def body() -> None:
@@ -743,10 +735,9 @@ def release_command(
 ) -> None:
     """Force-release the lease on KEY, whoever holds it.
 
-    The holder is not stopped: if it still runs, its lease is reported lost at its next renewal,
-    and the next acquirer gets a higher fencing token, so writes guarded by the token reject the
-    old holder. KEY is looked up as by `show` (the app's lease_key_prefix in front, unless KEY
-    already starts with it or --raw is given).
+    The holder is not stopped: it hears of the loss at its next renewal, and the next acquirer
+    gets a higher fencing token, so fenced writes reject the old holder. KEY is looked up as
+    by `show`.
     """
 
     def body() -> None:
@@ -781,13 +772,10 @@ def release_command(
 def check_command(ctx: click.Context, store_url: str | None) -> None:
     """Check the app's lease settings and that every store its locked tasks use answers.
 
-    For deploy scripts: one line per check (ok / WARN / FAIL), exit status 2 when one failed, 1
-    when none failed but one warned (the host-local SQLite fallback, which excludes only the
-    workers of one host; lease_require_shared_store=True makes it a failure). Under
-    `celery -A proj lease check` the app's task modules are imported (as a worker does), its
-    lease_* settings validated, and its lease_store (or what it defaults to) and every task's
-    lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
-    alone is pinged. URLs are shown with their password masked.
+    For deploy scripts: one line per check (ok / WARN / FAIL); exit status 2 when one failed,
+    1 when one warned (the host-local SQLite fallback). Under `celery -A proj lease check` the
+    task modules are imported, the lease_* settings validated and every store the tasks use
+    pinged once; with --store URL, that store alone. Passwords are masked.
     """
     from celery_lease._celery import startup
 

@@ -41,11 +41,8 @@ class LeaseError(Exception):
 
 
 class LockNotAcquiredError(LeaseError):
-    """The lease on ``key`` could not be acquired.
-
-    ``reason`` is ``"held"`` (another holder kept it past ``wait``) or ``"cancelled"`` (the wait
-    was aborted through its ``cancel`` event).
-    """
+    """The lease on ``key`` could not be acquired: ``reason`` is ``"held"`` (past ``wait``) or
+    ``"cancelled"`` (through the ``cancel`` event)."""
 
     code = "LOCK_NOT_ACQUIRED"
     http_status = 409

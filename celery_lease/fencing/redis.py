@@ -98,8 +98,7 @@ def fenced_set(
         client: a ``redis.Redis`` or ``redis.RedisCluster``.
         name: the key to write.
         value: what to write (``str``, ``bytes``, ``int`` or ``float``).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
+        token, lock_key: the fencing token and its lock key (default: the current lease's).
         fence_key: where the fence is kept (default ``f"{name}:fence"``).
 
     Returns:
@@ -133,21 +132,9 @@ def fenced_hset(
 ) -> int:
     """``HSET name`` the fields of ``mapping`` if no newer token wrote it; its fence field too.
 
-    Args:
-        client: a ``redis.Redis`` or ``redis.RedisCluster``.
-        name: the hash to write.
-        mapping: fields and values to set (at least one; not the fence field).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence_field: the hash field that keeps the fence (default ``"fence"``).
-
-    Returns:
-        The token written as the fence.
-
-    Raises:
-        StaleTokenError: the fence is above ``token``: nothing was written.
-        LeaseConfigError: a bad argument, or no token outside any lease.
-        redis.RedisError: the server could not be reached or refused the script.
+    ``mapping``: fields and values to set (at least one; not the fence field);
+    ``fence_field``: the hash field that keeps the fence (default ``"fence"``). Otherwise as
+    :func:`fenced_set`, whose returns and raises it shares.
     """
     _check_name("name", name)
     _check_name("fence_field", fence_field)

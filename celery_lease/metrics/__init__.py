@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from celery import bootsteps
 
@@ -256,11 +256,11 @@ def disconnect() -> None:
             signal.disconnect(receiver, dispatch_uid=f"celery_lease.metrics.{signal.name}")
 
 
-class _Options:
-    __slots__ = ("addr", "exporter", "port", "setting")
-
-    def __init__(self, exporter: str, port: int | tuple[int, ...], addr: str, setting: str) -> None:
-        self.exporter, self.port, self.addr, self.setting = exporter, port, addr, setting
+class _Options(NamedTuple):
+    exporter: str
+    port: int | tuple[int, ...]
+    addr: str
+    setting: str
 
 
 _installed: weakref.WeakKeyDictionary[CeleryApp, _Options] = weakref.WeakKeyDictionary()
@@ -368,29 +368,28 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         options = _options_of(parent.app)
         if options is None:
             return
-        if options.exporter == "prometheus":
-            from celery_lease.metrics.prometheus import PortsTaken, PrometheusExporter
-
-            node = getattr(parent, "hostname", None)
-            try:
-                self.exporter = PrometheusExporter(
-                    options.port,
-                    options.addr,
-                    multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
-                    node=node,
-                    setting=options.setting,
-                )
-            except PortsTaken as taken:
-                logger.error("%s", taken.message(node))
-                return
-            except LeaseConfigError as exc:
-                _refuse(parent, exc)
-                raise
-        else:
+        if options.exporter == "otel":
             from celery_lease.metrics.otel import OtelSink
 
             connect(OtelSink())
             return
+        from celery_lease.metrics.prometheus import PortsTaken, PrometheusExporter
+
+        node = getattr(parent, "hostname", None)
+        try:
+            self.exporter = PrometheusExporter(
+                options.port,
+                options.addr,
+                multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
+                node=node,
+                setting=options.setting,
+            )
+        except PortsTaken as taken:
+            logger.error("%s", taken.message(node))
+            return
+        except LeaseConfigError as exc:
+            _refuse(parent, exc)
+            raise
         connect(self.exporter.sink)
 
     def start(self, parent: WorkerLike) -> None:

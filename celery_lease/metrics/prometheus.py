@@ -61,14 +61,12 @@ class PrometheusSink:
         from prometheus_client import Counter, Gauge, Histogram
 
         kw: dict[str, Any] = {"registry": registry}
+        task = ["task"]
         self.acquired_total = Counter(
-            "celery_lease_acquired", "Leases acquired by locked tasks.", ["task"], **kw
+            "celery_lease_acquired", "Leases acquired by locked tasks.", task, **kw
         )
         self.rejected_total = Counter(
-            "celery_lease_rejected",
-            "Runs turned away: the key stayed held past wait.",
-            ["task"],
-            **kw,
+            "celery_lease_rejected", "Runs turned away: the key stayed held past wait.", task, **kw
         )
         self.lost_total = Counter(
             "celery_lease_lost",
@@ -79,34 +77,34 @@ class PrometheusSink:
         self.released_total = Counter(
             "celery_lease_released",
             "Leases released (or kept for cooldown) after the body.",
-            ["task"],
+            task,
             **kw,
         )
         self.wait_seconds = Histogram(
             "celery_lease_wait_seconds",
             "Seconds from the start of acquiring to holding the lease.",
-            ["task"],
+            task,
             buckets=WAIT_BUCKETS,
             **kw,
         )
         self.hold_seconds = Histogram(
             "celery_lease_hold_seconds",
             "Seconds a lease was held, acquire to release.",
-            ["task"],
+            task,
             buckets=HOLD_BUCKETS,
             **kw,
         )
         self.held = Gauge(
             "celery_lease_held",
             "Leases held now by running tasks.",
-            ["task"],
+            task,
             multiprocess_mode="livesum",
             **kw,
         )
         self.renewal_seconds = Histogram(
             "celery_lease_renewal_seconds",
             "Seconds of one renewal round trip to the store.",
-            ["task"],
+            task,
             buckets=RENEWAL_BUCKETS,
             **kw,
         )
