@@ -27,7 +27,6 @@ from celery_lease.errors import LeaseConfigError
 __all__ = [
     "KeyFunction",
     "canonical_json",
-    "digest_key",
     "make_key_function",
     "template_fields",
     "validate_template",
@@ -311,21 +310,13 @@ def canonical_json(arguments: Mapping[str, object]) -> str:
     return _canonical_arguments(arguments, None)
 
 
-def _digest(task_name: str, arguments: Mapping[str, object], task: str | None) -> str:
+def _digest(task: str, arguments: Mapping[str, object]) -> str:
+    """``"<task>:<32 hex digits>"``: BLAKE2b of the canonical JSON of ``arguments``."""
     text = _canonical_arguments(arguments, task)
     digest = hashlib.blake2b(
         text.encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES
     ).hexdigest()
-    return f"{task_name}:{digest}"
-
-
-def digest_key(task_name: str, arguments: Mapping[str, object]) -> str:
-    """``"<task name>:<32 hex digits>"``: BLAKE2b of :func:`canonical_json` of ``arguments``.
-
-    Raises:
-        LeaseConfigError: an argument has no canonical form.
-    """
-    return _digest(task_name, arguments, task_name)
+    return f"{task}:{digest}"
 
 
 # Template encoding -----------------------------------------------------------------------------
@@ -738,7 +729,7 @@ def make_key_function(
         arguments = _binder(signature)
 
         def by_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            return _digest(task, arguments(args, kwargs), task)
+            return _digest(task, arguments(args, kwargs))
 
         return by_digest
 
