@@ -197,12 +197,8 @@ def _canon(value: object, path: str, active: set[int]) -> Any:
 
 
 def _offset(value: datetime | time, path: str) -> timedelta | None:
-    """``value.utcoffset()``; one with microseconds has no canonical form.
-
-    ``fromisoformat`` (and so kombu's json) drops an offset under one second (CPython 3.11:
-    ``+00:00:00.000001`` arrives as ``+00:00``), so such a value would change its key in
-    transit; offsets in whole seconds survive.
-    """
+    """``value.utcoffset()``; one with microseconds has none: kombu's json (``fromisoformat``,
+    CPython 3.11) drops it, so the key would change in transit."""
     offset = value.utcoffset()
     if offset is not None and offset.microseconds:
         raise _Uncanonical(
@@ -298,11 +294,8 @@ def _canonical_arguments(arguments: Mapping[str, object], task: str | None) -> s
 
 
 def canonical_json(arguments: Mapping[str, object]) -> str:
-    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types.
-
-    See the module docstring for what counts as one value; e.g. ``Decimal("1.50")`` and
-    ``Decimal("1.5")`` agree, tuples are lists, ``{"$uuid": ...}`` is written
-    ``{"$$uuid": ...}`` so that it differs from a ``UUID``.
+    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types
+    (``Decimal("1.50")`` is ``Decimal("1.5")``, a tuple a list; a user key ``$x`` is ``$$x``).
 
     Raises:
         LeaseConfigError: naming the argument whose value has no canonical form, and its type.
@@ -403,12 +396,8 @@ _SIMPLE_INT = 10**18
 
 
 def _simple_field(value: object) -> str | None:
-    """The template field of an exact ``int`` or a plain ``str`` (most keys), or ``None``.
-
-    What ``_field(_canon(value))`` gives for them, without the walk: a small int is its
-    decimal digits; a non-numeric str of ``[A-Za-z0-9._-]`` up to ``MAX_KEY_FIELD_CHARS`` is itself.
-    Anything else (bool, int subclasses, other text) goes the long way.
-    """
+    """``_field(_canon(value))`` without the walk for a small exact ``int`` or a short plain,
+    non-numeric ``str`` (most keys); ``None`` for anything else."""
     kind = type(value)
     if kind is int:
         if -_SIMPLE_INT < value < _SIMPLE_INT:  # type: ignore[operator]
@@ -715,11 +704,10 @@ def make_key_function(
         signature: the signature of the task's body as it is called (without ``self``).
         task: the task's name (used in the default key and in error messages).
 
-    Templates are validated against ``signature`` here, at definition time. The returned
-    function raises ``TypeError`` when the arguments do not fit the signature (as the call
-    itself would) and :class:`LeaseConfigError` for an argument that cannot be keyed
-    canonically (naming it and its type), a template lookup that fails, or a callable that
-    does not return a non-empty str.
+    A template is validated here, at definition time. The returned function raises
+    ``TypeError`` for arguments that do not fit (as the call would) and
+    :class:`LeaseConfigError` for an argument without a canonical form, a failed template
+    lookup, or a callable that does not return a non-empty str.
 
     Raises:
         LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template is
