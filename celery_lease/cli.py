@@ -1,22 +1,10 @@
 """The ``celery-lease`` command line, also installed as ``celery lease``.
 
-One click group serves both: the console script ``celery-lease`` (:func:`main`) and Celery's
-``celery.commands`` entry point (:data:`lease_group`), where ``celery -A proj lease ...`` takes the
-store from the app's configuration. ``--store URL``, before the command or after it, overrides
-that. ::
-
-    celery-lease --store redis://localhost:6379/0 list --prefix report:
-    celery -A proj lease list --task report.build --json
-    celery -A proj lease show account:42
-    celery -A proj lease release account:42 --yes
-
-Under ``celery -A proj lease``, ``show`` and ``release`` look up KEY as the app's tasks write it:
-with the app's ``lease_key_prefix`` in front (a KEY that already starts with it, or ``--raw``: as
-given), and say on stderr which key they looked up. ``celery-lease`` has no app, so no prefix.
-
-Every failure to reach or build the store is one line on stderr and exit status 2. A reader that
-goes away (``celery lease show KEY | head -1``) ends a command quietly with status 141 (128 +
-SIGPIPE), the status the shell reports for ``git log | head``.
+One click group serves the console script (:func:`main`) and Celery's ``celery.commands`` entry
+point (:data:`lease_group`), where the store comes from the app unless ``--store URL`` is given.
+Under an app, ``show`` and ``release`` put its ``lease_key_prefix`` in front of KEY (not with
+``--raw``). A store failure is one line on stderr, status 2; a reader that goes away
+(``| head -1``) ends a command quietly with status 141, as the shell reports for SIGPIPE.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any, NoReturn, TypeVar, cast
+from typing import Any, NoReturn, cast
 from urllib.parse import urlsplit
 
 import click
@@ -50,7 +38,6 @@ __all__ = ["lease_group", "main"]
 
 logger = logging.getLogger("celery_lease.cli")
 
-F = TypeVar("F", bound=Callable[..., Any])
 
 _INSPECTION = ("list", "get", "last_token", "force_release")
 
@@ -83,8 +70,7 @@ def _open_url(url: str) -> LockStore:
 
 
 def _store_for_app(app: Any) -> LockStore:
-    """The store the app's tasks use, resolved as :func:`celery_lease._celery.settings.get_store`
-    does."""
+    """The store the app's tasks use (:func:`celery_lease._celery.settings.get_store`)."""
     from celery_lease._celery.settings import get_store
 
     store = get_store(app)
@@ -104,11 +90,8 @@ def _group_context(ctx: click.Context) -> click.Context | None:
 
 
 def _store_url(ctx: click.Context, url: str | None) -> str | None:
-    """The ``--store`` URL of a command: given after the command, or before it (on the group).
-
-    A URL on the command line wins over ``CELERY_LEASE_STORE``; two different URLs on the command
-    line, one before and one after the command, are an error naming both.
-    """
+    """The ``--store`` URL given after the command or before it; the command line wins over
+    ``CELERY_LEASE_STORE``, and two different URLs on it are an error."""
     group = _group_context(ctx)
     before = None if group is None else group.params.get("store_url")
     if before is None:
@@ -130,8 +113,7 @@ def _store_url(ctx: click.Context, url: str | None) -> str | None:
 
 
 def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
-    """Resolve the store for a command (``url``: its own ``--store``; the group's, given before
-    the command, also counts) and check that it supports inspection."""
+    """The store of a command (:func:`_store_url`, else the app's), checked to be inspectable."""
     url = _store_url(ctx, url)
     if url is not None:
         store = _open_url(url)
@@ -153,16 +135,13 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
 
 
 CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
-"""The exit status when the reader of our output went away: what a shell reports for a program
-that SIGPIPE ended (``git log | head``), 141 on Linux and macOS."""
+"""Exit status when stdout's reader went away, as a shell reports SIGPIPE (141 on Linux)."""
 
 
 def _end_on_closed_pipe() -> NoReturn:
-    """End the command quietly because stdout's reader is gone (``| head -1``).
+    """End quietly with :data:`CLOSED_PIPE_STATUS` because stdout's reader is gone.
 
-    Python ignores SIGPIPE, so the write raised ``BrokenPipeError``; what is still buffered would
-    fail again when the interpreter flushes stdout at exit (an "Exception ignored" message), so
-    stdout is pointed at ``os.devnull`` first, then :data:`CLOSED_PIPE_STATUS` is the status.
+    Stdout goes to ``os.devnull`` first, or the exit flush fails again ("Exception ignored").
     """
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -175,10 +154,8 @@ def _end_on_closed_pipe() -> NoReturn:
 
 
 def _stdout_closed() -> bool:
-    """Whether stdout's reader went away (a ``BrokenPipeError`` may also come from a store's
-    socket or a child process). A pipe whose reader closed polls as an error. A stdout without
-    a descriptor (an in-process runner, a ``StringIO``) is not closed: the error is someone
-    else's. A platform without ``poll`` cannot tell, and counts it as closed."""
+    """Whether stdout's reader went away (a ``BrokenPipeError`` may be a store socket's): its
+    pipe polls as an error. No descriptor: not closed; no ``poll``: counted as closed."""
     try:
         fileno = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
@@ -195,11 +172,8 @@ def _stdout_closed() -> bool:
 
 
 class _LeaseGroup(click.Group):
-    """The ``lease`` group: a closed stdout ends any of its commands quietly (a broken pipe that
-    is not stdout's is raised), and a store that
-    cannot be reached is one line of the command's, not that line plus the store's own log
-    lines (its outage WARNING, which Python's last-resort handler would print on stderr where
-    logging is not configured; where it is, the lines go where it says)."""
+    """The ``lease`` group: a closed stdout ends a command quietly, and an unreachable store is
+    one line, not also the stores' WARNING through logging's last-resort handler."""
 
     def invoke(self, ctx: click.Context) -> Any:
         stores = logging.getLogger("celery_lease.stores")
@@ -208,16 +182,13 @@ class _LeaseGroup(click.Group):
         try:
             return super().invoke(ctx)
         except BrokenPipeError as exc:
-            if not _stdout_closed():
-                # Not stdout's: an error to see (click's main would end a BrokenPipeError that
-                # reaches it with status 1 and no word).
+            if not _stdout_closed():  # click would end it with status 1 and no word
                 raise CliError(f"{exc} ({type(exc).__name__})") from exc
             _end_on_closed_pipe()
 
 
 def _run(fn: Callable[[], None]) -> None:
-    """Run a command's body, turning store failures into one line and exit status 2 (a closed
-    stdout is not a store failure: it goes up to :class:`_LeaseGroup`)."""
+    """Run a command's body, a store failure becoming :class:`CliError` (status 2)."""
     try:
         fn()
     except BrokenPipeError as exc:
@@ -234,15 +205,9 @@ STORE_HELP = (
 )
 
 
-def store_option(func: F) -> F:
-    """The ``--store URL`` option shared by every inspection command (the group has it too)."""
-    return click.option(
-        "--store",
-        "store_url",
-        metavar="URL",
-        envvar="CELERY_LEASE_STORE",
-        help=STORE_HELP,
-    )(func)
+store_option = click.option(
+    "--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP
+)
 
 
 def _app(ctx: click.Context) -> Any:
@@ -251,9 +216,7 @@ def _app(ctx: click.Context) -> Any:
 
 
 def _key_prefix(app: Any) -> str:
-    """The app's ``lease_key_prefix``, which its tasks put in front of their keys (``""``
-    without an app): read as the task layer reads it,
-    :func:`celery_lease._celery.settings.get_settings`."""
+    """The app's ``lease_key_prefix`` (``""`` without an app)."""
     if app is None:
         return ""
     from celery_lease._celery.settings import get_settings
@@ -262,10 +225,8 @@ def _key_prefix(app: Any) -> str:
 
 
 def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
-    """The store key that ``show`` / ``release`` look up for KEY, saying on stderr how it was
-    made: under an app, always the app's prefix + KEY (a task's key may itself start with the
-    prefix text, so a KEY that does is never taken as already prefixed: that could name another
-    holder's key); ``--raw`` for KEY exactly as given; no app, no prefix."""
+    """The store key ``show`` / ``release`` look up, said on stderr: the app's prefix + KEY
+    (even when KEY starts with it: a task's key may), KEY itself with ``--raw`` or no app."""
     app = _app(ctx)
     if app is None:
         click.echo(
@@ -297,10 +258,8 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
 
 
 def _other_key(ctx: click.Context, key: str, store_key: str) -> str | None:
-    """The other spelling of KEY under an app with a ``lease_key_prefix``: without the prefix
-    when the prefixed key was looked up, with it when ``--raw`` looked KEY up as given; ``None``
-    without an app or a prefix. A ``lease()`` taken without the app's prefix (or with it, by
-    ``lease(key, app=app)``) holds the other one, and does not exclude the holder of this one."""
+    """KEY with the app's prefix if ``store_key`` lacks it, else without; ``None`` without a
+    prefix. A ``lease()`` may hold that one and does not exclude this key's holder."""
     prefix = _key_prefix(_app(ctx))
     if not prefix:
         return None
@@ -331,14 +290,12 @@ def _other_note(ctx: click.Context, store_key: str, other: dict[str, Any], *, bo
     )
 
 
-def raw_option(func: F) -> F:
-    """The ``--raw`` flag of ``show`` and ``release``."""
-    return click.option(
-        "--raw",
-        is_flag=True,
-        help="Look KEY up exactly as given: without the app's lease_key_prefix (a lease() "
-        "taken outside Celery has none).",
-    )(func)
+raw_option = click.option(
+    "--raw",
+    is_flag=True,
+    help="Look KEY up exactly as given: without the app's lease_key_prefix (a lease() "
+    "taken outside Celery has none).",
+)
 
 
 def _time_left(seconds: float) -> str:
@@ -352,18 +309,15 @@ def _time_left(seconds: float) -> str:
 QUEUED = "queued"
 SUPERSEDED = "superseded"
 STARTED = "started"
-"""The state of a debounced copy's claim on its own tombstone key (its owner's label): it reached
-a worker; nothing superseded it."""
+"""A debounced copy's claim on its own tombstone key (its owner's label): it reached a worker."""
 RUNNING = "running"
 COOLDOWN = "cooldown"
 HELD = "held"
 
 
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease._core.owners.parse_owner`, reading a queued owner id as it is made:
-    ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`celery_lease._core.owners.queued_owner`),
-    whose ``n`` is a nonce that keeps the id unique, not a node: a queued owner names no node,
-    so its node is ``None``."""
+    """:func:`~celery_lease._core.owners.parse_owner`; a queued owner's ``n=`` is a nonce, not a
+    node, so its node is ``None``."""
     holder = parse_owner(owner)
     if is_queued_owner(owner) and holder.node is not None:
         holder = dataclasses.replace(holder, node=None)
@@ -371,18 +325,13 @@ def _holder(owner: str) -> Holder:
 
 
 def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
-    """Whether the lease is a debounce tombstone: ``<lease_key_prefix>superseded:<task id>``,
-    held by a queued owner naming the copy that superseded that one
-    (:func:`celery_lease._celery.unique.superseded_key`)."""
+    """Whether the lease is a debounce tombstone, ``<prefix>superseded:<task id>``."""
     return is_queued_owner(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
 
 
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
-    """Result-backend state of each task id it knows (``SUCCESS``, ``STARTED``...); never raises.
-
-    Nothing without an app, or with a backend that stores no results (``DisabledBackend``,
-    ``rpc://``, whose results live on the caller's queue).
-    """
+    """Result-backend state of each task id it knows (``SUCCESS``...); never raises. Empty
+    without an app, or with a backend that stores no results (disabled, ``rpc://``)."""
     backend = getattr(app, "backend", None) if app is not None else None
     get = compat.task_meta_reader(backend)
     if get is None or type(backend).__name__ == "DisabledBackend":
@@ -399,11 +348,8 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
 
 
 def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
-    """``superseded`` (a debounce tombstone: the copy named in its key was superseded by the one
-    its owner names), ``started`` (a debounced copy's claim on its own tombstone), ``queued`` (a
-    unique copy waiting in the queue), ``cooldown`` (its task succeeded: the key is kept for
-    ``lock_cooldown``), ``running`` (its task has not finished), or ``held`` (it cannot be told:
-    no task id in the owner, or no result backend to ask)."""
+    """The STATE column: ``superseded``, ``started``, ``queued``, ``cooldown`` (task succeeded),
+    ``running`` or ``held`` (not told); see ``list --help``."""
     if _is_tombstone(record["key"], record["owner"], prefix):
         return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
     if is_queued_owner(record["owner"]):
@@ -415,8 +361,7 @@ def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
 
 
 def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str, Any]]:
-    """:func:`_record` of each lease, with its ``state`` (the app's result backend asked once per
-    task id of a lease that is not queued)."""
+    """:func:`_record` of each lease, with ``state`` and ``stale``."""
     records = [_record(info, now) for info in infos]
     ids = {
         r["task_id"]
@@ -436,17 +381,14 @@ def _records(infos: Sequence[LeaseInfo], now: float, app: Any) -> list[dict[str,
 
 
 STALE_FRACTION = 1 / 3
-"""A lease not renewed for more than this fraction of its ttl (plus :func:`stale_margin`) is
-stale: its holder renews it every third of its ttl, so one that missed its renewal has stopped
-(a dead worker), hangs, or cannot reach the store."""
+"""Not renewed for this fraction of its ttl (plus :func:`stale_margin`), a lease is stale: its
+holder renews every third of the ttl, so it stopped, hangs or cannot reach the store."""
 
 STALE_MARGIN_FRACTION = 0.1
-"""The margin past the due renewal before a lease is stale, as a fraction of its ttl (at least
-:data:`STALE_MARGIN_MIN` seconds): a renewal takes a round trip, and one that is a few
-milliseconds late must not make a healthy lease flap between held and stale."""
+"""Margin past the due renewal, as a fraction of the ttl, so a late round trip does not flap."""
 
 STALE_MARGIN_MIN = 1.0
-"""Seconds: the smallest margin past the due renewal (:data:`STALE_MARGIN_FRACTION`)."""
+"""Seconds: the smallest such margin."""
 
 
 def stale_margin(ttl: float) -> float:
@@ -455,9 +397,8 @@ def stale_margin(ttl: float) -> float:
 
 
 def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
-    """Seconds since the lease was last renewed (or taken): its ttl minus the time left, both
-    measured by the store, so no host's clock enters. ``None`` when the owner recorded no ttl,
-    or when the time left exceeds the ttl (a cooldown longer than the ttl set it)."""
+    """Seconds since the last renewal: ttl minus time left (the store's clock only); ``None``
+    without a ttl, or when a cooldown longer than the ttl set the time left."""
     if ttl is None:
         return None
     ago = ttl - expires_in
@@ -465,8 +406,7 @@ def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
 
 
 def _is_stale(record: dict[str, Any]) -> bool:
-    """Not renewed for more than :data:`STALE_FRACTION` of its ttl plus :func:`stale_margin`,
-    and not in a cooldown (told by the result backend, or by :func:`_cooling`)."""
+    """Not renewed for :data:`STALE_FRACTION` of its ttl plus the margin, and not cooling."""
     ago, ttl = record["renewed_seconds_ago"], record["ttl"]
     if ago is None or ttl is None or record.get("state") == COOLDOWN:
         return False
@@ -474,9 +414,7 @@ def _is_stale(record: dict[str, Any]) -> bool:
 
 
 def _cooldown_set_ago(record: dict[str, Any]) -> float | None:
-    """RENEWED of a lease in its cooldown: how long ago the cooldown set its time left (the
-    cooldown its owner recorded minus the time left), else as told; never more than it was held
-    for (it was not renewed before it was taken)."""
+    """RENEWED of a lease in its cooldown: cooldown minus time left, at most its held time."""
     ago: float | None = record["renewed_seconds_ago"]
     cooldown, left = record["cooldown"], record["expires_in"]
     if cooldown and left <= cooldown + 0.5:
@@ -487,10 +425,8 @@ def _cooldown_set_ago(record: dict[str, Any]) -> float | None:
 
 
 def _cooling(record: dict[str, Any]) -> bool:
-    """Whether the lease is in the cooldown its owner recorded (``cd=``), as far as the store
-    tells: the time left is within the cooldown and lower than a renewing holder lets it fall
-    (two thirds of the ttl). A holder that died with the time left there looks the same; it
-    frees the key within the cooldown."""
+    """Whether the time left is within the owner's ``cd=`` and below what renewal allows (two
+    thirds of the ttl). A holder that died there looks the same and frees it as soon."""
     cooldown, ttl, left = record["cooldown"], record["ttl"], record["expires_in"]
     if not cooldown or ttl is None:
         return False
@@ -500,11 +436,7 @@ def _cooling(record: dict[str, Any]) -> bool:
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
     """One lease as the JSON output gives it: the store's view plus the parsed owner.
 
-    ``held_seconds`` is ``now`` (this host's wall clock) minus ``taken_at`` (the holder's wall
-    clock at the acquisition attempt), never below 0; ``None`` for an owner without ``at``.
-    ``ttl`` (seconds) is the one recorded in the owner id, ``renewed_seconds_ago`` how long ago
-    the lease was last renewed (:func:`_renewed_ago`), ``None`` when not told. ``state`` and
-    ``stale`` (:func:`_is_stale`) are set by :func:`_records`.
+    ``held_seconds``: this host's clock minus the holder's ``at`` (at least 0, or ``None``).
     """
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
@@ -567,15 +499,12 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
 
 
 def _node(record: dict[str, Any]) -> str | None:
-    """What NODE shows, in ``list`` and ``show`` alike: the Celery node that took the lease, or
-    for a lease taken outside a worker (``lease()`` in a script) its host."""
-    node: str | None = record["node"] or record["host"]
-    return node
+    """NODE: the Celery node that took the lease, else (a plain ``lease()``) its host."""
+    return cast("str | None", record["node"] or record["host"])
 
 
 def _stale_words(record: dict[str, Any]) -> str:
-    """``stale: not renewed for 25.0s, more than a third of its 1m00s ttl`` (and, for an owner
-    that keeps a cooldown, that it may be in it)."""
+    """``stale: not renewed for 25.0s, more than a third of its 1m00s ttl...``."""
     words = (
         f"stale: not renewed for {_time_left(record['renewed_seconds_ago'])}, more than a third"
         f" of its {_time_left(record['ttl'])} ttl (and a {_time_left(stale_margin(record['ttl']))}"
@@ -638,10 +567,9 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
 
 
 @click.group(name="lease", cls=_LeaseGroup)
-@click.option("--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP)
+@store_option
 def lease_group(store_url: str | None) -> None:
     """Inspect and free the leases held in a celery-lease store."""
-    # --store given here is read by each command (_store_url), which may be given one too.
 
 
 @lease_group.command(name="list")
@@ -672,23 +600,16 @@ def list_command(
     as_json: bool,
     store_url: str | None,
 ) -> None:
-    """List live leases: key, state, holder (node, pid, task, task id), held for, renewed, token,
-    time left.
+    """List live leases: key, state, holder, held for, renewed, token, time left.
 
-    STATE is queued (a unique task's copy waiting in the queue), running (its task has not
-    finished), cooldown (its task succeeded: the key is kept for lock_cooldown) or held (not told:
-    the owner names no task, or there is no result backend to ask; under `celery -A proj lease`
-    the app's result backend is asked). Held for is this host's clock minus the holder's clock
-    when it took the lease. Renewed is how long ago it was last renewed (its ttl, recorded in
-    the owner id, minus the time left); a lease not renewed for more than a third of its ttl
-    is marked stale ("running, stale"): its holder stopped renewing (a dead worker, a hang, a
-    store it cannot reach). Leases whose owner id carries no holder fields (a bare host/pid/hex,
-    or another program's) are listed with "-".
+    STATE is queued (a unique copy waiting), running, cooldown (its task succeeded: kept for
+    lock_cooldown) or held (not told: no task in the owner, or no result backend to ask).
+    Held for: this host's clock minus the holder's at acquisition. Renewed: ttl minus time
+    left; a lease not renewed for a third of its ttl is marked stale (its holder stopped
+    renewing). Owners without holder fields are listed with "-".
 
-    Debounce tombstones (superseded:<task id>, kept for the queue ttl so that the superseded copy
-    ends without its body) hold no work: they are left out, and counted on stderr, unless
-    --superseded or --state superseded is given; then their STATE is superseded (started for a
-    copy's claim on its own, taken when it reached a worker).
+    Debounce tombstones (superseded:<task id>) hold no work: they are counted on stderr, and
+    listed only with --superseded or --state superseded (started: a copy's claim on its own).
     """
 
     def body() -> None:
@@ -748,9 +669,8 @@ def show_command(
 ) -> None:
     """Show the lease on KEY and its holder, or that it is free with the last token issued.
 
-    Under `celery -A proj lease`, KEY is the task's key: the app's lease_key_prefix is put in
-    front of it unless KEY already starts with it or --raw is given. The key looked up is the
-    first word of the answer (and "key" in --json); how it was made is said on stderr.
+    Under `celery -A proj lease`, the app's lease_key_prefix is put in front of KEY unless
+    --raw is given; the key looked up is the answer's first word, and stderr says why.
     """
 
     def body() -> None:
@@ -809,10 +729,9 @@ def release_command(
 ) -> None:
     """Force-release the lease on KEY, whoever holds it.
 
-    The holder is not stopped: if it still runs, its lease is reported lost at its next renewal,
-    and the next acquirer gets a higher fencing token, so writes guarded by the token reject the
-    old holder. KEY is looked up as by `show` (the app's lease_key_prefix in front, unless KEY
-    already starts with it or --raw is given).
+    The holder is not stopped: it hears of the loss at its next renewal, and the next acquirer
+    gets a higher fencing token, so fenced writes reject the old holder. KEY is looked up as
+    by `show`.
     """
 
     def body() -> None:
@@ -847,13 +766,10 @@ def release_command(
 def check_command(ctx: click.Context, store_url: str | None) -> None:
     """Check the app's lease settings and that every store its locked tasks use answers.
 
-    For deploy scripts: one line per check (ok / WARN / FAIL), exit status 2 when one failed, 1
-    when none failed but one warned (the host-local SQLite fallback, which excludes only the
-    workers of one host; lease_require_shared_store=True makes it a failure). Under
-    `celery -A proj lease check` the app's task modules are imported (as a worker does), its
-    lease_* settings validated, and its lease_store (or what it defaults to) and every task's
-    lock_store pinged: one round trip each, at most a few seconds. With --store URL, that store
-    alone is pinged. URLs are shown with their password masked.
+    For deploy scripts: one line per check (ok / WARN / FAIL); exit status 2 when one failed,
+    1 when one warned (the host-local SQLite fallback). Under `celery -A proj lease check` the
+    task modules are imported, the lease_* settings validated and every store the tasks use
+    pinged once; with --store URL, that store alone. Passwords are masked.
     """
     from celery_lease._celery import startup
 
@@ -880,9 +796,8 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
         ctx.exit(1)
 
 
-# `celery -A proj inspect leases` is checked against the remote-control registry of the process
-# that runs it, which imports the -A module only (often not the one that imports celery-lease):
-# this module is loaded in every run of the `celery` program (the celery.commands entry point).
+# `celery inspect leases` is checked against the running process's registry, and the -A module
+# may not import celery-lease; this module loads in every `celery` run (celery.commands).
 control.register_command()
 
 

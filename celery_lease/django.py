@@ -1,45 +1,12 @@
 """The lease store of a Django database: ``lease_store = "django://default"``.
 
-In a Django project the leases can live in the project's own database, with no URL written by
-hand: ``CELERY_LEASE_STORE = "django://default"`` (with Celery's ``CELERY`` namespace) names the
-``default`` alias of ``settings.DATABASES``; ``django://replica`` another alias; ``django://``
-is ``default``. The same URL works wherever a store URL does (``lease_store``, a task's
-``lock_store``, ``store_from_url``, ``async_store_from_url``, the ``celery lease`` commands),
-and :func:`database_store` / :func:`async_database_store` build the stores in code.
-
-What the alias's ``ENGINE`` gives, by how the last part of its dotted path begins (so that
-wrapping backends such as django-prometheus's ``django_prometheus.db.backends.postgresql``,
-``postgresql_psycopg2`` pools or django-tenants' ``postgresql_backend`` work too):
-
-- begins with ``postgresql`` (``postgresql_psycopg2``, ``postgresql_backend``...) or
-  ``postgis``: a :class:`~celery_lease.PostgresLockStore` connected with the alias's ``NAME``,
-  ``USER``, ``PASSWORD``, ``HOST``, ``PORT`` and the libpq parameters of its ``OPTIONS``
-  (``sslmode``, ``service``, ``options``...; Django's own keys ``isolation_level``, ``pool``,
-  ``server_side_binding``, ``assume_role``, ``cursor_factory``, ``prepare_threshold`` and
-  ``context`` are not libpq's and are left out). The leases go to the table ``celery_lease`` of
-  that database, created on first use (see the store for the grants). The store opens its own
-  connections: Django's connection of the request or task is never used, so a lease is never
-  part of your transaction.
-- begins with ``sqlite`` (``sqlite3``) or ``spatialite``: a
-  :class:`~celery_lease.SQLiteLockStore` on the database's file (one host only). An in-memory
-  database (``:memory:``, or Django's test database for SQLite, ``file:memorydb_...``) is
-  refused: it is not shared between processes.
-- anything else (MySQL, Oracle...): refused with an error naming the alias, the engine and the
-  engines allowed. Use ``lease_store = "redis://..."`` there.
-
-Django's settings are read when the store is built, not before: at the first locked task of a
-process, at worker start (the store check) or when :func:`database_store` is called. By then
-``DJANGO_SETTINGS_MODULE`` must be set (``proj/celery.py`` sets it, as Celery's Django guide
-does); ``django.setup()`` is not needed. Under a test runner the store is built from the
-database name the runner put in ``DATABASES`` if it is built after the test database was set up
-(one built before stays on the real database), and its own connections to the test database
-must be closed before the runner drops it (``celery_lease.testing.close_lease_stores``; the
-pytest-django fixture is in ``docs/django.md``); tests usually replace the store instead
-(``celery_lease.testing``'s ``lease_store`` fixture).
-
-This module imports neither Django nor a database driver at import; the store table
-(:mod:`celery_lease.stores._registry`) names :class:`DjangoStore` and :class:`AsyncDjangoStore`
-for the ``django`` scheme.
+``django://<alias>`` (``django://`` is ``default``) names an alias of ``settings.DATABASES`` and
+works wherever a store URL does. An ``ENGINE`` whose last dotted part begins with ``postgresql``
+or ``postgis`` gives a :class:`~celery_lease.PostgresLockStore` with its own connections (a
+lease is never part of your transaction); ``sqlite`` or ``spatialite`` (a file, not in-memory)
+an :class:`~celery_lease.SQLiteLockStore`; anything else is refused. Matching on the prefix lets
+wrapping backends (django-prometheus, django-tenants) work. Django's settings are read when the
+store is built, not at import; neither Django nor a driver is imported here. See docs/django.md.
 """
 
 from __future__ import annotations
@@ -242,9 +209,9 @@ def database_store(alias: str = "default") -> LockStore:
 
 
 def async_database_store(alias: str = "default") -> AsyncLockStore:
-    """The asyncio lease store of ``settings.DATABASES[alias]``, read now: the native
-    :class:`~celery_lease.AsyncPostgresLockStore`, or SQLite's store run on threads
-    (:class:`~celery_lease.ThreadedAsyncStore`, which owns it).
+    """The asyncio lease store of ``settings.DATABASES[alias]``, read now: an
+    :class:`~celery_lease.AsyncPostgresLockStore`, or SQLite's in a
+    :class:`~celery_lease.ThreadedAsyncStore` (which owns it).
 
     Raises:
         LeaseConfigError: as :func:`database_store`.
@@ -262,9 +229,7 @@ def async_database_store(alias: str = "default") -> AsyncLockStore:
 
 
 class DjangoStore:
-    """The ``django`` scheme of the store table: :meth:`from_url` builds the store of the
-    alias (a :class:`~celery_lease.PostgresLockStore` or :class:`~celery_lease.SQLiteLockStore`,
-    never an instance of this class)."""
+    """The ``django`` scheme of the store table; :meth:`from_url` never returns an instance."""
 
     @classmethod
     def from_url(cls, url: str) -> LockStore:
@@ -273,8 +238,7 @@ class DjangoStore:
 
 
 class AsyncDjangoStore:
-    """The ``django`` scheme's asyncio entry: :meth:`from_url` builds
-    :func:`async_database_store` of the alias."""
+    """The ``django`` scheme's asyncio entry of the store table."""
 
     @classmethod
     def from_url(cls, url: str) -> AsyncLockStore:

@@ -1,7 +1,6 @@
 """Durations: seconds (int/float), ``datetime.timedelta`` or strings such as ``"250ms"``, ``"30s"``.
 
-Every duration in celery-lease goes through :func:`to_seconds` once, at construction time, so a bad
-value fails with a message that names the parameter before anything runs.
+Every duration goes through :func:`to_seconds` once, at construction, naming the parameter.
 """
 
 from __future__ import annotations

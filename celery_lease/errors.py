@@ -13,12 +13,9 @@
     ├── StaleTokenError               a fenced write refused: a newer holder already wrote
     └── MissingRowError (LookupError) a fenced update found no row to update
 
-The last two are raised by :mod:`celery_lease.fencing` (which re-exports them); they live here
-so that every exception's module path, which result backends store, is ``celery_lease.errors``.
-
-Every constructor takes exactly the positional arguments kept in ``.args`` and no keyword-only
-ones, so the exceptions survive ``pickle`` and Celery's json result serializer, which rebuilds
-an exception as ``cls(*args)``.
+The fencing errors live here too, so every module path result backends store is
+``celery_lease.errors``. Each constructor takes exactly the positional arguments kept in
+``.args``, so ``pickle`` and Celery's json results (``cls(*args)``) rebuild them.
 """
 
 from __future__ import annotations
@@ -44,11 +41,8 @@ class LeaseError(Exception):
 
 
 class LockNotAcquiredError(LeaseError):
-    """The lease on ``key`` could not be acquired.
-
-    ``reason`` is ``"held"`` (another holder kept it past ``wait``) or ``"cancelled"`` (the wait
-    was aborted through its ``cancel`` event).
-    """
+    """The lease on ``key`` could not be acquired: ``reason`` is ``"held"`` (past ``wait``) or
+    ``"cancelled"`` (through the ``cancel`` event)."""
 
     code = "LOCK_NOT_ACQUIRED"
     http_status = 409
@@ -66,8 +60,8 @@ class LockNotAcquiredError(LeaseError):
 
 
 class AlreadyQueuedError(LockNotAcquiredError):
-    """A unique task (``unique=...``, ``on_duplicate="raise"``) was called while the copy
-    ``task_id`` holds ``key``: nothing was published. ``reason`` is ``"queued"``."""
+    """A unique task (``on_duplicate="raise"``) was called while the copy ``task_id`` holds
+    ``key``: nothing was published. ``reason`` is ``"queued"``."""
 
     code = "ALREADY_QUEUED"
 
@@ -84,10 +78,9 @@ class AlreadyQueuedError(LockNotAcquiredError):
 class LockLostError(LeaseError):
     """The lease on ``key`` was lost while its holder ran.
 
-    ``reason`` is ``"expired"`` (not renewed within its ttl), ``"taken"`` (the store no longer
-    records this owner: it expired there, and someone else may hold it), ``"max_hold"``,
-    ``"released"`` (its holder released it early, e.g. a task re-sending its own id) or
-    ``"forked"`` (checked in a forked child: the lease is its parent's).
+    ``reason``: ``"expired"`` (not renewed within its ttl), ``"taken"`` (the store no longer
+    records this owner), ``"max_hold"``, ``"released"`` (released early, e.g. a task re-sending
+    its own id) or ``"forked"`` (checked in a forked child: the lease is its parent's).
     """
 
     code = "LOCK_LOST"
@@ -108,24 +101,16 @@ class StoreUnavailableError(LeaseError):
 
 
 class ReplicaLagError(StoreUnavailableError):
-    """An acquire was refused because too few replicas acknowledged it in time (``WAIT``).
-
-    The store asked again for a moment (a replica that just synced) and then released the
-    lease: a failover could have lost it. Asking again later may succeed, so :func:`lease`
-    retries it within its ``wait``, and raises it only when the wait runs out.
-    """
+    """Too few replicas acknowledged an acquire in time (``WAIT``): it was asked again for a
+    moment, then released. :func:`lease` retries it within its ``wait``."""
 
     code = "REPLICA_LAG"
 
 
 class RestartGraceError(StoreUnavailableError):
-    """A free key was refused: the server may have lost leases (restarted, flushed) and is in
-    its restart grace (a Redis store's ``restart_grace``), so that their old holders hear they
-    lost them before anyone else gets their keys.
-
-    The message says why, until when and how to turn the grace off for a throwaway server.
-    :func:`lease` retries it within its ``wait``, as a held key, and raises it when the wait
-    runs out.
+    """A free key was refused during a Redis store's ``restart_grace``: the server may have lost
+    leases, and their old holders must hear it before anyone gets their keys. :func:`lease`
+    retries it within its ``wait``, as a held key.
 
     Attributes:
         until: when the grace ends (Unix time in seconds, the server's clock).
@@ -150,13 +135,10 @@ class LeaseConfigError(LeaseError, ValueError):
 class StaleTokenError(LeaseError):
     """A write carrying ``token`` was refused: a newer holder already wrote with ``current``.
 
-    Raised by the fenced writes of :mod:`celery_lease.fencing`. Nothing was written. Like every
-    error of celery-lease it survives ``pickle`` and Celery's json result serializer (the
-    constructor's arguments are ``.args``).
+    Raised by :mod:`celery_lease.fencing`; nothing was written.
 
     Attributes:
-        key: the lock key whose token was refused, or ``None`` when the write was given a token
-            without a key outside any lease.
+        key: the lock key whose token was refused, or ``None`` when unknown.
         token: the refused token.
         current: the fence that refused it (the token of the newer write; always ``> token``),
             or ``None`` when the row was deleted between the refusal and the read of its fence.

@@ -1,21 +1,10 @@
 """Helpers for tests, ours and our users': a fake clock and pytest fixtures.
 
-``FakeClock`` is accepted wherever a clock is (``MemoryLockStore``, ``lease()``, the renewer).
-Time moves only when a test calls :meth:`FakeClock.advance`, which wakes every thread waiting on
-the clock, so tests of expiry, waiting and renewal never sleep; with ``autojump_threshold`` it
-also moves by itself to the next deadline once every thread waiting on it has slept that long.
-A Celery task's lease runs on the clock of the store it is taken in, so under these fixtures
-its renewer sleeps on ``lease_clock``.
-
-:func:`override_lease_store` points an existing Celery app at another store inside a block.
-
-Installed as a pytest plugin (entry point ``celery_lease``), it provides the fixtures
-``lease_clock`` (a ``FakeClock``), ``lease_store`` (a ``MemoryLockStore`` on that clock) and
-``use_lease_store`` (``use_lease_store(app)`` points an app at ``lease_store`` for one test).
-They stop celery-lease's background threads at teardown (:func:`celery_lease.shutdown`).
-
-Loss callbacks (``on_lost``) run on a dispatcher thread: a test that asserts on what one did
-waits for them with :func:`celery_lease._core.dispatch.drain`.
+:class:`FakeClock` is accepted wherever a clock is; time moves only when a test advances it (or,
+with ``autojump_threshold``, by itself once every thread on it sleeps), so tests never sleep.
+As a pytest plugin (entry point ``celery_lease``) it provides ``lease_clock``, ``lease_store``
+and ``use_lease_store``, which stop celery-lease's threads at teardown. ``on_lost`` callbacks run
+on a dispatcher thread: wait for them with :func:`drain`. Guide: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -67,21 +56,12 @@ class FakeClock:
 
     Args:
         start: the initial reading of both ``monotonic()`` and ``time()``, in seconds.
-        autojump_threshold: real seconds (default ``math.inf``: never). When every thread of
-            the clock waits on it, none is due to wake (its event set or its deadline come),
-            and no thread has read, advanced or begun or ended a wait on it for this long, the
-            clock moves by itself to the earliest deadline of those waits (trio's
-            ``MockClock.autojump_threshold``). A wait called from the test's own thread then
-            returns instead of hanging; time still moves from deadline to deadline, so each
-            renewal and expiry on the way happens in order. The threads of the clock are those
-            that ever waited on it, busy from the moment a wait returns until their next wait
-            begins or they end, and the renewer and watchdog threads of leases on it from their
-            start: while one of them works (a renewal's store round trip, a descheduled thread)
-            the clock stays still. A thread that never waited on it (the test's own before its
-            first wait, the dispatcher running ``lock_lost`` receivers) is not seen: a jump may
-            come while it works longer than the threshold. A thread that waited on the clock
-            and then blocks on something else (a ``join``, a queue) holds the clock still until
-            it waits on the clock again or ends. Settable at any time.
+        autojump_threshold: real seconds (default ``math.inf``: never). Once every thread of
+            the clock waits on it, none is due to wake, and none used it for this long, the
+            clock jumps to the earliest deadline of those waits (trio's
+            ``MockClock.autojump_threshold``). The threads of the clock are those that ever
+            waited on it and the renewer and watchdog threads of leases on it; a thread that
+            never waited is not seen (docs/testing.md). Settable at any time.
     """
 
     def __init__(self, start: float = 0.0, *, autojump_threshold: float = math.inf) -> None:
@@ -90,8 +70,8 @@ class FakeClock:
         self._sleepers = 0
         self._deadlines: list[float] = []
         self._events: list[threading.Event] = []
-        # The threads in a wait() now (how many waits each: a signal handler may nest one), and
-        # every thread that ever waited (weakly: a thread object that is gone counts no more).
+        # Threads in a wait() now (a count: a signal handler may nest one), and every thread
+        # that ever waited (weakly).
         self._waiting: dict[threading.Thread, int] = {}
         self._participants: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._autojump = _checked_threshold(autojump_threshold)
@@ -101,8 +81,8 @@ class FakeClock:
 
     @property
     def autojump_threshold(self) -> float:
-        """Real seconds of quiet after which the clock jumps to the next deadline (``math.inf``:
-        never). Raises ``ValueError`` when set to a negative number or NaN."""
+        """Real seconds of quiet before the clock jumps (``math.inf``: never); ``ValueError``
+        when set to a negative number or NaN."""
         with self._cond:
             return self._autojump
 
@@ -119,9 +99,8 @@ class FakeClock:
         self._cond.notify_all()
 
     def _autojump_in(self) -> float | None:
-        """Real seconds until the clock may jump by itself (<= 0: now), or ``None`` while it may
-        not: off, no deadline, a waiter due to wake (its event set or its deadline come) that
-        has yet to return, or a participant busy off the clock (:meth:`_busy`)."""
+        """Real seconds until the clock may jump (<= 0: now); ``None``: off, no deadline, a
+        waiter due to wake, or a thread of the clock busy (:meth:`_busy`)."""
         if self._autojump == math.inf or not self._deadlines:
             return None
         if any(d - _EPSILON <= self._now for d in self._deadlines):
@@ -131,12 +110,8 @@ class FakeClock:
         return self._last_activity + self._autojump - time.monotonic()
 
     def _busy(self) -> bool:
-        """Whether a thread of the clock is alive and not in a :meth:`wait` (the lock is held).
-
-        The threads of the clock: each that ever waited on it, and the renewer and watchdog
-        threads of celery-lease's renewers on this clock, from their start (a renewer thread
-        just started has not reached its first wait yet).
-        """
+        """Whether a thread of the clock (a past waiter, or a renewer or watchdog thread on it
+        from its start) is alive and not in a :meth:`wait`; the lock is held."""
         for thread in list(self._participants):
             if not thread.is_alive():
                 self._participants.discard(thread)
@@ -225,13 +200,11 @@ class FakeClock:
         Raises:
             TimeoutError: when that does not happen within ``timeout`` real seconds.
         """
-        limit = time.monotonic() + timeout
-        with self._cond:
-            while self.waits < count:
-                left = limit - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"{self.waits} wait(s) begun, expected {count}")
-                self._cond.wait(min(left, 0.05))
+        self._block_until(
+            lambda: self.waits >= count,
+            timeout,
+            lambda: f"{self.waits} wait(s) begun, expected {count}",
+        )
 
     @property
     def sleepers(self) -> int:
@@ -247,14 +220,21 @@ class FakeClock:
         Raises:
             TimeoutError: when that does not happen within ``timeout`` real seconds.
         """
+        self._block_until(
+            lambda: self._sleepers >= count,
+            timeout,
+            lambda: f"{self._sleepers} thread(s) wait on the clock, expected {count}",
+        )
+
+    def _block_until(
+        self, done: Callable[[], bool], timeout: float, failure: Callable[[], str]
+    ) -> None:
         limit = time.monotonic() + timeout
         with self._cond:
-            while self._sleepers < count:
+            while not done():
                 left = limit - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(
-                        f"{self._sleepers} thread(s) wait on the clock, expected {count}"
-                    )
+                    raise TimeoutError(failure())
                 self._cond.wait(min(left, 0.05))
 
     def __repr__(self) -> str:
@@ -264,15 +244,12 @@ class FakeClock:
 
 
 def close_lease_stores(app: Celery | None = None) -> None:
-    """Close the stores celery-lease built in this process, and forget them: ``app``'s lease
-    store (or every app's) and the stores of tasks' ``lock_store`` URLs. The next task or
-    ``lease(app=...)`` builds them anew, from the settings as they are then.
+    """Close and forget the stores celery-lease built here: ``app``'s (or every app's) and
+    those of ``lock_store`` URLs; they are built anew from the settings on next use.
 
-    For a test runner about to drop the database a store is connected to: under pytest-django
-    with ``lease_store = "django://default"``, the store's own connections to the test database
-    make ``DROP DATABASE`` fail ("being accessed by other users") unless they are closed first
-    (``docs/django.md`` has the fixture). A ``LockStore`` given as ``lease_store`` is the
-    caller's: forgotten, not closed. Call it when no lease of those stores is held.
+    For a test runner about to drop a database a store is connected to (pytest-django: see
+    docs/django.md). A ``LockStore`` given as ``lease_store`` is forgotten, not closed. Call it
+    when no lease of those stores is held.
     """
     from celery_lease._celery.settings import close_stores
     from celery_lease._celery.store_resolution import close_url_stores
@@ -288,14 +265,10 @@ _S = TypeVar("_S", bound="str | LockStore")
 def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     """Point ``app`` at ``store`` (a ``LockStore`` or a store URL) inside the block.
 
-    celery-lease resolves an app's store once and keeps it, so setting ``app.conf.lease_store``
-    in a test reaches only the first test that runs a task of the app. This sets the setting and
-    makes celery-lease read the app's settings again, on entry and on exit; on exit the app's
-    previous setting is back as it was (a value set in ``app.conf``, one from
-    ``config_from_object``, or none), Django's namespaced ``CELERY_LEASE_STORE`` included.
-    Tasks with a ``lock_store=`` option of their own keep that store. The pytest fixture
-    ``use_lease_store`` is this for one test; in a ``unittest.TestCase``, use
-    ``self.enterContext(override_lease_store(app, store))``.
+    An app's store is resolved once and kept, so this sets the setting and makes celery-lease
+    read the settings again on entry and on exit, when the previous setting (from any source,
+    namespaced or not) is back. Tasks with their own ``lock_store=`` keep it. The fixture
+    ``use_lease_store`` is this for one test.
 
     Yields:
         ``store``.
@@ -307,8 +280,7 @@ def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     prefix = conf.prefix or ""
     key = prefix + "lease_store"
     key = key.upper() if prefix.isupper() else key.lower()
-    # Celery looks in its changes first, and there for the namespaced spelling first: this key
-    # wins over every other spelling and source of the setting.
+    # Celery looks in its changes first, the namespaced spelling first: this key wins.
     changes = conf.changes
     missing = object()
     previous = changes.get(key, missing)
@@ -334,16 +306,10 @@ else:
     def lease_clock() -> Iterator[FakeClock]:
         """A :class:`FakeClock` starting at 1000.0 seconds, without autojump.
 
-        Autojump is off because the clock cannot see a thread that never waited on it (the
-        test's own thread before its first wait, a ``lock_lost`` receiver on the dispatcher):
-        on a busy machine time could move under it, and a test that moves the clock itself
-        decides exactly when time moves. A test that waits on its own thread turns it on:
-        ``lease_clock.autojump_threshold = 0.01``.
-
-        At teardown it calls :func:`celery_lease.shutdown`, so no celery-lease thread outlives
-        the test (suites with a thread-leak check, such as Celery's ``threads_not_lingering``,
-        stay green). A test that leaves a ``lease()`` block un-exited errors at teardown with
-        the key named.
+        Autojump is off so the test decides when time moves; one that waits on its own thread
+        sets ``lease_clock.autojump_threshold = 0.01``. At teardown it calls
+        :func:`celery_lease.shutdown`, so no thread outlives the test (a ``lease()`` block left
+        un-exited errors there, naming the key).
         """
         from celery_lease._core.renewer import shutdown
 
@@ -363,10 +329,8 @@ else:
     ) -> Iterator[Callable[[Celery], MemoryLockStore]]:
         """A function that points a Celery app at ``lease_store`` for this test; returns the store.
 
-        ``use_lease_store(app)`` is :func:`override_lease_store` for the rest of the test: the
-        app's tasks take their leases in the test's fresh store, and at teardown the app's own
-        setting is back. Call it for each app (a module-level one, ``celery_app``), in the test
-        or in an autouse fixture.
+        ``use_lease_store(app)`` is :func:`override_lease_store` for the rest of the test; call
+        it for each app, in the test or in an autouse fixture.
         """
         with contextlib.ExitStack() as stack:
 

@@ -1,13 +1,4 @@
-"""Public typed aliases of celery-lease's options, for annotations in your code and ours.
-
-::
-
-    from celery_lease.types import Duration, OnHeld, OnLost
-
-    def schedule(policy: OnHeld = "skip", ttl: Duration = "30s") -> None: ...
-
-mypy (``--strict``) then rejects ``on_held="skp"`` where a signature uses :data:`OnHeld`.
-"""
+"""Public typed aliases of celery-lease's options, for annotations (mypy rejects ``"skp"``)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.lease import Lease, LeaseContext, clock_of
 from celery_lease._core.options import LockOptions
-from celery_lease._core.owners import MAX_FIELD_CHARS
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 
@@ -329,7 +329,7 @@ def _described(value: object) -> str | None:
     if value is None:
         return None
     text = value if isinstance(value, str) else str(value)
-    return text[:MAX_FIELD_CHARS]
+    return text[:MAX_OWNER_FIELD_CHARS]
 
 
 def _run_locked(

@@ -1,81 +1,9 @@
 """Lock keys from a template, a callable, or a digest of the bound arguments.
 
-Three ways to say which executions exclude each other, all evaluated where the task runs:
-
-- a template, ``"account:{account_id}"``: each field is the task's argument of that name (bound
-  to its parameters, defaults applied, ``**kwargs`` entries usable by name), encoded as below;
-- a callable, ``fn(*args, **kwargs) -> str``: called exactly as the task is;
-- nothing: ``"<task name>:<digest>"``, the BLAKE2b digest of the canonical JSON of every bound
-  argument, the same across processes, argument order and positional/keyword spelling.
-
-One value, one key
-------------------
-Both forms first map every argument to one *canonical value*, so that distinct values never
-share a key and a value keeps its key through Celery's serializers (kombu's json, pickle):
-
-- ``None``, ``bool``, ``int``, ``float``, ``str`` are themselves. Subclasses count as their base
-  type (an ``IntEnum`` member is its int, a ``StrEnum`` member its str), because that is what
-  json delivers; a surrogate pair in a str counts as the character it encodes (json's decoder
-  joins ``"\\ud83d\\ude00"`` into one). ``True`` and ``1``, and ``1`` and ``1.0``, are
-  different keys (both serializers keep them apart); ``-0.0`` is ``0.0``; every NaN is one
-  value. Ints over 2000 bits are keyed by their hex digits (no ``str()`` length limit applies).
-- ``list`` and ``tuple`` are one kind (json turns a tuple into a list).
-- A mapping's keys must be ``str`` or ``int``; an int key counts as its decimal digits, as json
-  delivers it (``{1: x}`` and ``{"1": x}`` are one key, a mapping holding both is an error);
-  key order does not matter. Other key types are an error: json cannot carry them.
-- Type tags: ``UUID``, ``datetime`` (an aware one as its UTC instant; one whose UTC time falls
-  outside years 1-9999 is an error), ``date``, ``time`` (ISO text, offset included; for both
-  ``datetime`` and ``time`` an offset with microseconds, which json does not keep (CPython
-  3.11 reads ``+00:00:00.000001`` as ``+00:00``), is an error),
-  ``timedelta``, ``Decimal`` (by value: ``1.50`` is ``1.5``, ``-0`` is ``0``, never rounded),
-  ``bytes``/``bytearray``, ``set``/``frozenset`` (order-free), other ``Enum`` members (by
-  module, class and member name) and dataclass instances (by module and class name, and the
-  fields that take part in ``==``).
-- A pydantic model is its ``model_dump(mode="json")``, untagged: that dict is what Celery's
-  ``pydantic=True`` sends over json, so a model default, an explicit model and the dict it
-  arrives as share one key (a dict equal to the dump shares it too). Models are recognised by
-  duck typing (``model_dump`` and ``__pydantic_fields__`` on the class); this module never
-  imports pydantic. An object with a ``__json__`` method is what that returns, as in kombu.
-- Anything else (and a value that contains itself) is a :class:`LeaseConfigError` at call time
-  naming the argument and its type: pass ``key`` (a template naming a part that can be keyed,
-  or a callable) instead.
-
-Digest form
------------
-The canonical value is written as JSON with sorted keys and no spaces; a tag is an object with
-one key ``"$<name>"`` (``{"$uuid": "..."}``), and a user mapping key starting with ``$`` gets
-one more ``$`` (``"$uuid"`` is written ``"$$uuid"``), so no argument can spell a tag.
-
-Template form
--------------
-Each field is encoded into letters, digits and ``-._~%`` only:
-
-- an int is its digits (``account:{account_id}`` with 42 is ``account:42``);
-- a str is itself when made of ASCII letters, digits and ``-._``, else percent-encoded from
-  UTF-8 (``"x:y"`` is ``x%3Ay``; ``~`` is ``%7E``); a str that is empty or all digits (with
-  an optional leading ``-``) is tagged so it differs from an int: ``"42"`` is ``~str.42``;
-- everything else is tagged, ``~<tag>[.<payload>]``: ``~none``, ``~true``, ``~false``,
-  ``~float.1.5``, ``~dec.1.5``, ``~uuid.<hex with dashes>``, ``~dt.20240102T120405Z`` (UTC;
-  no ``Z``: naive), ``~date.20240102``, ``~time.120405``, ``~td.<days>.<s>.<us>``,
-  ``~bytes.<percent-encoded>``, ``~enum.<...>``, ``~dc.<class>.<fields>``, and containers
-  ``~list.<item>.<item>``, ``~set...``, ``~dict.<key>.<value>...`` (sorted), whose items have
-  ``%`` and ``.`` escaped (``%25``, ``%2E``).
-
-A field whose encoding is longer than ``MAX_FIELD_CHARS`` (200) characters is written
-``~hash.<32 hex digits>`` instead, the BLAKE2b digest of that encoding (as the digest form):
-keys stay storable (PostgreSQL refuses primary keys over about 2.7 kB) whatever the arguments.
-
-Because a field can never produce any other character, two adjacent fields must be separated by
-literal text holding at least one other character (``:``, ``/``, ``|``, ``,``, ``@``...): that
-makes the whole key decodable (a hashed field down to its digest), hence injective.
-``"{a}{b}"`` or ``"{a}-{b}"`` is refused at definition time, as are conversions and format
-specs (``{a!r}``, ``{a:>5}``): the encoding is the format. ``{a.b}`` and ``{a[0]}`` read the
-value first, then encode it; ``.b`` on a mapping reads its item ``"b"`` (``.1`` and ``[1]``
-read an int key ``1`` or a str key ``"1"``, one value as json delivers them) and a pydantic
-model is read through its json dump, so ``{order.id}`` gives the same key for a model and for
-the dict it arrives as.
-
-This module is part of the core: it imports only the standard library.
+Every argument is first mapped to one canonical value, so distinct values never share a key and
+a value keeps its key through Celery's serializers; a template then encodes each field into
+``FIELD_ALPHABET`` only, which makes the key injective. The full rule is in docs/internals.md
+("Lock key encoding"). Core module: imports only the standard library.
 """
 
 from __future__ import annotations
@@ -99,7 +27,6 @@ from celery_lease.errors import LeaseConfigError
 __all__ = [
     "KeyFunction",
     "canonical_json",
-    "digest_key",
     "make_key_function",
     "template_fields",
     "validate_template",
@@ -111,13 +38,9 @@ KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 DIGEST_BYTES = 16
 """Bytes of BLAKE2b digest in a default key (rendered as 32 hex characters)."""
 
-MAX_FIELD_CHARS = 200
-"""Longest template field written out; a longer one is ``~hash.<32 hex digits>`` of its text.
-
-Keeps a key storable whatever its arguments: PostgreSQL refuses primary-key values over about
-2.7 kB (its btree index row limit), and a 3 kB string in ``"doc:{text}"`` would fail every
-acquire there while working on Redis and SQLite.
-"""
+MAX_KEY_FIELD_CHARS = 200
+"""Longest template field written out; a longer one is ``~hash.<32 hex digits>`` of its text,
+so a key stays under PostgreSQL's primary-key limit (about 2.7 kB) whatever its arguments."""
 
 _FORMATTER = string.Formatter()
 
@@ -274,12 +197,8 @@ def _canon(value: object, path: str, active: set[int]) -> Any:
 
 
 def _offset(value: datetime | time, path: str) -> timedelta | None:
-    """``value.utcoffset()``; one with microseconds has no canonical form.
-
-    ``fromisoformat`` (and so kombu's json) drops an offset under one second (CPython 3.11:
-    ``+00:00:00.000001`` arrives as ``+00:00``), so such a value would change its key in
-    transit; offsets in whole seconds survive.
-    """
+    """``value.utcoffset()``; one with microseconds has none: kombu's json (``fromisoformat``,
+    CPython 3.11) drops it, so the key would change in transit."""
     offset = value.utcoffset()
     if offset is not None and offset.microseconds:
         raise _Uncanonical(
@@ -302,17 +221,26 @@ def _canon_compound(value: object, path: str, active: set[int]) -> Any:
     if isinstance(value, (set, frozenset)):
         items = [_canon(item, f"{path} item {item!r}", active) for item in value]
         return {"$set": sorted(items, key=_dumps)}
+    return _canon_tagged(value, path, active)
+
+
+def _canon_datetime(value: datetime, path: str) -> dict[str, str]:
+    if _offset(value, path) is not None:
+        try:
+            value = value.astimezone(timezone.utc)
+        except OverflowError:
+            raise _Uncanonical(
+                path, value, f"{value!r} has no UTC time within years 1 to 9999"
+            ) from None
+    return {"$datetime": datetime.isoformat(value)}
+
+
+def _canon_tagged(value: object, path: str, active: set[int]) -> dict[str, Any]:
+    """``value`` as its tag object (``{"$uuid": ...}``); raises ``_Uncanonical``."""
     if isinstance(value, UUID):
         return {"$uuid": str(value)}
     if isinstance(value, datetime):
-        if _offset(value, path) is not None:
-            try:
-                value = value.astimezone(timezone.utc)
-            except OverflowError:
-                raise _Uncanonical(
-                    path, value, f"{value!r} has no UTC time within years 1 to 9999"
-                ) from None
-        return {"$datetime": datetime.isoformat(value)}
+        return _canon_datetime(value, path)
     if isinstance(value, date):
         return {"$date": date.isoformat(value)}
     if isinstance(value, time):
@@ -366,11 +294,8 @@ def _canonical_arguments(arguments: Mapping[str, object], task: str | None) -> s
 
 
 def canonical_json(arguments: Mapping[str, object]) -> str:
-    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types.
-
-    See the module docstring for what counts as one value; e.g. ``Decimal("1.50")`` and
-    ``Decimal("1.5")`` agree, tuples are lists, ``{"$uuid": ...}`` is written
-    ``{"$$uuid": ...}`` so that it differs from a ``UUID``.
+    """The canonical JSON of bound arguments: sorted keys, no spaces, tagged special types
+    (``Decimal("1.50")`` is ``Decimal("1.5")``, a tuple a list; a user key ``$x`` is ``$$x``).
 
     Raises:
         LeaseConfigError: naming the argument whose value has no canonical form, and its type.
@@ -378,21 +303,13 @@ def canonical_json(arguments: Mapping[str, object]) -> str:
     return _canonical_arguments(arguments, None)
 
 
-def _digest(task_name: str, arguments: Mapping[str, object], task: str | None) -> str:
+def _digest(task: str, arguments: Mapping[str, object]) -> str:
+    """``"<task>:<32 hex digits>"``: BLAKE2b of the canonical JSON of ``arguments``."""
     text = _canonical_arguments(arguments, task)
     digest = hashlib.blake2b(
         text.encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES
     ).hexdigest()
-    return f"{task_name}:{digest}"
-
-
-def digest_key(task_name: str, arguments: Mapping[str, object]) -> str:
-    """``"<task name>:<32 hex digits>"``: BLAKE2b of :func:`canonical_json` of ``arguments``.
-
-    Raises:
-        LeaseConfigError: an argument has no canonical form.
-    """
-    return _digest(task_name, arguments, task_name)
+    return f"{task}:{digest}"
 
 
 # Template encoding -----------------------------------------------------------------------------
@@ -479,12 +396,8 @@ _SIMPLE_INT = 10**18
 
 
 def _simple_field(value: object) -> str | None:
-    """The template field of an exact ``int`` or a plain ``str`` (most keys), or ``None``.
-
-    What ``_field(_canon(value))`` gives for them, without the walk: a small int is its
-    decimal digits; a non-numeric str of ``[A-Za-z0-9._-]`` up to ``MAX_FIELD_CHARS`` is itself.
-    Anything else (bool, int subclasses, other text) goes the long way.
-    """
+    """``_field(_canon(value))`` without the walk for a small exact ``int`` or a short plain,
+    non-numeric ``str`` (most keys); ``None`` for anything else."""
     kind = type(value)
     if kind is int:
         if -_SIMPLE_INT < value < _SIMPLE_INT:  # type: ignore[operator]
@@ -494,7 +407,7 @@ def _simple_field(value: object) -> str | None:
         text: str = value  # type: ignore[assignment]
         if (
             text
-            and len(text) <= MAX_FIELD_CHARS
+            and len(text) <= MAX_KEY_FIELD_CHARS
             and _PLAIN.fullmatch(text)
             and not _NUMERIC.fullmatch(text)
         ):
@@ -505,7 +418,7 @@ def _simple_field(value: object) -> str | None:
 def _field(node: Any) -> str:
     """One template field: :func:`_render` of ``node``, hashed when longer than the limit."""
     text = _render(node)
-    if len(text) <= MAX_FIELD_CHARS:
+    if len(text) <= MAX_KEY_FIELD_CHARS:
         return text
     digest = hashlib.blake2b(text.encode("ascii"), digest_size=DIGEST_BYTES).hexdigest()
     return "~hash." + digest
@@ -663,14 +576,40 @@ def _bind(signature: inspect.Signature, args: tuple[Any, ...], kwargs: Mapping[s
 _Arguments = Callable[[tuple[Any, ...], Mapping[str, Any]], dict[str, Any]]
 
 
+def _fit(
+    names: tuple[str, ...],
+    defaults: tuple[Any, ...],
+    positional: int,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> dict[str, Any] | None:
+    """The bound arguments of a call that simply fits ordinary parameters, else ``None``."""
+    given = len(args)
+    if given > positional:
+        return None
+    values: dict[str, Any] = {}
+    used = 0
+    for index, name in enumerate(names):
+        if index < given:
+            if name in kwargs:
+                return None  # given twice
+            values[name] = args[index]
+        elif name in kwargs:
+            values[name] = kwargs[name]
+            used += 1
+        elif defaults[index] is not inspect.Parameter.empty:
+            values[name] = defaults[index]
+        else:
+            return None  # missing
+    return values if used == len(kwargs) else None  # else: an unknown name
+
+
 def _binder(signature: inspect.Signature) -> _Arguments:
     """``arguments(args, kwargs)``: the bound arguments, defaults applied, in parameter order.
 
-    The same dict as ``signature.bind(*args, **kwargs)`` then ``apply_defaults()`` gives, for a
-    fraction of its cost when every parameter is an ordinary one (positional-or-keyword, or
-    keyword-only): a call that does not simply fit (too many positional arguments, an unknown,
-    repeated or missing name) goes to ``Signature.bind``, which raises the call's own
-    ``TypeError``. Other signatures always use ``Signature.bind``.
+    The dict ``Signature.bind`` then ``apply_defaults()`` gives, much faster when every parameter
+    is positional-or-keyword or keyword-only; a call that does not simply fit goes to
+    ``Signature.bind``, which raises the call's own ``TypeError``.
     """
 
     def slow(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
@@ -683,41 +622,20 @@ def _binder(signature: inspect.Signature) -> _Arguments:
     positional = sum(1 for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = tuple(p.name for p in params)
     defaults = tuple(p.default for p in params)
-    empty = inspect.Parameter.empty
-    if positional == len(params) and all(d is empty for d in defaults):
+
+    def general(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        values = _fit(names, defaults, positional, args, kwargs)
+        return slow(args, kwargs) if values is None else values
+
+    if positional == len(params) and all(d is inspect.Parameter.empty for d in defaults):
 
         def exact(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
             if not kwargs and len(args) == positional:
                 return dict(zip(names, args, strict=True))  # the usual call: all by position
             return general(args, kwargs)
 
-        first = exact
-    else:
-        first = None
-
-    def general(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
-        given = len(args)
-        if given > positional:
-            return slow(args, kwargs)
-        values: dict[str, Any] = {}
-        used = 0
-        for index, name in enumerate(names):
-            if index < given:
-                if name in kwargs:
-                    return slow(args, kwargs)  # given twice: bind() raises
-                values[name] = args[index]
-            elif name in kwargs:
-                values[name] = kwargs[name]
-                used += 1
-            elif defaults[index] is not empty:
-                values[name] = defaults[index]
-            else:
-                return slow(args, kwargs)  # missing: bind() raises
-        if used != len(kwargs):
-            return slow(args, kwargs)  # an unknown name: bind() raises
-        return values
-
-    return first if first is not None else general
+        return exact
+    return general
 
 
 def _template_function(
@@ -786,11 +704,10 @@ def make_key_function(
         signature: the signature of the task's body as it is called (without ``self``).
         task: the task's name (used in the default key and in error messages).
 
-    Templates are validated against ``signature`` here, at definition time. The returned
-    function raises ``TypeError`` when the arguments do not fit the signature (as the call
-    itself would) and :class:`LeaseConfigError` for an argument that cannot be keyed
-    canonically (naming it and its type), a template lookup that fails, or a callable that
-    does not return a non-empty str.
+    A template is validated here, at definition time. The returned function raises
+    ``TypeError`` for arguments that do not fit (as the call would) and
+    :class:`LeaseConfigError` for an argument without a canonical form, a failed template
+    lookup, or a callable that does not return a non-empty str.
 
     Raises:
         LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template is
@@ -800,7 +717,7 @@ def make_key_function(
         arguments = _binder(signature)
 
         def by_digest(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
-            return _digest(task, arguments(args, kwargs), task)
+            return _digest(task, arguments(args, kwargs))
 
         return by_digest
 

@@ -37,7 +37,7 @@ from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 from celery_lease import _forking as forking
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.owners import MAX_FIELD_CHARS, make_owner
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, make_owner
 from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.durations import Duration, to_seconds
@@ -1248,7 +1248,7 @@ def lease(
         holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
             id next to host and pid (and, inside a worker, node and task), shown by
             ``celery lease list``; default none. At most
-            :data:`~celery_lease._core.owners.MAX_FIELD_CHARS` characters.
+            :data:`~celery_lease._core.owners.MAX_OWNER_FIELD_CHARS` characters.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
     Everything is validated here, before anything is acquired.
@@ -1296,10 +1296,12 @@ def lease(
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
     if clock is not None and not conforms(clock, Clock):
         raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
-    if holder is not None and not (isinstance(holder, str) and 0 < len(holder) <= MAX_FIELD_CHARS):
+    if holder is not None and not (
+        isinstance(holder, str) and 0 < len(holder) <= MAX_OWNER_FIELD_CHARS
+    ):
         raise LeaseConfigError(
-            f"holder={holder!r} must be a non-empty str of at most {MAX_FIELD_CHARS} characters,"
-            " or None"
+            f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS}"
+            " characters, or None"
         )
     context = LeaseContext(
         key,

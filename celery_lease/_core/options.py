@@ -1,8 +1,7 @@
 """Lock options of a task: names, allowed policies, defaults and validation (no Celery here).
 
-Shared by :class:`~celery_lease.LockedTask` (``lock_<name>`` class attributes) and
-:func:`~celery_lease.locked` (``<name>=`` keywords); validated once, when the task or decorator
-is defined, so a typo fails at start-up and never deep inside a worker.
+Shared by :class:`~celery_lease.LockedTask` (``lock_<name>``) and :func:`~celery_lease.locked`
+(``<name>=``); validated when the task is defined, so a typo fails at start-up.
 """
 
 from __future__ import annotations
@@ -72,8 +71,7 @@ class LockOptions:
         retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
-        unique: the enqueue-time options (``unique``, ``on_duplicate``, ``queue_ttl``,
-            ``debounce``, ``debounce_max``; see :mod:`celery_lease._celery.unique`), or ``None``.
+        unique: the enqueue-time options (:class:`UniqueOptions`), or ``None``.
     """
 
     key: str | Callable[..., str] | None = None

@@ -1,48 +1,18 @@
 """Who holds a lease: owner ids that say which node, task and task id took it, and when.
 
-An owner id is the string a store records as a key's holder. It starts with a head,
-``host/pid/<16 hex digits>`` (unique per acquisition attempt of a process), followed by fields
-``;name=value`` (values percent-encoded for ``;``, ``=``, ``%`` and ``/``)::
+An owner id (what a store records as a key's holder) is ``host/pid/<16 hex>``, unique per
+acquisition attempt of a process, then fields ``;name=value`` (``;=%/`` percent-encoded)::
 
-    host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;at=1733260000123
+    host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;ttl=30000;at=1733260000123
 
-========  ===============================================================
-field     meaning
-========  ===============================================================
-``n``     the Celery node name (``w1@host``) of the worker that took it
-``t``     the task name
-``i``     the task id
-``l``     a free label (``lease(..., holder="nightly import")``)
-``ttl``   the lease's ttl, milliseconds: every renewal sets its expiry that far ahead, so the
-          ttl minus the time left is how long ago it was last renewed (``celery lease list``)
-``cd``    the cooldown kept after a body that succeeded, milliseconds (absent: none)
-``at``    when the id was made (the acquisition attempt), unix milliseconds
-========  ===============================================================
-
-:func:`parse_owner` reads it back into a :class:`Holder`; it never raises, so owners without
-fields (``host/pid/hex``) or written by other programs parse with ``None`` for what they lack.
-
-The queued lease of a unique copy (:mod:`celery_lease._celery.unique`) has an owner id of its own
-form,
-:data:`QUEUED_OWNER_HEAD` then fields: ``queued;t=<task>;i=<task id>;at=<ms>;n=<nonce>``
-(:func:`queued_owner`; ``n`` is a nonce there, not a node). :func:`is_queued_owner` tells the two
-forms apart.
-
-Inside a Celery worker, fields left out take the worker's values: :mod:`celery_lease._celery.worker`
-sets the node name of the process (:func:`set_node`) and, around every task execution, the
-task's name and id (:func:`push_task` / :func:`pop_task`, a context variable: per thread under
-the threads pool), so a ``lease()`` taken inside a task body names its task too.
-
-Words, as the code uses them: the **holder** of a lease is the party holding it (an execution,
-a process: "its holder finished", ``reason="holder_died"``); its **owner id** (``owner``, as in
-``LeaseInfo.owner``) is the string a store records for it, made and read here; a
-:class:`Holder` is an owner id read back into fields; the **label** is the free text
-``lease(..., holder=...)`` puts in the ``l`` field. ``SupportsAcquireOrHolder.acquire_or_holder``
-(public, kept) returns the holder's owner id.
-
-This module is part of the core: it imports the standard library only.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Fields: ``n`` Celery node, ``t`` task name, ``i`` task id, ``l`` free label (``lease(...,
+holder=...)``), ``ttl`` and ``cd`` (cooldown) in milliseconds (ttl minus time left is how long
+ago it was renewed), ``at`` when the id was made, unix milliseconds. A queued lease's owner id
+is ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`queued_owner`: ``n`` is a nonce there).
+Inside a worker, left-out fields take the worker's node (:func:`set_node`) and the running
+task (:func:`push_task`, a context variable). Words: the *holder* is the party holding a lease,
+its *owner id* the string stored, a :class:`Holder` that string parsed, the *label* the ``l``
+field. Core module: standard library only.
 """
 
 from __future__ import annotations
@@ -59,7 +29,7 @@ from urllib.parse import unquote
 from celery_lease import _forking as forking
 
 __all__ = [
-    "MAX_FIELD_CHARS",
+    "MAX_OWNER_FIELD_CHARS",
     "QUEUED_OWNER_HEAD",
     "Holder",
     "is_queued_owner",
@@ -72,16 +42,12 @@ __all__ = [
     "set_node",
 ]
 
-MAX_FIELD_CHARS = 1000
-"""Longest value (in characters, before encoding) :func:`make_owner` accepts for one field.
-
-Stores keep owners in a Redis string / a SQLite or PostgreSQL ``text`` column, which take any
-length; the bound only keeps a runaway label from making every renewal send kilobytes.
-"""
+MAX_OWNER_FIELD_CHARS = 1000
+"""Longest value (characters, before encoding) :func:`make_owner` accepts for one field: stores
+take any length, but a runaway label would make every renewal send kilobytes."""
 
 QUEUED_OWNER_HEAD = "queued;"
-"""How the owner id of a queued lease (and of a debounce tombstone) begins; an ordinary owner id
-begins with ``host/pid/`` (a ``;`` in the host name is percent-encoded), so never with this."""
+"""How a queued lease's (or debounce tombstone's) owner id begins; never an ordinary one's."""
 
 _HOST = socket.gethostname()
 _SPECIAL = frozenset(";=%/")
@@ -89,13 +55,9 @@ _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
 
 
 class _Ids:
-    """``host/pid/`` plus 16 hex digits, never the same twice in a process.
-
-    The hex part is a random 64-bit start plus a count of the ids made, modulo 2**64: unique for
-    every acquisition attempt of the process and as unguessable across processes as a random id
-    each. ``generation`` is the fork generation (:func:`celery_lease._forking.generation`) of the
-    process that made it: a forked child makes its own (its pid, a new random start), whether or
-    not the fork ran Python's at-fork hooks, so parent and child never make the same id.
+    """``host/pid/`` plus 16 hex digits (a random 64-bit start plus a count), never the same
+    twice in a process. ``generation`` is the fork generation it was made in: a forked child
+    makes its own, so parent and child never make the same id.
     """
 
     __slots__ = ("base", "count", "generation", "prefix")
@@ -110,7 +72,7 @@ class _Ids:
         return self.prefix + self.hex()
 
     def hex(self) -> str:
-        """The next 16 hex digits alone (they too are never the same twice in a process)."""
+        """The next 16 hex digits alone."""
         return f"{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
@@ -118,8 +80,7 @@ _ids = _Ids(forking.generation())
 
 
 def _this_process_ids() -> _Ids:
-    """The owner-id generator of this process: made anew once the process is a forked child
-    (one ``os.getpid()`` per call, see :func:`celery_lease._forking.generation`)."""
+    """The owner-id generator of this process, made anew in a forked child."""
     global _ids
     current = forking.generation()
     ids = _ids
@@ -129,8 +90,7 @@ def _this_process_ids() -> _Ids:
 
 
 def new_nonce() -> str:
-    """16 hex digits this process never returns twice, random across processes (the owner ids'
-    counter, see ``_Ids``; a forked child has its own)."""
+    """16 hex digits this process never returns twice, random across processes."""
     return _this_process_ids().hex()
 
 
@@ -165,10 +125,10 @@ def _field(name: str, value: str | None) -> str:
         raise TypeError(
             f"make_owner: {name} must be a str or None, got {type(value).__name__} {value!r}"
         )
-    if len(value) > MAX_FIELD_CHARS:
+    if len(value) > MAX_OWNER_FIELD_CHARS:
         raise ValueError(
             f"make_owner: {name} is {len(value)} characters long ({value[:40]!r}...); "
-            f"at most {MAX_FIELD_CHARS} are allowed"
+            f"at most {MAX_OWNER_FIELD_CHARS} are allowed"
         )
     if _SPECIAL.isdisjoint(value):
         return value
@@ -192,23 +152,18 @@ def make_owner(
         task_id: the task id, or None.
         label: a free text naming the holder (``lease(..., holder=...)``), or None.
         ttl_ms: the ttl the lease is taken and renewed with, milliseconds, or None.
-        cooldown_ms: the cooldown kept after a body that succeeded, milliseconds, or None
-            (none).
+        cooldown_ms: the cooldown kept after a body that succeeded, milliseconds, or None.
 
-    ``node`` defaults to the process's node (:func:`set_node`); ``task`` and ``task_id``, when
-    both are left out, default to the task running in this context (:func:`push_task`).
-    Each value may hold any characters (``;``, ``=``, ``%`` and ``/`` are percent-encoded) and is
-    at most :data:`MAX_FIELD_CHARS` characters long. The ``at`` field (unix milliseconds) is
-    always added.
+    ``node`` defaults to the process's (:func:`set_node`); ``task`` and ``task_id``, both left
+    out, to the task running in this context (:func:`push_task`). ``at`` is always added.
 
     Returns:
         The owner id, unique per call within the process (a store's idempotent re-acquire by
-        the same owner relies on it), e.g.
-        ``"host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;at=1733260000123"``.
+        the same owner relies on it).
 
     Raises:
         TypeError: a value is not a str.
-        ValueError: a value is longer than :data:`MAX_FIELD_CHARS`.
+        ValueError: a value is longer than :data:`MAX_OWNER_FIELD_CHARS`.
     """
     owner = _this_process_ids().new()
     if node is None:
@@ -233,13 +188,9 @@ def make_owner(
 
 
 def queued_owner(task: str, task_id: str, at_ms: int, label: str | None = None) -> str:
-    """The owner id of the queued lease of copy ``task_id`` (parsed by ``parse_owner``);
-    ``label`` (``l=``, read back as ``Holder.label``) tells one kind of such lease from another
-    (a debounced copy's claim on its own tombstone key).
-
-    Unique per call (``n=``, a nonce ``parse_owner`` ignores): two calls reusing one task id
-    (``apply_async(task_id=...)``) in the same millisecond must not both hold the key (a store's
-    acquire by the same owner is the holder again).
+    """The owner id of the queued lease of copy ``task_id``; ``label`` tells kinds apart (a
+    debounced copy's claim on its own tombstone). The nonce ``n=`` makes it unique per call, so
+    two calls reusing a task id in one millisecond do not both hold the key.
     """
     tail = "" if label is None else f";l={_field('label', label)}"
     return (
@@ -287,11 +238,8 @@ def _decode(value: str) -> str:
 
 
 def parse_owner(owner: str) -> Holder:
-    """Read an owner id made by :func:`make_owner` (or a foreign one) into a :class:`Holder`.
-
-    Never raises: whatever does not follow the format is left ``None`` (an owner without
-    ``/`` has no host or pid; an unknown field is ignored; a bad ``at`` is ``None``).
-    """
+    """Read an owner id (ours or a foreign one) into a :class:`Holder`; never raises: what does
+    not follow the format is ``None``, an unknown field ignored."""
     found: dict[str, str | None] = {"node": None, "task": None, "task_id": None, "label": None}
     host: str | None = None
     pid: int | None = None

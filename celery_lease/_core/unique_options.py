@@ -1,9 +1,7 @@
 """Options of unique-at-enqueue tasks: names, allowed values, validation (no Celery).
 
-``unique``, ``on_duplicate``, ``queue_ttl``, ``debounce`` and ``debounce_max`` are lock options
-like the others (``lock_<name>`` on a :class:`~celery_lease.LockedTask`, ``<name>=`` for
-:func:`~celery_lease.locked`), validated by :func:`celery_lease._core.options.validate_options`
-through :func:`validate_unique`. The behaviour lives in :mod:`celery_lease._celery.unique`.
+Lock options like the others, validated through :func:`validate_unique`; the behaviour lives in
+:mod:`celery_lease._celery.unique`.
 """
 
 from __future__ import annotations
@@ -37,8 +35,7 @@ UNIQUE_OPTIONS = ("unique", "on_duplicate", "queue_ttl", "debounce", "debounce_m
 """The option names this module validates."""
 
 BUILTIN_QUEUE_TTL = 3600.0
-"""Seconds an unstarted copy holds its key when neither ``queue_ttl`` nor
-``lease_default_queue_ttl`` is set."""
+"""Seconds an unstarted copy holds its key without ``queue_ttl`` or its app default."""
 
 DEBOUNCE_MAX_FACTOR = 10.0
 """``debounce_max`` defaults to this many times ``debounce``."""
@@ -99,17 +96,8 @@ def validate_unique(
             f"{name('on_duplicate')}={on_duplicate!r} is not allowed: use one of"
             f" {', '.join(repr(o) for o in ON_DUPLICATE)}"
         )
-    queue_ttl = raw.get("queue_ttl")
-    queue_ttl_s = (
-        None
-        if queue_ttl is None
-        else to_seconds(queue_ttl, name=name("queue_ttl"), inclusive=False)
-    )
-    debounce = (
-        None
-        if debounce_raw is None
-        else to_seconds(debounce_raw, name=name("debounce"), inclusive=False)
-    )
+    queue_ttl_s = _seconds(raw, "queue_ttl", name)
+    debounce = _seconds(raw, "debounce", name)
     debounce_max_raw = raw.get("debounce_max")
     if debounce is None:
         if debounce_max_raw is not None:
@@ -134,6 +122,11 @@ def validate_unique(
             f" {name('debounce')}={debounce_raw!r}: use at least the debounce"
         )
     return UniqueOptions(unique, on_duplicate, queue_ttl_s, debounce, debounce_max)
+
+
+def _seconds(raw: Mapping[str, Any], option: str, name: Callable[[str], str]) -> float | None:
+    value = raw.get(option)
+    return None if value is None else to_seconds(value, name=name(option), inclusive=False)
 
 
 SUPERSEDED_NAMESPACE = "superseded:"

@@ -1,41 +1,10 @@
 """Fenced writes for the Django ORM: the fence check, the row count and the first row.
 
-::
-
-    from celery_lease.fencing.django import fenced_update, fenced_upsert
-
-    with lease("account:1", store=store):
-        fenced_upsert(Account, where={"id": 1}, values={"balance": 150})
-
-:func:`fenced_update` runs one ``UPDATE``::
-
-    Account.objects.filter(id=1).filter(Q(fence__isnull=True) | Q(fence__lte=token))
-                   .update(balance=150, fence=token)
-
-and checks that it matched exactly one row; when none matched it reads the row's fence and raises
-:class:`~celery_lease.fencing.StaleTokenError` (a newer token wrote) or
-:class:`~celery_lease.fencing.MissingRowError` (no such row). :func:`fenced_upsert` also covers the
-row that does not exist yet, inside ``transaction.atomic()`` (a savepoint when a transaction is
-open): the fenced ``UPDATE``; if no row matched and none exists, ``create()`` in a savepoint of its
-own; if that fails on the unique key because a racing writer created the row first, the fenced
-``UPDATE`` once more, which the fence decides. So the row is created once, racing writers never
-see an ``IntegrityError`` from each other, and the highest token wins whatever the order. Under
-``REPEATABLE READ`` or ``SERIALIZABLE`` the racing writer's row is invisible to the snapshot
-taken before it was committed, and the create fails with an ``IntegrityError`` or, under
-``SERIALIZABLE`` on PostgreSQL, a serialization failure (SQLSTATE 40001, which Django raises as
-``OperationalError``): called outside a transaction, the upsert runs once more in a new one (a
-new snapshot), where the fence decides; inside the caller's transaction that error is raised
-(retry that transaction, as such isolation requires).
-
-``where`` names the row: its fields must be exactly the primary key, one ``unique`` field or one
-unconditional unique constraint (``unique_together``, ``UniqueConstraint`` on fields), so a fenced
-write can never touch two rows. ``values`` must not name the fence field: the helper sets it. As
-with any ``QuerySet.update()``, model instances already loaded are not refreshed and ``save()``
-and the ``pre_save``/``post_save`` signals are not run (``create()`` runs them for a new row).
-Do not ``save()`` the same row from an instance: that write is not fenced.
-
-See :mod:`celery_lease.fencing` for the rule (equal tokens accepted) and where the token comes
-from.
+:func:`fenced_update` is one fenced ``QuerySet.update()`` that must match one row;
+:func:`fenced_upsert` also creates a missing row in a savepoint and, when a racing writer created
+it first, updates once more, so the fence decides. ``where`` must be exactly the primary key, one
+``unique`` field or one unconditional unique constraint, so a write touches one row. Isolation
+levels, signals and ``save()``: docs/fencing.md ("Django ORM").
 """
 
 from __future__ import annotations
@@ -79,10 +48,8 @@ def fenced_update(
         where: the row: its primary key (``{"pk": 1}`` or the field's name), or the fields of one
             unique constraint.
         values: the fields to set (not the fence, not the ``where`` fields).
-        token: the fencing token (default: the current lease's, see
-            :func:`~celery_lease.fencing.resolve_token`).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence: the name of the fence field (an integer field; default ``"fence"``).
+        token, lock_key: the fencing token and its lock key (default: the current lease's).
+        fence: the name of the integer fence field (default ``"fence"``).
         using: the database alias (default: the router's choice for writing ``model``).
 
     Returns:
@@ -115,14 +82,7 @@ def fenced_upsert(
 ) -> int:
     """Create the row ``where`` with ``values``, or update it if no newer token wrote it.
 
-    Args:
-        model: the model class.
-        where: the row: its primary key, or the fields of one unique constraint.
-        values: the other fields to set or create with (not the fence).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence: the name of the fence field (an integer field; default ``"fence"``).
-        using: the database alias (default: the router's choice for writing ``model``).
+    Arguments as :func:`fenced_update`; ``values`` are also what a new row is created with.
 
     Returns:
         The token written as the row's fence.
@@ -131,14 +91,11 @@ def fenced_upsert(
         StaleTokenError: the row's fence is above ``token``: nothing was written.
         LeaseConfigError: a bad argument (unknown field, ``where`` not a unique key, no token).
         django.db.IntegrityError: the create broke a constraint other than the row's key; or,
-            inside a transaction of the caller's under REPEATABLE READ or SERIALIZABLE, a
-            racing writer created the row after that transaction's snapshot (it cannot be seen
-            there: retry the transaction, as that isolation requires). Called outside a
+            inside the caller's transaction under REPEATABLE READ or SERIALIZABLE, a racing
+            writer created the row after its snapshot (retry that transaction). Outside a
             transaction it is retried once in a new one, where the fence decides.
-        django.db.OperationalError: a serialization failure (SQLSTATE 40001, PostgreSQL under
-            SERIALIZABLE, e.g. for that racing create) inside a transaction of the caller's;
-            called outside a transaction it is retried once in a new one, like the
-            ``IntegrityError`` above. Any other operational error, as Django raises it.
+        django.db.OperationalError: likewise for a serialization failure (SQLSTATE 40001);
+            any other operational error as Django raises it.
     """
     plan = _Plan(model, where, values, fence, using)
     fencing = resolve_token(token, lock_key)
@@ -149,15 +106,12 @@ def fenced_upsert(
     except (IntegrityError, OperationalError) as exc:
         if isinstance(exc, OperationalError) and not _serialization_failure(exc):
             raise
-        # Our own transaction, under REPEATABLE READ or SERIALIZABLE: the row a racing writer
-        # created was committed after our snapshot, which cannot see it. A new transaction
-        # (a new snapshot) sees it and the fence decides; another constraint raises again.
+        # A racing writer's row was committed after our snapshot; a new one sees it.
         return _upsert(plan, fencing)
 
 
 def _serialization_failure(exc: OperationalError) -> bool:
-    """Whether the driver error under Django's ``exc`` has SQLSTATE 40001 (psycopg 3 names it
-    ``sqlstate``, psycopg2 ``pgcode``)."""
+    """Whether the driver error has SQLSTATE 40001 (psycopg 3 ``sqlstate``, psycopg2 ``pgcode``)."""
     cause = exc.__cause__
     return "40001" in (getattr(cause, "sqlstate", None), getattr(cause, "pgcode", None))
 
@@ -176,8 +130,7 @@ def _upsert(plan: _Plan, fencing: FencingToken) -> int:
             except IntegrityError:
                 if plan.read_fence() is _MISSING:
                     raise  # not the row's key: another constraint refused the values
-            # A racing writer created the row between our update and our create: its fence
-            # decides, as if our update had come second.
+            # a racing writer created it between our update and create: its fence decides
             if plan.update(fencing.token) == 1:
                 return fencing.token
             current = plan.read_fence()
@@ -210,15 +163,7 @@ class _Plan:
                 f"fence={fence!r} is not a field of {meta.label}: name its integer fence field"
                 f" (one of {sorted(f.name for f in meta.concrete_fields)})"
             )
-        for name, given in (("where", where), ("values", values)):
-            if not isinstance(given, Mapping):
-                raise LeaseConfigError(f"{name}={given!r} must be a mapping of field names")
-            unknown = sorted(str(k) for k in given if k != "pk" and k not in fields)
-            if unknown:
-                raise LeaseConfigError(
-                    f"{name}={dict(given)!r} names {unknown}, not fields of {meta.label}"
-                    f" (allowed: {sorted(f.name for f in meta.concrete_fields)})"
-                )
+        _check_names(meta, fields, where, values)
         if not where:
             raise LeaseConfigError(f"where={dict(where)!r} must name the row (its primary key)")
         pk = meta.pk
@@ -292,6 +237,20 @@ class _Plan:
         if not found:
             return _MISSING
         return None if found[0] is None else int(found[0])
+
+
+def _check_names(
+    meta: Any, fields: Mapping[str, Any], where: Mapping[str, Any], values: Mapping[str, Any]
+) -> None:
+    for name, given in (("where", where), ("values", values)):
+        if not isinstance(given, Mapping):
+            raise LeaseConfigError(f"{name}={given!r} must be a mapping of field names")
+        unknown = sorted(str(k) for k in given if k != "pk" and k not in fields)
+        if unknown:
+            raise LeaseConfigError(
+                f"{name}={dict(given)!r} names {unknown}, not fields of {meta.label}"
+                f" (allowed: {sorted(f.name for f in meta.concrete_fields)})"
+            )
 
 
 def _unique_keys(model: type[models.Model]) -> set[frozenset[str]]:

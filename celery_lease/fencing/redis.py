@@ -1,24 +1,8 @@
 """Fenced ``SET`` and ``HSET`` for Redis: one Lua script compares the fence and writes, atomically.
 
-::
-
-    from celery_lease.fencing.redis import fenced_hset, fenced_set
-
-    with lease("prices", store=store):
-        fenced_set(client, "prices:today", payload)             # fence in "prices:today:fence"
-        fenced_hset(client, "account:1", {"balance": "150"})   # fence in the hash's "fence" field
-
-The fence of a string key lives in a companion key (default ``<name>:fence``), the fence of a hash
-in one of its own fields (default ``"fence"``). Neither is ever given an expiry by these helpers:
-a fence that expired would let a stale holder write again. On Redis Cluster the string key and its
-fence key must be in one slot: give the key a hash tag (``"{prices}:today"``; its default fence key
-``"{prices}:today:fence"`` shares it), else the script fails with ``CROSSSLOT`` (an error, never a
-silent write).
-
-The rule is the one of :mod:`celery_lease.fencing`: written when the fence is missing or ``<=``
-the token (equal tokens are this holder's own earlier write), refused with
-:class:`~celery_lease.fencing.StaleTokenError` otherwise. Works with ``redis.Redis`` and
-``redis.RedisCluster`` clients (``decode_responses`` either way).
+A string key's fence lives in a companion key (default ``<name>:fence``), a hash's in one of its
+fields (default ``"fence"``); neither ever gets an expiry (an expired fence would let a stale
+holder write). On Redis Cluster a key and its fence key need one hash tag, else ``CROSSSLOT``.
 """
 
 from __future__ import annotations
@@ -32,8 +16,7 @@ from celery_lease.fencing import StaleTokenError, resolve_token
 __all__ = ["FENCED_HSET_SCRIPT", "FENCED_SET_SCRIPT", "fenced_hset", "fenced_set"]
 
 _NEWER = """
--- newer(a, b): a > b for decimal integers as strings (digits only, no leading zero). Exact at
--- any size: Lua's numbers are doubles, which cannot tell 2^53 + 1 from 2^53.
+-- newer(a, b): a > b for decimal integer strings, exact at any size (Lua numbers are doubles).
 local function newer(a, b)
   if #a ~= #b then return #a > #b end
   for i = 1, #a do
@@ -70,7 +53,7 @@ redis.call('SET', KEYS[2], ARGV[1])
 return {1, ARGV[1]}
 """
 )
-"""Compare the fence key with the token and, if it allows it, ``SET`` the value and the fence."""
+"""``SET`` the value and the fence key if the fence allows the token."""
 
 FENCED_HSET_SCRIPT = (
     """
@@ -95,7 +78,7 @@ redis.call('HSET', KEYS[1], ARGV[2], ARGV[1], unpack(ARGV, 3))
 return {1, ARGV[1]}
 """
 )
-"""Compare the hash's fence field with the token and, if it allows it, ``HSET`` fields and fence."""
+"""``HSET`` the fields and the fence field if the fence allows the token."""
 
 _Value = str | bytes | int | float
 
@@ -115,8 +98,7 @@ def fenced_set(
         client: a ``redis.Redis`` or ``redis.RedisCluster``.
         name: the key to write.
         value: what to write (``str``, ``bytes``, ``int`` or ``float``).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
+        token, lock_key: the fencing token and its lock key (default: the current lease's).
         fence_key: where the fence is kept (default ``f"{name}:fence"``).
 
     Returns:
@@ -150,21 +132,9 @@ def fenced_hset(
 ) -> int:
     """``HSET name`` the fields of ``mapping`` if no newer token wrote it; its fence field too.
 
-    Args:
-        client: a ``redis.Redis`` or ``redis.RedisCluster``.
-        name: the hash to write.
-        mapping: fields and values to set (at least one; not the fence field).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence_field: the hash field that keeps the fence (default ``"fence"``).
-
-    Returns:
-        The token written as the fence.
-
-    Raises:
-        StaleTokenError: the fence is above ``token``: nothing was written.
-        LeaseConfigError: a bad argument, or no token outside any lease.
-        redis.RedisError: the server could not be reached or refused the script.
+    ``mapping``: fields and values to set (at least one; not the fence field);
+    ``fence_field``: the hash field that keeps the fence (default ``"fence"``). Otherwise as
+    :func:`fenced_set`, whose returns and raises it shares.
     """
     _check_name("name", name)
     _check_name("fence_field", fence_field)

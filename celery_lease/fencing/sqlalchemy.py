@@ -1,43 +1,15 @@
 """Fenced writes for SQLAlchemy 2, Core and ORM: the fence check, the row count and the first row.
 
-::
-
-    from celery_lease.fencing.sqlalchemy import fenced_update, fenced_upsert
-
-    with engine.begin() as conn, lease("account:1", store=store):
-        fenced_upsert(conn, accounts, where={"id": 1}, values={"balance": 150})
-
-:func:`fenced_upsert` creates the row or updates it, in one statement::
-
-    INSERT INTO accounts (id, balance, fence) VALUES (:id, :balance, :token)
-    ON CONFLICT (id) DO UPDATE SET balance = excluded.balance, fence = excluded.fence
-    WHERE accounts.fence IS NULL OR accounts.fence <= excluded.fence
-
-(PostgreSQL and SQLite 3.24+). :func:`fenced_update` updates an existing row, on any database::
-
-    UPDATE accounts SET balance = :balance, fence = :token
-    WHERE accounts.id = :id AND (accounts.fence IS NULL OR accounts.fence <= :token)
-
-Both check that exactly one row was written; when none was, they read the row's fence and raise
-:class:`~celery_lease.fencing.StaleTokenError` (a newer token wrote) or, for the update,
-:class:`~celery_lease.fencing.MissingRowError` (no such row). Nothing is committed here: the write
-joins the transaction of the ``Connection`` or ``Session`` given (an ``Engine`` gets a
-transaction of its own, committed when the write succeeded).
-
-``where`` names the row: its columns must be exactly the primary key or one unique constraint,
-so a fenced write can never touch two rows, and the upsert's ``ON CONFLICT`` target is right.
-With a mapped class (ORM), ``where`` and ``values`` use attribute names, and an instance of the
-row already loaded in the session is expired after the write, so it is read again. Do not change
-the same row through an ORM instance in that session as well: the flush of that change is not
-fenced.
-
-See :mod:`celery_lease.fencing` for the rule (equal tokens accepted) and where the token comes
-from.
+:func:`fenced_upsert` is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE fence <= token``
+(PostgreSQL, SQLite 3.24+); :func:`fenced_update` an ``UPDATE ... WHERE fence <= token`` on any
+database. ``where`` must be exactly the primary key or one unique constraint, so a write touches
+one row; with a mapped class, names are attribute names and a loaded instance of the row is
+expired after the write. Nothing is committed except on an ``Engine``. See docs/fencing.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +48,11 @@ __all__ = ["fenced_update", "fenced_upsert"]
 Bind = Connection | Session | scoped_session[Any] | Engine
 """Where the write runs: a Connection or Session (its transaction), or an Engine (its own)."""
 
+_INSERTS: dict[str, Callable[[Table], postgresql.Insert | sqlite.Insert]] = {
+    "postgresql": postgresql.insert,
+    "sqlite": sqlite.insert,
+}
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -104,14 +81,11 @@ def fenced_update(
     Args:
         bind: a ``Connection`` or ``Session`` (the write joins its transaction; nothing is
             committed) or an ``Engine`` (a transaction of its own).
-        target: the ``Table`` (names are its column keys, usually the column names), or a
-            mapped class (names are attribute names).
+        target: the ``Table`` (names are its column keys), or a mapped class (attribute names).
         where: the row: the values of its primary key, or of one unique constraint's columns.
         values: the columns to set (not the fence, not the ``where`` columns).
-        token: the fencing token (default: the current lease's, see
-            :func:`~celery_lease.fencing.resolve_token`).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence: the name of the fence column (an integer column; default ``"fence"``).
+        token, lock_key: the fencing token and its lock key (default: the current lease's).
+        fence: the name of the integer fence column (default ``"fence"``).
 
     Returns:
         The token written as the row's fence.
@@ -157,22 +131,9 @@ def fenced_upsert(
 ) -> int:
     """Create the row ``where`` with ``values``, or update it if no newer token wrote it.
 
-    One ``INSERT ... ON CONFLICT DO UPDATE ... WHERE fence <= token`` statement (PostgreSQL,
-    SQLite): racing writers never fail on the unique key, the row is created once, and the
-    highest token wins whatever the order. ``values`` must therefore hold every column the
-    insert needs (``NOT NULL`` ones without a default).
-
-    Args:
-        bind: a ``Connection`` or ``Session`` (the write joins its transaction; nothing is
-            committed) or an ``Engine`` (a transaction of its own).
-        target: the ``Table`` (names are its column keys, usually the column names), or a
-            mapped class (names are attribute names).
-        where: the row: the values of its primary key, or of one unique constraint's columns
-            (the ``ON CONFLICT`` target).
-        values: the other columns to insert or set (not the fence).
-        token: the fencing token (default: the current lease's).
-        lock_key: the lock key of ``token`` for the error (default: the current lease's).
-        fence: the name of the fence column (an integer column; default ``"fence"``).
+    One statement (PostgreSQL, SQLite): racing writers never fail on the unique key and the
+    highest token wins in any order. Arguments as :func:`fenced_update`; ``values`` must hold
+    every column the insert needs, and ``where`` is the ``ON CONFLICT`` target.
 
     Returns:
         The token written as the row's fence.
@@ -192,26 +153,17 @@ def fenced_upsert(
         row = {**dict(plan.where), **dict(plan.values), fence_col: fencing.token}
         targets = [col for col, _ in plan.where]
         updated = [*(col for col, _ in plan.values), fence_col]
-        stmt: postgresql.Insert | sqlite.Insert
-        if dialect == "postgresql":
-            pg = postgresql.insert(table).values(row)
-            stmt = pg.on_conflict_do_update(
-                index_elements=targets,
-                set_={col: pg.excluded[col.key] for col in updated},
-                where=_fence_allows(fence_col, pg.excluded[fence_col.key]),
-            )
-        elif dialect == "sqlite":
-            lite = sqlite.insert(table).values(row)
-            stmt = lite.on_conflict_do_update(
-                index_elements=targets,
-                set_={col: lite.excluded[col.key] for col in updated},
-                where=_fence_allows(fence_col, lite.excluded[fence_col.key]),
-            )
-        else:
+        if dialect not in _INSERTS:
             raise LeaseConfigError(
                 f"fenced_upsert() supports PostgreSQL and SQLite, not {dialect!r}: create the row"
                 " first and use fenced_update()"
             )
+        insert = _INSERTS[dialect](table).values(row)
+        stmt = insert.on_conflict_do_update(
+            index_elements=targets,
+            set_={col: insert.excluded[col.key] for col in updated},
+            where=_fence_allows(fence_col, insert.excluded[fence_col.key]),
+        )
         written = _rowcount(conn.execute(stmt.execution_options(preserve_rowcount=True)))
         if written == 1:
             _expire(conn, plan)
@@ -264,15 +216,7 @@ def _plan(
             f"fence={fence!r}: column {table.name}.{fence_col.name} is {fence_col.type}, not an"
             " integer type: tokens must compare as numbers"
         )
-    for name, given in (("where", where), ("values", values)):
-        if not isinstance(given, Mapping):
-            raise LeaseConfigError(f"{name}={given!r} must be a mapping of column names to values")
-        unknown = sorted(str(k) for k in given if k not in columns)
-        if unknown:
-            raise LeaseConfigError(
-                f"{name}={dict(given)!r} names {unknown}, not columns of {table.name}"
-                f" (allowed: {sorted(columns)})"
-            )
+    _check_names(table, columns, where, values)
     if not where:
         raise LeaseConfigError(f"where={dict(where)!r} must name the row (its primary key)")
     if fence in where or fence in values:
@@ -306,6 +250,23 @@ def _plan(
     )
 
 
+def _check_names(
+    table: Table,
+    columns: Mapping[str, Column[Any]],
+    where: Mapping[str, Any],
+    values: Mapping[str, Any],
+) -> None:
+    for name, given in (("where", where), ("values", values)):
+        if not isinstance(given, Mapping):
+            raise LeaseConfigError(f"{name}={given!r} must be a mapping of column names to values")
+        unknown = sorted(str(k) for k in given if k not in columns)
+        if unknown:
+            raise LeaseConfigError(
+                f"{name}={dict(given)!r} names {unknown}, not columns of {table.name}"
+                f" (allowed: {sorted(columns)})"
+            )
+
+
 def _unique_keys(table: Table) -> set[frozenset[str]]:
     """Column-name sets that identify one row: the primary key, unique constraints, and unique
     indexes over plain columns without a ``WHERE`` (a partial index holds for some rows only)."""
@@ -332,8 +293,7 @@ def _matches(plan: _Plan) -> list[ColumnElement[bool]]:
 
 
 def _fence_allows(fence: Column[Any], token: Any) -> ColumnElement[bool]:
-    """The stored fence accepts ``token`` (a value, or ``excluded.fence`` in an upsert): none
-    written yet (NULL), or one not above it."""
+    """The stored fence is NULL or not above ``token`` (a value, or ``excluded.fence``)."""
     return or_(fence.is_(None), fence <= token)
 
 

@@ -1,64 +1,14 @@
-"""Metrics of locked tasks: one line, ``celery_lease.metrics.install(app)``.
+"""Metrics of locked tasks: ``celery_lease.metrics.install(app)`` (or ``lease_metrics``).
 
-``pip install 'celery-lease[prometheus]'`` (or ``[otel]``), then in the module that defines the
-app::
+:func:`install` only checks its arguments; the worker's :class:`MetricsStep` creates the
+metrics, connects the receivers of :mod:`celery_lease.signals` before the pool forks and serves
+Prometheus from the main process. A process that is no worker connects nothing, so the task hot
+path sends no signal there. Metrics never stop a worker (a port taken: one ERROR line). The
+metric names, port ranges and prefork behaviour are in docs/operations.md ("Metrics").
 
-    import celery_lease.metrics
-
-    celery_lease.metrics.install(app)                       # Prometheus on :9809/metrics
-    celery_lease.metrics.install(app, port=0)               # any free port (logged at start)
-    celery_lease.metrics.install(app, port=range(9809, 9819))  # the first free one of them
-    celery_lease.metrics.install(app, exporter="otel")      # the OpenTelemetry API instead
-
-or, without code, the settings ``app.conf.lease_metrics = "prometheus"`` (or ``"otel"``) and
-``app.conf.lease_metrics_port = 9809`` (checked with the other ``lease_*`` settings at worker
-start: a bad value or a misspelled name refuses the worker). A call of :func:`install` wins over
-the settings.
-
-Metrics never stop a worker. A port already taken on the host (a second worker given the same
-port) is logged as one ERROR line naming ``lease_metrics_port`` (or ``install(port=...)``) and
-the port, and the worker runs its tasks without metrics. Several workers on one host can share
-one setting given as a range of ports (``lease_metrics_port = "9809-9818"``, ``range(9809,
-9819)`` or a list: django-prometheus's ``PROMETHEUS_METRICS_EXPORT_PORT_RANGE`` convention):
-each takes the first port of it that is free, and logs which.
-
-Nothing happens at the call but checks (a bad argument or a missing client library is an error
-here, at import of the app). The worker does the rest while it is built, in its main process,
-before the pool forks (the :class:`MetricsStep` bootstep): it creates the metrics, connects the
-receivers of :mod:`celery_lease.signals` and, for Prometheus, serves them over HTTP from the
-main process. A process that is no worker (a producer, a test with eager tasks) gets no
-receivers, so the task hot path sends no signal there: with no receiver connected, the engine
-does not even build the signal's arguments.
-
-What is measured (names as Prometheus shows them; ``task`` is the task name):
-
-=========================================  =========  ============================================
-``celery_lease_acquired_total{task}``      counter    leases taken (``lock_acquired``)
-``celery_lease_rejected_total{task}``      counter    runs turned away: key held past ``wait``
-``celery_lease_lost_total{task,reason}``   counter    leases lost while the body ran (``reason``)
-``celery_lease_released_total{task}``      counter    leases released (or kept for ``cooldown``)
-``celery_lease_wait_seconds{task}``        histogram  time taken to acquire (acquired runs)
-``celery_lease_hold_seconds{task}``        histogram  time held, acquire to release
-``celery_lease_held{task}``                gauge      leases held now by running tasks
-``celery_lease_renewal_seconds{task}``     histogram  round trip of one renewal (see below)
-=========================================  =========  ============================================
-
-Renewal latency needs the renewer to report each renewal (``renewer.observe_renewals``); where
-this version of the renewer has no such hook, the histogram is exported empty. A renewal counts
-under the task whose lease it renews: the run lease of a locked task running in this process, or
-the queued key (``queued:<key>``) its ``lock_unique="until_done"`` copy keeps while it runs.
-Renewals of other leases (``lease()`` in a plain task body) are not counted.
-
-``celery_lease_held`` is the number of leases held: each process counts the leases it took
-and, on their release or loss, only those (a lease is known by its key and fencing token). So a
-release sent in a process that never counted the lease as held does not decrease it: the main
-process of a prefork worker releasing the lease of a pool child that died (``lock_released``
-with ``reason="holder_died"``: counted in ``celery_lease_released_total``; the dead child's own
-share of the gauge goes with it), or a debounced copy superseded after it took its run lease,
-which ends without its body and never sent ``lock_acquired``.
-
-Prefork: see :mod:`celery_lease.metrics.prometheus` for how the children's values reach the
-main process (prometheus_client's multiprocess mode).
+``celery_lease_held`` counts, per process, the leases that process took (by key and token): a
+release sent by a process that never counted the lease (the main process freeing a dead child's
+lease, a debounced copy superseded before ``lock_acquired``) does not decrease it.
 """
 
 from __future__ import annotations
@@ -69,7 +19,7 @@ import threading
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from celery import bootsteps
 
@@ -132,19 +82,16 @@ _sink: Sink | None = None
 _held: dict[tuple[str, int | None], tuple[str, str | None]] = {}
 """(key, token) -> (task name, queued key) of the leases counted as held in this process."""
 _early: OrderedDict[tuple[str, int | None], Callable[[Sink], None]] = OrderedDict()
-"""(key, token) -> what to tell the sink, of releases and losses that came before their
-acquisition was counted (another thread sends them): told once it is. The oldest are dropped
-past :data:`_EARLY_KEEP` (releases whose acquisition is never sent: superseded copies)."""
+"""(key, token) -> what to tell the sink of an end that came (from another thread) before its
+acquisition was counted; bounded by :data:`_EARLY_KEEP` (superseded copies never acquire)."""
 _EARLY_KEEP = 1024
 _tasks_by_key: dict[str, str] = {}
-"""Key -> task name of the leases held by running tasks in this process, and of the queued
-keys their unique copies renew (for renewals)."""
+"""Key (or queued key of a unique copy) -> task name, of leases held here (for renewals)."""
 _lock = threading.Lock()
 _observing = False
 """The renewal observer is registered (once per process, with :data:`_lock` held)."""
 _counting = threading.Lock()
-"""Guards :data:`_held` and :data:`_early` (the receivers run on the task's thread and on the
-dispatcher's); made anew in a forked child."""
+"""Guards :data:`_held` and :data:`_early` (task and dispatcher threads); new after a fork."""
 
 
 def _new_counting_lock() -> None:
@@ -201,8 +148,7 @@ def _on_acquired(
 
 
 def _ended(key: str, token: int | None, tell: Callable[[Sink], None]) -> bool:
-    """The lease ``(key, token)`` ended: stop counting it as held here; True when it was
-    (tell the sink now). Otherwise ``tell`` waits for its acquisition (see :data:`_early`)."""
+    """Stop counting ``(key, token)`` as held; True if it was (tell now), else ``tell`` waits."""
     with _counting:
         counted = _held.pop((key, token), None)
         if counted is None:
@@ -255,9 +201,7 @@ def _on_released(
     if sink is None:
         return
     task, held = _name(sender), float(held_seconds or 0.0)
-    if reason == "holder_died":
-        # Sent by the main process for a pool child that died holding it: counted as held by
-        # that child only, whose share of the gauge went with it.
+    if reason == "holder_died":  # counted by the dead child only, whose gauge share went with it
         sink.released(task, key, task_id, held, counted=False)
         return
 
@@ -285,10 +229,8 @@ _RECEIVERS = (
 
 
 def connect(sink: Sink) -> None:
-    """Send what the lock signals say to ``sink`` in this process (replaces any earlier one).
-
-    Connected before the pool forks, the receivers are inherited by the children.
-    """
+    """Send the lock signals to ``sink`` in this process (replacing any earlier one); children
+    forked after it inherit the receivers."""
     global _sink, _observing
     with _lock:
         _sink = sink
@@ -302,7 +244,7 @@ def connect(sink: Sink) -> None:
 
 
 def disconnect() -> None:
-    """Stop measuring in this process: the receivers are disconnected (the hot path is quiet)."""
+    """Stop measuring in this process: the receivers are disconnected."""
     global _sink
     with _lock:
         _sink = None
@@ -314,11 +256,11 @@ def disconnect() -> None:
             signal.disconnect(receiver, dispatch_uid=f"celery_lease.metrics.{signal.name}")
 
 
-class _Options:
-    __slots__ = ("addr", "exporter", "port", "setting")
-
-    def __init__(self, exporter: str, port: int | tuple[int, ...], addr: str, setting: str) -> None:
-        self.exporter, self.port, self.addr, self.setting = exporter, port, addr, setting
+class _Options(NamedTuple):
+    exporter: str
+    port: int | tuple[int, ...]
+    addr: str
+    setting: str
 
 
 _installed: weakref.WeakKeyDictionary[CeleryApp, _Options] = weakref.WeakKeyDictionary()
@@ -343,12 +285,9 @@ def install(
         exporter: ``"prometheus"`` (default: served over HTTP by the worker's main process) or
             ``"otel"`` (instruments of the OpenTelemetry API, exported by the meter and tracer
             providers you configure; ``port`` and ``addr`` are not used).
-        port: TCP port of ``/metrics`` (default :data:`DEFAULT_PORT`; 0: any free port, which
-            the worker logs), or ports each worker takes the first free one of:
-            ``range(9809, 9819)``, a list or tuple of ports, or ``"9809-9818"`` (see
-            :func:`celery_lease._celery.settings.read_metrics_port`). A worker whose port is
-            taken (a second worker on the host) logs one ERROR line naming it and runs on
-            without metrics.
+        port: TCP port of ``/metrics`` (default :data:`DEFAULT_PORT`; 0: any free port, logged),
+            or ports to take the first free one of (``range(9809, 9819)``, a list or tuple).
+            A port taken: one ERROR line, and the worker runs on without metrics.
         addr: address to listen on (default all interfaces).
 
     Raises:
@@ -387,12 +326,8 @@ def _check_library(exporter: str, name: str) -> None:
 
 
 def _options_of(app: CeleryApp) -> _Options | None:
-    """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings.
-
-    A bad ``lease_*`` setting is left to the worker's configuration check (which refuses the
-    worker with the message about it); a missing client library for ``lease_metrics`` is an
-    error here.
-    """
+    """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings
+    (a bad setting is left to the worker's configuration check; a missing library raises)."""
     options = _installed.get(app)
     if options is not None:
         return options
@@ -415,28 +350,17 @@ def _refuse(parent: WorkerLike, error: LeaseConfigError) -> None:
 
 
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep added by :func:`install` (and by every worker's ``worker_init`` hook, for
-    the ``lease_metrics`` setting; without either it does nothing): metrics set up before the
-    pool forks.
+    """Worker bootstep (added by :func:`install` or the ``lease_metrics`` setting).
 
-    ``__init__`` (while Celery builds the worker, before any step starts) picks the port (the
-    first free one of the setting), prepares the exporter (for Prometheus under a
-    multi-process pool: the multiprocess directory, see
-    :mod:`celery_lease.metrics.prometheus`) and connects the receivers; ``start`` (after the
-    pool started) serves ``/metrics``; ``stop`` / ``terminate`` stop serving and disconnect.
-
-    A Prometheus port in use never stops the worker: no port of the setting free in
-    ``__init__`` (nothing is made then), or none left in ``start`` (taken in between), is
-    logged as one ERROR line naming the setting and the ports, and the worker runs its tasks
-    without metrics. Only a configuration that cannot work on any start refuses the worker,
-    at CRITICAL with a :class:`~celery_lease.LeaseConfigError`: ``prometheus_client`` imported
-    before ``PROMETHEUS_MULTIPROC_DIR`` was set under a multi-process pool.
+    ``__init__`` (before the pool forks) picks the port, prepares the exporter and connects
+    the receivers; ``start`` serves ``/metrics``; ``stop`` / ``terminate`` undo both. No free
+    port is one ERROR line; only ``prometheus_client`` imported before
+    ``PROMETHEUS_MULTIPROC_DIR`` was set under a multi-process pool refuses the worker.
     """
 
     label = "celery-lease metrics"
     requires = ("celery.worker.components:Pool", "celery_lease._celery.startup:LeaseCheck")
-    """After the pool (its class decides multiprocess mode) and the configuration check (which
-    refuses a bad ``lease_metrics`` setting first, with the message about it)."""
+    """After the pool (its class decides multiprocess mode) and the configuration check."""
 
     def __init__(self, parent: WorkerLike, **kwargs: object) -> None:
         super().__init__(parent, **kwargs)
@@ -444,35 +368,32 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
         options = _options_of(parent.app)
         if options is None:
             return
-        if options.exporter == "prometheus":
-            from celery_lease.metrics.prometheus import PortsTaken, PrometheusExporter
-
-            node = getattr(parent, "hostname", None)
-            try:
-                self.exporter = PrometheusExporter(
-                    options.port,
-                    options.addr,
-                    multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
-                    node=node,
-                    setting=options.setting,
-                )
-            except PortsTaken as taken:
-                logger.error("%s", taken.message(node))
-                return
-            except LeaseConfigError as exc:
-                _refuse(parent, exc)
-                raise
-        else:
+        if options.exporter == "otel":
             from celery_lease.metrics.otel import OtelSink
 
-            self.exporter = None
             connect(OtelSink())
             return
+        from celery_lease.metrics.prometheus import PortsTaken, PrometheusExporter
+
+        node = getattr(parent, "hostname", None)
+        try:
+            self.exporter = PrometheusExporter(
+                options.port,
+                options.addr,
+                multiprocess=not pool.runs_tasks_in_main_process(parent.pool_cls),
+                node=node,
+                setting=options.setting,
+            )
+        except PortsTaken as taken:
+            logger.error("%s", taken.message(node))
+            return
+        except LeaseConfigError as exc:
+            _refuse(parent, exc)
+            raise
         connect(self.exporter.sink)
 
     def start(self, parent: WorkerLike) -> None:
-        """Serve ``/metrics`` (Prometheus), from the main process only; no port left: one ERROR
-        line, and the worker runs on without metrics (its directory goes at ``stop``)."""
+        """Serve ``/metrics`` from the main process; no port left: one ERROR line."""
         from celery_lease.metrics.prometheus import PortsTaken
 
         exporter = self.exporter

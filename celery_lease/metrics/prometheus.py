@@ -1,46 +1,12 @@
 """Prometheus metrics of locked tasks (``pip install 'celery-lease[prometheus]'``).
 
-**How a prefork worker is served.** Task bodies run in pool children; the HTTP endpoint is in
-the worker's main process, which never runs a task. The children's values reach it through
-prometheus_client's *multiprocess mode*: each process writes its metrics to memory-mapped files
-``<kind>_<pid>.db`` in ``PROMETHEUS_MULTIPROC_DIR``, and the main process's
-``MultiProcessCollector`` adds them up at each scrape. We chose it over an HTTP server in the
-main process that asks the children for their registries because it is prometheus_client's own
-way for forking servers (gunicorn does the same), needs no channel to the children, and keeps a
-dead or replaced child's counts (``--max-tasks-per-child``, a SIGKILLed child): counters and
-histograms never go back, as Prometheus requires.
-
-- ``PROMETHEUS_MULTIPROC_DIR`` set in the worker's environment: used as it is (empty it before
-  each start of the worker, one directory per worker). Then your own prometheus_client metrics
-  in task bodies are served at the same endpoint too.
-- Unset: the worker's main process creates a private directory before the pool forks, points
-  ``PROMETHEUS_MULTIPROC_DIR`` at it (the children inherit it) and removes it at shutdown.
-  That works only if nothing imported ``prometheus_client`` in the main process before (its
-  value class is chosen at import): otherwise the worker refuses to start and says so.
-- ``celery_lease_held`` is a ``livesum`` gauge: a child that exits cleanly removes its live
-  files (``worker_process_shutdown``); those of a child that was killed are removed at the next
-  scrape (its pid is gone).
-
-Under solo, threads, gevent and eventlet (tasks in the main process) the default registry is
-served as it is, with the process metrics prometheus_client adds.
-
-**A port taken.** Metrics never stop a worker: when its port is taken (a second worker on the
-host given the same ``lease_metrics_port``), the worker logs one ERROR line naming the setting
-and the port, and runs its tasks without metrics (nothing is made for them). A range of ports
-(``lease_metrics_port = "9809-9818"`` or ``range(9809, 9819)``, django-prometheus's
-``PROMETHEUS_METRICS_EXPORT_PORT_RANGE`` convention) lets several workers on a host each take
-the first port of it that is free; the port taken is logged at INFO. The port is chosen while
-the worker is built (:func:`first_free_port`) and bound after the pool started: a port taken in
-between moves the worker on to the next free one of its range, and only when none is left is the
-ERROR logged.
-
-**A killed worker's directory.** The private directory holds a lock file, ``owner.lock``,
-created already locked (``flock``) by the worker that made the directory: the lock lasts as long
-as any process of that worker holds the file open (its pool children inherit it). Each worker
-that makes its directory first removes those, in the same temporary directory, whose lock no
-process holds any more (:func:`remove_dead_dirs`): a worker SIGKILLed with its children leaves
-its directory only until the next start of a worker on the host. A directory without the lock
-file (being made right now, or made by an older version) is never removed.
+Under prefork the children's values reach the main process's endpoint through
+prometheus_client's multiprocess mode (files in ``PROMETHEUS_MULTIPROC_DIR``, summed at each
+scrape), which keeps a dead child's counts and needs no channel to the children. Unset, the
+variable points at a private directory made before the fork (its ``owner.lock`` held by the
+worker's processes) and removed at shutdown or, after a SIGKILL, by the next worker on the host.
+The port is chosen when the worker is built and bound after the pool starts. The why and the
+operator's view are in docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -89,21 +55,18 @@ RENEWAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class PrometheusSink:
-    """The metrics, created once per process on ``registry`` (``None``: not registered, as
-    multiprocess mode wants; the collector reads the files instead)."""
+    """The metrics, created once per process on ``registry`` (``None`` in multiprocess mode)."""
 
     def __init__(self, registry: Any = None) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
         kw: dict[str, Any] = {"registry": registry}
+        task = ["task"]
         self.acquired_total = Counter(
-            "celery_lease_acquired", "Leases acquired by locked tasks.", ["task"], **kw
+            "celery_lease_acquired", "Leases acquired by locked tasks.", task, **kw
         )
         self.rejected_total = Counter(
-            "celery_lease_rejected",
-            "Runs turned away: the key stayed held past wait.",
-            ["task"],
-            **kw,
+            "celery_lease_rejected", "Runs turned away: the key stayed held past wait.", task, **kw
         )
         self.lost_total = Counter(
             "celery_lease_lost",
@@ -114,34 +77,34 @@ class PrometheusSink:
         self.released_total = Counter(
             "celery_lease_released",
             "Leases released (or kept for cooldown) after the body.",
-            ["task"],
+            task,
             **kw,
         )
         self.wait_seconds = Histogram(
             "celery_lease_wait_seconds",
             "Seconds from the start of acquiring to holding the lease.",
-            ["task"],
+            task,
             buckets=WAIT_BUCKETS,
             **kw,
         )
         self.hold_seconds = Histogram(
             "celery_lease_hold_seconds",
             "Seconds a lease was held, acquire to release.",
-            ["task"],
+            task,
             buckets=HOLD_BUCKETS,
             **kw,
         )
         self.held = Gauge(
             "celery_lease_held",
             "Leases held now by running tasks.",
-            ["task"],
+            task,
             multiprocess_mode="livesum",
             **kw,
         )
         self.renewal_seconds = Histogram(
             "celery_lease_renewal_seconds",
             "Seconds of one renewal round trip to the store.",
-            ["task"],
+            task,
             buckets=RENEWAL_BUCKETS,
             **kw,
         )
@@ -174,8 +137,7 @@ _PID = re.compile(r"_(\d+)\.db$")
 
 
 def _alive(pid: int) -> bool:
-    """Whether ``pid`` may still write its metrics: it exists and is no zombie (a killed child
-    stays a zombie until the pool reaps it)."""
+    """Whether ``pid`` exists and is no zombie (a killed child is one until the pool reaps it)."""
     try:
         with open(f"/proc/{pid}/stat") as handle:
             return handle.read().rpartition(")")[2].split()[0] != "Z"
@@ -226,8 +188,7 @@ def _mark_dead_on_exit(**_: Any) -> None:
 def port_in_use(addr: str, port: int) -> OSError | None:
     """Why ``/metrics`` cannot listen on ``addr:port`` now (``EADDRINUSE``...), or ``None``.
 
-    Binds a socket as prometheus_client's server does (the address family of ``addr``,
-    ``SO_REUSEADDR``) and closes it at once. Port 0 (any free port) is never in use.
+    Binds and closes a socket as prometheus_client's server would; port 0 is never in use.
     """
     if port == 0:
         return None
@@ -244,8 +205,7 @@ def port_in_use(addr: str, port: int) -> OSError | None:
 
 
 def first_free_port(addr: str, ports: Sequence[int]) -> tuple[int, OSError | None]:
-    """The first of ``ports`` that ``/metrics`` can listen on at ``addr`` now
-    (:func:`port_in_use`), and ``None``; or ``-1`` and why the last one could not."""
+    """``(port, None)``: the first of ``ports`` free at ``addr``; else ``(-1, why)``."""
     why: OSError | None = None
     for port in ports:
         why = port_in_use(addr, port)
@@ -258,7 +218,7 @@ SETTING = "lease_metrics_port"
 """How :class:`PrometheusExporter` names a port that came from the settings."""
 
 LOCK_FILE = "owner.lock"
-"""The lock file of a private multiprocess directory, held locked by the worker that made it."""
+"""Lock file of a private multiprocess directory, locked by the worker that made it."""
 
 DIR_PREFIX = "celery-lease-metrics-"
 """Name prefix of the private multiprocess directories, in :func:`tempfile.gettempdir`."""
@@ -273,8 +233,7 @@ def _shown_ports(ports: Sequence[int]) -> str:
 
 
 class PortsTaken(Exception):
-    """No port of the worker's metrics setting can be listened on: the worker runs on without
-    metrics. Its message is the one ERROR line the worker logs (:meth:`message`)."""
+    """No port of the metrics setting is free; :meth:`message` is the ERROR line logged."""
 
     def __init__(self, setting: str, ports: Sequence[int], addr: str, exc: OSError | None) -> None:
         self.setting, self.ports, self.addr = setting, tuple(ports), addr
@@ -317,14 +276,10 @@ def _lock_exclusive(handle: TextIO) -> bool:
 
 
 def remove_dead_dirs(parent: str) -> list[str]:
-    """Remove the private multiprocess directories in ``parent`` whose worker is gone; the
-    paths removed.
+    """Remove the private directories in ``parent`` whose worker is gone; the paths removed.
 
-    A directory is removed only when its :data:`LOCK_FILE` exists and its lock can be taken:
-    no process (the worker that made it, or one of its pool children) holds it any more. The
-    lock is kept while the directory is removed, so two workers starting at once remove it
-    once. A directory without the lock file is left alone: a worker is making it (the file
-    appears already locked), or an older version made it.
+    Only a directory whose :data:`LOCK_FILE` exists and can be locked (held while removing,
+    so two workers remove it once); one without it is being made or older, and left alone.
     """
     removed: list[str] = []
     for path in sorted(glob.glob(os.path.join(glob.escape(parent), DIR_PREFIX + "*"))):
@@ -348,8 +303,7 @@ def remove_dead_dirs(parent: str) -> list[str]:
 
 
 def _make_owned_dir() -> tuple[str, TextIO]:
-    """A new private directory whose :data:`LOCK_FILE` this process holds locked; the file is
-    made under another name, locked, then renamed, so it never exists unlocked."""
+    """A new private directory with its :data:`LOCK_FILE` locked (renamed into place locked)."""
     path = tempfile.mkdtemp(prefix=DIR_PREFIX)
     hidden = os.path.join(path, f".{LOCK_FILE}.{os.getpid()}")
     handle = open(hidden, "w")  # noqa: SIM115 - held open (and locked) for the worker's life
@@ -364,16 +318,13 @@ class PrometheusExporter:
     """Set up in the worker's main process before the fork; serves ``/metrics`` from it.
 
     Args:
-        port, addr: where to listen (port 0: any free port; a sequence of ports: the first of
-            them that is free; the one taken is logged).
+        port, addr: where to listen (0: any free port; a sequence: the first free one).
         multiprocess: tasks run in pool children (prefork): use multiprocess mode.
         node: the worker's name, for the log lines.
-        setting: how the port was configured, for the error of a port in use
-            (``lease_metrics_port``, or ``install(port=...)``).
+        setting: how the port was configured, for the error of a port in use.
 
     Raises:
-        PortsTaken: no port is free (checked first: nothing is made then); the worker runs on
-            without metrics.
+        PortsTaken: no port is free (checked first: nothing is made then).
         LeaseConfigError: multiprocess mode is needed but ``prometheus_client`` was imported
             before ``PROMETHEUS_MULTIPROC_DIR`` was set.
     """
@@ -403,8 +354,7 @@ class PrometheusExporter:
         import prometheus_client
         from prometheus_client import values
 
-        # multiprocess mode is chosen when prometheus_client.values is imported: MutexValue is
-        # its single-process value class
+        # the value class is chosen at import; MutexValue is the single-process one
         if multiprocess and values.ValueClass is values.MutexValue:
             self._forget_dir()
             raise LeaseConfigError(
@@ -454,11 +404,10 @@ class PrometheusExporter:
                 owner.close()
 
     def start(self) -> None:
-        """Serve ``/metrics`` on a daemon thread of this (the main) process, on the port chosen
-        at construction or, if it was taken since, the next free one of the ports given.
+        """Serve ``/metrics`` on a daemon thread, on the chosen port or the next free one.
 
         Raises:
-            PortsTaken: none is free any more (the worker runs on without metrics).
+            PortsTaken: none is free any more.
         """
         from prometheus_client import start_http_server
 

@@ -10,7 +10,7 @@ from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, LockNotAcquiredError, MemoryLockStore, lease
 from celery_lease._core.owners import (
-    MAX_FIELD_CHARS,
+    MAX_OWNER_FIELD_CHARS,
     is_queued_owner,
     make_owner,
     parse_owner,
@@ -29,7 +29,7 @@ class TestLeaseHolder:
             assert info is not None and info.owner == held.owner
             assert parse_owner(info.owner).label == "nightly import"
 
-    @pytest.mark.parametrize("bad", ["", 7, "x" * (MAX_FIELD_CHARS + 1)])
+    @pytest.mark.parametrize("bad", ["", 7, "x" * (MAX_OWNER_FIELD_CHARS + 1)])
     def test_a_bad_label_is_refused_naming_the_parameter(self, bad: Any) -> None:
         """Refused when lease() is called, before anything is acquired."""
         with pytest.raises(LeaseConfigError, match="holder="):
