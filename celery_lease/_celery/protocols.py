@@ -1,44 +1,16 @@
-"""The parts of Celery (and of its pools) that the Celery layer uses, as structural types.
+"""The parts of Celery, billiard, kombu and greenlet that the Celery layer uses, as structural
+types.
 
-Celery ships no type information: no ``py.typed`` marker and no stubs (5.7 checked), and its
-few annotations (``celery.states``, ``celery.canvas``, ``celery.utils.time``, the delayed
-delivery consumer step) leave out ``Task``, ``Context``, ``Celery``, the result backends,
-``Signal`` and the bootsteps. mypy sees all of them as ``Any``, so code that takes a Celery
-``Task`` typed as one checks nothing. Each protocol here names only the members we read or call,
-as Celery defines them:
+Celery ships no type information (no ``py.typed``, no stubs; 5.7 checked), so mypy sees ``Task``,
+``Context``, ``Celery``, the backends, ``Signal`` and the bootsteps as ``Any``. Each protocol
+names only the members we read or call, as Celery defines them; third-party stubs would tie us to
+one view of one version, and a test's small fake is typed like the real thing. Nothing is
+``runtime_checkable``: only mypy reads them, and ``tests/unit/_celery/test_protocols.py`` checks
+Celery's real objects still have every member.
 
-- :class:`CeleryTask`: a task (``celery.app.task.Task``, here a ``LockedTask``): its name, app,
-  options, result backend, current request, and the calls that publish or re-send it.
-- :class:`UniqueTask`: a task with ``lock_unique``, which publishes a copy past unique's checks.
-- :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
-  execution's id and delivery; headers also show as attributes (``lease_queued``).
-- :class:`RequestStack`: ``task.request_stack``, read without building a default request.
-- :class:`TaskStack`: the stack of running tasks that ``current_task`` reads.
-- :class:`CeleryApp` and :class:`AppConf`: the app (``celery.Celery``) and ``app.conf``.
-- :class:`ResultBackend`: ``task.backend``: a copy's state read, a FAILURE or REVOKED stored.
-- :class:`AsyncResultLike`: what ``apply_async`` returns (``celery.result.AsyncResult``).
-- :class:`TaskSignature`: ``task.signature_from_request()``'s signature, re-sent as it is.
-- :class:`SignalLike`: a ``celery.utils.dispatch.Signal`` whose receivers are looked at.
-- :class:`WorkerLike`: a worker bootstep's parent (``celery.apps.worker.WorkController``).
-- :class:`WorkerRequest`: a request the worker tracks (``celery.worker.request.Request``).
-- :class:`BilliardPool`, :class:`PoolProcess` and :class:`PoolJob`: billiard's pool, its
-  children and its jobs, as the dead-holder reaper reads them (billiard ships no types either).
-- :class:`EventLoopHub`: the worker's event loop (``kombu.asynchronous.hub.Hub``).
-- :class:`Greenlet` and :class:`GeventHub`: the running greenlet and gevent's hub, which an
-  interrupt is thrown through under the gevent and eventlet pools (greenlet and gevent ship no
-  type information either).
-
-Why structural types rather than Celery's classes: Celery's classes are ``Any`` to mypy, so
-naming them checks nothing; third-party stubs would tie our types to one stub package's view of
-one Celery version; and a protocol says exactly which part of Celery we depend on, so a test's
-small fake (a ``SimpleNamespace`` request) is typed the same way as the real thing. Nothing here
-is ``runtime_checkable``: no code asks ``isinstance`` of a Celery object, and the protocols are
-only read by mypy. ``tests/unit/_celery/test_protocols.py`` checks that Celery's real objects
-still have every member named here.
-
-The ``TypeGuard`` functions below are the capability checks of a store: each asks the protocol
-check that sees delegated attributes on every Python (:func:`~celery_lease.stores.base.conforms`,
-and :func:`~celery_lease._core.lease.offers`), and tells mypy what a True answer means.
+The ``TypeGuard`` functions at the end are a store's capability checks
+(:func:`~celery_lease.stores.base.conforms`, :func:`~celery_lease._core.lease.offers`: they see
+delegated attributes), typed for mypy.
 """
 
 from __future__ import annotations
@@ -110,12 +82,9 @@ class CeleryApp(Protocol):
 
 
 class TaskRequest(Protocol):
-    """A task's request (``celery.app.task.Context``): one execution, or the default request of
-    a task called directly (``id`` None, ``called_directly`` True).
-
-    Message headers that Celery does not know are set as attributes too, so a header such as
-    ``lease_queued`` is read with ``getattr``.
-    """
+    """A task's request (``celery.app.task.Context``): one execution, or the default request of a
+    task called directly (``id`` None, ``called_directly`` True). Unknown message headers are
+    attributes too (``lease_queued``: read with ``getattr``)."""
 
     id: str | None
     is_eager: bool
@@ -173,10 +142,8 @@ class ResultBackend(Protocol):
     """A task's result backend (``celery.backends.base.Backend``)."""
 
     def get_state(self, task_id: str) -> str:
-        """The stored state of ``task_id`` (``PENDING`` when nothing is stored).
-
-        Raises ``NotImplementedError`` on the ``DisabledBackend`` (no result backend).
-        """
+        """The stored state of ``task_id`` (``PENDING`` when nothing is stored);
+        ``NotImplementedError`` on the ``DisabledBackend``."""
 
     def mark_as_failure(
         self, task_id: str, exc: BaseException, *, call_errbacks: bool = True
@@ -190,8 +157,7 @@ class ResultBackend(Protocol):
         request: TaskRequest | None = None,
         store_result: bool = True,
     ) -> object:
-        """Store REVOKED with ``reason`` for ``task_id`` (only announce it without
-        ``store_result``)."""
+        """Store REVOKED with ``reason`` (only announce it without ``store_result``)."""
 
 
 class CeleryTask(Protocol):
@@ -288,8 +254,8 @@ class WorkerLike(Protocol):
 
 
 class WorkerRequest(Protocol):
-    """A request the worker tracks (``celery.worker.request.Request``): a message received, not
-    the ``Context`` its body sees."""
+    """A request the worker tracks (``celery.worker.request.Request``), not the body's
+    ``Context``."""
 
     id: str
     name: str
@@ -317,8 +283,8 @@ class PoolJob(Protocol):
 
 
 class BilliardPool(Protocol):
-    """billiard's pool inside the prefork task pool (``billiard.pool.Pool``, or celery's
-    ``AsynPool``): the members the dead-holder reaper wraps or calls."""
+    """billiard's pool in the prefork task pool (``billiard.pool.Pool``, or ``AsynPool``), as the
+    reaper uses it."""
 
     mark_as_worker_lost: Callable[[PoolJob, int], object]
     """Fail (or requeue) a job whose child died with an exit code (replaced on the instance)."""
@@ -365,12 +331,10 @@ def is_inspectable(store: object) -> TypeGuard[SupportsInspection]:
 
 
 def can_release_deferred(store: object) -> TypeGuard[SupportsDeferredRelease]:
-    """Whether ``store`` can release without waiting for the reply
-    (:class:`SupportsDeferredRelease`)."""
+    """Whether ``store`` can release without waiting for the reply."""
     return offers(store, SupportsDeferredRelease, "release_deferred")
 
 
 def can_renew_deferred(store: object) -> TypeGuard[SupportsDeferredRenew]:
-    """Whether ``store`` can renew without waiting for the reply
-    (:class:`SupportsDeferredRenew`)."""
+    """Whether ``store`` can renew without waiting for the reply."""
     return offers(store, SupportsDeferredRenew, "renew_deferred")
