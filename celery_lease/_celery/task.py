@@ -1,31 +1,9 @@
 """``LockedTask`` and ``@locked``: a Celery task body runs only while it holds a renewed lease.
 
-Both forms share one engine (:func:`celery_lease._celery.execution.run_locked`) and the same
-options::
-
-    @app.task(base=LockedTask, lock_key="account:{account_id}", lock_ttl="30s", lock_wait=0)
-    def update_balance(account_id, amount): ...
-
-    @app.task(bind=True)
-    @locked(key="nightly-report", on_held="skip", cooldown="1h")
-    def nightly_report(self): ...
-
-The lease is taken where the task runs (so ``send_task``, beat, canvas and acks_late redelivery
-all go through it), renewed by the renewer thread of its store while the body runs, and released
-when the body ends (before the result is stored), or kept for ``cooldown`` after a success.
-
-While the body runs, ``self.request`` carries ``lock_key``, ``lock_token``, ``lock_waited``,
-``lock_lost`` and ``lease`` (see :mod:`celery_lease._celery.request`);
-:func:`celery_lease.get_lock_token`
-returns the token anywhere in the call stack. What each pool does when the lease is lost with
-``on_lost="revoke"`` is described in :mod:`celery_lease._celery.interrupt`.
-
-``LockedTask`` is a drop-in base: a mixin's ``__call__`` (``class Base(LockedTask, DBTask)`` or
-``class Base(DBTask, LockedTask)``) runs once, through ``super().__call__()``, and the body sees
-the request Celery would give it in each mode, carrying the lock attributes.
-
-This module is the thin Celery-facing layer: options, validation at class creation and
-decoration time, and the ``__call__`` that hands each execution to the engine.
+Both share the engine (:func:`celery_lease._celery.execution.run_locked`) and the options;
+this module holds the options, their validation at class creation and decoration time, and the
+``__call__`` that hands each execution to the engine. The lease is taken where the task runs
+(so ``send_task``, beat, canvas and redelivery all go through it). Guide: ``docs/celery.md``.
 """
 
 from __future__ import annotations
@@ -85,7 +63,7 @@ F = TypeVar("F", bound=Callable[..., object])
 _Validate = Callable[
     [tuple[object, ...], Mapping[str, object]], tuple[tuple[object, ...], dict[str, object]]
 ]
-"""Call arguments to the arguments the body receives (``args``, ``kwargs``)."""
+"""Call arguments to the arguments the body receives."""
 
 
 def _body_signature(run: object, *, bound: bool) -> inspect.Signature | None:
@@ -115,16 +93,14 @@ def _model_annotation(annotation: object, value: object) -> type[BaseModel] | No
 
 
 def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
-    """For a ``pydantic=True`` task: turn call arguments into what its body receives.
+    """For a ``pydantic=True`` task: turn call arguments into what its body receives, so the key
+    is built from the models Celery's ``pydantic_wrapper`` passes (a model, its JSON form and
+    the default all key alike).
 
-    Celery validates the arguments of such a task into models inside ``run`` (its
-    ``pydantic_wrapper``): a model passed directly, its JSON form after the serializer and the
-    model default all reach the body as equal models, so the key is built from those. Uses the
-    wrapper's own validation helpers where Celery has them (5.7), else validates the annotations
-    Celery validates with pydantic (5.6: resolved type hints; 5.5: the raw annotations, so a
-    string annotation of ``from __future__ import annotations`` is not validated, by Celery
-    either). An argument that fails validation is keyed as it came (the body's
-    own validation then raises, as in Celery). ``None`` for a task without ``pydantic=True``.
+    Uses the wrapper's own helpers where Celery has them (5.7), else validates the annotations
+    as Celery does (5.6: resolved type hints; 5.5: raw annotations, so a string annotation is
+    not validated, by Celery either). An argument that fails is keyed as it came (the body
+    then raises, as in Celery). ``None`` without ``pydantic=True``.
     """
     run = inspect.getattr_static(cls, "run", None)
     bound = not isinstance(run, staticmethod)
@@ -135,9 +111,6 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     signature = free.get("task_signature") or inspect.signature(func)
     get_model = free.get("get_argument_model")
     validate_argument = free.get("validate_argument")
-    # Celery 5.6 resolves string annotations (its type_hints cell; None when they cannot be
-    # resolved), Celery 5.5 validates the raw ones only (no cell): the same here, so the key is
-    # built from what the body receives.
     hints = free.get("type_hints") or {}
     strict = bool(free.get("strict", False))
     context = {
@@ -190,21 +163,21 @@ class LockedTask(Task):  # type: ignore[misc]
     Options (class attributes, or keywords to ``@app.task(base=LockedTask, ...)``):
 
     - ``lock_key``: template (``"account:{account_id}"``), callable called as the task is and
-      returning a str, or ``None`` (default: ``"<task name>:<digest of bound arguments>"``).
+    returning a str, or ``None`` (default: ``"<task name>:<digest of bound arguments>"``).
     - ``lock_ttl`` (default ``lease_default_ttl``, else 30 s), ``lock_wait`` (default
-      ``lease_default_wait``, else 0), ``lock_max_hold`` (default none), ``lock_cooldown``
-      (seconds the key stays taken after a success; default 0).
+    ``lease_default_wait``, else 0), ``lock_max_hold`` (default none), ``lock_cooldown``
+    (seconds the key stays taken after a success; default 0).
     - ``lock_store``: a ``LockStore``, a store URL, or ``None`` (the app's store).
     - ``lock_on_held``: ``"raise"`` (default), ``"skip"`` or ``"retry"``;
-      ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
+    ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
     - ``lock_on_lost``: ``"mark"`` (default) or ``"revoke"``.
-    - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``: at most one
-      queued copy per key, returned to every caller (:mod:`celery_lease._celery.unique`), with
-      ``lock_on_duplicate`` (``"existing"`` or ``"raise"``), ``lock_queue_ttl`` (default
-      ``lease_default_queue_ttl``, else 1 h), ``lock_debounce`` and ``lock_debounce_max``.
+    - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``
+    (:mod:`celery_lease._celery.unique`), with ``lock_on_duplicate`` (``"existing"`` or
+    ``"raise"``), ``lock_queue_ttl`` (default ``lease_default_queue_ttl``, else 1 h),
+    ``lock_debounce`` and ``lock_debounce_max``.
 
-    Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the class
-    is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
+    Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the
+    class is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
     """
 
     # Typed for subclasses (``lock_on_held = "skp"`` is a mypy error there); ``None``: unset.
@@ -226,7 +199,7 @@ class LockedTask(Task):  # type: ignore[misc]
     _lock_options: LockOptions = LockOptions()
     _lock_spec: _Spec | None = None
     _lock_calls_through = False
-    """Whether another class in the class order defines ``__call__`` (run it under the lease)."""
+    """Whether another class in the MRO defines ``__call__`` (run it under the lease)."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -252,7 +225,6 @@ class LockedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def _lock_configure(cls) -> None:
-        """Validate the ``lock_*`` options and the key template against the body's signature."""
         where = cls._lock_where()
         cls._lock_options = validate_options(
             {o: getattr(cls, f"lock_{o}") for o in OPTIONS}, where=f"task {where}", prefix="lock_"
@@ -273,7 +245,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: CeleryApp) -> None:
-        """Re-validate options after Celery applied task annotations; expected errors at INFO."""
+        """Re-validate after Celery applied task annotations; expected errors at INFO."""
         super().on_bound(app)
         cls._lock_configure()
         if cls._lock_options.on_held in ("raise", "retry") and LockNotAcquiredError not in (
@@ -301,17 +273,13 @@ class LockedTask(Task):  # type: ignore[misc]
     def __call__(self, *args: object, **kwargs: object) -> Any:  # Any: what the body returns
         """Run the body under the lease (worker, eager and direct calls alike).
 
-        The lease is held around the rest of the class order: with a mixin whose ``__call__``
-        comes after ``LockedTask`` (``class Base(LockedTask, DBTask)``) that ``__call__`` runs
-        once, inside the lease, through ``super().__call__()``; without one, the body runs as
-        Celery runs a plain task's (the tracer's request, or one pushed for a direct call). The
-        key is built from the arguments this ``__call__`` receives (after Celery's pydantic
-        validation for ``pydantic=True`` tasks), and the lock attributes are set on every
-        request the body may see.
+        The lease is held around the rest of the MRO: a mixin's ``__call__`` after
+        ``LockedTask`` runs once, inside it, through ``super().__call__()``. The key is built
+        from the arguments received here (after pydantic validation), and every request the
+        body may see gets the lock attributes.
         """
         top = self.request_stack.top
-        # The request the worker's tracer (or apply()) pushed for this execution, unclaimed
-        # (the mark is an object no message header can carry).
+        # The tracer's (or apply()'s) request, unclaimed (no message header can carry the mark).
         claimed = top is not None and not top.called_directly and not _is_claimed(top)
         spec = self._lock_get_spec()
         if type(self)._lock_calls_through:
@@ -349,8 +317,7 @@ class LockedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> AsyncResult:
-        """Celery's ``apply_async``; with ``lock_unique`` set, at most one queued copy per key
-        (see :mod:`celery_lease._celery.unique`). Without it, exactly Celery's path."""
+        """Celery's ``apply_async``; with ``lock_unique``, at most one queued copy per key."""
         if type(self)._lock_options.unique is None:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -377,13 +344,11 @@ class LockedTask(Task):  # type: ignore[misc]
         task_id: str | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> AsyncResult:
-        """Celery's ``apply_async``, past ``lock_unique``'s checks: how the unique code
-        publishes a copy it has decided on (and re-sends a second delivery)."""
+        """Celery's ``apply_async`` past ``lock_unique``'s checks (for the unique code)."""
         return super().apply_async(args, kwargs, task_id, **options)
 
     def push_request(self, *args: object, **kwargs: object) -> None:
-        """Push a request as Celery does; one pushed for a running execution's body (by
-        ``Task.__call__`` further down the class order) gets that execution's lock attributes."""
+        """As Celery; a request pushed for a running execution's body gets its lock attributes."""
         super().push_request(*args, **kwargs)
         adopt_request(self, self.request)
 
@@ -398,13 +363,11 @@ class LockedTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> Retry:
-        """Celery's ``retry()``; the retry message is published after this execution's lease
-        was released (early: the lease reads lost with reason ``"released"``).
+        """Celery's ``retry()``, published after this execution's lease was released early.
 
-        With ``throw=False`` and ``lock_on_lost="revoke"``, the ``Retry`` is raised anyway once
-        the retry was sent: the body may not run on without its lease, and the attempt ends in
-        RETRY. With ``lock_on_lost="mark"`` it returns as in Celery, and the body reads
-        ``request.lock_lost`` True. In eager mode nothing is published and the lease is kept.
+        With ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway: the
+        body may not run on without its lease. With ``"mark"`` it returns as in Celery and
+        ``request.lock_lost`` reads True. Eager mode publishes nothing and keeps the lease.
         """
         retry = super().retry(
             args=args,
@@ -429,9 +392,8 @@ class LockedTask(Task):  # type: ignore[misc]
     def on_lock_lost(self, lease: Lease) -> None:
         """Called once when the running body's lease is lost (not after an early release).
 
-        It runs on the lease dispatcher's thread, never the renewer's, and may block without
-        delaying renewals or the interrupt; ``self.request`` there is not that execution's
-        request: use ``lease`` (``key``, ``token``, ``lost_reason``).
+        Runs on the lease dispatcher's thread and may block without delaying renewals;
+        ``self.request`` there is not that execution's: use ``lease``.
         """
 
     def on_lock_rejected(self, key: str) -> None:
@@ -442,8 +404,8 @@ class LockedTask(Task):  # type: ignore[misc]
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
-    """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
-    wrapper), not a helper called from the body."""
+    """Whether ``wrapper`` is ``task``'s body (maybe under Celery's pydantic wrapper), not a
+    helper."""
     run: object = task.run
     for _ in range(4):  # run -> pydantic wrapper -> ours: a short chain
         run = getattr(run, "__func__", run)
@@ -474,14 +436,10 @@ def locked(
 ) -> Callable[[F], F]:
     """Decorate a task function (below ``@app.task``) so that its body runs under a lease.
 
-    Takes the options of :class:`LockedTask` as keywords (``key``, ``ttl``, ``wait``,
-    ``max_hold``, ``cooldown``, ``store``, ``on_held``, ``retry_countdown``, ``on_lost``), with
-    the same defaults. ``unique`` (and ``on_duplicate``, ``queue_ttl``, ``debounce``,
-    ``debounce_max``) are validated, then refused with a :class:`LeaseConfigError`: enqueue-time
-    uniqueness lives in ``apply_async``, which a function decorator cannot reach; use
-    ``@app.task(base=LockedTask, lock_unique=...)``. Works with ``bind=True`` (the key is built
-    from the arguments after ``self``) and without. Options and templates are checked here, at
-    decoration time.
+    Takes :class:`LockedTask`'s options without the ``lock_`` prefix, with the same defaults,
+    checked here. ``unique`` (and its options) is refused: de-duplication lives in
+    ``apply_async``, which a function decorator cannot reach. With ``bind=True`` the key is
+    built from the arguments after ``self``.
 
     Raises:
         LeaseConfigError: naming the option, the value and what is allowed.
