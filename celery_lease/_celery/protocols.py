@@ -1,16 +1,12 @@
-"""The parts of Celery, billiard, kombu and greenlet that the Celery layer uses, as structural
-types.
+"""Structural types of the parts of Celery, billiard, kombu and greenlet the Celery layer uses.
 
-Celery ships no type information (no ``py.typed``, no stubs; 5.7 checked), so mypy sees ``Task``,
-``Context``, ``Celery``, the backends, ``Signal`` and the bootsteps as ``Any``. Each protocol
-names only the members we read or call, as Celery defines them; third-party stubs would tie us to
-one view of one version, and a test's small fake is typed like the real thing. Nothing is
-``runtime_checkable``: only mypy reads them, and ``tests/unit/_celery/test_protocols.py`` checks
-Celery's real objects still have every member.
-
-The ``TypeGuard`` functions at the end are a store's capability checks
-(:func:`~celery_lease.stores.base.conforms`, :func:`~celery_lease._core.lease.offers`: they see
-delegated attributes), typed for mypy.
+Celery ships no type information (no ``py.typed``, no stubs; 5.7 checked), so mypy sees
+``Task``, ``Context``, ``Celery``, the backends, ``Signal`` and the bootsteps as ``Any``. Each
+protocol names only the members we read or call, as Celery defines them; third-party stubs
+would tie us to one view of one version, and a test's small fake is typed like the real thing.
+Nothing is ``runtime_checkable``: only mypy reads them, and
+``tests/unit/_celery/test_protocols.py`` checks Celery's real objects still have every member.
+The ``TypeGuard`` functions at the end type a store's capability checks for mypy.
 """
 
 from __future__ import annotations
@@ -57,28 +53,21 @@ class AppConf(Protocol):
     """``app.conf`` (``celery.app.utils.Settings``): settings read by attribute or by ``get``."""
 
     task_always_eager: bool
-    broker_url: object
-    """The broker's URL: a str, a list of them (failover), or None."""
+    broker_url: object  # a str, a list of them (failover), or None
     broker_transport_options: Mapping[str, object] | None
 
-    def get(self, key: str, default: object = None) -> object:
-        """The value of setting ``key`` as the user configured it (any type), else ``default``."""
-
-    def keys(self) -> Iterable[str]:
-        """Every setting's name, Celery's defaults included."""
+    def get(self, key: str, default: object = None) -> object: ...  # as configured, any type
+    def keys(self) -> Iterable[str]: ...  # Celery's defaults included
 
 
 class CeleryApp(Protocol):
     """A Celery app (``celery.Celery``)."""
 
     conf: AppConf
-    steps: Mapping[str, MutableSet[type]]
-    """Bootstep classes to add, by blueprint (``"worker"``, ``"consumer"``)."""
+    steps: Mapping[str, MutableSet[type]]  # bootstep classes to add, by blueprint
 
     @property
-    def tasks(self) -> Mapping[str, CeleryTask]:
-        """The task registry (``celery.app.registry.TaskRegistry``): tasks by name; reading it
-        finalizes the app."""
+    def tasks(self) -> Mapping[str, CeleryTask]: ...  # the registry; reading it finalizes
 
 
 class TaskRequest(Protocol):
@@ -94,34 +83,28 @@ class TaskRequest(Protocol):
     chord: object
     ignore_result: bool
     retries: int
-    hostname: str | None
-    """The worker's node name (None for a direct call)."""
+    hostname: str | None  # the worker's node name (None for a direct call)
 
     # The lock attributes, defined on ``Context`` by :mod:`celery_lease._celery.request`:
     lock_key: str | None
     lock_token: int | None
     lock_waited: bool
     lease: Lease | None
-    _lease_run: object
-    """:data:`celery_lease._celery.request.CLAIMED` once a locked execution claimed it."""
+    _lease_run: object  # request.CLAIMED once a locked execution claimed it
 
 
 class TaskStack(Protocol):
     """The stack of running tasks that ``current_task`` reads (``celery._state._task_stack``)."""
 
-    def push(self, obj: object) -> None:
-        """Make ``obj`` the current task."""
-
-    def pop(self) -> object:
-        """Remove the current task."""
+    def push(self, obj: object) -> None: ...
+    def pop(self) -> object: ...
 
 
 class RequestStack(Protocol):
     """``task.request_stack`` (``celery.utils.threads.LocalStack``)."""
 
     @property
-    def top(self) -> TaskRequest | None:
-        """The current request, None outside an execution."""
+    def top(self) -> TaskRequest | None: ...  # None outside an execution
 
 
 class AsyncResultLike(Protocol):
@@ -142,22 +125,18 @@ class ResultBackend(Protocol):
     """A task's result backend (``celery.backends.base.Backend``)."""
 
     def get_state(self, task_id: str) -> str:
-        """The stored state of ``task_id`` (``PENDING`` when nothing is stored);
-        ``NotImplementedError`` on the ``DisabledBackend``."""
+        """``PENDING`` when nothing is stored; ``NotImplementedError`` on ``DisabledBackend``."""
 
     def mark_as_failure(
         self, task_id: str, exc: BaseException, *, call_errbacks: bool = True
-    ) -> object:
-        """Store FAILURE with ``exc`` for ``task_id``."""
-
+    ) -> object: ...
     def mark_as_revoked(
         self,
         task_id: str,
         reason: str = "",
         request: TaskRequest | None = None,
-        store_result: bool = True,
-    ) -> object:
-        """Store REVOKED with ``reason`` (only announce it without ``store_result``)."""
+        store_result: bool = True,  # False: only announce it
+    ) -> object: ...
 
 
 class CeleryTask(Protocol):
@@ -170,29 +149,20 @@ class CeleryTask(Protocol):
     acks_late: bool
     ignore_result: bool
     store_errors_even_if_ignored: bool
-    run: Callable[..., object]
-    """The body (a bound method; the function for a ``@app.task`` body)."""
+    run: Callable[..., object]  # the body (a bound method; the function of ``@app.task``)
 
     @property
-    def request(self) -> TaskRequest:
-        """The current request (a default one, built on first read, outside an execution)."""
-
+    def request(self) -> TaskRequest: ...  # outside an execution: a default one, built now
     @property
-    def request_stack(self) -> RequestStack | None:
-        """The stack of requests (None before the task is bound)."""
-
-    def AsyncResult(self, task_id: str) -> AsyncResultLike:  # Celery's name
-        """The result of ``task_id`` in this task's backend."""
-
+    def request_stack(self) -> RequestStack | None: ...  # None before the task is bound
+    def AsyncResult(self, task_id: str) -> AsyncResultLike: ...  # Celery's name
     def apply_async(
         self,
         args: Sequence[object] | None = None,
         kwargs: Mapping[str, object] | None = None,
         task_id: str | None = None,
         **options: object,
-    ) -> AsyncResultLike:
-        """Publish a copy."""
-
+    ) -> AsyncResultLike: ...
     def signature_from_request(
         self,
         request: TaskRequest,
@@ -200,12 +170,8 @@ class CeleryTask(Protocol):
         countdown: float,
         expires: None,
         headers: Mapping[str, object],
-    ) -> TaskSignature:
-        """A signature that re-sends ``request`` as ``retry()`` does."""
-
-    def send_event(self, type_: str, **fields: object) -> None:
-        """Send a task event (``task-revoked``) when ``send_events`` is on."""
-
+    ) -> TaskSignature: ...  # re-sends ``request`` as ``retry()`` does
+    def send_event(self, type_: str, **fields: object) -> None: ...  # when ``send_events``
     def retry(
         self,
         args: Sequence[object] | None = None,
@@ -216,8 +182,7 @@ class CeleryTask(Protocol):
         countdown: float | None = None,
         max_retries: int | None = None,
         **options: object,
-    ) -> BaseException:
-        """Re-send this execution; raises (or, with ``throw=False``, returns) ``Retry``."""
+    ) -> BaseException: ...  # raises ``Retry`` (returns it with ``throw=False``)
 
 
 class UniqueTask(CeleryTask, Protocol):
@@ -229,16 +194,14 @@ class UniqueTask(CeleryTask, Protocol):
         kwargs: Mapping[str, object] | None,
         task_id: str | None,
         **options: object,
-    ) -> AsyncResultLike:
-        """Publish as Celery's ``apply_async`` does, past ``lock_unique``'s checks."""
+    ) -> AsyncResultLike: ...  # Celery's ``apply_async``, past ``lock_unique``'s checks
 
 
 class SignalLike(Protocol):
     """A Celery signal (``celery.utils.dispatch.Signal``) whose receivers are looked at."""
 
     @property
-    def receivers(self) -> Sequence[tuple[object, object]]:
-        """``(lookup key, receiver)`` pairs; a weak receiver is a ``weakref.ref`` to it."""
+    def receivers(self) -> Sequence[tuple[object, object]]: ...  # weak ones: ``weakref.ref``
 
 
 class WorkerLike(Protocol):
@@ -246,11 +209,9 @@ class WorkerLike(Protocol):
 
     app: CeleryApp
     hostname: str
-    pool_cls: object
-    """The pool class (its name, or a class, as the worker was given it)."""
+    pool_cls: object  # its name, or a class, as the worker was given it
     concurrency: int
-    pool: object
-    """The task pool (``celery.concurrency.base.BasePool``), once the Pool step built it."""
+    pool: object  # ``celery.concurrency.base.BasePool``, once the Pool step built it
 
 
 class WorkerRequest(Protocol):
@@ -259,8 +220,7 @@ class WorkerRequest(Protocol):
 
     id: str
     name: str
-    worker_pid: int | None
-    """The pid of the pool child that accepted it (None until one did)."""
+    worker_pid: int | None  # the pool child that accepted it (None until one did)
     task: CeleryTask | None
 
 
@@ -268,51 +228,40 @@ class PoolProcess(Protocol):
     """A child of billiard's pool (``billiard.process.BaseProcess``)."""
 
     pid: int | None
-    exitcode: int | None
-    """None until ``waitpid()`` returned for it (reaped)."""
+    exitcode: int | None  # None until ``waitpid()`` returned for it (reaped)
 
 
 class PoolJob(Protocol):
     """A job of billiard's pool (``billiard.pool.ApplyResult``): one task sent to a child."""
 
-    def worker_pids(self) -> list[int]:
-        """The pids of the children that accepted the job."""
-
-    def ready(self) -> bool:
-        """Whether the job finished."""
+    def worker_pids(self) -> list[int]: ...  # the children that accepted the job
+    def ready(self) -> bool: ...
 
 
 class BilliardPool(Protocol):
     """billiard's pool in the prefork task pool (``billiard.pool.Pool``, or ``AsynPool``), as the
     reaper uses it."""
 
+    # Fails (or requeues) a job whose child died with an exit code (replaced on the instance):
     mark_as_worker_lost: Callable[[PoolJob, int], object]
-    """Fail (or requeue) a job whose child died with an exit code (replaced on the instance)."""
+    # Reaps dead children (read and replaced by :mod:`celery_lease._celery.compat` only):
     _join_exited_workers: Callable[..., object]
-    """Reap dead children (read and replaced by :mod:`celery_lease._celery.compat` only)."""
 
-    def maintain_pool(self) -> object:
-        """Reap dead children and start new ones."""
+    def maintain_pool(self) -> object: ...  # reap dead children and start new ones
 
 
 class EventLoopHub(Protocol):
     """The worker's event loop (``kombu.asynchronous.hub.Hub``)."""
 
-    def add_reader(self, fd: int, callback: Callable[[], None]) -> object:
-        """Call ``callback`` when ``fd`` is readable."""
-
-    def remove_reader(self, fd: int) -> object:
-        """Stop watching ``fd``."""
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> object:
-        """Call ``callback`` after ``delay`` seconds."""
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> object: ...
+    def remove_reader(self, fd: int) -> object: ...
+    def call_later(self, delay: float, callback: Callable[[], None]) -> object: ...  # seconds
 
 
 class Greenlet(Protocol):
     """A greenlet (``greenlet.greenlet``): the one a body runs on under gevent or eventlet."""
 
-    def throw(self, exc: BaseException) -> object:
-        """Raise ``exc`` in the greenlet at its next switch."""
+    def throw(self, exc: BaseException) -> object: ...  # raised at its next switch
 
 
 class _HubLoop(Protocol):

@@ -202,45 +202,32 @@ def _read(app: CeleryApp) -> LeaseSettings:
                 f"lease_store={redact_url(store)!r} has an unknown scheme {scheme!r}; supported:"
                 f" {', '.join(s + '://' for s in _registry.known_schemes())}"
             )
-    ttl = conf.get("lease_default_ttl")
-    wait = conf.get("lease_default_wait")
     prefix = conf.get("lease_key_prefix")
     if prefix is not None and not isinstance(prefix, str):
         raise LeaseConfigError(f"lease_key_prefix={prefix!r} must be a str (default '')")
     metrics, metrics_port = _read_metrics(conf.get("lease_metrics"), conf.get("lease_metrics_port"))
+
+    def seconds(name: str, *, inclusive: bool = True) -> float | None:
+        value = conf.get(name)
+        return None if value is None else to_seconds(value, name=name, inclusive=inclusive)
+
     return LeaseSettings(
         store=cast("str | LockStore | None", store),
-        default_ttl=pick(
-            None if ttl is None else to_seconds(ttl, name="lease_default_ttl", inclusive=False),
-            None,
-            BUILTIN_TTL,
-        ),
-        default_wait=pick(
-            None if wait is None else to_seconds(wait, name="lease_default_wait"),
-            None,
-            BUILTIN_WAIT,
-        ),
+        default_ttl=pick(seconds("lease_default_ttl", inclusive=False), None, BUILTIN_TTL),
+        default_wait=pick(seconds("lease_default_wait"), None, BUILTIN_WAIT),
         key_prefix=pick(prefix, None, BUILTIN_KEY_PREFIX),
         metrics=metrics,
         metrics_port=metrics_port,
-        default_queue_ttl=None
-        if conf.get("lease_default_queue_ttl") is None
-        else to_seconds(
-            conf.get("lease_default_queue_ttl"), name="lease_default_queue_ttl", inclusive=False
-        ),
+        default_queue_ttl=seconds("lease_default_queue_ttl", inclusive=False),
         defer_release=_read_bool(conf.get("lease_defer_release"), "lease_defer_release", True),
         store_check=_read_store_check(conf.get("lease_store_check")),
-        restart_grace=None
-        if conf.get("lease_restart_grace") is None
-        else to_seconds(conf.get("lease_restart_grace"), name="lease_restart_grace"),
+        restart_grace=seconds("lease_restart_grace"),
         require_shared_store=_read_bool(
             conf.get("lease_require_shared_store"), "lease_require_shared_store", False
         ),
         beat_scheduler=_read_beat_scheduler(conf.get("lease_beat_scheduler")),
         beat_key=_read_beat_key(conf.get("lease_beat_key")),
-        beat_ttl=None
-        if conf.get("lease_beat_ttl") is None
-        else to_seconds(conf.get("lease_beat_ttl"), name="lease_beat_ttl", inclusive=False),
+        beat_ttl=seconds("lease_beat_ttl", inclusive=False),
     )
 
 
