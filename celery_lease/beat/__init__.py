@@ -1,16 +1,10 @@
 """A beat without a single point of failure: :class:`LeasedScheduler` sends due tasks only while
-it holds a renewed lease, so any number of ``celery beat`` (or ``celery worker -B``) processes can
-run and exactly one of them sends.
+it holds a renewed lease, so any number of beat processes can run and exactly one sends.
+Guide: ``docs/celery.md#the-leased-scheduler``.
 
-::
-
-    app.conf.beat_scheduler = "celery_lease.beat:LeasedScheduler"
-    app.conf.lease_beat_scheduler = "celery.beat:PersistentScheduler"   # the default
-
-The modules, one job each: :mod:`~celery_lease.beat.config` reads and checks the settings,
-:mod:`~celery_lease.beat.last_runs` shares each entry's last run through the lease store,
-:mod:`~celery_lease.beat.election` holds, loses and takes the lease again, and
-:mod:`~celery_lease.beat.scheduler` is the scheduler Celery's ``Service`` runs.
+Modules: :mod:`~celery_lease.beat.config` (settings), :mod:`~celery_lease.beat.last_runs`
+(each entry's last run, shared through the store), :mod:`~celery_lease.beat.election` (hold,
+lose, take again) and :mod:`~celery_lease.beat.scheduler` (what Celery's ``Service`` runs).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The beat lease as one beat process sees it: take it, keep it, notice its loss, take it again.
 
-A beat holds the lease with the public :func:`celery_lease.lease` (the app's store and
-``lease_key_prefix``), entered and exited on the thread that runs the scheduler, so the
-library's renewer renews it every ttl/3 and records its loss; :meth:`Election.verify` asks the
-store itself, right before each send, whether the lease is still this beat's. A beat that lost
-the lease does not exit: its next tick exits the lost lease and stands by again, waiting for the
-key as any ``lease(wait=...)`` does (woken by a release where the store notifies one, else
-polling from 50 ms up to 1 s).
+Held with the public :func:`celery_lease.lease` on the scheduler's thread, so the renewer
+renews it and records its loss; :meth:`Election.verify` asks the store right before each send.
+A beat that lost the lease stands by again, waiting as ``lease(wait=...)`` does.
 """
 
 from __future__ import annotations
@@ -22,20 +18,12 @@ __all__ = ["HOLDER", "Election"]
 logger = logging.getLogger("celery_lease.beat")
 
 HOLDER = "celery beat"
-"""The label of the beat lease's owner id (``celery lease list`` shows it with host and pid)."""
+"""The label of the beat lease's owner id."""
 
 
 class Election:
-    """One process's part in the election of the beat that sends.
-
-    Args:
-        app: the Celery app (its lease store and ``lease_key_prefix``).
-        key: the lease's key, before the app's prefix.
-        ttl: the lease's ttl in seconds.
-
-    Not thread-safe: one scheduler thread calls it (the loss report runs on the library's
-    dispatcher thread and only logs).
-    """
+    """One process's part in the election of the beat that sends (``key`` before the app's
+    prefix, ``ttl`` in seconds). Not thread-safe: one scheduler thread calls it."""
 
     def __init__(self, app: Any, key: str, ttl: float) -> None:
         self.app = app
@@ -46,8 +34,7 @@ class Election:
         self._standing_by = False
 
     def current(self) -> Lease | None:
-        """The lease while this beat holds it; ``None`` when it does not (a lease found lost is
-        exited here, and the beat stands by from its next :meth:`take`)."""
+        """The lease while held, else ``None`` (a lease found lost is exited here)."""
         held = self.held
         if held is None:
             return None
@@ -57,7 +44,7 @@ class Election:
         return held
 
     def take(self, wait: float) -> Lease | None:
-        """Wait up to ``wait`` seconds for the lease; the lease once held, else ``None``."""
+        """Wait up to ``wait`` seconds for the lease; it once held, else ``None``."""
         context = lease(
             self.key, app=self.app, ttl=self.ttl, wait=wait, holder=HOLDER, on_lost=_report_lost
         )
@@ -86,8 +73,8 @@ class Election:
         return held
 
     def verify(self) -> bool:
-        """Whether this beat still holds the lease, asked of the store now (a renewal, owner
-        checked): ``False`` once it is lost, taken, or the store does not answer."""
+        """Whether the store still records this beat as the holder (an owner-checked renewal):
+        ``False`` once lost, taken, or unanswered."""
         held = self.current()
         if held is None:
             return False
@@ -110,7 +97,7 @@ class Election:
         return kept
 
     def resign(self) -> None:
-        """Release the lease if held (a clean shutdown: a standby takes over at once)."""
+        """Release the lease if held, so a standby takes over at once."""
         if self.held is not None:
             logger.info("celery-lease beat: releasing %s", self.held.key)
         self._exit()
@@ -126,7 +113,6 @@ class Election:
 
 
 def _report_lost(held: Lease) -> None:
-    """Log a lost beat lease (on the library's dispatcher thread)."""
     logger.warning(
         "celery-lease beat: lost %s (fencing token %d, %s): stopped sending; standing by to"
         " take it again",

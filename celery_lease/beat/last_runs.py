@@ -1,18 +1,11 @@
 """Each schedule entry's last run, shared through the lease store next to the beat's lease.
 
-The holder of the beat lease records, after every send, when the entry last ran; a beat that
-takes the lease over reads the records before it sends anything, so it sends the next tick at
-that tick's due time: it neither repeats the tick its predecessor sent nor skips one, whatever
-the wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host).
-
-A record is a lease, so every store has it with no new method: the key
-``<beat key>:last-run:<entry name>`` held for :data:`RECORD_TTL` by an owner id whose label
-is ``last-run <unix milliseconds>`` (``celery lease list`` shows it). Writing one releases the
-previous owner and acquires with the new one; only the beat lease's holder writes, right after
-it checked with the store that it still holds the beat lease. Reading needs a store that lists
-its leases (:class:`~celery_lease.stores.base.SupportsInspection`, as every store of the
-package); with another store the records are neither written nor read, and take-over falls back
-to the wrapped scheduler's own state (logged once at start).
+The holder records every send; a beat taking over reads the records first, so it neither
+repeats nor skips a tick, whatever the wrapped scheduler keeps (a ``PersistentScheduler``'s
+file is local). A record is a lease, so every store has it: ``<beat key>:last-run:<entry>``
+held for :data:`RECORD_TTL` by an owner whose label is ``last-run <unix ms>``. Only the beat
+lease's holder writes, right after checking it still holds. A store without
+:class:`~celery_lease.stores.base.SupportsInspection` neither writes nor reads them.
 """
 
 from __future__ import annotations
@@ -37,12 +30,7 @@ _SEPARATOR = ":last-run:"
 
 
 class LastRuns:
-    """The last-run records of one beat lease's schedule, in ``store``.
-
-    Args:
-        store: the beat lease's store.
-        beat_key: the beat lease's full key (with the app's ``lease_key_prefix``).
-    """
+    """The last-run records of one beat lease (``beat_key``: its full key) in ``store``."""
 
     def __init__(self, store: LockStore, beat_key: str) -> None:
         self.store = store
@@ -51,8 +39,8 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # the owner id this process last wrote, by entry
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run, by entry name (empty when the
-        store cannot list its leases).
+        """Unix seconds of each entry's last recorded run, by name (empty for a store that cannot
+        list).
 
         Raises:
             StoreUnavailableError: the store did not answer.
@@ -92,14 +80,12 @@ class LastRuns:
 
 
 def _owner(at: float) -> str:
-    """An owner id (``host/pid/<16 hex>;l=<label>``, as ``celery lease list`` reads them) whose
-    label carries ``at``."""
+    """An owner id (``host/pid/<16 hex>;l=<label>``) whose label carries ``at``."""
     label = quote(f"{_LABEL}{round(at * 1000)}", safe=" ")
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(8)};l={label}"
 
 
 def _parse(owner: str) -> float | None:
-    """The unix seconds a record's owner id carries, ``None`` for any other owner id."""
     for field in owner.split(";")[1:]:
         name, _, value = field.partition("=")
         label = unquote(value)

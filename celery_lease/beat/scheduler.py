@@ -1,24 +1,18 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
 
-How it fits Celery's ``Service`` loop (``celery/beat.py``): the service calls ``tick()`` again
-and again and sleeps the interval it returns. The leased scheduler is a subclass built once per
-wrapped class (``LeasedPersistentScheduler(LeasedScheduler, PersistentScheduler)``), so the
-wrapped scheduler keeps its own ``tick``, heap, persistence and entries, and the leased part
-hooks the three steps every scheduler shares:
+Celery's ``Service`` calls ``tick()`` and sleeps what it returns. The leased scheduler is a
+subclass built once per wrapped class (``LeasedPersistentScheduler(LeasedScheduler,
+PersistentScheduler)``), so the wrapped scheduler keeps its ``tick``, heap, persistence and
+entries, and the leased part hooks the steps every scheduler shares:
 
-* ``tick``: without the lease, wait for it instead (a standby); on taking it, read the shared
-  last runs (:mod:`celery_lease.beat.last_runs`) before anything is sent.
-* ``populate_heap`` (whenever ``tick`` rebuilds its heap: on take-over, and after the wrapped
-  scheduler reloaded its schedule, as django-celery-beat's does from its database every few
-  minutes): raise each entry's last run to the shared one, so a reload of state older than the
-  store's (a predecessor that died before it saved its own) never makes a tick due again.
-* ``reserve`` (called by ``tick`` just before a send): check with the store that the lease is
-  still this beat's; if not, nothing is reserved or sent and the entry stays due for whoever
-  holds the lease.
-* ``apply_async``: send with the header ``lease_beat_token`` (the lease's fencing token), then
-  record the entry's last run in the store.
-* ``close`` (the service's stop, ``SIGTERM``, ``SIGINT``): release the lease, so a standby takes
-  over at once.
+* ``tick``: a standby waits for the lease; on taking it, reads the shared last runs first.
+* ``populate_heap`` (take-over, and every schedule reload, as django-celery-beat's): raise
+each entry's last run to the shared one, so older local state never makes a tick due again.
+* ``reserve`` (just before a send): check with the store that the lease is still ours; else
+nothing is sent and the entry stays due.
+* ``apply_async``: send with ``lease_beat_token`` (the fencing token), then record the run.
+* ``close`` (stop, ``SIGTERM``, ``SIGINT``): release the lease, so a standby takes over at
+once.
 """
 
 from __future__ import annotations
@@ -42,8 +36,8 @@ __all__ = ["TOKEN_HEADER", "LeasedScheduler"]
 logger = logging.getLogger("celery_lease.beat")
 
 TOKEN_HEADER = "lease_beat_token"
-"""The header every message of a leased beat carries: the fencing token of its lease (read it in
-a task as ``self.request.lease_beat_token``)."""
+"""The header every message of a leased beat carries: the lease's fencing token
+(``self.request.lease_beat_token`` in a task)."""
 
 
 class NotHolding(Exception):
@@ -53,28 +47,16 @@ class NotHolding(Exception):
 class LeasedScheduler(Scheduler):  # type: ignore[misc]
     """A beat scheduler that sends due tasks only while it holds the lease ``lease_beat_key``.
 
-    Use it as ``celery beat -S celery_lease.beat:LeasedScheduler`` or
-    ``app.conf.beat_scheduler = "celery_lease.beat:LeasedScheduler"`` (also for
-    ``celery worker -B``). It wraps the scheduler class ``lease_beat_scheduler`` names (default
-    ``celery.beat:PersistentScheduler``; ``django_celery_beat.schedulers:DatabaseScheduler``, or
-    its alias ``django``, works too): instantiating ``LeasedScheduler`` builds a subclass of
-    both, so the wrapped scheduler's schedule, persistence and ``tick`` are kept as they are.
-
-    Settings (``app.conf``), read and checked when beat starts (a bad one raises
-    :class:`~celery_lease.LeaseConfigError` naming it, its value and what is allowed):
-
-    * ``lease_beat_scheduler``: the wrapped scheduler (a class or ``"module:Class"``).
-    * ``lease_beat_key``: the lease's key (default ``"celery-beat:<app main name>"``; the
-      app's ``lease_key_prefix`` is put in front, as for every app lease).
-    * ``lease_beat_ttl``: its ttl (duration, default 30 s); it is renewed every ttl/3, so a
-      standby takes over within one ttl (plus one poll, at most 1 s) of the active beat's death,
-      and at once after a clean shutdown, which releases it.
-
-    Every message it sends carries the header ``lease_beat_token``: its lease's fencing token.
+    Use ``celery beat -S celery_lease.beat:LeasedScheduler`` or ``app.conf.beat_scheduler =
+    "celery_lease.beat:LeasedScheduler"`` (also for ``worker -B``). It wraps
+    ``lease_beat_scheduler`` (default ``celery.beat:PersistentScheduler``; ``django`` works
+    too) by building a subclass of both. Settings (``lease_beat_*``, checked at start): see
+    :mod:`celery_lease._celery.settings`. A standby takes over within one ``lease_beat_ttl``
+    (plus at most a 1 s poll) of the active beat's death, at once after a clean shutdown.
 
     Attributes:
-        standby_wait: seconds one ``tick`` of a standby waits for the lease (default ``None``:
-            the ttl, at most the scheduler's ``max_interval``). 0: try once and return.
+            standby_wait: seconds one standby ``tick`` waits for the lease (default ``None``:
+            the ttl, at most ``max_interval``; 0: try once).
     """
 
     standby_wait: float | None = None
@@ -101,11 +83,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One pass: send what is due while holding the lease, else wait for the lease.
-
-        Returns:
-            seconds until the next pass is wanted.
-        """
+        """One pass: send what is due while holding the lease, else wait for it; seconds until
+        the next."""
         if self.election.current() is None and not self._take_over():
             return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
         try:
@@ -115,10 +94,10 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
 
     def reserve(self, entry: Any) -> Any:
-        """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
+        """Advance ``entry`` for its send once the store confirmed the lease.
 
         Raises:
-            NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
+            NotHolding: it did not (nothing advanced or sent).
         """
         if not self.election.verify():
             raise NotHolding(entry.name)
@@ -134,8 +113,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         held = self.election.held
         if held is None:  # only reachable through a direct call of a standby
             raise NotHolding(entry.name)
-        # The entry itself carries the header for this send (a copy cannot be made of every
-        # scheduler's entries: django-celery-beat's ModelEntry does not copy).
+        # On the entry itself for this send: django-celery-beat's ModelEntry does not copy.
         options = entry.options
         headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
         entry.options = {**(options or {}), "headers": headers}
@@ -158,8 +136,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return result
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
-        """Raise each entry's last run to the shared one, then let the wrapped scheduler build
-        its heap."""
+        """Raise each entry's last run to the shared one, then build the wrapped scheduler's
+        heap."""
         schedule = self.schedule
         for name, when in self._runs.items():
             entry = schedule.get(name)
@@ -171,7 +149,6 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().populate_heap(*args, **kwargs)
 
     def close(self) -> None:
-        """Close the wrapped scheduler, then release the lease."""
         try:
             super().close()
         finally:
