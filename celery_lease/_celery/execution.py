@@ -452,11 +452,7 @@ def _rejected(
 
 
 def _queued_hold(
-    run: _Run,
-    request: TaskRequest | None,
-    store: LockStore,
-    settings: LeaseSettings,
-    ttl: float,
+    run: _Run, request: TaskRequest | None, store: LockStore, settings: LeaseSettings, ttl: float
 ) -> _unique.QueuedHold | None:
     """A unique copy about to run hands its queued key over (:func:`unique.on_start`): returns the
     queued lease an ``until_done`` copy keeps while it runs, else ``None``."""

@@ -155,11 +155,7 @@ class _Death:
     __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
 
     def __init__(
-        self,
-        pid: int,
-        exitcode: int,
-        tasks: dict[str, str | None],
-        fails: Collection[str] = (),
+        self, pid: int, exitcode: int, tasks: dict[str, str | None], fails: Collection[str] = ()
     ) -> None:
         self.pid = pid
         self.exitcode = exitcode

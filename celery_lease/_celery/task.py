@@ -29,13 +29,7 @@ from celery_lease._celery.request import is_claimed as _is_claimed
 from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
-from celery_lease._core.options import (
-    ON_HELD,
-    ON_LOST,
-    OPTIONS,
-    LockOptions,
-    validate_options,
-)
+from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
 from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
@@ -113,11 +107,7 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     validate_argument = free.get("validate_argument")
     hints = free.get("type_hints") or {}
     strict = bool(free.get("strict", False))
-    context = {
-        **(free.get("context") or {}),
-        "celery_app": task.app,
-        "celery_task_name": task.name,
-    }
+    context = {**(free.get("context") or {}), "celery_app": task.app, "celery_task_name": task.name}
 
     def model_for(name: str, value: object) -> type[BaseModel] | None:
         if get_model is not None:

@@ -66,9 +66,7 @@ class Election:
             return None
         self.held, self._context, self._standing_by = held, context, False
         logger.info(
-            "celery-lease beat: took %s (fencing token %d): sending due tasks",
-            held.key,
-            held.token,
+            "celery-lease beat: took %s (fencing token %d): sending due tasks", held.key, held.token
         )
         return held
 

@@ -10,11 +10,7 @@ from celery import states
 
 from celery_lease._celery.settings import LeaseSettings, pick
 from celery_lease._core.owners import is_queued_owner, parse_owner
-from celery_lease._core.unique_options import (
-    BUILTIN_QUEUE_TTL,
-    SUPERSEDED_NAMESPACE,
-    UniqueOptions,
-)
+from celery_lease._core.unique_options import BUILTIN_QUEUE_TTL, SUPERSEDED_NAMESPACE, UniqueOptions
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.stores.base import LockStore
 
