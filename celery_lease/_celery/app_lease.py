@@ -57,34 +57,34 @@ def lease(
         async with lease("cache:prices", app=app) as held: ...   # as a task's lock_key
 
     Args:
-            key: the key to hold (a non-empty string); with ``app``, after its
+        key: the key to hold (a non-empty string); with ``app``, after its
             ``lease_key_prefix``.
-            store: a :class:`~celery_lease.LockStore`, or an
+        store: a :class:`~celery_lease.LockStore`, or an
             :class:`~celery_lease.stores.base.AsyncLockStore` (a sync ``with`` then uses its
             ``sync`` twin; a sync store under ``async with`` runs on a thread). Default:
             ``app``'s store; one of ``store`` and ``app`` is required.
-            app: a Celery app: its lease store (the one its locked tasks use in this process)
+        app: a Celery app: its lease store (the one its locked tasks use in this process)
             unless ``store`` is given, its ``lease_key_prefix``, and its default ttl and wait.
             Read on each entry, so a lease made at import before ``config_from_object`` uses
             the configuration the app has when it runs (an app already configured is also
             checked now). A task with its own ``lock_store=`` is not excluded unless the same
             ``store=`` is passed.
-            ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s); renewed
+        ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s); renewed
             every ttl/3, so a crashed holder frees the key within one ttl.
-            wait: how long to wait for another holder (default: the app's
+        wait: how long to wait for another holder (default: the app's
             ``lease_default_wait``, else 0: fail at once). Wakes on the store's release
             notification where it has one, else polls from 50 ms doubling to 1 s; counted on
             ``clock``, else the store's clock, else the system clock.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-            on_lost: ``on_lost(lease)``, called once on the dispatcher thread when the lease
+        on_lost: ``on_lost(lease)``, called once on the dispatcher thread when the lease
             is lost. ``"cancel"`` (async only): cancel the task running the body, which ends
             with :class:`~celery_lease.LockLostError`.
-            cancel: a ``threading.Event`` that aborts the wait (within one poll) with
+        cancel: a ``threading.Event`` that aborts the wait (within one poll) with
             ``LockNotAcquiredError(key, "cancelled")``.
         clock: time source (default: the system clock); a ``FakeClock`` in tests.
-            cooldown: after a body that succeeded, keep the key this long instead of releasing
+        cooldown: after a body that succeeded, keep the key this long instead of releasing
             it (default 0).
-            holder: a label recorded in the owner id and shown by ``celery lease list``;
+        holder: a label recorded in the owner id and shown by ``celery lease list``;
             default none.
 
     Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``, all
@@ -92,10 +92,10 @@ def lease(
     :func:`celery_lease._core.lease.lease`.
 
     Raises:
-            LeaseConfigError: (a ``ValueError``) a bad argument, naming it: neither ``store``
+        LeaseConfigError: (a ``ValueError``) a bad argument, naming it: neither ``store``
             nor ``app``, an ``app`` that is not a Celery app, or a bad setting of the app.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-            LockLostError: on exit, when the body raised an ``Exception`` after the lease was
+        LockLostError: on exit, when the body raised an ``Exception`` after the lease was
             lost.
         StoreUnavailableError: when the store cannot be reached to acquire.
     """

@@ -265,22 +265,46 @@ def run_locked(
 
     Args:
         task: the Task (signal sender, ``retry()``, hooks), or ``None`` outside Celery.
-            request: the execution's ``Context``, or ``None`` (a direct call whose body pushes
+        request: the execution's ``Context``, or ``None`` (a direct call whose body pushes
             it, or no Celery).
         spec: the task's validated options and key function.
         args, kwargs: the arguments the key is built from.
         body: runs the task's body.
-            adopt: the first request ``task`` pushes while ``body`` runs gets the lock attributes
+        adopt: the first request ``task`` pushes while ``body`` runs gets the lock attributes
             too (:func:`adopt_request`).
     """
+    saved = None
     if request is not None and _request.is_claimed(request):
         # An enclosing execution's request (a ``@locked`` helper called from its body).
         saved = _request.save(request)
+    try:
+        options = spec.options
+        app = task.app if task is not None else compat.get_current_app()
+        settings = get_settings(app)
+        if request is not None:
+            _clear_lock_attributes(request)  # overwrite what a message header may have put there
+        key = settings.key_prefix + spec.key_function(args, kwargs)
+        run = _Run(task, request, key, options)
+        ttl, wait = spec.durations(settings)
+        store = execution_store(options.store, app, key)
+        context = _lease_context(run, request, store, ttl, wait)
+        arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
+        if options.unique is not None and request is not None:
+            # A superseded debounced copy ends here (Ignore).
+            arrival = _unique.on_arrival(
+                cast("CeleryTask", task), request, store, key, settings, options.unique, ttl, wait
+            )
+            # The refusal names its holder in one step: a redelivery of a running copy is told from
+            # a rejection even if that copy ends just after.
+            context.names_holder = _unique.names_holder(store)
         try:
-            return _run_locked(task, request, spec, args, kwargs, body, adopt)
+            return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
         finally:
-            _request.restore(request, saved)
-    return _run_locked(task, request, spec, args, kwargs, body, adopt)
+            # Always: a claim left held would make later calls duplicates of a copy that is over.
+            _unique.leave(arrival)
+    finally:
+        if saved is not None:
+            _request.restore(cast("TaskRequest", request), saved)
 
 
 def _described(value: object) -> str | None:
@@ -290,43 +314,6 @@ def _described(value: object) -> str | None:
         return None
     text = value if isinstance(value, str) else str(value)
     return text[:MAX_FIELD_CHARS]
-
-
-def _run_locked(
-    task: CeleryTask | None,
-    request: TaskRequest | None,
-    spec: Spec,
-    args: tuple[object, ...],
-    kwargs: Mapping[str, object],
-    body: Callable[[], _R],
-    adopt: bool,
-) -> _R | None:
-    """One execution: acquire, run the body, then release or hand over (the functions below, in
-    order)."""
-    options = spec.options
-    app = task.app if task is not None else compat.get_current_app()
-    settings = get_settings(app)
-    if request is not None:
-        _clear_lock_attributes(request)  # overwrite what a message header may have put there
-    key = settings.key_prefix + spec.key_function(args, kwargs)
-    run = _Run(task, request, key, options)
-    ttl, wait = spec.durations(settings)
-    store = execution_store(options.store, app, key)
-    context = _lease_context(run, request, store, ttl, wait)
-    arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
-    if options.unique is not None and request is not None:
-        # A superseded debounced copy ends here (Ignore).
-        arrival = _unique.on_arrival(
-            cast("CeleryTask", task), request, store, key, settings, options.unique, ttl, wait
-        )
-        # The refusal names its holder in one step: a redelivery of a running copy is told from
-        # a rejection even if that copy ends just after.
-        context.names_holder = _unique.names_holder(store)
-    try:
-        return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
-    finally:
-        # Always: a claim left held would make later calls duplicates of a copy that is over.
-        _unique.leave(arrival)
 
 
 def _run_arrived(

@@ -297,7 +297,7 @@ def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
     list or tuple (each 1..65535; django-prometheus's range convention).
 
     Raises:
-            LeaseConfigError: anything else (a bool, a float, an unordered set, an empty
+        LeaseConfigError: anything else (a bool, a float, an unordered set, an empty
             range...).
     """
     ports: object = value
@@ -355,7 +355,7 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
     read before the app was configured are read again.
 
     Raises:
-            LeaseConfigError: a bad value or misspelled name, or a configuration the worker
+        LeaseConfigError: a bad value or misspelled name, or a configuration the worker
             refused (:func:`refuse`).
     """
     if _refusals:
@@ -465,7 +465,7 @@ def default_sqlite_path() -> str:
     another process deleted: two holders of one key (see :mod:`celery_lease.stores.sqlite`).
 
     Raises:
-            LeaseConfigError: the directory or file is not this user's or not of its kind (a
+        LeaseConfigError: the directory or file is not this user's or not of its kind (a
             symlink is refused).
     """
     directory = default_sqlite_dir()
@@ -586,7 +586,7 @@ def get_store(app: CeleryApp) -> LockStore:
     main process at start). Rebuilt after ``fork``.
 
     Raises:
-            LeaseConfigError: as :func:`get_settings`; or the host-local file under
+        LeaseConfigError: as :func:`get_settings`; or the host-local file under
             ``lease_require_shared_store``.
     """
     settings = get_settings(app)

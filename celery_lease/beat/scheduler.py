@@ -55,7 +55,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
     (plus at most a 1 s poll) of the active beat's death, at once after a clean shutdown.
 
     Attributes:
-            standby_wait: seconds one standby ``tick`` waits for the lease (default ``None``:
+        standby_wait: seconds one standby ``tick`` waits for the lease (default ``None``:
             the ttl, at most ``max_interval``; 0: try once).
     """
 
