@@ -1,18 +1,14 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
 
-:func:`register_command` is called by :func:`celery_lease._celery.wiring.install` and by
-:mod:`celery_lease.cli` (loaded by every ``celery`` invocation through the ``celery.commands``
-entry point): the ``inspect`` client checks the name against its own registry and imports only
-the ``-A`` module, often not one that imports celery-lease. Output and fields:
-``docs/operations.md``.
+:func:`register_command` is called by :func:`~celery_lease._celery.wiring.install` and by
+:mod:`celery_lease.cli` (every ``celery`` invocation loads it): the client checks the name
+against its own registry and imports only the ``-A`` module.
 
-Single-process pools answer from :func:`celery_lease._core.renewer.snapshot`. Under prefork
-the leases live in the children, so each serves its snapshot on ``<dir>/<pid>.sock`` from a
-daemon thread waiting in ``accept()`` (free while nobody asks); ``<dir>`` is private (0700),
-made by the main process before the pool forks. The main process asks every child at once with
-one deadline (:data:`CHILD_TIMEOUT`); a child that does not answer (stopped, or holding the
-GIL in C) is listed in ``unanswered``, never shown as holding nothing. Times are measured by
-the holder's renewer clock. Threads, locks and fork resets: ``docs/internals.md``.
+Under prefork the leases live in the children: each serves its snapshot on
+``<dir>/<pid>.sock`` (``<dir>`` private, made before the pool forks) from a thread waiting in
+``accept()``. The main process asks all at once within :data:`CHILD_TIMEOUT`; a child that
+does not answer is listed in ``unanswered``, never shown as holding nothing. Threads, locks
+and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Stopping a body whose lease is lost (``on_lost="revoke"``), per pool.
 
 One :class:`Interrupter` per locked execution: the task's thread calls
-:meth:`~Interrupter.start` before the body and :meth:`~Interrupter.end` right after it; the
-thread that learns of the loss calls :meth:`~Interrupter.fire` (quick, never blocks or
-raises). Per pool:
-
-- prefork child and solo (main thread): :data:`INTERRUPT_SIGNAL` via ``signal.pthread_kill``;
-the handler raises :class:`AsyncLockLost` at once (a blocking ``sleep`` or read is
-interrupted). A prefork body still running :data:`REVOKE_GRACE` s later (stuck in C) gets its
-child ``SIGTERM``-ed, as ``revoke(terminate=True)`` does.
-- threads: ``PyThreadState_SetAsyncExc``, landing at the thread's next bytecode.
-- gevent, eventlet: thrown into the task's greenlet from a hub callback.
+:meth:`~Interrupter.start` and :meth:`~Interrupter.end` around the body; the thread that
+learns of the loss calls :meth:`~Interrupter.fire`. Prefork children and solo get
+:data:`INTERRUPT_SIGNAL` (a prefork body still running :data:`REVOKE_GRACE` s later has its
+child ``SIGTERM``-ed); threads get ``PyThreadState_SetAsyncExc`` (at the next bytecode);
+gevent and eventlet a throw into the greenlet from the hub.
 
 Why nothing lands after ``end()``: ``fire()`` decides and delivers under the interrupter's
 lock, only while the body runs; ``end()`` marks the body ended, then takes the lock and
@@ -18,11 +13,10 @@ cancels an undelivered exception. The signal handler and green callbacks run bet
 bytecodes of the thread that may hold that lock, so they take none: they read flags and write
 single attributes.
 
-Caller's contract: ``start()`` raising means the body must not run; ``end()`` may raise
-:class:`AsyncLockLost` (it landed after the body's last bytecode: handle it as the interrupt)
-and is idempotent (call it again if something else landed in the ``finally``). ``fire()`` on
-the body's own thread or greenlet (an early release) does nothing: an exception there could
-tear a publish in half. Threads, locks and fork resets: ``docs/internals.md``.
+``start()`` raising means the body must not run; ``end()`` may raise :class:`AsyncLockLost`
+(landed after the body's last bytecode) and is idempotent. ``fire()`` on the body's own thread
+(an early release) does nothing: it could tear a publish in half. Threads, locks and fork
+resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations

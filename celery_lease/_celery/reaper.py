@@ -1,31 +1,22 @@
 """The dead-holder reaper: the leases of a pool child that dies running a task, freed at once.
 
-:class:`DeadHolders` (a prefork bootstep, added by :mod:`celery_lease._celery.worker`, which
-also passes ``task_failure`` to :func:`note_task_failure`). When a child dies running a task
-(``SIGKILL``, OOM, segfault, a hard time limit, ``revoke(terminate=True)``), the main process
-releases the leases that child took for the tasks it was running, instead of leaving them for
-a ttl:
+:class:`DeadHolders`, a prefork bootstep (behaviour:
+``docs/operations.md#dead-holders-freed-at-once``), releases the leases a dead child took for
+the tasks it ran, instead of leaving them for a ttl. Safe because it acts
 
-1. only after billiard reaped the child (``waitpid`` returned: the step wraps
-``_join_exited_workers`` and ``mark_as_worker_lost``), so it no longer runs, not even as a
-zombie;
-2. only leases whose owner id (:func:`~celery_lease._core.owners.parse_owner`) names this
-host, the dead pid, this node (when named) and a task id running on that child (from the
-worker's requests or the pool's jobs: a ``terminate=True`` request leaves the former first; or
-ended by its hard time limit), taken before the reap (a new child with the recycled pid keeps
-its lease). Kept: a ``cooldown`` lease, one taken outside any task, and one of a task whose
-SUCCESS the backend already holds (its key is its cooldown);
-3. found with ``list()`` and released owner-checked with that exact owner: an expired lease
-someone else took is untouched;
-4. on a thread of its own (the event loop never waits for a store), except that the requeue of
-an ``acks_late`` task (``task_reject_on_worker_lost``) waits up to :data:`DEAD_HOLDER_WAIT` s,
-so the redelivery does not find its own key taken (once per hung store). Errors are logged,
-never raised into billiard or the loop.
+1. only after billiard reaped the child (``waitpid`` returned: it runs no more, not even as a
+zombie);
+2. only on leases whose owner id names this host, the dead pid, this node and a task id
+running on that child (the worker's requests or the pool's jobs; or ended by a hard time
+limit), taken before the reap: a new child with the recycled pid keeps its lease. A
+``cooldown``, a lease taken outside a task and one of a task whose SUCCESS is stored are kept;
+3. owner-checked, with the exact owner listed: an expired lease someone else took is
+untouched;
+4. on a thread of its own; only the requeue of an ``acks_late`` task waits up to
+:data:`DEAD_HOLDER_WAIT` s, so the redelivery does not find its own key taken. Errors are
+logged, never raised into billiard or the event loop.
 
-Each release is logged at WARNING and sent as ``lock_released`` (``reason="holder_died"``,
-``pid``, ``exitcode``) from the dispatcher's thread. A store that cannot list, or fails,
-leaves the key to its ttl. Single-process pools have no child to lose. Threads, locks and fork
-resets: ``docs/internals.md``.
+Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -260,14 +251,12 @@ class _Reaper:
         return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """Run the pool's maintenance again as soon as ``process`` can be reaped.
+        """Run the pool's maintenance as soon as ``process`` can be reaped.
 
-        The loop learns of a death when the child's sentinel pipe closes, before the kernel
-        makes it a zombie; a child with several threads (the renewer's) stays in between long
-        enough for ``waitpid(WNOHANG)`` to miss it often, and billiard then reaps it only on
-        its 5 s timer. A pidfd (Linux >= 5.3) becomes readable once the zombie's threads are
-        gone; elsewhere the maintenance is retried after 5, 10, 20 ... ms (for at most
-        :data:`_REAP_RETRY_FOR` s).
+        The loop learns of a death when the sentinel pipe closes, before the child is a
+        zombie; with several threads it stays in between long enough for ``waitpid(WNOHANG)``
+        to miss it, and billiard then waits for its 5 s timer. A pidfd (Linux >= 5.3) wakes
+        the loop once it is reapable; elsewhere maintenance is retried after 5, 10, 20 ... ms.
         """
         try:
             fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started

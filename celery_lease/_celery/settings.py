@@ -1,39 +1,11 @@
 """Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
 
-==============================  =====================================  ========================
-setting (``app.conf``)          meaning                                built-in default
-==============================  =====================================  ========================
-``lease_store``                 a store URL or a ``LockStore``         see :func:`get_store`
-``lease_default_ttl``           ttl of tasks that set none (duration)  30 s
-``lease_default_wait``          wait of tasks that set none (duration)  0
-``lease_key_prefix``            prepended to every task's key (str)    ``""``
-``lease_metrics``               ``"prometheus"``, ``"otel"`` or None    ``None`` (no metrics)
-``lease_metrics_port``          port of the Prometheus ``/metrics``    9809
-                                (or a range: the first free one)
-``lease_default_queue_ttl``     an unstarted unique copy's key (dur.)  1 h
-``lease_defer_release``         may a worker skip waiting for the      ``True``
-                                release's reply (bool; see deferral)
-``lease_store_check``           a store that does not answer at        ``"refuse"``
-                                worker start: ``"refuse"``, ``"warn"``
-                                or ``"off"`` (see the startup module)
-``lease_restart_grace``         how long after its start a Redis       ``lease_default_ttl``
-                                server that may have lost leases
-                                refuses free keys to a store built
-                                from a URL (duration; 0 off)
-``lease_require_shared_store``  refuse the host-local SQLite           ``False``
-                                fallback (bool; see :func:`get_store`)
-``lease_beat_scheduler``        the scheduler ``celery_lease.beat``'s  ``"celery.beat:
-                                ``LeasedScheduler`` wraps (a class or   PersistentScheduler"``
-                                its ``"module:Class"`` name)
-``lease_beat_key``              the key the leased beat holds (str)    ``"celery-beat:<main>"``
-``lease_beat_ttl``              the ttl of that lease (duration)       30 s
-==============================  =====================================  ========================
-
-:data:`SETTINGS` lists these names. They are validated on first use and at worker start, where a
-bad value or a misspelled name refuses the worker (:mod:`~celery_lease._celery.setting_typos`:
-Celery keeps unknown keys silently). Celery's namespaces apply: with ``namespace="CELERY"``,
-Django's ``CELERY_LEASE_STORE`` is ``lease_store``. The store is resolved once per app and
-process, and rebuilt after ``fork``. Locks and fork resets: ``docs/internals.md``.
+Each setting's meaning and default: ``docs/celery.md#app-settings``; :data:`SETTINGS` lists
+them. They are validated on first use and at worker start, where a bad value or a misspelled
+name refuses the worker (:mod:`~celery_lease._celery.setting_typos`: Celery keeps unknown keys
+silently). Celery's namespaces apply: with ``namespace="CELERY"``, Django's
+``CELERY_LEASE_STORE`` is ``lease_store``. The store is resolved once per app and process, and
+rebuilt after ``fork``. Locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -144,11 +116,9 @@ def pick(option: T | None, setting: T | None, builtin: T) -> T:
 
 @dataclass(frozen=True)
 class LeaseSettings:
-    """The validated ``lease_*`` settings of one app; fields drop the ``lease_`` prefix.
-
-    Durations are in seconds; defaults are in the module's table (``None`` where the default is
-    derived later). ``metrics_port`` is a tuple for a range (the first free port wins).
-    """
+    """The validated ``lease_*`` settings of one app; fields drop the ``lease_`` prefix,
+    durations are seconds, and ``None`` means a default derived later. ``metrics_port`` is a
+    tuple for a range."""
 
     store: str | LockStore | None
     default_ttl: float
@@ -349,14 +319,12 @@ def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _
 
 
 def get_settings(app: CeleryApp) -> LeaseSettings:
-    """The validated lease settings of ``app``, cached per ``app.conf`` object.
-
-    Celery replaces ``app.conf`` when ``config_from_object`` follows a first read, so settings
-    read before the app was configured are read again.
+    """The validated lease settings of ``app``, cached per ``app.conf`` object (Celery replaces
+    it when ``config_from_object`` follows a first read, and then they are read again).
 
     Raises:
         LeaseConfigError: a bad value or misspelled name, or a configuration the worker
-            refused (:func:`refuse`).
+            refused.
     """
     if _refusals:
         _raise_refusal(app)
@@ -379,11 +347,9 @@ def _reference(conf: object) -> Callable[[], object]:
 
 
 def refuse(app: CeleryApp, message: str) -> None:
-    """Make every later :func:`get_settings` / :func:`get_store` of ``app`` raise ``message``.
-
-    The worker refused the configuration at start; this keeps locked executions in this process
-    and its pool children from running unexcluded. Undone by :func:`reset` only.
-    """
+    """Make every later :func:`get_settings` / :func:`get_store` of ``app`` raise ``message``, so
+    a worker that refused the configuration runs nothing unexcluded, in any pool child. Undone
+    by :func:`reset` only."""
     with _lock:
         _refusals[app] = message
 
@@ -499,8 +465,8 @@ def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int
 
 
 def store_option(app: CeleryApp) -> str | LockStore:
-    """What :func:`get_store` would build from, unbuilt (the SQLite directory is made), for checks
-    that must not touch this process's store (``startup.ping_store``).
+    """What :func:`get_store` would build from, unbuilt (the SQLite directory is made), for
+    checks that must not touch this process's store.
 
     Raises:
         LeaseConfigError: as :func:`get_settings` or :func:`default_sqlite_path`.
@@ -581,9 +547,9 @@ def _build_store(app: CeleryApp) -> LockStore:
 def get_store(app: CeleryApp) -> LockStore:
     """The lock store of ``app`` in this process, built on first use and after a settings change.
 
-    Order: ``lease_store`` -> the broker's Redis (``redis://``, ``rediss://``, ``sentinel://``)
-    -> a SQLite file shared by this user's workers on this host (warned of once, by the worker's
-    main process at start). Rebuilt after ``fork``.
+    Order: ``lease_store``, else the broker's Redis (``redis://``, ``rediss://``,
+    ``sentinel://``), else a SQLite file shared by this user's workers on this host (warned of
+    once, by the worker's main process). Rebuilt after ``fork``.
 
     Raises:
         LeaseConfigError: as :func:`get_settings`; or the host-local file under

@@ -1,25 +1,17 @@
 """The checks at worker start and in new pool processes: the configuration, the store ping.
 
-Wired by :mod:`celery_lease._celery.worker` (the :class:`LeaseCheck` bootstep, and
-:func:`recheck_in_pool_process` from ``worker_process_init``). Every worker gets the hooks
-that touch no store; the store ping (``lease_store_check``) runs only for an app that uses
-celery-lease (:func:`uses_celery_lease`). What is checked and refused, and ``celery lease
-check``: ``docs/celery.md#the-store-at-start``.
+What is checked and refused, and ``celery lease check``:
+``docs/celery.md#the-store-at-start``. The store ping runs only for an app that uses
+celery-lease (:func:`uses_celery_lease`).
 
-Why a bootstep: Celery's ``Signal.send`` logs and swallows what a receiver raises, so raising
-in ``worker_init`` does not stop the worker. :class:`LeaseCheck` raises from its ``__init__``
-while Celery builds the blueprint (after logging is set up; no pool forked, no broker
-connection, no message consumed), as Celery raises ``ImproperlyConfigured``: ``celery worker``
-exits 1 and ``start_worker`` raises at once. Raising from ``start`` would exit 1 too, but only
-after the pool started, and ``start_worker`` would wait forever. The refusal is also recorded
-(:func:`~celery_lease._celery.settings.refuse`), so a worker that went on anyway fails every
-locked execution of the app, in every pool process.
-
-Refused: a bad or misspelled ``lease_*`` setting or store scheme; a process-local store when
-tasks run in more than one process (an unknown pool counts one per slot; single-process pools
-only get a warning); with ``lease_require_shared_store``, the host-local fallback. Pool
-processes check again when they start, so a task registered after the start-up check fails
-instead of running unexcluded. Threads, locks and fork resets: ``docs/internals.md``.
+Why a bootstep: Celery's ``Signal.send`` swallows what a receiver raises, so raising in
+``worker_init`` does not stop the worker. :class:`LeaseCheck` raises from ``__init__`` while
+Celery builds the blueprint (no pool forked, no message consumed), as Celery raises
+``ImproperlyConfigured``: ``celery worker`` exits 1 and ``start_worker`` raises at once
+(raising from ``start`` would leave ``start_worker`` waiting forever). The refusal is also
+recorded (:func:`~celery_lease._celery.settings.refuse`), so a worker that went on anyway
+fails every locked execution; pool processes check again when they start. Threads, locks and
+fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -193,16 +185,9 @@ PING_KEY = "celery-lease:start-check"
 
 @dataclass(frozen=True)
 class Check:
-    """One line of a start check; ``error`` ``None`` means it passed.
-
-    Attributes:
-        what: ``"settings"``, ``"lease_store"``, ``"task 'x' lock_store"``...
-        shown: the redacted URL, a store instance's class, or ``""``.
-        error: why it failed.
-        seconds: how long the store took to answer.
-        note: said instead of the time (a store with nothing to reach).
-        warning: why a passed check needs attention (the host-local fallback).
-    """
+    """One line of a start check; ``error`` ``None`` means it passed. ``shown``: the redacted URL
+    or a store's class; ``note``: said instead of the time; ``warning``: why a passed check
+    needs attention."""
 
     what: str
     shown: str = ""

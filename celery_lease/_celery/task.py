@@ -87,14 +87,13 @@ def _model_annotation(annotation: object, value: object) -> type[BaseModel] | No
 
 
 def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
-    """For a ``pydantic=True`` task: turn call arguments into what its body receives, so the key
-    is built from the models Celery's ``pydantic_wrapper`` passes (a model, its JSON form and
-    the default all key alike).
+    """For a ``pydantic=True`` task (else ``None``): turn call arguments into the models Celery's
+    ``pydantic_wrapper`` passes the body, so the key is built from them.
 
     Uses the wrapper's own helpers where Celery has them (5.7), else validates the annotations
-    as Celery does (5.6: resolved type hints; 5.5: raw annotations, so a string annotation is
-    not validated, by Celery either). An argument that fails is keyed as it came (the body
-    then raises, as in Celery). ``None`` without ``pydantic=True``.
+    as Celery does (5.6: resolved hints; 5.5: raw ones, so a string annotation is not
+    validated, by Celery either). A failing argument is keyed as it came (the body then
+    raises).
     """
     run = inspect.getattr_static(cls, "run", None)
     bound = not isinstance(run, staticmethod)
@@ -148,23 +147,15 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
 
 
 class LockedTask(Task):  # type: ignore[misc]
-    """A Celery task whose body runs only while holding a lease (options: ``lock_<name>``).
+    """A Celery task whose body runs only while holding a lease.
 
-    Options (class attributes, or keywords to ``@app.task(base=LockedTask, ...)``):
-
-    - ``lock_key``: template (``"account:{account_id}"``), callable called as the task is and
-    returning a str, or ``None`` (default: ``"<task name>:<digest of bound arguments>"``).
-    - ``lock_ttl`` (default ``lease_default_ttl``, else 30 s), ``lock_wait`` (default
-    ``lease_default_wait``, else 0), ``lock_max_hold`` (default none), ``lock_cooldown``
-    (seconds the key stays taken after a success; default 0).
-    - ``lock_store``: a ``LockStore``, a store URL, or ``None`` (the app's store).
-    - ``lock_on_held``: ``"raise"`` (default), ``"skip"`` or ``"retry"``;
-    ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
-    - ``lock_on_lost``: ``"mark"`` (default) or ``"revoke"``.
-    - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``
-    (:mod:`celery_lease._celery.unique`), with ``lock_on_duplicate`` (``"existing"`` or
-    ``"raise"``), ``lock_queue_ttl`` (default ``lease_default_queue_ttl``, else 1 h),
-    ``lock_debounce`` and ``lock_debounce_max``.
+    Options are ``lock_<name>`` class attributes or ``@app.task(base=LockedTask, ...)``
+    keywords: ``lock_key`` (a template, a callable, or ``None`` for ``"<task name>:<digest of
+    arguments>"``), ``lock_ttl``, ``lock_wait``, ``lock_max_hold``, ``lock_cooldown``,
+    ``lock_store``, ``lock_on_held`` (``"raise"``, ``"skip"``, ``"retry"``),
+    ``lock_retry_countdown``, ``lock_on_lost`` (``"mark"``, ``"revoke"``) and ``lock_unique``
+    with ``lock_on_duplicate``, ``lock_queue_ttl``, ``lock_debounce``, ``lock_debounce_max``;
+    defaults and meaning: ``docs/celery.md#options``.
 
     Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the
     class is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
@@ -261,13 +252,9 @@ class LockedTask(Task):  # type: ignore[misc]
         return cast(_Spec, spec)
 
     def __call__(self, *args: object, **kwargs: object) -> Any:  # Any: what the body returns
-        """Run the body under the lease (worker, eager and direct calls alike).
-
-        The lease is held around the rest of the MRO: a mixin's ``__call__`` after
-        ``LockedTask`` runs once, inside it, through ``super().__call__()``. The key is built
-        from the arguments received here (after pydantic validation), and every request the
-        body may see gets the lock attributes.
-        """
+        """Run the body under the lease (worker, eager and direct calls alike), around the rest
+        of the MRO: a mixin's ``__call__`` after ``LockedTask`` runs once, inside it. The key
+        is built from the arguments received here (after pydantic validation)."""
         top = self.request_stack.top
         # The tracer's (or apply()'s) request, unclaimed (no message header can carry the mark).
         claimed = top is not None and not top.called_directly and not _is_claimed(top)
@@ -353,12 +340,9 @@ class LockedTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> Retry:
-        """Celery's ``retry()``, published after this execution's lease was released early.
-
-        With ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway: the
-        body may not run on without its lease. With ``"mark"`` it returns as in Celery and
-        ``request.lock_lost`` reads True. Eager mode publishes nothing and keeps the lease.
-        """
+        """Celery's ``retry()``, published after this execution's lease was released early. With
+        ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway (the body
+        may not run on without its lease); eager mode keeps the lease."""
         retry = super().retry(
             args=args,
             kwargs=kwargs,
@@ -380,11 +364,9 @@ class LockedTask(Task):  # type: ignore[misc]
         return retry
 
     def on_lock_lost(self, lease: Lease) -> None:
-        """Called once when the running body's lease is lost (not after an early release).
-
-        Runs on the lease dispatcher's thread and may block without delaying renewals;
-        ``self.request`` there is not that execution's: use ``lease``.
-        """
+        """Called once when the running body's lease is lost (not after an early release), on the
+        dispatcher thread: it may block; ``self.request`` there is not that execution's, use
+        ``lease``."""
 
     def on_lock_rejected(self, key: str) -> None:
         """Called in the task's thread when ``key`` stayed held past ``wait`` (body not run)."""

@@ -2,16 +2,11 @@
 lock attributes, the ``leases`` remote-control command and every receiver in
 :data:`RECEIVERS`.
 
-When: :mod:`celery_lease._celery.task` calls it on import, so every module defining a locked
-task has installed it before the pool forks: ``celery worker`` imports the task modules in
-``loader.init_worker()`` (``include``, ``imports``, ``autodiscover_tasks()``), before
-``worker_init``, then reads ``app.steps["worker"]`` and builds every step before any starts.
-``celery inspect`` imports only the ``-A`` module, so :mod:`celery_lease.cli` (loaded through
-the ``celery.commands`` entry point) registers the command itself.
-
-Once: a second call returns at once, and each step is idempotent anyway (strong receivers
-under fixed ``dispatch_uid``s, the command and attributes set by name), so concurrent calls
-connect nothing twice and no lock a fork could inherit is needed.
+:mod:`celery_lease._celery.task` calls it on import, so a module defining a locked task
+installs it before the pool forks (``celery worker`` imports task modules in
+``loader.init_worker()``, before ``worker_init``). A second call returns at once, and each
+step is idempotent anyway (strong receivers under fixed ``dispatch_uid``s), so no lock a fork
+could inherit is needed.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
-"""Worker hooks, connected by :func:`celery_lease._celery.wiring.install`.
-
-- ``worker_init`` (main process): note the main pid and the node (the default node of owner
-ids), and add :class:`~celery_lease._celery.startup.LeaseCheck`,
-:class:`~celery_lease._celery.reaper.DeadHolders` and the metrics step (by name: the add-on
-sits above this layer) to ``app.steps["worker"]``, which Celery reads right after this signal;
-- ``worker_process_init`` (each prefork child; the main process under solo): forget inherited
-caches (the at-fork hooks already forget stores; this covers pools that start processes
-otherwise), note a pool child, recheck and serve ``inspect leases``;
-- ``worker_shutdown``: remove the ``inspect leases`` sockets; ``task_failure``: note hard time
-limits for the reaper;
-- ``task_prerun`` / ``task_postrun``: the running task is the default task of owner ids made
-during it, so a ``lease()`` in a body names its task.
-
-Threads, locks and fork resets: ``docs/internals.md``.
-"""
+"""Worker hooks, connected by :func:`celery_lease._celery.wiring.install`: ``worker_init`` notes
+the main pid and node and adds our bootsteps (the metrics step by name: it sits above this
+layer); ``worker_process_init`` forgets inherited caches, rechecks and serves ``inspect
+leases`` in a pool child; ``worker_shutdown`` removes the sockets; ``task_failure`` notes hard
+time limits for the reaper; ``task_prerun`` / ``task_postrun`` make the running task the
+default of owner ids made during it. Fork resets: ``docs/internals.md``."""
 
 from __future__ import annotations
 
