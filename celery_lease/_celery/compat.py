@@ -88,8 +88,7 @@ get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
 
 
 class PydanticWrapperCells(TypedDict, total=False):
-    """The free variables of Celery's ``pydantic_wrapper`` the task layer reads (any may be
-    missing)."""
+    """The free variables of Celery's ``pydantic_wrapper`` we read (any may be missing)."""
 
     task_signature: inspect.Signature
     type_hints: dict[str, object]
@@ -102,14 +101,9 @@ class PydanticWrapperCells(TypedDict, total=False):
 
 
 def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
-    """The free variables of ``func`` by name when it is the ``wrapper`` of Celery's
-    ``pydantic_wrapper`` (celery >= 5.5, ``celery/app/base.py``), else ``None``; empty cells
-    are left out.
-
-    ``functools.wraps`` gives the wrapper the task function's names, so its code object tells
-    it apart (named ``wrapper``, closing over ``task_fun``, compiled from that file). celery
-    5.7 adds ``get_argument_model`` and ``validate_argument``.
-    """
+    """The free variables of ``func`` when it is the ``wrapper`` of Celery's ``pydantic_wrapper``
+    (celery >= 5.5), else ``None``. Told apart by its code object: named ``wrapper``, closing
+    over ``task_fun``, compiled from ``celery/app/base.py``."""
     code = getattr(func, "__code__", None)
     if not (
         inspect.isfunction(func)
@@ -132,8 +126,7 @@ def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
 
 
 def live_receivers(signal: SignalLike) -> list[object]:
-    """The live receivers of a Celery ``Signal`` (``receivers``: ``(lookup key, receiver)``
-    pairs, weak references unless connected with ``weak=False``)."""
+    """The live receivers of a ``Signal`` (weak ones dereferenced unless ``weak=False``)."""
     alive: list[object] = []
     for _, receiver in signal.receivers:
         if isinstance(receiver, weakref.ReferenceType):
@@ -150,8 +143,7 @@ _ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]
 
 
 def billiard_pool(task_pool: object) -> object:
-    """billiard's ``Pool`` (``TaskPool._pool``, set in ``on_start``), or ``None`` for other
-    pools."""
+    """billiard's ``Pool`` (``TaskPool._pool``), or ``None`` for other pools."""
     return getattr(task_pool, "_pool", None)
 
 
@@ -169,8 +161,7 @@ def child_processes(pool: object) -> list[PoolProcess] | None:
 
 
 def join_exited_workers(pool: BilliardPool) -> Callable[..., object]:
-    """billiard 4.x ``Pool._join_exited_workers``: reaps dead children (``waitpid``), removes
-    them from ``_pool`` and calls ``mark_as_worker_lost`` for a job whose child died."""
+    """billiard 4.x: reaps dead children and calls ``mark_as_worker_lost`` for their jobs."""
     return pool._join_exited_workers
 
 
@@ -179,8 +170,8 @@ def set_join_exited_workers(pool: BilliardPool, method: Callable[..., object]) -
 
 
 def event_process_exit(pool: BilliardPool) -> _ProcessExit | None:
-    """celery 5.x ``AsynPool._event_process_exit(hub, proc)``: what the event loop runs when a
-    child's sentinel pipe closes (looked up on the pool each time); ``None`` on other pools."""
+    """celery 5.x ``AsynPool._event_process_exit``: run when a child's sentinel closes, else
+    ``None``."""
     return getattr(pool, "_event_process_exit", None)
 
 
@@ -195,8 +186,7 @@ def pool_jobs(pool: object) -> list[PoolJob]:
 
 
 def job_pids(job: PoolJob) -> set[int]:
-    """The children a job was accepted by (``worker_pids()``), written to (``_write_to``) or
-    scheduled for (``_scheduled_for``, celery's ``AsynPool``)."""
+    """The children a job was accepted by, written to (``_write_to``) or scheduled for."""
     pids = {pid for pid in job.worker_pids() if pid}
     for attr in ("_write_to", "_scheduled_for"):
         pid = getattr(getattr(job, attr, None), "pid", None)
@@ -225,7 +215,5 @@ def request_job(request: WorkerRequest) -> PoolJob | None:
 
 
 def task_meta_reader(backend: object) -> Callable[[str], Mapping[str, object]] | None:
-    """``backend._get_task_meta_for``: a task's stored meta, read anew each time
-    (``get_task_meta`` may answer from its cache); ``None`` for the base and disabled
-    backends."""
+    """``backend._get_task_meta_for`` (uncached, unlike ``get_task_meta``), or ``None``."""
     return getattr(backend, "_get_task_meta_for", None)

@@ -81,8 +81,7 @@ class LeasesReply(TypedDict):
 
 
 def prepare_main() -> None:
-    """In the worker's main process, before the pool forks: make the socket directory, removed at
-    shutdown or exit (``atexit``: a worker that fails to start sends no ``worker_shutdown``)."""
+    """Before the pool forks: make the socket directory (removed at shutdown, or at exit)."""
     global _dir, _dir_pid
     if _dir is not None and _dir_pid == os.getpid():
         return
@@ -148,8 +147,7 @@ def local_rows() -> list[LeaseRow]:
 
 
 def serve_in_child() -> None:
-    """In a new pool child: serve :func:`local_rows` on its socket from a daemon thread (nothing
-    outside a prepared worker)."""
+    """In a new pool child of a prepared worker: serve :func:`local_rows` from a daemon thread."""
     global _server
     path = socket_path(os.getpid())
     if path is None:
@@ -191,8 +189,7 @@ def _serve(server: socket.socket) -> None:
 def child_snapshots(
     pids: list[int], timeout: float = CHILD_TIMEOUT
 ) -> tuple[list[LeaseRow], list[Unanswered]]:
-    """Ask children ``pids`` for their leases at once, ``timeout`` s in all: ``(rows,
-    unanswered)``."""
+    """Ask children ``pids`` at once, ``timeout`` s in all: ``(rows, unanswered)``."""
     rows: list[LeaseRow] = []
     unanswered: list[Unanswered] = []
     deadline = time.monotonic() + timeout

@@ -52,10 +52,8 @@ _R = TypeVar("_R")
 class _Run:
     """The state of one locked execution: its lease, requests, interrupter, how it ended.
 
-    ``requests``: the request the tracer (or a direct call) pushed, plus any ``Task.__call__``
-    pushes further down the class order (:func:`adopt_request`); all get the lock attributes.
-    ``task_id`` is ``None`` for a direct call; a message published with it re-sends this
-    execution.
+    ``requests``: every request the body may see (the tracer's, and any pushed further down
+    the MRO: :func:`adopt_request`). ``task_id``: ``None`` for a direct call.
     """
 
     def __init__(
@@ -92,8 +90,7 @@ class _Run:
         request._lease_run = _request.CLAIMED
 
     def acquired(self, context: LeaseContext, held: Lease) -> None:
-        """The lease is held: note it on every request and listen for its loss (unless re-entered:
-        the enclosing holder reports its loss)."""
+        """The lease is held: note it on the requests; listen for its loss unless re-entered."""
         self.context, self.lease = context, held
         token, waited = held.token, held.waited
         for request in self.requests:  # adopted already: only what the acquire decided
@@ -104,8 +101,8 @@ class _Run:
             held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
-        """Arm the interrupt (``on_lost="revoke"``); the listener goes first, so a lease lost
-        already makes ``start()`` raise ``AsyncLockLost`` and the body never runs."""
+        """Arm the interrupt; the listener goes first, so a lease lost already makes ``start()``
+        raise."""
         interrupter = self.interrupter
         if interrupter is not None and self.context is not None:
             if not self.context.reentered:
@@ -114,9 +111,8 @@ class _Run:
             interrupter.start()
 
     def end_body(self) -> None:
-        """No interrupt may land from now on. ``end()`` may raise ``AsyncLockLost`` (landed after
-        the body's last bytecode); if anything else lands inside it (a soft time limit), it is
-        called again."""
+        """No interrupt may land from now on (called again if something else landed inside
+        ``end()``)."""
         interrupter = self.interrupter
         if interrupter is not None:
             try:
@@ -135,16 +131,15 @@ class _Run:
     # Loss listeners -----------------------------------------------------------------------------
 
     def interrupt(self, held: Lease) -> None:
-        """Immediate listener: stop the body. Not for an early release: an interrupt between the
-        body's publish and its ``raise Retry`` would turn a RETRY into a FAILURE."""
+        """Immediate listener: stop the body; not for an early release (RETRY must not become
+        FAILURE)."""
         reason = held.lost_reason or "lost"
         if held.released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
         self.interrupter.fire(reason)
 
     def on_lost(self, held: Lease) -> None:
-        """Dispatched listener: ``lock_lost`` and ``on_lock_lost``; not for an early release
-        (``lock_released`` says so)."""
+        """Dispatched listener: ``lock_lost`` and ``on_lock_lost``; not for an early release."""
         reason = held.lost_reason or "lost"
         if held.released_early:
             # Not ``self.released_early``: set before the early release is recorded, it would
@@ -168,8 +163,8 @@ class _Run:
         )
 
     def release_early(self) -> None:
-        """The execution re-sends itself while its body runs: free the key now, once. The lease is
-        recorded lost (``"released"``) before the key is free; a re-entered lease is left alone."""
+        """The execution re-sends itself: record the lease lost (``"released"``), then free the
+        key, once."""
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
@@ -181,8 +176,7 @@ class _Run:
             self._send(signals.lock_released, held, held_seconds=held_seconds)
 
     def release(self, exc: BaseException | None) -> None:
-        """Release the lease (or keep it for cooldown), once, and send ``lock_released``. After an
-        early release only the frame is popped, and the body's own exception (``Retry``) is kept."""
+        """Release (or keep for cooldown) once; after an early release only the frame is popped."""
         context, held = self.context, self.lease
         if self.released or context is None or held is None:
             return
@@ -221,8 +215,8 @@ def active_runs() -> tuple[_Run, ...]:
 
 
 def adopt_request(task: object, request: TaskRequest) -> None:
-    """Called by ``LockedTask.push_request``: if the innermost run of ``task`` awaits the request
-    its body will see, set the lock attributes on it."""
+    """``LockedTask.push_request``: the request the innermost run of ``task`` awaits gets its
+    attributes."""
     runs = _active.get()
     if runs:
         run = runs[-1]
@@ -308,8 +302,8 @@ def run_locked(
 
 
 def _described(value: object) -> str | None:
-    """An owner-id field from any id Celery accepts (a UUID, a long string), cut to size: it only
-    describes the holder, so it never fails the acquisition."""
+    """An owner-id field from any id Celery accepts, cut to size (it never fails the
+    acquisition)."""
     if value is None:
         return None
     text = value if isinstance(value, str) else str(value)
@@ -387,11 +381,8 @@ def _clear_lock_attributes(request: TaskRequest) -> None:
 def _lease_context(
     run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
 ) -> LeaseContext:
-    """``lease()`` without its checks (key, durations and store were validated already).
-
-    ``run.on_lost`` is attached to a lease it acquires before the renewer knows it, never to a
-    re-entered one. Owner ids: :mod:`celery_lease._core.owners`.
-    """
+    """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows the
+    lease."""
     options = run.options
     return LeaseContext(
         run.key,
@@ -418,8 +409,8 @@ def _rejected(
     exc: LockNotAcquiredError,
     refused_by: str | None = None,
 ) -> None:
-    """The key stayed held past ``wait``: a unique copy frees its queued key, then ``on_held``
-    decides. ``refused_by``: the holder named by the last refusal, where the store names it."""
+    """The key stayed held past ``wait``: free a unique copy's queued key, then apply
+    ``on_held``."""
     task, key, options = run.task, run.key, run.options
     if options.unique is not None:
         # Its queued key, if any; a second delivery of its own running copy is re-sent
@@ -441,8 +432,8 @@ def _rejected(
 def _queued_hold(
     run: _Run, request: TaskRequest | None, store: LockStore, settings: LeaseSettings, ttl: float
 ) -> _unique.QueuedHold | None:
-    """A unique copy about to run hands its queued key over (:func:`unique.on_start`): returns the
-    queued lease an ``until_done`` copy keeps while it runs, else ``None``."""
+    """Hand a unique copy's queued key over; returns what an ``until_done`` copy keeps, else
+    ``None``."""
     options = run.options
     if options.unique is None or request is None:
         return None
@@ -467,8 +458,7 @@ def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
 
 
 def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
-    """Run the body with the interrupt armed and, with ``adopt``, the next pushed request
-    adopted."""
+    """Run the body with the interrupt armed, adopting the next pushed request with ``adopt``."""
     run.start_body()
     run.awaiting_request = adopt
     try:
@@ -481,8 +471,7 @@ def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
 def _release(
     run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
-    """Release (or keep for ``cooldown``), without waiting for the reply where nothing depends on
-    it."""
+    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply."""
     if settings.defer_release and _publishes_nothing(run.task, request):
         deferral.defer_on(context)
     run.release(None)
@@ -496,12 +485,9 @@ def _release_with_queued(
     queued: _unique.QueuedHold,
     settings: LeaseSettings,
 ) -> None:
-    """Release an ``until_done`` copy's run lease, then its queued key.
-
-    Where the store can, both go out unanswered, in order on one connection; then, unless this
-    execution publishes nothing, one wait answers both. Not while a user's ``lock_released``
-    receiver would run in between.
-    """
+    """Release an ``until_done`` copy's run lease, then its queued key: unanswered and in order
+    on one connection where the store can, then one wait for both unless nothing is published
+    after."""
     deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
     if deferred:
         deferral.defer_on(context)

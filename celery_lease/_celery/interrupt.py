@@ -103,8 +103,7 @@ forking.on_fork_child(_forget_main_thread_runs, name="interrupt: main-thread run
 
 
 def _on_interrupt_signal(signum: int, frame: types.FrameType | None) -> None:
-    """:data:`INTERRUPT_SIGNAL` in the main thread: raise in the innermost lost running body,
-    lock-free (see the module docstring); a late signal does nothing."""
+    """Raise in the innermost lost running body of the main thread; lock-free (see the module)."""
     for run in reversed(tuple(_main_thread_runs)):
         if run._running and run._fired and not run._delivered:
             run._delivered = True
@@ -153,12 +152,7 @@ def _green_pool() -> str:
 
 
 class Interrupter:
-    """Interrupts one body (its thread, the main thread or its greenlet) once, while it runs.
-
-    Args:
-        key: the lock key (for the exception raised in the body).
-        describe: the execution, for log lines (``"name[id]"``).
-    """
+    """Interrupts one body once while it runs; ``describe`` names it in logs (``"name[id]"``)."""
 
     def __init__(self, key: str, describe: str = "?") -> None:
         self.key = key
@@ -241,7 +235,7 @@ class Interrupter:
     # Called in the thread that learnt of the loss ----------------------------------------------
 
     def fire(self, reason: str) -> None:
-        """Interrupt the body if it still runs (once). Before :meth:`start` it makes ``start()``
+        """Interrupt the body if it still runs (once); before :meth:`start`, make ``start()``
         raise."""
         try:
             if self._fire(reason):
@@ -297,8 +291,7 @@ class Interrupter:
         return self._thread_id == threading.main_thread().ident
 
     def _throw_into_greenlet(self) -> None:
-        """Hub callback (lock-free: it runs between the body's switches): throw unless the body
-        ended."""
+        """Hub callback, lock-free (between the body's switches): throw unless the body ended."""
         if not self._running or self._delivered:
             return
         self._delivered = True

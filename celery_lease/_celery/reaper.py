@@ -101,12 +101,8 @@ def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> b
 
 
 def _ends_failed_ids() -> set[str]:
-    """Ids of the worker's requests that end FAILURE if their child dies (not requeued or
-    retried).
-
-    Positive evidence only: a request known only from the pool's jobs (cancelled at shutdown
-    or on a lost connection: its message is redelivered) is not here.
-    """
+    """Ids of active or reserved requests that end FAILURE if their child dies; positive evidence
+    only (a cancelled request's message is redelivered)."""
     fails: set[str] = set()
     for request in compat.worker_requests():
         if compat.request_cancelled(request):
@@ -118,9 +114,8 @@ def _ends_failed_ids() -> set[str]:
 
 
 def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
-    """pid -> {task id: task name} of the requests a child accepted or was written, plus the
-    pool's unfinished jobs (a ``terminate=True`` request leaves the active requests before its
-    child is reaped; its job stays)."""
+    """pid -> {task id: name} from the worker's requests and the pool's unfinished jobs (a
+    ``terminate=True`` request leaves the requests before its child is reaped)."""
     running: dict[int, dict[str, str | None]] = {}
     for request in compat.worker_requests():
         pids = set()
@@ -140,8 +135,8 @@ def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
 
 
 class _Death:
-    """A reaped child and the tasks it ran; ``fails``: the ids that end FAILURE with this death
-    (only their unique copy's queued key is freed too)."""
+    """A reaped child and its tasks; ``fails``: the ids that end FAILURE (their queued keys go
+    too)."""
 
     __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
 
@@ -353,10 +348,8 @@ class _Reaper:
         return list(stores.values())
 
     def succeeded(self, task_id: str | None) -> bool:
-        """Whether the backend holds SUCCESS for ``task_id``: a child killed between storing
-        SUCCESS and handing the result back looks lost, and its key is then the task's
-        ``cooldown``. Unreadable or no backend: False (a cooldown cut short rather than a ttl
-        wasted)."""
+        """Whether the backend holds SUCCESS for ``task_id`` (then the key is its cooldown);
+        False when it cannot tell."""
         if not task_id:
             return False
         backend = getattr(self.app, "backend", None)
@@ -373,9 +366,8 @@ class _Reaper:
             return False
 
     def release(self, death: _Death) -> None:
-        """Release the dead child's leases of its tasks in every store of the app; for a copy
-        Celery does not run again (:func:`_runs_again`), also its unique queued key, which
-        would refuse calls for up to a ttl."""
+        """Release the dead child's leases in every store of the app, and the queued key of a
+        copy Celery does not run again."""
         for store in self._stores():
             if not conforms(store, SupportsInspection):
                 logger.warning(
@@ -511,8 +503,7 @@ def _send_released(args: tuple[CeleryTask | None, dict[str, object]]) -> None:
 
 
 class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep: release the leases of pool children that die running a task (prefork with
-    billiard's internals only; nothing for other pools)."""
+    """Worker bootstep: release the leases of prefork children that die running a task."""
 
     name = "celery_lease.worker.DeadHolders"  # a fixed step name, wherever the class lives
     label = "celery-lease dead holders"

@@ -85,8 +85,8 @@ _processes = 0
 
 
 def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]:
-    """``(task name, its lock_store or None)`` for every locked task of ``app``, by name; the
-    options live on the ``LockedTask`` class or the ``@locked`` function. Finalizes the app."""
+    """``(task name, its lock_store or None)`` for every locked task of ``app``; finalizes the
+    app."""
     for name, task in sorted(app.tasks.items()):
         for carrier in (type(task), getattr(task, "run", None)):
             options = options_of(carrier)
@@ -107,9 +107,8 @@ def stores_in_use(
 
 
 def uses_celery_lease(app: CeleryApp) -> bool:
-    """Whether a worker of ``app`` gets celery-lease's hooks: a locked task, a ``lease_*``
-    setting (how an app using only ``lease()`` opts in) or :func:`opt_in`. Read once the app
-    is final; finalizes it."""
+    """Whether ``app`` has a locked task, a ``lease_*`` setting or :func:`opt_in`; finalizes the
+    app."""
     if any(True for _ in locked_tasks(app)):
         return True
     conf = app.conf
@@ -120,8 +119,7 @@ _opted_in: weakref.WeakSet[CeleryApp] = weakref.WeakSet()
 
 
 def opt_in(app: CeleryApp) -> None:
-    """Count ``app`` as using celery-lease; called by :func:`celery_lease.metrics.install` (a
-    layer above, not imported here)."""
+    """Count ``app`` as using celery-lease (:func:`celery_lease.metrics.install`, a layer above)."""
     _opted_in.add(app)
 
 
@@ -132,9 +130,8 @@ def _describe(store: str | LockStore | None) -> str:
 def check_worker(
     app: CeleryApp, pool_cls: object, concurrency: int, autoscale: Autoscale = None
 ) -> LeaseConfigError | None:
-    """The reason ``app``'s lease configuration cannot run on this worker, or ``None``: bad
-    settings, or a process-local store with tasks in more than one process (in one process,
-    only a warning: other worker processes are not excluded)."""
+    """Why ``app``'s configuration cannot run on this worker (bad settings, a process-local store
+    with several processes), or ``None``."""
     return _check(
         app, pool.pool_processes(pool_cls, concurrency, autoscale), pool.pool_name(pool_cls)
     )
@@ -201,8 +198,7 @@ class Check:
         return self.error is None
 
     def line(self) -> str:
-        """``ok    lease_store redis://:***@h:6379/1: answered in 0.8 ms``, ``WARN  ...`` or
-        ``FAIL  ...``."""
+        """``ok    lease_store redis://...: answered in 0.8 ms``, ``WARN  ...`` or ``FAIL  ...``."""
         subject = f"{self.what} {self.shown}" if self.shown else self.what
         if self.error is not None:
             return f"FAIL  {subject}: {self.error}"
@@ -236,12 +232,9 @@ def _masked(text: str, option: str | LockStore) -> str:
 def ping_store(
     what: str, option: str | LockStore, key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> Check:
-    """One round trip to the store ``option``, at most ``timeout`` s, on a daemon thread.
-
-    A URL gets a store of its own, closed afterwards (nothing stays open across the pool's
-    fork). The round trip is ``get(key)``, or an owner-checked ``release`` of a fresh owner
-    for a store that cannot read: it changes nothing.
-    """
+    """One round trip to ``option``, at most ``timeout`` s, on a daemon thread: ``get``, or an
+    owner-checked ``release`` of a fresh owner. A URL gets a store of its own, closed
+    afterwards."""
     return ping_stores([(what, option)], key, timeout)[0]
 
 
@@ -311,8 +304,8 @@ def _ping(
 
 
 def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockStore]]:
-    """``(what, store option)`` to check, each once: every task's ``lock_store``, and the app's
-    store when ``every``, when set, or when a locked task has no ``lock_store``."""
+    """``(what, option)`` to check, each once: tasks' ``lock_store``s and, when used, the app's
+    store."""
     configured = get_settings(app).store
     tasks = list(locked_tasks(app))
     pairs: list[tuple[str, str | LockStore]] = []
@@ -345,9 +338,8 @@ HOST_LOCAL_WARNING = (
 
 
 def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
-    """The checks of ``celery lease check``: the settings, then every store, the app's own always
-    (a deploy script may run before any task module is imported). The host-local fallback is
-    ``WARN``, or a failure under ``lease_require_shared_store``."""
+    """The checks of ``celery lease check``: the settings, then every store, the app's own
+    always."""
     try:
         settings = get_settings(app)
     except LeaseConfigError as exc:
@@ -370,16 +362,13 @@ def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Chec
 
 
 def _uses_app_store(app: CeleryApp) -> bool:
-    """Whether locked executions may use the app's store (a task without ``lock_store``, or
-    none)."""
+    """Whether locked executions may use the app's store."""
     tasks = list(locked_tasks(app))
     return not tasks or any(store is None for _, store in tasks)
 
 
 def check_host_local(app: CeleryApp) -> LeaseConfigError | None:
-    """At worker start, in the main process: refuse the host-local fallback under
-    ``lease_require_shared_store``, else warn once before ``ready.`` (forked pool processes do
-    not repeat it)."""
+    """In the main process at start: refuse the host-local fallback, or warn of it once."""
     try:
         if not host_local_fallback(app) or not _uses_app_store(app):
             return None
@@ -421,12 +410,8 @@ def _check_stores(app: CeleryApp, settings: LeaseSettings) -> LeaseConfigError |
 
 class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
     """Worker bootstep: refuse to build the worker (see the module docstring for why
-    ``__init__``).
-
-    Each build checks afresh (a refusal from an earlier build that never started is
-    forgotten). An accepted check is remembered for :func:`recheck_in_pool_process`, and the
-    ``inspect leases`` socket directory is made before the pool forks.
-    """
+    ``__init__``). Each build checks afresh; the socket directory of ``inspect leases`` is
+    made before the pool forks."""
 
     name = "celery_lease.worker.LeaseCheck"  # a fixed step name, wherever the class lives
     label = "celery-lease check"
@@ -452,8 +437,8 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
 
 
 def recheck_in_pool_process() -> None:
-    """In a new pool process of a multi-process worker: refuse the app if a task registered since
-    the start-up check (or a changed ``lease_store``) is process-local."""
+    """In a new pool child: refuse if a task registered since the start-up check is
+    process-local."""
     app = _app() if _app is not None else None
     if app is None or _processes <= 1:
         return
