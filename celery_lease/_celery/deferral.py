@@ -56,8 +56,7 @@ def flush_deferred_releases() -> None:
 
 
 def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
-    """Whether nothing that could depend on the key being free is published or run after this
-    successful execution before the reply is read."""
+    """Whether nothing that may depend on the key being free follows this successful execution."""
     if request is None or task is None:
         return False
     if not pool.runs_one_task_at_a_time():
@@ -100,8 +99,7 @@ def _custom(cls: type, name: str) -> bool:
 
 
 def only_ours(signal: SignalLike) -> bool:
-    """Whether every live receiver of ``signal`` is ours (looked at each time: a later receiver
-    is seen)."""
+    """Whether every live receiver of ``signal`` is ours (looked at each time, never cached)."""
     return all(
         (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
         for receiver in compat.live_receivers(signal)

@@ -86,8 +86,7 @@ skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default
 
 
 def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested: bool) -> bool:
-    """Whether a skip ends a worker execution as REVOKED: only its own body, not a direct call,
-    an eager run, a ``@locked`` helper or a nested run."""
+    """Whether a skip ends the execution REVOKED: only a worker execution's own, un-nested body."""
     if task is None or request is None or getattr(request, "id", None) is None:
         return False
     if getattr(request, "called_directly", True) or getattr(request, "is_eager", False):

@@ -33,8 +33,7 @@ def _cased(name: str, prefix: str) -> str:
 
 
 def _spellings(name: str, prefix: str) -> tuple[str, ...]:
-    """The keys under which ``app.conf`` finds setting ``name``: also ``CELERY_LEASE_STORE``
-    under a namespace (as ``ConfigurationView._to_keys``)."""
+    """The keys under which ``app.conf`` finds ``name`` (as ``ConfigurationView._to_keys``)."""
     return (_cased(name, prefix), name) if prefix else (name,)
 
 
@@ -49,8 +48,7 @@ def _closest(name: str, settings: Sequence[str]) -> str | None:
 
 
 def _one_edit_apart(a: str, b: str) -> bool:
-    """Whether ``a`` becomes ``b`` by at most one insertion, deletion, substitution or neighbour
-    swap."""
+    """Whether one insertion, deletion, substitution or neighbour swap turns ``a`` into ``b``."""
     if a == b:
         return True
     if abs(len(a) - len(b)) > 1:
@@ -140,8 +138,7 @@ def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence
 
 
 def check_names(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> None:
-    """Raise :class:`~celery_lease.LeaseConfigError` naming every key :func:`misspelled_settings`
-    reports, the setting meant and all of ``settings``."""
+    """Raise ``LeaseConfigError`` naming every key :func:`misspelled_settings` reports."""
     problems = misspelled_settings(conf, settings)
     if problems:
         prefix = getattr(conf, "prefix", None) or ""

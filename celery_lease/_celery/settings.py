@@ -355,8 +355,7 @@ def refuse(app: CeleryApp, message: str) -> None:
 
 
 def recheck(app: CeleryApp) -> None:
-    """Forget ``app``'s settings and refusal (not its store), so that a worker build does not
-    inherit the refusal of an earlier build that never started."""
+    """Forget ``app``'s settings and refusal (not its store): a new worker build checks afresh."""
     with _lock:
         _settings.pop(app, None)
         _refusals.pop(app, None)
@@ -369,8 +368,7 @@ def _raise_refusal(app: CeleryApp) -> None:
 
 
 def is_process_local(store: str | LockStore | None) -> bool:
-    """Whether ``store`` is a ``MemoryLockStore`` or ``memory://`` (excludes nothing across
-    processes); ``None`` (the app's store) is not."""
+    """Whether ``store`` is a ``MemoryLockStore`` or ``memory://`` (``None``, the app's, is not)."""
     if isinstance(store, str):
         return urlsplit(store.strip()).scheme.lower() == "memory"
     from celery_lease.stores.memory import MemoryLockStore
@@ -484,8 +482,7 @@ _REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 
 
 def with_restart_grace(url: str, settings: LeaseSettings) -> str:
-    """A Redis ``url`` with ``restart_grace`` added when it sets none: ``lease_restart_grace``, else
-    the default ttl (how long a default lease's holder may not know it lost it)."""
+    """A Redis ``url`` with ``restart_grace`` added when it sets none (default: the default ttl)."""
     parts = urlsplit(url)
     if parts.scheme.lower() not in _REDIS_SCHEMES:
         return url
@@ -572,8 +569,8 @@ def get_store(app: CeleryApp) -> LockStore:
 
 
 def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
-    """Forget cached settings and stores of ``app`` (``None``: all); with ``refusals=False`` (a new
-    pool process) the refusals of :func:`refuse` stay."""
+    """Forget cached settings and stores of ``app`` (``None``: all), and refusals unless told not
+    to."""
     with _lock:
         if app is None:
             _settings.clear()

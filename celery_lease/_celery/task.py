@@ -376,8 +376,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
-    """Whether ``wrapper`` is ``task``'s body (maybe under Celery's pydantic wrapper), not a
-    helper."""
+    """Whether ``wrapper`` is ``task``'s body (maybe under the pydantic wrapper), not a helper."""
     run: object = task.run
     for _ in range(4):  # run -> pydantic wrapper -> ours: a short chain
         run = getattr(run, "__func__", run)

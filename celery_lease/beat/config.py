@@ -29,8 +29,7 @@ EXTENSION_NAMESPACE = "celery.beat_schedulers"
 
 @dataclass(frozen=True)
 class BeatConfig:
-    """The leased beat's validated settings: the wrapped ``scheduler`` class, the ``key`` before
-    ``lease_key_prefix``, the ``ttl`` in seconds."""
+    """The leased beat's settings: wrapped ``scheduler``, unprefixed ``key``, ``ttl`` in seconds."""
 
     scheduler: type[Scheduler]
     key: str

@@ -22,8 +22,7 @@ HOLDER = "celery beat"
 
 
 class Election:
-    """One process's part in the election of the beat that sends (``key`` before the app's
-    prefix, ``ttl`` in seconds). Not thread-safe: one scheduler thread calls it."""
+    """One process's part in electing the beat that sends; one scheduler thread calls it."""
 
     def __init__(self, app: Any, key: str, ttl: float) -> None:
         self.app = app
@@ -71,8 +70,8 @@ class Election:
         return held
 
     def verify(self) -> bool:
-        """Whether the store still records this beat as the holder (an owner-checked renewal):
-        ``False`` once lost, taken, or unanswered."""
+        """Whether the store still records this beat as holder (an owner-checked renewal) right
+        now."""
         held = self.current()
         if held is None:
             return False

@@ -83,8 +83,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One pass: send what is due while holding the lease, else wait for it; seconds until
-        the next."""
+        """Send what is due while holding the lease, else wait for it; seconds until the next
+        pass."""
         if self.election.current() is None and not self._take_over():
             return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
         try:
@@ -136,8 +136,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return result
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
-        """Raise each entry's last run to the shared one, then build the wrapped scheduler's
-        heap."""
+        """Raise each entry's last run to the shared one, then build the heap."""
         schedule = self.schedule
         for name, when in self._runs.items():
             entry = schedule.get(name)

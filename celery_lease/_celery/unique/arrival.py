@@ -70,8 +70,7 @@ def leave(arrival: Arrival | None) -> None:
 
 
 class Arrival:
-    """A debounced copy's claim on its tombstone key, from :func:`on_arrival` until
-    :meth:`leave`."""
+    """A debounced copy's claim on its tombstone, from :func:`on_arrival` until :meth:`leave`."""
 
     __slots__ = ("claim", "hold_ms", "owner", "qkey", "store", "taken", "task_id", "token", "tomb")
 
@@ -149,16 +148,15 @@ class Arrival:
             self._release_queued("the copy's claim was taken again")
 
     def leave(self) -> None:
-        """Free the claim (owner-checked) when the execution ends; from here a call may supersede
-        this copy's retry. Never raises."""
+        """Free the claim when the execution ends (a call may then supersede its retry); never
+        raises."""
         if self.taken:
             self.taken = False
             common.release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
 
 
 def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> str:
-    """Store REVOKED ``"superseded by <newer>"``, send ``task-revoked`` and log; returns the
-    reason."""
+    """Store REVOKED ``"superseded by <newer>"``, send ``task-revoked``, log; return the reason."""
     reason = f"superseded by {newer}"
     task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)
     if task.send_events:

@@ -83,8 +83,7 @@ def apply_unique(
 
 
 def _take_and_publish(call: Call) -> AsyncResultLike:
-    """Take the queued lease for ``queue_ttl`` from the eta and publish, or answer as a
-    duplicate."""
+    """Take the queued lease (``queue_ttl`` from the eta) and publish, or answer as a duplicate."""
     store, qkey, owner = call.store, call.qkey, call.owner()
     ttl_ms = ms(call.queue_ttl + _delay(call.options, call.now))
     if names_holder(store):  # one round trip for a duplicate, the holder read atomically
@@ -178,8 +177,7 @@ def _resend(call: Call) -> AsyncResultLike:
 
 
 def _own_queued_owner(store: InspectableStore, qkey: str, task_id: str) -> str | None:
-    """The queued lease's owner when it names this task id (a retry whose request lost its
-    header)."""
+    """The queued lease's owner if it names this task id (a retry whose request lost its header)."""
     info = store.get(qkey)
     if info is None or not is_queued_owner(info.owner):
         return None

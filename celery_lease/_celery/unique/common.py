@@ -62,8 +62,8 @@ def is_started_claim(owner: str) -> bool:
 
 
 def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | None) -> str | None:
-    """The queued lease's owner from the request's header, only if it is a queued owner naming
-    this task id (and ``qkey``): a header is never trusted to release another copy's lease."""
+    """The header's queued owner if it names this task id (and ``qkey``): a header is never
+    trusted."""
     header: object = getattr(request, HEADER, None)
     if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
         return None

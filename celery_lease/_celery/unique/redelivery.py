@@ -189,8 +189,7 @@ def _resend_failed(
 
 
 def _fail_unless_stored(task: UniqueTask, task_id: str, exc: Exception) -> None:
-    """Store ``exc`` as copy ``task_id``'s FAILURE (no errback) unless the backend holds a ready
-    state or RETRY, or cannot answer. Never raises."""
+    """Store ``exc`` as the copy's FAILURE unless a ready state or RETRY is stored; never raises."""
     try:
         state = task.backend.get_state(task_id)
     except Exception as error:  # no backend (NotImplementedError), or it is down
