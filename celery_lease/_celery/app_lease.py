@@ -1,11 +1,8 @@
 """``lease()``, the public one: the core's lease, or a Celery app's, in its store and key space.
 
-``lease(key, app=app)`` takes ``key`` as the app's locked tasks take their ``lock_key`` (same
-store, ``lease_key_prefix`` and default ttl and wait), so an endpoint or a script excludes the
-task with the same key. The core's :func:`~celery_lease._core.lease.lease` knows nothing of
-apps: resolving one into a store, a prefix and defaults is the Celery layer's, done here, and
-nothing is registered into the core. No threads, locks or fork resets of its own
-(``docs/internals.md``).
+With ``app``, ``key`` is taken as the app's locked tasks take their ``lock_key`` (same store,
+prefix and defaults), so a script excludes the task with the same key. The core knows nothing
+of apps: the app is resolved here and nothing is registered into the core.
 """
 
 from __future__ import annotations
@@ -209,11 +206,8 @@ class AppLeaseContext(LeaseContext):
         self.arguments = arguments
 
     def resolve(self) -> None:
-        """Take the app's store, prefixed key and defaults as they are now.
-
-        Raises:
-            LeaseConfigError: a bad setting of the app.
-        """
+        """Take the app's store, prefixed key and defaults as they are now (``LeaseConfigError``
+        for a bad setting)."""
         resolved = self.arguments.resolve(self.app, UNRESOLVED)
         self.key, self.store = resolved.key, resolved.store
         self.ttl, self.wait = resolved.ttl, resolved.wait

@@ -1,11 +1,7 @@
-"""Every reach into Celery's and billiard's internals, in one place.
-
-Where Celery has no public hook, the private name is read here only, each headed by the
-behaviour it relies on (read in celery 5.7.0 and billiard 4.3.2), so an upgrade that moves one
-breaks this module and its tests, not its users (the task layer, the engine, deferral,
-``inspect leases`` and the dead-holder reaper, which is in the safety path:
-``docs/internals.md``).
-"""
+"""Every reach into Celery's and billiard's internals, in one place (read in celery 5.7.0 and
+billiard 4.3.2), each headed by the behaviour it relies on, so an upgrade that moves one
+breaks this module and its tests only. The dead-holder reaper, a user, is in the safety path:
+``docs/internals.md``."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Release without waiting for the reply: which worker executions may, and reading the replies.
 
 An outermost worker execution whose success publishes nothing (result ignored, no chord, no
-``on_success`` / ``after_return`` of its class, no ``task_success`` / ``task_postrun``
-receiver but ours) sends its release unanswered, on a store with
-:class:`~celery_lease.stores.base.SupportsDeferredRelease`. The reply is read before the next
-reply on that connection (the next acquire: one wait instead of two), before any publish of
-this process and at exit, so nothing this process publishes is seen before the key is free.
-Not ordered: the broker ack and ``task-succeeded`` sent after the task returns.
-``lease_defer_release = False`` turns it off. Threads, locks and fork resets:
-``docs/internals.md``.
+hook of its class, no other ``task_success`` / ``task_postrun`` receiver) sends its release
+unanswered where the store can. The reply is read before the next one on that connection,
+before any publish of this process and at exit, so nothing this process publishes is seen
+before the key is free (the broker ack and ``task-succeeded`` are not ordered).
+``lease_defer_release = False`` turns it off.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """Early release: a running locked task that publishes a message with its own id (``retry()``,
-``replace()``, ``apply_async(task_id=self.request.id)``) releases its lease first, so the new
-copy never finds it held.
-
-The lease is then lost with reason ``"released"``: ``request.lock_lost`` reads True and
-``check()`` raises; ``lock_released`` is sent, ``lock_lost`` and ``on_lock_lost`` are not, and
-no interrupt fires (``raise self.retry()`` must end in RETRY). Connected by
-:func:`celery_lease._celery.wiring.install`; threads and locks: ``docs/internals.md``.
-"""
+``replace()``, ``apply_async(task_id=...)``) releases its lease first, so the new copy never
+finds it held. The lease reads lost (``"released"``); ``lock_released`` is sent, ``lock_lost``
+is not, and no interrupt fires (``raise self.retry()`` must end in RETRY)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """The run engine: the lifecycle of one locked execution of a task body.
 
-:func:`run_locked` (called by ``LockedTask`` and ``@locked``) builds the key, takes the lease,
-sets the request attributes, runs the body, applies ``on_held`` / ``on_lost`` and releases the
-lease (or keeps it for ``cooldown``) before the result is stored.
-
-Loss: ``lock_lost`` and ``on_lock_lost`` are user code and run on the core's dispatcher thread;
-the ``on_lost="revoke"`` interrupt runs on the thread that recorded the loss; neither on the
-renewer or the watchdog. A task that publishes a message with its own id releases early
-(:mod:`~celery_lease._celery.early_release`). Threads, locks and fork resets:
-``docs/internals.md``.
+:func:`run_locked` builds the key, takes the lease, sets the request attributes, runs the
+body, applies ``on_held`` / ``on_lost`` and releases the lease (or keeps it for ``cooldown``)
+before the result is stored. ``lock_lost`` and ``on_lock_lost`` run on the core's dispatcher
+thread, the revoke interrupt on the thread that recorded the loss: never the renewer's or the
+watchdog's. Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -50,11 +46,8 @@ _R = TypeVar("_R")
 
 
 class _Run:
-    """The state of one locked execution: its lease, requests, interrupter, how it ended.
-
-    ``requests``: every request the body may see (the tracer's, and any pushed further down
-    the MRO: :func:`adopt_request`). ``task_id``: ``None`` for a direct call.
-    """
+    """The state of one locked execution; ``requests``: every request its body may see
+    (:func:`adopt_request`); ``task_id``: ``None`` for a direct call."""
 
     def __init__(
         self, task: CeleryTask | None, request: TaskRequest | None, key: str, options: LockOptions
@@ -257,15 +250,9 @@ def run_locked(
 ) -> _R | None:
     """Run ``body`` under the lease of this execution and apply the policies.
 
-    Args:
-        task: the Task (signal sender, ``retry()``, hooks), or ``None`` outside Celery.
-        request: the execution's ``Context``, or ``None`` (a direct call whose body pushes
-            it, or no Celery).
-        spec: the task's validated options and key function.
-        args, kwargs: the arguments the key is built from.
-        body: runs the task's body.
-        adopt: the first request ``task`` pushes while ``body`` runs gets the lock attributes
-            too (:func:`adopt_request`).
+    ``task`` is ``None`` outside Celery and ``request`` ``None`` for a direct call or no
+    Celery; ``args`` and ``kwargs`` build the key; with ``adopt``, the first request ``task``
+    pushes while ``body`` runs gets the lock attributes too.
     """
     saved = None
     if request is not None and _request.is_claimed(request):

@@ -1,15 +1,10 @@
 """Who keeps a key that turned a locked execution away: a running execution, or one in its
-``cooldown``.
+``cooldown``, so a skip can say "cooldown until ... after ...".
 
-Read when a skip is reported (:func:`~celery_lease._celery.on_held.apply_policy`), so the log
-line, the REVOKED reason and ``lock_rejected`` can say "cooldown until ... after ...". A
-cooldown keeps the run's owner id, so it is told apart by its lease outlasting a renewal of
-the task's ttl, or by the backend showing the holder succeeded. One store ``get``, maybe one
-backend read; never raises.
-
-The backend read runs on its own thread, waited for at most :data:`BACKEND_WAIT` s, one at a
-time per process: a backend that stopped answering (Redis's default socket timeout is 120 s)
-neither holds the worker slot nor piles up threads.
+A cooldown keeps the run's owner id; it is told apart by its lease outlasting a renewal of the
+task's ttl, or by the backend showing the holder succeeded. The backend read runs on its own
+thread, at most :data:`BACKEND_WAIT` s and one at a time per process, so a hung backend
+(Redis's default socket timeout: 120 s) neither holds the worker slot nor piles up threads.
 """
 
 from __future__ import annotations
@@ -52,12 +47,8 @@ forking.on_fork_child(_after_fork_in_child, name="held_by: backend read")
 
 @dataclass(frozen=True)
 class HeldBy:
-    """The holder of a key, as read when an execution was turned away from it.
-
-    ``until``: unix seconds when the key frees itself unless renewed (a cooldown's end);
-    ``left``: seconds from the look-up to it; ``state_known``: ``False`` when the backend did
-    not answer in time (running or cooldown, unknown).
-    """
+    """The holder of a key when an execution was turned away: ``until`` (unix s) it frees itself
+    unless renewed, ``left`` seconds; ``state_known`` False when the backend did not answer."""
 
     key: str
     holder: Holder
@@ -105,12 +96,9 @@ def _who(holder: Holder) -> str:
 
 
 def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> HeldBy | None:
-    """Who holds ``key`` in ``store`` now, or ``None`` when that cannot be told. Never raises.
-
-    An owner id that records its ttl and no cooldown is running. Otherwise a lease of the same
-    task held longer than ``ttl`` (s) is a cooldown; else the backend tells (``SUCCESS``:
-    cooldown).
-    """
+    """Who holds ``key`` in ``store`` now, or ``None`` when that cannot be told; never raises. A
+    lease of the same task held longer than ``ttl`` (s), or a SUCCESS in the backend, is a
+    cooldown."""
     try:
         get = getattr(store, "get", None)
         if get is None:

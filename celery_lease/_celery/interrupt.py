@@ -173,11 +173,8 @@ class Interrupter:
     # Called in the task's thread ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Prepare the interrupt of this thread or greenlet; mark the body running.
-
-        Raises:
-            AsyncLockLost: :meth:`fire` came first: the body must not run.
-        """
+        """Arm the interrupt for this thread or greenlet; raise ``AsyncLockLost`` if :meth:`fire`
+        came first."""
         green = _green_pool()
         self._thread_id = threading.get_ident()
         self._c_thread_id = ctypes.c_ulong(self._thread_id)
@@ -202,11 +199,8 @@ class Interrupter:
             self._running = True
 
     def end(self) -> None:
-        """Cancel an undelivered interrupt; idempotent.
-
-        Raises:
-            AsyncLockLost: the interrupt landed here, after the body's last bytecode.
-        """
+        """Cancel an undelivered interrupt (idempotent); may raise ``AsyncLockLost`` that landed
+        here."""
         self._running = False  # first: from here the handler and green callbacks do nothing
         if self._mode == "signal":
             with contextlib.suppress(ValueError):
@@ -298,13 +292,9 @@ class Interrupter:
         cast("Greenlet", self._greenlet).throw(AsyncLockLost(self.key, "revoked"))
 
     def _watch(self) -> None:
-        """After fire(), until the body ends: re-send the signal while undelivered; in a prefork
-        child, terminate once the body outlived :data:`REVOKE_GRACE`.
-
-        Re-sending matters: when our signal and another (a soft time limit, ``SIGINT``) are
-        handled in one go and the other handler raises, CPython (3.11) can leave ours pending
-        until the next signal.
-        """
+        """Until the body ends: re-send the signal while undelivered (CPython 3.11 can leave ours
+        pending when another handler raises in the same batch); in a prefork child, terminate
+        after :data:`REVOKE_GRACE`."""
         import time
 
         deadline = time.monotonic() + REVOKE_GRACE

@@ -1,9 +1,6 @@
-"""The ``on_held`` policies: what a locked execution does when its key stays held past ``wait``.
-
-``"raise"`` (default) raises :class:`~celery_lease.LockNotAcquiredError`, ``"retry"`` the
-task's ``retry()``, and ``"skip"`` returns ``None`` (a worker execution whose own body was
-skipped ends REVOKED). ``lock_rejected`` and ``on_lock_rejected`` come first.
-"""
+"""The ``on_held`` policies: ``"raise"`` (default) raises ``LockNotAcquiredError``, ``"retry"``
+the task's ``retry()``, ``"skip"`` returns ``None`` (a skipped worker execution ends REVOKED);
+``lock_rejected`` and ``on_lock_rejected`` come first."""
 
 from __future__ import annotations
 
@@ -38,12 +35,8 @@ def apply_policy(
     ttl: float = 0.0,
 ) -> None:
     """The key stayed held past ``wait``: send ``lock_rejected``, call ``on_lock_rejected``,
-    apply ``options.on_held``.
-
-    ``nested``: inside another locked run of the same task id (a skip returns ``None`` to it).
-    ``store`` and ``ttl`` (s): a skip reads who keeps the key
-    (:func:`~celery_lease._celery.held_by.look_up`) to say so.
-    """
+    apply ``options.on_held``. ``nested``: inside another run of the same task id; ``store``
+    and ``ttl`` (s): a skip says who keeps the key."""
     policy = options.on_held
     found = (
         held_by.look_up(store, key, task, ttl) if policy == "skip" and store is not None else None
@@ -95,15 +88,10 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
 
 
 def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str, what: str) -> None:
-    """End a skipped worker execution REVOKED with a reason saying skipped and ``what`` keeps the
-    key.
-
-    Stored as Celery stores a revoked task (``get()`` raises ``TaskRevokedError`` at once),
-    announced with ``task-revoked`` (Flower), then ``Ignore`` so the tracer stores nothing
-    over it. A backend error propagates (never a silent success). The event is sent from the
-    pool process as ``Task.send_event`` does, also without ``-E`` (Flower may enable events
-    remotely); ``send_events = False`` turns it off.
-    """
+    """End a skipped worker execution REVOKED (``get()`` raises ``TaskRevokedError`` at once),
+    announce it with ``task-revoked`` from this process (also without ``-E``: Flower may
+    enable events remotely), then ``Ignore`` so nothing is stored over it. A backend error
+    propagates: never a silent success."""
     reason = f"skipped: {key!r} {what} (on_held='skip')"
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))

@@ -1,12 +1,9 @@
 """Structural types of the parts of Celery, billiard, kombu and greenlet the Celery layer uses.
 
-Celery ships no type information (no ``py.typed``, no stubs; 5.7 checked), so mypy sees
-``Task``, ``Context``, ``Celery``, the backends, ``Signal`` and the bootsteps as ``Any``. Each
-protocol names only the members we read or call, as Celery defines them; third-party stubs
-would tie us to one view of one version, and a test's small fake is typed like the real thing.
-Nothing is ``runtime_checkable``: only mypy reads them, and
-``tests/unit/_celery/test_protocols.py`` checks Celery's real objects still have every member.
-The ``TypeGuard`` functions at the end type a store's capability checks for mypy.
+Celery ships no types (5.7), so mypy sees its classes as ``Any``. Each protocol names only the
+members we use; stubs would tie us to one version's view, and a test's fake is typed like the
+real thing. Not ``runtime_checkable``: ``tests/unit/_celery/test_protocols.py`` checks
+Celery's objects still have every member.
 """
 
 from __future__ import annotations

@@ -81,10 +81,9 @@ def note_task_failure(sender: object, task_id: str | None, exception: object) ->
 
 
 def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> bool:
-    """Whether Celery runs a task again when its child dies (as ``Request.on_failure`` /
-    ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late`` with
-    ``reject_on_worker_lost``; after a hard time limit, ``acks_late`` without
-    ``acks_on_timeout``. Unknown task: False."""
+    """Whether Celery runs a task again when its child dies (``retry_on_worker_lost``,
+    ``acks_late`` with ``reject_on_worker_lost``, or after a hard time limit without
+    ``acks_on_timeout``)."""
     if task is None:
         return False
     acks_late = bool(getattr(task, "acks_late", False))
@@ -246,13 +245,10 @@ class _Reaper:
         return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """Run the pool's maintenance as soon as ``process`` can be reaped.
-
-        The loop learns of a death when the sentinel pipe closes, before the child is a
-        zombie; with several threads it stays in between long enough for ``waitpid(WNOHANG)``
-        to miss it, and billiard then waits for its 5 s timer. A pidfd (Linux >= 5.3) wakes
-        the loop once it is reapable; elsewhere maintenance is retried after 5, 10, 20 ... ms.
-        """
+        """Run the pool's maintenance as soon as ``process`` can be reaped: the sentinel closes
+        before the child is a zombie, and ``waitpid(WNOHANG)`` often misses a multi-threaded
+        one, leaving it to billiard's 5 s timer. A pidfd (Linux >= 5.3) wakes the loop;
+        elsewhere it is retried after 5, 10, 20 ... ms."""
         try:
             fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started
         except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer

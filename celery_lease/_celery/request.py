@@ -1,12 +1,7 @@
-"""The lock attributes of a request, defined on Celery's ``Context`` class by
-:func:`define_attributes`.
-
-On the class, they are never custom headers (``retry()`` re-sends those) and always have a
-value; an execution overwrites them, so a message header cannot forge them. ``lock_lost`` is a
-read-only data descriptor reading the lease's own loss record, so it never lags and a header
-cannot shadow it. ``_lease_run`` is :data:`CLAIMED`, which no message can carry, once a locked
-execution claimed the request.
-"""
+"""The lock attributes of a request, defined on Celery's ``Context`` class: never custom headers
+(``retry()`` re-sends those), always overwritten by an execution, so a header cannot forge
+them. ``lock_lost`` is a read-only descriptor over the lease's own loss record; ``_lease_run``
+is :data:`CLAIMED`, which no message can carry."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Misspelled settings: configured keys meant as celery-lease settings that Celery never reads.
-
-Celery keeps unknown keys silently, so ``lease_stor`` (or ``CELERY_LEASE_STOR`` under
-``namespace="CELERY"``) would quietly select another store. The setting names come from the
-caller (:data:`celery_lease._celery.settings.SETTINGS`).
-"""
+"""Misspelled settings: configured keys meant as ours that Celery never reads (it keeps unknown
+keys silently, so ``lease_stor`` would quietly select another store)."""
 
 from __future__ import annotations
 
@@ -88,14 +84,10 @@ def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
 
 
 def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
-    """One message per configured key meant as a lease setting but never read.
-
-    ``conf`` is an ``app.conf`` (namespace honoured, Celery's defaults skipped) or a mapping.
-    Reported: a known setting in a spelling Celery does not read (``LEASE_STORE`` without a
-    namespace); a key that says ``lease`` spelled as Celery reads settings (``lease_stor``,
-    ``CELERY_LEASE_STOR`` in the namespace); or one that says ``lease``, is spelled otherwise
-    and is very close to a setting. Other libraries' names are never reported.
-    """
+    """One message per configured key of ``conf`` (``app.conf`` or a mapping) meant as one of
+    ``settings`` but never read: a known name Celery does not read in that spelling, or a key
+    that says ``lease`` and is spelled as Celery reads settings or is very close to one. Other
+    libraries' names are never reported."""
     finalize = getattr(conf, "finalize", None)
     if callable(finalize):
         finalize()  # a pending app.conf: load config_from_object (and its namespace) first

@@ -1,11 +1,9 @@
 """Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
 
-Each setting's meaning and default: ``docs/celery.md#app-settings``; :data:`SETTINGS` lists
-them. They are validated on first use and at worker start, where a bad value or a misspelled
-name refuses the worker (:mod:`~celery_lease._celery.setting_typos`: Celery keeps unknown keys
-silently). Celery's namespaces apply: with ``namespace="CELERY"``, Django's
-``CELERY_LEASE_STORE`` is ``lease_store``. The store is resolved once per app and process, and
-rebuilt after ``fork``. Locks and fork resets: ``docs/internals.md``.
+Meanings and defaults: ``docs/celery.md#app-settings``; :data:`SETTINGS` lists them. Validated
+on first use and at worker start, where a bad value or a misspelled name refuses the worker.
+Celery's namespaces apply (``CELERY_LEASE_STORE`` under ``namespace="CELERY"``). The store is
+resolved once per app and process. Locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -262,14 +260,9 @@ _PORT_RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
 def read_metrics_port(value: object, name: str) -> int | tuple[int, ...]:
-    """A metrics port: an ``int`` (0..65535, 0: any free port; digits in a str), or a tuple of ports
-    to take the first free one of: ``range(9809, 9819)``, ``"9809-9818"`` (both ends included), a
-    list or tuple (each 1..65535; django-prometheus's range convention).
-
-    Raises:
-        LeaseConfigError: anything else (a bool, a float, an unordered set, an empty
-            range...).
-    """
+    """A metrics port: an ``int`` 0..65535 (0: any; digits in a str), or ports to take the first
+    free one of: ``range(9809, 9819)``, ``"9809-9818"``, a list or tuple (each 1..65535). Else
+    ``LeaseConfigError``."""
     ports: object = value
     if isinstance(value, str):
         text = value.strip()
@@ -320,12 +313,8 @@ def cached(cache: MutableMapping[_K, _V], key: _K, build: Callable[[], _V]) -> _
 
 def get_settings(app: CeleryApp) -> LeaseSettings:
     """The validated lease settings of ``app``, cached per ``app.conf`` object (Celery replaces
-    it when ``config_from_object`` follows a first read, and then they are read again).
-
-    Raises:
-        LeaseConfigError: a bad value or misspelled name, or a configuration the worker
-            refused.
-    """
+    it when configured after a first read); ``LeaseConfigError`` for a bad or misspelled
+    setting, or a refused configuration."""
     if _refusals:
         _raise_refusal(app)
     conf = app.conf  # loads the app's configuration if nothing did yet (as its tasks would)
@@ -377,10 +366,8 @@ def is_process_local(store: str | LockStore | None) -> bool:
 
 
 def broker_store_url(app: CeleryApp) -> str | None:
-    """The broker's URL as a lock-store URL when it is Redis, else ``None``.
-
-    ``sentinel://h1;sentinel://h2`` becomes ``redis+sentinel://h1,h2/<master_name>/<db>``.
-    """
+    """The broker's URL as a lock-store URL when it is Redis (``sentinel://`` becomes
+    ``redis+sentinel://h1,h2/<master_name>/<db>``), else ``None``."""
     url = app.conf.broker_url
     if isinstance(url, (list, tuple)):
         url = url[0] if url else None
@@ -423,14 +410,11 @@ def default_sqlite_dir() -> str:
 def default_sqlite_path() -> str:
     """Create and check the per-user directory (0o700); return the fallback file's path (0o600).
 
-    An existing file is only ``lstat``-ed and ``chmod``-ed, never opened: closing any descriptor
-    of a file drops every POSIX lock the process holds on it, SQLite's included, and a process
-    that already has a connection (a second app, a rebuilt store) would then commit into a WAL
-    another process deleted: two holders of one key (see :mod:`celery_lease.stores.sqlite`).
-
-    Raises:
-        LeaseConfigError: the directory or file is not this user's or not of its kind (a
-            symlink is refused).
+    An existing file is only ``lstat``-ed and ``chmod``-ed, never opened: closing any
+    descriptor drops every POSIX lock of the process, SQLite's included, and a process with a
+    connection open would then commit into a WAL another process deleted (two holders; see
+    :mod:`celery_lease.stores.sqlite`). Raises ``LeaseConfigError`` for a path not this user's
+    or not of its kind.
     """
     directory = default_sqlite_dir()
     with contextlib.suppress(FileExistsError):
@@ -463,12 +447,8 @@ def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int
 
 
 def store_option(app: CeleryApp) -> str | LockStore:
-    """What :func:`get_store` would build from, unbuilt (the SQLite directory is made), for
-    checks that must not touch this process's store.
-
-    Raises:
-        LeaseConfigError: as :func:`get_settings` or :func:`default_sqlite_path`.
-    """
+    """What :func:`get_store` would build from, unbuilt, for checks that must not touch this
+    process's store."""
     configured = get_settings(app).store
     if configured is not None:
         return configured
@@ -542,16 +522,9 @@ def _build_store(app: CeleryApp) -> LockStore:
 
 
 def get_store(app: CeleryApp) -> LockStore:
-    """The lock store of ``app`` in this process, built on first use and after a settings change.
-
-    Order: ``lease_store``, else the broker's Redis (``redis://``, ``rediss://``,
-    ``sentinel://``), else a SQLite file shared by this user's workers on this host (warned of
-    once, by the worker's main process). Rebuilt after ``fork``.
-
-    Raises:
-        LeaseConfigError: as :func:`get_settings`; or the host-local file under
-            ``lease_require_shared_store``.
-    """
+    """The lock store of ``app`` in this process: ``lease_store``, else the broker's Redis, else
+    a SQLite file shared by this user's workers on this host (warned of once, or refused under
+    ``lease_require_shared_store``). Rebuilt after ``fork`` and after a settings change."""
     settings = get_settings(app)
     entry = _stores.get(app)
     if entry is None or entry[0] is not settings:

@@ -1,17 +1,12 @@
-"""The checks at worker start and in new pool processes: the configuration, the store ping.
+"""The checks at worker start and in new pool processes: the configuration, the store ping
+(``docs/celery.md#the-store-at-start``).
 
-What is checked and refused, and ``celery lease check``:
-``docs/celery.md#the-store-at-start``. The store ping runs only for an app that uses
-celery-lease (:func:`uses_celery_lease`).
-
-Why a bootstep: Celery's ``Signal.send`` swallows what a receiver raises, so raising in
-``worker_init`` does not stop the worker. :class:`LeaseCheck` raises from ``__init__`` while
-Celery builds the blueprint (no pool forked, no message consumed), as Celery raises
-``ImproperlyConfigured``: ``celery worker`` exits 1 and ``start_worker`` raises at once
-(raising from ``start`` would leave ``start_worker`` waiting forever). The refusal is also
-recorded (:func:`~celery_lease._celery.settings.refuse`), so a worker that went on anyway
-fails every locked execution; pool processes check again when they start. Threads, locks and
-fork resets: ``docs/internals.md``.
+Why a bootstep: ``Signal.send`` swallows what a receiver raises, so raising in ``worker_init``
+does not stop the worker. :class:`LeaseCheck` raises from ``__init__`` while Celery builds the
+blueprint (no pool forked, no message consumed): ``celery worker`` exits 1 and
+``start_worker`` raises at once, where raising from ``start`` would leave it waiting forever.
+The refusal is also recorded (:func:`~celery_lease._celery.settings.refuse`), so a worker that
+went on anyway runs no locked execution; pool processes check again when they start.
 """
 
 from __future__ import annotations

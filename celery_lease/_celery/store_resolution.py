@@ -1,10 +1,6 @@
-"""Which store a locked task uses: its ``lock_store`` option, else its app's ``lease_store``.
-
-A ``lock_store`` URL is opened once per process (forgotten after fork and in a new pool
-process). The engine, unique's queued keys, the reaper, ``lease(app=...)`` and ``celery
-lease`` all ask here, so a task's leases and its queued key always live in one store. Fork
-resets: ``docs/internals.md``.
-"""
+"""Which store a locked task uses: its ``lock_store`` (a URL opened once per process, forgotten
+after fork), else its app's. Everything asks here, so a task's leases and its queued key live
+in one store."""
 
 from __future__ import annotations
 

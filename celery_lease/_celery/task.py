@@ -1,10 +1,7 @@
 """``LockedTask`` and ``@locked``: a Celery task body runs only while it holds a renewed lease.
-
-Both share the engine (:func:`celery_lease._celery.execution.run_locked`) and the options;
-this module holds the options, their validation at class creation and decoration time, and the
-``__call__`` that hands each execution to the engine. The lease is taken where the task runs
-(so ``send_task``, beat, canvas and redelivery all go through it). Guide: ``docs/celery.md``.
-"""
+Both share the engine (:mod:`~celery_lease._celery.execution`); this module holds the options,
+their validation and the ``__call__`` that hands each execution over. Guide:
+``docs/celery.md``."""
 
 from __future__ import annotations
 
@@ -407,13 +404,9 @@ def locked(
 ) -> Callable[[F], F]:
     """Decorate a task function (below ``@app.task``) so that its body runs under a lease.
 
-    Takes :class:`LockedTask`'s options without the ``lock_`` prefix, with the same defaults,
-    checked here. ``unique`` (and its options) is refused: de-duplication lives in
-    ``apply_async``, which a function decorator cannot reach. With ``bind=True`` the key is
-    built from the arguments after ``self``.
-
-    Raises:
-        LeaseConfigError: naming the option, the value and what is allowed.
+    Takes :class:`LockedTask`'s options without ``lock_``, checked here (``LeaseConfigError``
+    naming the option); ``unique`` is refused: a decorator cannot reach ``apply_async``. With
+    ``bind=True`` the key is built from the arguments after ``self``.
     """
     raw = {
         "key": key,
