@@ -37,11 +37,8 @@ class BeatConfig:
 
 
 def read_config(app: Any) -> BeatConfig:
-    """``app``'s leased-beat settings, with their defaults.
-
-    Raises:
-        LeaseConfigError: naming the setting, its value and what is allowed.
-    """
+    """``app``'s leased-beat settings with their defaults (``LeaseConfigError`` naming a bad
+    one)."""
     settings = get_settings(app)
     ttl = DEFAULT_TTL if settings.beat_ttl is None else settings.beat_ttl
     if ttl < MIN_TTL:

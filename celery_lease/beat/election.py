@@ -1,9 +1,6 @@
-"""The beat lease as one beat process sees it: take it, keep it, notice its loss, take it again.
-
-Held with the public :func:`celery_lease.lease` on the scheduler's thread, so the renewer
-renews it and records its loss; :meth:`Election.verify` asks the store right before each send.
-A beat that lost the lease stands by again, waiting as ``lease(wait=...)`` does.
-"""
+"""The beat lease as one beat sees it: held with :func:`celery_lease.lease` on the scheduler's
+thread (the renewer keeps it), checked with the store before each send
+(:meth:`Election.verify`), and waited for again after a loss."""
 
 from __future__ import annotations
 

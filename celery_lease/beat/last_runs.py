@@ -1,11 +1,9 @@
-"""Each schedule entry's last run, shared through the lease store next to the beat's lease.
+"""Each schedule entry's last run, shared through the lease store, so a beat taking over neither
+repeats nor skips a tick, whatever the wrapped scheduler keeps.
 
-The holder records every send; a beat taking over reads the records first, so it neither
-repeats nor skips a tick, whatever the wrapped scheduler keeps (a ``PersistentScheduler``'s
-file is local). A record is a lease, so every store has it: ``<beat key>:last-run:<entry>``
-held for :data:`RECORD_TTL` by an owner whose label is ``last-run <unix ms>``. Only the beat
-lease's holder writes, right after checking it still holds. A store without
-:class:`~celery_lease.stores.base.SupportsInspection` neither writes nor reads them.
+A record is a lease (every store has it): ``<beat key>:last-run:<entry>``, kept
+:data:`RECORD_TTL`, owned by ``last-run <unix ms>``; only the beat lease's holder writes,
+right after checking it. Stores without ``SupportsInspection`` keep none.
 """
 
 from __future__ import annotations
@@ -39,12 +37,8 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # the owner id this process last wrote, by entry
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run, by name (empty for a store that cannot
-        list).
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Unix seconds of each entry's last recorded run (``StoreUnavailableError`` if
+        unanswered)."""
         if not self.shared:
             return {}
         found: dict[str, float] = {}
@@ -55,11 +49,8 @@ class LastRuns:
         return found
 
     def write(self, name: str, at: float) -> None:
-        """Record that entry ``name`` last ran at ``at`` (unix seconds).
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Record that entry ``name`` last ran at ``at`` (``StoreUnavailableError`` if
+        unanswered)."""
         if not self.shared:
             return
         key = self.prefix + name

@@ -1,18 +1,11 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
 
-Celery's ``Service`` calls ``tick()`` and sleeps what it returns. The leased scheduler is a
-subclass built once per wrapped class (``LeasedPersistentScheduler(LeasedScheduler,
-PersistentScheduler)``), so the wrapped scheduler keeps its ``tick``, heap, persistence and
-entries, and the leased part hooks the steps every scheduler shares:
-
-* ``tick``: a standby waits for the lease; on taking it, reads the shared last runs first.
-* ``populate_heap`` (take-over, and every schedule reload, as django-celery-beat's): raise
-each entry's last run to the shared one, so older local state never makes a tick due again.
-* ``reserve`` (just before a send): check with the store that the lease is still ours; else
-nothing is sent and the entry stays due.
-* ``apply_async``: send with ``lease_beat_token`` (the fencing token), then record the run.
-* ``close`` (stop, ``SIGTERM``, ``SIGINT``): release the lease, so a standby takes over at
-once.
+Built as a subclass of the wrapped scheduler (``LeasedPersistentScheduler``), which keeps its
+``tick``, heap and persistence; the leased part hooks ``tick`` (a standby waits for the lease
+and reads the shared last runs on taking it), ``populate_heap`` (last runs raised to the
+shared ones, also after a reload), ``reserve`` (checks the lease with the store before each
+send), ``apply_async`` (the fencing token header, then the record) and ``close`` (releases the
+lease).
 """
 
 from __future__ import annotations
@@ -47,16 +40,11 @@ class NotHolding(Exception):
 class LeasedScheduler(Scheduler):  # type: ignore[misc]
     """A beat scheduler that sends due tasks only while it holds the lease ``lease_beat_key``.
 
-    Use ``celery beat -S celery_lease.beat:LeasedScheduler`` or ``app.conf.beat_scheduler =
-    "celery_lease.beat:LeasedScheduler"`` (also for ``worker -B``). It wraps
-    ``lease_beat_scheduler`` (default ``celery.beat:PersistentScheduler``; ``django`` works
-    too) by building a subclass of both. Settings (``lease_beat_*``, checked at start): see
-    :mod:`celery_lease._celery.settings`. A standby takes over within one ``lease_beat_ttl``
-    (plus at most a 1 s poll) of the active beat's death, at once after a clean shutdown.
-
-    Attributes:
-        standby_wait: seconds one standby ``tick`` waits for the lease (default ``None``:
-            the ttl, at most ``max_interval``; 0: try once).
+    Use ``celery beat -S celery_lease.beat:LeasedScheduler`` (or ``beat_scheduler``). It wraps
+    ``lease_beat_scheduler`` (default ``celery.beat:PersistentScheduler``; ``django`` works).
+    A standby takes over within one ``lease_beat_ttl`` of the active beat's death, at once
+    after a clean shutdown. ``standby_wait``: seconds one standby ``tick`` waits (default: the
+    ttl, at most ``max_interval``).
     """
 
     standby_wait: float | None = None
@@ -94,11 +82,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
 
     def reserve(self, entry: Any) -> Any:
-        """Advance ``entry`` for its send once the store confirmed the lease.
-
-        Raises:
-            NotHolding: it did not (nothing advanced or sent).
-        """
+        """Advance ``entry`` once the store confirmed the lease; else raise ``NotHolding``
+        (nothing sent)."""
         if not self.election.verify():
             raise NotHolding(entry.name)
         new_entry = super().reserve(entry)

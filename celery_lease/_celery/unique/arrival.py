@@ -29,20 +29,12 @@ def on_arrival(
     ttl: float,
     wait: float = 0.0,
 ) -> Arrival | None:
-    """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
-
-    The copy frees its queued lease, then claims its tombstone (a started claim) for the run
-    ``ttl`` plus ``wait``: either a superseding call took it first (the copy ends REVOKED) or
-    nobody supersedes it from now on. The queued lease is freed again once the claim stands (a
-    failed superseding call may have handed it back meanwhile).
-
-    Returns the :class:`Arrival`, or ``None`` without debounce, in eager mode, or for a
-    message not published by ``apply_unique``. An earlier attempt's claim (a second delivery)
-    stands for this one.
-
-    Raises:
-        Ignore: the copy was superseded (REVOKED stored).
-    """
+    """A debounced copy, before it takes the run lease: free its queued lease and claim its
+    tombstone for the run ``ttl`` plus ``wait``: either a superseding call took it first
+    (``Ignore``, REVOKED stored) or nobody supersedes the copy any more. Then free the queued
+    lease again (a failed superseding call may have handed it back). Returns the
+    :class:`Arrival`, or ``None`` without debounce, when eager, or without ``apply_unique``'s
+    header."""
     if unique.debounce is None or getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)
@@ -136,14 +128,9 @@ class Arrival:
         return False, None
 
     def confirm(self, task: CeleryTask, request: TaskRequest) -> None:
-        """The run lease is held: re-assert the claim before the body. One that lapsed meanwhile
-        and was taken by a superseding call ends the copy REVOKED (the engine releases the run
-        lease). A fresh claim frees the queued key a failed superseding call may have handed
-        back.
-
-        Raises:
-            Ignore: the copy was superseded while it waited for the run lease.
-        """
+        """The run lease is held: re-assert the claim. One that lapsed and was taken by a
+        superseding call ends the copy (``Ignore``; the engine releases the run lease); a
+        fresh claim frees a queued key handed back meanwhile."""
         if self.claim_or_end(task, request):
             self._release_queued("the copy's claim was taken again")
 

@@ -42,12 +42,8 @@ def apply_unique(
     options: dict[str, Any],  # apply_async options: values of any kind
 ) -> AsyncResultLike:
     """``apply_async`` of a task with ``lock_unique``: publish at most one copy; return its
-    ``AsyncResult``, or the holder's for a duplicate.
-
-    Raises:
-        AlreadyQueuedError: a duplicate with ``on_duplicate="raise"``, or carrying callbacks.
-        StoreUnavailableError: the store failed (nothing was published).
-    """
+    result, or the holder's for a duplicate. Raises ``AlreadyQueuedError``
+    (``on_duplicate="raise"``, or callbacks) or ``StoreUnavailableError`` (nothing published)."""
     unique = spec.options.unique
     assert unique is not None
     app = task.app
@@ -126,13 +122,10 @@ def _delay(options: Mapping[str, Any], now: float) -> float:
 
 
 def names_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
-    """Whether a unique copy's leases are taken with ``acquire_or_holder`` (a refusal names its
-    holder atomically).
-
-    Only where it is defined by the class of ``acquire`` or below, and ``acquire`` is not
-    replaced on the instance: a subclass or wrapper overriding ``acquire`` (faults, counts,
-    policies) is never bypassed. Cached per class.
-    """
+    """Whether a copy's leases are taken with ``acquire_or_holder`` (the refusal names its holder
+    atomically): only where the class of ``acquire`` or a subclass defines it and the instance
+    does not replace ``acquire``, so a wrapper overriding ``acquire`` is never bypassed.
+    Cached per class."""
     if "acquire" in getattr(store, "__dict__", ()):
         return False
     kind = type(store)
@@ -150,12 +143,8 @@ def _defines_both(kind: type) -> bool:
 
 def _resend(call: Call) -> AsyncResultLike:
     """A running copy publishes its own id (a retry): wait again under its own queued lease,
-    never a duplicate of itself.
-
-    Under ``"until_done"`` the running copy already holds the key: it is set to the retry's
-    ``queue_ttl`` here and again when the run ends (a renewal may land in between). If another
-    copy holds it (``"while_queued"``), the retry is published without a queued lease.
-    """
+    never a duplicate of itself. Under ``"until_done"`` the held key is set to the retry's
+    ``queue_ttl`` (again when the run ends); held by another copy, the retry goes without one."""
     task, store, qkey, task_id = call.task, call.store, call.qkey, call.task_id
     owner = header_owner(task.request, task_id, qkey) or _own_queued_owner(store, qkey, task_id)
     if owner is None:

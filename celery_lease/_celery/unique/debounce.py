@@ -176,26 +176,22 @@ class _Debounce:
     def _withdraw(self, takeover: _Takeover) -> tuple[bool, str | None]:
         """A superseding call was not published: hand the key back to the copy it superseded,
         unless a newer call superseded this one or that copy ended. Never raises a store
-        error; returns what :meth:`_take_own_tomb` found.
+        error; returns what :meth:`_take_own_tomb` found. Each step decides the next, so
+        exactly one copy stays to run:
 
-        Each step decides the next, so that exactly one copy stays to run:
-
-        1. Take this call's own tombstone (no call can supersede it from here). Refused: a
-        newer call stands in for the waiting copy; nothing is touched.
+        1. Take this call's own tombstone; refused: a newer call stands in, touch nothing.
         2. Free this call's queued lease.
-        3. If the backend shows the waiting copy ended (it started, found its tombstone taken,
-        stored REVOKED), hand nothing back: a key for a dead copy would make every call until
-        its ttl a duplicate.
-        4. Take the key back under the waiting copy's owner. Refused: a new call took it and
+        3. If the backend shows the waiting copy ended, hand nothing back (a key for a dead
+        copy makes every call until its ttl its duplicate).
+        4. Take the key back under the waiting copy's owner; refused: a new call took it and
         runs.
-        5. Ask again (it may have ended between 3 and 4); if so, free the key just taken.
+        5. If the copy ended between 3 and 4, free the key just taken.
         6. Remove the waiting copy's tombstone: it runs.
 
-        A copy that ends superseded frees a lease under its own owner after storing REVOKED,
-        so a key taken back for it is freed by it or by step 5; a backend that cannot tell
-        counts as still waiting. The own tombstone is kept (it expires), so a message the
-        broker took after all ends without its body. On a store error the copy stays
-        superseded: nothing runs rather than two.
+        A superseded copy frees a lease under its owner after storing REVOKED, so a key taken
+        back for it is freed by it or by step 5. The own tombstone is kept (a message the
+        broker took after all ends without its body). On a store error nothing runs rather
+        than two.
         """
         own = self._take_own_tomb()
         if not own[0]:
@@ -222,14 +218,9 @@ class _Debounce:
         return own
 
     def _take_own_tomb(self) -> tuple[bool, str | None]:
-        """Take this failed call's own tombstone: no call supersedes it any more, and its
-        message, had the broker taken it, ends without its body (``Arrival.claim_or_end``).
-        Never raises a store error.
-
-        Returns ``(True, None)`` when taken (or unknown after a store error), else ``(False,
-        holder)``: a newer call that superseded this one, or this call's own message, started
-        on a worker.
-        """
+        """Take this failed call's own tombstone, so no call supersedes it and its message, if
+        the broker took it, ends without its body. Returns ``(True, None)`` when taken (or
+        unknown after a store error), else ``(False, holder)``. Never raises a store error."""
         call = self.call
         own_tomb = common.superseded_key(call.task_id, call.prefix)
         try:

@@ -33,15 +33,10 @@ def on_start(
     ttl: float,
     cooldown: float,
 ) -> QueuedHold | None:
-    """The copy holds its run lease and its body is about to start: hand the queued key over.
-
-    ``"until_done"`` without debounce keeps the queued lease under its owner (never free in
-    between), renewed with the run ``ttl`` until :meth:`QueuedHold.end`; a loss is logged and
-    the body runs anyway (the run lease still excludes). Otherwise it is released.
-
-    Raises:
-        Ignore: a second delivery whose copy is done, or re-sent to wait again.
-    """
+    """The copy holds its run lease, its body about to start: hand the queued key over.
+    ``"until_done"`` (without debounce) keeps it under its owner, renewed with the run ``ttl``
+    until :meth:`QueuedHold.end` (a loss is only logged); otherwise it is released. Raises
+    ``Ignore`` for a second delivery that is done or re-sent."""
     if getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)

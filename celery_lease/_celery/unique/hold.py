@@ -24,13 +24,9 @@ class QueuedHold:
         self.retry_ttl_ms: int | None = None  # set when the body published its retry
 
     def end(self, succeeded: bool, defer: bool = False) -> None:
-        """The body ended and the run lease is released: stop renewing, then free the key or keep
-        it (retry, ``cooldown``). Never raises a store error.
-
-        With ``defer`` the release goes out unanswered on the connection the run lease's
-        release just used, so the server keeps that order; otherwise unread replies are read
-        first: never ahead of the run lease's release.
-        """
+        """Stop renewing, then free the key or keep it (retry, ``cooldown``); never raises a
+        store error. With ``defer`` the release goes out unanswered on the connection the run
+        lease's release just used, so it is never ahead of it."""
         holding.pop(self.task_id, None)
         entry = self.entry
         renewer = entry.renewer

@@ -31,18 +31,10 @@ def on_rejected(
     policy: str = "raise",
     refused_by: str | None = None,
 ) -> None:
-    """The run lease stayed held: free the copy's queued key (not under ``on_held="retry"``: the
-    retry takes it again).
-
-    The holder is ``refused_by`` (named by the refused acquire), else read now. Held by this
-    very task id, or read free (who refused cannot be told), the delivery is handled as a
-    second one: re-sent to wait for its copy (with the engine's ``task`` and ``ttl``), the
-    policy not applied. A delivery whose copy is done ends, nothing stored.
-
-    Raises:
-        Ignore: a second delivery, re-sent (or its copy finished).
-        Reject: re-sending it failed (``requeue=True``).
-    """
+    """The run lease stayed held: free the copy's queued key (not under ``on_held="retry"``).
+    Held by this task id, or read free (the refuser cannot be told), the delivery is handled
+    as a second one: re-sent to wait (``Ignore``; ``Reject`` if that fails for ``acks_late``),
+    the policy not applied. A done copy's delivery ends."""
     if request is None or getattr(request, "is_eager", False):
         return
     task_id = getattr(request, "id", None)
@@ -123,15 +115,10 @@ def defer(
     unfinished: bool = False,
     ends_copy: bool = False,
 ) -> NoReturn:
-    """Re-send this delivery ``countdown=ttl`` later with ``lease_deferred=count`` and raise
-    Ignore; dropped instead when its copy is done (not asked again if the caller just read it
-    ``unfinished``).
-
-    A failed re-send of an ``acks_late`` message rejects it back (``Reject(requeue=True)``);
-    any other ends. With ``ends_copy`` (no copy of this id is known to run) the error is
-    stored as the copy's FAILURE, unless a ready state or RETRY is; else only logged: the
-    running copy carries the work.
-    """
+    """Re-send this delivery ``ttl`` later with ``lease_deferred=count`` and raise ``Ignore``;
+    drop it if its copy is done. A failed re-send of an ``acks_late`` message raises
+    ``Reject(requeue=True)``; any other ends, its error stored as FAILURE only with
+    ``ends_copy`` (no copy known to run)."""
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and common.finished(task, task_id):  # in its cooldown, or releasing its key
         drop_finished(task, task_id)
