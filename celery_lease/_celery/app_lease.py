@@ -54,43 +54,37 @@ def lease(
         async with lease("cache:prices", app=app) as held: ...   # as a task's lock_key
 
     Args:
-        key: the key to hold (a non-empty string); with ``app``, after its
-            ``lease_key_prefix``.
+        key: the key to hold (non-empty); with ``app``, after its ``lease_key_prefix``.
         store: a :class:`~celery_lease.LockStore`, or an
-            :class:`~celery_lease.stores.base.AsyncLockStore` (a sync ``with`` then uses its
+            :class:`~celery_lease.stores.base.AsyncLockStore` (a sync ``with`` uses its
             ``sync`` twin; a sync store under ``async with`` runs on a thread). Default:
-            ``app``'s store; one of ``store`` and ``app`` is required.
-        app: a Celery app: its lease store (the one its locked tasks use in this process)
-            unless ``store`` is given, its ``lease_key_prefix``, and its default ttl and wait.
-            Read on each entry, so a lease made at import before ``config_from_object`` uses
-            the configuration the app has when it runs (an app already configured is also
-            checked now). A task with its own ``lock_store=`` is not excluded unless the same
-            ``store=`` is passed.
-        ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s); renewed
-            every ttl/3, so a crashed holder frees the key within one ttl.
-        wait: how long to wait for another holder (default: the app's
-            ``lease_default_wait``, else 0: fail at once). Wakes on the store's release
-            notification where it has one, else polls from 50 ms doubling to 1 s; counted on
-            ``clock``, else the store's clock, else the system clock.
+            ``app``'s; one of the two is required.
+        app: a Celery app: its store (the one its locked tasks use here), ``lease_key_prefix``
+            and default ttl and wait, read on each entry, so a lease made at import uses the
+            configuration the app has when it runs. A task with its own ``lock_store`` is
+            excluded only with the same ``store=``.
+        ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s), renewed
+            every ttl/3: a crashed holder frees the key within one ttl.
+        wait: how long to wait for the key (default: the app's ``lease_default_wait``, else
+            0), woken by the store's release notification where it has one, else polling from
+            50 ms up to 1 s.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called once on the dispatcher thread when the lease
-            is lost. ``"cancel"`` (async only): cancel the task running the body, which ends
-            with :class:`~celery_lease.LockLostError`.
-        cancel: a ``threading.Event`` that aborts the wait (within one poll) with
-            ``LockNotAcquiredError(key, "cancelled")``.
-        clock: time source (default: the system clock); a ``FakeClock`` in tests.
-        cooldown: after a body that succeeded, keep the key this long instead of releasing
-            it (default 0).
-        holder: a label recorded in the owner id and shown by ``celery lease list``;
-            default none.
+        on_lost: ``on_lost(lease)``, called once on the dispatcher thread; ``"cancel"`` (async
+            only) cancels the body's task, which ends with
+            :class:`~celery_lease.LockLostError`.
+        cancel: a ``threading.Event`` that aborts the wait with ``LockNotAcquiredError(key,
+            "cancelled")``.
+        clock: time source (default: the system clock; without it the wait counts on the
+            store's clock where it has one); a ``FakeClock`` in tests.
+        cooldown: after a successful body, keep the key this long (default 0).
+        holder: a label for the owner id, shown by ``celery lease list``.
 
-    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``, all
+    Durations are seconds, ``timedelta`` or strings (``"250ms"``, ``"30s"``, ``"5m"``),
     validated before anything is acquired. Re-entrancy, loss and fork:
     :func:`celery_lease._core.lease.lease`.
 
     Raises:
-        LeaseConfigError: (a ``ValueError``) a bad argument, naming it: neither ``store``
-            nor ``app``, an ``app`` that is not a Celery app, or a bad setting of the app.
+        LeaseConfigError: (a ``ValueError``) a bad argument or app setting, named.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
         LockLostError: on exit, when the body raised an ``Exception`` after the lease was
             lost.

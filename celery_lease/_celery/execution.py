@@ -42,9 +42,6 @@ logger = logging.getLogger("celery_lease.engine")
 _R = TypeVar("_R")
 
 
-# One execution -------------------------------------------------------------------------------
-
-
 class _Run:
     """The state of one locked execution; ``requests``: every request its body may see
     (:func:`adopt_request`); ``task_id``: ``None`` for a direct call."""
@@ -121,8 +118,6 @@ class _Run:
         """Whether this run fired an interrupt."""
         return self.interrupter is not None and self.interrupter.fired
 
-    # Loss listeners -----------------------------------------------------------------------------
-
     def interrupt(self, held: Lease) -> None:
         """Immediate listener: stop the body; not for an early release (RETRY must not become
         FAILURE)."""
@@ -147,8 +142,6 @@ class _Run:
                 logger.exception(
                     "celery-lease: on_lock_lost of %s raised", getattr(self.task, "name", "?")
                 )
-
-    # Release ------------------------------------------------------------------------------------
 
     def _send(self, signal: Signal, held: Lease, **named: object) -> None:
         signals.send(
@@ -233,9 +226,6 @@ class _ReleasedForRetry(Exception):
 
 
 _RELEASE_FOR_RETRY = _ReleasedForRetry()
-
-
-# The engine ----------------------------------------------------------------------------------
 
 
 def run_locked(

@@ -71,8 +71,6 @@ def apply_policy(
     raise exc
 
 
-# A skipped run, visible as skipped ---------------------------------------------------------
-
 skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
 """True while a ``@locked`` helper that is not its task's body runs: a skip there returns
 ``None`` to the body instead of marking the execution skipped."""

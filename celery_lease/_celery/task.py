@@ -140,9 +140,6 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     return validate
 
 
-# LockedTask ----------------------------------------------------------------------------------
-
-
 class LockedTask(Task):  # type: ignore[misc]
     """A Celery task whose body runs only while holding a lease.
 
@@ -367,9 +364,6 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def on_lock_rejected(self, key: str) -> None:
         """Called in the task's thread when ``key`` stayed held past ``wait`` (body not run)."""
-
-
-# @locked -------------------------------------------------------------------------------------
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
