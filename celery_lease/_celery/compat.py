@@ -76,8 +76,8 @@ get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
 
-# EX_RECYCLE is imported above: billiard 4.x, the exit code of a child that left on purpose
-# (--max-tasks-per-child, --max-memory-per-child); any other nonzero code is a killed child.
+# EX_RECYCLE (billiard 4.x): a child that left on purpose (--max-tasks-per-child...); any other
+# nonzero exit code is a killed child.
 
 
 # Celery's pydantic wrapper (``@app.task(pydantic=True)``) ------------------------------------

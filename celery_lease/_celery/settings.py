@@ -531,12 +531,10 @@ def get_store(app: CeleryApp) -> LockStore:
         with _lock:
             entry = _stores.get(app)
             if entry is not None and entry[0] is not settings and entry[0] == settings:
-                # The same values read again (recheck, a configuration reloaded unchanged):
-                # the same store.
+                # The same values read again (recheck, an unchanged reload): the same store.
                 entry = _stores[app] = (settings, entry[1])
             elif entry is None or entry[0] is not settings:
-                # Other values (the app configured after a first read): a store of its own.
-                # The previous one is left open: a lease taken in it may still be held.
+                # Other values: a new store; the old one stays open (a lease in it may be held).
                 entry = _stores[app] = (settings, _build_store(app))
     return entry[1]
 
@@ -545,16 +543,11 @@ def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
     """Forget cached settings and stores of ``app`` (``None``: all), and refusals unless told not
     to."""
     with _lock:
-        if app is None:
-            _settings.clear()
-            _stores.clear()
-            if refusals:
-                _refusals.clear()
-        else:
-            _settings.pop(app, None)
-            _stores.pop(app, None)
-            if refusals:
-                _refusals.pop(app, None)
+        for cache in (_settings, _stores, _refusals) if refusals else (_settings, _stores):
+            if app is None:
+                cache.clear()
+            else:
+                cache.pop(app, None)
 
 
 def close_stores(app: CeleryApp | None = None) -> None:
