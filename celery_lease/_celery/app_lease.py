@@ -152,8 +152,7 @@ class _Arguments:
     holder: str | None
 
     def resolve(self, app: CeleryApp | None, fallback: LockStore) -> LeaseContext:
-        """The core's context for ``app``'s store, prefix and defaults (``None``: the core's
-        defaults, and ``fallback`` for a missing store)."""
+        """The core's context with ``app``'s store, prefix and defaults (``None``: the core's)."""
         key, store = self.key, self.store
         ttl_default, wait_default = CORE_TTL, CORE_WAIT
         if app is not None:
@@ -178,8 +177,7 @@ class _Arguments:
 
 
 class AppLeaseContext(LeaseContext):
-    """The context ``lease(app=...)`` returns: the app's store, prefix and defaults are read on
-    each entry."""
+    """``lease(app=...)``'s context: the app's store, prefix and defaults read on each entry."""
 
     def __init__(self, app: CeleryApp, arguments: _Arguments, template: LeaseContext) -> None:
         super().__init__(
@@ -200,8 +198,7 @@ class AppLeaseContext(LeaseContext):
         self.arguments = arguments
 
     def resolve(self) -> None:
-        """Take the app's store, prefixed key and defaults as they are now (``LeaseConfigError``
-        for a bad setting)."""
+        """Take the app's store, prefixed key and defaults as they are now."""
         resolved = self.arguments.resolve(self.app, UNRESOLVED)
         self.key, self.store = resolved.key, resolved.store
         self.ttl, self.wait = resolved.ttl, resolved.wait

@@ -166,8 +166,7 @@ def set_join_exited_workers(pool: BilliardPool, method: Callable[..., object]) -
 
 
 def event_process_exit(pool: BilliardPool) -> _ProcessExit | None:
-    """celery 5.x ``AsynPool._event_process_exit``: run when a child's sentinel closes, else
-    ``None``."""
+    """celery 5.x ``AsynPool._event_process_exit`` (a child's sentinel closed), else ``None``."""
     return getattr(pool, "_event_process_exit", None)
 
 

@@ -43,8 +43,7 @@ _R = TypeVar("_R")
 
 
 class _Run:
-    """The state of one locked execution; ``requests``: every request its body may see
-    (:func:`adopt_request`); ``task_id``: ``None`` for a direct call."""
+    """One locked execution; ``requests``: all its body may see (:func:`adopt_request`)."""
 
     def __init__(
         self, task: CeleryTask | None, request: TaskRequest | None, key: str, options: LockOptions
@@ -91,8 +90,7 @@ class _Run:
             held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
-        """Arm the interrupt; the listener goes first, so a lease lost already makes ``start()``
-        raise."""
+        """Arm the interrupt; a lease lost already makes ``start()`` raise (listener first)."""
         interrupter = self.interrupter
         if interrupter is not None and self.context is not None:
             if not self.context.reentered:
@@ -101,8 +99,7 @@ class _Run:
             interrupter.start()
 
     def end_body(self) -> None:
-        """No interrupt may land from now on (called again if something else landed inside
-        ``end()``)."""
+        """No interrupt may land from now on (``end()`` is called again if one lands inside it)."""
         interrupter = self.interrupter
         if interrupter is not None:
             try:
@@ -119,8 +116,7 @@ class _Run:
         return self.interrupter is not None and self.interrupter.fired
 
     def interrupt(self, held: Lease) -> None:
-        """Immediate listener: stop the body; not for an early release (RETRY must not become
-        FAILURE)."""
+        """Immediate listener: stop the body; not for an early release (RETRY stays RETRY)."""
         reason = held.lost_reason or "lost"
         if held.released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
@@ -149,8 +145,8 @@ class _Run:
         )
 
     def release_early(self) -> None:
-        """The execution re-sends itself: record the lease lost (``"released"``), then free the
-        key, once."""
+        """The execution re-sends itself: mark the lease lost (``"released"``), free the key,
+        once."""
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
@@ -201,8 +197,7 @@ def active_runs() -> tuple[_Run, ...]:
 
 
 def adopt_request(task: object, request: TaskRequest) -> None:
-    """``LockedTask.push_request``: the request the innermost run of ``task`` awaits gets its
-    attributes."""
+    """``push_request``: give the request the innermost run of ``task`` awaits its attributes."""
     runs = _active.get()
     if runs:
         run = runs[-1]
@@ -279,8 +274,7 @@ def run_locked(
 
 
 def _described(value: object) -> str | None:
-    """An owner-id field from any id Celery accepts, cut to size (it never fails the
-    acquisition)."""
+    """An owner-id field from any id Celery accepts, cut to size (never fails an acquire)."""
     if value is None:
         return None
     text = value if isinstance(value, str) else str(value)
@@ -358,8 +352,7 @@ def _clear_lock_attributes(request: TaskRequest) -> None:
 def _lease_context(
     run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
 ) -> LeaseContext:
-    """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows the
-    lease."""
+    """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows it."""
     options = run.options
     return LeaseContext(
         run.key,
@@ -386,8 +379,7 @@ def _rejected(
     exc: LockNotAcquiredError,
     refused_by: str | None = None,
 ) -> None:
-    """The key stayed held past ``wait``: free a unique copy's queued key, then apply
-    ``on_held``."""
+    """Past ``wait``: free a unique copy's queued key, then apply ``on_held``."""
     task, key, options = run.task, run.key, run.options
     if options.unique is not None:
         # Its queued key, if any; a second delivery of its own running copy is re-sent
@@ -409,8 +401,7 @@ def _rejected(
 def _queued_hold(
     run: _Run, request: TaskRequest | None, store: LockStore, settings: LeaseSettings, ttl: float
 ) -> _unique.QueuedHold | None:
-    """Hand a unique copy's queued key over; returns what an ``until_done`` copy keeps, else
-    ``None``."""
+    """Hand a unique copy's queued key over; what an ``until_done`` copy keeps, else ``None``."""
     options = run.options
     if options.unique is None or request is None:
         return None

@@ -173,8 +173,7 @@ class Interrupter:
     # Called in the task's thread ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Arm the interrupt for this thread or greenlet; raise ``AsyncLockLost`` if :meth:`fire`
-        came first."""
+        """Arm the interrupt; raise ``AsyncLockLost`` if :meth:`fire` came first."""
         green = _green_pool()
         self._thread_id = threading.get_ident()
         self._c_thread_id = ctypes.c_ulong(self._thread_id)
@@ -199,8 +198,7 @@ class Interrupter:
             self._running = True
 
     def end(self) -> None:
-        """Cancel an undelivered interrupt (idempotent); may raise ``AsyncLockLost`` that landed
-        here."""
+        """Cancel an undelivered interrupt (idempotent); may raise one that landed here."""
         self._running = False  # first: from here the handler and green callbacks do nothing
         if self._mode == "signal":
             with contextlib.suppress(ValueError):
@@ -229,8 +227,7 @@ class Interrupter:
     # Called in the thread that learnt of the loss ----------------------------------------------
 
     def fire(self, reason: str) -> None:
-        """Interrupt the body if it still runs (once); before :meth:`start`, make ``start()``
-        raise."""
+        """Interrupt the body once if it still runs; before :meth:`start`, make it raise."""
         try:
             if self._fire(reason):
                 logger.warning(

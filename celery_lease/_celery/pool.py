@@ -36,8 +36,7 @@ IN_PROCESS_POOLS = (
 
 
 def runs_one_task_at_a_time() -> bool:
-    """True in a solo worker or a prefork child; False elsewhere (a prefork main process,
-    threads, green and unknown pools, outside a worker)."""
+    """True in a solo worker or a prefork child: one task at a time in this process."""
     return _pool_label == "solo" or (_pool_label == "prefork" and _pool_child)
 
 

@@ -212,8 +212,7 @@ class WorkerLike(Protocol):
 
 
 class WorkerRequest(Protocol):
-    """A request the worker tracks (``celery.worker.request.Request``), not the body's
-    ``Context``."""
+    """A request the worker tracks (``celery.worker.request.Request``)."""
 
     id: str
     name: str
@@ -236,8 +235,7 @@ class PoolJob(Protocol):
 
 
 class BilliardPool(Protocol):
-    """billiard's pool in the prefork task pool (``billiard.pool.Pool``, or ``AsynPool``), as the
-    reaper uses it."""
+    """billiard's ``Pool`` (or celery's ``AsynPool``) as the reaper uses it."""
 
     # Fails (or requeues) a job whose child died with an exit code (replaced on the instance):
     mark_as_worker_lost: Callable[[PoolJob, int], object]

@@ -100,8 +100,7 @@ def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> b
 
 
 def _ends_failed_ids() -> set[str]:
-    """Ids of active or reserved requests that end FAILURE if their child dies; positive evidence
-    only (a cancelled request's message is redelivered)."""
+    """Ids of tracked, uncancelled requests that end FAILURE if their child dies."""
     fails: set[str] = set()
     for request in compat.worker_requests():
         if compat.request_cancelled(request):
@@ -113,8 +112,7 @@ def _ends_failed_ids() -> set[str]:
 
 
 def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
-    """pid -> {task id: name} from the worker's requests and the pool's unfinished jobs (a
-    ``terminate=True`` request leaves the requests before its child is reaped)."""
+    """pid -> {task id: name}, from the worker's requests and the pool's unfinished jobs."""
     running: dict[int, dict[str, str | None]] = {}
     for request in compat.worker_requests():
         pids = set()
@@ -134,8 +132,7 @@ def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
 
 
 class _Death:
-    """A reaped child and its tasks; ``fails``: the ids that end FAILURE (their queued keys go
-    too)."""
+    """A reaped child and its tasks; ``fails``: those that end FAILURE."""
 
     __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
 
@@ -344,8 +341,7 @@ class _Reaper:
         return list(stores.values())
 
     def succeeded(self, task_id: str | None) -> bool:
-        """Whether the backend holds SUCCESS for ``task_id`` (then the key is its cooldown);
-        False when it cannot tell."""
+        """Whether the backend holds SUCCESS for ``task_id`` (its key is then a cooldown)."""
         if not task_id:
             return False
         backend = getattr(self.app, "backend", None)
@@ -362,8 +358,7 @@ class _Reaper:
             return False
 
     def release(self, death: _Death) -> None:
-        """Release the dead child's leases in every store of the app, and the queued key of a
-        copy Celery does not run again."""
+        """Release the dead child's leases, and the queued keys of copies not run again."""
         for store in self._stores():
             if not conforms(store, SupportsInspection):
                 logger.warning(

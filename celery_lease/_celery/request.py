@@ -35,8 +35,7 @@ _MISSING = object()
 
 
 def is_claimed(request: TaskRequest) -> bool:
-    """Whether a locked execution claimed ``request`` (``push_request`` copies the mark into
-    requests pushed inside it)."""
+    """Whether a locked execution claimed ``request`` (pushed requests inherit the mark)."""
     return request.__dict__.get("_lease_run") is CLAIMED
 
 

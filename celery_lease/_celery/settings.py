@@ -366,8 +366,7 @@ def is_process_local(store: str | LockStore | None) -> bool:
 
 
 def broker_store_url(app: CeleryApp) -> str | None:
-    """The broker's URL as a lock-store URL when it is Redis (``sentinel://`` becomes
-    ``redis+sentinel://h1,h2/<master_name>/<db>``), else ``None``."""
+    """The broker's Redis URL as a lock-store URL (sentinel included), else ``None``."""
     url = app.conf.broker_url
     if isinstance(url, (list, tuple)):
         url = url[0] if url else None
@@ -447,8 +446,7 @@ def _check_owned(path: str, is_kind: Callable[[int], bool], what: str, mode: int
 
 
 def store_option(app: CeleryApp) -> str | LockStore:
-    """What :func:`get_store` would build from, unbuilt, for checks that must not touch this
-    process's store."""
+    """What :func:`get_store` would build from, unbuilt (for checks)."""
     configured = get_settings(app).store
     if configured is not None:
         return configured
@@ -540,8 +538,7 @@ def get_store(app: CeleryApp) -> LockStore:
 
 
 def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
-    """Forget cached settings and stores of ``app`` (``None``: all), and refusals unless told not
-    to."""
+    """Forget settings, stores and (unless told not) refusals of ``app`` (``None``: all)."""
     with _lock:
         for cache in (_settings, _stores, _refusals) if refusals else (_settings, _stores):
             if app is None:

@@ -18,8 +18,7 @@ OPTIONS_ATTRIBUTE = "_lock_options"
 
 
 def options_of(carrier: object) -> LockOptions | None:
-    """The lock options ``carrier`` (a task class or a ``@locked`` body) carries, or None: the
-    one place other modules read them from."""
+    """The lock options a task class or ``@locked`` body carries, or None."""
     options = getattr(carrier, OPTIONS_ATTRIBUTE, None)
     return options if isinstance(options, LockOptions) else None
 
@@ -33,8 +32,7 @@ class Spec:
     )
 
     def durations(self, settings: LeaseSettings) -> tuple[float, float]:
-        """``(ttl, wait)`` in seconds (task option, else setting, else built-in), worked out and
-        checked once per settings object."""
+        """``(ttl, wait)`` in seconds, worked out and checked once per settings object."""
         read, ttl, wait = self._durations[0]
         if read is settings:
             return ttl, wait

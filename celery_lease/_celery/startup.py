@@ -125,8 +125,7 @@ def _describe(store: str | LockStore | None) -> str:
 def check_worker(
     app: CeleryApp, pool_cls: object, concurrency: int, autoscale: Autoscale = None
 ) -> LeaseConfigError | None:
-    """Why ``app``'s configuration cannot run on this worker (bad settings, a process-local store
-    with several processes), or ``None``."""
+    """Why ``app``'s configuration cannot run on this worker, or ``None``."""
     return _check(
         app, pool.pool_processes(pool_cls, concurrency, autoscale), pool.pool_name(pool_cls)
     )
@@ -299,8 +298,7 @@ def _ping(
 
 
 def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockStore]]:
-    """``(what, option)`` to check, each once: tasks' ``lock_store``s and, when used, the app's
-    store."""
+    """``(what, option)`` of each store to check, once each."""
     configured = get_settings(app).store
     tasks = list(locked_tasks(app))
     pairs: list[tuple[str, str | LockStore]] = []
@@ -333,8 +331,7 @@ HOST_LOCAL_WARNING = (
 
 
 def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Check]:
-    """The checks of ``celery lease check``: the settings, then every store, the app's own
-    always."""
+    """The checks of ``celery lease check``: the settings, then every store."""
     try:
         settings = get_settings(app)
     except LeaseConfigError as exc:
@@ -432,8 +429,7 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
 
 
 def recheck_in_pool_process() -> None:
-    """In a new pool child: refuse if a task registered since the start-up check is
-    process-local."""
+    """In a new pool child: refuse the app if a later task is process-local."""
     app = _app() if _app is not None else None
     if app is None or _processes <= 1:
         return

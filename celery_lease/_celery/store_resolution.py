@@ -29,8 +29,7 @@ def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
 
 
 def execution_store(option: str | LockStore | None, app: CeleryApp, key: str) -> LockStore:
-    """:func:`store_for`, an async store's ``.sync`` twin; a non-``LockStore`` raises as
-    ``lease()`` does."""
+    """:func:`store_for`, an async store's ``.sync`` twin (a non-store raises as ``lease()``)."""
     store = store_for(option, app)
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
         from celery_lease._core import aio
@@ -42,8 +41,7 @@ def execution_store(option: str | LockStore | None, app: CeleryApp, key: str) ->
 
 
 def close_url_stores() -> None:
-    """Close and forget the stores built from ``lock_store`` URLs, as
-    :func:`settings.close_stores`."""
+    """Close and forget the stores built from ``lock_store`` URLs."""
     while _url_stores:
         try:
             _, store = _url_stores.popitem()  # one at a time: atomic, whatever runs at once

@@ -33,8 +33,7 @@ __all__ = ["RECEIVERS", "install"]
 
 
 def _flush_deferred(**_: object) -> None:
-    """``worker_process_shutdown`` / ``worker_shutdown``: read this process's deferred release
-    replies."""
+    """``worker_process_shutdown`` / ``worker_shutdown``: read deferred release replies."""
     deferral.flush_deferred_releases()
 
 
@@ -60,8 +59,7 @@ _installed = False
 
 
 def install() -> None:
-    """Hook celery-lease into Celery, once per process; also flush deferred releases at exit
-    (``atexit``: a worker that fails to start sends no ``worker_shutdown``)."""
+    """Hook celery-lease into Celery, once per process (and flush deferred releases at exit)."""
     global _installed
     if _installed:
         return

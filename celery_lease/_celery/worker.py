@@ -36,8 +36,7 @@ _main_pid: int | None = None
 
 
 def reset_process_state() -> None:
-    """Forget every per-process cache (the :func:`celery_lease._forking.on_new_process` resets);
-    a refusal recorded at worker start is kept."""
+    """Forget every per-process cache; a refusal recorded at worker start is kept."""
     forking.reset_child_state()
 
 

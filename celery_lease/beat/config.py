@@ -37,8 +37,7 @@ class BeatConfig:
 
 
 def read_config(app: Any) -> BeatConfig:
-    """``app``'s leased-beat settings with their defaults (``LeaseConfigError`` naming a bad
-    one)."""
+    """``app``'s leased-beat settings with their defaults."""
     settings = get_settings(app)
     ttl = DEFAULT_TTL if settings.beat_ttl is None else settings.beat_ttl
     if ttl < MIN_TTL:

@@ -67,8 +67,7 @@ class Election:
         return held
 
     def verify(self) -> bool:
-        """Whether the store still records this beat as holder (an owner-checked renewal) right
-        now."""
+        """Whether the store still records this beat as holder (an owner-checked renewal)."""
         held = self.current()
         if held is None:
             return False

@@ -37,8 +37,7 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # the owner id this process last wrote, by entry
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run (``StoreUnavailableError`` if
-        unanswered)."""
+        """Unix seconds of each entry's last recorded run."""
         if not self.shared:
             return {}
         found: dict[str, float] = {}
@@ -49,8 +48,7 @@ class LastRuns:
         return found
 
     def write(self, name: str, at: float) -> None:
-        """Record that entry ``name`` last ran at ``at`` (``StoreUnavailableError`` if
-        unanswered)."""
+        """Record that entry ``name`` last ran at ``at`` (unix seconds)."""
         if not self.shared:
             return
         key = self.prefix + name

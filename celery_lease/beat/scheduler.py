@@ -71,8 +71,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """Send what is due while holding the lease, else wait for it; seconds until the next
-        pass."""
+        """Send what is due while holding the lease, else wait for it."""
         if self.election.current() is None and not self._take_over():
             return 0.0 if self._standby_wait() > 0 else min(1.0, self.max_interval)
         try:
@@ -82,8 +81,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             return 0.0 if self.election.current() is None else min(1.0, self.max_interval)
 
     def reserve(self, entry: Any) -> Any:
-        """Advance ``entry`` once the store confirmed the lease; else raise ``NotHolding``
-        (nothing sent)."""
+        """Advance ``entry`` once the store confirmed the lease, else raise ``NotHolding``."""
         if not self.election.verify():
             raise NotHolding(entry.name)
         new_entry = super().reserve(entry)

@@ -135,8 +135,7 @@ class Arrival:
             self._release_queued("the copy's claim was taken again")
 
     def leave(self) -> None:
-        """Free the claim when the execution ends (a call may then supersede its retry); never
-        raises."""
+        """Free the claim when the execution ends; never raises."""
         if self.taken:
             self.taken = False
             common.release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")

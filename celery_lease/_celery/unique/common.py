@@ -62,8 +62,7 @@ def is_started_claim(owner: str) -> bool:
 
 
 def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | None) -> str | None:
-    """The header's queued owner if it names this task id (and ``qkey``): a header is never
-    trusted."""
+    """The header's queued owner if it names this task id (and ``qkey``); else ``None``."""
     header: object = getattr(request, HEADER, None)
     if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
         return None

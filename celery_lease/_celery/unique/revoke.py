@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 def on_task_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:
-    """``task_revoked`` (also for ``expires``): a unique copy frees its queued key,
-    owner-checked."""
+    """``task_revoked`` (also ``expires``): free a unique copy's queued key, owner-checked."""
     task = cast("CeleryTask", sender)  # the Task; ``request``: its Context (headers as attributes)
     options = options_of(type(task))
     if request is None or options is None or options.unique is None:
