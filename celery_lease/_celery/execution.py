@@ -233,12 +233,9 @@ def run_locked(
     *,
     adopt: bool = False,
 ) -> _R | None:
-    """Run ``body`` under the lease of this execution and apply the policies.
-
-    ``task`` is ``None`` outside Celery and ``request`` ``None`` for a direct call or no
-    Celery; ``args`` and ``kwargs`` build the key; with ``adopt``, the first request ``task``
-    pushes while ``body`` runs gets the lock attributes too.
-    """
+    """Run ``body`` under the lease of this execution and apply the policies. ``task`` is
+    ``None`` outside Celery, ``request`` ``None`` for a direct call; with ``adopt``, the first
+    request ``task`` pushes while ``body`` runs gets the lock attributes too."""
     saved = None
     if request is not None and _request.is_claimed(request):
         # An enclosing execution's request (a ``@locked`` helper called from its body).

@@ -1,22 +1,14 @@
-"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool.
+"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool: :data:`INTERRUPT_SIGNAL`
+in prefork children and solo (a body still running :data:`REVOKE_GRACE` s later has its child
+``SIGTERM``-ed), ``PyThreadState_SetAsyncExc`` under threads, a throw into the greenlet under
+gevent and eventlet.
 
-One :class:`Interrupter` per locked execution: the task's thread calls
-:meth:`~Interrupter.start` and :meth:`~Interrupter.end` around the body; the thread that
-learns of the loss calls :meth:`~Interrupter.fire`. Prefork children and solo get
-:data:`INTERRUPT_SIGNAL` (a prefork body still running :data:`REVOKE_GRACE` s later has its
-child ``SIGTERM``-ed); threads get ``PyThreadState_SetAsyncExc`` (at the next bytecode);
-gevent and eventlet a throw into the greenlet from the hub.
-
-Why nothing lands after ``end()``: ``fire()`` decides and delivers under the interrupter's
-lock, only while the body runs; ``end()`` marks the body ended, then takes the lock and
-cancels an undelivered exception. The signal handler and green callbacks run between two
-bytecodes of the thread that may hold that lock, so they take none: they read flags and write
-single attributes.
-
-``start()`` raising means the body must not run; ``end()`` may raise :class:`AsyncLockLost`
-(landed after the body's last bytecode) and is idempotent. ``fire()`` on the body's own thread
-(an early release) does nothing: it could tear a publish in half. Threads, locks and fork
-resets: ``docs/internals.md``.
+Why nothing lands after :meth:`~Interrupter.end`: :meth:`~Interrupter.fire` decides and
+delivers under the interrupter's lock, only while the body runs; ``end()`` marks the body
+ended, then takes the lock and cancels an undelivered exception. The signal handler and green
+callbacks run between two bytecodes of the thread that may hold that lock, so they take none.
+``fire()`` on the body's own thread (an early release) does nothing: it could tear a publish
+in half. Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations

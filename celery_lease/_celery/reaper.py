@@ -1,22 +1,14 @@
-"""The dead-holder reaper: the leases of a pool child that dies running a task, freed at once.
+"""The dead-holder reaper: the leases of a pool child that dies running a task, freed at once
+(``docs/operations.md#dead-holders-freed-at-once``).
 
-:class:`DeadHolders`, a prefork bootstep (behaviour:
-``docs/operations.md#dead-holders-freed-at-once``), releases the leases a dead child took for
-the tasks it ran, instead of leaving them for a ttl. Safe because it acts
-
-1. only after billiard reaped the child (``waitpid`` returned: it runs no more, not even as a
-zombie);
-2. only on leases whose owner id names this host, the dead pid, this node and a task id
-running on that child (the worker's requests or the pool's jobs; or ended by a hard time
-limit), taken before the reap: a new child with the recycled pid keeps its lease. A
-``cooldown``, a lease taken outside a task and one of a task whose SUCCESS is stored are kept;
-3. owner-checked, with the exact owner listed: an expired lease someone else took is
-untouched;
-4. on a thread of its own; only the requeue of an ``acks_late`` task waits up to
-:data:`DEAD_HOLDER_WAIT` s, so the redelivery does not find its own key taken. Errors are
-logged, never raised into billiard or the event loop.
-
-Threads, locks and fork resets: ``docs/internals.md``.
+Safe because :class:`DeadHolders` acts only after billiard reaped the child (``waitpid``
+returned: it runs no more), only on leases whose owner id names this host, the dead pid, this
+node and a task that child ran, taken before the reap (a new child with the recycled pid keeps
+its own), never on a ``cooldown`` or a lease of a task whose SUCCESS is stored, and
+owner-checked with the exact owner listed. It releases on a thread of its own; only the
+requeue of an ``acks_late`` task waits up to :data:`DEAD_HOLDER_WAIT` s, so the redelivery
+does not find its own key taken. Errors are logged, never raised into billiard or the event
+loop.
 """
 
 from __future__ import annotations

@@ -402,22 +402,7 @@ def locked(
     naming the option); ``unique`` is refused: a decorator cannot reach ``apply_async``. With
     ``bind=True`` the key is built from the arguments after ``self``.
     """
-    raw = {
-        "key": key,
-        "ttl": ttl,
-        "wait": wait,
-        "max_hold": max_hold,
-        "cooldown": cooldown,
-        "store": store,
-        "on_held": on_held,
-        "retry_countdown": retry_countdown,
-        "on_lost": on_lost,
-        "unique": unique,
-        "on_duplicate": on_duplicate,
-        "queue_ttl": queue_ttl,
-        "debounce": debounce,
-        "debounce_max": debounce_max,
-    }
+    raw = dict(locals())  # the options by name: the first statement sees the parameters only
 
     def decorate(func: F) -> F:
         where = getattr(func, "__qualname__", repr(func))

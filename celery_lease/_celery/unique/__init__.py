@@ -1,25 +1,18 @@
 """Unique at enqueue (``lock_unique``): at most one queued copy per key, returned to every
-caller.
-
-Behaviour and every case: ``docs/celery.md#unique-at-enqueue``. The design:
+caller. Behaviour: ``docs/celery.md#unique-at-enqueue``.
 
 - **Queued lease**: ``queued:<key>`` (after ``lease_key_prefix``), owned by
 :func:`~celery_lease._core.owners.queued_owner` (names the copy's task id), taken by the
-caller *before* publishing for ``queue_ttl`` from the eta; the ``lease_queued`` header carries
-key and owner.
-- **Hand-over** (:mod:`.handover`, :mod:`.hold`): the worker takes the run lease first;
-``"until_done"`` then keeps the queued lease under the same owner (never free in between)
-until the run lease is released.
+caller *before* publishing; the ``lease_queued`` header carries key and owner.
+``"until_done"`` keeps it from the body's start until the run lease is released, never free in
+between (:mod:`.handover`, :mod:`.hold`).
 - **Debounce** (:mod:`.debounce`, :mod:`.arrival`): superseding a waiting copy takes its
-tombstone ``superseded:<old id>`` first (the right to free its queued lease). A starting copy
-claims its own tombstone *before* the run lease: either it was superseded (it ends REVOKED,
-never holding the run key) or nobody can supersede it any more.
+tombstone ``superseded:<old id>`` first; a starting copy claims its own tombstone *before* the
+run lease, so it either ends REVOKED without ever holding the run key or can no longer be
+superseded.
 - **Second delivery of a running copy** (:mod:`.redelivery`): maybe the last message if its
-worker dies, so it is re-sent with ``lease_deferred`` a run ttl later, and runs only after
-seeing the key free and its copy not done twice, a ttl apart.
-
-Other modules: :mod:`.common`, :mod:`.call`, :mod:`.caller` (``apply_async``'s side),
-:mod:`.revoke`. Threads, locks and fork resets: ``docs/internals.md``.
+worker dies, so it is re-sent a run ttl later (``lease_deferred``), and runs only after seeing
+the key free and its copy not done twice, a ttl apart.
 """
 
 from celery_lease._celery.unique.arrival import Arrival, leave, on_arrival

@@ -174,24 +174,18 @@ class _Debounce:
             self.settled = True
 
     def _withdraw(self, takeover: _Takeover) -> tuple[bool, str | None]:
-        """A superseding call was not published: hand the key back to the copy it superseded,
-        unless a newer call superseded this one or that copy ended. Never raises a store
-        error; returns what :meth:`_take_own_tomb` found. Each step decides the next, so
-        exactly one copy stays to run:
+        """A superseding call was not published: hand the key back to the copy it superseded, so
+        that exactly one copy stays to run. Never raises a store error; returns what
+        :meth:`_take_own_tomb` found.
 
-        1. Take this call's own tombstone; refused: a newer call stands in, touch nothing.
-        2. Free this call's queued lease.
-        3. If the backend shows the waiting copy ended, hand nothing back (a key for a dead
-        copy makes every call until its ttl its duplicate).
-        4. Take the key back under the waiting copy's owner; refused: a new call took it and
-        runs.
-        5. If the copy ended between 3 and 4, free the key just taken.
-        6. Remove the waiting copy's tombstone: it runs.
-
-        A superseded copy frees a lease under its owner after storing REVOKED, so a key taken
-        back for it is freed by it or by step 5. The own tombstone is kept (a message the
-        broker took after all ends without its body). On a store error nothing runs rather
-        than two.
+        Each step decides the next: take this call's own tombstone (refused: a newer call
+        stands in; touch nothing); free this call's queued lease; unless the backend shows the
+        waiting copy ended (a key for a dead copy would make every call its duplicate), take
+        the key back under its owner (refused: a new call took it and runs); if the copy ended
+        meanwhile, free that key again; else remove its tombstone: it runs. A superseded copy
+        frees its lease after storing REVOKED, so a key taken back for it is freed either way.
+        The own tombstone stays (a message the broker took after all ends without its body);
+        on a store error nothing runs rather than two.
         """
         own = self._take_own_tomb()
         if not own[0]:
