@@ -1,9 +1,7 @@
 """``lease()``, the public one: the core's lease, or a Celery app's, in its store and key space.
-
 With ``app``, ``key`` is taken as the app's locked tasks take their ``lock_key`` (same store,
-prefix and defaults), so a script excludes the task with the same key. The core knows nothing
-of apps: the app is resolved here and nothing is registered into the core.
-"""
+prefix and defaults), so a script excludes the task with the same key; the app is resolved
+here and nothing is registered into the core."""
 
 from __future__ import annotations
 

@@ -1,14 +1,12 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
+The command is registered by :func:`~celery_lease._celery.wiring.install` and by
+:mod:`celery_lease.cli` (the ``inspect`` client checks names against its own registry and
+imports only the ``-A`` module).
 
-:func:`register_command` is called by :func:`~celery_lease._celery.wiring.install` and by
-:mod:`celery_lease.cli` (every ``celery`` invocation loads it): the client checks the name
-against its own registry and imports only the ``-A`` module.
-
-Under prefork the leases live in the children: each serves its snapshot on
-``<dir>/<pid>.sock`` (``<dir>`` private, made before the pool forks) from a thread waiting in
-``accept()``. The main process asks all at once within :data:`CHILD_TIMEOUT`; a child that
-does not answer is listed in ``unanswered``, never shown as holding nothing. Threads, locks
-and fork resets: ``docs/internals.md``.
+Under prefork each child serves its snapshot on ``<dir>/<pid>.sock`` (``<dir>`` private, made
+before the pool forks) from a thread waiting in ``accept()``; the main process asks all at
+once within :data:`CHILD_TIMEOUT`, and lists a child that does not answer in ``unanswered``,
+never as holding nothing.
 """
 
 from __future__ import annotations

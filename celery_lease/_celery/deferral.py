@@ -1,12 +1,10 @@
 """Release without waiting for the reply: which worker executions may, and reading the replies.
-
 An outermost worker execution whose success publishes nothing (result ignored, no chord, no
-hook of its class, no other ``task_success`` / ``task_postrun`` receiver) sends its release
-unanswered where the store can. The reply is read before the next one on that connection,
-before any publish of this process and at exit, so nothing this process publishes is seen
-before the key is free (the broker ack and ``task-succeeded`` are not ordered).
-``lease_defer_release = False`` turns it off.
-"""
+hooks, no other ``task_success`` / ``task_postrun`` receiver) sends its release unanswered
+where the store can; the reply is read before the next one on that connection, before any
+publish of this process and at exit, so nothing it publishes is seen before the key is free
+(the ack and ``task-succeeded`` are not ordered). ``lease_defer_release = False`` turns it
+off."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """Who keeps a key that turned a locked execution away: a running execution, or one in its
-``cooldown``, so a skip can say "cooldown until ... after ...".
+``cooldown`` (told apart by its lease outlasting a renewal of the task's ttl, or by a stored
+SUCCESS), so a skip can say "cooldown until ... after ...".
 
-A cooldown keeps the run's owner id; it is told apart by its lease outlasting a renewal of the
-task's ttl, or by the backend showing the holder succeeded. The backend read runs on its own
-thread, at most :data:`BACKEND_WAIT` s and one at a time per process, so a hung backend
-(Redis's default socket timeout: 120 s) neither holds the worker slot nor piles up threads.
+The backend read runs on its own thread, at most :data:`BACKEND_WAIT` s and one at a time per
+process, so a hung backend (Redis: 120 s socket timeout) neither holds the worker slot nor
+piles up threads.
 """
 
 from __future__ import annotations

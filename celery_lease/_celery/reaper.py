@@ -200,7 +200,6 @@ class _Reaper:
             self.fails = set()
 
     def _release_joined(self) -> None:
-        """After the join: release the leases of every child it reaped."""
         try:
             present = {id(p) for p in self._children()}
             for pid, process in self.before.items():
@@ -442,7 +441,6 @@ class _Reaper:
         task_id: str | None,
         death: _Death,
     ) -> None:
-        """Release the queued key of ``task_id``'s copy, if that copy holds it (owner-checked)."""
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (

@@ -210,7 +210,6 @@ def _read_beat_scheduler(value: object) -> str | type | None:
 
 
 def _read_beat_key(value: object) -> str | None:
-    """``lease_beat_key``: a non-empty string, ``None`` unset."""
     if value is None or (isinstance(value, str) and value):
         return value
     raise LeaseConfigError(
@@ -220,7 +219,6 @@ def _read_beat_key(value: object) -> str | None:
 
 
 def _read_store_check(value: object) -> str:
-    """``lease_store_check``: one of :data:`STORE_CHECKS`; unset is ``"refuse"``."""
     if value is None:
         return STORE_CHECKS[0]
     if value not in STORE_CHECKS:
@@ -232,7 +230,6 @@ def _read_store_check(value: object) -> str:
 
 
 def _read_bool(value: object, name: str, default: bool) -> bool:
-    """A boolean setting; ``None`` (unset) gives ``default``."""
     if value is None:
         return default
     if not isinstance(value, bool):
@@ -243,7 +240,6 @@ def _read_bool(value: object, name: str, default: bool) -> bool:
 
 
 def _read_metrics(exporter: object, port: object) -> tuple[str | None, int | tuple[int, ...]]:
-    """``lease_metrics`` and ``lease_metrics_port``, checked (an empty string is unset)."""
     if isinstance(exporter, str) and not exporter.strip():
         exporter = None
     if exporter is not None and exporter not in METRICS_EXPORTERS:

@@ -212,7 +212,6 @@ def _shown(option: str | LockStore) -> str:
 
 
 def _masked(text: str, option: str | LockStore) -> str:
-    """``text`` without the password of ``option``'s URL."""
     if not isinstance(option, str):
         return text
     text = text.replace(option, redact_url(option))
@@ -298,7 +297,6 @@ def _ping(
 
 
 def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockStore]]:
-    """``(what, option)`` of each store to check, once each."""
     configured = get_settings(app).store
     tasks = list(locked_tasks(app))
     pairs: list[tuple[str, str | LockStore]] = []
@@ -354,7 +352,6 @@ def check_app(app: CeleryApp, timeout: float = STORE_CHECK_TIMEOUT) -> list[Chec
 
 
 def _uses_app_store(app: CeleryApp) -> bool:
-    """Whether locked executions may use the app's store."""
     tasks = list(locked_tasks(app))
     return not tasks or any(store is None for _, store in tasks)
 
@@ -374,7 +371,6 @@ def check_host_local(app: CeleryApp) -> LeaseConfigError | None:
 
 
 def _check_stores(app: CeleryApp, settings: LeaseSettings) -> LeaseConfigError | None:
-    """Ping every store in use per ``lease_store_check``; the refusal, if any."""
     if settings.store_check == "off":
         return None
     try:

@@ -1,6 +1,6 @@
 """Which store a locked task uses: its ``lock_store`` (a URL opened once per process, forgotten
-after fork), else its app's. Everything asks here, so a task's leases and its queued key live
-in one store."""
+after fork), else its app's; everything asks here, so a task's leases and queued key share a
+store."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Everything celery-lease hooks into Celery, done in one place by :func:`install`: the request's
-lock attributes, the ``leases`` remote-control command and every receiver in
-:data:`RECEIVERS`.
-
-:mod:`celery_lease._celery.task` calls it on import, so a module defining a locked task
-installs it before the pool forks (``celery worker`` imports task modules in
-``loader.init_worker()``, before ``worker_init``). A second call returns at once, and each
-step is idempotent anyway (strong receivers under fixed ``dispatch_uid``s), so no lock a fork
-could inherit is needed.
-"""
+"""Everything celery-lease hooks into Celery, done by :func:`install`: the request's lock
+attributes, the ``leases`` command and every receiver in :data:`RECEIVERS`.
+:mod:`celery_lease._celery.task` calls it on import, so it is installed before the pool forks
+(``celery worker`` imports task modules before ``worker_init``). Each step is idempotent
+(strong receivers under fixed ``dispatch_uid``s), so no lock a fork could inherit is needed."""
 
 from __future__ import annotations
 
@@ -33,7 +28,6 @@ __all__ = ["RECEIVERS", "install"]
 
 
 def _flush_deferred(**_: object) -> None:
-    """``worker_process_shutdown`` / ``worker_shutdown``: read deferred release replies."""
     deferral.flush_deferred_releases()
 
 

@@ -1,11 +1,7 @@
 """A beat without a single point of failure: :class:`LeasedScheduler` sends due tasks only while
-it holds a renewed lease, so any number of beat processes can run and exactly one sends.
-Guide: ``docs/celery.md#the-leased-scheduler``.
-
-Modules: :mod:`~celery_lease.beat.config` (settings), :mod:`~celery_lease.beat.last_runs`
-(each entry's last run, shared through the store), :mod:`~celery_lease.beat.election` (hold,
-lose, take again) and :mod:`~celery_lease.beat.scheduler` (what Celery's ``Service`` runs).
-"""
+it holds a renewed lease, so any number of beat processes can run and exactly one sends
+(``docs/celery.md#the-leased-scheduler``). Modules: ``config`` (settings), ``last_runs``
+(shared last runs), ``election`` (the lease) and ``scheduler``."""
 
 from __future__ import annotations
 

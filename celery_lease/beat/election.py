@@ -1,6 +1,6 @@
 """The beat lease as one beat sees it: held with :func:`celery_lease.lease` on the scheduler's
-thread (the renewer keeps it), checked with the store before each send
-(:meth:`Election.verify`), and waited for again after a loss."""
+thread, checked with the store before each send (:meth:`Election.verify`), waited for again
+after a loss."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """Each schedule entry's last run, shared through the lease store, so a beat taking over neither
-repeats nor skips a tick, whatever the wrapped scheduler keeps.
-
-A record is a lease (every store has it): ``<beat key>:last-run:<entry>``, kept
-:data:`RECORD_TTL`, owned by ``last-run <unix ms>``; only the beat lease's holder writes,
-right after checking it. Stores without ``SupportsInspection`` keep none.
-"""
+repeats nor skips a tick, whatever the wrapped scheduler keeps. A record is a lease (every
+store has it): ``<beat key>:last-run:<entry>``, kept :data:`RECORD_TTL`, owned by ``last-run
+<unix ms>``, written only by the beat lease's holder right after checking it. Stores without
+``SupportsInspection`` keep none."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
-
 Built as a subclass of the wrapped scheduler (``LeasedPersistentScheduler``), which keeps its
-``tick``, heap and persistence; the leased part hooks ``tick`` (a standby waits for the lease
+``tick``, heap and persistence; the leased part hooks ``tick`` (a standby waits for the lease,
 and reads the shared last runs on taking it), ``populate_heap`` (last runs raised to the
-shared ones, also after a reload), ``reserve`` (checks the lease with the store before each
-send), ``apply_async`` (the fencing token header, then the record) and ``close`` (releases the
-lease).
-"""
+shared ones, also after a reload), ``reserve`` (the lease checked with the store before each
+send), ``apply_async`` (the fencing token header, then the record) and ``close`` (the lease
+released)."""
 
 from __future__ import annotations
 
@@ -151,7 +149,6 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return float(min(self.lease_config.ttl, self.max_interval))
 
     def _take_over(self) -> bool:
-        """Wait for the lease; once taken, bring the schedule up to the shared last runs."""
         held = self.election.take(self._standby_wait())
         if held is None:
             return False

@@ -97,7 +97,6 @@ def _hold(
     *,
     renewed: bool,
 ) -> QueuedHold:
-    """Hand the queued lease to the renewer for the body's run."""
     now = SYSTEM_CLOCK.monotonic()
     entry = Entry(
         store=store,
