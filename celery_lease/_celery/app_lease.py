@@ -1,23 +1,7 @@
 """``lease()``, the public one: the core's lease, or a Celery app's, in its store and key space.
-
-``lease(key, app=app)`` takes ``key`` as the app's locked tasks take their ``lock_key``: in the
-store they use in this process (:func:`celery_lease._celery.store_resolution.store_for`:
-``lease_store``, else the broker's Redis, else the host-local SQLite file), with the app's
-``lease_key_prefix`` in front, and with ``lease_default_ttl`` / ``lease_default_wait`` for a
-ttl or wait left out. So an endpoint, a script or a management command and a task with the
-same ``lock_key`` exclude each other. ``store=`` picks another store; the prefix still applies.
-
-The seam between the layers: the core's :func:`celery_lease._core.lease.lease` takes a store and
-a key and knows nothing of apps; resolving an app into a store, a prefix and defaults is the
-Celery layer's (the settings, their validation, the broker fallback, the per-process store
-rebuilt after ``fork``), so it happens here, above the core, and the core is called with what it
-resolved. Nothing is registered into the core. Sync and async alike: both ``with`` and
-``async with`` (and the decorator forms) work on the :class:`~celery_lease.LeaseContext`
-returned.
-
-The threads, locks and fork resets this module takes part in: none of its own (those of the
-settings module and of the core's lease: ``docs/internals.md``).
-"""
+With ``app``, ``key`` is taken as the app's locked tasks take their ``lock_key`` (same store,
+prefix and defaults), so a script excludes the task with the same key; the app is resolved
+here and nothing is registered into the core."""
 
 from __future__ import annotations
 
@@ -44,7 +28,6 @@ CORE_TTL = 30.0
 """Seconds: the ttl of a ``lease()`` without an app that sets none."""
 
 CORE_WAIT = 0.0
-"""Seconds: the wait of a ``lease()`` without an app that sets none."""
 
 
 def lease(
@@ -69,51 +52,40 @@ def lease(
         async with lease("cache:prices", app=app) as held: ...   # as a task's lock_key
 
     Args:
-        key: the key to hold (a non-empty string). With ``app``, the app's
-            ``lease_key_prefix`` is put in front of it, as in front of a task's ``lock_key``.
-        store: the :class:`~celery_lease.LockStore` to hold it in, or an
-            :class:`~celery_lease.stores.base.AsyncLockStore` (for ``async with``; a sync
-            ``with`` then uses its ``sync`` twin, which renews it in either case). A sync store
-            works with ``async with`` too: its calls then run on a thread. Default: ``app``'s
-            store; one of ``store`` and ``app`` is required.
-        app: a Celery app: its lease store (the one its locked tasks use in this process:
-            ``lease_store``, else the broker's Redis, else the host-local SQLite file) unless
-            ``store`` is given, its ``lease_key_prefix``, and its ``lease_default_ttl`` and
-            ``lease_default_wait`` for a ``ttl`` or ``wait`` left out. These are read when the
-            lease is entered (each call, for the decorator form), so ``@lease(key, app=app)``
-            in a module imported before ``app.config_from_object(...)`` uses the configuration
-            the app has when it runs; an app already configured is also read (and its settings
-            validated, as its tasks' are) when ``lease()`` is called. A task that sets its own
-            ``lock_store=`` holds its key in that store, not the app's: ``lease(app=app)``
-            does not exclude it (pass the same ``store=``). Default: none.
-        ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s); renewed every
-            ttl/3 while the body runs, so a crashed holder frees the key within one ttl.
-        wait: how long to wait for another holder (default: the app's ``lease_default_wait``,
-            else 0: fail at once). Waiting wakes on the store's release notification where it
-            has one, else polls from 50 ms doubling to 1 s. It is counted on ``clock`` when
-            given, else on the store's own clock when it has one, else on the system clock.
+        key: the key to hold (non-empty); with ``app``, after its ``lease_key_prefix``.
+        store: a :class:`~celery_lease.LockStore`, or an
+            :class:`~celery_lease.stores.base.AsyncLockStore` (a sync ``with`` uses its
+            ``sync`` twin; a sync store under ``async with`` runs on a thread). Default:
+            ``app``'s; one of the two is required.
+        app: a Celery app: its store (the one its locked tasks use here), ``lease_key_prefix``
+            and default ttl and wait, read on each entry, so a lease made at import uses the
+            configuration the app has when it runs. A task with its own ``lock_store`` is
+            excluded only with the same ``store=``.
+        ttl: lease duration (default: the app's ``lease_default_ttl``, else 30 s), renewed
+            every ttl/3: a crashed holder frees the key within one ttl.
+        wait: how long to wait for the key (default: the app's ``lease_default_wait``, else
+            0), woken by the store's release notification where it has one, else polling from
+            50 ms up to 1 s.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
-            dispatcher (a thread of its own). ``"cancel"`` (``async with`` and ``async def``
-            only): cancel the task running the body; the block then ends with
+        on_lost: ``on_lost(lease)``, called once on the dispatcher thread; ``"cancel"`` (async
+            only) cancels the body's task, which ends with
             :class:`~celery_lease.LockLostError`.
-        cancel: a ``threading.Event``; setting it aborts the wait (within one poll interval)
-            with ``LockNotAcquiredError(key, "cancelled")``.
-        clock: time source (default: the system clock); a ``FakeClock`` in tests.
-        cooldown: after a body that succeeded, keep the key taken this long (counted from the
-            end) instead of releasing it (default 0).
-        holder: a label naming who holds the key, recorded in the owner id and shown by
-            ``celery lease list``; default none.
+        cancel: a ``threading.Event`` that aborts the wait with ``LockNotAcquiredError(key,
+            "cancelled")``.
+        clock: time source (default: the system clock; without it the wait counts on the
+            store's clock where it has one); a ``FakeClock`` in tests.
+        cooldown: after a successful body, keep the key this long (default 0).
+        holder: a label for the owner id, shown by ``celery lease list``.
 
-    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
-    Everything is validated here, before anything is acquired. The full behaviour (re-entrancy,
-    loss, fork) is the core's: :func:`celery_lease._core.lease.lease`.
+    Durations are seconds, ``timedelta`` or strings (``"250ms"``, ``"30s"``, ``"5m"``),
+    validated before anything is acquired. Re-entrancy, loss and fork:
+    :func:`celery_lease._core.lease.lease`.
 
     Raises:
-        LeaseConfigError: (a ``ValueError``) for a bad argument, naming it: neither ``store``
-            nor ``app``, an ``app`` that is not a Celery app, or a bad setting of the app.
+        LeaseConfigError: (a ``ValueError``) a bad argument or app setting, named.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised an ``Exception`` after the lease was lost.
+        LockLostError: on exit, when the body raised an ``Exception`` after the lease was
+            lost.
         StoreUnavailableError: when the store cannot be reached to acquire.
     """
     if app is None:
@@ -151,7 +123,7 @@ def lease(
 
 
 class _Unresolved:
-    """The stand-in store of an app lease not entered yet: it is never called."""
+    """The stand-in store of an app lease not entered yet: never called."""
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         raise AssertionError("an app lease is resolved before it is entered")
@@ -178,8 +150,7 @@ class _Arguments:
     holder: str | None
 
     def resolve(self, app: CeleryApp | None, fallback: LockStore) -> LeaseContext:
-        """The core's context for ``app``'s store, prefix and defaults (``None``: the core's
-        defaults and ``fallback`` for a store left out)."""
+        """The core's context with ``app``'s store, prefix and defaults (``None``: the core's)."""
         key, store = self.key, self.store
         ttl_default, wait_default = CORE_TTL, CORE_WAIT
         if app is not None:
@@ -204,10 +175,7 @@ class _Arguments:
 
 
 class AppLeaseContext(LeaseContext):
-    """The context ``lease(app=...)`` returns: the app's store, ``lease_key_prefix`` and
-    defaults are read when it is entered (each call of a decorated function enters a fresh
-    one), so a lease made at import, before the app is configured, uses the configuration the
-    app has when it runs."""
+    """``lease(app=...)``'s context: the app's store, prefix and defaults read on each entry."""
 
     def __init__(self, app: CeleryApp, arguments: _Arguments, template: LeaseContext) -> None:
         super().__init__(
@@ -228,11 +196,7 @@ class AppLeaseContext(LeaseContext):
         self.arguments = arguments
 
     def resolve(self) -> None:
-        """Take the app's store, prefixed key and defaults as they are now.
-
-        Raises:
-            LeaseConfigError: a bad setting of the app (as its tasks would).
-        """
+        """Take the app's store, prefixed key and defaults as they are now."""
         resolved = self.arguments.resolve(self.app, UNRESOLVED)
         self.key, self.store = resolved.key, resolved.store
         self.ttl, self.wait = resolved.ttl, resolved.wait

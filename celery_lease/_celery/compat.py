@@ -1,19 +1,7 @@
-"""Every reach into Celery's and billiard's internals, in one place.
-
-celery-lease plugs into Celery through its public hooks (signals, bootsteps, ``Task`` methods)
-wherever one exists. Where none does, the private name it needs is imported or read here and
-only here, each entry headed by the Celery or billiard behaviour it relies on (read in celery
-5.7.0 and billiard 4.3.2; see also the facts the project keeps about Celery). An upgrade that
-moves one of them breaks this module and its tests, not the modules that use it.
-
-Users: the task layer (:mod:`celery_lease._celery.task`: the task stack, Celery's pydantic
-wrapper), the run engine and deferred releases (the current app, ``ignore_result`` per
-request), deferred releases (a signal's receivers), ``celery inspect leases``
-(:mod:`celery_lease._celery.control`: the pool's children) and the dead-holder reaper
-(:mod:`celery_lease._celery.reaper`: billiard's pool, the worker's requests, the result backend).
-
-The dead-holder reaper is in the safety path: ``docs/internals.md``.
-"""
+"""Every reach into Celery's and billiard's internals, in one place (read in celery 5.7.0 and
+billiard 4.3.2), each headed by the behaviour it relies on, so an upgrade that moves one
+breaks this module and its tests only. The dead-holder reaper, a user, is in the safety path:
+``docs/internals.md``."""
 
 from __future__ import annotations
 
@@ -88,16 +76,15 @@ get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
 
-# EX_RECYCLE is imported above: billiard 4.x, the exit code of a child that left on purpose
-# (--max-tasks-per-child, --max-memory-per-child); any other nonzero code is a killed child.
+# EX_RECYCLE (billiard 4.x): a child that left on purpose (--max-tasks-per-child...); any other
+# nonzero exit code is a killed child.
 
 
 # Celery's pydantic wrapper (``@app.task(pydantic=True)``) ------------------------------------
 
 
 class PydanticWrapperCells(TypedDict, total=False):
-    """The free variables of Celery's ``pydantic_wrapper`` that the task layer reads (each may
-    be missing: the set changed between releases)."""
+    """The free variables of Celery's ``pydantic_wrapper`` we read (any may be missing)."""
 
     task_signature: inspect.Signature
     type_hints: dict[str, object]
@@ -110,15 +97,9 @@ class PydanticWrapperCells(TypedDict, total=False):
 
 
 def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
-    """The free variables of ``func`` by name when it is the ``wrapper`` of Celery's
-    ``pydantic_wrapper``, else ``None``.
-
-    celery >= 5.5 (``celery/app/base.py``): ``functools.wraps`` gives the wrapper the task
-    function's names, so its code object tells it apart (named ``wrapper``, closing over
-    ``task_fun``, compiled from that file). Its free variables include ``task_signature``,
-    ``type_hints``, ``strict`` and ``context``; celery 5.7 adds ``get_argument_model`` and
-    ``validate_argument``. Empty cells are left out.
-    """
+    """The free variables of ``func`` when it is the ``wrapper`` of Celery's ``pydantic_wrapper``
+    (celery >= 5.5), else ``None``. Told apart by its code object: named ``wrapper``, closing
+    over ``task_fun``, compiled from ``celery/app/base.py``."""
     code = getattr(func, "__code__", None)
     if not (
         inspect.isfunction(func)
@@ -141,11 +122,7 @@ def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
 
 
 def live_receivers(signal: SignalLike) -> list[object]:
-    """The receivers of a Celery ``Signal`` that are still alive (weak ones dereferenced).
-
-    celery 5.x ``celery.utils.dispatch.Signal.receivers``: a list of ``(lookup key, receiver)``,
-    the receiver a weak reference unless connected with ``weak=False``.
-    """
+    """The live receivers of a ``Signal`` (weak ones dereferenced unless ``weak=False``)."""
     alive: list[object] = []
     for _, receiver in signal.receivers:
         if isinstance(receiver, weakref.ReferenceType):
@@ -162,10 +139,7 @@ _ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]
 
 
 def billiard_pool(task_pool: object) -> object:
-    """billiard's ``Pool`` inside the worker's pool, or ``None`` (solo, threads, green pools).
-
-    celery 5.x ``celery.concurrency.prefork.TaskPool.on_start`` keeps it in ``_pool``.
-    """
+    """billiard's ``Pool`` (``TaskPool._pool``), or ``None`` for other pools."""
     return getattr(task_pool, "_pool", None)
 
 
@@ -177,50 +151,37 @@ def reapable(pool: object) -> TypeGuard[BilliardPool]:
 
 
 def child_processes(pool: object) -> list[PoolProcess] | None:
-    """The child processes of billiard's ``pool`` now, or ``None`` when it has no such list.
-
-    billiard 4.x ``Pool._pool``: the list of live ``Process`` objects; a reaped child leaves it.
-    """
+    """billiard 4.x ``Pool._pool``: the live children (a reaped child leaves it), or ``None``."""
     processes = getattr(pool, "_pool", None)
     return processes if isinstance(processes, list) else None
 
 
 def join_exited_workers(pool: BilliardPool) -> Callable[..., object]:
-    """billiard 4.x ``Pool._join_exited_workers``: reaps dead children (``waitpid``) and removes
-    them from ``_pool``; ``maintain_pool`` calls it, and it calls ``mark_as_worker_lost`` for a
-    job whose child died."""
+    """billiard 4.x: reaps dead children and calls ``mark_as_worker_lost`` for their jobs."""
     return pool._join_exited_workers
 
 
 def set_join_exited_workers(pool: BilliardPool, method: Callable[..., object]) -> None:
-    """Replace ``pool``'s ``_join_exited_workers`` (on the instance) with ``method``."""
     pool._join_exited_workers = method
 
 
 def event_process_exit(pool: BilliardPool) -> _ProcessExit | None:
-    """celery 5.x ``AsynPool._event_process_exit(hub, proc)``: what the event loop runs when a
-    child's sentinel pipe closes (looked up on the pool each time); ``None`` on other pools."""
+    """celery 5.x ``AsynPool._event_process_exit`` (a child's sentinel closed), else ``None``."""
     return getattr(pool, "_event_process_exit", None)
 
 
 def set_event_process_exit(pool: Any, method: _ProcessExit) -> None:  # Any: AsynPool's own
-    """Replace ``pool``'s ``_event_process_exit`` (on the instance) with ``method``."""
     pool._event_process_exit = method
 
 
 def pool_jobs(pool: object) -> list[PoolJob]:
-    """The jobs of billiard's ``pool`` not collected yet (billiard 4.x ``Pool._cache``: job
-    id -> ``ApplyResult``; its ``correlation_id`` is the task id)."""
+    """billiard 4.x ``Pool._cache``: uncollected jobs (their ``correlation_id`` is the task id)."""
     cache = getattr(pool, "_cache", None)
     return list(cache.values()) if isinstance(cache, dict) else []
 
 
 def job_pids(job: PoolJob) -> set[int]:
-    """The pool children a billiard job was accepted by, written to or scheduled for.
-
-    billiard 4.x ``ApplyResult.worker_pids()``; celery 5.x ``AsynPool`` notes the child it
-    wrote the job to (``_write_to``) and the one it is scheduled for (``_scheduled_for``).
-    """
+    """The children a job was accepted by, written to (``_write_to``) or scheduled for."""
     pids = {pid for pid in job.worker_pids() if pid}
     for attr in ("_write_to", "_scheduled_for"):
         pid = getattr(getattr(job, attr, None), "pid", None)
@@ -233,27 +194,21 @@ def job_pids(job: PoolJob) -> set[int]:
 
 
 def worker_requests() -> list[WorkerRequest]:
-    """The requests the worker tracks now: active, then reserved (celery 5.x
-    ``celery.worker.state.active_requests`` and ``reserved_requests``)."""
+    """celery 5.x ``worker.state``: the active, then reserved, requests."""
     return [*_worker_state.active_requests, *_worker_state.reserved_requests]
 
 
 def request_cancelled(request: WorkerRequest) -> bool:
-    """celery 5.x ``Request._already_cancelled``: the request was cancelled (its message stays
-    unacknowledged and is redelivered)."""
+    """celery 5.x ``Request._already_cancelled`` (its message is redelivered)."""
     return bool(getattr(request, "_already_cancelled", False))
 
 
 def request_job(request: WorkerRequest) -> PoolJob | None:
-    """The pool job of a worker request, or ``None`` (celery 5.x ``Request._apply_result``: a
-    weak reference to billiard's ``ApplyResult``, set once the job is sent to the pool)."""
+    """celery 5.x ``Request._apply_result``: a weak reference to the job, once sent to the pool."""
     ref = getattr(request, "_apply_result", None)
     return ref() if ref is not None else None
 
 
 def task_meta_reader(backend: object) -> Callable[[str], Mapping[str, object]] | None:
-    """``backend._get_task_meta_for(task_id)``: the stored meta of a task, read from the
-    backend each time (``get_task_meta`` may answer from its cache); ``None`` for a backend
-    without it. celery 5.x: the backends that store meta define it (key-value stores, the
-    database, MongoDB, Cassandra...), the base and the disabled backend do not."""
+    """``backend._get_task_meta_for`` (uncached, unlike ``get_task_meta``), or ``None``."""
     return getattr(backend, "_get_task_meta_for", None)

@@ -1,42 +1,12 @@
 """``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
+The command is registered by :func:`~celery_lease._celery.wiring.install` and by
+:mod:`celery_lease.cli` (the ``inspect`` client checks names against its own registry and
+imports only the ``-A`` module).
 
-Registered with Celery's remote control (:func:`celery.worker.control.inspect_command`) by
-:func:`register_command`, which :func:`celery_lease._celery.wiring.install` calls (so does
-anything that imports ``LockedTask``), and so does :mod:`celery_lease.cli`, which the ``celery``
-program loads in every invocation (the ``celery.commands`` entry point): the ``celery inspect``
-client checks the command name against its own registry, and it imports only the ``-A`` module,
-not the app's task modules, which are often the only ones that import celery-lease. The worker
-answers the command. ::
-
-    $ celery -A proj inspect leases
-    ->  w1@host: OK
-        {
-            "leases": [
-                {"key": "report:7", "token": 17..., "task": "report.build", "task_id": "5b1d...",
-                 "pid": 4242, "held_seconds": 12.5, "valid_for_seconds": 19.8, "renewals": 1,
-                 "last_renewal_error": null, "node": "w1@host", "owner": "host/4242/..."}
-            ],
-            "pool": "prefork",
-            "unanswered": []
-        }
-
-Where the leases are. Under ``solo``, ``threads``, ``gevent`` and ``eventlet`` every task runs in
-the worker's main process, which answers from :func:`celery_lease._core.renewer.snapshot` directly.
-Under ``prefork`` the leases are held (and renewed) in the pool children, so each child serves its
-own snapshot on a unix socket, ``<dir>/<pid>.sock``, from a daemon thread that only waits in
-``accept()`` (no cost while nobody asks). ``<dir>`` is a private directory (mode 0700) made by the
-main process before it forks the pool and removed at worker shutdown; a child's socket is
-removed when the child is gone. The main process asks every child it has now, all at once, with
-one deadline (:data:`CHILD_TIMEOUT`); a child that does not answer in time (stopped, or a body
-holding the GIL in C code) is listed in ``unanswered`` with the reason, so a missing answer is
-never shown as "holds nothing".
-
-``held_seconds`` and ``valid_for_seconds`` are measured in the holding process by its renewer's
-clock (``valid_for_seconds`` is the local validity left: the time the lease is surely still held,
-0 once past it). ``task``/``task_id``/``node`` come from the owner id
-(:func:`celery_lease._core.owners.parse_owner`), ``None`` when it does not carry them.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Under prefork each child serves its snapshot on ``<dir>/<pid>.sock`` (``<dir>`` private, made
+before the pool forks) from a thread waiting in ``accept()``; the main process asks all at
+once within :data:`CHILD_TIMEOUT`, and lists a child that does not answer in ``unanswered``,
+never as holding nothing.
 """
 
 from __future__ import annotations
@@ -65,21 +35,19 @@ __all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows", "register
 logger = logging.getLogger("celery_lease.control")
 
 CHILD_TIMEOUT = 0.5
-"""Seconds the main process waits in all for its pool children's snapshots (``inspect``'s own
-default timeout is 1 s)."""
+"""Seconds the main process waits in all for its children (``inspect``'s own timeout is 1 s)."""
 
 _MAX_REPLY = 16 * 1024 * 1024  # bytes: a child's snapshot larger than this is refused
 
 _dir: str | None = None
-"""The socket directory of this worker (made in the main process, inherited by children)."""
+"""The socket directory (made in the main process, inherited by children)."""
 _dir_pid: int | None = None
-"""The pid of the main process that made :data:`_dir` (only it removes the directory)."""
+"""The pid of the main process that made :data:`_dir` (only it removes it)."""
 _server: socket.socket | None = None
 
 
 class LeaseRow(TypedDict):
-    """One held lease in the reply (JSON), as :func:`local_rows` makes it from a row of
-    :func:`celery_lease._core.renewer.snapshot` (read with ``get``: None where it lacks one)."""
+    """One held lease in the reply, from a :func:`~celery_lease._core.renewer.snapshot` row."""
 
     key: str | None
     token: int | None
@@ -111,11 +79,7 @@ class LeasesReply(TypedDict):
 
 
 def prepare_main() -> None:
-    """In the worker's main process, before the pool forks: make the private socket directory.
-
-    Removed by :func:`cleanup_main` at worker shutdown, or when the process exits (``atexit``:
-    a worker that fails to start sends no ``worker_shutdown``).
-    """
+    """Before the pool forks: make the socket directory (removed at shutdown, or at exit)."""
     global _dir, _dir_pid
     if _dir is not None and _dir_pid == os.getpid():
         return
@@ -136,7 +100,6 @@ def prepare_main() -> None:
 
 
 def cleanup_main() -> None:
-    """At worker shutdown, in the main process: remove the socket directory."""
     global _dir, _dir_pid
     if _dir is not None and _dir_pid == os.getpid():
         shutil.rmtree(_dir, ignore_errors=True)
@@ -144,12 +107,12 @@ def cleanup_main() -> None:
 
 
 def socket_path(pid: int) -> str | None:
-    """Where pool child ``pid`` serves its snapshot, or None outside a prepared worker."""
+    """Where pool child ``pid`` serves, or None outside a prepared worker."""
     return None if _dir is None else os.path.join(_dir, f"{pid}.sock")
 
 
 def forget_child(pid: int) -> None:
-    """Remove the socket file of child ``pid`` (gone: a SIGKILLed child leaves its file)."""
+    """Remove the socket file of a gone child (a SIGKILLed child leaves it)."""
     path = socket_path(pid)
     if path is not None:
         with contextlib.suppress(OSError):
@@ -157,8 +120,7 @@ def forget_child(pid: int) -> None:
 
 
 def local_rows() -> list[LeaseRow]:
-    """This process's leases (:func:`celery_lease._core.renewer.snapshot`) with pid and parsed
-    owner."""
+    """This process's leases with pid and parsed owner."""
     rows: list[LeaseRow] = []
     pid = os.getpid()
     for row in renewer.snapshot():
@@ -183,10 +145,7 @@ def local_rows() -> list[LeaseRow]:
 
 
 def serve_in_child() -> None:
-    """In a new pool child: serve :func:`local_rows` on this child's socket, from a daemon thread.
-
-    Does nothing outside a worker whose main process prepared the directory.
-    """
+    """In a new pool child of a prepared worker: serve :func:`local_rows` from a daemon thread."""
     global _server
     path = socket_path(os.getpid())
     if path is None:
@@ -228,11 +187,7 @@ def _serve(server: socket.socket) -> None:
 def child_snapshots(
     pids: list[int], timeout: float = CHILD_TIMEOUT
 ) -> tuple[list[LeaseRow], list[Unanswered]]:
-    """Ask pool children ``pids`` for their leases, all at once, waiting ``timeout`` s in all.
-
-    Returns ``(rows, unanswered)``: the rows of every child that answered, and
-    ``{"pid": pid, "error": why}`` for each child that did not.
-    """
+    """Ask children ``pids`` at once, ``timeout`` s in all: ``(rows, unanswered)``."""
     rows: list[LeaseRow] = []
     unanswered: list[Unanswered] = []
     deadline = time.monotonic() + timeout
@@ -268,7 +223,6 @@ def child_snapshots(
 
 
 def _connect(pid: int) -> tuple[socket.socket | None, str]:
-    """A non-blocking socket connected to child ``pid``, or ``None`` and why not."""
     path = socket_path(pid)
     if path is None:
         return None, "no socket directory in this worker"
@@ -283,7 +237,7 @@ def _connect(pid: int) -> tuple[socket.socket | None, str]:
 
 
 def _read_more(sock: socket.socket, buffer: bytearray) -> tuple[bool, str | None]:
-    """Read what ``sock`` has into ``buffer``: ``(done, error)``, done at the end or an error."""
+    """Read what ``sock`` has into ``buffer``: ``(done, error)``."""
     try:
         chunk = sock.recv(65536)
     except BlockingIOError:
@@ -299,7 +253,6 @@ def _read_more(sock: socket.socket, buffer: bytearray) -> tuple[bool, str | None
 
 
 def _parse(buffer: bytearray) -> tuple[list[LeaseRow] | None, str]:
-    """A child's whole reply as lease rows, or ``None`` and why it is not one."""
     try:
         answer = json.loads(bytes(buffer))
     except ValueError as exc:
@@ -310,7 +263,7 @@ def _parse(buffer: bytearray) -> tuple[list[LeaseRow] | None, str]:
 
 
 def _pool_children(pool: object) -> list[int] | None:
-    """The pids of a prefork pool's children, or None for a pool that runs tasks in-process."""
+    """The pids of a prefork pool's children, or None for an in-process pool."""
     processes = compat.child_processes(compat.billiard_pool(pool))
     if processes is None:
         return None
@@ -318,7 +271,7 @@ def _pool_children(pool: object) -> list[int] | None:
 
 
 def leases(state: object, **kwargs: object) -> LeasesReply:
-    """List the leases held by this worker's processes now (key, token, task id, held for...)."""
+    """List the leases held by this worker's processes now."""
     pool = getattr(getattr(state, "consumer", None), "pool", None)
     module = type(pool).__module__ if pool is not None else ""
     rows = local_rows()
@@ -336,5 +289,5 @@ def leases(state: object, **kwargs: object) -> LeasesReply:
 
 
 def register_command() -> None:
-    """Register :func:`leases` as the remote-control command ``leases`` (again: no change)."""
+    """Register :func:`leases` as the remote-control command ``leases`` (idempotent)."""
     inspect_command(default_timeout=1.0)(leases)

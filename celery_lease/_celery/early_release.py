@@ -1,18 +1,7 @@
-"""Early release: a running locked task that publishes a message with its own id releases its
-lease first.
-
-``retry()``, ``replace()`` and ``apply_async(task_id=self.request.id)`` re-send the running
-execution; a ``before_task_publish`` receiver releases its lease before the message goes out,
-so the new copy never finds its own lease held. The lease is then lost with reason
-``"released"``: the body, if it runs on, reads ``request.lock_lost`` True and ``check()``
-raises; ``lock_released`` is sent (once), ``lock_lost`` and ``on_lock_lost`` are not (the
-holder let go itself), and no interrupt is fired from the publish (the usual
-``raise self.retry()`` must end in RETRY). ``LockedTask.retry(throw=False)`` with
-``on_lost="revoke"`` raises the ``Retry`` instead of letting the body run on.
-
-The receiver is connected by :func:`celery_lease._celery.wiring.install`.
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
-"""
+"""Early release: a running locked task that publishes a message with its own id (``retry()``,
+``replace()``, ``apply_async(task_id=...)``) releases its lease first, so the new copy never
+finds it held. The lease reads lost (``"released"``); ``lock_released`` is sent, ``lock_lost``
+is not, and no interrupt fires (``raise self.retry()`` must end in RETRY)."""
 
 from __future__ import annotations
 
@@ -26,14 +15,9 @@ __all__ = ["release_before_publish"]
 def release_before_publish(
     headers: Mapping[str, object] | None = None, body: object = None, **_: object
 ) -> None:
-    """``before_task_publish``: a running locked task publishes a message with its own id
-    (``retry()``, ``replace()``, ``apply_async(task_id=...)``): release its lease first
-    (early), so the new message can never find its own lease still held.
-
-    The id is in the headers (task protocol 2) or in the body (``task_protocol = 1``).
-    Any deferred release of this process is answered first (see
-    :mod:`celery_lease._celery.deferral`).
-    """
+    """``before_task_publish``: release the lease of a running execution whose id the message
+    carries (in the headers, or the body under ``task_protocol = 1``), after answering any
+    deferred release."""
     if deferral.deferring:
         deferral.flush_deferred_releases()
     runs = execution.active_runs()

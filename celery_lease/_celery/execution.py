@@ -1,25 +1,10 @@
 """The run engine: the lifecycle of one locked execution of a task body.
 
-:func:`run_locked` is what :class:`~celery_lease.LockedTask` and :func:`~celery_lease.locked`
-both call: it builds the key, takes the lease (waiting as configured), sets the request
-attributes, runs the body, applies the ``on_held`` / ``on_lost`` policies and releases the lease
-(or keeps it for ``cooldown``) before the result is stored. ``_run_locked`` is the skeleton
-(acquire, run the body, release in the ``finally`` path or hand the lease over); each step is a
-function of its own below it.
-
-Loss: ``lock_lost`` and ``on_lock_lost`` are user code and run on the core's dispatcher thread
-(a plain loss listener); the ``on_lost="revoke"`` interrupt is an immediate listener, run on the
-thread that recorded the loss. Neither runs on the renewer or the watchdog.
-
-Early release: a running task that publishes a message with its own id (``retry()``,
-``replace()``, ``apply_async(task_id=self.request.id)``) releases its lease first
-(:meth:`_Run.release_early`, called by :mod:`celery_lease._celery.early_release`).
-
-``on_held``: :mod:`celery_lease._celery.on_held`.
-
-Deferred release replies: see :mod:`celery_lease._celery.deferral`.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+:func:`run_locked` builds the key, takes the lease, sets the request attributes, runs the
+body, applies ``on_held`` / ``on_lost`` and releases the lease (or keeps it for ``cooldown``)
+before the result is stored. ``lock_lost`` and ``on_lock_lost`` run on the core's dispatcher
+thread, the revoke interrupt on the thread that recorded the loss: never the renewer's or the
+watchdog's. Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -57,18 +42,8 @@ logger = logging.getLogger("celery_lease.engine")
 _R = TypeVar("_R")
 
 
-# One execution -------------------------------------------------------------------------------
-
-
 class _Run:
-    """The state of one locked execution: its lease, requests, interrupter, how it ended.
-
-    ``requests`` are the requests this execution's body may see: the one the worker's tracer
-    pushed (or the one a direct call pushed), plus any that ``Task.__call__`` pushes further
-    down the class order (:func:`adopt_request`). The lock attributes are set on all of them.
-    ``task_id`` is the id of the execution (``None`` for a direct call): a message published
-    with it re-sends this execution.
-    """
+    """One locked execution; ``requests``: all its body may see (:func:`adopt_request`)."""
 
     def __init__(
         self, task: CeleryTask | None, request: TaskRequest | None, key: str, options: LockOptions
@@ -104,11 +79,7 @@ class _Run:
         request._lease_run = _request.CLAIMED
 
     def acquired(self, context: LeaseContext, held: Lease) -> None:
-        """The lease is held: note it on every request, listen for its loss on the dispatcher.
-
-        A re-entered lease (an enclosing execution holds the same key) is the enclosing
-        holder's: its loss is reported, and its ``on_lost`` policy applied, by that holder.
-        """
+        """The lease is held: note it on the requests; listen for its loss unless re-entered."""
         self.context, self.lease = context, held
         token, waited = held.token, held.waited
         for request in self.requests:  # adopted already: only what the acquire decided
@@ -119,11 +90,7 @@ class _Run:
             held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
-        """Prepare the interrupt (``on_lost="revoke"``) and mark the body running.
-
-        The listener is added first: a lease lost already fires at once, before ``start()``,
-        and ``start()`` then raises ``AsyncLockLost`` (the body must not run).
-        """
+        """Arm the interrupt; a lease lost already makes ``start()`` raise (listener first)."""
         interrupter = self.interrupter
         if interrupter is not None and self.context is not None:
             if not self.context.reentered:
@@ -132,12 +99,7 @@ class _Run:
             interrupter.start()
 
     def end_body(self) -> None:
-        """The body returned or raised: no interrupt may land from now on.
-
-        ``end()`` may raise ``AsyncLockLost`` (the interrupt landed after the body's last
-        bytecode: handled as the interrupt); if anything else lands inside it (a soft time
-        limit), it is called again before that propagates.
-        """
+        """No interrupt may land from now on (``end()`` is called again if one lands inside it)."""
         interrupter = self.interrupter
         if interrupter is not None:
             try:
@@ -153,30 +115,19 @@ class _Run:
         """Whether this run fired an interrupt."""
         return self.interrupter is not None and self.interrupter.fired
 
-    # Loss listeners -----------------------------------------------------------------------------
-
     def interrupt(self, held: Lease) -> None:
-        """Immediate listener (on the thread that recorded the loss): stop the body. Quick.
-
-        Not for an early release: that is the body's own ``retry()`` / publish, and an interrupt
-        landing between the publish and ``raise Retry`` would turn a RETRY into a FAILURE.
-        """
+        """Immediate listener: stop the body; not for an early release (RETRY stays RETRY)."""
         reason = held.lost_reason or "lost"
         if held.released_early or self.interrupter is None:
             return  # the loss is this execution's own early release (its record won)
         self.interrupter.fire(reason)
 
     def on_lost(self, held: Lease) -> None:
-        """Dispatched listener (the core's dispatcher thread): ``lock_lost`` and ``on_lock_lost``.
-
-        Not for an early release (``"released"``): the holder released the key itself, and
-        ``lock_released`` says so.
-        """
+        """Dispatched listener: ``lock_lost`` and ``on_lock_lost``; not for an early release."""
         reason = held.lost_reason or "lost"
         if held.released_early:
-            # This execution let go itself ("released" by its own retry/publish). Not
-            # ``self.released_early``: that is set before the early release is recorded, and a
-            # real loss recorded just before it must still be reported.
+            # Not ``self.released_early``: set before the early release is recorded, it would
+            # hide a real loss recorded just before.
             return
         self._send(signals.lock_lost, held, reason=reason)
         hook = getattr(self.task, "on_lock_lost", None)
@@ -188,21 +139,14 @@ class _Run:
                     "celery-lease: on_lock_lost of %s raised", getattr(self.task, "name", "?")
                 )
 
-    # Release ------------------------------------------------------------------------------------
-
     def _send(self, signal: Signal, held: Lease, **named: object) -> None:
-        """Send ``signal`` about ``held`` (its key and token, this execution's task id)."""
         signals.send(
             signal, self.task, key=held.key, token=held.token, task_id=self.task_id, **named
         )
 
     def release_early(self) -> None:
-        """The execution re-sends itself while its body runs: free the key now, once.
-
-        The lease is recorded lost with reason ``"released"`` before the key is free (the body
-        reads ``lock_lost`` True, ``check()`` raises); ``lock_released`` is sent for it. A
-        re-entered lease belongs to the enclosing holder and is left alone.
-        """
+        """The execution re-sends itself: mark the lease lost (``"released"``), free the key,
+        once."""
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
@@ -214,11 +158,7 @@ class _Run:
             self._send(signals.lock_released, held, held_seconds=held_seconds)
 
     def release(self, exc: BaseException | None) -> None:
-        """Release the lease (or keep it for cooldown after success), once; send lock_released.
-
-        After an early release only the lease's frame is popped: nothing is released twice, and
-        the body's own exception (``Retry`` among them) is kept as it is.
-        """
+        """Release (or keep for cooldown) once; after an early release only the frame is popped."""
         context, held = self.context, self.lease
         if self.released or context is None or held is None:
             return
@@ -257,9 +197,7 @@ def active_runs() -> tuple[_Run, ...]:
 
 
 def adopt_request(task: object, request: TaskRequest) -> None:
-    """``task`` pushed ``request`` (``Task.__call__`` further down the class order): if the
-    innermost execution of ``task`` waits for the request its body will see, set the lock
-    attributes on it. Called by ``LockedTask.push_request``."""
+    """``push_request``: give the request the innermost run of ``task`` awaits its attributes."""
     runs = _active.get()
     if runs:
         run = runs[-1]
@@ -274,19 +212,15 @@ def _release_quietly(run: _Run) -> None:
 
 
 def _publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
-    """:func:`~celery_lease._celery.deferral.publishes_nothing`, and not a nested run (its caller
-    goes on after it)."""
+    """:func:`deferral.publishes_nothing`, and not a nested run (its caller goes on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
 
 
 class _ReleasedForRetry(Exception):
-    """Marks a release done because the task is re-sending itself (never a cooldown)."""
+    """Marks a release for a re-sent task (never a cooldown)."""
 
 
 _RELEASE_FOR_RETRY = _ReleasedForRetry()
-
-
-# The engine ----------------------------------------------------------------------------------
 
 
 def run_locked(
@@ -299,75 +233,49 @@ def run_locked(
     *,
     adopt: bool = False,
 ) -> _R | None:
-    """Run ``body`` under the lease of this execution and apply the policies.
-
-    Args:
-        task: the Task object (signal sender; ``retry()``, hooks), or ``None`` outside Celery.
-        request: the execution's request (a ``Context``), or ``None`` (a direct call whose
-            request ``body`` pushes, or no Celery at all).
-        spec: the task's validated options and key function.
-        args, kwargs: the arguments the key is built from (as the task is called).
-        body: runs the task's body.
-        adopt: the body pushes the request its task body sees (``Task.__call__`` further down
-            the class order): the first request ``task`` pushes while ``body`` runs gets the
-            lock attributes too (see :func:`adopt_request`).
-    """
+    """Run ``body`` under the lease of this execution and apply the policies. ``task`` is
+    ``None`` outside Celery, ``request`` ``None`` for a direct call; with ``adopt``, the first
+    request ``task`` pushes while ``body`` runs gets the lock attributes too."""
+    saved = None
     if request is not None and _request.is_claimed(request):
-        # The request of an execution running around this one (a ``@locked`` helper called
-        # from its body runs on it): that execution's attributes come back when this one ends.
+        # An enclosing execution's request (a ``@locked`` helper called from its body).
         saved = _request.save(request)
+    try:
+        options = spec.options
+        app = task.app if task is not None else compat.get_current_app()
+        settings = get_settings(app)
+        if request is not None:
+            _clear_lock_attributes(request)  # overwrite what a message header may have put there
+        key = settings.key_prefix + spec.key_function(args, kwargs)
+        run = _Run(task, request, key, options)
+        ttl, wait = spec.durations(settings)
+        store = execution_store(options.store, app, key)
+        context = _lease_context(run, request, store, ttl, wait)
+        arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
+        if options.unique is not None and request is not None:
+            # A superseded debounced copy ends here (Ignore).
+            arrival = _unique.on_arrival(
+                cast("CeleryTask", task), request, store, key, settings, options.unique, ttl, wait
+            )
+            # The refusal names its holder in one step: a redelivery of a running copy is told from
+            # a rejection even if that copy ends just after.
+            context.names_holder = _unique.names_holder(store)
         try:
-            return _run_locked(task, request, spec, args, kwargs, body, adopt)
+            return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
         finally:
-            _request.restore(request, saved)
-    return _run_locked(task, request, spec, args, kwargs, body, adopt)
+            # Always: a claim left held would make later calls duplicates of a copy that is over.
+            _unique.leave(arrival)
+    finally:
+        if saved is not None:
+            _request.restore(cast("TaskRequest", request), saved)
 
 
 def _described(value: object) -> str | None:
-    """A holder field of the owner id from what Celery gives (any id it accepts: a UUID object,
-    a very long string): it only describes the holder, so it never fails the acquisition."""
+    """An owner-id field from any id Celery accepts, cut to size (never fails an acquire)."""
     if value is None:
         return None
     text = value if isinstance(value, str) else str(value)
     return text[:MAX_OWNER_FIELD_CHARS]
-
-
-def _run_locked(
-    task: CeleryTask | None,
-    request: TaskRequest | None,
-    spec: Spec,
-    args: tuple[object, ...],
-    kwargs: Mapping[str, object],
-    body: Callable[[], _R],
-    adopt: bool,
-) -> _R | None:
-    """One execution: acquire, run the body, then release (or hand the lease over); the steps
-    are the functions below, in the order they run."""
-    options = spec.options
-    app = task.app if task is not None else compat.get_current_app()
-    settings = get_settings(app)
-    if request is not None:
-        _clear_lock_attributes(request)  # overwrite what a message header may have put there
-    key = settings.key_prefix + spec.key_function(args, kwargs)
-    run = _Run(task, request, key, options)
-    ttl, wait = spec.durations(settings)
-    store = execution_store(options.store, app, key)
-    context = _lease_context(run, request, store, ttl, wait)
-    arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
-    if options.unique is not None and request is not None:
-        # A superseded debounced copy ends here (Ignore), before it could hold the run key.
-        arrival = _unique.on_arrival(
-            cast("CeleryTask", task), request, store, key, settings, options.unique, ttl, wait
-        )
-        # A refusal names its holder in the same step where the store can: a second delivery
-        # of a running copy is told from a rejection even if that copy ends just after.
-        context.names_holder = _unique.names_holder(store)
-    try:
-        return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
-    finally:
-        # With or without its body, whatever raised: the claim is this arrival's own, and a
-        # claim left held would make the calls of its ttl duplicates of a copy that is over.
-        _unique.leave(arrival)
 
 
 def _run_arrived(
@@ -381,7 +289,6 @@ def _run_arrived(
     adopt: bool,
     arrival: _unique.Arrival | None,
 ) -> _R | None:
-    """The run lease, the body and the release, for a copy that was not superseded."""
     task, key = run.task, run.key
     try:
         held = context.__enter__()
@@ -392,13 +299,11 @@ def _run_arrived(
     queued = None  # an until_done copy's queued lease, kept while the body runs
     try:
         try:
-            # Held from here: whatever raises before the body (a lock_acquired receiver raising
-            # a BaseException, which Celery's robust send lets through; an asynchronous
-            # exception) releases it below.
+            # Held from here: anything raised before the body (a receiver's BaseException, which
+            # Celery's robust send lets through) releases it below.
             run.acquired(context, held)
             if arrival is not None:
-                # Superseded while it waited for the run lease (its claim lapsed): Ignore,
-                # and the run lease is released below before the newer copy may need it.
+                # Superseded while it waited (its claim lapsed): Ignore, released below.
                 arrival.confirm(cast("CeleryTask", task), cast("TaskRequest", request))
             queued = _queued_hold(run, request, store, settings, ttl)
             _send_acquired(run, context, held)
@@ -406,8 +311,7 @@ def _run_arrived(
             result = _run_body(run, body, adopt)
         except AsyncLockLost as exc:
             if not run.interrupted:
-                # An enclosing run's interrupt, landed in this (nested) body: this body is over
-                # too. Leave this run's lease (and its frame) before passing it on.
+                # An enclosing run's interrupt landed in this nested body: release, pass it on.
                 run.release(exc)
                 raise
             lost = LockLostError(key, held.lost_reason or "lost")
@@ -445,13 +349,7 @@ def _clear_lock_attributes(request: TaskRequest) -> None:
 def _lease_context(
     run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
 ) -> LeaseContext:
-    """``lease()`` without its checks: the key is a non-empty str (key functions guarantee it),
-    the durations and the store were validated when the task (and the settings) were read.
-
-    ``run.on_lost`` goes in as the context's ``on_lost``: attached to a lease it acquires before
-    the renewer knows it (no lock round), never to a re-entered one (the enclosing holder's).
-    The owner id names the node, the task and the execution (:mod:`celery_lease._core.owners`).
-    """
+    """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows it."""
     options = run.options
     return LeaseContext(
         run.key,
@@ -478,9 +376,7 @@ def _rejected(
     exc: LockNotAcquiredError,
     refused_by: str | None = None,
 ) -> None:
-    """The key stayed held past ``wait``: a unique copy frees its queued key, then the
-    ``on_held`` policy decides (:func:`celery_lease._celery.on_held.apply_policy`).
-    ``refused_by``: the holder the last refused attempt named, where the store names it."""
+    """Past ``wait``: free a unique copy's queued key, then apply ``on_held``."""
     task, key, options = run.task, run.key, run.options
     if options.unique is not None:
         # Its queued key, if any; a second delivery of its own running copy is re-sent
@@ -500,15 +396,9 @@ def _rejected(
 
 
 def _queued_hold(
-    run: _Run,
-    request: TaskRequest | None,
-    store: LockStore,
-    settings: LeaseSettings,
-    ttl: float,
+    run: _Run, request: TaskRequest | None, store: LockStore, settings: LeaseSettings, ttl: float
 ) -> _unique.QueuedHold | None:
-    """A unique copy about to run its body hands its queued key over
-    (:func:`celery_lease._celery.unique.on_start`): the queued lease an ``until_done`` copy
-    keeps while it runs, else ``None``."""
+    """Hand a unique copy's queued key over; what an ``until_done`` copy keeps, else ``None``."""
     options = run.options
     if options.unique is None or request is None:
         return None
@@ -519,8 +409,7 @@ def _queued_hold(
 
 
 def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
-    """``lock_acquired``, when someone listens (not for a re-entered lease: the enclosing
-    holder's)."""
+    """``lock_acquired``, when someone listens (not for a re-entered lease)."""
     if signals.lock_acquired.receivers and not context.reentered:
         signals.send(
             signals.lock_acquired,
@@ -534,8 +423,7 @@ def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
 
 
 def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
-    """Run the body with the interrupt armed (``on_lost="revoke"``) and, with ``adopt``, the
-    next request its task pushes taking the lock attributes."""
+    """Run the body with the interrupt armed, adopting the next pushed request with ``adopt``."""
     run.start_body()
     run.awaiting_request = adopt
     try:
@@ -548,8 +436,7 @@ def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
 def _release(
     run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
-    """After the body returned: release the lease (or keep it for ``cooldown``), without
-    waiting for the reply where the store can and nothing may depend on it."""
+    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply."""
     if settings.defer_release and _publishes_nothing(run.task, request):
         deferral.defer_on(context)
     run.release(None)
@@ -563,14 +450,9 @@ def _release_with_queued(
     queued: _unique.QueuedHold,
     settings: LeaseSettings,
 ) -> None:
-    """After the body of an ``until_done`` copy returned: release the run lease, then its
-    queued key.
-
-    Where the store can, both go out without waiting, in order on one connection
-    (``QueuedHold.end`` never lets the queued key's overtake the run lease's); then, unless
-    this execution publishes nothing (both read as a lone run lease's is), one wait answers
-    both before it returns. Not while a user's ``lock_released`` receiver would run in between.
-    """
+    """Release an ``until_done`` copy's run lease, then its queued key: unanswered and in order
+    on one connection where the store can, then one wait for both unless nothing is published
+    after."""
     deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
     if deferred:
         deferral.defer_on(context)
@@ -586,7 +468,6 @@ def _release_with_queued(
 
 
 def _log_lost_after_success(run: _Run, held: Lease) -> None:
-    """The body returned although the lease was lost (or released early by its own publish)."""
     name = getattr(run.task, "name", "?")
     if run.released_early:
         logger.info(

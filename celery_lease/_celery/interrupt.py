@@ -1,46 +1,14 @@
-"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool.
+"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool: :data:`INTERRUPT_SIGNAL`
+in prefork children and solo (a body still running :data:`REVOKE_GRACE` s later has its child
+``SIGTERM``-ed), ``PyThreadState_SetAsyncExc`` under threads, a throw into the greenlet under
+gevent and eventlet.
 
-One :class:`Interrupter` per locked execution. The task's thread calls :meth:`~Interrupter.start`
-before the body and :meth:`~Interrupter.end` right after it; the thread that learns of the loss
-(the renewer or the watchdog) calls :meth:`~Interrupter.fire`, which is quick and never blocks or
-raises. What each pool does:
-
-- prefork (a child's main thread) and solo (the main thread): :data:`INTERRUPT_SIGNAL`, a
-  real-time signal that neither billiard nor Celery uses, is sent to the main thread with
-  ``signal.pthread_kill``; our handler raises :class:`AsyncLockLost` in the body at once (a
-  blocking ``sleep`` or socket read is interrupted). ``SIGUSR1`` stays billiard's (soft time
-  limits) and Celery's (stack dumps): the two never share, count or swallow each other's signal.
-  In a prefork child, a body still running :data:`REVOKE_GRACE` seconds later (stuck in C code)
-  gets its child terminated with ``SIGTERM``, as ``revoke(terminate=True)`` does.
-- threads: ``PyThreadState_SetAsyncExc`` raises it in the task's thread when it next runs Python
-  bytecode (not inside a blocking C call).
-- gevent, eventlet: the task's greenlet is thrown it at its next switch, from a hub callback.
-
-The discipline that makes "nothing lands after ``end()``" hold:
-
-- ``fire()`` decides and delivers under the interrupter's lock, only while the body runs;
-  ``end()`` first marks the body ended (one assignment), then takes the same lock and cancels an
-  asynchronous exception not yet delivered. So a ``fire()`` either finished before ``end()``
-  took the lock (its exception is cancelled, or it already landed: in the body, or in ``end()``
-  itself) or sees the body ended and does nothing.
-- The signal handler and the green callbacks take no lock: they run between two bytecodes of
-  the very thread that may hold the lock (inside ``start()`` or ``end()``), so they only read
-  flags and write single attributes.
-
-Contract for the caller (the engine):
-
-- ``start()`` raises :class:`AsyncLockLost` when ``fire()`` came first (the lease was lost
-  before the body started): do not run the body.
-- ``end()`` may raise :class:`AsyncLockLost` (the interrupt landed between the body's last
-  bytecode and the cancel); that is the interrupt, handle it as one. Once ``end()`` has returned
-  or raised, no interrupt of this interrupter is pending or will ever land. ``end()`` is
-  idempotent: when anything else landed in the ``finally`` that calls it (a soft time limit),
-  call it again.
-- ``fire()`` called on the body's own thread or greenlet (a loss decided by the body itself,
-  e.g. an early release when it re-sends its own task id) interrupts nothing: the body is inside
-  our code at that moment, and an exception there could tear a publish in half.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Why nothing lands after :meth:`~Interrupter.end`: :meth:`~Interrupter.fire` decides and
+delivers under the interrupter's lock, only while the body runs; ``end()`` marks the body
+ended, then takes the lock and cancels an undelivered exception. The signal handler and green
+callbacks run between two bytecodes of the thread that may hold that lock, so they take none.
+``fire()`` on the body's own thread (an early release) does nothing: it could tear a publish
+in half. Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -72,21 +40,17 @@ REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
 
 _RESEND_INTERVAL = 0.05
-"""Seconds between copies of the interrupt signal while it is not delivered."""
+"""Seconds between copies of the interrupt signal while it is undelivered."""
 
 INTERRUPT_SIGNAL: int | None = (
     int(signal.SIGRTMIN) + 6
     if hasattr(signal, "SIGRTMIN") and hasattr(signal, "pthread_kill")
     else None
 )
-"""The signal that interrupts a body in the main thread (``SIGRTMIN + 6``, 40 on Linux).
-
-A real-time signal: billiard (``SIGUSR1`` for soft time limits) and Celery (``SIGUSR1`` stack
-dumps, ``SIGUSR2`` rdb) use none, billiard's and Celery's child set-up does not reset it, and
-real-time signals queue instead of coalescing. ``None`` where the platform has no real-time
-signals (macOS): there the main thread is interrupted like a pool thread, when it next runs
-Python bytecode, and the prefork grace period still terminates a stuck child.
-"""
+"""``SIGRTMIN + 6`` (40 on Linux): a real-time signal, which queues instead of coalescing, that
+neither billiard (``SIGUSR1``: soft time limits) nor Celery (``SIGUSR1``, ``SIGUSR2``) uses or
+resets in a child. ``None`` without real-time signals (macOS): the main thread is then
+interrupted like a pool thread, and the prefork grace still applies."""
 
 
 class AsyncLockLost(LockLostError):
@@ -97,7 +61,7 @@ class AsyncLockLost(LockLostError):
 
 
 class _SpentInterrupt(AsyncLockLost):
-    """Replaces an undelivered AsyncLockLost in ``end()`` and is caught there at once."""
+    """Replaces an undelivered ``AsyncLockLost`` in ``end()``, caught there at once."""
 
 
 # The C call that raises in another thread. Arguments are built once, ahead of time: ``end()``
@@ -131,13 +95,7 @@ forking.on_fork_child(_forget_main_thread_runs, name="interrupt: main-thread run
 
 
 def _on_interrupt_signal(signum: int, frame: types.FrameType | None) -> None:
-    """:data:`INTERRUPT_SIGNAL` in the main thread: raise in the innermost lost running body.
-
-    Runs between two bytecodes of whatever the main thread was doing, which may be ``start()``
-    or ``end()`` holding an interrupter's lock: it takes no lock, reads the flags ``fire()`` set
-    (under its lock, before sending the signal) and ``start()``/``end()`` set (on this thread),
-    and writes single attributes. A signal with nothing due (a late one) does nothing.
-    """
+    """Raise in the innermost lost running body of the main thread; lock-free (see the module)."""
     for run in reversed(tuple(_main_thread_runs)):
         if run._running and run._fired and not run._delivered:
             run._delivered = True
@@ -147,7 +105,7 @@ def _on_interrupt_signal(signum: int, frame: types.FrameType | None) -> None:
 
 
 def _install_handler() -> bool:
-    """Install our handler for :data:`INTERRUPT_SIGNAL` (main thread only); False if impossible."""
+    """Install our handler (main thread only); False if the platform has no signal for it."""
     if INTERRUPT_SIGNAL is None:
         return False
     current = signal.getsignal(INTERRUPT_SIGNAL)
@@ -170,7 +128,7 @@ def _handler_installed() -> bool:
 
 
 def _greenlet() -> types.ModuleType:
-    """The ``greenlet`` module (gevent and eventlet both run on it; it ships no type stubs)."""
+    """The ``greenlet`` module (under gevent and eventlet; it ships no type stubs)."""
     return importlib.import_module("greenlet")
 
 
@@ -186,12 +144,7 @@ def _green_pool() -> str:
 
 
 class Interrupter:
-    """Interrupts one body (its thread, the main thread or its greenlet) once, while it runs.
-
-    Args:
-        key: the lock key (for the exception raised in the body).
-        describe: a short text naming the execution, for log lines (``"name[id]"``).
-    """
+    """Interrupts one body once while it runs; ``describe`` names it in logs (``"name[id]"``)."""
 
     def __init__(self, key: str, describe: str = "?") -> None:
         self.key = key
@@ -212,12 +165,7 @@ class Interrupter:
     # Called in the task's thread ---------------------------------------------------------------
 
     def start(self) -> None:
-        """Prepare the interrupt of this thread or greenlet; mark the body running.
-
-        Raises:
-            AsyncLockLost: :meth:`fire` came first (the lease is already lost): the body must
-                not run.
-        """
+        """Arm the interrupt; raise ``AsyncLockLost`` if :meth:`fire` came first."""
         green = _green_pool()
         self._thread_id = threading.get_ident()
         self._c_thread_id = ctypes.c_ulong(self._thread_id)
@@ -242,12 +190,7 @@ class Interrupter:
             self._running = True
 
     def end(self) -> None:
-        """The body returned or raised: cancel an interrupt not yet delivered; idempotent.
-
-        Raises:
-            AsyncLockLost: the interrupt landed here, after the body's last bytecode. After
-                ``end()`` returned or raised, nothing of this interrupter lands any more.
-        """
+        """Cancel an undelivered interrupt (idempotent); may raise one that landed here."""
         self._running = False  # first: from here the handler and green callbacks do nothing
         if self._mode == "signal":
             with contextlib.suppress(ValueError):
@@ -257,11 +200,9 @@ class Interrupter:
             if self._armed:
                 self._armed = False
                 try:
-                    # Replace a pending AsyncLockLost by a marker that lands right here. (A
-                    # cancel with NULL would leave CPython's eval-breaker flag set for good, up
-                    # to 3.11: every traced call then spins for ever - debuggers, coverage.)
-                    # Never None here: _armed is set only where it is not (and no check may
-                    # run before this call).
+                    # Replace a pending AsyncLockLost by a marker that lands here: a cancel with
+                    # NULL leaves CPython's eval-breaker flag set for good (to 3.11), and every
+                    # traced call spins. Not None: _armed implies it (no check may run first).
                     _SET_ASYNC_EXC(self._c_thread_id, _SPENT)  # type: ignore[misc]
                     for _ in range(1000):
                         pass
@@ -272,17 +213,13 @@ class Interrupter:
 
     @property
     def fired(self) -> bool:
-        """Whether an interrupt was decided for this body (raised, or cancelled by ``end()``)."""
+        """Whether an interrupt was decided (raised, or cancelled by ``end()``)."""
         return self._fired
 
     # Called in the thread that learnt of the loss ----------------------------------------------
 
     def fire(self, reason: str) -> None:
-        """Interrupt the body if it still runs (once); quick, never blocks or raises.
-
-        Before :meth:`start` it makes ``start()`` raise; after :meth:`end`, and on the body's
-        own thread or greenlet, it does nothing.
-        """
+        """Interrupt the body once if it still runs; before :meth:`start`, make it raise."""
         try:
             if self._fire(reason):
                 logger.warning(
@@ -337,23 +274,16 @@ class Interrupter:
         return self._thread_id == threading.main_thread().ident
 
     def _throw_into_greenlet(self) -> None:
-        """Hub callback (the body's greenlet is switched out): throw, unless it ended meanwhile.
-
-        No lock: the hub runs this between the body's switches, never inside start()/end().
-        """
+        """Hub callback, lock-free (between the body's switches): throw unless the body ended."""
         if not self._running or self._delivered:
             return
         self._delivered = True
         cast("Greenlet", self._greenlet).throw(AsyncLockLost(self.key, "revoked"))
 
     def _watch(self) -> None:
-        """After fire(), until the body ends: re-send the signal while it is undelivered; in a
-        prefork child, terminate the process once the body outlived :data:`REVOKE_GRACE`.
-
-        Re-sending matters: when our signal and another one (billiard's soft time limit,
-        ``SIGINT``) are handled in one go and the other handler raises, CPython (3.11) can leave
-        ours pending until the next signal arrives. A late copy is harmless (nothing is due).
-        """
+        """Until the body ends: re-send the signal while undelivered (CPython 3.11 can leave ours
+        pending when another handler raises in the same batch); in a prefork child, terminate
+        after :data:`REVOKE_GRACE`."""
         import time
 
         deadline = time.monotonic() + REVOKE_GRACE

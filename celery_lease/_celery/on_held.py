@@ -1,12 +1,6 @@
-"""The ``on_held`` policies: what a locked execution does when its key stays held past ``wait``.
-
-``"raise"`` (the default) raises :class:`~celery_lease.LockNotAcquiredError`; ``"retry"``
-raises the task's ``retry()`` with the configured countdown; ``"skip"`` returns ``None``, and
-a worker execution whose own body was skipped ends REVOKED with a reason that says skipped
-(stored as Celery stores a revoked task, announced with a ``task-revoked`` event). Before any
-of them, ``lock_rejected`` is sent and the task's ``on_lock_rejected`` hook is called.
-Called by the run engine (:func:`celery_lease._celery.execution.run_locked`).
-"""
+"""The ``on_held`` policies: ``"raise"`` (default) raises ``LockNotAcquiredError``, ``"retry"``
+the task's ``retry()``, ``"skip"`` returns ``None`` (a skipped worker execution ends REVOKED);
+``lock_rejected`` and ``on_lock_rejected`` come first."""
 
 from __future__ import annotations
 
@@ -41,16 +35,8 @@ def apply_policy(
     ttl: float = 0.0,
 ) -> None:
     """The key stayed held past ``wait``: send ``lock_rejected``, call ``on_lock_rejected``,
-    then apply ``options.on_held`` (``"skip"``: return ``None``, or end a worker execution as
-    REVOKED; ``"retry"``: raise the task's retry; ``"raise"``: raise ``exc``).
-
-    ``nested``: this execution runs inside another locked run of the same task id (its skip
-    returns ``None`` to the enclosing body). ``store`` and ``ttl`` (seconds, the task's lease
-    ttl): for a skip, who keeps the key is read from ``store``
-    (:func:`celery_lease._celery.held_by.look_up`) so that the skip says ``cooldown``, until
-    when and after which execution, or which execution holds it; the other policies read
-    nothing more.
-    """
+    apply ``options.on_held``. ``nested``: inside another run of the same task id; ``store``
+    and ``ttl`` (s): a skip says who keeps the key."""
     policy = options.on_held
     found = (
         held_by.look_up(store, key, task, ttl) if policy == "skip" and store is not None else None
@@ -85,21 +71,13 @@ def apply_policy(
     raise exc
 
 
-# A skipped run, visible as skipped ---------------------------------------------------------
-
 skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
-"""True while a ``@locked`` helper that is not its task's body runs (set by
-:func:`celery_lease.locked`): a skip there returns ``None`` to the calling body, which goes on,
-instead of marking the whole execution skipped."""
+"""True while a ``@locked`` helper that is not its task's body runs: a skip there returns
+``None`` to the body instead of marking the execution skipped."""
 
 
 def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested: bool) -> bool:
-    """Whether a skip ends a worker execution (marked REVOKED) rather than returning ``None``.
-
-    Only the execution's own body: not a direct call, an eager run (``apply()``, ``always
-    eager``), a ``@locked`` helper called from a body, nor a run nested in another locked run of
-    the same execution.
-    """
+    """Whether a skip ends the execution REVOKED: only a worker execution's own, un-nested body."""
     if task is None or request is None or getattr(request, "id", None) is None:
         return False
     if getattr(request, "called_directly", True) or getattr(request, "is_eager", False):
@@ -108,19 +86,10 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
 
 
 def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str, what: str) -> None:
-    """End a skipped worker execution as REVOKED, with a reason that says skipped and ``what``
-    keeps the key (``held by another execution...``, ``in its cooldown until...``).
-
-    Stored in the result backend as Celery stores a revoked task (``AsyncResult.get()`` raises
-    ``TaskRevokedError(reason)`` at once), announced with a ``task-revoked`` event (Flower shows
-    the task REVOKED), then ``Ignore`` so that the tracer stores nothing over it and the message
-    is acknowledged. A backend error propagates (the run then fails, never a silent success); a
-    failed event is logged. The event goes out from the process that ran the task, as
-    ``Task.send_event`` sends it (Celery's own ``task-revoked`` comes from the main process,
-    which never learns of this one), also when the worker runs without ``-E`` (Flower turns
-    events on remotely, and the pool process cannot tell); ``send_events = False`` on the task
-    turns it off.
-    """
+    """End a skipped worker execution REVOKED (``get()`` raises ``TaskRevokedError`` at once),
+    announce it with ``task-revoked`` from this process (also without ``-E``: Flower may
+    enable events remotely), then ``Ignore`` so nothing is stored over it. A backend error
+    propagates: never a silent success."""
     reason = f"skipped: {key!r} {what} (on_held='skip')"
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))

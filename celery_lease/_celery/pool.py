@@ -1,13 +1,6 @@
-"""The pool of this process's worker: which one it is, and whether this process is a pool child.
-
-Set by the worker's wiring (:mod:`celery_lease._celery.worker`: ``worker_process_init`` notes a
-pool child) and its start-up check (:class:`celery_lease._celery.startup.LeaseCheck` notes the
-pool whose check passed); read by the code that behaves differently per pool: the revoke
-interrupt (:mod:`celery_lease._celery.interrupt`), deferred release replies
-(:mod:`celery_lease._celery.deferral`), the start-up checks and the metrics exporter.
-
-Which process does what under each pool: ``docs/internals.md``.
-"""
+"""The pool of this process's worker, and whether this process is a pool child: set by
+``worker_process_init`` and the start-up check, read by the interrupt, deferral, the checks
+and metrics. Which process does what per pool: ``docs/internals.md``."""
 
 from __future__ import annotations
 
@@ -31,7 +24,7 @@ Autoscale = str | int | Sequence[str | int] | None
 
 _pool_child = False
 _pool_label = ""
-"""The pool of the worker whose start-up check passed in this process (:func:`set_pool_label`)."""
+"""The pool of the worker whose start-up check passed in this process."""
 
 IN_PROCESS_POOLS = (
     "celery.concurrency.solo",
@@ -39,20 +32,16 @@ IN_PROCESS_POOLS = (
     "celery.concurrency.gevent",
     "celery.concurrency.eventlet",
 )
-"""Modules of Celery's pools that run every task inside the worker's main process."""
+"""Celery's pools that run every task in the worker's main process."""
 
 
 def runs_one_task_at_a_time() -> bool:
-    """True in a worker process that runs one task at a time: a solo worker, a prefork child.
-
-    False outside a worker, in the main process of a prefork worker, and under the threads,
-    gevent and eventlet pools (and pools of other packages), where executions run side by side.
-    """
+    """True in a solo worker or a prefork child: one task at a time in this process."""
     return _pool_label == "solo" or (_pool_label == "prefork" and _pool_child)
 
 
 def in_pool_child() -> bool:
-    """True in a prefork pool child process (where terminating the process is like revoke)."""
+    """True in a prefork child (where terminating the process is like revoke)."""
     return _pool_child
 
 
@@ -62,14 +51,11 @@ def pool_label() -> str:
 
 
 def set_pool_child(child: bool) -> None:
-    """Remember whether this process is a prefork pool child (at ``worker_process_init``)."""
     global _pool_child
     _pool_child = child
 
 
 def set_pool_label(label: str) -> None:
-    """Remember the pool of the worker whose start-up check passed (by
-    :class:`~celery_lease._celery.startup.LeaseCheck`)."""
     global _pool_label
     _pool_label = label
 
@@ -83,24 +69,15 @@ def pool_name(pool_cls: object) -> str:
 
 
 def runs_tasks_in_main_process(pool_cls: object) -> bool:
-    """Whether ``pool_cls`` (or a pool class it derives from) is one of :data:`IN_PROCESS_POOLS`."""
+    """Whether ``pool_cls`` (or a base of it) is one of :data:`IN_PROCESS_POOLS`."""
     modules = {getattr(cls, "__module__", "") for cls in getattr(pool_cls, "__mro__", (pool_cls,))}
     return bool(modules.intersection(IN_PROCESS_POOLS))
 
 
 def pool_processes(pool_cls: object, concurrency: int, autoscale: Autoscale = None) -> int:
-    """How many processes may run this worker's tasks at once.
-
-    Args:
-        pool_cls: the worker's pool class (``WorkController.pool_cls`` once resolved).
-        concurrency: ``-c`` (an int; 0 or ``None`` count as 1).
-        autoscale: ``--autoscale`` as Celery passes it (``"10,3"`` or ``(10, 3)``), or ``None``.
-
-    Returns:
-        1 for a pool that runs tasks in the main process (solo, threads, gevent, eventlet, or a
-        subclass of one), else the larger of ``concurrency`` and the autoscale maximum (prefork,
-        and any pool this function does not know: counted on the safe side).
-    """
+    """How many processes may run this worker's tasks at once: 1 for an in-process pool, else the
+    larger of ``concurrency`` (0 or ``None``: 1) and the ``--autoscale`` maximum (``"10,3"``
+    or ``(10, 3)``); an unknown pool counts on the safe side."""
     if runs_tasks_in_main_process(pool_cls):
         return 1
     most = int(concurrency or 1)

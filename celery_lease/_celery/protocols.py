@@ -1,44 +1,9 @@
-"""The parts of Celery (and of its pools) that the Celery layer uses, as structural types.
+"""Structural types of the parts of Celery, billiard, kombu and greenlet the Celery layer uses.
 
-Celery ships no type information: no ``py.typed`` marker and no stubs (5.7 checked), and its
-few annotations (``celery.states``, ``celery.canvas``, ``celery.utils.time``, the delayed
-delivery consumer step) leave out ``Task``, ``Context``, ``Celery``, the result backends,
-``Signal`` and the bootsteps. mypy sees all of them as ``Any``, so code that takes a Celery
-``Task`` typed as one checks nothing. Each protocol here names only the members we read or call,
-as Celery defines them:
-
-- :class:`CeleryTask`: a task (``celery.app.task.Task``, here a ``LockedTask``): its name, app,
-  options, result backend, current request, and the calls that publish or re-send it.
-- :class:`UniqueTask`: a task with ``lock_unique``, which publishes a copy past unique's checks.
-- :class:`TaskRequest`: a task's request (``celery.app.task.Context``, ``task.request``): the
-  execution's id and delivery; headers also show as attributes (``lease_queued``).
-- :class:`RequestStack`: ``task.request_stack``, read without building a default request.
-- :class:`TaskStack`: the stack of running tasks that ``current_task`` reads.
-- :class:`CeleryApp` and :class:`AppConf`: the app (``celery.Celery``) and ``app.conf``.
-- :class:`ResultBackend`: ``task.backend``: a copy's state read, a FAILURE or REVOKED stored.
-- :class:`AsyncResultLike`: what ``apply_async`` returns (``celery.result.AsyncResult``).
-- :class:`TaskSignature`: ``task.signature_from_request()``'s signature, re-sent as it is.
-- :class:`SignalLike`: a ``celery.utils.dispatch.Signal`` whose receivers are looked at.
-- :class:`WorkerLike`: a worker bootstep's parent (``celery.apps.worker.WorkController``).
-- :class:`WorkerRequest`: a request the worker tracks (``celery.worker.request.Request``).
-- :class:`BilliardPool`, :class:`PoolProcess` and :class:`PoolJob`: billiard's pool, its
-  children and its jobs, as the dead-holder reaper reads them (billiard ships no types either).
-- :class:`EventLoopHub`: the worker's event loop (``kombu.asynchronous.hub.Hub``).
-- :class:`Greenlet` and :class:`GeventHub`: the running greenlet and gevent's hub, which an
-  interrupt is thrown through under the gevent and eventlet pools (greenlet and gevent ship no
-  type information either).
-
-Why structural types rather than Celery's classes: Celery's classes are ``Any`` to mypy, so
-naming them checks nothing; third-party stubs would tie our types to one stub package's view of
-one Celery version; and a protocol says exactly which part of Celery we depend on, so a test's
-small fake (a ``SimpleNamespace`` request) is typed the same way as the real thing. Nothing here
-is ``runtime_checkable``: no code asks ``isinstance`` of a Celery object, and the protocols are
-only read by mypy. ``tests/unit/_celery/test_protocols.py`` checks that Celery's real objects
-still have every member named here.
-
-The ``TypeGuard`` functions below are the capability checks of a store: each asks the protocol
-check that sees delegated attributes on every Python (:func:`~celery_lease.stores.base.conforms`,
-and :func:`~celery_lease._core.lease.offers`), and tells mypy what a True answer means.
+Celery ships no types (5.7), so mypy sees its classes as ``Any``. Each protocol names only the
+members we use; stubs would tie us to one version's view, and a test's fake is typed like the
+real thing. Not ``runtime_checkable``: ``tests/unit/_celery/test_protocols.py`` checks
+Celery's objects still have every member.
 """
 
 from __future__ import annotations
@@ -85,37 +50,27 @@ class AppConf(Protocol):
     """``app.conf`` (``celery.app.utils.Settings``): settings read by attribute or by ``get``."""
 
     task_always_eager: bool
-    broker_url: object
-    """The broker's URL: a str, a list of them (failover), or None."""
+    broker_url: object  # a str, a list of them (failover), or None
     broker_transport_options: Mapping[str, object] | None
 
-    def get(self, key: str, default: object = None) -> object:
-        """The value of setting ``key`` as the user configured it (any type), else ``default``."""
-
-    def keys(self) -> Iterable[str]:
-        """Every setting's name, Celery's defaults included."""
+    def get(self, key: str, default: object = None) -> object: ...  # as configured, any type
+    def keys(self) -> Iterable[str]: ...  # Celery's defaults included
 
 
 class CeleryApp(Protocol):
     """A Celery app (``celery.Celery``)."""
 
     conf: AppConf
-    steps: Mapping[str, MutableSet[type]]
-    """Bootstep classes to add, by blueprint (``"worker"``, ``"consumer"``)."""
+    steps: Mapping[str, MutableSet[type]]  # bootstep classes to add, by blueprint
 
     @property
-    def tasks(self) -> Mapping[str, CeleryTask]:
-        """The task registry (``celery.app.registry.TaskRegistry``): tasks by name; reading it
-        finalizes the app."""
+    def tasks(self) -> Mapping[str, CeleryTask]: ...  # the registry; reading it finalizes
 
 
 class TaskRequest(Protocol):
-    """A task's request (``celery.app.task.Context``): one execution, or the default request of
-    a task called directly (``id`` None, ``called_directly`` True).
-
-    Message headers that Celery does not know are set as attributes too, so a header such as
-    ``lease_queued`` is read with ``getattr``.
-    """
+    """A task's request (``celery.app.task.Context``): one execution, or the default request of a
+    task called directly (``id`` None, ``called_directly`` True). Unknown message headers are
+    attributes too (``lease_queued``: read with ``getattr``)."""
 
     id: str | None
     is_eager: bool
@@ -125,34 +80,28 @@ class TaskRequest(Protocol):
     chord: object
     ignore_result: bool
     retries: int
-    hostname: str | None
-    """The worker's node name (None for a direct call)."""
+    hostname: str | None  # the worker's node name (None for a direct call)
 
     # The lock attributes, defined on ``Context`` by :mod:`celery_lease._celery.request`:
     lock_key: str | None
     lock_token: int | None
     lock_waited: bool
     lease: Lease | None
-    _lease_run: object
-    """:data:`celery_lease._celery.request.CLAIMED` once a locked execution claimed it."""
+    _lease_run: object  # request.CLAIMED once a locked execution claimed it
 
 
 class TaskStack(Protocol):
     """The stack of running tasks that ``current_task`` reads (``celery._state._task_stack``)."""
 
-    def push(self, obj: object) -> None:
-        """Make ``obj`` the current task."""
-
-    def pop(self) -> object:
-        """Remove the current task."""
+    def push(self, obj: object) -> None: ...
+    def pop(self) -> object: ...
 
 
 class RequestStack(Protocol):
     """``task.request_stack`` (``celery.utils.threads.LocalStack``)."""
 
     @property
-    def top(self) -> TaskRequest | None:
-        """The current request, None outside an execution."""
+    def top(self) -> TaskRequest | None: ...  # None outside an execution
 
 
 class AsyncResultLike(Protocol):
@@ -173,25 +122,18 @@ class ResultBackend(Protocol):
     """A task's result backend (``celery.backends.base.Backend``)."""
 
     def get_state(self, task_id: str) -> str:
-        """The stored state of ``task_id`` (``PENDING`` when nothing is stored).
-
-        Raises ``NotImplementedError`` on the ``DisabledBackend`` (no result backend).
-        """
+        """``PENDING`` when nothing is stored; ``NotImplementedError`` on ``DisabledBackend``."""
 
     def mark_as_failure(
         self, task_id: str, exc: BaseException, *, call_errbacks: bool = True
-    ) -> object:
-        """Store FAILURE with ``exc`` for ``task_id``."""
-
+    ) -> object: ...
     def mark_as_revoked(
         self,
         task_id: str,
         reason: str = "",
         request: TaskRequest | None = None,
-        store_result: bool = True,
-    ) -> object:
-        """Store REVOKED with ``reason`` for ``task_id`` (only announce it without
-        ``store_result``)."""
+        store_result: bool = True,  # False: only announce it
+    ) -> object: ...
 
 
 class CeleryTask(Protocol):
@@ -204,29 +146,20 @@ class CeleryTask(Protocol):
     acks_late: bool
     ignore_result: bool
     store_errors_even_if_ignored: bool
-    run: Callable[..., object]
-    """The body (a bound method; the function for a ``@app.task`` body)."""
+    run: Callable[..., object]  # the body (a bound method; the function of ``@app.task``)
 
     @property
-    def request(self) -> TaskRequest:
-        """The current request (a default one, built on first read, outside an execution)."""
-
+    def request(self) -> TaskRequest: ...  # outside an execution: a default one, built now
     @property
-    def request_stack(self) -> RequestStack | None:
-        """The stack of requests (None before the task is bound)."""
-
-    def AsyncResult(self, task_id: str) -> AsyncResultLike:  # Celery's name
-        """The result of ``task_id`` in this task's backend."""
-
+    def request_stack(self) -> RequestStack | None: ...  # None before the task is bound
+    def AsyncResult(self, task_id: str) -> AsyncResultLike: ...  # Celery's name
     def apply_async(
         self,
         args: Sequence[object] | None = None,
         kwargs: Mapping[str, object] | None = None,
         task_id: str | None = None,
         **options: object,
-    ) -> AsyncResultLike:
-        """Publish a copy."""
-
+    ) -> AsyncResultLike: ...
     def signature_from_request(
         self,
         request: TaskRequest,
@@ -234,12 +167,8 @@ class CeleryTask(Protocol):
         countdown: float,
         expires: None,
         headers: Mapping[str, object],
-    ) -> TaskSignature:
-        """A signature that re-sends ``request`` as ``retry()`` does."""
-
-    def send_event(self, type_: str, **fields: object) -> None:
-        """Send a task event (``task-revoked``) when ``send_events`` is on."""
-
+    ) -> TaskSignature: ...  # re-sends ``request`` as ``retry()`` does
+    def send_event(self, type_: str, **fields: object) -> None: ...  # when ``send_events``
     def retry(
         self,
         args: Sequence[object] | None = None,
@@ -250,8 +179,7 @@ class CeleryTask(Protocol):
         countdown: float | None = None,
         max_retries: int | None = None,
         **options: object,
-    ) -> BaseException:
-        """Re-send this execution; raises (or, with ``throw=False``, returns) ``Retry``."""
+    ) -> BaseException: ...  # raises ``Retry`` (returns it with ``throw=False``)
 
 
 class UniqueTask(CeleryTask, Protocol):
@@ -263,16 +191,14 @@ class UniqueTask(CeleryTask, Protocol):
         kwargs: Mapping[str, object] | None,
         task_id: str | None,
         **options: object,
-    ) -> AsyncResultLike:
-        """Publish as Celery's ``apply_async`` does, past ``lock_unique``'s checks."""
+    ) -> AsyncResultLike: ...  # Celery's ``apply_async``, past ``lock_unique``'s checks
 
 
 class SignalLike(Protocol):
     """A Celery signal (``celery.utils.dispatch.Signal``) whose receivers are looked at."""
 
     @property
-    def receivers(self) -> Sequence[tuple[object, object]]:
-        """``(lookup key, receiver)`` pairs; a weak receiver is a ``weakref.ref`` to it."""
+    def receivers(self) -> Sequence[tuple[object, object]]: ...  # weak ones: ``weakref.ref``
 
 
 class WorkerLike(Protocol):
@@ -280,21 +206,17 @@ class WorkerLike(Protocol):
 
     app: CeleryApp
     hostname: str
-    pool_cls: object
-    """The pool class (its name, or a class, as the worker was given it)."""
+    pool_cls: object  # its name, or a class, as the worker was given it
     concurrency: int
-    pool: object
-    """The task pool (``celery.concurrency.base.BasePool``), once the Pool step built it."""
+    pool: object  # ``celery.concurrency.base.BasePool``, once the Pool step built it
 
 
 class WorkerRequest(Protocol):
-    """A request the worker tracks (``celery.worker.request.Request``): a message received, not
-    the ``Context`` its body sees."""
+    """A request the worker tracks (``celery.worker.request.Request``)."""
 
     id: str
     name: str
-    worker_pid: int | None
-    """The pid of the pool child that accepted it (None until one did)."""
+    worker_pid: int | None  # the pool child that accepted it (None until one did)
     task: CeleryTask | None
 
 
@@ -302,51 +224,39 @@ class PoolProcess(Protocol):
     """A child of billiard's pool (``billiard.process.BaseProcess``)."""
 
     pid: int | None
-    exitcode: int | None
-    """None until ``waitpid()`` returned for it (reaped)."""
+    exitcode: int | None  # None until ``waitpid()`` returned for it (reaped)
 
 
 class PoolJob(Protocol):
     """A job of billiard's pool (``billiard.pool.ApplyResult``): one task sent to a child."""
 
-    def worker_pids(self) -> list[int]:
-        """The pids of the children that accepted the job."""
-
-    def ready(self) -> bool:
-        """Whether the job finished."""
+    def worker_pids(self) -> list[int]: ...  # the children that accepted the job
+    def ready(self) -> bool: ...
 
 
 class BilliardPool(Protocol):
-    """billiard's pool inside the prefork task pool (``billiard.pool.Pool``, or celery's
-    ``AsynPool``): the members the dead-holder reaper wraps or calls."""
+    """billiard's ``Pool`` (or celery's ``AsynPool``) as the reaper uses it."""
 
+    # Fails (or requeues) a job whose child died with an exit code (replaced on the instance):
     mark_as_worker_lost: Callable[[PoolJob, int], object]
-    """Fail (or requeue) a job whose child died with an exit code (replaced on the instance)."""
+    # Reaps dead children (read and replaced by :mod:`celery_lease._celery.compat` only):
     _join_exited_workers: Callable[..., object]
-    """Reap dead children (read and replaced by :mod:`celery_lease._celery.compat` only)."""
 
-    def maintain_pool(self) -> object:
-        """Reap dead children and start new ones."""
+    def maintain_pool(self) -> object: ...  # reap dead children and start new ones
 
 
 class EventLoopHub(Protocol):
     """The worker's event loop (``kombu.asynchronous.hub.Hub``)."""
 
-    def add_reader(self, fd: int, callback: Callable[[], None]) -> object:
-        """Call ``callback`` when ``fd`` is readable."""
-
-    def remove_reader(self, fd: int) -> object:
-        """Stop watching ``fd``."""
-
-    def call_later(self, delay: float, callback: Callable[[], None]) -> object:
-        """Call ``callback`` after ``delay`` seconds."""
+    def add_reader(self, fd: int, callback: Callable[[], None]) -> object: ...
+    def remove_reader(self, fd: int) -> object: ...
+    def call_later(self, delay: float, callback: Callable[[], None]) -> object: ...  # seconds
 
 
 class Greenlet(Protocol):
     """A greenlet (``greenlet.greenlet``): the one a body runs on under gevent or eventlet."""
 
-    def throw(self, exc: BaseException) -> object:
-        """Raise ``exc`` in the greenlet at its next switch."""
+    def throw(self, exc: BaseException) -> object: ...  # raised at its next switch
 
 
 class _HubLoop(Protocol):
@@ -365,12 +275,10 @@ def is_inspectable(store: object) -> TypeGuard[SupportsInspection]:
 
 
 def can_release_deferred(store: object) -> TypeGuard[SupportsDeferredRelease]:
-    """Whether ``store`` can release without waiting for the reply
-    (:class:`SupportsDeferredRelease`)."""
+    """Whether ``store`` can release without waiting for the reply."""
     return offers(store, SupportsDeferredRelease, "release_deferred")
 
 
 def can_renew_deferred(store: object) -> TypeGuard[SupportsDeferredRenew]:
-    """Whether ``store`` can renew without waiting for the reply
-    (:class:`SupportsDeferredRenew`)."""
+    """Whether ``store`` can renew without waiting for the reply."""
     return offers(store, SupportsDeferredRenew, "renew_deferred")

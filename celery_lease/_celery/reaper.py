@@ -1,50 +1,14 @@
-"""The dead-holder reaper: the leases of a pool child that dies running a task, freed at once.
+"""The dead-holder reaper: the leases of a pool child that dies running a task, freed at once
+(``docs/operations.md#dead-holders-freed-at-once``).
 
-Wired into the worker by :mod:`celery_lease._celery.worker` (which adds :class:`DeadHolders` to
-the worker's bootsteps and passes ``task_failure`` on to :func:`note_task_failure`).
-
-Dead holders freed at once (:class:`DeadHolders`, a bootstep of prefork workers). When a pool
-child dies while it runs a task (``SIGKILL``, the OOM killer, a segfault: Celery's
-``WorkerLostError``; a hard time limit; ``revoke(terminate=True)``), the main process releases
-the leases that child took for the tasks it was running, instead of leaving them for a ttl:
-
-1. only after billiard has joined (reaped) the child: the step wraps the pool's
-   ``_join_exited_workers`` (and ``mark_as_worker_lost``), and acts on a child only once it has
-   left the pool with an exit code, i.e. ``waitpid`` returned for it: it no longer runs, not even
-   as a zombie;
-2. only leases whose owner id (:func:`celery_lease._core.owners.parse_owner`) names this host, the
-dead
-   child's pid, this worker's node (when the owner names one) and a task id that was running on
-   that child when it died (accepted by it, or written to it, and not finished by it, as the
-   worker's requests or the pool's own jobs say: a ``revoke(terminate=True)`` request leaves the
-   former first; or ended by its hard time limit, counted for the next child killed only), made
-   before the child was reaped (a new child with the recycled pid, running the redelivered task,
-   keeps its lease). A lease the child kept for ``cooldown`` after a task that succeeded
-   is therefore kept; so is one taken outside any task, and one of a task whose SUCCESS the
-   result backend already holds (killed between storing its result and handing it to the
-   pool: its key is then its cooldown);
-3. found with the store's ``list()`` and released with ``release(key, owner)``, owner-checked,
-   with that exact owner: if the lease already expired and someone else holds the key, nothing
-   is removed;
-4. on a thread of its own (the event loop never waits for a store), except that the requeue of
-   an ``acks_late`` task lost with its worker (``task_reject_on_worker_lost``) waits up to
-   :data:`DEAD_HOLDER_WAIT` seconds for the release, so that the redelivered task does not find
-   its own key still taken (once per hung store: while the release thread is past that wait,
-   later requeues do not wait). Errors of this bookkeeping are logged, never raised into
-   billiard's maintenance or the event loop.
-
-The event loop learns of a death from the child's sentinel pipe, which closes a moment before
-the child can be reaped; billiard then waits for its 5 s maintenance timer. The step watches such
-a child with a pidfd and reaps it the moment it can (see :meth:`_Reaper.watch_exit`), which is
-also what makes Celery's own ``WorkerLostError`` and the requeue come at once.
-
-Each release is logged at WARNING and sent as ``lock_released`` with ``reason="holder_died"``
-(plus ``pid`` and ``exitcode``), from the lease dispatcher's thread. A store that cannot list
-leases (a custom store without :class:`~celery_lease.SupportsInspection`), or a store error, leaves
-the key to its ttl (logged). Pools that run tasks in the main process (solo, threads, gevent,
-eventlet) have no child to lose: when that process dies, the keys free themselves at their ttl.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Safe because :class:`DeadHolders` acts only after billiard reaped the child (``waitpid``
+returned: it runs no more), only on leases whose owner id names this host, the dead pid, this
+node and a task that child ran, taken before the reap (a new child with the recycled pid keeps
+its own), never on a ``cooldown`` or a lease of a task whose SUCCESS is stored, and
+owner-checked with the exact owner listed. It releases on a thread of its own; only the
+requeue of an ``acks_late`` task waits up to :data:`DEAD_HOLDER_WAIT` s, so the redelivery
+does not find its own key taken. Errors are logged, never raised into billiard or the event
+loop.
 """
 
 from __future__ import annotations
@@ -87,8 +51,7 @@ __all__ = ["DEAD_HOLDER_WAIT", "DeadHolders", "note_task_failure"]
 logger = logging.getLogger("celery_lease.worker")
 
 DEAD_HOLDER_WAIT = 1.0
-"""Seconds the requeue of a task lost with its pool child waits for that child's leases to be
-released (they are released on a thread of their own; the event loop waits only for this)."""
+"""Seconds the requeue of a task lost with its child waits for the child's leases to be released."""
 
 _REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pidfd
 _REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
@@ -110,10 +73,9 @@ def note_task_failure(sender: object, task_id: str | None, exception: object) ->
 
 
 def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> bool:
-    """Whether Celery runs a task again when its pool child dies (as ``Request.on_failure``
-    and ``on_timeout`` decide): ``retry_on_worker_lost`` below ``max_retries``; ``acks_late``
-    with ``reject_on_worker_lost`` (requeued); after a hard time limit, ``acks_late`` without
-    ``acks_on_timeout``. Otherwise the copy ends FAILURE. Unknown task: False."""
+    """Whether Celery runs a task again when its child dies (``retry_on_worker_lost``,
+    ``acks_late`` with ``reject_on_worker_lost``, or after a hard time limit without
+    ``acks_on_timeout``)."""
     if task is None:
         return False
     acks_late = bool(getattr(task, "acks_late", False))
@@ -130,13 +92,7 @@ def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> b
 
 
 def _ends_failed_ids() -> set[str]:
-    """The ids of the worker's requests that end FAILURE, not run again, if their child dies.
-
-    Positive evidence only: a request the worker still tracks (active or reserved, not
-    cancelled) whose task Celery does not requeue or retry (:func:`_runs_again`). A task known
-    only from the pool's jobs (a request cancelled at shutdown or on a lost connection has left
-    the active requests and its message stays unacknowledged: it is redelivered) is not here.
-    """
+    """Ids of tracked, uncancelled requests that end FAILURE if their child dies."""
     fails: set[str] = set()
     for request in compat.worker_requests():
         if compat.request_cancelled(request):
@@ -148,12 +104,7 @@ def _ends_failed_ids() -> set[str]:
 
 
 def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
-    """pid -> {task id: task name} of the requests a pool child accepted or was written.
-
-    Also the unfinished jobs of ``pool`` (their ``correlation_id`` is the task id): a request
-    revoked with ``terminate=True`` has left the worker's active requests before its child is
-    reaped, but its job stays in the pool until then.
-    """
+    """pid -> {task id: name}, from the worker's requests and the pool's unfinished jobs."""
     running: dict[int, dict[str, str | None]] = {}
     for request in compat.worker_requests():
         pids = set()
@@ -173,20 +124,12 @@ def _running_by_pid(pool: object = None) -> dict[int, dict[str, str | None]]:
 
 
 class _Death:
-    """A reaped pool child and the tasks it was running; ``done`` is set once handled.
-
-    ``fails``: the ids of those tasks known to end FAILURE with this death (neither requeued
-    nor retried, see :func:`_ends_failed_ids`): only their unique copy's queued key is freed.
-    """
+    """A reaped child and its tasks; ``fails``: those that end FAILURE."""
 
     __slots__ = ("at", "done", "exitcode", "fails", "pid", "tasks")
 
     def __init__(
-        self,
-        pid: int,
-        exitcode: int,
-        tasks: dict[str, str | None],
-        fails: Collection[str] = (),
+        self, pid: int, exitcode: int, tasks: dict[str, str | None], fails: Collection[str] = ()
     ) -> None:
         self.pid = pid
         self.exitcode = exitcode
@@ -246,7 +189,6 @@ class _Reaper:
             compat.set_event_process_exit(self.pool, event_process_exit)
 
     def _note_children(self) -> None:
-        """Before the pool joins its exited children: note who runs what now."""
         self.handled = set()
         try:
             self.before = {p.pid: p for p in list(self._children()) if p.pid}
@@ -258,7 +200,6 @@ class _Reaper:
             self.fails = set()
 
     def _release_joined(self) -> None:
-        """After the join: release the leases of every child it reaped (not yet handled)."""
         try:
             present = {id(p) for p in self._children()}
             for pid, process in self.before.items():
@@ -269,7 +210,6 @@ class _Reaper:
         self.before = {}
 
     def _release_lost(self, job: PoolJob) -> None:
-        """A job's worker was lost (noted during a join): release its leases first."""
         try:
             for pid in job.worker_pids():
                 process = self.before.get(pid)
@@ -279,7 +219,6 @@ class _Reaper:
             logger.exception(_REAPER_FAILED)
 
     def _watch_closed(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """A child closed its files: watch for it to become reapable (:meth:`watch_exit`)."""
         try:
             if process in self._children():  # closed its files, not yet reapable
                 self.watch_exit(hub, process)
@@ -291,21 +230,13 @@ class _Reaper:
             )
 
     def _children(self) -> list[PoolProcess]:
-        """The pool's child processes now (a reaped child has left the list)."""
         return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """Run the pool's maintenance again as soon as ``process`` can be reaped.
-
-        The event loop learns of a child's death when the child's end of its sentinel pipe
-        closes; the kernel closes a dying process's files before it makes it a zombie
-        (``waitpid`` finds nothing yet), and a child with several threads (the renewer's) stays
-        in between long enough for the loop's ``waitpid(WNOHANG)`` to miss it often (most
-        tries of a probe with three threads). billiard then stops watching that sentinel and
-        only its 5 s maintenance timer reaps the child. Here a pidfd (Linux >= 5.3), readable
-        once the child is a zombie whose threads are all gone, wakes the loop for it; elsewhere
-        the maintenance is retried after 5, 10, 20 ... ms (at most :data:`_REAP_RETRY_FOR` s).
-        """
+        """Run the pool's maintenance as soon as ``process`` can be reaped: the sentinel closes
+        before the child is a zombie, and ``waitpid(WNOHANG)`` often misses a multi-threaded
+        one, leaving it to billiard's 5 s timer. A pidfd (Linux >= 5.3) wakes the loop;
+        elsewhere it is retried after 5, 10, 20 ... ms."""
         try:
             fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started
         except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer
@@ -334,7 +265,6 @@ class _Reaper:
         hub.call_later(delay, retry)
 
     def reaped(self, pid: int, process: PoolProcess, *, wait: bool) -> None:
-        """Child ``pid`` left the pool: release its running tasks' leases if it was reaped."""
         self.handled.add(pid)
         if process in self._children():
             return
@@ -402,14 +332,7 @@ class _Reaper:
         return list(stores.values())
 
     def succeeded(self, task_id: str | None) -> bool:
-        """Whether the result backend holds SUCCESS for ``task_id`` (kept then: see the module).
-
-        A child killed after its task stored SUCCESS but before the pool read the result back
-        looks lost (Celery says "succeeded before the worker was lost"), and the key it holds
-        then is the task's ``cooldown`` (applied before the result is stored). Without a
-        backend that stores results, or when it cannot be read, the answer is False: the lease
-        is released (a cooldown cut short by that race) rather than left for its ttl.
-        """
+        """Whether the backend holds SUCCESS for ``task_id`` (its key is then a cooldown)."""
         if not task_id:
             return False
         backend = getattr(self.app, "backend", None)
@@ -426,13 +349,7 @@ class _Reaper:
             return False
 
     def release(self, death: _Death) -> None:
-        """List every store of the app and release the dead child's leases of its tasks.
-
-        Also, for each run lease released here, the queued key of its unique copy
-        (``lock_unique``: ``queued:<key>``, owned by that very task id) when Celery does not
-        run the copy again (:func:`_runs_again`): the copy is FAILURE, and its queued key would
-        refuse new calls for up to a ttl. A copy that Celery requeues keeps it (it runs again).
-        """
+        """Release the dead child's leases, and the queued keys of copies not run again."""
         for store in self._stores():
             if not conforms(store, SupportsInspection):
                 logger.warning(
@@ -524,8 +441,6 @@ class _Reaper:
         task_id: str | None,
         death: _Death,
     ) -> None:
-        """The run lease ``key`` of ``task_id`` (a copy that ends with ``death``) was released:
-        release its queued key too, if that copy holds it (owner-checked, that exact owner)."""
         qkey = queued_key(key, self._prefix())
         info = by_key.get(qkey)
         if (
@@ -557,7 +472,6 @@ class _Reaper:
         )
 
     def _prefix(self) -> str:
-        """The app's ``lease_key_prefix`` (``""`` if the settings cannot be read)."""
         try:
             return get_settings(self.app).key_prefix
         except Exception:
@@ -570,11 +484,7 @@ def _send_released(args: tuple[CeleryTask | None, dict[str, object]]) -> None:
 
 
 class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep: release the leases of pool children that die running a task.
-
-    Starts after the pool; does nothing for a pool without children (solo, threads, gevent,
-    eventlet) or one whose internals are not billiard's (see the module docstring).
-    """
+    """Worker bootstep: release the leases of prefork children that die running a task."""
 
     name = "celery_lease.worker.DeadHolders"  # a fixed step name, wherever the class lives
     label = "celery-lease dead holders"
@@ -585,15 +495,8 @@ class DeadHolders(bootsteps.StartStopStep):  # type: ignore[misc]
         self.reaper: _Reaper | None = None
 
     def start(self, parent: WorkerLike) -> None:
-        """Wrap the prefork pool's join of exited children (nothing for other pools)."""
         inner = compat.billiard_pool(getattr(parent, "pool", None))
         if not compat.reapable(inner):
             return
         self.reaper = _Reaper(parent.app, getattr(parent, "hostname", None), inner)
         self.reaper.install()
-
-    def stop(self, parent: WorkerLike) -> None:
-        """Nothing to stop: the release thread is a daemon and ends with the process."""
-
-    def terminate(self, parent: WorkerLike) -> None:
-        """Nothing to terminate."""

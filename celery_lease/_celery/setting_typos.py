@@ -1,15 +1,5 @@
-"""Misspelled settings: configured keys that were meant as celery-lease settings but that
-Celery never reads.
-
-Celery keeps any key it does not know and never complains, so a typo such as ``lease_stor``
-(or ``CELERY_LEASE_STOR`` under ``namespace="CELERY"``) would silently select another store.
-:func:`misspelled_settings` looks at every configured key of an ``app.conf``: a key that looks
-like one of the given settings, or a known name in a spelling Celery never reads
-(``LEASE_STORE`` without a namespace), is reported with the setting meant;
-:func:`check_names` turns the reports into one :class:`~celery_lease.LeaseConfigError`. The
-names are given by the caller (:data:`celery_lease._celery.settings.SETTINGS`, read and checked
-in :func:`celery_lease._celery.settings.get_settings`).
-"""
+"""Misspelled settings: configured keys meant as ours that Celery never reads (it keeps unknown
+keys silently, so ``lease_stor`` would quietly select another store)."""
 
 from __future__ import annotations
 
@@ -26,10 +16,10 @@ if TYPE_CHECKING:
 __all__ = ["check_names", "misspelled_settings"]
 
 _HINT_CUTOFF = 0.6
-"""difflib ratio from which a known setting is offered as "did you mean"."""
+"""difflib ratio from which a setting is offered as "did you mean"."""
 
 _LOOKALIKE_CUTOFF = 0.8
-"""difflib ratio from which a key Celery would not read as ours still counts as a typo of ours."""
+"""difflib ratio from which a key Celery would not read as ours still counts as our typo."""
 
 
 def _cased(name: str, prefix: str) -> str:
@@ -39,12 +29,7 @@ def _cased(name: str, prefix: str) -> str:
 
 
 def _spellings(name: str, prefix: str) -> tuple[str, ...]:
-    """The keys under which ``app.conf`` finds setting ``name`` (a name Celery does not know).
-
-    Without a namespace only ``name`` itself; under a namespace (``prefix`` ``"CELERY_"``) also
-    the prefixed name in the prefix's case (``CELERY_LEASE_STORE``). This mirrors
-    ``celery.utils.collections.ConfigurationView._to_keys``.
-    """
+    """The keys under which ``app.conf`` finds ``name`` (as ``ConfigurationView._to_keys``)."""
     return (_cased(name, prefix), name) if prefix else (name,)
 
 
@@ -59,8 +44,7 @@ def _closest(name: str, settings: Sequence[str]) -> str | None:
 
 
 def _one_edit_apart(a: str, b: str) -> bool:
-    """Whether ``a`` becomes ``b`` by at most one insertion, deletion, substitution or swap of
-    two neighbours (``leas``, ``lase``, ``laese`` and ``lease`` itself for ``lease``)."""
+    """Whether one insertion, deletion, substitution or neighbour swap turns ``a`` into ``b``."""
     if a == b:
         return True
     if abs(len(a) - len(b)) > 1:
@@ -79,13 +63,9 @@ _WORD = re.compile(r"[a-z]+")
 
 
 def _says_lease(name: str, settings: Sequence[str]) -> bool:
-    """Whether ``name`` (lower case, namespace removed) is written as one of our settings.
-
-    Its first word is ``lease`` or one slip away from it (``leas_store``, ``laese_store``), or
-    it runs the words of a setting together (``leasestore``). Other libraries' names that
-    merely share words with ours (``cache_key_prefix``, ``redis_default_ttl``,
-    ``release_store``) are not: they are someone else's settings, not typos of ours.
-    """
+    """Whether ``name`` (lower case, no namespace) is written as ours: its first word is
+    ``lease`` or one slip from it, or it runs a setting's words together (``leasestore``).
+    Names merely sharing words (``cache_key_prefix``, ``release_store``) are someone else's."""
     first = _WORD.match(name)
     if first is not None and _one_edit_apart(first.group(), "lease"):
         return True
@@ -104,25 +84,10 @@ def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
 
 
 def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
-    """One message per configured key that was meant as a lease setting but is never read.
-
-    ``conf`` is an ``app.conf`` (Celery ``Settings``: its namespace prefix is honoured and
-    Celery's built-in defaults are skipped) or any mapping of setting names. A key is reported
-    when Celery would not return it for any name in ``settings`` and either
-
-    - its name, without the namespace prefix (or an old-style ``CELERY_`` prefix), is a known
-      setting (``LEASE_STORE`` without a namespace, ``LEASE_STORE`` under ``"CELERY"``);
-    - or its name says ``lease`` (its first word is ``lease`` or one slip away from it, or it
-      runs a setting's words together: ``leas_store``, ``leasestore``) and it is spelled as
-      Celery reads settings (lower case, or inside the namespace: ``lease_stor``,
-      ``CELERY_LEASE_STOR``);
-    - or its name says ``lease``, it is spelled otherwise (Django's upper-case settings outside
-      the namespace) and it is very close to a known name (``CELERY_LEASE_STOR`` without a
-      namespace).
-
-    Names of other libraries that only share words with ours (``CACHE_KEY_PREFIX``,
-    ``redis_default_ttl``, ``release_store``, ``redbeat_key_prefix``) are never reported.
-    """
+    """One message per configured key of ``conf`` (``app.conf`` or a mapping) meant as one of
+    ``settings`` but never read: a known name Celery does not read in that spelling, or a key
+    that says ``lease`` and is spelled as Celery reads settings or is very close to one. Other
+    libraries' names are never reported."""
     finalize = getattr(conf, "finalize", None)
     if callable(finalize):
         finalize()  # a pending app.conf: load config_from_object (and its namespace) first
@@ -165,8 +130,7 @@ def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence
 
 
 def check_names(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> None:
-    """Raise :class:`~celery_lease.LeaseConfigError` naming every key of ``conf`` that
-    :func:`misspelled_settings` reports, the setting meant and all of ``settings``."""
+    """Raise ``LeaseConfigError`` naming every key :func:`misspelled_settings` reports."""
     problems = misspelled_settings(conf, settings)
     if problems:
         prefix = getattr(conf, "prefix", None) or ""

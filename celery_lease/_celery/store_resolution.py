@@ -1,14 +1,6 @@
-"""Which store a locked task uses: its ``lock_store`` option, else its app's ``lease_store``.
-
-A ``lock_store`` URL is opened once per process and kept (forgotten in a forked child and in a
-new pool process, which open their own); a store object is used as it is; no option means the
-app's store (:func:`celery_lease._celery.settings.get_store`). The run engine
-(:func:`execution_store`: an async store held through its ``.sync`` twin), the unique copies'
-queued keys, the dead-holder reaper, ``lease(app=...)`` and ``celery lease`` all ask here, so a
-task's leases and its queued key always live in the same store.
-
-The fork resets this module takes part in: ``docs/internals.md``.
-"""
+"""Which store a locked task uses: its ``lock_store`` (a URL opened once per process, forgotten
+after fork), else its app's; everything asks here, so a task's leases and queued key share a
+store."""
 
 from __future__ import annotations
 
@@ -29,7 +21,7 @@ _url_stores: dict[str, LockStore] = {}
 
 
 def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
-    """The store of an execution: the task's option (URL resolved once per process) or the app's."""
+    """The task's store option (a URL opened once per process), or the app's store."""
     if option is None:
         return get_store(app)
     if isinstance(option, str):
@@ -38,8 +30,7 @@ def store_for(option: str | LockStore | None, app: CeleryApp) -> LockStore:
 
 
 def execution_store(option: str | LockStore | None, app: CeleryApp, key: str) -> LockStore:
-    """The store an execution holds ``key`` in: :func:`store_for`, an async store's ``.sync``
-    twin; a store that is no ``LockStore`` raises the error ``lease()`` gives for it."""
+    """:func:`store_for`, an async store's ``.sync`` twin (a non-store raises as ``lease()``)."""
     store = store_for(option, app)
     if hasattr(type(store), "aclose"):  # an AsyncLockStore: a task holds it through .sync
         from celery_lease._core import aio
@@ -51,9 +42,7 @@ def execution_store(option: str | LockStore | None, app: CeleryApp, key: str) ->
 
 
 def close_url_stores() -> None:
-    """Close the stores built from tasks' ``lock_store`` URLs in this process and forget them
-    (the next execution builds them anew); as
-    :func:`celery_lease._celery.settings.close_stores`."""
+    """Close and forget the stores built from ``lock_store`` URLs."""
     while _url_stores:
         try:
             _, store = _url_stores.popitem()  # one at a time: atomic, whatever runs at once

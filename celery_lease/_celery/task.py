@@ -1,32 +1,7 @@
 """``LockedTask`` and ``@locked``: a Celery task body runs only while it holds a renewed lease.
-
-Both forms share one engine (:func:`celery_lease._celery.execution.run_locked`) and the same
-options::
-
-    @app.task(base=LockedTask, lock_key="account:{account_id}", lock_ttl="30s", lock_wait=0)
-    def update_balance(account_id, amount): ...
-
-    @app.task(bind=True)
-    @locked(key="nightly-report", on_held="skip", cooldown="1h")
-    def nightly_report(self): ...
-
-The lease is taken where the task runs (so ``send_task``, beat, canvas and acks_late redelivery
-all go through it), renewed by the renewer thread of its store while the body runs, and released
-when the body ends (before the result is stored), or kept for ``cooldown`` after a success.
-
-While the body runs, ``self.request`` carries ``lock_key``, ``lock_token``, ``lock_waited``,
-``lock_lost`` and ``lease`` (see :mod:`celery_lease._celery.request`);
-:func:`celery_lease.get_lock_token`
-returns the token anywhere in the call stack. What each pool does when the lease is lost with
-``on_lost="revoke"`` is described in :mod:`celery_lease._celery.interrupt`.
-
-``LockedTask`` is a drop-in base: a mixin's ``__call__`` (``class Base(LockedTask, DBTask)`` or
-``class Base(DBTask, LockedTask)``) runs once, through ``super().__call__()``, and the body sees
-the request Celery would give it in each mode, carrying the lock attributes.
-
-This module is the thin Celery-facing layer: options, validation at class creation and
-decoration time, and the ``__call__`` that hands each execution to the engine.
-"""
+Both share the engine (:mod:`~celery_lease._celery.execution`); this module holds the options,
+their validation and the ``__call__`` that hands each execution over. Guide:
+``docs/celery.md``."""
 
 from __future__ import annotations
 
@@ -51,13 +26,7 @@ from celery_lease._celery.request import is_claimed as _is_claimed
 from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
-from celery_lease._core.options import (
-    ON_HELD,
-    ON_LOST,
-    OPTIONS,
-    LockOptions,
-    validate_options,
-)
+from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
 from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
@@ -85,7 +54,7 @@ F = TypeVar("F", bound=Callable[..., object])
 _Validate = Callable[
     [tuple[object, ...], Mapping[str, object]], tuple[tuple[object, ...], dict[str, object]]
 ]
-"""Call arguments to the arguments the body receives (``args``, ``kwargs``)."""
+"""Call arguments to the arguments the body receives."""
 
 
 def _body_signature(run: object, *, bound: bool) -> inspect.Signature | None:
@@ -115,16 +84,13 @@ def _model_annotation(annotation: object, value: object) -> type[BaseModel] | No
 
 
 def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
-    """For a ``pydantic=True`` task: turn call arguments into what its body receives.
+    """For a ``pydantic=True`` task (else ``None``): turn call arguments into the models Celery's
+    ``pydantic_wrapper`` passes the body, so the key is built from them.
 
-    Celery validates the arguments of such a task into models inside ``run`` (its
-    ``pydantic_wrapper``): a model passed directly, its JSON form after the serializer and the
-    model default all reach the body as equal models, so the key is built from those. Uses the
-    wrapper's own validation helpers where Celery has them (5.7), else validates the annotations
-    Celery validates with pydantic (5.6: resolved type hints; 5.5: the raw annotations, so a
-    string annotation of ``from __future__ import annotations`` is not validated, by Celery
-    either). An argument that fails validation is keyed as it came (the body's
-    own validation then raises, as in Celery). ``None`` for a task without ``pydantic=True``.
+    Uses the wrapper's own helpers where Celery has them (5.7), else validates the annotations
+    as Celery does (5.6: resolved hints; 5.5: raw ones, so a string annotation is not
+    validated, by Celery either). A failing argument is keyed as it came (the body then
+    raises).
     """
     run = inspect.getattr_static(cls, "run", None)
     bound = not isinstance(run, staticmethod)
@@ -135,16 +101,9 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     signature = free.get("task_signature") or inspect.signature(func)
     get_model = free.get("get_argument_model")
     validate_argument = free.get("validate_argument")
-    # Celery 5.6 resolves string annotations (its type_hints cell; None when they cannot be
-    # resolved), Celery 5.5 validates the raw ones only (no cell): the same here, so the key is
-    # built from what the body receives.
     hints = free.get("type_hints") or {}
     strict = bool(free.get("strict", False))
-    context = {
-        **(free.get("context") or {}),
-        "celery_app": task.app,
-        "celery_task_name": task.name,
-    }
+    context = {**(free.get("context") or {}), "celery_app": task.app, "celery_task_name": task.name}
 
     def model_for(name: str, value: object) -> type[BaseModel] | None:
         if get_model is not None:
@@ -181,30 +140,19 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     return validate
 
 
-# LockedTask ----------------------------------------------------------------------------------
-
-
 class LockedTask(Task):  # type: ignore[misc]
-    """A Celery task whose body runs only while holding a lease (options: ``lock_<name>``).
+    """A Celery task whose body runs only while holding a lease.
 
-    Options (class attributes, or keywords to ``@app.task(base=LockedTask, ...)``):
+    Options are ``lock_<name>`` class attributes or ``@app.task(base=LockedTask, ...)``
+    keywords: ``lock_key`` (a template, a callable, or ``None`` for ``"<task name>:<digest of
+    arguments>"``), ``lock_ttl``, ``lock_wait``, ``lock_max_hold``, ``lock_cooldown``,
+    ``lock_store``, ``lock_on_held`` (``"raise"``, ``"skip"``, ``"retry"``),
+    ``lock_retry_countdown``, ``lock_on_lost`` (``"mark"``, ``"revoke"``) and ``lock_unique``
+    with ``lock_on_duplicate``, ``lock_queue_ttl``, ``lock_debounce``, ``lock_debounce_max``;
+    defaults and meaning: ``docs/celery.md#options``.
 
-    - ``lock_key``: template (``"account:{account_id}"``), callable called as the task is and
-      returning a str, or ``None`` (default: ``"<task name>:<digest of bound arguments>"``).
-    - ``lock_ttl`` (default ``lease_default_ttl``, else 30 s), ``lock_wait`` (default
-      ``lease_default_wait``, else 0), ``lock_max_hold`` (default none), ``lock_cooldown``
-      (seconds the key stays taken after a success; default 0).
-    - ``lock_store``: a ``LockStore``, a store URL, or ``None`` (the app's store).
-    - ``lock_on_held``: ``"raise"`` (default), ``"skip"`` or ``"retry"``;
-      ``lock_retry_countdown`` (default exponential from 1 s, jittered, capped at 60 s).
-    - ``lock_on_lost``: ``"mark"`` (default) or ``"revoke"``.
-    - ``lock_unique``: ``None`` (default), ``"while_queued"`` or ``"until_done"``: at most one
-      queued copy per key, returned to every caller (:mod:`celery_lease._celery.unique`), with
-      ``lock_on_duplicate`` (``"existing"`` or ``"raise"``), ``lock_queue_ttl`` (default
-      ``lease_default_queue_ttl``, else 1 h), ``lock_debounce`` and ``lock_debounce_max``.
-
-    Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the class
-    is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
+    Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the
+    class is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
     """
 
     # Typed for subclasses (``lock_on_held = "skp"`` is a mypy error there); ``None``: unset.
@@ -226,7 +174,7 @@ class LockedTask(Task):  # type: ignore[misc]
     _lock_options: LockOptions = LockOptions()
     _lock_spec: _Spec | None = None
     _lock_calls_through = False
-    """Whether another class in the class order defines ``__call__`` (run it under the lease)."""
+    """Whether another class in the MRO defines ``__call__`` (run it under the lease)."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -252,7 +200,6 @@ class LockedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def _lock_configure(cls) -> None:
-        """Validate the ``lock_*`` options and the key template against the body's signature."""
         where = cls._lock_where()
         cls._lock_options = validate_options(
             {o: getattr(cls, f"lock_{o}") for o in OPTIONS}, where=f"task {where}", prefix="lock_"
@@ -273,7 +220,7 @@ class LockedTask(Task):  # type: ignore[misc]
 
     @classmethod
     def on_bound(cls, app: CeleryApp) -> None:
-        """Re-validate options after Celery applied task annotations; expected errors at INFO."""
+        """Re-validate after Celery applied task annotations; expected errors at INFO."""
         super().on_bound(app)
         cls._lock_configure()
         if cls._lock_options.on_held in ("raise", "retry") and LockNotAcquiredError not in (
@@ -299,19 +246,11 @@ class LockedTask(Task):  # type: ignore[misc]
         return cast(_Spec, spec)
 
     def __call__(self, *args: object, **kwargs: object) -> Any:  # Any: what the body returns
-        """Run the body under the lease (worker, eager and direct calls alike).
-
-        The lease is held around the rest of the class order: with a mixin whose ``__call__``
-        comes after ``LockedTask`` (``class Base(LockedTask, DBTask)``) that ``__call__`` runs
-        once, inside the lease, through ``super().__call__()``; without one, the body runs as
-        Celery runs a plain task's (the tracer's request, or one pushed for a direct call). The
-        key is built from the arguments this ``__call__`` receives (after Celery's pydantic
-        validation for ``pydantic=True`` tasks), and the lock attributes are set on every
-        request the body may see.
-        """
+        """Run the body under the lease (worker, eager and direct calls alike), around the rest
+        of the MRO: a mixin's ``__call__`` after ``LockedTask`` runs once, inside it. The key
+        is built from the arguments received here (after pydantic validation)."""
         top = self.request_stack.top
-        # The request the worker's tracer (or apply()) pushed for this execution, unclaimed
-        # (the mark is an object no message header can carry).
+        # The tracer's (or apply()'s) request, unclaimed (no message header can carry the mark).
         claimed = top is not None and not top.called_directly and not _is_claimed(top)
         spec = self._lock_get_spec()
         if type(self)._lock_calls_through:
@@ -349,8 +288,7 @@ class LockedTask(Task):  # type: ignore[misc]
         shadow: str | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> AsyncResult:
-        """Celery's ``apply_async``; with ``lock_unique`` set, at most one queued copy per key
-        (see :mod:`celery_lease._celery.unique`). Without it, exactly Celery's path."""
+        """Celery's ``apply_async``; with ``lock_unique``, at most one queued copy per key."""
         if type(self)._lock_options.unique is None:
             return super().apply_async(
                 args, kwargs, task_id, producer, link, link_error, shadow, **options
@@ -377,13 +315,11 @@ class LockedTask(Task):  # type: ignore[misc]
         task_id: str | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> AsyncResult:
-        """Celery's ``apply_async``, past ``lock_unique``'s checks: how the unique code
-        publishes a copy it has decided on (and re-sends a second delivery)."""
+        """Celery's ``apply_async`` past ``lock_unique``'s checks (for the unique code)."""
         return super().apply_async(args, kwargs, task_id, **options)
 
     def push_request(self, *args: object, **kwargs: object) -> None:
-        """Push a request as Celery does; one pushed for a running execution's body (by
-        ``Task.__call__`` further down the class order) gets that execution's lock attributes."""
+        """As Celery; a request pushed for a running execution's body gets its lock attributes."""
         super().push_request(*args, **kwargs)
         adopt_request(self, self.request)
 
@@ -398,14 +334,9 @@ class LockedTask(Task):  # type: ignore[misc]
         max_retries: int | None = None,
         **options: Any,  # Celery's publish options: values of any kind
     ) -> Retry:
-        """Celery's ``retry()``; the retry message is published after this execution's lease
-        was released (early: the lease reads lost with reason ``"released"``).
-
-        With ``throw=False`` and ``lock_on_lost="revoke"``, the ``Retry`` is raised anyway once
-        the retry was sent: the body may not run on without its lease, and the attempt ends in
-        RETRY. With ``lock_on_lost="mark"`` it returns as in Celery, and the body reads
-        ``request.lock_lost`` True. In eager mode nothing is published and the lease is kept.
-        """
+        """Celery's ``retry()``, published after this execution's lease was released early. With
+        ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway (the body
+        may not run on without its lease); eager mode keeps the lease."""
         retry = super().retry(
             args=args,
             kwargs=kwargs,
@@ -427,23 +358,16 @@ class LockedTask(Task):  # type: ignore[misc]
         return retry
 
     def on_lock_lost(self, lease: Lease) -> None:
-        """Called once when the running body's lease is lost (not after an early release).
-
-        It runs on the lease dispatcher's thread, never the renewer's, and may block without
-        delaying renewals or the interrupt; ``self.request`` there is not that execution's
-        request: use ``lease`` (``key``, ``token``, ``lost_reason``).
-        """
+        """Called once when the running body's lease is lost (not after an early release), on the
+        dispatcher thread: it may block; ``self.request`` there is not that execution's, use
+        ``lease``."""
 
     def on_lock_rejected(self, key: str) -> None:
         """Called in the task's thread when ``key`` stayed held past ``wait`` (body not run)."""
 
 
-# @locked -------------------------------------------------------------------------------------
-
-
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
-    """Whether ``wrapper`` is ``task``'s body (its ``run``, maybe under Celery's pydantic
-    wrapper), not a helper called from the body."""
+    """Whether ``wrapper`` is ``task``'s body (maybe under the pydantic wrapper), not a helper."""
     run: object = task.run
     for _ in range(4):  # run -> pydantic wrapper -> ours: a short chain
         run = getattr(run, "__func__", run)
@@ -474,34 +398,11 @@ def locked(
 ) -> Callable[[F], F]:
     """Decorate a task function (below ``@app.task``) so that its body runs under a lease.
 
-    Takes the options of :class:`LockedTask` as keywords (``key``, ``ttl``, ``wait``,
-    ``max_hold``, ``cooldown``, ``store``, ``on_held``, ``retry_countdown``, ``on_lost``), with
-    the same defaults. ``unique`` (and ``on_duplicate``, ``queue_ttl``, ``debounce``,
-    ``debounce_max``) are validated, then refused with a :class:`LeaseConfigError`: enqueue-time
-    uniqueness lives in ``apply_async``, which a function decorator cannot reach; use
-    ``@app.task(base=LockedTask, lock_unique=...)``. Works with ``bind=True`` (the key is built
-    from the arguments after ``self``) and without. Options and templates are checked here, at
-    decoration time.
-
-    Raises:
-        LeaseConfigError: naming the option, the value and what is allowed.
+    Takes :class:`LockedTask`'s options without ``lock_``, checked here (``LeaseConfigError``
+    naming the option); ``unique`` is refused: a decorator cannot reach ``apply_async``. With
+    ``bind=True`` the key is built from the arguments after ``self``.
     """
-    raw = {
-        "key": key,
-        "ttl": ttl,
-        "wait": wait,
-        "max_hold": max_hold,
-        "cooldown": cooldown,
-        "store": store,
-        "on_held": on_held,
-        "retry_countdown": retry_countdown,
-        "on_lost": on_lost,
-        "unique": unique,
-        "on_duplicate": on_duplicate,
-        "queue_ttl": queue_ttl,
-        "debounce": debounce,
-        "debounce_max": debounce_max,
-    }
+    raw = dict(locals())  # the options by name: the first statement sees the parameters only
 
     def decorate(func: F) -> F:
         where = getattr(func, "__qualname__", repr(func))

@@ -1,36 +1,8 @@
-"""Everything celery-lease hooks into Celery, done in one place by :func:`install`.
-
-- the lock attributes of the request ``Context``
-  (:func:`celery_lease._celery.request.define_attributes`);
-- the remote-control command ``leases`` (:func:`celery_lease._celery.control.register_command`);
-- every receiver in :data:`RECEIVERS`: the worker hooks (:mod:`celery_lease._celery.worker`),
-  unique's revoke receiver (:mod:`celery_lease._celery.unique`),
-  the early release of a task that re-sends its own id (:mod:`celery_lease._celery.early_release`)
-  and the exit flush of deferred releases (:mod:`celery_lease._celery.deferral`), which also runs
-  when the process exits (``atexit``: a worker that fails to start sends no ``worker_shutdown``).
-
-When. :mod:`celery_lease._celery.task` calls :func:`install` when it is imported, and everything
-that defines a locked task imports it, before the pool forks, so prefork children inherit the
-receivers: ``celery worker`` imports the app's task modules (``include``, ``imports``, and
-``autodiscover_tasks()``, Django's included, through the ``import_modules`` signal) in
-``loader.init_worker()``, the first thing ``WorkController`` does, before it sends
-``worker_init``; it reads ``app.steps["worker"]`` after ``worker_init``, and builds every step
-(their ``__init__``) before any step starts: before the pool forks. So a task module that defines
-a locked task has installed all this before ``worker_init``, whichever module ``-A`` names. The
-``celery`` program itself loads :mod:`celery_lease.cli` (the ``celery.commands`` entry point) in
-every invocation, ``celery inspect`` included, which registers only the command ``leases``: the
-inspect client checks the name against its own registry, and imports only the ``-A`` module,
-never the task modules.
-
-Once. A second call returns at once. Every step is idempotent besides (a receiver is connected
-with ``weak=False`` under a fixed ``dispatch_uid``, the command and the attributes are set by
-name), so two threads calling it at once connect nothing twice, and no lock is needed that a
-fork could inherit held; a forked child inherits both the receivers and the flag.
-
-:mod:`celery_lease._celery.deferral` still connects its own flush as well, under the same
-``dispatch_uid`` (so it is connected once), and :mod:`celery_lease._celery.unique` its revoke
-receiver.
-"""
+"""Everything celery-lease hooks into Celery, done by :func:`install`: the request's lock
+attributes, the ``leases`` command and every receiver in :data:`RECEIVERS`.
+:mod:`celery_lease._celery.task` calls it on import, so it is installed before the pool forks
+(``celery worker`` imports task modules before ``worker_init``). Each step is idempotent
+(strong receivers under fixed ``dispatch_uid``s), so no lock a fork could inherit is needed."""
 
 from __future__ import annotations
 
@@ -56,8 +28,6 @@ __all__ = ["RECEIVERS", "install"]
 
 
 def _flush_deferred(**_: object) -> None:
-    """``worker_process_shutdown`` / ``worker_shutdown``: read this process's deferred release
-    replies (:func:`celery_lease._celery.deferral.flush_deferred_releases`)."""
     deferral.flush_deferred_releases()
 
 
@@ -83,12 +53,7 @@ _installed = False
 
 
 def install() -> None:
-    """Hook celery-lease into Celery (once per process: a second call returns at once).
-
-    Defines the request's lock attributes, registers ``celery inspect leases``, connects
-    every receiver of :data:`RECEIVERS` (strong references, each under its fixed
-    ``dispatch_uid``) and flushes deferred releases when the process exits.
-    """
+    """Hook celery-lease into Celery, once per process (and flush deferred releases at exit)."""
     global _installed
     if _installed:
         return

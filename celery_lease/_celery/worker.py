@@ -1,35 +1,9 @@
-"""Worker hooks: the per-process state rebuilt in each pool process, and the receivers that
-tie celery-lease into the worker's life (connected by :func:`celery_lease._celery.wiring.install`):
-
-- ``worker_init`` (main process): remember the main process id and add
-  :class:`~celery_lease._celery.startup.LeaseCheck`,
-  :class:`~celery_lease._celery.reaper.DeadHolders` and
-  :class:`celery_lease.metrics.MetricsStep` (by name, :data:`METRICS_STEP`: the metrics add-on
-  sits above this layer, which does not import it) to the worker's bootsteps
-  (``app.steps["worker"]``, read by Celery right after this signal);
-- ``worker_process_init`` (each prefork child; the main process under solo): forget stores and
-  caches inherited from the parent (:func:`celery_lease._forking.reset_child_state`; the at-fork
-  hooks of :mod:`celery_lease._forking` already forget the stores after every fork; the signal
-  also covers pools that start processes otherwise), note whether this process is a pool
-  child (:func:`celery_lease._celery.pool.set_pool_child`), and check again there
-  (:func:`celery_lease._celery.startup.recheck_in_pool_process`);
-- ``worker_shutdown`` (main process): remove the socket directory of ``inspect leases``;
-- ``task_failure`` (main process): a task ended by its hard time limit is noted for the reaper
-  (:func:`celery_lease._celery.reaper.note_task_failure`).
-
-What runs at start: :mod:`celery_lease._celery.startup` (the configuration and store checks,
-:class:`~celery_lease._celery.startup.LeaseCheck`). The leases of dead pool children:
-:mod:`celery_lease._celery.reaper` (:class:`~celery_lease._celery.reaper.DeadHolders`).
-
-Who holds what. ``worker_init`` makes the worker's node name (``w1@host``) the default node of
-every owner id made in the worker's processes (:func:`celery_lease._core.owners.set_node`), and
-``task_prerun`` / ``task_postrun`` make the running task's name and id the default task of owner
-ids made during it (:func:`celery_lease._core.owners.push_task`), so a ``lease()`` inside a task
-body names its task too. Every pool child serves its snapshot for ``celery inspect leases``
-(:mod:`celery_lease._celery.control`).
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
-"""
+"""Worker hooks, connected by :func:`celery_lease._celery.wiring.install`: ``worker_init`` notes
+the main pid and node and adds our bootsteps (the metrics step by name: it sits above this
+layer); ``worker_process_init`` forgets inherited caches, rechecks and serves ``inspect
+leases`` in a pool child; ``worker_shutdown`` removes the sockets; ``task_failure`` notes hard
+time limits for the reaper; ``task_prerun`` / ``task_postrun`` make the running task the
+default of owner ids made during it. Fork resets: ``docs/internals.md``."""
 
 from __future__ import annotations
 
@@ -56,17 +30,13 @@ __all__ = [
 logger = logging.getLogger("celery_lease.worker")
 
 METRICS_STEP = "celery_lease.metrics:MetricsStep"
-"""The metrics bootstep, by the name Celery's blueprint resolves (``module:attribute``)."""
+"""The metrics bootstep, by the name Celery's blueprint resolves."""
 
 _main_pid: int | None = None
 
 
 def reset_process_state() -> None:
-    """Forget every per-process cache (settings, stores resolved from settings and URLs).
-
-    Runs the resets registered with :func:`celery_lease._forking.on_new_process`. A refusal
-    recorded at worker start (:func:`celery_lease._celery.settings.refuse`) is kept.
-    """
+    """Forget every per-process cache; a refusal recorded at worker start is kept."""
     forking.reset_child_state()
 
 
@@ -80,8 +50,7 @@ def on_worker_init(sender: object = None, **_: object) -> None:
     if app is not None:
         app.steps["worker"].add(startup.LeaseCheck)  # read by the blueprint right after this signal
         app.steps["worker"].add(reaper.DeadHolders)
-        # By name: Celery imports the metrics add-on when it builds the worker (it sits above
-        # this layer, which never imports it). A no-op unless lease_metrics / install().
+        # A no-op unless lease_metrics / metrics.install().
         app.steps["worker"].add(METRICS_STEP)
 
 
@@ -104,7 +73,6 @@ def on_worker_shutdown(**_: object) -> None:
 # The running task, as the default of owner ids made during it (owners.push_task) --------------
 
 _OwnerToken = contextvars.Token[tuple[str | None, str | None] | None]
-"""What :func:`celery_lease._core.owners.push_task` returns."""
 
 _task_tokens: contextvars.ContextVar[list[tuple[str, _OwnerToken]] | None] = contextvars.ContextVar(
     "celery_lease_task_tokens", default=None

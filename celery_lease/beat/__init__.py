@@ -1,17 +1,7 @@
 """A beat without a single point of failure: :class:`LeasedScheduler` sends due tasks only while
-it holds a renewed lease, so any number of ``celery beat`` (or ``celery worker -B``) processes can
-run and exactly one of them sends.
-
-::
-
-    app.conf.beat_scheduler = "celery_lease.beat:LeasedScheduler"
-    app.conf.lease_beat_scheduler = "celery.beat:PersistentScheduler"   # the default
-
-The modules, one job each: :mod:`~celery_lease.beat.config` reads and checks the settings,
-:mod:`~celery_lease.beat.last_runs` shares each entry's last run through the lease store,
-:mod:`~celery_lease.beat.election` holds, loses and takes the lease again, and
-:mod:`~celery_lease.beat.scheduler` is the scheduler Celery's ``Service`` runs.
-"""
+it holds a renewed lease, so any number of beat processes can run and exactly one sends
+(``docs/celery.md#the-leased-scheduler``). Modules: ``config`` (settings), ``last_runs``
+(shared last runs), ``election`` (the lease) and ``scheduler``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The leased beat's settings, read from the app and checked when the beat starts.
-
-``lease_beat_scheduler``, ``lease_beat_key`` and ``lease_beat_ttl`` are registered (type-checked
-and guarded against typos) with every other ``lease_*`` setting in
-:mod:`celery_lease._celery.settings`; here they get their defaults, the ttl its lower bound and
-the scheduler name its class.
-"""
+"""The leased beat's settings: registered and type-checked with every ``lease_*`` setting in
+:mod:`celery_lease._celery.settings`; here they get their defaults, the ttl its lower bound
+and the scheduler name its class."""
 
 from __future__ import annotations
 
@@ -20,29 +16,20 @@ from celery_lease.errors import LeaseConfigError
 __all__ = ["DEFAULT_SCHEDULER", "DEFAULT_TTL", "MIN_TTL", "BeatConfig", "read_config"]
 
 DEFAULT_SCHEDULER = "celery.beat:PersistentScheduler"
-"""The scheduler wrapped when ``lease_beat_scheduler`` is unset: Celery's own default."""
 
 DEFAULT_TTL = 30.0
-"""Seconds: the beat lease's ttl when ``lease_beat_ttl`` is unset."""
 
 MIN_TTL = 0.1
-"""Seconds: the shortest ``lease_beat_ttl``; the lease is renewed every ttl/3 and checked with
-the store before every send, so a shorter one would be lost between two checks."""
+"""Seconds: the lease is renewed every ttl/3 and checked before every send, so a shorter one
+would be lost between two checks."""
 
 EXTENSION_NAMESPACE = "celery.beat_schedulers"
-"""The entry point group whose names ``celery beat -S`` accepts (``django`` for
-django-celery-beat's ``DatabaseScheduler``); ``lease_beat_scheduler`` accepts them too."""
+"""The entry points ``celery beat -S`` accepts by name (``django``), accepted here too."""
 
 
 @dataclass(frozen=True)
 class BeatConfig:
-    """The leased beat's validated settings.
-
-    Attributes:
-        scheduler: the wrapped scheduler class (``lease_beat_scheduler``).
-        key: the lease's key before the app's ``lease_key_prefix`` (``lease_beat_key``).
-        ttl: the lease's ttl in seconds (``lease_beat_ttl``).
-    """
+    """The leased beat's settings: wrapped ``scheduler``, unprefixed ``key``, ``ttl`` in seconds."""
 
     scheduler: type[Scheduler]
     key: str
@@ -50,13 +37,7 @@ class BeatConfig:
 
 
 def read_config(app: Any) -> BeatConfig:
-    """``app``'s leased-beat settings, with their defaults.
-
-    Raises:
-        LeaseConfigError: naming the setting, its value and what is allowed: an unknown or
-            unimportable scheduler, one that is not a ``celery.beat.Scheduler`` subclass, a
-            ttl under :data:`MIN_TTL`, or any other bad ``lease_*`` setting of the app.
-    """
+    """``app``'s leased-beat settings with their defaults."""
     settings = get_settings(app)
     ttl = DEFAULT_TTL if settings.beat_ttl is None else settings.beat_ttl
     if ttl < MIN_TTL:
@@ -69,11 +50,7 @@ def read_config(app: Any) -> BeatConfig:
 
 
 def scheduler_class(value: str | type | None) -> type[Scheduler]:
-    """The class ``lease_beat_scheduler`` names (``None``: :data:`DEFAULT_SCHEDULER`).
-
-    Raises:
-        LeaseConfigError: as :func:`read_config`.
-    """
+    """The class ``lease_beat_scheduler`` names (``None``: :data:`DEFAULT_SCHEDULER`)."""
     allowed = (
         "use a celery.beat.Scheduler subclass or its 'module:Class' name"
         f" (default {DEFAULT_SCHEDULER!r})"

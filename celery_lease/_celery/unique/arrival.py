@@ -29,24 +29,12 @@ def on_arrival(
     ttl: float,
     wait: float = 0.0,
 ) -> Arrival | None:
-    """A debounced copy, before it takes the run lease: end here if a newer call superseded it.
-
-    The copy frees its queued lease (owner-checked), then claims its tombstone key for itself
-    (a started claim naming its task id) for the run lease's ``ttl`` plus ``wait``
-    (``lock_wait``): either a superseding call took it first (the copy ends REVOKED) or no call
-    supersedes the copy from now on. The queued lease is freed again once the claim stands: a
-    superseding call whose publish failed may have handed it back in between.
-
-    Returns the claim (:class:`Arrival`), which the engine re-asserts once the run lease is
-    held (:meth:`Arrival.confirm`) and frees when the execution ends (:meth:`Arrival.leave`);
-    ``None`` for a copy without debounce, an eager run, or a message not published through
-    ``apply_unique``. A claim of an earlier attempt of this very copy still standing (a second
-    delivery while its first runs) stands for this one; one whose acquire failed is freed
-    before the error goes on.
-
-    Raises:
-        Ignore: the copy was superseded (its REVOKED state is stored).
-    """
+    """A debounced copy, before it takes the run lease: free its queued lease and claim its
+    tombstone for the run ``ttl`` plus ``wait``: either a superseding call took it first
+    (``Ignore``, REVOKED stored) or nobody supersedes the copy any more. Then free the queued
+    lease again (a failed superseding call may have handed it back). Returns the
+    :class:`Arrival`, or ``None`` without debounce, when eager, or without ``apply_unique``'s
+    header."""
     if unique.debounce is None or getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)
@@ -74,8 +62,7 @@ def leave(arrival: Arrival | None) -> None:
 
 
 class Arrival:
-    """A debounced copy's claim on its own tombstone key, from its arrival (:func:`on_arrival`)
-    until its execution ends (:meth:`leave`)."""
+    """A debounced copy's claim on its tombstone, from :func:`on_arrival` until :meth:`leave`."""
 
     __slots__ = ("claim", "hold_ms", "owner", "qkey", "store", "taken", "task_id", "token", "tomb")
 
@@ -88,11 +75,9 @@ class Arrival:
         self.token: int | None = None  # the claim's token when it was taken
 
     def claim_or_end(self, task: CeleryTask, request: TaskRequest) -> bool:
-        """Take (or take again: the same owner is the holder again, same token, its expiry
-        reset) the tombstone key; raise ``Ignore`` with the REVOKED state stored if a newer
-        call holds it. Returns whether the claim is one taken afresh (a new token: it was
-        not held by this arrival just before). A store error frees what this arrival may hold,
-        then goes on."""
+        """Take (or renew: same owner, same token) the tombstone; raise ``Ignore`` with REVOKED
+        stored if a newer call holds it. Returns whether the claim is fresh (a new token). A
+        store error frees what this arrival may hold, then goes on."""
         before = self.token
         try:
             stands, newer = self._claim()
@@ -104,9 +89,8 @@ class Arrival:
             return self.token is None or self.token != before
         self.taken = False  # never ours, or lost: the tombstone is the newer call's
         if newer == self.task_id:
-            # Its own call's tombstone: that call's publish raised although the broker took
-            # this message, and the call took it. Not superseded (never by itself): it ends
-            # without its body and stores nothing; the call stores its state.
+            # Its own call's publish raised although the broker took it: the call stores the
+            # state, this message ends without its body.
             self._release_queued("its publish failed")
             logger.info(
                 "celery-lease: %s[%s] its call's publish failed: body not run",
@@ -117,10 +101,8 @@ class Arrival:
         try:
             reason = _mark_superseded(task, request, newer)
         finally:
-            # After the REVOKED state is stored: a superseding call whose publish failed may
-            # hand the key back to this copy; a lease under this copy's own owner taken before
-            # this release is freed here, one taken after it is freed by that call, which
-            # reads the state first.
+            # After REVOKED is stored: a key a failed superseding call hands back to this copy
+            # is freed here if taken before, else by that call (it reads the state first).
             self._release_queued("the copy was superseded")
         raise Ignore(reason)
 
@@ -146,33 +128,21 @@ class Arrival:
         return False, None
 
     def confirm(self, task: CeleryTask, request: TaskRequest) -> None:
-        """The run lease is held: re-assert the claim before the body starts. A claim that
-        lapsed meanwhile (a wait for the run lease, a stall) and was taken by a superseding
-        call ends the copy here, REVOKED (``Ignore``; the engine releases the run lease): the
-        newer call runs, never both.
-
-        A claim taken afresh here (it had lapsed, or it was an earlier attempt's) may follow a
-        superseding call that handed the queued key back to this copy while it had none: that
-        key is freed (owner-checked), as at the arrival.
-
-        Raises:
-            Ignore: the copy was superseded while it waited for the run lease.
-        """
+        """The run lease is held: re-assert the claim. One that lapsed and was taken by a
+        superseding call ends the copy (``Ignore``; the engine releases the run lease); a
+        fresh claim frees a queued key handed back meanwhile."""
         if self.claim_or_end(task, request):
             self._release_queued("the copy's claim was taken again")
 
     def leave(self) -> None:
-        """The execution ends (its body ran, or it ends without it): free the claim
-        (owner-checked: this arrival's own). From here a call may supersede a retry of this
-        copy that waits in the queue (the retry then ends REVOKED). Never raises."""
+        """Free the claim when the execution ends; never raises."""
         if self.taken:
             self.taken = False
             common.release_quietly(self.store, self.tomb, self.claim, "the copy's execution ended")
 
 
 def _mark_superseded(task: CeleryTask, request: TaskRequest, newer: str | None) -> str:
-    """Store the copy of ``request`` REVOKED, ``"superseded by <newer>"``, send its
-    ``task-revoked`` event and log it; returns the reason (the caller raises ``Ignore``)."""
+    """Store REVOKED ``"superseded by <newer>"``, send ``task-revoked``, log; return the reason."""
     reason = f"superseded by {newer}"
     task.backend.mark_as_revoked(cast(str, request.id), reason, request=request)
     if task.send_events:

@@ -1,5 +1,5 @@
-"""One ``apply_async`` call of a unique task, resolved once (:class:`Call`), and what every
-caller path does with it: publish the copy, or answer as a duplicate."""
+"""One ``apply_async`` call of a unique task, resolved once: publish the copy, or answer as a
+duplicate."""
 
 from __future__ import annotations
 
@@ -23,12 +23,10 @@ class InspectableStore(LockStore, SupportsInspection, Protocol):
 
 
 CALLBACKS = ("link", "link_error", "chain", "chord", "group_id")
-"""Options of a call whose duplicate raises whatever ``on_duplicate`` says: callbacks, a
-chain's next steps, and a group or chord member (published under its own pre-assigned id, which
-its group's result and its chord's body wait for; Celery ignores what ``apply_async`` returns).
-A chain's step raises even with ``chain`` empty: Celery publishes a chain's last step (from
-the worker that ran the step before it, ``celery/app/trace.py``) with ``chain=[]``, under the id
-the chain's result waits for."""
+"""Options whose duplicate always raises: callbacks, a chain's next steps, and group or chord
+members (published under a pre-assigned id their group or chord waits for; Celery ignores what
+``apply_async`` returns). ``chain`` counts even empty: Celery publishes a chain's last step
+with ``chain=[]`` (``celery/app/trace.py``)."""
 
 
 @dataclass(frozen=True)
@@ -39,27 +37,23 @@ class Call:
     unique: UniqueOptions
     store: InspectableStore
     key: str
-    """The run lease's key (prefixed)."""
+    """The run lease's key (prefixed); ``qkey`` the queued lease's; ``now`` wall-clock seconds."""
     qkey: str
-    """The queued lease's key."""
     prefix: str
-    """The app's ``lease_key_prefix``."""
     task_id: str
     args: Iterable[object] | None
     kwargs: Mapping[str, object] | None
     options: dict[str, Any]  # apply_async options: values of any kind
     now: float
-    """When it was called (wall clock, seconds)."""
     queue_ttl: float
 
     def owner(self, at: float | None = None) -> str:
-        """A queued owner naming this call's copy, taken ``at`` (default: now)."""
         return queued_owner(
             self.task.name, self.task_id, int((self.now if at is None else at) * 1000)
         )
 
     def send(self, **options: Any) -> AsyncResultLike:
-        """Publish the copy (``options`` over the call's), without a queued lease."""
+        """Publish the copy (``options`` over the call's) without a queued lease."""
         return self.task.publish_copy(
             self.args, self.kwargs, self.task_id, **{**self.options, **options}
         )
@@ -67,10 +61,9 @@ class Call:
     def publish(
         self, owner: str, *, free: bool = True, fail: bool = False, **options: Any
     ) -> AsyncResultLike:
-        """Publish with the queued lease ``owner`` in the header. A failed publish frees the
-        lease at once (unless not ``free``: its holder frees it) and, with ``fail`` (a new
-        copy), is stored as the copy's FAILURE: the duplicates handed its ``AsyncResult``
-        meanwhile see the error in ``get()`` instead of waiting for ever."""
+        """Publish with the queued lease ``owner`` in the header. A failure frees it (with
+        ``free``) and, with ``fail``, is stored as the copy's FAILURE, so duplicates handed
+        its result see the error."""
         headers = dict(self.options.get("headers") or {})
         headers[HEADER] = [self.qkey, owner]
         try:

@@ -30,8 +30,7 @@ if TYPE_CHECKING:
 
 
 _USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
-"""Store class -> whether its acquire_or_holder may stand for its acquire
-(:func:`names_holder`)."""
+"""Store class -> whether :func:`names_holder` holds for it."""
 
 
 def apply_unique(
@@ -42,16 +41,9 @@ def apply_unique(
     task_id: str | None,
     options: dict[str, Any],  # apply_async options: values of any kind
 ) -> AsyncResultLike:
-    """``apply_async`` of a task with ``lock_unique``: publish at most one copy
-    (``task.publish_copy``).
-
-    Returns the published copy's ``AsyncResult``, or the holder's for a duplicate
-    (``on_duplicate="existing"``).
-
-    Raises:
-        AlreadyQueuedError: a duplicate with ``on_duplicate="raise"``, or carrying callbacks.
-        StoreUnavailableError: the store failed (nothing was published).
-    """
+    """``apply_async`` of a task with ``lock_unique``: publish at most one copy; return its
+    result, or the holder's for a duplicate. Raises ``AlreadyQueuedError``
+    (``on_duplicate="raise"``, or callbacks) or ``StoreUnavailableError`` (nothing published)."""
     unique = spec.options.unique
     assert unique is not None
     app = task.app
@@ -87,8 +79,7 @@ def apply_unique(
 
 
 def _take_and_publish(call: Call) -> AsyncResultLike:
-    """Take the queued lease for ``queue_ttl`` from the copy's eta and publish, or answer as
-    the duplicate of its holder."""
+    """Take the queued lease (``queue_ttl`` from the eta) and publish, or answer as a duplicate."""
     store, qkey, owner = call.store, call.qkey, call.owner()
     ttl_ms = ms(call.queue_ttl + _delay(call.options, call.now))
     if names_holder(store):  # one round trip for a duplicate, the holder read atomically
@@ -131,15 +122,10 @@ def _delay(options: Mapping[str, Any], now: float) -> float:
 
 
 def names_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
-    """Whether a unique copy's leases (queued and run) are taken through
-    ``store.acquire_or_holder``, so that a refusal names its holder atomically.
-
-    Only where ``acquire_or_holder`` is the own method of the class that defines ``acquire`` (or
-    of a subclass of it), and not where ``acquire`` was replaced on the instance: a subclass or
-    a wrapper that overrides ``acquire`` (to inject faults, count, apply a policy) is not
-    bypassed by an inherited or forwarded ``acquire_or_holder``. Such a store gets the two
-    calls. Cached per class (the instance check is one dict lookup).
-    """
+    """Whether a copy's leases are taken with ``acquire_or_holder`` (the refusal names its holder
+    atomically): only where the class of ``acquire`` or a subclass defines it and the instance
+    does not replace ``acquire``, so a wrapper overriding ``acquire`` is never bypassed.
+    Cached per class."""
     if "acquire" in getattr(store, "__dict__", ()):
         return False
     kind = type(store)
@@ -150,20 +136,15 @@ def names_holder(store: LockStore) -> TypeGuard[_NamesHolder]:
 
 
 def _defines_both(kind: type) -> bool:
-    """``kind``'s ``acquire_or_holder`` comes from the class of its ``acquire`` or below it."""
     taking = next((c for c in kind.__mro__ if "acquire_or_holder" in vars(c)), None)
     plain = next((c for c in kind.__mro__ if "acquire" in vars(c)), None)
     return taking is not None and plain is not None and issubclass(taking, plain)
 
 
 def _resend(call: Call) -> AsyncResultLike:
-    """A running copy publishes its own id (a retry): wait again under its own queued lease.
-
-    Never a duplicate of itself. Under ``"until_done"`` the running copy holds the queued key
-    already (renewed): it is set to the retry's ``queue_ttl`` here and again when the run ends
-    (a renewal may land in between). When another copy holds the queued key (``"while_queued"``:
-    one was enqueued while this one ran), the retry is published anyway, without a queued lease.
-    """
+    """A running copy publishes its own id (a retry): wait again under its own queued lease,
+    never a duplicate of itself. Under ``"until_done"`` the held key is set to the retry's
+    ``queue_ttl`` (again when the run ends); held by another copy, the retry goes without one."""
     task, store, qkey, task_id = call.task, call.store, call.qkey, call.task_id
     owner = header_owner(task.request, task_id, qkey) or _own_queued_owner(store, qkey, task_id)
     if owner is None:
@@ -185,8 +166,7 @@ def _resend(call: Call) -> AsyncResultLike:
 
 
 def _own_queued_owner(store: InspectableStore, qkey: str, task_id: str) -> str | None:
-    """The queued lease's owner when it names this very task id (a retry whose request lost
-    its header): the copy's own, since owners are unique per call and name the task id."""
+    """The queued lease's owner if it names this task id (a retry whose request lost its header)."""
     info = store.get(qkey)
     if info is None or not is_queued_owner(info.owner):
         return None

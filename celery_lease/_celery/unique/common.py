@@ -1,5 +1,5 @@
-"""What every side of unique shares: the header names, the keys, the clock, the checked header
-owner, the result backend reads and the quiet writes (a store release, a stored final state)."""
+"""What every side of unique shares: header names, keys, the clock, the checked header owner,
+backend reads and quiet writes."""
 
 from __future__ import annotations
 
@@ -10,11 +10,7 @@ from celery import states
 
 from celery_lease._celery.settings import LeaseSettings, pick
 from celery_lease._core.owners import is_queued_owner, parse_owner
-from celery_lease._core.unique_options import (
-    BUILTIN_QUEUE_TTL,
-    SUPERSEDED_NAMESPACE,
-    UniqueOptions,
-)
+from celery_lease._core.unique_options import BUILTIN_QUEUE_TTL, SUPERSEDED_NAMESPACE, UniqueOptions
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.stores.base import LockStore
 
@@ -27,28 +23,27 @@ HEADER = "lease_queued"
 """Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
 
 DEFERRED = "lease_deferred"
-"""Message header (``True``) of a second delivery re-sent to wait for its own running copy."""
+"""Message header (a count) of a second delivery re-sent to wait for its own running copy."""
 
 NAMESPACE = "queued:"
 """Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
 
 STARTED = "started"
-"""The label of a debounced copy's claim on its own tombstone key (``on_arrival``)."""
+"""The label of a debounced copy's claim on its own tombstone."""
 
 TRIES = 8
 """Attempts when the key flips between free and held under our feet."""
 
 clock: Clock = SYSTEM_CLOCK
-"""Where unique reads the wall clock (eta, the debounce window); tests swap in a FakeClock."""
+"""Unique's wall clock (eta, debounce window); tests swap in a FakeClock."""
 
 
 def queued_key(key: str, prefix: str) -> str:
-    """The queued lease's key for the task key ``key`` (which starts with ``prefix``)."""
+    """The queued lease's key for ``key`` (which starts with ``prefix``)."""
     return prefix + NAMESPACE + key[len(prefix) :]
 
 
 def superseded_key(task_id: str, prefix: str) -> str:
-    """The tombstone key of a superseded (debounced) copy."""
     return f"{prefix}{SUPERSEDED_NAMESPACE}{task_id}"
 
 
@@ -58,7 +53,6 @@ def ms(seconds: float) -> int:
 
 
 def queue_ttl(unique: UniqueOptions, settings: LeaseSettings) -> float:
-    """The copy's ``queue_ttl``: the task's, else the app's default, else the built-in one."""
     return pick(unique.queue_ttl, settings.default_queue_ttl, BUILTIN_QUEUE_TTL)
 
 
@@ -68,11 +62,7 @@ def is_started_claim(owner: str) -> bool:
 
 
 def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | None) -> str | None:
-    """The queued lease's owner from the request's header, if it is this copy's own.
-
-    A header is never trusted: the owner must be a queued owner naming this very task id (and
-    the key, when given, the expected one), so nothing but this copy's lease can be released.
-    """
+    """The header's queued owner if it names this task id (and ``qkey``); else ``None``."""
     header: object = getattr(request, HEADER, None)
     if not isinstance(header, (list, tuple)) or len(header) != 2 or task_id is None:
         return None
@@ -85,12 +75,9 @@ def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | N
 
 
 def finished(task: CeleryTask, task_id: str) -> bool | None:
-    """Whether the copy ``task_id`` is done: its result backend holds a ready state.
-
-    ``False`` for any other state, RETRY included (it also shows while a retry attempt runs),
-    and where there is no result to read (no backend, ``ignore_result``: the body runs again,
-    at least once); ``None`` when the backend failed to answer (the caller asks again later).
-    """
+    """Whether copy ``task_id`` is done (a ready state). ``False`` for any other state (RETRY
+    also shows while a retry runs) and without results (the body runs again: at least once);
+    ``None`` when the backend failed (ask later)."""
     try:
         state = task.backend.get_state(task_id)
     except NotImplementedError:  # DisabledBackend: no results, ever
@@ -125,10 +112,9 @@ def fail_quietly(task: CeleryTask, task_id: str, exc: Exception) -> None:
 
 
 def revoke_quietly(task: CeleryTask, task_id: str, newer: str | None) -> None:
-    """Store copy ``task_id`` REVOKED, ``"superseded by <newer>"``, for a call that publishes
-    nothing after all: a caller handed its id gets ``TaskRevokedError`` at once instead of
-    waiting for a message that is never sent. Only stored (no event, no signal: no copy of this
-    id reached a worker); a backend that fails is logged."""
+    """Store copy ``task_id`` REVOKED ``"superseded by <newer>"`` for a call that publishes
+    nothing after all, so a caller handed its id does not wait forever. Only stored (no copy
+    reached a worker); errors logged."""
     reason = f"superseded by {newer}"
     try:
         task.backend.mark_as_revoked(task_id, reason)

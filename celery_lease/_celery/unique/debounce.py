@@ -1,6 +1,6 @@
 """Debounce, the caller's side: a call supersedes the waiting copy (its tombstone written, its
-queued lease taken over) and publishes ``debounce`` later; a failed publish hands the key back.
-The rules are in the package docstring (Debounce)."""
+queued lease taken over) and publishes ``debounce`` later; a failed publish hands the key
+back. Rules: the package docstring and ``docs/celery.md#debounce``."""
 
 from __future__ import annotations
 
@@ -30,9 +30,7 @@ def debounced(call: Call) -> AsyncResultLike:
             if result is not None:
                 return result
     except Exception as exc:
-        # A store error once a caller may hold this call's id (superseding): stored as this
-        # call's FAILURE, so that caller's get() raises it instead of waiting for ever (not
-        # when the path that raised settled its state already).
+        # A caller may hold this call's id: store the FAILURE so its get() does not hang.
         if run.superseding and not run.settled:
             common.fail_quietly(call.task, call.task_id, exc)
         raise
@@ -41,15 +39,15 @@ def debounced(call: Call) -> AsyncResultLike:
 
 @dataclass(frozen=True)
 class _Takeover:
-    """This call superseding the waiting copy ``waiting_id``: what handing it back undoes."""
+    """This call superseding the waiting copy ``waiting_id``: what handing it back undoes.
+    ``owner`` is this call's queued lease; ``tomb`` the waiting copy's tombstone, held under
+    ``tomb_owner``."""
 
     owner: str
-    """This call's queued lease."""
     waiting_id: str
     waiting_owner: str
     waiting_ttl_ms: int
     tomb: str
-    """The waiting copy's tombstone key, held under ``tomb_owner`` (this call's)."""
     tomb_owner: str
 
 
@@ -62,9 +60,8 @@ class _Debounce:
         debounce, cap = call.unique.debounce, call.unique.debounce_max
         assert debounce is not None and cap is not None
         self.call, self.debounce, self.cap = call, debounce, cap
-        # Set once this call wrote a waiting copy's tombstone: from then on a racing caller may
-        # have been handed this call's id (it found the tombstone ours and us not superseded),
-        # so a call that ends up publishing nothing leaves a final state under its id.
+        # Once this call wrote a tombstone a racing caller may hold its id: publishing nothing
+        # then still leaves a final state under it.
         self.superseding = False
         self.settled = False  # a failed publish (or store error) stored this call's final state
         self.started: str | None = None  # a copy seen started whose queued lease stayed held
@@ -110,9 +107,7 @@ class _Debounce:
             # Not freed on failure there: below, once no call can supersede this one.
             return call.publish(owner, free=False, countdown=self.debounce)
         except BaseException as exc:
-            # Its own tombstone first: from then on no call supersedes it (and its message,
-            # had the broker taken it after all, ends without its body), so the state stored
-            # below is never written over a "superseded" REVOKED.
+            # Its own tombstone first, so the state stored below never overwrites a REVOKED.
             own = self._take_own_tomb()
             common.release_quietly(store, qkey, owner, "the publish failed")
             if isinstance(exc, Exception):
@@ -125,20 +120,17 @@ class _Debounce:
         claimed = store.get(tomb)
         writer = parse_owner(claimed.owner).task_id if claimed is not None else None
         if claimed is not None and writer == old_id and common.is_started_claim(claimed.owner):
-            # The copy has arrived at a worker (on_arrival): it frees its queued lease at once
-            # (a look again finds the key free; under "until_done" then the run key), unless
-            # its running body published its retry (which took the key back): the duplicate of
-            # that retry if the key is still its own after every try. Its claim goes when its
-            # execution ends: from then on a call supersedes the waiting retry.
+            # The copy arrived at a worker and frees its queued lease at once, unless its body
+            # published a retry that took the key back: then this call is that retry's duplicate
+            # if the key is still its own after every try.
             self.started = old_id
         if writer is None or writer == old_id:
             return None  # gone, or the copy claimed it itself (it started): look again
         if store.get(common.superseded_key(writer, self.call.prefix)) is None:
             # A caller racing us supersedes it: we are that caller's duplicate.
             return self.gave_way(writer)
-        # The writer's own call is no longer waiting: superseded, started, or withdrawing after
-        # a failed publish. Still the waiting copy's lease: the writer has handed it back and is
-        # about to remove the tombstone (the copy runs: we are its duplicate); else look again.
+        # The writer no longer waits. If the lease is still the waiting copy's, the writer
+        # handed it back (the copy runs: we are its duplicate); else look again.
         again = store.get(self.call.qkey)
         if again is not None and again.owner == info.owner:
             return self.gave_way(old_id)
@@ -161,15 +153,10 @@ class _Debounce:
             store.release(qkey, info.owner)  # owner-checked: only that waiting copy's lease
             taken = store.acquire(qkey, owner, common.ms(call.queue_ttl + delay))
         except BaseException as exc:
-            # Nothing replaces the waiting copy: it is handed its key back, and the caller gets
-            # the store's error (stored as this call's FAILURE, for a caller handed its id
-            # meanwhile, unless a newer call superseded this one).
             self._withdraw_failed(takeover, exc)
             raise
         if taken is None:
-            # Another call took the key between our release and our acquire: the waiting
-            # copy's lease is gone, so it stays superseded (its tombstone is kept) and only
-            # the winner runs, never the old copy beside it.
+            # Another call took the key in between: the old copy stays superseded.
             winner = store.get(qkey)
             if winner is None:
                 return None
@@ -187,33 +174,18 @@ class _Debounce:
             self.settled = True
 
     def _withdraw(self, takeover: _Takeover) -> tuple[bool, str | None]:
-        """A superseding call was not published: hand the key back to the copy it superseded,
-        unless a newer call superseded this one meanwhile, or that copy has ended. Never raises
-        a store error. Returns what taking its own tombstone found (:meth:`_take_own_tomb`).
+        """A superseding call was not published: hand the key back to the copy it superseded, so
+        that exactly one copy stays to run. Never raises a store error; returns what
+        :meth:`_take_own_tomb` found.
 
-        In this order, each step deciding the next, so that exactly one copy stays to run:
-
-        1. Take this call's own tombstone: from here no call can supersede it. Refused: a newer
-           call superseded it and stands in for the waiting copy; nothing is touched.
-        2. Free this call's queued lease (owner-checked).
-        3. Ask the result backend whether the waiting copy has ended (a ready state: its worker
-           started it meanwhile, found its tombstone taken and stored itself REVOKED). Then
-           nothing is handed back: a key taken for a copy that no longer runs would make every
-           call until its ttl a duplicate of that dead copy.
-        4. Take the key back for the waiting copy, under its owner. Refused: a new call took
-           the free key and runs; the waiting copy stays superseded.
-        5. Ask again: the copy may have ended between 3 and 4. If it has, free the key just
-           taken for it (owner-checked) and keep its tombstone.
-        6. Remove the waiting copy's tombstone: it runs.
-
-        A copy that ends superseded frees a lease under its own owner after storing its REVOKED
-        state (``on_start``), so a key taken back for it is freed either by it (taken before
-        that release) or by step 5. Where the backend cannot tell (``None``), the key is handed
-        back as if the copy were still waiting.
-
-        The own tombstone is kept (it expires): a message that reached the broker although the
-        publish failed ends without its body when it starts. A store error keeps what is left:
-        the waiting copy stays superseded (nothing may run) rather than two running.
+        Each step decides the next: take this call's own tombstone (refused: a newer call
+        stands in; touch nothing); free this call's queued lease; unless the backend shows the
+        waiting copy ended (a key for a dead copy would make every call its duplicate), take
+        the key back under its owner (refused: a new call took it and runs); if the copy ended
+        meanwhile, free that key again; else remove its tombstone: it runs. A superseded copy
+        frees its lease after storing REVOKED, so a key taken back for it is freed either way.
+        The own tombstone stays (a message the broker took after all ends without its body);
+        on a store error nothing runs rather than two.
         """
         own = self._take_own_tomb()
         if not own[0]:
@@ -240,15 +212,9 @@ class _Debounce:
         return own
 
     def _take_own_tomb(self) -> tuple[bool, str | None]:
-        """A call whose publish failed takes its own tombstone key (owner naming its own id, no
-        started label): from then on no call supersedes it, and its message, had the broker
-        taken it after all, ends without its body (``Arrival.claim_or_end``). Never raises a
-        store error.
-
-        Returns ``(True, None)`` when taken (also when a store error left it unknown: handled
-        as before, its error stored), else ``(False, holder)``: the owner of who holds it, a
-        newer call that superseded this one, or this call's own message, started on a worker.
-        """
+        """Take this failed call's own tombstone, so no call supersedes it and its message, if
+        the broker took it, ends without its body. Returns ``(True, None)`` when taken (or
+        unknown after a store error), else ``(False, holder)``. Never raises a store error."""
         call = self.call
         own_tomb = common.superseded_key(call.task_id, call.prefix)
         try:
@@ -263,11 +229,9 @@ class _Debounce:
         return True, None
 
     def _store_failed_publish(self, exc: Exception, own: tuple[bool, str | None]) -> None:
-        """Store the final state of a call whose publish failed, once its own tombstone was
-        taken or found held (``own``): the error as its FAILURE; but REVOKED ``"superseded by
-        <newer>"`` when a newer call holds it (a superseded copy never ends FAILURE: its worker,
-        had the broker taken the message, stores the same), and nothing when its own message
-        started on a worker (it runs and stores its own result)."""
+        """Store a failed call's final state once ``own`` is known: its error as FAILURE; REVOKED
+        ``"superseded by <newer>"`` when a newer call holds its tombstone (a superseded copy
+        never ends FAILURE); nothing when its own message started (it stores its own result)."""
         task, task_id = self.call.task, self.call.task_id
         taken, holder = own
         if not taken and holder is not None:

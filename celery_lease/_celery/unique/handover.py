@@ -33,16 +33,10 @@ def on_start(
     ttl: float,
     cooldown: float,
 ) -> QueuedHold | None:
-    """The copy holds its run lease and its body is about to start: hand the queued key over.
-
-    ``"until_done"`` (without debounce): the copy's own queued lease is kept under its owner
-    (the key is never free in between), renewed with the run lease's ``ttl`` until the body
-    ends (:meth:`QueuedHold.end`); a loss is logged and the body runs all the same (the run
-    lease still excludes bodies). Otherwise it is released (owner-checked).
-
-    Raises:
-        Ignore: a second delivery whose copy is done, or that is re-sent to wait again.
-    """
+    """The copy holds its run lease, its body about to start: hand the queued key over.
+    ``"until_done"`` (without debounce) keeps it under its owner, renewed with the run ``ttl``
+    until :meth:`QueuedHold.end` (a loss is only logged); otherwise it is released. Raises
+    ``Ignore`` for a second delivery that is done or re-sent."""
     if getattr(request, "is_eager", False):
         return None
     task_id = getattr(request, "id", None)
@@ -54,23 +48,18 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Its queued lease was freed at its arrival, once its claim stood (on_arrival); under
-        # "until_done" a call then finds the run key held by it from here.
+        # Freed at its arrival (on_arrival).
         return None
     if unique.unique != "until_done":
         store.release(qkey, owner)
         return None
-    # A copy that may have outlived its queued lease (a second delivery, or one that started
-    # half its queue_ttl or more after its eta) takes the key back before its body starts: a
-    # call made while the body runs must find it held. The holder again when the lease is still
-    # its own (same token, expiry set to ttl).
+    # A copy that may have outlived its queued lease (a second delivery, or started half its
+    # queue_ttl after its eta) takes the key back: a call made during the body must find it held.
     late = common.clock.time() >= _queued_since(owner, request) + queue_ttl(unique, settings) / 2
     retaken = None
     if deferred or late:
         retaken = store.acquire(qkey, owner, ms(ttl))
         if retaken is None:
-            # Its queued lease expired and another copy took the key meanwhile: the renewal
-            # below reports it lost; the run lease still excludes that copy's body.
             logger.info(
                 "celery-lease: %r is held by another copy; %s runs all the same", qkey, task_id
             )
@@ -80,10 +69,9 @@ def on_start(
 def _second_delivery(
     task: UniqueTask, request: TaskRequest, task_id: str, key: str, ttl: float, deferred: int
 ) -> None:
-    """A second delivery of a copy, back with the run key free. It runs the body only when the
-    copy is not done and was seen so twice, one ttl apart: the first time may be the instant
-    between the copy's release and its stored result (or a backend that could not answer); a
-    copy whose worker died is still not done a ttl later. Else it ends (``Ignore``)."""
+    """A second delivery, back with the run key free, runs the body only when its copy was seen
+    not done twice, one ttl apart (the first time may fall between the copy's release and its
+    stored result; a dead copy is still not done a ttl later). Else ``Ignore``."""
     done = common.finished(task, task_id)
     if done:
         drop_finished(task, task_id)  # the body ran already
@@ -109,7 +97,6 @@ def _hold(
     *,
     renewed: bool,
 ) -> QueuedHold:
-    """Hand the queued lease to the renewer for the body's run."""
     now = SYSTEM_CLOCK.monotonic()
     entry = Entry(
         store=store,
@@ -119,15 +106,11 @@ def _hold(
         sent_at=now,
         max_hold_at=None,
         on_lost=functools.partial(queued_lost, qkey),
-        # Its owner id is the copy's, shared with a retry or a redelivered copy that takes the
-        # key again: a loss must not free it under them; QueuedHold.end frees or keeps it.
+        # The owner is shared with a retry or redelivery: a loss must not free it under them.
         free_on_loss=False,
     )
-    # Its expiry set to ``ttl`` now, so that from here a worker that dies mid-body leaves the
-    # key to expire within ``ttl``, not within what was left of ``queue_ttl``: sent without
-    # waiting where the store can (its reply is read with this copy's next store call; the
-    # renewer then renews it from ttl/3 on, as any lease), else renewed at once on the
-    # renewer's thread.
+    # Expiry set to ``ttl`` now, so a worker dying mid-body frees it within ``ttl``: sent
+    # unanswered where the store can, else renewed at once on the renewer's thread.
     if not renewed and not (
         can_renew_deferred(store) and store.renew_deferred(qkey, owner, ms(ttl))
     ):
@@ -139,10 +122,9 @@ def _hold(
 
 
 def _queued_since(owner: str, request: TaskRequest) -> float:
-    """When (wall clock, seconds) the copy's queued lease began to count its ``queue_ttl``: its
-    eta (the request's ``eta``, which a ``countdown`` became), or its call (the owner's ``at``)
-    when it has none or it lies before the call; ``-inf`` when neither is known (the copy counts
-    as late)."""
+    """When (wall clock, s) the queued lease began counting ``queue_ttl``: the eta, or the call
+    (the owner's ``at``) when there is none or it is earlier; ``-inf`` if unknown (counts as
+    late)."""
     taken_at = parse_owner(owner).taken_at
     eta = _wall_time(getattr(request, "eta", None))
     if taken_at is None:
@@ -151,8 +133,7 @@ def _queued_since(owner: str, request: TaskRequest) -> float:
 
 
 def _wall_time(value: object) -> float | None:
-    """Seconds since the epoch of an ``eta`` (ISO 8601 text or a ``datetime``; naive: UTC);
-    ``None`` for anything else."""
+    """Epoch seconds of an ``eta`` (ISO text or ``datetime``; naive means UTC), else ``None``."""
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)

@@ -1,5 +1,5 @@
-"""The queued lease an ``"until_done"`` copy keeps while its body runs (:class:`QueuedHold`):
-renewed by the renewer, then freed, or kept for the retry's wait or the cooldown."""
+"""The queued lease an ``"until_done"`` copy keeps while its body runs: renewed, then freed or
+kept for the retry's wait or the cooldown."""
 
 from __future__ import annotations
 
@@ -14,8 +14,6 @@ from celery_lease.stores.base import LockStore
 
 
 class QueuedHold:
-    """The queued lease an ``"until_done"`` copy keeps (renewed) while its body runs."""
-
     __slots__ = ("cooldown", "entry", "owner", "qkey", "retry_ttl_ms", "store", "task_id")
 
     def __init__(
@@ -26,16 +24,9 @@ class QueuedHold:
         self.retry_ttl_ms: int | None = None  # set when the body published its retry
 
     def end(self, succeeded: bool, defer: bool = False) -> None:
-        """The body ended and the run lease is released: stop renewing, then free the key, or
-        keep it for the retry's wait or for ``cooldown``. Never raises a store error.
-
-        ``defer`` (:mod:`celery_lease._celery.execution` decides; a store that can,
-        :class:`~celery_lease.stores.base.SupportsDeferredRelease`): the release goes out
-        without waiting, on the one connection the run lease's release went out on just
-        before, so the server runs them in that order; the caller reads the replies. If it
-        cannot go that way, the replies still unread are read first, then it is released the
-        usual way: never ahead of the run lease's release.
-        """
+        """Stop renewing, then free the key or keep it (retry, ``cooldown``); never raises a
+        store error. With ``defer`` the release goes out unanswered on the connection the run
+        lease's release just used, so it is never ahead of it."""
         holding.pop(self.task_id, None)
         entry = self.entry
         renewer = entry.renewer
@@ -48,11 +39,8 @@ class QueuedHold:
         keep = self.retry_ttl_ms
         if keep is None and succeeded and self.cooldown > 0:
             keep = ms(self.cooldown)
-        # The release is sent and answered here, on the task's thread, before the execution
-        # returns: a caller that sees the result and calls again must find the key free (a
-        # release left to another thread let such a call get the finished copy's id, and its
-        # work was never enqueued). A renewal landing after the release finds no lease of ours
-        # and creates nothing; one landing after a keep is fenced: the keep is set after it.
+        # Released before the execution returns: a caller that sees the result and calls again
+        # must find the key free. A keep is fenced: set after any renewal in flight.
         if keep is None:
             store = self.store
             if defer and can_release_deferred(store):
@@ -79,7 +67,7 @@ def _set_quietly(store: LockStore, key: str, owner: str, ttl_ms: int) -> None:
 
 
 def queued_lost(key: str, reason: str) -> None:
-    """Renewer callback (quick, no user code): the running copy's queued lease was lost."""
+    """Renewer callback: the running copy's queued lease was lost."""
     logger.warning(
         "celery-lease: the queued key %r of a running copy was lost (%s): another copy may be"
         " enqueued meanwhile (the run lease still excludes its body)",

@@ -1,5 +1,6 @@
 """A copy refused its run lease (:func:`on_rejected`), and a second delivery of a running copy,
-re-sent to wait for it (:func:`defer`); the rules are in the package docstring."""
+re-sent to wait for it (:func:`defer`). Rules: the package docstring and
+``docs/celery.md#unique-at-enqueue``."""
 
 from __future__ import annotations
 
@@ -30,29 +31,17 @@ def on_rejected(
     policy: str = "raise",
     refused_by: str | None = None,
 ) -> None:
-    """The run lease stayed held and the copy ends without its body: free its queued key
-    (not for ``on_held="retry"``, ``policy``: the retry takes it again for itself).
-
-    Who held it: ``refused_by``, the owner the refused acquire named (``names_holder``), else
-    the run key's holder read now. Held by this very task id, or read free (who refused it
-    cannot be told any more), the delivery is handled as a second one: with the engine's
-    ``task`` and ``ttl`` it is re-sent to wait for its copy, the policy not applied, nothing
-    stored. A delivery whose copy is done ends, nothing stored, whoever holds the key.
-
-    Raises:
-        Ignore: a second delivery of the running copy, re-sent (or its copy finished).
-        Reject: re-sending it failed (``requeue=True``: the broker keeps the message).
-    """
+    """The run lease stayed held: free the copy's queued key (not under ``on_held="retry"``).
+    Held by this task id, or read free (the refuser cannot be told), the delivery is handled
+    as a second one: re-sent to wait (``Ignore``; ``Reject`` if that fails for ``acks_late``),
+    the policy not applied. A done copy's delivery ends."""
     if request is None or getattr(request, "is_eager", False):
         return
     task_id = getattr(request, "id", None)
     deferred = deferrals(request)
     if deferred and task_id is not None and task is not None and ttl is not None:
-        # A second delivery of a copy, re-sent earlier: never the policy (its copy may have
-        # succeeded, and a newer copy run the key now). Dropped when its copy is done, else
-        # re-sent again; its queued key (if any) is the copy's, not this delivery's to free.
-        # Its copy may be dead (the key held by a newer one): unless the refusal named its own
-        # running copy, a re-send that fails ends it with the publish error.
+        # Re-sent earlier: never the policy (its copy may have succeeded), never its queued key.
+        # Unless the refusal named its own running copy, a failed re-send ends it.
         own = refused_by is None or parse_owner(refused_by).task_id == task_id
         defer(task, request, key, ttl, deferred, ends_copy=not own)
     qkey = common.queued_key(key, settings.key_prefix)
@@ -84,35 +73,27 @@ def _refused_by_own_copy(
     task: UniqueTask | None,
     ttl: float | None,
 ) -> bool:
-    """Who refused the run key is known (``holder``): whether it is this very copy's own run
-    lease (its queued key is the running body's). With the engine's ``task`` and ``ttl``, a
-    delivery that may be a second one is re-sent, and one whose copy is done ends (``Ignore``)."""
+    """Whether ``holder`` is this copy's own run lease (its queued key is the running body's).
+    With the engine's ``task`` and ``ttl``, a possible second delivery is re-sent and one
+    whose copy is done ends."""
     engine = task is not None and ttl is not None
     if holder is not None and parse_owner(holder).task_id == task_id:
-        # Its own run lease (acks_late redelivery of the running copy): the running body keeps
-        # the queued key (until_done); it is not this delivery's to free.
+        # acks_late redelivery of the running copy: the queued key is the body's.
         if engine:
             defer(cast("UniqueTask", task), request, key, cast(float, ttl), 1)
         return True
     if holder is None and engine:
-        # Free when read: whoever refused this delivery let go in between, and it may have been
-        # this very copy (its first delivery, just finished: on_held would fire the failure
-        # path of a copy that succeeded). Who it was cannot be told any more, so it is handled
-        # as a second delivery: dropped if its copy is done, else re-sent; it runs its body
-        # only if its copy is still not done on two free arrivals a ttl apart. Its queued key
-        # goes with it. No copy is known to run: a re-send that fails ends it.
+        # Free when read: the refuser may have been this very copy, just finished (on_held
+        # would fail a copy that succeeded), so handle it as a second delivery.
         defer(cast("UniqueTask", task), request, key, cast(float, ttl), 1, ends_copy=True)
-    # Held by another copy; it may have taken the key after this very copy finished (read
-    # after the refusal), or this is a late delivery of a finished copy. A delivery of a copy
-    # that is done ends here, nothing stored: never the failure path of a copy that ran.
+    # Held by another copy, maybe taken after this copy finished: a done copy's delivery ends.
     if engine and common.finished(cast("UniqueTask", task), task_id):
         drop_finished(cast("UniqueTask", task), task_id)
     return False
 
 
 def deferrals(request: TaskRequest) -> int:
-    """How often this delivery was re-sent to wait for its own copy (0: never): the
-    ``lease_deferred`` header, a count."""
+    """The ``lease_deferred`` header: how often this delivery was re-sent to wait for its copy."""
     value = getattr(request, common.DEFERRED, None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
@@ -134,24 +115,17 @@ def defer(
     unfinished: bool = False,
     ends_copy: bool = False,
 ) -> NoReturn:
-    """Re-send this delivery ``countdown=ttl`` later, ``lease_deferred=count``; raise Ignore.
-    Dropped instead when its copy is done (not asked again when the caller just read it
-    ``unfinished``).
-
-    A failed re-send of an ``acks_late`` task's message rejects it back to the broker
-    (``Reject(requeue=True)``); any other ends. With ``ends_copy`` (no copy of this id is known
-    to run) the publish error is stored as the copy's FAILURE, unless a ready state or RETRY is
-    stored: its callers see it in ``get()``. Without it only logged: its own running copy
-    carries the work.
-    """
+    """Re-send this delivery ``ttl`` later with ``lease_deferred=count`` and raise ``Ignore``;
+    drop it if its copy is done. A failed re-send of an ``acks_late`` message raises
+    ``Reject(requeue=True)``; any other ends, its error stored as FAILURE only with
+    ``ends_copy`` (no copy known to run)."""
     task_id = cast(str, request.id)  # every caller checked it
     if not unfinished and common.finished(task, task_id):  # in its cooldown, or releasing its key
         drop_finished(task, task_id)
     headers = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != "x-death"}
     headers[common.DEFERRED] = count
-    # As retry() re-sends a request (routing, ids, links, time limits, ``retries`` unchanged),
-    # but without ``expires`` (the copy started in time) and past apply_unique: this is the
-    # copy itself, whose queued key its running body holds.
+    # As retry() re-sends, without ``expires`` (the copy started in time) and past unique's
+    # checks (this is the copy itself).
     signature = task.signature_from_request(request, countdown=ttl, expires=None, headers=headers)
     try:
         options = {k: v for k, v in signature.options.items() if k != "task_id"}  # request.id
@@ -172,7 +146,6 @@ def defer(
 def _resend_failed(
     task: UniqueTask, request: TaskRequest, task_id: str, exc: Exception, ends_copy: bool
 ) -> NoReturn:
-    """Raise ``Reject`` (acks_late) or ``Ignore`` for a second delivery whose re-send failed."""
     if getattr(request, "acks_late", None) or getattr(task, "acks_late", False):
         logger.warning(
             "celery-lease: re-sending the second delivery of %s[%s] failed (%s); rejected"
@@ -203,9 +176,7 @@ def _resend_failed(
 
 
 def _fail_unless_stored(task: UniqueTask, task_id: str, exc: Exception) -> None:
-    """Store ``exc`` as the FAILURE of copy ``task_id`` (no errback) unless its result backend
-    holds a ready state (its result) or RETRY (a retry message carries its work), or cannot
-    answer. Never raises."""
+    """Store ``exc`` as the copy's FAILURE unless a ready state or RETRY is stored; never raises."""
     try:
         state = task.backend.get_state(task_id)
     except Exception as error:  # no backend (NotImplementedError), or it is down

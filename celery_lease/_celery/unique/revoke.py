@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 
 
 def on_task_revoked(sender: object = None, request: TaskRequest | None = None, **_: object) -> None:
-    """Receiver of Celery's ``task_revoked`` (in the worker; also for ``expires``): a unique
-    copy frees its queued key (owner-checked: only the lease its header names as its own)."""
+    """``task_revoked`` (also ``expires``): free a unique copy's queued key, owner-checked."""
     task = cast("CeleryTask", sender)  # the Task; ``request``: its Context (headers as attributes)
     options = options_of(type(task))
     if request is None or options is None or options.unique is None:
@@ -24,9 +23,7 @@ def on_task_revoked(sender: object = None, request: TaskRequest | None = None, *
     owner = common.header_owner(request, getattr(request, "id", None), None)
     if owner is None:
         return
-    qkey = cast("list[str]", getattr(request, common.HEADER))[
-        0
-    ]  # header_owner: a [key, owner] of str
+    qkey = cast("list[str]", getattr(request, common.HEADER))[0]  # checked by header_owner
     try:
         prefix = get_settings(task.app).key_prefix
         if not qkey.startswith(prefix + common.NAMESPACE):  # a forged header naming another key
