@@ -5,7 +5,8 @@ batch (``renew_many``, ``list``) by the node owning their slot and pipelines eac
 node's own client, every node at once (the caller's thread and one thread per other node,
 :class:`NodeWorkers`). A failover moves slots without a redirection, so after a batch whose calls
 met a failed node the slot table is refreshed on a thread of its own (:class:`SlotRefresh`) and
-the calls it moved are sent again, all within one socket timeout of the batch's start.
+the calls it moved are sent again, all within one socket timeout of the batch's start. A node
+that timed out holds up no later batch of the other nodes' calls (:meth:`ClusterFanOut.eval_many`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -62,37 +63,62 @@ def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
 class NodeWorkers:
     """Runs the nodes' shares of one cluster store's batch at once.
 
-    The first share runs in the calling thread, each other one on a daemon thread of its own,
-    started for that batch and ended with it (a batch comes every ttl/3 at most per store, so
-    a thread per node and batch costs little): no pool to keep, to reset after a fork or to
-    shut down, and a share stuck on a hung node never holds up the interpreter's exit.
+    The first share waited for runs in the calling thread, each other one on a daemon thread of
+    its own, started for that batch and ended with it (a batch comes every ttl/3 at most per
+    store, so a thread per node and batch costs little): no pool to keep, to reset after a fork
+    or to shut down, and a share stuck on a hung node never holds up the interpreter's exit.
     """
 
-    def run(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+    def run(
+        self,
+        jobs: Sequence[Callable[[], _T]],
+        suspects: Collection[int] = (),
+        late: Callable[[int], _T] | None = None,
+    ) -> list[_T]:
         """Run every job at once; their results in order, once every job has returned. A job
-        that raises: the first such error in job order is raised, after all have ended."""
+        that raises: the first such error in job order is raised, after all have ended.
+
+        The jobs at ``suspects`` (indices) are waited for only until the others have ended,
+        unless every job is one: one still running then goes on alone on its thread, its
+        result dropped, and ``late(index)`` stands in its place (an error it raises later is
+        dropped too). The caller's thread runs a job that is no suspect.
+        """
+        patient = [index for index in range(len(jobs)) if index not in suspects]
+        if not patient or late is None:
+            patient, suspects = list(range(len(jobs))), ()
         results: list[_T | None] = [None] * len(jobs)
         errors: list[BaseException | None] = [None] * len(jobs)
+        ended = [threading.Event() for _ in jobs]
 
         def share(index: int) -> None:
             try:
                 results[index] = jobs[index]()
             except BaseException as exc:  # handed to the caller below
                 errors[index] = exc
+            finally:
+                ended[index].set()
 
-        threads = [
-            _start(partial(share, index), f"{_NODE_THREAD}-{index}")
-            for index in range(1, len(jobs))
-        ]
+        order = patient + [index for index in range(len(jobs)) if index in suspects]
+        threads = {
+            index: _start(partial(share, index), f"{_NODE_THREAD}-{index}") for index in order[1:]
+        }
         if jobs:
-            share(0)
-        for thread in threads:
+            share(order[0])
+        for index in patient:
+            thread = threads.get(index)
             if thread is not None:
                 thread.join()
-        for error in errors:
+        answered: list[_T] = []
+        for index in range(len(jobs)):
+            if not ended[index].is_set():  # a suspect still running: not waited for
+                assert late is not None
+                answered.append(late(index))
+                continue
+            error = errors[index]
             if error is not None:
                 raise error
-        return cast("list[_T]", results)
+            answered.append(cast("_T", results[index]))
+        return answered
 
 
 class SlotRefresh:
@@ -238,6 +264,9 @@ class ClusterFanOut:
         self._redact = redact
         self._workers = NodeWorkers()
         self._slot_refresh = SlotRefresh(self._refresh_slots)
+        # The nodes whose last share timed out, not answered since (names; a set's add and
+        # discard are atomic, so no lock that a fork could leave held).
+        self._timed_out: set[str] = set()
 
     def eval_many(self, script: Script, calls: Calls) -> list[Any]:
         """Many EVALSHA, pipelined per node, every node's pipeline at the same time; each
@@ -256,17 +285,28 @@ class ClusterFanOut:
         until one socket timeout after it began. A call that fails again, or whose second try
         did not end in time, keeps its first error: nothing here turns a failure into a
         success.
+
+        A node whose last share timed out and that has not answered since is waited for only
+        until the other nodes of the batch answered (a batch of its calls alone waits for it):
+        its share goes on alone, its calls get a timeout error in place, and the batch returns
+        without waiting for the refresh their errors start. Waiting on it again would hand the
+        other nodes' results back a socket timeout late once more: for a renewer whose sweep
+        already waited on it (their renewals falling due meanwhile, sent with its retried
+        keys), past the validity of the leases on every node.
         """
         if not calls:
             return []
         client = self._client
         deadline = time.monotonic() + self._timeout
         results: list[Any] = [None] * len(calls)
-        sent_to = self._send_by_node(script, calls, range(len(calls)), results)
+        unanswered: set[int] = set()
+        sent_to = self._send_by_node(script, calls, range(len(calls)), results, unanswered)
         stale = [i for i in sent_to if _stale_route(results[i])]
         if not stale:
             return results
         refreshed = self._slot_refresh.start()
+        if all(i in unanswered for i in stale):
+            return results  # the refresh goes on alone: the next batch follows it
         if not refreshed.wait(max(0.0, deadline - time.monotonic())):
             return results
         moved = [i for i in stale if _node_of(client, calls[i][0][0]) not in (None, sent_to[i])]
@@ -303,11 +343,21 @@ class ClusterFanOut:
             )
 
     def _send_by_node(
-        self, script: Script, calls: Calls, indices: Sequence[int], results: list[Any]
+        self,
+        script: Script,
+        calls: Calls,
+        indices: Sequence[int],
+        results: list[Any],
+        unanswered: set[int] | None = None,
     ) -> dict[int, str | None]:
         """Run the calls at ``indices`` on the nodes serving their slots, all nodes at once;
         their replies or errors go to ``results`` in place. Returns the node each one was sent
-        to (None: the slot table names no node for its slot, whose error is its result)."""
+        to (None: the slot table names no node for its slot, whose error is its result).
+
+        A node whose last share timed out is waited for only until the other nodes answered
+        (all of it when no other node is in the batch): its share goes on alone, and each of
+        its calls gets a timeout error in place and its index added to ``unanswered`` (when
+        given; else every node is waited for)."""
         client = self._client
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         sent_to: dict[int, str | None] = {}
@@ -325,7 +375,21 @@ class ClusterFanOut:
             partial(self._node_share, name, node_client, script, [calls[i] for i in share])
             for name, (node_client, share) in groups.items()
         ]
-        replies = self._workers.run(jobs)
+        names = list(groups)
+        timed_out = self._timed_out
+
+        def late(job: int) -> list[Any]:
+            error = RedisTimeoutError(
+                f"node {names[job]} timed out before and did not answer by the time the other "
+                "nodes of the batch had"
+            )
+            share = groups[names[job]][1]
+            if unanswered is not None:
+                unanswered.update(share)
+            return [error] * len(share)
+
+        suspects = {job for job, name in enumerate(names) if name in timed_out}
+        replies = self._workers.run(jobs, suspects if unanswered is not None else (), late)
         for (_, share), answers in zip(groups.values(), replies, strict=True):
             for index, answer in zip(share, answers, strict=True):
                 results[index] = answer
@@ -354,17 +418,18 @@ class ClusterFanOut:
         node times out (not asked again: a hung node would cost another socket timeout) or
         cannot be reached twice in a row; either asks for a refresh that queries it last."""
         try:
-            return pipelined(node_client, script, calls, errors_in_place=True)[0]
-        except RedisTimeoutError as exc:
-            request_slot_refresh(self._client, name)
-            return [exc] * len(calls)
-        except RedisConnectionError as exc:
-            self._log_retry(f"{len(calls)} calls on node {name}", exc)
-        try:
-            return pipelined(node_client, script, calls, errors_in_place=True)[0]
+            try:
+                replies = pipelined(node_client, script, calls, errors_in_place=True)[0]
+            except RedisConnectionError as exc:
+                self._log_retry(f"{len(calls)} calls on node {name}", exc)
+                replies = pipelined(node_client, script, calls, errors_in_place=True)[0]
         except RETRIED as exc:
+            if isinstance(exc, RedisTimeoutError):
+                self._timed_out.add(name)
             request_slot_refresh(self._client, name)
             return [exc] * len(calls)
+        self._timed_out.discard(name)
+        return replies
 
     def _log_retry(self, what: str, exc: Exception) -> None:
         logger.info(

@@ -2,8 +2,9 @@
 batch across the nodes by at most one socket timeout, and costs only the leases on it.
 
 The nodes' pipelines of one batch run at once and a node that timed out is not asked again in
-the same batch, so the answering nodes' results come back within one socket timeout, in time
-to renew leases whose ttl is shorter than two socket timeouts.
+the same batch, so the answering nodes' results come back within one socket timeout; a later
+batch that has their keys too does not wait on it again, so they are renewed at most one
+socket timeout late.
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ def test_list_fails_within_one_socket_timeout_when_a_master_hangs(
 def test_a_hung_master_costs_only_the_leases_on_it(
     store: RedisLockStore, redis_three_masters: ClusterNodes
 ) -> None:
-    """Leases whose ttl is shorter than two socket timeouts stay held on the answering nodes
-    while one master hangs for longer than their ttl; those on the hung master are lost."""
+    """Leases whose ttl is 2.5 socket timeouts stay held on the answering nodes while one
+    master hangs for longer than their ttl; those on the hung master are lost."""
     victim = redis_three_masters.nodes[2]
     on_victim = keys_on(store, KEYS, victim)
     ttl = 2.5 * SOCKET_TIMEOUT
@@ -127,6 +128,49 @@ def test_a_hung_master_costs_only_the_leases_on_it(
         for context in contexts:
             with contextlib.suppress(Exception):  # the hung node's leases fail to release
                 context.__exit__(None, None, None)
+
+
+def test_a_master_that_timed_out_holds_up_no_later_batch_of_the_others(
+    store: RedisLockStore, redis_three_masters: ClusterNodes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a master timed out, a later batch across the nodes hands the answering nodes'
+    results back as soon as they are in, its share on that master still waiting on it, its
+    keys failed in place. Waiting on it again would renew the others a socket timeout late
+    once more: after a batch that already waited on it (their renewal due meanwhile), that is
+    past their validity (the leases on every master expired at once)."""
+    victim = redis_three_masters.nodes[2]
+    on_victim = keys_on(store, KEYS, victim)
+    name = f"127.0.0.1:{victim.port}"
+    entered, let_go = threading.Event(), threading.Event()
+    real = ClusterFanOut._node_pipeline
+
+    def held_on_victim(self: ClusterFanOut, node: str, *args: Any) -> Any:
+        if node == name:  # its read blocks, however long: the batch must not wait for it
+            entered.set()
+            let_go.wait(2 * WAIT)
+        return real(self, node, *args)
+
+    answered: list[list[bool | Exception]] = []
+    done = threading.Event()
+
+    def renew(batch: list[tuple[str, str, int]]) -> None:
+        answered.append(store.renew_many(batch))
+        done.set()
+
+    with leases_held(store, KEYS) as batch:
+        try:
+            with stopped(victim):
+                assert_only_these_failed(KEYS, store.renew_many(batch), on_victim)  # timed out
+                monkeypatch.setattr(ClusterFanOut, "_node_pipeline", held_on_victim)
+                threading.Thread(target=renew, args=(batch,), daemon=True).start()
+                assert entered.wait(WAIT), "the batch sent no share to the node that timed out"
+                assert done.wait(WAIT), "the batch waited on the node that had timed out"
+                assert_only_these_failed(KEYS, answered[0], on_victim)
+        finally:
+            let_go.set()
+        for thread in node_threads():  # the share left behind ends on its own
+            thread.join(WAIT)
+        assert node_threads() == []
 
 
 def node_threads() -> list[threading.Thread]:

@@ -44,6 +44,57 @@ class TestNodeWorkers:
         """An empty batch runs nothing."""
         assert NodeWorkers().run([]) == []
 
+    def test_a_suspect_still_running_when_the_others_ended_is_not_waited_for(self) -> None:
+        """A suspect job (a node that timed out before) that has not ended once the others did
+        gets ``late(index)`` in its place and goes on alone; the caller's thread ran no suspect."""
+        entered, let_go, ended = threading.Event(), threading.Event(), threading.Event()
+        ran_on: list[threading.Thread] = []
+
+        def hung() -> str:
+            ran_on.append(threading.current_thread())
+            entered.set()
+            let_go.wait(10)
+            ended.set()
+            return "late answer"
+
+        try:
+            answer = NodeWorkers().run([hung, lambda: "a", lambda: "b"], {0}, lambda i: f"late {i}")
+            assert answer == ["late 0", "a", "b"]
+            assert entered.wait(10)
+            assert ran_on[0] is not threading.current_thread()
+        finally:
+            let_go.set()
+        assert ended.wait(10), "the suspect's job went on alone to its end"
+
+    def test_a_suspect_that_ended_in_time_gives_its_result(self) -> None:
+        """A suspect job that ended before the others did answers as any job."""
+        answered = threading.Event()
+
+        def suspect() -> str:
+            answered.set()
+            return "answered"
+
+        def other() -> str:
+            assert answered.wait(10)
+            return "other"
+
+        assert NodeWorkers().run([suspect, other], {0}, lambda i: "late") == ["answered", "other"]
+
+    def test_a_batch_of_suspects_alone_waits_for_them(self) -> None:
+        """With nothing else to wait for, the suspects are waited for: their calls would
+        otherwise never be tried."""
+        started = threading.Event()
+
+        def slow() -> str:
+            assert started.wait(10)
+            return "slow"
+
+        def quick() -> str:
+            started.set()
+            return "quick"
+
+        assert NodeWorkers().run([slow, quick], {0, 1}, lambda i: "late") == ["slow", "quick"]
+
 
 class TestSlotRefresh:
     def test_a_refresh_asked_for_while_one_runs_joins_it(self) -> None:
