@@ -43,6 +43,8 @@ _dir: str | None = None
 """The socket directory (made in the main process, inherited by children)."""
 _dir_pid: int | None = None
 """The pid of the main process that made :data:`_dir` (only it removes it)."""
+_cleanup_registered = False
+"""Whether :func:`cleanup_main` is registered to run at exit (once a process)."""
 _server: socket.socket | None = None
 
 
@@ -80,7 +82,7 @@ class LeasesReply(TypedDict):
 
 def prepare_main() -> None:
     """Before the pool forks: make the socket directory (removed at shutdown, or at exit)."""
-    global _dir, _dir_pid
+    global _dir, _dir_pid, _cleanup_registered
     if _dir is not None and _dir_pid == os.getpid():
         return
     try:
@@ -94,9 +96,9 @@ def prepare_main() -> None:
         _dir = None
         return
     _dir_pid = os.getpid()
-    if not getattr(prepare_main, "_at_exit", False):
+    if not _cleanup_registered:
         atexit.register(cleanup_main)
-        prepare_main._at_exit = True  # type: ignore[attr-defined]
+        _cleanup_registered = True
 
 
 def cleanup_main() -> None:

@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from celery_lease.stores._typing_compat import is_protocol
+
 __all__ = [
     "AsyncLockStore",
     "LeaseInfo",
@@ -311,12 +313,12 @@ def _members(protocol: type) -> tuple[tuple[str, ...], tuple[str, ...]]:
     known = _MEMBERS.get(protocol)
     if known is not None:
         return known
-    if not getattr(protocol, "_is_protocol", False):
+    if not is_protocol(protocol):
         raise TypeError(f"conforms() needs a typing.Protocol class, not {protocol!r}")
     methods: set[str] = set()
     others: set[str] = set()
     for base in protocol.__mro__:
-        if base in (object, Protocol) or not base.__dict__.get("_is_protocol", False):
+        if base in (object, Protocol) or not is_protocol(base):
             continue
         found: dict[str, Any] = dict.fromkeys(inspect.get_annotations(base))
         found.update(base.__dict__)
