@@ -62,8 +62,8 @@ _REDIS = "celery_lease.stores.redis:RedisLockStore"
 _REDIS_ASYNC = "celery_lease.stores.redis_async:AsyncRedisLockStore"
 _POSTGRES = "celery_lease.stores.postgres:PostgresLockStore"
 _POSTGRES_ASYNC = "celery_lease.stores.postgres_async:AsyncPostgresLockStore"
-_DJANGO = "celery_lease.django:DjangoStore"
-_DJANGO_ASYNC = "celery_lease.django:AsyncDjangoStore"
+_DJANGO = "celery_lease.stores.django:DjangoStore"
+_DJANGO_ASYNC = "celery_lease.stores.django:AsyncDjangoStore"
 
 SCHEMES: Mapping[str, Entry] = MappingProxyType(
     {
@@ -76,7 +76,7 @@ SCHEMES: Mapping[str, Entry] = MappingProxyType(
         "postgresql": Entry(_POSTGRES, _POSTGRES_ASYNC, "postgres", "postgresql://"),
         "postgres": Entry(_POSTGRES, _POSTGRES_ASYNC, "postgres", None),
         # Not a store of its own: the PostgreSQL or SQLite store of a database of Django's
-        # settings.DATABASES (celery_lease.django, above the stores: named, never imported).
+        # settings.DATABASES (celery_lease.stores.django, imported when a django:// URL is used).
         "django": Entry(_DJANGO, _DJANGO_ASYNC, "django", "django://<alias>"),
     }
 )

@@ -287,7 +287,7 @@ class TestImportLinterContracts:
         [
             ("_core/keys.py", "celery_lease.testing"),
             ("_celery/settings.py", "celery_lease.cli"),
-            ("stores/memory.py", "celery_lease.django"),
+            ("stores/memory.py", "celery_lease.fencing"),
         ],
     )
     def test_an_addon_imported_by_the_library_breaks_the_addon_layers(

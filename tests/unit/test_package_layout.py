@@ -117,7 +117,7 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.fencing.sqlalchemy": {"fenced_update", "fenced_upsert"},
     "celery_lease.fencing.django": {"fenced_update", "fenced_upsert"},
-    "celery_lease.django": {
+    "celery_lease.stores.django": {
         "AsyncDjangoStore",
         "DjangoStore",
         "POSTGRESQL_ENGINES",
@@ -245,9 +245,6 @@ ALLOWED_RENAMED_MODULES: dict[tuple[str, str], str] = {}
 ALLOWED_LATE_BOUND_EDGES: dict[tuple[str, str], str] = {
     ("celery_lease/_celery/worker.py", "celery_lease.metrics"): (
         "METRICS_STEP names the metrics bootstep: the Celery layer reaches the add-on above it"
-    ),
-    ("celery_lease/stores/_registry.py", "celery_lease.django"): (
-        "the django:// entry: the stores reach the add-on above them"
     ),
 }
 

@@ -266,7 +266,7 @@ class TestWorkerCheckRefusals:
         self, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """config.STORE_SCHEMES is exactly what store_from_url builds a store for."""
-        from celery_lease import django as django_databases
+        from celery_lease.stores import django as django_databases
         from celery_lease.stores import memory, postgres, redis, sqlite, store_from_url
 
         built: list[str] = []

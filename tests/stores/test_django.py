@@ -38,7 +38,7 @@ from celery_lease import (  # noqa: E402
     lease,
     store_from_url,
 )
-from celery_lease.django import async_database_store, database_store  # noqa: E402
+from celery_lease.stores.django import async_database_store, database_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -251,10 +251,10 @@ class TestRefusals:
 
 
 def test_importing_the_module_imports_no_django() -> None:
-    """``celery_lease.django`` and the store table load without Django (it is read only when a
-    ``django://`` store is built)."""
+    """``celery_lease.stores.django`` and the store table load without Django (it is read only
+    when a ``django://`` store is built)."""
     code = (
-        "import sys, celery_lease, celery_lease.django, celery_lease.stores._registry\n"
+        "import sys, celery_lease, celery_lease.stores.django, celery_lease.stores._registry\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'django'))\n"
     )
     result = subprocess.run(
