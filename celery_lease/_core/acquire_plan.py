@@ -1,10 +1,10 @@
 """The acquire plan: when to try a key, how long to pause and on which clock, when to give up,
 and which failed attempt to clean up. It does no I/O.
 
-``with`` and ``async with`` drive the one plan, :func:`acquire_steps` (as httpx's clients drive
+``with`` and ``async with`` drive one plan (as httpx's clients drive
 one ``Auth.auth_flow`` generator, and tenacity's ``Retrying`` and ``AsyncRetrying`` drive one
-``iter()``). The plan yields a step; the driver performs it with its own I/O and sends back
-the answer, or :class:`Failed` with what the call raised:
+``iter()``). The plan (:class:`AcquirePlan`) gives a step; the driver performs it with its own
+I/O and sends back the answer, or :class:`Failed` with what the call raised:
 
 - :class:`Try`: ``store.acquire(key, owner, ttl_ms)``; send the token, or ``None`` (held).
 - :class:`Pause`: wait up to ``seconds`` for the key to be freed, on the store's release
@@ -12,7 +12,7 @@ the answer, or :class:`Failed` with what the call raised:
   driver awaits its async store's ``wait_for_release`` in both cases: the wait is counted on
   the plan's clock, slept on the event loop.
 - :class:`Hold`: the key is the attempt's: build and renew the lease. On success the driver
-  is done (it never resumes the plan); send :class:`Failed` if that failed.
+  is done; send :class:`Failed` if that failed.
 
 A failed attempt (its reply lost, cancelled, or its lease never built) is released
 owner-checked on the dispatcher (the owner id is the attempt's own, so this never frees
@@ -22,7 +22,7 @@ another holder's lease), and the error is raised from the plan.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import NamedTuple
 
 from celery_lease._core.dispatch import get_dispatcher
@@ -33,12 +33,12 @@ from celery_lease.stores.base import SupportsReleaseNotify, conforms
 __all__ = [
     "POLL_FIRST",
     "POLL_MAX",
+    "AcquirePlan",
     "Failed",
     "Hold",
     "Pause",
     "Step",
     "Try",
-    "acquire_steps",
     "to_ms",
 ]
 
@@ -95,81 +95,128 @@ Step = Try | Pause | Hold
 Reply = int | None | Failed
 
 
-def acquire_steps(
-    *,
-    key: str,
-    owner: str,
-    ttl: float,
-    wait: float,
-    store: object,
-    clock: Clock,
-    wait_clock: Callable[[], Clock],
-    cancel: threading.Event | None,
-    abandon: Callable[[str], object],
-) -> Generator[Step, Reply, None]:
-    """The steps of one acquisition of ``key`` in ``store`` (the synchronous store, whose clock
-    and release notification the wait uses).
+class AcquirePlan:
+    """The decisions of one acquisition in ``store`` (the synchronous store, whose clock and
+    release notification the wait uses): :meth:`next_try` is the first step, and
+    ``send(reply)`` the step after the last one, performed with ``reply``.
 
     Tries at once, then after pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX`, until
     ``wait`` seconds have passed on the clock ``wait_clock()`` gives (asked at the first
     refusal; what the tries took until then, on ``clock``, counts against ``wait``).
-    ``abandon(owner)`` releases a failed attempt (run on the dispatcher).
+    ``abandon(owner)`` releases a failed attempt (run on the dispatcher). ``attempt`` is the
+    :class:`Try` each try sends.
 
-    Raises (from the driver's ``send``): ``LockNotAcquiredError`` when the key stays held past
-    ``wait`` (``"cancelled"`` once ``cancel`` is set, looked at before each try); the last
+    ``next_try`` and ``send`` raise ``LockNotAcquiredError`` when the key stays held past ``wait``
+    (``"cancelled"`` once ``cancel`` is set, looked at before each try); the last
     ``ReplicaLagError`` / ``RestartGraceError`` when the wait runs out on one (they are asked
-    again like a held key); whatever else a step raised.
+    again like a held key); whatever else a step raised (sent as :class:`Failed`).
     """
-    attempt = Try(key, owner, to_ms(ttl))
-    started = clock.monotonic()
-    deadline = started + wait
-    interval = POLL_FIRST
-    waits_on: Clock | None = None  # looked up at the first refusal: a free key needs none
-    notify = False
-    idle = cancel
-    tries = 0
-    while True:
-        if cancel is not None and cancel.is_set():
-            raise LockNotAcquiredError(key, "cancelled")
-        sent_at = clock.monotonic()
-        reply = yield attempt
+
+    __slots__ = (
+        "_abandon",
+        "_cancel",
+        "_clock",
+        "_deadline",
+        "_idle",
+        "_interval",
+        "_last",
+        "_notify",
+        "_sent_at",
+        "_started",
+        "_store",
+        "_tries",
+        "_try",
+        "_wait",
+        "_wait_clock",
+        "_waits_on",
+    )
+    _last: Step
+    _sent_at: float
+    _deadline: float
+    _interval: float
+
+    def __init__(
+        self,
+        attempt: Try,
+        wait: float,
+        store: object,
+        clock: Clock,
+        wait_clock: Callable[[], Clock],
+        cancel: threading.Event | None,
+        abandon: Callable[[str], object],
+    ) -> None:
+        self._try = attempt
+        self._wait, self._store, self._clock, self._wait_clock = wait, store, clock, wait_clock
+        self._cancel, self._abandon = cancel, abandon
+        self._started = clock.monotonic()
+        self._tries = 0
+        self._waits_on: Clock | None = None  # the rest is set at the first refusal
+        self._notify = False
+        self._idle: threading.Event | None = None
+
+    def send(self, reply: Reply) -> Step:
+        """The step after the last one, performed with ``reply`` (``None`` after a pause)."""
+        last = self._last
+        if type(last) is Pause:
+            return self.next_try()
+        if type(last) is Hold:  # building its lease failed
+            assert isinstance(reply, Failed)
+            self._abandon_later()
+            raise reply.error
+        step = self._after_try(reply)
+        self._last = step
+        return step
+
+    def next_try(self) -> Try:
+        """A try: the first step, and the one after each pause."""
+        if self._cancel is not None and self._cancel.is_set():
+            raise LockNotAcquiredError(self._try.key, "cancelled")
+        self._sent_at = self._clock.monotonic()
+        self._last = self._try
+        return self._try
+
+    def _after_try(self, reply: Reply) -> Hold | Pause:
         lagging = None
         if isinstance(reply, Failed):
             if not isinstance(reply.error, (ReplicaLagError, RestartGraceError)):
-                _abandon_later(abandon, owner, key)  # it may have taken effect, its reply lost
+                self._abandon_later()  # it may have taken effect, its reply lost
                 raise reply.error
             # The replicas did not confirm it (the store released it), or a restart grace
             # refused the key: asked again like a held key, raised when the wait runs out.
             lagging = reply.error
         elif reply is not None:
-            break
-        tries += 1
-        if waits_on is None:
-            waits_on = wait_clock()
-            if waits_on is not clock:
-                deadline = waits_on.monotonic() + wait - (clock.monotonic() - started)
-            # The store's notification sleeps on the store's clock.
-            notify = conforms(store, SupportsReleaseNotify) and (
-                getattr(store, "clock", waits_on) is waits_on
-            )
-            if idle is None and not notify:
-                idle = threading.Event()
-        remaining = deadline - waits_on.monotonic()
+            return Hold(self._try.owner, reply, self._tries, self._started, self._sent_at)
+        self._tries += 1
+        waits_on = self._waits_on or self._first_refusal()
+        remaining = self._deadline - waits_on.monotonic()
         if remaining <= 0:
             if lagging is not None:
-                _abandon_later(abandon, owner, key)
+                self._abandon_later()
                 raise lagging
-            raise LockNotAcquiredError(key)
-        seconds = min(interval, remaining)
-        yield Pause(seconds, None, None) if notify else Pause(seconds, waits_on, idle)
-        interval = min(interval * 2, POLL_MAX)
-    outcome = yield Hold(owner, reply, tries, started, sent_at)
-    if isinstance(outcome, Failed):
-        _abandon_later(abandon, owner, key)
-        raise outcome.error
+            raise LockNotAcquiredError(self._try.key)
+        seconds = min(self._interval, remaining)
+        self._interval = min(self._interval * 2, POLL_MAX)
+        if self._notify:
+            return Pause(seconds, None, None)
+        return Pause(seconds, waits_on, self._idle)
 
+    def _first_refusal(self) -> Clock:
+        """Look up the clock the wait is counted on, and whether the store's notification
+        sleeps on it."""
+        clock, store = self._clock, self._store
+        self._interval = POLL_FIRST
+        waits_on = self._waits_on = self._wait_clock()
+        # What the tries took until now, on the lease's clock, counts against the wait.
+        self._deadline = waits_on.monotonic() + self._wait - (clock.monotonic() - self._started)
+        self._notify = conforms(store, SupportsReleaseNotify) and (
+            getattr(store, "clock", waits_on) is waits_on
+        )
+        if not self._notify:
+            self._idle = self._cancel or threading.Event()
+        return waits_on
 
-def _abandon_later(abandon: Callable[[str], object], owner: str, key: str) -> None:
-    """On the dispatcher, so a store that just timed out does not make the caller wait for a
-    second timeout before it sees the error."""
-    get_dispatcher().submit(abandon, owner, f"clean-up of acquire {key!r}")
+    def _abandon_later(self) -> None:
+        """On the dispatcher, so a store that just timed out does not make the caller wait for
+        a second timeout before it sees the error."""
+        key, owner = self._try.key, self._try.owner
+        get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {key!r}")

@@ -32,7 +32,7 @@ import logging
 import threading
 import weakref
 from asyncio import _get_running_loop  # asyncio exports it (asyncio.__all__)
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Any, Literal, TypeVar, cast
@@ -41,13 +41,13 @@ from celery_lease import _forking as forking
 from celery_lease._core import aio
 from celery_lease._core.acquire_plan import (
     POLL_MAX,
+    AcquirePlan,
     Failed,
     Hold,
     Pause,
     Reply,
     Step,
     Try,
-    acquire_steps,
     to_ms,
 )
 from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
@@ -652,11 +652,11 @@ class LeaseContext:
         outer = self._reenter(task)
         if outer is not None:
             return outer
-        steps = self._acquire_steps()
-        step = next(steps)
+        plan = self._plan()
+        step: Step = plan.next_try()
         while type(step) is not Hold:
-            step = steps.send(self._perform(cast("Try | Pause", step)))
-        held = self._hold(steps, step, None)
+            step = plan.send(self._perform(cast("Try | Pause", step)))
+        held = self._hold(plan, step, None)
         try:
             self._push(held, task)
         except BaseException:
@@ -701,7 +701,7 @@ class LeaseContext:
         try:
             pop_frame(self._frame)
             settled, final, lapsed = key.stop()
-            reason = key.entry.lost_reason
+            reason = key.lost_reason
             if final:
                 self._finish(held, succeeded=exc is None, settled=settled)
         except BaseException:
@@ -730,19 +730,19 @@ class LeaseContext:
                 raise RuntimeError("on_lost='cancel' needs to run in an asyncio task")
             canceller = aio.Canceller(asyncio.get_running_loop(), task)
         astore = self._async_store()
-        steps = self._acquire_steps()
-        step = next(steps)
+        plan = self._plan()
+        step: Step = plan.next_try()
         while type(step) is not Hold:
             if type(step) is Pause:  # counted on the plan's clock, slept on the loop
                 await astore.wait_for_release(self.key, step.seconds)
-                step = steps.send(None)
+                step = plan.send(None)
                 continue
             try:
                 reply: Reply = await astore.acquire(*cast(Try, step))
             except BaseException as exc:
                 reply = Failed(exc)
-            step = steps.send(reply)
-        held = self._hold(steps, step, None if canceller is None else canceller.on_lost)
+            step = plan.send(reply)
+        held = self._hold(plan, step, None if canceller is None else canceller.on_lost)
         self._push(held, task)
         if canceller is not None:
             canceller.active = True
@@ -771,7 +771,7 @@ class LeaseContext:
             canceller.fired = False
             outside = canceller.take_back(exc)
         await self._aend(held, succeeded)
-        reason = held._key.entry.lost_reason
+        reason = held._key.lost_reason
         if ours:
             return aio.after_our_cancel(held.key, reason, exc, outside)
         error = self._loss_error(exc, reason)
@@ -782,8 +782,7 @@ class LeaseContext:
     async def _aend(self, held: Lease, succeeded: bool) -> None:
         """Stop renewing and release, awaiting; a rare exit that may block runs on a thread."""
         key = held._key
-        entry = key.entry
-        if entry.inflight or (succeeded and self.cooldown > 0 and entry.lost_reason is None):
+        if key.inflight or (succeeded and self.cooldown > 0 and key.lost_reason is None):
             # Waiting for a renewal in flight, or a fenced cooldown: the sync exit's steps, on a
             # thread, which finishes them even if this task is cancelled.
             end = functools.partial(self._end, held, succeeded)
@@ -842,7 +841,7 @@ class LeaseContext:
                 and outer.store is self.store
                 and outer._reenterable_by(task)
                 and not outer.lost
-                and not outer._key.entry.closed
+                and not outer._key.closed
             ):
                 self._reentered = True
                 self._lease = outer
@@ -856,7 +855,7 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def _acquire_steps(self) -> Generator[Step, Reply, None]:
+    def _plan(self) -> AcquirePlan:
         owner = make_owner(
             node=self.node,
             task=self.task,
@@ -865,16 +864,14 @@ class LeaseContext:
             ttl_ms=to_ms(self.ttl),
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
         )
-        return acquire_steps(
-            key=self.key,
-            owner=owner,
-            ttl=self.ttl,
-            wait=self.wait,
-            store=self.store,
-            clock=self.clock,
-            wait_clock=self._wait_clock,
-            cancel=self.cancel,
-            abandon=self._abandon_attempt,
+        return AcquirePlan(
+            Try(self.key, owner, to_ms(self.ttl)),
+            self.wait,
+            self.store,
+            self.clock,
+            self._wait_clock,
+            self.cancel,
+            self._abandon_attempt,
         )
 
     def _wait_clock(self) -> Clock:
@@ -882,9 +879,7 @@ class LeaseContext:
         the system clock (:func:`clock_of`)."""
         return self.wait_clock or clock_of(self.store, self.clock)
 
-    def _hold(
-        self, steps: Generator[Step, Reply, None], step: Hold, immediate: LossListener | None
-    ) -> Lease:
+    def _hold(self, plan: AcquirePlan, step: Hold, immediate: LossListener | None) -> Lease:
         """Build the Lease of the plan's ``Hold`` and start renewing it; if that fails (an
         interrupt), the plan cleans the attempt up and the error is raised.
 
@@ -917,10 +912,10 @@ class LeaseContext:
                 max_hold_at=None if self.max_hold is None else step.sent_at + self.max_hold,
                 token=step.token,
             )
-            held._entry = key.entry
+            held._entry = key
             key.start()
         except BaseException as exc:
-            steps.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
+            plan.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
             raise  # pragma: no cover - the plan raised it already
         return held
 
@@ -1009,7 +1004,7 @@ class LeaseContext:
         right after that renewal returns, since it may have landed after the cooldown.
         """
         key = held._key
-        if not (succeeded and self.cooldown > 0 and key.entry.lost_reason is None):
+        if not (succeeded and self.cooldown > 0 and key.lost_reason is None):
             self._send_release(held.owner)
             return
         self._cooling = True
