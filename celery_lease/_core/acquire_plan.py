@@ -112,29 +112,6 @@ class AcquirePlan:
     again like a held key); whatever else a step raised (sent as :class:`Failed`).
     """
 
-    __slots__ = (
-        "_abandon",
-        "_cancel",
-        "_clock",
-        "_deadline",
-        "_idle",
-        "_interval",
-        "_last",
-        "_notify",
-        "_sent_at",
-        "_started",
-        "_store",
-        "_tries",
-        "_try",
-        "_wait",
-        "_wait_clock",
-        "_waits_on",
-    )
-    _last: Step
-    _sent_at: float
-    _deadline: float
-    _interval: float
-
     def __init__(
         self,
         attempt: Try,
@@ -150,21 +127,27 @@ class AcquirePlan:
         self._cancel, self._abandon = cancel, abandon
         self._started = clock.monotonic()
         self._tries = 0
-        self._waits_on: Clock | None = None  # the rest is set at the first refusal
+        self._sent_at = self._started
+        self._last: Step = attempt
+        self._waits_on: Clock | None = None  # looked up at the first refusal
+        self._deadline = self._interval = 0.0
         self._notify = False
         self._idle: threading.Event | None = None
 
     def send(self, reply: Reply) -> Step:
         """The step after the last one, performed with ``reply`` (``None`` after a pause)."""
         last = self._last
+        if type(reply) is int and last is self._try:  # the usual answer: the key is ours
+            step: Step = Hold(last.owner, reply, self._tries, self._started, self._sent_at)
+            self._last = step
+            return step
         if type(last) is Pause:
             return self.next_try()
         if type(last) is Hold:  # building its lease failed
             assert isinstance(reply, Failed)
             self._abandon_later()
             raise reply.error
-        step = self._after_try(reply)
-        self._last = step
+        step = self._last = self._after_try(reply)
         return step
 
     def next_try(self) -> Try:

@@ -163,12 +163,9 @@ def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
     WARNING once per store class. A wrapper store that forwards ``clock`` to the store it wraps
     gives that store's clock.
 
-    A wait for a held key of ``store`` is measured and slept on this clock too, with the lease's
-    ``clock=`` as ``default``: a memory store's ``wait_for_release`` sleeps on its clock, and the
-    holder's lease expires by it, so a deadline read from another clock is never reached when
-    the store's is a ``FakeClock`` nobody advances (a task's ``lock_wait`` on the pytest
-    plugin's ``lease_store``). (An ``async with`` counts its wait on that clock while it sleeps
-    on its event loop.)
+    A wait for a held key of ``store`` is counted on this clock too (the lease's ``clock=`` as
+    ``default``), by ``with`` and ``async with``: the holder's lease expires by it, so a
+    deadline read from another clock would not be reached when the test moves the store's.
     """
     try:
         own = getattr(store, "clock", None)
