@@ -112,6 +112,11 @@ class AcquirePlan:
     again like a held key); whatever else a step raised (sent as :class:`Failed`).
     """
 
+    __slots__ = (
+        "_abandon", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
+        "_sent_at", "_started", "_store", "_tries", "_try", "_wait", "_wait_clock", "_waits_on",
+    )  # fmt: skip
+
     def __init__(
         self,
         attempt: Try,

@@ -5,8 +5,9 @@ action (a release, a cooldown, a keep), fenced against a renewal still in flight
 
 ::
 
-    held = HeldKey(store, key, owner, ttl, clock=clock, sent_at=sent_at, on_lost=on_lost)
-    held.start()                                   # renewed every ttl/3 from here
+    held = HeldKey(store=store, key=key, owner=owner, ttl=ttl, sent_at=sent_at,
+                   max_hold_at=None, on_lost=on_lost)  # Entry's arguments
+    held.start(clock)                              # renewed every ttl/3 from here
     settled, final, lapsed = held.stop()           # the holder is done with it
     if final:
         store.release(key, owner)                  # or a keep: store.renew(key, owner, ms)
@@ -25,56 +26,25 @@ __all__ = ["HeldKey"]
 
 
 class HeldKey(Entry):
-    """``key`` held by ``owner`` in ``store`` (synchronous) for ``ttl`` seconds, counted from
-    ``sent_at`` (the acquire or renewal that holds it, in seconds of ``clock``, the clock its
-    renewer runs on). ``on_lost(reason)`` is called once when a loss is recorded, on the thread
-    that recorded it. It is the renewer's :class:`~celery_lease._core.renewer.Entry` (whose
-    fields it reads), with the holder's steps as methods; ``renew_at``: when to renew it first
-    (default ``sent_at`` + ``ttl``/3).
-    """
+    """A held key (built as the renewer's :class:`~celery_lease._core.renewer.Entry`, whose
+    fields it reads) with its holder's steps as methods."""
 
-    __slots__ = ("clock",)
-
-    def __init__(
-        self,
-        store: object,
-        key: str,
-        owner: str,
-        ttl: float,
-        *,
-        clock: Clock,
-        sent_at: float,
-        on_lost: Callable[[str], None],
-        max_hold_at: float | None = None,
-        token: int | None = None,
-        free_on_loss: bool = True,
-        renew_at: float | None = None,
-    ) -> None:
-        super().__init__(
-            store=store,
-            key=key,
-            owner=owner,
-            ttl=ttl,
-            sent_at=sent_at,
-            max_hold_at=max_hold_at,
-            on_lost=on_lost,
-            token=token,
-            free_on_loss=free_on_loss,
-        )
-        self.clock = clock
-        if renew_at is not None:
-            self.due = renew_at
+    __slots__ = ()
 
     def _renewer(self) -> Renewer:
         renewer = self.renewer
         assert renewer is not None, "HeldKey.start() was not called"
         return renewer
 
-    def start(self) -> None:
-        """Hand it to the renewer of its clock and store. If an interrupt cuts this short, it
-        is never renewed, and the interrupt propagates (the caller releases the key)."""
+    def start(self, clock: Clock, *, renew_at: float | None = None) -> None:
+        """Hand it to the renewer of ``clock`` and its store, which renews it first at
+        ``renew_at`` (clock seconds; default a third of its ttl after it was sent). If an
+        interrupt cuts this short, it is never renewed, and the interrupt propagates (the
+        caller releases the key)."""
+        if renew_at is not None:
+            self.due = renew_at
         try:
-            get_renewer(self.clock, self.store).add(self)
+            get_renewer(clock, self.store).add(self)
         except BaseException:
             if self.renewer is not None:
                 self.renewer.abandon(self)

@@ -827,6 +827,8 @@ class LeaseContext:
         """
         top = current_frame.get()
         frame = top
+        if frame is None:
+            return None
         mine = forking.generation()
         # Frames below the first foreign one are foreign too (pushed before the fork). A frame
         # whose lease has ended (left behind by an exit that an interrupt cut short) is never
@@ -898,19 +900,17 @@ class LeaseContext:
                 held._listeners = [(immediate, True)]
             elif self.on_lost is not None:
                 held._listeners = [(self.on_lost, False)]
-            held._key = key = HeldKey(
-                self.store,
-                self.key,
-                step.owner,
-                self.ttl,
-                clock=self.clock,
+            held._key = held._entry = key = HeldKey(
+                store=self.store,
+                key=self.key,
+                owner=step.owner,
+                ttl=self.ttl,
                 sent_at=step.sent_at,
-                on_lost=held._notify_lost,
                 max_hold_at=None if self.max_hold is None else step.sent_at + self.max_hold,
+                on_lost=held._notify_lost,
                 token=step.token,
             )
-            held._entry = key
-            key.start()
+            key.start(self.clock)
         except BaseException as exc:
             plan.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
             raise  # pragma: no cover - the plan raised it already

@@ -7,10 +7,16 @@ from celery_lease.testing import FakeClock
 from tests.unit.conftest import SpyStore
 
 
-def held(store: SpyStore, clock: FakeClock, lost: list[str], **options: object) -> HeldKey:
+def held(store: SpyStore, clock: FakeClock, lost: list[str]) -> HeldKey:
     assert store.acquire("k", "me", 3000) is not None
     return HeldKey(
-        store, "k", "me", 3, clock=clock, sent_at=clock.monotonic(), on_lost=lost.append, **options
+        store=store,
+        key="k",
+        owner="me",
+        ttl=3,
+        sent_at=clock.monotonic(),
+        max_hold_at=None,
+        on_lost=lost.append,
     )
 
 
@@ -21,7 +27,7 @@ class TestHeldKey:
         """Started, it is renewed at ttl/3; stopped, its holder sends the final action."""
         lost: list[str] = []
         key = held(store, clock, lost)
-        key.start()
+        key.start(clock)
         clock.advance(1.0)
         store.wait_renewals(1)
         settled, final, lapsed = key.stop()
@@ -33,8 +39,8 @@ class TestHeldKey:
 
     def test_renew_at_renews_it_at_once(self, store: SpyStore, clock: FakeClock) -> None:
         """``renew_at`` now: the first renewal does not wait for ttl/3."""
-        key = held(store, clock, [], renew_at=clock.monotonic())
-        key.start()
+        key = held(store, clock, [])
+        key.start(clock, renew_at=clock.monotonic())
         store.wait_renewals(1)
         key.stop()
         store.release("k", "me")
@@ -43,7 +49,7 @@ class TestHeldKey:
         """``record`` then ``notify`` tells ``on_lost``; a second record is refused."""
         lost: list[str] = []
         key = held(store, clock, lost)
-        key.start()
+        key.start(clock)
         assert key.record("released") and not key.record("again")
         assert key.settle() and key.claim_final()
         store.release("k", "me")
