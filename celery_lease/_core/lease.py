@@ -973,26 +973,32 @@ class LeaseContext:
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def _send_release(self, owner: str) -> None:
-        """Release the key owner-checked; a store error is logged (the key expires by itself).
+        """Release the key owner-checked (without waiting for the reply where asked and the
+        store can); a store error is logged (the key expires by itself)."""
+        self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
+
+    def _release(self, owner: str) -> None:
+        store = self.store
+        if not (
+            self._defer_release
+            and conforms(store, SupportsDeferredRelease)
+            and cast(SupportsDeferredRelease, store).release_deferred(self.key, owner)
+        ):
+            store.release(self.key, owner)
+
+    def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
+        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error).
 
         A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
         lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
         """
         try:
-            store = self.store
-            if (
-                self._defer_release
-                and conforms(store, SupportsDeferredRelease)
-                and cast(SupportsDeferredRelease, store).release_deferred(self.key, owner)
-            ):
-                return
-            store.release(self.key, owner)
+            return call(owner)
         except LockLostError:
             raise
         except Exception as exc:
-            logger.warning(
-                "celery-lease: releasing %r failed (%s); it expires within its ttl", self.key, exc
-            )
+            logger.warning("celery-lease: " + failed, self.key, exc)
+            return None
 
     def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
         """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
@@ -1015,39 +1021,29 @@ class LeaseContext:
     def _cool_down(self, owner: str, until: float) -> None:
         """Keep the key taken until ``until`` (clock seconds); never raise a store error."""
         left = until - self.clock.monotonic()
-        try:
-            if left <= 0:
-                self.store.release(self.key, owner)
-            elif not self.store.renew(self.key, owner, to_ms(left)):
-                logger.warning(
-                    "celery-lease: the cooldown of %r was not applied: the store no longer"
-                    " records this holder (%s), so the key may already be free or taken",
-                    self.key,
-                    owner,
-                )
-        except LockLostError:
-            raise  # an interrupt delivered inside the call, not a store error: see _send_release
-        except Exception as exc:
+        ms = to_ms(left)
+        store, key = self.store, self.key
+        renewed = self._quietly(
+            "setting the cooldown of %r failed (%s); the key frees itself within its ttl",
+            (lambda o: store.release(key, o)) if left <= 0 else (lambda o: store.renew(key, o, ms)),
+            owner,
+        )
+        if renewed is False:
             logger.warning(
-                "celery-lease: setting the cooldown of %r failed (%s); the key frees itself"
-                " within its ttl",
+                "celery-lease: the cooldown of %r was not applied: the store no longer"
+                " records this holder (%s), so the key may already be free or taken",
                 self.key,
-                exc,
+                owner,
             )
 
     def _abandon_attempt(self, owner: str) -> None:
         """Best-effort release of an attempt that failed (or whose reply was lost)."""
-        try:
-            self.store.release(self.key, owner)
-        except LockLostError:
-            raise  # an interrupt delivered inside the call, not a store error: see _send_release
-        except Exception as exc:
-            logger.warning(
-                "celery-lease: acquiring %r failed, and releasing that attempt failed too (%s);"
-                " if it took effect, it expires within its ttl",
-                self.key,
-                exc,
-            )
+        self._quietly(
+            "acquiring %r failed, and releasing that attempt failed too (%s); if it took"
+            " effect, it expires within its ttl",
+            functools.partial(self.store.release, self.key),
+            owner,
+        )
 
 
 def lease(
