@@ -18,8 +18,10 @@ import pytest
 import celery_lease
 from celery_lease import (
     LockNotAcquiredError,
+    MemoryLockStore,
     ReplicaLagError,
     StoreUnavailableError,
+    ThreadedAsyncStore,
     lease,
 )
 from celery_lease._core.dispatch import drain
@@ -192,3 +194,43 @@ def test_both_drivers_follow_the_same_plan(case: Scenario, enter: object) -> Non
     if case.outcome is None:
         expected.append(sync.owners[-1])  # the exit's release
     assert sync.released == expected
+
+
+class PauseNoting(ThreadedAsyncStore):
+    """A thread adapter that counts the pauses of waiters and sets ``pausing`` at each."""
+
+    pausing: asyncio.Event
+    pauses = 0
+
+    async def wait_for_release(self, key: str, timeout: float) -> bool:
+        self.pauses += 1
+        self.pausing.set()
+        return await super().wait_for_release(key, timeout)
+
+
+def test_an_async_wait_on_the_plugin_store_ends_when_its_clock_passes_the_wait(
+    lease_store: MemoryLockStore, lease_clock: FakeClock
+) -> None:
+    """``async with lease(key, wait="5s")`` on the plugin's store counts its wait on
+    ``lease_clock``, as ``with`` does: it gives up at the first try after the test moved that
+    clock by 5 s (not after 5 s of the event loop's time, pausing all the while)."""
+    lease_store.acquire("report", "another-worker", 60_000)
+    store = PauseNoting(lease_store)
+
+    async def enter() -> None:
+        async with lease("report", store=store, wait="5s"):
+            pass
+
+    async def main() -> None:
+        store.pausing = asyncio.Event()
+        waiter = asyncio.create_task(enter())
+        await store.pausing.wait()
+        lease_clock.advance(5)
+        await asyncio.wait_for(waiter, REAL_TIMEOUT)
+
+    try:
+        with pytest.raises(LockNotAcquiredError):
+            asyncio.run(main())
+        assert store.pauses == 1
+    finally:
+        lease_store.force_release("report")
