@@ -1,46 +1,15 @@
-"""asyncio support: ``async with lease(...)`` and ``@lease(...)`` on ``async def`` functions.
+"""What only ``async with lease(...)`` needs: the canceller of ``on_lost="cancel"`` and the
+awaited release. The user's guide is ``docs/asyncio.md``.
 
-::
-
-    async with lease("cache:prices", store=store, ttl="30s", wait="5s") as held:
-        await rebuild(fence=held.token)
-
-The options and guarantees are those of the synchronous :func:`~celery_lease._core.lease`; what
-differs is where things run:
-
-- **Acquiring and waiting** are awaited on the event loop and never block it: an
-  :class:`~celery_lease.stores.base.AsyncLockStore` is awaited directly, a synchronous
-  :class:`~celery_lease.LockStore` is wrapped in a :class:`ThreadedAsyncStore` (its short calls
-  run on the loop's default executor). Between tries the waiter awaits the store's
-  ``wait_for_release`` with the same backoff as ``with`` (50 ms doubling to 1 s).
-  Cancelling the waiting task stops the wait; an attempt whose reply the cancel cut off is
-  released owner-checked, so nothing is left held.
-- **Renewal** stays on the renewer thread of the store's synchronous twin
-  (``store.sync``): an event loop blocked by other tasks does not lose the lease.
-- **Release** is awaited on the loop. When the exit is cancelled (or the release fails) the
-  release is done again on the dispatcher thread through ``store.sync``: a lease is never
-  leaked, and the cancellation propagates as ``CancelledError``.
-- **Loss** is reported as for the sync lease (``held.lost``, ``held.check()``, ``on_lost`` on the
-  dispatcher). With ``on_lost="cancel"`` the task that entered the block is cancelled (from the
-  thread that recorded the loss, with ``loop.call_soon_threadsafe``) and the block ends with
-  :class:`~celery_lease.LockLostError` instead of ``CancelledError``. A cancellation from
-  outside (a timeout, a TaskGroup, a closed connection) still propagates as ``CancelledError``.
-
-The lease of the block is the current lease (:func:`~celery_lease.current_lease`,
-:func:`~celery_lease.get_lock_token`) in the block's task and in the tasks it creates (they
-copy its context). Only the task that entered the block re-enters its lease (a nested
-``async with`` on the same key and store); a task created in the block that enters ``lease()``
-on that key is another holder and waits for it, since it runs concurrently with the body (awaiting
-such a task inside the block waits until its ``wait`` runs out).
-
-``async with`` drives the same acquire plan as ``with``
-(:mod:`celery_lease._core.acquire_plan`: tries, backoff, the wait's clock and deadline, the
-clean-up of a failed attempt) from :meth:`~celery_lease._core.lease.LeaseContext.__aenter__`;
-the wait is counted on the same clock (the lease's ``clock=``, else the store's own, else the
-system clock), and each pause is slept on the event loop (the async store's
-``wait_for_release``), so a wait on a store's ``FakeClock`` runs out once the test moves that
-clock past it, within one pause of real time. This module holds what only ``async with``
-needs: the canceller of ``on_lost="cancel"`` and the awaited release.
+``async with`` drives the acquire plan of ``with`` (:mod:`celery_lease._core.acquire_plan`)
+from :meth:`~celery_lease._core.lease.LeaseContext.__aenter__`, awaiting the store between its
+steps: an :class:`~celery_lease.stores.base.AsyncLockStore` directly, a synchronous store
+through a :class:`ThreadedAsyncStore`. The wait is counted on the plan's clock and each pause is
+slept on the event loop. Renewal stays on the renewer thread of the store's synchronous twin.
+The release is awaited; when it is cancelled or fails it is done again on the dispatcher
+through ``store.sync``. With ``on_lost="cancel"`` a loss cancels the task that entered the
+block (:class:`Canceller`, from the thread that recorded it), which then ends with
+:class:`~celery_lease.LockLostError`; a cancellation from outside still propagates.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
 """
