@@ -38,7 +38,7 @@ def defer_on(context: LeaseContext) -> None:
     store = context.store
     if can_release_deferred(store):
         deferring[id(store)] = store
-        context.defer_release = True
+        context.release_without_reply()
 
 
 def flush_deferred_releases() -> None:

@@ -15,8 +15,9 @@ contract itself stays strict. After ``fork`` the child ignores the leases of its
 are not its current lease, not re-entered, and never renewed or released from the child,
 whether or not the fork ran Python's at-fork hooks (:func:`celery_lease._forking.generation`).
 
-Loss is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on
-the
+When to try and how long to wait is the acquire plan's (:mod:`celery_lease._core.acquire_plan`);
+the key's renewal and final release are a :class:`~celery_lease._core.held_key.HeldKey`'s. Loss
+is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on the
 dispatcher (:mod:`celery_lease._core.dispatch`), never on the renewer or the watchdog.
 
 The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
@@ -24,30 +25,39 @@ The threads, locks and fork resets this module takes part in: ``docs/internals.m
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import logging
 import threading
 import weakref
-from asyncio import _get_running_loop, current_task  # asyncio exports both (asyncio.__all__)
-from collections.abc import Awaitable, Callable
+from asyncio import _get_running_loop  # asyncio exports it (asyncio.__all__)
+from collections.abc import Callable
 from contextvars import ContextVar
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 from celery_lease import _forking as forking
-from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, make_owner
-from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN, Entry, Renewer, get_renewer
-from celery_lease.clock import SYSTEM_CLOCK, Clock
-from celery_lease.durations import Duration, to_seconds
-from celery_lease.errors import (
-    LeaseConfigError,
-    LockLostError,
-    LockNotAcquiredError,
-    ReplicaLagError,
-    RestartGraceError,
+from celery_lease._core import aio
+from celery_lease._core.acquire_plan import (
+    POLL_MAX,
+    AcquirePlan,
+    Failed,
+    Hold,
+    Pause,
+    Reply,
+    Step,
+    Try,
+    to_ms,
 )
+from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
+from celery_lease._core.dispatch import get_dispatcher
+from celery_lease._core.held_key import HeldKey
+from celery_lease._core.owners import make_owner
+from celery_lease._core.renewer import Entry
+from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.durations import Duration
+from celery_lease.errors import LeaseConfigError, LockLostError
 from celery_lease.stores.base import (
     AsyncLockStore,
     LockStore,
@@ -57,20 +67,22 @@ from celery_lease.stores.base import (
     conforms,
 )
 
-__all__ = ["Lease", "clock_of", "current_lease", "get_lock_token", "lease", "new_owner_id"]
+# POLL_MAX and check_ttl: read from here by the Celery layer and tests (their home is above).
+__all__ = [
+    "POLL_MAX",
+    "Lease",
+    "LeaseContext",
+    "check_ttl",
+    "clock_of",
+    "current_lease",
+    "get_lock_token",
+    "lease",
+    "offers",
+]
 
 logger = logging.getLogger("celery_lease.lease")
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-POLL_FIRST = 0.05
-"""Seconds before the first re-try of a held key; doubles after each try."""
-
-POLL_MAX = 1.0
-"""The longest interval, in seconds, between two tries of a held key."""
-
-MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
-"""Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
 
 
 class Frame:
@@ -151,12 +163,9 @@ def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
     WARNING once per store class. A wrapper store that forwards ``clock`` to the store it wraps
     gives that store's clock.
 
-    A wait for a held key of ``store`` is measured and slept on this clock too, with the lease's
-    ``clock=`` as ``default``: a memory store's ``wait_for_release`` sleeps on its clock, and the
-    holder's lease expires by it, so a deadline read from another clock is never reached when
-    the store's is a ``FakeClock`` nobody advances (a task's ``lock_wait`` on the pytest
-    plugin's ``lease_store``). (An ``async with`` counts its wait on that clock while it sleeps
-    on its event loop.)
+    A wait for a held key of ``store`` is counted on this clock too (the lease's ``clock=`` as
+    ``default``), by ``with`` and ``async with``: the holder's lease expires by it, so a
+    deadline read from another clock would not be reached when the test moves the store's.
     """
     try:
         own = getattr(store, "clock", None)
@@ -174,108 +183,6 @@ def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
             )
         return default
     return own if own is not None and is_clock(own) else default
-
-
-def new_owner_id(
-    *,
-    node: str | None = None,
-    task: str | None = None,
-    task_id: str | None = None,
-    label: str | None = None,
-) -> str:
-    """A fresh owner id: ``host/pid/<16 hex>`` plus holder fields (see ``make_owner``).
-
-    Unique per call (per acquisition attempt): a store's idempotent re-acquire by the same owner
-    relies on it. ``node``, ``task``, ``task_id`` and ``label`` are recorded in the id, readable
-    with :func:`~celery_lease._core.owners.parse_owner` (``celery lease list`` shows them).
-    """
-    return make_owner(node=node, task=task, task_id=task_id, label=label)
-
-
-def to_ms(seconds: float) -> int:
-    return max(1, round(seconds * 1000))
-
-
-class _CancelBody:
-    """The value ``lease()`` keeps for ``on_lost="cancel"``: a marker, and a no-op listener.
-
-    The cancel itself is an immediate loss listener installed by ``async with`` for the task
-    that entered (:mod:`celery_lease._core.aio`); this object only stands in the context's
-    ``on_lost`` slot (where a plain callable is expected), so calling it does nothing.
-    """
-
-    __slots__ = ()
-
-    def __call__(self, lease: Lease) -> None:
-        return None
-
-    def __repr__(self) -> str:
-        return "'cancel'"
-
-
-CANCEL = _CancelBody()
-"""What ``lease(on_lost="cancel")`` stores as its ``on_lost`` (a sync ``with`` refuses it)."""
-
-
-def is_async_store(store: object) -> bool:
-    """True for an :class:`~celery_lease.stores.base.AsyncLockStore` (cached per class, but for
-    a class delegating through ``__getattr__``)."""
-    cls = type(store)
-    known = _ASYNC_CLASSES.get(cls)
-    if known is None:
-        known = conforms(store, AsyncLockStore)
-        if not hasattr(cls, "__getattr__"):  # a delegating wrapper answers per wrapped store
-            _ASYNC_CLASSES[cls] = known
-    return known
-
-
-_ASYNC_CLASSES: dict[type, bool] = {}
-
-
-def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
-    """``(store, store.sync)`` for an AsyncLockStore given to ``lease()``, else ``(None, store)``.
-
-    Raises:
-        LeaseConfigError: when the async store's ``sync`` is not a synchronous LockStore.
-    """
-    if not is_async_store(store):
-        return None, store
-    twin = store.sync
-    if not conforms(twin, LockStore) or is_async_store(twin):
-        raise LeaseConfigError(
-            f"store={store!r} is an AsyncLockStore whose .sync ({twin!r}) is not a synchronous"
-            " LockStore: the renewer thread renews through it"
-        )
-    return store, twin
-
-
-class AsyncPath(NamedTuple):
-    """The awaiting half of ``async with`` on a :class:`LeaseContext`.
-
-    :mod:`celery_lease._core.aio` provides it and ``celery_lease._core`` installs it when the
-    package is imported (:func:`install_async_path`): the async code builds on this module's
-    steps, so this module cannot import it.
-    """
-
-    aenter: Callable[[LeaseContext], Awaitable[tuple[Lease, object]]]
-    """Enter ``ctx``: returns the lease and what ``aexit`` is given back for this block."""
-    aexit: Callable[[LeaseContext, object, BaseException | None], Awaitable[bool]]
-    """Exit ``ctx``, given what ``aenter`` returned for the block and the block's exception."""
-
-
-_async_path: AsyncPath | None = None
-
-
-def install_async_path(path: AsyncPath) -> None:
-    """Make ``path`` what ``async with`` on every :class:`LeaseContext` awaits."""
-    global _async_path
-    _async_path = path
-
-
-def _installed_async_path() -> AsyncPath:
-    if _async_path is None:  # pragma: no cover - celery_lease._core installs it on import
-        raise RuntimeError("'async with lease(...)' needs celery_lease._core.aio, not installed")
-    return _async_path
 
 
 LossListener = Callable[["Lease"], object]
@@ -318,6 +225,7 @@ class Lease:
         self.acquired_at = acquired_at
         self._clock = clock
         self._entry: Entry | None = None
+        self._key: HeldKey  # set by LeaseContext._hold (its entry is _entry)
         # Made by the first wait_lost() only (most leases are never waited on); _notified says
         # the loss was announced, so an event made after the announcement starts set.
         self._lost_event: threading.Event | None = None
@@ -525,18 +433,21 @@ class Lease:
 
 class LeaseContext:
     """The object :func:`lease` returns: a context manager (``with`` and ``async with``), and a
-    decorator.
+    decorator (``@lease(...)``, a fresh context per call).
 
-    ``with`` and ``async with`` take the same steps and differ only in how they wait for the
-    store: the steps that decide (which lease a nested block re-enters, building and renewing
-    an acquired lease, how the exit ends it and what it raises) are the public methods below
-    the context-manager ones, which the awaiting half (:mod:`celery_lease._core.aio`) calls
-    between its awaits. Application code has no need of them.
+    ``with`` and ``async with`` drive the same acquire plan
+    (:mod:`celery_lease._core.acquire_plan`) and take the same steps around it; they differ
+    only in how they call the store (see :mod:`celery_lease._core.aio`).
 
     Attributes:
+        key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: the arguments of
+            :func:`lease`, checked (durations in seconds; ``store`` is the synchronous store).
         async_store: the :class:`~celery_lease.stores.base.AsyncLockStore` ``async with``
             awaits: the one given to :func:`lease`, else an adapter of ``store`` made on first
             use (``None`` until then).
+        names_holder: set by the Celery layer: each attempt asks
+            :meth:`~celery_lease.stores.base.SupportsAcquireOrHolder.acquire_or_holder`, and
+            ``refused_by`` is the owner id the last refusal named (``None``: none named).
     """
 
     def __init__(
@@ -566,35 +477,25 @@ class LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
-        # The clock a wait for a held key is measured and slept on: None for the store's own
-        # clock where it has one, else ``clock`` (see clock_of).
+        # The clock a wait is measured on: None for the store's own clock where it has one,
+        # else ``clock`` (see clock_of).
         self.wait_clock = wait_clock
-        # Recorded in the owner id of each acquisition (celery_lease._core.owners.make_owner): the
-        # label is lease()'s holder= text.
+        # Recorded in the owner id of each acquisition (owners.make_owner).
         self.label = label
         self.node = node
         self.task = task
         self.task_id = task_id
+        self.async_store: AsyncLockStore | None = None
+        self.names_holder = False
+        self.refused_by: str | None = None
         self._lease: Lease | None = None
         self._frame: Frame | None = None  # the frame this context pushed
         self._reentered = False
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False  # release_early() recorded the end: the exit raises nothing
-        self.async_store: AsyncLockStore | None = None
-        self._async_state: object = None  # what the async path's aenter gave for its aexit
-        # The caller publishes nothing that depends on the key being free until the store's
-        # deferred replies are read (celery_lease._celery.deferral decides): the release may then
-        # go out
-        # without waiting for its reply (SupportsDeferredRelease).
-        self.defer_release = False
-        # The caller needs to know who refused the key (a unique copy telling a second delivery
-        # of itself from a rejection; celery_lease._celery.unique decides which stores may
-        # answer through acquire_or_holder): each attempt then goes through
-        # SupportsAcquireOrHolder.acquire_or_holder, and ``refused_by`` is the owner id the
-        # last refused attempt named, read in the same atomic step as the refusal.
-        self.names_holder = False
-        self.refused_by: str | None = None
+        self._defer_release = False
+        self._canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
 
     # Decorator --------------------------------------------------------------------------------
 
@@ -637,6 +538,8 @@ class LeaseContext:
             )
         return False
 
+    # Public members ---------------------------------------------------------------------------
+
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
         context = LeaseContext(
@@ -670,97 +573,29 @@ class LeaseContext:
         releases nothing and raises nothing for the loss."""
         return self._released_early
 
-    # Context manager --------------------------------------------------------------------------
+    @property
+    def defer_release(self) -> bool:
+        """True once :meth:`release_without_reply` was called: the release goes out without
+        waiting for its reply where the store can."""
+        return self._defer_release
 
-    def __enter__(self) -> Lease:
-        if self.on_lost is CANCEL:
-            raise LeaseConfigError(
-                f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
-                " def): a plain 'with' has no asyncio task to cancel; pass a callable instead"
-            )
-        self.mark_entered()
-        task = _running_task()
-        outer = self.reenter(task)
-        if outer is not None:
-            return outer
-        held = self._acquire()
-        try:
-            self.push(held, task)
-        except BaseException:
-            # An asynchronous exception (the interrupt of an enclosing lease, a soft time
-            # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
-            self._end_interrupted(held)
-            raise
-        return held
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> Literal[False]:
-        held = self._lease
-        assert held is not None
-        if self._reentered or held._gen != forking.generation():
-            pop_frame(self._frame)
-            return False  # the outer context (or, after a fork, the parent) owns the lease
-        entry = held._entry
-        assert entry is not None and entry.renewer is not None
-        renewer = entry.renewer
-        try:
-            pop_frame(self._frame)
-            settled, final, lapsed = renewer.remove(entry)
-            reason = entry.lost_reason
-            if final:
-                self._finish(held, entry, succeeded=exc is None, settled=settled)
-        except BaseException:
-            # An asynchronous exception landed in this bookkeeping: the lease must end all
-            # the same (not renewed for ever, not left on the stack), then it propagates.
-            self._end_interrupted(held)
-            raise
-        if lapsed is not None:  # validity ran out before the renewer noticed; told after release
-            Renewer.notify(entry, lapsed)
-        error = self.loss_error(exc, reason)
-        if error is not None:
-            raise error from exc
-        return False
-
-    def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
-        """End ``held`` after an asynchronous exception cut its enter, exit or early release short.
-
-        Pops this context's frame (``pop``: not for an early release, whose body still runs in
-        the ``with`` block), stops the renewal whatever state the entry was left in,
-        and releases the key owner-checked (again, if the release was under way: a release is
-        idempotent) unless a cooldown was begun. Never raises: the exception that brought us
-        here is the one to propagate.
-        """
-        try:
-            if pop:
-                pop_frame(self._frame)
-            entry = held._entry
-            reason = None
-            if entry is not None and entry.renewer is not None:
-                reason = entry.renewer.abandon(entry)
-            if not self._cooling:
-                self.send_release(held)
-            if reason is not None and entry is not None:
-                Renewer.notify(entry, reason)
-        except BaseException:  # pragma: no cover - a second interrupt: the first one goes on
-            logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
+    def release_without_reply(self) -> None:
+        """Send this context's release without waiting for its reply, where the store can
+        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`; the caller reads the
+        replies). For a caller that publishes nothing depending on the key being free until
+        then (:mod:`celery_lease._celery.deferral` decides)."""
+        self._defer_release = True
 
     def release_early(self, reason: str = "released") -> bool:
         """End the held lease now, while the body may still run; the exit then only pops it.
 
         For the Celery layer when a running task re-sends its own id (``retry``): the new
         message must not find the key held by this execution. In order: records the loss with
-        ``reason`` (so ``lost`` reads True and ``check()`` raises before the key is free),
-        waits for a renewal of this lease already in flight (see
-        :meth:`~celery_lease._core.renewer.Renewer.settle`), releases the key owner-checked, and
-        runs
-        the loss listeners. A later ``__exit__`` releases nothing and raises nothing for it.
-
-        A release the store fails is logged, not raised: the key then frees itself within its
-        ttl (nobody renews it any more).
+        ``reason`` (``lost`` reads True and ``check()`` raises before the key is free), waits
+        for a renewal of this lease in flight
+        (:meth:`~celery_lease._core.renewer.Renewer.settle`), releases the key owner-checked,
+        runs the loss listeners. A later exit releases nothing and raises nothing for it. A
+        release the store fails is logged (the key frees itself within its ttl).
 
         Args:
             reason: the ``lost_reason`` to record (default ``"released"``).
@@ -781,211 +616,134 @@ class LeaseContext:
             raise RuntimeError("release_early() needs an entered lease() context")
         if held._gen != forking.generation():
             return False
-        entry = held._entry
-        assert entry is not None and entry.renewer is not None
-        renewer = entry.renewer
-        recorded = renewer.record(entry, reason)
+        key = held._key
+        recorded = key.record(reason)
         if recorded:  # this call notifies, below: its log line says the holder let go
             held._released_early = True
         self._released_early = self._released_early or recorded
         try:
             if recorded:
-                renewer.settle(entry)
-            if renewer.claim_final(entry):
-                self.send_release(held)
+                key.settle()
+            if key.claim_final():
+                self._send_release(held.owner)
         except BaseException:
             self._end_interrupted(held, pop=False)  # an interrupt cut the release short: again
             raise
         if recorded:
-            Renewer.notify(entry, reason)
+            key.notify(reason)
         return recorded
-
-    def send_release(self, held: Lease) -> None:
-        """Release the key owner-checked; a store error is logged (the key expires by itself).
-
-        A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
-        lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
-        """
-        try:
-            store = self.store
-            if (
-                self.defer_release
-                and conforms(store, SupportsDeferredRelease)
-                and cast(SupportsDeferredRelease, store).release_deferred(held.key, held.owner)
-            ):
-                return
-            store.release(held.key, held.owner)
-        except LockLostError:
-            raise
-        except Exception as exc:
-            logger.warning(
-                "celery-lease: releasing %r failed (%s); it expires within its ttl", held.key, exc
-            )
-
-    def _finish(self, held: Lease, entry: Entry, *, succeeded: bool, settled: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
-
-        When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
-        right after that renewal returns, since it may have landed after the cooldown.
-        """
-        if not (succeeded and self.cooldown > 0 and entry.lost_reason is None):
-            self.send_release(held)
-            return
-        self._cooling = True
-        until = self.clock.monotonic() + self.cooldown
-        self._cool_down(held, until)
-        if not settled:
-            redo = functools.partial(self._cool_down, held, until)
-            assert entry.renewer is not None
-            if not entry.renewer.fence(entry, redo):
-                redo()
-
-    def _cool_down(self, held: Lease, until: float) -> None:
-        """Keep the key taken until ``until`` (clock seconds); never raise."""
-        left = until - self.clock.monotonic()
-        try:
-            if left <= 0:
-                self.store.release(held.key, held.owner)
-            elif not self.store.renew(held.key, held.owner, to_ms(left)):
-                logger.warning(
-                    "celery-lease: the cooldown of %r was not applied: the store no longer"
-                    " records this holder (%s), so the key may already be free or taken",
-                    held.key,
-                    held.owner,
-                )
-        except LockLostError:
-            raise  # an interrupt delivered inside the call, not a store error: see _release
-        except Exception as exc:
-            logger.warning(
-                "celery-lease: setting the cooldown of %r failed (%s); the key frees itself"
-                " within its ttl",
-                held.key,
-                exc,
-            )
-
-    def _acquire(self) -> Lease:
-        clock, store = self.clock, self.store
-        owner = self.new_owner()
-        ttl_ms = to_ms(self.ttl)
-        started = clock.monotonic()
-        deadline = started + self.wait
-        interval = POLL_FIRST
-        # Looked up at the first held answer only: a free key (the usual case) needs neither.
-        notify: bool | None = None
-        waits_on: Clock | None = None
-        idle = self.cancel
-        tries = 0
-        lagging: ReplicaLagError | RestartGraceError | None = None
-        while True:
-            if self.cancel is not None and self.cancel.is_set():
-                raise LockNotAcquiredError(self.key, "cancelled")
-            sent_at = clock.monotonic()
-            try:
-                if self.names_holder:
-                    token, self.refused_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(
-                        self.key, owner, ttl_ms
-                    )
-                else:
-                    token = store.acquire(self.key, owner, ttl_ms)
-                lagging = None
-            except (ReplicaLagError, RestartGraceError) as exc:
-                # The replicas did not confirm it and the store released it, or a restart
-                # grace refused the key: asked again within the wait like a held key, raised
-                # when the wait runs out.
-                token, lagging = None, exc
-                if self.names_holder:
-                    self.refused_by = None  # refused by the replicas, not by a holder
-            except BaseException:
-                # The attempt may have taken effect and lost its reply: free it (the owner id
-                # is this attempt's own, so this can never free someone else's lease). On the
-                # dispatcher, so a store that just timed out does not make the caller wait for
-                # a second timeout before it sees the error.
-                get_dispatcher().submit(
-                    self.abandon_attempt, owner, f"clean-up of acquire {self.key!r}"
-                )
-                raise
-            if token is not None:
-                break
-            tries += 1
-            if waits_on is None:
-                waits_on = self.wait_clock or clock_of(store, clock)
-                if waits_on is not clock:  # what the first attempts took counts against wait
-                    deadline = waits_on.monotonic() + self.wait - (clock.monotonic() - started)
-            remaining = deadline - waits_on.monotonic()
-            if remaining <= 0:
-                if lagging is not None:
-                    get_dispatcher().submit(
-                        self.abandon_attempt, owner, f"clean-up of acquire {self.key!r}"
-                    )
-                    raise lagging
-                raise LockNotAcquiredError(self.key)
-            pause = min(interval, remaining)
-            if notify is None:  # the store's notification sleeps on the store's clock
-                notify = conforms(store, SupportsReleaseNotify) and (
-                    getattr(store, "clock", waits_on) is waits_on
-                )
-            if notify:
-                cast(SupportsReleaseNotify, store).wait_for_release(self.key, pause)
-            else:
-                if idle is None:
-                    idle = threading.Event()
-                waits_on.wait(idle, pause)
-            interval = min(interval * 2, POLL_MAX)
-        try:
-            return self.hold(owner, token, tries=tries, started=started, sent_at=sent_at)
-        except BaseException:
-            self.abandon_attempt(owner)
-            raise
-
-    def _hold(self, owner: str, token: int, tries: int, started: float, sent_at: float) -> Lease:
-        """Build the Lease of an acquisition (the caller starts renewing it)."""
-        held = Lease(
-            key=self.key,
-            owner=owner,
-            token=token,
-            waited=tries > 0,
-            wait_seconds=sent_at - started,
-            store=self.store,
-            clock=self.clock,
-            acquired_at=sent_at,
-        )
-        if self.on_lost is not None:
-            held._listeners = [(self.on_lost, False)]
-        max_hold_at = None if self.max_hold is None else sent_at + self.max_hold
-        held._entry = Entry(
-            store=self.store,
-            key=self.key,
-            owner=owner,
-            ttl=self.ttl,
-            sent_at=sent_at,
-            max_hold_at=max_hold_at,
-            on_lost=held._notify_lost,
-            token=token,
-        )
-        return held
-
-    def abandon_attempt(self, owner: str) -> None:
-        """Best-effort release of an attempt that failed (or whose reply was lost)."""
-        try:
-            self.store.release(self.key, owner)
-        except LockLostError:
-            raise  # an interrupt delivered inside the call, not a store error: see _release
-        except Exception as exc:
-            logger.warning(
-                "celery-lease: acquiring %r failed, and releasing that attempt failed too (%s);"
-                " if it took effect, it expires within its ttl",
-                self.key,
-                exc,
-            )
 
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
 
-    # asyncio: ``async with`` (the awaiting half is celery_lease._core.aio's: see AsyncPath)
-    # ----
+    # with -------------------------------------------------------------------------------------
+
+    def __enter__(self) -> Lease:
+        if self.on_lost is CANCEL:
+            raise LeaseConfigError(
+                f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
+                " def): a plain 'with' has no asyncio task to cancel; pass a callable instead"
+            )
+        self._mark_entered()
+        task = _running_task()
+        outer = self._reenter(task)
+        if outer is not None:
+            return outer
+        plan = self._plan()
+        step: Step = plan.next_try()
+        while type(step) is not Hold:
+            step = plan.send(self._perform(cast("Try | Pause", step)))
+        held = self._hold(plan, step, None)
+        try:
+            self._push(held, task)
+        except BaseException:
+            # An asynchronous exception (the interrupt of an enclosing lease, a soft time
+            # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
+            self._end_interrupted(held)
+            raise
+        return held
+
+    def _perform(self, step: Try | Pause) -> Reply:
+        """One step of the plan with blocking I/O: the store's answer, or what the try raised."""
+        store = self.store
+        if type(step) is Pause:
+            if step.clock is None:
+                cast(SupportsReleaseNotify, store).wait_for_release(self.key, step.seconds)
+            else:
+                step.clock.wait(cast(threading.Event, step.event), step.seconds)
+            return None
+        try:
+            if self.names_holder:
+                self.refused_by = None  # a try that raises was refused by no holder
+                token, self.refused_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(
+                    *step
+                )
+                return token
+            return store.acquire(*step)
+        except BaseException as exc:
+            return Failed(exc)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        held = self._lease
+        assert held is not None
+        if self._reentered or held._gen != forking.generation():
+            pop_frame(self._frame)
+            return False  # the outer context (or, after a fork, the parent) owns the lease
+        key = held._key
+        try:
+            pop_frame(self._frame)
+            settled, final, lapsed = key.stop()
+            reason = key.lost_reason
+            if final:
+                self._finish(held, succeeded=exc is None, settled=settled)
+        except BaseException:
+            # An asynchronous exception landed in this bookkeeping: the lease must end all
+            # the same (not renewed for ever, not left on the stack), then it propagates.
+            self._end_interrupted(held)
+            raise
+        if lapsed is not None:  # validity ran out before the renewer noticed; told after release
+            key.notify(lapsed)
+        error = self._loss_error(exc, reason)
+        if error is not None:
+            raise error from exc
+        return False
+
+    # async with -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Lease:
-        held, self._async_state = await _installed_async_path().aenter(self)
+        self._mark_entered()
+        task = asyncio.current_task()
+        outer = self._reenter(task)  # never for a task that only copied the context
+        if outer is not None:
+            return outer
+        canceller: aio.Canceller | None = None
+        if self.on_lost is CANCEL:
+            if task is None:
+                raise RuntimeError("on_lost='cancel' needs to run in an asyncio task")
+            canceller = aio.Canceller(asyncio.get_running_loop(), task)
+        astore = self._async_store()
+        plan = self._plan()
+        step: Step = plan.next_try()
+        while type(step) is not Hold:
+            if type(step) is Pause:  # counted on the plan's clock, slept on the loop
+                await astore.wait_for_release(self.key, step.seconds)
+                step = plan.send(None)
+                continue
+            try:
+                reply: Reply = await astore.acquire(*cast(Try, step))
+            except BaseException as exc:
+                reply = Failed(exc)
+            step = plan.send(reply)
+        held = self._hold(plan, step, None if canceller is None else canceller.on_lost)
+        self._push(held, task)
+        if canceller is not None:
+            canceller.active = True
+            self._canceller = canceller
         return held
 
     async def __aexit__(
@@ -994,21 +752,72 @@ class LeaseContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        return await _installed_async_path().aexit(self, self._async_state, exc)
+        canceller = self._canceller
+        if canceller is not None:
+            canceller.active = False  # from here on a loss cancels nothing
+        held = self._pop()
+        if held is None:
+            return False  # the outer context (or, after a fork, the parent) owns the lease
+        succeeded = exc is None
+        ours = canceller is not None and canceller.fired
+        outside = False
+        if canceller is not None and ours:
+            # Taken back before the first await below: a cancel landing in the release is the
+            # caller's (a timeout, a TaskGroup) and must find the task's count as the caller
+            # left it.
+            canceller.fired = False
+            outside = canceller.take_back(exc)
+        await self._aend(held, succeeded)
+        reason = held._key.lost_reason
+        if ours:
+            return aio.after_our_cancel(held.key, reason, exc, outside)
+        error = self._loss_error(exc, reason)
+        if error is not None:
+            raise error from exc
+        return False
 
-    # The steps ``with`` and ``async with`` share: entering --------------------------------------
+    async def _aend(self, held: Lease, succeeded: bool) -> None:
+        """Stop renewing and release, awaiting; a rare exit that may block runs on a thread."""
+        key = held._key
+        if key.inflight or (succeeded and self.cooldown > 0 and key.lost_reason is None):
+            # Waiting for a renewal in flight, or a fenced cooldown: the sync exit's steps, on a
+            # thread, which finishes them even if this task is cancelled.
+            end = functools.partial(self._end, held, succeeded)
+            await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, end))
+            return
+        _settled, final, lapsed = key.stop()  # one lock round, no wait
+        try:
+            if final:
+                await aio.release(self._async_store(), self.key, held.owner, self._send_release)
+        finally:  # told after the release, also when a cancel cut the release short
+            if lapsed is not None:  # validity ran out before the renewer noticed
+                key.notify(lapsed)
 
-    def mark_entered(self) -> None:
-        """Note that the context is entered.
+    def _end(self, held: Lease, succeeded: bool) -> None:
+        """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
+        for ``cooldown``), tell a lapse."""
+        key = held._key
+        settled, final, lapsed = key.stop()
+        if final:
+            self._finish(held, succeeded=succeeded, settled=settled)
+        if lapsed is not None:
+            key.notify(lapsed)
 
-        Raises:
-            RuntimeError: when it was entered before (a context is entered once).
-        """
+    def _async_store(self) -> AsyncLockStore:
+        """The store ``async with`` awaits: the one given to ``lease()``, or an adapter."""
+        astore = self.async_store
+        if astore is None:
+            astore = self.async_store = aio.ThreadedAsyncStore(self.store)
+        return astore
+
+    # The steps both share ---------------------------------------------------------------------
+
+    def _mark_entered(self) -> None:
         if self._entered:
             raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
         self._entered = True
 
-    def reenter(self, task: object) -> Lease | None:
+    def _reenter(self, task: object) -> Lease | None:
         """Re-enter the lease of an enclosing block on the same key and store, if there is one.
 
         The innermost one of this process's that code running in ``task`` (the asyncio task, or
@@ -1031,7 +840,7 @@ class LeaseContext:
                 and outer.store is self.store
                 and outer._reenterable_by(task)
                 and not outer.lost
-                and not (outer._entry is not None and outer._entry.closed)
+                and not outer._key.closed
             ):
                 self._reentered = True
                 self._lease = outer
@@ -1045,9 +854,8 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def new_owner(self) -> str:
-        """A fresh owner id for one acquisition attempt, naming this context's holder fields."""
-        return make_owner(
+    def _plan(self) -> AcquirePlan:
+        owner = make_owner(
             node=self.node,
             task=self.task,
             task_id=self.task_id,
@@ -1055,47 +863,60 @@ class LeaseContext:
             ttl_ms=to_ms(self.ttl),
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
         )
+        return AcquirePlan(
+            Try(self.key, owner, to_ms(self.ttl)),
+            self.wait,
+            self.store,
+            self.clock,
+            self._wait_clock,
+            self.cancel,
+            self._abandon_attempt,
+        )
 
-    def hold(
-        self,
-        owner: str,
-        token: int,
-        *,
-        tries: int,
-        started: float,
-        sent_at: float,
-        immediate_listener: LossListener | None = None,
-    ) -> Lease:
-        """Build the Lease of an acquisition that got ``token`` and start renewing it.
+    def _wait_clock(self) -> Clock:
+        """The clock a wait is measured on: ``clock=`` when given, else the store's, else
+        the system clock (:func:`clock_of`)."""
+        return self.wait_clock or clock_of(self.store, self.clock)
 
-        Args:
-            owner: the owner id the acquisition sent.
-            token: the token the store answered.
-            tries: how many tries found the key held first.
-            started: when acquiring started (clock seconds).
-            sent_at: when the attempt that got it was sent (clock seconds).
-            immediate_listener: an immediate loss listener that takes the place of the
-                context's ``on_lost`` (the cancel of an ``on_lost="cancel"`` block); attached
-                before the renewer knows the lease.
+    def _hold(self, plan: AcquirePlan, step: Hold, immediate: LossListener | None) -> Lease:
+        """Build the Lease of the plan's ``Hold`` and start renewing it; if that fails (an
+        interrupt), the plan cleans the attempt up and the error is raised.
 
-        If this fails (an interrupt), the renewal is stopped and the error raised; the caller
-        then releases the attempt (:meth:`abandon_attempt`).
+        ``immediate``: an immediate loss listener that takes the place of ``on_lost`` (the
+        cancel of an ``on_lost="cancel"`` block), attached before the renewer knows the lease.
         """
-        held: Lease | None = None
         try:
-            held = self._hold(owner, token, tries, started, sent_at)
-            if immediate_listener is not None:
-                held._listeners = [(immediate_listener, True)]
-            assert held._entry is not None
-            get_renewer(self.clock, held._entry.store).add(held._entry)
-        except BaseException:
-            entry = None if held is None else held._entry
-            if entry is not None and entry.renewer is not None:
-                entry.renewer.abandon(entry)  # add() was cut short: never renew it
-            raise
+            held = Lease(
+                key=self.key,
+                owner=step.owner,
+                token=step.token,
+                waited=step.tries > 0,
+                wait_seconds=step.sent_at - step.started,
+                store=self.store,
+                clock=self.clock,
+                acquired_at=step.sent_at,
+            )
+            if immediate is not None:
+                held._listeners = [(immediate, True)]
+            elif self.on_lost is not None:
+                held._listeners = [(self.on_lost, False)]
+            held._key = held._entry = key = HeldKey(
+                store=self.store,
+                key=self.key,
+                owner=step.owner,
+                ttl=self.ttl,
+                sent_at=step.sent_at,
+                max_hold_at=None if self.max_hold is None else step.sent_at + self.max_hold,
+                on_lost=held._notify_lost,
+                token=step.token,
+            )
+            key.start(self.clock)
+        except BaseException as exc:
+            plan.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
+            raise  # pragma: no cover - the plan raised it already
         return held
 
-    def push(self, held: Lease, task: object) -> None:
+    def _push(self, held: Lease, task: object) -> None:
         """Make ``held``, just acquired in ``task`` (``None``: outside any asyncio task), this
         context's lease and the current one; only ``task`` (outside a task: this thread) may
         re-enter it."""
@@ -1107,14 +928,9 @@ class LeaseContext:
         self._frame = Frame(held, current_frame.get())
         current_frame.set(self._frame)
 
-    # Exiting --------------------------------------------------------------------------------
-
-    def pop(self) -> Lease | None:
-        """Take this context's lease off the current ones; return it when this exit ends it.
-
-        ``None`` when the exit leaves it alone: it was re-entered (the enclosing context ends
-        it), or it is read in a forked child (it is the parent's).
-        """
+    def _pop(self) -> Lease | None:
+        """Take this context's lease off the current ones; return it when this exit ends it
+        (``None``: re-entered, or read in a forked child)."""
         held = self._lease
         assert held is not None
         pop_frame(self._frame)
@@ -1122,86 +938,111 @@ class LeaseContext:
             return None
         return held
 
-    def exit_waits(self, *, succeeded: bool) -> bool:
-        """Whether ending the lease may block: a renewal of it is in flight (the exit waits for
-        its answer), or a cooldown follows a body that succeeded (it may be fenced against
-        such a renewal). :meth:`end` then ends it on a thread that may block; otherwise
-        :meth:`stop_renewing` returns at once and the caller releases the key."""
-        entry = self._held_entry()
-        return entry.inflight or (succeeded and self.cooldown > 0 and entry.lost_reason is None)
-
-    def stop_renewing(self) -> tuple[bool, bool, str | None]:
-        """Record the end of the lease with the renewer: ``(settled, final, lapsed)``.
-
-        As :meth:`~celery_lease._core.renewer.Renewer.remove`: ``final`` says this exit sends
-        the release (or cooldown), ``lapsed`` is a loss recorded now, told with
-        :meth:`report_loss` after the release.
-        """
-        entry = self._held_entry()
-        assert entry.renewer is not None
-        return entry.renewer.remove(entry)
-
-    def end(self, *, succeeded: bool) -> None:
-        """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
-        for ``cooldown`` after a success, fenced against a renewal in flight), tell a lapse."""
-        held = self._lease
-        assert held is not None
-        entry = self._held_entry()
-        settled, final, lapsed = self.stop_renewing()
-        if final:
-            self._finish(held, entry, succeeded=succeeded, settled=settled)
-        if lapsed is not None:
-            Renewer.notify(entry, lapsed)
-
-    @property
-    def end_reason(self) -> str | None:
-        """The loss the renewer recorded for this context's lease, ``None`` while it is held
-        or when it ended normally (read after :meth:`stop_renewing` or :meth:`end`)."""
-        return self._held_entry().lost_reason
-
-    def report_loss(self, reason: str) -> None:
-        """Tell the lease's listeners of a loss the exit recorded (``lapsed`` of
-        :meth:`stop_renewing`)."""
-        Renewer.notify(self._held_entry(), reason)
-
-    def loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
-        """The :class:`LockLostError` the exit raises from ``exc`` (what the body raised), or
-        ``None``.
-
-        Raised for an ``Exception`` from a body whose lease was lost (``reason``), unless the
-        holder released it early or the body raised a ``LockLostError`` itself. A
-        ``BaseException`` (Ctrl-C, ``SystemExit``, ``GeneratorExit``) stays what it is.
-        """
+    def _loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
+        """The :class:`LockLostError` the exit raises from ``exc`` (what the body raised): for
+        an ``Exception`` from a body whose lease was lost, unless the holder released it early
+        or the body raised a ``LockLostError`` itself. A ``BaseException`` stays what it is."""
         if (
             isinstance(exc, Exception)
             and reason is not None
             and not self._released_early
             and not isinstance(exc, LockLostError)
         ):
-            held = self._lease
-            assert held is not None
-            return LockLostError(held.key, reason)
+            assert self._lease is not None
+            return LockLostError(self._lease.key, reason)
         return None
 
-    def _held_entry(self) -> Entry:
-        held = self._lease
-        assert held is not None and held._entry is not None
-        return held._entry
+    def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
+        """End ``held`` after an asynchronous exception cut its enter, exit or early release short.
 
+        Pops this context's frame (``pop``: not for an early release, whose body still runs in
+        the ``with`` block), stops the renewal whatever state it was left in, and releases the
+        key owner-checked (again, if the release was under way: a release is idempotent) unless
+        a cooldown was begun. Never raises: the exception that brought us here propagates.
+        """
+        try:
+            if pop:
+                pop_frame(self._frame)
+            key = held._key
+            reason = key.abandon()
+            if not self._cooling:
+                self._send_release(held.owner)
+            if reason is not None:
+                key.notify(reason)
+        except BaseException:  # pragma: no cover - a second interrupt: the first one goes on
+            logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
-def check_ttl(seconds: float, given: object, *, name: str) -> None:
-    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
+    def _send_release(self, owner: str) -> None:
+        """Release the key owner-checked (without waiting for the reply where asked and the
+        store can); a store error is logged (the key expires by itself)."""
+        self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
-    A lease counts :data:`~celery_lease._core.renewer.DRIFT_MARGIN` and
-    :data:`~celery_lease._core.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
-    :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
-    the user wrote it and ``name`` the parameter, both for the message.
-    """
-    if seconds <= MIN_TTL:
-        raise LeaseConfigError(
-            f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"
-            f" {DRIFT_MARGIN * 1000:g} ms and {DRIFT_FACTOR:.0%} of its ttl off its validity for"
-            " clock drift, so a shorter one would be lost the moment it is acquired"
+    def _release(self, owner: str) -> None:
+        store = self.store
+        if not (
+            self._defer_release
+            and conforms(store, SupportsDeferredRelease)
+            and cast(SupportsDeferredRelease, store).release_deferred(self.key, owner)
+        ):
+            store.release(self.key, owner)
+
+    def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
+        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error).
+
+        A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
+        lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
+        """
+        try:
+            return call(owner)
+        except LockLostError:
+            raise
+        except Exception as exc:
+            logger.warning("celery-lease: " + failed, self.key, exc)
+            return None
+
+    def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
+        """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
+
+        When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
+        right after that renewal returns, since it may have landed after the cooldown.
+        """
+        key = held._key
+        if not (succeeded and self.cooldown > 0 and key.lost_reason is None):
+            self._send_release(held.owner)
+            return
+        self._cooling = True
+        until = self.clock.monotonic() + self.cooldown
+        self._cool_down(held.owner, until)
+        if not settled:
+            redo = functools.partial(self._cool_down, held.owner, until)
+            if not key.fence(redo):
+                redo()
+
+    def _cool_down(self, owner: str, until: float) -> None:
+        """Keep the key taken until ``until`` (clock seconds); never raise a store error."""
+        left = until - self.clock.monotonic()
+        ms = to_ms(left)
+        store, key = self.store, self.key
+        renewed = self._quietly(
+            "setting the cooldown of %r failed (%s); the key frees itself within its ttl",
+            (lambda o: store.release(key, o)) if left <= 0 else (lambda o: store.renew(key, o, ms)),
+            owner,
+        )
+        if renewed is False:
+            logger.warning(
+                "celery-lease: the cooldown of %r was not applied: the store no longer"
+                " records this holder (%s), so the key may already be free or taken",
+                self.key,
+                owner,
+            )
+
+    def _abandon_attempt(self, owner: str) -> None:
+        """Best-effort release of an attempt that failed (or whose reply was lost)."""
+        self._quietly(
+            "acquiring %r failed, and releasing that attempt failed too (%s); if it took"
+            " effect, it expires within its ttl",
+            functools.partial(self.store.release, self.key),
+            owner,
         )
 
 
@@ -1264,60 +1105,23 @@ def lease(
             effort) on the dispatcher, right after the error is raised (so a store that just
             timed out does not delay the error by a second timeout).
     """
-    if not isinstance(key, str) or not key:
-        raise LeaseConfigError(f"key={key!r} must be a non-empty string")
-    astore: AsyncLockStore | None = None
-    if hasattr(type(store), "aclose"):  # an AsyncLockStore: held through it, renewed via .sync
-        astore, store = split_async_store(store)
-    if not conforms(store, LockStore):
-        hint = (
-            " (build one with store_from_url(url) or async_store_from_url(url) once)"
-            if isinstance(store, str)
-            else ""
-        )
-        raise LeaseConfigError(
-            f"store={store!r} is not a LockStore: it needs acquire(), renew() and release(){hint}"
-        )
-    ttl_s = to_seconds(ttl, name="ttl", inclusive=False)
-    check_ttl(ttl_s, ttl, name="ttl")
-    wait_s = to_seconds(wait, name="wait")
-    max_hold_s = (
-        None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
+    args = checked_arguments(
+        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
     )
-    cooldown_s = to_seconds(cooldown, name="cooldown")
-    if isinstance(on_lost, str) and on_lost == "cancel":
-        on_lost = CANCEL
-    elif on_lost is not None and not callable(on_lost):
-        raise LeaseConfigError(
-            f"on_lost={on_lost!r} must be a callable taking the Lease, 'cancel' (async with"
-            " only), or None"
-        )
-    if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
-        raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
-    if clock is not None and not conforms(clock, Clock):
-        raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
-    if holder is not None and not (
-        isinstance(holder, str) and 0 < len(holder) <= MAX_OWNER_FIELD_CHARS
-    ):
-        raise LeaseConfigError(
-            f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS}"
-            " characters, or None"
-        )
     context = LeaseContext(
         key,
-        cast(LockStore, store),  # checked above (an async store's sync twin)
-        ttl_s,
-        wait_s,
-        max_hold_s,
-        cooldown_s,
-        on_lost,
+        args.store,
+        args.ttl,
+        args.wait,
+        args.max_hold,
+        args.cooldown,
+        args.on_lost,
         cancel,
-        clock if clock is not None else SYSTEM_CLOCK,
+        args.clock,
         label=holder,
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
-    if astore is not None:
-        context.async_store = astore
+    context.async_store = args.async_store
     return context
 
 
@@ -1325,7 +1129,7 @@ def _running_task() -> object | None:
     """The asyncio task running in this thread, or None (no event loop runs here)."""
     if _get_running_loop() is None:  # unlike current_task(), does not raise without a loop
         return None
-    task: object = current_task()
+    task: object = asyncio.current_task()
     return task
 
 

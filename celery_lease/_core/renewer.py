@@ -717,48 +717,11 @@ class Renewer:
                 if entry.redo is not None:
                     redo.append(entry.redo)
                     entry.redo = None
-                if entry.closed:
-                    # Its end is recorded: a late answer changes nothing, except a refusal
-                    # answered in time while the holder's exit waits for it (see remove()).
-                    if result is False and answered_at < entry.valid_until:
-                        entry.refused = True
-                    continue
-                if answered_at >= entry.valid_until:
-                    # The answer came too late: the lease may already have read as lost, and a
-                    # lost lease never comes back.
-                    self._record(entry, "expired")
-                    recorded.append((entry, "expired"))
-                    continue
-                if result is True:
-                    entry.renewals += 1
-                    entry.last_error = None
-                    entry.valid_until = validity(sent_at, entry.ttl)
-                    entry.due = entry._cap(sent_at + entry.ttl / 3)
-                    heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
-                elif result is False:  # pragma: no cover - refusals in time go to `refused`
-                    self._record(entry, "taken")
-                    recorded.append((entry, "taken"))
-                    continue
-                else:
-                    entry.last_error = f"{type(result).__name__}: {result}"
-                    failed.append((entry.key, result))
-                    now = self.clock.monotonic()
-                    entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
-                heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-        # Outside the lock: a logging handler that blocks (a full pipe, a network handler)
-        # must not block the readers of this renewer (snapshot, holders' exits, the watchdog).
-        # The watchdog watches it like a store call.
+                reason = self._apply(entry, result, sent_at, answered_at, failed)
+                if reason is not None:
+                    recorded.append((entry, reason))
         if failed:
-            self._begin_io()
-            try:
-                for key, error in failed:
-                    logger.warning(
-                        "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
-                        key,
-                        error,
-                    )
-            finally:
-                self._end_io()
+            self._log_failures(failed)
         if refused:
             recorded.extend(self._settle_refusals(store, refused, redo))
         if self._observers or _observers:
@@ -769,15 +732,73 @@ class Renewer:
                 _tell((*self._observers, *_observers), group, results, answered_at - sent_at)
             finally:
                 self._end_io()
+        self._run_fenced(redo)
+        return recorded
+
+    def _log_failures(self, failed: list[tuple[str, BaseException]]) -> None:
+        """Outside the lock: a logging handler that blocks (a full pipe, a network handler)
+        must not block the readers of this renewer (snapshot, holders' exits, the watchdog).
+        The watchdog watches it like a store call."""
+        self._begin_io()
+        try:
+            for key, error in failed:
+                logger.warning(
+                    "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
+                    key,
+                    error,
+                )
+        finally:
+            self._end_io()
+
+    def _run_fenced(self, redo: list[Callable[[], None]]) -> None:
+        """Run the holders' fenced actions of the renewals that landed, watched like a store
+        call; one that raises is logged (the sweep's losses still go out)."""
         for action in redo:
             self._begin_io()
             try:
                 action()
-            except BaseException:  # SystemExit, gevent.Timeout: the sweep's losses still go out
+            except BaseException:  # SystemExit, gevent.Timeout
                 logger.exception("celery-lease: a fenced action after a renewal failed")
             finally:
                 self._end_io()
-        return recorded
+
+    def _apply(
+        self,
+        entry: Entry,
+        result: bool | BaseException,
+        sent_at: float,
+        answered_at: float,
+        failed: list[tuple[str, BaseException]],
+    ) -> str | None:
+        """Apply the answer to a renewal of ``entry`` that landed (under the lock); the loss it
+        recorded, if any. A failure is noted in ``failed``, to be logged outside the lock."""
+        if entry.closed:
+            # Its end is recorded: a late answer changes nothing, except a refusal answered
+            # in time while the holder's exit waits for it (see remove()).
+            if result is False and answered_at < entry.valid_until:
+                entry.refused = True
+            return None
+        if answered_at >= entry.valid_until:
+            # The answer came too late: the lease may already have read as lost, and a lost
+            # lease never comes back.
+            self._record(entry, "expired")
+            return "expired"
+        if result is True:
+            entry.renewals += 1
+            entry.last_error = None
+            entry.valid_until = validity(sent_at, entry.ttl)
+            entry.due = entry._cap(sent_at + entry.ttl / 3)
+            heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+        elif result is False:  # pragma: no cover - refusals in time go to `refused`
+            self._record(entry, "taken")
+            return "taken"
+        else:
+            entry.last_error = f"{type(result).__name__}: {result}"
+            failed.append((entry.key, result))
+            now = self.clock.monotonic()
+            entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
+        heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
+        return None
 
     def _settle_refusals(
         self, store: Any, refused: list[Entry], redo: list[Callable[[], None]]

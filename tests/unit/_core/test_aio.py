@@ -564,14 +564,14 @@ class TestCancelOnLoss:
         self, store: SpyStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """When an outside cancel lands with ours, the block ends with CancelledError."""
-        ours = aio._Canceller._cancel
+        ours = aio.Canceller._cancel
 
         def both(self: Any) -> None:  # an outside cancel right after ours, same loop iteration
             ours(self)
             assert self.fired
             self.task.cancel()
 
-        monkeypatch.setattr(aio._Canceller, "_cancel", both)
+        monkeypatch.setattr(aio.Canceller, "_cancel", both)
 
         async def body(entered: asyncio.Event) -> None:
             async with lease("k", store=store, clock=clock, ttl=3, on_lost="cancel"):

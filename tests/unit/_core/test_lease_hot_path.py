@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from celery_lease import MemoryLockStore, lease
 from celery_lease._core.keys import _bind, _binder, _canonical_argument, _field, _simple_field
-from celery_lease._core.lease import new_owner_id
+from celery_lease._core.owners import make_owner
 from celery_lease._core.renewer import COMPACT_AFTER, get_renewer
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -127,7 +127,7 @@ class TestAcquireCost:
 class TestOwnerIds:
     def test_owner_ids_are_unique_and_readable(self) -> None:
         """``host/pid/16 hex digits`` (then the holder fields), never the same twice."""
-        ids = [new_owner_id() for _ in range(20000)]
+        ids = [make_owner() for _ in range(20000)]
         assert len(set(ids)) == len(ids)
         assert all(re.match(r"[^/;]+/\d+/[0-9a-f]{16}(;|$)", i) for i in ids)
 

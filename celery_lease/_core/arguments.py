@@ -1,0 +1,185 @@
+"""The arguments of ``lease()``, checked once, before anything is acquired: each bad one raises
+:class:`~celery_lease.LeaseConfigError` naming the parameter, its value and what is allowed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
+
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN
+from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.durations import Duration, to_seconds
+from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.base import AsyncLockStore, LockStore, conforms
+
+__all__ = [
+    "CANCEL",
+    "MIN_TTL",
+    "LeaseArguments",
+    "check_ttl",
+    "checked_arguments",
+    "is_async_store",
+    "split_async_store",
+]
+
+MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
+"""Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
+
+
+class _CancelBody:
+    """What ``lease(on_lost="cancel")`` keeps as its ``on_lost``: a marker, and a no-op listener
+    (the cancel itself is an immediate listener that ``async with`` installs)."""
+
+    __slots__ = ()
+
+    def __call__(self, lease: object) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return "'cancel'"
+
+
+CANCEL = _CancelBody()
+"""What ``lease(on_lost="cancel")`` stores as its ``on_lost`` (a sync ``with`` refuses it)."""
+
+
+def check_ttl(seconds: float, given: object, *, name: str) -> None:
+    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
+
+    A lease counts :data:`~celery_lease._core.renewer.DRIFT_MARGIN` and
+    :data:`~celery_lease._core.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
+    :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
+    the user wrote it and ``name`` the parameter, both for the message.
+    """
+    if seconds <= MIN_TTL:
+        raise LeaseConfigError(
+            f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"
+            f" {DRIFT_MARGIN * 1000:g} ms and {DRIFT_FACTOR:.0%} of its ttl off its validity for"
+            " clock drift, so a shorter one would be lost the moment it is acquired"
+        )
+
+
+_ASYNC_CLASSES: dict[type, bool] = {}
+
+
+def is_async_store(store: object) -> bool:
+    """True for an :class:`~celery_lease.stores.base.AsyncLockStore` (cached per class, but for
+    a class delegating through ``__getattr__``)."""
+    cls = type(store)
+    known = _ASYNC_CLASSES.get(cls)
+    if known is None:
+        known = conforms(store, AsyncLockStore)
+        if not hasattr(cls, "__getattr__"):  # a delegating wrapper answers per wrapped store
+            _ASYNC_CLASSES[cls] = known
+    return known
+
+
+def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
+    """``(store, store.sync)`` for an AsyncLockStore given to ``lease()``, else ``(None, store)``.
+
+    Raises:
+        LeaseConfigError: when the async store's ``sync`` is not a synchronous LockStore.
+    """
+    if not is_async_store(store):
+        return None, store
+    twin = store.sync
+    if not conforms(twin, LockStore) or is_async_store(twin):
+        raise LeaseConfigError(
+            f"store={store!r} is an AsyncLockStore whose .sync ({twin!r}) is not a synchronous"
+            " LockStore: the renewer thread renews through it"
+        )
+    return store, twin
+
+
+class LeaseArguments(NamedTuple):
+    """``lease()``'s arguments, checked: durations in seconds, ``on_lost="cancel"`` as
+    :data:`CANCEL`, an async store split from its synchronous twin ``store``."""
+
+    store: LockStore
+    async_store: AsyncLockStore | None
+    ttl: float
+    wait: float
+    max_hold: float | None
+    cooldown: float
+    on_lost: Callable[[Any], object] | None
+    clock: Clock
+
+
+def _checked_store(store: object) -> tuple[AsyncLockStore | None, LockStore]:
+    astore: AsyncLockStore | None = None
+    if hasattr(type(store), "aclose"):  # an AsyncLockStore: held through it, renewed via .sync
+        astore, store = split_async_store(store)
+    if not conforms(store, LockStore):
+        hint = (
+            " (build one with store_from_url(url) or async_store_from_url(url) once)"
+            if isinstance(store, str)
+            else ""
+        )
+        raise LeaseConfigError(
+            f"store={store!r} is not a LockStore: it needs acquire(), renew() and release(){hint}"
+        )
+    return astore, cast(LockStore, store)
+
+
+def _checked_on_lost(on_lost: object) -> Callable[[Any], object] | None:
+    if isinstance(on_lost, str) and on_lost == "cancel":
+        return CANCEL
+    if on_lost is not None and not callable(on_lost):
+        raise LeaseConfigError(
+            f"on_lost={on_lost!r} must be a callable taking the Lease, 'cancel' (async with"
+            " only), or None"
+        )
+    return cast("Callable[[Any], object] | None", on_lost)
+
+
+def checked_arguments(
+    key: object,
+    store: object,
+    ttl: Duration,
+    wait: Duration,
+    max_hold: Duration | None,
+    on_lost: object,
+    cancel: object,
+    clock: object,
+    cooldown: Duration,
+    holder: object,
+) -> LeaseArguments:
+    """``lease()``'s arguments checked and normalised (see :func:`~celery_lease.lease` for
+    what each may be).
+
+    Raises:
+        LeaseConfigError: for the first bad argument, naming it.
+    """
+    if not isinstance(key, str) or not key:
+        raise LeaseConfigError(f"key={key!r} must be a non-empty string")
+    astore, sync_store = _checked_store(store)
+    ttl_s = to_seconds(ttl, name="ttl", inclusive=False)
+    check_ttl(ttl_s, ttl, name="ttl")
+    wait_s = to_seconds(wait, name="wait")
+    max_hold_s = (
+        None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
+    )
+    cooldown_s = to_seconds(cooldown, name="cooldown")
+    listener = _checked_on_lost(on_lost)
+    if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
+        raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
+    if clock is not None and not conforms(clock, Clock):
+        raise LeaseConfigError(f"clock={clock!r} must provide monotonic(), time() and wait()")
+    if holder is not None and not (
+        isinstance(holder, str) and 0 < len(holder) <= MAX_OWNER_FIELD_CHARS
+    ):
+        raise LeaseConfigError(
+            f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS}"
+            " characters, or None"
+        )
+    return LeaseArguments(
+        sync_store,
+        astore,
+        ttl_s,
+        wait_s,
+        max_hold_s,
+        cooldown_s,
+        listener,
+        SYSTEM_CLOCK if clock is None else cast(Clock, clock),
+    )
