@@ -13,8 +13,8 @@ from celery_lease._celery.unique import common
 from celery_lease._celery.unique.common import header_owner, logger, ms, queue_ttl, queued_key
 from celery_lease._celery.unique.hold import QueuedHold, holding, queued_lost
 from celery_lease._celery.unique.redelivery import defer, deferrals, drop_finished
+from celery_lease._core.held_key import HeldKey
 from celery_lease._core.owners import parse_owner
-from celery_lease._core.renewer import Entry, get_renewer
 from celery_lease._core.unique_options import UniqueOptions
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.stores.base import LockStore
@@ -98,7 +98,7 @@ def _hold(
     renewed: bool,
 ) -> QueuedHold:
     now = SYSTEM_CLOCK.monotonic()
-    entry = Entry(
+    held = HeldKey(
         store=store,
         key=qkey,
         owner=owner,
@@ -111,12 +111,11 @@ def _hold(
     )
     # Expiry set to ``ttl`` now, so a worker dying mid-body frees it within ``ttl``: sent
     # unanswered where the store can, else renewed at once on the renewer's thread.
-    if not renewed and not (
+    renew_now = not renewed and not (
         can_renew_deferred(store) and store.renew_deferred(qkey, owner, ms(ttl))
-    ):
-        entry.due = now
-    hold = QueuedHold(store, qkey, owner, task_id, entry, cooldown)
-    get_renewer(SYSTEM_CLOCK, store).add(entry)
+    )
+    hold = QueuedHold(store, qkey, owner, task_id, held, cooldown)
+    held.start(SYSTEM_CLOCK, renew_at=now if renew_now else None)
     holding[task_id] = hold
     return hold
 

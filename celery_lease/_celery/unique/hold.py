@@ -9,18 +9,18 @@ from collections.abc import Callable
 from celery_lease._celery.protocols import can_release_deferred
 from celery_lease._celery.unique.common import logger, ms, release_quietly
 from celery_lease._core.dispatch import get_dispatcher
-from celery_lease._core.renewer import Entry
+from celery_lease._core.held_key import HeldKey
 from celery_lease.stores.base import LockStore
 
 
 class QueuedHold:
-    __slots__ = ("cooldown", "entry", "owner", "qkey", "retry_ttl_ms", "store", "task_id")
+    __slots__ = ("cooldown", "held", "owner", "qkey", "retry_ttl_ms", "store", "task_id")
 
     def __init__(
-        self, store: LockStore, qkey: str, owner: str, task_id: str, entry: Entry, cooldown: float
+        self, store: LockStore, qkey: str, owner: str, task_id: str, held: HeldKey, cooldown: float
     ) -> None:
         self.store, self.qkey, self.owner, self.task_id = store, qkey, owner, task_id
-        self.entry, self.cooldown = entry, cooldown
+        self.held, self.cooldown = held, cooldown
         self.retry_ttl_ms: int | None = None  # set when the body published its retry
 
     def end(self, succeeded: bool, defer: bool = False) -> None:
@@ -28,13 +28,11 @@ class QueuedHold:
         store error. With ``defer`` the release goes out unanswered on the connection the run
         lease's release just used, so it is never ahead of it."""
         holding.pop(self.task_id, None)
-        entry = self.entry
-        renewer = entry.renewer
-        assert renewer is not None
+        held = self.held
         try:
-            settled, _final, _lapsed = renewer.remove(entry)
+            settled, _final, _lapsed = held.stop()
         except BaseException:
-            renewer.abandon(entry)
+            held.abandon()
             raise
         keep = self.retry_ttl_ms
         if keep is None and succeeded and self.cooldown > 0:
@@ -50,7 +48,7 @@ class QueuedHold:
             release_quietly(self.store, self.qkey, self.owner, "the copy ended")
             return
         action = functools.partial(_set_quietly, self.store, self.qkey, self.owner, keep)
-        if settled or not renewer.fence(entry, action):  # fenced: the renewer sets it after
+        if settled or not held.fence(action):  # fenced: the renewer sets it after
             get_dispatcher().submit(_run, action, f"keep of {self.qkey!r}")
 
 
