@@ -23,7 +23,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LeaseInfo, redact_url
+from celery_lease.stores.base import LeaseInfo, mask_secrets, redact_url, secrets_among
 
 DEFAULT_TABLE = "celery_lease"
 
@@ -260,21 +260,14 @@ def _refuse_split_userinfo(dsn: str) -> None:
 
 def _secrets_of(dsn: str, password: str | None) -> tuple[str, ...]:
     """Every form of the DSN's password that could appear in a message (raw, decoded)."""
-    found = {password} if password else set()
+    found = [password]
     if "://" in dsn:
         rest = dsn.split("://", 1)[1]
         userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
         if ":" in userinfo:
             raw = userinfo.split(":", 1)[1]
-            found |= {raw, unquote(raw)}
-    return tuple(sorted((f for f in found if f), key=len, reverse=True))
-
-
-def mask_secrets(text: str, secrets: Sequence[str]) -> str:
-    """``text`` with every one of ``secrets`` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
+            found += [raw, unquote(raw)]
+    return secrets_among(found)
 
 
 _QUOTED = re.compile(r'"([^"]*)"')

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -27,7 +27,7 @@ from celery_lease.errors import (
     StoreUnavailableError,
 )
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
-from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.base import LeaseInfo, mask_secrets
 
 DEFAULT_PREFIX = "celery-lease:"
 """Prefix of every key the store writes."""
@@ -470,18 +470,6 @@ def not_confirmed(acks: int, min_replicas: int, replica_timeout: float, asks: in
     )
 
 
-def secrets_among(found: Iterable[object]) -> tuple[str, ...]:
-    """The passwords among ``found``, longest first (one containing another is masked whole)."""
-    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
-
-
-def redact_secrets(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every one of ``secrets`` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
-
-
 def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
     """A standalone server's address for messages: ``redis://host:port/db``, ``rediss://...``
     (``ssl``) or ``unix://path?db=n``, from its connection keywords. Never a password."""
@@ -617,7 +605,7 @@ class StoreBase:
     # Messages -------------------------------------------------------------------------------------
 
     def _redact(self, message: str) -> str:
-        return redact_secrets(message, self._secrets)
+        return mask_secrets(message, self._secrets)
 
     def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
         return StoreUnavailableError(

@@ -65,7 +65,6 @@ from celery_lease.stores._redis_common import (
     refused,
     replica_timeout_of,
     restart_grace_of,
-    secrets_among,
     socket_timeout_of,
     text,
 )
@@ -79,7 +78,7 @@ from celery_lease.stores._redis_sentinel import (
     follow_master,
     parse_sentinel_url,
 )
-from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.base import LeaseInfo, secrets_among
 
 __all__ = [
     "ACQUIRE_SCRIPT",

@@ -35,7 +35,6 @@ from celery_lease.stores._redis_common import (
     blpop_waits,
     describe_server,
     failed,
-    secrets_among,
     socket_timeout_of,
 )
 from celery_lease.stores._redis_sentinel import (
@@ -46,7 +45,7 @@ from celery_lease.stores._redis_sentinel import (
     master_of,
     no_master_message,
 )
-from celery_lease.stores.base import LockStore, LoopBinding, redact_url
+from celery_lease.stores.base import LockStore, LoopBinding, redact_url, secrets_among
 from celery_lease.stores.redis import RedisLockStore
 
 __all__ = ["AsyncRedisLockStore"]
