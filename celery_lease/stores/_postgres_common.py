@@ -187,19 +187,6 @@ def notify_payload(key: str) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def key_too_long(store: str, key: str, exc: BaseException | None) -> LeaseConfigError | None:
-    """The ``LeaseConfigError`` of an acquire refused because ``key`` does not fit the
-    primary-key index (SQLSTATE 54000; nothing was taken); None for any other ``exc``."""
-    if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
-        return None
-    size = len(key.encode("utf-8", "surrogatepass"))
-    return LeaseConfigError(
-        f"key of {size} bytes is too long for {store}: its primary-key index holds at most "
-        f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
-        f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
-    )
-
-
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _URL_OPTION = "create_table"  # the one query parameter of a store URL that is ours, not libpq's
@@ -579,14 +566,6 @@ def no_connection_detail(
     return f"{detail} ({exc})"
 
 
-def privilege_detail(exc: BaseException, table: str) -> str:
-    """A statement refused for lack of privileges, with the grants the store's role needs."""
-    return (
-        f"{describe_error(exc)}; the store's role needs USAGE on the table's schema and "
-        f"SELECT, INSERT, UPDATE on table {table!r}"
-    )
-
-
 def _ddl_hint(table: str) -> str:
     return f"create it with PostgresLockStore.schema_sql({table!r})"
 
@@ -605,14 +584,6 @@ def missing_table_detail(missing: psycopg.Error, table: str, create_table: bool)
             f"({describe_error(missing)})"
         )
     return None
-
-
-def create_denied_detail(exc: BaseException, table: str) -> str:
-    """The store's role may not create its missing table: what to do instead."""
-    return (
-        f"table {table!r} does not exist and this role may not create it: "
-        f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on the schema"
-    )
 
 
 def log_undo_failed(log: logging.Logger, key: str, why: str, exc: BaseException) -> None:
@@ -699,16 +670,33 @@ class StoreBase:
         return store_error(repr(self), operation, detail, self._secrets)
 
     def _refused_key(self, key: str, exc: BaseException | None) -> LeaseConfigError | None:
-        return key_too_long(repr(self), key, exc)
+        """The error of an acquire refused because ``key`` does not fit the primary-key index
+        (SQLSTATE 54000; nothing was taken); None for any other ``exc``."""
+        if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
+            return None
+        size = len(key.encode("utf-8", "surrogatepass"))
+        return LeaseConfigError(
+            f"key of {size} bytes is too long for {self!r}: its primary-key index holds at most "
+            f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
+            f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
+        )
 
     def _table_refusal(self, missing: psycopg.Error) -> str | None:
         return missing_table_detail(missing, self._table, self._create_table)
 
     def _denied(self, exc: BaseException, creating: bool = False) -> str:
         """Privileges refused: the grants needed, or (``creating``) how to create the table."""
+        table = self._table
         if creating:
-            return create_denied_detail(exc, self._table)
-        return privilege_detail(exc, self._table)
+            return (
+                f"table {table!r} does not exist and this role may not create it: "
+                f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on "
+                "the schema"
+            )
+        return (
+            f"{describe_error(exc)}; the store's role needs USAGE on the table's schema and "
+            f"SELECT, INSERT, UPDATE on table {table!r}"
+        )
 
     @property
     def channel(self) -> str:

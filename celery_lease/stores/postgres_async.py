@@ -79,11 +79,6 @@ async def _within(coro: Awaitable[_T], seconds: float) -> _T:
     return task.result()
 
 
-async def _shielded(future: asyncio.Future[bool]) -> bool:
-    """Await ``future`` without cancelling it when the awaiting coroutine is cancelled."""
-    return await asyncio.shield(future)
-
-
 def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
     """An AsyncConnection class that records why the pool's background connects failed."""
 
@@ -461,7 +456,7 @@ class AsyncPostgresLockStore(StoreBase):
             listener.blocked += 1
             try:
                 left = max(0.0, deadline - time.monotonic())
-                return await _within(_shielded(future), left)
+                return await _within(asyncio.shield(future), left)
             except asyncio.TimeoutError:
                 return future.done()
             finally:

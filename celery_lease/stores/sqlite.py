@@ -493,7 +493,7 @@ class SQLiteLockStore:
 
     def release(self, key: str, owner: str) -> None:
         """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
-        self._run("release", functools.partial(_execute, _RELEASE, (key, owner)))
+        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner)))
 
     # Inspection ---------------------------------------------------------------------------------
 
@@ -561,11 +561,6 @@ class SQLiteLockStore:
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
-
-
-def _execute(sql: str, params: tuple[object, ...], cursor: sqlite3.Cursor) -> None:
-    """Run one statement to its end (a write in autocommit mode commits)."""
-    cursor.execute(sql, params)
 
 
 def _validate_path(path: object) -> str:
