@@ -464,8 +464,6 @@ class PostgresLockStore(StoreBase):
                 raise self._error(what, None, self._denied(exc)) from exc
             except psycopg.Error as exc:
                 raise self._error(what, None, describe_error(exc)) from exc
-            except PoolClosed as exc:
-                raise self._error(what, None, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute(

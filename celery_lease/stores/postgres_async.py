@@ -94,11 +94,8 @@ def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
 
 
 class _Listener:
-    """One task holding a ``LISTEN`` connection; wakes the futures of each released key.
-
-    After a reconnect every waiter is woken (a release may have been notified while nobody
-    listened): spurious wake-ups are allowed by the protocol, lost ones would cost a poll.
-    """
+    """One task holding a ``LISTEN`` connection; wakes the futures of each released key (filed
+    under its NOTIFY payload). After a reconnect every waiter is woken, as the sync listener's."""
 
     def __init__(self, connect: Callable[[], Awaitable[_AsyncConn]], channel: str) -> None:
         self._connect = connect
@@ -107,9 +104,6 @@ class _Listener:
         self.ready = asyncio.Event()
         self.blocked = 0  # coroutines awaiting a release with the listener ready
         self._task = asyncio.get_running_loop().create_task(self._run())
-
-    # Waiters are filed under the key's NOTIFY payload (a digest for a long key), which is what
-    # a notification names.
 
     def add(self, key: str, future: asyncio.Future[bool]) -> None:
         self._waiters.setdefault(notify_payload(key), set()).add(future)
