@@ -1,24 +1,9 @@
 """What the PostgreSQL store and its asyncio twin share: the table, the SQL, the DSN, the errors.
 
-:class:`~celery_lease.stores.postgres.PostgresLockStore` (psycopg ``Connection``) and
-:class:`~celery_lease.stores.postgres_async.AsyncPostgresLockStore` (``AsyncConnection``) run the
-same statements on the same table, so sync and async holders of a key exclude each other and its
-fencing tokens only grow. Everything they must agree on lives here, once: the schema and every
-statement (:func:`statements`, rendered for a validated table name), the ``NOTIFY`` channel of a
-table, how a DSN or store URL is read (``?create_table=``, passwords kept out of every message),
-the options both validate, how a row becomes a lease, and how a driver error is described. The
-two stores only differ in how they wait for the server.
-
-What an outage logs, also shared: psycopg_pool logs a WARNING for every failed background connect
-and every broken connection it discards (``error connecting in 'celery-lease': ...``,
-``discarding broken connection: <..._StoreConnection [BAD]>``), in every process, for as long as
-the server is down, and one each time its background reconnection gives up (the stores set it
-to give up after their connect timeout). For the pools the stores open themselves (named
-exactly as in :data:`OWN_POOL_NAMES`) those records, and only those, are dropped by a filter on
-psycopg_pool's logger (:func:`fold_pool_record`) and :class:`ConnectFailures` says it once
-instead: one WARNING when the pool first fails to connect, one INFO when it connects again.
-Every other record is kept, and a pool passed in by the caller is the caller's: its messages are
-left alone.
+Both run the statements rendered by :func:`statements` on the same table, so sync and async
+holders of a key exclude each other; they differ only in how they wait for the server. An outage
+of a store's own pool is logged once by :class:`ConnectFailures`, and psycopg_pool's repeated
+records about that pool are dropped (:func:`fold_pool_record`); see docs/operations.md (Logging).
 """
 
 from __future__ import annotations
@@ -38,7 +23,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
-from celery_lease.stores.base import LeaseInfo, redact_url
+from celery_lease.stores.base import LeaseInfo, mask_secrets, redact_url, secrets_among
 
 DEFAULT_TABLE = "celery_lease"
 
@@ -163,13 +148,8 @@ _TEMPLATES = (
 
 
 def statements(table: str) -> dict[str, bytes]:
-    """Every statement of the store, rendered for ``table`` (already validated), by name.
-
-    Names: ``acquire``, ``renew``, ``renew_many``, ``release``, ``force_release``, ``get``,
-    ``list``, ``last_token``, ``schema``. The one source of the store's SQL: the sync store and
-    its asyncio twin (:mod:`celery_lease.stores.postgres_async`) both run these, so they share
-    one table and exclude each other.
-    """
+    """Every statement of the store (names as in ``_TEMPLATES``), rendered for ``table``
+    (already validated): the one source of the SQL of both stores."""
     return {name: _render(template, table) for name, template in _TEMPLATES}
 
 
@@ -207,32 +187,14 @@ def notify_payload(key: str) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def key_too_long(store: str, key: str, exc: BaseException | None) -> LeaseConfigError | None:
-    """The ``LeaseConfigError`` of an acquire PostgreSQL refused because ``key`` does not fit
-    the table's primary-key index (``exc``, SQLSTATE 54000); None for any other error.
-
-    Nothing was taken: the statement failed as a whole.
-    """
-    if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
-        return None
-    size = len(key.encode("utf-8", "surrogatepass"))
-    return LeaseConfigError(
-        f"key of {size} bytes is too long for {store}: its primary-key index holds at most "
-        f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
-        f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
-    )
-
-
 _TRUE = frozenset({"true", "1", "yes", "on"})
 _FALSE = frozenset({"false", "0", "no", "off"})
 _URL_OPTION = "create_table"  # the one query parameter of a store URL that is ours, not libpq's
 
 
 def _take_url_option(dsn: str) -> tuple[str, bool | None]:
-    """``dsn`` without ``?create_table=...``, and its value (None when absent).
-
-    Only URLs carry it (``key=value`` DSNs go to libpq as they are). The other query parameters
-    are kept byte for byte.
+    """``dsn`` without ``?create_table=...`` (only URLs carry it; the rest kept byte for
+    byte), and its value (None when absent).
 
     Raises:
         LeaseConfigError: for a value other than true/false, 1/0, yes/no, on/off, or a repeat.
@@ -265,12 +227,8 @@ def _take_url_option(dsn: str) -> tuple[str, bool | None]:
 
 
 def _refuse_split_userinfo(dsn: str) -> None:
-    """Refuse a URL whose password holds an unencoded ``@`` or ``/``.
-
-    libpq ends the userinfo at the first ``@`` and the host at the first ``/``: with
-    ``user:p@ss@host`` the host becomes ``ss@host``, with ``user:p/ss@host`` the host becomes
-    ``user`` and the database ``ss@host/...``; pieces of the password then appear in the store's
-    repr and in every error message (and the connection goes elsewhere).
+    """Refuse a URL whose password holds an unencoded ``@`` or ``/``: libpq would split it at
+    the first one, connect elsewhere and show pieces of the password in every message.
 
     Raises:
         LeaseConfigError: naming the problem, with the password masked.
@@ -289,33 +247,22 @@ def _refuse_split_userinfo(dsn: str) -> None:
 
 def _secrets_of(dsn: str, password: str | None) -> tuple[str, ...]:
     """Every form of the DSN's password that could appear in a message (raw, decoded)."""
-    found = {password} if password else set()
+    found = [password]
     if "://" in dsn:
         rest = dsn.split("://", 1)[1]
         userinfo = rest[: rest.rfind("@")] if "@" in rest else ""
         if ":" in userinfo:
             raw = userinfo.split(":", 1)[1]
-            found |= {raw, unquote(raw)}
-    return tuple(sorted((f for f in found if f), key=len, reverse=True))
-
-
-def mask_secrets(text: str, secrets: Sequence[str]) -> str:
-    """``text`` with every one of ``secrets`` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
+            found += [raw, unquote(raw)]
+    return secrets_among(found)
 
 
 _QUOTED = re.compile(r'"([^"]*)"')
 
 
 def _mask_parse_error(message: str, dsn: str) -> str:
-    """libpq's message about a DSN it could not parse, with no piece of the password in it.
-
-    libpq quotes the token it stopped at, or the whole URL: a quoted piece is kept when it is
-    part of the DSN with its password masked (an option name, say), masked itself when it is a
-    URL, and replaced by ``***`` otherwise (it may be a piece of the password).
-    """
+    """libpq's message about a DSN it could not parse, with no piece of the password in it:
+    a quoted piece is kept if the masked DSN holds it, masked if a URL, else ``***``."""
     masked_dsn = redact_url(dsn)
     if masked_dsn == dsn:
         return message  # no password in it
@@ -343,28 +290,20 @@ def describe_error(exc: BaseException) -> str:
 
 
 logger = logging.getLogger("celery_lease.stores.postgres")
-"""Where an outage is said when the store gives :class:`ConnectFailures` no logger of its own."""
 
 POOL_NAME = "celery-lease"
-"""The name of the sync store's own pool (the asyncio store's is ``celery-lease-async``):
-psycopg_pool's outage records naming one are folded (:func:`fold_pool_record`)."""
+"""The name of the sync store's own pool; psycopg_pool's outage records about it are folded."""
 
 OWN_CONNECTION = "celery_lease_own_connection"
-"""The class attribute (``True``) that marks the connection classes of the stores' own pools,
-so that psycopg_pool's records about one of their connections are folded."""
+"""The class attribute (``True``) marking the connection classes of the stores' own pools."""
 
 
 class ConnectFailures:
-    """How the store's own pool connects: the last failure (``None`` after a success), and the
-    one line per outage.
+    """The last connect failure of a store's own pool (``None`` after a success), and one
+    WARNING per outage (its first failure) and one INFO at its end.
 
-    :meth:`failed` and :meth:`connected` are called by the pool's connection class, on the
-    pool's threads (or its event loop). The first failure after a success (or after the start)
-    logs one WARNING naming the server and the error; the failures after it, and psycopg_pool's
-    own messages, say nothing more until a connect succeeds, which logs one INFO line. The
-    outage flag is a lock taken without blocking by the failure that opens the outage (two
-    threads failing at once log once) and released by the success that ends it; it never
-    blocks, so a fork while it is held leaves nothing to wait for.
+    Called on the pool's threads. The outage flag is a lock only ever taken without blocking
+    (two failures at once log once, and a fork while it is held blocks nobody).
     """
 
     __slots__ = ("_outage", "attempts", "last", "logger", "what")
@@ -374,9 +313,7 @@ class ConnectFailures:
     ) -> None:
         self.last: str | None = None
         self.logger = logger if log is None else log
-        """The store's logger, which says the outage."""
         self.what = what
-        """The server, as the lines name it (``host=..., port=..., dbname=...``)."""
         self.attempts = 0
         self._outage = threading.Lock()
 
@@ -395,8 +332,8 @@ class ConnectFailures:
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
-        """Record how the connect inside the block ends: :meth:`failed` with a driver error
-        (raised again), :meth:`connected` when it returns."""
+        """Record the block's connect: :meth:`failed` on a driver error (raised again), else
+        :meth:`connected`."""
         try:
             yield
         except psycopg.Error as exc:
@@ -424,11 +361,8 @@ class ConnectFailures:
 
 
 ASYNC_POOL_NAME = POOL_NAME + "-async"
-"""The name of the asyncio store's own pool."""
-
 OWN_POOL_NAMES: frozenset[str] = frozenset({POOL_NAME, ASYNC_POOL_NAME})
-"""The exact names of the pools the stores open themselves (a user's pool named
-``celery-lease-orders`` is not one of them)."""
+"""The exact names of the stores' own pools (a user's ``celery-lease-orders`` is not one)."""
 
 _NAMING_THE_POOL = frozenset(
     {
@@ -444,13 +378,9 @@ _NAMING_THE_CONNECTION = frozenset(
 
 
 def fold_pool_record(record: logging.LogRecord) -> bool:
-    """The filter on psycopg_pool's logger: ``False`` (drop) for the records an outage repeats
-    about one of the stores' own pools, which :class:`ConnectFailures` says once per outage
-    instead: a failed connect and a given-up reconnection of a pool named exactly as one of
-    :data:`OWN_POOL_NAMES`, and a broken or closed connection of theirs (its class marked
-    :data:`OWN_CONNECTION`) discarded. ``True`` for everything else: the other warnings about
-    the same pools (a connection returned mid-query or inside a transaction, a thread that would
-    not stop) and every record about another pool."""
+    """psycopg_pool's logger filter: drop (``False``) the records an outage repeats about the
+    stores' own pools (a failed or given-up connect, a broken or closed connection discarded),
+    which :class:`ConnectFailures` says once; keep every other record."""
     if record.levelno < logging.WARNING:
         return True
     args = record.args if isinstance(record.args, tuple) else (record.args,)
@@ -517,11 +447,8 @@ def check_options(
 
 
 def check_seconds(name: str, value: object) -> None:
-    """Refuse a timeout that is not a number of seconds > 0 (a bool is not a number here).
-
-    Raises:
-        LeaseConfigError: naming the option.
-    """
+    """Raise ``LeaseConfigError`` naming ``name`` unless ``value`` is a number of seconds > 0
+    (a bool is not)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise LeaseConfigError(f"{name}={value!r} must be a number of seconds > 0")
 
@@ -530,16 +457,11 @@ def check_seconds(name: str, value: object) -> None:
 class ParsedDSN:
     """A store's DSN or URL, read once (see :func:`parse_dsn`)."""
 
-    dsn: str
-    """What libpq is given: the DSN without the store's ``?create_table=``."""
-    create_table: bool | None
-    """The ``create_table`` keyword, else the URL's ``?create_table=``; None when neither."""
-    secrets: tuple[str, ...]
-    """Every form of the password that could appear in a message, to be masked."""
-    where: str
-    """``host=..., port=..., dbname=...`` for messages (never the password)."""
-    application_name: bool
-    """Whether the store names its connections (the DSN does not set ``application_name``)."""
+    dsn: str  # what libpq is given: without ``?create_table=``
+    create_table: bool | None  # the keyword, else the URL's; None when neither
+    secrets: tuple[str, ...]  # every form of the password, to mask in messages
+    where: str  # ``host=..., port=..., dbname=...`` for messages
+    application_name: bool  # whether the store names its connections
 
 
 def parse_dsn(dsn: str, create_table: bool | None) -> ParsedDSN:
@@ -607,8 +529,8 @@ MISSING_TABLE = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName
 """Errors of a statement that found no table (or no schema): create it, or say how to."""
 
 CANCELLED_BY_TIMEOUT = (psycopg.errors.QueryCanceled, psycopg.errors.LockNotAvailable)
-"""Errors of a statement the server ended at its ``statement_timeout`` or ``lock_timeout``
-(or an operator's cancel): the connection is sound, the statement did nothing."""
+"""The server ended the statement (statement/lock timeout, a cancel): it did nothing, the
+connection is sound."""
 
 OVER_A_LIMIT = (
     psycopg.errors.ProgramLimitExceeded,
@@ -616,18 +538,15 @@ OVER_A_LIMIT = (
     psycopg.errors.TooManyColumns,
     psycopg.errors.TooManyArguments,
 )
-"""A statement the server refuses for exceeding one of its limits (SQLSTATE class 54, every
-code of it: a key too long for the primary-key index, too many arguments). psycopg makes it an
-``OperationalError``, like a dropped connection, but running it again can only fail again:
-never retried."""
+"""SQLSTATE class 54 (a server limit, e.g. a key too long for the index): psycopg makes it an
+``OperationalError`` like a dropped connection, but a retry can only fail again."""
 
 CREATED_CONCURRENTLY = (
     psycopg.errors.UniqueViolation,
     psycopg.errors.DuplicateTable,
     psycopg.errors.DuplicateObject,
 )
-"""Errors of a ``CREATE TABLE IF NOT EXISTS`` that lost the race to another session: IF NOT
-EXISTS is not atomic, and the loser fails on the table's row type or name instead."""
+"""A ``CREATE TABLE IF NOT EXISTS`` that lost a race (IF NOT EXISTS is not atomic)."""
 
 
 def store_error(
@@ -640,20 +559,11 @@ def store_error(
 def no_connection_detail(
     connect_timeout: float, last_failure: str | None, exc: BaseException
 ) -> str:
-    """What a store says when no connection came within ``connect_timeout``: why the last
-    attempt to connect failed, when it knows."""
+    """No connection within ``connect_timeout``, and why the last connect failed if known."""
     detail = f"no connection within {connect_timeout:g} s"
     if last_failure is not None:
         return f"{detail}; the last attempt to connect failed: {last_failure}"
     return f"{detail} ({exc})"
-
-
-def privilege_detail(exc: BaseException, table: str) -> str:
-    """A statement refused for lack of privileges, with the grants the store's role needs."""
-    return (
-        f"{describe_error(exc)}; the store's role needs USAGE on the table's schema and "
-        f"SELECT, INSERT, UPDATE on table {table!r}"
-    )
 
 
 def _ddl_hint(table: str) -> str:
@@ -661,8 +571,7 @@ def _ddl_hint(table: str) -> str:
 
 
 def missing_table_detail(missing: psycopg.Error, table: str, create_table: bool) -> str | None:
-    """Why a missing table cannot be created by the store (its schema is missing too, or
-    ``create_table=False``) and how to create it; None when the store may create it."""
+    """Why the store will not create a missing table, and how to; None when it may."""
     ddl = _ddl_hint(table)
     if isinstance(missing, psycopg.errors.InvalidSchemaName):
         return (
@@ -677,14 +586,6 @@ def missing_table_detail(missing: psycopg.Error, table: str, create_table: bool)
     return None
 
 
-def create_denied_detail(exc: BaseException, table: str) -> str:
-    """The store's role may not create its missing table: what to do instead."""
-    return (
-        f"table {table!r} does not exist and this role may not create it: "
-        f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on the schema"
-    )
-
-
 def log_undo_failed(log: logging.Logger, key: str, why: str, exc: BaseException) -> None:
     """Say that releasing what an interrupted acquire of ``key`` may have taken failed."""
     log.warning(
@@ -697,8 +598,7 @@ def log_undo_failed(log: logging.Logger, key: str, why: str, exc: BaseException)
 
 
 class ListenerRetry:
-    """A listener's reconnects: the backoff between them (50 ms doubling to 2 s) and one line
-    per outage (a WARNING when it starts, an INFO when the listener is connected again)."""
+    """A listener's reconnect backoff (50 ms doubling to 2 s) and one WARNING/INFO per outage."""
 
     def __init__(self, what: str, log: logging.Logger) -> None:
         self._what = what
@@ -708,7 +608,7 @@ class ListenerRetry:
         self._connected_before = False
 
     def failed(self, exc: BaseException) -> float:
-        """A connect failed: the seconds to wait before the next (logged once an outage)."""
+        """A connect failed: the seconds to wait before the next."""
         if not self._failing:
             self._log.warning(
                 "celery-lease: %s failed to connect (%s); retrying until it connects",
@@ -720,8 +620,8 @@ class ListenerRetry:
         return wait
 
     def connected(self) -> bool:
-        """The listener listens again: whether it had before (its waiters must then be woken,
-        a release may have been notified while nobody listened)."""
+        """The listener listens again: whether it had before (then wake its waiters: a release
+        may have been notified while nobody listened)."""
         if self._failing:
             self._log.info("celery-lease: %s connected again", self._what)
         before = self._connected_before
@@ -730,8 +630,7 @@ class ListenerRetry:
 
 
 class StoreBase:
-    """What the PostgreSQL store and its asyncio twin share that does no I/O: their options,
-    the parameters of each statement, the options of their own pool and their errors."""
+    """The I/O-free part of both stores: options, statement parameters, pool options, errors."""
 
     _table: str
     _channel: str
@@ -751,12 +650,7 @@ class StoreBase:
         max_connections: int,
         create_table: bool | None,
     ) -> None:
-        """Validate the options both stores take (see :func:`check_options`) and keep them,
-        with the table's channel and statements.
-
-        Raises:
-            LeaseConfigError: naming the first bad option.
-        """
+        """Validate (:func:`check_options`) and keep the options, channel and statements."""
         self._table = check_options(table, connect_timeout, max_connections, create_table)
         check_seconds("statement_timeout", statement_timeout)
         self._connect_timeout = float(connect_timeout)
@@ -771,24 +665,38 @@ class StoreBase:
         return self._table
 
     def _error(self, what: str, key: str | None, detail: str) -> StoreUnavailableError:
-        """``<store> failed to <what> [<key>]: <detail>``, every password masked."""
+        """``<store> failed to <what> [<key>]: <detail>``."""
         operation = what if key is None else f"{what} {key!r}"
         return store_error(repr(self), operation, detail, self._secrets)
 
     def _refused_key(self, key: str, exc: BaseException | None) -> LeaseConfigError | None:
-        """The error of an acquire refused for a ``key`` too long (see :func:`key_too_long`)."""
-        return key_too_long(repr(self), key, exc)
+        """The error of an acquire refused because ``key`` does not fit the primary-key index
+        (SQLSTATE 54000; nothing was taken); None for any other ``exc``."""
+        if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
+            return None
+        size = len(key.encode("utf-8", "surrogatepass"))
+        return LeaseConfigError(
+            f"key of {size} bytes is too long for {self!r}: its primary-key index holds at most "
+            f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
+            f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
+        )
 
     def _table_refusal(self, missing: psycopg.Error) -> str | None:
-        """Why the missing table is not created (see :func:`missing_table_detail`), or None."""
         return missing_table_detail(missing, self._table, self._create_table)
 
     def _denied(self, exc: BaseException, creating: bool = False) -> str:
-        """A statement refused for lack of privileges: the grants the store's role needs, or
-        (``creating``) how to create the missing table instead."""
+        """Privileges refused: the grants needed, or (``creating``) how to create the table."""
+        table = self._table
         if creating:
-            return create_denied_detail(exc, self._table)
-        return privilege_detail(exc, self._table)
+            return (
+                f"table {table!r} does not exist and this role may not create it: "
+                f"{describe_error(exc)}; {_ddl_hint(table)} as its owner, or grant CREATE on "
+                "the schema"
+            )
+        return (
+            f"{describe_error(exc)}; the store's role needs USAGE on the table's schema and "
+            f"SELECT, INSERT, UPDATE on table {table!r}"
+        )
 
     @property
     def channel(self) -> str:
@@ -809,8 +717,7 @@ class StoreBase:
         return self._statement_timeout
 
     def _pool_options(self, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The options of the store's own pool named ``name``, its connections made with
-        ``kwargs``: 1 to ``max_connections`` connections, opened on first use."""
+        """The options of the store's own pool: 1 to ``max_connections``, opened on first use."""
         return {
             "connection_class": self._connection_class,
             "kwargs": kwargs,
@@ -818,9 +725,8 @@ class StoreBase:
             "max_size": self._max_connections,
             "open": False,
             "timeout": self._connect_timeout,
-            # Give up background reconnection (1 s, then doubling) after as long as a caller
-            # waits: the next call then connects at once, instead of waiting for a backoff
-            # grown during a long outage.
+            # Stop background reconnection after as long as a caller waits, so the next call
+            # connects at once instead of after a backoff grown during a long outage.
             "reconnect_timeout": self._connect_timeout,
             "name": name,
         }

@@ -1,13 +1,8 @@
-"""What the Redis store and its asyncio twin share: Lua scripts, URL forms, replies, messages.
+"""What the Redis store and its asyncio twin share: Lua scripts, URL options, replies, messages.
 
-:class:`~celery_lease.stores.redis.RedisLockStore` (redis-py) and
-:class:`~celery_lease.stores.redis_async.AsyncRedisLockStore` (``redis.asyncio``) run the same
-scripts on the same keys, so sync and async holders of a key exclude each other and its fencing
-tokens only grow whichever side took it. Everything they must agree on lives here, once: the
-scripts (each headed by what its KEYS, ARGV and reply mean) and their SHA1s, the key lifetimes,
-the ``redis+sentinel://`` URL form and the store's own query options, how a script's reply is
-decoded, and how a failure is described (never with a password in it). The two stores only
-differ in how they wait for the server.
+Both run these scripts (each headed by what its KEYS, ARGV and reply mean) on the same keys, so
+sync and async holders of a key exclude each other and its tokens only grow; they differ only in
+how they wait for the server. No message ever carries a password.
 """
 
 from __future__ import annotations
@@ -15,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -32,7 +27,7 @@ from celery_lease.errors import (
     StoreUnavailableError,
 )
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
-from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.base import LeaseInfo, mask_secrets
 
 DEFAULT_PREFIX = "celery-lease:"
 """Prefix of every key the store writes."""
@@ -44,60 +39,42 @@ REPLICA_TIMEOUT = 0.2
 """Seconds an acquire or renewal waits (``WAIT``) for ``min_replicas`` acknowledgements."""
 
 CONFIRM_WINDOW = 1.0
-"""Seconds an acquire that too few replicas acknowledged is asked again before it is given up.
-
-Each ask is the same owner's acquire again (idempotent: it re-sets the lease's expiry, a new
-write) with its own ``WAIT``, so a replica a moment behind (one that just synced, or resynced
-after a failover) confirms it at a later ask. A replica still silent after a second is lagging,
-not a moment behind: the lease is released and :class:`~celery_lease.errors.ReplicaLagError`
-raised, which :func:`~celery_lease.lease` retries within the caller's ``wait``."""
+"""Seconds an acquire too few replicas acknowledged is asked again (the same owner's idempotent
+acquire, with its own ``WAIT``), so a replica a moment behind confirms a later ask. After that
+the lease is released and :class:`~celery_lease.errors.ReplicaLagError` raised (retried within
+the caller's ``wait``)."""
 
 SIGNAL_TTL_MS = 60_000
 """Milliseconds a release signal waits in its list for a waiter before Redis drops it."""
 
 TOKEN_TTL_MS = 7 * 24 * 3600 * 1000
-"""Milliseconds a token counter lives after the last acquire of its key (7 days).
-
-Counters of keys no longer used are dropped so Redis does not grow with every key ever locked;
-the next token is then floored by the server clock alone, far above any token of a week ago.
-"""
+"""Milliseconds a token counter lives after its key's last acquire (7 days), so Redis does not
+grow with every key ever locked; the clock floor then keeps the next token above old ones."""
 
 NOT_A_LEASE = (
     "WRONGTYPE the lease key holds a value of another type, written by something else; "
     "left as it is"
 )
-"""The error reply of a script that finds a lease key holding another type than a lease hash
-(a foreign writer's value): acquire, release, force-release and inspection refuse such a key
-and never overwrite it; renewals answer 0 (it is not the owner's lease)."""
+"""The error reply of a script that finds a lease key of another type (a foreign writer's):
+such a key is never overwritten; renewals answer 0 instead."""
 
 
 def _lua(source: str) -> str:
-    """A script's source with the NOT_A_LEASE placeholder made a Lua string literal (and the
-    GRACE_MARK one the mark's text)."""
+    """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, and GRACE_MARK
+    ``~`` (the first character of a reply refusing a free key in a restart grace)."""
     return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'").replace("GRACE_MARK", "~")
 
-
-GRACE_MARK = "~"
-"""First character of an acquire script's reply refusing a free key during a restart grace,
-followed by the end of the grace (server time in microseconds)."""
 
 # KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
 # ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms; with
 # KEYS[3]: ARGV[4] the restart grace in microseconds.
-# Returns the fencing token as a decimal string, or false (nil) when another owner holds a live
-# lease. A free key gets a new token, max(counter + 1, server TIME in microseconds). A repeated
-# acquire by the owner of the live lease is idempotent: it returns that lease's own token (the
-# counter is not bumped) and sets its expiry to ttl ms from now (set, never added), so a retry
-# after a lost reply gets its lease back. A lease key holding another type (a foreign writer's
-# value) is left as it is and answered with the NOT_A_LEASE error reply.
-# Restart grace (with KEYS[3]), decided by the server, atomically with the grant: the marker hash
-# {boot, started, cause} names the server run (INFO's run_id, new at every start) that wrote it
-# and when that run started (TIME - uptime, microseconds). A marker that is missing (a new
-# server, one restarted without persistence, a flush) or names another run (a restart that
-# reloaded an RDB snapshot or AOF, which may lack the newest leases; a failover) is rewritten
-# for this run with cause 'new' or 'restored'. A free key is then refused until ARGV[4] after
-# this run started: GRACE_MARK .. until .. ':' .. cause .. ':' .. started (microseconds). A
-# held key is answered as ever; a server up longer than the grace refuses nothing.
+# Returns the token as a decimal string, or false when another owner holds a live lease. A free
+# key gets max(counter + 1, server TIME in µs). The live lease's owner gets its own token back and
+# its expiry set (never added) to ttl from now. A lease key of another type: NOT_A_LEASE.
+# Restart grace (with KEYS[3]): a marker {boot, started, cause} missing or naming another run
+# (INFO's run_id) is rewritten for this run ('new' or 'restored'), and a free key is refused
+# until ARGV[4] after this run started: GRACE_MARK .. until .. ':' .. cause .. ':' .. started
+# (µs). See docs/stores.md (When Redis restarts or is flushed).
 ACQUIRE_SCRIPT = _lua(
     """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
@@ -147,9 +124,8 @@ HELD_MARK = "!"
 """First character of an :data:`ACQUIRE_OR_HOLDER_SCRIPT` reply that names the holder (a token
 is all digits)."""
 
-# ACQUIRE_SCRIPT, but a refusal returns HELD_MARK followed by the holder's owner id instead of
-# false: a duplicate call of a unique task learns whose copy holds the key in the same round
-# trip (and atomically with the refusal). Still one scalar reply, as the fast path reads.
+# ACQUIRE_SCRIPT, but a refusal returns HELD_MARK and the holder's owner id (atomically with the
+# refusal; still one scalar reply, as the fast path reads).
 ACQUIRE_OR_HOLDER_SCRIPT = ACQUIRE_SCRIPT.replace(
     "    return false\n", f"    return '{HELD_MARK}' .. lease[1]\n", 1
 )
@@ -158,7 +134,7 @@ assert ACQUIRE_OR_HOLDER_SCRIPT != ACQUIRE_SCRIPT
 # KEYS[1] the lease hash.
 # ARGV[1] the owner, ARGV[2] the ttl in ms.
 # Returns 1 when the owner's live lease now expires ttl ms from now (set, never added), else 0
-# (also when the key holds another type than a lease hash: it is not the owner's lease).
+# (also for a key of another type).
 RENEW_SCRIPT = """
 if redis.pcall('HGET', KEYS[1], 'owner') == ARGV[1] then
     redis.call('PEXPIRE', KEYS[1], ARGV[2])
@@ -169,11 +145,8 @@ return 0
 
 # KEYS[1..n] lease hashes (any number; on a Cluster they must share a slot).
 # ARGV[2i-1] the owner of KEYS[i], ARGV[2i] its ttl in ms.
-# Returns a list of n integers: 1 where that owner's live lease now expires ttl ms from now (set,
-# never added), 0 where the owner held no live lease, or where the key holds another type than a
-# lease hash (pcall: one foreign value must not abort the renewal of the others). One command
-# renews a whole batch, so renewing 10,000 leases costs the client one command to pack per chunk
-# instead of 10,000.
+# Returns n integers, 1 or 0 as RENEW_SCRIPT's (pcall: one foreign value must not abort the
+# others). One command per chunk: the client packs one command, not one per lease.
 RENEW_MANY_SCRIPT = """
 local renewed = {}
 for i = 1, #KEYS do
@@ -192,9 +165,8 @@ RENEW_CHUNK = 1000
 
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
 # ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
-# Deletes the lease if the owner holds it and leaves exactly one element in the signal list (so
-# one BLPOP waiter wakes). Returns 1 when released, 0 when the owner held no live lease. A lease
-# key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+# Deletes the owner's lease and leaves exactly one element in the signal list (one BLPOP waiter
+# wakes). Returns 1 when released, else 0; a key of another type: NOT_A_LEASE.
 RELEASE_SCRIPT = _lua(
     """
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
@@ -226,8 +198,7 @@ end
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
 # ARGV[1] the signal's lifetime in ms.
 # Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
-# Returns {owner, token, remaining ms} of the removed lease, or false (nil) when the key was free.
-# A lease key holding another type is left as it is and answered with the NOT_A_LEASE error reply.
+# Returns {owner, token, remaining ms} of it, or false when free; another type: NOT_A_LEASE.
 FORCE_RELEASE_SCRIPT = _lua(
     _READ_LEASE
     + """local left = redis.call('PTTL', KEYS[1])
@@ -239,8 +210,7 @@ return {lease[1], lease[2], left}
 )
 
 # KEYS[1] the lease hash.
-# Returns {owner, token, remaining ms} of the live lease, or false (nil) when the key is free.
-# A lease key holding another type is answered with the NOT_A_LEASE error reply.
+# Returns {owner, token, remaining ms} of the live lease, or false; another type: NOT_A_LEASE.
 INSPECT_SCRIPT = _lua(_READ_LEASE + "return {lease[1], lease[2], redis.call('PTTL', KEYS[1])}\n")
 
 
@@ -249,13 +219,10 @@ class Script:
     """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
 
     source: str
-    fast: tuple[int, int] | None = None
-    """``(numkeys, nargs)`` of a script the fast path runs (its reply is a scalar), else None."""
+    fast: tuple[int, int] | None = None  # (numkeys, nargs) when the fast path runs it
     sha: str = field(init=False)
-    head: bytes = field(init=False)
-    """The packed ``EVALSHA <sha> <numkeys>`` start of a fast-path request (empty otherwise)."""
-    cold_head: bytes = field(init=False)
-    """The packed ``EVAL <source> <numkeys>`` start of a fast-path request (empty otherwise)."""
+    head: bytes = field(init=False)  # packed ``EVALSHA <sha> <numkeys>`` (fast path only)
+    cold_head: bytes = field(init=False)  # packed ``EVAL <source> <numkeys>`` (fast path only)
 
     def __post_init__(self) -> None:
         sha = hashlib.sha1(self.source.encode()).hexdigest()
@@ -269,17 +236,15 @@ ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
 ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 4))
 ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 4))
+# The acquire scripts called with the marker key and the grace (another fast-path head).
 WITH_GRACE = {ACQUIRE: ACQUIRE_WITH_GRACE, ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE}
-"""The same acquire scripts called with the marker key and the grace arguments (the fast path
-packs another request head for them)."""
 RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
 RENEW_MANY = Script(RENEW_MANY_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
 
-MARKER = "marker"
-"""The name after the prefix of the store's marker hash (``celery-lease:marker``)."""
+MARKER = "marker"  # the marker hash's name after the prefix
 
 
 def in_grace(reply: Any) -> bool:
@@ -289,15 +254,9 @@ def in_grace(reply: Any) -> bool:
 
 @dataclass(frozen=True)
 class Grace:
-    """A restart grace an acquire script refused a free key for (see ``ACQUIRE_SCRIPT``).
-
-    Attributes:
-        until: when the grace ends, in seconds of the server's clock (Unix time).
-        started: when the server's current run started, in seconds of its clock.
-        cause: ``"new"`` (the server had no marker: a new server, a restart without
-            persistence, a flush) or ``"restored"`` (its marker named another run: a restart
-            that reloaded a snapshot or AOF, or a failover to a replica).
-    """
+    """A restart grace an acquire script refused a free key for (see ``ACQUIRE_SCRIPT``):
+    its end and the server run's start (Unix seconds, server clock), and its cause (``"new"``:
+    no marker; ``"restored"``: the marker named another run)."""
 
     until: float
     started: float
@@ -310,8 +269,7 @@ class Grace:
         return cls(int(until) / 1_000_000, int(started) / 1_000_000, cause)
 
     def explain(self, restart_grace: float, now: float) -> str:
-        """Why the grace is on, until when and how to turn it off (for a log or an error);
-        ``now`` is the caller's Unix time (for "started N s ago")."""
+        """Why the grace is on, until when and how to turn it off; ``now``: Unix time."""
         if self.cause == "restored":
             why = (
                 "with a marker of another server run (a restart that reloaded a snapshot or an "
@@ -343,12 +301,11 @@ def check_restart_grace(value: object, name: str = "restart_grace") -> float:
 
 
 RETRIED = (RedisConnectionError, RedisTimeoutError)
-"""The driver errors a store call is retried once after (a dropped connection, a lost reply):
-every script is safe to run twice."""
+"""Driver errors a call is retried once after (every script is safe to run twice)."""
 
 
 STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
-"""Query options every store URL may carry; the store reads them, redis-py never sees them."""
+"""The store's own URL query options (never passed to redis-py)."""
 
 
 def min_replicas_of(
@@ -436,7 +393,7 @@ def split_store_options(url: str) -> tuple[str, dict[str, object]]:
 
 
 def text(value: bytes | str) -> str:
-    """A reply's bytes as text (UTF-8), or the text a decoding client already handed over."""
+    """A reply as text (UTF-8)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -495,8 +452,7 @@ def host_port(kwargs: Mapping[str, Any]) -> str:
 
 
 def error_text(where: str, operation: str, key: str | None, detail: str) -> str:
-    """The text of a store error: the store's address, the operation, its key, what happened
-    (still to be redacted by the store, which knows its passwords)."""
+    """The text of a store error, not yet redacted."""
     return f"Redis store {where}: {what(operation, key)} {detail}"
 
 
@@ -506,26 +462,12 @@ def failed(exc: BaseException) -> str:
 
 
 def not_confirmed(acks: int, min_replicas: int, replica_timeout: float, asks: int = 1) -> str:
-    """The start of the detail of a write that too few replicas acknowledged (``WAIT``);
-    ``asks``: how many times it was asked (each with its own ``WAIT``)."""
+    """The detail of a write too few replicas acknowledged after ``asks`` asks."""
     times = "" if asks == 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
     return (
         f"not confirmed: {acks} of {min_replicas} replicas acknowledged it within "
         f"{replica_timeout * 1000:g} ms{times}"
     )
-
-
-def secrets_among(found: Iterable[object]) -> tuple[str, ...]:
-    """The passwords among ``found`` (None and empty values dropped), longest first, so that
-    one password containing another is masked whole."""
-    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
-
-
-def redact_secrets(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every one of ``secrets`` replaced by ``***``."""
-    for secret in secrets:
-        text = text.replace(secret, "***")
-    return text
 
 
 def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
@@ -544,9 +486,7 @@ def socket_timeout_of(kwargs: Mapping[str, Any]) -> float | None:
 
 
 class StoreBase:
-    """What the Redis store and its asyncio twin share that does no I/O: their keys and
-    options, the arguments of each script call, how a reply is judged and how a failure is
-    said (never with a password in it). Each twin does its own I/O and names its address."""
+    """The I/O-free part of both Redis stores: keys, options, script arguments, replies, errors."""
 
     _logger: logging.Logger
     _prefix: str
@@ -587,20 +527,15 @@ class StoreBase:
 
     @property
     def marker_key(self) -> str:
-        """The Redis key of the store's marker hash: ``<prefix>marker``, ``{boot, started,
-        cause}``.
-
-        Written by the first acquire of each server run (``boot``: INFO's ``run_id``), never
-        expiring: missing, or naming another run, it tells the acquire script that the server
-        may have lost leases (see ``restart_grace``).
-        """
+        """The Redis key of the store's marker hash, ``<prefix>marker``: ``{boot, started,
+        cause}`` of the server run, written by its first acquire, never expiring (see
+        ``restart_grace``)."""
         return self._prefix + MARKER
 
     def _acquire_call(
         self, script: Script, key: str, owner: str, ttl_ms: int
     ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...]]:
-        """``(script, keys, args)`` of an acquire: with the marker and the grace when the store
-        has a restart grace."""
+        """``(script, keys, args)`` of an acquire (with the marker and grace when set)."""
         base = self._base(key)
         keys: tuple[str, ...] = (base + ":lease", base + ":token")
         args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS)
@@ -670,7 +605,7 @@ class StoreBase:
     # Messages -------------------------------------------------------------------------------------
 
     def _redact(self, message: str) -> str:
-        return redact_secrets(message, self._secrets)
+        return mask_secrets(message, self._secrets)
 
     def _error(self, operation: str, key: str | None, detail: str) -> StoreUnavailableError:
         return StoreUnavailableError(
@@ -689,9 +624,8 @@ class StoreBase:
     def _unconfirmed(
         self, operation: str, key: str | None, acks: int, after: str, asks: int = 0
     ) -> StoreUnavailableError:
-        """The error of a write too few replicas acknowledged: a :class:`ReplicaLagError` for
-        an acquire asked ``asks`` times (retried within the caller's wait), else a plain
-        ``StoreUnavailableError``."""
+        """A write too few replicas acknowledged: ``ReplicaLagError`` for an acquire asked
+        ``asks`` times, else ``StoreUnavailableError``."""
         detail = (
             f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
             f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}"
@@ -702,9 +636,8 @@ class StoreBase:
     def _given_up(
         self, key: str, acks: int, asks: int, release_failed: Exception | None
     ) -> StoreUnavailableError:
-        """The error of an acquire no ask of which the replicas confirmed within
-        :data:`CONFIRM_WINDOW`, after its lease was released (``release_failed``: how that
-        failed); logged."""
+        """The (logged) error of an acquire unconfirmed within :data:`CONFIRM_WINDOW`, its lease
+        released (or ``release_failed``)."""
         if release_failed is None:
             after = "the lease was released"
         else:
@@ -720,9 +653,8 @@ class StoreBase:
 def blpop_waits(
     timeout: float, socket_timeout: float | None, monotonic: Callable[[], float]
 ) -> Iterator[float]:
-    """The BLPOP timeouts (seconds) of a wait of ``timeout`` seconds, each shorter than the
-    client's ``socket_timeout`` (so the socket never times out first), read on ``monotonic``
-    when each is due, until the wait's end. BLPOP takes milliseconds; 0 would block forever."""
+    """The BLPOP timeouts (seconds, never 0: that blocks forever) of a wait of ``timeout``
+    seconds, each shorter than the client's ``socket_timeout``."""
     deadline = monotonic() + timeout
     step = blpop_slice(socket_timeout)
     while (left := deadline - monotonic()) > 0:

@@ -1,12 +1,6 @@
-"""Every reach into redis-py's internals, in one place.
-
-The Redis stores use redis-py's public API wherever it has one. Where it has none, the private
-name they need is imported or read here and only here, each entry headed by the redis-py
-behaviour it relies on (read in redis-py 8.2.0). An upgrade that moves one of them breaks this
-module and its tests, not the stores.
-
-This is the stores' counterpart of :mod:`celery_lease._celery.compat` (Celery's and billiard's
-internals): the stores may not import the Celery layer, so the two cannot be one module.
+"""Every reach into redis-py's internals, in one place, each headed by the redis-py behaviour
+it relies on (read in redis-py 8.2.0): an upgrade that moves one breaks this module and its
+tests, not the stores. The stores' counterpart of :mod:`celery_lease._celery.compat`.
 """
 
 from __future__ import annotations
@@ -76,19 +70,15 @@ def request_slot_refresh(client: RedisCluster, failed_node: str | None = None) -
 
 
 def run_requested_slot_refresh(client: RedisCluster) -> None:
-    """Refresh the slot table after an error: the refresh requested, if it is due (redis-py
-    8.2), or at once (older releases). Call it only after an error, on one thread at a time.
+    """Refresh the slot table after an error: the requested refresh if due (redis-py 8.2), or
+    at once (older releases). Only after an error, on one thread at a time; anything may be
+    raised (the caller catches it).
 
     redis-py 8.2: ``NodesManager._refresh_requested`` and ``_run_requested_refresh(retry)``,
-    private, which ``RedisCluster.execute_command`` runs before each attempt. Refreshes asked
-    for by errors are paced: at least 1 s apart (``_TOPOLOGY_REFRESH_MIN_INTERVAL_SECONDS``),
-    longer after failed ones (the client's retry backoff). A refresh asks ``CLUSTER SLOTS`` of
-    the known nodes in random order, the failed node last, until one answers with every slot
-    covered; one that fails is logged by redis-py and asked for again, and the table in use is
-    kept. Older releases (redis-py 5) have no request and no pacing, and no lock around a
-    refresh: ``NodesManager.initialize()`` runs here, asking the startup nodes in order, and
-    raises ``RedisClusterException`` (no ``RedisError``) when none answers, the table in use
-    kept. Anything may be raised: the caller catches it.
+    private, as ``RedisCluster.execute_command`` runs before each attempt; paced at least 1 s
+    apart, the failed node asked last, the table in use kept on failure. redis-py 5:
+    ``NodesManager.initialize()``, unpaced and unlocked, raising ``RedisClusterException``
+    when no startup node answers.
     """
     manager = client.nodes_manager
     run = getattr(manager, "_run_requested_refresh", None)

@@ -1,44 +1,20 @@
 """The Redis store's fast path: one dedicated connection per process for acquire, renew, release.
 
-redis-py spends 60-90 us of Python on every command (pool checkout and return, argument
-encoding, retry wrapper, response callbacks) against about 25 us for the round trip itself on
-loopback. The three calls on a task's hot path therefore go, on a standalone server, over a
-connection of their own: the request bytes are packed here (the ``EVALSHA <sha> <numkeys>``
-head once per script), written with one ``sendall`` and the reply read with a small RESP2/RESP3
-parser that knows the only reply shapes the scripts return (bulk string, nil, integer, error)
-and skips RESP3 push frames (maintenance notifications), as redis-py's parsers do.
+redis-py spends 60-90 µs of Python per command against about 25 µs for a loopback round trip,
+so on a plain standalone client (see :func:`fast_path_for`) these calls send pre-packed requests
+over a connection opened by redis-py's own connection class (its handshake, TLS, timeouts) and
+parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped). What it
+costs and when it applies: docs/stores.md (Redis, The fast path). Wire safety:
 
-Everything else stays on redis-py: the connection is *opened* by redis-py's own connection
-class with the pool's settings (so AUTH/ACL, ``SELECT db``, TLS, unix sockets, client name and
-socket timeouts are exactly the client's), and Sentinel, Cluster, ``min_replicas`` (WAIT),
-client-side caching and custom connection classes never take this path (see
-:func:`fast_path_for`); RESP2 and RESP3 clients both do.
-
-Safety of the wire:
-
-- **One request in flight, its reply read before anyone else sends.** A lock guards the
-  connection; a thread that finds it busy does not queue behind it but returns :data:`BUSY`
-  and the caller uses redis-py's pool instead (so threads never serialise on this socket).
-- **A connection that may hold an unread reply is never reused.** ``_pending`` is set before
-  the write and cleared only after the whole reply was parsed; any error, timeout or
-  asynchronous exception (``SoftTimeLimitExceeded`` raised into the body, Ctrl-C) between the
-  two leaves it set, and the next call closes that socket and opens a new one. A reply that
-  arrives late can therefore never be taken for the answer to a later request.
-- **A connection found dead before it answered costs no retry.** A reused connection the
-  server closed while it sat idle (``timeout``, ``CLIENT KILL``, a restart) fails with no byte
-  of a reply read; the request is then sent once more on a new connection, as redis-py's pool
-  reconnects such a connection at checkout, so the caller's one retry stays for a reply lost
-  later (every script sent this way may run twice).
-- **Errors are redis-py's own classes**: a socket timeout is ``redis.exceptions.TimeoutError``,
-  a dropped or refused connection ``ConnectionError``, an error reply the class redis-py's
-  parser picks (``NoScriptError`` for NOSCRIPT, ``ReadOnlyError``, ``ResponseError``...), so the
-  store's retry-once and error reporting treat both paths alike.
-- **fork()**: the connection remembers the pid that opened it; a child never writes to its
-  parent's socket (it drops the object without shutting the socket down and opens its own).
-- The release reply is read before ``release()`` returns: the key is free on the server before
-  the caller goes on to publish a task's result.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+- One request in flight: a thread that finds the connection busy gets :data:`BUSY` and uses
+  redis-py's pool instead of queueing.
+- ``_pending`` is set before the write and cleared only after the whole reply was parsed; a
+  connection left pending (an error, a timeout, an asynchronous exception) is never reused, so a
+  late reply is never taken for the answer to a later request.
+- A reused connection found dead before a byte of its reply is sent to again on a new one (as
+  redis-py's pool reconnects at checkout), keeping the caller's one retry for later losses.
+- Errors are redis-py's own classes, so the store treats both paths alike.
+- A forked child never writes to its parent's socket: the connection remembers its pid.
 """
 
 from __future__ import annotations
@@ -82,18 +58,12 @@ _CRLF: Final = b"\r\n"
 _RECV: Final = 65536
 
 SPIN_SECONDS = 0.0
-"""How long a read polls the socket before it blocks in ``recv`` (seconds; 0, the default: off).
+"""How long a read polls the socket before it blocks in ``recv`` (seconds; default 0: off).
 
-A blocked thread costs a wake-up when the reply lands: 40-50 us on the 2-core VM the benchmarks
-run on, as much as a loopback round trip. With a poll of 200 us (non-blocking reads, the GIL
-released in each) an uncontended acquire + release cycle on loopback took 115 us instead of
-244 us there; but in a worker on a busy 2-core host the poll took the core the lock server
-needed (``bench_task_throughput --spin-us 0`` against ``200``: 280 against 350 us added per
-task), and against a server on another host (round trips of 100 us and more) it mostly burns
-CPU. So it is off; set it in the worker process (e.g. in ``worker_process_init``) where Redis
-is on the same host with cores to spare, and measure. Only plain kernel sockets poll (not TLS,
-nor gevent's or eventlet's cooperative sockets, which must yield to their hub), only with a
-socket timeout or a blocking socket, and only where the process may run on more than one CPU.
+Saves a thread's wake-up per reply when Redis is on the same host with cores to spare, but
+burns a core otherwise (measurements: docs/stores.md, The fast path); set it in the worker
+process and measure. Only plain kernel sockets on a multi-CPU process poll (not TLS, gevent or
+eventlet sockets).
 """
 
 
@@ -123,8 +93,8 @@ def _poller(sock: socket.socket) -> Callable[[], bytes] | None:
 
 
 def pack_head(sha: str, numkeys: int, nargs: int) -> bytes:
-    """``*<n>\\r\\n$7\\r\\nEVALSHA\\r\\n$40\\r\\n<sha>\\r\\n$<..>\\r\\n<numkeys>\\r\\n``: the
-    constant start of an EVALSHA request with ``numkeys`` keys and ``nargs`` arguments."""
+    """The constant start of an ``EVALSHA <sha> <numkeys>`` request of ``numkeys`` keys and
+    ``nargs`` arguments."""
     count = str(numkeys).encode()
     return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$%d\r\n%s\r\n" % (
         3 + numkeys + nargs,
@@ -148,8 +118,8 @@ def pack_eval_head(source: str, numkeys: int, nargs: int) -> bytes:
 
 
 def pack_request(head: bytes, items: Iterable[str | int], encoding: str, errors: str) -> bytes:
-    """A request: its packed ``head`` (see :func:`pack_head`) and each key and argument as a
-    bulk string (text encoded as the client encodes it)."""
+    """A request: ``head`` and each key and argument as a bulk string (encoded as the client
+    encodes text)."""
     parts = [head]
     for item in items:
         data = item.encode(encoding, errors) if isinstance(item, str) else b"%d" % item
@@ -158,14 +128,9 @@ def pack_request(head: bytes, items: Iterable[str | int], encoding: str, errors:
 
 
 def fast_path_for(client: object) -> FastConnection | None:
-    """A :class:`FastConnection` for ``client`` when it is a plain standalone client, else None.
-
-    Only for a ``redis.Redis`` whose pool is a stock ``ConnectionPool`` or
-    ``BlockingConnectionPool`` (not Sentinel's) with a stock connection class (TCP, TLS or unix
-    socket) and no client-side cache. RESP2 and RESP3 (redis-py 8's default) both work: the
-    scripts' replies differ only in how nil and booleans are written. A subclassed connection
-    class may change what goes over the wire, so it keeps redis-py's path for every call.
-    """
+    """A :class:`FastConnection` for a plain ``redis.Redis`` (a stock pool, not Sentinel's,
+    with a stock TCP, TLS or unix connection class and no client-side cache), else None: a
+    subclassed connection class may change what goes over the wire."""
     if type(client) is not redis.Redis:
         return None
     pool = client.connection_pool
@@ -179,10 +144,8 @@ def fast_path_for(client: object) -> FastConnection | None:
 class FastConnection:
     """One connection per process, opened by redis-py's connection class, driven directly.
 
-    Args:
-        pool: the client's pool; only its ``connection_class`` and ``connection_kwargs`` are
-            used (the connection is not taken from the pool and does not count against its
-            ``max_connections``).
+    ``pool``: the client's pool, whose ``connection_class`` and ``connection_kwargs`` are used
+    (the connection does not count against its ``max_connections``).
     """
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
@@ -220,11 +183,8 @@ class FastConnection:
             except RedisConnectionError:
                 if fresh or self._buf:
                     raise
-                # The reused connection was dead before a byte of the reply came (closed by
-                # the server as idle, CLIENT KILL, a restart). redis-py's pool finds that out
-                # at checkout and reconnects without a retry; so does this, or the caller's
-                # one retry would be spent on it. Sending again is safe: every script the
-                # store runs this way may run twice.
+                # Dead before a byte of the reply came: reconnect without spending the
+                # caller's retry (every script sent this way may run twice).
                 reply = self._exchange(self._reconnect(), request)
         finally:
             self._lock.release()
@@ -233,15 +193,13 @@ class FastConnection:
         return reply
 
     def send_deferred(self, request: bytes, on_reply: Callable[[Any], None]) -> bool:
-        """Send ``request`` and return without reading its reply; False when not sent.
+        """Send ``request`` without reading its reply; False (nothing sent) when the
+        connection is busy or cannot be opened.
 
-        The reply is read before the reply of the next request on this connection (the server
-        answers in order), or by :meth:`flush`, and handed to ``on_reply``: the parsed reply,
-        the exception an error reply stands for, or a ``ConnectionError`` when the connection
-        failed before it could be read (the request may or may not have run). ``on_reply`` runs
-        on whichever thread reads it: keep it to logging. False (nothing sent) when another
-        thread is using the connection or it cannot be written to; the caller then sends the
-        request the usual way.
+        The reply is read before the next request's, or by :meth:`flush`, and handed to
+        ``on_reply`` (on whichever thread reads it: keep it to logging): the parsed reply, the
+        exception an error reply stands for, or a ``ConnectionError`` when the connection failed
+        first (the request may or may not have run).
         """
         if not self._lock.acquire(blocking=False):
             return False
@@ -252,9 +210,8 @@ class FastConnection:
                     sock = self._reconnect()
                 except RedisError:
                     return False
-            # Recorded before the write, and _pending cleared only after it: an interrupt
-            # anywhere in between leaves _pending set, so the next call drops the connection
-            # (reporting this request as unanswered) instead of reading its reply as its own.
+            # An interrupt between here and the end of the write leaves _pending set: the
+            # next call drops the connection, reporting this request as unanswered.
             self._unread.append(on_reply)
             self._pending = True
             try:
@@ -276,9 +233,8 @@ class FastConnection:
             if not self._unread or sock is None:
                 return
             if self._stale(sock):
-                # An exchange was cut short after its write (its reply, of unknown shape, may
-                # come before or among these): nothing on this socket can be trusted. Dropping
-                # it reports the deferred requests as unanswered.
+                # An exchange was cut short: nothing on this socket can be trusted (dropping it
+                # reports the deferred requests as unanswered).
                 self._drop()
                 return
             self._pending = True
@@ -289,8 +245,7 @@ class FastConnection:
             self._pending = False
 
     def close(self) -> None:
-        """Close the connection (only this process's own; a parent's socket is left alone),
-        after reading the replies of deferred requests still unread."""
+        """Read the deferred replies, then close this process's connection."""
         self.flush()
         with self._lock:
             self._drop()
@@ -398,9 +353,7 @@ class FastConnection:
         buf = self._buf
         end = self._line_end(sock)
         while buf[0] == 0x3E:  # '>'
-            # A RESP3 push frame (a server in maintenance pushes MIGRATING / MOVING to clients
-            # that asked for it, which redis-py's handshake does) comes before or between
-            # replies and is no reply: skip it, as redis-py's parsers do.
+            # A RESP3 push frame (maintenance notifications) is no reply: skip it.
             self._skip(sock)
             end = self._line_end(sock)
         kind = buf[0]
@@ -477,8 +430,7 @@ def _one_line_reply(kind: int, line: bytes) -> Any:
 
 
 def _hand(on_reply: Callable[[Any], None], reply: Any) -> None:
-    """Give a deferred request's reply to its function; what that raises is logged, never
-    passed on into the exchange that read the reply."""
+    """Give a deferred reply to its function; what that raises is logged, never passed on."""
     try:
         on_reply(reply)
     except Exception:
@@ -489,9 +441,8 @@ _ALL: weakref.WeakSet[FastConnection] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
-    """In a forked child: a fresh lock for every fast connection (a child forked while another
-    thread held one would find it held forever); the parent's socket is dropped at the next
-    call, since its pid differs."""
+    """In a forked child: fresh locks (one held at the fork would stay held forever); the
+    parent's socket is dropped at the next call (its pid differs)."""
     for fast in list(_ALL):
         fast._lock = threading.Lock()
         fast._unread = []  # the parent's deferred requests: the parent reads their replies

@@ -79,12 +79,11 @@ _SENTINEL_OPTIONS = (
 def parse_sentinel_url(url: str) -> SentinelURL:
     """Parse ``redis+sentinel://[[user]:password@]host1:26379[,host2:26379]/service[/db]``.
 
-    The port defaults to 26379, ``db`` to 0. ``user`` and ``password`` authenticate to the
-    master; the query may set ``sentinel_password`` (Sentinel's own ``requirepass``),
-    ``socket_timeout`` / ``socket_connect_timeout`` in seconds (default 5), and the store's
-    ``min_replicas`` (an integer), ``replica_timeout`` (a duration such as ``0.2`` or
-    ``250ms``) and ``restart_grace`` (a duration; 0 turns it off). IPv6 hosts go in brackets:
-    ``[::1]:26379``.
+    The port defaults to 26379 (IPv6 hosts in brackets), ``db`` to 0; ``user`` and ``password``
+    authenticate to the master. Query: ``sentinel_password`` (Sentinel's own ``requirepass``),
+    ``socket_timeout`` / ``socket_connect_timeout`` (seconds, default 5), and the store's
+    ``min_replicas`` (an integer), ``replica_timeout`` and ``restart_grace`` (durations such as
+    ``0.2`` or ``250ms``; a grace of 0 turns it off).
 
     Raises:
         LeaseConfigError: naming what is wrong.
@@ -120,11 +119,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
 
 
 def _sentinel_option(url: str, name: str, value: str) -> Any:
-    """The value of the query option ``name`` of a ``redis+sentinel://`` URL.
-
-    Raises:
-        LeaseConfigError: for an unknown option or a bad value.
-    """
+    """The value of query option ``name``; ``LeaseConfigError`` if unknown or bad."""
     if name == "sentinel_password":
         return value
     if name == "min_replicas":
@@ -165,8 +160,7 @@ def _parse_host(url: str, item: str) -> tuple[str, int]:
 
 
 def sentinel_connection_kwargs(spec: SentinelURL, retry: Any) -> dict[str, Any]:
-    """The keywords of the connections to the Sentinels themselves (timeouts, no retry, the
-    Sentinels' own password) for a parsed ``redis+sentinel://`` URL; sync and async alike."""
+    """The keywords of the connections to the Sentinels themselves (sync and async alike)."""
     kwargs: dict[str, Any] = {
         "socket_timeout": spec.socket_timeout,
         "socket_connect_timeout": spec.socket_connect_timeout,
@@ -183,34 +177,27 @@ def describe_sentinel_master(
     db: object,
     master: tuple[str, int] | None,
 ) -> str:
-    """A Sentinel-managed master's address for messages, from its Sentinels' connection
-    keywords: ``redis+sentinel://s1:26379,s2:26379/service/db (master host:port)``."""
+    """``redis+sentinel://s1:26379,s2:26379/service/db (master host:port)``, for messages."""
     hosts = ",".join(host_port(kwargs) for kwargs in sentinels)
     known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
     return f"redis+sentinel://{hosts}/{service}/{db} ({known})"
 
 
 def master_address(reply: Any) -> tuple[str, int] | None:
-    """The ``(host, port)`` of a ``SENTINEL GET-MASTER-ADDR-BY-NAME`` reply, None when the
-    Sentinel knows no such service."""
+    """The ``(host, port)`` of a :data:`GET_MASTER` reply, None for an unknown service."""
     if not reply:
         return None
     return text(reply[0]), int(reply[1])
 
 
 def no_master_message(service: str, problems: Iterable[str]) -> str:
-    """The message of the ``MasterNotFoundError`` raised when no Sentinel names a master,
-    with each Sentinel's reason (``host:port: why``)."""
+    """The ``MasterNotFoundError`` message, with each Sentinel's reason."""
     return f"No master found for {service!r}: " + "; ".join(problems)
 
 
 def ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, int]:
-    """The ``(host, port)`` the first answering Sentinel names as master of ``service``.
-
-    Raises:
-        MasterNotFoundError: (a ``ConnectionError``) when no Sentinel names one, with each
-            Sentinel's reason.
-    """
+    """The ``(host, port)`` the first answering Sentinel names as master of ``service``;
+    ``MasterNotFoundError`` (a ``ConnectionError``) when none does."""
     problems: list[str] = []
     for sentinel in list(manager.sentinels):
         address = master_of(sentinel, _reply_or_error(sentinel, service), problems)
@@ -227,8 +214,8 @@ def _reply_or_error(sentinel: redis.Redis, service: str) -> Any:
 
 
 def master_of(sentinel: Any, reply: Any, problems: list[str]) -> tuple[str, int] | None:
-    """The master address ``sentinel`` answered (``reply``: its reply or the error asking it
-    raised), or None with the reason added to ``problems``."""
+    """The master address in ``reply`` (or the error asking raised), or None with the reason
+    added to ``problems``."""
     where = host_port(sentinel.connection_pool.connection_kwargs)
     if isinstance(reply, Exception):
         problems.append(f"{where}: {reply}")
@@ -240,14 +227,9 @@ def master_of(sentinel: Any, reply: Any, problems: list[str]) -> tuple[str, int]
 
 
 class Sentinel(redis.sentinel.Sentinel):
-    """A Sentinel manager that discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``.
-
-    redis-py's own discovery reads ``SENTINEL MASTERS``, which keeps naming the old master until
-    the failover's last step (``+switch-master``); ``GET-MASTER-ADDR-BY-NAME`` names the promoted
-    replica as soon as Sentinel starts reconfiguring the other servers (50-100 ms earlier in our
-    runs). Using one command for both the store's check and the pool's discovery makes them
-    agree, so the pool moves at the first check that sees the new master.
-    """
+    """A Sentinel manager that discovers the master with :data:`GET_MASTER`, as the store's
+    check does, so the pool moves at the first check that sees a new master (redis-py's
+    ``SENTINEL MASTERS`` lags: docs/stores.md, Sentinel)."""
 
     def discover_master(self, service_name: str) -> tuple[str, int]:
         return ask_sentinels(self, service_name)
@@ -257,15 +239,13 @@ def follow_master(
     pool: redis.sentinel.SentinelConnectionPool,
     on_silence: Callable[[Exception], None] | None,
 ) -> None:
-    """Make sure ``pool`` talks to the master a Sentinel names now.
+    """Make sure ``pool`` talks to the master a Sentinel names now (one :data:`GET_MASTER`;
+    on a change the pool re-discovers and drops its idle connections).
 
-    One ``SENTINEL GET-MASTER-ADDR-BY-NAME``; when the answer differs from the pool's master,
-    the pool re-discovers it and disconnects its idle connections, so this call and the next
-    ones reach the new master (connections busy in other threads are dropped when they come
-    back to the pool). When no Sentinel answers and the pool knows a master, ``on_silence`` is
-    called with the error and the known master kept (a store whose writes wait for replicas:
-    WAIT still refuses a write a failover would lose); without ``on_silence`` the error is
-    raised, since nothing else tells a stale master from the current one.
+    When no Sentinel answers and a master is known, ``on_silence`` is called and the known
+    master kept (for stores whose writes WAIT for replicas, which still refuses a write a
+    failover would lose); without ``on_silence`` the error is raised, since nothing else tells
+    a stale master from the current one.
     """
     known = pool.master_address
     try:
@@ -276,8 +256,6 @@ def follow_master(
         on_silence(exc)
         return
     if address != known:
-        # Stores built from a URL discover with the same command (Sentinel), so the pool moves
-        # now; a stock Sentinel (SENTINEL MASTERS) follows ~50-100 ms later.
         pool.get_master_address()  # type: ignore[no-untyped-call]
         if known is not None and pool.master_address != known:
             log_master_change(address, pool.service_name, known)
@@ -297,12 +275,9 @@ def log_master_change(address: tuple[str, int], service: str, known: tuple[str, 
 def client_from_url(
     url: str, client_class: Any, sentinel_class: Any, retry_class: Any
 ) -> tuple[Any, Any, dict[str, object]]:
-    """The client a store URL names, its Sentinel manager (or None) and the store's own URL
-    options (``min_replicas``, ``replica_timeout``, ``restart_grace``), with the classes of
-    redis-py's sync or ``redis.asyncio`` API. Nothing connects yet.
-
-    Clients get ``socket_timeout`` and ``socket_connect_timeout`` of 5 s unless the URL sets
-    them, ``decode_responses=False`` and no redis-py retries (the stores retry once).
+    """The client a store URL names (built with the sync or ``redis.asyncio`` classes, not yet
+    connected), its Sentinel manager (or None) and the store's own URL options. Clients get 5 s
+    socket timeouts unless the URL sets them, and no redis-py retries (the stores retry once).
 
     Raises:
         LeaseConfigError: for a URL of another scheme or one redis-py refuses.

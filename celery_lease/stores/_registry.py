@@ -1,17 +1,8 @@
-"""The table of stores (URL scheme -> ``"module:Class"`` of the classes that serve it) and the
-factories that read it: :func:`store_from_url` and :func:`async_store_from_url`.
+"""The table of stores (URL scheme -> ``"module:Class"``) and the factories that read it.
 
-Every reader of a store URL goes through this table: the two factories, the settings check that
-refuses a misspelled ``lease_store`` scheme at worker start (:mod:`celery_lease._celery.settings`),
-the ``celery lease`` CLI (through ``store_from_url``) and the store classes :mod:`celery_lease`
-loads on first use (naming the extra to install when a driver is missing). A scheme added here
-is known to all of them.
-
-The classes are named, not imported (as kombu's ``TRANSPORT_ALIASES``, kept out of its transport
-base module): a class is imported on first use with :mod:`importlib`, so a missing optional
-driver fails only when its scheme is used, and the store protocol (:mod:`.base`) knows no store.
-A scheme without a native async store is served by :class:`~.threaded.ThreadedAsyncStore` over
-its synchronous store.
+Every reader of a store URL (the factories, the settings check, the CLI, the lazy names of
+:mod:`celery_lease`) goes through :data:`SCHEMES`. Classes are named, not imported (as kombu's
+``TRANSPORT_ALIASES``): a missing optional driver fails only when its scheme is used.
 """
 
 from __future__ import annotations
@@ -43,17 +34,10 @@ __all__ = [
 class Entry(NamedTuple):
     """What serves one URL scheme."""
 
-    sync: str
-    """``"module:Class"`` of the :class:`~celery_lease.stores.base.LockStore`."""
-    native_async: str | None
-    """``"module:Class"`` of the native :class:`~celery_lease.stores.base.AsyncLockStore`, or
-    ``None``: :class:`~.threaded.ThreadedAsyncStore` runs the synchronous store's calls on a
-    thread."""
-    extra: str | None
-    """The ``celery-lease[extra]`` that installs the driver, or ``None`` (standard library)."""
-    example: str | None
-    """How the scheme is listed in an error's ``supported:`` URLs, or ``None``: not listed on its
-    own (another spelling of a listed scheme, or the socket form of ``redis://``)."""
+    sync: str  # "module:Class" of the LockStore
+    native_async: str | None  # of the native AsyncLockStore; None: ThreadedAsyncStore
+    extra: str | None  # the celery-lease[extra] installing the driver; None: stdlib
+    example: str | None  # as listed in an error's "supported:" URLs; None: not listed
 
 
 _MEMORY = "celery_lease.stores.memory:MemoryLockStore"
@@ -84,12 +68,8 @@ SCHEMES: Mapping[str, Entry] = MappingProxyType(
 
 
 def resolve(path: str) -> Any:
-    """The object a ``"module:name"`` string names, importing the module (on every call: a
-    module already imported is looked up in :data:`sys.modules`).
-
-    Raises:
-        ImportError: the module, or a driver it imports, is not installed.
-    """
+    """The object a ``"module:name"`` string names, importing the module (``ImportError``
+    when it or its driver is not installed)."""
     module_name, _, name = path.partition(":")
     return getattr(importlib.import_module(module_name), name)
 
@@ -105,24 +85,13 @@ def examples() -> tuple[str, ...]:
 
 
 def sync_class(scheme: str) -> type[Any]:
-    """The synchronous store class of ``scheme`` (lower case), imported.
-
-    Raises:
-        KeyError: ``scheme`` is not in :data:`SCHEMES`.
-        ImportError: its driver is not installed.
-    """
+    """The synchronous store class of ``scheme`` (lower case, a ``KeyError`` if unknown)."""
     cls: type[Any] = resolve(SCHEMES[scheme].sync)
     return cls
 
 
 def async_class(scheme: str) -> type[Any] | None:
-    """The native async store class of ``scheme`` (lower case), imported, or ``None`` when the
-    scheme has none (the thread adapter serves it).
-
-    Raises:
-        KeyError: ``scheme`` is not in :data:`SCHEMES`.
-        ImportError: its driver is not installed.
-    """
+    """The native async store class of ``scheme`` (as :func:`sync_class`), or ``None``."""
     path = SCHEMES[scheme].native_async
     if path is None:
         return None
@@ -190,12 +159,8 @@ def async_store_from_url(url: str) -> AsyncLockStore:
 
 
 def _scheme_of(url: str) -> str:
-    """The lower-case scheme of a store ``url``, one of the store table's.
-
-    Raises:
-        LeaseConfigError: ``url`` is not a URL, or its scheme is not in the table (the message
-            lists the supported forms).
-    """
+    """The lower-case scheme of a store ``url``; ``LeaseConfigError`` listing the supported
+    forms when it is not a URL or its scheme is unknown."""
     if not isinstance(url, str) or "://" not in url:
         shown = redact_url(url) if isinstance(url, str) else url
         raise LeaseConfigError(

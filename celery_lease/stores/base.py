@@ -20,7 +20,7 @@ import asyncio
 import inspect
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -141,29 +141,21 @@ class SupportsBatchRenew(Protocol):
     """A store that renews many leases in one round trip."""
 
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> Sequence[bool | Exception]:
-        """Renew each ``(key, owner, ttl_ms)``; one answer per item, in order, per key.
+        """Renew each ``(key, owner, ttl_ms)``; one answer per item, in order.
 
-        Each item's slot holds what :meth:`LockStore.renew` would answer for it: ``True``
-        (renewed), ``False`` (not held by ``owner``: refused), or the exception instance
-        (``StoreUnavailableError`` for a store error) that renewing that key alone would raise.
-        An error that concerns one key (a Redis key holding another type) goes in that key's
-        slot, so it fails that lease alone and the others of the batch are renewed. Raise only
-        when the batch as a whole failed (the connection, the transaction): the renewer then
-        counts every lease of the batch as failed and retries them while they are valid, in
-        one batch again, never one call per key (which against a dead store would multiply its
-        timeout by the batch size). An answer of another length than ``items`` also fails the
-        whole batch.
+        Each slot holds what :meth:`LockStore.renew` would answer for that key alone: ``True``,
+        ``False`` (not held by ``owner``), or the exception renewing it alone would raise (an
+        error of one key fails that lease only). Raise only when the whole batch failed (the
+        connection, the transaction): the renewer retries the batch as one, never key by key,
+        which against a dead store would multiply its timeout. An answer of another length
+        than ``items`` fails the whole batch.
         """
         ...
 
 
 class LoopBinding:
-    """The event loop a native async store belongs to: the loop of its first call.
-
-    Native async clients (redis.asyncio connections, psycopg's async pool and listener) belong
-    to the loop they were made in; a call from another loop would hang, fail obscurely or break
-    the first loop's calls. ``what`` says what belongs to the loop, for the error.
-    """
+    """The event loop a native async store belongs to (that of its first call): its clients
+    would hang or fail obscurely in another. ``what`` names them, for the error."""
 
     __slots__ = ("_loop", "_what")
 
@@ -172,12 +164,7 @@ class LoopBinding:
         self._loop: weakref.ref[asyncio.AbstractEventLoop] | None = None
 
     def check(self, store: object) -> None:
-        """Bind to the running loop on the first call; refuse a call from another.
-
-        Raises:
-            RuntimeError: when ``store`` was first used in another event loop (one that may
-                be closed by now).
-        """
+        """Bind to the running loop on the first call; ``RuntimeError`` from another loop."""
         loop = asyncio.get_running_loop()
         bound = self._loop
         if bound is None:
@@ -244,10 +231,8 @@ class AsyncLockStore(Protocol):
 
 @dataclass(frozen=True)
 class LeaseInfo:
-    """A live lease as seen by an inspection call.
-
-    ``expires_in`` is in seconds, measured by the store's clock at the time of the call.
-    """
+    """A live lease as seen by an inspection call (``expires_in``: seconds, by the store's
+    clock at the time of the call)."""
 
     key: str
     owner: str
@@ -280,15 +265,12 @@ class SupportsInspection(Protocol):
 
 
 def conforms(obj: object, protocol: type) -> bool:
-    """Whether ``obj`` offers every member of ``protocol`` (one of the protocols above, or any
-    ``typing.Protocol``): each method as a callable attribute, each property as an attribute.
+    """Whether ``obj`` offers every member of ``protocol`` (any ``typing.Protocol``): each
+    method as a callable attribute, each property as an attribute.
 
-    The same answer on every Python: attributes are read with ``getattr``, so a wrapper that
-    delegates to its store through ``__getattr__`` (tracing and metrics wrappers do) conforms to
-    what the wrapped store offers. ``isinstance`` against a ``runtime_checkable`` protocol does
-    not see such attributes since Python 3.12 (it looks them up statically). Reading a property
-    runs it, as ``isinstance`` did before 3.12. A class that has every member itself conforms
-    always, and is remembered (the check then costs one dict look-up).
+    Read with ``getattr``, so a wrapper delegating through ``__getattr__`` conforms to what it
+    wraps, on every Python (``isinstance`` stopped seeing such attributes in 3.12). Reading a
+    property runs it. A class having every member itself is remembered (one dict look-up).
     """
     cls = type(obj)
     if (cls, protocol) in _STATIC:
@@ -339,13 +321,22 @@ _PARAM_PASSWORD = re.compile(
 )
 
 
-def redact_url(url: str) -> str:
-    """``url`` (or a libpq ``key=value`` DSN) with every password replaced by ``***``.
+def secrets_among(found: Iterable[object]) -> tuple[str, ...]:
+    """The passwords among ``found``, longest first (one containing another is masked whole)."""
+    return tuple(sorted({s for s in found if isinstance(s, str) and s}, key=len, reverse=True))
 
-    For error messages and logs. Masks the userinfo's password (``scheme://user:password@host``,
-    up to the last ``@``, also with a misspelled scheme or no ``//``) and the
-    value of every parameter whose name ends in ``password`` (``?sentinel_password=...``,
-    libpq's ``password=...``, quoted or not). It masks too much rather than too little.
+
+def mask_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every one of ``secrets`` replaced by ``***``."""
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text
+
+
+def redact_url(url: str) -> str:
+    """``url`` (or a libpq ``key=value`` DSN) with every password replaced by ``***``: the
+    userinfo's (up to the last ``@``, whatever the scheme) and every ``...password=`` parameter's,
+    quoted or not. It masks too much rather than too little.
     """
     text = url
     at = text.rfind("@")  # the last one: a password may hold "@", "/" or "?" unencoded

@@ -23,13 +23,9 @@ class MemoryLockStore:
     """A :class:`~celery_lease.LockStore` in this process's memory.
 
     Excludes across the threads of one process only. Expiry follows the clock's
-    ``monotonic()`` (for the system clock, ``time.monotonic``: it never steps, so a step of the
-    wall clock neither frees nor extends a lease); ``time()`` only floors tokens. A repeated
-    acquire by the holder of a live lease returns its token and sets its expiry to now + ttl.
-    Tokens are floored by the clock in
-    microseconds and by the largest token of any entry it dropped, so entries of free keys are
-    forgotten (memory does not grow with the number of keys ever locked) while tokens still only
-    grow.
+    ``monotonic()`` (a wall-clock step neither frees nor extends a lease); ``time()`` only
+    floors tokens. Entries of free keys are forgotten, the largest dropped token kept as a
+    floor, so memory does not grow with every key ever locked while tokens only grow.
 
     Args:
         clock: time source (default: the system clock); pass a ``FakeClock`` in tests.

@@ -1,18 +1,12 @@
 """PostgreSQL store: one table, one statement per operation, time from the database's clock.
 
-Every operation is a single SQL statement on an autocommit connection: one round trip, atomic
-per key. Expiry and tokens come from ``clock_timestamp()`` on the server, never a client's
-clock. The table keeps one row per key ever locked (release clears ``owner``), so the token
-counter only grows; a new token is ``GREATEST(previous + 1, clock_timestamp() in µs)``, which
-also exceeds earlier tokens after the row is lost, as long as the server's clock does not go
-back. A repeated ``acquire`` by the live lease's owner returns its token and sets its expiry,
-so a retry after a lost reply gets its own lease back.
-
-Release and ``force_release`` send ``pg_notify(channel, key)`` in the same statement (a key over
-1000 bytes by its digest); waiters are woken by one listener thread per store and process. The
-statements and the schema: :mod:`celery_lease.stores._postgres_common`. The table, the grants a
-role needs, ``create_table`` and what a step of the server's clock does: docs/stores.md
-(PostgreSQL). Threads, locks and fork resets: docs/internals.md.
+Every operation is one statement on an autocommit connection, atomic per key, with expiry and
+tokens from the server's ``clock_timestamp()``. Rows are never deleted (release clears
+``owner``), and a new token is ``GREATEST(previous + 1, clock in µs)``, so tokens keep growing
+even after a row is lost, as long as the server's clock does not go back. Release notifies in
+the same statement; one listener thread per store and process wakes waiters. The SQL:
+:mod:`~celery_lease.stores._postgres_common`; the table, grants and clock: docs/stores.md
+(PostgreSQL); threads, locks and fork: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -70,11 +64,8 @@ _T = TypeVar("_T")
 
 
 def _recording_connection_class(failures: ConnectFailures) -> type[psycopg.Connection[Any]]:
-    """A connection class for the store's own pool that records why connecting failed.
-
-    psycopg_pool connects in background threads and only logs their errors; a caller that
-    times out waiting would otherwise learn nothing about the cause.
-    """
+    """A connection class that records why connecting failed: psycopg_pool connects in
+    background threads, and a caller that times out would otherwise never learn the cause."""
 
     class _StoreConnection(psycopg.Connection[Any]):
         celery_lease_own_connection = True  # OWN_CONNECTION: psycopg_pool's records folded
@@ -91,14 +82,12 @@ _SETTLE_TIMEOUT = 5.0  # seconds an interrupted statement gets to end after its 
 
 
 def _settle_interrupted(conn: psycopg.Connection[Any]) -> None:
-    """After an exception raised asynchronously inside a statement: end it, then close ``conn``.
+    """After an exception raised asynchronously inside a statement: cancel it, read its end,
+    close ``conn``.
 
-    The exception (a signal handler's, ``PyThreadState_SetAsyncExc``'s) leaves the statement
-    running on the server, where it can still commit later (an acquire queued on a row lock
-    takes the key once the lock goes). psycopg cancels only for ``KeyboardInterrupt`` and
-    ``SystemExit``; here every interrupt is treated so: cancel the statement, read its end (so
-    it is over, committed or not, when this returns), and close the connection rather than
-    return it to the pool with unknown client state.
+    The statement would otherwise keep running and may commit later (an acquire queued on a row
+    lock); psycopg cancels only for ``KeyboardInterrupt`` and ``SystemExit``. The connection's
+    client state is unknown, so it is closed rather than returned to the pool.
     """
     pgconn = conn.pgconn
     try:
@@ -141,12 +130,10 @@ def _pool_target(pool: ConnectionPool[Any]) -> str:
     return f"{target(params)}, {name}"
 
 
-# Stores still open, so that a forked child can abandon what it inherited.
 _STORES: weakref.WeakSet[PostgresLockStore] = weakref.WeakSet()
 
-# Pools and connections inherited through fork(): never used and never closed in the child
-# (closing would send a Terminate message on the parent's socket and end its session), only kept
-# referenced so that garbage collection does not close them either.
+# Pools and connections inherited through fork(), kept referenced and never closed in the child:
+# closing would send Terminate on the parent's socket and end its session.
 _INHERITED: list[object] = []
 
 
@@ -167,11 +154,9 @@ class _Slot:
 
 
 class _Listener:
-    """One thread holding a dedicated ``LISTEN`` connection, waking per-key slots.
-
-    ``ready`` is set while the connection listens. After a reconnect every registered slot is
-    woken (a release may have been notified while nobody listened): spurious wake-ups are allowed
-    by the protocol, lost ones would cost a waiter a full poll interval.
+    """One thread holding a ``LISTEN`` connection, waking per-key slots (filed under the
+    key's NOTIFY payload); ``ready`` is set while it listens. After a reconnect every slot is
+    woken: spurious wake-ups are allowed, lost ones would cost a waiter a poll interval.
     """
 
     _TICK = 1.0  # seconds between checks of the stop flag while no notification arrives
@@ -191,11 +176,6 @@ class _Listener:
             target=self._run, name=f"celery-lease-listen[{channel}]", daemon=True
         )
         self._thread.start()
-
-    # Slots ------------------------------------------------------------------------------------
-
-    # Slots are filed under the key's NOTIFY payload (a digest for a long key), which is what a
-    # notification names.
 
     def register(self, key: str) -> _Slot:
         payload = notify_payload(key)
@@ -243,8 +223,6 @@ class _Listener:
             self._slots.clear()
         for slot in slots:
             slot.event.set()
-
-    # Thread -----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         retry = ListenerRetry("listener", logger)
@@ -297,26 +275,14 @@ class PostgresLockStore(StoreBase):
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
     :class:`~celery_lease.SupportsBatchRenew` and :class:`~celery_lease.SupportsInspection`.
 
-    Connections: given a DSN, the store opens a ``psycopg_pool.ConnectionPool`` of autocommit
-    connections on first use (1 to ``max_connections``); a pool passed in is used as is, never
-    closed, and must not be shared across a fork (a forked child rebuilds the store's own pool
-    and listener, never touching the sockets it inherited). :meth:`wait_for_release` is served
-    by one listener thread per store and process, holding one extra ``LISTEN`` connection.
-
-    Errors: a dropped connection (``OperationalError``, but not SQLSTATE class 54, a server
-    limit) is retried once on another connection when the operation is safe to redo (all but
-    ``force_release``, whose error then says the outcome is unknown). Any other failure raises
+    Given a DSN, the store opens its own pool of autocommit connections on first use (rebuilt
+    in a forked child); a pool passed in is used as is, never closed, and not rebuilt after a
+    fork. :meth:`wait_for_release` holds one extra ``LISTEN`` connection per process. A dropped
+    connection is retried once (not for ``force_release``); other failures raise
     ``StoreUnavailableError`` naming the store (never the password), the operation and the
-    server's message with its SQLSTATE, the driver's error chained.
-
-    Interrupts: an exception raised asynchronously inside a statement (``on_lost="revoke"``,
-    ``KeyboardInterrupt``) cancels the statement on the server, waits (up to 5 s) for its end
-    and closes the connection; an interrupted acquire then releases what it may have taken
-    (owner checked) before the exception propagates.
-
-    Schema: with ``create_table=True`` a missing table is created the first time a statement
-    finds it missing (an existing table costs no DDL, so a role without ``CREATE`` works on a
-    table a DBA made); with ``create_table=False`` the store never runs DDL.
+    server's message with its SQLSTATE. An interrupt inside a statement cancels it (waiting up
+    to 5 s) and an interrupted acquire releases what it may have taken. Details:
+    docs/stores.md (PostgreSQL).
 
     Args:
         dsn_or_pool: a libpq connection string or URL (``postgresql://`` or ``postgres://``), or
@@ -326,13 +292,10 @@ class PostgresLockStore(StoreBase):
         connect_timeout: seconds to wait for a connection (new or from the pool) before raising
             ``StoreUnavailableError`` (default 5.0).
         statement_timeout: seconds one statement of the store may run on the server, waits for
-            a row or table locked by another session included, before the server cancels it
-            (default 5.0; PostgreSQL's ``statement_timeout``, set on each connection of the
-            internal pool when it is made). A statement cancelled so raises
-            ``StoreUnavailableError`` naming the bound, without a retry: a renewal batch that
-            meets a locked row fails within it (the renewer retries while the leases are valid)
-            instead of hanging the store's renewer. With a pool passed in, that pool's own
-            connection settings apply (set ``statement_timeout`` in its ``configure`` or DSN).
+            waits for locked rows included (default 5.0; PostgreSQL's ``statement_timeout``, set
+            on each connection of the internal pool). Exceeding it raises
+            ``StoreUnavailableError`` naming the bound, without a retry. With a pool passed in,
+            that pool's own settings apply.
         max_connections: the size limit of the internal pool (default 8); ignored with a pool.
         create_table: whether the store may create a missing table (default: the URL's
             ``?create_table=true|false`` when given, else True). When False, or when the role
@@ -446,11 +409,8 @@ class PostgresLockStore(StoreBase):
         return pool
 
     def _configure_connection(self, conn: psycopg.Connection[Any]) -> None:
-        """Bound every statement of a new pooled connection by ``statement_timeout``.
-
-        A session setting made once per connection (one round trip when it is made), not a
-        startup option: poolers such as PgBouncer refuse libpq's ``options``.
-        """
+        """``SET statement_timeout`` on a new pooled connection (a session setting, not
+        libpq's ``options``, which poolers such as PgBouncer refuse)."""
         millis = max(1, round(self._statement_timeout * 1000))
         conn.execute(sql.SQL("SET statement_timeout = {}").format(sql.Literal(f"{millis}ms")))
 
@@ -475,13 +435,8 @@ class PostgresLockStore(StoreBase):
     def _run(
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
     ) -> _T:
-        """Run ``fn`` (one statement) on a pooled connection.
-
-        A dropped connection (``OperationalError`` once a connection was had, but a server limit
-        exceeded, :data:`OVER_A_LIMIT`) is retried once on another connection when ``redo`` (the
-        operation is safe to repeat even if the first attempt took effect); otherwise, or on a
-        second failure, it raises.
-        """
+        """Run ``fn`` (one statement) on a pooled connection; a dropped connection is retried
+        once on another when ``redo`` (the operation is safe to repeat if it took effect)."""
         pool = self._get_pool()
         for attempt in (1, 2):
             got_connection = False
@@ -492,8 +447,7 @@ class PostgresLockStore(StoreBase):
             except PoolTimeout as exc:
                 raise self._error(what, None, self._no_connection(exc)) from exc
             except CANCELLED_BY_TIMEOUT as exc:
-                # The server ended the statement (a row or table locked by another session, a
-                # crawl); the connection is sound. Not retried: that would double the bound.
+                # Not retried: that would double the bound.
                 raise self._error(what, None, self._timed_out(exc)) from exc
             except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
                 raise self._error(what, None, describe_error(exc)) from exc
@@ -509,8 +463,6 @@ class PostgresLockStore(StoreBase):
             except psycopg.errors.InsufficientPrivilege as exc:
                 raise self._error(what, None, self._denied(exc)) from exc
             except psycopg.Error as exc:
-                raise self._error(what, None, describe_error(exc)) from exc
-            except PoolClosed as exc:
                 raise self._error(what, None, describe_error(exc)) from exc
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -602,8 +554,7 @@ class PostgresLockStore(StoreBase):
         return token
 
     def _undo_interrupted_acquire(self, key: str, owner: str) -> None:
-        """Release what an interrupted acquire may have taken (only ``owner``'s, unique per
-        attempt, so never someone else's); its statement has ended (see _settle_interrupted)."""
+        """Release what an interrupted acquire may have taken (``owner`` is unique per attempt)."""
         try:
             self.release(key, owner)
         except Exception as exc:
@@ -641,14 +592,12 @@ class PostgresLockStore(StoreBase):
     # Release notification -------------------------------------------------------------------------
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds for a release of ``key`` in any process.
+        """Block up to ``timeout`` seconds for a release of ``key`` in any process; True when
+        one was notified (rarely spuriously), False on timeout.
 
-        Returns True when a release (or ``force_release``) of ``key`` was notified, or, rarely,
-        spuriously after the listener reconnected; False on timeout. The first call starts this
-        store's listener thread and connection and waits (within ``timeout``) for it to
-        ``LISTEN``; a release before that is not seen, and the caller's poll covers it. Once the
-        listener runs, a release after this thread's last failed :meth:`acquire` of ``key`` is
-        not missed either: that acquire registered interest before asking the server.
+        The first call starts the listener and waits, within ``timeout``, for it to ``LISTEN``.
+        Then a release after this thread's last failed :meth:`acquire` of ``key`` is never
+        missed: that acquire registered interest before asking the server.
         """
         listener = self._get_listener()
         parked = self._take_parked(key)
@@ -661,10 +610,7 @@ class PostgresLockStore(StoreBase):
             listener.unregister(key, slot)
 
     def waiting(self) -> int:
-        """Threads of this process now blocked in :meth:`wait_for_release` with a ready listener.
-
-        A release after this count includes a thread is sure to wake it (used by tests).
-        """
+        """Threads now blocked in :meth:`wait_for_release` with a ready listener (for tests)."""
         listener = self._listener
         return 0 if listener is None else listener.blocked()
 
@@ -723,8 +669,7 @@ class PostgresLockStore(StoreBase):
     def force_release(self, key: str) -> LeaseInfo | None:
         """Clear the live lease on ``key`` whoever holds it, notify waiters, return it."""
         params = self._release_params(key)
-        # Not redone after a dropped connection: if the first attempt took effect, the key may
-        # have been acquired since, and a second force_release would remove that new lease.
+        # Not redone: if the first attempt took effect, a redo could remove a newer lease.
         row = self._run(
             "force_release",
             lambda conn: conn.execute(self._sql["force_release"], params).fetchone(),

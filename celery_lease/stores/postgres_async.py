@@ -1,31 +1,11 @@
-"""PostgreSQL store for asyncio: :class:`AsyncPostgresLockStore`, the psycopg ``AsyncConnection``
-twin of :class:`~celery_lease.stores.postgres.PostgresLockStore`.
+"""PostgreSQL store for asyncio: the psycopg ``AsyncConnection`` twin of the sync store.
 
-It runs the SAME statements on the SAME table as the synchronous store (both render them with
-:func:`celery_lease.stores._postgres_common.statements`, the one source of the store's SQL), so
-sync and async holders of a key exclude each other and its fencing tokens only grow.
-:attr:`sync` is a :class:`~celery_lease.stores.postgres.PostgresLockStore` built from the same DSN
-and options: the renewer thread renews through it, off the event loop.
-
-Timeouts: getting a connection waits at most ``connect_timeout`` and every statement at most
-``statement_timeout`` (both 5 s by default) on the client's side, so a hung server (paused,
-partitioned) is a ``StoreUnavailableError`` after that, not a hang. psycopg then cancels the
-statement on the server (and closes the connection if the cancellation is not answered within
-5 s). An acquire that timed out or whose caller was cancelled may still have taken effect: the
-store releases that attempt's lease (owner checked; the owner id is unique per attempt) before
-raising, so nothing is left held that its caller never learned of.
-
-Errors: a ``psycopg.OperationalError`` while running a statement (a connection dropped by a
-restart, or a reply lost after the commit; not a server limit exceeded, SQLSTATE class 54, such
-as a key too long for the index) is retried once on another connection (every
-operation here is safe to redo: the same owner's acquire gets its own lease back, renew and
-release are owner checked); then, like any other failure, it raises ``StoreUnavailableError``
-naming the store (host, port, database, table; never the password), the operation, the key and
-the server's message with its SQLSTATE.
-
-Waiting: :meth:`AsyncPostgresLockStore.wait_for_release` is served by one listener task per
-store holding one extra connection that ``LISTEN``\\ s on the table's channel; any number of
-coroutines wait at the cost of that one connection.
+It renders the same statements (:func:`~celery_lease.stores._postgres_common.statements`) on the
+same table, so sync and async holders exclude each other. Timeouts are the client's: a statement
+over ``statement_timeout`` is cancelled on the server, and an acquire that timed out or was
+cancelled releases what it may have taken (owner checked) before raising. A dropped connection is
+retried once (every operation here is safe to redo). One listener task per store serves
+:meth:`~AsyncPostgresLockStore.wait_for_release`.
 """
 
 from __future__ import annotations
@@ -99,11 +79,6 @@ async def _within(coro: Awaitable[_T], seconds: float) -> _T:
     return task.result()
 
 
-async def _shielded(future: asyncio.Future[bool]) -> bool:
-    """Await ``future`` without cancelling it when the awaiting coroutine is cancelled."""
-    return await asyncio.shield(future)
-
-
 def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
     """An AsyncConnection class that records why the pool's background connects failed."""
 
@@ -119,11 +94,8 @@ def _recording_connection_class(failures: ConnectFailures) -> type[_AsyncConn]:
 
 
 class _Listener:
-    """One task holding a ``LISTEN`` connection; wakes the futures of each released key.
-
-    After a reconnect every waiter is woken (a release may have been notified while nobody
-    listened): spurious wake-ups are allowed by the protocol, lost ones would cost a poll.
-    """
+    """One task holding a ``LISTEN`` connection; wakes the futures of each released key (filed
+    under its NOTIFY payload). After a reconnect every waiter is woken, as the sync listener's."""
 
     def __init__(self, connect: Callable[[], Awaitable[_AsyncConn]], channel: str) -> None:
         self._connect = connect
@@ -132,9 +104,6 @@ class _Listener:
         self.ready = asyncio.Event()
         self.blocked = 0  # coroutines awaiting a release with the listener ready
         self._task = asyncio.get_running_loop().create_task(self._run())
-
-    # Waiters are filed under the key's NOTIFY payload (a digest for a long key), which is what
-    # a notification names.
 
     def add(self, key: str, future: asyncio.Future[bool]) -> None:
         self._waiters.setdefault(notify_payload(key), set()).add(future)
@@ -481,7 +450,7 @@ class AsyncPostgresLockStore(StoreBase):
             listener.blocked += 1
             try:
                 left = max(0.0, deadline - time.monotonic())
-                return await _within(_shielded(future), left)
+                return await _within(asyncio.shield(future), left)
             except asyncio.TimeoutError:
                 return future.done()
             finally:

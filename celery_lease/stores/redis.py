@@ -7,14 +7,10 @@ Keys, for the user key ``account:42`` and the default prefix::
     celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
     celery-lease:marker                hash {boot, started, cause}, no expiry: the grace's marker
 
-The hash tag puts the three keys of a lease in one Cluster slot, so every script touches one
-slot. Tokens are ``max(counter + 1, server TIME in microseconds)``, so they keep growing after a
-restart without persistence, a failover or an eviction, as long as the servers' clocks do not
-jump back. The scripts and what they answer: :mod:`celery_lease.stores._redis_common`; a
-cluster's batches: :mod:`~celery_lease.stores._redis_cluster`; Sentinel:
-:mod:`~celery_lease.stores._redis_sentinel`. What is and is not guaranteed (Sentinel failovers,
-``min_replicas``, the restart grace): docs/stores.md (Redis). Nothing read from Redis is ever
-unpickled: values are plain strings and integers.
+The hash tag puts a lease's keys in one Cluster slot. Tokens are ``max(counter + 1, server TIME
+in µs)``, so they keep growing after a data loss while the servers' clocks do not jump back. The
+scripts: :mod:`~celery_lease.stores._redis_common`; guarantees (failovers, ``min_replicas``, the
+restart grace): docs/stores.md (Redis). Nothing read from Redis is ever unpickled.
 """
 
 from __future__ import annotations
@@ -69,7 +65,6 @@ from celery_lease.stores._redis_common import (
     refused,
     replica_timeout_of,
     restart_grace_of,
-    secrets_among,
     socket_timeout_of,
     text,
 )
@@ -83,7 +78,7 @@ from celery_lease.stores._redis_sentinel import (
     follow_master,
     parse_sentinel_url,
 )
-from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.base import LeaseInfo, secrets_among
 
 __all__ = [
     "ACQUIRE_SCRIPT",
@@ -110,23 +105,14 @@ class RedisLockStore(StoreBase):
     list, one waiter wakes per release), :class:`~celery_lease.SupportsBatchRenew` (one
     pipelined round trip) and :class:`~celery_lease.SupportsInspection`.
 
-    Every operation is one EVALSHA round trip (on ``NOSCRIPT`` the script is loaded and the
-    call redone). A connection error or timeout is retried once (every script is safe to run
-    twice, acquire included: the retry gets its own lease back); then, like any other Redis
-    error, it raises ``StoreUnavailableError`` naming the store (never a password), the
-    operation, the key and the server's message, the driver's error chained. redis-py's pools
-    reconnect after ``fork()``, so a store can be made before Celery forks its pool workers.
-
-    On a plain standalone client (stock pool and connection class, no Sentinel, no
-    ``min_replicas``, no client-side cache) acquire, renew and release go over one connection
-    of the store's own per process as pre-packed requests (:mod:`~._redis_fast`); a thread that
-    finds it busy uses the client's pool. Every reply is read before the call returns.
-
-    On a Sentinel-managed client, acquire and renewals first ask a Sentinel for the current
-    master and leave the old one as soon as Sentinel names another. With ``min_replicas`` > 0
-    they are pipelined with ``WAIT``: an acquire not acknowledged in time is asked again for up
-    to ``CONFIRM_WINDOW`` (1 s), then released and raised as ``ReplicaLagError`` (retried
-    within the caller's wait); a renewal not acknowledged raises ``StoreUnavailableError``.
+    Every operation is one EVALSHA round trip, retried once after a connection error or
+    timeout (every script is safe to run twice); then, like any other Redis error, it raises
+    ``StoreUnavailableError`` naming the store (never a password), the operation, the key and
+    the server's message. A store may be made before ``fork()`` (redis-py's pools reconnect).
+    A plain standalone client gets the fast path (:mod:`~._redis_fast`). Under Sentinel, writes
+    first follow the current master; with ``min_replicas`` > 0 they are confirmed by ``WAIT``
+    (an acquire is asked again for up to 1 s, then released and raised as
+    ``ReplicaLagError``). Details: docs/stores.md (Redis).
 
     Args:
         client_or_url: a ``redis.Redis`` (also from ``Sentinel.master_for``) or a
@@ -205,9 +191,7 @@ class RedisLockStore(StoreBase):
         )
         self._restart_grace = restart_grace_of(restart_grace, options, cluster)
         self._secrets = _secrets_of(self._client)
-        # acquire / renew / release of a plain standalone client skip redis-py's command
-        # machinery (see celery_lease.stores._redis_fast); Sentinel (its master check), WAIT
-        # and Cluster routing need redis-py.
+        # Sentinel (its master check), WAIT and Cluster routing need redis-py's machinery.
         self._fast: FastConnection | None = None
         if self._min_replicas == 0 and self._sentinel_pool is None:
             self._fast = fast_path_for(self._client)
@@ -241,12 +225,9 @@ class RedisLockStore(StoreBase):
     def _fast_eval(
         self, fast: FastConnection, script: Script, keys: Sequence[str], args: Sequence[str | int]
     ) -> Any:
-        """One EVALSHA on the fast connection; on NOSCRIPT (a cold or flushed server) one EVAL
-        with the source on the same connection, which also caches the script there (one round
-        trip, no second connection: on a slow link a cold start must fit in a ttl).
-
-        Returns the reply, or BUSY when another thread is using the connection.
-        """
+        """One EVALSHA on the fast connection, or on NOSCRIPT one EVAL with the source there
+        (no second connection: on a slow link a cold start must fit in a ttl). Returns the
+        reply, or BUSY when another thread is using the connection."""
         try:
             return fast.call(self._fast_request(script, keys, args))
         except NoScriptError:
@@ -260,24 +241,17 @@ class RedisLockStore(StoreBase):
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
     def _eval_many(self, script: Script, calls: Calls) -> list[Any]:
-        """Many EVALSHA in one pipelined round trip (one per node on a cluster, see
-        :class:`~celery_lease.stores._redis_cluster.ClusterFanOut`), in order.
-
-        Each call's reply, or in its place the exception its error reply stands for: one key
-        the script refuses fails that key only. On a single server a connection error or
-        timeout raises (it concerns every call).
-        """
+        """Many EVALSHA in one pipelined round trip (one per node on a cluster): each call's
+        reply in order, or in its place the exception its error reply stands for. On a single
+        server a connection error or timeout raises."""
         if self._cluster is not None:
             return self._cluster.eval_many(script, calls)
         assert isinstance(self._client, redis.Redis)
         return pipelined(self._client, script, calls, errors_in_place=True)[0] if calls else []
 
     def _write(self, script: Script, calls: Calls) -> tuple[list[Any], int | None]:
-        """Run write scripts on the current master: their replies and the replicas' acks.
-
-        Follows a Sentinel failover first. One call without ``min_replicas`` is a plain
-        EVALSHA; otherwise the calls and a WAIT go in one pipeline. Acks are None without WAIT.
-        """
+        """Run write scripts on the current master (following a Sentinel failover): their
+        replies and the replicas' acks (None without WAIT, the calls and WAIT pipelined)."""
         if self._sentinel_pool is not None:
             follow_master(self._sentinel_pool, self._no_sentinel if self._min_replicas else None)
         wait = self._wait_args()
@@ -308,15 +282,13 @@ class RedisLockStore(StoreBase):
             raise self._error(operation, key, failed(exc)) from exc
 
     def _failed_in_place(self, operation: str, key: str, exc: Exception) -> Exception:
-        """The ``StoreUnavailableError`` answered in the place of ``key`` when its call failed
-        (``exc``, a driver error, kept as its cause)."""
+        """The ``StoreUnavailableError`` answered in place of ``key``, caused by ``exc``."""
         error = self._error(operation, key, failed(exc))
         error.__cause__ = exc
         return error
 
     def _where(self) -> str:
-        """The store's address for messages: ``redis://host:port/db``, the Sentinel hosts,
-        service, db and current master, or the cluster's nodes. Never a password."""
+        """The store's address for messages (server, Sentinel service or cluster nodes)."""
         client = self._client
         if isinstance(client, redis.cluster.RedisCluster):
             nodes = sorted(client.nodes_manager.startup_nodes)
@@ -354,8 +326,7 @@ class RedisLockStore(StoreBase):
         return int(reply), None
 
     def _decode(self, value: bytes | str) -> str:
-        """A reply's text, decoded as the client encodes (its ``encoding``, ``encoding_errors``);
-        a client with ``decode_responses`` (or RESP3's verbatim text) hands over ``str``."""
+        """A reply's text, decoded as the client encodes (``str`` replies as they are)."""
         if isinstance(value, bytes):
             return value.decode(self._encoding, self._encoding_errors)
         return value
@@ -387,12 +358,10 @@ class RedisLockStore(StoreBase):
                         asks,
                     )
                 return self._outside_grace(key, reply)
-            # Not confirmed yet: a replica a moment behind confirms a later ask (the same
-            # owner's acquire again: it re-sets the expiry, a new write for WAIT to count).
+            # A replica a moment behind confirms a later ask (see CONFIRM_WINDOW).
             if SYSTEM_CLOCK.monotonic() - started < CONFIRM_WINDOW:
                 continue
-            # A failover now could lose this lease and hand the key to a second owner: give it
-            # up (it is this attempt's own owner id, never anyone else's) and say why.
+            # A failover now could hand the key to a second owner: give this attempt's lease up.
             assert acks is not None
             try:
                 self.release(key, owner)
@@ -410,11 +379,9 @@ class RedisLockStore(StoreBase):
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool | Exception]:
         """Renew each ``(key, owner, ttl_ms)`` in one pipelined round trip; results in order.
 
-        On a single server: one script call per :data:`RENEW_CHUNK` leases (and one WAIT with
-        ``min_replicas``: a batch not acknowledged raises as a whole). On a Cluster: one call
-        per lease, pipelined per node; a node or key that fails gets a
-        ``StoreUnavailableError`` in its place, the other keys their results. A lease key
-        holding another type than a lease hash is not renewed: ``False``.
+        On a single server one script call per :data:`RENEW_CHUNK` leases (a batch ``WAIT``
+        does not confirm raises as a whole); on a Cluster a failing node or key gets a
+        ``StoreUnavailableError`` in its place. A key of another type: ``False``.
         """
         operation = f"renew {len(items)} leases"
         if self._cluster is not None:
@@ -444,18 +411,14 @@ class RedisLockStore(StoreBase):
         return results
 
     def release(self, key: str, owner: str) -> None:
-        # The reply is read before this returns: the key is free on the server before the
-        # caller goes on (e.g. to publish a task's result).
+        # The reply is read before this returns: the key is free before the caller goes on.
         self._call("release", partial(self._eval, RELEASE, *self._release_call(key, owner)), key)
 
     def release_deferred(self, key: str, owner: str) -> bool:
-        """Send the release of ``key`` without waiting for its reply; False when not sent.
-
-        Only on the fast path. The reply is read before the next reply on that connection, or
-        by :meth:`flush_deferred`, and its outcome logged then (a failure leaves the key to
-        expire within its ttl). Sent as ``EVAL`` with the source: a NOSCRIPT reply would come
-        after the next request had run. Nothing may depend on the key being free (a task's
-        result) before :meth:`flush_deferred` or the store's next call.
+        """Send the release of ``key`` without waiting for its reply; False when not sent (only
+        on the fast path). The reply is read, and its outcome logged, before the next reply on
+        that connection or by :meth:`flush_deferred`. Sent as ``EVAL`` with the source: a
+        NOSCRIPT reply would come after the next request had run.
         """
         fast = self._fast
         if fast is None:
@@ -464,11 +427,8 @@ class RedisLockStore(StoreBase):
         return fast.send_deferred(request, partial(self._released, key, owner))
 
     def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
-        """Send the renewal of ``key`` without waiting for its reply; False when not sent.
-
-        As :meth:`release_deferred`; a refusal or failure is logged when the reply is read (the
-        renewer renews the lease at its next round as usual).
-        """
+        """As :meth:`release_deferred`, for a renewal (a refusal or failure is logged; the
+        renewer renews again at its next round)."""
         fast = self._fast
         if fast is None:
             return False
@@ -491,10 +451,8 @@ class RedisLockStore(StoreBase):
     def _released(self, key: str, owner: str, reply: Any) -> None:
         """Take the reply of a deferred release (see :meth:`release_deferred`)."""
         if isinstance(reply, RedisConnectionError):
-            # It may or may not have run (a connection the server closed while the body ran
-            # takes the write and then fails): release again the usual way, as release()
-            # retries once. Owner-checked, so running twice frees nobody else's lease; on this
-            # thread's own busy fast connection it goes through redis-py's pool.
+            # It may or may not have run: release again (owner-checked, so harmless), as
+            # release() retries once.
             try:
                 self.release(key, owner)
             except Exception as exc:
@@ -505,16 +463,12 @@ class RedisLockStore(StoreBase):
         elif isinstance(reply, BaseException):
             error = self._error("release", key, f"failed: {type(reply).__name__}: {reply}")
             logger.warning("%s; the key expires within its ttl", error)
-        # 1: released; 0: the owner held no live lease (lost or expired), ignored as release()
-        # ignores it: the loss was reported when it happened.
+        # 0 (no live lease) is ignored, as release() ignores it.
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
-        """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP).
-
-        One waiter wakes per release; a signal nobody took stays up to 60 s (a later waiter
-        may wake spuriously, which is allowed). Cut into slices shorter than the client's
-        ``socket_timeout``.
-        """
+        """Block up to ``timeout`` seconds on the release-signal list of ``key`` (BLPOP, in
+        slices shorter than ``socket_timeout``). One waiter wakes per release; a signal nobody
+        took stays up to 60 s (a later waiter may wake spuriously, which is allowed)."""
         signal = self.signal_key(key)
         client = self._client
         if timeout <= 0:
@@ -528,9 +482,8 @@ class RedisLockStore(StoreBase):
     # Inspection ---------------------------------------------------------------------------------
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
-        """Live leases whose key starts with ``prefix``, sorted by key (SCAN; on a cluster every
-        master at once, following a failover as a batch does: see
-        :meth:`~celery_lease.stores._redis_cluster.ClusterFanOut.scan`)."""
+        """Live leases whose key starts with ``prefix``, sorted by key (SCAN; every master of a
+        cluster)."""
         pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
         client, cluster = self._client, self._cluster
         if cluster is not None:
@@ -589,8 +542,7 @@ class RedisLockStore(StoreBase):
         return lease_info(key, result, self._decode)
 
     def close(self) -> None:
-        """Close the client's connections if the store built the client from a URL (a client
-        passed in belongs to the caller, who closes it), and the store's fast connection."""
+        """Close the fast connection, and the client if the store built it from a URL."""
         if self._fast is not None:
             self._fast.close()
         if not self._owns_client:
@@ -619,11 +571,8 @@ def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, 
 
 
 def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster) -> None:
-    """Warn once per client when its own retries can stretch a failing call past a lease's ttl.
-
-    redis-py 8 clients retry a failed command 10 times with backoff by default: against a
-    silent server one acquire then takes about 18 s instead of failing within its timeout.
-    """
+    """Warn when the client's own retries can stretch a failing call past a lease's ttl
+    (redis-py 8 retries 10 times by default: about 18 s against a silent server)."""
     get_retry = getattr(client, "get_retry", None)  # redis-py 8's RedisCluster has none
     try:
         retry = get_retry() if callable(get_retry) else None

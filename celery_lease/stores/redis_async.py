@@ -1,30 +1,9 @@
-"""Redis store for asyncio: :class:`AsyncRedisLockStore`, the ``redis.asyncio`` twin of
-:class:`~celery_lease.stores.redis.RedisLockStore`.
+"""Redis store for asyncio: the ``redis.asyncio`` twin of the sync Redis store.
 
-It runs the SAME Lua scripts on the SAME keys as the synchronous store (both take them from
-:mod:`celery_lease.stores._redis_common`, never copied), so an ``async with lease(...)`` in a web
-process and a ``with lease(...)`` or a locked Celery task elsewhere exclude each other on one
-key, and the fencing tokens of a key only grow whichever side took it. :attr:`sync` is a
-:class:`~celery_lease.stores.redis.RedisLockStore` on the same server and prefix, built from the
-same URL and options: the renewer thread renews through it, off the event loop.
-
-Every call is one round trip (EVALSHA; on ``NOSCRIPT`` the script is loaded and the call redone),
-retried once after a connection error or a timeout (each script is safe to run twice, acquire
-included: the retry by the same owner gets its own lease back), then raised as
-``StoreUnavailableError`` naming the store, the operation, the key and the server's message
-(never a password). A hung server is an error after ``socket_timeout`` (5 s for a client built
-from a URL), not a hang.
-
-Cancelling a coroutine in :meth:`~AsyncRedisLockStore.acquire` after its command was sent may
-leave the command applied on the server: the command is not cut off (redis-py would drop the
-connection, and a release sent on another connection could reach the server before it); the
-store waits for its reply (at most 5 s, further cancels included), releases the lease it took
-(owner checked: the owner id is unique per attempt), and only then lets the cancellation
-propagate, so nothing is left held that its caller never learned of. A reply later than that
-lets the cancellation go on at once; the release then follows the reply (or the command's
-failure, after its retry and ``socket_timeout``) in a task of its own, which
-:meth:`~AsyncRedisLockStore.aclose` waits for; a loop closed before it ran leaves the lease to
-expire within its ttl.
+It runs the scripts of :mod:`~celery_lease.stores._redis_common` on the same keys, so sync and
+async holders of a key exclude each other and its tokens only grow. A cancelled acquire is never
+cut off in flight: the store waits for its reply, then releases what it took (see
+:meth:`~AsyncRedisLockStore._settle_cancelled_acquire` and docs/asyncio.md).
 """
 
 from __future__ import annotations
@@ -56,7 +35,6 @@ from celery_lease.stores._redis_common import (
     blpop_waits,
     describe_server,
     failed,
-    secrets_among,
     socket_timeout_of,
 )
 from celery_lease.stores._redis_sentinel import (
@@ -67,7 +45,7 @@ from celery_lease.stores._redis_sentinel import (
     master_of,
     no_master_message,
 )
-from celery_lease.stores.base import LockStore, LoopBinding, redact_url
+from celery_lease.stores.base import LockStore, LoopBinding, redact_url, secrets_among
 from celery_lease.stores.redis import RedisLockStore
 
 __all__ = ["AsyncRedisLockStore"]
@@ -103,11 +81,9 @@ class AsyncRedisLockStore(StoreBase):
     """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel).
 
     The same scripts, keys and semantics as :class:`~celery_lease.stores.redis.RedisLockStore`
-    (see there and :mod:`celery_lease.stores.redis_async`), through ``redis.asyncio``; sync and
-    async holders of one key exclude each other.
-
-    Build it in (or for) one event loop and ``await store.aclose()`` at the end: a
-    ``redis.asyncio`` connection belongs to the loop it was opened in.
+    through ``redis.asyncio``: every call is one round trip, retried once after a connection
+    error or timeout, then raised as ``StoreUnavailableError``. Use it from one event loop and
+    ``await store.aclose()`` at the end (a connection belongs to the loop it was opened in).
 
     Args:
         client_or_url: a ``redis://``, ``rediss://``, ``unix://`` or ``redis+sentinel://`` URL
@@ -123,8 +99,7 @@ class AsyncRedisLockStore(StoreBase):
         replica_timeout: how long one ``WAIT`` may block (a duration), as in
             :class:`RedisLockStore`.
         restart_grace: how long after its start a server that may have lost leases refuses
-            free keys (a duration),
-            as in :class:`RedisLockStore` (default: the twin's).
+            free keys (a duration), as in :class:`RedisLockStore` (default: the twin's).
 
     Raises:
         LeaseConfigError: for a bad URL, client, prefix, twin or replica option (as the sync
@@ -194,8 +169,8 @@ class AsyncRedisLockStore(StoreBase):
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
         self._secrets = self._collect_secrets()
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
+        # Releases waiting for the late reply of a cancelled acquire (awaited by aclose).
         self._late_undos: set[asyncio.Future[None]] = set()
-        """Releases waiting for the late reply of a cancelled acquire (awaited by aclose)."""
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> AsyncRedisLockStore:
@@ -240,9 +215,7 @@ class AsyncRedisLockStore(StoreBase):
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _follow_master(self) -> None:
-        """Under Sentinel: make sure the pool talks to the master a Sentinel names now (as
-        :func:`~celery_lease.stores._redis_sentinel.follow_master`; when no Sentinel answers
-        and WAIT guards every write, the known master is kept)."""
+        """As :func:`~celery_lease.stores._redis_sentinel.follow_master`, for the async pool."""
         pool = self._client.connection_pool
         if not isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
             return
@@ -344,19 +317,14 @@ class AsyncRedisLockStore(StoreBase):
         self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
     ) -> None:
         """The caller of an acquire was cancelled: wait (at most ``_UNDO_TIMEOUT``, further
-        cancels included) for the attempt's reply, then release what it took.
-
-        The release is sent only after the reply came, so it cannot overtake the acquire on
-        the way to the server. An attempt with no reply in time is cut off and released
-        anyway (owner checked, so at worst a no-op)."""
+        cancels included) for the attempt's reply, then release what it took. The release is
+        sent only after the reply, so it cannot overtake the acquire on the way to the server."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + _UNDO_TIMEOUT
         while not attempt.done():
             left = deadline - loop.time()
             if left <= 0:
-                # The reply is late: the cancellation goes on now, and the release follows the
-                # reply in a task of its own. Cut off now, the command could still reach the
-                # server after a release sent at once, and take the key for a whole ttl.
+                # Late: the cancellation goes on now, the release follows the reply in a task.
                 undo = asyncio.ensure_future(self._undo_after_reply(attempt, key, owner))
                 self._late_undos.add(undo)
                 undo.add_done_callback(self._late_undos.discard)
@@ -368,10 +336,9 @@ class AsyncRedisLockStore(StoreBase):
     async def _undo_after_reply(
         self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
     ) -> None:
-        """Wait for the cancelled acquire's end (its reply, or its error after the retry and
-        ``socket_timeout``), then release what it may have taken. Without a ``socket_timeout``
-        the wait is cut off after two undo waits (5 s each): the attempt is cancelled and
-        released anyway (owner checked, so at worst a no-op)."""
+        """Wait for the cancelled acquire's end (reply or error), then release what it may have
+        taken; without a ``socket_timeout`` the attempt is cut off after 15 s and released
+        anyway (owner checked, so at worst a no-op)."""
         limit = 2 * (self._socket_timeout or _UNDO_TIMEOUT) + _UNDO_TIMEOUT
         await asyncio.wait({attempt}, timeout=limit)
         if not attempt.done():
@@ -386,10 +353,8 @@ class AsyncRedisLockStore(StoreBase):
         await self._undo_acquire(key, owner, why)
 
     async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
-        """Release what an interrupted acquire of ``owner`` (unique per attempt) may have taken.
-
-        Runs shielded from further cancellation and bounded in time; a failure is logged (the
-        lease then expires within its ttl)."""
+        """Release what an interrupted acquire of ``owner`` (unique per attempt) may have taken,
+        shielded and bounded in time; a failure is logged (it expires within its ttl)."""
         task = asyncio.ensure_future(asyncio.wait_for(self._release(key, owner), _UNDO_TIMEOUT))
         try:
             await asyncio.shield(task)
@@ -461,12 +426,8 @@ class AsyncRedisLockStore(StoreBase):
 
 
 def _same_as_twin(name: str, value: Any, twin: Any, convert: Callable[[Any], float] | None) -> Any:
-    """The twin's ``name``; ``value`` (given here) must be the same (in seconds, by
-    ``convert``, when given).
-
-    Raises:
-        LeaseConfigError: naming both values.
-    """
+    """The twin's ``name``; raise ``LeaseConfigError`` if ``value`` (converted to seconds by
+    ``convert``) differs."""
     if value is None:
         return twin
     if value != twin if convert is None else abs(convert(value) - twin) > 1e-9:

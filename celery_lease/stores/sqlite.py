@@ -1,22 +1,11 @@
 """SQLite store: the embedded default, shared by every process of one host through one file.
 
-Each operation is one short write transaction (``BEGIN IMMEDIATE``) on a database in WAL mode, so
-readers never block and writers queue on SQLite's file lock for up to ``busy_timeout`` seconds.
-
-Expiry is decided by the host's ``CLOCK_MONOTONIC`` (what a holder counts its own validity on),
-tagged with the kernel's boot id: a step of the wall clock neither frees nor extends a lease, and
-a row of an earlier boot is expired. Inside a time namespace its monotonic offset is subtracted.
-Without a boot id (not Linux) expiry falls back to the wall clock; every row also carries its
-wall-clock expiry, so processes with and without a boot id can share a file. Why this clock and
-what each case means: docs/stores.md (SQLite).
-
-The table keeps one row per key ever locked (release clears ``owner``), so the token counter
-persists in the file; every new token is also floored by the wall clock in microseconds. Columns:
-``key``, ``owner``, ``expires_ms`` (wall clock, ms since the epoch), ``token``, ``boot_id`` and
-``boot_expires_ms`` (the monotonic clock in that boot, ms; both ``NULL`` without a boot id). A
-file whose ``celery_lease`` table lacks one of them is refused.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Each operation is one short write transaction on a WAL database; writers queue on SQLite's file
+lock for up to ``busy_timeout``. Expiry follows the host's ``CLOCK_MONOTONIC`` tagged with the
+boot id (a row of another boot is expired), falling back to the wall clock without a boot id;
+every row carries both expiries so such processes can share a file. Rows are never deleted, so
+the token counter persists, floored by the wall clock in µs. Why this clock, fork and reboots:
+docs/stores.md (SQLite); threads, locks and fork resets: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -61,11 +50,10 @@ CREATE TABLE IF NOT EXISTS celery_lease (
 # The columns every statement below needs (a table lacking one is not this store's).
 _COLUMNS = ("key", "owner", "expires_ms", "token", "boot_id", "boot_expires_ms")
 
-# Parameters of every statement below, written by name here and bound by position (a tuple, no
-# dict to build and no name to look up per call): :key (?1), :owner (?2), :boot (?3, this
-# process's boot id, NULL without one), :mono (?4, the host's monotonic clock, ms), :wall (?5, the
-# wall clock, ms since the epoch), :expires (?6, :wall + ttl), :boot_expires (?7, :mono + ttl, NULL
-# without a boot id), :token (?8, the token floor: the wall clock in microseconds, at least 1).
+# Statement parameters, written by name and bound by position (a tuple per call): :boot is this
+# process's boot id (NULL without one), :mono the monotonic clock (ms), :wall the wall clock (ms
+# since the epoch), :expires = :wall + ttl, :boot_expires = :mono + ttl (NULL without a boot
+# id), :token the token floor (the wall clock in µs, at least 1).
 _PARAMS = ("key", "owner", "boot", "mono", "wall", "expires", "boot_expires", "token")
 
 
@@ -74,12 +62,10 @@ def _numbered(sql: str) -> str:
     return re.sub(r":([a-z_]+)\b", lambda match: f"?{_PARAMS.index(match.group(1)) + 1}", sql)
 
 
-# The boot columns describe the row's lease when its writer had a boot id; a row written
-# without one, or read by a process without one, is judged by its wall-clock expires_ms.
+# Whether the boot columns judge the row (else its wall-clock expires_ms does).
 _BOOT_VALID = "(:boot IS NOT NULL AND boot_id IS NOT NULL)"
 
-# Whether a row holds a live lease: by the monotonic clock when written in this boot, expired
-# when written in another boot, by the wall clock when the boot columns do not describe it.
+# A live lease: by the monotonic clock in this boot, expired from another boot, else by the wall.
 _LIVE = f"""owner IS NOT NULL AND CASE WHEN {_BOOT_VALID}
     THEN boot_id IS :boot AND boot_expires_ms > :mono
     ELSE expires_ms > :wall END"""
@@ -87,9 +73,8 @@ _LIVE = f"""owner IS NOT NULL AND CASE WHEN {_BOOT_VALID}
 # Milliseconds left of a live row's lease, by the clock that judges it.
 _LEFT_MS = f"CASE WHEN {_BOOT_VALID} THEN boot_expires_ms - :mono ELSE expires_ms - :wall END"
 
-# Set a live lease's expiry to now + ttl on both clocks. renew, and a re-acquire by the holder on
-# SQLite without RETURNING. One statement: in autocommit mode it is its own write transaction,
-# which takes the write lock (with the busy handler) before it reads, as BEGIN IMMEDIATE does.
+# Set a live lease's expiry to now + ttl on both clocks (renew; re-acquire without RETURNING).
+# In autocommit mode it is its own write transaction, taking the write lock before it reads.
 _EXTEND = _numbered(
     f"""UPDATE celery_lease SET expires_ms = :expires, boot_id = :boot,
     boot_expires_ms = :boot_expires
@@ -99,10 +84,9 @@ WHERE key = :key AND owner = :owner AND {_LIVE}"""
 # The token the row gets: its own while live (the holder again), else the next one.
 _NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token) END"
 
-# acquire in ONE statement (SQLite >= 3.35 for RETURNING): takes a free, expired or never-seen
-# key (a new token: max(last + 1, :token)), or extends the caller's own live lease (its token
-# kept), and returns the row's token; another owner's live lease is left alone and nothing is
-# returned. The SET expressions and the WHERE read the row as it was before the statement.
+# acquire in one statement: takes a free, expired or new key (a new token) or extends the
+# caller's own live lease (its token kept) and returns the token; nothing for another owner's
+# live lease. SET and WHERE read the row as it was before the statement.
 _ACQUIRE = _numbered(
     f"""INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
 VALUES (:key, :owner, :expires, :token, :boot, :boot_expires)
@@ -123,8 +107,7 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
     boot_expires_ms = excluded.boot_expires_ms"""
 )
 
-# Owner-checked release, one statement (its own write transaction). The row stays: its token
-# is the key's counter.
+# Owner-checked release; the row stays (its token is the key's counter).
 _RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner = ?2"
 
 # Inspection (the CLI): ?1 and ?2 are unused placeholders unless named.
@@ -151,12 +134,10 @@ class _Detect:
 
 _DETECT = _Detect()
 
-# Connections inherited through fork() that could not be closed before it (see _before_fork):
-# never used and never closed in the child (the parent may be inside a call on them, holding
-# SQLite's mutexes), only kept alive so that garbage collection does not close them either.
+# Connections inherited through fork() that could not be closed before it: kept alive and
+# never used or closed in the child (the parent may hold SQLite's mutexes on them).
 _INHERITED: list[sqlite3.Connection | sqlite3.Cursor] = []
 
-# Every open store, so that fork() can close their connections first.
 _STORES: weakref.WeakSet[SQLiteLockStore] = weakref.WeakSet()
 
 # The store locks _before_fork took, released in the parent once the child exists.
@@ -166,15 +147,10 @@ _HELD_ACROSS_FORK: list[threading.Lock] = []
 def _before_fork() -> None:
     """Close every store's connection before fork(), holding its lock until fork() returns.
 
-    A child must not inherit an open SQLite connection to a file it goes on using. SQLite keeps
-    per-process records of the locks it holds on each file (shared by every connection of the
-    process to that file); fork() copies them, but POSIX locks belong to the process and are not
-    inherited. The child's new connection then reuses the copied records and believes the locks
-    taken: it holds no lock on the file at all. Once the parent closes, the next process to close
-    its connection thinks itself the last one, checkpoints and deletes the WAL and shm files, and
-    the child goes on committing into the deleted WAL, unseen by every other process: two
-    holders of one key. Closed before the fork, the parent's records are gone, and the child
-    opens (and locks) the file as any new process does; the parent reopens on its next call.
+    SQLite's per-process lock records are copied by fork() but the POSIX locks are not: a child
+    would believe itself locked while holding nothing, and could end up committing into a WAL
+    another process deleted (two holders of one key). Closed first, the child opens the file as
+    any new process does; the parent reopens on its next call.
     """
     for store in list(_STORES):
         store._close_for_fork()
@@ -207,19 +183,12 @@ class SQLiteLockStore:
     A repeated acquire by the holder of a live lease returns its token and sets its expiry to
     now + ttl (so a retry after a lost reply gets its own lease back).
 
-    Expiry follows the host's monotonic clock of the current boot (see the module docstring:
-    a step of the wall clock moves no expiry; a reboot expires every lease); without a boot id
-    (not Linux) it falls back to the wall clock.
-
-    Each process opens its own connection on first use, shared by the threads of that process
-    under a lock: SQLite serialises writers on the file anyway, so a connection per thread would
-    buy nothing but file descriptors. ``os.fork()`` first waits for a call in flight and closes
-    the connection (a child that inherits an open SQLite connection holds no lock on the file
-    and can end up committing to a deleted WAL); the child opens its own, the parent reopens on
-    its next call.
-
-    The database file is created with mode ``0o600`` (owner only), and its parent directory
-    when missing. A file on a network file system is not supported (WAL needs shared memory).
+    Expiry follows the host's monotonic clock of the current boot (a wall-clock step moves no
+    expiry; a reboot expires every lease), or the wall clock without a boot id (not Linux).
+    Each process opens one connection on first use, shared by its threads under a lock
+    (SQLite serialises writers anyway); ``os.fork()`` closes it first. The file is created with
+    mode ``0o600`` (and its parent directory when missing); network file systems are not
+    supported (WAL needs shared memory). Details: docs/stores.md (SQLite).
 
     Args:
         path: the database file (``str`` or path-like); ``":memory:"`` is refused, since it would
@@ -310,15 +279,12 @@ class SQLiteLockStore:
     # Connection ---------------------------------------------------------------------------------
 
     def _close_for_fork(self) -> None:
-        """Just before fork(): close this process's connection, keeping its lock held.
+        """Just before fork(): close this process's connection, its lock held until the
+        parent's after-fork hook (so no call starts mid-fork).
 
-        The lock goes to ``_HELD_ACROSS_FORK`` as soon as it is taken (released in the parent
-        after the fork, even if closing raised), so no call starts on a connection mid-fork.
-
-        Waits for a call in flight on another thread (each is bounded by ``busy_timeout``; the
-        set-up in :meth:`_open` by twice that). If the lock cannot be had in that time (say,
-        fork() from a signal handler that interrupted a call of this very thread), the
-        connection stays open and the child inherits it: a warning says so.
+        Waits for a call in flight (bounded by ``2 * busy_timeout``, :meth:`_open`'s bound);
+        if the lock cannot be had (a fork from a signal handler inside a call of this thread),
+        the child inherits the connection and a warning says so.
         """
         if self._pid != os.getpid():
             return  # inherited (fork without the hooks): the child forgets it on use
@@ -342,11 +308,7 @@ class SQLiteLockStore:
                 logger.warning("celery-lease: closing %r before fork failed (%s)", self._path, exc)
 
     def _forget_inherited(self) -> None:
-        """In a forked child: drop (without closing) the parent's connection and lock.
-
-        The connection is normally closed already (:func:`_before_fork`); it is still open only
-        when the fork did not run Python's fork hooks or could not wait for a call in flight.
-        """
+        """In a forked child: drop (without closing) the parent's connection and lock."""
         self._lock = threading.Lock()
         if self._conn is not None:
             _INHERITED.append(self._conn)
@@ -356,13 +318,9 @@ class SQLiteLockStore:
         self._pid = os.getpid()
 
     def _open(self) -> sqlite3.Connection:
-        """Connect, switch to WAL and create the table; retried while another process does.
-
-        Several processes opening a new file at once race on the journal-mode switch and the
-        schema: SQLite answers some of those collisions with an immediate "database is locked"
-        (deadlock avoidance skips the busy handler), so the set-up is retried, with a short
-        random pause, until ``busy_timeout`` runs out.
-        """
+        """Connect, switch to WAL and create the table; retried with a short random pause
+        until ``busy_timeout``, since processes racing on a new file can get an immediate
+        "database is locked" (deadlock avoidance skips the busy handler)."""
         _create_file(self._path)
         if isinstance(self._boot_setting, _Detect):
             self._boot, self._mono_offset = _host_boot()
@@ -422,23 +380,15 @@ class SQLiteLockStore:
         return self._cursor
 
     def _after_failure(self, exc: BaseException) -> None:
-        """After a failed call: never keep a statement or a transaction that may still be open.
+        """After a failed call (under _lock): keep no statement or transaction that may hold
+        the file's write lock for every other process.
 
-        An exception raised asynchronously in this thread (a signal handler, or the threads
-        pool's revoke through ``PyThreadState_SetAsyncExc``) runs as soon as the sqlite3 call
-        it waited behind returns: right after ``BEGIN IMMEDIATE`` got the write lock, before the
-        code that would roll it back, or right after the acquire's ``INSERT ... RETURNING``
-        returned its row, before the fetch that ends the statement: a statement in autocommit
-        mode that has not run to its end still holds the file's write lock (and
-        ``in_transaction`` says False). A failed ``COMMIT`` also leaves the transaction open.
-        Kept, that connection would hold the write lock for every other process of the host.
-
-        So the cursor is closed first, which resets its statement (ending its implicit
-        transaction) even while a traceback still references it (closing only the connection
-        would leave it open, as a "zombie", until that statement is garbage collected), then a
-        connection still inside a transaction is closed (which rolls it back). After anything
-        but a plain driver error (an interrupt) the connection is closed in any case. The next
-        call opens a new connection. Called under _lock.
+        An asynchronous exception (a signal handler, a revoke) can land right after ``BEGIN
+        IMMEDIATE`` or before the fetch that ends an ``INSERT ... RETURNING`` (an unfinished
+        autocommit statement holds the write lock while ``in_transaction`` says False); a failed
+        ``COMMIT`` also leaves the transaction open. Closing the cursor resets its statement even
+        while a traceback references it; a connection still in a transaction, or after anything
+        but a plain driver error, is closed (rolling back). The next call reconnects.
         """
         cursor, conn = self._cursor, self._conn
         if cursor is None or conn is None:
@@ -491,9 +441,8 @@ class SQLiteLockStore:
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """Take ``key``; the holder acquiring again gets its own token back, with a new expiry.
 
-        One ``INSERT ... ON CONFLICT DO UPDATE ... RETURNING`` statement (its own write
-        transaction) where SQLite has RETURNING (3.35.5 and later), else a ``SELECT`` and a
-        write inside ``BEGIN IMMEDIATE``.
+        One ``INSERT ... RETURNING`` (SQLite >= 3.35.5), else a ``SELECT`` and a write inside
+        ``BEGIN IMMEDIATE``.
         """
         return self._run("acquire", functools.partial(self._acquire, key, owner, ttl_ms))
 
@@ -544,7 +493,7 @@ class SQLiteLockStore:
 
     def release(self, key: str, owner: str) -> None:
         """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
-        self._run("release", functools.partial(_execute, _RELEASE, (key, owner)))
+        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner)))
 
     # Inspection ---------------------------------------------------------------------------------
 
@@ -614,11 +563,6 @@ class SQLiteLockStore:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
 
 
-def _execute(sql: str, params: tuple[object, ...], cursor: sqlite3.Cursor) -> None:
-    """Run one statement to its end (a write in autocommit mode commits)."""
-    cursor.execute(sql, params)
-
-
 def _validate_path(path: object) -> str:
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
@@ -637,14 +581,11 @@ def _validate_path(path: object) -> str:
 
 
 def _host_boot() -> tuple[str | None, float]:
-    """This boot's id and the monotonic offset of this process's time namespace (seconds).
+    """This boot's id and the monotonic offset (seconds) of this process's time namespace.
 
-    ``(None, 0.0)`` without ``/proc/sys/kernel/random/boot_id`` (not Linux): the store then falls
-    back to the wall clock. The offset is 0.0 outside a time namespace or on kernels without them.
-    ``/proc/self/timens_offsets`` shows the namespace this process's *children* get: when that is
-    not its own (it called ``unshare(CLONE_NEWTIME)`` and has not exec'd since), its own offset
-    is unknown and the result is ``(None, 0.0)`` too (the wall clock, which still excludes
-    against every other process).
+    ``(None, 0.0)`` (the wall clock) without a boot id (not Linux), or when this process's own
+    offset cannot be read: ``timens_offsets`` shows its children's namespace, which differs
+    after ``unshare(CLONE_NEWTIME)`` until the next exec.
     """
     try:
         with open(_BOOT_ID_FILE, encoding="ascii") as file:
@@ -660,8 +601,6 @@ def _host_boot() -> tuple[str | None, float]:
     if own == _TIMENS_INITIAL:
         return boot, 0.0  # the host's namespace, whatever the children's
     if own != for_children:
-        # timens_offsets shows the namespace of the children (after unshare(CLONE_NEWTIME) and
-        # before the next exec): this process's own offset cannot be read.
         logger.warning(
             "celery-lease: this process is in a time namespace whose offset it cannot read "
             "(%s; its children: %s): the SQLite store judges expiry by the wall clock",
@@ -682,8 +621,7 @@ def _host_boot() -> tuple[str | None, float]:
 
 
 def _check_columns(conn: sqlite3.Connection, path: str) -> None:
-    """Refuse a file whose ``celery_lease`` table lacks a column this store writes (a table of
-    that name made by another program, or by a development build before the boot columns)."""
+    """Refuse a file whose ``celery_lease`` table lacks a column this store writes."""
     present = {row[1] for row in conn.execute("PRAGMA table_info(celery_lease)")}
     missing = [name for name in _COLUMNS if name not in present]
     if missing:

@@ -1,10 +1,7 @@
 """The thread adapter: :class:`ThreadedAsyncStore`, an AsyncLockStore over a synchronous store.
 
-Among the stores (it needs only the protocol), so that :func:`~celery_lease.async_store_from_url`
-builds one without reaching up into the lease machinery; ``async with lease(...)`` wraps a sync
-store in one (:mod:`celery_lease._core.aio`).
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+Among the stores (it needs only the protocol) so that ``async_store_from_url`` can build one.
+Threads, locks and fork resets: docs/internals.md.
 """
 
 from __future__ import annotations
@@ -28,17 +25,14 @@ logger = logging.getLogger("celery_lease.aio")
 _T = TypeVar("_T")
 
 _waiters_lock = threading.Lock()
+# ``(id(store), key)`` -> the futures of this process's coroutines waiting for that key; a
+# release through any ThreadedAsyncStore over the store wakes them.
 _waiters: dict[tuple[int, str], set[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]]] = {}
-"""Coroutines of this process waiting for a key of a sync store: ``(id(store), key)`` -> futures.
-
-A release through any :class:`ThreadedAsyncStore` of this process over that store wakes them
-(a spurious wake-up is harmless: the waiter tries ``acquire`` again either way).
-"""
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with no waiters and a fresh lock: the parent's lock may have been
-    held by one of its threads at the fork, and its waiters belong to the parent's loops."""
+    """A forked child starts with a fresh lock (the parent's may have been held at the fork)
+    and no waiters (they belong to the parent's loops)."""
     global _waiters_lock
     _waiters_lock = threading.Lock()
     _waiters.clear()
@@ -73,10 +67,9 @@ def _undo(undo: Callable[[], object]) -> None:
 async def _on_thread(fn: Callable[[], _T], undo: Callable[[], object] | None = None) -> _T:
     """Run ``fn()`` on the loop's default executor and await its result.
 
-    If the awaiting task is cancelled before the result reached it, the call still runs to its
-    end on its thread (a store call cannot be cut short), and ``undo()`` then runs there too:
-    how a cancelled acquire that took effect late is released. A call that had already ended
-    when the cancel came (its result on its way to the loop) is undone on the executor.
+    A store call cannot be cut short: if the awaiting task is cancelled first, ``undo()`` runs
+    after ``fn`` ends (on its thread, or on the executor if it had ended already), which is how
+    a cancelled acquire that took effect is released.
     """
     loop = asyncio.get_running_loop()
     lock = threading.Lock()
@@ -108,15 +101,11 @@ async def _on_thread(fn: Callable[[], _T], undo: Callable[[], object] | None = N
 class ThreadedAsyncStore:
     """An :class:`~celery_lease.stores.base.AsyncLockStore` over a synchronous store.
 
-    Each call runs the sync store's method on the event loop's default executor, so the loop is
-    never blocked; meant for stores whose calls are short and local (SQLite, memory), or any
-    sync store when no native async one exists. :attr:`sync` is the wrapped store itself (the
-    renewer thread renews through it).
-
-    ``wait_for_release`` wakes on the releases made through any ``ThreadedAsyncStore`` of this
-    process over the same store (an async hand-off in one process is immediate); releases
-    made elsewhere (other processes, sync ``with`` blocks) are seen by the waiter's next try
-    (the backoff polls from 50 ms doubling to 1 s).
+    Each call runs the sync store's method on the event loop's default executor; meant for
+    short local calls (SQLite, memory) or any store without a native async twin. :attr:`sync`
+    is the wrapped store. ``wait_for_release`` wakes on releases through any
+    ``ThreadedAsyncStore`` of this process over the same store; other releases are seen by the
+    waiter's next poll (50 ms doubling to 1 s).
 
     Args:
         store: the synchronous :class:`~celery_lease.LockStore`.

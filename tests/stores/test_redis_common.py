@@ -10,11 +10,10 @@ from celery_lease.stores._redis_common import (
     blpop_slice,
     blpop_waits,
     describe_server,
-    redact_secrets,
     refused,
-    secrets_among,
     split_store_options,
 )
+from celery_lease.stores.base import mask_secrets, secrets_among
 
 
 class TestStoreOptions:
@@ -82,4 +81,4 @@ class TestMessages:
         """A password containing another is masked whole; None and empty ones are ignored."""
         secrets = secrets_among(["pw", None, "", "pw-longer", 3])
         assert secrets == ("pw-longer", "pw")
-        assert redact_secrets("auth pw-longer and pw", secrets) == "auth *** and ***"
+        assert mask_secrets("auth pw-longer and pw", secrets) == "auth *** and ***"
