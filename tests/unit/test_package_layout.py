@@ -31,9 +31,7 @@ SERVER_SUITES = {"stores": TESTS / "stores", "fencing": TESTS / "fencing"}
 # Modules with no test file of their own, each with the reason. Keep this short.
 NO_MIRROR: dict[str, str] = {
     "celery_lease/__init__.py": "re-exports only: its names are EXPORTS above and test_public_api",
-    "celery_lease/_core/__init__.py": (
-        "a docstring and the one line joining lease() to the async path (every async test uses it)"
-    ),
+    "celery_lease/_core/__init__.py": "a docstring only",
     "celery_lease/_celery/__init__.py": "a docstring only",
     "celery_lease/stores/__init__.py": "re-exports only: its names are EXPORTS above",
 }

@@ -7,7 +7,6 @@ celery-lease's process-wide caches stay its own).
 
 from __future__ import annotations
 
-import asyncio
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -221,23 +220,6 @@ class TestWaitingOnThePluginStore:
             assert isinstance(out.get("error"), LockNotAcquiredError), out
         finally:
             lease_store.force_release("report")
-
-    def test_an_async_wait_on_the_plugin_store_is_timed_by_the_event_loop(
-        self, lease_store: MemoryLockStore
-    ) -> None:
-        """``async with lease(...)`` sleeps on its event loop, so its wait runs out in real time
-        (here 10 ms) on the plugin's store too, and never hangs."""
-        lease_store.acquire("report", "another-worker", 60_000)
-
-        async def enter() -> None:
-            async with lease("report", store=lease_store, wait="10ms"):
-                pass
-
-        async def bounded() -> None:
-            await asyncio.wait_for(enter(), REAL_TIMEOUT)
-
-        with pytest.raises(LockNotAcquiredError):
-            asyncio.run(bounded())
 
 
 class TestFakeClock:
