@@ -418,9 +418,6 @@ def schema_sql(table: str = DEFAULT_TABLE) -> str:
     return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
 
 
-# Options and DSNs -------------------------------------------------------------------------------
-
-
 def check_options(
     table: object, connect_timeout: object, max_connections: object, create_table: object
 ) -> str:
@@ -510,9 +507,6 @@ def connect_kwargs(connect_timeout: float, application_name: bool) -> dict[str, 
     return kwargs
 
 
-# Rows -------------------------------------------------------------------------------------------
-
-
 def lease_info(row: Sequence[Any]) -> LeaseInfo:
     """A LeaseInfo from a ``(key, owner, token, expires_in seconds)`` row."""
     return LeaseInfo(str(row[0]), str(row[1]), int(row[2]), float(row[3]))
@@ -522,8 +516,6 @@ def token_of(row: Sequence[Any] | None) -> int | None:
     """The token of an acquire's ``RETURNING`` row; None when no row came (refused)."""
     return None if row is None else int(row[0])
 
-
-# Errors -----------------------------------------------------------------------------------------
 
 MISSING_TABLE = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
 """Errors of a statement that found no table (or no schema): create it, or say how to."""

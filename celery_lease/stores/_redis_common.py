@@ -389,9 +389,6 @@ def split_store_options(url: str) -> tuple[str, dict[str, object]]:
     return urlunsplit(parts._replace(query=rest)), options
 
 
-# Replies ----------------------------------------------------------------------------------------
-
-
 def text(value: bytes | str) -> str:
     """A reply as text (UTF-8)."""
     return value.decode() if isinstance(value, bytes) else value
@@ -433,9 +430,6 @@ def blpop_slice(socket_timeout: float | None) -> float:
     if socket_timeout is None:
         return 3600.0
     return max(0.01, socket_timeout - 1.0 if socket_timeout > 2.0 else socket_timeout / 2)
-
-
-# Messages ---------------------------------------------------------------------------------------
 
 
 def what(operation: str, key: str | None) -> str:
@@ -505,8 +499,6 @@ class StoreBase:
         """The prefix of every key the store writes."""
         return self._prefix
 
-    # Keys and calls -----------------------------------------------------------------------------
-
     def _base(self, key: str) -> str:
         if not isinstance(key, str) or not key or key.startswith("}"):
             # '{}' or '{}...' is no hash tag: the three keys would land in different slots.
@@ -561,8 +553,6 @@ class StoreBase:
             return None
         return self._min_replicas, max(1, round(self._replica_timeout * 1000))
 
-    # Replies --------------------------------------------------------------------------------------
-
     @property
     def min_replicas(self) -> int:
         """Replicas that must acknowledge an acquire or a renewal (0: no ``WAIT``)."""
@@ -601,8 +591,6 @@ class StoreBase:
             self._grace_until = grace.until
             self._logger.warning("%s", error)
         raise error
-
-    # Messages -------------------------------------------------------------------------------------
 
     def _redact(self, message: str) -> str:
         return mask_secrets(message, self._secrets)

@@ -250,8 +250,6 @@ class FastConnection:
         with self._lock:
             self._drop()
 
-    # Internals ---------------------------------------------------------------------------------
-
     def _stale(self, sock: socket.socket | None) -> bool:
         """Whether the next request needs a new connection: none yet, an exchange cut short
         after its write (its reply, of unknown shape, may still come), or a forked child."""

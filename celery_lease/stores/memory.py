@@ -114,8 +114,6 @@ class MemoryLockStore:
             event = self._released.setdefault(key, threading.Event())
         return self._clock.wait(event, timeout)
 
-    # Inspection -------------------------------------------------------------------------------
-
     def _info(self, key: str, entry: _Entry, now: float) -> LeaseInfo:
         assert entry.owner is not None
         return LeaseInfo(key, entry.owner, entry.token, max(0.0, entry.expires - now))

@@ -368,8 +368,6 @@ class PostgresLockStore(StoreBase):
         """
         return schema_sql(table)
 
-    # Connections --------------------------------------------------------------------------------
-
     def _connect_kwargs(self) -> dict[str, Any]:
         return connect_kwargs(self._connect_timeout, self._application_name)
 
@@ -526,8 +524,6 @@ class PostgresLockStore(StoreBase):
                     conn.commit()
                 logger.info("celery-lease: created table %r", self._table)
 
-    # The protocol ---------------------------------------------------------------------------------
-
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         slot = self._slot_before_acquire(key)
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
@@ -570,8 +566,6 @@ class PostgresLockStore(StoreBase):
         params = self._release_params(key, owner)
         self._run("release", lambda conn: conn.execute(self._sql["release"], params))
 
-    # Batch renew ----------------------------------------------------------------------------------
-
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew every ``(key, owner, ttl_ms)`` in one statement; results in input order."""
         if not items:
@@ -588,8 +582,6 @@ class PostgresLockStore(StoreBase):
 
         renewed = self._run("renew_many", run)
         return [(key, owner) in renewed for key, owner, _ in items]
-
-    # Release notification -------------------------------------------------------------------------
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for a release of ``key`` in any process; True when
@@ -643,8 +635,6 @@ class PostgresLockStore(StoreBase):
         self._drop_slot(*parked)
         return None
 
-    # Inspection -----------------------------------------------------------------------------------
-
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (code point order)."""
         escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
@@ -676,8 +666,6 @@ class PostgresLockStore(StoreBase):
             redo=False,
         )
         return None if row is None else lease_info(row)
-
-    # Lifecycle ------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Stop the listener and close the internal pool (a pool passed in is left open)."""

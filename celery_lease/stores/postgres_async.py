@@ -246,8 +246,6 @@ class AsyncPostgresLockStore(StoreBase):
         listener = self._listener
         return 0 if listener is None else listener.blocked
 
-    # Connections ----------------------------------------------------------------------------
-
     async def _get_pool(self) -> AsyncConnectionPool[Any]:
         if self._closed:
             raise StoreUnavailableError(f"{self!r} is closed")
@@ -272,8 +270,6 @@ class AsyncPostgresLockStore(StoreBase):
         if self._listener is None:
             self._listener = _Listener(self._listener_connect, self._channel)
         return self._listener
-
-    # Running statements ---------------------------------------------------------------------
 
     async def _run(
         self, what: str, key: str | None, fn: Callable[[_AsyncConn], Awaitable[_T]]
@@ -350,8 +346,6 @@ class AsyncPostgresLockStore(StoreBase):
 
     def _no_connection(self, exc: PoolTimeout) -> str:
         return no_connection_detail(self._connect_timeout, self._connect_failures.last, exc)
-
-    # The protocol ---------------------------------------------------------------------------
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """As :meth:`PostgresLockStore.acquire`; an acquire that timed out or was cancelled

@@ -208,8 +208,6 @@ class RedisLockStore(StoreBase):
         """The redis-py client the store talks through."""
         return self._client
 
-    # Calls --------------------------------------------------------------------------------------
-
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA; on NOSCRIPT load the script and evaluate it again."""
         if script.head and self._fast is not None:
@@ -307,8 +305,6 @@ class RedisLockStore(StoreBase):
                 sentinel_pool.master_address,
             )
         return describe_server(kwargs, ssl=issubclass(pool.connection_class, redis.SSLConnection))
-
-    # Protocol -----------------------------------------------------------------------------------
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         return int_or_none(self._take(ACQUIRE, key, owner, ttl_ms))
@@ -478,8 +474,6 @@ class RedisLockStore(StoreBase):
             if got is not None:
                 return True
         return False
-
-    # Inspection ---------------------------------------------------------------------------------
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; every master of a

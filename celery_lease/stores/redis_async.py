@@ -182,8 +182,6 @@ class AsyncRedisLockStore(StoreBase):
         """The synchronous :class:`RedisLockStore` on the same server and prefix."""
         return self._sync
 
-    # Calls ----------------------------------------------------------------------------------
-
     async def _eval(
         self,
         script: Script,
@@ -279,8 +277,6 @@ class AsyncRedisLockStore(StoreBase):
             )
         ssl = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
         return describe_server(kwargs, ssl=ssl)
-
-    # Protocol -------------------------------------------------------------------------------
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and

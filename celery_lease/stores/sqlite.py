@@ -276,8 +276,6 @@ class SQLiteLockStore:
         """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
         return self._clock
 
-    # Connection ---------------------------------------------------------------------------------
-
     def _close_for_fork(self) -> None:
         """Just before fork(): close this process's connection, its lock held until the
         parent's after-fork hook (so no call starts mid-fork).
@@ -436,8 +434,6 @@ class SQLiteLockStore:
             max(1, int(wall_s * 1_000_000)),
         )
 
-    # Protocol -----------------------------------------------------------------------------------
-
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """Take ``key``; the holder acquiring again gets its own token back, with a new expiry.
 
@@ -494,8 +490,6 @@ class SQLiteLockStore:
     def release(self, key: str, owner: str) -> None:
         """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
         self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner)))
-
-    # Inspection ---------------------------------------------------------------------------------
 
     @staticmethod
     def _info(row: tuple[str, str, int, int]) -> LeaseInfo:
