@@ -624,6 +624,7 @@ class ListenerRetry:
 class StoreBase:
     """The I/O-free part of both stores: options, statement parameters, pool options, errors."""
 
+    _logger: logging.Logger
     _table: str
     _channel: str
     _statement_timeout: float
@@ -661,20 +662,50 @@ class StoreBase:
         operation = what if key is None else f"{what} {key!r}"
         return store_error(repr(self), operation, detail, self._secrets)
 
-    def _refused_key(self, key: str, exc: BaseException | None) -> LeaseConfigError | None:
-        """The error of an acquire refused because ``key`` does not fit the primary-key index
-        (SQLSTATE 54000; nothing was taken); None for any other ``exc``."""
+    def _refuse_long_key(self, key: str, error: StoreUnavailableError) -> None:
+        """Raise ``LeaseConfigError`` if the acquire failed with ``error`` because ``key`` does
+        not fit the primary-key index (SQLSTATE 54000; nothing was taken)."""
+        exc = error.__cause__
         if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
-            return None
+            return
         size = len(key.encode("utf-8", "surrogatepass"))
-        return LeaseConfigError(
+        raise LeaseConfigError(
             f"key of {size} bytes is too long for {self!r}: its primary-key index holds at most "
             f"{INDEX_KEY_BYTES} bytes (after compression) a key; the server said: "
             f"{describe_error(exc)}. Use a shorter key (e.g. a digest of its long part)"
-        )
+        ) from exc
 
-    def _table_refusal(self, missing: psycopg.Error) -> str | None:
-        return missing_table_detail(missing, self._table, self._create_table)
+    def _check_may_create(self, what: str, key: str | None, missing: psycopg.Error) -> None:
+        """Raise ``StoreUnavailableError`` saying how to create the missing table, unless the
+        store may create it."""
+        refusal = missing_table_detail(missing, self._table, self._create_table)
+        if refusal is not None:
+            raise self._error(what, key, refusal) from missing
+
+    def _failure(
+        self,
+        what: str,
+        key: str | None,
+        exc: psycopg.Error,
+        *,
+        connected: bool,
+        first: bool,
+        redo: bool = True,
+    ) -> StoreUnavailableError | None:
+        """The error a statement that raised ``exc`` ends in, or None (logged) to run it once
+        more on another connection: only a dropped connection (an ``OperationalError`` once a
+        connection was had, but not :data:`OVER_A_LIMIT`, a server limit a retry cannot pass)
+        on the ``first`` attempt, when ``redo`` (safe to repeat if it took effect)."""
+        detail = describe_error(exc)
+        if isinstance(exc, psycopg.OperationalError) and not isinstance(exc, OVER_A_LIMIT):
+            if connected and first and redo:
+                self._logger.info("celery-lease: retrying %s after %s", what, detail)
+                return None
+            if connected and not redo:
+                detail += "; not retried: it may have taken effect (look with get())"
+        elif isinstance(exc, psycopg.errors.InsufficientPrivilege):
+            detail = self._denied(exc)
+        return self._error(what, key, detail)
 
     def _denied(self, exc: BaseException, creating: bool = False) -> str:
         """Privileges refused: the grants needed, or (``creating``) how to create the table."""

@@ -36,7 +36,6 @@ from celery_lease.stores._postgres_common import (
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
-    OVER_A_LIMIT,
     POOL_NAME,
     SCHEMA_SQL,
     ConnectFailures,
@@ -309,6 +308,8 @@ class PostgresLockStore(StoreBase):
             the keyword).
     """
 
+    _logger = logger
+
     def __init__(
         self,
         dsn_or_pool: str | ConnectionPool[Any],
@@ -445,23 +446,18 @@ class PostgresLockStore(StoreBase):
             except PoolTimeout as exc:
                 raise self._error(what, None, self._no_connection(exc)) from exc
             except CANCELLED_BY_TIMEOUT as exc:
-                # Not retried: that would double the bound.
+                # Cancelled by the server's statement or lock timeout: not retried (that would
+                # double the bound), unlike the async store (whose bound is the client's).
                 raise self._error(what, None, self._timed_out(exc)) from exc
-            except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
-                raise self._error(what, None, describe_error(exc)) from exc
-            except psycopg.OperationalError as exc:
-                if attempt == 1 and got_connection and redo:
-                    logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
-                    self._discard_broken(pool)
-                    continue
-                detail = describe_error(exc)
-                if got_connection and not redo:
-                    detail += "; not retried: it may have taken effect (look with get())"
-                raise self._error(what, None, detail) from exc
-            except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(what, None, self._denied(exc)) from exc
             except psycopg.Error as exc:
-                raise self._error(what, None, describe_error(exc)) from exc
+                error = self._failure(
+                    what, None, exc, connected=got_connection, first=attempt == 1, redo=redo
+                )
+                if error is not None:
+                    raise error from exc
+                # Test the idle connections, so the retry gets a live one.
+                with contextlib.suppress(Exception):
+                    pool.check()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _execute(
@@ -496,19 +492,9 @@ class PostgresLockStore(StoreBase):
         last = self._connect_failures.last if self._owns_pool else None
         return no_connection_detail(self._connect_timeout, last, exc)
 
-    @staticmethod
-    def _discard_broken(pool: ConnectionPool[Any]) -> None:
-        """After a dropped connection, test the idle ones so the retry gets a live connection."""
-        try:
-            pool.check()
-        except Exception as exc:  # pragma: no cover - check() handles broken connections itself
-            logger.debug("celery-lease: pool check failed (%s)", exc)
-
     def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
         """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""
-        refusal = self._table_refusal(missing)
-        if refusal is not None:
-            raise self._error(what, None, refusal) from missing
+        self._check_may_create(what, None, missing)
         with self._schema_lock:  # threads of this process queue instead of racing the DDL
             try:
                 conn.execute(self._sql["schema"])
@@ -535,26 +521,20 @@ class PostgresLockStore(StoreBase):
             token = self._run("acquire", run)
         except StoreUnavailableError as exc:
             self._drop_slot(key, slot)
-            refused = self._refused_key(key, exc.__cause__)
-            if refused is not None:
-                raise refused from exc.__cause__
+            self._refuse_long_key(key, exc)
             raise
         except BaseException:
             self._drop_slot(key, slot)
-            self._undo_interrupted_acquire(key, owner)
+            try:  # release what it may have taken (``owner`` is unique per attempt)
+                self.release(key, owner)
+            except Exception as undo_failed:
+                log_undo_failed(logger, key, "was interrupted", undo_failed)
             raise
         if token is None and slot is not None:
             self._park_slot(key, slot)
         else:
             self._drop_slot(key, slot)
         return token
-
-    def _undo_interrupted_acquire(self, key: str, owner: str) -> None:
-        """Release what an interrupted acquire may have taken (``owner`` is unique per attempt)."""
-        try:
-            self.release(key, owner)
-        except Exception as exc:
-            log_undo_failed(logger, key, "was interrupted", exc)
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}

@@ -28,7 +28,6 @@ from celery_lease.stores._postgres_common import (
     CREATED_CONCURRENTLY,
     DEFAULT_TABLE,
     MISSING_TABLE,
-    OVER_A_LIMIT,
     ConnectFailures,
     ListenerRetry,
     StoreBase,
@@ -186,6 +185,8 @@ class AsyncPostgresLockStore(StoreBase):
             or twin (as the sync store reports them).
     """
 
+    _logger = logger
+
     def __init__(
         self,
         dsn: str,
@@ -274,12 +275,8 @@ class AsyncPostgresLockStore(StoreBase):
     async def _run(
         self, what: str, key: str | None, fn: Callable[[_AsyncConn], Awaitable[_T]]
     ) -> _T:
-        """Await ``fn`` (one statement) on a pooled connection, within the statement timeout.
-
-        A dropped connection (``OperationalError`` once a connection was had, but a server
-        limit exceeded, :data:`OVER_A_LIMIT`) is retried once on another connection; a second
-        failure, a timeout or any other error raises ``StoreUnavailableError``.
-        """
+        """Await ``fn`` (one statement) on a pooled connection, within the statement timeout;
+        a dropped connection is retried once (see ``_failure``)."""
         pool = await self._get_pool()
         for attempt in (1, 2):
             got_connection = False
@@ -298,19 +295,14 @@ class AsyncPostgresLockStore(StoreBase):
                     f"no reply within {self._statement_timeout:g} s (statement_timeout); the "
                     "statement was cancelled",
                 ) from exc
-            except OVER_A_LIMIT as exc:  # an OperationalError, yet no dropped connection
-                raise self._error(what, key, describe_error(exc)) from exc
-            except psycopg.OperationalError as exc:
-                if attempt == 1 and got_connection:
-                    logger.info("celery-lease: retrying %s after %s", what, describe_error(exc))
-                    with contextlib.suppress(Exception):
-                        await pool.check()
-                    continue
-                raise self._error(what, key, describe_error(exc)) from exc
-            except psycopg.errors.InsufficientPrivilege as exc:
-                raise self._error(what, key, self._denied(exc)) from exc
             except psycopg.Error as exc:
-                raise self._error(what, key, describe_error(exc)) from exc
+                # A statement the server cancelled (CANCELLED_BY_TIMEOUT, an OperationalError)
+                # is retried here like a dropped connection, unlike in the sync store.
+                error = self._failure(what, key, exc, connected=got_connection, first=attempt == 1)
+                if error is not None:
+                    raise error from exc
+                with contextlib.suppress(Exception):
+                    await pool.check()
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _execute(
@@ -332,9 +324,7 @@ class AsyncPostgresLockStore(StoreBase):
     async def _make_table(
         self, what: str, key: str | None, conn: _AsyncConn, missing: psycopg.Error
     ) -> None:
-        refusal = self._table_refusal(missing)
-        if refusal is not None:
-            raise self._error(what, key, refusal) from missing
+        self._check_may_create(what, key, missing)
         try:
             await _within(conn.execute(self._sql["schema"]), self._statement_timeout)
         except CREATED_CONCURRENTLY:
@@ -364,9 +354,7 @@ class AsyncPostgresLockStore(StoreBase):
         except StoreUnavailableError as exc:
             if isinstance(exc.__cause__, asyncio.TimeoutError):
                 await self._undo_acquire(key, owner, "timed out")
-            refused = self._refused_key(key, exc.__cause__)
-            if refused is not None:
-                raise refused from exc.__cause__
+            self._refuse_long_key(key, exc)
             raise
 
     async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
