@@ -37,15 +37,10 @@ _T = TypeVar("_T")
 Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
 """Script calls: ``(keys, args)`` each."""
 
-_REDIRECTED = (AskError, redis.exceptions.TryAgainError)  # MovedError is an AskError
-"""Replies of a cluster call to redo through the cluster client, which follows them (slots
-migrating)."""
-
-_NODE_THREAD = "celery-lease-redis-node"
-"""The name of the threads that run a cluster batch's node shares (numbered within the batch)."""
-
-_SLOTS_THREAD = "celery-lease-redis-slots"
-"""The name of the thread that refreshes a cluster store's slot table after an error."""
+# Replies (slots migrating; MovedError is an AskError) redone through the cluster client.
+_REDIRECTED = (AskError, redis.exceptions.TryAgainError)
+_NODE_THREAD = "celery-lease-redis-node"  # runs a batch's node share (numbered in the batch)
+_SLOTS_THREAD = "celery-lease-redis-slots"  # refreshes a store's slot table after an error
 
 
 def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
@@ -61,13 +56,10 @@ def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
 
 
 class NodeWorkers:
-    """Runs the nodes' shares of one cluster store's batch at once.
-
-    The first share waited for runs in the calling thread, each other one on a daemon thread of
-    its own, started for that batch and ended with it (a batch comes every ttl/3 at most per
-    store, so a thread per node and batch costs little): no pool to keep, to reset after a fork
-    or to shut down, and a share stuck on a hung node never holds up the interpreter's exit.
-    """
+    """Runs the nodes' shares of one cluster store's batch at once: the first in the calling
+    thread, each other on a daemon thread started for the batch (at most one batch per ttl/3 and
+    store): no pool to reset after a fork or shut down, and a share stuck on a hung node never
+    holds up the interpreter's exit."""
 
     def run(
         self,
@@ -75,14 +67,11 @@ class NodeWorkers:
         suspects: Collection[int] = (),
         late: Callable[[int], _T] | None = None,
     ) -> list[_T]:
-        """Run every job at once; their results in order, once every job has returned. A job
-        that raises: the first such error in job order is raised, after all have ended.
-
-        The jobs at ``suspects`` (indices) are waited for only until the others have ended,
-        unless every job is one: one still running then goes on alone on its thread, its
-        result dropped, and ``late(index)`` stands in its place (an error it raises later is
-        dropped too). The caller's thread runs a job that is no suspect.
-        """
+        """Run every job at once; their results in order once all returned, or the first
+        error in job order once all ended. The jobs at ``suspects`` (indices) are waited for
+        only until the others ended (unless all are suspects): one still running goes on alone,
+        its result or error dropped, ``late(index)`` in its place. The caller's thread runs a
+        job that is no suspect."""
         patient = [index for index in range(len(jobs)) if index not in suspects]
         if not patient or late is None:
             patient, suspects = list(range(len(jobs))), ()
@@ -122,14 +111,10 @@ class NodeWorkers:
 
 
 class SlotRefresh:
-    """Runs one cluster store's slot-table refreshes on a daemon thread of their own, one at a
-    time (per process), so a batch waits for one only as long as its deadline allows and a
-    refresh stuck on a hung node holds up nobody.
-
-    A refresh asked for while one runs joins it (the running one reads the cluster as it is
-    now). The thread ends with its refresh: nothing to reset after a fork (a child sees its
-    parent's refresh as not running, by the process id, and starts its own).
-    """
+    """Runs a cluster store's slot-table refreshes on a daemon thread, one at a time per
+    process: a batch waits only until its deadline, and a refresh stuck on a hung node holds up
+    nobody. A refresh asked for while one runs joins it. Nothing to reset after a fork: a child
+    sees its parent's refresh as not running (by process id) and starts its own."""
 
     def __init__(self, refresh: Callable[[], None]) -> None:
         self._refresh = refresh
@@ -269,30 +254,24 @@ class ClusterFanOut:
         self._timed_out: set[str] = set()
 
     def eval_many(self, script: Script, calls: Calls) -> list[Any]:
-        """Many EVALSHA, pipelined per node, every node's pipeline at the same time; each
-        call's reply, or in its place the exception its error reply stands for.
+        """Many EVALSHA, pipelined per node, all nodes at once; each call's reply, or in its
+        place the exception its error reply stands for.
 
-        A node that times out (a hung master), or whose connection fails twice (a dead one),
-        gets that error in the place of each of its calls, and the other nodes' calls keep
-        their replies: one batch takes about one socket timeout at most. A call that meets a
-        MOVED/ASK/TRYAGAIN reply (slots migrating) is redone alone through the cluster client.
+        A node that times out (hung) or whose connection fails twice (dead) gets that error in
+        place of each of its calls; the other nodes' calls keep their replies, so a batch takes
+        about one socket timeout at most. A MOVED/ASK/TRYAGAIN call is redone alone through the
+        cluster client. The batch uses the client's slot table as it is; calls that met a failed
+        or timed-out node, ``CLUSTERDOWN`` or an uncovered slot start a refresh on its own
+        thread (redis-py paces them 1 s apart; redis-py 5 does not), and those whose slot the
+        new table gives to another node are sent there, all within one socket timeout of the
+        batch's start. A call that fails again or too late keeps its first error: no failure
+        becomes a success.
 
-        The batch goes out on the slot table the client has (never behind a refresh); when
-        calls of it met a node that failed or timed out, a ``CLUSTERDOWN`` reply or a slot the
-        table does not cover, a refresh starts on a thread of its own (redis-py paces them, at
-        least 1 s apart; redis-py 5 refreshes each time), and the failed calls whose slot the
-        refreshed table gives to another node are sent there. The batch waits for both only
-        until one socket timeout after it began. A call that fails again, or whose second try
-        did not end in time, keeps its first error: nothing here turns a failure into a
-        success.
-
-        A node whose last share timed out and that has not answered since is waited for only
-        until the other nodes of the batch answered (a batch of its calls alone waits for it):
-        its share goes on alone, its calls get a timeout error in place, and the batch returns
-        without waiting for the refresh their errors start. Waiting on it again would hand the
-        other nodes' results back a socket timeout late once more: for a renewer whose sweep
-        already waited on it (their renewals falling due meanwhile, sent with its retried
-        keys), past the validity of the leases on every node.
+        A node whose last share timed out, silent since, is waited for only until the other
+        nodes answered (alone in a batch, it is waited for): its share goes on alone, its
+        calls get a timeout error, and the refresh is not waited for. Waiting on it again would
+        make every batch a socket timeout late, for a renewer past the leases' validity on
+        every node.
         """
         if not calls:
             return []
@@ -350,14 +329,10 @@ class ClusterFanOut:
         results: list[Any],
         unanswered: set[int] | None = None,
     ) -> dict[int, str | None]:
-        """Run the calls at ``indices`` on the nodes serving their slots, all nodes at once;
-        their replies or errors go to ``results`` in place. Returns the node each one was sent
-        to (None: the slot table names no node for its slot, whose error is its result).
-
-        A node whose last share timed out is waited for only until the other nodes answered
-        (all of it when no other node is in the batch): its share goes on alone, and each of
-        its calls gets a timeout error in place and its index added to ``unanswered`` (when
-        given; else every node is waited for)."""
+        """Run the calls at ``indices`` on their slots' nodes, all at once, replies or errors
+        into ``results``; returns each one's node (None: no node for its slot, the error is its
+        result). With ``unanswered``, a node whose last share timed out is not waited for (see
+        :meth:`eval_many`): its calls get a timeout error and their indices go there."""
         client = self._client
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         sent_to: dict[int, str | None] = {}
@@ -461,12 +436,10 @@ class ClusterFanOut:
     def scan(self, pattern: str) -> set[str]:
         """The keys matching ``pattern`` on every master the slot table names, all at once.
 
-        When a master fails, a slot-table refresh starts; when every failure was a refused
-        connection (fast) and the refresh ends within one socket timeout of the scan's start,
-        the masters the refreshed table names that were not scanned yet (a replica promoted in
-        a dead master's place) are scanned. A master that still fails then, or one that timed
-        out, fails the scan (its first error is raised).
-        """
+        A failing master starts a slot-table refresh; if every failure was a refused connection
+        and the refresh ends within one socket timeout of the start, the masters not scanned
+        yet (a replica promoted in a dead one's place) are scanned. A master failing then, or
+        one that timed out, fails the scan (its first error raised)."""
         client = self._client
         deadline = time.monotonic() + self._timeout
         found: set[str] = set()

@@ -24,11 +24,12 @@ from celery_lease.stores._redis_common import (
     SOCKET_TIMEOUT,
     STORE_OPTIONS,
     check_restart_grace,
+    describe_server,
     host_port,
     split_store_options,
     text,
 )
-from celery_lease.stores.base import redact_url
+from celery_lease.stores.base import redact_url, secrets_among
 
 __all__ = [
     "GET_MASTER",
@@ -181,6 +182,27 @@ def describe_sentinel_master(
     hosts = ",".join(host_port(kwargs) for kwargs in sentinels)
     known = f"master {master[0]}:{master[1]}" if master else "master not known yet"
     return f"redis+sentinel://{hosts}/{service}/{db} ({known})"
+
+
+def describe_pool(pool: Any, sentinel_pool: Any | None, ssl_class: type) -> str:
+    """The address, for messages, of a client's connection ``pool`` (``sentinel_pool``: the
+    same pool when it is a Sentinel-managed master's); never a password."""
+    kwargs = pool.connection_kwargs
+    if sentinel_pool is None:
+        return describe_server(kwargs, ssl=issubclass(pool.connection_class, ssl_class))
+    sentinels = sentinel_pool.sentinel_manager.sentinels
+    return describe_sentinel_master(
+        (s.connection_pool.connection_kwargs for s in sentinels),
+        sentinel_pool.service_name,
+        kwargs.get("db", 0),
+        sentinel_pool.master_address,
+    )
+
+
+def pool_secrets(kwargs: Mapping[str, Any], sentinels: Iterable[Any] = ()) -> tuple[str, ...]:
+    """Every password a client may send (its server's, its Sentinels'), kept out of messages."""
+    found = [s.connection_pool.connection_kwargs.get("password") for s in sentinels]
+    return secrets_among([kwargs.get("password"), *found])
 
 
 def master_address(reply: Any) -> tuple[str, int] | None:

@@ -54,7 +54,6 @@ from celery_lease.stores._redis_common import (
     Script,
     StoreBase,
     blpop_waits,
-    describe_server,
     failed,
     glob_escape,
     in_grace,
@@ -74,11 +73,12 @@ from celery_lease.stores._redis_sentinel import (
     Sentinel,
     SentinelURL,
     client_from_url,
-    describe_sentinel_master,
+    describe_pool,
     follow_master,
     parse_sentinel_url,
+    pool_secrets,
 )
-from celery_lease.stores.base import LeaseInfo, secrets_among
+from celery_lease.stores.base import LeaseInfo
 
 __all__ = [
     "ACQUIRE_SCRIPT",
@@ -291,20 +291,7 @@ class RedisLockStore(StoreBase):
         if isinstance(client, redis.cluster.RedisCluster):
             nodes = sorted(client.nodes_manager.startup_nodes)
             return f"Redis Cluster (nodes {', '.join(nodes)})"
-        pool = client.connection_pool
-        kwargs = pool.connection_kwargs
-        sentinel_pool = self._sentinel_pool
-        if sentinel_pool is not None:
-            return describe_sentinel_master(
-                (
-                    s.connection_pool.connection_kwargs
-                    for s in sentinel_pool.sentinel_manager.sentinels
-                ),
-                sentinel_pool.service_name,
-                kwargs.get("db", 0),
-                sentinel_pool.master_address,
-            )
-        return describe_server(kwargs, ssl=issubclass(pool.connection_class, redis.SSLConnection))
+        return describe_pool(client.connection_pool, self._sentinel_pool, redis.SSLConnection)
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         return int_or_none(self._take(ACQUIRE, key, owner, ttl_ms))
@@ -552,16 +539,11 @@ class RedisLockStore(StoreBase):
 
 def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:
     """Every password the client may send (master, Sentinels), to keep out of messages."""
-    found: list[object] = []
     if isinstance(client, redis.cluster.RedisCluster):
-        found.append(client.nodes_manager.connection_kwargs.get("password"))
-    else:
-        pool = client.connection_pool
-        found.append(pool.connection_kwargs.get("password"))
-        if isinstance(pool, redis.sentinel.SentinelConnectionPool):
-            for sentinel in pool.sentinel_manager.sentinels:
-                found.append(sentinel.connection_pool.connection_kwargs.get("password"))
-    return secrets_among(found)
+        return pool_secrets(client.nodes_manager.connection_kwargs)
+    pool = client.connection_pool
+    managed = isinstance(pool, redis.sentinel.SentinelConnectionPool)
+    return pool_secrets(pool.connection_kwargs, pool.sentinel_manager.sentinels if managed else ())
 
 
 def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster) -> None:

@@ -33,19 +33,19 @@ from celery_lease.stores._redis_common import (
     Script,
     StoreBase,
     blpop_waits,
-    describe_server,
     failed,
     socket_timeout_of,
 )
 from celery_lease.stores._redis_sentinel import (
     GET_MASTER,
     client_from_url,
-    describe_sentinel_master,
+    describe_pool,
     log_master_change,
     master_of,
     no_master_message,
+    pool_secrets,
 )
-from celery_lease.stores.base import LockStore, LoopBinding, redact_url, secrets_among
+from celery_lease.stores.base import LockStore, LoopBinding, redact_url
 from celery_lease.stores.redis import RedisLockStore
 
 __all__ = ["AsyncRedisLockStore"]
@@ -167,7 +167,8 @@ class AsyncRedisLockStore(StoreBase):
         self._replica_timeout = sync.replica_timeout
         self._restart_grace = sync.restart_grace
         self._socket_timeout = socket_timeout_of(self._client.connection_pool.connection_kwargs)
-        self._secrets = self._collect_secrets()
+        sentinels = self._sentinel.sentinels if self._sentinel is not None else ()
+        self._secrets = pool_secrets(self._client.connection_pool.connection_kwargs, sentinels)
         self._loop = LoopBinding("its redis.asyncio connections")  # the loop of its first call
         # Releases waiting for the late reply of a cancelled acquire (awaited by aclose).
         self._late_undos: set[asyncio.Future[None]] = set()
@@ -248,13 +249,6 @@ class AsyncRedisLockStore(StoreBase):
         await self._follow_master()
         return await self._eval(script, keys, args, self._wait_args())
 
-    def _collect_secrets(self) -> tuple[str, ...]:
-        found: list[object] = [self._client.connection_pool.connection_kwargs.get("password")]
-        if self._sentinel is not None:
-            for sentinel in self._sentinel.sentinels:
-                found.append(sentinel.connection_pool.connection_kwargs.get("password"))
-        return secrets_among(found)
-
     def _redact(self, message: str) -> str:
         message = super()._redact(message)
         return redact_url(message) if "://" in message else message
@@ -267,16 +261,8 @@ class AsyncRedisLockStore(StoreBase):
     def _where(self) -> str:
         """``redis://host:port/db`` (or the Sentinel hosts and service, or the socket path)."""
         pool = self._client.connection_pool
-        kwargs = pool.connection_kwargs
-        if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
-            return describe_sentinel_master(
-                (s.connection_pool.connection_kwargs for s in pool.sentinel_manager.sentinels),
-                pool.service_name,
-                kwargs.get("db", 0),
-                pool.master_address,
-            )
-        ssl = issubclass(pool.connection_class, redis.asyncio.SSLConnection)
-        return describe_server(kwargs, ssl=ssl)
+        managed = isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool)
+        return describe_pool(pool, pool if managed else None, redis.asyncio.SSLConnection)
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """As :meth:`RedisLockStore.acquire`. Cancelled, it waits for the command's reply and
