@@ -124,16 +124,6 @@ def validate_table(table: object) -> str:
     return table
 
 
-def _table_identifier(table: str) -> sql.Identifier:
-    return sql.Identifier(*table.split("."))
-
-
-def _render(template: str, table: str) -> bytes:
-    """A statement with the table name quoted in, rendered once (no connection needed)."""
-    ident = _table_identifier(table)
-    return sql.SQL(template).format(table=ident).as_bytes(None)
-
-
 _TEMPLATES = (
     ("acquire", _ACQUIRE),
     ("renew", _RENEW),
@@ -148,9 +138,10 @@ _TEMPLATES = (
 
 
 def statements(table: str) -> dict[str, bytes]:
-    """Every statement of the store (names as in ``_TEMPLATES``), rendered for ``table``
-    (already validated): the one source of the SQL of both stores."""
-    return {name: _render(template, table) for name, template in _TEMPLATES}
+    """Every statement of the store (names as in ``_TEMPLATES``), rendered once for ``table``
+    (already validated, quoted in; no connection needed): the SQL of both stores."""
+    ident = sql.Identifier(*table.split("."))
+    return {name: sql.SQL(t).format(table=ident).as_bytes(None) for name, t in _TEMPLATES}
 
 
 def channel_for(table: str) -> str:
@@ -414,7 +405,7 @@ def schema_sql(table: str = DEFAULT_TABLE) -> str:
     Raises:
         LeaseConfigError: for a bad ``table``.
     """
-    ident = _table_identifier(validate_table(table))
+    ident = sql.Identifier(*validate_table(table).split("."))
     return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
 
 

@@ -444,11 +444,20 @@ class PostgresLockStore(StoreBase):
                     got_connection = True
                     return self._execute(what, conn, fn)
             except PoolTimeout as exc:
-                raise self._error(what, None, self._no_connection(exc)) from exc
+                last = self._connect_failures.last if self._owns_pool else None
+                detail = no_connection_detail(self._connect_timeout, last, exc)
+                raise self._error(what, None, detail) from exc
             except CANCELLED_BY_TIMEOUT as exc:
                 # Cancelled by the server's statement or lock timeout: not retried (that would
                 # double the bound), unlike the async store (whose bound is the client's).
-                raise self._error(what, None, self._timed_out(exc)) from exc
+                bound = f" (statement_timeout {self._statement_timeout:g} s)"
+                raise self._error(
+                    what,
+                    None,
+                    f"no answer within the server's statement or lock timeout"
+                    f"{bound if self._owns_pool else ''}; a row or the table may be locked by "
+                    f"another session: {describe_error(exc)}",
+                ) from exc
             except psycopg.Error as exc:
                 error = self._failure(
                     what, None, exc, connected=got_connection, first=attempt == 1, redo=redo
@@ -478,19 +487,6 @@ class PostgresLockStore(StoreBase):
             # An interrupt raised inside the statement: end it before anyone goes on.
             _settle_interrupted(conn)
             raise
-
-    def _timed_out(self, exc: psycopg.Error) -> str:
-        bound = ""
-        if self._owns_pool:
-            bound = f" (statement_timeout {self._statement_timeout:g} s)"
-        return (
-            f"no answer within the server's statement or lock timeout{bound}; a row or the "
-            f"table may be locked by another session: {describe_error(exc)}"
-        )
-
-    def _no_connection(self, exc: PoolTimeout) -> str:
-        last = self._connect_failures.last if self._owns_pool else None
-        return no_connection_detail(self._connect_timeout, last, exc)
 
     def _make_table(self, what: str, conn: psycopg.Connection[Any], missing: psycopg.Error) -> None:
         """Create the missing table, or raise ``StoreUnavailableError`` saying how to."""

@@ -285,7 +285,9 @@ class AsyncPostgresLockStore(StoreBase):
                     got_connection = True
                     return await self._execute(what, key, conn, fn)
             except PoolTimeout as exc:
-                raise self._error(what, key, self._no_connection(exc)) from exc
+                last = self._connect_failures.last
+                detail = no_connection_detail(self._connect_timeout, last, exc)
+                raise self._error(what, key, detail) from exc
             except PoolClosed as exc:
                 raise self._error(what, key, describe_error(exc)) from exc
             except asyncio.TimeoutError as exc:
@@ -333,9 +335,6 @@ class AsyncPostgresLockStore(StoreBase):
             raise self._error(what, key, self._denied(exc, creating=True)) from exc
         else:
             logger.info("celery-lease: created table %r", self._table)
-
-    def _no_connection(self, exc: PoolTimeout) -> str:
-        return no_connection_detail(self._connect_timeout, self._connect_failures.last, exc)
 
     async def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         """As :meth:`PostgresLockStore.acquire`; an acquire that timed out or was cancelled

@@ -210,26 +210,20 @@ class RedisLockStore(StoreBase):
 
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA; on NOSCRIPT load the script and evaluate it again."""
-        if script.head and self._fast is not None:
-            reply = self._fast_eval(self._fast, script, keys, args)
-            if reply is not BUSY:
+        fast = self._fast
+        if script.head and fast is not None:
+            try:
+                reply = fast.call(self._fast_request(script, keys, args))
+            except NoScriptError:  # EVAL with the source on the same connection (no second
+                # one: on a slow link a cold start must fit in a ttl)
+                reply = fast.call(self._fast_request(script, keys, args, cold=True))
+            if reply is not BUSY:  # BUSY: another thread is using the fast connection
                 return reply
         try:
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
             self._client.script_load(script.source)
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
-
-    def _fast_eval(
-        self, fast: FastConnection, script: Script, keys: Sequence[str], args: Sequence[str | int]
-    ) -> Any:
-        """One EVALSHA on the fast connection, or on NOSCRIPT one EVAL with the source there
-        (no second connection: on a slow link a cold start must fit in a ttl). Returns the
-        reply, or BUSY when another thread is using the connection."""
-        try:
-            return fast.call(self._fast_request(script, keys, args))
-        except NoScriptError:
-            return fast.call(self._fast_request(script, keys, args, cold=True))
 
     def _fast_request(
         self, script: Script, keys: Sequence[str], args: Sequence[str | int], cold: bool = False
@@ -542,8 +536,9 @@ def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, 
     if isinstance(client, redis.cluster.RedisCluster):
         return pool_secrets(client.nodes_manager.connection_kwargs)
     pool = client.connection_pool
-    managed = isinstance(pool, redis.sentinel.SentinelConnectionPool)
-    return pool_secrets(pool.connection_kwargs, pool.sentinel_manager.sentinels if managed else ())
+    if isinstance(pool, redis.sentinel.SentinelConnectionPool):
+        return pool_secrets(pool.connection_kwargs, pool.sentinel_manager.sentinels)
+    return pool_secrets(pool.connection_kwargs)
 
 
 def _warn_about_client_retries(client: redis.Redis | redis.cluster.RedisCluster) -> None:

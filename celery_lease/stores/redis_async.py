@@ -213,23 +213,6 @@ class AsyncRedisLockStore(StoreBase):
             return reply, int(acks)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _follow_master(self) -> None:
-        """As :func:`~celery_lease.stores._redis_sentinel.follow_master`, for the async pool."""
-        pool = self._client.connection_pool
-        if not isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
-            return
-        known = pool.master_address
-        try:
-            address = await pool.sentinel_manager.discover_master(pool.service_name)
-        except redis.asyncio.sentinel.MasterNotFoundError:
-            if not self._min_replicas or known is None:
-                raise
-            return
-        if address != known:
-            await pool.get_master_address()  # type: ignore[no-untyped-call]  # moves the pool and drops connections to the old
-            if known is not None:
-                log_master_change(address, pool.service_name, known)
-
     async def _call(
         self, operation: str, fn: Callable[[], Awaitable[_T]], key: str | None = None
     ) -> _T:
@@ -245,8 +228,21 @@ class AsyncRedisLockStore(StoreBase):
             raise self._error(operation, key, failed(exc)) from exc
 
     async def _write(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """Follow a Sentinel failover, then :meth:`_eval`: ``(reply, acks or None)``."""
-        await self._follow_master()
+        """Follow a Sentinel failover (as ``follow_master`` does for the sync pool), then
+        :meth:`_eval`: ``(reply, acks or None)``."""
+        pool = self._client.connection_pool
+        if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
+            known = pool.master_address
+            try:
+                address = await pool.sentinel_manager.discover_master(pool.service_name)
+            except redis.asyncio.sentinel.MasterNotFoundError:
+                if not self._min_replicas or known is None:
+                    raise
+                address = known
+            if address != known:
+                await pool.get_master_address()  # type: ignore[no-untyped-call]  # moves the pool and drops connections to the old
+                if known is not None:
+                    log_master_change(address, pool.service_name, known)
         return await self._eval(script, keys, args, self._wait_args())
 
     def _redact(self, message: str) -> str:

@@ -346,7 +346,8 @@ class SQLiteLockStore:
                 return conn
             except sqlite3.OperationalError as exc:
                 conn.close()
-                if not _is_busy(exc) or time.monotonic() >= deadline:
+                busy = "locked" in str(exc).lower() or "busy" in str(exc).lower()
+                if not busy or time.monotonic() >= deadline:
                     raise
                 time.sleep(random.uniform(0.005, 0.05))
             except BaseException:
@@ -359,10 +360,10 @@ class SQLiteLockStore:
             self._forget_inherited()
         with self._lock:
             try:
-                cursor = self._cursor
-                if cursor is None:
-                    cursor = self._connect()
-                return fn(cursor)
+                if self._cursor is None:  # this process's connection and its one cursor
+                    conn = self._open()
+                    self._conn, self._cursor = conn, conn.cursor()
+                return fn(self._cursor)
             except BaseException as exc:
                 self._after_failure(exc)
                 if isinstance(exc, (sqlite3.Error, OSError)):
@@ -370,12 +371,6 @@ class SQLiteLockStore:
                         f"SQLite store {self._path!r} failed to {what}: {exc}"
                     ) from exc
                 raise
-
-    def _connect(self) -> sqlite3.Cursor:
-        """Open this process's connection and the one cursor every call runs on (under _lock)."""
-        conn = self._open()
-        self._conn, self._cursor = conn, conn.cursor()
-        return self._cursor
 
     def _after_failure(self, exc: BaseException) -> None:
         """After a failed call (under _lock): keep no statement or transaction that may hold
@@ -625,12 +620,6 @@ def _check_columns(conn: sqlite3.Connection, path: str) -> None:
             " celery-lease made; point lease_store at another file, or delete this one once no"
             " process uses it (it only holds leases, each gone within its ttl)"
         )
-
-
-def _is_busy(exc: sqlite3.OperationalError) -> bool:
-    """Whether ``exc`` is SQLite's "database is locked" / "busy" (another process has the lock)."""
-    text = str(exc).lower()
-    return "locked" in text or "busy" in text
 
 
 def _create_file(path: str) -> None:
