@@ -185,11 +185,8 @@ _URL_OPTION = "create_table"  # the one query parameter of a store URL that is o
 
 def _take_url_option(dsn: str) -> tuple[str, bool | None]:
     """``dsn`` without ``?create_table=...`` (only URLs carry it; the rest kept byte for
-    byte), and its value (None when absent).
-
-    Raises:
-        LeaseConfigError: for a value other than true/false, 1/0, yes/no, on/off, or a repeat.
-    """
+    byte), and its value (None when absent); ``LeaseConfigError`` for a value other than
+    true/false, 1/0, yes/no, on/off, or a repeat."""
     if "://" not in dsn or "?" not in dsn:
         return dsn, None
     base, _, rest = dsn.partition("?")
@@ -218,12 +215,9 @@ def _take_url_option(dsn: str) -> tuple[str, bool | None]:
 
 
 def _refuse_split_userinfo(dsn: str) -> None:
-    """Refuse a URL whose password holds an unencoded ``@`` or ``/``: libpq would split it at
-    the first one, connect elsewhere and show pieces of the password in every message.
-
-    Raises:
-        LeaseConfigError: naming the problem, with the password masked.
-    """
+    """Refuse (``LeaseConfigError``, the password masked) a URL whose password holds an
+    unencoded ``@`` or ``/``: libpq would split it at the first one, connect elsewhere and show
+    pieces of the password in every message."""
     if "://" not in dsn:
         return
     rest = dsn.split("://", 1)[1].split("?", 1)[0]
