@@ -15,8 +15,10 @@ I/O and sends back the answer, or :class:`Failed` with what the call raised:
   is done; send :class:`Failed` if that failed.
 
 A failed attempt (its reply lost, cancelled, or its lease never built) is released
-owner-checked on the dispatcher (the owner id is the attempt's own, so this never frees
-another holder's lease), and the error is raised from the plan.
+owner-checked (the owner id is the attempt's own, so this never frees another holder's lease),
+and the error is raised from the plan. A try that failed is released on the dispatcher; a lease
+never built is released before the error is raised when the driver may block (``with``: an
+interrupt that ends the process leaves nothing to a daemon thread), else on the dispatcher.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ class AcquirePlan:
     Tries at once, then after pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX`, until
     ``wait`` seconds have passed on the clock ``wait_clock()`` gives (asked at the first
     refusal; what the tries took until then, on ``clock``, counts against ``wait``).
-    ``abandon(owner)`` releases a failed attempt (run on the dispatcher). ``attempt`` is the
-    :class:`Try` each try sends.
+    ``abandon(owner)`` releases a failed attempt: on the dispatcher, or in the driver's thread
+    for a lease never built when ``blocking`` (the driver may block on the store). ``attempt``
+    is the :class:`Try` each try sends.
 
     ``next_try`` and ``send`` raise ``LockNotAcquiredError`` when the key stays held past ``wait``
     (``"cancelled"`` once ``cancel`` is set, looked at before each try); the last
@@ -113,7 +116,7 @@ class AcquirePlan:
     """
 
     __slots__ = (
-        "_abandon", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
+        "_abandon", "_blocking", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
         "_sent_at", "_started", "_store", "_tries", "_try", "_wait", "_wait_clock", "_waits_on",
     )  # fmt: skip
 
@@ -126,8 +129,11 @@ class AcquirePlan:
         wait_clock: Callable[[], Clock],
         cancel: threading.Event | None,
         abandon: Callable[[str], object],
+        *,
+        blocking: bool = False,
     ) -> None:
         self._try = attempt
+        self._blocking = blocking
         self._wait, self._store, self._clock, self._wait_clock = wait, store, clock, wait_clock
         self._cancel, self._abandon = cancel, abandon
         self._started = clock.monotonic()
@@ -150,7 +156,10 @@ class AcquirePlan:
             return self.next_try()
         if type(last) is Hold:  # building its lease failed
             assert isinstance(reply, Failed)
-            self._abandon_later()
+            if self._blocking:  # the store just answered: released before the error leaves
+                self._abandon(last.owner)
+            else:
+                self._abandon_later()
             raise reply.error
         step = self._last = self._after_try(reply)
         return step

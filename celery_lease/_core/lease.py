@@ -649,7 +649,7 @@ class LeaseContext:
         outer = self._reenter(task)
         if outer is not None:
             return outer
-        plan = self._plan()
+        plan = self._plan(blocking=True)
         step: Step = plan.next_try()
         while type(step) is not Hold:
             step = plan.send(self._perform(cast("Try | Pause", step)))
@@ -854,7 +854,9 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def _plan(self) -> AcquirePlan:
+    def _plan(self, *, blocking: bool = False) -> AcquirePlan:
+        """The acquire plan of one acquisition; ``blocking``: its driver may block on the
+        store (``with``), so a lease never built is released in the driver's thread."""
         owner = make_owner(
             node=self.node,
             task=self.task,
@@ -871,6 +873,7 @@ class LeaseContext:
             self._wait_clock,
             self.cancel,
             self._abandon_attempt,
+            blocking=blocking,
         )
 
     def _wait_clock(self) -> Clock:

@@ -30,7 +30,7 @@ from celery_lease import (
 )
 from celery_lease._core.dispatch import drain
 from celery_lease._core.lease import clock_of
-from celery_lease._core.renewer import Entry, renewers
+from celery_lease._core.renewer import Entry, Renewer, renewers
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -642,6 +642,35 @@ class TestInterruptInsideTheCore:
         assert renewed_keys(clock) == [], "the lease is renewed for ever"
         assert store.get("k") is None, "the key stays taken"
         assert _lease_module.current_lease() is None
+
+    def test_while_renewal_starts_the_key_is_freed_before_the_interrupt_propagates(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised inside the renewer's ``add``: the key is released on the body's thread
+        before the interrupt leaves ``with`` (a Ctrl-C that ends the process leaves nothing
+        to a daemon thread), once, and is never renewed."""
+        released_on: list[threading.Thread] = []
+
+        class RecordingStore(MemoryLockStore):
+            def release(self, key: str, owner: str) -> None:
+                released_on.append(threading.current_thread())
+                super().release(key, owner)
+
+        store = RecordingStore(clock=clock)
+        add = Renewer.add
+
+        def interrupted(renewer: Renewer, entry: Entry) -> None:
+            monkeypatch.setattr(Renewer, "add", add)
+            raise Interrupt("delivered in Renewer.add")
+
+        monkeypatch.setattr(Renewer, "add", interrupted)
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            pytest.fail("the body must not run")  # pragma: no cover
+        assert released_on == [threading.current_thread()], "not released before the raise"
+        assert store.get("k") is None, "the key stays taken"
+        assert drain()
+        assert released_on == [threading.current_thread()], "released twice"
+        assert renewed_keys(clock) == [], "the lease is renewed for ever"
 
     def test_inside_the_end_record_the_lease_still_ends(
         self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
