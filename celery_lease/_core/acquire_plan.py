@@ -116,8 +116,9 @@ class AcquirePlan:
     """
 
     __slots__ = (
-        "_abandon", "_blocking", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
-        "_sent_at", "_started", "_store", "_tries", "_try", "_wait", "_wait_clock", "_waits_on",
+        "_abandon", "_blocking", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last",
+        "_notify", "_open", "_sent_at", "_started", "_store", "_tries", "_try", "_wait",
+        "_wait_clock", "_waits_on",
     )  # fmt: skip
 
     def __init__(
@@ -144,6 +145,8 @@ class AcquirePlan:
         self._deadline = self._interval = 0.0
         self._notify = False
         self._idle: threading.Event | None = None
+        # A try was sent whose grant may stand and that nobody released or built a lease of.
+        self._open = False
 
     def send(self, reply: Reply) -> Step:
         """The step after the last one, performed with ``reply`` (``None`` after a pause)."""
@@ -156,10 +159,7 @@ class AcquirePlan:
             return self.next_try()
         if type(last) is Hold:  # building its lease failed
             assert isinstance(reply, Failed)
-            if self._blocking:  # the store just answered: released before the error leaves
-                self._abandon(last.owner)
-            else:
-                self._abandon_later()
+            self._abandon_open(self._blocking)  # blocking: the store just answered
             raise reply.error
         step = self._last = self._after_try(reply)
         return step
@@ -170,25 +170,35 @@ class AcquirePlan:
             raise LockNotAcquiredError(self._try.key, "cancelled")
         self._sent_at = self._clock.monotonic()
         self._last = self._try
+        self._open = True
         return self._try
+
+    def interrupted(self) -> None:
+        """An exception left the driver between two steps (an interrupt after a try was sent,
+        or while its lease was built): release that attempt unless it was refused, released
+        already or its lease built. The driver calls it from its ``except`` around every step
+        and the lease's build (not after the build succeeded)."""
+        self._abandon_open(self._blocking)
 
     def _after_try(self, reply: Reply) -> Hold | Pause:
         lagging = None
         if isinstance(reply, Failed):
             if not isinstance(reply.error, (ReplicaLagError, RestartGraceError)):
-                self._abandon_later()  # it may have taken effect, its reply lost
+                self._abandon_open(False)  # it may have taken effect, its reply lost
                 raise reply.error
             # The replicas did not confirm it (the store released it), or a restart grace
             # refused the key: asked again like a held key, raised when the wait runs out.
             lagging = reply.error
         elif reply is not None:
             return Hold(self._try.owner, reply, self._tries, self._started, self._sent_at)
+        else:
+            self._open = False  # refused: the key is another holder's
         self._tries += 1
         waits_on = self._waits_on or self._first_refusal()
         remaining = self._deadline - waits_on.monotonic()
         if remaining <= 0:
             if lagging is not None:
-                self._abandon_later()
+                self._abandon_open(False)
                 raise lagging
             raise LockNotAcquiredError(self._try.key)
         seconds = min(self._interval, remaining)
@@ -212,8 +222,15 @@ class AcquirePlan:
             self._idle = self._cancel or threading.Event()
         return waits_on
 
-    def _abandon_later(self) -> None:
-        """On the dispatcher, so a store that just timed out does not make the caller wait for
-        a second timeout before it sees the error."""
+    def _abandon_open(self, now: bool) -> None:
+        """Release the open attempt, once: ``now`` in this thread, else on the dispatcher (so a
+        store that just timed out does not make the caller wait for a second timeout before it
+        sees the error)."""
+        if not self._open:
+            return
+        self._open = False
         key, owner = self._try.key, self._try.owner
-        get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {key!r}")
+        if now:
+            self._abandon(owner)
+        else:
+            get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {key!r}")

@@ -650,10 +650,14 @@ class LeaseContext:
         if outer is not None:
             return outer
         plan = self._plan(blocking=True)
-        step: Step = plan.next_try()
-        while type(step) is not Hold:
-            step = plan.send(self._perform(cast("Try | Pause", step)))
-        held = self._hold(plan, step, None)
+        try:
+            step: Step = plan.next_try()
+            while type(step) is not Hold:
+                step = plan.send(self._perform(cast("Try | Pause", step)))
+            held = self._hold(plan, step, None)
+        except BaseException:
+            plan.interrupted()  # an interrupt between a granted try and its lease: released
+            raise
         try:
             self._push(held, task)
         except BaseException:

@@ -29,7 +29,7 @@ from celery_lease import (
     lease,
 )
 from celery_lease._core.dispatch import drain
-from celery_lease._core.lease import clock_of
+from celery_lease._core.lease import LeaseContext, clock_of
 from celery_lease._core.renewer import Entry, Renewer, renewers
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock
@@ -671,6 +671,26 @@ class TestInterruptInsideTheCore:
         assert drain()
         assert released_on == [threading.current_thread()], "released twice"
         assert renewed_keys(clock) == [], "the lease is renewed for ever"
+
+    def test_between_the_granted_try_and_its_lease_the_key_is_freed_once(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised after the store granted the key, before its lease is built: the attempt is
+        released (owner-checked, once), not left taken for its ttl."""
+        store = OnceRaisingRelease(clock, Interrupt)
+        hold = LeaseContext._hold
+
+        def interrupted(context: LeaseContext, *args: Any) -> Any:
+            monkeypatch.setattr(LeaseContext, "_hold", hold)
+            raise Interrupt("delivered before the lease is built")
+
+        monkeypatch.setattr(LeaseContext, "_hold", interrupted)
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            pytest.fail("the body must not run")  # pragma: no cover
+        assert drain()
+        assert store.get("k") is None, "the key stays taken"
+        assert store.releases == 1
+        assert renewed_keys(clock) == []
 
     def test_inside_the_end_record_the_lease_still_ends(
         self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
