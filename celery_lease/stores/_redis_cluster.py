@@ -268,7 +268,7 @@ class ClusterFanOut:
         # discard are atomic, so no lock that a fork could leave held).
         self._timed_out: set[str] = set()
 
-    def eval_many(self, script: Script, calls: Calls) -> list[Any]:
+    def eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA, pipelined per node, every node's pipeline at the same time; each
         call's reply, or in its place the exception its error reply stands for.
 
@@ -292,20 +292,21 @@ class ClusterFanOut:
         without waiting for the refresh their errors start. Waiting on it again would hand the
         other nodes' results back a socket timeout late once more: for a renewer whose sweep
         already waited on it (their renewals falling due meanwhile, sent with its retried
-        keys), past the validity of the leases on every node.
+        keys), past the validity of the leases on every node. With ``every_node`` (a read
+        that wants every answer: ``list``) every node is waited for all the same.
         """
         if not calls:
             return []
         client = self._client
         deadline = time.monotonic() + self._timeout
         results: list[Any] = [None] * len(calls)
-        unanswered: set[int] = set()
+        unanswered: set[int] | None = None if every_node else set()
         sent_to = self._send_by_node(script, calls, range(len(calls)), results, unanswered)
         stale = [i for i in sent_to if _stale_route(results[i])]
         if not stale:
             return results
         refreshed = self._slot_refresh.start()
-        if all(i in unanswered for i in stale):
+        if unanswered is not None and all(i in unanswered for i in stale):
             return results  # the refresh goes on alone: the next batch follows it
         if not refreshed.wait(max(0.0, deadline - time.monotonic())):
             return results
