@@ -160,7 +160,7 @@ class TestEveryNodeWaitedFor:
         from celery_lease.stores._redis_common import INSPECT
 
         b_may_answer = threading.Event()
-        b_timed_out = []
+        b_timed_out: list[bool] = []
 
         def pipelined(node: str, script: object, calls: list[object], **_: object) -> object:
             if node == "b":

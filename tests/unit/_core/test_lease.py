@@ -622,6 +622,18 @@ def renewed_keys(clock: FakeClock) -> list[str]:
     return sorted(key for renewer in renewers(clock) for key in renewer.held_keys())
 
 
+def interrupt_once(monkeypatch: pytest.MonkeyPatch, target: object, name: str, where: str) -> None:
+    """Make the next call of ``target.name`` raise ``Interrupt(where)``; it is itself again
+    from then on."""
+    original = getattr(target, name)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(target, name, original)
+        raise Interrupt(where)
+
+    monkeypatch.setattr(target, name, interrupted)
+
+
 class TestInterruptInsideTheCore:
     """An asynchronous exception lands in ``lease()``'s own bookkeeping on the body's thread."""
 
@@ -630,13 +642,7 @@ class TestInterruptInsideTheCore:
     ) -> None:
         """Raised between the acquire and the frame push: the lease is ended, not leaked."""
         store = MemoryLockStore(clock=clock)
-        frame = _lease_module.Frame
-
-        def interrupted(held: Lease, parent: Any) -> Any:
-            monkeypatch.setattr(_lease_module, "Frame", frame)
-            raise Interrupt("delivered in __enter__")
-
-        monkeypatch.setattr(_lease_module, "Frame", interrupted)
+        interrupt_once(monkeypatch, _lease_module, "Frame", "delivered in __enter__")
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
             pytest.fail("the body must not run")  # pragma: no cover
         assert renewed_keys(clock) == [], "the lease is renewed for ever"
@@ -657,13 +663,7 @@ class TestInterruptInsideTheCore:
                 super().release(key, owner)
 
         store = RecordingStore(clock=clock)
-        add = Renewer.add
-
-        def interrupted(renewer: Renewer, entry: Entry) -> None:
-            monkeypatch.setattr(Renewer, "add", add)
-            raise Interrupt("delivered in Renewer.add")
-
-        monkeypatch.setattr(Renewer, "add", interrupted)
+        interrupt_once(monkeypatch, Renewer, "add", "delivered in Renewer.add")
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
             pytest.fail("the body must not run")  # pragma: no cover
         assert released_on == [threading.current_thread()], "not released before the raise"
@@ -678,13 +678,7 @@ class TestInterruptInsideTheCore:
         """Raised after the store granted the key, before its lease is built: the attempt is
         released (owner-checked, once), not left taken for its ttl."""
         store = OnceRaisingRelease(clock, Interrupt)
-        hold = LeaseContext._hold
-
-        def interrupted(context: LeaseContext, *args: Any) -> Any:
-            monkeypatch.setattr(LeaseContext, "_hold", hold)
-            raise Interrupt("delivered before the lease is built")
-
-        monkeypatch.setattr(LeaseContext, "_hold", interrupted)
+        interrupt_once(monkeypatch, LeaseContext, "_hold", "delivered before the lease is built")
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
             pytest.fail("the body must not run")  # pragma: no cover
         assert drain()
