@@ -15,8 +15,10 @@ I/O and sends back the answer, or :class:`Failed` with what the call raised:
   is done; send :class:`Failed` if that failed.
 
 A failed attempt (its reply lost, cancelled, or its lease never built) is released
-owner-checked on the dispatcher (the owner id is the attempt's own, so this never frees
-another holder's lease), and the error is raised from the plan.
+owner-checked (the owner id is the attempt's own, so this never frees another holder's lease),
+and the error is raised from the plan. A try that failed is released on the dispatcher; a lease
+never built is released before the error is raised when the driver may block (``with``: an
+interrupt that ends the process leaves nothing to a daemon thread), else on the dispatcher.
 """
 
 from __future__ import annotations
@@ -103,8 +105,9 @@ class AcquirePlan:
     Tries at once, then after pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX`, until
     ``wait`` seconds have passed on the clock ``wait_clock()`` gives (asked at the first
     refusal; what the tries took until then, on ``clock``, counts against ``wait``).
-    ``abandon(owner)`` releases a failed attempt (run on the dispatcher). ``attempt`` is the
-    :class:`Try` each try sends.
+    ``abandon(owner)`` releases a failed attempt: on the dispatcher, or in the driver's thread
+    for a lease never built when ``blocking`` (the driver may block on the store). ``attempt``
+    is the :class:`Try` each try sends.
 
     ``next_try`` and ``send`` raise ``LockNotAcquiredError`` when the key stays held past ``wait``
     (``"cancelled"`` once ``cancel`` is set, looked at before each try); the last
@@ -113,8 +116,9 @@ class AcquirePlan:
     """
 
     __slots__ = (
-        "_abandon", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
-        "_sent_at", "_started", "_store", "_tries", "_try", "_wait", "_wait_clock", "_waits_on",
+        "_abandon", "_blocking", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last",
+        "_notify", "_open", "_sent_at", "_started", "_store", "_tries", "_try", "_wait",
+        "_wait_clock", "_waits_on",
     )  # fmt: skip
 
     def __init__(
@@ -126,8 +130,11 @@ class AcquirePlan:
         wait_clock: Callable[[], Clock],
         cancel: threading.Event | None,
         abandon: Callable[[str], object],
+        *,
+        blocking: bool = False,
     ) -> None:
         self._try = attempt
+        self._blocking = blocking
         self._wait, self._store, self._clock, self._wait_clock = wait, store, clock, wait_clock
         self._cancel, self._abandon = cancel, abandon
         self._started = clock.monotonic()
@@ -138,6 +145,8 @@ class AcquirePlan:
         self._deadline = self._interval = 0.0
         self._notify = False
         self._idle: threading.Event | None = None
+        # A try was sent whose grant may stand and that nobody released or built a lease of.
+        self._open = False
 
     def send(self, reply: Reply) -> Step:
         """The step after the last one, performed with ``reply`` (``None`` after a pause)."""
@@ -150,7 +159,7 @@ class AcquirePlan:
             return self.next_try()
         if type(last) is Hold:  # building its lease failed
             assert isinstance(reply, Failed)
-            self._abandon_later()
+            self._abandon_open(self._blocking)  # blocking: the store just answered
             raise reply.error
         step = self._last = self._after_try(reply)
         return step
@@ -161,25 +170,35 @@ class AcquirePlan:
             raise LockNotAcquiredError(self._try.key, "cancelled")
         self._sent_at = self._clock.monotonic()
         self._last = self._try
+        self._open = True
         return self._try
+
+    def interrupted(self) -> None:
+        """An exception left the driver between two steps (an interrupt after a try was sent,
+        or while its lease was built): release that attempt unless it was refused, released
+        already or its lease built. The driver calls it from its ``except`` around every step
+        and the lease's build (not after the build succeeded)."""
+        self._abandon_open(self._blocking)
 
     def _after_try(self, reply: Reply) -> Hold | Pause:
         lagging = None
         if isinstance(reply, Failed):
             if not isinstance(reply.error, (ReplicaLagError, RestartGraceError)):
-                self._abandon_later()  # it may have taken effect, its reply lost
+                self._abandon_open(False)  # it may have taken effect, its reply lost
                 raise reply.error
             # The replicas did not confirm it (the store released it), or a restart grace
             # refused the key: asked again like a held key, raised when the wait runs out.
             lagging = reply.error
         elif reply is not None:
             return Hold(self._try.owner, reply, self._tries, self._started, self._sent_at)
+        else:
+            self._open = False  # refused: the key is another holder's
         self._tries += 1
         waits_on = self._waits_on or self._first_refusal()
         remaining = self._deadline - waits_on.monotonic()
         if remaining <= 0:
             if lagging is not None:
-                self._abandon_later()
+                self._abandon_open(False)
                 raise lagging
             raise LockNotAcquiredError(self._try.key)
         seconds = min(self._interval, remaining)
@@ -203,8 +222,15 @@ class AcquirePlan:
             self._idle = self._cancel or threading.Event()
         return waits_on
 
-    def _abandon_later(self) -> None:
-        """On the dispatcher, so a store that just timed out does not make the caller wait for
-        a second timeout before it sees the error."""
+    def _abandon_open(self, now: bool) -> None:
+        """Release the open attempt, once: ``now`` in this thread, else on the dispatcher (so a
+        store that just timed out does not make the caller wait for a second timeout before it
+        sees the error)."""
+        if not self._open:
+            return
+        self._open = False
         key, owner = self._try.key, self._try.owner
-        get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {key!r}")
+        if now:
+            self._abandon(owner)
+        else:
+            get_dispatcher().submit(self._abandon, owner, f"clean-up of acquire {key!r}")

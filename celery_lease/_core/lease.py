@@ -649,11 +649,15 @@ class LeaseContext:
         outer = self._reenter(task)
         if outer is not None:
             return outer
-        plan = self._plan()
-        step: Step = plan.next_try()
-        while type(step) is not Hold:
-            step = plan.send(self._perform(cast("Try | Pause", step)))
-        held = self._hold(plan, step, None)
+        plan = self._plan(blocking=True)
+        try:
+            step: Step = plan.next_try()
+            while type(step) is not Hold:
+                step = plan.send(self._perform(cast("Try | Pause", step)))
+            held = self._hold(plan, step, None)
+        except BaseException:
+            plan.interrupted()  # an interrupt between a granted try and its lease: released
+            raise
         try:
             self._push(held, task)
         except BaseException:
@@ -854,7 +858,9 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def _plan(self) -> AcquirePlan:
+    def _plan(self, *, blocking: bool = False) -> AcquirePlan:
+        """The acquire plan of one acquisition; ``blocking``: its driver may block on the
+        store (``with``), so a lease never built is released in the driver's thread."""
         owner = make_owner(
             node=self.node,
             task=self.task,
@@ -871,6 +877,7 @@ class LeaseContext:
             self._wait_clock,
             self.cancel,
             self._abandon_attempt,
+            blocking=blocking,
         )
 
     def _wait_clock(self) -> Clock:

@@ -253,7 +253,7 @@ class ClusterFanOut:
         # discard are atomic, so no lock that a fork could leave held).
         self._timed_out: set[str] = set()
 
-    def eval_many(self, script: Script, calls: Calls) -> list[Any]:
+    def eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA, pipelined per node, all nodes at once; each call's reply, or in its
         place the exception its error reply stands for.
 
@@ -271,20 +271,21 @@ class ClusterFanOut:
         nodes answered (alone in a batch, it is waited for): its share goes on alone, its
         calls get a timeout error, and the refresh is not waited for. Waiting on it again would
         make every batch a socket timeout late, for a renewer past the leases' validity on
-        every node.
+        every node (with ``every_node``, a read that wants every answer such
+        as ``list``, every node is waited for all the same).
         """
         if not calls:
             return []
         client = self._client
         deadline = time.monotonic() + self._timeout
         results: list[Any] = [None] * len(calls)
-        unanswered: set[int] = set()
+        unanswered: set[int] | None = None if every_node else set()
         sent_to = self._send_by_node(script, calls, range(len(calls)), results, unanswered)
         stale = [i for i in sent_to if _stale_route(results[i])]
         if not stale:
             return results
         refreshed = self._slot_refresh.start()
-        if all(i in unanswered for i in stale):
+        if unanswered is not None and all(i in unanswered for i in stale):
             return results  # the refresh goes on alone: the next batch follows it
         if not refreshed.wait(max(0.0, deadline - time.monotonic())):
             return results

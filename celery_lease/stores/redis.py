@@ -232,12 +232,13 @@ class RedisLockStore(StoreBase):
         head = script.cold_head if cold else script.head
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
-    def _eval_many(self, script: Script, calls: Calls) -> list[Any]:
+    def _eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA in one pipelined round trip (one per node on a cluster): each call's
         reply in order, or in its place the exception its error reply stands for. On a single
-        server a connection error or timeout raises."""
+        server a connection error or timeout raises. ``every_node``: a cluster node that timed
+        out before is waited for as any other (see ``ClusterFanOut.eval_many``)."""
         if self._cluster is not None:
-            return self._cluster.eval_many(script, calls)
+            return self._cluster.eval_many(script, calls, every_node=every_node)
         assert isinstance(self._client, redis.Redis)
         return pipelined(self._client, script, calls, errors_in_place=True)[0] if calls else []
 
@@ -475,7 +476,9 @@ class RedisLockStore(StoreBase):
         keys = [k for k in listed if k.startswith(prefix) and k]
         results = self._call(
             "list leases",
-            lambda: self._eval_many(INSPECT, [((self.lease_key(k),), ()) for k in keys]),
+            lambda: self._eval_many(
+                INSPECT, [((self.lease_key(k),), ()) for k in keys], every_node=True
+            ),
         )
         infos: list[LeaseInfo] = []
         for key, result in zip(keys, results, strict=True):

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any, cast
 
 import pytest
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease.stores._redis_cluster import NodeWorkers, SlotRefresh, before
 
@@ -128,3 +130,75 @@ class TestBefore:
         release = threading.Event()
         assert before(time.monotonic() - 1, lambda: release.wait(10)) == (False, None)
         release.set()
+
+
+class _Node:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class _TwoNodes:
+    """A cluster client's routing as the fan-out reads it: a key's node is its first letter,
+    and that node's client is its name."""
+
+    nodes_manager = None  # no slot refresh to request or run
+
+    def get_node_from_key(self, key: str) -> _Node:
+        return _Node(key[0])
+
+    def get_redis_connection(self, node: _Node) -> str:
+        return node.name
+
+
+class TestEveryNodeWaitedFor:
+    def test_a_reader_asking_for_every_node_gets_the_answer_of_one_that_timed_out_before(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Node b timed out in one batch and answers the next one after node a: a read that
+        waits for every node (``list``) gets b's answers, not a timeout error in their place."""
+        from celery_lease.stores import _redis_cluster
+        from celery_lease.stores._redis_common import INSPECT
+
+        b_may_answer = threading.Event()
+        b_timed_out: list[bool] = []
+
+        def pipelined(node: str, script: object, calls: list[object], **_: object) -> object:
+            if node == "b":
+                if not b_timed_out:
+                    b_timed_out.append(True)
+                    raise RedisTimeoutError("injected: node b hung")
+                assert b_may_answer.wait(10)
+            return [f"{node} answered"] * len(calls), None
+
+        real_start = _redis_cluster._start
+
+        class JoinLetsBAnswer:
+            """A share's thread whose join lets node b answer first (b ends while joined)."""
+
+            def __init__(self, thread: threading.Thread | None) -> None:
+                self.thread = thread
+
+            def join(self) -> None:
+                b_may_answer.set()
+                if self.thread is not None:
+                    self.thread.join()
+
+        def start(target: Any, name: str) -> JoinLetsBAnswer:
+            return JoinLetsBAnswer(real_start(target, name))
+
+        monkeypatch.setattr(_redis_cluster, "pipelined", pipelined)
+        monkeypatch.setattr(_redis_cluster, "_start", start)
+        fan = _redis_cluster.ClusterFanOut(
+            cast(Any, _TwoNodes()), 1.0, lambda *a: None, lambda: "test", str
+        )
+        calls: Any = [(("a1",), ()), (("b1",), ())]
+        try:
+            first = fan.eval_many(INSPECT, calls)
+            assert isinstance(first[1], RedisTimeoutError)
+            b_may_answer.clear()  # the first batch's join set it
+            assert fan.eval_many(INSPECT, calls, every_node=True) == [
+                "a answered",
+                "b answered",
+            ]
+        finally:
+            b_may_answer.set()

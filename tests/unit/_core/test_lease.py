@@ -29,8 +29,8 @@ from celery_lease import (
     lease,
 )
 from celery_lease._core.dispatch import drain
-from celery_lease._core.lease import clock_of
-from celery_lease._core.renewer import Entry, renewers
+from celery_lease._core.lease import LeaseContext, clock_of
+from celery_lease._core.renewer import Entry, Renewer, renewers
 from celery_lease.clock import SYSTEM_CLOCK
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
@@ -622,6 +622,18 @@ def renewed_keys(clock: FakeClock) -> list[str]:
     return sorted(key for renewer in renewers(clock) for key in renewer.held_keys())
 
 
+def interrupt_once(monkeypatch: pytest.MonkeyPatch, target: object, name: str, where: str) -> None:
+    """Make the next call of ``target.name`` raise ``Interrupt(where)``; it is itself again
+    from then on."""
+    original = getattr(target, name)
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        monkeypatch.setattr(target, name, original)
+        raise Interrupt(where)
+
+    monkeypatch.setattr(target, name, interrupted)
+
+
 class TestInterruptInsideTheCore:
     """An asynchronous exception lands in ``lease()``'s own bookkeeping on the body's thread."""
 
@@ -630,18 +642,49 @@ class TestInterruptInsideTheCore:
     ) -> None:
         """Raised between the acquire and the frame push: the lease is ended, not leaked."""
         store = MemoryLockStore(clock=clock)
-        frame = _lease_module.Frame
-
-        def interrupted(held: Lease, parent: Any) -> Any:
-            monkeypatch.setattr(_lease_module, "Frame", frame)
-            raise Interrupt("delivered in __enter__")
-
-        monkeypatch.setattr(_lease_module, "Frame", interrupted)
+        interrupt_once(monkeypatch, _lease_module, "Frame", "delivered in __enter__")
         with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
             pytest.fail("the body must not run")  # pragma: no cover
         assert renewed_keys(clock) == [], "the lease is renewed for ever"
         assert store.get("k") is None, "the key stays taken"
         assert _lease_module.current_lease() is None
+
+    def test_while_renewal_starts_the_key_is_freed_before_the_interrupt_propagates(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised inside the renewer's ``add``: the key is released on the body's thread
+        before the interrupt leaves ``with`` (a Ctrl-C that ends the process leaves nothing
+        to a daemon thread), once, and is never renewed."""
+        released_on: list[threading.Thread] = []
+
+        class RecordingStore(MemoryLockStore):
+            def release(self, key: str, owner: str) -> None:
+                released_on.append(threading.current_thread())
+                super().release(key, owner)
+
+        store = RecordingStore(clock=clock)
+        interrupt_once(monkeypatch, Renewer, "add", "delivered in Renewer.add")
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            pytest.fail("the body must not run")  # pragma: no cover
+        assert released_on == [threading.current_thread()], "not released before the raise"
+        assert store.get("k") is None, "the key stays taken"
+        assert drain()
+        assert released_on == [threading.current_thread()], "released twice"
+        assert renewed_keys(clock) == [], "the lease is renewed for ever"
+
+    def test_between_the_granted_try_and_its_lease_the_key_is_freed_once(
+        self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Raised after the store granted the key, before its lease is built: the attempt is
+        released (owner-checked, once), not left taken for its ttl."""
+        store = OnceRaisingRelease(clock, Interrupt)
+        interrupt_once(monkeypatch, LeaseContext, "_hold", "delivered before the lease is built")
+        with pytest.raises(Interrupt), lease("k", store=store, ttl=3, clock=clock):
+            pytest.fail("the body must not run")  # pragma: no cover
+        assert drain()
+        assert store.get("k") is None, "the key stays taken"
+        assert store.releases == 1
+        assert renewed_keys(clock) == []
 
     def test_inside_the_end_record_the_lease_still_ends(
         self, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
