@@ -22,6 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery_lease._core.acquire_plan import Failed, Reply
 from celery_lease._core.arguments import CANCEL, split_async_store
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LockLostError
@@ -36,6 +37,7 @@ __all__ = [
     "after_our_cancel",
     "release",
     "split_async_store",
+    "try_acquire",
 ]
 
 logger = logging.getLogger("celery_lease.aio")
@@ -106,6 +108,14 @@ def after_our_cancel(
     if exc is None or isinstance(exc, (Exception, asyncio.CancelledError)):
         raise LockLostError(key, reason or "lost") from exc
     return False
+
+
+async def try_acquire(astore: AsyncLockStore, key: str, owner: str, ttl_ms: int) -> Reply:
+    """The async store's answer to a try, or what it raised."""
+    try:
+        return await astore.acquire(key, owner, ttl_ms)
+    except BaseException as exc:
+        return Failed(exc)
 
 
 async def release(

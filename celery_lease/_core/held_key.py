@@ -54,7 +54,9 @@ class HeldKey(Entry):
         """Stop renewing it: ``(settled, final, lapsed)``, see
         :meth:`~celery_lease._core.renewer.Renewer.remove` (``final``: this holder sends the
         final action; ``lapsed``: a loss recorded now, for :meth:`notify`)."""
-        return self._renewer().remove(self)
+        renewer = self.renewer
+        assert renewer is not None, "HeldKey.start() was not called"
+        return renewer.remove(self)
 
     def fence(self, action: Callable[[], None]) -> bool:
         """Have the renewer run ``action`` (a store call, never user code) right after the

@@ -40,14 +40,16 @@ from typing import Any, Literal, TypeVar, cast
 from celery_lease import _forking as forking
 from celery_lease._core import aio
 from celery_lease._core.acquire_plan import (
+    GRANTED,
     POLL_MAX,
     AcquirePlan,
     Failed,
     Hold,
     Pause,
     Reply,
-    Step,
     Try,
+    abandon_later,
+    check_cancel,
     to_ms,
 )
 from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
@@ -649,11 +651,16 @@ class LeaseContext:
         outer = self._reenter(task)
         if outer is not None:
             return outer
-        plan = self._plan()
-        step: Step = plan.next_try()
-        while type(step) is not Hold:
-            step = plan.send(self._perform(cast("Try | Pause", step)))
-        held = self._hold(plan, step, None)
+        owner, ttl_ms, started = self._first_try()
+        reply = self._try(owner, ttl_ms)
+        if type(reply) is GRANTED:  # the usual answer: no plan needed
+            held = self._hold(owner, reply, 0, started, started, None)
+        else:
+            plan = self._plan(owner, ttl_ms, started)
+            step = plan.send(reply)
+            while type(step) is not Hold:
+                step = plan.send(self._perform(cast("Try | Pause", step)))
+            held = self._hold(*step, None)
         try:
             self._push(held, task)
         except BaseException:
@@ -664,22 +671,25 @@ class LeaseContext:
         return held
 
     def _perform(self, step: Try | Pause) -> Reply:
-        """One step of the plan with blocking I/O: the store's answer, or what the try raised."""
-        store = self.store
-        if type(step) is Pause:
-            if step.clock is None:
-                cast(SupportsReleaseNotify, store).wait_for_release(self.key, step.seconds)
-            else:
-                step.clock.wait(cast(threading.Event, step.event), step.seconds)
-            return None
+        """A step of the plan after the first try, with blocking I/O."""
+        if isinstance(step, Try):
+            return self._try(step.owner, step.ttl_ms)
+        if step.clock is None:
+            cast(SupportsReleaseNotify, self.store).wait_for_release(self.key, step.seconds)
+        else:
+            step.clock.wait(cast(threading.Event, step.event), step.seconds)
+        return None
+
+    def _try(self, owner: str, ttl_ms: int) -> Reply:
+        """The store's answer to a try, or what it raised."""
         try:
             if self.names_holder:
                 self.refused_by = None  # a try that raises was refused by no holder
-                token, self.refused_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(
-                    *step
-                )
+                token, self.refused_by = cast(
+                    SupportsAcquireOrHolder, self.store
+                ).acquire_or_holder(self.key, owner, ttl_ms)
                 return token
-            return store.acquire(*step)
+            return self.store.acquire(self.key, owner, ttl_ms)
         except BaseException as exc:
             return Failed(exc)
 
@@ -727,19 +737,22 @@ class LeaseContext:
                 raise RuntimeError("on_lost='cancel' needs to run in an asyncio task")
             canceller = aio.Canceller(asyncio.get_running_loop(), task)
         astore = self._async_store()
-        plan = self._plan()
-        step: Step = plan.next_try()
-        while type(step) is not Hold:
-            if type(step) is Pause:  # counted on the plan's clock, slept on the loop
-                await astore.wait_for_release(self.key, step.seconds)
-                step = plan.send(None)
-                continue
-            try:
-                reply: Reply = await astore.acquire(*cast(Try, step))
-            except BaseException as exc:
-                reply = Failed(exc)
+        owner, ttl_ms, started = self._first_try()
+        reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+        immediate = None if canceller is None else canceller.on_lost
+        if type(reply) is GRANTED:  # the usual answer: no plan needed
+            held = self._hold(owner, reply, 0, started, started, immediate)
+        else:
+            plan = self._plan(owner, ttl_ms, started)
             step = plan.send(reply)
-        held = self._hold(plan, step, None if canceller is None else canceller.on_lost)
+            while type(step) is not Hold:
+                if type(step) is Pause:  # counted on the plan's clock, slept on the loop
+                    await astore.wait_for_release(self.key, step.seconds)
+                    reply = None
+                else:
+                    reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+                step = plan.send(reply)
+            held = self._hold(*step, immediate)
         self._push(held, task)
         if canceller is not None:
             canceller.active = True
@@ -854,17 +867,25 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def _plan(self) -> AcquirePlan:
+    def _first_try(self) -> tuple[str, int, float]:
+        """The first try's owner id, ttl in ms and start (clock seconds); raises if cancelled."""
+        ttl_ms = to_ms(self.ttl)
         owner = make_owner(
             node=self.node,
             task=self.task,
             task_id=self.task_id,
             label=self.label,
-            ttl_ms=to_ms(self.ttl),
+            ttl_ms=ttl_ms,
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
         )
+        check_cancel(self.cancel, self.key)
+        return owner, ttl_ms, self.clock.monotonic()
+
+    def _plan(self, owner: str, ttl_ms: int, started: float) -> AcquirePlan:
+        """The plan of an acquisition whose first try was refused or failed."""
         return AcquirePlan(
-            Try(self.key, owner, to_ms(self.ttl)),
+            Try(self.key, owner, ttl_ms),
+            started,
             self.wait,
             self.store,
             self.clock,
@@ -874,27 +895,34 @@ class LeaseContext:
         )
 
     def _wait_clock(self) -> Clock:
-        """The clock a wait is measured on: ``clock=`` when given, else the store's, else
-        the system clock (:func:`clock_of`)."""
+        """The clock a wait is counted on: ``clock=`` when given, else :func:`clock_of`."""
         return self.wait_clock or clock_of(self.store, self.clock)
 
-    def _hold(self, plan: AcquirePlan, step: Hold, immediate: LossListener | None) -> Lease:
-        """Build the Lease of the plan's ``Hold`` and start renewing it; if that fails (an
-        interrupt), the plan cleans the attempt up and the error is raised.
+    def _hold(
+        self,
+        owner: str,
+        token: int,
+        tries: int,
+        started: float,
+        sent_at: float,
+        immediate: LossListener | None,
+    ) -> Lease:
+        """Build the Lease of a granted try and start renewing it; if that fails (an
+        interrupt), the attempt is abandoned and the error raised.
 
-        ``immediate``: an immediate loss listener that takes the place of ``on_lost`` (the
-        cancel of an ``on_lost="cancel"`` block), attached before the renewer knows the lease.
+        ``immediate``: an immediate loss listener in place of ``on_lost`` (the cancel of an
+        ``on_lost="cancel"`` block), attached before the renewer knows the lease.
         """
         try:
             held = Lease(
                 key=self.key,
-                owner=step.owner,
-                token=step.token,
-                waited=step.tries > 0,
-                wait_seconds=step.sent_at - step.started,
+                owner=owner,
+                token=token,
+                waited=tries > 0,
+                wait_seconds=sent_at - started,
                 store=self.store,
                 clock=self.clock,
-                acquired_at=step.sent_at,
+                acquired_at=sent_at,
             )
             if immediate is not None:
                 held._listeners = [(immediate, True)]
@@ -903,17 +931,17 @@ class LeaseContext:
             held._key = held._entry = key = HeldKey(
                 store=self.store,
                 key=self.key,
-                owner=step.owner,
+                owner=owner,
                 ttl=self.ttl,
-                sent_at=step.sent_at,
-                max_hold_at=None if self.max_hold is None else step.sent_at + self.max_hold,
+                sent_at=sent_at,
+                max_hold_at=None if self.max_hold is None else sent_at + self.max_hold,
                 on_lost=held._notify_lost,
-                token=step.token,
+                token=token,
             )
             key.start(self.clock)
-        except BaseException as exc:
-            plan.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
-            raise  # pragma: no cover - the plan raised it already
+        except BaseException:
+            abandon_later(self._abandon_attempt, self.key, owner)
+            raise
         return held
 
     def _push(self, held: Lease, task: object) -> None:
@@ -1105,23 +1133,23 @@ def lease(
             effort) on the dispatcher, right after the error is raised (so a store that just
             timed out does not delay the error by a second timeout).
     """
-    args = checked_arguments(
+    sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_ = checked_arguments(
         key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
     )
     context = LeaseContext(
         key,
-        args.store,
-        args.ttl,
-        args.wait,
-        args.max_hold,
-        args.cooldown,
-        args.on_lost,
+        sync_store,
+        ttl_s,
+        wait_s,
+        max_hold_s,
+        cooldown_s,
+        listener,
         cancel,
-        args.clock,
+        clock_,
         label=holder,
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
-    context.async_store = args.async_store
+    context.async_store = astore
     return context
 
 
