@@ -6,21 +6,13 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
-The lease of the innermost ``with`` in the current context is what :func:`get_lock_token` and
-:func:`current_lease` return, deep in the call stack and per thread (``contextvars``). A nested
-``lease()`` on the same key and store in the same context, on the thread (or in the asyncio
-task) that entered the held lease, reuses it (re-entrancy, as an ``RLock``'s); code of a copied
-context running on another thread or in another task acquires like anyone else. The store
-contract itself stays strict. After ``fork`` the child ignores the leases of its parent: they
-are not its current lease, not re-entered, and never renewed or released from the child,
-whether or not the fork ran Python's at-fork hooks (:func:`celery_lease._forking.generation`).
-
-When to try and how long to wait is the acquire plan's (:mod:`celery_lease._core.acquire_plan`);
-the key's renewal and final release are a :class:`~celery_lease._core.held_key.HeldKey`'s. Loss
-is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on the
-dispatcher (:mod:`celery_lease._core.dispatch`), never on the renewer or the watchdog.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+The innermost lease of the current context is what :func:`current_lease` and
+:func:`get_lock_token` return (``contextvars``). A nested ``lease()`` on the same key and store,
+on the thread (or in the asyncio task) that entered the held one, re-enters it, as an ``RLock``
+does. A forked child ignores its parent's leases (:func:`celery_lease._forking.generation`).
+When to try is the acquire plan's (:mod:`~celery_lease._core.acquire_plan`), renewal and loss the
+renewer's; user callbacks run on the dispatcher. Threads, locks and fork resets:
+``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -88,30 +80,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Frame:
-    """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
-
-    ``gen`` is the fork generation of the process that pushed it (its lease's): a forked child
-    inherits the context variables of its parent, and ignores the frames whose generation is not
-    its own.
-    ``origin`` is the frame the pushing context holds (itself, or the frame a copy stands for).
-    """
+    """One held lease in this context's stack (a linked list). ``gen``: the fork generation of
+    the pushing process (a child ignores the others); ``origin``: the frame a copy stands for."""
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
     def __init__(self, lease: Lease, parent: Frame | None) -> None:
         self.lease = lease
         self.parent = parent
-        self.gen = lease._gen  # the frame of a lease this process holds: this process's
-        self.origin = self  # a copy made by an out-of-order pop keeps the original's identity
+        self.gen = lease._gen
+        self.origin = self
 
 
 current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
-
-# Frames and leases record the fork generation of the process that made them
-# (celery_lease._forking.generation): those of an ancestor carry a smaller one than the child's,
-# so the child never takes them for its own, whether or not the fork ran Python's at-fork hooks.
-# Generations of siblings may be equal, but siblings share no memory.
 
 
 def _after_fork_in_child() -> None:
@@ -124,8 +106,7 @@ forking.on_fork_child(_after_fork_in_child, name="lease: events lock")
 
 def offers(obj: object, protocol: type, method: str) -> bool:
     """Whether ``obj`` conforms to ``protocol``, whose ``method`` its class must define: the
-    class test first, since the protocol check of a class that does not conform is not cached
-    and costs a full ``isinstance()`` per call (on a task's hot path)."""
+    class test first, as the check of a class that does not conform is not cached."""
     return hasattr(type(obj), method) and conforms(obj, protocol)
 
 
@@ -135,14 +116,9 @@ _CLOCK_RAISED: set[type] = set()  # store classes whose ``clock`` raised (warned
 
 
 def is_clock(obj: object) -> bool:
-    """Whether ``obj`` is a real clock: its class itself defines (or inherits) ``monotonic``,
-    ``time`` and ``wait`` (:class:`~celery_lease.clock.Clock`), as ``SystemClock``,
-    ``FakeClock`` and a user's clock class do.
-
-    Stricter than ``isinstance(obj, Clock)``, which an object answering every attribute passes
-    (a ``Mock``, a ``__getattr__`` proxy), and than ``isinstance(obj, FakeClock)``, which
-    ``Mock(spec=FakeClock)`` passes: the class is read without running any ``__getattr__``.
-    """
+    """Whether ``obj``'s class itself defines ``monotonic``, ``time`` and ``wait`` (read
+    statically): stricter than ``isinstance(obj, Clock)``, which a ``Mock`` or a ``__getattr__``
+    proxy passes."""
     cls = type(obj)
     if cls in _CLOCK_CLASSES:
         return True
@@ -153,21 +129,12 @@ def is_clock(obj: object) -> bool:
 
 
 def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
-    """The clock a lease in ``store`` runs on: the store's own (``clock``, the memory and SQLite
-    stores take one) when it is a real clock (:func:`is_clock`), else ``default`` (the system
-    clock). Never raises.
+    """The clock a lease in ``store`` runs on: the store's own ``clock`` when it is a real
+    clock (:func:`is_clock`), else ``default``. Never raises (a ``clock`` that raises is
+    ignored, with a WARNING once per store class).
 
-    The lease's renewer sleeps on it and its validity is counted on it, as the store counts the
-    lease's expiry: on a ``MemoryLockStore`` over a ``FakeClock`` (the pytest plugin's
-    ``lease_store``) the task's renewer wakes when the test moves that clock, never on real time
-    the store does not see. A ``clock`` that is no real clock (a ``Mock``'s, or whatever a
-    ``__getattr__`` proxy answers) is ignored; one whose reading raises is ignored too, with a
-    WARNING once per store class. A wrapper store that forwards ``clock`` to the store it wraps
-    gives that store's clock.
-
-    A wait for a held key of ``store`` is counted on this clock too (the lease's ``clock=`` as
-    ``default``), by ``with`` and ``async with``: the holder's lease expires by it, so a
-    deadline read from another clock would not be reached when the test moves the store's.
+    The renewer sleeps on it and the validity and a wait are counted on it, as the store counts
+    expiry: on a ``MemoryLockStore`` over a ``FakeClock`` the lease moves with the test's clock.
     """
     try:
         own = getattr(store, "clock", None)
@@ -240,13 +207,9 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once the lease is lost: renewal refused, validity ran out, ``max_hold`` reached,
-        or released early by its holder.
-
-        It reads the one record the renewer keeps of how the lease ended; a lease found past
-        its local validity (or ``max_hold``) is recorded lost by the first reader to see it, so
-        once True it stays True. After a normal exit it reads False.
-        """
+        """True once the lease is lost (renewal refused, validity ran out, ``max_hold``, or
+        released early). It reads the renewer's one record; the first reader to find the lease
+        past its deadline records it, so once True it stays True. False after a normal exit."""
         if self._gen != forking.generation():
             return True  # the parent's lease, seen from a forked child
         entry = self._entry
@@ -265,13 +228,9 @@ class Lease:
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lease was lost, or ``None`` while it is held (or after a normal exit).
-
-        ``"taken"`` (the store no longer records this owner), ``"expired"`` (not renewed within
-        its validity), ``"max_hold"``, ``"released"`` (released early by its holder, see
-        :meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
-        is its parent's).
-        """
+        """Why the lease was lost, or ``None`` while held (or after a normal exit): ``"taken"``
+        (the store no longer records this owner), ``"expired"``, ``"max_hold"``, ``"released"``
+        (:meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child)."""
         if self._gen != forking.generation():
             return "forked"
         entry = self._entry
@@ -281,26 +240,15 @@ class Lease:
 
     @property
     def released_early(self) -> bool:
-        """True once its holder ended it with :meth:`LeaseContext.release_early` (the end that
-        call recorded as its loss, ``lost_reason`` ``"released"`` by default), not the store or
-        the renewer."""
+        """True once its holder ended it with :meth:`LeaseContext.release_early`."""
         return self._released_early
 
     def _reenterable_by(self, task: object) -> bool:
         """Whether code running in ``task`` (None: outside any asyncio task), on this thread,
-        may re-enter it: re-entry belongs to whoever entered it, as an ``RLock``'s does.
-
-        Entered in a task: that task only; the tasks created in its block copy its context but
-        run concurrently with it, and so does code it hands to another thread
-        (``asyncio.to_thread``: no task there). Entered outside any task: code on the thread
-        that entered it (the tasks of an event loop that its body runs on that thread
-        included); code of a copied context on another thread (``asyncio.to_thread``,
-        ``copy_context().run``, asgiref's ``sync_to_async``) runs concurrently with the holder.
-
-        The thread is ``threading.get_ident()`` read at each call: under gevent or eventlet
-        monkey-patching that is the greenlet's id, so greenlets sharing one OS thread are told
-        apart. An id is reused only once its thread (greenlet) ended, and the one that entered
-        a lease is alive while its block runs.
+        may re-enter it: entered in a task, that task only (tasks created in its block run
+        concurrently); entered outside any task, this thread (an event loop its body runs
+        included), not a copied context on another thread (``asyncio.to_thread``). The thread
+        id is read per call: under gevent it is the greenlet's, reused only once it ended.
         """
         ref = self._task
         if ref is None:
@@ -319,11 +267,8 @@ class Lease:
             raise LockLostError(self.key, self.lost_reason or "lost")
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds (``None``: forever) until the lease is lost.
-
-        Returns whether it is lost. It returns once the loss is recorded; listeners on the
-        dispatcher may still be running.
-        """
+        """Block up to ``timeout`` seconds (``None``: forever) until the lease is lost; whether
+        it is. Returns once the loss is recorded (dispatched listeners may still run)."""
         deadline = None if timeout is None else self._clock.monotonic() + timeout
         while not self.lost:
             now = self._clock.monotonic()
@@ -359,13 +304,10 @@ class Lease:
         """Call ``fn(lease)`` once, when the lease is lost (at once if it already is).
 
         Args:
-            fn: the listener; what it returns is ignored, what it raises is logged.
-            immediate: False (default): ``fn`` runs on the dispatcher, a thread of its own, so
-                it may block without delaying anything else. True: ``fn`` runs on the thread
-                that recorded the loss (the renewer, the watchdog, or a thread that read
-                ``lost`` or called ``release_early``), right after the record and after the
-                dispatched listeners were handed over; it must be quick and never block (set
-                a flag, send a signal, schedule a callback).
+            fn: the listener; its result is ignored, what it raises is logged.
+            immediate: False (default): ``fn`` runs on the dispatcher, so it may block. True: on
+                the thread that recorded the loss, after the dispatched ones were handed over;
+                it must be quick and never block (set a flag, schedule a callback).
 
         Raises:
             LeaseConfigError: when ``fn`` is not callable.
@@ -378,7 +320,6 @@ class Lease:
             if entry is None or renewer is None:
                 self._append_listener(fn, immediate)
                 return
-            # The loss is recorded under the renewer's lock, where this runs: none is missed.
             append = functools.partial(self._append_listener, fn, immediate)
             if renewer.run_unless_lost(entry, append):
                 return
@@ -393,11 +334,8 @@ class Lease:
         self._listeners.append((fn, immediate))
 
     def _notify_lost(self, reason: str) -> None:
-        """The loss is recorded (once): wake waiters, dispatch listeners, run immediate ones.
-
-        The immediate listeners run last, so one that interrupts this very thread cannot keep
-        the others from being handed over.
-        """
+        """The loss is recorded (once): wake waiters, dispatch listeners, then run the
+        immediate ones, so one that interrupts this thread cannot keep the others back."""
         log = logger.info if self._released_early else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
         with _events_lock:
@@ -434,22 +372,16 @@ class Lease:
 
 
 class LeaseContext:
-    """The object :func:`lease` returns: a context manager (``with`` and ``async with``), and a
-    decorator (``@lease(...)``, a fresh context per call).
-
-    ``with`` and ``async with`` drive the same acquire plan
-    (:mod:`celery_lease._core.acquire_plan`) and take the same steps around it; they differ
-    only in how they call the store (see :mod:`celery_lease._core.aio`).
+    """What :func:`lease` returns: a context manager (``with``, ``async with``) and a decorator
+    (a fresh context per call). Both drivers run the same acquire plan and steps around it.
 
     Attributes:
-        key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: the arguments of
-            :func:`lease`, checked (durations in seconds; ``store`` is the synchronous store).
-        async_store: the :class:`~celery_lease.stores.base.AsyncLockStore` ``async with``
-            awaits: the one given to :func:`lease`, else an adapter of ``store`` made on first
-            use (``None`` until then).
-        names_holder: set by the Celery layer: each attempt asks
-            :meth:`~celery_lease.stores.base.SupportsAcquireOrHolder.acquire_or_holder`, and
-            ``refused_by`` is the owner id the last refusal named (``None``: none named).
+        key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: :func:`lease`'s
+            arguments, checked (seconds; ``store`` is the synchronous store).
+        async_store: what ``async with`` awaits: the one given, else an adapter of ``store``
+            made on first use.
+        names_holder: set by the Celery layer: tries use ``acquire_or_holder``, and
+            ``refused_by`` is the owner id the last refusal named.
     """
 
     def __init__(
@@ -479,11 +411,8 @@ class LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
-        # The clock a wait is measured on: None for the store's own clock where it has one,
-        # else ``clock`` (see clock_of).
-        self.wait_clock = wait_clock
-        # Recorded in the owner id of each acquisition (owners.make_owner).
-        self.label = label
+        self.wait_clock = wait_clock  # None: clock_of(store, clock)
+        self.label = label  # label, node, task, task_id: recorded in each owner id
         self.node = node
         self.task = task
         self.task_id = task_id
@@ -519,12 +448,11 @@ class LeaseContext:
         return cast(F, wrapper)
 
     def _decorates_async(self, func: object) -> bool:
-        """True when ``func`` must be wrapped with ``async with`` (an ``async def``).
+        """True for an ``async def``.
 
         Raises:
-            LeaseConfigError: for an async generator function (a lease held only while the
-                generator object is made would hold nothing), or ``on_lost="cancel"`` on a
-                function that is not ``async def`` (there is no task to cancel).
+            LeaseConfigError: for an async generator function (the lease would hold nothing), or
+                ``on_lost="cancel"`` on a function that is not ``async def``.
         """
         if inspect.isasyncgenfunction(func):
             raise LeaseConfigError(
@@ -565,47 +493,39 @@ class LeaseContext:
 
     @property
     def reentered(self) -> bool:
-        """True when this context, once entered, re-entered the lease of an enclosing one (same
-        key and store): the lease is the enclosing context's, and this exit leaves it held."""
+        """True when this context re-entered an enclosing one's lease (its exit leaves it held)."""
         return self._reentered
 
     @property
     def released_early(self) -> bool:
-        """True once :meth:`release_early` ended the lease (recorded its end): the exit then
-        releases nothing and raises nothing for the loss."""
+        """True once :meth:`release_early` recorded the end: the exit releases, raises nothing."""
         return self._released_early
 
     @property
     def defer_release(self) -> bool:
-        """True once :meth:`release_without_reply` was called: the release goes out without
-        waiting for its reply where the store can."""
+        """True once :meth:`release_without_reply` was called."""
         return self._defer_release
 
     def release_without_reply(self) -> None:
-        """Send this context's release without waiting for its reply, where the store can
-        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`; the caller reads the
-        replies). For a caller that publishes nothing depending on the key being free until
-        then (:mod:`celery_lease._celery.deferral` decides)."""
+        """Send the release without waiting for its reply where the store can
+        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`); for a caller that publishes
+        nothing depending on the key being free (:mod:`celery_lease._celery.deferral`)."""
         self._defer_release = True
 
     def release_early(self, reason: str = "released") -> bool:
         """End the held lease now, while the body may still run; the exit then only pops it.
 
-        For the Celery layer when a running task re-sends its own id (``retry``): the new
-        message must not find the key held by this execution. In order: records the loss with
-        ``reason`` (``lost`` reads True and ``check()`` raises before the key is free), waits
-        for a renewal of this lease in flight
-        (:meth:`~celery_lease._core.renewer.Renewer.settle`), releases the key owner-checked,
-        runs the loss listeners. A later exit releases nothing and raises nothing for it. A
-        release the store fails is logged (the key frees itself within its ttl).
+        For a running task that re-sends its own id (``retry``): the new message must not find
+        the key held. In order: records the loss with ``reason`` (``check()`` raises before the
+        key is free), waits for a renewal in flight, releases owner-checked (a store failure is
+        logged), runs the loss listeners.
 
         Args:
             reason: the ``lost_reason`` to record (default ``"released"``).
 
         Returns:
-            True when this call ended the lease; False when its end was already recorded (lost
-            before, released early before, or exited), or in a forked child (the lease is the
-            parent's). A lease already lost is still released owner-checked, once.
+            True when this call ended it; False when its end was recorded already (a lost lease
+            is still released, once), or in a forked child.
 
         Raises:
             RuntimeError: when the context was never entered.
