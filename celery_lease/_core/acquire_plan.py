@@ -110,20 +110,16 @@ Reply = int | None | Failed
 
 
 class AcquirePlan:
-    """The rest of an acquisition in ``store`` (the synchronous store, whose clock and release
-    notification the wait uses) whose first try, ``attempt``, sent at ``started`` (on
-    ``clock``), was not granted. ``send(reply)`` gives the step after the last one, performed
-    with ``reply``; the first ``send`` gets the first try's reply.
+    """The rest of an acquisition whose first try, ``attempt`` (sent at ``started`` on
+    ``clock``), was not granted; ``send(reply)`` gives the next step (the first ``send`` gets
+    that try's reply). ``store`` is the synchronous store, whose clock and notification the
+    wait uses.
 
-    Pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX` until ``wait`` seconds have
-    passed on the clock ``wait_clock()`` gives (asked at the first refusal; what the tries took
-    until then, on ``clock``, counts against ``wait``). ``abandon(owner)`` releases a failed
-    attempt.
-
-    ``send`` raises ``LockNotAcquiredError`` when the key stays held past ``wait``
-    (``"cancelled"`` once ``cancel`` is set); the last ``ReplicaLagError`` /
-    ``RestartGraceError`` when the wait runs out on one (they are asked again like a held key);
-    whatever else a try raised.
+    Pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX` until ``wait`` seconds passed on
+    ``wait_clock()`` (asked at the first refusal; the tries until then count against ``wait``).
+    Raises ``LockNotAcquiredError`` past ``wait`` (``"cancelled"`` once ``cancel`` is set); the
+    last ``ReplicaLagError``/``RestartGraceError`` when the wait runs out on one (asked again
+    like a held key); whatever else a try raised, after ``abandon(owner)`` is handed over.
     """
 
     __slots__ = (

@@ -28,8 +28,8 @@ MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 
 
 class _CancelBody:
-    """What ``lease(on_lost="cancel")`` keeps as its ``on_lost``: a marker, and a no-op listener
-    (the cancel itself is an immediate listener that ``async with`` installs)."""
+    """``lease(on_lost="cancel")``'s ``on_lost``: a marker and a no-op listener (``async with``
+    installs the cancel as an immediate listener)."""
 
     __slots__ = ()
 
@@ -45,13 +45,9 @@ CANCEL = _CancelBody()
 
 
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
-    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
-
-    A lease counts :data:`~celery_lease._core.renewer.DRIFT_MARGIN` and
-    :data:`~celery_lease._core.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
-    :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
-    the user wrote it and ``name`` the parameter, both for the message.
-    """
+    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held: one of
+    :data:`MIN_TTL` or less loses its drift allowance at once (``given``, ``name``: for the
+    message)."""
     if seconds <= MIN_TTL:
         raise LeaseConfigError(
             f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"

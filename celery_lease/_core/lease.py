@@ -283,11 +283,6 @@ class Lease:
             self._clock.wait(self._loss_event(), (min(limits) - now) if limits else None)
         return True
 
-    @property
-    def _lost(self) -> threading.Event:
-        """The event set when the loss is announced (for waiters and tests)."""
-        return self._loss_event()
-
     def _loss_event(self) -> threading.Event:
         """The event set when the loss is announced, made on first use (set if it already was)."""
         event = self._lost_event
@@ -624,21 +619,15 @@ class LeaseContext:
         if self._reentered or held._gen != forking.generation():
             pop_frame(self._frame)
             return False  # the outer context (or, after a fork, the parent) owns the lease
-        key = held._key
         try:
             pop_frame(self._frame)
-            settled, final, lapsed = key.stop()
-            reason = key.lost_reason
-            if final:
-                self._finish(held, succeeded=exc is None, settled=settled)
-        except BaseException:
-            # An asynchronous exception landed in this bookkeeping: the lease must end all
-            # the same (not renewed for ever, not left on the stack), then it propagates.
+            lapsed = self._end(held, exc is None, tell=False)
+        except BaseException:  # an interrupt: the lease must end all the same, then it goes on
             self._end_interrupted(held)
             raise
         if lapsed is not None:  # validity ran out before the renewer noticed; told after release
-            key.notify(lapsed)
-        error = self._loss_error(exc, reason)
+            held._key.notify(lapsed)
+        error = self._loss_error(exc, held._key.lost_reason)
         if error is not None:
             raise error from exc
         return False
@@ -695,9 +684,8 @@ class LeaseContext:
         ours = canceller is not None and canceller.fired
         outside = False
         if canceller is not None and ours:
-            # Taken back before the first await below: a cancel landing in the release is the
-            # caller's (a timeout, a TaskGroup) and must find the task's count as the caller
-            # left it.
+            # Taken back before the first await: a cancel landing in the release is the
+            # caller's (a timeout, a TaskGroup) and must find the task's count as it left it.
             canceller.fired = False
             outside = canceller.take_back(exc)
         await self._aend(held, succeeded)
@@ -713,8 +701,8 @@ class LeaseContext:
         """Stop renewing and release, awaiting; a rare exit that may block runs on a thread."""
         key = held._key
         if key.inflight or (succeeded and self.cooldown > 0 and key.lost_reason is None):
-            # Waiting for a renewal in flight, or a fenced cooldown: the sync exit's steps, on a
-            # thread, which finishes them even if this task is cancelled.
+            # A renewal in flight, or a fenced cooldown: the sync steps on a thread, which
+            # finishes them even if this task is cancelled.
             end = functools.partial(self._end, held, succeeded)
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, end))
             return
@@ -726,15 +714,17 @@ class LeaseContext:
             if lapsed is not None:  # validity ran out before the renewer noticed
                 key.notify(lapsed)
 
-    def _end(self, held: Lease, succeeded: bool) -> None:
+    def _end(self, held: Lease, succeeded: bool, *, tell: bool = True) -> str | None:
         """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
-        for ``cooldown``), tell a lapse."""
+        for ``cooldown``); tell a lapse (``tell``), else return it for the caller to tell."""
         key = held._key
         settled, final, lapsed = key.stop()
         if final:
             self._finish(held, succeeded=succeeded, settled=settled)
-        if lapsed is not None:
+        if tell and lapsed is not None:
             key.notify(lapsed)
+            return None
+        return lapsed
 
     def _async_store(self) -> AsyncLockStore:
         """The store ``async with`` awaits: the one given to ``lease()``, or an adapter."""
@@ -751,21 +741,16 @@ class LeaseContext:
         self._entered = True
 
     def _reenter(self, task: object) -> Lease | None:
-        """Re-enter the lease of an enclosing block on the same key and store, if there is one.
-
-        The innermost one of this process's that code running in ``task`` (the asyncio task, or
-        ``None`` outside any) may re-enter, and that is neither lost nor ended: it is pushed as
-        this context's and returned, and the exit leaves it held. ``None`` when there is none
-        (the caller acquires).
-        """
+        """The innermost lease of this process on the same key and store that ``task`` may
+        re-enter and that is neither lost nor ended, pushed as this context's (its exit leaves
+        it held); ``None`` when there is none (the caller acquires)."""
         top = current_frame.get()
         frame = top
         if frame is None:
             return None
         mine = forking.generation()
-        # Frames below the first foreign one are foreign too (pushed before the fork). A frame
-        # whose lease has ended (left behind by an exit that an interrupt cut short) is never
-        # re-entered: its key may be another holder's by now.
+        # Frames below a foreign one are foreign too. An ended lease (its exit cut short by an
+        # interrupt) is never re-entered: its key may be another holder's by now.
         while frame is not None and frame.gen == mine:
             outer = frame.lease
             if (
@@ -827,12 +812,9 @@ class LeaseContext:
         sent_at: float,
         immediate: LossListener | None,
     ) -> Lease:
-        """Build the Lease of a granted try and start renewing it; if that fails (an
-        interrupt), the attempt is abandoned and the error raised.
-
-        ``immediate``: an immediate loss listener in place of ``on_lost`` (the cancel of an
-        ``on_lost="cancel"`` block), attached before the renewer knows the lease.
-        """
+        """Build the Lease of a granted try and start renewing it; if that fails (an interrupt),
+        the attempt is abandoned. ``immediate``: a loss listener in place of ``on_lost`` (the
+        cancel of ``on_lost="cancel"``), attached before the renewer knows the lease."""
         try:
             held = Lease(
                 key=self.key,
@@ -865,9 +847,8 @@ class LeaseContext:
         return held
 
     def _push(self, held: Lease, task: object) -> None:
-        """Make ``held``, just acquired in ``task`` (``None``: outside any asyncio task), this
-        context's lease and the current one; only ``task`` (outside a task: this thread) may
-        re-enter it."""
+        """Push ``held``, just acquired, as this context's lease and the current one; only
+        ``task`` (``None``: this thread) may re-enter it."""
         if task is None:
             held._thread = threading.get_ident()
         else:
@@ -877,8 +858,8 @@ class LeaseContext:
         current_frame.set(self._frame)
 
     def _pop(self) -> Lease | None:
-        """Take this context's lease off the current ones; return it when this exit ends it
-        (``None``: re-entered, or read in a forked child)."""
+        """Pop this context's lease; return it when this exit ends it (not re-entered, not a
+        parent's)."""
         held = self._lease
         assert held is not None
         pop_frame(self._frame)
@@ -887,9 +868,8 @@ class LeaseContext:
         return held
 
     def _loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
-        """The :class:`LockLostError` the exit raises from ``exc`` (what the body raised): for
-        an ``Exception`` from a body whose lease was lost, unless the holder released it early
-        or the body raised a ``LockLostError`` itself. A ``BaseException`` stays what it is."""
+        """The :class:`LockLostError` the exit raises from ``exc``: for an ``Exception`` from a
+        body whose lease was lost, unless released early or already a ``LockLostError``."""
         if (
             isinstance(exc, Exception)
             and reason is not None
@@ -901,13 +881,10 @@ class LeaseContext:
         return None
 
     def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
-        """End ``held`` after an asynchronous exception cut its enter, exit or early release short.
-
-        Pops this context's frame (``pop``: not for an early release, whose body still runs in
-        the ``with`` block), stops the renewal whatever state it was left in, and releases the
-        key owner-checked (again, if the release was under way: a release is idempotent) unless
-        a cooldown was begun. Never raises: the exception that brought us here propagates.
-        """
+        """End ``held`` after an interrupt cut its enter, exit or early release short: pop (not
+        for an early release: the body still runs), stop renewing whatever state it was left in,
+        release owner-checked (again: a release is idempotent) unless a cooldown began. Never
+        raises: the interrupt goes on."""
         try:
             if pop:
                 pop_frame(self._frame)
@@ -921,8 +898,7 @@ class LeaseContext:
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def _send_release(self, owner: str) -> None:
-        """Release the key owner-checked (without waiting for the reply where asked and the
-        store can); a store error is logged (the key expires by itself)."""
+        """Release owner-checked (deferred where asked and possible); a store error is logged."""
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
@@ -935,11 +911,8 @@ class LeaseContext:
             store.release(self.key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
-        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error).
-
-        A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
-        lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
-        """
+        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error). A
+        :class:`LockLostError` is an enclosing lease's interrupt, not a store error: it goes on."""
         try:
             return call(owner)
         except LockLostError:
@@ -949,11 +922,9 @@ class LeaseContext:
             return None
 
     def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
-
-        When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
-        right after that renewal returns, since it may have landed after the cooldown.
-        """
+        """Release the key, or keep it for ``cooldown`` after a success; never raises a store
+        error. With a renewal still in flight (``settled`` False) the cooldown is fenced: set
+        again right after that renewal returns."""
         key = held._key
         if not (succeeded and self.cooldown > 0 and key.lost_reason is None):
             self._send_release(held.owner)
@@ -967,7 +938,7 @@ class LeaseContext:
                 redo()
 
     def _cool_down(self, owner: str, until: float) -> None:
-        """Keep the key taken until ``until`` (clock seconds); never raise a store error."""
+        """Keep the key taken until ``until`` (clock seconds); never raises a store error."""
         left = until - self.clock.monotonic()
         ms = to_ms(left)
         store, key = self.store, self.key
@@ -1011,47 +982,37 @@ def lease(
 
     Args:
         key: the key to hold (a non-empty string).
-        store: the :class:`~celery_lease.LockStore` to hold it in, or an
-            :class:`~celery_lease.stores.base.AsyncLockStore` (for ``async with``; a sync
-            ``with`` then uses its ``sync`` twin, which renews it in either case). A sync store
-            works with ``async with`` too: its calls then run on a thread (see
-            :mod:`celery_lease._core.aio`).
-        ttl: lease duration (default 30 s); renewed every ttl/3 while the body runs, so a
-            crashed holder frees the key within one ttl.
-        wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
-            store's release notification where it has one, else polls from 50 ms doubling to 1 s.
-            It is counted on ``clock`` when given, else on the store's own clock when the store
-            was built with one (a ``MemoryLockStore`` on a ``FakeClock``: the test advances it),
-            else on the system clock.
+        store: a :class:`~celery_lease.LockStore`, or an
+            :class:`~celery_lease.stores.base.AsyncLockStore` for ``async with`` (its ``sync``
+            twin renews it, and serves a plain ``with``). A sync store works with ``async with``
+            too, its calls on a thread.
+        ttl: lease duration (default 30 s), renewed every ttl/3: a crashed holder frees the key
+            within one ttl.
+        wait: how long to wait for another holder (default 0: fail at once), on the store's
+            release notification where it has one, else polling from 50 ms doubling to 1 s.
+            Counted on ``clock`` when given, else on the store's own clock, else the system's.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
-            dispatcher (a thread of its own: it may block without delaying other leases). See
-            :meth:`Lease.add_loss_listener` for more listeners and quick immediate ones.
-            ``"cancel"`` (``async with`` and ``async def`` only): cancel the task running the
-            body; the block then ends with :class:`LockLostError`.
-        cancel: a ``threading.Event``; setting it aborts the wait (within one poll interval)
-            with ``LockNotAcquiredError(key, "cancelled")``.
+        on_lost: ``on_lost(lease)``, called once when the lease is lost, on the dispatcher (it
+            may block); see :meth:`Lease.add_loss_listener`. ``"cancel"`` (``async`` only):
+            cancel the task running the body, which then ends with :class:`LockLostError`.
+        cancel: a ``threading.Event`` that aborts the wait (within one poll interval) with
+            ``LockNotAcquiredError(key, "cancelled")``.
         clock: time source (default: the system clock); a ``FakeClock`` in tests.
-        cooldown: after a body that succeeded, keep the key taken this long (counted from the
-            end) instead of releasing it (default 0).
-        holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
-            id next to host and pid (and, inside a worker, node and task), shown by
-            ``celery lease list``; default none. At most
+        cooldown: after a body that succeeded, keep the key taken this long (from the end)
+            instead of releasing it (default 0).
+        holder: a label recorded in the owner id (shown by ``celery lease list``); at most
             :data:`~celery_lease._core.owners.MAX_OWNER_FIELD_CHARS` characters.
 
-    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
-    Everything is validated here, before anything is acquired.
+    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``, all
+    checked here, before anything is acquired.
 
     Raises:
         LeaseConfigError: (a ``ValueError``) for a bad argument, naming it.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised an ``Exception`` after the lease was
-            lost (chained); not for a lease the holder released early itself, and not for a
-            ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``), which propagates as is.
-        StoreUnavailableError: when the store cannot be reached to acquire. The attempt may
-            have taken effect with its reply lost, so it is released (owner-checked, best
-            effort) on the dispatcher, right after the error is raised (so a store that just
-            timed out does not delay the error by a second timeout).
+        LockLostError: on exit, when the body raised an ``Exception`` after the lease was lost
+            (chained); not after an early release, nor for a ``BaseException``.
+        StoreUnavailableError: when the store cannot be reached to acquire; the attempt (its
+            reply may be lost) is released owner-checked on the dispatcher.
     """
     sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_ = checked_arguments(
         key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
@@ -1082,12 +1043,8 @@ def _running_task() -> object | None:
 
 
 def pop_frame(pushed: Frame | None) -> None:
-    """Remove the frame ``pushed`` (or the copy that replaced it) from this context's stack.
-
-    Idempotent (a frame already removed, or ``None``, is left alone), so an exit cut short by an
-    asynchronous exception can safely pop again. O(1) when contexts are exited in order (the
-    usual case); right, if slower, when they are not.
-    """
+    """Remove the frame ``pushed`` (or its copy) from this context's stack. Idempotent (an
+    interrupted exit may pop again); O(1) when exits come in order."""
     if pushed is None:
         return
     top = current_frame.get()
@@ -1110,10 +1067,7 @@ def pop_frame(pushed: Frame | None) -> None:
 
 
 def current_lease() -> Lease | None:
-    """The innermost lease held in the current context, or ``None`` outside any lease.
-
-    In a forked child the parent's leases are not the child's: they are not returned.
-    """
+    """The innermost lease held in the current context (never a parent's), or ``None``."""
     top = current_frame.get()
     return None if top is None or top.gen != forking.generation() else top.lease
 

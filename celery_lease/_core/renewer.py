@@ -99,29 +99,10 @@ class Entry:
     """
 
     __slots__ = (
-        "acquired_at",
-        "closed",
-        "due",
-        "finalized",
-        "free_on_loss",
-        "inflight",
-        "key",
-        "landed",
-        "last_error",
-        "lost_reason",
-        "max_hold_at",
-        "on_lost",
-        "owner",
-        "redo",
-        "refused",
-        "renewals",
-        "renewer",
-        "store",
-        "token",
-        "ttl",
-        "ttl_ms",
-        "valid_until",
-    )
+        "acquired_at", "closed", "due", "finalized", "free_on_loss", "inflight", "key", "landed",
+        "last_error", "lost_reason", "max_hold_at", "on_lost", "owner", "redo", "refused",
+        "renewals", "renewer", "store", "token", "ttl", "ttl_ms", "valid_until",
+    )  # fmt: skip
 
     def __init__(
         self,
