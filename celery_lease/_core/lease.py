@@ -18,6 +18,7 @@ renewer's; user callbacks run on the dispatcher. Threads, locks and fork resets:
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -412,6 +413,10 @@ class LeaseContext:
         self.task = task
         self.task_id = task_id
         self.async_store: AsyncLockStore | None = None
+        self._unentered()
+
+    def _unentered(self) -> None:
+        """The state of a context not entered yet."""
         self.names_holder = False
         self.refused_by: str | None = None
         self._lease: Lease | None = None
@@ -467,23 +472,8 @@ class LeaseContext:
 
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
-        context = LeaseContext(
-            self.key,
-            self.store,
-            self.ttl,
-            self.wait,
-            self.max_hold,
-            self.cooldown,
-            self.on_lost,
-            self.cancel,
-            self.clock,
-            label=self.label,
-            node=self.node,
-            task=self.task,
-            task_id=self.task_id,
-            wait_clock=self.wait_clock,
-        )
-        context.async_store = self.async_store
+        context = copy.copy(self)
+        context._unentered()
         return context
 
     @property
