@@ -1,17 +1,13 @@
-"""What only ``async with lease(...)`` needs: the canceller of ``on_lost="cancel"`` and the
-awaited release. The user's guide is ``docs/asyncio.md``.
+"""What only ``async with lease(...)`` needs: the store's awaited try and release, and the
+canceller of ``on_lost="cancel"``. User guide: ``docs/asyncio.md``.
 
-``async with`` drives the acquire plan of ``with`` (:mod:`celery_lease._core.acquire_plan`)
-from :meth:`~celery_lease._core.lease.LeaseContext.__aenter__`, awaiting the store between its
-steps: an :class:`~celery_lease.stores.base.AsyncLockStore` directly, a synchronous store
-through a :class:`ThreadedAsyncStore`. The wait is counted on the plan's clock and each pause is
-slept on the event loop. Renewal stays on the renewer thread of the store's synchronous twin.
-The release is awaited; when it is cancelled or fails it is done again on the dispatcher
-through ``store.sync``. With ``on_lost="cancel"`` a loss cancels the task that entered the
-block (:class:`Canceller`, from the thread that recorded it), which then ends with
-:class:`~celery_lease.LockLostError`; a cancellation from outside still propagates.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+``async with`` drives the acquire plan of ``with``, awaiting an
+:class:`~celery_lease.stores.base.AsyncLockStore` (a sync store through a
+:class:`ThreadedAsyncStore`); renewal stays on the sync twin's renewer thread. A cancelled or
+failed release is done again on the dispatcher. With ``on_lost="cancel"`` a loss cancels the task
+that entered the block (:class:`Canceller`), which then ends with
+:class:`~celery_lease.LockLostError`; a cancellation from outside still propagates. Threads,
+locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -22,6 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery_lease._core.acquire_plan import Failed, Reply
 from celery_lease._core.arguments import CANCEL, split_async_store
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LockLostError
@@ -36,6 +33,7 @@ __all__ = [
     "after_our_cancel",
     "release",
     "split_async_store",
+    "try_acquire",
 ]
 
 logger = logging.getLogger("celery_lease.aio")
@@ -46,11 +44,8 @@ _CANCEL_MSG = "celery-lease: the lease was lost (on_lost='cancel')"
 
 class Canceller:
     """Cancels the task that entered an ``on_lost="cancel"`` block when its lease is lost.
-
-    ``active`` is read and written on the loop only: True from the end of ``__aenter__`` to
-    the start of ``__aexit__``, so a loss recorded after the body ended cancels nothing.
-    ``fired`` says our cancel was delivered to the task (``__aexit__`` then takes it back).
-    """
+    ``active`` (loop only): from the end of ``__aenter__`` to the start of ``__aexit__``;
+    ``fired``: our cancel was delivered (``__aexit__`` takes it back)."""
 
     __slots__ = ("active", "fired", "loop", "task")
 
@@ -75,12 +70,10 @@ class Canceller:
         uncancel = getattr(self.task, "uncancel", None)
         if uncancel is not None:  # Python 3.11+: cancellation requests are counted
             return bool(uncancel())  # the requests left: from outside
-        # Python 3.10: the message of the cancel delivered travels with the error, and an
-        # outside cancel delivered before ours is the context of ours (ours landed in the
-        # body's clean-up of it). Only a chain of cancellations is followed: a cancel behind
-        # another error is the body's own business (``wait_for``'s TimeoutError carries the
-        # cancel of its inner task). An outside cancel requested before ours was delivered is
-        # merged into it, and not seen here.
+        # Python 3.10: the delivered cancel's message travels with the error, and an outside
+        # cancel delivered before ours is its context. Only a chain of cancellations is followed
+        # (``wait_for``'s TimeoutError carries its inner task's cancel); an outside cancel
+        # requested before ours was delivered is merged into it, unseen.
         seen: set[int] = set()
         while isinstance(exc, asyncio.CancelledError) and id(exc) not in seen:
             seen.add(id(exc))
@@ -93,12 +86,9 @@ class Canceller:
 def after_our_cancel(
     key: str, reason: str | None, exc: BaseException | None, outside: bool
 ) -> bool:
-    """How a block that our cancel ended exits (``__aexit__``'s return value, or raises).
-
-    With a cancel from ``outside`` too, the cancellation goes on; else the block ends with
-    :class:`LockLostError` (from what the body raised), unless the body raised a
-    ``BaseException`` other than the cancel, which goes on as is.
-    """
+    """How a block our cancel ended exits (``__aexit__``'s result, or raises): with a cancel
+    from ``outside`` too, the cancellation goes on; else :class:`LockLostError` from what the
+    body raised, unless that is another ``BaseException``, which goes on as is."""
     if outside:
         if isinstance(exc, asyncio.CancelledError):
             return False
@@ -106,6 +96,14 @@ def after_our_cancel(
     if exc is None or isinstance(exc, (Exception, asyncio.CancelledError)):
         raise LockLostError(key, reason or "lost") from exc
     return False
+
+
+async def try_acquire(astore: AsyncLockStore, key: str, owner: str, ttl_ms: int) -> Reply:
+    """The async store's answer to a try, or what it raised."""
+    try:
+        return await astore.acquire(key, owner, ttl_ms)
+    except BaseException as exc:
+        return Failed(exc)
 
 
 async def release(

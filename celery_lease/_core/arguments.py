@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
 from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN
@@ -28,8 +28,8 @@ MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 
 
 class _CancelBody:
-    """What ``lease(on_lost="cancel")`` keeps as its ``on_lost``: a marker, and a no-op listener
-    (the cancel itself is an immediate listener that ``async with`` installs)."""
+    """``lease(on_lost="cancel")``'s ``on_lost``: a marker and a no-op listener (``async with``
+    installs the cancel as an immediate listener)."""
 
     __slots__ = ()
 
@@ -45,13 +45,9 @@ CANCEL = _CancelBody()
 
 
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
-    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held.
-
-    A lease counts :data:`~celery_lease._core.renewer.DRIFT_MARGIN` and
-    :data:`~celery_lease._core.renewer.DRIFT_FACTOR` of its ttl off its validity, so a ttl of
-    :data:`MIN_TTL` or less would be lost the moment it is acquired. ``given`` is the value as
-    the user wrote it and ``name`` the parameter, both for the message.
-    """
+    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held: one of
+    :data:`MIN_TTL` or less loses its drift allowance at once (``given``, ``name``: for the
+    message)."""
     if seconds <= MIN_TTL:
         raise LeaseConfigError(
             f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"
@@ -92,18 +88,34 @@ def split_async_store(store: Any) -> tuple[AsyncLockStore | None, Any]:
     return store, twin
 
 
-class LeaseArguments(NamedTuple):
-    """``lease()``'s arguments, checked: durations in seconds, ``on_lost="cancel"`` as
-    :data:`CANCEL`, an async store split from its synchronous twin ``store``."""
+LeaseArguments = tuple[
+    LockStore,  # the synchronous store
+    "AsyncLockStore | None",  # the async store given, if one was
+    float,  # ttl
+    float,  # wait
+    "float | None",  # max_hold
+    float,  # cooldown
+    "Callable[[Any], object] | None",  # on_lost, "cancel" as CANCEL
+    Clock,
+]
+"""``lease()``'s arguments, checked: durations in seconds (a plain tuple: built per call)."""
 
-    store: LockStore
-    async_store: AsyncLockStore | None
-    ttl: float
-    wait: float
-    max_hold: float | None
-    cooldown: float
-    on_lost: Callable[[Any], object] | None
-    clock: Clock
+_SECONDS: dict[tuple[str, type, object], float] = {}
+"""Durations already checked, by (parameter, type, value): most calls repeat a few literals."""
+
+
+def _seconds(name: str, value: object, *, positive: bool = False) -> float:
+    key = (name, type(value), value)
+    try:
+        return _SECONDS[key]
+    except (KeyError, TypeError):  # TypeError: unhashable, so no duration (to_seconds says why)
+        pass
+    seconds = to_seconds(value, name=name, inclusive=not positive)
+    if name == "ttl":
+        check_ttl(seconds, value, name=name)
+    if len(_SECONDS) < 256:
+        _SECONDS[key] = seconds
+    return seconds
 
 
 def _checked_store(store: object) -> tuple[AsyncLockStore | None, LockStore]:
@@ -154,13 +166,10 @@ def checked_arguments(
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
     astore, sync_store = _checked_store(store)
-    ttl_s = to_seconds(ttl, name="ttl", inclusive=False)
-    check_ttl(ttl_s, ttl, name="ttl")
-    wait_s = to_seconds(wait, name="wait")
-    max_hold_s = (
-        None if max_hold is None else to_seconds(max_hold, name="max_hold", inclusive=False)
-    )
-    cooldown_s = to_seconds(cooldown, name="cooldown")
+    ttl_s = _seconds("ttl", ttl, positive=True)
+    wait_s = _seconds("wait", wait)
+    max_hold_s = None if max_hold is None else _seconds("max_hold", max_hold, positive=True)
+    cooldown_s = _seconds("cooldown", cooldown)
     listener = _checked_on_lost(on_lost)
     if cancel is not None and not (hasattr(cancel, "is_set") and hasattr(cancel, "wait")):
         raise LeaseConfigError(f"cancel={cancel!r} must be a threading.Event or None")
@@ -173,13 +182,5 @@ def checked_arguments(
             f"holder={holder!r} must be a non-empty str of at most {MAX_OWNER_FIELD_CHARS}"
             " characters, or None"
         )
-    return LeaseArguments(
-        sync_store,
-        astore,
-        ttl_s,
-        wait_s,
-        max_hold_s,
-        cooldown_s,
-        listener,
-        SYSTEM_CLOCK if clock is None else cast(Clock, clock),
-    )
+    clock_ = SYSTEM_CLOCK if clock is None else cast(Clock, clock)
+    return sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_

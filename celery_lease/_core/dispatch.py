@@ -1,24 +1,13 @@
 """The dispatcher: where the core runs user callbacks (``on_lost`` and other loss listeners).
 
-User code never runs on the renewer or the watchdog thread: a callback that blocks there would
-stall the renewal (or the loss report) of every other lease of the process. Instead each
-callback is handed to this dispatcher, a pool of daemon threads that **grows**: a callback is
-given to a thread that is idle and waiting, and when none is, a new thread is started for it. A
-callback that blocks for minutes therefore delays nothing but itself, while a burst of quick
-callbacks (a store outage losing many leases at once) reuses a few threads instead of starting
-one per lease. There is no upper bound on the number of threads on purpose: a bound would let
-blocked callbacks queue the others behind them, which is the failure this module exists to
-prevent; a thread exists only while a callback needs it or for :data:`IDLE_EXIT` seconds after.
-
-Each callback is one unit: two listeners of the same lease run independently too. A callback
-that raises (``SystemExit`` included) is logged (``logging.getLogger("celery_lease.dispatch")``)
-and forgotten.
-
-After ``fork`` the child starts with an empty dispatcher (the parent's threads do not exist
-there). :func:`celery_lease.shutdown` stops and joins the threads; the next callback starts one
-again.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+User code never runs on the renewer or the watchdog thread, where a blocking callback would stall
+every other lease. Each callback goes to an idle dispatcher thread, or a new one when none is
+idle: the pool grows without bound on purpose (a bound would queue callbacks behind blocked
+ones, the failure this module exists to prevent); a thread lives for :data:`IDLE_EXIT` seconds
+after its last callback. Each callback is one unit; what it raises (``SystemExit`` too) is logged
+on ``celery_lease.dispatch``. A forked child starts with an empty dispatcher;
+:func:`celery_lease.shutdown` joins the threads. Threads, locks and fork resets:
+``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -6,26 +6,19 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
-The lease of the innermost ``with`` in the current context is what :func:`get_lock_token` and
-:func:`current_lease` return, deep in the call stack and per thread (``contextvars``). A nested
-``lease()`` on the same key and store in the same context, on the thread (or in the asyncio
-task) that entered the held lease, reuses it (re-entrancy, as an ``RLock``'s); code of a copied
-context running on another thread or in another task acquires like anyone else. The store
-contract itself stays strict. After ``fork`` the child ignores the leases of its parent: they
-are not its current lease, not re-entered, and never renewed or released from the child,
-whether or not the fork ran Python's at-fork hooks (:func:`celery_lease._forking.generation`).
-
-When to try and how long to wait is the acquire plan's (:mod:`celery_lease._core.acquire_plan`);
-the key's renewal and final release are a :class:`~celery_lease._core.held_key.HeldKey`'s. Loss
-is one record kept by the renewer (:mod:`celery_lease._core.renewer`); user callbacks run on the
-dispatcher (:mod:`celery_lease._core.dispatch`), never on the renewer or the watchdog.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+The innermost lease of the current context is what :func:`current_lease` and
+:func:`get_lock_token` return (``contextvars``). A nested ``lease()`` on the same key and store,
+on the thread (or in the asyncio task) that entered the held one, re-enters it, as an ``RLock``
+does. A forked child ignores its parent's leases (:func:`celery_lease._forking.generation`).
+When to try is the acquire plan's (:mod:`~celery_lease._core.acquire_plan`), renewal and loss the
+renewer's; user callbacks run on the dispatcher. Threads, locks and fork resets:
+``docs/internals.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
@@ -40,14 +33,16 @@ from typing import Any, Literal, TypeVar, cast
 from celery_lease import _forking as forking
 from celery_lease._core import aio
 from celery_lease._core.acquire_plan import (
+    GRANTED,
     POLL_MAX,
     AcquirePlan,
     Failed,
     Hold,
     Pause,
     Reply,
-    Step,
     Try,
+    abandon_later,
+    check_cancel,
     to_ms,
 )
 from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
@@ -86,30 +81,20 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Frame:
-    """One held lease in this context's stack of leases: a linked list, O(1) to push and pop.
-
-    ``gen`` is the fork generation of the process that pushed it (its lease's): a forked child
-    inherits the context variables of its parent, and ignores the frames whose generation is not
-    its own.
-    ``origin`` is the frame the pushing context holds (itself, or the frame a copy stands for).
-    """
+    """One held lease in this context's stack (a linked list). ``gen``: the fork generation of
+    the pushing process (a child ignores the others); ``origin``: the frame a copy stands for."""
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
     def __init__(self, lease: Lease, parent: Frame | None) -> None:
         self.lease = lease
         self.parent = parent
-        self.gen = lease._gen  # the frame of a lease this process holds: this process's
-        self.origin = self  # a copy made by an out-of-order pop keeps the original's identity
+        self.gen = lease._gen
+        self.origin = self
 
 
 current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
 _events_lock = threading.Lock()  # makes a Lease's loss event on first wait (renewed after fork)
-
-# Frames and leases record the fork generation of the process that made them
-# (celery_lease._forking.generation): those of an ancestor carry a smaller one than the child's,
-# so the child never takes them for its own, whether or not the fork ran Python's at-fork hooks.
-# Generations of siblings may be equal, but siblings share no memory.
 
 
 def _after_fork_in_child() -> None:
@@ -122,8 +107,7 @@ forking.on_fork_child(_after_fork_in_child, name="lease: events lock")
 
 def offers(obj: object, protocol: type, method: str) -> bool:
     """Whether ``obj`` conforms to ``protocol``, whose ``method`` its class must define: the
-    class test first, since the protocol check of a class that does not conform is not cached
-    and costs a full ``isinstance()`` per call (on a task's hot path)."""
+    class test first, as the check of a class that does not conform is not cached."""
     return hasattr(type(obj), method) and conforms(obj, protocol)
 
 
@@ -133,14 +117,9 @@ _CLOCK_RAISED: set[type] = set()  # store classes whose ``clock`` raised (warned
 
 
 def is_clock(obj: object) -> bool:
-    """Whether ``obj`` is a real clock: its class itself defines (or inherits) ``monotonic``,
-    ``time`` and ``wait`` (:class:`~celery_lease.clock.Clock`), as ``SystemClock``,
-    ``FakeClock`` and a user's clock class do.
-
-    Stricter than ``isinstance(obj, Clock)``, which an object answering every attribute passes
-    (a ``Mock``, a ``__getattr__`` proxy), and than ``isinstance(obj, FakeClock)``, which
-    ``Mock(spec=FakeClock)`` passes: the class is read without running any ``__getattr__``.
-    """
+    """Whether ``obj``'s class itself defines ``monotonic``, ``time`` and ``wait`` (read
+    statically): stricter than ``isinstance(obj, Clock)``, which a ``Mock`` or a ``__getattr__``
+    proxy passes."""
     cls = type(obj)
     if cls in _CLOCK_CLASSES:
         return True
@@ -151,21 +130,12 @@ def is_clock(obj: object) -> bool:
 
 
 def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
-    """The clock a lease in ``store`` runs on: the store's own (``clock``, the memory and SQLite
-    stores take one) when it is a real clock (:func:`is_clock`), else ``default`` (the system
-    clock). Never raises.
+    """The clock a lease in ``store`` runs on: the store's own ``clock`` when it is a real
+    clock (:func:`is_clock`), else ``default``. Never raises (a ``clock`` that raises is
+    ignored, with a WARNING once per store class).
 
-    The lease's renewer sleeps on it and its validity is counted on it, as the store counts the
-    lease's expiry: on a ``MemoryLockStore`` over a ``FakeClock`` (the pytest plugin's
-    ``lease_store``) the task's renewer wakes when the test moves that clock, never on real time
-    the store does not see. A ``clock`` that is no real clock (a ``Mock``'s, or whatever a
-    ``__getattr__`` proxy answers) is ignored; one whose reading raises is ignored too, with a
-    WARNING once per store class. A wrapper store that forwards ``clock`` to the store it wraps
-    gives that store's clock.
-
-    A wait for a held key of ``store`` is counted on this clock too (the lease's ``clock=`` as
-    ``default``), by ``with`` and ``async with``: the holder's lease expires by it, so a
-    deadline read from another clock would not be reached when the test moves the store's.
+    The renewer sleeps on it and the validity and a wait are counted on it, as the store counts
+    expiry: on a ``MemoryLockStore`` over a ``FakeClock`` the lease moves with the test's clock.
     """
     try:
         own = getattr(store, "clock", None)
@@ -238,13 +208,9 @@ class Lease:
 
     @property
     def lost(self) -> bool:
-        """True once the lease is lost: renewal refused, validity ran out, ``max_hold`` reached,
-        or released early by its holder.
-
-        It reads the one record the renewer keeps of how the lease ended; a lease found past
-        its local validity (or ``max_hold``) is recorded lost by the first reader to see it, so
-        once True it stays True. After a normal exit it reads False.
-        """
+        """True once the lease is lost (renewal refused, validity ran out, ``max_hold``, or
+        released early). It reads the renewer's one record; the first reader to find the lease
+        past its deadline records it, so once True it stays True. False after a normal exit."""
         if self._gen != forking.generation():
             return True  # the parent's lease, seen from a forked child
         entry = self._entry
@@ -263,13 +229,9 @@ class Lease:
 
     @property
     def lost_reason(self) -> str | None:
-        """Why the lease was lost, or ``None`` while it is held (or after a normal exit).
-
-        ``"taken"`` (the store no longer records this owner), ``"expired"`` (not renewed within
-        its validity), ``"max_hold"``, ``"released"`` (released early by its holder, see
-        :meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child: the lease
-        is its parent's).
-        """
+        """Why the lease was lost, or ``None`` while held (or after a normal exit): ``"taken"``
+        (the store no longer records this owner), ``"expired"``, ``"max_hold"``, ``"released"``
+        (:meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child)."""
         if self._gen != forking.generation():
             return "forked"
         entry = self._entry
@@ -279,26 +241,15 @@ class Lease:
 
     @property
     def released_early(self) -> bool:
-        """True once its holder ended it with :meth:`LeaseContext.release_early` (the end that
-        call recorded as its loss, ``lost_reason`` ``"released"`` by default), not the store or
-        the renewer."""
+        """True once its holder ended it with :meth:`LeaseContext.release_early`."""
         return self._released_early
 
     def _reenterable_by(self, task: object) -> bool:
         """Whether code running in ``task`` (None: outside any asyncio task), on this thread,
-        may re-enter it: re-entry belongs to whoever entered it, as an ``RLock``'s does.
-
-        Entered in a task: that task only; the tasks created in its block copy its context but
-        run concurrently with it, and so does code it hands to another thread
-        (``asyncio.to_thread``: no task there). Entered outside any task: code on the thread
-        that entered it (the tasks of an event loop that its body runs on that thread
-        included); code of a copied context on another thread (``asyncio.to_thread``,
-        ``copy_context().run``, asgiref's ``sync_to_async``) runs concurrently with the holder.
-
-        The thread is ``threading.get_ident()`` read at each call: under gevent or eventlet
-        monkey-patching that is the greenlet's id, so greenlets sharing one OS thread are told
-        apart. An id is reused only once its thread (greenlet) ended, and the one that entered
-        a lease is alive while its block runs.
+        may re-enter it: entered in a task, that task only (tasks created in its block run
+        concurrently); entered outside any task, this thread (an event loop its body runs
+        included), not a copied context on another thread (``asyncio.to_thread``). The thread
+        id is read per call: under gevent it is the greenlet's, reused only once it ended.
         """
         ref = self._task
         if ref is None:
@@ -317,11 +268,8 @@ class Lease:
             raise LockLostError(self.key, self.lost_reason or "lost")
 
     def wait_lost(self, timeout: float | None = None) -> bool:
-        """Block up to ``timeout`` seconds (``None``: forever) until the lease is lost.
-
-        Returns whether it is lost. It returns once the loss is recorded; listeners on the
-        dispatcher may still be running.
-        """
+        """Block up to ``timeout`` seconds (``None``: forever) until the lease is lost; whether
+        it is. Returns once the loss is recorded (dispatched listeners may still run)."""
         deadline = None if timeout is None else self._clock.monotonic() + timeout
         while not self.lost:
             now = self._clock.monotonic()
@@ -335,11 +283,6 @@ class Lease:
                     limits.append(entry.max_hold_at)
             self._clock.wait(self._loss_event(), (min(limits) - now) if limits else None)
         return True
-
-    @property
-    def _lost(self) -> threading.Event:
-        """The event set when the loss is announced (for waiters and tests)."""
-        return self._loss_event()
 
     def _loss_event(self) -> threading.Event:
         """The event set when the loss is announced, made on first use (set if it already was)."""
@@ -357,13 +300,10 @@ class Lease:
         """Call ``fn(lease)`` once, when the lease is lost (at once if it already is).
 
         Args:
-            fn: the listener; what it returns is ignored, what it raises is logged.
-            immediate: False (default): ``fn`` runs on the dispatcher, a thread of its own, so
-                it may block without delaying anything else. True: ``fn`` runs on the thread
-                that recorded the loss (the renewer, the watchdog, or a thread that read
-                ``lost`` or called ``release_early``), right after the record and after the
-                dispatched listeners were handed over; it must be quick and never block (set
-                a flag, send a signal, schedule a callback).
+            fn: the listener; its result is ignored, what it raises is logged.
+            immediate: False (default): ``fn`` runs on the dispatcher, so it may block. True: on
+                the thread that recorded the loss, after the dispatched ones were handed over;
+                it must be quick and never block (set a flag, schedule a callback).
 
         Raises:
             LeaseConfigError: when ``fn`` is not callable.
@@ -376,7 +316,6 @@ class Lease:
             if entry is None or renewer is None:
                 self._append_listener(fn, immediate)
                 return
-            # The loss is recorded under the renewer's lock, where this runs: none is missed.
             append = functools.partial(self._append_listener, fn, immediate)
             if renewer.run_unless_lost(entry, append):
                 return
@@ -391,11 +330,8 @@ class Lease:
         self._listeners.append((fn, immediate))
 
     def _notify_lost(self, reason: str) -> None:
-        """The loss is recorded (once): wake waiters, dispatch listeners, run immediate ones.
-
-        The immediate listeners run last, so one that interrupts this very thread cannot keep
-        the others from being handed over.
-        """
+        """The loss is recorded (once): wake waiters, dispatch listeners, then run the
+        immediate ones, so one that interrupts this thread cannot keep the others back."""
         log = logger.info if self._released_early else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
         with _events_lock:
@@ -432,22 +368,16 @@ class Lease:
 
 
 class LeaseContext:
-    """The object :func:`lease` returns: a context manager (``with`` and ``async with``), and a
-    decorator (``@lease(...)``, a fresh context per call).
-
-    ``with`` and ``async with`` drive the same acquire plan
-    (:mod:`celery_lease._core.acquire_plan`) and take the same steps around it; they differ
-    only in how they call the store (see :mod:`celery_lease._core.aio`).
+    """What :func:`lease` returns: a context manager (``with``, ``async with``) and a decorator
+    (a fresh context per call). Both drivers run the same acquire plan and steps around it.
 
     Attributes:
-        key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: the arguments of
-            :func:`lease`, checked (durations in seconds; ``store`` is the synchronous store).
-        async_store: the :class:`~celery_lease.stores.base.AsyncLockStore` ``async with``
-            awaits: the one given to :func:`lease`, else an adapter of ``store`` made on first
-            use (``None`` until then).
-        names_holder: set by the Celery layer: each attempt asks
-            :meth:`~celery_lease.stores.base.SupportsAcquireOrHolder.acquire_or_holder`, and
-            ``refused_by`` is the owner id the last refusal named (``None``: none named).
+        key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: :func:`lease`'s
+            arguments, checked (seconds; ``store`` is the synchronous store).
+        async_store: what ``async with`` awaits: the one given, else an adapter of ``store``
+            made on first use.
+        names_holder: set by the Celery layer: tries use ``acquire_or_holder``, and
+            ``refused_by`` is the owner id the last refusal named.
     """
 
     def __init__(
@@ -477,15 +407,16 @@ class LeaseContext:
         self.on_lost = on_lost
         self.cancel = cancel
         self.clock = clock
-        # The clock a wait is measured on: None for the store's own clock where it has one,
-        # else ``clock`` (see clock_of).
-        self.wait_clock = wait_clock
-        # Recorded in the owner id of each acquisition (owners.make_owner).
-        self.label = label
+        self.wait_clock = wait_clock  # None: clock_of(store, clock)
+        self.label = label  # label, node, task, task_id: recorded in each owner id
         self.node = node
         self.task = task
         self.task_id = task_id
         self.async_store: AsyncLockStore | None = None
+        self._unentered()
+
+    def _unentered(self) -> None:
+        """The state of a context not entered yet."""
         self.names_holder = False
         self.refused_by: str | None = None
         self._lease: Lease | None = None
@@ -517,12 +448,11 @@ class LeaseContext:
         return cast(F, wrapper)
 
     def _decorates_async(self, func: object) -> bool:
-        """True when ``func`` must be wrapped with ``async with`` (an ``async def``).
+        """True for an ``async def``.
 
         Raises:
-            LeaseConfigError: for an async generator function (a lease held only while the
-                generator object is made would hold nothing), or ``on_lost="cancel"`` on a
-                function that is not ``async def`` (there is no task to cancel).
+            LeaseConfigError: for an async generator function (the lease would hold nothing), or
+                ``on_lost="cancel"`` on a function that is not ``async def``.
         """
         if inspect.isasyncgenfunction(func):
             raise LeaseConfigError(
@@ -542,68 +472,45 @@ class LeaseContext:
 
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
-        context = LeaseContext(
-            self.key,
-            self.store,
-            self.ttl,
-            self.wait,
-            self.max_hold,
-            self.cooldown,
-            self.on_lost,
-            self.cancel,
-            self.clock,
-            label=self.label,
-            node=self.node,
-            task=self.task,
-            task_id=self.task_id,
-            wait_clock=self.wait_clock,
-        )
-        context.async_store = self.async_store
+        context = copy.copy(self)
+        context._unentered()
         return context
 
     @property
     def reentered(self) -> bool:
-        """True when this context, once entered, re-entered the lease of an enclosing one (same
-        key and store): the lease is the enclosing context's, and this exit leaves it held."""
+        """True when this context re-entered an enclosing one's lease (its exit leaves it held)."""
         return self._reentered
 
     @property
     def released_early(self) -> bool:
-        """True once :meth:`release_early` ended the lease (recorded its end): the exit then
-        releases nothing and raises nothing for the loss."""
+        """True once :meth:`release_early` recorded the end: the exit releases, raises nothing."""
         return self._released_early
 
     @property
     def defer_release(self) -> bool:
-        """True once :meth:`release_without_reply` was called: the release goes out without
-        waiting for its reply where the store can."""
+        """True once :meth:`release_without_reply` was called."""
         return self._defer_release
 
     def release_without_reply(self) -> None:
-        """Send this context's release without waiting for its reply, where the store can
-        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`; the caller reads the
-        replies). For a caller that publishes nothing depending on the key being free until
-        then (:mod:`celery_lease._celery.deferral` decides)."""
+        """Send the release without waiting for its reply where the store can
+        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`); for a caller that publishes
+        nothing depending on the key being free (:mod:`celery_lease._celery.deferral`)."""
         self._defer_release = True
 
     def release_early(self, reason: str = "released") -> bool:
         """End the held lease now, while the body may still run; the exit then only pops it.
 
-        For the Celery layer when a running task re-sends its own id (``retry``): the new
-        message must not find the key held by this execution. In order: records the loss with
-        ``reason`` (``lost`` reads True and ``check()`` raises before the key is free), waits
-        for a renewal of this lease in flight
-        (:meth:`~celery_lease._core.renewer.Renewer.settle`), releases the key owner-checked,
-        runs the loss listeners. A later exit releases nothing and raises nothing for it. A
-        release the store fails is logged (the key frees itself within its ttl).
+        For a running task that re-sends its own id (``retry``): the new message must not find
+        the key held. In order: records the loss with ``reason`` (``check()`` raises before the
+        key is free), waits for a renewal in flight, releases owner-checked (a store failure is
+        logged), runs the loss listeners.
 
         Args:
             reason: the ``lost_reason`` to record (default ``"released"``).
 
         Returns:
-            True when this call ended the lease; False when its end was already recorded (lost
-            before, released early before, or exited), or in a forked child (the lease is the
-            parent's). A lease already lost is still released owner-checked, once.
+            True when this call ended it; False when its end was recorded already (a lost lease
+            is still released, once), or in a forked child.
 
         Raises:
             RuntimeError: when the context was never entered.
@@ -649,14 +556,31 @@ class LeaseContext:
         outer = self._reenter(task)
         if outer is not None:
             return outer
-        plan = self._plan(blocking=True)
+        owner, ttl_ms, started = self._first_try()
+        # A try sent and neither refused nor made into a lease: an interrupt (Ctrl-C, a soft
+        # time limit, an enclosing lease's revoke) landing anywhere until the lease is built
+        # releases it here, in this thread (a process that the interrupt ends runs no daemon
+        # thread's clean-up). A failed try is the plan's to release.
+        attempt: str | None = owner
         try:
-            step: Step = plan.next_try()
-            while type(step) is not Hold:
-                step = plan.send(self._perform(cast("Try | Pause", step)))
-            held = self._hold(plan, step, None)
+            reply = self._try(owner, ttl_ms)
+            if type(reply) is GRANTED:  # the usual answer: no plan needed
+                held = self._hold(owner, reply, 0, started, started, None, abandon=False)
+            else:
+                attempt = None
+                plan = self._plan(owner, ttl_ms, started)
+                step = plan.send(reply)
+                while type(step) is not Hold:
+                    attempt = owner if type(step) is Try else None
+                    reply = self._perform(cast("Try | Pause", step))
+                    if type(reply) is not GRANTED:
+                        attempt = None
+                    step = plan.send(reply)
+                held = self._hold(*step, None, abandon=False)
+            attempt = None
         except BaseException:
-            plan.interrupted()  # an interrupt between a granted try and its lease: released
+            if attempt is not None:
+                self._abandon_attempt(attempt)
             raise
         try:
             self._push(held, task)
@@ -668,22 +592,25 @@ class LeaseContext:
         return held
 
     def _perform(self, step: Try | Pause) -> Reply:
-        """One step of the plan with blocking I/O: the store's answer, or what the try raised."""
-        store = self.store
-        if type(step) is Pause:
-            if step.clock is None:
-                cast(SupportsReleaseNotify, store).wait_for_release(self.key, step.seconds)
-            else:
-                step.clock.wait(cast(threading.Event, step.event), step.seconds)
-            return None
+        """A step of the plan after the first try, with blocking I/O."""
+        if isinstance(step, Try):
+            return self._try(step.owner, step.ttl_ms)
+        if step.clock is None:
+            cast(SupportsReleaseNotify, self.store).wait_for_release(self.key, step.seconds)
+        else:
+            step.clock.wait(cast(threading.Event, step.event), step.seconds)
+        return None
+
+    def _try(self, owner: str, ttl_ms: int) -> Reply:
+        """The store's answer to a try, or what it raised."""
         try:
             if self.names_holder:
                 self.refused_by = None  # a try that raises was refused by no holder
-                token, self.refused_by = cast(SupportsAcquireOrHolder, store).acquire_or_holder(
-                    *step
-                )
+                token, self.refused_by = cast(
+                    SupportsAcquireOrHolder, self.store
+                ).acquire_or_holder(self.key, owner, ttl_ms)
                 return token
-            return store.acquire(*step)
+            return self.store.acquire(self.key, owner, ttl_ms)
         except BaseException as exc:
             return Failed(exc)
 
@@ -698,21 +625,15 @@ class LeaseContext:
         if self._reentered or held._gen != forking.generation():
             pop_frame(self._frame)
             return False  # the outer context (or, after a fork, the parent) owns the lease
-        key = held._key
         try:
             pop_frame(self._frame)
-            settled, final, lapsed = key.stop()
-            reason = key.lost_reason
-            if final:
-                self._finish(held, succeeded=exc is None, settled=settled)
-        except BaseException:
-            # An asynchronous exception landed in this bookkeeping: the lease must end all
-            # the same (not renewed for ever, not left on the stack), then it propagates.
+            lapsed = self._end(held, exc is None, tell=False)
+        except BaseException:  # an interrupt: the lease must end all the same, then it goes on
             self._end_interrupted(held)
             raise
         if lapsed is not None:  # validity ran out before the renewer noticed; told after release
-            key.notify(lapsed)
-        error = self._loss_error(exc, reason)
+            held._key.notify(lapsed)
+        error = self._loss_error(exc, held._key.lost_reason)
         if error is not None:
             raise error from exc
         return False
@@ -731,19 +652,22 @@ class LeaseContext:
                 raise RuntimeError("on_lost='cancel' needs to run in an asyncio task")
             canceller = aio.Canceller(asyncio.get_running_loop(), task)
         astore = self._async_store()
-        plan = self._plan()
-        step: Step = plan.next_try()
-        while type(step) is not Hold:
-            if type(step) is Pause:  # counted on the plan's clock, slept on the loop
-                await astore.wait_for_release(self.key, step.seconds)
-                step = plan.send(None)
-                continue
-            try:
-                reply: Reply = await astore.acquire(*cast(Try, step))
-            except BaseException as exc:
-                reply = Failed(exc)
+        owner, ttl_ms, started = self._first_try()
+        reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+        immediate = None if canceller is None else canceller.on_lost
+        if type(reply) is GRANTED:  # the usual answer: no plan needed
+            held = self._hold(owner, reply, 0, started, started, immediate)
+        else:
+            plan = self._plan(owner, ttl_ms, started)
             step = plan.send(reply)
-        held = self._hold(plan, step, None if canceller is None else canceller.on_lost)
+            while type(step) is not Hold:
+                if type(step) is Pause:  # counted on the plan's clock, slept on the loop
+                    await astore.wait_for_release(self.key, step.seconds)
+                    reply = None
+                else:
+                    reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+                step = plan.send(reply)
+            held = self._hold(*step, immediate)
         self._push(held, task)
         if canceller is not None:
             canceller.active = True
@@ -766,9 +690,8 @@ class LeaseContext:
         ours = canceller is not None and canceller.fired
         outside = False
         if canceller is not None and ours:
-            # Taken back before the first await below: a cancel landing in the release is the
-            # caller's (a timeout, a TaskGroup) and must find the task's count as the caller
-            # left it.
+            # Taken back before the first await: a cancel landing in the release is the
+            # caller's (a timeout, a TaskGroup) and must find the task's count as it left it.
             canceller.fired = False
             outside = canceller.take_back(exc)
         await self._aend(held, succeeded)
@@ -784,8 +707,8 @@ class LeaseContext:
         """Stop renewing and release, awaiting; a rare exit that may block runs on a thread."""
         key = held._key
         if key.inflight or (succeeded and self.cooldown > 0 and key.lost_reason is None):
-            # Waiting for a renewal in flight, or a fenced cooldown: the sync exit's steps, on a
-            # thread, which finishes them even if this task is cancelled.
+            # A renewal in flight, or a fenced cooldown: the sync steps on a thread, which
+            # finishes them even if this task is cancelled.
             end = functools.partial(self._end, held, succeeded)
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, end))
             return
@@ -797,15 +720,17 @@ class LeaseContext:
             if lapsed is not None:  # validity ran out before the renewer noticed
                 key.notify(lapsed)
 
-    def _end(self, held: Lease, succeeded: bool) -> None:
+    def _end(self, held: Lease, succeeded: bool, *, tell: bool = True) -> str | None:
         """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
-        for ``cooldown``), tell a lapse."""
+        for ``cooldown``); tell a lapse (``tell``), else return it for the caller to tell."""
         key = held._key
         settled, final, lapsed = key.stop()
         if final:
             self._finish(held, succeeded=succeeded, settled=settled)
-        if lapsed is not None:
+        if tell and lapsed is not None:
             key.notify(lapsed)
+            return None
+        return lapsed
 
     def _async_store(self) -> AsyncLockStore:
         """The store ``async with`` awaits: the one given to ``lease()``, or an adapter."""
@@ -822,21 +747,16 @@ class LeaseContext:
         self._entered = True
 
     def _reenter(self, task: object) -> Lease | None:
-        """Re-enter the lease of an enclosing block on the same key and store, if there is one.
-
-        The innermost one of this process's that code running in ``task`` (the asyncio task, or
-        ``None`` outside any) may re-enter, and that is neither lost nor ended: it is pushed as
-        this context's and returned, and the exit leaves it held. ``None`` when there is none
-        (the caller acquires).
-        """
+        """The innermost lease of this process on the same key and store that ``task`` may
+        re-enter and that is neither lost nor ended, pushed as this context's (its exit leaves
+        it held); ``None`` when there is none (the caller acquires)."""
         top = current_frame.get()
         frame = top
         if frame is None:
             return None
         mine = forking.generation()
-        # Frames below the first foreign one are foreign too (pushed before the fork). A frame
-        # whose lease has ended (left behind by an exit that an interrupt cut short) is never
-        # re-entered: its key may be another holder's by now.
+        # Frames below a foreign one are foreign too. An ended lease (its exit cut short by an
+        # interrupt) is never re-entered: its key may be another holder's by now.
         while frame is not None and frame.gen == mine:
             outer = frame.lease
             if (
@@ -858,50 +778,62 @@ class LeaseContext:
             frame = frame.parent
         return None
 
-    def _plan(self, *, blocking: bool = False) -> AcquirePlan:
-        """The acquire plan of one acquisition; ``blocking``: its driver may block on the
-        store (``with``), so a lease never built is released in the driver's thread."""
+    def _first_try(self) -> tuple[str, int, float]:
+        """The first try's owner id, ttl in ms and start (clock seconds); raises if cancelled."""
+        ttl_ms = to_ms(self.ttl)
         owner = make_owner(
             node=self.node,
             task=self.task,
             task_id=self.task_id,
             label=self.label,
-            ttl_ms=to_ms(self.ttl),
+            ttl_ms=ttl_ms,
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
         )
+        check_cancel(self.cancel, self.key)
+        return owner, ttl_ms, self.clock.monotonic()
+
+    def _plan(self, owner: str, ttl_ms: int, started: float) -> AcquirePlan:
+        """The plan of an acquisition whose first try was refused or failed."""
         return AcquirePlan(
-            Try(self.key, owner, to_ms(self.ttl)),
+            Try(self.key, owner, ttl_ms),
+            started,
             self.wait,
             self.store,
             self.clock,
             self._wait_clock,
             self.cancel,
             self._abandon_attempt,
-            blocking=blocking,
         )
 
     def _wait_clock(self) -> Clock:
-        """The clock a wait is measured on: ``clock=`` when given, else the store's, else
-        the system clock (:func:`clock_of`)."""
+        """The clock a wait is counted on: ``clock=`` when given, else :func:`clock_of`."""
         return self.wait_clock or clock_of(self.store, self.clock)
 
-    def _hold(self, plan: AcquirePlan, step: Hold, immediate: LossListener | None) -> Lease:
-        """Build the Lease of the plan's ``Hold`` and start renewing it; if that fails (an
-        interrupt), the plan cleans the attempt up and the error is raised.
-
-        ``immediate``: an immediate loss listener that takes the place of ``on_lost`` (the
-        cancel of an ``on_lost="cancel"`` block), attached before the renewer knows the lease.
-        """
+    def _hold(
+        self,
+        owner: str,
+        token: int,
+        tries: int,
+        started: float,
+        sent_at: float,
+        immediate: LossListener | None,
+        *,
+        abandon: bool = True,
+    ) -> Lease:
+        """Build the Lease of a granted try and start renewing it; if that fails (an interrupt),
+        the attempt is abandoned on the dispatcher (with ``abandon``; else the caller releases
+        it). ``immediate``: a loss listener in place of ``on_lost`` (the cancel of
+        ``on_lost="cancel"``), attached before the renewer knows the lease."""
         try:
             held = Lease(
                 key=self.key,
-                owner=step.owner,
-                token=step.token,
-                waited=step.tries > 0,
-                wait_seconds=step.sent_at - step.started,
+                owner=owner,
+                token=token,
+                waited=tries > 0,
+                wait_seconds=sent_at - started,
                 store=self.store,
                 clock=self.clock,
-                acquired_at=step.sent_at,
+                acquired_at=sent_at,
             )
             if immediate is not None:
                 held._listeners = [(immediate, True)]
@@ -910,23 +842,23 @@ class LeaseContext:
             held._key = held._entry = key = HeldKey(
                 store=self.store,
                 key=self.key,
-                owner=step.owner,
+                owner=owner,
                 ttl=self.ttl,
-                sent_at=step.sent_at,
-                max_hold_at=None if self.max_hold is None else step.sent_at + self.max_hold,
+                sent_at=sent_at,
+                max_hold_at=None if self.max_hold is None else sent_at + self.max_hold,
                 on_lost=held._notify_lost,
-                token=step.token,
+                token=token,
             )
             key.start(self.clock)
-        except BaseException as exc:
-            plan.send(Failed(exc))  # raises it, once the attempt's clean-up is handed over
-            raise  # pragma: no cover - the plan raised it already
+        except BaseException:
+            if abandon:
+                abandon_later(self._abandon_attempt, self.key, owner)
+            raise
         return held
 
     def _push(self, held: Lease, task: object) -> None:
-        """Make ``held``, just acquired in ``task`` (``None``: outside any asyncio task), this
-        context's lease and the current one; only ``task`` (outside a task: this thread) may
-        re-enter it."""
+        """Push ``held``, just acquired, as this context's lease and the current one; only
+        ``task`` (``None``: this thread) may re-enter it."""
         if task is None:
             held._thread = threading.get_ident()
         else:
@@ -936,8 +868,8 @@ class LeaseContext:
         current_frame.set(self._frame)
 
     def _pop(self) -> Lease | None:
-        """Take this context's lease off the current ones; return it when this exit ends it
-        (``None``: re-entered, or read in a forked child)."""
+        """Pop this context's lease; return it when this exit ends it (not re-entered, not a
+        parent's)."""
         held = self._lease
         assert held is not None
         pop_frame(self._frame)
@@ -946,9 +878,8 @@ class LeaseContext:
         return held
 
     def _loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
-        """The :class:`LockLostError` the exit raises from ``exc`` (what the body raised): for
-        an ``Exception`` from a body whose lease was lost, unless the holder released it early
-        or the body raised a ``LockLostError`` itself. A ``BaseException`` stays what it is."""
+        """The :class:`LockLostError` the exit raises from ``exc``: for an ``Exception`` from a
+        body whose lease was lost, unless released early or already a ``LockLostError``."""
         if (
             isinstance(exc, Exception)
             and reason is not None
@@ -960,13 +891,10 @@ class LeaseContext:
         return None
 
     def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
-        """End ``held`` after an asynchronous exception cut its enter, exit or early release short.
-
-        Pops this context's frame (``pop``: not for an early release, whose body still runs in
-        the ``with`` block), stops the renewal whatever state it was left in, and releases the
-        key owner-checked (again, if the release was under way: a release is idempotent) unless
-        a cooldown was begun. Never raises: the exception that brought us here propagates.
-        """
+        """End ``held`` after an interrupt cut its enter, exit or early release short: pop (not
+        for an early release: the body still runs), stop renewing whatever state it was left in,
+        release owner-checked (again: a release is idempotent) unless a cooldown began. Never
+        raises: the interrupt goes on."""
         try:
             if pop:
                 pop_frame(self._frame)
@@ -980,8 +908,7 @@ class LeaseContext:
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def _send_release(self, owner: str) -> None:
-        """Release the key owner-checked (without waiting for the reply where asked and the
-        store can); a store error is logged (the key expires by itself)."""
+        """Release owner-checked (deferred where asked and possible); a store error is logged."""
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
@@ -994,11 +921,8 @@ class LeaseContext:
             store.release(self.key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
-        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error).
-
-        A :class:`LockLostError` is not a store error: it is the interrupt of an enclosing
-        lease's body (``on_lost="revoke"``) delivered inside the call, and it propagates.
-        """
+        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error). A
+        :class:`LockLostError` is an enclosing lease's interrupt, not a store error: it goes on."""
         try:
             return call(owner)
         except LockLostError:
@@ -1008,11 +932,9 @@ class LeaseContext:
             return None
 
     def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raise a store error.
-
-        When a renewal was still in flight (``settled`` False), the cooldown is fenced: set again
-        right after that renewal returns, since it may have landed after the cooldown.
-        """
+        """Release the key, or keep it for ``cooldown`` after a success; never raises a store
+        error. With a renewal still in flight (``settled`` False) the cooldown is fenced: set
+        again right after that renewal returns."""
         key = held._key
         if not (succeeded and self.cooldown > 0 and key.lost_reason is None):
             self._send_release(held.owner)
@@ -1026,7 +948,7 @@ class LeaseContext:
                 redo()
 
     def _cool_down(self, owner: str, until: float) -> None:
-        """Keep the key taken until ``until`` (clock seconds); never raise a store error."""
+        """Keep the key taken until ``until`` (clock seconds); never raises a store error."""
         left = until - self.clock.monotonic()
         ms = to_ms(left)
         store, key = self.store, self.key
@@ -1070,65 +992,55 @@ def lease(
 
     Args:
         key: the key to hold (a non-empty string).
-        store: the :class:`~celery_lease.LockStore` to hold it in, or an
-            :class:`~celery_lease.stores.base.AsyncLockStore` (for ``async with``; a sync
-            ``with`` then uses its ``sync`` twin, which renews it in either case). A sync store
-            works with ``async with`` too: its calls then run on a thread (see
-            :mod:`celery_lease._core.aio`).
-        ttl: lease duration (default 30 s); renewed every ttl/3 while the body runs, so a
-            crashed holder frees the key within one ttl.
-        wait: how long to wait for another holder (default 0: fail at once). Waiting wakes on the
-            store's release notification where it has one, else polls from 50 ms doubling to 1 s.
-            It is counted on ``clock`` when given, else on the store's own clock when the store
-            was built with one (a ``MemoryLockStore`` on a ``FakeClock``: the test advances it),
-            else on the system clock.
+        store: a :class:`~celery_lease.LockStore`, or an
+            :class:`~celery_lease.stores.base.AsyncLockStore` for ``async with`` (its ``sync``
+            twin renews it, and serves a plain ``with``). A sync store works with ``async with``
+            too, its calls on a thread.
+        ttl: lease duration (default 30 s), renewed every ttl/3: a crashed holder frees the key
+            within one ttl.
+        wait: how long to wait for another holder (default 0: fail at once), on the store's
+            release notification where it has one, else polling from 50 ms doubling to 1 s.
+            Counted on ``clock`` when given, else on the store's own clock, else the system's.
         max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called exactly once when the lease is lost, on the
-            dispatcher (a thread of its own: it may block without delaying other leases). See
-            :meth:`Lease.add_loss_listener` for more listeners and quick immediate ones.
-            ``"cancel"`` (``async with`` and ``async def`` only): cancel the task running the
-            body; the block then ends with :class:`LockLostError`.
-        cancel: a ``threading.Event``; setting it aborts the wait (within one poll interval)
-            with ``LockNotAcquiredError(key, "cancelled")``.
+        on_lost: ``on_lost(lease)``, called once when the lease is lost, on the dispatcher (it
+            may block); see :meth:`Lease.add_loss_listener`. ``"cancel"`` (``async`` only):
+            cancel the task running the body, which then ends with :class:`LockLostError`.
+        cancel: a ``threading.Event`` that aborts the wait (within one poll interval) with
+            ``LockNotAcquiredError(key, "cancelled")``.
         clock: time source (default: the system clock); a ``FakeClock`` in tests.
-        cooldown: after a body that succeeded, keep the key taken this long (counted from the
-            end) instead of releasing it (default 0).
-        holder: a label naming who holds the key (``"nightly import"``), recorded in the owner
-            id next to host and pid (and, inside a worker, node and task), shown by
-            ``celery lease list``; default none. At most
+        cooldown: after a body that succeeded, keep the key taken this long (from the end)
+            instead of releasing it (default 0).
+        holder: a label recorded in the owner id (shown by ``celery lease list``); at most
             :data:`~celery_lease._core.owners.MAX_OWNER_FIELD_CHARS` characters.
 
-    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``.
-    Everything is validated here, before anything is acquired.
+    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``, all
+    checked here, before anything is acquired.
 
     Raises:
         LeaseConfigError: (a ``ValueError``) for a bad argument, naming it.
         LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised an ``Exception`` after the lease was
-            lost (chained); not for a lease the holder released early itself, and not for a
-            ``BaseException`` (``KeyboardInterrupt``, ``SystemExit``), which propagates as is.
-        StoreUnavailableError: when the store cannot be reached to acquire. The attempt may
-            have taken effect with its reply lost, so it is released (owner-checked, best
-            effort) on the dispatcher, right after the error is raised (so a store that just
-            timed out does not delay the error by a second timeout).
+        LockLostError: on exit, when the body raised an ``Exception`` after the lease was lost
+            (chained); not after an early release, nor for a ``BaseException``.
+        StoreUnavailableError: when the store cannot be reached to acquire; the attempt (its
+            reply may be lost) is released owner-checked on the dispatcher.
     """
-    args = checked_arguments(
+    sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_ = checked_arguments(
         key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
     )
     context = LeaseContext(
         key,
-        args.store,
-        args.ttl,
-        args.wait,
-        args.max_hold,
-        args.cooldown,
-        args.on_lost,
+        sync_store,
+        ttl_s,
+        wait_s,
+        max_hold_s,
+        cooldown_s,
+        listener,
         cancel,
-        args.clock,
+        clock_,
         label=holder,
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
-    context.async_store = args.async_store
+    context.async_store = astore
     return context
 
 
@@ -1141,12 +1053,8 @@ def _running_task() -> object | None:
 
 
 def pop_frame(pushed: Frame | None) -> None:
-    """Remove the frame ``pushed`` (or the copy that replaced it) from this context's stack.
-
-    Idempotent (a frame already removed, or ``None``, is left alone), so an exit cut short by an
-    asynchronous exception can safely pop again. O(1) when contexts are exited in order (the
-    usual case); right, if slower, when they are not.
-    """
+    """Remove the frame ``pushed`` (or its copy) from this context's stack. Idempotent (an
+    interrupted exit may pop again); O(1) when exits come in order."""
     if pushed is None:
         return
     top = current_frame.get()
@@ -1169,10 +1077,7 @@ def pop_frame(pushed: Frame | None) -> None:
 
 
 def current_lease() -> Lease | None:
-    """The innermost lease held in the current context, or ``None`` outside any lease.
-
-    In a forked child the parent's leases are not the child's: they are not returned.
-    """
+    """The innermost lease held in the current context (never a parent's), or ``None``."""
     top = current_frame.get()
     return None if top is None or top.gen != forking.generation() else top.lease
 

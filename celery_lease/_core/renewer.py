@@ -1,74 +1,28 @@
 """One renewer thread per store (and clock) in a process, for the leases held in that store.
 
-Every held lease is an :class:`Entry` in a heap ordered by the time of its next action: renew it
-(every ttl/3), retry a failed renewal, or declare it lost (its local validity ran out, or
-``max_hold`` was reached). Renewals due together are sent together; a store with ``renew_many``
-gets one round trip per sweep. The thread starts when the first lease is added and exits when
-none is left for :data:`IDLE_EXIT` seconds, or at :func:`shutdown`. After ``fork`` a child starts
-from an empty registry: it never renews its parent's leases.
+Each held lease is an :class:`Entry` in a heap ordered by its next action: renew it (every
+ttl/3), retry a failed renewal, or record it lost (validity ran out, or ``max_hold``). Renewals
+due together go out together (one round trip where the store has ``renew_many``). The thread
+starts with the first lease and exits after :data:`IDLE_EXIT` seconds without one, or at
+:func:`shutdown`; a forked child starts from an empty registry. A store that hangs delays only
+its own renewer; its watchdog thread (no I/O) records the leases whose deadline passes while
+the renewer is inside a store call, an observer or a notification.
 
-**One renewer per store.** A :class:`Renewer` serves the leases of one store object waiting on
-one clock (:func:`get_renewer`), with a thread, a watchdog, a heap and a lock of its own. A store
-whose call hangs or crawls therefore delays only the renewals of its own leases: the leases of
-every other store go on being renewed on their own threads. What is process-wide
-(:func:`snapshot`, :func:`shutdown`, :func:`observe_renewals`, the after-fork reset) goes over
-every renewer (:func:`renewers`). A store object used by several clocks has one renewer per
-clock; an idle renewer leaves the registry when its thread exits, unless observers are registered
-on it (:meth:`Renewer.observe_renewals`: they stay with the store's renewer; it leaves once the
-last one is unregistered while it is idle). A caller that looked a renewer up before it left and
-adds a lease to it after is sent to the renewer registered since, if any (:meth:`Renewer.add`):
-one store never has two renewers at once.
+How a lease ended is one record, written once under the renewer's lock (``lost_reason``, then
+``closed``): finished (``None``), ``"taken"``, ``"expired"``, ``"max_hold"`` or ``"released"``.
+Whoever records first wins; a later renewal answer changes nothing, but for one upgrade in the
+safe direction: a refusal answered while the exit waits for that renewal turns "finished" into
+``"taken"`` (:meth:`Renewer.remove`).
 
-**One record per lease end.** How an entry ended is written once, under the renewer's lock:
-``closed`` with ``lost_reason`` ``None`` (its holder finished) or a reason (``"taken"``,
-``"expired"``, ``"max_hold"``, ``"released"``). Whoever records first wins: the renewer, the
-watchdog, the holder's exit, a reader that finds the lease past its deadline
-(:meth:`Renewer.expire_if_due`) or an early release (:meth:`Renewer.record`). ``Lease.lost``
-reads that record, so no reader ever sees a closed entry as "not lost" before it is marked; a
-renewal answer that arrives after the record changes nothing. One exception, in the safe
-direction: a refusal answered while the holder's exit waits for that renewal turns the exit's
-"finished" into ``"taken"`` (:meth:`Renewer.remove`): the store lost the lease while the body
-still counted on it, and that must not be hidden.
+A key lost by running out of time (:data:`FREED_ON_LOSS`) is released owner-checked on the
+dispatcher once the loss is notified: a renewal that landed late, or lost its reply, may have
+kept it for a ttl nobody uses; one landing after the release is refused (a renewal never creates
+a key). Not for an entry made with ``free_on_loss=False`` (an owner id shared by design).
 
-**A key lost by expiry is freed at once.** When a loss ``"expired"`` or ``"max_hold"`` is
-recorded (by the renewer, the watchdog or a reader of ``Lease.lost``), a renewal may still have
-landed on the store: one answered too late, one whose reply was lost after it took effect, one
-still in flight. It extended the key by a whole ttl that nobody will use, and every other holder
-would be kept out until it runs out. So the renewer releases such a key, owner-checked, on its
-dispatcher (never on the renewer thread: a release that hangs must not stop the renewals of the
-other leases) as soon as the loss is notified, while the body may still run; the holder's exit
-releases it again, which is harmless. A renewal still in flight changes nothing: one that lands
-after the release finds no lease of ours and is refused (a renewal never creates a key), one that
-lands before it is undone by it. A key lost as ``"taken"`` or ``"released"`` is not ours any more
-and is left alone; the owner check makes a release that comes after another owner took the key
-a no-op in any case. An entry made with ``free_on_loss=False`` is never released this way: its
-owner id is shared by design (the queued lease of a unique copy, which a retry or a redelivered
-copy takes again under the same owner) and its holder frees or keeps the key itself.
-
-**No user code here.** After recording, the entry's ``on_lost`` is called outside every lock; the
-lease turns it into immediate listeners (quick, on the recording thread) and dispatched ones
-(:mod:`celery_lease._core.dispatch`), so a callback that blocks never stalls other leases.
-
-**Renewals in flight.** A renewal is "in flight" from the moment its entry is taken for a store
-call until its answer is handled. :meth:`Renewer.remove` (the holder's exit) waits for the
-renewal of that entry in flight, at most :data:`FLIGHT_WAIT` seconds and never past the lease's
-local validity, and never on the renewer or watchdog thread (where waiting would deadlock or
-stall the loss reports). If it is still in flight after that, the holder's final action (the
-cooldown) is registered with :meth:`Renewer.fence` and done again by the renewer right after the
-late renewal returned, so a renewal landing late never cuts a cooldown short.
-
-**Observers.** :meth:`Renewer.observe_renewals` (one renewer: one store's leases) and
-:func:`observe_renewals` (every renewer of the process) register a callable told ``(key, token,
-seconds, ok)`` for each renewal result, on the renewer thread after the answer is recorded
-(metrics: renewal latency). Without one, a sweep pays a single falsy check.
-
-A store call can hang (a blackholed connection without a socket timeout). So that loss is still
-reported on time, a second thread, the watchdog, does no I/O at all: while the renewer is inside
-a store call (or an observer, a fenced action, the warning of a failed renewal, the loss
-notifications it makes), it waits for the earliest validity deadline (or ``max_hold``) of the
-held leases and records the ones that pass it. Renewal itself stays on the store's renewer thread.
-
-The threads, locks and fork resets this module takes part in: ``docs/internals.md``.
+A renewal is in flight from when its entry is taken for a store call until its answer is
+handled: the holder's exit waits for it (:meth:`Renewer.settle`) or fences its final action
+(:meth:`Renewer.fence`), so a late renewal never cuts a cooldown short. ``on_lost`` and the
+observers run outside every lock. Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -112,10 +66,8 @@ DRIFT_MARGIN = 0.002
 """Seconds subtracted from a lease's local validity on top of the drift fraction."""
 
 IDLE_EXIT = 30.0
-"""Seconds (of the renewer's clock) the thread waits with no lease before it exits.
-
-Short leases taken one after another reuse the running thread instead of starting one each.
-"""
+"""Seconds (of the renewer's clock) the thread waits with no lease before it exits, so short
+leases taken one after another reuse it."""
 
 IDLE_POLL = 1.0
 """Seconds between two looks at the heap while idle (a lease due sooner wakes the thread)."""
@@ -124,15 +76,11 @@ COMPACT_AFTER = 256
 """Closed entries after which (and once as many as are held) the heaps drop their items."""
 
 FREED_ON_LOSS = frozenset({"expired", "max_hold"})
-"""Loss reasons after which the renewer releases the key itself (owner-checked): the lease ran
-out of time, so a renewal of it may have landed on the store and kept the key for nothing."""
+"""Loss reasons after which the key is released owner-checked (a late renewal may hold it)."""
 
 FLIGHT_WAIT = 1.0
-"""Seconds (of the lease's clock) :meth:`Renewer.remove` waits at most for a renewal in flight.
-
-Also never longer than the lease's remaining local validity. A renewal normally answers in
-milliseconds; one that takes longer is fenced off instead (:meth:`Renewer.fence`).
-"""
+"""Seconds (of the lease's clock, and never past its validity) :meth:`Renewer.remove` waits for a
+renewal in flight; a slower one is fenced off instead (:meth:`Renewer.fence`)."""
 
 
 def validity(sent_at: float, ttl: float) -> float:
@@ -143,40 +91,18 @@ def validity(sent_at: float, ttl: float) -> float:
 class Entry:
     """What the renewer knows of one held lease.
 
-    ``valid_until`` (clock seconds) is the local estimate of validity: the lease is surely held
-    until then, counted from the moment the last successful acquire/renew request was sent.
-
-    ``closed`` and ``lost_reason`` are the one record of how the lease ended (see the module
-    docstring); both are written only under the renewer's lock, ``lost_reason`` first, so a
-    reader that sees ``closed`` and then reads ``lost_reason`` sees the final record (save the
-    one upgrade of "finished" to ``"taken"`` by the exit, see :meth:`Renewer.remove`).
-    ``on_lost(reason)`` is called once, outside every lock, after a loss is recorded.
+    ``valid_until`` (clock seconds): the lease is surely held until then, counted from when the
+    last successful acquire/renew was sent. ``closed`` and ``lost_reason`` are the one record of
+    its end, written under the renewer's lock, ``lost_reason`` first: a reader that sees
+    ``closed`` then reads the final reason. ``on_lost(reason)`` is called once, outside every
+    lock, after a loss is recorded.
     """
 
     __slots__ = (
-        "acquired_at",
-        "closed",
-        "due",
-        "finalized",
-        "free_on_loss",
-        "inflight",
-        "key",
-        "landed",
-        "last_error",
-        "lost_reason",
-        "max_hold_at",
-        "on_lost",
-        "owner",
-        "redo",
-        "refused",
-        "renewals",
-        "renewer",
-        "store",
-        "token",
-        "ttl",
-        "ttl_ms",
-        "valid_until",
-    )
+        "acquired_at", "closed", "due", "finalized", "free_on_loss", "inflight", "key", "landed",
+        "last_error", "lost_reason", "max_hold_at", "on_lost", "owner", "redo", "refused",
+        "renewals", "renewer", "store", "token", "ttl", "ttl_ms", "valid_until",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -212,9 +138,7 @@ class Entry:
         self.redo: Callable[[], None] | None = None  # run by the renewer after the flight
         self.finalized = False  # the holder's release (or cooldown) was sent
         self.refused = False  # the store refused a renewal answered while the exit waited for it
-        # After an "expired" or "max_hold" loss, the key is released owner-checked on the
-        # dispatcher (module docstring); False where the owner id is shared by design.
-        self.free_on_loss = free_on_loss
+        self.free_on_loss = free_on_loss  # False: an owner id shared by design
 
     def overdue(self, now: float) -> str | None:
         """``"max_hold"`` or ``"expired"`` when the lease is past that deadline at ``now``."""
@@ -254,10 +178,9 @@ class Renewer:
         self._closed = 0  # entries closed since the heaps were last compacted
         self._watchdog: threading.Thread | None = None
         self._in_io = False
-        # Wakes the watchdog when the renewer enters or leaves a store call, when a lease is
-        # added during one, and at the end. Only the watchdog clears it, and before it reads the
-        # state, so no wake-up is lost, whatever the clock's wait() does with an event that is
-        # set and cleared while it looks away (a polling test clock would miss that).
+        # Wakes the watchdog on each change of _in_io, an add during a store call, and the end.
+        # Only the watchdog clears it, before it reads the state: no wake-up is lost, even on a
+        # polling test clock.
         self._watch_wake = threading.Event()
         self._stopping = False
         self._observers: tuple[_Observer, ...] = ()
@@ -265,23 +188,16 @@ class Renewer:
         """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
 
     def observe_renewals(self, callback: RenewalObserver) -> Callable[[], None]:
-        """Call ``callback(key, token, seconds, ok)`` for every renewal result of this renewer.
+        """Call ``callback(key, token, seconds, ok)`` for every renewal result of this renewer;
+        returns a function that unregisters it.
 
-        ``seconds`` is the round trip of the store call that carried the renewal (of the
-        renewer's clock; one call for a whole ``renew_many`` batch), ``ok`` is ``True``
-        (renewed), ``False`` (refused: the lease is gone) or ``None`` (the call failed; it is
-        retried while the lease is valid). Called on the renewer thread after the answer is
-        recorded, outside its lock: keep it quick (a metric, a log line); one that blocks
-        delays every renewal of this renewer (the watchdog still reports the leases whose
-        validity runs out meanwhile). What it raises is swallowed and logged once per observer.
-        Returns a function that unregisters it. Without any observer a renewal costs nothing
-        extra.
-
-        The renewer keeps its observers across an idle exit: it stays the store's renewer (its
-        thread ends, the object stays registered) while one is registered, so the leases taken
-        later in the store are observed too. Once the last one is unregistered, an idle renewer
-        leaves the registry. Called on a renewer that left the registry since it was looked up,
-        it observes the one registered for its store in its place.
+        ``seconds``: the round trip of the store call (one per ``renew_many`` batch), on the
+        renewer's clock; ``ok``: True (renewed), False (refused) or None (the call failed; retried
+        while valid). Called on the renewer thread, outside its lock: keep it quick (a blocking
+        one delays this renewer's renewals; the watchdog still reports losses). What it raises is
+        logged once per observer. While one is registered, the renewer stays the store's
+        renewer across idle exits; called on a renewer that left the registry, it observes its
+        successor.
         """
         observer = _Observer(callback)
         with self._lock:
@@ -300,17 +216,13 @@ class Renewer:
         return forget
 
     def add(self, entry: Entry) -> None:
-        """Start renewing ``entry``; starts the thread if it is not running.
+        """Start renewing ``entry``, starting the thread if needed.
 
-        When this renewer is no longer the registered one of its (clock, store) (the caller
-        looked it up before its idle exit, and another one was made since), the entry goes to
-        the registered one instead, so one store keeps one renewer; ``entry.renewer`` names the
-        renewer that took it. A renewer that left the registry and is not replaced registers
-        itself again.
+        A renewer that is no longer the registered one of its (clock, store) hands ``entry`` to
+        the one registered since (``entry.renewer`` names who took it): one store, one renewer.
 
         Raises:
-            ValueError: when ``entry`` is held in another store than this renewer's (its
-                renewals would share this store's thread; :func:`get_renewer` gives its own).
+            ValueError: when ``entry`` is held in another store than this renewer's.
         """
         if entry.store is not self.store:
             raise ValueError(
@@ -348,25 +260,16 @@ class Renewer:
     # Ending an entry: one record, under the lock ---------------------------------------------
 
     def remove(self, entry: Entry) -> tuple[bool, bool, str | None]:
-        """Stop renewing ``entry``: its holder is done with it.
+        """Stop renewing ``entry``: its holder is done with it. Returns ``(settled, final,
+        lapsed)``.
 
-        Records the end under the lock: "finished", or ``"expired"``/``"max_hold"`` when the
-        lease is already past that deadline. If a renewal of the entry is in flight, waits for it
-        as :meth:`settle` does; if the store answers it with a refusal meanwhile (before the
-        lease's validity ran out), the end becomes a loss, ``"taken"``: the store lost the lease
-        while the body still counted on it. Anything else that happens after the body ended
-        (the validity running out during the wait, a late success) changes nothing.
-
-        Returns ``(settled, final, lapsed)``: ``settled`` is True when no renewal of ``entry``
-        can still land in the store (False: one is still in flight, and the caller may
-        :meth:`fence` its final action); ``final`` is True when the caller is the one to send the
-        holder's release or cooldown (see :meth:`claim_final`); ``lapsed`` is the loss reason
-        this call recorded, if any: the caller then calls ``entry.on_lost(lapsed)`` itself, once
-        its release is sent. One lock round on the usual path.
-
-        The calls come before the first change of the entry, and the changes follow one another
-        with no call between them, so an asynchronous exception (an interrupt of the body) that
-        lands here leaves the entry either untouched or recorded; :meth:`abandon` ends it then.
+        Records "finished", or ``"expired"``/``"max_hold"`` when already past that deadline. A
+        renewal in flight is waited for as :meth:`settle` does; refused meanwhile (in time), the
+        end becomes ``"taken"``. ``settled``: no renewal can still land (else the caller may
+        :meth:`fence` its final action); ``final``: the caller sends the release or cooldown
+        (:meth:`claim_final`); ``lapsed``: the loss recorded here, which the caller notifies
+        once its release is sent. The calls come before the first change of the entry, so an
+        interrupt landing here leaves it untouched or recorded (then :meth:`abandon` ends it).
         """
         with self._lock:
             reason = None if entry.closed else entry.overdue(self.clock.monotonic())
@@ -389,11 +292,8 @@ class Renewer:
             return settled, final, "taken"
 
     def record(self, entry: Entry, reason: str) -> bool:
-        """Record that ``entry`` was lost for ``reason`` unless its end is already recorded.
-
-        Returns whether this call recorded it. Does not call ``entry.on_lost``: the caller does,
-        when it is ready (an early release first frees the key, then notifies).
-        """
+        """Record the loss of ``entry`` for ``reason`` unless its end is recorded; True if this
+        call recorded it. The caller notifies (an early release frees the key first)."""
         with self._lock:
             if entry.closed:
                 return False
@@ -401,12 +301,9 @@ class Renewer:
             return True
 
     def expire_if_due(self, entry: Entry) -> str | None:
-        """The loss reason of ``entry``, recording ``"expired"``/``"max_hold"`` if it is due now.
-
-        For readers of ``Lease.lost`` that find the lease past its deadline before the renewer
-        or the watchdog did: the first one to look records the loss (and notifies), so a lease
-        read lost once stays lost. ``None`` while it is held, or when its holder finished it.
-        """
+        """The loss reason of ``entry``, recording (and notifying) ``"expired"``/``"max_hold"``
+        when due now: a reader of ``Lease.lost`` that sees the deadline first records it, so a
+        lease read lost stays lost. ``None`` while held, or after its holder finished it."""
         with self._lock:
             if entry.closed:
                 return entry.lost_reason
@@ -418,12 +315,9 @@ class Renewer:
         return reason
 
     def settle(self, entry: Entry) -> bool:
-        """Wait for a renewal of ``entry`` in flight to be answered; True when none is left.
-
-        Waits at most :data:`FLIGHT_WAIT` seconds of the clock and never past the entry's local
-        validity; on the renewer or watchdog thread it does not wait at all (the renewal it would
-        wait for may be this very thread's, and the watchdog must stay free to report losses).
-        """
+        """Wait (at most :data:`FLIGHT_WAIT`, never past its validity) for a renewal of ``entry``
+        in flight to be answered; True when none is left. Never waits on the renewer or watchdog
+        thread (the renewal may be its own; the watchdog must stay free to report losses)."""
         with self._lock:
             if not entry.inflight:
                 return True
@@ -439,12 +333,8 @@ class Renewer:
             return not entry.inflight
 
     def fence(self, entry: Entry, action: Callable[[], None]) -> bool:
-        """Have the renewer run ``action`` right after the renewal of ``entry`` in flight returns.
-
-        Returns False when no renewal is in flight any more: it may have landed after the
-        caller's own store call, so the caller runs ``action`` itself, now. ``action`` is the
-        core's own store call (a cooldown set again), never user code.
-        """
+        """Have the renewer run ``action`` (a core store call) right after the renewal of
+        ``entry`` in flight returns; False when none is in flight (the caller runs it now)."""
         with self._lock:
             if not entry.inflight:
                 return False
@@ -452,14 +342,9 @@ class Renewer:
             return True
 
     def abandon(self, entry: Entry) -> str | None:
-        """End ``entry`` whatever state an interrupted :meth:`remove` (or add) left it in.
-
-        For the holder's clean-up when an asynchronous exception landed in its bookkeeping:
-        the entry is closed (never renewed again) and counted as finalized; the caller sends
-        the release itself. Returns the loss reason this call recorded (``"expired"`` or
-        ``"max_hold"`` when the lease is past that deadline), which the caller notifies, else
-        ``None``. Idempotent.
-        """
+        """End ``entry`` whatever state an interrupted :meth:`remove` (or add) left: closed and
+        finalized (the caller releases). Returns the loss it recorded (``"expired"`` or
+        ``"max_hold"`` when past that deadline), for the caller to notify. Idempotent."""
         with self._lock:
             entry.finalized = True
             reason = None
@@ -471,12 +356,8 @@ class Renewer:
             return reason
 
     def run_unless_lost(self, entry: Entry, action: Callable[[], None]) -> bool:
-        """Run ``action`` under the lock unless a loss of ``entry`` is recorded; True if it ran.
-
-        A loss is recorded under the same lock, so an ``action`` that ran is seen by whoever
-        records it (a loss listener added this way is never missed). ``action`` is the core's own
-        quick bookkeeping (a list append), never user code.
-        """
+        """Run ``action`` (quick core bookkeeping) under the lock unless a loss of ``entry`` is
+        recorded; True if it ran. Losses are recorded under the same lock: none is missed."""
         with self._lock:
             if entry.lost_reason is not None:
                 return False
@@ -492,23 +373,16 @@ class Renewer:
             return True
 
     def _record(self, entry: Entry, reason: str | None) -> None:
-        """Record the end of ``entry`` (a loss, or "finished" for ``None``); under the lock.
-
-        ``lost_reason`` first, see Entry; the two stores follow each other with no call between
-        them, so no asynchronous exception can land between the reason and ``closed``.
-        """
+        """Record the end of ``entry`` (``None``: finished); under the lock, no call between
+        the two stores, so no interrupt lands between reason and ``closed``."""
         entry.lost_reason = reason
         entry.closed = True
         self._forget(entry)
 
     def _forget(self, entry: Entry) -> None:
-        """Drop a closed ``entry`` from the held ones, noting when the renewer became idle.
-
-        Its items stay in the heaps until they come to the top, or until as many entries were
-        closed as are held (and at least :data:`COMPACT_AFTER`): then the heaps are rebuilt
-        without them, so that short leases taken one after another (a task each) do not keep
-        thousands of finished leases alive for a ttl. Under the lock.
-        """
+        """Drop a closed ``entry`` from the held ones; under the lock. Its heap items stay until
+        they surface, or until as many entries were closed as are held (at least
+        :data:`COMPACT_AFTER`): short leases one after another must not keep thousands alive."""
         if entry in self._entries:
             self._entries.discard(entry)
             self._closed += 1
@@ -525,40 +399,22 @@ class Renewer:
         heapq.heapify(self._deadlines)
         self._closed = 0
 
-    def _report_lost(self, entry: Entry, reason: str) -> bool:
-        """Record the loss unless the end of ``entry`` is already recorded; True if recorded."""
-        with self._lock:
-            if entry.closed:
-                return False
-            self._record(entry, reason)
-            return True
-
     @staticmethod
     def _notify_all(losses: list[tuple[Entry, str]]) -> None:
-        """Notify losses from the renewer or the watchdog thread: nothing raised may end it.
-
-        A listener that calls ``sys.exit`` (or a store driver's ``BaseException``) must not
-        stop the renewal, or the loss reports, of every other lease of the process.
-        """
+        """Notify losses on the renewer or watchdog thread: a listener's ``sys.exit`` must not
+        end the renewals of every other lease."""
         for entry, reason in losses:
-            _free_lost_key(entry, reason)
-            try:
-                entry.on_lost(reason)
-            except BaseException:
-                logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
+            Renewer.notify(entry, reason, BaseException)
 
     @staticmethod
-    def notify(entry: Entry, reason: str) -> None:
-        """Tell the holder of ``entry`` its loss for ``reason`` (``entry.on_lost``), once recorded.
-
-        For the recorder that is not the renewer: a holder's exit or early release, a reader of
-        ``Lease.lost``. Called outside every lock; an ``Exception`` it raises is logged, anything
-        else (an interrupt of the calling thread) propagates.
-        """
+    def notify(entry: Entry, reason: str, catch: type[BaseException] = Exception) -> None:
+        """Tell the holder of ``entry`` its recorded loss (``entry.on_lost(reason)``), outside
+        every lock, after handing over the release of a key that ran out of time. What it
+        raises of ``catch`` is logged; anything else (an interrupt) propagates."""
         _free_lost_key(entry, reason)
         try:
             entry.on_lost(reason)
-        except Exception:
+        except catch:
             logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
 
     # Introspection ----------------------------------------------------------------------------
@@ -583,11 +439,8 @@ class Renewer:
             return sorted(entry.key for entry in self._entries)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The leases this renewer holds now, as :func:`snapshot` describes them, by key.
-
-        Reads the entries under the renewer's lock, which no store call ever holds: it never
-        waits for a store, from any thread.
-        """
+        """The leases this renewer holds now, as :func:`snapshot` describes them; never waits
+        for a store (no store call holds the lock)."""
         with self._lock:
             now = self.clock.monotonic()
             rows = [
@@ -660,7 +513,7 @@ class Renewer:
                 lost.append((entry, reason))
             else:
                 to_renew.append(entry)
-        self._notify_watched([(e, reason) for e, reason in lost if self._report_lost(e, reason)])
+        self._notify_watched([(e, reason) for e, reason in lost if self.record(e, reason)])
         if to_renew:
             self.sweeps += 1
             self._notify_watched(self._renew_group(to_renew))
@@ -704,19 +557,12 @@ class Renewer:
         with self._lock:
             for entry, result in zip(group, results, strict=True):
                 if result is False and not entry.closed and answered_at < entry.valid_until:
-                    # Refused in time: why is asked of the store below, outside the lock and
-                    # after the other answers of the batch are applied (a slow inspection must
-                    # not keep a renewed neighbour on its old deadline). It stays in flight
-                    # until then, so that the holder's exit waits for the verdict.
+                    # Refused in time: why is asked below, outside the lock and after the rest
+                    # of the batch (a slow inspection must not delay a renewed neighbour); in
+                    # flight until then, so the holder's exit waits for the verdict.
                     refused.append(entry)
                     continue
-                entry.inflight = False
-                if entry.landed is not None:
-                    entry.landed.set()  # the waiter holds it; the next flight needs a new one
-                    entry.landed = None
-                if entry.redo is not None:
-                    redo.append(entry.redo)
-                    entry.redo = None
+                _landed(entry, redo)
                 reason = self._apply(entry, result, sent_at, answered_at, failed)
                 if reason is not None:
                     recorded.append((entry, reason))
@@ -724,9 +570,7 @@ class Renewer:
             self._log_failures(failed)
         if refused:
             recorded.extend(self._settle_refusals(store, refused, redo))
-        if self._observers or _observers:
-            # Watched like a store call: an observer that blocks delays the renewals, but the
-            # watchdog still reports on time the leases whose validity runs out meanwhile.
+        if self._observers or _observers:  # watched like a store call
             self._begin_io()
             try:
                 _tell((*self._observers, *_observers), group, results, answered_at - sent_at)
@@ -736,9 +580,8 @@ class Renewer:
         return recorded
 
     def _log_failures(self, failed: list[tuple[str, BaseException]]) -> None:
-        """Outside the lock: a logging handler that blocks (a full pipe, a network handler)
-        must not block the readers of this renewer (snapshot, holders' exits, the watchdog).
-        The watchdog watches it like a store call."""
+        """Outside the lock, watched: a logging handler that blocks must not block the readers
+        of this renewer (snapshot, exits, the watchdog)."""
         self._begin_io()
         try:
             for key, error in failed:
@@ -770,17 +613,13 @@ class Renewer:
         answered_at: float,
         failed: list[tuple[str, BaseException]],
     ) -> str | None:
-        """Apply the answer to a renewal of ``entry`` that landed (under the lock); the loss it
-        recorded, if any. A failure is noted in ``failed``, to be logged outside the lock."""
-        if entry.closed:
-            # Its end is recorded: a late answer changes nothing, except a refusal answered
-            # in time while the holder's exit waits for it (see remove()).
+        """Apply a renewal answer (under the lock); the loss it recorded, if any. A failure goes
+        to ``failed``, logged outside the lock."""
+        if entry.closed:  # a late answer changes nothing, but an in-time refusal (remove())
             if result is False and answered_at < entry.valid_until:
                 entry.refused = True
             return None
-        if answered_at >= entry.valid_until:
-            # The answer came too late: the lease may already have read as lost, and a lost
-            # lease never comes back.
+        if answered_at >= entry.valid_until:  # too late: it may have read lost, and stays so
             self._record(entry, "expired")
             return "expired"
         if result is True:
@@ -803,13 +642,9 @@ class Renewer:
     def _settle_refusals(
         self, store: Any, refused: list[Entry], redo: list[Callable[[], None]]
     ) -> list[tuple[Entry, str]]:
-        """Record the losses of renewals ``refused`` in time, with the reason the store gives.
-
-        The inspection is watched like a store call (the watchdog reports meanwhile the leases
-        whose validity runs out, these among them); an entry whose end was recorded meanwhile
-        (its holder's exit, the watchdog) keeps that record and only notes the refusal for a
-        waiting exit, as an in-time refusal of a closed entry always does.
-        """
+        """Record the losses of renewals ``refused`` in time, with the store's reason (asked
+        watched like a store call). An entry whose end was recorded meanwhile keeps it and only
+        notes the refusal for a waiting exit."""
         self._begin_io()
         try:
             reasons = [self._why_gone(store, entry) for entry in refused]
@@ -818,13 +653,7 @@ class Renewer:
         recorded: list[tuple[Entry, str]] = []
         with self._lock:
             for entry, reason in zip(refused, reasons, strict=True):
-                entry.inflight = False
-                if entry.landed is not None:
-                    entry.landed.set()
-                    entry.landed = None
-                if entry.redo is not None:
-                    redo.append(entry.redo)
-                    entry.redo = None
+                _landed(entry, redo)
                 if entry.closed:
                     entry.refused = True
                     continue
@@ -834,25 +663,14 @@ class Renewer:
 
     @staticmethod
     def _why_gone(store: Any, entry: Entry) -> str:
-        """Why a renewal found ``entry`` gone, by two inspection calls (on the loss path only).
+        """Why a renewal found ``entry`` gone, by two inspection calls (the loss path only).
 
-        The fencing counter is read first and the holder last, so that an acquisition landing
-        between the two calls reads ``"taken"`` (it is held by another owner when reported):
-
-        - another owner holds the key: ``"taken"``;
-        - the key is free and the counter is still this lease's token (nobody acquired it
-          since; the counter outlives a release): somebody ended this lease without taking it,
-          an operator's force-release: ``"released"``;
-        - the key is free and the counter is higher: another owner took it and has let it go
-          since: ``"taken"``;
-        - the key is free and the counter is missing or lower (the store lost its data: a
-          restart without persistence, a failover to a replica that never saw it):
-          ``"expired"``;
-        - the store cannot tell (no ``get``/``last_token``, or an inspection call fails):
-          ``"taken"``, the cautious answer (someone else may hold it).
-
-        One case reads ``"released"`` although nobody released it: the store expired the key
-        before this process counted its validity as over (the store's clock ran fast).
+        The counter is read before the holder, so an acquisition between the two reads
+        ``"taken"``. Another owner holds it: ``"taken"``. Free and the counter is our token
+        (nobody acquired since): ``"released"`` (an operator's force-release, or the store's
+        clock ran fast). Free and the counter is higher: ``"taken"`` (and let go since). Free and
+        the counter missing or lower (the store lost its data): ``"expired"``. The store cannot
+        tell (no ``get``/``last_token``, or a call fails): ``"taken"``, the cautious answer.
         """
         get = getattr(store, "get", None)
         last_token = getattr(store, "last_token", None)
@@ -870,15 +688,12 @@ class Renewer:
 
     @staticmethod
     def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
-        """Renew ``group`` (one store), one result or exception per entry; never raises.
+        """Renew ``group``, one result or exception per entry; never raises (a
+        ``BaseException`` is that renewal's failure: the thread must outlive it).
 
-        Whatever a store raises, ``BaseException`` included (``asyncio.CancelledError``,
-        ``gevent.Timeout``), is that entry's failed renewal: the renewer thread must outlive it.
-        ``renew_many`` answers per key (``SupportsBatchRenew``): an exception instance in a
-        key's slot fails that key alone; a call that raises fails the whole batch, and so does
-        an answer with a result count other than the number of leases sent (nothing is decided
-        on a malformed answer). A batch that raised is not retried key by key: against a dead
-        store that would multiply its timeout by the batch size.
+        ``renew_many`` answers per key; an exception in a slot fails that key. A call that
+        raises, or answers a wrong count, fails the whole batch, and is not retried key by key
+        (against a dead store that multiplies its timeout).
         """
         results: list[bool | BaseException]
         renew_many = getattr(store, "renew_many", None)
@@ -965,12 +780,21 @@ class Renewer:
         return threads
 
 
-def _free_lost_key(entry: Entry, reason: str) -> None:
-    """Have the dispatcher release the key of ``entry``, lost for ``reason``, owner-checked,
-    when that reason means a renewal may have kept the key for nothing (:data:`FREED_ON_LOSS`).
+def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
+    """The renewal of ``entry`` was answered: wake an exit waiting for it, queue its fenced
+    action; under the lock (the waiter holds ``landed``; the next flight needs a new one)."""
+    entry.inflight = False
+    if entry.landed is not None:
+        entry.landed.set()
+        entry.landed = None
+    if entry.redo is not None:
+        redo.append(entry.redo)
+        entry.redo = None
 
-    Called where a recorded loss is notified, outside every lock. Never raises.
-    """
+
+def _free_lost_key(entry: Entry, reason: str) -> None:
+    """Hand the owner-checked release of a key lost for a reason in :data:`FREED_ON_LOSS` to
+    the dispatcher; outside every lock. Never raises."""
     if reason not in FREED_ON_LOSS or not entry.free_on_loss:
         return
     try:
@@ -980,8 +804,7 @@ def _free_lost_key(entry: Entry, reason: str) -> None:
 
 
 def _release_lost(entry: Entry) -> None:
-    """Release the key of a lost ``entry`` owner-checked; a store error is logged (the key then
-    expires within its ttl, as it would have without this release)."""
+    """Release the key of a lost ``entry`` owner-checked; a store error is logged."""
     try:
         entry.store.release(entry.key, entry.owner)
     except Exception as exc:
@@ -1018,11 +841,7 @@ _observers: tuple[_Observer, ...] = ()
 
 
 def observe_renewals(callback: RenewalObserver) -> Callable[[], None]:
-    """Like :meth:`Renewer.observe_renewals`, for every renewer of the process.
-
-    Renewers made later (another clock, a forked child's) are observed too. Returns a function
-    that unregisters ``callback``.
-    """
+    """:meth:`Renewer.observe_renewals` for every renewer of the process, later ones too."""
     global _observers
     observer = _Observer(callback)
     with _observers_lock:
@@ -1084,16 +903,12 @@ _running: set[Renewer] = set()  # renewers whose thread runs, registered or not
 
 
 def get_renewer(clock: Clock | None, store: Any) -> Renewer:
-    """The renewer of this process for the leases of ``store`` waiting on ``clock``.
+    """The renewer of this process for ``store`` on ``clock`` (``None``: the system clock),
+    made (not started) when missing; one lock-free dict look-up when it exists.
 
-    ``clock`` ``None`` is the system clock. One dict look-up without a lock when the renewer
-    exists; made (without starting its thread: :meth:`Renewer.add` starts it) when it does not.
-
-    The system clock's renewers are looked up without a look at the pid: every acquisition made
-    the owner id of its attempt just before on this thread, which noticed a fork that skipped
-    Python's at-fork hooks (:func:`celery_lease._forking.generation`: the resets then ran, and
-    the parent's renewers are forgotten). Other clocks, and :func:`snapshot` and
-    :func:`shutdown`, ask.
+    The system clock's renewers are looked up without a pid check: each acquisition made its
+    owner id just before on this thread, which noticed a fork that skipped the at-fork hooks
+    (:func:`celery_lease._forking.generation`). Other clocks ask.
     """
     if clock is None:
         clock = SYSTEM_CLOCK
@@ -1111,23 +926,17 @@ def get_renewer(clock: Clock | None, store: Any) -> Renewer:
 
 
 def renewers(clock: Clock | None = None) -> list[Renewer]:
-    """The renewers of this process (registered, or with a running thread), of ``clock`` if given.
-
-    A snapshot: renewers made or ended meanwhile are not reflected. Takes the registry's lock
-    only, never a renewer's.
-    """
+    """The renewers of this process (registered, or running), of ``clock`` if given: a
+    snapshot, under the registry's lock only."""
     with _registry_lock:
         found = set(_registry.values()) | _running
     return [renewer for renewer in found if clock is None or renewer.clock is clock]
 
 
 def _register(renewer: Renewer) -> Renewer | None:
-    """``None`` when ``renewer`` is the registered one of its (clock, store), registering it if
-    none is; else the one registered in its place. Under the renewer's lock.
-
-    One dict look-up without the registry's lock when it is registered (the common case): only
-    its own idle exit, under the renewer's lock too, takes it out again.
-    """
+    """``None`` when ``renewer`` is (or now becomes) the registered one of its (clock, store),
+    else the one registered in its place. Under the renewer's lock; lock-free when registered
+    (only its own idle exit, under that lock too, takes it out)."""
     key = (id(renewer.clock), id(renewer.store))
     if _registry.get(key) is renewer:
         return None
@@ -1146,9 +955,7 @@ def _note_running(renewer: Renewer, running: bool) -> None:
 
 
 def _forget_idle(renewer: Renewer) -> None:
-    """Drop an idle renewer from the registry, so idle stores and clocks do not pile up there;
-    under the renewer's lock. Kept while observers are registered on it (they stay with the
-    store's renewer)."""
+    """Drop an idle renewer from the registry (under its lock), unless observers are on it."""
     if renewer._observers:
         return
     key = (id(renewer.clock), id(renewer.store))
@@ -1160,13 +967,11 @@ def _forget_idle(renewer: Renewer) -> None:
 def snapshot() -> list[dict[str, Any]]:
     """The leases this process holds now, for ``celery inspect leases``; read-only.
 
-    One dict per held lease, sorted by key: ``key``, ``token`` (the fencing token, ``None`` for
-    an entry made without one), ``owner``, ``held_seconds`` (since the acquire request left),
-    ``valid_for_seconds`` (local validity left, or until ``max_hold`` if sooner; 0 when past),
-    ``renewals`` (successful renewals so far) and ``last_renewal_error`` (``"Type: message"`` of
-    the last renewal attempt when it failed, ``None`` once one succeeds). Seconds are of each
-    renewer's clock. Safe from any thread and never blocks on a store call (it takes only the
-    renewers' locks, which no store call holds). A forked child sees only its own leases.
+    One dict per lease, sorted by key: ``key``, ``token`` (``None`` for an entry made without
+    one), ``owner``, ``held_seconds`` (since the acquire was sent), ``valid_for_seconds`` (local
+    validity or ``max_hold`` left, 0 when past), ``renewals`` and ``last_renewal_error``
+    (``"Type: message"`` of the last attempt when it failed). Seconds of each renewer's clock.
+    Never waits for a store call. A forked child sees only its own leases.
     """
     forking.generation()  # a child forked without the hooks: the parent's are forgotten
     rows = [row for renewer in renewers() for row in renewer.snapshot()]
@@ -1174,22 +979,17 @@ def snapshot() -> list[dict[str, Any]]:
 
 
 def shutdown(timeout: float = 5.0) -> None:
-    """Stop and join celery-lease's threads in this process: renewers, watchdogs, dispatcher.
-
-    For test suites that check for leaked threads (Celery's ``threads_not_lingering``), and
-    for a clean interpreter exit; the ``celery_lease.testing`` fixtures call it at teardown.
-    Loss callbacks already handed to the dispatcher run to their end first. Nothing is lost by
-    calling it: the next ``lease()`` starts the threads again.
+    """Stop and join celery-lease's threads in this process: renewers, watchdogs, dispatcher
+    (for leak-checking test suites and a clean exit; the next ``lease()`` starts them again).
+    Loss callbacks already handed to the dispatcher run to their end first.
 
     Args:
-        timeout: real seconds to wait for the threads in all (default 5.0).
+        timeout: real seconds to wait for all the threads (default 5.0).
 
     Raises:
         ValueError: for a negative or non-numeric ``timeout``.
-        RuntimeError: when leases are still held in this process (it names their keys); then
-            nothing is stopped. Leave their ``lease()`` blocks first.
-        TimeoutError: when a thread did not end within ``timeout`` (it names what still runs,
-            e.g. a loss listener that blocks).
+        RuntimeError: while leases are held in this process (named); nothing is stopped.
+        TimeoutError: when a thread did not end within ``timeout`` (named).
     """
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0")

@@ -38,13 +38,14 @@ class TestCheckedArguments:
     def test_durations_become_seconds_and_the_clock_defaults_to_the_system(self) -> None:
         """Strings and numbers are seconds; no clock given is the system clock."""
         args = checked_arguments(**{**GOOD, "wait": "250ms", "max_hold": 60, "cooldown": "1m"})
-        assert (args.ttl, args.wait, args.max_hold, args.cooldown) == (30.0, 0.25, 60.0, 60.0)
-        assert args.clock is SYSTEM_CLOCK and args.store is STORE and args.async_store is None
+        store, astore, ttl, wait, max_hold, cooldown, _on_lost, clock = args
+        assert (ttl, wait, max_hold, cooldown) == (30.0, 0.25, 60.0, 60.0)
+        assert clock is SYSTEM_CLOCK and store is STORE and astore is None
 
     def test_cancel_string_becomes_the_marker(self) -> None:
         """``on_lost="cancel"`` is kept as CANCEL, a listener that does nothing."""
         args = checked_arguments(**{**GOOD, "on_lost": "cancel"})
-        assert args.on_lost is CANCEL and CANCEL(object()) is None
+        assert args[6] is CANCEL and CANCEL(object()) is None
 
     @pytest.mark.parametrize(
         "name, value",
@@ -77,7 +78,7 @@ class TestStores:
         assert split_async_store(astore) == (astore, STORE)
         assert split_async_store(STORE) == (None, STORE)
         args = checked_arguments(**{**GOOD, "store": astore})
-        assert (args.async_store, args.store) == (astore, STORE)
+        assert (args[1], args[0]) == (astore, STORE)
 
 
 def test_a_ttl_too_short_to_hold_is_refused() -> None:

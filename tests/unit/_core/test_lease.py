@@ -323,7 +323,7 @@ class TestLoss:
         ):
             store.force_release("k")
             clock.advance(1.0)
-            held._lost.wait(REAL_TIMEOUT)
+            held._loss_event().wait(REAL_TIMEOUT)
             raise ValueError("write failed")
         assert isinstance(info.value.__cause__, ValueError)
         assert info.value.key == "k"
@@ -333,7 +333,7 @@ class TestLoss:
         with lease("k", store=store, ttl=3, clock=clock) as held:
             store.force_release("k")
             clock.advance(1.0)
-            held._lost.wait(REAL_TIMEOUT)
+            held._loss_event().wait(REAL_TIMEOUT)
         assert held.lost
 
     def test_never_releases_someone_elses_lease(self, store: SpyStore, clock: FakeClock) -> None:
@@ -342,7 +342,7 @@ class TestLoss:
             store.force_release("k")
             newcomer = store.acquire("k", "newcomer", 30_000)
             clock.advance(1.0)
-            held._lost.wait(REAL_TIMEOUT)
+            held._loss_event().wait(REAL_TIMEOUT)
         info = store.get("k")
         assert info is not None and info.owner == "newcomer" and info.token == newcomer
 
