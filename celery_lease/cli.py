@@ -1,10 +1,7 @@
-"""The ``celery-lease`` command line, also installed as ``celery lease``.
-
-One click group serves the console script (:func:`main`) and Celery's ``celery.commands`` entry
-point (:data:`lease_group`), where the store comes from the app unless ``--store URL`` is given.
-Under an app, ``show`` and ``release`` put its ``lease_key_prefix`` in front of KEY (not with
-``--raw``). A store failure is one line on stderr, status 2; a reader that goes away
-(``| head -1``) ends a command quietly with status 141, as the shell reports for SIGPIPE.
+"""The ``celery-lease`` command line, also ``celery lease`` (the store then defaults to the
+app's, whose ``lease_key_prefix`` ``show``/``release`` put before KEY). A store failure is one
+line on stderr, status 2; a closed stdout (``| head -1``) ends quietly with status 141 (SIGPIPE).
+See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -118,7 +115,7 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
     if url is not None:
         store = _open_url(url)
     else:
-        app = getattr(ctx.obj, "app", None)
+        app = _app(ctx)
         if app is None:
             raise CliError(
                 "no store given: pass --store URL (or set CELERY_LEASE_STORE), "
@@ -191,22 +188,19 @@ def _run(fn: Callable[[], None]) -> None:
     """Run a command's body, a store failure becoming :class:`CliError` (status 2)."""
     try:
         fn()
-    except BrokenPipeError as exc:
-        if _stdout_closed():
+    except (LeaseError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
             raise
         raise CliError(str(exc)) from None
-    except (LeaseError, OSError) as exc:
-        raise CliError(str(exc)) from None
-
-
-STORE_HELP = (
-    "Store URL (sqlite:///path.db, redis://..., postgresql://...), before the command or after "
-    "it. Default: the app's store under `celery -A proj lease`."
-)
 
 
 store_option = click.option(
-    "--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP
+    "--store",
+    "store_url",
+    metavar="URL",
+    envvar="CELERY_LEASE_STORE",
+    help="Store URL (sqlite:///path.db, redis://..., postgresql://...), before the command or"
+    " after it. Default: the app's store under `celery -A proj lease`.",
 )
 
 
@@ -434,10 +428,8 @@ def _cooling(record: dict[str, Any]) -> bool:
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
-    """One lease as the JSON output gives it: the store's view plus the parsed owner.
-
-    ``held_seconds``: this host's clock minus the holder's ``at`` (at least 0, or ``None``).
-    """
+    """One lease as the JSON output gives it: the store's view plus the parsed owner
+    (``held_seconds``: this host's clock minus the holder's ``at``, at least 0, or ``None``)."""
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
     renewed = _renewed_ago(holder.ttl, info.expires_in)
@@ -774,7 +766,7 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
     from celery_lease._celery import startup
 
     url = _store_url(ctx, store_url)
-    app = getattr(ctx.obj, "app", None)
+    app = _app(ctx)
     if url is not None:
         checks = [startup.ping_store("--store", url, startup.PING_KEY)]
     elif app is None:

@@ -159,8 +159,6 @@ def _check(
     return None
 
 
-# The stores at start ----------------------------------------------------------------------------
-
 STORE_CHECK_TIMEOUT = 6.0
 """Seconds to wait for one store's answer at start: a little over the stores' own 5 s connect
 timeouts, so that their error is the one shown."""

@@ -70,8 +70,6 @@ def on_worker_shutdown(**_: object) -> None:
         control.cleanup_main()
 
 
-# The running task, as the default of owner ids made during it (owners.push_task) --------------
-
 _OwnerToken = contextvars.Token[tuple[str | None, str | None] | None]
 
 _task_tokens: contextvars.ContextVar[list[tuple[str, _OwnerToken]] | None] = contextvars.ContextVar(

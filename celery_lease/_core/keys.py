@@ -73,9 +73,6 @@ class _Uncanonical(Exception):
         self.why = why or f"a value of type {kind} has no canonical form (keyable: {_KEYABLE})"
 
 
-# Canonical values ------------------------------------------------------------------------------
-
-
 def _json_view(value: object, path: str) -> tuple[bool, object]:
     """``(True, what Celery's json path delivers for value)``, or ``(False, None)``.
 
@@ -310,9 +307,6 @@ def _digest(task: str, arguments: Mapping[str, object]) -> str:
         text.encode("utf-8", "surrogatepass"), digest_size=DIGEST_BYTES
     ).hexdigest()
     return f"{task}:{digest}"
-
-
-# Template encoding -----------------------------------------------------------------------------
 
 
 def _pct_bytes(data: bytes) -> str:

@@ -176,9 +176,6 @@ def fenced_upsert(
     return _run(bind, write)
 
 
-# The plan: every name checked before anything is sent ------------------------------------------
-
-
 def _check_bind(bind: object) -> None:
     if not isinstance(bind, (Engine, Connection, Session, scoped_session)):
         raise LeaseConfigError(
@@ -296,8 +293,6 @@ def _fence_allows(fence: Column[Any], token: Any) -> ColumnElement[bool]:
     """The stored fence is NULL or not above ``token`` (a value, or ``excluded.fence``)."""
     return or_(fence.is_(None), fence <= token)
 
-
-# Running it ------------------------------------------------------------------------------------
 
 _MISSING: Any = object()
 
