@@ -74,11 +74,8 @@ class _Uncanonical(Exception):
 
 
 def _json_view(value: object, path: str) -> tuple[bool, object]:
-    """``(True, what Celery's json path delivers for value)``, or ``(False, None)``.
-
-    A pydantic model is dumped as Celery's ``pydantic=True`` does before sending; an object with
-    ``__json__`` is what kombu's json encoder puts on the wire.
-    """
+    """``(True, what Celery's json path delivers for value)`` (a pydantic model dumped as
+    ``pydantic=True`` does, ``__json__()`` as kombu's encoder), or ``(False, None)``."""
     cls = type(value)
     if isinstance(value, type):
         return False, None
@@ -500,24 +497,18 @@ def template_fields(template: str) -> list[str]:
     """The parameter names a key template refers to, in order (``"{a.b}"`` gives ``"a"``).
 
     Raises:
-        LeaseConfigError: the template is malformed, uses positional fields (``{}``, ``{0}``),
-            a conversion or format spec (``{a!r}``, ``{a:>5}``), or two fields without a
-            separator a value cannot produce between them (``{a}{b}``, ``{a}-{b}``).
+        LeaseConfigError: malformed, positional (``{}``, ``{0}``), a conversion or format spec
+            (``{a!r}``), or two fields without a separator no value contains (``{a}-{b}``).
     """
     return [part.name for part in _parse(template) if isinstance(part, _Field)]
 
 
 def validate_template(template: str, signature: inspect.Signature, *, task: str) -> None:
-    """Check ``template`` (as :func:`template_fields` does) and that its fields are parameters.
-
-    Args:
-        template: the key template, e.g. ``"account:{account_id}"``.
-        signature: the signature of the task's body as it is called (without ``self``).
-        task: the task's name, for the error message.
+    """Check ``template`` (as :func:`template_fields` does) and that its fields are parameters
+    of ``signature`` (the body as called, without ``self``) of task ``task``.
 
     Raises:
-        LeaseConfigError: naming the template, the bad field and, for an unknown one, the
-            parameters the task has.
+        LeaseConfigError: naming the template, the bad field and the task's parameters.
     """
     params = signature.parameters
     has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -599,12 +590,9 @@ def _fit(
 
 
 def _binder(signature: inspect.Signature) -> _Arguments:
-    """``arguments(args, kwargs)``: the bound arguments, defaults applied, in parameter order.
-
-    The dict ``Signature.bind`` then ``apply_defaults()`` gives, much faster when every parameter
-    is positional-or-keyword or keyword-only; a call that does not simply fit goes to
-    ``Signature.bind``, which raises the call's own ``TypeError``.
-    """
+    """``arguments(args, kwargs)``: what ``Signature.bind`` then ``apply_defaults()`` gives,
+    faster for ordinary parameters; a call that does not simply fit goes to ``bind`` (which
+    raises the call's own ``TypeError``)."""
 
     def slow(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         return dict(_bind(signature, args, kwargs).arguments)
@@ -698,10 +686,9 @@ def make_key_function(
         signature: the signature of the task's body as it is called (without ``self``).
         task: the task's name (used in the default key and in error messages).
 
-    A template is validated here, at definition time. The returned function raises
-    ``TypeError`` for arguments that do not fit (as the call would) and
-    :class:`LeaseConfigError` for an argument without a canonical form, a failed template
-    lookup, or a callable that does not return a non-empty str.
+    The returned function raises ``TypeError`` for arguments that do not fit (as the call
+    would) and :class:`LeaseConfigError` for a value without a canonical form, a failed
+    lookup, or a callable not returning a non-empty str.
 
     Raises:
         LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template is
