@@ -1,12 +1,8 @@
-"""``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
-The command is registered by :func:`~celery_lease._celery.wiring.install` and by
-:mod:`celery_lease.cli` (the ``inspect`` client checks names against its own registry and
-imports only the ``-A`` module).
-
-Under prefork each child serves its snapshot on ``<dir>/<pid>.sock`` (``<dir>`` private, made
-before the pool forks) from a thread waiting in ``accept()``; the main process asks all at
-once within :data:`CHILD_TIMEOUT`, and lists a child that does not answer in ``unanswered``,
-never as holding nothing.
+"""``celery -A proj inspect leases``: each worker answers with the leases its processes hold now
+(registered by :func:`~celery_lease._celery.wiring.install` and by :mod:`celery_lease.cli`: the
+client checks names against its own registry). Under prefork each child serves its snapshot on
+``<dir>/<pid>.sock`` (private, made before the fork); the main process asks all within
+:data:`CHILD_TIMEOUT` and lists a silent child in ``unanswered``, never as holding nothing.
 """
 
 from __future__ import annotations

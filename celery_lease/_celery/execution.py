@@ -1,10 +1,7 @@
-"""The run engine: the lifecycle of one locked execution of a task body.
-
-:func:`run_locked` builds the key, takes the lease, sets the request attributes, runs the
-body, applies ``on_held`` / ``on_lost`` and releases the lease (or keeps it for ``cooldown``)
-before the result is stored. ``lock_lost`` and ``on_lock_lost`` run on the core's dispatcher
-thread, the revoke interrupt on the thread that recorded the loss: never the renewer's or the
-watchdog's. Threads, locks and fork resets: ``docs/internals.md``.
+"""The run engine: :func:`run_locked` builds the key, takes the lease, runs the body, applies
+``on_held`` / ``on_lost`` and releases (or keeps for ``cooldown``) before the result is stored.
+``lock_lost`` and ``on_lock_lost`` run on the dispatcher thread, the revoke interrupt on the
+thread that recorded the loss. Threads and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations

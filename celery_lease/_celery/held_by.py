@@ -1,10 +1,7 @@
 """Who keeps a key that turned a locked execution away: a running execution, or one in its
-``cooldown`` (told apart by its lease outlasting a renewal of the task's ttl, or by a stored
-SUCCESS), so a skip can say "cooldown until ... after ...".
-
-The backend read runs on its own thread, at most :data:`BACKEND_WAIT` s and one at a time per
-process, so a hung backend (Redis: 120 s socket timeout) neither holds the worker slot nor
-piles up threads.
+``cooldown`` (its lease outlasts a renewal of the ttl, or a SUCCESS is stored). The backend read
+runs on its own thread, at most :data:`BACKEND_WAIT` s, one at a time per process, so a hung
+backend neither holds the worker slot nor piles up threads.
 """
 
 from __future__ import annotations
