@@ -84,10 +84,9 @@ def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
 
 
 def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
-    """One message per configured key of ``conf`` (``app.conf`` or a mapping) meant as one of
-    ``settings`` but never read: a known name Celery does not read in that spelling, or a key
-    that says ``lease`` and is spelled as Celery reads settings or is very close to one. Other
-    libraries' names are never reported."""
+    """One message per configured key of ``conf`` meant as one of ``settings`` but never read:
+    a known name in a spelling Celery does not read, or a key that says ``lease`` and is close
+    to one. Other libraries' names are never reported."""
     finalize = getattr(conf, "finalize", None)
     if callable(finalize):
         finalize()  # a pending app.conf: load config_from_object (and its namespace) first
