@@ -114,19 +114,16 @@ class _Run:
 
     def interrupt(self, held: Lease) -> None:
         """Immediate listener: stop the body; not for an early release (RETRY stays RETRY)."""
-        reason = held.lost_reason or "lost"
-        if held.released_early or self.interrupter is None:
-            return  # the loss is this execution's own early release (its record won)
-        self.interrupter.fire(reason)
+        if not held.released_early and self.interrupter is not None:
+            self.interrupter.fire(held.lost_reason or "lost")
 
     def on_lost(self, held: Lease) -> None:
         """Dispatched listener: ``lock_lost`` and ``on_lock_lost``; not for an early release."""
-        reason = held.lost_reason or "lost"
         if held.released_early:
             # Not ``self.released_early``: set before the early release is recorded, it would
             # hide a real loss recorded just before.
             return
-        self._send(signals.lock_lost, held, reason=reason)
+        self._send(signals.lock_lost, held, reason=held.lost_reason or "lost")
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
@@ -147,7 +144,7 @@ class _Run:
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
-        if context.reentered:
+        if context.reentered:  # the enclosing execution's lease
             return
         held_seconds = held.held_seconds
         self.released_early = True
@@ -241,8 +238,9 @@ def run_locked(
         options = spec.options
         app = task.app if task is not None else compat.get_current_app()
         settings = get_settings(app)
-        if request is not None:
-            _clear_lock_attributes(request)  # overwrite what a message header may have put there
+        if request is not None:  # overwrite what a message header may have put there
+            request.lock_key = request.lock_token = request.lease = None
+            request.lock_waited = False
         key = settings.key_prefix + spec.key_function(args, kwargs)
         run = _Run(task, request, key, options)
         ttl, wait = spec.durations(settings)
@@ -334,13 +332,6 @@ def _run_arrived(
     if held.lost:
         _log_lost_after_success(run, held)
     return result
-
-
-def _clear_lock_attributes(request: TaskRequest) -> None:
-    request.lock_key = None
-    request.lock_token = None
-    request.lock_waited = False
-    request.lease = None
 
 
 def _lease_context(

@@ -63,17 +63,15 @@ class HeldBy:
         on w1@host after it succeeded``, or ``held by another execution, proj.report[<id>] on
         w1@host``."""
         who = _who(self.holder)
-        if not self.cooldown:
-            if not self.state_known:
-                return (
-                    f"held by another execution, {who}"
-                    " (its state unknown: the result backend did not answer)"
-                )
-            return f"held by another execution, {who}"
-        return (
-            f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
-            f" kept by {who} after it succeeded"
+        if self.cooldown:
+            return (
+                f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
+                f" kept by {who} after it succeeded"
+            )
+        unknown = (
+            "" if self.state_known else " (its state unknown: the result backend did not answer)"
         )
+        return f"held by another execution, {who}{unknown}"
 
 
 def iso_utc(unix_seconds: float) -> str:
