@@ -222,22 +222,16 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
     """The store key ``show`` / ``release`` look up, said on stderr: the app's prefix + KEY
     (even when KEY starts with it: a task's key may), KEY itself with ``--raw`` or no app."""
     app = _app(ctx)
-    if app is None:
-        click.echo(
-            f"looked up {key!r} as given: no app, so no lease_key_prefix applied "
-            "(`celery -A proj lease` applies the app's)",
-            err=True,
-        )
-        return key
     prefix = _key_prefix(app)
-    if not prefix:
-        return key
-    if raw:
-        click.echo(
-            f"looked up {key!r} as given (--raw: the app's lease_key_prefix {prefix!r} "
-            "not applied)",
-            err=True,
+    if app is None or (raw and prefix):
+        said = (
+            ": no app, so no lease_key_prefix applied (`celery -A proj lease` applies the app's)"
+            if app is None
+            else f" (--raw: the app's lease_key_prefix {prefix!r} not applied)"
         )
+        click.echo(f"looked up {key!r} as given{said}", err=True)
+        return key
+    if not prefix:
         return key
     note = (
         f" (KEY already starts with it: for the store key {key!r}, pass --raw)"
@@ -271,16 +265,16 @@ def _other_note(ctx: click.Context, store_key: str, other: dict[str, Any], *, bo
         if key.startswith(prefix) and store_key == key.removeprefix(prefix)
         else f"without the app's lease_key_prefix {prefix!r}"
     )
-    if both:
-        return (
-            f"note: {key!r} ({form}) is held too, by {_holder_line(other)}: two holders each"
-            " hold what may be meant as one key, and do not exclude each other"
-            " (lease(key, app=app) takes the key a task with the same lock_key takes)"
-        )
+    said = (
+        f"is held too, by {_holder_line(other)}: two holders each hold what may be meant as one"
+        " key, and do not exclude each other"
+        if both
+        else f"is held by {_holder_line(other)}, token {other['token']}: it does not exclude a"
+        f" holder of {store_key!r}"
+    )
     return (
-        f"note: {key!r} ({form}) is held by {_holder_line(other)}, token {other['token']}:"
-        f" it does not exclude a holder of {store_key!r}"
-        " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+        f"note: {key!r} ({form}) {said} (lease(key, app=app) takes the key a task with the same"
+        " lock_key takes)"
     )
 
 
@@ -633,16 +627,8 @@ def list_command(
         if as_json:
             click.echo(json.dumps(records, indent=2))
         elif not records:
-            filters = [
-                f"{name} {value!r}"
-                for name, value in (
-                    ("prefix", prefix),
-                    ("task", task_name),
-                    ("node", node),
-                    ("state", state),
-                )
-                if value
-            ]
+            given = {"prefix": prefix, "task": task_name, "node": node, "state": state}
+            filters = [f"{name} {value!r}" for name, value in given.items() if value]
             click.echo(f"no live leases{' with ' + ', '.join(filters) if filters else ''}")
         else:
             click.echo(_table(records))
