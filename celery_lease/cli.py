@@ -312,11 +312,6 @@ def _holder(owner: str) -> Holder:
     return holder
 
 
-def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
-    """Whether the lease is a debounce tombstone, ``<prefix>superseded:<task id>``."""
-    return is_queued_owner(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
-
-
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
     """Result-backend state of each task id it knows (``SUCCESS``...); never raises. Empty
     without an app, or with a backend that stores no results (disabled, ``rpc://``)."""
@@ -338,7 +333,8 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
 def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
     """The STATE column: ``superseded``, ``started``, ``queued``, ``cooldown`` (task succeeded),
     ``running`` or ``held`` (not told); see ``list --help``."""
-    if _is_tombstone(record["key"], record["owner"], prefix):
+    tombstone = record["key"].startswith(prefix + SUPERSEDED_NAMESPACE)  # superseded:<task id>
+    if tombstone and is_queued_owner(record["owner"]):
         return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
     if is_queued_owner(record["owner"]):
         return QUEUED

@@ -200,11 +200,6 @@ def adopt_request(task: object, request: TaskRequest) -> None:
             run.adopt(request)
 
 
-def _release_quietly(run: _Run) -> None:
-    with contextlib.suppress(LockLostError):  # lost before the retry: nothing left to release
-        run.release(_RELEASE_FOR_RETRY)
-
-
 def _publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
     """:func:`deferral.publishes_nothing`, and not a nested run (its caller goes on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
@@ -313,7 +308,9 @@ def _run_arrived(
             run.release(lost)
             raise lost from None
         except Retry:
-            _release_quietly(run)  # eager retries publish nothing; a lost lease still retries
+            # Eager retries publish nothing; a lease lost before the retry still retries.
+            with contextlib.suppress(LockLostError):
+                run.release(_RELEASE_FOR_RETRY)
             raise
         except BaseException as exc:
             run.release(exc)  # raises LockLostError from exc when the lease was lost

@@ -309,8 +309,8 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
     """The validated lease settings of ``app``, cached per ``app.conf`` object (Celery replaces
     it when configured after a first read); ``LeaseConfigError`` for a bad or misspelled
     setting, or a refused configuration."""
-    if _refusals:
-        _raise_refusal(app)
+    if _refusals and (refusal := _refusals.get(app)) is not None:
+        raise LeaseConfigError(refusal)
     conf = app.conf  # loads the app's configuration if nothing did yet (as its tasks would)
     entry = _settings.get(app)
     if entry is None or entry[0]() is not conf:
@@ -342,12 +342,6 @@ def recheck(app: CeleryApp) -> None:
     with _lock:
         _settings.pop(app, None)
         _refusals.pop(app, None)
-
-
-def _raise_refusal(app: CeleryApp) -> None:
-    message = _refusals.get(app)
-    if message is not None:
-        raise LeaseConfigError(message)
 
 
 def is_process_local(store: str | LockStore | None) -> bool:
