@@ -82,12 +82,11 @@ def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
 
 def _custom(cls: type, name: str) -> bool:
     """Whether a class below Celery's ``Task`` (ours excluded) defines hook ``name``."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("celery.", "celery_lease.")) or klass is object:
-            continue
-        if name in vars(klass):
-            return True
-    return False
+    return any(
+        name in vars(klass)
+        for klass in cls.__mro__
+        if klass is not object and not klass.__module__.startswith(("celery.", "celery_lease."))
+    )
 
 
 def only_ours(signal: SignalLike) -> bool:
