@@ -136,10 +136,8 @@ CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def _end_on_closed_pipe() -> NoReturn:
-    """End quietly with :data:`CLOSED_PIPE_STATUS` because stdout's reader is gone.
-
-    Stdout goes to ``os.devnull`` first, or the exit flush fails again ("Exception ignored").
-    """
+    """End quietly with :data:`CLOSED_PIPE_STATUS`; stdout goes to ``os.devnull`` first, or the
+    exit flush fails again ("Exception ignored")."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

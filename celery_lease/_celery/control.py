@@ -35,12 +35,9 @@ CHILD_TIMEOUT = 0.5
 
 _MAX_REPLY = 16 * 1024 * 1024  # bytes: a child's snapshot larger than this is refused
 
-_dir: str | None = None
-"""The socket directory (made in the main process, inherited by children)."""
-_dir_pid: int | None = None
-"""The pid of the main process that made :data:`_dir` (only it removes it)."""
-_cleanup_registered = False
-"""Whether :func:`cleanup_main` is registered to run at exit (once a process)."""
+_dir: str | None = None  # the socket directory (made in the main process, inherited)
+_dir_pid: int | None = None  # the main process that made _dir (only it removes it)
+_cleanup_registered = False  # cleanup_main runs at exit (registered once a process)
 _server: socket.socket | None = None
 
 

@@ -67,10 +67,8 @@ __all__ = [
 
 logger = logging.getLogger("celery_lease.worker")
 
-_app: weakref.ref[CeleryApp] | None = None
-"""The app whose worker check passed in this process (inherited by pool processes)."""
-_processes = 0
-"""How many processes that worker runs tasks in; 0 before a check."""
+_app: weakref.ref[CeleryApp] | None = None  # whose worker check passed here (children inherit)
+_processes = 0  # how many processes that worker runs tasks in; 0 before a check
 
 
 def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]:

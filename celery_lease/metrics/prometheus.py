@@ -209,8 +209,7 @@ def first_free_port(addr: str, ports: Sequence[int]) -> tuple[int, OSError | Non
     return -1, why
 
 
-SETTING = "lease_metrics_port"
-"""How :class:`PrometheusExporter` names a port that came from the settings."""
+SETTING = "lease_metrics_port"  # how the exporter names a port that came from the settings
 
 LOCK_FILE = "owner.lock"
 """Lock file of a private multiprocess directory, locked by the worker that made it."""
