@@ -38,8 +38,7 @@ logger = logging.getLogger("celery_lease.interrupt")
 REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
 
-_RESEND_INTERVAL = 0.05
-"""Seconds between copies of the interrupt signal while it is undelivered."""
+_RESEND_INTERVAL = 0.05  # seconds between copies of the interrupt signal while undelivered
 
 INTERRUPT_SIGNAL: int | None = (
     int(signal.SIGRTMIN) + 6

@@ -23,8 +23,7 @@ Autoscale = str | int | Sequence[str | int] | None
 """``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``."""
 
 _pool_child = False
-_pool_label = ""
-"""The pool of the worker whose start-up check passed in this process."""
+_pool_label = ""  # the pool of the worker whose start-up check passed in this process
 
 IN_PROCESS_POOLS = (
     "celery.concurrency.solo",

@@ -54,8 +54,7 @@ _REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pi
 _REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
 _TIMED_OUT_KEEP = 600.0  # seconds a hard-time-limited task id is remembered for its child's death
 
-_timed_out: dict[str, tuple[str | None, float]] = {}
-"""Task ids ended by their hard time limit in this main process -> (task name, when)."""
+_timed_out: dict[str, tuple[str | None, float]] = {}  # hard-time-limited id -> (task name, when)
 
 
 def note_task_failure(sender: object, task_id: str | None, exception: object) -> None:

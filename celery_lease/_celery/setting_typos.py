@@ -15,11 +15,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_names", "misspelled_settings"]
 
-_HINT_CUTOFF = 0.6
-"""difflib ratio from which a setting is offered as "did you mean"."""
-
-_LOOKALIKE_CUTOFF = 0.8
-"""difflib ratio from which a key Celery would not read as ours still counts as our typo."""
+_HINT_CUTOFF = 0.6  # difflib ratio from which a setting is offered as "did you mean"
+_LOOKALIKE_CUTOFF = 0.8  # difflib ratio from which a key Celery would not read is our typo
 
 
 def _cased(name: str, prefix: str) -> str:

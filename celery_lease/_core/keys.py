@@ -44,16 +44,14 @@ so a key stays under PostgreSQL's primary-key limit (about 2.7 kB) whatever its 
 
 _FORMATTER = string.Formatter()
 
-_BIG_INT_BITS = 2000
-"""Ints wider than this are keyed by hex digits: ``str()`` of them may hit the digit limit."""
+_BIG_INT_BITS = 2000  # wider ints are keyed by hex digits: str() may hit the digit limit
 
 FIELD_ALPHABET = frozenset(string.ascii_letters + string.digits + "-._~%")
 """Every character an encoded template field can contain; a separator needs one outside it."""
 
 _PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 _NUMERIC = re.compile(r"-?[0-9]+")
-_DECIMAL = re.compile(r"-?[1-9][0-9]*|0")
-"""``str(n)`` of an int ``n``: the str a mapping's int key becomes in json."""
+_DECIMAL = re.compile(r"-?[1-9][0-9]*|0")  # str(n) of an int: a mapping's int key in json
 _SAFE_BYTES = frozenset((string.ascii_letters + string.digits + "-._").encode("ascii"))
 _KEYABLE = (
     "None, bool, int, float, str, bytes, list, tuple, dict with str or int keys, set, frozenset,"

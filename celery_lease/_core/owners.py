@@ -87,8 +87,7 @@ def new_nonce() -> str:
     return _this_process_ids().hex()
 
 
-_node: str | None = None
-"""The Celery node name of this worker process (inherited by prefork children), or None."""
+_node: str | None = None  # this worker process's Celery node name (prefork children inherit it)
 
 _task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
     "celery_lease_owner_task", default=None

@@ -85,8 +85,7 @@ _tasks_by_key: dict[str, str] = {}
 """Key (or queued key of a unique copy) -> task name, of leases held here (for renewals)."""
 _lock = threading.Lock()
 _observing = False  # the renewal observer is registered (once per process, under _lock)
-_counting = threading.Lock()
-"""Guards :data:`_held` and :data:`_early` (task and dispatcher threads); new after a fork."""
+_counting = threading.Lock()  # guards _held and _early (task, dispatcher threads); new after fork
 
 
 def _new_counting_lock() -> None:
