@@ -1,10 +1,7 @@
-"""The ``celery-lease`` command line, also installed as ``celery lease``.
-
-One click group serves the console script (:func:`main`) and Celery's ``celery.commands`` entry
-point (:data:`lease_group`), where the store comes from the app unless ``--store URL`` is given.
-Under an app, ``show`` and ``release`` put its ``lease_key_prefix`` in front of KEY (not with
-``--raw``). A store failure is one line on stderr, status 2; a reader that goes away
-(``| head -1``) ends a command quietly with status 141, as the shell reports for SIGPIPE.
+"""The ``celery-lease`` command line, also ``celery lease`` (the store then defaults to the
+app's, whose ``lease_key_prefix`` ``show``/``release`` put before KEY). A store failure is one
+line on stderr, status 2; a closed stdout (``| head -1``) ends quietly with status 141 (SIGPIPE).
+See docs/operations.md.
 """
 
 from __future__ import annotations
@@ -118,7 +115,7 @@ def _inspectable(ctx: click.Context, url: str | None) -> SupportsInspection:
     if url is not None:
         store = _open_url(url)
     else:
-        app = getattr(ctx.obj, "app", None)
+        app = _app(ctx)
         if app is None:
             raise CliError(
                 "no store given: pass --store URL (or set CELERY_LEASE_STORE), "
@@ -139,10 +136,8 @@ CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def _end_on_closed_pipe() -> NoReturn:
-    """End quietly with :data:`CLOSED_PIPE_STATUS` because stdout's reader is gone.
-
-    Stdout goes to ``os.devnull`` first, or the exit flush fails again ("Exception ignored").
-    """
+    """End quietly with :data:`CLOSED_PIPE_STATUS`; stdout goes to ``os.devnull`` first, or the
+    exit flush fails again ("Exception ignored")."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -191,22 +186,19 @@ def _run(fn: Callable[[], None]) -> None:
     """Run a command's body, a store failure becoming :class:`CliError` (status 2)."""
     try:
         fn()
-    except BrokenPipeError as exc:
-        if _stdout_closed():
+    except (LeaseError, OSError) as exc:
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
             raise
         raise CliError(str(exc)) from None
-    except (LeaseError, OSError) as exc:
-        raise CliError(str(exc)) from None
-
-
-STORE_HELP = (
-    "Store URL (sqlite:///path.db, redis://..., postgresql://...), before the command or after "
-    "it. Default: the app's store under `celery -A proj lease`."
-)
 
 
 store_option = click.option(
-    "--store", "store_url", metavar="URL", envvar="CELERY_LEASE_STORE", help=STORE_HELP
+    "--store",
+    "store_url",
+    metavar="URL",
+    envvar="CELERY_LEASE_STORE",
+    help="Store URL (sqlite:///path.db, redis://..., postgresql://...), before the command or"
+    " after it. Default: the app's store under `celery -A proj lease`.",
 )
 
 
@@ -228,22 +220,16 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
     """The store key ``show`` / ``release`` look up, said on stderr: the app's prefix + KEY
     (even when KEY starts with it: a task's key may), KEY itself with ``--raw`` or no app."""
     app = _app(ctx)
-    if app is None:
-        click.echo(
-            f"looked up {key!r} as given: no app, so no lease_key_prefix applied "
-            "(`celery -A proj lease` applies the app's)",
-            err=True,
-        )
-        return key
     prefix = _key_prefix(app)
-    if not prefix:
-        return key
-    if raw:
-        click.echo(
-            f"looked up {key!r} as given (--raw: the app's lease_key_prefix {prefix!r} "
-            "not applied)",
-            err=True,
+    if app is None or (raw and prefix):
+        said = (
+            ": no app, so no lease_key_prefix applied (`celery -A proj lease` applies the app's)"
+            if app is None
+            else f" (--raw: the app's lease_key_prefix {prefix!r} not applied)"
         )
+        click.echo(f"looked up {key!r} as given{said}", err=True)
+        return key
+    if not prefix:
         return key
     note = (
         f" (KEY already starts with it: for the store key {key!r}, pass --raw)"
@@ -277,16 +263,16 @@ def _other_note(ctx: click.Context, store_key: str, other: dict[str, Any], *, bo
         if key.startswith(prefix) and store_key == key.removeprefix(prefix)
         else f"without the app's lease_key_prefix {prefix!r}"
     )
-    if both:
-        return (
-            f"note: {key!r} ({form}) is held too, by {_holder_line(other)}: two holders each"
-            " hold what may be meant as one key, and do not exclude each other"
-            " (lease(key, app=app) takes the key a task with the same lock_key takes)"
-        )
+    said = (
+        f"is held too, by {_holder_line(other)}: two holders each hold what may be meant as one"
+        " key, and do not exclude each other"
+        if both
+        else f"is held by {_holder_line(other)}, token {other['token']}: it does not exclude a"
+        f" holder of {store_key!r}"
+    )
     return (
-        f"note: {key!r} ({form}) is held by {_holder_line(other)}, token {other['token']}:"
-        f" it does not exclude a holder of {store_key!r}"
-        " (lease(key, app=app) takes the key a task with the same lock_key takes)"
+        f"note: {key!r} ({form}) {said} (lease(key, app=app) takes the key a task with the same"
+        " lock_key takes)"
     )
 
 
@@ -324,11 +310,6 @@ def _holder(owner: str) -> Holder:
     return holder
 
 
-def _is_tombstone(key: str, owner: str, prefix: str) -> bool:
-    """Whether the lease is a debounce tombstone, ``<prefix>superseded:<task id>``."""
-    return is_queued_owner(owner) and key.startswith(prefix + SUPERSEDED_NAMESPACE)
-
-
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
     """Result-backend state of each task id it knows (``SUCCESS``...); never raises. Empty
     without an app, or with a backend that stores no results (disabled, ``rpc://``)."""
@@ -350,7 +331,8 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
 def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
     """The STATE column: ``superseded``, ``started``, ``queued``, ``cooldown`` (task succeeded),
     ``running`` or ``held`` (not told); see ``list --help``."""
-    if _is_tombstone(record["key"], record["owner"], prefix):
+    tombstone = record["key"].startswith(prefix + SUPERSEDED_NAMESPACE)  # superseded:<task id>
+    if tombstone and is_queued_owner(record["owner"]):
         return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
     if is_queued_owner(record["owner"]):
         return QUEUED
@@ -434,10 +416,8 @@ def _cooling(record: dict[str, Any]) -> bool:
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
-    """One lease as the JSON output gives it: the store's view plus the parsed owner.
-
-    ``held_seconds``: this host's clock minus the holder's ``at`` (at least 0, or ``None``).
-    """
+    """One lease as the JSON output gives it: the store's view plus the parsed owner
+    (``held_seconds``: this host's clock minus the holder's ``at``, at least 0, or ``None``)."""
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
     renewed = _renewed_ago(holder.ttl, info.expires_in)
@@ -641,16 +621,8 @@ def list_command(
         if as_json:
             click.echo(json.dumps(records, indent=2))
         elif not records:
-            filters = [
-                f"{name} {value!r}"
-                for name, value in (
-                    ("prefix", prefix),
-                    ("task", task_name),
-                    ("node", node),
-                    ("state", state),
-                )
-                if value
-            ]
+            given = {"prefix": prefix, "task": task_name, "node": node, "state": state}
+            filters = [f"{name} {value!r}" for name, value in given.items() if value]
             click.echo(f"no live leases{' with ' + ', '.join(filters) if filters else ''}")
         else:
             click.echo(_table(records))
@@ -774,7 +746,7 @@ def check_command(ctx: click.Context, store_url: str | None) -> None:
     from celery_lease._celery import startup
 
     url = _store_url(ctx, store_url)
-    app = getattr(ctx.obj, "app", None)
+    app = _app(ctx)
     if url is not None:
         checks = [startup.ping_store("--store", url, startup.PING_KEY)]
     elif app is None:

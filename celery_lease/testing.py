@@ -1,10 +1,6 @@
-"""Helpers for tests, ours and our users': a fake clock and pytest fixtures.
-
-:class:`FakeClock` is accepted wherever a clock is; time moves only when a test advances it (or,
-with ``autojump_threshold``, by itself once every thread on it sleeps), so tests never sleep.
-As a pytest plugin (entry point ``celery_lease``) it provides ``lease_clock``, ``lease_store``
-and ``use_lease_store``, which stop celery-lease's threads at teardown. ``on_lost`` callbacks run
-on a dispatcher thread: wait for them with :func:`drain`. Guide: docs/testing.md.
+"""Helpers for tests, ours and our users': :class:`FakeClock`, :func:`drain` (wait for ``on_lost``
+callbacks) and the pytest plugin's fixtures ``lease_clock``, ``lease_store``, ``use_lease_store``.
+Guide: docs/testing.md.
 """
 
 from __future__ import annotations
@@ -59,9 +55,8 @@ class FakeClock:
         autojump_threshold: real seconds (default ``math.inf``: never). Once every thread of
             the clock waits on it, none is due to wake, and none used it for this long, the
             clock jumps to the earliest deadline of those waits (trio's
-            ``MockClock.autojump_threshold``). The threads of the clock are those that ever
-            waited on it and the renewer and watchdog threads of leases on it; a thread that
-            never waited is not seen (docs/testing.md). Settable at any time.
+            ``MockClock.autojump_threshold``). A thread that never waited on it (nor is a
+            renewer or watchdog of a lease on it) is not seen. Settable at any time.
     """
 
     def __init__(self, start: float = 0.0, *, autojump_threshold: float = math.inf) -> None:
@@ -70,8 +65,7 @@ class FakeClock:
         self._sleepers = 0
         self._deadlines: list[float] = []
         self._events: list[threading.Event] = []
-        # Threads in a wait() now (a count: a signal handler may nest one), and every thread
-        # that ever waited (weakly).
+        # Threads in a wait() now (counted: a signal handler may nest one); all that ever waited.
         self._waiting: dict[threading.Thread, int] = {}
         self._participants: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
         self._autojump = _checked_threshold(autojump_threshold)
@@ -183,10 +177,8 @@ class FakeClock:
                 self._touch()
 
     def advance_to_next_deadline(self) -> float:
-        """Advance exactly to the earliest deadline of a thread waiting now; returns the step.
-
-        Returns 0.0 (and does not move) when no waiter has a deadline.
-        """
+        """Advance exactly to the earliest deadline of a thread waiting now; returns the step
+        (0.0, not moving, when no waiter has a deadline)."""
         with self._cond:
             future = [d for d in self._deadlines if d > self._now]
             step = (min(future) - self._now) if future else 0.0
@@ -215,8 +207,6 @@ class FakeClock:
     def wait_for_sleepers(self, count: int, timeout: float = 10.0) -> None:
         """Block (real time) until at least ``count`` threads wait on this clock.
 
-        Lets a test know that a background thread reached its wait before moving time.
-
         Raises:
             TimeoutError: when that does not happen within ``timeout`` real seconds.
         """
@@ -244,12 +234,9 @@ class FakeClock:
 
 
 def close_lease_stores(app: Celery | None = None) -> None:
-    """Close and forget the stores celery-lease built here: ``app``'s (or every app's) and
-    those of ``lock_store`` URLs; they are built anew from the settings on next use.
-
-    For a test runner about to drop a database a store is connected to (pytest-django: see
-    docs/django.md). A ``LockStore`` given as ``lease_store`` is forgotten, not closed. Call it
-    when no lease of those stores is held.
+    """Close and forget the stores celery-lease built: ``app``'s (or every app's) and those of
+    ``lock_store`` URLs; rebuilt on next use. For a test runner about to drop their database
+    (docs/django.md); a ``LockStore`` object is forgotten, not closed. Call it with no lease held.
     """
     from celery_lease._celery.settings import close_stores
     from celery_lease._celery.store_resolution import close_url_stores
@@ -265,10 +252,8 @@ _S = TypeVar("_S", bound="str | LockStore")
 def override_lease_store(app: Celery, store: _S) -> Iterator[_S]:
     """Point ``app`` at ``store`` (a ``LockStore`` or a store URL) inside the block.
 
-    An app's store is resolved once and kept, so this sets the setting and makes celery-lease
-    read the settings again on entry and on exit, when the previous setting (from any source,
-    namespaced or not) is back. Tasks with their own ``lock_store=`` keep it. The fixture
-    ``use_lease_store`` is this for one test.
+    The settings are read again on entry and on exit, when the previous setting is back. Tasks
+    with their own ``lock_store=`` keep it.
 
     Yields:
         ``store``.
@@ -304,13 +289,8 @@ else:
 
     @pytest.fixture
     def lease_clock() -> Iterator[FakeClock]:
-        """A :class:`FakeClock` starting at 1000.0 seconds, without autojump.
-
-        Autojump is off so the test decides when time moves; one that waits on its own thread
-        sets ``lease_clock.autojump_threshold = 0.01``. At teardown it calls
-        :func:`celery_lease.shutdown`, so no thread outlives the test (a ``lease()`` block left
-        un-exited errors there, naming the key).
-        """
+        """A :class:`FakeClock` at 1000.0 seconds, without autojump; teardown calls
+        :func:`celery_lease.shutdown` (a ``lease()`` block left un-exited errors there)."""
         from celery_lease._core.renewer import shutdown
 
         yield FakeClock(1000.0)
@@ -327,11 +307,7 @@ else:
     def use_lease_store(
         lease_store: MemoryLockStore,
     ) -> Iterator[Callable[[Celery], MemoryLockStore]]:
-        """A function that points a Celery app at ``lease_store`` for this test; returns the store.
-
-        ``use_lease_store(app)`` is :func:`override_lease_store` for the rest of the test; call
-        it for each app, in the test or in an autouse fixture.
-        """
+        """``use_lease_store(app)``: :func:`override_lease_store` for the rest of the test."""
         with contextlib.ExitStack() as stack:
 
             def use(app: Celery) -> MemoryLockStore:

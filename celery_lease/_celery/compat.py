@@ -10,6 +10,8 @@ import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, cast
 
+# billiard 4.x: the exit code of a child that left on purpose (--max-tasks-per-child...); any
+# other nonzero one is a killed child.
 from billiard.pool import EX_RECYCLE
 from celery import _state
 from celery.app import base as _app_base
@@ -65,8 +67,6 @@ __all__ = [
     "worker_requests",
 ]
 
-# The task stack and the current app and task (celery.current_app / current_task are proxies).
-
 # celery 5.x: the stack of running tasks that current_task reads; Task.__call__ pushes onto it.
 task_stack: TaskStack = _state._task_stack
 
@@ -75,12 +75,6 @@ get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
-
-# EX_RECYCLE (billiard 4.x): a child that left on purpose (--max-tasks-per-child...); any other
-# nonzero exit code is a killed child.
-
-
-# Celery's pydantic wrapper (``@app.task(pydantic=True)``) ------------------------------------
 
 
 class PydanticWrapperCells(TypedDict, total=False):
@@ -118,9 +112,6 @@ def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
     return cast(PydanticWrapperCells, values)  # the wrapper's cells, as celery 5.5 to 5.7 make them
 
 
-# Signals -------------------------------------------------------------------------------------
-
-
 def live_receivers(signal: SignalLike) -> list[object]:
     """The live receivers of a ``Signal`` (weak ones dereferenced unless ``weak=False``)."""
     alive: list[object] = []
@@ -132,8 +123,6 @@ def live_receivers(signal: SignalLike) -> list[object]:
         alive.append(receiver)
     return alive
 
-
-# The prefork pool (billiard) -----------------------------------------------------------------
 
 _ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]
 
@@ -188,9 +177,6 @@ def job_pids(job: PoolJob) -> set[int]:
         if pid:
             pids.add(pid)
     return pids
-
-
-# The worker's requests and the result backend ------------------------------------------------
 
 
 def worker_requests() -> list[WorkerRequest]:

@@ -1,12 +1,8 @@
-"""``celery -A proj inspect leases``: each worker answers with the leases its processes hold now.
-The command is registered by :func:`~celery_lease._celery.wiring.install` and by
-:mod:`celery_lease.cli` (the ``inspect`` client checks names against its own registry and
-imports only the ``-A`` module).
-
-Under prefork each child serves its snapshot on ``<dir>/<pid>.sock`` (``<dir>`` private, made
-before the pool forks) from a thread waiting in ``accept()``; the main process asks all at
-once within :data:`CHILD_TIMEOUT`, and lists a child that does not answer in ``unanswered``,
-never as holding nothing.
+"""``celery -A proj inspect leases``: each worker answers with the leases its processes hold now
+(registered by :func:`~celery_lease._celery.wiring.install` and by :mod:`celery_lease.cli`: the
+client checks names against its own registry). Under prefork each child serves its snapshot on
+``<dir>/<pid>.sock`` (private, made before the fork); the main process asks all within
+:data:`CHILD_TIMEOUT` and lists a silent child in ``unanswered``, never as holding nothing.
 """
 
 from __future__ import annotations
@@ -39,12 +35,9 @@ CHILD_TIMEOUT = 0.5
 
 _MAX_REPLY = 16 * 1024 * 1024  # bytes: a child's snapshot larger than this is refused
 
-_dir: str | None = None
-"""The socket directory (made in the main process, inherited by children)."""
-_dir_pid: int | None = None
-"""The pid of the main process that made :data:`_dir` (only it removes it)."""
-_cleanup_registered = False
-"""Whether :func:`cleanup_main` is registered to run at exit (once a process)."""
+_dir: str | None = None  # the socket directory (made in the main process, inherited)
+_dir_pid: int | None = None  # the main process that made _dir (only it removes it)
+_cleanup_registered = False  # cleanup_main runs at exit (registered once a process)
 _server: socket.socket | None = None
 
 

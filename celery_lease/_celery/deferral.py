@@ -1,10 +1,7 @@
-"""Release without waiting for the reply: which worker executions may, and reading the replies.
-An outermost worker execution whose success publishes nothing (result ignored, no chord, no
-hooks, no other ``task_success`` / ``task_postrun`` receiver) sends its release unanswered
-where the store can; the reply is read before the next one on that connection, before any
-publish of this process and at exit, so nothing it publishes is seen before the key is free
-(the ack and ``task-succeeded`` are not ordered). ``lease_defer_release = False`` turns it
-off."""
+"""Release without waiting for the reply (``lease_defer_release``, default on): an outermost
+worker execution whose success publishes nothing (result ignored, no chord, hooks or other
+``task_success`` / ``task_postrun`` receiver) sends it unanswered; the reply is read before the
+next command on that connection, before any publish of this process and at exit."""
 
 from __future__ import annotations
 
@@ -85,12 +82,11 @@ def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
 
 def _custom(cls: type, name: str) -> bool:
     """Whether a class below Celery's ``Task`` (ours excluded) defines hook ``name``."""
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("celery.", "celery_lease.")) or klass is object:
-            continue
-        if name in vars(klass):
-            return True
-    return False
+    return any(
+        name in vars(klass)
+        for klass in cls.__mro__
+        if klass is not object and not klass.__module__.startswith(("celery.", "celery_lease."))
+    )
 
 
 def only_ours(signal: SignalLike) -> bool:

@@ -1,10 +1,7 @@
-"""The run engine: the lifecycle of one locked execution of a task body.
-
-:func:`run_locked` builds the key, takes the lease, sets the request attributes, runs the
-body, applies ``on_held`` / ``on_lost`` and releases the lease (or keeps it for ``cooldown``)
-before the result is stored. ``lock_lost`` and ``on_lock_lost`` run on the core's dispatcher
-thread, the revoke interrupt on the thread that recorded the loss: never the renewer's or the
-watchdog's. Threads, locks and fork resets: ``docs/internals.md``.
+"""The run engine: :func:`run_locked` builds the key, takes the lease, runs the body, applies
+``on_held`` / ``on_lost`` and releases (or keeps for ``cooldown``) before the result is stored.
+``lock_lost`` and ``on_lock_lost`` run on the dispatcher thread, the revoke interrupt on the
+thread that recorded the loss. Threads and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -117,19 +114,16 @@ class _Run:
 
     def interrupt(self, held: Lease) -> None:
         """Immediate listener: stop the body; not for an early release (RETRY stays RETRY)."""
-        reason = held.lost_reason or "lost"
-        if held.released_early or self.interrupter is None:
-            return  # the loss is this execution's own early release (its record won)
-        self.interrupter.fire(reason)
+        if not held.released_early and self.interrupter is not None:
+            self.interrupter.fire(held.lost_reason or "lost")
 
     def on_lost(self, held: Lease) -> None:
         """Dispatched listener: ``lock_lost`` and ``on_lock_lost``; not for an early release."""
-        reason = held.lost_reason or "lost"
         if held.released_early:
             # Not ``self.released_early``: set before the early release is recorded, it would
             # hide a real loss recorded just before.
             return
-        self._send(signals.lock_lost, held, reason=reason)
+        self._send(signals.lock_lost, held, reason=held.lost_reason or "lost")
         hook = getattr(self.task, "on_lock_lost", None)
         if hook is not None:
             try:
@@ -150,7 +144,7 @@ class _Run:
         context, held = self.context, self.lease
         if self.released or self.released_early or context is None or held is None:
             return
-        if context.reentered:
+        if context.reentered:  # the enclosing execution's lease
             return
         held_seconds = held.held_seconds
         self.released_early = True
@@ -206,11 +200,6 @@ def adopt_request(task: object, request: TaskRequest) -> None:
             run.adopt(request)
 
 
-def _release_quietly(run: _Run) -> None:
-    with contextlib.suppress(LockLostError):  # lost before the retry: nothing left to release
-        run.release(_RELEASE_FOR_RETRY)
-
-
 def _publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> bool:
     """:func:`deferral.publishes_nothing`, and not a nested run (its caller goes on after it)."""
     return not _active.get() and deferral.publishes_nothing(task, request)
@@ -244,8 +233,9 @@ def run_locked(
         options = spec.options
         app = task.app if task is not None else compat.get_current_app()
         settings = get_settings(app)
-        if request is not None:
-            _clear_lock_attributes(request)  # overwrite what a message header may have put there
+        if request is not None:  # overwrite what a message header may have put there
+            request.lock_key = request.lock_token = request.lease = None
+            request.lock_waited = False
         key = settings.key_prefix + spec.key_function(args, kwargs)
         run = _Run(task, request, key, options)
         ttl, wait = spec.durations(settings)
@@ -318,7 +308,9 @@ def _run_arrived(
             run.release(lost)
             raise lost from None
         except Retry:
-            _release_quietly(run)  # eager retries publish nothing; a lost lease still retries
+            # Eager retries publish nothing; a lease lost before the retry still retries.
+            with contextlib.suppress(LockLostError):
+                run.release(_RELEASE_FOR_RETRY)
             raise
         except BaseException as exc:
             run.release(exc)  # raises LockLostError from exc when the lease was lost
@@ -337,13 +329,6 @@ def _run_arrived(
     if held.lost:
         _log_lost_after_success(run, held)
     return result
-
-
-def _clear_lock_attributes(request: TaskRequest) -> None:
-    request.lock_key = None
-    request.lock_token = None
-    request.lock_waited = False
-    request.lease = None
 
 
 def _lease_context(

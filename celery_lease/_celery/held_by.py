@@ -1,10 +1,7 @@
 """Who keeps a key that turned a locked execution away: a running execution, or one in its
-``cooldown`` (told apart by its lease outlasting a renewal of the task's ttl, or by a stored
-SUCCESS), so a skip can say "cooldown until ... after ...".
-
-The backend read runs on its own thread, at most :data:`BACKEND_WAIT` s and one at a time per
-process, so a hung backend (Redis: 120 s socket timeout) neither holds the worker slot nor
-piles up threads.
+``cooldown`` (its lease outlasts a renewal of the ttl, or a SUCCESS is stored). The backend read
+runs on its own thread, at most :data:`BACKEND_WAIT` s, one at a time per process, so a hung
+backend neither holds the worker slot nor piles up threads.
 """
 
 from __future__ import annotations
@@ -66,17 +63,15 @@ class HeldBy:
         on w1@host after it succeeded``, or ``held by another execution, proj.report[<id>] on
         w1@host``."""
         who = _who(self.holder)
-        if not self.cooldown:
-            if not self.state_known:
-                return (
-                    f"held by another execution, {who}"
-                    " (its state unknown: the result backend did not answer)"
-                )
-            return f"held by another execution, {who}"
-        return (
-            f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
-            f" kept by {who} after it succeeded"
+        if self.cooldown:
+            return (
+                f"in its cooldown until {iso_utc(self.until)} ({self.left:.1f} s left),"
+                f" kept by {who} after it succeeded"
+            )
+        unknown = (
+            "" if self.state_known else " (its state unknown: the result backend did not answer)"
         )
+        return f"held by another execution, {who}{unknown}"
 
 
 def iso_utc(unix_seconds: float) -> str:

@@ -3,12 +3,11 @@ in prefork children and solo (a body still running :data:`REVOKE_GRACE` s later 
 ``SIGTERM``-ed), ``PyThreadState_SetAsyncExc`` under threads, a throw into the greenlet under
 gevent and eventlet.
 
-Why nothing lands after :meth:`~Interrupter.end`: :meth:`~Interrupter.fire` decides and
-delivers under the interrupter's lock, only while the body runs; ``end()`` marks the body
-ended, then takes the lock and cancels an undelivered exception. The signal handler and green
-callbacks run between two bytecodes of the thread that may hold that lock, so they take none.
-``fire()`` on the body's own thread (an early release) does nothing: it could tear a publish
-in half. Threads, locks and fork resets: ``docs/internals.md``.
+Nothing lands after :meth:`~Interrupter.end`: :meth:`~Interrupter.fire` delivers under the
+interrupter's lock only while the body runs; ``end()`` marks it ended, then cancels an
+undelivered exception under the lock. The signal handler and green callbacks take no lock (they
+run between two bytecodes of its holder). ``fire()`` on the body's thread does nothing (it could
+tear a publish in half). See ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -39,8 +38,7 @@ logger = logging.getLogger("celery_lease.interrupt")
 REVOKE_GRACE = 2.0
 """Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
 
-_RESEND_INTERVAL = 0.05
-"""Seconds between copies of the interrupt signal while it is undelivered."""
+_RESEND_INTERVAL = 0.05  # seconds between copies of the interrupt signal while undelivered
 
 INTERRUPT_SIGNAL: int | None = (
     int(signal.SIGRTMIN) + 6

@@ -23,8 +23,7 @@ Autoscale = str | int | Sequence[str | int] | None
 """``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``."""
 
 _pool_child = False
-_pool_label = ""
-"""The pool of the worker whose start-up check passed in this process."""
+_pool_label = ""  # the pool of the worker whose start-up check passed in this process
 
 IN_PROCESS_POOLS = (
     "celery.concurrency.solo",
@@ -76,8 +75,8 @@ def runs_tasks_in_main_process(pool_cls: object) -> bool:
 
 def pool_processes(pool_cls: object, concurrency: int, autoscale: Autoscale = None) -> int:
     """How many processes may run this worker's tasks at once: 1 for an in-process pool, else the
-    larger of ``concurrency`` (0 or ``None``: 1) and the ``--autoscale`` maximum (``"10,3"``
-    or ``(10, 3)``); an unknown pool counts on the safe side."""
+    larger of ``concurrency`` (0 or ``None``: 1) and the ``--autoscale`` maximum; an unknown
+    pool counts on the safe side."""
     if runs_tasks_in_main_process(pool_cls):
         return 1
     most = int(concurrency or 1)

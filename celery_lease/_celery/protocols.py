@@ -1,9 +1,7 @@
 """Structural types of the parts of Celery, billiard, kombu and greenlet the Celery layer uses.
 
-Celery ships no types (5.7), so mypy sees its classes as ``Any``. Each protocol names only the
-members we use; stubs would tie us to one version's view, and a test's fake is typed like the
-real thing. Not ``runtime_checkable``: ``tests/unit/_celery/test_protocols.py`` checks
-Celery's objects still have every member.
+Celery ships no types (5.7); each protocol names only the members we use, so a test's fake is
+typed like the real thing. ``tests/unit/_celery/test_protocols.py`` checks Celery still has them.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """The dead-holder reaper: the leases of a pool child that dies running a task, freed at once
 (``docs/operations.md#dead-holders-freed-at-once``).
 
-Safe because :class:`DeadHolders` acts only after billiard reaped the child (``waitpid``
-returned: it runs no more), only on leases whose owner id names this host, the dead pid, this
-node and a task that child ran, taken before the reap (a new child with the recycled pid keeps
-its own), never on a ``cooldown`` or a lease of a task whose SUCCESS is stored, and
-owner-checked with the exact owner listed. It releases on a thread of its own; only the
-requeue of an ``acks_late`` task waits up to :data:`DEAD_HOLDER_WAIT` s, so the redelivery
-does not find its own key taken. Errors are logged, never raised into billiard or the event
-loop.
+Safe: only after billiard reaped the child (``waitpid`` returned), only leases whose owner id
+names this host, node, the dead pid and a task it ran, taken before the reap (a recycled pid's
+are its own), never a ``cooldown`` or a task whose SUCCESS is stored, owner-checked. Releases
+run on a thread of their own; only an ``acks_late`` requeue waits (:data:`DEAD_HOLDER_WAIT` s)
+so the redelivery does not find its key taken. Errors are logged, never raised into billiard.
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ _REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pi
 _REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
 _TIMED_OUT_KEEP = 600.0  # seconds a hard-time-limited task id is remembered for its child's death
 
-_timed_out: dict[str, tuple[str | None, float]] = {}
-"""Task ids ended by their hard time limit in this main process -> (task name, when)."""
+_timed_out: dict[str, tuple[str | None, float]] = {}  # hard-time-limited id -> (task name, when)
 
 
 def note_task_failure(sender: object, task_id: str | None, exception: object) -> None:
@@ -233,10 +229,9 @@ class _Reaper:
         return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """Run the pool's maintenance as soon as ``process`` can be reaped: the sentinel closes
-        before the child is a zombie, and ``waitpid(WNOHANG)`` often misses a multi-threaded
-        one, leaving it to billiard's 5 s timer. A pidfd (Linux >= 5.3) wakes the loop;
-        elsewhere it is retried after 5, 10, 20 ... ms."""
+        """Run the pool's maintenance as soon as ``process`` can be reaped (the sentinel closes
+        before it is a zombie, else billiard's 5 s timer does): a pidfd (Linux >= 5.3) wakes
+        the loop; elsewhere retried after 5, 10, 20 ... ms."""
         try:
             fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started
         except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer

@@ -15,11 +15,8 @@ if TYPE_CHECKING:
 
 __all__ = ["check_names", "misspelled_settings"]
 
-_HINT_CUTOFF = 0.6
-"""difflib ratio from which a setting is offered as "did you mean"."""
-
-_LOOKALIKE_CUTOFF = 0.8
-"""difflib ratio from which a key Celery would not read as ours still counts as our typo."""
+_HINT_CUTOFF = 0.6  # difflib ratio from which a setting is offered as "did you mean"
+_LOOKALIKE_CUTOFF = 0.8  # difflib ratio from which a key Celery would not read is our typo
 
 
 def _cased(name: str, prefix: str) -> str:
@@ -84,10 +81,9 @@ def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
 
 
 def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
-    """One message per configured key of ``conf`` (``app.conf`` or a mapping) meant as one of
-    ``settings`` but never read: a known name Celery does not read in that spelling, or a key
-    that says ``lease`` and is spelled as Celery reads settings or is very close to one. Other
-    libraries' names are never reported."""
+    """One message per configured key of ``conf`` meant as one of ``settings`` but never read:
+    a known name in a spelling Celery does not read, or a key that says ``lease`` and is close
+    to one. Other libraries' names are never reported."""
     finalize = getattr(conf, "finalize", None)
     if callable(finalize):
         finalize()  # a pending app.conf: load config_from_object (and its namespace) first

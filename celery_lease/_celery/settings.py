@@ -1,9 +1,7 @@
-"""Settings on ``app.conf``, and the one precedence rule: task option, app setting, default.
-
-Meanings and defaults: ``docs/celery.md#app-settings``; :data:`SETTINGS` lists them. Validated
-on first use and at worker start, where a bad value or a misspelled name refuses the worker.
-Celery's namespaces apply (``CELERY_LEASE_STORE`` under ``namespace="CELERY"``). The store is
-resolved once per app and process. Locks and fork resets: ``docs/internals.md``.
+"""Settings on ``app.conf`` (``docs/celery.md#app-settings``) and the one precedence rule: task
+option, app setting, default. Validated on first use and at worker start (a bad or misspelled
+one refuses the worker); Celery's namespaces apply. The store is resolved once per app and
+process.
 """
 
 from __future__ import annotations
@@ -311,8 +309,8 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
     """The validated lease settings of ``app``, cached per ``app.conf`` object (Celery replaces
     it when configured after a first read); ``LeaseConfigError`` for a bad or misspelled
     setting, or a refused configuration."""
-    if _refusals:
-        _raise_refusal(app)
+    if _refusals and (refusal := _refusals.get(app)) is not None:
+        raise LeaseConfigError(refusal)
     conf = app.conf  # loads the app's configuration if nothing did yet (as its tasks would)
     entry = _settings.get(app)
     if entry is None or entry[0]() is not conf:
@@ -344,12 +342,6 @@ def recheck(app: CeleryApp) -> None:
     with _lock:
         _settings.pop(app, None)
         _refusals.pop(app, None)
-
-
-def _raise_refusal(app: CeleryApp) -> None:
-    message = _refusals.get(app)
-    if message is not None:
-        raise LeaseConfigError(message)
 
 
 def is_process_local(store: str | LockStore | None) -> bool:
@@ -405,11 +397,9 @@ def default_sqlite_dir() -> str:
 def default_sqlite_path() -> str:
     """Create and check the per-user directory (0o700); return the fallback file's path (0o600).
 
-    An existing file is only ``lstat``-ed and ``chmod``-ed, never opened: closing any
-    descriptor drops every POSIX lock of the process, SQLite's included, and a process with a
-    connection open would then commit into a WAL another process deleted (two holders; see
-    :mod:`celery_lease.stores.sqlite`). Raises ``LeaseConfigError`` for a path not this user's
-    or not of its kind.
+    An existing file is never opened (closing any descriptor drops the process's POSIX locks,
+    SQLite's too: :mod:`celery_lease.stores.sqlite`). ``LeaseConfigError`` for a path not this
+    user's or not of its kind.
     """
     directory = default_sqlite_dir()
     with contextlib.suppress(FileExistsError):

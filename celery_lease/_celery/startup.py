@@ -1,12 +1,11 @@
 """The checks at worker start and in new pool processes: the configuration, the store ping
 (``docs/celery.md#the-store-at-start``).
 
-Why a bootstep: ``Signal.send`` swallows what a receiver raises, so raising in ``worker_init``
-does not stop the worker. :class:`LeaseCheck` raises from ``__init__`` while Celery builds the
-blueprint (no pool forked, no message consumed): ``celery worker`` exits 1 and
-``start_worker`` raises at once, where raising from ``start`` would leave it waiting forever.
-The refusal is also recorded (:func:`~celery_lease._celery.settings.refuse`), so a worker that
-went on anyway runs no locked execution; pool processes check again when they start.
+A bootstep, because ``Signal.send`` swallows what a ``worker_init`` receiver raises.
+:class:`LeaseCheck` raises from ``__init__`` while the blueprint is built (nothing forked or
+consumed): ``celery worker`` exits 1, ``start_worker`` raises at once (from ``start`` it would
+wait forever). The refusal is recorded (:func:`~celery_lease._celery.settings.refuse`) so a
+worker that went on runs no locked execution; pool processes check again.
 """
 
 from __future__ import annotations
@@ -68,10 +67,8 @@ __all__ = [
 
 logger = logging.getLogger("celery_lease.worker")
 
-_app: weakref.ref[CeleryApp] | None = None
-"""The app whose worker check passed in this process (inherited by pool processes)."""
-_processes = 0
-"""How many processes that worker runs tasks in; 0 before a check."""
+_app: weakref.ref[CeleryApp] | None = None  # whose worker check passed here (children inherit)
+_processes = 0  # how many processes that worker runs tasks in; 0 before a check
 
 
 def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]:
@@ -159,8 +156,6 @@ def _check(
     return None
 
 
-# The stores at start ----------------------------------------------------------------------------
-
 STORE_CHECK_TIMEOUT = 6.0
 """Seconds to wait for one store's answer at start: a little over the stores' own 5 s connect
 timeouts, so that their error is the one shown."""
@@ -220,9 +215,8 @@ def _masked(text: str, option: str | LockStore) -> str:
 def ping_store(
     what: str, option: str | LockStore, key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> Check:
-    """One round trip to ``option``, at most ``timeout`` s, on a daemon thread: ``get``, or an
-    owner-checked ``release`` of a fresh owner. A URL gets a store of its own, closed
-    afterwards."""
+    """One round trip to ``option`` (``get``, or an owner-checked ``release`` of a fresh owner),
+    at most ``timeout`` s, on a daemon thread; a URL's store is closed afterwards."""
     return ping_stores([(what, option)], key, timeout)[0]
 
 
@@ -230,7 +224,7 @@ def ping_stores(
     stores: Sequence[tuple[str, str | LockStore]], key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> list[Check]:
     """:func:`ping_store` for each ``(what, option)`` concurrently: ``timeout`` s in all."""
-    started: list[tuple[str, str | LockStore, threading.Event, list[float | BaseException]]] = []
+    started: dict[int, tuple[threading.Event, list[float | BaseException]]] = {}
     checks: dict[int, Check] = {}
     for index, (what, option) in enumerate(stores):
         if is_process_local(option):
@@ -246,13 +240,10 @@ def ping_stores(
             name="celery-lease store check",
             daemon=True,
         ).start()
-        started.append((what, option, answered, outcome))
+        started[index] = (answered, outcome)
     deadline = time.monotonic() + timeout
-    pending = iter(started)
-    for index, (what, option) in enumerate(stores):
-        if index in checks:
-            continue
-        _, _, answered, outcome = next(pending)
+    for index, (answered, outcome) in started.items():
+        what, option = stores[index]
         shown = _shown(option)
         if not answered.wait(max(0.0, deadline - time.monotonic())):
             checks[index] = Check(what, shown, f"no answer within {timeout:g} s", timeout)
@@ -305,14 +296,10 @@ def _stores_to_ping(app: CeleryApp, every: bool) -> list[tuple[str, str | LockSt
             what = "lease_store (unset: the broker's Redis)"
         pairs.append((what, option))
     pairs.extend((f"task {name!r} lock_store", store) for name, store in tasks if store is not None)
-    seen: set[object] = set()
-    unique: list[tuple[str, str | LockStore]] = []
+    unique: dict[object, tuple[str, str | LockStore]] = {}
     for what, option in pairs:
-        identity: object = option if isinstance(option, str) else id(option)
-        if identity not in seen:
-            seen.add(identity)
-            unique.append((what, option))
-    return unique
+        unique.setdefault(option if isinstance(option, str) else id(option), (what, option))
+    return list(unique.values())
 
 
 HOST_LOCAL = "lease_store (unset: the host-local SQLite file)"

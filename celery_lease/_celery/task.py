@@ -85,13 +85,9 @@ def _model_annotation(annotation: object, value: object) -> type[BaseModel] | No
 
 def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
     """For a ``pydantic=True`` task (else ``None``): turn call arguments into the models Celery's
-    ``pydantic_wrapper`` passes the body, so the key is built from them.
-
-    Uses the wrapper's own helpers where Celery has them (5.7), else validates the annotations
-    as Celery does (5.6: resolved hints; 5.5: raw ones, so a string annotation is not
-    validated, by Celery either). A failing argument is keyed as it came (the body then
-    raises).
-    """
+    ``pydantic_wrapper`` passes the body, so the key is built from them. Uses the wrapper's
+    helpers (5.7), else validates as Celery does (5.6: resolved hints; 5.5: raw ones). A failing
+    argument is keyed as it came (the body then raises)."""
     run = inspect.getattr_static(cls, "run", None)
     bound = not isinstance(run, staticmethod)
     func = run.__func__ if isinstance(run, (staticmethod, classmethod)) else run
@@ -143,16 +139,11 @@ def _pydantic_validator(cls: type, task: CeleryTask) -> _Validate | None:
 class LockedTask(Task):  # type: ignore[misc]
     """A Celery task whose body runs only while holding a lease.
 
-    Options are ``lock_<name>`` class attributes or ``@app.task(base=LockedTask, ...)``
-    keywords: ``lock_key`` (a template, a callable, or ``None`` for ``"<task name>:<digest of
-    arguments>"``), ``lock_ttl``, ``lock_wait``, ``lock_max_hold``, ``lock_cooldown``,
-    ``lock_store``, ``lock_on_held`` (``"raise"``, ``"skip"``, ``"retry"``),
-    ``lock_retry_countdown``, ``lock_on_lost`` (``"mark"``, ``"revoke"``) and ``lock_unique``
-    with ``lock_on_duplicate``, ``lock_queue_ttl``, ``lock_debounce``, ``lock_debounce_max``;
-    defaults and meaning: ``docs/celery.md#options``.
-
-    Unknown ``lock_*`` attributes and bad values raise :class:`LeaseConfigError` when the
-    class is created. Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
+    Options are the ``lock_<name>`` attributes below, as class attributes or
+    ``@app.task(base=LockedTask, ...)`` keywords (``lock_key`` ``None``: ``"<task name>:<digest
+    of arguments>"``); defaults and meaning: ``docs/celery.md#options``. Unknown ``lock_*``
+    attributes and bad values raise :class:`LeaseConfigError` when the class is created.
+    Override :meth:`on_lock_lost` and :meth:`on_lock_rejected` to react.
     """
 
     # Typed for subclasses (``lock_on_held = "skp"`` is a mypy error there); ``None``: unset.
@@ -398,9 +389,9 @@ def locked(
 ) -> Callable[[F], F]:
     """Decorate a task function (below ``@app.task``) so that its body runs under a lease.
 
-    Takes :class:`LockedTask`'s options without ``lock_``, checked here (``LeaseConfigError``
-    naming the option); ``unique`` is refused: a decorator cannot reach ``apply_async``. With
-    ``bind=True`` the key is built from the arguments after ``self``.
+    Takes :class:`LockedTask`'s options without ``lock_`` (``LeaseConfigError`` naming a bad
+    one), except ``unique`` (a decorator cannot reach ``apply_async``). With ``bind=True`` the
+    key is built from the arguments after ``self``.
     """
     raw = dict(locals())  # the options by name: the first statement sees the parameters only
 

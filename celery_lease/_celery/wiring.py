@@ -1,8 +1,6 @@
-"""Everything celery-lease hooks into Celery, done by :func:`install`: the request's lock
-attributes, the ``leases`` command and every receiver in :data:`RECEIVERS`.
-:mod:`celery_lease._celery.task` calls it on import, so it is installed before the pool forks
-(``celery worker`` imports task modules before ``worker_init``). Each step is idempotent
-(strong receivers under fixed ``dispatch_uid``s), so no lock a fork could inherit is needed."""
+"""Everything celery-lease hooks into Celery (:func:`install`: request attributes, the ``leases``
+command, :data:`RECEIVERS`), called when :mod:`celery_lease._celery.task` is imported, so before
+the pool forks. Idempotent (fixed ``dispatch_uid``s): no lock a fork could inherit."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Worker hooks, connected by :func:`celery_lease._celery.wiring.install`: ``worker_init`` notes
-the main pid and node and adds our bootsteps (the metrics step by name: it sits above this
-layer); ``worker_process_init`` forgets inherited caches, rechecks and serves ``inspect
-leases`` in a pool child; ``worker_shutdown`` removes the sockets; ``task_failure`` notes hard
-time limits for the reaper; ``task_prerun`` / ``task_postrun`` make the running task the
-default of owner ids made during it. Fork resets: ``docs/internals.md``."""
+"""Worker signal receivers (connected by :func:`celery_lease._celery.wiring.install`): our
+bootsteps at ``worker_init``, a pool child's reset and ``inspect leases`` server, hard time
+limits for the reaper, and the running task as the default of owner ids made during it."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ __all__ = [
 
 logger = logging.getLogger("celery_lease.worker")
 
-METRICS_STEP = "celery_lease.metrics:MetricsStep"
-"""The metrics bootstep, by the name Celery's blueprint resolves."""
+METRICS_STEP = "celery_lease.metrics:MetricsStep"  # by the name Celery's blueprint resolves
 
 _main_pid: int | None = None
 
@@ -50,8 +46,7 @@ def on_worker_init(sender: object = None, **_: object) -> None:
     if app is not None:
         app.steps["worker"].add(startup.LeaseCheck)  # read by the blueprint right after this signal
         app.steps["worker"].add(reaper.DeadHolders)
-        # A no-op unless lease_metrics / metrics.install().
-        app.steps["worker"].add(METRICS_STEP)
+        app.steps["worker"].add(METRICS_STEP)  # by name: a layer above; a no-op unless enabled
 
 
 def on_worker_process_init(**_: object) -> None:
@@ -69,8 +64,6 @@ def on_worker_shutdown(**_: object) -> None:
     if os.getpid() == _main_pid:
         control.cleanup_main()
 
-
-# The running task, as the default of owner ids made during it (owners.push_task) --------------
 
 _OwnerToken = contextvars.Token[tuple[str | None, str | None] | None]
 

@@ -44,16 +44,14 @@ so a key stays under PostgreSQL's primary-key limit (about 2.7 kB) whatever its 
 
 _FORMATTER = string.Formatter()
 
-_BIG_INT_BITS = 2000
-"""Ints wider than this are keyed by hex digits: ``str()`` of them may hit the digit limit."""
+_BIG_INT_BITS = 2000  # wider ints are keyed by hex digits: str() may hit the digit limit
 
 FIELD_ALPHABET = frozenset(string.ascii_letters + string.digits + "-._~%")
 """Every character an encoded template field can contain; a separator needs one outside it."""
 
 _PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 _NUMERIC = re.compile(r"-?[0-9]+")
-_DECIMAL = re.compile(r"-?[1-9][0-9]*|0")
-"""``str(n)`` of an int ``n``: the str a mapping's int key becomes in json."""
+_DECIMAL = re.compile(r"-?[1-9][0-9]*|0")  # str(n) of an int: a mapping's int key in json
 _SAFE_BYTES = frozenset((string.ascii_letters + string.digits + "-._").encode("ascii"))
 _KEYABLE = (
     "None, bool, int, float, str, bytes, list, tuple, dict with str or int keys, set, frozenset,"
@@ -73,15 +71,9 @@ class _Uncanonical(Exception):
         self.why = why or f"a value of type {kind} has no canonical form (keyable: {_KEYABLE})"
 
 
-# Canonical values ------------------------------------------------------------------------------
-
-
 def _json_view(value: object, path: str) -> tuple[bool, object]:
-    """``(True, what Celery's json path delivers for value)``, or ``(False, None)``.
-
-    A pydantic model is dumped as Celery's ``pydantic=True`` does before sending; an object with
-    ``__json__`` is what kombu's json encoder puts on the wire.
-    """
+    """``(True, what Celery's json path delivers for value)`` (a pydantic model dumped as
+    ``pydantic=True`` does, ``__json__()`` as kombu's encoder), or ``(False, None)``."""
     cls = type(value)
     if isinstance(value, type):
         return False, None
@@ -312,9 +304,6 @@ def _digest(task: str, arguments: Mapping[str, object]) -> str:
     return f"{task}:{digest}"
 
 
-# Template encoding -----------------------------------------------------------------------------
-
-
 def _pct_bytes(data: bytes) -> str:
     return "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in data)
 
@@ -506,24 +495,18 @@ def template_fields(template: str) -> list[str]:
     """The parameter names a key template refers to, in order (``"{a.b}"`` gives ``"a"``).
 
     Raises:
-        LeaseConfigError: the template is malformed, uses positional fields (``{}``, ``{0}``),
-            a conversion or format spec (``{a!r}``, ``{a:>5}``), or two fields without a
-            separator a value cannot produce between them (``{a}{b}``, ``{a}-{b}``).
+        LeaseConfigError: malformed, positional (``{}``, ``{0}``), a conversion or format spec
+            (``{a!r}``), or two fields without a separator no value contains (``{a}-{b}``).
     """
     return [part.name for part in _parse(template) if isinstance(part, _Field)]
 
 
 def validate_template(template: str, signature: inspect.Signature, *, task: str) -> None:
-    """Check ``template`` (as :func:`template_fields` does) and that its fields are parameters.
-
-    Args:
-        template: the key template, e.g. ``"account:{account_id}"``.
-        signature: the signature of the task's body as it is called (without ``self``).
-        task: the task's name, for the error message.
+    """Check ``template`` (as :func:`template_fields` does) and that its fields are parameters
+    of ``signature`` (the body as called, without ``self``) of task ``task``.
 
     Raises:
-        LeaseConfigError: naming the template, the bad field and, for an unknown one, the
-            parameters the task has.
+        LeaseConfigError: naming the template, the bad field and the task's parameters.
     """
     params = signature.parameters
     has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -605,12 +588,9 @@ def _fit(
 
 
 def _binder(signature: inspect.Signature) -> _Arguments:
-    """``arguments(args, kwargs)``: the bound arguments, defaults applied, in parameter order.
-
-    The dict ``Signature.bind`` then ``apply_defaults()`` gives, much faster when every parameter
-    is positional-or-keyword or keyword-only; a call that does not simply fit goes to
-    ``Signature.bind``, which raises the call's own ``TypeError``.
-    """
+    """``arguments(args, kwargs)``: what ``Signature.bind`` then ``apply_defaults()`` gives,
+    faster for ordinary parameters; a call that does not simply fit goes to ``bind`` (which
+    raises the call's own ``TypeError``)."""
 
     def slow(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         return dict(_bind(signature, args, kwargs).arguments)
@@ -704,10 +684,9 @@ def make_key_function(
         signature: the signature of the task's body as it is called (without ``self``).
         task: the task's name (used in the default key and in error messages).
 
-    A template is validated here, at definition time. The returned function raises
-    ``TypeError`` for arguments that do not fit (as the call would) and
-    :class:`LeaseConfigError` for an argument without a canonical form, a failed template
-    lookup, or a callable that does not return a non-empty str.
+    The returned function raises ``TypeError`` for arguments that do not fit (as the call
+    would) and :class:`LeaseConfigError` for a value without a canonical form, a failed
+    lookup, or a callable not returning a non-empty str.
 
     Raises:
         LeaseConfigError: ``key`` is neither a str, a callable nor ``None``, or a template is

@@ -1,18 +1,13 @@
-"""Who holds a lease: owner ids that say which node, task and task id took it, and when.
+"""Owner ids: which node, task and task id took a lease, and when. Core module.
 
-An owner id (what a store records as a key's holder) is ``host/pid/<16 hex>``, unique per
-acquisition attempt of a process, then fields ``;name=value`` (``;=%/`` percent-encoded)::
+``host/pid/<16 hex>`` (unique per acquisition attempt), then ``;name=value`` fields (``;=%/``
+percent-encoded): ``n`` node, ``t`` task, ``i`` task id, ``l`` label, ``ttl`` and ``cd``
+(cooldown) in ms, ``at`` unix ms when made::
 
     host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;ttl=30000;at=1733260000123
 
-Fields: ``n`` Celery node, ``t`` task name, ``i`` task id, ``l`` free label (``lease(...,
-holder=...)``), ``ttl`` and ``cd`` (cooldown) in milliseconds (ttl minus time left is how long
-ago it was renewed), ``at`` when the id was made, unix milliseconds. A queued lease's owner id
-is ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>`` (:func:`queued_owner`: ``n`` is a nonce there).
-Inside a worker, left-out fields take the worker's node (:func:`set_node`) and the running
-task (:func:`push_task`, a context variable). Words: the *holder* is the party holding a lease,
-its *owner id* the string stored, a :class:`Holder` that string parsed, the *label* the ``l``
-field. Core module: standard library only.
+A queued lease's is ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>``. In a worker, left-out fields
+take the node (:func:`set_node`) and the running task (:func:`push_task`).
 """
 
 from __future__ import annotations
@@ -56,9 +51,7 @@ _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
 
 class _Ids:
     """``host/pid/`` plus 16 hex digits (a random 64-bit start plus a count), never the same
-    twice in a process. ``generation`` is the fork generation it was made in: a forked child
-    makes its own, so parent and child never make the same id.
-    """
+    twice in a process; ``generation``: the fork generation (a child makes its own)."""
 
     __slots__ = ("base", "count", "generation", "prefix")
 
@@ -94,8 +87,7 @@ def new_nonce() -> str:
     return _this_process_ids().hex()
 
 
-_node: str | None = None
-"""The Celery node name of this worker process (inherited by prefork children), or None."""
+_node: str | None = None  # this worker process's Celery node name (prefork children inherit it)
 
 _task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
     "celery_lease_owner_task", default=None
@@ -144,22 +136,14 @@ def make_owner(
     ttl_ms: int | None = None,
     cooldown_ms: int | None = None,
 ) -> str:
-    """A fresh owner id: ``host/pid/<16 hex>`` then the given fields and the time it was made.
+    """A fresh owner id, unique per call in the process (a store's idempotent re-acquire relies
+    on it): ``host/pid/<16 hex>``, the given fields, ``at``.
 
     Args:
-        node: the Celery node name (``w1@host``), or None outside a worker.
-        task: the task name, or None.
-        task_id: the task id, or None.
+        node: the Celery node name (``w1@host``); default the process's (:func:`set_node`).
+        task, task_id: default (both left out) the task running here (:func:`push_task`).
         label: a free text naming the holder (``lease(..., holder=...)``), or None.
-        ttl_ms: the ttl the lease is taken and renewed with, milliseconds, or None.
-        cooldown_ms: the cooldown kept after a body that succeeded, milliseconds, or None.
-
-    ``node`` defaults to the process's (:func:`set_node`); ``task`` and ``task_id``, both left
-    out, to the task running in this context (:func:`push_task`). ``at`` is always added.
-
-    Returns:
-        The owner id, unique per call within the process (a store's idempotent re-acquire by
-        the same owner relies on it).
+        ttl_ms, cooldown_ms: the lease's ttl and cooldown, milliseconds, or None.
 
     Raises:
         TypeError: a value is not a str.
@@ -243,7 +227,6 @@ def parse_owner(owner: str) -> Holder:
     found: dict[str, str | None] = {"node": None, "task": None, "task_id": None, "label": None}
     host: str | None = None
     pid: int | None = None
-    taken_at: float | None = None
     millis: dict[str, float] = {}
     try:
         head, *fields = owner.split(";")
@@ -255,10 +238,7 @@ def parse_owner(owner: str) -> Holder:
             name, sep, value = item.partition("=")
             if not sep:
                 continue
-            if name == "at":
-                if value.isdigit():
-                    taken_at = int(value) / 1000.0
-            elif name in ("ttl", "cd"):
+            if name in ("at", "ttl", "cd"):
                 if value.isdigit():
                     millis[name] = int(value) / 1000.0
             elif name in _FIELDS:
@@ -266,14 +246,11 @@ def parse_owner(owner: str) -> Holder:
     except Exception:  # documented: never raises, whatever the store returned
         return Holder(str(owner), None, None, None, None, None, None, None)
     return Holder(
-        raw=owner,
-        host=host,
-        pid=pid,
-        node=found["node"],
-        task=found["task"],
-        task_id=found["task_id"],
-        label=found["label"],
-        taken_at=taken_at,
+        owner,
+        host,
+        pid,
+        **found,
+        taken_at=millis.get("at"),
         ttl=millis.get("ttl"),
         cooldown=millis.get("cd"),
     )

@@ -1,6 +1,4 @@
-"""The leased beat's settings: registered and type-checked with every ``lease_*`` setting in
-:mod:`celery_lease._celery.settings`; here they get their defaults, the ttl its lower bound
-and the scheduler name its class."""
+"""The leased beat's settings (checked in :mod:`celery_lease._celery.settings`), with defaults."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ DEFAULT_SCHEDULER = "celery.beat:PersistentScheduler"
 DEFAULT_TTL = 30.0
 
 MIN_TTL = 0.1
-"""Seconds: the lease is renewed every ttl/3 and checked before every send, so a shorter one
-would be lost between two checks."""
+"""Seconds: a shorter lease would be lost between two renewals."""
 
 EXTENSION_NAMESPACE = "celery.beat_schedulers"
 """The entry points ``celery beat -S`` accepts by name (``django``), accepted here too."""

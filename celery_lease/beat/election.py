@@ -1,14 +1,9 @@
 """The beat lease as one beat process sees it: take it, keep it, notice its loss, take it again.
 
-A beat holds the lease with the public :func:`celery_lease.lease` (the app's store and
-``lease_key_prefix``), entered and exited on the thread that runs the scheduler, so the
-library's renewer renews it every ttl/3 and records its loss; :meth:`Election.verify` asks the
-store itself, right before each send, whether the lease is still this beat's. A beat that lost
-the lease does not exit: its next tick exits the lost lease and stands by again, waiting for the
-key as any ``lease(wait=...)`` does (woken by a release where the store notifies one, else
-polling from 50 ms up to 1 s). The library renews the lease on a thread of its own, so a beat
-whose loop hangs (in a send, a store or a database call) would keep it: a watchdog releases it
-when the loop is late (:meth:`Election.back_within`).
+The lease is a public :func:`celery_lease.lease` entered on the scheduler's thread, renewed by the
+library's renewer; :meth:`Election.verify` asks the store before each send. A beat that lost it
+stands by again from its next tick. The renewer would keep a hung loop's lease, so a watchdog
+releases it when the loop is late (:meth:`Election.back_within`).
 """
 
 from __future__ import annotations
@@ -30,16 +25,13 @@ HOLDER = "celery beat"
 
 
 class Election:
-    """One process's part in the election of the beat that sends.
+    """One process's part in the election of the beat that sends. Not thread-safe: only the
+    scheduler thread calls it (the loss report, on the dispatcher thread, only logs).
 
     Args:
         app: the Celery app (its lease store and ``lease_key_prefix``).
         key: the lease's key, before the app's prefix.
         ttl: the lease's ttl in seconds.
-
-    Not thread-safe: one scheduler thread calls it (the loss report runs on the library's
-    dispatcher thread and only logs). While the lease is held, a watchdog thread releases it
-    when the loop is not back within the time it gave in :meth:`back_within`.
     """
 
     def __init__(self, app: Any, key: str, ttl: float) -> None:
@@ -54,8 +46,7 @@ class Election:
         self._stop_watch = threading.Event()
 
     def current(self) -> Lease | None:
-        """The lease while this beat holds it; ``None`` when it does not (a lease found lost is
-        exited here, and the beat stands by from its next :meth:`take`)."""
+        """The lease while this beat holds it, else ``None`` (a lost lease is exited here)."""
         held = self.held
         if held is None:
             return None
@@ -95,10 +86,9 @@ class Election:
         return held
 
     def verify(self) -> bool:
-        """Whether this beat still holds the lease, asked of the store now (a renewal, owner
-        checked): ``False`` once it is lost, taken, or the store does not answer, and when
-        the answer took more than half the ttl (the renewal is counted from when it was asked,
-        so a late answer leaves too little of the lease for a send)."""
+        """Whether the store, asked now (an owner-checked renewal), still has this beat holding
+        the lease; ``False`` also when it did not answer or took over half the ttl (the renewal
+        counts from the ask, so a late answer leaves too little lease for a send)."""
         held = self.current()
         if held is None:
             return False
@@ -135,10 +125,8 @@ class Election:
         return True
 
     def back_within(self, seconds: float) -> None:
-        """Say that the beat loop calls this again within ``seconds``; while the lease is held,
-        a loop that does not (it hangs in a send, a store or database call) has its lease
-        released then, so a standby takes over (the lease's renewer, a thread of its own,
-        would keep a hung beat in charge for ever)."""
+        """Promise the loop calls this again within ``seconds``; if it does not (hung), the
+        watchdog releases the lease then, so a standby takes over."""
         held = self.held
         if held is not None:
             self._due_back = clock_of(held.store).monotonic() + seconds

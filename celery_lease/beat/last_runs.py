@@ -1,18 +1,11 @@
 """Each schedule entry's last run, shared through the lease store next to the beat's lease.
 
-The holder of the beat lease records, after every send, when the entry last ran; a beat that
-takes the lease over reads the records before it sends anything, so it sends the next tick at
-that tick's due time: it neither repeats the tick its predecessor sent nor skips one, whatever
-the wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host).
-
-A record is a lease, so every store has it with no new method: the key
-``<beat key>:last-run:<entry name>`` held for :data:`RECORD_TTL` by an owner id whose label
-is ``last-run <unix milliseconds>`` (``celery lease list`` shows it). Writing one releases the
-previous owner and acquires with the new one; only the beat lease's holder writes, right after
-it checked with the store that it still holds the beat lease. Reading needs a store that lists
-its leases (:class:`~celery_lease.stores.base.SupportsInspection`, as every store of the
-package); with another store the records are neither written nor read, and take-over falls back
-to the wrapped scheduler's own state (logged once at start).
+A beat taking over reads them before sending, so it neither repeats nor skips a tick whatever the
+wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host). A record is a
+lease, so every store has it: key ``<beat key>:last-run:<entry name>``, owner label
+``last-run <unix ms>``; only the beat lease's holder writes, right after the store confirmed it.
+Reading needs :class:`~celery_lease.stores.base.SupportsInspection`; without it take-over falls
+back to the wrapped scheduler's own state.
 """
 
 from __future__ import annotations
@@ -30,9 +23,7 @@ __all__ = ["MIN_RECORD_KEEP", "RECORD_TTL", "LastRuns"]
 logger = logging.getLogger("celery_lease.beat")
 
 RECORD_TTL = 400 * 24 * 3600.0
-"""Seconds: the longest a record is kept without a new run (about 13 months: a yearly
-crontab's gap). The scheduler keeps each record twice its entry's period, within
-:data:`MIN_RECORD_KEEP` and this."""
+"""Seconds: the longest a record is kept without a new run (about 13 months: a yearly crontab)."""
 
 MIN_RECORD_KEEP = 3600.0
 """Seconds: the shortest a record is kept without a new run (entries of short periods)."""
@@ -56,8 +47,7 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # each record's owner id, as last read or written
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run, by entry name (empty when the
-        store cannot list its leases).
+        """Unix seconds of each entry's last recorded run, by name (empty: store cannot list).
 
         Raises:
             StoreUnavailableError: the store did not answer.
@@ -74,8 +64,7 @@ class LastRuns:
         return found
 
     def write(self, name: str, at: float, keep: float = RECORD_TTL) -> None:
-        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds
-        unless written again.
+        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds.
 
         Raises:
             StoreUnavailableError: the store did not answer.
@@ -100,8 +89,7 @@ class LastRuns:
 
 
 def _owner(at: float) -> str:
-    """An owner id (``host/pid/<16 hex>;l=<label>``, as ``celery lease list`` reads them) whose
-    label carries ``at``."""
+    """An owner id (``host/pid/<16 hex>;l=<label>``) whose label carries ``at``."""
     label = quote(f"{_LABEL}{round(at * 1000)}", safe=" ")
     return f"{socket.gethostname()}/{os.getpid()}/{secrets.token_hex(8)};l={label}"
 

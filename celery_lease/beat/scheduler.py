@@ -1,24 +1,11 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
 
-How it fits Celery's ``Service`` loop (``celery/beat.py``): the service calls ``tick()`` again
-and again and sleeps the interval it returns. The leased scheduler is a subclass built once per
-wrapped class (``LeasedPersistentScheduler(LeasedScheduler, PersistentScheduler)``), so the
-wrapped scheduler keeps its own ``tick``, heap, persistence and entries, and the leased part
-hooks the three steps every scheduler shares:
-
-* ``tick``: without the lease, wait for it instead (a standby); on taking it, read the shared
-  last runs (:mod:`celery_lease.beat.last_runs`) before anything is sent.
-* ``populate_heap`` (whenever ``tick`` rebuilds its heap: on take-over, and after the wrapped
-  scheduler reloaded its schedule, as django-celery-beat's does from its database every few
-  minutes): raise each entry's last run to the shared one, so a reload of state older than the
-  store's (a predecessor that died before it saved its own) never makes a tick due again.
-* ``reserve`` (called by ``tick`` just before a send): check with the store that the lease is
-  still this beat's; if not, nothing is reserved or sent and the entry stays due for whoever
-  holds the lease.
-* ``apply_async``: send with the header ``lease_beat_token`` (the lease's fencing token), then
-  record the entry's last run in the store.
-* ``close`` (the service's stop, ``SIGTERM``, ``SIGINT``): release the lease, so a standby takes
-  over at once.
+A subclass is built per wrapped class, so the wrapped scheduler keeps its ``tick``, heap and
+persistence; the leased part hooks ``tick`` (a standby waits for the lease; a new holder reads
+the shared last runs), ``populate_heap`` (raise each entry's last run to the shared one, so a
+reload of older state never makes a tick due again), ``reserve`` (the store confirms the lease
+before each send), ``apply_async`` (header ``lease_beat_token``, then record the run) and
+``close`` (release, so a standby takes over at once). See docs/celery.md, "Beat".
 """
 
 from __future__ import annotations
@@ -53,24 +40,13 @@ class NotHolding(Exception):
 class LeasedScheduler(Scheduler):  # type: ignore[misc]
     """A beat scheduler that sends due tasks only while it holds the lease ``lease_beat_key``.
 
-    Use it as ``celery beat -S celery_lease.beat:LeasedScheduler`` or
-    ``app.conf.beat_scheduler = "celery_lease.beat:LeasedScheduler"`` (also for
-    ``celery worker -B``). It wraps the scheduler class ``lease_beat_scheduler`` names (default
-    ``celery.beat:PersistentScheduler``; ``django_celery_beat.schedulers:DatabaseScheduler``, or
-    its alias ``django``, works too): instantiating ``LeasedScheduler`` builds a subclass of
-    both, so the wrapped scheduler's schedule, persistence and ``tick`` are kept as they are.
-
-    Settings (``app.conf``), read and checked when beat starts (a bad one raises
-    :class:`~celery_lease.LeaseConfigError` naming it, its value and what is allowed):
-
-    * ``lease_beat_scheduler``: the wrapped scheduler (a class or ``"module:Class"``).
-    * ``lease_beat_key``: the lease's key (default ``"celery-beat:<app main name>"``; the
-      app's ``lease_key_prefix`` is put in front, as for every app lease).
-    * ``lease_beat_ttl``: its ttl (duration, default 30 s); it is renewed every ttl/3, so a
-      standby takes over within one ttl (plus one poll, at most 1 s) of the active beat's death,
-      and at once after a clean shutdown, which releases it.
-
-    Every message it sends carries the header ``lease_beat_token``: its lease's fencing token.
+    Use ``celery beat -S celery_lease.beat:LeasedScheduler`` (or ``beat_scheduler``). Settings,
+    checked at start (a bad one raises :class:`~celery_lease.LeaseConfigError`):
+    ``lease_beat_scheduler`` (the wrapped class or ``"module:Class"``, default
+    ``celery.beat:PersistentScheduler``; ``django`` for django-celery-beat), ``lease_beat_key``
+    (default ``"celery-beat:<app main name>"``, after ``lease_key_prefix``), ``lease_beat_ttl``
+    (default 30 s, renewed every ttl/3: a standby takes over within a ttl plus 1 s of the
+    holder's death, at once after a clean shutdown). Each message carries ``lease_beat_token``.
 
     Attributes:
         standby_wait: seconds one ``tick`` of a standby waits for the lease (default ``None``:
@@ -122,10 +98,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return interval
 
     def reserve(self, entry: Any) -> Any:
-        """Advance ``entry`` for its send, after the store confirmed the lease is this beat's.
-
-        The broker connection (made on the first send, retried while the broker is down) is
-        made before the store is asked, so the send follows a fresh confirmation.
+        """Advance ``entry`` for its send once the store confirmed the lease is this beat's (the
+        broker connection is made first, so the send follows a fresh confirmation).
 
         Raises:
             NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
@@ -145,8 +119,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         held = self.election.held
         if held is None:  # only reachable through a direct call of a standby
             raise NotHolding(entry.name)
-        # The entry itself carries the header for this send (a copy cannot be made of every
-        # scheduler's entries: django-celery-beat's ModelEntry does not copy).
+        # Set on the entry itself for this send: django-celery-beat's ModelEntry does not copy.
         options = entry.options
         headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
         entry.options = {**(options or {}), "headers": headers}
@@ -162,9 +135,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         return result
 
     def _record_unrecorded(self) -> None:
-        """Write the runs sent but not yet recorded. A run the store could not take now (it did
-        not answer) is tried again on the next tick (and at close) while this beat holds the
-        lease; one it refuses for good (a key too long for it) is given up."""
+        """Write the runs sent but not recorded; one the store did not answer is retried next
+        tick (and at close), one it refuses for good is given up."""
         while self._unrecorded and self.last_runs is not None:
             name, (at, keep) = next(iter(self._unrecorded.items()))
             try:
@@ -187,8 +159,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
             del self._unrecorded[name]
 
     def populate_heap(self, *args: Any, **kwargs: Any) -> None:
-        """Raise each entry's last run to the shared one, then let the wrapped scheduler build
-        its heap."""
+        """Raise each entry's last run to the shared one, then build the heap."""
         schedule = self.schedule
         for name, when in self._runs.items():
             entry = schedule.get(name)
@@ -246,11 +217,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
 
 
 def record_keep(entry: Any) -> float:
-    """Seconds to keep the record of ``entry``'s run just reserved: twice the time to its next
-    run, at least :data:`~celery_lease.beat.last_runs.MIN_RECORD_KEEP` and at most
-    :data:`~celery_lease.beat.last_runs.RECORD_TTL`. An entry that stops running (removed from
-    the schedule, deleted or disabled) loses its record after about two of its periods, so the
-    records are never many more than the entries."""
+    """Seconds to keep the record of ``entry``'s run: twice the time to its next run, clamped to
+    [``MIN_RECORD_KEEP``, ``RECORD_TTL``], so a removed entry's record goes after two periods."""
     try:
         next_in = float(entry.is_due()[1])
     except Exception:  # an entry whose next run cannot be computed: keep the record longest

@@ -1,11 +1,6 @@
-"""Fenced writes: the resource side of a fencing token, so nobody hand-writes the check.
-
-A write with token ``t`` is applied when the stored fence is ``<= t`` (or there is none) and
-the fence becomes ``t``; otherwise :class:`StaleTokenError` (``current``: the refusing fence).
-Equal tokens are accepted (the same holder writing again, or retrying), so write absolute values.
-Without ``token=`` the helpers use the innermost lease of the context. One helper module per
-backend (:mod:`.sqlalchemy`, :mod:`.django`, :mod:`.redis`), each importing its driver only
-when imported. The rule and its reasons: docs/fencing.md.
+"""Fenced writes: the resource side of a fencing token (one module per backend: :mod:`.sqlalchemy`,
+:mod:`.django`, :mod:`.redis`). A write with token ``t`` applies when the stored fence is ``<= t``
+or absent (equal tokens too: a retry), else :class:`StaleTokenError`. Rule: docs/fencing.md.
 """
 
 from __future__ import annotations
@@ -30,14 +25,12 @@ def resolve_token(token: int | None = None, lock_key: str | None = None) -> Fenc
     """The token (and lock key) a fenced write uses: ``token`` if given, else the current lease's.
 
     Args:
-        token: a positive ``int`` (``self.request.lock_token``); ``None`` (default): the token
-            of the innermost lease held in this context.
+        token: a positive ``int``; ``None`` (default): the innermost lease's in this context.
         lock_key: the lock key of ``token``, for :class:`StaleTokenError`; ``None``: the current
             lease's key when ``token`` is its token, else unknown.
 
     Raises:
-        LeaseConfigError: ``token`` is not a positive int (``bool`` is refused), ``lock_key`` is
-            not a non-empty string, or no token was given outside any lease.
+        LeaseConfigError: a bad ``token`` or ``lock_key``, or no token outside any lease.
     """
     if lock_key is not None and (not isinstance(lock_key, str) or not lock_key):
         raise LeaseConfigError(

@@ -1,10 +1,7 @@
-"""Fenced writes for the Django ORM: the fence check, the row count and the first row.
-
-:func:`fenced_update` is one fenced ``QuerySet.update()`` that must match one row;
-:func:`fenced_upsert` also creates a missing row in a savepoint and, when a racing writer created
-it first, updates once more, so the fence decides. ``where`` must be exactly the primary key, one
-``unique`` field or one unconditional unique constraint, so a write touches one row. Isolation
-levels, signals and ``save()``: docs/fencing.md ("Django ORM").
+"""Fenced writes for the Django ORM (docs/fencing.md, "Django ORM"): one fenced
+``QuerySet.update()``; the upsert creates a missing row in a savepoint and, when a racing writer
+created it first, updates once more. ``where`` is the pk, a unique field or one unconditional
+unique constraint.
 """
 
 from __future__ import annotations
@@ -226,9 +223,8 @@ class _Plan:
         return int(count)
 
     def create(self, token: int) -> None:
-        fields = {("pk" if k == "pk" else k): v for k, v in self.where.items()}
         self.model._default_manager.using(self.using).create(
-            **fields, **self.values, **{self.fence: token}
+            **self.where, **self.values, **{self.fence: token}
         )
 
     def read_fence(self) -> Any:

@@ -1,10 +1,6 @@
-"""Fenced writes for SQLAlchemy 2, Core and ORM: the fence check, the row count and the first row.
-
-:func:`fenced_upsert` is one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE fence <= token``
-(PostgreSQL, SQLite 3.24+); :func:`fenced_update` an ``UPDATE ... WHERE fence <= token`` on any
-database. ``where`` must be exactly the primary key or one unique constraint, so a write touches
-one row; with a mapped class, names are attribute names and a loaded instance of the row is
-expired after the write. Nothing is committed except on an ``Engine``. See docs/fencing.md.
+"""Fenced writes for SQLAlchemy 2, Core and ORM (docs/fencing.md): :func:`fenced_update` on any
+database, :func:`fenced_upsert` as one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE fence <=
+token`` (PostgreSQL, SQLite 3.24+). ``where`` is the primary key or one unique constraint.
 """
 
 from __future__ import annotations
@@ -131,9 +127,8 @@ def fenced_upsert(
 ) -> int:
     """Create the row ``where`` with ``values``, or update it if no newer token wrote it.
 
-    One statement (PostgreSQL, SQLite): racing writers never fail on the unique key and the
-    highest token wins in any order. Arguments as :func:`fenced_update`; ``values`` must hold
-    every column the insert needs, and ``where`` is the ``ON CONFLICT`` target.
+    One statement: racing writers never fail on the unique key and the highest token wins.
+    Arguments as :func:`fenced_update`; ``values`` holds every column the insert needs.
 
     Returns:
         The token written as the row's fence.
@@ -174,9 +169,6 @@ def fenced_upsert(
         )
 
     return _run(bind, write)
-
-
-# The plan: every name checked before anything is sent ------------------------------------------
 
 
 def _check_bind(bind: object) -> None:
@@ -296,8 +288,6 @@ def _fence_allows(fence: Column[Any], token: Any) -> ColumnElement[bool]:
     """The stored fence is NULL or not above ``token`` (a value, or ``excluded.fence``)."""
     return or_(fence.is_(None), fence <= token)
 
-
-# Running it ------------------------------------------------------------------------------------
 
 _MISSING: Any = object()
 

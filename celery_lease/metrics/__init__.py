@@ -1,14 +1,10 @@
-"""Metrics of locked tasks: ``celery_lease.metrics.install(app)`` (or ``lease_metrics``).
+"""Metrics of locked tasks: ``celery_lease.metrics.install(app)`` (or ``lease_metrics``); names,
+ports and prefork behaviour in docs/operations.md ("Metrics").
 
-:func:`install` only checks its arguments; the worker's :class:`MetricsStep` creates the
-metrics, connects the receivers of :mod:`celery_lease.signals` before the pool forks and serves
-Prometheus from the main process. A process that is no worker connects nothing, so the task hot
-path sends no signal there. Metrics never stop a worker (a port taken: one ERROR line). The
-metric names, port ranges and prefork behaviour are in docs/operations.md ("Metrics").
-
-``celery_lease_held`` counts, per process, the leases that process took (by key and token): a
-release sent by a process that never counted the lease (the main process freeing a dead child's
-lease, a debounced copy superseded before ``lock_acquired``) does not decrease it.
+:func:`install` only checks its arguments; the worker's :class:`MetricsStep` connects the
+receivers before the pool forks (a non-worker process connects nothing). ``celery_lease_held``
+counts per process the leases it took (by key and token): a release by a process that never
+counted the lease (a dead child's, freed by the main process) does not decrease it.
 """
 
 from __future__ import annotations
@@ -88,10 +84,8 @@ _EARLY_KEEP = 1024
 _tasks_by_key: dict[str, str] = {}
 """Key (or queued key of a unique copy) -> task name, of leases held here (for renewals)."""
 _lock = threading.Lock()
-_observing = False
-"""The renewal observer is registered (once per process, with :data:`_lock` held)."""
-_counting = threading.Lock()
-"""Guards :data:`_held` and :data:`_early` (task and dispatcher threads); new after a fork."""
+_observing = False  # the renewal observer is registered (once per process, under _lock)
+_counting = threading.Lock()  # guards _held and _early (task, dispatcher threads); new after fork
 
 
 def _new_counting_lock() -> None:
@@ -341,22 +335,11 @@ def _options_of(app: CeleryApp) -> _Options | None:
     return _Options(settings.metrics, settings.metrics_port, "0.0.0.0", "lease_metrics_port")
 
 
-def _refuse(parent: WorkerLike, error: LeaseConfigError) -> None:
-    """Log why the worker cannot serve its metrics, and remove what celery-lease made for it."""
-    from celery_lease._celery import control  # not at import: it registers `inspect leases`
-
-    logger.critical("Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error)
-    control.cleanup_main()
-
-
 class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep (added by :func:`install` or the ``lease_metrics`` setting).
-
-    ``__init__`` (before the pool forks) picks the port, prepares the exporter and connects
-    the receivers; ``start`` serves ``/metrics``; ``stop`` / ``terminate`` undo both. No free
-    port is one ERROR line; only ``prometheus_client`` imported before
-    ``PROMETHEUS_MULTIPROC_DIR`` was set under a multi-process pool refuses the worker.
-    """
+    """Worker bootstep (added by :func:`install` or ``lease_metrics``): ``__init__`` (before the
+    fork) picks the port and connects the receivers, ``start`` serves ``/metrics``. No free port
+    is one ERROR line; only ``prometheus_client`` imported before ``PROMETHEUS_MULTIPROC_DIR``
+    was set under a multi-process pool refuses the worker."""
 
     label = "celery-lease metrics"
     requires = ("celery.worker.components:Pool", "celery_lease._celery.startup:LeaseCheck")
@@ -388,7 +371,10 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
             logger.error("%s", taken.message(node))
             return
         except LeaseConfigError as exc:
-            _refuse(parent, exc)
+            from celery_lease._celery import control  # not at import: it registers a command
+
+            logger.critical("Refusing to start worker %s: %s", node or "?", exc)
+            control.cleanup_main()
             raise
         connect(self.exporter.sink)
 
@@ -409,6 +395,4 @@ class MetricsStep(bootsteps.StartStopStep):  # type: ignore[misc]
             self.exporter.stop()
         disconnect()
 
-    def terminate(self, parent: WorkerLike) -> None:
-        """As :meth:`stop`."""
-        self.stop(parent)
+    terminate = stop

@@ -1,12 +1,7 @@
-"""OpenTelemetry instruments of locked tasks (``pip install 'celery-lease[otel]'``).
-
-The same measurements as :mod:`celery_lease.metrics.prometheus`, through the OpenTelemetry
-metrics API (meter ``celery_lease``; attribute ``celery.task.name``, and ``reason`` on losses),
-plus two spans per run: ``celery_lease.wait`` (the acquire, ended when the lease is held) and
-``celery_lease.hold`` (held until released or lost). Export is yours: configure the meter and
-tracer providers in each process that runs tasks (under prefork: in ``worker_process_init``, as
-the OpenTelemetry docs say for forking servers); until then the API's no-op providers make
-every call here cheap.
+"""OpenTelemetry instruments of locked tasks (``pip install 'celery-lease[otel]'``): the
+Prometheus measurements (meter ``celery_lease``, attribute ``celery.task.name``) plus the spans
+``celery_lease.wait`` and ``celery_lease.hold``. Configure the providers in each process that
+runs tasks (under prefork: in ``worker_process_init``); docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations

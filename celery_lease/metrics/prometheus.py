@@ -1,12 +1,9 @@
 """Prometheus metrics of locked tasks (``pip install 'celery-lease[prometheus]'``).
 
-Under prefork the children's values reach the main process's endpoint through
-prometheus_client's multiprocess mode (files in ``PROMETHEUS_MULTIPROC_DIR``, summed at each
-scrape), which keeps a dead child's counts and needs no channel to the children. Unset, the
-variable points at a private directory made before the fork (its ``owner.lock`` held by the
-worker's processes) and removed at shutdown or, after a SIGKILL, by the next worker on the host.
-The port is chosen when the worker is built and bound after the pool starts. The why and the
-operator's view are in docs/operations.md ("Metrics").
+Under prefork, prometheus_client's multiprocess mode carries the children's values; unset,
+``PROMETHEUS_MULTIPROC_DIR`` points at a private directory made before the fork (its
+``owner.lock`` held by the worker) and removed at shutdown or, after a SIGKILL, by the next
+worker on the host. Why and how: docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -149,8 +146,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # it exists, another user's
+        pass
     return True
 
 
@@ -186,10 +183,8 @@ def _mark_dead_on_exit(**_: Any) -> None:
 
 
 def port_in_use(addr: str, port: int) -> OSError | None:
-    """Why ``/metrics`` cannot listen on ``addr:port`` now (``EADDRINUSE``...), or ``None``.
-
-    Binds and closes a socket as prometheus_client's server would; port 0 is never in use.
-    """
+    """Why ``/metrics`` cannot listen on ``addr:port`` now (``EADDRINUSE``...), or ``None``
+    (binds a socket as prometheus_client's server would; port 0 is never in use)."""
     if port == 0:
         return None
     try:
@@ -214,8 +209,7 @@ def first_free_port(addr: str, ports: Sequence[int]) -> tuple[int, OSError | Non
     return -1, why
 
 
-SETTING = "lease_metrics_port"
-"""How :class:`PrometheusExporter` names a port that came from the settings."""
+SETTING = "lease_metrics_port"  # how the exporter names a port that came from the settings
 
 LOCK_FILE = "owner.lock"
 """Lock file of a private multiprocess directory, locked by the worker that made it."""
@@ -276,11 +270,8 @@ def _lock_exclusive(handle: TextIO) -> bool:
 
 
 def remove_dead_dirs(parent: str) -> list[str]:
-    """Remove the private directories in ``parent`` whose worker is gone; the paths removed.
-
-    Only a directory whose :data:`LOCK_FILE` exists and can be locked (held while removing,
-    so two workers remove it once); one without it is being made or older, and left alone.
-    """
+    """Remove the private directories in ``parent`` whose worker is gone (their
+    :data:`LOCK_FILE` exists and can be locked, held while removing); the paths removed."""
     removed: list[str] = []
     for path in sorted(glob.glob(os.path.join(glob.escape(parent), DIR_PREFIX + "*"))):
         lock = os.path.join(path, LOCK_FILE)

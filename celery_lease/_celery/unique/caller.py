@@ -29,8 +29,7 @@ if TYPE_CHECKING:
         """A store whose refused acquire names the holder."""
 
 
-_USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}
-"""Store class -> whether :func:`names_holder` holds for it."""
+_USES_ACQUIRE_OR_HOLDER: dict[type, bool] = {}  # store class -> whether names_holder holds
 
 
 def apply_unique(

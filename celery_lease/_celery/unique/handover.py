@@ -48,8 +48,7 @@ def on_start(
     if owner is None or task_id is None:
         return None  # not published through apply_unique (send_task, or before lock_unique)
     if unique.debounce is not None:
-        # Freed at its arrival (on_arrival).
-        return None
+        return None  # freed at its arrival (on_arrival)
     if unique.unique != "until_done":
         store.release(qkey, owner)
         return None

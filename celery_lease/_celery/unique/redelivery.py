@@ -155,23 +155,20 @@ def _resend_failed(
             exc,
         )
         raise Reject(exc, requeue=True) from exc
+    outcome = (
+        "no copy of it is known to run: the error is stored as its failure"
+        if ends_copy
+        else "it ends here (acked on arrival: the copy that still runs carries its work)"
+    )
+    logger.error(
+        "celery-lease: re-sending the second delivery of %s[%s] failed (%s); %s",
+        task.name,
+        task_id,
+        exc,
+        outcome,
+    )
     if ends_copy:
-        logger.error(
-            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); no copy of"
-            " it is known to run: the error is stored as its failure",
-            task.name,
-            task_id,
-            exc,
-        )
         _fail_unless_stored(task, task_id, exc)
-    else:
-        logger.error(
-            "celery-lease: re-sending the second delivery of %s[%s] failed (%s); it ends here"
-            " (acked on arrival: the copy that still runs carries its work)",
-            task.name,
-            task_id,
-            exc,
-        )
     raise Ignore("second delivery not re-sent") from exc
 
 
