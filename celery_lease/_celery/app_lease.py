@@ -22,8 +22,6 @@ from celery_lease.stores.base import AsyncLockStore, LockStore
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-__all__ = ["AppLeaseContext", "lease"]
-
 CORE_TTL = 30.0
 """Seconds: the ttl of a ``lease()`` without an app that sets none."""
 

@@ -26,8 +26,6 @@ from celery_lease._celery import compat
 from celery_lease._core import renewer
 from celery_lease._core.owners import parse_owner
 
-__all__ = ["CHILD_TIMEOUT", "child_snapshots", "leases", "local_rows", "register_command"]
-
 logger = logging.getLogger("celery_lease.control")
 
 CHILD_TIMEOUT = 0.5

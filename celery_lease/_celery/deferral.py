@@ -19,8 +19,6 @@ from celery_lease.stores.base import SupportsDeferredRelease
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, SignalLike, TaskRequest
 
-__all__ = ["defer_on", "deferring", "flush_deferred_releases", "only_ours", "publishes_nothing"]
-
 logger = logging.getLogger("celery_lease.deferral")
 
 deferring: dict[int, SupportsDeferredRelease] = {}

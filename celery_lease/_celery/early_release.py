@@ -9,8 +9,6 @@ from collections.abc import Mapping
 
 from celery_lease._celery import deferral, execution
 
-__all__ = ["release_before_publish"]
-
 
 def release_before_publish(
     headers: Mapping[str, object] | None = None, body: object = None, **_: object

@@ -32,8 +32,6 @@ from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest, UniqueTask
 
-__all__ = ["active_runs", "adopt_request", "current_run", "run_locked"]
-
 logger = logging.getLogger("celery_lease.engine")
 
 _R = TypeVar("_R")

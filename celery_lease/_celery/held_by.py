@@ -24,8 +24,6 @@ from celery_lease._core.owners import Holder, parse_owner
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask
 
-__all__ = ["HeldBy", "iso_utc", "look_up"]
-
 logger = logging.getLogger("celery_lease.engine")
 
 BACKEND_WAIT = 0.5

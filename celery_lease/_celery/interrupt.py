@@ -31,8 +31,6 @@ from celery_lease.errors import LockLostError
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import GeventHub, Greenlet
 
-__all__ = ["INTERRUPT_SIGNAL", "REVOKE_GRACE", "AsyncLockLost", "Interrupter"]
-
 logger = logging.getLogger("celery_lease.interrupt")
 
 REVOKE_GRACE = 2.0

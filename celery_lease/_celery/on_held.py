@@ -18,8 +18,6 @@ from celery_lease.errors import LockNotAcquiredError
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest
 
-__all__ = ["apply_policy", "skip_quietly"]
-
 logger = logging.getLogger("celery_lease.engine")
 
 

@@ -6,19 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = [
-    "IN_PROCESS_POOLS",
-    "Autoscale",
-    "in_pool_child",
-    "pool_label",
-    "pool_name",
-    "pool_processes",
-    "runs_one_task_at_a_time",
-    "runs_tasks_in_main_process",
-    "set_pool_child",
-    "set_pool_label",
-]
-
 Autoscale = str | int | Sequence[str | int] | None
 """``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``."""
 

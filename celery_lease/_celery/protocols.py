@@ -18,31 +18,6 @@ from celery_lease.stores.base import (
     conforms,
 )
 
-__all__ = [
-    "AppConf",
-    "AsyncResultLike",
-    "BilliardPool",
-    "CeleryApp",
-    "CeleryTask",
-    "EventLoopHub",
-    "GeventHub",
-    "Greenlet",
-    "PoolJob",
-    "PoolProcess",
-    "RequestStack",
-    "ResultBackend",
-    "SignalLike",
-    "TaskRequest",
-    "TaskSignature",
-    "TaskStack",
-    "UniqueTask",
-    "WorkerLike",
-    "WorkerRequest",
-    "can_release_deferred",
-    "can_renew_deferred",
-    "is_inspectable",
-]
-
 
 class AppConf(Protocol):
     """``app.conf`` (``celery.app.utils.Settings``): settings read by attribute or by ``get``."""

@@ -43,8 +43,6 @@ if TYPE_CHECKING:
         WorkerLike,
     )
 
-__all__ = ["DEAD_HOLDER_WAIT", "DeadHolders", "note_task_failure"]
-
 logger = logging.getLogger("celery_lease.worker")
 
 DEAD_HOLDER_WAIT = 1.0

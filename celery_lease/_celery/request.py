@@ -12,8 +12,6 @@ from celery.app.task import Context
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import TaskRequest
 
-__all__ = ["CLAIMED", "FIELDS", "define_attributes", "is_claimed", "restore", "save"]
-
 
 class _Claimed:
     """The type of :data:`CLAIMED`: one instance, which copies and pickles as itself."""

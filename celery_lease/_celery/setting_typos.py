@@ -13,8 +13,6 @@ from celery_lease.errors import LeaseConfigError
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import AppConf
 
-__all__ = ["check_names", "misspelled_settings"]
-
 _HINT_CUTOFF = 0.6  # difflib ratio from which a setting is offered as "did you mean"
 _LOOKALIKE_CUTOFF = 0.8  # difflib ratio from which a key Celery would not read is our typo
 

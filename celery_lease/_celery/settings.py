@@ -29,35 +29,6 @@ from celery_lease.stores.base import LockStore, conforms, redact_url
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-__all__ = [
-    "BUILTIN_KEY_PREFIX",
-    "BUILTIN_METRICS_PORT",
-    "BUILTIN_TTL",
-    "BUILTIN_WAIT",
-    "METRICS_EXPORTERS",
-    "SETTINGS",
-    "STORE_CHECKS",
-    "STORE_SCHEMES",
-    "LeaseSettings",
-    "broker_store_url",
-    "cached",
-    "close_stores",
-    "default_sqlite_path",
-    "get_settings",
-    "get_store",
-    "host_local_fallback",
-    "host_local_message",
-    "is_process_local",
-    "pick",
-    "read_metrics_port",
-    "recheck",
-    "refuse",
-    "reset",
-    "store_option",
-    "warn_host_local",
-    "with_restart_grace",
-]
-
 logger = logging.getLogger("celery_lease.config")
 
 BUILTIN_TTL = 30.0

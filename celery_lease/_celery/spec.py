@@ -11,8 +11,6 @@ from celery_lease._core.keys import KeyFunction
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.options import LockOptions
 
-__all__ = ["OPTIONS_ATTRIBUTE", "Spec", "options_of"]
-
 OPTIONS_ATTRIBUTE = "_lock_options"
 """Where a ``LockedTask`` class or a ``@locked`` body carries its validated :class:`LockOptions`."""
 

@@ -48,23 +48,6 @@ if TYPE_CHECKING:
     from celery_lease._celery.pool import Autoscale
     from celery_lease._celery.protocols import CeleryApp, WorkerLike
 
-__all__ = [
-    "PING_KEY",
-    "STORE_CHECK_TIMEOUT",
-    "Check",
-    "LeaseCheck",
-    "check_app",
-    "check_host_local",
-    "check_worker",
-    "locked_tasks",
-    "opt_in",
-    "ping_store",
-    "ping_stores",
-    "recheck_in_pool_process",
-    "stores_in_use",
-    "uses_celery_lease",
-]
-
 logger = logging.getLogger("celery_lease.worker")
 
 _app: weakref.ref[CeleryApp] | None = None  # whose worker check passed here (children inherit)

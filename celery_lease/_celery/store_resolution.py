@@ -15,8 +15,6 @@ from celery_lease.stores.base import LockStore, conforms
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-__all__ = ["close_url_stores", "execution_store", "store_for"]
-
 _url_stores: dict[str, LockStore] = {}
 
 

@@ -22,8 +22,6 @@ from celery.utils.dispatch import Signal
 
 from celery_lease._celery import control, deferral, early_release, request, unique, worker
 
-__all__ = ["RECEIVERS", "install"]
-
 
 def _flush_deferred(**_: object) -> None:
     deferral.flush_deferred_releases()

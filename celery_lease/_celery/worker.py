@@ -13,17 +13,6 @@ from celery_lease import _forking as forking
 from celery_lease._celery import control, pool, reaper, startup
 from celery_lease._core import owners
 
-__all__ = [
-    "METRICS_STEP",
-    "on_task_failure",
-    "on_task_postrun",
-    "on_task_prerun",
-    "on_worker_init",
-    "on_worker_process_init",
-    "on_worker_shutdown",
-    "reset_process_state",
-]
-
 logger = logging.getLogger("celery_lease.worker")
 
 METRICS_STEP = "celery_lease.metrics:MetricsStep"  # by the name Celery's blueprint resolves

@@ -24,14 +24,6 @@ from uuid import UUID
 
 from celery_lease.errors import LeaseConfigError
 
-__all__ = [
-    "KeyFunction",
-    "canonical_json",
-    "make_key_function",
-    "template_fields",
-    "validate_template",
-]
-
 KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
 """``key_function(args, kwargs) -> key``: builds the key of one execution from its arguments."""
 

@@ -18,17 +18,6 @@ from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, conforms
 from celery_lease.types import OnHeld, OnLost
 
-__all__ = [
-    "ON_HELD",
-    "ON_LOST",
-    "OPTIONS",
-    "RETRY_CAP",
-    "RETRY_FIRST",
-    "LockOptions",
-    "retry_countdown",
-    "validate_options",
-]
-
 OPTIONS = (
     "key",
     "ttl",

@@ -23,20 +23,6 @@ from urllib.parse import unquote
 
 from celery_lease import _forking as forking
 
-__all__ = [
-    "MAX_OWNER_FIELD_CHARS",
-    "QUEUED_OWNER_HEAD",
-    "Holder",
-    "is_queued_owner",
-    "make_owner",
-    "new_nonce",
-    "parse_owner",
-    "pop_task",
-    "push_task",
-    "queued_owner",
-    "set_node",
-]
-
 MAX_OWNER_FIELD_CHARS = 1000
 """Longest value (characters, before encoding) :func:`make_owner` accepts for one field: stores
 take any length, but a runaway label would make every renewal send kilobytes."""

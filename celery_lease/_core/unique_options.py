@@ -14,17 +14,6 @@ from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.types import OnDuplicate, Unique
 
-__all__ = [
-    "BUILTIN_QUEUE_TTL",
-    "DEBOUNCE_MAX_FACTOR",
-    "ON_DUPLICATE",
-    "SUPERSEDED_NAMESPACE",
-    "UNIQUE",
-    "UNIQUE_OPTIONS",
-    "UniqueOptions",
-    "validate_unique",
-]
-
 UNIQUE: tuple[Unique, ...] = get_args(Unique)
 """Allowed ``unique`` values (besides ``None``: no enqueue-time uniqueness)."""
 

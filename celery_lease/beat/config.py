@@ -11,8 +11,6 @@ from celery.utils.imports import load_extension_class_names, symbol_by_name
 from celery_lease._celery.settings import get_settings
 from celery_lease.errors import LeaseConfigError
 
-__all__ = ["DEFAULT_SCHEDULER", "DEFAULT_TTL", "MIN_TTL", "BeatConfig", "read_config"]
-
 DEFAULT_SCHEDULER = "celery.beat:PersistentScheduler"
 
 DEFAULT_TTL = 30.0

@@ -16,8 +16,6 @@ from celery_lease import Lease, LeaseContext, lease
 from celery_lease._core.lease import clock_of
 from celery_lease.errors import LeaseError, LockNotAcquiredError, StoreUnavailableError
 
-__all__ = ["HOLDER", "Election"]
-
 logger = logging.getLogger("celery_lease.beat")
 
 HOLDER = "celery beat"

@@ -18,8 +18,6 @@ from urllib.parse import quote, unquote
 
 from celery_lease.stores.base import LockStore, SupportsInspection, conforms
 
-__all__ = ["MIN_RECORD_KEEP", "RECORD_TTL", "LastRuns"]
-
 logger = logging.getLogger("celery_lease.beat")
 
 RECORD_TTL = 400 * 24 * 3600.0

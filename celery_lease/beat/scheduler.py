@@ -24,8 +24,6 @@ from celery_lease.beat.election import Election
 from celery_lease.beat.last_runs import MIN_RECORD_KEEP, RECORD_TTL, LastRuns
 from celery_lease.errors import LeaseConfigError, LeaseError, StoreUnavailableError
 
-__all__ = ["TOKEN_HEADER", "LeasedScheduler"]
-
 logger = logging.getLogger("celery_lease.beat")
 
 TOKEN_HEADER = "lease_beat_token"
