@@ -22,9 +22,7 @@ from celery_lease.stores.base import AsyncLockStore, LockStore
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
 
-CORE_TTL = 30.0
-"""Seconds: the ttl of a ``lease()`` without an app that sets none."""
-
+CORE_TTL = 30.0  # Seconds: the ttl of a ``lease()`` without an app that sets none.
 CORE_WAIT = 0.0
 
 

@@ -69,10 +69,8 @@ __all__ = [
 
 # celery 5.x: the stack of running tasks that current_task reads; Task.__call__ pushes onto it.
 task_stack: TaskStack = _state._task_stack
-
 # celery 5.x: the app of this thread (the default app when none was set).
 get_current_app: Callable[[], CeleryApp] = _state.get_current_app
-
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
 

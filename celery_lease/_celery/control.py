@@ -28,11 +28,9 @@ from celery_lease._core.owners import parse_owner
 
 logger = logging.getLogger("celery_lease.control")
 
+# Seconds the main process waits in all for its children (``inspect``'s own timeout is 1 s).
 CHILD_TIMEOUT = 0.5
-"""Seconds the main process waits in all for its children (``inspect``'s own timeout is 1 s)."""
-
 _MAX_REPLY = 16 * 1024 * 1024  # bytes: a child's snapshot larger than this is refused
-
 _dir: str | None = None  # the socket directory (made in the main process, inherited)
 _dir_pid: int | None = None  # the main process that made _dir (only it removes it)
 _cleanup_registered = False  # cleanup_main runs at exit (registered once a process)

@@ -21,9 +21,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.deferral")
 
+# Stores this process sent deferred releases to, by id (read before a publish).
 deferring: dict[int, SupportsDeferredRelease] = {}
-"""Stores this process sent deferred releases to, by id (read before a publish)."""
-
 _HOOKS = ("on_success", "after_return")
 _hookless: dict[type, bool] = {}
 

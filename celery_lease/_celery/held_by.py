@@ -26,9 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.engine")
 
-BACKEND_WAIT = 0.5
-"""Real seconds a skip waits at most for the backend's answer about the holder."""
-
+BACKEND_WAIT = 0.5  # Real seconds a skip waits at most for the backend's answer about the holder.
 _reading = threading.Lock()  # held while a backend read runs (released by its thread)
 
 

@@ -33,20 +33,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.interrupt")
 
+# Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated.
 REVOKE_GRACE = 2.0
-"""Seconds a prefork child's body has to stop after ``LockLostError`` before it is terminated."""
-
 _RESEND_INTERVAL = 0.05  # seconds between copies of the interrupt signal while undelivered
 
+# ``SIGRTMIN + 6`` (40 on Linux): a real-time signal, which queues instead of coalescing, that
+# neither billiard (``SIGUSR1``: soft time limits) nor Celery (``SIGUSR1``, ``SIGUSR2``) uses or
+# resets in a child. ``None`` without real-time signals (macOS): the main thread is then interrupted
+# like a pool thread, and the prefork grace still applies.
 INTERRUPT_SIGNAL: int | None = (
     int(signal.SIGRTMIN) + 6
     if hasattr(signal, "SIGRTMIN") and hasattr(signal, "pthread_kill")
     else None
 )
-"""``SIGRTMIN + 6`` (40 on Linux): a real-time signal, which queues instead of coalescing, that
-neither billiard (``SIGUSR1``: soft time limits) nor Celery (``SIGUSR1``, ``SIGUSR2``) uses or
-resets in a child. ``None`` without real-time signals (macOS): the main thread is then
-interrupted like a pool thread, and the prefork grace still applies."""
 
 
 class AsyncLockLost(LockLostError):

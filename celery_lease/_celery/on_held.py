@@ -69,9 +69,9 @@ def apply_policy(
     raise exc
 
 
+# True while a ``@locked`` helper that is not its task's body runs: a skip there returns ``None`` to
+# the body instead of marking the execution skipped.
 skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
-"""True while a ``@locked`` helper that is not its task's body runs: a skip there returns
-``None`` to the body instead of marking the execution skipped."""
 
 
 def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested: bool) -> bool:

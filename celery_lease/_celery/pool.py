@@ -6,19 +6,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+# ``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``.
 Autoscale = str | int | Sequence[str | int] | None
-"""``--autoscale`` as Celery passes it: ``"10,3"``, ``(10, 3)``, or ``None``."""
-
 _pool_child = False
 _pool_label = ""  # the pool of the worker whose start-up check passed in this process
 
+# Celery's pools that run every task in the worker's main process.
 IN_PROCESS_POOLS = (
     "celery.concurrency.solo",
     "celery.concurrency.thread",
     "celery.concurrency.gevent",
     "celery.concurrency.eventlet",
 )
-"""Celery's pools that run every task in the worker's main process."""
 
 
 def runs_one_task_at_a_time() -> bool:

@@ -45,13 +45,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.worker")
 
+# Seconds the requeue of a task lost with its child waits for the child's leases to be released.
 DEAD_HOLDER_WAIT = 1.0
-"""Seconds the requeue of a task lost with its child waits for the child's leases to be released."""
-
 _REAP_RETRY_FIRST = 0.005  # seconds before the first retry of a reap without pidfd
 _REAP_RETRY_FOR = 5.0  # seconds of retries at most (then billiard's own 5 s timer reaps it)
 _TIMED_OUT_KEEP = 600.0  # seconds a hard-time-limited task id is remembered for its child's death
-
 _timed_out: dict[str, tuple[str | None, float]] = {}  # hard-time-limited id -> (task name, when)
 
 

@@ -26,9 +26,7 @@ class _Claimed:
 
 
 CLAIMED = _Claimed()
-
 FIELDS = ("lock_key", "lock_token", "lock_waited", "lease", "_lease_run")
-
 _MISSING = object()
 
 

@@ -35,6 +35,8 @@ BUILTIN_TTL = 30.0
 BUILTIN_WAIT = 0.0
 BUILTIN_KEY_PREFIX = ""
 
+# Every ``app.conf`` setting, in documentation order. A new one is a line here, a
+# :class:`LeaseSettings` field and its parsing in ``_read``; the typo check follows this list.
 SETTINGS: tuple[str, ...] = (
     "lease_store",
     "lease_default_ttl",
@@ -51,21 +53,14 @@ SETTINGS: tuple[str, ...] = (
     "lease_beat_key",
     "lease_beat_ttl",
 )
-"""Every ``app.conf`` setting, in documentation order. A new one is a line here, a
-:class:`LeaseSettings` field and its parsing in ``_read``; the typo check follows this list."""
 
+# Schemes of the one store table (:mod:`celery_lease.stores._registry`).
 STORE_SCHEMES: tuple[str, ...] = _registry.known_schemes()
-"""Schemes of the one store table (:mod:`celery_lease.stores._registry`)."""
-
+# Allowed ``lease_metrics`` values besides ``None``.
 METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
-"""Allowed ``lease_metrics`` values besides ``None``."""
-
+# Allowed ``lease_store_check`` values (see :mod:`celery_lease._celery.startup`).
 STORE_CHECKS: tuple[str, ...] = ("refuse", "warn", "off")
-"""Allowed ``lease_store_check`` values (see :mod:`celery_lease._celery.startup`)."""
-
-BUILTIN_METRICS_PORT = 9809
-"""celery-exporter's 9808, plus one."""
-
+BUILTIN_METRICS_PORT = 9809  # celery-exporter's 9808, plus one.
 SQLITE_FILE = "leases.sqlite3"
 T = TypeVar("T")
 _K = TypeVar("_K")

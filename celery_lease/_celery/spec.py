@@ -11,8 +11,8 @@ from celery_lease._core.keys import KeyFunction
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.options import LockOptions
 
+# Where a ``LockedTask`` class or a ``@locked`` body carries its validated :class:`LockOptions`.
 OPTIONS_ATTRIBUTE = "_lock_options"
-"""Where a ``LockedTask`` class or a ``@locked`` body carries its validated :class:`LockOptions`."""
 
 
 def options_of(carrier: object) -> LockOptions | None:

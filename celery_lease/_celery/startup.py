@@ -139,12 +139,11 @@ def _check(
     return None
 
 
+# Seconds to wait for one store's answer at start: a little over the stores' own 5 s connect
+# timeouts, so that their error is the one shown.
 STORE_CHECK_TIMEOUT = 6.0
-"""Seconds to wait for one store's answer at start: a little over the stores' own 5 s connect
-timeouts, so that their error is the one shown."""
-
+# The key (after ``lease_key_prefix``) a start check reads: never taken.
 PING_KEY = "celery-lease:start-check"
-"""The key (after ``lease_key_prefix``) a start check reads: never taken."""
 
 
 @dataclass(frozen=True)

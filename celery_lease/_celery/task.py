@@ -51,10 +51,10 @@ wiring.install()  # Celery's signals, the request attributes, `inspect leases`: 
 
 F = TypeVar("F", bound=Callable[..., object])
 
+# Call arguments to the arguments the body receives.
 _Validate = Callable[
     [tuple[object, ...], Mapping[str, object]], tuple[tuple[object, ...], dict[str, object]]
 ]
-"""Call arguments to the arguments the body receives."""
 
 
 def _body_signature(run: object, *, bound: bool) -> inspect.Signature | None:

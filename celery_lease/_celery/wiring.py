@@ -27,6 +27,7 @@ def _flush_deferred(**_: object) -> None:
     deferral.flush_deferred_releases()
 
 
+# ``(signal, receiver, dispatch_uid)`` of every receiver :func:`install` connects.
 RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (worker_init, worker.on_worker_init, "celery_lease.worker_init"),
     (worker_process_init, worker.on_worker_process_init, "celery_lease.worker_process_init"),
@@ -43,7 +44,6 @@ RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (worker_shutdown, _flush_deferred, "celery_lease.flush_deferred"),
     (task_revoked, unique.on_task_revoked, "celery_lease.unique.revoked"),
 )
-"""``(signal, receiver, dispatch_uid)`` of every receiver :func:`install` connects."""
 
 _installed = False
 

@@ -16,7 +16,6 @@ from celery_lease._core import owners
 logger = logging.getLogger("celery_lease.worker")
 
 METRICS_STEP = "celery_lease.metrics:MetricsStep"  # by the name Celery's blueprint resolves
-
 _main_pid: int | None = None
 
 

@@ -24,23 +24,16 @@ from uuid import UUID
 
 from celery_lease.errors import LeaseConfigError
 
+# ``key_function(args, kwargs) -> key``: builds the key of one execution from its arguments.
 KeyFunction = Callable[[tuple[Any, ...], Mapping[str, Any]], str]
-"""``key_function(args, kwargs) -> key``: builds the key of one execution from its arguments."""
-
-DIGEST_BYTES = 16
-"""Bytes of BLAKE2b digest in a default key (rendered as 32 hex characters)."""
-
+DIGEST_BYTES = 16  # Bytes of BLAKE2b digest in a default key (rendered as 32 hex characters).
+# Longest template field written out; a longer one is ``~hash.<32 hex digits>`` of its text, so a
+# key stays under PostgreSQL's primary-key limit (about 2.7 kB) whatever its arguments.
 MAX_KEY_FIELD_CHARS = 200
-"""Longest template field written out; a longer one is ``~hash.<32 hex digits>`` of its text,
-so a key stays under PostgreSQL's primary-key limit (about 2.7 kB) whatever its arguments."""
-
 _FORMATTER = string.Formatter()
-
 _BIG_INT_BITS = 2000  # wider ints are keyed by hex digits: str() may hit the digit limit
-
+# Every character an encoded template field can contain; a separator needs one outside it.
 FIELD_ALPHABET = frozenset(string.ascii_letters + string.digits + "-._~%")
-"""Every character an encoded template field can contain; a separator needs one outside it."""
-
 _PLAIN = re.compile(r"[A-Za-z0-9._-]*")
 _NUMERIC = re.compile(r"-?[0-9]+")
 _DECIMAL = re.compile(r"-?[1-9][0-9]*|0")  # str(n) of an int: a mapping's int key in json

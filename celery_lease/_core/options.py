@@ -18,6 +18,7 @@ from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, conforms
 from celery_lease.types import OnHeld, OnLost
 
+# Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`.
 OPTIONS = (
     "key",
     "ttl",
@@ -30,19 +31,14 @@ OPTIONS = (
     "on_lost",
     *UNIQUE_OPTIONS,
 )
-"""Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`."""
 
+# Allowed ``on_held`` policies (the key stayed held past ``wait``); default ``"raise"``.
 ON_HELD: tuple[OnHeld, ...] = get_args(OnHeld)
-"""Allowed ``on_held`` policies (the key stayed held past ``wait``); default ``"raise"``."""
-
+# Allowed ``on_lost`` policies (the lease was lost while the body ran); default ``"mark"``.
 ON_LOST: tuple[OnLost, ...] = get_args(OnLost)
-"""Allowed ``on_lost`` policies (the lease was lost while the body ran); default ``"mark"``."""
-
+# Seconds: the first ``on_held="retry"`` countdown when ``retry_countdown`` is unset.
 RETRY_FIRST = 1.0
-"""Seconds: the first ``on_held="retry"`` countdown when ``retry_countdown`` is unset."""
-
-RETRY_CAP = 60.0
-"""Seconds: the longest default ``on_held="retry"`` countdown."""
+RETRY_CAP = 60.0  # Seconds: the longest default ``on_held="retry"`` countdown.
 
 
 @dataclass(frozen=True)

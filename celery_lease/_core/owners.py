@@ -23,13 +23,11 @@ from urllib.parse import unquote
 
 from celery_lease import _forking as forking
 
+# Longest value (characters, before encoding) :func:`make_owner` accepts for one field: stores take
+# any length, but a runaway label would make every renewal send kilobytes.
 MAX_OWNER_FIELD_CHARS = 1000
-"""Longest value (characters, before encoding) :func:`make_owner` accepts for one field: stores
-take any length, but a runaway label would make every renewal send kilobytes."""
-
+# How a queued lease's (or debounce tombstone's) owner id begins; never an ordinary one's.
 QUEUED_OWNER_HEAD = "queued;"
-"""How a queued lease's (or debounce tombstone's) owner id begins; never an ordinary one's."""
-
 _HOST = socket.gethostname()
 _SPECIAL = frozenset(";=%/")
 _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})

@@ -14,20 +14,15 @@ from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.types import OnDuplicate, Unique
 
+# Allowed ``unique`` values (besides ``None``: no enqueue-time uniqueness).
 UNIQUE: tuple[Unique, ...] = get_args(Unique)
-"""Allowed ``unique`` values (besides ``None``: no enqueue-time uniqueness)."""
-
+# Allowed ``on_duplicate`` policies; default ``"existing"``.
 ON_DUPLICATE: tuple[OnDuplicate, ...] = get_args(OnDuplicate)
-"""Allowed ``on_duplicate`` policies; default ``"existing"``."""
-
+# The option names this module validates.
 UNIQUE_OPTIONS = ("unique", "on_duplicate", "queue_ttl", "debounce", "debounce_max")
-"""The option names this module validates."""
-
+# Seconds an unstarted copy holds its key without ``queue_ttl`` or its app default.
 BUILTIN_QUEUE_TTL = 3600.0
-"""Seconds an unstarted copy holds its key without ``queue_ttl`` or its app default."""
-
-DEBOUNCE_MAX_FACTOR = 10.0
-"""``debounce_max`` defaults to this many times ``debounce``."""
+DEBOUNCE_MAX_FACTOR = 10.0  # ``debounce_max`` defaults to this many times ``debounce``.
 
 
 @dataclass(frozen=True)
@@ -118,5 +113,5 @@ def _seconds(raw: Mapping[str, Any], option: str, name: Callable[[str], str]) ->
     return None if value is None else to_seconds(value, name=name(option), inclusive=False)
 
 
+# The namespace of debounce tombstones (after ``lease_key_prefix``, before the task id).
 SUPERSEDED_NAMESPACE = "superseded:"
-"""The namespace of debounce tombstones (after ``lease_key_prefix``, before the task id)."""

@@ -12,14 +12,10 @@ from celery_lease._celery.settings import get_settings
 from celery_lease.errors import LeaseConfigError
 
 DEFAULT_SCHEDULER = "celery.beat:PersistentScheduler"
-
 DEFAULT_TTL = 30.0
-
-MIN_TTL = 0.1
-"""Seconds: a shorter lease would be lost between two renewals."""
-
+MIN_TTL = 0.1  # Seconds: a shorter lease would be lost between two renewals.
+# The entry points ``celery beat -S`` accepts by name (``django``), accepted here too.
 EXTENSION_NAMESPACE = "celery.beat_schedulers"
-"""The entry points ``celery beat -S`` accepts by name (``django``), accepted here too."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ from celery_lease.errors import LeaseError, LockNotAcquiredError, StoreUnavailab
 
 logger = logging.getLogger("celery_lease.beat")
 
+# The label of the beat lease's owner id (``celery lease list`` shows it with host and pid).
 HOLDER = "celery beat"
-"""The label of the beat lease's owner id (``celery lease list`` shows it with host and pid)."""
 
 
 class Election:

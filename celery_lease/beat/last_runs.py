@@ -20,12 +20,10 @@ from celery_lease.stores.base import LockStore, SupportsInspection, conforms
 
 logger = logging.getLogger("celery_lease.beat")
 
+# Seconds: the longest a record is kept without a new run (about 13 months: a yearly crontab).
 RECORD_TTL = 400 * 24 * 3600.0
-"""Seconds: the longest a record is kept without a new run (about 13 months: a yearly crontab)."""
-
+# Seconds: the shortest a record is kept without a new run (entries of short periods).
 MIN_RECORD_KEEP = 3600.0
-"""Seconds: the shortest a record is kept without a new run (entries of short periods)."""
-
 _LABEL = "last-run "
 _SEPARATOR = ":last-run:"
 

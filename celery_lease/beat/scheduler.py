@@ -26,9 +26,9 @@ from celery_lease.errors import LeaseConfigError, LeaseError, StoreUnavailableEr
 
 logger = logging.getLogger("celery_lease.beat")
 
+# The header every message of a leased beat carries: the fencing token of its lease (read it in a
+# task as ``self.request.lease_beat_token``).
 TOKEN_HEADER = "lease_beat_token"
-"""The header every message of a leased beat carries: the fencing token of its lease (read it in
-a task as ``self.request.lease_beat_token``)."""
 
 
 class NotHolding(Exception):

@@ -22,11 +22,11 @@ class InspectableStore(LockStore, SupportsInspection, Protocol):
     """A store that can read a key's holder: what ``lock_unique`` needs."""
 
 
+# Options whose duplicate always raises: callbacks, a chain's next steps, and group or chord members
+# (published under a pre-assigned id their group or chord waits for; Celery ignores what
+# ``apply_async`` returns). ``chain`` counts even empty: Celery publishes a chain's last step with
+# ``chain=[]`` (``celery/app/trace.py``).
 CALLBACKS = ("link", "link_error", "chain", "chord", "group_id")
-"""Options whose duplicate always raises: callbacks, a chain's next steps, and group or chord
-members (published under a pre-assigned id their group or chord waits for; Celery ignores what
-``apply_async`` returns). ``chain`` counts even empty: Celery publishes a chain's last step
-with ``chain=[]`` (``celery/app/trace.py``)."""
 
 
 @dataclass(frozen=True)

@@ -19,23 +19,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("celery_lease.unique")
 
+# Message header of a unique copy: ``[queued key, owner id]`` of its queued lease.
 HEADER = "lease_queued"
-"""Message header of a unique copy: ``[queued key, owner id]`` of its queued lease."""
-
+# Message header (a count) of a second delivery re-sent to wait for its own running copy.
 DEFERRED = "lease_deferred"
-"""Message header (a count) of a second delivery re-sent to wait for its own running copy."""
-
-NAMESPACE = "queued:"
-"""Inserted after ``lease_key_prefix`` to name a task key's queued lease."""
-
-STARTED = "started"
-"""The label of a debounced copy's claim on its own tombstone."""
-
-TRIES = 8
-"""Attempts when the key flips between free and held under our feet."""
-
+NAMESPACE = "queued:"  # Inserted after ``lease_key_prefix`` to name a task key's queued lease.
+STARTED = "started"  # The label of a debounced copy's claim on its own tombstone.
+TRIES = 8  # Attempts when the key flips between free and held under our feet.
+# Unique's wall clock (eta, debounce window); tests swap in a FakeClock.
 clock: Clock = SYSTEM_CLOCK
-"""Unique's wall clock (eta, debounce window); tests swap in a FakeClock."""
 
 
 def queued_key(key: str, prefix: str) -> str:

@@ -74,5 +74,5 @@ def queued_lost(key: str, reason: str) -> None:
     )
 
 
+# Task id -> the queued lease its running ``"until_done"`` body keeps (this process).
 holding: dict[str, QueuedHold] = {}
-"""Task id -> the queued lease its running ``"until_done"`` body keeps (this process)."""
