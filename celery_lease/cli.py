@@ -774,8 +774,7 @@ control.register_command()
 
 
 @lease_group.command(
-    name="demo",
-    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+    name="demo", context_settings={"ignore_unknown_options": True, "allow_extra_args": True}
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def demo_command(args: tuple[str, ...]) -> None:

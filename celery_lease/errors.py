@@ -149,11 +149,7 @@ class StaleTokenError(LeaseError):
     code = "STALE_TOKEN"
 
     def __init__(
-        self,
-        key: str | None,
-        token: int,
-        current: int | None,
-        resource: str | None = None,
+        self, key: str | None, token: int, current: int | None, resource: str | None = None
     ) -> None:
         super().__init__(key, token, current, resource)
         self.key = key

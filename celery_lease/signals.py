@@ -21,14 +21,7 @@ from typing import Any
 
 from celery.utils.dispatch import Signal
 
-__all__ = [
-    "lock_acquired",
-    "lock_duplicate",
-    "lock_lost",
-    "lock_rejected",
-    "lock_released",
-    "send",
-]
+__all__ = ["lock_acquired", "lock_duplicate", "lock_lost", "lock_rejected", "lock_released", "send"]
 
 logger = logging.getLogger("celery_lease.signals")
 
@@ -36,8 +29,7 @@ lock_acquired = Signal(
     name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds", "task_id"}
 )
 lock_rejected = Signal(
-    name="lock_rejected",
-    providing_args={"key", "task_id", "reason", "until", "holder_task_id"},
+    name="lock_rejected", providing_args={"key", "task_id", "reason", "until", "holder_task_id"}
 )
 lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id"})
 lock_released = Signal(

@@ -656,10 +656,7 @@ def _template_function(
 
 
 def make_key_function(
-    key: str | Callable[..., str] | None,
-    signature: inspect.Signature,
-    *,
-    task: str,
+    key: str | Callable[..., str] | None, signature: inspect.Signature, *, task: str
 ) -> KeyFunction:
     """Build the function that turns one execution's ``(args, kwargs)`` into its lock key.
 

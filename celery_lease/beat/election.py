@@ -77,9 +77,7 @@ class Election:
         self.held, self._context, self._standing_by = held, context, False
         self._watch(context, held)
         logger.info(
-            "celery-lease beat: took %s (fencing token %d): sending due tasks",
-            held.key,
-            held.token,
+            "celery-lease beat: took %s (fencing token %d): sending due tasks", held.key, held.token
         )
         return held
 

@@ -58,9 +58,7 @@ class OtelSink:
         now = time.time_ns()
         attrs = {TASK: task, "celery_lease.key": key}
         wait = self.tracer.start_span(
-            "celery_lease.wait",
-            start_time=now - int(wait_seconds * 1e9),
-            attributes=attrs,
+            "celery_lease.wait", start_time=now - int(wait_seconds * 1e9), attributes=attrs
         )
         wait.end(end_time=now)
         hold = self.tracer.start_span("celery_lease.hold", start_time=now, attributes=attrs)
