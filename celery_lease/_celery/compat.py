@@ -89,9 +89,7 @@ class PydanticWrapperCells(TypedDict, total=False):
 
 
 def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
-    """The free variables of ``func`` when it is the ``wrapper`` of Celery's ``pydantic_wrapper``
-    (celery >= 5.5), else ``None``. Told apart by its code object: named ``wrapper``, closing
-    over ``task_fun``, compiled from ``celery/app/base.py``."""
+    """The free variables of ``func`` if its code is Celery's ``pydantic_wrapper``, else None."""
     code = getattr(func, "__code__", None)
     if not (
         inspect.isfunction(func)

@@ -276,9 +276,7 @@ class Interrupter:
         cast("Greenlet", self._greenlet).throw(AsyncLockLost(self.key, "revoked"))
 
     def _watch(self) -> None:
-        """Until the body ends: re-send the signal while undelivered (CPython 3.11 can leave ours
-        pending when another handler raises in the same batch); in a prefork child, terminate
-        after :data:`REVOKE_GRACE`."""
+        """Re-send an undelivered signal (3.11 can drop ours); a prefork child: SIGTERM later."""
         import time
 
         deadline = time.monotonic() + REVOKE_GRACE

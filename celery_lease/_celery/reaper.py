@@ -1,11 +1,7 @@
 """The dead-holder reaper: the leases of a pool child that dies running a task, freed at once
-(``docs/operations.md#dead-holders-freed-at-once``).
-
-Safe: only after billiard reaped the child (``waitpid`` returned), only leases whose owner id
-names this host, node, the dead pid and a task it ran, taken before the reap (a recycled pid's
-are its own), never a ``cooldown`` or a task whose SUCCESS is stored, owner-checked. Releases
-run on a thread of their own; only an ``acks_late`` requeue waits (:data:`DEAD_HOLDER_WAIT` s)
-so the redelivery does not find its key taken. Errors are logged, never raised into billiard.
+(``docs/operations.md#dead-holders-freed-at-once`` says which leases). Releases run on a thread
+of their own; only an ``acks_late`` requeue waits (:data:`DEAD_HOLDER_WAIT` s) for them. Errors
+are logged, never raised into billiard.
 """
 
 from __future__ import annotations
@@ -65,9 +61,7 @@ def note_task_failure(sender: object, task_id: str | None, exception: object) ->
 
 
 def _runs_again(task: object, retries: int = 0, *, timed_out: bool = False) -> bool:
-    """Whether Celery runs a task again when its child dies (``retry_on_worker_lost``,
-    ``acks_late`` with ``reject_on_worker_lost``, or after a hard time limit without
-    ``acks_on_timeout``)."""
+    """Whether Celery runs a task again when its child dies."""
     if task is None:
         return False
     acks_late = bool(getattr(task, "acks_late", False))
@@ -225,9 +219,7 @@ class _Reaper:
         return compat.child_processes(self.pool) or []
 
     def watch_exit(self, hub: EventLoopHub, process: PoolProcess) -> None:
-        """Run the pool's maintenance as soon as ``process`` can be reaped (the sentinel closes
-        before it is a zombie, else billiard's 5 s timer does): a pidfd (Linux >= 5.3) wakes
-        the loop; elsewhere retried after 5, 10, 20 ... ms."""
+        """Run the pool's maintenance as soon as ``process`` can be reaped (operations.md)."""
         try:
             fd = os.pidfd_open(cast(int, process.pid))  # a child the loop watched: started
         except (AttributeError, OSError):  # no pidfd here: retry on the loop's timer

@@ -58,9 +58,7 @@ _WORD = re.compile(r"[a-z]+")
 
 
 def _says_lease(name: str, settings: Sequence[str]) -> bool:
-    """Whether ``name`` (lower case, no namespace) is written as ours: its first word is
-    ``lease`` or one slip from it, or it runs a setting's words together (``leasestore``).
-    Names merely sharing words (``cache_key_prefix``, ``release_store``) are someone else's."""
+    """Whether ``name`` starts with ``lease`` (or one slip from it) or runs ours together."""
     first = _WORD.match(name)
     if first is not None and _one_edit_apart(first.group(), "lease"):
         return True

@@ -1,11 +1,8 @@
 """The checks at worker start and in new pool processes: the configuration, the store ping
-(``docs/celery.md#the-store-at-start``).
-
-A bootstep, because ``Signal.send`` swallows what a ``worker_init`` receiver raises.
-:class:`LeaseCheck` raises from ``__init__`` while the blueprint is built (nothing forked or
-consumed): ``celery worker`` exits 1, ``start_worker`` raises at once (from ``start`` it would
-wait forever). The refusal is recorded (:func:`~celery_lease._celery.settings.refuse`) so a
-worker that went on runs no locked execution; pool processes check again.
+(``docs/celery.md#the-store-at-start``). A bootstep (``Signal.send`` swallows what a
+``worker_init`` receiver raises): :class:`LeaseCheck` raises from ``__init__``, before anything
+forks (from ``start``, ``start_worker`` would wait forever). The refusal is recorded
+(:func:`~celery_lease._celery.settings.refuse`); pool processes check again.
 """
 
 from __future__ import annotations

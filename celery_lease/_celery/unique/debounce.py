@@ -39,9 +39,7 @@ def debounced(call: Call) -> AsyncResultLike:
 
 @dataclass(frozen=True)
 class _Takeover:
-    """This call superseding the waiting copy ``waiting_id``: what handing it back undoes.
-    ``owner`` is this call's queued lease; ``tomb`` the waiting copy's tombstone, held under
-    ``tomb_owner``."""
+    """What handing the key back to the superseded copy ``waiting_id`` undoes."""
 
     owner: str
     waiting_id: str
@@ -174,19 +172,12 @@ class _Debounce:
             self.settled = True
 
     def _withdraw(self, takeover: _Takeover) -> tuple[bool, str | None]:
-        """A superseding call was not published: hand the key back to the copy it superseded, so
-        that exactly one copy stays to run. Never raises a store error; returns what
-        :meth:`_take_own_tomb` found.
-
-        Each step decides the next: take this call's own tombstone (refused: a newer call
-        stands in; touch nothing); free this call's queued lease; unless the backend shows the
-        waiting copy ended (a key for a dead copy would make every call its duplicate), take
-        the key back under its owner (refused: a new call took it and runs); if the copy ended
-        meanwhile, free that key again; else remove its tombstone: it runs. A superseded copy
-        frees its lease after storing REVOKED, so a key taken back for it is freed either way.
-        The own tombstone stays (a message the broker took after all ends without its body);
-        on a store error nothing runs rather than two.
-        """
+        """Not published: hand the key back to the superseded copy, so exactly one runs. Steps:
+        take our own tombstone (refused: a newer call stands in, stop); free our queued lease;
+        unless the copy ended, take the key back under its owner (refused: a new call runs);
+        copy ended meanwhile: free it again; else remove its tombstone, it runs. Our tombstone
+        stays; a store error leaves nothing running rather than two. Returns what
+        :meth:`_take_own_tomb` found."""
         own = self._take_own_tomb()
         if not own[0]:
             return own
@@ -212,9 +203,8 @@ class _Debounce:
         return own
 
     def _take_own_tomb(self) -> tuple[bool, str | None]:
-        """Take this failed call's own tombstone, so no call supersedes it and its message, if
-        the broker took it, ends without its body. Returns ``(True, None)`` when taken (or
-        unknown after a store error), else ``(False, holder)``. Never raises a store error."""
+        """Take our own tombstone (our message, if sent, ends bodiless): ``(True, None)`` when
+        taken or after a store error, else ``(False, holder)``."""
         call = self.call
         own_tomb = common.superseded_key(call.task_id, call.prefix)
         try:

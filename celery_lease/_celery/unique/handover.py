@@ -120,9 +120,7 @@ def _hold(
 
 
 def _queued_since(owner: str, request: TaskRequest) -> float:
-    """When (wall clock, s) the queued lease began counting ``queue_ttl``: the eta, or the call
-    (the owner's ``at``) when there is none or it is earlier; ``-inf`` if unknown (counts as
-    late)."""
+    """When (wall clock, s) ``queue_ttl`` began: the eta or the call's ``at``; else ``-inf``."""
     taken_at = parse_owner(owner).taken_at
     eta = _wall_time(getattr(request, "eta", None))
     if taken_at is None:

@@ -73,9 +73,7 @@ def _refused_by_own_copy(
     task: UniqueTask | None,
     ttl: float | None,
 ) -> bool:
-    """Whether ``holder`` is this copy's own run lease (its queued key is the running body's).
-    With the engine's ``task`` and ``ttl``, a possible second delivery is re-sent and one
-    whose copy is done ends."""
+    """Whether ``holder`` is this copy's own run lease (a second delivery: re-sent or ended)."""
     engine = task is not None and ttl is not None
     if holder is not None and parse_owner(holder).task_id == task_id:
         # acks_late redelivery of the running copy: the queued key is the body's.
