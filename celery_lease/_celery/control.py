@@ -253,21 +253,14 @@ def _parse(buffer: bytearray) -> tuple[list[LeaseRow] | None, str]:
     return None, f"bad reply: not a list of lease rows ({type(answer).__name__})"
 
 
-def _pool_children(pool: object) -> list[int] | None:
-    """The pids of a prefork pool's children, or None for an in-process pool."""
-    processes = compat.child_processes(compat.billiard_pool(pool))
-    if processes is None:
-        return None
-    return [pid for p in processes if (pid := getattr(p, "pid", None))]
-
-
 def leases(state: object, **kwargs: object) -> LeasesReply:
     """List the leases held by this worker's processes now."""
     pool = getattr(getattr(state, "consumer", None), "pool", None)
     module = type(pool).__module__ if pool is not None else ""
     rows = local_rows()
     unanswered: list[Unanswered] = []
-    children = _pool_children(pool)
+    processes = compat.child_processes(compat.billiard_pool(pool)) or []  # None: in-process
+    children = [pid for p in processes if (pid := getattr(p, "pid", None))]
     if children:
         child_rows, unanswered = child_snapshots(children)
         rows.extend(child_rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from celery_lease.errors import LeaseConfigError
@@ -69,13 +69,6 @@ def _says_lease(name: str, settings: Sequence[str]) -> bool:
     )
 
 
-def _configured_keys(conf: AppConf | Mapping[str, object]) -> Iterable[object]:
-    """Every key the user configured: ``app.conf`` without Celery's defaults, or a mapping."""
-    without_defaults = getattr(conf, "without_defaults", None)
-    view = without_defaults() if callable(without_defaults) else conf
-    return list(view.keys())
-
-
 def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence[str]) -> list[str]:
     """One message per configured key of ``conf`` meant as one of ``settings`` but never read:
     a known name in a spelling Celery does not read, or a key that says ``lease`` and is close
@@ -86,7 +79,8 @@ def misspelled_settings(conf: AppConf | Mapping[str, object], settings: Sequence
     prefix = getattr(conf, "prefix", None) or ""
     readable = {key for name in settings for key in _spellings(name, prefix)}
     problems: list[str] = []
-    for key in _configured_keys(conf):
+    without_defaults = getattr(conf, "without_defaults", None)  # app.conf: the user's keys only
+    for key in list((without_defaults() if callable(without_defaults) else conf).keys()):
         if not isinstance(key, str) or key in readable:
             continue
         name = key.lower()
