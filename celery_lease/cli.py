@@ -87,8 +87,7 @@ def _group_context(ctx: click.Context) -> click.Context | None:
 
 
 def _store_url(ctx: click.Context, url: str | None) -> str | None:
-    """The ``--store`` URL given after the command or before it; the command line wins over
-    ``CELERY_LEASE_STORE``, and two different URLs on it are an error."""
+    """The ``--store`` URL (after or before the command, else ``CELERY_LEASE_STORE``)."""
     group = _group_context(ctx)
     before = None if group is None else group.params.get("store_url")
     if before is None:
@@ -136,8 +135,7 @@ CLOSED_PIPE_STATUS = 128 + getattr(signal, "SIGPIPE", 13)
 
 
 def _end_on_closed_pipe() -> NoReturn:
-    """End quietly with :data:`CLOSED_PIPE_STATUS`; stdout goes to ``os.devnull`` first, or the
-    exit flush fails again ("Exception ignored")."""
+    """End quietly with :data:`CLOSED_PIPE_STATUS`, stdout on ``os.devnull`` for the exit flush."""
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
@@ -149,8 +147,7 @@ def _end_on_closed_pipe() -> NoReturn:
 
 
 def _stdout_closed() -> bool:
-    """Whether stdout's reader went away (a ``BrokenPipeError`` may be a store socket's): its
-    pipe polls as an error. No descriptor: not closed; no ``poll``: counted as closed."""
+    """Whether stdout's reader went away (its pipe polls as an error; no ``poll``: closed)."""
     try:
         fileno = sys.stdout.fileno()
     except (AttributeError, OSError, ValueError):
@@ -217,8 +214,7 @@ def _key_prefix(app: Any) -> str:
 
 
 def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
-    """The store key ``show`` / ``release`` look up, said on stderr: the app's prefix + KEY
-    (even when KEY starts with it: a task's key may), KEY itself with ``--raw`` or no app."""
+    """The store key looked up (said on stderr): prefix + KEY, or KEY with ``--raw`` or no app."""
     app = _app(ctx)
     prefix = _key_prefix(app)
     if app is None or (raw and prefix):
@@ -244,8 +240,7 @@ def _store_key(ctx: click.Context, key: str, raw: bool) -> str:
 
 
 def _other_key(ctx: click.Context, key: str, store_key: str) -> str | None:
-    """KEY with the app's prefix if ``store_key`` lacks it, else without; ``None`` without a
-    prefix. A ``lease()`` may hold that one and does not exclude this key's holder."""
+    """KEY with the app's prefix if ``store_key`` lacks it, else without; ``None``: no prefix."""
     prefix = _key_prefix(_app(ctx))
     if not prefix:
         return None
@@ -302,8 +297,7 @@ HELD = "held"
 
 
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease._core.owners.parse_owner`; a queued owner's ``n=`` is a nonce, not a
-    node, so its node is ``None``."""
+    """:func:`~celery_lease._core.owners.parse_owner`; a queued owner has no node."""
     holder = parse_owner(owner)
     if is_queued_owner(owner) and holder.node is not None:
         holder = dataclasses.replace(holder, node=None)
@@ -311,8 +305,7 @@ def _holder(owner: str) -> Holder:
 
 
 def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
-    """Result-backend state of each task id it knows (``SUCCESS``...); never raises. Empty
-    without an app, or with a backend that stores no results (disabled, ``rpc://``)."""
+    """Result-backend state of each task id it knows (``SUCCESS``...); never raises."""
     backend = getattr(app, "backend", None) if app is not None else None
     get = compat.task_meta_reader(backend)
     if get is None or type(backend).__name__ == "DisabledBackend":
@@ -329,8 +322,7 @@ def _task_states(app: Any, task_ids: set[str]) -> dict[str, str]:
 
 
 def _state(record: dict[str, Any], states: dict[str, str], prefix: str) -> str:
-    """The STATE column: ``superseded``, ``started``, ``queued``, ``cooldown`` (task succeeded),
-    ``running`` or ``held`` (not told); see ``list --help``."""
+    """The STATE column (see ``list --help``)."""
     tombstone = record["key"].startswith(prefix + SUPERSEDED_NAMESPACE)  # superseded:<task id>
     if tombstone and is_queued_owner(record["owner"]):
         return STARTED if _holder(record["owner"]).label == STARTED else SUPERSEDED
@@ -379,8 +371,7 @@ def stale_margin(ttl: float) -> float:
 
 
 def _renewed_ago(ttl: float | None, expires_in: float) -> float | None:
-    """Seconds since the last renewal: ttl minus time left (the store's clock only); ``None``
-    without a ttl, or when a cooldown longer than the ttl set the time left."""
+    """Seconds since the last renewal (store's clock); ``None`` without a ttl or in a cooldown."""
     if ttl is None:
         return None
     ago = ttl - expires_in
@@ -407,8 +398,7 @@ def _cooldown_set_ago(record: dict[str, Any]) -> float | None:
 
 
 def _cooling(record: dict[str, Any]) -> bool:
-    """Whether the time left is within the owner's ``cd=`` and below what renewal allows (two
-    thirds of the ttl). A holder that died there looks the same and frees it as soon."""
+    """Whether the time left is within the owner's ``cd=`` and below two thirds of the ttl."""
     cooldown, ttl, left = record["cooldown"], record["ttl"], record["expires_in"]
     if not cooldown or ttl is None:
         return False
@@ -416,8 +406,7 @@ def _cooling(record: dict[str, Any]) -> bool:
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
-    """One lease as the JSON output gives it: the store's view plus the parsed owner
-    (``held_seconds``: this host's clock minus the holder's ``at``, at least 0, or ``None``)."""
+    """One lease as the JSON output gives it: the store's view plus the parsed owner."""
     holder = _holder(info.owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
     renewed = _renewed_ago(holder.ttl, info.expires_in)

@@ -93,8 +93,7 @@ class FakeClock:
         self._cond.notify_all()
 
     def _autojump_in(self) -> float | None:
-        """Real seconds until the clock may jump (<= 0: now); ``None``: off, no deadline, a
-        waiter due to wake, or a thread of the clock busy (:meth:`_busy`)."""
+        """Real seconds until the clock may jump (<= 0: now); ``None``: not now."""
         if self._autojump == math.inf or not self._deadlines:
             return None
         if any(d - _EPSILON <= self._now for d in self._deadlines):
@@ -104,8 +103,7 @@ class FakeClock:
         return self._last_activity + self._autojump - time.monotonic()
 
     def _busy(self) -> bool:
-        """Whether a thread of the clock (a past waiter, or a renewer or watchdog thread on it
-        from its start) is alive and not in a :meth:`wait`; the lock is held."""
+        """Whether a thread of the clock is alive and not in a :meth:`wait`; the lock is held."""
         for thread in list(self._participants):
             if not thread.is_alive():
                 self._participants.discard(thread)

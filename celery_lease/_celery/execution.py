@@ -433,9 +433,8 @@ def _release_with_queued(
     queued: _unique.QueuedHold,
     settings: LeaseSettings,
 ) -> None:
-    """Release an ``until_done`` copy's run lease, then its queued key: unanswered and in order
-    on one connection where the store can, then one wait for both unless nothing is published
-    after."""
+    """Release an ``until_done`` copy's run lease, then its queued key, in order (unanswered
+    where the store can)."""
     deferred = settings.defer_release and deferral.only_ours(signals.lock_released)
     if deferred:
         deferral.defer_on(context)

@@ -114,9 +114,8 @@ def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> Hel
 
 
 def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool | None:
-    """Whether ``task``'s backend shows ``task_id`` succeeded: ``False`` without stored results
-    or on an error; ``None`` without an answer within :data:`BACKEND_WAIT` or while an earlier
-    read runs."""
+    """Whether the backend shows ``task_id`` succeeded (``False``: no results or an error;
+    ``None``: no answer within :data:`BACKEND_WAIT`, or an earlier read still runs)."""
     if task is None or task_id is None:
         return False
     backend = getattr(task, "backend", None)

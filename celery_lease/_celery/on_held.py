@@ -84,9 +84,8 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
 
 
 def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str, what: str) -> None:
-    """End a skipped worker execution REVOKED (``get()`` raises at once), send ``task-revoked``
-    (also without ``-E``: Flower may enable events remotely), then ``Ignore`` so nothing is
-    stored over it. A backend error propagates: never a silent success."""
+    """End a skipped worker execution REVOKED, send ``task-revoked`` (also without ``-E``),
+    then ``Ignore`` so nothing is stored over it. A backend error propagates."""
     reason = f"skipped: {key!r} {what} (on_held='skip')"
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))

@@ -57,8 +57,7 @@ class _Uncanonical(Exception):
 
 
 def _json_view(value: object, path: str) -> tuple[bool, object]:
-    """``(True, what Celery's json path delivers for value)`` (a pydantic model dumped as
-    ``pydantic=True`` does, ``__json__()`` as kombu's encoder), or ``(False, None)``."""
+    """``(True, what Celery's json path delivers for value)``, or ``(False, None)``."""
     cls = type(value)
     if isinstance(value, type):
         return False, None
@@ -174,8 +173,7 @@ def _canon(value: object, path: str, active: set[int]) -> Any:
 
 
 def _offset(value: datetime | time, path: str) -> timedelta | None:
-    """``value.utcoffset()``; one with microseconds has none: kombu's json (``fromisoformat``,
-    CPython 3.11) drops it, so the key would change in transit."""
+    """``value.utcoffset()``; none with microseconds (kombu's json drops it in transit)."""
     offset = value.utcoffset()
     if offset is not None and offset.microseconds:
         raise _Uncanonical(
@@ -370,8 +368,7 @@ _SIMPLE_INT = 10**18
 
 
 def _simple_field(value: object) -> str | None:
-    """``_field(_canon(value))`` without the walk for a small exact ``int`` or a short plain,
-    non-numeric ``str`` (most keys); ``None`` for anything else."""
+    """``_field(_canon(value))`` for a small int or a short plain str; else ``None``."""
     kind = type(value)
     if kind is int:
         if -_SIMPLE_INT < value < _SIMPLE_INT:  # type: ignore[operator]
@@ -573,9 +570,7 @@ def _fit(
 
 
 def _binder(signature: inspect.Signature) -> _Arguments:
-    """``arguments(args, kwargs)``: what ``Signature.bind`` then ``apply_defaults()`` gives,
-    faster for ordinary parameters; a call that does not simply fit goes to ``bind`` (which
-    raises the call's own ``TypeError``)."""
+    """``arguments(args, kwargs)``: ``Signature.bind`` + ``apply_defaults()``, faster."""
 
     def slow(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> dict[str, Any]:
         return dict(_bind(signature, args, kwargs).arguments)

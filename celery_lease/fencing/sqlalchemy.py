@@ -260,8 +260,7 @@ def _check_names(
 
 
 def _unique_keys(table: Table) -> set[frozenset[str]]:
-    """Column-name sets that identify one row: the primary key, unique constraints, and unique
-    indexes over plain columns without a ``WHERE`` (a partial index holds for some rows only)."""
+    """Column-name sets that identify one row (primary key, unique constraints, full indexes)."""
     keys = {frozenset(c.name for c in table.primary_key.columns)}
     for constraint in table.constraints:
         if isinstance(constraint, UniqueConstraint):

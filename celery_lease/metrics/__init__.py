@@ -320,8 +320,7 @@ def _check_library(exporter: str, name: str) -> None:
 
 
 def _options_of(app: CeleryApp) -> _Options | None:
-    """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings
-    (a bad setting is left to the worker's configuration check; a missing library raises)."""
+    """What to export for ``app``'s worker: :func:`install`'s arguments, else the settings."""
     options = _installed.get(app)
     if options is not None:
         return options

@@ -141,9 +141,8 @@ def _defines_both(kind: type) -> bool:
 
 
 def _resend(call: Call) -> AsyncResultLike:
-    """A running copy publishes its own id (a retry): wait again under its own queued lease,
-    never a duplicate of itself. Under ``"until_done"`` the held key is set to the retry's
-    ``queue_ttl`` (again when the run ends); held by another copy, the retry goes without one."""
+    """A running copy's retry waits under its own queued lease, never its own duplicate
+    (``"until_done"``: the held key gets the retry's ``queue_ttl``)."""
     task, store, qkey, task_id = call.task, call.store, call.qkey, call.task_id
     owner = header_owner(task.request, task_id, qkey) or _own_queued_owner(store, qkey, task_id)
     if owner is None:

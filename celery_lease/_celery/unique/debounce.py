@@ -219,9 +219,8 @@ class _Debounce:
         return True, None
 
     def _store_failed_publish(self, exc: Exception, own: tuple[bool, str | None]) -> None:
-        """Store a failed call's final state once ``own`` is known: its error as FAILURE; REVOKED
-        ``"superseded by <newer>"`` when a newer call holds its tombstone (a superseded copy
-        never ends FAILURE); nothing when its own message started (it stores its own result)."""
+        """Store a failed call's final state: FAILURE; REVOKED when a newer call holds its
+        tombstone; nothing when its own message started."""
         task, task_id = self.call.task, self.call.task_id
         taken, holder = own
         if not taken and holder is not None:

@@ -68,9 +68,8 @@ def on_start(
 def _second_delivery(
     task: UniqueTask, request: TaskRequest, task_id: str, key: str, ttl: float, deferred: int
 ) -> None:
-    """A second delivery, back with the run key free, runs the body only when its copy was seen
-    not done twice, one ttl apart (the first time may fall between the copy's release and its
-    stored result; a dead copy is still not done a ttl later). Else ``Ignore``."""
+    """A second delivery runs only once its copy was seen not done twice, a ttl apart (a dead
+    copy is still not done a ttl later). Else ``Ignore``."""
     done = common.finished(task, task_id)
     if done:
         drop_finished(task, task_id)  # the body ran already
