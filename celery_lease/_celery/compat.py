@@ -1,7 +1,5 @@
-"""Every reach into Celery's and billiard's internals, in one place (read in celery 5.7.0 and
-billiard 4.3.2), each headed by the behaviour it relies on, so an upgrade that moves one
-breaks this module and its tests only. The dead-holder reaper, a user, is in the safety path:
-``docs/internals.md``."""
+"""Every reach into Celery's and billiard's internals (read in celery 5.7.0, billiard 4.3.2),
+each headed by the behaviour it relies on: an upgrade that moves one breaks only this module."""
 
 from __future__ import annotations
 

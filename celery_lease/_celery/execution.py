@@ -1,8 +1,6 @@
 """The run engine: :func:`run_locked` builds the key, takes the lease, runs the body, applies
 ``on_held`` / ``on_lost`` and releases (or keeps for ``cooldown``) before the result is stored.
-``lock_lost`` and ``on_lock_lost`` run on the dispatcher thread, the revoke interrupt on the
-thread that recorded the loss. Threads and fork resets: ``docs/internals.md``.
-"""
+Which thread runs what, and fork resets: ``docs/internals.md``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Structural types of the parts of Celery, billiard, kombu and greenlet the Celery layer uses.
-
-Celery ships no types (5.7); each protocol names only the members we use, so a test's fake is
-typed like the real thing. ``tests/unit/_celery/test_protocols.py`` checks Celery still has them.
-"""
+"""Structural types of the parts of Celery, billiard, kombu and greenlet we use (Celery 5.7
+ships none); ``tests/unit/_celery/test_protocols.py`` checks Celery still has them."""
 
 from __future__ import annotations
 

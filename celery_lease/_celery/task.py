@@ -1,7 +1,6 @@
-"""``LockedTask`` and ``@locked``: a Celery task body runs only while it holds a renewed lease.
-Both share the engine (:mod:`~celery_lease._celery.execution`); this module holds the options,
-their validation and the ``__call__`` that hands each execution over. Guide:
-``docs/celery.md``."""
+"""``LockedTask`` and ``@locked``: their options, validation and the ``__call__`` that hands
+each execution to the engine (:mod:`~celery_lease._celery.execution`). Guide: ``docs/celery.md``.
+"""
 
 from __future__ import annotations
 
