@@ -13,9 +13,8 @@ from celery_lease._celery import deferral, execution
 def release_before_publish(
     headers: Mapping[str, object] | None = None, body: object = None, **_: object
 ) -> None:
-    """``before_task_publish``: release the lease of a running execution whose id the message
-    carries (in the headers, or the body under ``task_protocol = 1``), after answering any
-    deferred release."""
+    """``before_task_publish``: release the lease of the running execution the message names
+    (header, or protocol 1 body), after answering any deferred release."""
     if deferral.deferring:
         deferral.flush_deferred_releases()
     runs = execution.active_runs()

@@ -358,9 +358,8 @@ def _check_stores(app: CeleryApp, settings: LeaseSettings) -> LeaseConfigError |
 
 
 class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
-    """Worker bootstep: refuse to build the worker (see the module docstring for why
-    ``__init__``). Each build checks afresh; the socket directory of ``inspect leases`` is
-    made before the pool forks."""
+    """Worker bootstep: refuse to build the worker (each build checks afresh); makes the
+    ``inspect leases`` socket directory before the pool forks."""
 
     name = "celery_lease.worker.LeaseCheck"  # a fixed step name, wherever the class lives
     label = "celery-lease check"

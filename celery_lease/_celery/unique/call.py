@@ -61,9 +61,8 @@ class Call:
     def publish(
         self, owner: str, *, free: bool = True, fail: bool = False, **options: Any
     ) -> AsyncResultLike:
-        """Publish with the queued lease ``owner`` in the header. A failure frees it (with
-        ``free``) and, with ``fail``, is stored as the copy's FAILURE, so duplicates handed
-        its result see the error."""
+        """Publish with the queued lease ``owner`` in the header; a failure frees it (``free``)
+        and is stored as the copy's FAILURE (``fail``)."""
         headers = dict(self.options.get("headers") or {})
         headers[HEADER] = [self.qkey, owner]
         try:

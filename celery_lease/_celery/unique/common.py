@@ -67,9 +67,8 @@ def header_owner(request: TaskRequest | None, task_id: str | None, qkey: str | N
 
 
 def finished(task: CeleryTask, task_id: str) -> bool | None:
-    """Whether copy ``task_id`` is done (a ready state). ``False`` for any other state (RETRY
-    also shows while a retry runs) and without results (the body runs again: at least once);
-    ``None`` when the backend failed (ask later)."""
+    """Whether copy ``task_id`` is done (a ready state; ``False`` without results, since the
+    body runs again); ``None`` when the backend failed (ask later)."""
     try:
         state = task.backend.get_state(task_id)
     except NotImplementedError:  # DisabledBackend: no results, ever
@@ -104,9 +103,8 @@ def fail_quietly(task: CeleryTask, task_id: str, exc: Exception) -> None:
 
 
 def revoke_quietly(task: CeleryTask, task_id: str, newer: str | None) -> None:
-    """Store copy ``task_id`` REVOKED ``"superseded by <newer>"`` for a call that publishes
-    nothing after all, so a caller handed its id does not wait forever. Only stored (no copy
-    reached a worker); errors logged."""
+    """Store copy ``task_id`` REVOKED ``"superseded by <newer>"``, so a caller handed its id
+    does not wait forever; errors logged."""
     reason = f"superseded by {newer}"
     try:
         task.backend.mark_as_revoked(task_id, reason)
