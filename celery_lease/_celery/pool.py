@@ -60,9 +60,8 @@ def runs_tasks_in_main_process(pool_cls: object) -> bool:
 
 
 def pool_processes(pool_cls: object, concurrency: int, autoscale: Autoscale = None) -> int:
-    """How many processes may run this worker's tasks at once: 1 for an in-process pool, else the
-    larger of ``concurrency`` (0 or ``None``: 1) and the ``--autoscale`` maximum; an unknown
-    pool counts on the safe side."""
+    """How many processes may run this worker's tasks at once: 1 in process, else the larger
+    of ``concurrency`` (0 or ``None``: 1) and the ``--autoscale`` maximum (unknown: safe side)."""
     if runs_tasks_in_main_process(pool_cls):
         return 1
     most = int(concurrency or 1)

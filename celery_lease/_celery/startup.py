@@ -194,8 +194,8 @@ def _masked(text: str, option: str | LockStore) -> str:
 def ping_store(
     what: str, option: str | LockStore, key: str, timeout: float = STORE_CHECK_TIMEOUT
 ) -> Check:
-    """One round trip to ``option`` (``get``, or an owner-checked ``release`` of a fresh owner),
-    at most ``timeout`` s, on a daemon thread; a URL's store is closed afterwards."""
+    """One round trip (at most ``timeout`` s, on a daemon thread) to ``option``; a URL's store is
+    closed afterwards."""
     return ping_stores([(what, option)], key, timeout)[0]
 
 

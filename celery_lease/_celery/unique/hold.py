@@ -24,9 +24,8 @@ class QueuedHold:
         self.retry_ttl_ms: int | None = None  # set when the body published its retry
 
     def end(self, succeeded: bool, defer: bool = False) -> None:
-        """Stop renewing, then free the key or keep it (retry, ``cooldown``); never raises a
-        store error. With ``defer`` the release goes out unanswered on the connection the run
-        lease's release just used, so it is never ahead of it."""
+        """Stop renewing, then free the key or keep it (retry, ``cooldown``); never raises a store
+        error. With ``defer`` unanswered, behind the run lease's release on its connection."""
         holding.pop(self.task_id, None)
         held = self.held
         try:
