@@ -28,8 +28,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_lease.stores._redis_common import RETRIED, SOCKET_TIMEOUT, Script, text
 from celery_lease.stores._redis_compat import request_slot_refresh, run_requested_slot_refresh
 
-__all__ = ["Calls", "ClusterFanOut", "NodeWorkers", "SlotRefresh", "before", "pipelined"]
-
 logger = logging.getLogger("celery_lease.stores.redis")
 
 _T = TypeVar("_T")

@@ -41,8 +41,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_lease import _forking as forking
 from celery_lease.stores._redis_compat import connection_socket, parse_error
 
-__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head", "pack_request"]
-
 logger = logging.getLogger("celery_lease.stores._redis_fast")
 
 BUSY: Final = object()

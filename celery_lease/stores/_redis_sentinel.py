@@ -31,19 +31,6 @@ from celery_lease.stores._redis_common import (
 )
 from celery_lease.stores.base import redact_url, secrets_among
 
-__all__ = [
-    "GET_MASTER",
-    "Sentinel",
-    "SentinelURL",
-    "client_from_url",
-    "describe_sentinel_master",
-    "follow_master",
-    "master_address",
-    "no_master_message",
-    "parse_sentinel_url",
-    "sentinel_connection_kwargs",
-]
-
 logger = logging.getLogger("celery_lease.stores.redis")
 
 GET_MASTER = "SENTINEL GET-MASTER-ADDR-BY-NAME"

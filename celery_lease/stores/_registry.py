@@ -17,19 +17,6 @@ from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore, redact_url
 from celery_lease.stores.threaded import ThreadedAsyncStore
 
-__all__ = [
-    "SCHEMES",
-    "Entry",
-    "async_class",
-    "async_store_from_url",
-    "examples",
-    "known_schemes",
-    "lazy_names",
-    "resolve",
-    "store_from_url",
-    "sync_class",
-]
-
 
 class Entry(NamedTuple):
     """What serves one URL scheme."""
