@@ -53,12 +53,9 @@ _UNDO_TIMEOUT = 5.0  # seconds a release undoing an interrupted acquire may take
 
 
 async def _within(coro: Awaitable[_T], seconds: float) -> _T:
-    """``await coro`` for at most ``seconds`` (then ``TimeoutError``), never losing a cancel.
-
-    ``asyncio.wait_for`` before Python 3.12 returns the result when it lands in the same loop
-    iteration as a cancel of its caller, and the cancel is lost: an acquire whose reply raced
-    the caller's cancel would hand back a lease to a caller that gave up.
-    """
+    """``await coro`` for at most ``seconds`` (then ``TimeoutError``), never losing a cancel
+    (``asyncio.wait_for`` before 3.12 returns a result landing with its caller's cancel, which
+    would hand an acquire's lease to a caller that gave up)."""
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):
             return await coro

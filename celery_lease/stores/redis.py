@@ -311,10 +311,7 @@ class RedisLockStore(StoreBase):
 
     def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
         """Run an acquire ``script``; its raw reply (a token, or the script's refusal).
-
-        Raises:
-            RestartGraceError: a restart grace refused a free key.
-        """
+        Raises RestartGraceError when a restart grace refused a free key."""
         script, keys, args = self._acquire_call(script, key, owner, ttl_ms)
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             reply = self._call("acquire", partial(self._eval, script, keys, args), key)
