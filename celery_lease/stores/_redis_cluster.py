@@ -253,25 +253,12 @@ class ClusterFanOut:
 
     def eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA, pipelined per node, all nodes at once; each call's reply, or in its
-        place the exception its error reply stands for.
-
-        A node that times out (hung) or whose connection fails twice (dead) gets that error in
-        place of each of its calls; the other nodes' calls keep their replies, so a batch takes
-        about one socket timeout at most. A MOVED/ASK/TRYAGAIN call is redone alone through the
-        cluster client. The batch uses the client's slot table as it is; calls that met a failed
-        or timed-out node, ``CLUSTERDOWN`` or an uncovered slot start a refresh on its own
-        thread (redis-py paces them 1 s apart; redis-py 5 does not), and those whose slot the
-        new table gives to another node are sent there, all within one socket timeout of the
-        batch's start. A call that fails again or too late keeps its first error: no failure
-        becomes a success.
-
-        A node whose last share timed out, silent since, is waited for only until the other
-        nodes answered (alone in a batch, it is waited for): its share goes on alone, its
-        calls get a timeout error, and the refresh is not waited for. Waiting on it again would
-        make every batch a socket timeout late, for a renewer past the leases' validity on
-        every node (with ``every_node``, a read that wants every answer such
-        as ``list``, every node is waited for all the same).
-        """
+        place the exception its error reply stands for (docs/internals.md, A Redis Cluster batch
+        across nodes). A hung or dead node's calls get its error in place, the others keep
+        their replies: one socket timeout at most, refresh and second try of moved calls
+        included; a call failing again or too late keeps its first error. A node whose last
+        share timed out is waited for only until the others answered (alone, or with
+        ``every_node`` as ``list`` wants, it is waited for)."""
         if not calls:
             return []
         client = self._client

@@ -3,18 +3,11 @@
 redis-py spends 60-90 µs of Python per command against about 25 µs for a loopback round trip,
 so on a plain standalone client (see :func:`fast_path_for`) these calls send pre-packed requests
 over a connection opened by redis-py's own connection class (its handshake, TLS, timeouts) and
-parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped). What it
-costs and when it applies: docs/stores.md (Redis, The fast path). Wire safety:
-
-- One request in flight: a thread that finds the connection busy gets :data:`BUSY` and uses
-  redis-py's pool instead of queueing.
-- ``_pending`` is set before the write and cleared only after the whole reply was parsed; a
-  connection left pending (an error, a timeout, an asynchronous exception) is never reused, so a
-  late reply is never taken for the answer to a later request.
-- A reused connection found dead before a byte of its reply is sent to again on a new one (as
-  redis-py's pool reconnects at checkout), keeping the caller's one retry for later losses.
-- Errors are redis-py's own classes, so the store treats both paths alike.
-- A forked child never writes to its parent's socket: the connection remembers its pid.
+parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped); see
+docs/stores.md (Redis, The fast path). One request in flight (a busy connection: :data:`BUSY`,
+the caller uses redis-py's pool); ``_pending`` is set before the write and cleared once the whole
+reply is parsed, and a connection left pending is never reused (no late reply taken for a later
+request's); errors are redis-py's classes; a forked child never writes to its parent's socket.
 """
 
 from __future__ import annotations
