@@ -203,11 +203,9 @@ def pipelined(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _stale_route(result: object) -> bool:
-    """Whether a cluster call's ``result`` may come from a slot table the cluster has left
-    behind: its node refused the connection or timed out, the cluster was down (a failover
-    under way), or the table named no node for its slot."""
-    return isinstance(result, (*RETRIED, ClusterDownError, SlotNotCoveredError))
+# Results that may come from a slot table the cluster left behind: a refused or timed-out node,
+# the cluster down (a failover under way), a slot the table names no node for.
+_STALE_ROUTE = (*RETRIED, ClusterDownError, SlotNotCoveredError)
 
 
 def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
@@ -266,7 +264,7 @@ class ClusterFanOut:
         results: list[Any] = [None] * len(calls)
         unanswered: set[int] | None = None if every_node else set()
         sent_to = self._send_by_node(script, calls, range(len(calls)), results, unanswered)
-        stale = [i for i in sent_to if _stale_route(results[i])]
+        stale = [i for i in sent_to if isinstance(results[i], _STALE_ROUTE)]
         if not stale:
             return results
         refreshed = self._slot_refresh.start()
