@@ -311,12 +311,8 @@ STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
 def min_replicas_of(
     value: object, options: dict[str, object], sentinel: bool, cluster: bool
 ) -> int:
-    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel and 0
-    otherwise.
-
-    Raises:
-        LeaseConfigError: not a non-negative integer, or not 0 on a Cluster.
-    """
+    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel, else 0;
+    ``LeaseConfigError`` unless a non-negative integer (0 on a Cluster)."""
     if value is None and "min_replicas" in options:
         value = options["min_replicas"]
         if isinstance(value, str):
@@ -341,12 +337,8 @@ def replica_timeout_of(
     value: object, options: dict[str, object], min_replicas: int, socket_timeout: float | None
 ) -> float:
     """A store's ``replica_timeout`` in seconds: ``value``, else the URL's, else
-    :data:`REPLICA_TIMEOUT`.
-
-    Raises:
-        LeaseConfigError: not a duration, or (with ``min_replicas``) not shorter than the
-            client's ``socket_timeout``.
-    """
+    :data:`REPLICA_TIMEOUT`; ``LeaseConfigError`` unless a duration (with ``min_replicas``,
+    shorter than the client's ``socket_timeout``)."""
     if value is None:
         value = options.get("replica_timeout", REPLICA_TIMEOUT)
     seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
@@ -359,11 +351,8 @@ def replica_timeout_of(
 
 
 def restart_grace_of(value: object, options: dict[str, object], cluster: bool) -> float:
-    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off).
-
-    Raises:
-        LeaseConfigError: not a duration, or not 0 on a Cluster.
-    """
+    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off);
+    ``LeaseConfigError`` unless a duration (0 on a Cluster)."""
     if value is None:
         value = options.get("restart_grace")
     if value is None:

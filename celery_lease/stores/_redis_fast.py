@@ -133,11 +133,9 @@ def fast_path_for(client: object) -> FastConnection | None:
 
 
 class FastConnection:
-    """One connection per process, opened by redis-py's connection class, driven directly.
-
-    ``pool``: the client's pool, whose ``connection_class`` and ``connection_kwargs`` are used
-    (the connection does not count against its ``max_connections``).
-    """
+    """One connection per process, opened by redis-py's connection class, driven directly;
+    ``pool``: the client's pool, whose ``connection_class`` and ``connection_kwargs`` it uses
+    (not counted against its ``max_connections``)."""
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self._pool = pool
@@ -155,13 +153,9 @@ class FastConnection:
         _ALL.add(self)
 
     def call(self, request: bytes) -> Any:
-        """Send ``request`` (one packed command) and return its parsed reply, or :data:`BUSY`.
-
-        Raises:
-            redis.exceptions.ConnectionError / TimeoutError: the connection failed or the
-                socket timed out (the connection is dropped; the caller may retry once).
-            redis.exceptions.ResponseError: (or a subclass) the server answered with an error.
-        """
+        """Send ``request`` (one packed command); its parsed reply, or :data:`BUSY`. Raises
+        redis-py's ConnectionError / TimeoutError (the connection dropped; the caller may retry
+        once) or a ResponseError (the server's error reply)."""
         if not self._lock.acquire(blocking=False):
             return BUSY
         try:
@@ -185,13 +179,10 @@ class FastConnection:
 
     def send_deferred(self, request: bytes, on_reply: Callable[[Any], None]) -> bool:
         """Send ``request`` without reading its reply; False (nothing sent) when the
-        connection is busy or cannot be opened.
-
-        The reply is read before the next request's, or by :meth:`flush`, and handed to
-        ``on_reply`` (on whichever thread reads it: keep it to logging): the parsed reply, the
-        exception an error reply stands for, or a ``ConnectionError`` when the connection failed
-        first (the request may or may not have run).
-        """
+        connection is busy or cannot be opened. The reply, read before the next request's or by
+        :meth:`flush`, goes to ``on_reply`` on whichever thread reads it (keep it to logging):
+        the parsed reply, the exception an error reply stands for, or a ``ConnectionError``
+        when the connection failed first (the request may or may not have run)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:

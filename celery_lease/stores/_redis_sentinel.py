@@ -71,10 +71,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     authenticate to the master. Query: ``sentinel_password`` (Sentinel's own ``requirepass``),
     ``socket_timeout`` / ``socket_connect_timeout`` (seconds, default 5), and the store's
     ``min_replicas`` (an integer), ``replica_timeout`` and ``restart_grace`` (durations such as
-    ``0.2`` or ``250ms``; a grace of 0 turns it off).
-
-    Raises:
-        LeaseConfigError: naming what is wrong.
+    ``0.2`` or ``250ms``; a grace of 0 turns it off). ``LeaseConfigError`` names what is wrong.
     """
     parts = urlsplit(url)
     if parts.scheme.lower() != "redis+sentinel":
@@ -249,13 +246,10 @@ def follow_master(
     on_silence: Callable[[Exception], None] | None,
 ) -> None:
     """Make sure ``pool`` talks to the master a Sentinel names now (one :data:`GET_MASTER`;
-    on a change the pool re-discovers and drops its idle connections).
-
-    When no Sentinel answers and a master is known, ``on_silence`` is called and the known
-    master kept (for stores whose writes WAIT for replicas, which still refuses a write a
-    failover would lose); without ``on_silence`` the error is raised, since nothing else tells
-    a stale master from the current one.
-    """
+    on a change the pool re-discovers and drops its idle connections). No Sentinel answering
+    and a master known: ``on_silence`` is called and that master kept (for stores whose writes
+    WAIT for replicas, which still refuses a write a failover would lose); without
+    ``on_silence`` the error is raised (nothing else tells a stale master from the current)."""
     known = pool.master_address
     try:
         address = ask_sentinels(pool.sentinel_manager, pool.service_name)
@@ -287,10 +281,7 @@ def client_from_url(
     """The client a store URL names (built with the sync or ``redis.asyncio`` classes, not yet
     connected), its Sentinel manager (or None) and the store's own URL options. Clients get 5 s
     socket timeouts unless the URL sets them, and no redis-py retries (the stores retry once).
-
-    Raises:
-        LeaseConfigError: for a URL of another scheme or one redis-py refuses.
-    """
+    ``LeaseConfigError`` for a URL of another scheme or one redis-py refuses."""
     scheme = urlsplit(url).scheme.lower()
     options: dict[str, object]
     if scheme == "redis+sentinel":
