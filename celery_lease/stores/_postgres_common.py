@@ -631,8 +631,7 @@ class StoreBase:
         return store_error(repr(self), operation, detail, self._secrets)
 
     def _refuse_long_key(self, key: str, error: StoreUnavailableError) -> None:
-        """Raise ``LeaseConfigError`` if the acquire failed with ``error`` because ``key`` does
-        not fit the primary-key index (SQLSTATE 54000; nothing was taken)."""
+        """LeaseConfigError if ``key`` did not fit the primary-key index (SQLSTATE 54000)."""
         exc = error.__cause__
         if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
             return
@@ -644,8 +643,7 @@ class StoreBase:
         ) from exc
 
     def _check_may_create(self, what: str, key: str | None, missing: psycopg.Error) -> None:
-        """Raise ``StoreUnavailableError`` saying how to create the missing table, unless the
-        store may create it."""
+        """Unless the store may create the missing table: how to, as StoreUnavailableError."""
         refusal = missing_table_detail(missing, self._table, self._create_table)
         if refusal is not None:
             raise self._error(what, key, refusal) from missing

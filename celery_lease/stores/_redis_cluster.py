@@ -42,8 +42,7 @@ _SLOTS_THREAD = "celery-lease-redis-slots"  # refreshes a store's slot table aft
 
 
 def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
-    """``target`` on a daemon thread of its own; run here when no thread is to be had (the
-    interpreter is exiting): then None."""
+    """``target`` on a daemon thread; None when run here instead (the interpreter exiting)."""
     thread = threading.Thread(target=target, name=name, daemon=True)
     try:
         thread.start()
@@ -357,8 +356,7 @@ class ClusterFanOut:
     def _node_share(
         self, name: str, node_client: redis.Redis, script: Script, calls: Calls
     ) -> list[Any]:
-        """One node's share of :meth:`eval_many`: its replies in order, a redirected call redone
-        through the cluster client, errors in place (``CLUSTERDOWN`` asks for a refresh)."""
+        """One node's share of :meth:`eval_many` (redirections redone, errors in place)."""
         replies = self._node_pipeline(name, node_client, script, calls)
         for position, reply in enumerate(replies):
             if isinstance(reply, _REDIRECTED):

@@ -421,8 +421,7 @@ _ALL: weakref.WeakSet[FastConnection] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
-    """In a forked child: fresh locks (one held at the fork would stay held forever); the
-    parent's socket is dropped at the next call (its pid differs)."""
+    """In a forked child: fresh locks; the parent's socket is dropped at the next call (pid)."""
     for fast in list(_ALL):
         fast._lock = threading.Lock()
         fast._unread = []  # the parent's deferred requests: the parent reads their replies

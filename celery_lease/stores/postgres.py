@@ -429,8 +429,7 @@ class PostgresLockStore(StoreBase):
     def _run(
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
     ) -> _T:
-        """Run ``fn`` (one statement) on a pooled connection; a dropped connection is retried
-        once on another when ``redo`` (the operation is safe to repeat if it took effect)."""
+        """``fn`` (one statement) on a pooled connection; a dropped one retried once if ``redo``."""
         pool = self._get_pool()
         for attempt in (1, 2):
             got_connection = False

@@ -272,8 +272,7 @@ class AsyncPostgresLockStore(StoreBase):
     async def _run(
         self, what: str, key: str | None, fn: Callable[[_AsyncConn], Awaitable[_T]]
     ) -> _T:
-        """Await ``fn`` (one statement) on a pooled connection, within the statement timeout;
-        a dropped connection is retried once (see ``_failure``)."""
+        """``fn`` (one statement) on a pooled connection; a dropped one retried once."""
         pool = await self._get_pool()
         for attempt in (1, 2):
             got_connection = False
@@ -311,8 +310,7 @@ class AsyncPostgresLockStore(StoreBase):
         conn: _AsyncConn,
         fn: Callable[[_AsyncConn], Awaitable[_T]],
     ) -> _T:
-        """``fn(conn)`` within the statement timeout; a missing table is created (if allowed)
-        and ``fn`` run again."""
+        """``fn(conn)`` within the statement timeout, again after creating a missing table."""
         timeout = self._statement_timeout
         try:
             return await _within(fn(conn), timeout)
@@ -389,8 +387,7 @@ class AsyncPostgresLockStore(StoreBase):
     async def _run_alone(
         self, what: str, key: str, fn: Callable[[_AsyncConn], Awaitable[None]]
     ) -> None:
-        """``fn`` on a connection of its own, closed right after: for a release that comes
-        after :meth:`aclose` (the pool is gone, the key must still be freed)."""
+        """``fn`` on a connection of its own, closed after: a release after :meth:`aclose`."""
         try:
             conn = await self._listener_connect()
         except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:

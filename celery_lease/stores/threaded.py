@@ -31,8 +31,7 @@ _waiters: dict[tuple[int, str], set[tuple[asyncio.AbstractEventLoop, asyncio.Fut
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with a fresh lock (the parent's may have been held at the fork)
-    and no waiters (they belong to the parent's loops)."""
+    """A forked child: a fresh lock, no waiters (they belong to the parent's loops)."""
     global _waiters_lock
     _waiters_lock = threading.Lock()
     _waiters.clear()
