@@ -1,12 +1,8 @@
 """Redis Cluster batches: a store's many calls fanned out to the nodes owning their slots.
 
-redis-py refuses EVALSHA in cluster pipelines, so :class:`ClusterFanOut` groups the calls of a
-batch (``renew_many``, ``list``) by the node owning their slot and pipelines each group on that
-node's own client, every node at once (the caller's thread and one thread per other node,
-:class:`NodeWorkers`). A failover moves slots without a redirection, so after a batch whose calls
-met a failed node the slot table is refreshed on a thread of its own (:class:`SlotRefresh`) and
-the calls it moved are sent again, all within one socket timeout of the batch's start. A node
-that timed out holds up no later batch of the other nodes' calls (:meth:`ClusterFanOut.eval_many`).
+redis-py refuses EVALSHA in cluster pipelines, so :class:`ClusterFanOut` pipelines a batch's calls
+per node, every node at once (:class:`NodeWorkers`), refreshing a slot table a failover left stale
+(:class:`SlotRefresh`); docs/internals.md (A Redis Cluster batch across nodes) says how.
 """
 
 from __future__ import annotations
@@ -312,10 +308,9 @@ class ClusterFanOut:
         results: list[Any],
         unanswered: set[int] | None = None,
     ) -> dict[int, str | None]:
-        """Run the calls at ``indices`` on their slots' nodes, all at once, replies or errors
-        into ``results``; returns each one's node (None: no node for its slot, the error is its
-        result). With ``unanswered``, a node whose last share timed out is not waited for (see
-        :meth:`eval_many`): its calls get a timeout error and their indices go there."""
+        """The calls at ``indices`` on their nodes at once, replies or errors into ``results``;
+        each one's node (None: its slot has none). With ``unanswered``, a node whose last share
+        timed out is not waited for: its calls get a timeout error, their indices go there."""
         client = self._client
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         sent_to: dict[int, str | None] = {}

@@ -233,10 +233,9 @@ class RedisLockStore(StoreBase):
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
     def _eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
-        """Many EVALSHA in one pipelined round trip (one per node on a cluster): each call's
-        reply in order, or in its place the exception its error reply stands for. On a single
-        server a connection error or timeout raises. ``every_node``: a cluster node that timed
-        out before is waited for as any other (see ``ClusterFanOut.eval_many``)."""
+        """Many EVALSHA pipelined (per node on a cluster: ``ClusterFanOut.eval_many``, with
+        ``every_node``): replies or error replies in place; on one server a connection error
+        or timeout raises."""
         if self._cluster is not None:
             return self._cluster.eval_many(script, calls, every_node=every_node)
         assert isinstance(self._client, redis.Redis)
