@@ -28,8 +28,7 @@ logger = logging.getLogger("celery_lease.stores.redis")
 
 _T = TypeVar("_T")
 
-Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
-"""Script calls: ``(keys, args)`` each."""
+Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]  # Script calls: ``(keys, args)`` each.
 
 # Replies (slots migrating; MovedError is an AskError) redone through the cluster client.
 _REDIRECTED = (AskError, redis.exceptions.TryAgainError)

@@ -29,8 +29,7 @@ from celery_lease.errors import (
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
 from celery_lease.stores.base import LeaseInfo, mask_secrets
 
-DEFAULT_PREFIX = "celery-lease:"
-"""Prefix of every key the store writes."""
+DEFAULT_PREFIX = "celery-lease:"  # Prefix of every key the store writes.
 
 SOCKET_TIMEOUT = 5.0
 """Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""

@@ -206,17 +206,14 @@ def ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, 
     ``MasterNotFoundError`` (a ``ConnectionError``) when none does."""
     problems: list[str] = []
     for sentinel in list(manager.sentinels):
-        address = master_of(sentinel, _reply_or_error(sentinel, service), problems)
+        try:
+            reply = sentinel.execute_command(GET_MASTER, service)  # type: ignore[no-untyped-call]
+        except RETRIED as exc:
+            reply = exc
+        address = master_of(sentinel, reply, problems)
         if address is not None:
             return address
     raise redis.sentinel.MasterNotFoundError(no_master_message(service, problems))
-
-
-def _reply_or_error(sentinel: redis.Redis, service: str) -> Any:
-    try:
-        return sentinel.execute_command(GET_MASTER, service)  # type: ignore[no-untyped-call]
-    except RETRIED as exc:
-        return exc
 
 
 def master_of(sentinel: Any, reply: Any, problems: list[str]) -> tuple[str, int] | None:
