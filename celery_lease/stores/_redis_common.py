@@ -443,15 +443,6 @@ def failed(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {exc}"
 
 
-def not_confirmed(acks: int, min_replicas: int, replica_timeout: float, asks: int = 1) -> str:
-    """The detail of a write too few replicas acknowledged after ``asks`` asks."""
-    times = "" if asks == 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
-    return (
-        f"not confirmed: {acks} of {min_replicas} replicas acknowledged it within "
-        f"{replica_timeout * 1000:g} ms{times}"
-    )
-
-
 def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
     """A standalone server's address for messages: ``redis://host:port/db``, ``rediss://...``
     (``ssl``) or ``unix://path?db=n``, from its connection keywords. Never a password."""
@@ -602,9 +593,11 @@ class StoreBase:
     ) -> StoreUnavailableError:
         """A write too few replicas acknowledged: ``ReplicaLagError`` for an acquire asked
         ``asks`` times, else ``StoreUnavailableError``."""
+        times = "" if asks <= 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
         detail = (
-            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
-            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}"
+            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
+            f"{self._replica_timeout * 1000:g} ms{times} (min_replicas={self._min_replicas}; "
+            f"0 accepts writes a failover may lose); {after}"
         )
         message = self._redact(error_text(self._where(), operation, key, detail))
         return ReplicaLagError(message) if asks else StoreUnavailableError(message)
