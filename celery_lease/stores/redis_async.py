@@ -61,8 +61,7 @@ AsyncClient = redis.asyncio.Redis
 
 
 class _Sentinel(redis.asyncio.sentinel.Sentinel):
-    """Discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``, as the sync store does
-    (it names a promoted replica earlier than ``SENTINEL MASTERS``)."""
+    """Discovers the master with :data:`GET_MASTER`, as the sync ``Sentinel`` (see there)."""
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         problems: list[str] = []
