@@ -163,13 +163,10 @@ compressed; a repetitive one may be much longer)."""
 
 
 def notify_payload(key: str) -> str:
-    """The ``NOTIFY`` payload announcing a release of ``key``, and what listeners match it by.
-
-    The key itself up to :data:`NOTIFY_KEY_BYTES` bytes; a longer one (a payload must stay under
-    8000 bytes, or the release fails) as ``sha256:`` and the hex digest of its UTF-8 bytes. A
-    short key that reads like another key's digest only wakes that key's waiters spuriously,
-    which waiters allow.
-    """
+    """The ``NOTIFY`` payload announcing a release of ``key`` (what listeners match): the key
+    up to :data:`NOTIFY_KEY_BYTES` bytes, a longer one (a payload over 8000 bytes fails the
+    release) as ``sha256:`` + the hex digest of its UTF-8 bytes. A short key reading like
+    another's digest only wakes that key's waiters spuriously, which waiters allow."""
     if len(key) <= NOTIFY_KEY_BYTES // 4:  # at most 4 bytes a character
         return key
     data = key.encode("utf-8", "surrogatepass")
@@ -284,12 +281,9 @@ OWN_CONNECTION = "celery_lease_own_connection"
 
 
 class ConnectFailures:
-    """The last connect failure of a store's own pool (``None`` after a success), and one
-    WARNING per outage (its first failure) and one INFO at its end.
-
-    Called on the pool's threads. The outage flag is a lock only ever taken without blocking
-    (two failures at once log once, and a fork while it is held blocks nobody).
-    """
+    """The last connect failure of a store's own pool (``None`` after a success); one WARNING
+    per outage (its first failure), one INFO at its end. Called on the pool's threads; the
+    outage flag is a lock never taken blocking (a fork while it is held blocks nobody)."""
 
     __slots__ = ("_outage", "attempts", "last", "logger", "what")
 
@@ -352,8 +346,7 @@ OWN_POOL_NAMES: frozenset[str] = frozenset({POOL_NAME, ASYNC_POOL_NAME})
 _NAMING_THE_POOL = frozenset(
     {
         "error connecting in %r: %s",
-        # The stores give up background reconnection after their connect timeout on purpose
-        # (the next call connects at once): part of the outage ConnectFailures says.
+        # Given up on purpose after the connect timeout (the next call connects at once).
         "reconnection attempt in pool %r failed after %s sec",
     }
 )
@@ -394,11 +387,8 @@ SCHEMA_SQL: str = sql.SQL(_SCHEMA_TEMPLATE).format(table=sql.Identifier(DEFAULT_
 
 
 def schema_sql(table: str = DEFAULT_TABLE) -> str:
-    """The ``CREATE TABLE IF NOT EXISTS`` statement for ``table`` (validated and quoted).
-
-    Raises:
-        LeaseConfigError: for a bad ``table``.
-    """
+    """The ``CREATE TABLE IF NOT EXISTS`` statement for ``table`` (validated and quoted;
+    ``LeaseConfigError`` for a bad one)."""
     ident = sql.Identifier(*validate_table(table).split("."))
     return sql.SQL(_SCHEMA_TEMPLATE).format(table=ident).as_string()
 
@@ -406,12 +396,8 @@ def schema_sql(table: str = DEFAULT_TABLE) -> str:
 def check_options(
     table: object, connect_timeout: object, max_connections: object, create_table: object
 ) -> str:
-    """Validate the options both stores take; returns the table name.
-
-    Raises:
-        LeaseConfigError: naming the first bad option (table, create_table, connect_timeout,
-            max_connections, in that order).
-    """
+    """Validate the options both stores take; the table name. ``LeaseConfigError`` names the
+    first bad one (table, create_table, connect_timeout, max_connections, in that order)."""
     valid_table = validate_table(table)
     if create_table is not None and not isinstance(create_table, bool):
         raise LeaseConfigError(
@@ -448,12 +434,9 @@ class ParsedDSN:
 
 def parse_dsn(dsn: str, create_table: bool | None) -> ParsedDSN:
     """Read a libpq DSN or URL as both stores do, with the ``create_table`` keyword.
-
-    Raises:
-        LeaseConfigError: for a DSN libpq cannot parse (its message with the password masked),
-            a password with an unencoded ``@`` or ``/``, or a ``?create_table=`` that is not a
-            boolean, repeated or contradicts the keyword.
-    """
+    ``LeaseConfigError`` for a DSN libpq cannot parse (its message, the password masked), a
+    password with an unencoded ``@`` or ``/``, or a ``?create_table=`` not a boolean, repeated
+    or contradicting the keyword."""
     plain, from_url = _take_url_option(dsn)
     if from_url is not None and create_table is not None and from_url != create_table:
         raise LeaseConfigError(
@@ -648,8 +631,7 @@ class StoreBase:
         return store_error(repr(self), operation, detail, self._secrets)
 
     def _refuse_long_key(self, key: str, error: StoreUnavailableError) -> None:
-        """Raise ``LeaseConfigError`` if the acquire failed with ``error`` because ``key`` does
-        not fit the primary-key index (SQLSTATE 54000; nothing was taken)."""
+        """LeaseConfigError if ``key`` did not fit the primary-key index (SQLSTATE 54000)."""
         exc = error.__cause__
         if not isinstance(exc, psycopg.errors.ProgramLimitExceeded):
             return
@@ -661,8 +643,7 @@ class StoreBase:
         ) from exc
 
     def _check_may_create(self, what: str, key: str | None, missing: psycopg.Error) -> None:
-        """Raise ``StoreUnavailableError`` saying how to create the missing table, unless the
-        store may create it."""
+        """Unless the store may create the missing table: how to, as StoreUnavailableError."""
         refusal = missing_table_detail(missing, self._table, self._create_table)
         if refusal is not None:
             raise self._error(what, key, refusal) from missing

@@ -1,12 +1,8 @@
 """Redis Cluster batches: a store's many calls fanned out to the nodes owning their slots.
 
-redis-py refuses EVALSHA in cluster pipelines, so :class:`ClusterFanOut` groups the calls of a
-batch (``renew_many``, ``list``) by the node owning their slot and pipelines each group on that
-node's own client, every node at once (the caller's thread and one thread per other node,
-:class:`NodeWorkers`). A failover moves slots without a redirection, so after a batch whose calls
-met a failed node the slot table is refreshed on a thread of its own (:class:`SlotRefresh`) and
-the calls it moved are sent again, all within one socket timeout of the batch's start. A node
-that timed out holds up no later batch of the other nodes' calls (:meth:`ClusterFanOut.eval_many`).
+redis-py refuses EVALSHA in cluster pipelines, so :class:`ClusterFanOut` pipelines a batch's calls
+per node, every node at once (:class:`NodeWorkers`), refreshing a slot table a failover left stale
+(:class:`SlotRefresh`); docs/internals.md (A Redis Cluster batch across nodes) says how.
 """
 
 from __future__ import annotations
@@ -28,14 +24,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from celery_lease.stores._redis_common import RETRIED, SOCKET_TIMEOUT, Script, text
 from celery_lease.stores._redis_compat import request_slot_refresh, run_requested_slot_refresh
 
-__all__ = ["Calls", "ClusterFanOut", "NodeWorkers", "SlotRefresh", "before", "pipelined"]
-
 logger = logging.getLogger("celery_lease.stores.redis")
 
 _T = TypeVar("_T")
 
-Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]
-"""Script calls: ``(keys, args)`` each."""
+Calls = Sequence[tuple[Sequence[str], Sequence[str | int]]]  # Script calls: ``(keys, args)`` each.
 
 # Replies (slots migrating; MovedError is an AskError) redone through the cluster client.
 _REDIRECTED = (AskError, redis.exceptions.TryAgainError)
@@ -44,8 +37,7 @@ _SLOTS_THREAD = "celery-lease-redis-slots"  # refreshes a store's slot table aft
 
 
 def _start(target: Callable[[], None], name: str) -> threading.Thread | None:
-    """``target`` on a daemon thread of its own; run here when no thread is to be had (the
-    interpreter is exiting): then None."""
+    """``target`` on a daemon thread; None when run here instead (the interpreter exiting)."""
     thread = threading.Thread(target=target, name=name, daemon=True)
     try:
         thread.start()
@@ -205,11 +197,9 @@ def pipelined(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _stale_route(result: object) -> bool:
-    """Whether a cluster call's ``result`` may come from a slot table the cluster has left
-    behind: its node refused the connection or timed out, the cluster was down (a failover
-    under way), or the table named no node for its slot."""
-    return isinstance(result, (*RETRIED, ClusterDownError, SlotNotCoveredError))
+# Results that may come from a slot table the cluster left behind: a refused or timed-out node,
+# the cluster down (a failover under way), a slot the table names no node for.
+_STALE_ROUTE = (*RETRIED, ClusterDownError, SlotNotCoveredError)
 
 
 def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
@@ -255,25 +245,12 @@ class ClusterFanOut:
 
     def eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA, pipelined per node, all nodes at once; each call's reply, or in its
-        place the exception its error reply stands for.
-
-        A node that times out (hung) or whose connection fails twice (dead) gets that error in
-        place of each of its calls; the other nodes' calls keep their replies, so a batch takes
-        about one socket timeout at most. A MOVED/ASK/TRYAGAIN call is redone alone through the
-        cluster client. The batch uses the client's slot table as it is; calls that met a failed
-        or timed-out node, ``CLUSTERDOWN`` or an uncovered slot start a refresh on its own
-        thread (redis-py paces them 1 s apart; redis-py 5 does not), and those whose slot the
-        new table gives to another node are sent there, all within one socket timeout of the
-        batch's start. A call that fails again or too late keeps its first error: no failure
-        becomes a success.
-
-        A node whose last share timed out, silent since, is waited for only until the other
-        nodes answered (alone in a batch, it is waited for): its share goes on alone, its
-        calls get a timeout error, and the refresh is not waited for. Waiting on it again would
-        make every batch a socket timeout late, for a renewer past the leases' validity on
-        every node (with ``every_node``, a read that wants every answer such
-        as ``list``, every node is waited for all the same).
-        """
+        place the exception its error reply stands for (docs/internals.md, A Redis Cluster batch
+        across nodes). A hung or dead node's calls get its error in place, the others keep
+        their replies: one socket timeout at most, refresh and second try of moved calls
+        included; a call failing again or too late keeps its first error. A node whose last
+        share timed out is waited for only until the others answered (alone, or with
+        ``every_node`` as ``list`` wants, it is waited for)."""
         if not calls:
             return []
         client = self._client
@@ -281,7 +258,7 @@ class ClusterFanOut:
         results: list[Any] = [None] * len(calls)
         unanswered: set[int] | None = None if every_node else set()
         sent_to = self._send_by_node(script, calls, range(len(calls)), results, unanswered)
-        stale = [i for i in sent_to if _stale_route(results[i])]
+        stale = [i for i in sent_to if isinstance(results[i], _STALE_ROUTE)]
         if not stale:
             return results
         refreshed = self._slot_refresh.start()
@@ -330,10 +307,9 @@ class ClusterFanOut:
         results: list[Any],
         unanswered: set[int] | None = None,
     ) -> dict[int, str | None]:
-        """Run the calls at ``indices`` on their slots' nodes, all at once, replies or errors
-        into ``results``; returns each one's node (None: no node for its slot, the error is its
-        result). With ``unanswered``, a node whose last share timed out is not waited for (see
-        :meth:`eval_many`): its calls get a timeout error and their indices go there."""
+        """The calls at ``indices`` on their nodes at once, replies or errors into ``results``;
+        each one's node (None: its slot has none). With ``unanswered``, a node whose last share
+        timed out is not waited for: its calls get a timeout error, their indices go there."""
         client = self._client
         groups: dict[str, tuple[redis.Redis, list[int]]] = {}
         sent_to: dict[int, str | None] = {}
@@ -374,8 +350,7 @@ class ClusterFanOut:
     def _node_share(
         self, name: str, node_client: redis.Redis, script: Script, calls: Calls
     ) -> list[Any]:
-        """One node's share of :meth:`eval_many`: its replies in order, a redirected call redone
-        through the cluster client, errors in place (``CLUSTERDOWN`` asks for a refresh)."""
+        """One node's share of :meth:`eval_many` (redirections redone, errors in place)."""
         replies = self._node_pipeline(name, node_client, script, calls)
         for position, reply in enumerate(replies):
             if isinstance(reply, _REDIRECTED):

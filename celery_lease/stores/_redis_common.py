@@ -29,8 +29,7 @@ from celery_lease.errors import (
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
 from celery_lease.stores.base import LeaseInfo, mask_secrets
 
-DEFAULT_PREFIX = "celery-lease:"
-"""Prefix of every key the store writes."""
+DEFAULT_PREFIX = "celery-lease:"  # Prefix of every key the store writes.
 
 SOCKET_TIMEOUT = 5.0
 """Seconds: ``socket_timeout`` and ``socket_connect_timeout`` of clients built from a URL."""
@@ -311,12 +310,8 @@ STORE_OPTIONS = ("min_replicas", "replica_timeout", "restart_grace")
 def min_replicas_of(
     value: object, options: dict[str, object], sentinel: bool, cluster: bool
 ) -> int:
-    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel and 0
-    otherwise.
-
-    Raises:
-        LeaseConfigError: not a non-negative integer, or not 0 on a Cluster.
-    """
+    """A store's ``min_replicas``: ``value``, else the URL's, else 1 under Sentinel, else 0;
+    ``LeaseConfigError`` unless a non-negative integer (0 on a Cluster)."""
     if value is None and "min_replicas" in options:
         value = options["min_replicas"]
         if isinstance(value, str):
@@ -341,12 +336,8 @@ def replica_timeout_of(
     value: object, options: dict[str, object], min_replicas: int, socket_timeout: float | None
 ) -> float:
     """A store's ``replica_timeout`` in seconds: ``value``, else the URL's, else
-    :data:`REPLICA_TIMEOUT`.
-
-    Raises:
-        LeaseConfigError: not a duration, or (with ``min_replicas``) not shorter than the
-            client's ``socket_timeout``.
-    """
+    :data:`REPLICA_TIMEOUT`; ``LeaseConfigError`` unless a duration (with ``min_replicas``,
+    shorter than the client's ``socket_timeout``)."""
     if value is None:
         value = options.get("replica_timeout", REPLICA_TIMEOUT)
     seconds = to_seconds(value, name="replica_timeout", minimum=0.001)
@@ -359,11 +350,8 @@ def replica_timeout_of(
 
 
 def restart_grace_of(value: object, options: dict[str, object], cluster: bool) -> float:
-    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off).
-
-    Raises:
-        LeaseConfigError: not a duration, or not 0 on a Cluster.
-    """
+    """A store's ``restart_grace`` in seconds: ``value``, else the URL's, else 0 (off);
+    ``LeaseConfigError`` unless a duration (0 on a Cluster)."""
     if value is None:
         value = options.get("restart_grace")
     if value is None:
@@ -453,15 +441,6 @@ def error_text(where: str, operation: str, key: str | None, detail: str) -> str:
 def failed(exc: BaseException) -> str:
     """``failed: <driver error class>: <server's message>``, for :func:`error_text`."""
     return f"failed: {type(exc).__name__}: {exc}"
-
-
-def not_confirmed(acks: int, min_replicas: int, replica_timeout: float, asks: int = 1) -> str:
-    """The detail of a write too few replicas acknowledged after ``asks`` asks."""
-    times = "" if asks == 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
-    return (
-        f"not confirmed: {acks} of {min_replicas} replicas acknowledged it within "
-        f"{replica_timeout * 1000:g} ms{times}"
-    )
 
 
 def describe_server(kwargs: Mapping[str, Any], *, ssl: bool) -> str:
@@ -614,9 +593,11 @@ class StoreBase:
     ) -> StoreUnavailableError:
         """A write too few replicas acknowledged: ``ReplicaLagError`` for an acquire asked
         ``asks`` times, else ``StoreUnavailableError``."""
+        times = "" if asks <= 1 else f" (asked {asks} times over {CONFIRM_WINDOW:g} s)"
         detail = (
-            f"{not_confirmed(acks, self._min_replicas, self._replica_timeout, max(asks, 1))} "
-            f"(min_replicas={self._min_replicas}; 0 accepts writes a failover may lose); {after}"
+            f"not confirmed: {acks} of {self._min_replicas} replicas acknowledged it within "
+            f"{self._replica_timeout * 1000:g} ms{times} (min_replicas={self._min_replicas}; "
+            f"0 accepts writes a failover may lose); {after}"
         )
         message = self._redact(error_text(self._where(), operation, key, detail))
         return ReplicaLagError(message) if asks else StoreUnavailableError(message)

@@ -11,14 +11,6 @@ from typing import cast
 from redis._parsers.base import BaseParser
 from redis.cluster import RedisCluster
 
-__all__ = [
-    "client_retries",
-    "connection_socket",
-    "parse_error",
-    "request_slot_refresh",
-    "run_requested_slot_refresh",
-]
-
 
 def parse_error(text: str) -> Exception:
     """The exception redis-py raises for the error reply ``text`` (``NOSCRIPT`` ->

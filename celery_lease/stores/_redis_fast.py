@@ -3,18 +3,11 @@
 redis-py spends 60-90 µs of Python per command against about 25 µs for a loopback round trip,
 so on a plain standalone client (see :func:`fast_path_for`) these calls send pre-packed requests
 over a connection opened by redis-py's own connection class (its handshake, TLS, timeouts) and
-parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped). What it
-costs and when it applies: docs/stores.md (Redis, The fast path). Wire safety:
-
-- One request in flight: a thread that finds the connection busy gets :data:`BUSY` and uses
-  redis-py's pool instead of queueing.
-- ``_pending`` is set before the write and cleared only after the whole reply was parsed; a
-  connection left pending (an error, a timeout, an asynchronous exception) is never reused, so a
-  late reply is never taken for the answer to a later request.
-- A reused connection found dead before a byte of its reply is sent to again on a new one (as
-  redis-py's pool reconnects at checkout), keeping the caller's one retry for later losses.
-- Errors are redis-py's own classes, so the store treats both paths alike.
-- A forked child never writes to its parent's socket: the connection remembers its pid.
+parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped); see
+docs/stores.md (Redis, The fast path). One request in flight (a busy connection: :data:`BUSY`,
+the caller uses redis-py's pool); ``_pending`` is set before the write and cleared once the whole
+reply is parsed, and a connection left pending is never reused (no late reply taken for a later
+request's); errors are redis-py's classes; a forked child never writes to its parent's socket.
 """
 
 from __future__ import annotations
@@ -40,8 +33,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from celery_lease import _forking as forking
 from celery_lease.stores._redis_compat import connection_socket, parse_error
-
-__all__ = ["BUSY", "FastConnection", "fast_path_for", "pack_eval_head", "pack_head", "pack_request"]
 
 logger = logging.getLogger("celery_lease.stores._redis_fast")
 
@@ -142,11 +133,9 @@ def fast_path_for(client: object) -> FastConnection | None:
 
 
 class FastConnection:
-    """One connection per process, opened by redis-py's connection class, driven directly.
-
-    ``pool``: the client's pool, whose ``connection_class`` and ``connection_kwargs`` are used
-    (the connection does not count against its ``max_connections``).
-    """
+    """One connection per process, opened by redis-py's connection class, driven directly;
+    ``pool``: the client's pool, whose ``connection_class`` and ``connection_kwargs`` it uses
+    (not counted against its ``max_connections``)."""
 
     def __init__(self, pool: redis.ConnectionPool) -> None:
         self._pool = pool
@@ -164,13 +153,9 @@ class FastConnection:
         _ALL.add(self)
 
     def call(self, request: bytes) -> Any:
-        """Send ``request`` (one packed command) and return its parsed reply, or :data:`BUSY`.
-
-        Raises:
-            redis.exceptions.ConnectionError / TimeoutError: the connection failed or the
-                socket timed out (the connection is dropped; the caller may retry once).
-            redis.exceptions.ResponseError: (or a subclass) the server answered with an error.
-        """
+        """Send ``request`` (one packed command); its parsed reply, or :data:`BUSY`. Raises
+        redis-py's ConnectionError / TimeoutError (the connection dropped; the caller may retry
+        once) or a ResponseError (the server's error reply)."""
         if not self._lock.acquire(blocking=False):
             return BUSY
         try:
@@ -194,13 +179,10 @@ class FastConnection:
 
     def send_deferred(self, request: bytes, on_reply: Callable[[Any], None]) -> bool:
         """Send ``request`` without reading its reply; False (nothing sent) when the
-        connection is busy or cannot be opened.
-
-        The reply is read before the next request's, or by :meth:`flush`, and handed to
-        ``on_reply`` (on whichever thread reads it: keep it to logging): the parsed reply, the
-        exception an error reply stands for, or a ``ConnectionError`` when the connection failed
-        first (the request may or may not have run).
-        """
+        connection is busy or cannot be opened. The reply, read before the next request's or by
+        :meth:`flush`, goes to ``on_reply`` on whichever thread reads it (keep it to logging):
+        the parsed reply, the exception an error reply stands for, or a ``ConnectionError``
+        when the connection failed first (the request may or may not have run)."""
         if not self._lock.acquire(blocking=False):
             return False
         try:
@@ -439,8 +421,7 @@ _ALL: weakref.WeakSet[FastConnection] = weakref.WeakSet()
 
 
 def _reset_after_fork() -> None:
-    """In a forked child: fresh locks (one held at the fork would stay held forever); the
-    parent's socket is dropped at the next call (its pid differs)."""
+    """In a forked child: fresh locks; the parent's socket is dropped at the next call (pid)."""
     for fast in list(_ALL):
         fast._lock = threading.Lock()
         fast._unread = []  # the parent's deferred requests: the parent reads their replies

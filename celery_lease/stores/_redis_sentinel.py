@@ -31,19 +31,6 @@ from celery_lease.stores._redis_common import (
 )
 from celery_lease.stores.base import redact_url, secrets_among
 
-__all__ = [
-    "GET_MASTER",
-    "Sentinel",
-    "SentinelURL",
-    "client_from_url",
-    "describe_sentinel_master",
-    "follow_master",
-    "master_address",
-    "no_master_message",
-    "parse_sentinel_url",
-    "sentinel_connection_kwargs",
-]
-
 logger = logging.getLogger("celery_lease.stores.redis")
 
 GET_MASTER = "SENTINEL GET-MASTER-ADDR-BY-NAME"
@@ -84,10 +71,7 @@ def parse_sentinel_url(url: str) -> SentinelURL:
     authenticate to the master. Query: ``sentinel_password`` (Sentinel's own ``requirepass``),
     ``socket_timeout`` / ``socket_connect_timeout`` (seconds, default 5), and the store's
     ``min_replicas`` (an integer), ``replica_timeout`` and ``restart_grace`` (durations such as
-    ``0.2`` or ``250ms``; a grace of 0 turns it off).
-
-    Raises:
-        LeaseConfigError: naming what is wrong.
+    ``0.2`` or ``250ms``; a grace of 0 turns it off). ``LeaseConfigError`` names what is wrong.
     """
     parts = urlsplit(url)
     if parts.scheme.lower() != "redis+sentinel":
@@ -222,17 +206,14 @@ def ask_sentinels(manager: redis.sentinel.Sentinel, service: str) -> tuple[str, 
     ``MasterNotFoundError`` (a ``ConnectionError``) when none does."""
     problems: list[str] = []
     for sentinel in list(manager.sentinels):
-        address = master_of(sentinel, _reply_or_error(sentinel, service), problems)
+        try:
+            reply = sentinel.execute_command(GET_MASTER, service)  # type: ignore[no-untyped-call]
+        except RETRIED as exc:
+            reply = exc
+        address = master_of(sentinel, reply, problems)
         if address is not None:
             return address
     raise redis.sentinel.MasterNotFoundError(no_master_message(service, problems))
-
-
-def _reply_or_error(sentinel: redis.Redis, service: str) -> Any:
-    try:
-        return sentinel.execute_command(GET_MASTER, service)  # type: ignore[no-untyped-call]
-    except RETRIED as exc:
-        return exc
 
 
 def master_of(sentinel: Any, reply: Any, problems: list[str]) -> tuple[str, int] | None:
@@ -262,13 +243,10 @@ def follow_master(
     on_silence: Callable[[Exception], None] | None,
 ) -> None:
     """Make sure ``pool`` talks to the master a Sentinel names now (one :data:`GET_MASTER`;
-    on a change the pool re-discovers and drops its idle connections).
-
-    When no Sentinel answers and a master is known, ``on_silence`` is called and the known
-    master kept (for stores whose writes WAIT for replicas, which still refuses a write a
-    failover would lose); without ``on_silence`` the error is raised, since nothing else tells
-    a stale master from the current one.
-    """
+    on a change the pool re-discovers and drops its idle connections). No Sentinel answering
+    and a master known: ``on_silence`` is called and that master kept (for stores whose writes
+    WAIT for replicas, which still refuses a write a failover would lose); without
+    ``on_silence`` the error is raised (nothing else tells a stale master from the current)."""
     known = pool.master_address
     try:
         address = ask_sentinels(pool.sentinel_manager, pool.service_name)
@@ -300,10 +278,7 @@ def client_from_url(
     """The client a store URL names (built with the sync or ``redis.asyncio`` classes, not yet
     connected), its Sentinel manager (or None) and the store's own URL options. Clients get 5 s
     socket timeouts unless the URL sets them, and no redis-py retries (the stores retry once).
-
-    Raises:
-        LeaseConfigError: for a URL of another scheme or one redis-py refuses.
-    """
+    ``LeaseConfigError`` for a URL of another scheme or one redis-py refuses."""
     scheme = urlsplit(url).scheme.lower()
     options: dict[str, object]
     if scheme == "redis+sentinel":

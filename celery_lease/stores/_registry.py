@@ -17,19 +17,6 @@ from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore, redact_url
 from celery_lease.stores.threaded import ThreadedAsyncStore
 
-__all__ = [
-    "SCHEMES",
-    "Entry",
-    "async_class",
-    "async_store_from_url",
-    "examples",
-    "known_schemes",
-    "lazy_names",
-    "resolve",
-    "store_from_url",
-    "sync_class",
-]
-
 
 class Entry(NamedTuple):
     """What serves one URL scheme."""
@@ -159,8 +146,7 @@ def async_store_from_url(url: str) -> AsyncLockStore:
 
 
 def _scheme_of(url: str) -> str:
-    """The lower-case scheme of a store ``url``; ``LeaseConfigError`` listing the supported
-    forms when it is not a URL or its scheme is unknown."""
+    """The lower-case scheme of ``url``; LeaseConfigError (listing the forms) if none or unknown."""
     if not isinstance(url, str) or "://" not in url:
         shown = redact_url(url) if isinstance(url, str) else url
         raise LeaseConfigError(

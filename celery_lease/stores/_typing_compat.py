@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 import typing
 
-__all__ = ["is_protocol"]
-
 
 def is_protocol(cls: type) -> bool:
     """Whether ``cls`` itself is a ``typing.Protocol`` class (not a class that implements one)."""

@@ -54,11 +54,8 @@ _NOT_LIBPQ = frozenset(
 
 
 def _alias_of(url: str) -> str:
-    """The alias a ``django://<alias>`` URL names (``django://``: ``"default"``).
-
-    Raises:
-        LeaseConfigError: a URL of another form (a path, a query, another scheme).
-    """
+    """The alias a ``django://<alias>`` URL names (``django://``: ``"default"``); a URL of
+    another form (a path, a query, another scheme) raises LeaseConfigError."""
     parts = urlsplit(url) if isinstance(url, str) else None
     if (
         parts is None
@@ -130,11 +127,8 @@ def _quoted(value: object) -> str:
 
 
 def _postgresql_dsn(alias: str, database: dict[str, Any]) -> str:
-    """The libpq ``key=value`` DSN of a PostgreSQL ``DATABASES`` entry, as Django connects.
-
-    Raises:
-        LeaseConfigError: no ``NAME`` and no ``OPTIONS['service']`` (as Django refuses).
-    """
+    """The libpq ``key=value`` DSN of a PostgreSQL ``DATABASES`` entry, as Django connects;
+    LeaseConfigError without ``NAME`` and ``OPTIONS['service']`` (as Django refuses)."""
     options = database.get("OPTIONS") or {}
     if not isinstance(options, dict):
         raise LeaseConfigError(f"DATABASES[{alias!r}]['OPTIONS'] is not a dict: {options!r}")
@@ -161,11 +155,8 @@ def _postgresql_dsn(alias: str, database: dict[str, Any]) -> str:
 
 
 def _sqlite_path(alias: str, database: dict[str, Any]) -> str:
-    """The file of an SQLite ``DATABASES`` entry.
-
-    Raises:
-        LeaseConfigError: no file: an in-memory database, or no ``NAME``.
-    """
+    """The file of an SQLite ``DATABASES`` entry; LeaseConfigError when it has none (in
+    memory, or no ``NAME``)."""
     name = database.get("NAME")
     path = os.fspath(name) if isinstance(name, (str, os.PathLike)) else None
     if not path or path == ":memory:" or str(path).startswith("file:") or "mode=memory" in path:

@@ -81,13 +81,9 @@ _SETTLE_TIMEOUT = 5.0  # seconds an interrupted statement gets to end after its 
 
 
 def _settle_interrupted(conn: psycopg.Connection[Any]) -> None:
-    """After an exception raised asynchronously inside a statement: cancel it, read its end,
-    close ``conn``.
-
-    The statement would otherwise keep running and may commit later (an acquire queued on a row
-    lock); psycopg cancels only for ``KeyboardInterrupt`` and ``SystemExit``. The connection's
-    client state is unknown, so it is closed rather than returned to the pool.
-    """
+    """After an async exception inside a statement: cancel it (else it may commit later, e.g.
+    an acquire queued on a row lock; psycopg cancels only for KeyboardInterrupt and SystemExit),
+    read its end and close ``conn`` (its client state is unknown: never back to the pool)."""
     pgconn = conn.pgconn
     try:
         if pgconn.transaction_status == TransactionStatus.ACTIVE:
@@ -153,10 +149,9 @@ class _Slot:
 
 
 class _Listener:
-    """One thread holding a ``LISTEN`` connection, waking per-key slots (filed under the
-    key's NOTIFY payload); ``ready`` is set while it listens. After a reconnect every slot is
-    woken: spurious wake-ups are allowed, lost ones would cost a waiter a poll interval.
-    """
+    """One thread holding a ``LISTEN`` connection, waking per-key slots (filed under the key's
+    NOTIFY payload); ``ready`` is set while it listens. A reconnect wakes every slot (spurious
+    wake-ups are allowed, lost ones would cost a waiter a poll interval)."""
 
     _TICK = 1.0  # seconds between checks of the stop flag while no notification arrives
 
@@ -434,8 +429,7 @@ class PostgresLockStore(StoreBase):
     def _run(
         self, what: str, fn: Callable[[psycopg.Connection[Any]], _T], *, redo: bool = True
     ) -> _T:
-        """Run ``fn`` (one statement) on a pooled connection; a dropped connection is retried
-        once on another when ``redo`` (the operation is safe to repeat if it took effect)."""
+        """``fn`` (one statement) on a pooled connection; a dropped one retried once if ``redo``."""
         pool = self._get_pool()
         for attempt in (1, 2):
             got_connection = False

@@ -53,12 +53,9 @@ _UNDO_TIMEOUT = 5.0  # seconds a release undoing an interrupted acquire may take
 
 
 async def _within(coro: Awaitable[_T], seconds: float) -> _T:
-    """``await coro`` for at most ``seconds`` (then ``TimeoutError``), never losing a cancel.
-
-    ``asyncio.wait_for`` before Python 3.12 returns the result when it lands in the same loop
-    iteration as a cancel of its caller, and the cancel is lost: an acquire whose reply raced
-    the caller's cancel would hand back a lease to a caller that gave up.
-    """
+    """``await coro`` for at most ``seconds`` (then ``TimeoutError``), never losing a cancel
+    (``asyncio.wait_for`` before 3.12 returns a result landing with its caller's cancel, which
+    would hand an acquire's lease to a caller that gave up)."""
     if sys.version_info >= (3, 11):
         async with asyncio.timeout(seconds):
             return await coro
@@ -275,8 +272,7 @@ class AsyncPostgresLockStore(StoreBase):
     async def _run(
         self, what: str, key: str | None, fn: Callable[[_AsyncConn], Awaitable[_T]]
     ) -> _T:
-        """Await ``fn`` (one statement) on a pooled connection, within the statement timeout;
-        a dropped connection is retried once (see ``_failure``)."""
+        """``fn`` (one statement) on a pooled connection; a dropped one retried once."""
         pool = await self._get_pool()
         for attempt in (1, 2):
             got_connection = False
@@ -314,8 +310,7 @@ class AsyncPostgresLockStore(StoreBase):
         conn: _AsyncConn,
         fn: Callable[[_AsyncConn], Awaitable[_T]],
     ) -> _T:
-        """``fn(conn)`` within the statement timeout; a missing table is created (if allowed)
-        and ``fn`` run again."""
+        """``fn(conn)`` within the statement timeout, again after creating a missing table."""
         timeout = self._statement_timeout
         try:
             return await _within(fn(conn), timeout)
@@ -392,8 +387,7 @@ class AsyncPostgresLockStore(StoreBase):
     async def _run_alone(
         self, what: str, key: str, fn: Callable[[_AsyncConn], Awaitable[None]]
     ) -> None:
-        """``fn`` on a connection of its own, closed right after: for a release that comes
-        after :meth:`aclose` (the pool is gone, the key must still be freed)."""
+        """``fn`` on a connection of its own, closed after: a release after :meth:`aclose`."""
         try:
             conn = await self._listener_connect()
         except (psycopg.Error, OSError, asyncio.TimeoutError) as exc:

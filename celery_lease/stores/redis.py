@@ -233,10 +233,9 @@ class RedisLockStore(StoreBase):
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
     def _eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
-        """Many EVALSHA in one pipelined round trip (one per node on a cluster): each call's
-        reply in order, or in its place the exception its error reply stands for. On a single
-        server a connection error or timeout raises. ``every_node``: a cluster node that timed
-        out before is waited for as any other (see ``ClusterFanOut.eval_many``)."""
+        """Many EVALSHA pipelined (per node on a cluster: ``ClusterFanOut.eval_many``, with
+        ``every_node``): replies or error replies in place; on one server a connection error
+        or timeout raises."""
         if self._cluster is not None:
             return self._cluster.eval_many(script, calls, every_node=every_node)
         assert isinstance(self._client, redis.Redis)
@@ -311,10 +310,7 @@ class RedisLockStore(StoreBase):
 
     def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
         """Run an acquire ``script``; its raw reply (a token, or the script's refusal).
-
-        Raises:
-            RestartGraceError: a restart grace refused a free key.
-        """
+        Raises RestartGraceError when a restart grace refused a free key."""
         script, keys, args = self._acquire_call(script, key, owner, ttl_ms)
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             reply = self._call("acquire", partial(self._eval, script, keys, args), key)

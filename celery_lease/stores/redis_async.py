@@ -61,8 +61,7 @@ AsyncClient = redis.asyncio.Redis
 
 
 class _Sentinel(redis.asyncio.sentinel.Sentinel):
-    """Discovers the master with ``SENTINEL GET-MASTER-ADDR-BY-NAME``, as the sync store does
-    (it names a promoted replica earlier than ``SENTINEL MASTERS``)."""
+    """Discovers the master with :data:`GET_MASTER`, as the sync ``Sentinel`` (see there)."""
 
     async def discover_master(self, service_name: str) -> tuple[str, int]:
         problems: list[str] = []
@@ -216,8 +215,7 @@ class AsyncRedisLockStore(StoreBase):
     async def _call(
         self, operation: str, fn: Callable[[], Awaitable[_T]], key: str | None = None
     ) -> _T:
-        """Await ``fn()``, once more after a connection error or timeout; Redis errors raise
-        StoreUnavailableError."""
+        """Await ``fn()``, again after a connection error or timeout; else StoreUnavailableError."""
         try:
             try:
                 return await fn()
@@ -228,8 +226,7 @@ class AsyncRedisLockStore(StoreBase):
             raise self._error(operation, key, failed(exc)) from exc
 
     async def _write(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
-        """Follow a Sentinel failover (as ``follow_master`` does for the sync pool), then
-        :meth:`_eval`: ``(reply, acks or None)``."""
+        """:meth:`_eval` on the master a Sentinel names now: ``(reply, acks or None)``."""
         pool = self._client.connection_pool
         if isinstance(pool, redis.asyncio.sentinel.SentinelConnectionPool):
             known = pool.master_address
@@ -404,8 +401,7 @@ class AsyncRedisLockStore(StoreBase):
 
 
 def _same_as_twin(name: str, value: Any, twin: Any, convert: Callable[[Any], float] | None) -> Any:
-    """The twin's ``name``; raise ``LeaseConfigError`` if ``value`` (converted to seconds by
-    ``convert``) differs."""
+    """The twin's ``name``; LeaseConfigError if ``value`` (in seconds: ``convert``) differs."""
     if value is None:
         return twin
     if value != twin if convert is None else abs(convert(value) - twin) > 1e-9:

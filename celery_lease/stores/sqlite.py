@@ -145,13 +145,8 @@ _HELD_ACROSS_FORK: list[threading.Lock] = []
 
 
 def _before_fork() -> None:
-    """Close every store's connection before fork(), holding its lock until fork() returns.
-
-    SQLite's per-process lock records are copied by fork() but the POSIX locks are not: a child
-    would believe itself locked while holding nothing, and could end up committing into a WAL
-    another process deleted (two holders of one key). Closed first, the child opens the file as
-    any new process does; the parent reopens on its next call.
-    """
+    """Close every store's connection before fork(), its lock held until fork() returns: a
+    child must not inherit SQLite's lock records (docs/stores.md, SQLite; docs/internals.md, 4)."""
     for store in list(_STORES):
         store._close_for_fork()
 
@@ -277,13 +272,9 @@ class SQLiteLockStore:
         return self._clock
 
     def _close_for_fork(self) -> None:
-        """Just before fork(): close this process's connection, its lock held until the
-        parent's after-fork hook (so no call starts mid-fork).
-
-        Waits for a call in flight (bounded by ``2 * busy_timeout``, :meth:`_open`'s bound);
-        if the lock cannot be had (a fork from a signal handler inside a call of this thread),
-        the child inherits the connection and a warning says so.
-        """
+        """Before fork(): wait for a call in flight (``2 * busy_timeout`` at most), close the
+        connection and hold the lock until after fork(); no lock (a fork from a signal handler
+        inside a call): the child inherits the connection, with a warning."""
         if self._pid != os.getpid():
             return  # inherited (fork without the hooks): the child forgets it on use
         lock = self._lock
@@ -373,16 +364,12 @@ class SQLiteLockStore:
                 raise
 
     def _after_failure(self, exc: BaseException) -> None:
-        """After a failed call (under _lock): keep no statement or transaction that may hold
-        the file's write lock for every other process.
-
-        An asynchronous exception (a signal handler, a revoke) can land right after ``BEGIN
-        IMMEDIATE`` or before the fetch that ends an ``INSERT ... RETURNING`` (an unfinished
-        autocommit statement holds the write lock while ``in_transaction`` says False); a failed
-        ``COMMIT`` also leaves the transaction open. Closing the cursor resets its statement even
-        while a traceback references it; a connection still in a transaction, or after anything
-        but a plain driver error, is closed (rolling back). The next call reconnects.
-        """
+        """After a failed call (under _lock): keep no statement or transaction holding the
+        file's write lock. An async exception can land after ``BEGIN IMMEDIATE`` or before the
+        fetch ending an ``INSERT ... RETURNING`` (holding the lock while ``in_transaction`` is
+        False), and a failed ``COMMIT`` leaves the transaction open: the cursor is closed (that
+        resets its statement), and the connection too (rolling back) unless it is out of a
+        transaction after a plain driver error. The next call reconnects."""
         cursor, conn = self._cursor, self._conn
         if cursor is None or conn is None:
             return
@@ -570,12 +557,9 @@ def _validate_path(path: object) -> str:
 
 
 def _host_boot() -> tuple[str | None, float]:
-    """This boot's id and the monotonic offset (seconds) of this process's time namespace.
-
-    ``(None, 0.0)`` (the wall clock) without a boot id (not Linux), or when this process's own
-    offset cannot be read: ``timens_offsets`` shows its children's namespace, which differs
-    after ``unshare(CLONE_NEWTIME)`` until the next exec.
-    """
+    """This boot's id and the monotonic offset (seconds) of this process's time namespace;
+    ``(None, 0.0)`` (the wall clock) without a boot id or this process's own offset
+    (``timens_offsets`` shows its children's namespace after ``unshare(CLONE_NEWTIME)``)."""
     try:
         with open(_BOOT_ID_FILE, encoding="ascii") as file:
             boot = file.read().strip()

@@ -31,8 +31,7 @@ _waiters: dict[tuple[int, str], set[tuple[asyncio.AbstractEventLoop, asyncio.Fut
 
 
 def _after_fork_in_child() -> None:
-    """A forked child starts with a fresh lock (the parent's may have been held at the fork)
-    and no waiters (they belong to the parent's loops)."""
+    """A forked child: a fresh lock, no waiters (they belong to the parent's loops)."""
     global _waiters_lock
     _waiters_lock = threading.Lock()
     _waiters.clear()
@@ -65,12 +64,9 @@ def _undo(undo: Callable[[], object]) -> None:
 
 
 async def _on_thread(fn: Callable[[], _T], undo: Callable[[], object] | None = None) -> _T:
-    """Run ``fn()`` on the loop's default executor and await its result.
-
-    A store call cannot be cut short: if the awaiting task is cancelled first, ``undo()`` runs
-    after ``fn`` ends (on its thread, or on the executor if it had ended already), which is how
-    a cancelled acquire that took effect is released.
-    """
+    """``fn()`` on the loop's default executor, awaited. If the awaiting task is cancelled
+    first, ``undo()`` runs once ``fn`` ends (on its thread, or on the executor if it had ended):
+    how a cancelled acquire that took effect is released."""
     loop = asyncio.get_running_loop()
     lock = threading.Lock()
     state = {"done": False, "abandoned": False}
