@@ -6,13 +6,10 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
-The innermost lease of the current context is what :func:`current_lease` and
-:func:`get_lock_token` return (``contextvars``). A nested ``lease()`` on the same key and store,
-on the thread (or in the asyncio task) that entered the held one, re-enters it, as an ``RLock``
-does. A forked child ignores its parent's leases (:func:`celery_lease._forking.generation`).
-When to try is the acquire plan's (:mod:`~celery_lease._core.acquire_plan`), renewal and loss the
-renewer's; user callbacks run on the dispatcher. Threads, locks and fork resets:
-``docs/internals.md``.
+:func:`current_lease` returns the innermost lease of the current context (``contextvars``). A
+nested ``lease()`` on the same key and store, in the thread (or asyncio task) that entered the
+held one, re-enters it, as an ``RLock`` does; a forked child ignores its parent's leases.
+Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -415,8 +412,6 @@ class LeaseContext:
         self._defer_release = False
         self._canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
 
-    # Decorator --------------------------------------------------------------------------------
-
     def __call__(self, func: F) -> F:
         if self._decorates_async(func):
 
@@ -486,9 +481,8 @@ class LeaseContext:
         Args:
             reason: the ``lost_reason`` to record (default ``"released"``).
 
-        Returns:
-            True when this call ended it; False when its end was recorded already (a lost lease
-            is still released, once), or in a forked child.
+        Returns True when this call ended it; False when its end was recorded already (a lost
+        lease is still released, once), or in a forked child.
 
         Raises:
             RuntimeError: when the context was never entered.

@@ -221,8 +221,6 @@ class Renewer:
         if wake:  # only when the new lease is due before the thread means to wake anyway
             self._wake.set()
 
-    # Ending an entry: one record, under the lock ---------------------------------------------
-
     def remove(self, entry: Entry) -> tuple[bool, bool, str | None]:
         """Stop renewing ``entry``; ``(settled, final, lapsed)``. Records "finished", or
         ``"expired"``/``"max_hold"`` when past that deadline; a renewal in flight is waited for
@@ -375,8 +373,6 @@ class Renewer:
         except catch:
             logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
 
-    # Introspection ----------------------------------------------------------------------------
-
     @property
     def thread(self) -> threading.Thread | None:
         """The running renewer thread, if any."""
@@ -414,8 +410,6 @@ class Renewer:
                 if not entry.closed
             ]
         return sorted(rows, key=lambda row: (row["key"], row["owner"]))
-
-    # The renewer thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
@@ -629,8 +623,6 @@ class Renewer:
                     results.append(exc)
         return results
 
-    # Watchdog ---------------------------------------------------------------------------------
-
     def _earliest_deadline(self) -> float | None:
         """The earliest deadline of a held lease (stale heap items dropped); under the lock."""
         heap = self._deadlines
@@ -688,17 +680,6 @@ class Renewer:
                     self._record(entry, reason)
                     overdue.append((entry, reason))
             self._notify_all(overdue)
-
-    # Stopping ---------------------------------------------------------------------------------
-
-    def _stop(self) -> list[threading.Thread]:
-        """Tell the idle threads to exit now; returns them (to join)."""
-        with self._lock:
-            self._stopping = True
-            threads = [t for t in (self._thread, self._watchdog) if t is not None]
-        self._wake.set()
-        self._watch_wake.set()
-        return threads
 
 
 def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
@@ -905,8 +886,12 @@ def shutdown(timeout: float = 5.0) -> None:
             + "; leave their lease() blocks first"
         )
     threads: list[threading.Thread] = []
-    for renewer in stopping:
-        threads.extend(renewer._stop())
+    for renewer in stopping:  # tell the idle threads to exit now
+        with renewer._lock:
+            renewer._stopping = True
+            threads.extend(t for t in (renewer._thread, renewer._watchdog) if t is not None)
+        renewer._wake.set()
+        renewer._watch_wake.set()
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     stuck = [thread.name for thread in threads if thread.is_alive()]
