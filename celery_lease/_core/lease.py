@@ -264,9 +264,8 @@ class Lease:
                 return False
             limits = [deadline] if deadline is not None else []
             if entry is not None and not entry.closed:
-                limits.append(entry.valid_until)
-                if entry.max_hold_at is not None:
-                    limits.append(entry.max_hold_at)
+                limits.append(entry._cap(entry.valid_until))  # validity or max_hold
+
             self._clock.wait(self._loss_event(), (min(limits) - now) if limits else None)
         return True
 

@@ -158,8 +158,7 @@ class Renewer:
         self._watch_wake = threading.Event()
         self._stopping = False
         self._observers: tuple[_Observer, ...] = ()
-        self.sweeps = 0
-        """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
+        self.sweeps = 0  # sweeps that sent at least one renewal (for benchmarks and tests)
 
     def observe_renewals(self, callback: RenewalObserver) -> Callable[[], None]:
         """Call ``callback(key, token, seconds, ok)`` for every renewal result of this renewer;
@@ -237,9 +236,7 @@ class Renewer:
                 self._forget(entry)  # idempotent: in case an interrupt cut the recorder short
                 return True, final, None  # already lost: nothing of its holder's is cooled down
             inflight = entry.inflight
-            entry.lost_reason = reason
-            entry.closed = True
-            self._forget(entry)
+            self._record(entry, reason)
             if reason is not None or not inflight:
                 return True, final, reason
         settled = self.settle(entry)
@@ -778,9 +775,7 @@ def _tell(
 
 def _deadline(entry: Entry) -> float:
     """When ``entry`` must be reported lost if nothing renews it: validity or max_hold."""
-    if entry.max_hold_at is None:
-        return entry.valid_until
-    return min(entry.valid_until, entry.max_hold_at)
+    return entry._cap(entry.valid_until)
 
 
 _registry_lock = threading.Lock()
