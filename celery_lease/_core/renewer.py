@@ -678,6 +678,15 @@ class Renewer:
                     overdue.append((entry, reason))
             self._notify_all(overdue)
 
+    def _stop(self) -> list[threading.Thread]:
+        """Tell the idle threads to exit now; returns them (to join)."""
+        with self._lock:
+            self._stopping = True
+            threads = [t for t in (self._thread, self._watchdog) if t is not None]
+        self._wake.set()
+        self._watch_wake.set()
+        return threads
+
 
 def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
     """The renewal of ``entry`` was answered: wake a waiting exit, queue its fenced action."""
@@ -881,12 +890,8 @@ def shutdown(timeout: float = 5.0) -> None:
             + "; leave their lease() blocks first"
         )
     threads: list[threading.Thread] = []
-    for renewer in stopping:  # tell the idle threads to exit now
-        with renewer._lock:
-            renewer._stopping = True
-            threads.extend(t for t in (renewer._thread, renewer._watchdog) if t is not None)
-        renewer._wake.set()
-        renewer._watch_wake.set()
+    for renewer in stopping:
+        threads.extend(renewer._stop())
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     stuck = [thread.name for thread in threads if thread.is_alive()]
