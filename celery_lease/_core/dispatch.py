@@ -122,12 +122,6 @@ class Dispatcher:
             thread.join(max(0.0, deadline - time.monotonic()))
         return running if any(t.is_alive() for t in threads) else []
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """The dispatcher threads alive now."""
-        with self._cond:
-            return list(self._threads)
-
 
 _dispatcher = Dispatcher()
 
