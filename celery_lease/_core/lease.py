@@ -597,9 +597,7 @@ class LeaseContext:
             raise
         if lapsed is not None:  # told after the release
             held._key.notify(lapsed)
-        error = self._loss_error(exc, held._key.lost_reason)
-        if error is not None:
-            raise error from exc
+        self._raise_if_lost(exc, held._key.lost_reason)
         return False
 
     async def __aenter__(self) -> Lease:
@@ -659,9 +657,7 @@ class LeaseContext:
         reason = held._key.lost_reason
         if ours:
             return aio.after_our_cancel(held.key, reason, exc, outside)
-        error = self._loss_error(exc, reason)
-        if error is not None:
-            raise error from exc
+        self._raise_if_lost(exc, reason)
         return False
 
     async def _aend(self, held: Lease, succeeded: bool) -> None:
@@ -827,8 +823,8 @@ class LeaseContext:
             return None
         return held
 
-    def _loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
-        """The error for an ``Exception`` of a body whose lease was lost (not released early)."""
+    def _raise_if_lost(self, exc: BaseException | None, reason: str | None) -> None:
+        """Raise LockLostError from a body's ``Exception`` after a loss (not an early release)."""
         if (
             isinstance(exc, Exception)
             and reason is not None
@@ -836,8 +832,7 @@ class LeaseContext:
             and not isinstance(exc, LockLostError)
         ):
             assert self._lease is not None
-            return LockLostError(self._lease.key, reason)
-        return None
+            raise LockLostError(self._lease.key, reason) from exc
 
     def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
         """End ``held`` after an interrupt cut its enter, exit or early release short: pop (not
