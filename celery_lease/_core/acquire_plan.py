@@ -1,21 +1,11 @@
 """The acquire plan: when to try a key, how long to pause and on which clock, when to give up,
-and which failed attempt to clean up. It does no I/O.
-
-``with`` and ``async with`` drive one plan (as httpx's clients drive one ``Auth.auth_flow``
-generator): the plan gives a step, the driver performs it with its own I/O and sends back the
-reply: a token, ``None`` (held), or :class:`Failed` with what the call raised.
-
-- :class:`Try`: ``store.acquire(key, owner, ttl_ms)``.
-- :class:`Pause`: wait up to ``seconds`` for the key to be freed, on the store's release
-  notification (``clock`` ``None``) or ``clock.wait(event, seconds)``; send ``None``. The async
-  driver awaits ``wait_for_release`` in both cases: counted on the plan's clock, slept on the loop.
-- :class:`Hold`: the key is the attempt's: build and renew its lease.
-
-Most keys are free, so the first try needs no plan object: the driver calls
-:func:`check_cancel`, tries, and holds when the reply's type is :data:`GRANTED`; any other first
-reply builds an :class:`AcquirePlan`, which decides from there. A failed attempt (its reply lost,
-or its lease never built) is released owner-checked by :func:`abandon_later`: the owner id is the
-attempt's own, so this never frees another holder's lease.
+and which failed attempt to clean up. It does no I/O: ``with`` and ``async with`` drive it
+(as httpx's clients drive ``Auth.auth_flow``), performing each step (:class:`Try`,
+:class:`Pause`, :class:`Hold`) and sending back the reply: a token, ``None`` (held), or
+:class:`Failed`. The first try needs no plan (most keys are free): the driver calls
+:func:`check_cancel`, tries, and holds when the reply's type is :data:`GRANTED`. A failed
+attempt is released owner-checked by :func:`abandon_later` (its own owner id: never another
+holder's lease).
 """
 
 from __future__ import annotations
@@ -81,7 +71,8 @@ class Try(NamedTuple):
 
 class Pause(NamedTuple):
     """Wait up to ``seconds`` for the key to be freed: on the store's release notification when
-    ``clock`` is ``None``, else ``clock.wait(event, seconds)``."""
+    ``clock`` is ``None``, else ``clock.wait(event, seconds)``; the async driver awaits
+    ``wait_for_release`` in both cases (counted on the plan's clock, slept on the loop)."""
 
     seconds: float
     clock: Clock | None
@@ -111,16 +102,12 @@ Reply = int | None | Failed
 
 class AcquirePlan:
     """The rest of an acquisition whose first try, ``attempt`` (sent at ``started`` on
-    ``clock``), was not granted; ``send(reply)`` gives the next step (the first ``send`` gets
-    that try's reply). ``store`` is the synchronous store, whose clock and notification the
-    wait uses.
-
-    Pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX` until ``wait`` seconds passed on
-    ``wait_clock()`` (asked at the first refusal; the tries until then count against ``wait``).
-    Raises ``LockNotAcquiredError`` past ``wait`` (``"cancelled"`` once ``cancel`` is set); the
-    last ``ReplicaLagError``/``RestartGraceError`` when the wait runs out on one (asked again
-    like a held key); whatever else a try raised, after ``abandon(owner)`` is handed over.
-    """
+    ``clock``), was not granted; ``send(reply)`` gives the next step (the first gets that try's
+    reply). Pauses from :data:`POLL_FIRST` doubling to :data:`POLL_MAX` until ``wait`` seconds
+    passed on ``wait_clock()`` (asked at the first refusal; earlier tries count). Raises
+    ``LockNotAcquiredError`` past ``wait`` (``"cancelled"`` once ``cancel`` is set); the last
+    ``ReplicaLagError``/``RestartGraceError`` when the wait runs out on one (asked again like a
+    held key); whatever else a try raised, after ``abandon(owner)`` is handed over."""
 
     __slots__ = (
         "_abandon", "_cancel", "_clock", "_deadline", "_idle", "_interval", "_last", "_notify",
@@ -149,7 +136,7 @@ class AcquirePlan:
         self._idle: threading.Event | None = None
 
     def send(self, reply: Reply) -> Step:
-        """The step after the last one, performed with ``reply`` (``None`` after a pause)."""
+        """The step after the last one, which gave ``reply`` (``None`` after a pause)."""
         if type(self._last) is Pause:
             check_cancel(self._cancel, self._try.key)
             self._sent_at = self._clock.monotonic()
@@ -166,9 +153,7 @@ class AcquirePlan:
             if not isinstance(reply.error, (ReplicaLagError, RestartGraceError)):
                 self._abandon_later()  # it may have taken effect, its reply lost
                 raise reply.error
-            # Unconfirmed by the replicas (the store released it), or refused by a restart
-            # grace: asked again like a held key, raised when the wait runs out.
-            lagging = reply.error
+            lagging = reply.error  # asked again like a held key, raised when the wait runs out
         self._tries += 1
         waits_on = self._waits_on or self._first_refusal()
         remaining = self._deadline - waits_on.monotonic()
@@ -184,8 +169,8 @@ class AcquirePlan:
         return Pause(seconds, waits_on, self._idle)
 
     def _first_refusal(self) -> Clock:
-        """Look up the clock the wait is counted on, and whether the store's notification
-        sleeps on it."""
+        """The clock the wait is counted on; whether the store's notification sleeps on it."""
+
         clock, store = self._clock, self._store
         self._interval = POLL_FIRST
         waits_on = self._waits_on = self._wait_clock()

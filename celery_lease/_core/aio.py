@@ -1,13 +1,7 @@
-"""What only ``async with lease(...)`` needs: the store's awaited try and release, and the
-canceller of ``on_lost="cancel"``. User guide: ``docs/asyncio.md``.
-
-``async with`` drives the acquire plan of ``with``, awaiting an
-:class:`~celery_lease.stores.base.AsyncLockStore` (a sync store through a
-:class:`ThreadedAsyncStore`); renewal stays on the sync twin's renewer thread. A cancelled or
-failed release is done again on the dispatcher. With ``on_lost="cancel"`` a loss cancels the task
-that entered the block (:class:`Canceller`), which then ends with
-:class:`~celery_lease.LockLostError`; a cancellation from outside still propagates. Threads,
-locks and fork resets: ``docs/internals.md``.
+"""What only ``async with lease(...)`` needs: the store's awaited try and release (a cancelled
+or failed one is done again on the dispatcher), and the :class:`Canceller` of
+``on_lost="cancel"``. Renewal stays on the sync twin's renewer thread. User guide:
+``docs/asyncio.md``; threads and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -70,9 +64,8 @@ class Canceller:
         uncancel = getattr(self.task, "uncancel", None)
         if uncancel is not None:  # Python 3.11+: cancellation requests are counted
             return bool(uncancel())  # the requests left: from outside
-        # Python 3.10: the delivered cancel's message travels with the error, and an outside
-        # cancel delivered before ours is its context. Only a chain of cancellations is followed
-        # (``wait_for``'s TimeoutError carries its inner task's cancel); an outside cancel
+        # Python 3.10: our message travels with the error, an outside cancel delivered before
+        # ours is its context (only a chain of cancellations is followed); an outside cancel
         # requested before ours was delivered is merged into it, unseen.
         seen: set[int] = set()
         while isinstance(exc, asyncio.CancelledError) and id(exc) not in seen:
@@ -99,7 +92,6 @@ def after_our_cancel(
 
 
 async def try_acquire(astore: AsyncLockStore, key: str, owner: str, ttl_ms: int) -> Reply:
-    """The async store's answer to a try, or what it raised."""
     try:
         return await astore.acquire(key, owner, ttl_ms)
     except BaseException as exc:

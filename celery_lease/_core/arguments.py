@@ -28,8 +28,7 @@ MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 
 
 class _CancelBody:
-    """``lease(on_lost="cancel")``'s ``on_lost``: a marker and a no-op listener (``async with``
-    installs the cancel as an immediate listener)."""
+    """``on_lost="cancel"``: a marker and a no-op listener (``async with`` installs the cancel)."""
 
     __slots__ = ()
 
@@ -45,9 +44,8 @@ CANCEL = _CancelBody()
 
 
 def check_ttl(seconds: float, given: object, *, name: str) -> None:
-    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` can ever be held: one of
-    :data:`MIN_TTL` or less loses its drift allowance at once (``given``, ``name``: for the
-    message)."""
+    """Raise :class:`LeaseConfigError` unless a ttl of ``seconds`` is over :data:`MIN_TTL`
+    (``given``, ``name``: for the message)."""
     if seconds <= MIN_TTL:
         raise LeaseConfigError(
             f"{name}={given!r} must be more than {MIN_TTL * 1000:.2f} ms: a lease counts"
@@ -157,10 +155,10 @@ def checked_arguments(
     cooldown: Duration,
     holder: object,
 ) -> LeaseArguments:
-    """``lease()``'s arguments checked and normalised (see :func:`~celery_lease.lease` for
-    what each may be).
+    """``lease()``'s arguments checked and normalised (see :func:`~celery_lease.lease`).
 
     Raises:
+
         LeaseConfigError: for the first bad argument, naming it.
     """
     if not isinstance(key, str) or not key:

@@ -1,13 +1,8 @@
-"""The dispatcher: where the core runs user callbacks (``on_lost`` and other loss listeners).
-
-User code never runs on the renewer or the watchdog thread, where a blocking callback would stall
-every other lease. Each callback goes to an idle dispatcher thread, or a new one when none is
-idle: the pool grows without bound on purpose (a bound would queue callbacks behind blocked
-ones, the failure this module exists to prevent); a thread lives for :data:`IDLE_EXIT` seconds
-after its last callback. Each callback is one unit; what it raises (``SystemExit`` too) is logged
-on ``celery_lease.dispatch``. A forked child starts with an empty dispatcher;
-:func:`celery_lease.shutdown` joins the threads. Threads, locks and fork resets:
-``docs/internals.md``.
+"""The dispatcher: where the core runs user callbacks (``on_lost`` and other loss listeners),
+never on the renewer or watchdog thread. Each goes to an idle thread or a new one (the pool
+grows without bound on purpose: a bound would queue callbacks behind blocked ones); what it
+raises (``SystemExit`` too) is logged on ``celery_lease.dispatch``. Threads, their end and fork
+resets: ``docs/internals.md`` (sections 1 and 5, "The dispatcher").
 """
 
 from __future__ import annotations
@@ -46,10 +41,7 @@ class Dispatcher:
         self._names = itertools.count(1)
 
     def submit(self, fn: Callable[[_T], object], arg: _T, what: str) -> None:
-        """Run ``fn(arg)`` soon on a dispatcher thread; ``what`` names it in logs and errors.
-
-        Returns at once. Starts a thread when no idle one is waiting.
-        """
+        """Run ``fn(arg)`` soon on a dispatcher thread; ``what`` names it in logs and errors."""
         start: threading.Thread | None = None
         with self._cond:
             self._stopping = False
@@ -102,10 +94,8 @@ class Dispatcher:
                 self._cond.notify_all()
 
     def drain(self, timeout: float | None = None) -> bool:
-        """Block until every submitted callback has run (real seconds; ``None``: no limit).
-
-        Returns whether that happened within ``timeout``. Meant for tests.
-        """
+        """Block until every submitted callback has run; whether that happened within
+        ``timeout`` (real seconds; ``None``: no limit). Meant for tests."""
         limit = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while self._queue or self._busy:
@@ -116,10 +106,8 @@ class Dispatcher:
             return True
 
     def stop(self, deadline: float) -> list[str]:
-        """Run what is queued, then stop and join the threads, by ``deadline`` (``time.monotonic``).
-
-        Returns what was still running at the deadline (empty when every thread ended).
-        """
+        """Run what is queued, then stop and join the threads by ``deadline``
+        (``time.monotonic``); what was still running then (empty when every thread ended)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -134,28 +122,21 @@ class Dispatcher:
             thread.join(max(0.0, deadline - time.monotonic()))
         return running if any(t.is_alive() for t in threads) else []
 
-    @property
-    def threads(self) -> list[threading.Thread]:
-        """The dispatcher threads alive now."""
-        with self._cond:
-            return list(self._threads)
-
 
 _dispatcher = Dispatcher()
 
 
 def get_dispatcher() -> Dispatcher:
-    """The dispatcher of this process: a forked child's own, even after a fork that skipped
-    Python's at-fork hooks (noticed here, see :func:`celery_lease._forking.generation`)."""
-    forking.generation()  # in such a child, runs the resets: a new dispatcher
+    """The dispatcher of this process (a forked child's own, even after a fork that skipped
+    Python's at-fork hooks: :func:`celery_lease._forking.generation` runs the resets)."""
+    forking.generation()
     return _dispatcher
 
 
 def drain(timeout: float | None = 10.0) -> bool:
-    """Wait until every loss callback submitted so far has run (default: at most 10 real s).
+    """Wait until every loss callback submitted so far has run (default: at most 10 real s);
+    whether they all ran in time. For tests that assert on what a callback did."""
 
-    Returns whether they all ran in time. For tests that assert on what a callback did.
-    """
     return _dispatcher.drain(timeout)
 
 

@@ -21,8 +21,8 @@ __all__ = ["HeldKey"]
 
 
 class HeldKey(Entry):
-    """A held key (built as the renewer's :class:`~celery_lease._core.renewer.Entry`, whose
-    fields it reads) with its holder's steps as methods."""
+    """A held key: the renewer's :class:`~celery_lease._core.renewer.Entry`, with its holder's
+    steps."""
 
     __slots__ = ()
 
@@ -46,18 +46,14 @@ class HeldKey(Entry):
 
     def stop(self) -> tuple[bool, bool, str | None]:
         """Stop renewing it: ``(settled, final, lapsed)`` (:meth:`Renewer.remove`)."""
-        renewer = self.renewer
-        assert renewer is not None, "HeldKey.start() was not called"
-        return renewer.remove(self)
+        return self._renewer().remove(self)
 
     def fence(self, action: Callable[[], None]) -> bool:
-        """Have the renewer run ``action`` (a store call) right after the renewal in flight is
-        answered; False when none is in flight (the caller runs it)."""
+        """Run ``action`` right after the renewal in flight; False when none is (run it now)."""
         return self._renewer().fence(self, action)
 
     def abandon(self) -> str | None:
-        """Stop renewing it whatever state an interrupt left; the loss recorded now, if any (to
-        :meth:`notify`). Idempotent."""
+        """Stop renewing it whatever state an interrupt left; the loss recorded now, if any."""
         return None if self.renewer is None else self.renewer.abandon(self)
 
     def record(self, reason: str) -> bool:

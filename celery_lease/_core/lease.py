@@ -6,13 +6,10 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
-The innermost lease of the current context is what :func:`current_lease` and
-:func:`get_lock_token` return (``contextvars``). A nested ``lease()`` on the same key and store,
-on the thread (or in the asyncio task) that entered the held one, re-enters it, as an ``RLock``
-does. A forked child ignores its parent's leases (:func:`celery_lease._forking.generation`).
-When to try is the acquire plan's (:mod:`~celery_lease._core.acquire_plan`), renewal and loss the
-renewer's; user callbacks run on the dispatcher. Threads, locks and fork resets:
-``docs/internals.md``.
+:func:`current_lease` returns the innermost lease of the current context (``contextvars``). A
+nested ``lease()`` on the same key and store, in the thread (or asyncio task) that entered the
+held one, re-enters it, as an ``RLock`` does; a forked child ignores its parent's leases.
+Threads, locks and fork resets: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -81,8 +78,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Frame:
-    """One held lease in this context's stack (a linked list). ``gen``: the fork generation of
-    the pushing process (a child ignores the others); ``origin``: the frame a copy stands for."""
+    """One held lease in the context's stack (a linked list); ``gen``: the pushing process's
+    fork generation; ``origin``: the frame a copy stands for."""
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
@@ -106,8 +103,7 @@ forking.on_fork_child(_after_fork_in_child, name="lease: events lock")
 
 
 def offers(obj: object, protocol: type, method: str) -> bool:
-    """Whether ``obj`` conforms to ``protocol``, whose ``method`` its class must define: the
-    class test first, as the check of a class that does not conform is not cached."""
+    """Whether ``obj`` conforms to ``protocol`` (its class defines ``method``: checked first)."""
     return hasattr(type(obj), method) and conforms(obj, protocol)
 
 
@@ -117,9 +113,8 @@ _CLOCK_RAISED: set[type] = set()  # store classes whose ``clock`` raised (warned
 
 
 def is_clock(obj: object) -> bool:
-    """Whether ``obj``'s class itself defines ``monotonic``, ``time`` and ``wait`` (read
-    statically): stricter than ``isinstance(obj, Clock)``, which a ``Mock`` or a ``__getattr__``
-    proxy passes."""
+    """Whether ``obj``'s class itself defines ``monotonic``, ``time`` and ``wait`` (unlike
+    ``isinstance(obj, Clock)``, not passed by a ``Mock`` or a ``__getattr__`` proxy)."""
     cls = type(obj)
     if cls in _CLOCK_CLASSES:
         return True
@@ -130,13 +125,9 @@ def is_clock(obj: object) -> bool:
 
 
 def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
-    """The clock a lease in ``store`` runs on: the store's own ``clock`` when it is a real
-    clock (:func:`is_clock`), else ``default``. Never raises (a ``clock`` that raises is
-    ignored, with a WARNING once per store class).
-
-    The renewer sleeps on it and the validity and a wait are counted on it, as the store counts
-    expiry: on a ``MemoryLockStore`` over a ``FakeClock`` the lease moves with the test's clock.
-    """
+    """The clock a lease in ``store`` runs on (renewal, validity, waits): the store's own
+    ``clock`` when it is a real clock (:func:`is_clock`), else ``default``. Never raises (a
+    ``clock`` that raises is ignored, with a WARNING once per store class)."""
     try:
         own = getattr(store, "clock", None)
     except Exception as exc:
@@ -196,8 +187,7 @@ class Lease:
         self._clock = clock
         self._entry: Entry | None = None
         self._key: HeldKey  # set by LeaseContext._hold (its entry is _entry)
-        # Made by the first wait_lost() only (most leases are never waited on); _notified says
-        # the loss was announced, so an event made after the announcement starts set.
+        # Made by the first wait_lost(); one made after the loss was announced starts set.
         self._lost_event: threading.Event | None = None
         self._notified = False
         self._released_early = False  # release_early() ended it ("released" by its own holder)
@@ -209,8 +199,7 @@ class Lease:
     @property
     def lost(self) -> bool:
         """True once the lease is lost (renewal refused, validity ran out, ``max_hold``, or
-        released early). It reads the renewer's one record; the first reader to find the lease
-        past its deadline records it, so once True it stays True. False after a normal exit."""
+        released early); once True it stays True. False after a normal exit."""
         if self._gen != forking.generation():
             return True  # the parent's lease, seen from a forked child
         entry = self._entry
@@ -245,12 +234,9 @@ class Lease:
         return self._released_early
 
     def _reenterable_by(self, task: object) -> bool:
-        """Whether code running in ``task`` (None: outside any asyncio task), on this thread,
-        may re-enter it: entered in a task, that task only (tasks created in its block run
-        concurrently); entered outside any task, this thread (an event loop its body runs
-        included), not a copied context on another thread (``asyncio.to_thread``). The thread
-        id is read per call: under gevent it is the greenlet's, reused only once it ended.
-        """
+        """Whether code in ``task`` (None: no asyncio task) on this thread may re-enter it:
+        entered in a task, that task only; else this thread (not a copied context on another,
+        as ``asyncio.to_thread`` makes; under gevent, the greenlet, its id reused once ended)."""
         ref = self._task
         if ref is None:
             return self._thread == threading.get_ident()
@@ -278,14 +264,12 @@ class Lease:
                 return False
             limits = [deadline] if deadline is not None else []
             if entry is not None and not entry.closed:
-                limits.append(entry.valid_until)
-                if entry.max_hold_at is not None:
-                    limits.append(entry.max_hold_at)
+                limits.append(entry._cap(entry.valid_until))  # validity or max_hold
+
             self._clock.wait(self._loss_event(), (min(limits) - now) if limits else None)
         return True
 
     def _loss_event(self) -> threading.Event:
-        """The event set when the loss is announced, made on first use (set if it already was)."""
         event = self._lost_event
         if event is None:
             with _events_lock:
@@ -330,8 +314,8 @@ class Lease:
         self._listeners.append((fn, immediate))
 
     def _notify_lost(self, reason: str) -> None:
-        """The loss is recorded (once): wake waiters, dispatch listeners, then run the
-        immediate ones, so one that interrupts this thread cannot keep the others back."""
+        """Wake waiters, dispatch listeners, then run the immediate ones (one that interrupts
+        this thread cannot keep the others back)."""
         log = logger.info if self._released_early else logger.warning
         log("celery-lease: lease on %r (token %d) lost: %s", self.key, self.token, reason)
         with _events_lock:
@@ -369,7 +353,7 @@ class Lease:
 
 class LeaseContext:
     """What :func:`lease` returns: a context manager (``with``, ``async with``) and a decorator
-    (a fresh context per call). Both drivers run the same acquire plan and steps around it.
+    (a fresh context per call).
 
     Attributes:
         key, store, ttl, wait, max_hold, cooldown, on_lost, cancel, clock: :func:`lease`'s
@@ -416,7 +400,6 @@ class LeaseContext:
         self._unentered()
 
     def _unentered(self) -> None:
-        """The state of a context not entered yet."""
         self.names_holder = False
         self.refused_by: str | None = None
         self._lease: Lease | None = None
@@ -424,11 +407,9 @@ class LeaseContext:
         self._reentered = False
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
-        self._released_early = False  # release_early() recorded the end: the exit raises nothing
+        self._released_early = False
         self._defer_release = False
         self._canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
-
-    # Decorator --------------------------------------------------------------------------------
 
     def __call__(self, func: F) -> F:
         if self._decorates_async(func):
@@ -448,12 +429,8 @@ class LeaseContext:
         return cast(F, wrapper)
 
     def _decorates_async(self, func: object) -> bool:
-        """True for an ``async def``.
-
-        Raises:
-            LeaseConfigError: for an async generator function (the lease would hold nothing), or
-                ``on_lost="cancel"`` on a function that is not ``async def``.
-        """
+        """True for an ``async def``; LeaseConfigError for an async generator function, or for
+        ``on_lost="cancel"`` on a function that is not ``async def``."""
         if inspect.isasyncgenfunction(func):
             raise LeaseConfigError(
                 f"@lease cannot decorate the async generator function {func!r}: use"
@@ -467,8 +444,6 @@ class LeaseContext:
                 f" {func!r} is not one"
             )
         return False
-
-    # Public members ---------------------------------------------------------------------------
 
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
@@ -493,24 +468,20 @@ class LeaseContext:
 
     def release_without_reply(self) -> None:
         """Send the release without waiting for its reply where the store can
-        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`); for a caller that publishes
-        nothing depending on the key being free (:mod:`celery_lease._celery.deferral`)."""
+        (:class:`~celery_lease.stores.base.SupportsDeferredRelease`)."""
         self._defer_release = True
 
     def release_early(self, reason: str = "released") -> bool:
-        """End the held lease now, while the body may still run; the exit then only pops it.
-
-        For a running task that re-sends its own id (``retry``): the new message must not find
-        the key held. In order: records the loss with ``reason`` (``check()`` raises before the
-        key is free), waits for a renewal in flight, releases owner-checked (a store failure is
-        logged), runs the loss listeners.
+        """End the held lease now, while the body may still run (a task re-sending its own id);
+        the exit then only pops it. In order: records the loss with ``reason`` (``check()``
+        raises before the key is free), waits for a renewal in flight, releases owner-checked (a
+        store failure is logged), runs the loss listeners.
 
         Args:
             reason: the ``lost_reason`` to record (default ``"released"``).
 
-        Returns:
-            True when this call ended it; False when its end was recorded already (a lost lease
-            is still released, once), or in a forked child.
+        Returns True when this call ended it; False when its end was recorded already (a lost
+        lease is still released, once), or in a forked child.
 
         Raises:
             RuntimeError: when the context was never entered.
@@ -525,7 +496,7 @@ class LeaseContext:
             return False
         key = held._key
         recorded = key.record(reason)
-        if recorded:  # this call notifies, below: its log line says the holder let go
+        if recorded:  # read by the log line of the notification below
             held._released_early = True
         self._released_early = self._released_early or recorded
         try:
@@ -533,8 +504,8 @@ class LeaseContext:
                 key.settle()
             if key.claim_final():
                 self._send_release(held.owner)
-        except BaseException:
-            self._end_interrupted(held, pop=False)  # an interrupt cut the release short: again
+        except BaseException:  # an interrupt cut the release short
+            self._end_interrupted(held, pop=False)
             raise
         if recorded:
             key.notify(reason)
@@ -542,8 +513,6 @@ class LeaseContext:
 
     def __repr__(self) -> str:
         return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
-
-    # with -------------------------------------------------------------------------------------
 
     def __enter__(self) -> Lease:
         if self.on_lost is CANCEL:
@@ -557,10 +526,9 @@ class LeaseContext:
         if outer is not None:
             return outer
         owner, ttl_ms, started = self._first_try()
-        # A try sent and neither refused nor made into a lease: an interrupt (Ctrl-C, a soft
-        # time limit, an enclosing lease's revoke) landing anywhere until the lease is built
-        # releases it here, in this thread (a process that the interrupt ends runs no daemon
-        # thread's clean-up). A failed try is the plan's to release.
+        # A try sent, neither refused nor made into a lease: an interrupt until the lease is
+        # built releases it here, in this thread (the interrupt may end the process before a
+        # daemon thread could). A failed try is the plan's to release.
         attempt: str | None = owner
         try:
             reply = self._try(owner, ttl_ms)
@@ -584,15 +552,12 @@ class LeaseContext:
             raise
         try:
             self._push(held, task)
-        except BaseException:
-            # An asynchronous exception (the interrupt of an enclosing lease, a soft time
-            # limit) after the acquire: the ``with`` never runs its exit, so end the lease here.
+        except BaseException:  # an interrupt after the acquire: the exit never runs
             self._end_interrupted(held)
             raise
         return held
 
     def _perform(self, step: Try | Pause) -> Reply:
-        """A step of the plan after the first try, with blocking I/O."""
         if isinstance(step, Try):
             return self._try(step.owner, step.ttl_ms)
         if step.clock is None:
@@ -602,7 +567,6 @@ class LeaseContext:
         return None
 
     def _try(self, owner: str, ttl_ms: int) -> Reply:
-        """The store's answer to a try, or what it raised."""
         try:
             if self.names_holder:
                 self.refused_by = None  # a try that raises was refused by no holder
@@ -631,14 +595,10 @@ class LeaseContext:
         except BaseException:  # an interrupt: the lease must end all the same, then it goes on
             self._end_interrupted(held)
             raise
-        if lapsed is not None:  # validity ran out before the renewer noticed; told after release
+        if lapsed is not None:  # told after the release
             held._key.notify(lapsed)
-        error = self._loss_error(exc, held._key.lost_reason)
-        if error is not None:
-            raise error from exc
+        self._raise_if_lost(exc, held._key.lost_reason)
         return False
-
-    # async with -------------------------------------------------------------------------------
 
     async def __aenter__(self) -> Lease:
         self._mark_entered()
@@ -690,25 +650,21 @@ class LeaseContext:
         ours = canceller is not None and canceller.fired
         outside = False
         if canceller is not None and ours:
-            # Taken back before the first await: a cancel landing in the release is the
-            # caller's (a timeout, a TaskGroup) and must find the task's count as it left it.
+            # Before the first await: a cancel landing in the release is the caller's
             canceller.fired = False
             outside = canceller.take_back(exc)
         await self._aend(held, succeeded)
         reason = held._key.lost_reason
         if ours:
             return aio.after_our_cancel(held.key, reason, exc, outside)
-        error = self._loss_error(exc, reason)
-        if error is not None:
-            raise error from exc
+        self._raise_if_lost(exc, reason)
         return False
 
     async def _aend(self, held: Lease, succeeded: bool) -> None:
-        """Stop renewing and release, awaiting; a rare exit that may block runs on a thread."""
+        """Stop renewing and release, awaiting; a renewal in flight or a cooldown (which may
+        be fenced) runs the sync steps on a thread, which finishes them even if cancelled."""
         key = held._key
         if key.inflight or (succeeded and self.cooldown > 0 and key.lost_reason is None):
-            # A renewal in flight, or a fenced cooldown: the sync steps on a thread, which
-            # finishes them even if this task is cancelled.
             end = functools.partial(self._end, held, succeeded)
             await asyncio.shield(asyncio.get_running_loop().run_in_executor(None, end))
             return
@@ -716,13 +672,13 @@ class LeaseContext:
         try:
             if final:
                 await aio.release(self._async_store(), self.key, held.owner, self._send_release)
-        finally:  # told after the release, also when a cancel cut the release short
-            if lapsed is not None:  # validity ran out before the renewer noticed
+        finally:  # told after the release, also when a cancel cut it short
+            if lapsed is not None:
                 key.notify(lapsed)
 
     def _end(self, held: Lease, succeeded: bool, *, tell: bool = True) -> str | None:
-        """The exit's steps after the pop, blocking: stop renewing, release the key (or keep it
-        for ``cooldown``); tell a lapse (``tell``), else return it for the caller to tell."""
+        """Stop renewing, release the key (or keep it for ``cooldown``); tell a lapse
+        (``tell``), else return it for the caller to tell."""
         key = held._key
         settled, final, lapsed = key.stop()
         if final:
@@ -733,13 +689,10 @@ class LeaseContext:
         return lapsed
 
     def _async_store(self) -> AsyncLockStore:
-        """The store ``async with`` awaits: the one given to ``lease()``, or an adapter."""
         astore = self.async_store
         if astore is None:
             astore = self.async_store = aio.ThreadedAsyncStore(self.store)
         return astore
-
-    # The steps both share ---------------------------------------------------------------------
 
     def _mark_entered(self) -> None:
         if self._entered:
@@ -747,16 +700,14 @@ class LeaseContext:
         self._entered = True
 
     def _reenter(self, task: object) -> Lease | None:
-        """The innermost lease of this process on the same key and store that ``task`` may
-        re-enter and that is neither lost nor ended, pushed as this context's (its exit leaves
-        it held); ``None`` when there is none (the caller acquires)."""
+        """The innermost lease of this process on this key and store that ``task`` may
+        re-enter, neither lost nor ended, pushed as this context's; else ``None``."""
         top = current_frame.get()
         frame = top
         if frame is None:
             return None
         mine = forking.generation()
-        # Frames below a foreign one are foreign too. An ended lease (its exit cut short by an
-        # interrupt) is never re-entered: its key may be another holder's by now.
+        # Frames below a foreign one are foreign too; an ended lease's key may be another's now
         while frame is not None and frame.gen == mine:
             outer = frame.lease
             if (
@@ -793,7 +744,6 @@ class LeaseContext:
         return owner, ttl_ms, self.clock.monotonic()
 
     def _plan(self, owner: str, ttl_ms: int, started: float) -> AcquirePlan:
-        """The plan of an acquisition whose first try was refused or failed."""
         return AcquirePlan(
             Try(self.key, owner, ttl_ms),
             started,
@@ -806,7 +756,6 @@ class LeaseContext:
         )
 
     def _wait_clock(self) -> Clock:
-        """The clock a wait is counted on: ``clock=`` when given, else :func:`clock_of`."""
         return self.wait_clock or clock_of(self.store, self.clock)
 
     def _hold(
@@ -820,10 +769,9 @@ class LeaseContext:
         *,
         abandon: bool = True,
     ) -> Lease:
-        """Build the Lease of a granted try and start renewing it; if that fails (an interrupt),
-        the attempt is abandoned on the dispatcher (with ``abandon``; else the caller releases
-        it). ``immediate``: a loss listener in place of ``on_lost`` (the cancel of
-        ``on_lost="cancel"``), attached before the renewer knows the lease."""
+        """Build the Lease of a granted try and start renewing it; cut short, the attempt is
+        abandoned on the dispatcher (``abandon``; else the caller releases it). ``immediate``:
+        a loss listener in place of ``on_lost`` (``"cancel"``'s)."""
         try:
             held = Lease(
                 key=self.key,
@@ -857,8 +805,7 @@ class LeaseContext:
         return held
 
     def _push(self, held: Lease, task: object) -> None:
-        """Push ``held``, just acquired, as this context's lease and the current one; only
-        ``task`` (``None``: this thread) may re-enter it."""
+        """Push ``held`` as this context's lease; only ``task`` (None: this thread) re-enters it."""
         if task is None:
             held._thread = threading.get_ident()
         else:
@@ -868,8 +815,7 @@ class LeaseContext:
         current_frame.set(self._frame)
 
     def _pop(self) -> Lease | None:
-        """Pop this context's lease; return it when this exit ends it (not re-entered, not a
-        parent's)."""
+        """Pop this context's lease; return it when this exit ends it."""
         held = self._lease
         assert held is not None
         pop_frame(self._frame)
@@ -877,9 +823,8 @@ class LeaseContext:
             return None
         return held
 
-    def _loss_error(self, exc: BaseException | None, reason: str | None) -> LockLostError | None:
-        """The :class:`LockLostError` the exit raises from ``exc``: for an ``Exception`` from a
-        body whose lease was lost, unless released early or already a ``LockLostError``."""
+    def _raise_if_lost(self, exc: BaseException | None, reason: str | None) -> None:
+        """Raise LockLostError from a body's ``Exception`` after a loss (not an early release)."""
         if (
             isinstance(exc, Exception)
             and reason is not None
@@ -887,14 +832,12 @@ class LeaseContext:
             and not isinstance(exc, LockLostError)
         ):
             assert self._lease is not None
-            return LockLostError(self._lease.key, reason)
-        return None
+            raise LockLostError(self._lease.key, reason) from exc
 
     def _end_interrupted(self, held: Lease, *, pop: bool = True) -> None:
         """End ``held`` after an interrupt cut its enter, exit or early release short: pop (not
-        for an early release: the body still runs), stop renewing whatever state it was left in,
-        release owner-checked (again: a release is idempotent) unless a cooldown began. Never
-        raises: the interrupt goes on."""
+        for an early release), stop renewing, release owner-checked (again) unless a cooldown
+        began. Never raises: the interrupt goes on."""
         try:
             if pop:
                 pop_frame(self._frame)
@@ -908,7 +851,6 @@ class LeaseContext:
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def _send_release(self, owner: str) -> None:
-        """Release owner-checked (deferred where asked and possible); a store error is logged."""
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
@@ -921,8 +863,8 @@ class LeaseContext:
             store.release(self.key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
-        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error). A
-        :class:`LockLostError` is an enclosing lease's interrupt, not a store error: it goes on."""
+        """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error), a
+        :class:`LockLostError` (an enclosing lease's interrupt) goes on."""
         try:
             return call(owner)
         except LockLostError:
@@ -932,9 +874,8 @@ class LeaseContext:
             return None
 
     def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
-        """Release the key, or keep it for ``cooldown`` after a success; never raises a store
-        error. With a renewal still in flight (``settled`` False) the cooldown is fenced: set
-        again right after that renewal returns."""
+        """Release the key, or keep it for ``cooldown`` after a success (fenced when a renewal
+        is in flight); never raises a store error."""
         key = held._key
         if not (succeeded and self.cooldown > 0 and key.lost_reason is None):
             self._send_release(held.owner)
@@ -948,7 +889,6 @@ class LeaseContext:
                 redo()
 
     def _cool_down(self, owner: str, until: float) -> None:
-        """Keep the key taken until ``until`` (clock seconds); never raises a store error."""
         left = until - self.clock.monotonic()
         ms = to_ms(left)
         store, key = self.store, self.key
@@ -966,7 +906,6 @@ class LeaseContext:
             )
 
     def _abandon_attempt(self, owner: str) -> None:
-        """Best-effort release of an attempt that failed (or whose reply was lost)."""
         self._quietly(
             "acquiring %r failed, and releasing that attempt failed too (%s); if it took"
             " effect, it expires within its ttl",
@@ -1045,7 +984,6 @@ def lease(
 
 
 def _running_task() -> object | None:
-    """The asyncio task running in this thread, or None (no event loop runs here)."""
     if _get_running_loop() is None:  # unlike current_task(), does not raise without a loop
         return None
     task: object = asyncio.current_task()
@@ -1053,8 +991,8 @@ def _running_task() -> object | None:
 
 
 def pop_frame(pushed: Frame | None) -> None:
-    """Remove the frame ``pushed`` (or its copy) from this context's stack. Idempotent (an
-    interrupted exit may pop again); O(1) when exits come in order."""
+    """Remove the frame ``pushed`` (or its copy) from this context's stack. Idempotent."""
+
     if pushed is None:
         return
     top = current_frame.get()

@@ -1,38 +1,27 @@
 """One renewer thread per store (and clock) in a process, for the leases held in that store.
 
 Each held lease is an :class:`Entry` in a heap ordered by its next action: renew it (every
-ttl/3), retry a failed renewal, or record it lost (validity ran out, or ``max_hold``). Renewals
-due together go out together (one round trip where the store has ``renew_many``). The thread
-starts with the first lease and exits after :data:`IDLE_EXIT` seconds without one, or at
-:func:`shutdown`; a forked child starts from an empty registry. A store that hangs delays only
-its own renewer; its watchdog thread (no I/O) records the leases whose deadline passes while
-the renewer is inside a store call, an observer or a notification.
-
-How a lease ended is one record, written once under the renewer's lock (``lost_reason``, then
-``closed``): finished (``None``), ``"taken"``, ``"expired"``, ``"max_hold"`` or ``"released"``.
-Whoever records first wins; a later renewal answer changes nothing, but for one upgrade in the
-safe direction: a refusal answered while the exit waits for that renewal turns "finished" into
-``"taken"`` (:meth:`Renewer.remove`).
-
-A key lost by running out of time (:data:`FREED_ON_LOSS`) is released owner-checked on the
-dispatcher once the loss is notified: a renewal that landed late, or lost its reply, may have
-kept it for a ttl nobody uses; one landing after the release is refused (a renewal never creates
-a key). Not for an entry made with ``free_on_loss=False`` (an owner id shared by design).
-
-A renewal is in flight from when its entry is taken for a store call until its answer is
-handled: the holder's exit waits for it (:meth:`Renewer.settle`) or fences its final action
-(:meth:`Renewer.fence`), so a late renewal never cuts a cooldown short. ``on_lost`` and the
-observers run outside every lock. Threads, locks and fork resets: ``docs/internals.md``.
+ttl/3; due ones in one ``renew_many`` where the store has it), retry a failed renewal, or record
+it lost. How a lease ended is one record, written once under the renewer's lock
+(``lost_reason``, then ``closed``): finished (``None``), ``"taken"``, ``"expired"``,
+``"max_hold"`` or ``"released"``. Whoever records first wins, but a refusal answered while the
+exit waits for that renewal turns "finished" into ``"taken"`` (:meth:`Renewer.remove`). A key
+lost by running out of time (:data:`FREED_ON_LOSS`) is released owner-checked on the dispatcher
+once the loss is notified (a late renewal may have kept it; one after the release is refused).
+The holder's exit waits for a renewal in flight (:meth:`Renewer.settle`) or fences its final
+action (:meth:`Renewer.fence`). ``on_lost`` and observers run outside every lock. The renewer
+and watchdog threads, idle exit and fork resets: ``docs/internals.md`` (sections 1 and 5).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery_lease import _forking as forking
@@ -66,8 +55,7 @@ DRIFT_MARGIN = 0.002
 """Seconds subtracted from a lease's local validity on top of the drift fraction."""
 
 IDLE_EXIT = 30.0
-"""Seconds (of the renewer's clock) the thread waits with no lease before it exits, so short
-leases taken one after another reuse it."""
+"""Seconds (of the renewer's clock) the thread waits with no lease before it exits."""
 
 IDLE_POLL = 1.0
 """Seconds between two looks at the heap while idle (a lease due sooner wakes the thread)."""
@@ -79,8 +67,7 @@ FREED_ON_LOSS = frozenset({"expired", "max_hold"})
 """Loss reasons after which the key is released owner-checked (a late renewal may hold it)."""
 
 FLIGHT_WAIT = 1.0
-"""Seconds (of the lease's clock, and never past its validity) :meth:`Renewer.remove` waits for a
-renewal in flight; a slower one is fenced off instead (:meth:`Renewer.fence`)."""
+"""Seconds (never past the validity) :meth:`Renewer.remove` waits for a renewal in flight."""
 
 
 def validity(sent_at: float, ttl: float) -> float:
@@ -89,14 +76,9 @@ def validity(sent_at: float, ttl: float) -> float:
 
 
 class Entry:
-    """What the renewer knows of one held lease.
-
-    ``valid_until`` (clock seconds): the lease is surely held until then, counted from when the
-    last successful acquire/renew was sent. ``closed`` and ``lost_reason`` are the one record of
-    its end, written under the renewer's lock, ``lost_reason`` first: a reader that sees
-    ``closed`` then reads the final reason. ``on_lost(reason)`` is called once, outside every
-    lock, after a loss is recorded.
-    """
+    """What the renewer knows of one held lease. ``valid_until`` (clock seconds): surely held
+    until then. ``lost_reason`` is written before ``closed``: a reader that sees ``closed`` then
+    reads the final reason. ``on_lost(reason)``: called once, outside every lock."""
 
     __slots__ = (
         "acquired_at", "closed", "due", "finalized", "free_on_loss", "inflight", "key", "landed",
@@ -151,17 +133,10 @@ class Entry:
     def _cap(self, due: float) -> float:
         return due if self.max_hold_at is None else min(due, self.max_hold_at)
 
-    def retry_delay(self) -> float:
-        """Seconds to wait before retrying a renewal that failed with a store error."""
-        return min(max(self.ttl / 15, 0.05), 1.0)
-
 
 class Renewer:
-    """Renews the leases of one ``store`` added to it, on one daemon thread, waiting on ``clock``.
-
-    Made by :func:`get_renewer`, which keeps one per (clock, store) in the process. It holds
-    both strongly, so neither's ``id`` is reused while it is registered.
-    """
+    """Renews the leases of one ``store`` on one daemon thread, waiting on ``clock``; one per
+    (clock, store) (:func:`get_renewer`), both held strongly so neither's ``id`` is reused."""
 
     def __init__(self, clock: Clock, store: Any) -> None:
         self.clock = clock
@@ -178,33 +153,25 @@ class Renewer:
         self._closed = 0  # entries closed since the heaps were last compacted
         self._watchdog: threading.Thread | None = None
         self._in_io = False
-        # Wakes the watchdog on each change of _in_io, an add during a store call, and the end.
-        # Only the watchdog clears it, before it reads the state: no wake-up is lost, even on a
-        # polling test clock.
+        # Set on each change of _in_io, an add during a store call, and the end; cleared only by
+        # the watchdog, before it reads the state: no wake-up is lost.
         self._watch_wake = threading.Event()
         self._stopping = False
         self._observers: tuple[_Observer, ...] = ()
-        self.sweeps = 0
-        """Number of sweeps that sent at least one renewal (for benchmarks and tests)."""
+        self.sweeps = 0  # sweeps that sent at least one renewal (for benchmarks and tests)
 
     def observe_renewals(self, callback: RenewalObserver) -> Callable[[], None]:
         """Call ``callback(key, token, seconds, ok)`` for every renewal result of this renewer;
-        returns a function that unregisters it.
-
-        ``seconds``: the round trip of the store call (one per ``renew_many`` batch), on the
-        renewer's clock; ``ok``: True (renewed), False (refused) or None (the call failed; retried
-        while valid). Called on the renewer thread, outside its lock: keep it quick (a blocking
-        one delays this renewer's renewals; the watchdog still reports losses). What it raises is
-        logged once per observer. While one is registered, the renewer stays the store's
-        renewer across idle exits; called on a renewer that left the registry, it observes its
-        successor.
-        """
+        returns a function that unregisters it. ``seconds``: the store call's round trip (one per
+        ``renew_many`` batch); ``ok``: True (renewed), False (refused) or None (the call failed).
+        Called on the renewer thread, outside its lock: keep it quick. What it raises is logged
+        once per observer. It keeps the renewer registered across idle exits."""
         observer = _Observer(callback)
         with self._lock:
             successor = _register(self)
             if successor is None:
                 self._observers = (*self._observers, observer)
-        if successor is not None:  # this one left the registry meanwhile: observe its successor
+        if successor is not None:  # this one left the registry meanwhile
             return successor.observe_renewals(callback)
 
         def forget() -> None:
@@ -216,10 +183,8 @@ class Renewer:
         return forget
 
     def add(self, entry: Entry) -> None:
-        """Start renewing ``entry``, starting the thread if needed.
-
-        A renewer that is no longer the registered one of its (clock, store) hands ``entry`` to
-        the one registered since (``entry.renewer`` names who took it): one store, one renewer.
+        """Start renewing ``entry``, starting the thread if needed; a renewer no longer the
+        registered one hands it to its successor (one store, one renewer).
 
         Raises:
             ValueError: when ``entry`` is held in another store than this renewer's.
@@ -230,9 +195,7 @@ class Renewer:
                 f" renewer's {self.store!r}; use get_renewer(clock, entry.store)"
             )
         entry.renewer = self
-        with self._lock:
-            # Checked under this lock: only this renewer's idle exit (under it too) removes it
-            # from the registry, so it stays the registered one while the entry goes in.
+        with self._lock:  # only the idle exit, under this lock too, unregisters this renewer
             successor = _register(self)
             if successor is None:
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
@@ -257,19 +220,13 @@ class Renewer:
         if wake:  # only when the new lease is due before the thread means to wake anyway
             self._wake.set()
 
-    # Ending an entry: one record, under the lock ---------------------------------------------
-
     def remove(self, entry: Entry) -> tuple[bool, bool, str | None]:
-        """Stop renewing ``entry``: its holder is done with it. Returns ``(settled, final,
-        lapsed)``.
-
-        Records "finished", or ``"expired"``/``"max_hold"`` when already past that deadline. A
-        renewal in flight is waited for as :meth:`settle` does; refused meanwhile (in time), the
-        end becomes ``"taken"``. ``settled``: no renewal can still land (else the caller may
-        :meth:`fence` its final action); ``final``: the caller sends the release or cooldown
-        (:meth:`claim_final`); ``lapsed``: the loss recorded here, which the caller notifies
-        once its release is sent. The calls come before the first change of the entry, so an
-        interrupt landing here leaves it untouched or recorded (then :meth:`abandon` ends it).
+        """Stop renewing ``entry``; ``(settled, final, lapsed)``. Records "finished", or
+        ``"expired"``/``"max_hold"`` when past that deadline; a renewal in flight is waited for
+        (:meth:`settle`), and refused in time makes it ``"taken"``. ``settled``: no renewal can
+        still land (else :meth:`fence`); ``final``: the caller sends the release or cooldown;
+        ``lapsed``: the loss recorded here, to notify after the release. Calls come before the
+        first change, so an interrupt leaves it untouched or recorded (:meth:`abandon` ends it).
         """
         with self._lock:
             reason = None if entry.closed else entry.overdue(self.clock.monotonic())
@@ -279,9 +236,7 @@ class Renewer:
                 self._forget(entry)  # idempotent: in case an interrupt cut the recorder short
                 return True, final, None  # already lost: nothing of its holder's is cooled down
             inflight = entry.inflight
-            entry.lost_reason = reason
-            entry.closed = True
-            self._forget(entry)
+            self._record(entry, reason)
             if reason is not None or not inflight:
                 return True, final, reason
         settled = self.settle(entry)
@@ -302,8 +257,7 @@ class Renewer:
 
     def expire_if_due(self, entry: Entry) -> str | None:
         """The loss reason of ``entry``, recording (and notifying) ``"expired"``/``"max_hold"``
-        when due now: a reader of ``Lease.lost`` that sees the deadline first records it, so a
-        lease read lost stays lost. ``None`` while held, or after its holder finished it."""
+        when due now, so a lease read lost stays lost; ``None`` while held or finished."""
         with self._lock:
             if entry.closed:
                 return entry.lost_reason
@@ -342,9 +296,8 @@ class Renewer:
             return True
 
     def abandon(self, entry: Entry) -> str | None:
-        """End ``entry`` whatever state an interrupted :meth:`remove` (or add) left: closed and
-        finalized (the caller releases). Returns the loss it recorded (``"expired"`` or
-        ``"max_hold"`` when past that deadline), for the caller to notify. Idempotent."""
+        """End ``entry`` whatever state an interrupted :meth:`remove` (or add) left (the caller
+        releases); the loss it recorded, for the caller to notify. Idempotent."""
         with self._lock:
             entry.finalized = True
             reason = None
@@ -373,8 +326,7 @@ class Renewer:
             return True
 
     def _record(self, entry: Entry, reason: str | None) -> None:
-        """Record the end of ``entry`` (``None``: finished); under the lock, no call between
-        the two stores, so no interrupt lands between reason and ``closed``."""
+        """Under the lock, no call between the two stores: no interrupt lands between them."""
         entry.lost_reason = reason
         entry.closed = True
         self._forget(entry)
@@ -382,7 +334,7 @@ class Renewer:
     def _forget(self, entry: Entry) -> None:
         """Drop a closed ``entry`` from the held ones; under the lock. Its heap items stay until
         they surface, or until as many entries were closed as are held (at least
-        :data:`COMPACT_AFTER`): short leases one after another must not keep thousands alive."""
+        :data:`COMPACT_AFTER`): then both heaps keep only live items."""
         if entry in self._entries:
             self._entries.discard(entry)
             self._closed += 1
@@ -393,9 +345,11 @@ class Renewer:
 
     def _compact(self) -> None:
         """Rebuild both heaps with only their live items (of held entries); under the lock."""
-        self._heap = [item for item in self._heap if _due_item(item)]
+        self._heap = [i for i in self._heap if not i[2].closed and i[0] == i[2].due]
         heapq.heapify(self._heap)
-        self._deadlines = [item for item in self._deadlines if _deadline_item(item)]
+        self._deadlines = [
+            i for i in self._deadlines if not i[2].closed and i[0] == _deadline(i[2])
+        ]
         heapq.heapify(self._deadlines)
         self._closed = 0
 
@@ -408,16 +362,13 @@ class Renewer:
 
     @staticmethod
     def notify(entry: Entry, reason: str, catch: type[BaseException] = Exception) -> None:
-        """Tell the holder of ``entry`` its recorded loss (``entry.on_lost(reason)``), outside
-        every lock, after handing over the release of a key that ran out of time. What it
-        raises of ``catch`` is logged; anything else (an interrupt) propagates."""
+        """``entry.on_lost(reason)``, outside every lock, after handing over the release of a
+        key that ran out of time; what it raises of ``catch`` is logged."""
         _free_lost_key(entry, reason)
         try:
             entry.on_lost(reason)
         except catch:
             logger.exception("celery-lease: reporting the loss of %r failed", entry.key)
-
-    # Introspection ----------------------------------------------------------------------------
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -439,8 +390,7 @@ class Renewer:
             return sorted(entry.key for entry in self._entries)
 
     def snapshot(self) -> list[dict[str, Any]]:
-        """The leases this renewer holds now, as :func:`snapshot` describes them; never waits
-        for a store (no store call holds the lock)."""
+        """The leases this renewer holds now, as :func:`snapshot` describes them."""
         with self._lock:
             now = self.clock.monotonic()
             rows = [
@@ -458,8 +408,6 @@ class Renewer:
             ]
         return sorted(rows, key=lambda row: (row["key"], row["owner"]))
 
-    # The renewer thread -----------------------------------------------------------------------
-
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -471,8 +419,7 @@ class Renewer:
                 else:
                     idle_since = now if self._idle_since is None else self._idle_since
                     exit_at = idle_since + IDLE_EXIT
-                    # Look again every IDLE_POLL seconds, so that a new lease due later than
-                    # that needs no wake-up call (add() wakes the thread only for earlier ones).
+                    # add() wakes the thread only for a lease due before _next_wake
                     self._next_wake = min(exit_at, now + IDLE_POLL)
                     if now >= exit_at or self._stopping:
                         self._thread = None
@@ -519,37 +466,24 @@ class Renewer:
             self._notify_watched(self._renew_group(to_renew))
 
     def _notify_watched(self, losses: list[tuple[Entry, str]]) -> None:
-        """Notify ``losses`` on the renewer thread, watched like a store call.
-
-        An immediate listener that blocks holds the renewer thread; meanwhile the watchdog
-        records the other leases whose deadline passes, as it does while a store call hangs.
-        """
-        if not losses:
-            return
-        self._begin_io()
-        try:
-            self._notify_all(losses)
-        finally:
-            self._end_io()
+        """Notify ``losses`` watched like a store call (an immediate listener may block)."""
+        if losses:
+            with self._watched():
+                self._notify_all(losses)
 
     def _renew_group(self, group: list[Entry]) -> list[tuple[Entry, str]]:
         """Renew the due entries (all of this renewer's store); returns the losses it recorded."""
-        with self._lock:
-            # An entry removed since it was taken is not renewed; the others are in flight
-            # from here on, so that remove() knows to wait for them.
+        with self._lock:  # in flight from here on: remove() waits for them
             group = [entry for entry in group if not entry.closed]
             for entry in group:
                 entry.inflight = True
         if not group:
             return []
         store = self.store
-        self._begin_io()
-        try:
+        with self._watched():
             sent_at = self.clock.monotonic()
             results = self._call_store(store, group)
             answered_at = self.clock.monotonic()
-        finally:
-            self._end_io()
         recorded: list[tuple[Entry, str]] = []
         redo: list[Callable[[], None]] = []
         refused: list[Entry] = []
@@ -557,53 +491,34 @@ class Renewer:
         with self._lock:
             for entry, result in zip(group, results, strict=True):
                 if result is False and not entry.closed and answered_at < entry.valid_until:
-                    # Refused in time: why is asked below, outside the lock and after the rest
-                    # of the batch (a slow inspection must not delay a renewed neighbour); in
-                    # flight until then, so the holder's exit waits for the verdict.
+                    # why: asked after the rest of the batch, outside the lock; in flight until
+                    # then, so the holder's exit waits for the verdict
                     refused.append(entry)
                     continue
                 _landed(entry, redo)
                 reason = self._apply(entry, result, sent_at, answered_at, failed)
                 if reason is not None:
                     recorded.append((entry, reason))
-        if failed:
-            self._log_failures(failed)
+        if failed:  # a blocking logging handler must not block this renewer's readers
+            with self._watched():
+                for key, error in failed:
+                    logger.warning(
+                        "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
+                        key,
+                        error,
+                    )
         if refused:
             recorded.extend(self._settle_refusals(store, refused, redo))
-        if self._observers or _observers:  # watched like a store call
-            self._begin_io()
-            try:
+        if self._observers or _observers:
+            with self._watched():
                 _tell((*self._observers, *_observers), group, results, answered_at - sent_at)
-            finally:
-                self._end_io()
-        self._run_fenced(redo)
+        for action in redo:  # the holders' fenced actions; one that raises is logged
+            with self._watched():
+                try:
+                    action()
+                except BaseException:  # SystemExit, gevent.Timeout
+                    logger.exception("celery-lease: a fenced action after a renewal failed")
         return recorded
-
-    def _log_failures(self, failed: list[tuple[str, BaseException]]) -> None:
-        """Outside the lock, watched: a logging handler that blocks must not block the readers
-        of this renewer (snapshot, exits, the watchdog)."""
-        self._begin_io()
-        try:
-            for key, error in failed:
-                logger.warning(
-                    "celery-lease: renewing %r failed (%s); retrying while the lease is valid",
-                    key,
-                    error,
-                )
-        finally:
-            self._end_io()
-
-    def _run_fenced(self, redo: list[Callable[[], None]]) -> None:
-        """Run the holders' fenced actions of the renewals that landed, watched like a store
-        call; one that raises is logged (the sweep's losses still go out)."""
-        for action in redo:
-            self._begin_io()
-            try:
-                action()
-            except BaseException:  # SystemExit, gevent.Timeout
-                logger.exception("celery-lease: a fenced action after a renewal failed")
-            finally:
-                self._end_io()
 
     def _apply(
         self,
@@ -613,8 +528,8 @@ class Renewer:
         answered_at: float,
         failed: list[tuple[str, BaseException]],
     ) -> str | None:
-        """Apply a renewal answer (under the lock); the loss it recorded, if any. A failure goes
-        to ``failed``, logged outside the lock."""
+        """Apply a renewal answer (under the lock); the loss it recorded. Failures go to
+        ``failed``."""
         if entry.closed:  # a late answer changes nothing, but an in-time refusal (remove())
             if result is False and answered_at < entry.valid_until:
                 entry.refused = True
@@ -634,22 +549,18 @@ class Renewer:
         else:
             entry.last_error = f"{type(result).__name__}: {result}"
             failed.append((entry.key, result))
-            now = self.clock.monotonic()
-            entry.due = entry._cap(min(now + entry.retry_delay(), entry.valid_until))
+            retry_at = self.clock.monotonic() + min(max(entry.ttl / 15, 0.05), 1.0)
+            entry.due = entry._cap(min(retry_at, entry.valid_until))
         heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
         return None
 
     def _settle_refusals(
         self, store: Any, refused: list[Entry], redo: list[Callable[[], None]]
     ) -> list[tuple[Entry, str]]:
-        """Record the losses of renewals ``refused`` in time, with the store's reason (asked
-        watched like a store call). An entry whose end was recorded meanwhile keeps it and only
-        notes the refusal for a waiting exit."""
-        self._begin_io()
-        try:
+        """Record the losses of renewals ``refused`` in time, with the store's reason; an entry
+        whose end was recorded meanwhile only notes the refusal for a waiting exit."""
+        with self._watched():
             reasons = [self._why_gone(store, entry) for entry in refused]
-        finally:
-            self._end_io()
         recorded: list[tuple[Entry, str]] = []
         with self._lock:
             for entry, reason in zip(refused, reasons, strict=True):
@@ -663,15 +574,11 @@ class Renewer:
 
     @staticmethod
     def _why_gone(store: Any, entry: Entry) -> str:
-        """Why a renewal found ``entry`` gone, by two inspection calls (the loss path only).
-
-        The counter is read before the holder, so an acquisition between the two reads
-        ``"taken"``. Another owner holds it: ``"taken"``. Free and the counter is our token
-        (nobody acquired since): ``"released"`` (an operator's force-release, or the store's
-        clock ran fast). Free and the counter is higher: ``"taken"`` (and let go since). Free and
-        the counter missing or lower (the store lost its data): ``"expired"``. The store cannot
-        tell (no ``get``/``last_token``, or a call fails): ``"taken"``, the cautious answer.
-        """
+        """Why a renewal found ``entry`` gone, by two inspection calls. The counter is read
+        before the holder (an acquisition between them reads ``"taken"``). Held by another, or
+        free with a higher counter: ``"taken"``; free with our token: ``"released"`` (a
+        force-release, or the store's clock ran fast); counter missing or lower (data lost):
+        ``"expired"``; the store cannot tell: ``"taken"``, the cautious answer."""
         get = getattr(store, "get", None)
         last_token = getattr(store, "last_token", None)
         if entry.token is None or not callable(get) or not callable(last_token):
@@ -688,13 +595,9 @@ class Renewer:
 
     @staticmethod
     def _call_store(store: Any, group: list[Entry]) -> list[bool | BaseException]:
-        """Renew ``group``, one result or exception per entry; never raises (a
-        ``BaseException`` is that renewal's failure: the thread must outlive it).
-
-        ``renew_many`` answers per key; an exception in a slot fails that key. A call that
-        raises, or answers a wrong count, fails the whole batch, and is not retried key by key
-        (against a dead store that multiplies its timeout).
-        """
+        """Renew ``group``, one result or exception per entry; never raises. A ``renew_many``
+        that raises or answers a wrong count fails the whole batch (not retried key by key:
+        docs/internals.md, "A renew_many batch")."""
         results: list[bool | BaseException]
         renew_many = getattr(store, "renew_many", None)
         if renew_many is not None and len(group) > 1:
@@ -717,14 +620,21 @@ class Renewer:
                     results.append(exc)
         return results
 
-    # Watchdog ---------------------------------------------------------------------------------
-
     def _earliest_deadline(self) -> float | None:
         """The earliest deadline of a held lease (stale heap items dropped); under the lock."""
         heap = self._deadlines
         while heap and (heap[0][2].closed or heap[0][0] != _deadline(heap[0][2])):
             heapq.heappop(heap)
         return heap[0][0] if heap else None
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """Arm the watchdog around a call that may block (store, user code, logging)."""
+        self._begin_io()
+        try:
+            yield
+        finally:
+            self._end_io()
 
     def _begin_io(self) -> None:
         with self._lock:
@@ -768,8 +678,6 @@ class Renewer:
                     overdue.append((entry, reason))
             self._notify_all(overdue)
 
-    # Stopping ---------------------------------------------------------------------------------
-
     def _stop(self) -> list[threading.Thread]:
         """Tell the idle threads to exit now; returns them (to join)."""
         with self._lock:
@@ -781,8 +689,7 @@ class Renewer:
 
 
 def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
-    """The renewal of ``entry`` was answered: wake an exit waiting for it, queue its fenced
-    action; under the lock (the waiter holds ``landed``; the next flight needs a new one)."""
+    """The renewal of ``entry`` was answered: wake a waiting exit, queue its fenced action."""
     entry.inflight = False
     if entry.landed is not None:
         entry.landed.set()
@@ -793,8 +700,7 @@ def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
 
 
 def _free_lost_key(entry: Entry, reason: str) -> None:
-    """Hand the owner-checked release of a key lost for a reason in :data:`FREED_ON_LOSS` to
-    the dispatcher; outside every lock. Never raises."""
+    """Hand the release of a key lost for a reason in :data:`FREED_ON_LOSS` to the dispatcher."""
     if reason not in FREED_ON_LOSS or not entry.free_on_loss:
         return
     try:
@@ -804,7 +710,6 @@ def _free_lost_key(entry: Entry, reason: str) -> None:
 
 
 def _release_lost(entry: Entry) -> None:
-    """Release the key of a lost ``entry`` owner-checked; a store error is logged."""
     try:
         entry.store.release(entry.key, entry.owner)
     except Exception as exc:
@@ -877,23 +782,9 @@ def _tell(
                     )
 
 
-def _due_item(item: tuple[float, int, Entry]) -> bool:
-    """Whether a renewal heap item is live: its entry is open and it is the entry's due time."""
-    entry = item[2]
-    return not entry.closed and item[0] == entry.due
-
-
-def _deadline_item(item: tuple[float, int, Entry]) -> bool:
-    """Whether a deadline heap item is live: its entry is open and it is its deadline now."""
-    entry = item[2]
-    return not entry.closed and item[0] == _deadline(entry)
-
-
 def _deadline(entry: Entry) -> float:
     """When ``entry`` must be reported lost if nothing renews it: validity or max_hold."""
-    if entry.max_hold_at is None:
-        return entry.valid_until
-    return min(entry.valid_until, entry.max_hold_at)
+    return entry._cap(entry.valid_until)
 
 
 _registry_lock = threading.Lock()
@@ -904,12 +795,8 @@ _running: set[Renewer] = set()  # renewers whose thread runs, registered or not
 
 def get_renewer(clock: Clock | None, store: Any) -> Renewer:
     """The renewer of this process for ``store`` on ``clock`` (``None``: the system clock),
-    made (not started) when missing; one lock-free dict look-up when it exists.
-
-    The system clock's renewers are looked up without a pid check: each acquisition made its
-    owner id just before on this thread, which noticed a fork that skipped the at-fork hooks
-    (:func:`celery_lease._forking.generation`). Other clocks ask.
-    """
+    made (not started) when missing. The system clock's skip the fork check: each acquisition
+    made its owner id just before, which noticed a fork (:func:`_forking.generation`)."""
     if clock is None:
         clock = SYSTEM_CLOCK
     elif clock is not SYSTEM_CLOCK:
@@ -926,8 +813,7 @@ def get_renewer(clock: Clock | None, store: Any) -> Renewer:
 
 
 def renewers(clock: Clock | None = None) -> list[Renewer]:
-    """The renewers of this process (registered, or running), of ``clock`` if given: a
-    snapshot, under the registry's lock only."""
+    """The renewers of this process (registered, or running), of ``clock`` if given."""
     with _registry_lock:
         found = set(_registry.values()) | _running
     return [renewer for renewer in found if clock is None or renewer.clock is clock]
@@ -935,8 +821,8 @@ def renewers(clock: Clock | None = None) -> list[Renewer]:
 
 def _register(renewer: Renewer) -> Renewer | None:
     """``None`` when ``renewer`` is (or now becomes) the registered one of its (clock, store),
-    else the one registered in its place. Under the renewer's lock; lock-free when registered
-    (only its own idle exit, under that lock too, takes it out)."""
+    else the one registered in its place. Under the renewer's lock."""
+
     key = (id(renewer.clock), id(renewer.store))
     if _registry.get(key) is renewer:
         return None
