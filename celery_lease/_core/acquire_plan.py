@@ -19,21 +19,6 @@ from celery_lease.clock import Clock
 from celery_lease.errors import LockNotAcquiredError, ReplicaLagError, RestartGraceError
 from celery_lease.stores.base import SupportsReleaseNotify, conforms
 
-__all__ = [
-    "GRANTED",
-    "POLL_FIRST",
-    "POLL_MAX",
-    "AcquirePlan",
-    "Failed",
-    "Hold",
-    "Pause",
-    "Step",
-    "Try",
-    "abandon_later",
-    "check_cancel",
-    "to_ms",
-]
-
 POLL_FIRST = 0.05
 """Seconds before the first re-try of a held key; doubles after each try."""
 

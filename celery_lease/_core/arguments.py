@@ -13,16 +13,6 @@ from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore, conforms
 
-__all__ = [
-    "CANCEL",
-    "MIN_TTL",
-    "LeaseArguments",
-    "check_ttl",
-    "checked_arguments",
-    "is_async_store",
-    "split_async_store",
-]
-
 MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 """Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
 

@@ -17,8 +17,6 @@ from typing import Any, TypeVar
 
 from celery_lease import _forking as forking
 
-__all__ = ["IDLE_EXIT", "Dispatcher", "drain", "get_dispatcher"]
-
 logger = logging.getLogger("celery_lease.dispatch")
 
 IDLE_EXIT = 10.0

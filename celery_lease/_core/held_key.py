@@ -17,8 +17,6 @@ from collections.abc import Callable
 from celery_lease._core.renewer import Entry, Renewer, get_renewer
 from celery_lease.clock import Clock
 
-__all__ = ["HeldKey"]
-
 
 class HeldKey(Entry):
     """A held key: the renewer's :class:`~celery_lease._core.renewer.Entry`, with its holder's

@@ -927,41 +927,9 @@ def lease(
     cooldown: Duration = 0,
     holder: str | None = None,
 ) -> LeaseContext:
-    """Hold ``key`` in ``store`` while a block (or decorated function) runs.
-
-    Args:
-        key: the key to hold (a non-empty string).
-        store: a :class:`~celery_lease.LockStore`, or an
-            :class:`~celery_lease.stores.base.AsyncLockStore` for ``async with`` (its ``sync``
-            twin renews it, and serves a plain ``with``). A sync store works with ``async with``
-            too, its calls on a thread.
-        ttl: lease duration (default 30 s), renewed every ttl/3: a crashed holder frees the key
-            within one ttl.
-        wait: how long to wait for another holder (default 0: fail at once), on the store's
-            release notification where it has one, else polling from 50 ms doubling to 1 s.
-            Counted on ``clock`` when given, else on the store's own clock, else the system's.
-        max_hold: stop renewing after this long (default: never); the lease is then lost.
-        on_lost: ``on_lost(lease)``, called once when the lease is lost, on the dispatcher (it
-            may block); see :meth:`Lease.add_loss_listener`. ``"cancel"`` (``async`` only):
-            cancel the task running the body, which then ends with :class:`LockLostError`.
-        cancel: a ``threading.Event`` that aborts the wait (within one poll interval) with
-            ``LockNotAcquiredError(key, "cancelled")``.
-        clock: time source (default: the system clock); a ``FakeClock`` in tests.
-        cooldown: after a body that succeeded, keep the key taken this long (from the end)
-            instead of releasing it (default 0).
-        holder: a label recorded in the owner id (shown by ``celery lease list``); at most
-            :data:`~celery_lease._core.owners.MAX_OWNER_FIELD_CHARS` characters.
-
-    Durations are seconds, ``timedelta`` or strings like ``"250ms"``, ``"30s"``, ``"5m"``, all
-    checked here, before anything is acquired.
-
-    Raises:
-        LeaseConfigError: (a ``ValueError``) for a bad argument, naming it.
-        LockNotAcquiredError: on entry, when the key stays held past ``wait``.
-        LockLostError: on exit, when the body raised an ``Exception`` after the lease was lost
-            (chained); not after an early release, nor for a ``BaseException``.
-        StoreUnavailableError: when the store cannot be reached to acquire; the attempt (its
-            reply may be lost) is released owner-checked on the dispatcher.
+    """Hold ``key`` in ``store`` while a block (or decorated function) runs: the core of
+    :func:`celery_lease.lease`, whose docstring gives the arguments (all but ``app``), their
+    defaults and what it raises. Every argument is checked here, before anything is acquired.
     """
     sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_ = checked_arguments(
         key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder

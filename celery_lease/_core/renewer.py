@@ -28,24 +28,6 @@ from celery_lease import _forking as forking
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 
-__all__ = [
-    "COMPACT_AFTER",
-    "DRIFT_FACTOR",
-    "DRIFT_MARGIN",
-    "FLIGHT_WAIT",
-    "FREED_ON_LOSS",
-    "IDLE_EXIT",
-    "IDLE_POLL",
-    "Entry",
-    "Renewer",
-    "get_renewer",
-    "observe_renewals",
-    "renewers",
-    "shutdown",
-    "snapshot",
-    "validity",
-]
-
 logger = logging.getLogger("celery_lease.renewer")
 
 DRIFT_FACTOR = 0.01
