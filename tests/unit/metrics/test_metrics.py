@@ -204,8 +204,9 @@ class TestRenewalLatency:
     def test_renewals_of_a_running_task_observed_under_its_name(
         self, store: MemoryLockStore
     ) -> None:
-        """A task holding a 0.3 s lease is renewed (every 0.1 s) while its body waits for the
-        second observed renewal: both land in the renewal histogram under the task's name."""
+        """A task holding a 1.5 s lease is renewed (every 0.5 s) while its body waits for the
+        second observed renewal: both land in the renewal histogram under the task's name (a
+        shorter ttl is lost on a loaded machine, and then nothing is renewed)."""
         import threading
 
         from celery_lease._core import renewer
@@ -227,7 +228,7 @@ class TestRenewalLatency:
         forget = observe(note)
 
         @app.task(
-            name="r.slow", base=LockedTask, lock_key="slow:{n}", lock_ttl="0.3s", shared=False
+            name="r.slow", base=LockedTask, lock_key="slow:{n}", lock_ttl="1.5s", shared=False
         )
         def slow(n: int) -> bool:
             return renewed.wait(10.0)
