@@ -1,14 +1,8 @@
 """One registry of what each process resets after ``fork()`` and when a pool process starts.
 
-The only module that calls ``os.register_at_fork`` (one hook for the registry); standard library
-only, so anything may depend on it. A fork that skips Python's hooks (uWSGI, C code) is noticed
-by :func:`generation` through ``os.getpid()``, which then runs the child resets; identity and
-ownership ask it, never trusting the hook alone. Four lists, each run in registration (import)
-order: :func:`on_fork_parent` ``before`` (reversed, as ``os.register_at_fork`` does) and
-``after``, :func:`on_fork_child` (only the forking thread exists: a reset may replace a lock) and
-:func:`on_new_process` (run by :func:`reset_child_state` in a live process: forget caches only,
-under their locks). A reset that raises is logged and the next one runs. A bound method is held
-weakly, any other callable strongly. The table of resets: docs/internals.md ("What a fork resets").
+The only module that calls ``os.register_at_fork``; standard library only. A fork that skips
+Python's hooks is noticed by :func:`generation` through ``os.getpid()``. Order, weak references
+and the table of resets: docs/internals.md ("What a fork resets").
 """
 
 from __future__ import annotations
