@@ -1,11 +1,8 @@
 """Each schedule entry's last run, shared through the lease store next to the beat's lease.
 
-A beat taking over reads them before sending, so it neither repeats nor skips a tick whatever the
-wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host). A record is a
-lease, so every store has it: key ``<beat key>:last-run:<entry name>``, owner label
-``last-run <unix ms>``; only the beat lease's holder writes, right after the store confirmed it.
-Reading needs :class:`~celery_lease.stores.base.SupportsInspection`; without it take-over falls
-back to the wrapped scheduler's own state.
+A record is a lease: key ``<beat key>:last-run:<entry name>``, owner label ``last-run <unix ms>``;
+only the beat lease's holder writes. Reading needs
+:class:`~celery_lease.stores.base.SupportsInspection`. See docs/celery.md, "Beat".
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
 
 A subclass is built per wrapped class, so the wrapped scheduler keeps its ``tick``, heap and
-persistence; the leased part hooks ``tick`` (a standby waits for the lease; a new holder reads
-the shared last runs), ``populate_heap`` (raise each entry's last run to the shared one, so a
-reload of older state never makes a tick due again), ``reserve`` (the store confirms the lease
-before each send), ``apply_async`` (header ``lease_beat_token``, then record the run) and
-``close`` (release, so a standby takes over at once). See docs/celery.md, "Beat".
+persistence; the leased part hooks ``tick``, ``populate_heap``, ``reserve``, ``apply_async`` and
+``close``. See docs/celery.md, "Beat".
 """
 
 from __future__ import annotations

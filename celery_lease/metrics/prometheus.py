@@ -1,9 +1,6 @@
 """Prometheus metrics of locked tasks (``pip install 'celery-lease[prometheus]'``).
 
-Under prefork, prometheus_client's multiprocess mode carries the children's values; unset,
-``PROMETHEUS_MULTIPROC_DIR`` points at a private directory made before the fork (its
-``owner.lock`` held by the worker) and removed at shutdown or, after a SIGKILL, by the next
-worker on the host. Why and how: docs/operations.md ("Metrics").
+Prefork and ``PROMETHEUS_MULTIPROC_DIR``: docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations
