@@ -26,12 +26,7 @@ _SEPARATOR = ":last-run:"
 
 
 class LastRuns:
-    """The last-run records of one beat lease's schedule, in ``store``.
-
-    Args:
-        store: the beat lease's store.
-        beat_key: the beat lease's full key (with the app's ``lease_key_prefix``).
-    """
+    """The last-run records of one beat lease's schedule (``beat_key``: full key, prefixed)."""
 
     def __init__(self, store: LockStore, beat_key: str) -> None:
         self.store = store

@@ -213,16 +213,8 @@ def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
 
 class ClusterFanOut:
     """A cluster store's batches and key scans, every node at once, following the slot table.
-
-    Args:
-        client: the store's cluster client.
-        socket_timeout: the client's, in seconds (None: :data:`SOCKET_TIMEOUT`): how long a
-            batch may take with its refresh and second try.
-        eval_one: the store's single script call (which follows redirections), for the calls a
-            node answered with MOVED/ASK/TRYAGAIN.
-        where: the store's address, for log lines.
-        redact: masks the store's passwords in a log line.
-    """
+    ``socket_timeout`` (None: :data:`SOCKET_TIMEOUT`) bounds a batch with its refresh and second
+    try; ``eval_one`` (the store's single call) redoes the calls answered MOVED/ASK/TRYAGAIN."""
 
     def __init__(
         self,
