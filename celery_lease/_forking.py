@@ -68,12 +68,8 @@ def _discard(entries: list[_Entry], entry: _Entry) -> None:
 
 
 def on_fork_child(callback: Reset, *, name: str) -> None:
-    """Run ``callback()`` in the child after every ``os.fork()``, after those registered before.
-
-    Args:
-        callback: takes no argument; what it returns is ignored. A bound method is held weakly.
-        name: what the callback resets, for the log line when it raises (``"module: what"``).
-    """
+    """Run ``callback()`` in the child after every ``os.fork()``, after those registered before;
+    ``name`` (``"module: what"``) is logged if it raises. A bound method is held weakly."""
     _add(_after_in_child, callback, name)
 
 

@@ -35,11 +35,7 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # each record's owner id, as last read or written
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run, by name (empty: store cannot list).
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Unix seconds of each entry's last recorded run, by name (empty: store cannot list)."""
         if not self.shared:
             return {}
         found: dict[str, float] = {}
@@ -52,11 +48,7 @@ class LastRuns:
         return found
 
     def write(self, name: str, at: float, keep: float = RECORD_TTL) -> None:
-        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds.
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds."""
         if not self.shared:
             return
         key = self.prefix + name

@@ -94,11 +94,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
 
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` for its send once the store confirmed the lease is this beat's (the
-        broker connection is made first, so the send follows a fresh confirmation).
-
-        Raises:
-            NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
-        """
+        broker connection is made first); else raise :class:`NotHolding`, advancing nothing."""
         self.producer  # noqa: B018 - connect to the broker before the store is asked, not after
         if not self.election.verify():
             raise NotHolding(entry.name)
