@@ -74,28 +74,21 @@ def on_fork_child(callback: Reset, *, name: str) -> None:
 
 
 def on_fork_parent(*, name: str, before: Reset, after: Reset) -> None:
-    """Run ``before()`` in the parent just before every ``os.fork()``, ``after()`` once it returned.
-
-    ``before`` runs in reverse registration order; ``after`` runs even when ``before`` raised.
-    """
+    """Run ``before()`` in the parent just before every ``os.fork()`` (in reverse registration
+    order), ``after()`` once it returned (even when ``before`` raised)."""
     _add(_before, before, name)
     _add(_after_in_parent, after, name)
 
 
 def on_new_process(callback: Reset, *, name: str) -> None:
-    """Run ``callback()`` from :func:`reset_child_state`, after those registered before.
-
-    Not run by ``os.fork()`` itself. Other threads may run: forget caches, under their locks.
-    """
+    """Run ``callback()`` from :func:`reset_child_state` (not at ``os.fork()``), after those
+    registered before. Other threads may run: forget caches, under their locks."""
     _add(_new_process, callback, name)
 
 
 def reset_child_state() -> None:
-    """Run every :func:`on_new_process` reset now, in registration order.
-
-    For a pool process when it starts (``worker_process_init``). A reset that raises an
-    :class:`Exception` is logged and the next one runs.
-    """
+    """Run every :func:`on_new_process` reset now, in registration order (a pool process at
+    ``worker_process_init``). A reset that raises an :class:`Exception` is logged."""
     for entry in tuple(_new_process):
         callback = entry.callback()
         if callback is None:
@@ -143,13 +136,9 @@ _resetting: int | None = None
 
 
 def generation() -> int:
-    """This process's fork generation: 0 where celery-lease was imported, +1 per fork.
-
-    Compare it with the value recorded with a per-process state to tell whether it is this
-    process's. On a pid change (a fork without hooks) it runs every :func:`on_fork_child` reset
-    in this thread first; that is safe because every path that acquires, renews or reads a
-    lease asks here before using such state.
-    """
+    """This process's fork generation: 0 where celery-lease was imported, +1 per fork, to
+    compare with the value recorded with a per-process state. On a pid change (a fork without
+    hooks) it first runs every :func:`on_fork_child` reset in this thread."""
     pid = os.getpid()
     known = _process
     if known[0] == pid:

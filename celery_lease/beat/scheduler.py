@@ -73,11 +73,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One pass: send what is due while holding the lease, else wait for the lease.
-
-        Returns:
-            seconds until the next pass is wanted.
-        """
+        """One pass: send what is due while holding the lease, else wait for the lease; returns
+        the seconds until the next pass is wanted."""
         ttl = self.lease_config.ttl
         self.election.back_within(ttl)  # this tick ends within a ttl, or the lease goes
         if self.election.current() is None and not self._take_over():
