@@ -167,11 +167,9 @@ def pipelined(
 ) -> tuple[list[Any], int | None]:
     """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
 
-    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and its reply,
-    the number of replicas that acknowledged every write before it, is returned second (None
-    without). Replies that are redirections (cluster slots migrating) are returned for the caller
-    to redo; any other error reply is raised, or with ``errors_in_place`` returned in its call's
-    place. A connection error or a timeout raises.
+    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and the replicas
+    that acknowledged are returned second (None without). Redirections are returned for the
+    caller to redo; any other error reply is raised, or with ``errors_in_place`` returned.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
@@ -404,10 +402,8 @@ class ClusterFanOut:
     def scan(self, pattern: str) -> set[str]:
         """The keys matching ``pattern`` on every master the slot table names, all at once.
 
-        A failing master starts a slot-table refresh; if every failure was a refused connection
-        and the refresh ends within one socket timeout of the start, the masters not scanned
-        yet (a replica promoted in a dead one's place) are scanned. A master failing then, or
-        one that timed out, fails the scan (its first error raised)."""
+        After refused connections only, and a slot-table refresh within one socket timeout, the
+        masters not scanned yet are scanned; any other failure fails the scan (first error)."""
         client = self._client
         deadline = time.monotonic() + self._timeout
         found: set[str] = set()
