@@ -1,14 +1,8 @@
 """One registry of what each process resets after ``fork()`` and when a pool process starts.
 
-The only module that calls ``os.register_at_fork`` (one hook for the registry); standard library
-only, so anything may depend on it. A fork that skips Python's hooks (uWSGI, C code) is noticed
-by :func:`generation` through ``os.getpid()``, which then runs the child resets; identity and
-ownership ask it, never trusting the hook alone. Four lists, each run in registration (import)
-order: :func:`on_fork_parent` ``before`` (reversed, as ``os.register_at_fork`` does) and
-``after``, :func:`on_fork_child` (only the forking thread exists: a reset may replace a lock) and
-:func:`on_new_process` (run by :func:`reset_child_state` in a live process: forget caches only,
-under their locks). A reset that raises is logged and the next one runs. A bound method is held
-weakly, any other callable strongly. The table of resets: docs/internals.md ("What a fork resets").
+The only module that calls ``os.register_at_fork``; standard library only. A fork that skips
+Python's hooks is noticed by :func:`generation` through ``os.getpid()``. Order, weak references
+and the table of resets: docs/internals.md ("What a fork resets").
 """
 
 from __future__ import annotations
@@ -74,38 +68,27 @@ def _discard(entries: list[_Entry], entry: _Entry) -> None:
 
 
 def on_fork_child(callback: Reset, *, name: str) -> None:
-    """Run ``callback()`` in the child after every ``os.fork()``, after those registered before.
-
-    Args:
-        callback: takes no argument; what it returns is ignored. A bound method is held weakly.
-        name: what the callback resets, for the log line when it raises (``"module: what"``).
-    """
+    """Run ``callback()`` in the child after every ``os.fork()``, after those registered before;
+    ``name`` (``"module: what"``) is logged if it raises. A bound method is held weakly."""
     _add(_after_in_child, callback, name)
 
 
 def on_fork_parent(*, name: str, before: Reset, after: Reset) -> None:
-    """Run ``before()`` in the parent just before every ``os.fork()``, ``after()`` once it returned.
-
-    ``before`` runs in reverse registration order; ``after`` runs even when ``before`` raised.
-    """
+    """Run ``before()`` in the parent just before every ``os.fork()`` (in reverse registration
+    order), ``after()`` once it returned (even when ``before`` raised)."""
     _add(_before, before, name)
     _add(_after_in_parent, after, name)
 
 
 def on_new_process(callback: Reset, *, name: str) -> None:
-    """Run ``callback()`` from :func:`reset_child_state`, after those registered before.
-
-    Not run by ``os.fork()`` itself. Other threads may run: forget caches, under their locks.
-    """
+    """Run ``callback()`` from :func:`reset_child_state` (not at ``os.fork()``), after those
+    registered before. Other threads may run: forget caches, under their locks."""
     _add(_new_process, callback, name)
 
 
 def reset_child_state() -> None:
-    """Run every :func:`on_new_process` reset now, in registration order.
-
-    For a pool process when it starts (``worker_process_init``). A reset that raises an
-    :class:`Exception` is logged and the next one runs.
-    """
+    """Run every :func:`on_new_process` reset now, in registration order (a pool process at
+    ``worker_process_init``). A reset that raises an :class:`Exception` is logged."""
     for entry in tuple(_new_process):
         callback = entry.callback()
         if callback is None:
@@ -153,13 +136,9 @@ _resetting: int | None = None
 
 
 def generation() -> int:
-    """This process's fork generation: 0 where celery-lease was imported, +1 per fork.
-
-    Compare it with the value recorded with a per-process state to tell whether it is this
-    process's. On a pid change (a fork without hooks) it runs every :func:`on_fork_child` reset
-    in this thread first; that is safe because every path that acquires, renews or reads a
-    lease asks here before using such state.
-    """
+    """This process's fork generation: 0 where celery-lease was imported, +1 per fork, to
+    compare with the value recorded with a per-process state. On a pid change (a fork without
+    hooks) it first runs every :func:`on_fork_child` reset in this thread."""
     pid = os.getpid()
     known = _process
     if known[0] == pid:

@@ -1,17 +1,8 @@
 """Celery signals sent by locked tasks, from the process (and thread) that runs the task.
 
 Each is a :class:`celery.utils.dispatch.Signal` sent with the task as ``sender`` and the
-execution's ``task_id``; connect receivers at import of a module the worker imports, so prefork
-children inherit them. A receiver that raises is logged and never breaks the task. Arguments and
-moments: docs/operations.md ("Signals for telemetry").
-
-- ``lock_acquired(key, token, waited, wait_seconds)``: the lease was taken.
-- ``lock_rejected(key, reason, until, holder_task_id)``: the key stayed held past ``wait``.
-- ``lock_lost(key, token, reason)``: lost while the body ran; sent from the dispatcher thread,
-  never the renewer's, so a blocking receiver delays no renewal; may arrive after the body.
-- ``lock_released(key, token, held_seconds)``: released (or kept for ``cooldown``); from the
-  worker's main process with ``reason="holder_died"``, ``pid``, ``exitcode`` for a dead child.
-- ``lock_duplicate(key, task_id, existing_task_id)``: a unique task's call published nothing.
+execution's ``task_id``; a receiver that raises is logged and never breaks the task. Arguments
+and moments: docs/operations.md ("Signals for telemetry").
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool: :data:`INTERRUPT_SIGNAL`
-in prefork children and solo (a body still running :data:`REVOKE_GRACE` s later has its child
-``SIGTERM``-ed), ``PyThreadState_SetAsyncExc`` under threads, a throw into the greenlet under
-gevent and eventlet.
-
-Nothing lands after :meth:`~Interrupter.end`: :meth:`~Interrupter.fire` delivers under the
-interrupter's lock only while the body runs; ``end()`` marks it ended, then cancels an
-undelivered exception under the lock. The signal handler and green callbacks take no lock (they
-run between two bytecodes of its holder). ``fire()`` on the body's thread does nothing (it could
-tear a publish in half). See ``docs/internals.md``.
+"""Stopping a body whose lease is lost (``on_lost="revoke"``), per pool: a real-time signal in
+prefork and solo, ``PyThreadState_SetAsyncExc`` under threads, a greenlet throw under gevent and
+eventlet. Nothing lands after :meth:`~Interrupter.end`. Locks and delivery: docs/internals.md.
 """
 
 from __future__ import annotations

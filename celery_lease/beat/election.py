@@ -1,9 +1,7 @@
 """The beat lease as one beat process sees it: take it, keep it, notice its loss, take it again.
 
-The lease is a public :func:`celery_lease.lease` entered on the scheduler's thread, renewed by the
-library's renewer; :meth:`Election.verify` asks the store before each send. A beat that lost it
-stands by again from its next tick. The renewer would keep a hung loop's lease, so a watchdog
-releases it when the loop is late (:meth:`Election.back_within`).
+A public :func:`celery_lease.lease` entered on the scheduler's thread; :meth:`Election.verify`
+asks the store before each send, and a watchdog releases a hung loop's lease.
 """
 
 from __future__ import annotations
@@ -23,14 +21,8 @@ HOLDER = "celery beat"
 
 
 class Election:
-    """One process's part in the election of the beat that sends. Not thread-safe: only the
-    scheduler thread calls it (the loss report, on the dispatcher thread, only logs).
-
-    Args:
-        app: the Celery app (its lease store and ``lease_key_prefix``).
-        key: the lease's key, before the app's prefix.
-        ttl: the lease's ttl in seconds.
-    """
+    """One process's part in the election of the beat that sends (``key`` before the app's
+    prefix, ``ttl`` in seconds). Not thread-safe: only the scheduler thread calls it."""
 
     def __init__(self, app: Any, key: str, ttl: float) -> None:
         self.app = app

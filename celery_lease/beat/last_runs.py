@@ -1,11 +1,8 @@
 """Each schedule entry's last run, shared through the lease store next to the beat's lease.
 
-A beat taking over reads them before sending, so it neither repeats nor skips a tick whatever the
-wrapped scheduler keeps (a ``PersistentScheduler``'s file is local to its host). A record is a
-lease, so every store has it: key ``<beat key>:last-run:<entry name>``, owner label
-``last-run <unix ms>``; only the beat lease's holder writes, right after the store confirmed it.
-Reading needs :class:`~celery_lease.stores.base.SupportsInspection`; without it take-over falls
-back to the wrapped scheduler's own state.
+A record is a lease: key ``<beat key>:last-run:<entry name>``, owner label ``last-run <unix ms>``;
+only the beat lease's holder writes. Reading needs
+:class:`~celery_lease.stores.base.SupportsInspection`. See docs/celery.md, "Beat".
 """
 
 from __future__ import annotations
@@ -29,12 +26,7 @@ _SEPARATOR = ":last-run:"
 
 
 class LastRuns:
-    """The last-run records of one beat lease's schedule, in ``store``.
-
-    Args:
-        store: the beat lease's store.
-        beat_key: the beat lease's full key (with the app's ``lease_key_prefix``).
-    """
+    """The last-run records of one beat lease's schedule (``beat_key``: full key, prefixed)."""
 
     def __init__(self, store: LockStore, beat_key: str) -> None:
         self.store = store
@@ -43,11 +35,7 @@ class LastRuns:
         self._owners: dict[str, str] = {}  # each record's owner id, as last read or written
 
     def read(self) -> dict[str, float]:
-        """Unix seconds of each entry's last recorded run, by name (empty: store cannot list).
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Unix seconds of each entry's last recorded run, by name (empty: store cannot list)."""
         if not self.shared:
             return {}
         found: dict[str, float] = {}
@@ -60,11 +48,7 @@ class LastRuns:
         return found
 
     def write(self, name: str, at: float, keep: float = RECORD_TTL) -> None:
-        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds.
-
-        Raises:
-            StoreUnavailableError: the store did not answer.
-        """
+        """Record that entry ``name`` last ran at ``at`` (unix seconds), kept ``keep`` seconds."""
         if not self.shared:
             return
         key = self.prefix + name

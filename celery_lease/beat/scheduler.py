@@ -1,11 +1,8 @@
 """:class:`LeasedScheduler`: Celery's beat scheduler, sending only while it holds the beat lease.
 
 A subclass is built per wrapped class, so the wrapped scheduler keeps its ``tick``, heap and
-persistence; the leased part hooks ``tick`` (a standby waits for the lease; a new holder reads
-the shared last runs), ``populate_heap`` (raise each entry's last run to the shared one, so a
-reload of older state never makes a tick due again), ``reserve`` (the store confirms the lease
-before each send), ``apply_async`` (header ``lease_beat_token``, then record the run) and
-``close`` (release, so a standby takes over at once). See docs/celery.md, "Beat".
+persistence; the leased part hooks ``tick``, ``populate_heap``, ``reserve``, ``apply_async`` and
+``close``. See docs/celery.md, "Beat".
 """
 
 from __future__ import annotations
@@ -76,11 +73,8 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
-        """One pass: send what is due while holding the lease, else wait for the lease.
-
-        Returns:
-            seconds until the next pass is wanted.
-        """
+        """One pass: send what is due while holding the lease, else wait for the lease; returns
+        the seconds until the next pass is wanted."""
         ttl = self.lease_config.ttl
         self.election.back_within(ttl)  # this tick ends within a ttl, or the lease goes
         if self.election.current() is None and not self._take_over():
@@ -97,11 +91,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
 
     def reserve(self, entry: Any) -> Any:
         """Advance ``entry`` for its send once the store confirmed the lease is this beat's (the
-        broker connection is made first, so the send follows a fresh confirmation).
-
-        Raises:
-            NotHolding: it is not (nothing is advanced; ``tick`` sends nothing).
-        """
+        broker connection is made first); else raise :class:`NotHolding`, advancing nothing."""
         self.producer  # noqa: B018 - connect to the broker before the store is asked, not after
         if not self.election.verify():
             raise NotHolding(entry.name)

@@ -1,10 +1,6 @@
 """Metrics of locked tasks: ``celery_lease.metrics.install(app)`` (or ``lease_metrics``); names,
-ports and prefork behaviour in docs/operations.md ("Metrics").
-
-:func:`install` only checks its arguments; the worker's :class:`MetricsStep` connects the
-receivers before the pool forks (a non-worker process connects nothing). ``celery_lease_held``
-counts per process the leases it took (by key and token): a release by a process that never
-counted the lease (a dead child's, freed by the main process) does not decrease it.
+ports, prefork behaviour and what ``celery_lease_held`` counts: docs/operations.md ("Metrics").
+:func:`install` only checks its arguments; the worker's :class:`MetricsStep` connects receivers.
 """
 
 from __future__ import annotations

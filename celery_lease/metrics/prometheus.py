@@ -1,9 +1,6 @@
 """Prometheus metrics of locked tasks (``pip install 'celery-lease[prometheus]'``).
 
-Under prefork, prometheus_client's multiprocess mode carries the children's values; unset,
-``PROMETHEUS_MULTIPROC_DIR`` points at a private directory made before the fork (its
-``owner.lock`` held by the worker) and removed at shutdown or, after a SIGKILL, by the next
-worker on the host. Why and how: docs/operations.md ("Metrics").
+Prefork and ``PROMETHEUS_MULTIPROC_DIR``: docs/operations.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -308,16 +305,9 @@ def _make_owned_dir() -> tuple[str, TextIO]:
 class PrometheusExporter:
     """Set up in the worker's main process before the fork; serves ``/metrics`` from it.
 
-    Args:
-        port, addr: where to listen (0: any free port; a sequence: the first free one).
-        multiprocess: tasks run in pool children (prefork): use multiprocess mode.
-        node: the worker's name, for the log lines.
-        setting: how the port was configured, for the error of a port in use.
-
-    Raises:
-        PortsTaken: no port is free (checked first: nothing is made then).
-        LeaseConfigError: multiprocess mode is needed but ``prometheus_client`` was imported
-            before ``PROMETHEUS_MULTIPROC_DIR`` was set.
+    ``port`` 0 is any free port, a sequence the first free one (:class:`PortsTaken` if none,
+    before anything is made); ``multiprocess`` for prefork (LeaseConfigError when
+    ``prometheus_client`` was imported before ``PROMETHEUS_MULTIPROC_DIR`` was set).
     """
 
     def __init__(
@@ -395,11 +385,8 @@ class PrometheusExporter:
                 owner.close()
 
     def start(self) -> None:
-        """Serve ``/metrics`` on a daemon thread, on the chosen port or the next free one.
-
-        Raises:
-            PortsTaken: none is free any more.
-        """
+        """Serve ``/metrics`` on a daemon thread, on the chosen port or the next free one
+        (:class:`PortsTaken`: none is free any more)."""
         from prometheus_client import start_http_server
 
         why: OSError | None = None

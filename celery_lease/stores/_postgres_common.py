@@ -1,9 +1,8 @@
 """What the PostgreSQL store and its asyncio twin share: the table, the SQL, the DSN, the errors.
 
 Both run the statements rendered by :func:`statements` on the same table, so sync and async
-holders of a key exclude each other; they differ only in how they wait for the server. An outage
-of a store's own pool is logged once by :class:`ConnectFailures`, and psycopg_pool's repeated
-records about that pool are dropped (:func:`fold_pool_record`); see docs/operations.md (Logging).
+holders of a key exclude each other. A pool outage is logged once (:class:`ConnectFailures`,
+:func:`fold_pool_record`).
 """
 
 from __future__ import annotations

@@ -167,11 +167,9 @@ def pipelined(
 ) -> tuple[list[Any], int | None]:
     """EVALSHA each call in one pipeline; on NOSCRIPT load the script and redo the batch once.
 
-    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and its reply,
-    the number of replicas that acknowledged every write before it, is returned second (None
-    without). Replies that are redirections (cluster slots migrating) are returned for the caller
-    to redo; any other error reply is raised, or with ``errors_in_place`` returned in its call's
-    place. A connection error or a timeout raises.
+    With ``wait`` (``(numreplicas, timeout ms)``) a ``WAIT`` ends the pipeline and the replicas
+    that acknowledged are returned second (None without). Redirections are returned for the
+    caller to redo; any other error reply is raised, or with ``errors_in_place`` returned.
     """
     for attempt in (1, 2):
         pipe = client.pipeline(transaction=False)
@@ -213,16 +211,8 @@ def _node_of(client: redis.cluster.RedisCluster, key: str) -> str | None:
 
 class ClusterFanOut:
     """A cluster store's batches and key scans, every node at once, following the slot table.
-
-    Args:
-        client: the store's cluster client.
-        socket_timeout: the client's, in seconds (None: :data:`SOCKET_TIMEOUT`): how long a
-            batch may take with its refresh and second try.
-        eval_one: the store's single script call (which follows redirections), for the calls a
-            node answered with MOVED/ASK/TRYAGAIN.
-        where: the store's address, for log lines.
-        redact: masks the store's passwords in a log line.
-    """
+    ``socket_timeout`` (None: :data:`SOCKET_TIMEOUT`) bounds a batch with its refresh and second
+    try; ``eval_one`` (the store's single call) redoes the calls answered MOVED/ASK/TRYAGAIN."""
 
     def __init__(
         self,
@@ -412,10 +402,8 @@ class ClusterFanOut:
     def scan(self, pattern: str) -> set[str]:
         """The keys matching ``pattern`` on every master the slot table names, all at once.
 
-        A failing master starts a slot-table refresh; if every failure was a refused connection
-        and the refresh ends within one socket timeout of the start, the masters not scanned
-        yet (a replica promoted in a dead one's place) are scanned. A master failing then, or
-        one that timed out, fails the scan (its first error raised)."""
+        After refused connections only, and a slot-table refresh within one socket timeout, the
+        masters not scanned yet are scanned; any other failure fails the scan (first error)."""
         client = self._client
         deadline = time.monotonic() + self._timeout
         found: set[str] = set()

@@ -70,10 +70,8 @@ def _lua(source: str) -> str:
 # Returns the token as a decimal string, or false when another owner holds a live lease. A free
 # key gets max(counter + 1, server TIME in µs). The live lease's owner gets its own token back and
 # its expiry set (never added) to ttl from now. A lease key of another type: NOT_A_LEASE.
-# Restart grace (with KEYS[3]): a marker {boot, started, cause} missing or naming another run
-# (INFO's run_id) is rewritten for this run ('new' or 'restored'), and a free key is refused
-# until ARGV[4] after this run started: GRACE_MARK .. until .. ':' .. cause .. ':' .. started
-# (µs). See docs/stores.md (When Redis restarts or is flushed).
+# With KEYS[3], a free key is refused until ARGV[4] after this run started: GRACE_MARK .. until
+# .. ':' .. cause .. ':' .. started (µs); see docs/stores.md (When Redis restarts or is flushed).
 ACQUIRE_SCRIPT = _lua(
     """
 local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')

@@ -1,13 +1,9 @@
 """The Redis store's fast path: one dedicated connection per process for acquire, renew, release.
 
-redis-py spends 60-90 µs of Python per command against about 25 µs for a loopback round trip,
-so on a plain standalone client (see :func:`fast_path_for`) these calls send pre-packed requests
-over a connection opened by redis-py's own connection class (its handshake, TLS, timeouts) and
-parse the few reply shapes the scripts return (RESP2 or RESP3, push frames skipped); see
-docs/stores.md (Redis, The fast path). One request in flight (a busy connection: :data:`BUSY`,
-the caller uses redis-py's pool); ``_pending`` is set before the write and cleared once the whole
-reply is parsed, and a connection left pending is never reused (no late reply taken for a later
-request's); errors are redis-py's classes; a forked child never writes to its parent's socket.
+Pre-packed requests over a connection opened by redis-py's own class, replies parsed here; one
+request in flight (:data:`BUSY` sends the caller to redis-py's pool), a connection left pending is
+never reused, a forked child never writes to its parent's socket. See docs/stores.md (Redis, The
+fast path).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Redis Sentinel: the ``redis+sentinel://`` URL form, finding the master, following a failover.
 
-Both Redis stores read the URL and build their clients here (:func:`client_from_url`, with the
-sync or the ``redis.asyncio`` classes). A Sentinel-managed store asks a Sentinel which server is
-the master now (``SENTINEL GET-MASTER-ADDR-BY-NAME``) before every acquire and renewal, and
-moves its pool when the answer changed (:func:`follow_master`, :class:`Sentinel`).
+Both Redis stores build their clients here (:func:`client_from_url`); a Sentinel-managed store
+asks which server is the master before every acquire and renewal (:func:`follow_master`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The store protocol: three operations, each atomic per key, time read from the store's clock.
 
 A store keeps, per key, at most one live lease ``{owner, expires}`` and a fencing-token counter
-that only grows. Everything else in celery-lease (waiting, renewal, loss, Celery) is built above
-these three calls. Optional capabilities, detected with :func:`conforms` against the protocols
-below, make a store faster or inspectable:
-
-- :class:`SupportsReleaseNotify`: ``wait_for_release`` wakes a waiter when the key is released;
-- :class:`SupportsBatchRenew`: ``renew_many`` renews many leases in one round trip, per key;
-- :class:`SupportsInspection`: ``list`` / ``get`` / ``last_token`` / ``force_release`` for the CLI.
-
-:class:`AsyncLockStore` is the asyncio twin of :class:`LockStore` (``async with lease(...)``, see
-:mod:`celery_lease._core.aio`): the same three operations as coroutines, on the same data as a
-synchronous store it hands out as ``sync`` (the renewer thread renews through that one).
+that only grows. Optional capabilities (:class:`SupportsReleaseNotify`,
+:class:`SupportsBatchRenew`, :class:`SupportsInspection`) are detected with :func:`conforms`;
+:class:`AsyncLockStore` is the asyncio twin of :class:`LockStore`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """The lease store of a Django database: ``lease_store = "django://default"``.
 
-``django://<alias>`` (``django://`` is ``default``) names an alias of ``settings.DATABASES`` and
-works wherever a store URL does. An ``ENGINE`` whose last dotted part begins with ``postgresql``
-or ``postgis`` gives a :class:`~celery_lease.PostgresLockStore` with its own connections (a
-lease is never part of your transaction); ``sqlite`` or ``spatialite`` (a file, not in-memory)
-an :class:`~celery_lease.SQLiteLockStore`; anything else is refused. Matching on the prefix lets
-wrapping backends (django-prometheus, django-tenants) work. Django's settings are read when the
-store is built, not at import; neither Django nor a driver is imported here. See docs/django.md.
+``django://<alias>`` gives a PostgreSQL or SQLite store by the alias's ``ENGINE`` prefix (anything
+else is refused); settings are read when the store is built. See docs/django.md.
 """
 
 from __future__ import annotations

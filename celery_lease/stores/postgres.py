@@ -1,12 +1,7 @@
 """PostgreSQL store: one table, one statement per operation, time from the database's clock.
 
-Every operation is one statement on an autocommit connection, atomic per key, with expiry and
-tokens from the server's ``clock_timestamp()``. Rows are never deleted (release clears
-``owner``), and a new token is ``GREATEST(previous + 1, clock in µs)``, so tokens keep growing
-even after a row is lost, as long as the server's clock does not go back. Release notifies in
-the same statement; one listener thread per store and process wakes waiters. The SQL:
-:mod:`~celery_lease.stores._postgres_common`; the table, grants and clock: docs/stores.md
-(PostgreSQL); threads, locks and fork: docs/internals.md.
+The SQL: :mod:`~celery_lease.stores._postgres_common`; the table, grants, tokens and clock:
+docs/stores.md (PostgreSQL); threads, locks and fork: docs/internals.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """PostgreSQL store for asyncio: the psycopg ``AsyncConnection`` twin of the sync store.
 
 It renders the same statements (:func:`~celery_lease.stores._postgres_common.statements`) on the
-same table, so sync and async holders exclude each other. Timeouts are the client's: a statement
-over ``statement_timeout`` is cancelled on the server, and an acquire that timed out or was
-cancelled releases what it may have taken (owner checked) before raising. A dropped connection is
-retried once (every operation here is safe to redo). One listener task per store serves
-:meth:`~AsyncPostgresLockStore.wait_for_release`.
+same table, so sync and async holders exclude each other. Timeouts and cancellation:
+docs/asyncio.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Redis store: one Lua script per operation, one round trip each, Redis Cluster ready.
 
-Keys, for the user key ``account:42`` and the default prefix::
-
-    celery-lease:{account:42}:lease    hash {owner, token}, PEXPIRE = ttl (Redis expires it)
-    celery-lease:{account:42}:token    the last token issued, a decimal string
-    celery-lease:{account:42}:signal   a list holding one element after each release, for a waiter
-    celery-lease:marker                hash {boot, started, cause}, no expiry: the grace's marker
-
-The hash tag puts a lease's keys in one Cluster slot. Tokens are ``max(counter + 1, server TIME
-in µs)``, so they keep growing after a data loss while the servers' clocks do not jump back. The
-scripts: :mod:`~celery_lease.stores._redis_common`; guarantees (failovers, ``min_replicas``, the
-restart grace): docs/stores.md (Redis). Nothing read from Redis is ever unpickled.
+Keys ``celery-lease:{<key>}:lease`` (hash {owner, token}), ``:token`` (the counter) and
+``:signal`` (a release wakes a waiter), and ``celery-lease:marker`` (the restart grace). The
+scripts: :mod:`~celery_lease.stores._redis_common`; key layout, tokens and guarantees:
+docs/stores.md (Redis). Nothing read from Redis is ever unpickled.
 """
 
 from __future__ import annotations

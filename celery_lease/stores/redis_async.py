@@ -1,9 +1,7 @@
 """Redis store for asyncio: the ``redis.asyncio`` twin of the sync Redis store.
 
 It runs the scripts of :mod:`~celery_lease.stores._redis_common` on the same keys, so sync and
-async holders of a key exclude each other and its tokens only grow. A cancelled acquire is never
-cut off in flight: the store waits for its reply, then releases what it took (see
-:meth:`~AsyncRedisLockStore._settle_cancelled_acquire` and docs/asyncio.md).
+async holders of a key exclude each other. Cancelled acquires: docs/asyncio.md.
 """
 
 from __future__ import annotations

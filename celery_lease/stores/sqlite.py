@@ -1,11 +1,8 @@
 """SQLite store: the embedded default, shared by every process of one host through one file.
 
-Each operation is one short write transaction on a WAL database; writers queue on SQLite's file
-lock for up to ``busy_timeout``. Expiry follows the host's ``CLOCK_MONOTONIC`` tagged with the
-boot id (a row of another boot is expired), falling back to the wall clock without a boot id;
-every row carries both expiries so such processes can share a file. Rows are never deleted, so
-the token counter persists, floored by the wall clock in µs. Why this clock, fork and reboots:
-docs/stores.md (SQLite); threads, locks and fork resets: docs/internals.md.
+Each operation is one short write transaction on a WAL database; expiry follows the host's
+``CLOCK_MONOTONIC`` tagged with the boot id. Clocks, reboots and tokens: docs/stores.md (SQLite);
+threads, locks and fork resets: docs/internals.md.
 """
 
 from __future__ import annotations
