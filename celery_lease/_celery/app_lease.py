@@ -84,21 +84,33 @@ def lease(
             lost.
         StoreUnavailableError: when the store cannot be reached to acquire.
     """
-    arguments = _Arguments(
-        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
-    )
     if app is None:
         if store is None:
             raise LeaseConfigError(
                 f"lease({key!r}) needs store=<a LockStore> or app=<a Celery app> (whose lease"
                 " store and lease_key_prefix are used)"
             )
-        return arguments.resolve(None, UNRESOLVED)  # store is given: no fallback used
+        # The hot path of a plain lease: straight to the core, no app to resolve.
+        return core_lease(
+            key,
+            store=store,
+            ttl=CORE_TTL if ttl is None else ttl,
+            wait=CORE_WAIT if wait is None else wait,
+            max_hold=max_hold,
+            on_lost=on_lost,
+            cancel=cancel,
+            clock=clock,
+            cooldown=cooldown,
+            holder=holder,
+        )
     if not hasattr(type(app), "conf"):  # on the type: reading app.conf would configure the app
         raise LeaseConfigError(
             f"app={app!r} is not a Celery app (it has no .conf): pass the app whose"
             " lease store and lease_key_prefix to use, or store=..."
         )
+    arguments = _Arguments(
+        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
+    )
     # Everything that does not depend on the app is checked now, against a stand-in store.
     template = arguments.resolve(None, UNRESOLVED)
     context = AppLeaseContext(app, arguments, template)
