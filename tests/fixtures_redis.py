@@ -173,7 +173,13 @@ class RedisServer:
                         f"redis-server on port {self.port} exited at start-up:\n{self.log()}"
                     )
                 try:
-                    if client.ping() and (not self.cluster or self._cluster_ready(client)):
+                    # Ours, not another test process's server that took the port first (our
+                    # own then exits at start-up, and the caller tries another port).
+                    if (
+                        client.ping()
+                        and int(client.info("server")["process_id"]) == self._process.pid
+                        and (not self.cluster or self._cluster_ready(client))
+                    ):
                         return
                 except redis.RedisError:
                     pass
