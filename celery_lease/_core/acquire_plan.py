@@ -139,6 +139,8 @@ class AcquirePlan:
                 self._abandon_later()  # it may have taken effect, its reply lost
                 raise reply.error
             lagging = reply.error  # asked again like a held key, raised when the wait runs out
+        elif reply is not None:  # a token of another int type (an int subclass): granted too
+            return Hold(self._try.owner, reply, self._tries, self._started, self._sent_at)
         self._tries += 1
         waits_on = self._waits_on or self._first_refusal()
         remaining = self._deadline - waits_on.monotonic()

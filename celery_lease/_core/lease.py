@@ -535,13 +535,14 @@ class LeaseContext:
             if type(reply) is GRANTED:  # the usual answer: no plan needed
                 held = self._hold(owner, reply, 0, started, started, None, abandon=False)
             else:
-                attempt = None
+                if reply is None or isinstance(reply, Failed):  # else a token of an int subclass
+                    attempt = None
                 plan = self._plan(owner, ttl_ms, started)
                 step = plan.send(reply)
                 while type(step) is not Hold:
                     attempt = owner if type(step) is Try else None
                     reply = self._perform(cast("Try | Pause", step))
-                    if type(reply) is not GRANTED:
+                    if reply is None or isinstance(reply, Failed):
                         attempt = None
                     step = plan.send(reply)
                 held = self._hold(*step, None, abandon=False)

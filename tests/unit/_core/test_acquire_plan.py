@@ -234,3 +234,33 @@ def test_an_async_wait_on_the_plugin_store_ends_when_its_clock_passes_the_wait(
         assert store.pauses == 1
     finally:
         lease_store.force_release("report")
+
+
+class _Token(int):
+    """A token of a subclass of ``int``, as a store built on another driver may return."""
+
+
+class IntSubclassTokenStore(MemoryLockStore):
+    """A memory store whose grants are ``_Token`` instances, not plain ``int``."""
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        token = super().acquire(key, owner, ttl_ms)
+        return None if token is None else _Token(token)
+
+
+@pytest.mark.parametrize("driver", ["with", "async with"])
+def test_a_token_of_an_int_subclass_is_a_grant(driver: str) -> None:
+    store = IntSubclassTokenStore()
+
+    async def enter_async() -> int:
+        async with lease("k", store=ThreadedAsyncStore(store)) as held:
+            pass
+        return held.token
+
+    if driver == "with":
+        with lease("k", store=store) as held:
+            token = held.token
+    else:
+        token = asyncio.run(enter_async())
+    assert token >= 1
+    assert store.get("k") is None  # released at the exit, not left held by a refused grant
