@@ -6,6 +6,7 @@ Dependencies of the wheel come from the configured package index (``pip install`
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -35,9 +36,19 @@ COPY_IGNORE = (
 TIMEOUT = 540  # seconds for a pip command (it downloads Celery and its dependencies)
 
 
+# pytest-xdist's workers put the repository on PYTHONPATH (xdist/remote.py), which would let the
+# fresh venvs import example_project and our package from the clone instead of the wheel.
+CLEAN_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
 def run(*cmd: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT
+        [str(c) for c in cmd],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        env=CLEAN_ENV,
     )
 
 

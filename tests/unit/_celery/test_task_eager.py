@@ -364,7 +364,9 @@ class TestLoss:
     ) -> None:
         """on_lost="mark": lock_lost flag and signal; a body that succeeds anyway is returned."""
 
-        @app.task(base=LockedTask, lock_key="m", lock_ttl="0.3s", shared=False)
+        # 3 s: the renewal at 1 s reads the key taken long before the lease could expire (a
+        # 0.3 s lease expired first on a loaded machine, its renewal late).
+        @app.task(base=LockedTask, lock_key="m", lock_ttl="3s", shared=False)
         def task() -> Any:
             assert task.request.lease.wait_lost(REAL_TIMEOUT)
             return task.request.lock_lost, task.request.lease.lost_reason
