@@ -26,7 +26,7 @@ from celery_lease.errors import (
     RestartGraceError,
     StoreUnavailableError,
 )
-from celery_lease.stores import _registry, async_store_from_url, store_from_url
+from celery_lease.stores import async_store_from_url, registry, store_from_url
 from celery_lease.stores.base import (
     AsyncLockStore,
     LeaseInfo,
@@ -88,7 +88,7 @@ __all__ = [
 
 # name -> (module, extra that provides its driver, or None); the stores' from the store table
 _LAZY: dict[str, tuple[str, str | None]] = {
-    **_registry.lazy_names(),
+    **registry.lazy_names(),
     "LockedTask": ("celery_lease._celery.task", None),
     "locked": ("celery_lease._celery.task", None),
 }

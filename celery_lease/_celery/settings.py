@@ -23,7 +23,7 @@ from celery_lease import _forking as forking
 from celery_lease._celery.setting_typos import check_names
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores import _registry, store_from_url
+from celery_lease.stores import registry, store_from_url
 from celery_lease.stores.base import LockStore, conforms, redact_url
 
 if TYPE_CHECKING:
@@ -54,8 +54,8 @@ SETTINGS: tuple[str, ...] = (
     "lease_beat_ttl",
 )
 
-# Schemes of the one store table (:mod:`celery_lease.stores._registry`).
-STORE_SCHEMES: tuple[str, ...] = _registry.known_schemes()
+# Schemes of the one store table (:mod:`celery_lease.stores.registry`).
+STORE_SCHEMES: tuple[str, ...] = registry.known_schemes()
 # Allowed ``lease_metrics`` values besides ``None``.
 METRICS_EXPORTERS: tuple[str, ...] = ("prometheus", "otel")
 # Allowed ``lease_store_check`` values (see :mod:`celery_lease._celery.startup`).
@@ -129,10 +129,10 @@ def _read(app: CeleryApp) -> LeaseSettings:
                 " sqlite:////abs/path.db,"
                 " postgresql://... or memory://"
             )
-        elif (scheme := urlsplit(store.strip()).scheme.lower()) not in _registry.SCHEMES:
+        elif (scheme := urlsplit(store.strip()).scheme.lower()) not in registry.SCHEMES:
             raise LeaseConfigError(
                 f"lease_store={redact_url(store)!r} has an unknown scheme {scheme!r}; supported:"
-                f" {', '.join(s + '://' for s in _registry.known_schemes())}"
+                f" {', '.join(s + '://' for s in registry.known_schemes())}"
             )
     prefix = conf.get("lease_key_prefix")
     if prefix is not None and not isinstance(prefix, str):

@@ -1,6 +1,5 @@
 """Lock stores: the protocol and its implementations (each in its own module, loaded on use)."""
 
-from celery_lease.stores._registry import async_store_from_url, store_from_url
 from celery_lease.stores.base import (
     AsyncLockStore,
     LeaseInfo,
@@ -10,6 +9,7 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 from celery_lease.stores.memory import MemoryLockStore
+from celery_lease.stores.registry import async_store_from_url, store_from_url
 
 __all__ = [
     "AsyncLockStore",

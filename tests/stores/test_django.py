@@ -254,7 +254,7 @@ def test_importing_the_module_imports_no_django() -> None:
     """``celery_lease.stores.django`` and the store table load without Django (it is read only
     when a ``django://`` store is built)."""
     code = (
-        "import sys, celery_lease, celery_lease.stores.django, celery_lease.stores._registry\n"
+        "import sys, celery_lease, celery_lease.stores.django, celery_lease.stores.registry\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'django'))\n"
     )
     result = subprocess.run(

@@ -1,9 +1,9 @@
 """One table of stores: every reader of a store URL knows exactly the schemes of the table.
 
-``celery_lease.stores._registry.SCHEMES`` maps a URL scheme to its store classes as
+``celery_lease.stores.registry.SCHEMES`` maps a URL scheme to its store classes as
 ``"module:Class"`` strings. ``store_from_url``, ``async_store_from_url`` and the settings check
 that refuses a misspelled ``lease_store`` at worker start all read it; the table and the
-factories live in ``stores/_registry.py``, so the store protocol module (``stores/base.py``)
+factories live in ``stores/registry.py``, so the store protocol module (``stores/base.py``)
 imports no store: each store imports it.
 """
 
@@ -18,7 +18,7 @@ from celery import Celery
 
 from celery_lease import LeaseConfigError
 from celery_lease._celery import settings as config
-from celery_lease.stores import _registry, async_store_from_url, store_from_url
+from celery_lease.stores import async_store_from_url, registry, store_from_url
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "celery_lease"
@@ -39,13 +39,13 @@ class AsyncUrlStore(UrlStore):
         return cls(url)
 
 
-STAND_IN = _registry.Entry(f"{__name__}:UrlStore", f"{__name__}:AsyncUrlStore", None, None)
+STAND_IN = registry.Entry(f"{__name__}:UrlStore", f"{__name__}:AsyncUrlStore", None, None)
 
 
 def _paths() -> list[str]:
     named = {
         path
-        for entry in _registry.SCHEMES.values()
+        for entry in registry.SCHEMES.values()
         for path in (entry.sync, entry.native_async)
         if path is not None
     }
@@ -74,8 +74,8 @@ def _settings_error(apps: list[Celery], url: str) -> LeaseConfigError | None:
     return None
 
 
-def _patch_table(monkeypatch: pytest.MonkeyPatch, table: Mapping[str, _registry.Entry]) -> None:
-    monkeypatch.setattr(_registry, "SCHEMES", table)
+def _patch_table(monkeypatch: pytest.MonkeyPatch, table: Mapping[str, registry.Entry]) -> None:
+    monkeypatch.setattr(registry, "SCHEMES", table)
 
 
 TYPING_COMPAT = "celery_lease.stores._typing_compat"
@@ -87,21 +87,21 @@ class TestTheTable:
         """Each ``"module:Class"`` of the table resolves to a class defined in the module it
         names."""
         module_name, _, class_name = path.partition(":")
-        cls = _registry.resolve(path)
+        cls = registry.resolve(path)
         assert isinstance(cls, type)
         assert (cls.__module__, cls.__name__) == (module_name, class_name)
 
-    @pytest.mark.parametrize("scheme", _registry.known_schemes())
+    @pytest.mark.parametrize("scheme", registry.known_schemes())
     def test_every_scheme_resolves_to_its_classes(self, scheme: str) -> None:
         """sync_class / async_class give the classes the scheme's entry names (None: no native
         async store, the thread adapter serves it)."""
-        entry = _registry.SCHEMES[scheme]
-        assert _registry.sync_class(scheme) is _registry.resolve(entry.sync)
-        native = _registry.async_class(scheme)
+        entry = registry.SCHEMES[scheme]
+        assert registry.sync_class(scheme) is registry.resolve(entry.sync)
+        native = registry.async_class(scheme)
         if entry.native_async is None:
             assert native is None
         else:
-            assert native is _registry.resolve(entry.native_async)
+            assert native is registry.resolve(entry.native_async)
 
     def test_every_extra_named_is_declared(self) -> None:
         """An extra the table names for a driver is one ``pip install 'celery-lease[extra]'``
@@ -110,7 +110,7 @@ class TestTheTable:
         declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
             "optional-dependencies"
         ]
-        named = {entry.extra for entry in _registry.SCHEMES.values()} - {None}
+        named = {entry.extra for entry in registry.SCHEMES.values()} - {None}
         assert named and named <= set(declared)
 
     def test_the_store_protocol_imports_no_store(self) -> None:
@@ -131,7 +131,7 @@ class TestTheTable:
         stores = {
             f"celery_lease.stores.{path.stem}"
             for path in (PACKAGE / "stores").glob("*.py")
-            if path.stem not in ("__init__", "base", "_registry")
+            if path.stem not in ("__init__", "base", "registry")
         }
         named = {path.partition(":")[0] for path in _paths()}
         assert named <= stores | {"celery_lease.stores.django"}
@@ -143,7 +143,7 @@ class TestEveryReaderUsesTheTable:
     ) -> None:
         """With a scheme added to the table and one taken out, store_from_url builds a store
         for exactly the table's schemes, and the settings check accepts exactly those."""
-        table = {scheme: STAND_IN for scheme in _registry.known_schemes() if scheme != "unix"}
+        table = {scheme: STAND_IN for scheme in registry.known_schemes() if scheme != "unix"}
         table["valkey"] = STAND_IN
         _patch_table(monkeypatch, table)
         for scheme in table:
@@ -162,10 +162,10 @@ class TestEveryReaderUsesTheTable:
     ) -> None:
         """A new scheme is built by async_store_from_url too, and every refusal lists it."""
         added = STAND_IN._replace(example="valkey://")
-        _patch_table(monkeypatch, {**_registry.SCHEMES, "valkey": added})
+        _patch_table(monkeypatch, {**registry.SCHEMES, "valkey": added})
         built = async_store_from_url("valkey://h/0")
         assert isinstance(built, AsyncUrlStore) and built.url == "valkey://h/0"
-        assert "valkey" in _registry.known_schemes()
+        assert "valkey" in registry.known_schemes()
         with pytest.raises(LeaseConfigError, match="valkey://"):
             store_from_url("nope://h/0")
         with pytest.raises(LeaseConfigError, match="valkey://"):

@@ -360,7 +360,7 @@ class TestTestsMirrorThePackage:
             ("_forking.py", ("unit", "test_forking")),
             ("metrics/__init__.py", ("unit/metrics", "test_metrics")),
             ("metrics/otel.py", ("unit/metrics", "test_otel")),
-            ("stores/_registry.py", ("stores", "test_registry")),
+            ("stores/registry.py", ("stores", "test_registry")),
             ("fencing/__init__.py", ("fencing", "test_fencing")),
             ("__init__.py", ("unit", "test_celery_lease")),
         ],
