@@ -20,6 +20,7 @@ from celery_lease.stores._typing_compat import is_protocol
 
 __all__ = [
     "AsyncLockStore",
+    "AsyncSupportsSlots",
     "LeaseInfo",
     "LockStore",
     "LoopBinding",
@@ -29,6 +30,8 @@ __all__ = [
     "SupportsDeferredRenew",
     "SupportsInspection",
     "SupportsReleaseNotify",
+    "SupportsReplace",
+    "SupportsSlots",
     "conforms",
     "redact_url",
 ]
@@ -141,6 +144,72 @@ class SupportsBatchRenew(Protocol):
         connection, the transaction): the renewer retries the batch as one, never key by key,
         which against a dead store would multiply its timeout. An answer of another length
         than ``items`` fails the whole batch.
+        """
+        ...
+
+
+@runtime_checkable
+class SupportsSlots(Protocol):
+    """A store that keeps up to ``limit`` leases of one key at once, each in its own slot.
+
+    Slot ``i`` of ``key`` is the ordinary lease on :func:`~celery_lease.stores.slots.slot_key`
+    ``(key, i)``: renew, release, inspect and force-release it with the :class:`LockStore` and
+    :class:`SupportsInspection` methods on that store key. Its release wakes the waiters of
+    ``wait_for_release(key)``.
+    """
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take a free slot of ``key`` for ``owner`` for ``ttl_ms`` ms if fewer than ``limit`` of
+        its slots hold live leases; one atomic step.
+
+        Every live slot of ``key`` counts, also one at or above ``limit`` (taken under a larger
+        limit): a lowered limit refuses new holders until the count is below it and never frees
+        a holder. Returns ``(slot, token)``: the lowest free slot in ``0 .. limit - 1`` and a token
+        greater than every token this store issued to any slot of ``key`` (also across expiry,
+        release and reuse), or ``None`` when ``limit`` or more slots are held. A repeated call by
+        ``owner`` while it holds a live slot of ``key`` returns that slot and its token and sets
+        its expiry to now + ``ttl_ms`` (as :meth:`LockStore.acquire` does for a key), whatever
+        ``limit``. Raises ``StoreUnavailableError`` when the store fails, ``ValueError`` for a
+        ``limit`` under 1 or a ``key`` holding :data:`~celery_lease.stores.slots.SLOT_MARK`.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncSupportsSlots(Protocol):
+    """The async twin of :class:`SupportsSlots` (same data, same semantics)."""
+
+    async def acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int
+    ) -> tuple[int, int] | None:
+        """As :meth:`SupportsSlots.acquire_slot`."""
+        ...
+
+
+@runtime_checkable
+class SupportsReplace(Protocol):
+    """A store that can ask the holder of a key to stop (``on_held="replace"``).
+
+    A holder asked to stop keeps its lease until it releases it or the lease expires (so no
+    second holder starts while it may still run), but its stored owner id gets
+    :data:`~celery_lease.stores.slots.REPLACED_MARK` appended: ``renew(key, owner)`` answers
+    ``False`` from then on, ``release(key, owner)`` still deletes it (and wakes waiters),
+    another owner's acquire is still refused, and ``get`` / ``list`` / ``acquire_or_holder`` show
+    the marked owner id.
+    """
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` (a key, not a slot) to stop; one atomic step.
+
+        ``ticket``: ``None`` draws one from ``key``'s token counter (greater than every token
+        issued for ``key`` so far; every later token is greater still); else it is returned as
+        given. ``holder``: when given, only a live lease of that owner id (unmarked) is asked.
+        Returns ``(ticket, holder, asked)``: the ticket, the owner id (without the mark) of the
+        live lease on ``key`` (``None`` when it is free), and whether that lease is now marked
+        (by this call or an earlier one); ``asked`` is False when the key is free or another
+        owner than ``holder`` holds it (left as it was). Raises ``StoreUnavailableError``.
         """
         ...
 

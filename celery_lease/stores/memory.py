@@ -8,6 +8,14 @@ from dataclasses import dataclass
 
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import (
+    SLOT_MARK,
+    counter_key,
+    marked,
+    release_channel,
+    slot_key,
+    unmarked,
+)
 
 __all__ = ["MemoryLockStore"]
 
@@ -37,6 +45,8 @@ class MemoryLockStore:
         self._entries: dict[str, _Entry] = {}
         self._floor = 0  # largest token of any dropped entry
         self._released: dict[str, threading.Event] = {}
+        self._widths: dict[str, int] = {}  # key -> 1 + the highest slot of it ever taken
+        self._tickets: dict[str, int] = {}  # key -> the last replace ticket drawn from its counter
         self._ops = 0
 
     @classmethod
@@ -64,6 +74,11 @@ class MemoryLockStore:
         dead = [k for k, e in self._entries.items() if e.owner is None or e.expires <= now]
         for key in dead:
             self._floor = max(self._floor, self._entries.pop(key).token)
+        for key in [k for k in self._tickets if k not in self._entries]:
+            self._floor = max(self._floor, self._tickets.pop(key))
+        for key, width in list(self._widths.items()):
+            if not any(slot_key(key, slot) in self._entries for slot in range(width)):
+                del self._widths[key]  # no slot of it is live: its counter is in the floor
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         return self.acquire_or_holder(key, owner, ttl_ms)[0]
@@ -78,14 +93,73 @@ class MemoryLockStore:
                     return None, live.owner
                 live.expires = now + ttl_ms / 1000.0  # the holder again: same token, new expiry
                 return live.token, None
-            previous = self._entries.get(key)
-            last = previous.token if previous is not None else self._floor
-            token = max(last + 1, int(self._clock.time() * 1_000_000))
+            token = self._draw(key)
             self._entries[key] = _Entry(owner, now + ttl_ms / 1000.0, token)
-            self._ops += 1
-            if self._ops % 1024 == 0:
-                self._sweep(now)
+            self._count_op(now)
             return token, None
+
+    def _draw(self, counter: str) -> int:
+        """The next token of the counter kept under ``counter`` (a key, or a key's slot
+        counter): above its last one and every dropped one, floored at the clock in µs."""
+        previous = self._entries.get(counter)
+        last = previous.token if previous is not None else self._floor
+        last = max(last, self._tickets.get(counter, 0))
+        return max(last + 1, int(self._clock.time() * 1_000_000))
+
+    def _count_op(self, now: float) -> None:
+        self._ops += 1
+        if self._ops % 1024 == 0:
+            self._sweep(now)
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
+        slots are live (see :class:`~celery_lease.stores.base.SupportsSlots`)."""
+        if limit < 1 or SLOT_MARK in key:
+            raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs limit >= 1, no U+001F")
+        expires_in = ttl_ms / 1000.0
+        with self._lock:
+            now = self._now()
+            free: int | None = None
+            held = 0
+            for slot in range(max(limit, self._widths.get(key, 0))):
+                live = self._live(slot_key(key, slot), now)
+                if live is None:
+                    if free is None and slot < limit:
+                        free = slot
+                    continue
+                if live.owner == owner:
+                    live.expires = now + expires_in
+                    return slot, live.token
+                held += 1
+            if held >= limit or free is None:
+                return None
+            counter = counter_key(key)
+            token = self._draw(counter)
+            self._entries[counter] = _Entry(None, 0.0, token)
+            self._entries[slot_key(key, free)] = _Entry(owner, now + expires_in, token)
+            self._widths[key] = max(free + 1, self._widths.get(key, 0))
+            self._count_op(now)
+            return free, token
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` to stop (see
+        :class:`~celery_lease.stores.base.SupportsReplace`)."""
+        with self._lock:
+            now = self._now()
+            if ticket is None:
+                ticket = self._tickets[key] = self._draw(key)
+            live = self._live(key, now)
+            if live is None:
+                return ticket, None, False
+            assert live.owner is not None
+            owner, asked = unmarked(live.owner)
+            if holder is not None and owner != holder:
+                return ticket, owner, False
+            if not asked:
+                live.owner = marked(owner)
+            return ticket, owner, True
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         with self._lock:
@@ -102,10 +176,10 @@ class MemoryLockStore:
     def release(self, key: str, owner: str) -> None:
         with self._lock:
             entry = self._live(key, self._now())
-            if entry is None or entry.owner != owner:
+            if entry is None or entry.owner is None or unmarked(entry.owner)[0] != owner:
                 return
             entry.owner = None
-            event = self._released.pop(key, None)
+            event = self._released.pop(release_channel(key), None)
         if event is not None:
             event.set()
 
@@ -146,7 +220,7 @@ class MemoryLockStore:
                 return None
             info = self._info(key, entry, now)
             entry.owner = None
-            event = self._released.pop(key, None)
+            event = self._released.pop(release_channel(key), None)
         if event is not None:
             event.set()
         return info
