@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.slots import (
+    MAX_LIMIT,
     SLOT_MARK,
     counter_key,
     marked,
@@ -114,8 +115,11 @@ class MemoryLockStore:
     def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
         """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
         slots are live (see :class:`~celery_lease.stores.base.SupportsSlots`)."""
-        if limit < 1 or SLOT_MARK in key:
-            raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs limit >= 1, no U+001F")
+        if not 1 <= limit <= MAX_LIMIT or SLOT_MARK in key:
+            raise ValueError(
+                f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}"
+                " and a key without U+001F"
+            )
         expires_in = ttl_ms / 1000.0
         with self._lock:
             now = self._now()

@@ -17,6 +17,7 @@ refused from then on (the owner no longer matches) and its release still deletes
 from __future__ import annotations
 
 __all__ = [
+    "MAX_LIMIT",
     "REPLACED_MARK",
     "SLOT_MARK",
     "counter_key",
@@ -30,6 +31,10 @@ __all__ = [
 SLOT_MARK = "\x1f"
 """The character (U+001F, unit separator) that ends a key and begins its slot suffix. A key given
 to ``lease()`` or built from a task's arguments may not contain it."""
+
+MAX_LIMIT = 1000
+"""The largest ``limit`` a key may have: an acquire reads every slot of the key, so its cost
+grows with the limit."""
 
 REPLACED_MARK = "\x1freplaced"
 """Appended to the stored owner id of a lease whose holder was asked to stop."""

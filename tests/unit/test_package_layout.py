@@ -175,6 +175,7 @@ EXPORTS: dict[str, set[str]] = {
         "redact_url",
     },
     "celery_lease.stores.slots": {
+        "MAX_LIMIT",
         "REPLACED_MARK",
         "SLOT_MARK",
         "counter_key",
