@@ -75,7 +75,19 @@ def locked(i):
 TASK = APP.tasks["m.locked"]
 SPEC = TASK._lock_get_spec()
 TID = str(uuid.uuid4())
-get_settings(APP)
+SETTINGS = get_settings(APP)
+from celery.app.task import Context
+from celery_lease.clock import SYSTEM_CLOCK
+from celery_lease._celery import execution
+from celery_lease._core.lease import LeaseContext
+REQ = Context(id=TID, delivery_info={"routing_key": "celery"}, hostname="bench@host")
+REQ.is_eager = False
+from celery.signals import task_prerun
+from benchmarks.bench_task_overhead import NullStore
+from celery_lease._core.held_key import HeldKey
+NULL = NullStore()
+def _noop(reason):
+    pass
 """
 # name -> statement run per loop pass (``_i``: the pass number); see ``--micro``.
 MICRO = {
@@ -91,8 +103,22 @@ MICRO = {
     "prerun+postrun receivers": "worker.on_task_prerun(task_id=TID, task=TASK);"
     " worker.on_task_postrun(task_id=TID)",
     "closure": "(lambda: _i)",
+    "publishes_nothing": "deferral.publishes_nothing(TASK, REQ)",
+    "LeaseContext()": "LeaseContext('k', store, 30.0, 0.0, None, 0.0, None, None, SYSTEM_CLOCK,"
+    " node='bench@host', task='m.locked', task_id=TID)",
+    "_Run()": "execution._Run(TASK, REQ, 'k', SPEC.options)",
+    "spec.durations": "SPEC.durations(SETTINGS)",
+    "memory store acquire+release": "store.acquire(f'a{_i}', 'o', 30000);"
+    " store.release(f'a{_i}', 'o')",
     "key_function": "SPEC.key_function((_i,), {})",
-    "lease() cycle, memory store": "with lease(f'm{_i}', store=store): pass",
+    "lease() cycle on memory store": "with lease(f'm{_i}', store=store): pass",
+    "lease() cycle on a null store": "with lease(f'n{_i}', store=NULL): pass",
+    "renewer add+remove (HeldKey start+stop)": "h = HeldKey(store=NULL, key='h', owner='o',"
+    " ttl=30.0, sent_at=SYSTEM_CLOCK.monotonic(), max_hold_at=None, on_lost=_noop, token=1);"
+    " h.start(SYSTEM_CLOCK); h.stop()",
+    "Celery's prerun+postrun dispatch": "task_prerun.send(sender=TASK, task_id=TID, task=TASK,"
+    " args=(), kwargs={}); task_postrun.send(sender=TASK, task_id=TID, task=TASK, args=(),"
+    " kwargs={}, retval=None, state='SUCCESS')",
     "trace plain": "tracers['plain'](_i)",
     "trace LockedTask": "tracers['LockedTask'](_i + 10_000_000)",
 }
