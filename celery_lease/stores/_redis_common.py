@@ -67,14 +67,12 @@ such a key is never overwritten; renewals answer 0 instead."""
 
 def _lua(source: str) -> str:
     """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, GRACE_MARK ``~``
-    (the first character of a reply refusing a free key in a restart grace), REPLACED_MARK the
-    Lua literal of :data:`~celery_lease.stores.slots.REPLACED_MARK` and MAX_SLOTS the number of
-    slots a key can have (:data:`~celery_lease.stores.slots.MAX_LIMIT`)."""
+    (the first character of a reply refusing a free key in a restart grace) and REPLACED_MARK
+    the Lua literal of :data:`~celery_lease.stores.slots.REPLACED_MARK`."""
     return (
         source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
         .replace("GRACE_MARK", "~")
         .replace("REPLACED_MARK", _lua_literal(REPLACED_MARK))
-        .replace("MAX_SLOTS", str(MAX_LIMIT))
     )
 
 
@@ -221,10 +219,11 @@ return 0
 # the limit, ARGV[5] the name of the key's slot leases up to the slot number (its lease hash is
 # ARGV[5] .. slot .. ':lease', in KEYS[1]'s hash slot); with KEYS[2]: ARGV[6] the restart grace
 # in microseconds.
-# Reads every slot below max(limit, width), width = 1 + the highest slot given (every slot a key
-# can have, MAX_SLOTS, when the counter is gone): the owner's live slot is returned with its
-# token and its expiry set (never added) to ttl from now; else, when fewer than limit are live,
-# the lowest free slot below limit is taken with token max(counter + 1, server TIME in µs).
+# Reads every slot below max(limit, width), width = 1 + the highest slot given (kept with the
+# counter, so a counter dropped after its idle lifetime forgets slots at or above the limit):
+# the owner's live slot is returned with its token and its expiry set (never added) to ttl from
+# now; else, when fewer than limit are live, the lowest free slot below limit is taken with token
+# max(counter + 1, server TIME in µs), and width set to 1 + the highest live slot.
 # Returns slot .. ':' .. token, or false when limit or more slots are live (or none below limit
 # is free). A slot lease of another type: NOT_A_LEASE. A free slot meets the restart grace a free
 # key meets (ACQUIRE_SCRIPT): GRACE_MARK ...
@@ -232,8 +231,7 @@ ACQUIRE_SLOT_SCRIPT = _lua(
     """
 local limit = tonumber(ARGV[4])
 local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
-local width = tonumber(counter[2] or 'MAX_SLOTS')
-local n = math.max(limit, width)
+local n = math.max(limit, tonumber(counter[2] or '0'))
 local free, held, top = nil, 0, -1
 for slot = 0, n - 1 do
     local name = ARGV[5] .. slot .. ':lease'
@@ -253,10 +251,6 @@ for slot = 0, n - 1 do
     end
 end
 if held >= limit or not free then
-    if not counter[2] and top >= 0 then
-        redis.call('HSET', KEYS[1], 'width', top + 1)
-        redis.call('PEXPIRE', KEYS[1], ARGV[3])
-    end
     return false
 end
 """
@@ -277,14 +271,14 @@ return free .. ':' .. token
 
 # KEYS[1] the key's slot counter hash, KEYS[2] its release-signal list.
 # ARGV[1] the owner, ARGV[2] the name of the key's slot leases up to the slot number (as in
-# ACQUIRE_SLOT_SCRIPT), ARGV[3] the signal's lifetime in ms.
+# ACQUIRE_SLOT_SCRIPT), ARGV[3] the signal's lifetime in ms, ARGV[4] the limit.
 # Releases the slot of the key the owner holds (marked or not), as RELEASE_SCRIPT releases one,
-# reading every slot ACQUIRE_SLOT_SCRIPT reads: undoes a slot acquire whose reply never came.
+# reading the slots ACQUIRE_SLOT_SCRIPT reads: undoes a slot acquire whose reply never came.
 # Returns the slot released, or -1.
 RELEASE_OWNERS_SLOT_SCRIPT = _lua(
     """
-local width = tonumber(redis.call('HGET', KEYS[1], 'width') or 'MAX_SLOTS')
-for slot = 0, width - 1 do
+local width = tonumber(redis.call('HGET', KEYS[1], 'width') or '0')
+for slot = 0, math.max(tonumber(ARGV[4]), width) - 1 do
     local name = ARGV[2] .. slot .. ':lease'
     local owner = redis.pcall('HGET', name, 'owner')
     if owner == ARGV[1] or owner == ARGV[1] .. REPLACED_MARK then
@@ -772,10 +766,12 @@ class StoreBase:
         signal = self.signal_key(key) if SLOT_MARK in key else base + ":signal"
         return (base + ":lease", signal), (owner, SIGNAL_TTL_MS)
 
-    def _owners_slot_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, ...]]:
+    def _owners_slot_call(
+        self, key: str, owner: str, limit: int
+    ) -> tuple[tuple[str, str], tuple[str | int, ...]]:
         """``(keys, args)`` of :data:`RELEASE_OWNERS_SLOT`."""
         base = self._base(key)
-        return (base + ":slots", base + ":signal"), (owner, base + SLOT_MARK, str(SIGNAL_TTL_MS))
+        return (base + ":slots", base + ":signal"), (owner, base + SLOT_MARK, SIGNAL_TTL_MS, limit)
 
     def _mark_call(
         self, key: str, ticket: int | None, holder: str | None

@@ -1,7 +1,8 @@
 """Redis store: one Lua script per operation, one round trip each, Redis Cluster ready.
 
 Keys ``celery-lease:{<key>}:lease`` (hash {owner, token}), ``:token`` (the counter) and
-``:signal`` (a release wakes a waiter), and ``celery-lease:marker`` (the restart grace). The
+``:signal`` (a release wakes a waiter), a key's slots ``celery-lease:{<key>}`` U+001F ``<i>:lease``
+and their counter ``:slots``, and ``celery-lease:marker`` (the restart grace). The
 scripts: :mod:`~celery_lease.stores._redis_common`; key layout, tokens and guarantees:
 docs/stores.md (Redis). Nothing read from Redis is ever unpickled.
 """
@@ -99,7 +100,9 @@ class RedisLockStore(StoreBase):
 
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify` (waiters block on a
     list, one waiter wakes per release), :class:`~celery_lease.SupportsBatchRenew` (one
-    pipelined round trip) and :class:`~celery_lease.SupportsInspection`.
+    pipelined round trip), :class:`~celery_lease.SupportsInspection`,
+    :class:`~celery_lease.stores.base.SupportsSlots` (one script per slot acquire, whatever the
+    limit) and :class:`~celery_lease.stores.base.SupportsReplace`.
 
     Every operation is one EVALSHA round trip, retried once after a connection error or
     timeout (every script is safe to run twice); then, like any other Redis error, it raises

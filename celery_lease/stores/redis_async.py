@@ -80,7 +80,8 @@ class _Sentinel(redis.asyncio.sentinel.Sentinel):
 
 
 class AsyncRedisLockStore(StoreBase):
-    """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel).
+    """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel),
+    with :class:`~celery_lease.stores.base.AsyncSupportsSlots` and ``mark_replaced``.
 
     The same scripts, keys and semantics as :class:`~celery_lease.stores.redis.RedisLockStore`
     through ``redis.asyncio``: every call is one round trip, retried once after a connection
@@ -379,7 +380,7 @@ class AsyncRedisLockStore(StoreBase):
         if limit is None:
             await self._undo_acquire(key, owner, why)
         else:  # which slot it may have taken is not known: the one its owner holds
-            await self._undo_acquire(key, owner, why, self._release_owners_slot)
+            await self._undo_acquire(key, owner, why, partial(self._release_owners_slot, limit))
 
     async def _undo_acquire(
         self,
@@ -407,9 +408,9 @@ class AsyncRedisLockStore(StoreBase):
                 self._redact(str(exc)),
             )
 
-    async def _release_owners_slot(self, key: str, owner: str) -> None:
+    async def _release_owners_slot(self, limit: int, key: str, owner: str) -> None:
         """Release the slot of ``key`` that ``owner`` holds, whichever it is (one script)."""
-        keys, args = self._owners_slot_call(key, owner)
+        keys, args = self._owners_slot_call(key, owner, limit)
         await self._call("release", lambda: self._eval(RELEASE_OWNERS_SLOT, keys, args), key)
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
