@@ -38,6 +38,7 @@ from tests.fixtures_redis import ClusterNodes, RedisServer, SentinelGroup, block
 from tests.stores.async_contract import wait_for
 from tests.stores.contract import DEADLINE, LONG_MS
 from tests.stores.test_redis import _CountingConnection, _reply_dropping_client, _sha, _warm
+from tests.stores.test_redis_fast import _through_the_pool
 
 pytestmark = pytest.mark.redis
 
@@ -154,6 +155,36 @@ class TestOneRoundTrip:
         assert store.acquire_slot("k", "a", LONG_MS, 2) is not None
         redis_client.script_flush()
         assert store.mark_replaced("other")[1:] == (None, False)
+
+
+class TestReplies:
+    @pytest.mark.parametrize("protocol", [2, 3])
+    @pytest.mark.parametrize("decode", [False, True])
+    def test_both_paths_read_slot_and_replace_replies_in_resp2_and_resp3(
+        self, redis_server: RedisServer, redis_url: str, protocol: int, decode: bool
+    ) -> None:
+        """The fast path and redis-py's pool path read a granted slot, a refusal and the
+        ``mark_replaced`` triple the same way, whatever the protocol and decoding."""
+        client = redis_server.client(protocol=protocol, decode_responses=decode)
+        fast = RedisLockStore(client)
+        try:
+            assert fast._fast is not None
+            first = fast.acquire_slot("k", "a", LONG_MS, 2)
+            assert first is not None and first[0] == 0
+            assert fast.acquire_slot("k", "b", LONG_MS, 1) is None
+            assert fast.acquire("r", "h", LONG_MS) is not None
+            ticket, holder, asked = fast.mark_replaced("r")
+            assert type(ticket) is int and (holder, asked) == ("h", True)
+            assert fast.mark_replaced("free")[1:] == (None, False)
+            with _through_the_pool(fast):
+                second = fast.acquire_slot("k", "b", LONG_MS, 2)
+                assert second is not None and second[0] == 1 and second[1] > first[1]
+                assert fast.acquire_slot("k", "c", LONG_MS, 2) is None
+                assert fast.mark_replaced("r", ticket, "h") == (ticket, "h", True)
+                assert fast.mark_replaced("free")[1:] == (None, False)
+        finally:
+            fast.close()
+            client.close()
 
 
 class TestKeys:
