@@ -773,6 +773,27 @@ class TestAsync:
 
         asyncio.run(main())
 
+    @pytest.mark.parametrize("limit", [1, 50])
+    def test_an_async_slot_acquire_is_one_script_call(
+        self, redis_server: RedisServer, redis_url: str, limit: int
+    ) -> None:
+        """The async store sends one EVALSHA per slot acquire, whatever the limit."""
+
+        async def main() -> None:
+            store = AsyncRedisLockStore(redis_url, prefix="aone:")
+            try:
+                assert await store.acquire_slot("warm", "w", LONG_MS, 2) is not None
+                _reset_stats(redis_server)
+                assert await store.acquire_slot("k", "a", LONG_MS, limit) == (
+                    0,
+                    store.sync.last_token(counter_key("k")),  # type: ignore[attr-defined]
+                )
+                assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": 1}
+            finally:
+                await store.aclose()
+
+        asyncio.run(main())
+
     def test_a_cancelled_slot_acquire_releases_what_it_took(
         self, redis_server: RedisServer, redis_url: str
     ) -> None:
