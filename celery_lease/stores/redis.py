@@ -382,7 +382,9 @@ class RedisLockStore(StoreBase):
         :data:`~celery_lease.stores.slots.REPLACED_MARK` appended (one script; see
         :class:`~celery_lease.stores.base.SupportsReplace`). A ticket drawn here is written to
         the key's token counter, so every later token of ``key`` is larger. A lease key of
-        another type raises ``StoreUnavailableError`` (left as it is, nothing drawn)."""
+        another type raises ``StoreUnavailableError`` (left as it is, nothing drawn). Sent to
+        the current master, not confirmed by replicas: a mark a failover loses leaves the
+        holder renewing until the replacing call asks again."""
         calls = [self._mark_call(key, ticket, holder)]
         replies, _ = self._call("mark replaced", lambda: self._write(MARK_REPLACED, calls), key)
         return self._mark_reply(ticket, replies[0])
