@@ -219,8 +219,10 @@ class Lease:
     @property
     def lost_reason(self) -> str | None:
         """Why the lease was lost, or ``None`` while held (or after a normal exit): ``"taken"``
-        (the store no longer records this owner), ``"expired"``, ``"max_hold"``, ``"released"``
-        (:meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child)."""
+        (the store no longer records this owner), ``"replaced"`` (a newer ``on_held="replace"``
+        execution asked it to stop; the key stays held until this holder's exit), ``"expired"``,
+        ``"max_hold"``, ``"released"`` (:meth:`LeaseContext.release_early`), or ``"forked"``
+        (read in a forked child)."""
         if self._gen != forking.generation():
             return "forked"
         entry = self._entry
