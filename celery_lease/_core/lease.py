@@ -399,6 +399,8 @@ class LeaseContext:
         self.task = task
         self.task_id = task_id
         self.async_store: AsyncLockStore | None = None
+        # Set by the Celery layer (``on_held="replace"``): recorded as each owner id's ``rt``.
+        self.replace_ticket: int | None = None
         self._unentered()
 
     def _unentered(self) -> None:
@@ -742,6 +744,7 @@ class LeaseContext:
             label=self.label,
             ttl_ms=ttl_ms,
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
+            replace_ticket=self.replace_ticket,
         )
         check_cancel(self.cancel, self.key)
         return owner, ttl_ms, self.clock.monotonic()
