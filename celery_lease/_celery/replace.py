@@ -72,7 +72,8 @@ def take_over(context: LeaseContext, wait: float, *, option: str) -> tuple[Lease
         if exc.reason != "held":
             raise
     clock = context.clock
-    deadline = clock.monotonic() + wait
+    started = clock.monotonic()
+    deadline = started + wait
     replace = cast(SupportsReplace, store)
     ticket, holder, asked = replace.mark_replaced(key)
     logger.info(
@@ -86,10 +87,14 @@ def take_over(context: LeaseContext, wait: float, *, option: str) -> tuple[Lease
         attempt = context.fresh()
         attempt.replace_ticket = ticket
         try:
-            return attempt, attempt.__enter__()
+            held = attempt.__enter__()
         except LockNotAcquiredError as exc:
             if exc.reason != "held":
                 raise
+        else:  # taken after a refusal: it waited, from the first refusal on
+            held.waited = True
+            held.wait_seconds = held.acquired_at - started
+            return attempt, held
         remaining = deadline - clock.monotonic()
         if remaining <= 0:
             raise LockNotAcquiredError(key)

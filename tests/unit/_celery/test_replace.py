@@ -165,6 +165,7 @@ class TestTakeOver:
         ticket = parse_owner(held.owner).replace_ticket
         assert ticket is not None
         assert old.token < ticket < held.token
+        assert held.waited and held.wait_seconds >= TTL / 3
         replacer.leave.set()
         replacer.join()
         assert replacer.error is None
