@@ -388,7 +388,7 @@ class TestValidation:
     ) -> None:
         app.conf.lease_store = _NoReplace()
 
-        @app.task(base=LockedTask, lock_on_held="replace", lock_key="k")
+        @app.task(base=LockedTask, lock_on_held="replace", lock_key="k", shared=False)
         def body() -> str:
             return "ran"
 
@@ -416,7 +416,14 @@ class TestInATask:
         the body runs once the holder left, with a token above the holder's."""
         tokens: list[int | None] = []
 
-        @app.task(base=LockedTask, bind=True, lock_on_held="replace", lock_key="k", lock_ttl=TTL)
+        @app.task(
+            base=LockedTask,
+            bind=True,
+            lock_on_held="replace",
+            lock_key="k",
+            lock_ttl=TTL,
+            shared=False,
+        )
         def body(self: Any) -> str:
             tokens.append(self.request.lock_token)
             return "ran"
@@ -440,7 +447,7 @@ class TestInATask:
         returns None without running and ``lock_rejected`` says ``"replaced"``."""
         ran: list[str] = []
 
-        @app.task(base=LockedTask, lock_on_held="replace", lock_key="k", lock_ttl=TTL)
+        @app.task(base=LockedTask, lock_on_held="replace", lock_key="k", lock_ttl=TTL, shared=False)
         def body() -> str:
             ran.append("ran")
             return "ran"

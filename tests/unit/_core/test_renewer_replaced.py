@@ -94,6 +94,23 @@ class TestSingleRenewal:
         assert store.acquire("job", "newcomer", 3000) is not None
         store.release("job", "newcomer")
 
+    def test_a_holder_running_on_frees_the_key_when_its_lease_expires(
+        self, store: SpyStore, clock: FakeClock
+    ) -> None:
+        """A replaced holder that runs on (``on_lost="mark"``) is no longer renewed: its marked
+        lease expires one ttl after its last renewal and the key is free before it exits."""
+        with lease("job", store=store, ttl=3, clock=clock) as held:
+            store.mark_replaced("job")
+            clock.advance(1.0)
+            assert held.wait_lost(REAL_TIMEOUT)
+            assert store.get("job") is not None
+            clock.advance(3.0)
+            assert store.get("job") is None
+            assert store.acquire("job", "newcomer", 3000) is not None
+        info = store.get("job")
+        assert info is not None and info.owner == "newcomer"  # the late exit freed nothing else
+        store.release("job", "newcomer")
+
     def test_a_body_that_raises_after_the_mark_gets_lock_lost_replaced(
         self, store: SpyStore, clock: FakeClock
     ) -> None:
