@@ -5,8 +5,8 @@ ttl/3; due ones in one ``renew_many`` where the store has it), retry a failed re
 it lost. How a lease ended is one record, written once under the renewer's lock
 (``lost_reason``, then ``closed``): finished (``None``), ``"taken"``, ``"replaced"`` (a newer
 ``on_held="replace"`` execution asked it to stop), ``"expired"``, ``"max_hold"`` or
-``"released"``. Whoever records first wins, but a refusal answered while the
-exit waits for that renewal turns "finished" into ``"taken"`` (:meth:`Renewer.remove`). A key
+``"released"``. Whoever records first wins, but a refusal answered while the exit waits for
+that renewal turns "finished" into ``"taken"`` or ``"replaced"`` (:meth:`Renewer.remove`). A key
 lost by running out of time (:data:`FREED_ON_LOSS`) is released owner-checked on the dispatcher
 once the loss is notified (a late renewal may have kept it; one after the release is refused).
 The holder's exit waits for a renewal in flight (:meth:`Renewer.settle`) or fences its final
@@ -211,10 +211,10 @@ class Renewer:
         """Stop renewing ``entry``; ``(settled, final, lapsed)``. Records "finished", or
         ``"expired"``/``"max_hold"`` when past that deadline; a renewal in flight is waited for
         (:meth:`settle`), and refused in time makes it ``"taken"`` (``"replaced"`` when the store
-        marked it so). ``settled``: no renewal can
-        still land (else :meth:`fence`); ``final``: the caller sends the release or cooldown;
-        ``lapsed``: the loss recorded here, to notify after the release. Calls come before the
-        first change, so an interrupt leaves it untouched or recorded (:meth:`abandon` ends it).
+        marked it so). ``settled``: no renewal can still land (else :meth:`fence`); ``final``:
+        the caller sends the release or cooldown; ``lapsed``: the loss recorded here, to notify
+        after the release. Calls come before the first change, so an interrupt leaves it
+        untouched or recorded (:meth:`abandon` ends it).
         """
         with self._lock:
             reason = None if entry.closed else entry.overdue(self.clock.monotonic())
@@ -477,9 +477,16 @@ class Renewer:
         redo: list[Callable[[], None]] = []
         refused: list[Entry] = []
         failed: list[tuple[str, BaseException]] = []  # logged after the lock is let go
+        # A refusal of a lease its holder's exit ended is read too where the store can mark a
+        # holder replaced (the exit waits for it); asked outside the lock, refusals only.
+        marks = any(result is False for result in results) and _replaceable(store)
         with self._lock:
             for entry, result in zip(group, results, strict=True):
-                if result is False and answered_at < entry.valid_until and _asks_why(entry):
+                if (
+                    result is False
+                    and answered_at < entry.valid_until
+                    and (not entry.closed or (marks and entry.lost_reason is None))
+                ):
                     # why: asked after the rest of the batch, outside the lock; in flight until
                     # then, so the holder's exit waits for the verdict
                     refused.append(entry)
@@ -701,13 +708,7 @@ def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
 def _replaceable(store: Any) -> bool:
     """Whether ``store`` can mark a holder replaced (``SupportsReplace``): its refusals are
     then read for the mark."""
-    return hasattr(type(store), "mark_replaced") and conforms(store, SupportsReplace)
-
-
-def _asks_why(entry: Entry) -> bool:
-    """Whether a refused renewal of ``entry`` is read for its reason: while held, or ended by
-    its holder's exit (which waits for the verdict) in a store that can mark it replaced."""
-    return not entry.closed or (entry.lost_reason is None and _replaceable(entry.store))
+    return conforms(store, SupportsReplace)
 
 
 def _free_lost_key(entry: Entry, reason: str) -> None:
