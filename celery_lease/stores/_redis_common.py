@@ -742,9 +742,9 @@ WIDTHS_KEPT = 4096
 
 
 class SlotWidths:
-    """The width (1 + the highest slot given) a store last saw for each key whose width exceeds
-    the limit it was asked with: the slot leases its next slot script declares beyond the limit
-    (at most :data:`WIDTHS_KEPT` keys, thread-safe)."""
+    """The width (1 + the highest slot given) a store last saw for each key whose width once
+    exceeded the limit it was asked with: the slot leases its next slot script declares beyond
+    the limit (at most :data:`WIDTHS_KEPT` keys, the oldest forgotten first; thread-safe)."""
 
     def __init__(self) -> None:
         self._widths: dict[str, int] = {}
@@ -755,13 +755,14 @@ class SlotWidths:
         return max(limit, self._widths.get(key, 0))
 
     def saw(self, key: str, width: int, limit: int) -> None:
-        """Remember ``width`` of ``key`` (forget it when ``limit`` covers it)."""
+        """Remember ``width`` of ``key``, read by a call with ``limit`` (a key not remembered
+        yet only when ``width`` exceeds ``limit``)."""
         with self._lock:
-            if width <= limit:
-                self._widths.pop(key, None)
-                return
-            if key not in self._widths and len(self._widths) >= WIDTHS_KEPT:
-                del self._widths[next(iter(self._widths))]
+            if key not in self._widths:
+                if width <= limit:
+                    return
+                if len(self._widths) >= WIDTHS_KEPT:
+                    del self._widths[next(iter(self._widths))]
             self._widths[key] = min(width, MAX_LIMIT)
 
 

@@ -441,6 +441,23 @@ class TestWidth:
         )
         assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": 1}
 
+    def test_calls_under_two_limits_in_turn_ask_once_each_after_the_first(
+        self, redis_server: RedisServer, counted: RedisLockStore
+    ) -> None:
+        """One store, a key four wide, calls under limit 2 and limit 4 in turn: once the first
+        call under limit 2 learned the width, every call is one script call (a grant under
+        limit 4 does not make the store forget the width)."""
+        for i in range(4):
+            assert counted.acquire_slot("k", f"o{i}", LONG_MS, 4) is not None
+        counted.release(slot_key("k", 1), "o1")
+        calls = []
+        for owner, limit in (("x", 2), ("y", 4), ("z", 2)):
+            _reset_stats(redis_server)
+            got = counted.acquire_slot("k", owner, LONG_MS, limit)
+            assert (got is None) == (limit == 2)
+            calls.append(_evalsha_calls(redis_server))
+        assert calls == [{"cmdstat_evalsha": 2}, {"cmdstat_evalsha": 1}, {"cmdstat_evalsha": 1}]
+
     def test_a_lowered_limit_is_answered_after_one_more_call(self, store: RedisLockStore) -> None:
         """On the fast path too: a limit lowered below the stored width refuses, then grants
         once enough slots are released (the holders above the new limit still count)."""
