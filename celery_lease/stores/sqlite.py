@@ -3,6 +3,14 @@
 Each operation is one short write transaction on a WAL database; expiry follows the host's
 ``CLOCK_MONOTONIC`` tagged with the boot id. Clocks, reboots and tokens: docs/stores.md (SQLite);
 threads, locks and fork resets: docs/internals.md.
+
+Slots and replace use the same table, with no other column: slot ``i`` of ``k`` is the row of
+``slot_key(k, i)``, ``k``'s slot counter the token of the row ``counter_key(k)`` (owner NULL,
+never live), and a ticket drawn by ``mark_replaced`` while ``k`` is held is kept as the token of
+the row ``k + U+001F + "ticket"`` (owner NULL, never live; ``_TICKET_SUFFIX``): the holder's
+own token stays in ``k``'s row, and an acquire drawing a new token for ``k`` takes it above that
+ticket too (read inside the acquire's one statement, only when it draws a new token for an
+existing row). A replaced holder's owner is stored with ``REPLACED_MARK`` appended.
 """
 
 from __future__ import annotations
@@ -26,6 +34,15 @@ from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import (
+    MAX_LIMIT,
+    SLOT_MARK,
+    counter_key,
+    marked,
+    slot_key,
+    split_slot,
+    unmarked,
+)
 
 __all__ = ["SQLiteLockStore"]
 
@@ -78,8 +95,21 @@ _EXTEND = _numbered(
 WHERE key = :key AND owner = :owner AND {_LIVE}"""
 )
 
-# The token the row gets: its own while live (the holder again), else the next one.
-_NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token) END"
+_TICKET_SUFFIX = SLOT_MARK + "ticket"
+"""Appended to a key to name the row keeping the last replace ticket drawn while the key was
+held (its token column; owner NULL, never a lease)."""
+
+# The last replace ticket of :key, or 0 (a scalar subquery: run only where it is evaluated).
+_TICKET = (
+    "coalesce((SELECT ticket.token FROM celery_lease AS ticket"
+    f" WHERE ticket.key = :key || char({ord(SLOT_MARK)}) || '{_TICKET_SUFFIX[1:]}'), 0)"
+)
+
+# The token the row gets: its own while live (the holder again), else the next one (above the
+# row's token, the key's last replace ticket and the clock).
+_NEXT_TOKEN = (
+    f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token, {_TICKET} + 1) END"
+)
 
 # acquire in one statement: takes a free, expired or new key (a new token) or extends the
 # caller's own live lease (its token kept) and returns the token; nothing for another owner's
@@ -95,7 +125,10 @@ RETURNING token"""
 )
 
 # The same in three statements inside BEGIN IMMEDIATE, for SQLite without RETURNING.
-_SELECT_FOR_ACQUIRE = _numbered(f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key")
+_SELECT_FOR_ACQUIRE = _numbered(
+    f"SELECT owner, token, {_LIVE}, CASE WHEN coalesce({_LIVE}, 0) THEN 0 ELSE {_TICKET} END"
+    " FROM celery_lease WHERE key = :key"
+)
 _TAKE = _numbered(
     """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
 VALUES (:key, :owner, :expires, :token, :boot, :boot_expires)
@@ -104,8 +137,23 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
     boot_expires_ms = excluded.boot_expires_ms"""
 )
 
-# Owner-checked release; the row stays (its token is the key's counter).
-_RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner = ?2"
+# Owner-checked release (?2 the owner, ?3 the owner as marked when asked to stop); the row
+# stays (its token is the key's counter).
+_RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner IN (?2, ?3)"
+
+# A key's slot rows, its counter and ticket rows: ?1 <= key < ?2 (the primary key's range).
+_SLOT_ROWS = _numbered(
+    f"SELECT key, owner, token, coalesce({_LIVE}, 0) FROM celery_lease"
+    " WHERE key >= :key AND key < :owner"
+)
+
+# Set the token of a row that is no lease (a counter, a ticket; created when missing).
+_SET_COUNTER = """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
+VALUES (?1, NULL, 0, ?2, NULL, NULL)
+ON CONFLICT (key) DO UPDATE SET token = excluded.token"""
+
+# Ask the holder to stop: ?1 the key, ?2 its stored owner, ?3 that owner marked.
+_MARK = "UPDATE celery_lease SET owner = ?3 WHERE key = ?1 AND owner = ?2"
 
 # Inspection (the CLI): ?1 and ?2 are unused placeholders unless named.
 _SELECT_LIVE = _numbered(f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}")
@@ -434,7 +482,8 @@ class SQLiteLockStore:
                     return None
                 cursor.execute(_EXTEND, params[:7])
                 return int(row[1])
-            token = max(row[1] + 1 if row is not None else 1, params[7])
+            last = max(row[1], row[3]) if row is not None else 0
+            token = max(last + 1, params[7])
             cursor.execute(_TAKE, (*params[:7], token))
             return token
 
@@ -467,8 +516,95 @@ class SQLiteLockStore:
         return self._run("renew leases", op)
 
     def release(self, key: str, owner: str) -> None:
-        """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
-        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner)))
+        """Free ``key`` if ``owner`` holds it, also when asked to stop (one UPDATE; the row and
+        its token stay)."""
+        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner, marked(owner))))
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
+        slots are live (see :class:`~celery_lease.stores.base.SupportsSlots`).
+
+        One ``BEGIN IMMEDIATE`` transaction: a read of the key's rows (one range of the primary
+        key: its slots, whose highest index gives the width, and its counter), then the slot's
+        and the counter's writes. Slot rows follow the boot id as a key's row does.
+        """
+        _check_slot_request(key, limit)
+        return self._run(
+            "acquire a slot", functools.partial(self._acquire_slot, key, owner, ttl_ms, limit)
+        )
+
+    def _acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int, cursor: sqlite3.Cursor
+    ) -> tuple[int, int] | None:
+        counter = counter_key(key)
+        params = self._params(None, owner, ttl_ms)
+        with self._write(cursor):
+            rows = cursor.execute(
+                _SLOT_ROWS, (counter, key + chr(ord(SLOT_MARK) + 1), *params[2:5])
+            ).fetchall()
+            last = 0
+            live: set[int] = set()
+            mine: tuple[int, int] | None = None
+            for row_key, row_owner, row_token, row_live in rows:
+                slot = _slot_of(key, row_key)
+                if row_key == counter or slot is not None:
+                    last = max(last, int(row_token))
+                if slot is None or not row_live:
+                    continue
+                live.add(slot)
+                if row_owner == owner and (mine is None or slot < mine[0]):
+                    mine = (slot, int(row_token))
+            if mine is not None:
+                cursor.execute(_EXTEND, (slot_key(key, mine[0]), *params[1:7]))
+                return mine
+            if len(live) >= limit:
+                return None
+            free = next(slot for slot in range(limit) if slot not in live)
+            token = max(last + 1, params[7])
+            cursor.execute(_TAKE, (slot_key(key, free), *params[1:7], token))
+            cursor.execute(_SET_COUNTER, (counter, token))
+            return free, token
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` to stop (see
+        :class:`~celery_lease.stores.base.SupportsReplace`); one ``BEGIN IMMEDIATE``
+        transaction. A ticket drawn while the key is held is kept in the key's ticket row
+        (``_TICKET_SUFFIX``), else as the key's row's token."""
+        return self._run(
+            "ask a holder to stop",
+            functools.partial(self._mark_replaced, key, ticket, holder),
+        )
+
+    def _mark_replaced(
+        self, key: str, ticket: int | None, holder: str | None, cursor: sqlite3.Cursor
+    ) -> tuple[int, str | None, bool]:
+        params = self._params(key, None, 0)
+        with self._write(cursor):
+            row = cursor.execute(_SELECT_FOR_ACQUIRE, params[:5]).fetchone()
+            live = row is not None and bool(row[2])
+            if ticket is None:
+                ticket_row = cursor.execute(
+                    "SELECT token FROM celery_lease WHERE key = ?", (key + _TICKET_SUFFIX,)
+                ).fetchone()
+                last = max(
+                    int(row[1]) if row is not None else 0,
+                    int(ticket_row[0]) if ticket_row is not None else 0,
+                )
+                ticket = max(last + 1, params[7])
+                # While held, the row's token is the holder's: the ticket goes to its own row.
+                cursor.execute(_SET_COUNTER, (key + _TICKET_SUFFIX if live else key, ticket))
+            if not live:
+                return ticket, None, False
+            assert row is not None
+            stored = str(row[0])
+            current, asked = unmarked(stored)
+            if holder is not None and current != holder:
+                return ticket, current, False
+            if not asked:
+                cursor.execute(_MARK, (key, stored, marked(current)))
+            return ticket, current, True
 
     @staticmethod
     def _info(row: tuple[str, str, int, int]) -> LeaseInfo:
@@ -534,6 +670,23 @@ class SQLiteLockStore:
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
+
+
+def _check_slot_request(key: str, limit: int) -> None:
+    """ValueError for a ``limit`` outside 1 .. MAX_LIMIT (or not an int) or a key holding
+    U+001F, before any I/O."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}")
+    if SLOT_MARK in key:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): a key may not contain U+001F")
+
+
+def _slot_of(key: str, store_key: str) -> int | None:
+    """The slot of ``key`` that ``store_key`` names (its canonical digits), else None."""
+    base, slot = split_slot(store_key)
+    if base != key or slot is None or store_key != slot_key(key, slot):
+        return None
+    return slot
 
 
 def _validate_path(path: object) -> str:

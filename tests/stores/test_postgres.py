@@ -29,8 +29,10 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
+from celery_lease.stores.slots import counter_key, slot_key
 from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+from tests.stores.sql_slots import SqlSlotChecks
 
 pytestmark = pytest.mark.postgres
 
@@ -65,6 +67,75 @@ class TestPostgresStore(StoreContract):
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         assert isinstance(store, PostgresLockStore)
         _wait_for(lambda: store.waiting() >= count, f"{count} waiters")
+
+
+class TestPostgresSlots(SqlSlotChecks):
+    """Slots and replace on the shared server, one new table per test (real clock)."""
+
+    @pytest.fixture
+    def slot_store(self, pg_database_dsn: str, pg_table: str) -> Iterator[PostgresLockStore]:
+        self.dsn = pg_database_dsn
+        self.table = pg_table
+        store = PostgresLockStore(pg_database_dsn, table=pg_table)
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def _update(self, statement: str, params: list[Any]) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            query = sql.SQL(statement).format(sql.Identifier(self.table))
+            assert conn.execute(query, params).rowcount == 1
+
+    def make_expired(self, store: Any, store_key: str) -> None:
+        self._update(
+            "UPDATE {} SET expires = clock_timestamp() - interval '1 second' WHERE key = %s",
+            [store_key],
+        )
+
+    def set_token(self, store: Any, store_key: str, token: int) -> None:
+        self._update("UPDATE {} SET token = %s WHERE key = %s", [token, store_key])
+
+    def slot_store_factory(self) -> Callable[[], Any]:
+        return functools.partial(PostgresLockStore, self.dsn, table=self.table)
+
+    def unreachable_store(self, tmp_path: Any) -> Any:
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return PostgresLockStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
+
+    def wait_until_waiting(self, store: PostgresLockStore, count: int) -> None:
+        _wait_for(lambda: store.waiting() >= count, f"{count} waiters")
+
+    def test_an_interrupted_acquire_slot_releases_what_it_took(
+        self, slot_store: PostgresLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An exception raised once the transaction committed (a signal handler, an async
+        exception): the slot the call took is released before the exception goes on."""
+        run_plan = slot_store._run_plan
+        taken: list[object] = []
+
+        def run_then_interrupt(what: str, make: Any) -> Any:
+            taken.append(run_plan(what, make))
+            raise _Interrupt
+
+        monkeypatch.setattr(slot_store, "_run_plan", run_then_interrupt)
+        with pytest.raises(_Interrupt):
+            slot_store.acquire_slot("k", "a", LONG_MS, 2)
+        monkeypatch.undo()
+        assert taken and taken[0] is not None
+        assert slot_store.list("k") == []
+        assert slot_store.acquire_slot("k", "b", LONG_MS, 1) is not None
+
+    def test_slot_keys_announce_their_key_on_release_and_force_release(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """The NOTIFY payload of a slot's release names the key its waiters wait on."""
+        params = slot_store._release_params(slot_key("k", 3), "a")
+        assert params["payload"] == "k" and params["marked"] == "a\x1freplaced"
+        assert slot_store._release_params(slot_key("k", 3))["payload"] == "k"
+        assert slot_store._release_params("k2")["payload"] == "k2"
 
 
 @pytest.fixture
@@ -1044,6 +1115,26 @@ class TestLostReplies:
         proxied.release("k", "a")
         assert direct.get("k") is None
         assert direct.acquire("k", "b", LONG_MS) is not None  # nothing blocks the key
+
+    def test_a_lost_acquire_slot_commit_reply_returns_the_owners_slot(
+        self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
+    ) -> None:
+        """The transaction committed, its COMMIT's reply was lost: the retry by the same owner
+        gets that slot and token back; no second slot, no second token."""
+        proxied, direct = pair
+        first = direct.acquire_slot("k", "other", LONG_MS, 3)
+        assert first is not None and first[0] == 0
+        cutter.arm(b"COMMIT")
+        got = proxied.acquire_slot("k", "a", LONG_MS, 3)
+        self.assert_committed_then_cut(cutter, b"COMMIT")
+        assert got is not None and got[0] == 1
+        info = direct.get(slot_key("k", 1))
+        assert info is not None and (info.owner, info.token) == ("a", got[1])
+        assert direct.last_token(counter_key("k")) == got[1]
+        assert [i.owner for i in direct.list("k")] == ["other", "a"]
+        proxied.release(slot_key("k", 1), "a")
+        again = direct.acquire_slot("k", "b", LONG_MS, 2)
+        assert again is not None and again[0] == 1 and again[1] > got[1]
 
     def test_a_lost_renew_reply_still_reports_renewed(
         self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
