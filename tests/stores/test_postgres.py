@@ -32,6 +32,7 @@ from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
 from celery_lease.stores.slots import counter_key, slot_key
 from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+from tests.stores.slot_contract import ReplaceContract, SlotContract
 from tests.stores.sql_slots import SqlSlotChecks
 
 pytestmark = pytest.mark.postgres
@@ -44,7 +45,7 @@ def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLIN
         time.sleep(0.002)
 
 
-class TestPostgresStore(StoreContract):
+class TestPostgresStore(SlotContract, ReplaceContract, StoreContract):
     """PostgresLockStore on the shared server, one new table per store (real clock)."""
 
     fake_clock = False

@@ -21,12 +21,14 @@ from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.slots import slot_key
 from tests.stores.async_contract import AsyncStoreContract, SyncOverAsync, wait_for
 from tests.stores.contract import LONG_MS
+from tests.stores.slot_contract import ReplaceContract, SlotContract
 from tests.stores.sql_slots import SqlSlotChecks
 
 
 @pytest.mark.postgres
-class TestAsyncPostgresContract(AsyncStoreContract):
-    """AsyncPostgresLockStore on the shared server, one new table per store (real clock)."""
+class TestAsyncPostgresContract(SlotContract, ReplaceContract, AsyncStoreContract):
+    """AsyncPostgresLockStore on the shared server, one new table per store (real clock); its
+    slots through the coroutine, replace through the sync twin (on the same rows)."""
 
     fake_clock = False
     stateful_examples = 10
@@ -44,6 +46,12 @@ class TestAsyncPostgresContract(AsyncStoreContract):
 
     def async_store_factory(self) -> Callable[[], AsyncLockStore]:
         return functools.partial(AsyncPostgresLockStore, self.dsn, table=self.table)
+
+    def make_store(self) -> LockStore:
+        return _SlotsOverAsync(self.make_async_store)
+
+    def store_factory(self) -> Callable[[], LockStore]:
+        return _SlotsOverAsyncFactory(self.dsn, self.table)
 
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         assert isinstance(store, SyncOverAsync)

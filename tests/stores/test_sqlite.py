@@ -33,10 +33,11 @@ from celery_lease.stores.slots import slot_key
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract, WallSteppingClock
+from tests.stores.slot_contract import ReplaceContract, SlotContract
 from tests.stores.sql_slots import SqlSlotChecks
 
 
-class TestSQLiteStore(StoreContract):
+class TestSQLiteStore(SlotContract, ReplaceContract, StoreContract):
     """SQLiteLockStore on a FakeClock, one new file per store."""
 
     stateful_examples = 20
