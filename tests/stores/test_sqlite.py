@@ -119,6 +119,29 @@ class TestSQLiteSlotsWithoutReturning(TestSQLiteSlots):
             store.close()
 
 
+class TestSQLiteHotPath:
+    """The plain acquire and release stay one statement each, slots and tickets or not."""
+
+    def test_acquire_and_release_are_one_statement_each(self, tmp_path: Path) -> None:
+        """Also on a key with a ticket row: the ticket is read inside the acquire's statement."""
+        store = SQLiteLockStore(tmp_path / "leases.db", clock=FakeClock(1000.0))
+        try:
+            assert store.acquire("k", "h", LONG_MS) is not None
+            store.mark_replaced("k")  # a ticket row now exists for k
+            store.release("k", "h")
+            sent: list[str] = []
+            assert store._conn is not None
+            store._conn.set_trace_callback(sent.append)
+            for owner in ("a", "b"):
+                assert store.acquire("k", owner, LONG_MS) is not None
+                store.release("k", owner)
+            store._conn.set_trace_callback(None)
+        finally:
+            store.close()
+        assert len(sent) == 4, sent
+        assert [s.split()[0] for s in sent] == ["INSERT", "UPDATE", "INSERT", "UPDATE"]
+
+
 class TestSQLiteSlotBoots:
     """Slot rows follow the boot id as a key's row does."""
 
