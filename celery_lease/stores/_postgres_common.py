@@ -10,16 +10,13 @@ expires ``-infinity``: never live). :func:`slot_plan` and :func:`replace_plan` a
 multi-statement transactions of ``acquire_slot`` and ``mark_replaced``, written once as
 generators that both stores drive (one yields a statement, the driver sends back its rows).
 
-A ticket drawn by ``mark_replaced`` while ``k`` is held cannot go into ``k``'s row (its token is
-the holder's): it is kept as the token of the row ``k + U+001F + "ticket"``
-(:data:`TICKET_SUFFIX`; owner NULL, never live), and the plain acquire's one statement takes a
-new token of ``k`` above it too (a scalar subquery evaluated only when it draws a new token for
-an existing row: one index probe, no statement or round trip more). A ticket drawn while ``k`` is
-free goes into ``k``'s row itself. That read sees the acquire's statement snapshot: an acquire
-whose statement began before a concurrent ``mark_replaced`` committed, and that takes the key
-because the marked holder's lease ran out in that instant, may miss the ticket; its token is
-still above every token issued before, only possibly not above that ticket when the counter runs
-ahead of the server's clock (then the replacing call asks that newer holder to stop too).
+A holder asked to stop (``mark_replaced``) has ``REPLACED_MARK`` appended to its stored owner,
+and its own token is copied to the row ``k + U+001F + "holder"`` (:data:`HOLDER_SUFFIX`; owner
+NULL, never live). From then on ``k``'s row's token is only the key's counter: a ticket drawn
+while the holder is marked goes there, and the next acquire's token (drawn from that column, as
+always, in the one statement that locks the row) exceeds it; the plain statements read nothing
+more. ``get``, ``list``, ``last_token`` and ``force_release`` show a marked holder's own token
+from its holder row.
 """
 
 from __future__ import annotations
@@ -42,6 +39,7 @@ from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, mask_secrets, redact_url, secrets_among
 from celery_lease.stores.slots import (
     MAX_LIMIT,
+    REPLACED_MARK,
     SLOT_MARK,
     counter_key,
     marked,
@@ -79,15 +77,22 @@ ON CONFLICT (key) DO UPDATE
         expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond',
         token = CASE WHEN t.owner = EXCLUDED.owner AND t.expires > clock_timestamp()
                      THEN t.token
-                     ELSE GREATEST(t.token + 1, {_NOW_US}, (
-                         SELECT ticket.token + 1 FROM {{table}} AS ticket
-                         WHERE ticket.key = %(key)s || chr({ord(SLOT_MARK)}) || 'ticket')) END
+                     ELSE GREATEST(t.token + 1, {_NOW_US}) END
     WHERE t.owner IS NULL OR t.owner = EXCLUDED.owner OR t.expires <= clock_timestamp()
 RETURNING t.token"""
 
-TICKET_SUFFIX = SLOT_MARK + "ticket"
-"""Appended to a key to name the row keeping the last replace ticket drawn while the key was
-held (its token; owner NULL, never a lease). ``_ACQUIRE`` spells it in SQL."""
+HOLDER_SUFFIX = SLOT_MARK + "holder"
+"""Appended to a key to name the row keeping the own token of the key's holder while it is
+marked as asked to stop (its token; owner NULL, never a lease)."""
+
+# The holder's own token of a row of {table} aliased t: from its holder row while the owner is
+# marked, else the row's token.
+_HOLDER_TOKEN = f"""CASE WHEN right(t.owner, {len(REPLACED_MARK)}) = chr({ord(SLOT_MARK)}) || \
+'{REPLACED_MARK[1:]}'
+    THEN coalesce((SELECT holder.token FROM {{table}} AS holder
+                   WHERE holder.key = t.key || chr({ord(SLOT_MARK)}) || '{HOLDER_SUFFIX[1:]}'),
+                  t.token)
+    ELSE t.token END"""
 
 # Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
 _RENEW = """\
@@ -169,27 +174,31 @@ INSERT INTO {table} AS t (key, owner, expires, token) VALUES (%(key)s, NULL, '-i
 ON CONFLICT (key) DO UPDATE SET token = t.token
 RETURNING t.owner, t.token, t.owner IS NOT NULL AND t.expires > clock_timestamp()"""
 
-# Params: key (the key's row while free, else its ticket row), last, ticket_key. Draws a ticket
-# above last, the key's last ticket and the clock, and keeps it as that row's token.
+# Params: key. Draws a ticket into a key's row (its counter: the key is free or its holder
+# marked), above the row's token and the clock.
 _DRAW_TICKET = f"""\
-INSERT INTO {{table}} AS t (key, owner, expires, token)
-VALUES (%(key)s, NULL, '-infinity', GREATEST(%(last)s + 1, {_NOW_US},
-    (SELECT ticket.token + 1 FROM {{table}} AS ticket WHERE ticket.key = %(ticket_key)s)))
-ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token
-RETURNING t.token"""
+UPDATE {{table}} SET token = GREATEST(token + 1, {_NOW_US}) WHERE key = %(key)s RETURNING token"""
+
+# Params: key. A ticket above a key's row's token and the clock, kept nowhere.
+_PEEK_TICKET = f"SELECT GREATEST(token + 1, {_NOW_US}) FROM {{table}} WHERE key = %(key)s"
+
+# Params: key (a key's holder row), token. Keeps a marked holder's own token.
+_SAVE_HOLDER = """\
+INSERT INTO {table} AS t (key, owner, expires, token) VALUES (%(key)s, NULL, '-infinity', %(token)s)
+ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token"""
 
 # Params: key, owner (as stored), marked. Asks the holder to stop.
 _MARK = "UPDATE {table} SET owner = %(marked)s WHERE key = %(key)s AND owner = %(owner)s"
 
 # Params: key, channel, payload (notify_payload(key)). Returns (key, owner, token, expires_in
 # seconds) of the lease removed.
-_FORCE_RELEASE = """\
+_FORCE_RELEASE = f"""\
 WITH live AS (
-    SELECT key, owner, token, expires FROM {table}
+    SELECT key, owner, {_HOLDER_TOKEN} AS token, expires FROM {{table}} AS t
     WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()
     FOR UPDATE
 ), released AS (
-    UPDATE {table} AS t SET owner = NULL FROM live WHERE t.key = live.key
+    UPDATE {{table}} AS t SET owner = NULL FROM live WHERE t.key = live.key
     RETURNING live.key, live.owner, live.token, live.expires
 )
 SELECT key, owner, token,
@@ -198,20 +207,22 @@ SELECT key, owner, token,
 FROM released"""
 
 # Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
-_GET = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
+_GET = f"""\
+SELECT key, owner, {_HOLDER_TOKEN},
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {{table}} AS t
 WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()"""
 
 # Params: pattern (a LIKE prefix pattern, escaped). Live leases, in key ("C", byte) order.
-_LIST = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
+_LIST = f"""\
+SELECT key, owner, {_HOLDER_TOKEN},
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {{table}} AS t
 WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
 ORDER BY key"""
 
-# Params: key. Returns the last token issued for the key, live or not.
-_LAST_TOKEN = "SELECT token FROM {table} WHERE key = %(key)s"
+# Params: key. Returns the last token issued for the key, live or not (a marked holder's own).
+_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM {{table}} AS t WHERE key = %(key)s"
 
 
 def validate_table(table: object) -> str:
@@ -237,6 +248,8 @@ _TEMPLATES = (
     ("take_slot", _TAKE_SLOT),
     ("lock_key", _LOCK_KEY),
     ("draw_ticket", _DRAW_TICKET),
+    ("peek_ticket", _PEEK_TICKET),
+    ("save_holder", _SAVE_HOLDER),
     ("mark", _MARK),
     ("get", _GET),
     ("list", _LIST),
@@ -346,26 +359,29 @@ def slot_plan(
 def replace_plan(
     statements: dict[str, bytes], key: str, ticket: int | None, holder: str | None
 ) -> Generator[Step, Rows, tuple[int, str | None, bool]]:
-    """``mark_replaced`` as one transaction: lock the key's row, draw the ticket (into the key's
-    row while it is free, else into its ticket row: the holder keeps its token), mark the
-    holder."""
+    """``mark_replaced`` as one transaction: lock the key's row; marking an unmarked holder
+    copies its own token to the key's holder row first, so the row's token is the key's counter
+    from then on and a drawn ticket goes there. A ticket drawn while another owner than
+    ``holder`` holds the key unmarked cannot be kept (the row carries that holder's token): it
+    is above every token issued so far, and a later token exceeds it once the clock passed it."""
     ((stored, token, live),) = yield statements["lock_key"], {"key": key}
+    current: str | None = None
+    asked = False
+    keep = True  # whether a drawn ticket can go into the key's row
+    if live:
+        current, was_asked = unmarked(str(stored))
+        asked = holder is None or current == holder
+        if asked and not was_asked:
+            yield statements["save_holder"], {"key": key + HOLDER_SUFFIX, "token": token}
+            yield statements["mark"], {"key": key, "owner": stored, "marked": marked(current)}
+        keep = asked or was_asked
     if ticket is None:
-        params = {
-            "key": key + TICKET_SUFFIX if live else key,
-            "last": int(token),
-            "ticket_key": key + TICKET_SUFFIX,
-        }
-        ((drawn,),) = yield statements["draw_ticket"], params
+        if keep:
+            ((drawn,),) = yield statements["draw_ticket"], {"key": key}
+        else:
+            ((drawn,),) = yield statements["peek_ticket"], {"key": key}
         ticket = int(drawn)
-    if not live:
-        return ticket, None, False
-    current, asked = unmarked(str(stored))
-    if holder is not None and current != holder:
-        return ticket, current, False
-    if not asked:
-        yield statements["mark"], {"key": key, "owner": stored, "marked": marked(current)}
-    return ticket, current, True
+    return ticket, current, asked
 
 
 def notify_payload(key: str) -> str:

@@ -566,9 +566,11 @@ class PostgresLockStore(StoreBase):
     ) -> tuple[int, str | None, bool]:
         """Ask the live holder of ``key`` to stop (see
         :class:`~celery_lease.stores.base.SupportsReplace`): one transaction (``replace_plan``).
-        A ticket drawn while the key is held is kept in the key's ticket row
-        (:data:`~celery_lease.stores._postgres_common.TICKET_SUFFIX`), the holder's token
-        unchanged."""
+        Marking copies the holder's own token to the key's holder row
+        (:data:`~celery_lease.stores._postgres_common.HOLDER_SUFFIX`); a ticket is drawn into
+        the key's row (its counter). A ticket drawn while another owner than ``holder`` holds
+        the key unmarked is kept nowhere: above every token issued so far, and below later
+        ones once the clock has passed it."""
         return self._run_plan(
             "ask the holder to stop", lambda: replace_plan(self._sql, key, ticket, holder)
         )

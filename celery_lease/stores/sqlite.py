@@ -5,12 +5,13 @@ Each operation is one short write transaction on a WAL database; expiry follows 
 threads, locks and fork resets: docs/internals.md.
 
 Slots and replace use the same table, with no other column: slot ``i`` of ``k`` is the row of
-``slot_key(k, i)``, ``k``'s slot counter the token of the row ``counter_key(k)`` (owner NULL,
-never live), and a ticket drawn by ``mark_replaced`` while ``k`` is held is kept as the token of
-the row ``k + U+001F + "ticket"`` (owner NULL, never live; ``_TICKET_SUFFIX``): the holder's
-own token stays in ``k``'s row, and an acquire drawing a new token for ``k`` takes it above that
-ticket too (read inside the acquire's one statement, only when it draws a new token for an
-existing row). A replaced holder's owner is stored with ``REPLACED_MARK`` appended.
+``slot_key(k, i)`` and ``k``'s slot counter the token of the row ``counter_key(k)`` (owner NULL,
+never live). A holder asked to stop (``mark_replaced``) has ``REPLACED_MARK`` appended to its
+stored owner, and its own token is copied to the row ``k + U+001F + "holder"``
+(``_HOLDER_SUFFIX``; owner NULL, never live): from then on ``k``'s row's token is only the key's
+counter, so a ticket drawn while it holds goes there and the next acquire's token (drawn from
+that column, as always) exceeds it, with nothing more read on the plain paths. ``get``, ``list``,
+``last_token`` and ``force_release`` show a marked holder's own token from that row.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.slots import (
     MAX_LIMIT,
+    REPLACED_MARK,
     SLOT_MARK,
     counter_key,
     marked,
@@ -95,20 +97,27 @@ _EXTEND = _numbered(
 WHERE key = :key AND owner = :owner AND {_LIVE}"""
 )
 
-_TICKET_SUFFIX = SLOT_MARK + "ticket"
-"""Appended to a key to name the row keeping the last replace ticket drawn while the key was
-held (its token column; owner NULL, never a lease)."""
 
-# The last replace ticket of :key, or 0 (a scalar subquery: run only where it is evaluated).
-_TICKET = (
-    "coalesce((SELECT ticket.token FROM celery_lease AS ticket"
-    f" WHERE ticket.key = :key || char({ord(SLOT_MARK)}) || '{_TICKET_SUFFIX[1:]}'), 0)"
-)
+def _sql_text(text: str) -> str:
+    """``text`` (printable ASCII, no quote, and control characters) as an SQLite text
+    expression."""
+    parts = re.findall(r"[ -~]+|[^ -~]", text)
+    return " || ".join(f"'{p}'" if p.isprintable() else f"char({ord(p)})" for p in parts)
 
-# The token the row gets: its own while live (the holder again), else the next one (above the
-# row's token, the key's last replace ticket and the clock).
-_NEXT_TOKEN = (
-    f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token, {_TICKET} + 1) END"
+
+# The token the row gets: its own while live (the holder again), else the next one.
+_NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token) END"
+
+_HOLDER_SUFFIX = SLOT_MARK + "holder"
+"""Appended to a key to name the row keeping the own token of the key's holder while it is
+marked as asked to stop (its token column; owner NULL, never a lease)."""
+
+# A row's holder's own token: kept in the holder row while the owner is marked, else its token.
+_HOLDER_TOKEN = (
+    f"CASE WHEN substr(owner, -{len(REPLACED_MARK)}) = {_sql_text(REPLACED_MARK)}"
+    " THEN coalesce((SELECT holder.token FROM celery_lease AS holder"
+    f" WHERE holder.key = celery_lease.key || {_sql_text(_HOLDER_SUFFIX)}), token)"
+    " ELSE token END"
 )
 
 # acquire in one statement: takes a free, expired or new key (a new token) or extends the
@@ -125,10 +134,7 @@ RETURNING token"""
 )
 
 # The same in three statements inside BEGIN IMMEDIATE, for SQLite without RETURNING.
-_SELECT_FOR_ACQUIRE = _numbered(
-    f"SELECT owner, token, {_LIVE}, CASE WHEN coalesce({_LIVE}, 0) THEN 0 ELSE {_TICKET} END"
-    " FROM celery_lease WHERE key = :key"
-)
+_SELECT_FOR_ACQUIRE = _numbered(f"SELECT owner, token, {_LIVE} FROM celery_lease WHERE key = :key")
 _TAKE = _numbered(
     """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
 VALUES (:key, :owner, :expires, :token, :boot, :boot_expires)
@@ -156,7 +162,10 @@ ON CONFLICT (key) DO UPDATE SET token = excluded.token"""
 _MARK = "UPDATE celery_lease SET owner = ?3 WHERE key = ?1 AND owner = ?2"
 
 # Inspection (the CLI): ?1 and ?2 are unused placeholders unless named.
-_SELECT_LIVE = _numbered(f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}")
+_SELECT_LIVE = _numbered(
+    f"SELECT key, owner, {_HOLDER_TOKEN}, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}"
+)
+_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM celery_lease WHERE key = ?1"
 _LIST = f"{_SELECT_LIVE} AND substr(key, 1, length(?1)) = ?1 ORDER BY key"
 _GET = f"{_SELECT_LIVE} AND key = ?1"
 
@@ -482,8 +491,7 @@ class SQLiteLockStore:
                     return None
                 cursor.execute(_EXTEND, params[:7])
                 return int(row[1])
-            last = max(row[1], row[3]) if row is not None else 0
-            token = max(last + 1, params[7])
+            token = max(row[1] + 1 if row is not None else 1, params[7])
             cursor.execute(_TAKE, (*params[:7], token))
             return token
 
@@ -570,8 +578,13 @@ class SQLiteLockStore:
     ) -> tuple[int, str | None, bool]:
         """Ask the live holder of ``key`` to stop (see
         :class:`~celery_lease.stores.base.SupportsReplace`); one ``BEGIN IMMEDIATE``
-        transaction. A ticket drawn while the key is held is kept in the key's ticket row
-        (``_TICKET_SUFFIX``), else as the key's row's token."""
+        transaction. Marking copies the holder's own token to the key's holder row; a ticket
+        is then drawn into the key's row (its counter), as it is while the key is free.
+
+        A ticket drawn while another owner than ``holder`` holds the key unmarked cannot be
+        kept (the key's row carries that holder's token): it is above every token issued so
+        far, and a later token is above it only once the clock has passed it.
+        """
         return self._run(
             "ask a holder to stop",
             functools.partial(self._mark_replaced, key, ticket, holder),
@@ -583,28 +596,23 @@ class SQLiteLockStore:
         params = self._params(key, None, 0)
         with self._write(cursor):
             row = cursor.execute(_SELECT_FOR_ACQUIRE, params[:5]).fetchone()
-            live = row is not None and bool(row[2])
+            counter = int(row[1]) if row is not None else 0
+            drawn = ticket is None
             if ticket is None:
-                ticket_row = cursor.execute(
-                    "SELECT token FROM celery_lease WHERE key = ?", (key + _TICKET_SUFFIX,)
-                ).fetchone()
-                last = max(
-                    int(row[1]) if row is not None else 0,
-                    int(ticket_row[0]) if ticket_row is not None else 0,
-                )
-                ticket = max(last + 1, params[7])
-                # While held, the row's token is the holder's: the ticket goes to its own row.
-                cursor.execute(_SET_COUNTER, (key + _TICKET_SUFFIX if live else key, ticket))
-            if not live:
-                return ticket, None, False
-            assert row is not None
-            stored = str(row[0])
-            current, asked = unmarked(stored)
-            if holder is not None and current != holder:
-                return ticket, current, False
-            if not asked:
-                cursor.execute(_MARK, (key, stored, marked(current)))
-            return ticket, current, True
+                ticket = max(counter + 1, params[7])
+            current: str | None = None
+            asked = False
+            if row is not None and row[2]:
+                current, was_asked = unmarked(str(row[0]))
+                asked = holder is None or current == holder
+                if asked and not was_asked:
+                    cursor.execute(_SET_COUNTER, (key + _HOLDER_SUFFIX, counter))
+                    cursor.execute(_MARK, (key, row[0], marked(current)))
+                if not was_asked and not asked:
+                    return ticket, current, False  # its token stays the row's: nothing kept
+            if drawn:
+                cursor.execute(_SET_COUNTER, (key, ticket))
+            return ticket, current, asked
 
     @staticmethod
     def _info(row: tuple[str, str, int, int]) -> LeaseInfo:
@@ -633,7 +641,7 @@ class SQLiteLockStore:
         """The last fencing token issued for ``key`` (kept after release), or ``None``."""
 
         def op(cursor: sqlite3.Cursor) -> int | None:
-            row = cursor.execute("SELECT token FROM celery_lease WHERE key = ?", (key,)).fetchone()
+            row = cursor.execute(_LAST_TOKEN, (key,)).fetchone()
             return None if row is None else int(row[0])
 
         return self._run("read a token", op)

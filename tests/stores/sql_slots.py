@@ -369,19 +369,55 @@ class SqlSlotChecks:
         later = slot_store.acquire("k", "b", LONG_MS)
         assert later is not None and later > ticket
 
-    def test_a_ticket_drawn_for_another_holder_still_orders_later_tokens(
+    def test_a_ticket_drawn_for_another_holder_of_a_marked_lease_orders_later_tokens(
         self, slot_store: Store
     ) -> None:
-        """holder names someone else: the live holder is left as it was, and the drawn ticket
-        still lies below every later token."""
+        """holder names someone else than the marked holder: not asked, and the drawn ticket
+        still lies below every later token (the counter ahead of the clock)."""
         slot_store.acquire("k", "a", LONG_MS)
         self.set_token(slot_store, "k", 2**60)
-        ticket, holder, asked = slot_store.mark_replaced("k", holder="x")
-        assert (holder, asked) == ("a", False) and ticket > 2**60
-        assert slot_store.renew("k", "a", LONG_MS) is True
-        slot_store.release("k", "a")
+        first = slot_store.mark_replaced("k")
+        second = slot_store.mark_replaced("k", holder="x")
+        assert second[1:] == ("a", False) and second[0] > first[0] > 2**60
+        info = slot_store.get("k")
+        assert info is not None and (info.owner, info.token) == (marked("a"), 2**60)
+        self.make_expired(slot_store, "k")
         later = slot_store.acquire("k", "b", LONG_MS)
-        assert later is not None and later > ticket
+        assert later is not None and later > second[0]
+
+    def test_a_ticket_drawn_while_another_owner_holds_unmarked_leaves_it_alone(
+        self, slot_store: Store
+    ) -> None:
+        """holder names someone else and the live holder is unmarked: it keeps its lease and
+        token; the ticket is above every token issued so far."""
+        token = slot_store.acquire("k", "a", LONG_MS)
+        ticket, holder, asked = slot_store.mark_replaced("k", holder="x")
+        assert (holder, asked) == ("a", False) and ticket > token
+        info = slot_store.get("k")
+        assert info is not None and (info.owner, info.token) == ("a", token)
+        assert slot_store.last_token("k") == token
+        assert slot_store.renew("k", "a", LONG_MS) is True
+        assert slot_store.acquire("k", "a", LONG_MS) == token
+
+    def test_inspection_shows_a_marked_holders_own_token(self, slot_store: Store) -> None:
+        """While tickets are drawn past it, get, list, last_token and force_release show the
+        marked holder's own token; the next holder's token is above every ticket."""
+        token = slot_store.acquire("k", "a", LONG_MS)
+        tickets = [slot_store.mark_replaced("k")[0] for _ in range(3)]
+        assert tickets == sorted(set(tickets)) and tickets[0] > token
+        listed = [(i.key, i.owner, i.token) for i in slot_store.list("k")]
+        assert listed == [("k", marked("a"), token)]
+        assert slot_store.last_token("k") == token
+        removed = slot_store.force_release("k")
+        assert removed is not None and (removed.owner, removed.token) == (marked("a"), token)
+        later = slot_store.acquire("k", "b", LONG_MS)
+        assert later is not None and later > tickets[-1]
+        assert slot_store.last_token("k") == later
+        info = slot_store.get("k")
+        assert info is not None and (info.owner, info.token) == ("b", later)
+        assert slot_store.mark_replaced("k", holder="b")[1:] == ("b", True)
+        info = slot_store.get("k")
+        assert info is not None and (info.owner, info.token) == (marked("b"), later)
 
     def test_a_marked_expired_holder_is_free_and_its_release_is_harmless(
         self, slot_store: Store

@@ -906,6 +906,7 @@ class TestLeastPrivilege:
             store.close()
         assert len(sent) == 3, sent
         assert not [s for s in sent if b"CREATE" in s.upper()], sent
+        assert b"SELECT" not in sent[0].upper()  # the acquire reads the key's row only
 
     def test_a_table_dropped_after_first_use_is_created_again(
         self, store: PostgresLockStore

@@ -122,30 +122,47 @@ class TestSlotPlan:
 
 
 class TestReplacePlan:
-    """mark_replaced's transaction: where the ticket goes and who is marked."""
+    """mark_replaced's transaction: where the holder's token and the ticket go."""
 
-    def test_a_free_key_keeps_the_ticket_in_its_own_row(self) -> None:
+    def test_a_free_key_draws_the_ticket_into_its_own_row(self) -> None:
         sent, got = _drive(
             replace_plan(_SQL, "k", None, None),
             {"lock_key": [(None, 5, False)], "draw_ticket": [(9,)]},
         )
-        assert sent[1] == ("draw_ticket", {"key": "k", "last": 5, "ticket_key": "k\x1fticket"})
-        assert got == (9, None, False) and len(sent) == 2
+        assert sent == [("lock_key", {"key": "k"}), ("draw_ticket", {"key": "k"})]
+        assert got == (9, None, False)
 
-    def test_a_held_key_keeps_the_ticket_in_its_ticket_row_and_marks_the_holder(self) -> None:
+    def test_marking_keeps_the_holders_token_before_the_ticket_is_drawn(self) -> None:
         sent, got = _drive(
             replace_plan(_SQL, "k", None, None),
             {"lock_key": [("a", 5, True)], "draw_ticket": [(9,)]},
         )
-        assert sent[1][1]["key"] == "k\x1fticket"
-        assert sent[2] == ("mark", {"key": "k", "owner": "a", "marked": marked("a")})
+        assert sent[1:] == [
+            ("save_holder", {"key": "k\x1fholder", "token": 5}),
+            ("mark", {"key": "k", "owner": "a", "marked": marked("a")}),
+            ("draw_ticket", {"key": "k"}),
+        ]
         assert got == (9, "a", True)
 
     def test_a_given_ticket_draws_nothing_and_another_holder_is_left_alone(self) -> None:
         sent, got = _drive(replace_plan(_SQL, "k", 3, "b"), {"lock_key": [("a", 5, True)]})
         assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", False)
 
-    def test_a_marked_holder_is_not_marked_twice(self) -> None:
+    def test_a_ticket_for_another_unmarked_holder_is_kept_nowhere(self) -> None:
+        """The key's row carries that holder's token: the ticket is only computed."""
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, "b"),
+            {"lock_key": [("a", 5, True)], "peek_ticket": [(9,)]},
+        )
+        assert sent[1:] == [("peek_ticket", {"key": "k"})] and got == (9, "a", False)
+
+    def test_a_marked_holder_is_not_marked_twice_and_its_row_counts_tickets(self) -> None:
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, "x"),
+            {"lock_key": [(marked("a"), 12, True)], "draw_ticket": [(13,)]},
+        )
+        assert [name for name, _ in sent] == ["lock_key", "draw_ticket"]
+        assert got == (13, "a", False)
         sent, got = _drive(replace_plan(_SQL, "k", 3, "a"), {"lock_key": [(marked("a"), 5, True)]})
         assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", True)
 
@@ -174,6 +191,8 @@ class TestStatements:
             "take_slot",
             "lock_key",
             "draw_ticket",
+            "peek_ticket",
+            "save_holder",
             "mark",
         }
         assert all(b'"ops"."leases"' in statement for statement in rendered.values())

@@ -140,6 +140,7 @@ class TestSQLiteHotPath:
             store.close()
         assert len(sent) == 4, sent
         assert [s.split()[0] for s in sent] == ["INSERT", "UPDATE", "INSERT", "UPDATE"]
+        assert not [s for s in sent if "SELECT" in s.upper()], sent  # no other row is read
 
 
 class TestSQLiteSlotBoots:
