@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import postgres as postgres_module
 from celery_lease.stores import store_from_url
 from celery_lease.stores.base import (
     LockStore,
@@ -128,6 +129,57 @@ class TestPostgresSlots(SqlSlotChecks):
         assert taken and taken[0] is not None
         assert slot_store.list("k") == []
         assert slot_store.acquire_slot("k", "b", LONG_MS, 1) is not None
+
+    def test_an_acquire_queued_behind_a_mark_gets_a_token_above_its_ticket(
+        self, slot_store: PostgresLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A plain acquire that began while mark_replaced held the key's row, and that takes
+        the key because the marked lease expired meanwhile, still gets a token above the
+        ticket (the counter ahead of the clock, so only the row's counter can order them)."""
+        assert slot_store.acquire("k", "h", 400) is not None
+        self.set_token(slot_store, "k", 2**60)
+        locked, go = threading.Event(), threading.Event()
+        plan = postgres_module.replace_plan
+
+        def paused(*args: Any) -> Any:  # holds the key's row between its first two statements
+            inner = plan(*args)
+            rows = yield next(inner)
+            locked.set()
+            assert go.wait(DEADLINE)
+            try:
+                while True:
+                    rows = yield inner.send(rows)
+            except StopIteration as stop:
+                return stop.value
+
+        monkeypatch.setattr(postgres_module, "replace_plan", paused)
+        marks: list[Any] = []
+        marker = threading.Thread(target=lambda: marks.append(slot_store.mark_replaced("k")))
+        marker.start()
+        assert locked.wait(DEADLINE)
+        other = PostgresLockStore(self.dsn, table=self.table)
+        taken: list[Any] = []
+        taker = threading.Thread(target=lambda: taken.append(other.acquire("k", "b", LONG_MS)))
+        try:
+            taker.start()
+            _wait_for(lambda: len(_backends_waiting_on_a_lock(self.dsn)) >= 1, "the acquire")
+            expired = sql.SQL("SELECT expires < clock_timestamp() FROM {} WHERE key = 'k'")
+            _wait_for(
+                lambda: (
+                    _query(self.dsn, expired.format(sql.Identifier(self.table)).as_string())
+                    == [(True,)]
+                ),
+                "the marked lease to expire",
+            )
+            go.set()
+            marker.join(DEADLINE)
+            taker.join(DEADLINE)
+        finally:
+            go.set()
+            other.close()
+        ((ticket, holder, asked),) = marks
+        assert (holder, asked) == ("h", True) and ticket > 2**60
+        assert taken[0] is not None and taken[0] > ticket
 
     def test_slot_keys_announce_their_key_on_release_and_force_release(
         self, slot_store: PostgresLockStore
