@@ -301,7 +301,7 @@ def check_slot_request(key: str, limit: int) -> None:
 
 def slot_range(key: str) -> dict[str, str]:
     """``first`` and ``end`` of the primary-key range holding every slot row of ``key`` (and its
-    counter and ticket rows): ``key + U+001F <= store key < key + U+0020``."""
+    counter and holder rows): ``key + U+001F <= store key < key + U+0020``."""
     return {"first": counter_key(key), "end": key + chr(ord(SLOT_MARK) + 1)}
 
 

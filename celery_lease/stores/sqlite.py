@@ -147,13 +147,14 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
 # stays (its token is the key's counter).
 _RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner IN (?2, ?3)"
 
-# A key's slot rows, its counter and ticket rows: ?1 <= key < ?2 (the primary key's range).
+# A key's slot rows, its counter and holder rows: ?1 <= key < ?2 (the primary key's range).
 _SLOT_ROWS = _numbered(
     f"SELECT key, owner, token, coalesce({_LIVE}, 0) FROM celery_lease"
     " WHERE key >= :key AND key < :owner"
 )
 
-# Set the token of a row that is no lease (a counter, a ticket; created when missing).
+# Set the token of a row that is no lease now (a counter, a holder row, a free key's row;
+# created when missing).
 _SET_COUNTER = """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
 VALUES (?1, NULL, 0, ?2, NULL, NULL)
 ON CONFLICT (key) DO UPDATE SET token = excluded.token"""
