@@ -181,6 +181,27 @@ class TestPostgresSlots(SqlSlotChecks):
         assert (holder, asked) == ("h", True) and ticket > 2**60
         assert taken[0] is not None and taken[0] > ticket
 
+    def test_a_slot_release_after_a_refused_acquire_slot_wakes_the_next_wait(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """A refused acquire_slot registers interest in the key first: a slot released before
+        the caller starts waiting (the listener saw it already) still ends that wait."""
+        other = PostgresLockStore(self.dsn, table=self.table)
+        try:
+            assert other.acquire_slot("k", "holder", LONG_MS, 1) is not None
+            assert slot_store.wait_for_release("warm-up", 0.01) is False  # starts the listener
+            listener = slot_store._listener
+            assert listener is not None
+            _wait_for(listener.ready.is_set, "the listener")
+            assert slot_store.acquire_slot("k", "me", LONG_MS, 1) is None
+            parked = getattr(slot_store._local, "parked", None)
+            assert parked is not None and parked[0] == "k"
+            other.release(slot_key("k", 0), "holder")
+            _wait_for(parked[1].event.is_set, "the notification")  # seen before any wait
+            assert slot_store.wait_for_release("k", DEADLINE) is True
+        finally:
+            other.close()
+
     def test_slot_keys_announce_their_key_on_release_and_force_release(
         self, slot_store: PostgresLockStore
     ) -> None:
