@@ -144,6 +144,12 @@ _SLOT_ROWS = """\
 SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
 FROM {table} WHERE key >= %(first)s AND key < %(end)s"""
 
+# Params: keys. Rows of a key's slot range read as expired but not released, locked to read
+# their latest versions: a renewal committed since the read (or still running) shows.
+_RECHECK_SLOTS = """\
+SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
+FROM {table} WHERE key = ANY(%(keys)s::text[]) FOR UPDATE"""
+
 # Params: key, owner, ttl_ms. Renews a live lease; returns its token (no row: not renewed).
 _EXTEND = """\
 UPDATE {table}
@@ -244,6 +250,7 @@ _TEMPLATES = (
     ("lock_counter", _LOCK_COUNTER),
     ("create_counter", _CREATE_COUNTER),
     ("slot_rows", _SLOT_ROWS),
+    ("recheck_slots", _RECHECK_SLOTS),
     ("extend", _EXTEND),
     ("take_slot", _TAKE_SLOT),
     ("lock_key", _LOCK_KEY),
@@ -319,11 +326,24 @@ def slot_plan(
     """``acquire_slot`` as one transaction (READ COMMITTED): lock the key's counter row (every
     slot taker queues there), then read the key's slot range in a new statement (so it sees every
     taker that committed before the lock was granted), then renew the owner's own slot or take
-    the lowest free one with the next counter token."""
+    the lowest free one with the next counter token.
+
+    Renewals do not queue on the counter: a slot read as expired but not released may have been
+    renewed by a statement that committed after the read began. Those rows (few: holders that
+    stopped renewing) are read again under a row lock, which waits for such a renewal and shows
+    its outcome, so a slot still held is never counted free."""
     counter = counter_key(key)
     if not (yield statements["lock_counter"], {"key": counter}):
         yield statements["create_counter"], {"key": counter}
     rows = yield statements["slot_rows"], slot_range(key)
+    doubtful = {
+        row[0]
+        for row in rows
+        if row[1] is not None and not row[3] and _slot_of(key, row[0]) is not None
+    }
+    if doubtful:
+        fresh = yield statements["recheck_slots"], {"keys": sorted(doubtful)}
+        rows = [row for row in rows if row[0] not in doubtful] + fresh
     last = 0
     live: set[int] = set()
     mine: int | None = None

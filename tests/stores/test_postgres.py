@@ -202,6 +202,42 @@ class TestPostgresSlots(SqlSlotChecks):
         finally:
             other.close()
 
+    def test_a_slot_whose_renewal_commits_after_the_read_is_not_counted_free(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """Limit lowered to 2 with slots 1 and 5 held: slot 1's renewal, made just before its
+        old expiry, commits only after that expiry passed. acquire_slot waits for it, sees the
+        slot held and refuses, instead of taking slot 0 as a third holder."""
+        for i in range(6):
+            got = slot_store.acquire_slot("k", f"o{i}", LONG_MS, 6)
+            assert got is not None and got[0] == i
+        for i in (0, 2, 3, 4):
+            slot_store.release(slot_key("k", i), f"o{i}")
+        self._update(
+            "UPDATE {} SET expires = clock_timestamp() + interval '300 milliseconds'"
+            " WHERE key = %s",
+            [slot_key("k", 1)],
+        )
+        renew = sql.SQL(
+            "UPDATE {} SET expires = clock_timestamp() + interval '60 seconds'"
+            " WHERE key = %s AND owner = %s AND expires > clock_timestamp()"
+        ).format(sql.Identifier(self.table))
+        result: list[Any] = []
+        with psycopg.connect(self.dsn) as renewal:  # its transaction stays open until commit()
+            assert renewal.execute(renew, [slot_key("k", 1), "o1"]).rowcount == 1
+            _wait_for(lambda: slot_store.get(slot_key("k", 1)) is None, "the old expiry")
+            taker = threading.Thread(
+                target=lambda: result.append(slot_store.acquire_slot("k", "n", LONG_MS, 2))
+            )
+            taker.start()
+            try:
+                _wait_for(lambda: len(_backends_waiting_on_a_lock(self.dsn)) >= 1, "a row lock")
+            finally:
+                renewal.commit()
+                taker.join(DEADLINE)
+        assert result == [None]
+        assert [info.key for info in slot_store.list("k")] == [slot_key("k", 1), slot_key("k", 5)]
+
     def test_slot_keys_announce_their_key_on_release_and_force_release(
         self, slot_store: PostgresLockStore
     ) -> None:

@@ -97,6 +97,29 @@ class TestSlotPlan:
         )
         assert refused is None
 
+    def test_slots_read_expired_but_not_released_are_read_again_under_a_lock(self) -> None:
+        """Such a slot may have been renewed since the read: its locked re-read decides."""
+        rows = [
+            (slot_key("k", 0), "gone", 5, False),  # expired, not released: read again
+            (slot_key("k", 1), None, 6, False),  # released: free for sure
+            (slot_key("k", 2), "x", 7, True),
+        ]
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {
+                "lock_counter": [(7,)],
+                "slot_rows": rows,
+                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],  # renewed meanwhile
+            },
+        )
+        assert sent[2] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
+        assert got is None  # slots 0 and 2 held: limit 2 reached
+        sent, _ = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {"lock_counter": [(7,)], "slot_rows": rows[1:], "take_slot": [(8,)]},
+        )
+        assert "recheck_slots" not in [name for name, _ in sent]
+
     def test_the_owner_again_renews_its_own_slot(self) -> None:
         """The owner's live slot: renewed, its token returned, nothing taken."""
         rows = [(slot_key("k", 0), "b", 5, True), (slot_key("k", 1), "a", 6, True)]
@@ -187,6 +210,7 @@ class TestStatements:
             "lock_counter",
             "create_counter",
             "slot_rows",
+            "recheck_slots",
             "extend",
             "take_slot",
             "lock_key",
