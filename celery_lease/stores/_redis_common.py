@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,13 @@ from celery_lease.errors import (
 )
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
 from celery_lease.stores.base import LeaseInfo, mask_secrets
+from celery_lease.stores.slots import (
+    MAX_LIMIT,
+    REPLACED_MARK,
+    SLOT_MARK,
+    release_channel,
+    split_slot,
+)
 
 DEFAULT_PREFIX = "celery-lease:"  # Prefix of every key the store writes.
 
@@ -58,10 +66,94 @@ NOT_A_LEASE = (
 such a key is never overwritten; renewals answer 0 instead."""
 
 
+WIDTH_MARK = ">"
+"""First character of a slot script's reply asking to be called again with more slot leases
+declared: the mark and the key's stored width (see :data:`ACQUIRE_SLOT_SCRIPT`)."""
+
+
 def _lua(source: str) -> str:
-    """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, and GRACE_MARK
-    ``~`` (the first character of a reply refusing a free key in a restart grace)."""
-    return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'").replace("GRACE_MARK", "~")
+    """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, GRACE_MARK ``~``
+    (the first character of a reply refusing a free key in a restart grace), WIDTH_MARK
+    :data:`WIDTH_MARK`, REPLACED_MARK the Lua literal of
+    :data:`~celery_lease.stores.slots.REPLACED_MARK` and MAX_LIMIT its number."""
+    return (
+        source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
+        .replace("GRACE_MARK", "~")
+        .replace("WIDTH_MARK", WIDTH_MARK)
+        .replace("REPLACED_MARK", _lua_literal(REPLACED_MARK))
+        .replace("MAX_LIMIT", str(MAX_LIMIT))
+    )
+
+
+def _lua_literal(value: str) -> str:
+    """``value`` as a Lua string literal: its UTF-8 bytes, all but printable ASCII as decimal
+    escapes."""
+    body = "".join(
+        chr(b) if 0x20 <= b < 0x7F and b not in b"'\\" else f"\\{b:03d}" for b in value.encode()
+    )
+    return f"'{body}'"
+
+
+# Draws `floor` (server TIME in µs) and, with a marker key (MARKER_KEY, a placeholder), refuses
+# a free key until GRACE_ARG µs after this server run started (see ACQUIRE_SCRIPT). Shared by the
+# plain and the slot acquire, so a free slot meets the grace a free key meets.
+_GRACE = """local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if MARKER_KEY then
+    local info = redis.call('INFO', 'server')
+    local boot = string.match(info, 'run_id:(%x+)')
+    local mark = redis.call('HMGET', MARKER_KEY, 'boot', 'started', 'cause')
+    local started, cause = tonumber(mark[2] or '0'), mark[3]
+    if mark[1] ~= boot then
+        local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+        started = (tonumber(now[1]) - uptime) * 1000000
+        cause = mark[1] and 'restored' or 'new'
+        redis.call('HSET', MARKER_KEY, 'boot', boot, 'started', string.format('%d', started),
+            'cause', cause)
+    end
+    local hold = started + tonumber(GRACE_ARG)
+    if floor < hold then
+        return 'GRACE_MARK' .. string.format('%d', hold) .. ':' .. cause .. ':'
+            .. string.format('%d', started)
+    end
+end
+"""
+
+
+def _grace(marker_key: str, grace_arg: str) -> str:
+    return _GRACE.replace("MARKER_KEY", marker_key).replace("GRACE_ARG", grace_arg)
+
+
+def _owned_by(stored: str, owner: str) -> str:
+    """A Lua condition: the stored owner ``stored`` is ``owner``'s, marked or not. An owner id
+    itself ending in REPLACED_MARK owns only its marked form (as ``unmarked(stored)[0] ==
+    owner`` reads it), so the id ``x`` + REPLACED_MARK never releases ``x``'s marked lease."""
+    return (
+        f"({stored} == {owner} .. REPLACED_MARK or ({stored} == {owner} "
+        f"and string.sub({owner}, -#REPLACED_MARK) ~= REPLACED_MARK))"
+    )
+
+
+def _signal(signal: str, lifetime: str, keep: str) -> str:
+    """Lua adding one wake-up to the list ``signal`` (its lifetime in ms: ``lifetime``), the
+    list trimmed to its last ``keep`` (1 for a key: exactly one waiter wakes, however often it
+    was released; MAX_LIMIT for a key's slots: one per freed slot)."""
+    return (
+        f"redis.call('RPUSH', {signal}, '1')\n"
+        f"redis.call('LTRIM', {signal}, -tonumber({keep}), -1)\n"
+        f"redis.call('PEXPIRE', {signal}, {lifetime})\n"
+    )
+
+
+# A key's stored width (`counter` holds HMGET {token, width} of its slot counter) as `width`: an
+# integer from 0 to MAX_LIMIT, whatever another writer left there (above: MAX_LIMIT; not a
+# number: 0, so only the slots below the limit count until a grant writes a width again).
+_STORED_WIDTH = """local width = tonumber(counter[2]) or 0
+if width ~= width then
+    width = 0
+end
+width = math.floor(math.max(0, math.min(width, MAX_LIMIT)))
+"""
 
 
 # KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
@@ -85,27 +177,9 @@ if lease[1] then
     end
     return false
 end
-local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if KEYS[3] then
-    local info = redis.call('INFO', 'server')
-    local boot = string.match(info, 'run_id:(%x+)')
-    local mark = redis.call('HMGET', KEYS[3], 'boot', 'started', 'cause')
-    local started, cause = tonumber(mark[2] or '0'), mark[3]
-    if mark[1] ~= boot then
-        local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-        started = (tonumber(now[1]) - uptime) * 1000000
-        cause = mark[1] and 'restored' or 'new'
-        redis.call('HSET', KEYS[3], 'boot', boot, 'started', string.format('%d', started),
-            'cause', cause)
-    end
-    local hold = started + tonumber(ARGV[4])
-    if floor < hold then
-        return 'GRACE_MARK' .. string.format('%d', hold) .. ':' .. cause .. ':'
-            .. string.format('%d', started)
-    end
-end
-local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+"""
+    + _grace("KEYS[3]", "ARGV[4]")
+    + """local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if floor > token then
     token = floor
 end
@@ -160,23 +234,170 @@ return renewed
 RENEW_CHUNK = 1000
 """Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
 
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
-# Deletes the owner's lease and leaves exactly one element in the signal list (one BLPOP waiter
-# wakes). Returns 1 when released, else 0; a key of another type: NOT_A_LEASE.
+# KEYS[1] the lease hash, KEYS[2] the release-signal list (a slot's: its key's).
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms, ARGV[3] the most wake-ups the list
+# keeps (1 for a key, MAX_LIMIT for a slot).
+# Deletes the owner's lease (also once marked: owner .. REPLACED_MARK, see MARK_REPLACED_SCRIPT)
+# and adds one wake-up to the signal list (for a key: the list then holds exactly one, one BLPOP
+# waiter wakes; for a slot: one per slot freed). Returns 1 when released, else 0; a key of
+# another type: NOT_A_LEASE.
 RELEASE_SCRIPT = _lua(
     """
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
 if type(owner) == 'table' and owner.err then
     return redis.error_reply(NOT_A_LEASE)
 end
-if owner == ARGV[1] then
-    redis.call('DEL', KEYS[1], KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    return 1
+if owner and """
+    + _owned_by("owner", "ARGV[1]")
+    + """ then
+    redis.call('DEL', KEYS[1])
+"""
+    + _signal("KEYS[2]", "ARGV[2]", "ARGV[3]")
+    + """    return 1
 end
 return 0
+"""
+)
+
+# KEYS[1] the key's slot counter hash {token, width}, KEYS[2 .. n + 1] the lease hashes of its
+# slots 0 .. n - 1, optional KEYS[n + 2] the store's marker hash (every key the script touches is
+# declared: a Cluster resharding the key's hash slot then answers TRYAGAIN or ASK for all of
+# them, never runs the script on a node missing some).
+# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms, ARGV[4]
+# the limit, ARGV[5] n (the slots declared, at least the limit); with KEYS[n + 2]: ARGV[6] the
+# restart grace in microseconds.
+# width = 1 + the highest slot given (kept with the counter, so a counter dropped after its idle
+# lifetime forgets slots at or above the limit; read as an integer from 0 to MAX_LIMIT). When
+# width > n the script answers WIDTH_MARK .. width and does nothing: the client calls again
+# with that many slots declared. Else it reads the n slots: the owner's live slot is returned
+# with its token and its expiry set (never added) to ttl from now; else, when fewer than limit
+# are live, the lowest free slot below limit is taken with token max(counter + 1, server TIME
+# in µs), and width set to 1 + the highest live slot.
+# Returns slot .. ':' .. token .. ':' .. the width stored, or false when limit or more slots are
+# live (or none below limit is free). A slot lease of another type: NOT_A_LEASE. A free slot
+# meets the restart grace a free key meets (ACQUIRE_SCRIPT): GRACE_MARK ...
+ACQUIRE_SLOT_SCRIPT = _lua(
+    """
+local limit, n = tonumber(ARGV[4]), tonumber(ARGV[5])
+local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
+"""
+    + _STORED_WIDTH
+    + """if width > n then
+    return 'WIDTH_MARK' .. width
+end
+local free, held, top = nil, 0, -1
+for slot = 0, n - 1 do
+    local name = KEYS[slot + 2]
+    local lease = redis.pcall('HMGET', name, 'owner', 'token')
+    if lease.err then
+        return redis.error_reply(NOT_A_LEASE)
+    end
+    if lease[1] then
+        if lease[1] == ARGV[1] then
+            redis.call('PEXPIRE', name, ARGV[2])
+            return slot .. ':' .. lease[2] .. ':' .. width
+        end
+        held = held + 1
+        top = slot
+    elseif not free and slot < limit then
+        free = slot
+    end
+end
+if held >= limit or not free then
+    return false
+end
+"""
+    + _grace("KEYS[n + 2]", "ARGV[6]")
+    + """local token = tonumber(counter[1] or '0') + 1
+if floor > token then
+    token = floor
+end
+token = string.format('%d', token)
+width = math.max(free, top) + 1
+redis.call('HSET', KEYS[1], 'token', token, 'width', width)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local name = KEYS[free + 2]
+redis.call('HSET', name, 'owner', ARGV[1], 'token', token)
+redis.call('PEXPIRE', name, ARGV[2])
+return free .. ':' .. token .. ':' .. width
+"""
+)
+
+# KEYS[1] the key's slot counter hash, KEYS[2] its release-signal list, KEYS[3 .. n + 2] the
+# lease hashes of its slots 0 .. n - 1 (as ACQUIRE_SLOT_SCRIPT declares them).
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms, ARGV[3] n.
+# Releases the slot of the key the owner holds (marked or not), as RELEASE_SCRIPT releases one,
+# reading the slots ACQUIRE_SLOT_SCRIPT reads: undoes a slot acquire whose reply never came.
+# Returns the slot released, or -1; WIDTH_MARK .. width (nothing done) when the key's stored
+# width exceeds n, as ACQUIRE_SLOT_SCRIPT answers.
+RELEASE_OWNERS_SLOT_SCRIPT = _lua(
+    """
+local n = tonumber(ARGV[3])
+local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
+"""
+    + _STORED_WIDTH
+    + """if width > n then
+    return 'WIDTH_MARK' .. width
+end
+for slot = 0, n - 1 do
+    local owner = redis.pcall('HGET', KEYS[slot + 3], 'owner')
+    if """
+    + _owned_by("owner", "ARGV[1]")
+    + """ then
+        redis.call('DEL', KEYS[slot + 3])
+"""
+    + _signal("KEYS[2]", "ARGV[2]", "MAX_LIMIT")
+    + """        return slot
+    end
+end
+return -1
+"""
+)
+
+# KEYS[1] the lease hash, KEYS[2] the token counter.
+# ARGV[1] the ticket ('': draw one), ARGV[2] '1' when only ARGV[3] (an owner id) is to be asked,
+# ARGV[4] the counter's idle lifetime in ms.
+# A drawn ticket is max(counter + 1, the live lease's token + 1, server TIME in µs), written to
+# the counter (so every later token is larger). The live lease's owner gets REPLACED_MARK
+# appended, unless ARGV[2] names another owner (or it has it already).
+# Returns {ticket, the owner without the mark or false when free, 1 when the lease is marked
+# now else 0}. A lease key of another type: NOT_A_LEASE (nothing drawn, nothing written).
+MARK_REPLACED_SCRIPT = _lua(
+    """
+local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
+if lease.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
+local ticket = ARGV[1]
+if ticket == '' then
+    local now = redis.call('TIME')
+    local draw = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    local counted = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+    if counted > draw then
+        draw = counted
+    end
+    if lease[2] and tonumber(lease[2]) + 1 > draw then
+        draw = tonumber(lease[2]) + 1
+    end
+    ticket = string.format('%d', draw)
+    redis.call('SET', KEYS[2], ticket, 'PX', ARGV[4])
+end
+local owner = lease[1]
+if not owner then
+    return {ticket, false, 0}
+end
+local mark = REPLACED_MARK
+local asked = string.sub(owner, -#mark) == mark
+if asked then
+    owner = string.sub(owner, 1, #owner - #mark)
+end
+if ARGV[2] == '1' and owner ~= ARGV[3] then
+    return {ticket, owner, 0}
+end
+if not asked then
+    redis.call('HSET', KEYS[1], 'owner', owner .. mark)
+end
+return {ticket, owner, 1}
 """
 )
 
@@ -193,16 +414,17 @@ end
 """
 
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the signal's lifetime in ms.
+# ARGV[1] the signal's lifetime in ms, ARGV[2] the most wake-ups the list keeps (as
+# RELEASE_SCRIPT's ARGV[3]).
 # Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
 # Returns {owner, token, remaining ms} of it, or false when free; another type: NOT_A_LEASE.
 FORCE_RELEASE_SCRIPT = _lua(
     _READ_LEASE
     + """local left = redis.call('PTTL', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return {lease[1], lease[2], left}
+redis.call('DEL', KEYS[1])
+"""
+    + _signal("KEYS[2]", "ARGV[1]", "ARGV[2]")
+    + """return {lease[1], lease[2], left}
 """
 )
 
@@ -216,7 +438,9 @@ class Script:
     """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
 
     source: str
-    fast: tuple[int, int] | None = None  # (numkeys, nargs) when the fast path runs it
+    # (numkeys, nargs) when the fast path runs it with those counts; (0, 0): with any counts
+    # (its heads packed per call)
+    fast: tuple[int, int] | None = None
     sha: str = field(init=False)
     head: bytes = field(init=False)  # packed ``EVALSHA <sha> <numkeys>`` (fast path only)
     cold_head: bytes = field(init=False)  # packed ``EVAL <source> <numkeys>`` (fast path only)
@@ -228,20 +452,77 @@ class Script:
         cold = pack_eval_head(self.source, *self.fast) if self.fast else b""
         object.__setattr__(self, "cold_head", cold)
 
+    def head_for(self, numkeys: int, nargs: int, *, cold: bool = False) -> bytes:
+        """The packed head of a fast-path call with ``numkeys`` keys and ``nargs`` arguments:
+        ``EVALSHA`` (``cold``: ``EVAL`` with the source)."""
+        if (numkeys, nargs) == self.fast:
+            return self.cold_head if cold else self.head
+        if cold:
+            return pack_eval_head(self.source, numkeys, nargs)
+        return pack_head(self.sha, numkeys, nargs)
+
 
 ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
 ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 4))
 ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 4))
-# The acquire scripts called with the marker key and the grace (another fast-path head).
-WITH_GRACE = {ACQUIRE: ACQUIRE_WITH_GRACE, ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE}
 RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
 RENEW_MANY = Script(RENEW_MANY_SCRIPT)
-RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
+RELEASE = Script(RELEASE_SCRIPT, fast=(2, 3))
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT, fast=(0, 0))  # its number of keys varies
+RELEASE_OWNERS_SLOT = Script(RELEASE_OWNERS_SLOT_SCRIPT)
+MARK_REPLACED = Script(MARK_REPLACED_SCRIPT)
+# The acquire scripts called with the marker key and the grace (another fast-path head).
+WITH_GRACE = {
+    ACQUIRE: ACQUIRE_WITH_GRACE,
+    ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE,
+}
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
 
 MARKER = "marker"  # the marker hash's name after the prefix
+
+
+def check_slot_request(key: object, limit: object) -> None:
+    """``LeaseConfigError`` (a ``ValueError``) unless ``limit`` is an int in 1 ..
+    :data:`~celery_lease.stores.slots.MAX_LIMIT` and ``key`` a string without U+001F."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise LeaseConfigError(f"acquire_slot(limit={limit!r}): needs an int from 1 to {MAX_LIMIT}")
+    if not isinstance(key, str) or SLOT_MARK in key:
+        raise LeaseConfigError(
+            f"acquire_slot(key={key!r}): needs a string key without U+001F (the slot mark)"
+        )
+
+
+def slot_reply(reply: bytes | str) -> tuple[int, int]:
+    """``(slot, token)`` of an :data:`ACQUIRE_SLOT_SCRIPT` reply granting a slot."""
+    slot, token, _ = text(reply).split(":")
+    return int(slot), int(token)
+
+
+def stored_width(reply: bytes | str) -> int:
+    """The key's width an :data:`ACQUIRE_SLOT_SCRIPT` reply granting a slot names."""
+    return int(text(reply).rpartition(":")[2])
+
+
+_WIDTH_MARKS = (WIDTH_MARK.encode(), WIDTH_MARK)
+
+
+def width_wanted(reply: Any) -> int | None:
+    """The width a slot script's :data:`WIDTH_MARK` reply asks to be called with, else None."""
+    if isinstance(reply, (bytes, str)) and reply[:1] in _WIDTH_MARKS:
+        return int(text(reply)[1:])
+    return None
+
+
+def grants(reply: Any) -> bool:
+    """Whether an acquire script's reply took a lease (a token or a slot, no refusal)."""
+    return (
+        reply is not None
+        and not refused(reply)
+        and not in_grace(reply)
+        and width_wanted(reply) is None
+    )
 
 
 def in_grace(reply: Any) -> bool:
@@ -456,6 +737,35 @@ def socket_timeout_of(kwargs: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+WIDTHS_KEPT = 4096
+"""Keys whose slot width a store remembers (the most; the oldest is forgotten first)."""
+
+
+class SlotWidths:
+    """The width (1 + the highest slot given) a store last saw for each key whose width once
+    exceeded the limit it was asked with: the slot leases its next slot script declares beyond
+    the limit (at most :data:`WIDTHS_KEPT` keys, the oldest forgotten first; thread-safe)."""
+
+    def __init__(self) -> None:
+        self._widths: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def declared(self, key: str, limit: int) -> int:
+        """How many slot leases a slot script on ``key`` with ``limit`` declares."""
+        return max(limit, self._widths.get(key, 0))
+
+    def saw(self, key: str, width: int, limit: int) -> None:
+        """Remember ``width`` of ``key``, read by a call with ``limit`` (a key not remembered
+        yet only when ``width`` exceeds ``limit``)."""
+        with self._lock:
+            if key not in self._widths:
+                if width <= limit:
+                    return
+                if len(self._widths) >= WIDTHS_KEPT:
+                    del self._widths[next(iter(self._widths))]
+            self._widths[key] = min(width, MAX_LIMIT)
+
+
 class StoreBase:
     """The I/O-free part of both Redis stores: keys, options, script arguments, replies, errors."""
 
@@ -466,6 +776,7 @@ class StoreBase:
     _restart_grace: float
     _grace_until = 0.0  # the end of the last grace logged (server seconds)
     _secrets: tuple[str, ...] = ()
+    _slot_widths: SlotWidths
 
     def _where(self) -> str:
         """The store's address for messages (never a password)."""
@@ -477,13 +788,25 @@ class StoreBase:
         return self._prefix
 
     def _base(self, key: str) -> str:
+        """``<prefix>{<key>}``; for a slot's store key ``k`` U+001F ``i``: ``<prefix>{<k>}``
+        U+001F ``i`` (the hash tag of its key: a key's slots share one Cluster hash slot)."""
         if not isinstance(key, str) or not key or key.startswith("}"):
             # '{}' or '{}...' is no hash tag: the three keys would land in different slots.
             raise LeaseConfigError(f"key={key!r} must be a non-empty string not starting with '}}'")
+        if SLOT_MARK in key:
+            head, _, slot = key.rpartition(SLOT_MARK)
+            if slot.isdigit() and slot.isascii():
+                if not head or head.startswith("}"):
+                    raise LeaseConfigError(
+                        f"key={key!r} is a slot of {head!r}, which must be a non-empty string "
+                        "not starting with '}'"
+                    )
+                return f"{self._prefix}{{{head}}}{SLOT_MARK}{slot}"
         return f"{self._prefix}{{{key}}}"
 
     def lease_key(self, key: str) -> str:
-        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease``."""
+        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease`` (of slot ``i``
+        of ``k``: ``<prefix>{<k>}`` U+001F ``i`` ``:lease``)."""
         return self._base(key) + ":lease"
 
     def token_key(self, key: str) -> str:
@@ -491,8 +814,43 @@ class StoreBase:
         return self._base(key) + ":token"
 
     def signal_key(self, key: str) -> str:
-        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``."""
-        return self._base(key) + ":signal"
+        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``;
+        a slot's is its key's (a release of any slot wakes the key's waiters)."""
+        return self._base(release_channel(key)) + ":signal"
+
+    def slots_key(self, key: str) -> str:
+        """The Redis key of the slot counter hash of ``key``, ``<prefix>{<key>}:slots``:
+        ``{token, width}``, the last token given to a slot of ``key`` and 1 + the highest slot
+        given, dropped after 7 days without a slot acquire."""
+        return self._base(key) + ":slots"
+
+    def _store_key(self, lease_key: str) -> str | None:
+        """The store key whose lease hash is ``lease_key`` (a name :meth:`lease_key` makes,
+        found by a scan), or None for another name."""
+        inner = lease_key[len(self._prefix) + 1 : -len(":lease")]
+        if inner.endswith("}"):
+            key = inner[:-1]
+        else:
+            head, mark, slot = inner.rpartition(SLOT_MARK)
+            if not (mark and head.endswith("}")):
+                return None
+            key = head[:-1] + SLOT_MARK + slot
+        try:
+            return key if self.lease_key(key) == lease_key else None
+        except LeaseConfigError:
+            return None
+
+    def _counted_key(self, key: str) -> str | None:
+        """The key whose slot counter ``key`` names (a slot's store key or
+        :func:`~celery_lease.stores.slots.counter_key`), or None."""
+        if SLOT_MARK not in key:
+            return None
+        head, slot = split_slot(key)
+        if slot is None:
+            if not key.endswith(SLOT_MARK):
+                return None
+            head = key[:-1]
+        return head if head and SLOT_MARK not in head else None
 
     @property
     def marker_key(self) -> str:
@@ -514,10 +872,100 @@ class StoreBase:
             args += (round(self._restart_grace * 1_000_000),)
         return script, keys, args
 
-    def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int]]:
+    def _slot_call(
+        self, key: str, owner: str, ttl_ms: int, limit: int, width: int = 0
+    ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...], int]:
+        """``(script, keys, args, n)`` of :data:`ACQUIRE_SLOT` (with the marker and grace when
+        set), declaring the ``n`` slots below the larger of ``limit``, ``width`` and the width
+        last seen for ``key``; ``LeaseConfigError`` (a ``ValueError``) for a bad ``key`` or
+        ``limit``."""
+        check_slot_request(key, limit)
+        base = self._base(key)
+        n = max(width, self._slot_widths.declared(key, limit))
+        keys = (base + ":slots", *self._slot_leases(base, n))
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS, limit, n)
+        if self._restart_grace:
+            keys += (self.marker_key,)
+            args += (round(self._restart_grace * 1_000_000),)
+        return ACQUIRE_SLOT, keys, args, n
+
+    @staticmethod
+    def _slot_leases(base: str, n: int) -> tuple[str, ...]:
+        """The lease hashes of slots 0 .. ``n`` - 1 of the key whose ``_base`` is ``base``."""
+        head = base + SLOT_MARK
+        return tuple(f"{head}{slot}:lease" for slot in range(n))
+
+    def _wider(self, operation: str, key: str, limit: int, n: int, reply: Any) -> int | None:
+        """The width a slot script on ``key`` that declared ``n`` slots asks to be called again
+        with (remembered for ``key``), else None (``reply`` is its answer)."""
+        wanted = width_wanted(reply)
+        if wanted is None:
+            return None
+        if not n < wanted <= MAX_LIMIT:
+            raise self._error(operation, key, f"answered width {wanted} to a call declaring {n}")
+        self._slot_widths.saw(key, wanted, limit)
+        return wanted
+
+    def _granted_slot(self, key: str, limit: int, reply: Any) -> tuple[int, int] | None:
+        """``(slot, token)`` of an :data:`ACQUIRE_SLOT` answer (its width remembered for
+        ``key``), or None for a refusal."""
+        if reply is None:
+            return None
+        self._slot_widths.saw(key, stored_width(reply), limit)
+        return slot_reply(reply)
+
+    def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int, int]]:
         """``(keys, args)`` of :data:`RELEASE`."""
         base = self._base(key)
-        return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS)
+        if split_slot(key)[1] is None:
+            return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS, 1)
+        return (base + ":lease", self.signal_key(key)), (owner, SIGNAL_TTL_MS, MAX_LIMIT)
+
+    def _force_release_call(self, key: str) -> tuple[tuple[str, str], tuple[int, int]]:
+        """``(keys, args)`` of :data:`FORCE_RELEASE`."""
+        keep = 1 if split_slot(key)[1] is None else MAX_LIMIT
+        return (self.lease_key(key), self.signal_key(key)), (SIGNAL_TTL_MS, keep)
+
+    def _owners_slot_call(
+        self, key: str, owner: str, limit: int, width: int = 0
+    ) -> tuple[tuple[str, ...], tuple[str | int, ...], int]:
+        """``(keys, args, n)`` of :data:`RELEASE_OWNERS_SLOT`, declaring the ``n`` slots
+        :meth:`_slot_call` declares."""
+        base = self._base(key)
+        n = max(width, self._slot_widths.declared(key, limit))
+        keys = (base + ":slots", base + ":signal", *self._slot_leases(base, n))
+        return keys, (owner, SIGNAL_TTL_MS, n), n
+
+    def _mark_call(
+        self, key: str, ticket: int | None, holder: str | None
+    ) -> tuple[tuple[str, str], tuple[str | int, ...]]:
+        """``(keys, args)`` of :data:`MARK_REPLACED`; ``LeaseConfigError`` for a bad argument."""
+        if not isinstance(key, str) or SLOT_MARK in key:
+            raise LeaseConfigError(
+                f"mark_replaced(key={key!r}): needs a key without U+001F (a key, not a slot)"
+            )
+        if ticket is not None and (isinstance(ticket, bool) or not isinstance(ticket, int)):
+            raise LeaseConfigError(f"mark_replaced(ticket={ticket!r}): needs an int or None")
+        if holder is not None and not isinstance(holder, str):
+            raise LeaseConfigError(f"mark_replaced(holder={holder!r}): needs an owner id or None")
+        base = self._base(key)
+        args: tuple[str | int, ...] = (
+            "" if ticket is None else ticket,
+            "0" if holder is None else "1",
+            "" if holder is None else holder,
+            TOKEN_TTL_MS,
+        )
+        return (base + ":lease", base + ":token"), args
+
+    def _mark_reply(self, ticket: int | None, reply: Any) -> tuple[int, str | None, bool]:
+        """``(ticket, holder, asked)`` of a :data:`MARK_REPLACED` reply."""
+        drawn, owner, asked = reply
+        holder = None if owner is None else self._decode(owner)
+        return (int(drawn) if ticket is None else ticket), holder, bool(asked)
+
+    def _decode(self, value: bytes | str) -> str:
+        """A reply's text as an owner id (UTF-8; the sync store decodes as its client does)."""
+        return text(value)
 
     @property
     def replica_timeout(self) -> float:
