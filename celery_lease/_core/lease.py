@@ -42,7 +42,13 @@ from celery_lease._core.acquire_plan import (
     check_cancel,
     to_ms,
 )
-from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
+from celery_lease._core.arguments import (
+    CANCEL,
+    check_slot_store,
+    check_ttl,
+    checked_arguments,
+    checked_limit,
+)
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.held_key import HeldKey
 from celery_lease._core.owners import make_owner
@@ -56,8 +62,10 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
+    SupportsSlots,
     conforms,
 )
+from celery_lease.stores.slots import slot_key
 
 # POLL_MAX and check_ttl: read from here by the Celery layer and tests (their home is above).
 __all__ = [
@@ -153,9 +161,13 @@ class Lease:
     """A held lease, as yielded by :func:`lease`.
 
     Attributes:
-        key: the key held.
+        key: the key held (as asked for, also when held in a slot).
+        slot: the slot held, ``0 .. limit - 1`` with ``lease(..., limit=n)``; 0 without a limit.
+        store_key: the key as the store holds it: the slot's key
+            (:func:`~celery_lease.stores.slots.slot_key`) with a limit, else ``key``.
         owner: the random owner id this acquisition used.
-        token: the fencing token: larger than every earlier token of this key.
+        token: the fencing token: larger than every earlier token of this key (with a limit:
+            of any of its slots).
         waited: True when it was acquired only after another holder released or expired (that
             holder may just have done the same work).
         wait_seconds: how long acquiring took, in seconds of the lease's clock.
@@ -164,6 +176,8 @@ class Lease:
     A lease belongs to the process that acquired it: in a forked child it reads as lost
     (``lost_reason`` ``"forked"``) and is never renewed or released from there.
     """
+
+    slot = 0  # set on a lease held in a slot
 
     def __init__(
         self,
@@ -195,6 +209,11 @@ class Lease:
         self._gen = forking.generation()
         self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
         self._thread: int | None = None  # the thread that entered it outside any task
+
+    @property
+    def store_key(self) -> str:
+        """The key as the store holds it: the slot's key with a limit, else :attr:`key`."""
+        return self._key.key
 
     @property
     def lost(self) -> bool:
@@ -362,7 +381,14 @@ class LeaseContext:
             made on first use.
         names_holder: set by the Celery layer: tries use ``acquire_or_holder``, and
             ``refused_by`` is the owner id the last refusal named.
+        limit: ``None`` (default): the key itself is held; an int (1 .. MAX_LIMIT): one of up
+            to ``limit`` slots of the key, through the store's ``acquire_slot`` (set by
+            :func:`lease` for a limit over 1, by the Celery layer for a task's ``limit``).
     """
+
+    limit: int | None = None
+    _slot: int | None = None  # the slot the last granted try got (with a limit)
+    _store_key: str  # the held lease's key in the store (set when it is held)
 
     def __init__(
         self,
@@ -448,6 +474,7 @@ class LeaseContext:
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
         context = copy.copy(self)
+        context.__dict__.pop("_slot", None)
         context._unentered()
         return context
 
@@ -575,9 +602,27 @@ class LeaseContext:
                     SupportsAcquireOrHolder, self.store
                 ).acquire_or_holder(self.key, owner, ttl_ms)
                 return token
+            if self.limit is not None:
+                return self._try_slot(owner, ttl_ms, self.limit)
             return self.store.acquire(self.key, owner, ttl_ms)
         except BaseException as exc:
             return Failed(exc)
+
+    def _try_slot(self, owner: str, ttl_ms: int, limit: int) -> Reply:
+        """A try for a slot: its token (the slot noted for :meth:`_hold`), or ``None``."""
+        got = cast(SupportsSlots, self.store).acquire_slot(self.key, owner, ttl_ms, limit)
+        if got is None:
+            return None
+        self._slot, token = got
+        return token
+
+    async def _atry_slot(self, astore: AsyncLockStore, owner: str, ttl_ms: int) -> Reply:
+        """:meth:`_try_slot`, awaited on ``astore``."""
+        got = await aio.try_acquire_slot(astore, self.key, owner, ttl_ms, cast(int, self.limit))
+        if got is None or isinstance(got, Failed):
+            return got
+        self._slot, token = got
+        return token
 
     def __exit__(
         self,
@@ -614,7 +659,11 @@ class LeaseContext:
             canceller = aio.Canceller(asyncio.get_running_loop(), task)
         astore = self._async_store()
         owner, ttl_ms, started = self._first_try()
-        reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+        reply = await (
+            aio.try_acquire(astore, self.key, owner, ttl_ms)
+            if self.limit is None
+            else self._atry_slot(astore, owner, ttl_ms)
+        )
         immediate = None if canceller is None else canceller.on_lost
         if type(reply) is GRANTED:  # the usual answer: no plan needed
             held = self._hold(owner, reply, 0, started, started, immediate)
@@ -626,7 +675,11 @@ class LeaseContext:
                     await astore.wait_for_release(self.key, step.seconds)
                     reply = None
                 else:
-                    reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+                    reply = await (
+                        aio.try_acquire(astore, self.key, owner, ttl_ms)
+                        if self.limit is None
+                        else self._atry_slot(astore, owner, ttl_ms)
+                    )
                 step = plan.send(reply)
             held = self._hold(*step, immediate)
         self._push(held, task)
@@ -672,7 +725,9 @@ class LeaseContext:
         _settled, final, lapsed = key.stop()  # one lock round, no wait
         try:
             if final:
-                await aio.release(self._async_store(), self.key, held.owner, self._send_release)
+                await aio.release(
+                    self._async_store(), self._store_key, held.owner, self._send_release
+                )
         finally:  # told after the release, also when a cancel cut it short
             if lapsed is not None:
                 key.notify(lapsed)
@@ -788,9 +843,15 @@ class LeaseContext:
                 held._listeners = [(immediate, True)]
             elif self.on_lost is not None:
                 held._listeners = [(self.on_lost, False)]
+            if self.limit is None:
+                store_key = self.key
+            else:
+                held.slot = cast(int, self._slot)
+                store_key = slot_key(self.key, held.slot)
+            self._store_key = store_key  # what the exit releases (or keeps for cooldown)
             held._key = held._entry = key = HeldKey(
                 store=self.store,
-                key=self.key,
+                key=store_key,
                 owner=owner,
                 ttl=self.ttl,
                 sent_at=sent_at,
@@ -855,13 +916,13 @@ class LeaseContext:
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
-        store = self.store
+        store, key = self.store, self._store_key
         if not (
             self._defer_release
             and conforms(store, SupportsDeferredRelease)
-            and cast(SupportsDeferredRelease, store).release_deferred(self.key, owner)
+            and cast(SupportsDeferredRelease, store).release_deferred(key, owner)
         ):
-            store.release(self.key, owner)
+            store.release(key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
         """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error), a
@@ -892,7 +953,7 @@ class LeaseContext:
     def _cool_down(self, owner: str, until: float) -> None:
         left = until - self.clock.monotonic()
         ms = to_ms(left)
-        store, key = self.store, self.key
+        store, key = self.store, self._store_key
         renewed = self._quietly(
             "setting the cooldown of %r failed (%s); the key frees itself within its ttl",
             (lambda o: store.release(key, o)) if left <= 0 else (lambda o: store.renew(key, o, ms)),
@@ -907,12 +968,29 @@ class LeaseContext:
             )
 
     def _abandon_attempt(self, owner: str) -> None:
+        """Release owner-checked what the attempt of ``owner`` may have taken: the key, or with
+        a limit each slot it could have got (owner ids are unique per attempt: no other
+        holder's slot is touched)."""
         self._quietly(
             "acquiring %r failed, and releasing that attempt failed too (%s); if it took"
             " effect, it expires within its ttl",
-            functools.partial(self.store.release, self.key),
+            functools.partial(self.store.release, self.key)
+            if self.limit is None
+            else self._release_any_slot,
             owner,
         )
+
+    def _release_any_slot(self, owner: str) -> None:
+        """Release ``owner``'s lease on every slot below the limit; raise the first error
+        after trying them all."""
+        first: Exception | None = None
+        for slot in range(cast(int, self.limit)):
+            try:
+                self.store.release(slot_key(self.key, slot), owner)
+            except Exception as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
 
 def lease(
@@ -927,6 +1005,7 @@ def lease(
     clock: Clock | None = None,
     cooldown: Duration = 0,
     holder: str | None = None,
+    limit: int | None = None,
 ) -> LeaseContext:
     """Hold ``key`` in ``store`` while a block (or decorated function) runs: the core of
     :func:`celery_lease.lease`, whose docstring gives the arguments (all but ``app``), their
@@ -949,6 +1028,11 @@ def lease(
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     context.async_store = astore
+    if limit is not None:
+        slots = checked_limit(limit)
+        if slots is not None:  # else 1: the key itself
+            check_slot_store(slots, sync_store, astore)
+            context.limit = slots
     return context
 
 
