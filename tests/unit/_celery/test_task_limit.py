@@ -26,6 +26,7 @@ from celery_lease._celery import (
     early_release,  # noqa: F401  # connects the receiver
 )
 from celery_lease._celery import settings as config
+from celery_lease._core import renewer
 from celery_lease._core.dispatch import drain
 from celery_lease.stores.slots import MAX_LIMIT, slot_key
 
@@ -343,12 +344,14 @@ class TestPerSlotPaths:
         resends.apply()
         assert seen == [(None, "released")]
 
-    def test_inspect_leases_lists_the_slot_key(self, app: Celery) -> None:
+    def test_the_renewer_holds_the_slot_key(self, app: Celery) -> None:
+        """The renewer (what ``inspect leases`` and the reaper's listing read) has the slot's
+        store key, so two slots of one key are two leases there."""
         rows: list[Any] = []
 
         @app.task(base=LockedTask, lock_key="k", lock_limit=2)
         def listed() -> None:
-            rows.extend(row["key"] for row in control.local_rows())
+            rows.extend(row["key"] for row in renewer.snapshot())
 
         listed.apply()
         assert rows == [slot_key("k", 0)]
