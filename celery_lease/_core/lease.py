@@ -6,6 +6,9 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
+With ``limit=n`` up to ``n`` holders share the key, each in its own slot (``held.slot``), a lease
+of its own on ``held.store_key``; a waiter is woken by any slot's release.
+
 :func:`current_lease` returns the innermost lease of the current context (``contextvars``). A
 nested ``lease()`` on the same key and store, in the thread (or asyncio task) that entered the
 held one, re-enters it, as an ``RLock`` does; a forked child ignores its parent's leases.
@@ -367,7 +370,9 @@ class Lease:
 
     def __repr__(self) -> str:
         state = f"lost:{self.lost_reason}" if self.lost else "held"
-        return f"<Lease key={self.key!r} token={self.token} owner={self.owner!r} {state}>"
+        held = getattr(self, "_key", None)  # None while the lease is being built
+        slot = "" if held is None or held.key == self.key else f" slot={self.slot}"
+        return f"<Lease key={self.key!r}{slot} token={self.token} owner={self.owner!r} {state}>"
 
 
 class LeaseContext:
@@ -539,7 +544,11 @@ class LeaseContext:
         return recorded
 
     def __repr__(self) -> str:
-        return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
+        limit = "" if self.limit is None else f", limit={self.limit}"
+        return (
+            f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g}"
+            f"{limit})"
+        )
 
     def __enter__(self) -> Lease:
         if self.on_lost is CANCEL:

@@ -22,7 +22,6 @@ from celery_lease import (
 )
 from celery_lease import signals as lease_signals
 from celery_lease._celery import (
-    control,
     early_release,  # noqa: F401  # connects the receiver
 )
 from celery_lease._celery import settings as config

@@ -545,3 +545,12 @@ class TestPerSlotEnds:
                 lease(KEY, app=app, limit=0)
         finally:
             app.close()
+
+
+def test_reprs_name_the_limit_and_the_slot(store: SlotStore) -> None:
+    context = lease(KEY, store=store, ttl=30, limit=2)
+    assert repr(context).endswith(", limit=2)")
+    with context as held:
+        assert f"key={KEY!r} slot=0 token=" in repr(held)
+    with lease(KEY, store=store, ttl=30) as plain:
+        assert "slot" not in repr(plain) and "limit" not in repr(lease(KEY, store=store))
