@@ -990,16 +990,12 @@ class LeaseContext:
         )
 
     def _release_any_slot(self, owner: str) -> None:
-        """Release ``owner``'s lease on every slot below the limit; raise the first error
-        after trying them all."""
-        first: Exception | None = None
+        """Release ``owner``'s lease on every slot below the limit (the slot an attempt gets
+        is the lowest free one below it); a store error stops it (the store is then likely
+        unreachable for the rest too: what was taken expires within its ttl)."""
+        release, key = self.store.release, self.key
         for slot in range(cast(int, self.limit)):
-            try:
-                self.store.release(slot_key(self.key, slot), owner)
-            except Exception as exc:
-                first = first or exc
-        if first is not None:
-            raise first
+            release(slot_key(key, slot), owner)
 
 
 def lease(

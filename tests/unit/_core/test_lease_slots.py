@@ -554,3 +554,19 @@ def test_reprs_name_the_limit_and_the_slot(store: SlotStore) -> None:
         assert f"key={KEY!r} slot=0 token=" in repr(held)
     with lease(KEY, store=store, ttl=30) as plain:
         assert "slot" not in repr(plain) and "limit" not in repr(lease(KEY, store=store))
+
+
+def test_a_failing_clean_up_stops_at_the_first_error(clock: FakeClock) -> None:
+    """The store fails the acquire's reply and then every release: the clean-up stops at the
+    first failed release (logged), and the caller gets the acquire's error."""
+
+    class Down(LostSlotReply):
+        def release(self, key: str, owner: str) -> None:
+            self.released.append(key)
+            raise StoreUnavailableError("down")
+
+    store = Down(clock, StoreUnavailableError("reply lost"))
+    with pytest.raises(StoreUnavailableError, match="lost"), lease(KEY, store=store, limit=50):
+        pass
+    assert drain(REAL_TIMEOUT)
+    assert store.released == [slot_key(KEY, 0)]
