@@ -98,7 +98,9 @@ class TestTaskLimit:
         set); a fourth, not waiting, is refused with LockNotAcquiredError."""
         gate = Gate()
 
-        @app.task(bind=True, base=LockedTask, lock_key="acct:{account_id}", lock_limit=3)
+        @app.task(
+            shared=False, bind=True, base=LockedTask, lock_key="acct:{account_id}", lock_limit=3
+        )
         def pay(self: Any, account_id: int) -> int:
             if account_id:
                 gate.enter(self.request)
@@ -125,14 +127,14 @@ class TestTaskLimit:
     def test_lock_slot_is_0_without_a_limit_and_none_outside(self, app: Celery) -> None:
         seen: list[Any] = []
 
-        @app.task(bind=True, base=LockedTask, lock_key="plain")
+        @app.task(shared=False, bind=True, base=LockedTask, lock_key="plain")
         def plain(self: Any) -> None:
             seen.append((self.request.lock_slot, self.request.lease.store_key))
 
         plain.apply()
         assert seen == [(0, "plain")]
 
-        @app.task(bind=True)
+        @app.task(shared=False, bind=True)
         def unlocked(self: Any) -> None:
             seen.append(self.request.lock_slot)
 
@@ -185,7 +187,13 @@ class TestTaskLimit:
     def test_a_callable_returning_a_bad_value_names_task_key_and_value(
         self, app: Celery, value: object
     ) -> None:
-        @app.task(bind=True, base=LockedTask, lock_key="acct:{n}", lock_limit=lambda n: value)
+        @app.task(
+            shared=False,
+            bind=True,
+            base=LockedTask,
+            lock_key="acct:{n}",
+            lock_limit=lambda n: value,
+        )
         def bad(self: Any, n: int) -> None:
             raise AssertionError("the body must not run")
 
@@ -210,7 +218,7 @@ class TestTaskLimit:
 
         app.conf.lease_store = NoSlots()
 
-        @app.task(base=LockedTask, lock_key="k", lock_limit=2)
+        @app.task(shared=False, base=LockedTask, lock_key="k", lock_limit=2)
         def limited() -> None:
             raise AssertionError("the body must not run")
 
@@ -257,7 +265,7 @@ class TestDefinition:
                 lock_limit = 3
 
     def test_a_key_with_the_slot_mark_fails_at_call_time(self, app: Celery) -> None:
-        @app.task(base=LockedTask, lock_key=lambda name: f"k\x1f{name}")
+        @app.task(shared=False, base=LockedTask, lock_key=lambda name: f"k\x1f{name}")
         def keyed(name: str) -> None:
             raise AssertionError("the body must not run")
 
@@ -269,11 +277,11 @@ class TestPerSlotPaths:
     def test_signals_carry_the_key_and_the_slot(
         self, app: Celery, received: list[tuple[str, dict[str, Any]]]
     ) -> None:
-        @app.task(base=LockedTask, lock_key="k", lock_limit=2)
+        @app.task(shared=False, base=LockedTask, lock_key="k", lock_limit=2)
         def limited() -> None:
             pass
 
-        @app.task(base=LockedTask, lock_key="p")
+        @app.task(shared=False, base=LockedTask, lock_key="p")
         def plain() -> None:
             pass
 
@@ -305,7 +313,9 @@ class TestPerSlotPaths:
         seen: list[Any] = []
 
         # A short real ttl: the first renewal (ttl/3) finds the slot gone.
-        @app.task(bind=True, base=LockedTask, lock_key="k", lock_limit=3, lock_ttl=0.3)
+        @app.task(
+            shared=False, bind=True, base=LockedTask, lock_key="k", lock_limit=3, lock_ttl=0.3
+        )
         def loses(self: Any) -> None:
             seen.append(self.request.lock_slot)
             store.force_release(self.request.lease.store_key)
@@ -320,7 +330,7 @@ class TestPerSlotPaths:
         assert [(kw["key"], kw["slot"]) for kw in lost] == [("k", 1)]
 
     def test_cooldown_keeps_the_slot_held(self, app: Celery, store: MemoryLockStore) -> None:
-        @app.task(base=LockedTask, lock_key="k", lock_limit=2, lock_cooldown=60)
+        @app.task(shared=False, base=LockedTask, lock_key="k", lock_limit=2, lock_cooldown=60)
         def cools() -> None:
             pass
 
@@ -334,7 +344,7 @@ class TestPerSlotPaths:
         """Publishing its own id releases the execution's slot key before the message goes out."""
         seen: list[Any] = []
 
-        @app.task(bind=True, base=LockedTask, lock_key="k", lock_limit=2)
+        @app.task(shared=False, bind=True, base=LockedTask, lock_key="k", lock_limit=2)
         def resends(self: Any) -> None:
             assert store.get(slot_key("k", 0)) is not None
             before_task_publish.send(sender="t", headers={"id": self.request.id}, body=((), {}, {}))
@@ -348,7 +358,7 @@ class TestPerSlotPaths:
         store key, so two slots of one key are two leases there."""
         rows: list[Any] = []
 
-        @app.task(base=LockedTask, lock_key="k", lock_limit=2)
+        @app.task(shared=False, base=LockedTask, lock_key="k", lock_limit=2)
         def listed() -> None:
             rows.extend(row["key"] for row in renewer.snapshot())
 
