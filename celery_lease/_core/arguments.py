@@ -210,15 +210,17 @@ def checked_limit(limit: object, *, name: str = "limit") -> int | None:
     return None if limit == 1 else limit
 
 
-def check_slot_store(limit: int, store: object, astore: object | None) -> None:
+def check_slot_store(
+    limit: object, store: object, astore: object | None, *, name: str = "limit"
+) -> None:
     """Raise :class:`LeaseConfigError` unless ``store`` (and ``astore``, the async store given,
-    if any) can hold ``limit`` slots of a key (``acquire_slot``)."""
+    if any) can hold slots of a key (``acquire_slot``) for ``limit`` (the option ``name``)."""
     for given, protocol in ((store, SupportsSlots), (astore, AsyncSupportsSlots)):
         if given is not None and not (
             hasattr(type(given), "acquire_slot") and conforms(given, protocol)
         ):
             raise LeaseConfigError(
-                f"limit={limit!r} needs a store with acquire_slot() (memory, SQLite, Redis,"
+                f"{name}={limit!r} needs a store with acquire_slot() (memory, SQLite, Redis,"
                 f" PostgreSQL, Django stores have it); store={given!r} has none: use limit=1 or"
                 " None with it, or another store"
             )

@@ -159,13 +159,15 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
 
 def _limit(value: object, store: object, name: str) -> int | Callable[..., int] | None:
     """The ``limit`` option checked: ``None`` for unset or 1, an int over 1, or a callable;
-    an int over 1 with a store object given needs its ``acquire_slot`` now."""
+    either of the last two with a store object given needs its ``acquire_slot`` now."""
+    limit: int | Callable[..., int] | None
     if callable(value) and not isinstance(value, type):
-        return cast("Callable[..., int]", value)
-    slots = checked_limit(value, name=name)
-    if slots is not None and store is not None and not isinstance(store, str):
-        check_slot_store(slots, store, None)
-    return slots
+        limit = cast("Callable[..., int]", value)  # always slots, whatever it returns
+    else:
+        limit = checked_limit(value, name=name)
+    if limit is not None and store is not None and not isinstance(store, str):
+        check_slot_store(value, store, None, name=name)
+    return limit
 
 
 def call_limit(

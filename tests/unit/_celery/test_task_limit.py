@@ -252,17 +252,35 @@ class TestDefinition:
 
         assert "lock_limit" in str(raised.value) and "unique" in str(raised.value)
 
-    def test_a_store_object_without_slots_fails_at_definition(self) -> None:
+    @pytest.mark.parametrize("limit", [3, lambda n: 1])
+    def test_a_store_object_without_slots_fails_at_definition(self, limit: object) -> None:
+        """An int over 1, or a callable (always slots), with a lock_store that cannot keep
+        slots: named at class creation."""
+
         class NoSlots:
             def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None: ...
             def renew(self, key: str, owner: str, ttl_ms: int) -> bool: ...
             def release(self, key: str, owner: str) -> None: ...
 
-        with pytest.raises(LeaseConfigError, match="acquire_slot"):
+        with pytest.raises(LeaseConfigError, match="acquire_slot") as raised:
 
             class Limited(LockedTask):
                 lock_store = NoSlots()
-                lock_limit = 3
+                lock_limit = limit
+
+        assert "lock_limit of task" in str(raised.value)
+
+    def test_limit_1_needs_no_slots(self) -> None:
+        class NoSlots:
+            def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None: ...
+            def renew(self, key: str, owner: str, ttl_ms: int) -> bool: ...
+            def release(self, key: str, owner: str) -> None: ...
+
+        class One(LockedTask):
+            lock_store = NoSlots()
+            lock_limit = 1
+
+        assert One._lock_options.limit is None
 
     def test_a_key_with_the_slot_mark_fails_at_call_time(self, app: Celery) -> None:
         @app.task(shared=False, base=LockedTask, lock_key=lambda name: f"k\x1f{name}")
