@@ -214,6 +214,7 @@ class AppLeaseContext(LeaseContext):
         """Take the app's store, prefixed key and defaults as they are now."""
         resolved = self.arguments.resolve(self.app, UNRESOLVED)
         self.key, self.store = resolved.key, resolved.store
+        self.store_key = resolved.key
         self.ttl, self.wait = resolved.ttl, resolved.wait
         self.async_store = resolved.async_store
         self.limit = resolved.limit

@@ -68,7 +68,7 @@ from celery_lease.stores.base import (
     SupportsSlots,
     conforms,
 )
-from celery_lease.stores.slots import slot_key
+from celery_lease.stores.slots import slot_key, split_slot
 
 # POLL_MAX and check_ttl: read from here by the Celery layer and tests (their home is above).
 __all__ = [
@@ -180,8 +180,6 @@ class Lease:
     (``lost_reason`` ``"forked"``) and is never renewed or released from there.
     """
 
-    slot = 0  # set on a lease held in a slot
-
     def __init__(
         self,
         *,
@@ -217,6 +215,14 @@ class Lease:
     def store_key(self) -> str:
         """The key as the store holds it: the slot's key with a limit, else :attr:`key`."""
         return self._key.key
+
+    @property
+    def slot(self) -> int:
+        """The slot held: ``0 .. limit - 1`` with a limit, else 0."""
+        store_key = self._key.key
+        if store_key is self.key:
+            return 0
+        return split_slot(store_key)[1] or 0
 
     @property
     def lost(self) -> bool:
@@ -370,8 +376,8 @@ class Lease:
 
     def __repr__(self) -> str:
         state = f"lost:{self.lost_reason}" if self.lost else "held"
-        held = getattr(self, "_key", None)  # None while the lease is being built
-        slot = "" if held is None or held.key == self.key else f" slot={self.slot}"
+        built = hasattr(self, "_key")  # not while the lease is being built
+        slot = f" slot={self.slot}" if built and self.store_key != self.key else ""
         return f"<Lease key={self.key!r}{slot} token={self.token} owner={self.owner!r} {state}>"
 
 
@@ -389,11 +395,11 @@ class LeaseContext:
         limit: ``None`` (default): the key itself is held; an int (1 .. MAX_LIMIT): one of up
             to ``limit`` slots of the key, through the store's ``acquire_slot`` (set by
             :func:`lease` for a limit over 1, by the Celery layer for a task's ``limit``).
+        store_key: the key as the store holds the lease: ``key``, or with a limit the key of
+            the slot the last granted try got (what the exit releases).
     """
 
     limit: int | None = None
-    _slot: int | None = None  # the slot the last granted try got (with a limit)
-    _store_key: str  # the held lease's key in the store (set when it is held)
 
     def __init__(
         self,
@@ -413,7 +419,7 @@ class LeaseContext:
         task_id: str | None = None,
         wait_clock: Clock | None = None,
     ) -> None:
-        self.key = key
+        self.key = self.store_key = key
         self.store = store
         self.ttl = ttl
         self.wait = wait
@@ -479,7 +485,7 @@ class LeaseContext:
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
         context = copy.copy(self)
-        context.__dict__.pop("_slot", None)
+        context.store_key = context.key
         context._unentered()
         return context
 
@@ -618,11 +624,13 @@ class LeaseContext:
             return Failed(exc)
 
     def _try_slot(self, owner: str, ttl_ms: int, limit: int) -> Reply:
-        """A try for a slot: its token (the slot noted for :meth:`_hold`), or ``None``."""
+        """A try for a slot: its token (its slot's key noted as :attr:`store_key`), or
+        ``None``."""
         got = cast(SupportsSlots, self.store).acquire_slot(self.key, owner, ttl_ms, limit)
         if got is None:
             return None
-        self._slot, token = got
+        slot, token = got
+        self.store_key = slot_key(self.key, slot)
         return token
 
     async def _atry_slot(self, astore: AsyncLockStore, owner: str, ttl_ms: int) -> Reply:
@@ -630,7 +638,8 @@ class LeaseContext:
         got = await aio.try_acquire_slot(astore, self.key, owner, ttl_ms, cast(int, self.limit))
         if got is None or isinstance(got, Failed):
             return got
-        self._slot, token = got
+        slot, token = got
+        self.store_key = slot_key(self.key, slot)
         return token
 
     def __exit__(
@@ -735,7 +744,7 @@ class LeaseContext:
         try:
             if final:
                 await aio.release(
-                    self._async_store(), self._store_key, held.owner, self._send_release
+                    self._async_store(), self.store_key, held.owner, self._send_release
                 )
         finally:  # told after the release, also when a cancel cut it short
             if lapsed is not None:
@@ -852,15 +861,9 @@ class LeaseContext:
                 held._listeners = [(immediate, True)]
             elif self.on_lost is not None:
                 held._listeners = [(self.on_lost, False)]
-            if self.limit is None:
-                store_key = self.key
-            else:
-                held.slot = cast(int, self._slot)
-                store_key = slot_key(self.key, held.slot)
-            self._store_key = store_key  # what the exit releases (or keeps for cooldown)
             held._key = held._entry = key = HeldKey(
                 store=self.store,
-                key=store_key,
+                key=self.store_key,
                 owner=owner,
                 ttl=self.ttl,
                 sent_at=sent_at,
@@ -925,7 +928,7 @@ class LeaseContext:
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
-        store, key = self.store, self._store_key
+        store, key = self.store, self.store_key
         if not (
             self._defer_release
             and conforms(store, SupportsDeferredRelease)
@@ -962,7 +965,7 @@ class LeaseContext:
     def _cool_down(self, owner: str, until: float) -> None:
         left = until - self.clock.monotonic()
         ms = to_ms(left)
-        store, key = self.store, self._store_key
+        store, key = self.store, self.store_key
         renewed = self._quietly(
             "setting the cooldown of %r failed (%s); the key frees itself within its ttl",
             (lambda o: store.release(key, o)) if left <= 0 else (lambda o: store.renew(key, o, ms)),
