@@ -570,3 +570,37 @@ def test_a_failing_clean_up_stops_at_the_first_error(clock: FakeClock) -> None:
         pass
     assert drain(REAL_TIMEOUT)
     assert store.released == [slot_key(KEY, 0)]
+
+
+def test_many_threads_never_exceed_the_limit() -> None:
+    """Eight threads take a slot of one key twenty times each, waiting for one (real clock):
+    never more than three hold it at once, every call gets in, every token is new."""
+    store = MemoryLockStore()
+    lock = threading.Lock()
+    inside, peak, tokens, errors = 0, 0, [], []
+
+    def worker() -> None:
+        nonlocal inside, peak
+        try:
+            for _ in range(20):
+                with lease(KEY, store=store, ttl=30, wait=REAL_TIMEOUT, limit=3) as held:
+                    with lock:
+                        inside += 1
+                        peak = max(peak, inside)
+                        tokens.append(held.token)
+                        assert 0 <= held.slot < 3
+                    assert len(store.list(KEY)) <= 3  # what the store holds, not our count
+                    with lock:
+                        inside -= 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REAL_TIMEOUT * 3)
+    assert errors == []
+    assert 1 <= peak <= 3
+    assert len(tokens) == 160 and len(set(tokens)) == 160
+    assert store.list(KEY) == []
