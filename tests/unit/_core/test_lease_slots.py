@@ -604,3 +604,29 @@ def test_many_threads_never_exceed_the_limit() -> None:
     assert 1 <= peak <= 3
     assert len(tokens) == 160 and len(set(tokens)) == 160
     assert store.list(KEY) == []
+
+
+def test_a_decorated_function_takes_a_slot_per_call(store: SlotStore) -> None:
+    """@lease(..., limit=2): each call takes its own slot (a fresh context per call); two calls
+    at once hold slots 0 and 1, and every call releases its own."""
+    inside = threading.Barrier(2, timeout=REAL_TIMEOUT)
+    seen: list[tuple[int, str]] = []
+
+    @lease(KEY, store=store, ttl=30, limit=2)
+    def body() -> None:
+        from celery_lease import current_lease
+
+        held = current_lease()
+        assert held is not None
+        seen.append((held.slot, held.store_key))
+        inside.wait()  # both hold a slot at once
+
+    threads = [threading.Thread(target=body) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(REAL_TIMEOUT)
+    assert sorted(seen) == [(0, slot_key(KEY, 0)), (1, slot_key(KEY, 1))]
+    assert store.list(KEY) == []
+    releases = [store.released.count(slot_key(KEY, i)) for i in range(2)]
+    assert releases == [1, 1]
