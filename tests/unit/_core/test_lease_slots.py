@@ -294,11 +294,14 @@ class TestAbandonedAttempts:
         other.leave()
         assert store.list(KEY) == []
 
-    def test_an_interrupt_after_the_acquire_leaves_no_slot(self, clock: FakeClock) -> None:
+    @pytest.mark.parametrize("interrupt", [Interrupt, KeyboardInterrupt])
+    def test_an_interrupt_after_the_acquire_leaves_no_slot(
+        self, clock: FakeClock, interrupt: type[BaseException]
+    ) -> None:
         """An asynchronous exception delivered after acquire_slot took effect goes on, and no
         slot stays held."""
-        store = LostSlotReply(clock, Interrupt())
-        with pytest.raises(Interrupt), lease(KEY, store=store, ttl=30, limit=3):
+        store = LostSlotReply(clock, interrupt())
+        with pytest.raises(interrupt), lease(KEY, store=store, ttl=30, limit=3):
             pass
         assert store.granted is not None
         assert drain(REAL_TIMEOUT)
