@@ -933,13 +933,13 @@ class LeaseContext:
         self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
 
     def _release(self, owner: str) -> None:
-        store, key = self.store, self.store_key
+        store = self.store
         if not (
             self._defer_release
             and conforms(store, SupportsDeferredRelease)
-            and cast(SupportsDeferredRelease, store).release_deferred(key, owner)
+            and cast(SupportsDeferredRelease, store).release_deferred(self.store_key, owner)
         ):
-            store.release(key, owner)
+            store.release(self.store_key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
         """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error), a
