@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import random
 import sys
 import threading
@@ -186,6 +187,7 @@ class Explorer:
             self.errors.append(f"{name} raised {exc!r}")
         finally:
             with self.cond:
+                del self.names[threading.get_ident()]  # a later thread may get its ident
                 self.finished.add(name)
                 self.running = None
                 self.timeline.append(f"{name} done: {self.outcomes.get(name)}")
@@ -240,6 +242,11 @@ class Explorer:
         return f"seed {self.seed}, {self.scenario}\n" + "\n".join(self.timeline[-200:])
 
 
+def _short(owner: str) -> str:
+    """The random part of an owner id (``host/pid/<hex>``), for the timeline."""
+    return owner.split(";", 1)[0][-6:]
+
+
 class ControlledStore:
     """The explorer's store: each call an actor makes is a point, and may fail from the seed."""
 
@@ -261,7 +268,11 @@ class ControlledStore:
         fault = self._point("acquire")
         if fault == "fail":
             raise StoreUnavailableError("acquire failed before it was performed")
-        token = self._x.inner.acquire(key, owner, ttl_ms)
+        with self._x.cond:
+            token = self._x.inner.acquire(key, owner, ttl_ms)
+            if token is not None and not any(g[0] == owner for g in self._x.grants):
+                self._x.grants.append((owner, 0, token))
+            self._x.timeline.append(f"  store: acquire {_short(owner)} -> {token}")
         if fault == "lost":
             raise StoreUnavailableError("the reply of acquire was lost")
         return token
@@ -274,7 +285,7 @@ class ControlledStore:
             got = self._x.inner.acquire_slot(key, owner, ttl_ms, limit)
             if got is not None and not any(g[0] == owner for g in self._x.grants):
                 self._x.grants.append((owner, got[0], got[1]))
-            self._x.timeline.append(f"  store: acquire_slot {owner[-6:]} -> {got}")
+            self._x.timeline.append(f"  store: acquire_slot {_short(owner)} -> {got}")
         if fault == "lost":
             raise StoreUnavailableError("the reply of acquire_slot was lost")
         return got
@@ -295,7 +306,7 @@ class ControlledStore:
                     self._x.failed_releases.add((key, owner))
             raise StoreUnavailableError("release failed before it was performed")
         self._x.inner.release(key, owner)
-        self._x.timeline.append(f"  store: release {split_slot(key)} {owner[-6:]}")
+        self._x.timeline.append(f"  store: release {split_slot(key)} {_short(owner)}")
         self._x.released(key)
         if fault == "lost":
             raise StoreUnavailableError("the reply of release was lost")
@@ -369,6 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
+    logging.getLogger("celery_lease").setLevel(logging.ERROR)  # failed releases are expected
     names = args.scenario or sorted(SCENARIOS)
     seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
     for name in names:
