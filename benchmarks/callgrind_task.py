@@ -100,8 +100,7 @@ MICRO = {
     "forking.generation": "forking.generation()",
     "only_ours x3": "deferral.only_ours(task_success); deferral.only_ours(task_postrun);"
     " deferral.only_ours(signals.lock_released)",
-    "prerun+postrun receivers": "worker.on_task_prerun(task_id=TID, task=TASK);"
-    " worker.on_task_postrun(task_id=TID)",
+    "running_task": "worker.running_task()",
     "closure": "(lambda: _i)",
     "publishes_nothing": "deferral.publishes_nothing(TASK, REQ)",
     "LeaseContext()": "LeaseContext('k', store, 30.0, 0.0, None, 0.0, None, None, SYSTEM_CLOCK,"

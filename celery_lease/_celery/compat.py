@@ -50,6 +50,7 @@ __all__ = [
     "get_actual_ignore_result",
     "get_current_app",
     "get_current_task",
+    "get_current_worker_task",
     "job_pids",
     "join_exited_workers",
     "live_receivers",
@@ -71,6 +72,8 @@ task_stack: TaskStack = _state._task_stack
 get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
+# celery 5.x: the task Celery's tracer runs in this thread (tasks called as functions skipped).
+get_current_worker_task: Callable[[], CeleryTask | None] = _state.get_current_worker_task
 
 
 class PydanticWrapperCells(TypedDict, total=False):

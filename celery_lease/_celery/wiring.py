@@ -10,8 +10,6 @@ from collections.abc import Callable
 from celery.signals import (
     before_task_publish,
     task_failure,
-    task_postrun,
-    task_prerun,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -21,6 +19,7 @@ from celery.signals import (
 from celery.utils.dispatch import Signal
 
 from celery_lease._celery import control, deferral, early_release, request, unique, worker
+from celery_lease._core import owners
 
 
 def _flush_deferred(**_: object) -> None:
@@ -32,8 +31,6 @@ RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (worker_init, worker.on_worker_init, "celery_lease.worker_init"),
     (worker_process_init, worker.on_worker_process_init, "celery_lease.worker_process_init"),
     (worker_shutdown, worker.on_worker_shutdown, "celery_lease.worker_shutdown"),
-    (task_prerun, worker.on_task_prerun, "celery_lease.task_prerun"),
-    (task_postrun, worker.on_task_postrun, "celery_lease.task_postrun"),
     (task_failure, worker.on_task_failure, "celery_lease.task_failure"),
     (
         before_task_publish,
@@ -57,5 +54,8 @@ def install() -> None:
     control.register_command()
     for signal, receiver, uid in RECEIVERS:
         signal.connect(receiver, weak=False, dispatch_uid=uid)
+    # Owner ids read the running task when made: a task_prerun / task_postrun receiver would
+    # make Celery send both signals for every task, plain ones too.
+    owners.set_task_source(worker.running_task)
     atexit.register(deferral.flush_deferred_releases)
     _installed = True

@@ -1,16 +1,14 @@
 """Worker signal receivers (connected by :func:`celery_lease._celery.wiring.install`): our
 bootsteps at ``worker_init``, a pool child's reset and ``inspect leases`` server, hard time
-limits for the reaper, and the running task as the default of owner ids made during it."""
+limits for the reaper; and the running task as the default of owner ids (:func:`running_task`)."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
 import os
 
 from celery_lease import _forking as forking
-from celery_lease._celery import control, pool, reaper, startup
+from celery_lease._celery import compat, control, pool, reaper, startup
 from celery_lease._core import owners
 
 logger = logging.getLogger("celery_lease.worker")
@@ -53,31 +51,15 @@ def on_worker_shutdown(**_: object) -> None:
         control.cleanup_main()
 
 
-_OwnerToken = contextvars.Token[tuple[str | None, str | None] | None]
-
-_task_tokens: contextvars.ContextVar[list[tuple[str, _OwnerToken]] | None] = contextvars.ContextVar(
-    "celery_lease_task_tokens", default=None
-)
-
-
-def on_task_prerun(task_id: str | None = None, task: object = None, **_: object) -> None:
-    """``task_prerun``: the running task is the default task of owner ids made now."""
-    stack = _task_tokens.get()
-    if stack is None:
-        stack = []
-        _task_tokens.set(stack)
+def running_task() -> tuple[str | None, str | None] | None:
+    """The ``(name, id)`` of the task Celery's tracer runs in this thread (a task called as a
+    function inside it excluded), or None: the default task of owner ids made now."""
+    task = compat.get_current_worker_task()
+    if task is None:
+        return None
     name = getattr(task, "name", None)
-    stack.append((str(task_id), owners.push_task(name if isinstance(name, str) else None, task_id)))
-
-
-def on_task_postrun(task_id: str | None = None, **_: object) -> None:
-    """``task_postrun``: undo what :func:`on_task_prerun` did for this task id."""
-    stack = _task_tokens.get()
-    if not stack or stack[-1][0] != str(task_id):
-        return
-    token = stack.pop()[1]
-    with contextlib.suppress(ValueError):  # made in another context (should not happen)
-        owners.pop_task(token)
+    task_id = getattr(task.request, "id", None)
+    return (name if isinstance(name, str) else None, task_id if isinstance(task_id, str) else None)
 
 
 def on_task_failure(

@@ -8,7 +8,7 @@ first, ``at`` unix ms when made::
     host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;ttl=30000;at=1733260000123
 
 A queued lease's is ``queued;t=<task>;i=<id>;at=<ms>;n=<nonce>``. In a worker, left-out fields
-take the node (:func:`set_node`) and the running task (:func:`push_task`).
+take the node (:func:`set_node`) and the running task (:func:`set_task_source`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import secrets
 import socket
 import time
-from contextvars import ContextVar, Token
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -74,9 +74,9 @@ def new_nonce() -> str:
 
 _node: str | None = None  # this worker process's Celery node name (prefork children inherit it)
 
-_task: ContextVar[tuple[str | None, str | None] | None] = ContextVar(
-    "celery_lease_owner_task", default=None
-)
+# ``() -> (task name, task id) or None``: the task running in this thread, asked only when an
+# owner id is made without task fields (the Celery layer installs one).
+_task_source: Callable[[], tuple[str | None, str | None] | None] | None = None
 
 
 def set_node(node: str | None) -> None:
@@ -85,14 +85,11 @@ def set_node(node: str | None) -> None:
     _node = node
 
 
-def push_task(task: str | None, task_id: str | None) -> Token[tuple[str | None, str | None] | None]:
-    """Make ``(task, task_id)`` the default task of owners made in this context until popped."""
-    return _task.set((task, task_id))
-
-
-def pop_task(token: Token[tuple[str | None, str | None] | None]) -> None:
-    """Undo the :func:`push_task` that returned ``token``."""
-    _task.reset(token)
+def set_task_source(source: Callable[[], tuple[str | None, str | None] | None] | None) -> None:
+    """Make ``source()`` (the running task's ``(name, id)``, or None outside a task) the default
+    task of owner ids made without task fields; None: no default."""
+    global _task_source
+    _task_source = source
 
 
 def _field(name: str, value: str | None) -> str:
@@ -127,7 +124,7 @@ def make_owner(
 
     Args:
         node: the Celery node name (``w1@host``); default the process's (:func:`set_node`).
-        task, task_id: default (both left out) the task running here (:func:`push_task`).
+        task, task_id: default (both left out) the task running here (:func:`set_task_source`).
         label: a free text naming the holder (``lease(..., holder=...)``), or None.
         ttl_ms, cooldown_ms: the lease's ttl and cooldown, milliseconds, or None.
         replace_ticket: the ticket an ``on_held="replace"`` execution drew when it asked the
@@ -140,8 +137,8 @@ def make_owner(
     owner = _this_process_ids().new()
     if node is None:
         node = _node
-    if task is None and task_id is None:
-        current = _task.get()
+    if task is None and task_id is None and _task_source is not None:
+        current = _task_source()
         if current is not None:
             task, task_id = current
     if node is not None:

@@ -7,18 +7,19 @@ import os
 import subprocess
 import sys
 
-from celery import signals
+from celery import Celery, signals
 from celery.app.task import Context
+from celery.app.trace import build_tracer
 from celery.worker.control import Panel
 
+from celery_lease import MemoryLockStore, lease
 from celery_lease._celery import control, wiring
+from celery_lease._core.owners import parse_owner
 
 UIDS = {
     "worker_init": "celery_lease.worker_init",
     "worker_process_init": "celery_lease.worker_process_init",
     "worker_shutdown": "celery_lease.worker_shutdown",
-    "task_prerun": "celery_lease.task_prerun",
-    "task_postrun": "celery_lease.task_postrun",
     "task_failure": "celery_lease.task_failure",
     "before_task_publish": "celery_lease.release_before_retry",
     "worker_process_shutdown": "celery_lease.flush_deferred_process",
@@ -99,7 +100,7 @@ _REPORT = (
     "from celery.app.task import Context; "
     "print(json.dumps({'leases': 'leases' in Panel.data, "
     "'attributes': hasattr(Context, 'lock_token'), "
-    "'receivers': sorted(k[0] for n in ('worker_init', 'task_prerun', 'before_task_publish') "
+    "'receivers': sorted(k[0] for n in ('worker_init', 'task_failure', 'before_task_publish') "
     "for k, _ in getattr(signals, n).receivers if str(k[0]).startswith('celery_lease.'))}))"
 )
 
@@ -112,7 +113,7 @@ class TestWhereItRuns:
             "attributes": True,
             "receivers": [
                 "celery_lease.release_before_retry",
-                "celery_lease.task_prerun",
+                "celery_lease.task_failure",
                 "celery_lease.worker_init",
             ],
         }
@@ -122,3 +123,60 @@ class TestWhereItRuns:
         task included: it must not add celery-lease's hooks to those."""
         answer = _in_fresh_interpreter("import celery_lease.cli; " + _REPORT)
         assert answer == {"leases": True, "attributes": False, "receivers": []}
+
+
+class TestOwnerDefaultsWithoutTaskSignals:
+    """A ``lease()`` in a task body that is not a LockedTask still names the task in its owner id,
+    with no ``task_prerun`` / ``task_postrun`` receiver of ours: Celery sends those signals for
+    every task (plain ones too) only while some receiver is connected."""
+
+    def test_no_receiver_of_ours_makes_celery_send_the_task_signals(self) -> None:
+        wiring.install()
+        for signal in (signals.task_prerun, signals.task_postrun):
+            assert [k for k, _ in signal.receivers if str(k[0]).startswith("celery_lease.")] == []
+
+    def _app(self) -> Celery:
+        app = Celery("owners", broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.task_eager_propagates = True
+        return app
+
+    def test_a_lease_in_a_traced_plain_task_names_the_task(self) -> None:
+        wiring.install()
+        store = MemoryLockStore()
+        app = self._app()
+        seen: list[str] = []
+
+        @app.task(name="owners.outer", shared=False)
+        def outer() -> None:
+            with lease("k", store=store, ttl=5) as held:
+                seen.append(held.owner)
+
+        tracer = build_tracer(outer.name, outer, app=app, eager=True, propagate=True)
+        tracer("id-1", (), {}, {"id": "id-1", "delivery_info": {}})
+        holder = parse_owner(seen[0])
+        assert (holder.task, holder.task_id) == ("owners.outer", "id-1")
+        app.close()
+
+    def test_a_task_called_directly_in_a_body_keeps_the_running_tasks_name(self) -> None:
+        """Celery's worker task (the traced one), never a task called as a function in it."""
+        wiring.install()
+        store = MemoryLockStore()
+        app = self._app()
+        seen: list[str] = []
+
+        @app.task(name="owners.inner", shared=False)
+        def inner() -> None:
+            with lease("k", store=store, ttl=5) as held:
+                seen.append(held.owner)
+
+        @app.task(name="owners.outer", shared=False)
+        def outer() -> None:
+            inner()
+
+        tracer = build_tracer(outer.name, outer, app=app, eager=True, propagate=True)
+        tracer("id-2", (), {}, {"id": "id-2", "delivery_info": {}})
+        inner()  # outside any execution: no task at all
+        running, direct = (parse_owner(owner) for owner in seen)
+        assert (running.task, running.task_id) == ("owners.outer", "id-2")
+        assert (direct.task, direct.task_id) == (None, None)
+        app.close()
