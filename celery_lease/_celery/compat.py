@@ -54,6 +54,7 @@ __all__ = [
     "job_pids",
     "join_exited_workers",
     "live_receivers",
+    "may_have_dead_receivers",
     "pool_jobs",
     "pydantic_wrapper_closure",
     "reapable",
@@ -119,6 +120,12 @@ def live_receivers(signal: SignalLike) -> list[object]:
                 continue
         alive.append(receiver)
     return alive
+
+
+def may_have_dead_receivers(signal: SignalLike) -> bool:
+    """Whether a weak receiver of ``signal`` may have been collected since its receivers were
+    last swept (celery 5.x ``Signal._dead_receivers``; True when the signal has no such flag)."""
+    return bool(getattr(signal, "_dead_receivers", True))
 
 
 _ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]

@@ -25,6 +25,8 @@ logger = logging.getLogger("celery_lease.deferral")
 deferring: dict[int, SupportsDeferredRelease] = {}
 _HOOKS = ("on_success", "after_return")
 _hookless: dict[type, bool] = {}
+# id(signal) -> (the signal, its receivers' entries when asked, :func:`only_ours`'s answer).
+_answers: dict[int, tuple[SignalLike, list[tuple[object, object]], bool]] = {}
 
 
 def defer_on(context: LeaseContext) -> None:
@@ -87,8 +89,21 @@ def _custom(cls: type, name: str) -> bool:
 
 
 def only_ours(signal: SignalLike) -> bool:
-    """Whether every live receiver of ``signal`` is ours (looked at each time, never cached)."""
-    return all(
+    """Whether every live receiver of ``signal`` is ours; the answer is kept while the signal's
+    receivers are the same entries and none of its weak receivers was collected."""
+    receivers = signal.receivers
+    kept = _answers.get(id(signal))
+    if (
+        kept is not None
+        and kept[0] is signal
+        and kept[1] == receivers
+        and not compat.may_have_dead_receivers(signal)
+    ):
+        return kept[2]
+    seen = list(receivers)  # before reading them: a receiver connected meanwhile differs next time
+    answer = all(
         (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
         for receiver in compat.live_receivers(signal)
     )
+    _answers[id(signal)] = (signal, seen, answer)
+    return answer

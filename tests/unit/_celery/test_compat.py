@@ -130,6 +130,22 @@ class TestSignals:
         assert ref() is None
         assert compat.live_receivers(signal) == [strong]
 
+    def test_a_collected_weak_receiver_is_flagged_until_swept(self) -> None:
+        signal = Signal(name="compat_probe_dead")
+
+        def weak(**_: Any) -> None:
+            pass
+
+        signal.connect(weak)
+        flags = [compat.may_have_dead_receivers(signal)]
+        del weak
+        gc.collect()
+        flags.append(compat.may_have_dead_receivers(signal))
+        signal.send(sender=None)  # sweeps the dead entry
+        flags.append(compat.may_have_dead_receivers(signal))
+        assert flags == [False, True, False]
+        assert not compat.may_have_dead_receivers(Signal(name="compat_probe_fresh"))
+
 
 class TestPoolInternals:
     def test_billiards_pool_has_what_the_reaper_wraps(self) -> None:

@@ -235,6 +235,29 @@ class TestWhichExecutionsDefer:
         run(7)
         assert released(log) == ["release k:6", "deferred k:7"]
 
+    @pytest.mark.parametrize("signal", [task_postrun, task_success], ids=["postrun", "success"])
+    def test_a_receiver_connected_after_deferred_runs_makes_the_next_wait(
+        self, app: Celery, log: list[str], signal: Any
+    ) -> None:
+        """The decision follows the receivers between two executions of one worker process."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def watched(n: int) -> None:
+            return None
+
+        def receiver(**_: Any) -> None:
+            log.append("receiver")
+
+        run = traced(app, watched)
+        run(1)
+        signal.connect(receiver, weak=False)
+        try:
+            run(2)
+        finally:
+            signal.disconnect(receiver)
+        run(3)
+        assert released(log) == ["deferred k:1", "release k:2", "deferred k:3"]
+
     def test_eager_runs_wait(self, app: Celery, log: list[str]) -> None:
         """``apply()`` (eager) returns to the caller, who may go on at once: no deferral."""
 
@@ -447,6 +470,37 @@ class TestOnlyOurs:
         signal.connect(foreign, dispatch_uid="myapp.other")
         assert not deferral.only_ours(signal)
         del foreign
+
+    def test_the_answer_follows_every_change_of_the_receivers(self) -> None:
+        """Asked again after each change: a connect, a disconnect, a swap that keeps the count
+        of receivers, a weak receiver collected (not yet swept from the list)."""
+        signal = Signal(name="success_stand_in_3")
+        signal.connect(_stand_in_receiver, weak=False, dispatch_uid="celery_lease.stand_in")
+        signal.connect(_stand_in_receiver, weak=False, dispatch_uid="celery_lease.stand_in_2")
+        answers = [deferral.only_ours(signal)]
+
+        def foreign(**_: Any) -> None:
+            pass
+
+        signal.connect(foreign, weak=False, dispatch_uid="myapp.a")
+        answers.append(deferral.only_ours(signal))
+        signal.disconnect(dispatch_uid="myapp.a")
+        answers.append(deferral.only_ours(signal))
+        signal.disconnect(dispatch_uid="celery_lease.stand_in_2")
+        signal.connect(foreign, weak=False, dispatch_uid="myapp.b")  # as many receivers as before
+        answers.append(deferral.only_ours(signal))
+        signal.disconnect(dispatch_uid="myapp.b")
+        answers.append(deferral.only_ours(signal))
+
+        def weakly_held(**_: Any) -> None:
+            pass
+
+        signal.connect(weakly_held, dispatch_uid="myapp.weak")
+        answers.append(deferral.only_ours(signal))
+        del weakly_held
+        gc.collect()
+        answers.append(deferral.only_ours(signal))
+        assert answers == [True, False, True, False, True, False, True]
 
 
 class TestLockReleasedReceivers:
