@@ -250,7 +250,7 @@ def run_locked(
             limit = call_limit(limit, args, kwargs, where=_name(task, spec), key=key)
         run = _Run(task, request, key, options)
         ttl, wait = spec.durations(settings)
-        store = execution_store(options.store, app, key)
+        store = execution_store(options.store, app, key, settings)
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
         context = _lease_context(run, request, store, ttl, 0.0 if _replaces(options) else wait)
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)

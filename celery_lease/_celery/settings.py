@@ -471,11 +471,13 @@ def _build_store(app: CeleryApp) -> LockStore:
     return SQLiteLockStore(path)
 
 
-def get_store(app: CeleryApp) -> LockStore:
+def get_store(app: CeleryApp, settings: LeaseSettings | None = None) -> LockStore:
     """The lock store of ``app`` in this process: ``lease_store``, else the broker's Redis, else
     a SQLite file shared by this user's workers on this host (warned of once, or refused under
-    ``lease_require_shared_store``). Rebuilt after ``fork`` and after a settings change."""
-    settings = get_settings(app)
+    ``lease_require_shared_store``). Rebuilt after ``fork`` and after a settings change.
+    ``settings``: ``get_settings(app)`` when the caller has just read it (default: read here)."""
+    if settings is None:
+        settings = get_settings(app)
     entry = _stores.get(app)
     if entry is None or entry[0] is not settings:
         with _lock:

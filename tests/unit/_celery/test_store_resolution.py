@@ -60,3 +60,27 @@ class TestExecutionStore:
     ) -> None:
         with pytest.raises(LeaseConfigError, match="store="):
             execution_store(object(), app, "k")  # type: ignore[arg-type]
+
+    def test_a_non_store_is_refused_every_time_after_a_store_was_accepted(
+        self, app: Celery
+    ) -> None:
+        """What was found to be a LockStore is not checked again; anything else always is."""
+        assert execution_store(None, app, "k") is app.conf.lease_store
+        for _ in range(2):
+            with pytest.raises(LeaseConfigError, match="store="):
+                execution_store(object(), app, "k")  # type: ignore[arg-type]
+        assert execution_store(None, app, "k") is app.conf.lease_store
+
+    def test_the_settings_just_read_give_the_apps_store(self, app: Celery) -> None:
+        """Passed the app's settings, it reads them no second time and picks the same store."""
+        settings = config.get_settings(app)
+        assert execution_store(None, app, "k", settings) is app.conf.lease_store
+        assert store_for(None, app, settings) is store_for(None, app)
+
+    def test_a_refused_configuration_still_raises_without_settings_passed(
+        self, app: Celery
+    ) -> None:
+        execution_store(None, app, "k")
+        config.refuse(app, "refused for this test")
+        with pytest.raises(LeaseConfigError, match="refused for this test"):
+            execution_store(None, app, "k")
