@@ -32,6 +32,7 @@ QUEUED_OWNER_HEAD = "queued;"
 _HOST = socket.gethostname()
 _SPECIAL = frozenset(";=%/")
 _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
+_HEX_MASK = 0xFFFFFFFFFFFFFFFF
 
 
 class _Ids:
@@ -46,12 +47,9 @@ class _Ids:
         self.base = secrets.randbits(64)
         self.count = itertools.count(1)
 
-    def new(self) -> str:
-        return self.prefix + self.hex()
-
     def hex(self) -> str:
         """The next 16 hex digits alone."""
-        return f"{(self.base + next(self.count)) & 0xFFFFFFFFFFFFFFFF:016x}"
+        return f"{(self.base + next(self.count)) & _HEX_MASK:016x}"
 
 
 _ids = _Ids(forking.generation())
@@ -134,19 +132,21 @@ def make_owner(
         TypeError: a value is not a str.
         ValueError: a value is longer than :data:`MAX_OWNER_FIELD_CHARS`.
     """
-    owner = _this_process_ids().new()
+    ids = _this_process_ids()
     if node is None:
         node = _node
     if task is None and task_id is None and _task_source is not None:
         current = _task_source()
         if current is not None:
             task, task_id = current
-    if node is not None:
-        owner += ";n=" + _field("node", node)
-    if task is not None:
-        owner += ";t=" + _field("task", task)
+    owner = f"{ids.prefix}{(ids.base + next(ids.count)) & _HEX_MASK:016x}{_named(node, task)}"
     if task_id is not None:
-        owner += ";i=" + _field("task_id", task_id)
+        if type(task_id) is str and len(task_id) <= MAX_OWNER_FIELD_CHARS:
+            owner += ";i=" + (
+                task_id if _SPECIAL.isdisjoint(task_id) else task_id.translate(_ENCODE)
+            )
+        else:
+            owner += ";i=" + _field("task_id", task_id)
     if label is not None:
         owner += ";l=" + _field("label", label)
     if ttl_ms is not None:
@@ -156,6 +156,28 @@ def make_owner(
     if replace_ticket is not None:
         owner += f";rt={int(replace_ticket)}"
     return f"{owner};at={time.time_ns() // 1_000_000}"
+
+
+# (node, task) -> their ``;n=...;t=...`` fields, for str values (a worker has a few of each).
+_named_fields: dict[tuple[str | None, str | None], str] = {}
+_NAMED_FIELDS_KEPT = 1024
+
+
+def _named(node: str | None, task: str | None) -> str:
+    """The ``;n=`` and ``;t=`` fields of ``node`` and ``task`` (either None: left out)."""
+    plain = (node is None or type(node) is str) and (task is None or type(task) is str)
+    if plain:
+        known = _named_fields.get((node, task))
+        if known is not None:
+            return known
+    fields = ""
+    if node is not None:
+        fields += ";n=" + _field("node", node)
+    if task is not None:
+        fields += ";t=" + _field("task", task)
+    if plain and len(_named_fields) < _NAMED_FIELDS_KEPT:
+        _named_fields[(node, task)] = fields
+    return fields
 
 
 def queued_owner(task: str, task_id: str, at_ms: int, label: str | None = None) -> str:

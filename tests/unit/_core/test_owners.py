@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -163,3 +166,64 @@ class TestReplaceTicket:
         )
         assert parse_owner(make_owner()).replace_ticket is None
         assert parse_owner("h/1/00;rt=x1").replace_ticket is None
+
+
+ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
+
+
+class TestOwnerFormat:
+    """The exact text of an owner id, field by field (stores and older readers parse it)."""
+
+    def _tail(self, owner: str) -> str:
+        head, _, rest = owner.partition(";")
+        host, pid, digits = head.split("/")
+        assert (pid, len(digits)) == (str(os.getpid()), 16)
+        assert host == socket.gethostname().translate(ENCODE)
+        return ";" + rest if rest else ""
+
+    def test_every_field_in_order_encoded(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(time, "time_ns", lambda: 1_733_260_000_123_456_789)
+        made = make_owner(
+            node="w1@host",
+            task="a;b=c",
+            task_id="x/y%z",
+            label="l=1",
+            ttl_ms=30000,
+            cooldown_ms=5,
+            replace_ticket=3,
+        )
+        assert self._tail(made) == (
+            ";n=w1@host;t=a%3Bb%3Dc;i=x%2Fy%25z;l=l%3D1;ttl=30000;cd=5;rt=3;at=1733260000123"
+        )
+
+    @pytest.mark.parametrize(
+        ("fields", "tail"),
+        [
+            ({}, ";at=7"),
+            ({"node": "n"}, ";n=n;at=7"),
+            ({"task": "t"}, ";t=t;at=7"),
+            ({"task_id": "i"}, ";i=i;at=7"),
+            ({"node": "n", "task": "t", "cooldown_ms": 0}, ";n=n;t=t;at=7"),
+            ({"node": "a/b", "task": "t", "task_id": ""}, ";n=a%2Fb;t=t;i=;at=7"),
+        ],
+    )
+    def test_left_out_fields_are_not_written(
+        self, monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any], tail: str
+    ) -> None:
+        monkeypatch.setattr(time, "time_ns", lambda: 7_000_000)
+        for _ in range(2):  # a second owner of the same node and task: the same text
+            assert self._tail(make_owner(**fields)) == tail
+
+    @pytest.mark.parametrize("name", ["node", "task", "task_id"])
+    def test_a_bad_field_is_refused_after_good_ones(self, name: str) -> None:
+        make_owner(node="n", task="t", task_id="i")
+        with pytest.raises(TypeError, match=f"{name} must be a str"):
+            make_owner(**{"node": "n", "task": "t", name: 7})
+        with pytest.raises(ValueError, match=f"{name} is"):
+            make_owner(**{"node": "n", "task": "t", name: "x" * (MAX_OWNER_FIELD_CHARS + 1)})
+
+    def test_a_str_subclass_is_written_as_its_text(self) -> None:
+        class Name(str):
+            pass
+
+        assert ";t=a%3Bb;" in make_owner(task=Name("a;b"))
