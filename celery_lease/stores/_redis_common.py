@@ -145,6 +145,20 @@ def _signal(signal: str, lifetime: str, keep: str) -> str:
     )
 
 
+def _delete_and_signal(lease: str, signal: str, lifetime: str, keep: str) -> str:
+    """Lua deleting the lease hash ``lease`` and adding one wake-up to ``signal`` as
+    :func:`_signal` does; for a key (``keep`` 1) the list is deleted with the lease before the
+    push (exactly one wake-up, no trim)."""
+    return (
+        f"if tonumber({keep}) == 1 then\n"
+        f"    redis.call('DEL', {lease}, {signal})\n"
+        f"    redis.call('RPUSH', {signal}, '1')\n"
+        f"    redis.call('PEXPIRE', {signal}, {lifetime})\n"
+        "else\n"
+        f"    redis.call('DEL', {lease})\n" + _signal(signal, lifetime, keep) + "end\n"
+    )
+
+
 # A key's stored width (`counter` holds HMGET {token, width} of its slot counter) as `width`: an
 # integer from 0 to MAX_LIMIT, whatever another writer left there (above: MAX_LIMIT; not a
 # number: 0, so only the slots below the limit count until a grant writes a width again).
@@ -250,9 +264,8 @@ end
 if owner and """
     + _owned_by("owner", "ARGV[1]")
     + """ then
-    redis.call('DEL', KEYS[1])
 """
-    + _signal("KEYS[2]", "ARGV[2]", "ARGV[3]")
+    + _delete_and_signal("KEYS[1]", "KEYS[2]", "ARGV[2]", "ARGV[3]")
     + """    return 1
 end
 return 0
@@ -421,9 +434,8 @@ end
 FORCE_RELEASE_SCRIPT = _lua(
     _READ_LEASE
     + """local left = redis.call('PTTL', KEYS[1])
-redis.call('DEL', KEYS[1])
 """
-    + _signal("KEYS[2]", "ARGV[1]", "ARGV[2]")
+    + _delete_and_signal("KEYS[1]", "KEYS[2]", "ARGV[1]", "ARGV[2]")
     + """return {lease[1], lease[2], left}
 """
 )

@@ -590,6 +590,30 @@ class TestReleaseSignals:
         assert store.force_release("k") is not None
         assert redis_client.llen(store.signal_key("k")) == 1
 
+    def test_a_plain_keys_release_empties_the_list_instead_of_trimming_it(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """One wake-up kept with one command fewer: the list is deleted with the lease before
+        the push (release and force_release); a slot's release trims the shared list."""
+        assert store.acquire("k", "a", LONG_MS) is not None
+        assert store.acquire_slot("s", "a", LONG_MS, 2) is not None
+        redis_client.config_resetstat()
+        store.release("k", "a")
+        assert store.acquire("k", "b", LONG_MS) is not None
+        assert store.force_release("k") is not None
+        plain = redis_client.info("commandstats")
+        store.release(slot_key("s", 0), "a")
+        slots = redis_client.info("commandstats")
+        calls = {
+            name: (
+                plain.get(f"cmdstat_{name}", {}).get("calls", 0),
+                slots[f"cmdstat_{name}"]["calls"],
+            )
+            for name in ("rpush", "ltrim", "del")
+        }
+        assert calls == {"rpush": (2, 3), "ltrim": (0, 1), "del": (2, 3)}
+        assert redis_client.llen(store.signal_key("k")) == 1
+
 
 class TestRestartGrace:
     HOUR = 3600
