@@ -1,13 +1,15 @@
-"""The memory store runs the store contract (one process only, fake clock)."""
+"""The memory store runs the store contract, slots and replace included (one process only, fake
+clock)."""
 
 from __future__ import annotations
 
 from celery_lease.stores.base import LockStore
 from celery_lease.stores.memory import MemoryLockStore
 from tests.stores.contract import StoreContract
+from tests.stores.slot_contract import ReplaceContract, SlotContract
 
 
-class TestMemoryStore(StoreContract):
+class TestMemoryStore(SlotContract, ReplaceContract, StoreContract):
     """MemoryLockStore on a FakeClock."""
 
     supports_processes = False
