@@ -612,6 +612,10 @@ def list_command(
 
     Debounce tombstones (superseded:<task id>) hold no work: they are counted on stderr, and
     listed only with --superseded or --state superseded (started: a copy's claim on its own).
+
+    A key with a limit (lock_limit) holds one lease per slot: SLOT says which ("-": a key taken
+    without a limit). A holder asked to stop by on_held="replace" is marked "replaced" beside
+    its state until its lease is released or expires.
     """
 
     def body() -> None:

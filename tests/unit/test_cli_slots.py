@@ -25,11 +25,20 @@ from celery_lease.stores.slots import SLOT_MARK, marked, slot_key
 TTL_MS = 60_000
 
 
-@pytest.fixture(params=["sqlite", "redis"])
+@pytest.fixture(params=["sqlite", "redis", "postgres"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """An empty shared store: an SQLite file or a throwaway redis-server."""
+    """An empty shared store: an SQLite file, a throwaway redis-server, or the default table of
+    the session's scratch PostgreSQL database (emptied for each test)."""
     if request.param == "redis":
         return str(request.getfixturevalue("redis_url"))
+    if request.param == "postgres":
+        import psycopg
+
+        dsn = str(request.getfixturevalue("pg_database_dsn"))
+        store_from_url(dsn).release("init", "nobody")  # creates the table
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM celery_lease")
+        return dsn
     url = f"sqlite:///{tmp_path / 'leases.db'}"
     store_from_url(url).release("init", "nobody")  # creates the file
     return url
