@@ -79,7 +79,8 @@ class LockLostError(LeaseError):
     """The lease on ``key`` was lost while its holder ran.
 
     ``reason``: ``"expired"`` (not renewed within its ttl), ``"taken"`` (the store no longer
-    records this owner), ``"max_hold"``, ``"released"`` (released early, e.g. a task re-sending
+    records this owner), ``"replaced"`` (a newer ``on_held="replace"`` execution asked it to
+    stop), ``"max_hold"``, ``"released"`` (released early, e.g. a task re-sending
     its own id) or ``"forked"`` (checked in a forked child: the lease is its parent's).
     """
 

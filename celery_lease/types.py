@@ -8,9 +8,10 @@ from celery_lease.durations import Duration
 
 __all__ = ["Duration", "OnDuplicate", "OnHeld", "OnLost", "Unique"]
 
-OnHeld = Literal["raise", "skip", "retry"]
+OnHeld = Literal["raise", "skip", "retry", "replace"]
 """What a run does when the key stays held past ``wait``: raise ``LockNotAcquiredError``
-(default), skip the body, or retry the task later."""
+(default), skip the body, or retry the task later; ``"replace"`` asks the holder to stop at
+once and takes the key when it is free (a task option only)."""
 
 OnLost = Literal["mark", "revoke"]
 """What happens when the lease is lost while the body runs: mark it (``request.lock_lost``,

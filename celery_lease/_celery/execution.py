@@ -14,7 +14,7 @@ from celery.exceptions import Retry
 from celery.utils.dispatch import Signal
 
 from celery_lease import signals
-from celery_lease._celery import compat, deferral, on_held
+from celery_lease._celery import compat, deferral, on_held, replace
 from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
@@ -22,7 +22,7 @@ from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.lease import Lease, LeaseContext, clock_of
-from celery_lease._core.options import LockOptions
+from celery_lease._core.options import LockOptions, replace_wait
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
 from celery_lease.errors import LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
@@ -236,7 +236,8 @@ def run_locked(
         run = _Run(task, request, key, options)
         ttl, wait = spec.durations(settings)
         store = execution_store(options.store, app, key)
-        context = _lease_context(run, request, store, ttl, wait)
+        # "replace" tries once per step of its own loop (celery_lease._celery.replace)
+        context = _lease_context(run, request, store, ttl, 0.0 if _replaces(options) else wait)
         arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
         if options.unique is not None and request is not None:
             # A superseded debounced copy ends here (Ignore).
@@ -277,7 +278,16 @@ def _run_arrived(
 ) -> _R | None:
     task, key = run.task, run.key
     try:
-        held = context.__enter__()
+        if _replaces(run.options):
+            context, held = replace.take_over(
+                context, replace_wait(run.options, ttl), option=_on_held_name(task)
+            )
+        else:
+            held = context.__enter__()
+    except replace.Superseded as exc:
+        nested = current_run(getattr(request, "id", None)) is not None
+        on_held.superseded(task, request, key, exc.holder, nested=nested)  # raises, or None
+        return None
     except LockNotAcquiredError as exc:
         _rejected(run, request, store, settings, ttl, exc, context.refused_by)  # raises, or None
         return None
@@ -325,6 +335,15 @@ def _run_arrived(
     if held.lost:
         _log_lost_after_success(run, held)
     return result
+
+
+def _replaces(options: LockOptions) -> bool:
+    return options.on_held == "replace"
+
+
+def _on_held_name(task: CeleryTask | None) -> str:
+    """The on_held option as its task names it, for an error."""
+    return f"lock_on_held of task {getattr(task, 'name', None)!r}"
 
 
 def _lease_context(

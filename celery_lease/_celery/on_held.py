@@ -1,6 +1,8 @@
 """The ``on_held`` policies: ``"raise"`` (default) raises ``LockNotAcquiredError``, ``"retry"``
 the task's ``retry()``, ``"skip"`` returns ``None`` (a skipped worker execution ends REVOKED);
-``lock_rejected`` and ``on_lock_rejected`` come first."""
+``lock_rejected`` and ``on_lock_rejected`` come first. ``"replace"`` (its loop:
+:mod:`~celery_lease._celery.replace`) raises past its wait as ``"raise"`` does, and an execution
+a newer one overtook ends as a skip does, with the reason ``"replaced"`` (:func:`superseded`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from celery.exceptions import Ignore
 from celery_lease import signals
 from celery_lease._celery import compat, held_by
 from celery_lease._core.options import LockOptions, retry_countdown
+from celery_lease._core.owners import Holder
 from celery_lease.errors import LockNotAcquiredError
 
 if TYPE_CHECKING:
@@ -69,6 +72,42 @@ def apply_policy(
     raise exc
 
 
+def superseded(
+    task: CeleryTask | None,
+    request: TaskRequest | None,
+    key: str,
+    newer: Holder,
+    *,
+    nested: bool,
+) -> None:
+    """A newer ``on_held="replace"`` call took or asked for ``key`` since this one asked: end as
+    a skip does (``lock_rejected`` with reason ``"replaced"`` and the newer holder's task id,
+    ``on_lock_rejected``; a worker execution ends REVOKED, else ``None`` is returned)."""
+    signals.send(
+        signals.lock_rejected,
+        task,
+        key=key,
+        task_id=getattr(request, "id", None),
+        reason="replaced",
+        until=None,
+        holder_task_id=newer.task_id,
+    )
+    hook = getattr(task, "on_lock_rejected", None)
+    if hook is not None:
+        hook(key)
+    by = "" if newer.task_id is None else f" ({newer.task or '?'}[{newer.task_id}])"
+    what = f"wanted by a newer call{by}"
+    logger.info(
+        "celery-lease: %s[%s] gave up: %r is %s",
+        getattr(task, "name", "?"),
+        getattr(request, "id", None),
+        key,
+        what,
+    )
+    if task is not None and request is not None and _marks_skipped(task, request, nested):
+        _mark_skipped(task, request, key, what, policy="replace")  # raises Ignore
+
+
 # True while a ``@locked`` helper that is not its task's body runs: a skip there returns ``None`` to
 # the body instead of marking the execution skipped.
 skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
@@ -83,10 +122,12 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
     return not skip_quietly.get() and not nested
 
 
-def _mark_skipped(task: CeleryTask, request: TaskRequest, key: str, what: str) -> None:
+def _mark_skipped(
+    task: CeleryTask, request: TaskRequest, key: str, what: str, *, policy: str = "skip"
+) -> None:
     """End a skipped worker execution REVOKED, send ``task-revoked`` (also without ``-E``),
     then ``Ignore`` so nothing is stored over it. A backend error propagates."""
-    reason = f"skipped: {key!r} {what} (on_held='skip')"
+    reason = f"skipped: {key!r} {what} (on_held={policy!r})"
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))
     else:  # an older Celery without the helper

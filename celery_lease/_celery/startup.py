@@ -17,7 +17,7 @@ import uuid
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from celery import bootsteps
@@ -37,8 +37,9 @@ from celery_lease._celery.settings import (
     warn_host_local,
 )
 from celery_lease._celery.spec import options_of
+from celery_lease._core.options import LockOptions
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores import store_from_url
+from celery_lease.stores import registry, store_from_url
 from celery_lease.stores.base import LockStore, SupportsInspection, conforms, redact_url
 
 if TYPE_CHECKING:
@@ -54,13 +55,55 @@ _processes = 0  # how many processes that worker runs tasks in; 0 before a check
 def locked_tasks(app: CeleryApp) -> Iterator[tuple[str, str | LockStore | None]]:
     """``(task name, its lock_store or None)`` for every locked task of ``app``; finalizes the
     app."""
+    for name, options in _locked_options(app):
+        store: str | LockStore | None = getattr(options, "store", None)
+        yield name, store
+
+
+def _locked_options(app: CeleryApp) -> Iterator[tuple[str, LockOptions]]:
+    """``(task name, its lock options)`` for every locked task of ``app``, by name."""
     for name, task in sorted(app.tasks.items()):
         for carrier in (type(task), getattr(task, "run", None)):
             options = options_of(carrier)
             if options is not None:
-                store: str | LockStore | None = getattr(options, "store", None)
-                yield name, store
+                yield name, options
                 break
+
+
+def check_replace_stores(app: CeleryApp) -> LeaseConfigError | None:
+    """Why an ``on_held="replace"`` task of ``app`` cannot run on its store (its ``lock_store``
+    or the app's), or ``None``. Read from the store's class, nothing is connected; a store
+    known only once built (``django://``, an async store) is checked at the task's call."""
+    for name, options in _locked_options(app):
+        if options.on_held != "replace":
+            continue
+        option = options.store if options.store is not None else store_option(app)
+        cls = _store_class(option)
+        if cls is None or (
+            callable(getattr(cls, "mark_replaced", None)) and callable(getattr(cls, "get", None))
+        ):
+            continue
+        return LeaseConfigError(
+            f"celery-lease: task {name!r} has lock_on_held='replace', which needs a store that"
+            f" can ask the holder of a key to stop (mark_replaced, SupportsReplace), and its"
+            f" store {_shown(option)} ({cls.__name__}) cannot; use such a store (memory://, or"
+            " a store of this version that implements it) or on_held raise, skip or retry"
+        )
+    return None
+
+
+def _store_class(option: str | LockStore) -> type[Any] | None:
+    """The class a store option builds (or is), when known without building it."""
+    if not isinstance(option, str):
+        return None if hasattr(type(option), "aclose") else type(option)
+    scheme = urlsplit(option).scheme.lower()
+    if scheme not in registry.SCHEMES:
+        return None  # the store's own check names it
+    try:
+        cls = registry.sync_class(scheme)
+    except ImportError:
+        return None  # the store check names the missing driver
+    return cls if callable(getattr(cls, "acquire", None)) else None  # django://: built later
 
 
 def stores_in_use(
@@ -372,7 +415,11 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
         processes = pool.pool_processes(parent.pool_cls, parent.concurrency, autoscale)
         error = _check(app, processes, pool.pool_name(parent.pool_cls))
         if error is None and uses_celery_lease(app):
-            error = check_host_local(app) or _check_stores(app, get_settings(app))
+            error = (
+                check_host_local(app)
+                or check_replace_stores(app)
+                or _check_stores(app, get_settings(app))
+            )
         if error is not None:
             refuse(app, str(error))
             logger.critical(

@@ -213,9 +213,8 @@ class LockedTask(Task):  # type: ignore[misc]
         """Re-validate after Celery applied task annotations; expected errors at INFO."""
         super().on_bound(app)
         cls._lock_configure()
-        if cls._lock_options.on_held in ("raise", "retry") and LockNotAcquiredError not in (
-            cls.throws or ()
-        ):
+        raises = cls._lock_options.on_held in ("raise", "retry", "replace")
+        if raises and LockNotAcquiredError not in (cls.throws or ()):
             cls.throws = (*(cls.throws or ()), LockNotAcquiredError)
 
     def _lock_get_spec(self) -> _Spec:

@@ -219,8 +219,10 @@ class Lease:
     @property
     def lost_reason(self) -> str | None:
         """Why the lease was lost, or ``None`` while held (or after a normal exit): ``"taken"``
-        (the store no longer records this owner), ``"expired"``, ``"max_hold"``, ``"released"``
-        (:meth:`LeaseContext.release_early`), or ``"forked"`` (read in a forked child)."""
+        (the store no longer records this owner), ``"replaced"`` (a newer ``on_held="replace"``
+        execution asked it to stop; the key stays held until this holder's exit), ``"expired"``,
+        ``"max_hold"``, ``"released"`` (:meth:`LeaseContext.release_early`), or ``"forked"``
+        (read in a forked child)."""
         if self._gen != forking.generation():
             return "forked"
         entry = self._entry
@@ -397,6 +399,8 @@ class LeaseContext:
         self.task = task
         self.task_id = task_id
         self.async_store: AsyncLockStore | None = None
+        # Set by the Celery layer (``on_held="replace"``): recorded as each owner id's ``rt``.
+        self.replace_ticket: int | None = None
         self._unentered()
 
     def _unentered(self) -> None:
@@ -740,6 +744,7 @@ class LeaseContext:
             label=self.label,
             ttl_ms=ttl_ms,
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
+            replace_ticket=self.replace_ticket,
         )
         check_cancel(self.cancel, self.key)
         return owner, ttl_ms, self.clock.monotonic()

@@ -15,7 +15,7 @@ from celery_lease._core.lease import check_ttl
 from celery_lease._core.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import LockStore, conforms
+from celery_lease.stores.base import LockStore, SupportsReplace, conforms
 from celery_lease.types import OnHeld, OnLost
 
 # Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`.
@@ -40,6 +40,16 @@ ON_LOST: tuple[OnLost, ...] = get_args(OnLost)
 RETRY_FIRST = 1.0
 RETRY_CAP = 60.0  # Seconds: the longest default ``on_held="retry"`` countdown.
 
+REPLACE_WAIT_MARGIN = 2.0
+"""Seconds added to the ttl for the default ``wait`` of ``on_held="replace"``. A holder asked to
+stop hears it at its next renewal (within a third of the ttl) and frees the key when its body
+ends (``on_lost="revoke"`` stops it then); one whose body runs on (``on_lost="mark"``) is no
+longer renewed, so its lease expires at most one ttl after the ask. The margin covers what comes
+on top: the holder's exit and release, the wake-up of the waiter, and clock drift between the
+worker and the store (the renewer allows 1% of the ttl). Two seconds hold on a loaded machine
+whatever the ttl, and cost nothing when the key frees sooner (the waiter is woken by the
+release)."""
+
 
 @dataclass(frozen=True)
 class LockOptions:
@@ -52,7 +62,9 @@ class LockOptions:
         max_hold: seconds, or ``None`` for no limit.
         cooldown: seconds the key stays taken after a successful run (default 0).
         store: a ``LockStore``, a store URL, or ``None`` for the app's store.
-        on_held: ``"raise"``, ``"skip"`` or ``"retry"``.
+        on_held: ``"raise"``, ``"skip"``, ``"retry"`` or ``"replace"`` (ask the holder to stop,
+            take the key once it is free: :func:`replace_wait`; the newest call wins, and one a
+            newer call overtook ends as a skip does, with the reason ``"replaced"``).
         retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
@@ -122,6 +134,9 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
     ttl = duration("ttl", positive=True)
     if ttl is not None:
         check_ttl(ttl, raw.get("ttl"), name=name("ttl"))
+    unique = validate_unique(raw, name=name, has_key=key is not None)
+    if on_held == "replace":
+        check_replace(raw.get("limit"), unique, store, name("on_held"))
     return LockOptions(
         key=key,
         ttl=ttl,
@@ -132,8 +147,54 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
         on_held=on_held,
         retry_countdown=duration("retry_countdown"),
         on_lost=on_lost,
-        unique=validate_unique(raw, name=name, has_key=key is not None),
+        unique=unique,
     )
+
+
+def check_replace(
+    limit: object, unique: UniqueOptions | None, store: str | LockStore | None, name: str
+) -> None:
+    """``on_held="replace"`` needs one holder per key (no ``limit`` above 1, no callable limit),
+    no ``unique`` and, when the store is given as a store, one that can ask a holder to stop
+    (``SupportsReplace``; a URL's or the app's store is checked when it is known).
+
+    Raises:
+        LeaseConfigError: naming ``name`` (the on_held option), the value and what is allowed.
+    """
+    head = f"{name}='replace'"
+    if callable(limit) or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 1):
+        raise LeaseConfigError(
+            f"{head} cannot be combined with limit={limit!r}: it replaces the one holder of a"
+            " key; use limit=1 (or leave it unset) with 'replace', or another on_held policy"
+            " (raise, skip, retry) with a limit"
+        )
+    if unique is not None:
+        raise LeaseConfigError(
+            f"{head} cannot be combined with unique={unique.unique!r}: a unique copy refuses the"
+            " calls that 'replace' would let in; drop unique, or use on_held raise, skip or retry"
+        )
+    if store is not None and not isinstance(store, str):
+        check_replace_store(store, name)
+
+
+def check_replace_store(store: object, name: str) -> None:
+    """``LeaseConfigError`` unless ``store`` can ask a holder to stop and name it
+    (``SupportsReplace`` and ``get``); ``name``: the on_held option, for the message."""
+    if not (conforms(store, SupportsReplace) and callable(getattr(store, "get", None))):
+        raise LeaseConfigError(
+            f"{name}='replace' needs a store that can ask the holder of a key to stop"
+            f" (mark_replaced, SupportsReplace), and {store!r} cannot; use such a store"
+            " (memory://, or a store of this version that implements it) or on_held raise, skip"
+            " or retry"
+        )
+
+
+def replace_wait(options: LockOptions, ttl: float) -> float:
+    """Seconds an ``on_held="replace"`` execution waits for the key after asking its holder to
+    stop: the task's ``wait`` when set, else ``ttl`` + :data:`REPLACE_WAIT_MARGIN` (a holder no
+    longer renewed frees the key within one ttl; the app's ``lease_default_wait``, meant for
+    the other policies, does not apply)."""
+    return options.wait if options.wait is not None else ttl + REPLACE_WAIT_MARGIN
 
 
 def retry_countdown(options: LockOptions, retries: int) -> float:

@@ -2,7 +2,8 @@
 
 ``host/pid/<16 hex>`` (unique per acquisition attempt), then ``;name=value`` fields (``;=%/``
 percent-encoded): ``n`` node, ``t`` task, ``i`` task id, ``l`` label, ``ttl`` and ``cd``
-(cooldown) in ms, ``at`` unix ms when made::
+(cooldown) in ms, ``rt`` the ticket of an ``on_held="replace"`` execution that asked for the key
+first, ``at`` unix ms when made::
 
     host/123/0f3a9c11d2e4b5a6;n=w1@host;t=report.build;i=5b1d...;ttl=30000;at=1733260000123
 
@@ -119,6 +120,7 @@ def make_owner(
     label: str | None = None,
     ttl_ms: int | None = None,
     cooldown_ms: int | None = None,
+    replace_ticket: int | None = None,
 ) -> str:
     """A fresh owner id, unique per call in the process (a store's idempotent re-acquire relies
     on it): ``host/pid/<16 hex>``, the given fields, ``at``.
@@ -128,6 +130,8 @@ def make_owner(
         task, task_id: default (both left out) the task running here (:func:`push_task`).
         label: a free text naming the holder (``lease(..., holder=...)``), or None.
         ttl_ms, cooldown_ms: the lease's ttl and cooldown, milliseconds, or None.
+        replace_ticket: the ticket an ``on_held="replace"`` execution drew when it asked the
+            holder to stop (``rt``), or None.
 
     Raises:
         TypeError: a value is not a str.
@@ -152,6 +156,8 @@ def make_owner(
         owner += f";ttl={int(ttl_ms)}"
     if cooldown_ms:
         owner += f";cd={int(cooldown_ms)}"
+    if replace_ticket is not None:
+        owner += f";rt={int(replace_ticket)}"
     return f"{owner};at={time.time_ns() // 1_000_000}"
 
 
@@ -196,6 +202,9 @@ class Holder:
     """The ttl the lease is renewed with, seconds (owner ids of older versions have none)."""
     cooldown: float | None = None
     """The cooldown kept after a body that succeeded, seconds; None: none (or not recorded)."""
+    replace_ticket: int | None = None
+    """The ticket of the ``on_held="replace"`` execution that took the lease after asking its
+    holder to stop; None for any other lease."""
 
 
 _FIELDS = {"n": "node", "t": "task", "i": "task_id", "l": "label"}
@@ -212,6 +221,7 @@ def parse_owner(owner: str) -> Holder:
     host: str | None = None
     pid: int | None = None
     millis: dict[str, float] = {}
+    ticket: int | None = None
     try:
         head, *fields = owner.split(";")
         bits = head.split("/")
@@ -225,6 +235,9 @@ def parse_owner(owner: str) -> Holder:
             if name in ("at", "ttl", "cd"):
                 if value.isdigit():
                     millis[name] = int(value) / 1000.0
+            elif name == "rt":
+                if value.isdigit() and value.isascii():
+                    ticket = int(value)
             elif name in _FIELDS:
                 found[_FIELDS[name]] = _decode(value)
     except Exception:  # documented: never raises, whatever the store returned
@@ -237,4 +250,5 @@ def parse_owner(owner: str) -> Holder:
         taken_at=millis.get("at"),
         ttl=millis.get("ttl"),
         cooldown=millis.get("cd"),
+        replace_ticket=ticket,
     )

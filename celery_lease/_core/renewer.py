@@ -3,9 +3,10 @@
 Each held lease is an :class:`Entry` in a heap ordered by its next action: renew it (every
 ttl/3; due ones in one ``renew_many`` where the store has it), retry a failed renewal, or record
 it lost. How a lease ended is one record, written once under the renewer's lock
-(``lost_reason``, then ``closed``): finished (``None``), ``"taken"``, ``"expired"``,
-``"max_hold"`` or ``"released"``. Whoever records first wins, but a refusal answered while the
-exit waits for that renewal turns "finished" into ``"taken"`` (:meth:`Renewer.remove`). A key
+(``lost_reason``, then ``closed``): finished (``None``), ``"taken"``, ``"replaced"`` (a newer
+``on_held="replace"`` execution asked it to stop), ``"expired"``, ``"max_hold"`` or
+``"released"``. Whoever records first wins, but a refusal answered while the exit waits for
+that renewal turns "finished" into ``"taken"`` or ``"replaced"`` (:meth:`Renewer.remove`). A key
 lost by running out of time (:data:`FREED_ON_LOSS`) is released owner-checked on the dispatcher
 once the loss is notified (a late renewal may have kept it; one after the release is refused).
 The holder's exit waits for a renewal in flight (:meth:`Renewer.settle`) or fences its final
@@ -27,6 +28,8 @@ from typing import Any
 from celery_lease import _forking as forking
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.clock import SYSTEM_CLOCK, Clock
+from celery_lease.stores.base import SupportsReplace, conforms
+from celery_lease.stores.slots import marked
 
 logger = logging.getLogger("celery_lease.renewer")
 
@@ -101,7 +104,9 @@ class Entry:
         self.landed: threading.Event | None = None  # made only when someone waits for it
         self.redo: Callable[[], None] | None = None  # run by the renewer after the flight
         self.finalized = False  # the holder's release (or cooldown) was sent
-        self.refused = False  # the store refused a renewal answered while the exit waited for it
+        # The loss reason of a renewal refused while the exit waited for it (``"taken"`` or
+        # ``"replaced"``), else None.
+        self.refused: str | None = None
         self.free_on_loss = free_on_loss  # False: an owner id shared by design
 
     def overdue(self, now: float) -> str | None:
@@ -205,10 +210,11 @@ class Renewer:
     def remove(self, entry: Entry) -> tuple[bool, bool, str | None]:
         """Stop renewing ``entry``; ``(settled, final, lapsed)``. Records "finished", or
         ``"expired"``/``"max_hold"`` when past that deadline; a renewal in flight is waited for
-        (:meth:`settle`), and refused in time makes it ``"taken"``. ``settled``: no renewal can
-        still land (else :meth:`fence`); ``final``: the caller sends the release or cooldown;
-        ``lapsed``: the loss recorded here, to notify after the release. Calls come before the
-        first change, so an interrupt leaves it untouched or recorded (:meth:`abandon` ends it).
+        (:meth:`settle`), and refused in time makes it ``"taken"`` (``"replaced"`` when the store
+        marked it so). ``settled``: no renewal can still land (else :meth:`fence`); ``final``:
+        the caller sends the release or cooldown; ``lapsed``: the loss recorded here, to notify
+        after the release. Calls come before the first change, so an interrupt leaves it
+        untouched or recorded (:meth:`abandon` ends it).
         """
         with self._lock:
             reason = None if entry.closed else entry.overdue(self.clock.monotonic())
@@ -223,10 +229,11 @@ class Renewer:
                 return True, final, reason
         settled = self.settle(entry)
         with self._lock:
-            if not entry.refused or entry.lost_reason is not None:
+            refused = entry.refused
+            if refused is None or entry.lost_reason is not None:
                 return settled, final, None
-            entry.lost_reason = "taken"  # refused while the exit waited: the exit reports it
-            return settled, final, "taken"
+            entry.lost_reason = refused  # refused while the exit waited: the exit reports it
+            return settled, final, refused
 
     def record(self, entry: Entry, reason: str) -> bool:
         """Record the loss of ``entry`` for ``reason`` unless its end is recorded; True if this
@@ -470,9 +477,16 @@ class Renewer:
         redo: list[Callable[[], None]] = []
         refused: list[Entry] = []
         failed: list[tuple[str, BaseException]] = []  # logged after the lock is let go
+        # A refusal of a lease its holder's exit ended is read too where the store can mark a
+        # holder replaced (the exit waits for it); asked outside the lock, refusals only.
+        marks = any(result is False for result in results) and _replaceable(store)
         with self._lock:
             for entry, result in zip(group, results, strict=True):
-                if result is False and not entry.closed and answered_at < entry.valid_until:
+                if (
+                    result is False
+                    and answered_at < entry.valid_until
+                    and (not entry.closed or (marks and entry.lost_reason is None))
+                ):
                     # why: asked after the rest of the batch, outside the lock; in flight until
                     # then, so the holder's exit waits for the verdict
                     refused.append(entry)
@@ -514,7 +528,7 @@ class Renewer:
         ``failed``."""
         if entry.closed:  # a late answer changes nothing, but an in-time refusal (remove())
             if result is False and answered_at < entry.valid_until:
-                entry.refused = True
+                entry.refused = "taken"
             return None
         if answered_at >= entry.valid_until:  # too late: it may have read lost, and stays so
             self._record(entry, "expired")
@@ -548,7 +562,7 @@ class Renewer:
             for entry, reason in zip(refused, reasons, strict=True):
                 _landed(entry, redo)
                 if entry.closed:
-                    entry.refused = True
+                    entry.refused = "replaced" if reason == "replaced" else "taken"
                     continue
                 self._record(entry, reason)
                 recorded.append((entry, reason))
@@ -556,22 +570,32 @@ class Renewer:
 
     @staticmethod
     def _why_gone(store: Any, entry: Entry) -> str:
-        """Why a renewal found ``entry`` gone, by two inspection calls. The counter is read
-        before the holder (an acquisition between them reads ``"taken"``). Held by another, or
-        free with a higher counter: ``"taken"``; free with our token: ``"released"`` (a
-        force-release, or the store's clock ran fast); counter missing or lower (data lost):
-        ``"expired"``; the store cannot tell: ``"taken"``, the cautious answer."""
+        """Why a renewal found ``entry`` gone, by (at most) two inspection calls. The counter is
+        read before the holder (an acquisition between them reads ``"taken"``). Held under our
+        owner id with the replace mark (a store conforming to ``SupportsReplace``):
+        ``"replaced"``; held by another, or free with a higher counter: ``"taken"``; free with
+        our token: ``"released"`` (a force-release, or the store's clock ran fast); counter
+        missing or lower (data lost): ``"expired"``; the store cannot tell: ``"taken"``, the
+        cautious answer."""
         get = getattr(store, "get", None)
+        if not callable(get):
+            return "taken"
         last_token = getattr(store, "last_token", None)
-        if entry.token is None or not callable(get) or not callable(last_token):
+        counts = entry.token is not None and callable(last_token)
+        replaceable = _replaceable(store)
+        if not counts and not replaceable:
             return "taken"
         try:
-            counter = last_token(entry.key)
-            if get(entry.key) is not None:
-                return "taken"
+            counter = last_token(entry.key) if counts else None  # type: ignore[misc]
+            info = get(entry.key)
         except BaseException:  # the renewer outlives it; without an answer, the old reason
             return "taken"
-        if not isinstance(counter, int) or counter < entry.token:
+        if info is not None:
+            replaced = replaceable and getattr(info, "owner", None) == marked(entry.owner)
+            return "replaced" if replaced else "taken"
+        if not counts:
+            return "taken"
+        if not isinstance(counter, int) or entry.token is None or counter < entry.token:
             return "expired"
         return "released" if counter == entry.token else "taken"
 
@@ -679,6 +703,12 @@ def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
     if entry.redo is not None:
         redo.append(entry.redo)
         entry.redo = None
+
+
+def _replaceable(store: Any) -> bool:
+    """Whether ``store`` can mark a holder replaced (``SupportsReplace``): its refusals are
+    then read for the mark."""
+    return conforms(store, SupportsReplace)
 
 
 def _free_lost_key(entry: Entry, reason: str) -> None:

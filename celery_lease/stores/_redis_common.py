@@ -28,6 +28,13 @@ from celery_lease.errors import (
 )
 from celery_lease.stores._redis_fast import pack_eval_head, pack_head
 from celery_lease.stores.base import LeaseInfo, mask_secrets
+from celery_lease.stores.slots import (
+    MAX_LIMIT,
+    REPLACED_MARK,
+    SLOT_MARK,
+    release_channel,
+    split_slot,
+)
 
 DEFAULT_PREFIX = "celery-lease:"  # Prefix of every key the store writes.
 
@@ -59,9 +66,53 @@ such a key is never overwritten; renewals answer 0 instead."""
 
 
 def _lua(source: str) -> str:
-    """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, and GRACE_MARK
-    ``~`` (the first character of a reply refusing a free key in a restart grace)."""
-    return source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'").replace("GRACE_MARK", "~")
+    """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, GRACE_MARK ``~``
+    (the first character of a reply refusing a free key in a restart grace) and REPLACED_MARK
+    the Lua literal of :data:`~celery_lease.stores.slots.REPLACED_MARK`."""
+    return (
+        source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
+        .replace("GRACE_MARK", "~")
+        .replace("REPLACED_MARK", _lua_literal(REPLACED_MARK))
+    )
+
+
+def _lua_literal(value: str) -> str:
+    """``value`` as a Lua string literal: its UTF-8 bytes, all but printable ASCII as decimal
+    escapes."""
+    body = "".join(
+        chr(b) if 0x20 <= b < 0x7F and b not in b"'\\" else f"\\{b:03d}" for b in value.encode()
+    )
+    return f"'{body}'"
+
+
+# Draws `floor` (server TIME in µs) and, with a marker key (MARKER_KEY, a placeholder), refuses
+# a free key until GRACE_ARG µs after this server run started (see ACQUIRE_SCRIPT). Shared by the
+# plain and the slot acquire, so a free slot meets the grace a free key meets.
+_GRACE = """local now = redis.call('TIME')
+local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
+if MARKER_KEY then
+    local info = redis.call('INFO', 'server')
+    local boot = string.match(info, 'run_id:(%x+)')
+    local mark = redis.call('HMGET', MARKER_KEY, 'boot', 'started', 'cause')
+    local started, cause = tonumber(mark[2] or '0'), mark[3]
+    if mark[1] ~= boot then
+        local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
+        started = (tonumber(now[1]) - uptime) * 1000000
+        cause = mark[1] and 'restored' or 'new'
+        redis.call('HSET', MARKER_KEY, 'boot', boot, 'started', string.format('%d', started),
+            'cause', cause)
+    end
+    local hold = started + tonumber(GRACE_ARG)
+    if floor < hold then
+        return 'GRACE_MARK' .. string.format('%d', hold) .. ':' .. cause .. ':'
+            .. string.format('%d', started)
+    end
+end
+"""
+
+
+def _grace(marker_key: str, grace_arg: str) -> str:
+    return _GRACE.replace("MARKER_KEY", marker_key).replace("GRACE_ARG", grace_arg)
 
 
 # KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
@@ -85,27 +136,9 @@ if lease[1] then
     end
     return false
 end
-local now = redis.call('TIME')
-local floor = tonumber(now[1]) * 1000000 + tonumber(now[2])
-if KEYS[3] then
-    local info = redis.call('INFO', 'server')
-    local boot = string.match(info, 'run_id:(%x+)')
-    local mark = redis.call('HMGET', KEYS[3], 'boot', 'started', 'cause')
-    local started, cause = tonumber(mark[2] or '0'), mark[3]
-    if mark[1] ~= boot then
-        local uptime = tonumber(string.match(info, 'uptime_in_seconds:(%d+)'))
-        started = (tonumber(now[1]) - uptime) * 1000000
-        cause = mark[1] and 'restored' or 'new'
-        redis.call('HSET', KEYS[3], 'boot', boot, 'started', string.format('%d', started),
-            'cause', cause)
-    end
-    local hold = started + tonumber(ARGV[4])
-    if floor < hold then
-        return 'GRACE_MARK' .. string.format('%d', hold) .. ':' .. cause .. ':'
-            .. string.format('%d', started)
-    end
-end
-local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+"""
+    + _grace("KEYS[3]", "ARGV[4]")
+    + """local token = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
 if floor > token then
     token = floor
 end
@@ -160,23 +193,149 @@ return renewed
 RENEW_CHUNK = 1000
 """Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
 
-# KEYS[1] the lease hash, KEYS[2] the release-signal list.
+# KEYS[1] the lease hash, KEYS[2] the release-signal list (a slot's: its key's).
 # ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
-# Deletes the owner's lease and leaves exactly one element in the signal list (one BLPOP waiter
-# wakes). Returns 1 when released, else 0; a key of another type: NOT_A_LEASE.
+# Deletes the owner's lease (also once marked: owner .. REPLACED_MARK, see MARK_REPLACED_SCRIPT)
+# and leaves exactly one element in the signal list (one BLPOP waiter wakes). Returns 1 when
+# released, else 0; a key of another type: NOT_A_LEASE.
 RELEASE_SCRIPT = _lua(
     """
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
 if type(owner) == 'table' and owner.err then
     return redis.error_reply(NOT_A_LEASE)
 end
-if owner == ARGV[1] then
+if owner and (owner == ARGV[1] or owner == ARGV[1] .. REPLACED_MARK) then
     redis.call('DEL', KEYS[1], KEYS[2])
     redis.call('RPUSH', KEYS[2], '1')
     redis.call('PEXPIRE', KEYS[2], ARGV[2])
     return 1
 end
 return 0
+"""
+)
+
+# KEYS[1] the key's slot counter hash {token, width}, optional KEYS[2] the store's marker hash.
+# ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms, ARGV[4]
+# the limit, ARGV[5] the name of the key's slot leases up to the slot number (its lease hash is
+# ARGV[5] .. slot .. ':lease', in KEYS[1]'s hash slot); with KEYS[2]: ARGV[6] the restart grace
+# in microseconds.
+# Reads every slot below max(limit, width), width = 1 + the highest slot given (kept with the
+# counter, so a counter dropped after its idle lifetime forgets slots at or above the limit):
+# the owner's live slot is returned with its token and its expiry set (never added) to ttl from
+# now; else, when fewer than limit are live, the lowest free slot below limit is taken with token
+# max(counter + 1, server TIME in µs), and width set to 1 + the highest live slot.
+# Returns slot .. ':' .. token, or false when limit or more slots are live (or none below limit
+# is free). A slot lease of another type: NOT_A_LEASE. A free slot meets the restart grace a free
+# key meets (ACQUIRE_SCRIPT): GRACE_MARK ...
+ACQUIRE_SLOT_SCRIPT = _lua(
+    """
+local limit = tonumber(ARGV[4])
+local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
+local n = math.max(limit, tonumber(counter[2] or '0'))
+local free, held, top = nil, 0, -1
+for slot = 0, n - 1 do
+    local name = ARGV[5] .. slot .. ':lease'
+    local lease = redis.pcall('HMGET', name, 'owner', 'token')
+    if lease.err then
+        return redis.error_reply(NOT_A_LEASE)
+    end
+    if lease[1] then
+        if lease[1] == ARGV[1] then
+            redis.call('PEXPIRE', name, ARGV[2])
+            return slot .. ':' .. lease[2]
+        end
+        held = held + 1
+        top = slot
+    elseif not free and slot < limit then
+        free = slot
+    end
+end
+if held >= limit or not free then
+    return false
+end
+"""
+    + _grace("KEYS[2]", "ARGV[6]")
+    + """local token = tonumber(counter[1] or '0') + 1
+if floor > token then
+    token = floor
+end
+token = string.format('%d', token)
+redis.call('HSET', KEYS[1], 'token', token, 'width', math.max(free, top) + 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+local name = ARGV[5] .. free .. ':lease'
+redis.call('HSET', name, 'owner', ARGV[1], 'token', token)
+redis.call('PEXPIRE', name, ARGV[2])
+return free .. ':' .. token
+"""
+)
+
+# KEYS[1] the key's slot counter hash, KEYS[2] its release-signal list.
+# ARGV[1] the owner, ARGV[2] the name of the key's slot leases up to the slot number (as in
+# ACQUIRE_SLOT_SCRIPT), ARGV[3] the signal's lifetime in ms, ARGV[4] the limit.
+# Releases the slot of the key the owner holds (marked or not), as RELEASE_SCRIPT releases one,
+# reading the slots ACQUIRE_SLOT_SCRIPT reads: undoes a slot acquire whose reply never came.
+# Returns the slot released, or -1.
+RELEASE_OWNERS_SLOT_SCRIPT = _lua(
+    """
+local width = tonumber(redis.call('HGET', KEYS[1], 'width') or '0')
+for slot = 0, math.max(tonumber(ARGV[4]), width) - 1 do
+    local name = ARGV[2] .. slot .. ':lease'
+    local owner = redis.pcall('HGET', name, 'owner')
+    if owner == ARGV[1] or owner == ARGV[1] .. REPLACED_MARK then
+        redis.call('DEL', name, KEYS[2])
+        redis.call('RPUSH', KEYS[2], '1')
+        redis.call('PEXPIRE', KEYS[2], ARGV[3])
+        return slot
+    end
+end
+return -1
+"""
+)
+
+# KEYS[1] the lease hash, KEYS[2] the token counter.
+# ARGV[1] the ticket ('': draw one), ARGV[2] '1' when only ARGV[3] (an owner id) is to be asked,
+# ARGV[4] the counter's idle lifetime in ms.
+# A drawn ticket is max(counter + 1, the live lease's token + 1, server TIME in µs), written to
+# the counter (so every later token is larger). The live lease's owner gets REPLACED_MARK
+# appended, unless ARGV[2] names another owner (or it has it already).
+# Returns {ticket, the owner without the mark or false when free, 1 when the lease is marked
+# now else 0}. A lease key of another type: NOT_A_LEASE (nothing drawn, nothing written).
+MARK_REPLACED_SCRIPT = _lua(
+    """
+local lease = redis.pcall('HMGET', KEYS[1], 'owner', 'token')
+if lease.err then
+    return redis.error_reply(NOT_A_LEASE)
+end
+local ticket = ARGV[1]
+if ticket == '' then
+    local now = redis.call('TIME')
+    local draw = tonumber(now[1]) * 1000000 + tonumber(now[2])
+    local counted = tonumber(redis.call('GET', KEYS[2]) or '0') + 1
+    if counted > draw then
+        draw = counted
+    end
+    if lease[2] and tonumber(lease[2]) + 1 > draw then
+        draw = tonumber(lease[2]) + 1
+    end
+    ticket = string.format('%d', draw)
+    redis.call('SET', KEYS[2], ticket, 'PX', ARGV[4])
+end
+local owner = lease[1]
+if not owner then
+    return {ticket, false, 0}
+end
+local mark = REPLACED_MARK
+local asked = string.sub(owner, -#mark) == mark
+if asked then
+    owner = string.sub(owner, 1, #owner - #mark)
+end
+if ARGV[2] == '1' and owner ~= ARGV[3] then
+    return {ticket, owner, 0}
+end
+if not asked then
+    redis.call('HSET', KEYS[1], 'owner', owner .. mark)
+end
+return {ticket, owner, 1}
 """
 )
 
@@ -233,15 +392,40 @@ ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
 ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 4))
 ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 4))
-# The acquire scripts called with the marker key and the grace (another fast-path head).
-WITH_GRACE = {ACQUIRE: ACQUIRE_WITH_GRACE, ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE}
 RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
 RENEW_MANY = Script(RENEW_MANY_SCRIPT)
 RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT, fast=(1, 5))
+ACQUIRE_SLOT_WITH_GRACE = Script(ACQUIRE_SLOT_SCRIPT, fast=(2, 6))
+RELEASE_OWNERS_SLOT = Script(RELEASE_OWNERS_SLOT_SCRIPT)
+MARK_REPLACED = Script(MARK_REPLACED_SCRIPT)
+# The acquire scripts called with the marker key and the grace (another fast-path head).
+WITH_GRACE = {
+    ACQUIRE: ACQUIRE_WITH_GRACE,
+    ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE,
+    ACQUIRE_SLOT: ACQUIRE_SLOT_WITH_GRACE,
+}
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
 
 MARKER = "marker"  # the marker hash's name after the prefix
+
+
+def check_slot_request(key: object, limit: object) -> None:
+    """``LeaseConfigError`` (a ``ValueError``) unless ``limit`` is an int in 1 ..
+    :data:`~celery_lease.stores.slots.MAX_LIMIT` and ``key`` a string without U+001F."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise LeaseConfigError(f"acquire_slot(limit={limit!r}): needs an int from 1 to {MAX_LIMIT}")
+    if not isinstance(key, str) or SLOT_MARK in key:
+        raise LeaseConfigError(
+            f"acquire_slot(key={key!r}): needs a string key without U+001F (the slot mark)"
+        )
+
+
+def slot_reply(reply: bytes | str) -> tuple[int, int]:
+    """``(slot, token)`` of an :data:`ACQUIRE_SLOT_SCRIPT` reply granting a slot."""
+    slot, _, token = text(reply).partition(":")
+    return int(slot), int(token)
 
 
 def in_grace(reply: Any) -> bool:
@@ -477,13 +661,25 @@ class StoreBase:
         return self._prefix
 
     def _base(self, key: str) -> str:
+        """``<prefix>{<key>}``; for a slot's store key ``k`` U+001F ``i``: ``<prefix>{<k>}``
+        U+001F ``i`` (the hash tag of its key: a key's slots share one Cluster hash slot)."""
         if not isinstance(key, str) or not key or key.startswith("}"):
             # '{}' or '{}...' is no hash tag: the three keys would land in different slots.
             raise LeaseConfigError(f"key={key!r} must be a non-empty string not starting with '}}'")
+        if SLOT_MARK in key:
+            head, _, slot = key.rpartition(SLOT_MARK)
+            if slot.isdigit() and slot.isascii():
+                if not head or head.startswith("}"):
+                    raise LeaseConfigError(
+                        f"key={key!r} is a slot of {head!r}, which must be a non-empty string "
+                        "not starting with '}'"
+                    )
+                return f"{self._prefix}{{{head}}}{SLOT_MARK}{slot}"
         return f"{self._prefix}{{{key}}}"
 
     def lease_key(self, key: str) -> str:
-        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease``."""
+        """The Redis key of the lease hash of ``key``: ``<prefix>{<key>}:lease`` (of slot ``i``
+        of ``k``: ``<prefix>{<k>}`` U+001F ``i`` ``:lease``)."""
         return self._base(key) + ":lease"
 
     def token_key(self, key: str) -> str:
@@ -491,8 +687,43 @@ class StoreBase:
         return self._base(key) + ":token"
 
     def signal_key(self, key: str) -> str:
-        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``."""
-        return self._base(key) + ":signal"
+        """The Redis key of the release-signal list of ``key``: ``<prefix>{<key>}:signal``;
+        a slot's is its key's (a release of any slot wakes the key's waiters)."""
+        return self._base(release_channel(key)) + ":signal"
+
+    def slots_key(self, key: str) -> str:
+        """The Redis key of the slot counter hash of ``key``, ``<prefix>{<key>}:slots``:
+        ``{token, width}``, the last token given to a slot of ``key`` and 1 + the highest slot
+        given, dropped after 7 days without a slot acquire."""
+        return self._base(key) + ":slots"
+
+    def _store_key(self, lease_key: str) -> str | None:
+        """The store key whose lease hash is ``lease_key`` (a name :meth:`lease_key` makes,
+        found by a scan), or None for another name."""
+        inner = lease_key[len(self._prefix) + 1 : -len(":lease")]
+        if inner.endswith("}"):
+            key = inner[:-1]
+        else:
+            head, mark, slot = inner.rpartition(SLOT_MARK)
+            if not (mark and head.endswith("}")):
+                return None
+            key = head[:-1] + SLOT_MARK + slot
+        try:
+            return key if self.lease_key(key) == lease_key else None
+        except LeaseConfigError:
+            return None
+
+    def _counted_key(self, key: str) -> str | None:
+        """The key whose slot counter ``key`` names (a slot's store key or
+        :func:`~celery_lease.stores.slots.counter_key`), or None."""
+        if SLOT_MARK not in key:
+            return None
+        head, slot = split_slot(key)
+        if slot is None:
+            if not key.endswith(SLOT_MARK):
+                return None
+            head = key[:-1]
+        return head if head and SLOT_MARK not in head else None
 
     @property
     def marker_key(self) -> str:
@@ -514,10 +745,64 @@ class StoreBase:
             args += (round(self._restart_grace * 1_000_000),)
         return script, keys, args
 
+    def _slot_call(
+        self, key: str, owner: str, ttl_ms: int, limit: int
+    ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...]]:
+        """``(script, keys, args)`` of :data:`ACQUIRE_SLOT` (with the marker and grace when
+        set); ``LeaseConfigError`` (a ``ValueError``) for a bad ``key`` or ``limit``."""
+        check_slot_request(key, limit)
+        base = self._base(key)
+        keys: tuple[str, ...] = (base + ":slots",)
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS, limit, base + SLOT_MARK)
+        if self._restart_grace:
+            keys += (self.marker_key,)
+            args += (round(self._restart_grace * 1_000_000),)
+            return ACQUIRE_SLOT_WITH_GRACE, keys, args
+        return ACQUIRE_SLOT, keys, args
+
     def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int]]:
         """``(keys, args)`` of :data:`RELEASE`."""
         base = self._base(key)
-        return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS)
+        signal = self.signal_key(key) if SLOT_MARK in key else base + ":signal"
+        return (base + ":lease", signal), (owner, SIGNAL_TTL_MS)
+
+    def _owners_slot_call(
+        self, key: str, owner: str, limit: int
+    ) -> tuple[tuple[str, str], tuple[str | int, ...]]:
+        """``(keys, args)`` of :data:`RELEASE_OWNERS_SLOT`."""
+        base = self._base(key)
+        return (base + ":slots", base + ":signal"), (owner, base + SLOT_MARK, SIGNAL_TTL_MS, limit)
+
+    def _mark_call(
+        self, key: str, ticket: int | None, holder: str | None
+    ) -> tuple[tuple[str, str], tuple[str | int, ...]]:
+        """``(keys, args)`` of :data:`MARK_REPLACED`; ``LeaseConfigError`` for a bad argument."""
+        if not isinstance(key, str) or SLOT_MARK in key:
+            raise LeaseConfigError(
+                f"mark_replaced(key={key!r}): needs a key without U+001F (a key, not a slot)"
+            )
+        if ticket is not None and (isinstance(ticket, bool) or not isinstance(ticket, int)):
+            raise LeaseConfigError(f"mark_replaced(ticket={ticket!r}): needs an int or None")
+        if holder is not None and not isinstance(holder, str):
+            raise LeaseConfigError(f"mark_replaced(holder={holder!r}): needs an owner id or None")
+        base = self._base(key)
+        args: tuple[str | int, ...] = (
+            "" if ticket is None else ticket,
+            "0" if holder is None else "1",
+            "" if holder is None else holder,
+            TOKEN_TTL_MS,
+        )
+        return (base + ":lease", base + ":token"), args
+
+    def _mark_reply(self, ticket: int | None, reply: Any) -> tuple[int, str | None, bool]:
+        """``(ticket, holder, asked)`` of a :data:`MARK_REPLACED` reply."""
+        drawn, owner, asked = reply
+        holder = None if owner is None else self._decode(owner)
+        return (int(drawn) if ticket is None else ticket), holder, bool(asked)
+
+    def _decode(self, value: bytes | str) -> str:
+        """A reply's text as an owner id (UTF-8; the sync store decodes as its client does)."""
+        return text(value)
 
     @property
     def replica_timeout(self) -> float:

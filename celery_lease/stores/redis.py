@@ -1,7 +1,8 @@
 """Redis store: one Lua script per operation, one round trip each, Redis Cluster ready.
 
 Keys ``celery-lease:{<key>}:lease`` (hash {owner, token}), ``:token`` (the counter) and
-``:signal`` (a release wakes a waiter), and ``celery-lease:marker`` (the restart grace). The
+``:signal`` (a release wakes a waiter), a key's slots ``celery-lease:{<key>}`` U+001F ``<i>:lease``
+and their counter ``:slots``, and ``celery-lease:marker`` (the restart grace). The
 scripts: :mod:`~celery_lease.stores._redis_common`; key layout, tokens and guarantees:
 docs/stores.md (Redis). Nothing read from Redis is ever unpickled.
 """
@@ -35,6 +36,7 @@ from celery_lease.stores._redis_common import (
     HELD_MARK,
     INSPECT,
     INSPECT_SCRIPT,
+    MARK_REPLACED,
     RELEASE,
     RELEASE_SCRIPT,
     RENEW,
@@ -57,6 +59,7 @@ from celery_lease.stores._redis_common import (
     refused,
     replica_timeout_of,
     restart_grace_of,
+    slot_reply,
     socket_timeout_of,
     text,
 )
@@ -72,6 +75,7 @@ from celery_lease.stores._redis_sentinel import (
     pool_secrets,
 )
 from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import SLOT_MARK, slot_key
 
 __all__ = [
     "ACQUIRE_SCRIPT",
@@ -96,7 +100,9 @@ class RedisLockStore(StoreBase):
 
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify` (waiters block on a
     list, one waiter wakes per release), :class:`~celery_lease.SupportsBatchRenew` (one
-    pipelined round trip) and :class:`~celery_lease.SupportsInspection`.
+    pipelined round trip), :class:`~celery_lease.SupportsInspection`,
+    :class:`~celery_lease.stores.base.SupportsSlots` (one script per slot acquire, whatever the
+    limit) and :class:`~celery_lease.stores.base.SupportsReplace`.
 
     Every operation is one EVALSHA round trip, retried once after a connection error or
     timeout (every script is safe to run twice); then, like any other Redis error, it raises
@@ -308,6 +314,20 @@ class RedisLockStore(StoreBase):
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
             reply = self._call("acquire", partial(self._eval, script, keys, args), key)
             return self._outside_grace(key, reply)
+        return self._take_confirmed(script, keys, args, key, owner, None)
+
+    def _take_confirmed(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        key: str,
+        owner: str,
+        limit: int | None,
+    ) -> Any:
+        """Run the acquire ``script`` on the master, asked again until the replicas confirm it
+        (see CONFIRM_WINDOW), else its lease released (the slot it took, with a ``limit``) and
+        the error raised. Its raw reply; RestartGraceError when a grace refused a free key."""
         calls = [(keys, args)]
         started = SYSTEM_CLOCK.monotonic()
         asks = 0
@@ -330,11 +350,44 @@ class RedisLockStore(StoreBase):
                 continue
             # A failover now could hand the key to a second owner: give this attempt's lease up.
             assert acks is not None
+            taken_key = key if limit is None else slot_key(key, slot_reply(reply)[0])
             try:
-                self.release(key, owner)
+                self.release(taken_key, owner)
             except StoreUnavailableError as exc:
                 raise self._given_up(key, acks, asks, exc) from None
             raise self._given_up(key, acks, asks, None)
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
+        slots are live: one script, one round trip, whatever the limit (see
+        :class:`~celery_lease.stores.base.SupportsSlots`; the script: ``ACQUIRE_SLOT_SCRIPT``).
+
+        Raises:
+            LeaseConfigError: (a ``ValueError``) for a ``limit`` outside 1 ..
+                :data:`~celery_lease.stores.slots.MAX_LIMIT` or a bad ``key``, before any I/O.
+            RestartGraceError: a free slot refused by the restart grace.
+        """
+        script, keys, args = self._slot_call(key, owner, ttl_ms, limit)
+        if self._fast is not None:
+            reply = self._call("acquire", partial(self._eval, script, keys, args), key)
+            reply = self._outside_grace(key, reply)
+        else:
+            reply = self._take_confirmed(script, keys, args, key, owner, limit)
+        return None if reply is None else slot_reply(reply)
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` to stop: its stored owner id gets
+        :data:`~celery_lease.stores.slots.REPLACED_MARK` appended (one script; see
+        :class:`~celery_lease.stores.base.SupportsReplace`). A ticket drawn here is written to
+        the key's token counter, so every later token of ``key`` is larger. A lease key of
+        another type raises ``StoreUnavailableError`` (left as it is, nothing drawn). Sent to
+        the current master, not confirmed by replicas: a mark a failover loses leaves the
+        holder renewing until the replacing call asks again."""
+        calls = [self._mark_call(key, ticket, holder)]
+        replies, _ = self._call("mark replaced", lambda: self._write(MARK_REPLACED, calls), key)
+        return self._mark_reply(ticket, replies[0])
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         calls = [((self.lease_key(key),), (owner, int(ttl_ms)))]
@@ -449,7 +502,8 @@ class RedisLockStore(StoreBase):
     def list(self, prefix: str = "") -> list[LeaseInfo]:
         """Live leases whose key starts with ``prefix``, sorted by key (SCAN; every master of a
         cluster)."""
-        pattern = glob_escape(f"{self._prefix}{{{prefix}") + "*}:lease"
+        # A slot's lease hash has U+001F after the hash tag: match the part of prefix before it.
+        pattern = glob_escape(f"{self._prefix}{{{prefix.partition(SLOT_MARK)[0]}") + "*:lease"
         client, cluster = self._client, self._cluster
         if cluster is not None:
             try:
@@ -461,7 +515,7 @@ class RedisLockStore(StoreBase):
                 "list leases",
                 lambda: {text(k) for k in client.scan_iter(match=pattern, count=1000)},
             )
-        listed = sorted(k[len(self._prefix) + 1 : -len("}:lease")] for k in found)
+        listed = sorted(k for k in map(self._store_key, found) if k is not None)
         keys = [k for k in listed if k.startswith(prefix) and k]
         results = self._call(
             "list leases",
@@ -494,11 +548,17 @@ class RedisLockStore(StoreBase):
 
     def last_token(self, key: str) -> int | None:
         """The last fencing token issued for ``key``, or ``None`` (counter never set, or dropped
-        after 7 days without an acquire, or lost with a server restart or an eviction)."""
-        token_key = self.token_key(key)
-        return int_or_none(
-            self._call("read the last token of", lambda: self._client.get(token_key), key)
-        )
+        after 7 days without an acquire, or lost with a server restart or an eviction). For a
+        slot's store key (or :func:`~celery_lease.stores.slots.counter_key`): the last token
+        issued to any slot of its key."""
+        counted = self._counted_key(key)
+        client = self._client
+        if counted is not None:  # a slot, or a key's slot counter: the key's slot counter
+            slots = self.slots_key(counted)
+            read = partial(client.hget, slots, "token")
+        else:
+            read = partial(client.get, self.token_key(key))
+        return int_or_none(self._call("read the last token of", read, key))
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""

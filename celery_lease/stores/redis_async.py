@@ -25,13 +25,17 @@ from celery_lease.stores._redis_common import (
     ACQUIRE,
     CONFIRM_WINDOW,
     DEFAULT_PREFIX,
+    MARK_REPLACED,
     RELEASE,
+    RELEASE_OWNERS_SLOT,
     RENEW,
     RETRIED,
     Script,
     StoreBase,
     blpop_waits,
     failed,
+    in_grace,
+    slot_reply,
     socket_timeout_of,
 )
 from celery_lease.stores._redis_sentinel import (
@@ -45,6 +49,7 @@ from celery_lease.stores._redis_sentinel import (
 )
 from celery_lease.stores.base import LockStore, LoopBinding, redact_url
 from celery_lease.stores.redis import RedisLockStore
+from celery_lease.stores.slots import slot_key
 
 __all__ = ["AsyncRedisLockStore"]
 
@@ -75,7 +80,8 @@ class _Sentinel(redis.asyncio.sentinel.Sentinel):
 
 
 class AsyncRedisLockStore(StoreBase):
-    """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel).
+    """An :class:`~celery_lease.stores.base.AsyncLockStore` on Redis (standalone or Sentinel),
+    with :class:`~celery_lease.stores.base.AsyncSupportsSlots` and ``mark_replaced``.
 
     The same scripts, keys and semantics as :class:`~celery_lease.stores.redis.RedisLockStore`
     through ``redis.asyncio``: every call is one round trip, retried once after a connection
@@ -260,6 +266,31 @@ class AsyncRedisLockStore(StoreBase):
         releases what it took before the cancellation propagates."""
         self._loop.check(self)
         script, keys, args = self._acquire_call(ACQUIRE, key, owner, ttl_ms)
+        reply = await self._take(script, keys, args, key, owner, None)
+        return None if reply is None else int(reply)
+
+    async def acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int
+    ) -> tuple[int, int] | None:
+        """As :meth:`RedisLockStore.acquire_slot` (one script, one round trip). Cancelled, it
+        waits for the reply and releases the slot it took (without a reply: the slot of
+        ``key`` its owner holds, if any) before the cancellation propagates."""
+        script, keys, args = self._slot_call(key, owner, ttl_ms, limit)
+        self._loop.check(self)
+        reply = await self._take(script, keys, args, key, owner, limit)
+        return None if reply is None else slot_reply(reply)
+
+    async def _take(
+        self,
+        script: Script,
+        keys: Sequence[str],
+        args: Sequence[str | int],
+        key: str,
+        owner: str,
+        limit: int | None,
+    ) -> Any:
+        """Run the acquire ``script`` (a slot's with a ``limit``) on the master until the
+        replicas confirm it (see CONFIRM_WINDOW); its reply, None when refused."""
         started = time.monotonic()
         asks = 0
         while True:
@@ -271,23 +302,40 @@ class AsyncRedisLockStore(StoreBase):
             try:
                 reply, acks = await asyncio.shield(attempt)
             except asyncio.CancelledError:
-                await self._settle_cancelled_acquire(attempt, key, owner)
+                await self._settle_cancelled_acquire(attempt, key, owner, limit)
                 raise
             asks += 1
-            token = None if reply is None else int(self._outside_grace(key, reply))
-            if token is None or self._confirmed(acks):
-                return token
+            if reply is None:
+                return None
+            reply = self._outside_grace(key, reply)
+            if self._confirmed(acks):
+                return reply
             # A replica a moment behind confirms a later ask (see CONFIRM_WINDOW).
             if time.monotonic() - started < CONFIRM_WINDOW:
                 continue
             try:
-                await self.release(key, owner)
+                await self.release(_taken_key(key, reply, limit), owner)
             except StoreUnavailableError as exc:
                 raise self._given_up(key, acks, asks, exc) from None
             raise self._given_up(key, acks, asks, None)
 
+    async def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """As :meth:`RedisLockStore.mark_replaced` (one script)."""
+        keys, args = self._mark_call(key, ticket, holder)
+        self._loop.check(self)
+        reply, _ = await self._call(
+            "mark replaced", lambda: self._write(MARK_REPLACED, keys, args), key
+        )
+        return self._mark_reply(ticket, reply)
+
     async def _settle_cancelled_acquire(
-        self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
+        self,
+        attempt: asyncio.Future[tuple[Any, int | None]],
+        key: str,
+        owner: str,
+        limit: int | None,
     ) -> None:
         """The caller of an acquire was cancelled: wait (at most ``_UNDO_TIMEOUT``, further
         cancels included) for the attempt's reply, then release what it took. The release is
@@ -298,37 +346,54 @@ class AsyncRedisLockStore(StoreBase):
             left = deadline - loop.time()
             if left <= 0:
                 # Late: the cancellation goes on now, the release follows the reply in a task.
-                undo = asyncio.ensure_future(self._undo_after_reply(attempt, key, owner))
+                undo = asyncio.ensure_future(self._undo_after_reply(attempt, key, owner, limit))
                 self._late_undos.add(undo)
                 undo.add_done_callback(self._late_undos.discard)
                 return
             with contextlib.suppress(asyncio.CancelledError):  # re-raised by our caller
                 await asyncio.wait({attempt}, timeout=left)
-        await self._undo_after_reply(attempt, key, owner)
+        await self._undo_after_reply(attempt, key, owner, limit)
 
     async def _undo_after_reply(
-        self, attempt: asyncio.Future[tuple[Any, int | None]], key: str, owner: str
+        self,
+        attempt: asyncio.Future[tuple[Any, int | None]],
+        key: str,
+        owner: str,
+        limit: int | None,
     ) -> None:
         """Wait for the cancelled acquire's end (reply or error), then release what it may have
         taken; without a ``socket_timeout`` the attempt is cut off after 15 s and released
         anyway (owner checked, so at worst a no-op)."""
-        limit = 2 * (self._socket_timeout or _UNDO_TIMEOUT) + _UNDO_TIMEOUT
-        await asyncio.wait({attempt}, timeout=limit)
+        wait = 2 * (self._socket_timeout or _UNDO_TIMEOUT) + _UNDO_TIMEOUT
+        await asyncio.wait({attempt}, timeout=wait)
         if not attempt.done():
             attempt.cancel()
             await asyncio.wait({attempt})
         if not attempt.cancelled() and attempt.exception() is None:
-            if attempt.result()[0] is None:
+            reply = attempt.result()[0]
+            if reply is None or in_grace(reply):
                 return  # it took nothing
             why = "cancelled after it took the lease"
-        else:
-            why = "cancelled before its reply came"
-        await self._undo_acquire(key, owner, why)
+            await self._undo_acquire(_taken_key(key, reply, limit), owner, why)
+            return
+        why = "cancelled before its reply came"
+        if limit is None:
+            await self._undo_acquire(key, owner, why)
+        else:  # which slot it may have taken is not known: the one its owner holds
+            await self._undo_acquire(key, owner, why, partial(self._release_owners_slot, limit))
 
-    async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
-        """Release what an interrupted acquire of ``owner`` (unique per attempt) may have taken,
-        shielded and bounded in time; a failure is logged (it expires within its ttl)."""
-        task = asyncio.ensure_future(asyncio.wait_for(self._release(key, owner), _UNDO_TIMEOUT))
+    async def _undo_acquire(
+        self,
+        key: str,
+        owner: str,
+        why: str,
+        release: Callable[[str, str], Awaitable[None]] | None = None,
+    ) -> None:
+        """Release what an interrupted acquire of ``owner`` (unique per attempt) may have taken
+        (``release``: how; default :meth:`release`'s way), shielded and bounded in time; a
+        failure is logged (it expires within its ttl)."""
+        undo = (release or self._release)(key, owner)
+        task = asyncio.ensure_future(asyncio.wait_for(undo, _UNDO_TIMEOUT))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -342,6 +407,11 @@ class AsyncRedisLockStore(StoreBase):
                 why,
                 self._redact(str(exc)),
             )
+
+    async def _release_owners_slot(self, limit: int, key: str, owner: str) -> None:
+        """Release the slot of ``key`` that ``owner`` holds, whichever it is (one script)."""
+        keys, args = self._owners_slot_call(key, owner, limit)
+        await self._call("release", lambda: self._eval(RELEASE_OWNERS_SLOT, keys, args), key)
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`RedisLockStore.renew`."""
@@ -396,6 +466,12 @@ class AsyncRedisLockStore(StoreBase):
 
     def __repr__(self) -> str:
         return f"AsyncRedisLockStore({self._where()}, prefix={self._prefix!r})"
+
+
+def _taken_key(key: str, reply: Any, limit: int | None) -> str:
+    """The store key an acquire of ``key`` answered ``reply`` took: ``key``, or with a
+    ``limit`` the slot the reply names."""
+    return key if limit is None else slot_key(key, slot_reply(reply)[0])
 
 
 def _same_as_twin(name: str, value: Any, twin: Any, convert: Callable[[Any], float] | None) -> Any:

@@ -39,13 +39,15 @@ from celery_lease.stores.redis import (
 )
 from tests.fixtures_redis import RedisServer, SentinelGroup
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+from tests.stores.slot_contract import ReplaceContract, SlotContract
 from tests.support import free_port
 
 pytestmark = pytest.mark.redis
 
 
-class TestRedisStore(StoreContract):
-    """RedisLockStore built from a URL; each store gets its own prefix, so it starts empty."""
+class TestRedisStore(SlotContract, ReplaceContract, StoreContract):
+    """RedisLockStore built from a URL, slots and replace included; each store gets its own
+    prefix, so it starts empty."""
 
     fake_clock = False
     release_wakes_one = True
@@ -1076,8 +1078,9 @@ class TestConnections:
         assert redis_client.ping() is True
 
 
-class TestRedisClusterStore(StoreContract):
-    """RedisLockStore on a redis.cluster.RedisCluster client (one-node cluster)."""
+class TestRedisClusterStore(SlotContract, ReplaceContract, StoreContract):
+    """RedisLockStore on a redis.cluster.RedisCluster client (one-node cluster), slots and
+    replace included."""
 
     fake_clock = False
     release_wakes_one = True

@@ -1,4 +1,4 @@
-"""celery_lease.stores.redis_async: the whole store contract, through
+"""celery_lease.stores.redis_async: the whole store contract, slots and replace included, through
 :class:`tests.stores.async_contract.SyncOverAsync`, against a real throwaway redis-server."""
 
 from __future__ import annotations
@@ -15,12 +15,31 @@ from celery_lease.stores.base import AsyncLockStore, LockStore
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.redis_async import AsyncRedisLockStore
 from tests.fixtures_redis import RedisServer, blocked_clients
-from tests.stores.async_contract import AsyncStoreContract, wait_for
+from tests.stores.async_contract import AsyncStoreContract, SyncOverAsync, wait_for
+from tests.stores.slot_contract import ReplaceContract, SlotContract
+
+
+class SlotsOverAsync(SyncOverAsync):
+    """:class:`SyncOverAsync` that also runs the async Redis store's ``acquire_slot`` and
+    ``mark_replaced`` coroutines on its loop."""
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        store = self.async_store
+        assert isinstance(store, AsyncRedisLockStore)
+        return self.run(store.acquire_slot(key, owner, ttl_ms, limit))
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        store = self.async_store
+        assert isinstance(store, AsyncRedisLockStore)
+        return self.run(store.mark_replaced(key, ticket, holder))
 
 
 @pytest.mark.redis
-class TestAsyncRedisContract(AsyncStoreContract):
-    """AsyncRedisLockStore built from a URL; each store gets its own prefix, so it starts empty."""
+class TestAsyncRedisContract(SlotContract, ReplaceContract, AsyncStoreContract):
+    """AsyncRedisLockStore built from a URL, slots and replace included; each store gets its own
+    prefix, so it starts empty."""
 
     fake_clock = False
     release_wakes_one = True
@@ -37,6 +56,12 @@ class TestAsyncRedisContract(AsyncStoreContract):
 
     def async_store_factory(self) -> Callable[[], AsyncLockStore]:
         return functools.partial(AsyncRedisLockStore, self.url, prefix=self.prefix)
+
+    def make_store(self) -> LockStore:
+        return SlotsOverAsync(self.make_async_store)
+
+    def store_factory(self) -> Callable[[], LockStore]:
+        return functools.partial(SlotsOverAsync, self.async_store_factory())
 
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         wait_for(lambda: blocked_clients(self.server) >= count, f"{count} waiters")

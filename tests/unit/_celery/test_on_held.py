@@ -11,9 +11,9 @@ from celery.exceptions import Ignore
 
 from celery_lease import LockNotAcquiredError, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease._celery.on_held import apply_policy, skip_quietly
+from celery_lease._celery.on_held import apply_policy, skip_quietly, superseded
 from celery_lease._core.options import LockOptions
-from celery_lease._core.owners import make_owner
+from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.testing import FakeClock
 
 
@@ -309,3 +309,25 @@ class TestSkipReason:
             "skipped: 'nightly-report' is in its cooldown until 2026-12-05T22:00:36Z"
             f" (576.0 s left), kept by proj.nightly_report_after_a_manual_run[{manual.id}]"
         ) in caplog.text
+
+
+class TestSuperseded:
+    def test_a_worker_execution_ends_revoked_with_reason_replaced(self, rejected: Any) -> None:
+        """Overtaken by a newer replace call: lock_rejected, on_lock_rejected, then REVOKED
+        (task-revoked sent) and Ignore, as a skip; the reason names on_held='replace'."""
+        task = Task()
+        newer = parse_owner(make_owner(task="proj.report", task_id="t-2"))
+        with pytest.raises(Ignore):
+            superseded(task, Request(), "k", newer, nested=False)  # type: ignore[arg-type]
+        assert rejected == [("k", "t-1")]
+        assert task.rejected == ["k"]
+        [(task_id, reason, _stored)] = task.backend.revoked
+        assert task_id == "t-1"
+        assert "on_held='replace'" in reason and "t-2" in reason
+        assert task.events == [("task-revoked", reason)]
+
+    def test_a_direct_call_returns_none(self, rejected: Any) -> None:
+        task = Task()
+        newer = parse_owner(make_owner())
+        assert superseded(task, None, "k", newer, nested=False) is None  # type: ignore[arg-type]
+        assert task.backend.revoked == []

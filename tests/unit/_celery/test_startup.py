@@ -365,3 +365,80 @@ class TestHostLocalFallback:
             assert startup.check_host_local(app) is None
         finally:
             config.reset(app)
+
+
+class _NoReplaceStore:
+    """A shared store (not process-local) that cannot ask a holder to stop."""
+
+    def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
+        return 1
+
+    def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
+        return True
+
+    def release(self, key: str, owner: str) -> None:
+        return None
+
+    def get(self, key: str) -> None:
+        return None
+
+
+class TestReplaceStoreAtStart:
+    """A task with on_held="replace" on a store that cannot mark a holder: refused when the
+    worker is built, before any call."""
+
+    def test_the_apps_store_without_replace_is_refused(self, app: Celery) -> None:
+        app.conf.lease_store = _NoReplaceStore()
+
+        @app.task(
+            base=LockedTask, name="rp.job1", shared=False, lock_on_held="replace", lock_key="k"
+        )
+        def job() -> None:
+            return None
+
+        error = startup.check_replace_stores(app)
+        assert isinstance(error, LeaseConfigError)
+        assert "'rp.job1'" in str(error) and "lock_on_held='replace'" in str(error)
+        assert "_NoReplaceStore()" in str(error)
+
+    def test_a_store_that_replaces_passes(self, app: Celery) -> None:
+        app.conf.lease_store = MemoryLockStore()
+
+        @app.task(
+            base=LockedTask, name="rp.job2", shared=False, lock_on_held="replace", lock_key="k"
+        )
+        def job() -> None:
+            return None
+
+        assert startup.check_replace_stores(app) is None
+
+    def test_other_policies_are_not_checked(self, app: Celery) -> None:
+        app.conf.lease_store = _NoReplaceStore()
+
+        @app.task(base=LockedTask, name="rp.job3", shared=False, lock_key="k")
+        def job() -> None:
+            return None
+
+        assert startup.check_replace_stores(app) is None
+
+    def test_the_worker_build_is_refused(
+        self, app: Celery, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The LeaseCheck bootstep raises it while Celery builds the worker."""
+        from celery import _state
+
+        monkeypatch.setattr(worker, "_main_pid", None)
+        blocks = _state.task_join_will_block()
+        app.conf.update(lease_store=_NoReplaceStore(), lease_store_check="off")
+
+        @app.task(
+            base=LockedTask, name="rp.job4", shared=False, lock_on_held="replace", lock_key="k"
+        )
+        def job() -> None:
+            return None
+
+        try:
+            with pytest.raises(LeaseConfigError, match="lock_on_held='replace'"):
+                app.WorkController(pool_cls="threads", concurrency=2, without_mingle=True)
+        finally:
+            _state._set_task_join_will_block(blocks)

@@ -152,3 +152,14 @@ class TestTtlAndCooldownInTheOwner:
         assert (old.ttl, old.cooldown) == (None, None)
         assert parse_owner(make_owner(ttl_ms=1500)).ttl == 1.5
         assert parse_owner("h/1/a;ttl=x").ttl is None  # never raises on a bad field
+
+
+class TestReplaceTicket:
+    def test_the_ticket_is_written_as_rt_and_read_back(self) -> None:
+        """An ``on_held="replace"`` try's ticket is in its owner id (``rt``) and parsed back;
+        other owner ids carry none."""
+        assert parse_owner(make_owner(replace_ticket=1_700_000_123)).replace_ticket == (
+            1_700_000_123
+        )
+        assert parse_owner(make_owner()).replace_ticket is None
+        assert parse_owner("h/1/00;rt=x1").replace_ticket is None
