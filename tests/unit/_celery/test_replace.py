@@ -30,7 +30,7 @@ from celery_lease._core.options import REPLACE_WAIT_MARGIN, replace_wait, valida
 from celery_lease._core.owners import make_owner, parse_owner
 from celery_lease.errors import ReplicaLagError
 from celery_lease.stores.base import LeaseInfo
-from celery_lease.stores.slots import marked
+from celery_lease.stores.slots import MAX_LIMIT, marked
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT, SpyStore
 
@@ -524,7 +524,7 @@ class _NoReplace:
 
 
 class TestValidation:
-    @pytest.mark.parametrize("limit", [2, 1000, lambda account: 1])
+    @pytest.mark.parametrize("limit", [2, MAX_LIMIT, lambda account: 1])
     def test_a_limit_above_one_or_callable_is_refused(self, limit: object) -> None:
         with pytest.raises(LeaseConfigError, match=r"lock_on_held of t='replace'.*limit="):
             validate_options({"on_held": "replace", "limit": limit}, where="t", prefix="lock_")
