@@ -27,7 +27,7 @@ from celery_lease import signals as lease_signals
 from celery_lease._celery.replace import Superseded, take_over
 from celery_lease._core.lease import Lease, LeaseContext
 from celery_lease._core.options import REPLACE_WAIT_MARGIN, replace_wait, validate_options
-from celery_lease._core.owners import make_owner, parse_owner
+from celery_lease._core.owners import make_owner, parse_owner, set_node
 from celery_lease.errors import ReplicaLagError
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.slots import MAX_LIMIT, marked
@@ -716,6 +716,7 @@ def worker() -> Iterator[SimpleNamespace]:
         )  # fmt: skip
     leave.set()
     app.close()
+    set_node(None)  # the worker named this process's owner ids after its node
 
 
 class TestOnAWorker:
