@@ -4,6 +4,7 @@ skip does, reason ``"replaced"``)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -707,16 +708,20 @@ def worker() -> Iterator[SimpleNamespace]:
     def calls_helper() -> list[str | None]:
         return [helper()]
 
-    with start_worker(
-        app, pool="threads", concurrency=3, perform_ping_check=False, shutdown_timeout=TIMEOUT
-    ):
-        yield SimpleNamespace(
-            app=app, store=store, revoking=revoking, marking=marking, calls_helper=calls_helper,
-            starts=starts, started=started, leave=leave,
-        )  # fmt: skip
-    leave.set()
-    app.close()
-    set_node(None)  # the worker named this process's owner ids after its node
+    root_level = logging.getLogger().level  # the worker's logging setup changes it
+    try:
+        with start_worker(
+            app, pool="threads", concurrency=3, perform_ping_check=False, shutdown_timeout=TIMEOUT
+        ):
+            yield SimpleNamespace(
+                app=app, store=store, revoking=revoking, marking=marking,
+                calls_helper=calls_helper, starts=starts, started=started, leave=leave,
+            )  # fmt: skip
+    finally:
+        leave.set()
+        app.close()
+        set_node(None)  # the worker named this process's owner ids after its node
+        logging.getLogger().setLevel(root_level)
 
 
 class TestOnAWorker:
