@@ -155,6 +155,7 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_on_held: OnHeld | None = None
     lock_retry_countdown: Duration | None = None
     lock_on_lost: OnLost | None = None
+    lock_limit: int | Callable[..., int] | None = None
     lock_unique: Unique | None = None
     lock_on_duplicate: OnDuplicate | None = None
     lock_queue_ttl: Duration | None = None
@@ -177,6 +178,9 @@ class LockedTask(Task):  # type: ignore[misc]
         key = cls.__dict__.get("lock_key")
         if isinstance(key, types.FunctionType):
             cls.lock_key = staticmethod(key)  # called with the task's arguments, not bound
+        limit = cls.__dict__.get("lock_limit")
+        if isinstance(limit, types.FunctionType):
+            cls.lock_limit = staticmethod(limit)  # as lock_key
         cls._lock_calls_through = any(
             "__call__" in vars(klass)
             for klass in cls.__mro__
@@ -224,13 +228,21 @@ class LockedTask(Task):  # type: ignore[misc]
             sig = inspect.signature(self.run)
             key_function = make_key_function(cls._lock_options.key, sig, task=self.name)
             validate = _pydantic_validator(cls, self)
+            limit = cls._lock_options.limit
             if validate is not None:
                 by_arguments = key_function
 
                 def key_function(args: tuple[object, ...], kwargs: Mapping[str, object]) -> str:
                     return by_arguments(*validate(args, kwargs))
 
-            spec = _Spec(cls._lock_options, key_function)
+                if callable(limit):
+                    limit_of = limit
+
+                    def limit(*args: object, **kwargs: object) -> int:  # the body's arguments
+                        valid_args, valid_kwargs = validate(args, kwargs)
+                        return limit_of(*valid_args, **valid_kwargs)
+
+            spec = _Spec(cls._lock_options, key_function, limit)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 
@@ -387,6 +399,7 @@ def locked(
     on_held: OnHeld = "raise",
     retry_countdown: Duration | None = None,
     on_lost: OnLost = "mark",
+    limit: int | Callable[..., int] | None = None,
     unique: Unique | None = None,
     on_duplicate: OnDuplicate | None = None,
     queue_ttl: Duration | None = None,
@@ -422,7 +435,7 @@ def locked(
             if spec is None:
                 sig = _body_signature(func, bound=bound) or full
                 spec = specs[(name, bound)] = _Spec(
-                    options, make_key_function(options.key, sig, task=name)
+                    options, make_key_function(options.key, sig, task=name), options.limit
                 )
             return spec
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
+from celery_lease._core.arguments import check_slot_store, checked_limit
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsReplace, conforms
+from celery_lease.stores.slots import MAX_LIMIT
 from celery_lease.types import OnHeld, OnLost
 
 # Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`.
@@ -29,6 +31,7 @@ OPTIONS = (
     "on_held",
     "retry_countdown",
     "on_lost",
+    "limit",
     *UNIQUE_OPTIONS,
 )
 
@@ -68,6 +71,14 @@ class LockOptions:
         retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
+        limit: how many executions of one key may run at once: ``None`` (one: the key itself
+            is held; ``lock_limit = 1`` is the same), an int from 2 to
+            :data:`~celery_lease.stores.slots.MAX_LIMIT` (each execution holds a *slot* of the
+            key: ``request.lock_slot``), or a callable called with the task's arguments as a
+            key callable is (``fn(*args, **kwargs)``), returning an int from 1 to MAX_LIMIT per
+            call. A task with a callable limit always holds slots, also when it returns 1, so
+            executions count against each other whatever value each call gets; a lowered
+            value refuses new executions until fewer run, never stops a running one.
         unique: the enqueue-time options (:class:`UniqueOptions`), or ``None``.
     """
 
@@ -80,6 +91,7 @@ class LockOptions:
     on_held: OnHeld = "raise"
     retry_countdown: float | None = None
     on_lost: OnLost = "mark"
+    limit: int | Callable[..., int] | None = None
     unique: UniqueOptions | None = None
 
 
@@ -134,6 +146,7 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
     ttl = duration("ttl", positive=True)
     if ttl is not None:
         check_ttl(ttl, raw.get("ttl"), name=name("ttl"))
+    limit = _limit(raw.get("limit"), store, name("limit"))
     unique = validate_unique(raw, name=name, has_key=key is not None)
     wait = duration("wait")
     cooldown = duration("cooldown") or 0.0
@@ -148,6 +161,12 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
             )
         if ttl is not None:
             check_replace_wait(wait, ttl, name("wait"))
+    if limit is not None and unique is not None:
+        raise LeaseConfigError(
+            f"{name('limit')}={raw.get('limit')!r} cannot be combined with"
+            f" {prefix}unique={unique.unique!r}: unique keeps one copy of a key, a limit lets"
+            " several run; drop one of them"
+        )
     return LockOptions(
         key=key,
         ttl=ttl,
@@ -158,6 +177,7 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
         on_held=on_held,
         retry_countdown=duration("retry_countdown"),
         on_lost=on_lost,
+        limit=limit,
         unique=unique,
     )
 
@@ -225,6 +245,42 @@ def replace_wait(options: LockOptions, ttl: float, name: str = "wait") -> float:
     """
     check_replace_wait(options.wait, ttl, name)
     return options.wait if options.wait is not None else ttl + REPLACE_WAIT_MARGIN
+
+
+def _limit(value: object, store: object, name: str) -> int | Callable[..., int] | None:
+    """The ``limit`` option checked: ``None`` for unset or 1, an int over 1, or a callable;
+    either of the last two with a store object given needs its ``acquire_slot`` now."""
+    limit: int | Callable[..., int] | None
+    if callable(value) and not isinstance(value, type):
+        limit = cast("Callable[..., int]", value)  # always slots, whatever it returns
+    else:
+        limit = checked_limit(value, name=name)
+    if limit is not None and store is not None and not isinstance(store, str):
+        check_slot_store(value, store, None, name=name)
+    return limit
+
+
+def call_limit(
+    limit: Callable[..., int],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    where: str,
+    key: str,
+) -> int:
+    """The limit a callable ``limit`` gives one call: ``limit(*args, **kwargs)``, checked.
+
+    Raises:
+        LeaseConfigError: when it returns anything but an int from 1 to MAX_LIMIT, naming
+            ``where`` (``"task 'name'"``), the key and the value.
+    """
+    value = limit(*args, **kwargs)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise LeaseConfigError(
+            f"limit={limit!r} of {where} returned {value!r} ({type(value).__name__}) for"
+            f" key {key!r}; a limit function must return an int from 1 to {MAX_LIMIT}"
+        )
+    return value
 
 
 def retry_countdown(options: LockOptions, retries: int) -> float:
