@@ -187,3 +187,16 @@ class TestAFaultyChild:
         assert [r["key"] for r in rows] == ["inspected"]
         assert [u["pid"] for u in unanswered] == [bad_pid]
         assert why in unanswered[0]["error"]
+
+
+class TestASlotHeldHere:
+    def test_a_lease_held_in_a_slot_is_listed_with_its_key_and_slot(self) -> None:
+        """``lease(key, limit=2)`` held in this process while another holder has slot 0: the
+        row names the key, slot 1, its token and owner."""
+        store = MemoryLockStore()
+        store.acquire_slot("pay:7", "another-worker", 30_000, 2)
+        state = SimpleNamespace(consumer=SimpleNamespace(pool=None))
+        with lease("pay:7", store=store, ttl=30, limit=2) as held:
+            answer = control.leases(state)
+        (row,) = [r for r in answer["leases"] if r["key"] == "pay:7"]
+        assert (row["slot"], row["token"], row["owner"]) == (1, held.token, held.owner)

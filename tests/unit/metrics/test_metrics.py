@@ -319,3 +319,54 @@ class TestSlots:
         lost = value(registry, "celery_lease_lost_total", task="m.work", reason="replaced")
         assert lost == 1
         assert value(registry, "celery_lease_held", task="m.work") == 0
+
+
+class TestSlotRenewals:
+    def test_renewals_of_a_task_holding_a_slot_count_under_its_name(
+        self, store: MemoryLockStore
+    ) -> None:
+        """A task with ``lock_limit=2`` holding slot 1 (slot 0 is another worker's) is renewed
+        under the slot's store key: its renewals land under the task's name, and its
+        acquisition and release are counted once each."""
+        import threading
+
+        from celery_lease._core import renewer
+        from celery_lease.metrics.prometheus import PrometheusSink
+        from celery_lease.stores.slots import slot_key
+
+        app = Celery("rs", broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.lease_store = store
+        store.acquire_slot("slots:1", "another-worker", 60_000, 2)
+        registry = prometheus_client.CollectorRegistry()
+        renewed = threading.Event()
+        seen: list[str] = []
+
+        def note(key: str, token: int | None, seconds: float, ok: bool | None) -> None:
+            seen.append(key)
+            if seen.count(slot_key("slots:1", 1)) >= 2:
+                renewed.set()
+
+        forget = renewer.observe_renewals(note)
+
+        @app.task(
+            name="rs.slow",
+            base=LockedTask,
+            lock_key="slots:{n}",
+            lock_ttl="1.5s",
+            lock_limit=2,
+            shared=False,
+        )
+        def slow(n: int) -> tuple[int, bool]:
+            return slow.request.lock_slot, renewed.wait(10.0)
+
+        metrics.connect(PrometheusSink(registry))
+        try:
+            assert slow.apply((1,)).get() == (1, True)
+        finally:
+            metrics.disconnect()
+            forget()
+            app.close()
+        assert value(registry, "celery_lease_renewal_seconds_count", task="rs.slow") >= 2
+        assert value(registry, "celery_lease_acquired_total", task="rs.slow") == 1
+        assert value(registry, "celery_lease_released_total", task="rs.slow") == 1
+        assert value(registry, "celery_lease_held", task="rs.slow") == 0
