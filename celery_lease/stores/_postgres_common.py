@@ -227,6 +227,28 @@ FROM {{table}} AS t
 WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
 ORDER BY key"""
 
+# Params: none. The key column's collation and whether it
+# orders as bytes (C, POSIX, a C.UTF-8 of libc or the builtin provider: code point order is
+# UTF-8 byte order); the database's default collation when the column uses it.
+_KEY_COLLATION = """\
+SELECT c.collname,
+       CASE WHEN c.collname = 'default'
+            THEN (coalesce(d.db->>'datlocprovider', 'c') IN ('c', 'b')
+                  AND coalesce(d.db->>'datlocale', d.db->>'datcollate')
+                      IN ('C', 'POSIX', 'C.UTF-8', 'C.utf8'))
+            ELSE c.collname IN ('C', 'POSIX', 'ucs_basic', 'pg_c_utf8')
+                 OR (c.collprovider IN ('c', 'b')
+                     AND coalesce(to_jsonb(c)->>'colllocale', c.collcollate)
+                         IN ('C', 'POSIX', 'C.UTF-8', 'C.utf8'))
+       END,
+       CASE WHEN c.collname = 'default'
+            THEN coalesce(d.db->>'datlocale', d.db->>'daticulocale', d.db->>'datcollate') END
+FROM pg_attribute AS a
+JOIN pg_collation AS c ON c.oid = a.attcollation
+CROSS JOIN (SELECT to_jsonb(pg_database) AS db FROM pg_database
+            WHERE datname = current_database()) AS d
+WHERE a.attrelid = {table_name}::regclass AND a.attname = 'key' AND NOT a.attisdropped"""
+
 # Params: key. Returns the last token issued for the key, live or not (a marked holder's own).
 _LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM {{table}} AS t WHERE key = %(key)s"
 
@@ -261,6 +283,7 @@ _TEMPLATES = (
     ("get", _GET),
     ("list", _LIST),
     ("last_token", _LAST_TOKEN),
+    ("key_collation", _KEY_COLLATION),
     ("schema", _SCHEMA_TEMPLATE),
 )
 
@@ -269,7 +292,11 @@ def statements(table: str) -> dict[str, bytes]:
     """Every statement of the store (names as in ``_TEMPLATES``), rendered once for ``table``
     (already validated, quoted in; no connection needed): the SQL of both stores."""
     ident = sql.Identifier(*table.split("."))
-    return {name: sql.SQL(t).format(table=ident).as_bytes(None) for name, t in _TEMPLATES}
+    quoted = sql.Literal(ident.as_string())  # the quoted name, as a regclass reads it
+    return {
+        name: sql.SQL(t).format(table=ident, table_name=quoted).as_bytes(None)
+        for name, t in _TEMPLATES
+    }
 
 
 def channel_for(table: str) -> str:
@@ -290,6 +317,42 @@ primary key holds a key of at most about this size after compression (a random k
 compressed; a repetitive one may be much longer)."""
 
 
+PLAN_IDLE_SHARE = 0.5
+"""A plan transaction's ``idle_in_transaction_session_timeout``, as a share of the store's
+statement timeout: a member stalled between two statements of ``acquire_slot`` or
+``mark_replaced`` (a paused process, a blocked event loop, a partition) holds row locks; the
+server ends its session this long after its last statement, so a statement of another member
+queued on those locks (a holder's renew or release, another ``acquire_slot``) still gets them
+within its own statement timeout. A healthy client sends the next statement within
+milliseconds."""
+
+PLAN_LOCK_SHARE = 1.0
+"""A plan transaction's ``lock_timeout``, as a share of the store's statement timeout: a plan
+statement waits for a row lock no longer than the store's statement timeout, also on a pool
+passed in (which carries no ``statement_timeout`` of the store) and in the async store (whose
+own bound is measured by the client)."""
+
+_PLAN_SETTINGS = (
+    "SELECT set_config('lock_timeout', {lock}, true),"
+    " set_config('idle_in_transaction_session_timeout', {idle}, true)"
+)
+
+
+def plan_settings(statement_timeout: float) -> bytes:
+    """The statement opening every plan transaction: ``SET LOCAL lock_timeout`` and ``SET LOCAL
+    idle_in_transaction_session_timeout`` (:data:`PLAN_LOCK_SHARE`, :data:`PLAN_IDLE_SHARE` of
+    ``statement_timeout`` seconds; at least 1 ms each, as 0 would turn them off). Local to the
+    transaction, so a pool passed in keeps its own settings."""
+
+    def millis(share: float) -> sql.Literal:
+        return sql.Literal(f"{max(1, round(statement_timeout * share * 1000))}ms")
+
+    query = sql.SQL(_PLAN_SETTINGS).format(
+        lock=millis(PLAN_LOCK_SHARE), idle=millis(PLAN_IDLE_SHARE)
+    )
+    return query.as_bytes(None)
+
+
 Step = tuple[bytes, dict[str, Any]]
 """One statement of a plan and its parameters."""
 
@@ -304,6 +367,26 @@ def check_slot_request(key: str, limit: int) -> None:
         raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}")
     if SLOT_MARK in key:
         raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): a key may not contain U+001F")
+
+
+def check_key_order(store: str, table: str, rows: Rows) -> None:
+    """``LeaseConfigError`` unless the ``key_collation`` row says the table's key column orders
+    as bytes: a slot acquire reads a key's rows as the primary-key range :func:`slot_range`,
+    which holds them all only in byte order (in a linguistic collation U+001F sorts as if
+    absent, so a key would see at most one of its slots). Names the table, the collation and
+    the ``ALTER TABLE`` fixing it. No row (no ``key`` column): nothing to say here."""
+    if not rows:
+        return
+    ((name, byte_order, default_of),) = rows
+    if byte_order:
+        return
+    collation = f"{name} ({default_of}, the database's)" if default_of else str(name)
+    ident = sql.Identifier(*table.split(".")).as_string()
+    raise LeaseConfigError(
+        f"{store}: slots (acquire_slot) need the key column of table {table!r} in byte order, "
+        f"but its collation is {collation!r}; change it with: ALTER TABLE {ident} ALTER COLUMN "
+        'key TYPE text COLLATE "C"'
+    )
 
 
 def slot_range(key: str) -> dict[str, str]:
@@ -844,6 +927,8 @@ class StoreBase:
     _connection_class: type
     _secrets: tuple[str, ...]
     _sql: dict[str, bytes]
+    _plan_settings: bytes
+    _key_order_checked: bool  # whether the key column's collation was found in byte order
 
     def _set_options(
         self,
@@ -861,6 +946,8 @@ class StoreBase:
         self._max_connections = max_connections
         self._channel = channel_for(self._table)
         self._sql = statements(self._table)
+        self._plan_settings = plan_settings(self._statement_timeout)
+        self._key_order_checked = False
 
     @property
     def table(self) -> str:

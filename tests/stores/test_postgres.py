@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -30,6 +31,7 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
+from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.slots import counter_key, slot_key
 from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
@@ -283,6 +285,83 @@ def _race_first_acquire(stores: list[PostgresLockStore]) -> list[object]:
     for thread in threads:
         thread.join(DEADLINE)
     return results
+
+
+def _collation_exists(dsn: str, name: str) -> bool:
+    return bool(_query(dsn, "SELECT 1 FROM pg_collation WHERE collname = %s", [name]))
+
+
+def _make_table_with_key_collation(dsn: str, table: str, collation: str) -> None:
+    """The store's table made by hand, its key column in ``collation``."""
+    ddl = sql.SQL(
+        "CREATE TABLE {} (key text COLLATE {} PRIMARY KEY, owner text NULL,"
+        " expires timestamptz NOT NULL, token bigint NOT NULL)"
+    ).format(sql.Identifier(table), sql.Identifier(collation))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(ddl)
+
+
+class TestTheKeyColumnsCollation:
+    """Slots read a key's slot rows as a range of the primary key, which holds them all only
+    in byte order: a key column in another collation is refused at the first slot acquire,
+    naming the table, the collation and the statement fixing it."""
+
+    LINGUISTIC = "en-US-x-icu"
+
+    def test_slots_on_a_table_whose_key_is_not_collate_c_are_refused_with_the_fix(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        """LeaseConfigError before any row is written; once the given ALTER TABLE ran, limit 2
+        gives two slots and a retry gets its own slot back."""
+        if not _collation_exists(pg_database_dsn, self.LINGUISTIC):
+            pytest.skip(f"the server has no collation {self.LINGUISTIC!r} (no ICU)")
+        _make_table_with_key_collation(pg_database_dsn, pg_table, self.LINGUISTIC)
+        store = PostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+        try:
+            with pytest.raises(LeaseConfigError) as caught:
+                store.acquire_slot("k", "a", LONG_MS, 2)
+            message = str(caught.value)
+            assert pg_table in message and self.LINGUISTIC in message
+            fix = f'ALTER TABLE "{pg_table}" ALTER COLUMN key TYPE text COLLATE "C"'
+            assert fix in message
+            assert _query(pg_database_dsn, f'SELECT count(*) FROM "{pg_table}"') == [(0,)]
+            _query(pg_database_dsn, fix)
+            first = store.acquire_slot("k", "a", LONG_MS, 2)
+            assert first is not None and first[0] == 0
+            assert store.acquire_slot("k", "a", LONG_MS, 2) == first
+            second = store.acquire_slot("k", "b", LONG_MS, 2)
+            assert second is not None and second[0] == 1
+        finally:
+            store.close()
+
+    def test_the_async_store_refuses_that_table_too(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        if not _collation_exists(pg_database_dsn, self.LINGUISTIC):
+            pytest.skip(f"the server has no collation {self.LINGUISTIC!r} (no ICU)")
+        _make_table_with_key_collation(pg_database_dsn, pg_table, self.LINGUISTIC)
+
+        async def main() -> None:
+            store = AsyncPostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+            try:
+                with pytest.raises(LeaseConfigError, match=self.LINGUISTIC):
+                    await store.acquire_slot("k", "a", LONG_MS, 2)
+            finally:
+                await store.aclose()
+
+        asyncio.run(main())
+
+    @pytest.mark.parametrize("collation", ["C", "POSIX", "ucs_basic"])
+    def test_a_key_column_in_byte_order_is_accepted(
+        self, pg_database_dsn: str, pg_table: str, collation: str
+    ) -> None:
+        _make_table_with_key_collation(pg_database_dsn, pg_table, collation)
+        store = PostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+        try:
+            got = [store.acquire_slot("k", owner, LONG_MS, 2) for owner in "abc"]
+            assert [None if g is None else g[0] for g in got] == [0, 1, None]
+        finally:
+            store.close()
 
 
 class TestSchemaAndConfiguration:

@@ -218,6 +218,7 @@ class TestStatements:
             "peek_ticket",
             "save_holder",
             "mark",
+            "key_collation",
         }
         assert all(b'"ops"."leases"' in statement for statement in rendered.values())
 
