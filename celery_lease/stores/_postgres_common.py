@@ -144,11 +144,20 @@ _SLOT_ROWS = """\
 SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
 FROM {table} WHERE key >= %(first)s AND key < %(end)s"""
 
-# Params: keys. Rows of a key's slot range read as expired but not released, locked to read
-# their latest versions: a renewal committed since the read (or still running) shows.
+# Params: keys. Clears the rows of a key's slot range read as expired but not released (their
+# holders stopped renewing; the token stays), so no later acquire_slot reads them doubtful
+# again. A renewal of one of them still running is waited for, and a row it renewed (or
+# released) since the read is left alone. Returns (key, token) of each row cleared.
+_CLEAR_DEAD_SLOTS = """\
+UPDATE {table} SET owner = NULL
+WHERE key = ANY(%(keys)s::text[]) AND owner IS NOT NULL AND expires <= clock_timestamp()
+RETURNING key, token"""
+
+# Params: keys. Rows of a key's slot range, read again in a new statement (after
+# clear_dead_slots waited for their renewals): (key, owner, token, live).
 _RECHECK_SLOTS = """\
 SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
-FROM {table} WHERE key = ANY(%(keys)s::text[]) FOR UPDATE"""
+FROM {table} WHERE key = ANY(%(keys)s::text[])"""
 
 # Params: key, owner, ttl_ms. Renews a live lease; returns its token (no row: not renewed).
 _EXTEND = """\
@@ -272,6 +281,7 @@ _TEMPLATES = (
     ("lock_counter", _LOCK_COUNTER),
     ("create_counter", _CREATE_COUNTER),
     ("slot_rows", _SLOT_ROWS),
+    ("clear_dead_slots", _CLEAR_DEAD_SLOTS),
     ("recheck_slots", _RECHECK_SLOTS),
     ("extend", _EXTEND),
     ("take_slot", _TAKE_SLOT),
@@ -412,9 +422,11 @@ def slot_plan(
     the lowest free one with the next counter token.
 
     Renewals do not queue on the counter: a slot read as expired but not released may have been
-    renewed by a statement that committed after the read began. Those rows (few: holders that
-    stopped renewing) are read again under a row lock, which waits for such a renewal and shows
-    its outcome, so a slot still held is never counted free."""
+    renewed by a statement that committed after the read began. Those rows (holders that
+    stopped renewing) are cleared by an ``UPDATE`` that waits for such a renewal and leaves a
+    row it renewed; only rows not cleared are read again, so a slot still held is never
+    counted free. Once cleared, a dead holder's row is not touched by later calls (no row lock,
+    no write, no WAL per call)."""
     counter = counter_key(key)
     if not (yield statements["lock_counter"], {"key": counter}):
         yield statements["create_counter"], {"key": counter}
@@ -425,8 +437,12 @@ def slot_plan(
         if row[1] is not None and not row[3] and _slot_of(key, row[0]) is not None
     }
     if doubtful:
-        fresh = yield statements["recheck_slots"], {"keys": sorted(doubtful)}
-        rows = [row for row in rows if row[0] not in doubtful] + fresh
+        rows = [row for row in rows if row[0] not in doubtful]
+        cleared = yield statements["clear_dead_slots"], {"keys": sorted(doubtful)}
+        rows += [(row_key, None, row_token, False) for row_key, row_token in cleared]
+        kept = doubtful - {row[0] for row in cleared}
+        if kept:  # renewed since the read: rare (a renewal racing its own expiry)
+            rows += yield statements["recheck_slots"], {"keys": sorted(kept)}
     last = 0
     live: set[int] = set()
     mine: int | None = None

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
+from unittest import mock
 
 import psycopg
 import pytest
@@ -239,6 +240,34 @@ class TestPostgresSlots(SqlSlotChecks):
                 taker.join(DEADLINE)
         assert result == [None]
         assert [info.key for info in slot_store.list("k")] == [slot_key("k", 1), slot_key("k", 5)]
+
+    def test_slots_of_dead_holders_are_cleared_once_and_not_locked_again(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """Slots whose holders died without releasing (expired rows at high indices): the
+        acquire_slot reading them clears them (owner NULL, token kept), so a later acquire_slot
+        neither locks nor writes them (their row versions stay as they are)."""
+        for i in range(6):
+            assert slot_store.acquire_slot("k", f"o{i}", LONG_MS, 6) is not None
+        dead = [slot_key("k", i) for i in range(2, 6)]
+        tokens = [slot_store.last_token(key) for key in dead]
+        for key in dead:
+            self.make_expired(slot_store, key)
+        versions = sql.SQL(
+            "SELECT key, owner, ctid::text, xmin::text, xmax::text FROM {}"
+            " WHERE key = ANY(%s) ORDER BY key"
+        ).format(sql.Identifier(self.table))
+
+        def rows() -> list[tuple[Any, ...]]:
+            return _query(self.dsn, versions.as_string(), [dead[1:]])
+
+        assert slot_store.acquire_slot("k", "n", LONG_MS, 6) == (2, mock.ANY)
+        cleared = rows()
+        assert [row[1] for row in cleared] == [None, None, None]
+        assert [slot_store.last_token(key) for key in dead[1:]] == tokens[1:]
+        slot_store.release(slot_key("k", 2), "n")
+        assert slot_store.acquire_slot("k", "m", LONG_MS, 6) == (2, mock.ANY)
+        assert rows() == cleared
 
     def test_slot_keys_announce_their_key_on_release_and_force_release(
         self, slot_store: PostgresLockStore

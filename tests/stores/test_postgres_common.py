@@ -97,28 +97,51 @@ class TestSlotPlan:
         )
         assert refused is None
 
-    def test_slots_read_expired_but_not_released_are_read_again_under_a_lock(self) -> None:
-        """Such a slot may have been renewed since the read: its locked re-read decides."""
+    def test_slots_read_expired_but_not_released_are_cleared_and_renewed_ones_read_again(
+        self,
+    ) -> None:
+        """Such slots are cleared where still expired; one renewed since the read (not
+        cleared) is read again and decides."""
         rows = [
-            (slot_key("k", 0), "gone", 5, False),  # expired, not released: read again
+            (slot_key("k", 0), "gone", 5, False),  # expired, not released: to clear
             (slot_key("k", 1), None, 6, False),  # released: free for sure
             (slot_key("k", 2), "x", 7, True),
+            (slot_key("k", 3), "dead", 4, False),  # expired, not released: to clear
         ]
         sent, got = _drive(
             slot_plan(_SQL, "k", "a", 1000, 2),
             {
                 "lock_counter": [(7,)],
                 "slot_rows": rows,
-                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],  # renewed meanwhile
+                "clear_dead_slots": [(slot_key("k", 3), 4)],  # slot 0 was renewed meanwhile
+                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],
             },
         )
-        assert sent[2] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
+        keys = [slot_key("k", 0), slot_key("k", 3)]
+        assert sent[2] == ("clear_dead_slots", {"keys": keys})
+        assert sent[3] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
         assert got is None  # slots 0 and 2 held: limit 2 reached
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {
+                "lock_counter": [(7,)],
+                "slot_rows": rows,
+                "clear_dead_slots": [(slot_key("k", 0), 5), (slot_key("k", 3), 4)],
+                "take_slot": [(8,)],
+            },
+        )
+        assert [name for name, _ in sent] == [
+            "lock_counter",
+            "slot_rows",
+            "clear_dead_slots",
+            "take_slot",
+        ]
+        assert got == (0, 8)
         sent, _ = _drive(
             slot_plan(_SQL, "k", "a", 1000, 2),
-            {"lock_counter": [(7,)], "slot_rows": rows[1:], "take_slot": [(8,)]},
+            {"lock_counter": [(7,)], "slot_rows": rows[1:3], "take_slot": [(8,)]},
         )
-        assert "recheck_slots" not in [name for name, _ in sent]
+        assert "clear_dead_slots" not in [name for name, _ in sent]
 
     def test_the_owner_again_renews_its_own_slot(self) -> None:
         """The owner's live slot: renewed, its token returned, nothing taken."""
@@ -210,6 +233,7 @@ class TestStatements:
             "lock_counter",
             "create_counter",
             "slot_rows",
+            "clear_dead_slots",
             "recheck_slots",
             "extend",
             "take_slot",
