@@ -15,8 +15,8 @@ and its own token is copied to the row ``k + U+001F + "holder"`` (:data:`HOLDER_
 NULL, never live). From then on ``k``'s row's token is only the key's counter: a ticket drawn
 while the holder is marked goes there, and the next acquire's token (drawn from that column, as
 always, in the one statement that locks the row) exceeds it; the plain statements read nothing
-more. ``get``, ``list``, ``last_token`` and ``force_release`` show a marked holder's own token
-from its holder row.
+more. ``get``, ``list`` and ``force_release`` show a marked holder's own token from its holder
+row; ``last_token`` is the larger of the key's last token and the last ticket drawn for it.
 """
 
 from __future__ import annotations
@@ -194,8 +194,15 @@ RETURNING t.owner, t.token, t.owner IS NOT NULL AND t.expires > clock_timestamp(
 _DRAW_TICKET = f"""\
 UPDATE {{table}} SET token = GREATEST(token + 1, {_NOW_US}) WHERE key = %(key)s RETURNING token"""
 
-# Params: key. A ticket above a key's row's token and the clock, kept nowhere.
-_PEEK_TICKET = f"SELECT GREATEST(token + 1, {_NOW_US}) FROM {{table}} WHERE key = %(key)s"
+# Params: key, holder (the key's holder row). A ticket above a key's row's token and the clock,
+# set aside in the key's holder row (the key's unmarked holder keeps the row's token; the holder
+# row is unused until it is marked): last_token counts it.
+_SET_ASIDE_TICKET = f"""\
+INSERT INTO {{table}} AS t (key, owner, expires, token)
+SELECT %(holder)s, NULL, '-infinity', GREATEST(token + 1, {_NOW_US})
+FROM {{table}} WHERE key = %(key)s
+ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token
+RETURNING t.token"""
 
 # Params: key (a key's holder row), token. Keeps a marked holder's own token.
 _SAVE_HOLDER = """\
@@ -258,8 +265,14 @@ CROSS JOIN (SELECT to_jsonb(pg_database) AS db FROM pg_database
             WHERE datname = current_database()) AS d
 WHERE a.attrelid = {table_name}::regclass AND a.attname = 'key' AND NOT a.attisdropped"""
 
-# Params: key. Returns the last token issued for the key, live or not (a marked holder's own).
-_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM {{table}} AS t WHERE key = %(key)s"
+# Params: key. Returns the last token issued for the key, live or not, or the last ticket drawn
+# for it when larger: the row's token (a marked holder's row carries the last ticket) or its
+# holder row's (a ticket set aside while an unmarked holder kept the row).
+_LAST_TOKEN = f"""\
+SELECT GREATEST(t.token, (
+    SELECT holder.token FROM {{table}} AS holder
+    WHERE holder.key = t.key || chr({ord(SLOT_MARK)}) || '{HOLDER_SUFFIX[1:]}'))
+FROM {{table}} AS t WHERE key = %(key)s"""
 
 
 def validate_table(table: object) -> str:
@@ -287,7 +300,7 @@ _TEMPLATES = (
     ("take_slot", _TAKE_SLOT),
     ("lock_key", _LOCK_KEY),
     ("draw_ticket", _DRAW_TICKET),
-    ("peek_ticket", _PEEK_TICKET),
+    ("set_aside_ticket", _SET_ASIDE_TICKET),
     ("save_holder", _SAVE_HOLDER),
     ("mark", _MARK),
     ("get", _GET),
@@ -481,8 +494,9 @@ def replace_plan(
     """``mark_replaced`` as one transaction: lock the key's row; marking an unmarked holder
     copies its own token to the key's holder row first, so the row's token is the key's counter
     from then on and a drawn ticket goes there. A ticket drawn while another owner than
-    ``holder`` holds the key unmarked cannot be kept (the row carries that holder's token): it
-    is above every token issued so far, and a later token exceeds it once the clock passed it."""
+    ``holder`` holds the key unmarked cannot go into the row (it carries that holder's token):
+    it is set aside in the key's holder row, where ``last_token`` counts it; it is above every
+    token issued so far, and a later token exceeds it once the clock passed it."""
     ((stored, token, live),) = yield statements["lock_key"], {"key": key}
     current: str | None = None
     asked = False
@@ -498,7 +512,8 @@ def replace_plan(
         if keep:
             ((drawn,),) = yield statements["draw_ticket"], {"key": key}
         else:
-            ((drawn,),) = yield statements["peek_ticket"], {"key": key}
+            params = {"key": key, "holder": key + HOLDER_SUFFIX}
+            ((drawn,),) = yield statements["set_aside_ticket"], params
         ticket = int(drawn)
     return ticket, current, asked
 

@@ -606,8 +606,8 @@ class PostgresLockStore(StoreBase):
         Marking copies the holder's own token to the key's holder row
         (:data:`~celery_lease.stores._postgres_common.HOLDER_SUFFIX`); a ticket is drawn into
         the key's row (its counter). A ticket drawn while another owner than ``holder`` holds
-        the key unmarked is kept nowhere: above every token issued so far, and below later
-        ones once the clock has passed it."""
+        the key unmarked is set aside in the holder row (``last_token`` counts it): above every
+        token issued so far, and below later ones once the clock has passed it."""
         return self._run_plan(
             "ask the holder to stop", lambda: replace_plan(self._sql, key, ticket, holder)
         )

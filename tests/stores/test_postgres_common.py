@@ -194,13 +194,14 @@ class TestReplacePlan:
         sent, got = _drive(replace_plan(_SQL, "k", 3, "b"), {"lock_key": [("a", 5, True)]})
         assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", False)
 
-    def test_a_ticket_for_another_unmarked_holder_is_kept_nowhere(self) -> None:
-        """The key's row carries that holder's token: the ticket is only computed."""
+    def test_a_ticket_for_another_unmarked_holder_is_set_aside_in_the_holder_row(self) -> None:
+        """The key's row carries that holder's token: the ticket goes to the holder row."""
         sent, got = _drive(
             replace_plan(_SQL, "k", None, "b"),
-            {"lock_key": [("a", 5, True)], "peek_ticket": [(9,)]},
+            {"lock_key": [("a", 5, True)], "set_aside_ticket": [(9,)]},
         )
-        assert sent[1:] == [("peek_ticket", {"key": "k"})] and got == (9, "a", False)
+        params = {"key": "k", "holder": "k\x1fholder"}
+        assert sent[1:] == [("set_aside_ticket", params)] and got == (9, "a", False)
 
     def test_a_marked_holder_is_not_marked_twice_and_its_row_counts_tickets(self) -> None:
         sent, got = _drive(
@@ -239,7 +240,7 @@ class TestStatements:
             "take_slot",
             "lock_key",
             "draw_ticket",
-            "peek_ticket",
+            "set_aside_ticket",
             "save_holder",
             "mark",
             "key_collation",
