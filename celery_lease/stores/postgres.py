@@ -316,7 +316,9 @@ class PostgresLockStore(StoreBase):
             waits for locked rows included (default 5.0; PostgreSQL's ``statement_timeout``, set
             on each connection of the internal pool). Exceeding it raises
             ``StoreUnavailableError`` naming the bound, without a retry. With a pool passed in,
-            that pool's own settings apply.
+            that pool's own settings apply. The multi-statement transactions (``acquire_slot``,
+            ``mark_replaced``) set, locally, ``lock_timeout`` to it and
+            ``idle_in_transaction_session_timeout`` to half of it, also on a pool passed in.
         max_connections: the size limit of the internal pool (default 8); ignored with a pool.
         create_table: whether the store may create a missing table (default: the URL's
             ``?create_table=true|false`` when given, else True). When False, or when the role

@@ -174,7 +174,9 @@ class AsyncPostgresLockStore(StoreBase):
         statement_timeout: seconds one statement may take, measured by the client, before it
             is cancelled and ``StoreUnavailableError`` raised (default 5.0). The sync twin this
             store builds gets the same bound on the server's side, so the renewals of this
-            store's leases (which go through it) are bounded too.
+            store's leases (which go through it) are bounded too. ``acquire_slot``'s
+            transaction also sets the server's ``lock_timeout`` to it and
+            ``idle_in_transaction_session_timeout`` to half of it.
         max_connections: the size limit of the pool (default 8), and of the sync twin's.
         create_table: whether a missing table may be created (default: the URL's
             ``?create_table=``, else True).
