@@ -7,9 +7,12 @@ import secrets
 import threading
 
 import pytest
+from redis.cluster import RedisCluster
 
 from celery_lease.stores.memory import MemoryLockStore
+from celery_lease.stores.redis import RedisLockStore
 from tests.faults.harness import FencedResource, Plan, Report, check, run_processes, run_threads
+from tests.fixtures_redis import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -168,6 +171,30 @@ def test_slots_postgres_store_processes(
     for rec in records:  # one scratch database per session: the key is unique, the check the same
         rec["key"] = "hot"
     _finish_slots("postgres slots (6 processes)", records, fence, exclusion_reports, 72)
+
+
+def test_slots_sqlite_store_processes(
+    sqlite_store_url: str, fence_sqlite: str, exclusion_reports: list[Report]
+) -> None:
+    """Six processes on three slots of one key in one SQLite file, real SIGSTOP pauses."""
+    records = run_processes(sqlite_store_url, fence_sqlite, holders=6, plan=SLOT_PROCESS_PLAN)
+    _finish_slots("sqlite slots (6 processes)", records, fence_sqlite, exclusion_reports, 72)
+
+
+def test_slots_redis_cluster_threads(
+    redis_cluster_server: RedisServer, redis_cluster_url: str, fence_sqlite: str,
+    exclusion_reports: list[Report],
+) -> None:  # fmt: skip
+    """Six threads on three slots of one key on a Redis Cluster (simulated pauses)."""
+    client = RedisCluster(host="127.0.0.1", port=redis_cluster_server.port)
+    try:
+        records = run_threads(
+            RedisLockStore(client), FencedResource(fence_sqlite), holders=6,
+            plan=SLOT_THREAD_PLAN,
+        )  # fmt: skip
+    finally:
+        client.close()
+    _finish_slots("redis cluster slots (6 threads)", records, fence_sqlite, exclusion_reports, 120)
 
 
 class _OneSlotTooManyStore(MemoryLockStore):
