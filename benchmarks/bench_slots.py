@@ -31,7 +31,8 @@ Every body runs ``--body-ms`` of ``time.sleep`` (the I/O of the call the limit p
 as a partner's API) and then counts itself on the broker's Redis; a round is timed from its
 first ``apply_async`` until the last body counted itself (the client waits with ``BLPOP``).
 Rounds of ``--tasks`` calls per contender, order rotated, a warm-up round dropped. Printed:
-tasks/s (median), and the ratio ``limit=4 / limit=1`` (of the medians, and paired per round).
+tasks/s (median), and the ratios ``limit=4 / limit=1`` and ``limit=4 / plain`` (of the medians,
+and paired per round).
 
 Run: ``python -m benchmarks.bench_slots [--quick] [--parts store,tasks] [--stores redis,postgres]
 [--rounds N --cycles N --pg-cycles N --tasks N --body-ms MS] [--json PATH]``. The default run
@@ -362,8 +363,15 @@ def run_task_part(
         print(
             f"{name:<10} {statistics.median(values):>15.1f} {min(values):>8.1f} {max(values):>8.1f}"
         )
+    plain = rates["plain"]
+    of_plain = statistics.median(four) / statistics.median(plain)
+    of_plain_paired = statistics.median(a / b for a, b in zip(four, plain, strict=True))
     print(f"limit={LIMIT} / limit=1: {ratio:.2f}x (paired {paired:.2f}x)")
-    return {"store": kind, "rates": rates, "ratio": ratio, "paired": paired}
+    print(f"limit={LIMIT} / plain:   {of_plain:.2f}x (paired {of_plain_paired:.2f}x)")
+    return {
+        "store": kind, "rates": rates, "ratio": ratio, "paired": paired,
+        "x_plain": of_plain, "x_plain_paired": of_plain_paired,
+    }  # fmt: skip
 
 
 # Main ------------------------------------------------------------------------------------------
