@@ -17,7 +17,8 @@ rotates by one each round:
 Printed: the median over rounds of cycles/s, its ratio to the baseline's median, the median of
 the per-round ratios (``paired``: less sensitive to load that drifts over the run), the
 microseconds a cycle costs more than the baseline, and, on Redis, the requests sent per cycle
-(counted in a separate, untimed pass).
+(counted in a separate, untimed pass) and the server's own microseconds per call (``INFO
+commandstats`` over 2,000 calls on fresh keys, untimed: far less sensitive to a busy host).
 
 **tasks**: the end-to-end task rate on one real worker (``celery worker -P threads -c 4`` of
 this module's app, the throwaway Redis as broker and result backend, the lock store as in
@@ -163,6 +164,45 @@ def round_trips(contenders: dict[str, Cycle], n: int = 100) -> dict[str, float]:
     return trips
 
 
+def server_us(store: Any, client: redis.Redis, n: int = 2000) -> dict[str, float]:
+    """Redis's own microseconds (``INFO commandstats``) per acquire of a fresh key, untimed.
+
+    Every command the server ran during ``n`` calls counts (``INFO`` and ``CONFIG`` left out),
+    so a call that sends two commands shows their sum.
+    """
+    prefix = f"bench-server:{uuid.uuid4().hex[:8]}"
+    held = f"{prefix}:crowded"
+    for i in range(LIMIT - 1):
+        store.acquire_slot(held, f"other-{i}", 3_600_000, LIMIT)
+    steps: dict[str, Callable[[int], object]] = {
+        "acquire": lambda i: store.acquire(f"{prefix}:a{i}", "o", TTL_MS),
+        f"acquire_slot({LIMIT})": lambda i: store.acquire_slot(
+            f"{prefix}:s{i}", "o", TTL_MS, LIMIT
+        ),
+        f"acquire_slot({LIMIT}), {LIMIT - 1} held": lambda i: store.release(
+            slot_key(held, store.acquire_slot(held, f"o{i}", TTL_MS, LIMIT)[0]), f"o{i}"
+        ),
+        "release": lambda i: store.release(f"{prefix}:a{i}", "o"),
+        "release of a slot": lambda i: store.release(slot_key(f"{prefix}:s{i}", 0), "o"),
+    }
+    results = {}
+    for name, call in steps.items():
+        call(-1)  # scripts loaded, connection open
+        client.config_resetstat()
+        for i in range(n):
+            call(i)
+        stats = client.info("commandstats")
+        usec = sum(
+            float(v["usec"])
+            for k, v in stats.items()
+            if k not in ("cmdstat_info", "cmdstat_config")
+        )
+        results[name] = usec / n
+    # The crowded row also released (one more script call): take the release's cost off.
+    results[f"acquire_slot({LIMIT}), {LIMIT - 1} held"] -= results["release of a slot"]
+    return results
+
+
 def store_table(label: str, rates: dict[str, list[float]], trips: dict[str, float]) -> list[dict]:
     """Print one store's table; its JSON rows."""
     base_rates = rates[BASELINE]
@@ -213,12 +253,13 @@ def scratch_database(dsn: str) -> Iterator[str]:
             )
 
 
-def run_store_part(kind: str, url: str, rounds: int, cycles: int) -> list[dict]:
+def run_store_part(kind: str, url: str, rounds: int, cycles: int) -> dict[str, Any]:
     store: Any = MemoryLockStore() if kind == "memory" else store_from_url(url)
     contenders, release_held = store_contenders(store)
     try:
         trips = round_trips(contenders) if kind == "redis" else {}
         rates = measure(contenders, rounds, cycles)
+        server = server_us(store, redis.Redis.from_url(url)) if kind == "redis" else {}
     finally:
         release_held()
         close = getattr(store, "close", None)
@@ -228,7 +269,12 @@ def run_store_part(kind: str, url: str, rounds: int, cycles: int) -> list[dict]:
         f"Store cycle on {kind}: uncontended acquire + release, {rounds} rounds x {cycles} "
         f"cycles per contender, order rotated (Python {platform.python_version()})"
     )
-    return store_table(label, rates, trips)
+    rows = store_table(label, rates, trips)
+    if server:
+        print("server-side us per call (INFO commandstats, untimed pass):")
+        for name, value in server.items():
+            print(f"  {name:<26} {value:6.2f}")
+    return {"contenders": rows, "server_us_per_call": server}
 
 
 # Part 2: tasks on a real worker ----------------------------------------------------------------
