@@ -165,18 +165,19 @@ def round_trips(contenders: dict[str, Cycle], n: int = 100) -> dict[str, float]:
 
 
 def server_us(store: Any, client: redis.Redis, n: int = 2000) -> dict[str, float]:
-    """Redis's own microseconds (``INFO commandstats``) per acquire of a fresh key, untimed.
+    """Redis's own microseconds (``INFO commandstats``) per call, untimed: an acquire and a
+    slot acquire of a key never used before (a new key each call), a slot acquire of a key
+    whose other three slots are held, and the releases.
 
-    Every command the server ran during ``n`` calls counts (``INFO`` and ``CONFIG`` left out),
-    so a call that sends two commands shows their sum.
+    Every command the server ran during ``n`` calls counts (``INFO`` and ``CONFIG`` left out).
     """
     prefix = f"bench-server:{uuid.uuid4().hex[:8]}"
     held = f"{prefix}:crowded"
     for i in range(LIMIT - 1):
         store.acquire_slot(held, f"other-{i}", 3_600_000, LIMIT)
     steps: dict[str, Callable[[int], object]] = {
-        "acquire": lambda i: store.acquire(f"{prefix}:a{i}", "o", TTL_MS),
-        f"acquire_slot({LIMIT})": lambda i: store.acquire_slot(
+        "acquire, new key": lambda i: store.acquire(f"{prefix}:a{i}", "o", TTL_MS),
+        f"acquire_slot({LIMIT}), new key": lambda i: store.acquire_slot(
             f"{prefix}:s{i}", "o", TTL_MS, LIMIT
         ),
         f"acquire_slot({LIMIT}), {LIMIT - 1} held": lambda i: store.release(
@@ -273,7 +274,7 @@ def run_store_part(kind: str, url: str, rounds: int, cycles: int) -> dict[str, A
     if server:
         print("server-side us per call (INFO commandstats, untimed pass):")
         for name, value in server.items():
-            print(f"  {name:<26} {value:6.2f}")
+            print(f"  {name:<30} {value:8.2f}")
     return {"contenders": rows, "server_us_per_call": server}
 
 
