@@ -29,6 +29,7 @@ Run as ``python -m tests.faults.harness worker|agent ...`` (from the repository 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import json
 import os
@@ -62,6 +63,7 @@ __all__ = [
     "is_stopped",
     "make_celery_app",
     "now",
+    "run_async",
     "run_processes",
     "run_threads",
     "wait_stopped",
@@ -492,6 +494,68 @@ def run_threads(
         thread.join()
     if failures:
         raise failures[0]
+    return records
+
+
+async def _async_hold_loop(
+    store: Any, fence: FencedResource, name: str, plan: Plan, emit: Callable[[dict], None]
+) -> None:
+    """:func:`hold_loop` for an async store (``async with lease(...)``), without pauses."""
+    rng = random.Random(plan.seed)
+    for index in range(plan.rounds):
+        key = rng.choice(plan.keys)
+        rec: dict[str, Any] = {"holder": name, "round": index, "key": key}
+        limit = {"limit": plan.limit} if plan.limit != 1 else {}
+        try:
+            rec["asked_at"] = now()
+            async with lease(key, store=store, ttl=plan.ttl, wait=plan.wait, **limit) as held:
+                rec["acquired_at"] = rec["confirmed_at"] = now()
+                rec["token"] = held.token
+                if limit:
+                    rec["slot"] = held.slot
+                    rec["fence_key"] = held.store_key
+                await asyncio.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:
+                    rec["confirmed_at"] = checked
+                    rec["accepted"] = fence.write(rec.get("fence_key", key), held.token, name)
+                await asyncio.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:
+                    rec["confirmed_at"] = checked
+                    rec["confirmed_after_write"] = "accepted" in rec
+                rec["lost"] = held.lost
+        except LockNotAcquiredError:
+            rec["timed_out"] = True
+        except LockLostError:
+            rec["lost"] = True
+        emit(rec)
+
+
+def run_async(
+    make_store: Callable[[], Any], fence: FencedResource, *, holders: int, plan: Plan
+) -> list[dict[str, Any]]:
+    """Run ``holders`` holder tasks on one event loop (a new one, in this thread), sharing the
+    async store ``make_store()`` builds on that loop (closed at the end when it has
+    ``aclose``). No pauses: a paused task would pause the loop and every holder with it."""
+    records: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        store = make_store()
+        try:
+            await asyncio.gather(*(
+                _async_hold_loop(
+                    store, fence, f"a{i}", Plan(**{**plan.__dict__, "seed": plan.seed * 1000 + i}),
+                    records.append,
+                )
+                for i in range(holders)
+            ))  # fmt: skip
+        finally:
+            close = getattr(store, "aclose", None)
+            if close is not None:
+                await close()
+
+    asyncio.run(main())
     return records
 
 

@@ -9,10 +9,19 @@ import threading
 import pytest
 from redis.cluster import RedisCluster
 
+from celery_lease import async_store_from_url
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.stores.redis import RedisLockStore
-from tests.faults.harness import FencedResource, Plan, Report, check, run_processes, run_threads
-from tests.fixtures_redis import RedisServer
+from tests.faults.harness import (
+    FencedResource,
+    Plan,
+    Report,
+    check,
+    run_async,
+    run_processes,
+    run_threads,
+)
+from tests.fixtures_redis import RedisServer, SentinelGroup
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +204,44 @@ def test_slots_redis_cluster_threads(
     finally:
         client.close()
     _finish_slots("redis cluster slots (6 threads)", records, fence_sqlite, exclusion_reports, 120)
+
+
+ASYNC_SLOT_PLAN = Plan(keys=["hot"], rounds=15, seed=17, ttl=1.0, hold_max=0.02, limit=SLOT_LIMIT)
+
+
+def test_slots_async_redis_store(
+    own_redis, fence_sqlite: str, exclusion_reports: list[Report]
+) -> None:  # type: ignore[no-untyped-def]
+    """Six tasks on one event loop on three slots of one key (the native async Redis store)."""
+    records = run_async(
+        lambda: async_store_from_url(own_redis.url), FencedResource(fence_sqlite), holders=6,
+        plan=ASYNC_SLOT_PLAN,
+    )  # fmt: skip
+    _finish_slots("async redis slots (6 tasks)", records, fence_sqlite, exclusion_reports, 90)
+
+
+def test_slots_async_postgres_store(pg_database_dsn: str, exclusion_reports: list[Report]) -> None:
+    """Six tasks on one event loop on three slots of one key (the native async PostgreSQL
+    store)."""
+    fence = f"{pg_database_dsn}#fence_{secrets.token_hex(4)}"
+    hot = f"hot-{secrets.token_hex(3)}"
+    plan = Plan(**{**ASYNC_SLOT_PLAN.__dict__, "keys": [hot]})
+    FencedResource(fence).prepare()
+    records = run_async(
+        lambda: async_store_from_url(pg_database_dsn), FencedResource(fence), holders=6,
+        plan=plan,
+    )  # fmt: skip
+    for rec in records:
+        rec["key"] = "hot"
+    _finish_slots("async postgres slots (6 tasks)", records, fence, exclusion_reports, 90)
+
+
+def test_slots_redis_sentinel_processes(
+    redis_sentinel: SentinelGroup, fence_sqlite: str, exclusion_reports: list[Report]
+) -> None:
+    """Six processes on three slots of one key through Redis Sentinel, real SIGSTOP pauses."""
+    records = run_processes(redis_sentinel.url, fence_sqlite, holders=6, plan=SLOT_PROCESS_PLAN)
+    _finish_slots("sentinel slots (6 processes)", records, fence_sqlite, exclusion_reports, 72)
 
 
 class _OneSlotTooManyStore(MemoryLockStore):
