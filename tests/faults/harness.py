@@ -18,7 +18,9 @@ Three parts, all reusable outside pytest (``benchmarks/exclusion_checker.py`` ru
   held it at once (its peak, :attr:`Report.peaks`, a violation above the limit), requires the
   holdings of one slot never to overlap, requires a token to exceed every token of the key whose
   acquisition had returned before the later acquisition was asked for (``asked_at``), and fences
-  each slot as its own resource (the slot's store key).
+  each slot as its own resource (the slot's store key). Holders are processes
+  (:func:`run_processes`), threads (:func:`run_threads`) or tasks on one event loop sharing an
+  async store (:func:`run_async`, without pauses).
 - :class:`Agent`: a holder process driven line by line over its stdin (``acquire``, ``check``,
   ``write``, ``release``), answering JSON lines (and reporting ``lost`` when its lease is lost),
   so a test can SIGKILL or SIGSTOP it at an exact point.
