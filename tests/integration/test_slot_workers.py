@@ -264,14 +264,20 @@ def threads_worker(
     yield from _start(kind, "threads", 10, store, redis_server, db, tmp)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=STORES)
 def prefork_worker(
-    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Worker]:
-    """A prefork worker (-c 4) on the throwaway Redis (broker and lock store)."""
-    store = f"redis://127.0.0.1:{redis_server.port}/12"
-    tmp = tmp_path_factory.mktemp("slots-prefork")
-    yield from _start("prefork", "prefork", 4, store, redis_server, 12, tmp)
+    """A prefork worker (-c 4) whose lock store is the throwaway Redis or PostgreSQL."""
+    kind: str = request.param
+    if kind == "redis":
+        store, db = f"redis://127.0.0.1:{redis_server.port}/12", 12
+    else:
+        store, db = request.getfixturevalue("pg_database_dsn"), 14
+    tmp = tmp_path_factory.mktemp(f"slots-prefork-{kind}")
+    yield from _start(f"prefork-{kind}", "prefork", 4, store, redis_server, db, tmp)
 
 
 def _checked(records: list[dict], limit: int | dict[str, int]) -> dict[str, int]:
