@@ -3,6 +3,20 @@
 Both run the statements rendered by :func:`statements` on the same table, so sync and async
 holders of a key exclude each other. A pool outage is logged once (:class:`ConnectFailures`,
 :func:`fold_pool_record`).
+
+Slots and replace use the same table, with no other column. Slot ``i`` of ``k`` is the row of
+``slot_key(k, i)``; ``k``'s slot counter is the token of the row ``counter_key(k)`` (owner NULL,
+expires ``-infinity``: never live). :func:`slot_plan` and :func:`replace_plan` are the
+multi-statement transactions of ``acquire_slot`` and ``mark_replaced``, written once as
+generators that both stores drive (one yields a statement, the driver sends back its rows).
+
+A holder asked to stop (``mark_replaced``) has ``REPLACED_MARK`` appended to its stored owner,
+and its own token is copied to the row ``k + U+001F + "holder"`` (:data:`HOLDER_SUFFIX`; owner
+NULL, never live). From then on ``k``'s row's token is only the key's counter: a ticket drawn
+while the holder is marked goes there, and the next acquire's token (drawn from that column, as
+always, in the one statement that locks the row) exceeds it; the plain statements read nothing
+more. ``get``, ``list``, ``last_token`` and ``force_release`` show a marked holder's own token
+from its holder row.
 """
 
 from __future__ import annotations
@@ -12,7 +26,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, unquote_plus
@@ -23,6 +37,17 @@ from psycopg.conninfo import conninfo_to_dict
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo, mask_secrets, redact_url, secrets_among
+from celery_lease.stores.slots import (
+    MAX_LIMIT,
+    REPLACED_MARK,
+    SLOT_MARK,
+    counter_key,
+    marked,
+    release_channel,
+    slot_key,
+    split_slot,
+    unmarked,
+)
 
 DEFAULT_TABLE = "celery_lease"
 
@@ -56,6 +81,19 @@ ON CONFLICT (key) DO UPDATE
     WHERE t.owner IS NULL OR t.owner = EXCLUDED.owner OR t.expires <= clock_timestamp()
 RETURNING t.token"""
 
+HOLDER_SUFFIX = SLOT_MARK + "holder"
+"""Appended to a key to name the row keeping the own token of the key's holder while it is
+marked as asked to stop (its token; owner NULL, never a lease)."""
+
+# The holder's own token of a row of {table} aliased t: from its holder row while the owner is
+# marked, else the row's token.
+_HOLDER_TOKEN = f"""CASE WHEN right(t.owner, {len(REPLACED_MARK)}) = chr({ord(SLOT_MARK)}) || \
+'{REPLACED_MARK[1:]}'
+    THEN coalesce((SELECT holder.token FROM {{table}} AS holder
+                   WHERE holder.key = t.key || chr({ord(SLOT_MARK)}) || '{HOLDER_SUFFIX[1:]}'),
+                  t.token)
+    ELSE t.token END"""
+
 # Params: key, owner, ttl_ms. rowcount 1 when renewed, 0 when owner has no live lease.
 _RENEW = """\
 UPDATE {table}
@@ -70,26 +108,103 @@ FROM unnest(%(keys)s::text[], %(owners)s::text[], %(ttls)s::bigint[]) AS b(key, 
 WHERE t.key = b.key AND t.owner = b.owner AND t.expires > clock_timestamp()
 RETURNING t.key, t.owner"""
 
-# Params: key, owner, channel, payload (notify_payload(key)). Clears owner (the row and its
-# counter stay) and notifies the channel with the payload, in one statement; returns one row when
-# something was released.
+# Params: key, owner, marked (the owner as stored once asked to stop), channel, payload
+# (notify_payload(release_channel(key))). Clears owner (the row and its counter stay) and
+# notifies the channel with the payload, in one statement; returns one row when something was
+# released.
 _RELEASE = """\
 WITH released AS (
     UPDATE {table} SET owner = NULL
-    WHERE key = %(key)s AND owner = %(owner)s
+    WHERE key = %(key)s AND owner IN (%(owner)s, %(marked)s)
     RETURNING key
 )
 SELECT pg_notify(%(channel)s, %(payload)s) FROM released"""
 
+# Params: first, end (a key's slot range, first <= key < end), owner, channel, payload. Clears
+# every slot of the key that owner holds (undoing an interrupted acquire_slot) and notifies.
+_RELEASE_SLOTS = """\
+WITH released AS (
+    UPDATE {table} SET owner = NULL
+    WHERE key >= %(first)s AND key < %(end)s AND owner = %(owner)s
+    RETURNING key
+)
+SELECT pg_notify(%(channel)s, %(payload)s) FROM released LIMIT 1"""
+
+# Params: key. Locks a counter's row (none: no row).
+_LOCK_COUNTER = "SELECT token FROM {table} WHERE key = %(key)s FOR UPDATE"
+
+# Params: key. Creates a missing counter row (token 0, never live) or locks the existing one.
+_CREATE_COUNTER = """\
+INSERT INTO {table} AS t (key, owner, expires, token) VALUES (%(key)s, NULL, '-infinity', 0)
+ON CONFLICT (key) DO UPDATE SET token = t.token
+RETURNING t.token"""
+
+# Params: first, end. Every row of a key's slot range: (key, owner, token, live).
+_SLOT_ROWS = """\
+SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
+FROM {table} WHERE key >= %(first)s AND key < %(end)s"""
+
+# Params: keys. Rows of a key's slot range read as expired but not released, locked to read
+# their latest versions: a renewal committed since the read (or still running) shows.
+_RECHECK_SLOTS = """\
+SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
+FROM {table} WHERE key = ANY(%(keys)s::text[]) FOR UPDATE"""
+
+# Params: key, owner, ttl_ms. Renews a live lease; returns its token (no row: not renewed).
+_EXTEND = """\
+UPDATE {table}
+SET expires = clock_timestamp() + %(ttl_ms)s * interval '1 millisecond'
+WHERE key = %(key)s AND owner = %(owner)s AND expires > clock_timestamp()
+RETURNING token"""
+
+# Params: counter, last, key (the slot's), owner, ttl_ms. Draws the next token from the
+# counter (above its own value, last and the clock) and gives the free slot that token; no row
+# when the slot turned out live.
+_TAKE_SLOT = f"""\
+WITH counter AS (
+    UPDATE {{table}} SET token = GREATEST(token + 1, %(last)s + 1, {_NOW_US})
+    WHERE key = %(counter)s
+    RETURNING token
+)
+INSERT INTO {{table}} AS t (key, owner, expires, token)
+SELECT %(key)s, %(owner)s, clock_timestamp() + %(ttl_ms)s * interval '1 millisecond', token
+FROM counter
+ON CONFLICT (key) DO UPDATE
+    SET owner = EXCLUDED.owner, expires = EXCLUDED.expires, token = EXCLUDED.token
+    WHERE t.owner IS NULL OR t.expires <= clock_timestamp()
+RETURNING t.token"""
+
+# Params: key. Locks a key's row, created (free, token 0) when missing: (owner, token, live).
+_LOCK_KEY = """\
+INSERT INTO {table} AS t (key, owner, expires, token) VALUES (%(key)s, NULL, '-infinity', 0)
+ON CONFLICT (key) DO UPDATE SET token = t.token
+RETURNING t.owner, t.token, t.owner IS NOT NULL AND t.expires > clock_timestamp()"""
+
+# Params: key. Draws a ticket into a key's row (its counter: the key is free or its holder
+# marked), above the row's token and the clock.
+_DRAW_TICKET = f"""\
+UPDATE {{table}} SET token = GREATEST(token + 1, {_NOW_US}) WHERE key = %(key)s RETURNING token"""
+
+# Params: key. A ticket above a key's row's token and the clock, kept nowhere.
+_PEEK_TICKET = f"SELECT GREATEST(token + 1, {_NOW_US}) FROM {{table}} WHERE key = %(key)s"
+
+# Params: key (a key's holder row), token. Keeps a marked holder's own token.
+_SAVE_HOLDER = """\
+INSERT INTO {table} AS t (key, owner, expires, token) VALUES (%(key)s, NULL, '-infinity', %(token)s)
+ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token"""
+
+# Params: key, owner (as stored), marked. Asks the holder to stop.
+_MARK = "UPDATE {table} SET owner = %(marked)s WHERE key = %(key)s AND owner = %(owner)s"
+
 # Params: key, channel, payload (notify_payload(key)). Returns (key, owner, token, expires_in
 # seconds) of the lease removed.
-_FORCE_RELEASE = """\
+_FORCE_RELEASE = f"""\
 WITH live AS (
-    SELECT key, owner, token, expires FROM {table}
+    SELECT key, owner, {_HOLDER_TOKEN} AS token, expires FROM {{table}} AS t
     WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()
     FOR UPDATE
 ), released AS (
-    UPDATE {table} AS t SET owner = NULL FROM live WHERE t.key = live.key
+    UPDATE {{table}} AS t SET owner = NULL FROM live WHERE t.key = live.key
     RETURNING live.key, live.owner, live.token, live.expires
 )
 SELECT key, owner, token,
@@ -98,20 +213,22 @@ SELECT key, owner, token,
 FROM released"""
 
 # Params: key. Returns (key, owner, token, expires_in seconds) of a live lease.
-_GET = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
+_GET = f"""\
+SELECT key, owner, {_HOLDER_TOKEN},
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {{table}} AS t
 WHERE key = %(key)s AND owner IS NOT NULL AND expires > clock_timestamp()"""
 
 # Params: pattern (a LIKE prefix pattern, escaped). Live leases, in key ("C", byte) order.
-_LIST = """\
-SELECT key, owner, token, greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
-FROM {table}
+_LIST = f"""\
+SELECT key, owner, {_HOLDER_TOKEN},
+       greatest(0, extract(epoch FROM expires - clock_timestamp()))::float8
+FROM {{table}} AS t
 WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
 ORDER BY key"""
 
-# Params: key. Returns the last token issued for the key, live or not.
-_LAST_TOKEN = "SELECT token FROM {table} WHERE key = %(key)s"
+# Params: key. Returns the last token issued for the key, live or not (a marked holder's own).
+_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM {{table}} AS t WHERE key = %(key)s"
 
 
 def validate_table(table: object) -> str:
@@ -129,6 +246,18 @@ _TEMPLATES = (
     ("renew_many", _RENEW_MANY),
     ("release", _RELEASE),
     ("force_release", _FORCE_RELEASE),
+    ("release_slots", _RELEASE_SLOTS),
+    ("lock_counter", _LOCK_COUNTER),
+    ("create_counter", _CREATE_COUNTER),
+    ("slot_rows", _SLOT_ROWS),
+    ("recheck_slots", _RECHECK_SLOTS),
+    ("extend", _EXTEND),
+    ("take_slot", _TAKE_SLOT),
+    ("lock_key", _LOCK_KEY),
+    ("draw_ticket", _DRAW_TICKET),
+    ("peek_ticket", _PEEK_TICKET),
+    ("save_holder", _SAVE_HOLDER),
+    ("mark", _MARK),
     ("get", _GET),
     ("list", _LIST),
     ("last_token", _LAST_TOKEN),
@@ -159,6 +288,120 @@ INDEX_KEY_BYTES = 2704
 """PostgreSQL's limit on one entry of a btree index (version 4, 8 kB pages), in bytes: the
 primary key holds a key of at most about this size after compression (a random key cannot be
 compressed; a repetitive one may be much longer)."""
+
+
+Step = tuple[bytes, dict[str, Any]]
+"""One statement of a plan and its parameters."""
+
+Rows = list[tuple[Any, ...]]
+"""What a driver sends back for a step: the rows the statement returned (none: ``[]``)."""
+
+
+def check_slot_request(key: str, limit: int) -> None:
+    """ValueError for a ``limit`` outside 1 .. MAX_LIMIT (or not an int) or a key holding
+    U+001F, before any I/O."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}")
+    if SLOT_MARK in key:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): a key may not contain U+001F")
+
+
+def slot_range(key: str) -> dict[str, str]:
+    """``first`` and ``end`` of the primary-key range holding every slot row of ``key`` (and its
+    counter and holder rows): ``key + U+001F <= store key < key + U+0020``."""
+    return {"first": counter_key(key), "end": key + chr(ord(SLOT_MARK) + 1)}
+
+
+def _slot_of(key: str, store_key: str) -> int | None:
+    """The slot of ``key`` that ``store_key`` names (canonical digits), else None."""
+    base, slot = split_slot(store_key)
+    if base != key or slot is None or store_key != slot_key(key, slot):
+        return None
+    return slot
+
+
+def slot_plan(
+    statements: dict[str, bytes], key: str, owner: str, ttl_ms: int, limit: int
+) -> Generator[Step, Rows, tuple[int, int] | None]:
+    """``acquire_slot`` as one transaction (READ COMMITTED): lock the key's counter row (every
+    slot taker queues there), then read the key's slot range in a new statement (so it sees every
+    taker that committed before the lock was granted), then renew the owner's own slot or take
+    the lowest free one with the next counter token.
+
+    Renewals do not queue on the counter: a slot read as expired but not released may have been
+    renewed by a statement that committed after the read began. Those rows (few: holders that
+    stopped renewing) are read again under a row lock, which waits for such a renewal and shows
+    its outcome, so a slot still held is never counted free."""
+    counter = counter_key(key)
+    if not (yield statements["lock_counter"], {"key": counter}):
+        yield statements["create_counter"], {"key": counter}
+    rows = yield statements["slot_rows"], slot_range(key)
+    doubtful = {
+        row[0]
+        for row in rows
+        if row[1] is not None and not row[3] and _slot_of(key, row[0]) is not None
+    }
+    if doubtful:
+        fresh = yield statements["recheck_slots"], {"keys": sorted(doubtful)}
+        rows = [row for row in rows if row[0] not in doubtful] + fresh
+    last = 0
+    live: set[int] = set()
+    mine: int | None = None
+    for row_key, row_owner, row_token, row_live in rows:
+        slot = _slot_of(key, row_key)
+        if row_key == counter or slot is not None:
+            last = max(last, int(row_token))
+        if slot is None or not row_live:
+            continue
+        live.add(slot)
+        if row_owner == owner and (mine is None or slot < mine):
+            mine = slot
+    if mine is not None:
+        params = {"key": slot_key(key, mine), "owner": owner, "ttl_ms": ttl_ms}
+        renewed = yield statements["extend"], params
+        if renewed:
+            return mine, int(renewed[0][0])
+        live.discard(mine)  # expired since it was read: free
+    if len(live) >= limit:
+        return None
+    free = next(slot for slot in range(limit) if slot not in live)
+    params = {
+        "counter": counter,
+        "last": last,
+        "key": slot_key(key, free),
+        "owner": owner,
+        "ttl_ms": ttl_ms,
+    }
+    taken = yield statements["take_slot"], params
+    return (free, int(taken[0][0])) if taken else None
+
+
+def replace_plan(
+    statements: dict[str, bytes], key: str, ticket: int | None, holder: str | None
+) -> Generator[Step, Rows, tuple[int, str | None, bool]]:
+    """``mark_replaced`` as one transaction: lock the key's row; marking an unmarked holder
+    copies its own token to the key's holder row first, so the row's token is the key's counter
+    from then on and a drawn ticket goes there. A ticket drawn while another owner than
+    ``holder`` holds the key unmarked cannot be kept (the row carries that holder's token): it
+    is above every token issued so far, and a later token exceeds it once the clock passed it."""
+    ((stored, token, live),) = yield statements["lock_key"], {"key": key}
+    current: str | None = None
+    asked = False
+    keep = True  # whether a drawn ticket can go into the key's row
+    if live:
+        current, was_asked = unmarked(str(stored))
+        asked = holder is None or current == holder
+        if asked and not was_asked:
+            yield statements["save_holder"], {"key": key + HOLDER_SUFFIX, "token": token}
+            yield statements["mark"], {"key": key, "owner": stored, "marked": marked(current)}
+        keep = asked or was_asked
+    if ticket is None:
+        if keep:
+            ((drawn,),) = yield statements["draw_ticket"], {"key": key}
+        else:
+            ((drawn,),) = yield statements["peek_ticket"], {"key": key}
+        ticket = int(drawn)
+    return ticket, current, asked
 
 
 def notify_payload(key: str) -> str:
@@ -694,10 +937,22 @@ class StoreBase:
 
     def _release_params(self, key: str, owner: str | None = None) -> dict[str, Any]:
         """The parameters of ``release`` (with ``owner``) or ``force_release`` (without)."""
-        params = {"key": key, "channel": self._channel, "payload": notify_payload(key)}
+        channel = release_channel(key)
+        params = {"key": key, "channel": self._channel, "payload": notify_payload(channel)}
         if owner is not None:
             params["owner"] = owner
+            params["marked"] = marked(owner)
         return params
+
+    def _release_slots_params(self, key: str, owner: str) -> dict[str, Any]:
+        """The parameters of ``release_slots``: every slot of ``key`` that ``owner`` holds."""
+        params = slot_range(key)
+        return {
+            **params,
+            "owner": owner,
+            "channel": self._channel,
+            "payload": notify_payload(key),
+        }
 
     @property
     def statement_timeout(self) -> float:

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,7 +35,10 @@ from celery_lease.stores._postgres_common import (
     SCHEMA_SQL,
     ConnectFailures,
     ListenerRetry,
+    Rows,
+    Step,
     StoreBase,
+    check_slot_request,
     connect_kwargs,
     describe_error,
     lease_info,
@@ -43,7 +46,9 @@ from celery_lease.stores._postgres_common import (
     no_connection_detail,
     notify_payload,
     parse_dsn,
+    replace_plan,
     schema_sql,
+    slot_plan,
     statements,
     target,
     token_of,
@@ -136,8 +141,9 @@ forking.on_fork_child(_after_fork_in_child, name="postgres stores: inherited poo
 
 
 @dataclass(eq=False)
-class _Slot:
-    """Waiters of one key: all of them wake when a release of the key is notified."""
+class _Interest:
+    """Waiters of one key: all of them wake when a release of the key (or of one of its slots)
+    is notified."""
 
     event: threading.Event = field(default_factory=threading.Event)
     refs: int = 0
@@ -156,7 +162,7 @@ class _Listener:
         # A private channel: a NOTIFY on it wakes the thread at once when the store closes.
         self.stop_channel = f"celery_lease_stop_{uuid.uuid4().hex}"
         self._lock = threading.Lock()
-        self._slots: dict[str, _Slot] = {}
+        self._slots: dict[str, _Interest] = {}
         self._blocked = 0  # threads blocked in wait() with the listener ready
         self.ready = threading.Event()
         self._stop = threading.Event()
@@ -166,23 +172,23 @@ class _Listener:
         )
         self._thread.start()
 
-    def register(self, key: str) -> _Slot:
+    def register(self, key: str) -> _Interest:
         payload = notify_payload(key)
         with self._lock:
             slot = self._slots.get(payload)
             if slot is None:
-                slot = self._slots[payload] = _Slot()
+                slot = self._slots[payload] = _Interest()
             slot.refs += 1
             return slot
 
-    def unregister(self, key: str, slot: _Slot) -> None:
+    def unregister(self, key: str, slot: _Interest) -> None:
         payload = notify_payload(key)
         with self._lock:
             slot.refs -= 1
             if slot.refs <= 0 and self._slots.get(payload) is slot:
                 del self._slots[payload]
 
-    def wait(self, key: str, slot: _Slot, deadline_in: float) -> bool:
+    def wait(self, key: str, slot: _Interest, deadline_in: float) -> bool:
         """Block on ``slot`` for up to ``deadline_in`` seconds; True when it was woken."""
         started = time.monotonic()
         if not self.ready.wait(deadline_in):
@@ -262,7 +268,9 @@ class PostgresLockStore(StoreBase):
     """A :class:`~celery_lease.LockStore` in a PostgreSQL table; excludes across hosts.
 
     Implements the protocol, :class:`~celery_lease.SupportsReleaseNotify`,
-    :class:`~celery_lease.SupportsBatchRenew` and :class:`~celery_lease.SupportsInspection`.
+    :class:`~celery_lease.SupportsBatchRenew`, :class:`~celery_lease.SupportsInspection`,
+    ``SupportsSlots`` and ``SupportsReplace`` (rows and tickets:
+    :mod:`~celery_lease.stores._postgres_common`).
 
     Given a DSN, the store opens its own pool of autocommit connections on first use (rebuilt
     in a forked child); a pool passed in is used as is, never closed, and not rebuilt after a
@@ -496,7 +504,7 @@ class PostgresLockStore(StoreBase):
                 logger.info("celery-lease: created table %r", self._table)
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
-        slot = self._slot_before_acquire(key)
+        slot = self._interest_before_acquire(key)
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
 
         def run(conn: psycopg.Connection[Any]) -> int | None:
@@ -505,21 +513,87 @@ class PostgresLockStore(StoreBase):
         try:
             token = self._run("acquire", run)
         except StoreUnavailableError as exc:
-            self._drop_slot(key, slot)
+            self._drop_interest(key, slot)
             self._refuse_long_key(key, exc)
             raise
         except BaseException:
-            self._drop_slot(key, slot)
+            self._drop_interest(key, slot)
             try:  # release what it may have taken (``owner`` is unique per attempt)
                 self.release(key, owner)
             except Exception as undo_failed:
                 log_undo_failed(logger, key, "was interrupted", undo_failed)
             raise
         if token is None and slot is not None:
-            self._park_slot(key, slot)
+            self._park_interest(key, slot)
         else:
-            self._drop_slot(key, slot)
+            self._drop_interest(key, slot)
         return token
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
+        slots are live (see :class:`~celery_lease.stores.base.SupportsSlots`).
+
+        One transaction of three statements (lock the key's slot counter, read its slot rows,
+        write the slot and the counter; see ``slot_plan``). An interrupted call releases every
+        slot of ``key`` that ``owner`` may have taken.
+        """
+        check_slot_request(key, limit)
+        interest = self._interest_before_acquire(key)
+        try:
+            got = self._run_plan(
+                "acquire a slot", lambda: slot_plan(self._sql, key, owner, ttl_ms, limit)
+            )
+        except StoreUnavailableError as exc:
+            self._drop_interest(key, interest)
+            self._refuse_long_key(key, exc)
+            raise
+        except BaseException:
+            self._drop_interest(key, interest)
+            try:  # release what it may have taken (``owner`` is unique per attempt)
+                params = self._release_slots_params(key, owner)
+                self._run("release", lambda conn: conn.execute(self._sql["release_slots"], params))
+            except Exception as undo_failed:
+                log_undo_failed(logger, key, "was interrupted", undo_failed)
+            raise
+        if got is None and interest is not None:
+            self._park_interest(key, interest)
+        else:
+            self._drop_interest(key, interest)
+        return got
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` to stop (see
+        :class:`~celery_lease.stores.base.SupportsReplace`): one transaction (``replace_plan``).
+        Marking copies the holder's own token to the key's holder row
+        (:data:`~celery_lease.stores._postgres_common.HOLDER_SUFFIX`); a ticket is drawn into
+        the key's row (its counter). A ticket drawn while another owner than ``holder`` holds
+        the key unmarked is kept nowhere: above every token issued so far, and below later
+        ones once the clock has passed it."""
+        return self._run_plan(
+            "ask the holder to stop", lambda: replace_plan(self._sql, key, ticket, holder)
+        )
+
+    def _run_plan(self, what: str, make: Callable[[], Generator[Step, Rows, _T]]) -> _T:
+        """Run a plan (``slot_plan``, ``replace_plan``) as one transaction: each statement it
+        yields is executed and its rows sent back; a dropped connection is retried once with a
+        new plan (both plans are safe to repeat)."""
+
+        def run(conn: psycopg.Connection[Any]) -> _T:
+            plan = make()
+            with conn.transaction():
+                step = next(plan)
+                while True:
+                    cursor = conn.execute(*step)
+                    rows = cursor.fetchall() if cursor.description is not None else []
+                    try:
+                        step = plan.send(rows)
+                    except StopIteration as stop:
+                        result: _T = stop.value
+                        return result
+
+        return self._run(what, run)
 
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         params = {"key": key, "owner": owner, "ttl_ms": ttl_ms}
@@ -571,33 +645,33 @@ class PostgresLockStore(StoreBase):
         listener = self._listener
         return 0 if listener is None else listener.blocked()
 
-    def _slot_before_acquire(self, key: str) -> _Slot | None:
+    def _interest_before_acquire(self, key: str) -> _Interest | None:
         """With a ready listener, register interest in ``key`` before trying to acquire it."""
         listener = self._listener
         if listener is None or not listener.ready.is_set() or self._pid != os.getpid():
             return None
         return listener.register(key)
 
-    def _drop_slot(self, key: str, slot: _Slot | None) -> None:
+    def _drop_interest(self, key: str, slot: _Interest | None) -> None:
         listener = self._listener
         if slot is not None and listener is not None:
             listener.unregister(key, slot)
 
-    def _park_slot(self, key: str, slot: _Slot) -> None:
+    def _park_interest(self, key: str, slot: _Interest) -> None:
         """Keep the slot of a failed acquire for this thread's next wait (one per thread)."""
-        previous: tuple[str, _Slot] | None = getattr(self._local, "parked", None)
+        previous: tuple[str, _Interest] | None = getattr(self._local, "parked", None)
         self._local.parked = (key, slot)
         if previous is not None:
-            self._drop_slot(*previous)
+            self._drop_interest(*previous)
 
-    def _take_parked(self, key: str) -> _Slot | None:
-        parked: tuple[str, _Slot] | None = getattr(self._local, "parked", None)
+    def _take_parked(self, key: str) -> _Interest | None:
+        parked: tuple[str, _Interest] | None = getattr(self._local, "parked", None)
         if parked is None:
             return None
         self._local.parked = None
         if parked[0] == key:
             return parked[1]
-        self._drop_slot(*parked)
+        self._drop_interest(*parked)
         return None
 
     def list(self, prefix: str = "") -> list[LeaseInfo]:

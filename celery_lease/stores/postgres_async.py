@@ -12,7 +12,7 @@ import contextlib
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, TypeVar
 
 import psycopg
@@ -27,13 +27,17 @@ from celery_lease.stores._postgres_common import (
     MISSING_TABLE,
     ConnectFailures,
     ListenerRetry,
+    Rows,
+    Step,
     StoreBase,
+    check_slot_request,
     connect_kwargs,
     describe_error,
     log_undo_failed,
     no_connection_detail,
     notify_payload,
     parse_dsn,
+    slot_plan,
     token_of,
 )
 from celery_lease.stores.base import LoopBinding
@@ -149,7 +153,8 @@ class _Listener:
 
 
 class AsyncPostgresLockStore(StoreBase):
-    """An :class:`~celery_lease.stores.base.AsyncLockStore` in a PostgreSQL table.
+    """An :class:`~celery_lease.stores.base.AsyncLockStore` (and ``AsyncSupportsSlots``) in a
+    PostgreSQL table.
 
     The same table, statements and semantics as
     :class:`~celery_lease.stores.postgres.PostgresLockStore` (see there and
@@ -348,10 +353,48 @@ class AsyncPostgresLockStore(StoreBase):
             self._refuse_long_key(key, exc)
             raise
 
-    async def _undo_acquire(self, key: str, owner: str, why: str) -> None:
+    async def acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int
+    ) -> tuple[int, int] | None:
+        """As :meth:`PostgresLockStore.acquire_slot` (the same transaction, ``slot_plan``); a
+        call that timed out or was cancelled releases every slot of ``key`` that ``owner`` may
+        have taken before raising."""
+        check_slot_request(key, limit)
+
+        async def run(conn: _AsyncConn) -> tuple[int, int] | None:
+            return await self._drive(conn, slot_plan(self._sql, key, owner, ttl_ms, limit))
+
+        try:
+            return await self._run("acquire a slot", key, run)
+        except asyncio.CancelledError:
+            await self._undo_acquire(key, owner, "cancelled", slots=True)
+            raise
+        except StoreUnavailableError as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError):
+                await self._undo_acquire(key, owner, "timed out", slots=True)
+            self._refuse_long_key(key, exc)
+            raise
+
+    @staticmethod
+    async def _drive(conn: _AsyncConn, plan: Generator[Step, Rows, _T]) -> _T:
+        """Run a plan as one transaction: each statement it yields is executed and its rows
+        sent back (as the sync store's ``_run_plan``)."""
+        async with conn.transaction():
+            step = next(plan)
+            while True:
+                cursor = await conn.execute(*step)
+                rows = await cursor.fetchall() if cursor.description is not None else []
+                try:
+                    step = plan.send(rows)
+                except StopIteration as stop:
+                    result: _T = stop.value
+                    return result
+
+    async def _undo_acquire(self, key: str, owner: str, why: str, *, slots: bool = False) -> None:
         """Release ``owner``'s lease (unique per attempt: never anyone else's), shielded from
         cancellation and bounded in time; a failure is logged (it expires within its ttl)."""
-        task = asyncio.ensure_future(_within(self.release(key, owner), _UNDO_TIMEOUT))
+        undo = self._release_slots(key, owner) if slots else self.release(key, owner)
+        task = asyncio.ensure_future(_within(undo, _UNDO_TIMEOUT))
         try:
             await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -379,6 +422,15 @@ class AsyncPostgresLockStore(StoreBase):
         if self._closed:  # a holder's exit after aclose() (a shutdown): never left to the ttl
             await self._run_alone("release", key, run)
             return
+        await self._run("release", key, run)
+
+    async def _release_slots(self, key: str, owner: str) -> None:
+        """Release every slot of ``key`` that ``owner`` holds (notifies waiters)."""
+        params = self._release_slots_params(key, owner)
+
+        async def run(conn: _AsyncConn) -> None:
+            await conn.execute(self._sql["release_slots"], params)
+
         await self._run("release", key, run)
 
     async def _run_alone(

@@ -3,6 +3,15 @@
 Each operation is one short write transaction on a WAL database; expiry follows the host's
 ``CLOCK_MONOTONIC`` tagged with the boot id. Clocks, reboots and tokens: docs/stores.md (SQLite);
 threads, locks and fork resets: docs/internals.md.
+
+Slots and replace use the same table, with no other column: slot ``i`` of ``k`` is the row of
+``slot_key(k, i)`` and ``k``'s slot counter the token of the row ``counter_key(k)`` (owner NULL,
+never live). A holder asked to stop (``mark_replaced``) has ``REPLACED_MARK`` appended to its
+stored owner, and its own token is copied to the row ``k + U+001F + "holder"``
+(``_HOLDER_SUFFIX``; owner NULL, never live): from then on ``k``'s row's token is only the key's
+counter, so a ticket drawn while it holds goes there and the next acquire's token (drawn from
+that column, as always) exceeds it, with nothing more read on the plain paths. ``get``, ``list``,
+``last_token`` and ``force_release`` show a marked holder's own token from that row.
 """
 
 from __future__ import annotations
@@ -26,6 +35,16 @@ from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import (
+    MAX_LIMIT,
+    REPLACED_MARK,
+    SLOT_MARK,
+    counter_key,
+    marked,
+    slot_key,
+    split_slot,
+    unmarked,
+)
 
 __all__ = ["SQLiteLockStore"]
 
@@ -78,8 +97,28 @@ _EXTEND = _numbered(
 WHERE key = :key AND owner = :owner AND {_LIVE}"""
 )
 
+
+def _sql_text(text: str) -> str:
+    """``text`` (printable ASCII, no quote, and control characters) as an SQLite text
+    expression."""
+    parts = re.findall(r"[ -~]+|[^ -~]", text)
+    return " || ".join(f"'{p}'" if p.isprintable() else f"char({ord(p)})" for p in parts)
+
+
 # The token the row gets: its own while live (the holder again), else the next one.
 _NEXT_TOKEN = f"CASE WHEN coalesce({_LIVE}, 0) THEN token ELSE max(token + 1, :token) END"
+
+_HOLDER_SUFFIX = SLOT_MARK + "holder"
+"""Appended to a key to name the row keeping the own token of the key's holder while it is
+marked as asked to stop (its token column; owner NULL, never a lease)."""
+
+# A row's holder's own token: kept in the holder row while the owner is marked, else its token.
+_HOLDER_TOKEN = (
+    f"CASE WHEN substr(owner, -{len(REPLACED_MARK)}) = {_sql_text(REPLACED_MARK)}"
+    " THEN coalesce((SELECT holder.token FROM celery_lease AS holder"
+    f" WHERE holder.key = celery_lease.key || {_sql_text(_HOLDER_SUFFIX)}), token)"
+    " ELSE token END"
+)
 
 # acquire in one statement: takes a free, expired or new key (a new token) or extends the
 # caller's own live lease (its token kept) and returns the token; nothing for another owner's
@@ -104,11 +143,30 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
     boot_expires_ms = excluded.boot_expires_ms"""
 )
 
-# Owner-checked release; the row stays (its token is the key's counter).
-_RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner = ?2"
+# Owner-checked release (?2 the owner, ?3 the owner as marked when asked to stop); the row
+# stays (its token is the key's counter).
+_RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner IN (?2, ?3)"
+
+# A key's slot rows, its counter and holder rows: ?1 <= key < ?2 (the primary key's range).
+_SLOT_ROWS = _numbered(
+    f"SELECT key, owner, token, coalesce({_LIVE}, 0) FROM celery_lease"
+    " WHERE key >= :key AND key < :owner"
+)
+
+# Set the token of a row that is no lease now (a counter, a holder row, a free key's row;
+# created when missing).
+_SET_COUNTER = """INSERT INTO celery_lease (key, owner, expires_ms, token, boot_id, boot_expires_ms)
+VALUES (?1, NULL, 0, ?2, NULL, NULL)
+ON CONFLICT (key) DO UPDATE SET token = excluded.token"""
+
+# Ask the holder to stop: ?1 the key, ?2 its stored owner, ?3 that owner marked.
+_MARK = "UPDATE celery_lease SET owner = ?3 WHERE key = ?1 AND owner = ?2"
 
 # Inspection (the CLI): ?1 and ?2 are unused placeholders unless named.
-_SELECT_LIVE = _numbered(f"SELECT key, owner, token, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}")
+_SELECT_LIVE = _numbered(
+    f"SELECT key, owner, {_HOLDER_TOKEN}, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}"
+)
+_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM celery_lease WHERE key = ?1"
 _LIST = f"{_SELECT_LIVE} AND substr(key, 1, length(?1)) = ?1 ORDER BY key"
 _GET = f"{_SELECT_LIVE} AND key = ?1"
 
@@ -467,8 +525,95 @@ class SQLiteLockStore:
         return self._run("renew leases", op)
 
     def release(self, key: str, owner: str) -> None:
-        """Free ``key`` if ``owner`` holds it (one UPDATE; the row and its token stay)."""
-        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner)))
+        """Free ``key`` if ``owner`` holds it, also when asked to stop (one UPDATE; the row and
+        its token stay)."""
+        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner, marked(owner))))
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
+        slots are live (see :class:`~celery_lease.stores.base.SupportsSlots`).
+
+        One ``BEGIN IMMEDIATE`` transaction: a read of the key's rows (one range of the primary
+        key: its slots, whose highest index gives the width, and its counter), then the slot's
+        and the counter's writes. Slot rows follow the boot id as a key's row does.
+        """
+        _check_slot_request(key, limit)
+        return self._run(
+            "acquire a slot", functools.partial(self._acquire_slot, key, owner, ttl_ms, limit)
+        )
+
+    def _acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int, cursor: sqlite3.Cursor
+    ) -> tuple[int, int] | None:
+        counter = counter_key(key)
+        params = self._params(None, owner, ttl_ms)
+        with self._write(cursor):
+            rows = cursor.execute(
+                _SLOT_ROWS, (counter, key + chr(ord(SLOT_MARK) + 1), *params[2:5])
+            ).fetchall()
+            last = 0
+            live: set[int] = set()
+            mine: tuple[int, int] | None = None
+            for row_key, row_owner, row_token, row_live in rows:
+                slot = _slot_of(key, row_key)
+                if row_key == counter or slot is not None:
+                    last = max(last, int(row_token))
+                if slot is None or not row_live:
+                    continue
+                live.add(slot)
+                if row_owner == owner and (mine is None or slot < mine[0]):
+                    mine = (slot, int(row_token))
+            if mine is not None:
+                cursor.execute(_EXTEND, (slot_key(key, mine[0]), *params[1:7]))
+                return mine
+            if len(live) >= limit:
+                return None
+            free = next(slot for slot in range(limit) if slot not in live)
+            token = max(last + 1, params[7])
+            cursor.execute(_TAKE, (slot_key(key, free), *params[1:7], token))
+            cursor.execute(_SET_COUNTER, (counter, token))
+            return free, token
+
+    def mark_replaced(
+        self, key: str, ticket: int | None = None, holder: str | None = None
+    ) -> tuple[int, str | None, bool]:
+        """Ask the live holder of ``key`` to stop (see
+        :class:`~celery_lease.stores.base.SupportsReplace`); one ``BEGIN IMMEDIATE``
+        transaction. Marking copies the holder's own token to the key's holder row; a ticket
+        is then drawn into the key's row (its counter), as it is while the key is free.
+
+        A ticket drawn while another owner than ``holder`` holds the key unmarked cannot be
+        kept (the key's row carries that holder's token): it is above every token issued so
+        far, and a later token is above it only once the clock has passed it.
+        """
+        return self._run(
+            "ask a holder to stop",
+            functools.partial(self._mark_replaced, key, ticket, holder),
+        )
+
+    def _mark_replaced(
+        self, key: str, ticket: int | None, holder: str | None, cursor: sqlite3.Cursor
+    ) -> tuple[int, str | None, bool]:
+        params = self._params(key, None, 0)
+        with self._write(cursor):
+            row = cursor.execute(_SELECT_FOR_ACQUIRE, params[:5]).fetchone()
+            counter = int(row[1]) if row is not None else 0
+            drawn = ticket is None
+            if ticket is None:
+                ticket = max(counter + 1, params[7])
+            current: str | None = None
+            asked = False
+            if row is not None and row[2]:
+                current, was_asked = unmarked(str(row[0]))
+                asked = holder is None or current == holder
+                if asked and not was_asked:
+                    cursor.execute(_SET_COUNTER, (key + _HOLDER_SUFFIX, counter))
+                    cursor.execute(_MARK, (key, row[0], marked(current)))
+                if not was_asked and not asked:
+                    return ticket, current, False  # its token stays the row's: nothing kept
+            if drawn:
+                cursor.execute(_SET_COUNTER, (key, ticket))
+            return ticket, current, asked
 
     @staticmethod
     def _info(row: tuple[str, str, int, int]) -> LeaseInfo:
@@ -497,7 +642,7 @@ class SQLiteLockStore:
         """The last fencing token issued for ``key`` (kept after release), or ``None``."""
 
         def op(cursor: sqlite3.Cursor) -> int | None:
-            row = cursor.execute("SELECT token FROM celery_lease WHERE key = ?", (key,)).fetchone()
+            row = cursor.execute(_LAST_TOKEN, (key,)).fetchone()
             return None if row is None else int(row[0])
 
         return self._run("read a token", op)
@@ -534,6 +679,23 @@ class SQLiteLockStore:
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
+
+
+def _check_slot_request(key: str, limit: int) -> None:
+    """ValueError for a ``limit`` outside 1 .. MAX_LIMIT (or not an int) or a key holding
+    U+001F, before any I/O."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}")
+    if SLOT_MARK in key:
+        raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): a key may not contain U+001F")
+
+
+def _slot_of(key: str, store_key: str) -> int | None:
+    """The slot of ``key`` that ``store_key`` names (its canonical digits), else None."""
+    base, slot = split_slot(store_key)
+    if base != key or slot is None or store_key != slot_key(key, slot):
+        return None
+    return slot
 
 
 def _validate_path(path: object) -> str:

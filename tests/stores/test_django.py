@@ -38,6 +38,12 @@ from celery_lease import (  # noqa: E402
     lease,
     store_from_url,
 )
+from celery_lease.stores.base import (  # noqa: E402
+    AsyncSupportsSlots,
+    SupportsReplace,
+    SupportsSlots,
+    conforms,
+)
 from celery_lease.stores.django import async_database_store, database_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -176,6 +182,43 @@ class TestPostgreSQL:
                     asyncio.run(store.aclose())
             assert asyncio.run(self._async_round_trip("django://default")) is not None
             assert asyncio.run(self._async_round_trip("django://files")) is not None
+
+
+def _slots_and_replace(store: Any) -> None:
+    """The store of an alias keeps a key's slots and asks its holder to stop."""
+    assert conforms(store, SupportsSlots) and conforms(store, SupportsReplace)
+    key = f"dj:{uuid.uuid4().hex[:8]}"
+    got = [store.acquire_slot(key, f"o{i}", 30_000, 2) for i in range(3)]
+    assert [g[0] if g is not None else None for g in got] == [0, 1, None]
+    token = store.acquire(key, "h", 30_000)
+    ticket, holder, asked = store.mark_replaced(key)
+    assert (holder, asked) == ("h", True) and ticket > token
+    assert store.renew(key, "h", 30_000) is False
+    store.release(key, "h")
+    following = store.acquire(key, "n", 30_000)
+    assert following is not None and following > ticket
+
+
+class TestSlotsAndReplace:
+    def test_the_stores_of_both_engines_keep_slots_and_ask_holders_to_stop(
+        self, databases: Any, pg_database_dsn: str, tmp_path: Path
+    ) -> None:
+        """django://<alias> on PostgreSQL and on SQLite: slots and replace as those stores
+        keep them; the async store of a PostgreSQL alias takes slots as a coroutine."""
+        import asyncio
+
+        sqlite = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(tmp_path / "s.db")}
+        with databases(default=_postgres(pg_database_dsn), files=sqlite):
+            stores = [store_from_url("django://default"), store_from_url("django://files")]
+            async_store = async_database_store("default")
+        try:
+            for store in stores:
+                _slots_and_replace(store)
+            assert conforms(async_store, AsyncSupportsSlots)
+        finally:
+            for store in stores:
+                store.close()  # type: ignore[attr-defined]
+            asyncio.run(async_store.aclose())
 
 
 class TestSQLite:

@@ -21,6 +21,7 @@ from psycopg import sql
 from psycopg_pool import ConnectionPool
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import postgres as postgres_module
 from celery_lease.stores import store_from_url
 from celery_lease.stores.base import (
     LockStore,
@@ -29,8 +30,11 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
+from celery_lease.stores.slots import counter_key, slot_key
 from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
+from tests.stores.slot_contract import ReplaceContract, SlotContract
+from tests.stores.sql_slots import SqlSlotChecks
 
 pytestmark = pytest.mark.postgres
 
@@ -42,7 +46,7 @@ def _wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLIN
         time.sleep(0.002)
 
 
-class TestPostgresStore(StoreContract):
+class TestPostgresStore(SlotContract, ReplaceContract, StoreContract):
     """PostgresLockStore on the shared server, one new table per store (real clock)."""
 
     fake_clock = False
@@ -65,6 +69,183 @@ class TestPostgresStore(StoreContract):
     def wait_until_waiting(self, store: LockStore, count: int) -> None:
         assert isinstance(store, PostgresLockStore)
         _wait_for(lambda: store.waiting() >= count, f"{count} waiters")
+
+
+class TestPostgresSlots(SqlSlotChecks):
+    """Slots and replace on the shared server, one new table per test (real clock)."""
+
+    @pytest.fixture
+    def slot_store(self, pg_database_dsn: str, pg_table: str) -> Iterator[PostgresLockStore]:
+        self.dsn = pg_database_dsn
+        self.table = pg_table
+        store = PostgresLockStore(pg_database_dsn, table=pg_table)
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def _update(self, statement: str, params: list[Any]) -> None:
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            query = sql.SQL(statement).format(sql.Identifier(self.table))
+            assert conn.execute(query, params).rowcount == 1
+
+    def make_expired(self, store: Any, store_key: str) -> None:
+        self._update(
+            "UPDATE {} SET expires = clock_timestamp() - interval '1 second' WHERE key = %s",
+            [store_key],
+        )
+
+    def set_token(self, store: Any, store_key: str, token: int) -> None:
+        self._update("UPDATE {} SET token = %s WHERE key = %s", [token, store_key])
+
+    def slot_store_factory(self) -> Callable[[], Any]:
+        return functools.partial(PostgresLockStore, self.dsn, table=self.table)
+
+    def unreachable_store(self, tmp_path: Any) -> Any:
+        with socket.socket() as probe:  # a port nothing listens on
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        return PostgresLockStore(f"postgresql://postgres@127.0.0.1:{port}/x", connect_timeout=1)
+
+    def wait_until_waiting(self, store: PostgresLockStore, count: int) -> None:
+        _wait_for(lambda: store.waiting() >= count, f"{count} waiters")
+
+    def test_an_interrupted_acquire_slot_releases_what_it_took(
+        self, slot_store: PostgresLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """An exception raised once the transaction committed (a signal handler, an async
+        exception): the slot the call took is released before the exception goes on."""
+        run_plan = slot_store._run_plan
+        taken: list[object] = []
+
+        def run_then_interrupt(what: str, make: Any) -> Any:
+            taken.append(run_plan(what, make))
+            raise _Interrupt
+
+        monkeypatch.setattr(slot_store, "_run_plan", run_then_interrupt)
+        with pytest.raises(_Interrupt):
+            slot_store.acquire_slot("k", "a", LONG_MS, 2)
+        monkeypatch.undo()
+        assert taken and taken[0] is not None
+        assert slot_store.list("k") == []
+        assert slot_store.acquire_slot("k", "b", LONG_MS, 1) is not None
+
+    def test_an_acquire_queued_behind_a_mark_gets_a_token_above_its_ticket(
+        self, slot_store: PostgresLockStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A plain acquire that began while mark_replaced held the key's row, and that takes
+        the key because the marked lease expired meanwhile, still gets a token above the
+        ticket (the counter ahead of the clock, so only the row's counter can order them)."""
+        assert slot_store.acquire("k", "h", 400) is not None
+        self.set_token(slot_store, "k", 2**60)
+        locked, go = threading.Event(), threading.Event()
+        plan = postgres_module.replace_plan
+
+        def paused(*args: Any) -> Any:  # holds the key's row between its first two statements
+            inner = plan(*args)
+            rows = yield next(inner)
+            locked.set()
+            assert go.wait(DEADLINE)
+            try:
+                while True:
+                    rows = yield inner.send(rows)
+            except StopIteration as stop:
+                return stop.value
+
+        monkeypatch.setattr(postgres_module, "replace_plan", paused)
+        marks: list[Any] = []
+        marker = threading.Thread(target=lambda: marks.append(slot_store.mark_replaced("k")))
+        marker.start()
+        assert locked.wait(DEADLINE)
+        other = PostgresLockStore(self.dsn, table=self.table)
+        taken: list[Any] = []
+        taker = threading.Thread(target=lambda: taken.append(other.acquire("k", "b", LONG_MS)))
+        try:
+            taker.start()
+            _wait_for(lambda: len(_backends_waiting_on_a_lock(self.dsn)) >= 1, "the acquire")
+            expired = sql.SQL("SELECT expires < clock_timestamp() FROM {} WHERE key = 'k'")
+            _wait_for(
+                lambda: (
+                    _query(self.dsn, expired.format(sql.Identifier(self.table)).as_string())
+                    == [(True,)]
+                ),
+                "the marked lease to expire",
+            )
+            go.set()
+            marker.join(DEADLINE)
+            taker.join(DEADLINE)
+        finally:
+            go.set()
+            other.close()
+        ((ticket, holder, asked),) = marks
+        assert (holder, asked) == ("h", True) and ticket > 2**60
+        assert taken[0] is not None and taken[0] > ticket
+
+    def test_a_slot_release_after_a_refused_acquire_slot_wakes_the_next_wait(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """A refused acquire_slot registers interest in the key first: a slot released before
+        the caller starts waiting (the listener saw it already) still ends that wait."""
+        other = PostgresLockStore(self.dsn, table=self.table)
+        try:
+            assert other.acquire_slot("k", "holder", LONG_MS, 1) is not None
+            assert slot_store.wait_for_release("warm-up", 0.01) is False  # starts the listener
+            listener = slot_store._listener
+            assert listener is not None
+            _wait_for(listener.ready.is_set, "the listener")
+            assert slot_store.acquire_slot("k", "me", LONG_MS, 1) is None
+            parked = getattr(slot_store._local, "parked", None)
+            assert parked is not None and parked[0] == "k"
+            other.release(slot_key("k", 0), "holder")
+            _wait_for(parked[1].event.is_set, "the notification")  # seen before any wait
+            assert slot_store.wait_for_release("k", DEADLINE) is True
+        finally:
+            other.close()
+
+    def test_a_slot_whose_renewal_commits_after_the_read_is_not_counted_free(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """Limit lowered to 2 with slots 1 and 5 held: slot 1's renewal, made just before its
+        old expiry, commits only after that expiry passed. acquire_slot waits for it, sees the
+        slot held and refuses, instead of taking slot 0 as a third holder."""
+        for i in range(6):
+            got = slot_store.acquire_slot("k", f"o{i}", LONG_MS, 6)
+            assert got is not None and got[0] == i
+        for i in (0, 2, 3, 4):
+            slot_store.release(slot_key("k", i), f"o{i}")
+        self._update(
+            "UPDATE {} SET expires = clock_timestamp() + interval '300 milliseconds'"
+            " WHERE key = %s",
+            [slot_key("k", 1)],
+        )
+        renew = sql.SQL(
+            "UPDATE {} SET expires = clock_timestamp() + interval '60 seconds'"
+            " WHERE key = %s AND owner = %s AND expires > clock_timestamp()"
+        ).format(sql.Identifier(self.table))
+        result: list[Any] = []
+        with psycopg.connect(self.dsn) as renewal:  # its transaction stays open until commit()
+            assert renewal.execute(renew, [slot_key("k", 1), "o1"]).rowcount == 1
+            _wait_for(lambda: slot_store.get(slot_key("k", 1)) is None, "the old expiry")
+            taker = threading.Thread(
+                target=lambda: result.append(slot_store.acquire_slot("k", "n", LONG_MS, 2))
+            )
+            taker.start()
+            try:
+                _wait_for(lambda: len(_backends_waiting_on_a_lock(self.dsn)) >= 1, "a row lock")
+            finally:
+                renewal.commit()
+                taker.join(DEADLINE)
+        assert result == [None]
+        assert [info.key for info in slot_store.list("k")] == [slot_key("k", 1), slot_key("k", 5)]
+
+    def test_slot_keys_announce_their_key_on_release_and_force_release(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """The NOTIFY payload of a slot's release names the key its waiters wait on."""
+        params = slot_store._release_params(slot_key("k", 3), "a")
+        assert params["payload"] == "k" and params["marked"] == "a\x1freplaced"
+        assert slot_store._release_params(slot_key("k", 3))["payload"] == "k"
+        assert slot_store._release_params("k2")["payload"] == "k2"
 
 
 @pytest.fixture
@@ -834,6 +1015,7 @@ class TestLeastPrivilege:
             store.close()
         assert len(sent) == 3, sent
         assert not [s for s in sent if b"CREATE" in s.upper()], sent
+        assert b"SELECT" not in sent[0].upper()  # the acquire reads the key's row only
 
     def test_a_table_dropped_after_first_use_is_created_again(
         self, store: PostgresLockStore
@@ -1044,6 +1226,26 @@ class TestLostReplies:
         proxied.release("k", "a")
         assert direct.get("k") is None
         assert direct.acquire("k", "b", LONG_MS) is not None  # nothing blocks the key
+
+    def test_a_lost_acquire_slot_commit_reply_returns_the_owners_slot(
+        self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter
+    ) -> None:
+        """The transaction committed, its COMMIT's reply was lost: the retry by the same owner
+        gets that slot and token back; no second slot, no second token."""
+        proxied, direct = pair
+        first = direct.acquire_slot("k", "other", LONG_MS, 3)
+        assert first is not None and first[0] == 0
+        cutter.arm(b"COMMIT")
+        got = proxied.acquire_slot("k", "a", LONG_MS, 3)
+        self.assert_committed_then_cut(cutter, b"COMMIT")
+        assert got is not None and got[0] == 1
+        info = direct.get(slot_key("k", 1))
+        assert info is not None and (info.owner, info.token) == ("a", got[1])
+        assert direct.last_token(counter_key("k")) == got[1]
+        assert [i.owner for i in direct.list("k")] == ["other", "a"]
+        proxied.release(slot_key("k", 1), "a")
+        again = direct.acquire_slot("k", "b", LONG_MS, 2)
+        assert again is not None and again[0] == 1 and again[1] > got[1]
 
     def test_a_lost_renew_reply_still_reports_renewed(
         self, pair: tuple[PostgresLockStore, PostgresLockStore], cutter: _ReplyCutter

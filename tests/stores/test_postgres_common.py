@@ -4,6 +4,7 @@ statements, the table's channel, reading a DSN, the options, rows and the texts 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import psycopg
 import pytest
@@ -22,12 +23,171 @@ from celery_lease.stores._postgres_common import (
     missing_table_detail,
     notify_payload,
     parse_dsn,
+    replace_plan,
     schema_sql,
+    slot_plan,
+    slot_range,
     statements,
     store_error,
     token_of,
 )
 from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import counter_key, marked, slot_key
+
+_SQL = statements("leases")
+_NAMES = {statement: name for name, statement in _SQL.items()}
+
+
+def _drive(
+    plan: Any, replies: dict[str, list[Any]]
+) -> tuple[list[tuple[str, dict[str, Any]]], Any]:
+    """Run a plan against canned replies (rows per statement name, ``[]`` when absent): the
+    statements it sent, by name, and its result."""
+    sent: list[tuple[str, dict[str, Any]]] = []
+    rows: Any = None
+    try:
+        while True:
+            statement, params = plan.send(rows)
+            name = _NAMES[statement]
+            sent.append((name, params))
+            rows = replies.get(name, [])
+    except StopIteration as stop:
+        return sent, stop.value
+
+
+class TestSlotPlan:
+    """acquire_slot's transaction, decided from the rows of the key's slot range."""
+
+    def test_the_counter_is_locked_before_the_slots_are_read(self) -> None:
+        """Lock (create when missing), then read the range, then take the lowest free slot."""
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {"take_slot": [(41,)]},
+        )
+        assert [name for name, _ in sent] == [
+            "lock_counter",
+            "create_counter",
+            "slot_rows",
+            "take_slot",
+        ]
+        assert sent[0][1] == {"key": counter_key("k")}
+        assert sent[2][1] == slot_range("k") == {"first": "k\x1f", "end": "k "}
+        assert sent[3][1]["key"] == slot_key("k", 0) and got == (0, 41)
+
+    def test_every_live_slot_counts_and_only_canonical_slot_rows_are_slots(self) -> None:
+        """A live slot above the limit counts; the counter, the ticket row and a row whose
+        suffix is no canonical slot number are no slots; the counter's token and every slot's
+        token floor the next one."""
+        rows = [
+            (counter_key("k"), None, 10, False),
+            ("k\x1fticket", None, 99, False),
+            ("k\x1f01", "x", 500, True),
+            (slot_key("k", 0), None, 7, False),
+            (slot_key("k", 5), "y", 12, True),
+        ]
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {"lock_counter": [(10,)], "slot_rows": rows, "take_slot": [(13,)]},
+        )
+        take = sent[-1][1]
+        assert take["key"] == slot_key("k", 0) and take["last"] == 12 and got == (0, 13)
+        _, refused = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 1),
+            {"lock_counter": [(10,)], "slot_rows": rows},
+        )
+        assert refused is None
+
+    def test_slots_read_expired_but_not_released_are_read_again_under_a_lock(self) -> None:
+        """Such a slot may have been renewed since the read: its locked re-read decides."""
+        rows = [
+            (slot_key("k", 0), "gone", 5, False),  # expired, not released: read again
+            (slot_key("k", 1), None, 6, False),  # released: free for sure
+            (slot_key("k", 2), "x", 7, True),
+        ]
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {
+                "lock_counter": [(7,)],
+                "slot_rows": rows,
+                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],  # renewed meanwhile
+            },
+        )
+        assert sent[2] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
+        assert got is None  # slots 0 and 2 held: limit 2 reached
+        sent, _ = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {"lock_counter": [(7,)], "slot_rows": rows[1:], "take_slot": [(8,)]},
+        )
+        assert "recheck_slots" not in [name for name, _ in sent]
+
+    def test_the_owner_again_renews_its_own_slot(self) -> None:
+        """The owner's live slot: renewed, its token returned, nothing taken."""
+        rows = [(slot_key("k", 0), "b", 5, True), (slot_key("k", 1), "a", 6, True)]
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 1),
+            {"lock_counter": [(6,)], "slot_rows": rows, "extend": [(6,)]},
+        )
+        assert [name for name, _ in sent][-1] == "extend" and got == (1, 6)
+
+    def test_an_own_slot_that_expired_meanwhile_is_free(self) -> None:
+        """Renewing the owner's slot found it expired: the slot is free to take again."""
+        rows = [(slot_key("k", 0), "a", 6, True)]
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 1),
+            {"lock_counter": [(6,)], "slot_rows": rows, "extend": [], "take_slot": [(7,)]},
+        )
+        assert [name for name, _ in sent][-2:] == ["extend", "take_slot"] and got == (0, 7)
+
+    def test_a_slot_found_live_at_the_write_is_a_refusal(self) -> None:
+        """The guarded write took nothing (the slot was live after all): None."""
+        _, got = _drive(slot_plan(_SQL, "k", "a", 1000, 1), {"lock_counter": [(1,)]})
+        assert got is None
+
+
+class TestReplacePlan:
+    """mark_replaced's transaction: where the holder's token and the ticket go."""
+
+    def test_a_free_key_draws_the_ticket_into_its_own_row(self) -> None:
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, None),
+            {"lock_key": [(None, 5, False)], "draw_ticket": [(9,)]},
+        )
+        assert sent == [("lock_key", {"key": "k"}), ("draw_ticket", {"key": "k"})]
+        assert got == (9, None, False)
+
+    def test_marking_keeps_the_holders_token_before_the_ticket_is_drawn(self) -> None:
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, None),
+            {"lock_key": [("a", 5, True)], "draw_ticket": [(9,)]},
+        )
+        assert sent[1:] == [
+            ("save_holder", {"key": "k\x1fholder", "token": 5}),
+            ("mark", {"key": "k", "owner": "a", "marked": marked("a")}),
+            ("draw_ticket", {"key": "k"}),
+        ]
+        assert got == (9, "a", True)
+
+    def test_a_given_ticket_draws_nothing_and_another_holder_is_left_alone(self) -> None:
+        sent, got = _drive(replace_plan(_SQL, "k", 3, "b"), {"lock_key": [("a", 5, True)]})
+        assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", False)
+
+    def test_a_ticket_for_another_unmarked_holder_is_kept_nowhere(self) -> None:
+        """The key's row carries that holder's token: the ticket is only computed."""
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, "b"),
+            {"lock_key": [("a", 5, True)], "peek_ticket": [(9,)]},
+        )
+        assert sent[1:] == [("peek_ticket", {"key": "k"})] and got == (9, "a", False)
+
+    def test_a_marked_holder_is_not_marked_twice_and_its_row_counts_tickets(self) -> None:
+        sent, got = _drive(
+            replace_plan(_SQL, "k", None, "x"),
+            {"lock_key": [(marked("a"), 12, True)], "draw_ticket": [(13,)]},
+        )
+        assert [name for name, _ in sent] == ["lock_key", "draw_ticket"]
+        assert got == (13, "a", False)
+        sent, got = _drive(replace_plan(_SQL, "k", 3, "a"), {"lock_key": [(marked("a"), 5, True)]})
+        assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", True)
 
 
 class TestStatements:
@@ -46,6 +206,18 @@ class TestStatements:
             "list",
             "last_token",
             "schema",
+            "release_slots",
+            "lock_counter",
+            "create_counter",
+            "slot_rows",
+            "recheck_slots",
+            "extend",
+            "take_slot",
+            "lock_key",
+            "draw_ticket",
+            "peek_ticket",
+            "save_holder",
+            "mark",
         }
         assert all(b'"ops"."leases"' in statement for statement in rendered.values())
 

@@ -29,12 +29,15 @@ from celery_lease.stores.base import (
     SupportsInspection,
     SupportsReleaseNotify,
 )
+from celery_lease.stores.slots import slot_key
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract, WallSteppingClock
+from tests.stores.slot_contract import ReplaceContract, SlotContract
+from tests.stores.sql_slots import SqlSlotChecks
 
 
-class TestSQLiteStore(StoreContract):
+class TestSQLiteStore(SlotContract, ReplaceContract, StoreContract):
     """SQLiteLockStore on a FakeClock, one new file per store."""
 
     stateful_examples = 20
@@ -64,6 +67,102 @@ class TestSQLiteStoreWithoutReturning(TestSQLiteStore):
         assert isinstance(store, SQLiteLockStore)
         store._returning = False
         return store
+
+
+def _sql(path: Path, statement: str, params: tuple[object, ...]) -> None:
+    with sqlite3.connect(path) as conn:
+        assert conn.execute(statement, params).rowcount == 1
+
+
+class TestSQLiteSlots(SqlSlotChecks):
+    """Slots and replace on an SQLite file (a fake clock in this process, real in children)."""
+
+    @pytest.fixture
+    def slot_store(self, tmp_path: Path) -> Iterator[SQLiteLockStore]:
+        self.path = tmp_path / "leases.db"
+        store = SQLiteLockStore(self.path, clock=FakeClock(1000.0))
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def make_expired(self, store: Any, store_key: str) -> None:
+        _sql(
+            self.path,
+            "UPDATE celery_lease SET expires_ms = 0, boot_expires_ms = 0 WHERE key = ?",
+            (store_key,),
+        )
+
+    def set_token(self, store: Any, store_key: str, token: int) -> None:
+        _sql(self.path, "UPDATE celery_lease SET token = ? WHERE key = ?", (token, store_key))
+
+    def slot_store_factory(self) -> Callable[[], Any]:
+        return functools.partial(SQLiteLockStore, str(self.path))
+
+    def unreachable_store(self, tmp_path: Path) -> Any:
+        blocker = tmp_path / "a-file"
+        blocker.write_text("")
+        return SQLiteLockStore(blocker / "leases.db")
+
+
+class TestSQLiteSlotsWithoutReturning(TestSQLiteSlots):
+    """The same on the plain acquire for SQLite older than 3.35.5."""
+
+    @pytest.fixture
+    def slot_store(self, tmp_path: Path) -> Iterator[SQLiteLockStore]:
+        self.path = tmp_path / "leases.db"
+        store = SQLiteLockStore(self.path, clock=FakeClock(1000.0))
+        store._returning = False
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+class TestSQLiteHotPath:
+    """The plain acquire and release stay one statement each, slots and tickets or not."""
+
+    def test_acquire_and_release_are_one_statement_each(self, tmp_path: Path) -> None:
+        """Also on a key with a ticket row: the ticket is read inside the acquire's statement."""
+        store = SQLiteLockStore(tmp_path / "leases.db", clock=FakeClock(1000.0))
+        try:
+            assert store.acquire("k", "h", LONG_MS) is not None
+            store.mark_replaced("k")  # a ticket row now exists for k
+            store.release("k", "h")
+            sent: list[str] = []
+            assert store._conn is not None
+            store._conn.set_trace_callback(sent.append)
+            for owner in ("a", "b"):
+                assert store.acquire("k", owner, LONG_MS) is not None
+                store.release("k", owner)
+            store._conn.set_trace_callback(None)
+        finally:
+            store.close()
+        assert len(sent) == 4, sent
+        assert [s.split()[0] for s in sent] == ["INSERT", "UPDATE", "INSERT", "UPDATE"]
+        assert not [s for s in sent if "SELECT" in s.upper()], sent  # no other row is read
+
+
+class TestSQLiteSlotBoots:
+    """Slot rows follow the boot id as a key's row does."""
+
+    def test_slots_written_in_another_boot_are_free(self, tmp_path: Path) -> None:
+        """After a reboot the old boot's slots count as expired; the slot counter still grows."""
+        path = tmp_path / "leases.db"
+        before = SQLiteLockStore(path, clock=WallSteppingClock(50_000.0), _boot_id="boot-1")
+        held = [before.acquire_slot("k", f"o{i}", LONG_MS, 2) for i in range(2)]
+        assert before.acquire_slot("k", "x", LONG_MS, 2) is None
+        before.close()
+        clock = WallSteppingClock(12.0)
+        clock.step_wall(50_000.0 - 12.0 + 5.0)
+        after = SQLiteLockStore(path, clock=clock, _boot_id="boot-2")
+        got = after.acquire_slot("k", "n", LONG_MS, 2)
+        assert got is not None and got[0] == 0
+        assert got[1] > max(token for _, token in held)  # type: ignore[misc]
+        assert after.get(slot_key("k", 1)) is None
+        mine = after.get(slot_key("k", 0))
+        assert mine is not None and mine.owner == "n"
+        after.close()
 
 
 def _acquire_in_child(path: str, key: str, results: multiprocessing.Queue[object]) -> None:
