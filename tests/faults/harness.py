@@ -350,6 +350,10 @@ def _worker_main(args: argparse.Namespace) -> None:
         sys.stdout.write(json.dumps(rec) + "\n")
         sys.stdout.flush()
 
+    # Set up (imports, store, plan) before the start line: the holders begin together.
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
     hold_loop(store, fence, args.name, plan, _stop_self(args.pause_for), emit)
     sys.stdout.write("DONE\n")
     sys.stdout.flush()
@@ -394,8 +398,10 @@ def run_processes(
 ) -> list[dict[str, Any]]:
     """Run ``holders`` holder processes following ``plan`` (each with its own seed).
 
-    Pauses are real: the holder stops itself with SIGSTOP, this process sends SIGCONT after
-    ``plan.pause_for`` seconds. Returns every record; raises if a holder fails or times out.
+    The holders start their plans together: each says ``READY`` once set up, and all are told
+    to go (a line on their stdin) once every one has. Pauses are real: the holder stops itself
+    with SIGSTOP, this process sends SIGCONT after ``plan.pause_for`` seconds. Returns every
+    record; raises if a holder fails or times out.
     """
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -403,14 +409,27 @@ def run_processes(
     readers: list[threading.Thread] = []
     errors = [tempfile.TemporaryFile("w+") for _ in range(holders)]  # noqa: SIM115 - closed below
     done: list[bool] = [False] * holders
+    ready = threading.Semaphore(0)  # one release per holder set up (or ended before)
+    started: list[bool] = [False] * holders
 
     def read(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        try:
+            follow(i, proc)
+        finally:
+            if not started[i]:  # it ended before it was set up: nobody waits for it
+                ready.release()
+
+    def follow(i: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("PAUSE "):
                 threading.Thread(
                     target=_resume_later, args=(proc.pid, float(line.split()[1])), daemon=True
                 ).start()
+            elif line.startswith("READY"):
+                started[i] = True
+                ready.release()
             elif line.startswith("DONE"):
                 done[i] = True
             elif line.strip():
@@ -430,13 +449,22 @@ def run_processes(
                 "--limit", str(plan.limit),
             ]  # fmt: skip
             proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=errors[i], text=True, cwd=ROOT, env=env
-            )
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors[i],
+                text=True, cwd=ROOT, env=env,
+            )  # fmt: skip
             procs.append(proc)
             reader = threading.Thread(target=read, args=(i, proc), daemon=True)
             reader.start()
             readers.append(reader)
         deadline = now() + timeout
+        for _ in procs:
+            if not ready.acquire(timeout=max(0.1, deadline - now())):
+                break  # a holder failed to start: the waits below report it
+        for proc in procs:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.write("GO\n")
+                proc.stdin.close()
         for i, proc in enumerate(procs):
             try:
                 proc.wait(max(0.1, deadline - now()))
