@@ -640,17 +640,20 @@ def concurrency_peak(
     """The most ``(start, end, who)`` spans open at one moment: ``(peak, when, who)``.
 
     A span is open from ``start`` to ``end``; one that starts exactly when another ends does not
-    overlap it (the end is counted first). ``(0, 0.0, [])`` for no spans.
+    overlap it (the end is counted first). A span of no length (``end <= start``: a holder that
+    saw its lease lost at once) is open at its instant only, together with the spans that start
+    then. ``(0, 0.0, [])`` for no spans.
     """
     events: list[tuple[float, int, int]] = []
     named = list(spans)
     for index, (start, end, _) in enumerate(named):
+        # At equal times: ends (0), then starts (1), then the ends of spans of no length (2).
         events.append((start, 1, index))
-        events.append((end, 0, index))  # at equal times an end (0) sorts before a start (1)
+        events.append((end, 2, index) if end <= start else (end, 0, index))
     open_now: set[int] = set()
     peak, when, who = 0, 0.0, []
-    for at, is_start, index in sorted(events):
-        if is_start:
+    for at, kind, index in sorted(events):
+        if kind == 1:
             open_now.add(index)
             if len(open_now) > peak:
                 peak, when, who = len(open_now), at, sorted(named[i][2] for i in open_now)

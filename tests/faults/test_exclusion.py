@@ -295,6 +295,23 @@ class TestCheckerCountsHolders:
         assert report.peaks == {"k": 3}
         assert "peak holders per key: k 3 of 3" in report.summary()
 
+    def test_a_holding_of_no_length_ends_at_its_instant(self) -> None:
+        """A holder that saw its lease lost as it acquired it (start == end) is counted at that
+        instant only, not from then on: three later holdings are no violation."""
+        records = [_holding("lost", 5, 1.0, 1.0, slot=0)]
+        records += [_holding(f"h{i}", 10 + i, 2.0 + i / 10, 3.0, slot=i) for i in range(3)]
+        report = check("instant", records, [], limit=SLOT_LIMIT)
+        assert report.violations == []
+        assert report.peaks == {"k": 3}
+
+    def test_a_holding_of_no_length_counts_with_those_starting_then(self) -> None:
+        """Three open holdings and a fourth of no length inside them: four at that instant."""
+        records = [_holding(f"h{i}", 10 + i, 1.0, 3.0, slot=i) for i in range(3)]
+        records.append(_holding("blink", 20, 2.0, 2.0, slot=3))
+        report = check("instant", records, [], limit=SLOT_LIMIT)
+        assert report.peaks == {"k": 4}
+        assert len(report.violations) == 1
+
     def test_two_holdings_of_one_slot_overlapping_is_a_violation(self) -> None:
         """Under the limit, but two holders in slot 1 at once: a violation of that slot."""
         records = [
