@@ -12,13 +12,20 @@ store is chosen with ``--store``:
 - ``sqlite``: :class:`~celery_lease.stores.sqlite.SQLiteLockStore` on a file in a temporary
   folder (the embedded default's store).
 
+The process passes for a solo worker's (the pool label the worker's start-up check sets), so a
+release takes the path it takes there: sent without waiting for the reply when the result is
+ignored (the default), answered before the result is stored with ``--results`` (the task stores
+its result; the app has no backend, so storing it costs Celery next to nothing).
+
 Rounds alternate plain / LockedTask (order flipped every round); printed: the median us per task
 of each, the median of the per-round differences (us added per task) and the ratio.
 ``--profile`` runs ``--tasks`` LockedTask executions under cProfile instead and prints the top
-functions by own time and by cumulative time.
+functions by own time and by cumulative time. ``--only plain|LockedTask --count N`` warms both
+up, runs ``N`` executions of one, untimed, and exits: the loop ``benchmarks.callgrind_task`` runs
+under ``valgrind --tool=callgrind`` to count instructions per task.
 
 Run: ``python -m benchmarks.bench_task_overhead [--store null|memory|redis|sqlite] [--tasks 20000]
-[--rounds 7] [--profile]``.
+[--rounds 7] [--profile] [--results] [--only plain|LockedTask --count N]``.
 """
 
 from __future__ import annotations
@@ -83,10 +90,14 @@ def make_store(kind: str) -> Iterator[LockStore]:
         raise SystemExit(f"--store={kind!r}: use null, memory, redis or sqlite")
 
 
-def make_tracers(store: LockStore) -> dict[str, Callable[[int], Any]]:
-    """``{name: run_one(i)}``: one traced execution of the plain / locked task per call."""
+def make_tracers(store: LockStore, results: bool = False) -> dict[str, Callable[[int], Any]]:
+    """``{name: run_one(i)}``: one traced execution of the plain / locked task per call;
+    ``results``: the tasks store their results (else ``task_ignore_result``)."""
+    from celery_lease._celery import pool
+
+    pool.set_pool_label("solo")  # as the start-up check of a solo worker does
     app = Celery("overhead", broker="memory://", set_as_current=False)
-    app.conf.update(task_ignore_result=True, lease_store=store)
+    app.conf.update(task_ignore_result=not results, lease_store=store)
 
     @app.task(name="o.plain", shared=False)
     def plain(i: int) -> None:
@@ -133,11 +144,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="cProfile LockedTask instead")
     parser.add_argument("--top", type=int, default=30, help="rows of the profile to print")
+    parser.add_argument(
+        "--results", action="store_true", help="the tasks store their results (no backend)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=("plain", "LockedTask"),
+        help="run --count executions of this contender, untimed, and exit (for callgrind)",
+    )
+    parser.add_argument("--count", type=int, default=0, help="executions with --only")
     options = parser.parse_args(argv)
+    if options.count < 0:
+        parser.error(f"--count={options.count}: use 0 or more")
     with make_store(options.store) as store:
-        tracers = make_tracers(store)
+        tracers = make_tracers(store, options.results)
         for name in tracers:  # warm up (caches, key functions, the renewer thread)
             measure(tracers[name], 0, 200)
+        if options.only:
+            run_one = tracers[options.only]
+            for i in range(10_000_000, 10_000_000 + options.count):
+                run_one(i)
+            return
         if options.profile:
             profile = cProfile.Profile()
             profile.enable()

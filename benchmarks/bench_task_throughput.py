@@ -19,6 +19,12 @@ and the worker idles in its 10 ms poll sleeps. In ``staged`` mode celery-once an
 celery-singleton take their lock in the untimed staging pass (they lock at enqueue time), so
 on the embedded broker only their unlock is timed: compare LockedTask with plain there.
 
+Results (``--results``): ``off`` runs every task with ``task_ignore_result=True``; ``on`` stores
+each task's result in the scenario's result backend (on Redis: the broker's ``redis-server``, as
+``backend=redis://``; embedded: ``file://``). With results on, LockedTask's release is answered
+before the result is stored (the engine's synchronous release: ``deferral.publishes_nothing`` is
+false for a stored result), so the comparison is the one a user with a result backend sees.
+
 Pools: ``solo`` (``-P solo``) and ``prefork`` (``-P prefork -c 2``). One worker per scenario runs
 all the tasks; each round sends ``--tasks`` tasks of each contender, every task on its own key
 (distinct arguments), in an order rotated by one each round, and times from the first
@@ -36,8 +42,11 @@ process), the broker and the lock server spent per task, and the worker's wall t
 (1/median rate) less its CPU: the time it waited (for the lock server, the broker, a core).
 
 Run: ``python -m benchmarks.bench_task_throughput [--tasks 2000 --rounds 7]
-[--brokers redis,embedded] [--pools solo,prefork] [--contenders plain,LockedTask,...] [--json PATH]
-[--profile DIR] [--spin-us N]`` (``--spin-us`` sets the Redis fast path's poll before a
+[--brokers redis,embedded] [--pools solo,prefork] [--results off,on]
+[--contenders plain,LockedTask,...] [--json PATH] [--profile DIR] [--spin-us N] [--quick]``
+(``--quick``: the Redis broker, both pools, results off and on, 400 tasks x 3 rounds, about two
+minutes; options given explicitly win over its presets;
+``--spin-us`` sets the Redis fast path's poll before a
 blocking read in the workers, ``celery_lease.stores._redis_fast.SPIN_SECONDS``, 0 turns it off;
 ``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
 worker's main process under cProfile and writes ``DIR/<broker>-<pool>.prof``: with ``--pools solo``
@@ -75,6 +84,10 @@ from celery_singleton import Singleton
 from celery_lease import LockedTask, MemoryLockStore
 
 ROOT = Path(__file__).resolve().parents[1]
+# Seconds of the lock store's restart grace (--restart-grace): short enough for a server started
+# a moment ago, yet non-zero, so the acquire runs the default's script path (INFO server and the
+# store's marker on each acquire of a free key).
+RESTART_GRACE = 0.001
 READY_TIMEOUT = 60.0  # seconds for the worker to run the first end marker
 ROUND_TIMEOUT = 600.0  # seconds for one contender round's end marker
 TRANSPORT = "example_project.transport:FilesystemTransport"
@@ -85,18 +98,21 @@ def make_app(env: dict[str, str]) -> Celery:
 
     ``BENCH_BROKER``: a Redis URL, or ``filesystem:<folder>``; ``BENCH_BACKEND``: the result
     backend URL; ``BENCH_LOCKS``: the Redis URL the anchors lock on; ``BENCH_LEASE_STORE``: the
-    LockedTask store URL.
+    LockedTask store URL; ``BENCH_RESULTS``: ``1`` stores every task's result (else ignored).
     """
     broker = env["BENCH_BROKER"]
     locks = env["BENCH_LOCKS"]
     app = Celery("bench", backend=env["BENCH_BACKEND"], set_as_current=False)
     app.conf.update(
-        task_ignore_result=True,
+        task_ignore_result=env.get("BENCH_RESULTS") != "1",
         worker_prefetch_multiplier=16,
         broker_connection_retry_on_startup=True,
         ONCE={"backend": "celery_once.backends.Redis", "settings": {"url": locks}},
         singleton_backend_url=locks,
         lease_store=env["BENCH_LEASE_STORE"],
+        # The Redis store's restart grace (default: on, as long as the default ttl) refuses
+        # free keys for that long after a server starts; see --restart-grace.
+        lease_restart_grace=float(env.get("BENCH_RESTART_GRACE", RESTART_GRACE)),
     )
     if broker.startswith("filesystem:"):
         folder = broker.removeprefix("filesystem:")
@@ -156,7 +172,45 @@ def make_app(env: dict[str, str]) -> Celery:
         _redis_fast.SPIN_SECONDS = float(env["BENCH_SPIN_US"]) / 1e6
     if env.get("BENCH_PROFILE"):
         _profile_worker(env["BENCH_PROFILE"])
+    if env.get("BENCH_RELEASES"):
+        _count_release_paths(env["BENCH_RELEASES"])
     return app
+
+
+_release_paths = {"unanswered": 0, "answered": 0}
+
+
+def _count_release_paths(folder: str) -> None:
+    """Count, in each worker process, LockedTask releases sent without waiting for the reply
+    (the engine's ``_release`` let the context defer) and those answered before it returned,
+    i.e. before the task's result is stored; each process writes ``folder/<pid>.json`` when it
+    shuts down (prefork children too). Costs one wrapper call per LockedTask release."""
+    from celery.signals import worker_process_shutdown, worker_shutdown
+
+    from celery_lease._celery import execution
+
+    release = execution._release
+
+    def counting_release(run: Any, request: Any, context: Any, settings: Any) -> None:
+        release(run, request, context, settings)
+        _release_paths["unanswered" if context.defer_release else "answered"] += 1
+
+    execution._release = counting_release
+
+    def write(**_: Any) -> None:
+        Path(folder, f"{os.getpid()}.json").write_text(json.dumps(_release_paths))
+
+    worker_shutdown.connect(write, weak=False)
+    worker_process_shutdown.connect(write, weak=False)
+
+
+def read_release_paths(folder: Path) -> dict[str, int]:
+    """The counts every worker process of a scenario wrote (see ``_count_release_paths``)."""
+    total = {"unanswered": 0, "answered": 0}
+    for path in folder.glob("*.json"):
+        for k, n in json.loads(path.read_text()).items():
+            total[k] = total.get(k, 0) + n
+    return total
 
 
 def _profile_worker(path: str) -> None:
@@ -192,6 +246,16 @@ DEFAULT_CONTENDERS = ("plain", "LockedTask", "QueueOnce", "Singleton")
 
 POOLS = {"solo": ["-P", "solo"], "prefork": ["-P", "prefork", "-c", "2"]}
 
+# Option values when not given: the full run, and --quick's (about two minutes here).
+FULL = {
+    "tasks": 2000,
+    "rounds": 7,
+    "brokers": "redis,embedded",
+    "pools": "solo,prefork",
+    "results": "off,on",
+}
+QUICK = {**FULL, "tasks": 400, "rounds": 3, "brokers": "redis"}
+
 
 @dataclass
 class Scenario:
@@ -199,6 +263,7 @@ class Scenario:
 
     broker: str
     pool: str
+    results: bool  # results stored in the result backend (else task_ignore_result)
     env: dict[str, str]
     lock_server: redis.Redis
     broker_server: redis.Redis | None
@@ -211,12 +276,20 @@ class Scenario:
     cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)  # role -> pid ("worker" set at start)
     broker_mix: dict[str, dict[str, float]] = field(default_factory=dict)
+    # LockedTask releases by path, counted in the worker processes (see _count_release_paths).
+    release_paths: dict[str, int] = field(default_factory=dict)
 
     @property
     def title(self) -> str:
         where = "Redis broker" if self.broker == "redis" else "embedded default"
         pool = "1 solo worker" if self.pool == "solo" else "1 prefork worker -c 2"
-        return f"{pool}, {where}"
+        backend = "results stored" if self.results else "results ignored"
+        return f"{pool}, {where}, {backend}"
+
+    @property
+    def slug(self) -> str:
+        """``<broker>-<pool>-<results|noresults>``: file names of the scenario's logs."""
+        return f"{self.broker}-{self.pool}-{'results' if self.results else 'noresults'}"
 
     def label(self, name: str) -> str:
         if self.broker == "embedded" and name == "LockedTask":
@@ -227,14 +300,12 @@ class Scenario:
 
 
 def _command_calls(client: redis.Redis | None) -> dict[str, int]:
-    """``{command: calls}`` the server ran so far (commands inside scripts included), ``INFO``
-    calls left out."""
+    """``{command: calls}`` the server ran so far (commands inside scripts included; the
+    ``INFO`` that asks is not counted yet: a server counts a command after it ran)."""
     if client is None:
         return {}
     stats = client.info("commandstats")
-    calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
-    calls.pop("info", None)
-    return calls
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -268,7 +339,14 @@ def _cpu_seconds(scenario: Scenario) -> dict[str, float]:
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    return {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    """Commands run between two :func:`_command_calls`, less the first one's own ``INFO``
+    (``INFO`` inside the acquire script, the restart grace's, stays counted)."""
+    calls = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
+    if before:
+        calls["info"] = calls.get("info", 0) - 1
+        if not calls["info"]:
+            del calls["info"]
+    return calls
 
 
 def one_round(
@@ -321,7 +399,7 @@ def one_round(
 @contextlib.contextmanager
 def worker(scenario: Scenario) -> Iterator[None]:
     """A ``celery worker`` for the scenario, stopped (TERM, then KILL) when the block exits."""
-    log = scenario.directory / f"worker-{scenario.broker}-{scenario.pool}.log"
+    log = scenario.directory / f"worker-{scenario.slug}.log"
     argv = [
         sys.executable,
         "-m",
@@ -400,9 +478,9 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
     )
     print(
         "| contender | median tasks/s | ratio of medians | median per-round ratio"
-        " | added us/task | lock-server cmds/task | broker cmds/task |"
+        " | added us/task | lock-server cmds/task | broker cmds/task | all cmds/task |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for name in names:
         rates = scenario.rates[name]
@@ -417,10 +495,11 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
             lock_text = "SQLite"
         else:
             lock_text = f"{lock_cmds:.1f}"
+        all_text = "-" if broker_cmds is None else f"{lock_cmds + broker_cmds:.1f}"
         print(
             f"| {label} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x"
             f" | {added:,.0f} | {lock_text} |"
-            f" {'-' if broker_cmds is None else f'{broker_cmds:.1f}'} |"
+            f" {'-' if broker_cmds is None else f'{broker_cmds:.1f}'} | {all_text} |"
         )
         rows.append(
             {
@@ -461,6 +540,13 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
         mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.lock_mix.get(name, {}).items())
         broker_mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.broker_mix.get(name, {}).items())
         print(f"- {scenario.label(name)}: {mix or '-'}; {broker_mix or '-'}")
+    paths = scenario.release_paths
+    print(
+        f"\nLockedTask releases in the worker (all rounds, warm-up included):"
+        f" {paths.get('unanswered', 0):,} sent without waiting for the reply,"
+        f" {paths.get('answered', 0):,} answered before the task returned (and before its"
+        " result, if any, was stored)"
+    )
     return rows
 
 
@@ -476,10 +562,23 @@ def servers(brokers: list[str]) -> Iterator[tuple[Any, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", type=int, default=2000, help="tasks per contender per round")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--brokers", default="redis,embedded", help="redis, embedded or both")
-    parser.add_argument("--pools", default="solo,prefork", help="solo, prefork or both")
+    parser.add_argument(
+        "--tasks", type=int, help="tasks per contender per round (default 2000; --quick: 400)"
+    )
+    parser.add_argument("--rounds", type=int, help="timed rounds (default 7; --quick: 3)")
+    parser.add_argument("--brokers", help="redis, embedded or both (default both; --quick: redis)")
+    parser.add_argument("--pools", help="solo, prefork or both (default both)")
+    parser.add_argument(
+        "--results",
+        help="off (task_ignore_result), on (a result backend stores every result) or both"
+        " (default off,on)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="presets for a run of about two minutes: --brokers redis --pools solo,prefork"
+        " --results off,on --tasks 400 --rounds 3 (explicit options win)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
         "--contenders",
@@ -504,12 +603,28 @@ def main() -> None:
         help="cProfile each worker's main process (use --pools solo); stats in DIR/<broker>.prof",
     )
     parser.add_argument(
+        "--restart-grace",
+        type=float,
+        default=RESTART_GRACE,
+        help="the Redis lock store's restart grace in seconds (default %(default)s: the default"
+        " script path, with no refusal on the fresh throwaway server; 0 turns it off)",
+    )
+    parser.add_argument(
         "--spin-us",
         type=float,
         help="the workers' Redis fast-path poll before a blocking read, in us (0: off;"
         " default: the library's SPIN_SECONDS)",
     )
     options = parser.parse_args()
+    presets = QUICK if options.quick else FULL
+    for name, value in presets.items():
+        if getattr(options, name) is None:
+            setattr(options, name, value)
+    if options.restart_grace < 0:
+        parser.error(f"--restart-grace={options.restart_grace}: use 0 (off) or more seconds")
+    if options.tasks < 1 or options.rounds < 1:
+        parser.error(f"--tasks={options.tasks} --rounds={options.rounds}: both must be >= 1")
+    os.environ["BENCH_RESTART_GRACE"] = str(options.restart_grace)  # the workers inherit it
     if options.spin_us is not None:
         os.environ["BENCH_SPIN_US"] = str(options.spin_us)  # the workers inherit it
     if options.no_hiredis and not os.environ.get("BENCH_NO_HIREDIS"):
@@ -522,9 +637,11 @@ def main() -> None:
         )
     brokers = [b for b in options.brokers.split(",") if b]
     pools = [p for p in options.pools.split(",") if p]
+    results_modes = [r for r in options.results.split(",") if r]
     for value, allowed, what in (
         (brokers, ("redis", "embedded"), "--brokers"),
         (pools, POOLS, "--pools"),
+        (results_modes, ("off", "on"), "--results"),
     ):
         bad = [v for v in value if v not in allowed]
         if bad or not value:
@@ -540,55 +657,63 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="celery-lease-throughput-"))
     try:
         with servers(brokers) as (locks, broker_server):
-            for broker in brokers:
-                for pool in pools:
-                    directory = tmp / f"{broker}-{pool}"
-                    directory.mkdir()
-                    locks.client().flushall()  # our own throwaway server: a clean slate per run
-                    if broker == "redis":
-                        assert broker_server is not None
-                        broker_server.client().flushall()
-                        env = {
-                            "BENCH_BROKER": broker_server.url,
-                            "BENCH_BACKEND": broker_server.url,
-                            "BENCH_LOCKS": locks.url,
-                            "BENCH_LEASE_STORE": locks.url,
-                        }
-                        broker_client = broker_server.client()
-                    else:
-                        (directory / "broker").mkdir()
-                        (directory / "stage").mkdir()
-                        (directory / "results").mkdir()
-                        env = {
-                            "BENCH_BROKER": f"filesystem:{directory / 'broker'}",
-                            "BENCH_BACKEND": f"file://{directory / 'results'}",
-                            "BENCH_LOCKS": locks.url,
-                            "BENCH_LEASE_STORE": f"sqlite:///{directory / 'leases.sqlite3'}",
-                        }
-                        if options.embedded_timing == "staged":
-                            env["BENCH_STAGE"] = str(directory / "stage")
-                        broker_client = None
-                    if "LockedTask-memory" in names:
-                        env["BENCH_MEMORY"] = "1"
-                    if options.profile:
-                        Path(options.profile).mkdir(parents=True, exist_ok=True)
-                        env["BENCH_PROFILE"] = str(Path(options.profile) / f"{broker}-{pool}.prof")
-                    scenario = Scenario(broker, pool, env, locks.client(), broker_client, directory)
-                    scenario.pids["lock server"] = locks.process.pid
-                    if broker_server is not None and broker == "redis":
-                        scenario.pids["broker"] = broker_server.process.pid
-                    run_scenario(
-                        scenario, names, options.tasks, options.rounds, "BENCH_STAGE" in env
-                    )
-                    rows = report(scenario, names, options.tasks, options.rounds)
-                    scenarios_out.append(
-                        {
-                            "name": scenario.title,
-                            "broker": broker,
-                            "pool": pool,
-                            "contenders": rows,
-                        }
-                    )
+            for broker, pool, results in (
+                (b, p, r == "on") for b in brokers for p in pools for r in results_modes
+            ):
+                directory = tmp / f"{broker}-{pool}-{'results' if results else 'noresults'}"
+                directory.mkdir()
+                locks.client().flushall()  # our own throwaway server: a clean slate per run
+                if broker == "redis":
+                    assert broker_server is not None
+                    broker_server.client().flushall()
+                    env = {
+                        "BENCH_BROKER": broker_server.url,
+                        "BENCH_BACKEND": broker_server.url,
+                        "BENCH_LOCKS": locks.url,
+                        "BENCH_LEASE_STORE": locks.url,
+                    }
+                    broker_client = broker_server.client()
+                else:
+                    (directory / "broker").mkdir()
+                    (directory / "stage").mkdir()
+                    (directory / "results").mkdir()
+                    env = {
+                        "BENCH_BROKER": f"filesystem:{directory / 'broker'}",
+                        "BENCH_BACKEND": f"file://{directory / 'results'}",
+                        "BENCH_LOCKS": locks.url,
+                        "BENCH_LEASE_STORE": f"sqlite:///{directory / 'leases.sqlite3'}",
+                    }
+                    if options.embedded_timing == "staged":
+                        env["BENCH_STAGE"] = str(directory / "stage")
+                    broker_client = None
+                if "LockedTask-memory" in names:
+                    env["BENCH_MEMORY"] = "1"
+                if results:
+                    env["BENCH_RESULTS"] = "1"
+                (directory / "releases").mkdir()
+                env["BENCH_RELEASES"] = str(directory / "releases")
+                scenario = Scenario(
+                    broker, pool, results, env, locks.client(), broker_client, directory
+                )
+                if options.profile:
+                    Path(options.profile).mkdir(parents=True, exist_ok=True)
+                    env["BENCH_PROFILE"] = str(Path(options.profile) / f"{scenario.slug}.prof")
+                scenario.pids["lock server"] = locks.process.pid
+                if broker_server is not None and broker == "redis":
+                    scenario.pids["broker"] = broker_server.process.pid
+                run_scenario(scenario, names, options.tasks, options.rounds, "BENCH_STAGE" in env)
+                scenario.release_paths = read_release_paths(directory / "releases")
+                rows = report(scenario, names, options.tasks, options.rounds)
+                scenarios_out.append(
+                    {
+                        "name": scenario.title,
+                        "broker": broker,
+                        "pool": pool,
+                        "results": results,
+                        "release_paths": scenario.release_paths,
+                        "contenders": rows,
+                    }
+                )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     after = os.getloadavg()
@@ -601,7 +726,12 @@ def main() -> None:
             "benchmark": "task_throughput",
             "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "versions": {"python": platform.python_version(), "celery": celery.__version__},
-            "params": {"tasks": options.tasks, "rounds": options.rounds},
+            "params": {
+                "tasks": options.tasks,
+                "rounds": options.rounds,
+                "quick": options.quick,
+                "restart_grace": options.restart_grace,
+            },
             "baseline": "plain",
             # The first scenario's rows, as earlier versions wrote them (plot.py reads both).
             "contenders": scenarios_out[0]["contenders"],

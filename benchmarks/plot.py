@@ -434,8 +434,9 @@ def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
     """Median tasks/s per task base (per scenario); the text carries the ratios to plain.
 
     Results with ``scenarios`` (pool x broker, written since issue 10) get one row per
-    scenario and contender, labelled ``"<contender> (<pool>, <broker>)"``; older results (one
-    solo worker on the Redis broker) have only ``contenders``.
+    scenario and contender, labelled ``"<contender> (<pool>, <broker>)"``, with ``", results"``
+    added for a scenario that stored results (``"results": true``); older results (one solo
+    worker on the Redis broker) have only ``contenders``.
     """
     params = data["params"]
     scenarios = data.get("scenarios") or [
@@ -444,7 +445,9 @@ def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
     several = len(scenarios) > 1
     rows = tuple(
         Row(
-            f"{c['name']} ({s['pool']}, {s['broker']})" if several else c["name"],
+            f"{c['name']} ({s['pool']}, {s['broker']}{', results' if s.get('results') else ''})"
+            if several
+            else c["name"],
             (
                 Bar(
                     "median tasks/s",

@@ -1,8 +1,9 @@
 """Celery signals sent by locked tasks, from the process (and thread) that runs the task.
 
 Each is a :class:`celery.utils.dispatch.Signal` sent with the task as ``sender`` and the
-execution's ``task_id``; a receiver that raises is logged and never breaks the task. Arguments
-and moments: docs/operations.md ("Signals for telemetry").
+execution's ``task_id``; ``lock_acquired``, ``lock_lost`` and ``lock_released`` name the ``key``
+and the ``slot`` held (0 for a task without ``limit``). A receiver that raises is logged and
+never breaks the task. Arguments and moments: docs/operations.md ("Signals for telemetry").
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ __all__ = ["lock_acquired", "lock_duplicate", "lock_lost", "lock_rejected", "loc
 logger = logging.getLogger("celery_lease.signals")
 
 lock_acquired = Signal(
-    name="lock_acquired", providing_args={"key", "token", "waited", "wait_seconds", "task_id"}
+    name="lock_acquired",
+    providing_args={"key", "token", "waited", "wait_seconds", "task_id", "slot"},
 )
 lock_rejected = Signal(
     name="lock_rejected", providing_args={"key", "task_id", "reason", "until", "holder_task_id"}
 )
-lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id"})
+lock_lost = Signal(name="lock_lost", providing_args={"key", "token", "reason", "task_id", "slot"})
 lock_released = Signal(
     name="lock_released",
-    providing_args={"key", "token", "held_seconds", "task_id", "reason", "pid", "exitcode"},
+    providing_args={"key", "token", "held_seconds", "task_id", "reason", "pid", "exitcode", "slot"},
 )
 
 lock_duplicate = Signal(

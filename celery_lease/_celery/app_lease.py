@@ -39,6 +39,7 @@ def lease(
     clock: Clock | None = None,
     cooldown: Duration = 0,
     holder: str | None = None,
+    limit: int | None = None,
 ) -> LeaseContext:
     """Hold ``key`` in a store while a block (or decorated function) runs.
 
@@ -46,9 +47,11 @@ def lease(
 
         with lease("account:42", store=store, ttl="30s", wait="5s") as held: ...
         async with lease("cache:prices", app=app) as held: ...   # as a task's lock_key
+        with lease("partner:acme", store=store, limit=3) as held: ...   # 3 holders at once
 
     Args:
-        key: the key to hold (non-empty); with ``app``, after its ``lease_key_prefix``.
+        key: the key to hold (non-empty, without U+001F); with ``app``, after its
+            ``lease_key_prefix``.
         store: a :class:`~celery_lease.LockStore`, or an
             :class:`~celery_lease.stores.base.AsyncLockStore` (a sync ``with`` uses its
             ``sync`` twin; a sync store under ``async with`` runs on a thread). Default:
@@ -72,14 +75,22 @@ def lease(
             store's clock where it has one); a ``FakeClock`` in tests.
         cooldown: after a successful body, keep the key this long (default 0).
         holder: a label for the owner id, shown by ``celery lease list``.
+        limit: how many holders the key may have at once, an int from 1 to
+            :data:`~celery_lease.stores.slots.MAX_LIMIT` (default ``None``: one, as 1). Over 1,
+            each holder takes a free *slot* of the key (``held.slot``, ``0 .. limit - 1``), a
+            lease of its own on ``held.store_key``, renewed, lost and released alone; its token
+            is larger than every earlier token of the key in any slot; a waiter is woken by
+            any slot's release. The store needs ``acquire_slot`` (every built-in store has it).
 
     Durations are seconds, ``timedelta`` or strings (``"250ms"``, ``"30s"``, ``"5m"``),
     validated before anything is acquired. Re-entrancy, loss and fork:
     :func:`celery_lease._core.lease.lease`.
 
     Raises:
-        LeaseConfigError: (a ``ValueError``) a bad argument or app setting, named.
-        LockNotAcquiredError: on entry, when the key stays held past ``wait``.
+        LeaseConfigError: (a ``ValueError``) a bad argument or app setting, named; also
+            ``limit`` over 1 with a store that has no ``acquire_slot``.
+        LockNotAcquiredError: on entry, when the key (with ``limit``: every slot) stays held
+            past ``wait``.
         LockLostError: on exit, when the body raised an ``Exception`` after the lease was
             lost.
         StoreUnavailableError: when the store cannot be reached to acquire.
@@ -102,6 +113,7 @@ def lease(
             clock=clock,
             cooldown=cooldown,
             holder=holder,
+            limit=limit,
         )
     if not hasattr(type(app), "conf"):  # on the type: reading app.conf would configure the app
         raise LeaseConfigError(
@@ -109,7 +121,7 @@ def lease(
             " lease store and lease_key_prefix to use, or store=..."
         )
     arguments = _Arguments(
-        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder
+        key, store, ttl, wait, max_hold, on_lost, cancel, clock, cooldown, holder, limit
     )
     # Everything that does not depend on the app is checked now, against a stand-in store.
     template = arguments.resolve(None, UNRESOLVED)
@@ -126,6 +138,9 @@ class _Unresolved:
         raise AssertionError("an app lease is resolved before it is entered")
 
     renew = release = acquire
+
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int]:
+        raise AssertionError("an app lease is resolved before it is entered")
 
 
 UNRESOLVED = cast(LockStore, _Unresolved())
@@ -145,6 +160,7 @@ class _Arguments:
     clock: Clock | None
     cooldown: Duration
     holder: str | None
+    limit: int | None
 
     def resolve(self, app: CeleryApp | None, fallback: LockStore) -> LeaseContext:
         """The core's context with ``app``'s store, prefix and defaults (``None``: the core's)."""
@@ -168,6 +184,7 @@ class _Arguments:
             clock=self.clock,
             cooldown=self.cooldown,
             holder=self.holder,
+            limit=self.limit,
         )
 
 
@@ -189,6 +206,7 @@ class AppLeaseContext(LeaseContext):
             wait_clock=template.wait_clock,
         )
         self.async_store = template.async_store
+        self.limit = template.limit
         self.app = app
         self.arguments = arguments
 
@@ -196,8 +214,10 @@ class AppLeaseContext(LeaseContext):
         """Take the app's store, prefixed key and defaults as they are now."""
         resolved = self.arguments.resolve(self.app, UNRESOLVED)
         self.key, self.store = resolved.key, resolved.store
+        self.store_key = resolved.key
         self.ttl, self.wait = resolved.ttl, resolved.wait
         self.async_store = resolved.async_store
+        self.limit = resolved.limit
 
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments, resolved on entry."""

@@ -21,11 +21,13 @@ from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
 from celery_lease._celery.store_resolution import execution_store
+from celery_lease._core.arguments import check_slot_store, key_with_slot_mark
 from celery_lease._core.lease import Lease, LeaseContext, clock_of
-from celery_lease._core.options import LockOptions, replace_wait
+from celery_lease._core.options import LockOptions, call_limit, replace_wait
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
-from celery_lease.errors import LockLostError, LockNotAcquiredError
+from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
+from celery_lease.stores.slots import SLOT_MARK
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest, UniqueTask
@@ -67,6 +69,7 @@ class _Run:
         held = self.lease
         request.lock_key = self.key
         request.lock_token = None if held is None else held.token
+        request.lock_slot = None if held is None else held.slot
         request.lock_waited = False if held is None else held.waited
         request.lease = held
         request._lease_run = _request.CLAIMED
@@ -77,6 +80,7 @@ class _Run:
         token, waited = held.token, held.waited
         for request in self.requests:  # adopted already: only what the acquire decided
             request.lock_token = token
+            request.lock_slot = held.slot
             request.lock_waited = waited
             request.lease = held
         if not context.reentered and context.on_lost is None:
@@ -131,7 +135,13 @@ class _Run:
 
     def _send(self, signal: Signal, held: Lease, **named: object) -> None:
         signals.send(
-            signal, self.task, key=held.key, token=held.token, task_id=self.task_id, **named
+            signal,
+            self.task,
+            key=held.key,
+            token=held.token,
+            task_id=self.task_id,
+            slot=held.slot,
+            **named,
         )
 
     def release_early(self) -> None:
@@ -230,14 +240,22 @@ def run_locked(
         app = task.app if task is not None else compat.get_current_app()
         settings = get_settings(app)
         if request is not None:  # overwrite what a message header may have put there
-            request.lock_key = request.lock_token = request.lease = None
+            request.lock_key = request.lock_token = request.lock_slot = request.lease = None
             request.lock_waited = False
         key = settings.key_prefix + spec.key_function(args, kwargs)
+        if SLOT_MARK in key:
+            raise LeaseConfigError(key_with_slot_mark(key, f" of {_name(task, spec)}"))
+        limit = spec.limit
+        if limit is not None and not isinstance(limit, int):
+            limit = call_limit(limit, args, kwargs, where=_name(task, spec), key=key)
         run = _Run(task, request, key, options)
         ttl, wait = spec.durations(settings)
         store = execution_store(options.store, app, key)
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
         context = _lease_context(run, request, store, ttl, 0.0 if _replaces(options) else wait)
+        if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)
+            check_slot_store(limit, store, None)
+            context.limit = limit
         arrival = None  # a debounced copy's claim on its tombstone key, freed when this run ends
         if options.unique is not None and request is not None:
             # A superseded debounced copy ends here (Ignore).
@@ -255,6 +273,12 @@ def run_locked(
     finally:
         if saved is not None:
             _request.restore(cast("TaskRequest", request), saved)
+
+
+def _name(task: CeleryTask | None, spec: Spec) -> str:
+    """The task's name for an error message (a ``@locked`` function outside Celery: its key)."""
+    name = getattr(task, "name", None)
+    return f"task {name!r}" if name else f"the lock of key {spec.options.key!r}"
 
 
 def _described(value: object) -> str | None:
@@ -279,9 +303,8 @@ def _run_arrived(
     task, key = run.task, run.key
     try:
         if _replaces(run.options):
-            context, held = replace.take_over(
-                context, replace_wait(run.options, ttl), option=_on_held_name(task)
-            )
+            wait = replace_wait(run.options, ttl, _option_name(task, "wait"))
+            context, held = replace.take_over(context, wait, option=_option_name(task, "on_held"))
         else:
             held = context.__enter__()
     except replace.Superseded as exc:
@@ -293,6 +316,7 @@ def _run_arrived(
         return None
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
+    nested = current_run(getattr(request, "id", None)) is not None  # in a run of its own id
     try:
         try:
             # Held from here: anything raised before the body (a receiver's BaseException, which
@@ -321,9 +345,11 @@ def _run_arrived(
         except BaseException as exc:
             run.release(exc)  # raises LockLostError from exc when the lease was lost
             raise
-    except BaseException:
+    except BaseException as exc:
         if queued is not None:  # after the run lease: a new copy never meets it still held
             queued.end(False)
+        if isinstance(exc, LockLostError) and _revoked_as_replaced(run, held, exc):
+            on_held.replaced(task, request, exc, nested=nested)  # raises Ignore, or None
         raise
     finally:
         if runs_token is not None:
@@ -341,9 +367,19 @@ def _replaces(options: LockOptions) -> bool:
     return options.on_held == "replace"
 
 
-def _on_held_name(task: CeleryTask | None) -> str:
-    """The on_held option as its task names it, for an error."""
-    return f"lock_on_held of task {getattr(task, 'name', None)!r}"
+def _revoked_as_replaced(run: _Run, held: Lease, error: LockLostError) -> bool:
+    """Whether ``error`` ends a revoking run whose own lease a newer call replaced."""
+    return (
+        run.options.on_lost == "revoke"
+        and error.reason == "replaced"
+        and error.key == run.key
+        and held.lost_reason == "replaced"
+    )
+
+
+def _option_name(task: CeleryTask | None, option: str) -> str:
+    """The lock option ``option`` as its task names it, for an error."""
+    return f"lock_{option} of task {getattr(task, 'name', None)!r}"
 
 
 def _lease_context(
@@ -419,6 +455,7 @@ def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
             waited=held.waited,
             wait_seconds=held.wait_seconds,
             task_id=run.task_id,
+            slot=held.slot,
         )
 
 

@@ -55,6 +55,7 @@ class TaskRequest(Protocol):
     # The lock attributes, defined on ``Context`` by :mod:`celery_lease._celery.request`:
     lock_key: str | None
     lock_token: int | None
+    lock_slot: int | None
     lock_waited: bool
     lease: Lease | None
     _lease_run: object  # request.CLAIMED once a locked execution claimed it

@@ -27,6 +27,7 @@ from celery_lease._core import owners
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, conforms
+from celery_lease.stores.slots import split_slot
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import (
@@ -376,7 +377,7 @@ class _Reaper:
                     )
                     continue
                 try:
-                    store.release(info.key, info.owner)
+                    store.release(info.key, owner.raw)  # without a replace mark
                 except Exception as exc:
                     logger.warning(
                         "celery-lease: releasing %r of dead pool process %d failed (%s); it"
@@ -401,8 +402,10 @@ class _Reaper:
                     info.token,
                 )
                 task = self.app.tasks.get(owner.task) if owner.task else None
+                key, slot = split_slot(info.key)  # a slot's store key: its key and slot
                 named = {
-                    "key": info.key,
+                    "key": key,
+                    "slot": slot or 0,
                     "token": info.token,
                     "held_seconds": held,
                     "task_id": owner.task_id,

@@ -26,7 +26,7 @@ class _Claimed:
 
 
 CLAIMED = _Claimed()
-FIELDS = ("lock_key", "lock_token", "lock_waited", "lease", "_lease_run")
+FIELDS = ("lock_key", "lock_token", "lock_slot", "lock_waited", "lease", "_lease_run")
 _MISSING = object()
 
 
@@ -60,6 +60,7 @@ def define_attributes() -> None:
     """Define the lock attributes on Celery's ``Context`` class (idempotent)."""
     Context.lock_key = None
     Context.lock_token = None
+    Context.lock_slot = None  # the slot held (0 for a task without limit), None without a lease
     Context.lock_waited = False
     Context.lease = None
     Context._lease_run = None  # CLAIMED on a request a locked execution has claimed

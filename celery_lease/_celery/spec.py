@@ -4,6 +4,7 @@ or decorated body."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from celery_lease._celery.settings import BUILTIN_TTL, BUILTIN_WAIT, LeaseSettings, pick
@@ -23,8 +24,12 @@ def options_of(carrier: object) -> LockOptions | None:
 
 @dataclass(frozen=True)
 class Spec:
+    """``limit``: the task's limit option as its executions call it (an int over 1, a callable
+    taking the body's arguments, or ``None``: no slots)."""
+
     options: LockOptions
     key_function: KeyFunction
+    limit: int | Callable[..., int] | None = None
     _durations: list[tuple[object, float, float]] = field(
         default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
     )

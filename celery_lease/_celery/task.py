@@ -26,7 +26,7 @@ from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
-from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
+from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
 
@@ -155,6 +155,7 @@ class LockedTask(Task):  # type: ignore[misc]
     lock_on_held: OnHeld | None = None
     lock_retry_countdown: Duration | None = None
     lock_on_lost: OnLost | None = None
+    lock_limit: int | Callable[..., int] | None = None
     lock_unique: Unique | None = None
     lock_on_duplicate: OnDuplicate | None = None
     lock_queue_ttl: Duration | None = None
@@ -177,6 +178,9 @@ class LockedTask(Task):  # type: ignore[misc]
         key = cls.__dict__.get("lock_key")
         if isinstance(key, types.FunctionType):
             cls.lock_key = staticmethod(key)  # called with the task's arguments, not bound
+        limit = cls.__dict__.get("lock_limit")
+        if isinstance(limit, types.FunctionType):
+            cls.lock_limit = staticmethod(limit)  # as lock_key
         cls._lock_calls_through = any(
             "__call__" in vars(klass)
             for klass in cls.__mro__
@@ -224,13 +228,21 @@ class LockedTask(Task):  # type: ignore[misc]
             sig = inspect.signature(self.run)
             key_function = make_key_function(cls._lock_options.key, sig, task=self.name)
             validate = _pydantic_validator(cls, self)
+            limit = cls._lock_options.limit
             if validate is not None:
                 by_arguments = key_function
 
                 def key_function(args: tuple[object, ...], kwargs: Mapping[str, object]) -> str:
                     return by_arguments(*validate(args, kwargs))
 
-            spec = _Spec(cls._lock_options, key_function)
+                if callable(limit):
+                    limit_of = limit
+
+                    def limit(*args: object, **kwargs: object) -> int:  # the body's arguments
+                        valid_args, valid_kwargs = validate(args, kwargs)
+                        return limit_of(*valid_args, **valid_kwargs)
+
+            spec = _Spec(cls._lock_options, key_function, limit)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 
@@ -325,7 +337,15 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> Retry:
         """Celery's ``retry()``, published after this execution's lease was released early. With
         ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway (the body
-        may not run on without its lease); eager mode keeps the lease."""
+        may not run on without its lease); eager mode keeps the lease. An execution whose lease
+        a newer ``on_held="replace"`` call replaced is never retried (its retry would take the
+        key back): ``LockLostError(key, "replaced")`` is raised instead, nothing published (a
+        worker execution under ``lock_on_lost="revoke"`` then ends REVOKED)."""
+        run = current_run(getattr(self.request, "id", None))
+        if run is not None and run.task is self and not run.released_early:
+            held = run.lease
+            if held is not None and held.lost_reason == "replaced":
+                raise LockLostError(held.key, "replaced") from exc
         retry = super().retry(
             args=args,
             kwargs=kwargs,
@@ -379,6 +399,7 @@ def locked(
     on_held: OnHeld = "raise",
     retry_countdown: Duration | None = None,
     on_lost: OnLost = "mark",
+    limit: int | Callable[..., int] | None = None,
     unique: Unique | None = None,
     on_duplicate: OnDuplicate | None = None,
     queue_ttl: Duration | None = None,
@@ -406,14 +427,15 @@ def locked(
         if isinstance(options.key, str):
             validate_template(options.key, full, task=where)
         specs: dict[tuple[str, bool], _Spec] = {}
-        skips = options.on_held == "skip"
+        # Ends as a skip when turned away: "replace" when a newer call overtook it.
+        skips = options.on_held in ("skip", "replace")
 
         def spec_for(name: str, bound: bool) -> _Spec:
             spec = specs.get((name, bound))
             if spec is None:
                 sig = _body_signature(func, bound=bound) or full
                 spec = specs[(name, bound)] = _Spec(
-                    options, make_key_function(options.key, sig, task=name)
+                    options, make_key_function(options.key, sig, task=name), options.limit
                 )
             return spec
 
@@ -424,7 +446,8 @@ def locked(
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
-            # A helper called from a running body: a skip returns None to that body.
+            # A helper called from a running body: a skip (or an overtaken replace) returns
+            # None to that body.
             helper = skips and task is not None and not _is_body_of(task, wrapper)
             quiet = skip_quietly.set(True) if helper else None
             try:

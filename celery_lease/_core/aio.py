@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from celery_lease._core.acquire_plan import Failed, Reply
 from celery_lease._core.arguments import CANCEL, split_async_store
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.errors import LockLostError
-from celery_lease.stores.base import AsyncLockStore
+from celery_lease.stores.base import AsyncLockStore, AsyncSupportsSlots
 from celery_lease.stores.threaded import ThreadedAsyncStore
 
 # split_async_store: the Celery layer's task path splits a store as lease() does
@@ -28,6 +28,7 @@ __all__ = [
     "release",
     "split_async_store",
     "try_acquire",
+    "try_acquire_slot",
 ]
 
 logger = logging.getLogger("celery_lease.aio")
@@ -94,6 +95,16 @@ def after_our_cancel(
 async def try_acquire(astore: AsyncLockStore, key: str, owner: str, ttl_ms: int) -> Reply:
     try:
         return await astore.acquire(key, owner, ttl_ms)
+    except BaseException as exc:
+        return Failed(exc)
+
+
+async def try_acquire_slot(
+    astore: AsyncLockStore, key: str, owner: str, ttl_ms: int, limit: int
+) -> tuple[int, int] | Failed | None:
+    """``astore.acquire_slot``: ``(slot, token)``, ``None`` when refused, or what it raised."""
+    try:
+        return await cast(AsyncSupportsSlots, astore).acquire_slot(key, owner, ttl_ms, limit)
     except BaseException as exc:
         return Failed(exc)
 

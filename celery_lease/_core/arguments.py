@@ -11,7 +11,14 @@ from celery_lease._core.renewer import DRIFT_FACTOR, DRIFT_MARGIN
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.durations import Duration, to_seconds
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import AsyncLockStore, LockStore, conforms
+from celery_lease.stores.base import (
+    AsyncLockStore,
+    AsyncSupportsSlots,
+    LockStore,
+    SupportsSlots,
+    conforms,
+)
+from celery_lease.stores.slots import MAX_LIMIT, SLOT_MARK
 
 MIN_TTL = DRIFT_MARGIN / (1 - DRIFT_FACTOR)
 """Seconds (about 2.02 ms) a ttl must exceed to leave the lease any local validity."""
@@ -153,6 +160,8 @@ def checked_arguments(
     """
     if not isinstance(key, str) or not key:
         raise LeaseConfigError(f"key={key!r} must be a non-empty string")
+    if SLOT_MARK in key:
+        raise LeaseConfigError(key_with_slot_mark(key))
     astore, sync_store = _checked_store(store)
     ttl_s = _seconds("ttl", ttl, positive=True)
     wait_s = _seconds("wait", wait)
@@ -172,3 +181,46 @@ def checked_arguments(
         )
     clock_ = SYSTEM_CLOCK if clock is None else cast(Clock, clock)
     return sync_store, astore, ttl_s, wait_s, max_hold_s, cooldown_s, listener, clock_
+
+
+def key_with_slot_mark(key: str, where: str = "") -> str:
+    """The message refusing ``key`` (of ``where``, e.g. ``" of task 'x'"``) for holding
+    :data:`~celery_lease.stores.slots.SLOT_MARK`."""
+    return (
+        f"key={key!r}{where} contains U+001F (unit separator): stores mark a key's slots with"
+        " it, so a key may hold any character but that one"
+    )
+
+
+def checked_limit(limit: object, *, name: str = "limit") -> int | None:
+    """``limit`` as the number of slots to use: ``None`` for ``None`` or 1 (one holder, the
+    key itself), else an int from 2 to :data:`~celery_lease.stores.slots.MAX_LIMIT`.
+
+    Raises:
+        LeaseConfigError: for a bool, a non-int, or an int outside 1 .. MAX_LIMIT, naming
+            ``name`` (default ``"limit"``), the value and what is allowed.
+    """
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise LeaseConfigError(
+            f"{name}={limit!r} is not allowed: use an int from 1 to {MAX_LIMIT} (how many"
+            " holders the key may have at once), or None for one"
+        )
+    return None if limit == 1 else limit
+
+
+def check_slot_store(
+    limit: object, store: object, astore: object | None, *, name: str = "limit"
+) -> None:
+    """Raise :class:`LeaseConfigError` unless ``store`` (and ``astore``, the async store given,
+    if any) can hold slots of a key (``acquire_slot``) for ``limit`` (the option ``name``)."""
+    for given, protocol in ((store, SupportsSlots), (astore, AsyncSupportsSlots)):
+        if given is not None and not (
+            hasattr(type(given), "acquire_slot") and conforms(given, protocol)
+        ):
+            raise LeaseConfigError(
+                f"{name}={limit!r} needs a store with acquire_slot() (memory, SQLite, Redis,"
+                f" PostgreSQL, Django stores have it); store={given!r} has none: use limit=1 or"
+                " None with it, or another store"
+            )

@@ -6,6 +6,9 @@
         write(balance, fence=held.token)     # the resource rejects tokens lower than its last
         held.check()                          # raises LockLostError once the lease is lost
 
+With ``limit=n`` up to ``n`` holders share the key, each in its own slot (``held.slot``), a lease
+of its own on ``held.store_key``; a waiter is woken by any slot's release.
+
 :func:`current_lease` returns the innermost lease of the current context (``contextvars``). A
 nested ``lease()`` on the same key and store, in the thread (or asyncio task) that entered the
 held one, re-enters it, as an ``RLock`` does; a forked child ignores its parent's leases.
@@ -42,7 +45,13 @@ from celery_lease._core.acquire_plan import (
     check_cancel,
     to_ms,
 )
-from celery_lease._core.arguments import CANCEL, check_ttl, checked_arguments
+from celery_lease._core.arguments import (
+    CANCEL,
+    check_slot_store,
+    check_ttl,
+    checked_arguments,
+    checked_limit,
+)
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.held_key import HeldKey
 from celery_lease._core.owners import make_owner
@@ -56,8 +65,10 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
+    SupportsSlots,
     conforms,
 )
+from celery_lease.stores.slots import slot_key, split_slot
 
 # POLL_MAX and check_ttl: read from here by the Celery layer and tests (their home is above).
 __all__ = [
@@ -153,9 +164,13 @@ class Lease:
     """A held lease, as yielded by :func:`lease`.
 
     Attributes:
-        key: the key held.
+        key: the key held (as asked for, also when held in a slot).
+        slot: the slot held, ``0 .. limit - 1`` with ``lease(..., limit=n)``; 0 without a limit.
+        store_key: the key as the store holds it: the slot's key
+            (:func:`~celery_lease.stores.slots.slot_key`) with a limit, else ``key``.
         owner: the random owner id this acquisition used.
-        token: the fencing token: larger than every earlier token of this key.
+        token: the fencing token: larger than every earlier token of this key (with a limit:
+            of any of its slots).
         waited: True when it was acquired only after another holder released or expired (that
             holder may just have done the same work).
         wait_seconds: how long acquiring took, in seconds of the lease's clock.
@@ -195,6 +210,19 @@ class Lease:
         self._gen = forking.generation()
         self._task: weakref.ref[Any] | None = None  # the asyncio task that entered it, if any
         self._thread: int | None = None  # the thread that entered it outside any task
+
+    @property
+    def store_key(self) -> str:
+        """The key as the store holds it: the slot's key with a limit, else :attr:`key`."""
+        return self._key.key
+
+    @property
+    def slot(self) -> int:
+        """The slot held: ``0 .. limit - 1`` with a limit, else 0."""
+        store_key = self._key.key
+        if store_key is self.key:
+            return 0
+        return split_slot(store_key)[1] or 0
 
     @property
     def lost(self) -> bool:
@@ -350,7 +378,9 @@ class Lease:
 
     def __repr__(self) -> str:
         state = f"lost:{self.lost_reason}" if self.lost else "held"
-        return f"<Lease key={self.key!r} token={self.token} owner={self.owner!r} {state}>"
+        built = hasattr(self, "_key")  # not while the lease is being built
+        slot = f" slot={self.slot}" if built and self.store_key != self.key else ""
+        return f"<Lease key={self.key!r}{slot} token={self.token} owner={self.owner!r} {state}>"
 
 
 class LeaseContext:
@@ -364,7 +394,14 @@ class LeaseContext:
             made on first use.
         names_holder: set by the Celery layer: tries use ``acquire_or_holder``, and
             ``refused_by`` is the owner id the last refusal named.
+        limit: ``None`` (default): the key itself is held; an int (1 .. MAX_LIMIT): one of up
+            to ``limit`` slots of the key, through the store's ``acquire_slot`` (set by
+            :func:`lease` for a limit over 1, by the Celery layer for a task's ``limit``).
+        store_key: the key as the store holds the lease: ``key``, or with a limit the key of
+            the slot the last granted try got (what the exit releases).
     """
+
+    limit: int | None = None
 
     def __init__(
         self,
@@ -384,7 +421,7 @@ class LeaseContext:
         task_id: str | None = None,
         wait_clock: Clock | None = None,
     ) -> None:
-        self.key = key
+        self.key = self.store_key = key
         self.store = store
         self.ttl = ttl
         self.wait = wait
@@ -452,6 +489,7 @@ class LeaseContext:
     def fresh(self) -> LeaseContext:
         """A new, unentered context with the same arguments: one per decorated call."""
         context = copy.copy(self)
+        context.store_key = context.key
         context._unentered()
         return context
 
@@ -516,7 +554,11 @@ class LeaseContext:
         return recorded
 
     def __repr__(self) -> str:
-        return f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g})"
+        limit = "" if self.limit is None else f", limit={self.limit}"
+        return (
+            f"lease({self.key!r}, store={self.store!r}, ttl={self.ttl:g}, wait={self.wait:g}"
+            f"{limit})"
+        )
 
     def __enter__(self) -> Lease:
         if self.on_lost is CANCEL:
@@ -579,9 +621,30 @@ class LeaseContext:
                     SupportsAcquireOrHolder, self.store
                 ).acquire_or_holder(self.key, owner, ttl_ms)
                 return token
+            if self.limit is not None:
+                return self._try_slot(owner, ttl_ms, self.limit)
             return self.store.acquire(self.key, owner, ttl_ms)
         except BaseException as exc:
             return Failed(exc)
+
+    def _try_slot(self, owner: str, ttl_ms: int, limit: int) -> Reply:
+        """A try for a slot: its token (its slot's key noted as :attr:`store_key`), or
+        ``None``."""
+        got = cast(SupportsSlots, self.store).acquire_slot(self.key, owner, ttl_ms, limit)
+        if got is None:
+            return None
+        slot, token = got
+        self.store_key = slot_key(self.key, slot)
+        return token
+
+    async def _atry_slot(self, astore: AsyncLockStore, owner: str, ttl_ms: int) -> Reply:
+        """:meth:`_try_slot`, awaited on ``astore``."""
+        got = await aio.try_acquire_slot(astore, self.key, owner, ttl_ms, cast(int, self.limit))
+        if got is None or isinstance(got, Failed):
+            return got
+        slot, token = got
+        self.store_key = slot_key(self.key, slot)
+        return token
 
     def __exit__(
         self,
@@ -618,7 +681,11 @@ class LeaseContext:
             canceller = aio.Canceller(asyncio.get_running_loop(), task)
         astore = self._async_store()
         owner, ttl_ms, started = self._first_try()
-        reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+        reply = await (
+            aio.try_acquire(astore, self.key, owner, ttl_ms)
+            if self.limit is None
+            else self._atry_slot(astore, owner, ttl_ms)
+        )
         immediate = None if canceller is None else canceller.on_lost
         if type(reply) is GRANTED:  # the usual answer: no plan needed
             held = self._hold(owner, reply, 0, started, started, immediate)
@@ -630,7 +697,11 @@ class LeaseContext:
                     await astore.wait_for_release(self.key, step.seconds)
                     reply = None
                 else:
-                    reply = await aio.try_acquire(astore, self.key, owner, ttl_ms)
+                    reply = await (
+                        aio.try_acquire(astore, self.key, owner, ttl_ms)
+                        if self.limit is None
+                        else self._atry_slot(astore, owner, ttl_ms)
+                    )
                 step = plan.send(reply)
             held = self._hold(*step, immediate)
         self._push(held, task)
@@ -676,7 +747,9 @@ class LeaseContext:
         _settled, final, lapsed = key.stop()  # one lock round, no wait
         try:
             if final:
-                await aio.release(self._async_store(), self.key, held.owner, self._send_release)
+                await aio.release(
+                    self._async_store(), self.store_key, held.owner, self._send_release
+                )
         finally:  # told after the release, also when a cancel cut it short
             if lapsed is not None:
                 key.notify(lapsed)
@@ -795,7 +868,7 @@ class LeaseContext:
                 held._listeners = [(self.on_lost, False)]
             held._key = held._entry = key = HeldKey(
                 store=self.store,
-                key=self.key,
+                key=self.store_key,
                 owner=owner,
                 ttl=self.ttl,
                 sent_at=sent_at,
@@ -864,9 +937,9 @@ class LeaseContext:
         if not (
             self._defer_release
             and conforms(store, SupportsDeferredRelease)
-            and cast(SupportsDeferredRelease, store).release_deferred(self.key, owner)
+            and cast(SupportsDeferredRelease, store).release_deferred(self.store_key, owner)
         ):
-            store.release(self.key, owner)
+            store.release(self.store_key, owner)
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
         """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error), a
@@ -897,7 +970,7 @@ class LeaseContext:
     def _cool_down(self, owner: str, until: float) -> None:
         left = until - self.clock.monotonic()
         ms = to_ms(left)
-        store, key = self.store, self.key
+        store, key = self.store, self.store_key
         renewed = self._quietly(
             "setting the cooldown of %r failed (%s); the key frees itself within its ttl",
             (lambda o: store.release(key, o)) if left <= 0 else (lambda o: store.renew(key, o, ms)),
@@ -912,12 +985,25 @@ class LeaseContext:
             )
 
     def _abandon_attempt(self, owner: str) -> None:
+        """Release owner-checked what the attempt of ``owner`` may have taken: the key, or with
+        a limit each slot it could have got (owner ids are unique per attempt: no other
+        holder's slot is touched)."""
         self._quietly(
             "acquiring %r failed, and releasing that attempt failed too (%s); if it took"
             " effect, it expires within its ttl",
-            functools.partial(self.store.release, self.key),
+            functools.partial(self.store.release, self.key)
+            if self.limit is None
+            else self._release_any_slot,
             owner,
         )
+
+    def _release_any_slot(self, owner: str) -> None:
+        """Release ``owner``'s lease on every slot below the limit (the slot an attempt gets
+        is the lowest free one below it); a store error stops it (the store is then likely
+        unreachable for the rest too: what was taken expires within its ttl)."""
+        release, key = self.store.release, self.key
+        for slot in range(cast(int, self.limit)):
+            release(slot_key(key, slot), owner)
 
 
 def lease(
@@ -932,6 +1018,7 @@ def lease(
     clock: Clock | None = None,
     cooldown: Duration = 0,
     holder: str | None = None,
+    limit: int | None = None,
 ) -> LeaseContext:
     """Hold ``key`` in ``store`` while a block (or decorated function) runs: the core of
     :func:`celery_lease.lease`, whose docstring gives the arguments (all but ``app``), their
@@ -954,6 +1041,11 @@ def lease(
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     context.async_store = astore
+    if limit is not None:
+        slots = checked_limit(limit)
+        if slots is not None:  # else 1: the key itself
+            check_slot_store(slots, sync_store, astore)
+            context.limit = slots
     return context
 
 

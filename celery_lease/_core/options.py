@@ -9,13 +9,15 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
+from celery_lease._core.arguments import check_slot_store, checked_limit
 from celery_lease._core.lease import check_ttl
 from celery_lease._core.unique_options import UNIQUE_OPTIONS, UniqueOptions, validate_unique
 from celery_lease.durations import to_seconds
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import LockStore, SupportsReplace, conforms
+from celery_lease.stores.slots import MAX_LIMIT
 from celery_lease.types import OnHeld, OnLost
 
 # Option names: ``lock_<name>`` on a task class, ``<name>=`` for :func:`locked`.
@@ -29,6 +31,7 @@ OPTIONS = (
     "on_held",
     "retry_countdown",
     "on_lost",
+    "limit",
     *UNIQUE_OPTIONS,
 )
 
@@ -68,6 +71,14 @@ class LockOptions:
         retry_countdown: seconds between ``on_held="retry"`` attempts, or ``None`` for
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
+        limit: how many executions of one key may run at once: ``None`` (one: the key itself
+            is held; ``lock_limit = 1`` is the same), an int from 2 to
+            :data:`~celery_lease.stores.slots.MAX_LIMIT` (each execution holds a *slot* of the
+            key: ``request.lock_slot``), or a callable called with the task's arguments as a
+            key callable is (``fn(*args, **kwargs)``), returning an int from 1 to MAX_LIMIT per
+            call. A task with a callable limit always holds slots, also when it returns 1, so
+            executions count against each other whatever value each call gets; a lowered
+            value refuses new executions until fewer run, never stops a running one.
         unique: the enqueue-time options (:class:`UniqueOptions`), or ``None``.
     """
 
@@ -80,6 +91,7 @@ class LockOptions:
     on_held: OnHeld = "raise"
     retry_countdown: float | None = None
     on_lost: OnLost = "mark"
+    limit: int | Callable[..., int] | None = None
     unique: UniqueOptions | None = None
 
 
@@ -134,19 +146,38 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
     ttl = duration("ttl", positive=True)
     if ttl is not None:
         check_ttl(ttl, raw.get("ttl"), name=name("ttl"))
+    limit = _limit(raw.get("limit"), store, name("limit"))
     unique = validate_unique(raw, name=name, has_key=key is not None)
+    wait = duration("wait")
+    cooldown = duration("cooldown") or 0.0
     if on_held == "replace":
         check_replace(raw.get("limit"), unique, store, name("on_held"))
+        if cooldown > 0:
+            raise LeaseConfigError(
+                f"{name('on_held')}='replace' cannot be combined with cooldown={cooldown!r}: a"
+                " holder in its cooldown runs nothing and cannot be asked to stop, so 'replace'"
+                " would wait it out; leave cooldown unset (or 0) with 'replace', or use on_held"
+                " raise, skip or retry with a cooldown"
+            )
+        if ttl is not None:
+            check_replace_wait(wait, ttl, name("wait"))
+    if limit is not None and unique is not None:
+        raise LeaseConfigError(
+            f"{name('limit')}={raw.get('limit')!r} cannot be combined with"
+            f" {prefix}unique={unique.unique!r}: unique keeps one copy of a key, a limit lets"
+            " several run; drop one of them"
+        )
     return LockOptions(
         key=key,
         ttl=ttl,
-        wait=duration("wait"),
+        wait=wait,
         max_hold=duration("max_hold", positive=True),
-        cooldown=duration("cooldown") or 0.0,
+        cooldown=cooldown,
         store=store,
         on_held=on_held,
         retry_countdown=duration("retry_countdown"),
         on_lost=on_lost,
+        limit=limit,
         unique=unique,
     )
 
@@ -189,12 +220,67 @@ def check_replace_store(store: object, name: str) -> None:
         )
 
 
-def replace_wait(options: LockOptions, ttl: float) -> float:
+def check_replace_wait(wait: float | None, ttl: float, name: str) -> None:
+    """``LeaseConfigError`` naming ``name`` (the wait option) when an explicit ``wait`` of an
+    ``on_held="replace"`` task is shorter than its ``ttl`` (seconds both): a holder asked to
+    stop may keep its lease up to one ttl, so a shorter wait would stop it and then give up."""
+    if wait is not None and wait < ttl:
+        raise LeaseConfigError(
+            f"{name}={wait!r} is shorter than the ttl ({ttl!r} s) of an on_held='replace'"
+            " task: a holder asked to stop may keep the key up to one ttl; use a wait >= the"
+            f" ttl, or leave it unset (the ttl + {REPLACE_WAIT_MARGIN:g} s)"
+        )
+
+
+def replace_wait(options: LockOptions, ttl: float, name: str = "wait") -> float:
     """Seconds an ``on_held="replace"`` execution waits for the key after asking its holder to
-    stop: the task's ``wait`` when set, else ``ttl`` + :data:`REPLACE_WAIT_MARGIN` (a holder no
-    longer renewed frees the key within one ttl; the app's ``lease_default_wait``, meant for
-    the other policies, does not apply)."""
+    stop, at least: the task's ``wait`` when set, else ``ttl`` + :data:`REPLACE_WAIT_MARGIN` (a
+    holder no longer renewed frees the key within one ttl; the app's ``lease_default_wait``,
+    meant for the other policies, does not apply). Each holder asked extends it to its own ttl
+    plus the margin (:func:`~celery_lease._celery.replace.take_over`).
+
+    Raises:
+        LeaseConfigError: an explicit ``wait`` shorter than ``ttl`` (named ``name``), where the
+            ttl was not known when the task was defined (the app's ``lease_default_ttl``).
+    """
+    check_replace_wait(options.wait, ttl, name)
     return options.wait if options.wait is not None else ttl + REPLACE_WAIT_MARGIN
+
+
+def _limit(value: object, store: object, name: str) -> int | Callable[..., int] | None:
+    """The ``limit`` option checked: ``None`` for unset or 1, an int over 1, or a callable;
+    either of the last two with a store object given needs its ``acquire_slot`` now."""
+    limit: int | Callable[..., int] | None
+    if callable(value) and not isinstance(value, type):
+        limit = cast("Callable[..., int]", value)  # always slots, whatever it returns
+    else:
+        limit = checked_limit(value, name=name)
+    if limit is not None and store is not None and not isinstance(store, str):
+        check_slot_store(value, store, None, name=name)
+    return limit
+
+
+def call_limit(
+    limit: Callable[..., int],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    *,
+    where: str,
+    key: str,
+) -> int:
+    """The limit a callable ``limit`` gives one call: ``limit(*args, **kwargs)``, checked.
+
+    Raises:
+        LeaseConfigError: when it returns anything but an int from 1 to MAX_LIMIT, naming
+            ``where`` (``"task 'name'"``), the key and the value.
+    """
+    value = limit(*args, **kwargs)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_LIMIT:
+        raise LeaseConfigError(
+            f"limit={limit!r} of {where} returned {value!r} ({type(value).__name__}) for"
+            f" key {key!r}; a limit function must return an int from 1 to {MAX_LIMIT}"
+        )
+    return value
 
 
 def retry_countdown(options: LockOptions, retries: int) -> float:

@@ -940,7 +940,9 @@ class StoreBase:
         channel = release_channel(key)
         params = {"key": key, "channel": self._channel, "payload": notify_payload(channel)}
         if owner is not None:
-            params["owner"] = owner
+            # The stored owners a release by ``owner`` deletes: ``unmarked(stored)[0] == owner``
+            # (an owner id ending in REPLACED_MARK: only its marked form).
+            params["owner"] = marked(owner) if owner.endswith(REPLACED_MARK) else owner
             params["marked"] = marked(owner)
         return params
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -65,14 +66,22 @@ NOT_A_LEASE = (
 such a key is never overwritten; renewals answer 0 instead."""
 
 
+WIDTH_MARK = ">"
+"""First character of a slot script's reply asking to be called again with more slot leases
+declared: the mark and the key's stored width (see :data:`ACQUIRE_SLOT_SCRIPT`)."""
+
+
 def _lua(source: str) -> str:
     """``source`` with the NOT_A_LEASE placeholder made a Lua string literal, GRACE_MARK ``~``
-    (the first character of a reply refusing a free key in a restart grace) and REPLACED_MARK
-    the Lua literal of :data:`~celery_lease.stores.slots.REPLACED_MARK`."""
+    (the first character of a reply refusing a free key in a restart grace), WIDTH_MARK
+    :data:`WIDTH_MARK`, REPLACED_MARK the Lua literal of
+    :data:`~celery_lease.stores.slots.REPLACED_MARK` and MAX_LIMIT its number."""
     return (
         source.replace("NOT_A_LEASE", f"'{NOT_A_LEASE}'")
         .replace("GRACE_MARK", "~")
+        .replace("WIDTH_MARK", WIDTH_MARK)
         .replace("REPLACED_MARK", _lua_literal(REPLACED_MARK))
+        .replace("MAX_LIMIT", str(MAX_LIMIT))
     )
 
 
@@ -113,6 +122,38 @@ end
 
 def _grace(marker_key: str, grace_arg: str) -> str:
     return _GRACE.replace("MARKER_KEY", marker_key).replace("GRACE_ARG", grace_arg)
+
+
+def _owned_by(stored: str, owner: str) -> str:
+    """A Lua condition: the stored owner ``stored`` is ``owner``'s, marked or not. An owner id
+    itself ending in REPLACED_MARK owns only its marked form (as ``unmarked(stored)[0] ==
+    owner`` reads it), so the id ``x`` + REPLACED_MARK never releases ``x``'s marked lease."""
+    return (
+        f"({stored} == {owner} .. REPLACED_MARK or ({stored} == {owner} "
+        f"and string.sub({owner}, -#REPLACED_MARK) ~= REPLACED_MARK))"
+    )
+
+
+def _signal(signal: str, lifetime: str, keep: str) -> str:
+    """Lua adding one wake-up to the list ``signal`` (its lifetime in ms: ``lifetime``), the
+    list trimmed to its last ``keep`` (1 for a key: exactly one waiter wakes, however often it
+    was released; MAX_LIMIT for a key's slots: one per freed slot)."""
+    return (
+        f"redis.call('RPUSH', {signal}, '1')\n"
+        f"redis.call('LTRIM', {signal}, -tonumber({keep}), -1)\n"
+        f"redis.call('PEXPIRE', {signal}, {lifetime})\n"
+    )
+
+
+# A key's stored width (`counter` holds HMGET {token, width} of its slot counter) as `width`: an
+# integer from 0 to MAX_LIMIT, whatever another writer left there (above: MAX_LIMIT; not a
+# number: 0, so only the slots below the limit count until a grant writes a width again).
+_STORED_WIDTH = """local width = tonumber(counter[2]) or 0
+if width ~= width then
+    width = 0
+end
+width = math.floor(math.max(0, math.min(width, MAX_LIMIT)))
+"""
 
 
 # KEYS[1] the lease hash, KEYS[2] the token counter, optional KEYS[3] the store's marker hash.
@@ -194,47 +235,59 @@ RENEW_CHUNK = 1000
 """Leases renewed by one script call (one pipelined round trip carries all the chunks)."""
 
 # KEYS[1] the lease hash, KEYS[2] the release-signal list (a slot's: its key's).
-# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms.
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms, ARGV[3] the most wake-ups the list
+# keeps (1 for a key, MAX_LIMIT for a slot).
 # Deletes the owner's lease (also once marked: owner .. REPLACED_MARK, see MARK_REPLACED_SCRIPT)
-# and leaves exactly one element in the signal list (one BLPOP waiter wakes). Returns 1 when
-# released, else 0; a key of another type: NOT_A_LEASE.
+# and adds one wake-up to the signal list (for a key: the list then holds exactly one, one BLPOP
+# waiter wakes; for a slot: one per slot freed). Returns 1 when released, else 0; a key of
+# another type: NOT_A_LEASE.
 RELEASE_SCRIPT = _lua(
     """
 local owner = redis.pcall('HGET', KEYS[1], 'owner')
 if type(owner) == 'table' and owner.err then
     return redis.error_reply(NOT_A_LEASE)
 end
-if owner and (owner == ARGV[1] or owner == ARGV[1] .. REPLACED_MARK) then
-    redis.call('DEL', KEYS[1], KEYS[2])
-    redis.call('RPUSH', KEYS[2], '1')
-    redis.call('PEXPIRE', KEYS[2], ARGV[2])
-    return 1
+if owner and """
+    + _owned_by("owner", "ARGV[1]")
+    + """ then
+    redis.call('DEL', KEYS[1])
+"""
+    + _signal("KEYS[2]", "ARGV[2]", "ARGV[3]")
+    + """    return 1
 end
 return 0
 """
 )
 
-# KEYS[1] the key's slot counter hash {token, width}, optional KEYS[2] the store's marker hash.
+# KEYS[1] the key's slot counter hash {token, width}, KEYS[2 .. n + 1] the lease hashes of its
+# slots 0 .. n - 1, optional KEYS[n + 2] the store's marker hash (every key the script touches is
+# declared: a Cluster resharding the key's hash slot then answers TRYAGAIN or ASK for all of
+# them, never runs the script on a node missing some).
 # ARGV[1] the owner, ARGV[2] the ttl in ms, ARGV[3] the counter's idle lifetime in ms, ARGV[4]
-# the limit, ARGV[5] the name of the key's slot leases up to the slot number (its lease hash is
-# ARGV[5] .. slot .. ':lease', in KEYS[1]'s hash slot); with KEYS[2]: ARGV[6] the restart grace
-# in microseconds.
-# Reads every slot below max(limit, width), width = 1 + the highest slot given (kept with the
-# counter, so a counter dropped after its idle lifetime forgets slots at or above the limit):
-# the owner's live slot is returned with its token and its expiry set (never added) to ttl from
-# now; else, when fewer than limit are live, the lowest free slot below limit is taken with token
-# max(counter + 1, server TIME in µs), and width set to 1 + the highest live slot.
-# Returns slot .. ':' .. token, or false when limit or more slots are live (or none below limit
-# is free). A slot lease of another type: NOT_A_LEASE. A free slot meets the restart grace a free
-# key meets (ACQUIRE_SCRIPT): GRACE_MARK ...
+# the limit, ARGV[5] n (the slots declared, at least the limit); with KEYS[n + 2]: ARGV[6] the
+# restart grace in microseconds.
+# width = 1 + the highest slot given (kept with the counter, so a counter dropped after its idle
+# lifetime forgets slots at or above the limit; read as an integer from 0 to MAX_LIMIT). When
+# width > n the script answers WIDTH_MARK .. width and does nothing: the client calls again
+# with that many slots declared. Else it reads the n slots: the owner's live slot is returned
+# with its token and its expiry set (never added) to ttl from now; else, when fewer than limit
+# are live, the lowest free slot below limit is taken with token max(counter + 1, server TIME
+# in µs), and width set to 1 + the highest live slot.
+# Returns slot .. ':' .. token .. ':' .. the width stored, or false when limit or more slots are
+# live (or none below limit is free). A slot lease of another type: NOT_A_LEASE. A free slot
+# meets the restart grace a free key meets (ACQUIRE_SCRIPT): GRACE_MARK ...
 ACQUIRE_SLOT_SCRIPT = _lua(
     """
-local limit = tonumber(ARGV[4])
+local limit, n = tonumber(ARGV[4]), tonumber(ARGV[5])
 local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
-local n = math.max(limit, tonumber(counter[2] or '0'))
+"""
+    + _STORED_WIDTH
+    + """if width > n then
+    return 'WIDTH_MARK' .. width
+end
 local free, held, top = nil, 0, -1
 for slot = 0, n - 1 do
-    local name = ARGV[5] .. slot .. ':lease'
+    local name = KEYS[slot + 2]
     local lease = redis.pcall('HMGET', name, 'owner', 'token')
     if lease.err then
         return redis.error_reply(NOT_A_LEASE)
@@ -242,7 +295,7 @@ for slot = 0, n - 1 do
     if lease[1] then
         if lease[1] == ARGV[1] then
             redis.call('PEXPIRE', name, ARGV[2])
-            return slot .. ':' .. lease[2]
+            return slot .. ':' .. lease[2] .. ':' .. width
         end
         held = held + 1
         top = slot
@@ -254,38 +307,47 @@ if held >= limit or not free then
     return false
 end
 """
-    + _grace("KEYS[2]", "ARGV[6]")
+    + _grace("KEYS[n + 2]", "ARGV[6]")
     + """local token = tonumber(counter[1] or '0') + 1
 if floor > token then
     token = floor
 end
 token = string.format('%d', token)
-redis.call('HSET', KEYS[1], 'token', token, 'width', math.max(free, top) + 1)
+width = math.max(free, top) + 1
+redis.call('HSET', KEYS[1], 'token', token, 'width', width)
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-local name = ARGV[5] .. free .. ':lease'
+local name = KEYS[free + 2]
 redis.call('HSET', name, 'owner', ARGV[1], 'token', token)
 redis.call('PEXPIRE', name, ARGV[2])
-return free .. ':' .. token
+return free .. ':' .. token .. ':' .. width
 """
 )
 
-# KEYS[1] the key's slot counter hash, KEYS[2] its release-signal list.
-# ARGV[1] the owner, ARGV[2] the name of the key's slot leases up to the slot number (as in
-# ACQUIRE_SLOT_SCRIPT), ARGV[3] the signal's lifetime in ms, ARGV[4] the limit.
+# KEYS[1] the key's slot counter hash, KEYS[2] its release-signal list, KEYS[3 .. n + 2] the
+# lease hashes of its slots 0 .. n - 1 (as ACQUIRE_SLOT_SCRIPT declares them).
+# ARGV[1] the owner, ARGV[2] the signal's lifetime in ms, ARGV[3] n.
 # Releases the slot of the key the owner holds (marked or not), as RELEASE_SCRIPT releases one,
 # reading the slots ACQUIRE_SLOT_SCRIPT reads: undoes a slot acquire whose reply never came.
-# Returns the slot released, or -1.
+# Returns the slot released, or -1; WIDTH_MARK .. width (nothing done) when the key's stored
+# width exceeds n, as ACQUIRE_SLOT_SCRIPT answers.
 RELEASE_OWNERS_SLOT_SCRIPT = _lua(
     """
-local width = tonumber(redis.call('HGET', KEYS[1], 'width') or '0')
-for slot = 0, math.max(tonumber(ARGV[4]), width) - 1 do
-    local name = ARGV[2] .. slot .. ':lease'
-    local owner = redis.pcall('HGET', name, 'owner')
-    if owner == ARGV[1] or owner == ARGV[1] .. REPLACED_MARK then
-        redis.call('DEL', name, KEYS[2])
-        redis.call('RPUSH', KEYS[2], '1')
-        redis.call('PEXPIRE', KEYS[2], ARGV[3])
-        return slot
+local n = tonumber(ARGV[3])
+local counter = redis.call('HMGET', KEYS[1], 'token', 'width')
+"""
+    + _STORED_WIDTH
+    + """if width > n then
+    return 'WIDTH_MARK' .. width
+end
+for slot = 0, n - 1 do
+    local owner = redis.pcall('HGET', KEYS[slot + 3], 'owner')
+    if """
+    + _owned_by("owner", "ARGV[1]")
+    + """ then
+        redis.call('DEL', KEYS[slot + 3])
+"""
+    + _signal("KEYS[2]", "ARGV[2]", "MAX_LIMIT")
+    + """        return slot
     end
 end
 return -1
@@ -352,16 +414,17 @@ end
 """
 
 # KEYS[1] the lease hash, KEYS[2] the release-signal list.
-# ARGV[1] the signal's lifetime in ms.
+# ARGV[1] the signal's lifetime in ms, ARGV[2] the most wake-ups the list keeps (as
+# RELEASE_SCRIPT's ARGV[3]).
 # Deletes the live lease whoever holds it (the counter is kept) and signals one waiter.
 # Returns {owner, token, remaining ms} of it, or false when free; another type: NOT_A_LEASE.
 FORCE_RELEASE_SCRIPT = _lua(
     _READ_LEASE
     + """local left = redis.call('PTTL', KEYS[1])
-redis.call('DEL', KEYS[1], KEYS[2])
-redis.call('RPUSH', KEYS[2], '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
-return {lease[1], lease[2], left}
+redis.call('DEL', KEYS[1])
+"""
+    + _signal("KEYS[2]", "ARGV[1]", "ARGV[2]")
+    + """return {lease[1], lease[2], left}
 """
 )
 
@@ -375,7 +438,9 @@ class Script:
     """A Lua script, its SHA1 (for EVALSHA) and, for the fast path, its packed request heads."""
 
     source: str
-    fast: tuple[int, int] | None = None  # (numkeys, nargs) when the fast path runs it
+    # (numkeys, nargs) when the fast path runs it with those counts; (0, 0): with any counts
+    # (its heads packed per call)
+    fast: tuple[int, int] | None = None
     sha: str = field(init=False)
     head: bytes = field(init=False)  # packed ``EVALSHA <sha> <numkeys>`` (fast path only)
     cold_head: bytes = field(init=False)  # packed ``EVAL <source> <numkeys>`` (fast path only)
@@ -387,6 +452,15 @@ class Script:
         cold = pack_eval_head(self.source, *self.fast) if self.fast else b""
         object.__setattr__(self, "cold_head", cold)
 
+    def head_for(self, numkeys: int, nargs: int, *, cold: bool = False) -> bytes:
+        """The packed head of a fast-path call with ``numkeys`` keys and ``nargs`` arguments:
+        ``EVALSHA`` (``cold``: ``EVAL`` with the source)."""
+        if (numkeys, nargs) == self.fast:
+            return self.cold_head if cold else self.head
+        if cold:
+            return pack_eval_head(self.source, numkeys, nargs)
+        return pack_head(self.sha, numkeys, nargs)
+
 
 ACQUIRE = Script(ACQUIRE_SCRIPT, fast=(2, 3))
 ACQUIRE_OR_HOLDER = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(2, 3))
@@ -394,16 +468,14 @@ ACQUIRE_WITH_GRACE = Script(ACQUIRE_SCRIPT, fast=(3, 4))
 ACQUIRE_OR_HOLDER_WITH_GRACE = Script(ACQUIRE_OR_HOLDER_SCRIPT, fast=(3, 4))
 RENEW = Script(RENEW_SCRIPT, fast=(1, 2))
 RENEW_MANY = Script(RENEW_MANY_SCRIPT)
-RELEASE = Script(RELEASE_SCRIPT, fast=(2, 2))
-ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT, fast=(1, 5))
-ACQUIRE_SLOT_WITH_GRACE = Script(ACQUIRE_SLOT_SCRIPT, fast=(2, 6))
+RELEASE = Script(RELEASE_SCRIPT, fast=(2, 3))
+ACQUIRE_SLOT = Script(ACQUIRE_SLOT_SCRIPT, fast=(0, 0))  # its number of keys varies
 RELEASE_OWNERS_SLOT = Script(RELEASE_OWNERS_SLOT_SCRIPT)
 MARK_REPLACED = Script(MARK_REPLACED_SCRIPT)
 # The acquire scripts called with the marker key and the grace (another fast-path head).
 WITH_GRACE = {
     ACQUIRE: ACQUIRE_WITH_GRACE,
     ACQUIRE_OR_HOLDER: ACQUIRE_OR_HOLDER_WITH_GRACE,
-    ACQUIRE_SLOT: ACQUIRE_SLOT_WITH_GRACE,
 }
 FORCE_RELEASE = Script(FORCE_RELEASE_SCRIPT)
 INSPECT = Script(INSPECT_SCRIPT)
@@ -424,8 +496,33 @@ def check_slot_request(key: object, limit: object) -> None:
 
 def slot_reply(reply: bytes | str) -> tuple[int, int]:
     """``(slot, token)`` of an :data:`ACQUIRE_SLOT_SCRIPT` reply granting a slot."""
-    slot, _, token = text(reply).partition(":")
+    slot, token, _ = text(reply).split(":")
     return int(slot), int(token)
+
+
+def stored_width(reply: bytes | str) -> int:
+    """The key's width an :data:`ACQUIRE_SLOT_SCRIPT` reply granting a slot names."""
+    return int(text(reply).rpartition(":")[2])
+
+
+_WIDTH_MARKS = (WIDTH_MARK.encode(), WIDTH_MARK)
+
+
+def width_wanted(reply: Any) -> int | None:
+    """The width a slot script's :data:`WIDTH_MARK` reply asks to be called with, else None."""
+    if isinstance(reply, (bytes, str)) and reply[:1] in _WIDTH_MARKS:
+        return int(text(reply)[1:])
+    return None
+
+
+def grants(reply: Any) -> bool:
+    """Whether an acquire script's reply took a lease (a token or a slot, no refusal)."""
+    return (
+        reply is not None
+        and not refused(reply)
+        and not in_grace(reply)
+        and width_wanted(reply) is None
+    )
 
 
 def in_grace(reply: Any) -> bool:
@@ -640,6 +737,35 @@ def socket_timeout_of(kwargs: Mapping[str, Any]) -> float | None:
     return None if value is None else float(value)
 
 
+WIDTHS_KEPT = 4096
+"""Keys whose slot width a store remembers (the most; the oldest is forgotten first)."""
+
+
+class SlotWidths:
+    """The width (1 + the highest slot given) a store last saw for each key whose width once
+    exceeded the limit it was asked with: the slot leases its next slot script declares beyond
+    the limit (at most :data:`WIDTHS_KEPT` keys, the oldest forgotten first; thread-safe)."""
+
+    def __init__(self) -> None:
+        self._widths: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def declared(self, key: str, limit: int) -> int:
+        """How many slot leases a slot script on ``key`` with ``limit`` declares."""
+        return max(limit, self._widths.get(key, 0))
+
+    def saw(self, key: str, width: int, limit: int) -> None:
+        """Remember ``width`` of ``key``, read by a call with ``limit`` (a key not remembered
+        yet only when ``width`` exceeds ``limit``)."""
+        with self._lock:
+            if key not in self._widths:
+                if width <= limit:
+                    return
+                if len(self._widths) >= WIDTHS_KEPT:
+                    del self._widths[next(iter(self._widths))]
+            self._widths[key] = min(width, MAX_LIMIT)
+
+
 class StoreBase:
     """The I/O-free part of both Redis stores: keys, options, script arguments, replies, errors."""
 
@@ -650,6 +776,7 @@ class StoreBase:
     _restart_grace: float
     _grace_until = 0.0  # the end of the last grace logged (server seconds)
     _secrets: tuple[str, ...] = ()
+    _slot_widths: SlotWidths
 
     def _where(self) -> str:
         """The store's address for messages (never a password)."""
@@ -746,32 +873,68 @@ class StoreBase:
         return script, keys, args
 
     def _slot_call(
-        self, key: str, owner: str, ttl_ms: int, limit: int
-    ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...]]:
-        """``(script, keys, args)`` of :data:`ACQUIRE_SLOT` (with the marker and grace when
-        set); ``LeaseConfigError`` (a ``ValueError``) for a bad ``key`` or ``limit``."""
+        self, key: str, owner: str, ttl_ms: int, limit: int, width: int = 0
+    ) -> tuple[Script, tuple[str, ...], tuple[str | int, ...], int]:
+        """``(script, keys, args, n)`` of :data:`ACQUIRE_SLOT` (with the marker and grace when
+        set), declaring the ``n`` slots below the larger of ``limit``, ``width`` and the width
+        last seen for ``key``; ``LeaseConfigError`` (a ``ValueError``) for a bad ``key`` or
+        ``limit``."""
         check_slot_request(key, limit)
         base = self._base(key)
-        keys: tuple[str, ...] = (base + ":slots",)
-        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS, limit, base + SLOT_MARK)
+        n = max(width, self._slot_widths.declared(key, limit))
+        keys = (base + ":slots", *self._slot_leases(base, n))
+        args: tuple[str | int, ...] = (owner, int(ttl_ms), TOKEN_TTL_MS, limit, n)
         if self._restart_grace:
             keys += (self.marker_key,)
             args += (round(self._restart_grace * 1_000_000),)
-            return ACQUIRE_SLOT_WITH_GRACE, keys, args
-        return ACQUIRE_SLOT, keys, args
+        return ACQUIRE_SLOT, keys, args, n
 
-    def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int]]:
+    @staticmethod
+    def _slot_leases(base: str, n: int) -> tuple[str, ...]:
+        """The lease hashes of slots 0 .. ``n`` - 1 of the key whose ``_base`` is ``base``."""
+        head = base + SLOT_MARK
+        return tuple(f"{head}{slot}:lease" for slot in range(n))
+
+    def _wider(self, operation: str, key: str, limit: int, n: int, reply: Any) -> int | None:
+        """The width a slot script on ``key`` that declared ``n`` slots asks to be called again
+        with (remembered for ``key``), else None (``reply`` is its answer)."""
+        wanted = width_wanted(reply)
+        if wanted is None:
+            return None
+        if not n < wanted <= MAX_LIMIT:
+            raise self._error(operation, key, f"answered width {wanted} to a call declaring {n}")
+        self._slot_widths.saw(key, wanted, limit)
+        return wanted
+
+    def _granted_slot(self, key: str, limit: int, reply: Any) -> tuple[int, int] | None:
+        """``(slot, token)`` of an :data:`ACQUIRE_SLOT` answer (its width remembered for
+        ``key``), or None for a refusal."""
+        if reply is None:
+            return None
+        self._slot_widths.saw(key, stored_width(reply), limit)
+        return slot_reply(reply)
+
+    def _release_call(self, key: str, owner: str) -> tuple[tuple[str, str], tuple[str, int, int]]:
         """``(keys, args)`` of :data:`RELEASE`."""
         base = self._base(key)
-        signal = self.signal_key(key) if SLOT_MARK in key else base + ":signal"
-        return (base + ":lease", signal), (owner, SIGNAL_TTL_MS)
+        if split_slot(key)[1] is None:
+            return (base + ":lease", base + ":signal"), (owner, SIGNAL_TTL_MS, 1)
+        return (base + ":lease", self.signal_key(key)), (owner, SIGNAL_TTL_MS, MAX_LIMIT)
+
+    def _force_release_call(self, key: str) -> tuple[tuple[str, str], tuple[int, int]]:
+        """``(keys, args)`` of :data:`FORCE_RELEASE`."""
+        keep = 1 if split_slot(key)[1] is None else MAX_LIMIT
+        return (self.lease_key(key), self.signal_key(key)), (SIGNAL_TTL_MS, keep)
 
     def _owners_slot_call(
-        self, key: str, owner: str, limit: int
-    ) -> tuple[tuple[str, str], tuple[str | int, ...]]:
-        """``(keys, args)`` of :data:`RELEASE_OWNERS_SLOT`."""
+        self, key: str, owner: str, limit: int, width: int = 0
+    ) -> tuple[tuple[str, ...], tuple[str | int, ...], int]:
+        """``(keys, args, n)`` of :data:`RELEASE_OWNERS_SLOT`, declaring the ``n`` slots
+        :meth:`_slot_call` declares."""
         base = self._base(key)
-        return (base + ":slots", base + ":signal"), (owner, base + SLOT_MARK, SIGNAL_TTL_MS, limit)
+        n = max(width, self._slot_widths.declared(key, limit))
+        keys = (base + ":slots", base + ":signal", *self._slot_leases(base, n))
+        return keys, (owner, SIGNAL_TTL_MS, n), n
 
     def _mark_call(
         self, key: str, ticket: int | None, holder: str | None

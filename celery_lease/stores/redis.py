@@ -45,13 +45,13 @@ from celery_lease.stores._redis_common import (
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     RETRIED,
-    SIGNAL_TTL_MS,
     Script,
+    SlotWidths,
     StoreBase,
     blpop_waits,
     failed,
     glob_escape,
-    in_grace,
+    grants,
     int_or_none,
     lease_info,
     min_replicas_of,
@@ -155,6 +155,7 @@ class RedisLockStore(StoreBase):
                 "wrapped in a Redis Cluster hash tag)"
             )
         self._prefix = prefix
+        self._slot_widths = SlotWidths()
         self._sentinel: redis.sentinel.Sentinel | None = None
         self._client: redis.Redis | redis.cluster.RedisCluster
         options: dict[str, object] = {}
@@ -210,7 +211,7 @@ class RedisLockStore(StoreBase):
     def _eval(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         """One EVALSHA; on NOSCRIPT load the script and evaluate it again."""
         fast = self._fast
-        if script.head and fast is not None:
+        if script.fast and fast is not None:
             try:
                 reply = fast.call(self._fast_request(script, keys, args))
             except NoScriptError:  # EVAL with the source on the same connection (no second
@@ -228,7 +229,7 @@ class RedisLockStore(StoreBase):
         self, script: Script, keys: Sequence[str], args: Sequence[str | int], cold: bool = False
     ) -> bytes:
         """The packed EVALSHA request (``cold``: EVAL with the source) of ``script``."""
-        head = script.cold_head if cold else script.head
+        head = script.head_for(len(keys), len(args), cold=cold)
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
 
     def _eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
@@ -335,7 +336,7 @@ class RedisLockStore(StoreBase):
             replies, acks = self._call("acquire", lambda: self._write(script, calls), key)
             asks += 1
             reply = replies[0]
-            taken = reply is not None and not refused(reply) and not in_grace(reply)
+            taken = grants(reply)
             if not taken or self._confirmed(acks):
                 if asks > 1:
                     logger.info(
@@ -361,19 +362,26 @@ class RedisLockStore(StoreBase):
         """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its
         slots are live: one script, one round trip, whatever the limit (see
         :class:`~celery_lease.stores.base.SupportsSlots`; the script: ``ACQUIRE_SLOT_SCRIPT``).
+        The script declares the slot leases it reads: the slots below the limit, or below the
+        key's width (1 + the highest slot given) when this store last saw a larger one; told of
+        a larger width (a limit lowered, or slots taken by another client under a larger
+        limit), the store asks once more, declaring as many.
 
         Raises:
             LeaseConfigError: (a ``ValueError``) for a ``limit`` outside 1 ..
                 :data:`~celery_lease.stores.slots.MAX_LIMIT` or a bad ``key``, before any I/O.
             RestartGraceError: a free slot refused by the restart grace.
         """
-        script, keys, args = self._slot_call(key, owner, ttl_ms, limit)
-        if self._fast is not None:
-            reply = self._call("acquire", partial(self._eval, script, keys, args), key)
-            reply = self._outside_grace(key, reply)
-        else:
-            reply = self._take_confirmed(script, keys, args, key, owner, limit)
-        return None if reply is None else slot_reply(reply)
+        width: int | None = 0
+        while width is not None:  # again only when the key is wider than the slots declared
+            script, keys, args, n = self._slot_call(key, owner, ttl_ms, limit, width)
+            if self._fast is not None:
+                reply = self._call("acquire", partial(self._eval, script, keys, args), key)
+                reply = self._outside_grace(key, reply)
+            else:
+                reply = self._take_confirmed(script, keys, args, key, owner, limit)
+            width = self._wider("acquire", key, limit, n, reply)
+        return self._granted_slot(key, limit, reply)
 
     def mark_replaced(
         self, key: str, ticket: int | None = None, holder: str | None = None
@@ -562,10 +570,8 @@ class RedisLockStore(StoreBase):
 
     def force_release(self, key: str) -> LeaseInfo | None:
         """Delete the live lease on ``key`` whoever holds it; returns it. The counter is kept."""
-        keys = (self.lease_key(key), self.signal_key(key))
-        result = self._call(
-            "force-release", lambda: self._eval(FORCE_RELEASE, keys, (SIGNAL_TTL_MS,)), key
-        )
+        keys, args = self._force_release_call(key)
+        result = self._call("force-release", lambda: self._eval(FORCE_RELEASE, keys, args), key)
         return lease_info(key, result, self._decode)
 
     def close(self) -> None:

@@ -31,12 +31,15 @@ from celery_lease.stores._redis_common import (
     RENEW,
     RETRIED,
     Script,
+    SlotWidths,
     StoreBase,
     blpop_waits,
+    check_slot_request,
     failed,
-    in_grace,
+    grants,
     slot_reply,
     socket_timeout_of,
+    width_wanted,
 )
 from celery_lease.stores._redis_sentinel import (
     GET_MASTER,
@@ -161,6 +164,7 @@ class AsyncRedisLockStore(StoreBase):
         self._owns_client = isinstance(client_or_url, str)
         self._sync = sync
         self._prefix = prefix
+        self._slot_widths = SlotWidths()
         self._min_replicas = _same_as_twin("min_replicas", min_replicas, sync.min_replicas, None)
         if not self._owns_sync:  # the twin's values are the ones used: set them there
             wait = partial(to_seconds, name="replica_timeout", minimum=0.001)
@@ -275,10 +279,14 @@ class AsyncRedisLockStore(StoreBase):
         """As :meth:`RedisLockStore.acquire_slot` (one script, one round trip). Cancelled, it
         waits for the reply and releases the slot it took (without a reply: the slot of
         ``key`` its owner holds, if any) before the cancellation propagates."""
-        script, keys, args = self._slot_call(key, owner, ttl_ms, limit)
+        check_slot_request(key, limit)
         self._loop.check(self)
-        reply = await self._take(script, keys, args, key, owner, limit)
-        return None if reply is None else slot_reply(reply)
+        width: int | None = 0
+        while width is not None:  # again only when the key is wider than the slots declared
+            script, keys, args, n = self._slot_call(key, owner, ttl_ms, limit, width)
+            reply = await self._take(script, keys, args, key, owner, limit)
+            width = self._wider("acquire", key, limit, n, reply)
+        return self._granted_slot(key, limit, reply)
 
     async def _take(
         self,
@@ -305,8 +313,8 @@ class AsyncRedisLockStore(StoreBase):
                 await self._settle_cancelled_acquire(attempt, key, owner, limit)
                 raise
             asks += 1
-            if reply is None:
-                return None
+            if reply is None or width_wanted(reply) is not None:
+                return reply
             reply = self._outside_grace(key, reply)
             if self._confirmed(acks):
                 return reply
@@ -371,7 +379,7 @@ class AsyncRedisLockStore(StoreBase):
             await asyncio.wait({attempt})
         if not attempt.cancelled() and attempt.exception() is None:
             reply = attempt.result()[0]
-            if reply is None or in_grace(reply):
+            if not grants(reply):
                 return  # it took nothing
             why = "cancelled after it took the lease"
             await self._undo_acquire(_taken_key(key, reply, limit), owner, why)
@@ -409,9 +417,14 @@ class AsyncRedisLockStore(StoreBase):
             )
 
     async def _release_owners_slot(self, limit: int, key: str, owner: str) -> None:
-        """Release the slot of ``key`` that ``owner`` holds, whichever it is (one script)."""
-        keys, args = self._owners_slot_call(key, owner, limit)
-        await self._call("release", lambda: self._eval(RELEASE_OWNERS_SLOT, keys, args), key)
+        """Release the slot of ``key`` that ``owner`` holds, whichever it is (one script; again
+        when the key is wider than the slots it declared)."""
+        width: int | None = 0
+        while width is not None:
+            keys, args, n = self._owners_slot_call(key, owner, limit, width)
+            call = partial(self._eval, RELEASE_OWNERS_SLOT, keys, args)
+            reply, _ = await self._call("release", call, key)
+            width = self._wider("release", key, limit, n, reply)
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`RedisLockStore.renew`."""

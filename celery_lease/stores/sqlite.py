@@ -527,7 +527,10 @@ class SQLiteLockStore:
     def release(self, key: str, owner: str) -> None:
         """Free ``key`` if ``owner`` holds it, also when asked to stop (one UPDATE; the row and
         its token stay)."""
-        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, owner, marked(owner))))
+        # The stored owners it deletes: ``unmarked(stored)[0] == owner`` (an owner id ending in
+        # REPLACED_MARK: only its marked form).
+        stored = (marked(owner) if owner.endswith(REPLACED_MARK) else owner, marked(owner))
+        self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, *stored)))
 
     def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
         """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its

@@ -12,11 +12,12 @@ import functools
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError
-from celery_lease.stores.base import AsyncLockStore, LockStore, conforms
+from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsSlots, conforms
+from celery_lease.stores.slots import release_channel, slot_key
 
 __all__ = ["ThreadedAsyncStore"]
 
@@ -26,7 +27,8 @@ _T = TypeVar("_T")
 
 _waiters_lock = threading.Lock()
 # ``(id(store), key)`` -> the futures of this process's coroutines waiting for that key; a
-# release through any ThreadedAsyncStore over the store wakes them.
+# release through any ThreadedAsyncStore over the store of the key (or of any of its slots) wakes
+# them.
 _waiters: dict[tuple[int, str], set[tuple[asyncio.AbstractEventLoop, asyncio.Future[bool]]]] = {}
 
 
@@ -54,6 +56,13 @@ def _wake(store: LockStore, key: str) -> None:
     for loop, future in waiting:
         with contextlib.suppress(RuntimeError):  # a closed loop: its waiter is gone with it
             loop.call_soon_threadsafe(_resolve, future, True)
+
+
+def _release_slots(store: LockStore, key: str, owner: str, limit: int) -> None:
+    """Release ``owner``'s lease on each slot of ``key`` below ``limit`` (undoes a cancelled
+    ``acquire_slot``: the owner id is the attempt's own, so no other holder is touched)."""
+    for slot in range(limit):
+        store.release(slot_key(key, slot), owner)
 
 
 def _undo(undo: Callable[[], object]) -> None:
@@ -133,12 +142,23 @@ class ThreadedAsyncStore:
             undo=functools.partial(store.release, key, owner),
         )
 
+    async def acquire_slot(
+        self, key: str, owner: str, ttl_ms: int, limit: int
+    ) -> tuple[int, int] | None:
+        """The sync store's ``acquire_slot`` on a thread (``AttributeError`` when it has none);
+        cancelled first, the slot it took is released once the call ends."""
+        store = self._store
+        return await _on_thread(
+            functools.partial(cast(SupportsSlots, store).acquire_slot, key, owner, ttl_ms, limit),
+            undo=functools.partial(_release_slots, store, key, owner, limit),
+        )
+
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         return await _on_thread(functools.partial(self._store.renew, key, owner, ttl_ms))
 
     async def release(self, key: str, owner: str) -> None:
         await _on_thread(functools.partial(self._store.release, key, owner))
-        _wake(self._store, key)
+        _wake(self._store, release_channel(key))
 
     async def wait_for_release(self, key: str, timeout: float) -> bool:
         loop = asyncio.get_running_loop()

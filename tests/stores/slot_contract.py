@@ -368,6 +368,23 @@ class ReplaceContract:
             info = store.get("k")
             assert info is not None and info.owner == "h2"
 
+    def test_only_the_owner_releases_its_marked_lease_not_the_marked_owner_id(
+        self, store: LockStore
+    ) -> None:
+        """A marked lease of ``x`` is released by ``x`` only: a release by the owner id equal to
+        ``x`` + REPLACED_MARK (the stored form) leaves it, as does one by that id marked again."""
+        replacing = _replacing(store)
+        assert store.acquire("k", "x", LONG_MS) is not None
+        assert replacing.mark_replaced("k")[1:] == ("x", True)
+        store.release("k", marked("x"))
+        store.release("k", marked(marked("x")))
+        assert store.acquire("k", "n", LONG_MS) is None
+        if isinstance(store, SupportsInspection):
+            info = store.get("k")
+            assert info is not None and info.owner == marked("x")
+        store.release("k", "x")
+        assert store.acquire("k", "n", LONG_MS) is not None
+
     def test_a_marked_lease_expires_within_its_ttl(self, store: LockStore) -> None:
         replacing = _replacing(store)
         ttl = self.short_ttl_ms()

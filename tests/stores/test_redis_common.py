@@ -1,5 +1,6 @@
 """The parts the Redis store and its asyncio twin share (``celery_lease.stores._redis_common``):
-the store's own URL options, script replies and the texts of messages."""
+the store's own URL options, script replies, the slot widths a store remembers and the texts
+of messages."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 
 from celery_lease.stores._redis_common import (
     HELD_MARK,
+    WIDTHS_KEPT,
+    SlotWidths,
     blpop_slice,
     blpop_waits,
     describe_server,
@@ -14,6 +17,7 @@ from celery_lease.stores._redis_common import (
     split_store_options,
 )
 from celery_lease.stores.base import mask_secrets, secrets_among
+from celery_lease.stores.slots import MAX_LIMIT
 
 
 class TestStoreOptions:
@@ -82,3 +86,28 @@ class TestMessages:
         secrets = secrets_among(["pw", None, "", "pw-longer", 3])
         assert secrets == ("pw-longer", "pw")
         assert mask_secrets("auth pw-longer and pw", secrets) == "auth *** and ***"
+
+
+class TestSlotWidths:
+    def test_a_key_is_remembered_once_its_width_exceeded_the_limit(self) -> None:
+        """A width within the limit of a key not yet remembered is not kept; above it, it is,
+        and later widths of that key replace it (also smaller ones)."""
+        widths = SlotWidths()
+        widths.saw("k", 3, 3)
+        assert widths.declared("k", 2) == 2
+        widths.saw("k", 5, 3)
+        assert (widths.declared("k", 2), widths.declared("k", 7)) == (5, 7)
+        widths.saw("k", 2, 4)
+        assert widths.declared("k", 1) == 2
+
+    def test_a_width_is_capped_at_max_limit(self) -> None:
+        widths = SlotWidths()
+        widths.saw("k", MAX_LIMIT * 10, 1)
+        assert widths.declared("k", 1) == MAX_LIMIT
+
+    def test_at_most_widths_kept_keys_the_oldest_forgotten_first(self) -> None:
+        widths = SlotWidths()
+        for i in range(WIDTHS_KEPT + 1):
+            widths.saw(f"k{i}", 3, 1)
+        assert widths.declared("k0", 1) == 1
+        assert widths.declared("k1", 1) == widths.declared(f"k{WIDTHS_KEPT}", 1) == 3

@@ -9,6 +9,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -17,7 +18,11 @@ from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
 from celery_lease.errors import ReplicaLagError, RestartGraceError, StoreUnavailableError
-from celery_lease.stores._redis_common import ACQUIRE_SLOT_SCRIPT, TOKEN_TTL_MS
+from celery_lease.stores._redis_common import (
+    ACQUIRE_SLOT_SCRIPT,
+    RELEASE_OWNERS_SLOT,
+    TOKEN_TTL_MS,
+)
 from celery_lease.stores.base import (
     AsyncSupportsSlots,
     SupportsReplace,
@@ -410,6 +415,83 @@ class TestAcquireSlot:
         assert redis_client.get(name) == b"not a lease"
 
 
+class TestWidth:
+    """The slots a script reads are the keys the client declares: the larger of the limit and
+    the width it last saw for the key; a wider stored width costs one more call, once."""
+
+    def test_a_width_another_client_widened_costs_a_second_call_once(
+        self, redis_server: RedisServer, store: RedisLockStore, counted: RedisLockStore
+    ) -> None:
+        """Five slots held under limit 5 by one store; another store asking with limit 3 is told
+        the width and asks again (two script calls), then asks once per acquire."""
+        for i in range(5):
+            assert store.acquire_slot("k", f"o{i}", LONG_MS, 5) is not None
+        assert counted.acquire_slot("warm", "w", LONG_MS, 2) is not None  # loads the script
+        for calls in (2, 1, 1):
+            _reset_stats(redis_server)
+            assert counted.acquire_slot("k", "new", LONG_MS, 3) is None
+            assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": calls}
+        store.release(slot_key("k", 4), "o4")
+        store.release(slot_key("k", 3), "o3")
+        store.release(slot_key("k", 0), "o0")
+        _reset_stats(redis_server)
+        assert counted.acquire_slot("k", "new", LONG_MS, 3) == (
+            0,
+            counted.last_token(counter_key("k")),
+        )
+        assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": 1}
+
+    def test_calls_under_two_limits_in_turn_ask_once_each_after_the_first(
+        self, redis_server: RedisServer, counted: RedisLockStore
+    ) -> None:
+        """One store, a key four wide, calls under limit 2 and limit 4 in turn: once the first
+        call under limit 2 learned the width, every call is one script call (a grant under
+        limit 4 does not make the store forget the width)."""
+        for i in range(4):
+            assert counted.acquire_slot("k", f"o{i}", LONG_MS, 4) is not None
+        counted.release(slot_key("k", 1), "o1")
+        calls = []
+        for owner, limit in (("x", 2), ("y", 4), ("z", 2)):
+            _reset_stats(redis_server)
+            got = counted.acquire_slot("k", owner, LONG_MS, limit)
+            assert (got is None) == (limit == 2)
+            calls.append(_evalsha_calls(redis_server))
+        assert calls == [{"cmdstat_evalsha": 2}, {"cmdstat_evalsha": 1}, {"cmdstat_evalsha": 1}]
+
+    def test_a_lowered_limit_is_answered_after_one_more_call(self, store: RedisLockStore) -> None:
+        """On the fast path too: a limit lowered below the stored width refuses, then grants
+        once enough slots are released (the holders above the new limit still count)."""
+        for i in range(4):
+            assert store.acquire_slot("k", f"o{i}", LONG_MS, 4) is not None
+        fresh = RedisLockStore(store.client)
+        assert fresh.acquire_slot("k", "new", LONG_MS, 2) is None
+        fresh.release(slot_key("k", 0), "o0")
+        fresh.release(slot_key("k", 1), "o1")
+        assert fresh.acquire_slot("k", "new", LONG_MS, 2) is None  # slots 2 and 3 still count
+        fresh.release(slot_key("k", 3), "o3")
+        got = fresh.acquire_slot("k", "new", LONG_MS, 2)
+        assert got is not None and got[0] == 0
+
+    @pytest.mark.parametrize("width", [str(10**6), "1e9", "inf", "nan", "abc", "-3", "2.5", ""])
+    def test_a_stored_width_is_capped_at_max_limit_and_a_foreign_one_read_as_zero(
+        self,
+        redis_server: RedisServer,
+        store: RedisLockStore,
+        redis_client: redis.Redis,
+        width: str,
+    ) -> None:
+        """Whatever another writer left as the width, an acquire reads at most MAX_LIMIT slots
+        (a number above it counts as MAX_LIMIT, anything not a number as 0), is granted and
+        writes a width it can read."""
+        redis_client.hset(store.slots_key("k"), mapping={"token": "5", "width": width})
+        _reset_stats(redis_server)
+        got = store.acquire_slot("k", "a", LONG_MS, 2)
+        assert got is not None and got[0] == 0
+        stats = redis_client.info("commandstats")
+        assert int(stats["cmdstat_hmget"]["calls"]) <= MAX_LIMIT + 2
+        assert redis_client.hget(store.slots_key("k"), "width") == b"1"
+
+
 class TestLostReplies:
     def test_a_slot_acquire_whose_reply_was_lost_returns_the_same_slot_and_token(
         self, redis_server: RedisServer, redis_url: str
@@ -470,6 +552,43 @@ class TestReleaseSignals:
         thread.join(DEADLINE)
         assert woke == [True]
         assert store.acquire_slot("k", "next", LONG_MS, 2) is not None
+
+    def test_two_slot_releases_leave_two_wake_ups(self, store: RedisLockStore) -> None:
+        """Two slots freed: two waiters of the key wake (a slot's release adds a wake-up, it does
+        not replace the one waiting)."""
+        for owner in "ab":
+            assert store.acquire_slot("k", owner, LONG_MS, 2) is not None
+        store.release(slot_key("k", 0), "a")
+        store.release(slot_key("k", 1), "b")
+        assert [store.wait_for_release("k", 0) for _ in range(3)] == [True, True, False]
+
+    def test_slot_releases_keep_at_most_max_limit_wake_ups(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """Nobody waiting, MAX_LIMIT + 3 slot releases (by release and force_release) leave
+        MAX_LIMIT wake-ups in the key's signal list."""
+        for i in range(MAX_LIMIT + 3):
+            assert store.acquire_slot("k", f"o{i}", LONG_MS, 2) == (
+                0,
+                store.last_token(counter_key("k")),
+            )
+            if i % 2:
+                assert store.force_release(slot_key("k", 0)) is not None
+            else:
+                store.release(slot_key("k", 0), f"o{i}")
+        assert redis_client.llen(store.signal_key("k")) == MAX_LIMIT
+
+    def test_a_plain_keys_releases_leave_exactly_one_wake_up(
+        self, store: RedisLockStore, redis_client: redis.Redis
+    ) -> None:
+        """A key without slots has one holder: however often it is released, one waiter wakes."""
+        for owner in "abc":
+            assert store.acquire("k", owner, LONG_MS) is not None
+            store.release("k", owner)
+        assert redis_client.llen(store.signal_key("k")) == 1
+        assert store.acquire("k", "d", LONG_MS) is not None
+        assert store.force_release("k") is not None
+        assert redis_client.llen(store.signal_key("k")) == 1
 
 
 class TestRestartGrace:
@@ -702,6 +821,42 @@ class TestThreeMasters:
             )
             assert store.mark_replaced(key)[1:] == (None, False)
 
+    def test_a_reshard_moving_the_counter_first_never_lets_a_second_holder_in(
+        self, redis_three_masters: ClusterNodes, store: RedisLockStore
+    ) -> None:
+        """While a reshard moves the key's hash slot key by key (IMPORTING/MIGRATING, MIGRATE),
+        the counter already moved and slot 0 not yet: a second acquire under limit 1 fails
+        (TRYAGAIN) or is refused, never granted; the holder still renews."""
+        key = "job"
+        assert store.acquire_slot(key, "holder-1", LONG_MS, 1) is not None
+        with _resharding(redis_three_masters, store, key, [store.slots_key(key)]):
+            try:
+                second = store.acquire_slot(key, "holder-2", LONG_MS, 1)
+            except StoreUnavailableError:
+                second = None
+            assert second is None
+            assert store.renew(slot_key(key, 0), "holder-1", LONG_MS) is True
+
+    def test_a_reshard_never_makes_the_owners_slot_release_miss_a_held_slot(
+        self, redis_three_masters: ClusterNodes, store: RedisLockStore
+    ) -> None:
+        """The release of the slot an owner holds (the undo of a slot acquire whose reply was
+        lost), mid-reshard with the counter and the signal list moved: TRYAGAIN, never "no slot
+        held" while the owner's slot stays held."""
+        key = "job"
+        assert store.acquire_slot(key, "holder-1", LONG_MS, 1) is not None
+        store.release(slot_key(key, 0), "holder-1")  # leaves a wake-up: the signal list exists
+        assert store.acquire_slot(key, "holder-1", LONG_MS, 1) is not None
+        moved = [store.slots_key(key), store.signal_key(key)]
+        keys, args, _ = store._owners_slot_call(key, "holder-1", 1)
+        with _resharding(redis_three_masters, store, key, moved):
+            try:
+                released = store._eval(RELEASE_OWNERS_SLOT, keys, args)
+            except redis.exceptions.RedisError as exc:
+                released = exc
+            assert not isinstance(released, int) or released == 0, released
+            assert isinstance(released, Exception) or store.get(slot_key(key, 0)) is None
+
     def test_a_script_reaching_another_nodes_key_would_fail(
         self, redis_three_masters: ClusterNodes, store: RedisLockStore
     ) -> None:
@@ -719,6 +874,40 @@ class TestThreeMasters:
         )
         with pytest.raises(redis.exceptions.ResponseError, match="non local key"):
             client.eval(f"return redis.call('EXISTS', '{there}')", 1, here)
+
+
+@contextmanager
+def _resharding(
+    cluster: ClusterNodes, store: RedisLockStore, key: str, moved: list[str]
+) -> Iterator[None]:
+    """The hash slot of ``key`` halfway through a reshard, as ``redis-cli --cluster reshard``
+    leaves it between two MIGRATEs: its node MIGRATING to another, that one IMPORTING, the
+    Redis keys ``moved`` already there. Afterwards the moved keys are dropped and the slot is
+    stable on its node again."""
+    nodes = {port: redis.Redis(port=port) for _, port in cluster.seeds}
+    hash_slot = key_slot(store.slots_key(key).encode())
+    source = next(c for c in nodes.values() if c.cluster("COUNTKEYSINSLOT", hash_slot))
+    target = next(c for c in nodes.values() if c is not source)
+    source_id, target_id = (c.execute_command("CLUSTER MYID").decode() for c in (source, target))
+    target.execute_command("CLUSTER SETSLOT", hash_slot, "IMPORTING", source_id)
+    source.execute_command("CLUSTER SETSLOT", hash_slot, "MIGRATING", target_id)
+    port = target.connection_pool.connection_kwargs["port"]
+    source.execute_command("MIGRATE", "127.0.0.1", port, "", 0, 5000, "KEYS", *moved)
+    try:
+        yield
+    finally:
+        conn = target.connection_pool.get_connection()
+        try:
+            conn.send_command("ASKING")
+            conn.read_response()
+            conn.send_command("DEL", *moved)
+            conn.read_response()
+        finally:
+            target.connection_pool.release(conn)
+        for c in (source, target):
+            c.execute_command("CLUSTER SETSLOT", hash_slot, "STABLE")
+        for c in nodes.values():
+            c.close()
 
 
 def test_slots_and_replace_through_sentinel(redis_sentinel: SentinelGroup) -> None:
@@ -789,6 +978,42 @@ class TestAsync:
                     store.sync.last_token(counter_key("k")),  # type: ignore[attr-defined]
                 )
                 assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": 1}
+            finally:
+                await store.aclose()
+
+        asyncio.run(main())
+
+    def test_an_async_store_asks_again_when_the_key_is_wider(
+        self, redis_server: RedisServer, redis_url: str
+    ) -> None:
+        """A fresh async store under a limit below the width the sync store left: its slot
+        acquire and its release of the slot an owner holds each take one more script call,
+        then one."""
+
+        async def main() -> None:
+            store = AsyncRedisLockStore(redis_url, prefix="awide:")
+            twin = store.sync
+            assert isinstance(twin, RedisLockStore)
+            try:
+                for i in range(4):
+                    assert twin.acquire_slot("k", f"o{i}", LONG_MS, 4) is not None
+                for i in range(3):
+                    twin.release(slot_key("k", i), f"o{i}")
+                assert await store.acquire_slot("warm", "w", LONG_MS, 2) is not None
+                for calls, owner in ((2, "a"), (1, "b")):
+                    _reset_stats(redis_server)
+                    got = await store.acquire_slot("k", owner, LONG_MS, 2)
+                    assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": calls}
+                    assert got == ((0, twin.last_token(counter_key("k"))) if calls == 2 else None)
+                fresh = AsyncRedisLockStore(redis_url, prefix="awide:")
+                try:
+                    await fresh._release_owners_slot(2, "warm", "nobody")  # loads the script
+                    _reset_stats(redis_server)
+                    await fresh._release_owners_slot(2, "k", "a")
+                    assert _evalsha_calls(redis_server) == {"cmdstat_evalsha": 2}
+                finally:
+                    await fresh.aclose()
+                assert _holders(twin, "k") == {3: "o3"}
             finally:
                 await store.aclose()
 

@@ -274,3 +274,28 @@ class TestTaskThroughputScenarios:
             assert f"{row['name']} (solo, redis)" in words
             assert f"{row['name']} (prefork, embedded)" in words
             assert any(w.startswith(f"{row['median_per_s'] / 2:,.0f}/s") for w in words), words
+
+    def test_scenarios_with_and_without_results_get_distinct_labels(self, tmp_path: Path) -> None:
+        """A scenario that stores results (``"results": true``) is labelled apart from the same
+        pool and broker with results ignored, so neither row hides the other."""
+        data = task_throughput()
+        data["scenarios"] = [
+            {
+                "name": f"solo, Redis, results {mode}",
+                "pool": "solo",
+                "broker": "redis",
+                "results": stored,
+                "contenders": [
+                    dict(c, median_per_s=c["median_per_s"] / (3 if stored else 1))
+                    for c in data["contenders"]
+                ],
+            }
+            for mode, stored in (("ignored", False), ("stored", True))
+        ]
+        results = tmp_path / "results"
+        write(results, "task_throughput.json", data)
+        assert plot.main(["--results", str(results), "--out", str(tmp_path / "out")]) == 0
+        words = texts(tmp_path / "out" / "benchmarks-task-throughput.svg")
+        for row in data["contenders"]:
+            assert f"{row['name']} (solo, redis)" in words
+            assert f"{row['name']} (solo, redis, results)" in words

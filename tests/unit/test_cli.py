@@ -171,6 +171,20 @@ class TestList:
         assert abs(data[1]["taken_at"] - time.time()) < 60
         assert 0 <= data[1]["held_seconds"] < 60
 
+    def test_a_holder_asked_to_stop_lists_as_itself(self, store: LockStore, store_url: str):
+        """A lease a newer ``on_held="replace"`` call marked: its task, id, ttl and the time it
+        was taken are read through the mark."""
+        owner = make_owner(node="w1@h", task="t.build", task_id="tid", ttl_ms=TTL_MS)
+        store.acquire("m", owner, TTL_MS)
+        store.mark_replaced("m")  # type: ignore[attr-defined]  # every store listed here can
+        result = run("list", "--json", "--store", store_url)
+        assert result.exit_code == 0, result.output
+        [data] = json.loads(result.stdout)
+        assert (data["node"], data["task"], data["task_id"], data["ttl"]) == (
+            "w1@h", "t.build", "tid", TTL_MS / 1000,
+        )  # fmt: skip
+        assert data["taken_at"] is not None and abs(data["taken_at"] - time.time()) < 60
+
     def test_released_leases_are_not_listed(self, store: LockStore, store_url: str):
         """A released lease disappears from the list, and an empty list says so."""
         store.acquire("k", "o", TTL_MS)

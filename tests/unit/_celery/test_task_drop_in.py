@@ -82,7 +82,7 @@ class Item(BaseModel):
     tags: list[str] = ["a"]
 
 
-LOCK_FIELDS = {"lock_key", "lock_token", "lock_waited", "lock_lost", "lease"}
+LOCK_FIELDS = {"lock_key", "lock_token", "lock_slot", "lock_waited", "lock_lost", "lease"}
 
 
 def request_fields(request: Any) -> dict[str, str]:
@@ -110,6 +110,7 @@ def report(task: Any, *received: Any) -> dict[str, Any]:
         "opened": list(_opened.get()),
         "key": getattr(req, "lock_key", None),
         "token": getattr(req, "lock_token", None),
+        "slot": getattr(req, "lock_slot", None),
         "lease_token": req.lease.token if getattr(req, "lease", None) is not None else None,
         "ambient": get_lock_token(),
         "fields": request_fields(req),
@@ -584,7 +585,13 @@ def test_request_fields_are_those_of_a_plain_task(run: Callable[..., Any], mode:
     }
 
 
-FORGED_HEADERS = {"_lease_run": True, "lock_token": 10**30, "lock_key": "forged", "lock_lost": True}
+FORGED_HEADERS = {
+    "_lease_run": True,
+    "lock_token": 10**30,
+    "lock_slot": 999,
+    "lock_key": "forged",
+    "lock_lost": True,
+}
 
 
 @pytest.mark.parametrize("mode", ["embedded", WORKER])
@@ -604,6 +611,7 @@ def test_message_headers_cannot_forge_the_lock_attributes(
     forged = app.send_task(name, (7,), headers=FORGED_HEADERS).get(timeout=TIMEOUT, interval=POLL)
     assert forged["key"] == plain["key"] == ("lk:7" if name == "di.locked" else "mx:7")
     assert forged["token"] == forged["lease_token"] == forged["ambient"] != 10**30
+    assert forged["slot"] == plain["slot"] == 0
     assert forged["depth"] == plain["depth"]
     # Celery 5.4's Task.__call__ pushes a request of its own (no id) under a class that defines
     # __call__ (the mixins), on a threads pool: the body sees no id, with or without headers.

@@ -16,6 +16,7 @@ from celery_lease._core.owners import (
     parse_owner,
     queued_owner,
 )
+from celery_lease.stores.slots import marked
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT
 
@@ -163,3 +164,16 @@ class TestReplaceTicket:
         )
         assert parse_owner(make_owner()).replace_ticket is None
         assert parse_owner("h/1/00;rt=x1").replace_ticket is None
+
+
+class TestMarkedOwner:
+    def test_a_marked_owner_reads_as_its_holder_asked_to_stop(self) -> None:
+        """A holder asked to stop is stored as its owner id plus the replace mark: read back,
+        every field is its own (``taken_at``, ``ttl`` included), ``raw`` is the owner id it
+        holds under (what ``release`` takes) and ``replaced`` says it was asked."""
+        owner = make_owner(node="w1@h", task="t", task_id="x", ttl_ms=30_000)
+        plain, read = parse_owner(owner), parse_owner(marked(owner))
+        assert read.taken_at is not None and read.taken_at == plain.taken_at
+        assert (read.node, read.task, read.task_id, read.ttl) == ("w1@h", "t", "x", 30.0)
+        assert read.raw == owner
+        assert read.replaced and not plain.replaced
