@@ -303,9 +303,8 @@ def _run_arrived(
     task, key = run.task, run.key
     try:
         if _replaces(run.options):
-            context, held = replace.take_over(
-                context, replace_wait(run.options, ttl), option=_on_held_name(task)
-            )
+            wait = replace_wait(run.options, ttl, _option_name(task, "wait"))
+            context, held = replace.take_over(context, wait, option=_option_name(task, "on_held"))
         else:
             held = context.__enter__()
     except replace.Superseded as exc:
@@ -317,6 +316,7 @@ def _run_arrived(
         return None
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
+    nested = current_run(getattr(request, "id", None)) is not None  # in a run of its own id
     try:
         try:
             # Held from here: anything raised before the body (a receiver's BaseException, which
@@ -345,9 +345,11 @@ def _run_arrived(
         except BaseException as exc:
             run.release(exc)  # raises LockLostError from exc when the lease was lost
             raise
-    except BaseException:
+    except BaseException as exc:
         if queued is not None:  # after the run lease: a new copy never meets it still held
             queued.end(False)
+        if isinstance(exc, LockLostError) and _revoked_as_replaced(run, held, exc):
+            on_held.replaced(task, request, exc, nested=nested)  # raises Ignore, or None
         raise
     finally:
         if runs_token is not None:
@@ -365,9 +367,19 @@ def _replaces(options: LockOptions) -> bool:
     return options.on_held == "replace"
 
 
-def _on_held_name(task: CeleryTask | None) -> str:
-    """The on_held option as its task names it, for an error."""
-    return f"lock_on_held of task {getattr(task, 'name', None)!r}"
+def _revoked_as_replaced(run: _Run, held: Lease, error: LockLostError) -> bool:
+    """Whether ``error`` ends a revoking run whose own lease a newer call replaced."""
+    return (
+        run.options.on_lost == "revoke"
+        and error.reason == "replaced"
+        and error.key == run.key
+        and held.lost_reason == "replaced"
+    )
+
+
+def _option_name(task: CeleryTask | None, option: str) -> str:
+    """The lock option ``option`` as its task names it, for an error."""
+    return f"lock_{option} of task {getattr(task, 'name', None)!r}"
 
 
 def _lease_context(

@@ -2,7 +2,8 @@
 the task's ``retry()``, ``"skip"`` returns ``None`` (a skipped worker execution ends REVOKED);
 ``lock_rejected`` and ``on_lock_rejected`` come first. ``"replace"`` (its loop:
 :mod:`~celery_lease._celery.replace`) raises past its wait as ``"raise"`` does, and an execution
-a newer one overtook ends as a skip does, with the reason ``"replaced"`` (:func:`superseded`)."""
+a newer one overtook ends as a skip does, with the reason ``"replaced"`` (:func:`superseded`), as
+does one whose running body a newer call replaced under ``on_lost="revoke"`` (:func:`replaced`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from celery_lease import signals
 from celery_lease._celery import compat, held_by
 from celery_lease._core.options import LockOptions, retry_countdown
 from celery_lease._core.owners import Holder
-from celery_lease.errors import LockNotAcquiredError
+from celery_lease.errors import LockLostError, LockNotAcquiredError
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest
@@ -108,6 +109,26 @@ def superseded(
         _mark_skipped(task, request, key, what, policy="replace")  # raises Ignore
 
 
+def replaced(
+    task: CeleryTask | None, request: TaskRequest | None, error: LockLostError, *, nested: bool
+) -> None:
+    """A running execution's lease was lost because a newer ``on_held="replace"`` call asked
+    for its key (``error``: its ``LockLostError``, reason ``"replaced"``): a worker execution's
+    own body ends REVOKED as a skip does (``Ignore``: neither stored as a failure nor retried,
+    so it never comes back to take the key from the newer call); else nothing (the caller
+    raises ``error``)."""
+    if task is None or request is None or not _marks_skipped(task, request, nested):
+        return
+    logger.info(
+        "celery-lease: %s[%s] stopped: a newer call replaced it on %r",
+        getattr(task, "name", "?"),
+        getattr(request, "id", None),
+        error.key,
+    )
+    reason = f"replaced: a newer call took over {error.key!r} (on_held='replace')"
+    _end_revoked(task, request, reason)
+
+
 # True while a ``@locked`` helper that is not its task's body runs: a skip there returns ``None`` to
 # the body instead of marking the execution skipped.
 skip_quietly: ContextVar[bool] = ContextVar("celery_lease_skip_quietly", default=False)
@@ -125,9 +146,13 @@ def _marks_skipped(task: CeleryTask | None, request: TaskRequest | None, nested:
 def _mark_skipped(
     task: CeleryTask, request: TaskRequest, key: str, what: str, *, policy: str = "skip"
 ) -> None:
-    """End a skipped worker execution REVOKED, send ``task-revoked`` (also without ``-E``),
-    then ``Ignore`` so nothing is stored over it. A backend error propagates."""
-    reason = f"skipped: {key!r} {what} (on_held={policy!r})"
+    """End a skipped worker execution REVOKED (:func:`_end_revoked`)."""
+    _end_revoked(task, request, f"skipped: {key!r} {what} (on_held={policy!r})")
+
+
+def _end_revoked(task: CeleryTask, request: TaskRequest, reason: str) -> None:
+    """End a worker execution REVOKED with ``reason``, send ``task-revoked`` (also without
+    ``-E``), then ``Ignore`` so nothing is stored over it. A backend error propagates."""
     if compat.get_actual_ignore_result is not None:
         ignore_result = bool(compat.get_actual_ignore_result(task, request))
     else:  # an older Celery without the helper
@@ -145,7 +170,7 @@ def _mark_skipped(
             )
         except Exception:
             logger.warning(
-                "celery-lease: could not send task-revoked for skipped %s[%s]",
+                "celery-lease: could not send task-revoked for %s[%s]",
                 getattr(task, "name", "?"),
                 request.id,
                 exc_info=True,

@@ -377,7 +377,7 @@ class _Reaper:
                     )
                     continue
                 try:
-                    store.release(info.key, info.owner)
+                    store.release(info.key, owner.raw)  # without a replace mark
                 except Exception as exc:
                     logger.warning(
                         "celery-lease: releasing %r of dead pool process %d failed (%s); it"

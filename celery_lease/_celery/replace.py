@@ -21,11 +21,11 @@ import logging
 import threading
 from typing import cast
 
-from celery_lease._core.acquire_plan import POLL_MAX
+from celery_lease._core.acquire_plan import POLL_FIRST, POLL_MAX
 from celery_lease._core.lease import Lease, LeaseContext
-from celery_lease._core.options import check_replace_store
+from celery_lease._core.options import REPLACE_WAIT_MARGIN, check_replace_store
 from celery_lease._core.owners import Holder, parse_owner
-from celery_lease.errors import LockNotAcquiredError
+from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
 from celery_lease.stores.base import (
     SupportsInspection,
     SupportsReleaseNotify,
@@ -54,61 +54,120 @@ class Superseded(LockNotAcquiredError):
 
 def take_over(context: LeaseContext, wait: float, *, option: str) -> tuple[LeaseContext, Lease]:
     """Enter ``context`` (built with ``wait=0``) as ``on_held="replace"`` does; the context that
-    holds the key and its lease. ``wait``: seconds from the first refusal; ``option``: the
+    holds the key and its lease. ``wait``: seconds from the first try, at least: each holder
+    asked extends it to that holder's ttl (its owner id's, else ``context.ttl``) plus
+    :data:`~celery_lease._core.options.REPLACE_WAIT_MARGIN` from its ask. ``option``: the
     on_held option's name, for a store that cannot replace.
 
     Raises:
         LeaseConfigError: the store cannot ask a holder to stop.
         Superseded: a newer call took or asked for the key since this one asked.
-        LockNotAcquiredError: the key was not free within ``wait``.
-        StoreUnavailableError: from the store.
+        LockNotAcquiredError: the key was not free within the wait, or its holder runs under
+            this execution's own task id (a redelivery or retry of it is never asked to stop).
+        StoreUnavailableError: the last store error, when the wait ran out on one (store
+            errors are asked again until then, as a plain wait asks a lagging replica again).
     """
-    store = context.store
-    check_replace_store(store, option)
-    key = context.key
-    try:
-        return context, context.__enter__()
-    except LockNotAcquiredError as exc:
-        if exc.reason != "held":
-            raise
-    clock = context.clock
-    started = clock.monotonic()
-    deadline = started + wait
-    replace = cast(SupportsReplace, store)
-    ticket, holder, asked = replace.mark_replaced(key)
-    logger.info(
-        "celery-lease: asked the holder %s of %r to stop (ticket %d, marked: %s)",
-        holder,
-        key,
-        ticket,
-        asked,
-    )
-    while True:
-        attempt = context.fresh()
-        attempt.replace_ticket = ticket
+    check_replace_store(context.store, option)
+    return _TakeOver(context, wait).run()
+
+
+class _TakeOver:
+    """The state of one take-over: the ticket, the deadline, the holders asked so far."""
+
+    def __init__(self, context: LeaseContext, wait: float) -> None:
+        self.context = context
+        self.store = context.store
+        self.key = context.key
+        self.clock = context.clock
+        self.started = self.clock.monotonic()
+        self.deadline = self.started + wait
+        self.ticket: int | None = None
+        self.asked: set[str] = set()  # owner ids this execution asked to stop
+        self.waited = False
+        self.backoff = POLL_FIRST
+
+    def run(self) -> tuple[LeaseContext, Lease]:
+        attempt = True
+        while True:
+            try:
+                if attempt:
+                    held = self._try()
+                    if held is not None:
+                        return held
+                attempt = self._after_refusal()
+                self.backoff = POLL_FIRST
+            except StoreUnavailableError as exc:  # ReplicaLagError, RestartGraceError too
+                self.waited = attempt = True
+                remaining = self.deadline - self.clock.monotonic()
+                if remaining <= 0:
+                    raise
+                logger.info(
+                    "celery-lease: replacing the holder of %r: %s; asked again within %.2fs",
+                    self.key,
+                    exc,
+                    min(self.backoff, remaining),
+                )
+                self.clock.wait(threading.Event(), min(self.backoff, remaining))
+                self.backoff = min(self.backoff * 2, POLL_MAX)
+
+    def _try(self) -> tuple[LeaseContext, Lease] | None:
+        """One try (with the ticket once drawn); the context and lease when granted."""
+        attempt = self.context.fresh()
+        attempt.replace_ticket = self.ticket
         try:
             held = attempt.__enter__()
         except LockNotAcquiredError as exc:
             if exc.reason != "held":
                 raise
-        else:  # taken after a refusal: it waited, from the first refusal on
+            self.waited = True
+            return None
+        if self.waited:  # taken after a refusal: it waited, from the first try on
             held.waited = True
-            held.wait_seconds = held.acquired_at - started
-            return attempt, held
-        remaining = deadline - clock.monotonic()
-        if remaining <= 0:
-            raise LockNotAcquiredError(key)
-        info = cast(SupportsInspection, store).get(key)
+            held.wait_seconds = held.acquired_at - self.started
+        return attempt, held
+
+    def _after_refusal(self) -> bool:
+        """Read the holder and ask it to stop; whether to try again (else read again)."""
+        info = cast(SupportsInspection, self.store).get(self.key)
         if info is None:
-            continue  # freed since the refusal: try again now
+            return True  # freed since the refusal: try again now
         owner = unmarked(info.owner)[0]
         found = parse_owner(owner)
-        stamp = found.replace_ticket if found.replace_ticket is not None else info.token
-        if stamp > ticket:
-            raise Superseded(key, found)
-        if not replace.mark_replaced(key, ticket, holder=owner)[2]:
-            continue  # another holder than the one read (or none): look again now
-        _pause(context, min(remaining, POLL_MAX))
+        own = self.context.task_id
+        if own is not None and found.task_id == own:
+            # This execution's own id (a redelivery, or a retry of it): never asked to stop.
+            raise LockNotAcquiredError(self.key)
+        if self.ticket is not None:
+            stamp = found.replace_ticket if found.replace_ticket is not None else info.token
+            if stamp > self.ticket:
+                raise Superseded(self.key, found)
+        first = self.ticket is None
+        replace = cast(SupportsReplace, self.store)
+        self.ticket, holder, asked = replace.mark_replaced(self.key, self.ticket, holder=owner)
+        if first:
+            logger.info(
+                "celery-lease: asked the holder %s of %r to stop (ticket %d, marked: %s)",
+                owner,
+                self.key,
+                self.ticket,
+                asked,
+            )
+        if not asked:
+            return holder is None  # free: try now; another holder than the one read: read it
+        now = self.clock.monotonic()
+        if owner not in self.asked:
+            # Not renewed from now on, its lease ends within its ttl: wait that long at least.
+            fresh = not self.asked
+            self.asked.add(owner)
+            ttl = found.ttl if found.ttl is not None else self.context.ttl
+            self.deadline = max(self.deadline, now + ttl + REPLACE_WAIT_MARGIN)
+            if fresh:
+                return True  # the first ask: try again at once
+        remaining = self.deadline - now
+        if remaining <= 0:
+            raise LockNotAcquiredError(self.key)
+        _pause(self.context, min(remaining, POLL_MAX))
+        return True
 
 
 def _pause(context: LeaseContext, seconds: float) -> None:

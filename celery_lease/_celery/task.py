@@ -26,7 +26,7 @@ from celery_lease._celery.spec import Spec as _Spec
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
-from celery_lease.errors import LeaseConfigError, LockNotAcquiredError
+from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore
 from celery_lease.types import Duration, OnDuplicate, OnHeld, OnLost, Unique
 
@@ -337,7 +337,15 @@ class LockedTask(Task):  # type: ignore[misc]
     ) -> Retry:
         """Celery's ``retry()``, published after this execution's lease was released early. With
         ``throw=False`` and ``lock_on_lost="revoke"`` the ``Retry`` is raised anyway (the body
-        may not run on without its lease); eager mode keeps the lease."""
+        may not run on without its lease); eager mode keeps the lease. An execution whose lease
+        a newer ``on_held="replace"`` call replaced is never retried (its retry would take the
+        key back): ``LockLostError(key, "replaced")`` is raised instead, nothing published (a
+        worker execution under ``lock_on_lost="revoke"`` then ends REVOKED)."""
+        run = current_run(getattr(self.request, "id", None))
+        if run is not None and run.task is self and not run.released_early:
+            held = run.lease
+            if held is not None and held.lost_reason == "replaced":
+                raise LockLostError(held.key, "replaced") from exc
         retry = super().retry(
             args=args,
             kwargs=kwargs,
@@ -419,7 +427,8 @@ def locked(
         if isinstance(options.key, str):
             validate_template(options.key, full, task=where)
         specs: dict[tuple[str, bool], _Spec] = {}
-        skips = options.on_held == "skip"
+        # Ends as a skip when turned away: "replace" when a newer call overtook it.
+        skips = options.on_held in ("skip", "replace")
 
         def spec_for(name: str, bound: bool) -> _Spec:
             spec = specs.get((name, bound))
@@ -437,7 +446,8 @@ def locked(
             key_args = args[1:] if bound else args
             request = task.request if task is not None else None
             name = task.name if task is not None else f"{func.__module__}.{func.__qualname__}"
-            # A helper called from a running body: a skip returns None to that body.
+            # A helper called from a running body: a skip (or an overtaken replace) returns
+            # None to that body.
             helper = skips and task is not None and not _is_body_of(task, wrapper)
             quiet = skip_quietly.set(True) if helper else None
             try:

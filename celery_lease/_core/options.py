@@ -148,8 +148,19 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
         check_ttl(ttl, raw.get("ttl"), name=name("ttl"))
     limit = _limit(raw.get("limit"), store, name("limit"))
     unique = validate_unique(raw, name=name, has_key=key is not None)
+    wait = duration("wait")
+    cooldown = duration("cooldown") or 0.0
     if on_held == "replace":
         check_replace(raw.get("limit"), unique, store, name("on_held"))
+        if cooldown > 0:
+            raise LeaseConfigError(
+                f"{name('on_held')}='replace' cannot be combined with cooldown={cooldown!r}: a"
+                " holder in its cooldown runs nothing and cannot be asked to stop, so 'replace'"
+                " would wait it out; leave cooldown unset (or 0) with 'replace', or use on_held"
+                " raise, skip or retry with a cooldown"
+            )
+        if ttl is not None:
+            check_replace_wait(wait, ttl, name("wait"))
     if limit is not None and unique is not None:
         raise LeaseConfigError(
             f"{name('limit')}={raw.get('limit')!r} cannot be combined with"
@@ -159,9 +170,9 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
     return LockOptions(
         key=key,
         ttl=ttl,
-        wait=duration("wait"),
+        wait=wait,
         max_hold=duration("max_hold", positive=True),
-        cooldown=duration("cooldown") or 0.0,
+        cooldown=cooldown,
         store=store,
         on_held=on_held,
         retry_countdown=duration("retry_countdown"),
@@ -209,11 +220,30 @@ def check_replace_store(store: object, name: str) -> None:
         )
 
 
-def replace_wait(options: LockOptions, ttl: float) -> float:
+def check_replace_wait(wait: float | None, ttl: float, name: str) -> None:
+    """``LeaseConfigError`` naming ``name`` (the wait option) when an explicit ``wait`` of an
+    ``on_held="replace"`` task is shorter than its ``ttl`` (seconds both): a holder asked to
+    stop may keep its lease up to one ttl, so a shorter wait would stop it and then give up."""
+    if wait is not None and wait < ttl:
+        raise LeaseConfigError(
+            f"{name}={wait!r} is shorter than the ttl ({ttl!r} s) of an on_held='replace'"
+            " task: a holder asked to stop may keep the key up to one ttl; use a wait >= the"
+            f" ttl, or leave it unset (the ttl + {REPLACE_WAIT_MARGIN:g} s)"
+        )
+
+
+def replace_wait(options: LockOptions, ttl: float, name: str = "wait") -> float:
     """Seconds an ``on_held="replace"`` execution waits for the key after asking its holder to
-    stop: the task's ``wait`` when set, else ``ttl`` + :data:`REPLACE_WAIT_MARGIN` (a holder no
-    longer renewed frees the key within one ttl; the app's ``lease_default_wait``, meant for
-    the other policies, does not apply)."""
+    stop, at least: the task's ``wait`` when set, else ``ttl`` + :data:`REPLACE_WAIT_MARGIN` (a
+    holder no longer renewed frees the key within one ttl; the app's ``lease_default_wait``,
+    meant for the other policies, does not apply). Each holder asked extends it to its own ttl
+    plus the margin (:func:`~celery_lease._celery.replace.take_over`).
+
+    Raises:
+        LeaseConfigError: an explicit ``wait`` shorter than ``ttl`` (named ``name``), where the
+            ttl was not known when the task was defined (the app's ``lease_default_ttl``).
+    """
+    check_replace_wait(options.wait, ttl, name)
     return options.wait if options.wait is not None else ttl + REPLACE_WAIT_MARGIN
 
 

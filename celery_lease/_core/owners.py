@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from urllib.parse import unquote
 
 from celery_lease import _forking as forking
+from celery_lease.stores.slots import unmarked
 
 # Longest value (characters, before encoding) :func:`make_owner` accepts for one field: stores take
 # any length, but a runaway label would make every renewal send kilobytes.
@@ -202,7 +203,8 @@ class Holder:
     """An owner id read back by :func:`parse_owner`; ``None`` for each part it does not carry."""
 
     raw: str
-    """The owner id exactly as the store recorded it (pass it to ``release``)."""
+    """The owner id its holder took the lease under (pass it to ``release``): as the store
+    recorded it, without the replace mark."""
     host: str | None
     """The host name of the process that took the lease."""
     pid: int | None
@@ -224,6 +226,9 @@ class Holder:
     replace_ticket: int | None = None
     """The ticket of the ``on_held="replace"`` execution that took the lease after asking its
     holder to stop; None for any other lease."""
+    replaced: bool = False
+    """Whether a newer ``on_held="replace"`` call asked this holder to stop (its stored owner id
+    carries the replace mark)."""
 
 
 _FIELDS = {"n": "node", "t": "task", "i": "task_id", "l": "label"}
@@ -234,8 +239,13 @@ def _decode(value: str) -> str:
 
 
 def parse_owner(owner: str) -> Holder:
-    """Read an owner id (ours or a foreign one) into a :class:`Holder`; never raises: what does
-    not follow the format is ``None``, an unknown field ignored."""
+    """Read an owner id (ours or a foreign one, with or without the replace mark) into a
+    :class:`Holder`; never raises: what does not follow the format is ``None``, an unknown field
+    ignored."""
+    try:
+        owner, replaced = unmarked(owner)
+    except Exception:  # documented: never raises, whatever the store returned
+        return Holder(str(owner), None, None, None, None, None, None, None)
     found: dict[str, str | None] = {"node": None, "task": None, "task_id": None, "label": None}
     host: str | None = None
     pid: int | None = None
@@ -270,4 +280,5 @@ def parse_owner(owner: str) -> Holder:
         ttl=millis.get("ttl"),
         cooldown=millis.get("cd"),
         replace_ticket=ticket,
+        replaced=replaced,
     )

@@ -212,9 +212,14 @@ class MemoryLockStore:
             return None if entry is None else self._info(key, entry, now)
 
     def last_token(self, key: str) -> int | None:
+        """The last token issued for ``key`` or the last replace ticket drawn from its counter,
+        whichever is greater (``None``: neither is remembered)."""
         with self._lock:
             entry = self._entries.get(key)
-            return None if entry is None else entry.token
+            ticket = self._tickets.get(key)
+            if entry is None:
+                return ticket
+            return entry.token if ticket is None else max(entry.token, ticket)
 
     def force_release(self, key: str) -> LeaseInfo | None:
         with self._lock:

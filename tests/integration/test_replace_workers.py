@@ -1,8 +1,8 @@
 """``on_held="replace"`` on a real worker: a second call replaces a long running first one.
 
-With ``on_lost="revoke"`` the first body is stopped: its result is FAILURE with
-``LockLostError(reason="replaced")`` (the revoke policy raises it from the interrupted body, as
-for any loss), and the second runs once, to completion, with a higher token. With
+With ``on_lost="revoke"`` the first body is stopped and ends REVOKED (reason: replaced by a newer
+call; not FAILURE, so neither a retry policy nor ``autoretry_for`` brings it back to take the key
+from the second), and the second runs once, to completion, with a higher token. With
 ``on_lost="mark"`` the first runs on to its end (``request.lock_lost`` True) and the second
 starts only once the first's lease is gone (no longer renewed, it expires); the first's late
 fenced write is then rejected (``StaleTokenError``) because the second wrote with its higher
@@ -25,8 +25,9 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.exceptions import TaskRevokedError
 
-from celery_lease import LockedTask, LockLostError
+from celery_lease import LockedTask
 from celery_lease.errors import StaleTokenError
 from celery_lease.fencing.redis import fenced_set
 from celery_lease.signals import lock_lost
@@ -192,19 +193,18 @@ def _run() -> str:
 
 
 class TestReplaceOnAWorker:
-    def test_revoke_the_first_ends_failed_with_lock_lost_replaced_and_the_second_runs_once(
+    def test_revoke_the_first_ends_revoked_as_replaced_and_the_second_runs_once(
         self, env: Env
     ) -> None:
-        """on_lost="revoke": the first body is stopped, FAILURE with LockLostError "replaced";
-        the second runs once to its end with a higher token, after waiting."""
+        """on_lost="revoke": the first body is stopped and ends REVOKED, replaced; the second
+        runs once to its end with a higher token, after waiting."""
         run = _run()
         first = env.app.send_task("rp.revoke", (run, "first", BODY_WAIT))
         [first_start] = env.lines(f"start-{run}-first")
         second = env.app.send_task("rp.revoke", (run, "second", 0.0))
-        with pytest.raises(LockLostError) as caught:
+        with pytest.raises(TaskRevokedError, match="replaced: a newer call took over"):
             first.get(timeout=RESULT_TIMEOUT, interval=POLL)
-        assert first.state == "FAILURE"
-        assert caught.value.reason == "replaced"
+        assert first.state == "REVOKED"
         second_token = second.get(timeout=RESULT_TIMEOUT, interval=POLL)
         first_token = int(first_start.split()[0])
         assert second_token > first_token

@@ -84,6 +84,17 @@ class TestLookUp:
         assert found is not None and not found.cooldown and found.reason == "held"
         assert backend.reads == []
 
+    def test_a_holder_asked_to_stop_is_read_as_the_running_execution_it_is(self) -> None:
+        """Marked by a newer ``on_held="replace"`` call, its owner id still records its ttl and
+        no cooldown: running, named by its task, the backend not asked."""
+        backend = ReadsCounted()
+        owner = make_owner(task="proj.report", task_id="t-0", ttl_ms=30_000)
+        store = _store(owner=owner, keep_ms=30_000)
+        store.mark_replaced("k")
+        found = look_up(store, "k", Task(backend), 30.0)
+        assert found is not None and not found.cooldown and found.reason == "held"
+        assert found.holder.task_id == "t-0" and backend.reads == []
+
     def test_a_holder_that_records_its_cooldown_is_in_it_once_it_succeeded(self) -> None:
         backend = ReadsCounted()
         owner = make_owner(task="proj.other", task_id="t-9", ttl_ms=30_000, cooldown_ms=600_000)

@@ -26,6 +26,7 @@ from celery_lease._celery.reaper import _Death, _Reaper
 from celery_lease._core.dispatch import drain
 from celery_lease._core.owners import make_owner
 from celery_lease.signals import lock_released
+from celery_lease.stores.slots import marked
 
 TTL_MS = 30_000
 NODE = "w1@host"
@@ -532,3 +533,27 @@ class TestOneStoreFails:
         assert failing.get("k-failing") is not None, "left to its ttl"
         assert [sent["key"] for sent in released] == ["k-healthy"]
         assert "the listing failed" in caplog.text and "cannot list leases" in caplog.text
+
+
+class TestAMarkedLease:
+    """A dead child's lease that a newer ``on_held="replace"`` call asked to stop (stored with
+    the replace mark) is read as that child's."""
+
+    def test_it_is_released_for_the_dead_child(self) -> None:
+        store = MemoryLockStore()
+        store.acquire("k", owner_made_at("t1", at_ms=int((time.time() - 5) * 1000)), TTL_MS)
+        store.mark_replaced("k")
+        reaper_without_backend(store).release(_Death(DEAD, -9, {"t1": "t.run"}))
+        assert drain()
+        assert store.get("k") is None
+
+    def test_one_made_after_the_child_was_reaped_is_kept(self) -> None:
+        """The recycled-pid guard reads the marked owner's ``at``."""
+        store = MemoryLockStore()
+        made = owner_made_at("t1", at_ms=int((time.time() + 5) * 1000))
+        store.acquire("k", made, TTL_MS)
+        store.mark_replaced("k")
+        reaper_without_backend(store).release(_Death(DEAD, -9, {"t1": "t.run"}))
+        assert drain()
+        info = store.get("k")
+        assert info is not None and info.owner == marked(made)

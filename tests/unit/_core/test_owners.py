@@ -18,7 +18,9 @@ from celery_lease._core.owners import (
     make_owner,
     parse_owner,
     queued_owner,
+    set_node,
 )
+from celery_lease.stores.slots import marked
 from celery_lease.testing import FakeClock
 from tests.unit.conftest import REAL_TIMEOUT
 
@@ -211,6 +213,7 @@ class TestOwnerFormat:
         self, monkeypatch: pytest.MonkeyPatch, fields: dict[str, Any], tail: str
     ) -> None:
         monkeypatch.setattr(time, "time_ns", lambda: 7_000_000)
+        set_node(None)  # outside a worker
         for _ in range(2):  # a second owner of the same node and task: the same text
             assert self._tail(make_owner(**fields)) == tail
 
@@ -227,3 +230,16 @@ class TestOwnerFormat:
             pass
 
         assert ";t=a%3Bb;" in make_owner(task=Name("a;b"))
+
+
+class TestMarkedOwner:
+    def test_a_marked_owner_reads_as_its_holder_asked_to_stop(self) -> None:
+        """A holder asked to stop is stored as its owner id plus the replace mark: read back,
+        every field is its own (``taken_at``, ``ttl`` included), ``raw`` is the owner id it
+        holds under (what ``release`` takes) and ``replaced`` says it was asked."""
+        owner = make_owner(node="w1@h", task="t", task_id="x", ttl_ms=30_000)
+        plain, read = parse_owner(owner), parse_owner(marked(owner))
+        assert read.taken_at is not None and read.taken_at == plain.taken_at
+        assert (read.node, read.task, read.task_id, read.ttl) == ("w1@h", "t", "x", 30.0)
+        assert read.raw == owner
+        assert read.replaced and not plain.replaced

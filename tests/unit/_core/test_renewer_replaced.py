@@ -204,3 +204,27 @@ class TestInFlight:
         answer.join(REAL_TIMEOUT)
         assert held.lost_reason == "replaced"
         assert store.get("job") is None
+
+
+class _FreedBeforeTheRead(MemoryLockStore):
+    """The marked lease goes (here force-released; expiry leaves the store the same) between
+    the refused renewal and the renewer's read of the holder."""
+
+    def get(self, key: str) -> Any:
+        self.force_release(key)
+        return super().get(key)
+
+
+class TestFreedBeforeTheRead:
+    def test_a_marked_lease_gone_before_the_read_reads_taken_not_released(
+        self, clock: FakeClock
+    ) -> None:
+        """The key is free when read, but its counter is above the holder's token (the ticket
+        the replacer drew): ``"taken"``, never ``"released"`` (that says our own token is the
+        last one: a force-release, or a store clock running fast)."""
+        store = _FreedBeforeTheRead(clock=clock)
+        with lease("job", store=store, ttl=3, clock=clock) as held:
+            store.mark_replaced("job")
+            clock.advance(1.0)
+            assert held.wait_lost(REAL_TIMEOUT)
+            assert held.lost_reason == "taken"
