@@ -6,11 +6,18 @@ Reuses ``tests/faults/harness.py`` (run from the repository root)::
     python benchmarks/exclusion_checker.py redis://127.0.0.1:6390/0 --holders 6 --rounds 30
     python benchmarks/exclusion_checker.py memory:// --pause-prob 0.1
     python benchmarks/exclusion_checker.py postgresql://postgres@127.0.0.1/scratch
+    python benchmarks/exclusion_checker.py redis://127.0.0.1:6390/0 --limit 3 --holders 6
+
+With ``--limit N`` (N > 1) every holder takes one of the key's N slots (``lease(key, limit=N)``)
+and the verdict counts the holders of a key that believed they held it at once: its peak must
+not exceed N (the line ends ``peak holders per key: hot-a 3 of 3, ...``); each slot is fenced
+as its own resource.
 
 Processes for every store but ``memory://`` (threads). Pauses are real ``SIGSTOP`` of a holder
 for ``--pause-for`` seconds (simulated for threads). The fenced resource is an SQLite file in a
 temporary directory unless ``--fence`` names one. Prints
-``<store>: N acquisitions, 0 overlaps, 0 stale writes accepted (...)``; exits 1 on a violation.
+``<store>: N acquisitions, 0 overlaps, 0 stale writes accepted (...)``; exits 1 on a violation
+(with ``--limit``, also when a key's peak is above the limit).
 """
 
 from __future__ import annotations
@@ -47,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pause-prob", type=float, default=0.06)
     parser.add_argument("--pause-for", type=float, default=None, help="default: 1.3 x ttl")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--limit", type=int, default=1, help="holders of a key at once (> 1: slots); default 1"
+    )
     parser.add_argument("--fence", help="fenced resource: sqlite:////path.db or a postgresql DSN")
     parser.add_argument("-v", "--verbose", action="store_true", help="show the lease warnings")
     args = parser.parse_args(argv)
@@ -61,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         hold_max=args.hold_max,
         pause_prob=args.pause_prob,
         pause_for=args.pause_for if args.pause_for is not None else args.ttl * 1.3,
+        limit=args.limit,
     )
     with tempfile.TemporaryDirectory() as tmp:
         fence = args.fence or f"sqlite:///{Path(tmp) / 'fence.db'}"
@@ -71,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             records = run_processes(args.store, fence, holders=args.holders, plan=plan)
         resource = FencedResource(fence)
-        report = check(args.store.split("://")[0], records, resource.log())
+        report = check(args.store.split("://")[0], records, resource.log(), limit=args.limit)
         resource.close()
     print(report.summary())
     for violation in report.violations:

@@ -30,6 +30,7 @@ from celery_lease.errors import LeaseError
 from celery_lease.stores import store_from_url
 from celery_lease.stores.base import LeaseInfo, LockStore, SupportsInspection, conforms, redact_url
 from celery_lease.stores.memory import MemoryLockStore
+from celery_lease.stores.slots import SLOT_MARK, slot_key, split_slot, unmarked
 
 __all__ = ["lease_group", "main"]
 
@@ -294,10 +295,18 @@ STARTED = "started"
 RUNNING = "running"
 COOLDOWN = "cooldown"
 HELD = "held"
+REPLACED = "replaced"
+"""Said beside the state of a lease whose holder was asked to stop (``on_held="replace"``)."""
+REPLACED_LINE = (
+    "yes: asked to stop (on_held='replace'); its renewals are refused, and it keeps the key"
+    " until it releases it or the lease expires"
+)
 
 
 def _holder(owner: str) -> Holder:
-    """:func:`~celery_lease._core.owners.parse_owner`; a queued owner has no node."""
+    """:func:`~celery_lease._core.owners.parse_owner` of the owner without the mark of a
+    replaced holder; a queued owner has no node."""
+    owner = unmarked(owner)[0]
     holder = parse_owner(owner)
     if is_queued_owner(owner) and holder.node is not None:
         holder = dataclasses.replace(holder, node=None)
@@ -406,13 +415,19 @@ def _cooling(record: dict[str, Any]) -> bool:
 
 
 def _record(info: LeaseInfo, now: float) -> dict[str, Any]:
-    """One lease as the JSON output gives it: the store's view plus the parsed owner."""
-    holder = _holder(info.owner)
+    """One lease as the JSON output gives it: the store's view plus the parsed owner. A slot's
+    store key is split into ``key`` and ``slot`` (``None``: a key taken without ``limit``); a
+    replaced holder's owner is given without its mark, and ``replaced`` is true."""
+    owner, replaced = unmarked(info.owner)
+    key, slot = split_slot(info.key)
+    holder = _holder(owner)
     held = None if holder.taken_at is None else max(0.0, now - holder.taken_at)
     renewed = _renewed_ago(holder.ttl, info.expires_in)
     return {
-        "key": info.key,
-        "owner": info.owner,
+        "key": key,
+        "slot": slot,
+        "owner": owner,
+        "replaced": replaced,
         "token": info.token,
         "expires_in": info.expires_in,
         "node": holder.node,
@@ -451,6 +466,11 @@ def _holder_line(record: dict[str, Any]) -> str:
     return " ".join(parts) if parts else record["owner"]
 
 
+def _named(record: dict[str, Any]) -> str:
+    """A lease as the text output names it: ``KEY``, or ``KEY slot N`` for a slot."""
+    return record["key"] if record["slot"] is None else f"{record['key']} slot {record['slot']}"
+
+
 def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
     record = record if record is not None else _record(info, time.time())
     held = (
@@ -458,11 +478,13 @@ def _describe(info: LeaseInfo, record: dict[str, Any] | None = None) -> str:
     )
     state = record.get("state")
     told = [] if state in (None, HELD) else [str(state)]
+    if record["replaced"]:
+        told.append(REPLACED)
     if record.get("stale"):
         told.append(_stale_words(record))
     shown = f" ({', '.join(told)})" if told else ""
     return (
-        f"{info.key}: held{shown} by {_holder_line(record)}, token {info.token}, "
+        f"{_named(record)}: held{shown} by {_holder_line(record)}, token {info.token}, "
         f"expires in {_time_left(info.expires_in)}{held}"
     )
 
@@ -500,14 +522,23 @@ def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
+def _state_cell(record: dict[str, Any]) -> str:
+    """STATE: the state, then ``replaced`` and ``stale`` when they apply."""
+    flags = [REPLACED] * record["replaced"] + ["stale"] * record["stale"]
+    return ", ".join([record["state"], *flags])
+
+
 def _table(records: Sequence[dict[str, Any]]) -> str:
     labels = any(r["label"] is not None for r in records)
+    slots = any(r["slot"] is not None for r in records)
     header = [
         "KEY", "STATE", "NODE", "PID", "TASK", "TASK ID", "HELD FOR", "RENEWED", "TOKEN",
         "EXPIRES IN",
     ]  # fmt: skip
     if labels:
         header.insert(6, "LABEL")
+    if slots:
+        header.insert(1, "SLOT")
     cells = []
     for r in records:
         # An owner that tells nothing (no fields, or a foreign id) is shown whole in NODE.
@@ -515,7 +546,7 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
         node = _node(r) or ("-" if tells else r["owner"])
         row = [
             r["key"],
-            f"{r['state']}, stale" if r["stale"] else r["state"],
+            _state_cell(r),
             node,
             _cell(r["pid"]),
             _cell(r["task"]),
@@ -527,6 +558,8 @@ def _table(records: Sequence[dict[str, Any]]) -> str:
         ]
         if labels:
             row.insert(6, _cell(r["label"]))
+        if slots:
+            row.insert(1, _cell(r["slot"]))
         cells.append(row)
     widths = [max(len(row[i]) for row in [header, *cells]) for i in range(len(header))]
     return "\n".join(
@@ -579,6 +612,10 @@ def list_command(
 
     Debounce tombstones (superseded:<task id>) hold no work: they are counted on stderr, and
     listed only with --superseded or --state superseded (started: a copy's claim on its own).
+
+    A key with a limit (lock_limit) holds one lease per slot: SLOT says which ("-": a key taken
+    without a limit). A holder asked to stop by on_held="replace" is marked "replaced" beside
+    its state until its lease is released or expires.
     """
 
     def body() -> None:
@@ -619,6 +656,37 @@ def list_command(
     _run(body)
 
 
+def _slots_of(store: SupportsInspection, key: str) -> list[LeaseInfo]:
+    """The live slots of ``key`` (leases taken with ``limit``), by slot."""
+    found = []
+    for info in store.list(key + SLOT_MARK):
+        owner_key, slot = split_slot(info.key)
+        if owner_key == key and slot is not None:
+            found.append((slot, info))
+    return [info for _, info in sorted(found, key=lambda pair: pair[0])]
+
+
+def _echo_lease(info: LeaseInfo, record: dict[str, Any]) -> None:
+    """``show``'s block of one lease: the description, then one line per field."""
+    click.echo(_describe(info, record))
+    fields: list[tuple[str, object]] = [("slot", record["slot"])] * (record["slot"] is not None)
+    fields += [
+        ("state", record["state"]),
+        ("node", _node(record)),
+        ("task", record["task"]),
+        ("task id", record["task_id"]),
+        ("label", record["label"]),
+        ("host", record["host"]),
+        ("pid", record["pid"]),
+        ("taken at", _taken(record)),
+        ("renewed", _renewed_line(record)),
+        ("owner", record["owner"]),
+    ]
+    fields += [(REPLACED, REPLACED_LINE)] * record["replaced"]
+    for label, value in fields:
+        click.echo(f"  {label + ':':<10}{_cell(value)}")
+
+
 @lease_group.command(name="show")
 @click.argument("key")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON object instead of text.")
@@ -630,6 +698,10 @@ def show_command(
 ) -> None:
     """Show the lease on KEY and its holder, or that it is free with the last token issued.
 
+    A key used with a limit (lock_limit, lease(limit=...)) holds its leases in slots: each
+    live slot is shown (KEY slot N). With --json, "slots" lists them and the other fields are
+    the key's own lease (taken without a limit), as before.
+
     Under `celery -A proj lease`, the app's lease_key_prefix is put in front of KEY unless
     --raw is given; the key looked up is the answer's first word, and stderr says why.
     """
@@ -638,39 +710,32 @@ def show_command(
         store = _inspectable(ctx, store_url)
         store_key = _store_key(ctx, key, raw)
         info = store.get(store_key)
+        slots = _slots_of(store, store_key)
         other = _other_key(ctx, key, store_key)
         other_info = None if other is None else store.get(other)
         other_record = (
             None if other_info is None else _records([other_info], time.time(), _app(ctx))[0]
         )
         also = {} if other_record is None else {"other_key": other_record}
-        if info is not None:
-            (record,) = _records([info], time.time(), _app(ctx))
-            if as_json:
-                click.echo(json.dumps({"held": True, **record, **also}, indent=2))
-                return
-            click.echo(_describe(info, record))
-            for label, value in (
-                ("state", record["state"]),
-                ("node", _node(record)),
-                ("task", record["task"]),
-                ("task id", record["task_id"]),
-                ("label", record["label"]),
-                ("host", record["host"]),
-                ("pid", record["pid"]),
-                ("taken at", _taken(record)),
-                ("renewed", _renewed_line(record)),
-                ("owner", record["owner"]),
-            ):
-                click.echo(f"  {label + ':':<10}{_cell(value)}")
+        held = [info] if info is not None else []
+        records = _records([*held, *slots], time.time(), _app(ctx))
+        slot_records = records[len(held) :]
+        if as_json:
+            if info is not None:
+                shown = {"held": True, **records[0], "slots": slot_records, **also}
+            else:
+                last = store.last_token(store_key)
+                shown = {"key": store_key, "held": False, "last_token": last}
+                shown.update({"slots": slot_records, **also})
+            click.echo(json.dumps(shown, indent=2))
+            return
+        for lease_info, record in zip([*held, *slots], records, strict=True):
+            _echo_lease(lease_info, record)
+        if records:
             if other_record is not None:
                 click.echo(_other_note(ctx, store_key, other_record, both=True))
             return
         last = store.last_token(store_key)
-        if as_json:
-            free = {"key": store_key, "held": False, "last_token": last, **also}
-            click.echo(json.dumps(free, indent=2))
-            return
         issued = "no token issued yet" if last is None else f"last token issued {last}"
         click.echo(f"{store_key}: free ({issued})")
         if other_record is not None:
@@ -681,14 +746,20 @@ def show_command(
 
 @lease_group.command(name="release")
 @click.argument("key")
+@click.option(
+    "--slot",
+    type=click.IntRange(min=0),
+    metavar="N",
+    help="Release slot N of KEY (a key used with a limit), not KEY's own lease.",
+)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @raw_option
 @store_option
 @click.pass_context
 def release_command(
-    ctx: click.Context, key: str, yes: bool, raw: bool, store_url: str | None
+    ctx: click.Context, key: str, slot: int | None, yes: bool, raw: bool, store_url: str | None
 ) -> None:
-    """Force-release the lease on KEY, whoever holds it.
+    """Force-release the lease on KEY (or its slot N with --slot N), whoever holds it.
 
     The holder is not stopped: it hears of the loss at its next renewal, and the next acquirer
     gets a higher fencing token, so fenced writes reject the old holder. KEY is looked up as
@@ -698,19 +769,25 @@ def release_command(
     def body() -> None:
         store = _inspectable(ctx, store_url)
         store_key = _store_key(ctx, key, raw)
-        info = store.get(store_key)
+        target = store_key if slot is None else slot_key(store_key, slot)
+        named = store_key if slot is None else f"{store_key} slot {slot}"
+        info = store.get(target)
         if info is None:
-            click.echo(f"{store_key}: free, nothing to release")
+            slots = [] if slot is not None else _slots_of(store, store_key)
+            numbers = ", ".join(str(split_slot(s.key)[1]) for s in slots)
+            held = f"slots {numbers} are" if len(slots) > 1 else f"slot {numbers} is"
+            said = f"; its {held} held: release one with --slot N" if slots else ""
+            click.echo(f"{named}: free, nothing to release{said}")
             return
         if not yes:
             (record,) = _records([info], time.time(), _app(ctx))
             click.confirm(f"Force-release {_describe(info, record)}?", abort=True)
-        removed = store.force_release(store_key)
+        removed = store.force_release(target)
         if removed is None:
-            click.echo(f"{store_key}: already free, nothing released")
+            click.echo(f"{named}: already free, nothing released")
             return
         click.echo(
-            f"released {removed.key}: owner {removed.owner}, token {removed.token}; "
+            f"released {named}: owner {unmarked(removed.owner)[0]}, token {removed.token}; "
             "the next holder gets a higher token"
         )
         click.echo(

@@ -25,6 +25,7 @@ from celery.worker.control import inspect_command
 from celery_lease._celery import compat
 from celery_lease._core import renewer
 from celery_lease._core.owners import parse_owner
+from celery_lease.stores.slots import split_slot
 
 logger = logging.getLogger("celery_lease.control")
 
@@ -38,9 +39,11 @@ _server: socket.socket | None = None
 
 
 class LeaseRow(TypedDict):
-    """One held lease in the reply, from a :func:`~celery_lease._core.renewer.snapshot` row."""
+    """One held lease in the reply, from a :func:`~celery_lease._core.renewer.snapshot` row:
+    ``key`` as asked for and ``slot``, its slot when it was taken with a limit (else ``None``)."""
 
     key: str | None
+    slot: int | None
     token: int | None
     task: str | None
     task_id: str | None
@@ -116,9 +119,12 @@ def local_rows() -> list[LeaseRow]:
     pid = os.getpid()
     for row in renewer.snapshot():
         holder = parse_owner(str(row.get("owner", "")))
+        store_key = row.get("key")
+        key, slot = (None, None) if store_key is None else split_slot(str(store_key))
         rows.append(
             {
-                "key": row.get("key"),
+                "key": key,
+                "slot": slot,
                 "token": row.get("token"),
                 "task": holder.task,
                 "task_id": holder.task_id,
@@ -264,12 +270,18 @@ def leases(state: object, **kwargs: object) -> LeasesReply:
     if children:
         child_rows, unanswered = child_snapshots(children)
         rows.extend(child_rows)
-    rows.sort(key=lambda row: (str(row.get("key")), int(row.get("pid") or 0)))
+    rows.sort(key=_order)
     return {
         "leases": rows,
         "pool": module.rsplit(".", 1)[-1] if module.startswith("celery.") else module,
         "unanswered": unanswered,
     }
+
+
+def _order(row: LeaseRow) -> tuple[str, int, int]:
+    """Rows by key, then slot (a key's own lease before its slots), then pid."""
+    slot = row.get("slot")
+    return str(row.get("key")), -1 if slot is None else int(slot), int(row.get("pid") or 0)
 
 
 def register_command() -> None:

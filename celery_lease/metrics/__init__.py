@@ -26,6 +26,7 @@ from celery_lease._celery.settings import (
 )
 from celery_lease._celery.spec import options_of
 from celery_lease.errors import LeaseConfigError
+from celery_lease.stores.slots import SLOT_MARK, split_slot
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp, CeleryTask, WorkerLike
@@ -59,7 +60,16 @@ UNKNOWN_TASK = "unknown"
 class Sink(Protocol):
     """Where the receivers put what the signals say (one per exporter)."""
 
-    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None: ...
+    def acquired(
+        self,
+        task: str,
+        key: str,
+        task_id: str | None,
+        wait_seconds: float,
+        slot: int | None = None,
+    ) -> None:
+        """A lease was taken; ``slot``: its slot, when the signal named one."""
+
     def rejected(self, task: str) -> None: ...
     def lost(self, task: str, key: str, task_id: str | None, reason: str) -> None: ...
     def released(
@@ -78,7 +88,10 @@ _early: OrderedDict[tuple[str, int | None], Callable[[Sink], None]] = OrderedDic
 acquisition was counted; bounded by :data:`_EARLY_KEEP` (superseded copies never acquire)."""
 _EARLY_KEEP = 1024
 _tasks_by_key: dict[str, str] = {}
-"""Key (or queued key of a unique copy) -> task name, of leases held here (for renewals)."""
+"""Key (or queued key of a unique copy) -> task name, of leases held here (for renewals); a
+slot's renewals are found under its key."""
+_holds_by_key: dict[str, int] = {}
+"""Key -> how many leases counted in :data:`_held` hold it (slots of one key: several)."""
 _lock = threading.Lock()
 _observing = False  # the renewal observer is registered (once per process, under _lock)
 _counting = threading.Lock()  # guards _held and _early (task, dispatcher threads); new after fork
@@ -112,27 +125,42 @@ def _queued_key(sender: object, key: str) -> str | None:
     return queued_key(key, prefix)
 
 
+def _key_and_slot(key: str, slot: object) -> tuple[str, int | None]:
+    """The key and slot a signal names: a slot's store key (the reaper's) is split."""
+    if SLOT_MARK in key:
+        base, found = split_slot(key)
+        if found is not None:
+            return base, found
+    return key, slot if isinstance(slot, int) and not isinstance(slot, bool) else None
+
+
 def _on_acquired(
     sender: object = None,
     key: str = "",
     token: int | None = None,
     wait_seconds: float = 0.0,
     task_id: str | None = None,
+    slot: int | None = None,
     **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
         return
     task = _name(sender)
+    key, slot = _key_and_slot(key, slot)
     queued = _queued_key(sender, key)
     with _counting:
         ended = _early.pop((key, token), None)
         if ended is None:
             _held[(key, token)] = (task, queued)
             _tasks_by_key[key] = task
+            _holds_by_key[key] = _holds_by_key.get(key, 0) + 1
             if queued is not None:
                 _tasks_by_key[queued] = task
-    sink.acquired(task, key, task_id, float(wait_seconds or 0.0))
+    if slot is None:
+        sink.acquired(task, key, task_id, float(wait_seconds or 0.0))
+    else:
+        sink.acquired(task, key, task_id, float(wait_seconds or 0.0), slot=slot)
     if ended is not None:
         ended(sink)
 
@@ -146,7 +174,11 @@ def _ended(key: str, token: int | None, tell: Callable[[Sink], None]) -> bool:
             while len(_early) > _EARLY_KEEP:
                 _early.popitem(last=False)
             return False
-        _tasks_by_key.pop(key, None)
+        holds = _holds_by_key.pop(key, 1) - 1
+        if holds > 0:  # another slot of the key is still held here: its renewals go on
+            _holds_by_key[key] = holds
+        else:
+            _tasks_by_key.pop(key, None)
         if counted[1] is not None:
             _tasks_by_key.pop(counted[1], None)
         return True
@@ -164,12 +196,14 @@ def _on_lost(
     token: int | None = None,
     reason: str = "lost",
     task_id: str | None = None,
+    slot: int | None = None,
     **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
         return
     task, why = _name(sender), str(reason)
+    key = _key_and_slot(key, slot)[0]
 
     def tell(to: Sink) -> None:
         to.lost(task, key, task_id, why)
@@ -185,12 +219,14 @@ def _on_released(
     held_seconds: float | None = 0.0,
     task_id: str | None = None,
     reason: str | None = None,
+    slot: int | None = None,
     **_: object,
 ) -> None:
     sink = _sink
     if sink is None:
         return
     task, held = _name(sender), float(held_seconds or 0.0)
+    key = _key_and_slot(key, slot)[0]
     if reason == "holder_died":  # counted by the dead child only, whose gauge share went with it
         sink.released(task, key, task_id, held, counted=False)
         return
@@ -206,6 +242,8 @@ def _on_renewal(key: str, token: int | None, seconds: float, ok: bool | None) ->
     """The renewer's observer (its thread; quick, never raises out)."""
     sink = _sink
     task = _tasks_by_key.get(key)
+    if task is None and SLOT_MARK in key:  # a slot's store key: its task is under the key
+        task = _tasks_by_key.get(split_slot(key)[0])
     if sink is not None and task is not None:
         sink.renewal(task, float(seconds))
 
@@ -241,6 +279,7 @@ def disconnect() -> None:
         with _counting:
             _held.clear()
             _early.clear()
+            _holds_by_key.clear()
         _tasks_by_key.clear()
         for signal, receiver in _RECEIVERS:
             signal.disconnect(receiver, dispatch_uid=f"celery_lease.metrics.{signal.name}")

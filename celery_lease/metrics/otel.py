@@ -13,6 +13,8 @@ from typing import Any
 __all__ = ["OtelSink"]
 
 TASK = "celery.task.name"
+SLOT = "celery_lease.slot"
+"""Span attribute: the slot of a lease taken with ``limit`` (a span attribute adds no series)."""
 
 
 class OtelSink:
@@ -50,13 +52,24 @@ class OtelSink:
         self._spans: dict[tuple[str, str | None], Any] = {}
         self._lock = threading.Lock()
 
-    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None:
+    def acquired(
+        self,
+        task: str,
+        key: str,
+        task_id: str | None,
+        wait_seconds: float,
+        slot: int | None = None,
+    ) -> None:
+        """Counts under the task; the wait and hold spans carry the key and, when the lease
+        names one, its slot (``celery_lease.slot``)."""
         attributes = {TASK: task}
         self.acquired_total.add(1, attributes)
         self.wait_seconds.record(wait_seconds, attributes)
         self.held.add(1, attributes)
         now = time.time_ns()
-        attrs = {TASK: task, "celery_lease.key": key}
+        attrs: dict[str, str | int] = {TASK: task, "celery_lease.key": key}
+        if slot is not None:
+            attrs[SLOT] = slot
         wait = self.tracer.start_span(
             "celery_lease.wait", start_time=now - int(wait_seconds * 1e9), attributes=attrs
         )

@@ -64,7 +64,8 @@ class PrometheusSink:
         )
         self.lost_total = Counter(
             "celery_lease_lost",
-            "Leases lost while the body ran, by reason (expired, taken, max_hold, released...).",
+            "Leases lost while the body ran, by reason (expired, taken, max_hold, released,"
+            " replaced...).",
             ["task", "reason"],
             **kw,
         )
@@ -103,7 +104,15 @@ class PrometheusSink:
             **kw,
         )
 
-    def acquired(self, task: str, key: str, task_id: str | None, wait_seconds: float) -> None:
+    def acquired(
+        self,
+        task: str,
+        key: str,
+        task_id: str | None,
+        wait_seconds: float,
+        slot: int | None = None,
+    ) -> None:
+        """Counted by task; neither key nor slot is a label (docs/operations.md, "Metrics")."""
         self.acquired_total.labels(task).inc()
         self.wait_seconds.labels(task).observe(wait_seconds)
         self.held.labels(task).inc()

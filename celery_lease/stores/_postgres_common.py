@@ -15,8 +15,8 @@ and its own token is copied to the row ``k + U+001F + "holder"`` (:data:`HOLDER_
 NULL, never live). From then on ``k``'s row's token is only the key's counter: a ticket drawn
 while the holder is marked goes there, and the next acquire's token (drawn from that column, as
 always, in the one statement that locks the row) exceeds it; the plain statements read nothing
-more. ``get``, ``list``, ``last_token`` and ``force_release`` show a marked holder's own token
-from its holder row.
+more. ``get``, ``list`` and ``force_release`` show a marked holder's own token from its holder
+row; ``last_token`` is the larger of the key's last token and the last ticket drawn for it.
 """
 
 from __future__ import annotations
@@ -144,11 +144,20 @@ _SLOT_ROWS = """\
 SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
 FROM {table} WHERE key >= %(first)s AND key < %(end)s"""
 
-# Params: keys. Rows of a key's slot range read as expired but not released, locked to read
-# their latest versions: a renewal committed since the read (or still running) shows.
+# Params: keys. Clears the rows of a key's slot range read as expired but not released (their
+# holders stopped renewing; the token stays), so no later acquire_slot reads them doubtful
+# again. A renewal of one of them still running is waited for, and a row it renewed (or
+# released) since the read is left alone. Returns (key, token) of each row cleared.
+_CLEAR_DEAD_SLOTS = """\
+UPDATE {table} SET owner = NULL
+WHERE key = ANY(%(keys)s::text[]) AND owner IS NOT NULL AND expires <= clock_timestamp()
+RETURNING key, token"""
+
+# Params: keys. Rows of a key's slot range, read again in a new statement (after
+# clear_dead_slots waited for their renewals): (key, owner, token, live).
 _RECHECK_SLOTS = """\
 SELECT key, owner, token, owner IS NOT NULL AND expires > clock_timestamp()
-FROM {table} WHERE key = ANY(%(keys)s::text[]) FOR UPDATE"""
+FROM {table} WHERE key = ANY(%(keys)s::text[])"""
 
 # Params: key, owner, ttl_ms. Renews a live lease; returns its token (no row: not renewed).
 _EXTEND = """\
@@ -185,8 +194,15 @@ RETURNING t.owner, t.token, t.owner IS NOT NULL AND t.expires > clock_timestamp(
 _DRAW_TICKET = f"""\
 UPDATE {{table}} SET token = GREATEST(token + 1, {_NOW_US}) WHERE key = %(key)s RETURNING token"""
 
-# Params: key. A ticket above a key's row's token and the clock, kept nowhere.
-_PEEK_TICKET = f"SELECT GREATEST(token + 1, {_NOW_US}) FROM {{table}} WHERE key = %(key)s"
+# Params: key, holder (the key's holder row). A ticket above a key's row's token and the clock,
+# set aside in the key's holder row (the key's unmarked holder keeps the row's token; the holder
+# row is unused until it is marked): last_token counts it.
+_SET_ASIDE_TICKET = f"""\
+INSERT INTO {{table}} AS t (key, owner, expires, token)
+SELECT %(holder)s, NULL, '-infinity', GREATEST(token + 1, {_NOW_US})
+FROM {{table}} WHERE key = %(key)s
+ON CONFLICT (key) DO UPDATE SET token = EXCLUDED.token
+RETURNING t.token"""
 
 # Params: key (a key's holder row), token. Keeps a marked holder's own token.
 _SAVE_HOLDER = """\
@@ -227,8 +243,36 @@ FROM {{table}} AS t
 WHERE key LIKE %(pattern)s AND owner IS NOT NULL AND expires > clock_timestamp()
 ORDER BY key"""
 
-# Params: key. Returns the last token issued for the key, live or not (a marked holder's own).
-_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM {{table}} AS t WHERE key = %(key)s"
+# Params: none. The key column's collation and whether it
+# orders as bytes (C, POSIX, a C.UTF-8 of libc or the builtin provider: code point order is
+# UTF-8 byte order); the database's default collation when the column uses it.
+_KEY_COLLATION = """\
+SELECT c.collname,
+       CASE WHEN c.collname = 'default'
+            THEN (coalesce(d.db->>'datlocprovider', 'c') IN ('c', 'b')
+                  AND coalesce(d.db->>'datlocale', d.db->>'datcollate')
+                      IN ('C', 'POSIX', 'C.UTF-8', 'C.utf8'))
+            ELSE c.collname IN ('C', 'POSIX', 'ucs_basic', 'pg_c_utf8')
+                 OR (c.collprovider IN ('c', 'b')
+                     AND coalesce(to_jsonb(c)->>'colllocale', c.collcollate)
+                         IN ('C', 'POSIX', 'C.UTF-8', 'C.utf8'))
+       END,
+       CASE WHEN c.collname = 'default'
+            THEN coalesce(d.db->>'datlocale', d.db->>'daticulocale', d.db->>'datcollate') END
+FROM pg_attribute AS a
+JOIN pg_collation AS c ON c.oid = a.attcollation
+CROSS JOIN (SELECT to_jsonb(pg_database) AS db FROM pg_database
+            WHERE datname = current_database()) AS d
+WHERE a.attrelid = {table_name}::regclass AND a.attname = 'key' AND NOT a.attisdropped"""
+
+# Params: key. Returns the last token issued for the key, live or not, or the last ticket drawn
+# for it when larger: the row's token (a marked holder's row carries the last ticket) or its
+# holder row's (a ticket set aside while an unmarked holder kept the row).
+_LAST_TOKEN = f"""\
+SELECT GREATEST(t.token, (
+    SELECT holder.token FROM {{table}} AS holder
+    WHERE holder.key = t.key || chr({ord(SLOT_MARK)}) || '{HOLDER_SUFFIX[1:]}'))
+FROM {{table}} AS t WHERE key = %(key)s"""
 
 
 def validate_table(table: object) -> str:
@@ -250,17 +294,19 @@ _TEMPLATES = (
     ("lock_counter", _LOCK_COUNTER),
     ("create_counter", _CREATE_COUNTER),
     ("slot_rows", _SLOT_ROWS),
+    ("clear_dead_slots", _CLEAR_DEAD_SLOTS),
     ("recheck_slots", _RECHECK_SLOTS),
     ("extend", _EXTEND),
     ("take_slot", _TAKE_SLOT),
     ("lock_key", _LOCK_KEY),
     ("draw_ticket", _DRAW_TICKET),
-    ("peek_ticket", _PEEK_TICKET),
+    ("set_aside_ticket", _SET_ASIDE_TICKET),
     ("save_holder", _SAVE_HOLDER),
     ("mark", _MARK),
     ("get", _GET),
     ("list", _LIST),
     ("last_token", _LAST_TOKEN),
+    ("key_collation", _KEY_COLLATION),
     ("schema", _SCHEMA_TEMPLATE),
 )
 
@@ -269,7 +315,11 @@ def statements(table: str) -> dict[str, bytes]:
     """Every statement of the store (names as in ``_TEMPLATES``), rendered once for ``table``
     (already validated, quoted in; no connection needed): the SQL of both stores."""
     ident = sql.Identifier(*table.split("."))
-    return {name: sql.SQL(t).format(table=ident).as_bytes(None) for name, t in _TEMPLATES}
+    quoted = sql.Literal(ident.as_string())  # the quoted name, as a regclass reads it
+    return {
+        name: sql.SQL(t).format(table=ident, table_name=quoted).as_bytes(None)
+        for name, t in _TEMPLATES
+    }
 
 
 def channel_for(table: str) -> str:
@@ -290,6 +340,42 @@ primary key holds a key of at most about this size after compression (a random k
 compressed; a repetitive one may be much longer)."""
 
 
+PLAN_IDLE_SHARE = 0.5
+"""A plan transaction's ``idle_in_transaction_session_timeout``, as a share of the store's
+statement timeout: a member stalled between two statements of ``acquire_slot`` or
+``mark_replaced`` (a paused process, a blocked event loop, a partition) holds row locks; the
+server ends its session this long after its last statement, so a statement of another member
+queued on those locks (a holder's renew or release, another ``acquire_slot``) still gets them
+within its own statement timeout. A healthy client sends the next statement within
+milliseconds."""
+
+PLAN_LOCK_SHARE = 1.0
+"""A plan transaction's ``lock_timeout``, as a share of the store's statement timeout: a plan
+statement waits for a row lock no longer than the store's statement timeout, also on a pool
+passed in (which carries no ``statement_timeout`` of the store) and in the async store (whose
+own bound is measured by the client)."""
+
+_PLAN_SETTINGS = (
+    "SELECT set_config('lock_timeout', {lock}, true),"
+    " set_config('idle_in_transaction_session_timeout', {idle}, true)"
+)
+
+
+def plan_settings(statement_timeout: float) -> bytes:
+    """The statement opening every plan transaction: ``SET LOCAL lock_timeout`` and ``SET LOCAL
+    idle_in_transaction_session_timeout`` (:data:`PLAN_LOCK_SHARE`, :data:`PLAN_IDLE_SHARE` of
+    ``statement_timeout`` seconds; at least 1 ms each, as 0 would turn them off). Local to the
+    transaction, so a pool passed in keeps its own settings."""
+
+    def millis(share: float) -> sql.Literal:
+        return sql.Literal(f"{max(1, round(statement_timeout * share * 1000))}ms")
+
+    query = sql.SQL(_PLAN_SETTINGS).format(
+        lock=millis(PLAN_LOCK_SHARE), idle=millis(PLAN_IDLE_SHARE)
+    )
+    return query.as_bytes(None)
+
+
 Step = tuple[bytes, dict[str, Any]]
 """One statement of a plan and its parameters."""
 
@@ -304,6 +390,26 @@ def check_slot_request(key: str, limit: int) -> None:
         raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): needs 1 <= limit <= {MAX_LIMIT}")
     if SLOT_MARK in key:
         raise ValueError(f"acquire_slot({key!r}, limit={limit!r}): a key may not contain U+001F")
+
+
+def check_key_order(store: str, table: str, rows: Rows) -> None:
+    """``LeaseConfigError`` unless the ``key_collation`` row says the table's key column orders
+    as bytes: a slot acquire reads a key's rows as the primary-key range :func:`slot_range`,
+    which holds them all only in byte order (in a linguistic collation U+001F sorts as if
+    absent, so a key would see at most one of its slots). Names the table, the collation and
+    the ``ALTER TABLE`` fixing it. No row (no ``key`` column): nothing to say here."""
+    if not rows:
+        return
+    ((name, byte_order, default_of),) = rows
+    if byte_order:
+        return
+    collation = f"{name} ({default_of}, the database's)" if default_of else str(name)
+    ident = sql.Identifier(*table.split(".")).as_string()
+    raise LeaseConfigError(
+        f"{store}: slots (acquire_slot) need the key column of table {table!r} in byte order, "
+        f"but its collation is {collation!r}; change it with: ALTER TABLE {ident} ALTER COLUMN "
+        'key TYPE text COLLATE "C"'
+    )
 
 
 def slot_range(key: str) -> dict[str, str]:
@@ -329,9 +435,11 @@ def slot_plan(
     the lowest free one with the next counter token.
 
     Renewals do not queue on the counter: a slot read as expired but not released may have been
-    renewed by a statement that committed after the read began. Those rows (few: holders that
-    stopped renewing) are read again under a row lock, which waits for such a renewal and shows
-    its outcome, so a slot still held is never counted free."""
+    renewed by a statement that committed after the read began. Those rows (holders that
+    stopped renewing) are cleared by an ``UPDATE`` that waits for such a renewal and leaves a
+    row it renewed; only rows not cleared are read again, so a slot still held is never
+    counted free. Once cleared, a dead holder's row is not touched by later calls (no row lock,
+    no write, no WAL per call)."""
     counter = counter_key(key)
     if not (yield statements["lock_counter"], {"key": counter}):
         yield statements["create_counter"], {"key": counter}
@@ -342,8 +450,12 @@ def slot_plan(
         if row[1] is not None and not row[3] and _slot_of(key, row[0]) is not None
     }
     if doubtful:
-        fresh = yield statements["recheck_slots"], {"keys": sorted(doubtful)}
-        rows = [row for row in rows if row[0] not in doubtful] + fresh
+        rows = [row for row in rows if row[0] not in doubtful]
+        cleared = yield statements["clear_dead_slots"], {"keys": sorted(doubtful)}
+        rows += [(row_key, None, row_token, False) for row_key, row_token in cleared]
+        kept = doubtful - {row[0] for row in cleared}
+        if kept:  # renewed since the read: rare (a renewal racing its own expiry)
+            rows += yield statements["recheck_slots"], {"keys": sorted(kept)}
     last = 0
     live: set[int] = set()
     mine: int | None = None
@@ -382,8 +494,9 @@ def replace_plan(
     """``mark_replaced`` as one transaction: lock the key's row; marking an unmarked holder
     copies its own token to the key's holder row first, so the row's token is the key's counter
     from then on and a drawn ticket goes there. A ticket drawn while another owner than
-    ``holder`` holds the key unmarked cannot be kept (the row carries that holder's token): it
-    is above every token issued so far, and a later token exceeds it once the clock passed it."""
+    ``holder`` holds the key unmarked cannot go into the row (it carries that holder's token):
+    it is set aside in the key's holder row, where ``last_token`` counts it; it is above every
+    token issued so far, and a later token exceeds it once the clock passed it."""
     ((stored, token, live),) = yield statements["lock_key"], {"key": key}
     current: str | None = None
     asked = False
@@ -399,7 +512,8 @@ def replace_plan(
         if keep:
             ((drawn,),) = yield statements["draw_ticket"], {"key": key}
         else:
-            ((drawn,),) = yield statements["peek_ticket"], {"key": key}
+            params = {"key": key, "holder": key + HOLDER_SUFFIX}
+            ((drawn,),) = yield statements["set_aside_ticket"], params
         ticket = int(drawn)
     return ticket, current, asked
 
@@ -844,6 +958,8 @@ class StoreBase:
     _connection_class: type
     _secrets: tuple[str, ...]
     _sql: dict[str, bytes]
+    _plan_settings: bytes
+    _key_order_checked: bool  # whether the key column's collation was found in byte order
 
     def _set_options(
         self,
@@ -861,6 +977,8 @@ class StoreBase:
         self._max_connections = max_connections
         self._channel = channel_for(self._table)
         self._sql = statements(self._table)
+        self._plan_settings = plan_settings(self._statement_timeout)
+        self._key_order_checked = False
 
     @property
     def table(self) -> str:

@@ -38,6 +38,7 @@ from celery_lease.stores._postgres_common import (
     Rows,
     Step,
     StoreBase,
+    check_key_order,
     check_slot_request,
     connect_kwargs,
     describe_error,
@@ -107,6 +108,29 @@ def _settle_interrupted(conn: psycopg.Connection[Any]) -> None:
         logger.warning("celery-lease: ending an interrupted statement failed (%s)", exc)
     finally:
         conn.close()
+
+
+_IN_TRANSACTION = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
+
+
+def _steps(
+    conn: psycopg.Connection[Any],
+    plan: Generator[Step, Rows, _T],
+    pipeline: psycopg.Pipeline | None,
+) -> _T:
+    """Execute each statement of ``plan`` (after a pipeline sync, when pipelined) and send its
+    rows back; the plan's result."""
+    step = next(plan)
+    while True:
+        cursor = conn.execute(*step)
+        if pipeline is not None:
+            pipeline.sync()
+        rows = cursor.fetchall() if cursor.description is not None else []
+        try:
+            step = plan.send(rows)
+        except StopIteration as stop:
+            result: _T = stop.value
+            return result
 
 
 def _pool_target(pool: ConnectionPool[Any]) -> str:
@@ -292,7 +316,9 @@ class PostgresLockStore(StoreBase):
             waits for locked rows included (default 5.0; PostgreSQL's ``statement_timeout``, set
             on each connection of the internal pool). Exceeding it raises
             ``StoreUnavailableError`` naming the bound, without a retry. With a pool passed in,
-            that pool's own settings apply.
+            that pool's own settings apply. The multi-statement transactions (``acquire_slot``,
+            ``mark_replaced``) set, locally, ``lock_timeout`` to it and
+            ``idle_in_transaction_session_timeout`` to half of it, also on a pool passed in.
         max_connections: the size limit of the internal pool (default 8); ignored with a pool.
         create_table: whether the store may create a missing table (default: the URL's
             ``?create_table=true|false`` when given, else True). When False, or when the role
@@ -538,6 +564,7 @@ class PostgresLockStore(StoreBase):
         slot of ``key`` that ``owner`` may have taken.
         """
         check_slot_request(key, limit)
+        self._check_key_order()
         interest = self._interest_before_acquire(key)
         try:
             got = self._run_plan(
@@ -561,6 +588,18 @@ class PostgresLockStore(StoreBase):
             self._drop_interest(key, interest)
         return got
 
+    def _check_key_order(self) -> None:
+        """Once per store: ``LeaseConfigError`` if the table's key column is not in byte order
+        (``check_key_order``), before any slot row is written."""
+        if self._key_order_checked:
+            return
+        rows = self._run(
+            "read the key column's collation",
+            lambda conn: conn.execute(self._sql["key_collation"]).fetchall(),
+        )
+        check_key_order(repr(self), self._table, rows)
+        self._key_order_checked = True
+
     def mark_replaced(
         self, key: str, ticket: int | None = None, holder: str | None = None
     ) -> tuple[int, str | None, bool]:
@@ -569,8 +608,8 @@ class PostgresLockStore(StoreBase):
         Marking copies the holder's own token to the key's holder row
         (:data:`~celery_lease.stores._postgres_common.HOLDER_SUFFIX`); a ticket is drawn into
         the key's row (its counter). A ticket drawn while another owner than ``holder`` holds
-        the key unmarked is kept nowhere: above every token issued so far, and below later
-        ones once the clock has passed it."""
+        the key unmarked is set aside in the holder row (``last_token`` counts it): above every
+        token issued so far, and below later ones once the clock has passed it."""
         return self._run_plan(
             "ask the holder to stop", lambda: replace_plan(self._sql, key, ticket, holder)
         )
@@ -578,20 +617,30 @@ class PostgresLockStore(StoreBase):
     def _run_plan(self, what: str, make: Callable[[], Generator[Step, Rows, _T]]) -> _T:
         """Run a plan (``slot_plan``, ``replace_plan``) as one transaction: each statement it
         yields is executed and its rows sent back; a dropped connection is retried once with a
-        new plan (both plans are safe to repeat)."""
+        new plan (both plans are safe to repeat). On an autocommit connection, in pipeline mode
+        (libpq >= 14), ``BEGIN`` and the transaction's settings (``plan_settings``: its lock and
+        idle timeouts) go out with the first statement: one round trip per statement, plus
+        ``COMMIT``. An interrupt leaves the transaction to ``_settle_interrupted`` (which closes
+        the connection)."""
 
         def run(conn: psycopg.Connection[Any]) -> _T:
             plan = make()
-            with conn.transaction():
-                step = next(plan)
-                while True:
-                    cursor = conn.execute(*step)
-                    rows = cursor.fetchall() if cursor.description is not None else []
-                    try:
-                        step = plan.send(rows)
-                    except StopIteration as stop:
-                        result: _T = stop.value
-                        return result
+            if not (conn.autocommit and psycopg.Pipeline.is_supported()):
+                with conn.transaction():  # psycopg's BEGIN, then the settings: one trip more
+                    conn.execute(self._plan_settings)
+                    return _steps(conn, plan, None)
+            try:
+                with conn.pipeline() as pipeline:
+                    conn.execute(b"BEGIN")  # queued: sent with the settings and 1st statement
+                    conn.execute(self._plan_settings)
+                    result = _steps(conn, plan, pipeline)
+                    conn.execute(b"COMMIT")  # its reply is read as the pipeline ends
+            except psycopg.Error:
+                if conn.pgconn.transaction_status in _IN_TRANSACTION:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.execute(b"ROLLBACK")
+                raise
+            return result
 
         return self._run(what, run)
 

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 from psycopg_pool import AsyncConnectionPool, PoolClosed, PoolTimeout
 
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
@@ -30,6 +31,7 @@ from celery_lease.stores._postgres_common import (
     Rows,
     Step,
     StoreBase,
+    check_key_order,
     check_slot_request,
     connect_kwargs,
     describe_error,
@@ -50,6 +52,7 @@ logger = logging.getLogger("celery_lease.stores.postgres_async")
 _T = TypeVar("_T")
 
 _AsyncConn = psycopg.AsyncConnection[Any]
+_IN_TRANSACTION = (TransactionStatus.INTRANS, TransactionStatus.INERROR)
 _UNDO_TIMEOUT = 5.0  # seconds a release undoing an interrupted acquire may take at most
 
 
@@ -171,7 +174,9 @@ class AsyncPostgresLockStore(StoreBase):
         statement_timeout: seconds one statement may take, measured by the client, before it
             is cancelled and ``StoreUnavailableError`` raised (default 5.0). The sync twin this
             store builds gets the same bound on the server's side, so the renewals of this
-            store's leases (which go through it) are bounded too.
+            store's leases (which go through it) are bounded too. ``acquire_slot``'s
+            transaction also sets the server's ``lock_timeout`` to it and
+            ``idle_in_transaction_session_timeout`` to half of it.
         max_connections: the size limit of the pool (default 8), and of the sync twin's.
         create_table: whether a missing table may be created (default: the URL's
             ``?create_table=``, else True).
@@ -360,6 +365,7 @@ class AsyncPostgresLockStore(StoreBase):
         call that timed out or was cancelled releases every slot of ``key`` that ``owner`` may
         have taken before raising."""
         check_slot_request(key, limit)
+        await self._check_key_order()
 
         async def run(conn: _AsyncConn) -> tuple[int, int] | None:
             return await self._drive(conn, slot_plan(self._sql, key, owner, ttl_ms, limit))
@@ -375,20 +381,56 @@ class AsyncPostgresLockStore(StoreBase):
             self._refuse_long_key(key, exc)
             raise
 
+    async def _check_key_order(self) -> None:
+        """As :meth:`PostgresLockStore._check_key_order`."""
+        if self._key_order_checked:
+            return
+
+        async def run(conn: _AsyncConn) -> Rows:
+            cursor = await conn.execute(self._sql["key_collation"])
+            return await cursor.fetchall()
+
+        rows = await self._run("read the key column's collation", None, run)
+        check_key_order(repr(self), self._table, rows)
+        self._key_order_checked = True
+
+    async def _drive(self, conn: _AsyncConn, plan: Generator[Step, Rows, _T]) -> _T:
+        """Run a plan as one transaction opened with its settings (lock and idle timeouts):
+        each statement it yields is executed and its rows sent back (as the sync store's
+        ``_run_plan``, pipelined the same way)."""
+        if not (conn.autocommit and psycopg.Pipeline.is_supported()):
+            async with conn.transaction():
+                await conn.execute(self._plan_settings)
+                return await self._steps(conn, plan, None)
+        try:
+            async with conn.pipeline() as pipeline:
+                await conn.execute(b"BEGIN")  # queued: sent with the settings and 1st statement
+                await conn.execute(self._plan_settings)
+                result = await self._steps(conn, plan, pipeline)
+                await conn.execute(b"COMMIT")  # its reply is read as the pipeline ends
+        except psycopg.Error:
+            if conn.pgconn.transaction_status in _IN_TRANSACTION:
+                with contextlib.suppress(psycopg.Error):
+                    await conn.execute(b"ROLLBACK")
+            raise
+        return result
+
     @staticmethod
-    async def _drive(conn: _AsyncConn, plan: Generator[Step, Rows, _T]) -> _T:
-        """Run a plan as one transaction: each statement it yields is executed and its rows
-        sent back (as the sync store's ``_run_plan``)."""
-        async with conn.transaction():
-            step = next(plan)
-            while True:
-                cursor = await conn.execute(*step)
-                rows = await cursor.fetchall() if cursor.description is not None else []
-                try:
-                    step = plan.send(rows)
-                except StopIteration as stop:
-                    result: _T = stop.value
-                    return result
+    async def _steps(
+        conn: _AsyncConn, plan: Generator[Step, Rows, _T], pipeline: psycopg.AsyncPipeline | None
+    ) -> _T:
+        """Execute each statement of ``plan`` and send its rows back; its result."""
+        step = next(plan)
+        while True:
+            cursor = await conn.execute(*step)
+            if pipeline is not None:
+                await pipeline.sync()
+            rows = await cursor.fetchall() if cursor.description is not None else []
+            try:
+                step = plan.send(rows)
+            except StopIteration as stop:
+                result: _T = stop.value
+                return result
 
     async def _undo_acquire(self, key: str, owner: str, why: str, *, slots: bool = False) -> None:
         """Release ``owner``'s lease (unique per attempt: never anyone else's), shielded from

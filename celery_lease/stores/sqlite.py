@@ -10,8 +10,9 @@ never live). A holder asked to stop (``mark_replaced``) has ``REPLACED_MARK`` ap
 stored owner, and its own token is copied to the row ``k + U+001F + "holder"``
 (``_HOLDER_SUFFIX``; owner NULL, never live): from then on ``k``'s row's token is only the key's
 counter, so a ticket drawn while it holds goes there and the next acquire's token (drawn from
-that column, as always) exceeds it, with nothing more read on the plain paths. ``get``, ``list``,
-``last_token`` and ``force_release`` show a marked holder's own token from that row.
+that column, as always) exceeds it, with nothing more read on the plain paths. ``get``, ``list``
+and ``force_release`` show a marked holder's own token from that row; ``last_token`` is the
+larger of the key's last token and the last ticket drawn for it.
 """
 
 from __future__ import annotations
@@ -170,7 +171,13 @@ _MARK = "UPDATE celery_lease SET owner = ?3 WHERE key = ?1 AND owner = ?2"
 _SELECT_LIVE = _numbered(
     f"SELECT key, owner, {_HOLDER_TOKEN}, {_LEFT_MS} FROM celery_lease WHERE {_LIVE}"
 )
-_LAST_TOKEN = f"SELECT {_HOLDER_TOKEN} FROM celery_lease WHERE key = ?1"
+# The last token of a key: its row's token (a marked holder's row carries the last ticket drawn)
+# or, when larger, its holder row's (a ticket set aside while an unmarked holder kept the row).
+_LAST_TOKEN = (
+    "SELECT max(token, coalesce((SELECT holder.token FROM celery_lease AS holder"
+    f" WHERE holder.key = celery_lease.key || {_sql_text(_HOLDER_SUFFIX)}), token))"
+    " FROM celery_lease WHERE key = ?1"
+)
 _LIST = f"{_SELECT_LIVE} AND substr(key, 1, length(?1)) = ?1 ORDER BY key"
 _GET = f"{_SELECT_LIVE} AND key = ?1"
 
@@ -596,9 +603,10 @@ class SQLiteLockStore:
         transaction. Marking copies the holder's own token to the key's holder row; a ticket
         is then drawn into the key's row (its counter), as it is while the key is free.
 
-        A ticket drawn while another owner than ``holder`` holds the key unmarked cannot be
-        kept (the key's row carries that holder's token): it is above every token issued so
-        far, and a later token is above it only once the clock has passed it.
+        A ticket drawn while another owner than ``holder`` holds the key unmarked cannot go
+        into the key's row (it carries that holder's token): it is set aside in the holder row,
+        where ``last_token`` counts it; it is above every token issued so far, and a later
+        token is above it once the clock has passed it.
         """
         return self._run(
             "ask a holder to stop",
@@ -624,7 +632,11 @@ class SQLiteLockStore:
                     cursor.execute(_SET_COUNTER, (key + _HOLDER_SUFFIX, counter))
                     cursor.execute(_MARK, (key, row[0], marked(current)))
                 if not was_asked and not asked:
-                    return ticket, current, False  # its token stays the row's: nothing kept
+                    # The row keeps its holder's token: a drawn ticket is set aside in the
+                    # holder row (unused while the holder is unmarked), for last_token.
+                    if drawn:
+                        cursor.execute(_SET_COUNTER, (key + _HOLDER_SUFFIX, ticket))
+                    return ticket, current, False
             if drawn:
                 cursor.execute(_SET_COUNTER, (key, ticket))
             return ticket, current, asked
@@ -653,7 +665,8 @@ class SQLiteLockStore:
         return self._run("read a lease", op)
 
     def last_token(self, key: str) -> int | None:
-        """The last fencing token issued for ``key`` (kept after release), or ``None``."""
+        """The last fencing token issued for ``key`` (kept after release) or, when larger, the
+        last ticket ``mark_replaced`` drew for it; ``None`` when it has neither."""
 
         def op(cursor: sqlite3.Cursor) -> int | None:
             row = cursor.execute(_LAST_TOKEN, (key,)).fetchone()

@@ -13,6 +13,14 @@ Three parts, all reusable outside pytest (``benchmarks/exclusion_checker.py`` ru
   verifies that no two holdings of a key overlapped while both believed they held it, that tokens
   per key strictly increase in acquisition order, and that the resource accepted writes in token
   order only. Timestamps are ``CLOCK_MONOTONIC``: comparable across processes of one host.
+  With a ``limit`` (``Plan.limit``, ``check(..., limit=)``) the holders take slots
+  (``lease(key, limit=n)``): :func:`check` then counts the holders of a key that believed they
+  held it at once (its peak, :attr:`Report.peaks`, a violation above the limit), requires the
+  holdings of one slot never to overlap, requires a token to exceed every token of the key whose
+  acquisition had returned before the later acquisition was asked for (``asked_at``), and fences
+  each slot as its own resource (the slot's store key). Holders are processes
+  (:func:`run_processes`), threads (:func:`run_threads`) or tasks on one event loop sharing an
+  async store (:func:`run_async`, without pauses).
 - :class:`Agent`: a holder process driven line by line over its stdin (``acquire``, ``check``,
   ``write``, ``release``), answering JSON lines (and reporting ``lost`` when its lease is lost),
   so a test can SIGKILL or SIGSTOP it at an exact point.
@@ -23,8 +31,8 @@ Run as ``python -m tests.faults.harness worker|agent ...`` (from the repository 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
-import itertools
 import json
 import os
 import random
@@ -36,7 +44,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,9 +61,11 @@ __all__ = [
     "Plan",
     "Report",
     "check",
+    "concurrency_peak",
     "is_stopped",
     "make_celery_app",
     "now",
+    "run_async",
     "run_processes",
     "run_threads",
     "wait_stopped",
@@ -240,6 +250,9 @@ class PausableStore:
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
         return self.inner.acquire(key, owner, ttl_ms)
 
+    def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
+        return self.inner.acquire_slot(key, owner, ttl_ms, limit)  # type: ignore[attr-defined,no-any-return]
+
     def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         if owner in self._paused:
             raise StoreUnavailableError(f"owner {owner} is paused")
@@ -261,6 +274,8 @@ class Plan:
     hold_max: float = 0.03
     pause_prob: float = 0.0
     pause_for: float = 0.0
+    limit: int = 1
+    """Holders of a key at once: 1 is the single-holder lease, more takes slots."""
 
 
 def hold_loop(
@@ -276,10 +291,15 @@ def hold_loop(
     for index in range(plan.rounds):
         key = rng.choice(plan.keys)
         rec: dict[str, Any] = {"holder": name, "round": index, "key": key}
+        limit = {"limit": plan.limit} if plan.limit != 1 else {}
         try:
-            with lease(key, store=store, ttl=plan.ttl, wait=plan.wait) as held:
+            rec["asked_at"] = now()
+            with lease(key, store=store, ttl=plan.ttl, wait=plan.wait, **limit) as held:
                 rec["acquired_at"] = rec["confirmed_at"] = now()
                 rec["token"] = held.token
+                if limit:
+                    rec["slot"] = held.slot
+                    rec["fence_key"] = held.store_key
                 time.sleep(rng.uniform(0, plan.hold_max))
                 checked = now()
                 if not held.lost:  # check, then act: a pause in between is what fencing is for
@@ -287,7 +307,7 @@ def hold_loop(
                     if rng.random() < plan.pause_prob:
                         rec["paused"] = True
                         pause(held)
-                    rec["accepted"] = fence.write(key, held.token, name)
+                    rec["accepted"] = fence.write(rec.get("fence_key", key), held.token, name)
                 time.sleep(rng.uniform(0, plan.hold_max))
                 checked = now()
                 if not held.lost:
@@ -323,12 +343,17 @@ def _worker_main(args: argparse.Namespace) -> None:
         hold_max=args.hold_max,
         pause_prob=args.pause_prob,
         pause_for=args.pause_for,
+        limit=args.limit,
     )
 
     def emit(rec: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(rec) + "\n")
         sys.stdout.flush()
 
+    # Set up (imports, store, plan) before the start line: the holders begin together.
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
     hold_loop(store, fence, args.name, plan, _stop_self(args.pause_for), emit)
     sys.stdout.write("DONE\n")
     sys.stdout.flush()
@@ -373,8 +398,10 @@ def run_processes(
 ) -> list[dict[str, Any]]:
     """Run ``holders`` holder processes following ``plan`` (each with its own seed).
 
-    Pauses are real: the holder stops itself with SIGSTOP, this process sends SIGCONT after
-    ``plan.pause_for`` seconds. Returns every record; raises if a holder fails or times out.
+    The holders start their plans together: each says ``READY`` once set up, and all are told
+    to go (a line on their stdin) once every one has. Pauses are real: the holder stops itself
+    with SIGSTOP, this process sends SIGCONT after ``plan.pause_for`` seconds. Returns every
+    record; raises if a holder fails or times out.
     """
     records: list[dict[str, Any]] = []
     lock = threading.Lock()
@@ -382,14 +409,27 @@ def run_processes(
     readers: list[threading.Thread] = []
     errors = [tempfile.TemporaryFile("w+") for _ in range(holders)]  # noqa: SIM115 - closed below
     done: list[bool] = [False] * holders
+    ready = threading.Semaphore(0)  # one release per holder set up (or ended before)
+    started: list[bool] = [False] * holders
 
     def read(i: int, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        try:
+            follow(i, proc)
+        finally:
+            if not started[i]:  # it ended before it was set up: nobody waits for it
+                ready.release()
+
+    def follow(i: int, proc: subprocess.Popen[str]) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             if line.startswith("PAUSE "):
                 threading.Thread(
                     target=_resume_later, args=(proc.pid, float(line.split()[1])), daemon=True
                 ).start()
+            elif line.startswith("READY"):
+                started[i] = True
+                ready.release()
             elif line.startswith("DONE"):
                 done[i] = True
             elif line.strip():
@@ -406,15 +446,25 @@ def run_processes(
                 "--seed", str(plan.seed * 1000 + i), "--ttl", str(plan.ttl),
                 "--wait", str(plan.wait), "--hold-max", str(plan.hold_max),
                 "--pause-prob", str(plan.pause_prob), "--pause-for", str(plan.pause_for),
+                "--limit", str(plan.limit),
             ]  # fmt: skip
             proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=errors[i], text=True, cwd=ROOT, env=env
-            )
+                command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors[i],
+                text=True, cwd=ROOT, env=env,
+            )  # fmt: skip
             procs.append(proc)
             reader = threading.Thread(target=read, args=(i, proc), daemon=True)
             reader.start()
             readers.append(reader)
         deadline = now() + timeout
+        for _ in procs:
+            if not ready.acquire(timeout=max(0.1, deadline - now())):
+                break  # a holder failed to start: the waits below report it
+        for proc in procs:
+            assert proc.stdin is not None
+            with contextlib.suppress(OSError):
+                proc.stdin.write("GO\n")
+                proc.stdin.close()
         for i, proc in enumerate(procs):
             try:
                 proc.wait(max(0.1, deadline - now()))
@@ -477,6 +527,68 @@ def run_threads(
     return records
 
 
+async def _async_hold_loop(
+    store: Any, fence: FencedResource, name: str, plan: Plan, emit: Callable[[dict], None]
+) -> None:
+    """:func:`hold_loop` for an async store (``async with lease(...)``), without pauses."""
+    rng = random.Random(plan.seed)
+    for index in range(plan.rounds):
+        key = rng.choice(plan.keys)
+        rec: dict[str, Any] = {"holder": name, "round": index, "key": key}
+        limit = {"limit": plan.limit} if plan.limit != 1 else {}
+        try:
+            rec["asked_at"] = now()
+            async with lease(key, store=store, ttl=plan.ttl, wait=plan.wait, **limit) as held:
+                rec["acquired_at"] = rec["confirmed_at"] = now()
+                rec["token"] = held.token
+                if limit:
+                    rec["slot"] = held.slot
+                    rec["fence_key"] = held.store_key
+                await asyncio.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:
+                    rec["confirmed_at"] = checked
+                    rec["accepted"] = fence.write(rec.get("fence_key", key), held.token, name)
+                await asyncio.sleep(rng.uniform(0, plan.hold_max))
+                checked = now()
+                if not held.lost:
+                    rec["confirmed_at"] = checked
+                    rec["confirmed_after_write"] = "accepted" in rec
+                rec["lost"] = held.lost
+        except LockNotAcquiredError:
+            rec["timed_out"] = True
+        except LockLostError:
+            rec["lost"] = True
+        emit(rec)
+
+
+def run_async(
+    make_store: Callable[[], Any], fence: FencedResource, *, holders: int, plan: Plan
+) -> list[dict[str, Any]]:
+    """Run ``holders`` holder tasks on one event loop (a new one, in this thread), sharing the
+    async store ``make_store()`` builds on that loop (closed at the end when it has
+    ``aclose``). No pauses: a paused task would pause the loop and every holder with it."""
+    records: list[dict[str, Any]] = []
+
+    async def main() -> None:
+        store = make_store()
+        try:
+            await asyncio.gather(*(
+                _async_hold_loop(
+                    store, fence, f"a{i}", Plan(**{**plan.__dict__, "seed": plan.seed * 1000 + i}),
+                    records.append,
+                )
+                for i in range(holders)
+            ))  # fmt: skip
+        finally:
+            close = getattr(store, "aclose", None)
+            if close is not None:
+                await close()
+
+    asyncio.run(main())
+    return records
+
+
 # Checker --------------------------------------------------------------------------------------
 
 
@@ -495,22 +607,81 @@ class Report:
     timed_out: int = 0
     writes: int = 0
     violations: list[str] = field(default_factory=list)
+    peaks: dict[str, int] = field(default_factory=dict)
+    """Per key: the most holdings that believed they held it at one moment."""
+    limits: dict[str, int] = field(default_factory=dict)
+    """Per key: the limit its peak was checked against."""
 
     def summary(self) -> str:
-        """One line: ``<store>: N acquisitions, 0 overlaps, 0 stale writes accepted (...)``."""
-        return (
+        """One line: ``<store>: N acquisitions, 0 overlaps, 0 stale writes accepted (...)``,
+        then each key's peak against its limit when a limit above 1 was checked."""
+        line = (
             f"{self.store}: {self.acquisitions} acquisitions, {self.overlaps} overlaps, "
             f"{self.stale_accepted} stale writes accepted ({self.writes} fenced writes, "
             f"{self.stale_rejected} stale writes rejected by fencing, {self.late_accepted} late "
             f"writes accepted in token order, {self.pauses} pauses, {self.lost} leases lost, "
             f"{self.timed_out} waits timed out)"
         )
+        if any(limit != 1 for limit in self.limits.values()):
+            peaks = ", ".join(
+                f"{key} {self.peaks[key]} of {self.limits[key]}" for key in sorted(self.peaks)
+            )
+            line += f"; peak holders per key: {peaks}"
+        return line
+
+
+Limit = int | Mapping[str, int]
+"""What :func:`check` allows: one limit for every key, or a limit per key (absent keys: 1)."""
+
+
+def concurrency_peak(
+    spans: Iterable[tuple[float, float, str]],
+) -> tuple[int, float, list[str]]:
+    """The most ``(start, end, who)`` spans open at one moment: ``(peak, when, who)``.
+
+    A span is open from ``start`` to ``end``; one that starts exactly when another ends does not
+    overlap it (the end is counted first). A span of no length (``end <= start``: a holder that
+    saw its lease lost at once) is open at its instant only, together with the spans that start
+    then. ``(0, 0.0, [])`` for no spans.
+    """
+    events: list[tuple[float, int, int]] = []
+    named = list(spans)
+    for index, (start, end, _) in enumerate(named):
+        # At equal times: ends (0), then starts (1), then the ends of spans of no length (2).
+        events.append((start, 1, index))
+        events.append((end, 2, index) if end <= start else (end, 0, index))
+    open_now: set[int] = set()
+    peak, when, who = 0, 0.0, []
+    for at, kind, index in sorted(events):
+        if kind == 1:
+            open_now.add(index)
+            if len(open_now) > peak:
+                peak, when, who = len(open_now), at, sorted(named[i][2] for i in open_now)
+        else:
+            open_now.discard(index)
+    return peak, when, who
+
+
+def _holding(rec: dict[str, Any]) -> str:
+    slot = f" slot {rec['slot']}" if rec.get("slot") is not None else ""
+    return f"{rec['holder']} (token {rec['token']}{slot})"
 
 
 def check(
-    store: str, records: Iterable[dict[str, Any]], writes: Iterable[tuple[str, int, bool, str]]
+    store: str,
+    records: Iterable[dict[str, Any]],
+    writes: Iterable[tuple[str, int, bool, str]],
+    *,
+    limit: Limit = 1,
 ) -> Report:
-    """Verify mutual exclusion and fencing over the holders' ``records`` and the resource log."""
+    """Verify mutual exclusion (at most ``limit`` holders of a key at once) and fencing over
+    the holders' ``records`` and the resource log.
+
+    A record is one holding: ``holder``, ``key``, ``token``, ``acquired_at`` (its acquisition
+    had returned), ``confirmed_at`` (the last moment it saw its lease held), and optionally
+    ``asked_at`` (before its acquisition was asked for; default ``acquired_at``), ``slot`` and
+    ``fence_key`` (the key its fenced writes used; default ``key``).
+    """
     report = Report(store)
     by_key: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for rec in records:
@@ -523,40 +694,70 @@ def check(
         by_key[rec["key"]].append(rec)
 
     for key, recs in by_key.items():
+        allowed = limit if isinstance(limit, int) else limit.get(key, 1)
+        report.limits[key] = allowed
         recs.sort(key=lambda r: r["acquired_at"])
         tokens = [r["token"] for r in recs]
         if len(set(tokens)) != len(tokens):
             report.violations.append(f"{key}: a token was issued twice: {sorted(tokens)}")
-        for earlier, later in itertools.pairwise(recs):
-            if later["token"] <= earlier["token"]:
+        # A token exceeds every token of the key acquired before its acquisition was asked for.
+        highest, done = None, 0
+        for later in sorted(recs, key=lambda r: r.get("asked_at", r["acquired_at"])):
+            asked = later.get("asked_at", later["acquired_at"])
+            while done < len(recs) and recs[done]["acquired_at"] < asked:
+                if highest is None or recs[done]["token"] > highest["token"]:
+                    highest = recs[done]
+                done += 1
+            if highest is not None and later["token"] <= highest["token"]:
                 report.violations.append(
-                    f"{key}: token {later['token']} acquired after {earlier['token']}"
+                    f"{key}: token {later['token']} acquired after {highest['token']}"
                 )
-        # Belief intervals [acquired_at, confirmed_at]: no two may intersect.
-        for i, a in enumerate(recs):
-            for b in recs[i + 1 :]:
-                if b["acquired_at"] >= a["confirmed_at"]:
-                    continue
+        # Belief intervals [acquired_at, confirmed_at]: at most `allowed` open at once.
+        spans = [(r["acquired_at"], r["confirmed_at"], _holding(r)) for r in recs]
+        peak, when, who = concurrency_peak(spans)
+        report.peaks[key] = peak
+        if peak > allowed:
+            report.violations.append(
+                f"{key}: {peak} holders believed they held it at {when:.4f} (limit {allowed}):"
+                f" {', '.join(who)}"
+            )
+        for index, b in enumerate(recs):
+            believing = sum(1 for a in recs[:index] if a["confirmed_at"] > b["acquired_at"])
+            if believing >= allowed:  # b made one holder too many
                 report.overlaps += 1
-                report.violations.append(
-                    f"{key}: {b['holder']} acquired (token {b['token']}) at {b['acquired_at']:.4f}"
-                    f" while {a['holder']} (token {a['token']}) still believed it held the key"
-                    f" until {a['confirmed_at']:.4f}"
-                )
+        # Holdings of one slot (or of the key, without slots) never overlap.
+        by_slot: dict[object, list[dict[str, Any]]] = defaultdict(list)
+        for rec in recs:
+            by_slot[rec.get("slot")].append(rec)
+        for slot, held in by_slot.items():
+            if slot is None and allowed != 1:
+                continue  # no slot recorded: only the count above applies
+            for i, a in enumerate(held):
+                for b in held[i + 1 :]:
+                    if b["acquired_at"] >= a["confirmed_at"]:
+                        continue
+                    report.violations.append(
+                        f"{key}: {_holding(b)} acquired at {b['acquired_at']:.4f} while"
+                        f" {_holding(a)} still believed it held"
+                        f" {'the key' if slot is None else f'slot {slot}'}"
+                        f" until {a['confirmed_at']:.4f}"
+                    )
 
-    highest: dict[str, int] = {}
-    tokens_of = {(r["key"], r["token"]): r for recs in by_key.values() for r in recs}
+    top: dict[str, int] = {}
+    tokens_of = {
+        (r.get("fence_key", r["key"]), r["token"]): r for recs in by_key.values() for r in recs
+    }
     for key, token, accepted, writer in writes:
         report.writes += 1
-        top = highest.get(key, 0)
+        highest_token = top.get(key, 0)
         rec = tokens_of.get((key, token))
         if rec is None:
             report.violations.append(f"{key}: write with token {token} by {writer}: no holder")
-        if token <= top:
+        if token <= highest_token:
             if accepted:
                 report.stale_accepted += 1
                 report.violations.append(
-                    f"{key}: stale write accepted: token {token} after token {top}"
+                    f"{key}: stale write accepted: token {token} after token {highest_token}"
                 )
             else:
                 report.stale_rejected += 1
@@ -568,7 +769,7 @@ def check(
         elif not accepted:
             report.violations.append(f"{key}: the resource rejected the newest token {token}")
         if accepted:
-            highest[key] = max(top, token)
+            top[key] = max(highest_token, token)
             if rec is not None and rec.get("paused"):
                 report.late_accepted += 1
     return report
@@ -831,6 +1032,7 @@ def main(argv: list[str] | None = None) -> None:
     worker.add_argument("--hold-max", type=float, default=0.03)
     worker.add_argument("--pause-prob", type=float, default=0.0)
     worker.add_argument("--pause-for", type=float, default=0.0)
+    worker.add_argument("--limit", type=int, default=1)
     agent = sub.add_parser("agent", help="a holder driven over stdin")
     agent.add_argument("--store", required=True)
     agent.add_argument("--fence")

@@ -174,10 +174,11 @@ def test_lease_list_and_show_report_the_lease_of_a_running_task(live_worker: Liv
     assert key in rows, listed.stdout
     row = rows[key]
     assert set(row) == {
-        "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
-        "label", "taken_at", "held_seconds", "state", "ttl", "cooldown", "renewed_seconds_ago",
-        "stale",
+        "key", "slot", "owner", "replaced", "token", "expires_in", "node", "host", "pid", "task",
+        "task_id", "label", "taken_at", "held_seconds", "state", "ttl", "cooldown",
+        "renewed_seconds_ago", "stale",
     }  # fmt: skip
+    assert (row["slot"], row["replaced"]) == (None, False)  # a key without a limit
     assert row["ttl"] == 6.0  # recorded in the owner id; stale or not depends on the load
     assert (row["task"], row["pid"]) == (CACHE, live_worker.process.pid)
     assert isinstance(row["token"], int)

@@ -445,7 +445,9 @@ class StoreContract:
         assert store.renew("k", "a", ttl) is True
         if isinstance(store, SupportsInspection):
             info = store.get("k")
-            assert info is not None and info.expires_in <= ttl / 1000.0
+            # Gone already (a loaded machine took over a real ttl to read it) proves it too: an
+            # added ttl would have left the lease a minute to run.
+            assert info is None or info.expires_in <= ttl / 1000.0
         self.let_expire(store, "k", ttl)
         assert store.acquire("k", "b", LONG_MS) is not None
 

@@ -326,7 +326,7 @@ class SqlSlotChecks:
         assert ticket > token and (holder, asked) == ("a", True)
         info = slot_store.get("k")
         assert info is not None and (info.owner, info.token) == (marked("a"), token)
-        assert slot_store.last_token("k") == token
+        assert slot_store.last_token("k") == ticket  # the last ticket drawn counts
         assert slot_store.renew("k", "a", LONG_MS) is False
         assert slot_store.acquire("k", "b", LONG_MS) is None
         assert slot_store.acquire("k", "a", LONG_MS) is None
@@ -395,19 +395,20 @@ class SqlSlotChecks:
         assert (holder, asked) == ("a", False) and ticket > token
         info = slot_store.get("k")
         assert info is not None and (info.owner, info.token) == ("a", token)
-        assert slot_store.last_token("k") == token
+        assert slot_store.last_token("k") == ticket  # set aside: the last ticket drawn counts
         assert slot_store.renew("k", "a", LONG_MS) is True
         assert slot_store.acquire("k", "a", LONG_MS) == token
 
     def test_inspection_shows_a_marked_holders_own_token(self, slot_store: Store) -> None:
-        """While tickets are drawn past it, get, list, last_token and force_release show the
-        marked holder's own token; the next holder's token is above every ticket."""
+        """While tickets are drawn past it, get, list and force_release show the marked
+        holder's own token (last_token: the last ticket); the next holder's token is above
+        every ticket."""
         token = slot_store.acquire("k", "a", LONG_MS)
         tickets = [slot_store.mark_replaced("k")[0] for _ in range(3)]
         assert tickets == sorted(set(tickets)) and tickets[0] > token
         listed = [(i.key, i.owner, i.token) for i in slot_store.list("k")]
         assert listed == [("k", marked("a"), token)]
-        assert slot_store.last_token("k") == token
+        assert slot_store.last_token("k") == tickets[-1]  # the last ticket drawn counts
         removed = slot_store.force_release("k")
         assert removed is not None and (removed.owner, removed.token) == (marked("a"), token)
         later = slot_store.acquire("k", "b", LONG_MS)

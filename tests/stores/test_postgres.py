@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
+from unittest import mock
 
 import psycopg
 import pytest
@@ -30,6 +32,7 @@ from celery_lease.stores.base import (
     SupportsReleaseNotify,
 )
 from celery_lease.stores.postgres import SCHEMA_SQL, PostgresLockStore
+from celery_lease.stores.postgres_async import AsyncPostgresLockStore
 from celery_lease.stores.slots import counter_key, slot_key
 from tests.fixtures_postgres import PgCluster, PgRole
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract
@@ -238,6 +241,34 @@ class TestPostgresSlots(SqlSlotChecks):
         assert result == [None]
         assert [info.key for info in slot_store.list("k")] == [slot_key("k", 1), slot_key("k", 5)]
 
+    def test_slots_of_dead_holders_are_cleared_once_and_not_locked_again(
+        self, slot_store: PostgresLockStore
+    ) -> None:
+        """Slots whose holders died without releasing (expired rows at high indices): the
+        acquire_slot reading them clears them (owner NULL, token kept), so a later acquire_slot
+        neither locks nor writes them (their row versions stay as they are)."""
+        for i in range(6):
+            assert slot_store.acquire_slot("k", f"o{i}", LONG_MS, 6) is not None
+        dead = [slot_key("k", i) for i in range(2, 6)]
+        tokens = [slot_store.last_token(key) for key in dead]
+        for key in dead:
+            self.make_expired(slot_store, key)
+        versions = sql.SQL(
+            "SELECT key, owner, ctid::text, xmin::text, xmax::text FROM {}"
+            " WHERE key = ANY(%s) ORDER BY key"
+        ).format(sql.Identifier(self.table))
+
+        def rows() -> list[tuple[Any, ...]]:
+            return _query(self.dsn, versions.as_string(), [dead[1:]])
+
+        assert slot_store.acquire_slot("k", "n", LONG_MS, 6) == (2, mock.ANY)
+        cleared = rows()
+        assert [row[1] for row in cleared] == [None, None, None]
+        assert [slot_store.last_token(key) for key in dead[1:]] == tokens[1:]
+        slot_store.release(slot_key("k", 2), "n")
+        assert slot_store.acquire_slot("k", "m", LONG_MS, 6) == (2, mock.ANY)
+        assert rows() == cleared
+
     def test_slot_keys_announce_their_key_on_release_and_force_release(
         self, slot_store: PostgresLockStore
     ) -> None:
@@ -283,6 +314,83 @@ def _race_first_acquire(stores: list[PostgresLockStore]) -> list[object]:
     for thread in threads:
         thread.join(DEADLINE)
     return results
+
+
+def _collation_exists(dsn: str, name: str) -> bool:
+    return bool(_query(dsn, "SELECT 1 FROM pg_collation WHERE collname = %s", [name]))
+
+
+def _make_table_with_key_collation(dsn: str, table: str, collation: str) -> None:
+    """The store's table made by hand, its key column in ``collation``."""
+    ddl = sql.SQL(
+        "CREATE TABLE {} (key text COLLATE {} PRIMARY KEY, owner text NULL,"
+        " expires timestamptz NOT NULL, token bigint NOT NULL)"
+    ).format(sql.Identifier(table), sql.Identifier(collation))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(ddl)
+
+
+class TestTheKeyColumnsCollation:
+    """Slots read a key's slot rows as a range of the primary key, which holds them all only
+    in byte order: a key column in another collation is refused at the first slot acquire,
+    naming the table, the collation and the statement fixing it."""
+
+    LINGUISTIC = "en-US-x-icu"
+
+    def test_slots_on_a_table_whose_key_is_not_collate_c_are_refused_with_the_fix(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        """LeaseConfigError before any row is written; once the given ALTER TABLE ran, limit 2
+        gives two slots and a retry gets its own slot back."""
+        if not _collation_exists(pg_database_dsn, self.LINGUISTIC):
+            pytest.skip(f"the server has no collation {self.LINGUISTIC!r} (no ICU)")
+        _make_table_with_key_collation(pg_database_dsn, pg_table, self.LINGUISTIC)
+        store = PostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+        try:
+            with pytest.raises(LeaseConfigError) as caught:
+                store.acquire_slot("k", "a", LONG_MS, 2)
+            message = str(caught.value)
+            assert pg_table in message and self.LINGUISTIC in message
+            fix = f'ALTER TABLE "{pg_table}" ALTER COLUMN key TYPE text COLLATE "C"'
+            assert fix in message
+            assert _query(pg_database_dsn, f'SELECT count(*) FROM "{pg_table}"') == [(0,)]
+            _query(pg_database_dsn, fix)
+            first = store.acquire_slot("k", "a", LONG_MS, 2)
+            assert first is not None and first[0] == 0
+            assert store.acquire_slot("k", "a", LONG_MS, 2) == first
+            second = store.acquire_slot("k", "b", LONG_MS, 2)
+            assert second is not None and second[0] == 1
+        finally:
+            store.close()
+
+    def test_the_async_store_refuses_that_table_too(
+        self, pg_database_dsn: str, pg_table: str
+    ) -> None:
+        if not _collation_exists(pg_database_dsn, self.LINGUISTIC):
+            pytest.skip(f"the server has no collation {self.LINGUISTIC!r} (no ICU)")
+        _make_table_with_key_collation(pg_database_dsn, pg_table, self.LINGUISTIC)
+
+        async def main() -> None:
+            store = AsyncPostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+            try:
+                with pytest.raises(LeaseConfigError, match=self.LINGUISTIC):
+                    await store.acquire_slot("k", "a", LONG_MS, 2)
+            finally:
+                await store.aclose()
+
+        asyncio.run(main())
+
+    @pytest.mark.parametrize("collation", ["C", "POSIX", "ucs_basic"])
+    def test_a_key_column_in_byte_order_is_accepted(
+        self, pg_database_dsn: str, pg_table: str, collation: str
+    ) -> None:
+        _make_table_with_key_collation(pg_database_dsn, pg_table, collation)
+        store = PostgresLockStore(pg_database_dsn, table=pg_table, create_table=False)
+        try:
+            got = [store.acquire_slot("k", owner, LONG_MS, 2) for owner in "abc"]
+            assert [None if g is None else g[0] for g in got] == [0, 1, None]
+        finally:
+            store.close()
 
 
 class TestSchemaAndConfiguration:

@@ -142,7 +142,7 @@ class TestAsyncPostgresSlots(SqlSlotChecks):
         slot it took is released, so the limit is not left short by one for a ttl."""
         store = slot_store.async_store
         assert isinstance(store, AsyncPostgresLockStore)
-        drive = AsyncPostgresLockStore._drive
+        drive = store._drive
         taken: list[object] = []
 
         async def drive_then_cancel(conn: Any, plan: Any) -> Any:

@@ -97,28 +97,51 @@ class TestSlotPlan:
         )
         assert refused is None
 
-    def test_slots_read_expired_but_not_released_are_read_again_under_a_lock(self) -> None:
-        """Such a slot may have been renewed since the read: its locked re-read decides."""
+    def test_slots_read_expired_but_not_released_are_cleared_and_renewed_ones_read_again(
+        self,
+    ) -> None:
+        """Such slots are cleared where still expired; one renewed since the read (not
+        cleared) is read again and decides."""
         rows = [
-            (slot_key("k", 0), "gone", 5, False),  # expired, not released: read again
+            (slot_key("k", 0), "gone", 5, False),  # expired, not released: to clear
             (slot_key("k", 1), None, 6, False),  # released: free for sure
             (slot_key("k", 2), "x", 7, True),
+            (slot_key("k", 3), "dead", 4, False),  # expired, not released: to clear
         ]
         sent, got = _drive(
             slot_plan(_SQL, "k", "a", 1000, 2),
             {
                 "lock_counter": [(7,)],
                 "slot_rows": rows,
-                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],  # renewed meanwhile
+                "clear_dead_slots": [(slot_key("k", 3), 4)],  # slot 0 was renewed meanwhile
+                "recheck_slots": [(slot_key("k", 0), "gone", 5, True)],
             },
         )
-        assert sent[2] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
+        keys = [slot_key("k", 0), slot_key("k", 3)]
+        assert sent[2] == ("clear_dead_slots", {"keys": keys})
+        assert sent[3] == ("recheck_slots", {"keys": [slot_key("k", 0)]})
         assert got is None  # slots 0 and 2 held: limit 2 reached
+        sent, got = _drive(
+            slot_plan(_SQL, "k", "a", 1000, 2),
+            {
+                "lock_counter": [(7,)],
+                "slot_rows": rows,
+                "clear_dead_slots": [(slot_key("k", 0), 5), (slot_key("k", 3), 4)],
+                "take_slot": [(8,)],
+            },
+        )
+        assert [name for name, _ in sent] == [
+            "lock_counter",
+            "slot_rows",
+            "clear_dead_slots",
+            "take_slot",
+        ]
+        assert got == (0, 8)
         sent, _ = _drive(
             slot_plan(_SQL, "k", "a", 1000, 2),
-            {"lock_counter": [(7,)], "slot_rows": rows[1:], "take_slot": [(8,)]},
+            {"lock_counter": [(7,)], "slot_rows": rows[1:3], "take_slot": [(8,)]},
         )
-        assert "recheck_slots" not in [name for name, _ in sent]
+        assert "clear_dead_slots" not in [name for name, _ in sent]
 
     def test_the_owner_again_renews_its_own_slot(self) -> None:
         """The owner's live slot: renewed, its token returned, nothing taken."""
@@ -171,13 +194,14 @@ class TestReplacePlan:
         sent, got = _drive(replace_plan(_SQL, "k", 3, "b"), {"lock_key": [("a", 5, True)]})
         assert [name for name, _ in sent] == ["lock_key"] and got == (3, "a", False)
 
-    def test_a_ticket_for_another_unmarked_holder_is_kept_nowhere(self) -> None:
-        """The key's row carries that holder's token: the ticket is only computed."""
+    def test_a_ticket_for_another_unmarked_holder_is_set_aside_in_the_holder_row(self) -> None:
+        """The key's row carries that holder's token: the ticket goes to the holder row."""
         sent, got = _drive(
             replace_plan(_SQL, "k", None, "b"),
-            {"lock_key": [("a", 5, True)], "peek_ticket": [(9,)]},
+            {"lock_key": [("a", 5, True)], "set_aside_ticket": [(9,)]},
         )
-        assert sent[1:] == [("peek_ticket", {"key": "k"})] and got == (9, "a", False)
+        params = {"key": "k", "holder": "k\x1fholder"}
+        assert sent[1:] == [("set_aside_ticket", params)] and got == (9, "a", False)
 
     def test_a_marked_holder_is_not_marked_twice_and_its_row_counts_tickets(self) -> None:
         sent, got = _drive(
@@ -210,14 +234,16 @@ class TestStatements:
             "lock_counter",
             "create_counter",
             "slot_rows",
+            "clear_dead_slots",
             "recheck_slots",
             "extend",
             "take_slot",
             "lock_key",
             "draw_ticket",
-            "peek_ticket",
+            "set_aside_ticket",
             "save_holder",
             "mark",
+            "key_collation",
         }
         assert all(b'"ops"."leases"' in statement for statement in rendered.values())
 

@@ -157,10 +157,11 @@ class TestList:
             ("b", owner, t2),
         ]
         assert set(data[0]) == {
-            "key", "owner", "token", "expires_in", "node", "host", "pid", "task", "task_id",
-            "label", "taken_at", "held_seconds", "state", "ttl", "cooldown",
+            "key", "slot", "owner", "replaced", "token", "expires_in", "node", "host", "pid",
+            "task", "task_id", "label", "taken_at", "held_seconds", "state", "ttl", "cooldown",
             "renewed_seconds_ago", "stale",
         }  # fmt: skip
+        assert (data[0]["slot"], data[0]["replaced"]) == (None, False)  # a plain key's lease
         assert 0 < data[0]["expires_in"] <= 5
         assert data[0]["node"] is data[0]["taken_at"] is data[0]["held_seconds"] is None
         assert 50 < data[1]["expires_in"] <= 60
@@ -284,17 +285,19 @@ class TestShow:
         assert "owner:    host/9/xyz" in result.stdout
 
     def test_json_of_a_held_and_of_a_free_key(self, store: LockStore, store_url: str):
-        """``show --json``: the object ``list --json`` gives plus ``held``, or the free key."""
+        """``show --json``: the object ``list --json`` gives plus ``held`` and the key's live
+        ``slots`` (none here), or the free key."""
         owner = make_owner(task="t.x", task_id="i")
         token = store.acquire("k", owner, TTL_MS)
         shown = json.loads(run("show", "k", "--json", "--store", store_url).stdout)
         listed = json.loads(run("list", "--json", "--store", store_url).stdout)
         assert shown["held"] is True
         assert (shown["owner"], shown["token"], shown["task"]) == (owner, token, "t.x")
-        assert set(shown) == {"held", *listed[0]}
+        assert set(shown) == {"held", "slots", *listed[0]}
+        assert shown["slots"] == []
         store.release("k", owner)
         free = json.loads(run("show", "k", "--json", "--store", store_url).stdout)
-        assert free == {"key": "k", "held": False, "last_token": token}
+        assert free == {"key": "k", "held": False, "last_token": token, "slots": []}
 
     def test_free_key_shows_the_last_token(self, store: LockStore, store_url: str):
         """A released key is reported free with the last token the store issued for it."""
@@ -520,7 +523,9 @@ class TestEntryPoints:
         assert json.loads(result.stdout) == [
             {
                 "key": "held-by-task",
+                "slot": None,
                 "owner": "worker/1/abc",
+                "replaced": False,
                 "token": token,
                 "expires_in": pytest.approx(60, abs=30),
                 "node": None,

@@ -111,7 +111,7 @@ class TestKeyPrefix:
         assert result.exit_code == 0, result.output
         assert result.stdout.strip() == "shop:account:2: free (no token issued yet)"
         free = json.loads(run("show", "account:2", "--json", obj=obj(app)).stdout)
-        assert free == {"key": "shop:account:2", "held": False, "last_token": None}
+        assert free == {"key": "shop:account:2", "held": False, "last_token": None, "slots": []}
 
     def test_a_key_that_starts_with_the_prefix_is_still_prefixed(
         self, app: Celery, store: SupportsInspection

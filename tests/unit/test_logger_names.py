@@ -19,6 +19,7 @@ LOGGER_NAMES = {
     "celery_lease._celery.held_by": "celery_lease.engine",
     "celery_lease._celery.interrupt": "celery_lease.interrupt",
     "celery_lease._celery.on_held": "celery_lease.engine",
+    "celery_lease._celery.replace": "celery_lease.engine",
     "celery_lease._celery.reaper": "celery_lease.worker",
     "celery_lease._celery.settings": "celery_lease.config",
     "celery_lease._celery.startup": "celery_lease.worker",

@@ -100,6 +100,48 @@ class TestInspectCommand:
         assert answer["unanswered"] == [] and answer["pool"] == ""
 
 
+class TestSlotRows:
+    def test_a_slot_is_its_key_and_its_slot(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A lease renewed under a slot's store key is listed as the key and its slot (the
+        store's suffix never shown); a lease taken without a limit has slot ``None``."""
+        from celery_lease._core.owners import make_owner
+        from celery_lease.stores.slots import slot_key
+
+        owner = make_owner(node="w1@h", task="t.pay", task_id="id-2")
+        snapshot = [
+            {"key": slot_key("pay:7", 2), "token": 12, "owner": owner, "held_seconds": 1.0},
+            {"key": "pay:8", "token": 5, "owner": "o", "held_seconds": 1.0},
+        ]
+        monkeypatch.setattr(control.renewer, "snapshot", lambda: snapshot)
+        rows = control.local_rows()
+        assert [(r["key"], r["slot"], r["token"]) for r in rows] == [
+            ("pay:7", 2, 12),
+            ("pay:8", None, 5),
+        ]
+        assert (rows[0]["task"], rows[0]["task_id"]) == ("t.pay", "id-2")
+
+    def test_rows_of_one_key_sort_by_slot(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """``inspect leases`` sorts rows by key, then slot (a plain key before its slots), then
+        pid: slot 10 after slot 9."""
+        state = SimpleNamespace(consumer=SimpleNamespace(pool=None))
+        rows: list[control.LeaseRow] = [
+            _row("pay:7", 10, 1), _row("pay:7", 9, 2), _row("pay:7", None, 3), _row("pay:6", 0, 4),
+        ]  # fmt: skip
+        monkeypatch.setattr(control, "local_rows", lambda: rows)
+        answer = control.leases(state)
+        assert [(r["key"], r["slot"]) for r in answer["leases"]] == [
+            ("pay:6", 0), ("pay:7", None), ("pay:7", 9), ("pay:7", 10),
+        ]  # fmt: skip
+
+
+def _row(key: str, slot: int | None, token: int) -> control.LeaseRow:
+    return {
+        "key": key, "slot": slot, "token": token, "task": None, "task_id": None, "label": None,
+        "node": None, "pid": 1, "held_seconds": 0.0, "valid_for_seconds": 0.0, "renewals": 0,
+        "last_renewal_error": None, "owner": None,
+    }  # fmt: skip
+
+
 def _serve_once(path: str, reply: bytes) -> threading.Thread:
     """A fake child: listens on ``path``, answers one client with ``reply`` and closes."""
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,3 +187,16 @@ class TestAFaultyChild:
         assert [r["key"] for r in rows] == ["inspected"]
         assert [u["pid"] for u in unanswered] == [bad_pid]
         assert why in unanswered[0]["error"]
+
+
+class TestASlotHeldHere:
+    def test_a_lease_held_in_a_slot_is_listed_with_its_key_and_slot(self) -> None:
+        """``lease(key, limit=2)`` held in this process while another holder has slot 0: the
+        row names the key, slot 1, its token and owner."""
+        store = MemoryLockStore()
+        store.acquire_slot("pay:7", "another-worker", 30_000, 2)
+        state = SimpleNamespace(consumer=SimpleNamespace(pool=None))
+        with lease("pay:7", store=store, ttl=30, limit=2) as held:
+            answer = control.leases(state)
+        (row,) = [r for r in answer["leases"] if r["key"] == "pay:7"]
+        assert (row["slot"], row["token"], row["owner"]) == (1, held.token, held.owner)

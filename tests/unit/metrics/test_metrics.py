@@ -254,3 +254,119 @@ class TestAPortRangeOutOfBounds:
     def test_it_is_refused_naming_the_setting(self, value: object) -> None:
         with pytest.raises(LeaseConfigError, match=r"lease_metrics_port=.*from 1 to 65535"):
             config.read_metrics_port(value, "lease_metrics_port")
+
+
+class TestSlots:
+    """Leases of a key's slots: the lock signals name the key and its ``slot``, the renewer the
+    slot's store key; several slots of one key may be held in one process at once."""
+
+    @staticmethod
+    def _acquired(sender: object, key: str, slot: int, token: int, task_id: str) -> None:
+        lease_signals.lock_acquired.send(
+            sender=sender, key=key, slot=slot, token=token, task_id=task_id, wait_seconds=0.0
+        )
+
+    def test_a_slots_renewals_count_under_its_task(self, app: Celery) -> None:
+        """A renewal of ``slot_key(key, i)`` is observed under the task that took slot ``i``."""
+        from celery_lease.metrics.prometheus import PrometheusSink
+        from celery_lease.stores.slots import slot_key
+
+        registry = prometheus_client.CollectorRegistry()
+        metrics.connect(PrometheusSink(registry))
+        try:
+            self._acquired(app.tasks["m.work"], "pay:7", 1, 11, "id-1")
+            metrics._on_renewal(slot_key("pay:7", 1), 11, 0.002, True)
+        finally:
+            metrics.disconnect()
+        assert value(registry, "celery_lease_renewal_seconds_count", task="m.work") == 1
+
+    def test_one_slot_released_leaves_the_others_renewals_counted(self, app: Celery) -> None:
+        """Two slots of one key held here, one released: the other's renewals still count,
+        and the held gauge counts one."""
+        from celery_lease.metrics.prometheus import PrometheusSink
+        from celery_lease.stores.slots import slot_key
+
+        registry = prometheus_client.CollectorRegistry()
+        task = app.tasks["m.work"]
+        metrics.connect(PrometheusSink(registry))
+        try:
+            self._acquired(task, "pay:7", 0, 10, "id-0")
+            self._acquired(task, "pay:7", 1, 11, "id-1")
+            lease_signals.lock_released.send(
+                sender=task, key="pay:7", slot=0, token=10, task_id="id-0", held_seconds=1.0
+            )
+            metrics._on_renewal(slot_key("pay:7", 1), 11, 0.002, True)
+        finally:
+            metrics.disconnect()
+        assert value(registry, "celery_lease_renewal_seconds_count", task="m.work") == 1
+        assert value(registry, "celery_lease_held", task="m.work") == 1
+
+    def test_a_replaced_holder_is_counted_lost_with_its_reason(self, app: Celery) -> None:
+        """A holder asked to stop loses its lease with ``reason="replaced"``: a bounded label
+        value like the other reasons."""
+        from celery_lease.metrics.prometheus import PrometheusSink
+
+        registry = prometheus_client.CollectorRegistry()
+        task = app.tasks["m.work"]
+        metrics.connect(PrometheusSink(registry))
+        try:
+            self._acquired(task, "sync:1", 0, 10, "old")
+            lease_signals.lock_lost.send(
+                sender=task, key="sync:1", slot=0, token=10, task_id="old", reason="replaced"
+            )
+        finally:
+            metrics.disconnect()
+        lost = value(registry, "celery_lease_lost_total", task="m.work", reason="replaced")
+        assert lost == 1
+        assert value(registry, "celery_lease_held", task="m.work") == 0
+
+
+class TestSlotRenewals:
+    def test_renewals_of_a_task_holding_a_slot_count_under_its_name(
+        self, store: MemoryLockStore
+    ) -> None:
+        """A task with ``lock_limit=2`` holding slot 1 (slot 0 is another worker's) is renewed
+        under the slot's store key: its renewals land under the task's name, and its
+        acquisition and release are counted once each."""
+        import threading
+
+        from celery_lease._core import renewer
+        from celery_lease.metrics.prometheus import PrometheusSink
+        from celery_lease.stores.slots import slot_key
+
+        app = Celery("rs", broker="memory://", backend="cache+memory://", set_as_current=False)
+        app.conf.lease_store = store
+        store.acquire_slot("slots:1", "another-worker", 60_000, 2)
+        registry = prometheus_client.CollectorRegistry()
+        renewed = threading.Event()
+        seen: list[str] = []
+
+        def note(key: str, token: int | None, seconds: float, ok: bool | None) -> None:
+            seen.append(key)
+            if seen.count(slot_key("slots:1", 1)) >= 2:
+                renewed.set()
+
+        forget = renewer.observe_renewals(note)
+
+        @app.task(
+            name="rs.slow",
+            base=LockedTask,
+            lock_key="slots:{n}",
+            lock_ttl="1.5s",
+            lock_limit=2,
+            shared=False,
+        )
+        def slow(n: int) -> tuple[int, bool]:
+            return slow.request.lock_slot, renewed.wait(10.0)
+
+        metrics.connect(PrometheusSink(registry))
+        try:
+            assert slow.apply((1,)).get() == (1, True)
+        finally:
+            metrics.disconnect()
+            forget()
+            app.close()
+        assert value(registry, "celery_lease_renewal_seconds_count", task="rs.slow") >= 2
+        assert value(registry, "celery_lease_acquired_total", task="rs.slow") == 1
+        assert value(registry, "celery_lease_released_total", task="rs.slow") == 1
+        assert value(registry, "celery_lease_held", task="rs.slow") == 0
