@@ -396,7 +396,7 @@ class LeaseContext:
             ``refused_by`` is the owner id the last refusal named.
         limit: ``None`` (default): the key itself is held; an int (1 .. MAX_LIMIT): one of up
             to ``limit`` slots of the key, through the store's ``acquire_slot`` (set by
-            :func:`lease` for a limit over 1, by the Celery layer for a task's ``limit``).
+            :func:`lease` for a limit given, by the Celery layer for a task's ``limit``).
         store_key: the key as the store holds the lease: ``key``, or with a limit the key of
             the slot the last granted try got (what the exit releases).
     """
