@@ -74,8 +74,9 @@ class LockOptions:
         limit: how many executions of one key may run at once: ``None`` (one: the key itself
             is held), an int from 1 to :data:`~celery_lease.stores.slots.MAX_LIMIT` (each
             execution holds a *slot* of the key: ``request.lock_slot``; 1 runs one at a time
-            in the key's slots, counted with executions under another limit), or a callable called with the task's arguments as a
-            key callable is (``fn(*args, **kwargs)``), returning an int from 1 to MAX_LIMIT per
+            in the key's slots, counted with executions under another limit), or a callable
+            called with the task's arguments as a key callable is (``fn(*args, **kwargs)``),
+            returning an int from 1 to MAX_LIMIT per
             call. A task with a callable limit always holds slots, also when it returns 1, so
             executions count against each other whatever value each call gets; a lowered
             value refuses new executions until fewer run, never stops a running one. The key
