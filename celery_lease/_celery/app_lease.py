@@ -77,14 +77,14 @@ def lease(
         holder: a label for the owner id, shown by ``celery lease list``.
         limit: how many holders the key may have at once, an int from 1 to
             :data:`~celery_lease.stores.slots.MAX_LIMIT` (default ``None``: one holder, the key
-            itself). Given (1 too), each holder takes a free *slot* of the key (``held.slot``,
-            ``0 .. limit - 1``), a lease of its own on ``held.store_key``, renewed, lost and
-            released alone; its token is larger than every earlier token of the key in any
-            slot; a waiter is woken by any slot's release. The store needs ``acquire_slot`` (every built-in store has it).
-            The key itself and its slots are two lock spaces that do not exclude each other:
-            a lease without ``limit`` and one with a limit on the same key run side by side
-            (give every user of a key a limit, or none); a nested lease re-enters an outer one
-            of the same key only when both have a limit or neither has.
+            itself). Given (1 too), each holder takes a free *slot* of the key (``held.slot``, ``0
+            .. limit - 1``), a lease of its own on ``held.store_key``, renewed, lost and released
+            alone; its token is larger than every earlier token of the key in any slot; a waiter is
+            woken by any slot's release. The store needs ``acquire_slot`` (every built-in store has
+            it). The key itself and its slots are two lock spaces that do not exclude each other: a
+            lease without ``limit`` and one with a limit on the same key run side by side (give
+            every user of a key a limit, or none); a nested lease re-enters an outer one of the same
+            key only when both have a limit or neither has.
 
     Durations are seconds, ``timedelta`` or strings (``"250ms"``, ``"30s"``, ``"5m"``),
     validated before anything is acquired. Re-entrancy, loss and fork:
