@@ -77,8 +77,8 @@ def lease(
         holder: a label for the owner id, shown by ``celery lease list``.
         limit: how many holders the key may have at once, an int from 1 to
             :data:`~celery_lease.stores.slots.MAX_LIMIT` (default ``None``: one holder, the key
-            itself). Given (1 too), each holder takes a free *slot* of the key (``held.slot``, ``0
-            .. limit - 1``), a lease of its own on ``held.store_key``, renewed, lost and released
+            itself). Given (1 too), each holder takes a free *slot* of the key (``held.slot``:
+            0 to limit - 1), a lease of its own on ``held.store_key``, renewed, lost and released
             alone; its token is larger than every earlier token of the key in any slot; a waiter is
             woken by any slot's release. The store needs ``acquire_slot`` (every built-in store has
             it). The key itself and its slots are two lock spaces that do not exclude each other: a
