@@ -76,11 +76,15 @@ def lease(
         cooldown: after a successful body, keep the key this long (default 0).
         holder: a label for the owner id, shown by ``celery lease list``.
         limit: how many holders the key may have at once, an int from 1 to
-            :data:`~celery_lease.stores.slots.MAX_LIMIT` (default ``None``: one, as 1). Over 1,
-            each holder takes a free *slot* of the key (``held.slot``, ``0 .. limit - 1``), a
-            lease of its own on ``held.store_key``, renewed, lost and released alone; its token
-            is larger than every earlier token of the key in any slot; a waiter is woken by
-            any slot's release. The store needs ``acquire_slot`` (every built-in store has it).
+            :data:`~celery_lease.stores.slots.MAX_LIMIT` (default ``None``: one holder, the key
+            itself). Given (1 too), each holder takes a free *slot* of the key (``held.slot``:
+            0 to limit - 1), a lease of its own on ``held.store_key``, renewed, lost and released
+            alone; its token is larger than every earlier token of the key in any slot; a waiter is
+            woken by any slot's release. The store needs ``acquire_slot`` (every built-in store has
+            it). The key itself and its slots are two lock spaces that do not exclude each other: a
+            lease without ``limit`` and one with a limit on the same key run side by side (give
+            every user of a key a limit, or none); a nested lease re-enters an outer one of the same
+            key only when both have a limit or neither has.
 
     Durations are seconds, ``timedelta`` or strings (``"250ms"``, ``"30s"``, ``"5m"``),
     validated before anything is acquired. Re-entrancy, loss and fork:
@@ -88,7 +92,7 @@ def lease(
 
     Raises:
         LeaseConfigError: (a ``ValueError``) a bad argument or app setting, named; also
-            ``limit`` over 1 with a store that has no ``acquire_slot``.
+            any ``limit`` with a store that has no ``acquire_slot``.
         LockNotAcquiredError: on entry, when the key (with ``limit``: every slot) stays held
             past ``wait``.
         LockLostError: on exit, when the body raised an ``Exception`` after the lease was

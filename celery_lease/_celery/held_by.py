@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from celery.backends.base import DisabledBackend
 from celery.backends.rpc import RPCBackend
@@ -20,6 +20,8 @@ from celery_lease import _forking as forking
 from celery_lease._celery import compat
 from celery_lease._core.lease import clock_of
 from celery_lease._core.owners import Holder, parse_owner
+from celery_lease.stores.base import LeaseInfo
+from celery_lease.stores.slots import SLOT_MARK, split_slot
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask
@@ -86,15 +88,15 @@ def _who(holder: Holder) -> str:
     return name if holder.node is None else f"{name} on {holder.node}"
 
 
-def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> HeldBy | None:
+def look_up(
+    store: object, key: str, task: CeleryTask | None, ttl: float, *, limited: bool = False
+) -> HeldBy | None:
     """Who holds ``key`` in ``store`` now, or ``None`` when that cannot be told; never raises. A
     lease of the same task held longer than ``ttl`` (s), or a SUCCESS in the backend, is a
-    cooldown."""
+    cooldown. ``limited`` (a task with a ``limit``): the key is kept by its slots' holders, read
+    with ``store.list`` (inspection stores only); the one whose slot frees soonest is named."""
     try:
-        get = getattr(store, "get", None)
-        if get is None:
-            return None
-        info = get(key)
+        info = _soonest_slot(store, key) if limited else _the_key(store, key)
         if info is None:
             return None
         holder = parse_owner(info.owner)
@@ -111,6 +113,27 @@ def look_up(store: object, key: str, task: CeleryTask | None, ttl: float) -> Hel
     except Exception:
         logger.debug("celery-lease: could not read who holds %r", key, exc_info=True)
         return None
+
+
+def _the_key(store: object, key: str) -> LeaseInfo | None:
+    get = getattr(store, "get", None)
+    return None if get is None else cast("LeaseInfo | None", get(key))
+
+
+def _soonest_slot(store: object, key: str) -> LeaseInfo | None:
+    """The live slot of ``key`` that frees soonest (the key itself and other keys left out)."""
+    list_ = getattr(store, "list", None)
+    if list_ is None:
+        return None
+    listed = cast("list[LeaseInfo]", list_(prefix=key + SLOT_MARK))
+    slots = [info for info in listed if _slot_of(key, info.key) is not None]
+    return min(slots, key=lambda info: info.expires_in, default=None)
+
+
+def _slot_of(key: str, store_key: str) -> int | None:
+    """The slot of ``key`` that ``store_key`` is, else ``None``."""
+    base, slot = split_slot(store_key)
+    return slot if base == key else None
 
 
 def _succeeded(task: CeleryTask | None, task_id: str | None) -> bool | None:

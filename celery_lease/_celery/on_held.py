@@ -41,7 +41,9 @@ def apply_policy(
     and ``ttl`` (s): a skip says who keeps the key."""
     policy = options.on_held
     found = (
-        held_by.look_up(store, key, task, ttl) if policy == "skip" and store is not None else None
+        held_by.look_up(store, key, task, ttl, limited=options.limit is not None)
+        if policy == "skip" and store is not None
+        else None
     )
     signals.send(
         signals.lock_rejected,

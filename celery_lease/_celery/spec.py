@@ -24,8 +24,8 @@ def options_of(carrier: object) -> LockOptions | None:
 
 @dataclass(frozen=True)
 class Spec:
-    """``limit``: the task's limit option as its executions call it (an int over 1, a callable
-    taking the body's arguments, or ``None``: no slots)."""
+    """``limit``: the task's limit option as its executions call it (an int, a callable taking
+    the body's arguments, or ``None``: the key itself, no slots)."""
 
     options: LockOptions
     key_function: KeyFunction

@@ -92,6 +92,27 @@ def check_replace_stores(app: CeleryApp) -> LeaseConfigError | None:
     return None
 
 
+def warn_mixed_limits(app: CeleryApp) -> None:
+    """Log a WARNING for each ``lock_key`` template string that tasks of ``app`` share where
+    one has a ``limit`` and another has none: the key itself and its slots are two lock spaces
+    that do not exclude each other, so their executions of one key would run side by side."""
+    limited: dict[str, list[str]] = {}
+    plain: dict[str, list[str]] = {}
+    for name, options in _locked_options(app):
+        if isinstance(options.key, str):
+            kind = plain if options.limit is None else limited
+            kind.setdefault(options.key, []).append(name)
+    for template in sorted(limited.keys() & plain.keys()):
+        logger.warning(
+            "celery-lease: lock_key %r is used by tasks with a limit (%s) and without one (%s):"
+            " with a limit a task holds the key's slots, without one the key itself, and the"
+            " two do not exclude each other; give every task of this key a limit, or none",
+            template,
+            ", ".join(map(repr, limited[template])),
+            ", ".join(map(repr, plain[template])),
+        )
+
+
 def _store_class(option: str | LockStore) -> type[Any] | None:
     """The class a store option builds (or is), when known without building it."""
     if not isinstance(option, str):
@@ -426,6 +447,8 @@ class LeaseCheck(bootsteps.StartStopStep):  # type: ignore[misc]
                 "Refusing to start worker %s: %s", getattr(parent, "hostname", "?"), error
             )
             raise error
+        if uses_celery_lease(app):
+            warn_mixed_limits(app)
         _app, _processes = weakref.ref(app), processes
         pool.set_pool_label(pool.pool_name(parent.pool_cls))
         control.prepare_main()

@@ -410,7 +410,9 @@ def locked(
 
     Takes :class:`LockedTask`'s options without ``lock_`` (``LeaseConfigError`` naming a bad
     one), except ``unique`` (a decorator cannot reach ``apply_async``). With ``bind=True`` the
-    key is built from the arguments after ``self``.
+    key is built from the arguments after ``self``. ``limit`` (an int 1 .. MAX_LIMIT, or a
+    callable; 1 too) holds one of the key's slots, ``None`` (default) the key itself: two lock
+    spaces that do not exclude each other (docs/celery.md, "Limits").
     """
     raw = dict(locals())  # the options by name: the first statement sees the parameters only
 

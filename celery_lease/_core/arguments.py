@@ -193,8 +193,9 @@ def key_with_slot_mark(key: str, where: str = "") -> str:
 
 
 def checked_limit(limit: object, *, name: str = "limit") -> int | None:
-    """``limit`` as the number of slots to use: ``None`` for ``None`` or 1 (one holder, the
-    key itself), else an int from 2 to :data:`~celery_lease.stores.slots.MAX_LIMIT`.
+    """``limit`` checked: ``None`` for ``None`` (one holder, the key itself), else the int
+    from 1 to :data:`~celery_lease.stores.slots.MAX_LIMIT` (that many slots of the key: 1 is
+    one holder at a time in the key's slot space, counted with holders under other limits).
 
     Raises:
         LeaseConfigError: for a bool, a non-int, or an int outside 1 .. MAX_LIMIT, naming
@@ -205,9 +206,9 @@ def checked_limit(limit: object, *, name: str = "limit") -> int | None:
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
         raise LeaseConfigError(
             f"{name}={limit!r} is not allowed: use an int from 1 to {MAX_LIMIT} (how many"
-            " holders the key may have at once), or None for one"
+            " holders the key may have at once), or None (the key itself)"
         )
-    return None if limit == 1 else limit
+    return limit
 
 
 def check_slot_store(
@@ -221,6 +222,6 @@ def check_slot_store(
         ):
             raise LeaseConfigError(
                 f"{name}={limit!r} needs a store with acquire_slot() (memory, SQLite, Redis,"
-                f" PostgreSQL, Django stores have it); store={given!r} has none: use limit=1 or"
-                " None with it, or another store"
+                f" PostgreSQL, Django stores have it); store={given!r} has none: leave limit"
+                " unset (None) with it, or use another store"
             )

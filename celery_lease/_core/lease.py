@@ -68,7 +68,7 @@ from celery_lease.stores.base import (
     SupportsSlots,
     conforms,
 )
-from celery_lease.stores.slots import slot_key, split_slot
+from celery_lease.stores.slots import release_owner_slots, slot_key, split_slot
 
 # POLL_MAX and check_ttl: read from here by the Celery layer and tests (their home is above).
 __all__ = [
@@ -396,7 +396,7 @@ class LeaseContext:
             ``refused_by`` is the owner id the last refusal named.
         limit: ``None`` (default): the key itself is held; an int (1 .. MAX_LIMIT): one of up
             to ``limit`` slots of the key, through the store's ``acquire_slot`` (set by
-            :func:`lease` for a limit over 1, by the Celery layer for a task's ``limit``).
+            :func:`lease` for a limit given, by the Celery layer for a task's ``limit``).
         store_key: the key as the store holds the lease: ``key``, or with a limit the key of
             the slot the last granted try got (what the exit releases).
     """
@@ -791,6 +791,7 @@ class LeaseContext:
             if (
                 outer.key == self.key
                 and outer.store is self.store
+                and (outer.store_key != outer.key) is (self.limit is not None)  # same space
                 and outer._reenterable_by(task)
                 and not outer.lost
                 and not outer._key.closed
@@ -998,12 +999,11 @@ class LeaseContext:
         )
 
     def _release_any_slot(self, owner: str) -> None:
-        """Release ``owner``'s lease on every slot below the limit (the slot an attempt gets
-        is the lowest free one below it); a store error stops it (the store is then likely
-        unreachable for the rest too: what was taken expires within its ttl)."""
-        release, key = self.store.release, self.key
-        for slot in range(cast(int, self.limit)):
-            release(slot_key(key, slot), owner)
+        """Release ``owner``'s slot of the key, whichever it took (the lowest free one below
+        the limit): in one call when the store offers ``release_owned_slots``, else slot by
+        slot, going on past a failed release; the first error is raised at the end (what was
+        taken expires within its ttl)."""
+        release_owner_slots(self.store, self.key, owner, cast(int, self.limit))
 
 
 def lease(
@@ -1041,11 +1041,10 @@ def lease(
         wait_clock=clock,  # a clock given here is the one waited on, whatever the store's
     )
     context.async_store = astore
-    if limit is not None:
+    if limit is not None:  # any limit given, 1 too: the key's slots
         slots = checked_limit(limit)
-        if slots is not None:  # else 1: the key itself
-            check_slot_store(slots, sync_store, astore)
-            context.limit = slots
+        check_slot_store(slots, sync_store, astore)
+        context.limit = slots
     return context
 
 

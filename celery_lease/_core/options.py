@@ -72,13 +72,17 @@ class LockOptions:
             exponential from 1 s, jittered, capped at 60 s.
         on_lost: ``"mark"`` or ``"revoke"``.
         limit: how many executions of one key may run at once: ``None`` (one: the key itself
-            is held; ``lock_limit = 1`` is the same), an int from 2 to
-            :data:`~celery_lease.stores.slots.MAX_LIMIT` (each execution holds a *slot* of the
-            key: ``request.lock_slot``), or a callable called with the task's arguments as a
-            key callable is (``fn(*args, **kwargs)``), returning an int from 1 to MAX_LIMIT per
+            is held), an int from 1 to :data:`~celery_lease.stores.slots.MAX_LIMIT` (each
+            execution holds a *slot* of the key: ``request.lock_slot``; 1 runs one at a time
+            in the key's slots, counted with executions under another limit), or a callable
+            called with the task's arguments as a key callable is (``fn(*args, **kwargs)``),
+            returning an int from 1 to MAX_LIMIT per
             call. A task with a callable limit always holds slots, also when it returns 1, so
             executions count against each other whatever value each call gets; a lowered
-            value refuses new executions until fewer run, never stops a running one.
+            value refuses new executions until fewer run, never stops a running one. The key
+            itself and its slots are two lock spaces that do not exclude each other: a task
+            without ``limit`` and one with a limit on the same key run side by side (the
+            worker warns at start-up); give every task of a key a limit, or none.
         unique: the enqueue-time options (:class:`UniqueOptions`), or ``None``.
     """
 
@@ -185,7 +189,7 @@ def validate_options(raw: Mapping[str, Any], *, where: str, prefix: str = "") ->
 def check_replace(
     limit: object, unique: UniqueOptions | None, store: str | LockStore | None, name: str
 ) -> None:
-    """``on_held="replace"`` needs one holder per key (no ``limit`` above 1, no callable limit),
+    """``on_held="replace"`` needs the key itself held (no ``limit``: int or callable),
     no ``unique`` and, when the store is given as a store, one that can ask a holder to stop
     (``SupportsReplace``; a URL's or the app's store is checked when it is known).
 
@@ -193,11 +197,11 @@ def check_replace(
         LeaseConfigError: naming ``name`` (the on_held option), the value and what is allowed.
     """
     head = f"{name}='replace'"
-    if callable(limit) or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 1):
+    if limit is not None:
         raise LeaseConfigError(
-            f"{head} cannot be combined with limit={limit!r}: it replaces the one holder of a"
-            " key; use limit=1 (or leave it unset) with 'replace', or another on_held policy"
-            " (raise, skip, retry) with a limit"
+            f"{head} cannot be combined with limit={limit!r}: it replaces the one holder of the"
+            " key itself, and any limit holds the key's slots; leave limit unset with"
+            " 'replace', or use another on_held policy (raise, skip, retry) with a limit"
         )
     if unique is not None:
         raise LeaseConfigError(
@@ -248,7 +252,7 @@ def replace_wait(options: LockOptions, ttl: float, name: str = "wait") -> float:
 
 
 def _limit(value: object, store: object, name: str) -> int | Callable[..., int] | None:
-    """The ``limit`` option checked: ``None`` for unset or 1, an int over 1, or a callable;
+    """The ``limit`` option checked: ``None`` for unset, an int, or a callable;
     either of the last two with a store object given needs its ``acquire_slot`` now."""
     limit: int | Callable[..., int] | None
     if callable(value) and not isinstance(value, type):

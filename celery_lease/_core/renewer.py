@@ -29,7 +29,7 @@ from celery_lease import _forking as forking
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.stores.base import SupportsReplace, conforms
-from celery_lease.stores.slots import marked
+from celery_lease.stores.slots import marked, split_slot
 
 logger = logging.getLogger("celery_lease.renewer")
 
@@ -576,14 +576,17 @@ class Renewer:
         ``"replaced"``; held by another, or free with a higher counter: ``"taken"``; free with
         our token: ``"released"`` (a force-release, or the store's clock ran fast); counter
         missing or lower (data lost): ``"expired"``; the store cannot tell: ``"taken"``, the
-        cautious answer."""
+        cautious answer. A slot's key found free reads ``"expired"``: its last token is the
+        key-wide counter on some stores, which cannot tell a release from another slot's
+        acquire."""
         get = getattr(store, "get", None)
         if not callable(get):
             return "taken"
+        slot = split_slot(entry.key)[1] is not None
         last_token = getattr(store, "last_token", None)
-        counts = entry.token is not None and callable(last_token)
+        counts = entry.token is not None and callable(last_token) and not slot
         replaceable = _replaceable(store)
-        if not counts and not replaceable:
+        if not counts and not replaceable and not slot:
             return "taken"
         try:
             counter = last_token(entry.key) if counts else None  # type: ignore[misc]
@@ -593,6 +596,8 @@ class Renewer:
         if info is not None:
             replaced = replaceable and getattr(info, "owner", None) == marked(entry.owner)
             return "replaced" if replaced else "taken"
+        if slot:
+            return "expired"
         if not counts:
             return "taken"
         if not isinstance(counter, int) or entry.token is None or counter < entry.token:

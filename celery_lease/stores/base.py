@@ -20,6 +20,7 @@ from celery_lease.stores._typing_compat import is_protocol
 
 __all__ = [
     "AsyncLockStore",
+    "AsyncSupportsOwnedSlotsRelease",
     "AsyncSupportsSlots",
     "LeaseInfo",
     "LockStore",
@@ -29,6 +30,7 @@ __all__ = [
     "SupportsDeferredRelease",
     "SupportsDeferredRenew",
     "SupportsInspection",
+    "SupportsOwnedSlotsRelease",
     "SupportsReleaseNotify",
     "SupportsReplace",
     "SupportsSlots",
@@ -183,6 +185,29 @@ class AsyncSupportsSlots(Protocol):
         self, key: str, owner: str, ttl_ms: int, limit: int
     ) -> tuple[int, int] | None:
         """As :meth:`SupportsSlots.acquire_slot`."""
+        ...
+
+
+@runtime_checkable
+class SupportsOwnedSlotsRelease(Protocol):
+    """A store that frees, in one call, the slots of a key one owner holds (optional: without
+    it, a caller releases :func:`~celery_lease.stores.slots.slot_key` ``(key, i)`` one by one)."""
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        """Release every slot of ``key`` held by ``owner``, whatever its index, owner-checked,
+        in one atomic step; nothing held: nothing happens. The key
+        itself (a lease of its own) is left alone. Frees waiters of ``wait_for_release(key)``
+        as a release does. Undoes a slot acquire whose reply never came (owner ids are unique
+        per attempt). Raises ``StoreUnavailableError`` when the store fails."""
+        ...
+
+
+@runtime_checkable
+class AsyncSupportsOwnedSlotsRelease(Protocol):
+    """The async twin of :class:`SupportsOwnedSlotsRelease` (same semantics)."""
+
+    async def release_owned_slots(self, key: str, owner: str) -> None:
+        """As :meth:`SupportsOwnedSlotsRelease.release_owned_slots`."""
         ...
 
 

@@ -187,6 +187,21 @@ class MemoryLockStore:
         if event is not None:
             event.set()
 
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        """Release every slot of ``key`` that ``owner`` holds (see
+        :class:`~celery_lease.stores.base.SupportsOwnedSlotsRelease`)."""
+        with self._lock:
+            now = self._now()
+            freed = False
+            for slot in range(self._widths.get(key, 0)):
+                entry = self._live(slot_key(key, slot), now)
+                if entry is not None and entry.owner and unmarked(entry.owner)[0] == owner:
+                    entry.owner = None
+                    freed = True
+            event = self._released.pop(key, None) if freed else None
+        if event is not None:
+            event.set()
+
     def wait_for_release(self, key: str, timeout: float) -> bool:
         with self._lock:
             event = self._released.setdefault(key, threading.Event())

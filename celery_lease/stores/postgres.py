@@ -654,6 +654,12 @@ class PostgresLockStore(StoreBase):
         params = self._release_params(key, owner)
         self._run("release", lambda conn: conn.execute(self._sql["release"], params))
 
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        """Release every slot of ``key`` that ``owner`` holds, in one statement (see
+        :class:`~celery_lease.stores.base.SupportsOwnedSlotsRelease`; notifies waiters)."""
+        params = self._release_slots_params(key, owner)
+        self._run("release", lambda conn: conn.execute(self._sql["release_slots"], params))
+
     def renew_many(self, items: Sequence[tuple[str, str, int]]) -> list[bool]:
         """Renew every ``(key, owner, ttl_ms)`` in one statement; results in input order."""
         if not items:

@@ -466,6 +466,10 @@ class AsyncPostgresLockStore(StoreBase):
             return
         await self._run("release", key, run)
 
+    async def release_owned_slots(self, key: str, owner: str) -> None:
+        """As :meth:`PostgresLockStore.release_owned_slots` (one statement)."""
+        await self._release_slots(key, owner)
+
     async def _release_slots(self, key: str, owner: str) -> None:
         """Release every slot of ``key`` that ``owner`` holds (notifies waiters)."""
         params = self._release_slots_params(key, owner)

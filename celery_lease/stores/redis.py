@@ -38,6 +38,7 @@ from celery_lease.stores._redis_common import (
     INSPECT_SCRIPT,
     MARK_REPLACED,
     RELEASE,
+    RELEASE_OWNERS_SLOT,
     RELEASE_SCRIPT,
     RENEW,
     RENEW_CHUNK,
@@ -441,6 +442,18 @@ class RedisLockStore(StoreBase):
     def release(self, key: str, owner: str) -> None:
         # The reply is read before this returns: the key is free before the caller goes on.
         self._call("release", partial(self._eval, RELEASE, *self._release_call(key, owner)), key)
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        """Release the slot of ``key`` that ``owner`` holds, whichever it is (see
+        :class:`~celery_lease.stores.base.SupportsOwnedSlotsRelease`): one script
+        (``RELEASE_OWNERS_SLOT_SCRIPT``), again when the key is wider than the slots it
+        declared. An owner holds at most one slot of a key (``acquire_slot`` gives a holder
+        asking again its own slot)."""
+        width: int | None = 0
+        while width is not None:
+            keys, args, n = self._owners_slot_call(key, owner, 1, width)
+            call = partial(self._eval, RELEASE_OWNERS_SLOT, keys, args)
+            width = self._wider("release", key, 1, n, self._call("release", call, key))
 
     def release_deferred(self, key: str, owner: str) -> bool:
         """Send the release of ``key`` without waiting for its reply; False when not sent (only

@@ -426,6 +426,11 @@ class AsyncRedisLockStore(StoreBase):
             reply, _ = await self._call("release", call, key)
             width = self._wider("release", key, limit, n, reply)
 
+    async def release_owned_slots(self, key: str, owner: str) -> None:
+        """As :meth:`RedisLockStore.release_owned_slots` (one script)."""
+        self._loop.check(self)
+        await self._release_owners_slot(1, key, owner)
+
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`RedisLockStore.renew`."""
         self._loop.check(self)

@@ -16,6 +16,10 @@ refused from then on (the owner no longer matches) and its release still deletes
 
 from __future__ import annotations
 
+from typing import cast
+
+from celery_lease.stores.base import LockStore, SupportsOwnedSlotsRelease, conforms
+
 __all__ = [
     "MAX_LIMIT",
     "REPLACED_MARK",
@@ -23,6 +27,7 @@ __all__ = [
     "counter_key",
     "marked",
     "release_channel",
+    "release_owner_slots",
     "slot_key",
     "split_slot",
     "unmarked",
@@ -77,3 +82,27 @@ def unmarked(stored_owner: str) -> tuple[str, bool]:
     if stored_owner.endswith(REPLACED_MARK):
         return stored_owner[: -len(REPLACED_MARK)], True
     return stored_owner, False
+
+
+def release_owner_slots(store: LockStore, key: str, owner: str, limit: int) -> None:
+    """Release every slot of ``key`` that ``owner`` holds, owner-checked: in one call when
+    ``store`` offers :class:`~celery_lease.stores.base.SupportsOwnedSlotsRelease`, else
+    ``store.release(slot_key(key, i), owner)`` for each ``i`` below ``limit``, going on past a
+    failed one. Undoes a slot acquire whose reply never came (owner ids are unique per attempt:
+    no other holder is touched).
+
+    Raises:
+        Exception: the first error a release raised, once every slot was tried.
+    """
+    if conforms(store, SupportsOwnedSlotsRelease):
+        cast(SupportsOwnedSlotsRelease, store).release_owned_slots(key, owner)
+        return
+    first: Exception | None = None
+    for slot in range(limit):
+        try:
+            store.release(slot_key(key, slot), owner)
+        except Exception as exc:
+            if first is None:
+                first = exc
+    if first is not None:
+        raise first

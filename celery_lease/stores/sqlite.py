@@ -148,6 +148,10 @@ ON CONFLICT (key) DO UPDATE SET owner = excluded.owner, expires_ms = excluded.ex
 # stays (its token is the key's counter).
 _RELEASE = "UPDATE celery_lease SET owner = NULL WHERE key = ?1 AND owner IN (?2, ?3)"
 
+# Owner-checked release of every slot row of a key (?1 <= key < ?2, the range of _SLOT_ROWS) that
+# ?3 holds; the rows stay (their tokens count).
+_RELEASE_SLOTS = "UPDATE celery_lease SET owner = NULL WHERE key >= ?1 AND key < ?2 AND owner = ?3"
+
 # A key's slot rows, its counter and holder rows: ?1 <= key < ?2 (the primary key's range).
 _SLOT_ROWS = _numbered(
     f"SELECT key, owner, token, coalesce({_LIVE}, 0) FROM celery_lease"
@@ -538,6 +542,13 @@ class SQLiteLockStore:
         # REPLACED_MARK: only its marked form).
         stored = (marked(owner) if owner.endswith(REPLACED_MARK) else owner, marked(owner))
         self._run("release", lambda cursor: cursor.execute(_RELEASE, (key, *stored)))
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        """Release every slot of ``key`` that ``owner`` holds, in one UPDATE (see
+        :class:`~celery_lease.stores.base.SupportsOwnedSlotsRelease`; the rows and their
+        tokens stay)."""
+        span = (counter_key(key), key + chr(ord(SLOT_MARK) + 1), owner)
+        self._run("release", lambda cursor: cursor.execute(_RELEASE_SLOTS, span))
 
     def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
         """Take the lowest free slot of ``key`` below ``limit`` when fewer than ``limit`` of its

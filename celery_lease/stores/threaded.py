@@ -17,7 +17,7 @@ from typing import TypeVar, cast
 from celery_lease import _forking as forking
 from celery_lease.errors import LeaseConfigError
 from celery_lease.stores.base import AsyncLockStore, LockStore, SupportsSlots, conforms
-from celery_lease.stores.slots import release_channel, slot_key
+from celery_lease.stores.slots import release_channel, release_owner_slots
 
 __all__ = ["ThreadedAsyncStore"]
 
@@ -56,13 +56,6 @@ def _wake(store: LockStore, key: str) -> None:
     for loop, future in waiting:
         with contextlib.suppress(RuntimeError):  # a closed loop: its waiter is gone with it
             loop.call_soon_threadsafe(_resolve, future, True)
-
-
-def _release_slots(store: LockStore, key: str, owner: str, limit: int) -> None:
-    """Release ``owner``'s lease on each slot of ``key`` below ``limit`` (undoes a cancelled
-    ``acquire_slot``: the owner id is the attempt's own, so no other holder is touched)."""
-    for slot in range(limit):
-        store.release(slot_key(key, slot), owner)
 
 
 def _undo(undo: Callable[[], object]) -> None:
@@ -150,7 +143,7 @@ class ThreadedAsyncStore:
         store = self._store
         return await _on_thread(
             functools.partial(cast(SupportsSlots, store).acquire_slot, key, owner, ttl_ms, limit),
-            undo=functools.partial(_release_slots, store, key, owner, limit),
+            undo=functools.partial(release_owner_slots, store, key, owner, limit),
         )
 
     async def renew(self, key: str, owner: str, ttl_ms: int) -> bool:

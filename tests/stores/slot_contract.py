@@ -22,6 +22,7 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsBatchRenew,
     SupportsInspection,
+    SupportsOwnedSlotsRelease,
     SupportsReleaseNotify,
     SupportsReplace,
     SupportsSlots,
@@ -35,6 +36,12 @@ __all__ = ["ReplaceContract", "SlotContract"]
 def _slots(store: LockStore) -> SupportsSlots:
     if not isinstance(store, SupportsSlots):
         pytest.fail(f"{type(store).__name__} has no acquire_slot")
+    return store
+
+
+def _owned_release(store: LockStore) -> SupportsOwnedSlotsRelease:
+    if not isinstance(store, SupportsOwnedSlotsRelease):
+        pytest.skip(f"{type(store).__name__} has no release_owned_slots (optional)")
     return store
 
 
@@ -130,6 +137,37 @@ class SlotContract:
         other = slots.acquire_slot("k", "b", LONG_MS, 2)
         assert other is not None and other[0] != lost[0]
         assert slots.acquire_slot("k", "c", LONG_MS, 2) is None
+
+    def test_releasing_an_owners_slots_frees_its_slot_only(self, store: LockStore) -> None:
+        """release_owned_slots(key, owner) frees the slot ``owner`` holds, at any index, and
+        leaves other owners' slots and the key itself (a lease of its own) alone."""
+        slots, owned = _slots(store), _owned_release(store)
+        got = [slots.acquire_slot("k", f"o{i}", LONG_MS, 8) for i in range(6)]
+        assert [g[0] for g in got if g is not None] == list(range(6))
+        assert store.acquire("k", "o5", LONG_MS) is not None  # the key itself, same owner id
+        owned.release_owned_slots("k", "o5")  # slot 5: above any width asked before
+        owned.release_owned_slots("k", "o2")
+        owned.release_owned_slots("k", "nobody")  # holds nothing: nothing happens
+        for i in range(6):
+            assert store.renew(slot_key("k", i), f"o{i}", LONG_MS) is (i not in (2, 5))
+        assert store.renew("k", "o5", LONG_MS) is True
+        again = slots.acquire_slot("k", "n", LONG_MS, 8)
+        assert again is not None and again[0] == 2
+
+    def test_releasing_an_owners_slots_wakes_a_waiter_on_the_key(self, store: LockStore) -> None:
+        """A slot freed by release_owned_slots wakes ``wait_for_release(key)``."""
+        slots, owned = _slots(store), _owned_release(store)
+        if not isinstance(store, SupportsReleaseNotify):
+            pytest.skip("no wait_for_release")
+        assert slots.acquire_slot("k", "a", LONG_MS, 1) is not None
+        woken: list[bool] = []
+        waiter = threading.Thread(target=lambda: woken.append(store.wait_for_release("k", 30)))
+        waiter.start()
+        self.wait_until_waiting(store, 1)
+        owned.release_owned_slots("k", "a")
+        waiter.join(DEADLINE)
+        assert woken == [True]
+        assert slots.acquire_slot("k", "b", LONG_MS, 1) is not None
 
     def test_a_lowered_limit_refuses_until_the_count_is_below_it(self, store: LockStore) -> None:
         """Five held under limit 5, then limit 2: refused (nobody freed) until only one is left."""

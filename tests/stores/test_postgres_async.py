@@ -61,13 +61,19 @@ class TestAsyncPostgresContract(SlotContract, ReplaceContract, AsyncStoreContrac
 
 
 class _SlotsOverAsync(SyncOverAsync):
-    """SyncOverAsync plus ``acquire_slot`` (the async store's coroutine) and ``mark_replaced``
-    (the sync twin's: replace is a task option, driven by a sync store)."""
+    """SyncOverAsync plus ``acquire_slot`` and ``release_owned_slots`` (the async store's
+    coroutines) and ``mark_replaced`` (the sync twin's: replace is a task option, driven by a
+    sync store)."""
 
     def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> Any:
         store = self.async_store
         assert isinstance(store, AsyncPostgresLockStore)
         return self.run(store.acquire_slot(key, owner, ttl_ms, limit))
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        store = self.async_store
+        assert isinstance(store, AsyncPostgresLockStore)
+        self.run(store.release_owned_slots(key, owner))
 
     def mark_replaced(self, key: str, ticket: int | None = None, holder: str | None = None) -> Any:
         twin = self.async_store.sync

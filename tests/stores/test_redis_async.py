@@ -20,13 +20,18 @@ from tests.stores.slot_contract import ReplaceContract, SlotContract
 
 
 class SlotsOverAsync(SyncOverAsync):
-    """:class:`SyncOverAsync` that also runs the async Redis store's ``acquire_slot`` and
-    ``mark_replaced`` coroutines on its loop."""
+    """:class:`SyncOverAsync` that also runs the async Redis store's ``acquire_slot``,
+    ``release_owned_slots`` and ``mark_replaced`` coroutines on its loop."""
 
     def acquire_slot(self, key: str, owner: str, ttl_ms: int, limit: int) -> tuple[int, int] | None:
         store = self.async_store
         assert isinstance(store, AsyncRedisLockStore)
         return self.run(store.acquire_slot(key, owner, ttl_ms, limit))
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        store = self.async_store
+        assert isinstance(store, AsyncRedisLockStore)
+        self.run(store.release_owned_slots(key, owner))
 
     def mark_replaced(
         self, key: str, ticket: int | None = None, holder: str | None = None

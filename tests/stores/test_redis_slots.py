@@ -17,6 +17,7 @@ import redis
 from redis.cluster import ClusterNode, RedisCluster
 from redis.crc import key_slot
 
+from celery_lease import lease
 from celery_lease.errors import ReplicaLagError, RestartGraceError, StoreUnavailableError
 from celery_lease.stores._redis_common import (
     ACQUIRE_SLOT_SCRIPT,
@@ -1109,3 +1110,28 @@ class TestAsync:
                 await store.aclose()
 
         asyncio.run(main())
+
+
+class TestSlotLossReasons:
+    """The renewer's reason for a lost slot, read from Redis (whose slot keys keep no token of
+    their own: a free slot reads the key-wide counter)."""
+
+    def test_a_slot_found_free_reads_expired(self, store: RedisLockStore) -> None:
+        with lease("why", store=store, ttl=1, limit=3) as held:
+            assert store.force_release(held.store_key) is not None
+            got = store.acquire_slot("why", "another", LONG_MS, 3)  # slot 0, a later token
+            assert got is not None and slot_key("why", got[0]) == held.store_key
+            store.release(held.store_key, "another")
+            assert store.acquire_slot("why", "in-slot-0", LONG_MS, 3) is not None
+            assert store.acquire_slot("why", "in-slot-1", LONG_MS, 3) is not None
+            store.release(held.store_key, "in-slot-0")  # slot 0 free, the counter moved on
+            assert held.wait_lost(DEADLINE)
+            assert held.lost_reason == "expired"
+
+    def test_a_slot_held_by_another_owner_reads_taken(self, store: RedisLockStore) -> None:
+        with lease("why", store=store, ttl=1, limit=3) as held:
+            assert store.force_release(held.store_key) is not None
+            got = store.acquire_slot("why", "another", LONG_MS, 3)
+            assert got is not None and slot_key("why", got[0]) == held.store_key
+            assert held.wait_lost(DEADLINE)
+            assert held.lost_reason == "taken"

@@ -159,6 +159,7 @@ EXPORTS: dict[str, set[str]] = {
     },
     "celery_lease.stores.base": {
         "AsyncLockStore",
+        "AsyncSupportsOwnedSlotsRelease",
         "AsyncSupportsSlots",
         "LeaseInfo",
         "LockStore",
@@ -170,6 +171,7 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsInspection",
         "SupportsReleaseNotify",
         "SupportsReplace",
+        "SupportsOwnedSlotsRelease",
         "SupportsSlots",
         "conforms",
         "redact_url",
@@ -181,6 +183,7 @@ EXPORTS: dict[str, set[str]] = {
         "counter_key",
         "marked",
         "release_channel",
+        "release_owner_slots",
         "slot_key",
         "split_slot",
         "unmarked",

@@ -211,3 +211,44 @@ class TestAHungResultBackend:
 class TestIsoUtc:
     def test_the_time_in_utc_to_the_second(self) -> None:
         assert iso_utc(1796507436.9) == "2026-12-05T21:50:36Z"
+
+
+def _slots_store(*holders: tuple[str, int]) -> MemoryLockStore:
+    """Slots 0, 1, ... of ``k`` held by each ``(owner, keep_ms)`` in turn (limit 3)."""
+    store = MemoryLockStore(clock=FakeClock(1796507436.0))
+    for owner, keep_ms in holders:
+        assert store.acquire_slot("k", owner, keep_ms, 3) is not None
+    return store
+
+
+class TestLookUpSlots:
+    """A key with a limit is kept by its slots' holders: the one whose slot frees soonest."""
+
+    def test_the_holder_whose_slot_frees_soonest_is_named(self) -> None:
+        later = make_owner(task="proj.report", task_id="t-0", ttl_ms=30_000)
+        soonest = make_owner(task="proj.report", task_id="t-1", ttl_ms=30_000)
+        store = _slots_store((later, 30_000), (soonest, 12_000))
+        found = look_up(store, "k", Task(), 30.0, limited=True)
+        assert found is not None and found.key == "k" and found.reason == "held"
+        assert (found.holder.task_id, found.left) == ("t-1", 12.0)
+        assert found.until == 1796507436.0 + 12
+
+    def test_a_slot_in_its_cooldown_freeing_soonest_is_a_cooldown(self) -> None:
+        running = make_owner(task="proj.report", task_id="t-0", ttl_ms=30_000)
+        kept = make_owner(task="proj.report", task_id="t-1", ttl_ms=30_000, cooldown_ms=20_000)
+        backend = ReadsCounted()
+        found = look_up(
+            _slots_store((running, 30_000), (kept, 20_000)), "k", Task(backend), 30.0, limited=True
+        )
+        assert found is not None and found.cooldown and found.reason == "cooldown"
+        assert (found.holder.task_id, found.left) == ("t-1", 20.0)
+        assert backend.reads == ["t-1"]
+
+    def test_the_key_itself_is_not_a_slot_holder(self) -> None:
+        """Only the key's slots count: the key's own lease and another key's slots do not."""
+        store = _store(owner=make_owner(task_id="plain"), keep_ms=1_000)
+        assert store.acquire_slot("k2", make_owner(task_id="other key"), 1_000, 3) is not None
+        assert look_up(store, "k", Task(), 30.0, limited=True) is None
+
+    def test_a_store_without_inspection_tells_nothing(self) -> None:
+        assert look_up(object(), "k", Task(), 30.0, limited=True) is None

@@ -535,8 +535,10 @@ class TestValidation:
         with pytest.raises(LeaseConfigError, match=r"on_held of t='replace'.*cooldown=5\.0"):
             validate_options({"on_held": "replace", "cooldown": 5}, where="t")
 
-    def test_a_limit_of_one_is_allowed(self) -> None:
-        assert validate_options({"on_held": "replace", "limit": 1}, where="t").on_held == "replace"
+    def test_a_limit_of_one_is_refused(self) -> None:
+        """limit=1 holds the key's slots, not the key itself that replace asks to stop."""
+        with pytest.raises(LeaseConfigError, match=r"on_held of t='replace'.*limit=1"):
+            validate_options({"on_held": "replace", "limit": 1}, where="t")
 
     def test_unique_is_refused(self) -> None:
         with pytest.raises(LeaseConfigError, match=r"on_held of t='replace'.*unique="):

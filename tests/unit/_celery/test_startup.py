@@ -147,6 +147,23 @@ class TestWorkerBootstep:
         step.start(controller)  # the check ran at build time; starting it does nothing more
         assert isinstance(config.get_store(app), MemoryLockStore)
 
+    def test_a_worker_warns_of_a_key_template_with_and_without_a_limit(
+        self, app: Celery, main_pid: None, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        app.conf.lease_store = MemoryLockStore()
+
+        @app.task(base=LockedTask, name="mix.limited", shared=False, lock_key="k", lock_limit=2)
+        def limited() -> None:
+            return None
+
+        @app.task(base=LockedTask, name="mix.plain", shared=False, lock_key="k")
+        def plain() -> None:
+            return None
+
+        with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
+            app.WorkController(pool_cls="threads", concurrency=1, without_mingle=True)
+        assert any("'mix.limited'" in r.getMessage() for r in caplog.records)
+
     def test_refusal_survives_fork(self, app: Celery) -> None:
         """A pool child forked after the refusal fails its locked executions too."""
         config.refuse(app, "refused for the test")
@@ -442,3 +459,49 @@ class TestReplaceStoreAtStart:
                 app.WorkController(pool_cls="threads", concurrency=2, without_mingle=True)
         finally:
             _state._set_task_join_will_block(blocks)
+
+
+class TestMixedLimitsAtStart:
+    """Two tasks sharing a lock_key template, one with a limit and one without, hold two lock
+    spaces that do not exclude each other: the worker warns at start-up."""
+
+    def test_a_key_template_with_and_without_a_limit_is_warned_about(
+        self, app: Celery, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        @app.task(
+            base=LockedTask, name="pay.limited", shared=False, lock_key="acct:{a}", lock_limit=1
+        )
+        def limited(a: int) -> None:
+            return None
+
+        @app.task(base=LockedTask, name="pay.plain", shared=False, lock_key="acct:{a}")
+        def plain(a: int) -> None:
+            return None
+
+        with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
+            startup.warn_mixed_limits(app)
+        (record,) = [r for r in caplog.records if "acct:{a}" in r.getMessage()]
+        message = record.getMessage()
+        assert record.levelno == logging.WARNING
+        assert "'pay.limited'" in message and "'pay.plain'" in message
+
+    def test_one_kind_per_template_is_not_warned_about(
+        self, app: Celery, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        @app.task(base=LockedTask, name="pay.a", shared=False, lock_key="acct:{a}", lock_limit=2)
+        def first(a: int) -> None:
+            return None
+
+        @app.task(
+            base=LockedTask, name="pay.b", shared=False, lock_key="acct:{a}", lock_limit=lambda a: 3
+        )
+        def second(a: int) -> None:
+            return None
+
+        @app.task(base=LockedTask, name="pay.c", shared=False, lock_key="other:{a}")
+        def third(a: int) -> None:
+            return None
+
+        with caplog.at_level(logging.WARNING, logger="celery_lease.worker"):
+            startup.warn_mixed_limits(app)
+        assert caplog.records == []

@@ -252,10 +252,10 @@ class TestDefinition:
 
         assert "lock_limit" in str(raised.value) and "unique" in str(raised.value)
 
-    @pytest.mark.parametrize("limit", [3, lambda n: 1])
+    @pytest.mark.parametrize("limit", [1, 3, lambda n: 1])
     def test_a_store_object_without_slots_fails_at_definition(self, limit: object) -> None:
-        """An int over 1, or a callable (always slots), with a lock_store that cannot keep
-        slots: named at class creation."""
+        """Any int, or a callable (always slots), with a lock_store that cannot keep slots:
+        named at class creation."""
 
         class NoSlots:
             def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None: ...
@@ -270,17 +270,21 @@ class TestDefinition:
 
         assert "lock_limit of task" in str(raised.value)
 
-    def test_limit_1_needs_no_slots(self) -> None:
+    def test_limit_1_needs_a_store_with_slots_too(self) -> None:
+        """lock_limit = 1 holds the key's slot space (one at a time), so it needs slots."""
+
         class NoSlots:
             def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None: ...
             def renew(self, key: str, owner: str, ttl_ms: int) -> bool: ...
             def release(self, key: str, owner: str) -> None: ...
 
-        class One(LockedTask):
-            lock_store = NoSlots()
-            lock_limit = 1
+        with pytest.raises(
+            LeaseConfigError, match=r"lock_limit of task .*=1 needs a store with acquire_slot"
+        ):
 
-        assert One._lock_options.limit is None
+            class One(LockedTask):
+                lock_store = NoSlots()
+                lock_limit = 1
 
     def test_a_key_with_the_slot_mark_fails_at_call_time(self, app: Celery) -> None:
         @app.task(shared=False, base=LockedTask, lock_key=lambda name: f"k\x1f{name}")
@@ -382,3 +386,78 @@ class TestPerSlotPaths:
 
         listed.apply()
         assert rows == [slot_key("k", 0)]
+
+
+class TestLimitOneAndTheKeyItself:
+    def test_a_limit_lowered_to_1_counts_the_executions_running_under_3(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """A rolling deploy lowering lock_limit from 3 to 1: the new code's call is refused
+        while the executions taken under 3 run."""
+        for i in range(3):
+            assert store.acquire_slot("acct", f"old-worker-{i}", 600_000, 3) is not None
+
+        @app.task(shared=False, base=LockedTask, lock_key="acct", lock_limit=1)
+        def lowered() -> None:
+            raise AssertionError("the body must not run beside three holders")
+
+        assert isinstance(lowered.apply().result, LockNotAcquiredError)
+
+    def test_a_plain_helper_in_a_limited_task_takes_the_key_itself(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """A @locked helper without limit on the same key, called from a limited task's body,
+        holds the key on its own (it does not re-enter the task's slot)."""
+        seen: list[tuple[str, str]] = []
+
+        @locked(key="acct:{a}")
+        def helper(a: int) -> None:
+            from celery_lease import current_lease
+
+            held = current_lease()
+            assert held is not None
+            seen.append(("helper", held.store_key))
+
+        @app.task(shared=False, bind=True, base=LockedTask, lock_key="acct:{a}", lock_limit=3)
+        def pay(self: Any, a: int) -> None:
+            seen.append(("task", self.request.lease.store_key))
+            helper(a)
+
+        result = pay.apply(args=(1,))
+        assert result.successful(), result.result
+        assert seen == [("task", slot_key("acct:1", 0)), ("helper", "acct:1")]
+
+
+class TestSkipNamesASlotHolder:
+    def test_a_skip_with_a_limit_names_the_holder_whose_slot_frees_soonest(
+        self, app: Celery, store: MemoryLockStore
+    ) -> None:
+        """Every slot in its cooldown: lock_rejected names the execution whose slot frees
+        first, with its cooldown's end."""
+        rejected: list[dict[str, Any]] = []
+
+        def receiver(sender: Any = None, **kw: Any) -> None:
+            rejected.append(kw)
+
+        lease_signals.lock_rejected.connect(receiver, weak=False)
+        try:
+
+            @app.task(
+                shared=False,
+                base=LockedTask,
+                lock_key="report",
+                lock_limit=2,
+                lock_on_held="skip",
+                lock_cooldown=60,
+            )
+            def report() -> None:
+                pass
+
+            for i in range(3):
+                report.apply(task_id=f"run-{i}")
+        finally:
+            lease_signals.lock_rejected.disconnect(receiver)
+        assert len(rejected) == 1
+        (kw,) = rejected
+        assert kw["key"] == "report" and kw["reason"] == "cooldown"
+        assert kw["holder_task_id"] == "run-0" and kw["until"] is not None

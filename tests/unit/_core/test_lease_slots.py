@@ -42,6 +42,7 @@ class SlotStore(MemoryLockStore):
         self.plain_calls = 0
         self.renewed: list[str] = []
         self.released: list[str] = []
+        self.owned_released: list[str] = []  # keys given to release_owned_slots
         self.waiting = threading.Event()
 
     def acquire(self, key: str, owner: str, ttl_ms: int) -> int | None:
@@ -59,6 +60,10 @@ class SlotStore(MemoryLockStore):
     def release(self, key: str, owner: str) -> None:
         self.released.append(key)
         super().release(key, owner)
+
+    def release_owned_slots(self, key: str, owner: str) -> None:
+        self.owned_released.append(key)
+        super().release_owned_slots(key, owner)
 
     def wait_for_release(self, key: str, timeout: float) -> bool:
         self.waiting.set()
@@ -151,6 +156,18 @@ def holders(store: SlotStore, count: int, limit: int = 3) -> list[Holder]:
         holder.wait_entered()  # one after the other: slots in order
         started.append(holder)
     return started
+
+
+def refused(make: Callable[[], Any]) -> bool:
+    """Whether ``make()``, entered on another thread (wait 0), is turned away; entered, it
+    leaves at once."""
+    holder = Holder(make)
+    assert holder.entered.wait(REAL_TIMEOUT), "the holder never entered"
+    if holder.error is None:
+        holder.leave()
+        return False
+    assert isinstance(holder.error, LockNotAcquiredError), holder.error
+    return True
 
 
 class TestSlots:
@@ -325,15 +342,78 @@ class TestAbandonedAttempts:
 
 
 class TestWithoutLimit:
-    @pytest.mark.parametrize("limit", [None, 1])
-    def test_none_and_1_take_the_key_itself(self, store: SlotStore, limit: int | None) -> None:
-        """limit None or 1: the plain acquire of the key, slot 0, store key the key."""
-        with lease(KEY, store=store, ttl=30, limit=limit) as held:
+    def test_no_limit_takes_the_key_itself(self, store: SlotStore) -> None:
+        """limit None (not given): the plain acquire of the key, slot 0, store key the key."""
+        with lease(KEY, store=store, ttl=30) as held:
             assert held.slot == 0
             assert held.store_key == KEY
             assert store.get(KEY) is not None
         assert store.slot_calls == 0 and store.plain_calls == 1
         assert store.released == [KEY]
+
+    def test_limit_1_takes_slot_0_of_the_key(self, store: SlotStore) -> None:
+        """limit=1 given: one holder at a time, in the key's slot space (slot 0)."""
+        with lease(KEY, store=store, ttl=30, limit=1) as held:
+            assert held.slot == 0
+            assert held.store_key == slot_key(KEY, 0)
+            assert store.get(KEY) is None
+            assert refused(lambda: lease(KEY, store=store, ttl=30, limit=1))
+        assert store.slot_calls == 2 and store.plain_calls == 0
+
+    def test_a_limit_lowered_to_1_still_counts_the_slots_held(self, store: SlotStore) -> None:
+        """Three holders under limit=3: a caller with limit=1 is refused until one is left."""
+        running = holders(store, 3)
+        assert refused(lambda: lease(KEY, store=store, ttl=30, limit=1))
+        for holder in running[1:]:
+            holder.leave()
+        assert refused(lambda: lease(KEY, store=store, ttl=30, limit=1))  # one still runs
+        running[0].leave()
+        with lease(KEY, store=store, ttl=30, limit=1) as held:
+            assert held.store_key == slot_key(KEY, 0)
+
+
+class TestTwoLockSpaces:
+    """The key itself (no limit) and the key's slots (any limit) are two lock spaces."""
+
+    def test_a_plain_lease_and_a_slot_holder_do_not_exclude_each_other(
+        self, store: SlotStore
+    ) -> None:
+        with lease(KEY, store=store, ttl=30) as plain:
+            other = Holder(lambda: lease(KEY, store=store, ttl=30, limit=2))
+            assert other.wait_entered().store_key == slot_key(KEY, 0)
+            assert plain.store_key == KEY
+            other.leave()
+
+    def test_a_nested_plain_lease_in_a_slot_takes_the_key_itself(self, store: SlotStore) -> None:
+        """A nested lease without limit inside a limited one of the same key does not re-enter
+        the slot: it acquires the key on its own, and releases it at its exit."""
+        with lease(KEY, store=store, ttl=30, limit=3) as outer:
+            with lease(KEY, store=store, ttl=30) as inner:
+                assert inner is not outer
+                assert inner.store_key == KEY and outer.store_key == slot_key(KEY, 0)
+                assert store.get(KEY) is not None
+            assert store.get(KEY) is None
+            assert store.get(outer.store_key) is not None
+        assert store.plain_calls == 1 and store.slot_calls == 1
+
+    def test_a_nested_limited_lease_in_a_plain_one_takes_a_slot(self, store: SlotStore) -> None:
+        with lease(KEY, store=store, ttl=30) as outer:
+            with lease(KEY, store=store, ttl=30, limit=1) as inner:
+                assert inner is not outer
+                assert inner.store_key == slot_key(KEY, 0)
+            assert store.get(slot_key(KEY, 0)) is None
+            assert store.get(KEY) is not None
+
+    def test_a_nested_lease_re_enters_the_outer_one_of_its_own_kind(self, store: SlotStore) -> None:
+        """Between two kinds, the nested lease re-enters the innermost of its own kind."""
+        with (
+            lease(KEY, store=store, ttl=30) as plain,
+            lease(KEY, store=store, ttl=30, limit=2) as slot,
+            lease(KEY, store=store, ttl=30) as again_plain,
+            lease(KEY, store=store, ttl=30, limit=5) as again_slot,
+        ):
+            assert again_plain is plain and again_slot is slot
+        assert store.plain_calls == 1 and store.slot_calls == 1
 
 
 class TestBadInput:
@@ -359,7 +439,9 @@ class TestBadInput:
             lease(KEY, store=store, limit=2)
         message = str(raised.value)
         assert "limit=2" in message and "acquire_slot" in message and repr(store) in message
-        with lease(KEY, store=store, ttl=30, limit=1) as held:  # no slots needed
+        with pytest.raises(LeaseConfigError, match="limit=1"):  # slots too: one at a time
+            lease(KEY, store=store, limit=1)
+        with lease(KEY, store=store, ttl=30) as held:  # no limit: the key itself
             assert held.store_key == KEY
 
     def test_an_async_store_without_slots_is_refused_for_a_limit(self) -> None:
@@ -486,7 +568,7 @@ class TestAsync:
             go.set()
 
         _run(scenario())
-        poll_until(lambda: sync.list(KEY) == [] and sync.released, what="the undo")
+        poll_until(lambda: sync.list(KEY) == [] and KEY in sync.owned_released, what="the undo")
 
 
 class DeferringStore(SlotStore):
@@ -559,20 +641,58 @@ def test_reprs_name_the_limit_and_the_slot(store: SlotStore) -> None:
         assert "slot" not in repr(plain) and "limit" not in repr(lease(KEY, store=store))
 
 
-def test_a_failing_clean_up_stops_at_the_first_error(clock: FakeClock) -> None:
-    """The store fails the acquire's reply and then every release: the clean-up stops at the
-    first failed release (logged), and the caller gets the acquire's error."""
+class WithoutOwnedRelease(LostSlotReply):
+    """A lost slot reply on a store without ``release_owned_slots``: the clean-up releases
+    slot by slot; ``failing`` releases raise (by slot index)."""
 
-    class Down(LostSlotReply):
-        def release(self, key: str, owner: str) -> None:
-            self.released.append(key)
+    release_owned_slots = None  # type: ignore[assignment]
+
+    def __init__(self, clock: FakeClock, failing: Callable[[int], bool]) -> None:
+        super().__init__(clock, StoreUnavailableError("reply lost"))
+        self.failing = failing
+
+    def release(self, key: str, owner: str) -> None:
+        self.released.append(key)
+        if self.failing(len(self.released) - 1):
             raise StoreUnavailableError("down")
+        MemoryLockStore.release(self, key, owner)
 
-    store = Down(clock, StoreUnavailableError("reply lost"))
-    with pytest.raises(StoreUnavailableError, match="lost"), lease(KEY, store=store, limit=50):
-        pass
-    assert drain(REAL_TIMEOUT)
-    assert store.released == [slot_key(KEY, 0)]
+
+class TestAbandonedSlotCleanUp:
+    def test_a_store_offering_it_releases_the_owners_slots_in_one_call(
+        self, clock: FakeClock
+    ) -> None:
+        """A lost reply, a store with release_owned_slots: one call, no release per slot."""
+        store = LostSlotReply(clock, StoreUnavailableError("reply lost"))
+        with pytest.raises(StoreUnavailableError, match="lost"), lease(KEY, store=store, limit=50):
+            pass
+        assert store.granted is not None
+        assert drain(REAL_TIMEOUT)
+        assert store.owned_released == [KEY] and store.released == []
+        assert store.list(KEY) == []
+
+    def test_a_failed_release_does_not_stop_the_others(self, clock: FakeClock) -> None:
+        """Slot by slot, the first release fails: the others are still tried (the slot the
+        lost reply took is freed); the caller gets the acquire's error."""
+        store = WithoutOwnedRelease(clock, failing=lambda index: index == 0)
+        for i in range(5):
+            MemoryLockStore.acquire_slot(store, KEY, f"other{i}", 600_000, 8)
+        with pytest.raises(StoreUnavailableError, match="lost"), lease(KEY, store=store, limit=8):
+            pass
+        assert store.granted is not None and store.granted[0] == 5
+        assert drain(REAL_TIMEOUT)
+        assert store.released == [slot_key(KEY, i) for i in range(8)]
+        assert sorted(info.owner for info in store.list(KEY)) == [f"other{i}" for i in range(5)]
+
+    def test_every_release_failing_tries_each_slot_once(self, clock: FakeClock) -> None:
+        """The store fails the acquire's reply and then every release: each slot below the
+        limit is tried once (the first error logged), and the caller gets the acquire's
+        error."""
+        store = WithoutOwnedRelease(clock, failing=lambda index: True)
+        with pytest.raises(StoreUnavailableError, match="lost"), lease(KEY, store=store, limit=4):
+            pass
+        assert drain(REAL_TIMEOUT)
+        assert store.released == [slot_key(KEY, i) for i in range(4)]
 
 
 def test_many_threads_never_exceed_the_limit() -> None:

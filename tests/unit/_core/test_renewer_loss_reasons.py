@@ -14,6 +14,7 @@ from celery import Celery
 
 from celery_lease import LockedTask, MemoryLockStore, lease
 from celery_lease import signals as lease_signals
+from celery_lease.stores.slots import slot_key
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock
 
@@ -257,3 +258,33 @@ class TestWhyGone:
             clock.advance(1.0)
             assert held.wait_lost(REAL)
             assert held.lost_reason == "expired"
+
+
+class TestSlotReasons:
+    """A slot's last token is the key-wide counter on some stores: a free slot cannot tell
+    release from expiry, so it reads ``"expired"``; another owner on the slot: ``"taken"``."""
+
+    def test_a_slot_found_free_reads_expired_whatever_the_other_slots_drew(self) -> None:
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        with lease("slots", store=store, ttl=3, clock=clock, limit=3) as held:
+            beside = store.acquire_slot("slots", "beside", 60_000, 3)  # slot 1, a later token
+            assert beside is not None and beside[1] > held.token
+            assert store.force_release(held.store_key) is not None
+            got = store.acquire_slot("slots", "another-owner", 60_000, 3)
+            assert got is not None and slot_key("slots", got[0]) == held.store_key
+            store.release(held.store_key, "another-owner")  # slot 0 free again
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            assert held.lost_reason == "expired"
+
+    def test_a_slot_held_by_another_owner_reads_taken(self) -> None:
+        clock = FakeClock(1000.0)
+        store = MemoryLockStore(clock=clock)
+        with lease("slots", store=store, ttl=3, clock=clock, limit=3) as held:
+            assert store.force_release(held.store_key) is not None
+            got = store.acquire_slot("slots", "another-owner", 60_000, 3)
+            assert got is not None and slot_key("slots", got[0]) == held.store_key
+            clock.advance(1.0)
+            assert held.wait_lost(REAL)
+            assert held.lost_reason == "taken"
