@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypedDict, TypeGuard, cast
 
 # billiard 4.x: the exit code of a child that left on purpose (--max-tasks-per-child...); any
@@ -46,14 +46,15 @@ __all__ = [
     "PydanticWrapperCells",
     "billiard_pool",
     "child_processes",
+    "current_worker_request",
     "event_process_exit",
     "get_actual_ignore_result",
     "get_current_app",
     "get_current_task",
-    "get_current_worker_task",
     "job_pids",
     "join_exited_workers",
     "live_receivers",
+    "live_receivers_of",
     "may_have_dead_receivers",
     "pool_jobs",
     "pydantic_wrapper_closure",
@@ -73,8 +74,24 @@ task_stack: TaskStack = _state._task_stack
 get_current_app: Callable[[], CeleryApp] = _state.get_current_app
 # celery 5.x: the task running in this thread, or None.
 get_current_task: Callable[[], CeleryTask | None] = _state.get_current_task
+
+
 # celery 5.x: the task Celery's tracer runs in this thread (tasks called as functions skipped).
-get_current_worker_task: Callable[[], CeleryTask | None] = _state.get_current_worker_task
+def current_worker_request() -> tuple[CeleryTask, object] | None:
+    """``(task, request)``: the innermost request on the task stack (celery 5.x ``_task_stack``,
+    each task's ``request_stack``) that was not called directly, or None.
+
+    Celery's ``get_current_worker_task`` looks at each stacked task's current request only, so
+    it misses the worker request below one a direct call pushed on the same task (celery 5.4's
+    ``push_request`` makes a fresh ``called_directly`` context).
+    """
+    tasks: list[CeleryTask] = list(getattr(task_stack, "stack", ()))
+    for task in reversed(tasks):
+        requests = getattr(getattr(task, "request_stack", None), "stack", None) or ()
+        for request in reversed(requests):
+            if not getattr(request, "called_directly", True):
+                return task, request
+    return None
 
 
 class PydanticWrapperCells(TypedDict, total=False):
@@ -112,8 +129,14 @@ def pydantic_wrapper_closure(func: object) -> PydanticWrapperCells | None:
 
 def live_receivers(signal: SignalLike) -> list[object]:
     """The live receivers of a ``Signal`` (weak ones dereferenced unless ``weak=False``)."""
+    return live_receivers_of(signal.receivers)
+
+
+def live_receivers_of(entries: Iterable[tuple[object, object]]) -> list[object]:
+    """The live receivers among ``entries``, a copy of a ``Signal``'s ``receivers`` list
+    (``(lookup key, receiver or weak reference)`` pairs; weak ones dereferenced)."""
     alive: list[object] = []
-    for _, receiver in signal.receivers:
+    for _, receiver in entries:
         if isinstance(receiver, weakref.ReferenceType):
             receiver = receiver()
             if receiver is None:

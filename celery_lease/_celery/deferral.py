@@ -100,10 +100,12 @@ def only_ours(signal: SignalLike) -> bool:
         and not compat.may_have_dead_receivers(signal)
     ):
         return kept[2]
-    seen = list(receivers)  # before reading them: a receiver connected meanwhile differs next time
+    # One snapshot, both judged and kept: a receiver changed meanwhile (even one taken away and
+    # put back) makes the list differ from it next time, and the answer is that snapshot's.
+    seen = list(receivers)
     answer = all(
         (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
-        for receiver in compat.live_receivers(signal)
+        for receiver in compat.live_receivers_of(seen)
     )
     _answers[id(signal)] = (signal, seen, answer)
     return answer

@@ -52,13 +52,21 @@ def on_worker_shutdown(**_: object) -> None:
 
 
 def running_task() -> tuple[str | None, str | None] | None:
-    """The ``(name, id)`` of the task Celery's tracer runs in this thread (a task called as a
-    function inside it excluded), or None: the default task of owner ids made now."""
-    task = compat.get_current_worker_task()
-    if task is None:
+    """The ``(name, id)`` of the task Celery's tracer runs in this thread, or None: the default
+    task of owner ids made now.
+
+    The innermost request on Celery's task stack that was not called directly: a task called as
+    a function inside a body is skipped, also where that call pushed a request of its own onto the
+    running task's request stack (Celery 5.4 does for a task calling itself). A thread the body
+    starts has no task stack of its own: owner ids made there name no task (pass ``holder=`` or
+    take the lease in the body's thread).
+    """
+    found = compat.current_worker_request()
+    if found is None:
         return None
+    task, request = found
     name = getattr(task, "name", None)
-    task_id = getattr(task.request, "id", None)
+    task_id = getattr(request, "id", None)
     return (name if isinstance(name, str) else None, task_id if isinstance(task_id, str) else None)
 
 

@@ -524,3 +524,39 @@ class TestLockReleasedReceivers:
         finally:
             lease_signals.lock_released.disconnect(on_released)
         assert seen == [None]
+
+
+class _SignalChangingWhileRead:
+    """A signal whose foreign receiver is taken away while ``only_ours`` reads the list a second
+    time, and put back at the read after: a thread disconnecting and reconnecting it."""
+
+    _dead_receivers = False
+
+    def __init__(self) -> None:
+        def ours() -> None: ...
+
+        def theirs() -> None: ...
+
+        ours.__module__ = "celery_lease._celery.worker"
+        theirs.__module__ = "proj.hooks"
+        self.foreign = ("theirs", theirs)
+        self.entries: list[tuple[object, object]] = [("ours", ours), self.foreign]
+        self.reads = 0
+
+    @property
+    def receivers(self) -> list[tuple[object, object]]:
+        self.reads += 1
+        if self.reads == 2:
+            self.entries.remove(self.foreign)
+        elif self.reads == 3:
+            self.entries.append(self.foreign)
+        return self.entries
+
+
+def test_a_receiver_taken_away_and_put_back_during_the_check_is_seen() -> None:
+    """The answer is judged on the snapshot it is kept with, so a foreign receiver connected
+    when the signal is asked again is never hidden by an answer kept from a moment without it."""
+    signal = _SignalChangingWhileRead()
+    answers = [deferral.only_ours(signal) for _ in range(3)]  # type: ignore[arg-type]
+    assert signal.entries[-1] == signal.foreign  # connected again
+    assert answers[-1] is False

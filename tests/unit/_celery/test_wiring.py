@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 from celery import Celery, signals
 from celery.app.task import Context
@@ -155,6 +156,31 @@ class TestOwnerDefaultsWithoutTaskSignals:
         tracer("id-1", (), {}, {"id": "id-1", "delivery_info": {}})
         holder = parse_owner(seen[0])
         assert (holder.task, holder.task_id) == ("owners.outer", "id-1")
+        app.close()
+
+    def test_a_direct_calls_own_request_on_the_running_task_leaves_the_worker_request_named(
+        self,
+    ) -> None:
+        """Celery 5.4 pushes a fresh ``called_directly`` request onto the running task itself when
+        it calls itself as a function: the worker request below it still names the owner."""
+        wiring.install()
+        store = MemoryLockStore()
+        app = self._app()
+        seen: list[str] = []
+
+        @app.task(name="owners.self_calling", bind=True, shared=False)
+        def outer(self: Any) -> None:
+            self.request_stack.push(Context(called_directly=True))
+            try:
+                with lease("k", store=store, ttl=5) as held:
+                    seen.append(held.owner)
+            finally:
+                self.request_stack.pop()
+
+        tracer = build_tracer(outer.name, outer, app=app, eager=True, propagate=True)
+        tracer("id-3", (), {}, {"id": "id-3", "delivery_info": {}})
+        holder = parse_owner(seen[0])
+        assert (holder.task, holder.task_id) == ("owners.self_calling", "id-3")
         app.close()
 
     def test_a_task_called_directly_in_a_body_keeps_the_running_tasks_name(self) -> None:
