@@ -803,7 +803,10 @@ def test_outer_interrupt_landing_in_a_nested_release_is_not_swallowed(where: str
         store.force_release("outer-r")
 
     @app.task(
-        bind=True, base=LockedTask, lock_key="outer-r", lock_ttl="0.3s", lock_on_lost="revoke",
+        # 3 s: the renewer reads the key freed (at 1 s) long before the lease's own validity
+        # ends; with 0.3 s a loaded machine let the body thread see it expire first, and a body
+        # that learns of its loss itself is not interrupted (it reads it).
+        bind=True, base=LockedTask, lock_key="outer-r", lock_ttl="3s", lock_on_lost="revoke",
         shared=False,
     )  # fmt: skip
     def outer(self: Any) -> str:
