@@ -173,7 +173,28 @@ class _MultiProcess:
             match = _PID.search(name)
             if match is not None and not _alive(int(match.group(1))):
                 mark_process_dead(int(match.group(1)), self.path)  # type: ignore[no-untyped-call]
-        return self.inner.collect()  # type: ignore[no-untyped-call,no-any-return]
+        try:
+            return list(self.inner.collect())  # type: ignore[no-untyped-call]
+        except Exception:  # one unreadable file (a process killed mid-write) fails no scrape
+            files = glob.glob(os.path.join(self.path, "*.db"))
+            readable = [name for name in files if _readable(name)]
+            logger.warning(
+                "celery-lease: skipped unreadable metrics files in %s: %s",
+                self.path,
+                sorted(set(files) - set(readable)),
+            )
+            return list(self.inner.merge(readable, accumulate=True))  # type: ignore[no-untyped-call]
+
+
+def _readable(name: str) -> bool:
+    """Whether prometheus_client can read the multiprocess metrics file ``name``."""
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    try:
+        MultiProcessCollector.merge([name], accumulate=True)  # type: ignore[no-untyped-call]
+    except Exception:
+        return False
+    return True
 
 
 _sinks: dict[bool, PrometheusSink] = {}

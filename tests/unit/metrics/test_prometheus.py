@@ -201,3 +201,20 @@ class TestDeadDirs:
             for fd in (locked_r, locked_w, go_r, go_w):
                 os.close(fd)
         assert remove_dead_dirs(str(tmp_path)) == [str(live)]
+
+
+def test_an_unreadable_metrics_file_fails_no_scrape(tmp_path: Path) -> None:
+    """A process killed while writing its metrics file leaves it unreadable: the scrape still
+    answers with every other process's samples."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    from celery_lease.metrics.prometheus import _MultiProcess
+
+    good = MmapedDict(str(tmp_path / "counter_101.db"))
+    key = mmap_key("celery_lease_acquired", "celery_lease_acquired_total", ["task"], ["t"], "h")
+    good.write_value(key, 3.0, 0.0)
+    good.close()
+    (tmp_path / "counter_102.db").write_bytes(b"\x40\x00\x00\x00" + b"\x00" * 4 + b"\xff" * 56)
+    metrics = list(_MultiProcess(str(tmp_path)).collect())
+    samples = [(s.name, s.value) for m in metrics for s in m.samples]
+    assert ("celery_lease_acquired_total", 3.0) in samples
