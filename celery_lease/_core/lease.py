@@ -180,9 +180,10 @@ class Lease:
     (``lost_reason`` ``"forked"``) and is never renewed or released from there.
     """
 
+    # Positional too: a class called with keywords costs several times a positional call, and
+    # the lease's enter makes one per lease.
     def __init__(
         self,
-        *,
         key: str,
         owner: str,
         token: int,
@@ -853,29 +854,27 @@ class LeaseContext:
         abandoned on the dispatcher (``abandon``; else the caller releases it). ``immediate``:
         a loss listener in place of ``on_lost`` (``"cancel"``'s)."""
         try:
+            store = self.store
+            # positional: see Lease.__init__ and Entry.__init__ (key, owner, token, waited,
+            # wait_seconds, store, clock, acquired_at)
             held = Lease(
-                key=self.key,
-                owner=owner,
-                token=token,
-                waited=tries > 0,
-                wait_seconds=sent_at - started,
-                store=self.store,
-                clock=self.clock,
-                acquired_at=sent_at,
+                self.key, owner, token, tries > 0, sent_at - started, store, self.clock, sent_at
             )
             if immediate is not None:
                 held._listeners = [(immediate, True)]
             elif self.on_lost is not None:
                 held._listeners = [(self.on_lost, False)]
+            max_hold = self.max_hold
+            # store, key, owner, ttl, sent_at, max_hold_at, on_lost, token
             held._key = held._entry = key = HeldKey(
-                store=self.store,
-                key=self.store_key,
-                owner=owner,
-                ttl=self.ttl,
-                sent_at=sent_at,
-                max_hold_at=None if self.max_hold is None else sent_at + self.max_hold,
-                on_lost=held._notify_lost,
-                token=token,
+                store,
+                self.store_key,
+                owner,
+                self.ttl,
+                sent_at,
+                None if max_hold is None else sent_at + max_hold,
+                held._notify_lost,
+                token,
             )
             key.start(self.clock)
         except BaseException:

@@ -71,9 +71,10 @@ class Entry:
         "renewals", "renewer", "store", "token", "ttl", "ttl_ms", "valid_until",
     )  # fmt: skip
 
+    # Positional too: a class called with keywords costs several times a positional call, and
+    # the lease's enter makes one per lease.
     def __init__(
         self,
-        *,
         store: Any,
         key: str,
         owner: str,
@@ -92,13 +93,15 @@ class Entry:
         self.renewals = 0  # successful renewals (snapshot())
         self.last_error: str | None = None  # of the last renewal attempt, if it failed
         self.ttl = ttl
-        self.ttl_ms = max(1, round(ttl * 1000))
-        self.valid_until = validity(sent_at, ttl)
+        ms = round(ttl * 1000)
+        self.ttl_ms = ms if ms > 1 else 1  # at least 1
+        self.valid_until = sent_at + ttl - (ttl * DRIFT_FACTOR + DRIFT_MARGIN)  # validity()
         self.max_hold_at = max_hold_at
         self.on_lost = on_lost
         self.lost_reason: str | None = None
         self.closed = False
-        self.due = self._cap(sent_at + ttl / 3)
+        due = sent_at + ttl / 3
+        self.due = due if max_hold_at is None or not max_hold_at < due else max_hold_at  # _cap()
         self.renewer: Renewer | None = None  # set by Renewer.add
         self.inflight = False  # a renewal of it is between being taken and being answered
         self.landed: threading.Event | None = None  # made only when someone waits for it
