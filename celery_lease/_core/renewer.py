@@ -131,9 +131,13 @@ class Renewer:
     def __init__(self, clock: Clock, store: Any) -> None:
         self.clock = clock
         self.store = store
+        self._registry_key = (id(clock), id(store))  # its key in the registry
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, Entry]] = []
         self._deadlines: list[tuple[float, int, Entry]] = []
+        # Entries added while no store call was watched, not yet in _deadlines: moved there when
+        # the next watched call begins (the watchdog reads _deadlines only during one).
+        self._unwatched: list[Entry] = []
         self._seq = itertools.count()
         self._wake = threading.Event()
         self._next_wake = float("inf")
@@ -189,10 +193,13 @@ class Renewer:
             successor = _register(self)
             if successor is None:
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-                heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                watch = self._in_io  # the watchdog must count this lease's deadline too
+                if watch:
+                    heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                else:
+                    self._unwatched.append(entry)
                 self._entries.add(entry)
                 self._stopping = False
-                watch = self._in_io  # the watchdog must count this lease's deadline too
                 if self._thread is None:
                     self._next_wake = float("inf")
                     self._thread = threading.Thread(
@@ -220,14 +227,15 @@ class Renewer:
         untouched or recorded (:meth:`abandon` ends it).
         """
         with self._lock:
-            reason = None if entry.closed else entry.overdue(self.clock.monotonic())
             final = not entry.finalized
             entry.finalized = True
             if entry.closed:
                 self._forget(entry)  # idempotent: in case an interrupt cut the recorder short
                 return True, final, None  # already lost: nothing of its holder's is cooled down
+            now = self.clock.monotonic()
+            reason = entry.overdue(now)
             inflight = entry.inflight
-            self._record(entry, reason)
+            self._record(entry, reason, now)
             if reason is not None or not inflight:
                 return True, final, reason
         settled = self.settle(entry)
@@ -317,23 +325,26 @@ class Renewer:
             entry.finalized = True
             return True
 
-    def _record(self, entry: Entry, reason: str | None) -> None:
-        """Under the lock, no call between the two stores: no interrupt lands between them."""
+    def _record(self, entry: Entry, reason: str | None, now: float | None = None) -> None:
+        """Under the lock, no call between the two stores: no interrupt lands between them.
+        ``now``: the clock read under this lock hold, if it was."""
         entry.lost_reason = reason
         entry.closed = True
-        self._forget(entry)
+        self._forget(entry, now)
 
-    def _forget(self, entry: Entry) -> None:
-        """Drop a closed ``entry`` from the held ones; under the lock. Its heap items stay until
-        they surface, or until as many entries were closed as are held (at least
-        :data:`COMPACT_AFTER`): then both heaps keep only live items."""
-        if entry in self._entries:
-            self._entries.discard(entry)
+    def _forget(self, entry: Entry, now: float | None = None) -> None:
+        """Drop a closed ``entry`` from the held ones; under the lock (``now``: the clock read
+        under this hold, if it was). Its heap items stay until they surface, or until as many
+        entries were closed as are held (at least :data:`COMPACT_AFTER`): then both heaps keep
+        only live items."""
+        entries = self._entries
+        if entry in entries:
+            entries.discard(entry)
             self._closed += 1
-            if self._closed >= COMPACT_AFTER and self._closed >= len(self._entries):
+            if self._closed >= COMPACT_AFTER and self._closed >= len(entries):
                 self._compact()
-        if not self._entries:
-            self._idle_since = self.clock.monotonic()
+        if not entries:
+            self._idle_since = self.clock.monotonic() if now is None else now
 
     def _compact(self) -> None:
         """Rebuild both heaps with only their live items (of held entries); under the lock."""
@@ -343,6 +354,7 @@ class Renewer:
             i for i in self._deadlines if not i[2].closed and i[0] == _deadline(i[2])
         ]
         heapq.heapify(self._deadlines)
+        self._unwatched = [entry for entry in self._unwatched if not entry.closed]
         self._closed = 0
 
     @staticmethod
@@ -653,6 +665,11 @@ class Renewer:
     def _begin_io(self) -> None:
         with self._lock:
             self._in_io = True
+            if self._unwatched:  # the watchdog counts every held lease's deadline from here
+                for entry in self._unwatched:
+                    if not entry.closed:
+                        heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                self._unwatched = []
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="celery-lease-watchdog", daemon=True
@@ -843,7 +860,7 @@ def _register(renewer: Renewer) -> Renewer | None:
     """``None`` when ``renewer`` is (or now becomes) the registered one of its (clock, store),
     else the one registered in its place. Under the renewer's lock."""
 
-    key = (id(renewer.clock), id(renewer.store))
+    key = renewer._registry_key
     if _registry.get(key) is renewer:
         return None
     with _registry_lock:
@@ -864,7 +881,7 @@ def _forget_idle(renewer: Renewer) -> None:
     """Drop an idle renewer from the registry (under its lock), unless observers are on it."""
     if renewer._observers:
         return
-    key = (id(renewer.clock), id(renewer.store))
+    key = renewer._registry_key
     with _registry_lock:
         if _registry.get(key) is renewer:
             del _registry[key]
