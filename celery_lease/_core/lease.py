@@ -90,7 +90,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class Frame:
     """One held lease in the context's stack (a linked list); ``gen``: the pushing process's
-    fork generation; ``origin``: the frame a copy stands for."""
+    fork generation; ``origin``: the frame a copy stands for, None for the frame itself (not
+    itself: a frame in a cycle would wait for the cyclic garbage collector)."""
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
@@ -98,7 +99,7 @@ class Frame:
         self.lease = lease
         self.parent = parent
         self.gen = lease._gen
-        self.origin = self
+        self.origin: Frame | None = None
 
 
 current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
@@ -1060,12 +1061,12 @@ def pop_frame(pushed: Frame | None) -> None:
     if pushed is None:
         return
     top = current_frame.get()
-    if top is not None and top.origin is pushed:
+    if top is not None and (top is pushed or top.origin is pushed):
         current_frame.set(top.parent)
         return
     frames: list[Frame] = []
     frame = top
-    while frame is not None and frame.origin is not pushed:
+    while frame is not None and frame is not pushed and frame.origin is not pushed:
         frames.append(frame)
         frame = frame.parent
     if frame is None:
@@ -1074,7 +1075,7 @@ def pop_frame(pushed: Frame | None) -> None:
     for above in reversed(frames):
         rebuilt = Frame(above.lease, rebuilt)
         rebuilt.gen = above.gen
-        rebuilt.origin = above.origin
+        rebuilt.origin = above if above.origin is None else above.origin
     current_frame.set(rebuilt)
 
 

@@ -237,6 +237,8 @@ class Renewer:
             inflight = entry.inflight
             self._record(entry, reason, now)
             if reason is not None or not inflight:
+                if reason is None:  # finished, nothing in flight: no loss can be told any more
+                    entry.on_lost = _finished  # lets go of the holder (often a cycle with it)
                 return True, final, reason
         settled = self.settle(entry)
         with self._lock:
@@ -717,6 +719,11 @@ class Renewer:
         self._wake.set()
         self._watch_wake.set()
         return threads
+
+
+def _finished(reason: str) -> None:
+    """The ``on_lost`` of an entry recorded finished with no renewal in flight: every path that
+    tells a loss first finds its end recorded, so none calls it."""
 
 
 def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
