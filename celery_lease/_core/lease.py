@@ -416,7 +416,8 @@ class LeaseContext:
         on_lost: Callable[[Lease], object] | None,
         cancel: threading.Event | None,
         clock: Clock,
-        *,
+        # Positional too (the Celery layer makes one per task: a class called with keywords
+        # costs several times a positional call).
         label: str | None = None,
         node: str | None = None,
         task: str | None = None,
