@@ -190,7 +190,8 @@ class Renewer:
             )
         entry.renewer = self
         with self._lock:  # only the idle exit, under this lock too, unregisters this renewer
-            successor = _register(self)
+            # _register(self), its usual answer read first
+            successor = None if _registry.get(self._registry_key) is self else _register(self)
             if successor is None:
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
                 watch = self._in_io  # the watchdog must count this lease's deadline too
@@ -235,7 +236,9 @@ class Renewer:
             now = self.clock.monotonic()
             reason = entry.overdue(now)
             inflight = entry.inflight
-            self._record(entry, reason, now)
+            entry.lost_reason = reason  # _record(), without a call between the two stores
+            entry.closed = True
+            self._forget(entry, now)
             if reason is not None or not inflight:
                 if reason is None:  # finished, nothing in flight: no loss can be told any more
                     entry.on_lost = _finished  # lets go of the holder (often a cycle with it)
