@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from celery_lease._core import owners
-from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, make_owner, set_node
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, make_owner
 
 _ENCODE = str.maketrans({";": "%3B", "=": "%3D", "%": "%25", "/": "%2F"})
 _AT_NS = 1_733_260_000_123_456_789
@@ -116,9 +116,11 @@ def _both(
 
 
 @pytest.fixture(autouse=True)
-def _fixed_time_no_node(monkeypatch: pytest.MonkeyPatch) -> None:
+def _fixed_time_no_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fixed time, and no default node or task (the process's are put back after)."""
     monkeypatch.setattr(time, "time_ns", lambda: _AT_NS)
-    set_node(None)
+    monkeypatch.setattr(owners, "_node", None)
+    monkeypatch.setattr(owners, "_task_source", None)
 
 
 class TestOwnerIdsMatchTheirPlainSpelling:
@@ -182,12 +184,9 @@ class TestOwnerIdsMatchTheirPlainSpelling:
 
     def test_the_task_source_fills_left_out_task_fields(self) -> None:
         owners.set_task_source(lambda: ("t;1", "id/2"))
-        try:
-            for _ in range(2):
-                made = make_owner(node="n", ttl_ms=5)
-                assert made.partition(";")[2] == "n=n;t=t%3B1;i=id%2F2;ttl=5;at=1733260000123"
-        finally:
-            owners.set_task_source(None)
+        for _ in range(2):
+            made = make_owner(node="n", ttl_ms=5)
+            assert made.partition(";")[2] == "n=n;t=t%3B1;i=id%2F2;ttl=5;at=1733260000123"
 
 
 class TestOwnerIdHead:
