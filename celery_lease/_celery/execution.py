@@ -20,9 +20,8 @@ from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
 from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
-from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.arguments import check_slot_store, key_with_slot_mark
-from celery_lease._core.lease import Lease, LeaseContext, clock_of
+from celery_lease._core.lease import Lease, LeaseContext
 from celery_lease._core.options import LockOptions, call_limit, replace_wait
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
@@ -31,6 +30,7 @@ from celery_lease.stores.slots import SLOT_MARK
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest, UniqueTask
+    from celery_lease.clock import Clock
 
 logger = logging.getLogger("celery_lease.engine")
 
@@ -238,7 +238,8 @@ def run_locked(
     try:
         options = spec.options
         app = task.app if task is not None else compat.get_current_app()
-        settings = get_settings(app)
+        resolved = spec.kept(app)  # what the last execution resolved, if nothing changed since
+        settings = get_settings(app) if resolved is None else resolved.settings
         if request is not None:  # overwrite what a message header may have put there
             request.lock_key = request.lock_token = request.lock_slot = request.lease = None
             request.lock_waited = False
@@ -249,10 +250,13 @@ def run_locked(
         if limit is not None and not isinstance(limit, int):
             limit = call_limit(limit, args, kwargs, where=_name(task, spec), key=key)
         run = _Run(task, request, key, options)
-        ttl, wait = spec.durations(settings)
-        store = execution_store(options.store, app, key, settings)
+        if resolved is None:
+            resolved = spec.resolve(app, settings, key)
+        ttl, wait, store = resolved.ttl, resolved.wait, resolved.store
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
-        context = _lease_context(run, request, store, ttl, 0.0 if _replaces(options) else wait)
+        context = _lease_context(
+            run, request, store, resolved.clock, ttl, 0.0 if _replaces(options) else wait
+        )
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)
             check_slot_store(limit, store, None)
             context.limit = limit
@@ -383,7 +387,12 @@ def _option_name(task: CeleryTask | None, option: str) -> str:
 
 
 def _lease_context(
-    run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
+    run: _Run,
+    request: TaskRequest | None,
+    store: LockStore,
+    clock: Clock,
+    ttl: float,
+    wait: float,
 ) -> LeaseContext:
     """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows it."""
     options = run.options
@@ -396,7 +405,7 @@ def _lease_context(
         options.cooldown,
         run.on_lost,
         None,
-        clock_of(store),  # the store's own clock (a FakeClock under the pytest fixtures)
+        clock,
         node=_described(getattr(request, "hostname", None) if request is not None else None),
         task=_described(getattr(run.task, "name", None)),
         task_id=_described(run.task_id),

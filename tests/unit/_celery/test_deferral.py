@@ -327,6 +327,46 @@ class TestWhichExecutionsDefer:
         assert store.get("k:12") is None
 
 
+class TestReceiversChangedBetweenTasks:
+    @pytest.mark.parametrize(
+        "signal",
+        [task_success, task_postrun, lease_signals.lock_released],
+        ids=["task_success", "task_postrun", "lock_released"],
+    )
+    def test_each_change_of_a_receiver_applies_to_the_next_task(
+        self, app: Celery, log: list[str], signal: Signal
+    ) -> None:
+        """A foreign receiver connected, disconnected, or weakly held and collected (not yet
+        swept from the list) between two tasks decides the next task's release."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        run = traced(app, quiet)
+
+        def foreign(**_: Any) -> None:
+            pass
+
+        run(1)
+        signal.connect(foreign, weak=False, dispatch_uid="myapp.strong")
+        run(2)
+        signal.disconnect(dispatch_uid="myapp.strong")
+        run(3)
+        signal.connect(foreign, dispatch_uid="myapp.weak")  # weak, the default
+        run(4)
+        del foreign
+        gc.collect()
+        run(5)
+        assert released(log) == [
+            "deferred k:1",
+            "release k:2",
+            "deferred k:3",
+            "release k:4",
+            "deferred k:5",
+        ]
+
+
 class TestPools:
     @pytest.mark.parametrize(
         ("pool", "child", "defers"),
