@@ -74,8 +74,11 @@ class _Run:
             if options.on_lost == "revoke"
             else None
         )
-        if request is not None:
-            self._set_attributes(request)
+        if request is not None:  # as adopt() sets them, none held yet
+            request.lock_key = key
+            request.lock_token = request.lock_slot = request.lease = None
+            request.lock_waited = False
+            request._lease_run = _request.CLAIMED
 
     def adopt(self, request: TaskRequest) -> None:
         """Set this execution's lock attributes on ``request`` (always overwritten)."""
@@ -84,9 +87,6 @@ class _Run:
                 break
         else:
             self.requests.append(request)
-        self._set_attributes(request)
-
-    def _set_attributes(self, request: TaskRequest) -> None:
         held = self.lease
         request.lock_key = self.key
         request.lock_token = None if held is None else held.token
