@@ -2,8 +2,8 @@
 worker execution whose success publishes nothing (no chord, hooks or other ``task_success`` /
 ``task_postrun`` receiver; its result ignored, or written by a backend that reads the replies
 first: :mod:`~celery_lease._celery.result_write`) sends it unanswered; the reply is read before
-the next command on that connection, before any publish or result write of this process and at
-exit."""
+the next command on that connection, before any publish of this process, before any write of a
+result backend a deferring execution's result was written through, and at exit."""
 
 from __future__ import annotations
 
@@ -60,9 +60,7 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
         return False
     if not getattr(request, "delivery_info", None) or getattr(request, "chord", None):
         return False
-    if not _result_ignored(task, request) and not result_write.reads_releases_first(
-        task.backend, flush_deferred_releases
-    ):
+    if not _result_ignored(task, request) and not _result_written_after_replies(task):
         return False
     hookless = _hookless.get(type(task))
     if hookless is None:
@@ -73,6 +71,16 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
         and only_ours(task_postrun)
         and only_ours(signals.lock_released)  # "released": user code that may act on it
     )
+
+
+def _result_written_after_replies(task: CeleryTask) -> bool:
+    """Whether ``task``'s result backend reads the deferred replies before it writes; False
+    when the backend cannot even be built here (the execution then releases and waits)."""
+    try:
+        backend = task.backend
+    except Exception:
+        return False
+    return result_write.reads_releases_first(backend, flush_deferred_releases)
 
 
 def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:

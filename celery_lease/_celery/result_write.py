@@ -16,30 +16,49 @@ from collections.abc import Callable
 
 from celery.backends.base import Backend, BaseKeyValueStoreBackend
 
-# Set on a backend instance: True once its writes read the replies first, False when they cannot.
+# In a backend instance's own attributes: True once its writes read the replies first, False
+# when they cannot (read from ``vars()``: a proxy's ``__getattr__`` or a mock answers anything).
 _MARK = "_celery_lease_reads_releases_first"
+_WRITE_PATH = ("mark_as_done", "store_result", "_store_result")
 _write_path_is_celerys: dict[type, bool] = {}
 
 
 def reads_releases_first(backend: object, read_replies: Callable[[], None]) -> bool:
     """Whether ``backend`` calls ``read_replies`` before every result it writes; made so here
-    (once per instance) when its write path is Celery's key-value one."""
-    marked = getattr(backend, _MARK, None)
+    (once per instance) when its write path is Celery's key-value one. False, never an error,
+    for anything else (a backend that fails to answer included)."""
+    try:
+        own = vars(backend)
+    except TypeError:  # no instance attributes: not a Celery backend
+        return False
+    marked = own.get(_MARK)
     if marked is not None:
-        return bool(marked)
+        return marked is True
+    try:
+        qualifies = _qualifies(backend, own)
+        if qualifies:
+            write = backend._set_with_state  # type: ignore[attr-defined]  # a key-value backend's
+
+            def _set_with_state(key: object, value: object, state: object) -> object:
+                read_replies()
+                return write(key, value, state)
+
+            own["_set_with_state"] = _set_with_state
+    except Exception:
+        qualifies = False
+    own[_MARK] = qualifies
+    return qualifies
+
+
+def _qualifies(backend: object, own: dict[str, object]) -> bool:
+    """Whether a result of ``backend`` reaches its store only through ``_set_with_state``
+    (nothing of that path replaced on the instance either)."""
+    if any(name in own for name in (*_WRITE_PATH, "_set_with_state")):
+        return False
     cls = type(backend)
     qualifies = _write_path_is_celerys.get(cls)
     if qualifies is None:
         qualifies = _write_path_is_celerys[cls] = _key_value_write_path(cls)
-    if qualifies:
-        write = backend._set_with_state  # type: ignore[attr-defined]  # a key-value backend's
-
-        def _set_with_state(key: object, value: object, state: object) -> object:
-            read_replies()
-            return write(key, value, state)
-
-        backend._set_with_state = _set_with_state  # type: ignore[attr-defined]
-    setattr(backend, _MARK, qualifies)
     return qualifies
 
 

@@ -89,10 +89,13 @@ class TestBehaviour:
     def test_a_stored_result_is_visible_only_after_the_key_is_free(
         self, worker_env: WorkerEnv
     ) -> None:
-        """Results stored in the worker's backend: each result, once visible, finds its key free.
-        A prefork child (one task at a time) releases without waiting and reads the reply just
-        before its key-value backend writes (the backend says so from a child's second task
-        on: six calls on two children give one a second); a threads worker waits as before."""
+        """Results stored in the worker's real backend (Redis, or ``file://``): each result,
+        once visible, finds its key free. In a prefork child (one task at a time) the backend
+        is made to read release replies before it writes (it says so from a child's second
+        task on: six calls on two children give one a second); a threads worker waits for
+        each reply as before. The order itself (reply read, then write) is pinned by
+        ``test_deferral.TestAStoredResultIsWrittenAfterTheReply``: on loopback the release
+        already sent is read by the server long before a client could see the result."""
         marks = []
         for _ in range(6):
             run = worker_env.run_id()

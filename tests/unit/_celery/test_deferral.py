@@ -15,6 +15,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 from celery import Celery
@@ -25,7 +26,7 @@ from celery.utils.dispatch import Signal
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease._celery import compat, deferral
+from celery_lease._celery import compat, deferral, result_write
 from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -369,6 +370,13 @@ class RecordingBackend(KeyValueStoreBackend):
         self.data.pop(key, None)
 
 
+class UnbuildableBackend(KeyValueStoreBackend):
+    """A result backend whose construction fails (a bad option, a missing client library)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("result backend misconfigured")
+
+
 class OwnWriteBackend(RecordingBackend):
     """A key-value backend whose ``_store_result`` is its own: its write path is not Celery's."""
 
@@ -424,6 +432,84 @@ class TestAStoredResultIsWrittenAfterTheReply:
         traced(app, failing)(42)
         assert log == ["release k:42", "write"]
         assert backend.held_at_write == [False]
+
+    def test_a_backend_that_cannot_be_built_still_lets_the_key_go(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        """The backend is built lazily and fails: the release goes out and waits, as before."""
+        app.conf.result_backend = f"{__name__}:UnbuildableBackend"
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        with pytest.raises(RuntimeError, match="misconfigured"):  # Celery's, storing the result
+            traced(app, stored)(45)
+        assert released(log) == ["release k:45"]
+        assert store.get("k:45") is None
+
+    def test_a_stand_in_backend_is_not_taken_for_one_that_reads_first(
+        self, app: Celery, log: list[str]
+    ) -> None:
+        """A mock (or a proxy whose ``__getattr__`` answers anything) is not Celery's write
+        path, whatever attribute it seems to have."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        stored.backend = mock.MagicMock()
+        traced(app, stored)(46)
+        assert released(log) == ["release k:46"]
+
+    @pytest.mark.parametrize("replaced", ["store_result", "_store_result", "mark_as_done"])
+    def test_a_write_path_replaced_on_the_instance_waits(
+        self, app: Celery, store: DeferringStore, log: list[str], replaced: str
+    ) -> None:
+        """Instrumentation that replaces a step of the write path on the backend instance
+        may write without ``_set_with_state``: the release waits."""
+        backend = RecordingBackend(app, log, store)
+        setattr(backend, replaced, getattr(backend, replaced))
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        stored.backend = backend
+        traced(app, stored)(47)
+        assert log == ["release k:47", "write"]
+
+    @pytest.mark.parametrize(
+        ("url", "qualifies"),
+        [
+            ("redis://127.0.0.1:1/0", True),
+            ("sentinel://127.0.0.1:1", True),
+            ("cache+memory://", True),
+            ("file:///tmp", True),
+            ("rpc://", False),
+            ("db+sqlite://", False),
+        ],
+    )
+    def test_which_of_celerys_backends_read_the_replies_first(
+        self, url: str, qualifies: bool
+    ) -> None:
+        """Celery's key-value backends write through ``_set_with_state``; the database and
+        RPC backends write their own way (built only: nothing connects)."""
+        made = Celery("backends", backend=url, set_as_current=False)
+        try:
+            calls: list[str] = []
+            backend = made.backend
+            if qualifies:  # the key-value store itself, in memory: nothing connects
+                backend.get = lambda key: None
+                backend.set = lambda key, value, **options: calls.append("write")
+            assert result_write.reads_releases_first(backend, lambda: calls.append("read")) is (
+                qualifies
+            )
+            if qualifies:
+                backend.store_result("t", 1, "SUCCESS")
+                assert calls == ["read", "write"]
+        finally:
+            made.close()
 
     def test_every_write_of_the_backend_reads_the_replies_first(
         self, app: Celery, store: DeferringStore, log: list[str]
