@@ -1,7 +1,9 @@
 """Release without waiting for the reply (``lease_defer_release``, default on): an outermost
-worker execution whose success publishes nothing (result ignored, no chord, hooks or other
-``task_success`` / ``task_postrun`` receiver) sends it unanswered; the reply is read before the
-next command on that connection, before any publish of this process and at exit."""
+worker execution whose success publishes nothing (no chord, hooks or other ``task_success`` /
+``task_postrun`` receiver; its result ignored, or written by a backend that reads the replies
+first: :mod:`~celery_lease._celery.result_write`) sends it unanswered; the reply is read before
+the next command on that connection, before any publish of this process, before any write of a
+result backend a deferring execution's result was written through, and at exit."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING
 from celery.signals import task_postrun, task_success
 
 from celery_lease import signals
-from celery_lease._celery import compat, pool
+from celery_lease._celery import compat, pool, result_write
 from celery_lease._celery.protocols import can_release_deferred
 from celery_lease._core.lease import LeaseContext
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -61,7 +63,7 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
         return False
     if not getattr(request, "delivery_info", None) or getattr(request, "chord", None):
         return False
-    if not _result_ignored(task, request):
+    if not _result_ignored(task, request) and not _result_written_after_replies(task):
         return False
     hookless = _hookless.get(type(task))
     if hookless is None:
@@ -89,6 +91,16 @@ def _only_ours_after_success() -> bool:
     answer = _all_ours(success) and _all_ours(postrun) and _all_ours(released)
     _after_success = (success, postrun, released, answer)
     return answer
+
+
+def _result_written_after_replies(task: CeleryTask) -> bool:
+    """Whether ``task``'s result backend reads the deferred replies before it writes; False
+    when the backend cannot even be built here (the execution then releases and waits)."""
+    try:
+        backend = task.backend
+    except Exception:
+        return False
+    return result_write.reads_releases_first(backend, flush_deferred_releases)
 
 
 def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:

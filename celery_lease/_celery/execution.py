@@ -513,13 +513,17 @@ def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
 def _release(
     run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
-    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply."""
-    if (
-        settings.defer_release
-        and can_release_deferred(context.store)  # first: the cheaper question
-        and _publishes_nothing(run.task, request)
-    ):
-        deferral.defer_on(context)
+    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply; a
+    deferral decision that fails releases and waits."""
+    try:
+        if (
+            settings.defer_release
+            and can_release_deferred(context.store)  # first: the cheaper question
+            and _publishes_nothing(run.task, request)
+        ):
+            deferral.defer_on(context)
+    except Exception:
+        logger.exception("celery-lease: deciding whether to release without waiting failed")
     run.release(None)
 
 
