@@ -105,7 +105,8 @@ class Spec:
         """What :meth:`resolve` kept for ``app``, if it is still what resolving again would give:
         the same ``app.conf`` object, no :func:`~celery_lease._celery.settings.changes` since
         (settings read again, a refusal, a store built or forgotten, a fork) and the same
-        ``clock`` attribute of the store; else ``None``."""
+        ``clock`` attribute of the store; else ``None``. Asked once, at the start of an
+        execution: a change its own key or limit function makes applies from the next one."""
         kept = self._resolved[0]
         if (
             kept is None
