@@ -147,7 +147,7 @@ def make_owner(
     if (
         (node is None or type(node) is str)
         and (task is None or type(task) is str)
-        and (label is None or type(label) is str)
+        and label is None  # a holder label is often per call: never kept
         and (ttl_ms is None or type(ttl_ms) is int)
         and (cooldown_ms is None or type(cooldown_ms) is int)
     ):
@@ -172,8 +172,9 @@ def make_owner(
     return f"{head}{named}{rest};at={time.time_ns() // 1_000_000}"
 
 
-# (node, task, label, ttl_ms, cooldown_ms), each None or of exactly str / int, checked ->
-# (their ``;n=..;t=..`` fields, their ``;l=..;ttl=..;cd=..`` fields): a worker has a few.
+# (node, task, None, ttl_ms, cooldown_ms), each None or of exactly str / int, checked ->
+# (their ``;n=..;t=..`` fields, their ``;ttl=..;cd=..`` fields): a worker has a few. Cleared
+# when full; a ``label`` (``holder=``) is never kept.
 _known_fields: dict[
     tuple[str | None, str | None, str | None, int | None, int | None], tuple[str, str]
 ] = {}
@@ -191,7 +192,8 @@ def _made_slowly(
     replace_ticket: int | None,
 ) -> str:
     """:func:`make_owner` after ``head`` (``host/pid/<hex>``): every field checked and encoded;
-    kept in :data:`_known_fields` when all are None or exactly str / int."""
+    kept in :data:`_known_fields` when there is no label and all are None or exactly str /
+    int."""
     named = ""
     if node is not None:
         named += ";n=" + _field("node", node)
@@ -208,11 +210,12 @@ def _made_slowly(
     if (
         (node is None or type(node) is str)
         and (task is None or type(task) is str)
-        and (label is None or type(label) is str)
+        and label is None
         and (ttl_ms is None or type(ttl_ms) is int)
         and (cooldown_ms is None or type(cooldown_ms) is int)
-        and len(_known_fields) < _KNOWN_FIELDS_KEPT
     ):
+        if len(_known_fields) >= _KNOWN_FIELDS_KEPT:
+            _known_fields.clear()  # begun again: the combinations in use come back at once
         _known_fields[(node, task, label, ttl_ms, cooldown_ms)] = (named, rest)
     if replace_ticket is not None:
         rest += f";rt={int(replace_ticket)}"
