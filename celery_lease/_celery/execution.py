@@ -179,24 +179,30 @@ class _Run:
             self._send(signals.lock_released, held, held_seconds=held_seconds)
 
     def release(self, exc: BaseException | None) -> None:
-        """Release (or keep for cooldown) once; after an early release only the frame is popped."""
+        """Release (or keep for cooldown) once; after an early release only the frame is popped.
+        Then the run lets go of its lease, context and requests: its loss listeners (which
+        still report a loss told later) no longer close a cycle through them."""
         context, held = self.context, self.lease
         if self.released or context is None or held is None:
             return
         self.released = True
-        if self.released_early:
-            context.__exit__(None, None, None)
-            return
-        held_seconds = held.held_seconds if signals.lock_released.receivers else 0.0
         try:
-            if exc is None:
+            if self.released_early:
                 context.__exit__(None, None, None)
-            else:
-                context.__exit__(type(exc), exc, exc.__traceback__)
+                return
+            held_seconds = held.held_seconds if signals.lock_released.receivers else 0.0
+            try:
+                if exc is None:
+                    context.__exit__(None, None, None)
+                else:
+                    context.__exit__(type(exc), exc, exc.__traceback__)
+            finally:
+                # A lost lease was not ours to release any more: lock_lost already said so.
+                if signals.lock_released.receivers and not context.reentered and not held.lost:
+                    self._send(signals.lock_released, held, held_seconds=held_seconds)
         finally:
-            # A lost lease was not ours to release any more: lock_lost already said so.
-            if signals.lock_released.receivers and not context.reentered and not held.lost:
-                self._send(signals.lock_released, held, held_seconds=held_seconds)
+            self.context = self.lease = None
+            self.requests.clear()
 
 
 _active: ContextVar[tuple[_Run, ...]] = ContextVar("celery_lease_runs", default=())

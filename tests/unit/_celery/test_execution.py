@@ -7,6 +7,7 @@ for a task, and a loss recorded just before the body re-sends itself.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import uuid
 import warnings
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.app.trace import build_tracer
 
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
@@ -196,3 +198,48 @@ class TestTheStoresClock:
         token = report.delay().get()
         assert token is not None and store.last_token("report") == token
         assert store.get("report") is None
+
+
+class TestNoCyclicGarbage:
+    @pytest.mark.parametrize("on_lost", ["mark", "revoke"])
+    def test_a_traced_locked_task_leaves_nothing_for_the_cyclic_collector(
+        self, app: Celery, on_lost: str
+    ) -> None:
+        """Executions run one after another, as a worker runs them, leave no cycle through
+        their run, lease, context or request: each would make the cyclic garbage collector run
+        more often, a cost every task pays."""
+        app.conf.update(task_ignore_result=True, lease_store=MemoryLockStore())
+
+        @app.task(base=LockedTask, lock_key="k:{n}", lock_on_lost=on_lost, shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        trace = build_tracer(quiet.name, quiet, app.loader, "test@host", app=app)
+
+        def run(n: int) -> None:
+            task_id = str(uuid.uuid4())
+            message = {
+                "id": task_id,
+                "task": quiet.name,
+                "args": (n,),
+                "kwargs": {},
+                "delivery_info": {"exchange": "", "routing_key": "celery"},
+                "hostname": "test@host",
+                "is_eager": False,
+            }
+            trace(task_id, (n,), {}, message)
+
+        run(0)  # warm: what the first execution builds and keeps
+        gc.collect()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for n in range(20):
+                run(n)
+            gc.collect()
+            ours = sorted(
+                {type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("cel")}
+            )
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+        assert ours == []
