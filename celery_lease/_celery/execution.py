@@ -104,7 +104,7 @@ class _Run:
             request.lock_slot = slot
             request.lock_waited = waited
             request.lease = held
-        if not context.reentered and context.on_lost is None:
+        if context.on_lost is None and not context.reentered:
             held.add_loss_listener(self.on_lost)  # else the context attached it at acquire
 
     def start_body(self) -> None:
@@ -440,11 +440,12 @@ def _lease_context(
         options.max_hold,
         options.cooldown,
         run.on_lost,
-        None,
+        None,  # cancel
         clock,
-        node=node,
-        task=name,
-        task_id=task_id,
+        None,  # label; then node, task, task_id: positional, see LeaseContext.__init__
+        node,
+        name,
+        task_id,
     )
 
 
