@@ -671,7 +671,8 @@ class LeaseContext:
             raise
         if lapsed is not None:  # told after the release
             held._key.notify(lapsed)
-        self._raise_if_lost(exc, held._key.lost_reason)
+        if exc is not None:  # nothing to raise after a body that raised nothing
+            self._raise_if_lost(exc, held._key.lost_reason)
         return False
 
     async def __aenter__(self) -> Lease:
