@@ -14,7 +14,7 @@ from celery.exceptions import Retry
 from celery.utils.dispatch import Signal
 
 from celery_lease import signals
-from celery_lease._celery import compat, deferral, on_held, replace
+from celery_lease._celery import compat, deferral, early_acquire, on_held, replace
 from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
@@ -252,7 +252,9 @@ def run_locked(
         ttl, wait = spec.durations(settings)
         store = execution_store(options.store, app, key, settings)
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
-        context = _lease_context(run, request, store, ttl, 0.0 if _replaces(options) else wait)
+        context = early_acquire.take(request, key, store, ttl, wait, run.on_lost) or _lease_context(
+            run, request, store, ttl, 0.0 if _replaces(options) else wait
+        )
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)
             check_slot_store(limit, store, None)
             context.limit = limit

@@ -242,7 +242,8 @@ class LockedTask(Task):  # type: ignore[misc]
                         valid_args, valid_kwargs = validate(args, kwargs)
                         return limit_of(*valid_args, **valid_kwargs)
 
-            spec = _Spec(cls._lock_options, key_function, limit)
+            plain = validate is None and not callable(cls._lock_options.key)
+            spec = _Spec(cls._lock_options, key_function, limit, plain_key=plain)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 

@@ -40,6 +40,7 @@ from celery_lease._core.acquire_plan import (
     Hold,
     Pause,
     Reply,
+    SentTry,
     Try,
     abandon_later,
     check_cancel,
@@ -65,6 +66,7 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
+    SupportsSentAcquire,
     SupportsSlots,
     conforms,
 )
@@ -560,7 +562,34 @@ class LeaseContext:
             f"{limit})"
         )
 
-    def __enter__(self) -> Lease:
+    def send_first_try(self) -> SentTry | None:
+        """Send the first try now, for :meth:`enter` to read later (its lease's validity counts
+        from now); ``None`` when not sent (the store cannot, a limit, ``names_holder``): the
+        enter tries as usual. One never entered with must go to :meth:`abandon_sent`."""
+        store = self.store
+        if (
+            self.limit is not None
+            or self.names_holder
+            or not offers(store, SupportsSentAcquire, "send_acquire")
+        ):
+            return None
+        owner, ttl_ms, started = self._first_try()
+        read = cast(SupportsSentAcquire, store).send_acquire(self.key, owner, ttl_ms)
+        return None if read is None else SentTry(owner, ttl_ms, started, read, forking.generation())
+
+    def abandon_sent(self, sent: SentTry) -> None:
+        """Give up ``sent`` (from :meth:`send_first_try`, not entered with): read its reply and
+        release, owner-checked, what it took (also when it failed: it may have taken effect); a
+        store error is logged. Nothing once read, nor in a forked child (the parent's)."""
+        if sent.read is None or sent.gen != forking.generation():
+            return
+        reply = sent.reply()
+        if reply is not None:  # a token, or Failed
+            self._abandon_attempt(sent.owner)
+
+    def enter(self, sent: SentTry | None = None) -> Lease:
+        """``with``'s enter; ``sent``: its first try, sent earlier by :meth:`send_first_try`
+        (its reply read here as the first try's)."""
         if self.on_lost is CANCEL:
             raise LeaseConfigError(
                 f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
@@ -570,14 +599,20 @@ class LeaseContext:
         task = _running_task()
         outer = self._reenter(task)
         if outer is not None:
+            if sent is not None:
+                self.abandon_sent(sent)
             return outer
-        owner, ttl_ms, started = self._first_try()
+        if sent is None or sent.gen != forking.generation():  # a parent's try: the parent's
+            sent = None
+            owner, ttl_ms, started = self._first_try()
+        else:
+            owner, ttl_ms, started = sent.owner, sent.ttl_ms, sent.sent_at
         # A try sent, neither refused nor made into a lease: an interrupt until the lease is
         # built releases it here, in this thread (the interrupt may end the process before a
         # daemon thread could). A failed try is the plan's to release.
         attempt: str | None = owner
         try:
-            reply = self._try(owner, ttl_ms)
+            reply = self._try(owner, ttl_ms) if sent is None else sent.reply()
             if type(reply) is GRANTED:  # the usual answer: no plan needed
                 held = self._hold(owner, reply, 0, started, started, None, abandon=False)
             else:
@@ -603,6 +638,9 @@ class LeaseContext:
             self._end_interrupted(held)
             raise
         return held
+
+    def __enter__(self) -> Lease:
+        return self.enter()
 
     def _perform(self, step: Try | Pause) -> Reply:
         if isinstance(step, Try):

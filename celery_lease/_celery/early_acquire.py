@@ -1,0 +1,200 @@
+"""A solo worker sends a locked task's acquire when its message arrives (``task_received``) and
+reads the reply when :func:`~celery_lease._celery.execution.run_locked` enters the lease: the
+round trip overlaps Celery's own work between the two (reserving, accepting, tracing).
+
+Only where nothing can come between: the solo pool (the consumer's thread runs the task inside
+the same call), a request Celery hands straight to the pool (no ETA, no rate limit; a revoked
+one never reaches ``task_received``), a task whose key is built from the arguments alone
+(:attr:`Spec.plain_key`) with no ``limit``, ``unique`` or ``on_held="replace"``, and a store
+that can send an acquire (:class:`~celery_lease.stores.base.SupportsSentAcquire`). At most one
+try is parked. It is taken by the run of its own request when that run asks for the same key,
+store, ttl and wait (the key is built again there and compared; else it is given up), and given
+up, owner-checked, when its request is revoked or expires before it runs, fails before its body,
+at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery_lease import _forking as forking
+from celery_lease._celery import pool
+from celery_lease._celery.settings import get_settings
+from celery_lease._celery.store_resolution import execution_store
+from celery_lease._core.acquire_plan import SentTry
+from celery_lease._core.lease import Lease, LeaseContext, clock_of
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease.stores.base import LockStore
+from celery_lease.stores.slots import SLOT_MARK
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from celery_lease._celery.spec import Spec
+
+logger = logging.getLogger("celery_lease.early_acquire")
+
+
+class SentContext(LeaseContext):
+    """A task's lease context whose first try was sent when its message arrived."""
+
+    __slots__ = ("request_id", "sent")
+
+    def __init__(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = request_id
+        self.sent: SentTry | None = None
+
+    def __enter__(self) -> Lease:
+        sent, self.sent = self.sent, None
+        return self.enter(sent)
+
+    def give_up(self) -> None:
+        """Release, owner-checked, what the sent try took (its reply read first); never raises."""
+        sent, self.sent = self.sent, None
+        if sent is None:
+            return
+        try:
+            self.abandon_sent(sent)
+        except Exception:  # pragma: no cover - abandon_sent logs store errors itself
+            logger.exception("celery-lease: giving up the early acquire of %r failed", self.key)
+
+
+_lock = threading.Lock()
+_parked: SentContext | None = None
+
+
+def _swap(new: SentContext | None) -> SentContext | None:
+    global _parked
+    with _lock:
+        old, _parked = _parked, new
+    return old
+
+
+def on_task_received(sender: object = None, request: Any = None, **_: object) -> None:
+    """``task_received``: give up a leftover try; in a solo worker, send this request's acquire."""
+    leftover = _swap(None) if _parked is not None else None
+    if leftover is not None:
+        leftover.give_up()
+    if request is None or pool.pool_label() != "solo" or not _straight_to_pool(request):
+        return
+    task = request.task
+    get_spec = getattr(task, "_lock_get_spec", None)  # a LockedTask
+    if get_spec is None:
+        return
+    try:
+        context = _sent_context(task, get_spec(), request)
+    except Exception as exc:  # the run builds its key again and raises what it raises
+        logger.debug("celery-lease: no early acquire for %s: %r", request.id, exc)
+        return
+    if context is not None:
+        leftover = _swap(context)
+        if leftover is not None:  # pragma: no cover - one consumer thread
+            leftover.give_up()
+
+
+def _straight_to_pool(request: Any) -> bool:
+    """Whether Celery hands ``request`` to the pool right after ``task_received``."""
+    return not request.eta and not getattr(request.task, "rate_limit", None)
+
+
+def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
+    """The context ``run_locked`` would build for ``request``, its first try sent; or None."""
+    options = spec.options
+    if (
+        not spec.plain_key
+        or spec.limit is not None
+        or options.unique is not None
+        or options.on_held == "replace"
+    ):
+        return None
+    app = task.app
+    settings = get_settings(app)
+    key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
+    if SLOT_MARK in key:
+        return None
+    ttl, wait = spec.durations(settings)
+    store = execution_store(options.store, app, key, settings)
+    context = SentContext(
+        request.id,
+        key,
+        store,
+        ttl,
+        wait,
+        options.max_hold,
+        options.cooldown,
+        None,  # the run's on_lost, set when it takes the context
+        None,
+        clock_of(store),
+        node=described(getattr(request, "hostname", None)),
+        task=described(getattr(task, "name", None)),
+        task_id=described(request.id),
+    )
+    context.sent = context.send_first_try()
+    return context if context.sent is not None else None
+
+
+def described(value: object) -> str | None:
+    """An owner-id field from any id Celery accepts, cut to size (as the run makes it)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_OWNER_FIELD_CHARS]
+
+
+def take(
+    request: object,
+    key: str,
+    store: LockStore,
+    ttl: float,
+    wait: float,
+    on_lost: Callable[[Lease], object],
+) -> LeaseContext | None:
+    """The parked context of ``request`` for ``run_locked``, when it holds the same key,
+    store, ttl and wait (else it is given up); None when none is parked for it."""
+    parked = _parked
+    if parked is None or request is None or parked.request_id != getattr(request, "id", None):
+        return None  # none, or another execution's: left to its own run
+    if _swap(None) is not parked:  # pragma: no cover - one consumer thread
+        return None
+    if parked.key != key or parked.store is not store or parked.ttl != ttl or parked.wait != wait:
+        parked.give_up()
+        return None
+    parked.on_lost = on_lost
+    return parked
+
+
+def give_up(task_id: object = None) -> None:
+    """Give up the parked try (only ``task_id``'s when given)."""
+    parked = _parked
+    if parked is None or (task_id is not None and parked.request_id != task_id):
+        return
+    if _swap(None) is parked:
+        parked.give_up()
+
+
+def on_task_revoked(request: Any = None, **_: object) -> None:
+    """``task_revoked``: a request revoked (or expired) after its acquire was sent frees it."""
+    if _parked is not None:
+        give_up(getattr(request, "id", None) or "")
+
+
+def on_task_failure(task_id: object = None, **_: object) -> None:
+    """``task_failure``: a request that failed before its run took its try frees it."""
+    if _parked is not None:
+        give_up(task_id or "")
+
+
+def on_worker_shutdown(**_: object) -> None:
+    """``worker_shutdown``: give up a leftover try."""
+    give_up()
+
+
+def _forget_after_fork() -> None:
+    global _lock, _parked
+    _lock, _parked = threading.Lock(), None  # the parent's try: the parent's to give up
+
+
+forking.on_fork_child(_forget_after_fork, name="early acquire: the parked try")
