@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery_lease import _forking as forking
 from celery_lease._celery import pool
+from celery_lease._celery.protocols import can_send_acquire
 from celery_lease._celery.settings import get_settings
 from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.acquire_plan import SentTry
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
     from celery_lease._celery.spec import Spec
 
-logger = logging.getLogger("celery_lease.early_acquire")
+logger = logging.getLogger("celery_lease.engine")
 
 
 class SentContext(LeaseContext):
@@ -112,11 +113,14 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         return None
     app = task.app
     settings = get_settings(app)
+    # The key only names a store that is none (what the run raises): not built unless sent.
+    store = execution_store(options.store, app, str(getattr(task, "name", "")), settings)
+    if not can_send_acquire(store):
+        return None
     key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
     if SLOT_MARK in key:
         return None
     ttl, wait = spec.durations(settings)
-    store = execution_store(options.store, app, key, settings)
     context = SentContext(
         request.id,
         key,

@@ -271,6 +271,26 @@ class TestWhatIsSentEarly:
         early_acquire.on_task_received(request=_request(task, "id-3", 1))
         assert [e[0] for e in app.conf.lease_store.events] == ["sent"]
 
+    def test_a_store_that_cannot_send_builds_no_key(self) -> None:
+        """A store without ``send_acquire``: the key (here an argument's property) is not read
+        at receipt; the run builds it once, as before."""
+        reads: list[int] = []
+
+        class Account:
+            @property
+            def id(self) -> int:
+                reads.append(1)
+                return 7
+
+        plain_app = Celery("early-plain", set_as_current=False)
+        plain_app.conf.lease_store = MemoryLockStore()
+        try:
+            task = _task(plain_app, lock_key="a:{a.id}")
+            early_acquire.on_task_received(request=_request(task, "id-10", Account()))
+        finally:
+            plain_app.close()
+        assert reads == []
+
     def test_another_pool_sends_nothing(self, app: Celery) -> None:
         pool.set_pool_label("threads")
         task = _task(app, lock_key="t:{a}")
