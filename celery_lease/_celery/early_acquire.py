@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 from celery_lease import _forking as forking
 from celery_lease._celery import pool
 from celery_lease._celery.protocols import can_send_acquire
-from celery_lease._celery.settings import get_settings
+from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.acquire_plan import SentTry
 from celery_lease._core.lease import Lease, LeaseContext, clock_of
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease.clock import Clock
 from celery_lease.stores.base import LockStore
 from celery_lease.stores.slots import SLOT_MARK
 
@@ -111,16 +112,16 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         or options.on_held == "replace"
     ):
         return None
-    app = task.app
-    settings = get_settings(app)
-    # The key only names a store that is none (what the run raises): not built unless sent.
-    store = execution_store(options.store, app, str(getattr(task, "name", "")), settings)
-    if not can_send_acquire(store):
+    settings = get_settings(task.app)
+    resolved = _resolved.get(id(spec))
+    if resolved is None or resolved[0] is not spec or resolved[1] is not settings:
+        resolved = _resolve(task, spec, settings)
+    _, _, store, ttl, wait, clock = resolved
+    if store is None:  # it cannot send: no key is built
         return None
     key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
     if SLOT_MARK in key:
         return None
-    ttl, wait = spec.durations(settings)
     context = SentContext(
         request.id,
         key,
@@ -131,13 +132,32 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         options.cooldown,
         None,  # the run's on_lost, set when it takes the context
         None,
-        clock_of(store),
+        clock,
         node=described(getattr(request, "hostname", None)),
         task=described(getattr(task, "name", None)),
         task_id=described(request.id),
     )
     context.sent = context.send_first_try()
     return context if context.sent is not None else None
+
+
+# id(spec) -> (spec, the settings object it was resolved under, the store, or None when it
+# cannot send an acquire, ttl, wait, the store's clock): the run resolves them again each time
+# (``take`` compares).
+_Resolved = tuple["Spec", LeaseSettings, LockStore | None, float, float, Clock]
+_resolved: dict[int, _Resolved] = {}
+
+
+def _resolve(task: Any, spec: Spec, settings: LeaseSettings) -> _Resolved:
+    """What the run of ``task`` resolves under ``settings``, kept for the next receipt."""
+    # The key only names a store that is none (what the run raises): not built here.
+    name = str(getattr(task, "name", ""))
+    store = execution_store(spec.options.store, task.app, name, settings)
+    ttl, wait = spec.durations(settings)
+    sends = can_send_acquire(store)
+    resolved = (spec, settings, store if sends else None, ttl, wait, clock_of(store))
+    _resolved[id(spec)] = resolved
+    return resolved
 
 
 def described(value: object) -> str | None:
@@ -199,6 +219,7 @@ def on_worker_shutdown(**_: object) -> None:
 def _forget_after_fork() -> None:
     global _lock, _parked
     _lock, _parked = threading.Lock(), None  # the parent's try: the parent's to give up
+    _resolved.clear()  # its stores may be the parent's
 
 
 forking.on_fork_child(_forget_after_fork, name="early acquire: the parked try")

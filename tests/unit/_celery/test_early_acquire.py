@@ -343,3 +343,17 @@ class TestALeftoverTry:
         assert taken is None
         assert store.get("t:1") is not None
         assert store.events == [("sent", "t:1")]
+
+    def test_a_run_on_another_store_gives_it_up(self, app: Celery) -> None:
+        """The run resolved another store than the receipt did: the sent try is released by its
+        owner and the run acquires as usual."""
+        store = app.conf.lease_store
+        task = _task(app, lock_key="t:{a}")
+        early_acquire.on_task_received(request=_request(task, "id-11", 1))
+        other = MemoryLockStore()
+        taken = early_acquire.take(
+            SimpleNamespace(id="id-11"), "t:1", other, 30.0, 0.0, lambda held: None
+        )
+        assert taken is None
+        assert store.get("t:1") is None
+        assert store.events == [("sent", "t:1"), ("read", "t:1"), ("release", "t:1")]
