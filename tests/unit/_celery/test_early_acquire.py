@@ -4,6 +4,7 @@ in-process solo worker (``celery.contrib.testing.worker``) and a store that reco
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
@@ -109,6 +110,8 @@ def env() -> Iterator[SimpleNamespace]:
     # Connected before the worker starts: each runs before the worker's own receivers.
     task_received.connect(on_received, weak=False)
     task_prerun.connect(on_prerun, weak=False)
+    root = logging.getLogger()  # the worker's logging set-up raises its level: put it back
+    level, handlers = root.level, list(root.handlers)
     try:
         with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=TIMEOUT):
             yield SimpleNamespace(
@@ -123,6 +126,8 @@ def env() -> Iterator[SimpleNamespace]:
         task_received.disconnect(on_received)
         task_prerun.disconnect(on_prerun)
         app.close()
+        root.setLevel(level)
+        root.handlers[:] = handlers
 
 
 def _kinds(events: list[tuple[str, ...]]) -> list[str]:
