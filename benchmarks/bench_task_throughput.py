@@ -21,9 +21,10 @@ on the embedded broker only their unlock is timed: compare LockedTask with plain
 
 Results (``--results``): ``off`` runs every task with ``task_ignore_result=True``; ``on`` stores
 each task's result in the scenario's result backend (on Redis: the broker's ``redis-server``, as
-``backend=redis://``; embedded: ``file://``). With results on, LockedTask's release is answered
-before the result is stored (the engine's synchronous release: ``deferral.publishes_nothing`` is
-false for a stored result), so the comparison is the one a user with a result backend sees.
+``backend=redis://``; embedded: ``file://``). With results on, LockedTask's release goes out
+without waiting and its reply is read just before the key-value backend writes the result
+(``celery_lease._celery.result_write``), so the key is free before the result is visible: the
+comparison is the one a user with a result backend sees.
 
 Pools: ``solo`` (``-P solo``) and ``prefork`` (``-P prefork -c 2``). One worker per scenario runs
 all the tasks; each round sends ``--tasks`` tasks of each contender, every task on its own key

@@ -145,10 +145,14 @@ def live_receivers_of(entries: Iterable[tuple[object, object]]) -> list[object]:
     return alive
 
 
-def may_have_dead_receivers(signal: SignalLike) -> bool:
-    """Whether a weak receiver of ``signal`` may have been collected since its receivers were
-    last swept (celery 5.x ``Signal._dead_receivers``; True when the signal has no such flag)."""
-    return bool(getattr(signal, "_dead_receivers", True))
+def may_have_dead_receivers(*signals: SignalLike) -> bool:
+    """Whether a weak receiver of one of ``signals`` may have been collected since its receivers
+    were last swept (celery 5.x ``Signal._dead_receivers``; True when a signal has no such
+    flag)."""
+    for signal in signals:  # noqa: SIM110 (a loop: no generator made per task)
+        if getattr(signal, "_dead_receivers", True):
+            return True
+    return False
 
 
 _ProcessExit = Callable[["EventLoopHub", "PoolProcess"], object]

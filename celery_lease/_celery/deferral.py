@@ -1,7 +1,9 @@
 """Release without waiting for the reply (``lease_defer_release``, default on): an outermost
-worker execution whose success publishes nothing (result ignored, no chord, hooks or other
-``task_success`` / ``task_postrun`` receiver) sends it unanswered; the reply is read before the
-next command on that connection, before any publish of this process and at exit."""
+worker execution whose success publishes nothing (no chord, hooks or other ``task_success`` /
+``task_postrun`` receiver; its result ignored, or written by a backend that reads the replies
+first: :mod:`~celery_lease._celery.result_write`) sends it unanswered; the reply is read before
+the next command on that connection, before any publish of this process, before any write of a
+result backend a deferring execution's result was written through, and at exit."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import TYPE_CHECKING
 from celery.signals import task_postrun, task_success
 
 from celery_lease import signals
-from celery_lease._celery import compat, pool
+from celery_lease._celery import compat, pool, result_write
 from celery_lease._celery.protocols import can_release_deferred
 from celery_lease._core.lease import LeaseContext
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -27,6 +29,9 @@ _HOOKS = ("on_success", "after_return")
 _hookless: dict[type, bool] = {}
 # id(signal) -> (the signal, its receivers' entries when asked, :func:`only_ours`'s answer).
 _answers: dict[int, tuple[SignalLike, list[tuple[object, object]], bool]] = {}
+_Entries = list[tuple[object, object]]
+# The receivers of task_success, task_postrun and lock_released when last judged, and the answer.
+_after_success: tuple[_Entries, _Entries, _Entries, bool] | None = None
 
 
 def defer_on(context: LeaseContext) -> None:
@@ -58,17 +63,44 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
         return False
     if not getattr(request, "delivery_info", None) or getattr(request, "chord", None):
         return False
-    if not _result_ignored(task, request):
+    if not _result_ignored(task, request) and not _result_written_after_replies(task):
         return False
     hookless = _hookless.get(type(task))
     if hookless is None:
         hookless = _hookless[type(task)] = not any(_custom(type(task), h) for h in _HOOKS)
-    return (
-        hookless
-        and only_ours(task_success)
-        and only_ours(task_postrun)
-        and only_ours(signals.lock_released)  # "released": user code that may act on it
-    )
+    return hookless and _only_ours_after_success()
+
+
+def _only_ours_after_success() -> bool:
+    """:func:`only_ours` of ``task_success``, ``task_postrun`` and ``lock_released`` ("released":
+    user code that may act on it), answered in one step: the answer is kept with the snapshots
+    it judged, and holds while each signal's receivers equal them and none may have died."""
+    global _after_success  # one tuple, replaced whole: a reader sees one snapshot
+    kept = _after_success
+    if (
+        kept is not None
+        and kept[0] == task_success.receivers
+        and kept[1] == task_postrun.receivers
+        and kept[2] == signals.lock_released.receivers
+        and not compat.may_have_dead_receivers(task_success, task_postrun, signals.lock_released)
+    ):
+        return kept[3]
+    success = list(task_success.receivers)
+    postrun = list(task_postrun.receivers)
+    released = list(signals.lock_released.receivers)
+    answer = _all_ours(success) and _all_ours(postrun) and _all_ours(released)
+    _after_success = (success, postrun, released, answer)
+    return answer
+
+
+def _result_written_after_replies(task: CeleryTask) -> bool:
+    """Whether ``task``'s result backend reads the deferred replies before it writes; False
+    when the backend cannot even be built here (the execution then releases and waits)."""
+    try:
+        backend = task.backend
+    except Exception:
+        return False
+    return result_write.reads_releases_first(backend, flush_deferred_releases)
 
 
 def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
@@ -103,9 +135,14 @@ def only_ours(signal: SignalLike) -> bool:
     # One snapshot, both judged and kept: a receiver changed meanwhile (even one taken away and
     # put back) makes the list differ from it next time, and the answer is that snapshot's.
     seen = list(receivers)
-    answer = all(
-        (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
-        for receiver in compat.live_receivers_of(seen)
-    )
+    answer = _all_ours(seen)
     _answers[id(signal)] = (signal, seen, answer)
     return answer
+
+
+def _all_ours(entries: list[tuple[object, object]]) -> bool:
+    """Whether every live receiver among a signal's ``entries`` is celery-lease's."""
+    return all(
+        (getattr(receiver, "__module__", None) or "").startswith("celery_lease.")
+        for receiver in compat.live_receivers_of(entries)
+    )

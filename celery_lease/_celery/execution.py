@@ -18,11 +18,11 @@ from celery_lease._celery import compat, deferral, early_acquire, on_held, repla
 from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
+from celery_lease._celery.protocols import can_release_deferred
 from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.spec import Spec
-from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.arguments import check_slot_store, key_with_slot_mark
-from celery_lease._core.lease import Lease, LeaseContext, clock_of
+from celery_lease._core.lease import Lease, LeaseContext
 from celery_lease._core.options import LockOptions, call_limit, replace_wait
 from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
@@ -31,6 +31,7 @@ from celery_lease.stores.slots import SLOT_MARK
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryTask, TaskRequest, UniqueTask
+    from celery_lease.clock import Clock
 
 logger = logging.getLogger("celery_lease.engine")
 
@@ -40,12 +41,26 @@ _R = TypeVar("_R")
 class _Run:
     """One locked execution; ``requests``: all its body may see (:func:`adopt_request`)."""
 
+    __slots__ = (
+        "awaiting_request",
+        "context",
+        "interrupter",
+        "key",
+        "lease",
+        "options",
+        "released",
+        "released_early",
+        "requests",
+        "task",
+        "task_id",
+    )
+
     def __init__(
         self, task: CeleryTask | None, request: TaskRequest | None, key: str, options: LockOptions
     ) -> None:
         self.task = task
         self.task_id: str | None = getattr(request, "id", None) if request is not None else None
-        self.requests: list[TaskRequest] = []
+        self.requests: list[TaskRequest] = [] if request is None else [request]
         self.key = key
         self.options = options
         self.lease: Lease | None = None
@@ -59,12 +74,18 @@ class _Run:
             if options.on_lost == "revoke"
             else None
         )
-        if request is not None:
-            self.adopt(request)
+        if request is not None:  # as adopt() sets them, none held yet
+            request.lock_key = key
+            request.lock_token = request.lock_slot = request.lease = None
+            request.lock_waited = False
+            request._lease_run = _request.CLAIMED
 
     def adopt(self, request: TaskRequest) -> None:
         """Set this execution's lock attributes on ``request`` (always overwritten)."""
-        if not any(r is request for r in self.requests):
+        for adopted in self.requests:
+            if adopted is request:
+                break
+        else:
             self.requests.append(request)
         held = self.lease
         request.lock_key = self.key
@@ -77,10 +98,10 @@ class _Run:
     def acquired(self, context: LeaseContext, held: Lease) -> None:
         """The lease is held: note it on the requests; listen for its loss unless re-entered."""
         self.context, self.lease = context, held
-        token, waited = held.token, held.waited
+        token, slot, waited = held.token, held.slot, held.waited
         for request in self.requests:  # adopted already: only what the acquire decided
             request.lock_token = token
-            request.lock_slot = held.slot
+            request.lock_slot = slot
             request.lock_waited = waited
             request.lease = held
         if not context.reentered and context.on_lost is None:
@@ -174,7 +195,7 @@ class _Run:
                 context.__exit__(type(exc), exc, exc.__traceback__)
         finally:
             # A lost lease was not ours to release any more: lock_lost already said so.
-            if not context.reentered and not held.lost:
+            if signals.lock_released.receivers and not context.reentered and not held.lost:
                 self._send(signals.lock_released, held, held_seconds=held_seconds)
 
 
@@ -238,7 +259,8 @@ def run_locked(
     try:
         options = spec.options
         app = task.app if task is not None else compat.get_current_app()
-        settings = get_settings(app)
+        resolved = spec.kept(app)  # what the last execution resolved, if nothing changed since
+        settings = get_settings(app) if resolved is None else resolved.settings
         if request is not None:  # overwrite what a message header may have put there
             request.lock_key = request.lock_token = request.lock_slot = request.lease = None
             request.lock_waited = False
@@ -249,11 +271,12 @@ def run_locked(
         if limit is not None and not isinstance(limit, int):
             limit = call_limit(limit, args, kwargs, where=_name(task, spec), key=key)
         run = _Run(task, request, key, options)
-        ttl, wait = spec.durations(settings)
-        store = execution_store(options.store, app, key, settings)
+        if resolved is None:
+            resolved = spec.resolve(app, settings, key)
+        ttl, wait, store = resolved.ttl, resolved.wait, resolved.store
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
         context = early_acquire.take(request, key, store, ttl, wait, run.on_lost) or _lease_context(
-            run, request, store, ttl, 0.0 if _replaces(options) else wait
+            run, request, store, resolved.clock, ttl, 0.0 if options.on_held == "replace" else wait
         )
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)
             check_slot_store(limit, store, None)
@@ -271,7 +294,8 @@ def run_locked(
             return _run_arrived(run, request, context, store, settings, ttl, body, adopt, arrival)
         finally:
             # Always: a claim left held would make later calls duplicates of a copy that is over.
-            _unique.leave(arrival)
+            if arrival is not None:
+                arrival.leave()
     finally:
         if saved is not None:
             _request.restore(cast("TaskRequest", request), saved)
@@ -302,9 +326,9 @@ def _run_arrived(
     adopt: bool,
     arrival: _unique.Arrival | None,
 ) -> _R | None:
-    task, key = run.task, run.key
+    task, key, options = run.task, run.key, run.options
     try:
-        if _replaces(run.options):
+        if options.on_held == "replace":
             wait = replace_wait(run.options, ttl, _option_name(task, "wait"))
             context, held = replace.take_over(context, wait, option=_option_name(task, "on_held"))
         else:
@@ -318,7 +342,8 @@ def _run_arrived(
         return None
     runs_token = None
     queued = None  # an until_done copy's queued lease, kept while the body runs
-    nested = current_run(getattr(request, "id", None)) is not None  # in a run of its own id
+    # In a run of its own id (none runs: not nested, without asking).
+    nested = bool(_active.get()) and current_run(getattr(request, "id", None)) is not None
     try:
         try:
             # Held from here: anything raised before the body (a receiver's BaseException, which
@@ -327,8 +352,10 @@ def _run_arrived(
             if arrival is not None:
                 # Superseded while it waited (its claim lapsed): Ignore, released below.
                 arrival.confirm(cast("CeleryTask", task), cast("TaskRequest", request))
-            queued = _queued_hold(run, request, store, settings, ttl)
-            _send_acquired(run, context, held)
+            if options.unique is not None and request is not None:
+                queued = _queued_hold(run, request, store, settings, ttl)
+            if signals.lock_acquired.receivers and not context.reentered:
+                _send_acquired(run, held)
             runs_token = _active.set((*_active.get(), run))
             result = _run_body(run, body, adopt)
         except AsyncLockLost as exc:
@@ -365,10 +392,6 @@ def _run_arrived(
     return result
 
 
-def _replaces(options: LockOptions) -> bool:
-    return options.on_held == "replace"
-
-
 def _revoked_as_replaced(run: _Run, held: Lease, error: LockLostError) -> bool:
     """Whether ``error`` ends a revoking run whose own lease a newer call replaced."""
     return (
@@ -385,10 +408,24 @@ def _option_name(task: CeleryTask | None, option: str) -> str:
 
 
 def _lease_context(
-    run: _Run, request: TaskRequest | None, store: LockStore, ttl: float, wait: float
+    run: _Run,
+    request: TaskRequest | None,
+    store: LockStore,
+    clock: Clock,
+    ttl: float,
+    wait: float,
 ) -> LeaseContext:
     """``lease()`` without its checks; ``run.on_lost`` attaches before the renewer knows it."""
     options = run.options
+    node = getattr(request, "hostname", None) if request is not None else None
+    name, task_id = getattr(run.task, "name", None), run.task_id
+    most = MAX_OWNER_FIELD_CHARS
+    if not (  # as most are: each None or a str short enough, used as it is
+        (node is None or (type(node) is str and len(node) <= most))
+        and (name is None or (type(name) is str and len(name) <= most))
+        and (task_id is None or (type(task_id) is str and len(task_id) <= most))
+    ):
+        node, name, task_id = _described(node), _described(name), _described(task_id)
     return LeaseContext(
         run.key,
         store,
@@ -398,10 +435,10 @@ def _lease_context(
         options.cooldown,
         run.on_lost,
         None,
-        clock_of(store),  # the store's own clock (a FakeClock under the pytest fixtures)
-        node=_described(getattr(request, "hostname", None) if request is not None else None),
-        task=_described(getattr(run.task, "name", None)),
-        task_id=_described(run.task_id),
+        clock,
+        node=node,
+        task=name,
+        task_id=task_id,
     )
 
 
@@ -434,50 +471,59 @@ def _rejected(
 
 
 def _queued_hold(
-    run: _Run, request: TaskRequest | None, store: LockStore, settings: LeaseSettings, ttl: float
+    run: _Run, request: TaskRequest, store: LockStore, settings: LeaseSettings, ttl: float
 ) -> _unique.QueuedHold | None:
     """Hand a unique copy's queued key over; what an ``until_done`` copy keeps, else ``None``."""
     options = run.options
-    if options.unique is None or request is None:
-        return None
+    assert options.unique is not None
     task = cast("UniqueTask", run.task)  # lock_unique is an option of LockedTask: a task runs
     return _unique.on_start(
         task, request, store, run.key, settings, options.unique, ttl, options.cooldown
     )
 
 
-def _send_acquired(run: _Run, context: LeaseContext, held: Lease) -> None:
-    """``lock_acquired``, when someone listens (not for a re-entered lease)."""
-    if signals.lock_acquired.receivers and not context.reentered:
-        signals.send(
-            signals.lock_acquired,
-            run.task,
-            key=run.key,
-            token=held.token,
-            waited=held.waited,
-            wait_seconds=held.wait_seconds,
-            task_id=run.task_id,
-            slot=held.slot,
-        )
+def _send_acquired(run: _Run, held: Lease) -> None:
+    """``lock_acquired`` (the caller checked someone listens and the lease is not re-entered)."""
+    signals.send(
+        signals.lock_acquired,
+        run.task,
+        key=run.key,
+        token=held.token,
+        waited=held.waited,
+        wait_seconds=held.wait_seconds,
+        task_id=run.task_id,
+        slot=held.slot,
+    )
 
 
 def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
     """Run the body with the interrupt armed, adopting the next pushed request with ``adopt``."""
-    run.start_body()
+    revoking = run.interrupter is not None  # the others have no interrupt to arm
+    if revoking:
+        run.start_body()
     run.awaiting_request = adopt
     try:
         return body()
     finally:
         run.awaiting_request = False
-        run.end_body()
+        if revoking:
+            run.end_body()
 
 
 def _release(
     run: _Run, request: TaskRequest | None, context: LeaseContext, settings: LeaseSettings
 ) -> None:
-    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply."""
-    if settings.defer_release and _publishes_nothing(run.task, request):
-        deferral.defer_on(context)
+    """Release (or keep for ``cooldown``), unanswered where nothing depends on the reply; a
+    deferral decision that fails releases and waits."""
+    try:
+        if (
+            settings.defer_release
+            and can_release_deferred(context.store)  # first: the cheaper question
+            and _publishes_nothing(run.task, request)
+        ):
+            deferral.defer_on(context)
+    except Exception:
+        logger.exception("celery-lease: deciding whether to release without waiting failed")
     run.release(None)
 
 

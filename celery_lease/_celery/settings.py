@@ -7,6 +7,7 @@ process.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import re
@@ -109,6 +110,25 @@ _stores: weakref.WeakKeyDictionary[CeleryApp, tuple[LeaseSettings, LockStore]] =
 )
 _refusals: weakref.WeakKeyDictionary[CeleryApp, str] = weakref.WeakKeyDictionary()
 _warned_local = False
+# The number of the last change after which get_settings / get_store (or a store option) may
+# answer otherwise for an app whose ``app.conf`` is the same object (see :func:`changes`): each
+# drawn once from ``_numbers``, so a value read is never written again by a later change.
+_numbers = itertools.count(1)
+_changes = 0
+
+
+def changes() -> int:
+    """A number that is new after every change after which :func:`get_settings` or
+    :func:`get_store` may answer otherwise for an app with the same ``app.conf`` object (settings
+    read again, a refusal, a store built or forgotten, a fork, :func:`changed`): what was
+    resolved from them after reading a number is still what they give while it is read again."""
+    return _changes
+
+
+def changed() -> None:
+    """Give :func:`changes` a new number: something resolved from the settings may differ now."""
+    global _changes
+    _changes = next(_numbers)
 
 
 def _read(app: CeleryApp) -> LeaseSettings:
@@ -284,6 +304,7 @@ def get_settings(app: CeleryApp) -> LeaseSettings:
             entry = _settings.get(app)
             if entry is None or entry[0]() is not conf:
                 entry = _settings[app] = (_reference(conf), _read(app))
+                changed()
     return entry[1]
 
 
@@ -301,6 +322,7 @@ def refuse(app: CeleryApp, message: str) -> None:
     by :func:`reset` only."""
     with _lock:
         _refusals[app] = message
+        changed()
 
 
 def recheck(app: CeleryApp) -> None:
@@ -308,6 +330,7 @@ def recheck(app: CeleryApp) -> None:
     with _lock:
         _settings.pop(app, None)
         _refusals.pop(app, None)
+        changed()
 
 
 def is_process_local(store: str | LockStore | None) -> bool:
@@ -488,6 +511,7 @@ def get_store(app: CeleryApp, settings: LeaseSettings | None = None) -> LockStor
             elif entry is None or entry[0] is not settings:
                 # Other values: a new store; the old one stays open (a lease in it may be held).
                 entry = _stores[app] = (settings, _build_store(app))
+                changed()
     return entry[1]
 
 
@@ -499,6 +523,7 @@ def reset(app: CeleryApp | None = None, *, refusals: bool = True) -> None:
                 cache.clear()
             else:
                 cache.pop(app, None)
+        changed()
 
 
 def close_stores(app: CeleryApp | None = None) -> None:
@@ -508,6 +533,7 @@ def close_stores(app: CeleryApp | None = None) -> None:
     with _lock:
         apps = list(_stores.keys()) if app is None else [app]
         entries = [entry for a in apps if (entry := _stores.pop(a, None)) is not None]
+        changed()
     for settings, store in entries:
         if not isinstance(settings.store, LockStore):
             close = getattr(store, "close", None)
@@ -519,6 +545,7 @@ def _after_fork_in_child() -> None:
     global _lock
     _lock = threading.RLock()
     _stores.clear()
+    changed()
 
 
 forking.on_fork_child(_after_fork_in_child, name="config: lock, resolved stores")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from celery_lease import _forking as forking
-from celery_lease._celery.settings import cached, get_store
+from celery_lease._celery.settings import cached, changed, get_store
 from celery_lease._core.lease import lease
 from celery_lease.stores import store_from_url
 from celery_lease.stores.base import LockStore, conforms
@@ -62,6 +62,7 @@ def close_url_stores() -> None:
             _, store = _url_stores.popitem()  # one at a time: atomic, whatever runs at once
         except KeyError:
             return
+        changed()
         close = getattr(store, "close", None)
         if callable(close):
             close()
@@ -69,6 +70,7 @@ def close_url_stores() -> None:
 
 def _forget_url_stores() -> None:
     _url_stores.clear()
+    changed()
 
 
 forking.on_fork_child(_forget_url_stores, name="engine: stores of lock_store URLs")

@@ -254,27 +254,27 @@ class LockedTask(Task):  # type: ignore[misc]
         top = self.request_stack.top
         # The tracer's (or apply()'s) request, unclaimed (no message header can carry the mark).
         claimed = top is not None and not top.called_directly and not _is_claimed(top)
-        spec = self._lock_get_spec()
-        if type(self)._lock_calls_through:
-            call_next = super().__call__
+        cls = type(self)
+        spec = cls.__dict__.get("_lock_spec") or self._lock_get_spec()
+        if cls._lock_calls_through:
             return run_locked(
                 self,
                 top if claimed else None,
                 spec,
                 args,
                 kwargs,
-                lambda: call_next(*args, **kwargs),
+                functools.partial(super().__call__, *args, **kwargs),
                 adopt=True,
             )
         if claimed:
-            return run_locked(self, top, spec, args, kwargs, lambda: self.run(*args, **kwargs))
+            body = functools.partial(self.run, *args, **kwargs)
+            return run_locked(self, top, spec, args, kwargs, body)
         # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
         compat.task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
         try:
-            return run_locked(
-                self, self.request, spec, args, kwargs, lambda: self.run(*args, **kwargs)
-            )
+            body = functools.partial(self.run, *args, **kwargs)
+            return run_locked(self, self.request, spec, args, kwargs, body)
         finally:
             self.pop_request()
             compat.task_stack.pop()

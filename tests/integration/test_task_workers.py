@@ -86,6 +86,28 @@ class TestBehaviour:
         outer, inner = worker_env.get(worker_env.app.send_task("it.outer", (run,)))
         assert outer == inner and isinstance(outer, int)
 
+    def test_a_stored_result_is_visible_only_after_the_key_is_free(
+        self, worker_env: WorkerEnv
+    ) -> None:
+        """Results stored in the worker's real backend (Redis, or ``file://``): each result,
+        once visible, finds its key free. In a prefork child (one task at a time) on the Redis
+        store (which can release without waiting; SQLite cannot, so nothing is deferred there)
+        the backend is made to read release replies before it writes (it says so from a
+        child's second task on: six calls on two children give one a second); a threads
+        worker waits for each reply as before. The order itself (reply read, then write) is
+        pinned by ``test_deferral.TestAStoredResultIsWrittenAfterTheReply``: on loopback the
+        release already sent is read by the server long before a client could see the
+        result."""
+        marks = []
+        for _ in range(6):
+            run = worker_env.run_id()
+            marks.append(worker_env.get(worker_env.app.send_task("it.stored_result", (run,))))
+            assert worker_env.store.get(f"stored:{run}") is None
+        if worker_env.pool == "prefork" and worker_env.name.startswith("redis"):
+            assert True in marks, marks
+        else:
+            assert set(marks) == {None}, marks
+
     def test_raising_receiver_does_not_break_task(self, worker_env: WorkerEnv) -> None:
         """A lock_acquired receiver that raises leaves the task successful."""
         assert worker_env.get(worker_env.app.send_task("it.boom", ("x",))) == "ok"

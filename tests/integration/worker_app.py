@@ -154,6 +154,19 @@ def make_app(
     def unkeyable(thing: Any) -> str:
         return "ran"
 
+    @app.task(
+        name="it.stored_result",
+        bind=True,
+        base=LockedTask,
+        lock_key="stored:{run}",
+        ignore_result=False,
+        shared=False,
+    )
+    def stored_result(self: Any, run: str) -> Any:
+        # Whether this process's result backend reads deferred release replies before it writes
+        # (set by an earlier execution's release, never by this one's).
+        return getattr(self.backend, "_celery_lease_reads_releases_first", None)
+
     @app.task(name="it.ping", shared=False)
     def ping() -> str:
         return "pong"

@@ -15,16 +15,18 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 from celery import Celery
 from celery.app.trace import build_tracer
+from celery.backends.base import KeyValueStoreBackend
 from celery.signals import after_task_publish, task_postrun, task_success
 from celery.utils.dispatch import Signal
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease._celery import compat, deferral
+from celery_lease._celery import compat, deferral, result_write
 from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -125,6 +127,23 @@ def traced(app: Celery, task: Any) -> Callable[..., Any]:
         return trace(task_id, args, {}, message)
 
     return run
+
+
+def traced_id(app: Celery, task: Any, *args: Any) -> str:
+    """:func:`traced` with a task id of the test's, returned."""
+    task_id = str(uuid.uuid4())
+    trace = build_tracer(task.name, task, app.loader, "test@host", app=app)
+    message = {
+        "id": task_id,
+        "task": task.name,
+        "args": args,
+        "kwargs": {},
+        "delivery_info": {"exchange": "", "routing_key": "celery"},
+        "hostname": "test@host",
+        "is_eager": False,
+    }
+    trace(task_id, args, {}, message)
+    return task_id
 
 
 def released(log: list[str]) -> list[str]:
@@ -325,6 +344,234 @@ class TestWhichExecutionsDefer:
         traced(app, declined)(12)
         assert released(log) == ["release k:12"]
         assert store.get("k:12") is None
+
+
+class TestReceiversChangedBetweenTasks:
+    @pytest.mark.parametrize(
+        "signal",
+        [task_success, task_postrun, lease_signals.lock_released],
+        ids=["task_success", "task_postrun", "lock_released"],
+    )
+    def test_each_change_of_a_receiver_applies_to_the_next_task(
+        self, app: Celery, log: list[str], signal: Signal
+    ) -> None:
+        """A foreign receiver connected, disconnected, or weakly held and collected (not yet
+        swept from the list) between two tasks decides the next task's release."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        run = traced(app, quiet)
+
+        def foreign(**_: Any) -> None:
+            pass
+
+        run(1)
+        signal.connect(foreign, weak=False, dispatch_uid="myapp.strong")
+        run(2)
+        signal.disconnect(dispatch_uid="myapp.strong")
+        run(3)
+        signal.connect(foreign, dispatch_uid="myapp.weak")  # weak, the default
+        run(4)
+        del foreign
+        gc.collect()
+        run(5)
+        assert released(log) == [
+            "deferred k:1",
+            "release k:2",
+            "deferred k:3",
+            "release k:4",
+            "deferred k:5",
+        ]
+
+
+class RecordingBackend(KeyValueStoreBackend):
+    """A key-value result backend in memory, Celery's write path unchanged: each write logs
+    ``write`` and whether the lease key ``k:<n>`` of that task was still held in ``store``."""
+
+    def __init__(self, app: Celery, log: list[str], store: DeferringStore, **kwargs: Any) -> None:
+        super().__init__(app=app, **kwargs)
+        self.log, self.store, self.data = log, store, {}
+        self.held_at_write: list[bool] = []
+
+    def get(self, key: Any) -> Any:
+        return self.data.get(key)
+
+    def mget(self, keys: Any) -> list[Any]:
+        return [self.data.get(key) for key in keys]
+
+    def set(self, key: Any, value: Any) -> None:
+        self.log.append("write")
+        self.held_at_write.append(any(self.store.list()))
+        self.data[key] = value
+
+    def delete(self, key: Any) -> None:
+        self.data.pop(key, None)
+
+
+class UnbuildableBackend(KeyValueStoreBackend):
+    """A result backend whose construction fails (a bad option, a missing client library)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("result backend misconfigured")
+
+
+class OwnWriteBackend(RecordingBackend):
+    """A key-value backend whose ``_store_result`` is its own: its write path is not Celery's."""
+
+    def _store_result(self, task_id: Any, result: Any, state: Any, *args: Any, **kw: Any) -> Any:
+        self.set(self.get_key_for_task(task_id), self.encode({"result": result}))
+        return result
+
+
+class TestAStoredResultIsWrittenAfterTheReply:
+    """With a key-value result backend whose write path is Celery's own, the release of a task
+    whose result is stored goes out without waiting, and the reply is read just before the
+    result is written (after the backend built the result and read the task's state)."""
+
+    def test_the_reply_is_read_before_the_write(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        backend = RecordingBackend(app, log, store)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n * 2
+
+        stored.backend = backend
+        result_id = traced_id(app, stored, 40)
+        assert log == ["deferred k:40", "flush", "write"]
+        assert backend.held_at_write == [False]
+        assert backend.get_result(result_id) == 80
+
+    def test_a_backend_with_its_own_write_path_waits(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        backend = OwnWriteBackend(app, log, store)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        stored.backend = backend
+        traced(app, stored)(41)
+        assert log == ["release k:41", "write"]
+        assert backend.held_at_write == [False]
+
+    def test_a_failure_is_written_after_a_waited_release(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        backend = RecordingBackend(app, log, store)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def failing(n: int) -> None:
+            raise ValueError(n)
+
+        failing.backend = backend
+        traced(app, failing)(42)
+        assert log == ["release k:42", "write"]
+        assert backend.held_at_write == [False]
+
+    def test_a_backend_that_cannot_be_built_still_lets_the_key_go(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        """The backend is built lazily and fails: the release goes out and waits, as before."""
+        app.conf.result_backend = f"{__name__}:UnbuildableBackend"
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        with pytest.raises(RuntimeError, match="misconfigured"):  # Celery's, storing the result
+            traced(app, stored)(45)
+        assert released(log) == ["release k:45"]
+        assert store.get("k:45") is None
+
+    def test_a_stand_in_backend_is_not_taken_for_one_that_reads_first(
+        self, app: Celery, log: list[str]
+    ) -> None:
+        """A mock (or a proxy whose ``__getattr__`` answers anything) is not Celery's write
+        path, whatever attribute it seems to have."""
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        stored.backend = mock.MagicMock()
+        traced(app, stored)(46)
+        assert released(log) == ["release k:46"]
+
+    @pytest.mark.parametrize("replaced", ["store_result", "_store_result", "mark_as_done"])
+    def test_a_write_path_replaced_on_the_instance_waits(
+        self, app: Celery, store: DeferringStore, log: list[str], replaced: str
+    ) -> None:
+        """Instrumentation that replaces a step of the write path on the backend instance
+        may write without ``_set_with_state``: the release waits."""
+        backend = RecordingBackend(app, log, store)
+        setattr(backend, replaced, getattr(backend, replaced))
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        stored.backend = backend
+        traced(app, stored)(47)
+        assert log == ["release k:47", "write"]
+
+    @pytest.mark.parametrize(
+        ("url", "qualifies"),
+        [
+            ("redis://127.0.0.1:1/0", True),
+            ("sentinel://127.0.0.1:1", True),
+            ("cache+memory://", True),
+            ("file:///tmp", True),
+            ("rpc://", False),
+            ("db+sqlite://", False),
+        ],
+    )
+    def test_which_of_celerys_backends_read_the_replies_first(
+        self, url: str, qualifies: bool
+    ) -> None:
+        """Celery's key-value backends write through ``_set_with_state``; the database and
+        RPC backends write their own way (built only: nothing connects)."""
+        made = Celery("backends", backend=url, set_as_current=False)
+        try:
+            calls: list[str] = []
+            backend = made.backend
+            if qualifies:  # the key-value store itself, in memory: nothing connects
+                backend.get = lambda key: None
+                backend.set = lambda key, value, **options: calls.append("write")
+            assert result_write.reads_releases_first(backend, lambda: calls.append("read")) is (
+                qualifies
+            )
+            if qualifies:
+                backend.store_result("t", 1, "SUCCESS")
+                assert calls == ["read", "write"]
+        finally:
+            made.close()
+
+    def test_every_write_of_the_backend_reads_the_replies_first(
+        self, app: Celery, store: DeferringStore, log: list[str]
+    ) -> None:
+        """Two tasks on one backend, the second ignoring its result: its release is read
+        before the backend's next write, whoever writes."""
+        backend = RecordingBackend(app, log, store)
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False, ignore_result=False)
+        def stored(n: int) -> int:
+            return n
+
+        @app.task(base=LockedTask, lock_key="k:{n}", shared=False)
+        def quiet(n: int) -> None:
+            return None
+
+        stored.backend = quiet.backend = backend
+        traced(app, stored)(43)
+        traced(app, quiet)(44)
+        backend.store_result("other", 1, "SUCCESS")
+        assert log == ["deferred k:43", "flush", "write", "deferred k:44", "flush", "write"]
+        assert backend.held_at_write == [False, False]
 
 
 class TestPools:

@@ -19,7 +19,7 @@ from celery import Celery
 from celery_lease import LockedTask, MemoryLockStore
 from celery_lease import signals as lease_signals
 from celery_lease._core.dispatch import drain
-from celery_lease._core.owners import parse_owner
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, parse_owner
 from celery_lease._core.renewer import observe_renewals
 from celery_lease.stores.threaded import ThreadedAsyncStore
 from tests.unit.conftest import REAL_TIMEOUT
@@ -117,6 +117,21 @@ class TestEngine:
         assert plain.apply(task_id=task_id).state == "SUCCESS"
         result = locked_body.apply(task_id=task_id)
         assert (result.state, result.result) == ("SUCCESS", "ran")
+
+    def test_a_task_name_too_long_for_an_owner_id_is_cut_to_size(self, app: Celery) -> None:
+        """Its owner id names as much of the task's name as fits; the task runs."""
+        store = MemoryLockStore()
+        app.conf.lease_store = store
+        owners: list[str] = []
+        name = "n" * (MAX_OWNER_FIELD_CHARS + 1)
+
+        @app.task(name=name, bind=True, base=LockedTask, lock_key="long", shared=False)
+        def body(self: Any) -> None:
+            owners.append(self.request.lease.owner)
+
+        body.apply()
+        [owner] = owners
+        assert parse_owner(owner).task == name[:MAX_OWNER_FIELD_CHARS]
 
     def test_every_execution_of_one_task_id_has_its_own_owner(self, app: Celery) -> None:
         """Owner ids name the task id, but two executions with the same id (a redelivery)

@@ -119,20 +119,32 @@ class TestUntilDoneWithoutWaiting:
 
         monkeypatch.setattr(pool_module, "_pool_label", "solo")
 
-    def test_with_a_stored_result_both_keys_are_free_when_it_returns(
+    def test_with_a_stored_result_both_keys_are_free_before_it_is_written(
         self, app: Celery, published: Published, store: DeferringSpy
     ) -> None:
+        """The key-value result backend reads both replies just before it writes the result
+        (``celery_lease._celery.result_write``)."""
         bodies = Bodies()
         task = define_recorded(app, "d.nowait.stored", bodies, lock_unique="until_done")
+        backend = task.backend
+        write = backend.set
+
+        def set_recorded(key: Any, value: Any, **options: Any) -> Any:
+            store.log.append("write")
+            return write(key, value, **options)
+
+        backend.set = set_recorded
         task.delay(1)
         assert deliver(task, published.headers[0], deferred=False) == 1
+        backend.store_result(published.headers[0]["id"], 1, "SUCCESS")  # as Celery's tracer
         assert store.get("k:1") is None and store.get("queued:k:1") is None
         assert not store.unread
         log = store.log
         assert log.index("send renew queued:k:1") < log.index("send release k:1")
-        # Both sent in order on one connection, then read before the return.
+        # Both sent in order on one connection, then read before the result is written.
         assert log.index("send release k:1") < log.index("send release queued:k:1")
         assert log.index("read release k:1") < log.index("read release queued:k:1")
+        assert log.index("read release queued:k:1") < log.index("write")
 
     def test_publishing_nothing_leaves_both_to_the_next_call(
         self, app: Celery, published: Published, store: DeferringSpy
