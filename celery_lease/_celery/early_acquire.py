@@ -5,12 +5,19 @@ round trip overlaps Celery's own work between the two (reserving, accepting, tra
 Only where nothing can come between: the solo pool (the consumer's thread runs the task inside
 the same call), a request Celery hands straight to the pool (no ETA, no rate limit; a revoked
 one never reaches ``task_received``), a task whose key is built from the arguments alone
-(:attr:`Spec.plain_key`) with no ``limit``, ``unique`` or ``on_held="replace"``, and a store
+(:attr:`Spec.plain_key`) with no ``limit``, ``unique`` or ``on_held="replace"``, a task class
+with no ``before_start`` of the user's and LockedTask's own ``__call__`` (either could end the
+request without ``run_locked`` and without a signal; no ``task_prerun``/``task_postrun``
+receiver is connected to learn of it: one makes Celery send both for every task), a message not
+redelivered (``worker_deduplicate_successful_tasks`` may skip it without a signal), and a store
 that can send an acquire (:class:`~celery_lease.stores.base.SupportsSentAcquire`). At most one
 try is parked. It is taken by the run of its own request when that run asks for the same key,
 store, ttl and wait (the key is built again there and compared; else it is given up), and given
 up, owner-checked, when its request is revoked or expires before it runs, fails before its body,
-at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send.
+at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send;
+the enter uses a grant only within a third of the ttl from the send, and tries afresh after an
+older grant (released first) or a refusal (:meth:`LeaseContext.enter`). A request that ends any
+other way leaves its try held until the next message or the shutdown, at most for its ttl.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery_lease import _forking as forking
-from celery_lease._celery import pool
+from celery_lease._celery import deferral, pool
 from celery_lease._celery.protocols import can_send_acquire
 from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.store_resolution import execution_store
@@ -84,7 +91,7 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
         return
     task = request.task
     get_spec = getattr(task, "_lock_get_spec", None)  # a LockedTask
-    if get_spec is None:
+    if get_spec is None or not _always_runs_locked(task.__class__) or _redelivered(request):
         return
     try:
         context = _sent_context(task, get_spec(), request)
@@ -100,6 +107,31 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
 def _straight_to_pool(request: Any) -> bool:
     """Whether Celery hands ``request`` to the pool right after ``task_received``."""
     return not request.eta and not getattr(request.task, "rate_limit", None)
+
+
+def _redelivered(request: Any) -> bool:
+    """Whether the broker says it delivered ``request`` before: Celery may skip it without a
+    signal (``worker_deduplicate_successful_tasks``)."""
+    delivery_info = getattr(request, "delivery_info", None)
+    return bool(delivery_info and delivery_info.get("redelivered"))
+
+
+# A task class -> whether each request of it that starts reaches run_locked or ends with a
+# signal that gives its try up.
+_runs_locked: dict[type, bool] = {}
+
+
+def _always_runs_locked(cls: type) -> bool:
+    """Whether a started request of ``cls`` either reaches ``run_locked`` or fails with
+    ``task_failure``: no ``before_start`` of the user's (it may raise ``Ignore``, ``Retry`` or
+    ``Reject``: no signal) and LockedTask's own ``__call__`` (one before it may answer without
+    the lock; a mixin after it runs inside the lock)."""
+    answer = _runs_locked.get(cls)
+    if answer is None:
+        answer = _runs_locked[cls] = bool(getattr(cls, "_lock_call_is_ours", False)) and not (
+            deferral.user_defines(cls, "before_start")
+        )
+    return answer
 
 
 def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:

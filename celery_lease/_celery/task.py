@@ -166,6 +166,9 @@ class LockedTask(Task):  # type: ignore[misc]
     _lock_spec: _Spec | None = None
     _lock_calls_through = False
     """Whether another class in the MRO defines ``__call__`` (run it under the lease)."""
+    _lock_call_is_ours = True
+    """Whether ``__call__`` is LockedTask's: a call reaches ``run_locked`` (none before it may
+    answer without it)."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -186,6 +189,7 @@ class LockedTask(Task):  # type: ignore[misc]
             for klass in cls.__mro__
             if klass not in (LockedTask, Task, object)
         )
+        cls._lock_call_is_ours = cls.__call__ is LockedTask.__call__
         cls._lock_configure()
 
     @classmethod

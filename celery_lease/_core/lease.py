@@ -602,17 +602,23 @@ class LeaseContext:
             if sent is not None:
                 self.abandon_sent(sent)
             return outer
-        if sent is None or sent.gen != forking.generation():  # a parent's try: the parent's
+        if sent is not None and sent.gen == forking.generation():
+            owner, ttl_ms, started = sent.owner, sent.ttl_ms, sent.sent_at
+        else:  # none, or a parent's try: the parent's
             sent = None
             owner, ttl_ms, started = self._first_try()
-        else:
-            owner, ttl_ms, started = sent.owner, sent.ttl_ms, sent.sent_at
         # A try sent, neither refused nor made into a lease: an interrupt until the lease is
         # built releases it here, in this thread (the interrupt may end the process before a
         # daemon thread could). A failed try is the plan's to release.
         attempt: str | None = owner
         try:
-            reply = self._try(owner, ttl_ms) if sent is None else sent.reply()
+            reply = None if sent is None else self._sent_reply(sent)
+            if reply is None:  # nothing sent, or a sent try not used: the first try is now
+                if sent is not None:
+                    attempt = None
+                    owner, ttl_ms, started = self._first_try()
+                    attempt = owner
+                reply = self._try(owner, ttl_ms)
             if type(reply) is GRANTED:  # the usual answer: no plan needed
                 held = self._hold(owner, reply, 0, started, started, None, abandon=False)
             else:
@@ -641,6 +647,20 @@ class LeaseContext:
 
     def __enter__(self) -> Lease:
         return self.enter()
+
+    def _sent_reply(self, sent: SentTry) -> Reply:
+        """The reply of ``sent`` for the enter to use as its first try's, or ``None``: the enter
+        tries afresh. Not used: a refusal (the holder may have ended since), a grant read at or
+        past the renewer's first renewal point (``ttl / 3`` from the send: the work since may
+        have outlasted the ttl), which is released owner-checked first. A failed try is used
+        (the plan releases it and raises or tries again, as for any first try)."""
+        reply = sent.reply()
+        if reply is None or isinstance(reply, Failed):
+            return reply
+        if self.clock.monotonic() - sent.sent_at < self.ttl / 3:
+            return reply
+        self._abandon_attempt(sent.owner)
+        return None
 
     def _perform(self, step: Try | Pause) -> Reply:
         if isinstance(step, Try):

@@ -168,3 +168,74 @@ class TestWhenNothingIsSent:
         context.limit = 2
         assert context.send_first_try() is None
         assert store.events == []
+
+
+class TestASentTryTheEnterDoesNotUse:
+    """A try granted too long before the enter, or refused: the enter tries afresh (as if
+    nothing had been sent)."""
+
+    def test_a_grant_older_than_a_third_of_the_ttl_is_released_and_tried_again(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        clock.advance(TTL / 3)  # the renewer's first renewal point: too late to trust the grant
+        with entered(context, sent) as held:
+            assert held.acquired_at == clock.monotonic()  # a fresh try's lease
+            info = store.get("k")
+            assert info is not None and info.owner == held.owner
+        assert [e[0] for e in store.events] == ["sent", "read", "release", "release"]
+
+    def test_a_grant_read_before_a_third_of_the_ttl_is_used(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        clock.advance(TTL / 3 - 0.001)
+        with entered(context, sent) as held:
+            assert held.acquired_at == sent.sent_at
+        assert [e[0] for e in store.events] == ["sent", "read", "release"]
+
+    def test_an_enter_after_the_ttl_never_holds_a_key_another_holds(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        """The key expired on the server and another took it: refused, as a first try there."""
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        clock.advance(TTL + 1.0)
+        assert store.acquire("k", "other-worker", 60_000) is not None
+        with pytest.raises(LockNotAcquiredError):
+            context.enter(sent)
+        info = store.get("k")
+        assert info is not None and info.owner == "other-worker"
+
+    def test_a_refused_try_is_tried_again_at_the_enter(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        """The holder ends between the send and the enter (wait 0): the enter's try takes it."""
+        assert store.acquire("k", "holder", 60_000) is not None
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        store.release("k", "holder")
+        with entered(context, sent) as held:
+            info = store.get("k")
+            assert info is not None and info.owner == held.owner
+
+    def test_a_failed_try_is_handled_as_a_first_try_that_failed(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        """With a wait too: raised, not tried again, its attempt released owner-checked (as
+        when the enter's own first acquire raises)."""
+        context = LeaseContext("k", store, TTL, 5.0, None, 0.0, None, None, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        store.fail_read = StoreUnavailableError("reply lost")
+        with pytest.raises(StoreUnavailableError, match="reply lost"):
+            context.enter(sent)
+        assert drain(), "the attempt is released on the dispatcher"
+        assert [e[0] for e in store.events] == ["sent", "read", "release"]
+        assert store.get("k") is None
