@@ -91,7 +91,7 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
         return
     task = request.task
     get_spec = getattr(task, "_lock_get_spec", None)  # a LockedTask
-    if get_spec is None or not _always_runs_locked(task.__class__) or _redelivered(request):
+    if get_spec is None:
         return
     try:
         context = _sent_context(task, get_spec(), request)
@@ -150,6 +150,8 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         resolved = _resolve(task, spec, settings)
     _, _, store, ttl, wait, clock = resolved
     if store is None:  # it cannot send: no key is built
+        return None
+    if not _always_runs_locked(task.__class__) or _redelivered(request):
         return None
     key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
     if SLOT_MARK in key:

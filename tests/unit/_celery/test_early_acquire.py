@@ -377,3 +377,15 @@ class TestALeftoverTry:
         assert taken is None
         assert store.get("t:1") is None
         assert store.events == [("sent", "t:1"), ("read", "t:1"), ("release", "t:1")]
+
+    def test_task_failure_gives_up_only_its_own_requests_try(self, app: Celery) -> None:
+        """A request that fails before its run took the try (``task_failure``) frees its key;
+        another request's failure leaves it parked."""
+        store = app.conf.lease_store
+        task = _task(app, lock_key="t:{a}")
+        early_acquire.on_task_received(request=_request(task, "id-13", 1))
+        early_acquire.on_task_failure(task_id="other")
+        assert store.get("t:1") is not None
+        early_acquire.on_task_failure(task_id="id-13")
+        assert store.get("t:1") is None
+        assert store.events == [("sent", "t:1"), ("read", "t:1"), ("release", "t:1")]
