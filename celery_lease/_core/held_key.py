@@ -44,7 +44,9 @@ class HeldKey(Entry):
 
     def stop(self) -> tuple[bool, bool, str | None]:
         """Stop renewing it: ``(settled, final, lapsed)`` (:meth:`Renewer.remove`)."""
-        return self._renewer().remove(self)
+        renewer = self.renewer
+        assert renewer is not None, "HeldKey.start() was not called"
+        return renewer.remove(self)
 
     def fence(self, action: Callable[[], None]) -> bool:
         """Run ``action`` right after the renewal in flight; False when none is (run it now)."""

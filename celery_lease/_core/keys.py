@@ -647,7 +647,60 @@ def _template_function(
             part if isinstance(part, str) else field_value(part, values) for part in parts
         )
 
-    return by_template
+    return _by_position(parts, signature, by_template) or by_template
+
+
+def _by_position(
+    parts: list[str | _Field], signature: inspect.Signature, by_template: KeyFunction
+) -> KeyFunction | None:
+    """``by_template`` for a template of bare parameter names (no lookups) of a signature of
+    parameters without defaults, all positional-or-keyword: a call passing each argument by
+    position, each a small int or a short plain str (:func:`_simple_field`), is keyed without
+    binding; any other call is ``by_template``'s. None for other templates."""
+    params = list(signature.parameters.values())
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.default is not p.empty for p in params):
+        return None
+    position = {p.name: index for index, p in enumerate(params)}
+    plan: list[str | int] = []  # a literal text, or the position of a field's argument
+    for part in parts:
+        if isinstance(part, str):
+            plan.append(part)
+        elif part.lookups or part.name not in position:
+            return None
+        else:
+            plan.append(position[part.name])
+    count = len(params)
+    low, high = -_SIMPLE_INT, _SIMPLE_INT
+    if len(plan) == 2 and isinstance(plan[0], str) and isinstance(plan[1], int):
+        prefix, at = plan[0], plan[1]
+
+        def by_prefixed_argument(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+            if not kwargs and len(args) == count:
+                value = args[at]
+                if type(value) is int and low < value < high:
+                    return prefix + str(value)
+                text = _simple_field(value)
+                if text is not None:
+                    return prefix + text
+            return by_template(args, kwargs)
+
+        return by_prefixed_argument
+
+    def by_arguments(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+        if not kwargs and len(args) == count:
+            texts: list[str] = []
+            for step in plan:
+                if type(step) is str:
+                    texts.append(step)
+                    continue
+                text = _simple_field(args[step])  # type: ignore[index]
+                if text is None:
+                    return by_template(args, kwargs)
+                texts.append(text)
+            return "".join(texts)
+        return by_template(args, kwargs)
+
+    return by_arguments
 
 
 def make_key_function(

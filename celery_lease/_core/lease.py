@@ -92,7 +92,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class Frame:
     """One held lease in the context's stack (a linked list); ``gen``: the pushing process's
-    fork generation; ``origin``: the frame a copy stands for."""
+    fork generation; ``origin``: the frame a copy stands for, None for the frame itself (not
+    itself: a frame in a cycle would wait for the cyclic garbage collector)."""
 
     __slots__ = ("gen", "lease", "origin", "parent")
 
@@ -100,7 +101,7 @@ class Frame:
         self.lease = lease
         self.parent = parent
         self.gen = lease._gen
-        self.origin = self
+        self.origin: Frame | None = None
 
 
 current_frame: ContextVar[Frame | None] = ContextVar("celery_lease_current", default=None)
@@ -156,7 +157,10 @@ def clock_of(store: object, default: Clock = SYSTEM_CLOCK) -> Clock:
                 default,
             )
         return default
-    return own if own is not None and is_clock(own) else default
+    if own is None:
+        return default
+    # is_clock's cache read here first: a store's clock is asked about once per task
+    return own if type(own) in _CLOCK_CLASSES or is_clock(own) else default
 
 
 LossListener = Callable[["Lease"], object]
@@ -182,9 +186,10 @@ class Lease:
     (``lost_reason`` ``"forked"``) and is never renewed or released from there.
     """
 
+    # Positional too: a class called with keywords costs several times a positional call, and
+    # the lease's enter makes one per lease.
     def __init__(
         self,
-        *,
         key: str,
         owner: str,
         token: int,
@@ -416,7 +421,8 @@ class LeaseContext:
         on_lost: Callable[[Lease], object] | None,
         cancel: threading.Event | None,
         clock: Clock,
-        *,
+        # Positional too (the Celery layer makes one per task: a class called with keywords
+        # costs several times a positional call).
         label: str | None = None,
         node: str | None = None,
         task: str | None = None,
@@ -911,29 +917,27 @@ class LeaseContext:
         abandoned on the dispatcher (``abandon``; else the caller releases it). ``immediate``:
         a loss listener in place of ``on_lost`` (``"cancel"``'s)."""
         try:
+            store = self.store
+            # positional: see Lease.__init__ and Entry.__init__ (key, owner, token, waited,
+            # wait_seconds, store, clock, acquired_at)
             held = Lease(
-                key=self.key,
-                owner=owner,
-                token=token,
-                waited=tries > 0,
-                wait_seconds=sent_at - started,
-                store=self.store,
-                clock=self.clock,
-                acquired_at=sent_at,
+                self.key, owner, token, tries > 0, sent_at - started, store, self.clock, sent_at
             )
             if immediate is not None:
                 held._listeners = [(immediate, True)]
             elif self.on_lost is not None:
                 held._listeners = [(self.on_lost, False)]
+            max_hold = self.max_hold
+            # store, key, owner, ttl, sent_at, max_hold_at, on_lost, token
             held._key = held._entry = key = HeldKey(
-                store=self.store,
-                key=self.store_key,
-                owner=owner,
-                ttl=self.ttl,
-                sent_at=sent_at,
-                max_hold_at=None if self.max_hold is None else sent_at + self.max_hold,
-                on_lost=held._notify_lost,
-                token=token,
+                store,
+                self.store_key,
+                owner,
+                self.ttl,
+                sent_at,
+                None if max_hold is None else sent_at + max_hold,
+                held._notify_lost,
+                token,
             )
             key.start(self.clock)
         except BaseException:
@@ -1119,12 +1123,12 @@ def pop_frame(pushed: Frame | None) -> None:
     if pushed is None:
         return
     top = current_frame.get()
-    if top is not None and top.origin is pushed:
+    if top is not None and (top is pushed or top.origin is pushed):
         current_frame.set(top.parent)
         return
     frames: list[Frame] = []
     frame = top
-    while frame is not None and frame.origin is not pushed:
+    while frame is not None and frame is not pushed and frame.origin is not pushed:
         frames.append(frame)
         frame = frame.parent
     if frame is None:
@@ -1133,7 +1137,7 @@ def pop_frame(pushed: Frame | None) -> None:
     for above in reversed(frames):
         rebuilt = Frame(above.lease, rebuilt)
         rebuilt.gen = above.gen
-        rebuilt.origin = above.origin
+        rebuilt.origin = above if above.origin is None else above.origin
     current_frame.set(rebuilt)
 
 

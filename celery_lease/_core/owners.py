@@ -133,52 +133,93 @@ def make_owner(
         TypeError: a value is not a str.
         ValueError: a value is longer than :data:`MAX_OWNER_FIELD_CHARS`.
     """
-    ids = _this_process_ids()
+    ids = _ids
+    if ids.generation != forking.generation():
+        ids = _this_process_ids()
     if node is None:
         node = _node
     if task is None and task_id is None and _task_source is not None:
         current = _task_source()
         if current is not None:
             task, task_id = current
-    owner = f"{ids.prefix}{(ids.base + next(ids.count)) & _HEX_MASK:016x}{_named(node, task)}"
+    head = ids.prefix + "%016x" % ((ids.base + next(ids.count)) & _HEX_MASK)
+    known = None
+    if (
+        (node is None or type(node) is str)
+        and (task is None or type(task) is str)
+        and label is None  # a holder label is often per call: never kept
+        and (ttl_ms is None or type(ttl_ms) is int)
+        and (cooldown_ms is None or type(cooldown_ms) is int)
+    ):
+        known = _known_fields.get((node, task, label, ttl_ms, cooldown_ms))
+    if known is None:  # checks every field, in order, and keeps them when all are plain
+        return _made_slowly(head, node, task, task_id, label, ttl_ms, cooldown_ms, replace_ticket)
+    named, rest = known
     if task_id is not None:
-        if type(task_id) is str and len(task_id) <= MAX_OWNER_FIELD_CHARS:
-            owner += ";i=" + (
-                task_id if _SPECIAL.isdisjoint(task_id) else task_id.translate(_ENCODE)
-            )
+        if (
+            type(task_id) is str
+            and len(task_id) <= MAX_OWNER_FIELD_CHARS
+            and ";" not in task_id
+            and "=" not in task_id
+            and "%" not in task_id
+            and "/" not in task_id
+        ):
+            named += ";i=" + task_id
         else:
-            owner += ";i=" + _field("task_id", task_id)
-    if label is not None:
-        owner += ";l=" + _field("label", label)
-    if ttl_ms is not None:
-        owner += f";ttl={int(ttl_ms)}"
-    if cooldown_ms:
-        owner += f";cd={int(cooldown_ms)}"
+            named += ";i=" + _field("task_id", task_id)
     if replace_ticket is not None:
-        owner += f";rt={int(replace_ticket)}"
-    return f"{owner};at={time.time_ns() // 1_000_000}"
+        rest += f";rt={int(replace_ticket)}"
+    return f"{head}{named}{rest};at={time.time_ns() // 1_000_000}"
 
 
-# (node, task) -> their ``;n=...;t=...`` fields, for str values (a worker has a few of each).
-_named_fields: dict[tuple[str | None, str | None], str] = {}
-_NAMED_FIELDS_KEPT = 1024
+# (node, task, None, ttl_ms, cooldown_ms), each None or of exactly str / int, checked ->
+# (their ``;n=..;t=..`` fields, their ``;ttl=..;cd=..`` fields): a worker has a few. Cleared
+# when full; a ``label`` (``holder=``) is never kept.
+_known_fields: dict[
+    tuple[str | None, str | None, str | None, int | None, int | None], tuple[str, str]
+] = {}
+_KNOWN_FIELDS_KEPT = 1024
 
 
-def _named(node: str | None, task: str | None) -> str:
-    """The ``;n=`` and ``;t=`` fields of ``node`` and ``task`` (either None: left out)."""
-    plain = (node is None or type(node) is str) and (task is None or type(task) is str)
-    if plain:
-        known = _named_fields.get((node, task))
-        if known is not None:
-            return known
-    fields = ""
+def _made_slowly(
+    head: str,
+    node: str | None,
+    task: str | None,
+    task_id: str | None,
+    label: str | None,
+    ttl_ms: int | None,
+    cooldown_ms: int | None,
+    replace_ticket: int | None,
+) -> str:
+    """:func:`make_owner` after ``head`` (``host/pid/<hex>``): every field checked and encoded;
+    kept in :data:`_known_fields` when there is no label and all are None or exactly str /
+    int."""
+    named = ""
     if node is not None:
-        fields += ";n=" + _field("node", node)
+        named += ";n=" + _field("node", node)
     if task is not None:
-        fields += ";t=" + _field("task", task)
-    if plain and len(_named_fields) < _NAMED_FIELDS_KEPT:
-        _named_fields[(node, task)] = fields
-    return fields
+        named += ";t=" + _field("task", task)
+    with_id = named if task_id is None else named + ";i=" + _field("task_id", task_id)
+    rest = ""
+    if label is not None:
+        rest += ";l=" + _field("label", label)
+    if ttl_ms is not None:
+        rest += f";ttl={int(ttl_ms)}"
+    if cooldown_ms:
+        rest += f";cd={int(cooldown_ms)}"
+    if (
+        (node is None or type(node) is str)
+        and (task is None or type(task) is str)
+        and label is None
+        and (ttl_ms is None or type(ttl_ms) is int)
+        and (cooldown_ms is None or type(cooldown_ms) is int)
+    ):
+        if len(_known_fields) >= _KNOWN_FIELDS_KEPT:
+            _known_fields.clear()  # begun again: the combinations in use come back at once
+        _known_fields[(node, task, label, ttl_ms, cooldown_ms)] = (named, rest)
+    if replace_ticket is not None:
+        rest += f";rt={int(replace_ticket)}"
+    return f"{head}{with_id}{rest};at={time.time_ns() // 1_000_000}"
 
 
 def queued_owner(task: str, task_id: str, at_ms: int, label: str | None = None) -> str:

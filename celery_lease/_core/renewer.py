@@ -71,9 +71,10 @@ class Entry:
         "renewals", "renewer", "store", "token", "ttl", "ttl_ms", "valid_until",
     )  # fmt: skip
 
+    # Positional too: a class called with keywords costs several times a positional call, and
+    # the lease's enter makes one per lease.
     def __init__(
         self,
-        *,
         store: Any,
         key: str,
         owner: str,
@@ -92,13 +93,15 @@ class Entry:
         self.renewals = 0  # successful renewals (snapshot())
         self.last_error: str | None = None  # of the last renewal attempt, if it failed
         self.ttl = ttl
-        self.ttl_ms = max(1, round(ttl * 1000))
-        self.valid_until = validity(sent_at, ttl)
+        ms = round(ttl * 1000)
+        self.ttl_ms = ms if ms > 1 else 1  # at least 1
+        self.valid_until = sent_at + ttl - (ttl * DRIFT_FACTOR + DRIFT_MARGIN)  # validity()
         self.max_hold_at = max_hold_at
         self.on_lost = on_lost
         self.lost_reason: str | None = None
         self.closed = False
-        self.due = self._cap(sent_at + ttl / 3)
+        due = sent_at + ttl / 3
+        self.due = due if max_hold_at is None or not max_hold_at < due else max_hold_at  # _cap()
         self.renewer: Renewer | None = None  # set by Renewer.add
         self.inflight = False  # a renewal of it is between being taken and being answered
         self.landed: threading.Event | None = None  # made only when someone waits for it
@@ -128,9 +131,13 @@ class Renewer:
     def __init__(self, clock: Clock, store: Any) -> None:
         self.clock = clock
         self.store = store
+        self._registry_key = (id(clock), id(store))  # its key in the registry
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, Entry]] = []
         self._deadlines: list[tuple[float, int, Entry]] = []
+        # Entries added while no store call was watched, not yet in _deadlines: moved there when
+        # the next watched call begins (the watchdog reads _deadlines only during one).
+        self._unwatched: list[Entry] = []
         self._seq = itertools.count()
         self._wake = threading.Event()
         self._next_wake = float("inf")
@@ -183,13 +190,17 @@ class Renewer:
             )
         entry.renewer = self
         with self._lock:  # only the idle exit, under this lock too, unregisters this renewer
-            successor = _register(self)
+            # _register(self), its usual answer read first
+            successor = None if _registry.get(self._registry_key) is self else _register(self)
             if successor is None:
                 heapq.heappush(self._heap, (entry.due, next(self._seq), entry))
-                heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                watch = self._in_io  # the watchdog must count this lease's deadline too
+                if watch:
+                    heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                else:
+                    self._unwatched.append(entry)
                 self._entries.add(entry)
                 self._stopping = False
-                watch = self._in_io  # the watchdog must count this lease's deadline too
                 if self._thread is None:
                     self._next_wake = float("inf")
                     self._thread = threading.Thread(
@@ -217,15 +228,20 @@ class Renewer:
         untouched or recorded (:meth:`abandon` ends it).
         """
         with self._lock:
-            reason = None if entry.closed else entry.overdue(self.clock.monotonic())
             final = not entry.finalized
             entry.finalized = True
             if entry.closed:
                 self._forget(entry)  # idempotent: in case an interrupt cut the recorder short
                 return True, final, None  # already lost: nothing of its holder's is cooled down
+            now = self.clock.monotonic()
+            reason = entry.overdue(now)
             inflight = entry.inflight
-            self._record(entry, reason)
+            entry.lost_reason = reason  # _record(), without a call between the two stores
+            entry.closed = True
+            self._forget(entry, now)
             if reason is not None or not inflight:
+                if reason is None:  # finished, nothing in flight: no loss can be told any more
+                    entry.on_lost = _finished  # lets go of the holder (often a cycle with it)
                 return True, final, reason
         settled = self.settle(entry)
         with self._lock:
@@ -314,23 +330,26 @@ class Renewer:
             entry.finalized = True
             return True
 
-    def _record(self, entry: Entry, reason: str | None) -> None:
-        """Under the lock, no call between the two stores: no interrupt lands between them."""
+    def _record(self, entry: Entry, reason: str | None, now: float | None = None) -> None:
+        """Under the lock, no call between the two stores: no interrupt lands between them.
+        ``now``: the clock read under this lock hold, if it was."""
         entry.lost_reason = reason
         entry.closed = True
-        self._forget(entry)
+        self._forget(entry, now)
 
-    def _forget(self, entry: Entry) -> None:
-        """Drop a closed ``entry`` from the held ones; under the lock. Its heap items stay until
-        they surface, or until as many entries were closed as are held (at least
-        :data:`COMPACT_AFTER`): then both heaps keep only live items."""
-        if entry in self._entries:
-            self._entries.discard(entry)
+    def _forget(self, entry: Entry, now: float | None = None) -> None:
+        """Drop a closed ``entry`` from the held ones; under the lock (``now``: the clock read
+        under this hold, if it was). Its heap items stay until they surface, or until as many
+        entries were closed as are held (at least :data:`COMPACT_AFTER`): then both heaps keep
+        only live items."""
+        entries = self._entries
+        if entry in entries:
+            entries.discard(entry)
             self._closed += 1
-            if self._closed >= COMPACT_AFTER and self._closed >= len(self._entries):
+            if self._closed >= COMPACT_AFTER and self._closed >= len(entries):
                 self._compact()
-        if not self._entries:
-            self._idle_since = self.clock.monotonic()
+        if not entries:
+            self._idle_since = self.clock.monotonic() if now is None else now
 
     def _compact(self) -> None:
         """Rebuild both heaps with only their live items (of held entries); under the lock."""
@@ -340,6 +359,7 @@ class Renewer:
             i for i in self._deadlines if not i[2].closed and i[0] == _deadline(i[2])
         ]
         heapq.heapify(self._deadlines)
+        self._unwatched = [entry for entry in self._unwatched if not entry.closed]
         self._closed = 0
 
     @staticmethod
@@ -650,6 +670,11 @@ class Renewer:
     def _begin_io(self) -> None:
         with self._lock:
             self._in_io = True
+            if self._unwatched:  # the watchdog counts every held lease's deadline from here
+                for entry in self._unwatched:
+                    if not entry.closed:
+                        heapq.heappush(self._deadlines, (_deadline(entry), next(self._seq), entry))
+                self._unwatched = []
             if self._watchdog is None:
                 self._watchdog = threading.Thread(
                     target=self._watch, name="celery-lease-watchdog", daemon=True
@@ -697,6 +722,11 @@ class Renewer:
         self._wake.set()
         self._watch_wake.set()
         return threads
+
+
+def _finished(reason: str) -> None:
+    """The ``on_lost`` of an entry recorded finished with no renewal in flight: every path that
+    tells a loss first finds its end recorded, so none calls it."""
 
 
 def _landed(entry: Entry, redo: list[Callable[[], None]]) -> None:
@@ -840,7 +870,7 @@ def _register(renewer: Renewer) -> Renewer | None:
     """``None`` when ``renewer`` is (or now becomes) the registered one of its (clock, store),
     else the one registered in its place. Under the renewer's lock."""
 
-    key = (id(renewer.clock), id(renewer.store))
+    key = renewer._registry_key
     if _registry.get(key) is renewer:
         return None
     with _registry_lock:
@@ -861,7 +891,7 @@ def _forget_idle(renewer: Renewer) -> None:
     """Drop an idle renewer from the registry (under its lock), unless observers are on it."""
     if renewer._observers:
         return
-    key = (id(renewer.clock), id(renewer.store))
+    key = renewer._registry_key
     with _registry_lock:
         if _registry.get(key) is renewer:
             del _registry[key]

@@ -643,6 +643,30 @@ class TestWatchdogDuringAHang:
                 trap.open()
         assert lost == ["b"]
 
+    def test_leases_added_before_the_hang_are_watched(self, clock: FakeClock) -> None:
+        """b (ttl 6 s) and a (ttl 3 s) are acquired while the renewer is idle; a's renewal hangs;
+        the watchdog reports a at its validity, then b at its own, the store call still hung."""
+        slow = AdversaryStore(MemoryLockStore(clock=clock))
+        trap = slow.trap("renew", delay="before")
+        lost: list[str] = []
+        try:
+            with (
+                lease("b", store=slow, ttl=6, clock=clock, on_lost=lambda h: lost.append(h.key)),
+                lease("a", store=slow, ttl=3, clock=clock, on_lost=lambda h: lost.append(h.key)),
+            ):
+                clock.advance(1.0)  # a is due; b (due at 2 s) is not
+                trap.wait_entered()
+                poll_until(lambda: clock._deadlines, what="W waiting for a's deadline")
+                clock.advance(2.0)  # past a's validity (2.968 s), not b's (5.938 s)
+                poll_until(lambda: lost, timeout=REAL_TIMEOUT, what="a reported lost by W")
+                assert lost == ["a"]
+                clock.advance(3.0)
+                poll_until(lambda: len(lost) == 2, timeout=REAL_TIMEOUT, what="b reported by W")
+                assert not trap.timed_out, "b was reported only once a's renewal gave up"
+        finally:
+            trap.open()
+        assert lost == ["a", "b"]
+
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX-only")
 class TestForkWhileLocked:
