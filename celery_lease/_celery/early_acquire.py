@@ -13,7 +13,8 @@ redelivered (``worker_deduplicate_successful_tasks`` may skip it without a signa
 that can send an acquire (:class:`~celery_lease.stores.base.SupportsSentAcquire`). At most one
 try is parked. It is taken by the run of its own request when that run asks for the same key,
 store, ttl and wait (the key is built again there and compared; else it is given up), and given
-up, owner-checked, when its request is revoked or expires before it runs, fails before its body,
+up, owner-checked, when its request is revoked or expires before it runs, fails before its body
+(``task_failure``, or Celery's own error around it: ``task_internal_error``),
 at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send;
 the enter uses a grant only within a third of the ttl from the send, and tries afresh after an
 older grant (released first) or a refusal (:meth:`LeaseContext.enter`). A request that ends any
@@ -240,7 +241,8 @@ def on_task_revoked(request: Any = None, **_: object) -> None:
 
 
 def on_task_failure(task_id: object = None, **_: object) -> None:
-    """``task_failure``: a request that failed before its run took its try frees it."""
+    """``task_failure`` / ``task_internal_error``: a request that failed before its run took its
+    try frees it."""
     if _parked is not None:
         give_up(task_id or "")
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from celery.signals import (
     before_task_publish,
     task_failure,
+    task_internal_error,
     task_received,
     task_revoked,
     worker_init,
@@ -42,6 +43,13 @@ SOLO_RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (task_received, early_acquire.on_task_received, "celery_lease.early_acquire.received"),
     (task_revoked, early_acquire.on_task_revoked, "celery_lease.early_acquire.revoked"),
     (task_failure, early_acquire.on_task_failure, "celery_lease.early_acquire.failure"),
+    # Celery's own error around the task (a result backend down while storing STARTED, an
+    # on_failure that raises): no task_failure follows.
+    (
+        task_internal_error,
+        early_acquire.on_task_failure,
+        "celery_lease.early_acquire.internal_error",
+    ),
     (worker_shutdown, early_acquire.on_worker_shutdown, "celery_lease.early_acquire.shutdown"),
 )
 

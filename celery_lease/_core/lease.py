@@ -618,13 +618,18 @@ class LeaseContext:
         # daemon thread could). A failed try is the plan's to release.
         attempt: str | None = owner
         try:
-            reply = None if sent is None else self._sent_reply(sent)
-            if reply is None:  # nothing sent, or a sent try not used: the first try is now
+            answer = None if sent is None else self._sent_reply(sent)
+            if answer is _ASK_AGAIN:  # a grant read late: asked again under its own owner id
+                started = self.clock.monotonic()
+                reply = self._try(owner, ttl_ms)
+            elif answer is None:  # nothing sent, or a refused sent try: the first try is now
                 if sent is not None:
                     attempt = None
                     owner, ttl_ms, started = self._first_try()
                     attempt = owner
                 reply = self._try(owner, ttl_ms)
+            else:
+                reply = cast(Reply, answer)
             if type(reply) is GRANTED:  # the usual answer: no plan needed
                 held = self._hold(owner, reply, 0, started, started, None, abandon=False)
             else:
@@ -654,19 +659,21 @@ class LeaseContext:
     def __enter__(self) -> Lease:
         return self.enter()
 
-    def _sent_reply(self, sent: SentTry) -> Reply:
-        """The reply of ``sent`` for the enter to use as its first try's, or ``None``: the enter
-        tries afresh. Not used: a refusal (the holder may have ended since), a grant read at or
-        past the renewer's first renewal point (``ttl / 3`` from the send: the work since may
-        have outlasted the ttl), which is released owner-checked first. A failed try is used
-        (the plan releases it and raises or tries again, as for any first try)."""
+    def _sent_reply(self, sent: SentTry) -> Reply | object:
+        """The reply of ``sent`` for the enter to use as its first try's; ``None``: the enter
+        tries afresh (a refusal: the holder may have ended since); :data:`_ASK_AGAIN`: a grant
+        read at or past the renewer's first renewal point (``ttl / 3`` from the send: the work
+        since may have outlasted the ttl), to be asked again under the same owner id (the
+        store's acquire is idempotent for it: the same token with a fresh ttl while still held,
+        a refusal if another took the key after it expired, a new token if it is free; nothing
+        released, so a failed release cannot leave it refusing its own new try). A failed try is
+        used (the plan releases it and raises or tries again, as for any first try)."""
         reply = sent.reply()
         if reply is None or isinstance(reply, Failed):
             return reply
         if self.clock.monotonic() - sent.sent_at < self.ttl / 3:
             return reply
-        self._abandon_attempt(sent.owner)
-        return None
+        return _ASK_AGAIN
 
     def _perform(self, step: Try | Pause) -> Reply:
         if isinstance(step, Try):
@@ -1066,6 +1073,9 @@ class LeaseContext:
         slot, going on past a failed release; the first error is raised at the end (what was
         taken expires within its ttl)."""
         release_owner_slots(self.store, self.key, owner, cast(int, self.limit))
+
+
+_ASK_AGAIN = object()  # see LeaseContext._sent_reply
 
 
 def lease(

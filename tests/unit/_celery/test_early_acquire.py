@@ -14,7 +14,7 @@ import pytest
 from celery import Celery, Task
 from celery.contrib.testing.worker import start_worker
 from celery.exceptions import TaskRevokedError
-from celery.signals import task_prerun, task_received, task_revoked
+from celery.signals import task_internal_error, task_prerun, task_received, task_revoked
 from celery.worker import state as worker_state
 
 from celery_lease import LockedTask, MemoryLockStore
@@ -101,6 +101,10 @@ def env() -> Iterator[SimpleNamespace]:
     def failing(a: int) -> int:
         return a
 
+    @app.task(base=LockedTask, lock_key="t:{a}", track_started=True, shared=False)
+    def started(a: int) -> int:
+        return a
+
     class Shifted(PlusOne, LockedTask):  # type: ignore[misc]
         pass
 
@@ -122,6 +126,7 @@ def env() -> Iterator[SimpleNamespace]:
                 rate_limited=rate_limited,
                 failing=failing,
                 shifted=shifted,
+                started=started,
             )
     finally:
         task_received.disconnect(on_received)
@@ -193,6 +198,39 @@ class TestInASoloWorker:
             worker_state.revoked.discard(result.id)
         assert seen == [None]
         assert _kinds(_without_received(env.store.take_events())) == ["sent", "read", "release"]
+
+    @pytest.mark.filterwarnings("ignore:Exception raised outside body:RuntimeWarning")
+    def test_a_request_ended_by_celerys_internal_error_frees_its_key(
+        self, env: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The result backend is down: storing STARTED fails in Celery's prologue, and so does
+        storing the failure, so no ``task_failure`` is sent; ``task_internal_error`` gives the
+        try up (the key is not left held while the worker idles)."""
+        ended = threading.Event()
+
+        def down(*_: Any, **__: Any) -> None:
+            raise ConnectionError("result backend down")
+
+        def on_internal(**_: Any) -> None:  # connected after the worker's: runs after it
+            ended.set()
+
+        backend_class = type(env.app.backend)
+        monkeypatch.setattr(backend_class, "store_result", down)
+        monkeypatch.setattr(backend_class, "mark_as_failure", down)
+        task_internal_error.connect(on_internal, weak=False)
+        env.store.take_events()
+        try:
+            env.started.delay(1)
+            assert ended.wait(TIMEOUT)
+            kinds = _kinds(_without_received(env.store.take_events()))
+            monkeypatch.undo()
+            # Solo runs one message at a time: once this one's result is in, Celery is done
+            # with the failed request (its RuntimeWarning raised while this test ignores it).
+            assert env.plain.delay(50).get(timeout=TIMEOUT, interval=POLL) == 50
+        finally:
+            task_internal_error.disconnect(on_internal)
+        assert kinds == ["sent", "prerun", "read", "release"]
+        assert env.store.get("t:1") is None
 
     def test_a_task_with_its_own_before_start_sends_nothing_early(
         self, env: SimpleNamespace

@@ -174,18 +174,55 @@ class TestASentTryTheEnterDoesNotUse:
     """A try granted too long before the enter, or refused: the enter tries afresh (as if
     nothing had been sent)."""
 
-    def test_a_grant_older_than_a_third_of_the_ttl_is_released_and_tried_again(
+    def test_a_grant_older_than_a_third_of_the_ttl_is_asked_again_under_its_owner(
         self, store: SendingStore, clock: FakeClock
     ) -> None:
+        """Still held: the same owner's try gets its own token back with a fresh ttl, and the
+        lease's validity counts from that try; nothing is released in between."""
         context = _context(store, clock)
         sent = context.send_first_try()
         assert sent is not None
         clock.advance(TTL / 3)  # the renewer's first renewal point: too late to trust the grant
         with entered(context, sent) as held:
-            assert held.acquired_at == clock.monotonic()  # a fresh try's lease
+            assert held.acquired_at == clock.monotonic()
+            assert held.owner == sent.owner
             info = store.get("k")
             assert info is not None and info.owner == held.owner
-        assert [e[0] for e in store.events] == ["sent", "read", "release", "release"]
+            assert info.expires_in == TTL
+        assert [e[0] for e in store.events] == ["sent", "read", "release"]
+
+    def test_a_late_grant_whose_key_expired_and_is_free_gets_a_new_token(
+        self, store: SendingStore, clock: FakeClock
+    ) -> None:
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        first = store.get("k")
+        assert first is not None
+        clock.advance(TTL + 1.0)
+        assert store.get("k") is None
+        with entered(context, sent) as held:
+            assert held.token > first.token
+
+    def test_a_late_grant_is_never_refused_by_itself(
+        self, store: SendingStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Nothing is released first, so a store error on a release cannot leave the old
+        grant refusing the enter's try (on_held would fire with nobody else holding)."""
+
+        def failing_release(key: str, owner: str) -> None:
+            raise StoreUnavailableError("release failed")
+
+        context = _context(store, clock)
+        sent = context.send_first_try()
+        assert sent is not None
+        monkeypatch.setattr(store, "release", failing_release)
+        clock.advance(TTL / 3)
+        held = context.enter(sent)
+        assert held.owner == sent.owner
+        monkeypatch.undo()
+        context.__exit__(None, None, None)
+        assert store.get("k") is None
 
     def test_a_grant_read_before_a_third_of_the_ttl_is_used(
         self, store: SendingStore, clock: FakeClock
