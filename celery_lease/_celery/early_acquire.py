@@ -16,9 +16,10 @@ store, ttl and wait (the key is built again there and compared; else it is given
 up, owner-checked, when its request is revoked or expires before it runs, fails before its body
 (``task_failure``, or Celery's own error around it: ``task_internal_error``),
 at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send;
-the enter uses a grant only within a third of the ttl from the send, and tries afresh after an
-older grant (released first) or a refusal (:meth:`LeaseContext.enter`). A request that ends any
-other way leaves its try held until the next message or the shutdown, at most for its ttl.
+the enter uses a grant only within a third of the ttl from the send, asks again under the same
+owner id after an older grant, and tries afresh after a refusal (:meth:`LeaseContext.enter`).
+A request that ends any other way leaves its try held until the next message or the shutdown,
+at most for its ttl.
 """
 
 from __future__ import annotations
