@@ -229,3 +229,35 @@ def request_job(request: WorkerRequest) -> PoolJob | None:
 def task_meta_reader(backend: object) -> Callable[[str], Mapping[str, object]] | None:
     """``backend._get_task_meta_for`` (uncached, unlike ``get_task_meta``), or ``None``."""
     return getattr(backend, "_get_task_meta_for", None)
+
+
+# The steps of a key-value backend's result write (Celery 5.4 - 5.7): ``mark_as_done`` ->
+# ``store_result`` -> ``_store_result`` (builds the result, reads the task's current state) ->
+# ``_set_with_state`` (the write).
+RESULT_WRITE_STEPS = ("mark_as_done", "store_result", "_store_result", "_set_with_state")
+
+
+def writes_results_through_set_with_state(backend_class: type) -> bool:
+    """Whether every result a backend of ``backend_class`` writes goes through its
+    ``_set_with_state``: a key-value backend whose ``mark_as_done``, ``store_result`` and
+    ``_store_result`` are Celery's own."""
+    from celery.backends.base import Backend, BaseKeyValueStoreBackend
+
+    return (
+        issubclass(backend_class, BaseKeyValueStoreBackend)
+        and getattr(backend_class, "mark_as_done", None) is Backend.mark_as_done
+        and getattr(backend_class, "store_result", None) is Backend.store_result
+        and getattr(backend_class, "_store_result", None) is BaseKeyValueStoreBackend._store_result
+    )
+
+
+def call_before_result_writes(backend: object, before: Callable[[], None]) -> None:
+    """Make ``backend`` (a key-value backend, :func:`writes_results_through_set_with_state`)
+    call ``before`` just before each write, on this instance only."""
+    write = backend._set_with_state  # type: ignore[attr-defined]  # a key-value backend's
+
+    def _set_with_state(key: object, value: object, state: object) -> object:
+        before()
+        return write(key, value, state)
+
+    vars(backend)["_set_with_state"] = _set_with_state

@@ -67,7 +67,7 @@ def publishes_nothing(task: CeleryTask | None, request: TaskRequest | None) -> b
         return False
     hookless = _hookless.get(type(task))
     if hookless is None:
-        hookless = _hookless[type(task)] = not any(_custom(type(task), h) for h in _HOOKS)
+        hookless = _hookless[type(task)] = not any(user_defines(type(task), h) for h in _HOOKS)
     return hookless and _only_ours_after_success()
 
 
@@ -111,7 +111,7 @@ def _result_ignored(task: CeleryTask, request: TaskRequest) -> bool:
     return bool(task.ignore_result) or bool(getattr(request, "ignore_result", False))
 
 
-def _custom(cls: type, name: str) -> bool:
+def user_defines(cls: type, name: str) -> bool:
     """Whether a class below Celery's ``Task`` (ours excluded) defines hook ``name``."""
     return any(
         name in vars(klass)

@@ -14,7 +14,7 @@ from celery.exceptions import Retry
 from celery.utils.dispatch import Signal
 
 from celery_lease import signals
-from celery_lease._celery import compat, deferral, on_held, replace
+from celery_lease._celery import compat, deferral, early_acquire, on_held, replace
 from celery_lease._celery import request as _request  # `request`: the execution's, here
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.interrupt import AsyncLockLost, Interrupter
@@ -281,7 +281,7 @@ def run_locked(
             resolved = spec.resolve(app, settings, key)
         ttl, wait, store = resolved.ttl, resolved.wait, resolved.store
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
-        context = _lease_context(
+        context = early_acquire.take(request, key, store, ttl, wait, run.on_lost) or _lease_context(
             run, request, store, resolved.clock, ttl, 0.0 if options.on_held == "replace" else wait
         )
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)

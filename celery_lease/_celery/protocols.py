@@ -12,6 +12,7 @@ from celery_lease.stores.base import (
     SupportsDeferredRelease,
     SupportsDeferredRenew,
     SupportsInspection,
+    SupportsSentAcquire,
     conforms,
 )
 
@@ -253,3 +254,8 @@ def can_release_deferred(store: object) -> TypeGuard[SupportsDeferredRelease]:
 def can_renew_deferred(store: object) -> TypeGuard[SupportsDeferredRenew]:
     """Whether ``store`` can renew without waiting for the reply."""
     return offers(store, SupportsDeferredRenew, "renew_deferred")
+
+
+def can_send_acquire(store: object) -> TypeGuard[SupportsSentAcquire]:
+    """Whether ``store`` can send an acquire and read its reply later."""
+    return offers(store, SupportsSentAcquire, "send_acquire")

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from celery.backends.base import Backend, BaseKeyValueStoreBackend
+from celery_lease._celery import compat
 
 # In a backend instance's own attributes: True once its writes read the replies first, False
 # when they cannot (read from ``vars()``: a proxy's ``__getattr__`` or a mock answers anything).
 _MARK = "_celery_lease_reads_releases_first"
-_WRITE_PATH = ("mark_as_done", "store_result", "_store_result")
 _write_path_is_celerys: dict[type, bool] = {}
 
 
@@ -37,13 +36,7 @@ def reads_releases_first(backend: object, read_replies: Callable[[], None]) -> b
     try:
         qualifies = _qualifies(backend, own)
         if qualifies:
-            write = backend._set_with_state  # type: ignore[attr-defined]  # a key-value backend's
-
-            def _set_with_state(key: object, value: object, state: object) -> object:
-                read_replies()
-                return write(key, value, state)
-
-            own["_set_with_state"] = _set_with_state
+            compat.call_before_result_writes(backend, read_replies)
     except Exception:
         qualifies = False
     own[_MARK] = qualifies
@@ -53,20 +46,10 @@ def reads_releases_first(backend: object, read_replies: Callable[[], None]) -> b
 def _qualifies(backend: object, own: dict[str, object]) -> bool:
     """Whether a result of ``backend`` reaches its store only through ``_set_with_state``
     (nothing of that path replaced on the instance either)."""
-    if any(name in own for name in (*_WRITE_PATH, "_set_with_state")):
+    if any(name in own for name in compat.RESULT_WRITE_STEPS):
         return False
     cls = type(backend)
     qualifies = _write_path_is_celerys.get(cls)
     if qualifies is None:
-        qualifies = _write_path_is_celerys[cls] = _key_value_write_path(cls)
+        qualifies = _write_path_is_celerys[cls] = compat.writes_results_through_set_with_state(cls)
     return qualifies
-
-
-def _key_value_write_path(cls: type) -> bool:
-    """Whether a result of ``cls`` reaches its store only through ``_set_with_state``."""
-    return (
-        issubclass(cls, BaseKeyValueStoreBackend)
-        and getattr(cls, "mark_as_done", None) is Backend.mark_as_done
-        and getattr(cls, "store_result", None) is Backend.store_result
-        and getattr(cls, "_store_result", None) is BaseKeyValueStoreBackend._store_result
-    )

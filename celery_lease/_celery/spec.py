@@ -77,11 +77,15 @@ class Resolved:
 @dataclass(frozen=True)
 class Spec:
     """``limit``: the task's limit option as its executions call it (an int, a callable taking
-    the body's arguments, or ``None``: the key itself, no slots)."""
+    the body's arguments, or ``None``: the key itself, no slots); ``plain_key``: the key is
+    built from the arguments alone (a template or the default digest, no validation)."""
 
     options: LockOptions
     key_function: KeyFunction
     limit: int | Callable[..., int] | None = None
+    # Whether the key is a template's or the default digest of the arguments as received (no
+    # key callable, no validation): building it runs no user code.
+    plain_key: bool = False
     _durations: list[tuple[object, float, float]] = field(
         default_factory=lambda: [(None, 0.0, 0.0)], compare=False, repr=False
     )

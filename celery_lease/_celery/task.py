@@ -166,6 +166,9 @@ class LockedTask(Task):  # type: ignore[misc]
     _lock_spec: _Spec | None = None
     _lock_calls_through = False
     """Whether another class in the MRO defines ``__call__`` (run it under the lease)."""
+    _lock_call_is_ours = True
+    """Whether ``__call__`` is LockedTask's: a call reaches ``run_locked`` (none before it may
+    answer without it)."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -186,6 +189,7 @@ class LockedTask(Task):  # type: ignore[misc]
             for klass in cls.__mro__
             if klass not in (LockedTask, Task, object)
         )
+        cls._lock_call_is_ours = cls.__call__ is LockedTask.__call__
         cls._lock_configure()
 
     @classmethod
@@ -242,7 +246,8 @@ class LockedTask(Task):  # type: ignore[misc]
                         valid_args, valid_kwargs = validate(args, kwargs)
                         return limit_of(*valid_args, **valid_kwargs)
 
-            spec = _Spec(cls._lock_options, key_function, limit)
+            plain = validate is None and not callable(cls._lock_options.key)
+            spec = _Spec(cls._lock_options, key_function, limit, plain_key=plain)
             cls._lock_spec = spec
         return cast(_Spec, spec)
 

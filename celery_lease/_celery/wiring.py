@@ -10,6 +10,8 @@ from collections.abc import Callable
 from celery.signals import (
     before_task_publish,
     task_failure,
+    task_internal_error,
+    task_received,
     task_revoked,
     worker_init,
     worker_process_init,
@@ -18,7 +20,16 @@ from celery.signals import (
 )
 from celery.utils.dispatch import Signal
 
-from celery_lease._celery import control, deferral, early_release, request, unique, worker
+from celery_lease._celery import (
+    control,
+    deferral,
+    early_acquire,
+    early_release,
+    pool,
+    request,
+    unique,
+    worker,
+)
 from celery_lease._core import owners
 
 
@@ -26,10 +37,36 @@ def _flush_deferred(**_: object) -> None:
     deferral.flush_deferred_releases()
 
 
+# Connected in a solo worker's process only (:func:`_install_in_solo_worker`): Celery sends
+# ``task_received`` for every message, and elsewhere nothing listens.
+SOLO_RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
+    (task_received, early_acquire.on_task_received, "celery_lease.early_acquire.received"),
+    (task_revoked, early_acquire.on_task_revoked, "celery_lease.early_acquire.revoked"),
+    (task_failure, early_acquire.on_task_failure, "celery_lease.early_acquire.failure"),
+    # Celery's own error around the task (a result backend down while storing STARTED, an
+    # on_failure that raises): no task_failure follows.
+    (
+        task_internal_error,
+        early_acquire.on_task_failure,
+        "celery_lease.early_acquire.internal_error",
+    ),
+    (worker_shutdown, early_acquire.on_worker_shutdown, "celery_lease.early_acquire.shutdown"),
+)
+
+
+def _install_in_solo_worker(**_: object) -> None:
+    """``worker_process_init`` (a solo pool sends it in the worker's process): connect
+    :data:`SOLO_RECEIVERS` there."""
+    if pool.pool_label() == "solo" and not pool.in_pool_child():
+        for signal, receiver, uid in SOLO_RECEIVERS:
+            signal.connect(receiver, weak=False, dispatch_uid=uid)
+
+
 # ``(signal, receiver, dispatch_uid)`` of every receiver :func:`install` connects.
 RECEIVERS: tuple[tuple[Signal, Callable[..., None], str], ...] = (
     (worker_init, worker.on_worker_init, "celery_lease.worker_init"),
     (worker_process_init, worker.on_worker_process_init, "celery_lease.worker_process_init"),
+    (worker_process_init, _install_in_solo_worker, "celery_lease.early_acquire.install"),
     (worker_shutdown, worker.on_worker_shutdown, "celery_lease.worker_shutdown"),
     (task_failure, worker.on_task_failure, "celery_lease.task_failure"),
     (

@@ -85,6 +85,30 @@ Step = Try | Pause | Hold
 Reply = int | None | Failed
 
 
+class SentTry:
+    """A first try sent before its context is entered: ``owner``, ``ttl_ms``, ``sent_at`` (the
+    lease's clock, read before the send: the lease's validity counts from there) and ``gen``
+    (the sending process's fork generation); its reply is read once, by :meth:`reply`."""
+
+    __slots__ = ("gen", "owner", "read", "sent_at", "ttl_ms")
+
+    def __init__(
+        self, owner: str, ttl_ms: int, sent_at: float, read: Callable[[], int | None], gen: int
+    ) -> None:
+        self.owner, self.ttl_ms, self.sent_at, self.gen = owner, ttl_ms, sent_at, gen
+        self.read: Callable[[], int | None] | None = read  # None once read
+
+    def reply(self) -> Reply:
+        """The try's reply, as a try's: a token, ``None`` (held) or :class:`Failed`."""
+        read, self.read = self.read, None
+        if read is None:
+            raise RuntimeError("the reply of a sent try is read once")
+        try:
+            return read()
+        except BaseException as exc:
+            return Failed(exc)
+
+
 class AcquirePlan:
     """The rest of an acquisition whose first try, ``attempt`` (sent at ``started`` on
     ``clock``), was not granted; ``send(reply)`` gives the next step (the first gets that try's

@@ -40,6 +40,7 @@ from celery_lease._core.acquire_plan import (
     Hold,
     Pause,
     Reply,
+    SentTry,
     Try,
     abandon_later,
     check_cancel,
@@ -65,6 +66,7 @@ from celery_lease.stores.base import (
     SupportsAcquireOrHolder,
     SupportsDeferredRelease,
     SupportsReleaseNotify,
+    SupportsSentAcquire,
     SupportsSlots,
     conforms,
 )
@@ -566,7 +568,34 @@ class LeaseContext:
             f"{limit})"
         )
 
-    def __enter__(self) -> Lease:
+    def send_first_try(self) -> SentTry | None:
+        """Send the first try now, for :meth:`enter` to read later (its lease's validity counts
+        from now); ``None`` when not sent (the store cannot, a limit, ``names_holder``): the
+        enter tries as usual. One never entered with must go to :meth:`abandon_sent`."""
+        store = self.store
+        if (
+            self.limit is not None
+            or self.names_holder
+            or not offers(store, SupportsSentAcquire, "send_acquire")
+        ):
+            return None
+        owner, ttl_ms, started = self._first_try()
+        read = cast(SupportsSentAcquire, store).send_acquire(self.key, owner, ttl_ms)
+        return None if read is None else SentTry(owner, ttl_ms, started, read, forking.generation())
+
+    def abandon_sent(self, sent: SentTry) -> None:
+        """Give up ``sent`` (from :meth:`send_first_try`, not entered with): read its reply and
+        release, owner-checked, what it took (also when it failed: it may have taken effect); a
+        store error is logged. Nothing once read, nor in a forked child (the parent's)."""
+        if sent.read is None or sent.gen != forking.generation():
+            return
+        reply = sent.reply()
+        if reply is not None:  # a token, or Failed
+            self._abandon_attempt(sent.owner)
+
+    def enter(self, sent: SentTry | None = None) -> Lease:
+        """``with``'s enter; ``sent``: its first try, sent earlier by :meth:`send_first_try`
+        (its reply read here as the first try's)."""
         if self.on_lost is CANCEL:
             raise LeaseConfigError(
                 f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
@@ -576,14 +605,31 @@ class LeaseContext:
         task = _running_task()
         outer = self._reenter(task)
         if outer is not None:
+            if sent is not None:
+                self.abandon_sent(sent)
             return outer
-        owner, ttl_ms, started = self._first_try()
+        if sent is not None and sent.gen == forking.generation():
+            owner, ttl_ms, started = sent.owner, sent.ttl_ms, sent.sent_at
+        else:  # none, or a parent's try: the parent's
+            sent = None
+            owner, ttl_ms, started = self._first_try()
         # A try sent, neither refused nor made into a lease: an interrupt until the lease is
         # built releases it here, in this thread (the interrupt may end the process before a
         # daemon thread could). A failed try is the plan's to release.
         attempt: str | None = owner
         try:
-            reply = self._try(owner, ttl_ms)
+            answer = None if sent is None else self._sent_reply(sent)
+            if answer is _ASK_AGAIN:  # a grant read late: asked again under its own owner id
+                started = self.clock.monotonic()
+                reply = self._try(owner, ttl_ms)
+            elif answer is None:  # nothing sent, or a refused sent try: the first try is now
+                if sent is not None:
+                    attempt = None
+                    owner, ttl_ms, started = self._first_try()
+                    attempt = owner
+                reply = self._try(owner, ttl_ms)
+            else:
+                reply = cast(Reply, answer)
             if type(reply) is GRANTED:  # the usual answer: no plan needed
                 held = self._hold(owner, reply, 0, started, started, None, abandon=False)
             else:
@@ -609,6 +655,25 @@ class LeaseContext:
             self._end_interrupted(held)
             raise
         return held
+
+    def __enter__(self) -> Lease:
+        return self.enter()
+
+    def _sent_reply(self, sent: SentTry) -> Reply | object:
+        """The reply of ``sent`` for the enter to use as its first try's; ``None``: the enter
+        tries afresh (a refusal: the holder may have ended since); :data:`_ASK_AGAIN`: a grant
+        read at or past the renewer's first renewal point (``ttl / 3`` from the send: the work
+        since may have outlasted the ttl), to be asked again under the same owner id (the
+        store's acquire is idempotent for it: the same token with a fresh ttl while still held,
+        a refusal if another took the key after it expired, a new token if it is free; nothing
+        released, so a failed release cannot leave it refusing its own new try). A failed try is
+        used (the plan releases it and raises or tries again, as for any first try)."""
+        reply = sent.reply()
+        if reply is None or isinstance(reply, Failed):
+            return reply
+        if self.clock.monotonic() - sent.sent_at < self.ttl / 3:
+            return reply
+        return _ASK_AGAIN
 
     def _perform(self, step: Try | Pause) -> Reply:
         if isinstance(step, Try):
@@ -1009,6 +1074,9 @@ class LeaseContext:
         slot, going on past a failed release; the first error is raised at the end (what was
         taken expires within its ttl)."""
         release_owner_slots(self.store, self.key, owner, cast(int, self.limit))
+
+
+_ASK_AGAIN = object()  # see LeaseContext._sent_reply
 
 
 def lease(

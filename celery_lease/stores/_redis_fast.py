@@ -202,9 +202,10 @@ class FastConnection:
         finally:
             self._lock.release()
 
-    def flush(self) -> None:
-        """Read the replies of deferred requests now (blocks until they came, or failed)."""
-        if not self._unread:
+    def flush(self, *, wait: bool = False) -> None:
+        """Read the replies of deferred requests now (blocks until they came, or failed);
+        ``wait``: also wait for a thread that is reading them right now to hand them over."""
+        if not self._unread and not wait:
             return
         with self._lock:
             sock = self._sock

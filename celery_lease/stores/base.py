@@ -12,7 +12,7 @@ import asyncio
 import inspect
 import re
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -33,6 +33,7 @@ __all__ = [
     "SupportsOwnedSlotsRelease",
     "SupportsReleaseNotify",
     "SupportsReplace",
+    "SupportsSentAcquire",
     "SupportsSlots",
     "conforms",
     "redact_url",
@@ -119,6 +120,20 @@ class SupportsDeferredRelease(Protocol):
 
     def flush_deferred(self) -> None:
         """Read the replies of releases sent by :meth:`release_deferred` (blocks until read)."""
+        ...
+
+
+@runtime_checkable
+class SupportsSentAcquire(Protocol):
+    """A store that can send an acquire now and read its reply later (see the Redis store), so
+    the round trip overlaps the caller's own work."""
+
+    def send_acquire(self, key: str, owner: str, ttl_ms: int) -> Callable[[], int | None] | None:
+        """Send :meth:`~LockStore.acquire` ``(key, owner, ttl_ms)``; ``None`` when not sent (the
+        caller acquires as usual). Else a function that reads the reply, once: what ``acquire``
+        would have returned or raised (a lost reply is asked again once, as ``acquire`` asks
+        again after a connection error). Until it is read, the store's other calls on that
+        connection read it first and keep it."""
         ...
 
 

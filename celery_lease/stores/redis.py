@@ -303,6 +303,41 @@ class RedisLockStore(StoreBase):
             return None, self._decode(reply)[len(HELD_MARK) :]
         return int(reply), None
 
+    def send_acquire(self, key: str, owner: str, ttl_ms: int) -> Callable[[], int | None] | None:
+        """Send the acquire :meth:`acquire` would run now, on the fast path (``None`` elsewhere,
+        or when not sent: the caller acquires as usual); the returned function reads its reply,
+        once (see :class:`~celery_lease.stores.base.SupportsSentAcquire`). Sent as EVALSHA: a
+        NOSCRIPT reply (nothing ran) is answered by :meth:`acquire`'s call, as is a reply lost
+        with the connection (retried once, as :meth:`acquire` is)."""
+        fast = self._fast
+        if fast is None:
+            return None
+        script, keys, args = self._acquire_call(ACQUIRE, key, owner, ttl_ms)
+        kept = _KeptReply()
+        if not fast.send_deferred(self._fast_request(script, keys, args), kept.take):
+            return None
+        return partial(self._sent_acquired, key, kept, partial(self._eval, script, keys, args))
+
+    def _sent_acquired(self, key: str, kept: _KeptReply, ask: Callable[[], Any]) -> int | None:
+        """The answer to a sent acquire: its reply, else ``ask()`` (after NOSCRIPT, or once more
+        after a connection error, as :meth:`_call` retries), read as :meth:`acquire` reads it."""
+        fast = self._fast
+        assert fast is not None
+        unread = [True]
+
+        def answer() -> Any:
+            if not unread[0]:
+                return ask()
+            unread[0] = False
+            reply = kept.read(fast)
+            if isinstance(reply, NoScriptError):  # nothing ran
+                return ask()
+            if isinstance(reply, BaseException):
+                raise reply
+            return reply
+
+        return int_or_none(self._outside_grace(key, self._call("acquire", answer, key)))
+
     def _decode(self, value: bytes | str) -> str:
         """A reply's text, decoded as the client encodes (``str`` replies as they are)."""
         if isinstance(value, bytes):
@@ -600,6 +635,30 @@ class RedisLockStore(StoreBase):
 
     def __repr__(self) -> str:
         return f"RedisLockStore({self._client!r}, prefix={self._prefix!r})"
+
+
+class _KeptReply:
+    """The reply of a sent acquire, kept by whichever call on the connection reads it."""
+
+    __slots__ = ("got", "reply")
+
+    def __init__(self) -> None:
+        self.got = False
+        self.reply: Any = None
+
+    def take(self, reply: Any) -> None:
+        self.reply, self.got = reply, True
+
+    def read(self, fast: FastConnection) -> Any:
+        """The reply (read now if no other call has): a value, the exception an error reply
+        stands for, or a ``ConnectionError`` when the connection failed before it came."""
+        if not self.got:
+            fast.flush()
+            if not self.got:  # another thread is handing it over, or this process forked
+                fast.flush(wait=True)
+        if not self.got:
+            return RedisConnectionError("the connection was lost before the acquire's reply")
+        return self.reply
 
 
 def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:

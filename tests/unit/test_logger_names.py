@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "celery_lease"
 LOGGER_NAMES = {
     "celery_lease._celery.control": "celery_lease.control",
     "celery_lease._celery.deferral": "celery_lease.deferral",
+    "celery_lease._celery.early_acquire": "celery_lease.engine",
     "celery_lease._celery.execution": "celery_lease.engine",
     "celery_lease._celery.held_by": "celery_lease.engine",
     "celery_lease._celery.interrupt": "celery_lease.interrupt",

@@ -172,6 +172,7 @@ EXPORTS: dict[str, set[str]] = {
         "SupportsReleaseNotify",
         "SupportsReplace",
         "SupportsOwnedSlotsRelease",
+        "SupportsSentAcquire",
         "SupportsSlots",
         "conforms",
         "redact_url",

@@ -26,7 +26,7 @@ from celery.utils.dispatch import Signal
 
 from celery_lease import LeaseConfigError, LockedTask, MemoryLockStore, locked
 from celery_lease import signals as lease_signals
-from celery_lease._celery import compat, deferral, result_write
+from celery_lease._celery import compat, deferral
 from celery_lease._celery import pool as pool_module
 from celery_lease._celery import settings as lease_config
 from celery_lease.stores.base import SupportsDeferredRelease
@@ -518,38 +518,6 @@ class TestAStoredResultIsWrittenAfterTheReply:
         stored.backend = backend
         traced(app, stored)(47)
         assert log == ["release k:47", "write"]
-
-    @pytest.mark.parametrize(
-        ("url", "qualifies"),
-        [
-            ("redis://127.0.0.1:1/0", True),
-            ("sentinel://127.0.0.1:1", True),
-            ("cache+memory://", True),
-            ("file:///tmp", True),
-            ("rpc://", False),
-            ("db+sqlite://", False),
-        ],
-    )
-    def test_which_of_celerys_backends_read_the_replies_first(
-        self, url: str, qualifies: bool
-    ) -> None:
-        """Celery's key-value backends write through ``_set_with_state``; the database and
-        RPC backends write their own way (built only: nothing connects)."""
-        made = Celery("backends", backend=url, set_as_current=False)
-        try:
-            calls: list[str] = []
-            backend = made.backend
-            if qualifies:  # the key-value store itself, in memory: nothing connects
-                backend.get = lambda key: None
-                backend.set = lambda key, value, **options: calls.append("write")
-            assert result_write.reads_releases_first(backend, lambda: calls.append("read")) is (
-                qualifies
-            )
-            if qualifies:
-                backend.store_result("t", 1, "SUCCESS")
-                assert calls == ["read", "write"]
-        finally:
-            made.close()
 
     def test_every_write_of_the_backend_reads_the_replies_first(
         self, app: Celery, store: DeferringStore, log: list[str]

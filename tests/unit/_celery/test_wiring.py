@@ -31,6 +31,9 @@ UIDS = {
 FLUSH = "celery_lease.flush_deferred"
 """The second uid on ``worker_shutdown``: the exit flush of deferred releases."""
 
+SOLO = "celery_lease.early_acquire.install"
+"""The second uid on ``worker_process_init``: connects the solo worker's receivers."""
+
 
 def _ours() -> dict[str, int]:
     counts = {
@@ -38,6 +41,7 @@ def _ours() -> dict[str, int]:
         for name, uid in UIDS.items()
     }
     counts[FLUSH] = sum(key[0] == FLUSH for key, _ in signals.worker_shutdown.receivers)
+    counts[SOLO] = sum(key[0] == SOLO for key, _ in signals.worker_process_init.receivers)
     return counts
 
 
@@ -47,19 +51,20 @@ class TestInstall:
         :class:`TestWhereItRuns`)."""
         wiring.install()
         wiring.install()
-        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH, SOLO], 1)
 
     def test_the_table_names_every_receiver(self) -> None:
         assert {(signal.name, uid) for signal, _, uid in wiring.RECEIVERS} == {
             *UIDS.items(),
             ("worker_shutdown", FLUSH),
+            ("worker_process_init", SOLO),
         }
 
     def test_the_steps_run_again_connect_nothing_twice(self) -> None:
         """Each step is idempotent of itself: two threads racing past the flag change nothing."""
         for signal, receiver, uid in wiring.RECEIVERS:
             signal.connect(receiver, weak=False, dispatch_uid=uid)
-        assert _ours() == dict.fromkeys([*UIDS, FLUSH], 1)
+        assert _ours() == dict.fromkeys([*UIDS, FLUSH, SOLO], 1)
 
     def test_a_forked_child_has_each_receiver_once_and_installs_nothing_more(self) -> None:
         """The flag and the receivers are inherited together: installing in the child (as the
@@ -76,7 +81,7 @@ class TestInstall:
         os.close(write)
         os.waitpid(pid, 0)
         with os.fdopen(read) as answer:
-            assert json.loads(answer.read()) == dict.fromkeys([*UIDS, FLUSH], 1)
+            assert json.loads(answer.read()) == dict.fromkeys([*UIDS, FLUSH, SOLO], 1)
 
     def test_the_command_and_the_request_attributes_are_installed(self) -> None:
         wiring.install()

@@ -1,0 +1,262 @@
+"""A solo worker sends a locked task's acquire when its message arrives (``task_received``) and
+reads the reply when :func:`~celery_lease._celery.execution.run_locked` enters the lease: the
+round trip overlaps Celery's own work between the two (reserving, accepting, tracing).
+
+Only where nothing can come between: the solo pool (the consumer's thread runs the task inside
+the same call), a request Celery hands straight to the pool (no ETA, no rate limit; a revoked
+one never reaches ``task_received``), a task whose key is built from the arguments alone
+(:attr:`Spec.plain_key`) with no ``limit``, ``unique`` or ``on_held="replace"``, a task class
+with no ``before_start`` of the user's and LockedTask's own ``__call__`` (either could end the
+request without ``run_locked`` and without a signal; no ``task_prerun``/``task_postrun``
+receiver is connected to learn of it: one makes Celery send both for every task), a message not
+redelivered (``worker_deduplicate_successful_tasks`` may skip it without a signal), and a store
+that can send an acquire (:class:`~celery_lease.stores.base.SupportsSentAcquire`). At most one
+try is parked. It is taken by the run of its own request when that run asks for the same key,
+store, ttl and wait (the key is built again there and compared; else it is given up), and given
+up, owner-checked, when its request is revoked or expires before it runs, fails before its body
+(``task_failure``, or Celery's own error around it: ``task_internal_error``),
+at the next ``task_received`` and at worker shutdown. Its lease's validity counts from the send;
+the enter uses a grant only within a third of the ttl from the send, asks again under the same
+owner id after an older grant, and tries afresh after a refusal (:meth:`LeaseContext.enter`).
+A request that ends any other way leaves its try held until the next message or the shutdown,
+at most for its ttl.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery_lease import _forking as forking
+from celery_lease._celery import deferral, pool
+from celery_lease._celery.protocols import can_send_acquire
+from celery_lease._celery.settings import LeaseSettings, get_settings
+from celery_lease._celery.store_resolution import execution_store
+from celery_lease._core.acquire_plan import SentTry
+from celery_lease._core.lease import Lease, LeaseContext, clock_of
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease.clock import Clock
+from celery_lease.stores.base import LockStore
+from celery_lease.stores.slots import SLOT_MARK
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from celery_lease._celery.spec import Spec
+
+logger = logging.getLogger("celery_lease.engine")
+
+
+class SentContext(LeaseContext):
+    """A task's lease context whose first try was sent when its message arrived."""
+
+    __slots__ = ("request_id", "sent")
+
+    def __init__(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.request_id = request_id
+        self.sent: SentTry | None = None
+
+    def __enter__(self) -> Lease:
+        sent, self.sent = self.sent, None
+        return self.enter(sent)
+
+    def give_up(self) -> None:
+        """Release, owner-checked, what the sent try took (its reply read first); never raises."""
+        sent, self.sent = self.sent, None
+        if sent is None:
+            return
+        try:
+            self.abandon_sent(sent)
+        except Exception:  # pragma: no cover - abandon_sent logs store errors itself
+            logger.exception("celery-lease: giving up the early acquire of %r failed", self.key)
+
+
+_lock = threading.Lock()
+_parked: SentContext | None = None
+
+
+def _swap(new: SentContext | None) -> SentContext | None:
+    global _parked
+    with _lock:
+        old, _parked = _parked, new
+    return old
+
+
+def on_task_received(sender: object = None, request: Any = None, **_: object) -> None:
+    """``task_received``: give up a leftover try; in a solo worker, send this request's acquire."""
+    leftover = _swap(None) if _parked is not None else None
+    if leftover is not None:
+        leftover.give_up()
+    if request is None or pool.pool_label() != "solo" or not _straight_to_pool(request):
+        return
+    task = request.task
+    get_spec = getattr(task, "_lock_get_spec", None)  # a LockedTask
+    if get_spec is None:
+        return
+    try:
+        context = _sent_context(task, get_spec(), request)
+    except Exception as exc:  # the run builds its key again and raises what it raises
+        logger.debug("celery-lease: no early acquire for %s: %r", request.id, exc)
+        return
+    if context is not None:
+        leftover = _swap(context)
+        if leftover is not None:  # pragma: no cover - one consumer thread
+            leftover.give_up()
+
+
+def _straight_to_pool(request: Any) -> bool:
+    """Whether Celery hands ``request`` to the pool right after ``task_received``."""
+    return not request.eta and not getattr(request.task, "rate_limit", None)
+
+
+def _redelivered(request: Any) -> bool:
+    """Whether the broker says it delivered ``request`` before: Celery may skip it without a
+    signal (``worker_deduplicate_successful_tasks``)."""
+    delivery_info = getattr(request, "delivery_info", None)
+    return bool(delivery_info and delivery_info.get("redelivered"))
+
+
+# A task class -> whether each request of it that starts reaches run_locked or ends with a
+# signal that gives its try up.
+_runs_locked: dict[type, bool] = {}
+
+
+def _always_runs_locked(cls: type) -> bool:
+    """Whether a started request of ``cls`` either reaches ``run_locked`` or fails with
+    ``task_failure``: no ``before_start`` of the user's (it may raise ``Ignore``, ``Retry`` or
+    ``Reject``: no signal) and LockedTask's own ``__call__`` (one before it may answer without
+    the lock; a mixin after it runs inside the lock)."""
+    answer = _runs_locked.get(cls)
+    if answer is None:
+        answer = _runs_locked[cls] = bool(getattr(cls, "_lock_call_is_ours", False)) and not (
+            deferral.user_defines(cls, "before_start")
+        )
+    return answer
+
+
+def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
+    """The context ``run_locked`` would build for ``request``, its first try sent; or None."""
+    options = spec.options
+    if (
+        not spec.plain_key
+        or spec.limit is not None
+        or options.unique is not None
+        or options.on_held == "replace"
+    ):
+        return None
+    settings = get_settings(task.app)
+    resolved = _resolved.get(id(spec))
+    if resolved is None or resolved[0] is not spec or resolved[1] is not settings:
+        resolved = _resolve(task, spec, settings)
+    _, _, store, ttl, wait, clock = resolved
+    if store is None:  # it cannot send: no key is built
+        return None
+    if not _always_runs_locked(task.__class__) or _redelivered(request):
+        return None
+    key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
+    if SLOT_MARK in key:
+        return None
+    context = SentContext(
+        request.id,
+        key,
+        store,
+        ttl,
+        wait,
+        options.max_hold,
+        options.cooldown,
+        None,  # the run's on_lost, set when it takes the context
+        None,
+        clock,
+        node=described(getattr(request, "hostname", None)),
+        task=described(getattr(task, "name", None)),
+        task_id=described(request.id),
+    )
+    context.sent = context.send_first_try()
+    return context if context.sent is not None else None
+
+
+# id(spec) -> (spec, the settings object it was resolved under, the store, or None when it
+# cannot send an acquire, ttl, wait, the store's clock): the run resolves them again each time
+# (``take`` compares).
+_Resolved = tuple["Spec", LeaseSettings, LockStore | None, float, float, Clock]
+_resolved: dict[int, _Resolved] = {}
+
+
+def _resolve(task: Any, spec: Spec, settings: LeaseSettings) -> _Resolved:
+    """What the run of ``task`` resolves under ``settings``, kept for the next receipt."""
+    # The key only names a store that is none (what the run raises): not built here.
+    name = str(getattr(task, "name", ""))
+    store = execution_store(spec.options.store, task.app, name, settings)
+    ttl, wait = spec.durations(settings)
+    sends = can_send_acquire(store)
+    resolved = (spec, settings, store if sends else None, ttl, wait, clock_of(store))
+    _resolved[id(spec)] = resolved
+    return resolved
+
+
+def described(value: object) -> str | None:
+    """An owner-id field from any id Celery accepts, cut to size (as the run makes it)."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_OWNER_FIELD_CHARS]
+
+
+def take(
+    request: object,
+    key: str,
+    store: LockStore,
+    ttl: float,
+    wait: float,
+    on_lost: Callable[[Lease], object],
+) -> LeaseContext | None:
+    """The parked context of ``request`` for ``run_locked``, when it holds the same key,
+    store, ttl and wait (else it is given up); None when none is parked for it."""
+    parked = _parked
+    if parked is None or request is None or parked.request_id != getattr(request, "id", None):
+        return None  # none, or another execution's: left to its own run
+    if _swap(None) is not parked:  # pragma: no cover - one consumer thread
+        return None
+    if parked.key != key or parked.store is not store or parked.ttl != ttl or parked.wait != wait:
+        parked.give_up()
+        return None
+    parked.on_lost = on_lost
+    return parked
+
+
+def give_up(task_id: object = None) -> None:
+    """Give up the parked try (only ``task_id``'s when given)."""
+    parked = _parked
+    if parked is None or (task_id is not None and parked.request_id != task_id):
+        return
+    if _swap(None) is parked:
+        parked.give_up()
+
+
+def on_task_revoked(request: Any = None, **_: object) -> None:
+    """``task_revoked``: a request revoked (or expired) after its acquire was sent frees it."""
+    if _parked is not None:
+        give_up(getattr(request, "id", None) or "")
+
+
+def on_task_failure(task_id: object = None, **_: object) -> None:
+    """``task_failure`` / ``task_internal_error``: a request that failed before its run took its
+    try frees it."""
+    if _parked is not None:
+        give_up(task_id or "")
+
+
+def on_worker_shutdown(**_: object) -> None:
+    """``worker_shutdown``: give up a leftover try."""
+    give_up()
+
+
+def _forget_after_fork() -> None:
+    global _lock, _parked
+    _lock, _parked = threading.Lock(), None  # the parent's try: the parent's to give up
+    _resolved.clear()  # its stores may be the parent's
+
+
+forking.on_fork_child(_forget_after_fork, name="early acquire: the parked try")
