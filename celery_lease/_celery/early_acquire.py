@@ -74,19 +74,20 @@ class SentContext(LeaseContext):
 
 
 _lock = threading.Lock()
-_parked: SentContext | None = None
+# The parked try, if any (read without the lock by the run's quick check, then taken under it).
+parked: SentContext | None = None
 
 
 def _swap(new: SentContext | None) -> SentContext | None:
-    global _parked
+    global parked
     with _lock:
-        old, _parked = _parked, new
+        old, parked = parked, new
     return old
 
 
 def on_task_received(sender: object = None, request: Any = None, **_: object) -> None:
     """``task_received``: give up a leftover try; in a solo worker, send this request's acquire."""
-    leftover = _swap(None) if _parked is not None else None
+    leftover = _swap(None) if parked is not None else None
     if leftover is not None:
         leftover.give_up()
     if request is None or pool.pool_label() != "solo" or not _straight_to_pool(request):
@@ -214,37 +215,37 @@ def take(
 ) -> LeaseContext | None:
     """The parked context of ``request`` for ``run_locked``, when it holds the same key,
     store, ttl and wait (else it is given up); None when none is parked for it."""
-    parked = _parked
-    if parked is None or request is None or parked.request_id != getattr(request, "id", None):
+    mine = parked  # one read: another thread may swap it
+    if mine is None or request is None or mine.request_id != getattr(request, "id", None):
         return None  # none, or another execution's: left to its own run
-    if _swap(None) is not parked:  # pragma: no cover - one consumer thread
+    if _swap(None) is not mine:  # pragma: no cover - one consumer thread
         return None
-    if parked.key != key or parked.store is not store or parked.ttl != ttl or parked.wait != wait:
-        parked.give_up()
+    if mine.key != key or mine.store is not store or mine.ttl != ttl or mine.wait != wait:
+        mine.give_up()
         return None
-    parked.on_lost = on_lost
-    return parked
+    mine.on_lost = on_lost
+    return mine
 
 
 def give_up(task_id: object = None) -> None:
     """Give up the parked try (only ``task_id``'s when given)."""
-    parked = _parked
-    if parked is None or (task_id is not None and parked.request_id != task_id):
+    mine = parked  # one read: another thread may swap it
+    if mine is None or (task_id is not None and mine.request_id != task_id):
         return
-    if _swap(None) is parked:
-        parked.give_up()
+    if _swap(None) is mine:
+        mine.give_up()
 
 
 def on_task_revoked(request: Any = None, **_: object) -> None:
     """``task_revoked``: a request revoked (or expired) after its acquire was sent frees it."""
-    if _parked is not None:
+    if parked is not None:
         give_up(getattr(request, "id", None) or "")
 
 
 def on_task_failure(task_id: object = None, **_: object) -> None:
     """``task_failure`` / ``task_internal_error``: a request that failed before its run took its
     try frees it."""
-    if _parked is not None:
+    if parked is not None:
         give_up(task_id or "")
 
 
@@ -254,8 +255,8 @@ def on_worker_shutdown(**_: object) -> None:
 
 
 def _forget_after_fork() -> None:
-    global _lock, _parked
-    _lock, _parked = threading.Lock(), None  # the parent's try: the parent's to give up
+    global _lock, parked
+    _lock, parked = threading.Lock(), None  # the parent's try: the parent's to give up
     _resolved.clear()  # its stores may be the parent's
 
 

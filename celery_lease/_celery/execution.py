@@ -281,7 +281,11 @@ def run_locked(
             resolved = spec.resolve(app, settings, key)
         ttl, wait, store = resolved.ttl, resolved.wait, resolved.store
         # "replace" tries once per step of its own loop (celery_lease._celery.replace)
-        context = early_acquire.take(request, key, store, ttl, wait, run.on_lost) or _lease_context(
+        context = (
+            early_acquire.take(request, key, store, ttl, wait, run.on_lost)
+            if early_acquire.parked is not None
+            else None
+        ) or _lease_context(
             run, request, store, resolved.clock, ttl, 0.0 if options.on_held == "replace" else wait
         )
         if limit is not None:  # one of the key's slots (a callable's 1 too: counted alike)
