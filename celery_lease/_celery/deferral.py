@@ -116,7 +116,9 @@ def user_defines(cls: type, name: str) -> bool:
     return any(
         name in vars(klass)
         for klass in cls.__mro__
-        if klass is not object and not klass.__module__.startswith(("celery.", "celery_lease."))
+        if klass is not object
+        # None for a class made by code run through exec() without __name__ in its globals
+        and not (klass.__module__ or "").startswith(("celery.", "celery_lease."))
     )
 
 

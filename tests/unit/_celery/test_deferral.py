@@ -775,3 +775,16 @@ def test_a_receiver_taken_away_and_put_back_during_the_check_is_seen() -> None:
     answers = [deferral.only_ours(signal) for _ in range(3)]  # type: ignore[arg-type]
     assert signal.entries[-1] == signal.foreign  # connected again
     assert answers[-1] is False
+
+
+def test_a_task_class_without_a_module_name_still_defers(app: Celery, log: list[str]) -> None:
+    """A class whose ``__module__`` is None (made by generated code): the hook check reads it
+    as a user's class, and the release still goes out."""
+    anonymous = type("Anonymous", (LockedTask,), {"__module__": None})
+
+    @app.task(base=anonymous, lock_key="k:{n}", shared=False)
+    def nameless(n: int) -> None:
+        return None
+
+    traced(app, nameless)(60)
+    assert released(log) == ["deferred k:60"]
