@@ -35,7 +35,7 @@ from celery_lease._celery.settings import LeaseSettings, get_settings
 from celery_lease._celery.store_resolution import execution_store
 from celery_lease._core.acquire_plan import SentTry
 from celery_lease._core.lease import Lease, LeaseContext, clock_of
-from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease._core.owners import owner_field
 from celery_lease.clock import Clock
 from celery_lease.stores.base import LockStore
 from celery_lease.stores.slots import SLOT_MARK
@@ -170,9 +170,9 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         None,  # the run's on_lost, set when it takes the context
         None,
         clock,
-        node=described(getattr(request, "hostname", None)),
-        task=described(getattr(task, "name", None)),
-        task_id=described(request.id),
+        node=owner_field(getattr(request, "hostname", None)),
+        task=owner_field(getattr(task, "name", None)),
+        task_id=owner_field(request.id),
     )
     context.sent = context.send_first_try()
     return context if context.sent is not None else None
@@ -195,14 +195,6 @@ def _resolve(task: Any, spec: Spec, settings: LeaseSettings) -> _Resolved:
     resolved = (spec, settings, store if sends else None, ttl, wait, clock_of(store))
     _resolved[id(spec)] = resolved
     return resolved
-
-
-def described(value: object) -> str | None:
-    """An owner-id field from any id Celery accepts, cut to size (as the run makes it)."""
-    if value is None:
-        return None
-    text = value if isinstance(value, str) else str(value)
-    return text[:MAX_OWNER_FIELD_CHARS]
 
 
 def take(

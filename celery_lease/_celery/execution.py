@@ -24,7 +24,7 @@ from celery_lease._celery.spec import Spec
 from celery_lease._core.arguments import check_slot_store, key_with_slot_mark
 from celery_lease._core.lease import Lease, LeaseContext
 from celery_lease._core.options import LockOptions, call_limit, replace_wait
-from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS
+from celery_lease._core.owners import MAX_OWNER_FIELD_CHARS, owner_field
 from celery_lease.errors import LeaseConfigError, LockLostError, LockNotAcquiredError
 from celery_lease.stores.base import LockStore, SupportsDeferredRelease
 from celery_lease.stores.slots import SLOT_MARK
@@ -317,14 +317,6 @@ def _name(task: CeleryTask | None, spec: Spec) -> str:
     return f"task {name!r}" if name else f"the lock of key {spec.options.key!r}"
 
 
-def _described(value: object) -> str | None:
-    """An owner-id field from any id Celery accepts, cut to size (never fails an acquire)."""
-    if value is None:
-        return None
-    text = value if isinstance(value, str) else str(value)
-    return text[:MAX_OWNER_FIELD_CHARS]
-
-
 def _run_arrived(
     run: _Run,
     request: TaskRequest | None,
@@ -435,7 +427,7 @@ def _lease_context(
         and (name is None or (type(name) is str and len(name) <= most))
         and (task_id is None or (type(task_id) is str and len(task_id) <= most))
     ):
-        node, name, task_id = _described(node), _described(name), _described(task_id)
+        node, name, task_id = owner_field(node), owner_field(name), owner_field(task_id)
     return LeaseContext(
         run.key,
         store,

@@ -108,6 +108,15 @@ def _field(name: str, value: str | None) -> str:
     return value.translate(_ENCODE)
 
 
+def owner_field(value: object) -> str | None:
+    """An owner-id field from any id Celery accepts (its ``str``), cut to
+    :data:`MAX_OWNER_FIELD_CHARS`: never fails an acquire; None stays None."""
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_OWNER_FIELD_CHARS]
+
+
 def make_owner(
     *,
     node: str | None = None,

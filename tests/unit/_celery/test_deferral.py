@@ -108,23 +108,27 @@ def app(store: DeferringStore) -> Iterator[Celery]:
     lease_config.reset(made)
 
 
+def _message(task: Any, task_id: str, args: tuple[Any, ...], **request: Any) -> dict[str, Any]:
+    """A delivered message's request for ``task``, as a worker's tracer gets it."""
+    return {
+        "id": task_id,
+        "task": task.name,
+        "args": args,
+        "kwargs": {},
+        "delivery_info": {"exchange": "", "routing_key": "celery"},
+        "hostname": "test@host",
+        "is_eager": False,
+        **request,
+    }
+
+
 def traced(app: Celery, task: Any) -> Callable[..., Any]:
     """Run ``task`` as a worker does: Celery's tracer, a request from a delivered message."""
     trace = build_tracer(task.name, task, app.loader, "test@host", app=app)
 
     def run(*args: Any, **request: Any) -> Any:
         task_id = str(uuid.uuid4())
-        message = {
-            "id": task_id,
-            "task": task.name,
-            "args": args,
-            "kwargs": {},
-            "delivery_info": {"exchange": "", "routing_key": "celery"},
-            "hostname": "test@host",
-            "is_eager": False,
-            **request,
-        }
-        return trace(task_id, args, {}, message)
+        return trace(task_id, args, {}, _message(task, task_id, args, **request))
 
     return run
 
@@ -133,16 +137,7 @@ def traced_id(app: Celery, task: Any, *args: Any) -> str:
     """:func:`traced` with a task id of the test's, returned."""
     task_id = str(uuid.uuid4())
     trace = build_tracer(task.name, task, app.loader, "test@host", app=app)
-    message = {
-        "id": task_id,
-        "task": task.name,
-        "args": args,
-        "kwargs": {},
-        "delivery_info": {"exchange": "", "routing_key": "celery"},
-        "hostname": "test@host",
-        "is_eager": False,
-    }
-    trace(task_id, args, {}, message)
+    trace(task_id, args, {}, _message(task, task_id, args))
     return task_id
 
 
