@@ -17,15 +17,20 @@ release takes the path it takes there: sent without waiting for the reply when t
 ignored (the default), answered before the result is stored with ``--results`` (the task stores
 its result; the app has no backend, so storing it costs Celery next to nothing).
 
-Rounds alternate plain / LockedTask (order flipped every round); printed: the median us per task
-of each, the median of the per-round differences (us added per task) and the ratio.
+Interleaved, paired blocks (the protocol of ``benchmarks.paired_stats``): each of ``--rounds``
+rounds runs one block of ``--tasks`` executions of each task, in an order drawn afresh every
+round from ``--seed`` (printed; drawn when not given), so a drift of the machine hits both
+alike. Printed: the median us per task of each over the rounds, the us LockedTask adds per task
+(its block's us per task less plain's in the same round) and its speed as a fraction of plain's
+(plain's us per task over LockedTask's in the same round), each as the median over rounds with a
+95% bootstrap interval of that median (``[low, high]``).
 ``--profile`` runs ``--tasks`` LockedTask executions under cProfile instead and prints the top
 functions by own time and by cumulative time. ``--only plain|LockedTask --count N`` warms both
 up, runs ``N`` executions of one, untimed, and exits: the loop ``benchmarks.callgrind_task`` runs
 under ``valgrind --tool=callgrind`` to count instructions per task.
 
-Run: ``python -m benchmarks.bench_task_overhead [--store null|memory|redis|sqlite] [--tasks 20000]
-[--rounds 7] [--profile] [--results] [--only plain|LockedTask --count N]``.
+Run: ``python -m benchmarks.bench_task_overhead [--store null|memory|redis|sqlite] [--tasks 2000]
+[--rounds 60] [--seed S] [--profile] [--results] [--only plain|LockedTask --count N]``.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import contextlib
 import cProfile
 import itertools
 import pstats
-import statistics
+import random
 import sys
 import time
 import uuid
@@ -45,6 +50,7 @@ from typing import Any
 from celery import Celery
 from celery.app.trace import build_tracer, setup_worker_optimizations
 
+from benchmarks import paired_stats
 from celery_lease import LockedTask, LockStore, MemoryLockStore
 
 
@@ -140,8 +146,16 @@ def measure(run_one: Callable[[int], Any], first: int, count: int) -> float:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--store", default="null", choices=("null", "memory", "redis", "sqlite"))
-    parser.add_argument("--tasks", type=int, default=20000, help="executions per round")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument(
+        "--tasks",
+        type=int,
+        default=2000,
+        help="executions per block (one block of each task per round; default %(default)s)",
+    )
+    parser.add_argument("--rounds", type=int, default=60, help="default %(default)s")
+    parser.add_argument(
+        "--seed", help="seed of the block orders and the bootstrap (default: drawn, printed)"
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile LockedTask instead")
     parser.add_argument("--top", type=int, default=30, help="rows of the profile to print")
     parser.add_argument(
@@ -174,23 +188,40 @@ def main(argv: list[str] | None = None) -> None:
             stats.sort_stats("tottime").print_stats(options.top)
             stats.sort_stats("cumulative").print_stats(options.top)
             return
+        seed = options.seed or str(random.SystemRandom().randrange(10**6))
+        orders = paired_stats.block_orders(list(tracers), options.rounds, random.Random(seed))
         us: dict[str, list[float]] = {name: [] for name in tracers}
         key = 1_000_000
-        for round_no in range(options.rounds):
-            order = list(tracers) if round_no % 2 == 0 else list(reversed(tracers))
+        for order in orders:
             for name in order:
                 us[name].append(measure(tracers[name], key, options.tasks))
                 key += options.tasks
-    plain, locked = us["plain"], us["LockedTask"]
-    added = [lk - p for lk, p in zip(locked, plain, strict=True)]
-    print(
-        f"Traced in-process, store={options.store}, {options.tasks} tasks x {options.rounds}"
-        " rounds (median)"
+    print(report(us, options.store, options.tasks, seed))
+
+
+def report(us: dict[str, list[float]], store: str, tasks: int, seed: str) -> str:
+    """The printed summary of ``us`` (``{"plain": [...], "LockedTask": [...]}``, us per task
+    of each round's block): medians over rounds with 95% bootstrap intervals."""
+    each = {name: paired_stats.estimate(values, f"{seed}:{name}") for name, values in us.items()}
+    added = paired_stats.estimate(
+        paired_stats.paired_differences(us, "plain")["LockedTask"], f"{seed}:added"
     )
-    print(f"  plain       {statistics.median(plain):8.1f} us/task")
-    print(f"  LockedTask  {statistics.median(locked):8.1f} us/task")
-    print(f"  added       {statistics.median(added):8.1f} us/task (median of per-round deltas)")
-    print(f"  ratio       {statistics.median(plain) / statistics.median(locked):8.2f}x plain")
+    speed = {name: [1.0 / v for v in values] for name, values in us.items()}
+    ratio = paired_stats.estimate(
+        paired_stats.paired_ratios(speed, "plain")["LockedTask"], f"{seed}:ratio"
+    )
+    rounds = len(us["plain"])
+    return "\n".join(
+        [
+            f"Traced in-process, store={store}, {rounds} rounds of one {tasks}-task block each,"
+            f" shuffled order (seed {seed}); median over rounds [95% interval]",
+            f"  plain       {each['plain'].text(1)} us/task",
+            f"  LockedTask  {each['LockedTask'].text(1)} us/task",
+            f"  added       {added.text(1)} us/task (LockedTask less plain, same round)",
+            f"  ratio       {ratio.text(2, 'x')} plain (plain's time over LockedTask's, same"
+            " round)",
+        ]
+    )
 
 
 if __name__ == "__main__":

@@ -430,6 +430,13 @@ def chart_renewal_scale(data: Mapping[str, Any]) -> Chart:
     )
 
 
+def _interval(row: Mapping[str, Any]) -> str:
+    """``" [0.72, 0.79]"``: a row's 95% interval of its paired ratio, or ``""`` when the
+    result has none (results written before the interleaved blocks)."""
+    interval = row.get("paired_ratio_interval")
+    return f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else ""
+
+
 def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
     """Median tasks/s per task base (per scenario); the text carries the ratios to plain.
 
@@ -453,7 +460,7 @@ def chart_task_throughput(data: Mapping[str, Any]) -> Chart:
                     "median tasks/s",
                     c["median_per_s"],
                     f"{_rate(c['median_per_s'])}  ({c['ratio']:.2f}x plain, "
-                    f"paired {c['paired_ratio']:.2f}x)",
+                    f"paired {c['paired_ratio']:.2f}x{_interval(c)})",
                 ),
             ),
             ours=_is_ours(c["name"]),

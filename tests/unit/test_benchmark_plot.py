@@ -299,3 +299,15 @@ class TestTaskThroughputScenarios:
         for row in data["contenders"]:
             assert f"{row['name']} (solo, redis)" in words
             assert f"{row['name']} (solo, redis, results)" in words
+
+    def test_a_paired_ratio_interval_is_shown_next_to_the_ratio(self, tmp_path: Path) -> None:
+        """Rows with ``paired_ratio_interval`` (interleaved blocks) show it after the paired
+        ratio; rows without one (older results) show the ratio alone."""
+        data = task_throughput()
+        data["contenders"][1]["paired_ratio_interval"] = [0.6, 0.71]
+        results = tmp_path / "results"
+        write(results, "task_throughput.json", data)
+        assert plot.main(["--results", str(results), "--out", str(tmp_path / "out")]) == 0
+        words = texts(tmp_path / "out" / "benchmarks-task-throughput.svg")
+        assert any(w.endswith("paired 0.64x [0.60, 0.71])") for w in words), words
+        assert any(w.endswith("paired 0.74x)") for w in words), words
