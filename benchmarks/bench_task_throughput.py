@@ -10,9 +10,9 @@ Scenarios (``--brokers`` x ``--pools``):
   ``file://`` result backend and LockedTask on the SQLite store; celery-once and celery-singleton
   need Redis, so they lock on the throwaway lock ``redis-server`` (marked "Redis locks").
 
-Timing on the embedded broker (``--embedded-timing``): ``staged`` (default) writes each round's
+Timing on the embedded broker (``--embedded-timing``): ``staged`` (default) writes each block's
 messages into a staging folder first, untimed, and starts the clock when they are renamed into
-the broker's folder, so the round times the worker draining a backlog of ``--tasks`` messages.
+the broker's folder, so the block times the worker draining a backlog of ``--tasks`` messages.
 ``live`` times from the first ``apply_async`` as on Redis; there the client is the bottleneck:
 kombu's filesystem ``_put`` costs 2-3 ms a message here, more than a plain task takes to run,
 and the worker idles in its 10 ms poll sleeps. In ``staged`` mode celery-once and
@@ -27,28 +27,54 @@ without waiting and its reply is read just before the key-value backend writes t
 comparison is the one a user with a result backend sees.
 
 Pools: ``solo`` (``-P solo``) and ``prefork`` (``-P prefork -c 2``). One worker per scenario runs
-all the tasks; each round sends ``--tasks`` tasks of each contender, every task on its own key
-(distinct arguments), in an order rotated by one each round, and times from the first
-``apply_async`` until a plain end marker queued after them has run (under prefork the marker can
-finish while the other child still runs the round's last task: at most one task of error).
-Round 0 warms up and is dropped.
+all the tasks, every task on its own key (distinct arguments).
 
-Printed per contender: the median over rounds of tasks/s, its ratio to the plain task's median,
-the median of the per-round ratios, the microseconds it adds per task (1/median - 1/plain's
-median), and the server commands per task (``INFO commandstats`` delta per contender round,
-divided by its tasks, the ``INFO`` calls themselves left out) on the lock server and the broker.
-A second table breaks a task's time down by process: the CPU microseconds (user + system, from
-``/proc``, 10 ms ticks over the round) that the worker (with its pool children), the client (this
-process), the broker and the lock server spent per task, and the worker's wall time per task
-(1/median rate) less its CPU: the time it waited (for the lock server, the broker, a core).
+Protocol: interleaved, paired blocks (``benchmarks.paired_stats``). After a warm-up block of
+each contender (dropped) and five blocks of no tasks (the end marker alone: its round trip is
+the fixed cost each block's time carries, printed as a share of a plain block), the scenario
+runs ``--rounds`` rounds; a round runs one block of ``--tasks`` tasks of every contender, in an
+order shuffled afresh each round by a ``random.Random`` seeded from ``--seed`` (printed; drawn
+when not given; the orders go into the JSON). A block is timed from its first ``apply_async``
+until a plain end marker queued after its tasks has run (under prefork the marker can finish
+while the other child still runs the block's last task: at most one task of error). Short
+blocks (100 tasks, 70-200 ms here) in a shuffled order mean a slow drift of the machine
+(another process, a core's clock) hits every contender alike, and no contender always follows
+the same one. A contender's paired ratio in a round is its block's tasks/s over the plain
+block's of the same round.
 
-Run: ``python -m benchmarks.bench_task_throughput [--tasks 2000 --rounds 7]
+Printed per scenario and contender: the median over rounds of its tasks/s, the ratio of that
+median to plain's, the **paired ratio** (median over rounds of the same-round ratios) with its
+95% percentile-bootstrap interval (2000 resamples of the rounds, seeded from ``--seed``), the
+microseconds it adds per task (1/median - 1/plain's median), and the server commands per task
+(``INFO commandstats`` delta per block, divided by its tasks, the ``INFO`` calls themselves left
+out, the end marker's own commands in: the same for every contender) on the lock server and the
+broker. Then LockedTask's **verdict** against each anchor (QueueOnce, Singleton) by their paired
+ratios: ``ahead`` when LockedTask's interval lies wholly above the anchor's median and the
+anchor's interval wholly below LockedTask's median, ``behind`` in the mirror case, ``level``
+otherwise (``too few rounds`` under 5 rounds); next to it, for information, LockedTask's tasks/s
+over the anchor's in the same round (median [interval]). A last table sums the scenarios up.
+
+A second table breaks a task's time down by process: the CPU microseconds per task (median over
+blocks) that the worker (with its pool children), the client (this process), the broker and the
+lock server spent, the worker's wall time per task (1/median rate) less its CPU (the time it
+waited: for the lock server, the broker, a core), and each process's voluntary context switches
+per task (a thread blocked: a read, a lock, a sleep), and the microseconds per task the worker's
+threads were runnable but had no core (``queued``: other processes held both; on a quiet
+machine near 0, so a large figure flags a disturbed run). CPU is on-CPU time, user + system, as the
+columns always meant, now read from each thread's ``/proc/<pid>/task/<tid>/schedstat`` in
+nanoseconds (earlier versions read ``/proc/<pid>/stat``'s 10 ms ticks, too coarse for a short
+block), summed over the process's threads and its live children's; switches come from the same
+threads' ``status`` (``voluntary_ctxt_switches``).
+
+Run: ``python -m benchmarks.bench_task_throughput [--tasks 100 --rounds 100] [--seed S]
 [--brokers redis,embedded] [--pools solo,prefork] [--results off,on]
-[--contenders plain,LockedTask,...] [--json PATH] [--profile DIR] [--spin-us N] [--quick]``
-(``--quick``: the Redis broker, both pools, results off and on, 400 tasks x 3 rounds, about two
-minutes; options given explicitly win over its presets;
-``--spin-us`` sets the Redis fast path's poll before a
-blocking read in the workers, ``celery_lease.stores._redis_fast.SPIN_SECONDS``, 0 turns it off;
+[--contenders plain,LockedTask,...] [--json PATH] [--profile DIR] [--spin-us N]
+[--quick | --report]``
+(``--report``: the figures to report, the Redis broker, both pools, results off and on, 100
+tasks x 100 rounds, about four minutes here; ``--quick``: the same with 15 rounds, about a
+minute; the defaults add the embedded broker, about 15 minutes; options given explicitly win
+over either's presets; ``--spin-us`` sets the Redis fast path's poll before a blocking read in
+the workers, ``celery_lease.stores._redis_fast.SPIN_SECONDS``, 0 turns it off;
 ``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
 worker's main process under cProfile and writes ``DIR/<broker>-<pool>.prof``: with ``--pools solo``
 that is where the tasks run).
@@ -61,6 +87,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -82,6 +109,7 @@ from celery import Celery
 from celery_once import QueueOnce
 from celery_singleton import Singleton
 
+from benchmarks import paired_stats
 from celery_lease import LockedTask, MemoryLockStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,7 +118,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # store's marker on each acquire of a free key).
 RESTART_GRACE = 0.001
 READY_TIMEOUT = 60.0  # seconds for the worker to run the first end marker
-ROUND_TIMEOUT = 600.0  # seconds for one contender round's end marker
+ROUND_TIMEOUT = 600.0  # seconds for one block's end marker
+EMPTY_BLOCKS = 5  # blocks of no tasks timed after the warm-up (the end marker's fixed cost)
+ANCHORS = ("QueueOnce", "Singleton")  # what LockedTask is judged against
 TRANSPORT = "example_project.transport:FilesystemTransport"
 
 
@@ -122,7 +152,7 @@ def make_app(env: dict[str, str]) -> Celery:
             broker_transport=TRANSPORT,
             broker_transport_options={
                 "data_folder_in": folder,
-                # BENCH_STAGE: the client writes its messages there (see one_round).
+                # BENCH_STAGE: the client writes its messages there (see one_block).
                 "data_folder_out": env.get("BENCH_STAGE") or folder,
                 "processed_folder": folder + "-processed",
                 "control_folder": folder + "-control",
@@ -247,15 +277,17 @@ DEFAULT_CONTENDERS = ("plain", "LockedTask", "QueueOnce", "Singleton")
 
 POOLS = {"solo": ["-P", "solo"], "prefork": ["-P", "prefork", "-c", "2"]}
 
-# Option values when not given: the full run, and --quick's (about two minutes here).
+# Option values when not given: the full run, --quick's (about a minute here) and
+# --report's (the Redis broker's four scenarios, about four minutes here).
 FULL = {
-    "tasks": 2000,
-    "rounds": 7,
+    "tasks": 100,
+    "rounds": 100,
     "brokers": "redis,embedded",
     "pools": "solo,prefork",
     "results": "off,on",
 }
-QUICK = {**FULL, "tasks": 400, "rounds": 3, "brokers": "redis"}
+QUICK = {**FULL, "rounds": 15, "brokers": "redis"}
+REPORT = {**FULL, "brokers": "redis"}
 
 
 @dataclass
@@ -273,8 +305,14 @@ class Scenario:
     lock_cmds: dict[str, list[float]] = field(default_factory=dict)
     broker_cmds: dict[str, list[float]] = field(default_factory=dict)
     lock_mix: dict[str, dict[str, float]] = field(default_factory=dict)  # last round's, per task
-    # CPU seconds per task, per round, of each process that takes part (see _cpu_seconds).
+    # CPU seconds per task, per round, of each process that takes part (see _process_usage).
     cpu: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # Seconds per task, per round, each process was runnable but had no core (_process_usage).
+    queued: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    # Voluntary context switches per task, per round, of each process (see _process_usage).
+    switches: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    orders: list[list[str]] = field(default_factory=list)  # the timed rounds' block orders
+    empty_block_s: float = 0.0  # median seconds of a block of no tasks (the end marker alone)
     pids: dict[str, int] = field(default_factory=dict)  # role -> pid ("worker" set at start)
     broker_mix: dict[str, dict[str, float]] = field(default_factory=dict)
     # LockedTask releases by path, counted in the worker processes (see _count_release_paths).
@@ -309,33 +347,61 @@ def _command_calls(client: redis.Redis | None) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) that ``pid`` and its live children used so far (Linux
-    ``/proc``; 0.0 where there is none): for prefork, the pool children do the tasks' work."""
-    total = 0.0
+def _threads(pid: int, children: bool) -> list[str]:
+    """``/proc/<pid>/task/<tid>`` of every thread of ``pid`` and, with ``children``, of its
+    live child processes (the prefork pool's children do the tasks' work)."""
     pids = [pid]
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as f:
-                pids.extend(int(c) for c in f.read().split())
+    if children:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    pids.extend(int(c) for c in f.read().split())
+    folders = []
     for p in pids:
+        with contextlib.suppress(OSError):
+            folders.extend(f"/proc/{p}/task/{tid}" for tid in os.listdir(f"/proc/{p}/task"))
+    return folders
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a process (its threads, with or without its children's) used so far."""
+
+    cpu_s: float  # on-CPU seconds, user + system
+    queued_s: float  # seconds runnable but waiting for a core (another process had it)
+    switches: int  # voluntary context switches (a thread blocked: a read, a lock, a sleep)
+
+
+def _process_times(pid: int, children: bool = True) -> Usage:
+    """What ``pid``'s threads (and, with ``children``, its live children's) used so far: the
+    first two fields of each thread's ``/proc/<pid>/task/<tid>/schedstat`` (on-CPU and
+    run-queue nanoseconds, where ``/proc/<pid>/stat`` counts 10 ms ticks) and the
+    ``voluntary_ctxt_switches`` of its ``status``. Linux only (zeros elsewhere); a thread that
+    exits between two readings takes its time with it (the worker's threads live as long as
+    it does)."""
+    cpu_ns = queued_ns = switches = 0
+    for folder in _threads(pid, children):
         try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            with open(f"{folder}/schedstat") as f:
+                fields = f.read().split()
+            with open(f"{folder}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        switches += int(line.split()[1])
+                        break
+            cpu_ns += int(fields[0])
+            queued_ns += int(fields[1])
+        except (OSError, IndexError, ValueError):
             continue
-        total += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
-    return total
+    return Usage(cpu_ns / 1e9, queued_ns / 1e9, switches)
 
 
-def _cpu_seconds(scenario: Scenario) -> dict[str, float]:
-    """CPU seconds so far of each role: worker (with its pool children), client (this
-    process), broker and lock server (the throwaway ``redis-server`` processes)."""
-    out = {role: _process_cpu(pid) for role, pid in scenario.pids.items()}
-    out["client"] = time.process_time()
+def _process_usage(scenario: Scenario) -> dict[str, Usage]:
+    """What each role used so far: worker (with its pool children), client (this process
+    without its children: the worker and the servers are them), broker and lock server (the
+    throwaway ``redis-server`` processes)."""
+    out = {role: _process_times(pid) for role, pid in scenario.pids.items()}
+    out["client"] = _process_times(os.getpid(), children=False)
     return out
 
 
@@ -350,21 +416,24 @@ def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return calls
 
 
-def one_round(
+def one_block(
     client: Celery, scenario: Scenario, name: str, first: int, count: int, stager: Celery | None
 ) -> float:
-    """Run ``count`` tasks of contender ``name`` on keys ``first..``; record its figures.
+    """Run a block of ``count`` tasks of contender ``name`` on keys ``first..``; record its
+    figures (commands, CPU, switches per task) and return its tasks/s.
 
-    With ``stager`` (the embedded broker, ``--embedded-timing staged``) the tasks are written
-    into a staging folder first, untimed, and the clock starts when they are moved into the
-    broker's folder (one rename each): the round then times the worker draining a backlog of
-    ``count`` messages, not the client writing them (2-3 ms per message on this broker, slower
-    than a plain task runs, so the live timing measures the client).
+    The block is timed from the first ``apply_async`` until a plain end marker queued after the
+    tasks has run and its result was read. With ``stager`` (the embedded broker,
+    ``--embedded-timing staged``) the tasks are written into a staging folder first, untimed,
+    and the clock starts when they are moved into the broker's folder (one rename each): the
+    block then times the worker draining a backlog of ``count`` messages, not the client
+    writing them (2-3 ms per message on this broker, slower than a plain task runs, so the live
+    timing measures the client).
     """
     done = client.tasks["bench.done"]
     locks_before = _command_calls(scenario.lock_server)
     broker_before = _command_calls(scenario.broker_server)
-    cpu_before = _cpu_seconds(scenario)
+    usage_before = _process_usage(scenario)
     if stager is not None:
         task = stager.tasks[CONTENDERS[name]]
         for i in range(first, first + count):
@@ -382,10 +451,15 @@ def one_round(
             task.apply_async((i,))
     done.apply_async().get(timeout=ROUND_TIMEOUT, interval=0.005)
     rate = count / (time.perf_counter() - started)
-    cpu_after = _cpu_seconds(scenario)
+    usage_after = _process_usage(scenario)
     cpu = scenario.cpu.setdefault(name, {})
-    for role, seconds in cpu_after.items():
-        cpu.setdefault(role, []).append((seconds - cpu_before[role]) / count)
+    queued = scenario.queued.setdefault(name, {})
+    switches = scenario.switches.setdefault(name, {})
+    for role, after in usage_after.items():
+        before = usage_before[role]
+        cpu.setdefault(role, []).append((after.cpu_s - before.cpu_s) / count)
+        queued.setdefault(role, []).append((after.queued_s - before.queued_s) / count)
+        switches.setdefault(role, []).append((after.switches - before.switches) / count)
     # The end marker's own commands are in the delta: the same for every contender.
     locks = _delta(locks_before, _command_calls(scenario.lock_server))
     scenario.lock_cmds.setdefault(name, []).append(sum(locks.values()) / count)
@@ -395,6 +469,31 @@ def one_round(
         scenario.broker_cmds.setdefault(name, []).append(sum(calls.values()) / count)
         scenario.broker_mix[name] = {k: n / count for k, n in sorted(calls.items())}
     return rate
+
+
+def _drop_last_block(scenario: Scenario, name: str) -> None:
+    """Forget the figures :func:`one_block` recorded for ``name``'s last block (warm-up)."""
+    scenario.lock_cmds[name].pop()
+    for per_role in (
+        *scenario.cpu[name].values(),
+        *scenario.queued[name].values(),
+        *scenario.switches[name].values(),
+    ):
+        per_role.pop()
+    if scenario.broker_server is not None:
+        scenario.broker_cmds[name].pop()
+
+
+def empty_block_seconds(client: Celery, blocks: int = EMPTY_BLOCKS) -> float:
+    """Median seconds of ``blocks`` blocks of no tasks: the end marker's round trip alone,
+    the fixed cost every block's time carries (the same for every contender)."""
+    done = client.tasks["bench.done"]
+    times = []
+    for _ in range(blocks):
+        started = time.perf_counter()
+        done.apply_async().get(timeout=ROUND_TIMEOUT, interval=0.005)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 @contextlib.contextmanager
@@ -443,49 +542,88 @@ def worker(scenario: Scenario) -> Iterator[None]:
 
 
 def run_scenario(
-    scenario: Scenario, names: list[str], tasks: int, rounds: int, staged: bool = False
+    scenario: Scenario,
+    names: list[str],
+    tasks: int,
+    rounds: int,
+    rng: random.Random,
+    staged: bool = False,
 ) -> None:
-    """Start the worker and run the rounds (rotated order) of the scenario's contenders."""
+    """Start the worker; run a warm-up round (dropped), then ``rounds`` rounds of one block of
+    ``tasks`` tasks per contender each, in an order ``rng`` shuffles afresh every round."""
     with worker(scenario):
         client = make_app({k: v for k, v in scenario.env.items() if k != "BENCH_STAGE"})
         stager = make_app(scenario.env) if staged else None
         client.tasks["bench.done"].apply_async().get(timeout=READY_TIMEOUT, interval=0.05)
         scenario.rates = {n: [] for n in names}
         key = 0
-        for round_no in range(rounds + 1):  # round 0 warms up and is dropped
-            order = names[round_no % len(names) :] + names[: round_no % len(names)]
+        for name in names:  # warm-up: its rates, command counts and CPU figures are dropped
+            one_block(client, scenario, name, key, tasks, stager)
+            _drop_last_block(scenario, name)
+            key += tasks
+        scenario.empty_block_s = empty_block_seconds(client)
+        scenario.orders = paired_stats.block_orders(names, rounds, rng)
+        for order in scenario.orders:
             for name in order:
-                rate = one_round(client, scenario, name, key, tasks, stager)
+                scenario.rates[name].append(one_block(client, scenario, name, key, tasks, stager))
                 key += tasks
-                if round_no:
-                    scenario.rates[name].append(rate)
-                else:  # warm-up: drop its command counts and CPU figures too
-                    scenario.lock_cmds[name].pop()
-                    for per_role in scenario.cpu[name].values():
-                        per_role.pop()
-                    if scenario.broker_server is not None:
-                        scenario.broker_cmds[name].pop()
         client.close()
         if stager is not None:
             stager.close()
 
 
-def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> list[dict[str, Any]]:
-    """Print the scenario's table; return its JSON rows."""
+def judge(
+    scenario: Scenario, names: list[str], ratios: dict[str, paired_stats.Estimate], seed: str
+) -> dict[str, dict[str, Any]]:
+    """Print and return LockedTask's verdict against each anchor that ran (the rule of
+    ``benchmarks.paired_stats``), with LockedTask over the anchor in the same round."""
+    verdicts: dict[str, dict[str, Any]] = {}
+    if "LockedTask" not in names:
+        return verdicts
+    ours = ratios["LockedTask"]
+    for anchor in (a for a in ANCHORS if a in names):
+        theirs = ratios[anchor]
+        said = paired_stats.verdict(ours, theirs)
+        direct = paired_stats.paired_ratios(scenario.rates, anchor)["LockedTask"]
+        head_to_head = paired_stats.estimate(direct, f"{seed}:{scenario.slug}:LockedTask/{anchor}")
+        print(
+            f"- LockedTask {ours.text(suffix='x')} vs {scenario.label(anchor)}"
+            f" {theirs.text(suffix='x')}: **{said}** (LockedTask / {anchor} in the same round:"
+            f" {head_to_head.text(suffix='x')})"
+        )
+        verdicts[anchor] = {
+            "verdict": said,
+            "locked_over_anchor": head_to_head.median,
+            "locked_over_anchor_interval": [head_to_head.low, head_to_head.high],
+        }
+    return verdicts
+
+
+def report(
+    scenario: Scenario, names: list[str], tasks: int, rounds: int, seed: str
+) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Print the scenario's tables; return its JSON rows and LockedTask's verdicts."""
     plain = statistics.median(scenario.rates["plain"])
+    block_ms = 1e3 * tasks / plain
     print(
-        f"\nTask throughput, {scenario.title} ({platform.python_version()}, {tasks} tasks x"
-        f" {rounds} rounds per contender, distinct keys)\n"
+        f"\nTask throughput, {scenario.title} ({platform.python_version()}, {rounds} rounds of"
+        f" one {tasks}-task block per contender, shuffled order, distinct keys; end marker alone"
+        f" {scenario.empty_block_s * 1e3:.1f} ms = {scenario.empty_block_s * 1e3 / block_ms:.1%}"
+        " of a plain block)\n"
     )
     print(
-        "| contender | median tasks/s | ratio of medians | median per-round ratio"
+        "| contender | median tasks/s | ratio of medians | paired ratio [95% interval]"
         " | added us/task | lock-server cmds/task | broker cmds/task | all cmds/task |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
+    paired = paired_stats.paired_ratios(scenario.rates, "plain")
+    ratios = {
+        name: paired_stats.estimate(paired[name], f"{seed}:{scenario.slug}:{name}")
+        for name in names
+    }
     for name in names:
         rates = scenario.rates[name]
-        ratios = [r / p for r, p in zip(rates, scenario.rates["plain"], strict=True)]
         median = statistics.median(rates)
         added = 1e6 / median - 1e6 / plain
         lock_cmds = statistics.median(scenario.lock_cmds[name])
@@ -498,7 +636,7 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
             lock_text = f"{lock_cmds:.1f}"
         all_text = "-" if broker_cmds is None else f"{lock_cmds + broker_cmds:.1f}"
         print(
-            f"| {label} | {median:,.0f} | {median / plain:.2f}x | {statistics.median(ratios):.2f}x"
+            f"| {label} | {median:,.0f} | {median / plain:.2f}x | {ratios[name].text(suffix='x')}"
             f" | {added:,.0f} | {lock_text} |"
             f" {'-' if broker_cmds is None else f'{broker_cmds:.1f}'} | {all_text} |"
         )
@@ -507,7 +645,8 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
                 "name": label,
                 "median_per_s": median,
                 "ratio": median / plain,
-                "paired_ratio": statistics.median(ratios),
+                "paired_ratio": ratios[name].median,
+                "paired_ratio_interval": [ratios[name].low, ratios[name].high],
                 "added_us_per_task": added,
                 "lock_server_cmds_per_task": lock_cmds,
                 "broker_cmds_per_task": broker_cmds,
@@ -516,39 +655,88 @@ def report(scenario: Scenario, names: list[str], tasks: int, rounds: int) -> lis
                 "broker_commands": scenario.broker_mix.get(name, {}),
             }
         )
+    print()
+    verdicts = judge(scenario, names, ratios, seed)
     roles = [
         r
         for r in ("worker", "client", "broker", "lock server")
         if r in scenario.pids or r == "client"
     ]
     print(
-        "\nCPU us per task (median over rounds; user + system) of each process, and the worker's"
-        " wall time per task (1/median rate) that its CPU leaves unexplained (waiting):\n"
+        "\nCPU us per task (median over blocks; on-CPU time, user + system, from each thread's"
+        " /proc schedstat) of each process; the worker's wall time per task (1/median rate),"
+        " the part of it its CPU leaves unexplained (waiting) and the us per task its threads"
+        " were runnable without a core (queued: other processes had both); voluntary context"
+        " switches per task of each process:\n"
     )
-    print("| contender | " + " | ".join(roles) + " | all | worker wall | worker waiting |")
-    print("|---|" + "---:|" * (len(roles) + 3))
+    print(
+        "| contender | "
+        + " | ".join(roles)
+        + " | all | worker wall | worker waiting | worker queued | "
+        + " | ".join(f"{r} switches" for r in roles)
+        + " |"
+    )
+    print("|---|" + "---:|" * (2 * len(roles) + 4))
     for name in names:
         per_role = {r: statistics.median(scenario.cpu[name][r]) * 1e6 for r in roles}
+        queued = statistics.median(scenario.queued[name]["worker"]) * 1e6
+        switched = {r: statistics.median(scenario.switches[name][r]) for r in roles}
         wall = 1e6 / statistics.median(scenario.rates[name])
         cells = " | ".join(f"{per_role[r]:,.0f}" for r in roles)
+        switch_cells = " | ".join(f"{switched[r]:.2f}" for r in roles)
         print(
             f"| {scenario.label(name)} | {cells} | {sum(per_role.values()):,.0f} | {wall:,.0f}"
-            f" | {wall - per_role['worker']:,.0f} |"
+            f" | {wall - per_role['worker']:,.0f} | {queued:,.0f} | {switch_cells} |"
         )
-        rows[names.index(name)]["cpu_us_per_task"] = per_role
-    print("\nCommands per task in the last round (lock server; broker), inner script calls too:")
+        row = rows[names.index(name)]
+        row["cpu_us_per_task"] = per_role
+        row["worker_queued_us_per_task"] = queued
+        row["voluntary_switches_per_task"] = switched
+    print("\nCommands per task in the last block (lock server; broker), inner script calls too:")
     for name in names:
         mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.lock_mix.get(name, {}).items())
         broker_mix = ", ".join(f"{k} {v:.2f}" for k, v in scenario.broker_mix.get(name, {}).items())
         print(f"- {scenario.label(name)}: {mix or '-'}; {broker_mix or '-'}")
     paths = scenario.release_paths
     print(
-        f"\nLockedTask releases in the worker (all rounds, warm-up included):"
+        f"\nLockedTask releases in the worker (all blocks, warm-up included):"
         f" {paths.get('unanswered', 0):,} sent without waiting for the reply,"
         f" {paths.get('answered', 0):,} answered before the task returned (and before its"
         " result, if any, was stored)"
     )
-    return rows
+    return rows, verdicts
+
+
+def summarise(scenarios: list[dict[str, Any]], seed: str) -> None:
+    """One line per scenario: the paired ratios with their intervals and LockedTask's
+    verdicts against the anchors (the rule of ``benchmarks.paired_stats``)."""
+    if not any(s["verdicts"] for s in scenarios):
+        return
+    print(f"\nSummary (seed {seed}): paired ratio to plain, median [95% interval] over rounds\n")
+    anchors = [a for a in ANCHORS if any(a in s["verdicts"] for s in scenarios)]
+    print(
+        "| scenario | LockedTask | "
+        + " | ".join(anchors)
+        + " | "
+        + " | ".join(f"vs {a}" for a in anchors)
+        + " |"
+    )
+    print("|---|" + "---:|" * (1 + 2 * len(anchors)))
+    for s in scenarios:
+        by_name = {c["name"].split(" (")[0]: c for c in s["contenders"]}
+        cells = []
+        for name in ("LockedTask", *anchors):
+            c = by_name.get(name)
+            cells.append(
+                "-"
+                if c is None
+                else f"{c['paired_ratio']:.2f}x [{c['paired_ratio_interval'][0]:.2f},"
+                f" {c['paired_ratio_interval'][1]:.2f}]"
+            )
+        cells += [s["verdicts"].get(a, {}).get("verdict", "-") for a in anchors]
+        print(f"| {s['name']} | " + " | ".join(cells) + " |")
+    took = ", ".join(f"{s['wall_s']:.0f} s" for s in scenarios)
+    print(f"\nWall time per scenario (worker start and warm-up included): {took}")
 
 
 @contextlib.contextmanager
@@ -564,9 +752,17 @@ def servers(brokers: list[str]) -> Iterator[tuple[Any, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--tasks", type=int, help="tasks per contender per round (default 2000; --quick: 400)"
+        "--tasks", type=int, help="tasks per block: per contender per round (default 100)"
     )
-    parser.add_argument("--rounds", type=int, help="timed rounds (default 7; --quick: 3)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="timed rounds, one block per contender each (default 100; --quick: 15)",
+    )
+    parser.add_argument(
+        "--seed",
+        help="seed of the rounds' block orders and of the bootstrap (default: drawn, printed)",
+    )
     parser.add_argument("--brokers", help="redis, embedded or both (default both; --quick: redis)")
     parser.add_argument("--pools", help="solo, prefork or both (default both)")
     parser.add_argument(
@@ -574,11 +770,18 @@ def main() -> None:
         help="off (task_ignore_result), on (a result backend stores every result) or both"
         " (default off,on)",
     )
-    parser.add_argument(
+    presets = parser.add_mutually_exclusive_group()
+    presets.add_argument(
         "--quick",
         action="store_true",
-        help="presets for a run of about two minutes: --brokers redis --pools solo,prefork"
-        " --results off,on --tasks 400 --rounds 3 (explicit options win)",
+        help="presets for a run of about a minute: --brokers redis --pools"
+        " solo,prefork --results off,on --tasks 100 --rounds 15 (explicit options win)",
+    )
+    presets.add_argument(
+        "--report",
+        action="store_true",
+        help="presets of the figures to report, about four minutes: --brokers redis --pools"
+        " solo,prefork --results off,on --tasks 100 --rounds 100 (explicit options win)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
@@ -617,8 +820,8 @@ def main() -> None:
         " default: the library's SPIN_SECONDS)",
     )
     options = parser.parse_args()
-    presets = QUICK if options.quick else FULL
-    for name, value in presets.items():
+    preset = REPORT if options.report else QUICK if options.quick else FULL
+    for name, value in preset.items():
         if getattr(options, name) is None:
             setattr(options, name, value)
     if options.restart_grace < 0:
@@ -653,6 +856,9 @@ def main() -> None:
         parser.error(f"--contenders: {', '.join(bad_names)}: use {', '.join(CONTENDERS)}")
     if "LockedTask-memory" in names and pools != ["solo"]:
         parser.error("--contenders LockedTask-memory needs --pools solo (a process-local store)")
+    seed = options.seed or str(random.SystemRandom().randrange(10**6))
+    print(f"seed {seed} (--seed {seed} repeats the block orders and the intervals)")
+    rng = random.Random(seed)
     load = os.getloadavg()
     scenarios_out: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="celery-lease-throughput-"))
@@ -702,9 +908,13 @@ def main() -> None:
                 scenario.pids["lock server"] = locks.process.pid
                 if broker_server is not None and broker == "redis":
                     scenario.pids["broker"] = broker_server.process.pid
-                run_scenario(scenario, names, options.tasks, options.rounds, "BENCH_STAGE" in env)
+                began = time.monotonic()
+                run_scenario(
+                    scenario, names, options.tasks, options.rounds, rng, "BENCH_STAGE" in env
+                )
+                wall_s = time.monotonic() - began
                 scenario.release_paths = read_release_paths(directory / "releases")
-                rows = report(scenario, names, options.tasks, options.rounds)
+                rows, verdicts = report(scenario, names, options.tasks, options.rounds, seed)
                 scenarios_out.append(
                     {
                         "name": scenario.title,
@@ -713,11 +923,16 @@ def main() -> None:
                         "results": results,
                         "release_paths": scenario.release_paths,
                         "contenders": rows,
+                        "verdicts": verdicts,
+                        "block_orders": scenario.orders,
+                        "empty_block_s": scenario.empty_block_s,
+                        "wall_s": wall_s,
                     }
                 )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     after = os.getloadavg()
+    summarise(scenarios_out, seed)
     print(
         f"\nload average before {load[0]:.2f} {load[1]:.2f} {load[2]:.2f},"
         f" after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f} ({os.cpu_count()} CPUs)"
@@ -731,6 +946,8 @@ def main() -> None:
                 "tasks": options.tasks,
                 "rounds": options.rounds,
                 "quick": options.quick,
+                "report": options.report,
+                "seed": seed,
                 "restart_grace": options.restart_grace,
             },
             "baseline": "plain",
