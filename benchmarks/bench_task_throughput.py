@@ -54,17 +54,17 @@ anchor's interval wholly below LockedTask's median, ``behind`` in the mirror cas
 otherwise (``too few rounds`` under 5 rounds); next to it, for information, LockedTask's tasks/s
 over the anchor's in the same round (median [interval]). A last table sums the scenarios up.
 
-A second table breaks a task's time down by process: the CPU microseconds per task (median over
-blocks) that the worker (with its pool children), the client (this process), the broker and the
-lock server spent, the worker's wall time per task (1/median rate) less its CPU (the time it
-waited: for the lock server, the broker, a core), and each process's voluntary context switches
-per task (a thread blocked: a read, a lock, a sleep), and the microseconds per task the worker's
-threads were runnable but had no core (``queued``: other processes held both; on a quiet
-machine near 0, so a large figure flags a disturbed run). CPU is on-CPU time, user + system, as the
-columns always meant, now read from each thread's ``/proc/<pid>/task/<tid>/schedstat`` in
-nanoseconds (earlier versions read ``/proc/<pid>/stat``'s 10 ms ticks, too coarse for a short
-block), summed over the process's threads and its live children's; switches come from the same
-threads' ``status`` (``voluntary_ctxt_switches``).
+A second table breaks a task's time down by process (medians over blocks, per task): the CPU
+microseconds that the worker (with its pool children), the client (this process), the broker
+and the lock server spent; the worker's wall time (1/median rate) less its CPU (the time it
+waited: for the lock server, the broker, a core); the worker's ``queued`` microseconds, runnable
+but without a core (other processes held both: near 0 on a quiet machine, so a large figure
+flags a disturbed run); and each process's voluntary context switches (a thread blocked: a
+read, a lock, a sleep). CPU is on-CPU time, user + system, as the columns always meant, now read
+from each thread's ``/proc/<pid>/task/<tid>/schedstat`` in nanoseconds (earlier versions read
+``/proc/<pid>/stat``'s 10 ms ticks, too coarse for a short block), summed over the process's
+threads and its live children's; ``queued`` is the same file's run-queue time; switches come
+from the threads' ``status`` (``voluntary_ctxt_switches``).
 
 Run: ``python -m benchmarks.bench_task_throughput [--tasks 100 --rounds 100] [--seed S]
 [--brokers redis,embedded] [--pools solo,prefork] [--results off,on]
