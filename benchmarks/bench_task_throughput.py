@@ -383,16 +383,18 @@ def _process_times(pid: int, children: bool = True) -> Usage:
     for folder in _threads(pid, children):
         try:
             with open(f"{folder}/schedstat") as f:
-                fields = f.read().split()
+                on_cpu, waited = (int(v) for v in f.read().split()[:2])
             with open(f"{folder}/status") as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        switches += int(line.split()[1])
-                        break
-            cpu_ns += int(fields[0])
-            queued_ns += int(fields[1])
-        except (OSError, IndexError, ValueError):
-            continue
+                blocked = next(
+                    int(line.split()[1])
+                    for line in f
+                    if line.startswith("voluntary_ctxt_switches:")
+                )
+        except (OSError, ValueError, StopIteration):
+            continue  # the thread exited, or a kernel without the field
+        cpu_ns += on_cpu
+        queued_ns += waited
+        switches += blocked
     return Usage(cpu_ns / 1e9, queued_ns / 1e9, switches)
 
 
@@ -859,6 +861,8 @@ def main() -> None:
     seed = options.seed or str(random.SystemRandom().randrange(10**6))
     print(f"seed {seed} (--seed {seed} repeats the block orders and the intervals)")
     rng = random.Random(seed)
+    if not os.path.exists(f"/proc/{os.getpid()}/schedstat"):
+        print("no /proc/<pid>/schedstat here: the CPU, queued and switch columns read 0")
     load = os.getloadavg()
     scenarios_out: list[dict[str, Any]] = []
     tmp = Path(tempfile.mkdtemp(prefix="celery-lease-throughput-"))
