@@ -66,13 +66,13 @@ from each thread's ``/proc/<pid>/task/<tid>/schedstat`` in nanoseconds (earlier 
 threads and its live children's; ``queued`` is the same file's run-queue time; switches come
 from the threads' ``status`` (``voluntary_ctxt_switches``).
 
-Run: ``python -m benchmarks.bench_task_throughput [--tasks 100 --rounds 100] [--seed S]
+Run: ``python -m benchmarks.bench_task_throughput [--tasks 100 --rounds 80] [--seed S]
 [--brokers redis,embedded] [--pools solo,prefork] [--results off,on]
 [--contenders plain,LockedTask,...] [--json PATH] [--profile DIR] [--spin-us N]
 [--quick | --report]``
 (``--report``: the figures to report, the Redis broker, both pools, results off and on, 100
-tasks x 100 rounds, about four minutes here; ``--quick``: the same with 15 rounds, about a
-minute; the defaults add the embedded broker, about 15 minutes; options given explicitly win
+tasks x 80 rounds, 3-4 minutes here; ``--quick``: the same with 15 rounds, about a
+minute; the defaults add the embedded broker, about 12 minutes; options given explicitly win
 over either's presets; ``--spin-us`` sets the Redis fast path's poll before a blocking read in
 the workers, ``celery_lease.stores._redis_fast.SPIN_SECONDS``, 0 turns it off;
 ``--json`` writes the results for ``benchmarks/plot.py``; ``--profile`` runs each
@@ -278,10 +278,10 @@ DEFAULT_CONTENDERS = ("plain", "LockedTask", "QueueOnce", "Singleton")
 POOLS = {"solo": ["-P", "solo"], "prefork": ["-P", "prefork", "-c", "2"]}
 
 # Option values when not given: the full run, --quick's (about a minute here) and
-# --report's (the Redis broker's four scenarios, about four minutes here).
+# --report's (the Redis broker's four scenarios, 3-4 minutes here).
 FULL = {
     "tasks": 100,
-    "rounds": 100,
+    "rounds": 80,
     "brokers": "redis,embedded",
     "pools": "solo,prefork",
     "results": "off,on",
@@ -759,7 +759,7 @@ def main() -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        help="timed rounds, one block per contender each (default 100; --quick: 15)",
+        help="timed rounds, one block per contender each (default 80; --quick: 15)",
     )
     parser.add_argument(
         "--seed",
@@ -782,8 +782,8 @@ def main() -> None:
     presets.add_argument(
         "--report",
         action="store_true",
-        help="presets of the figures to report, about four minutes: --brokers redis --pools"
-        " solo,prefork --results off,on --tasks 100 --rounds 100 (explicit options win)",
+        help="presets of the figures to report, 3-4 minutes: --brokers redis --pools"
+        " solo,prefork --results off,on --tasks 100 --rounds 80 (explicit options win)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     parser.add_argument(
