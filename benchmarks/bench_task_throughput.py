@@ -48,11 +48,11 @@ median to plain's, the **paired ratio** (median over rounds of the same-round ra
 microseconds it adds per task (1/median - 1/plain's median), and the server commands per task
 (``INFO commandstats`` delta per block, divided by its tasks, the ``INFO`` calls themselves left
 out, the end marker's own commands in: the same for every contender) on the lock server and the
-broker. Then LockedTask's **verdict** against each anchor (QueueOnce, Singleton) by their paired
-ratios: ``ahead`` when LockedTask's interval lies wholly above the anchor's median and the
-anchor's interval wholly below LockedTask's median, ``behind`` in the mirror case, ``level``
-otherwise (``too few rounds`` under 5 rounds); next to it, for information, LockedTask's tasks/s
-over the anchor's in the same round (median [interval]). A last table sums the scenarios up.
+broker. Then LockedTask's **verdict** against each anchor (QueueOnce, Singleton), head to head:
+LockedTask's block tasks/s over the anchor's in the same round, median over rounds with its 95%
+interval: ``ahead`` when the interval lies wholly above 1, ``behind`` when wholly below 1,
+``level`` otherwise (``too few rounds`` under 5 rounds); next to it both paired ratios to plain.
+A last table sums the scenarios up.
 
 A second table breaks a task's time down by process (medians over blocks, per task): the CPU
 microseconds that the worker (with its pool children), the client (this process), the broker
@@ -585,13 +585,13 @@ def judge(
     ours = ratios["LockedTask"]
     for anchor in (a for a in ANCHORS if a in names):
         theirs = ratios[anchor]
-        said = paired_stats.verdict(ours, theirs)
         direct = paired_stats.paired_ratios(scenario.rates, anchor)["LockedTask"]
         head_to_head = paired_stats.estimate(direct, f"{seed}:{scenario.slug}:LockedTask/{anchor}")
+        said = paired_stats.verdict(head_to_head)
         print(
-            f"- LockedTask {ours.text(suffix='x')} vs {scenario.label(anchor)}"
-            f" {theirs.text(suffix='x')}: **{said}** (LockedTask / {anchor} in the same round:"
-            f" {head_to_head.text(suffix='x')})"
+            f"- LockedTask / {scenario.label(anchor)} in the same round:"
+            f" {head_to_head.text(suffix='x')}: **{said}** (paired ratios to plain:"
+            f" LockedTask {ours.text(suffix='x')}, {anchor} {theirs.text(suffix='x')})"
         )
         verdicts[anchor] = {
             "verdict": said,

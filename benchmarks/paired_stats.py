@@ -11,12 +11,12 @@ figure in a round is paired with the baseline's block of the same round (:func:`
 across rounds we report the median of those paired figures and a 95% percentile-bootstrap
 interval of that median (:func:`estimate`).
 
-The verdict rule (:func:`verdict`), comparing two contenders A and B by their paired figures
-(higher is better): A is ``"ahead"`` of B when A's interval lies wholly above B's median *and*
-B's interval lies wholly below A's median; ``"behind"`` in the mirror case; ``"level"``
-otherwise, and ``"too few rounds"`` when either has fewer than :data:`MIN_ROUNDS` rounds (an
-interval of one or two values says nothing). Each interval must exclude the other's median, so
-the verdict does not depend on which of the two is named first.
+The verdict rule (:func:`verdict`) compares contender A with contender B head to head: in each
+round, A's block rate over B's block rate of the same round (both paired with the same drift of
+the machine); A is ``"ahead"`` of B when the 95% interval of the median of those ratios lies
+wholly above 1, ``"behind"`` when it lies wholly below 1, ``"level"`` otherwise, and ``"too few
+rounds"`` under :data:`MIN_ROUNDS` rounds (an interval of one or two values says nothing).
+Swapping A and B inverts every ratio, so the verdict does not depend on which is named first.
 """
 
 from __future__ import annotations
@@ -111,13 +111,14 @@ def estimate(values: Sequence[float], seed: str, resamples: int = RESAMPLES) -> 
     return Estimate(statistics.median(values), low, high, len(values))
 
 
-def verdict(ours: Estimate, other: Estimate, min_rounds: int = MIN_ROUNDS) -> str:
-    """``"ahead"``, ``"behind"``, ``"level"`` or ``"too few rounds"``: ``ours`` against
-    ``other`` by the rule in the module docstring (higher figures are better)."""
-    if min(ours.n, other.n) < min_rounds:
+def verdict(head_to_head: Estimate, min_rounds: int = MIN_ROUNDS) -> str:
+    """``"ahead"``, ``"behind"``, ``"level"`` or ``"too few rounds"``: A against B by
+    ``head_to_head``, the estimate of A's rate over B's in the same rounds (the rule in the module
+    docstring)."""
+    if head_to_head.n < min_rounds:
         return "too few rounds"
-    if ours.low > other.median and other.high < ours.median:
+    if head_to_head.low > 1.0:
         return "ahead"
-    if ours.high < other.median and other.low > ours.median:
+    if head_to_head.high < 1.0:
         return "behind"
     return "level"
