@@ -47,7 +47,7 @@ CONTENDERS = {
     "QueueOnce": "bench.once",
     "Singleton": "bench.singleton",
 }
-READY_TIMEOUT = 60.0
+READY_TIMEOUT = 900.0  # seconds: a worker under callgrind on a busy host starts slowly
 ROUND_TIMEOUT = 900.0
 
 
@@ -128,13 +128,25 @@ class Bench:
         self.tmp = tmp
         self.key = 0
 
-    def run_round(self, client: Any, name: str, count: int) -> float:
+    def run_round(self, client: Any, name: str, count: int, stopped: int | None = None) -> float:
+        """Send ``count`` tasks and the end marker, wait for the marker; seconds taken.
+        ``stopped``: a worker pid held stopped (SIGSTOP) while the tasks are sent and let go
+        after (the clock starts then): the worker drains a backlog and never waits for the
+        client, so its switches are its own."""
         task = client.tasks[CONTENDERS[name]]
+        if stopped is not None:
+            os.kill(stopped, signal.SIGSTOP)
         started = time.perf_counter()
-        for i in range(self.key, self.key + count):
-            task.apply_async((i,))
-        self.key += count
-        client.tasks["bench.done"].apply_async().get(timeout=ROUND_TIMEOUT, interval=0.005)
+        try:
+            for i in range(self.key, self.key + count):
+                task.apply_async((i,))
+            self.key += count
+            marker = client.tasks["bench.done"].apply_async()
+        finally:
+            if stopped is not None:
+                started = time.perf_counter()
+                os.kill(stopped, signal.SIGCONT)
+        marker.get(timeout=ROUND_TIMEOUT, interval=0.005)
         return time.perf_counter() - started
 
 
@@ -142,11 +154,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=3, help="proc rounds (median printed)")
+    parser.add_argument(
+        "--live",
+        dest="backlog",
+        action="store_false",
+        help="proc rounds: the worker runs while the client sends (default: it is stopped"
+        " until all are sent, then drains the backlog)",
+    )
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
     parser.add_argument("--passes", default="proc,strace")
     parser.add_argument("--perf", metavar="DIR", help="perf record each contender's round here")
     parser.add_argument(
         "--pyspy", metavar="DIR", help="py-spy record (collapsed stacks) each round here"
+    )
+    parser.add_argument(
+        "--callgrind",
+        action="store_true",
+        help="run the worker under valgrind --tool=callgrind: instructions per task per"
+        " contender (callgrind_control -e Ir before and after each round); use --passes none",
     )
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--threads-detail", action="store_true", help="print per-thread rows")
@@ -173,9 +198,14 @@ def main() -> None:
             "worker", "-P", "solo", "--loglevel", "WARNING",
             "--without-gossip", "--without-mingle", "--without-heartbeat",
         ]  # fmt: skip
+        if options.callgrind:
+            argv = ["valgrind", "--tool=callgrind", "--vgdb=yes",
+                    f"--callgrind-out-file={tmp}/callgrind.%p", *argv]  # fmt: skip
         log = open(tmp / "worker.log", "wb")  # noqa: SIM115
         worker = subprocess.Popen(
-            argv, cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": str(ROOT)}, stdout=log,
+            argv, cwd=ROOT, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+            )}, stdout=log,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
@@ -194,6 +224,9 @@ def main() -> None:
                     )
             for name in names:
                 row: dict[str, Any] = median_row(rows[name]) if rows[name] else {}
+                if options.callgrind:
+                    row["instructions"] = instructions(bench, client, name, worker.pid)
+                    print(f"{name}: {row['instructions']:,.0f} instructions per task (callgrind)")
                 if "strace" in passes:
                     out = tmp / f"strace-{name}.txt"
                     strace = subprocess.Popen(
@@ -257,6 +290,28 @@ def main() -> None:
         Path(options.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
 
 
+def _ir(pid: int) -> int:
+    """Instructions the callgrind-run process ``pid`` ran so far, all threads summed."""
+    out = subprocess.run(
+        ["callgrind_control", "-e", "Ir", str(pid)], capture_output=True, text=True, check=True
+    ).stdout
+    total, mine = 0, False
+    for line in out.splitlines():
+        if line.startswith("PID "):
+            mine = line.startswith(f"PID {pid}:")
+        elif mine and (m := re.match(r"\s*Th \d+\s+([\d,]+)", line)):
+            total += int(m.group(1).replace(",", ""))
+    assert total, out
+    return total
+
+
+def instructions(bench: Bench, client: Any, name: str, pid: int) -> float:
+    """Instructions per task the worker (under callgrind) ran in a round of ``name``."""
+    before = _ir(pid)
+    bench.run_round(client, name, bench.options.tasks)
+    return (_ir(pid) - before) / bench.options.tasks
+
+
 def proc_round(
     bench: Bench, client: Any, name: str, pid: int, locks: Any, broker: Any, lock_client: Any
 ) -> dict[str, Any]:
@@ -266,7 +321,7 @@ def proc_round(
     t0 = threads(pid)
     s0 = {k: threads(p.process.pid) for k, p in servers}
     c0 = command_calls(lock_client)
-    seconds = bench.run_round(client, name, n)
+    seconds = bench.run_round(client, name, n, pid if bench.options.backlog else None)
     t1 = threads(pid)
     s1 = {k: threads(p.process.pid) for k, p in servers}
     c1 = command_calls(lock_client)
