@@ -5,22 +5,30 @@ locks on a second one, results ignored; the app of :mod:`benchmarks.bench_task_t
 ``--tasks`` tasks of each contender (plain, LockedTask on Redis, QueueOnce, Singleton), each task
 on its own key, after a warm-up round of each. Per contender and task it reports:
 
-- ``proc`` pass (nothing attached): per worker thread (by ``/proc/<pid>/task/<tid>/comm``), the
-  CPU nanoseconds (``schedstat``'s run time, exact, not 10 ms ticks) and the voluntary and
-  involuntary context switches (``status``); the same for the two ``redis-server`` processes;
-  and the lock server's commands (``INFO commandstats``);
+- ``proc`` pass (nothing attached; ``--rounds`` rounds in rotated order, medians printed):
+  per worker thread (by ``/proc/<pid>/task/<tid>/comm``), the CPU nanoseconds (``schedstat``'s
+  run time, exact, not 10 ms ticks) and the voluntary and involuntary context switches
+  (``status``); the same CPU for the two ``redis-server`` processes; and the lock server's
+  commands (``INFO commandstats``). The worker is held stopped (SIGSTOP) while the client sends
+  the round, then drains the backlog (``--live``: it runs meanwhile and waits for the client),
+  so its voluntary switches are its own waits (for the lock server), not the client's pace;
 - ``strace`` pass (``strace -f -qq -yy -o FILE -p <worker pid>``, attached for the round only):
   the syscalls per task by name and by thread, and the socket syscalls split by peer (lock
-  server, broker), so round trips to the lock server can be counted (a ``sendto`` and the
-  ``recvfrom`` that reads its reply). strace slows the worker: its counts matter, not its time;
-- ``perf`` pass (``--perf``): ``perf record -e cpu-clock -g`` on the worker for the round, and
-  ``perf report --sort dso`` of it: kernel vs interpreter vs extension modules.
+  server, broker), so round trips to the lock server can be counted (a write and the read that
+  takes its reply). strace slows the worker: its counts matter, not its time;
+- ``--perf DIR``: ``perf record -e cpu-clock -g`` on the worker for a round (``perf report
+  --sort dso`` splits kernel from interpreter); ``--pyspy DIR``: ``py-spy record --nonblocking``
+  collapsed stacks of a round (``PY_SPY`` names the binary);
+- ``--callgrind``: the worker runs under ``valgrind --tool=callgrind`` and each contender's
+  round prints the instructions per task it ran (all threads; kernel time not included):
+  repeatable on a busy host, where the CPU figures are not (use ``--passes none``).
 
 The client sends all of a round's tasks, then a plain end marker, and waits for the marker: the
 marker's own cost is in every contender's figures alike (over ``--tasks`` tasks).
 
-Run: ``python -m benchmarks.worker_cost [--tasks 1000] [--contenders plain,LockedTask,...]
-[--passes proc,strace] [--perf DIR] [--json PATH]`` (Linux; strace and perf on PATH).
+Run: ``python -m benchmarks.worker_cost [--tasks 1000] [--rounds 3] [--live]
+[--contenders plain,LockedTask,...] [--passes proc,strace] [--perf DIR] [--pyspy DIR]
+[--callgrind] [--json PATH]`` (Linux; strace, perf, py-spy, valgrind on PATH for their passes).
 """
 
 from __future__ import annotations
@@ -46,6 +54,8 @@ CONTENDERS = {
     "LockedTask": "bench.locked",
     "QueueOnce": "bench.once",
     "Singleton": "bench.singleton",
+    # The engine on a MemoryLockStore of the worker: LockedTask less the Redis store's cost.
+    "LockedTask-memory": "bench.locked_memory",
 }
 READY_TIMEOUT = 900.0  # seconds: a worker under callgrind on a busy host starts slowly
 ROUND_TIMEOUT = 900.0
@@ -161,7 +171,9 @@ def main() -> None:
         help="proc rounds: the worker runs while the client sends (default: it is stopped"
         " until all are sent, then drains the backlog)",
     )
-    parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument(
+        "--contenders", default="plain,LockedTask,QueueOnce,Singleton", help=", ".join(CONTENDERS)
+    )
     parser.add_argument("--passes", default="proc,strace")
     parser.add_argument("--perf", metavar="DIR", help="perf record each contender's round here")
     parser.add_argument(
@@ -193,6 +205,8 @@ def main() -> None:
             "BENCH_RESTART_GRACE": os.environ.get("BENCH_RESTART_GRACE", "0.001"),
         }
         ports = {locks.port: "lock", broker.port: "broker"}
+        if "LockedTask-memory" in names:
+            env["BENCH_MEMORY"] = "1"
         argv = [
             sys.executable, "-m", "celery", "-A", "benchmarks.bench_task_throughput:app",
             "worker", "-P", "solo", "--loglevel", "WARNING",
@@ -222,6 +236,7 @@ def main() -> None:
                     rows[name].append(
                         proc_round(bench, client, name, worker.pid, locks, broker, lock_client)
                     )
+            stop = worker.pid if options.backlog else None
             for name in names:
                 row: dict[str, Any] = median_row(rows[name]) if rows[name] else {}
                 if options.callgrind:
@@ -257,12 +272,14 @@ def main() -> None:
                     Path(options.perf).mkdir(parents=True, exist_ok=True)
                     data = Path(options.perf) / f"{name}.data"
                     perf = subprocess.Popen(
-                        ["perf", "record", "-q", "-e", "cpu-clock", "-F", "4000", "-g",
+                        ["perf", "record", "-q", "-g",
+                         *(["-e", os.environ["PERF_EVENT"], "-c", "1"] if "PERF_EVENT" in os.environ
+                           else ["-e", "cpu-clock", "-F", "4000"]),
                          "-o", str(data), "-p", str(worker.pid)],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                     )  # fmt: skip
                     time.sleep(0.5)
-                    bench.run_round(client, name, options.tasks)
+                    bench.run_round(client, name, options.tasks, stop)
                     perf.send_signal(signal.SIGINT)
                     perf.wait(60)
                 if options.pyspy:
