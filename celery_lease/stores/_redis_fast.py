@@ -79,6 +79,21 @@ def _poller(sock: socket.socket) -> Callable[[], bytes] | None:
     return partial(os.read, sock.fileno(), _RECV)
 
 
+def _direct_io(sock: socket.socket) -> tuple[Callable[[bytes], int], Callable[[], bytes]] | None:
+    """A write and a read of ``sock``'s fd that skip the ``poll()`` CPython makes before each
+    send and recv of a socket with a timeout (the fd is non-blocking then: both raise
+    ``BlockingIOError`` where the socket method would wait); None where the socket methods
+    poll nothing (no timeout: a blocking fd), or where bytes on the fd are not the stream
+    (TLS) or the socket is cooperative (gevent, eventlet)."""
+    if not isinstance(sock, _socket.socket) or sock.gettimeout() is None:
+        return None
+    ssl = sys.modules.get("ssl")
+    if ssl is not None and isinstance(sock, ssl.SSLSocket):
+        return None
+    fd = sock.fileno()
+    return partial(os.write, fd), partial(os.read, fd, _RECV)
+
+
 def pack_head(sha: str, numkeys: int, nargs: int) -> bytes:
     """The constant start of an ``EVALSHA <sha> <numkeys>`` request of ``numkeys`` keys and
     ``nargs`` arguments."""
@@ -143,6 +158,14 @@ class FastConnection:
         self._buf = bytearray()
         self._poll_read: Callable[[], bytes] | None = None  # see _poller
         self._polled: socket.socket | None = None
+        # See _direct_io; only for reads and writes of the socket in _direct (a test or a
+        # wrapper may stand another object in for it).
+        self._direct_write: Callable[[bytes], int] | None = None
+        self._direct_read: Callable[[], bytes] | None = None
+        self._direct: socket.socket | None = None
+        # Set while deferred replies are read: they were sent earlier, so most have come and
+        # a read tries the fd first (one syscall) before polling.
+        self._eager = False
         # Requests sent by send_deferred() whose replies are not read yet, in order: for each,
         # the function that takes its reply (or the exception standing for it).
         self._unread: list[Callable[[Any], None]] = []
@@ -193,7 +216,7 @@ class FastConnection:
             self._unread.append(on_reply)
             self._pending = True
             try:
-                sock.sendall(request)
+                self._send(sock, request)
             except OSError:
                 self._drop()  # whether any of it went out is unknown: reported as unanswered
                 return True  # it may have run: the caller must not release it a second way
@@ -238,7 +261,7 @@ class FastConnection:
         """Write ``request`` and read its reply; ``_pending`` is set until the reply is read."""
         self._pending = True
         try:
-            sock.sendall(request)
+            self._send(sock, request)
         except TimeoutError:
             raise RedisTimeoutError("Timeout writing to socket") from None
         except OSError as exc:
@@ -249,16 +272,36 @@ class FastConnection:
         self._pending = False
         return reply
 
+    def _send(self, sock: socket.socket, request: bytes) -> None:
+        """Write all of ``request``: straight to the fd when the kernel takes it (see
+        :func:`_direct_io`), the rest (or all, when the fd would block) by ``sendall``, which
+        waits up to the socket's timeout. Raises what ``sendall`` raises."""
+        write = self._direct_write
+        if write is not None and sock is self._direct:
+            try:
+                sent = write(request)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(request):
+                return
+            sock.sendall(memoryview(request)[sent:])
+            return
+        sock.sendall(request)
+
     def _read_unread(self, sock: socket.socket) -> None:
         """Read the replies of deferred requests, in order, handing each to its function."""
         unread = self._unread
-        while unread:
-            try:
-                reply = self._read(sock)
-            except RedisError as exc:
-                self._fail_unread(exc)
-                raise
-            _hand(unread.pop(0), reply)
+        self._eager = True
+        try:
+            while unread:
+                try:
+                    reply = self._read(sock)
+                except RedisError as exc:
+                    self._fail_unread(exc)
+                    raise
+                _hand(unread.pop(0), reply)
+        finally:
+            self._eager = False
 
     def _fail_unread(self, exc: BaseException) -> None:
         unread, self._unread = self._unread, []
@@ -275,6 +318,9 @@ class FastConnection:
         self._conn, self._sock, self._pid = conn, sock, os.getpid()
         self._poll_read = _poller(sock)
         self._polled = sock  # the poll reads this socket's fd: only for reads of this socket
+        direct = _direct_io(sock)
+        self._direct_write, self._direct_read = direct if direct is not None else (None, None)
+        self._direct = sock
         self._pending = False
         self._buf.clear()
         return sock
@@ -284,6 +330,7 @@ class FastConnection:
             self._fail_unread(RedisConnectionError("the connection was dropped"))
         conn, self._conn, self._sock = self._conn, None, None
         self._poll_read, self._polled = None, None
+        self._direct_write, self._direct_read, self._direct = None, None, None
         self._buf.clear()
         self._pending = False
         if conn is None:
@@ -295,6 +342,9 @@ class FastConnection:
         # In a forked child the parent's socket object is just dropped: no shutdown() on it.
 
     def _fill(self, sock: socket.socket) -> None:
+        read = self._direct_read
+        if self._eager and read is not None and sock is self._direct and self._read_now(read):
+            return
         poll = self._poll_read
         if poll is not None and sock is self._polled and SPIN_SECONDS > 0 and self._poll(poll):
             return
@@ -307,6 +357,19 @@ class FastConnection:
         if not chunk:
             raise RedisConnectionError("Connection closed by server.")
         self._buf += chunk
+
+    def _read_now(self, read: Callable[[], bytes]) -> bool:
+        """One read of bytes already there (no wait); True when bytes were appended."""
+        try:
+            chunk = read()
+        except BlockingIOError:
+            return False
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
+        if not chunk:
+            raise RedisConnectionError("Connection closed by server.")
+        self._buf += chunk
+        return True
 
     def _poll(self, read: Callable[[], bytes]) -> bool:
         """Poll the socket for up to :data:`SPIN_SECONDS`; True when bytes were appended."""
@@ -422,6 +485,7 @@ def _reset_after_fork() -> None:
     for fast in list(_ALL):
         fast._lock = threading.Lock()
         fast._unread = []  # the parent's deferred requests: the parent reads their replies
+        fast._eager = False  # a thread of the parent may have been reading them
 
 
 forking.on_fork_child(_reset_after_fork, name="redis fast connections: locks, unread replies")

@@ -14,6 +14,7 @@ import collections
 import contextlib
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import socket
@@ -853,6 +854,86 @@ class TestTimeouts:
                 os.kill(server.pid, signal.SIGCONT)  # type: ignore[arg-type]
             assert (len(sends), len(reconnects)) == (1, 1)
             assert store.renew("warm", "w", LONG_MS) is True
+        finally:
+            store.close()
+
+
+class _CountingSocket(socket.socket):
+    """A kernel socket counting calls of the methods that, under a timeout, poll the fd
+    before the send or receive itself (CPython's socket module): one extra syscall each."""
+
+    calls: collections.Counter[str] = collections.Counter()
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self.calls["sendall"] += 1
+        super().sendall(data, flags)
+
+    def send(self, data: Any, flags: int = 0) -> int:
+        self.calls["send"] += 1
+        return super().send(data, flags)
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        self.calls["recv"] += 1
+        return super().recv(size, flags)
+
+    def recv_into(self, buffer: Any, size: int = 0, flags: int = 0) -> int:
+        self.calls["recv_into"] += 1
+        return super().recv_into(buffer, size, flags)
+
+
+class TestSyscalls:
+    """A socket with a timeout costs CPython a poll() before each send and recv; the fast path
+    writes a request, and reads a reply that has already come, without that poll."""
+
+    @staticmethod
+    def _counting_store(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> RedisLockStore:
+        """A store whose fast connection (opened by its first call) is a _CountingSocket."""
+        store = RedisLockStore(f"{redis_url}?socket_timeout=5")
+        with monkeypatch.context() as patch:
+            patch.setattr(socket, "socket", _CountingSocket)
+            assert store.acquire("warm", "w", LONG_MS) is not None
+        sock = _fast(store)._sock
+        assert isinstance(sock, _CountingSocket) and sock.gettimeout() == 5.0
+        return store
+
+    @staticmethod
+    def _reply_arrived(store: RedisLockStore) -> None:
+        sock = _fast(store)._sock
+        assert sock is not None
+        assert select.select([sock], [], [], DEADLINE)[0], "no reply came"
+
+    def test_a_sent_acquire_and_a_deferred_release_poll_nothing_when_the_reply_is_there(
+        self, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        store = self._counting_store(redis_url, monkeypatch)
+        try:
+            _CountingSocket.calls.clear()
+            read = store.send_acquire("k", "a", LONG_MS)
+            assert read is not None
+            self._reply_arrived(store)
+            token = read()
+            assert isinstance(token, int)
+            assert store.release_deferred("k", "a")
+            self._reply_arrived(store)
+            store.flush_deferred()
+            assert _CountingSocket.calls == {}
+            assert store.acquire("k", "b", LONG_MS) is not None  # the release ran
+            assert _CountingSocket.calls["sendall"] == 0  # a plain call writes without a poll
+        finally:
+            store.close()
+
+    def test_a_request_the_kernel_takes_in_part_goes_out_whole(
+        self, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A request larger than the socket's send buffer: the rest is sent after the first
+        write, and the reply is the whole request's."""
+        store = self._counting_store(redis_url, monkeypatch)
+        fast = _fast(store)
+        value = os.urandom(1 << 23)  # 8 MiB: more than a loopback send buffer takes at once
+        try:
+            request = b"*3\r\n$3\r\nSET\r\n$3\r\nbig\r\n$%d\r\n%s\r\n" % (len(value), value)
+            assert fast.call(request) == b"OK"
+            assert fast.call(b"*2\r\n$3\r\nGET\r\n$3\r\nbig\r\n") == value
         finally:
             store.close()
 
