@@ -76,7 +76,20 @@ def _poller(sock: socket.socket) -> Callable[[], bytes] | None:
     if timeout is None:  # a blocking fd: one recv that does not wait
         return partial(sock.recv, _RECV, socket.MSG_DONTWAIT)
     # With a timeout CPython polls before each recv, waiting; the fd itself is non-blocking.
-    return partial(os.read, sock.fileno(), _RECV)
+    return _fd_reader(sock)
+
+
+def _fd_reader(sock: socket.socket) -> Callable[[], bytes]:
+    """``os.read`` of ``sock``'s fd, looked up at each call: a socket closed under us reads fd
+    -1 (``EBADF``, as ``recv`` raises), never the socket the kernel gave the old number next."""
+    fileno, read = sock.fileno, os.read
+    return lambda: read(fileno(), _RECV)
+
+
+def _fd_writer(sock: socket.socket) -> Callable[[bytes], int]:
+    """``os.write`` to ``sock``'s fd, looked up at each call (see :func:`_fd_reader`)."""
+    fileno, write = sock.fileno, os.write
+    return lambda data: write(fileno(), data)
 
 
 def _direct_io(sock: socket.socket) -> tuple[Callable[[bytes], int], Callable[[], bytes]] | None:
@@ -84,14 +97,18 @@ def _direct_io(sock: socket.socket) -> tuple[Callable[[bytes], int], Callable[[]
     send and recv of a socket with a timeout (the fd is non-blocking then: both raise
     ``BlockingIOError`` where the socket method would wait); None where the socket methods
     poll nothing (no timeout: a blocking fd), or where bytes on the fd are not the stream
-    (TLS) or the socket is cooperative (gevent, eventlet)."""
+    (TLS) or the socket is cooperative (gevent, eventlet).
+
+    Relies on the fd staying non-blocking while the socket has its timeout: ``O_NONBLOCK``
+    belongs to the open file description, so a ``dup()`` of this fd made blocking elsewhere
+    would let a read of a reply that never comes wait for good. The connection owns its socket
+    and hands its fd to no one; nothing in celery-lease or redis-py dups it."""
     if not isinstance(sock, _socket.socket) or sock.gettimeout() is None:
         return None
     ssl = sys.modules.get("ssl")
     if ssl is not None and isinstance(sock, ssl.SSLSocket):
         return None
-    fd = sock.fileno()
-    return partial(os.write, fd), partial(os.read, fd, _RECV)
+    return _fd_writer(sock), _fd_reader(sock)
 
 
 def pack_head(sha: str, numkeys: int, nargs: int) -> bytes:
