@@ -35,7 +35,8 @@ result is written only once its run's release was performed; after each message 
 failed) the worker holds no key; a SUCCESS comes from a body that ran; a lease lost while its body
 ran is reported (``lock_lost``); after ``worker_shutdown`` nothing is parked and no key is held,
 and nothing past the ttl. A key whose release or acquire failed at the store (``World.unsure``)
-is exempt from "released" (it expires within its ttl, as documented), and a deferred release
+is exempt from "released" (it expires within its ttl, as documented) once a release was sent for
+its owner id (an attempt whose reply failed is released owner-checked), and a deferred release
 whose reply is unread counts as sent. A failure prints the seed and the timeline::
 
     python -m tests.sent_acquire_explorer --seeds 3000
@@ -154,6 +155,7 @@ class World:
         self.grants: list[tuple[str, str, int]] = []  # (key, owner, token) in store order
         self.owners: dict[str, set[str]] = {"worker": set(), "other": set()}  # by client
         self.unsure: set[str] = set()  # owners whose acquire or release reply failed
+        self.release_asked: set[str] = set()  # owners a release was sent for (it may fail)
         self.results: dict[str, Any] = {}
         self.run_owner: dict[str, str] = {}  # task id -> the owner id its body held
         self.lost_reported: set[tuple[str, int]] = set()  # (task id, token) of lock_lost
@@ -555,6 +557,7 @@ class ExploredStore:
 
     def release(self, key: str, owner: str) -> None:
         fault = self._point(f"release {key}")
+        self._w().release_asked.add(owner)
         self._read_deferred()
         if fault == "fail":
             self._w().unsure.add(owner)
@@ -565,6 +568,7 @@ class ExploredStore:
 
     def release_deferred(self, key: str, owner: str) -> bool:
         self._point(f"release_deferred {key}")
+        self._w().release_asked.add(owner)
         self.deferred.append((key, owner))
         return True
 
@@ -906,7 +910,13 @@ def check_end(w: World) -> None:
     if early_acquire.parked is not None:
         w.violations.append(f"a try is still parked after worker_shutdown: {early_acquire.parked}")
     with w.cond:
-        held = [i for i in w.inner.list() if i.owner not in w.unsure]
+        live = w.inner.list()
+    held = [i for i in live if i.owner not in w.unsure]
+    unasked = [i for i in live if i.owner in w.unsure and i.owner not in w.release_asked]
+    if unasked:
+        w.violations.append(
+            f"keys an attempt whose reply failed may hold, never released: {unasked}"
+        )
     ours = [i for i in held if i.owner in w.owners["worker"]]
     if ours:
         w.violations.append(f"the worker's keys held after its shutdown: {ours}")

@@ -103,6 +103,14 @@ def _abandon_sent_releases_the_holder(self: LeaseContext, sent: Any) -> None:
         self.store.release(self.key, info.owner)
 
 
+def _abandon_sent_keeps_a_failed_try(self: LeaseContext, sent: Any) -> None:
+    if sent.read is None:
+        return
+    reply = sent.reply()
+    if type(reply) is int:
+        self.store.release(self.key, sent.owner)
+
+
 def _a_late_grant_is_used(self: LeaseContext, sent: Any) -> Any:
     return sent.reply()
 
@@ -124,6 +132,9 @@ PLANTED: dict[str, tuple[object, str, Callable[..., Any], str]] = {
     ),
     "abandon-sent-releases-the-holder": (
         LeaseContext, "abandon_sent", _abandon_sent_releases_the_holder, "never acquired with"
+    ),
+    "abandon-sent-keeps-a-failed-try": (
+        LeaseContext, "abandon_sent", _abandon_sent_keeps_a_failed_try, "never released"
     ),
     "a-late-grant-is-used": (LeaseContext, "_sent_reply", _a_late_grant_is_used, "store holds"),
     "no-read-before-the-result-write": (
