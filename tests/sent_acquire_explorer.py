@@ -174,7 +174,8 @@ class World:
         role = self._background_role(thread)
         if role is None:
             return None
-        actor = Actor(f"{role}{sum(a.kind == 'background' for a in self.actors) + 1}", "background")
+        same_role = sum(a.name.startswith(role) for a in self.actors)
+        actor = Actor(f"{role}{same_role + 1}", "background")
         actor.thread = thread
         actor.state = "running"  # until its first point; the scheduler waits for it there
         with self.cond:
