@@ -844,8 +844,11 @@ def run_once(seed: int, options: Options | None = None) -> World:
         lease_settings.reset(app)
         saved_label = pool.pool_label()
         pool.set_pool_label("solo")
+        connected = []  # a solo worker of another test may have connected them already
         for signal, receiver, uid in wiring.SOLO_RECEIVERS:
-            signal.connect(receiver, weak=False, dispatch_uid=uid)
+            if not any(lookup[0] == uid for lookup, _ in signal.receivers):
+                signal.connect(receiver, weak=False, dispatch_uid=uid)
+                connected.append((signal, uid))
         signals.lock_lost.connect(_on_lock_lost, weak=False, dispatch_uid="sent-explorer-lost")
         WORLD = w
         try:
@@ -865,7 +868,7 @@ def run_once(seed: int, options: Options | None = None) -> World:
             w.abandon()
         finally:
             signals.lock_lost.disconnect(dispatch_uid="sent-explorer-lost")
-            for signal, _receiver, uid in wiring.SOLO_RECEIVERS:
+            for signal, uid in connected:
                 signal.disconnect(dispatch_uid=uid)
             early_acquire.give_up()
             pool.set_pool_label(saved_label)
