@@ -9,8 +9,8 @@ Actors, one running at a time, each on a thread of its own:
   the deferred release, the result write), revoked (``task_revoked``), failed before its run
   (``task_failure``, ``task_internal_error``), or left parked for the next receipt; the script
   ends with ``worker_shutdown``. A message's task is one of :data:`VARIANTS` (no wait, a wait,
-  an ignored result); its receipt may build another key than its run (the run must not take the
-  try); a body may fail, or go on while the clock moves.
+  an ignored result, a ``max_hold``); its receipt may build another key than its run (the run
+  must not take the try); a body may fail, or go on while the clock moves.
 - ``other``: a second process on the same key through another client of the same store: a plain
   ``lease()`` (with or without a wait), or its own sent first try (:meth:`LeaseContext.
   send_first_try`, a pause, then ``enter(sent)`` or ``abandon_sent``).
@@ -663,6 +663,7 @@ VARIANTS = {
     "plain": {"lock_wait": 0},
     "waits": {"lock_wait": TTL / 2},  # a refused try is asked again until the wait runs out
     "ignored": {"lock_wait": 0, "ignore_result": True},  # its deferred release read later
+    "max_hold": {"lock_wait": 0, "lock_max_hold": TTL / 2},  # lost past it (from the send)
 }
 """The explored tasks (one per variant, all on the key ``k:{a}``): their options."""
 
@@ -803,7 +804,7 @@ def _script(w: World, n: int) -> list[tuple[str, ...]]:
     """``n`` messages: (what becomes of it, the task variant, what its body does, its id)."""
     rng = w.rng
     kinds = ["run"] * 6 + ["revoke", "failure", "internal", "leave"]
-    variants = ["plain", "plain", "waits", "ignored"]
+    variants = ["plain", "plain", "waits", "ignored", "max_hold"]
     behaviours = ("ok", "ok", "long", "fails")
     return [
         (rng.choice(kinds), rng.choice(variants), rng.choice(behaviours), f"t{i}")
