@@ -22,7 +22,8 @@ Actors, one running at a time, each on a thread of its own:
 The store is a :class:`~celery_lease.MemoryLockStore` on a
 :class:`~celery_lease.testing.FakeClock` behind :class:`ExploredStore` (one per client): every
 call is a point, and the seed may fail it before it takes effect or lose its reply after. Its
-``send_acquire`` performs the acquire when sent or, delayed, when its reply is read; its
+``send_acquire`` performs the acquire when sent or, delayed, when its reply is read (or sends
+nothing: the connection was busy); its
 ``release_deferred`` is performed when the client's replies are read (``flush_deferred`` or the
 client's next call), and may fail there. The result backend is Celery's key-value backend over a
 dict (:class:`ExploredBackend`); its writes are points.
@@ -524,6 +525,9 @@ class ExploredStore:
         fault = self._point(f"send_acquire {key}")
         w = self._w()
         self._read_deferred()
+        if fault is None and w.rng.random() < 0.1:  # the connection was busy: not sent
+            w.note(f"  {self.client}: send_acquire {key} not sent")
+            return None
         delayed = w.rng.random() < 0.3
         sent: list[int | None] = []
         if fault != "fail" and not delayed:
@@ -782,8 +786,8 @@ def _other(w: World, plan: list[tuple[str, float, float]]) -> Callable[[], None]
                     sent = context.send_first_try()
                     w.point("other between send and enter")
                     if how == "sent-abandon":
-                        assert sent is not None
-                        context.abandon_sent(sent)
+                        if sent is not None:  # else nothing was sent
+                            context.abandon_sent(sent)
                     else:
                         context.enter(sent)
                         try:
