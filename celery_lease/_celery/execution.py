@@ -254,12 +254,15 @@ def run_locked(
     body: Callable[[], _R],
     *,
     adopt: bool = False,
+    unclaimed: bool = False,
 ) -> _R | None:
     """Run ``body`` under the lease of this execution and apply the policies. ``task`` is
     ``None`` outside Celery, ``request`` ``None`` for a direct call; with ``adopt``, the first
-    request ``task`` pushes while ``body`` runs gets the lock attributes too."""
+    request ``task`` pushes while ``body`` runs gets the lock attributes too; ``unclaimed``:
+    the caller found ``request`` claimed by no execution (:func:`request.is_claimed`), so it is
+    not asked again."""
     saved = None
-    if request is not None and _request.is_claimed(request):
+    if not unclaimed and request is not None and _request.is_claimed(request):
         # An enclosing execution's request (a ``@locked`` helper called from its body).
         saved = _request.save(request)
     try:
