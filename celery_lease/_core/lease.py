@@ -746,14 +746,18 @@ class LeaseContext:
             return False  # the outer context (or, after a fork, the parent) owns the lease
         try:
             pop_frame(self._frame)
-            lapsed = self._end(held, exc is None, tell=False)
+            # Stop renewing, release the key (or keep it for cooldown); a lapse told below.
+            key = held._key
+            settled, final, lapsed = key.stop()
+            if final:
+                self._finish(held, exc is None, settled)
         except BaseException:  # an interrupt: the lease must end all the same, then it goes on
             self._end_interrupted(held)
             raise
         if lapsed is not None:  # told after the release
-            held._key.notify(lapsed)
+            key.notify(lapsed)
         if exc is not None:  # nothing to raise after a body that raised nothing
-            self._raise_if_lost(exc, held._key.lost_reason)
+            self._raise_if_lost(exc, key.lost_reason)
         return False
 
     async def __aenter__(self) -> Lease:
@@ -824,6 +828,16 @@ class LeaseContext:
         self._raise_if_lost(exc, reason)
         return False
 
+    def _end(self, held: Lease, succeeded: bool) -> None:
+        """Stop renewing, release the key (or keep it for ``cooldown``); tell a lapse. (The
+        exit does the same inline, telling a lapse after its checks.)"""
+        key = held._key
+        settled, final, lapsed = key.stop()
+        if final:
+            self._finish(held, succeeded, settled)
+        if lapsed is not None:
+            key.notify(lapsed)
+
     async def _aend(self, held: Lease, succeeded: bool) -> None:
         """Stop renewing and release, awaiting; a renewal in flight or a cooldown (which may
         be fenced) runs the sync steps on a thread, which finishes them even if cancelled."""
@@ -841,18 +855,6 @@ class LeaseContext:
         finally:  # told after the release, also when a cancel cut it short
             if lapsed is not None:
                 key.notify(lapsed)
-
-    def _end(self, held: Lease, succeeded: bool, *, tell: bool = True) -> str | None:
-        """Stop renewing, release the key (or keep it for ``cooldown``); tell a lapse
-        (``tell``), else return it for the caller to tell."""
-        key = held._key
-        settled, final, lapsed = key.stop()
-        if final:
-            self._finish(held, succeeded=succeeded, settled=settled)
-        if tell and lapsed is not None:
-            key.notify(lapsed)
-            return None
-        return lapsed
 
     def _async_store(self) -> AsyncLockStore:
         astore = self.async_store
@@ -908,7 +910,8 @@ class LeaseContext:
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
             replace_ticket=self.replace_ticket,
         )
-        check_cancel(self.cancel, self.key)
+        if self.cancel is not None:  # most have none: no call
+            check_cancel(self.cancel, self.key)
         return owner, ttl_ms, self.clock.monotonic()
 
     def _plan(self, owner: str, ttl_ms: int, started: float) -> AcquirePlan:
@@ -1045,7 +1048,7 @@ class LeaseContext:
             logger.warning("celery-lease: " + failed, self.key, exc)
             return None
 
-    def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
+    def _finish(self, held: Lease, succeeded: bool, settled: bool) -> None:
         """Release the key, or keep it for ``cooldown`` after a success (fenced when a renewal
         is in flight); never raises a store error."""
         key = held._key
