@@ -89,7 +89,13 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
     leftover = _swap(None) if parked is not None else None
     if leftover is not None:
         leftover.give_up()
-    if request is None or pool.pool_label() != "solo" or not _straight_to_pool(request):
+    if (
+        request is None
+        or pool.pool_label() != "solo"
+        # Not one Celery holds back after task_received (an ETA, a rate limit).
+        or request.eta
+        or getattr(request.task, "rate_limit", None)
+    ):
         return
     task = request.task
     try:
@@ -102,18 +108,6 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
         leftover = _swap(context)
         if leftover is not None:  # pragma: no cover - one consumer thread
             leftover.give_up()
-
-
-def _straight_to_pool(request: Any) -> bool:
-    """Whether Celery hands ``request`` to the pool right after ``task_received``."""
-    return not request.eta and not getattr(request.task, "rate_limit", None)
-
-
-def _redelivered(request: Any) -> bool:
-    """Whether the broker says it delivered ``request`` before: Celery may skip it without a
-    signal (``worker_deduplicate_successful_tasks``)."""
-    delivery_info = getattr(request, "delivery_info", None)
-    return bool(delivery_info and delivery_info.get("redelivered"))
 
 
 # A task class -> whether it defines no ``before_start`` of the user's.
@@ -142,7 +136,12 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
         or options.on_held == "replace"
     ):
         return None
-    if not _always_runs_locked(task.__class__) or _redelivered(request):
+    # Not a message the broker says it delivered before: Celery may skip that one without a
+    # signal (worker_deduplicate_successful_tasks).
+    delivery_info = getattr(request, "delivery_info", None)
+    if not _always_runs_locked(task.__class__) or (
+        delivery_info and delivery_info.get("redelivered")
+    ):
         return None
     app = task.app
     resolved = spec.kept(app)  # what the last run resolved (and its run will), if still so
