@@ -29,8 +29,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery_lease import _forking as forking
-from celery_lease._celery import deferral, pool
-from celery_lease._celery import spec as spec_module
+from celery_lease._celery import deferral, pool, spec
 from celery_lease._celery.protocols import can_send_acquire
 from celery_lease._celery.settings import get_settings
 from celery_lease._core.acquire_plan import SentTry
@@ -99,8 +98,8 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
         return
     task = request.task
     try:
-        spec = spec_module.spec_of_task(task)  # a LockedTask whose calls reach run_locked
-        context = None if spec is None else _sent_context(task, spec, request)
+        task_spec = spec.spec_of_task(task)  # a LockedTask whose calls reach run_locked
+        context = None if task_spec is None else _sent_context(task, task_spec, request)
     except Exception as exc:  # the run builds its key again and raises what it raises
         logger.debug("celery-lease: no early acquire for %s: %r", request.id, exc)
         return
@@ -126,12 +125,12 @@ def _always_runs_locked(cls: type) -> bool:
     return answer
 
 
-def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
+def _sent_context(task: Any, task_spec: Spec, request: Any) -> SentContext | None:
     """The context ``run_locked`` would build for ``request``, its first try sent; or None."""
-    options = spec.options
+    options = task_spec.options
     if (
-        not spec.plain_key
-        or spec.limit is not None
+        not task_spec.plain_key
+        or task_spec.limit is not None
         or options.unique is not None
         or options.on_held == "replace"
     ):
@@ -144,14 +143,14 @@ def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
     ):
         return None
     app = task.app
-    resolved = spec.kept(app)  # what the last run resolved (and its run will), if still so
+    resolved = task_spec.kept(app)  # what the last run resolved (and its run will), if still so
     if resolved is None:
         # The key only names a store that is none (what the run raises): not built here.
-        resolved = spec.resolve(app, get_settings(app), str(getattr(task, "name", "")))
+        resolved = task_spec.resolve(app, get_settings(app), str(getattr(task, "name", "")))
     store = resolved.store
     if not _sends(store):  # it cannot send: no key is built
         return None
-    key = resolved.settings.key_prefix + spec.key_function(request.args, request.kwargs)
+    key = resolved.settings.key_prefix + task_spec.key_function(request.args, request.kwargs)
     if SLOT_MARK in key:
         return None
     request_id = request.id

@@ -17,13 +17,13 @@ from celery.exceptions import Retry
 from celery.result import AsyncResult
 
 from celery_lease._celery import compat, wiring
-from celery_lease._celery import spec as _spec_module
 from celery_lease._celery import unique as _unique
 from celery_lease._celery.execution import adopt_request, current_run, run_locked
 from celery_lease._celery.interrupt import REVOKE_GRACE
 from celery_lease._celery.on_held import skip_quietly
 from celery_lease._celery.request import is_claimed as _is_claimed
 from celery_lease._celery.spec import Spec as _Spec
+from celery_lease._celery.spec import register_spec_of_task
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
@@ -393,7 +393,7 @@ def _spec_if_calls_reach_the_engine(task: object) -> _Spec | None:
     return cast("_Spec | None", cls.__dict__.get("_lock_spec")) or task._lock_get_spec()
 
 
-_spec_module.register_spec_of_task(_spec_if_calls_reach_the_engine)
+register_spec_of_task(_spec_if_calls_reach_the_engine)
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:
