@@ -24,13 +24,16 @@ alike. Printed: the median us per task of each over the rounds, the us LockedTas
 (its block's us per task less plain's in the same round) and its speed as a fraction of plain's
 (plain's us per task over LockedTask's in the same round), each as the median over rounds with a
 95% bootstrap interval of that median (``[low, high]``).
+``--early``: each LockedTask execution is preceded by what a solo worker does when its message
+arrives (``early_acquire.on_task_received``, which sends the acquire on a store that can:
+Redis), so the figures include the receipt's work and the run reads the reply sent there.
 ``--profile`` runs ``--tasks`` LockedTask executions under cProfile instead and prints the top
 functions by own time and by cumulative time. ``--only plain|LockedTask --count N`` warms both
 up, runs ``N`` executions of one, untimed, and exits: the loop ``benchmarks.callgrind_task`` runs
 under ``valgrind --tool=callgrind`` to count instructions per task.
 
 Run: ``python -m benchmarks.bench_task_overhead [--store null|memory|redis|sqlite] [--tasks 2000]
-[--rounds 60] [--seed S] [--profile] [--results] [--only plain|LockedTask --count N]``.
+[--rounds 60] [--seed S] [--profile] [--results] [--early] [--only plain|LockedTask --count N]``.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import pstats
 import random
 import sys
 import time
+import types
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -96,10 +100,13 @@ def make_store(kind: str) -> Iterator[LockStore]:
         raise SystemExit(f"--store={kind!r}: use null, memory, redis or sqlite")
 
 
-def make_tracers(store: LockStore, results: bool = False) -> dict[str, Callable[[int], Any]]:
+def make_tracers(
+    store: LockStore, results: bool = False, early: bool = False
+) -> dict[str, Callable[[int], Any]]:
     """``{name: run_one(i)}``: one traced execution of the plain / locked task per call;
-    ``results``: the tasks store their results (else ``task_ignore_result``)."""
-    from celery_lease._celery import pool
+    ``results``: the tasks store their results (else ``task_ignore_result``); ``early``: each
+    LockedTask execution is received first as a solo worker receives it (see ``--early``)."""
+    from celery_lease._celery import early_acquire, pool
 
     pool.set_pool_label("solo")  # as the start-up check of a solo worker does
     app = Celery("overhead", broker="memory://", set_as_current=False)
@@ -118,11 +125,25 @@ def make_tracers(store: LockStore, results: bool = False) -> dict[str, Callable[
     for name, task in (("plain", plain), ("LockedTask", locked_task)):
         trace = build_tracer(task.name, task, app.loader, "bench@host", app=app)
 
-        def run_one(i: int, trace: Any = trace, task_name: str = task.name) -> Any:
+        receive = early and name == "LockedTask"
+
+        def run_one(i: int, trace: Any = trace, task: Any = task, receive: bool = receive) -> Any:
             task_id = str(uuid.uuid4())
+            if receive:  # what task_received carries, as far as the receiver reads it
+                early_acquire.on_task_received(
+                    request=types.SimpleNamespace(
+                        task=app.tasks[task.name],  # the task itself, as a worker's request has
+                        id=task_id,
+                        eta=None,
+                        args=[i],
+                        kwargs={},
+                        delivery_info={"exchange": "", "routing_key": "celery"},
+                        hostname="bench@host",
+                    )
+                )
             request = {
                 "id": task_id,
-                "task": task_name,
+                "task": task.name,
                 "args": (i,),
                 "kwargs": {},
                 "delivery_info": {"exchange": "", "routing_key": "celery"},
@@ -167,11 +188,14 @@ def main(argv: list[str] | None = None) -> None:
         help="run --count executions of this contender, untimed, and exit (for callgrind)",
     )
     parser.add_argument("--count", type=int, default=0, help="executions with --only")
+    parser.add_argument(
+        "--early", action="store_true", help="receive each LockedTask first (early acquire)"
+    )
     options = parser.parse_args(argv)
     if options.count < 0:
         parser.error(f"--count={options.count}: use 0 or more")
     with make_store(options.store) as store:
-        tracers = make_tracers(store, options.results)
+        tracers = make_tracers(store, options.results, options.early)
         for name in tracers:  # warm up (caches, key functions, the renewer thread)
             measure(tracers[name], 0, 200)
         if options.only:

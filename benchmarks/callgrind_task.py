@@ -10,8 +10,10 @@ Configurations (``--configs``, comma-separated): ``plain`` (null store), ``null`
 a store whose calls do nothing: our Python alone), ``memory`` (LockedTask on a MemoryLockStore,
 the throughput benchmark's ``LockedTask-memory``) and ``redis`` (LockedTask on a RedisLockStore
 and a throwaway ``redis-server``, which runs outside valgrind: the worker-side instructions of
-the store calls, waiting excluded). Each runs with the result ignored (``off``) and stored
-(``on``, ``--results``).
+the store calls, waiting excluded); ``redis-early`` is ``redis`` with each task received first
+as a solo worker receives it (``--early``: the acquire sent at receipt, its reply read by the
+run), so it less ``redis`` is what the early acquire adds or saves per task. Each runs with the
+result ignored (``off``) and stored (``on``, ``--results``).
 
 ``--annotate DIR`` keeps the callgrind files in ``DIR`` and prints, per task, the C functions
 whose own (exclusive) instruction count grows most from ``plain`` to ``memory`` (what our Python
@@ -43,11 +45,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {  # name -> (store, contender)
-    "plain": ("null", "plain"),
-    "null": ("null", "LockedTask"),
-    "memory": ("memory", "LockedTask"),
-    "redis": ("redis", "LockedTask"),
+CONFIGS = {  # name -> (store, contender, more arguments of bench_task_overhead)
+    "plain": ("null", "plain", ()),
+    "null": ("null", "LockedTask", ()),
+    "memory": ("memory", "LockedTask", ()),
+    "redis": ("redis", "LockedTask", ()),
+    "redis-early": ("redis", "LockedTask", ("--early",)),
 }
 # The set-up of --micro: a traced LockedTask on a MemoryLockStore, warmed up, as a solo worker's.
 MICRO_SETUP = """
@@ -128,7 +131,9 @@ MICRO = {
 _LINE = re.compile(r"^\s*([\d,]+)\s+\(\s*[\d.]+%\)\s+(.*?)(?:\s+\[[^\]]*\])?$")
 
 
-def callgrind(out: Path, store: str, contender: str, count: int, results: bool) -> int:
+def callgrind(
+    out: Path, store: str, contender: str, count: int, results: bool, more: Iterable[str] = ()
+) -> int:
     """Total instructions of one traced run; its callgrind file is ``out``."""
     return _callgrind(
         out,
@@ -142,6 +147,7 @@ def callgrind(out: Path, store: str, contender: str, count: int, results: bool) 
             "--count",
             str(count),
             *(["--results"] if results else []),
+            *more,
         ],
     )
 
@@ -225,17 +231,18 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[tuple[str, str, int], Path] = {}
     for mode in modes:
         for config in configs:
-            store, _ = CONFIGS[config]
+            store, _, _ = CONFIGS[config]
             runs.setdefault((store, mode, 0), folder / f"base-{store}-{mode}.out")
             runs[(config, mode, options.count)] = folder / f"{config}-{mode}.out"
 
     def run(item: tuple[tuple[str, str, int], Path]) -> tuple[tuple[str, str, int], int]:
         (name, mode, count), out = item
+        more: tuple[str, ...] = ()
         if count == 0:  # a baseline: the store's process with no counted task
             store, contender = name, "plain"
         else:
-            store, contender = CONFIGS[name]
-        return (name, mode, count), callgrind(out, store, contender, count, mode == "on")
+            store, contender, more = CONFIGS[name]
+        return (name, mode, count), callgrind(out, store, contender, count, mode == "on", more)
 
     with ThreadPoolExecutor(options.jobs) as pool:
         totals = dict(pool.map(run, runs.items()))
@@ -253,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
                 totals[("plain", mode, options.count)] - totals[("null", mode, 0)]
             ) / options.count
         for config in configs:
-            store, _ = CONFIGS[config]
+            store, _, _ = CONFIGS[config]
             ir = (totals[(config, mode, options.count)] - totals[(store, mode, 0)]) / options.count
             per_task.setdefault(config, {})[mode] = ir
             over = "-" if plain is None else f"{ir - plain:,.0f}"

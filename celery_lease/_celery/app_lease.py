@@ -21,6 +21,7 @@ from celery_lease.stores.base import AsyncLockStore, LockStore
 
 if TYPE_CHECKING:
     from celery_lease._celery.protocols import CeleryApp
+    from celery_lease._core.acquire_plan import SentTry
 
 CORE_TTL = 30.0  # Seconds: the ttl of a ``lease()`` without an app that sets none.
 CORE_WAIT = 0.0
@@ -227,9 +228,12 @@ class AppLeaseContext(LeaseContext):
         """A new, unentered context with the same arguments, resolved on entry."""
         return AppLeaseContext(self.app, self.arguments, self)
 
-    def __enter__(self) -> Lease:
+    def enter(self, sent: SentTry | None = None) -> Lease:
+        """Resolve, then enter (:meth:`LeaseContext.enter`)."""
         self.resolve()
-        return super().__enter__()
+        return super().enter(sent)
+
+    __enter__ = enter
 
     async def __aenter__(self) -> Lease:
         self.resolve()

@@ -29,14 +29,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery_lease import _forking as forking
-from celery_lease._celery import deferral, pool
+from celery_lease._celery import deferral, pool, spec
 from celery_lease._celery.protocols import can_send_acquire
-from celery_lease._celery.settings import LeaseSettings, get_settings
-from celery_lease._celery.store_resolution import execution_store
+from celery_lease._celery.settings import get_settings
 from celery_lease._core.acquire_plan import SentTry
-from celery_lease._core.lease import Lease, LeaseContext, clock_of
-from celery_lease._core.owners import owner_field
-from celery_lease.clock import Clock
+from celery_lease._core.lease import Lease, LeaseContext
+from celery_lease._core.owners import owner_fields
 from celery_lease.stores.base import LockStore
 from celery_lease.stores.slots import SLOT_MARK
 
@@ -51,16 +49,16 @@ logger = logging.getLogger("celery_lease.engine")
 class SentContext(LeaseContext):
     """A task's lease context whose first try was sent when its message arrived."""
 
-    __slots__ = ("request_id", "sent")
+    request_id: object = None  # the id of the request whose message it was sent for
+    sent: SentTry | None = None  # the try sent, until the enter reads it or it is given up
 
-    def __init__(self, request_id: str, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.request_id = request_id
-        self.sent: SentTry | None = None
+    def enter(self, sent: SentTry | None = None) -> Lease:
+        """Enter with the try sent at receipt (``sent``: one given instead)."""
+        if sent is None:
+            sent, self.sent = self.sent, None
+        return LeaseContext.enter(self, sent)
 
-    def __enter__(self) -> Lease:
-        sent, self.sent = self.sent, None
-        return self.enter(sent)
+    __enter__ = enter
 
     def give_up(self) -> None:
         """Release, owner-checked, what the sent try took (its reply read first); never raises."""
@@ -90,14 +88,18 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
     leftover = _swap(None) if parked is not None else None
     if leftover is not None:
         leftover.give_up()
-    if request is None or pool.pool_label() != "solo" or not _straight_to_pool(request):
+    if (
+        request is None
+        or pool.pool_label() != "solo"
+        # Not one Celery holds back after task_received (an ETA, a rate limit).
+        or request.eta
+        or getattr(request.task, "rate_limit", None)
+    ):
         return
     task = request.task
-    get_spec = getattr(task, "_lock_get_spec", None)  # a LockedTask
-    if get_spec is None:
-        return
     try:
-        context = _sent_context(task, get_spec(), request)
+        task_spec = spec.spec_of_task(task)  # a LockedTask whose calls reach run_locked
+        context = None if task_spec is None else _sent_context(task, task_spec, request)
     except Exception as exc:  # the run builds its key again and raises what it raises
         logger.debug("celery-lease: no early acquire for %s: %r", request.id, exc)
         return
@@ -107,94 +109,84 @@ def on_task_received(sender: object = None, request: Any = None, **_: object) ->
             leftover.give_up()
 
 
-def _straight_to_pool(request: Any) -> bool:
-    """Whether Celery hands ``request`` to the pool right after ``task_received``."""
-    return not request.eta and not getattr(request.task, "rate_limit", None)
-
-
-def _redelivered(request: Any) -> bool:
-    """Whether the broker says it delivered ``request`` before: Celery may skip it without a
-    signal (``worker_deduplicate_successful_tasks``)."""
-    delivery_info = getattr(request, "delivery_info", None)
-    return bool(delivery_info and delivery_info.get("redelivered"))
-
-
-# A task class -> whether each request of it that starts reaches run_locked or ends with a
-# signal that gives its try up.
-_runs_locked: dict[type, bool] = {}
+# A task class -> whether it defines no ``before_start`` of the user's.
+_no_before_start: dict[type, bool] = {}
 
 
 def _always_runs_locked(cls: type) -> bool:
-    """Whether a started request of ``cls`` either reaches ``run_locked`` or fails with
+    """Whether a started request of ``cls`` (one :data:`spec.spec_of_task` gives a spec for:
+    LockedTask's own ``__call__``, none before it that may answer without the lock; a mixin
+    after it runs inside the lock) either reaches ``run_locked`` or fails with
     ``task_failure``: no ``before_start`` of the user's (it may raise ``Ignore``, ``Retry`` or
-    ``Reject``: no signal) and LockedTask's own ``__call__`` (one before it may answer without
-    the lock; a mixin after it runs inside the lock)."""
-    answer = _runs_locked.get(cls)
+    ``Reject``: no signal)."""
+    answer = _no_before_start.get(cls)
     if answer is None:
-        answer = _runs_locked[cls] = bool(getattr(cls, "_lock_call_is_ours", False)) and not (
-            deferral.user_defines(cls, "before_start")
-        )
+        answer = _no_before_start[cls] = not deferral.user_defines(cls, "before_start")
     return answer
 
 
-def _sent_context(task: Any, spec: Spec, request: Any) -> SentContext | None:
+def _sent_context(task: Any, task_spec: Spec, request: Any) -> SentContext | None:
     """The context ``run_locked`` would build for ``request``, its first try sent; or None."""
-    options = spec.options
+    options = task_spec.options
     if (
-        not spec.plain_key
-        or spec.limit is not None
+        not task_spec.plain_key
+        or task_spec.limit is not None
         or options.unique is not None
         or options.on_held == "replace"
     ):
         return None
-    settings = get_settings(task.app)
-    resolved = _resolved.get(id(spec))
-    if resolved is None or resolved[0] is not spec or resolved[1] is not settings:
-        resolved = _resolve(task, spec, settings)
-    _, _, store, ttl, wait, clock = resolved
-    if store is None:  # it cannot send: no key is built
+    # Not a message the broker says it delivered before: Celery may skip that one without a
+    # signal (worker_deduplicate_successful_tasks).
+    delivery_info = getattr(request, "delivery_info", None)
+    if not _always_runs_locked(task.__class__) or (
+        delivery_info and delivery_info.get("redelivered")
+    ):
         return None
-    if not _always_runs_locked(task.__class__) or _redelivered(request):
+    app = task.app
+    resolved = task_spec.kept(app)  # what the last run resolved (and its run will), if still so
+    if resolved is None:
+        # The key only names a store that is none (what the run raises): not built here.
+        resolved = task_spec.resolve(app, get_settings(app), str(getattr(task, "name", "")))
+    store = resolved.store
+    if not _sends(store):  # it cannot send: no key is built
         return None
-    key = settings.key_prefix + spec.key_function(request.args, request.kwargs)
+    key = resolved.settings.key_prefix + task_spec.key_function(request.args, request.kwargs)
     if SLOT_MARK in key:
         return None
-    context = SentContext(
-        request.id,
+    request_id = request.id
+    node, name, task_id = owner_fields(getattr(request, "hostname", None), task.name, request_id)
+    context = SentContext(  # positional: see LeaseContext.__init__
         key,
         store,
-        ttl,
-        wait,
+        resolved.ttl,
+        resolved.wait,
         options.max_hold,
         options.cooldown,
         None,  # the run's on_lost, set when it takes the context
-        None,
-        clock,
-        node=owner_field(getattr(request, "hostname", None)),
-        task=owner_field(getattr(task, "name", None)),
-        task_id=owner_field(request.id),
+        None,  # cancel
+        resolved.clock,
+        None,  # label
+        node,
+        name,
+        task_id,
     )
-    context.sent = context.send_first_try()
+    context.request_id = request_id
+    context.sent = context.send_first_try(True)  # _sends() checked the store
     return context if context.sent is not None else None
 
 
-# id(spec) -> (spec, the settings object it was resolved under, the store, or None when it
-# cannot send an acquire, ttl, wait, the store's clock): the run resolves them again each time
-# (``take`` compares).
-_Resolved = tuple["Spec", LeaseSettings, LockStore | None, float, float, Clock]
-_resolved: dict[int, _Resolved] = {}
+# The last store :func:`_sends` was asked about and its answer (one, held strongly).
+_last_asked: tuple[object, bool] = (None, False)
 
 
-def _resolve(task: Any, spec: Spec, settings: LeaseSettings) -> _Resolved:
-    """What the run of ``task`` resolves under ``settings``, kept for the next receipt."""
-    # The key only names a store that is none (what the run raises): not built here.
-    name = str(getattr(task, "name", ""))
-    store = execution_store(spec.options.store, task.app, name, settings)
-    ttl, wait = spec.durations(settings)
-    sends = can_send_acquire(store)
-    resolved = (spec, settings, store if sends else None, ttl, wait, clock_of(store))
-    _resolved[id(spec)] = resolved
-    return resolved
+def _sends(store: object) -> bool:
+    """Whether ``store`` can send an acquire (:func:`can_send_acquire`; the last answer kept)."""
+    global _last_asked
+    asked, sends = _last_asked
+    if asked is not store or store is None:
+        sends = can_send_acquire(store)
+        _last_asked = (store, sends)
+    return sends
 
 
 def take(
@@ -249,7 +241,8 @@ def on_worker_shutdown(**_: object) -> None:
 def _forget_after_fork() -> None:
     global _lock, parked
     _lock, parked = threading.Lock(), None  # the parent's try: the parent's to give up
-    _resolved.clear()  # its stores may be the parent's
+    global _last_asked
+    _last_asked = (None, False)  # its store may be the parent's
 
 
 forking.on_fork_child(_forget_after_fork, name="early acquire: the parked try")

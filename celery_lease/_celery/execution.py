@@ -254,12 +254,15 @@ def run_locked(
     body: Callable[[], _R],
     *,
     adopt: bool = False,
+    unclaimed: bool = False,
 ) -> _R | None:
     """Run ``body`` under the lease of this execution and apply the policies. ``task`` is
     ``None`` outside Celery, ``request`` ``None`` for a direct call; with ``adopt``, the first
-    request ``task`` pushes while ``body`` runs gets the lock attributes too."""
+    request ``task`` pushes while ``body`` runs gets the lock attributes too; ``unclaimed``:
+    the caller found ``request`` claimed by no execution (:func:`request.is_claimed`), so it is
+    not asked again."""
     saved = None
-    if request is not None and _request.is_claimed(request):
+    if not unclaimed and request is not None and _request.is_claimed(request):
         # An enclosing execution's request (a ``@locked`` helper called from its body).
         saved = _request.save(request)
     try:
@@ -359,7 +362,18 @@ def _run_arrived(
             if signals.lock_acquired.receivers and not context.reentered:
                 _send_acquired(run, held)
             runs_token = _active.set((*_active.get(), run))
-            result = _run_body(run, body, adopt)
+            # The body, with the interrupt armed (a revoking run only), adopting the next
+            # pushed request with ``adopt``.
+            revoking = run.interrupter is not None
+            if revoking:
+                run.start_body()
+            run.awaiting_request = adopt
+            try:
+                result = body()
+            finally:
+                run.awaiting_request = False
+                if revoking:
+                    run.end_body()
         except AsyncLockLost as exc:
             if not run.interrupted:
                 # An enclosing run's interrupt landed in this nested body: release, pass it on.
@@ -497,20 +511,6 @@ def _send_acquired(run: _Run, held: Lease) -> None:
         task_id=run.task_id,
         slot=held.slot,
     )
-
-
-def _run_body(run: _Run, body: Callable[[], _R], adopt: bool) -> _R:
-    """Run the body with the interrupt armed, adopting the next pushed request with ``adopt``."""
-    revoking = run.interrupter is not None  # the others have no interrupt to arm
-    if revoking:
-        run.start_body()
-    run.awaiting_request = adopt
-    try:
-        return body()
-    finally:
-        run.awaiting_request = False
-        if revoking:
-            run.end_body()
 
 
 def _release(

@@ -151,6 +151,23 @@ class Spec:
         return resolved
 
 
+def _no_spec(task: object) -> Spec | None:
+    """No task class registered: no task's calls are known to reach the engine."""
+    return None
+
+
+# ``task`` -> its Spec when every started call of it reaches the engine's ``run_locked`` (a
+# LockedTask whose ``__call__`` is LockedTask's), else None: registered by the task module
+# (:func:`register_spec_of_task`), which the modules under it cannot import.
+spec_of_task: Callable[[object], Spec | None] = _no_spec
+
+
+def register_spec_of_task(source: Callable[[object], Spec | None]) -> None:
+    """Make ``source`` what :data:`spec_of_task` calls (the task module, when imported)."""
+    global spec_of_task
+    spec_of_task = source
+
+
 def _gone() -> None:
     """A dead reference."""
     return None

@@ -23,6 +23,7 @@ from celery_lease._celery.interrupt import REVOKE_GRACE
 from celery_lease._celery.on_held import skip_quietly
 from celery_lease._celery.request import is_claimed as _is_claimed
 from celery_lease._celery.spec import Spec as _Spec
+from celery_lease._celery.spec import register_spec_of_task
 from celery_lease._core.keys import make_key_function, validate_template
 from celery_lease._core.lease import Lease
 from celery_lease._core.options import ON_HELD, ON_LOST, OPTIONS, LockOptions, validate_options
@@ -269,10 +270,11 @@ class LockedTask(Task):  # type: ignore[misc]
                 kwargs,
                 functools.partial(super().__call__, *args, **kwargs),
                 adopt=True,
+                unclaimed=claimed,
             )
         if claimed:
             body = functools.partial(self.run, *args, **kwargs)
-            return run_locked(self, top, spec, args, kwargs, body)
+            return run_locked(self, top, spec, args, kwargs, body, unclaimed=True)
         # Called directly (task(...)) or recursively: push a request as Task.__call__ does.
         compat.task_stack.push(self)
         self.push_request(args=args, kwargs=kwargs)
@@ -378,6 +380,20 @@ class LockedTask(Task):  # type: ignore[misc]
 
     def on_lock_rejected(self, key: str) -> None:
         """Called in the task's thread when ``key`` stayed held past ``wait`` (body not run)."""
+
+
+def _spec_if_calls_reach_the_engine(task: object) -> _Spec | None:
+    """``task``'s spec when it is a LockedTask whose ``__call__`` is LockedTask's (each call
+    reaches ``run_locked``), else None (see :data:`spec.spec_of_task`)."""
+    if not isinstance(task, LockedTask):
+        return None
+    cls = task.__class__  # a task's proxy (before the app is finalized) answers for its task
+    if not cls._lock_call_is_ours:
+        return None
+    return cast("_Spec | None", cls.__dict__.get("_lock_spec")) or task._lock_get_spec()
+
+
+register_spec_of_task(_spec_if_calls_reach_the_engine)
 
 
 def _is_body_of(task: CeleryTask, wrapper: Callable[..., object]) -> bool:

@@ -409,6 +409,18 @@ class LeaseContext:
     """
 
     limit: int | None = None
+    # An unentered context's state (what :meth:`_unentered` sets again on a fresh copy): class
+    # defaults, so that making a context (one per task) assigns none of them.
+    names_holder = False
+    refused_by: str | None = None
+    _lease: Lease | None = None
+    _frame: Frame | None = None  # the frame this context pushed
+    _reentered = False
+    _entered = False
+    _cooling = False  # the cooldown was begun (an interrupted exit must not release)
+    _released_early = False
+    _defer_release = False
+    _canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
 
     def __init__(
         self,
@@ -446,19 +458,19 @@ class LeaseContext:
         self.async_store: AsyncLockStore | None = None
         # Set by the Celery layer (``on_held="replace"``): recorded as each owner id's ``rt``.
         self.replace_ticket: int | None = None
-        self._unentered()
 
     def _unentered(self) -> None:
+        """Set the unentered state (the class defaults) on this instance: for a copy."""
         self.names_holder = False
-        self.refused_by: str | None = None
-        self._lease: Lease | None = None
-        self._frame: Frame | None = None  # the frame this context pushed
+        self.refused_by = None
+        self._lease = None
+        self._frame = None
         self._reentered = False
         self._entered = False
         self._cooling = False  # the cooldown was begun (an interrupted exit must not release)
         self._released_early = False
         self._defer_release = False
-        self._canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
+        self._canceller = None
 
     def __call__(self, func: F) -> F:
         if self._decorates_async(func):
@@ -568,15 +580,17 @@ class LeaseContext:
             f"{limit})"
         )
 
-    def send_first_try(self) -> SentTry | None:
+    def send_first_try(self, store_checked: bool = False) -> SentTry | None:
         """Send the first try now, for :meth:`enter` to read later (its lease's validity counts
         from now); ``None`` when not sent (the store cannot, a limit, ``names_holder``): the
-        enter tries as usual. One never entered with must go to :meth:`abandon_sent`."""
+        enter tries as usual. One never entered with must go to :meth:`abandon_sent`.
+        ``store_checked``: the caller found the store offers ``send_acquire``
+        (:class:`SupportsSentAcquire`), so it is not asked again."""
         store = self.store
         if (
             self.limit is not None
             or self.names_holder
-            or not offers(store, SupportsSentAcquire, "send_acquire")
+            or not (store_checked or offers(store, SupportsSentAcquire, "send_acquire"))
         ):
             return None
         owner, ttl_ms, started = self._first_try()
@@ -601,8 +615,11 @@ class LeaseContext:
                 f"on_lost={self.on_lost!r} is for 'async with lease(...)' (or @lease on an async"
                 " def): a plain 'with' has no asyncio task to cancel; pass a callable instead"
             )
-        self._mark_entered()
-        task = _running_task()
+        if self._entered:  # as _mark_entered(), inline: once per task
+            raise RuntimeError("a lease() context cannot be entered twice; call lease() again")
+        self._entered = True
+        # The running asyncio task (current_task() raises without a loop), or None.
+        task: object = None if _get_running_loop() is None else asyncio.current_task()
         outer = self._reenter(task)
         if outer is not None:
             if sent is not None:
@@ -656,8 +673,7 @@ class LeaseContext:
             raise
         return held
 
-    def __enter__(self) -> Lease:
-        return self.enter()
+    __enter__ = enter  # ``with``: no frame of its own
 
     def _sent_reply(self, sent: SentTry) -> Reply | object:
         """The reply of ``sent`` for the enter to use as its first try's; ``None``: the enter
@@ -730,14 +746,18 @@ class LeaseContext:
             return False  # the outer context (or, after a fork, the parent) owns the lease
         try:
             pop_frame(self._frame)
-            lapsed = self._end(held, exc is None, tell=False)
+            # Stop renewing, release the key (or keep it for cooldown); a lapse told below.
+            key = held._key
+            settled, final, lapsed = key.stop()
+            if final:
+                self._finish(held, exc is None, settled)
         except BaseException:  # an interrupt: the lease must end all the same, then it goes on
             self._end_interrupted(held)
             raise
         if lapsed is not None:  # told after the release
-            held._key.notify(lapsed)
+            key.notify(lapsed)
         if exc is not None:  # nothing to raise after a body that raised nothing
-            self._raise_if_lost(exc, held._key.lost_reason)
+            self._raise_if_lost(exc, key.lost_reason)
         return False
 
     async def __aenter__(self) -> Lease:
@@ -808,6 +828,16 @@ class LeaseContext:
         self._raise_if_lost(exc, reason)
         return False
 
+    def _end(self, held: Lease, succeeded: bool) -> None:
+        """Stop renewing, release the key (or keep it for ``cooldown``); tell a lapse. (The
+        exit does the same inline, telling a lapse after its checks.)"""
+        key = held._key
+        settled, final, lapsed = key.stop()
+        if final:
+            self._finish(held, succeeded, settled)
+        if lapsed is not None:
+            key.notify(lapsed)
+
     async def _aend(self, held: Lease, succeeded: bool) -> None:
         """Stop renewing and release, awaiting; a renewal in flight or a cooldown (which may
         be fenced) runs the sync steps on a thread, which finishes them even if cancelled."""
@@ -825,18 +855,6 @@ class LeaseContext:
         finally:  # told after the release, also when a cancel cut it short
             if lapsed is not None:
                 key.notify(lapsed)
-
-    def _end(self, held: Lease, succeeded: bool, *, tell: bool = True) -> str | None:
-        """Stop renewing, release the key (or keep it for ``cooldown``); tell a lapse
-        (``tell``), else return it for the caller to tell."""
-        key = held._key
-        settled, final, lapsed = key.stop()
-        if final:
-            self._finish(held, succeeded=succeeded, settled=settled)
-        if tell and lapsed is not None:
-            key.notify(lapsed)
-            return None
-        return lapsed
 
     def _async_store(self) -> AsyncLockStore:
         astore = self.async_store
@@ -892,7 +910,8 @@ class LeaseContext:
             cooldown_ms=to_ms(self.cooldown) if self.cooldown > 0 else None,
             replace_ticket=self.replace_ticket,
         )
-        check_cancel(self.cancel, self.key)
+        if self.cancel is not None:  # most have none: no call
+            check_cancel(self.cancel, self.key)
         return owner, ttl_ms, self.clock.monotonic()
 
     def _plan(self, owner: str, ttl_ms: int, started: float) -> AcquirePlan:
@@ -1001,16 +1020,22 @@ class LeaseContext:
             logger.exception("celery-lease: ending the interrupted lease %r failed", held.key)
 
     def _send_release(self, owner: str) -> None:
-        self._quietly("releasing %r failed (%s); it expires within its ttl", self._release, owner)
-
-    def _release(self, owner: str) -> None:
+        """Release ``owner``'s key (unanswered where deferred: :meth:`release_without_reply`) as
+        :meth:`_quietly` calls a store (one frame: once per task)."""
         store = self.store
-        if not (
-            self._defer_release
-            and conforms(store, SupportsDeferredRelease)
-            and cast(SupportsDeferredRelease, store).release_deferred(self.store_key, owner)
-        ):
-            store.release(self.store_key, owner)
+        try:
+            if not (
+                self._defer_release
+                and conforms(store, SupportsDeferredRelease)
+                and cast(SupportsDeferredRelease, store).release_deferred(self.store_key, owner)
+            ):
+                store.release(self.store_key, owner)
+        except LockLostError:
+            raise
+        except Exception as exc:
+            logger.warning(
+                "celery-lease: releasing %r failed (%s); it expires within its ttl", self.key, exc
+            )
 
     def _quietly(self, failed: str, call: Callable[[str], object], owner: str) -> object:
         """``call(owner)``; a store error is logged (``failed``: %r the key, %s the error), a
@@ -1023,7 +1048,7 @@ class LeaseContext:
             logger.warning("celery-lease: " + failed, self.key, exc)
             return None
 
-    def _finish(self, held: Lease, *, succeeded: bool, settled: bool) -> None:
+    def _finish(self, held: Lease, succeeded: bool, settled: bool) -> None:
         """Release the key, or keep it for ``cooldown`` after a success (fenced when a renewal
         is in flight); never raises a store error."""
         key = held._key
@@ -1119,13 +1144,6 @@ def lease(
         check_slot_store(slots, sync_store, astore)
         context.limit = slots
     return context
-
-
-def _running_task() -> object | None:
-    if _get_running_loop() is None:  # unlike current_task(), does not raise without a loop
-        return None
-    task: object = asyncio.current_task()
-    return task
 
 
 def pop_frame(pushed: Frame | None) -> None:

@@ -117,6 +117,19 @@ def owner_field(value: object) -> str | None:
     return text[:MAX_OWNER_FIELD_CHARS]
 
 
+def owner_fields(node: object, task: object, task_id: object) -> tuple[str | None, ...]:
+    """:func:`owner_field` of each of the three; as they are when each is None or a str short
+    enough (as most are: one check, no call per field)."""
+    most = MAX_OWNER_FIELD_CHARS
+    if (
+        (node is None or (type(node) is str and len(node) <= most))
+        and (task is None or (type(task) is str and len(task) <= most))
+        and (task_id is None or (type(task_id) is str and len(task_id) <= most))
+    ):
+        return node, task, task_id  # each None or a str
+    return owner_field(node), owner_field(task), owner_field(task_id)
+
+
 def make_owner(
     *,
     node: str | None = None,

@@ -427,3 +427,41 @@ class TestALeftoverTry:
         early_acquire.on_task_failure(task_id="id-13")
         assert store.get("t:1") is None
         assert store.events == [("sent", "t:1"), ("read", "t:1"), ("release", "t:1")]
+
+
+@pytest.mark.usefixtures("solo")
+class TestASettingsChangeBetweenReceiptAndRun:
+    def test_the_run_gives_the_try_up_and_takes_its_own_key(self, app: Celery) -> None:
+        """The receipt sent ``t:1``; a new ``lease_key_prefix`` read before the run makes the
+        run's key ``p:t:1``: the sent try is released by its owner, the run acquires its own."""
+        store = app.conf.lease_store
+        task = _task(app, lock_key="t:{a}")
+        early_acquire.on_task_received(request=_request(task, "id-14", 1))
+        app.config_from_object({"lease_store": store, "lease_key_prefix": "p:"}, force=True)
+        assert task.apply(args=(1,), task_id="id-14").get() == 1
+        assert store.events == [
+            ("sent", "t:1"),
+            ("read", "t:1"),
+            ("release", "t:1"),
+            ("acquire", "p:t:1"),
+            ("release", "p:t:1"),
+        ]
+        assert store.get("t:1") is None and store.get("p:t:1") is None
+
+    def test_an_unchanged_run_takes_the_try(self, app: Celery) -> None:
+        """Nothing changed: the run reads the reply of the try sent at receipt (no acquire)."""
+        store = app.conf.lease_store
+        task = _task(app, lock_key="t:{a}")
+        early_acquire.on_task_received(request=_request(task, "id-15", 1))
+        assert task.apply(args=(1,), task_id="id-15").get() == 1
+        assert store.events == [("sent", "t:1"), ("read", "t:1"), ("release", "t:1")]
+
+    def test_a_run_of_another_request_with_the_same_key_leaves_it_parked(self, app: Celery) -> None:
+        """The same key, another request id: the run acquires (refused: the parked try holds
+        the key, ``on_held="skip"``), the parked try stays for its own request."""
+        store = app.conf.lease_store
+        task = _task(app, lock_key="t:{a}", lock_on_held="skip")
+        early_acquire.on_task_received(request=_request(task, "id-16", 1))
+        assert task.apply(args=(1,), task_id="id-17").get() is None
+        assert store.events == [("sent", "t:1"), ("acquire", "t:1")]
+        assert early_acquire.parked is not None and early_acquire.parked.request_id == "id-16"

@@ -11,6 +11,7 @@ from celery import Celery
 
 from celery_lease import LeaseConfigError, LockedTask, locked
 from celery_lease._celery import settings as config
+from celery_lease._celery import spec as spec_module
 from celery_lease._celery.spec import Spec, options_of
 from celery_lease._core.options import LockOptions
 
@@ -76,3 +77,38 @@ class TestOptionsOf:
     @pytest.mark.parametrize("carrier", [object(), object, None, "x"])
     def test_anything_else_carries_none(self, carrier: object) -> None:
         assert options_of(carrier) is None
+
+
+class TestSpecOfTask:
+    """:data:`spec.spec_of_task` (registered by the task module): what the early acquire asks."""
+
+    def test_a_locked_task_gives_its_spec(self, app: Celery) -> None:
+        @app.task(base=LockedTask, lock_key="s:{a}", shared=False)
+        def body(a: int) -> int:
+            return a
+
+        task = app.tasks[body.name]
+        spec = spec_module.spec_of_task(task)
+        assert spec is not None and spec is task._lock_get_spec()
+        assert spec_module.spec_of_task(body) is spec  # through the task's proxy too
+
+    def test_a_plain_task_and_other_objects_give_none(self, app: Celery) -> None:
+        @app.task(shared=False)
+        def plain(a: int) -> int:
+            return a
+
+        assert spec_module.spec_of_task(app.tasks[plain.name]) is None
+        assert spec_module.spec_of_task(object()) is None
+
+    def test_a_call_before_locked_tasks_gives_none(self, app: Celery) -> None:
+        """A ``__call__`` before LockedTask's may answer without the lock: no spec."""
+
+        class Answers(LockedTask):  # type: ignore[misc]
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                return super().__call__(*args, **kwargs)
+
+        @app.task(base=Answers, lock_key="c:{a}", shared=False)
+        def body(a: int) -> int:
+            return a
+
+        assert spec_module.spec_of_task(app.tasks[body.name]) is None

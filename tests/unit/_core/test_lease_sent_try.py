@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from celery_lease import LockNotAcquiredError, MemoryLockStore, StoreUnavailableError
+from celery_lease._core import lease as lease_module
 from celery_lease._core.acquire_plan import SentTry
 from celery_lease._core.dispatch import drain
 from celery_lease._core.lease import Lease, LeaseContext
@@ -276,3 +277,25 @@ class TestASentTryTheEnterDoesNotUse:
         assert drain(), "the attempt is released on the dispatcher"
         assert [e[0] for e in store.events] == ["sent", "read", "release"]
         assert store.get("k") is None
+
+
+class TestTheStoreCheck:
+    def test_a_store_that_cannot_send_sends_nothing(self, clock: FakeClock) -> None:
+        """No ``send_acquire``: ``None`` (the enter tries as usual)."""
+        context = LeaseContext(
+            "k", MemoryLockStore(clock=clock), TTL, 0.0, None, 0.0, None, None, clock
+        )
+        assert context.send_first_try() is None
+
+    def test_a_store_the_caller_checked_is_not_asked_again(
+        self, store: SendingStore, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """``store_checked``: the caller found ``send_acquire``; the try is sent without asking
+        the store's protocol again."""
+        asked: list[object] = []
+        monkeypatch.setattr(lease_module, "offers", lambda *a: asked.append(a) or True)
+        sent = _context(store, clock).send_first_try(True)
+        assert sent is not None and asked == []
+        _context(store, clock, "k2").send_first_try()
+        assert len(asked) == 1
+        _context(store, clock).abandon_sent(sent)

@@ -16,6 +16,8 @@ from celery_lease._core.owners import (
     MAX_OWNER_FIELD_CHARS,
     is_queued_owner,
     make_owner,
+    owner_field,
+    owner_fields,
     parse_owner,
     queued_owner,
     set_node,
@@ -243,3 +245,21 @@ class TestMarkedOwner:
         assert (read.node, read.task, read.task_id, read.ttl) == ("w1@h", "t", "x", 30.0)
         assert read.raw == owner
         assert read.replaced and not plain.replaced
+
+
+class TestOwnerFields:
+    def test_short_strings_and_none_come_back_as_they_are(self) -> None:
+        fields = ("node@host", None, "id-1")
+        assert owner_fields(*fields) == fields
+
+    @pytest.mark.parametrize(
+        "fields",
+        [
+            ("n" * (MAX_OWNER_FIELD_CHARS + 1), "t", "i"),
+            ("n", "t" * (MAX_OWNER_FIELD_CHARS + 5), None),
+            (None, "t", 12345),
+        ],
+        ids=["long-node", "long-task", "int-id"],
+    )
+    def test_any_other_field_is_cut_as_owner_field_cuts_it(self, fields: tuple[Any, ...]) -> None:
+        assert owner_fields(*fields) == tuple(owner_field(f) for f in fields)
