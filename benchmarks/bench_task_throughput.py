@@ -185,6 +185,19 @@ def make_app(env: dict[str, str]) -> Celery:
         def locked_memory(i: int) -> None:
             return None
 
+    class AcquiredAtRun(LockedTask):  # type: ignore[misc]
+        """A LockedTask whose acquire is sent when it runs, never at receipt: a class with a
+        ``before_start`` of its own is not sent early (``_celery.early_acquire``)."""
+
+        abstract = True
+
+        def before_start(self, task_id: str, args: Any, kwargs: Any) -> None:
+            return None
+
+    @app.task(name="bench.locked_at_run", base=AcquiredAtRun, lock_key="bench:{i}", shared=False)
+    def locked_at_run(i: int) -> None:
+        return None
+
     @app.task(name="bench.once", base=QueueOnce, shared=False)
     def once(i: int) -> None:
         return None
@@ -272,6 +285,9 @@ CONTENDERS = {
     "QueueOnce": "bench.once",
     "Singleton": "bench.singleton",
     "LockedTask-memory": "bench.locked_memory",
+    # The same as LockedTask, its acquire sent when the task runs (what a prefork child does):
+    # measures what the solo worker's early acquire buys.
+    "LockedTask-at-run": "bench.locked_at_run",
 }
 DEFAULT_CONTENDERS = ("plain", "LockedTask", "QueueOnce", "Singleton")
 
