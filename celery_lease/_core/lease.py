@@ -422,6 +422,14 @@ class LeaseContext:
     _defer_release = False
     _canceller: aio.Canceller | None = None  # of an on_lost="cancel" async block
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass that overrides :meth:`enter` gets it as its ``__enter__`` too (this
+        class's ``__enter__`` is its own ``enter``, bound when the class was made), so ``with``
+        runs the override."""
+        super().__init_subclass__(**kwargs)
+        if "enter" in cls.__dict__ and "__enter__" not in cls.__dict__:
+            cls.__enter__ = cls.enter
+
     def __init__(
         self,
         key: str,
