@@ -277,20 +277,19 @@ class RedisLockStore(StoreBase):
             self._acquire_tail,
         )
 
-    def _release_request(self, key: str, owner: str) -> bytes:
-        """The packed EVAL request (with the source: see :meth:`release_deferred`) of
-        :data:`RELEASE`, byte for byte the :meth:`_fast_request` of :meth:`_release_call`'s
-        call; for a key (not a slot) and a ``str`` owner its constant items packed at
-        start-up."""
+    def _release_request(self, key: str, owner: str, cold: bool = False) -> bytes:
+        """The packed EVALSHA request (``cold``: EVAL with the source) of :data:`RELEASE`,
+        byte for byte the :meth:`_fast_request` of :meth:`_release_call`'s call; for a key (not
+        a slot) and a ``str`` owner its constant items packed at start-up."""
         if type(key) is not str or SLOT_MARK in key or type(owner) is not str:
-            return self._fast_request(RELEASE, *self._release_call(key, owner), cold=True)
+            return self._fast_request(RELEASE, *self._release_call(key, owner), cold=cold)
         base = self._base(key)
         enc, errors = self._encoding, self._encoding_errors
         lease = (base + ":lease").encode(enc, errors)
         signal = (base + ":signal").encode(enc, errors)
         who = owner.encode(enc, errors)
         return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (
-            RELEASE.cold_head,
+            RELEASE.cold_head if cold else RELEASE.head,
             len(lease),
             lease,
             len(signal),
@@ -556,7 +555,33 @@ class RedisLockStore(StoreBase):
 
     def release(self, key: str, owner: str) -> None:
         # The reply is read before this returns: the key is free before the caller goes on.
-        self._call("release", partial(self._eval, RELEASE, *self._release_call(key, owner)), key)
+        if self._fast is None:
+            call = partial(self._eval, RELEASE, *self._release_call(key, owner))
+            self._call("release", call, key)
+            return
+        request = self._release_request(key, owner)
+        try:  # _call, inline
+            try:
+                self._eval_release(key, owner, request)
+                return
+            except RETRIED as exc:
+                self._log_retry("release", key, exc)
+            self._eval_release(key, owner, request)
+        except RedisError as exc:
+            raise self._error("release", key, failed(exc)) from exc
+
+    def _eval_release(self, key: str, owner: str, request: bytes) -> Any:
+        """:meth:`_eval` of :data:`RELEASE`'s call, whose fast request (from
+        :meth:`_release_request`) is ``request``; on the fast path only."""
+        fast = self._fast
+        assert fast is not None
+        try:
+            reply = fast.call(request)
+        except NoScriptError:  # as _eval answers it
+            reply = fast.call(self._release_request(key, owner, cold=True))
+        if reply is not BUSY:
+            return reply
+        return self._eval_pooled(RELEASE, *self._release_call(key, owner))
 
     def release_owned_slots(self, key: str, owner: str) -> None:
         """Release the slot of ``key`` that ``owner`` holds, whichever it is (see
@@ -579,9 +604,8 @@ class RedisLockStore(StoreBase):
         fast = self._fast
         if fast is None:
             return False
-        return fast.send_deferred(
-            self._release_request(key, owner), partial(self._released, key, owner)
-        )
+        request = self._release_request(key, owner, cold=True)
+        return fast.send_deferred(request, partial(self._released, key, owner))
 
     def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
         """As :meth:`release_deferred`, for a renewal (a refusal or failure is logged; the
@@ -739,13 +763,27 @@ class _SentAcquire:
         self.reply, self.got = reply, True
 
     def read(self) -> int | None:
-        """The answer: the reply, else the acquire asked again (after NOSCRIPT, nothing ran;
-        or once more after a connection error, as ``_call`` retries), read as
-        :meth:`RedisLockStore.acquire` reads it."""
+        """The answer: the reply (read now if no other call has), else the acquire asked again
+        (after NOSCRIPT, nothing ran; or once more after a connection error, as ``_call``
+        retries), read as :meth:`RedisLockStore.acquire` reads it. An error reply raises, as
+        does a ``ConnectionError`` when the connection failed before the reply came."""
         store, key = self.store, self.key
         try:
             try:
-                reply = self._answer()
+                if not self.got:
+                    fast = self.fast
+                    fast.flush()
+                    if not self.got:  # another thread is handing it over, or this process forked
+                        fast.flush(wait=True)
+                    if not self.got:
+                        raise RedisConnectionError(
+                            "the connection was lost before the acquire's reply"
+                        )
+                reply = self.reply
+                if isinstance(reply, BaseException):
+                    if not isinstance(reply, NoScriptError):
+                        raise reply
+                    reply = self._ask()  # nothing ran
             except RETRIED as exc:
                 store._log_retry("acquire", key, exc)
                 reply = _ASK_AGAIN
@@ -753,24 +791,11 @@ class _SentAcquire:
                 reply = self._ask()
         except RedisError as exc:
             raise store._error("acquire", key, failed(exc)) from exc
+        if reply is None:
+            return None
+        if type(reply) is bytes and reply[:1] != b"~":  # a token (not in_grace)
+            return int(reply)
         return int_or_none(store._outside_grace(key, reply))
-
-    def _answer(self) -> Any:
-        """The reply (read now if no other call has); NOSCRIPT asks again; an error reply, or
-        a ``ConnectionError`` when the connection failed before it came, raises."""
-        if not self.got:
-            fast = self.fast
-            fast.flush()
-            if not self.got:  # another thread is handing it over, or this process forked
-                fast.flush(wait=True)
-            if not self.got:
-                raise RedisConnectionError("the connection was lost before the acquire's reply")
-        reply = self.reply
-        if isinstance(reply, BaseException):
-            if isinstance(reply, NoScriptError):  # nothing ran
-                return self._ask()
-            raise reply
-        return reply
 
     def _ask(self) -> Any:
         return self.store._eval_acquire(ACQUIRE, self.key, self.owner, self.ttl_ms, self.request)
