@@ -960,6 +960,21 @@ class TestFork:
         assert fast._sock is parent_sock and _fast_client_id(store) == parent_id
         assert store.renew("parent", "p", LONG_MS) is True
 
+    def test_a_flush_where_the_at_fork_hook_did_not_run_reads_none_of_the_parents_replies(
+        self, own_store: RedisLockStore
+    ) -> None:
+        """A child whose at-fork hook did not run still holds its parent's unread requests:
+        its flush reads nothing from the parent's socket (the pid tells), it reports them as
+        unanswered."""
+        fast = _fast(own_store)
+        assert fast.call(_CLIENT_ID) is not None  # opens the connection
+        got: list[Any] = []
+        assert fast.send_deferred(_CLIENT_ID, got.append)
+        fast._pid = -1  # the connection of another process, as a child sees its parent's
+        fast.flush()
+        assert len(got) == 1 and isinstance(got[0], redis.exceptions.ConnectionError), got
+        assert fast._sock is None  # dropped, to be opened anew by this process
+
     def test_a_child_forked_mid_call_leaves_the_parents_reply_on_the_parents_socket(
         self, own_store: RedisLockStore
     ) -> None:
