@@ -196,7 +196,10 @@ class FastConnection:
             return BUSY
         try:
             sock = self._sock
-            fresh = self._stale(sock)
+            # A new connection is needed: none yet, an exchange cut short after its write (its
+            # reply, of unknown shape, may still come), or a forked child (send_deferred and
+            # flush ask the same).
+            fresh = sock is None or self._pending or self._pid != os.getpid()
             if sock is None or fresh:
                 sock = self._reconnect()
             try:
@@ -223,7 +226,7 @@ class FastConnection:
             return False
         try:
             sock = self._sock
-            if sock is None or self._stale(sock):
+            if sock is None or self._pending or self._pid != os.getpid():  # as call() asks
                 try:
                     sock = self._reconnect()
                 except RedisError:
@@ -251,7 +254,7 @@ class FastConnection:
             sock = self._sock
             if not self._unread or sock is None:
                 return
-            if self._stale(sock):
+            if self._pending or self._pid != os.getpid():  # as call() asks (sock is set)
                 # An exchange was cut short: nothing on this socket can be trusted (dropping it
                 # reports the deferred requests as unanswered).
                 self._drop()
@@ -268,11 +271,6 @@ class FastConnection:
         self.flush()
         with self._lock:
             self._drop()
-
-    def _stale(self, sock: socket.socket | None) -> bool:
-        """Whether the next request needs a new connection: none yet, an exchange cut short
-        after its write (its reply, of unknown shape, may still come), or a forked child."""
-        return sock is None or self._pending or self._pid != os.getpid()
 
     def _exchange(self, sock: socket.socket, request: bytes) -> Any:
         """Write ``request`` and read its reply; ``_pending`` is set until the reply is read."""
@@ -316,7 +314,11 @@ class FastConnection:
                 except RedisError as exc:
                     self._fail_unread(exc)
                     raise
-                _hand(unread.pop(0), reply)
+                on_reply = unread.pop(0)
+                try:  # _hand, inline
+                    on_reply(reply)
+                except Exception:
+                    logger.exception(_HAND_FAILED)
         finally:
             self._eager = False
 
@@ -360,8 +362,19 @@ class FastConnection:
 
     def _fill(self, sock: socket.socket) -> None:
         read = self._direct_read
-        if self._eager and read is not None and sock is self._direct and self._read_now(read):
-            return
+        if self._eager and read is not None and sock is self._direct:
+            # One read of bytes already there (no wait).
+            try:
+                chunk = read()
+            except BlockingIOError:
+                chunk = None
+            except OSError as exc:
+                raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
+            if chunk is not None:
+                if not chunk:
+                    raise RedisConnectionError("Connection closed by server.")
+                self._buf += chunk
+                return
         poll = self._poll_read
         if poll is not None and sock is self._polled and SPIN_SECONDS > 0 and self._poll(poll):
             return
@@ -374,19 +387,6 @@ class FastConnection:
         if not chunk:
             raise RedisConnectionError("Connection closed by server.")
         self._buf += chunk
-
-    def _read_now(self, read: Callable[[], bytes]) -> bool:
-        """One read of bytes already there (no wait); True when bytes were appended."""
-        try:
-            chunk = read()
-        except BlockingIOError:
-            return False
-        except OSError as exc:
-            raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
-        if not chunk:
-            raise RedisConnectionError("Connection closed by server.")
-        self._buf += chunk
-        return True
 
     def _poll(self, read: Callable[[], bytes]) -> bool:
         """Poll the socket for up to :data:`SPIN_SECONDS`; True when bytes were appended."""
@@ -408,16 +408,36 @@ class FastConnection:
     def _read(self, sock: socket.socket) -> Any:
         """One reply: bytes, None, an int, or the exception an error reply stands for."""
         buf = self._buf
-        end = self._line_end(sock)
-        while buf[0] == 0x3E:  # '>'
+        end = buf.find(_CRLF)
+        while end < 0:  # _line_end, inline
+            self._fill(sock)
+            end = buf.find(_CRLF)
+        kind = buf[0]
+        while kind == 0x3E:  # '>'
             # A RESP3 push frame (maintenance notifications) is no reply: skip it.
             self._skip(sock)
             end = self._line_end(sock)
-        kind = buf[0]
-        if kind == 0x24:  # '$' bulk string
-            return self._bulk(sock, end)
+            kind = buf[0]
+        if kind == 0x24:  # '$' bulk string: None for a nil (size -1)
+            try:
+                size = int(buf[1:end])
+            except ValueError:
+                raise InvalidResponse(
+                    f"Protocol error, bad bulk length {bytes(buf[:end])!r}"
+                ) from None
+            if size < 0:
+                del buf[: end + 2]
+                return None
+            stop = end + 2 + size
+            while len(buf) < stop + 2:
+                self._fill(sock)
+            data = bytes(buf[end + 2 : stop])
+            del buf[: stop + 2]
+            return data
         line = bytes(buf[1:end])
         del buf[: end + 2]
+        if kind == 0x3A:  # ':' integer
+            return int(line)
         return _one_line_reply(kind, line)
 
     def _line_end(self, sock: socket.socket) -> int:
@@ -428,23 +448,6 @@ class FastConnection:
             self._fill(sock)
             end = buf.find(_CRLF)
         return end
-
-    def _bulk(self, sock: socket.socket, end: int) -> bytes | None:
-        """A bulk string whose ``$<size>`` line ends at ``end``; None for a nil (size -1)."""
-        buf = self._buf
-        try:
-            size = int(buf[1:end])
-        except ValueError:
-            raise InvalidResponse(f"Protocol error, bad bulk length {bytes(buf[:end])!r}") from None
-        if size < 0:
-            del buf[: end + 2]
-            return None
-        stop = end + 2 + size
-        while len(buf) < stop + 2:
-            self._fill(sock)
-        data = bytes(buf[end + 2 : stop])
-        del buf[: stop + 2]
-        return data
 
     def _skip(self, sock: socket.socket) -> None:
         """Read one RESP2/RESP3 element of any type (a push frame and its parts) and drop it."""
@@ -491,7 +494,10 @@ def _hand(on_reply: Callable[[Any], None], reply: Any) -> None:
     try:
         on_reply(reply)
     except Exception:
-        logger.exception("celery-lease: handling a deferred Redis reply failed")
+        logger.exception(_HAND_FAILED)
+
+
+_HAND_FAILED: Final = "celery-lease: handling a deferred Redis reply failed"
 
 
 _ALL: weakref.WeakSet[FastConnection] = weakref.WeakSet()

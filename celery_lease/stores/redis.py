@@ -46,6 +46,7 @@ from celery_lease.stores._redis_common import (
     RENEW_MANY_SCRIPT,
     RENEW_SCRIPT,
     RETRIED,
+    WITH_GRACE,
     Script,
     SlotWidths,
     StoreBase,
@@ -203,6 +204,17 @@ class RedisLockStore(StoreBase):
             )
         self._encoding = str(kwargs.get("encoding") or "utf-8")
         self._encoding_errors = str(kwargs.get("encoding_errors") or "strict")
+        # The constant items of the fast path's acquire and release requests, packed once: an
+        # acquire's marker key (after its two keys, with a restart grace) and its last
+        # arguments; a key's release's last two arguments (see _acquire_request).
+        _, keys, args = self._acquire_call(ACQUIRE, "k", "", 0)
+        self._acquire_marker = self._pack(keys[2:])
+        self._acquire_tail = self._pack(args[2:])
+        self._release_tail = self._pack(self._release_call("k", "")[1][1:])
+
+    def _pack(self, items: Sequence[str | int]) -> bytes:
+        """``items`` as packed request items (text encoded as the client encodes it)."""
+        return pack_request(b"", items, self._encoding, self._encoding_errors)
 
     @property
     def client(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -220,6 +232,10 @@ class RedisLockStore(StoreBase):
                 reply = fast.call(self._fast_request(script, keys, args, cold=True))
             if reply is not BUSY:  # BUSY: another thread is using the fast connection
                 return reply
+        return self._eval_pooled(script, keys, args)
+
+    def _eval_pooled(self, script: Script, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        """One EVALSHA through redis-py's pool; on NOSCRIPT load the script and evaluate again."""
         try:
             return self._client.evalsha(script.sha, len(keys), *keys, *args)
         except NoScriptError:
@@ -232,6 +248,91 @@ class RedisLockStore(StoreBase):
         """The packed EVALSHA request (``cold``: EVAL with the source) of ``script``."""
         head = script.head_for(len(keys), len(args), cold=cold)
         return pack_request(head, (*keys, *args), self._encoding, self._encoding_errors)
+
+    def _acquire_request(self, script: Script, key: str, owner: str, ttl_ms: int) -> bytes:
+        """The packed EVALSHA request of an acquire ``script`` (a key of :data:`WITH_GRACE`),
+        byte for byte the :meth:`_fast_request` of :meth:`_acquire_call`'s call: the same
+        strings encoded, in the same order (and raising as it raises), its constant items packed
+        at start-up."""
+        if type(owner) is not str:
+            return self._fast_request(*self._acquire_call(script, key, owner, ttl_ms))
+        base = self._base(key)
+        ttl = b"%d" % int(ttl_ms)
+        enc, errors = self._encoding, self._encoding_errors
+        lease = (base + ":lease").encode(enc, errors)
+        token = (base + ":token").encode(enc, errors)
+        who = owner.encode(enc, errors)
+        head = WITH_GRACE[script].head if self._restart_grace else script.head
+        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n%s$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (
+            head,
+            len(lease),
+            lease,
+            len(token),
+            token,
+            self._acquire_marker,
+            len(who),
+            who,
+            len(ttl),
+            ttl,
+            self._acquire_tail,
+        )
+
+    def _release_request(self, key: str, owner: str, cold: bool = False) -> bytes:
+        """The packed EVALSHA request (``cold``: EVAL with the source) of :data:`RELEASE`,
+        byte for byte the :meth:`_fast_request` of :meth:`_release_call`'s call; for a key (not
+        a slot) and a ``str`` owner its constant items packed at start-up."""
+        if type(key) is not str or SLOT_MARK in key or type(owner) is not str:
+            return self._fast_request(RELEASE, *self._release_call(key, owner), cold=cold)
+        base = self._base(key)
+        enc, errors = self._encoding, self._encoding_errors
+        lease = (base + ":lease").encode(enc, errors)
+        signal = (base + ":signal").encode(enc, errors)
+        who = owner.encode(enc, errors)
+        return b"%s$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n%s" % (
+            RELEASE.cold_head if cold else RELEASE.head,
+            len(lease),
+            lease,
+            len(signal),
+            signal,
+            len(who),
+            who,
+            self._release_tail,
+        )
+
+    def _eval_acquire(
+        self, script: Script, key: str, owner: str, ttl_ms: int, request: bytes
+    ) -> Any:
+        """:meth:`_eval` of the acquire ``script``'s call, whose fast request (from
+        :meth:`_acquire_request`) is ``request``; on the fast path only."""
+        fast = self._fast
+        assert fast is not None
+        try:
+            reply = fast.call(request)
+        except NoScriptError:  # as _eval answers it
+            reply = fast.call(
+                self._fast_request(*self._acquire_call(script, key, owner, ttl_ms), True)
+            )
+        if reply is not BUSY:
+            return reply
+        return self._eval_pooled(*self._acquire_call(script, key, owner, ttl_ms))
+
+    def _run_acquire(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
+        """:meth:`_call` of an acquire on the fast path: its raw reply, a refusal by a restart
+        grace raised."""
+        request = self._acquire_request(script, key, owner, ttl_ms)
+        try:
+            try:
+                reply = self._eval_acquire(script, key, owner, ttl_ms, request)
+            except RETRIED as exc:
+                self._log_retry("acquire", key, exc)
+                reply = _ASK_AGAIN
+            if reply is _ASK_AGAIN:  # asked outside the handler, as _call asks
+                reply = self._eval_acquire(script, key, owner, ttl_ms, request)
+        except RedisError as exc:
+            raise self._error("acquire", key, failed(exc)) from exc
+        if reply is None or (type(reply) is bytes and reply[:1] != b"~"):  # not in_grace
+            return reply
+        return self._outside_grace(key, reply)
 
     def _eval_many(self, script: Script, calls: Calls, *, every_node: bool = False) -> list[Any]:
         """Many EVALSHA pipelined (per node on a cluster: ``ClusterFanOut.eval_many``, with
@@ -312,31 +413,10 @@ class RedisLockStore(StoreBase):
         fast = self._fast
         if fast is None:
             return None
-        script, keys, args = self._acquire_call(ACQUIRE, key, owner, ttl_ms)
-        kept = _KeptReply()
-        if not fast.send_deferred(self._fast_request(script, keys, args), kept.take):
+        sent = _SentAcquire(self, fast, key, owner, ttl_ms)
+        if not fast.send_deferred(sent.request, sent.take):
             return None
-        return partial(self._sent_acquired, key, kept, partial(self._eval, script, keys, args))
-
-    def _sent_acquired(self, key: str, kept: _KeptReply, ask: Callable[[], Any]) -> int | None:
-        """The answer to a sent acquire: its reply, else ``ask()`` (after NOSCRIPT, or once more
-        after a connection error, as :meth:`_call` retries), read as :meth:`acquire` reads it."""
-        fast = self._fast
-        assert fast is not None
-        unread = [True]
-
-        def answer() -> Any:
-            if not unread[0]:
-                return ask()
-            unread[0] = False
-            reply = kept.read(fast)
-            if isinstance(reply, NoScriptError):  # nothing ran
-                return ask()
-            if isinstance(reply, BaseException):
-                raise reply
-            return reply
-
-        return int_or_none(self._outside_grace(key, self._call("acquire", answer, key)))
+        return sent.read
 
     def _decode(self, value: bytes | str) -> str:
         """A reply's text, decoded as the client encodes (``str`` replies as they are)."""
@@ -347,10 +427,9 @@ class RedisLockStore(StoreBase):
     def _take(self, script: Script, key: str, owner: str, ttl_ms: int) -> Any:
         """Run an acquire ``script``; its raw reply (a token, or the script's refusal).
         Raises RestartGraceError when a restart grace refused a free key."""
-        script, keys, args = self._acquire_call(script, key, owner, ttl_ms)
         if self._fast is not None:  # standalone, no WAIT, no Sentinel: one EVALSHA, as is
-            reply = self._call("acquire", partial(self._eval, script, keys, args), key)
-            return self._outside_grace(key, reply)
+            return self._run_acquire(script, key, owner, ttl_ms)
+        script, keys, args = self._acquire_call(script, key, owner, ttl_ms)
         return self._take_confirmed(script, keys, args, key, owner, None)
 
     def _take_confirmed(
@@ -476,7 +555,33 @@ class RedisLockStore(StoreBase):
 
     def release(self, key: str, owner: str) -> None:
         # The reply is read before this returns: the key is free before the caller goes on.
-        self._call("release", partial(self._eval, RELEASE, *self._release_call(key, owner)), key)
+        if self._fast is None:
+            call = partial(self._eval, RELEASE, *self._release_call(key, owner))
+            self._call("release", call, key)
+            return
+        request = self._release_request(key, owner)
+        try:  # _call, inline
+            try:
+                self._eval_release(key, owner, request)
+                return
+            except RETRIED as exc:
+                self._log_retry("release", key, exc)
+            self._eval_release(key, owner, request)
+        except RedisError as exc:
+            raise self._error("release", key, failed(exc)) from exc
+
+    def _eval_release(self, key: str, owner: str, request: bytes) -> Any:
+        """:meth:`_eval` of :data:`RELEASE`'s call, whose fast request (from
+        :meth:`_release_request`) is ``request``; on the fast path only."""
+        fast = self._fast
+        assert fast is not None
+        try:
+            reply = fast.call(request)
+        except NoScriptError:  # as _eval answers it
+            reply = fast.call(self._release_request(key, owner, cold=True))
+        if reply is not BUSY:
+            return reply
+        return self._eval_pooled(RELEASE, *self._release_call(key, owner))
 
     def release_owned_slots(self, key: str, owner: str) -> None:
         """Release the slot of ``key`` that ``owner`` holds, whichever it is (see
@@ -499,7 +604,7 @@ class RedisLockStore(StoreBase):
         fast = self._fast
         if fast is None:
             return False
-        request = self._fast_request(RELEASE, *self._release_call(key, owner), cold=True)
+        request = self._release_request(key, owner, cold=True)
         return fast.send_deferred(request, partial(self._released, key, owner))
 
     def renew_deferred(self, key: str, owner: str, ttl_ms: int) -> bool:
@@ -637,28 +742,63 @@ class RedisLockStore(StoreBase):
         return f"RedisLockStore({self._client!r}, prefix={self._prefix!r})"
 
 
-class _KeptReply:
-    """The reply of a sent acquire, kept by whichever call on the connection reads it."""
+_ASK_AGAIN: Any = object()  # an acquire's first ask failed with a retried error
 
-    __slots__ = ("got", "reply")
 
-    def __init__(self) -> None:
+class _SentAcquire:
+    """An acquire sent on the fast connection: its request, its reply (kept by whichever call
+    on the connection reads it: :meth:`take`) and the read answering it (:meth:`read`)."""
+
+    __slots__ = ("fast", "got", "key", "owner", "reply", "request", "store", "ttl_ms")
+
+    def __init__(
+        self, store: RedisLockStore, fast: FastConnection, key: str, owner: str, ttl_ms: int
+    ) -> None:
+        self.request = store._acquire_request(ACQUIRE, key, owner, ttl_ms)
+        self.store, self.fast, self.key, self.owner, self.ttl_ms = store, fast, key, owner, ttl_ms
         self.got = False
         self.reply: Any = None
 
     def take(self, reply: Any) -> None:
         self.reply, self.got = reply, True
 
-    def read(self, fast: FastConnection) -> Any:
-        """The reply (read now if no other call has): a value, the exception an error reply
-        stands for, or a ``ConnectionError`` when the connection failed before it came."""
-        if not self.got:
-            fast.flush()
-            if not self.got:  # another thread is handing it over, or this process forked
-                fast.flush(wait=True)
-        if not self.got:
-            return RedisConnectionError("the connection was lost before the acquire's reply")
-        return self.reply
+    def read(self) -> int | None:
+        """The answer: the reply (read now if no other call has), else the acquire asked again
+        (after NOSCRIPT, nothing ran; or once more after a connection error, as ``_call``
+        retries), read as :meth:`RedisLockStore.acquire` reads it. An error reply raises, as
+        does a ``ConnectionError`` when the connection failed before the reply came."""
+        store, key = self.store, self.key
+        try:
+            try:
+                if not self.got:
+                    fast = self.fast
+                    fast.flush()
+                    if not self.got:  # another thread is handing it over, or this process forked
+                        fast.flush(wait=True)
+                    if not self.got:
+                        raise RedisConnectionError(
+                            "the connection was lost before the acquire's reply"
+                        )
+                reply = self.reply
+                if isinstance(reply, BaseException):
+                    if not isinstance(reply, NoScriptError):
+                        raise reply
+                    reply = self._ask()  # nothing ran
+            except RETRIED as exc:
+                store._log_retry("acquire", key, exc)
+                reply = _ASK_AGAIN
+            if reply is _ASK_AGAIN:  # asked outside the handler, as _call asks
+                reply = self._ask()
+        except RedisError as exc:
+            raise store._error("acquire", key, failed(exc)) from exc
+        if reply is None:
+            return None
+        if type(reply) is bytes and reply[:1] != b"~":  # a token (not in_grace)
+            return int(reply)
+        return int_or_none(store._outside_grace(key, reply))
+
+    def _ask(self) -> Any:
+        return self.store._eval_acquire(ACQUIRE, self.key, self.owner, self.ttl_ms, self.request)
 
 
 def _secrets_of(client: redis.Redis | redis.cluster.RedisCluster) -> tuple[str, ...]:

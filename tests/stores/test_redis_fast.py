@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import multiprocessing
 import os
 import select
@@ -960,6 +961,21 @@ class TestFork:
         assert fast._sock is parent_sock and _fast_client_id(store) == parent_id
         assert store.renew("parent", "p", LONG_MS) is True
 
+    def test_a_flush_where_the_at_fork_hook_did_not_run_reads_none_of_the_parents_replies(
+        self, own_store: RedisLockStore
+    ) -> None:
+        """A child whose at-fork hook did not run still holds its parent's unread requests:
+        its flush reads nothing from the parent's socket (the pid tells), it reports them as
+        unanswered."""
+        fast = _fast(own_store)
+        assert fast.call(_CLIENT_ID) is not None  # opens the connection
+        got: list[Any] = []
+        assert fast.send_deferred(_CLIENT_ID, got.append)
+        fast._pid = -1  # the connection of another process, as a child sees its parent's
+        fast.flush()
+        assert len(got) == 1 and isinstance(got[0], redis.exceptions.ConnectionError), got
+        assert fast._sock is None  # dropped, to be opened anew by this process
+
     def test_a_child_forked_mid_call_leaves_the_parents_reply_on_the_parents_socket(
         self, own_store: RedisLockStore
     ) -> None:
@@ -1094,3 +1110,74 @@ class TestClientsPassedIn:
         finally:
             store.close()
             client.close()
+
+
+class TestEachEntryChecksItsConnection:
+    """Every entry of the fast connection (a call, a deferred send, a flush) asks for itself
+    whether its socket can be used, and hands deferred replies over as documented."""
+
+    def test_a_deferred_send_after_an_exchange_cut_short_opens_a_new_connection(
+        self, own_store: RedisLockStore
+    ) -> None:
+        fast = _fast(own_store)
+        first = fast.call(_CLIENT_ID)
+        old = fast._sock
+        fast._pending = True  # as an exchange cut short after its write leaves it
+        got: list[Any] = []
+        assert fast.send_deferred(_CLIENT_ID, got.append)
+        fast.flush()
+        assert fast._sock is not old
+        assert len(got) == 1 and isinstance(got[0], int) and got[0] != first
+
+    def test_a_deferred_send_in_another_process_opens_its_own_connection(
+        self, own_store: RedisLockStore
+    ) -> None:
+        fast = _fast(own_store)
+        first = fast.call(_CLIENT_ID)
+        old = fast._sock
+        fast._pid = -1  # the connection of another process, as a child sees its parent's
+        got: list[Any] = []
+        assert fast.send_deferred(_CLIENT_ID, got.append)
+        fast.flush()
+        assert fast._sock is not old
+        assert len(got) == 1 and isinstance(got[0], int) and got[0] != first
+
+    def test_a_deferred_reply_whose_function_raises_is_logged_not_passed_on(
+        self, own_store: RedisLockStore, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        fast = _fast(own_store)
+
+        def fails(reply: Any) -> None:
+            raise RuntimeError(f"cannot take {reply!r}")
+
+        assert fast.send_deferred(_CLIENT_ID, fails)
+        fast.flush()
+        assert "handling a deferred Redis reply failed" in caplog.text
+        assert "cannot take" in caplog.text
+        assert isinstance(fast.call(_CLIENT_ID), int)  # the stream is still in step
+
+    def test_a_release_whose_call_fails_with_a_dropped_connection_is_retried_once(
+        self,
+        own_store: RedisLockStore,
+        monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture,
+    ) -> None:
+        store = own_store
+        assert store.acquire("r", "me", LONG_MS) is not None
+        store.release("warm", "me")  # the script is loaded: one EVALSHA a try
+        fast = _fast(store)
+        real_call = fast.call
+        requests: list[bytes] = []
+
+        def dropped_once(request: bytes) -> Any:
+            requests.append(request)
+            if len(requests) == 1:
+                raise redis.exceptions.ConnectionError("dropped before the reply")
+            return real_call(request)
+
+        monkeypatch.setattr(fast, "call", dropped_once)
+        with caplog.at_level(logging.INFO):
+            store.release("r", "me")
+        assert len(requests) == 2 and requests[0] == requests[1]
+        assert "retrying release 'r' once" in caplog.text
+        assert store.get("r") is None

@@ -5,7 +5,9 @@ throwaway servers."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -17,6 +19,7 @@ from celery_lease.stores.redis import RedisLockStore
 pytestmark = pytest.mark.redis
 
 TTL_MS = 30_000
+DEADLINE = 10.0  # seconds a test waits for another thread before it fails
 _CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
 
 
@@ -130,6 +133,67 @@ class TestSentAcquire:
         assert token is not None
         assert "retrying acquire 's:6b' once" in caplog.text
         assert _holder(redis_client, store, "s:6b") == b"me"
+
+    def test_a_reply_another_thread_is_handing_over_is_waited_for(
+        self,
+        store: RedisLockStore,
+        redis_client: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """Another thread has read the reply and is handing it over when the read starts (no
+        reply left unread): the read waits for it, and asks nothing again."""
+        fast = store._fast
+        assert fast is not None
+        assert store.acquire("s:6c-warm", "me", TTL_MS) is not None
+        handing, read_waits = threading.Event(), threading.Event()
+        waited: list[bool] = []
+        send_deferred, flush = fast.send_deferred, fast.flush
+
+        def send_slowly_handed(request: bytes, on_reply: Callable[[Any], None]) -> bool:
+            def hand(reply: Any) -> None:
+                handing.set()
+                waited.append(read_waits.wait(DEADLINE))
+                on_reply(reply)
+
+            return send_deferred(request, hand)
+
+        def flush_seen(*, wait: bool = False) -> None:
+            if wait:
+                read_waits.set()
+            flush(wait=wait)
+
+        monkeypatch.setattr(fast, "send_deferred", send_slowly_handed)
+        monkeypatch.setattr(fast, "flush", flush_seen)
+        before = _evalsha_calls(redis_client)
+        read = store.send_acquire("s:6c", "me", TTL_MS)
+        assert read is not None
+        reader = threading.Thread(target=flush)
+        reader.start()
+        assert handing.wait(DEADLINE)
+        token = read()
+        reader.join(DEADLINE)
+        assert not reader.is_alive()
+        assert waited == [True]
+        assert token is not None and store.last_token("s:6c") == token
+        assert _evalsha_calls(redis_client) - before == 1
+
+    def test_a_reply_that_never_comes_to_this_process_is_asked_again(
+        self, store: RedisLockStore, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """As in a forked child: the parent's unread replies are forgotten and the connection is
+        the parent's. The read hears no reply, asks again once (logged as a retry) on a
+        connection of its own, and holds the key; never a refusal read from nothing."""
+        fast = store._fast
+        assert fast is not None
+        read = store.send_acquire("s:6d", "me", TTL_MS)
+        assert read is not None
+        fast._pid = -1  # another process's connection
+        fast._unread = []  # as the at-fork hook leaves a child's
+        with caplog.at_level(logging.INFO):
+            token = read()
+        assert token is not None
+        assert "retrying acquire 's:6d' once" in caplog.text
+        assert _holder(redis_client, store, "s:6d") == b"me"
 
     def test_a_store_error_raises_as_acquire_raises(
         self, store: RedisLockStore, redis_client: redis.Redis
