@@ -207,10 +207,17 @@ class RedisLockStore(StoreBase):
         # The constant items of the fast path's acquire and release requests, packed once: an
         # acquire's marker key (after its two keys, with a restart grace) and its last
         # arguments; a key's release's last two arguments (see _acquire_request).
-        _, keys, args = self._acquire_call(ACQUIRE, "k", "", 0)
-        self._acquire_marker = self._pack(keys[2:])
-        self._acquire_tail = self._pack(args[2:])
-        self._release_tail = self._pack(self._release_call("k", "")[1][1:])
+        try:
+            _, keys, args = self._acquire_call(ACQUIRE, "k", "", 0)
+            self._acquire_marker = self._pack(keys[2:])
+            self._acquire_tail = self._pack(args[2:])
+            self._release_tail = self._pack(self._release_call("k", "")[1][1:])
+        except (UnicodeError, LookupError) as exc:  # every key of the store would fail so
+            raise LeaseConfigError(
+                f"prefix={prefix!r}: the client's encoding={self._encoding!r}"
+                f" (encoding_errors={self._encoding_errors!r}) cannot encode it ({exc}); use a"
+                " prefix the client's encoding can write, or a client with encoding='utf-8'"
+            ) from exc
 
     def _pack(self, items: Sequence[str | int]) -> bytes:
         """``items`` as packed request items (text encoded as the client encodes it)."""

@@ -740,6 +740,22 @@ class TestReplicaAcks:
 class TestStoreOptions:
     """min_replicas and replica_timeout: defaults, URL options, validation."""
 
+    @pytest.mark.parametrize(
+        ("client_kwargs", "said"),
+        [
+            ({"encoding": "latin-1"}, "encoding='latin-1'"),
+            ({"encoding": "no-such-codec"}, "encoding='no-such-codec'"),
+        ],
+    )
+    def test_a_prefix_the_clients_encoding_cannot_write_is_refused_at_construction(
+        self, client_kwargs: dict[str, str], said: str
+    ) -> None:
+        """Every key of the store starts with the prefix: it fails when the store is built,
+        naming the prefix and the encoding, not at the first acquire."""
+        client = redis.Redis(port=1, **client_kwargs)  # type: ignore[arg-type]
+        with pytest.raises(LeaseConfigError, match=rf"prefix='лиз:'.*{said}"):
+            RedisLockStore(client, prefix="лиз:", restart_grace=1)
+
     def test_defaults_ask_sentinel_stores_for_one_replica_ack_and_others_for_none(self) -> None:
         """Sentinel-managed stores confirm with 1 replica by default; plain ones do not."""
         assert RedisLockStore("redis+sentinel://s1/svc").min_replicas == 1
