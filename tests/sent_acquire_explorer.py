@@ -61,7 +61,13 @@ from typing import Any
 from celery import Celery, states
 from celery.app.trace import build_tracer
 from celery.backends.base import KeyValueStoreBackend
-from celery.signals import task_failure, task_internal_error, task_revoked
+from celery.signals import (
+    task_failure,
+    task_internal_error,
+    task_postrun,
+    task_revoked,
+    task_success,
+)
 
 from celery_lease import LockedTask, current_lease, lease, signals
 from celery_lease._celery import early_acquire, pool, wiring
@@ -835,6 +841,8 @@ def _on_lock_lost(sender: Any = None, task_id: Any = None, token: Any = None, **
 
 
 _lock = threading.Lock()
+# The signals whose receivers decide whether a release may go out unanswered (``deferral``).
+_DEFERRAL_SIGNALS = (task_success, task_postrun, signals.lock_released)
 
 
 def run_once(seed: int, options: Options | None = None) -> World:
@@ -849,6 +857,12 @@ def run_once(seed: int, options: Options | None = None) -> World:
         lease_settings.reset(app)
         saved_label = pool.pool_label()
         pool.set_pool_label("solo")
+        # Receivers other tests left on the signals the release's deferral looks at would
+        # turn the deferred release (and what it explores) off: set aside for the run.
+        set_aside = [(signal, signal.receivers) for signal in _DEFERRAL_SIGNALS]
+        for signal, _ in set_aside:
+            signal.receivers = []
+            signal.sender_receivers_cache.clear()
         connected = []  # a solo worker of another test may have connected them already
         for signal, receiver, uid in wiring.SOLO_RECEIVERS:
             if not any(lookup[0] == uid for lookup, _ in signal.receivers):
@@ -877,6 +891,9 @@ def run_once(seed: int, options: Options | None = None) -> World:
                 signal.disconnect(dispatch_uid=uid)
             early_acquire.give_up()
             pool.set_pool_label(saved_label)
+            for signal, receivers in set_aside:
+                signal.receivers = receivers
+                signal.sender_receivers_cache.clear()
             WORLD = None
         return w
 
