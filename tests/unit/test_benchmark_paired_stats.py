@@ -15,6 +15,11 @@ from benchmarks.paired_stats import Estimate
 class ScriptedRandom(random.Random):
     """A ``random.Random`` whose ``choices`` returns the scripted resamples in turn."""
 
+    def __new__(cls, resamples: list[list[float]]) -> ScriptedRandom:
+        # Python 3.10's random.Random.__new__ seeds from the constructor's argument (a list:
+        # unhashable); the seed is irrelevant here.
+        return super().__new__(cls)
+
     def __init__(self, resamples: list[list[float]]) -> None:
         super().__init__(0)
         self.resamples = list(resamples)

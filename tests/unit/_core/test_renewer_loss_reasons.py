@@ -133,8 +133,9 @@ class TestTaskSeesTheOperator:
 
         lease_signals.lock_lost.connect(receiver, weak=False)
         try:
-
-            @app.task(base=LockedTask, lock_key="op-task", lock_ttl="0.3s", shared=False)
+            # A ttl the renewer's next renewal (ttl/3) cannot miss on a loaded machine: with
+            # 0.3 s a stall past it made the free key read "expired" before the renewer looked.
+            @app.task(base=LockedTask, lock_key="op-task", lock_ttl="3s", shared=False)
             def task() -> Any:
                 assert task.request.lease.wait_lost(REAL)
                 return task.request.lock_lost, task.request.lease.lost_reason
