@@ -1,8 +1,10 @@
 """What the Redis store tests share: the store's fast connection, a lease's holder and a
-command's call count read from the server, and the RESP pieces a fake server needs."""
+command's call count read from the server, and a fake RESP3 server."""
 
 from __future__ import annotations
 
+import socket
+import threading
 from typing import Any
 
 import redis
@@ -49,3 +51,47 @@ def read_command(reader: Any) -> list[bytes] | None:
         size = int(reader.readline()[1:])
         parts.append(reader.read(size + 2)[:-2])
     return parts
+
+
+class FakeRedisServer:
+    """A TCP server on 127.0.0.1 (:attr:`port`) that reads RESP requests, records them in
+    :attr:`commands` and hands each to :meth:`answer`; a connection ends at EOF or when the
+    client's socket fails."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[bytes]] = []
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def answer(self, conn: socket.socket, state: dict[str, Any], command: list[bytes]) -> None:
+        """Write (or withhold) the reply to ``command`` on ``conn``; ``state``: a dict per
+        connection, ``{"maint": False}`` at first."""
+        raise NotImplementedError
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        state: dict[str, Any] = {"maint": False}
+        with conn, conn.makefile("rb") as reader:
+            while True:
+                try:
+                    command = read_command(reader)
+                except (OSError, ValueError):
+                    return
+                if command is None:
+                    return
+                self.commands.append(command)
+                try:
+                    self.answer(conn, state, command)
+                except OSError:
+                    return
+
+    def close(self) -> None:
+        self._listener.close()

@@ -38,7 +38,7 @@ from celery_lease.stores._redis_fast import BUSY, FastConnection
 from celery_lease.stores.redis import RedisLockStore
 from tests.fixtures_redis import RedisServer
 from tests.stores.contract import DEADLINE, LONG_MS
-from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, fast_connection, read_command
+from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, FakeRedisServer, fast_connection
 from tests.support import free_port
 
 pytestmark = pytest.mark.redis
@@ -109,7 +109,7 @@ class _Dribble:
         self._sock.sendall(data)
 
 
-class _FakeRedis:
+class _FakeRedis(FakeRedisServer):
     """A TCP server that speaks enough RESP3 for redis-py's handshake and the store's scripts.
 
     ``answer(state, command)`` returns the raw bytes to send for an EVALSHA/EVAL; ``state`` is a
@@ -119,68 +119,30 @@ class _FakeRedis:
 
     def __init__(self, answer: Callable[[dict[str, Any], list[bytes]], bytes]) -> None:
         self._answer = answer
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.commands: list[list[bytes]] = []
-        self._threads: list[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, daemon=True)
-        self._accepting.start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        state: dict[str, Any] = {"maint": False}
-        with conn, conn.makefile("rb") as reader:
-            while True:
-                try:
-                    command = read_command(reader)
-                except OSError:
-                    return
-                if command is None:
-                    return
-                self.commands.append(command)
-                name = command[0].upper()
-                if name == b"HELLO":
-                    reply = HELLO_REPLY
-                elif name == b"CLIENT":
-                    if command[1].upper() == b"MAINT_NOTIFICATIONS":
-                        state["maint"] = True
-                    reply = b"+OK\r\n"
-                elif name in (b"EVALSHA", b"EVAL"):
-                    reply = self._answer(state, command)
-                elif name == b"PING":
-                    reply = b"+PONG\r\n"
-                else:
-                    reply = b"-ERR unknown command\r\n"
-                try:
-                    conn.sendall(reply)
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self._listener.close()
+    def answer(self, conn: socket.socket, state: dict[str, Any], command: list[bytes]) -> None:
+        name = command[0].upper()
+        if name == b"HELLO":
+            reply = HELLO_REPLY
+        elif name == b"CLIENT":
+            if command[1].upper() == b"MAINT_NOTIFICATIONS":
+                state["maint"] = True
+            reply = b"+OK\r\n"
+        elif name in (b"EVALSHA", b"EVAL"):
+            reply = self._answer(state, command)
+        elif name == b"PING":
+            reply = b"+PONG\r\n"
+        else:
+            reply = b"-ERR unknown command\r\n"
+        conn.sendall(reply)
 
 
 @pytest.fixture
 def fake_redis() -> Iterator[Callable[..., _FakeRedis]]:
-    started: list[_FakeRedis] = []
-
-    def start(answer: Callable[[dict[str, Any], list[bytes]], bytes]) -> _FakeRedis:
-        server = _FakeRedis(answer)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    """Starts a :class:`_FakeRedis` per call; all closed after the test."""
+    with contextlib.ExitStack() as started:
+        yield lambda answer: started.enter_context(contextlib.closing(_FakeRedis(answer)))
 
 
 _PUSH = b">4\r\n$9\r\nMIGRATING\r\n:7\r\n:15\r\n*1\r\n$1\r\n1\r\n"

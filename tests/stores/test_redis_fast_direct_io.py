@@ -18,65 +18,34 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from celery_lease.stores.redis import RedisLockStore
 from tests.stores.contract import DEADLINE, LONG_MS
-from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, fast_connection, read_command
+from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, FakeRedisServer, fast_connection
 
 pytestmark = pytest.mark.redis
 
 
-class _ScriptedRedis:
+class _ScriptedRedis(FakeRedisServer):
     """A RESP3 server answering redis-py's handshake; each EVAL/EVALSHA is handed to
     ``script(conn, command)``, which writes (or withholds) the reply itself."""
 
     def __init__(self, script: Callable[[socket.socket, list[bytes]], None]) -> None:
         self._script = script
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as reader:
-            while True:
-                try:
-                    command = read_command(reader)
-                except (OSError, ValueError):
-                    return
-                if command is None:
-                    return
-                name = command[0].upper()
-                try:
-                    if name == b"HELLO":
-                        conn.sendall(HELLO_REPLY)
-                    elif name in (b"EVALSHA", b"EVAL"):
-                        self._script(conn, command)
-                    else:
-                        conn.sendall(b"+OK\r\n")
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self._listener.close()
+    def answer(self, conn: socket.socket, state: dict[str, Any], command: list[bytes]) -> None:
+        name = command[0].upper()
+        if name == b"HELLO":
+            conn.sendall(HELLO_REPLY)
+        elif name in (b"EVALSHA", b"EVAL"):
+            self._script(conn, command)
+        else:
+            conn.sendall(b"+OK\r\n")
 
 
 @pytest.fixture
 def scripted() -> Iterator[Callable[..., _ScriptedRedis]]:
-    started: list[_ScriptedRedis] = []
-
-    def start(script: Callable[[socket.socket, list[bytes]], None]) -> _ScriptedRedis:
-        server = _ScriptedRedis(script)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    """Starts a :class:`_ScriptedRedis` per call; all closed after the test."""
+    with contextlib.ExitStack() as started:
+        yield lambda script: started.enter_context(contextlib.closing(_ScriptedRedis(script)))
 
 
 class TestDirectReads:
