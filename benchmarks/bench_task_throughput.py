@@ -284,6 +284,7 @@ CONTENDERS = {
     "LockedTask": "bench.locked",
     "QueueOnce": "bench.once",
     "Singleton": "bench.singleton",
+    # The engine on a MemoryLockStore of the worker: LockedTask less the Redis store's cost.
     "LockedTask-memory": "bench.locked_memory",
     # The same as LockedTask, its acquire sent when the task runs (what a prefork child does):
     # measures what the solo worker's early acquire buys.
@@ -354,7 +355,7 @@ class Scenario:
         return name
 
 
-def _command_calls(client: redis.Redis | None) -> dict[str, int]:
+def command_calls(client: redis.Redis | None) -> dict[str, int]:
     """``{command: calls}`` the server ran so far (commands inside scripts included; the
     ``INFO`` that asks is not counted yet: a server counts a command after it ran)."""
     if client is None:
@@ -424,7 +425,7 @@ def _process_usage(scenario: Scenario) -> dict[str, Usage]:
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """Commands run between two :func:`_command_calls`, less the first one's own ``INFO``
+    """Commands run between two :func:`command_calls`, less the first one's own ``INFO``
     (``INFO`` inside the acquire script, the restart grace's, stays counted)."""
     calls = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
     if before:
@@ -449,8 +450,8 @@ def one_block(
     timing measures the client).
     """
     done = client.tasks["bench.done"]
-    locks_before = _command_calls(scenario.lock_server)
-    broker_before = _command_calls(scenario.broker_server)
+    locks_before = command_calls(scenario.lock_server)
+    broker_before = command_calls(scenario.broker_server)
     usage_before = _process_usage(scenario)
     if stager is not None:
         task = stager.tasks[CONTENDERS[name]]
@@ -479,11 +480,11 @@ def one_block(
         queued.setdefault(role, []).append((after.queued_s - before.queued_s) / count)
         switches.setdefault(role, []).append((after.switches - before.switches) / count)
     # The end marker's own commands are in the delta: the same for every contender.
-    locks = _delta(locks_before, _command_calls(scenario.lock_server))
+    locks = _delta(locks_before, command_calls(scenario.lock_server))
     scenario.lock_cmds.setdefault(name, []).append(sum(locks.values()) / count)
     scenario.lock_mix[name] = {k: n / count for k, n in sorted(locks.items())}
     if scenario.broker_server is not None:
-        calls = _delta(broker_before, _command_calls(scenario.broker_server))
+        calls = _delta(broker_before, command_calls(scenario.broker_server))
         scenario.broker_cmds.setdefault(name, []).append(sum(calls.values()) / count)
         scenario.broker_mix[name] = {k: n / count for k, n in sorted(calls.items())}
     return rate

@@ -48,15 +48,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.bench_task_throughput import CONTENDERS, command_calls, make_app
+
 ROOT = Path(__file__).resolve().parents[1]
-CONTENDERS = {
-    "plain": "bench.plain",
-    "LockedTask": "bench.locked",
-    "QueueOnce": "bench.once",
-    "Singleton": "bench.singleton",
-    # The engine on a MemoryLockStore of the worker: LockedTask less the Redis store's cost.
-    "LockedTask-memory": "bench.locked_memory",
-}
 READY_TIMEOUT = 900.0  # seconds: a worker under callgrind on a busy host starts slowly
 ROUND_TIMEOUT = 900.0
 
@@ -101,11 +95,6 @@ def thread_delta(
         if tid not in after:
             out.setdefault(f"{was['comm']} (ended)", {"cpu_ns": 0.0, "vol": 0.0, "invol": 0.0})
     return out
-
-
-def command_calls(client: Any) -> dict[str, int]:
-    stats = client.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
 _LINE = re.compile(r"^(\d+)\s+(?:<\.\.\. )?([a-z_0-9]+)(\(| resumed>)")
@@ -192,7 +181,6 @@ def main() -> None:
     passes = [p for p in options.passes.split(",") if p]
 
     from benchmarks._redis_server import redis_server
-    from benchmarks.bench_task_throughput import make_app
 
     results: dict[str, Any] = {}
     tmp = Path(tempfile.mkdtemp(prefix="celery-lease-worker-cost-"))

@@ -78,6 +78,7 @@ from celery_lease.errors import LockNotAcquiredError, StoreUnavailableError
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.memory import MemoryLockStore
 from celery_lease.testing import FakeClock, drain
+from tests.explorer_scheduler import REAL_TIMEOUT, BaseActor, Scheduler, Stuck
 
 START = 1_767_225_600.0
 """The fake clock's reading at the start of every run (seconds)."""
@@ -85,34 +86,19 @@ START = 1_767_225_600.0
 TTL = 30.0
 """The ttl of every lease, seconds."""
 
-REAL_TIMEOUT = 10.0
-"""Real seconds the scheduler waits for the chosen actor to reach its next point."""
-
 MAX_STEPS = 1500
 """Points per run after which the run counts as stuck."""
 
 KEYS = ("k:1", "k:2")
 
 
-class Stuck(Exception):
-    """The chosen actor did not reach a point in time, or the run did not end."""
-
-
-class Stop(BaseException):
-    """Raised in a parked actor when the run is abandoned."""
-
-
 @dataclasses.dataclass
-class Actor:
-    name: str
-    kind: str  # "worker" | "other" | "background"
-    run: Callable[[], None] = lambda: None
-    thread: threading.Thread | None = None
-    state: str = "new"  # new | parked | running | done | idle
-    pending: str = "start"
+class Actor(BaseActor):
+    """``kind``: "worker" | "other" | "background"; ``state`` also "idle" (a dispatcher thread
+    whose callback ended)."""
+
     ready: Callable[[], bool] | None = None  # None: can go at once
     deadline: float | None = None  # a wait's deadline on the clock
-    go: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 @dataclasses.dataclass
@@ -139,23 +125,18 @@ class Options:
     messages: int = 3
 
 
-class World:
+class World(Scheduler[Actor]):
     """One run under one seed: the actors, the scheduler and what the invariants read."""
 
     def __init__(self, seed: int, options: Options | None = None) -> None:
+        super().__init__()
         self.seed = seed
         self.options = options or Options()
         self.rng = random.Random(seed)
         self.clock = ExploredClock(self)
         self.inner = MemoryLockStore(clock=self.clock)
-        self.cond = threading.Condition()
-        self.actors: list[Actor] = []
-        self.by_thread: dict[threading.Thread, Actor] = {}
-        self.running: Actor | None = None
-        self.abandoned = False
         self.step = 0
         self.timeline: list[str] = []
-        self.violations: list[str] = []
         self.faults_left = self.options.faults
         self.big_steps_left = self.options.big_steps
         self.bodies: list[Body] = []
@@ -206,21 +187,11 @@ class World:
         """Stop the calling actor here until the scheduler picks it; False for a thread that is
         no actor (it goes on unscheduled)."""
         actor = self.actor()
-        if actor is None or self.abandoned:
-            if actor is not None and actor.kind != "background":
-                raise Stop
+        if actor is None or self.out_of_run(actor):
             return False
-        with self.cond:
-            actor.pending, actor.ready, actor.deadline = what, ready, deadline
-            actor.state = "parked"
-            if self.running is actor:
-                self.running = None
-            self.cond.notify_all()
-        actor.go.wait()
-        actor.go.clear()
-        if self.abandoned:
-            if actor.kind != "background":
-                raise Stop
+        actor.pending, actor.ready, actor.deadline = what, ready, deadline
+        self.park(actor)
+        if self.out_of_run(actor):
             return False
         with self.cond:
             actor.state = "running"
@@ -273,12 +244,7 @@ class World:
         return actor.ready is None or actor.ready()
 
     def run(self) -> None:
-        for actor in self.actors:
-            thread = threading.Thread(target=self._main, args=(actor,), daemon=True)
-            actor.thread = thread
-            with self.cond:
-                self.by_thread[thread] = actor
-            thread.start()
+        self.start_actors()
         while True:
             self.settle()
             check_step(self)
@@ -308,11 +274,7 @@ class World:
                 self.clock.advance(step)
                 self.note(f"clock +{step:.2f}s")
                 continue
-            chosen = options[pick]
-            with self.cond:
-                self.running = chosen
-                chosen.state = "running"
-            chosen.go.set()
+            self.hand_turn(options[pick])
 
     def _clock_steps(self) -> list[float]:
         now = self.clock.monotonic()
@@ -334,36 +296,16 @@ class World:
             steps.append(0.5)
         return steps
 
-    def _main(self, actor: Actor) -> None:
-        try:
-            self.point("start")
-            actor.run()
-            self.outcomes.setdefault(actor.name, "done")
-        except Stop:
-            pass
-        except BaseException as exc:
-            self.violations.append(f"{actor.name} raised {exc!r}")
-        finally:
-            with self.cond:
-                actor.state = "done"
-                if self.running is actor:
-                    self.running = None
-                self.cond.notify_all()
+    def ran(self, actor: Actor) -> None:
+        self.outcomes.setdefault(actor.name, "done")
 
-    def abandon(self) -> None:
-        """Let every parked actor out, unscheduled; let the renewers idle out."""
-        self.abandoned = True
-        for actor in list(self.actors):
-            actor.go.set()
-        for actor in list(self.actors):
-            if actor.kind != "background" and actor.thread is not None:
-                actor.thread.join(REAL_TIMEOUT)
+    def let_out(self) -> None:
+        """Let the renewers idle out."""
         self.clock.advance(3600.0)  # past every renewer's idle exit
         for renewer in renewers(self.clock):
             for thread in (renewer.thread, renewer.watchdog):
                 if thread is not None:
                     thread.join(REAL_TIMEOUT)
-        drain(REAL_TIMEOUT)
 
     # faults ------------------------------------------------------------------------------------
 

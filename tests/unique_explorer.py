@@ -70,7 +70,8 @@ from celery_lease._celery.unique import hold as unique_hold
 from celery_lease._core.dispatch import get_dispatcher
 from celery_lease._core.owners import parse_owner
 from celery_lease.stores.base import LeaseInfo
-from celery_lease.testing import FakeClock, drain
+from celery_lease.testing import FakeClock
+from tests.explorer_scheduler import REAL_TIMEOUT, BaseActor, Scheduler, Stop, Stuck
 
 START = 1_767_225_600.0
 """The fake clock's reading at the start of every run (2026-01-01T00:00:00Z)."""
@@ -78,20 +79,8 @@ START = 1_767_225_600.0
 RUN_TTL = 60.0
 """The run lease's ttl (``lock_ttl``) of every explored task, seconds."""
 
-REAL_TIMEOUT = 10.0
-"""Real seconds the scheduler waits for the chosen actor to reach its next point."""
-
 MAX_STEPS = 2000
 """Points per run after which the run counts as a livelock."""
-
-
-class Stuck(Exception):
-    """The chosen actor did not reach a point in time: it blocks on something the scheduler does
-    not control (a lock held by a parked actor), or the run does not end."""
-
-
-class Stop(BaseException):
-    """Raised in a parked slot when the run is over (never caught by the code under test)."""
 
 
 # The world of one run -------------------------------------------------------------------------
@@ -110,16 +99,12 @@ class Event:
 
 
 @dataclasses.dataclass
-class Actor:
-    name: str
-    kind: str  # "caller" | "slot"
-    run: Callable[[], None]
-    thread: threading.Thread | None = None
-    state: str = "new"  # new | parked | running | done
-    pending: str = "start"
+class Actor(BaseActor):
+    """``kind``: "caller" | "slot" | "background"; ``state`` also "idle" (a dispatcher thread
+    whose callback ended) and "killed" (a slot whose process died)."""
+
     wake_at: float | None = None  # a sleeping caller's time
     error: BaseException | None = None
-    go: threading.Event = dataclasses.field(default_factory=threading.Event)
     current: Message | None = None  # a slot's delivery in progress
 
 
@@ -245,17 +230,14 @@ class Replay(Strategy):
         return "--choices " + ",".join(str(c) for c, _ in self.taken)
 
 
-class World:
+class World(Scheduler[Actor]):
     """One run: the actors, the scheduler, the broker, the records the invariants read."""
 
     def __init__(self, scenario: Scenario, strategy: Strategy) -> None:
+        super().__init__()
         self.scenario = scenario
         self.strategy = strategy
         self.clock = FakeClock(START)
-        self.cond = threading.Condition()
-        self.actors: list[Actor] = []
-        self.by_thread: dict[threading.Thread, Actor] = {}
-        self.running: Actor | None = None
         self.last: Actor | None = None
         self.timeline: list[Event] = []
         self.step = 0
@@ -272,10 +254,8 @@ class World:
         self.calls: list[Call] = []
         self.failure_path: list[tuple[str, str]] = []  # (task id, what fired)
         self.traced: list[tuple[str, str, str]] = []  # (task id, slot, state the tracer ended in)
-        self.violations: list[str] = []
         self.results: dict[str, Any] = {}  # the result backend's keys and values
         self.stopping = False
-        self.abandoned = False
         self.taken_at: dict[str, int] = {}  # task id -> the step its latest delivery was taken
         self.choices: list[int] = []  # every decision taken: ``--choices`` replays the run
         self.max_running = 0  # the most actors seen running at once (1: the scheduler holds)
@@ -301,9 +281,7 @@ class World:
         an actor at its first point. Any other thread that is no actor (the main thread
         reading the results) passes through."""
         actor = self.actor()
-        if self.abandoned:  # the run is over: threads still in it go on unscheduled, or stop
-            if actor is not None and actor.kind != "background":
-                raise Stop
+        if self.out_of_run(actor):  # the run is over: threads in it go on unscheduled, or stop
             return None
         if actor is None:
             if not threading.current_thread().name.startswith("celery-lease-dispatch"):
@@ -318,19 +296,11 @@ class World:
             with self.cond:
                 self.by_thread[threading.current_thread()] = actor
                 self.actors.append(actor)
-        with self.cond:
-            actor.pending = what
-            actor.wake_at = wake_at
-            actor.state = "parked"
-            if self.running is actor:
-                self.running = None
-            self.cond.notify_all()
-        actor.go.wait()
-        actor.go.clear()
-        if self.abandoned:  # the run is over (stuck): let everyone out, unscheduled
-            if actor.kind == "background":
-                return None
-            raise Stop
+        actor.pending = what
+        actor.wake_at = wake_at
+        self.park(actor)
+        if self.out_of_run(actor):  # the run is over (stuck): let everyone out, unscheduled
+            return None
         with self.cond:
             actor.state = "running"
             actor.wake_at = None
@@ -432,13 +402,7 @@ class World:
         return target
 
     def run(self) -> None:
-        for actor in self.actors:
-            thread = threading.Thread(target=self._main, args=(actor,), daemon=True)
-            actor.thread = thread
-            thread.start()
-            with self.cond:
-                self.by_thread[thread] = actor
-                self.cond.notify_all()
+        self.start_actors()
         while True:
             self._settled()
             if self.step >= MAX_STEPS:
@@ -473,12 +437,8 @@ class World:
                 self._kill(next(a for a in self.actors if f"kill {a.name}" == labels[choice]))
                 self.last = None
                 continue
-            chosen = options[choice]
-            self.last = chosen
-            with self.cond:
-                self.running = chosen
-                chosen.state = "running"
-            chosen.go.set()
+            self.last = options[choice]
+            self.hand_turn(options[choice])
         self._finish()
 
     def _finish(self) -> None:
@@ -496,46 +456,16 @@ class World:
         for actor in self.actors:
             if actor.state in ("done", "idle", "killed"):
                 continue
-            with self.cond:
-                self.running = actor
-                actor.state = "running"
-            actor.go.set()
+            self.hand_turn(actor)
             self._settled()
         for actor in self.actors:
             assert actor.thread is not None
             if actor.kind != "background" and actor.state != "killed":
                 actor.thread.join(REAL_TIMEOUT)
 
-    def _main(self, actor: Actor) -> None:
-        with self.cond:
-            while threading.current_thread() not in self.by_thread:
-                self.cond.wait()
-        try:
-            self.point("start")
-            actor.run()
-        except Stop:
-            pass
-        except BaseException as exc:
-            actor.error = exc
-            self.violations.append(f"{actor.name} raised {exc!r} (not caught by Celery)")
-        finally:
-            with self.cond:
-                actor.state = "done"
-                if self.running is actor:
-                    self.running = None
-                self.cond.notify_all()
-
-    def abandon(self) -> None:
-        """Let every parked actor out (a stuck run, killed slots): slots and callers stop, a
-        dispatcher thread finishes its callback unscheduled; returns once they did, so that
-        no later run meets them."""
-        self.abandoned = True
-        for actor in list(self.actors):
-            actor.go.set()
-        for actor in list(self.actors):
-            if actor.kind != "background" and actor.thread is not None:
-                actor.thread.join(REAL_TIMEOUT)
-        drain(REAL_TIMEOUT)
+    def raised(self, actor: Actor, exc: BaseException) -> None:
+        actor.error = exc
+        self.violations.append(f"{actor.name} raised {exc!r} (not caught by Celery)")
 
     def choose(self, kind: str, options: Sequence[str]) -> str:
         choice = self.strategy.pick(kind, options, None)

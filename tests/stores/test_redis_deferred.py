@@ -21,15 +21,15 @@ import pytest
 import redis
 
 from celery_lease.stores import _redis_fast
-from celery_lease.stores._redis_fast import FastConnection, _poller
+from celery_lease.stores._redis_fast import _poller
 from celery_lease.stores.base import SupportsDeferredRelease
 from celery_lease.stores.redis import RedisLockStore
 from tests.fixtures_redis import RedisServer
+from tests.stores.redis_helpers import CLIENT_ID, fast_connection
 
 pytestmark = pytest.mark.redis
 
 TTL_MS = 30_000
-_CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
 
 
 @pytest.fixture
@@ -37,12 +37,6 @@ def store(redis_url: str) -> Iterator[RedisLockStore]:
     made = RedisLockStore(redis_url)
     yield made
     made.close()
-
-
-def _fast(store: RedisLockStore) -> FastConnection:
-    fast = store._fast
-    assert fast is not None, "this store must take the fast path"
-    return fast
 
 
 def _holder(client: redis.Redis, store: RedisLockStore, key: str) -> bytes | None:
@@ -63,10 +57,10 @@ class TestDeferredRelease:
         token = store.acquire("d:1", "me", TTL_MS)
         assert token is not None
         assert store.release_deferred("d:1", "me") is True
-        assert _fast(store)._unread, "the reply must still be unread"
+        assert fast_connection(store)._unread, "the reply must still be unread"
         again = store.acquire("d:1", "other", TTL_MS)
         assert again is not None and again > token
-        assert not _fast(store)._unread
+        assert not fast_connection(store)._unread
         assert _holder(redis_client, store, "d:1") == b"other"
 
     def test_flush_reads_it_and_the_key_is_free(
@@ -76,7 +70,7 @@ class TestDeferredRelease:
         assert store.acquire("d:2", "me", TTL_MS) is not None
         assert store.release_deferred("d:2", "me")
         store.flush_deferred()
-        assert not _fast(store)._unread
+        assert not fast_connection(store)._unread
         assert _holder(redis_client, store, "d:2") is None
 
     def test_it_is_owner_checked(self, store: RedisLockStore, redis_client: redis.Redis) -> None:
@@ -94,7 +88,7 @@ class TestDeferredRelease:
             assert store.acquire(f"d:m{i}", "me", TTL_MS) is not None
         for i in range(5):
             assert store.release_deferred(f"d:m{i}", "me")
-        assert len(_fast(store)._unread) == 5
+        assert len(fast_connection(store)._unread) == 5
         assert store.renew("d:m0", "me", TTL_MS) is False  # released: the reply is renew's own
         assert store.acquire("d:m1", "new", TTL_MS) is not None
         assert all(_holder(redis_client, store, f"d:m{i}") is None for i in (0, 2, 3, 4))
@@ -123,7 +117,7 @@ class TestDeferredRelease:
         release is logged as failed (it expires within its ttl), the next call works on a new
         connection and gets its own reply."""
         assert store.acquire("d:5", "me", TTL_MS) is not None
-        fast_id = _fast(store).call(_CLIENT_ID)
+        fast_id = fast_connection(store).call(CLIENT_ID)
         # Pause the connection's reads server-side is not possible; kill it after the send.
         assert store.release_deferred("d:5", "me")
         redis_client.client_kill_filter(_id=fast_id)
@@ -144,10 +138,11 @@ class TestDeferredRelease:
         assert store.acquire("d:7", "me", TTL_MS) is not None
         assert store.release_deferred("d:7", "me")
         with caplog.at_level(logging.WARNING):
-            _fast(store)._pending = True  # as an exchange cut short by an interrupt leaves it
+            # as an exchange cut short by an interrupt leaves it:
+            fast_connection(store)._pending = True
             assert store.acquire("d:7b", "me", TTL_MS) is not None
         assert _holder(redis_client, store, "d:7") is None
-        assert not _fast(store)._unread
+        assert not fast_connection(store)._unread
         assert "d:7" not in caplog.text
 
     def test_a_release_that_fails_twice_is_logged(
@@ -166,8 +161,8 @@ class TestDeferredRelease:
 
         monkeypatch.setattr(store, "release", broken)
         with caplog.at_level(logging.WARNING):
-            _fast(store)._pending = True
-            _fast(store).flush()
+            fast_connection(store)._pending = True
+            fast_connection(store).flush()
         assert "release 'd:7e' got no reply" in caplog.text
         assert "expires within its ttl" in caplog.text
 
@@ -185,7 +180,7 @@ class TestDeferredRelease:
     def test_a_busy_connection_refuses_to_defer(self, store: RedisLockStore) -> None:
         """While another thread uses the fast connection, release_deferred returns False (the
         caller releases the usual way) instead of queueing behind it."""
-        fast = _fast(store)
+        fast = fast_connection(store)
         assert store.acquire("d:8", "me", TTL_MS) is not None
         with fast._lock:
             result: list[bool] = []
@@ -211,7 +206,10 @@ class TestDeferredRelease:
             signal.alarm(60)  # a child that hangs dies instead of outliving the test
             code = 1
             try:
-                ok = not _fast(store)._unread and store.acquire("d:9c", "child", TTL_MS) is not None
+                ok = (
+                    not fast_connection(store)._unread
+                    and store.acquire("d:9c", "child", TTL_MS) is not None
+                )
                 code = 0 if ok else 2
             finally:
                 os.write(write, bytes([code]))
@@ -221,7 +219,7 @@ class TestDeferredRelease:
         os.close(read)
         os.waitpid(pid, 0)
         assert status == b"\x00"
-        assert len(_fast(store)._unread) == 1
+        assert len(fast_connection(store)._unread) == 1
         store.flush_deferred()
         assert _holder(redis_client, store, "d:9") is None
 
@@ -265,7 +263,7 @@ class TestPoll:
         store = RedisLockStore(server.url)
         try:
             monkeypatch.setattr(_redis_fast, "SPIN_SECONDS", 0.5)
-            fast = _fast(store)
+            fast = fast_connection(store)
             assert fast.call(b"*1\r\n$4\r\nPING\r\n") == b"PONG"
             with pytest.raises(redis.exceptions.ConnectionError):
                 fast.call(b"*2\r\n$8\r\nSHUTDOWN\r\n$6\r\nNOSAVE\r\n")
@@ -371,7 +369,7 @@ class TestDesync:
     ) -> None:
         assert store.acquire("v:mine", "me", TTL_MS) is not None
         assert other.acquire("v:theirs", "them", TTL_MS) is not None
-        fast = _fast(store)
+        fast = fast_connection(store)
         fast._unread = _AppendInterrupted()
         with pytest.raises(KeyboardInterrupt):
             store.release_deferred("v:mine", "me")
@@ -386,7 +384,7 @@ class TestDesync:
         assert store.acquire("w:a", "me", TTL_MS) is not None
         assert store.acquire("w:b", "me", TTL_MS) is not None
         assert other.acquire("w:theirs", "them", TTL_MS) is not None
-        fast = _fast(store)
+        fast = fast_connection(store)
         assert store.release_deferred("w:a", "me")  # one reply unread, properly recorded
         real = fast._sock
         fast._sock = _SendThenInterrupt(real)  # type: ignore[assignment]
@@ -407,7 +405,7 @@ class TestLostRetry:
         self, store: RedisLockStore, redis_client: redis.Redis
     ) -> None:
         assert store.acquire("x:1", "me", TTL_MS) is not None
-        fast_id = _fast(store).call(_CLIENT_ID)
+        fast_id = fast_connection(store).call(CLIENT_ID)
         # The body runs long; renewals go through renew_many (redis-py's pool), so the fast
         # connection sits idle and the server closes it (``timeout``), as CLIENT KILL does.
         redis_client.client_kill_filter(_id=fast_id)
@@ -421,7 +419,7 @@ class TestLostRetry:
         self, store: RedisLockStore, redis_client: redis.Redis
     ) -> None:
         assert store.acquire("x:2", "me", TTL_MS) is not None
-        fast_id = _fast(store).call(_CLIENT_ID)
+        fast_id = fast_connection(store).call(CLIENT_ID)
         redis_client.client_kill_filter(_id=fast_id)
         store.release("x:2", "me")
         assert _holder(redis_client, store, "x:2") is None

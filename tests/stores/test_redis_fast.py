@@ -38,23 +38,15 @@ from celery_lease.stores._redis_fast import BUSY, FastConnection
 from celery_lease.stores.redis import RedisLockStore
 from tests.fixtures_redis import RedisServer
 from tests.stores.contract import DEADLINE, LONG_MS
+from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, FakeRedisServer, fast_connection
 from tests.support import free_port
 
 pytestmark = pytest.mark.redis
 
-_CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
-"""A packed ``CLIENT ID``: sent on the fast connection itself, it names that connection."""
-
-
-def _fast(store: RedisLockStore) -> FastConnection:
-    fast = store._fast
-    assert fast is not None, "this store must take the fast path"
-    return fast
-
 
 def _fast_client_id(store: RedisLockStore) -> int:
     """The server's id of the store's fast connection (asked over that connection)."""
-    reply = _fast(store).call(_CLIENT_ID)
+    reply = fast_connection(store).call(CLIENT_ID)
     assert isinstance(reply, int), reply
     return reply
 
@@ -70,7 +62,7 @@ def _until(what: str, condition: Callable[[], bool]) -> None:
 @contextlib.contextmanager
 def _through_the_pool(store: RedisLockStore) -> Iterator[None]:
     """Every fast-path call in the block finds the connection busy and uses redis-py's pool."""
-    fast = _fast(store)
+    fast = fast_connection(store)
     assert fast._lock.acquire(blocking=False)
     try:
         yield
@@ -117,23 +109,7 @@ class _Dribble:
         self._sock.sendall(data)
 
 
-def _read_command(reader: Any) -> list[bytes] | None:
-    """One RESP request (an array of bulk strings) from a ``makefile('rb')``, None at EOF."""
-    line = reader.readline()
-    if not line:
-        return None
-    assert line[:1] == b"*", line
-    parts = []
-    for _ in range(int(line[1:])):
-        size = int(reader.readline()[1:])
-        parts.append(reader.read(size + 2)[:-2])
-    return parts
-
-
-_HELLO_REPLY = b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n"
-
-
-class _FakeRedis:
+class _FakeRedis(FakeRedisServer):
     """A TCP server that speaks enough RESP3 for redis-py's handshake and the store's scripts.
 
     ``answer(state, command)`` returns the raw bytes to send for an EVALSHA/EVAL; ``state`` is a
@@ -143,68 +119,30 @@ class _FakeRedis:
 
     def __init__(self, answer: Callable[[dict[str, Any], list[bytes]], bytes]) -> None:
         self._answer = answer
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.commands: list[list[bytes]] = []
-        self._threads: list[threading.Thread] = []
-        self._accepting = threading.Thread(target=self._accept, daemon=True)
-        self._accepting.start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        state: dict[str, Any] = {"maint": False}
-        with conn, conn.makefile("rb") as reader:
-            while True:
-                try:
-                    command = _read_command(reader)
-                except OSError:
-                    return
-                if command is None:
-                    return
-                self.commands.append(command)
-                name = command[0].upper()
-                if name == b"HELLO":
-                    reply = _HELLO_REPLY
-                elif name == b"CLIENT":
-                    if command[1].upper() == b"MAINT_NOTIFICATIONS":
-                        state["maint"] = True
-                    reply = b"+OK\r\n"
-                elif name in (b"EVALSHA", b"EVAL"):
-                    reply = self._answer(state, command)
-                elif name == b"PING":
-                    reply = b"+PONG\r\n"
-                else:
-                    reply = b"-ERR unknown command\r\n"
-                try:
-                    conn.sendall(reply)
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self._listener.close()
+    def answer(self, conn: socket.socket, state: dict[str, Any], command: list[bytes]) -> None:
+        name = command[0].upper()
+        if name == b"HELLO":
+            reply = HELLO_REPLY
+        elif name == b"CLIENT":
+            if command[1].upper() == b"MAINT_NOTIFICATIONS":
+                state["maint"] = True
+            reply = b"+OK\r\n"
+        elif name in (b"EVALSHA", b"EVAL"):
+            reply = self._answer(state, command)
+        elif name == b"PING":
+            reply = b"+PONG\r\n"
+        else:
+            reply = b"-ERR unknown command\r\n"
+        conn.sendall(reply)
 
 
 @pytest.fixture
 def fake_redis() -> Iterator[Callable[..., _FakeRedis]]:
-    started: list[_FakeRedis] = []
-
-    def start(answer: Callable[[dict[str, Any], list[bytes]], bytes]) -> _FakeRedis:
-        server = _FakeRedis(answer)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    """Starts a :class:`_FakeRedis` per call; all closed after the test."""
+    with contextlib.ExitStack() as started:
+        yield lambda answer: started.enter_context(contextlib.closing(_FakeRedis(answer)))
 
 
 _PUSH = b">4\r\n$9\r\nMIGRATING\r\n:7\r\n:15\r\n*1\r\n$1\r\n1\r\n"
@@ -222,7 +160,7 @@ class TestWire:
         recv() gives the same answers: no reply is cut, merged or left half-read."""
         store = own_store
         assert store.acquire("warm", "w", LONG_MS) is not None
-        fast = _fast(store)
+        fast = fast_connection(store)
         assert fast._sock is not None
         dribble = _Dribble(fast._sock)
         fast._sock = dribble  # type: ignore[assignment]
@@ -258,7 +196,7 @@ class TestWire:
         server = fake_redis(answer)
         store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0")
         try:
-            fast = _fast(store)
+            fast = fast_connection(store)
             assert store.acquire("k", "a", LONG_MS) == 123
             assert fast._sock is not None
             fast._sock = cast(Any, _Dribble(fast._sock))  # the push and the reply byte by byte
@@ -305,7 +243,7 @@ class TestWire:
         try:
             with pytest.raises(StoreUnavailableError, match="InvalidResponse"):
                 store.acquire("k", "a", LONG_MS)
-            assert _fast(store)._pending  # the rest of the map is unread: never reused
+            assert fast_connection(store)._pending  # the rest of the map is unread: never reused
             assert store.acquire("k", "a", LONG_MS) == 77
         finally:
             store.close()
@@ -330,14 +268,14 @@ class TestThreads:
         problems: list[str] = []
         counts: collections.Counter[str] = collections.Counter()
         start = threading.Barrier(self.THREADS)
-        real_call = _fast(store).call
+        real_call = fast_connection(store).call
 
         def counting_call(request: bytes) -> Any:
             reply = real_call(request)
             counts["busy" if reply is BUSY else "fast"] += 1
             return reply
 
-        _fast(store).call = counting_call  # type: ignore[method-assign]
+        fast_connection(store).call = counting_call  # type: ignore[method-assign]
 
         def work(me: str) -> None:
             start.wait(DEADLINE)
@@ -372,7 +310,7 @@ class TestThreads:
         assert not any(thread.is_alive() for thread in threads)
         assert problems == []
         assert counts["held"] > 0 and counts["fast"] > 0
-        assert not _fast(store)._pending
+        assert not fast_connection(store)._pending
 
     def test_an_async_exception_at_any_point_of_a_call_never_shifts_a_reply(
         self, store_for_interrupts: RedisLockStore
@@ -381,7 +319,7 @@ class TestThreads:
         step of it (reconnect, write, each recv): afterwards a renewal of a free key is False
         and the holder's acquire returns its own token."""
         store = store_for_interrupts
-        fast = _fast(store)
+        fast = fast_connection(store)
         token = store.acquire("k", "a", LONG_MS)
         assert token is not None
         steps = [("connect", 0), ("send", 0), *(("recv", nth) for nth in range(8))]
@@ -668,7 +606,7 @@ class TestConnectionSettings:
             fields = _client_line(admin, _fast_client_id(store))
             assert (fields["name"], fields["db"], fields["user"]) == ("lease-fast", "3", "app")
             assert fields["laddr"] == f"127.0.0.1:{tls_port}"  # the TLS port, not the plain one
-            assert isinstance(_fast(store)._sock, ssl.SSLSocket)
+            assert isinstance(fast_connection(store)._sock, ssl.SSLSocket)
             db3 = server.client(db=3)
             assert db3.exists(store.lease_key("k")) == 1
             assert admin.exists(store.lease_key("k")) == 0
@@ -695,7 +633,7 @@ class TestConnectionSettings:
             fields = _client_line(admin, _fast_client_id(store))
             assert (fields["db"], fields["name"]) == ("5", "u")
             assert fields["laddr"].startswith(server.unix_socket), fields
-            sock = _fast(store)._sock
+            sock = fast_connection(store)._sock
             assert sock is not None and sock.family == socket.AF_UNIX
             assert server.client(db=5).exists(store.lease_key("k")) == 1
         finally:
@@ -768,7 +706,7 @@ class TestDeadConnections:
             admin.config_set("timeout", 1)
             _until("the server closes the idle fast connection", self._gone(admin, idle))
             admin.config_set("timeout", 0)
-            lost = _lose_the_next_answered_reply(_fast(store))
+            lost = _lose_the_next_answered_reply(fast_connection(store))
             token = store.acquire("k", "a", LONG_MS)
             assert lost and token is not None and int(lost[0]) == token
             assert store.get("k") is not None
@@ -783,7 +721,7 @@ class TestDeadConnections:
         assert store.acquire("k", "a", LONG_MS) is not None
         assert store.renew("k", "a", LONG_MS) is True  # the script is cached: no NOSCRIPT
         redis_client.client_kill_filter(_id=str(_fast_client_id(store)))
-        lost = _lose_the_next_answered_reply(_fast(store))
+        lost = _lose_the_next_answered_reply(fast_connection(store))
         assert store.renew("k", "a", LONG_MS) is True
         assert lost == [1]
 
@@ -830,7 +768,7 @@ class TestTimeouts:
         stopped server): one exchange and one reconnect, not a second of each."""
         server = redis_server_factory()
         store = RedisLockStore(f"{server.url}?socket_timeout=0.2")
-        fast = _fast(store)
+        fast = fast_connection(store)
         sends: list[bytes] = []
         reconnects: list[bool] = []
         real_exchange, real_reconnect = fast._exchange, fast._reconnect
@@ -893,13 +831,13 @@ class TestSyscalls:
         with monkeypatch.context() as patch:
             patch.setattr(socket, "socket", _CountingSocket)
             assert store.acquire("warm", "w", LONG_MS) is not None
-        sock = _fast(store)._sock
+        sock = fast_connection(store)._sock
         assert isinstance(sock, _CountingSocket) and sock.gettimeout() == 5.0
         return store
 
     @staticmethod
     def _reply_arrived(store: RedisLockStore) -> None:
-        sock = _fast(store)._sock
+        sock = fast_connection(store)._sock
         assert sock is not None
         assert select.select([sock], [], [], DEADLINE)[0], "no reply came"
 
@@ -929,7 +867,7 @@ class TestSyscalls:
         """A request larger than the socket's send buffer: the rest is sent after the first
         write, and the reply is the whole request's."""
         store = self._counting_store(redis_url, monkeypatch)
-        fast = _fast(store)
+        fast = fast_connection(store)
         value = os.urandom(1 << 23)  # 8 MiB: more than a loopback send buffer takes at once
         try:
             request = b"*3\r\n$3\r\nSET\r\n$3\r\nbig\r\n$%d\r\n%s\r\n" % (len(value), value)
@@ -947,7 +885,7 @@ class TestFork:
     ) -> None:
         store = own_store
         assert store.acquire("parent", "p", LONG_MS) is not None
-        fast = _fast(store)
+        fast = fast_connection(store)
         parent_id, parent_sock = _fast_client_id(store), fast._sock
         ctx = multiprocessing.get_context("fork")
         results = ctx.Queue()
@@ -967,10 +905,10 @@ class TestFork:
         """A child whose at-fork hook did not run still holds its parent's unread requests:
         its flush reads nothing from the parent's socket (the pid tells), it reports them as
         unanswered."""
-        fast = _fast(own_store)
-        assert fast.call(_CLIENT_ID) is not None  # opens the connection
+        fast = fast_connection(own_store)
+        assert fast.call(CLIENT_ID) is not None  # opens the connection
         got: list[Any] = []
-        assert fast.send_deferred(_CLIENT_ID, got.append)
+        assert fast.send_deferred(CLIENT_ID, got.append)
         fast._pid = -1  # the connection of another process, as a child sees its parent's
         fast.flush()
         assert len(got) == 1 and isinstance(got[0], redis.exceptions.ConnectionError), got
@@ -984,7 +922,7 @@ class TestFork:
         would take the parent's token for its own answer and rob the parent of it)."""
         store = own_store
         assert store.acquire("warm", "w", LONG_MS) is not None
-        fast = _fast(store)
+        fast = fast_connection(store)
         parent_id = _fast_client_id(store)
         real_read = fast._read
         sent, forked = threading.Event(), threading.Event()
@@ -1116,28 +1054,25 @@ class TestEachEntryChecksItsConnection:
     """Every entry of the fast connection (a call, a deferred send, a flush) asks for itself
     whether its socket can be used, and hands deferred replies over as documented."""
 
-    def test_a_deferred_send_after_an_exchange_cut_short_opens_a_new_connection(
-        self, own_store: RedisLockStore
+    @pytest.mark.parametrize(
+        "unusable",
+        [
+            # as an exchange cut short after its write leaves it:
+            pytest.param({"_pending": True}, id="after-an-exchange-cut-short"),
+            # the connection of another process, as a child sees its parent's:
+            pytest.param({"_pid": -1}, id="in-another-process"),
+        ],
+    )
+    def test_a_deferred_send_on_a_connection_it_cannot_use_opens_a_new_one(
+        self, own_store: RedisLockStore, unusable: dict[str, Any]
     ) -> None:
-        fast = _fast(own_store)
-        first = fast.call(_CLIENT_ID)
+        fast = fast_connection(own_store)
+        first = fast.call(CLIENT_ID)
         old = fast._sock
-        fast._pending = True  # as an exchange cut short after its write leaves it
+        for name, value in unusable.items():
+            setattr(fast, name, value)
         got: list[Any] = []
-        assert fast.send_deferred(_CLIENT_ID, got.append)
-        fast.flush()
-        assert fast._sock is not old
-        assert len(got) == 1 and isinstance(got[0], int) and got[0] != first
-
-    def test_a_deferred_send_in_another_process_opens_its_own_connection(
-        self, own_store: RedisLockStore
-    ) -> None:
-        fast = _fast(own_store)
-        first = fast.call(_CLIENT_ID)
-        old = fast._sock
-        fast._pid = -1  # the connection of another process, as a child sees its parent's
-        got: list[Any] = []
-        assert fast.send_deferred(_CLIENT_ID, got.append)
+        assert fast.send_deferred(CLIENT_ID, got.append)
         fast.flush()
         assert fast._sock is not old
         assert len(got) == 1 and isinstance(got[0], int) and got[0] != first
@@ -1145,16 +1080,16 @@ class TestEachEntryChecksItsConnection:
     def test_a_deferred_reply_whose_function_raises_is_logged_not_passed_on(
         self, own_store: RedisLockStore, caplog: pytest.LogCaptureFixture
     ) -> None:
-        fast = _fast(own_store)
+        fast = fast_connection(own_store)
 
         def fails(reply: Any) -> None:
             raise RuntimeError(f"cannot take {reply!r}")
 
-        assert fast.send_deferred(_CLIENT_ID, fails)
+        assert fast.send_deferred(CLIENT_ID, fails)
         fast.flush()
         assert "handling a deferred Redis reply failed" in caplog.text
         assert "cannot take" in caplog.text
-        assert isinstance(fast.call(_CLIENT_ID), int)  # the stream is still in step
+        assert isinstance(fast.call(CLIENT_ID), int)  # the stream is still in step
 
     def test_a_release_whose_call_fails_with_a_dropped_connection_is_retried_once(
         self,
@@ -1165,7 +1100,7 @@ class TestEachEntryChecksItsConnection:
         store = own_store
         assert store.acquire("r", "me", LONG_MS) is not None
         store.release("warm", "me")  # the script is loaded: one EVALSHA a try
-        fast = _fast(store)
+        fast = fast_connection(store)
         real_call = fast.call
         requests: list[bytes] = []
 

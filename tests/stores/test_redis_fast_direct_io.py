@@ -16,87 +16,36 @@ from typing import Any
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from celery_lease.stores._redis_fast import FastConnection
 from celery_lease.stores.redis import RedisLockStore
 from tests.stores.contract import DEADLINE, LONG_MS
+from tests.stores.redis_helpers import CLIENT_ID, HELLO_REPLY, FakeRedisServer, fast_connection
 
 pytestmark = pytest.mark.redis
 
-_HELLO_REPLY = b"%2\r\n$6\r\nserver\r\n$5\r\nredis\r\n$5\r\nproto\r\n:3\r\n"
-_CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
 
-
-def _fast(store: RedisLockStore) -> FastConnection:
-    fast = store._fast
-    assert fast is not None, "this store must take the fast path"
-    return fast
-
-
-def _read_command(reader: Any) -> list[bytes] | None:
-    line = reader.readline()
-    if not line:
-        return None
-    parts = []
-    for _ in range(int(line[1:])):
-        size = int(reader.readline()[1:])
-        parts.append(reader.read(size + 2)[:-2])
-    return parts
-
-
-class _ScriptedRedis:
+class _ScriptedRedis(FakeRedisServer):
     """A RESP3 server answering redis-py's handshake; each EVAL/EVALSHA is handed to
     ``script(conn, command)``, which writes (or withholds) the reply itself."""
 
     def __init__(self, script: Callable[[socket.socket, list[bytes]], None]) -> None:
         self._script = script
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn, conn.makefile("rb") as reader:
-            while True:
-                try:
-                    command = _read_command(reader)
-                except (OSError, ValueError):
-                    return
-                if command is None:
-                    return
-                name = command[0].upper()
-                try:
-                    if name == b"HELLO":
-                        conn.sendall(_HELLO_REPLY)
-                    elif name in (b"EVALSHA", b"EVAL"):
-                        self._script(conn, command)
-                    else:
-                        conn.sendall(b"+OK\r\n")
-                except OSError:
-                    return
-
-    def close(self) -> None:
-        self._listener.close()
+    def answer(self, conn: socket.socket, state: dict[str, Any], command: list[bytes]) -> None:
+        name = command[0].upper()
+        if name == b"HELLO":
+            conn.sendall(HELLO_REPLY)
+        elif name in (b"EVALSHA", b"EVAL"):
+            self._script(conn, command)
+        else:
+            conn.sendall(b"+OK\r\n")
 
 
 @pytest.fixture
 def scripted() -> Iterator[Callable[..., _ScriptedRedis]]:
-    started: list[_ScriptedRedis] = []
-
-    def start(script: Callable[[socket.socket, list[bytes]], None]) -> _ScriptedRedis:
-        server = _ScriptedRedis(script)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        server.close()
+    """Starts a :class:`_ScriptedRedis` per call; all closed after the test."""
+    with contextlib.ExitStack() as started:
+        yield lambda script: started.enter_context(contextlib.closing(_ScriptedRedis(script)))
 
 
 class TestDirectReads:
@@ -112,8 +61,8 @@ class TestDirectReads:
 
         server = scripted(script)
         store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?socket_timeout=5")
-        fast = _fast(store)
-        assert fast.call(_CLIENT_ID) == b"OK"  # opens the connection
+        fast = fast_connection(store)
+        assert fast.call(CLIENT_ID) == b"OK"  # opens the connection
         got: list[Any] = []
         assert fast.send_deferred(b"*1\r\n$4\r\nEVAL\r\n", got.append)
         direct_read = fast._direct_read
@@ -149,8 +98,8 @@ class TestDirectReads:
 
         server = scripted(script)
         store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?socket_timeout=5")
-        fast = _fast(store)
-        assert fast.call(_CLIENT_ID) == b"OK"
+        fast = fast_connection(store)
+        assert fast.call(CLIENT_ID) == b"OK"
         got: list[Any] = []
         assert fast.send_deferred(b"*1\r\n$4\r\nEVAL\r\n", got.append)
         fast.flush()
@@ -160,36 +109,39 @@ class TestDirectReads:
 
 
 class TestDirectWrites:
-    def test_a_refused_write_reports_a_deferred_release_unanswered(self, redis_url: str) -> None:
-        """EPIPE from os.write (the socket's write side shut): the request may have run, the
-        caller hears a ConnectionError, the next call runs on a new connection."""
+    @pytest.fixture
+    def write_shut(self, redis_url: str) -> Iterator[tuple[RedisLockStore, socket.socket]]:
+        """A store holding "k" for "a", its fast connection's write side shut (EPIPE from
+        os.write); with that socket."""
         store = RedisLockStore(f"{redis_url}?socket_timeout=5")
         try:
             assert store.acquire("k", "a", LONG_MS) is not None
-            fast = _fast(store)
-            assert fast._sock is not None
-            old = fast._sock
+            old = fast_connection(store)._sock
+            assert old is not None
             old.shutdown(socket.SHUT_WR)
-            got: list[Any] = []
-            assert fast.send_deferred(b"*1\r\n$4\r\nPING\r\n", got.append) is True
-            assert len(got) == 1 and isinstance(got[0], RedisConnectionError)
-            assert store.acquire("k2", "a", LONG_MS) is not None
-            assert fast._sock is not old
+            yield store, old
         finally:
             store.close()
 
-    def test_a_refused_write_in_a_call_is_retried_on_a_new_connection(self, redis_url: str) -> None:
-        store = RedisLockStore(f"{redis_url}?socket_timeout=5")
-        try:
-            assert store.acquire("k", "a", LONG_MS) is not None
-            fast = _fast(store)
-            assert fast._sock is not None
-            old = fast._sock
-            old.shutdown(socket.SHUT_WR)
-            assert store.acquire("k", "b", LONG_MS) is None  # held by a: the script ran
-            assert fast._sock is not old
-        finally:
-            store.close()
+    def test_a_refused_write_reports_a_deferred_release_unanswered(
+        self, write_shut: tuple[RedisLockStore, socket.socket]
+    ) -> None:
+        """The request may have run, the caller hears a ConnectionError, the next call runs on
+        a new connection."""
+        store, old = write_shut
+        fast = fast_connection(store)
+        got: list[Any] = []
+        assert fast.send_deferred(b"*1\r\n$4\r\nPING\r\n", got.append) is True
+        assert len(got) == 1 and isinstance(got[0], RedisConnectionError)
+        assert store.acquire("k2", "a", LONG_MS) is not None
+        assert fast._sock is not old
+
+    def test_a_refused_write_in_a_call_is_retried_on_a_new_connection(
+        self, write_shut: tuple[RedisLockStore, socket.socket]
+    ) -> None:
+        store, old = write_shut
+        assert store.acquire("k", "b", LONG_MS) is None  # held by a: the script ran
+        assert fast_connection(store)._sock is not old
 
 
 class TestSocketState:
@@ -200,8 +152,8 @@ class TestSocketState:
         to the socket the kernel gave the closed number next (here: a socketpair end)."""
         server = scripted(lambda conn, command: conn.sendall(b":1\r\n"))
         store = RedisLockStore(f"redis://127.0.0.1:{server.port}/0?socket_timeout=5")
-        fast = _fast(store)
-        assert fast.call(_CLIENT_ID) == b"OK"
+        fast = fast_connection(store)
+        assert fast.call(CLIENT_ID) == b"OK"
         sock = fast._sock
         assert sock is not None
         fd = sock.fileno()

@@ -7,7 +7,6 @@ throwaway servers."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
@@ -15,6 +14,7 @@ import redis.cluster
 
 from celery_lease.stores.redis import RedisLockStore
 from celery_lease.stores.slots import slot_key
+from tests.stores.redis_helpers import command_calls, holder
 
 pytestmark = pytest.mark.redis
 
@@ -30,28 +30,17 @@ def graced(redis_url: str, request: pytest.FixtureRequest) -> Iterator[RedisLock
     made.close()
 
 
-def _holder(
-    client: redis.Redis | redis.cluster.RedisCluster, store: RedisLockStore, key: str
-) -> bytes | None:
-    value: Any = client.hget(store.lease_key(key), "owner")
-    return None if value is None else bytes(value)
-
-
-def _calls(client: redis.Redis, command: str) -> int:
-    return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
-
-
 class TestFlushedScriptsWithAGrace:
     def test_acquire_after_a_flush_evaluates_the_source_once_and_takes_the_key(
         self, graced: RedisLockStore, redis_client: redis.Redis
     ) -> None:
         assert graced.acquire("g:warm", "me", TTL_MS) is not None  # the marker is written
         redis_client.script_flush()
-        evals = _calls(redis_client, "eval")
+        evals = command_calls(redis_client, "eval")
         token = graced.acquire("g:é1", "me", TTL_MS)
         assert token is not None
-        assert _holder(graced.client, graced, "g:é1") == b"me"
-        assert _calls(redis_client, "eval") - evals == 1
+        assert holder(graced.client, graced, "g:é1") == b"me"
+        assert command_calls(redis_client, "eval") - evals == 1
         assert graced.acquire_or_holder("g:é1", "you", TTL_MS) == (None, "me")
 
     def test_a_sent_acquire_after_a_flush_takes_the_key(
@@ -63,7 +52,7 @@ class TestFlushedScriptsWithAGrace:
         assert read is not None
         token = read()
         assert token is not None and graced.last_token("g:é2") == token
-        assert _holder(graced.client, graced, "g:é2") == b"me"
+        assert holder(graced.client, graced, "g:é2") == b"me"
         assert graced.acquire("g:é2", "you", TTL_MS) is None
 
     def test_a_release_after_a_flush_frees_only_its_owners_key(
@@ -72,9 +61,9 @@ class TestFlushedScriptsWithAGrace:
         assert graced.acquire("g:é3", "me", TTL_MS) is not None
         redis_client.script_flush()
         graced.release("g:é3", "you")  # not the holder: nothing freed
-        assert _holder(graced.client, graced, "g:é3") == b"me"
+        assert holder(graced.client, graced, "g:é3") == b"me"
         graced.release("g:é3", "me")
-        assert _holder(graced.client, graced, "g:é3") is None
+        assert holder(graced.client, graced, "g:é3") is None
         assert graced.client.lpop(graced.signal_key("g:é3")) is not None
 
     def test_a_slots_release_after_a_flush_frees_it(

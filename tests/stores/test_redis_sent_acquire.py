@@ -15,12 +15,12 @@ import redis
 from celery_lease import RestartGraceError, StoreUnavailableError
 from celery_lease.stores.base import SupportsSentAcquire
 from celery_lease.stores.redis import RedisLockStore
+from tests.stores.redis_helpers import CLIENT_ID, command_calls, holder
 
 pytestmark = pytest.mark.redis
 
 TTL_MS = 30_000
 DEADLINE = 10.0  # seconds a test waits for another thread before it fails
-_CLIENT_ID = b"*2\r\n$6\r\nCLIENT\r\n$2\r\nID\r\n"
 
 
 @pytest.fixture
@@ -28,15 +28,6 @@ def store(redis_url: str) -> Iterator[RedisLockStore]:
     made = RedisLockStore(redis_url)
     yield made
     made.close()
-
-
-def _holder(client: redis.Redis, store: RedisLockStore, key: str) -> bytes | None:
-    value = client.hget(store.lease_key(key), "owner")
-    return value if value is None else bytes(value)
-
-
-def _evalsha_calls(client: redis.Redis) -> int:
-    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
 
 
 class TestSentAcquire:
@@ -48,13 +39,13 @@ class TestSentAcquire:
     ) -> None:
         """The acquire runs when sent; the read gives its token; one EVALSHA, as ``acquire``."""
         assert store.acquire("s:1-warm", "me", TTL_MS) is not None  # the script is loaded
-        before = _evalsha_calls(redis_client)
+        before = command_calls(redis_client, "evalsha")
         read = store.send_acquire("s:1", "me", TTL_MS)
         assert read is not None
         token = read()
         assert isinstance(token, int)
-        assert _holder(redis_client, store, "s:1") == b"me"
-        assert _evalsha_calls(redis_client) - before == 1
+        assert holder(redis_client, store, "s:1") == b"me"
+        assert command_calls(redis_client, "evalsha") - before == 1
         assert store.last_token("s:1") == token
 
     def test_a_held_key_reads_none(self, store: RedisLockStore) -> None:
@@ -74,7 +65,7 @@ class TestSentAcquire:
         assert store.acquire("s:3b", "me", TTL_MS) is not None
         token = read()
         assert token is not None
-        assert _holder(redis_client, store, "s:3") == b"me"
+        assert holder(redis_client, store, "s:3") == b"me"
 
     def test_a_deferred_release_before_it_runs_first(
         self, store: RedisLockStore, redis_client: redis.Redis
@@ -88,7 +79,7 @@ class TestSentAcquire:
         assert read is not None
         token = read()
         assert token is not None and token > first
-        assert _holder(redis_client, store, "s:4") == b"next"
+        assert holder(redis_client, store, "s:4") == b"next"
 
     def test_a_flushed_script_cache_is_asked_again(
         self, store: RedisLockStore, redis_client: redis.Redis
@@ -99,7 +90,7 @@ class TestSentAcquire:
         read = store.send_acquire("s:5", "me", TTL_MS)
         assert read is not None
         assert read() is not None
-        assert _holder(redis_client, store, "s:5") == b"me"
+        assert holder(redis_client, store, "s:5") == b"me"
 
     def test_a_connection_lost_before_the_reply_is_asked_again_once(
         self, store: RedisLockStore, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
@@ -108,14 +99,14 @@ class TestSentAcquire:
         ``acquire`` retries once (the same owner gets its own lease back)."""
         fast = store._fast
         assert fast is not None
-        fast_id = fast.call(_CLIENT_ID)
+        fast_id = fast.call(CLIENT_ID)
         read = store.send_acquire("s:6", "me", TTL_MS)
         assert read is not None
         redis_client.client_kill_filter(_id=fast_id)
         with caplog.at_level(logging.INFO):
             token = read()
         assert token is not None
-        assert _holder(redis_client, store, "s:6") == b"me"
+        assert holder(redis_client, store, "s:6") == b"me"
         assert store.last_token("s:6") == token
 
     def test_a_dropped_connection_with_the_reply_unread_is_asked_again(
@@ -132,7 +123,7 @@ class TestSentAcquire:
             token = read()
         assert token is not None
         assert "retrying acquire 's:6b' once" in caplog.text
-        assert _holder(redis_client, store, "s:6b") == b"me"
+        assert holder(redis_client, store, "s:6b") == b"me"
 
     def test_a_reply_another_thread_is_handing_over_is_waited_for(
         self,
@@ -164,7 +155,7 @@ class TestSentAcquire:
 
         monkeypatch.setattr(fast, "send_deferred", send_slowly_handed)
         monkeypatch.setattr(fast, "flush", flush_seen)
-        before = _evalsha_calls(redis_client)
+        before = command_calls(redis_client, "evalsha")
         read = store.send_acquire("s:6c", "me", TTL_MS)
         assert read is not None
         reader = threading.Thread(target=flush)
@@ -175,7 +166,7 @@ class TestSentAcquire:
         assert not reader.is_alive()
         assert waited == [True]
         assert token is not None and store.last_token("s:6c") == token
-        assert _evalsha_calls(redis_client) - before == 1
+        assert command_calls(redis_client, "evalsha") - before == 1
 
     def test_a_reply_that_never_comes_to_this_process_is_asked_again(
         self, store: RedisLockStore, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture
@@ -193,7 +184,7 @@ class TestSentAcquire:
             token = read()
         assert token is not None
         assert "retrying acquire 's:6d' once" in caplog.text
-        assert _holder(redis_client, store, "s:6d") == b"me"
+        assert holder(redis_client, store, "s:6d") == b"me"
 
     def test_a_store_error_raises_as_acquire_raises(
         self, store: RedisLockStore, redis_client: redis.Redis

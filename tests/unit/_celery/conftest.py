@@ -20,3 +20,14 @@ def _process_defaults_restored() -> Iterator[None]:
     owners.set_node(None)  # no worker runs in this process between tests
     root.setLevel(level)
     root.handlers[:] = handlers
+
+
+@pytest.fixture
+def quiet_core_logs() -> Iterator[None]:
+    """The core's log lines silenced for the test (an explorer's timelines say what they would,
+    and thousands of runs, failed releases among them, would log a lot)."""
+    logger = logging.getLogger("celery_lease")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    yield
+    logger.setLevel(level)

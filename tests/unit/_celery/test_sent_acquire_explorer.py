@@ -8,9 +8,8 @@ seed and the command that replays it. Long runs: ``python -m tests.sent_acquire_
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,14 +21,7 @@ from tests import sent_acquire_explorer as sx
 SEEDS = int(os.environ.get("SENT_ACQUIRE_EXPLORER_SEEDS", "300"))
 
 
-@pytest.fixture(autouse=True)
-def quiet_core_logs() -> Iterator[None]:
-    """The timelines say what the core's log lines would (failed releases are expected)."""
-    logger = logging.getLogger("celery_lease")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_core_logs")
 
 
 def _report(worlds: list[sx.World]) -> str:

@@ -7,22 +7,13 @@ run) and replays: ``python -m tests.unique_explorer --help`` and ``docs/testing.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import pytest
 
 from tests import unique_explorer as ux
 
-
-@pytest.fixture(autouse=True)
-def quiet_core_logs() -> Iterator[None]:
-    """The timelines say what the core's log lines would (thousands of runs log a lot)."""
-    logger = logging.getLogger("celery_lease")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    yield
-    logger.setLevel(level)
+pytestmark = pytest.mark.usefixtures("quiet_core_logs")
 
 
 def _first_violation(outcomes: Iterator[ux.Outcome]) -> tuple[int, ux.Outcome | None]:
