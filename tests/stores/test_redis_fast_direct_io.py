@@ -8,6 +8,7 @@ off: these tests drive the direct path itself.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -156,12 +157,13 @@ class TestSocketState:
         assert fast.call(CLIENT_ID) == b"OK"
         sock = fast._sock
         assert sock is not None
-        fd = sock.fileno()
-        sock.close()  # closed under the fast connection (not by _drop)
-        foreign, peer = socket.socketpair()  # the lowest free number: the one just closed
-        with foreign, peer:
-            if foreign.fileno() != fd:
-                pytest.skip("another thread took the closed fd number first")
+        foreign, peer = socket.socketpair()
+        # The socket object closed under the fast connection (not by _drop), its fd number
+        # at once given to another socket: detach() leaves the number open and dup2() swaps
+        # what it refers to in one step, so no other thread can take the number in between.
+        fd = sock.detach()
+        os.dup2(foreign.fileno(), fd)
+        with foreign, peer, contextlib.closing(socket.socket(fileno=fd)):
             got: list[Any] = []
             fast.send_deferred(b"*1\r\n$4\r\nEVAL\r\n", got.append)
             peer.setblocking(False)
