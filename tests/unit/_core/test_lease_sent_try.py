@@ -58,6 +58,14 @@ def _context(store: SendingStore, clock: FakeClock, key: str = "k") -> LeaseCont
     return LeaseContext(key, store, TTL, 0.0, None, 0.0, None, None, clock)
 
 
+def _sent(store: SendingStore, clock: FakeClock) -> tuple[LeaseContext, SentTry]:
+    """A context on ``"k"`` and its first try, sent."""
+    context = _context(store, clock)
+    sent = context.send_first_try()
+    assert sent is not None
+    return context, sent
+
+
 @contextlib.contextmanager
 def entered(context: LeaseContext, sent: SentTry) -> Iterator[Lease]:
     """``with context`` whose enter reads ``sent``."""
@@ -73,9 +81,7 @@ class TestEnterWithASentTry:
         self, store: SendingStore, clock: FakeClock
     ) -> None:
         """One acquire in all: sent first, its reply read by the enter."""
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         assert store.events == [("sent", "k", sent.owner)]
         with entered(context, sent) as held:
             assert held.owner == sent.owner
@@ -85,9 +91,7 @@ class TestEnterWithASentTry:
 
     def test_the_lease_counts_from_the_send(self, store: SendingStore, clock: FakeClock) -> None:
         """Validity and ``held_seconds`` count from the send, not from the enter."""
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         clock.advance(2.0)
         with entered(context, sent) as held:
             assert held.acquired_at == sent.sent_at
@@ -101,9 +105,7 @@ class TestEnterWithASentTry:
         """Held by another: the enter raises ``LockNotAcquiredError`` (wait 0); the holder's lease
         is untouched."""
         assert store.acquire("k", "holder", 60_000) is not None
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         with pytest.raises(LockNotAcquiredError):
             context.enter(sent)
         info = store.get("k")
@@ -114,9 +116,7 @@ class TestEnterWithASentTry:
     ) -> None:
         """The reply is lost (the acquire may have run): raised as the try's error, and the
         attempt's own lease is released, as for a first try that failed."""
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         store.fail_read = StoreUnavailableError("reply lost")
         with pytest.raises(StoreUnavailableError, match="reply lost"):
             context.enter(sent)
@@ -129,9 +129,7 @@ class TestGivingUp:
     def test_a_granted_try_not_entered_is_released_by_its_owner(
         self, store: SendingStore, clock: FakeClock
     ) -> None:
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         context.abandon_sent(sent)
         assert store.events[-1] == ("release", "k", sent.owner)
         assert store.get("k") is None
@@ -139,9 +137,7 @@ class TestGivingUp:
     def test_a_refused_try_releases_nothing(self, store: SendingStore, clock: FakeClock) -> None:
         """Giving up a refused try never touches the holder's lease."""
         assert store.acquire("k", "holder", 60_000) is not None
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         context.abandon_sent(sent)
         assert not [e for e in store.events if e[0] == "release"]
         info = store.get("k")
@@ -150,9 +146,7 @@ class TestGivingUp:
     def test_a_try_already_entered_is_not_given_up(
         self, store: SendingStore, clock: FakeClock
     ) -> None:
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         with entered(context, sent):
             context.abandon_sent(sent)
             assert store.get("k") is not None
@@ -180,9 +174,7 @@ class TestASentTryTheEnterDoesNotUse:
     ) -> None:
         """Still held: the same owner's try gets its own token back with a fresh ttl, and the
         lease's validity counts from that try; nothing is released in between."""
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         clock.advance(TTL / 3)  # the renewer's first renewal point: too late to trust the grant
         with entered(context, sent) as held:
             assert held.acquired_at == clock.monotonic()
@@ -195,9 +187,7 @@ class TestASentTryTheEnterDoesNotUse:
     def test_a_late_grant_whose_key_expired_and_is_free_gets_a_new_token(
         self, store: SendingStore, clock: FakeClock
     ) -> None:
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         first = store.get("k")
         assert first is not None
         clock.advance(TTL + 1.0)
@@ -214,9 +204,7 @@ class TestASentTryTheEnterDoesNotUse:
         def failing_release(key: str, owner: str) -> None:
             raise StoreUnavailableError("release failed")
 
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         monkeypatch.setattr(store, "release", failing_release)
         clock.advance(TTL / 3)
         held = context.enter(sent)
@@ -228,9 +216,7 @@ class TestASentTryTheEnterDoesNotUse:
     def test_a_grant_read_before_a_third_of_the_ttl_is_used(
         self, store: SendingStore, clock: FakeClock
     ) -> None:
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         clock.advance(TTL / 3 - 0.001)
         with entered(context, sent) as held:
             assert held.acquired_at == sent.sent_at
@@ -240,9 +226,7 @@ class TestASentTryTheEnterDoesNotUse:
         self, store: SendingStore, clock: FakeClock
     ) -> None:
         """The key expired on the server and another took it: refused, as a first try there."""
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         clock.advance(TTL + 1.0)
         assert store.acquire("k", "other-worker", 60_000) is not None
         with pytest.raises(LockNotAcquiredError):
@@ -255,9 +239,7 @@ class TestASentTryTheEnterDoesNotUse:
     ) -> None:
         """The holder ends between the send and the enter (wait 0): the enter's try takes it."""
         assert store.acquire("k", "holder", 60_000) is not None
-        context = _context(store, clock)
-        sent = context.send_first_try()
-        assert sent is not None
+        context, sent = _sent(store, clock)
         store.release("k", "holder")
         with entered(context, sent) as held:
             info = store.get("k")
