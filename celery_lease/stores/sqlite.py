@@ -696,13 +696,22 @@ class SQLiteLockStore:
         """Close this process's connection; a later call opens a new one."""
         if self._pid != os.getpid():
             self._forget_inherited()
-        with self._lock:
+        with self._lock:  # a fork waits for it: no child copies SQLite's state mid-close
             cursor, conn = self._cursor, self._conn
             self._cursor, self._conn = None, None
-        if cursor is not None:
-            cursor.close()
-        if conn is not None:
-            conn.close()
+            if cursor is not None:
+                cursor.close()
+            if conn is not None:
+                conn.close()
+
+    def __del__(self) -> None:
+        """A store dropped without :meth:`close` closes its connection here, under its lock (a
+        fork in another thread waits for it); one inherited through a fork is parked instead."""
+        try:
+            if getattr(self, "_conn", None) is not None:
+                self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown: nothing left to tell
+            pass
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"
