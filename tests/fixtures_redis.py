@@ -51,6 +51,7 @@ __all__ = [
 
 _START_TIMEOUT = 10.0  # seconds for a fresh redis-server to answer PING
 _STOP_TIMEOUT = 5.0  # seconds for SIGTERM before SIGKILL
+_SENTINEL_DISCOVERY_TIMEOUT = 25.0  # Sentinel polls each server's INFO every 10 s
 
 
 class RedisServer:
@@ -447,7 +448,6 @@ class SentinelGroup:
             self.directory / "replica",
             extra_args=(*sync, "--replicaof", "127.0.0.1", str(self.master.port)),
         )
-        self._start_sentinel()
         replica = self.servers[1]
         check = replica.client(socket_timeout=0.5)
         try:
@@ -458,7 +458,14 @@ class SentinelGroup:
             )
         finally:
             check.close()
-        _wait("Sentinel discovering the replica", self._sentinel_sees_replica, _START_TIMEOUT)
+        # Started after the sync, so that the master's first INFO already lists the replica:
+        # Sentinel asks again only every 10 s.
+        self._start_sentinel()
+        _wait(
+            "Sentinel discovering the replica",
+            self._sentinel_sees_replica,
+            _SENTINEL_DISCOVERY_TIMEOUT,
+        )
         # The link is up a moment before the replica acknowledges writes (it may still be
         # loading the first sync): tests expect a store's first WAIT 1 to be answered.
         writer = self.servers[0].client(socket_timeout=2)

@@ -25,7 +25,6 @@ import re
 import sqlite3
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -35,6 +34,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores._sqlite_connections import Connection
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.slots import (
     MAX_LIMIT,
@@ -200,41 +200,6 @@ class _Detect:
 
 _DETECT = _Detect()
 
-# Connections inherited through fork() that could not be closed before it: kept alive and
-# never used or closed in the child (the parent may hold SQLite's mutexes on them).
-_INHERITED: list[sqlite3.Connection | sqlite3.Cursor] = []
-
-_STORES: weakref.WeakSet[SQLiteLockStore] = weakref.WeakSet()
-
-# The store locks _before_fork took, released in the parent once the child exists.
-_HELD_ACROSS_FORK: list[threading.Lock] = []
-
-
-def _before_fork() -> None:
-    """Close every store's connection before fork(), its lock held until fork() returns: a
-    child must not inherit SQLite's lock records (docs/stores.md, SQLite; docs/internals.md, 4)."""
-    for store in list(_STORES):
-        store._close_for_fork()
-
-
-def _after_fork_in_parent() -> None:
-    while _HELD_ACROSS_FORK:
-        _HELD_ACROSS_FORK.pop().release()
-
-
-def _after_fork_in_child() -> None:
-    _HELD_ACROSS_FORK.clear()  # the child gets new locks (_forget_inherited)
-    for store in list(_STORES):
-        store._forget_inherited()
-
-
-forking.on_fork_parent(
-    name="sqlite stores: connections closed across the fork",
-    before=_before_fork,
-    after=_after_fork_in_parent,
-)
-forking.on_fork_child(_after_fork_in_child, name="sqlite stores: new locks, inherited parked")
-
 
 class SQLiteLockStore:
     """A :class:`~celery_lease.LockStore` in an SQLite file; excludes across processes of a host.
@@ -284,17 +249,14 @@ class SQLiteLockStore:
             raise LeaseConfigError(f"busy_timeout={busy_timeout!r} must be a number of seconds > 0")
         self._busy_timeout = float(busy_timeout)
         self._clock: Clock = clock if clock is not None else SYSTEM_CLOCK
-        self._lock = threading.Lock()
-        self._conn: sqlite3.Connection | None = None
-        self._cursor: sqlite3.Cursor | None = None  # of _conn: every call runs on it
+        # this process's connection and its lock; a fork waits for a call in flight that long
+        self._connection = Connection(self._path, 2 * self._busy_timeout + 1.0)
         self._returning = _HAS_RETURNING  # one-statement acquire (tests may turn it off)
-        self._pid = os.getpid()
         if not isinstance(_boot_id, (str, _Detect)) and _boot_id is not None:
             raise LeaseConfigError(f"_boot_id={_boot_id!r} must be a str or None")
         self._boot_setting = _boot_id
         self._boot: str | None = None  # set by _open, per process
         self._mono_offset = 0.0  # seconds to subtract from clock.monotonic(); set by _open
-        _STORES.add(self)
 
     @classmethod
     def from_url(cls, url: str) -> SQLiteLockStore:
@@ -337,58 +299,57 @@ class SQLiteLockStore:
         """The clock this store's expiry is measured on (a lease waiting on it waits on it too)."""
         return self._clock
 
-    def _close_for_fork(self) -> None:
-        """Before fork(): wait for a call in flight (``2 * busy_timeout`` at most), close the
-        connection and hold the lock until after fork(); no lock (a fork from a signal handler
-        inside a call): the child inherits the connection, with a warning."""
-        if self._pid != os.getpid():
-            return  # inherited (fork without the hooks): the child forgets it on use
-        lock = self._lock
-        if not lock.acquire(timeout=min(2 * self._busy_timeout + 1.0, threading.TIMEOUT_MAX)):
-            logger.warning(
-                "celery-lease: fork() while the SQLite store %r was busy: its connection could "
-                "not be closed first, and the child may not exclude other processes reliably",
-                self._path,
-            )
-            return
-        _HELD_ACROSS_FORK.append(lock)
-        cursor, conn = self._cursor, self._conn
-        self._cursor, self._conn = None, None
-        if conn is not None:
-            try:
-                if cursor is not None:
-                    cursor.close()
-                conn.close()
-            except sqlite3.Error as exc:  # pragma: no cover - close() of an idle connection
-                logger.warning("celery-lease: closing %r before fork failed (%s)", self._path, exc)
+    # The connection's parts, for tests.
+    @property
+    def _lock(self) -> threading.Lock:
+        return self._connection.lock
 
-    def _forget_inherited(self) -> None:
-        """In a forked child: drop (without closing) the parent's connection and lock."""
-        self._lock = threading.Lock()
-        if self._conn is not None:
-            _INHERITED.append(self._conn)
-            if self._cursor is not None:
-                _INHERITED.append(self._cursor)
-        self._cursor, self._conn = None, None
-        self._pid = os.getpid()
+    @property
+    def _conn(self) -> sqlite3.Connection | None:
+        return self._connection.conn
 
-    def _open(self) -> sqlite3.Connection:
+    @_conn.setter
+    def _conn(self, conn: sqlite3.Connection | None) -> None:
+        self._connection.conn = conn
+
+    @property
+    def _cursor(self) -> sqlite3.Cursor | None:
+        return self._connection.cursor
+
+    @_cursor.setter
+    def _cursor(self, cursor: sqlite3.Cursor | None) -> None:
+        self._connection.cursor = cursor
+
+    def _own_connection(self) -> Connection:
+        """This process's :class:`Connection`; after a fork that skipped Python's hooks, the
+        inherited one is forgotten first (never closed here)."""
+        connection = self._connection
+        if connection.pid != os.getpid():
+            forking.generation()  # runs the child resets of a fork without hooks, once
+            if connection.pid != os.getpid():  # pragma: no cover - the resets did it
+                connection.forget_inherited()
+        return connection
+
+    def _open(self, connection: Connection) -> sqlite3.Cursor:
         """Connect, switch to WAL and create the table; retried with a short random pause
         until ``busy_timeout``, since processes racing on a new file can get an immediate
-        "database is locked" (deadlock avoidance skips the busy handler)."""
+        "database is locked" (deadlock avoidance skips the busy handler). Returns the cursor
+        every call runs on (under ``connection.lock``, which the caller holds)."""
         _create_file(self._path)
         if isinstance(self._boot_setting, _Detect):
             self._boot, self._mono_offset = _host_boot()
         else:
             self._boot, self._mono_offset = self._boot_setting, 0.0
         deadline = time.monotonic() + self._busy_timeout
+        connect = functools.partial(
+            sqlite3.connect,
+            self._path,
+            timeout=self._busy_timeout,
+            isolation_level=None,  # autocommit: transactions are explicit
+            check_same_thread=False,  # shared by the threads of this process, under its lock
+        )
         while True:
-            conn = sqlite3.connect(
-                self._path,
-                timeout=self._busy_timeout,
-                isolation_level=None,  # autocommit: transactions are explicit
-                check_same_thread=False,  # shared by the threads of this process, under _lock
-            )
+            conn = connection.open(connect)
             try:
                 if conn.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
                     conn.execute("PRAGMA journal_mode=WAL")
@@ -400,54 +361,54 @@ class SQLiteLockStore:
                 with self._write(conn):
                     conn.execute(_SCHEMA)
                     _check_columns(conn, self._path)
-                return conn
+                cursor = connection.cursor = conn.cursor()
+                return cursor
             except sqlite3.OperationalError as exc:
-                conn.close()
+                connection.close_quietly()
                 busy = "locked" in str(exc).lower() or "busy" in str(exc).lower()
                 if not busy or time.monotonic() >= deadline:
                     raise
                 time.sleep(random.uniform(0.005, 0.05))
             except BaseException:
-                conn.close()
+                connection.close_quietly()
                 raise
 
     def _run(self, what: str, fn: Callable[[sqlite3.Cursor], _T]) -> _T:
         """Run ``fn`` on this process's cursor; driver errors raise StoreUnavailableError."""
-        if self._pid != os.getpid():  # forked without os.register_at_fork (e.g. by C code)
-            self._forget_inherited()
-        with self._lock:
+        connection = self._own_connection()
+        with connection.lock:
             try:
-                if self._cursor is None:  # this process's connection and its one cursor
-                    conn = self._open()
-                    self._conn, self._cursor = conn, conn.cursor()
-                return fn(self._cursor)
+                cursor = connection.cursor
+                if cursor is None:  # this process's connection and its one cursor
+                    cursor = self._open(connection)
+                return fn(cursor)
             except BaseException as exc:
-                self._after_failure(exc)
+                self._after_failure(connection, exc)
                 if isinstance(exc, (sqlite3.Error, OSError)):
                     raise StoreUnavailableError(
                         f"SQLite store {self._path!r} failed to {what}: {exc}"
                     ) from exc
                 raise
 
-    def _after_failure(self, exc: BaseException) -> None:
-        """After a failed call (under _lock): keep no statement or transaction holding the
-        file's write lock. An async exception can land after ``BEGIN IMMEDIATE`` or before the
-        fetch ending an ``INSERT ... RETURNING`` (holding the lock while ``in_transaction`` is
-        False), and a failed ``COMMIT`` leaves the transaction open: the cursor is closed (that
-        resets its statement), and the connection too (rolling back) unless it is out of a
-        transaction after a plain driver error. The next call reconnects."""
-        cursor, conn = self._cursor, self._conn
+    @staticmethod
+    def _after_failure(connection: Connection, exc: BaseException) -> None:
+        """After a failed call (under the connection's lock): keep no statement or transaction
+        holding the file's write lock. An async exception can land after ``BEGIN IMMEDIATE``
+        or before the fetch ending an ``INSERT ... RETURNING`` (holding the lock while
+        ``in_transaction`` is False), and a failed ``COMMIT`` leaves the transaction open: the
+        cursor is closed (that resets its statement), and the connection too (rolling back)
+        unless it is out of a transaction after a plain driver error. The next call
+        reconnects."""
+        cursor, conn = connection.cursor, connection.conn
         if cursor is None or conn is None:
             return
-        self._cursor = None  # first: even if closing is interrupted, nothing reuses it
+        connection.cursor = None  # first: even if closing is interrupted, nothing reuses it
         with suppress(sqlite3.Error):
             cursor.close()
         if not conn.in_transaction and isinstance(exc, sqlite3.Error):
-            self._cursor = conn.cursor()  # a plain error: the connection is fine
+            connection.cursor = conn.cursor()  # a plain error: the connection is fine
             return
-        self._conn = None
-        with suppress(sqlite3.Error):  # close() finalises statements itself
-            conn.close()
+        connection.close_quietly()
 
     @staticmethod
     @contextmanager
@@ -694,24 +655,18 @@ class SQLiteLockStore:
 
     def close(self) -> None:
         """Close this process's connection; a later call opens a new one."""
-        if self._pid != os.getpid():
-            self._forget_inherited()
-        with self._lock:  # a fork waits for it: no child copies SQLite's state mid-close
-            cursor, conn = self._cursor, self._conn
-            self._cursor, self._conn = None, None
-            if cursor is not None:
-                cursor.close()
-            if conn is not None:
-                conn.close()
+        connection = self._own_connection()
+        with connection.lock:  # a fork waits for it: no child copies SQLite's state mid-close
+            connection.close()
 
     def __del__(self) -> None:
         """A store dropped without :meth:`close` closes its connection here, under its lock (a
-        fork in another thread waits for it); one inherited through a fork is parked instead."""
-        try:
-            if getattr(self, "_conn", None) is not None:
-                self.close()
-        except Exception:  # pragma: no cover - interpreter shutdown: nothing left to tell
-            pass
+        fork in another thread waits for it), never waiting for it; one inherited through a
+        fork is parked instead."""
+        connection = self.__dict__.get("_connection")
+        if connection is not None:
+            with suppress(Exception):  # interpreter shutdown: nothing left to tell
+                connection.close_unless_busy()
 
     def __repr__(self) -> str:
         return f"SQLiteLockStore({self._path!r}, clock={self._clock!r})"

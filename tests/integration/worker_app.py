@@ -114,7 +114,9 @@ def make_app(
             fenced.request.lease.wait_lost(WAIT)
         return [rows, token, bool(fenced.request.lock_lost)]
 
-    @app.task(name="it.lost", base=LockedTask, lock_key="lost:{run}", lock_ttl="0.6s", shared=False)
+    # A ttl the renewer's next renewal (ttl/3) cannot miss on a loaded machine: with 0.6 s, a
+    # pool child stalled past it read the force-released key as "expired" when it looked.
+    @app.task(name="it.lost", base=LockedTask, lock_key="lost:{run}", lock_ttl="3s", shared=False)
     def lost(run: str) -> None:
         _append(out / f"held-{run}", str(os.getpid()))
         lost.request.lease.wait_lost(WAIT)

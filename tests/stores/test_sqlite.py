@@ -6,7 +6,6 @@ import ctypes
 import functools
 import multiprocessing
 import os
-import select
 import signal
 import sqlite3
 import stat
@@ -15,7 +14,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +31,7 @@ from celery_lease.stores.slots import slot_key
 from celery_lease.stores.sqlite import SQLiteLockStore
 from celery_lease.testing import FakeClock
 from tests.stores.contract import DEADLINE, LONG_MS, StoreContract, WallSteppingClock
+from tests.stores.forked_child import Child, forked
 from tests.stores.slot_contract import ReplaceContract, SlotContract
 from tests.stores.sql_slots import SqlSlotChecks
 
@@ -739,160 +738,6 @@ class TestSQLiteInterrupts:
 _CLONE_NEWTIME = 0x80
 
 
-def _read_line(fd: int) -> str:
-    """One line a forked child wrote to ``fd``, within DEADLINE seconds."""
-    data = b""
-    deadline = time.monotonic() + DEADLINE
-    while not data.endswith(b"\n"):
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"the child said only {data!r}"
-        ready, _, _ = select.select([fd], [], [], remaining)
-        if ready:
-            chunk = os.read(fd, 64)
-            assert chunk, f"the child ended after saying {data!r}"
-            data += chunk
-    return data.decode().strip()
-
-
-class _Child:
-    """A forked child driven step by step over two pipes (``go()`` / ``said()``)."""
-
-    def __init__(self) -> None:
-        self._to_r, self._to_w = os.pipe()
-        self._from_r, self._from_w = os.pipe()
-        self.pid = -1
-
-    def say(self, text: str) -> None:  # in the child
-        os.write(self._from_w, f"{text}\n".encode())
-
-    def wait_go(self) -> None:  # in the child
-        os.read(self._to_r, 1)
-
-    def go(self) -> None:
-        os.write(self._to_w, b"g")
-
-    def said(self) -> str:
-        return _read_line(self._from_r)
-
-    def in_child(self) -> None:
-        os.close(self._to_w)  # so that the parent closing its end ends wait_go() with EOF
-        os.close(self._from_r)
-
-    def in_parent(self, pid: int) -> None:
-        self.pid = pid
-        os.close(self._to_r)
-        os.close(self._from_w)
-
-    def finish(self) -> None:
-        """Let the child end (EOF on its pipe), reap it; kill it if it does not end in time."""
-        os.close(self._to_w)
-        os.close(self._from_r)
-        deadline = time.monotonic() + DEADLINE
-        while os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                raise AssertionError("the forked child did not end")
-            time.sleep(0.01)  # polling a child's exit with a deadline, not synchronising
-
-
-@contextmanager
-def _forked(body: object) -> Iterator[_Child]:
-    """Run ``body(child)`` in a forked child; it ends with os._exit (never returns to pytest)."""
-    child = _Child()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        child.in_child()
-        code = 1
-        try:
-            body(child)  # type: ignore[operator]
-            code = 0
-        except BaseException as exc:
-            child.say(f"error {exc!r}")
-        finally:
-            os._exit(code)
-    child.in_parent(pid)
-    try:
-        yield child
-    finally:
-        child.finish()
-
-
-class TestSQLiteAcrossFork:
-    """A child forked from a process whose store had its connection open (prefork, multiprocessing,
-    a daemon that forks and exits)."""
-
-    def test_a_child_still_excludes_after_the_process_that_forked_it_closes(
-        self, tmp_path: Path
-    ) -> None:
-        """The child's lease stays visible after its parent closed the file and another process
-        came and went.
-
-        A child's new connection must not share SQLite's in-process lock records with the
-        inherited one, copied by fork() but not owned (POSIX locks are per process): the child
-        would hold no lock on the file at all. Once the parent closed, the next process to close
-        its connection would believe itself the last one, checkpoint and delete the WAL and shm
-        files; the child would go on committing to the deleted WAL, invisible to every other
-        process, and a third process would acquire the key the child held: two holders.
-        """
-        path = tmp_path / "leases.db"
-        store = SQLiteLockStore(path)
-        assert store.acquire("warm", "parent", LONG_MS) is not None  # the connection is open
-
-        def child_body(child: _Child) -> None:
-            assert store.acquire("child-warm", "child", LONG_MS) is not None
-            child.say("ready")
-            child.wait_go()
-            child.say(str(store.acquire("k", "child", LONG_MS)))
-            child.wait_go()
-
-        with _forked(child_body) as child:
-            assert child.said() == "ready"
-            store.close()  # the parent is done with the file (or exits)
-            # Another process (here: this one, with no connection left) opens and closes it.
-            other = SQLiteLockStore(path)
-            assert other.acquire("other", "other", LONG_MS) is not None
-            other.close()
-            child.go()
-            token = child.said()
-            assert token.isdigit(), token
-            third = SQLiteLockStore(path)
-            try:
-                info = third.get("k")
-                assert info is not None and info.owner == "child", "the child's lease is invisible"
-                assert third.acquire("k", "third", LONG_MS) is None, "two holders of 'k'"
-            finally:
-                third.close()
-
-    def test_the_parent_reopens_after_a_fork(self, tmp_path: Path) -> None:
-        """The parent keeps working after a fork (its connection is reopened on next use)."""
-        store = SQLiteLockStore(tmp_path / "leases.db")
-        token = store.acquire("k", "parent", LONG_MS)
-        assert token is not None
-
-        def child_body(child: _Child) -> None:
-            child.say(str(store.acquire("k", "child", LONG_MS)))
-
-        with _forked(child_body) as child:
-            assert child.said() == "None"
-        assert store.acquire("k", "parent", LONG_MS) == token
-        assert store.acquire("j", "parent", LONG_MS) is not None
-        store.close()
-
-    def test_an_unbounded_busy_timeout_still_closes_before_fork(self, tmp_path: Path) -> None:
-        """busy_timeout=inf (wait for ever) is accepted; the fork hook must not overflow on it."""
-        store = SQLiteLockStore(tmp_path / "leases.db", busy_timeout=float("inf"))
-        assert store.acquire("k", "parent", LONG_MS) is not None
-
-        def child_body(child: _Child) -> None:
-            child.say(str(store.acquire("k", "child", LONG_MS)))
-
-        with _forked(child_body) as child:
-            assert child.said() == "None"
-        assert store._conn is None  # closed before the fork, reopened on next use
-        store.close()
-
-
 class TestSQLiteTimeNamespace:
     def test_a_process_that_made_a_time_namespace_for_its_children_still_excludes(
         self, tmp_path: Path
@@ -906,7 +751,7 @@ class TestSQLiteTimeNamespace:
         """
         path = tmp_path / "leases.db"
 
-        def child_body(child: _Child) -> None:
+        def child_body(child: Child) -> None:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.unshare(_CLONE_NEWTIME) != 0:
                 child.say(f"skip unshare(CLONE_NEWTIME): errno {ctypes.get_errno()}")
@@ -919,7 +764,7 @@ class TestSQLiteTimeNamespace:
 
         if not Path("/proc/self/timens_offsets").exists():
             pytest.skip("this kernel has no time namespaces")
-        with _forked(child_body) as child:
+        with forked(child_body) as child:
             said = child.said()
         if said.startswith("skip"):
             pytest.skip(said)
@@ -932,141 +777,3 @@ class TestSQLiteTimeNamespace:
             assert store.acquire("k", "parent", LONG_MS) is None, "two holders of 'k'"
         finally:
             store.close()
-
-
-def _locks_of(pid: int) -> list[str]:
-    """The POSIX locks ``pid`` holds (from /proc/locks)."""
-    with open("/proc/locks", encoding="ascii") as file:
-        return [line for line in file if line.split()[4] == str(pid)]
-
-
-class TestSQLiteForkDuringACall:
-    def test_a_fork_while_another_thread_is_inside_a_transaction_waits_for_it(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """fork() waits for a call in flight on another thread, then the child works normally.
-
-        Forked in the middle of that thread's write transaction, the child's copy of SQLite's
-        in-process lock records would say "this process holds the write lock": the child's own
-        connection would wait for it forever (``StoreUnavailableError`` after busy_timeout), and
-        it would hold no lock on the file either.
-        """
-        path = tmp_path / "leases.db"
-        store = SQLiteLockStore(path, busy_timeout=1.0)
-        assert store.acquire("warm", "parent", LONG_MS) is not None
-        inside, proceed, forking = threading.Event(), threading.Event(), threading.Event()
-
-        def slow_call(conn: sqlite3.Connection) -> None:
-            with store._write(conn):
-                conn.execute("UPDATE celery_lease SET token = token + 1 WHERE key = 'warm'")
-                inside.set()
-                assert proceed.wait(DEADLINE)
-
-        original = SQLiteLockStore._close_for_fork
-
-        def close_for_fork(self: SQLiteLockStore) -> None:
-            forking.set()
-            original(self)
-
-        monkeypatch.setattr(SQLiteLockStore, "_close_for_fork", close_for_fork)
-        caller = threading.Thread(target=store._run, args=("slow call", slow_call))
-        caller.start()
-        assert inside.wait(DEADLINE)
-        releaser = threading.Thread(target=lambda: forking.wait(DEADLINE) and proceed.set())
-        releaser.start()
-
-        def child_body(child: _Child) -> None:
-            token = store.acquire("child", "child", LONG_MS)
-            holds = bool(_locks_of(os.getpid()))
-            child.say(f"{token} {holds}")
-
-        try:
-            with _forked(child_body) as child:
-                said = child.said()
-        finally:
-            proceed.set()
-            caller.join(DEADLINE)
-            releaser.join(DEADLINE)
-        token, _, holds = said.partition(" ")
-        assert token.isdigit(), said
-        assert holds == "True", "the child holds no lock on the file"
-        assert store.get("child") is not None
-        store.close()
-
-
-class _ClosingRecorder:
-    """Stands in for a store's connection: ``close()`` records whether the store's lock (the one a
-    fork waits for) was held, then closes the real connection."""
-
-    def __init__(self, store: SQLiteLockStore, real: sqlite3.Connection) -> None:
-        self._lock, self._real = store._lock, real  # not the store: dropping it must drop it
-        self.closed_under_lock: bool | None = None
-
-    def close(self) -> None:
-        self.closed_under_lock = self._lock.locked()
-        self._real.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
-
-
-class TestSQLiteForkDuringAClose:
-    """A fork while another thread closes a connection: the child must not copy SQLite's records
-    of a file half closed, or its own connections find the file locked for ever."""
-
-    def test_close_closes_the_connection_under_the_lock_a_fork_waits_for(
-        self, tmp_path: Path
-    ) -> None:
-        store = SQLiteLockStore(tmp_path / "leases.db")
-        assert store.get("k") is None  # the connection is open
-        recorder = _ClosingRecorder(store, store._conn)  # type: ignore[arg-type]
-        store._conn = recorder  # type: ignore[assignment]
-        store.close()
-        assert recorder.closed_under_lock is True, "closed after the lock was let go"
-
-    def test_a_store_dropped_open_closes_its_connection_under_its_lock(
-        self, tmp_path: Path
-    ) -> None:
-        store = SQLiteLockStore(tmp_path / "leases.db")
-        assert store.get("k") is None
-        recorder = _ClosingRecorder(store, store._conn)  # type: ignore[arg-type]
-        store._conn = recorder  # type: ignore[assignment]
-        del store  # the last reference: the connection closes when the store goes
-        assert recorder.closed_under_lock is True, "the connection was not closed by the store"
-
-    def test_children_forked_while_another_thread_closes_a_store_can_write(
-        self, tmp_path: Path
-    ) -> None:
-        """Each round: a thread reads through a new store and closes it while this thread forks;
-        the child writes through a store of its own. The unlucky timing is left to chance; on a
-        close made outside the store's lock about one child in ten found the file locked."""
-        path = tmp_path / "leases.db"
-        holder = SQLiteLockStore(path, busy_timeout=1.0)
-        assert holder.acquire("k", "holder", LONG_MS) is not None
-        failures: list[str] = []
-        for round_ in range(100):
-            store = SQLiteLockStore(path, busy_timeout=1.0)
-            answered = threading.Event()
-
-            def read_then_close(
-                store: SQLiteLockStore = store, answered: threading.Event = answered
-            ) -> None:
-                store.get("k")
-                answered.set()
-                store.close()
-
-            closer = threading.Thread(target=read_then_close)
-            closer.start()
-            assert answered.wait(DEADLINE)
-
-            def child_body(child: _Child, round_: int = round_) -> None:
-                own = SQLiteLockStore(path, busy_timeout=1.0)
-                child.say(str(own.acquire(f"child-{round_}", "child", LONG_MS)))
-
-            with _forked(child_body) as child:
-                said = child.said()
-            closer.join(DEADLINE)
-            if not said.isdigit():
-                failures.append(f"round {round_}: {said}")
-        holder.close()
-        assert not failures, failures
