@@ -2,7 +2,8 @@
 
 A subclass is built per wrapped class, so the wrapped scheduler keeps its ``tick``, heap and
 persistence; the leased part hooks ``tick``, ``populate_heap``, ``reserve``, ``apply_async`` and
-``close``. See docs/celery.md, "Beat".
+``close``, and notes each message going out (``after_task_publish``) to record its run. See
+docs/celery.md, "Beat".
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from celery.beat import Scheduler
+from celery.signals import after_task_publish
 from celery.utils.time import maybe_make_aware
 
 from celery_lease._celery.settings import get_settings
@@ -26,6 +28,21 @@ logger = logging.getLogger("celery_lease.beat")
 # The header every message of a leased beat carries: the fencing token of its lease (read it in a
 # task as ``self.request.lease_beat_token``).
 TOKEN_HEADER = "lease_beat_token"
+
+
+_sending_in_this_thread = threading.local()
+"""``scheduler``: the :class:`LeasedScheduler` whose send runs in this thread, else None."""
+
+
+def _on_published(**_: object) -> None:
+    scheduler = getattr(_sending_in_this_thread, "scheduler", None)
+    if scheduler is not None:
+        scheduler._published()
+
+
+after_task_publish.connect(
+    _on_published, weak=False, dispatch_uid="celery_lease.beat.scheduler.published"
+)
 
 
 class NotHolding(Exception):
@@ -70,6 +87,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         self._reserved: dict[str, tuple[datetime, float]] = {}  # (run, seconds to keep it)
         self._runs: dict[str, datetime] = {}  # the shared last runs, as read and written
         self._unrecorded: dict[str, tuple[datetime, float]] = {}  # sent, the store refused
+        self._sending: tuple[str, datetime, float] | None = None  # the run whose send is in flight
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -111,16 +129,27 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         options = entry.options
         headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
         entry.options = {**(options or {}), "headers": headers}
+        reserved = self._reserved.pop(entry.name, None)
+        if reserved is not None and self.last_runs is not None:
+            self._sending = (entry.name, maybe_make_aware(reserved[0]), reserved[1])
+        _sending_in_this_thread.scheduler = self
         try:
             result = super().apply_async(entry, producer=producer, advance=advance, **kwargs)
         finally:
+            _sending_in_this_thread.scheduler = None
+            self._sending = None
             entry.options = options
-        reserved = self._reserved.pop(entry.name, None)
-        if reserved is not None and self.last_runs is not None:
-            at, keep = maybe_make_aware(reserved[0]), reserved[1]
-            self._runs[entry.name], self._unrecorded[entry.name] = at, (at, keep)
-            self._record_unrecorded()
+        self._record_unrecorded()
         return result
+
+    def _published(self) -> None:
+        """The message of the send in flight went out (``after_task_publish``, in the sending
+        thread): its run is to be recorded from now on, even if the send is interrupted before
+        it returns (``celery beat`` raises SystemExit from its SIGTERM handler)."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            name, at, keep = sending
+            self._runs[name], self._unrecorded[name] = at, (at, keep)
 
     def _record_unrecorded(self) -> None:
         """Write the runs sent but not recorded; one the store did not answer is retried next

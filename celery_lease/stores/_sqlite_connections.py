@@ -24,6 +24,7 @@ from collections.abc import Callable
 from contextlib import suppress
 
 from celery_lease import _forking as forking
+from celery_lease.errors import StoreUnavailableError
 
 logger = logging.getLogger("celery_lease.stores.sqlite")
 
@@ -47,6 +48,21 @@ once the child exists."""
 
 _holds_creating = False
 """Whether the before-fork hook holds :data:`_CREATING` (released in the parent after fork)."""
+
+_hook_thread: int | None = None
+"""The thread running the fork hooks, from the before-fork hook until ``fork()`` returned."""
+
+
+def refuse_in_fork_hooks(path: str) -> None:
+    """Raise :class:`StoreUnavailableError` when called by the thread running the fork hooks
+    (another before-fork hook, or a ``__del__`` the garbage collector runs there): a store used
+    there would wait for ever for a lock the hook holds, or open a connection the child copies.
+    """
+    if _hook_thread is not None and _hook_thread == threading.get_ident():
+        raise StoreUnavailableError(
+            f"SQLite store {path!r} used while this thread runs the fork hooks: its connections"
+            " are closed until fork() returns"
+        )
 
 
 class Connection:
@@ -127,7 +143,8 @@ class Connection:
         if not lock.acquire(timeout=self.fork_wait):
             logger.warning(
                 "celery-lease: fork() while the SQLite store %r was busy: its connection could "
-                "not be closed first, and the child may not exclude other processes reliably",
+                "not be closed first; the child may copy it in use, and then find the file "
+                "locked or not exclude other processes reliably",
                 self.path,
             )
             return False
@@ -152,8 +169,9 @@ class Connection:
 
 def _before_fork() -> None:
     """Take :data:`_CREATING`, then close every open connection under its lock."""
-    global _holds_creating
+    global _holds_creating, _hook_thread
     forking.generation()  # after a fork without hooks: the copied locks are replaced first
+    _hook_thread = threading.get_ident()
     _CREATING.acquire()
     _holds_creating = True
     for connection in list(_ALL):
@@ -161,7 +179,8 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    global _holds_creating
+    global _holds_creating, _hook_thread
+    _hook_thread = None
     while _HELD_ACROSS_FORK:
         _HELD_ACROSS_FORK.pop().release()
     if _holds_creating:
@@ -171,9 +190,10 @@ def _after_fork_in_parent() -> None:
 
 def _after_fork_in_child() -> None:
     """New locks; the connections the parent could not close are parked, never closed here."""
-    global _CREATING, _holds_creating
+    global _CREATING, _holds_creating, _hook_thread
     _CREATING = threading.RLock()  # the parent's copy is held by the hook, or by a thread
     _holds_creating = False
+    _hook_thread = None
     _HELD_ACROSS_FORK.clear()
     pid = os.getpid()
     for connection in list(_ALL):

@@ -34,6 +34,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from celery_lease import _forking as forking
 from celery_lease.clock import SYSTEM_CLOCK, Clock
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
+from celery_lease.stores import _sqlite_connections
 from celery_lease.stores._sqlite_connections import Connection
 from celery_lease.stores.base import LeaseInfo
 from celery_lease.stores.slots import (
@@ -322,7 +323,9 @@ class SQLiteLockStore:
 
     def _own_connection(self) -> Connection:
         """This process's :class:`Connection`; after a fork that skipped Python's hooks, the
-        inherited one is forgotten first (never closed here)."""
+        inherited one is forgotten first (never closed here). Refused in the thread running
+        the fork hooks."""
+        _sqlite_connections.refuse_in_fork_hooks(self._path)
         connection = self._connection
         if connection.pid != os.getpid():
             forking.generation()  # runs the child resets of a fork without hooks, once

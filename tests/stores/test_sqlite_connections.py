@@ -7,6 +7,9 @@ from __future__ import annotations
 import gc
 import os
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,11 +17,13 @@ from typing import Any
 
 import pytest
 
+from celery_lease.errors import StoreUnavailableError
 from celery_lease.stores import _sqlite_connections as connections_module
 from celery_lease.stores._sqlite_connections import Connection
 from celery_lease.stores.sqlite import SQLiteLockStore
 from tests.stores.contract import DEADLINE, LONG_MS
 from tests.stores.forked_child import Child, forked
+from tests.support import REPO_ROOT
 
 
 class TestSQLiteAcrossFork:
@@ -338,42 +343,52 @@ class TestSQLiteForkDuringAClose:
         made[0].close()
 
     def test_the_garbage_collector_closing_a_store_inside_the_fork_hook_does_not_block_it(
-        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        self, tmp_path: Path
     ) -> None:
         """A collection can run at any allocation, also in the forking thread while it holds a
-        store's lock: the ``__del__`` of that store (in a cycle) must not wait for the lock."""
-        store = SQLiteLockStore(tmp_path / "leases.db")
-        assert store.get("k") is None
-        store.me = store  # type: ignore[attr-defined]
-        wanted = id(store._connection)
-        del store
-        original = Connection.close
+        store's lock: the ``__del__`` of that store (in a cycle) must not wait for the lock.
+        In a fresh interpreter: a hook that does wait would hold its locks for ever."""
+        done = subprocess.run(
+            [sys.executable, "-c", _COLLECTED_IN_THE_HOOK, str(tmp_path)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE * 3,
+            check=False,
+        )
+        assert done.returncode == 0 and "forked" in done.stdout, done.stdout + done.stderr
 
-        def close(self: Connection) -> None:
-            if id(self) == wanted and self.lock.locked():
-                gc.collect()  # the store's __del__ runs here, in the thread holding its lock
-            original(self)
+    def test_a_store_used_by_the_thread_running_the_fork_hooks_is_refused(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Another before-fork hook (or a ``__del__``) using a store while ours runs: refused,
+        instead of opening a connection the child would copy or waiting for a lock the hook
+        holds."""
+        path = tmp_path / "leases.db"
+        first = SQLiteLockStore(path)
+        assert first.get("k") is None
+        outcomes: list[str] = []
+        original = Connection.close_for_fork
 
-        monkeypatch.setattr(Connection, "close", close)
-        statuses: list[int] = []
+        def close_for_fork(self: Connection) -> bool:
+            if self is first._connection and not outcomes:
+                try:
+                    SQLiteLockStore(path).get("k")
+                    outcomes.append("opened")
+                except StoreUnavailableError as exc:
+                    outcomes.append(str(exc))
+            return original(self)
 
-        def fork() -> None:
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child
-                os._exit(0)
-            statuses.append(os.waitpid(pid, 0)[1])
+        monkeypatch.setattr(Connection, "close_for_fork", close_for_fork)
 
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            forker = threading.Thread(target=fork, daemon=True)
-            forker.start()
-            forker.join(DEADLINE)
-        finally:
-            if enabled:
-                gc.enable()
-        assert not forker.is_alive(), "the fork hook waits for a lock its own thread holds"
-        assert statuses == [0]
+        def child_body(child: Child) -> None:
+            child.say("forked")
+
+        with forked(child_body) as child:
+            assert child.said() == "forked"
+        assert len(outcomes) == 1 and "fork hooks" in outcomes[0], outcomes
+        assert first.get("k") is None  # after the fork, the same thread may use stores again
+        first.close()
 
     def test_a_close_whose_cursor_raises_still_closes_the_connection(self, tmp_path: Path) -> None:
         store = SQLiteLockStore(tmp_path / "leases.db")
@@ -434,3 +449,34 @@ class _NotingLock:
 class _RaisingClose:
     def close(self) -> None:
         raise sqlite3.ProgrammingError("Cannot operate on a closed cursor.")
+
+
+# Runs in a fresh interpreter with a directory as its argument; prints "forked" when the fork
+# completed although the garbage collector closed a store in the hook's thread.
+_COLLECTED_IN_THE_HOOK = textwrap.dedent(
+    """
+    import gc, os, sys
+    from celery_lease.stores._sqlite_connections import Connection
+    from celery_lease.stores.sqlite import SQLiteLockStore
+
+    store = SQLiteLockStore(os.path.join(sys.argv[1], "leases.db"))
+    assert store.get("k") is None
+    store.me = store  # a cycle: only the garbage collector frees it
+    wanted = id(store._connection)
+    del store
+    original = Connection.close
+
+    def close(self):
+        if id(self) == wanted and self.lock.locked():
+            gc.collect()  # the store's __del__ runs here, in the thread holding its lock
+        original(self)
+
+    Connection.close = close
+    gc.disable()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    print("forked")
+    """
+)

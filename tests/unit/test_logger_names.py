@@ -43,6 +43,7 @@ LOGGER_NAMES = {
     "celery_lease.stores._redis_cluster": "celery_lease.stores.redis",
     "celery_lease.stores._redis_fast": "celery_lease.stores._redis_fast",
     "celery_lease.stores._redis_sentinel": "celery_lease.stores.redis",
+    "celery_lease.stores._sqlite_connections": "celery_lease.stores.sqlite",
     "celery_lease.stores.postgres": "celery_lease.stores.postgres",
     "celery_lease.stores.postgres_async": "celery_lease.stores.postgres_async",
     "celery_lease.stores.redis": "celery_lease.stores.redis",

@@ -9,13 +9,15 @@ from types import SimpleNamespace
 import pytest
 from celery import Celery
 from celery.schedules import schedule
+from celery.signals import after_task_publish, before_task_publish
+from celery.utils.dispatch import Signal
 
 from celery_lease import MemoryLockStore
 from celery_lease._core.owners import parse_owner
 from celery_lease.beat.last_runs import MIN_RECORD_KEEP, LastRuns
 from celery_lease.errors import LeaseConfigError, StoreUnavailableError
 from celery_lease.testing import FakeClock
-from tests.unit.beat.conftest import KEY, Beat, WallClock
+from tests.unit.beat.conftest import KEY, Beat, WallClock, sent
 from tests.unit.conftest import Published
 
 
@@ -143,3 +145,42 @@ def test_a_record_the_store_never_takes_does_not_hold_back_the_others(
         clock.advance(1)
         beat.ticks(5)
     assert LastRuns(store, KEY).read() == {"every-second": pytest.approx(clock.time(), abs=0.001)}
+
+
+@pytest.mark.parametrize(
+    ("lands", "sent_by"),
+    [
+        pytest.param(after_task_publish, "first", id="after the message went out: recorded"),
+        pytest.param(before_task_publish, "second", id="before it went out: the next sends it"),
+    ],
+)
+def test_a_stop_during_a_send_records_the_run_once_its_message_went_out(
+    lands: Signal,
+    sent_by: str,
+    beats: Callable[[], Beat],
+    clock: FakeClock,
+    published: Published,
+) -> None:
+    """``celery beat`` raises SystemExit from its SIGTERM handler, wherever the main thread is.
+    Landing just after the message went out (before the send returned), the run must still be
+    recorded when the beat closes, or the beat taking over sends that tick again; landing
+    before, nothing went out and the next beat sends the tick."""
+    first, second = beats(), beats()
+    stops = [SystemExit()]
+
+    def stop(**_: object) -> None:
+        if stops:
+            raise stops.pop()
+
+    lands.connect(stop, weak=False)
+    try:
+        clock.advance(1)
+        with pytest.raises(SystemExit):
+            first.ticks(5)
+    finally:
+        lands.disconnect(stop)
+    tokens = {"first": first.token}
+    first.close()  # what celery beat does on its way out
+    second.ticks(5)  # takes over at once
+    tokens["second"] = second.token
+    assert sent(published) == [tokens[sent_by]], "the tick was sent twice, or never"
