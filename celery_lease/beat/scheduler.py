@@ -34,10 +34,10 @@ _sending_in_this_thread = threading.local()
 """``scheduler``: the :class:`LeasedScheduler` whose send runs in this thread, else None."""
 
 
-def _on_published(**_: object) -> None:
+def _on_published(sender: object = None, headers: object = None, **_: object) -> None:
     scheduler = getattr(_sending_in_this_thread, "scheduler", None)
     if scheduler is not None:
-        scheduler._published()
+        scheduler._published(sender, headers)
 
 
 after_task_publish.connect(
@@ -87,7 +87,7 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         self._reserved: dict[str, tuple[datetime, float]] = {}  # (run, seconds to keep it)
         self._runs: dict[str, datetime] = {}  # the shared last runs, as read and written
         self._unrecorded: dict[str, tuple[datetime, float]] = {}  # sent, the store refused
-        self._sending: tuple[str, datetime, float] | None = None  # the run whose send is in flight
+        self._sending: tuple[str, str, int] | None = None  # entry, task, token of a send in flight
         super().__init__(app, *args, **kwargs)
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
@@ -129,26 +129,34 @@ class LeasedScheduler(Scheduler):  # type: ignore[misc]
         options = entry.options
         headers = {**((options or {}).get("headers") or {}), TOKEN_HEADER: held.token}
         entry.options = {**(options or {}), "headers": headers}
-        reserved = self._reserved.pop(entry.name, None)
-        if reserved is not None and self.last_runs is not None:
-            self._sending = (entry.name, maybe_make_aware(reserved[0]), reserved[1])
-        _sending_in_this_thread.scheduler = self
+        outer = self._sending, getattr(_sending_in_this_thread, "scheduler", None)
         try:
+            self._sending = (entry.name, entry.task, held.token)
+            _sending_in_this_thread.scheduler = self
             result = super().apply_async(entry, producer=producer, advance=advance, **kwargs)
+            self._sent(entry.name)  # returned: sent (also where nothing is published: eager)
         finally:
-            _sending_in_this_thread.scheduler = None
-            self._sending = None
+            self._sending, _sending_in_this_thread.scheduler = outer  # a send around this one
             entry.options = options
         self._record_unrecorded()
         return result
 
-    def _published(self) -> None:
-        """The message of the send in flight went out (``after_task_publish``, in the sending
-        thread): its run is to be recorded from now on, even if the send is interrupted before
-        it returns (``celery beat`` raises SystemExit from its SIGTERM handler)."""
-        sending, self._sending = self._sending, None
-        if sending is not None:
-            name, at, keep = sending
+    def _published(self, task: object, headers: object) -> None:
+        """``after_task_publish`` in the sending thread: when it is the message of the send in
+        flight, its run is to be recorded from now on, even if the send is interrupted before it
+        returns (``celery beat`` raises SystemExit from its SIGTERM handler)."""
+        sending = self._sending
+        if sending is None or not isinstance(headers, dict):
+            return
+        name, task_name, token = sending
+        if task == task_name and headers.get(TOKEN_HEADER) == token:
+            self._sent(name)
+
+    def _sent(self, name: str) -> None:
+        """Entry ``name``'s reserved run went out: record it (now, or on a later tick)."""
+        reserved = self._reserved.pop(name, None)
+        if reserved is not None and self.last_runs is not None:
+            at, keep = maybe_make_aware(reserved[0]), reserved[1]
             self._runs[name], self._unrecorded[name] = at, (at, keep)
 
     def _record_unrecorded(self) -> None:

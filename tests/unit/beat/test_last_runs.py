@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
+import kombu.messaging
 import pytest
 from celery import Celery
 from celery.schedules import schedule
@@ -184,3 +186,102 @@ def test_a_stop_during_a_send_records_the_run_once_its_message_went_out(
     second.ticks(5)  # takes over at once
     tokens["second"] = second.token
     assert sent(published) == [tokens[sent_by]], "the tick was sent twice, or never"
+
+
+class TestWhichSendIsRecorded:
+    """A run is recorded once its own message went out, and only then."""
+
+    def test_another_message_going_out_first_does_not_record_a_send_that_failed(
+        self,
+        beats: Callable[[], Beat],
+        beat_app: Celery,
+        clock: FakeClock,
+        published: Published,
+        monkeypatch: pytest.MonkeyPatch,
+    ) -> None:
+        """A receiver publishes an audit message during the send, then the broker refuses the
+        tick itself: nothing was sent, so the beat taking over sends the tick."""
+        first, second = beats(), beats()
+
+        def audit(sender: object = None, **_: object) -> None:
+            if sender == "tick":
+                beat_app.send_task("audit")
+
+        refusals = [ValueError("the broker refused the message")]
+        publish = kombu.messaging.Producer.publish
+
+        def publish_refusing_the_tick(self: Any, body: Any, **options: Any) -> Any:
+            if options.get("headers", {}).get("task") == "tick" and refusals:
+                raise refusals.pop()
+            return publish(self, body, **options)
+
+        monkeypatch.setattr(kombu.messaging.Producer, "publish", publish_refusing_the_tick)
+        before_task_publish.connect(audit, weak=False)
+        try:
+            clock.advance(1)
+            first.ticks(1)
+        finally:
+            before_task_publish.disconnect(audit)
+        first.close()
+        second.ticks(5)
+        ticks = [headers for headers in published.headers if headers["task"] == "tick"]
+        assert len(ticks) == 1, "the refused tick was recorded as sent"
+
+    def test_a_send_that_reserves_its_entry_itself_is_recorded(
+        self, beats: Callable[[], Beat], clock: FakeClock, published: Published
+    ) -> None:
+        """``apply_async(entry)`` (advance=True: Celery reserves inside the send)."""
+        first, second = beats(), beats()
+        clock.advance(1)
+        first.ticks(5)
+        clock.advance(1)
+        scheduler = first.scheduler
+        first.run(lambda: scheduler.apply_async(scheduler.schedule["every-second"]))
+        first.close()
+        second.ticks(5)
+        assert len(published.ids) == 2, "the tick sent by apply_async(entry) was sent again"
+
+    def test_a_send_that_publishes_nothing_is_recorded(
+        self, beats: Callable[[], Beat], beat_app: Celery, clock: FakeClock
+    ) -> None:
+        """Eager mode runs the task in place (no message, no after_task_publish)."""
+        beat_app.conf.task_always_eager = True
+        runs: list[int] = []
+        beat_app.tasks["tick"].run = lambda: runs.append(1)
+        first, second = beats(), beats()
+        clock.advance(1)
+        first.ticks(5)
+        first.close()
+        second.ticks(5)
+        assert runs == [1], "the tick run in place was run again by the next beat"
+
+    def test_a_send_inside_a_send_leaves_the_outer_one_recorded(
+        self,
+        beats: Callable[[], Beat],
+        beat_app: Celery,
+        clock: FakeClock,
+        published: Published,
+    ) -> None:
+        """A receiver in the beat's thread sends another entry while the tick's send runs."""
+        beat_app.conf.beat_schedule["other"] = {"task": "other", "schedule": 1000}
+        first, second = beats(), beats()
+        clock.advance(1)
+        first.ticks(5)
+        scheduler = first.scheduler
+
+        def nested(sender: object = None, **_: object) -> None:
+            if sender == "tick":
+                before_task_publish.disconnect(nested)
+                other = scheduler.reserve(scheduler.schedule["other"])
+                scheduler.apply_async(other, advance=False)
+
+        before_task_publish.connect(nested, weak=False)
+        try:
+            clock.advance(1)
+            first.ticks(1)
+        finally:
+            before_task_publish.disconnect(nested)
+        first.close()
+        second.ticks(1)
+        ticks = [headers for headers in published.headers if headers["task"] == "tick"]
+        assert len(ticks) == 2, "a tick of the outer send was sent again"
