@@ -30,6 +30,7 @@ import redis
 from celery_lease import LockStore, store_from_url
 from celery_lease._core.owners import parse_owner
 from celery_lease.beat import TOKEN_HEADER
+from tests.faults.harness import wait_stopped
 from tests.integration.workers import ROOT, stop_worker
 
 pytestmark = [pytest.mark.worker, pytest.mark.slow]
@@ -277,8 +278,9 @@ class TestRedisStore:
         d.beat("a"), d.beat("b")
         first = active(d, ["a", "b"])
         old = d.wait_sends(3)[0].token
-        stopped_at = time.time()
         os.killpg(d.processes[first].pid, signal.SIGSTOP)
+        wait_stopped(d.processes[first].pid)  # a thread in a system call stops when it returns
+        stopped_at = time.time()
         taken = d.wait_new_token(old)
         report("SIGSTOP, Redis", taken.at - stopped_at)
         os.killpg(d.processes[first].pid, signal.SIGCONT)

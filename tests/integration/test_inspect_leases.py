@@ -33,6 +33,7 @@ import pytest
 from celery import Celery
 
 from celery_lease import LockedTask, StoreUnavailableError, lease, store_from_url
+from tests.faults.harness import wait_stopped
 from tests.integration.workers import ROOT
 from tests.support import complete_lines
 
@@ -329,6 +330,9 @@ class TestPreforkChildren:
             stuck_pid, _ = worker.held(stuck)
             os.kill(stuck_pid, signal.SIGSTOP)
             try:
+                # Stopped only once a thread of it took the signal: one blocked in a system call
+                # (the body's file write) leaves its answering thread running until then.
+                wait_stopped(stuck_pid)
                 answer = worker.inspect()
             finally:
                 os.kill(stuck_pid, signal.SIGCONT)
