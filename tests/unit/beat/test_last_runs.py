@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Any
 
@@ -149,6 +150,16 @@ def test_a_record_the_store_never_takes_does_not_hold_back_the_others(
     assert LastRuns(store, KEY).read() == {"every-second": pytest.approx(clock.time(), abs=0.001)}
 
 
+@contextmanager
+def _receiving(signal: Signal, receiver: Callable[..., None]) -> Iterator[None]:
+    """``receiver`` connected to ``signal`` inside the block."""
+    signal.connect(receiver, weak=False)
+    try:
+        yield
+    finally:
+        signal.disconnect(receiver)
+
+
 @pytest.mark.parametrize(
     ("lands", "sent_by"),
     [
@@ -174,13 +185,10 @@ def test_a_stop_during_a_send_records_the_run_once_its_message_went_out(
         if stops:
             raise stops.pop()
 
-    lands.connect(stop, weak=False)
-    try:
+    with _receiving(lands, stop):
         clock.advance(1)
         with pytest.raises(SystemExit):
             first.ticks(5)
-    finally:
-        lands.disconnect(stop)
     tokens = {"first": first.token}
     first.close()  # what celery beat does on its way out
     second.ticks(5)  # takes over at once
@@ -216,12 +224,9 @@ class TestWhichSendIsRecorded:
             return publish(self, body, **options)
 
         monkeypatch.setattr(kombu.messaging.Producer, "publish", publish_refusing_the_tick)
-        before_task_publish.connect(audit, weak=False)
-        try:
+        with _receiving(before_task_publish, audit):
             clock.advance(1)
             first.ticks(1)
-        finally:
-            before_task_publish.disconnect(audit)
         first.close()
         second.ticks(5)
         ticks = [headers for headers in published.headers if headers["task"] == "tick"]
@@ -275,12 +280,9 @@ class TestWhichSendIsRecorded:
                 other = scheduler.reserve(scheduler.schedule["other"])
                 scheduler.apply_async(other, advance=False)
 
-        before_task_publish.connect(nested, weak=False)
-        try:
+        with _receiving(before_task_publish, nested):
             clock.advance(1)
             first.ticks(1)
-        finally:
-            before_task_publish.disconnect(nested)
         first.close()
         second.ticks(1)
         ticks = [headers for headers in published.headers if headers["task"] == "tick"]
